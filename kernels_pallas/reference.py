@@ -1,0 +1,174 @@
+"""Plain ``jnp`` references for the paged-attention kernels.
+
+Each function here has the exact signature of its Pallas kernel (the
+``interpret`` flag is accepted and ignored) so that callers can swap one for
+the other. They are the numerical ground truth for the kernel tests and the
+attention path the engine uses on CPU.
+
+Cache layout (one layer): ``k_cache, v_cache: [num_blocks, block_size,
+num_kv_heads, head_dim]``. Token slot ``s`` lives at block ``s // block_size``,
+offset ``s % block_size``. Block 0 is the null block that padded slots write
+into; nothing reads it through a valid block-table entry.
+
+GQA follows Hugging Face's ``repeat_kv``: query head ``h`` reads KV head
+``h // (num_q_heads // num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -1e30
+
+
+def _soft_cap(scores: jax.Array, soft_cap: Optional[float]) -> jax.Array:
+    if soft_cap is None:
+        return scores
+    return soft_cap * jnp.tanh(scores / soft_cap)
+
+
+def _masked_softmax_pv(scores: jax.Array, mask: jax.Array, v: jax.Array) -> jax.Array:
+    """softmax over the last axis of ``scores`` under ``mask``, then @ v.
+
+    scores: [N, Hkv, G, L] float32, mask: [N, 1, 1, L] bool, v: [N, L, Hkv, D].
+    Rows with no valid key give zeros (never NaN).
+    """
+    scores = jnp.where(mask, scores, _NEG_INF)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0.0, 1.0, denom)
+    return jnp.einsum("nhgl,nlhd->nhgd", p, v.astype(jnp.float32))
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal attention of a ragged batch of new tokens over a paged KV cache.
+
+    Args:
+      q: [T, num_q_heads, head_dim] — the step's new tokens, sequences
+        concatenated in batch order, padded to T.
+      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim],
+        already holding this step's keys and values.
+      block_tables: int32[S, W] — block ids of each sequence, in order.
+      seq_lens: int32[S] — KV length of each sequence including new tokens.
+      query_start_loc: int32[S + 1] — sequence s owns query rows
+        ``query_start_loc[s]:query_start_loc[s + 1]``.
+      num_seqs: int32 scalar — rows ``>= num_seqs`` of the sequence arrays,
+        and query rows ``>= query_start_loc[num_seqs]``, are padding.
+      scale: multiplier of q·k (usually head_dim ** -0.5).
+      sliding_window: if set, a query at position p sees keys in
+        ``(p - sliding_window, p]`` (Mistral's convention).
+      soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
+      interpret: accepted for signature parity with the Pallas kernel.
+
+    Returns:
+      [T, num_q_heads, head_dim] in q's dtype; padding rows are zeros.
+      Query row i of sequence s sits at position
+      ``seq_lens[s] - q_len[s] + i`` and attends to positions up to it.
+
+    Memory: gathers each token's context, O(T * W * block_size * num_kv_heads
+    * head_dim) — a reference, not a kernel.
+    """
+    del interpret
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    ctx_len = block_tables.shape[1] * block_size
+
+    token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_of_token = jnp.searchsorted(query_start_loc[1:], token_idx, side="right").astype(jnp.int32)
+    seq_of_token = jnp.minimum(seq_of_token, block_tables.shape[0] - 1)
+    valid_token = token_idx < query_start_loc[num_seqs]
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    pos = seq_lens[seq_of_token] - q_len[seq_of_token] + (token_idx - query_start_loc[seq_of_token])
+
+    tables = block_tables[seq_of_token]  # [T, W]
+    k = k_cache[tables].reshape(num_tokens, ctx_len, num_kv_heads, head_dim)
+    v = v_cache[tables].reshape(num_tokens, ctx_len, num_kv_heads, head_dim)
+
+    kv_pos = jnp.arange(ctx_len, dtype=jnp.int32)[None, :]
+    mask = (kv_pos <= pos[:, None]) & valid_token[:, None]
+    if sliding_window is not None:
+        mask &= kv_pos > pos[:, None] - sliding_window
+
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("nhgd,nlhd->nhgl", qg, k.astype(jnp.float32)) * scale
+    scores = _soft_cap(scores, soft_cap)
+    out = _masked_softmax_pv(scores, mask[:, None, None, :], v)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def paged_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention: one new query per sequence over its paged context.
+
+    Args:
+      q: [S, num_q_heads, head_dim] — the query of the last token of each
+        sequence (position ``seq_lens[s] - 1``).
+      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+      block_tables: int32[S, W]; seq_lens: int32[S] (0 marks a padding row).
+      scale, sliding_window, soft_cap, interpret: as in
+        :func:`ragged_paged_attention_reference`.
+
+    Returns:
+      [S, num_q_heads, head_dim] in q's dtype; rows with seq_lens 0 are zeros.
+    """
+    num_seqs = q.shape[0]
+    query_start_loc = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+    out = ragged_paged_attention_reference(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, jnp.int32(num_seqs),
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    return jnp.where((seq_lens > 0)[:, None, None], out, jnp.zeros_like(out))
+
+
+def kv_cache_write_reference(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter this step's keys and values into the paged cache.
+
+    Args:
+      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+      k, v: [T, num_kv_heads, head_dim], cast to the cache dtype.
+      slot_mapping: int32[T] — flat slot ``block * block_size + offset`` of
+        each token; padded tokens point into block 0.
+
+    Returns:
+      (k_cache, v_cache) with the slots written; in place when the caller
+      donates the caches to the enclosing jit.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat = (num_blocks * block_size, num_kv_heads, head_dim)
+    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype)).reshape(k_cache.shape)
+    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype)).reshape(v_cache.shape)
+    return k_cache, v_cache

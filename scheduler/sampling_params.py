@@ -1,0 +1,146 @@
+"""Per-request sampling and stopping parameters (host side, no JAX).
+
+Follows vLLM's ``vllm.SamplingParams``: the same field names, defaults and
+ranges, so code written against vLLM ports by changing the import. It lives in
+``scheduler/`` because the scheduler needs the stopping fields (``max_tokens``,
+``min_tokens``, ``stop_token_ids``, ``ignore_eos``) and must not import
+``jaxllm``; ``jaxllm`` re-exports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Union
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to sample the tokens of one request and when to stop.
+
+    Attributes follow vLLM:
+      n: number of continuations per prompt (>= 1).
+      temperature: softmax temperature (>= 0); 0 means greedy (argmax).
+      top_p: nucleus mass in (0, 1]; 1 disables it.
+      top_k: keep the k most likely tokens; 0 or -1 disables it.
+      min_p: drop tokens whose probability is below ``min_p`` times the
+        top token's, in [0, 1].
+      presence_penalty, frequency_penalty: OpenAI-style additive penalties in
+        [-2, 2] over generated tokens.
+      repetition_penalty: CTRL-style multiplicative penalty (> 0) over prompt
+        and generated tokens; 1 disables it.
+      seed: per-request random seed; with it, the sampled tokens do not depend
+        on what else is in the batch.
+      max_tokens: number of tokens to generate at most (>= 1).
+      min_tokens: no stop (eos, stop ids, stop strings) before this many tokens.
+      stop: stop strings, checked on detokenized text.
+      stop_token_ids: token ids that end generation (besides eos).
+      include_stop_str_in_output: keep the stop string in the returned text.
+      ignore_eos: keep generating after the eos token.
+      logprobs: number of top log-probabilities to return per generated token
+        (the chosen token's is always included); None for none.
+      prompt_logprobs: likewise for each prompt token.
+      logit_bias: {token_id: bias} added to the logits before sampling.
+      allowed_token_ids: restrict sampling to these ids.
+      bad_words: words whose token sequences may not be generated.
+      skip_special_tokens: drop special tokens from the detokenized text.
+
+    Raises:
+      ValueError: a field out of its range; the message names the field, the
+        value and the range.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: Optional[Union[str, Sequence[str]]] = None
+    stop_token_ids: Optional[Sequence[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    logit_bias: Optional[dict] = None
+    allowed_token_ids: Optional[Sequence[int]] = None
+    bad_words: Optional[Sequence[str]] = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(field: str, value, limit: str) -> ValueError:
+            return ValueError(f"SamplingParams.{field}={value!r} is out of range: must be {limit}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, ">= 1")
+        if self.temperature < 0:
+            raise bad("temperature", self.temperature, ">= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "0 or -1 (off), or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise bad(name, value, "in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "> 0 (1 means off)")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, ">= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", self.logprobs, ">= 0 or None")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", self.prompt_logprobs, ">= 0 or None")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "an int or None")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
+        if any(s == "" for s in self.stop):
+            raise bad("stop", self.stop, "non-empty strings")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list or None")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is argmax (temperature 0, or top_k == 1)."""
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Check token ids in this request against the model's vocabulary.
+
+        Raises:
+          ValueError: a token id in ``stop_token_ids``, ``logit_bias`` or
+            ``allowed_token_ids`` is not in ``[0, vocab_size)``.
+        """
+        fields = {
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": list((self.logit_bias or {}).keys()),
+            "allowed_token_ids": list(self.allowed_token_ids or []),
+        }
+        for name, ids in fields.items():
+            for t in ids:
+                if not 0 <= int(t) < vocab_size:
+                    raise ValueError(
+                        f"SamplingParams.{name} holds token id {t}, outside the vocabulary [0, {vocab_size})"
+                    )
