@@ -1,0 +1,239 @@
+"""Model and engine configuration.
+
+``ModelConfig`` is read from a Hugging Face ``config.json`` dict (or the
+equivalent dict the GGUF loader builds); it keeps only what the Llama-family
+forward pass needs and rejects what it cannot run. ``EngineConfig`` holds the
+serving knobs, named as vLLM names them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (HF ``rope_parameters`` / ``rope_scaling``).
+
+    rope_type: "default", "linear" (positions divided by ``factor``) or
+      "llama3" (Llama 3.1 frequency-dependent scaling).
+    """
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The shape and flags of a Llama-family decoder.
+
+    One class covers Llama, Mistral, Qwen2, Qwen3 and SmolLM2 (a Llama):
+    ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``sliding_windows`` (Mistral,
+    or per-layer ``layer_types``), rope scaling (Llama 3), tied embeddings.
+    Follows the fields of HF ``LlamaConfig`` / ``Qwen3Config``.
+    """
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_windows: tuple[Optional[int], ...] = ()
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: Optional[str] = None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a HF ``config.json`` dict.
+
+        Raises:
+          ValueError: an architecture outside ``SUPPORTED_ARCHITECTURES``, an
+            unsupported activation or rope type, or heads that do not divide.
+        """
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}: "
+                f"jaxllm runs {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_type = SUPPORTED_ARCHITECTURES[arch]
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is implemented")
+        hidden = int(cfg["hidden_size"])
+        num_q_heads = int(cfg["num_attention_heads"])
+        num_kv_heads = int(cfg.get("num_key_value_heads") or num_q_heads)
+        if num_q_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={num_q_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
+        head_dim = int(cfg.get("head_dim") or hidden // num_q_heads)
+        num_layers = int(cfg["num_hidden_layers"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None)
+        qkv_bias = bool(cfg.get("attention_bias") or False) or model_type == "qwen2"
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_hf(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=bool(cfg.get("attention_bias") or False) and model_type != "qwen2",
+            mlp_bias=bool(cfg.get("mlp_bias") or False),
+            qk_norm=model_type == "qwen3",
+            sliding_windows=_sliding_windows_from_hf(cfg, model_type, num_layers),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, per byte of dtype."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
+    if rope_type == "llama3":
+        return RopeConfig(
+            theta=theta,
+            rope_type="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        )
+    raise ValueError(f"unsupported rope_type {rope_type!r}: jaxllm implements 'default', 'linear', 'llama3'")
+
+
+def _sliding_windows_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[Optional[int], ...]:
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries, expected num_hidden_layers={num_layers}")
+        return tuple(int(window) if t == "sliding_attention" and window else None for t in layer_types)
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        window = None
+    return tuple(int(window) if window else None for _ in range(num_layers))
+
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Serving configuration, vLLM's names and meanings.
+
+    Attributes:
+      block_size: tokens per KV block.
+      num_kv_blocks: force the number of KV blocks (block 0, the null block,
+        included); None sizes it from ``kv_cache_memory_bytes``.
+      kv_cache_memory_bytes: device bytes for the KV cache (all layers, K+V).
+      max_num_seqs: sequences per step at most.
+      max_num_batched_tokens: tokens per step at most (the token budget).
+      max_model_len: prompt + output tokens per request at most.
+      dtype: "auto", "float32", "bfloat16" or "float16" (compute and KV).
+      seed: engine seed for requests without their own.
+      attention_backend: "pallas", "reference" or None (pallas on GPU).
+      interpret: run Pallas kernels in interpret mode (CPU testing).
+
+    Raises:
+      ValueError: a value out of range, naming it and the limit.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: Optional[int] = None
+    dtype: str = "auto"
+    seed: int = 0
+    scheduling_policy: Any = "fcfs"
+    preemption_mode: str = "recompute"
+    num_host_blocks: int = 0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    attention_backend: Optional[str] = None
+    interpret: bool = False
+    token_buckets: Optional[Sequence[int]] = None
+    seq_buckets: Optional[Sequence[int]] = None
+    width_buckets: Optional[Sequence[int]] = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} must be one of 'auto', 'float32', 'bfloat16', 'float16'")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
+
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        """``max_model_len`` or the model's ``max_position_embeddings``.
+
+        Raises:
+          ValueError: a ``max_model_len`` above the model's positions.
+        """
+        if self.max_model_len is None:
+            return model.max_position_embeddings
+        if not 1 <= self.max_model_len <= model.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is out of range: the model has "
+                f"max_position_embeddings={model.max_position_embeddings}"
+            )
+        return self.max_model_len
+
+    def max_blocks_per_seq(self, max_model_len: int) -> int:
+        """Block-table width that covers ``max_model_len`` tokens."""
+        return math.ceil(max_model_len / self.block_size)

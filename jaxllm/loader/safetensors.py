@@ -1,0 +1,68 @@
+"""Load a Hugging Face model folder (config.json + safetensors) with no torch.
+
+Follows the HF layout: one ``model.safetensors``, or shards listed in
+``model.safetensors.index.json`` (its ``weight_map`` names the file of each
+tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from safetensors import safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """Read ``config.json`` from a model folder.
+
+    Raises:
+      ValueError: the folder does not exist, or has no config.json.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"model path {str(folder)!r} does not exist or is not a folder")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model folder {str(folder)!r} has no config.json")
+    return json.loads(config_file.read_text())
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a model folder, in shard order.
+
+    Raises:
+      ValueError: neither ``model.safetensors`` nor an index is present, or the
+        index names a missing shard.
+    """
+    folder = Path(path)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{INDEX_FILE} in {str(folder)!r} names missing shards: {missing}")
+        return files
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    found = sorted(folder.glob("*.safetensors"))
+    if found:
+        return found
+    raise ValueError(f"model folder {str(folder)!r} has no *.safetensors weights (torch .bin files are not read)")
+
+
+def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(hf_name, array)`` for every tensor in the folder, as stored
+    (bfloat16 arrives as ``ml_dtypes.bfloat16``), one tensor in memory at a time."""
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="numpy") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
