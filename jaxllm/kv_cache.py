@@ -1,0 +1,90 @@
+"""The paged KV cache: sizing from a memory budget and device allocation.
+
+Layout per layer (vLLM's "NHD" paged layout): ``k_cache, v_cache:
+[num_blocks, block_size, num_kv_heads, head_dim]``. Block 0 is the null block
+that padded token slots write into; the scheduler never hands it out.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.models.llama import KVCache
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+GPU_MEMORY_FRACTION = 0.9
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
+    """Device bytes one block takes over all layers, K and V together."""
+    return cfg.kv_bytes_per_token * block_size * np.dtype(dtype).itemsize
+
+
+def default_kv_cache_bytes(param_bytes: int) -> int:
+    """The KV budget when none is given: on an accelerator, 90% of the
+    device's memory minus what is in use and the parameters; on CPU, 1 GiB."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return CPU_DEFAULT_KV_BYTES
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit", 0)
+    in_use = stats.get("bytes_in_use", 0)
+    return max(int(limit * GPU_MEMORY_FRACTION) - in_use - param_bytes, 0)
+
+
+def resolve_num_blocks(
+    cfg: ModelConfig,
+    *,
+    block_size: int,
+    dtype: Any,
+    num_kv_blocks: Optional[int],
+    kv_cache_memory_bytes: Optional[int],
+    max_num_seqs: int,
+    max_model_len: int,
+    param_bytes: int,
+) -> int:
+    """Number of KV blocks, the null block included.
+
+    ``num_kv_blocks`` wins when given. Otherwise the budget
+    (``kv_cache_memory_bytes``, or :func:`default_kv_cache_bytes`) is divided
+    by :func:`bytes_per_block`, capped at what ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens can use.
+
+    Raises:
+      ValueError: the budget holds fewer than 2 blocks, or fewer than one
+        ``max_model_len`` sequence needs (named with both numbers).
+    """
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else default_kv_cache_bytes(param_bytes)
+    blocks_per_seq = math.ceil(max_model_len / block_size)
+    num_blocks = min(budget // per_block, max_num_seqs * blocks_per_seq + 1)
+    if num_blocks < blocks_per_seq + 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes={budget} holds {budget // per_block} blocks of {per_block} bytes; "
+            f"one max_model_len={max_model_len} sequence needs {blocks_per_seq + 1} (null block included)"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_cache(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any, sharding: Any = None
+) -> KVCache:
+    """Zeroed per-layer ``(k_cache, v_cache)`` on the device.
+
+    Each array: ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
+    ``dtype``; total bytes ``num_blocks * bytes_per_block``.
+    """
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+    def zeros():
+        return jnp.zeros(shape, dtype, device=sharding) if sharding is not None else jnp.zeros(shape, dtype)
+
+    return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
