@@ -185,10 +185,11 @@ def test_missing_qwen2_bias_is_named(tmp_path):
         load_gguf(path)
 
 
-def test_bad_dtype_is_named(tmp_path):
+@pytest.mark.parametrize("dtype", ["not-a-dtype", "int8"])
+def test_bad_dtype_is_named(tmp_path, dtype):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
-    with pytest.raises(ValueError, match="not-a-dtype"):
-        load_gguf(path, dtype="not-a-dtype")
+    with pytest.raises(ValueError, match=dtype):
+        load_gguf(path, dtype=dtype)
 
 
 # ---- default model fetcher ----------------------------------------------------------------------

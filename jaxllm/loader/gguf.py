@@ -76,8 +76,9 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
     Args:
         path: a `.gguf` file whose `general.architecture` is `llama` (including Mistral files,
             which llama.cpp writes as `llama`), `qwen2` or `qwen3`.
-        dtype: numpy float dtype of the returned weights (default float32). Every tensor type
-            `gguf.quants.dequantize` handles is accepted (F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants).
+        dtype: numpy floating dtype of the returned weights (default float32; ml_dtypes'
+            bfloat16 works too). Every tensor type `gguf.quants.dequantize` handles is accepted
+            (F32, F16, BF16, Q4_0, Q4_1, Q8_0 are tested; K-quants are gguf's own code).
 
     Returns:
         config: a `config.json`-style dict: `architectures`, `model_type` ("llama", "mistral",
@@ -142,9 +143,12 @@ def gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 def _check_dtype(dtype) -> np.dtype:
     try:
-        return np.dtype(dtype)
+        dt = np.dtype(dtype)
     except TypeError as exc:
         raise ValueError(f"dtype {dtype!r} is not a numpy dtype") from exc
+    if dt.kind != "f" and dt.name != "bfloat16":  # ml_dtypes' bfloat16 is not kind "f"
+        raise ValueError(f"dtype {dtype!r} is not a floating-point dtype")
+    return dt
 
 
 def _field(reader: gguf.GGUFReader, key: str, path: str, default: Any = ...) -> Any:
