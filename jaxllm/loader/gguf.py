@@ -1,0 +1,241 @@
+"""Load a llama.cpp GGUF file as an HF-style config dict and HF-named, dequantized numpy weights.
+
+Follows llama.cpp's `convert_hf_to_gguf.py` in reverse: metadata keys `{arch}.*` become
+`config.json` fields, `blk.{i}.*` tensors get their Hugging Face names back, and the q/k row
+permutation that the converter applies to the `llama` architecture (and only to it; `qwen2` and
+`qwen3` are written unpermuted) is undone so rotary embeddings line up with HF's `rotate_half`.
+Dequantization is `gguf.quants.dequantize`.
+"""
+
+import os
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf.quants import dequantize
+
+# GGUF `general.architecture` -> (HF model_type, HF architectures[0]).
+_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+_MISTRAL = ("mistral", "MistralForCausalLM")
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_REQUIRED_LAYER_TENSORS = (
+    "attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+    "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+)
+_EXTRA_REQUIRED_LAYER_TENSORS = {
+    "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight"),
+}
+
+_TOKENIZER_KEYS = {
+    "tokenizer.ggml.model": "model",
+    "tokenizer.ggml.pre": "pre",
+    "tokenizer.ggml.tokens": "tokens",
+    "tokenizer.ggml.token_type": "token_types",
+    "tokenizer.ggml.scores": "scores",
+    "tokenizer.ggml.merges": "merges",
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "unk_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+    "tokenizer.ggml.add_bos_token": "add_bos_token",
+    "tokenizer.ggml.add_eos_token": "add_eos_token",
+    "tokenizer.ggml.add_space_prefix": "add_space_prefix",
+    "tokenizer.chat_template": "chat_template",
+}
+
+
+def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str, np.ndarray]]:
+    """Read a GGUF checkpoint into `(config, weights)` in Hugging Face form.
+
+    Args:
+        path: a `.gguf` file whose `general.architecture` is `llama` (including Mistral files,
+            which llama.cpp writes as `llama`), `qwen2` or `qwen3`.
+        dtype: numpy floating dtype of the returned weights (default float32; ml_dtypes'
+            bfloat16 works too). Every tensor type `gguf.quants.dequantize` handles is accepted
+            (F32, F16, BF16, Q4_0, Q4_1, Q8_0 are tested; K-quants are gguf's own code).
+
+    Returns:
+        config: a `config.json`-style dict: `architectures`, `model_type` ("llama", "mistral",
+            "qwen2", "qwen3"), `hidden_size`, `intermediate_size`, `num_hidden_layers`,
+            `num_attention_heads`, `num_key_value_heads`, `head_dim`, `vocab_size`,
+            `max_position_embeddings`, `rms_norm_eps`, `rope_theta`, `hidden_act`,
+            `tie_word_embeddings`, `bos_token_id`, `eos_token_id`, `attention_bias`, and
+            `rope_scaling` / `sliding_window` when the file states them.
+        weights: HF names to arrays in HF orientation, e.g. `model.embed_tokens.weight`
+            [vocab, hidden], `model.layers.{i}.self_attn.q_proj.weight` [heads*head_dim, hidden],
+            `model.layers.{i}.mlp.down_proj.weight` [hidden, intermediate], `model.norm.weight`
+            [hidden]; `lm_head.weight` [vocab, hidden] only when the embedding is not tied.
+
+    Raises:
+        ValueError: the file's architecture is not supported, a required metadata key or tensor
+            is missing, a tensor is not one we know how to place, or its type cannot be
+            dequantized; the message names the offending item and the file.
+    """
+    path = os.fspath(path)
+    dtype = _check_dtype(dtype)
+    reader = gguf.GGUFReader(path)
+    arch = _field(reader, "general.architecture", path)
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; "
+                         f"supported: {sorted(_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    _check_complete(tensors, arch, _field(reader, f"{arch}.block_count", path), path)
+    config = _config(reader, arch, tensors, path)
+    weights = {}
+    for name, tensor in tensors.items():
+        hf_name = _hf_name(name, path)
+        array = _dequantize(tensor, path)
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            array = _unpermute_rows(array, config["num_attention_heads"])
+        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            array = _unpermute_rows(array, config["num_key_value_heads"])
+        weights[hf_name] = array.astype(dtype, copy=False)
+    return config, weights
+
+
+def gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The `tokenizer.*` metadata of a GGUF file, under short names.
+
+    Returns a dict with only the keys the file has, among: `model` (str, e.g. "gpt2", "llama"),
+    `pre` (str, llama.cpp pre-tokenizer name, e.g. "smollm"), `tokens` (list[str]),
+    `token_types` (list[int]; llama.cpp's 1 normal, 2 unknown, 3 control, 4 user-defined,
+    5 unused, 6 byte), `scores` (list[float]), `merges` (list[str], "left right"),
+    `bos_token_id` / `eos_token_id` / `unk_token_id` / `pad_token_id` (int),
+    `add_bos_token` / `add_eos_token` / `add_space_prefix` (bool), `chat_template` (str).
+
+    Raises:
+        ValueError: the file has no `tokenizer.ggml.tokens`.
+    """
+    path = os.fspath(path)
+    reader = gguf.GGUFReader(path)
+    meta = {short: reader.fields[key].contents()
+            for key, short in _TOKENIZER_KEYS.items() if key in reader.fields}
+    if "tokens" not in meta:
+        raise ValueError(f"{path}: no tokenizer.ggml.tokens; the file carries no tokenizer")
+    return meta
+
+
+def _check_dtype(dtype) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise ValueError(f"dtype {dtype!r} is not a numpy dtype") from exc
+    if dt.kind != "f" and dt.name != "bfloat16":  # ml_dtypes' bfloat16 is not kind "f"
+        raise ValueError(f"dtype {dtype!r} is not a floating-point dtype")
+    return dt
+
+
+def _field(reader: gguf.GGUFReader, key: str, path: str, default: Any = ...) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is ...:
+            raise ValueError(f"{path}: missing GGUF metadata key {key!r}")
+        return default
+    return field.contents()
+
+
+def _config(reader: gguf.GGUFReader, arch: str, tensors: dict, path: str) -> dict:
+    def key(name, default=...):
+        return _field(reader, f"{arch}.{name}", path, default)
+
+    model_type, hf_arch = _ARCHITECTURES[arch]
+    if arch == "llama" and "mistral" in _field(reader, "general.name", path, "").lower():
+        model_type, hf_arch = _MISTRAL  # llama.cpp stores Mistral as `llama`; so does HF's loader
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(f"{path}: has a 'rope_freqs.weight' tensor (llama3-style rope "
+                         f"frequency factors), which this loader does not support yet")
+    hidden = key("embedding_length")
+    heads = key("attention.head_count")
+    config = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", hidden // heads),
+        "vocab_size": key("vocab_size", int(tensors["token_embd.weight"].shape[-1])),
+        "max_position_embeddings": key("context_length"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", path, None),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", path, None),
+        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+    }
+    rope_type = key("rope.scaling.type", None)
+    if rope_type not in (None, "none"):
+        config["rope_scaling"] = {"rope_type": rope_type, "factor": key("rope.scaling.factor")}
+        original = key("rope.scaling.original_context_length", None)
+        if original is not None:
+            config["rope_scaling"]["original_max_position_embeddings"] = original
+    window = key("attention.sliding_window", None)
+    if window is not None:
+        config["sliding_window"] = window
+    return config
+
+
+def _hf_name(name: str, path: str) -> str:
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    raise ValueError(f"{path}: unexpected tensor {name!r}; this loader does not know where it goes")
+
+
+def _dequantize(tensor, path: str) -> np.ndarray:
+    """Dequantize one GGUF tensor to a float32 array in numpy (row-major, HF) order."""
+    try:
+        return dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ValueError(f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                         f"which gguf cannot dequantize") from exc
+
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation.
+
+    The converter reorders each head's rows from HF's [two halves, head_dim/2] to interleaved
+    [head_dim/2, pairs]; we swap those axes back. `w`: [n_heads*head_dim, ...] (weight or bias).
+    """
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _check_complete(tensors: dict, arch: str, num_layers: int, path: str) -> None:
+    layer_names = _REQUIRED_LAYER_TENSORS + _EXTRA_REQUIRED_LAYER_TENSORS.get(arch, ())
+    expected = ["token_embd.weight", "output_norm.weight"]
+    expected += [f"blk.{i}.{n}" for i in range(num_layers) for n in layer_names]
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise ValueError(f"{path}: missing tensor(s) for {arch}: {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,370 @@
+"""Tokenizer, chat template and incremental detokenizer.
+
+`Tokenizer` wraps a `tokenizers.Tokenizer` built either from a Hugging Face folder
+(`tokenizer.json` + configs) or from a GGUF file's `tokenizer.ggml.*` metadata, the way llama.cpp
+reads it. Chat templates render with a sandboxed jinja2 environment set up as HF transformers
+sets it up. `IncrementalDetokenizer` turns a stream of sampled ids into text deltas, as vLLM and
+TGI do (prefix offset / read offset).
+"""
+
+import json
+import os
+import pathlib
+import warnings
+from datetime import datetime
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+from jaxllm.loader.gguf import gguf_tokenizer_metadata
+
+# llama.cpp token types (`tokenizer.ggml.token_type`).
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+
+# Split regexes for llama.cpp's `tokenizer.ggml.pre` names (from the models' own tokenizer.json).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT_REGEX_PRE = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+                    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+# These split every digit on its own, then apply the GPT-2 regex (llama.cpp groups them so).
+_DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact", "codeshell"}
+_GPT2_PRE = {"default", "gpt2", "gpt-2"}
+
+
+class Tokenizer:
+    """A text tokenizer with the special-token ids and chat template a model needs.
+
+    Build it with `Tokenizer.from_pretrained(folder)` or `Tokenizer.from_gguf(file)`; the
+    constructor takes the parts directly (keyword-only after `backend`).
+
+    Attributes:
+        backend: the wrapped `tokenizers.Tokenizer`.
+        bos_token_id: int or None.
+        eos_token_ids: list[int], every id that ends generation; the first is `eos_token_id`.
+        chat_template: the jinja2 source, or None.
+    """
+
+    def __init__(self, backend: _Backend, *, bos_token_id: int | None, eos_token_ids: list[int],
+                 chat_template: str | None):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
+        self.chat_template = chat_template
+        self._template = _compile_template(chat_template) if chat_template else None
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Load from a Hugging Face model folder.
+
+        Reads `tokenizer.json` (normalizer, pre-tokenizer, model, decoder and post-processor as
+        written, so BOS is added exactly when its post-processor adds it); the chat template from
+        `chat_template.jinja`, else `tokenizer_config.json["chat_template"]`; the BOS id from
+        `tokenizer_config.json`'s `bos_token`, else `generation_config.json`, else `config.json`;
+        and the EOS ids as the union, in that order, of `tokenizer_config.json`'s `eos_token` and
+        the `eos_token_id` (int or list) of `generation_config.json` and `config.json`.
+
+        Raises:
+            ValueError: `path` is not a folder with a `tokenizer.json`.
+        """
+        folder = pathlib.Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"{str(path)!r} is not a folder with a tokenizer.json")
+        backend = _Backend.from_file(str(folder / "tokenizer.json"))
+        tok_config = _read_json(folder / "tokenizer_config.json")
+        gen_config = _read_json(folder / "generation_config.json")
+        model_config = _read_json(folder / "config.json")
+
+        bos_id = _token_id(backend, tok_config.get("bos_token"))
+        for cfg in (gen_config, model_config):
+            bos_id = cfg.get("bos_token_id") if bos_id is None else bos_id
+        eos_ids = [_token_id(backend, tok_config.get("eos_token"))]
+        for cfg in (gen_config, model_config):
+            eos = cfg.get("eos_token_id")
+            eos_ids += eos if isinstance(eos, list) else [eos]
+
+        template_file = folder / "chat_template.jinja"
+        if template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+        else:
+            template = _default_template(tok_config.get("chat_template"))
+        return cls(backend, bos_token_id=bos_id,
+                   eos_token_ids=[i for i in eos_ids if i is not None], chat_template=template)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Build from a GGUF file's `tokenizer.ggml.*` metadata, following llama.cpp.
+
+        `tokenizer.ggml.model`:
+          - "gpt2": byte-level BPE from `tokens` and `merges`. The split before BPE follows
+            `tokenizer.ggml.pre`: "smollm"/"starcoder"/"refact"/"codeshell" split digits one by
+            one then use the GPT-2 regex; "llama3"/"llama-bpe"/"qwen2"/... use their regex;
+            anything else falls back to the GPT-2 regex (with a warning unless it is "default"
+            or "gpt2").
+          - "llama": SentencePiece-style BPE with byte fallback and a `▁` word prefix (when
+            `add_space_prefix`, default true). Merges come from the file, or, when it has none,
+            are derived from the token scores (higher-scoring merged piece first). Best effort:
+            checked against a sentencepiece BPE tokenizer.json, not against every llama.cpp file.
+        Control (and unknown) tokens become special tokens; user-defined tokens are matched
+        whole but are not special. BOS is prepended when `add_bos_token` (default: false for
+        "gpt2", true for "llama", as llama.cpp does), EOS appended when `add_eos_token`.
+
+        Raises:
+            ValueError: the file has no tokenizer, or its tokenizer model is neither "gpt2" nor "llama".
+        """
+        meta = gguf_tokenizer_metadata(path)
+        kind = meta.get("model")
+        if kind == "gpt2":
+            backend = _byte_level_bpe(meta)
+        elif kind == "llama":
+            backend = _sentencepiece_bpe(meta)
+        else:
+            raise ValueError(f"{os.fspath(path)}: unsupported GGUF tokenizer model {kind!r}; "
+                             f"supported: 'gpt2', 'llama'")
+        _add_gguf_special_tokens(backend, meta)
+        bos_id, eos_id = meta.get("bos_token_id"), meta.get("eos_token_id")
+        backend.post_processor = _bos_eos_processor(
+            backend, bos_id if meta.get("add_bos_token", kind == "llama") else None,
+            eos_id if meta.get("add_eos_token", False) else None)
+        return cls(backend, bos_token_id=bos_id,
+                   eos_token_ids=[] if eos_id is None else [eos_id],
+                   chat_template=meta.get("chat_template"))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included (may be below the
+        model's embedding rows, which are often padded)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The primary EOS id (first of `eos_token_ids`), or None."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Sorted ids of every special added token, plus BOS and EOS."""
+        ids = {i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special}
+        ids.update(self.eos_token_ids)
+        if self.bos_token_id is not None:
+            ids.add(self.bos_token_id)
+        return sorted(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, the post-processor's BOS/EOS too.
+
+        Raises:
+            ValueError: `text` is not a str.
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"encode expects a str, got {type(text).__name__}: {text!r:.80}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Text of a sequence of ids (list/array of int); special tokens dropped when asked.
+
+        Raises:
+            ValueError: an id is outside [0, vocab_size).
+        """
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id(s) {bad[:5]} outside [0, {self.vocab_size})")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools=None) -> str:
+        """Render a conversation with the model's chat template, as HF's
+        `apply_chat_template(..., tokenize=False)` does.
+
+        Args:
+            messages: dicts with at least `role` and `content`.
+            add_generation_prompt: append the cue for the assistant's turn.
+            tools: optional list of JSON-schema dicts, passed to the template as `tools`.
+
+        Returns the prompt text; it already holds any BOS the template writes, so encode it with
+        `add_special_tokens=False` when the template writes one.
+
+        Raises:
+            ValueError: the model has no chat template, or `messages` is not a list of dicts.
+            jinja2.TemplateError: the template itself raised (e.g. via `raise_exception`).
+        """
+        if self._template is None:
+            raise ValueError("this model has no chat template; format the prompt yourself")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError(f"messages must be a list of dicts, got {messages!r:.200}")
+        return self._template.render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(self.eos_token_id))
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text deltas, one token at a time (vLLM/TGI's method).
+
+    Each step decodes a short window `ids[prefix_offset:]` and subtracts the already-emitted
+    window `ids[prefix_offset:read_offset]`; decoding with context keeps SentencePiece's word
+    spaces and the byte-level merges right. While the decoded tail ends in U+FFFD (a UTF-8
+    character split across byte tokens) nothing is emitted and the offsets stay put.
+
+    The window starts in the last prompt tokens, so `text` is the continuation of the prompt:
+    `decode(prompt + output)` minus `decode(prompt)`. That equals `decode(output)` except where
+    the decoder strips a leading space (SentencePiece output starting a new word, where `text`
+    keeps the space) and for a trailing incomplete character (held back, never emitted).
+
+    Args:
+        tokenizer: the model's `Tokenizer`.
+        prompt_token_ids: the prompt's ids (only the last few are kept, as context).
+        skip_special_tokens: drop special tokens from the text.
+    """
+
+    _CONTEXT = 5  # prompt tokens kept as context, as vLLM's initial offset
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._window = [int(i) for i in prompt_token_ids[-self._CONTEXT:]]
+        self._prefix_offset = 0
+        self._read_offset = len(self._window)
+
+    def step(self, token_id: int) -> str:
+        """Append one generated id; return the text it completes ("" while a character is split)."""
+        self.token_ids.append(int(token_id))
+        self._window.append(int(token_id))
+        decode = self.tokenizer.decode
+        prefix = decode(self._window[self._prefix_offset:self._read_offset], self.skip_special_tokens)
+        full = decode(self._window[self._prefix_offset:], self.skip_special_tokens)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        self.text += delta
+        # Drop what no later window needs, so each step decodes a bounded number of ids.
+        self._window = self._window[self._read_offset:]
+        self._prefix_offset, self._read_offset = 0, len(self._window)
+        return delta
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandbox HF uses, with HF's helper functions."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja2's own tojson escapes HTML characters, which would change prompts
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_id(backend: _Backend, token) -> int | None:
+    """Id of a token given as a string or as HF's AddedToken dict ({"content": ...})."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return backend.token_to_id(token) if isinstance(token, str) else None
+
+
+def _default_template(template) -> str | None:
+    """`tokenizer_config.json`'s chat_template: a string, or a list of named ones."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        return named.get("default")
+    return template
+
+
+def _byte_level_bpe(meta: dict) -> _Backend:
+    vocab = {token: i for i, token in enumerate(meta["tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("merges", [])]
+    backend = _Backend(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _byte_level_pre_tokenizer(pre: str):
+    if pre in _SPLIT_REGEX_PRE:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_REGEX_PRE[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    if pre not in _GPT2_PRE:
+        warnings.warn(f"GGUF pre-tokenizer {pre!r} is not known to jaxllm; using the GPT-2 "
+                      f"split, which may tokenize some text differently from llama.cpp")
+    return gpt2
+
+
+def _sentencepiece_bpe(meta: dict) -> _Backend:
+    tokens = meta["tokens"]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if "merges" in meta:
+        merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
+    else:
+        merges = _merges_from_scores(tokens, meta.get("scores") or [0.0] * len(tokens), vocab)
+    unk_id = meta.get("unk_token_id")
+    backend = _Backend(models.BPE(vocab, merges, unk_token=None if unk_id is None else tokens[unk_id],
+                                  fuse_unk=True, byte_fallback=True))
+    prefix = meta.get("add_space_prefix", True)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="always" if prefix else "never", split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float], vocab: dict) -> list[tuple]:
+    """SentencePiece BPE merges implied by a scored vocabulary: every split of a piece into two
+    pieces of the vocabulary, ranked by the merged piece's score (highest first)."""
+    ranked = []
+    for token, score in zip(tokens, scores):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _add_gguf_special_tokens(backend: _Backend, meta: dict) -> None:
+    types = meta.get("token_types") or []
+    tokens = meta["tokens"]
+    special = [AddedToken(t, special=True, normalized=False)
+               for t, kind in zip(tokens, types) if kind in (_CONTROL, _UNKNOWN)]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types) if kind == _USER_DEFINED]
+    backend.add_special_tokens(special)
+    backend.add_tokens(user)
+
+
+def _bos_eos_processor(backend: _Backend, bos_id: int | None, eos_id: int | None):
+    """A post-processor that adds BOS and/or EOS around one sequence (and around each of a pair)."""
+    bos = [] if bos_id is None else [backend.id_to_token(bos_id)]
+    eos = [] if eos_id is None else [backend.id_to_token(eos_id)]
+    specials = sorted({(token, backend.token_to_id(token)) for token in bos + eos})
+    return processors.TemplateProcessing(single=bos + ["$A"] + eos,
+                                         pair=bos + ["$A"] + eos + bos + ["$B:1"] + eos,
+                                         special_tokens=specials)

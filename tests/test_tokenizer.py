@@ -1,0 +1,234 @@
+"""Tokenizer, chat template and incremental detokenizer, checked against transformers."""
+
+import json
+import shutil
+
+import gguf
+import jinja2
+import pytest
+
+from jaxllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "Hello world",
+    "Once upon a time, there was a little girl named Lily.",
+    "a 123 4567 and 3.14159, 1,000,000.00$",
+    "  leading and trailing spaces  ",
+    "héllo wörld, ß ø ñ Ünïcödé",
+    "emoji 🙂🤖 👍🏽 👨‍👩‍👧 done",
+    "日本語のテキスト 中文 한국어",
+    "def f(x):\n    return x**2\n\n\tprint(f(3))",
+    "it's we're I'll they'd",
+    "tabs\tand\r\nnewlines\n\n\n",
+    "",
+]
+CHATS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "日本語で?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf):
+    return Tokenizer.from_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def smol_hf(smollm2_gguf):
+    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="module")
+def stories(stories_dir):
+    return Tokenizer.from_pretrained(stories_dir)
+
+
+@pytest.fixture(scope="module")
+def stories_hf(stories_dir):
+    return transformers.AutoTokenizer.from_pretrained(stories_dir)
+
+
+# ---- Hugging Face folder ------------------------------------------------------------------------
+
+def test_stories_encodes_once_upon_a_time_with_bos(stories):
+    assert stories.encode("Once upon a time") == [1, 403, 407, 261, 378]
+
+
+def test_stories_special_ids_come_from_the_configs(stories):
+    assert (stories.bos_token_id, stories.eos_token_id, stories.eos_token_ids) == (1, 2, [2])
+    assert stories.vocab_size == 512 and {0, 1, 2} <= set(stories.all_special_ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stories_matches_transformers(stories, stories_hf, text):
+    ids = stories.encode(text)
+    assert ids == stories_hf.encode(text)
+    assert stories.decode(ids) == stories_hf.decode(ids, skip_special_tokens=True)
+
+
+def test_stories_has_no_chat_template(stories):
+    with pytest.raises(ValueError, match="no chat template"):
+        stories.apply_chat_template(CHATS[0])
+
+
+def test_from_pretrained_reads_eos_lists_and_the_template_file(stories_dir, tmp_path):
+    shutil.copy(stories_dir / "tokenizer.json", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": "ignored"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}")
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert tok.eos_token_ids == [2, 0] and tok.eos_token_id == 2
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>hi</s>"
+
+
+def test_from_pretrained_rejects_a_folder_without_tokenizer_json(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+# ---- GGUF ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", TEXTS + ["<|im_start|>user\nhi<|im_end|>\n"])
+def test_gguf_encode_matches_transformers(smol, smol_hf, text):
+    assert smol.encode(text) == smol_hf.encode(text)
+
+
+@pytest.mark.parametrize("text", TEXTS + ["<|im_start|>user\nhi<|im_end|>\n"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_gguf_decode_matches_transformers(smol, smol_hf, text, skip):
+    ids = smol_hf.encode(text)
+    assert smol.decode(ids, skip_special_tokens=skip) == smol_hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_gguf_special_ids_match_transformers(smol, smol_hf):
+    assert (smol.bos_token_id, smol.eos_token_id) == (smol_hf.bos_token_id, smol_hf.eos_token_id)
+    assert smol.vocab_size == len(smol_hf) == 49152
+    assert set(smol_hf.all_special_ids) <= set(smol.all_special_ids)
+    assert smol.encode("hi", add_special_tokens=True) == smol.encode("hi", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("chat", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_gguf_chat_template_matches_transformers(smol, smol_hf, chat, add_generation_prompt):
+    expected = smol_hf.apply_chat_template(chat, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+    assert smol.apply_chat_template(chat, add_generation_prompt=add_generation_prompt) == expected
+
+
+def write_sentencepiece_gguf(path, tokenizer_json, with_merges):
+    """stories260K's sentencepiece BPE vocabulary as llama.cpp writes one (scores = merge rank)."""
+    model = json.loads(tokenizer_json.read_text())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    n_special, n_bytes = 3, 256
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3] + [6] * n_bytes + [1] * (len(tokens) - n_special - n_bytes))
+    writer.add_token_scores([0.0] * (n_special + n_bytes)
+                            + [-float(i) for i in range(len(tokens) - n_special - n_bytes)])
+    if with_merges:
+        writer.add_token_merges([" ".join(m) for m in model["merges"]])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("with_merges", [True, False], ids=["merges", "merges-from-scores"])
+def test_sentencepiece_gguf_matches_its_tokenizer_json(stories, stories_dir, tmp_path, with_merges):
+    path = write_sentencepiece_gguf(tmp_path / "sp.gguf", stories_dir / "tokenizer.json", with_merges)
+    tok = Tokenizer.from_gguf(path)
+    for text in TEXTS:
+        assert tok.encode(text) == stories.encode(text), text
+        assert tok.decode(tok.encode(text)) == stories.decode(stories.encode(text)), text
+
+
+def test_gguf_without_a_known_tokenizer_model_is_named(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "t5.gguf"), "llama")
+    writer.add_tokenizer_model("t5")
+    writer.add_token_list(["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"t5\.gguf.*'t5'"):
+        Tokenizer.from_gguf(tmp_path / "t5.gguf")
+
+
+# ---- bad input and template helpers -------------------------------------------------------------
+
+def test_encode_rejects_bytes(smol):
+    with pytest.raises(ValueError, match="bytes"):
+        smol.encode(b"hello")
+
+
+def test_decode_rejects_an_id_outside_the_vocabulary(smol):
+    with pytest.raises(ValueError, match="49152"):
+        smol.decode([5, 49152])
+
+
+def test_chat_template_rejects_non_dict_messages(smol):
+    with pytest.raises(ValueError, match="list of dicts"):
+        smol.apply_chat_template(["hello"])
+
+
+def test_chat_template_helpers_behave_as_in_transformers(stories):
+    tok = Tokenizer(stories.backend, bos_token_id=1, eos_token_ids=[2], chat_template=(
+        "{{ bos_token }}{{ messages | tojson }}{% if messages | length > 1 %}"
+        "{{ raise_exception('one message only') }}{% endif %}{{ strftime_now('%Y') | length }}"))
+    assert tok.apply_chat_template([{"role": "user", "content": "<b>é</b>"}]) == (
+        '<s>[{"role": "user", "content": "<b>é</b>"}]4')
+    with pytest.raises(jinja2.TemplateError, match="one message only"):
+        tok.apply_chat_template(CHATS[1])
+
+
+# ---- incremental detokenizer --------------------------------------------------------------------
+
+def stream(tokenizer, prompt_ids, output_ids, skip_special_tokens=True):
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    return detok, [detok.step(i) for i in output_ids]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_text_equals_full_decode(smol, text):
+    prompt, output = smol.encode("Say it:"), smol.encode(text)
+    detok, deltas = stream(smol, prompt, output)
+    assert "".join(deltas) == detok.text == smol.decode(output)
+    assert detok.token_ids == output
+
+
+def test_incremental_never_yields_a_partial_character(smol):
+    output = smol.encode("🤖👍🏽 日本語 👨‍👩‍👧")
+    _, deltas = stream(smol, [], output)
+    assert len(output) > 8 and "" in deltas  # some characters span several byte tokens
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_incremental_holds_back_a_trailing_split_character(smol):
+    output = smol.encode("ok 🤖")
+    detok, _ = stream(smol, [], output[:-1])
+    assert detok.text == "ok" and smol.decode(output[:-1]).endswith("\ufffd")
+    assert detok.step(output[-1]) == " 🤖"
+
+
+def test_incremental_special_tokens_follow_skip_flag(smol):
+    output = smol.encode("Hi<|im_end|>")
+    assert stream(smol, [], output, skip_special_tokens=True)[0].text == "Hi"
+    assert stream(smol, [], output, skip_special_tokens=False)[0].text == "Hi<|im_end|>"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_keeps_sentencepiece_word_spaces(stories, text):
+    prompt = stories.encode("Once upon a time")
+    output = stories.encode(text, add_special_tokens=False)
+    detok, _ = stream(stories, prompt, output)
+    full = stories.decode(prompt + output)
+    assert detok.text == full[len(stories.decode(prompt)):]
+    assert detok.text.lstrip(" ") == stories.decode(output).lstrip(" ")
