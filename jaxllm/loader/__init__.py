@@ -1,6 +1,5 @@
 """Checkpoint loading: a HF folder (safetensors) or a GGUF file, to a ``(ModelConfig, params)`` pair of
 host numpy arrays. Each format loader yields an HF-style config dict and HF-named numpy arrays."""
-``(ModelConfig, params)`` pair of host numpy arrays."""
 
 from __future__ import annotations
 
