@@ -217,6 +217,7 @@ class LLMEngine:
         """
         sched_out = self.scheduler.schedule()
         touched: list[Request] = list(sched_out.finished)
+        tokens = np.zeros(0, np.int32)
         if sched_out.scheduled:
             self.runner.swap_out(sched_out.blocks_to_swap_out)
             self.runner.swap_in(sched_out.blocks_to_swap_in)
@@ -229,7 +230,7 @@ class LLMEngine:
                 batch.seq_lens.shape[0],
             )
             tokens = self.runner.execute(batch, sampling)
-            touched += self.scheduler.update_from_output(sched_out, tokens)
+        touched += self.scheduler.update_from_output(sched_out, tokens)
         outputs = []
         seen = set()
         for request in touched:
