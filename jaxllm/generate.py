@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random per run)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens at most (default 2048)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens at most (default: the model's max_position_embeddings)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     return p
 
