@@ -78,21 +78,28 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
     rows = output.scheduled
     num_seqs = len(rows)
     tokens: list[int] = []
-    flat_blocks: list[int] = []
-    new = [0] * num_seqs
-    computed = [0] * num_seqs
-    widths = [0] * num_seqs
-    samples = [False] * num_seqs
-    request_ids = [""] * num_seqs
-    for s, row in enumerate(rows):
+    new: list[int] = []
+    computed: list[int] = []
+    table_rows: list[int] = []
+    samples: list[bool] = []
+    request_ids: list[str] = []
+    width = 1
+    for row in rows:
         k, m = row.num_computed_tokens, row.num_new_tokens
-        tokens.extend(row.request.all_token_ids[k : k + m])
-        flat_blocks.extend(row.block_ids)
-        new[s], computed[s], widths[s] = m, k, len(row.block_ids)
-        samples[s] = row.samples
-        request_ids[s] = row.request.request_id
+        all_ids = row.request.all_token_ids
+        if m == 1:
+            tokens.append(all_ids[k])
+        else:
+            tokens.extend(all_ids[k : k + m])
+        new.append(m)
+        computed.append(k)
+        table_rows.append(row.block_table_row)
+        samples.append(row.samples)
+        request_ids.append(row.request.request_id)
+        if len(row.block_ids) > width:
+            width = len(row.block_ids)
     num_tokens = len(tokens)
-    T, S, W = buckets.pick(num_tokens, num_seqs, max(widths, default=1))
+    T, S, W = buckets.pick(num_tokens, num_seqs, width)
 
     new_a = np.array(new, dtype=np.int32)
     computed_a = np.array(computed, dtype=np.int32)
@@ -102,11 +109,20 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
     query_start_loc[num_seqs + 1 :] = num_tokens
 
     block_tables = np.zeros((S, W), dtype=np.int32)
-    widths_a = np.array(widths, dtype=np.int32)
-    block_tables[:num_seqs][np.arange(W) < widths_a[:, None]] = flat_blocks
+    if num_seqs:
+        source = output.block_table
+        if source is None:
+            raise ValueError("build_batch: output.block_table is None but the output has rows")
+        w = min(W, source.shape[1])
+        block_tables[:num_seqs, :w] = source[table_rows, :w]
 
-    row_of_token = np.repeat(np.arange(num_seqs), new_a)
-    pos = computed_a[row_of_token] + (np.arange(num_tokens, dtype=np.int32) - query_start_loc[row_of_token])
+    if num_tokens == num_seqs:
+        # All decodes: one token per row, so no repeat is needed.
+        row_of_token = np.arange(num_seqs)
+        pos = computed_a
+    else:
+        row_of_token = np.repeat(np.arange(num_seqs), new_a)
+        pos = computed_a[row_of_token] + (np.arange(num_tokens, dtype=np.int32) - query_start_loc[row_of_token])
     positions = np.zeros(T, dtype=np.int32)
     positions[:num_tokens] = pos
     slot_mapping = np.zeros(T, dtype=np.int32)

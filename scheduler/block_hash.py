@@ -18,11 +18,8 @@ def hash_block_tokens(parent_hash: Optional[bytes], token_ids: Sequence[int], ex
     the first block). Chaining the parent makes a hit on block i imply a hit
     on blocks 0..i-1, as in vLLM v1.
     """
-    h = xxhash.xxh3_128()
-    h.update(_ROOT if parent_hash is None else parent_hash)
-    h.update(extra_key)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+    parent = _ROOT if parent_hash is None else parent_hash
+    return xxhash.xxh3_128_digest(parent + extra_key + array("q", token_ids).tobytes())
 
 
 def extend_block_hashes(
@@ -30,11 +27,18 @@ def extend_block_hashes(
 ) -> None:
     """Append hashes to ``block_hashes`` until it covers ``num_full_blocks`` blocks of ``token_ids``.
 
-    Each block is hashed once over a request's life; the caller guarantees the
-    first ``num_full_blocks * block_size`` token ids are final.
+    Same digests as :func:`hash_block_tokens`. Each block is hashed once over a
+    request's life; the caller guarantees the first ``num_full_blocks *
+    block_size`` token ids are final.
     """
-    salt = b"" if cache_salt is None else cache_salt.encode()
-    for i in range(len(block_hashes), num_full_blocks):
-        parent = block_hashes[i - 1] if i else None
-        tokens = token_ids[i * block_size : (i + 1) * block_size]
-        block_hashes.append(hash_block_tokens(parent, tokens, salt if i == 0 else b""))
+    start = len(block_hashes)
+    if start >= num_full_blocks:
+        return
+    # One int64 conversion for all the new blocks, then cheap bytes slices.
+    raw = array("q", token_ids[start * block_size : num_full_blocks * block_size]).tobytes()
+    width = 8 * block_size
+    parent = block_hashes[-1] if start else _ROOT
+    for i in range(num_full_blocks - start):
+        extra = cache_salt.encode() if cache_salt is not None and start + i == 0 else b""
+        parent = xxhash.xxh3_128_digest(parent + extra + raw[i * width : (i + 1) * width])
+        block_hashes.append(parent)

@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 
 from scheduler.block_hash import extend_block_hashes
 from scheduler.block_pool import BlockPool, KVBlock
+from scheduler.block_table import BlockTable
 from scheduler.host_block_pool import HostBlockPool
 from scheduler.request import Request
 
@@ -29,6 +30,8 @@ class KVCacheManager:
       req_to_blocks: request_id -> its block table (``KVBlock`` list).
       req_to_block_ids: request_id -> the same table as ints, kept in step so
         the hot path never rebuilds it.
+      block_table: the same tables again as a ``BlockTable`` (numpy rows, for
+        ``build_batch``); ``req_to_row`` maps request_id -> row.
       swapped: request_id -> host block ids holding its swapped-out KV, in
         block-table order.
     """
@@ -43,6 +46,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}
         self.swapped: dict[str, list[int]] = {}
+        self.block_table = BlockTable()
+        self.req_to_row: dict[str, int] = {}
         # How many leading blocks of each table are already registered.
         self._num_cached: dict[str, int] = {}
 
@@ -99,19 +104,25 @@ class KVCacheManager:
         if new + revive > pool.num_free_blocks:
             return False
         if rid not in self.req_to_blocks:
-            blocks = self.req_to_blocks[rid] = []
-            self.req_to_block_ids[rid] = []
-            self._num_cached[rid] = 0
-        ids = self.req_to_block_ids[rid]
+            self._start_table(rid)
+            blocks = self.req_to_blocks[rid]
         if computed_blocks:
             pool.touch(computed_blocks)
-            blocks.extend(computed_blocks)
-            ids.extend(b.block_id for b in computed_blocks)
-            self._num_cached[rid] = len(blocks)
-        fresh = pool.get_new_blocks(new)
-        blocks.extend(fresh)
-        ids.extend(b.block_id for b in fresh)
+            self._num_cached[rid] = len(blocks) + len(computed_blocks)
+        self._extend_table(rid, list(computed_blocks) + pool.get_new_blocks(new))
         return True
+
+    def _start_table(self, rid: str) -> None:
+        self.req_to_blocks[rid] = []
+        self.req_to_block_ids[rid] = []
+        self.req_to_row[rid] = self.block_table.acquire()
+        self._num_cached[rid] = 0
+
+    def _extend_table(self, rid: str, blocks: list[KVBlock]) -> None:
+        ids = [b.block_id for b in blocks]
+        self.req_to_blocks[rid].extend(blocks)
+        self.req_to_block_ids[rid].extend(ids)
+        self.block_table.append(self.req_to_row[rid], ids)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register every full block of ``request`` whose tokens are all computed; each block is hashed once."""
@@ -136,6 +147,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(rid, None)
         self.req_to_block_ids.pop(rid, None)
         self._num_cached.pop(rid, None)
+        row = self.req_to_row.pop(rid, None)
+        if row is not None:
+            self.block_table.release(row)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
         host = self.swapped.pop(rid, None)
@@ -172,11 +186,9 @@ class KVCacheManager:
         n = max(-(-(request.num_computed_tokens + num_new_tokens) // bs), len(host))
         if n > self.block_pool.num_free_blocks:
             return None
-        fresh = self.block_pool.get_new_blocks(n)
         del self.swapped[rid]
-        self.req_to_blocks[rid] = fresh
-        self.req_to_block_ids[rid] = [b.block_id for b in fresh]
-        self._num_cached[rid] = 0
+        self._start_table(rid)
+        self._extend_table(rid, self.block_pool.get_new_blocks(n))
         self.host_pool.free(host, after_step=True)
         return list(zip(host, self.req_to_block_ids[rid]))
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
+
+import numpy as np
 
 from scheduler.request import Request
 
@@ -23,6 +26,8 @@ class ScheduledRequest:
       samples: True when this row's sampled token will be used: the chunk
         reaches the end of the request's known tokens. False for a partial
         prefill, whose sample ``update_from_output`` discards.
+      block_table_row: the row of ``SchedulerOutput.block_table`` holding
+        the same block ids.
     """
 
     request: Request
@@ -30,6 +35,7 @@ class ScheduledRequest:
     num_computed_tokens: int
     block_ids: list[int]
     samples: bool = True
+    block_table_row: int = -1
 
 
 @dataclasses.dataclass
@@ -49,6 +55,10 @@ class SchedulerOutput:
       blocks_to_swap_in: ``(host_block, device_block)`` pairs.
       block_size: tokens per KV block (what ``build_batch`` computes slots
         with); set by the scheduler.
+      block_table: int32[rows, width] the KV cache manager's persistent block
+        table (rows indexed by ``ScheduledRequest.block_table_row``, zero past
+        each request's blocks). Shared, not copied: valid until the next
+        ``schedule()``.
     """
 
     scheduled: list[ScheduledRequest] = dataclasses.field(default_factory=list)
@@ -58,6 +68,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     block_size: int = 0
+    block_table: Optional[np.ndarray] = None
 
     @property
     def num_seqs(self) -> int:

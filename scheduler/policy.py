@@ -44,10 +44,20 @@ class Policy:
     Attributes:
       name: the string ``get_policy`` knows it by.
       keys_change_over_time: see above.
+      preempts_for_waiting: True in any class that defines ``may_preempt``
+        (set automatically); the scheduler skips the victim search otherwise.
     """
 
     name = "base"
     keys_change_over_time = True
+    preempts_for_waiting = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # Lets the scheduler skip the victim search for policies that never
+        # preempt for a waiting request, without a flag users must remember.
+        if "may_preempt" in cls.__dict__:
+            cls.preempts_for_waiting = True
 
     def key(self, request: Request, now: float) -> Any:
         """Sort key at clock time ``now`` (seconds); lower = more urgent."""

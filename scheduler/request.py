@@ -82,7 +82,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "cache_salt", "output_token_ids", "num_computed_tokens", "status",
         "stop_reason", "ignored_reason", "num_preemptions", "first_scheduled_time",
-        "block_hashes", "_all_token_ids", "_max_tokens", "_seq",
+        "block_hashes", "_all_token_ids", "_max_tokens", "_seq", "_stop_ids", "_length_limit",
     )
 
     def __init__(
@@ -122,8 +122,12 @@ class Request:
         # C-level slice on the hot path instead of a concatenation.
         self._all_token_ids = list(prompt)
         self._max_tokens = sampling_params.max_tokens
-        # Tie-break for policy keys: set by the scheduler on add_request.
+        # Set by the scheduler on add_request: a tie-break for policy keys,
+        # and the update loop's cheap stop filter (token ids that may stop
+        # it, and num_tokens at which it is length-capped).
         self._seq = 0
+        self._stop_ids: frozenset[int] = frozenset()
+        self._length_limit = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -129,6 +129,15 @@ class Scheduler:
         if request.status != RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
             raise ValueError(f"add_request: {request!r} is not fresh (status must be WAITING with no progress)")
         request._seq = next(self._seq)
+        sp = request.sampling_params
+        stop_ids = set(sp.stop_token_ids)
+        if request.eos_token_id is not None and not sp.ignore_eos:
+            stop_ids.add(request.eos_token_id)
+        request._stop_ids = frozenset(stop_ids)
+        limit = self.config.max_model_len
+        if request.max_tokens is not None:
+            limit = min(limit, request.num_prompt_tokens + request.max_tokens)
+        request._length_limit = limit
         reason = self._never_fits(request)
         if reason is not None:
             request.status = RequestStatus.FINISHED_IGNORED
@@ -177,6 +186,7 @@ class Scheduler:
         self._schedule_waiting(step)
         out = step.out
         out.block_size = self.config.block_size
+        out.block_table = self.kv_cache_manager.block_table.table
         out.scheduled = list(step.rows.values())
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - step.budget
         out.finished, self._finished_for_schedule = self._finished_for_schedule, []
@@ -188,17 +198,30 @@ class Scheduler:
         if self._running_dirty or self.policy.keys_change_over_time:
             self.policy.sort(self.running, step.now)
             self._running_dirty = False
-        allocate = self.kv_cache_manager.allocate_slots
+        kv = self.kv_cache_manager
+        allocate, block_ids, table_rows = kv.allocate_slots, kv.req_to_block_ids, kv.req_to_row
+        bs = self.config.block_size
+        rows = step.rows
+        # The hot path of a step: one pass per running request, with the
+        # common decode that needs no new block kept free of calls.
         for req in list(self.running):
             if step.budget <= 0:
                 break
             if req.status is not _RUNNING:
                 continue
-            n = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget)
-            if n == 0:
+            computed = req.num_computed_tokens
+            num_tokens = len(req._all_token_ids)
+            n = num_tokens - computed
+            if n != 1:
+                n = self._chunk(n, step.budget)
+                if n == 0:
+                    continue
+            rid = req.request_id
+            ids = block_ids[rid]
+            if computed + n > len(ids) * bs and not (allocate(req, n) or self._preempt_until_allocated(req, n, step)):
                 continue
-            if allocate(req, n) or self._preempt_until_allocated(req, n, step):
-                self._add_row(req, n, step)
+            rows[rid] = ScheduledRequest(req, n, computed, ids[:], computed + n >= num_tokens, table_rows[rid])
+            step.budget -= n
 
     def _preempt_until_allocated(self, req: Request, n: int, step: _Step) -> bool:
         while True:
@@ -272,6 +295,8 @@ class Scheduler:
         return True
 
     def _waiting_victim(self, req: Request, step: _Step) -> Optional[Request]:
+        if not self.policy.preempts_for_waiting:
+            return None
         candidates = [r for r in self.running if r.request_id not in step.admitted_ids]
         if not candidates:
             return None
@@ -288,9 +313,10 @@ class Scheduler:
         return remaining
 
     def _add_row(self, req: Request, n: int, step: _Step) -> None:
-        computed = req.num_computed_tokens
-        ids = self.kv_cache_manager.req_to_block_ids[req.request_id]
-        step.rows[req.request_id] = ScheduledRequest(req, n, computed, ids[:], computed + n >= req.num_tokens)
+        kv, rid, computed = self.kv_cache_manager, req.request_id, req.num_computed_tokens
+        step.rows[rid] = ScheduledRequest(
+            req, n, computed, kv.req_to_block_ids[rid][:], computed + n >= req.num_tokens, kv.req_to_row[rid]
+        )
         step.budget -= n
 
     def _preempt(self, victim: Request, step: _Step) -> None:
@@ -349,22 +375,27 @@ class Scheduler:
             )
         self._pending = None
         result, self._finished_for_update = self._finished_for_update, []
-        cache = self.kv_cache_manager.cache_computed_blocks
+        cache = self.kv_cache_manager.cache_computed_blocks if self.config.enable_prefix_caching else None
+        bs = self.config.block_size
         any_finished = False
         for row, token in zip(rows, sampled_token_ids):
             req = row.request
             if req.status is not _RUNNING:
                 continue
-            req.num_computed_tokens += row.num_new_tokens
-            cache(req)
+            computed = req.num_computed_tokens = row.num_computed_tokens + row.num_new_tokens
+            if cache is not None and computed // bs != row.num_computed_tokens // bs:
+                cache(req)
             if not row.samples:
                 continue
             token = int(token)
-            req.append_output_token(token)
-            status = self._stop_status(req, token)
-            if status is not None:
-                self._release(req, status)
-                any_finished = True
+            req.output_token_ids.append(token)
+            req._all_token_ids.append(token)
+            # Cheap filter; _stop_status holds the rules.
+            if token in req._stop_ids or len(req._all_token_ids) >= req._length_limit:
+                status = self._stop_status(req, token)
+                if status is not None:
+                    self._release(req, status)
+                    any_finished = True
             result.append(req)
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]

@@ -120,6 +120,11 @@ def check_block_invariants(sched: Scheduler) -> None:
     for block in pool.blocks[1:]:
         assert block.ref_cnt == holders[block.block_id], block
         assert (block.ref_cnt == 0) == (block.block_id in set(free_ids)), block
+    table = kv.block_table.table
+    assert set(kv.req_to_row) == set(kv.req_to_block_ids)
+    for rid, ids in kv.req_to_block_ids.items():
+        row = table[kv.req_to_row[rid]]
+        assert row[: len(ids)].tolist() == ids and not row[len(ids) :].any(), f"{rid}'s numpy block table row is stale"
     for h, block in pool.cached.items():
         assert block.block_hash == h
     assert set(kv.req_to_blocks) <= {r.request_id for r in sched.running} | set(sched.requests)

@@ -1,7 +1,7 @@
 """KVCacheManager: prefix hits, allocation, caching as blocks fill, swap bookkeeping."""
 
 from scheduler import BlockPool, KVCacheManager, Request, SamplingParams
-from scheduler.block_hash import hash_block_tokens
+from scheduler.block_hash import extend_block_hashes, hash_block_tokens
 
 
 def manager(num_blocks=9, block_size=4, num_host_blocks=0):
@@ -119,3 +119,28 @@ def test_swap_out_declines_when_the_host_pool_is_too_small():
     req.num_computed_tokens = 8
     assert kv.swap_out(req) is None
     assert kv.get_block_ids("a") == [1, 2]
+
+
+def test_incremental_hashes_equal_block_by_block_hashes():
+    tokens = list(range(100, 113))
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, tokens, 1, 4, "salt")
+    extend_block_hashes(hashes, tokens, 3, 4, "salt")
+    first = hash_block_tokens(None, tokens[0:4], b"salt")
+    second = hash_block_tokens(first, tokens[4:8])
+    third = hash_block_tokens(second, tokens[8:12])
+    assert hashes == [first, second, third]
+
+
+def test_numpy_block_table_grows_on_demand_and_zeroes_released_rows():
+    from scheduler.block_table import BlockTable
+
+    table = BlockTable(rows=1, width=2)
+    a, b = table.acquire(), table.acquire()
+    table.append(a, [5, 6, 7])
+    table.append(b, [9])
+    assert table.table.shape == (2, 4)
+    assert table.table.tolist() == [[5, 6, 7, 0], [9, 0, 0, 0]]
+    table.release(a)
+    assert table.table[a].tolist() == [0, 0, 0, 0]
+    assert table.acquire() == a
