@@ -77,13 +77,6 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> int:
-        """Free-queue entries an :meth:`allocate_slots` call with these arguments would consume."""
-        have = len(self.req_to_blocks.get(request.request_id, ())) + len(computed_blocks)
-        total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        new = max(0, -(-total // self.block_size) - have)
-        return new + sum(1 for b in computed_blocks if b.ref_cnt == 0)
-
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
         """Grow ``request``'s table to hold its computed tokens, ``computed_blocks`` and ``num_new_tokens`` more.
 

@@ -2,6 +2,7 @@
 
 from scheduler import BlockPool, KVCacheManager, Request, SamplingParams
 from scheduler.block_hash import extend_block_hashes, hash_block_tokens
+from scheduler.block_table import BlockTable
 
 
 def manager(num_blocks=9, block_size=4, num_host_blocks=0):
@@ -133,8 +134,6 @@ def test_incremental_hashes_equal_block_by_block_hashes():
 
 
 def test_numpy_block_table_grows_on_demand_and_zeroes_released_rows():
-    from scheduler.block_table import BlockTable
-
     table = BlockTable(rows=1, width=2)
     a, b = table.acquire(), table.acquire()
     table.append(a, [5, 6, 7])
