@@ -1,8 +1,40 @@
 """Host-side scheduler for jaxllm: requests, paged KV blocks, continuous batching.
 
-Pure Python and numpy; never imports JAX (or jaxllm).
+Pure Python and numpy (plus xxhash); never imports JAX (or jaxllm).
 """
 
+from scheduler.batch import BatchDescriptor, build_batch
+from scheduler.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from scheduler.buckets import BucketTable
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from scheduler.policy import AgingPolicy, FCFSPolicy, Policy, PriorityPolicy, SJFPolicy, get_policy
+from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, UnknownRequestError
 
-__all__ = ["SamplingParams"]
+__all__ = [
+    "AgingPolicy",
+    "BatchDescriptor",
+    "BlockPool",
+    "BucketTable",
+    "FCFSPolicy",
+    "FreeBlockQueue",
+    "KVBlock",
+    "KVCacheManager",
+    "Policy",
+    "PriorityPolicy",
+    "Request",
+    "RequestStatus",
+    "SJFPolicy",
+    "SamplingParams",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "UnknownRequestError",
+    "build_batch",
+    "get_policy",
+]

@@ -1,0 +1,203 @@
+"""Device KV blocks: ref counts, an LRU free queue, and the prefix-cache map.
+
+Follows vLLM v1 ``BlockPool`` / ``FreeKVCacheBlockQueue``: a freed block keeps
+its hash and stays revivable until allocation evicts it from the free queue.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+
+class KVBlock:
+    """One device KV block of ``block_size`` token slots.
+
+    Attributes:
+      block_id: index into the device KV cache, in [0, num_blocks).
+      ref_cnt: number of requests whose block table holds this block.
+      block_hash: 16-byte prefix-cache hash while registered, else None.
+      prev, next: free-queue links (None while not in the free queue).
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Optional[bytes] = None
+        self.prev: Optional[KVBlock] = None
+        self.next: Optional[KVBlock] = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks; O(1) push at either end, pop at the front, removal anywhere.
+
+    The front is evicted first. Follows vLLM v1 ``FreeKVCacheBlockQueue``; the
+    links live in the blocks so reviving a cached block needs no search.
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        # Sentinels remove the empty-list and end-of-list special cases.
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        node = self._head.next
+        while node is not self._tail:
+            yield node
+            node = node.next
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block.prev is not None
+
+    def popleft(self) -> KVBlock:
+        """Remove and return the front block. Raises ValueError when empty."""
+        block = self._head.next
+        if block is self._tail:
+            raise ValueError("FreeBlockQueue.popleft: the queue is empty (0 free blocks)")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        """Put ``block`` at the back (evicted last)."""
+        self._link(block, self._tail.prev, self._tail)
+
+    def appendleft(self, block: KVBlock) -> None:
+        """Put ``block`` at the front (evicted first)."""
+        self._link(block, self._head, self._head.next)
+
+    def remove(self, block: KVBlock) -> None:
+        """Unlink ``block`` from wherever it is. Raises ValueError if it is not queued."""
+        prev, nxt = block.prev, block.next
+        if prev is None or nxt is None:
+            raise ValueError(f"FreeBlockQueue.remove: block {block.block_id} is not in the free queue")
+        prev.next = nxt
+        nxt.prev = prev
+        block.prev = block.next = None
+        self._len -= 1
+
+    def _link(self, block: KVBlock, prev: KVBlock, nxt: KVBlock) -> None:
+        if block.prev is not None:
+            raise ValueError(f"FreeBlockQueue: block {block.block_id} is already in the free queue")
+        block.prev, block.next = prev, nxt
+        prev.next = block
+        nxt.prev = block
+        self._len += 1
+
+
+class BlockPool:
+    """All device KV blocks, their ref counts, and the hash -> block map.
+
+    Block 0 is the null block: never allocated, never freed; padded token
+    slots write into it. Blocks 1..num_blocks-1 start in the free queue.
+
+    Follows vLLM v1 ``BlockPool``: freed blocks that carry a hash go to the
+    back of the free queue so they survive as long as possible; unhashed
+    ones go to the front and are reused first. Allocation pops the front
+    and, if that block still carries a hash, drops it from the map (evicts).
+
+    Args:
+      num_blocks: total blocks including the null block, >= 2.
+      enable_caching: keep the hash -> block map (prefix caching).
+
+    Raises:
+      ValueError: ``num_blocks < 2``.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"BlockPool: num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in the free queue, cached-but-unreferenced ones included."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the non-null blocks that some request holds, in [0, 1]."""
+        return 1.0 - len(self.free_queue) / (self.num_blocks - 1)
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks from the front of the free queue, each with ref_cnt 1.
+
+        A taken block that still carried a hash is evicted from the map first.
+
+        Raises:
+          ValueError: ``n`` exceeds the free blocks (nothing is taken).
+        """
+        if n > len(self.free_queue):
+            raise ValueError(f"BlockPool.get_new_blocks: asked for {n} blocks, only {len(self.free_queue)} free")
+        out = []
+        popleft = self.free_queue.popleft
+        for _ in range(n):
+            block = popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Add a reference to each block, reviving it from the free queue if unreferenced."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop a reference from each block, in the given order (the first freed is evicted first).
+
+        A block reaching ref_cnt 0 goes to the back of the free queue if it
+        is hashed, to the front if not.
+
+        Raises:
+          ValueError: a block is already free, or is the null block.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0 or block is self.null_block:
+                raise ValueError(f"BlockPool.free_blocks: block {block.block_id} has ref_cnt {block.ref_cnt}; need >= 1")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def get_cached_block(self, block_hash: bytes) -> Optional[KVBlock]:
+        """The block registered under ``block_hash``, or None."""
+        return self.cached.get(block_hash)
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+        """Register a full, computed block under ``block_hash``.
+
+        If another block already holds this hash (two requests computed the
+        same content at once) the map keeps the first and ``block`` stays
+        unhashed, so it is reused first once freed.
+        """
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None

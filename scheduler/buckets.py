@@ -1,0 +1,118 @@
+"""Fixed shape buckets for the jitted step: one compiled program per (T, S, W)."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+
+def _ladder(low: int, high: int) -> tuple[int, ...]:
+    """Powers of two from ``low`` (rounded up to one) below ``high``, then ``high`` itself."""
+    values = []
+    v = 1
+    while v < low:
+        v *= 2
+    while v < high:
+        values.append(v)
+        v *= 2
+    values.append(high)
+    return tuple(values)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketTable:
+    """The padded sizes a batch may take: tokens T, rows S, block-table width W.
+
+    Each ladder is strictly increasing; its last value is the maximum. The
+    runner compiles one program per shape in :meth:`all_shapes` and pads
+    every batch up to :meth:`pick`'s shape (as nano-vllm / vLLM's CUDA-graph
+    batch sizes, here for all three dimensions).
+
+    Attributes:
+      token_buckets: T values (tokens per step).
+      seq_buckets: S values (rows per step); the largest must not exceed the
+        largest T, since every row has at least one token.
+      width_buckets: W values (blocks per row's block table).
+
+    Raises:
+      ValueError: an empty ladder, a value < 1, a ladder not strictly
+        increasing, or max S > max T.
+    """
+
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    width_buckets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("token_buckets", "seq_buckets", "width_buckets"):
+            ladder = tuple(int(v) for v in getattr(self, name))
+            if not ladder or ladder[0] < 1 or any(a >= b for a, b in zip(ladder, ladder[1:])):
+                raise ValueError(f"BucketTable.{name}={ladder} must be non-empty, >= 1 and strictly increasing")
+            object.__setattr__(self, name, ladder)
+        if self.seq_buckets[-1] > self.token_buckets[-1]:
+            raise ValueError(
+                f"BucketTable: largest seq bucket {self.seq_buckets[-1]} exceeds largest token bucket "
+                f"{self.token_buckets[-1]}; a row has at least one token"
+            )
+
+    @classmethod
+    def from_limits(
+        cls,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        *,
+        min_tokens: int = 8,
+        min_seqs: int = 8,
+        min_width: int = 4,
+    ) -> "BucketTable":
+        """Power-of-two ladders capped exactly at the maxima.
+
+        T: min_tokens, 2*min_tokens, ... up to ``max_num_batched_tokens``;
+        S: likewise up to ``max_num_seqs``; W: likewise up to
+        ``ceil(max_model_len / block_size)``. E.g. max 384 gives
+        ``8, 16, 32, 64, 128, 256, 384``.
+
+        Raises:
+          ValueError: a limit < 1, or ``max_num_seqs > max_num_batched_tokens``.
+        """
+        for name, value in (
+            ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len), ("block_size", block_size),
+            ("min_tokens", min_tokens), ("min_seqs", min_seqs), ("min_width", min_width),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"BucketTable.from_limits: {name}={value!r} must be an int >= 1")
+        max_width = -(-max_model_len // block_size)
+        return cls(
+            _ladder(min_tokens, max_num_batched_tokens),
+            _ladder(min_seqs, max_num_seqs),
+            _ladder(min_width, max_width),
+        )
+
+    def pick(self, num_tokens: int, num_seqs: int, width: int) -> tuple[int, int, int]:
+        """The smallest (T, S, W) holding the batch, with S <= T.
+
+        Raises:
+          ValueError: a value past its ladder's maximum (named with the limit).
+        """
+        s = _smallest_at_least(self.seq_buckets, num_seqs, "num_seqs")
+        t = _smallest_at_least(self.token_buckets, max(num_tokens, s), "num_tokens")
+        w = _smallest_at_least(self.width_buckets, width, "width")
+        return t, s, w
+
+    def all_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (T, S, W) that :meth:`pick` can return (S <= T), T-major."""
+        return [(t, s, w) for t in self.token_buckets for s in self.seq_buckets if s <= t for w in self.width_buckets]
+
+    def __len__(self) -> int:
+        """Number of programs the runner compiles."""
+        return len(self.all_shapes())
+
+
+def _smallest_at_least(ladder: tuple[int, ...], value: int, name: str) -> int:
+    i = bisect.bisect_left(ladder, value)
+    if i == len(ladder):
+        raise ValueError(f"BucketTable.pick: {name}={value} exceeds the largest bucket {ladder[-1]}")
+    return ladder[i]

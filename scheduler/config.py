@@ -1,0 +1,82 @@
+"""Scheduler configuration, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+from scheduler.policy import POLICIES, Policy
+
+_PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """Knobs of the scheduler and its KV cache; names follow vLLM's scheduler and cache configs.
+
+    Attributes:
+      block_size: tokens per KV block, >= 1.
+      num_blocks: device KV blocks in all, *including* the null block 0;
+        >= 2. Required.
+      max_num_seqs: requests in one batch at most, >= 1.
+      max_num_batched_tokens: tokens in one step at most, >= max_num_seqs.
+      max_model_len: prompt + output tokens at most; a prompt longer than
+        this is ignored, a request reaching it is length-capped.
+      enable_prefix_caching: reuse computed full blocks across requests.
+      enable_chunked_prefill: split long prompts across steps. When off, a
+        prompt is computed in one step, so ``max_num_batched_tokens`` must be
+        >= ``max_model_len`` (a preempted request recomputes up to that many).
+      long_prefill_token_threshold: cap on one request's prefill tokens per
+        step so long prompts leave room for others; 0 disables it, and so
+        does ``enable_chunked_prefill=False``.
+      scheduling_policy: "fcfs", "priority", "sjf", "aging", or a ``Policy``.
+      preemption_mode: "recompute" (free blocks, recompute later) or "swap"
+        (copy blocks to the host pool and back).
+      num_host_blocks: host blocks for swap mode, >= 0; a victim that does
+        not fit falls back to recompute.
+      aging_rate: for "aging": priority units gained per second of waiting,
+        >= 0.
+
+    Raises:
+      ValueError: a field out of range; the message names the field, the value
+        and the limit.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: Union[str, Policy] = "fcfs"
+    preemption_mode: str = "recompute"
+    num_host_blocks: int = 0
+    aging_rate: float = 1.0
+
+    def __post_init__(self) -> None:
+        def bad(field: str, limit: str) -> ValueError:
+            return ValueError(f"SchedulerConfig.{field}={getattr(self, field)!r} is out of range: must be {limit}")
+
+        for field, low in (("block_size", 1), ("num_blocks", 2), ("max_num_seqs", 1), ("max_model_len", 1)):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < low:
+                raise bad(field, f"an int >= {low}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < self.max_num_seqs:
+            raise bad("max_num_batched_tokens", f"an int >= max_num_seqs={self.max_num_seqs}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise bad(
+                "max_num_batched_tokens",
+                f">= max_model_len={self.max_model_len} when enable_chunked_prefill is False",
+            )
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise bad("long_prefill_token_threshold", "an int >= 0 (0 disables it)")
+        if not isinstance(self.scheduling_policy, Policy) and self.scheduling_policy not in POLICIES:
+            raise bad("scheduling_policy", f"one of {sorted(POLICIES)} or a Policy instance")
+        if self.preemption_mode not in _PREEMPTION_MODES:
+            raise bad("preemption_mode", f"one of {list(_PREEMPTION_MODES)}")
+        if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
+            raise bad("num_host_blocks", "an int >= 0")
+        if not self.aging_rate >= 0:
+            raise bad("aging_rate", ">= 0 (priority units per second)")

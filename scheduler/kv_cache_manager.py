@@ -1,0 +1,190 @@
+"""Per-request block tables on top of the block pool (vLLM v1 ``KVCacheManager``)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from scheduler.block_hash import extend_block_hashes
+from scheduler.block_pool import BlockPool, KVBlock
+from scheduler.block_table import BlockTable
+from scheduler.host_block_pool import HostBlockPool
+from scheduler.request import Request
+
+
+class KVCacheManager:
+    """Allocates, frees, prefix-matches and swaps the KV blocks of each request.
+
+    Follows vLLM v1 ``KVCacheManager``: a request's block table is a list of
+    ``KVBlock`` covering its first ``num_computed_tokens + num_new_tokens``
+    tokens. Blocks become prefix-cacheable once full *and* computed
+    (:meth:`cache_computed_blocks`, called after the model step), so a hit
+    always points at KV that exists.
+
+    Args:
+      block_pool: the device blocks.
+      block_size: tokens per block, >= 1.
+      enable_caching: look up and register prefix-cache hashes.
+      num_host_blocks: size of the host pool for swap-mode preemption.
+
+    Attributes:
+      req_to_blocks: request_id -> its block table (``KVBlock`` list).
+      req_to_block_ids: request_id -> the same table as ints, kept in step so
+        the hot path never rebuilds it.
+      block_table: the same tables again as a ``BlockTable`` (numpy rows, for
+        ``build_batch``); ``req_to_row`` maps request_id -> row.
+      swapped: request_id -> host block ids holding its swapped-out KV, in
+        block-table order.
+    """
+
+    def __init__(self, block_pool: BlockPool, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
+        if block_size < 1:
+            raise ValueError(f"KVCacheManager: block_size={block_size} must be >= 1")
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.host_pool = HostBlockPool(num_host_blocks)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}
+        self.swapped: dict[str, list[int]] = {}
+        self.block_table = BlockTable()
+        self.req_to_row: dict[str, int] = {}
+        # How many leading blocks of each table are already registered.
+        self._num_cached: dict[str, int] = {}
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as block ids (the manager's list; do not mutate)."""
+        return self.req_to_block_ids.get(request_id, [])
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks that prefixes ``request``'s tokens.
+
+        The last token is never matched, so at least one token is computed and
+        there are logits to sample from. Returns ``(blocks, num_tokens)`` with
+        ``num_tokens == len(blocks) * block_size``; the blocks are not yet
+        referenced (pass them to :meth:`allocate_slots`).
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes
+        extend_block_hashes(hashes, request.all_token_ids, max_blocks, self.block_size, request.cache_salt)
+        cached = self.block_pool.cached
+        hits = []
+        for i in range(max_blocks):
+            block = cached.get(hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
+        """Grow ``request``'s table to hold its computed tokens, ``computed_blocks`` and ``num_new_tokens`` more.
+
+        ``computed_blocks`` (from :meth:`get_computed_blocks`, only for a
+        request with no blocks yet) are revived and referenced first.
+        Returns False, changing nothing, when the free queue is too short.
+        """
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid, ())
+        bs = self.block_size
+        total = request.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
+        new = -(-total // bs) - len(blocks) - len(computed_blocks)
+        if new <= 0 and not computed_blocks:
+            return True
+        new = max(new, 0)
+        revive = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        pool = self.block_pool
+        if new + revive > pool.num_free_blocks:
+            return False
+        if rid not in self.req_to_blocks:
+            self._start_table(rid)
+            blocks = self.req_to_blocks[rid]
+        if computed_blocks:
+            pool.touch(computed_blocks)
+            self._num_cached[rid] = len(blocks) + len(computed_blocks)
+        self._extend_table(rid, list(computed_blocks) + pool.get_new_blocks(new))
+        return True
+
+    def _start_table(self, rid: str) -> None:
+        self.req_to_blocks[rid] = []
+        self.req_to_block_ids[rid] = []
+        self.req_to_row[rid] = self.block_table.acquire()
+        self._num_cached[rid] = 0
+
+    def _extend_table(self, rid: str, blocks: list[KVBlock]) -> None:
+        ids = [b.block_id for b in blocks]
+        self.req_to_blocks[rid].extend(blocks)
+        self.req_to_block_ids[rid].extend(ids)
+        self.block_table.append(self.req_to_row[rid], ids)
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register every full block of ``request`` whose tokens are all computed; each block is hashed once."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        done = self._num_cached.get(rid, 0)
+        if num_full <= done:
+            return
+        hashes = request.block_hashes
+        extend_block_hashes(hashes, request.all_token_ids, num_full, self.block_size, request.cache_salt)
+        blocks = self.req_to_blocks[rid]
+        cache_block = self.block_pool.cache_block
+        for i in range(done, num_full):
+            cache_block(blocks[i], hashes[i])
+        self._num_cached[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release all of ``request``'s device blocks (tail first, so its prefix is evicted last) and host blocks."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        self.req_to_block_ids.pop(rid, None)
+        self._num_cached.pop(rid, None)
+        row = self.req_to_row.pop(rid, None)
+        if row is not None:
+            self.block_table.release(row)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+        host = self.swapped.pop(rid, None)
+        if host:
+            self.host_pool.free(host)
+
+    def swap_out(self, request: Request) -> Optional[list[tuple[int, int]]]:
+        """Move ``request``'s computed blocks to the host pool and free its device blocks.
+
+        Returns ``(device_block, host_block)`` pairs for the runner to copy
+        (before this step's swap-ins and model step), or None, changing
+        nothing, if the host pool is too small.
+        """
+        rid = request.request_id
+        n = -(-request.num_computed_tokens // self.block_size)
+        if n > self.host_pool.num_free_blocks:
+            return None
+        host = self.host_pool.allocate(n)
+        pairs = list(zip(self.req_to_block_ids[rid][:n], host))
+        self.free(request)
+        self.swapped[rid] = host
+        return pairs
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> Optional[list[tuple[int, int]]]:
+        """Bring a swapped-out request back with room for ``num_new_tokens`` more tokens.
+
+        Returns ``(host_block, device_block)`` pairs for the runner to copy, or
+        None, changing nothing, if the free queue is too short. The host ids
+        become reusable at the end of the step (see ``HostBlockPool``).
+        """
+        rid = request.request_id
+        host = self.swapped[rid]
+        bs = self.block_size
+        n = max(-(-(request.num_computed_tokens + num_new_tokens) // bs), len(host))
+        if n > self.block_pool.num_free_blocks:
+            return None
+        del self.swapped[rid]
+        self._start_table(rid)
+        self._extend_table(rid, self.block_pool.get_new_blocks(n))
+        self.host_pool.free(host, after_step=True)
+        return list(zip(host, self.req_to_block_ids[rid]))
+
+    def end_step(self) -> None:
+        """Called at the end of ``Scheduler.schedule``: host ids freed by swap-ins become reusable."""
+        self.host_pool.end_step()

@@ -1,0 +1,183 @@
+"""One generation request as the scheduler sees it (vLLM v1 ``Request``)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import numpy as np
+
+from scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life; the ``FINISHED_*`` members are final.
+
+    Follows vLLM v1 ``RequestStatus``. ``PREEMPTED`` requests sit in the
+    waiting queue until they are readmitted.
+    """
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        """True for the four ``FINISHED_*`` statuses (no more tokens will come)."""
+        return status >= RequestStatus.FINISHED_STOPPED
+
+
+# IGNORED reports "length" because, as in vLLM, a request is ignored for being
+# too long for the model or the cache.
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+class Request:
+    """A prompt, its sampling parameters, and the scheduler's progress on it.
+
+    Follows vLLM v1 ``Request``: there is no prefill or decode phase, only
+    ``num_computed_tokens`` (tokens whose KV is in the cache) catching up with
+    ``num_tokens`` (prompt plus generated tokens).
+
+    Args:
+      request_id: unique among unfinished requests of one scheduler.
+      prompt_token_ids: the prompt, non-empty, token ids >= 0.
+      sampling_params: sampling and stopping parameters.
+      eos_token_id: the model's end-of-sequence id; None disables eos stops.
+      arrival_time: seconds on the scheduler's clock (``time.monotonic`` by
+        default); None means now.
+      priority: lower value = more urgent (as in vLLM); used by the
+        ``priority`` and ``aging`` policies.
+      cache_salt: mixed into the first block's hash so requests with different
+        salts never share prefix-cache blocks.
+
+    Attributes (beyond the arguments):
+      output_token_ids: generated token ids, in order.
+      num_computed_tokens: prompt+output tokens whose KV is in the cache.
+      status: a ``RequestStatus``.
+      stop_reason: the stop token id that ended it, or a stop string set by the
+        engine; None for eos, length caps and aborts.
+      ignored_reason: why it was finished as ``FINISHED_IGNORED``.
+      num_preemptions: times it was preempted.
+      first_scheduled_time: clock time of its first admission (queue time is
+        ``first_scheduled_time - arrival_time``).
+      block_hashes: prefix-cache hashes (16-byte ``bytes``) of its full blocks,
+        filled in lazily by the KV cache manager, one per block, once.
+
+    Raises:
+      ValueError: empty prompt, a negative token id, or a non-int priority.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
+        "priority", "cache_salt", "output_token_ids", "num_computed_tokens", "status",
+        "stop_reason", "ignored_reason", "num_preemptions", "first_scheduled_time",
+        "block_hashes", "_all_token_ids", "_max_tokens", "_seq", "_stop_ids", "_length_limit",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_id: Optional[int] = None,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+    ) -> None:
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError(f"Request {request_id!r}: prompt_token_ids is empty; need at least 1 token")
+        if min(prompt) < 0:
+            raise ValueError(f"Request {request_id!r}: prompt token id {min(prompt)} is negative; ids must be >= 0")
+        if not isinstance(priority, (int, np.integer)) or isinstance(priority, bool):
+            raise ValueError(f"Request {request_id!r}: priority={priority!r} must be an int")
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else float(arrival_time)
+        self.priority = int(priority)
+        self.cache_salt = cache_salt
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.ignored_reason: Optional[str] = None
+        self.num_preemptions = 0
+        self.first_scheduled_time: Optional[float] = None
+        self.block_hashes: list[bytes] = []
+        # Kept alongside output_token_ids so slicing the next chunk's ids is one
+        # C-level slice on the hot path instead of a concatenation.
+        self._all_token_ids = list(prompt)
+        self._max_tokens = sampling_params.max_tokens
+        # Set by the scheduler on add_request: a tie-break for policy keys,
+        # and the update loop's cheap stop filter (token ids that may stop
+        # it, and num_tokens at which it is length-capped).
+        self._seq = 0
+        self._stop_ids: frozenset[int] = frozenset()
+        self._length_limit = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the prompt, in tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by generated tokens; the scheduler's own list, do not mutate."""
+        return self._all_token_ids
+
+    @property
+    def max_tokens(self) -> Optional[int]:
+        """``sampling_params.max_tokens`` (None: bounded by max_model_len only)."""
+        return self._max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the status is one of the ``FINISHED_*`` statuses."""
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """"stop", "length" (also for IGNORED, as vLLM), "abort", or None while unfinished."""
+        return _FINISH_REASONS.get(self.status)
+
+    @property
+    def queue_time(self) -> Optional[float]:
+        """Seconds from arrival to first admission; None until admitted."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record one generated token (scheduler use)."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

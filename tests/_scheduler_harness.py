@@ -1,0 +1,144 @@
+"""Test helpers: a fake clock, a fake model runner with a simulated KV cache, and invariant checks."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+import numpy as np
+import xxhash
+
+from scheduler import (
+    BucketTable,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    build_batch,
+)
+
+VOCAB = 50
+
+
+def next_token(history) -> int:
+    """Deterministic fake model: a hash of the whole token history, mod VOCAB."""
+    return xxhash.xxh3_64_intdigest(np.asarray(history, dtype=np.int64).tobytes()) % VOCAB
+
+
+def reference_output(prompt: list[int], params: SamplingParams, eos: Optional[int], max_model_len: int) -> list[int]:
+    """What a request must generate, computed without any scheduler (same stop rules)."""
+    tokens, out = list(prompt), []
+    while True:
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if len(out) >= params.min_tokens and ((t == eos and not params.ignore_eos) or t in params.stop_token_ids):
+            return out
+        if (params.max_tokens is not None and len(out) >= params.max_tokens) or len(tokens) >= max_model_len:
+            return out
+
+
+class FakeClock:
+    """A clock the test advances by hand."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+class FakeRunner:
+    """Plays the model runner: does the swap copies, writes token ids into a simulated KV cache
+    through slot_mapping, and samples from the history it *reads back* through the block
+    tables -- so a wrong block table, slot or prefix-cache hit changes the generated tokens."""
+
+    def __init__(self, config: SchedulerConfig, buckets: Optional[BucketTable] = None) -> None:
+        bs = config.block_size
+        self.block_size = bs
+        self.kv = np.full(config.num_blocks * bs, -1, dtype=np.int64)
+        self.host = np.full((max(config.num_host_blocks, 1), bs), -1, dtype=np.int64)
+        self.buckets = buckets or BucketTable.from_limits(
+            config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len, bs, min_tokens=1, min_seqs=1, min_width=1
+        )
+        self.last_batch = None
+
+    def __call__(self, output) -> list[int]:
+        b = build_batch(output, self.buckets)
+        self.last_batch = b
+        bs = self.block_size
+        for d, h in b.blocks_to_swap_out:
+            self.host[h] = self.kv[d * bs : (d + 1) * bs]
+        for h, d in b.blocks_to_swap_in:
+            self.kv[d * bs : (d + 1) * bs] = self.host[h]
+        self.kv[b.slot_mapping] = b.input_ids
+        sampled = []
+        for s in range(b.num_seqs):
+            pos = np.arange(b.seq_lens[s])
+            slots = b.block_tables[s, pos // bs] * bs + pos % bs
+            sampled.append(next_token(self.kv[slots]))
+        return sampled
+
+
+def step(sched: Scheduler, runner: FakeRunner):
+    """One schedule -> fake model -> update round; returns (output, updated requests)."""
+    out = sched.schedule()
+    return out, sched.update_from_output(out, runner(out))
+
+
+def run_until_done(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000, check=None) -> int:
+    """Step until nothing is unfinished; returns the number of steps. Fails past ``max_steps``."""
+    for n in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return n
+        step(sched, runner)
+        if check is not None:
+            check(sched)
+    raise AssertionError(f"scheduler still has {sched.num_unfinished_requests} unfinished requests after {max_steps} steps")
+
+
+def make_request(rid: str, prompt, max_tokens: Optional[int] = 8, **kw) -> Request:
+    params = kw.pop("params", None) or SamplingParams(max_tokens=max_tokens, temperature=0)
+    return Request(rid, list(prompt), params, **kw)
+
+
+def check_block_invariants(sched: Scheduler) -> None:
+    """Every non-null block is free xor referenced, with ref_cnt == number of tables holding it."""
+    pool, kv = sched.block_pool, sched.kv_cache_manager
+    holders = Counter()
+    for rid, blocks in kv.req_to_blocks.items():
+        assert len({b.block_id for b in blocks}) == len(blocks), f"{rid} holds a block twice"
+        assert [b.block_id for b in blocks] == kv.req_to_block_ids[rid]
+        holders.update(b.block_id for b in blocks)
+    free_ids = [b.block_id for b in pool.free_queue]
+    assert len(free_ids) == len(set(free_ids)) == pool.num_free_blocks
+    assert 0 not in holders and 0 not in free_ids
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == holders[block.block_id], block
+        assert (block.ref_cnt == 0) == (block.block_id in set(free_ids)), block
+    table = kv.block_table.table
+    assert set(kv.req_to_row) == set(kv.req_to_block_ids)
+    for rid, ids in kv.req_to_block_ids.items():
+        row = table[kv.req_to_row[rid]]
+        assert row[: len(ids)].tolist() == ids and not row[len(ids) :].any(), f"{rid}'s numpy block table row is stale"
+    for h, block in pool.cached.items():
+        assert block.block_hash == h
+    assert set(kv.req_to_blocks) <= {r.request_id for r in sched.running} | set(sched.requests)
+    for req in sched.waiting:
+        assert req.request_id not in kv.req_to_blocks, f"waiting {req.request_id} holds device blocks"
+    host_ids = [h for ids in kv.swapped.values() for h in ids]
+    assert len(host_ids) == len(set(host_ids))
+    assert len(host_ids) + kv.host_pool.num_free_blocks == kv.host_pool.num_host_blocks
+    assert len(sched.running) <= sched.config.max_num_seqs
+
+
+FINAL = (
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH_CAPPED,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_IGNORED,
+)

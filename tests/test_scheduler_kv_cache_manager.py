@@ -1,0 +1,145 @@
+"""KVCacheManager: prefix hits, allocation, caching as blocks fill, swap bookkeeping."""
+
+from scheduler import BlockPool, KVCacheManager, Request, SamplingParams
+from scheduler.block_hash import extend_block_hashes, hash_block_tokens
+from scheduler.block_table import BlockTable
+
+
+def manager(num_blocks=9, block_size=4, num_host_blocks=0):
+    return KVCacheManager(BlockPool(num_blocks), block_size, True, num_host_blocks)
+
+
+def computed(kv, prompt, rid, salt=None):
+    """Allocate and 'compute' a whole prompt, registering its full blocks."""
+    req = Request(rid, prompt, SamplingParams(), cache_salt=salt)
+    assert kv.allocate_slots(req, len(prompt))
+    req.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(req)
+    return req
+
+
+def test_prefix_hit_stops_one_token_short_of_the_end_at_a_block_boundary():
+    kv = manager()
+    computed(kv, list(range(12)), "a")
+    blocks, num_tokens = kv.get_computed_blocks(Request("b", list(range(12)), SamplingParams()))
+    assert num_tokens == 8
+    assert [b.block_id for b in blocks] == [1, 2]
+
+
+def test_prefix_hit_takes_every_full_block_when_the_prompt_is_longer():
+    kv = manager()
+    computed(kv, list(range(12)), "a")
+    _, num_tokens = kv.get_computed_blocks(Request("b", list(range(12)) + [99], SamplingParams()))
+    assert num_tokens == 12
+
+
+def test_same_block_tokens_after_a_different_prefix_do_not_hit():
+    kv = manager()
+    computed(kv, [1, 1, 1, 1, 2, 2, 2, 2, 0], "a")
+    _, num_tokens = kv.get_computed_blocks(Request("b", [3, 3, 3, 3, 2, 2, 2, 2, 0], SamplingParams()))
+    assert num_tokens == 0
+
+
+def test_block_hash_depends_on_parent_tokens_and_extra_key():
+    base = hash_block_tokens(None, [1, 2, 3, 4])
+    assert len(base) == 16
+    assert hash_block_tokens(None, [1, 2, 3, 4]) == base
+    assert hash_block_tokens(b"p" * 16, [1, 2, 3, 4]) != base
+    assert hash_block_tokens(None, [1, 2, 3, 5]) != base
+    assert hash_block_tokens(None, [1, 2, 3, 4], b"salt") != base
+
+
+def test_cache_salt_keeps_requests_from_sharing_blocks():
+    kv = manager()
+    computed(kv, list(range(9)), "a", salt="tenant-1")
+    _, other_salt = kv.get_computed_blocks(Request("b", list(range(9)), SamplingParams(), cache_salt="tenant-2"))
+    _, same_salt = kv.get_computed_blocks(Request("c", list(range(9)), SamplingParams(), cache_salt="tenant-1"))
+    assert (other_salt, same_salt) == (0, 8)
+
+
+def test_failed_allocation_changes_nothing():
+    kv = manager(num_blocks=3)
+    req = Request("a", list(range(9)), SamplingParams())
+    assert not kv.allocate_slots(req, 9)
+    assert kv.block_pool.num_free_blocks == 2
+    assert "a" not in kv.req_to_blocks
+
+
+def test_generated_tokens_become_cacheable_when_their_block_fills():
+    kv = manager()
+    req = computed(kv, [1, 2, 3, 4, 5, 6], "a")
+    assert len(kv.block_pool.cached) == 1
+    for token in (7, 8):
+        req.append_output_token(token)
+    assert kv.allocate_slots(req, 2)
+    req.num_computed_tokens = 8
+    kv.cache_computed_blocks(req)
+    assert len(kv.block_pool.cached) == 2
+    assert kv.block_pool.get_cached_block(req.block_hashes[1]).block_id == kv.get_block_ids("a")[1]
+
+
+def test_each_block_is_hashed_once_over_a_request_life():
+    kv = manager()
+    req = computed(kv, list(range(8)), "a")
+    first = list(req.block_hashes)
+    kv.cache_computed_blocks(req)
+    assert req.block_hashes == first
+    assert [h is f for h, f in zip(req.block_hashes, first)] == [True, True]
+
+
+def test_swap_out_copies_only_computed_blocks_and_frees_the_device_blocks():
+    kv = manager(num_host_blocks=4)
+    req = Request("a", list(range(6)), SamplingParams())
+    assert kv.allocate_slots(req, 6)
+    req.num_computed_tokens = 5
+    assert kv.allocate_slots(req, 4)
+    assert kv.get_block_ids("a") == [1, 2, 3]
+    pairs = kv.swap_out(req)
+    assert pairs == [(1, 0), (2, 1)]
+    assert kv.block_pool.num_free_blocks == 8
+    assert kv.swapped == {"a": [0, 1]}
+
+
+def test_host_blocks_released_by_swap_in_are_reusable_only_after_the_step():
+    kv = manager(num_host_blocks=2)
+    req = Request("a", list(range(8)), SamplingParams())
+    assert kv.allocate_slots(req, 8)
+    req.num_computed_tokens = 8
+    kv.swap_out(req)
+    assert kv.swap_in(req, 1) == [(0, 1), (1, 2)]
+    assert kv.get_block_ids("a") == [1, 2, 3]
+    assert kv.host_pool.num_free_blocks == 0
+    kv.end_step()
+    assert kv.host_pool.num_free_blocks == 2
+
+
+def test_swap_out_declines_when_the_host_pool_is_too_small():
+    kv = manager(num_host_blocks=1)
+    req = Request("a", list(range(8)), SamplingParams())
+    assert kv.allocate_slots(req, 8)
+    req.num_computed_tokens = 8
+    assert kv.swap_out(req) is None
+    assert kv.get_block_ids("a") == [1, 2]
+
+
+def test_incremental_hashes_equal_block_by_block_hashes():
+    tokens = list(range(100, 113))
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, tokens, 1, 4, "salt")
+    extend_block_hashes(hashes, tokens, 3, 4, "salt")
+    first = hash_block_tokens(None, tokens[0:4], b"salt")
+    second = hash_block_tokens(first, tokens[4:8])
+    third = hash_block_tokens(second, tokens[8:12])
+    assert hashes == [first, second, third]
+
+
+def test_numpy_block_table_grows_on_demand_and_zeroes_released_rows():
+    table = BlockTable(rows=1, width=2)
+    a, b = table.acquire(), table.acquire()
+    table.append(a, [5, 6, 7])
+    table.append(b, [9])
+    assert table.table.shape == (2, 4)
+    assert table.table.tolist() == [[5, 6, 7, 0], [9, 0, 0, 0]]
+    table.release(a)
+    assert table.table[a].tolist() == [0, 0, 0, 0]
+    assert table.acquire() == a

@@ -1,0 +1,400 @@
+"""Scheduler behaviour, one scenario per test, driven by a fake runner with a simulated KV cache."""
+
+import pytest
+
+from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from tests._scheduler_harness import (
+    FakeClock,
+    FakeRunner,
+    check_block_invariants,
+    make_request,
+    reference_output,
+    run_until_done,
+    step,
+)
+
+
+def setup(clock=None, **overrides):
+    cfg = dict(num_blocks=33, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
+    cfg.update(overrides)
+    config = SchedulerConfig(**cfg)
+    sched = Scheduler(config, clock=clock or FakeClock())
+    return sched, FakeRunner(config)
+
+
+def expected(req, max_model_len=64):
+    return reference_output(req.prompt_token_ids, req.sampling_params, req.eos_token_id, max_model_len)
+
+
+def test_same_prompt_twice_hits_the_cache_and_generates_the_same_tokens():
+    sched, runner = setup()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]  # exactly 2 blocks
+    first = make_request("first", prompt)
+    sched.add_request(first)
+    run_until_done(sched, runner)
+    second = make_request("second", prompt)
+    sched.add_request(second)
+    out, _ = step(sched, runner)
+    # Block-aligned, as vLLM v1: the last token must be recomputed, so the
+    # block holding it is recomputed too and only the first block hits.
+    assert (out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens) == (4, 4)
+    run_until_done(sched, runner)
+    assert second.output_token_ids == first.output_token_ids == expected(first)
+    assert (sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits) == (16, 4)
+
+
+def test_prompt_one_token_past_cached_blocks_hits_all_of_them():
+    sched, runner = setup()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    sched.add_request(make_request("first", prompt))
+    run_until_done(sched, runner)
+    sched.add_request(make_request("second", prompt + [7]))
+    out, _ = step(sched, runner)
+    assert (out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens) == (8, 1)
+
+
+def test_evicted_block_is_never_served_as_a_hit_for_its_old_hash():
+    sched, runner = setup(num_blocks=5)
+    old = make_request("old", [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=1)
+    sched.add_request(old)
+    run_until_done(sched, runner)
+    old_hash = old.block_hashes[0]
+    sched.add_request(make_request("other", list(range(20, 33)), max_tokens=1))  # needs all 4 blocks
+    run_until_done(sched, runner)
+    assert sched.block_pool.get_cached_block(old_hash) is None
+    again = make_request("again", [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=3)
+    sched.add_request(again)
+    out, _ = step(sched, runner)
+    assert out.scheduled[0].num_computed_tokens == 0
+    run_until_done(sched, runner)
+    assert again.output_token_ids == expected(again)
+
+
+def test_request_larger_than_the_whole_cache_is_ignored_while_eight_others_complete():
+    sched, runner = setup(num_blocks=9)  # 8 usable blocks = 32 token slots
+    big = make_request("big", list(range(30)), max_tokens=8)
+    sched.add_request(big)
+    small = [make_request(f"s{i}", [i + 1] * 6, max_tokens=4) for i in range(8)]
+    for req in small:
+        sched.add_request(req)
+    assert big.status == RequestStatus.FINISHED_IGNORED
+    assert big.ignored_reason == "prompt (30 tokens) + max_tokens (8) needs 10 KV blocks of 4 tokens; the whole cache has 8"
+    out, updated = step(sched, runner)
+    assert out.finished == [big]
+    assert updated[0] is big
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert [r.output_token_ids for r in small] == [expected(r) for r in small]
+    assert big.finish_reason == "length"
+
+
+def test_prompt_longer_than_max_model_len_is_ignored():
+    sched, _ = setup(max_model_len=16)
+    req = make_request("long", list(range(17)))
+    sched.add_request(req)
+    assert req.status == RequestStatus.FINISHED_IGNORED
+    assert req.ignored_reason == "prompt has 17 tokens, more than max_model_len=16"
+
+
+def test_long_chunked_prefill_under_memory_pressure_completes():
+    sched, runner = setup(num_blocks=13, max_num_batched_tokens=8, max_num_seqs=4)
+    long = make_request("long", list(range(40)), max_tokens=4, arrival_time=0.0)
+    shorts = [make_request(f"s{i}", [i + 1] * 8, max_tokens=12, arrival_time=1.0 + i) for i in range(3)]
+    for req in [long] + shorts:
+        sched.add_request(req)
+    run_until_done(sched, runner, max_steps=300, check=check_block_invariants)
+    assert sched.stats.num_preemptions > 0
+    assert [r.output_token_ids for r in [long] + shorts] == [expected(r) for r in [long] + shorts]
+    assert sched.block_pool.num_free_blocks == 12
+
+
+def test_chunked_prefill_shares_a_step_with_decodes():
+    sched, runner = setup(max_num_batched_tokens=8)
+    sched.add_request(make_request("decoder", [1, 2, 3], arrival_time=0.0))
+    step(sched, runner)
+    sched.add_request(make_request("prompt", list(range(20)), arrival_time=1.0))
+    out, _ = step(sched, runner)
+    assert [(r.request.request_id, r.num_new_tokens, r.samples) for r in out.scheduled] == [
+        ("decoder", 1, True),
+        ("prompt", 7, False),
+    ]
+
+
+def test_long_prefill_threshold_caps_one_request_chunk():
+    sched, runner = setup(long_prefill_token_threshold=5)
+    sched.add_request(make_request("p", list(range(12))))
+    chunks = [step(sched, runner)[0].scheduled[0].num_new_tokens for _ in range(4)]
+    assert chunks == [5, 5, 2, 1]
+
+
+def test_without_chunked_prefill_a_prompt_over_the_remaining_budget_waits():
+    sched, runner = setup(enable_chunked_prefill=False, max_num_batched_tokens=64)
+    sched.add_request(make_request("a", list(range(40)), arrival_time=0.0))
+    sched.add_request(make_request("b", list(range(100, 130)), arrival_time=1.0))
+    first, _ = step(sched, runner)
+    second, _ = step(sched, runner)
+    assert [(r.request.request_id, r.num_new_tokens) for r in first.scheduled] == [("a", 40)]
+    assert [(r.request.request_id, r.num_new_tokens) for r in second.scheduled] == [("a", 1), ("b", 30)]
+
+
+def test_partial_prefill_discards_its_sample():
+    sched, runner = setup(max_num_batched_tokens=8)
+    req = make_request("p", list(range(12)))
+    sched.add_request(req)
+    out = sched.schedule()
+    updated = sched.update_from_output(out, [7])
+    assert (req.num_computed_tokens, req.output_token_ids, updated) == (8, [], [])
+
+
+def test_priority_most_urgent_arrival_runs_within_two_steps_of_a_full_batch():
+    clock = FakeClock()
+    sched, runner = setup(clock, scheduling_policy="priority", max_num_seqs=2)
+    for i in range(2):
+        sched.add_request(make_request(f"bulk{i}", [i + 1] * 8, max_tokens=40, priority=5, arrival_time=0.0))
+    step(sched, runner)
+    urgent = make_request("urgent", [9] * 8, max_tokens=4, priority=0, arrival_time=1.0)
+    sched.add_request(urgent)
+    first, _ = step(sched, runner)
+    assert urgent.status == RequestStatus.RUNNING
+    assert [r.request.request_id for r in first.scheduled] == ["bulk0", "urgent"]
+    assert [r.request_id for r in first.preempted] == ["bulk1"]
+
+
+def test_fcfs_does_not_preempt_for_a_later_arrival():
+    sched, runner = setup(max_num_seqs=2)
+    for i in range(2):
+        sched.add_request(make_request(f"bulk{i}", [i + 1] * 8, max_tokens=40, arrival_time=0.0))
+    step(sched, runner)
+    late = make_request("late", [9] * 8, max_tokens=4, priority=-100, arrival_time=1.0)
+    sched.add_request(late)
+    out, _ = step(sched, runner)
+    assert (late.status, out.preempted) == (RequestStatus.WAITING, [])
+
+
+def _steady_urgent_stream(policy, steps):
+    clock = FakeClock()
+    sched, runner = setup(clock, scheduling_policy=policy, max_num_seqs=1, aging_rate=1.0)
+    low = make_request("low", [7] * 4, max_tokens=2, priority=10, arrival_time=0.0)
+    sched.add_request(low)
+    for t in range(steps):
+        clock.advance(1.0)
+        sched.add_request(make_request(f"u{t}", [t % 40 + 1] * 4, max_tokens=3, priority=0, arrival_time=clock.t))
+        step(sched, runner)
+    return low
+
+
+def test_aging_lets_a_least_urgent_request_finish_under_a_steady_urgent_stream():
+    low = _steady_urgent_stream("aging", steps=60)
+    assert low.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_priority_without_aging_starves_it_under_the_same_stream():
+    low = _steady_urgent_stream("priority", steps=60)
+    assert low.status == RequestStatus.WAITING
+
+
+def test_sjf_admits_the_shortest_job_first():
+    sched, runner = setup(scheduling_policy="sjf", max_num_seqs=1)
+    sched.add_request(make_request("long", [1] * 10, max_tokens=20, arrival_time=0.0))
+    sched.add_request(make_request("short", [2] * 10, max_tokens=2, arrival_time=1.0))
+    out, _ = step(sched, runner)
+    assert [r.request.request_id for r in out.scheduled] == ["short"]
+
+
+def test_aborting_a_running_request_returns_all_its_blocks_at_once():
+    sched, runner = setup()
+    req = make_request("r", list(range(10)), max_tokens=20)
+    sched.add_request(req)
+    for _ in range(3):
+        step(sched, runner)
+    assert sched.block_pool.num_free_blocks == 32 - 3
+    sched.abort_request("r")
+    assert sched.block_pool.num_free_blocks == 32
+    assert (req.status, req.finish_reason, sched.has_unfinished_requests()) == (
+        RequestStatus.FINISHED_ABORTED, "abort", True,
+    )
+    out, updated = step(sched, runner)
+    assert (out.finished, updated, sched.has_unfinished_requests()) == ([req], [req], False)
+
+
+def test_aborting_a_waiting_request_removes_it_from_the_queue():
+    sched, runner = setup(max_num_seqs=1)
+    sched.add_request(make_request("a", [1, 2, 3], arrival_time=0.0))
+    sched.add_request(make_request("b", [1, 2, 3], arrival_time=1.0))
+    step(sched, runner)
+    sched.abort_request("b")
+    sched.abort_request("no-such-id")
+    assert (sched.stats.num_waiting, sched.num_unfinished_requests) == (0, 1)
+
+
+def test_recompute_preemption_keeps_hashes_so_the_resumed_prefill_hits_its_own_prefix():
+    sched, runner = setup(num_blocks=7, max_num_seqs=2, max_num_batched_tokens=16)
+    a = make_request("a", [1] * 9, max_tokens=12, arrival_time=0.0)
+    b = make_request("b", [2] * 9, max_tokens=12, arrival_time=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    first_block = resumed = None
+    for _ in range(60):
+        first_block = first_block or sched.kv_cache_manager.get_block_ids("b")[:1]
+        out, _ = step(sched, runner)
+        resumed = resumed or next((r for r in out.scheduled if r.request is b and b.num_preemptions), None)
+        if not sched.has_unfinished_requests():
+            break
+    assert b.num_preemptions == 1
+    # a's growth evicted b's later blocks (freed tail first); its first block survived.
+    assert (resumed.num_computed_tokens, resumed.block_ids[:1]) == (4, first_block)
+    assert (a.output_token_ids, b.output_token_ids) == (expected(a), expected(b))
+
+
+def test_swap_preemption_resumes_with_identical_tokens_and_reports_the_copies():
+    sched, runner = setup(num_blocks=7, max_num_seqs=2, preemption_mode="swap", num_host_blocks=8)
+    a = make_request("a", [1] * 9, max_tokens=12, arrival_time=0.0)
+    b = make_request("b", [2] * 9, max_tokens=12, arrival_time=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    swap_out = swap_in = None
+    for _ in range(60):
+        table_before = list(sched.kv_cache_manager.get_block_ids("b"))
+        computed_before = b.num_computed_tokens
+        out, _ = step(sched, runner)
+        if out.blocks_to_swap_out and swap_out is None:
+            swap_out = (out.blocks_to_swap_out, table_before, computed_before)
+        if out.blocks_to_swap_in and swap_in is None:
+            row = next(r for r in out.scheduled if r.request is b)
+            swap_in = (out.blocks_to_swap_in, row)
+        if not sched.has_unfinished_requests():
+            break
+    pairs, table, computed = swap_out
+    assert [d for d, _ in pairs] == table[: -(-computed // 4)]
+    in_pairs, row = swap_in
+    assert [h for h, _ in in_pairs] == [h for _, h in pairs]
+    assert [d for _, d in in_pairs] == row.block_ids[: len(in_pairs)]
+    assert row.num_computed_tokens == computed
+    assert (a.output_token_ids, b.output_token_ids) == (expected(a), expected(b))
+    assert sched.kv_cache_manager.host_pool.num_free_blocks == 8
+
+
+def test_swap_mode_without_host_blocks_falls_back_to_recompute():
+    sched, runner = setup(num_blocks=7, max_num_seqs=2, preemption_mode="swap", num_host_blocks=0)
+    a = make_request("a", [1] * 9, max_tokens=12, arrival_time=0.0)
+    b = make_request("b", [2] * 9, max_tokens=12, arrival_time=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    outs = []
+    while sched.has_unfinished_requests():
+        outs.append(step(sched, runner)[0])
+    assert sum(len(o.preempted) for o in outs) >= 1
+    assert all(not o.blocks_to_swap_out for o in outs)
+    assert (a.output_token_ids, b.output_token_ids) == (expected(a), expected(b))
+
+
+def test_eos_stops_the_request_unless_ignore_eos():
+    prompt = [4, 4, 4]
+    eos = reference_output(prompt, SamplingParams(max_tokens=1), None, 64)[0]
+    sched, runner = setup()
+    stopped = make_request("stopped", prompt, max_tokens=5, eos_token_id=eos)
+    ignoring = make_request("ignoring", prompt, eos_token_id=eos, params=SamplingParams(max_tokens=5, ignore_eos=True))
+    sched.add_request(stopped)
+    sched.add_request(ignoring)
+    run_until_done(sched, runner)
+    assert (stopped.output_token_ids, stopped.status, stopped.stop_reason) == ([eos], RequestStatus.FINISHED_STOPPED, None)
+    assert (len(ignoring.output_token_ids), ignoring.status) == (5, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+def test_stop_token_id_stops_and_becomes_the_stop_reason():
+    prompt = [4, 4, 4]
+    out = reference_output(prompt, SamplingParams(max_tokens=3), None, 64)
+    sched, runner = setup()
+    req = make_request("r", prompt, params=SamplingParams(max_tokens=5, stop_token_ids=[out[1]]))
+    sched.add_request(req)
+    run_until_done(sched, runner)
+    assert (req.output_token_ids, req.stop_reason, req.finish_reason) == (out[:2], out[1], "stop")
+
+
+def test_min_tokens_suppresses_an_earlier_stop():
+    prompt = [4, 4, 4]
+    first = reference_output(prompt, SamplingParams(max_tokens=1), None, 64)[0]
+    sched, runner = setup()
+    req = make_request("r", prompt, eos_token_id=first, params=SamplingParams(max_tokens=3, min_tokens=2))
+    sched.add_request(req)
+    run_until_done(sched, runner)
+    assert req.output_token_ids[0] == first
+    assert len(req.output_token_ids) >= 2
+
+
+def test_max_model_len_caps_the_length():
+    sched, runner = setup(max_model_len=12)
+    req = make_request("r", list(range(10)), max_tokens=None)
+    sched.add_request(req)
+    run_until_done(sched, runner)
+    assert (req.num_tokens, req.status) == (12, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+def test_request_without_max_tokens_that_alone_fills_the_cache_is_length_capped():
+    sched, runner = setup(num_blocks=4, max_model_len=64)
+    req = make_request("r", list(range(10)), max_tokens=None)
+    sched.add_request(req)
+    run_until_done(sched, runner, max_steps=50)
+    assert (req.num_tokens, req.status, sched.stats.num_preemptions) == (13, RequestStatus.FINISHED_LENGTH_CAPPED, 0)
+
+
+def test_engine_stop_string_finish_frees_blocks_without_a_report():
+    sched, runner = setup()
+    req = make_request("r", list(range(6)), max_tokens=10)
+    sched.add_request(req)
+    step(sched, runner)
+    sched.finish_requests(["r"], RequestStatus.FINISHED_STOPPED)
+    out, updated = step(sched, runner)
+    assert (sched.block_pool.num_free_blocks, out.finished, updated) == (32, [], [])
+
+
+def test_finish_requests_rejects_a_non_final_status():
+    sched, _ = setup()
+    with pytest.raises(ValueError, match="not a FINISHED_"):
+        sched.finish_requests("r", RequestStatus.RUNNING)
+
+
+def test_duplicate_request_id_is_rejected():
+    sched, _ = setup()
+    sched.add_request(make_request("r", [1]))
+    with pytest.raises(ValueError, match="already unfinished"):
+        sched.add_request(make_request("r", [1]))
+
+
+def test_schedule_twice_without_update_raises():
+    sched, _ = setup()
+    sched.schedule()
+    with pytest.raises(RuntimeError, match="before update_from_output"):
+        sched.schedule()
+
+
+def test_update_with_a_stale_output_is_rejected_and_changes_nothing():
+    sched, runner = setup()
+    sched.add_request(make_request("r", [1, 2]))
+    stale = sched.schedule()
+    sched.update_from_output(stale, [5])
+    sched.schedule()
+    with pytest.raises(ValueError, match="not the pending output"):
+        sched.update_from_output(stale, [5])
+    assert sched.get_request("r").output_token_ids == [5]
+
+
+def test_get_request_of_unknown_id_raises_key_error():
+    sched, _ = setup()
+    with pytest.raises(KeyError, match="no unfinished request"):
+        sched.get_request("nope")
+
+
+def test_queue_time_and_stats_are_recorded():
+    clock = FakeClock(100.0)
+    sched, runner = setup(clock, max_num_seqs=1)
+    a = make_request("a", [1] * 6, max_tokens=2, arrival_time=100.0)
+    b = make_request("b", [2] * 6, max_tokens=2, arrival_time=100.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, runner)
+    stats = sched.stats
+    assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (1, 1, 30)
+    assert stats.kv_cache_usage == 2 / 32
+    clock.advance(3.0)
+    run_until_done(sched, runner)
+    assert (a.queue_time, b.queue_time) == (0.0, 3.0)

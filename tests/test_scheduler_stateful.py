@@ -1,0 +1,144 @@
+"""Random arrivals, lengths, shared prefixes, aborts and clock jumps against a cache of a few blocks.
+
+After every rule: each block is free xor referenced, with ref_cnt equal to the
+number of block tables holding it, and never held twice (see
+``check_block_invariants``). At the end: every request finished or was ignored
+with a reason, every unaborted one generated exactly what a scheduler-free
+reference generates (the fake runner samples from KV it reads back through the
+block tables), and free blocks == total - 1. Runs under every policy and both
+preemption modes.
+"""
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from tests._scheduler_harness import (
+    VOCAB,
+    FakeClock,
+    FakeRunner,
+    check_block_invariants,
+    make_request,
+    reference_output,
+    run_until_done,
+    step,
+)
+
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 32
+PREFIXES = ([], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 9])
+EOS = 0
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    policy = "fcfs"
+    mode = "recompute"
+
+    @initialize(
+        num_blocks=st.integers(4, 12),
+        caching=st.booleans(),
+        chunked=st.booleans(),
+        threshold=st.sampled_from([0, 5]),
+    )
+    def setup(self, num_blocks, caching, chunked, threshold):
+        self.config = SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=3,
+            max_num_batched_tokens=10 if chunked else MAX_MODEL_LEN,
+            max_model_len=MAX_MODEL_LEN,
+            enable_prefix_caching=caching,
+            enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=threshold,
+            scheduling_policy=self.policy,
+            preemption_mode=self.mode,
+            num_host_blocks=6,
+            aging_rate=0.5,
+        )
+        self.clock = FakeClock()
+        self.sched = Scheduler(self.config, clock=self.clock)
+        self.runner = FakeRunner(self.config)
+        self.requests = []
+        self.aborted = set()
+
+    @rule(
+        prefix=st.sampled_from(range(len(PREFIXES))),
+        suffix=st.lists(st.integers(1, VOCAB - 1), max_size=28),
+        max_tokens=st.integers(1, 12),
+        min_tokens=st.integers(0, 2),
+        priority=st.integers(0, 3),
+        use_eos=st.booleans(),
+    )
+    def add_request(self, prefix, suffix, max_tokens, min_tokens, priority, use_eos):
+        prompt = (PREFIXES[prefix] + suffix) or [1]
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), temperature=0)
+        req = make_request(
+            f"r{len(self.requests)}", prompt, params=params, priority=priority,
+            eos_token_id=EOS if use_eos else None, arrival_time=self.clock.t,
+        )
+        self.sched.add_request(req)
+        self.requests.append(req)
+        kv_tokens = min(len(prompt) + max_tokens, max(MAX_MODEL_LEN, len(prompt) + 1)) - 1
+        never_fits = len(prompt) > MAX_MODEL_LEN or -(-kv_tokens // BLOCK_SIZE) > self.config.num_blocks - 1
+        assert (req.status == RequestStatus.FINISHED_IGNORED) == never_fits
+        assert bool(req.ignored_reason) == never_fits
+
+    @rule()
+    def step(self):
+        had_work = bool(self.sched.requests)
+        out, updated = step(self.sched, self.runner)
+        assert len({id(r) for r in updated}) == len(updated)
+        assert out.scheduled or not had_work, "unfinished requests but nothing scheduled"
+        assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+
+    @rule(data=st.data())
+    def abort(self, data):
+        live = sorted(self.sched.requests)
+        if live:
+            rid = data.draw(st.sampled_from(live))
+            self.sched.abort_request(rid)
+            self.aborted.add(rid)
+
+    @rule(dt=st.floats(0.0, 5.0))
+    def advance_clock(self, dt):
+        self.clock.advance(dt)
+
+    @invariant()
+    def blocks_are_consistent(self):
+        if hasattr(self, "sched"):
+            check_block_invariants(self.sched)
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        run_until_done(self.sched, self.runner, max_steps=2000, check=check_block_invariants)
+        for req in self.requests:
+            assert req.is_finished, req
+            if req.status == RequestStatus.FINISHED_IGNORED:
+                assert req.ignored_reason
+            elif req.request_id not in self.aborted:
+                assert req.output_token_ids == reference_output(
+                    req.prompt_token_ids, req.sampling_params, req.eos_token_id, MAX_MODEL_LEN
+                ), req
+        assert self.sched.block_pool.num_free_blocks == self.config.num_blocks - 1
+        assert self.sched.kv_cache_manager.host_pool.num_free_blocks == 6
+
+
+def _test_case(policy, mode):
+    machine = type(f"SchedulerMachine_{policy}_{mode}", (SchedulerMachine,), {"policy": policy, "mode": mode})
+    case = machine.TestCase
+    case.settings = settings(
+        max_examples=25, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    return case
+
+
+TestStatefulFCFSRecompute = _test_case("fcfs", "recompute")
+TestStatefulFCFSSwap = _test_case("fcfs", "swap")
+TestStatefulPriorityRecompute = _test_case("priority", "recompute")
+TestStatefulPrioritySwap = _test_case("priority", "swap")
+TestStatefulSJFRecompute = _test_case("sjf", "recompute")
+TestStatefulSJFSwap = _test_case("sjf", "swap")
+TestStatefulAgingRecompute = _test_case("aging", "recompute")
+TestStatefulAgingSwap = _test_case("aging", "swap")
