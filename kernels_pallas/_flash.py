@@ -110,3 +110,15 @@ def check_attention_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         raise ValueError(f"head_dim {head_dim} must be a power of two >= 16 (Triton dot constraint)")
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must be [S, W], got {block_tables.shape}")
+
+
+def pad_tables(block_tables: jax.Array, *, block_k: int, block_size: int) -> tuple[jax.Array, int]:
+    """Flatten block tables to int32[S * W'], W' covering whole block_k chunks.
+
+    The padding entries point at block 0; the kernels mask what they read there.
+    """
+    _, width = block_tables.shape
+    chunks = -(-width * block_size // block_k)
+    padded_width = -(-chunks * block_k // block_size)
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
+    return tables.reshape(-1), padded_width

@@ -112,7 +112,7 @@ def _ragged_paged_attention(
     block_q = max(block_m // group_p, 1)
     num_tiles = min(num_tokens, num_seq_rows + num_tokens // block_q)
 
-    tables, table_width = _pad_tables(block_tables, block_k=block_k, block_size=block_size)
+    tables, table_width = _flash.pad_tables(block_tables, block_k=block_k, block_size=block_size)
     sched = _tile_schedule(seq_lens, query_start_loc, num_seqs, num_tiles=num_tiles, block_q=block_q)
 
     # [T, Hq, D] -> [Hkv, (T + block_q) * group_p, D]: a tile's rows are then
@@ -145,18 +145,6 @@ def _ragged_paged_attention(
     # Rows no tile wrote (padding tokens) hold whatever the buffer held.
     valid = jnp.arange(num_tokens) < query_start_loc[num_seqs]
     return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))
-
-
-def _pad_tables(block_tables: jax.Array, *, block_k: int, block_size: int) -> tuple[jax.Array, int]:
-    """Flatten block tables to int32[S * W'], W' covering whole block_k chunks.
-
-    The padding entries point at block 0; the kernels mask what they read there.
-    """
-    num_seq_rows, width = block_tables.shape
-    chunks = -(-width * block_size // block_k)
-    padded_width = -(-chunks * block_k // block_size)
-    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_width - width)))
-    return tables.reshape(-1), padded_width
 
 
 def ragged_paged_attention(
