@@ -1,4 +1,5 @@
-"""The Pallas kernels, run in interpret mode on CPU, against the jnp references.
+"""The Pallas kernels against the jnp references: in interpret mode on CPU,
+compiled through Triton when JAX has a GPU.
 
 Sizes are tiny and the parametrizations are chosen to cover (block_size,
 head_dim, GQA ratio, dtype, sliding window, soft-cap) without a Cartesian
@@ -26,6 +27,14 @@ from kernels_pallas.ragged_paged_attention import _ragged_paged_attention
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 NUM_KV_HEADS = 2
+INTERPRET = jax.default_backend() != "gpu"
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_matmuls():
+    # On GPU, XLA may run the reference's float32 einsums in TF32, far from 1e-5.
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def _make_cache(rng, num_blocks, block_size, head_dim, dtype):
@@ -105,7 +114,7 @@ def test_ragged_matches_reference_on_mixed_prefill_and_decode_batch(
     q_lens, seq_lens = zip(*_mixed_lengths(block_size))
     batch = _ragged_batch(rng, q_lens, seq_lens, block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
     kw = dict(scale=head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
-    out = ragged_paged_attention(*batch, interpret=True, **kw)
+    out = ragged_paged_attention(*batch, interpret=INTERPRET, **kw)
     _assert_close(out, ragged_paged_attention_reference(*batch, **kw), dtype)
 
 
@@ -117,7 +126,7 @@ def test_ragged_tiles_cut_inside_sequences_and_kv_chunks_match_reference(group, 
     q_lens, seq_lens = zip(*_mixed_lengths(8))
     batch = _ragged_batch(rng, q_lens, seq_lens, block_size=8, head_dim=64, group=group, dtype=jnp.float32)
     kw = dict(scale=0.125, sliding_window=sliding_window, soft_cap=None)
-    out = _ragged_paged_attention(*batch, interpret=True, block_m=16, block_k=16, **kw)
+    out = _ragged_paged_attention(*batch, interpret=INTERPRET, block_m=16, block_k=16, **kw)
     _assert_close(out, ragged_paged_attention_reference(*batch, **kw), jnp.float32)
 
 
@@ -127,7 +136,7 @@ def test_ragged_padded_sequences_and_tokens_give_zero_rows():
         rng, [1, 4, 2], [5, 4, 10], block_size=8, head_dim=64, group=2, dtype=jnp.float32, pad_seqs=2, pad_tokens=5
     )
     num_seqs = jnp.int32(2)  # the third sequence is padding too
-    out = ragged_paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, num_seqs, scale=0.125, interpret=True)
+    out = ragged_paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, num_seqs, scale=0.125, interpret=INTERPRET)
     ref = ragged_paged_attention_reference(q, k_cache, v_cache, tables, seq_lens, qsl, num_seqs, scale=0.125)
     _assert_close(out, ref, jnp.float32)
     assert not np.asarray(out[5:]).any()
@@ -137,7 +146,7 @@ def test_ragged_batch_of_only_padding_is_all_zeros():
     rng = np.random.default_rng(2)
     batch = list(_ragged_batch(rng, [3], [3], block_size=8, head_dim=64, group=1, dtype=jnp.float32))
     batch[-1] = jnp.int32(0)
-    out = ragged_paged_attention(*batch, scale=0.125, interpret=True)
+    out = ragged_paged_attention(*batch, scale=0.125, interpret=INTERPRET)
     assert not np.asarray(out).any()
 
 
@@ -152,7 +161,7 @@ def test_paged_attention_matches_reference_on_decode_batch(block_size, head_dim,
     q = jnp.asarray(rng.standard_normal((len(seq_lens), NUM_KV_HEADS * group, head_dim)), dtype)
     args = (q, k_cache, v_cache, tables, jnp.asarray(seq_lens, jnp.int32))
     kw = dict(scale=head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
-    out = paged_attention(*args, interpret=True, **kw)
+    out = paged_attention(*args, interpret=INTERPRET, **kw)
     _assert_close(out, paged_attention_reference(*args, **kw), dtype)
     assert not np.asarray(out[4]).any()
 
@@ -166,7 +175,7 @@ def test_paged_attention_result_does_not_depend_on_split_count(num_splits, slidi
     q = jnp.asarray(rng.standard_normal((len(seq_lens), NUM_KV_HEADS * 4, 64)), jnp.float32)
     args = (q, k_cache, v_cache, tables, jnp.asarray(seq_lens, jnp.int32))
     kw = dict(scale=0.125, sliding_window=sliding_window, soft_cap=None)
-    out = _paged_attention(*args, interpret=True, block_k=16, num_splits=num_splits, **kw)
+    out = _paged_attention(*args, interpret=INTERPRET, block_k=16, num_splits=num_splits, **kw)
     _assert_close(out, paged_attention_reference(*args, **kw), jnp.float32)
 
 
@@ -180,7 +189,7 @@ def test_kv_cache_write_writes_exactly_the_addressed_slots(cache_dtype):
     k = jnp.asarray(rng.standard_normal((8, NUM_KV_HEADS, head_dim)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((8, NUM_KV_HEADS, head_dim)), jnp.float32)
 
-    new_k, new_v = kv_cache_write(k_cache, v_cache, k, v, slots, interpret=True)
+    new_k, new_v = kv_cache_write(k_cache, v_cache, k, v, slots, interpret=INTERPRET)
     ref_k, ref_v = kv_cache_write_reference(k_cache, v_cache, k, v, slots)
 
     for new, ref, old in ((new_k, ref_k, k_cache), (new_v, ref_v, v_cache)):
@@ -196,7 +205,7 @@ def test_kv_cache_write_under_donation_matches_reference():
     rng = np.random.default_rng(4)
     k_cache, v_cache = _make_cache(rng, 4, 16, 64, jnp.float32)
     expected = kv_cache_write_reference(k_cache, v_cache, k_cache[1, :3], v_cache[2, :3], jnp.asarray([50, 51, 3]))
-    write = jax.jit(lambda kc, vc, k, v, s: kv_cache_write(kc, vc, k, v, s, interpret=True), donate_argnums=(0, 1))
+    write = jax.jit(lambda kc, vc, k, v, s: kv_cache_write(kc, vc, k, v, s, interpret=INTERPRET), donate_argnums=(0, 1))
     new_k, new_v = write(k_cache.copy(), v_cache.copy(), k_cache[1, :3], v_cache[2, :3], jnp.asarray([50, 51, 3]))
     np.testing.assert_array_equal(new_k, expected[0])
     np.testing.assert_array_equal(new_v, expected[1])
@@ -206,13 +215,13 @@ def test_head_dim_that_is_not_a_power_of_two_is_rejected():
     rng = np.random.default_rng(5)
     batch = _ragged_batch(rng, [1], [4], block_size=8, head_dim=48, group=1, dtype=jnp.float32)
     with pytest.raises(ValueError, match="head_dim"):
-        ragged_paged_attention(*batch, scale=1.0, interpret=True)
+        ragged_paged_attention(*batch, scale=1.0, interpret=INTERPRET)
 
 
-def test_get_attention_ops_binds_interpret_for_pallas():
+def test_get_attention_ops_pallas_matches_reference():
     rng = np.random.default_rng(6)
     batch = _ragged_batch(rng, [1, 5], [9, 5], block_size=8, head_dim=64, group=2, dtype=jnp.float32)
-    ops = kernels_pallas.get_attention_ops("pallas", interpret=True)
+    ops = kernels_pallas.get_attention_ops("pallas", interpret=INTERPRET)
     expected = kernels_pallas.get_attention_ops("reference").ragged_paged_attention(*batch, scale=0.125)
     _assert_close(ops.ragged_paged_attention(*batch, scale=0.125), expected, jnp.float32)
 
