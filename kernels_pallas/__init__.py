@@ -12,9 +12,9 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from kernels_pallas.kv_cache_write import kv_cache_write
-from kernels_pallas.paged_attention import paged_attention
-from kernels_pallas.ragged_paged_attention import ragged_paged_attention
+from kernels_pallas.cache_write import kv_cache_write
+from kernels_pallas.decode import paged_attention
+from kernels_pallas.ragged import ragged_paged_attention
 from kernels_pallas.reference import (
     kv_cache_write_reference,
     paged_attention_reference,

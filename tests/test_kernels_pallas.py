@@ -8,10 +8,13 @@ product: interpret mode compiles once per case.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
+from jax import export
 
 import kernels_pallas
 from kernels_pallas import (
@@ -22,8 +25,8 @@ from kernels_pallas import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from kernels_pallas.paged_attention import _paged_attention
-from kernels_pallas.ragged_paged_attention import _ragged_paged_attention
+from kernels_pallas.decode import _paged_attention
+from kernels_pallas.ragged import _ragged_paged_attention
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 NUM_KV_HEADS = 2
@@ -241,3 +244,34 @@ def test_get_attention_ops_rejects_unknown_backend_naming_the_allowed_ones():
 def test_default_attention_backend_follows_the_jax_backend():
     expected = "pallas" if jax.default_backend() == "gpu" else "reference"
     assert kernels_pallas.default_attention_backend() == expected
+
+
+def _lower_for_cuda(fn, *arg_shapes):
+    """Run the Pallas Triton lowering (to Triton IR) without a GPU, via jax.export."""
+    triton_call = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton_call])(*arg_shapes)
+
+
+@pytest.mark.parametrize(
+    "dtype,group,block_size,head_dim", [(jnp.bfloat16, 4, 16, 128), (jnp.float32, 1, 8, 64), (jnp.bfloat16, 3, 8, 256)]
+)
+def test_kernels_pass_the_triton_lowering(dtype, group, block_size, head_dim):
+    # Catches what interpret mode cannot: non-power-of-two tensors, primitives
+    # without a Triton lowering rule, unsupported indexing. PTX compilation
+    # still needs a GPU.
+    num_seq_rows, num_tokens, width, num_blocks = 8, 64, 32, 257
+    sds = jax.ShapeDtypeStruct
+    cache = sds((num_blocks, block_size, NUM_KV_HEADS, head_dim), dtype)
+    tables, lens = sds((num_seq_rows, width), jnp.int32), sds((num_seq_rows,), jnp.int32)
+    kw = dict(scale=0.1, sliding_window=100, soft_cap=30.0)
+    _lower_for_cuda(
+        functools.partial(ragged_paged_attention, **kw),
+        sds((num_tokens, NUM_KV_HEADS * group, head_dim), dtype), cache, cache, tables, lens,
+        sds((num_seq_rows + 1,), jnp.int32), sds((), jnp.int32),
+    )
+    _lower_for_cuda(
+        functools.partial(paged_attention, **kw),
+        sds((num_seq_rows, NUM_KV_HEADS * group, head_dim), dtype), cache, cache, tables, lens,
+    )
+    token_kv = sds((num_tokens, NUM_KV_HEADS, head_dim), jnp.float32)
+    _lower_for_cuda(kv_cache_write, cache, cache, token_kv, token_kv, sds((num_tokens,), jnp.int32))
