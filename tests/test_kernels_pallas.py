@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
+from jax.experimental.pallas import triton as plgpu
 
 import kernels_pallas
 from kernels_pallas import (
@@ -248,7 +249,8 @@ def test_default_attention_backend_follows_the_jax_backend():
 
 def _lower_for_cuda(fn, *arg_shapes):
     """Run the Pallas Triton lowering (to Triton IR) without a GPU, via jax.export."""
-    triton_call = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    target = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+    triton_call = export.DisabledSafetyCheck.custom_call(target)
     return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton_call])(*arg_shapes)
 
 
