@@ -41,6 +41,7 @@ class _TileSchedule(NamedTuple):
 
 
 def _tile_schedule(seq_lens, query_start_loc, num_seqs, *, num_tiles: int, block_q: int) -> _TileSchedule:
+    """Cut each real sequence's query rows into tiles of at most block_q, in batch order."""
     num_seq_rows = seq_lens.shape[0]
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     q_len = jnp.where(jnp.arange(num_seq_rows) < num_seqs, q_len, 0)
