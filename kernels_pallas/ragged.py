@@ -1,0 +1,201 @@
+"""Causal attention for a mixed batch of prefill chunks and decode rows over a
+paged KV cache, in one Pallas GPU launch.
+
+Work is cut into query tiles: a tile is up to ``block_q`` consecutive query
+tokens of one sequence, times that KV head's ``group`` query heads, stacked
+into ``block_q * group`` matrix rows so that GQA heads share each K/V load
+(the packing of vLLM's Triton "unified attention"). Tiles never straddle
+sequences, so a tile walks exactly one block table. The tile schedule is
+computed with a few ``jnp`` ops from ``query_start_loc`` and has a static
+length, ``min(T, S + T // block_q)``, an upper bound on
+``sum_s ceil(q_len[s] / block_q)``; tiles past the real count do nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas import _compat, _flash
+
+# Rows (query tokens x group heads) per tile and KV tokens per inner step.
+# 64 x 64 with 4 warps is the usual FlashAttention-2 Triton tile at head_dim
+# 128; a smaller block_m would waste less on decode rows but re-read the KV
+# more often for long prefills.
+BLOCK_M = 64
+BLOCK_K = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+class _TileSchedule(NamedTuple):
+    seq: jax.Array  # int32[num_tiles]: sequence of the tile (0 for idle tiles)
+    token: jax.Array  # int32[num_tiles]: first query row of the tile in q
+    pos: jax.Array  # int32[num_tiles]: KV position of that first row
+    rows: jax.Array  # int32[num_tiles]: query tokens in the tile, 0 = idle
+
+
+def _tile_schedule(seq_lens, query_start_loc, num_seqs, *, num_tiles: int, block_q: int) -> _TileSchedule:
+    """Cut each real sequence's query rows into tiles of at most block_q, in batch order."""
+    num_seq_rows = seq_lens.shape[0]
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    q_len = jnp.where(jnp.arange(num_seq_rows) < num_seqs, q_len, 0)
+    tiles_per_seq = (q_len + block_q - 1) // block_q
+    tiles_end = jnp.cumsum(tiles_per_seq)
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    active = tile < tiles_end[-1]
+    seq = jnp.minimum(jnp.searchsorted(tiles_end, tile, side="right"), num_seq_rows - 1)
+    first = (tile - (tiles_end[seq] - tiles_per_seq[seq])) * block_q
+    rows = jnp.minimum(block_q, q_len[seq] - first)
+    pos = seq_lens[seq] - q_len[seq] + first
+    zero = jnp.zeros_like(tile)
+    return _TileSchedule(
+        seq=jnp.where(active, seq, zero).astype(jnp.int32),
+        token=jnp.where(active, query_start_loc[seq] + first, zero).astype(jnp.int32),
+        pos=jnp.where(active, pos, zero).astype(jnp.int32),
+        rows=jnp.where(active, rows, zero).astype(jnp.int32),
+    )
+
+
+def _ragged_kernel(
+    seq_ref, token_ref, pos_ref, rows_ref, tables_ref, q_ref, k_ref, v_ref, o_ref,
+    *, group: int, block_q: int, block_k: int, block_size: int, table_width: int,
+    scale: float, sliding_window: Optional[int], soft_cap: Optional[float],
+):
+    tile = pl.program_id(1)
+    seq, token, first_pos, num_rows = seq_ref[tile], token_ref[tile], pos_ref[tile], rows_ref[tile]
+    block_m = block_q * group
+    row_token = lax.div(lax.broadcasted_iota(jnp.int32, (block_m,), 0), group)
+    row_pos = first_pos + row_token
+    row_valid = row_token < num_rows
+    rows = pl.ds(token * group, block_m)
+    q = q_ref[rows, :]
+
+    last_pos = first_pos + num_rows - 1
+    end_chunk = jnp.where(num_rows > 0, lax.div(last_pos, block_k) + 1, 0)
+    start_chunk = 0
+    if sliding_window is not None:
+        start_chunk = lax.div(jnp.maximum(first_pos - sliding_window + 1, 0), block_k)
+
+    def body(chunk, carry):
+        kv_pos, k, v = _flash.load_kv_chunk(
+            tables_ref, seq * table_width, chunk, k_ref, v_ref, block_k=block_k, block_size=block_size
+        )
+        mask = (kv_pos[None, :] <= row_pos[:, None]) & row_valid[:, None]
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > row_pos[:, None] - sliding_window
+        return _flash.attend_chunk(carry, q, k, v, mask, scale=scale, soft_cap=soft_cap)
+
+    carry = lax.fori_loop(start_chunk, end_chunk, body, _flash.init_carry(block_m, q.shape[1]))
+    # Rows past the tile's sequence belong to the next sequence's tile: never write them.
+    _compat.masked_store(o_ref, (rows, slice(None)), _flash.finish(carry).astype(o_ref.dtype), row_valid[:, None])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "block_m", "block_k")
+)
+def _ragged_paged_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
+    *, scale, sliding_window, soft_cap, interpret, block_m, block_k,
+):
+    _flash.check_attention_shapes(q, k_cache, v_cache, block_tables)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_seq_rows = block_tables.shape[0]
+    group = num_q_heads // num_kv_heads
+    # Pad the head group to a power of two so tiles have power-of-two rows.
+    group_p = _flash.next_power_of_2(group)
+    block_q = max(block_m // group_p, 1)
+    num_tiles = min(num_tokens, num_seq_rows + num_tokens // block_q)
+
+    tables, table_width = _flash.pad_tables(block_tables, block_k=block_k, block_size=block_size)
+    sched = _tile_schedule(seq_lens, query_start_loc, num_seqs, num_tiles=num_tiles, block_q=block_q)
+
+    # [T, Hq, D] -> [Hkv, (T + block_q) * group_p, D]: a tile's rows are then
+    # contiguous, and the block_q spare tokens keep the last tile's slice in bounds.
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
+    qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, (num_tokens + block_q) * group_p, head_dim)
+
+    num_slots = num_blocks * block_size
+    flat = (num_slots, num_kv_heads, head_dim)
+    head_rows_spec = pl.BlockSpec((_compat.SQUEEZED, qg.shape[1], head_dim), lambda h, t: (h, 0, 0))
+    cache_spec = pl.BlockSpec((num_slots, _compat.SQUEEZED, head_dim), lambda h, t: (0, h, 0))
+    kernel = functools.partial(
+        _ragged_kernel, group=group_p, block_q=block_q, block_k=block_k, block_size=block_size,
+        table_width=table_width, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_kv_heads, num_tiles),
+        in_specs=[pl.BlockSpec()] * 5 + [head_rows_spec, cache_spec, cache_spec],
+        out_specs=head_rows_spec,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=_compat.compiler_params(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(*sched, tables, qg, k_cache.reshape(flat), v_cache.reshape(flat))
+
+    out = out.reshape(num_kv_heads, num_tokens + block_q, group_p, head_dim)
+    out = out[:, :num_tokens, :group].transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+    # Rows no tile wrote (padding tokens) hold whatever the buffer held.
+    valid = jnp.arange(num_tokens) < query_start_loc[num_seqs]
+    return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal attention of a ragged batch of new tokens over a paged KV cache.
+
+    One launch serves decode rows (q_len 1), prefill chunks continuing a
+    cached prefix, and whole prompts. FlashAttention-2's online softmax over
+    KV chunks gathered through vLLM-style block tables; KV chunks wholly
+    outside a tile's causal / sliding-window range are skipped.
+
+    Args:
+      q: [T, num_q_heads, head_dim] float32 or bfloat16 — sequences
+        concatenated in batch order, padded to T.
+      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's
+        dtype, already holding this step's keys and values.
+      block_tables: int32[S, W] — block ids of each sequence, in order.
+      seq_lens: int32[S] — KV length of each sequence including new tokens.
+      query_start_loc: int32[S + 1] — sequence s owns query rows
+        ``query_start_loc[s]:query_start_loc[s + 1]``.
+      num_seqs: int32 scalar — sequence rows ``>= num_seqs`` and query rows
+        ``>= query_start_loc[num_seqs]`` are padding.
+      scale: multiplier of q·k (usually head_dim ** -0.5).
+      sliding_window: if set, a query at position p sees keys in
+        ``(p - sliding_window, p]``.
+      soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
+      interpret: run the Pallas interpreter (CPU tests) instead of Triton.
+
+    Returns:
+      [T, num_q_heads, head_dim] in q's dtype. Query row i of sequence s sits
+      at position ``seq_lens[s] - q_len[s] + i``; padding rows are zeros.
+
+    Raises:
+      ValueError: mismatched shapes, num_q_heads not a multiple of
+        num_kv_heads, or head_dim not a power of two >= 16.
+    """
+    return _ragged_paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
+        block_m=BLOCK_M, block_k=BLOCK_K,
+    )
