@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 from jaxllm import LLM, SamplingParams
@@ -33,14 +31,15 @@ def hf_model(smollm2_gguf):
 
 
 def _hf_greedy(model, prompt_ids):
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = None
-    config.do_sample = False
-    config.max_new_tokens = NEW_TOKENS
+    """HF greedy decoding with its KV cache, never stopping at eos (``generate``
+    would stop at the model's eos even with the generation config's removed)."""
+    tokens = []
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=config,
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-    return out[0, len(prompt_ids):].tolist()
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(NEW_TOKENS):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
 
 
 def test_greedy_tokens_equal_hf_generate_for_8_prompts_batched(smollm2_gguf, hf_model):
