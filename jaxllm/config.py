@@ -180,6 +180,12 @@ class EngineConfig:
       seed: engine seed for requests without their own.
       attention_backend: "pallas", "reference" or None (pallas on GPU).
       interpret: run Pallas kernels in interpret mode (CPU testing).
+      token_buckets, seq_buckets, width_buckets: explicit bucket ladders
+        (T tokens, S rows, W block-table width); None derives each from the
+        limits (see :meth:`bucket_ladders`).
+      precompile: compile every bucket at start-up (False: on first use).
+      compilation_cache: folder of JAX's persistent compilation cache;
+        "default" is ``<jaxllm cache>/xla``, None turns it off.
 
     Raises:
       ValueError: a value out of range, naming it and the limit.
@@ -204,6 +210,8 @@ class EngineConfig:
     token_buckets: Optional[Sequence[int]] = None
     seq_buckets: Optional[Sequence[int]] = None
     width_buckets: Optional[Sequence[int]] = None
+    precompile: bool = True
+    compilation_cache: Optional[str] = "default"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -216,6 +224,11 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be one of 'auto', 'float32', 'bfloat16', 'float16'")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens={self.max_num_batched_tokens}: "
+                "every scheduled sequence takes at least one token of the budget"
+            )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
 
@@ -237,3 +250,36 @@ class EngineConfig:
     def max_blocks_per_seq(self, max_model_len: int) -> int:
         """Block-table width that covers ``max_model_len`` tokens."""
         return math.ceil(max_model_len / self.block_size)
+
+    def bucket_ladders(self, max_model_len: int, attention_backend: str) -> tuple[tuple[int, ...], ...]:
+        """The (T, S, W) ladders steps are padded to.
+
+        Defaults, each ending exactly at its maximum: T doubles from 16 up to
+        ``max_num_batched_tokens`` (padded tokens cost real matmul work, so the
+        steps are fine); S quadruples from 4 up to ``max_num_seqs`` (a padded
+        row costs one lm_head row); W quadruples from 4 blocks up to
+        ``ceil(max_model_len / block_size)`` for the jnp reference, whose
+        attention cost grows with W, and is the maximum alone for the Pallas
+        kernels, which read only a sequence's own blocks.
+        """
+        max_width = self.max_blocks_per_seq(max_model_len)
+        tokens = self.token_buckets or geometric_ladder(16, self.max_num_batched_tokens, 2)
+        seqs = self.seq_buckets or geometric_ladder(4, self.max_num_seqs, 4)
+        if self.width_buckets:
+            widths = self.width_buckets
+        elif attention_backend == "pallas":
+            widths = (max_width,)
+        else:
+            widths = geometric_ladder(4, max_width, 4)
+        return tuple(tokens), tuple(seqs), tuple(widths)
+
+
+def geometric_ladder(low: int, high: int, ratio: int) -> tuple[int, ...]:
+    """``low, low*ratio, ...`` below ``high``, then ``high`` itself."""
+    values = []
+    v = low
+    while v < high:
+        values.append(v)
+        v *= ratio
+    values.append(high)
+    return tuple(values)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -24,10 +25,11 @@ from jaxllm.kv_cache import resolve_num_blocks
 from jaxllm.loader import load_model
 from jaxllm.models.llama import AttentionOps
 from jaxllm.outputs import CompletionOutput, RequestOutput
-from jaxllm.runner import ModelRunner
+from jaxllm.default_model import cache_dir
+from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache
 from jaxllm.sampling import SamplingArrays
 from jaxllm.tokenizer import IncrementalDetokenizer, Tokenizer
-from kernels_pallas import get_attention_ops
+from kernels_pallas import default_attention_backend, get_attention_ops
 from scheduler import (
     BucketTable,
     Request,
@@ -103,17 +105,24 @@ class LLMEngine:
             kv_cache_memory_bytes=self.config.kv_cache_memory_bytes, max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len, param_bytes=param_bytes,
         )
-        backend = self.config.attention_backend or ("pallas" if jax.default_backend() == "gpu" else "reference")
+        backend = self.config.attention_backend or default_attention_backend()
         kernels = get_attention_ops(backend, interpret=self.config.interpret)
         ops = AttentionOps(kernels.ragged_paged_attention, kernels.kv_cache_write)
+        self.buckets = BucketTable(*self.config.bucket_ladders(self.max_model_len, backend))
+        cache = self.config.compilation_cache
+        enable_persistent_compilation_cache(str(cache_dir() / "xla") if cache == "default" else cache)
         self.runner = ModelRunner(
             cfg, params, num_blocks=self.num_blocks, block_size=self.config.block_size, dtype=self.dtype,
-            ops=ops, num_host_blocks=self.config.num_host_blocks,
+            ops=ops, buckets=self.buckets, num_host_blocks=self.config.num_host_blocks,
         )
         self.scheduler = Scheduler(self._scheduler_config())
-        self.buckets = BucketTable.from_limits(
-            self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len, self.config.block_size
-        )
+        b = self.buckets
+        _log(f"{len(b)} step programs: tokens {list(b.token_buckets)} x seqs {list(b.seq_buckets)} "
+             f"x block-table widths {list(b.width_buckets)}; {self.num_blocks} KV blocks of "
+             f"{self.config.block_size} tokens; attention {backend}")
+        if self.config.precompile:
+            seconds = self.runner.warmup(swap=self.config.preemption_mode == "swap")
+            _log(f"compiled {self.runner.num_compilations} programs in {seconds:.1f} s")
         self._tracked: dict[str, _Tracked] = {}
         self._counter = itertools.count()
         self._seed_rng = np.random.default_rng(self.config.seed)
@@ -221,6 +230,7 @@ class LLMEngine:
         if sched_out.scheduled:
             self.runner.swap_out(sched_out.blocks_to_swap_out)
             self.runner.swap_in(sched_out.blocks_to_swap_in)
+            self.runner.copy_blocks(getattr(sched_out, "blocks_to_copy", []))
             batch = build_batch(sched_out, self.buckets)
             requests = [s.request for s in sched_out.scheduled]
             sampling = SamplingArrays.build(
@@ -407,3 +417,8 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
         return params
 
+
+
+def _log(msg: str) -> None:
+    """Start-up facts go to stderr so stdout carries only generated text."""
+    print(f"[jaxllm] {msg}", file=sys.stderr, flush=True)

@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens at most (default: the model's max_position_embeddings)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--precompile", action="store_true",
+                   help="compile every shape bucket before generating (default: compile on first use)")
     return p
 
 
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, seed=args.seed)
     _log(f"loading {model}")
     engine = LLMEngine(model, max_model_len=args.max_model_len, dtype=args.dtype,
-                       seed=args.seed if args.seed is not None else 0)
+                       seed=args.seed if args.seed is not None else 0, precompile=args.precompile)
     if engine.tokenizer is None:
         raise ValueError(f"{model} has no tokenizer, so text prompts cannot be encoded")
     prompts = _prompts(args, engine)

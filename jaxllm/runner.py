@@ -1,40 +1,42 @@
-"""ModelRunner: device parameters, the paged KV cache and the jitted step.
+"""ModelRunner: device parameters, the paged KV cache and the compiled steps.
 
-One jitted function runs the model and the sampler for a bucketed batch; it is
-traced once per ``(T, S, W)`` bucket shape, and the KV cache is donated to it
-so the device holds one copy. The scheduler's block ids index the cache
-directly (one process, as in nano-vllm).
+The model step and the sampler form one jitted function. It is compiled ahead
+of time (``jit(...).lower(abstract shapes).compile()``) once per ``(T, S, W)``
+bucket, from the same shardings, dtypes and pytree structure the live step
+uses, and the executables are kept in a table: serving looks a program up by
+the batch's bucket and never traces. The KV cache is donated to every step so
+the device holds one copy. Block ids are the scheduler's (one process, as in
+nano-vllm).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.kv_cache import allocate_kv_cache
 from jaxllm.models.llama import AttentionOps, KVCache, Params, forward
 from jaxllm.sampling import SamplingArrays, sample
-from scheduler import BatchDescriptor
+from scheduler import BatchDescriptor, BucketTable
 
 BATCH_KEYS = (
     "input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
     "query_start_loc", "logits_indices",
 )
+# Block copies (swap, copy-on-write) run in fixed-size chunks so that they
+# compile once; a chunk's unused entries move null block 0 onto itself.
+BLOCK_CHUNK = 16
 
 
 def _step(params: Params, kv_caches: KVCache, batch: dict, sampling: dict, *, cfg: ModelConfig,
           ops: AttentionOps) -> tuple[jax.Array, KVCache]:
     logits, kv_caches = forward(params, kv_caches, batch, cfg=cfg, ops=ops)
     return sample(logits, sampling), kv_caches
-
-
-def _pad_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _gather_blocks(kv_caches: KVCache, ids: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
@@ -45,8 +47,28 @@ def _scatter_blocks(kv_caches: KVCache, ids: jax.Array, blocks: list) -> KVCache
     return [(k.at[ids].set(bk), v.at[ids].set(bv)) for (k, v), (bk, bv) in zip(kv_caches, blocks)]
 
 
+def _copy_blocks(kv_caches: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
+
+
+def _abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) of a pytree of arrays."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+    )
+
+
+def _chunks(pairs: np.ndarray) -> Iterable[np.ndarray]:
+    """Split ``pairs: int32[K, 2]`` into ``[BLOCK_CHUNK, 2]`` chunks padded with (0, 0)."""
+    for start in range(0, len(pairs), BLOCK_CHUNK):
+        chunk = np.zeros((BLOCK_CHUNK, 2), np.int32)
+        part = pairs[start:start + BLOCK_CHUNK]
+        chunk[: len(part)] = part
+        yield chunk, len(part)
+
+
 class ModelRunner:
-    """Runs model steps for the engine.
+    """Runs compiled model steps for the engine.
 
     Args:
       cfg: model configuration.
@@ -55,67 +77,151 @@ class ModelRunner:
       block_size: tokens per block.
       dtype: compute and KV dtype.
       ops: attention implementation (Pallas kernels or jnp references).
+      buckets: the (T, S, W) shapes steps are padded to.
       num_host_blocks: host swap pool size in blocks (0 = no swap space).
 
-    The device cache is ``self.kv_caches`` (list over layers of ``(k, v)``,
-    each ``[num_blocks, block_size, num_kv_heads, head_dim]``).
+    Attributes:
+      kv_caches: per layer ``(k, v)``, each ``[num_blocks, block_size,
+        num_kv_heads, head_dim]`` on the device.
+      num_compilations: programs this runner has compiled (steps and block
+        copies); after :meth:`warmup` it stays constant while serving.
+      compile_seconds: wall time spent compiling, seconds.
     """
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
-                 ops: AttentionOps, num_host_blocks: int = 0):
+                 ops: AttentionOps, buckets: BucketTable, num_host_blocks: int = 0):
         self.cfg = cfg
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
+        self.buckets = buckets
         self.params = jax.device_put(params)
         self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype)
-        self._step = jax.jit(functools.partial(_step, cfg=cfg, ops=ops), donate_argnums=(1,))
-        self._gather = jax.jit(_gather_blocks)
-        self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
+        self.num_compilations = 0
+        self.compile_seconds = 0.0
+        self._step_jit = jax.jit(functools.partial(_step, cfg=cfg, ops=ops), donate_argnums=(1,))
+        self._steps: dict[tuple[int, int, int], Callable] = {}
+        self._block_ops: dict[str, Callable] = {}
         block_shape = (num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.host_pool = [(np.zeros(block_shape, dtype), np.zeros(block_shape, dtype))
                           for _ in range(cfg.num_layers if num_host_blocks else 0)]
 
+    # ------------------------------------------------------------ compilation
+
+    def _compiled(self, fn: Any, *abstract_args: Any) -> Callable:
+        start = time.perf_counter()
+        exe = fn.lower(*abstract_args).compile()
+        self.compile_seconds += time.perf_counter() - start
+        self.num_compilations += 1
+        return exe
+
+    def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
+        """Abstract ``(params, kv_caches, batch, sampling)`` of bucket ``shape``:
+        exactly the structure, dtypes and shardings :meth:`execute` passes."""
+        t, s, w = shape
+        i32 = np.int32
+        batch = {
+            "input_ids": ((t,), i32), "positions": ((t,), i32), "slot_mapping": ((t,), i32),
+            "block_tables": ((s, w), i32), "seq_lens": ((s,), i32), "query_start_loc": ((s + 1,), i32),
+            "logits_indices": ((s,), i32), "num_seqs": ((), i32),
+        }
+        batch = {k: jax.ShapeDtypeStruct(shape_, dtype) for k, (shape_, dtype) in batch.items()}
+        sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in SamplingArrays.empty(s).as_dict().items()}
+        return _abstract(self.params), _abstract(self.kv_caches), batch, sampling
+
+    def compile_step(self, shape: tuple[int, int, int]) -> Callable:
+        """Compile (once) and return the step program of bucket ``shape``."""
+        exe = self._steps.get(shape)
+        if exe is None:
+            exe = self._steps[shape] = self._compiled(self._step_jit, *self.step_arguments(shape))
+        return exe
+
+    def _block_op(self, name: str) -> Callable:
+        exe = self._block_ops.get(name)
+        if exe is not None:
+            return exe
+        kv = _abstract(self.kv_caches)
+        ids = jax.ShapeDtypeStruct((BLOCK_CHUNK,), np.int32)
+        if name == "gather":
+            exe = self._compiled(jax.jit(_gather_blocks), kv, ids)
+        elif name == "scatter":
+            blocks = [(jax.ShapeDtypeStruct((BLOCK_CHUNK,) + k.shape[1:], k.dtype),) * 2 for k, _ in kv]
+            exe = self._compiled(jax.jit(_scatter_blocks, donate_argnums=(0,)), kv, ids, blocks)
+        else:
+            exe = self._compiled(jax.jit(_copy_blocks, donate_argnums=(0,)), kv, ids, ids)
+        self._block_ops[name] = exe
+        return exe
+
+    def warmup(self, progress: bool = True, swap: bool = False) -> float:
+        """Compile every bucket's step (and the block-copy programs) now.
+
+        Args:
+          progress: show a tqdm bar on stderr.
+          swap: also compile the swap-out/in programs.
+
+        Returns:
+          Seconds spent.
+        """
+        from tqdm import tqdm
+
+        start = time.perf_counter()
+        shapes = self.buckets.all_shapes()
+        for shape in tqdm(shapes, desc="compiling buckets", unit="program", disable=not progress):
+            self.compile_step(shape)
+        for name in ("copy",) + (("gather", "scatter") if swap else ()):
+            self._block_op(name)
+        return time.perf_counter() - start
+
+    # ---------------------------------------------------------------- serving
+
     def execute(self, batch: BatchDescriptor, sampling: SamplingArrays) -> np.ndarray:
         """Run one step; returns int32[num_seqs] sampled token ids.
 
-        ``batch`` arrays are bucket-shaped (T, S, W); the KV cache is updated
-        in place (donated).
+        ``batch`` arrays are bucket-shaped (T, S, W); a bucket not compiled
+        yet is compiled first (lazy mode). The KV cache is updated in place
+        (donated).
         """
+        exe = self.compile_step(batch.shape)
         arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
         arrays["num_seqs"] = np.int32(batch.num_seqs)
         device_batch, device_sampling = jax.device_put((arrays, sampling.as_dict()))
-        tokens, self.kv_caches = self._step(self.params, self.kv_caches, device_batch, device_sampling)
+        tokens, self.kv_caches = exe(self.params, self.kv_caches, device_batch, device_sampling)
         return np.asarray(tokens)[: batch.num_seqs]
+
+    def copy_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
+        """Device-side block copies: ``pairs`` of (src, dst) block ids."""
+        pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
+        for chunk, _ in _chunks(pairs):
+            self.kv_caches = self._block_op("copy")(self.kv_caches, chunk[:, 0], chunk[:, 1])
 
     def swap_out(self, pairs: Sequence[Sequence[int]]) -> None:
         """Copy device blocks to the host pool: ``pairs`` of (device, host) ids."""
-        if len(pairs) == 0:
-            return
-        pairs = np.asarray(pairs, np.int32)
-        ids = np.zeros(_pad_pow2(len(pairs)), np.int32)
-        ids[: len(pairs)] = pairs[:, 0]
-        blocks = jax.device_get(self._gather(self.kv_caches, ids))
-        for (hk, hv), (bk, bv) in zip(self.host_pool, blocks):
-            hk[pairs[:, 1]] = bk[: len(pairs)]
-            hv[pairs[:, 1]] = bv[: len(pairs)]
+        pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
+        for chunk, n in _chunks(pairs):
+            blocks = jax.device_get(self._block_op("gather")(self.kv_caches, chunk[:, 0]))
+            for (hk, hv), (bk, bv) in zip(self.host_pool, blocks):
+                hk[chunk[:n, 1]] = bk[:n]
+                hv[chunk[:n, 1]] = bv[:n]
 
     def swap_in(self, pairs: Sequence[Sequence[int]]) -> None:
-        """Copy host-pool blocks back to the device: ``pairs`` of (host, device) ids.
+        """Copy host-pool blocks back to the device: ``pairs`` of (host, device) ids."""
+        pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
+        for chunk, n in _chunks(pairs):
+            blocks = []
+            for hk, hv in self.host_pool:
+                bk = np.zeros((BLOCK_CHUNK,) + hk.shape[1:], hk.dtype)
+                bv = np.zeros_like(bk)
+                bk[:n] = hk[chunk[:n, 0]]
+                bv[:n] = hv[chunk[:n, 0]]
+                blocks.append((bk, bv))
+            self.kv_caches = self._block_op("scatter")(self.kv_caches, chunk[:, 1], blocks)
 
-        Padding entries of the power-of-two id array target the null block 0.
-        """
-        if len(pairs) == 0:
-            return
-        pairs = np.asarray(pairs, np.int32)
-        padded = _pad_pow2(len(pairs))
-        ids = np.zeros(padded, np.int32)
-        ids[: len(pairs)] = pairs[:, 1]
-        blocks = []
-        for hk, hv in self.host_pool:
-            bk = np.zeros((padded,) + hk.shape[1:], hk.dtype)
-            bv = np.zeros_like(bk)
-            bk[: len(pairs)] = hk[pairs[:, 0]]
-            bv[: len(pairs)] = hv[pairs[:, 0]]
-            blocks.append((bk, bv))
-        self.kv_caches = self._scatter(self.kv_caches, jnp.asarray(ids), blocks)
+
+def enable_persistent_compilation_cache(path: Optional[str]) -> None:
+    """Point JAX's persistent compilation cache at ``path`` (every program
+    cached, however quick to compile), unless the process already set one."""
+    if path is None or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

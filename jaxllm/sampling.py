@@ -74,6 +74,11 @@ class SamplingArrays:
         out.num_generated[:n] = num_generated
         return out
 
+    @classmethod
+    def empty(cls, num_rows: int) -> "SamplingArrays":
+        """``num_rows`` inert (greedy) rows: the layout of a bucket with no requests."""
+        return cls.build([], [], [], num_rows)
+
     def as_dict(self) -> dict[str, np.ndarray]:
         return dataclasses.asdict(self)
 
@@ -105,6 +110,16 @@ def apply_top_k_top_p_min_p(
     return jnp.where(logits >= cutoff, logits, -jnp.inf)
 
 
+def _draw(logits: jax.Array, arrays: dict[str, jax.Array], filtered: bool) -> jax.Array:
+    temperature = arrays["temperature"]
+    scaled = logits / jnp.where(temperature < _GREEDY_EPS, 1.0, temperature)[:, None]
+    if filtered:
+        scaled = apply_top_k_top_p_min_p(scaled, arrays["top_k"], arrays["top_p"], arrays["min_p"])
+    keys = _row_keys(arrays["seed"], arrays["num_generated"])
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+    return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, arrays: dict[str, jax.Array]) -> jax.Array:
     """Draw one token per row.
 
@@ -114,12 +129,16 @@ def sample(logits: jax.Array, arrays: dict[str, jax.Array]) -> jax.Array:
 
     Returns:
       int32[S] token ids.
+
+    The sort (top-k/top-p/min-p) and the random draw run only when some row
+    needs them (``lax.cond``), so all-greedy steps pay for an argmax alone.
     """
-    temperature = arrays["temperature"]
-    greedy = temperature < _GREEDY_EPS
-    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    masked = apply_top_k_top_p_min_p(scaled, arrays["top_k"], arrays["top_p"], arrays["min_p"])
-    keys = _row_keys(arrays["seed"], arrays["num_generated"])
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-    sampled = jnp.argmax(masked + gumbel, axis=-1)
-    return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    greedy = arrays["temperature"] < _GREEDY_EPS
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    needs_filter = jnp.any(~greedy & ((arrays["top_k"] > 0) | (arrays["top_p"] < 1.0) | (arrays["min_p"] > 0.0)))
+    sampled = jax.lax.cond(
+        jnp.all(greedy),
+        lambda: argmax,
+        lambda: jax.lax.cond(needs_filter, lambda: _draw(logits, arrays, True), lambda: _draw(logits, arrays, False)),
+    )
+    return jnp.where(greedy, argmax, sampled)

@@ -11,7 +11,7 @@ from tests.conftest import STORIES_SENTENCE
 
 @pytest.fixture(scope="module")
 def engine(stories_dir):
-    return LLMEngine(stories_dir, max_model_len=64)
+    return LLMEngine(stories_dir, max_model_len=64, precompile=False)
 
 
 def test_empty_prompt_is_rejected(engine):

@@ -1,0 +1,81 @@
+"""Compilation discipline: after warm-up, serving never compiles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from jax import monitoring
+
+from jaxllm import SamplingParams
+from jaxllm.engine import LLMEngine
+
+_EVENTS: list[str] = []
+_WATCHED = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits")
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event in _WATCHED:
+        _EVENTS.append(event)
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event in _WATCHED:
+        _EVENTS.append(event)
+
+
+monitoring.register_event_duration_secs_listener(_on_duration)
+monitoring.register_event_listener(_on_event)
+
+MAX_MODEL_LEN = 96
+
+
+def _random_params(rng) -> SamplingParams:
+    kind = rng.integers(4)
+    max_tokens = int(rng.integers(1, 24))
+    if kind == 0:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return SamplingParams(
+        temperature=float(rng.uniform(0.3, 1.5)), top_p=float(rng.choice([1.0, 0.9, 0.5])),
+        top_k=int(rng.choice([0, 1, 5, 50])), min_p=float(rng.choice([0.0, 0.05])), max_tokens=max_tokens,
+        seed=int(rng.integers(1 << 30)) if kind == 2 else None,
+    )
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_mixed_workload_after_warmup_triggers_zero_compilations(tiny_llama_dir, preemption_mode):
+    engine = LLMEngine(
+        tiny_llama_dir, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, block_size=8,
+        num_kv_blocks=24, preemption_mode=preemption_mode, num_host_blocks=64, compilation_cache=None,
+    )
+    compiled_at_warmup = engine.runner.num_compilations
+    assert compiled_at_warmup == len(engine.buckets) + (3 if preemption_mode == "swap" else 1)
+    events_at_warmup = len(_EVENTS)
+
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 256, size=40).tolist()
+    next_id, aborted = 0, 0
+    for wave in range(6):
+        for _ in range(int(rng.integers(1, 9))):
+            n = int(rng.integers(1, MAX_MODEL_LEN - 24))
+            prompt = (shared[: int(rng.integers(8, 40))] + rng.integers(3, 256, size=n).tolist())[:n] \
+                if rng.random() < 0.5 else rng.integers(3, 256, size=n).tolist()
+            engine.add_request(f"r{next_id}", prompt, _random_params(rng))
+            next_id += 1
+        for _ in range(int(rng.integers(2, 8))):
+            engine.step()
+        running = [r.request_id for r in engine.scheduler.running]
+        if running and wave % 2:
+            engine.abort_request(running[0])
+            aborted += 1
+    engine.add_request("full-length", rng.integers(3, 256, size=MAX_MODEL_LEN - 1).tolist(),
+                       SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    stats = engine.scheduler.stats
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+    assert aborted > 0
+    assert engine.runner.num_compilations == compiled_at_warmup
+    assert _EVENTS[events_at_warmup:] == []
+    assert stats.num_free_blocks == engine.num_blocks - 1
