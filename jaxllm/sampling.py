@@ -250,7 +250,7 @@ def _draw(logits: jax.Array, arrays: dict, filtered: bool) -> jax.Array:
 def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     logprobs = jax.nn.log_softmax(raw, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, raw.shape[-1]))
     return chosen, top_ids.astype(jnp.int32), top_logprobs
 
 
@@ -265,8 +265,8 @@ def sample(logits: jax.Array, arrays: dict, tables: dict) -> tuple[dict, dict]:
     Returns:
       ``(out, tables)``: ``out`` holds ``token_ids: int32[S]``,
       ``logprobs: float32[S]`` (the chosen token's raw logprob),
-      ``top_ids: int32[S, MAX_LOGPROBS]`` and ``top_logprobs:
-      float32[S, MAX_LOGPROBS]`` (descending; zeros when no row asked);
+      ``top_ids: int32[S, K]`` and ``top_logprobs: float32[S, K]`` with
+      ``K = min(MAX_LOGPROBS, V)`` (descending; zeros when no row asked);
       ``tables`` has each used sample added to its slot's counts.
 
     The processors, the sort, the random draw and the logprobs each run only
@@ -289,12 +289,12 @@ def sample(logits: jax.Array, arrays: dict, tables: dict) -> tuple[dict, dict]:
         lambda: jax.lax.cond(needs_filter, lambda: _draw(logits, arrays, True), lambda: _draw(logits, arrays, False)),
     )
     tokens = jnp.where(greedy, argmax, sampled)
-    num_rows = raw.shape[0]
+    num_rows, width = raw.shape[0], min(MAX_LOGPROBS, raw.shape[-1])
     chosen, top_ids, top_logprobs = jax.lax.cond(
         jnp.any(arrays["num_logprobs"] >= 0),
         lambda: _logprobs(raw, tokens),
-        lambda: (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, MAX_LOGPROBS), jnp.int32),
-                 jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32)),
+        lambda: (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, width), jnp.int32),
+                 jnp.zeros((num_rows, width), jnp.float32)),
     )
     counted = (arrays["sample_mask"] & (arrays["slot"] > 0)).astype(jnp.int32)
     tables = {**tables, "counts": tables["counts"].at[arrays["slot"], tokens].add(counted)}
