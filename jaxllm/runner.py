@@ -45,6 +45,10 @@ def _scatter_blocks(kv_caches: KVCache, ids: jax.Array, blocks: list) -> KVCache
     return [(k.at[ids].set(bk), v.at[ids].set(bv)) for (k, v), (bk, bv) in zip(kv_caches, blocks)]
 
 
+def _copy_blocks(kv_caches: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
+
+
 class ModelRunner:
     """Runs model steps for the engine.
 
@@ -72,6 +76,7 @@ class ModelRunner:
         self._step = jax.jit(functools.partial(_step, cfg=cfg, ops=ops), donate_argnums=(1,))
         self._gather = jax.jit(_gather_blocks)
         self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
+        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
         block_shape = (num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.host_pool = [(np.zeros(block_shape, dtype), np.zeros(block_shape, dtype))
                           for _ in range(cfg.num_layers if num_host_blocks else 0)]
@@ -119,3 +124,17 @@ class ModelRunner:
             bv[: len(pairs)] = hv[pairs[:, 0]]
             blocks.append((bk, bv))
         self.kv_caches = self._scatter(self.kv_caches, jnp.asarray(ids), blocks)
+
+    def copy_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
+        """Copy device blocks onto device blocks: ``pairs`` of (src, dst) ids, dsts distinct.
+
+        The scheduler's copy-on-write of a fully cached prompt's last block;
+        done after the swaps, before the step. Padding entries of the
+        power-of-two id arrays copy the null block 0 onto itself.
+        """
+        if len(pairs) == 0:
+            return
+        pairs = np.asarray(pairs, np.int32)
+        ids = np.zeros((2, _pad_pow2(len(pairs))), np.int32)
+        ids[:, : len(pairs)] = pairs.T
+        self.kv_caches = self._copy(self.kv_caches, ids[0], ids[1])

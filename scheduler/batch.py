@@ -36,6 +36,8 @@ class BatchDescriptor:
       request_ids: real rows' request ids, in row order.
       blocks_to_swap_out: int32[K, 2] (device_block, host_block) copies, done first.
       blocks_to_swap_in: int32[K, 2] (host_block, device_block) copies, done second.
+      blocks_to_copy: int32[K, 2] (src_block, dst_block) device copies, done
+        third, before the model step.
     """
 
     input_ids: np.ndarray
@@ -51,6 +53,7 @@ class BatchDescriptor:
     request_ids: list[str]
     blocks_to_swap_out: np.ndarray
     blocks_to_swap_in: np.ndarray
+    blocks_to_copy: np.ndarray
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -151,6 +154,7 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
         request_ids=request_ids,
         blocks_to_swap_out=_pairs(output.blocks_to_swap_out),
         blocks_to_swap_in=_pairs(output.blocks_to_swap_in),
+        blocks_to_copy=_pairs(output.blocks_to_copy),
     )
 
 

@@ -64,6 +64,10 @@ class Scheduler:
       running ones (never ones admitted this step).
     * With chunked prefill off, a prompt that does not fit the remaining
       budget waits for a later step.
+    * A request whose tokens fill whole blocks, all cached, recomputes only
+      its last token, into a copy of the last block (``blocks_to_copy``;
+      our addition, see ``KVCacheManager``). This holds for re-prefills of
+      recompute-preempted requests too.
     * ``recompute`` preemption frees the victim's blocks (their hashes stay,
       so its re-prefill can hit the cache) and resets its progress; ``swap``
       copies its computed blocks to the host pool and back on resume,
@@ -172,7 +176,7 @@ class Scheduler:
     # ------------------------------------------------------------------- step
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's rows; returns them with the swap copies to do first.
+        """Choose this step's rows; returns them with the block copies to do first.
 
         Raises:
           RuntimeError: the previous output has not been passed to
@@ -190,6 +194,7 @@ class Scheduler:
         out.scheduled = list(step.rows.values())
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - step.budget
         out.finished, self._finished_for_schedule = self._finished_for_schedule, []
+        out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
         self.kv_cache_manager.end_step()
         self._pending = out
         return out
@@ -374,6 +379,8 @@ class Scheduler:
                 f"update_from_output: {len(sampled_token_ids)} sampled token ids for {len(rows)} scheduled rows"
             )
         self._pending = None
+        # The runner has done this step's copies.
+        self.kv_cache_manager.release_copy_sources()
         result, self._finished_for_update = self._finished_for_update, []
         cache = self.kv_cache_manager.cache_computed_blocks if self.config.enable_prefix_caching else None
         bs = self.config.block_size
