@@ -88,7 +88,7 @@ class KVCacheManager:
         # token, so it is left out rather than copied.
         max_blocks = num_tokens // bs if bs > 1 else num_tokens - 1
         hashes = request.block_hashes
-        extend_block_hashes(hashes, request.all_token_ids, max_blocks, bs, request.cache_salt)
+        extend_block_hashes(hashes, request.all_token_ids, max_blocks, bs, request.cache_salt, request.prompt_array)
         cached = self.block_pool.cached
         hits = []
         for i in range(max_blocks):
@@ -111,29 +111,36 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid, ())
         bs = self.block_size
+        pool = self.block_pool
+        if not computed_blocks:
+            # The common case (a running request growing), kept short.
+            new = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(blocks)
+            if new <= 0:
+                return True
+            if new > len(pool.free_queue):
+                return False
+            if rid not in self.req_to_blocks:
+                self._start_table(rid)
+            self._extend_table(rid, pool.get_new_blocks(new))
+            return True
         num_hit = len(computed_blocks) * bs
         copy_last = bool(computed_blocks) and num_hit >= request.num_tokens
         if copy_last:
             num_hit = request.num_tokens - 1
         total = request.num_computed_tokens + num_hit + num_new_tokens
-        new = -(-total // bs) - len(blocks) - len(computed_blocks) + copy_last
-        if new <= 0 and not computed_blocks:
-            return True
-        new = max(new, 0)
+        new = max(-(-total // bs) - len(blocks) - len(computed_blocks) + copy_last, 0)
         revive = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        pool = self.block_pool
-        if new + revive > pool.num_free_blocks:
+        if new + revive > len(pool.free_queue):
             return False
         if rid not in self.req_to_blocks:
             self._start_table(rid)
             blocks = self.req_to_blocks[rid]
         shared = list(computed_blocks)
-        if computed_blocks:
-            # Touched before the new blocks are taken, so allocation cannot
-            # evict a hit (the copy source included).
-            pool.touch(computed_blocks)
-            # The fresh copy counts as registered: the cached block keeps the hash.
-            self._num_cached[rid] = len(blocks) + len(computed_blocks)
+        # Touched before the new blocks are taken, so allocation cannot evict
+        # a hit (the copy source included).
+        pool.touch(computed_blocks)
+        # The fresh copy counts as registered: the cached block keeps the hash.
+        self._num_cached[rid] = len(blocks) + len(computed_blocks)
         fresh = pool.get_new_blocks(new)
         if copy_last:
             source = shared.pop()
@@ -176,11 +183,10 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = request.block_hashes
-        extend_block_hashes(hashes, request.all_token_ids, num_full, self.block_size, request.cache_salt)
-        blocks = self.req_to_blocks[rid]
-        cache_block = self.block_pool.cache_block
-        for i in range(done, num_full):
-            cache_block(blocks[i], hashes[i])
+        extend_block_hashes(
+            hashes, request.all_token_ids, num_full, self.block_size, request.cache_salt, request.prompt_array
+        )
+        self.block_pool.cache_blocks(self.req_to_blocks[rid][done:num_full], hashes[done:num_full])
         self._num_cached[rid] = num_full
 
     def free(self, request: Request) -> None:

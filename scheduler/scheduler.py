@@ -9,6 +9,7 @@ policy order.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from typing import Callable, Iterable, Optional, Sequence, Union
@@ -104,8 +105,8 @@ class Scheduler:
         self._clock = clock
         self._seq = itertools.count()
         self._swap = config.preemption_mode == "swap"
-        # Static-key policies only need a re-sort after the lists change.
-        self._running_dirty = False
+        # Static-key policies only need a re-sort of the waiting list after
+        # it changes; the running list stays sorted by insertion in order.
         self._waiting_dirty = False
         self._pending: Optional[SchedulerOutput] = None
         self._finished_for_schedule: list[Request] = []
@@ -200,9 +201,8 @@ class Scheduler:
         return out
 
     def _schedule_running(self, step: _Step) -> None:
-        if self._running_dirty or self.policy.keys_change_over_time:
+        if self.policy.keys_change_over_time:
             self.policy.sort(self.running, step.now)
-            self._running_dirty = False
         kv = self.kv_cache_manager
         allocate, block_ids, table_rows = kv.allocate_slots, kv.req_to_block_ids, kv.req_to_row
         bs = self.config.block_size
@@ -293,11 +293,25 @@ class Scheduler:
         req.status = _RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = step.now
-        self.running.append(req)
-        self._running_dirty = True
+        self._insert_running(req, step.now)
         step.admitted_ids.add(rid)
         self._add_row(req, n, step)
         return True
+
+    def _insert_running(self, req: Request, now: float) -> None:
+        """Add ``req`` to the running list, keeping a static-key policy's order without a re-sort."""
+        running = self.running
+        policy = self.policy
+        if policy.keys_change_over_time or not running:
+            running.append(req)
+            return
+        key = policy.key(req, now)
+        # Admissions usually come after everything running (FCFS), so the
+        # tail is checked before a binary search.
+        if policy.key(running[-1], now) < key:
+            running.append(req)
+        else:
+            bisect.insort(running, req, key=lambda r: policy.key(r, now))
 
     def _waiting_victim(self, req: Request, step: _Step) -> Optional[Request]:
         if not self.policy.preempts_for_waiting:

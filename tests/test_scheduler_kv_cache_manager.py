@@ -178,6 +178,16 @@ def test_incremental_hashes_equal_block_by_block_hashes():
     assert hashes == [first, second, third]
 
 
+def test_hashes_sliced_from_the_prompt_array_equal_hashes_of_the_token_list():
+    req = Request("r", list(range(100, 113)), SamplingParams(), cache_salt="salt")
+    from_array: list[bytes] = []
+    from_list: list[bytes] = []
+    extend_block_hashes(from_array, req.all_token_ids, 3, 4, "salt", req.prompt_array)
+    extend_block_hashes(from_list, req.all_token_ids, 3, 4, "salt")
+    assert from_array == from_list
+    assert len(set(from_array)) == 3
+
+
 def test_numpy_block_table_grows_on_demand_and_zeroes_released_rows():
     table = BlockTable(rows=1, width=2)
     a, b = table.acquire(), table.acquire()
