@@ -285,7 +285,7 @@ class LLMEngine:
         if sched_out.scheduled:
             self.runner.swap_out(sched_out.blocks_to_swap_out)
             self.runner.swap_in(sched_out.blocks_to_swap_in)
-            self.runner.copy_blocks(getattr(sched_out, "blocks_to_copy", []))
+            self.runner.copy_blocks(sched_out.blocks_to_copy)
             batch = build_batch(sched_out, self.buckets)
             sampled = self.runner.execute(batch, self.slots.arrays(sched_out, batch.seq_lens.shape[0]))
             tokens = sampled["token_ids"]
