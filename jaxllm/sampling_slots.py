@@ -83,9 +83,11 @@ def make_sequence_sampling(params: SamplingParams, seed: int, stop_ids: Sequence
     Raises:
       ValueError: ``bad_words`` without a tokenizer, a bad word that encodes
         to no token or to ids outside the vocabulary, or more than
-        ``MAX_BANNED_IDS`` multi-token bad-word sequences, or ``logprobs``
-        above ``MAX_LOGPROBS``.
+        ``MAX_BANNED_IDS`` multi-token bad-word sequences, ``logprobs``
+        above ``MAX_LOGPROBS``, or ``prompt_logprobs`` (not supported yet).
     """
+    if params.prompt_logprobs is not None:
+        raise ValueError("SamplingParams.prompt_logprobs is not supported yet: the step computes logits of sampled rows only")
     if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
         raise ValueError(f"SamplingParams.logprobs={params.logprobs} is out of range: at most {MAX_LOGPROBS}")
     words: list[list[int]] = []

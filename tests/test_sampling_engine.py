@@ -155,3 +155,8 @@ def test_streamed_deltas_add_up_to_the_final_text(stories_dir):
         deltas = [o for o in stream if o.request_id == rid]
         assert "".join(o.delta_text for o in deltas) == out.outputs[0].text
         assert sum((o.delta_token_ids for o in deltas), []) == out.outputs[0].token_ids
+
+
+def test_prompt_logprobs_are_rejected_until_supported(tiny_llm):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        tiny_llm.generate([[5, 6, 7]], SamplingParams(prompt_logprobs=1))
