@@ -184,6 +184,8 @@ class EngineConfig:
         (T tokens, S rows, W block-table width); None derives each from the
         limits (see :meth:`bucket_ladders`).
       precompile: compile every bucket at start-up (False: on first use).
+      async_scheduling: schedule step N+1 while the device runs step N
+        (outputs are identical; see ``LLMEngine.step``).
       compilation_cache: folder of JAX's persistent compilation cache;
         "default" is ``<jaxllm cache>/xla``, None turns it off.
 
@@ -211,6 +213,7 @@ class EngineConfig:
     seq_buckets: Optional[Sequence[int]] = None
     width_buckets: Optional[Sequence[int]] = None
     precompile: bool = True
+    async_scheduling: bool = False
     compilation_cache: Optional[str] = "default"
 
     def __post_init__(self) -> None:

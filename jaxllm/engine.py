@@ -32,7 +32,7 @@ from jaxllm.loader import load_model
 from jaxllm.models.llama import AttentionOps
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.default_model import cache_dir
-from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache
+from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache, fetch_rows
 from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
 from jaxllm.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels_pallas import default_attention_backend, get_attention_ops
@@ -43,6 +43,7 @@ from scheduler import (
     SamplingParams,
     Scheduler,
     SchedulerConfig,
+    SchedulerOutput,
     build_batch,
 )
 
@@ -148,6 +149,8 @@ class LLMEngine:
         self._parent_group: dict[str, _Group] = {}
         self._counter = itertools.count()
         self._seed_rng = np.random.default_rng(self.config.seed)
+        # With async scheduling: the launched output and its dispatch result.
+        self._in_flight: Optional[tuple[SchedulerOutput, tuple]] = None
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
@@ -157,6 +160,7 @@ class LLMEngine:
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=c.enable_chunked_prefill,
             long_prefill_token_threshold=c.long_prefill_token_threshold, scheduling_policy=c.scheduling_policy,
             preemption_mode=c.preemption_mode, num_host_blocks=c.num_host_blocks,
+            async_scheduling=c.async_scheduling,
         )
 
     @property
@@ -267,10 +271,15 @@ class LLMEngine:
                 self._seq_group.pop(seq.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler + model step.
+
+        With ``async_scheduling`` the step schedules and launches step N+1
+        before it reads step N's samples, so the host's scheduling, batch
+        building and detokenizing overlap the device's work; outputs then
+        trail the launches by one step (the first call returns none).
 
         Returns:
           A RequestOutput for every request that produced a token or finished
@@ -280,18 +289,21 @@ class LLMEngine:
         for request in sched_out.preempted:
             self.slots.release(request.request_id)
         touched: list[Request] = list(sched_out.finished)
-        sampled = None
-        tokens = np.zeros(0, np.int32)
-        if sched_out.scheduled:
-            self.runner.swap_out(sched_out.blocks_to_swap_out)
-            self.runner.swap_in(sched_out.blocks_to_swap_in)
-            self.runner.copy_blocks(sched_out.blocks_to_copy)
-            batch = build_batch(sched_out, self.buckets)
-            sampled = self.runner.execute(batch, self.slots.arrays(sched_out, batch.seq_lens.shape[0]))
-            tokens = sampled["token_ids"]
-        touched += self.scheduler.update_from_output(sched_out, tokens)
-        if sampled is not None:
-            self._record_logprobs(sched_out, sampled)
+        prev = self._in_flight
+        launched = (sched_out, self._launch(sched_out, prev[1][1] if prev else None))
+        done = [prev] if prev is not None else []
+        if self.config.async_scheduling and launched[1] is not None:
+            self._in_flight = launched
+        else:
+            # Nothing left on the device to overlap with: apply it now, in order.
+            self._in_flight = None
+            done.append(launched)
+        for done_out, result in done:
+            sampled = None if result is None else fetch_rows(result[0], len(done_out.scheduled))
+            tokens = np.zeros(0, np.int32) if sampled is None else sampled["token_ids"]
+            touched += self.scheduler.update_from_output(done_out, tokens)
+            if sampled is not None:
+                self._record_logprobs(done_out, sampled)
         groups: dict[str, _Group] = {}
         for request in touched:
             rid = request.request_id
@@ -302,6 +314,17 @@ class LLMEngine:
             if group is not None:
                 groups[group.request_id] = group
         return [self._make_output(group) for group in groups.values()]
+
+    def _launch(self, sched_out: SchedulerOutput, prev_tokens: Optional[jax.Array]) -> Optional[tuple]:
+        """Do the output's block copies and dispatch its step; returns the
+        runner's ``dispatch`` result, or None if the output has no rows."""
+        if not sched_out.scheduled:
+            return None
+        self.runner.swap_out(sched_out.blocks_to_swap_out)
+        self.runner.swap_in(sched_out.blocks_to_swap_in)
+        self.runner.copy_blocks(sched_out.blocks_to_copy)
+        batch = build_batch(sched_out, self.buckets)
+        return self.runner.dispatch(batch, self.slots.arrays(sched_out, batch.seq_lens.shape[0]), prev_tokens)
 
     def _advance_parent(self, parent: Request) -> None:
         """Fork a prefill parent into its sequences once its prompt is computed (it has sampled once).

@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
@@ -26,18 +27,25 @@ from scheduler import BatchDescriptor, BucketTable
 
 BATCH_KEYS = (
     "input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
-    "query_start_loc", "logits_indices",
+    "query_start_loc", "logits_indices", "prev_token_index",
 )
 # Block copies (swap, copy-on-write) run in fixed-size chunks so that they
 # compile once; a chunk's unused entries move null block 0 onto itself.
 BLOCK_CHUNK = 16
 
 
-def _step(params: Params, kv_caches: KVCache, batch: dict, sampling: dict, tables: dict, *, cfg: ModelConfig,
-          ops: AttentionOps) -> tuple[dict, KVCache, dict]:
-    logits, kv_caches = forward(params, kv_caches, batch, cfg=cfg, ops=ops)
+def _step(params: Params, kv_caches: KVCache, batch: dict, sampling: dict, tables: dict, prev_tokens: jax.Array,
+          *, cfg: ModelConfig, ops: AttentionOps) -> tuple[dict, jax.Array, KVCache, dict]:
+    """Model + sampler. Input ids marked in ``prev_token_index`` come from the
+    previous step's samples (``prev_tokens``, still on the device); the
+    samples are also returned padded to ``prev_tokens``' length for the next
+    step."""
+    from_prev = batch["prev_token_index"]
+    input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch["input_ids"])
+    logits, kv_caches = forward(params, kv_caches, dict(batch, input_ids=input_ids), cfg=cfg, ops=ops)
     out, tables = sample(logits, sampling, tables)
-    return out, kv_caches, tables
+    next_prev = jnp.zeros_like(prev_tokens).at[: out["token_ids"].shape[0]].set(out["token_ids"])
+    return out, next_prev, kv_caches, tables
 
 
 def _gather_blocks(kv_caches: KVCache, ids: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
@@ -108,6 +116,7 @@ class ModelRunner:
         self.sampler_tables = init_tables(num_sampling_slots, cfg.vocab_size)
         self.max_model_len = max_model_len
         self.num_compilations = 0
+        self._no_prev_tokens = jax.device_put(np.zeros(buckets.seq_buckets[-1], np.int32))
         self.compile_seconds = 0.0
         self._step_jit = jax.jit(functools.partial(_step, cfg=cfg, ops=ops), donate_argnums=(1, 4))
         self._steps: dict[tuple[int, int, int], Callable] = {}
@@ -126,18 +135,20 @@ class ModelRunner:
         return exe
 
     def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
-        """Abstract ``(params, kv_caches, batch, sampling, sampler_tables)`` of bucket ``shape``:
+        """Abstract ``(params, kv_caches, batch, sampling, sampler_tables, prev_tokens)`` of bucket ``shape``:
         exactly the structure, dtypes and shardings :meth:`execute` passes."""
         t, s, w = shape
         i32 = np.int32
         batch = {
             "input_ids": ((t,), i32), "positions": ((t,), i32), "slot_mapping": ((t,), i32),
             "block_tables": ((s, w), i32), "seq_lens": ((s,), i32), "query_start_loc": ((s + 1,), i32),
-            "logits_indices": ((s,), i32), "num_seqs": ((), i32),
+            "logits_indices": ((s,), i32), "prev_token_index": ((t,), i32), "num_seqs": ((), i32),
         }
         batch = {k: jax.ShapeDtypeStruct(shape_, dtype) for k, (shape_, dtype) in batch.items()}
         sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in SamplingArrays.empty(s).as_dict().items()}
-        return _abstract(self.params), _abstract(self.kv_caches), batch, sampling, _abstract(self.sampler_tables)
+        prev_tokens = _abstract(self._no_prev_tokens)
+        return (_abstract(self.params), _abstract(self.kv_caches), batch, sampling, _abstract(self.sampler_tables),
+                prev_tokens)
 
     def compile_step(self, shape: tuple[int, int, int]) -> Callable:
         """Compile (once) and return the step program of bucket ``shape``."""
@@ -193,21 +204,36 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- serving
 
-    def execute(self, batch: BatchDescriptor, sampling: SamplingArrays) -> dict[str, np.ndarray]:
-        """Run one step; returns the sampler's outputs (``sampling.sample``) cut to ``num_seqs`` rows.
+    def dispatch(self, batch: BatchDescriptor, sampling: SamplingArrays,
+                 prev_tokens: Optional[jax.Array] = None) -> tuple[dict, jax.Array]:
+        """Launch one step without waiting for it.
 
-        ``batch`` arrays are bucket-shaped (T, S, W); a bucket not compiled
-        yet is compiled first (lazy mode). The KV cache and the sampler
-        tables are updated in place (donated).
+        Args:
+          batch: bucket-shaped (T, S, W) arrays; a bucket not compiled yet is
+            compiled first (lazy mode).
+          sampling: per-row sampling controls, ``[S]`` each.
+          prev_tokens: the previous dispatch's padded samples, for rows whose
+            input is a sample still on the device (async scheduling).
+
+        Returns:
+          (the sampler's outputs (``sampling.sample``) on the device, ``[S]``
+          rows; the sampled ids padded to int32[max S bucket] for the next
+          dispatch). The KV cache and the sampler tables are updated in place
+          (donated).
         """
         exe = self.compile_step(batch.shape)
         arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
         arrays["num_seqs"] = np.int32(batch.num_seqs)
         device_batch, device_sampling = jax.device_put((arrays, sampling.as_dict()))
-        out, self.kv_caches, self.sampler_tables = exe(
-            self.params, self.kv_caches, device_batch, device_sampling, self.sampler_tables
+        prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
+        out, next_prev, self.kv_caches, self.sampler_tables = exe(
+            self.params, self.kv_caches, device_batch, device_sampling, self.sampler_tables, prev
         )
-        return {k: v[: batch.num_seqs] for k, v in jax.device_get(out).items()}
+        return out, next_prev
+
+    def execute(self, batch: BatchDescriptor, sampling: SamplingArrays) -> dict[str, np.ndarray]:
+        """Run one step and wait; returns the sampler's outputs cut to ``num_seqs`` rows."""
+        return fetch_rows(self.dispatch(batch, sampling)[0], batch.num_seqs)
 
     def fill_slot(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
         """Reset sampling slot ``slot`` for a sequence (re)admitted with ``token_ids`` (prompt then output)."""
@@ -258,3 +284,8 @@ def enable_persistent_compilation_cache(path: Optional[str]) -> None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def fetch_rows(out: dict, num_rows: int) -> dict[str, np.ndarray]:
+    """Bring a step's sampler outputs to the host, cut to ``num_rows`` rows."""
+    return {k: v[:num_rows] for k, v in jax.device_get(out).items()}

@@ -174,7 +174,7 @@ class SamplingSlots:
             outputs = request.output_token_ids
             arrays.set_row(
                 i, sampling.params, slot=self._slot(request, sampling), seed=sampling.seed,
-                num_generated=len(outputs), sample=row.samples, uses_bias=sampling.bias is not None,
+                num_generated=row.sample_index, sample=row.samples, uses_bias=sampling.bias is not None,
                 banned=sampling.banned_ids(outputs) if sampling.multi_token_bad_words else (),
             )
         return arrays

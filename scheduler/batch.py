@@ -34,6 +34,9 @@ class BatchDescriptor:
       num_seqs: real rows.
       num_tokens: real tokens.
       request_ids: real rows' request ids, in row order.
+      prev_token_index: int32[T] with async scheduling, the row of the
+        previous step whose sampled token (still on the device) is this
+        token's input id; -1 where ``input_ids`` holds the id.
       blocks_to_swap_out: int32[K, 2] (device_block, host_block) copies, done first.
       blocks_to_swap_in: int32[K, 2] (host_block, device_block) copies, done second.
       blocks_to_copy: int32[K, 2] (src_block, dst_block) device copies, done
@@ -51,6 +54,7 @@ class BatchDescriptor:
     num_seqs: int
     num_tokens: int
     request_ids: list[str]
+    prev_token_index: np.ndarray
     blocks_to_swap_out: np.ndarray
     blocks_to_swap_in: np.ndarray
     blocks_to_copy: np.ndarray
@@ -90,11 +94,16 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
     table_rows: list[int] = []
     samples: list[bool] = []
     request_ids: list[str] = []
+    from_prev: list[tuple[int, int]] = []
     width = 1
     for s, row in enumerate(rows):
         k, m = row.num_computed_tokens, row.num_new_tokens
         req = row.request
-        if m == 1:
+        if row.prev_row >= 0:
+            # Async scheduling: the input is a sample still on the device.
+            singles.append(0)
+            from_prev.append((s, row.prev_row))
+        elif m == 1:
             singles.append(req._all_token_ids[k])
         elif k + m <= len(req.prompt_array):
             chunks.append((s, req.prompt_array[k : k + m]))
@@ -145,6 +154,10 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
         for s, chunk in chunks:
             input_ids[query_start_loc[s] : query_start_loc[s + 1]] = chunk
 
+    prev_token_index = np.full(T, -1, dtype=np.int32)
+    for s, prev in from_prev:
+        prev_token_index[query_start_loc[s]] = prev
+
     seq_lens = np.zeros(S, dtype=np.int32)
     seq_lens[:num_seqs] = computed_a + new_a
     logits_indices = np.zeros(S, dtype=np.int32)
@@ -164,6 +177,7 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
         num_seqs=num_seqs,
         num_tokens=num_tokens,
         request_ids=request_ids,
+        prev_token_index=prev_token_index,
         blocks_to_swap_out=_pairs(output.blocks_to_swap_out),
         blocks_to_swap_in=_pairs(output.blocks_to_swap_in),
         blocks_to_copy=_pairs(output.blocks_to_copy),

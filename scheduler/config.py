@@ -34,6 +34,9 @@ class SchedulerConfig:
         (copy blocks to the host pool and back).
       num_host_blocks: host blocks for swap mode, >= 0; a victim that does
         not fit falls back to recompute.
+      async_scheduling: allow one ``schedule()`` ahead of the last
+        ``update_from_output()`` (the runner feeds the missing sampled
+        tokens on the device; see ``Scheduler``).
       aging_rate: for "aging": priority units gained per second of waiting,
         >= 0.
 
@@ -54,6 +57,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0
     aging_rate: float = 1.0
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, limit: str) -> ValueError:

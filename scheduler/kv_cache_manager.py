@@ -215,7 +215,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         rid = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
+        # With async scheduling the computed count can run one sampled token
+        # ahead of the known ids; only blocks of known tokens are hashed.
+        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
         done = self._num_cached.get(rid, 0)
         if num_full <= done:
             return

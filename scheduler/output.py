@@ -28,6 +28,11 @@ class ScheduledRequest:
         prefill, whose sample ``update_from_output`` discards.
       block_table_row: the row of ``SchedulerOutput.block_table`` holding
         the same block ids.
+      sample_index: how many tokens the request has generated before this
+        row's sample (what seeds its random draw).
+      prev_row: with async scheduling, the row of the previous output whose
+        sample (not yet known on the host) is this row's input token; -1
+        when the input token is known.
     """
 
     request: Request
@@ -36,6 +41,8 @@ class ScheduledRequest:
     block_ids: list[int]
     samples: bool = True
     block_table_row: int = -1
+    sample_index: int = 0
+    prev_row: int = -1
 
 
 @dataclasses.dataclass

@@ -86,6 +86,7 @@ class Request:
         "priority", "cache_salt", "output_token_ids", "num_computed_tokens", "status",
         "stop_reason", "ignored_reason", "num_preemptions", "first_scheduled_time",
         "block_hashes", "prompt_array", "_all_token_ids", "_max_tokens", "_seq", "_stop_ids", "_length_limit",
+        "num_pending_samples", "_last_sample_row",
     )
 
     def __init__(
@@ -136,6 +137,10 @@ class Request:
         self._seq = 0
         self._stop_ids: frozenset[int] = frozenset()
         self._length_limit = 0
+        # Async scheduling: samples scheduled but not yet returned by
+        # update_from_output, and the row (in the last output) of the latest.
+        self.num_pending_samples = 0
+        self._last_sample_row = -1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,6 +10,7 @@ policy order.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import time
 from typing import Callable, Iterable, Optional, Sequence, Union
@@ -49,7 +50,15 @@ class Scheduler:
     """Decides, step by step, which tokens of which requests the model computes.
 
     Each ``schedule()`` must be followed by one ``update_from_output()`` with
-    that output before the next ``schedule()``.
+    that output before the next ``schedule()`` -- or, with
+    ``config.async_scheduling``, before the one after it: the host schedules
+    step N+1 while the device runs step N. A request's
+    ``num_computed_tokens`` then advances when it is scheduled (as in vLLM
+    v1); a sample still on the device is counted in
+    ``num_pending_samples`` and its row in the next output carries
+    ``prev_row`` so the runner feeds it from the device. A request that
+    turns out to have stopped at step N has its step N+1 sample discarded;
+    one that is certain to stop by length is not scheduled again.
 
     Step rules (vLLM v1 unless noted):
 
@@ -108,7 +117,8 @@ class Scheduler:
         # Static-key policies only need a re-sort of the waiting list after
         # it changes; the running list stays sorted by insertion in order.
         self._waiting_dirty = False
-        self._pending: Optional[SchedulerOutput] = None
+        self._pending: collections.deque[SchedulerOutput] = collections.deque()
+        self._max_pending = 2 if config.async_scheduling else 1
         self._finished_for_schedule: list[Request] = []
         self._finished_for_update: list[Request] = []
         self.prefix_cache_queries = 0
@@ -229,10 +239,10 @@ class Scheduler:
         """Choose this step's rows; returns them with the block copies to do first.
 
         Raises:
-          RuntimeError: the previous output has not been passed to
-            ``update_from_output`` yet.
+          RuntimeError: the previous output (with async scheduling, the one
+            before it) has not been passed to ``update_from_output`` yet.
         """
-        if self._pending is not None:
+        if len(self._pending) >= self._max_pending:
             raise RuntimeError("schedule() called again before update_from_output() of the previous output")
         now = self._clock()
         step = _Step(self.config.max_num_batched_tokens, now)
@@ -246,8 +256,22 @@ class Scheduler:
         out.finished, self._finished_for_schedule = self._finished_for_schedule, []
         out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
         self.kv_cache_manager.end_step()
-        self._pending = out
+        self._advance(out.scheduled)
+        self._pending.append(out)
         return out
+
+    @staticmethod
+    def _advance(rows: list[ScheduledRequest]) -> None:
+        """Count the scheduled tokens as computed and the samples as pending."""
+        for i, row in enumerate(rows):
+            req = row.request
+            req.num_computed_tokens = row.num_computed_tokens + row.num_new_tokens
+            if row.num_computed_tokens >= len(req._all_token_ids):
+                row.prev_row = req._last_sample_row
+            if row.samples:
+                row.sample_index = len(req.output_token_ids) + req.num_pending_samples
+                req.num_pending_samples += 1
+                req._last_sample_row = i
 
     def _schedule_running(self, step: _Step) -> None:
         if self.policy.keys_change_over_time:
@@ -264,7 +288,10 @@ class Scheduler:
             if req.status is not _RUNNING:
                 continue
             computed = req.num_computed_tokens
-            num_tokens = len(req._all_token_ids)
+            num_tokens = len(req._all_token_ids) + req.num_pending_samples
+            if num_tokens >= req._length_limit:
+                # Only with async scheduling: its pending sample ends it.
+                continue
             n = num_tokens - computed
             if n != 1:
                 n = self._chunk(n, step.budget)
@@ -392,6 +419,11 @@ class Scheduler:
         row = step.rows.pop(victim.request_id, None)
         if row is not None:
             step.budget += row.num_new_tokens
+        if victim.num_pending_samples:
+            # Its in-flight sample will be discarded, so the last known token
+            # is computed again on resume to sample it anew (same key).
+            victim.num_pending_samples = 0
+            victim.num_computed_tokens = min(victim.num_computed_tokens, len(victim._all_token_ids) - 1)
         pairs = self.kv_cache_manager.swap_out(victim) if self._swap else None
         if pairs is None:
             self.kv_cache_manager.free(victim)
@@ -434,14 +466,14 @@ class Scheduler:
           ValueError: ``output`` is not the pending output, or fewer sampled
             ids than rows (nothing is changed).
         """
-        if output is not self._pending:
-            raise ValueError("update_from_output: output is not the pending output of the last schedule()")
+        if not self._pending or output is not self._pending[0]:
+            raise ValueError("update_from_output: output is not the pending output (the oldest schedule() result not yet updated)")
         rows = output.scheduled
         if len(sampled_token_ids) < len(rows):
             raise ValueError(
                 f"update_from_output: {len(sampled_token_ids)} sampled token ids for {len(rows)} scheduled rows"
             )
-        self._pending = None
+        self._pending.popleft()
         # The runner has done this step's copies.
         self.kv_cache_manager.release_copy_sources()
         result, self._finished_for_update = self._finished_for_update, []
@@ -452,11 +484,11 @@ class Scheduler:
             req = row.request
             if req.status is not _RUNNING:
                 continue
-            computed = req.num_computed_tokens = row.num_computed_tokens + row.num_new_tokens
-            if cache is not None and computed // bs != row.num_computed_tokens // bs:
+            if cache is not None and (row.num_computed_tokens + row.num_new_tokens) // bs != row.num_computed_tokens // bs:
                 cache(req)
             if not row.samples:
                 continue
+            req.num_pending_samples -= 1
             token = int(token)
             req.output_token_ids.append(token)
             req._all_token_ids.append(token)
