@@ -7,6 +7,11 @@ uses, and the executables are kept in a table: serving looks a program up by
 the batch's bucket and never traces. The KV cache is donated to every step so
 the device holds one copy. Block ids are the scheduler's (one process, as in
 nano-vllm).
+
+Parameters, KV cache and step inputs live on the replica's mesh
+(``jaxllm.sharding.ModelSharding``); the batch and sampling arrays are
+replicated there, and the abstract arguments of the compiled programs carry
+those same shardings.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.kv_cache import allocate_kv_cache
 from jaxllm.models.llama import AttentionOps, KVCache, Params, forward
 from jaxllm.sampling import SamplingArrays, sample
+from jaxllm.sharding import ModelSharding
 from scheduler import BatchDescriptor, BucketTable
 
 BATCH_KEYS = (
@@ -72,37 +78,40 @@ class ModelRunner:
 
     Args:
       cfg: model configuration.
-      params: parameter pytree (numpy or device arrays).
+      params: parameter pytree, already placed by ``sharding``.
       num_blocks: KV blocks including the null block 0.
       block_size: tokens per block.
       dtype: compute and KV dtype.
-      ops: attention implementation (Pallas kernels or jnp references).
+      ops: attention implementation (Pallas kernels or jnp references),
+        already wrapped by ``sharding.attention_ops``.
       buckets: the (T, S, W) shapes steps are padded to.
+      sharding: the replica's mesh and partition rules.
       num_host_blocks: host swap pool size in blocks (0 = no swap space).
 
     Attributes:
       kv_caches: per layer ``(k, v)``, each ``[num_blocks, block_size,
-        num_kv_heads, head_dim]`` on the device.
+        sharding.num_cache_heads, head_dim]``, split over heads.
       num_compilations: programs this runner has compiled (steps and block
         copies); after :meth:`warmup` it stays constant while serving.
       compile_seconds: wall time spent compiling, seconds.
     """
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
-                 ops: AttentionOps, buckets: BucketTable, num_host_blocks: int = 0):
+                 ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0):
         self.cfg = cfg
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.buckets = buckets
-        self.params = jax.device_put(params)
-        self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype)
+        self.params = params
+        self.kv_caches = allocate_kv_cache(num_blocks, block_size, dtype, sharding)
+        self._replicated = sharding.replicated
         self.num_compilations = 0
         self.compile_seconds = 0.0
         self._step_jit = jax.jit(functools.partial(_step, cfg=cfg, ops=ops), donate_argnums=(1,))
         self._steps: dict[tuple[int, int, int], Callable] = {}
         self._block_ops: dict[str, Callable] = {}
-        block_shape = (num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        block_shape = (num_host_blocks,) + self.kv_caches[0][0].shape[1:]
         self.host_pool = [(np.zeros(block_shape, dtype), np.zeros(block_shape, dtype))
                           for _ in range(cfg.num_layers if num_host_blocks else 0)]
 
@@ -125,8 +134,10 @@ class ModelRunner:
             "block_tables": ((s, w), i32), "seq_lens": ((s,), i32), "query_start_loc": ((s + 1,), i32),
             "logits_indices": ((s,), i32), "num_seqs": ((), i32),
         }
-        batch = {k: jax.ShapeDtypeStruct(shape_, dtype) for k, (shape_, dtype) in batch.items()}
-        sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in SamplingArrays.empty(s).as_dict().items()}
+        rep = self._replicated
+        batch = {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
+        sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
+                    for k, v in SamplingArrays.empty(s).as_dict().items()}
         return _abstract(self.params), _abstract(self.kv_caches), batch, sampling
 
     def compile_step(self, shape: tuple[int, int, int]) -> Callable:
@@ -141,11 +152,12 @@ class ModelRunner:
         if exe is not None:
             return exe
         kv = _abstract(self.kv_caches)
-        ids = jax.ShapeDtypeStruct((BLOCK_CHUNK,), np.int32)
+        ids = jax.ShapeDtypeStruct((BLOCK_CHUNK,), np.int32, sharding=self._replicated)
         if name == "gather":
             exe = self._compiled(jax.jit(_gather_blocks), kv, ids)
         elif name == "scatter":
-            blocks = [(jax.ShapeDtypeStruct((BLOCK_CHUNK,) + k.shape[1:], k.dtype),) * 2 for k, _ in kv]
+            blocks = [(jax.ShapeDtypeStruct((BLOCK_CHUNK,) + k.shape[1:], k.dtype, sharding=k.sharding),) * 2
+                      for k, _ in kv]
             exe = self._compiled(jax.jit(_scatter_blocks, donate_argnums=(0,)), kv, ids, blocks)
         else:
             exe = self._compiled(jax.jit(_copy_blocks, donate_argnums=(0,)), kv, ids, ids)
@@ -184,7 +196,7 @@ class ModelRunner:
         exe = self.compile_step(batch.shape)
         arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
         arrays["num_seqs"] = np.int32(batch.num_seqs)
-        device_batch, device_sampling = jax.device_put((arrays, sampling.as_dict()))
+        device_batch, device_sampling = jax.device_put((arrays, sampling.as_dict()), self._replicated)
         tokens, self.kv_caches = exe(self.params, self.kv_caches, device_batch, device_sampling)
         return np.asarray(tokens)[: batch.num_seqs]
 
