@@ -339,7 +339,9 @@ class LLM:
     Args:
       model: HF folder or ``.gguf`` file; None loads the embedded default
         (SmolLM2-135M-Instruct, fetched once into the jaxllm cache).
-      **kwargs: ``EngineConfig`` fields (see ``LLMEngine``).
+      **kwargs: ``EngineConfig`` fields (see ``LLMEngine``); with
+        ``data_parallel_size > 1`` the engine is a
+        ``jaxllm.replicas.ReplicatedEngine``.
     """
 
     def __init__(self, model: Optional[Union[str, os.PathLike]] = None, **kwargs: Any):
@@ -347,7 +349,12 @@ class LLM:
             from jaxllm.default_model import default_model_path
 
             model = default_model_path()
-        self.engine = LLMEngine(model, **kwargs)
+        if kwargs.get("data_parallel_size", 1) > 1:
+            from jaxllm.replicas import ReplicatedEngine  # imports this module
+
+            self.engine = ReplicatedEngine(model, **kwargs)
+        else:
+            self.engine = LLMEngine(model, **kwargs)
         self._ids = itertools.count()
 
     @property
