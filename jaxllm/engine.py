@@ -248,7 +248,7 @@ class LLMEngine:
         if sched_out.scheduled:
             self.runner.swap_out(sched_out.blocks_to_swap_out)
             self.runner.swap_in(sched_out.blocks_to_swap_in)
-            self.runner.copy_blocks(getattr(sched_out, "blocks_to_copy", []))
+            self.runner.copy_blocks(sched_out.blocks_to_copy)
             batch = build_batch(sched_out, self.buckets)
             requests = [s.request for s in sched_out.scheduled]
             sampling = SamplingArrays.build(

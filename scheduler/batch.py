@@ -36,6 +36,8 @@ class BatchDescriptor:
       request_ids: real rows' request ids, in row order.
       blocks_to_swap_out: int32[K, 2] (device_block, host_block) copies, done first.
       blocks_to_swap_in: int32[K, 2] (host_block, device_block) copies, done second.
+      blocks_to_copy: int32[K, 2] (src_block, dst_block) device copies, done
+        third, before the model step.
     """
 
     input_ids: np.ndarray
@@ -51,6 +53,7 @@ class BatchDescriptor:
     request_ids: list[str]
     blocks_to_swap_out: np.ndarray
     blocks_to_swap_in: np.ndarray
+    blocks_to_copy: np.ndarray
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -77,28 +80,34 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
         raise ValueError(f"build_batch: output.block_size={bs} must be >= 1 (set by Scheduler.schedule)")
     rows = output.scheduled
     num_seqs = len(rows)
-    tokens: list[int] = []
+    # One-token rows' ids, in row order; longer chunks are copied as slices
+    # (numpy ones from the prompt array where they lie in the prompt) once
+    # their offsets are known, which spares converting prompt ints.
+    singles: list[int] = []
+    chunks: list[tuple[int, np.ndarray | list[int]]] = []
     new: list[int] = []
     computed: list[int] = []
     table_rows: list[int] = []
     samples: list[bool] = []
     request_ids: list[str] = []
     width = 1
-    for row in rows:
+    for s, row in enumerate(rows):
         k, m = row.num_computed_tokens, row.num_new_tokens
-        all_ids = row.request.all_token_ids
+        req = row.request
         if m == 1:
-            tokens.append(all_ids[k])
+            singles.append(req._all_token_ids[k])
+        elif k + m <= len(req.prompt_array):
+            chunks.append((s, req.prompt_array[k : k + m]))
         else:
-            tokens.extend(all_ids[k : k + m])
+            chunks.append((s, req._all_token_ids[k : k + m]))
         new.append(m)
         computed.append(k)
         table_rows.append(row.block_table_row)
         samples.append(row.samples)
-        request_ids.append(row.request.request_id)
+        request_ids.append(req.request_id)
         if len(row.block_ids) > width:
             width = len(row.block_ids)
-    num_tokens = len(tokens)
+    num_tokens = sum(new)
     T, S, W = buckets.pick(num_tokens, num_seqs, width)
 
     new_a = np.array(new, dtype=np.int32)
@@ -128,7 +137,13 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
     slot_mapping = np.zeros(T, dtype=np.int32)
     slot_mapping[:num_tokens] = block_tables[row_of_token, pos // bs] * bs + pos % bs
     input_ids = np.zeros(T, dtype=np.int32)
-    input_ids[:num_tokens] = tokens
+    if not chunks:
+        input_ids[:num_tokens] = singles
+    else:
+        if singles:
+            input_ids[query_start_loc[:num_seqs][new_a == 1]] = singles
+        for s, chunk in chunks:
+            input_ids[query_start_loc[s] : query_start_loc[s + 1]] = chunk
 
     seq_lens = np.zeros(S, dtype=np.int32)
     seq_lens[:num_seqs] = computed_a + new_a
@@ -151,6 +166,7 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
         request_ids=request_ids,
         blocks_to_swap_out=_pairs(output.blocks_to_swap_out),
         blocks_to_swap_in=_pairs(output.blocks_to_swap_in),
+        blocks_to_copy=_pairs(output.blocks_to_copy),
     )
 
 

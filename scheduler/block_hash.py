@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 from typing import Optional, Sequence
 
+import numpy as np
 import xxhash
 
 _ROOT = b"jaxllm-prefix-root"
@@ -23,22 +24,39 @@ def hash_block_tokens(parent_hash: Optional[bytes], token_ids: Sequence[int], ex
 
 
 def extend_block_hashes(
-    block_hashes: list[bytes], token_ids: Sequence[int], num_full_blocks: int, block_size: int, cache_salt: Optional[str]
+    block_hashes: list[bytes],
+    token_ids: Sequence[int],
+    num_full_blocks: int,
+    block_size: int,
+    cache_salt: Optional[str],
+    prefix_array: Optional[np.ndarray] = None,
 ) -> None:
     """Append hashes to ``block_hashes`` until it covers ``num_full_blocks`` blocks of ``token_ids``.
 
     Same digests as :func:`hash_block_tokens`. Each block is hashed once over a
     request's life; the caller guarantees the first ``num_full_blocks *
-    block_size`` token ids are final.
+    block_size`` token ids are final. ``prefix_array`` (int64, e.g. the
+    prompt) equal to the first tokens of ``token_ids``, when it covers the
+    blocks, supplies their bytes without converting Python ints.
     """
     start = len(block_hashes)
     if start >= num_full_blocks:
         return
-    # One int64 conversion for all the new blocks, then cheap bytes slices.
-    raw = array("q", token_ids[start * block_size : num_full_blocks * block_size]).tobytes()
+    begin, end = start * block_size, num_full_blocks * block_size
+    if prefix_array is not None and end <= len(prefix_array):
+        raw = prefix_array[begin:end].tobytes()
+    else:
+        # One int64 conversion for all the new blocks, then cheap bytes slices.
+        raw = array("q", token_ids[begin:end]).tobytes()
     width = 8 * block_size
     parent = block_hashes[-1] if start else _ROOT
-    for i in range(num_full_blocks - start):
-        extra = cache_salt.encode() if cache_salt is not None and start + i == 0 else b""
-        parent = xxhash.xxh3_128_digest(parent + extra + raw[i * width : (i + 1) * width])
+    offset = 0
+    if start == 0 and cache_salt is not None:
+        parent = xxhash.xxh3_128_digest(parent + cache_salt.encode() + raw[:width])
         block_hashes.append(parent)
+        offset = width
+    digest = xxhash.xxh3_128_digest
+    append = block_hashes.append
+    for i in range(offset, len(raw), width):
+        parent = digest(parent + raw[i : i + width])
+        append(parent)

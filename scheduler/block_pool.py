@@ -6,7 +6,7 @@ its hash and stays revivable until allocation evicts it from the free queue.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 
 class KVBlock:
@@ -69,6 +69,26 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, n: int) -> list[KVBlock]:
+        """Remove and return the first ``n`` blocks, front first, in one splice.
+
+        Raises:
+          ValueError: fewer than ``n`` blocks are queued (nothing is removed).
+        """
+        if n > self._len:
+            raise ValueError(f"FreeBlockQueue.popleft_n: asked for {n} blocks, only {self._len} queued")
+        out = []
+        node = self._head.next
+        for _ in range(n):
+            nxt = node.next
+            node.prev = node.next = None
+            out.append(node)
+            node = nxt
+        self._head.next = node
+        node.prev = self._head
+        self._len -= n
+        return out
+
     def append(self, block: KVBlock) -> None:
         """Put ``block`` at the back (evicted last)."""
         self._link(block, self._tail.prev, self._tail)
@@ -76,6 +96,39 @@ class FreeBlockQueue:
     def appendleft(self, block: KVBlock) -> None:
         """Put ``block`` at the front (evicted first)."""
         self._link(block, self._head, self._head.next)
+
+    def extend(self, blocks: list[KVBlock]) -> None:
+        """Put ``blocks`` at the back in order, as repeated :meth:`append` would, in one splice.
+
+        Raises:
+          ValueError: a block is already queued (nothing is added).
+        """
+        self._check_unqueued(blocks)
+        prev = self._tail.prev
+        for block in blocks:
+            prev.next = block
+            block.prev = prev
+            prev = block
+        prev.next = self._tail
+        self._tail.prev = prev
+        self._len += len(blocks)
+
+    def extendleft(self, blocks: list[KVBlock]) -> None:
+        """Put each of ``blocks`` at the front in turn (so the last ends up first), as repeated
+        :meth:`appendleft` would, in one splice.
+
+        Raises:
+          ValueError: a block is already queued (nothing is added).
+        """
+        self._check_unqueued(blocks)
+        nxt = self._head.next
+        for block in blocks:
+            block.next = nxt
+            nxt.prev = block
+            nxt = block
+        self._head.next = nxt
+        nxt.prev = self._head
+        self._len += len(blocks)
 
     def remove(self, block: KVBlock) -> None:
         """Unlink ``block`` from wherever it is. Raises ValueError if it is not queued."""
@@ -86,6 +139,12 @@ class FreeBlockQueue:
         nxt.prev = prev
         block.prev = block.next = None
         self._len -= 1
+
+    @staticmethod
+    def _check_unqueued(blocks: list[KVBlock]) -> None:
+        for block in blocks:
+            if block.prev is not None:
+                raise ValueError(f"FreeBlockQueue: block {block.block_id} is already in the free queue")
 
     def _link(self, block: KVBlock, prev: KVBlock, nxt: KVBlock) -> None:
         if block.prev is not None:
@@ -145,15 +204,16 @@ class BlockPool:
         """
         if n > len(self.free_queue):
             raise ValueError(f"BlockPool.get_new_blocks: asked for {n} blocks, only {len(self.free_queue)} free")
-        out = []
-        popleft = self.free_queue.popleft
-        for _ in range(n):
-            block = popleft()
-            if block.block_hash is not None:
-                self._evict(block)
+        blocks = self.free_queue.popleft_n(n)
+        cached = self.cached
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is not None:
+                if cached.get(block_hash) is block:
+                    del cached[block_hash]
+                block.block_hash = None
             block.ref_cnt = 1
-            out.append(block)
-        return out
+        return blocks
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Add a reference to each block, reviving it from the free queue if unreferenced."""
@@ -171,15 +231,23 @@ class BlockPool:
         Raises:
           ValueError: a block is already free, or is the null block.
         """
-        for block in blocks:
-            if block.ref_cnt <= 0 or block is self.null_block:
-                raise ValueError(f"BlockPool.free_blocks: block {block.block_id} has ref_cnt {block.ref_cnt}; need >= 1")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    self.free_queue.appendleft(block)
-                else:
-                    self.free_queue.append(block)
+        hashed: list[KVBlock] = []
+        unhashed: list[KVBlock] = []
+        null = self.null_block
+        # Queued in two splices, also when a bad block stops the loop, so
+        # the blocks freed before it are not lost.
+        try:
+            for block in blocks:
+                if block.ref_cnt <= 0 or block is null:
+                    raise ValueError(
+                        f"BlockPool.free_blocks: block {block.block_id} has ref_cnt {block.ref_cnt}; need >= 1"
+                    )
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    (unhashed if block.block_hash is None else hashed).append(block)
+        finally:
+            self.free_queue.extend(hashed)
+            self.free_queue.extendleft(unhashed)
 
     def get_cached_block(self, block_hash: bytes) -> Optional[KVBlock]:
         """The block registered under ``block_hash``, or None."""
@@ -192,12 +260,14 @@ class BlockPool:
         same content at once) the map keeps the first and ``block`` stays
         unhashed, so it is reused first once freed.
         """
-        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
-            return
-        block.block_hash = block_hash
-        self.cached[block_hash] = block
+        self.cache_blocks((block,), (block_hash,))
 
-    def _evict(self, block: KVBlock) -> None:
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
-        block.block_hash = None
+    def cache_blocks(self, blocks: Sequence[KVBlock], block_hashes: Sequence[bytes]) -> None:
+        """:meth:`cache_block` for each pair of ``blocks`` and ``block_hashes``, in one loop."""
+        if not self.enable_caching:
+            return
+        cached = self.cached
+        for block, block_hash in zip(blocks, block_hashes):
+            if block.block_hash is None and block_hash not in cached:
+                block.block_hash = block_hash
+                cached[block_hash] = block

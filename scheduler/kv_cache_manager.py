@@ -20,6 +20,15 @@ class KVCacheManager:
     (:meth:`cache_computed_blocks`, called after the model step), so a hit
     always points at KV that exists.
 
+    Copy-on-write of the last block (our addition to vLLM v1, whose hits stop
+    at a block boundary before the last token): when every block of a
+    request whose tokens fill whole blocks hits the cache, all of them are
+    hits and only the last token is recomputed. Its K/V would land in the
+    cached last block, which others share, so that block is replaced in the
+    table by a fresh one and the runner copies the cached contents into it
+    before the step (:meth:`take_blocks_to_copy`). The cached block stays the
+    canonical holder of its hash; the fresh copy is never registered.
+
     Args:
       block_pool: the device blocks.
       block_size: tokens per block, >= 1.
@@ -34,6 +43,9 @@ class KVCacheManager:
         ``build_batch``); ``req_to_row`` maps request_id -> row.
       swapped: request_id -> host block ids holding its swapped-out KV, in
         block-table order.
+      copy_sources: cached blocks read by copies handed out since the last
+        :meth:`release_copy_sources`, each holding one extra reference so it
+        can be neither evicted nor reused before the runner has copied it.
     """
 
     def __init__(self, block_pool: BlockPool, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
@@ -48,6 +60,9 @@ class KVCacheManager:
         self.swapped: dict[str, list[int]] = {}
         self.block_table = BlockTable()
         self.req_to_row: dict[str, int] = {}
+        self.copy_sources: list[KVBlock] = []
+        # request_id -> (cached block id, fresh block id) of copies not yet taken.
+        self._copies: dict[str, tuple[int, int]] = {}
         # How many leading blocks of each table are already registered.
         self._num_cached: dict[str, int] = {}
 
@@ -58,16 +73,22 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest run of cached full blocks that prefixes ``request``'s tokens.
 
-        The last token is never matched, so at least one token is computed and
-        there are logits to sample from. Returns ``(blocks, num_tokens)`` with
-        ``num_tokens == len(blocks) * block_size``; the blocks are not yet
-        referenced (pass them to :meth:`allocate_slots`).
+        Returns ``(blocks, num_tokens)``: the hit blocks, not yet referenced
+        (pass them to :meth:`allocate_slots`), and the tokens they spare from
+        computing, ``min(len(blocks) * block_size, request.num_tokens - 1)``.
+        The last token is always computed, so there are logits to sample
+        from; when its block hits too, that block is copied on write (see the
+        class docstring).
         """
         if not self.enable_caching:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        num_tokens = request.num_tokens
+        # One-token blocks: the last block would hold only the recomputed
+        # token, so it is left out rather than copied.
+        max_blocks = num_tokens // bs if bs > 1 else num_tokens - 1
         hashes = request.block_hashes
-        extend_block_hashes(hashes, request.all_token_ids, max_blocks, self.block_size, request.cache_salt)
+        extend_block_hashes(hashes, request.all_token_ids, max_blocks, bs, request.cache_salt, request.prompt_array)
         cached = self.block_pool.cached
         hits = []
         for i in range(max_blocks):
@@ -75,35 +96,70 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return hits, min(len(hits) * bs, num_tokens - 1)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
         """Grow ``request``'s table to hold its computed tokens, ``computed_blocks`` and ``num_new_tokens`` more.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`, only for a
-        request with no blocks yet) are revived and referenced first.
-        Returns False, changing nothing, when the free queue is too short.
+        request with no blocks yet) are revived and referenced first; if they
+        cover every token, the last one is pinned in :attr:`copy_sources` and
+        a fresh block takes its place, its copy queued for
+        :meth:`take_blocks_to_copy`. Returns False, changing nothing, when the
+        free queue is too short.
         """
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid, ())
         bs = self.block_size
-        total = request.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
-        new = -(-total // bs) - len(blocks) - len(computed_blocks)
-        if new <= 0 and not computed_blocks:
-            return True
-        new = max(new, 0)
-        revive = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         pool = self.block_pool
-        if new + revive > pool.num_free_blocks:
+        if not computed_blocks:
+            # The common case (a running request growing), kept short.
+            new = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(blocks)
+            if new <= 0:
+                return True
+            if new > len(pool.free_queue):
+                return False
+            if rid not in self.req_to_blocks:
+                self._start_table(rid)
+            self._extend_table(rid, pool.get_new_blocks(new))
+            return True
+        num_hit = len(computed_blocks) * bs
+        copy_last = bool(computed_blocks) and num_hit >= request.num_tokens
+        if copy_last:
+            num_hit = request.num_tokens - 1
+        total = request.num_computed_tokens + num_hit + num_new_tokens
+        new = max(-(-total // bs) - len(blocks) - len(computed_blocks) + copy_last, 0)
+        revive = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if new + revive > len(pool.free_queue):
             return False
         if rid not in self.req_to_blocks:
             self._start_table(rid)
             blocks = self.req_to_blocks[rid]
-        if computed_blocks:
-            pool.touch(computed_blocks)
-            self._num_cached[rid] = len(blocks) + len(computed_blocks)
-        self._extend_table(rid, list(computed_blocks) + pool.get_new_blocks(new))
+        shared = list(computed_blocks)
+        # Touched before the new blocks are taken, so allocation cannot evict
+        # a hit (the copy source included).
+        pool.touch(computed_blocks)
+        # The fresh copy counts as registered: the cached block keeps the hash.
+        self._num_cached[rid] = len(blocks) + len(computed_blocks)
+        fresh = pool.get_new_blocks(new)
+        if copy_last:
+            source = shared.pop()
+            self.copy_sources.append(source)
+            self._copies[rid] = (source.block_id, fresh[0].block_id)
+        self._extend_table(rid, shared + fresh)
         return True
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """``(cached_block, fresh_block)`` copies queued since the last call, for the runner to do before the step."""
+        pairs = list(self._copies.values())
+        self._copies.clear()
+        return pairs
+
+    def release_copy_sources(self) -> None:
+        """Drop the references pinning :attr:`copy_sources`; call once the runner has done the copies."""
+        if self.copy_sources:
+            self.block_pool.free_blocks(self.copy_sources)
+            self.copy_sources = []
 
     def _start_table(self, rid: str) -> None:
         self.req_to_blocks[rid] = []
@@ -127,17 +183,18 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = request.block_hashes
-        extend_block_hashes(hashes, request.all_token_ids, num_full, self.block_size, request.cache_salt)
-        blocks = self.req_to_blocks[rid]
-        cache_block = self.block_pool.cache_block
-        for i in range(done, num_full):
-            cache_block(blocks[i], hashes[i])
+        extend_block_hashes(
+            hashes, request.all_token_ids, num_full, self.block_size, request.cache_salt, request.prompt_array
+        )
+        self.block_pool.cache_blocks(self.req_to_blocks[rid][done:num_full], hashes[done:num_full])
         self._num_cached[rid] = num_full
 
     def free(self, request: Request) -> None:
         """Release all of ``request``'s device blocks (tail first, so its prefix is evicted last) and host blocks."""
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, None)
+        # A copy not yet taken would write into a block that may be reused.
+        self._copies.pop(rid, None)
         self.req_to_block_ids.pop(rid, None)
         self._num_cached.pop(rid, None)
         row = self.req_to_row.pop(rid, None)

@@ -43,7 +43,11 @@ class SchedulerOutput:
     """The batch of one step, in batch order, plus the block copies to do first.
 
     The runner does, in order: every ``blocks_to_swap_out`` copy, every
-    ``blocks_to_swap_in`` copy, then the model step.
+    ``blocks_to_swap_in`` copy, every ``blocks_to_copy`` copy, then the model
+    step. Swap-outs go first because their device blocks may be handed to
+    swap-ins or copies in the same step. A copy's source is a cached block
+    that no swap-in or copy of this step writes: the scheduler holds a
+    reference to it until ``update_from_output``, so it cannot be reused.
 
     Attributes:
       scheduled: one ``ScheduledRequest`` per row, in batch order.
@@ -53,6 +57,10 @@ class SchedulerOutput:
         ``update_from_output``) since the previous ``schedule()``.
       blocks_to_swap_out: ``(device_block, host_block)`` pairs.
       blocks_to_swap_in: ``(host_block, device_block)`` pairs.
+      blocks_to_copy: ``(src_block, dst_block)`` device pairs: a fully cached
+        prompt's last block, copied into the fresh block that replaces it in
+        the request's table, where its last token's K/V is written (see
+        ``KVCacheManager``). Each dst appears once.
       block_size: tokens per KV block (what ``build_batch`` computes slots
         with); set by the scheduler.
       block_table: int32[rows, width] the KV cache manager's persistent block
@@ -67,6 +75,7 @@ class SchedulerOutput:
     finished: list[Request] = dataclasses.field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     block_size: int = 0
     block_table: Optional[np.ndarray] = None
 
@@ -87,7 +96,7 @@ class SchedulerStats:
       kv_cache_usage: fraction of non-null device blocks referenced, in [0, 1]
         (cached-but-free blocks count as free).
       prefix_cache_queries: prompt tokens looked up in the prefix cache, cumulative.
-      prefix_cache_hits: of those, tokens served from cache, cumulative.
+      prefix_cache_hits: of those, tokens served from cache (not recomputed), cumulative.
       num_preemptions: preemptions so far, cumulative.
       num_free_blocks: device blocks in the free queue.
       num_blocks: device blocks in all, including the null block.

@@ -73,6 +73,9 @@ class Request:
         ``first_scheduled_time - arrival_time``).
       block_hashes: prefix-cache hashes (16-byte ``bytes``) of its full blocks,
         filled in lazily by the KV cache manager, one per block, once.
+      prompt_array: int64[num_prompt_tokens] the prompt again, read-only, so
+        hashing and ``build_batch`` slice prompt tokens without converting
+        Python ints every step.
 
     Raises:
       ValueError: empty prompt, a negative token id, or a non-int priority.
@@ -82,7 +85,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "cache_salt", "output_token_ids", "num_computed_tokens", "status",
         "stop_reason", "ignored_reason", "num_preemptions", "first_scheduled_time",
-        "block_hashes", "_all_token_ids", "_max_tokens", "_seq", "_stop_ids", "_length_limit",
+        "block_hashes", "prompt_array", "_all_token_ids", "_max_tokens", "_seq", "_stop_ids", "_length_limit",
     )
 
     def __init__(
@@ -96,11 +99,15 @@ class Request:
         priority: int = 0,
         cache_salt: Optional[str] = None,
     ) -> None:
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
+        prompt_array = np.array(prompt_token_ids, dtype=np.int64).reshape(-1)
+        if not prompt_array.size:
             raise ValueError(f"Request {request_id!r}: prompt_token_ids is empty; need at least 1 token")
-        if min(prompt) < 0:
-            raise ValueError(f"Request {request_id!r}: prompt token id {min(prompt)} is negative; ids must be >= 0")
+        if prompt_array.min() < 0:
+            raise ValueError(
+                f"Request {request_id!r}: prompt token id {prompt_array.min()} is negative; ids must be >= 0"
+            )
+        prompt_array.flags.writeable = False
+        prompt = prompt_array.tolist()
         if not isinstance(priority, (int, np.integer)) or isinstance(priority, bool):
             raise ValueError(f"Request {request_id!r}: priority={priority!r} must be an int")
         self.request_id = request_id
@@ -118,6 +125,7 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: Optional[float] = None
         self.block_hashes: list[bytes] = []
+        self.prompt_array = prompt_array
         # Kept alongside output_token_ids so slicing the next chunk's ids is one
         # C-level slice on the hot path instead of a concatenation.
         self._all_token_ids = list(prompt)

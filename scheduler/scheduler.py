@@ -9,6 +9,7 @@ policy order.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from typing import Callable, Iterable, Optional, Sequence, Union
@@ -64,6 +65,10 @@ class Scheduler:
       running ones (never ones admitted this step).
     * With chunked prefill off, a prompt that does not fit the remaining
       budget waits for a later step.
+    * A request whose tokens fill whole blocks, all cached, recomputes only
+      its last token, into a copy of the last block (``blocks_to_copy``;
+      our addition, see ``KVCacheManager``). This holds for re-prefills of
+      recompute-preempted requests too.
     * ``recompute`` preemption frees the victim's blocks (their hashes stay,
       so its re-prefill can hit the cache) and resets its progress; ``swap``
       copies its computed blocks to the host pool and back on resume,
@@ -100,8 +105,8 @@ class Scheduler:
         self._clock = clock
         self._seq = itertools.count()
         self._swap = config.preemption_mode == "swap"
-        # Static-key policies only need a re-sort after the lists change.
-        self._running_dirty = False
+        # Static-key policies only need a re-sort of the waiting list after
+        # it changes; the running list stays sorted by insertion in order.
         self._waiting_dirty = False
         self._pending: Optional[SchedulerOutput] = None
         self._finished_for_schedule: list[Request] = []
@@ -172,7 +177,7 @@ class Scheduler:
     # ------------------------------------------------------------------- step
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's rows; returns them with the swap copies to do first.
+        """Choose this step's rows; returns them with the block copies to do first.
 
         Raises:
           RuntimeError: the previous output has not been passed to
@@ -190,14 +195,14 @@ class Scheduler:
         out.scheduled = list(step.rows.values())
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - step.budget
         out.finished, self._finished_for_schedule = self._finished_for_schedule, []
+        out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
         self.kv_cache_manager.end_step()
         self._pending = out
         return out
 
     def _schedule_running(self, step: _Step) -> None:
-        if self._running_dirty or self.policy.keys_change_over_time:
+        if self.policy.keys_change_over_time:
             self.policy.sort(self.running, step.now)
-            self._running_dirty = False
         kv = self.kv_cache_manager
         allocate, block_ids, table_rows = kv.allocate_slots, kv.req_to_block_ids, kv.req_to_row
         bs = self.config.block_size
@@ -288,11 +293,25 @@ class Scheduler:
         req.status = _RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = step.now
-        self.running.append(req)
-        self._running_dirty = True
+        self._insert_running(req, step.now)
         step.admitted_ids.add(rid)
         self._add_row(req, n, step)
         return True
+
+    def _insert_running(self, req: Request, now: float) -> None:
+        """Add ``req`` to the running list, keeping a static-key policy's order without a re-sort."""
+        running = self.running
+        policy = self.policy
+        if policy.keys_change_over_time or not running:
+            running.append(req)
+            return
+        key = policy.key(req, now)
+        # Admissions usually come after everything running (FCFS), so the
+        # tail is checked before a binary search.
+        if policy.key(running[-1], now) < key:
+            running.append(req)
+        else:
+            bisect.insort(running, req, key=lambda r: policy.key(r, now))
 
     def _waiting_victim(self, req: Request, step: _Step) -> Optional[Request]:
         if not self.policy.preempts_for_waiting:
@@ -374,6 +393,8 @@ class Scheduler:
                 f"update_from_output: {len(sampled_token_ids)} sampled token ids for {len(rows)} scheduled rows"
             )
         self._pending = None
+        # The runner has done this step's copies.
+        self.kv_cache_manager.release_copy_sources()
         result, self._finished_for_update = self._finished_for_update, []
         cache = self.kv_cache_manager.cache_computed_blocks if self.config.enable_prefix_caching else None
         bs = self.config.block_size

@@ -53,7 +53,7 @@ class FakeClock:
 
 
 class FakeRunner:
-    """Plays the model runner: does the swap copies, writes token ids into a simulated KV cache
+    """Plays the model runner: does the swap and copy-on-write copies, writes token ids into a simulated KV cache
     through slot_mapping, and samples from the history it *reads back* through the block
     tables -- so a wrong block table, slot or prefix-cache hit changes the generated tokens."""
 
@@ -75,6 +75,8 @@ class FakeRunner:
             self.host[h] = self.kv[d * bs : (d + 1) * bs]
         for h, d in b.blocks_to_swap_in:
             self.kv[d * bs : (d + 1) * bs] = self.host[h]
+        for src, dst in b.blocks_to_copy:
+            self.kv[dst * bs : (dst + 1) * bs] = self.kv[src * bs : (src + 1) * bs]
         self.kv[b.slot_mapping] = b.input_ids
         sampled = []
         for s in range(b.num_seqs):
@@ -107,9 +109,10 @@ def make_request(rid: str, prompt, max_tokens: Optional[int] = 8, **kw) -> Reque
 
 
 def check_block_invariants(sched: Scheduler) -> None:
-    """Every non-null block is free xor referenced, with ref_cnt == number of tables holding it."""
+    """Every non-null block is free xor referenced, with ref_cnt == number of tables holding it
+    plus the pins of pending copies' sources."""
     pool, kv = sched.block_pool, sched.kv_cache_manager
-    holders = Counter()
+    holders = Counter(b.block_id for b in kv.copy_sources)
     for rid, blocks in kv.req_to_blocks.items():
         assert len({b.block_id for b in blocks}) == len(blocks), f"{rid} holds a block twice"
         assert [b.block_id for b in blocks] == kv.req_to_block_ids[rid]
@@ -134,6 +137,28 @@ def check_block_invariants(sched: Scheduler) -> None:
     assert len(host_ids) == len(set(host_ids))
     assert len(host_ids) + kv.host_pool.num_free_blocks == kv.host_pool.num_host_blocks
     assert len(sched.running) <= sched.config.max_num_seqs
+
+
+def check_copies(sched: Scheduler, out) -> None:
+    """Between schedule() and update_from_output(): each copy goes from the canonical cached block
+    of a row's last block hash to a fresh, unhashed block that only that row's table holds, in
+    that last place, and the row computes exactly its last token; no other copy or swap-in
+    writes the destination or the source."""
+    pool, kv, bs = sched.block_pool, sched.kv_cache_manager, sched.config.block_size
+    rows = {r.block_ids[-1]: r for r in out.scheduled if r.block_ids}
+    dsts = [d for _, d in out.blocks_to_copy]
+    assert len(set(dsts)) == len(dsts)
+    swapped_in = {d for _, d in out.blocks_to_swap_in}
+    assert sorted(b.block_id for b in kv.copy_sources) == sorted(s for s, _ in out.blocks_to_copy)
+    for src, dst in out.blocks_to_copy:
+        source, fresh, row = pool.blocks[src], pool.blocks[dst], rows[dst]
+        req = row.request
+        assert pool.cached[source.block_hash] is source
+        assert source.block_hash == req.block_hashes[len(row.block_ids) - 1]
+        assert (fresh.block_hash, fresh.ref_cnt) == (None, 1)
+        assert src not in row.block_ids and src not in swapped_in and dst not in swapped_in
+        assert (row.num_computed_tokens, row.num_new_tokens) == (req.num_tokens - 1, 1)
+        assert req.num_tokens == len(row.block_ids) * bs
 
 
 FINAL = (

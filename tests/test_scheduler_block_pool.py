@@ -95,3 +95,17 @@ def test_usage_is_the_fraction_of_non_null_blocks_referenced():
 def test_pool_needs_a_block_besides_the_null_block():
     with pytest.raises(ValueError, match="num_blocks=1 must be >= 2"):
         BlockPool(1)
+
+
+def test_batched_free_queue_splices_keep_the_order_of_single_operations():
+    blocks = [KVBlock(i) for i in range(6)]
+    queue = FreeBlockQueue(blocks[:2])
+    queue.extend(blocks[2:4])
+    queue.extendleft(blocks[4:6])
+    assert ids(queue) == [5, 4, 0, 1, 2, 3]
+    assert ids(queue.popleft_n(3)) == [5, 4, 0]
+    assert (ids(queue), len(queue)) == ([1, 2, 3], 3)
+    with pytest.raises(ValueError, match="asked for 4 blocks, only 3 queued"):
+        queue.popleft_n(4)
+    with pytest.raises(ValueError, match="already in the free queue"):
+        queue.extend([blocks[2]])

@@ -18,12 +18,57 @@ def computed(kv, prompt, rid, salt=None):
     return req
 
 
-def test_prefix_hit_stops_one_token_short_of_the_end_at_a_block_boundary():
+def test_prefix_hit_of_a_whole_block_prompt_takes_every_block_but_leaves_the_last_token():
     kv = manager()
     computed(kv, list(range(12)), "a")
     blocks, num_tokens = kv.get_computed_blocks(Request("b", list(range(12)), SamplingParams()))
-    assert num_tokens == 8
-    assert [b.block_id for b in blocks] == [1, 2]
+    assert num_tokens == 11
+    assert [b.block_id for b in blocks] == [1, 2, 3]
+
+
+def test_prefix_hit_leaves_out_the_last_one_token_block():
+    kv = manager(block_size=1)
+    computed(kv, [5, 6, 7], "a")
+    blocks, num_tokens = kv.get_computed_blocks(Request("b", [5, 6, 7], SamplingParams()))
+    assert ([b.block_id for b in blocks], num_tokens) == ([1, 2], 2)
+
+
+def test_fully_hit_allocation_copies_the_last_block_into_a_fresh_unregistered_one():
+    kv = manager()
+    a = computed(kv, list(range(8)), "a")
+    kv.free(a)
+    b = Request("b", list(range(8)), SamplingParams())
+    hits, num_tokens = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, 1, hits)
+    assert kv.get_block_ids("b") == [1, 3]
+    assert kv.take_blocks_to_copy() == [(2, 3)]
+    assert kv.take_blocks_to_copy() == []
+    assert [blk.block_id for blk in kv.copy_sources] == [2]
+    assert [blk.ref_cnt for blk in kv.block_pool.blocks[1:4]] == [1, 1, 1]
+    b.num_computed_tokens = num_tokens + 1
+    kv.cache_computed_blocks(b)
+    assert (kv.block_pool.blocks[3].block_hash, kv.block_pool.get_cached_block(b.block_hashes[1]).block_id) == (None, 2)
+    kv.release_copy_sources()
+    assert (kv.copy_sources, kv.block_pool.blocks[2].ref_cnt) == ([], 0)
+
+
+def test_prompt_plus_outputs_filling_cached_blocks_is_copied_on_write_too():
+    kv = manager()
+    computed(kv, list(range(8)), "a")
+    resumed = Request("b", list(range(6)), SamplingParams())
+    resumed.append_output_token(6)
+    resumed.append_output_token(7)
+    blocks, num_tokens = kv.get_computed_blocks(resumed)
+    assert ([blk.block_id for blk in blocks], num_tokens) == ([1, 2], 7)
+
+
+def test_freeing_a_request_drops_its_copy_not_yet_taken():
+    kv = manager()
+    kv.free(computed(kv, list(range(8)), "a"))
+    b = Request("b", list(range(8)), SamplingParams())
+    assert kv.allocate_slots(b, 1, kv.get_computed_blocks(b)[0])
+    kv.free(b)
+    assert kv.take_blocks_to_copy() == []
 
 
 def test_prefix_hit_takes_every_full_block_when_the_prompt_is_longer():
@@ -131,6 +176,16 @@ def test_incremental_hashes_equal_block_by_block_hashes():
     second = hash_block_tokens(first, tokens[4:8])
     third = hash_block_tokens(second, tokens[8:12])
     assert hashes == [first, second, third]
+
+
+def test_hashes_sliced_from_the_prompt_array_equal_hashes_of_the_token_list():
+    req = Request("r", list(range(100, 113)), SamplingParams(), cache_salt="salt")
+    from_array: list[bytes] = []
+    from_list: list[bytes] = []
+    extend_block_hashes(from_array, req.all_token_ids, 3, 4, "salt", req.prompt_array)
+    extend_block_hashes(from_list, req.all_token_ids, 3, 4, "salt")
+    assert from_array == from_list
+    assert len(set(from_array)) == 3
 
 
 def test_numpy_block_table_grows_on_demand_and_zeroes_released_rows():

@@ -1,5 +1,6 @@
 """Scheduler behaviour, one scenario per test, driven by a fake runner with a simulated KV cache."""
 
+import numpy as np
 import pytest
 
 from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
@@ -35,12 +36,72 @@ def test_same_prompt_twice_hits_the_cache_and_generates_the_same_tokens():
     second = make_request("second", prompt)
     sched.add_request(second)
     out, _ = step(sched, runner)
-    # Block-aligned, as vLLM v1: the last token must be recomputed, so the
-    # block holding it is recomputed too and only the first block hits.
-    assert (out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens) == (4, 4)
+    # Both blocks hit; only the last token is computed, into a copy of the
+    # cached last block.
+    assert (out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens) == (7, 1)
     run_until_done(sched, runner)
     assert second.output_token_ids == first.output_token_ids == expected(first)
-    assert (sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits) == (16, 4)
+    assert (sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits) == (16, 7)
+
+
+def _cached_prompt_and_its_twin():
+    sched, runner = setup()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    first = make_request("first", prompt)
+    sched.add_request(first)
+    run_until_done(sched, runner)  # first held blocks [1, 2, 3, 4]; 4 was partial, so it is freed first
+    second = make_request("second", prompt)
+    sched.add_request(second)
+    return sched, runner, first, second
+
+
+def test_fully_cached_prompt_copies_its_last_cached_block_into_a_fresh_block():
+    sched, runner, first, second = _cached_prompt_and_its_twin()
+    out = sched.schedule()
+    assert out.blocks_to_copy == [(2, 4)]
+    assert out.scheduled[0].block_ids == [1, 4]
+    # The source is pinned until update_from_output, so nothing can reuse it first.
+    assert sched.block_pool.blocks[2].ref_cnt == 1
+    sched.update_from_output(out, runner(out))
+    batch = runner.last_batch
+    np.testing.assert_array_equal(batch.blocks_to_copy, [[2, 4]])
+    assert batch.blocks_to_copy.dtype == np.int32
+    assert batch.slot_mapping[0] == 4 * 4 + 3
+    pool = sched.block_pool
+    assert pool.get_cached_block(first.block_hashes[1]) is pool.blocks[2]
+    assert (pool.blocks[2].ref_cnt, pool.blocks[4].block_hash) == (0, None)
+    assert second.output_token_ids == first.output_token_ids[:1]
+
+
+def test_skipping_the_copy_changes_the_generated_tokens():
+    sched, runner, first, second = _cached_prompt_and_its_twin()
+    out = sched.schedule()
+    out.blocks_to_copy = []
+    sched.update_from_output(out, runner(out))
+    run_until_done(sched, runner)
+    assert second.output_token_ids != first.output_token_ids
+
+
+def test_recompute_preempted_request_whose_tokens_are_all_cached_recomputes_only_its_last_token():
+    clock = FakeClock()
+    sched, runner = setup(clock, scheduling_policy="priority", max_num_seqs=1)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    first = make_request("first", prompt, priority=5, arrival_time=0.0)
+    sched.add_request(first)
+    run_until_done(sched, runner)  # registers 3 full blocks: the prompt and 4 outputs
+    second = make_request("second", prompt, priority=5, arrival_time=1.0)
+    sched.add_request(second)
+    for _ in range(4):
+        step(sched, runner)
+    assert second.num_tokens == 12
+    sched.add_request(make_request("urgent", [9, 9, 9], max_tokens=1, priority=0, arrival_time=2.0))
+    preempting, _ = step(sched, runner)
+    assert preempting.preempted == [second]
+    resumed, _ = step(sched, runner)
+    assert [(r.request, r.num_computed_tokens, r.num_new_tokens) for r in resumed.scheduled] == [(second, 11, 1)]
+    assert [src for src, _ in resumed.blocks_to_copy] == [sched.block_pool.get_cached_block(first.block_hashes[2]).block_id]
+    run_until_done(sched, runner)
+    assert second.output_token_ids == first.output_token_ids == expected(first)
 
 
 def test_prompt_one_token_past_cached_blocks_hits_all_of_them():

@@ -2,7 +2,9 @@
 
 After every rule: each block is free xor referenced, with ref_cnt equal to the
 number of block tables holding it, and never held twice (see
-``check_block_invariants``). At the end: every request finished or was ignored
+``check_block_invariants``). Inside every step, between schedule() and
+update_from_output(), the same holds counting the pins of copy sources, and
+every copy-on-write copy is exact (see ``check_copies``). At the end: every request finished or was ignored
 with a reason, every unaborted one generated exactly what a scheduler-free
 reference generates (the fake runner samples from KV it reads back through the
 block tables), and free blocks == total - 1. Runs under every policy and both
@@ -19,10 +21,9 @@ from tests._scheduler_harness import (
     FakeClock,
     FakeRunner,
     check_block_invariants,
+    check_copies,
     make_request,
     reference_output,
-    run_until_done,
-    step,
 )
 
 BLOCK_SIZE = 4
@@ -61,6 +62,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.runner = FakeRunner(self.config)
         self.requests = []
         self.aborted = set()
+        self.copies = 0
 
     @rule(
         prefix=st.sampled_from(range(len(PREFIXES))),
@@ -87,7 +89,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         had_work = bool(self.sched.requests)
-        out, updated = step(self.sched, self.runner)
+        out = self.sched.schedule()
+        check_block_invariants(self.sched)
+        check_copies(self.sched, out)
+        self.copies += len(out.blocks_to_copy)
+        updated = self.sched.update_from_output(out, self.runner(out))
+        assert not self.sched.kv_cache_manager.copy_sources
         assert len({id(r) for r in updated}) == len(updated)
         assert out.scheduled or not had_work, "unfinished requests but nothing scheduled"
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
@@ -112,7 +119,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "sched"):
             return
-        run_until_done(self.sched, self.runner, max_steps=2000, check=check_block_invariants)
+        for _ in range(2000):
+            if not self.sched.has_unfinished_requests():
+                break
+            self.step()
+            check_block_invariants(self.sched)
+        assert not self.sched.has_unfinished_requests()
         for req in self.requests:
             assert req.is_finished, req
             if req.status == RequestStatus.FINISHED_IGNORED:

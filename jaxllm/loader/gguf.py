@@ -7,6 +7,7 @@ permutation that the converter applies to the `llama` architecture (and only to 
 Dequantization is `gguf.quants.dequantize`.
 """
 
+import functools
 import os
 from typing import Any
 
@@ -99,7 +100,7 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
     """
     path = os.fspath(path)
     dtype = _check_dtype(dtype)
-    reader = gguf.GGUFReader(path)
+    reader = _reader(path)
     arch = _field(reader, "general.architecture", path)
     if arch not in _ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; "
@@ -133,7 +134,7 @@ def gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
         ValueError: the file has no `tokenizer.ggml.tokens`.
     """
     path = os.fspath(path)
-    reader = gguf.GGUFReader(path)
+    reader = _reader(path)
     meta = {short: reader.fields[key].contents()
             for key, short in _TOKENIZER_KEYS.items() if key in reader.fields}
     if "tokens" not in meta:
@@ -149,6 +150,18 @@ def _check_dtype(dtype) -> np.dtype:
     if dt.kind != "f" and dt.name != "bfloat16":  # ml_dtypes' bfloat16 is not kind "f"
         raise ValueError(f"dtype {dtype!r} is not a floating-point dtype")
     return dt
+
+
+def _reader(path: str) -> gguf.GGUFReader:
+    """A parsed reader of ``path``, shared by the weight and tokenizer loaders:
+    parsing the metadata of a 49k-token vocabulary takes seconds."""
+    stat = os.stat(path)
+    return _cached_reader(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    return gguf.GGUFReader(path)
 
 
 def _field(reader: gguf.GGUFReader, key: str, path: str, default: Any = ...) -> Any:

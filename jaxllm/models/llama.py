@@ -123,10 +123,12 @@ def params_from_hf(
             key, transpose = _TOP_NAMES[name]
             top[key] = convert(array, transpose, dtype)
     required_top = {"embed", "final_norm"} | (set() if cfg.tie_word_embeddings else {"lm_head"})
-    missing = [f"model weights: {k}" for k in sorted(required_top - top.keys())]
+    hf_top = {key: name for name, (key, _) in _TOP_NAMES.items()}
+    hf_layer = {key: name for name, (key, _) in _LAYER_NAMES.items()}
+    missing = [hf_top[k] for k in sorted(required_top - top.keys())]
     need = expected_layer_keys(cfg)
     for i, layer in enumerate(layers):
-        missing += [f"layer {i}: {k}" for k in sorted(need - layer.keys())]
+        missing += [f"model.layers.{i}.{hf_layer[k]}" for k in sorted(need - layer.keys())]
     if missing:
         raise ValueError(f"{source} is missing tensors required by {cfg.architecture}: {missing[:8]}")
     if cfg.tie_word_embeddings:
