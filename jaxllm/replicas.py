@@ -20,30 +20,18 @@ from jaxllm.engine import LLMEngine, PromptType
 from jaxllm.outputs import RequestOutput
 from jaxllm.sharding import make_mesh, replica_meshes
 from jaxllm.tokenizer import Tokenizer
-from scheduler import SamplingParams
-from scheduler.block_hash import extend_block_hashes
+from scheduler import Request, SamplingParams
 
 
 def cached_prefix_tokens(engine: LLMEngine, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
-    """Prompt tokens ``engine`` would find in its prefix cache right now.
+    """Prompt tokens ``engine`` would take from its prefix cache right now.
 
-    Walks the scheduler's hash -> block map with the chained block hashes of
-    ``token_ids``, as ``KVCacheManager.get_computed_blocks`` does (the last
-    token is never a hit); changes nothing.
+    Asks the replica's ``KVCacheManager.get_computed_blocks`` about a
+    throwaway request, so the answer follows the scheduler's own rule (hash ->
+    block map, the last token always computed); nothing is allocated.
     """
-    scheduler = engine.scheduler
-    if not scheduler.config.enable_prefix_caching:
-        return 0
-    block_size = scheduler.config.block_size
-    hashes: list[bytes] = []
-    extend_block_hashes(hashes, list(token_ids), (len(token_ids) - 1) // block_size, block_size, cache_salt)
-    cached = scheduler.block_pool.cached
-    hits = 0
-    for h in hashes:
-        if h not in cached:
-            break
-        hits += 1
-    return hits * block_size
+    probe = Request("prefix-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
+    return engine.scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
 
 
 class ReplicatedEngine:
