@@ -4,6 +4,12 @@ Shaped after vLLM: the engine owns one scheduler and one model runner in the
 same process, so block ids mean the same on both sides. Each ``step()``
 schedules, builds the bucketed batch, runs the jitted model step, feeds the
 sampled tokens back to the scheduler, detokenizes and checks stop strings.
+
+A request with ``n > 1`` runs as ``n`` sequences (vLLM's parent/child
+requests): a prefill-only parent computes all prompt tokens but the last,
+then the scheduler forks it into the ``n`` sequences, which share its KV
+blocks; each computes the last prompt token itself (a one-token step) and
+samples with its own seed (``seed + i`` when the request is seeded, as vLLM).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import jax
 import ml_dtypes
@@ -27,7 +33,7 @@ from jaxllm.models.llama import AttentionOps
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.default_model import cache_dir
 from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache
-from jaxllm.sampling import SamplingArrays
+from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
 from jaxllm.sharding import make_mesh
 from jaxllm.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels_pallas import default_attention_backend, get_attention_ops
@@ -63,14 +69,26 @@ def _load_tokenizer(path: Path) -> Optional[Tokenizer]:
 
 @dataclasses.dataclass
 class _Tracked:
-    """Engine-side state of one request: detokenizer and stop strings."""
+    """Engine-side state of one sequence: detokenizer, stop strings, logprobs."""
 
     request: Request
-    prompt: Optional[str]
-    seed: int
+    index: int
     detok: Optional[IncrementalDetokenizer]
     text: str = ""
     emitted_tokens: int = 0
+    logprobs: Optional[list[dict[int, float]]] = None
+    cumulative_logprob: Optional[float] = None
+
+
+@dataclasses.dataclass
+class _Group:
+    """One user request: its ``n`` sequences and, until it forks, their prefill parent."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    seqs: list[_Tracked]
+    parent: Optional[Request] = None
     first_token_time: Optional[float] = None
 
 
@@ -132,7 +150,9 @@ class LLMEngine:
         self.runner = ModelRunner(
             cfg, params, num_blocks=self.num_blocks, block_size=self.config.block_size, dtype=self.dtype,
             ops=ops, buckets=self.buckets, sharding=self.sharding, num_host_blocks=self.config.num_host_blocks,
+            num_sampling_slots=self.config.max_num_seqs + 1, max_model_len=self.max_model_len,
         )
+        self.slots = SamplingSlots(self.config.max_num_seqs + 1, cfg.vocab_size, self.runner)
         self.scheduler = Scheduler(self._scheduler_config())
         b = self.buckets
         _log(f"{len(b)} step programs: tokens {list(b.token_buckets)} x seqs {list(b.seq_buckets)} "
@@ -141,7 +161,9 @@ class LLMEngine:
         if self.config.precompile:
             seconds = self.runner.warmup(swap=self.config.preemption_mode == "swap")
             _log(f"compiled {self.runner.num_compilations} programs in {seconds:.1f} s")
-        self._tracked: dict[str, _Tracked] = {}
+        self._groups: dict[str, _Group] = {}
+        self._seq_group: dict[str, _Group] = {}
+        self._parent_group: dict[str, _Group] = {}
         self._counter = itertools.count()
         self._seed_rng = np.random.default_rng(self.config.seed)
 
@@ -201,7 +223,7 @@ class LLMEngine:
             duplicate ``request_id``.
         """
         params = params if params is not None else SamplingParams()
-        if request_id in self._tracked:
+        if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.encode_prompt(prompt)
         if len(ids) > self.max_model_len:
@@ -214,23 +236,53 @@ class LLMEngine:
             params = dataclasses.replace(
                 params, stop_token_ids=list(params.stop_token_ids) + [e for e in eos[1:] if e not in params.stop_token_ids]
             )
-        request = Request(
-            request_id, ids, params, eos_token_id=eos[0] if eos else None, arrival_time=arrival_time,
-            priority=priority, cache_salt=cache_salt,
-        )
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
-        self._tracked[request_id] = _Tracked(request, text, seed, detok)
-        self.scheduler.add_request(request)
+        min_tokens_banned = list(params.stop_token_ids) + ([eos[0]] if eos and not params.ignore_eos else [])
+        n = params.n
+        kwargs = dict(eos_token_id=eos[0] if eos else None, arrival_time=arrival_time, priority=priority,
+                      cache_salt=cache_salt)
+        seqs, samplings = [], []
+        for i in range(n):
+            seq_params = params
+            if n > 1:
+                seq_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            seed = seq_params.seed if seq_params.seed is not None else int(self._seed_rng.integers(0, 2**32))
+            samplings.append(make_sequence_sampling(seq_params, seed, min_tokens_banned, self.model_config.vocab_size,
+                                                    self.tokenizer))
+            seq_id = request_id if n == 1 else f"{i}_{request_id}"
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+            seqs.append(_Tracked(Request(seq_id, ids, seq_params, **kwargs), i, detok,
+                                 logprobs=None if params.logprobs is None else [],
+                                 cumulative_logprob=None if params.logprobs is None else 0.0))
+        group = self._groups[request_id] = _Group(request_id, text, ids, seqs)
+        for seq, sampling in zip(seqs, samplings):
+            self._seq_group[seq.request.request_id] = group
+            self.slots.register(seq.request.request_id, sampling)
+        if n > 1 and len(ids) > 1:
+            # Prefill-only: its one sample is never used, so it samples greedily.
+            parent_params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+            group.parent = Request(f"prefill_{request_id}", ids[:-1], parent_params, **kwargs)
+            self._parent_group[group.parent.request_id] = group
+            self.scheduler.add_request(group.parent)
+        else:
+            for seq in seqs:
+                self.scheduler.add_request(seq.request)
 
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
         """Abort requests; their KV blocks return to the pool at once."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            self.scheduler.abort_request(rid)
-            self._tracked.pop(rid, None)
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            if group.parent is not None:
+                self.scheduler.abort_request(group.parent.request_id)
+                self._parent_group.pop(group.parent.request_id, None)
+            for seq in group.seqs:
+                self.scheduler.abort_request(seq.request.request_id)
+                self.slots.forget(seq.request.request_id)
+                self._seq_group.pop(seq.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -243,57 +295,98 @@ class LLMEngine:
           in this step (``delta_*`` hold what is new).
         """
         sched_out = self.scheduler.schedule()
+        for request in sched_out.preempted:
+            self.slots.release(request.request_id)
         touched: list[Request] = list(sched_out.finished)
+        sampled = None
         tokens = np.zeros(0, np.int32)
         if sched_out.scheduled:
             self.runner.swap_out(sched_out.blocks_to_swap_out)
             self.runner.swap_in(sched_out.blocks_to_swap_in)
             self.runner.copy_blocks(sched_out.blocks_to_copy)
             batch = build_batch(sched_out, self.buckets)
-            requests = [s.request for s in sched_out.scheduled]
-            sampling = SamplingArrays.build(
-                [r.sampling_params for r in requests],
-                [self._tracked[r.request_id].seed for r in requests],
-                [r.num_output_tokens for r in requests],
-                batch.seq_lens.shape[0],
-            )
-            tokens = self.runner.execute(batch, sampling)
+            sampled = self.runner.execute(batch, self.slots.arrays(sched_out, batch.seq_lens.shape[0]))
+            tokens = sampled["token_ids"]
         touched += self.scheduler.update_from_output(sched_out, tokens)
-        outputs = []
-        seen = set()
+        if sampled is not None:
+            self._record_logprobs(sched_out, sampled)
+        groups: dict[str, _Group] = {}
         for request in touched:
-            if request.request_id in seen or request.request_id not in self._tracked:
+            rid = request.request_id
+            group = self._seq_group.get(rid)
+            if group is None and rid in self._parent_group:
+                self._advance_parent(request)
                 continue
-            seen.add(request.request_id)
-            outputs.append(self._make_output(request))
-        return outputs
+            if group is not None:
+                groups[group.request_id] = group
+        return [self._make_output(group) for group in groups.values()]
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        tracked = self._tracked[request.request_id]
-        new_ids = request.output_token_ids[tracked.emitted_tokens:]
-        tracked.emitted_tokens = len(request.output_token_ids)
-        if new_ids and tracked.first_token_time is None:
-            tracked.first_token_time = time.monotonic()
-        delta = ""
-        if tracked.detok is not None:
-            for tok in new_ids:
-                delta += tracked.detok.step(tok)
-            delta = self._apply_stop_strings(tracked, delta)
-        finished = request.is_finished
-        completion = CompletionOutput(
-            index=0, text=tracked.text, token_ids=list(request.output_token_ids),
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-        )
+    def _advance_parent(self, parent: Request) -> None:
+        """Fork a prefill parent into its sequences once its prompt is computed (it has sampled once).
+
+        A parent finished otherwise (ignored, or length-capped by a full
+        cache) hands its sequences to the scheduler as plain requests.
+        """
+        group = self._parent_group.pop(parent.request_id)
+        group.parent = None
+        children = [seq.request for seq in group.seqs]
+        if parent.is_finished:
+            for child in children:
+                self.scheduler.add_request(child)
+            return
+        self.runner.copy_blocks(self.scheduler.fork_request(parent.request_id, children))
+
+    def _record_logprobs(self, sched_out: Any, sampled: dict[str, np.ndarray]) -> None:
+        """Append each used sample's {token_id: logprob} (top ``logprobs`` plus the chosen one)."""
+        for i, row in enumerate(sched_out.scheduled):
+            group = self._seq_group.get(row.request.request_id)
+            if group is None or not row.samples:
+                continue
+            seq = next(s for s in group.seqs if s.request is row.request)
+            if seq.logprobs is None or len(seq.logprobs) >= row.request.num_output_tokens:
+                continue
+            k = row.request.sampling_params.logprobs
+            entry = {int(t): float(lp) for t, lp in zip(sampled["top_ids"][i, :k], sampled["top_logprobs"][i, :k])}
+            entry[int(sampled["token_ids"][i])] = float(sampled["logprobs"][i])
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += float(sampled["logprobs"][i])
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for seq in group.seqs:
+            request = seq.request
+            new_ids = request.output_token_ids[seq.emitted_tokens:]
+            seq.emitted_tokens = len(request.output_token_ids)
+            if new_ids and group.first_token_time is None:
+                group.first_token_time = time.monotonic()
+            delta = ""
+            if seq.detok is not None and new_ids:
+                for tok in new_ids:
+                    delta += seq.detok.step(tok)
+                delta = self._apply_stop_strings(seq, delta)
+            if request.is_finished:
+                self.slots.forget(request.request_id)
+            completions.append(CompletionOutput(
+                index=seq.index, text=seq.text, token_ids=list(request.output_token_ids),
+                finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                delta_text=delta, delta_token_ids=new_ids,
+            ))
+        finished = all(seq.request.is_finished for seq in group.seqs)
+        first = group.seqs[0].request
         out = RequestOutput(
-            request_id=request.request_id, prompt=tracked.prompt, prompt_token_ids=list(request.prompt_token_ids),
-            outputs=[completion], finished=finished, delta_text=delta, delta_token_ids=new_ids,
-            ignored_reason=request.ignored_reason,
-            metrics=dict(arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
-                         first_token_time=tracked.first_token_time,
+            request_id=group.request_id, prompt=group.prompt, prompt_token_ids=list(group.prompt_token_ids),
+            outputs=completions, finished=finished, delta_text=completions[0].delta_text,
+            delta_token_ids=completions[0].delta_token_ids, ignored_reason=first.ignored_reason,
+            metrics=dict(arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
+                         first_token_time=group.first_token_time,
                          finished_time=time.monotonic() if finished else None),
         )
         if finished:
-            del self._tracked[request.request_id]
+            del self._groups[group.request_id]
+            for seq in group.seqs:
+                self._seq_group.pop(seq.request.request_id, None)
         return out
 
     def _apply_stop_strings(self, tracked: _Tracked, delta: str) -> str:
@@ -379,6 +472,34 @@ class LLM:
         Raises:
           ValueError: any invalid prompt or parameter; nothing is queued then.
         """
+        final: dict[str, RequestOutput] = {}
+        ids = self._add_all(prompts, sampling_params, priority)
+        for out in self._run(ids):
+            if out.finished:
+                final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def generate_stream(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        priority: Optional[Sequence[int]] = None,
+    ) -> Iterator[RequestOutput]:
+        """As :meth:`generate`, but yield every partial output as tokens arrive.
+
+        Each yielded ``RequestOutput`` carries what this step added
+        (``delta_text``/``delta_token_ids``, and per continuation in
+        ``outputs[i].delta_*``) besides the text so far; the last one of a
+        request has ``finished=True``. A character split across tokens is
+        yielded whole, once complete.
+
+        Raises:
+          ValueError: as :meth:`generate`, before anything is yielded.
+        """
+        return self._run(self._add_all(prompts, sampling_params, priority))
+
+    def _add_all(self, prompts: Any, sampling_params: Any, priority: Optional[Sequence[int]]) -> list[str]:
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
@@ -391,12 +512,16 @@ class LLM:
         except ValueError:
             self.engine.abort_request(ids)
             raise
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
+        return ids
+
+    def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
+        pending = set(ids)
+        while pending:
             for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[rid] for rid in ids]
+                if out.request_id in pending:
+                    yield out
+                    if out.finished:
+                        pending.discard(out.request_id)
 
     def chat(
         self,

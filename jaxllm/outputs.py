@@ -18,7 +18,11 @@ class CompletionOutput:
         (max_tokens or max_model_len), "abort", or None while running.
       stop_reason: the stop token id or stop string that ended it, if any.
       cumulative_logprob: sum of the chosen tokens' logprobs (when asked for).
-      logprobs: per generated token, {token_id: logprob} (when asked for).
+      logprobs: per generated token, {token_id: logprob} (when asked for):
+        the top ``SamplingParams.logprobs`` tokens plus the chosen one, of
+        the raw model distribution (``log_softmax`` of the logits before
+        penalties, bias and temperature; vLLM's ``raw_logprobs``).
+      delta_text / delta_token_ids: what this step added (for streaming).
     """
 
     index: int
@@ -28,6 +32,8 @@ class CompletionOutput:
     stop_reason: Union[int, str, None] = None
     cumulative_logprob: Optional[float] = None
     logprobs: Optional[list[dict[int, float]]] = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -43,7 +49,8 @@ class RequestOutput:
       prompt_token_ids: the prompt as token ids.
       outputs: one CompletionOutput per continuation.
       finished: True once every continuation has finished.
-      delta_text / delta_token_ids: what this step added (for streaming).
+      delta_text / delta_token_ids: what this step added to the first
+        continuation (for streaming; see ``outputs[i].delta_*`` for the others).
       ignored_reason: why the scheduler refused the request, if it did.
       metrics: timestamps in seconds (``arrival_time``, ``first_scheduled_time``,
         ``first_token_time``, ``finished_time``).

@@ -26,7 +26,7 @@ import numpy as np
 from jaxllm.config import ModelConfig
 from jaxllm.kv_cache import allocate_kv_cache
 from jaxllm.models.llama import AttentionOps, KVCache, Params, forward
-from jaxllm.sampling import SamplingArrays, sample
+from jaxllm.sampling import SamplingArrays, fill_slot, init_tables, sample, set_slot_rows
 from jaxllm.sharding import ModelSharding
 from scheduler import BatchDescriptor, BucketTable
 
@@ -39,10 +39,11 @@ BATCH_KEYS = (
 BLOCK_CHUNK = 16
 
 
-def _step(params: Params, kv_caches: KVCache, batch: dict, sampling: dict, *, cfg: ModelConfig,
-          ops: AttentionOps) -> tuple[jax.Array, KVCache]:
+def _step(params: Params, kv_caches: KVCache, batch: dict, sampling: dict, tables: dict, *, cfg: ModelConfig,
+          ops: AttentionOps) -> tuple[dict, KVCache, dict]:
     logits, kv_caches = forward(params, kv_caches, batch, cfg=cfg, ops=ops)
-    return sample(logits, sampling), kv_caches
+    out, tables = sample(logits, sampling, tables)
+    return out, kv_caches, tables
 
 
 def _gather_blocks(kv_caches: KVCache, ids: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
@@ -87,17 +88,24 @@ class ModelRunner:
       buckets: the (T, S, W) shapes steps are padded to.
       sharding: the replica's mesh and partition rules.
       num_host_blocks: host swap pool size in blocks (0 = no swap space).
+      num_sampling_slots: rows of the sampler's per-sequence tables (slot 0
+        is padding), so at least ``max_num_seqs + 1``.
+      max_model_len: tokens per sequence at most (the fixed length slot fills
+        are padded to).
 
     Attributes:
       kv_caches: per layer ``(k, v)``, each ``[num_blocks, block_size,
         sharding.num_cache_heads, head_dim]``, split over heads.
+      sampler_tables: the sampler's per-slot tables (``sampling.init_tables``),
+        replicated on the mesh and donated to every step like the KV cache.
       num_compilations: programs this runner has compiled (steps and block
         copies); after :meth:`warmup` it stays constant while serving.
       compile_seconds: wall time spent compiling, seconds.
     """
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
-                 ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0):
+                 ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0,
+                 num_sampling_slots: int = 1, max_model_len: int = 1):
         self.cfg = cfg
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -106,9 +114,15 @@ class ModelRunner:
         self.params = params
         self.kv_caches = allocate_kv_cache(num_blocks, block_size, dtype, sharding)
         self._replicated = sharding.replicated
+        self._kv_sharding = sharding.kv_cache_sharding
+        self.sampler_tables = jax.device_put(init_tables(num_sampling_slots, cfg.vocab_size), self._replicated)
+        self.max_model_len = max_model_len
         self.num_compilations = 0
         self.compile_seconds = 0.0
-        self._step_jit = jax.jit(functools.partial(_step, cfg=cfg, ops=ops), donate_argnums=(1,))
+        # Outputs pinned to the inputs' shardings: the donated KV cache and
+        # sampler tables come back laid out as the next step was compiled for.
+        self._step_jit = jax.jit(functools.partial(_step, cfg=cfg, ops=ops), donate_argnums=(1, 4),
+                                 out_shardings=(self._replicated, self._kv_sharding, self._replicated))
         self._steps: dict[tuple[int, int, int], Callable] = {}
         self._block_ops: dict[str, Callable] = {}
         block_shape = (num_host_blocks,) + self.kv_caches[0][0].shape[1:]
@@ -125,7 +139,7 @@ class ModelRunner:
         return exe
 
     def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
-        """Abstract ``(params, kv_caches, batch, sampling)`` of bucket ``shape``:
+        """Abstract ``(params, kv_caches, batch, sampling, sampler_tables)`` of bucket ``shape``:
         exactly the structure, dtypes and shardings :meth:`execute` passes."""
         t, s, w = shape
         i32 = np.int32
@@ -138,7 +152,7 @@ class ModelRunner:
         batch = {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
         sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
                     for k, v in SamplingArrays.empty(s).as_dict().items()}
-        return _abstract(self.params), _abstract(self.kv_caches), batch, sampling
+        return _abstract(self.params), _abstract(self.kv_caches), batch, sampling, _abstract(self.sampler_tables)
 
     def compile_step(self, shape: tuple[int, int, int]) -> Callable:
         """Compile (once) and return the step program of bucket ``shape``."""
@@ -152,20 +166,35 @@ class ModelRunner:
         if exe is not None:
             return exe
         kv = _abstract(self.kv_caches)
-        ids = jax.ShapeDtypeStruct((BLOCK_CHUNK,), np.int32, sharding=self._replicated)
-        if name == "gather":
+        rep = self._replicated
+        ids = jax.ShapeDtypeStruct((BLOCK_CHUNK,), np.int32, sharding=rep)
+        tables = _abstract(self.sampler_tables)
+        scalar = jax.ShapeDtypeStruct((), np.int32, sharding=rep)
+        vocab = self.cfg.vocab_size
+        if name == "fill":
+            tokens = jax.ShapeDtypeStruct((self.max_model_len,), np.int32, sharding=rep)
+            fill = jax.jit(fill_slot, donate_argnums=(0,), out_shardings=rep)
+            exe = self._compiled(fill, tables, scalar, tokens, scalar, scalar)
+        elif name == "rows":
+            rows = (jax.ShapeDtypeStruct((vocab,), np.float32, sharding=rep),
+                    jax.ShapeDtypeStruct((vocab,), np.bool_, sharding=rep))
+            exe = self._compiled(jax.jit(set_slot_rows, donate_argnums=(0,), out_shardings=rep), tables, scalar,
+                                 *rows)
+        elif name == "gather":
             exe = self._compiled(jax.jit(_gather_blocks), kv, ids)
         elif name == "scatter":
             blocks = [(jax.ShapeDtypeStruct((BLOCK_CHUNK,) + k.shape[1:], k.dtype, sharding=k.sharding),) * 2
                       for k, _ in kv]
-            exe = self._compiled(jax.jit(_scatter_blocks, donate_argnums=(0,)), kv, ids, blocks)
+            scatter = jax.jit(_scatter_blocks, donate_argnums=(0,), out_shardings=self._kv_sharding)
+            exe = self._compiled(scatter, kv, ids, blocks)
         else:
-            exe = self._compiled(jax.jit(_copy_blocks, donate_argnums=(0,)), kv, ids, ids)
+            copy = jax.jit(_copy_blocks, donate_argnums=(0,), out_shardings=self._kv_sharding)
+            exe = self._compiled(copy, kv, ids, ids)
         self._block_ops[name] = exe
         return exe
 
     def warmup(self, progress: bool = True, swap: bool = False) -> float:
-        """Compile every bucket's step (and the block-copy programs) now.
+        """Compile every bucket's step (and the block-copy and slot-fill programs) now.
 
         Args:
           progress: show a tqdm bar on stderr.
@@ -180,25 +209,39 @@ class ModelRunner:
         shapes = self.buckets.all_shapes()
         for shape in tqdm(shapes, desc="compiling buckets", unit="program", disable=not progress):
             self.compile_step(shape)
-        for name in ("copy",) + (("gather", "scatter") if swap else ()):
+        for name in ("copy", "fill", "rows") + (("gather", "scatter") if swap else ()):
             self._block_op(name)
         return time.perf_counter() - start
 
     # ---------------------------------------------------------------- serving
 
-    def execute(self, batch: BatchDescriptor, sampling: SamplingArrays) -> np.ndarray:
-        """Run one step; returns int32[num_seqs] sampled token ids.
+    def execute(self, batch: BatchDescriptor, sampling: SamplingArrays) -> dict[str, np.ndarray]:
+        """Run one step; returns the sampler's outputs (``sampling.sample``) cut to ``num_seqs`` rows.
 
         ``batch`` arrays are bucket-shaped (T, S, W); a bucket not compiled
-        yet is compiled first (lazy mode). The KV cache is updated in place
-        (donated).
+        yet is compiled first (lazy mode). The KV cache and the sampler
+        tables are updated in place (donated).
         """
         exe = self.compile_step(batch.shape)
         arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
         arrays["num_seqs"] = np.int32(batch.num_seqs)
         device_batch, device_sampling = jax.device_put((arrays, sampling.as_dict()), self._replicated)
-        tokens, self.kv_caches = exe(self.params, self.kv_caches, device_batch, device_sampling)
-        return np.asarray(tokens)[: batch.num_seqs]
+        out, self.kv_caches, self.sampler_tables = exe(
+            self.params, self.kv_caches, device_batch, device_sampling, self.sampler_tables
+        )
+        return {k: v[: batch.num_seqs] for k, v in jax.device_get(out).items()}
+
+    def fill_slot(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
+        """Reset sampling slot ``slot`` for a sequence (re)admitted with ``token_ids`` (prompt then output)."""
+        padded = np.zeros(self.max_model_len, np.int32)
+        padded[: len(token_ids)] = token_ids
+        self.sampler_tables = self._block_op("fill")(
+            self.sampler_tables, np.int32(slot), padded, np.int32(num_prompt), np.int32(len(token_ids))
+        )
+
+    def set_slot_rows(self, slot: int, bias: np.ndarray, stop: np.ndarray) -> None:
+        """Write slot ``slot``'s bias row (float32[V]) and min_tokens stop row (bool[V])."""
+        self.sampler_tables = self._block_op("rows")(self.sampler_tables, np.int32(slot), bias, stop)
 
     def copy_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
         """Device-side block copies: ``pairs`` of (src, dst) block ids."""

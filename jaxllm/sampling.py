@@ -1,13 +1,30 @@
 """Batched token sampler: one jitted function for every row of a step.
 
 Every per-request control is an array argument (one row per sequence), so no
-request property triggers a compilation. Follows vLLM's sampler order:
-temperature, then top-k / top-p / min-p from one descending sort, then a
-Gumbel-max draw; rows with temperature 0 take the argmax of the raw logits.
+request property triggers a compilation. Follows vLLM v1's ``Sampler``:
+
+1. log-probabilities, when some row asks, of the *raw* model distribution
+   (``log_softmax`` of the logits before any processing; vLLM's default
+   ``logprobs_mode="raw_logprobs"``);
+2. logit processors: ``allowed_token_ids`` and single-token ``bad_words``
+   and ``logit_bias`` (one additive bias row per request), multi-token bad
+   words (ids banned this step), ``min_tokens`` (eos and stop ids banned);
+3. penalties: CTRL's repetition penalty (Keskar et al. 2019) over prompt and
+   output tokens, OpenAI's frequency and presence penalties over output
+   tokens;
+4. greedy rows (temperature 0) take the argmax of the processed logits;
+5. the others: temperature, then min-p, top-k and top-p from one descending
+   sort, then a Gumbel-max draw (equivalent to vLLM's exponential race).
+
+Per-request state lives on the device in :class:`SamplerTables` rows indexed by
+a *sampling slot* (slot 0 is padding) that the engine assigns while a
+sequence runs: output-token counts, prompt-token presence, the bias row and
+the stop-id row. The step gathers each row's slot and adds the sampled token
+to its counts (the tables are donated).
 
 Randomness: each row's key is ``fold_in(key(seed), num_generated)``, so a
 request's draws depend only on its own seed and how many tokens it has
-produced — not on the batch it shares, the bucket, or preemption.
+produced -- not on the batch it shares, the bucket, or preemption.
 """
 
 from __future__ import annotations
@@ -22,95 +39,205 @@ import numpy as np
 from scheduler.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5
+# vLLM's default ``max_logprobs``: top log-probabilities are always computed
+# for this many tokens so shapes stay static; rows keep what they asked for.
+MAX_LOGPROBS = 20
+# Ids banned by multi-token bad words in one step, per row (a fixed width so
+# the step compiles once); each matching bad word bans one id.
+MAX_BANNED_IDS = 16
+# Out of range for any vocabulary: unused ``banned`` entries, dropped by the scatter.
+_NO_TOKEN = np.iinfo(np.int32).max
 
 
 @dataclasses.dataclass
 class SamplingArrays:
     """Per-row sampling controls of one step (numpy, host side).
 
-    All arrays are ``[S]`` (the padded sequence bucket): ``temperature``
-    float32 (0 = greedy), ``top_k`` int32 (0 = off), ``top_p`` float32,
-    ``min_p`` float32, ``seed`` uint32, ``num_generated`` int32. Padding rows
-    are greedy and inert.
+    Arrays are ``[S]`` (the padded sequence bucket) unless noted:
+
+      slot: int32, the row's sampling slot in :class:`SamplerTables` (0 = none).
+      temperature: float32, 0 = greedy. top_k: int32, 0 = off. top_p,
+        min_p: float32. seed: uint32. num_generated: int32, tokens the
+        sequence has generated before this step.
+      presence_penalty, frequency_penalty, repetition_penalty: float32
+        (0, 0, 1 = off).
+      use_bias: bool, add the slot's bias row (logit_bias, allowed ids,
+        single-token bad words).
+      min_tokens: int32, the slot's stop row is banned while
+        ``num_generated < min_tokens``.
+      num_logprobs: int32, top log-probabilities wanted (0 = only the chosen
+        token's), -1 = none.
+      sample_mask: bool, the sample is used (its token is counted).
+      banned: int32[S, MAX_BANNED_IDS], ids banned this step, padded with an
+        out-of-range id.
+
+    Padding rows are greedy, inert and use slot 0.
     """
 
+    slot: np.ndarray
     temperature: np.ndarray
     top_k: np.ndarray
     top_p: np.ndarray
     min_p: np.ndarray
     seed: np.ndarray
     num_generated: np.ndarray
-
-    @classmethod
-    def build(
-        cls,
-        params: Sequence[SamplingParams],
-        seeds: Sequence[int],
-        num_generated: Sequence[int],
-        num_rows: int,
-    ) -> "SamplingArrays":
-        """Pack per-request params into ``num_rows``-long arrays.
-
-        Args:
-          params: one SamplingParams per real row, in row order.
-          seeds: each row's seed (the request's own, or one the engine drew).
-          num_generated: tokens each row has generated so far.
-          num_rows: the padded row count S (>= len(params)).
-        """
-        n = len(params)
-        out = cls(
-            temperature=np.zeros(num_rows, np.float32),
-            top_k=np.zeros(num_rows, np.int32),
-            top_p=np.ones(num_rows, np.float32),
-            min_p=np.zeros(num_rows, np.float32),
-            seed=np.zeros(num_rows, np.uint32),
-            num_generated=np.zeros(num_rows, np.int32),
-        )
-        out.temperature[:n] = [0.0 if p.greedy else p.temperature for p in params]
-        out.top_k[:n] = [p.top_k for p in params]
-        out.top_p[:n] = [p.top_p for p in params]
-        out.min_p[:n] = [p.min_p for p in params]
-        out.seed[:n] = np.asarray(seeds, dtype=np.uint64) & 0xFFFFFFFF
-        out.num_generated[:n] = num_generated
-        return out
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    repetition_penalty: np.ndarray
+    use_bias: np.ndarray
+    min_tokens: np.ndarray
+    num_logprobs: np.ndarray
+    sample_mask: np.ndarray
+    banned: np.ndarray
 
     @classmethod
     def empty(cls, num_rows: int) -> "SamplingArrays":
-        """``num_rows`` inert (greedy) rows: the layout of a bucket with no requests."""
-        return cls.build([], [], [], num_rows)
+        """``num_rows`` inert (greedy, slot 0) rows: the layout of a bucket with no requests."""
+        f32, i32 = np.float32, np.int32
+        return cls(
+            slot=np.zeros(num_rows, i32), temperature=np.zeros(num_rows, f32), top_k=np.zeros(num_rows, i32),
+            top_p=np.ones(num_rows, f32), min_p=np.zeros(num_rows, f32), seed=np.zeros(num_rows, np.uint32),
+            num_generated=np.zeros(num_rows, i32), presence_penalty=np.zeros(num_rows, f32),
+            frequency_penalty=np.zeros(num_rows, f32), repetition_penalty=np.ones(num_rows, f32),
+            use_bias=np.zeros(num_rows, bool), min_tokens=np.zeros(num_rows, i32),
+            num_logprobs=np.full(num_rows, -1, i32), sample_mask=np.zeros(num_rows, bool),
+            banned=np.full((num_rows, MAX_BANNED_IDS), _NO_TOKEN, i32),
+        )
+
+    def set_row(self, row: int, params: SamplingParams, *, slot: int, seed: int, num_generated: int,
+                sample: bool = True, uses_bias: bool = False, banned: Sequence[int] = ()) -> None:
+        """Fill row ``row`` from one sequence's parameters and state.
+
+        Raises:
+          ValueError: more than ``MAX_BANNED_IDS`` banned ids.
+        """
+        if len(banned) > MAX_BANNED_IDS:
+            raise ValueError(f"{len(banned)} ids banned by bad words in one step; at most {MAX_BANNED_IDS}")
+        self.slot[row] = slot
+        self.temperature[row] = 0.0 if params.greedy else params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.seed[row] = seed & 0xFFFFFFFF
+        self.num_generated[row] = num_generated
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.use_bias[row] = uses_bias
+        self.min_tokens[row] = params.min_tokens
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.sample_mask[row] = sample
+        self.banned[row, : len(banned)] = banned
 
     def as_dict(self) -> dict[str, np.ndarray]:
         return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------ device tables
+
+
+def init_tables(num_slots: int, vocab: int) -> dict[str, jax.Array]:
+    """Zeroed :class:`SamplerTables` for ``num_slots`` slots (slot 0 included).
+
+    SamplerTables is a dict: ``counts: int32[R, V]`` output-token counts,
+    ``prompt: bool[R, V]`` prompt-token presence, ``bias: float32[R, V]``
+    additive bias (-inf = banned), ``stop: bool[R, V]`` ids banned before
+    ``min_tokens`` (eos and stop ids).
+    """
+    return {
+        "counts": jnp.zeros((num_slots, vocab), jnp.int32),
+        "prompt": jnp.zeros((num_slots, vocab), bool),
+        "bias": jnp.zeros((num_slots, vocab), jnp.float32),
+        "stop": jnp.zeros((num_slots, vocab), bool),
+    }
+
+
+def fill_slot(tables: dict, slot: jax.Array, token_ids: jax.Array, num_prompt: jax.Array,
+              num_tokens: jax.Array) -> dict:
+    """Reset slot ``slot`` for a sequence admitted (or readmitted) with these tokens.
+
+    Args:
+      tables: SamplerTables (donated).
+      slot: int32[] the slot.
+      token_ids: int32[L] prompt then output tokens, padded to a fixed L so
+        this compiles once.
+      num_prompt: int32[] prompt length; num_tokens: int32[] prompt + output.
+
+    Recounting from the token list on every (re)admission means a preempted
+    and recomputed sequence never counts a token twice.
+    """
+    pos = jnp.arange(token_ids.shape[0])
+    in_prompt = pos < num_prompt
+    in_output = (pos >= num_prompt) & (pos < num_tokens)
+    vocab = tables["counts"].shape[1]
+    counts = jnp.zeros(vocab, jnp.int32).at[token_ids].add(in_output.astype(jnp.int32))
+    prompt = jnp.zeros(vocab, bool).at[token_ids].max(in_prompt)
+    return {**tables, "counts": tables["counts"].at[slot].set(counts), "prompt": tables["prompt"].at[slot].set(prompt)}
+
+
+def set_slot_rows(tables: dict, slot: jax.Array, bias: jax.Array, stop: jax.Array) -> dict:
+    """Write a slot's bias row (``float32[V]``) and stop row (``bool[V]``); tables donated."""
+    return {**tables, "bias": tables["bias"].at[slot].set(bias), "stop": tables["stop"].at[slot].set(stop)}
+
+
+# --------------------------------------------------------------- transforms
+
+
+def apply_logit_processors(logits: jax.Array, arrays: dict, tables: dict) -> jax.Array:
+    """Bias row, bad-word bans and min_tokens, then penalties (vLLM v1 order).
+
+    logits: [S, V] float32; returns the same shape. Repetition penalty
+    (CTRL): a logit of a token seen in the prompt or output is divided by the
+    penalty when positive, multiplied when negative. Frequency and presence
+    (OpenAI): ``logit -= frequency * count + presence * (count > 0)`` over
+    output tokens.
+    """
+    slot = arrays["slot"]
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits + jnp.where(arrays["use_bias"][:, None], tables["bias"][slot], 0.0)
+    logits = logits.at[rows, arrays["banned"]].set(-jnp.inf, mode="drop")
+    before_min = (arrays["num_generated"] < arrays["min_tokens"])[:, None]
+    logits = jnp.where(before_min & tables["stop"][slot], -jnp.inf, logits)
+    counts = tables["counts"][slot]
+    output_seen = counts > 0
+    seen = output_seen | tables["prompt"][slot]
+    rep = arrays["repetition_penalty"][:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - arrays["frequency_penalty"][:, None] * counts
+    return logits - arrays["presence_penalty"][:, None] * output_seen
+
+
+def apply_top_k_top_p_min_p(
+    logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+) -> jax.Array:
+    """Mask logits outside each row's min-p / top-k / nucleus set with -inf.
+
+    logits: [S, V] float32 (already temperature-scaled); top_k int32[S]
+    (0 = off); top_p, min_p float32[S]. As vLLM: min-p keeps tokens with
+    probability >= ``min_p`` times the top one's; top-k the k most likely;
+    top-p the smallest most-likely set whose mass reaches ``top_p``,
+    measured on the distribution renormalised after min-p and top-k. One
+    descending sort per row; the most likely token always survives, and ties
+    at the cut-off all survive.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits = -jnp.sort(-logits, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    keep = rank < jnp.where(top_k > 0, top_k, vocab)[:, None]
+    # p_i >= min_p * p_max in log space, where it cannot underflow.
+    keep &= sorted_logits >= sorted_logits[:, :1] + jnp.log(min_p)[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    keep = keep.at[:, 0].set(True)
+    cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= cutoff, logits, -jnp.inf)
 
 
 def _row_keys(seed: jax.Array, num_generated: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, num_generated)
 
 
-def apply_top_k_top_p_min_p(
-    logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
-) -> jax.Array:
-    """Mask logits outside each row's top-k / nucleus / min-p set with -inf.
-
-    logits: [S, V] float32 (already temperature-scaled); top_k int32[S]
-    (0 = off); top_p, min_p float32[S]. One descending sort per row; the most
-    likely token always survives. Ties at the cut-off all survive.
-    """
-    vocab = logits.shape[-1]
-    sorted_logits = -jnp.sort(-logits, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
-    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
-    keep = rank < k
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < top_p[:, None]
-    keep &= probs >= min_p[:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)
-    cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits >= cutoff, logits, -jnp.inf)
-
-
-def _draw(logits: jax.Array, arrays: dict[str, jax.Array], filtered: bool) -> jax.Array:
+def _draw(logits: jax.Array, arrays: dict, filtered: bool) -> jax.Array:
     temperature = arrays["temperature"]
     scaled = logits / jnp.where(temperature < _GREEDY_EPS, 1.0, temperature)[:, None]
     if filtered:
@@ -120,19 +247,39 @@ def _draw(logits: jax.Array, arrays: dict[str, jax.Array], filtered: bool) -> ja
     return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, arrays: dict[str, jax.Array]) -> jax.Array:
-    """Draw one token per row.
+def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    logprobs = jax.nn.log_softmax(raw, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, raw.shape[-1]))
+    return chosen, top_ids.astype(jnp.int32), top_logprobs
+
+
+def sample(logits: jax.Array, arrays: dict, tables: dict) -> tuple[dict, dict]:
+    """Draw one token per row and count it in the row's slot.
 
     Args:
       logits: [S, V] float32.
       arrays: ``SamplingArrays.as_dict()`` on the device.
+      tables: SamplerTables (see :func:`init_tables`); donate them.
 
     Returns:
-      int32[S] token ids.
+      ``(out, tables)``: ``out`` holds ``token_ids: int32[S]``,
+      ``logprobs: float32[S]`` (the chosen token's raw logprob),
+      ``top_ids: int32[S, K]`` and ``top_logprobs: float32[S, K]`` with
+      ``K = min(MAX_LOGPROBS, V)`` (descending; zeros when no row asked);
+      ``tables`` has each used sample added to its slot's counts.
 
-    The sort (top-k/top-p/min-p) and the random draw run only when some row
-    needs them (``lax.cond``), so all-greedy steps pay for an argmax alone.
+    The processors, the sort, the random draw and the logprobs each run only
+    when some row needs them (``lax.cond``), so a plain greedy step pays for
+    an argmax alone.
     """
+    raw = logits.astype(jnp.float32)
+    needs_processing = jnp.any(
+        arrays["use_bias"] | (arrays["presence_penalty"] != 0) | (arrays["frequency_penalty"] != 0)
+        | (arrays["repetition_penalty"] != 1) | (arrays["num_generated"] < arrays["min_tokens"])
+        | jnp.any(arrays["banned"] < raw.shape[-1], axis=-1)
+    )
+    logits = jax.lax.cond(needs_processing, lambda: apply_logit_processors(raw, arrays, tables), lambda: raw)
     greedy = arrays["temperature"] < _GREEDY_EPS
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     needs_filter = jnp.any(~greedy & ((arrays["top_k"] > 0) | (arrays["top_p"] < 1.0) | (arrays["min_p"] > 0.0)))
@@ -141,4 +288,15 @@ def sample(logits: jax.Array, arrays: dict[str, jax.Array]) -> jax.Array:
         lambda: argmax,
         lambda: jax.lax.cond(needs_filter, lambda: _draw(logits, arrays, True), lambda: _draw(logits, arrays, False)),
     )
-    return jnp.where(greedy, argmax, sampled)
+    tokens = jnp.where(greedy, argmax, sampled)
+    num_rows, width = raw.shape[0], min(MAX_LOGPROBS, raw.shape[-1])
+    chosen, top_ids, top_logprobs = jax.lax.cond(
+        jnp.any(arrays["num_logprobs"] >= 0),
+        lambda: _logprobs(raw, tokens),
+        lambda: (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, width), jnp.int32),
+                 jnp.zeros((num_rows, width), jnp.float32)),
+    )
+    counted = (arrays["sample_mask"] & (arrays["slot"] > 0)).astype(jnp.int32)
+    tables = {**tables, "counts": tables["counts"].at[arrays["slot"], tokens].add(counted)}
+    out = {"token_ids": tokens, "logprobs": chosen, "top_ids": top_ids, "top_logprobs": top_logprobs}
+    return out, tables

@@ -149,6 +149,43 @@ class KVCacheManager:
         self._extend_table(rid, shared + fresh)
         return True
 
+    def fork(self, parent: Request, children: Sequence[Request]) -> tuple[int, list[tuple[int, int]]]:
+        """Hand ``parent``'s blocks to ``children``, which continue from its computed tokens.
+
+        The first child takes over the parent's table; every other child
+        references the parent's full blocks (ref counts grow) and gets a fresh
+        block for a partly written last block, into which the parent's must
+        be copied before anything writes it. Children are forked in order
+        while free blocks last; the parent's table is gone afterwards.
+
+        Returns:
+          ``(num_forked, copies)``: how many leading children now hold a
+          table, and ``(src_block, dst_block)`` copies the caller must have
+          the runner do before the next step.
+        """
+        rid, bs = parent.request_id, self.block_size
+        blocks = self.req_to_blocks.pop(rid)
+        first = children[0].request_id
+        self.req_to_blocks[first] = blocks
+        self.req_to_block_ids[first] = self.req_to_block_ids.pop(rid)
+        self.req_to_row[first] = self.req_to_row.pop(rid)
+        num_cached = self._num_cached[first] = self._num_cached.pop(rid)
+        partial = parent.num_computed_tokens % bs != 0
+        shared = blocks[:-1] if partial else blocks
+        copies = []
+        for i, child in enumerate(children[1:], start=1):
+            if partial and self.block_pool.num_free_blocks == 0:
+                return i, copies
+            cid = child.request_id
+            self._start_table(cid)
+            self.block_pool.touch(shared)
+            fresh = self.block_pool.get_new_blocks(int(partial))
+            self._extend_table(cid, shared + fresh)
+            self._num_cached[cid] = num_cached
+            if partial:
+                copies.append((blocks[-1].block_id, fresh[0].block_id))
+        return len(children), copies
+
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         """``(cached_block, fresh_block)`` copies queued since the last call, for the runner to do before the step."""
         pairs = list(self._copies.values())

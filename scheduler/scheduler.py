@@ -133,16 +133,7 @@ class Scheduler:
             raise ValueError(f"add_request: request_id {rid!r} is already unfinished in this scheduler")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
             raise ValueError(f"add_request: {request!r} is not fresh (status must be WAITING with no progress)")
-        request._seq = next(self._seq)
-        sp = request.sampling_params
-        stop_ids = set(sp.stop_token_ids)
-        if request.eos_token_id is not None and not sp.ignore_eos:
-            stop_ids.add(request.eos_token_id)
-        request._stop_ids = frozenset(stop_ids)
-        limit = self.config.max_model_len
-        if request.max_tokens is not None:
-            limit = min(limit, request.num_prompt_tokens + request.max_tokens)
-        request._length_limit = limit
+        self._prepare(request)
         reason = self._never_fits(request)
         if reason is not None:
             request.status = RequestStatus.FINISHED_IGNORED
@@ -153,6 +144,64 @@ class Scheduler:
         self.requests[rid] = request
         self.waiting.append(request)
         self._waiting_dirty = True
+
+    def _prepare(self, request: Request) -> None:
+        """Set the policy tie-break and the update loop's stop filter."""
+        request._seq = next(self._seq)
+        sp = request.sampling_params
+        stop_ids = set(sp.stop_token_ids)
+        if request.eos_token_id is not None and not sp.ignore_eos:
+            stop_ids.add(request.eos_token_id)
+        request._stop_ids = frozenset(stop_ids)
+        limit = self.config.max_model_len
+        if request.max_tokens is not None:
+            limit = min(limit, request.num_prompt_tokens + request.max_tokens)
+        request._length_limit = limit
+
+    def fork_request(self, parent_id: str, children: Sequence[Request]) -> list[tuple[int, int]]:
+        """Replace running ``parent_id`` by ``children`` that share its computed KV blocks.
+
+        For ``n > 1`` sampling: the parent prefilled the common prompt; each
+        child continues from there (its tokens start with the parent's
+        computed tokens) with its own sampling. Call it between
+        ``update_from_output`` and the next ``schedule``. Children run at once
+        while seats (``max_num_seqs``) and blocks for their copied last block
+        last; the rest are queued as new requests (a prefix-cache hit may
+        still spare their prompt). The parent is finished as
+        ``FINISHED_STOPPED`` and not reported.
+
+        Returns:
+          ``(src_block, dst_block)`` copies the runner must do before the
+          next step (each forked child's copy of a partly written last block).
+
+        Raises:
+          ValueError: the parent is not running, a child is not fresh, or a
+            child's tokens do not extend the parent's computed tokens.
+        """
+        parent = self.get_request(parent_id)
+        computed = parent.num_computed_tokens
+        if parent.status is not _RUNNING or not children:
+            raise ValueError(f"fork_request: {parent!r} is not running, or there are no children")
+        for child in children:
+            if (child.status != RequestStatus.WAITING or child.num_computed_tokens or child.request_id in self.requests
+                    or child.num_tokens <= computed or child.all_token_ids[:computed] != parent.all_token_ids[:computed]):
+                raise ValueError(f"fork_request: {child!r} is not a fresh continuation of {parent!r}")
+        self.running.remove(parent)
+        del self.requests[parent_id]
+        parent.status = RequestStatus.FINISHED_STOPPED
+        seats = self.config.max_num_seqs - len(self.running)
+        num_forked, copies = self.kv_cache_manager.fork(parent, children[:seats])
+        for child in children[:num_forked]:
+            self._prepare(child)
+            child.status = _RUNNING
+            child.num_computed_tokens = computed
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.requests[child.request_id] = child
+            self.running.append(child)
+        self._running_dirty = True
+        for child in children[num_forked:]:
+            self.add_request(child)
+        return copies
 
     def _never_fits(self, request: Request) -> Optional[str]:
         cfg = self.config

@@ -48,7 +48,8 @@ def test_mixed_workload_after_warmup_triggers_zero_compilations(tiny_llama_dir, 
         num_kv_blocks=24, preemption_mode=preemption_mode, num_host_blocks=64, compilation_cache=None,
     )
     compiled_at_warmup = engine.runner.num_compilations
-    assert compiled_at_warmup == len(engine.buckets) + (3 if preemption_mode == "swap" else 1)
+    # Besides the steps: block copy, slot fill and slot rows (and swap out/in).
+    assert compiled_at_warmup == len(engine.buckets) + (5 if preemption_mode == "swap" else 3)
     events_at_warmup = len(_EVENTS)
 
     rng = np.random.default_rng(0)

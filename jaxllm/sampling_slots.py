@@ -1,0 +1,180 @@
+"""Host side of the sampler: sampling slots, per-sequence rows, bad words.
+
+Each running sequence holds a *sampling slot*: a row of the device tables
+(``sampling.init_tables``) with its output-token counts, prompt-token
+presence, bias row and stop row. A slot is taken when the sequence is
+scheduled without one (admission, or readmission after preemption) and is
+then refilled from the sequence's tokens, and given back when the sequence
+is preempted or finished; so at most ``max_num_seqs`` slots are in use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+
+from jaxllm.sampling import MAX_BANNED_IDS, MAX_LOGPROBS, SamplingArrays
+from scheduler import Request, SamplingParams, SchedulerOutput
+
+
+class SlotTables(Protocol):
+    """What the runner offers for writing the device tables (``ModelRunner``)."""
+
+    def fill_slot(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None: ...
+
+    def set_slot_rows(self, slot: int, bias: np.ndarray, stop: np.ndarray) -> None: ...
+
+
+def bad_words_token_ids(tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
+    """Token sequences of ``bad_words``, as vLLM's ``SamplingParams.update_from_tokenizer``.
+
+    Each word is encoded as is (left-stripped) and with a leading space; the
+    spaced variant is kept when it starts with a different token but has the
+    same length (so "word" mid-sentence is caught too).
+    """
+    out: list[list[int]] = []
+    for word in bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
+
+
+@dataclasses.dataclass
+class SequenceSampling:
+    """Sampling state of one sequence that lives on the host.
+
+    Attributes:
+      params: its SamplingParams (n == 1).
+      seed: its random seed (its own, or one the engine drew).
+      stop_ids: eos and stop token ids, banned until ``min_tokens``.
+      multi_token_bad_words: bad words of two or more tokens; single-token
+        ones are in the bias row.
+      bias: the dense bias row (float32[V]) or None when it would be zero.
+    """
+
+    params: SamplingParams
+    seed: int
+    stop_ids: list[int]
+    multi_token_bad_words: list[list[int]]
+    bias: Optional[np.ndarray]
+
+    def banned_ids(self, output_token_ids: Sequence[int]) -> list[int]:
+        """Last tokens of bad words whose other tokens end the output (vLLM's rule)."""
+        banned = []
+        for word in self.multi_token_bad_words:
+            prefix = word[:-1]
+            if len(output_token_ids) >= len(prefix) and list(output_token_ids[len(output_token_ids) - len(prefix):]) == prefix:
+                banned.append(word[-1])
+        return banned
+
+
+def make_sequence_sampling(params: SamplingParams, seed: int, stop_ids: Sequence[int], vocab_size: int,
+                           tokenizer=None) -> SequenceSampling:
+    """Validate and precompute one sequence's host sampling state.
+
+    The bias row adds ``logit_bias``, puts -inf outside ``allowed_token_ids``
+    and on single-token bad words.
+
+    Raises:
+      ValueError: ``bad_words`` without a tokenizer, a bad word that encodes
+        to no token or to ids outside the vocabulary, or more than
+        ``MAX_BANNED_IDS`` multi-token bad-word sequences, ``logprobs``
+        above ``MAX_LOGPROBS``, or ``prompt_logprobs`` (not supported yet).
+    """
+    if params.prompt_logprobs is not None:
+        raise ValueError("SamplingParams.prompt_logprobs is not supported yet: the step computes logits of sampled rows only")
+    if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+        raise ValueError(f"SamplingParams.logprobs={params.logprobs} is out of range: at most {MAX_LOGPROBS}")
+    words: list[list[int]] = []
+    if params.bad_words:
+        if tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer; this model has none")
+        words = bad_words_token_ids(tokenizer, params.bad_words)
+        if any(not w or not all(0 <= t < vocab_size for t in w) for w in words):
+            raise ValueError(f"SamplingParams.bad_words={params.bad_words!r} encodes to no token or out-of-vocabulary ids")
+    multi = [w for w in words if len(w) > 1]
+    if len(multi) > MAX_BANNED_IDS:
+        raise ValueError(
+            f"SamplingParams.bad_words gives {len(multi)} multi-token sequences; at most {MAX_BANNED_IDS} are supported"
+        )
+    bias = None
+    single = [w[0] for w in words if len(w) == 1]
+    if params.logit_bias or params.allowed_token_ids is not None or single:
+        bias = np.zeros(vocab_size, np.float32)
+        if params.allowed_token_ids is not None:
+            bias[:] = -np.inf
+            bias[list(params.allowed_token_ids)] = 0.0
+        for token, value in (params.logit_bias or {}).items():
+            bias[int(token)] += float(value)
+        bias[single] = -np.inf
+    return SequenceSampling(params, seed, list(stop_ids), multi, bias)
+
+
+class SamplingSlots:
+    """Assigns sampling slots and builds each step's :class:`SamplingArrays`.
+
+    Args:
+      num_slots: rows of the device tables, slot 0 included (>= max_num_seqs + 1).
+      vocab_size: the model's vocabulary.
+      tables: writes the device tables (the runner).
+    """
+
+    def __init__(self, num_slots: int, vocab_size: int, tables: SlotTables) -> None:
+        self.vocab_size = vocab_size
+        self.tables = tables
+        self.sequences: dict[str, SequenceSampling] = {}
+        self.slots: dict[str, int] = {}
+        self._free = list(range(num_slots - 1, 0, -1))
+
+    def register(self, request_id: str, sampling: SequenceSampling) -> None:
+        """Remember a sequence's sampling state; it gets a slot when scheduled."""
+        self.sequences[request_id] = sampling
+
+    def release(self, request_id: str) -> None:
+        """Give back the sequence's slot (preempted: refilled on readmission)."""
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def forget(self, request_id: str) -> None:
+        """The sequence finished or was aborted: drop its slot and state."""
+        self.release(request_id)
+        self.sequences.pop(request_id, None)
+
+    def _slot(self, request: Request, sampling: SequenceSampling) -> int:
+        rid = request.request_id
+        slot = self.slots.get(rid)
+        if slot is None:
+            slot = self.slots[rid] = self._free.pop()
+            self.tables.fill_slot(slot, request.all_token_ids, request.num_prompt_tokens)
+            if sampling.bias is not None or sampling.params.min_tokens > 0:
+                stop = np.zeros(self.vocab_size, bool)
+                stop[sampling.stop_ids] = True
+                bias = sampling.bias if sampling.bias is not None else np.zeros(self.vocab_size, np.float32)
+                self.tables.set_slot_rows(slot, bias, stop)
+        return slot
+
+    def arrays(self, output: SchedulerOutput, num_rows: int) -> SamplingArrays:
+        """The step's per-row controls; rows of unregistered requests (a fork parent) stay inert.
+
+        Preempted sequences must have been :meth:`release`-d first, so
+        their slots are free for this step's admissions.
+        """
+        arrays = SamplingArrays.empty(num_rows)
+        for i, row in enumerate(output.scheduled):
+            request = row.request
+            sampling = self.sequences.get(request.request_id)
+            if sampling is None:
+                continue
+            outputs = request.output_token_ids
+            arrays.set_row(
+                i, sampling.params, slot=self._slot(request, sampling), seed=sampling.seed,
+                num_generated=len(outputs), sample=row.samples, uses_bias=sampling.bias is not None,
+                banned=sampling.banned_ids(outputs) if sampling.multi_token_bad_words else (),
+            )
+        return arrays

@@ -1,0 +1,226 @@
+"""The jitted sampler against plain numpy references of each transform (vLLM v1 semantics)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm.sampling import (
+    MAX_BANNED_IDS,
+    SamplingArrays,
+    apply_logit_processors,
+    apply_top_k_top_p_min_p,
+    fill_slot,
+    init_tables,
+    sample,
+    set_slot_rows,
+)
+from scheduler import SamplingParams
+
+V = 8
+LOGITS = np.array([2.0, 1.5, 0.7, 0.3, -0.2, -1.0, 1.1, 0.05], np.float32)
+PROMPT = [0, 3, 3]
+OUTPUT = [1, 1, 6, 3]
+N_DRAWS = 20_000
+
+_sample = jax.jit(sample)
+
+
+# ------------------------------------------------------------ numpy references
+
+
+def ref_processors(logits, params: SamplingParams, prompt, output, banned=(), stop_ids=()):
+    """vLLM v1 order: allowed ids, bad words (given as banned ids), min_tokens, logit_bias, penalties."""
+    x = logits.astype(np.float64).copy()
+    if params.allowed_token_ids is not None:
+        mask = np.ones(V, bool)
+        mask[list(params.allowed_token_ids)] = False
+        x[mask] = -np.inf
+    x[list(banned)] = -np.inf
+    if len(output) < params.min_tokens:
+        x[list(stop_ids)] = -np.inf
+    for t, b in (params.logit_bias or {}).items():
+        x[t] += b
+    counts = np.bincount(output, minlength=V)
+    seen = (counts > 0) | np.isin(np.arange(V), prompt)
+    r = params.repetition_penalty
+    x = np.where(seen, np.where(x > 0, x / r, x * r), x)
+    return x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+
+
+def ref_distribution(logits, params: SamplingParams):
+    """Temperature, then min-p, top-k, top-p (on the renormalised survivors), as vLLM."""
+    x = logits / params.temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    keep = p >= params.min_p * p.max()
+    order = np.argsort(-p, kind="stable")
+    if params.top_k > 0:
+        keep[order[params.top_k:]] = False
+    q = np.where(keep, p, 0.0)
+    q /= q.sum()
+    mass_before = np.cumsum(q[order]) - q[order]
+    keep[order[mass_before >= params.top_p]] = False
+    keep[order[0]] = True
+    out = np.where(keep, p, 0.0)
+    return out / out.sum()
+
+
+# --------------------------------------------------------------- helpers
+
+
+def _tables(params: SamplingParams, prompt=PROMPT, output=OUTPUT, stop_ids=()):
+    tables = init_tables(3, V)
+    tokens = np.zeros(32, np.int32)
+    tokens[: len(prompt) + len(output)] = prompt + output
+    tables = fill_slot(tables, np.int32(1), tokens, np.int32(len(prompt)), np.int32(len(prompt) + len(output)))
+    bias = np.zeros(V, np.float32)
+    if params.allowed_token_ids is not None:
+        bias[:] = -np.inf
+        bias[list(params.allowed_token_ids)] = 0.0
+    for t, b in (params.logit_bias or {}).items():
+        bias[t] += b
+    stop = np.zeros(V, bool)
+    stop[list(stop_ids)] = True
+    return set_slot_rows(tables, np.int32(1), bias, stop)
+
+
+def _arrays(params: SamplingParams, rows: int, num_generated, seed: int = 0, banned=()):
+    arrays = SamplingArrays.empty(rows)
+    uses_bias = bool(params.logit_bias) or params.allowed_token_ids is not None
+    for i in range(rows):
+        arrays.set_row(i, params, slot=1, seed=seed, num_generated=0, uses_bias=uses_bias, banned=banned)
+    arrays.num_generated[:] = num_generated
+    return arrays.as_dict()
+
+
+def _frequencies(params: SamplingParams, logits=LOGITS, **kw):
+    arrays = _arrays(params, N_DRAWS, np.arange(N_DRAWS), seed=1234)
+    batch = np.broadcast_to(logits, (N_DRAWS, V))
+    out, _ = _sample(batch, arrays, _tables(params, **kw))
+    return np.bincount(np.asarray(out["token_ids"]), minlength=V) / N_DRAWS
+
+
+def _assert_within_3_standard_errors(freq, p):
+    se = np.sqrt(p * (1 - p) / N_DRAWS)
+    assert np.all(np.abs(freq - p) <= 3 * se + 1e-12), (freq, p)
+
+
+# ----------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("kw", [
+    dict(repetition_penalty=1.7), dict(repetition_penalty=0.6), dict(presence_penalty=0.8),
+    dict(frequency_penalty=-0.5), dict(logit_bias={2: 3.0, 5: -1.5}), dict(allowed_token_ids=[2, 4, 5]),
+    dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, logit_bias={7: 2.0}),
+])
+def test_processors_match_numpy_reference(kw):
+    params = SamplingParams(**kw)
+    arrays = _arrays(params, 1, len(OUTPUT))
+    got = apply_logit_processors(LOGITS[None], arrays, _tables(params))[0]
+    np.testing.assert_allclose(got, ref_processors(LOGITS, params, PROMPT, OUTPUT), rtol=1e-6)
+
+
+def test_banned_bad_word_ids_are_masked():
+    params = SamplingParams()
+    arrays = _arrays(params, 1, len(OUTPUT), banned=[0, 6])
+    got = apply_logit_processors(LOGITS[None], arrays, _tables(params))[0]
+    np.testing.assert_allclose(got, ref_processors(LOGITS, params, PROMPT, OUTPUT, banned=[0, 6]))
+
+
+def test_min_tokens_bans_stop_ids_only_before_min_tokens():
+    params = SamplingParams(min_tokens=5)
+    tables = _tables(params, stop_ids=[0, 2])
+    before = apply_logit_processors(LOGITS[None], _arrays(params, 1, 4), tables)[0]
+    after = apply_logit_processors(LOGITS[None], _arrays(params, 1, 5), tables)[0]
+    np.testing.assert_allclose(before, ref_processors(LOGITS, params, PROMPT, OUTPUT, stop_ids=[0, 2]))
+    np.testing.assert_allclose(after, LOGITS)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(top_k=3), dict(top_p=0.6), dict(min_p=0.3), dict(top_k=4, top_p=0.7), dict(top_k=5, top_p=0.8, min_p=0.2),
+])
+def test_top_k_top_p_min_p_keep_the_reference_set(kw):
+    params = SamplingParams(**kw)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        logits = rng.normal(size=V).astype(np.float32) * 2
+        got = apply_top_k_top_p_min_p(logits[None], np.array([params.top_k], np.int32),
+                                      np.array([params.top_p], np.float32), np.array([params.min_p], np.float32))[0]
+        expected = ref_distribution(logits, params) > 0
+        np.testing.assert_array_equal(np.isfinite(got), expected)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0), dict(temperature=0.5), dict(temperature=1.8), dict(temperature=1.0, top_k=3),
+    dict(temperature=0.9, top_p=0.7), dict(temperature=1.2, min_p=0.2), dict(temperature=1.0, top_k=5, top_p=0.85),
+])
+def test_sampled_frequencies_match_reference_distribution(kw):
+    params = SamplingParams(**kw)
+    _assert_within_3_standard_errors(_frequencies(params), ref_distribution(LOGITS.astype(np.float64), params))
+
+
+def test_sampled_frequencies_with_penalties_and_bias_match_reference():
+    params = SamplingParams(temperature=0.8, repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2,
+                            logit_bias={4: 1.0}, top_p=0.95)
+    processed = ref_processors(LOGITS, params, PROMPT, OUTPUT)
+    _assert_within_3_standard_errors(_frequencies(params), ref_distribution(processed, params))
+
+
+def test_top_k_1_and_temperature_0_equal_greedy():
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    processed = ref_processors(LOGITS, params, PROMPT, OUTPUT)
+    for p in (params, SamplingParams(temperature=1.3, top_k=1, repetition_penalty=1.5)):
+        out, _ = _sample(np.broadcast_to(LOGITS, (64, V)), _arrays(p, 64, np.arange(64), seed=5), _tables(p))
+        assert np.all(np.asarray(out["token_ids"]) == np.argmax(processed))
+
+
+def test_seeded_row_draws_the_same_token_in_any_batch_position_or_bucket():
+    params = SamplingParams(temperature=1.0, seed=99)
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(16, V)).astype(np.float32)
+    logits[5] = LOGITS
+    alone, _ = _sample(LOGITS[None], _arrays(params, 1, 7, seed=99), _tables(params))
+    arrays = _arrays(params, 16, 7, seed=99)
+    arrays["seed"][:] = np.arange(16)
+    arrays["seed"][5] = 99
+    batched, _ = _sample(logits, arrays, _tables(params))
+    assert int(batched["token_ids"][5]) == int(alone["token_ids"][0])
+
+
+def test_used_samples_are_counted_in_their_slot():
+    params = SamplingParams(temperature=0.0)
+    arrays = _arrays(params, 3, 4)
+    arrays["slot"][:] = [1, 2, 0]
+    arrays["sample_mask"][:] = [True, False, True]
+    out, tables = _sample(np.broadcast_to(LOGITS, (3, V)), arrays, _tables(params))
+    counts = np.asarray(tables["counts"])
+    expected = np.bincount(OUTPUT, minlength=V)
+    expected[0] += 1  # argmax of LOGITS
+    np.testing.assert_array_equal(counts[1], expected)
+    assert not counts[2].any() and not counts[0].any()
+
+
+def test_refilling_a_slot_recounts_instead_of_adding():
+    params = SamplingParams()
+    tables = _tables(params)
+    tables = _tables(params)  # the same sequence readmitted after preemption
+    np.testing.assert_array_equal(np.asarray(tables["counts"])[1], np.bincount(OUTPUT, minlength=V))
+    np.testing.assert_array_equal(np.asarray(tables["prompt"])[1], np.isin(np.arange(V), PROMPT))
+
+
+def test_logprobs_are_raw_log_softmax_with_top_k_descending():
+    params = SamplingParams(temperature=0.7, logprobs=3, repetition_penalty=2.0)
+    out, _ = _sample(LOGITS[None], _arrays(params, 1, 4), _tables(params))
+    raw = LOGITS - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    token = int(out["token_ids"][0])
+    np.testing.assert_allclose(out["logprobs"][0], raw[token], atol=1e-6)
+    np.testing.assert_array_equal(out["top_ids"][0, :3], np.argsort(-LOGITS)[:3])
+    np.testing.assert_allclose(out["top_logprobs"][0, :3], np.sort(raw)[::-1][:3], atol=1e-6)
+
+
+def test_too_many_banned_ids_are_rejected():
+    with pytest.raises(ValueError, match=str(MAX_BANNED_IDS)):
+        SamplingArrays.empty(1).set_row(0, SamplingParams(), slot=1, seed=0, num_generated=0,
+                                        banned=list(range(MAX_BANNED_IDS + 1)))

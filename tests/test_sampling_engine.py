@@ -1,0 +1,162 @@
+"""Sampling through the engine: logprobs vs HF, seeded reproducibility, n > 1, stop strings, streaming."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.engine import LLMEngine
+
+SEEDED = SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.5,
+                        frequency_penalty=0.3, max_tokens=24, seed=11, ignore_eos=True)
+
+
+def _prompts(n, seed=0, low=4, high=30):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, size=int(k)).tolist() for k in rng.integers(low, high, size=n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_dir):
+    return LLM(model=tiny_llama_dir, max_num_seqs=16, max_num_batched_tokens=64, block_size=4, precompile=False,
+               num_kv_blocks=256)
+
+
+def test_logprobs_equal_log_softmax_of_hf_logits(tiny_llama_dir, tiny_llm):
+    import torch
+    import transformers
+
+    prompt = _prompts(1, seed=4)[0]
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=6, logprobs=5, ignore_eos=True,
+                            repetition_penalty=1.5)
+    out = tiny_llm.generate([prompt], params)[0].outputs[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0].double()
+    hf = torch.log_softmax(logits, dim=-1).numpy()[len(prompt) - 1: -1]
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    for row, entry, token in zip(hf, out.logprobs, out.token_ids):
+        top5 = np.argsort(-row)[:5]
+        assert set(entry) == set(top5.tolist()) | {token}
+        for t, lp in entry.items():
+            assert abs(lp - row[t]) < 1e-4
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for e, t in zip(out.logprobs, out.token_ids)), abs=1e-4)
+
+
+def test_seeded_request_gives_the_same_tokens_alone_and_in_a_batch_of_16(tiny_llm):
+    target = _prompts(1, seed=7)[0]
+    alone = tiny_llm.generate([target], SEEDED)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=int(n), seed=int(n)) for n in range(5, 20)]
+    batch = tiny_llm.generate(_prompts(15, seed=8) + [target], others + [SEEDED])
+    assert batch[-1].outputs[0].token_ids == alone
+
+
+def test_seeded_request_gives_the_same_tokens_after_preemption(tiny_llama_dir, tiny_llm):
+    target = _prompts(1, seed=7)[0]
+    alone = tiny_llm.generate([target], SEEDED)[0].outputs[0].token_ids
+    engine = LLMEngine(tiny_llama_dir, max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_kv_blocks=24,
+                       precompile=False, enable_prefix_caching=False)
+    for i, prompt in enumerate(_prompts(5, seed=9, low=20, high=30)):
+        engine.add_request(f"other{i}", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.add_request("target", target, SEEDED)
+    request = engine.scheduler.get_request("target")
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.request_id == "target" and o.finished), final)
+    assert request.num_preemptions > 0
+    assert final.outputs[0].token_ids == alone
+
+
+def test_seeded_request_gives_the_same_tokens_with_prefix_cache_hits(tiny_llm):
+    target = _prompts(1, seed=7, low=25, high=30)[0]
+    first = tiny_llm.generate([target], SEEDED)[0].outputs[0].token_ids
+    hits = tiny_llm.engine.scheduler.prefix_cache_hits
+    second = tiny_llm.generate([target], SEEDED)[0].outputs[0].token_ids
+    assert tiny_llm.engine.scheduler.prefix_cache_hits > hits
+    assert second == first
+
+
+def test_n_4_shares_the_prompt_blocks_and_returns_4_different_outputs(tiny_llama_dir):
+    engine = LLMEngine(tiny_llama_dir, max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_kv_blocks=64,
+                       precompile=False)
+    prompt = list(range(10, 20))
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    engine.add_request("x", prompt, params)
+    pool = engine.scheduler.block_pool
+    engine.step()  # the parent prefills 9 tokens (two full blocks, one partial), then forks
+    tables = [engine.scheduler.kv_cache_manager.get_block_ids(f"{i}_x") for i in range(4)]
+    assert all(t[:2] == tables[0][:2] for t in tables)
+    assert [pool.blocks[b].ref_cnt for b in tables[0][:2]] == [4, 4]
+    assert len({t[2] for t in tables}) == 4
+    assert pool.num_blocks - 1 - pool.num_free_blocks == 2 + 4
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    outs = final.outputs
+    assert [o.index for o in outs] == [0, 1, 2, 3]
+    assert len({tuple(o.token_ids) for o in outs}) == 4
+    assert pool.num_free_blocks == pool.num_blocks - 1
+    for i, o in enumerate(outs):
+        single = SamplingParams(temperature=1.0, seed=5 + i, max_tokens=8, ignore_eos=True)
+        engine.add_request(f"single{i}", prompt, single)
+        done = None
+        while engine.has_unfinished_requests():
+            done = next((x for x in engine.step() if x.finished), done)
+        assert done.outputs[0].token_ids == o.token_ids
+
+
+def test_stop_string_split_across_two_tokens_stops_and_is_cut(stories_dir):
+    llm = LLM(model=stories_dir, precompile=False)
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    full = llm.generate("Once upon a time", greedy)[0].outputs[0]
+    pieces = [llm.tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
+    k = next(i for i in range(5, len(pieces) - 1)
+             if len(pieces[i]) - len(pieces[i - 1]) >= 3 and len(pieces[i + 1]) - len(pieces[i]) >= 3)
+    # The last two characters of token k and the first two of token k + 1.
+    stop = pieces[k][-2:] + pieces[k + 1][len(pieces[k]): len(pieces[k]) + 2]
+    where = full.text.find(stop)
+    assert where > 0
+    for keep in (False, True):
+        out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40, stop=[stop],
+                                                              include_stop_str_in_output=keep))[0].outputs[0]
+        assert out.text == full.text[: where + (len(stop) if keep else 0)]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert len(out.token_ids) <= k + 2
+
+
+def test_multi_byte_character_split_across_tokens_streams_whole(stories_dir):
+    llm = LLM(model=stories_dir, precompile=False)
+    ids = [llm.tokenizer.backend.token_to_id(f"<0x{b:02X}>") for b in "€".encode()]
+    # Force the three bytes in order: each is biased below the previous one,
+    # and the repetition penalty pushes an emitted byte below the next.
+    params = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=ids, repetition_penalty=1000.0,
+                            logit_bias={ids[0]: 300.0, ids[1]: 200.0, ids[2]: 100.0})
+    steps = list(llm.generate_stream("Once upon a time", params))
+    assert [o.delta_token_ids for o in steps] == [[ids[0]], [ids[1]], [ids[2]]]
+    assert [o.delta_text for o in steps] == ["", "", "€"]
+    assert steps[-1].finished and steps[-1].outputs[0].text == "€"
+
+
+def test_bad_words_are_never_generated(stories_dir):
+    llm = LLM(model=stories_dir, precompile=False)
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    assert "Lily" in llm.generate("Once upon a time", greedy)[0].outputs[0].text
+    banned = SamplingParams(temperature=0, max_tokens=40, bad_words=["Lily", "big red"])
+    assert "Lily" not in llm.generate("Once upon a time", banned)[0].outputs[0].text
+
+
+def test_streamed_deltas_add_up_to_the_final_text(stories_dir):
+    llm = LLM(model=stories_dir, precompile=False)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=30)
+    stream = list(llm.generate_stream(["Once upon a time", "One day"], params))
+    final = {o.request_id: o for o in stream if o.finished}
+    for rid, out in final.items():
+        deltas = [o for o in stream if o.request_id == rid]
+        assert "".join(o.delta_text for o in deltas) == out.outputs[0].text
+        assert sum((o.delta_token_ids for o in deltas), []) == out.outputs[0].token_ids
+
+
+def test_prompt_logprobs_are_rejected_until_supported(tiny_llm):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        tiny_llm.generate([[5, 6, 7]], SamplingParams(prompt_logprobs=1))

@@ -1,0 +1,73 @@
+"""Scheduler.fork_request: n continuations sharing a prefilled prompt's KV blocks."""
+
+import pytest
+
+from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from tests._scheduler_harness import (
+    FakeClock,
+    FakeRunner,
+    check_block_invariants,
+    make_request,
+    reference_output,
+    run_until_done,
+    step,
+)
+
+PROMPT = [5, 8, 13, 21, 34, 2, 7, 1, 9, 4]  # 10 tokens; the parent prefills 9: two full blocks and one partial
+
+
+def _prefilled_parent(**overrides):
+    cfg = dict(num_blocks=33, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
+    cfg.update(overrides)
+    config = SchedulerConfig(**cfg)
+    sched, runner = Scheduler(config, clock=FakeClock()), FakeRunner(config)
+    parent = make_request("parent", PROMPT[:-1], params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    sched.add_request(parent)
+    step(sched, runner)
+    return sched, runner, parent
+
+
+def _copy(runner, pairs):
+    bs = runner.block_size
+    for src, dst in pairs:
+        runner.kv[dst * bs:(dst + 1) * bs] = runner.kv[src * bs:(src + 1) * bs]
+
+
+def _children(k):
+    return [make_request(f"c{i}", PROMPT, max_tokens=6 + i) for i in range(k)]
+
+
+def test_forked_children_share_full_blocks_and_copy_the_partial_one():
+    sched, runner, parent = _prefilled_parent()
+    parent_blocks = sched.kv_cache_manager.get_block_ids("parent")[:]
+    children = _children(3)
+    copies = sched.fork_request("parent", children)
+    check_block_invariants(sched)
+    tables = [sched.kv_cache_manager.get_block_ids(c.request_id) for c in children]
+    assert tables[0] == parent_blocks
+    assert all(t[:2] == parent_blocks[:2] for t in tables)
+    assert [sched.block_pool.blocks[b].ref_cnt for b in parent_blocks[:2]] == [3, 3]
+    assert copies == [(parent_blocks[2], tables[1][2]), (parent_blocks[2], tables[2][2])]
+    assert parent.status == RequestStatus.FINISHED_STOPPED and "parent" not in sched.requests
+    _copy(runner, copies)
+    run_until_done(sched, runner, check=check_block_invariants)
+    for c in children:
+        assert c.output_token_ids == reference_output(PROMPT, c.sampling_params, None, 64)
+    assert sched.block_pool.num_free_blocks == sched.block_pool.num_blocks - 1
+
+
+def test_children_beyond_free_seats_are_queued_and_still_finish():
+    sched, runner, _ = _prefilled_parent(max_num_seqs=2)
+    children = _children(3)
+    _copy(runner, sched.fork_request("parent", children))
+    assert [c.status for c in children] == [RequestStatus.RUNNING] * 2 + [RequestStatus.WAITING]
+    run_until_done(sched, runner, check=check_block_invariants)
+    for c in children:
+        assert c.output_token_ids == reference_output(PROMPT, c.sampling_params, None, 64)
+    assert sched.block_pool.num_free_blocks == sched.block_pool.num_blocks - 1
+
+
+def test_fork_rejects_a_child_that_does_not_continue_the_parent():
+    sched, _, _ = _prefilled_parent()
+    with pytest.raises(ValueError, match="continuation"):
+        sched.fork_request("parent", [make_request("c", [99] + PROMPT[1:])])
