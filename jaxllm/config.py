@@ -188,6 +188,11 @@ class EngineConfig:
         (outputs are identical; see ``LLMEngine.step``).
       compilation_cache: folder of JAX's persistent compilation cache;
         "default" is ``<jaxllm cache>/xla``, None turns it off.
+      tensor_parallel_size: devices one model step is split over (Megatron
+        tensor parallelism, see ``jaxllm.sharding``); must divide the model's
+        q heads, and its KV heads must divide it or be divisible by it.
+      data_parallel_size: engine replicas, each with its own scheduler and
+        KV cache on ``tensor_parallel_size`` devices (``jaxllm.replicas``).
 
     Raises:
       ValueError: a value out of range, naming it and the limit.
@@ -215,9 +220,12 @@ class EngineConfig:
     precompile: bool = True
     async_scheduling: bool = False
     compilation_cache: Optional[str] = "default"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")

@@ -28,12 +28,13 @@ import numpy as np
 
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.kv_cache import resolve_num_blocks
-from jaxllm.loader import load_model
+from jaxllm.loader import load_sharded
 from jaxllm.models.llama import AttentionOps
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.default_model import cache_dir
 from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache, fetch_rows
 from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
+from jaxllm.sharding import make_mesh
 from jaxllm.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels_pallas import default_attention_backend, get_attention_ops
 from scheduler import (
@@ -95,44 +96,61 @@ class _Group:
 class LLMEngine:
     """The serving engine: requests in, ``RequestOutput`` per step out.
 
+    One engine is one data-parallel replica: its model step runs on
+    ``tensor_parallel_size`` devices (``mesh``). ``LLM`` with
+    ``data_parallel_size > 1`` runs several behind one front door
+    (``jaxllm.replicas.ReplicatedEngine``).
+
     Args:
-      model: a HF model folder or a ``.gguf`` file.
+      model: a HF model folder, a ``.gguf`` file, or a jaxllm orbax folder
+        (``scripts/convert_checkpoint.py``).
       tokenizer: a Tokenizer; by default read from the model.
+      mesh: this replica's ``(data, model)`` mesh; by default
+        ``make_mesh(tensor_parallel_size)`` over the first devices.
       **kwargs: ``EngineConfig`` fields (block_size, num_kv_blocks,
-        kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
-        max_model_len, dtype, seed, scheduling_policy, preemption_mode,
-        enable_prefix_caching, enable_chunked_prefill, attention_backend, ...).
+        kv_cache_memory_bytes (per device), max_num_seqs,
+        max_num_batched_tokens, max_model_len, dtype, seed, scheduling_policy,
+        preemption_mode, enable_prefix_caching, enable_chunked_prefill,
+        attention_backend, tensor_parallel_size, ...).
 
     Raises:
-      ValueError: a bad model path, an unsupported architecture, or a config
-        value out of range (named with its limit).
+      ValueError: a bad model path, an unsupported architecture, a config
+        value out of range (named with its limit), heads that do not split
+        over ``tensor_parallel_size``, or ``data_parallel_size > 1`` (one
+        engine is one replica).
     """
 
-    def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, **kwargs: Any):
+    def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, *,
+                 mesh: Optional[jax.sharding.Mesh] = None, **kwargs: Any):
         self.config = EngineConfig(**kwargs)
+        if self.config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={self.config.data_parallel_size}: an LLMEngine is one replica; "
+                             "use LLM or jaxllm.replicas.ReplicatedEngine")
         path = Path(model)
         if not path.exists():
             raise ValueError(f"model path {str(path)!r} does not exist")
         self.dtype = resolve_dtype(self.config.dtype)
-        self.model_config, params, self.hf_config = load_model(path, self.dtype)
+        mesh = mesh if mesh is not None else make_mesh(self.config.tensor_parallel_size)
+        self.model_config, params, self.hf_config, self.sharding = load_sharded(path, self.dtype, mesh)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
         cfg = self.model_config
         self.max_model_len = self.config.resolve_max_model_len(cfg)
-        param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+        tp = self.sharding.tensor_parallel_size
+        param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) // tp
         self.num_blocks = resolve_num_blocks(
-            cfg, block_size=self.config.block_size, dtype=self.dtype, num_kv_blocks=self.config.num_kv_blocks,
-            kv_cache_memory_bytes=self.config.kv_cache_memory_bytes, max_num_seqs=self.config.max_num_seqs,
-            max_model_len=self.max_model_len, param_bytes=param_bytes,
+            self.sharding.per_device_config(), block_size=self.config.block_size, dtype=self.dtype,
+            num_kv_blocks=self.config.num_kv_blocks, kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
+            max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len, param_bytes=param_bytes,
         )
         backend = self.config.attention_backend or default_attention_backend()
         kernels = get_attention_ops(backend, interpret=self.config.interpret)
-        ops = AttentionOps(kernels.ragged_paged_attention, kernels.kv_cache_write)
+        ops = self.sharding.attention_ops(AttentionOps(kernels.ragged_paged_attention, kernels.kv_cache_write))
         self.buckets = BucketTable(*self.config.bucket_ladders(self.max_model_len, backend))
         cache = self.config.compilation_cache
         enable_persistent_compilation_cache(str(cache_dir() / "xla") if cache == "default" else cache)
         self.runner = ModelRunner(
             cfg, params, num_blocks=self.num_blocks, block_size=self.config.block_size, dtype=self.dtype,
-            ops=ops, buckets=self.buckets, num_host_blocks=self.config.num_host_blocks,
+            ops=ops, buckets=self.buckets, sharding=self.sharding, num_host_blocks=self.config.num_host_blocks,
             num_sampling_slots=self.config.max_num_seqs + 1, max_model_len=self.max_model_len,
         )
         self.slots = SamplingSlots(self.config.max_num_seqs + 1, cfg.vocab_size, self.runner)
@@ -140,7 +158,7 @@ class LLMEngine:
         b = self.buckets
         _log(f"{len(b)} step programs: tokens {list(b.token_buckets)} x seqs {list(b.seq_buckets)} "
              f"x block-table widths {list(b.width_buckets)}; {self.num_blocks} KV blocks of "
-             f"{self.config.block_size} tokens; attention {backend}")
+             f"{self.config.block_size} tokens; attention {backend}; tensor parallel {tp}")
         if self.config.precompile:
             seconds = self.runner.warmup(swap=self.config.preemption_mode == "swap")
             _log(f"compiled {self.runner.num_compilations} programs in {seconds:.1f} s")
@@ -437,7 +455,9 @@ class LLM:
     Args:
       model: HF folder or ``.gguf`` file; None loads the embedded default
         (SmolLM2-135M-Instruct, fetched once into the jaxllm cache).
-      **kwargs: ``EngineConfig`` fields (see ``LLMEngine``).
+      **kwargs: ``EngineConfig`` fields (see ``LLMEngine``); with
+        ``data_parallel_size > 1`` the engine is a
+        ``jaxllm.replicas.ReplicatedEngine``.
     """
 
     def __init__(self, model: Optional[Union[str, os.PathLike]] = None, **kwargs: Any):
@@ -445,7 +465,12 @@ class LLM:
             from jaxllm.default_model import default_model_path
 
             model = default_model_path()
-        self.engine = LLMEngine(model, **kwargs)
+        if kwargs.get("data_parallel_size", 1) > 1:
+            from jaxllm.replicas import ReplicatedEngine  # imports this module
+
+            self.engine = ReplicatedEngine(model, **kwargs)
+        else:
+            self.engine = LLMEngine(model, **kwargs)
         self._ids = itertools.count()
 
     @property

@@ -8,7 +8,7 @@ that padded token slots write into; the scheduler never hands it out.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,9 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import KVCache
+
+if TYPE_CHECKING:
+    from jaxllm.sharding import ModelSharding
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 GPU_MEMORY_FRACTION = 0.9
@@ -74,17 +77,14 @@ def resolve_num_blocks(
     return int(num_blocks)
 
 
-def allocate_kv_cache(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any, sharding: Any = None
-) -> KVCache:
-    """Zeroed per-layer ``(k_cache, v_cache)`` on the device.
+def allocate_kv_cache(num_blocks: int, block_size: int, dtype: Any, sharding: "ModelSharding") -> KVCache:
+    """Zeroed per-layer ``(k_cache, v_cache)`` on ``sharding``'s devices.
 
-    Each array: ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
-    ``dtype``; total bytes ``num_blocks * bytes_per_block``.
+    Each array: ``[num_blocks, block_size, sharding.num_cache_heads,
+    head_dim]`` of ``dtype``, split over the heads axis
+    (``sharding.kv_cache_sharding``) and created shard by shard.
     """
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-
-    def zeros():
-        return jnp.zeros(shape, dtype, device=sharding) if sharding is not None else jnp.zeros(shape, dtype)
-
+    cfg = sharding.cfg
+    shape = (num_blocks, block_size, sharding.num_cache_heads, cfg.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.kv_cache_sharding)
     return [(zeros(), zeros()) for _ in range(cfg.num_layers)]

@@ -7,6 +7,11 @@ uses, and the executables are kept in a table: serving looks a program up by
 the batch's bucket and never traces. The KV cache is donated to every step so
 the device holds one copy. Block ids are the scheduler's (one process, as in
 nano-vllm).
+
+Parameters, KV cache and step inputs live on the replica's mesh
+(``jaxllm.sharding.ModelSharding``); the batch and sampling arrays are
+replicated there, and the abstract arguments of the compiled programs carry
+those same shardings.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.kv_cache import allocate_kv_cache
 from jaxllm.models.llama import AttentionOps, KVCache, Params, forward
 from jaxllm.sampling import SamplingArrays, fill_slot, init_tables, sample, set_slot_rows
+from jaxllm.sharding import ModelSharding
 from scheduler import BatchDescriptor, BucketTable
 
 BATCH_KEYS = (
@@ -81,12 +87,14 @@ class ModelRunner:
 
     Args:
       cfg: model configuration.
-      params: parameter pytree (numpy or device arrays).
+      params: parameter pytree, already placed by ``sharding``.
       num_blocks: KV blocks including the null block 0.
       block_size: tokens per block.
       dtype: compute and KV dtype.
-      ops: attention implementation (Pallas kernels or jnp references).
+      ops: attention implementation (Pallas kernels or jnp references),
+        already wrapped by ``sharding.attention_ops``.
       buckets: the (T, S, W) shapes steps are padded to.
+      sharding: the replica's mesh and partition rules.
       num_host_blocks: host swap pool size in blocks (0 = no swap space).
       num_sampling_slots: rows of the sampler's per-sequence tables (slot 0
         is padding), so at least ``max_num_seqs + 1``.
@@ -95,33 +103,39 @@ class ModelRunner:
 
     Attributes:
       kv_caches: per layer ``(k, v)``, each ``[num_blocks, block_size,
-        num_kv_heads, head_dim]`` on the device.
+        sharding.num_cache_heads, head_dim]``, split over heads.
       sampler_tables: the sampler's per-slot tables (``sampling.init_tables``),
-        donated to every step like the KV cache.
+        replicated on the mesh and donated to every step like the KV cache.
       num_compilations: programs this runner has compiled (steps and block
         copies); after :meth:`warmup` it stays constant while serving.
       compile_seconds: wall time spent compiling, seconds.
     """
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
-                 ops: AttentionOps, buckets: BucketTable, num_host_blocks: int = 0, num_sampling_slots: int = 1,
-                 max_model_len: int = 1):
+                 ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0,
+                 num_sampling_slots: int = 1, max_model_len: int = 1):
         self.cfg = cfg
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.buckets = buckets
-        self.params = jax.device_put(params)
-        self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype)
-        self.sampler_tables = init_tables(num_sampling_slots, cfg.vocab_size)
+        self.params = params
+        self.kv_caches = allocate_kv_cache(num_blocks, block_size, dtype, sharding)
+        self._replicated = sharding.replicated
+        self._kv_sharding = sharding.kv_cache_sharding
+        self.sampler_tables = jax.device_put(init_tables(num_sampling_slots, cfg.vocab_size), self._replicated)
         self.max_model_len = max_model_len
         self.num_compilations = 0
-        self._no_prev_tokens = jax.device_put(np.zeros(buckets.seq_buckets[-1], np.int32))
+        self._no_prev_tokens = jax.device_put(np.zeros(buckets.seq_buckets[-1], np.int32), self._replicated)
         self.compile_seconds = 0.0
-        self._step_jit = jax.jit(functools.partial(_step, cfg=cfg, ops=ops), donate_argnums=(1, 4))
+        # Outputs pinned to the inputs' shardings: the donated KV cache and
+        # sampler tables come back laid out as the next step was compiled for.
+        self._step_jit = jax.jit(functools.partial(_step, cfg=cfg, ops=ops), donate_argnums=(1, 4),
+                                 out_shardings=(self._replicated, self._replicated, self._kv_sharding,
+                                                self._replicated))
         self._steps: dict[tuple[int, int, int], Callable] = {}
         self._block_ops: dict[str, Callable] = {}
-        block_shape = (num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        block_shape = (num_host_blocks,) + self.kv_caches[0][0].shape[1:]
         self.host_pool = [(np.zeros(block_shape, dtype), np.zeros(block_shape, dtype))
                           for _ in range(cfg.num_layers if num_host_blocks else 0)]
 
@@ -144,11 +158,12 @@ class ModelRunner:
             "block_tables": ((s, w), i32), "seq_lens": ((s,), i32), "query_start_loc": ((s + 1,), i32),
             "logits_indices": ((s,), i32), "prev_token_index": ((t,), i32), "num_seqs": ((), i32),
         }
-        batch = {k: jax.ShapeDtypeStruct(shape_, dtype) for k, (shape_, dtype) in batch.items()}
-        sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in SamplingArrays.empty(s).as_dict().items()}
-        prev_tokens = _abstract(self._no_prev_tokens)
+        rep = self._replicated
+        batch = {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
+        sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
+                    for k, v in SamplingArrays.empty(s).as_dict().items()}
         return (_abstract(self.params), _abstract(self.kv_caches), batch, sampling, _abstract(self.sampler_tables),
-                prev_tokens)
+                _abstract(self._no_prev_tokens))
 
     def compile_step(self, shape: tuple[int, int, int]) -> Callable:
         """Compile (once) and return the step program of bucket ``shape``."""
@@ -162,23 +177,30 @@ class ModelRunner:
         if exe is not None:
             return exe
         kv = _abstract(self.kv_caches)
-        ids = jax.ShapeDtypeStruct((BLOCK_CHUNK,), np.int32)
+        rep = self._replicated
+        ids = jax.ShapeDtypeStruct((BLOCK_CHUNK,), np.int32, sharding=rep)
         tables = _abstract(self.sampler_tables)
-        scalar = jax.ShapeDtypeStruct((), np.int32)
+        scalar = jax.ShapeDtypeStruct((), np.int32, sharding=rep)
         vocab = self.cfg.vocab_size
         if name == "fill":
-            tokens = jax.ShapeDtypeStruct((self.max_model_len,), np.int32)
-            exe = self._compiled(jax.jit(fill_slot, donate_argnums=(0,)), tables, scalar, tokens, scalar, scalar)
+            tokens = jax.ShapeDtypeStruct((self.max_model_len,), np.int32, sharding=rep)
+            fill = jax.jit(fill_slot, donate_argnums=(0,), out_shardings=rep)
+            exe = self._compiled(fill, tables, scalar, tokens, scalar, scalar)
         elif name == "rows":
-            rows = (jax.ShapeDtypeStruct((vocab,), np.float32), jax.ShapeDtypeStruct((vocab,), np.bool_))
-            exe = self._compiled(jax.jit(set_slot_rows, donate_argnums=(0,)), tables, scalar, *rows)
+            rows = (jax.ShapeDtypeStruct((vocab,), np.float32, sharding=rep),
+                    jax.ShapeDtypeStruct((vocab,), np.bool_, sharding=rep))
+            exe = self._compiled(jax.jit(set_slot_rows, donate_argnums=(0,), out_shardings=rep), tables, scalar,
+                                 *rows)
         elif name == "gather":
             exe = self._compiled(jax.jit(_gather_blocks), kv, ids)
         elif name == "scatter":
-            blocks = [(jax.ShapeDtypeStruct((BLOCK_CHUNK,) + k.shape[1:], k.dtype),) * 2 for k, _ in kv]
-            exe = self._compiled(jax.jit(_scatter_blocks, donate_argnums=(0,)), kv, ids, blocks)
+            blocks = [(jax.ShapeDtypeStruct((BLOCK_CHUNK,) + k.shape[1:], k.dtype, sharding=k.sharding),) * 2
+                      for k, _ in kv]
+            scatter = jax.jit(_scatter_blocks, donate_argnums=(0,), out_shardings=self._kv_sharding)
+            exe = self._compiled(scatter, kv, ids, blocks)
         else:
-            exe = self._compiled(jax.jit(_copy_blocks, donate_argnums=(0,)), kv, ids, ids)
+            copy = jax.jit(_copy_blocks, donate_argnums=(0,), out_shardings=self._kv_sharding)
+            exe = self._compiled(copy, kv, ids, ids)
         self._block_ops[name] = exe
         return exe
 
@@ -224,7 +246,7 @@ class ModelRunner:
         exe = self.compile_step(batch.shape)
         arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
         arrays["num_seqs"] = np.int32(batch.num_seqs)
-        device_batch, device_sampling = jax.device_put((arrays, sampling.as_dict()))
+        device_batch, device_sampling = jax.device_put((arrays, sampling.as_dict()), self._replicated)
         prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
         out, next_prev, self.kv_caches, self.sampler_tables = exe(
             self.params, self.kv_caches, device_batch, device_sampling, self.sampler_tables, prev

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# tests/multidevice needs 8 host devices, a flag JAX reads once at start-up:
+# tests/test_sharding.py runs it in subprocesses with that flag set.
+collect_ignore = [] if os.environ.get("JAXLLM_MULTIDEVICE") else ["multidevice"]
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 STORIES = SHARED / "models" / "stories260K"

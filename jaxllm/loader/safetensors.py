@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 from safetensors import safe_open
@@ -66,3 +66,45 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]
         with safe_open(str(file), framework="numpy") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+class LazyTensor:
+    """One tensor of a safetensors file, read a slice at a time (``get_slice``).
+
+    Args:
+      handle: an open ``safe_open`` file (numpy framework).
+      name: the tensor's name in the file.
+      transpose: present the 2-D tensor transposed (HF ``[out, in]`` as
+        jaxllm's ``[in, out]``) without reading it.
+
+    Attributes:
+      shape: the (transposed) shape; ``read(index)`` returns
+        ``array[index]`` of that view as numpy.
+    """
+
+    def __init__(self, handle: Any, name: str, transpose: bool = False):
+        self._handle = handle
+        self.name = name
+        self.transposed = transpose
+        shape = tuple(handle.get_slice(name).get_shape())
+        self.shape = shape[::-1] if transpose else shape
+
+    def read(self, index: tuple[slice, ...]) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+        view = self._handle.get_slice(self.name)
+        if self.transposed:
+            return np.asarray(view[index[::-1]]).T
+        return np.asarray(view[index])
+
+    def as_transposed(self) -> "LazyTensor":
+        return LazyTensor(self._handle, self.name, not self.transposed)
+
+
+def iter_lazy_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, LazyTensor]]:
+    """Yield ``(hf_name, LazyTensor)`` for every tensor in the folder; nothing
+    is read until a tensor's ``read`` is called. The files stay open while a
+    LazyTensor refers to them."""
+    for file in safetensors_files(path):
+        handle = safe_open(str(file), framework="numpy")
+        for name in handle.keys():
+            yield name, LazyTensor(handle, name)

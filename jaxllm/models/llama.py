@@ -84,7 +84,8 @@ def expected_layer_keys(cfg: ModelConfig) -> set[str]:
 
 
 def params_from_hf(
-    cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: Any, source: str = "checkpoint"
+    cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: Any, source: str = "checkpoint",
+    convert: Callable[[Any, bool, Any], Any] | None = None,
 ) -> Params:
     """Map HF-named tensors to the jaxllm parameter pytree (numpy, host).
 
@@ -93,14 +94,19 @@ def params_from_hf(
       tensors: ``(hf_name, array)`` pairs in HF orientation (``[out, in]``).
       dtype: numpy/ml_dtypes dtype of the result.
       source: named in error messages (the file or folder).
+      convert: ``(array, transpose, dtype) -> leaf``; by default a contiguous
+        numpy array of ``dtype``. A loader that places weights slice by slice
+        passes one that keeps tensors lazy (anything with ``.shape``).
 
     Returns:
-      The pytree of numpy arrays described in the module docstring.
+      The pytree of numpy arrays (or ``convert``'s leaves) described in the
+      module docstring.
 
     Raises:
       ValueError: a tensor the config requires is missing (named), or a
         tensor has the wrong shape.
     """
+    convert = convert or _convert
     layers: list[dict[str, np.ndarray]] = [{} for _ in range(cfg.num_layers)]
     top: dict[str, np.ndarray] = {}
     for name, array in tensors:
@@ -112,10 +118,10 @@ def params_from_hf(
             if rest not in _LAYER_NAMES or idx >= cfg.num_layers:
                 continue
             key, transpose = _LAYER_NAMES[rest]
-            layers[idx][key] = _convert(array, transpose, dtype)
+            layers[idx][key] = convert(array, transpose, dtype)
         elif name in _TOP_NAMES:
             key, transpose = _TOP_NAMES[name]
-            top[key] = _convert(array, transpose, dtype)
+            top[key] = convert(array, transpose, dtype)
     required_top = {"embed", "final_norm"} | (set() if cfg.tie_word_embeddings else {"lm_head"})
     hf_top = {key: name for name, (key, _) in _TOP_NAMES.items()}
     hf_layer = {key: name for name, (key, _) in _LAYER_NAMES.items()}

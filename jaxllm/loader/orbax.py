@@ -1,0 +1,80 @@
+"""orbax-checkpoint storage of the parameter pytree, restored straight into shardings.
+
+Layout of a jaxllm orbax checkpoint folder (written by
+``scripts/convert_checkpoint.py``)::
+
+    <dir>/config.json        the HF-style model config (what ModelConfig reads)
+    <dir>/params/            orbax StandardCheckpointer tree: the pytree of
+                             ``jaxllm.models.llama`` (``[in, out]`` weights)
+    <dir>/tokenizer*.json    the tokenizer, when the source had one
+
+Restoring hands orbax a target of ``jax.ShapeDtypeStruct``s carrying each
+parameter's ``NamedSharding``, so every device reads only its own slice from
+storage (orbax/TensorStore chunked reads); no array is assembled on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxllm.models.llama import Params
+from jaxllm.sharding import ModelSharding
+
+PARAMS_DIR = "params"
+_METADATA_FILE = "_CHECKPOINT_METADATA"
+
+
+def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
+    """True for a folder holding ``config.json`` and an orbax ``params/`` tree."""
+    p = Path(path)
+    return (p / "config.json").is_file() and (p / PARAMS_DIR / _METADATA_FILE).is_file()
+
+
+def save_checkpoint(path: str | os.PathLike, params: Params, hf_config: dict) -> None:
+    """Write ``params`` (numpy or jax arrays) and ``hf_config`` as a jaxllm orbax checkpoint.
+
+    Raises:
+      ValueError: ``path`` exists and is not empty (nothing is overwritten).
+    """
+    import orbax.checkpoint as ocp
+
+    folder = Path(path).absolute()
+    if folder.exists() and any(folder.iterdir()):
+        raise ValueError(f"checkpoint folder {str(folder)!r} exists and is not empty")
+    folder.mkdir(parents=True, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(folder / PARAMS_DIR, params)
+    checkpointer.wait_until_finished()
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    """The HF-style config dict saved beside the parameters."""
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def restore_params(path: str | os.PathLike, sharding: ModelSharding, dtype: Any) -> Params:
+    """Restore the parameter pytree into ``sharding``'s parameter shardings.
+
+    Args:
+      path: a folder :func:`is_orbax_checkpoint` accepts.
+      sharding: the target layout (any tensor-parallel degree, whatever the
+        checkpoint was written from).
+      dtype: dtype of the restored arrays (orbax casts while reading).
+
+    Returns:
+      The pytree of ``jax.Array``s, each sharded as ``sharding.param_specs``.
+    """
+    import orbax.checkpoint as ocp
+
+    folder = Path(path).absolute() / PARAMS_DIR
+    checkpointer = ocp.StandardCheckpointer()
+    metadata = checkpointer.metadata(folder).item_metadata.tree
+    shardings = sharding.param_shardings(metadata)
+    target = jax.tree_util.tree_map(lambda m, s: jax.ShapeDtypeStruct(m.shape, dtype, sharding=s), metadata, shardings)
+    return checkpointer.restore(folder, target)

@@ -1,0 +1,286 @@
+"""Device meshes and partition rules: where every parameter and KV block lives.
+
+Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, "Megatron-LM:
+Training Multi-Billion Parameter Language Models Using Model Parallelism"):
+q/k/v and gate/up are column-parallel (their output features split over
+devices), o and down are row-parallel (their input features split; XLA adds
+the all-reduce after them), and the embedding and lm_head are split over the
+vocabulary. The way it is declared follows jax-llm-examples
+(``llama3/llama3_jax/model.py``): each parameter names its logical axes once
+(:data:`PARAM_AXES`) and one table (:meth:`ModelSharding.logical_rules`) maps
+logical axes to mesh axes; nothing else in the model mentions sharding.
+
+The mesh has two axes: ``data`` (engine replicas, each with its own scheduler
+and KV cache, see ``jaxllm.replicas``) and ``model`` (tensor parallelism
+inside one replica). The model step is a ``jax.jit`` over arrays carrying
+``NamedSharding``s, except attention, which runs per device under
+``shard_map`` over ``model`` (:meth:`ModelSharding.attention_ops`): each
+device attends its own q heads against the KV heads it holds.
+
+KV heads. With ``num_kv_heads >= tensor_parallel_size`` the cache's head axis
+is split like the k/v projections. With fewer KV heads than devices, every
+device computes all KV heads (wk/wv replicated) but stores only the one its q
+heads read: the cache then has ``tensor_parallel_size`` heads, head ``r``
+(held by device ``r``) a copy of KV head ``r // (tp // num_kv_heads)``, as in
+vLLM. That is exact: q head ``h`` on device ``h // (Hq / tp)`` reads KV head
+``h // (Hq / Hkv)`` either way.
+
+Multi-host. Every process (one per host, all running the same program) calls
+:func:`initialize_distributed` before anything else touches JAX; afterwards
+``jax.devices()`` lists the devices of all hosts and :func:`make_mesh` builds
+one mesh across them. Each process places only the shards of its own devices
+(``jax.make_array_from_callback`` calls back for addressable shards only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxllm.config import ModelConfig
+from jaxllm.models.llama import AttentionOps, Params
+
+try:
+    from jax import shard_map
+except ImportError:  # JAX releases that ship shard_map only under jax.experimental
+    from jax.experimental.shard_map import shard_map
+
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+
+# Logical axes of every parameter, by pytree key (layer keys and top-level
+# keys share one namespace). None: an axis that is never split.
+PARAM_AXES: dict[str, tuple[Optional[str], ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm": ("embed",),
+    "attn_norm": ("embed",),
+    "mlp_norm": ("embed",),
+    "wq": ("embed", "heads"),
+    "wk": ("embed", "kv_heads"),
+    "wv": ("embed", "kv_heads"),
+    "wo": ("heads", "embed"),
+    "bq": ("heads",),
+    "bk": ("kv_heads",),
+    "bv": ("kv_heads",),
+    "bo": ("embed",),
+    "q_norm": (None,),
+    "k_norm": (None,),
+    "w_gate": ("embed", "mlp"),
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),
+    "b_gate": ("mlp",),
+    "b_up": ("mlp",),
+    "b_down": ("embed",),
+}
+# The KV cache [num_blocks, block_size, kv_heads, head_dim].
+KV_CACHE_AXES = (None, None, "kv_heads", None)
+
+
+def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Join a multi-host run: one process per host, the same program on each.
+
+    Thin wrapper over ``jax.distributed.initialize``; call it first, before
+    any JAX computation. Afterwards ``jax.devices()`` is global and
+    :func:`make_mesh` spans the hosts. On GPU clusters (SLURM, Open MPI)
+    ``jax.distributed.initialize()`` with no arguments detects all three.
+
+    Args:
+      coordinator_address: ``"host:port"`` of process 0, reachable by all.
+      num_processes: processes (hosts) in the run.
+      process_id: this process's rank, ``0 <= process_id < num_processes``.
+    """
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
+
+
+def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A ``(data, model)`` mesh of ``data_parallel_size x tensor_parallel_size`` devices.
+
+    Devices are taken in ``jax.devices()`` order (global across hosts after
+    :func:`initialize_distributed`), so a replica's tensor-parallel group is
+    a run of neighbouring devices (on one host when it fits, where the
+    all-reduces are cheapest).
+
+    Raises:
+      ValueError: a size below 1, or more devices asked for than exist.
+    """
+    for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    devices = list(jax.devices() if devices is None else devices)
+    need = tensor_parallel_size * data_parallel_size
+    if need > len(devices):
+        raise ValueError(
+            f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} needs "
+            f"{need} devices; {len(devices)} are available"
+        )
+    grid = np.asarray(devices[:need], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
+    return Mesh(grid, (DATA_AXIS, MODEL_AXIS))
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+    """One ``(1, tp)`` mesh per row of ``mesh``'s ``data`` axis: a replica's devices."""
+    return [Mesh(mesh.devices[d:d + 1], mesh.axis_names) for d in range(mesh.devices.shape[0])]
+
+
+def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
+    """Raise ValueError unless ``cfg``'s heads split evenly over ``tensor_parallel_size`` devices.
+
+    q heads must divide evenly; KV heads must either divide evenly or divide
+    ``tensor_parallel_size`` (then they are replicated, see the module docstring).
+    """
+    tp = tensor_parallel_size
+    if cfg.num_q_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={cfg.num_q_heads}")
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp} and num_key_value_heads={cfg.num_kv_heads}: one must divide the other"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSharding:
+    """Shardings of one replica's parameters, KV cache and step inputs.
+
+    Args:
+      cfg: the model configuration.
+      mesh: the replica's ``(data, model)`` mesh (``data`` of size 1); its
+        ``model`` axis size is the tensor-parallel degree.
+
+    Raises:
+      ValueError: heads that do not split over the ``model`` axis
+        (:func:`check_tensor_parallel`).
+    """
+
+    cfg: ModelConfig
+    mesh: Mesh
+
+    def __post_init__(self) -> None:
+        check_tensor_parallel(self.cfg, self.tensor_parallel_size)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.mesh.shape[MODEL_AXIS]
+
+    @property
+    def kv_heads_replicated(self) -> bool:
+        """True when devices outnumber KV heads, so each KV head lives on several devices."""
+        return self.cfg.num_kv_heads < self.tensor_parallel_size
+
+    @property
+    def num_cache_heads(self) -> int:
+        """Heads of the (global) KV cache: ``num_kv_heads``, or one per device when replicated."""
+        return max(self.cfg.num_kv_heads, self.tensor_parallel_size)
+
+    def logical_rules(self) -> dict[Optional[str], Optional[str]]:
+        """Logical axis -> mesh axis (None: replicated). The one table of the partitioning."""
+        return {
+            "vocab": MODEL_AXIS,
+            "embed": None,
+            "heads": MODEL_AXIS,
+            "kv_heads": None if self.kv_heads_replicated else MODEL_AXIS,
+            "mlp": MODEL_AXIS,
+            None: None,
+        }
+
+    def spec(self, logical_axes: Sequence[Optional[str]], shape: Sequence[int]) -> P:
+        """The PartitionSpec of an array with ``logical_axes`` and ``shape``.
+
+        An axis whose size the ``model`` axis does not divide (a vocabulary
+        of 32001, say) is replicated: JAX arrays need even shards.
+        """
+        rules = self.logical_rules()
+        tp = self.tensor_parallel_size
+        mesh_axes = [rules[name] for name in logical_axes]
+        return P(*[axis if axis is None or size % tp == 0 else None for axis, size in zip(mesh_axes, shape)])
+
+    def param_specs(self, params: Any) -> Any:
+        """PartitionSpecs of a parameter pytree (of arrays, or of anything with ``.shape``)."""
+        def one(path, leaf):
+            key = path[-1].key
+            if key not in PARAM_AXES:
+                raise ValueError(f"parameter {key!r} has no entry in jaxllm.sharding.PARAM_AXES")
+            return self.spec(PARAM_AXES[key], leaf.shape)
+
+        return jax.tree_util.tree_map_with_path(one, params)
+
+    def param_shardings(self, params: Any) -> Any:
+        """NamedShardings of a parameter pytree, as :meth:`param_specs`."""
+        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self.param_specs(params))
+
+    def per_device_config(self) -> ModelConfig:
+        """``cfg`` with the KV heads one device stores: sizes the KV cache from a per-device budget."""
+        return dataclasses.replace(self.cfg, num_kv_heads=self.num_cache_heads // self.tensor_parallel_size)
+
+    @property
+    def kv_cache_sharding(self) -> NamedSharding:
+        """Sharding of each ``[num_blocks, block_size, num_cache_heads, head_dim]`` cache array."""
+        return NamedSharding(self.mesh, P(None, None, MODEL_AXIS, None))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        """Every device holds the whole array (the batch and sampling arrays)."""
+        return NamedSharding(self.mesh, P())
+
+    def place_params(self, params: Any, dtype: Any) -> Params:
+        """Put a parameter pytree on the mesh one device slice at a time.
+
+        Args:
+          params: pytree of host arrays, or of lazy tensors with ``.shape``
+            and ``read(index) -> np.ndarray`` (``jaxllm.loader.lazy``), so a
+            device asks only for its slice.
+          dtype: dtype of the device arrays.
+
+        Returns:
+          The pytree of ``jax.Array``s, each with its :meth:`param_specs`
+          sharding; no array is ever whole on one device unless its spec
+          replicates it.
+        """
+        def place(leaf, sharding):
+            read = leaf.read if hasattr(leaf, "read") else leaf.__getitem__
+            return jax.make_array_from_callback(
+                tuple(leaf.shape), sharding, lambda index: np.asarray(read(index)).astype(dtype, copy=False)
+            )
+
+        return jax.tree_util.tree_map(place, params, self.param_shardings(params),
+                                      is_leaf=lambda x: hasattr(x, "read"))
+
+    def attention_ops(self, ops: AttentionOps) -> AttentionOps:
+        """``ops`` run per device under ``shard_map`` over the ``model`` axis.
+
+        Each device writes and attends its own heads: q ``[T, Hq/tp, D]``
+        against a cache of ``num_cache_heads/tp`` heads. When KV heads are
+        replicated, the step's new k/v (all heads on every device) are cut to
+        the one head this device stores before the write.
+        """
+        heads = P(None, MODEL_AXIS, None)
+        cache = P(None, None, MODEL_AXIS, None)
+        rep = P()
+        group_devices = self.tensor_parallel_size // self.cfg.num_kv_heads
+
+        def write_local(k_cache, v_cache, k, v, slot_mapping):
+            if self.kv_heads_replicated:
+                head = jax.lax.axis_index(MODEL_AXIS) // group_devices
+                k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=1)
+                v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=1)
+            return ops.kv_cache_write(k_cache, v_cache, k, v, slot_mapping)
+
+        kv_spec = rep if self.kv_heads_replicated else heads
+        write = shard_map(write_local, mesh=self.mesh, in_specs=(cache, cache, kv_spec, kv_spec, rep),
+                          out_specs=(cache, cache), check_vma=False)
+
+        def attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, **static):
+            local = functools.partial(ops.ragged_paged_attention, **static)
+            return shard_map(local, mesh=self.mesh, in_specs=(heads, cache, cache, rep, rep, rep, rep),
+                             out_specs=heads, check_vma=False)(
+                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
+
+        return AttentionOps(ragged_paged_attention=attend, kv_cache_write=write)

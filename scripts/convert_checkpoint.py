@@ -1,0 +1,57 @@
+"""Convert a HF model folder or a GGUF file to a jaxllm orbax checkpoint.
+
+Usage: python scripts/convert_checkpoint.py SOURCE DEST [--dtype float32|bfloat16|float16]
+
+DEST gets the parameter pytree as an orbax tree (``DEST/params``), the model
+config beside it as ``DEST/config.json``, and, from a HF folder, the
+tokenizer files. ``LLM(model=DEST)`` then restores the parameters straight
+into its shardings, at any ``tensor_parallel_size``. A GGUF source carries
+its tokenizer inside the file, which is not converted: pass prompts as token
+ids, or hand the engine a ``Tokenizer.from_gguf(SOURCE)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+# Import this checkout's jaxllm/, not whatever an editable install points at.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxllm.engine import resolve_dtype  # noqa: E402
+from jaxllm.loader import load_model  # noqa: E402
+from jaxllm.loader.orbax import save_checkpoint  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
+
+
+def convert(source: Path, dest: Path, dtype: str = "float32") -> None:
+    """Write ``source``'s parameters (as ``dtype``) and config to ``dest``.
+
+    Raises:
+      ValueError: as ``jaxllm.loader.load_model``, or a non-empty ``dest``.
+    """
+    _, params, hf_config = load_model(source, resolve_dtype(dtype))
+    save_checkpoint(dest, params, {**hf_config, "torch_dtype": dtype})
+    if source.is_dir():
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, dest / name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", type=Path, help="HF model folder or .gguf file")
+    parser.add_argument("dest", type=Path, help="new (or empty) folder for the orbax checkpoint")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args(argv)
+    convert(args.source, args.dest, args.dtype)
+    print(f"wrote {args.dest} ({args.dtype})")
+
+
+if __name__ == "__main__":
+    main()

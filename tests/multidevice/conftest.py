@@ -1,0 +1,48 @@
+"""Fixtures for tests run with 8 CPU host devices (see tests/test_sharding.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import pytest
+
+from jaxllm import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_kv_blocks=96, precompile=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def eight_devices():
+    if jax.device_count() < 8:
+        pytest.fail("tests/multidevice needs XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+                    "(run it through tests/test_sharding.py)")
+
+
+def _tiny(tmp_path_factory, name: str, **overrides) -> Path:
+    pytest.importorskip("torch")
+    from tests.hf_models import make_tiny_hf_model
+
+    folder = tmp_path_factory.mktemp(name)
+    make_tiny_hf_model("llama", folder, seed=5, num_attention_heads=8, **overrides)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def kv4_dir(tmp_path_factory) -> Path:
+    """Tiny Llama: 8 q heads, 4 KV heads, untied lm_head."""
+    return _tiny(tmp_path_factory, "kv4", num_key_value_heads=4)
+
+
+@pytest.fixture(scope="session")
+def kv2_dir(tmp_path_factory) -> Path:
+    """Tiny Llama: 8 q heads, 2 KV heads, tied embeddings."""
+    return _tiny(tmp_path_factory, "kv2", num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, size=int(k)).tolist() for k in rng.integers(2, 30, size=n)]

@@ -1,0 +1,71 @@
+"""Tensor parallelism on 8 CPU devices: same tokens at every degree, every weight where its rule puts it."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxllm import LLM
+from jaxllm.loader import load_model
+from jaxllm.sharding import PARAM_AXES
+from tests.multidevice.conftest import ENGINE, GREEDY, prompts
+
+
+def _greedy_tokens(folder, tp, **kwargs):
+    llm = LLM(model=folder, tensor_parallel_size=tp, **ENGINE, **kwargs)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(6), GREEDY)]
+
+
+def test_tp_1_2_4_give_identical_greedy_tokens_with_4_kv_heads(kv4_dir):
+    one = _greedy_tokens(kv4_dir, 1)
+    assert _greedy_tokens(kv4_dir, 2) == one
+    assert _greedy_tokens(kv4_dir, 4) == one
+
+
+def test_tp_4_with_2_kv_heads_replicates_them_and_gives_tp_1_tokens(kv2_dir):
+    assert _greedy_tokens(kv2_dir, 4) == _greedy_tokens(kv2_dir, 1)
+
+
+def test_pallas_kernels_under_shard_map_give_reference_tokens(kv4_dir):
+    assert _greedy_tokens(kv4_dir, 2, attention_backend="pallas", interpret=True) == _greedy_tokens(kv4_dir, 1)
+
+
+def _expected_spec(key, shape, tp, kv_replicated):
+    rules = {"vocab": "model", "heads": "model", "mlp": "model", "kv_heads": None if kv_replicated else "model"}
+    return P(*[rules.get(axis) if rules.get(axis) and size % tp == 0 else None
+               for axis, size in zip(PARAM_AXES[key], shape)])
+
+
+@pytest.mark.parametrize("model, kv_replicated", [("kv4", False), ("kv2", True)])
+def test_each_weight_follows_its_rule_and_each_device_holds_only_its_slice(request, model, kv_replicated):
+    folder = request.getfixturevalue(f"{model}_dir")
+    tp = 4
+    llm = LLM(model=folder, tensor_parallel_size=tp, **ENGINE)
+    _, host, _ = load_model(folder, np.float32)
+    device = llm.engine.runner.params
+    flat_host = jax.tree_util.tree_leaves_with_path(host)
+    flat_device = jax.tree_util.tree_leaves(device)
+    assert len(flat_host) == len(flat_device)
+    for (path, want), array in zip(flat_host, flat_device):
+        key = path[-1].key
+        spec = _expected_spec(key, want.shape, tp, kv_replicated)
+        assert array.sharding.spec == spec, (key, array.sharding.spec, spec)
+        assert len(array.addressable_shards) == tp
+        split = [d for d, axis in enumerate(spec) if axis is not None]
+        for shard in array.addressable_shards:
+            expect_shape = tuple(n // tp if d in split else n for d, n in enumerate(want.shape))
+            assert shard.data.shape == expect_shape, (key, shard.data.shape)
+            np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+
+
+@pytest.mark.parametrize("model, kv_heads", [("kv4", 4), ("kv2", 2)])
+def test_kv_cache_gives_each_device_the_kv_heads_its_q_heads_read(request, model, kv_heads):
+    folder = request.getfixturevalue(f"{model}_dir")
+    tp = 4
+    engine = LLM(model=folder, tensor_parallel_size=tp, **ENGINE).engine
+    k_cache = engine.runner.kv_caches[0][0]
+    assert k_cache.shape[2] == max(kv_heads, tp)
+    assert k_cache.sharding.spec == P(None, None, "model", None)
+    assert {s.data.shape[2] for s in k_cache.addressable_shards} == {max(kv_heads, tp) // tp}

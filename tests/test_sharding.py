@@ -1,0 +1,112 @@
+"""Sharding: partition-rule checks in this process (1 device), and the 8-device
+suite (tests/multidevice) and a 2-process multi-host run in subprocesses.
+
+``--xla_force_host_platform_device_count`` is read once, when JAX starts, so
+the multi-device tests cannot run in this process; each module runs in its own
+``python -m pytest`` with the flag set, and its output is shown on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from jaxllm.config import EngineConfig, ModelConfig
+from jaxllm.sharding import PARAM_AXES, check_tensor_parallel, make_mesh
+from jaxllm.models.llama import expected_layer_keys
+
+ROOT = Path(__file__).resolve().parents[1]
+MULTIDEVICE = sorted((ROOT / "tests" / "multidevice").glob("test_*.py"))
+
+
+def _config(q_heads: int, kv_heads: int) -> ModelConfig:
+    return ModelConfig.from_hf_config(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=16,
+    ))
+
+
+@pytest.mark.parametrize("q, kv, tp", [(8, 4, 3), (8, 4, 16), (12, 6, 4)])
+def test_tensor_parallel_that_does_not_split_the_heads_is_rejected(q, kv, tp):
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={tp}"):
+        check_tensor_parallel(_config(q, kv), tp)
+
+
+@pytest.mark.parametrize("q, kv, tp", [(8, 4, 2), (8, 4, 4), (8, 2, 4), (8, 1, 8), (8, 8, 1)])
+def test_tensor_parallel_splitting_or_replicating_kv_heads_is_accepted(q, kv, tp):
+    check_tensor_parallel(_config(q, kv), tp)
+
+
+@pytest.mark.parametrize("field", ["tensor_parallel_size", "data_parallel_size"])
+def test_parallel_sizes_below_one_are_rejected(field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: 0})
+
+
+def test_mesh_larger_than_the_devices_is_rejected_with_both_numbers():
+    with pytest.raises(ValueError, match="needs 1024 devices"):
+        make_mesh(tensor_parallel_size=512, data_parallel_size=2)
+
+
+def test_every_parameter_key_has_logical_axes():
+    cfg = ModelConfig.from_hf_config(dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+    ))
+    keys = expected_layer_keys(cfg) | {"q_norm", "k_norm", "embed", "lm_head", "final_norm"}
+    assert keys <= PARAM_AXES.keys()
+
+
+@pytest.mark.parametrize("module", MULTIDEVICE, ids=lambda p: p.stem)
+def test_multidevice_module_passes_on_8_cpu_devices(module):
+    env = {**os.environ, "JAXLLM_MULTIDEVICE": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(module)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+_DISTRIBUTED_CHILD = textwrap.dedent("""
+    import sys
+    import jax
+    sys.path.insert(0, {root!r})
+    from jaxllm.sharding import initialize_distributed, make_mesh
+    process_id = int(sys.argv[1])
+    initialize_distributed("127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    mesh = make_mesh(tensor_parallel_size=2, data_parallel_size=2)
+    owners = sorted({{d.process_index for d in mesh.devices.flat}})
+    rows = [sorted({{d.process_index for d in row}}) for row in mesh.devices]
+    print("MESH", mesh.devices.size, owners, rows, len(jax.local_devices()), flush=True)
+    jax.distributed.shutdown()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_distributed_initialize_gives_a_mesh_spanning_two_processes(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(_DISTRIBUTED_CHILD.format(root=str(ROOT), port=_free_port()))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(i)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        results = [p.communicate(timeout=180) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.skip("jax.distributed on the CPU backend did not come up within 180 s on loopback")
+    for proc, (out, err) in zip(procs, results):
+        if proc.returncode != 0 and "MESH" not in out:
+            pytest.skip(f"this JAX's CPU backend does not run jax.distributed on loopback: {err[-800:]}")
+        # 4 global devices, 2 per process; each data row (one replica) is one process's pair.
+        assert "MESH 4 [0, 1] [[0], [1]] 2" in out, out + err
