@@ -180,6 +180,11 @@ class EngineConfig:
       seed: engine seed for requests without their own.
       attention_backend: "pallas", "reference" or None (pallas on GPU).
       interpret: run Pallas kernels in interpret mode (CPU testing).
+      batching: "continuous", or "static" (a new batch of up to
+        ``max_num_seqs`` requests starts only when the previous one has
+        finished entirely; the baseline for benchmarks).
+      log_stats: log a one-line stats summary to stderr every 5 seconds.
+      metrics_port: serve the Prometheus metrics on this port (None: don't).
 
     Raises:
       ValueError: a value out of range, naming it and the limit.
@@ -204,6 +209,9 @@ class EngineConfig:
     token_buckets: Optional[Sequence[int]] = None
     seq_buckets: Optional[Sequence[int]] = None
     width_buckets: Optional[Sequence[int]] = None
+    batching: str = "continuous"
+    log_stats: bool = False
+    metrics_port: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -218,6 +226,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} must be one of 'auto', 'float32', 'bfloat16', 'float16'")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching={self.batching!r} must be 'continuous' or 'static'")
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         """``max_model_len`` or the model's ``max_position_embeddings``.

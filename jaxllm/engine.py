@@ -19,9 +19,11 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from jaxllm.batching import StaticBatchScheduler
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.kv_cache import resolve_num_blocks
 from jaxllm.loader import load_model
+from jaxllm.metrics import EngineMetrics, GenerateProgress
 from jaxllm.models.llama import AttentionOps
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.runner import ModelRunner
@@ -80,7 +82,12 @@ class LLMEngine:
       **kwargs: ``EngineConfig`` fields (block_size, num_kv_blocks,
         kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
         max_model_len, dtype, seed, scheduling_policy, preemption_mode,
-        enable_prefix_caching, enable_chunked_prefill, attention_backend, ...).
+        enable_prefix_caching, enable_chunked_prefill, attention_backend,
+        batching, log_stats, metrics_port, ...).
+
+    Attributes:
+      metrics: the engine's ``EngineMetrics`` (Prometheus registry at
+        ``metrics.registry``).
 
     Raises:
       ValueError: a bad model path, an unsupported architecture, or a config
@@ -110,7 +117,11 @@ class LLMEngine:
             cfg, params, num_blocks=self.num_blocks, block_size=self.config.block_size, dtype=self.dtype,
             ops=ops, num_host_blocks=self.config.num_host_blocks,
         )
-        self.scheduler = Scheduler(self._scheduler_config())
+        scheduler_cls = StaticBatchScheduler if self.config.batching == "static" else Scheduler
+        self.scheduler = scheduler_cls(self._scheduler_config())
+        self.metrics = EngineMetrics(
+            self.scheduler, log_stats=self.config.log_stats, metrics_port=self.config.metrics_port
+        )
         self.buckets = BucketTable.from_limits(
             self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len, self.config.block_size
         )
@@ -204,6 +215,7 @@ class LLMEngine:
         for rid in ids:
             self.scheduler.abort_request(rid)
             self._tracked.pop(rid, None)
+            self.metrics.forget(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -215,7 +227,9 @@ class LLMEngine:
           A RequestOutput for every request that produced a token or finished
           in this step (``delta_*`` hold what is new).
         """
+        schedule_start = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        schedule_seconds = time.perf_counter() - schedule_start
         touched: list[Request] = list(sched_out.finished)
         tokens = np.zeros(0, np.int32)
         if sched_out.scheduled:
@@ -238,6 +252,7 @@ class LLMEngine:
                 continue
             seen.add(request.request_id)
             outputs.append(self._make_output(request))
+        self.metrics.on_step(sched_out, outputs, schedule_seconds)
         return outputs
 
     def _make_output(self, request: Request) -> RequestOutput:
@@ -332,6 +347,7 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         priority: Optional[Sequence[int]] = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched; outputs in prompt order.
 
@@ -340,6 +356,7 @@ class LLM:
           sampling_params: one for all prompts, or one per prompt.
           priority: per-prompt priority (lower = more urgent) for the
             ``priority``/``aging`` policies.
+          use_tqdm: show a progress bar (requests done, output tokens/s) on stderr.
 
         Raises:
           ValueError: any invalid prompt or parameter; nothing is queued then.
@@ -357,10 +374,13 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        with GenerateProgress(len(ids), enabled=use_tqdm) as progress:
+            while len(final) < len(ids):
+                outputs = self.engine.step()
+                progress.update(outputs)
+                for out in outputs:
+                    if out.finished:
+                        final[out.request_id] = out
         return [final[rid] for rid in ids]
 
     def chat(
