@@ -104,8 +104,9 @@ class EngineMetrics:
             handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
+        self._http_server = None
         if metrics_port is not None:
-            prom.start_http_server(metrics_port, registry=self.registry)
+            self._http_server, _ = prom.start_http_server(metrics_port, registry=self.registry)
         self.begin_run()
 
     def _define_series(self) -> None:
@@ -228,6 +229,13 @@ class EngineMetrics:
         tables = sched.kv_cache_manager.req_to_block_ids
         unused = sum(max(len(tables.get(r.request_id, ())) * bs - r.num_computed_tokens, 0) for r in sched.running)
         return allocated - unused, allocated
+
+    def close(self) -> None:
+        """Stop serving ``/metrics`` (if ``metrics_port`` was given), freeing the port."""
+        if self._http_server is not None:
+            self._http_server.shutdown()
+            self._http_server.server_close()
+            self._http_server = None
 
     def forget(self, request_id: str) -> None:
         """Drop the per-request state of an aborted request."""
