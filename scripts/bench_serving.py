@@ -173,7 +173,7 @@ def print_tables(results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_common_args(parser, num_requests=32, input_len=(16, 128), output_len=(16, 128), max_num_seqs=16)
+    common.add_common_args(parser, num_requests=24, input_len=(16, 64), output_len=(16, 128), max_num_seqs=8)
     parser.add_argument("--request-rate", type=float, default=2.0, help="requests per second; inf = all at once")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     parser.add_argument("--batching", choices=["continuous", "static"], default="continuous")

@@ -164,7 +164,7 @@ def print_table(results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_common_args(parser, num_requests=32, input_len=(16, 128), output_len=(16, 128), max_num_seqs=16)
+    common.add_common_args(parser, num_requests=24, input_len=(16, 64), output_len=(16, 128), max_num_seqs=8)
     parser.add_argument("--backend", choices=BACKENDS, default="jaxllm")
     parser.add_argument("--compare", action="store_true", help="run hf, static and jaxllm; print ratios to hf")
     args = parser.parse_args(argv)

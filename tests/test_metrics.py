@@ -245,3 +245,17 @@ def test_bench_serving_json_has_every_field_for_both_batching_modes(stories_dir,
     for row in result["results"]:
         assert set(row) == SERVING_FIELDS
         assert row["num_requests"] == 3 and row["ttft_s_p99"] > 0
+
+
+def test_bench_throughput_runs_random_weights_from_a_config_json_alone(tmp_path):
+    folder = tmp_path / "qwen3_shape"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(
+        architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=256,
+        tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, hidden_act="silu",
+    )))
+    result = _run_script("bench_throughput.py", ["--model", str(folder), "--random-weights", *TINY], tmp_path)
+    (row,) = result["results"]
+    assert row["backend"] == "jaxllm" and set(row) == THROUGHPUT_FIELDS and row["output_tokens_per_s"] > 0
+    assert list(folder.iterdir()) == [folder / "config.json"]
