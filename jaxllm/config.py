@@ -193,6 +193,11 @@ class EngineConfig:
         q heads, and its KV heads must divide it or be divisible by it.
       data_parallel_size: engine replicas, each with its own scheduler and
         KV cache on ``tensor_parallel_size`` devices (``jaxllm.replicas``).
+      batching: "continuous", or "static" (a new batch of up to
+        ``max_num_seqs`` requests starts only when the previous one has
+        finished entirely; the baseline for benchmarks).
+      log_stats: log a one-line stats summary to stderr every 5 seconds.
+      metrics_port: serve the Prometheus metrics on this port (None: don't).
 
     Raises:
       ValueError: a value out of range, naming it and the limit.
@@ -222,6 +227,9 @@ class EngineConfig:
     compilation_cache: Optional[str] = "default"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    batching: str = "continuous"
+    log_stats: bool = False
+    metrics_port: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
@@ -242,6 +250,8 @@ class EngineConfig:
             )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching={self.batching!r} must be 'continuous' or 'static'")
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         """``max_model_len`` or the model's ``max_position_embeddings``.

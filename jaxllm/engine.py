@@ -26,9 +26,11 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from jaxllm.batching import StaticBatchScheduler
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.kv_cache import resolve_num_blocks
 from jaxllm.loader import load_sharded
+from jaxllm.metrics import EngineMetrics, GenerateProgress
 from jaxllm.models.llama import AttentionOps
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.default_model import cache_dir
@@ -111,7 +113,12 @@ class LLMEngine:
         kv_cache_memory_bytes (per device), max_num_seqs,
         max_num_batched_tokens, max_model_len, dtype, seed, scheduling_policy,
         preemption_mode, enable_prefix_caching, enable_chunked_prefill,
-        attention_backend, tensor_parallel_size, ...).
+        attention_backend, tensor_parallel_size, async_scheduling, batching,
+        log_stats, metrics_port, ...).
+
+    Attributes:
+      metrics: the engine's ``EngineMetrics`` (Prometheus registry at
+        ``metrics.registry``).
 
     Raises:
       ValueError: a bad model path, an unsupported architecture, a config
@@ -154,7 +161,8 @@ class LLMEngine:
             num_sampling_slots=self.config.max_num_seqs + 1, max_model_len=self.max_model_len,
         )
         self.slots = SamplingSlots(self.config.max_num_seqs + 1, cfg.vocab_size, self.runner)
-        self.scheduler = Scheduler(self._scheduler_config())
+        scheduler_cls = StaticBatchScheduler if self.config.batching == "static" else Scheduler
+        self.scheduler = scheduler_cls(self._scheduler_config())
         b = self.buckets
         _log(f"{len(b)} step programs: tokens {list(b.token_buckets)} x seqs {list(b.seq_buckets)} "
              f"x block-table widths {list(b.width_buckets)}; {self.num_blocks} KV blocks of "
@@ -162,6 +170,10 @@ class LLMEngine:
         if self.config.precompile:
             seconds = self.runner.warmup(swap=self.config.preemption_mode == "swap")
             _log(f"compiled {self.runner.num_compilations} programs in {seconds:.1f} s")
+        self.metrics = EngineMetrics(
+            self.scheduler, compile_count=lambda: self.runner.num_compilations, log_stats=self.config.log_stats,
+            metrics_port=self.config.metrics_port,
+        )
         self._groups: dict[str, _Group] = {}
         self._seq_group: dict[str, _Group] = {}
         self._parent_group: dict[str, _Group] = {}
@@ -277,6 +289,7 @@ class LLMEngine:
         """Abort requests; their KV blocks return to the pool at once."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            self.metrics.forget(rid)
             group = self._groups.pop(rid, None)
             if group is None:
                 continue
@@ -303,7 +316,9 @@ class LLMEngine:
           A RequestOutput for every request that produced a token or finished
           in this step (``delta_*`` hold what is new).
         """
+        schedule_start = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        schedule_seconds = time.perf_counter() - schedule_start
         for request in sched_out.preempted:
             self.slots.release(request.request_id)
         touched: list[Request] = list(sched_out.finished)
@@ -331,7 +346,9 @@ class LLMEngine:
                 continue
             if group is not None:
                 groups[group.request_id] = group
-        return [self._make_output(group) for group in groups.values()]
+        outputs = [self._make_output(group) for group in groups.values()]
+        self.metrics.on_step(sched_out, outputs, schedule_seconds)
+        return outputs
 
     def _launch(self, sched_out: SchedulerOutput, prev_tokens: Optional[jax.Array]) -> Optional[tuple]:
         """Do the output's block copies and dispatch its step; returns the
@@ -483,6 +500,7 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         priority: Optional[Sequence[int]] = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched; outputs in prompt order.
 
@@ -491,15 +509,18 @@ class LLM:
           sampling_params: one for all prompts, or one per prompt.
           priority: per-prompt priority (lower = more urgent) for the
             ``priority``/``aging`` policies.
+          use_tqdm: show a progress bar (requests done, output tokens/s) on stderr.
 
         Raises:
           ValueError: any invalid prompt or parameter; nothing is queued then.
         """
         final: dict[str, RequestOutput] = {}
         ids = self._add_all(prompts, sampling_params, priority)
-        for out in self._run(ids):
-            if out.finished:
-                final[out.request_id] = out
+        with GenerateProgress(len(ids), enabled=use_tqdm) as progress:
+            for out in self._run(ids):
+                progress.update([out])
+                if out.finished:
+                    final[out.request_id] = out
         return [final[rid] for rid in ids]
 
     def generate_stream(

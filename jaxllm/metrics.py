@@ -1,0 +1,281 @@
+"""Engine metrics: Prometheus series named as vLLM's, a periodic log line, the ``generate`` progress bar.
+
+Each ``EngineMetrics`` owns a ``CollectorRegistry`` so that several engines
+(and tests) in one process never clash. Names follow vLLM's ``vllm:*``
+series with a ``jaxllm:`` prefix (colons are legal in Prometheus names);
+``prometheus_client`` appends ``_total`` to counters on exposition, so the
+counter ``jaxllm:prompt_tokens`` is scraped as ``jaxllm:prompt_tokens_total``.
+All times are seconds; all token counts are tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+import prometheus_client as prom
+from tqdm import tqdm
+
+from jaxllm.outputs import RequestOutput
+from scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger("jaxllm.metrics")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_STEP_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)
+
+class EngineMetrics:
+    """The metrics of one engine, updated once per ``LLMEngine.step()``.
+
+    Args:
+      scheduler: the engine's scheduler; read after every step.
+      compile_count: programs the engine's runner has compiled so far
+        (warm-up included); ``compilations`` follows it.
+      log_stats: log a one-line summary (``logging``, logger
+        ``jaxllm.metrics``, to stderr) every ``log_interval`` seconds.
+      log_interval: seconds between summary lines.
+      metrics_port: serve ``/metrics`` for this registry on this port.
+      clock: seconds, monotonic; must be the clock of request arrival times.
+
+    Attributes:
+      registry: the ``CollectorRegistry`` holding every series below.
+
+    Series (gauges are set after each step, counters and histograms grow):
+      ``num_requests_running``, ``num_requests_waiting`` (requests held by
+      static batching included), ``kv_cache_usage_perc`` (fraction in [0, 1],
+      as vLLM), ``kv_cache_fragmentation_ratio`` (allocated KV slots holding
+      no computed token / allocated slots); counters ``prefix_cache_queries``
+      and ``prefix_cache_hits`` (tokens), ``num_preemptions``,
+      ``prompt_tokens`` (each request's prompt, counted at its first token),
+      ``generation_tokens``, ``compilations``; histograms
+      ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+      ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
+      ``iteration_tokens_total`` (tokens per step), ``scheduler_step_seconds``
+      (host time of one ``schedule()``).
+    """
+
+    def __init__(self, scheduler: Scheduler, *, compile_count: Callable[[], int] = lambda: 0, log_stats: bool = False, log_interval: float = 5.0,
+                 metrics_port: Optional[int] = None, clock: Callable[[], float] = time.monotonic):
+        self.scheduler = scheduler
+        self.registry = prom.CollectorRegistry()
+        self._clock = clock
+        self._define_series()
+        self._last_token_time: dict[str, float] = {}
+        # Scheduler counters are cumulative; the Prometheus counters follow by deltas.
+        self._seen_queries = self._seen_hits = self._seen_preemptions = 0
+        self._compile_count = compile_count
+        self._seen_compilations = 0
+        self.log_stats = log_stats
+        self.log_interval = log_interval
+        self._log_at = clock()
+        self._log_tokens = [0, 0]
+        if log_stats and not logger.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+        self._http_server = None
+        if metrics_port is not None:
+            self._http_server, _ = prom.start_http_server(metrics_port, registry=self.registry)
+        self.begin_run()
+
+    def _define_series(self) -> None:
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> prom.Gauge:
+            return prom.Gauge(f"jaxllm:{name}", doc, registry=r)
+
+        def counter(name: str, doc: str) -> prom.Counter:
+            return prom.Counter(f"jaxllm:{name}", doc, registry=r)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> prom.Histogram:
+            return prom.Histogram(f"jaxllm:{name}", doc, buckets=buckets, registry=r)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests holding a batch seat.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, in [0, 1].")
+        self.kv_cache_fragmentation = gauge(
+            "kv_cache_fragmentation_ratio", "Allocated KV slots holding no computed token / allocated slots.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.compilations = counter("compilations", "Programs the engine compiled (warm-up included).")
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first token, seconds.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between a request's consecutive tokens, seconds.", _LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish, seconds.", _LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduling, seconds.", _LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
+        self.scheduler_step = histogram(
+            "scheduler_step_seconds", "Host time of one Scheduler.schedule(), seconds.", _STEP_BUCKETS)
+
+    def begin_run(self) -> None:
+        """Restart the per-run aggregates of :meth:`run_summary` (the Prometheus series keep counting)."""
+        self._run_steps = 0
+        self._run_usage_sum = 0.0
+        self._run_peak_usage = 0.0
+        self._run_live_slots = 0
+        self._run_allocated_slots = 0
+        self._run_max_running = 0
+        self._run_base_preemptions = self.scheduler.num_preemptions
+        self._run_base_compilations = self._compile_count()
+
+    def on_step(self, sched_out: SchedulerOutput, outputs: Sequence[RequestOutput], schedule_seconds: float) -> None:
+        """Record one engine step.
+
+        Args:
+          sched_out: what ``schedule()`` returned this step.
+          outputs: the step's ``RequestOutput`` list (new tokens, finishes).
+          schedule_seconds: host time of this step's ``schedule()``, seconds.
+        """
+        now = self._clock()
+        self.scheduler_step.observe(schedule_seconds)
+        if sched_out.total_num_scheduled_tokens:
+            self.iteration_tokens.observe(sched_out.total_num_scheduled_tokens)
+        for out in outputs:
+            self._on_output(out, now)
+        self._update_scheduler_series()
+        if self.log_stats and now - self._log_at >= self.log_interval:
+            self._log(now)
+
+    def _on_output(self, out: RequestOutput, now: float) -> None:
+        rid, times = out.request_id, out.metrics
+        new_tokens = len(out.delta_token_ids)
+        if new_tokens:
+            last = self._last_token_time.get(rid)
+            if last is None:
+                self.time_to_first_token.observe(times["first_token_time"] - times["arrival_time"])
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self._log_tokens[0] += len(out.prompt_token_ids)
+            else:
+                self.inter_token_latency.observe(now - last)
+            self._last_token_time[rid] = now
+            self.generation_tokens.inc(new_tokens)
+            self._log_tokens[1] += new_tokens
+        if out.finished:
+            self._last_token_time.pop(rid, None)
+            self.e2e_request_latency.observe(times["finished_time"] - times["arrival_time"])
+            if times["first_scheduled_time"] is not None:
+                self.request_queue_time.observe(times["first_scheduled_time"] - times["arrival_time"])
+
+    def _update_scheduler_series(self) -> None:
+        stats = self.scheduler.stats
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._seen_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._seen_hits)
+        self.num_preemptions.inc(stats.num_preemptions - self._seen_preemptions)
+        self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self._seen_preemptions = stats.num_preemptions
+        compilations = self._compile_count()
+        self.compilations.inc(compilations - self._seen_compilations)
+        self._seen_compilations = compilations
+        live, allocated = self._kv_slots()
+        self.kv_cache_fragmentation.set(1.0 - live / allocated if allocated else 0.0)
+        self._run_steps += 1
+        self._run_usage_sum += stats.kv_cache_usage
+        self._run_peak_usage = max(self._run_peak_usage, stats.kv_cache_usage)
+        self._run_live_slots += live
+        self._run_allocated_slots += allocated
+        self._run_max_running = max(self._run_max_running, stats.num_running)
+
+    def _kv_slots(self) -> tuple[int, int]:
+        """(slots holding a computed token, allocated slots) over the referenced device blocks.
+
+        Only full, computed blocks are ever shared through the prefix cache,
+        so every unused slot sits in exactly one running request's own tail
+        blocks and the per-request sum counts each once.
+        """
+        sched = self.scheduler
+        bs = sched.config.block_size
+        pool = sched.block_pool
+        allocated = (pool.num_blocks - 1 - pool.num_free_blocks) * bs
+        tables = sched.kv_cache_manager.req_to_block_ids
+        unused = sum(max(len(tables.get(r.request_id, ())) * bs - r.num_computed_tokens, 0) for r in sched.running)
+        return allocated - unused, allocated
+
+    def close(self) -> None:
+        """Stop serving ``/metrics`` (if ``metrics_port`` was given), freeing the port."""
+        if self._http_server is not None:
+            self._http_server.shutdown()
+            self._http_server.server_close()
+            self._http_server = None
+
+    def forget(self, request_id: str) -> None:
+        """Drop the per-request state of an aborted request."""
+        self._last_token_time.pop(request_id, None)
+
+    def run_summary(self) -> dict[str, float]:
+        """Aggregates since :meth:`begin_run` (or construction), for benchmarks.
+
+        Returns:
+          ``steps``; ``peak_kv_cache_usage`` and ``mean_kv_cache_usage``
+          (fractions of the KV blocks, per step); ``kv_live_slot_fraction``
+          (token slots holding a computed token / allocated slots, summed
+          over steps); ``max_num_running`` (requests); ``num_preemptions``;
+          ``compilations``.
+        """
+        steps = max(self._run_steps, 1)
+        return dict(
+            steps=self._run_steps,
+            peak_kv_cache_usage=self._run_peak_usage,
+            mean_kv_cache_usage=self._run_usage_sum / steps,
+            kv_live_slot_fraction=(self._run_live_slots / self._run_allocated_slots
+                                   if self._run_allocated_slots else 1.0),
+            max_num_running=self._run_max_running,
+            num_preemptions=self.scheduler.num_preemptions - self._run_base_preemptions,
+            compilations=self._compile_count() - self._run_base_compilations,
+        )
+
+    def _log(self, now: float) -> None:
+        elapsed = now - self._log_at
+        stats = self.scheduler.stats
+        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        logger.info(
+            "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d reqs, "
+            "waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%, preemptions: %d",
+            self._log_tokens[0] / elapsed, self._log_tokens[1] / elapsed, stats.num_running, stats.num_waiting,
+            100 * stats.kv_cache_usage, 100 * hit_rate, stats.num_preemptions,
+        )
+        self._log_at = now
+        self._log_tokens = [0, 0]
+
+
+class GenerateProgress:
+    """The ``LLM.generate`` progress bar: requests finished, and output tokens/s since it opened.
+
+    Args:
+      total: requests to wait for.
+      enabled: False makes every call a no-op (``use_tqdm=False``).
+    """
+
+    def __init__(self, total: int, enabled: bool = True):
+        self._bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True,
+                         disable=not enabled)
+        self._start = time.perf_counter()
+        self._tokens = 0
+
+    def update(self, outputs: Sequence[RequestOutput]) -> None:
+        """Count one step's new tokens and finished requests."""
+        if self._bar.disable:
+            return
+        self._tokens += sum(len(out.delta_token_ids) for out in outputs)
+        rate = self._tokens / max(time.perf_counter() - self._start, 1e-9)
+        self._bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+        self._bar.update(sum(1 for out in outputs if out.finished))
+
+    def __enter__(self) -> "GenerateProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.close()

@@ -1,0 +1,225 @@
+"""Shared pieces of bench_throughput.py and bench_serving.py: flags, workloads, models, tables, JSON.
+
+All times are seconds and all lengths tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+# Import this checkout's packages, not whatever an editable install points at.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxllm.config import ModelConfig  # noqa: E402
+
+
+@dataclasses.dataclass
+class Workload:
+    """Random-token requests: prompts (token ids) and the output length each one asks for."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def add_common_args(parser: argparse.ArgumentParser, *, num_requests: int, input_len: Sequence[int],
+                    output_len: Sequence[int], max_num_seqs: int) -> None:
+    """Model, workload and engine flags both benchmarks take (defaults sized for 2 CPU cores)."""
+    parser.add_argument("--model", default=None,
+                        help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct); with "
+                             "--random-weights a folder (or config.json) holding only config.json")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="random weights of --model's config.json shape (GPU machines cannot download)")
+    parser.add_argument("--num-requests", type=int, default=num_requests)
+    parser.add_argument("--input-len", type=int, nargs=2, default=list(input_len), metavar=("MIN", "MAX"),
+                        help="prompt lengths are drawn uniformly from [MIN, MAX] tokens")
+    parser.add_argument("--output-len", type=int, nargs=2, default=list(output_len), metavar=("MIN", "MAX"),
+                        help="output lengths are drawn uniformly from [MIN, MAX] tokens (ignore_eos)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
+                        help="batch size; also the hf backend's padded batch size")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: the longest prompt plus the longest output")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve the engine's Prometheus metrics on this port while it runs")
+    parser.add_argument("--output-json", default=None, help="also write the results to this JSON file")
+
+
+def validate_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject empty or non-positive length ranges with the flag named."""
+    for flag in ("input_len", "output_len"):
+        low, high = getattr(args, flag)
+        if not 1 <= low <= high:
+            parser.error(f"--{flag.replace('_', '-')} {low} {high}: need 1 <= MIN <= MAX")
+    if args.num_requests < 1:
+        parser.error(f"--num-requests {args.num_requests}: need at least 1")
+
+
+def resolve_model(args: argparse.Namespace, workdir: Path) -> Path:
+    """The model path to load: ``--model``, the default model, or a random-weights folder written to ``workdir``."""
+    if args.random_weights:
+        if args.model is None:
+            raise SystemExit("--random-weights needs --model: a folder (or config.json) with the shape to build")
+        config = Path(args.model)
+        config = config / "config.json" if config.is_dir() else config
+        return write_random_weights(config, workdir / "random_model", seed=args.seed)
+    if args.model is not None:
+        return Path(args.model)
+    from jaxllm.default_model import default_model_path
+
+    return default_model_path()
+
+
+def write_random_weights(config_file: Path, folder: Path, seed: int = 0) -> Path:
+    """Write ``config.json`` and HF-named random float16 safetensors for its shape into ``folder``.
+
+    Both jaxllm and HF ``from_pretrained`` load the folder, so both backends
+    run the same weights. Weights ~ N(0, 0.02), norms 1, biases 0.
+    """
+    from safetensors.numpy import save_file
+
+    hf_config = json.loads(config_file.read_text())
+    cfg = ModelConfig.from_hf_config(hf_config)
+    rng = np.random.default_rng(seed)
+    e, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_q_heads * d, cfg.num_kv_heads * d
+
+    def normal(*shape: int) -> np.ndarray:
+        return (0.02 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float16)
+
+    tensors = {"model.embed_tokens.weight": normal(cfg.vocab_size, e), "model.norm.weight": np.ones(e, np.float16)}
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = normal(cfg.vocab_size, e)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": np.ones(e, np.float16),
+            "post_attention_layernorm.weight": np.ones(e, np.float16),
+            "self_attn.q_proj.weight": normal(q, e), "self_attn.k_proj.weight": normal(kv, e),
+            "self_attn.v_proj.weight": normal(kv, e), "self_attn.o_proj.weight": normal(e, q),
+            "mlp.gate_proj.weight": normal(inter, e), "mlp.up_proj.weight": normal(inter, e),
+            "mlp.down_proj.weight": normal(e, inter),
+        }
+        if cfg.qkv_bias:
+            layer.update({"self_attn.q_proj.bias": np.zeros(q, np.float16),
+                          "self_attn.k_proj.bias": np.zeros(kv, np.float16),
+                          "self_attn.v_proj.bias": np.zeros(kv, np.float16)})
+        if cfg.o_bias:
+            layer["self_attn.o_proj.bias"] = np.zeros(e, np.float16)
+        if cfg.mlp_bias:
+            layer.update({"mlp.gate_proj.bias": np.zeros(inter, np.float16),
+                          "mlp.up_proj.bias": np.zeros(inter, np.float16),
+                          "mlp.down_proj.bias": np.zeros(e, np.float16)})
+        if cfg.qk_norm:
+            layer.update({"self_attn.q_norm.weight": np.ones(d, np.float16),
+                          "self_attn.k_norm.weight": np.ones(d, np.float16)})
+        tensors.update({p + k: v for k, v in layer.items()})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": "float16"}))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def vocab_size(model: Path) -> int:
+    """The model's vocabulary size, in token ids (read without loading the weights)."""
+    if model.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        return len(GGUFReader(str(model)).fields["tokenizer.ggml.tokens"].data)
+    from jaxllm.loader.safetensors import read_hf_config
+
+    return int(read_hf_config(model)["vocab_size"])
+
+
+def make_workload(args: argparse.Namespace, vocab: int, *, token_seed: int) -> Workload:
+    """``--num-requests`` prompts and output lengths, uniform in the flags' ranges.
+
+    Lengths come from ``--seed`` alone; token ids from ``token_seed``, so a
+    warm-up run can share the lengths (hence the compiled shapes) of the timed
+    run without sharing its tokens (hence its prefix-cache blocks).
+    """
+    rng = np.random.default_rng(args.seed)
+    n = args.num_requests
+    input_lens = rng.integers(args.input_len[0], args.input_len[1] + 1, size=n)
+    output_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, size=n)
+    tokens = np.random.default_rng([args.seed, token_seed])
+    # Ids from the first 10000 (nano-vllm's choice) keep clear of special tokens at the top of large vocabularies.
+    high = min(vocab, 10000)
+    prompts = [tokens.integers(0, high, size=int(m)).tolist() for m in input_lens]
+    return Workload(prompts, [int(o) for o in output_lens])
+
+
+def engine_kwargs(args: argparse.Namespace, batching: str) -> dict[str, Any]:
+    """``LLM``/``LLMEngine`` keyword arguments from the flags."""
+    max_model_len = args.max_model_len or (args.input_len[1] + args.output_len[1])
+    return dict(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+        dtype=args.dtype, seed=args.seed, batching=batching, metrics_port=args.metrics_port,
+    )
+
+
+def percentiles(values: Sequence[float], prefix: str) -> dict[str, Optional[float]]:
+    """``{prefix_mean, prefix_p50, prefix_p90, prefix_p99}`` of ``values`` (None when empty)."""
+    if len(values) == 0:
+        return {f"{prefix}_{k}": None for k in ("mean", "p50", "p90", "p99")}
+    arr = np.asarray(values, np.float64)
+    return {
+        f"{prefix}_mean": float(arr.mean()),
+        f"{prefix}_p50": float(np.percentile(arr, 50)),
+        f"{prefix}_p90": float(np.percentile(arr, 90)),
+        f"{prefix}_p99": float(np.percentile(arr, 99)),
+    }
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table with right-aligned columns; floats with 3 significant decimals."""
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+        return str(value)
+
+    cells = [[cell(v) for v in row] for row in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def host_info() -> dict[str, Any]:
+    """CPU count and 1-minute load average: other work on the machine skews every number."""
+    return dict(cpu_count=os.cpu_count(), load_avg_1m=os.getloadavg()[0])
+
+
+def write_json(path: Optional[str], payload: dict) -> None:
+    """Write ``payload`` to ``path`` as indented JSON (nothing when ``path`` is None)."""
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def temporary_workdir() -> tempfile.TemporaryDirectory:
+    """A scratch folder for random weights, removed on exit."""
+    return tempfile.TemporaryDirectory(prefix="jaxllm-bench-")

@@ -1,0 +1,206 @@
+"""Online serving latency under Poisson arrivals, through the engine API (vLLM's benchmark_serving, in process).
+
+Usage: python scripts/bench_serving.py [--request-rate R] [--burstiness B] [--batching continuous|static]
+           [--compare] [--model PATH] [--num-requests N] [--input-len MIN MAX] [--output-len MIN MAX]
+           [--max-num-seqs B] [--output-json FILE] [--metrics-port PORT] [--random-weights]
+
+Requests arrive at ``--request-rate`` per second (``inf``: all at once) with
+gamma-distributed gaps of shape ``--burstiness`` (1 = Poisson, as vLLM's
+benchmark), and are fed to ``LLMEngine.add_request`` with that arrival time
+while one loop steps the engine, so a request arriving during a step waits
+for it, as it would in a server. Greedy, ``ignore_eos``, random tokens; one
+untimed warm-up run of the same lengths (other tokens) compiles the shapes
+first.
+
+Reports TTFT, TPOT (decode time per output token after the first), inter-token
+latency (ITL), end-to-end latency and queue time (mean, p50, p90, p99,
+seconds), request and output-token throughput, the largest number of running
+requests, preemptions, and KV memory efficiency (fraction of allocated KV
+slots holding live tokens). ``--compare`` runs continuous and static batching
+on the same arrivals and prints the improvement in %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+import _bench_common as common
+from _bench_common import Workload
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
+    """Seconds from the start at which each of ``n`` requests arrives.
+
+    Gaps are gamma(shape=burstiness, scale=1 / (rate * burstiness)): mean
+    1/rate; burstiness 1 is a Poisson process, lower is burstier. The first
+    request arrives at 0.
+    """
+    if np.isinf(rate):
+        return np.zeros(n)
+    rng = np.random.default_rng([seed, 3])
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def serve(engine, workload: Workload, offsets: np.ndarray, prefix: str) -> dict[str, dict]:
+    """Feed the requests at their arrival times while stepping ``engine``; returns per-request timings.
+
+    Each record holds ``arrival``, ``token_times`` (one per output token,
+    when the step that made it returned), ``first_scheduled`` and
+    ``finished`` (seconds on ``time.monotonic``).
+    """
+    from jaxllm import SamplingParams
+
+    start = time.monotonic()
+    arrivals = start + offsets
+    records: dict[str, dict] = {}
+    i, n = 0, len(workload.prompts)
+    while i < n or engine.has_unfinished_requests():
+        now = time.monotonic()
+        while i < n and arrivals[i] <= now:
+            rid = f"{prefix}{i}"
+            params = SamplingParams(temperature=0, max_tokens=workload.output_lens[i], ignore_eos=True)
+            engine.add_request(rid, workload.prompts[i], params, arrival_time=float(arrivals[i]))
+            records[rid] = dict(arrival=float(arrivals[i]), token_times=[], first_scheduled=None, finished=None)
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(arrivals[i] - now, 0.0))
+            continue
+        outputs = engine.step()
+        now = time.monotonic()
+        for out in outputs:
+            rec = records[out.request_id]
+            rec["token_times"].extend([now] * len(out.delta_token_ids))
+            if out.finished:
+                rec["finished"] = now
+                rec["first_scheduled"] = out.metrics["first_scheduled_time"]
+    return records
+
+
+def summarize(records: dict[str, dict], run: dict, batching: str) -> dict:
+    """Latency percentiles and throughputs from :func:`serve`'s records (seconds, tokens)."""
+    ttft, tpot, itl, e2e, queue = [], [], [], [], []
+    for rid, rec in records.items():
+        times = rec["token_times"]
+        if not times:
+            raise RuntimeError(f"request {rid} produced no token (refused as too long for the KV cache?)")
+        ttft.append(times[0] - rec["arrival"])
+        e2e.append(rec["finished"] - rec["arrival"])
+        queue.append(rec["first_scheduled"] - rec["arrival"])
+        if len(times) > 1:
+            tpot.append((times[-1] - times[0]) / (len(times) - 1))
+            itl.extend(np.diff(times).tolist())
+    start = min(r["arrival"] for r in records.values())
+    duration = max(r["finished"] for r in records.values()) - start
+    output_tokens = sum(len(r["token_times"]) for r in records.values())
+    return dict(
+        batching=batching, num_requests=len(records), duration_s=duration,
+        request_throughput=len(records) / duration, output_throughput=output_tokens / duration,
+        num_output_tokens=output_tokens,
+        **common.percentiles(ttft, "ttft_s"), **common.percentiles(tpot, "tpot_s"),
+        **common.percentiles(itl, "itl_s"), **common.percentiles(e2e, "e2e_s"),
+        **common.percentiles(queue, "queue_s"),
+        max_concurrency=run["max_num_running"], num_preemptions=run["num_preemptions"],
+        kv_live_slot_fraction=run["kv_live_slot_fraction"], mean_kv_cache_usage=run["mean_kv_cache_usage"],
+        peak_kv_cache_usage=run["peak_kv_cache_usage"], compilations=run["compilations"],
+    )
+
+
+def run(model: Path, args: argparse.Namespace, workload: Workload, warmup: Workload, batching: str) -> dict:
+    """Warm up, then serve the workload at the requested rate under ``batching``; returns the summary."""
+    from jaxllm import LLM, SamplingParams
+
+    llm = LLM(model=model, **common.engine_kwargs(args, batching))
+    try:
+        llm.generate(warmup.prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                      for n in warmup.output_lens], use_tqdm=False)
+        llm.engine.metrics.begin_run()
+        offsets = arrival_offsets(len(workload.prompts), args.request_rate, args.burstiness, args.seed)
+        records = serve(llm.engine, workload, offsets, prefix=f"{batching}-")
+        return summarize(records, llm.engine.metrics.run_summary(), batching)
+    finally:
+        llm.engine.metrics.close()
+
+
+_REPORT = [  # (label, key, higher is better)
+    ("request throughput (req/s)", "request_throughput", True),
+    ("output throughput (tok/s)", "output_throughput", True),
+    ("mean TTFT (s)", "ttft_s_mean", False),
+    ("P99 TTFT (s)", "ttft_s_p99", False),
+    ("mean TPOT (s)", "tpot_s_mean", False),
+    ("P99 TPOT (s)", "tpot_s_p99", False),
+    ("P99 ITL (s)", "itl_s_p99", False),
+    ("mean E2E latency (s)", "e2e_s_mean", False),
+    ("P99 E2E latency (s)", "e2e_s_p99", False),
+    ("mean queue time (s)", "queue_s_mean", False),
+    ("memory efficiency (live KV slots)", "kv_live_slot_fraction", True),
+    ("mean KV cache usage", "mean_kv_cache_usage", None),
+    ("max concurrency (running reqs)", "max_concurrency", None),
+    ("preemptions", "num_preemptions", None),
+    ("compilations during run", "compilations", None),
+]
+
+
+def improvement(cont: float, static: float, higher_is_better: bool) -> str:
+    """Continuous over static, in %: positive means continuous is better."""
+    if static in (None, 0) or cont is None:
+        return "-"
+    change = (cont - static) / static if higher_is_better else (static - cont) / static
+    return f"{100 * change:+.1f}%"
+
+
+def print_tables(results: list[dict]) -> None:
+    for r in results:
+        print(f"\n{r['batching']} batching: {r['num_requests']} requests in {r['duration_s']:.1f} s")
+        rows = [[m, r[f"{m}_mean"], r[f"{m}_p50"], r[f"{m}_p90"], r[f"{m}_p99"]]
+                for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")]
+        print(common.format_table(["seconds", "mean", "p50", "p90", "p99"], rows))
+        print(f"request throughput {r['request_throughput']:.3f} req/s, output {r['output_throughput']:.1f} tok/s, "
+              f"max concurrency {r['max_concurrency']}, preemptions {r['num_preemptions']}, "
+              f"live KV fraction {r['kv_live_slot_fraction']:.3f}, compilations {r['compilations']}")
+    if len(results) == 2:
+        cont, static = results
+        rows = [[label, cont[key], static[key], improvement(cont[key], static[key], better) if better is not None
+                 else "-"] for label, key, better in _REPORT]
+        print()
+        print(common.format_table(["metric", "continuous", "static", "improvement"], rows))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_common_args(parser, num_requests=24, input_len=(16, 64), output_len=(16, 128), max_num_seqs=8)
+    parser.add_argument("--request-rate", type=float, default=2.0, help="requests per second; inf = all at once")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    parser.add_argument("--batching", choices=["continuous", "static"], default="continuous")
+    parser.add_argument("--compare", action="store_true", help="run continuous and static at the same arrivals")
+    args = parser.parse_args(argv)
+    common.validate_ranges(parser, args)
+    if args.request_rate <= 0 or args.burstiness <= 0:
+        parser.error("--request-rate and --burstiness must be > 0")
+    modes = ("continuous", "static") if args.compare else (args.batching,)
+    with common.temporary_workdir() as workdir:
+        model = common.resolve_model(args, Path(workdir))
+        vocab = common.vocab_size(model)
+        workload = common.make_workload(args, vocab, token_seed=1)
+        warmup = common.make_workload(args, vocab, token_seed=2)
+        results = [run(model, args, workload, warmup, mode) for mode in modes]
+    print(f"{args.num_requests} requests at {args.request_rate} req/s (burstiness {args.burstiness}), "
+          f"input {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
+          f"max_num_seqs {args.max_num_seqs}")
+    host = common.host_info()
+    print(f"host: {host['cpu_count']} CPUs, 1-minute load average {host['load_avg_1m']:.1f} at the end")
+    print_tables(results)
+    # JSON has no infinity; "inf" is what the flag takes.
+    payload = dict(config={**vars(args), "request_rate": str(args.request_rate) if np.isinf(args.request_rate)
+                           else args.request_rate}, host=host, results=results)
+    common.write_json(args.output_json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

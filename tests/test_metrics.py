@@ -1,0 +1,261 @@
+"""Engine metrics on scripted workloads (stories260K), static batching, the progress bar, the bench scripts' JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from jaxllm import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def _llm(stories_dir, **kwargs) -> LLM:
+    config = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+    return LLM(model=stories_dir, **{**config, **kwargs})
+
+
+def _value(llm: LLM, name: str) -> float:
+    return llm.engine.metrics.registry.get_sample_value(name) or 0.0
+
+
+@pytest.fixture(scope="module")
+def llm(stories_dir) -> LLM:
+    return _llm(stories_dir)
+
+
+def _prompt(n: int, start: int = 3) -> list[int]:
+    return [start + (i * 7) % 400 for i in range(n)]
+
+
+def test_prompt_and_generation_token_counters_equal_exact_sums(llm):
+    prompts = [_prompt(5), _prompt(12, 9), _prompt(20, 30)]
+    max_tokens = [3, 7, 11]
+    before = _value(llm, "jaxllm:prompt_tokens_total"), _value(llm, "jaxllm:generation_tokens_total")
+    llm.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in max_tokens], use_tqdm=False)
+    assert _value(llm, "jaxllm:prompt_tokens_total") - before[0] == 5 + 12 + 20
+    assert _value(llm, "jaxllm:generation_tokens_total") - before[1] == 3 + 7 + 11
+
+
+def test_latency_histograms_count_each_request_and_each_later_token(llm):
+    names = ["time_to_first_token", "e2e_request_latency", "request_queue_time", "inter_token_latency"]
+    before = {n: _value(llm, f"jaxllm:{n}_seconds_count") for n in names}
+    max_tokens = [4, 6, 9, 1, 2]
+    llm.generate([_prompt(6, s) for s in range(5)], [SamplingParams(max_tokens=n, **GREEDY) for n in max_tokens],
+                 use_tqdm=False)
+    delta = {n: _value(llm, f"jaxllm:{n}_seconds_count") - before[n] for n in names}
+    assert delta["time_to_first_token"] == 5
+    assert delta["e2e_request_latency"] == 5
+    assert delta["request_queue_time"] == 5
+    assert delta["inter_token_latency"] == sum(n - 1 for n in max_tokens)
+
+
+def test_iteration_tokens_histogram_sums_every_computed_token(llm):
+    before = _value(llm, "jaxllm:iteration_tokens_total_sum")
+    llm.generate([_prompt(10)], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
+    # 10 prompt tokens, then one token fed back per decode step after the first sample.
+    assert _value(llm, "jaxllm:iteration_tokens_total_sum") - before == 10 + 4
+
+
+def test_repeated_prompt_raises_prefix_cache_hits_by_the_cached_tokens(llm):
+    prompt = _prompt(40, 77)
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    llm.generate([prompt], params, use_tqdm=False)
+    queries, hits = _value(llm, "jaxllm:prefix_cache_queries_total"), _value(llm, "jaxllm:prefix_cache_hits_total")
+    llm.generate([prompt], params, use_tqdm=False)
+    # Two full 16-token blocks of the 40-token prompt were cached by the first run.
+    assert _value(llm, "jaxllm:prefix_cache_hits_total") - hits == 32
+    assert _value(llm, "jaxllm:prefix_cache_queries_total") - queries == 40
+
+
+def test_forced_preemption_raises_num_preemptions_by_one(stories_dir):
+    # 3 usable blocks of 16: two 16-token prompts fit, but both cannot grow past 16 tokens.
+    llm = _llm(stories_dir, num_kv_blocks=4)
+    llm.generate([_prompt(16), _prompt(16, 50)], SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions == 1
+    assert _value(llm, "jaxllm:num_preemptions_total") == 1
+
+
+def test_gauges_follow_running_requests_and_kv_blocks(stories_dir):
+    llm = _llm(stories_dir, num_kv_blocks=17, max_num_batched_tokens=128)
+    engine = llm.engine
+    for i in range(6):
+        engine.add_request(f"g{i}", _prompt(17, i), SamplingParams(max_tokens=8, **GREEDY))
+    engine.step()
+    assert _value(llm, "jaxllm:num_requests_running") == 4
+    assert _value(llm, "jaxllm:num_requests_waiting") == 2
+    # 4 requests x 2 blocks of the 16 usable.
+    assert _value(llm, "jaxllm:kv_cache_usage_perc") == pytest.approx(8 / 16)
+    # 17 computed tokens in 32 allocated slots per request.
+    assert _value(llm, "jaxllm:kv_cache_fragmentation_ratio") == pytest.approx(15 / 32)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert _value(llm, "jaxllm:num_requests_running") == 0
+    assert _value(llm, "jaxllm:kv_cache_usage_perc") == 0
+    assert _value(llm, "jaxllm:kv_cache_fragmentation_ratio") == 0
+
+
+def test_scheduler_step_histogram_counts_every_step(llm):
+    before = _value(llm, "jaxllm:scheduler_step_seconds_count")
+    engine = llm.engine
+    engine.add_request("s0", _prompt(4), SamplingParams(max_tokens=3, **GREEDY))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert _value(llm, "jaxllm:scheduler_step_seconds_count") - before == steps
+
+
+def test_compilations_count_new_shapes_only(stories_dir):
+    llm = _llm(stories_dir)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    llm.generate([_prompt(5)], params, use_tqdm=False)
+    first = _value(llm, "jaxllm:compilations_total")
+    assert first >= 1
+    llm.generate([_prompt(5, 100)], params, use_tqdm=False)
+    assert _value(llm, "jaxllm:compilations_total") == first
+
+
+def test_each_engine_has_its_own_registry(stories_dir, llm):
+    other = _llm(stories_dir)
+    before = _value(llm, "jaxllm:generation_tokens_total")
+    other.generate([_prompt(4)], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
+    assert _value(other, "jaxllm:generation_tokens_total") == 5
+    assert _value(llm, "jaxllm:generation_tokens_total") == before
+
+
+def test_static_batching_admits_a_batch_only_after_the_previous_one_finished(stories_dir):
+    llm = _llm(stories_dir, max_num_seqs=2, batching="static")
+    engine = llm.engine
+    lengths = {"a": 2, "b": 8, "c": 3, "d": 3}
+    for rid, n in lengths.items():
+        engine.add_request(rid, _prompt(6, ord(rid)), SamplingParams(max_tokens=n, **GREEDY))
+    finished: list[str] = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+        running = {r.request_id for r in engine.scheduler.running}
+        if running & {"c", "d"}:
+            assert {"a", "b"} <= set(finished)
+        elif "a" in finished and "b" not in finished:
+            # a's seat stays empty: c and d are held while b runs on.
+            assert running == {"b"} and engine.scheduler.stats.num_waiting == 2
+    assert finished == ["a", "b", "c", "d"]
+
+
+def test_static_batching_gives_the_same_greedy_tokens_as_continuous(stories_dir, llm):
+    static = _llm(stories_dir, max_num_seqs=2, batching="static")
+    prompts = [_prompt(7, s) for s in range(5)]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (2, 9, 4, 6, 3)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in static.generate(prompts, params, use_tqdm=False)] == want
+
+
+def test_static_batching_abort_drops_a_held_request(stories_dir):
+    llm = _llm(stories_dir, max_num_seqs=1, batching="static")
+    engine = llm.engine
+    engine.add_request("first", _prompt(4), SamplingParams(max_tokens=2, **GREEDY))
+    engine.add_request("held", _prompt(4, 9), SamplingParams(max_tokens=2, **GREEDY))
+    engine.step()
+    assert engine.scheduler.stats.num_waiting == 1
+    engine.abort_request("held")
+    assert engine.scheduler.stats.num_waiting == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_unknown_batching_mode_is_rejected(stories_dir):
+    with pytest.raises(ValueError, match="batching"):
+        _llm(stories_dir, batching="dynamic")
+
+
+def test_log_stats_logs_a_summary_line(stories_dir, caplog):
+    llm = _llm(stories_dir, log_stats=True)
+    llm.engine.metrics.log_interval = 0.0
+    with caplog.at_level(logging.INFO, logger="jaxllm.metrics"):
+        llm.generate([_prompt(4)], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxllm.metrics"]
+    assert lines and "generation throughput" in lines[-1] and "KV cache usage" in lines[-1]
+
+
+def test_metrics_port_serves_the_registry(stories_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    llm = _llm(stories_dir, metrics_port=port)
+    try:
+        llm.generate([_prompt(4)], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        llm.engine.metrics.close()
+    assert "jaxllm:generation_tokens_total 3.0" in body
+
+
+def test_generate_shows_a_progress_bar_unless_use_tqdm_is_false(llm, capsys):
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    llm.generate([_prompt(4)], params, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+    llm.generate([_prompt(4)], params)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "tok/s" in err
+
+
+TINY = ["--num-requests", "3", "--input-len", "4", "12", "--output-len", "2", "6", "--max-num-seqs", "2"]
+THROUGHPUT_FIELDS = {
+    "backend", "num_requests", "elapsed_s", "num_prompt_tokens", "num_output_tokens", "requests_per_s",
+    "output_tokens_per_s", "total_tokens_per_s", "peak_kv_cache_usage", "peak_kv_slots", "kv_live_slot_fraction",
+    "max_num_running", "num_preemptions", "compilations",
+}
+SERVING_FIELDS = {
+    "batching", "num_requests", "duration_s", "request_throughput", "output_throughput", "num_output_tokens",
+    "max_concurrency", "num_preemptions", "kv_live_slot_fraction", "mean_kv_cache_usage", "peak_kv_cache_usage",
+    "compilations",
+} | {f"{m}_{s}" for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s") for s in ("mean", "p50", "p90", "p99")}
+
+
+def _run_script(name: str, args: list[str], tmp_path: Path) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args, "--output-json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp_path):
+    pytest.importorskip("transformers")
+    result = _run_script("bench_throughput.py", ["--model", str(stories_dir), "--compare", *TINY], tmp_path)
+    assert [r["backend"] for r in result["results"]] == ["hf", "static", "jaxllm"]
+    for row in result["results"]:
+        assert set(row) == THROUGHPUT_FIELDS
+        assert row["num_requests"] == 3 and row["output_tokens_per_s"] > 0
+    assert result["config"]["num_requests"] == 3
+
+
+def test_bench_serving_json_has_every_field_for_both_batching_modes(stories_dir, tmp_path):
+    result = _run_script("bench_serving.py", ["--model", str(stories_dir), "--compare", "--request-rate", "50",
+                                              *TINY], tmp_path)
+    assert [r["batching"] for r in result["results"]] == ["continuous", "static"]
+    for row in result["results"]:
+        assert set(row) == SERVING_FIELDS
+        assert row["num_requests"] == 3 and row["ttft_s_p99"] > 0
+
+
+def test_bench_throughput_runs_random_weights_from_a_config_json_alone(tmp_path):
+    folder = tmp_path / "qwen3_shape"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(
+        architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=256,
+        tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, hidden_act="silu",
+    )))
+    result = _run_script("bench_throughput.py", ["--model", str(folder), "--random-weights", *TINY], tmp_path)
+    (row,) = result["results"]
+    assert row["backend"] == "jaxllm" and set(row) == THROUGHPUT_FIELDS and row["output_tokens_per_s"] > 0
+    assert list(folder.iterdir()) == [folder / "config.json"]
