@@ -289,8 +289,10 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens
             num_tokens = len(req._all_token_ids) + req.num_pending_samples
-            if num_tokens >= req._length_limit:
-                # Only with async scheduling: its pending sample ends it.
+            if req.num_pending_samples and num_tokens >= req._length_limit:
+                # Only with async scheduling: its pending sample ends it. (A
+                # prompt of exactly max_model_len tokens reaches the limit
+                # with no sample pending; it must still finish its prefill.)
                 continue
             n = num_tokens - computed
             if n != 1:

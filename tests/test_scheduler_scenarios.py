@@ -390,6 +390,14 @@ def test_max_model_len_caps_the_length():
     assert (req.num_tokens, req.status) == (12, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
+def test_chunked_prompt_of_exactly_max_model_len_finishes_its_prefill_and_is_length_capped():
+    sched, runner = setup(max_model_len=12, max_num_batched_tokens=8)
+    req = make_request("r", list(range(12)))
+    sched.add_request(req)
+    run_until_done(sched, runner, max_steps=10)
+    assert (req.num_tokens, req.status, req.output_token_ids) == (13, RequestStatus.FINISHED_LENGTH_CAPPED, expected(req, 12))
+
+
 def test_request_without_max_tokens_that_alone_fills_the_cache_is_length_capped():
     sched, runner = setup(num_blocks=4, max_model_len=64)
     req = make_request("r", list(range(10)), max_tokens=None)
