@@ -19,6 +19,21 @@ import numpy as np
 # Import this checkout's packages, not whatever an editable install points at.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
+def _devices_asked(argv: Sequence[str]) -> int:
+    """TP x DP from the command line, read before JAX starts (it fixes the
+    number of simulated CPU devices when it initialises)."""
+    sizes = {"--tensor-parallel-size": 1, "--data-parallel-size": 1}
+    for i, arg in enumerate(argv[:-1]):
+        if arg in sizes and argv[i + 1].isdigit():
+            sizes[arg] = int(argv[i + 1])
+    return sizes["--tensor-parallel-size"] * sizes["--data-parallel-size"]
+
+
+if _devices_asked(sys.argv) > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={_devices_asked(sys.argv)}").strip()
+
 from jaxllm.config import ModelConfig  # noqa: E402
 
 
@@ -63,6 +78,11 @@ def add_common_args(parser: argparse.ArgumentParser, *, num_requests: int, input
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve the engine's Prometheus metrics on this port while it runs")
     parser.add_argument("--output-json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule step N+1 while step N runs (jaxllm backends)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="devices per model step; on CPU, simulated host devices (numbers not meaningful)")
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas")
 
 
 def validate_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -176,7 +196,21 @@ def engine_kwargs(args: argparse.Namespace, batching: str) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
         dtype=args.dtype, seed=args.seed, batching=batching, metrics_port=args.metrics_port,
+        async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
     )
+
+
+def simulate_cpu_devices(args: argparse.Namespace) -> Optional[str]:
+    """A warning line for the output when TP x DP devices are simulated on
+    the CPU (this module asked XLA for them at import), else None."""
+    import jax
+
+    needed = args.tensor_parallel_size * args.data_parallel_size
+    if needed == 1 or jax.default_backend() != "cpu":
+        return None
+    return (f"note: {needed} devices are simulated on the CPU's cores; the numbers show that sharded steps run, "
+            "not how fast they are")
 
 
 def percentiles(values: Sequence[float], prefix: str) -> dict[str, Optional[float]]:

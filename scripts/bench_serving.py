@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compare", action="store_true", help="run continuous and static at the same arrivals")
     args = parser.parse_args(argv)
     common.validate_ranges(parser, args)
+    device_note = common.simulate_cpu_devices(args)
     if args.request_rate <= 0 or args.burstiness <= 0:
         parser.error("--request-rate and --burstiness must be > 0")
     modes = ("continuous", "static") if args.compare else (args.batching,)
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
     host = common.host_info()
     print(f"host: {host['cpu_count']} CPUs, 1-minute load average {host['load_avg_1m']:.1f} at the end")
     print_tables(results)
+    if device_note:
+        print(device_note)
     # JSON has no infinity; "inf" is what the flag takes.
     payload = dict(config={**vars(args), "request_rate": str(args.request_rate) if np.isinf(args.request_rate)
                            else args.request_rate}, host=host, results=results)

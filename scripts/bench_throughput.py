@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compare", action="store_true", help="run hf, static and jaxllm; print ratios to hf")
     args = parser.parse_args(argv)
     common.validate_ranges(parser, args)
+    device_note = common.simulate_cpu_devices(args)
     backends = BACKENDS if args.compare else (args.backend,)
     with common.temporary_workdir() as workdir:
         model = common.resolve_model(args, Path(workdir))
@@ -187,6 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
     host = common.host_info()
     print(f"host: {host['cpu_count']} CPUs, 1-minute load average {host['load_avg_1m']:.1f} at the end")
     print_table(results)
+    if device_note:
+        print(device_note)
     payload = dict(config=vars(args), host=host, results=results)
     common.write_json(args.output_json, payload)
     return payload
