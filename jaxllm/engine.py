@@ -10,6 +10,9 @@ requests): a prefill-only parent computes all prompt tokens but the last,
 then the scheduler forks it into the ``n`` sequences, which share its KV
 blocks; each computes the last prompt token itself (a one-token step) and
 samples with its own seed (``seed + i`` when the request is seeded, as vLLM).
+
+Prompt logprobs (``jaxllm.prompt_logprobs``) are computed by the request
+that computes the prompt: the sequence itself, or the prefill parent.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from jaxllm.loader import load_sharded
 from jaxllm.metrics import EngineMetrics, GenerateProgress
 from jaxllm.models.llama import AttentionOps
 from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
 from jaxllm.default_model import cache_dir
 from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache, fetch_rows
 from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
@@ -93,6 +97,7 @@ class _Group:
     seqs: list[_Tracked]
     parent: Optional[Request] = None
     first_token_time: Optional[float] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class LLMEngine:
@@ -181,6 +186,9 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(self.config.seed)
         # With async scheduling: the launched output and its dispatch result.
         self._in_flight: Optional[tuple[SchedulerOutput, tuple]] = None
+        # Request id (a sequence or a prefill parent) -> its group's prompt
+        # logprobs, while some prompt position is not recorded yet.
+        self._prompt_lp: dict[str, PromptLogprobs] = {}
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
@@ -280,6 +288,15 @@ class LLMEngine:
             parent_params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
             group.parent = Request(f"prefill_{request_id}", ids[:-1], parent_params, **kwargs)
             self._parent_group[group.parent.request_id] = group
+            prefill = group.parent
+        else:
+            prefill = seqs[0].request
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = PromptLogprobs(ids, params.prompt_logprobs)
+            if not group.prompt_logprobs.complete:
+                self._prompt_lp[prefill.request_id] = group.prompt_logprobs
+                prefill.skip_reading_prefix_cache = True
+        if group.parent is not None:
             self.scheduler.add_request(group.parent)
         else:
             for seq in seqs:
@@ -296,10 +313,12 @@ class LLMEngine:
             if group.parent is not None:
                 self.scheduler.abort_request(group.parent.request_id)
                 self._parent_group.pop(group.parent.request_id, None)
+                self._prompt_lp.pop(group.parent.request_id, None)
             for seq in group.seqs:
                 self.scheduler.abort_request(seq.request.request_id)
                 self.slots.forget(seq.request.request_id)
                 self._seq_group.pop(seq.request.request_id, None)
+                self._prompt_lp.pop(seq.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -332,11 +351,13 @@ class LLMEngine:
             self._in_flight = None
             done.append(launched)
         for done_out, result in done:
-            sampled = None if result is None else fetch_rows(result[0], len(done_out.scheduled))
+            sampled = None if result is None else fetch_rows(result[0], len(done_out.scheduled), result[2])
             tokens = np.zeros(0, np.int32) if sampled is None else sampled["token_ids"]
             touched += self.scheduler.update_from_output(done_out, tokens)
             if sampled is not None:
                 self._record_logprobs(done_out, sampled)
+            if result is not None and result[2]:
+                record_prompt_logprobs(done_out.scheduled, self._prompt_lp, sampled)
         groups: dict[str, _Group] = {}
         for request in touched:
             rid = request.request_id
@@ -351,15 +372,23 @@ class LLMEngine:
         return outputs
 
     def _launch(self, sched_out: SchedulerOutput, prev_tokens: Optional[jax.Array]) -> Optional[tuple]:
-        """Do the output's block copies and dispatch its step; returns the
-        runner's ``dispatch`` result, or None if the output has no rows."""
+        """Do the output's block copies and dispatch its step.
+
+        Returns:
+          None if the output has no rows, else the runner's ``dispatch``
+          result and the number of token rows that carry prompt logprobs
+          (0 when none was asked for, so none are fetched).
+        """
         if not sched_out.scheduled:
             return None
         self.runner.swap_out(sched_out.blocks_to_swap_out)
         self.runner.swap_in(sched_out.blocks_to_swap_in)
         self.runner.copy_blocks(sched_out.blocks_to_copy)
         batch = build_batch(sched_out, self.buckets)
-        return self.runner.dispatch(batch, self.slots.arrays(sched_out, batch.seq_lens.shape[0]), prev_tokens)
+        targets = prompt_targets(sched_out.scheduled, self._prompt_lp, batch.input_ids.shape[0])
+        out, next_prev = self.runner.dispatch(batch, self.slots.arrays(sched_out, batch.seq_lens.shape[0]),
+                                              prev_tokens, targets)
+        return out, next_prev, 0 if targets is None else batch.num_tokens
 
     def _advance_parent(self, parent: Request) -> None:
         """Fork a prefill parent into its sequences once its prompt is computed (it has sampled once).
@@ -369,6 +398,7 @@ class LLMEngine:
         """
         group = self._parent_group.pop(parent.request_id)
         group.parent = None
+        self._prompt_lp.pop(parent.request_id, None)
         children = [seq.request for seq in group.seqs]
         if parent.is_finished:
             for child in children:
@@ -419,6 +449,7 @@ class LLMEngine:
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=list(group.prompt_token_ids),
             outputs=completions, finished=finished, delta_text=completions[0].delta_text,
             delta_token_ids=completions[0].delta_token_ids, ignored_reason=first.ignored_reason,
+            prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs.entries),
             metrics=dict(arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
                          first_token_time=group.first_token_time,
                          finished_time=time.monotonic() if finished else None),
@@ -427,6 +458,7 @@ class LLMEngine:
             del self._groups[group.request_id]
             for seq in group.seqs:
                 self._seq_group.pop(seq.request.request_id, None)
+                self._prompt_lp.pop(seq.request.request_id, None)
         return out
 
     def _apply_stop_strings(self, tracked: _Tracked, delta: str) -> str:

@@ -52,6 +52,11 @@ class RequestOutput:
       delta_text / delta_token_ids: what this step added to the first
         continuation (for streaming; see ``outputs[i].delta_*`` for the others).
       ignored_reason: why the scheduler refused the request, if it did.
+      prompt_logprobs: with ``SamplingParams.prompt_logprobs=k``, one entry
+        per prompt token recorded so far (all of them once the prompt is
+        computed): None for the first, then {token_id: logprob} holding the
+        prompt token and the top ``k``, of the raw model distribution (as
+        ``CompletionOutput.logprobs``); None when not asked for.
       metrics: timestamps in seconds (``arrival_time``, ``first_scheduled_time``,
         ``first_token_time``, ``finished_time``).
     """
@@ -64,5 +69,5 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignored_reason: Optional[str] = None
-    prompt_logprobs: Optional[list] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)

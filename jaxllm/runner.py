@@ -26,8 +26,8 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.kv_cache import allocate_kv_cache
-from jaxllm.models.llama import AttentionOps, KVCache, Params, forward
-from jaxllm.sampling import SamplingArrays, fill_slot, init_tables, sample, set_slot_rows
+from jaxllm.models.llama import AttentionOps, KVCache, Params, compute_logits, hidden_states
+from jaxllm.sampling import SamplingArrays, fill_slot, init_tables, prompt_logprobs, sample, set_slot_rows
 from jaxllm.sharding import ModelSharding
 from scheduler import BatchDescriptor, BucketTable
 
@@ -42,14 +42,18 @@ BLOCK_CHUNK = 16
 
 def _step(params: Params, kv_caches: KVCache, batch: dict, sampling: dict, tables: dict, prev_tokens: jax.Array,
           *, cfg: ModelConfig, ops: AttentionOps) -> tuple[dict, jax.Array, KVCache, dict]:
-    """Model + sampler. Input ids marked in ``prev_token_index`` come from the
-    previous step's samples (``prev_tokens``, still on the device); the
-    samples are also returned padded to ``prev_tokens``' length for the next
-    step."""
+    """Model + sampler + prompt logprobs. Input ids marked in
+    ``prev_token_index`` come from the previous step's samples
+    (``prev_tokens``, still on the device); the samples are also returned
+    padded to ``prev_tokens``' length for the next step. ``out`` is the
+    sampler's outputs (``[S]`` rows) and ``sampling.prompt_logprobs``' (``[T]``
+    rows, for ``batch["prompt_target_ids"]``)."""
     from_prev = batch["prev_token_index"]
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch["input_ids"])
-    logits, kv_caches = forward(params, kv_caches, dict(batch, input_ids=input_ids), cfg=cfg, ops=ops)
-    out, tables = sample(logits, sampling, tables)
+    hidden, kv_caches = hidden_states(params, kv_caches, dict(batch, input_ids=input_ids), cfg=cfg, ops=ops)
+    head = functools.partial(compute_logits, params, cfg=cfg)
+    out, tables = sample(head(hidden[batch["logits_indices"]]), sampling, tables)
+    out = {**out, **prompt_logprobs(head, hidden, batch["prompt_target_ids"])}
     next_prev = jnp.zeros_like(prev_tokens).at[: out["token_ids"].shape[0]].set(out["token_ids"])
     return out, next_prev, kv_caches, tables
 
@@ -156,7 +160,8 @@ class ModelRunner:
         batch = {
             "input_ids": ((t,), i32), "positions": ((t,), i32), "slot_mapping": ((t,), i32),
             "block_tables": ((s, w), i32), "seq_lens": ((s,), i32), "query_start_loc": ((s + 1,), i32),
-            "logits_indices": ((s,), i32), "prev_token_index": ((t,), i32), "num_seqs": ((), i32),
+            "logits_indices": ((s,), i32), "prev_token_index": ((t,), i32), "prompt_target_ids": ((t,), i32),
+            "num_seqs": ((), i32),
         }
         rep = self._replicated
         batch = {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
@@ -226,8 +231,8 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- serving
 
-    def dispatch(self, batch: BatchDescriptor, sampling: SamplingArrays,
-                 prev_tokens: Optional[jax.Array] = None) -> tuple[dict, jax.Array]:
+    def dispatch(self, batch: BatchDescriptor, sampling: SamplingArrays, prev_tokens: Optional[jax.Array] = None,
+                 prompt_target_ids: Optional[np.ndarray] = None) -> tuple[dict, jax.Array]:
         """Launch one step without waiting for it.
 
         Args:
@@ -236,16 +241,22 @@ class ModelRunner:
           sampling: per-row sampling controls, ``[S]`` each.
           prev_tokens: the previous dispatch's padded samples, for rows whose
             input is a sample still on the device (async scheduling).
+          prompt_target_ids: int32[T] the prompt token following each token
+            row whose prompt logprob is wanted, -1 elsewhere; None: none wanted.
 
         Returns:
-          (the sampler's outputs (``sampling.sample``) on the device, ``[S]``
-          rows; the sampled ids padded to int32[max S bucket] for the next
-          dispatch). The KV cache and the sampler tables are updated in place
-          (donated).
+          (the step's outputs on the device: the sampler's (``sampling.sample``,
+          ``[S]`` rows) and the prompt logprobs (``sampling.prompt_logprobs``,
+          ``[T]`` rows); the sampled ids padded to int32[max S bucket] for the
+          next dispatch). The KV cache and the sampler tables are updated in
+          place (donated).
         """
         exe = self.compile_step(batch.shape)
         arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
         arrays["num_seqs"] = np.int32(batch.num_seqs)
+        if prompt_target_ids is None:
+            prompt_target_ids = np.full(batch.input_ids.shape, -1, np.int32)
+        arrays["prompt_target_ids"] = prompt_target_ids
         device_batch, device_sampling = jax.device_put((arrays, sampling.as_dict()), self._replicated)
         prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
         out, next_prev, self.kv_caches, self.sampler_tables = exe(
@@ -308,6 +319,11 @@ def enable_persistent_compilation_cache(path: Optional[str]) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def fetch_rows(out: dict, num_rows: int) -> dict[str, np.ndarray]:
-    """Bring a step's sampler outputs to the host, cut to ``num_rows`` rows."""
-    return {k: v[:num_rows] for k, v in jax.device_get(out).items()}
+def fetch_rows(out: dict, num_rows: int, num_token_rows: int = 0) -> dict[str, np.ndarray]:
+    """Bring a step's outputs to the host: the sampler's cut to ``num_rows``
+    rows, the prompt logprobs (``prompt_*``, one row per token) cut to
+    ``num_token_rows``. With ``num_token_rows=0`` the prompt logprobs are left
+    on the device: a step without prompt targets has none to read, and they
+    are ``[T, 20]`` arrays."""
+    wanted = {k: v for k, v in out.items() if num_token_rows or not k.startswith("prompt_")}
+    return {k: v[: num_token_rows if k.startswith("prompt_") else num_rows] for k, v in jax.device_get(wanted).items()}

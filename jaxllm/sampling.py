@@ -22,6 +22,9 @@ sequence runs: output-token counts, prompt-token presence, the bias row and
 the stop-id row. The step gathers each row's slot and adds the sampled token
 to its counts (the tables are donated).
 
+Prompt logprobs (:func:`prompt_logprobs`) are computed in the same step, from
+the hidden states of every token row, only when some row asks for them.
+
 Randomness: each row's key is ``fold_in(key(seed), num_generated)``, so a
 request's draws depend only on its own seed and how many tokens it has
 produced -- not on the batch it shares, the bucket, or preemption.
@@ -30,7 +33,7 @@ produced -- not on the batch it shares, the bucket, or preemption.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +45,10 @@ _GREEDY_EPS = 1e-5
 # vLLM's default ``max_logprobs``: top log-probabilities are always computed
 # for this many tokens so shapes stay static; rows keep what they asked for.
 MAX_LOGPROBS = 20
+# Token rows whose logits are materialised at once for prompt logprobs: the
+# [rows, V] float32 logits of a whole step (hundreds of MB with a 128k
+# vocabulary) are never held together.
+PROMPT_LOGPROBS_CHUNK = 128
 # Ids banned by multi-token bad words in one step, per row (a fixed width so
 # the step compiles once); each matching bad word bans one id.
 MAX_BANNED_IDS = 16
@@ -300,3 +307,37 @@ def sample(logits: jax.Array, arrays: dict, tables: dict) -> tuple[dict, dict]:
     tables = {**tables, "counts": tables["counts"].at[arrays["slot"], tokens].add(counted)}
     out = {"token_ids": tokens, "logprobs": chosen, "top_ids": top_ids, "top_logprobs": top_logprobs}
     return out, tables
+
+
+def prompt_logprobs(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array,
+                    target_ids: jax.Array) -> dict[str, jax.Array]:
+    """Raw logprobs of each token row's next prompt token, and its top tokens (vLLM's prompt logprobs).
+
+    Args:
+      compute_logits: hidden ``[N, E]`` -> logits float32 ``[N, V]`` (the lm_head).
+      hidden: ``[T, E]`` the final hidden states of every token row.
+      target_ids: int32[T] the prompt token that follows each row's token,
+        -1 where no logprob is wanted.
+
+    Returns:
+      ``prompt_logprobs: float32[T]`` (the target's ``log_softmax`` of the
+      float32 logits), ``prompt_top_ids: int32[T, K]`` and
+      ``prompt_top_logprobs: float32[T, K]`` with ``K = min(MAX_LOGPROBS, V)``
+      (descending); zeros where the target is -1. When no row wants them the
+      lm_head over the T rows is skipped (``lax.cond``), so the cost is paid
+      only by steps that carry such rows, and the shapes never change.
+    """
+    def row(h_and_target: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        h, target = h_and_target
+        chosen, top_ids, top_logprobs = _logprobs(compute_logits(h[None]), jnp.maximum(target, 0)[None])
+        keep = target >= 0
+        return jnp.where(keep, chosen[0], 0.0), jnp.where(keep, top_ids[0], 0), jnp.where(keep, top_logprobs[0], 0.0)
+
+    def computed() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return jax.lax.map(row, (hidden, target_ids), batch_size=PROMPT_LOGPROBS_CHUNK)
+
+    def skipped() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(computed))
+
+    chosen, top_ids, top_logprobs = jax.lax.cond(jnp.any(target_ids >= 0), computed, skipped)
+    return {"prompt_logprobs": chosen, "prompt_top_ids": top_ids, "prompt_top_logprobs": top_logprobs}

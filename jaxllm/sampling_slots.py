@@ -83,13 +83,13 @@ def make_sequence_sampling(params: SamplingParams, seed: int, stop_ids: Sequence
     Raises:
       ValueError: ``bad_words`` without a tokenizer, a bad word that encodes
         to no token or to ids outside the vocabulary, or more than
-        ``MAX_BANNED_IDS`` multi-token bad-word sequences, ``logprobs``
-        above ``MAX_LOGPROBS``, or ``prompt_logprobs`` (not supported yet).
+        ``MAX_BANNED_IDS`` multi-token bad-word sequences, or ``logprobs``
+        or ``prompt_logprobs`` above ``MAX_LOGPROBS``.
     """
-    if params.prompt_logprobs is not None:
-        raise ValueError("SamplingParams.prompt_logprobs is not supported yet: the step computes logits of sampled rows only")
-    if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-        raise ValueError(f"SamplingParams.logprobs={params.logprobs} is out of range: at most {MAX_LOGPROBS}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > MAX_LOGPROBS:
+            raise ValueError(f"SamplingParams.{name}={value} is out of range: at most {MAX_LOGPROBS}")
     words: list[list[int]] = []
     if params.bad_words:
         if tokenizer is None:

@@ -78,9 +78,9 @@ class KVCacheManager:
         computing, ``min(len(blocks) * block_size, request.num_tokens - 1)``.
         The last token is always computed, so there are logits to sample
         from; when its block hits too, that block is copied on write (see the
-        class docstring).
+        class docstring). A request with ``skip_reading_prefix_cache`` hits nothing.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         bs = self.block_size
         num_tokens = request.num_tokens

@@ -60,6 +60,10 @@ class Request:
         ``priority`` and ``aging`` policies.
       cache_salt: mixed into the first block's hash so requests with different
         salts never share prefix-cache blocks.
+      skip_reading_prefix_cache: compute every token even where the prefix
+        cache holds it (vLLM's flag of the same name; the engine sets it for
+        prompt logprobs, which need every prompt position computed). Its
+        blocks are still cached for others. May be cleared later.
 
     Attributes (beyond the arguments):
       output_token_ids: generated token ids, in order.
@@ -86,7 +90,7 @@ class Request:
         "priority", "cache_salt", "output_token_ids", "num_computed_tokens", "status",
         "stop_reason", "ignored_reason", "num_preemptions", "first_scheduled_time",
         "block_hashes", "prompt_array", "_all_token_ids", "_max_tokens", "_seq", "_stop_ids", "_length_limit",
-        "num_pending_samples", "_last_sample_row",
+        "num_pending_samples", "_last_sample_row", "skip_reading_prefix_cache",
     )
 
     def __init__(
@@ -99,6 +103,7 @@ class Request:
         arrival_time: Optional[float] = None,
         priority: int = 0,
         cache_salt: Optional[str] = None,
+        skip_reading_prefix_cache: bool = False,
     ) -> None:
         prompt_array = np.array(prompt_token_ids, dtype=np.int64).reshape(-1)
         if not prompt_array.size:
@@ -118,6 +123,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else float(arrival_time)
         self.priority = int(priority)
         self.cache_salt = cache_salt
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING

@@ -364,7 +364,7 @@ class Scheduler:
             n = self._chunk(req.num_tokens - num_hit, step.budget)
             if n == 0 or not kv.allocate_slots(req, n, hits):
                 return False
-            if kv.enable_caching:
+            if kv.enable_caching and not req.skip_reading_prefix_cache:
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += num_hit
             req.num_computed_tokens = num_hit

@@ -54,7 +54,7 @@ def test_mixed_workload_after_warmup_triggers_zero_compilations(tiny_llama_dir, 
 
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 256, size=40).tolist()
-    next_id, aborted = 0, 0
+    next_id, aborted, outputs = 0, 0, []
     for wave in range(6):
         for _ in range(int(rng.integers(1, 9))):
             n = int(rng.integers(1, MAX_MODEL_LEN - 24))
@@ -62,8 +62,12 @@ def test_mixed_workload_after_warmup_triggers_zero_compilations(tiny_llama_dir, 
                 if rng.random() < 0.5 else rng.integers(3, 256, size=n).tolist()
             engine.add_request(f"r{next_id}", prompt, _random_params(rng))
             next_id += 1
+        if wave == 2:
+            # Prompt logprobs over a chunked prefill of a prompt sharing a prefix with others.
+            engine.add_request("prompt-logprobs", shared + rng.integers(3, 256, size=40).tolist(),
+                               SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=5))
         for _ in range(int(rng.integers(2, 8))):
-            engine.step()
+            outputs += engine.step()
         running = [r.request_id for r in engine.scheduler.running]
         if running and wave % 2:
             engine.abort_request(running[0])
@@ -71,8 +75,9 @@ def test_mixed_workload_after_warmup_triggers_zero_compilations(tiny_llama_dir, 
     engine.add_request("full-length", rng.integers(3, 256, size=MAX_MODEL_LEN - 1).tolist(),
                        SamplingParams(temperature=0, max_tokens=1))
     while engine.has_unfinished_requests():
-        engine.step()
+        outputs += engine.step()
 
+    assert [len(o.prompt_logprobs) for o in outputs if o.request_id == "prompt-logprobs" and o.finished] == [80]
     stats = engine.scheduler.stats
     assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0

@@ -8,11 +8,13 @@ import pytest
 
 from jaxllm.sampling import (
     MAX_BANNED_IDS,
+    PROMPT_LOGPROBS_CHUNK,
     SamplingArrays,
     apply_logit_processors,
     apply_top_k_top_p_min_p,
     fill_slot,
     init_tables,
+    prompt_logprobs,
     sample,
     set_slot_rows,
 )
@@ -218,6 +220,31 @@ def test_logprobs_are_raw_log_softmax_with_top_k_descending():
     np.testing.assert_allclose(out["logprobs"][0], raw[token], atol=1e-6)
     np.testing.assert_array_equal(out["top_ids"][0, :3], np.argsort(-LOGITS)[:3])
     np.testing.assert_allclose(out["top_logprobs"][0, :3], np.sort(raw)[::-1][:3], atol=1e-6)
+
+
+def test_prompt_logprobs_are_raw_log_softmax_of_every_wanted_row_over_several_chunks():
+    rng = np.random.default_rng(0)
+    rows, embed, vocab = PROMPT_LOGPROBS_CHUNK + 37, 8, 40
+    hidden, head = rng.normal(size=(rows, embed)).astype(np.float32), rng.normal(size=(embed, vocab)).astype(np.float32)
+    targets = np.where(rng.random(rows) < 0.7, rng.integers(0, vocab, rows), -1).astype(np.int32)
+    out = jax.jit(lambda h, t: prompt_logprobs(lambda x: x @ head, h, t))(hidden, targets)
+    logits = hidden.astype(np.float64) @ head
+    raw = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    wanted = targets >= 0
+    np.testing.assert_allclose(out["prompt_logprobs"][wanted], raw[wanted, targets[wanted]], atol=1e-5)
+    np.testing.assert_array_equal(out["prompt_top_ids"][wanted], np.argsort(-raw, axis=-1)[wanted, :20])
+    np.testing.assert_allclose(out["prompt_top_logprobs"][wanted], -np.sort(-raw, axis=-1)[wanted, :20], atol=1e-5)
+    assert not out["prompt_logprobs"][~wanted].any() and not out["prompt_top_ids"][~wanted].any()
+
+
+def test_prompt_logprobs_are_zeros_of_the_same_shapes_when_no_row_wants_them():
+    head = np.eye(4, 30, dtype=np.float32)
+    out = jax.jit(lambda h, t: prompt_logprobs(lambda x: x @ head, h, t))(np.ones((16, 4), np.float32),
+                                                                          np.full(16, -1, np.int32))
+    assert {k: (v.shape, v.dtype) for k, v in out.items()} == {
+        "prompt_logprobs": ((16,), np.float32), "prompt_top_ids": ((16, 20), np.int32),
+        "prompt_top_logprobs": ((16, 20), np.float32)}
+    assert not any(np.asarray(v).any() for v in out.values())
 
 
 def test_too_many_banned_ids_are_rejected():

@@ -7,6 +7,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine import LLMEngine
+from scheduler import RequestStatus
 
 SEEDED = SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.5,
                         frequency_penalty=0.3, max_tokens=24, seed=11, ignore_eos=True)
@@ -157,6 +158,79 @@ def test_streamed_deltas_add_up_to_the_final_text(stories_dir):
         assert sum((o.delta_token_ids for o in deltas), []) == out.outputs[0].token_ids
 
 
-def test_prompt_logprobs_are_rejected_until_supported(tiny_llm):
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        tiny_llm.generate([[5, 6, 7]], SamplingParams(prompt_logprobs=1))
+@pytest.fixture(scope="module")
+def hf_log_softmax(tiny_llama_dir):
+    """prompt -> float64 [len, V] log_softmax of HF's float32 logits at each position."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+    def run(prompt):
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1).numpy()
+    return run
+
+
+def assert_prompt_logprobs_match_hf(entries, prompt, k, hf):
+    """vLLM's layout: None, then per position the prompt token's logprob plus the top k."""
+    assert len(entries) == len(prompt) and entries[0] is None
+    for pos in range(1, len(prompt)):
+        row = hf[pos - 1]
+        assert set(entries[pos]) == set(np.argsort(-row)[:k].tolist()) | {prompt[pos]}
+        assert next(iter(entries[pos])) == prompt[pos]
+        for token, logprob in entries[pos].items():
+            assert abs(logprob - row[token]) < 1e-4
+
+
+def test_prompt_logprobs_of_a_prompt_longer_than_the_token_budget_equal_log_softmax_of_hf_logits(
+        tiny_llm, hf_log_softmax):
+    prompt = _prompts(1, seed=12, low=150, high=151)[0]  # 3 chunks of max_num_batched_tokens=64
+    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=5))[0]
+    assert_prompt_logprobs_match_hf(out.prompt_logprobs, prompt, 5, hf_log_softmax(prompt))
+    plain = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0]
+    assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_prompt_logprobs_compute_a_prompt_the_prefix_cache_holds(tiny_llm, hf_log_softmax):
+    prompt = _prompts(1, seed=13, low=40, high=41)[0]
+    tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+    scheduler = tiny_llm.engine.scheduler
+    hits = scheduler.prefix_cache_hits
+    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    assert scheduler.prefix_cache_hits == hits
+    assert_prompt_logprobs_match_hf(out.prompt_logprobs, prompt, 0, hf_log_softmax(prompt))
+    assert all(len(entry) == 1 for entry in out.prompt_logprobs[1:])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_are_recorded_once_when_preemption_recomputes_the_prompt(tiny_llama_dir, hf_log_softmax,
+                                                                                  async_scheduling):
+    engine = LLMEngine(tiny_llama_dir, max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=24,
+                       precompile=False, async_scheduling=async_scheduling)
+    for i, prompt in enumerate(_prompts(4, seed=14, low=12, high=13)):
+        engine.add_request(f"other{i}", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    target = _prompts(1, seed=15, low=60, high=61)[0]
+    engine.add_request("target", target, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
+    request = engine.scheduler.get_request("target")
+    recorded_at_preemption, final = [], None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if request.status == RequestStatus.PREEMPTED:
+            recorded_at_preemption.append(len(engine._groups["target"].prompt_logprobs.entries))
+        final = next((o for o in outs if o.request_id == "target" and o.finished), final)
+    assert 1 < min(recorded_at_preemption) < len(target)  # preempted part-way through its prompt
+    assert_prompt_logprobs_match_hf(final.prompt_logprobs, target, 3, hf_log_softmax(target))
+
+
+def test_n_2_returns_prompt_logprobs_computed_by_the_prefill_parent(tiny_llm, hf_log_softmax):
+    prompt = _prompts(1, seed=16, low=30, high=31)[0]
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4, prompt_logprobs=2)
+    out = tiny_llm.generate([prompt], params)[0]
+    assert len(out.outputs) == 2
+    assert_prompt_logprobs_match_hf(out.prompt_logprobs, prompt, 2, hf_log_softmax(prompt))
+
+
+def test_prompt_logprobs_above_20_are_rejected(tiny_llm):
+    with pytest.raises(ValueError, match="prompt_logprobs=21"):
+        tiny_llm.generate([[5, 6, 7]], SamplingParams(prompt_logprobs=21))

@@ -33,6 +33,13 @@ def test_prefix_hit_leaves_out_the_last_one_token_block():
     assert ([b.block_id for b in blocks], num_tokens) == ([1, 2], 2)
 
 
+def test_request_skipping_prefix_cache_reads_hits_nothing():
+    kv = manager()
+    computed(kv, list(range(12)), "a")
+    skipper = Request("b", list(range(12)), SamplingParams(), skip_reading_prefix_cache=True)
+    assert kv.get_computed_blocks(skipper) == ([], 0)
+
+
 def test_fully_hit_allocation_copies_the_last_block_into_a_fresh_unregistered_one():
     kv = manager()
     a = computed(kv, list(range(8)), "a")

@@ -44,6 +44,21 @@ def test_same_prompt_twice_hits_the_cache_and_generates_the_same_tokens():
     assert (sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits) == (16, 7)
 
 
+def test_request_skipping_prefix_cache_reads_computes_its_cached_prompt_and_is_not_counted():
+    sched, runner = setup()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    first = make_request("first", prompt)
+    sched.add_request(first)
+    run_until_done(sched, runner)
+    second = make_request("second", prompt, skip_reading_prefix_cache=True)
+    sched.add_request(second)
+    out, _ = step(sched, runner)
+    assert (out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens) == (0, 8)
+    run_until_done(sched, runner)
+    assert second.output_token_ids == first.output_token_ids
+    assert (sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits) == (8, 0)
+
+
 def _cached_prompt_and_its_twin():
     sched, runner = setup()
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -244,16 +244,15 @@ def _mlp_block(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> j
     return _linear(jax.nn.silu(gate) * up, layer["w_down"], layer.get("b_down"))
 
 
-def forward(
+def hidden_states(
     params: Params,
     kv_caches: KVCache,
     batch: dict[str, jax.Array],
     *,
     cfg: ModelConfig,
     ops: AttentionOps,
-    all_logits: bool = False,
 ) -> tuple[jax.Array, KVCache]:
-    """One model step over a ragged batch.
+    """The decoder over a ragged batch, up to the final norm (HF's ``last_hidden_state``).
 
     Args:
       params: the parameter pytree (module docstring).
@@ -261,15 +260,13 @@ def forward(
         ``[num_blocks, block_size, num_kv_heads, head_dim]``.
       batch: ``input_ids, positions, slot_mapping: int32[T]``,
         ``block_tables: int32[S, W]``, ``seq_lens: int32[S]``,
-        ``query_start_loc: int32[S + 1]``, ``logits_indices: int32[S]``,
-        ``num_seqs: int32[]``.
+        ``query_start_loc: int32[S + 1]``, ``num_seqs: int32[]``.
       cfg: model configuration (static).
       ops: attention kernels or references (static).
-      all_logits: return logits for every token row instead of ``logits_indices``.
 
     Returns:
-      (logits, kv_caches): logits float32 ``[S, vocab]`` (``[T, vocab]`` with
-      ``all_logits``), and the caches with this step's K/V written.
+      (hidden, kv_caches): hidden ``[T, hidden_size]`` in the params' dtype,
+      normed by ``final_norm``, and the caches with this step's K/V written.
     """
     x = params["embed"][batch["input_ids"]]
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope))
@@ -281,9 +278,37 @@ def forward(
         x = x + attn
         x = x + _mlp_block(layer, x, cfg)
         new_caches.append(kv)
-    if not all_logits:
-        x = x[batch["logits_indices"]]
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_caches
+
+
+def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    """The lm_head (or the tied embedding): hidden ``[N, hidden_size]`` ->
+    logits float32 ``[N, vocab]``, accumulated in float32."""
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
-    return logits, new_caches
+    return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+
+
+def forward(
+    params: Params,
+    kv_caches: KVCache,
+    batch: dict[str, jax.Array],
+    *,
+    cfg: ModelConfig,
+    ops: AttentionOps,
+    all_logits: bool = False,
+) -> tuple[jax.Array, KVCache]:
+    """One model step: :func:`hidden_states`, then :func:`compute_logits` of
+    the rows at ``batch["logits_indices"]: int32[S]``.
+
+    Args:
+      params, kv_caches, batch, cfg, ops: as :func:`hidden_states`.
+      all_logits: return logits for every token row instead of ``logits_indices``.
+
+    Returns:
+      (logits, kv_caches): logits float32 ``[S, vocab]`` (``[T, vocab]`` with
+      ``all_logits``), and the caches with this step's K/V written.
+    """
+    hidden, kv_caches = hidden_states(params, kv_caches, batch, cfg=cfg, ops=ops)
+    if not all_logits:
+        hidden = hidden[batch["logits_indices"]]
+    return compute_logits(params, hidden, cfg=cfg), kv_caches

@@ -1,0 +1,122 @@
+"""Prompt logprobs on the host: which token rows of a step want one, and recording what the step returns.
+
+vLLM's ``SamplingParams.prompt_logprobs=k``: for every prompt position a
+``{token_id: logprob}`` dict holding the prompt token's logprob and the top
+``k``, of the raw model distribution (``log_softmax`` of the float32 logits);
+position 0 has no logprob (None). The step computes, at each query token,
+the logprob of the prompt token that follows it (``prompt_target_ids``,
+``sampling.prompt_logprobs``), so query position ``p`` gives prompt position
+``p + 1``.
+
+Positions are recorded as each prefill chunk is computed, each once: a
+request recomputed after preemption asks only for positions not recorded
+yet, and a step that was in flight when its request was preempted (async
+scheduling) is not recorded twice. The request that computes them skips the
+prefix cache (``Request.skip_reading_prefix_cache``), as in vLLM, until they
+are all recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from scheduler import ScheduledRequest
+
+
+class PromptLogprobs:
+    """One request's prompt logprobs, filled in as its prompt is computed.
+
+    Args:
+      prompt: the prompt's token ids.
+      num_top: top logprobs kept per position (``SamplingParams.prompt_logprobs``).
+
+    Attributes:
+      entries: per prompt position recorded so far: None for position 0,
+        then ``{prompt token: logprob, top tokens: logprob...}`` (the prompt
+        token first, as vLLM).
+    """
+
+    def __init__(self, prompt: Sequence[int], num_top: int) -> None:
+        self.prompt = np.asarray(prompt, np.int32)
+        self.num_top = num_top
+        self.entries: list[Optional[dict[int, float]]] = [None]
+
+    @property
+    def complete(self) -> bool:
+        """Every prompt position is recorded."""
+        return len(self.entries) == len(self.prompt)
+
+    def targets(self, start: int, count: int) -> Optional[np.ndarray]:
+        """Target ids of ``count`` query tokens at positions ``start, start + 1, ...``.
+
+        Returns:
+          int32[count]: the prompt token at ``p + 1`` for query position ``p``
+          where that prompt position is not recorded yet, -1 elsewhere; None
+          when no position is wanted.
+        """
+        first, end = max(start + 1, len(self.entries)), min(start + count + 1, len(self.prompt))
+        if first >= end:
+            return None
+        out = np.full(count, -1, np.int32)
+        out[first - start - 1: end - start - 1] = self.prompt[first:end]
+        return out
+
+    def record(self, start: int, logprobs: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray) -> None:
+        """Record the step's outputs for query positions ``start, start + 1, ...``.
+
+        Args:
+          start: the first query token's position.
+          logprobs: float32[count]; top_ids: int32[count, K]; top_logprobs:
+            float32[count, K] (``sampling.prompt_logprobs``'s rows of these tokens).
+
+        Only prompt positions not recorded yet are taken, in order.
+        """
+        k = self.num_top
+        for i in range(max(len(self.entries) - 1 - start, 0), min(len(logprobs), len(self.prompt) - 1 - start)):
+            pos = start + 1 + i
+            if pos != len(self.entries):
+                # Positions arrive in order; never record past a gap.
+                break
+            entry = {int(self.prompt[pos]): float(logprobs[i])}
+            entry.update(zip(top_ids[i, :k].tolist(), top_logprobs[i, :k].tolist()))
+            self.entries.append(entry)
+
+
+def prompt_targets(rows: Sequence[ScheduledRequest], trackers: dict[str, PromptLogprobs],
+                   num_slots: int) -> Optional[np.ndarray]:
+    """The step's ``prompt_target_ids``: int32[num_slots] (the T bucket), -1
+    where nothing is wanted; None when no row wants any. ``trackers`` maps
+    the request ids whose prompt logprobs are not all recorded."""
+    if not trackers:
+        return None
+    targets, start = None, 0
+    for row in rows:
+        tracker = trackers.get(row.request.request_id)
+        wanted = None if tracker is None else tracker.targets(row.num_computed_tokens, row.num_new_tokens)
+        if wanted is not None:
+            if targets is None:
+                targets = np.full(num_slots, -1, np.int32)
+            targets[start: start + row.num_new_tokens] = wanted
+        start += row.num_new_tokens
+    return targets
+
+
+def record_prompt_logprobs(rows: Sequence[ScheduledRequest], trackers: dict[str, PromptLogprobs],
+                           out: dict[str, np.ndarray]) -> None:
+    """Record a step's prompt logprobs (``out["prompt_*"]``, one row per
+    token) into the rows' trackers; a tracker complete now leaves
+    ``trackers``, and its request may read the prefix cache again."""
+    start = 0
+    for row in rows:
+        end = start + row.num_new_tokens
+        request = row.request
+        tracker = trackers.get(request.request_id)
+        if tracker is not None:
+            tracker.record(row.num_computed_tokens, out["prompt_logprobs"][start:end],
+                           out["prompt_top_ids"][start:end], out["prompt_top_logprobs"][start:end])
+            if tracker.complete:
+                del trackers[request.request_id]
+                request.skip_reading_prefix_cache = False
+        start = end
