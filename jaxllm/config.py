@@ -182,7 +182,7 @@ class EngineConfig:
       interpret: run Pallas kernels in interpret mode (CPU testing).
       token_buckets, seq_buckets, width_buckets: explicit bucket ladders
         (T tokens, S rows, W block-table width); None derives each from the
-        limits (see :meth:`bucket_ladders`).
+        limits (see :meth:`bucket_ladders`); each must reach its limit.
       precompile: compile every bucket at start-up (False: on first use).
       async_scheduling: schedule step N+1 while the device runs step N
         (outputs are identical; see ``LLMEngine.step``).
@@ -282,6 +282,10 @@ class EngineConfig:
         ``ceil(max_model_len / block_size)`` for the jnp reference, whose
         attention cost grows with W, and is the maximum alone for the Pallas
         kernels, which read only a sequence's own blocks.
+
+        Raises:
+          ValueError: an explicit ladder that stops short of its limit (named
+            with the limit).
         """
         max_width = self.max_blocks_per_seq(max_model_len)
         tokens = self.token_buckets or geometric_ladder(16, self.max_num_batched_tokens, 2)
@@ -292,6 +296,13 @@ class EngineConfig:
             widths = (max_width,)
         else:
             widths = geometric_ladder(4, max_width, 4)
+        limits = (("token_buckets", tokens, self.max_num_batched_tokens, "max_num_batched_tokens"),
+                  ("seq_buckets", seqs, self.max_num_seqs, "max_num_seqs"),
+                  ("width_buckets", widths, max_width, "ceil(max_model_len / block_size)"))
+        for name, ladder, limit, limit_name in limits:
+            if max(ladder) < limit:
+                raise ValueError(f"{name}={list(ladder)} must reach {limit_name}={limit}: a step that size "
+                                 "would have no bucket")
         return tuple(tokens), tuple(seqs), tuple(widths)
 
 

@@ -272,6 +272,11 @@ class LLMEngine:
             seed = seq_params.seed if seq_params.seed is not None else int(self._seed_rng.integers(0, 2**32))
             samplings.append(make_sequence_sampling(seq_params, seed, min_tokens_banned, self.model_config.vocab_size,
                                                     self.tokenizer))
+            if samplings[-1].multi_token_bad_words and self.config.async_scheduling:
+                # Their bans match the last generated tokens, which async
+                # scheduling knows on the host only one step late.
+                raise ValueError(f"bad_words of several tokens ({params.bad_words!r}) are not supported with "
+                                 "async_scheduling=True; use single-token words or async_scheduling=False")
             seq_id = request_id if n == 1 else f"{i}_{request_id}"
             detok = None
             if self.tokenizer is not None:
@@ -287,6 +292,7 @@ class LLMEngine:
             # Prefill-only: its one sample is never used, so it samples greedily.
             parent_params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
             group.parent = Request(f"prefill_{request_id}", ids[:-1], parent_params, **kwargs)
+            group.parent.prefill_only = True
             self._parent_group[group.parent.request_id] = group
             prefill = group.parent
         else:
@@ -342,7 +348,12 @@ class LLMEngine:
             self.slots.release(request.request_id)
         touched: list[Request] = list(sched_out.finished)
         prev = self._in_flight
-        launched = (sched_out, self._launch(sched_out, prev[1][1] if prev else None))
+        try:
+            launched = (sched_out, self._launch(sched_out, prev[1][1] if prev else None))
+        except Exception:
+            # Its rows never ran: they go back to waiting, so the engine stays usable.
+            self.scheduler.discard_output(sched_out)
+            raise
         done = [prev] if prev is not None else []
         if self.config.async_scheduling and launched[1] is not None:
             self._in_flight = launched
@@ -412,8 +423,9 @@ class LLMEngine:
             group = self._seq_group.get(row.request.request_id)
             if group is None or not row.samples:
                 continue
-            seq = next(s for s in group.seqs if s.request is row.request)
-            if seq.logprobs is None or len(seq.logprobs) >= row.request.num_output_tokens:
+            # An aborted request's id may already name a new request.
+            seq = next((s for s in group.seqs if s.request is row.request), None)
+            if seq is None or seq.logprobs is None or len(seq.logprobs) >= row.request.num_output_tokens:
                 continue
             k = row.request.sampling_params.logprobs
             entry = {int(t): float(lp) for t, lp in zip(sampled["top_ids"][i, :k], sampled["top_logprobs"][i, :k])}

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from scheduler import ScheduledRequest
+from scheduler import RequestStatus, ScheduledRequest
 
 
 class PromptLogprobs:
@@ -113,7 +113,8 @@ def record_prompt_logprobs(rows: Sequence[ScheduledRequest], trackers: dict[str,
         end = start + row.num_new_tokens
         request = row.request
         tracker = trackers.get(request.request_id)
-        if tracker is not None:
+        # An aborted request's id may already name a new request.
+        if tracker is not None and request.status is not RequestStatus.FINISHED_ABORTED:
             tracker.record(row.num_computed_tokens, out["prompt_logprobs"][start:end],
                            out["prompt_top_ids"][start:end], out["prompt_top_logprobs"][start:end])
             if tracker.complete:

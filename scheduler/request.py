@@ -90,7 +90,7 @@ class Request:
         "priority", "cache_salt", "output_token_ids", "num_computed_tokens", "status",
         "stop_reason", "ignored_reason", "num_preemptions", "first_scheduled_time",
         "block_hashes", "prompt_array", "_all_token_ids", "_max_tokens", "_seq", "_stop_ids", "_length_limit",
-        "num_pending_samples", "_last_sample_row", "skip_reading_prefix_cache",
+        "num_pending_samples", "_last_sample_row", "prefill_only", "skip_reading_prefix_cache",
     )
 
     def __init__(
@@ -147,6 +147,9 @@ class Request:
         # update_from_output, and the row (in the last output) of the latest.
         self.num_pending_samples = 0
         self._last_sample_row = -1
+        # A parent that only prefills a prompt for ``fork_request``: it is
+        # never scheduled past its prompt.
+        self.prefill_only = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -289,10 +289,11 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens
             num_tokens = len(req._all_token_ids) + req.num_pending_samples
-            if req.num_pending_samples and num_tokens >= req._length_limit:
-                # Only with async scheduling: its pending sample ends it. (A
-                # prompt of exactly max_model_len tokens reaches the limit
-                # with no sample pending; it must still finish its prefill.)
+            if req.num_pending_samples and (num_tokens >= req._length_limit or req.prefill_only):
+                # Only with async scheduling: its pending sample ends it, or
+                # it is a prefill parent waiting to be forked. (A prompt of
+                # exactly max_model_len tokens reaches the limit with no
+                # sample pending; it must still finish its prefill.)
                 continue
             n = num_tokens - computed
             if n != 1:
@@ -518,6 +519,33 @@ class Scheduler:
         if (max_tokens is not None and num_output >= max_tokens) or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def discard_output(self, output: SchedulerOutput) -> None:
+        """Forget the newest ``schedule()`` output, whose step never ran (the
+        runner failed before launching it).
+
+        Its rows' requests lose their blocks and progress and wait again, as
+        after a recompute preemption, so the scheduler stays consistent and
+        the next ``schedule()`` works.
+
+        Raises:
+          ValueError: ``output`` is not the newest pending output.
+        """
+        if not self._pending or output is not self._pending[-1]:
+            raise ValueError("discard_output: output is not the newest pending output of schedule()")
+        self._pending.pop()
+        self.kv_cache_manager.release_copy_sources()
+        for row in output.scheduled:
+            req = row.request
+            if req.status is not _RUNNING:
+                continue
+            self.running.remove(req)
+            self.kv_cache_manager.free(req)
+            req.num_computed_tokens = 0
+            req.num_pending_samples = 0
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.append(req)
+        self._waiting_dirty = True
 
     def _release(self, req: Request, status: RequestStatus) -> None:
         """Finish ``req``: set ``status``, free its blocks, forget it. The caller fixes the running/waiting lists."""

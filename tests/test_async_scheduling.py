@@ -48,3 +48,38 @@ def test_async_engine_returns_outputs_one_step_behind(stories_dir):
         llm.engine.step()
         steps += 1
     assert steps == 4
+
+
+def test_async_n_greater_than_one_matches_sync(stories_dir):
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=12)
+    outs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(model=stories_dir, precompile=False, async_scheduling=async_scheduling)
+        out = llm.generate(["Once upon a time", "One day"], params, use_tqdm=False)
+        outs[async_scheduling] = [[c.token_ids for c in o.outputs] for o in out]
+        assert llm.engine.scheduler.stats.num_free_blocks == llm.engine.num_blocks - 1
+    assert outs[True] == outs[False]
+    assert all(len(o) == 3 for o in outs[True])
+
+
+def test_aborting_then_reusing_a_request_id_under_async_scheduling(stories_dir):
+    engine = LLM(model=stories_dir, precompile=False, async_scheduling=True).engine
+    engine.add_request("r", "Once upon a time", SamplingParams(temperature=0, max_tokens=20, logprobs=2))
+    engine.step()
+    engine.step()
+    engine.abort_request("r")
+    engine.add_request("r", "One day", SamplingParams(temperature=0, max_tokens=4, logprobs=2))
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id == "r":
+                final = out
+    assert final is not None and final.prompt == "One day"
+    assert len(final.outputs[0].token_ids) == 4 and len(final.outputs[0].logprobs) == 4
+
+
+def test_multi_token_bad_words_are_rejected_under_async_scheduling(stories_dir):
+    engine = LLM(model=stories_dir, precompile=False, async_scheduling=True).engine
+    with pytest.raises(ValueError, match="not supported with async_scheduling=True"):
+        engine.add_request("b", "Once upon a time", SamplingParams(bad_words=["was a"]))
+    assert not engine.has_unfinished_requests()

@@ -73,3 +73,27 @@ def test_duplicate_request_id_is_rejected(engine):
     assert engine.step() == []
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.stats.num_free_blocks == engine.num_blocks - 1
+
+
+def test_bucket_ladder_short_of_its_limit_is_rejected(stories_dir):
+    with pytest.raises(ValueError, match=r"token_buckets=\[16\] must reach max_num_batched_tokens=64"):
+        LLMEngine(stories_dir, token_buckets=(16,), max_num_seqs=8, max_num_batched_tokens=64, precompile=False)
+
+
+def test_a_failed_step_leaves_the_engine_usable(stories_dir, monkeypatch):
+    engine = LLMEngine(stories_dir, max_model_len=64, precompile=False)
+    engine.add_request("a", "Once upon a time", SamplingParams(temperature=0, max_tokens=40))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine.runner, "dispatch", broken)
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+    assert "Once upon a time" + outs["a"].outputs[0].text == STORIES_SENTENCE
+    assert engine.scheduler.stats.num_free_blocks == engine.num_blocks - 1
