@@ -250,6 +250,9 @@ class EngineConfig:
             )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
+        if self.preemption_mode == "swap" and self.num_host_blocks < 1:
+            raise ValueError(f"preemption_mode='swap' needs host blocks to swap to: num_host_blocks="
+                             f"{self.num_host_blocks} must be >= 1")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching={self.batching!r} must be 'continuous' or 'static'")
 

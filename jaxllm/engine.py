@@ -148,11 +148,11 @@ class LLMEngine:
         cfg = self.model_config
         self.max_model_len = self.config.resolve_max_model_len(cfg)
         tp = self.sharding.tensor_parallel_size
-        param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) // tp
         self.num_blocks = resolve_num_blocks(
             self.sharding.per_device_config(), block_size=self.config.block_size, dtype=self.dtype,
             num_kv_blocks=self.config.num_kv_blocks, kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
-            max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len, param_bytes=param_bytes,
+            max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len,
+            device=self.sharding.mesh.devices.flat[0],
         )
         backend = self.config.attention_backend or default_attention_backend()
         kernels = get_attention_ops(backend, interpret=self.config.interpret)
@@ -604,12 +604,16 @@ class LLM:
 
     def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
         pending = set(ids)
-        while pending:
-            for out in self.engine.step():
-                if out.request_id in pending:
-                    yield out
-                    if out.finished:
-                        pending.discard(out.request_id)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        yield out
+                        if out.finished:
+                            pending.discard(out.request_id)
+        finally:
+            # A consumer that stops early must not leave its requests running.
+            self.engine.abort_request(list(pending))
 
     def chat(
         self,

@@ -29,16 +29,16 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
     return cfg.kv_bytes_per_token * block_size * np.dtype(dtype).itemsize
 
 
-def default_kv_cache_bytes(param_bytes: int) -> int:
-    """The KV budget when none is given: on an accelerator, 90% of the
-    device's memory minus what is in use and the parameters; on CPU, 1 GiB."""
-    device = jax.devices()[0]
+def default_kv_cache_bytes(device: Any) -> int:
+    """The KV budget when none is given: on an accelerator, 90% of
+    ``device``'s memory minus what is in use there (the parameters, already
+    placed, included); on CPU, 1 GiB."""
     if device.platform == "cpu":
         return CPU_DEFAULT_KV_BYTES
     stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit", 0)
     in_use = stats.get("bytes_in_use", 0)
-    return max(int(limit * GPU_MEMORY_FRACTION) - in_use - param_bytes, 0)
+    return max(int(limit * GPU_MEMORY_FRACTION) - in_use, 0)
 
 
 def resolve_num_blocks(
@@ -50,12 +50,13 @@ def resolve_num_blocks(
     kv_cache_memory_bytes: Optional[int],
     max_num_seqs: int,
     max_model_len: int,
-    param_bytes: int,
+    device: Any,
 ) -> int:
     """Number of KV blocks, the null block included.
 
     ``num_kv_blocks`` wins when given. Otherwise the budget
-    (``kv_cache_memory_bytes``, or :func:`default_kv_cache_bytes`) is divided
+    (``kv_cache_memory_bytes``, or :func:`default_kv_cache_bytes` of
+    ``device``, this replica's first device) is divided
     by :func:`bytes_per_block`, capped at what ``max_num_seqs`` sequences of
     ``max_model_len`` tokens can use.
 
@@ -66,7 +67,7 @@ def resolve_num_blocks(
     if num_kv_blocks is not None:
         return num_kv_blocks
     per_block = bytes_per_block(cfg, block_size, dtype)
-    budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else default_kv_cache_bytes(param_bytes)
+    budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else default_kv_cache_bytes(device)
     blocks_per_seq = math.ceil(max_model_len / block_size)
     num_blocks = min(budget // per_block, max_num_seqs * blocks_per_seq + 1)
     if num_blocks < blocks_per_seq + 1:

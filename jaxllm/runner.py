@@ -264,10 +264,6 @@ class ModelRunner:
         )
         return out, next_prev
 
-    def execute(self, batch: BatchDescriptor, sampling: SamplingArrays) -> dict[str, np.ndarray]:
-        """Run one step and wait; returns the sampler's outputs cut to ``num_seqs`` rows."""
-        return fetch_rows(self.dispatch(batch, sampling)[0], batch.num_seqs)
-
     def fill_slot(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
         """Reset sampling slot ``slot`` for a sequence (re)admitted with ``token_ids`` (prompt then output)."""
         padded = np.zeros(self.max_model_len, np.int32)

@@ -10,6 +10,7 @@ ranges, so code written against vLLM ports by changing the import. It lives in
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Sequence, Union
 
 _GREEDY_EPS = 1e-5
@@ -86,6 +87,11 @@ class SamplingParams:
         def bad(field: str, value, limit: str) -> ValueError:
             return ValueError(f"SamplingParams.{field}={value!r} is out of range: must be {limit}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, getattr(self, name), "a finite number")
+        if any(not math.isfinite(v) for v in (self.logit_bias or {}).values()):
+            raise bad("logit_bias", self.logit_bias, "finite bias values")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, ">= 1")
         if self.temperature < 0:

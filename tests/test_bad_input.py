@@ -97,3 +97,29 @@ def test_a_failed_step_leaves_the_engine_usable(stories_dir, monkeypatch):
             outs[out.request_id] = out
     assert "Once upon a time" + outs["a"].outputs[0].text == STORIES_SENTENCE
     assert engine.scheduler.stats.num_free_blocks == engine.num_blocks - 1
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(logit_bias={3: float("nan")}), "logit_bias"),
+])
+def test_non_finite_sampling_values_are_rejected(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=.* must be (a )?finite"):
+        SamplingParams(**kwargs)
+
+
+def test_swap_preemption_without_host_blocks_is_rejected(stories_dir):
+    with pytest.raises(ValueError, match="num_host_blocks=0 must be >= 1"):
+        LLMEngine(stories_dir, preemption_mode="swap", precompile=False)
+
+
+def test_stopping_a_stream_early_aborts_its_requests(stories_dir):
+    llm = LLM(model=stories_dir, precompile=False)
+    stream = llm.generate_stream(["Once upon a time", "One day"], SamplingParams(temperature=0, max_tokens=30))
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished_requests() or llm.engine.step() == []
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.stats.num_free_blocks == llm.engine.num_blocks - 1

@@ -70,5 +70,6 @@ def test_chat_renders_the_template(smollm2_gguf):
     llm = LLM(model=smollm2_gguf, max_model_len=256, precompile=False)
     out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=4))[0]
     rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    assert rendered.endswith("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n")
     assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
     assert len(out.outputs[0].token_ids) >= 1
