@@ -149,7 +149,7 @@ class EngineMetrics:
 
     def _on_output(self, out: RequestOutput, now: float) -> None:
         rid, times = out.request_id, out.metrics
-        new_tokens = len(out.delta_token_ids)
+        new_tokens = _new_tokens(out)
         if new_tokens:
             last = self._last_token_time.get(rid)
             if last is None:
@@ -269,7 +269,7 @@ class GenerateProgress:
         """Count one step's new tokens and finished requests."""
         if self._bar.disable:
             return
-        self._tokens += sum(len(out.delta_token_ids) for out in outputs)
+        self._tokens += sum(_new_tokens(out) for out in outputs)
         rate = self._tokens / max(time.perf_counter() - self._start, 1e-9)
         self._bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
         self._bar.update(sum(1 for out in outputs if out.finished))
@@ -279,3 +279,8 @@ class GenerateProgress:
 
     def __exit__(self, *exc) -> None:
         self._bar.close()
+
+
+def _new_tokens(out: RequestOutput) -> int:
+    """Tokens this step added over all ``n`` completions of a request."""
+    return sum(len(c.delta_token_ids) for c in out.outputs)

@@ -259,3 +259,10 @@ def test_bench_throughput_runs_random_weights_from_a_config_json_alone(tmp_path)
     (row,) = result["results"]
     assert row["backend"] == "jaxllm" and set(row) == THROUGHPUT_FIELDS and row["output_tokens_per_s"] > 0
     assert list(folder.iterdir()) == [folder / "config.json"]
+
+
+def test_generation_tokens_count_every_completion_of_n(llm):
+    before = _value(llm, "jaxllm:generation_tokens_total")
+    llm.generate([_prompt(6)], SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=5, ignore_eos=True),
+                 use_tqdm=False)
+    assert _value(llm, "jaxllm:generation_tokens_total") - before == 15
