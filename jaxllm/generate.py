@@ -18,15 +18,18 @@ DEFAULT_PROMPT = "Once upon a time"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxllm.generate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m jaxllm.generate",
+        description="Generate text with jaxllm, streaming it to stdout (default model: SmolLM2-135M-Instruct).",
+    )
     p.add_argument("--model", help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", action="append", help="prompt text; repeat for several (default: %(default)s)")
+    p.add_argument("--prompt", action="append", help=f"prompt text; repeat for several (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k (default 0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random per run)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the engine seed 0, so runs repeat)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens at most (default: the model's max_position_embeddings)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
