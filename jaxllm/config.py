@@ -12,6 +12,8 @@ import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
+from scheduler.buckets import geometric_ladder
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -308,13 +310,3 @@ class EngineConfig:
                                  "would have no bucket")
         return tuple(tokens), tuple(seqs), tuple(widths)
 
-
-def geometric_ladder(low: int, high: int, ratio: int) -> tuple[int, ...]:
-    """``low, low*ratio, ...`` below ``high``, then ``high`` itself."""
-    values = []
-    v = low
-    while v < high:
-        values.append(v)
-        v *= ratio
-    values.append(high)
-    return tuple(values)

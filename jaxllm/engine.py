@@ -203,6 +203,8 @@ class LLMEngine:
 
     @property
     def eos_token_ids(self) -> list[int]:
+        """Token ids that end generation: the tokenizer's (all of
+        generation_config's), else the model config's; the first is primary."""
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
             return list(self.tokenizer.eos_token_ids)
         return list(self.model_config.eos_token_ids)
@@ -327,6 +329,7 @@ class LLMEngine:
                 self._prompt_lp.pop(seq.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
+        """True while a request is queued, running, unreported, or a step is in flight."""
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
@@ -536,6 +539,7 @@ class LLM:
 
     @property
     def tokenizer(self) -> Optional[Tokenizer]:
+        """The model's tokenizer (None for a model without one)."""
         return self.engine.tokenizer
 
     def generate(

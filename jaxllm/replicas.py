@@ -65,10 +65,12 @@ class ReplicatedEngine:
 
     @property
     def tokenizer(self) -> Optional[Tokenizer]:
+        """The shared tokenizer (replica 0's)."""
         return self.replicas[0].tokenizer
 
     @property
     def model_config(self):
+        """The model's ``ModelConfig`` (the same in every replica)."""
         return self.replicas[0].model_config
 
     def choose_replica(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
@@ -98,6 +100,7 @@ class ReplicatedEngine:
         self.num_routed[index] += 1
 
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
+        """Abort requests in whichever replica holds them; their blocks are freed at once."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             index = self.routed.pop(rid, None)
@@ -105,6 +108,7 @@ class ReplicatedEngine:
                 self.replicas[index].abort_request(rid)
 
     def has_unfinished_requests(self) -> bool:
+        """True while any replica has unfinished requests."""
         return any(engine.has_unfinished_requests() for engine in self.replicas)
 
     def step(self) -> list[RequestOutput]:

@@ -137,6 +137,7 @@ class SamplingArrays:
         self.banned[row, : len(banned)] = banned
 
     def as_dict(self) -> dict[str, np.ndarray]:
+        """The arrays by field name: the pytree the step takes."""
         return dataclasses.asdict(self)
 
 

@@ -5,7 +5,7 @@ Pure Python and numpy (plus xxhash); never imports JAX (or jaxllm).
 
 from scheduler.batch import BatchDescriptor, build_batch
 from scheduler.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from scheduler.buckets import BucketTable
+from scheduler.buckets import BucketTable, geometric_ladder
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
@@ -36,5 +36,6 @@ __all__ = [
     "SchedulerStats",
     "UnknownRequestError",
     "build_batch",
+    "geometric_ladder",
     "get_policy",
 ]

@@ -6,17 +6,26 @@ import bisect
 import dataclasses
 
 
-def _ladder(low: int, high: int) -> tuple[int, ...]:
-    """Powers of two from ``low`` (rounded up to one) below ``high``, then ``high`` itself."""
+def geometric_ladder(low: int, high: int, ratio: int = 2) -> tuple[int, ...]:
+    """``low, low*ratio, low*ratio**2, ...`` below ``high``, then ``high`` itself.
+
+    Raises:
+      ValueError: ``low < 1`` or ``ratio < 2``.
+    """
+    if low < 1 or ratio < 2:
+        raise ValueError(f"geometric_ladder: low={low} must be >= 1 and ratio={ratio} >= 2")
     values = []
-    v = 1
-    while v < low:
-        v *= 2
+    v = low
     while v < high:
         values.append(v)
-        v *= 2
+        v *= ratio
     values.append(high)
     return tuple(values)
+
+
+def _ladder(low: int, high: int) -> tuple[int, ...]:
+    """Powers of two from ``low`` (rounded up to one) below ``high``, then ``high`` itself."""
+    return geometric_ladder(1 << max(low - 1, 0).bit_length(), high)
 
 
 @dataclasses.dataclass(frozen=True)
