@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
-from scheduler.buckets import geometric_ladder
+from scheduler.buckets import geometric_ladder, half_step_ladder
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -180,7 +180,8 @@ class EngineConfig:
       max_model_len: prompt + output tokens per request at most.
       dtype: "auto", "float32", "bfloat16" or "float16" (compute and KV).
       seed: engine seed for requests without their own.
-      attention_backend: "pallas", "reference" or None (pallas on GPU).
+      attention_backend: "pallas", "xla", "reference" or None (pallas on GPU, xla
+        elsewhere; see ``kernels_pallas.get_attention_ops``).
       interpret: run Pallas kernels in interpret mode (CPU testing).
       token_buckets, seq_buckets, width_buckets: explicit bucket ladders
         (T tokens, S rows, W block-table width); None derives each from the
@@ -280,27 +281,29 @@ class EngineConfig:
     def bucket_ladders(self, max_model_len: int, attention_backend: str) -> tuple[tuple[int, ...], ...]:
         """The (T, S, W) ladders steps are padded to.
 
-        Defaults, each ending exactly at its maximum: T doubles from 16 up to
-        ``max_num_batched_tokens`` (padded tokens cost real matmul work, so the
-        steps are fine); S quadruples from 4 up to ``max_num_seqs`` (a padded
-        row costs one lm_head row); W quadruples from 4 blocks up to
-        ``ceil(max_model_len / block_size)`` for the jnp reference, whose
-        attention cost grows with W, and is the maximum alone for the Pallas
-        kernels, which read only a sequence's own blocks.
+        Defaults, each ending exactly at its maximum: T takes powers of two
+        from 16 and the halfway points between them (16, 24, 32, 48, ...) up to
+        ``max_num_batched_tokens``, since padded tokens cost real matmul work;
+        S is T capped at ``max_num_seqs`` (each T is paired with one S, see
+        ``BucketTable``), so a decode step of n rows pads to at most 1.5 n; W
+        is the maximum alone (``ceil(max_model_len / block_size)``) for the
+        ``xla`` and ``pallas`` attention, whose cost follows each sequence's
+        length rather than the table width, and quadruples from 4 blocks for
+        the ``reference``, whose cost grows with W.
 
         Raises:
           ValueError: an explicit ladder that stops short of its limit (named
             with the limit).
         """
         max_width = self.max_blocks_per_seq(max_model_len)
-        tokens = self.token_buckets or geometric_ladder(16, self.max_num_batched_tokens, 2)
-        seqs = self.seq_buckets or geometric_ladder(4, self.max_num_seqs, 4)
+        tokens = self.token_buckets or half_step_ladder(16, self.max_num_batched_tokens)
+        seqs = self.seq_buckets or tuple(sorted({min(t, self.max_num_seqs) for t in tokens}))
         if self.width_buckets:
             widths = self.width_buckets
-        elif attention_backend == "pallas":
-            widths = (max_width,)
-        else:
+        elif attention_backend == "reference":
             widths = geometric_ladder(4, max_width, 4)
+        else:
+            widths = (max_width,)
         limits = (("token_buckets", tokens, self.max_num_batched_tokens, "max_num_batched_tokens"),
                   ("seq_buckets", seqs, self.max_num_seqs, "max_num_seqs"),
                   ("width_buckets", widths, max_width, "ceil(max_model_len / block_size)"))

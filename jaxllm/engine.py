@@ -34,7 +34,6 @@ from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.kv_cache import resolve_num_blocks
 from jaxllm.loader import load_sharded
 from jaxllm.metrics import EngineMetrics, GenerateProgress
-from jaxllm.models.llama import AttentionOps
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
 from jaxllm.default_model import cache_dir
@@ -155,8 +154,7 @@ class LLMEngine:
             device=self.sharding.mesh.devices.flat[0],
         )
         backend = self.config.attention_backend or default_attention_backend()
-        kernels = get_attention_ops(backend, interpret=self.config.interpret)
-        ops = self.sharding.attention_ops(AttentionOps(kernels.ragged_paged_attention, kernels.kv_cache_write))
+        ops = self.sharding.attention_ops(get_attention_ops(backend, interpret=self.config.interpret))
         self.buckets = BucketTable(*self.config.bucket_ladders(self.max_model_len, backend))
         cache = self.config.compilation_cache
         enable_persistent_compilation_cache(str(cache_dir() / "xla") if cache == "default" else cache)

@@ -1,8 +1,10 @@
 """The paged KV cache: sizing from a memory budget and device allocation.
 
-Layout per layer (vLLM's "NHD" paged layout): ``k_cache, v_cache:
-[num_blocks, block_size, num_kv_heads, head_dim]``. Block 0 is the null block
-that padded token slots write into; the scheduler never hands it out.
+Layout: ``k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads,
+head_dim]``, each layer in vLLM's "NHD" paged layout, stacked so the model's
+scan over layers carries one array per K and V. Block 0 (of every layer) is
+the null block that padded token slots write into; the scheduler never hands
+it out.
 """
 
 from __future__ import annotations
@@ -79,13 +81,13 @@ def resolve_num_blocks(
 
 
 def allocate_kv_cache(num_blocks: int, block_size: int, dtype: Any, sharding: "ModelSharding") -> KVCache:
-    """Zeroed per-layer ``(k_cache, v_cache)`` on ``sharding``'s devices.
+    """Zeroed ``(k_cache, v_cache)`` on ``sharding``'s devices.
 
-    Each array: ``[num_blocks, block_size, sharding.num_cache_heads,
-    head_dim]`` of ``dtype``, split over the heads axis
-    (``sharding.kv_cache_sharding``) and created shard by shard.
+    Each array: ``[num_layers, num_blocks, block_size,
+    sharding.num_cache_heads, head_dim]`` of ``dtype``, split over the heads
+    axis (``sharding.kv_cache_sharding``) and created shard by shard.
     """
     cfg = sharding.cfg
-    shape = (num_blocks, block_size, sharding.num_cache_heads, cfg.head_dim)
+    shape = (cfg.num_layers, num_blocks, block_size, sharding.num_cache_heads, cfg.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.kv_cache_sharding)
-    return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+    return zeros(), zeros()

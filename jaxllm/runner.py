@@ -40,7 +40,7 @@ BATCH_KEYS = (
 BLOCK_CHUNK = 16
 
 
-def _step(params: Params, kv_caches: KVCache, batch: dict, sampling: dict, tables: dict, prev_tokens: jax.Array,
+def _step(params: Params, kv_cache: KVCache, batch: dict, sampling: dict, tables: dict, prev_tokens: jax.Array,
           *, cfg: ModelConfig, ops: AttentionOps) -> tuple[dict, jax.Array, KVCache, dict]:
     """Model + sampler + prompt logprobs. Input ids marked in
     ``prev_token_index`` come from the previous step's samples
@@ -50,24 +50,25 @@ def _step(params: Params, kv_caches: KVCache, batch: dict, sampling: dict, table
     rows, for ``batch["prompt_target_ids"]``)."""
     from_prev = batch["prev_token_index"]
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch["input_ids"])
-    hidden, kv_caches = hidden_states(params, kv_caches, dict(batch, input_ids=input_ids), cfg=cfg, ops=ops)
+    hidden, kv_cache = hidden_states(params, kv_cache, dict(batch, input_ids=input_ids), cfg=cfg, ops=ops)
     head = functools.partial(compute_logits, params, cfg=cfg)
     out, tables = sample(head(hidden[batch["logits_indices"]]), sampling, tables)
     out = {**out, **prompt_logprobs(head, hidden, batch["prompt_target_ids"])}
     next_prev = jnp.zeros_like(prev_tokens).at[: out["token_ids"].shape[0]].set(out["token_ids"])
-    return out, next_prev, kv_caches, tables
+    return out, next_prev, kv_cache, tables
 
 
-def _gather_blocks(kv_caches: KVCache, ids: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-    return [(k[ids], v[ids]) for k, v in kv_caches]
+# Block ops act on every layer at once: block ids index axis 1 of the caches.
+def _gather_blocks(kv_cache: KVCache, ids: jax.Array) -> KVCache:
+    return tuple(c[:, ids] for c in kv_cache)
 
 
-def _scatter_blocks(kv_caches: KVCache, ids: jax.Array, blocks: list) -> KVCache:
-    return [(k.at[ids].set(bk), v.at[ids].set(bv)) for (k, v), (bk, bv) in zip(kv_caches, blocks)]
+def _scatter_blocks(kv_cache: KVCache, ids: jax.Array, blocks: KVCache) -> KVCache:
+    return tuple(c.at[:, ids].set(b) for c, b in zip(kv_cache, blocks))
 
 
-def _copy_blocks(kv_caches: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
+def _copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    return tuple(c.at[:, dst].set(c[:, src]) for c in kv_cache)
 
 
 def _abstract(tree: Any) -> Any:
@@ -106,7 +107,7 @@ class ModelRunner:
         are padded to).
 
     Attributes:
-      kv_caches: per layer ``(k, v)``, each ``[num_blocks, block_size,
+      kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size,
         sharding.num_cache_heads, head_dim]``, split over heads.
       sampler_tables: the sampler's per-slot tables (``sampling.init_tables``),
         replicated on the mesh and donated to every step like the KV cache.
@@ -124,7 +125,7 @@ class ModelRunner:
         self.dtype = dtype
         self.buckets = buckets
         self.params = params
-        self.kv_caches = allocate_kv_cache(num_blocks, block_size, dtype, sharding)
+        self.kv_cache = allocate_kv_cache(num_blocks, block_size, dtype, sharding)
         self._replicated = sharding.replicated
         self._kv_sharding = sharding.kv_cache_sharding
         self.sampler_tables = jax.device_put(init_tables(num_sampling_slots, cfg.vocab_size), self._replicated)
@@ -139,9 +140,9 @@ class ModelRunner:
                                                 self._replicated))
         self._steps: dict[tuple[int, int, int], Callable] = {}
         self._block_ops: dict[str, Callable] = {}
-        block_shape = (num_host_blocks,) + self.kv_caches[0][0].shape[1:]
-        self.host_pool = [(np.zeros(block_shape, dtype), np.zeros(block_shape, dtype))
-                          for _ in range(cfg.num_layers if num_host_blocks else 0)]
+        # Host swap space: (k, v), each [num_layers, num_host_blocks, block_size, heads, head_dim].
+        pool_shape = (cfg.num_layers, num_host_blocks) + self.kv_cache[0].shape[2:]
+        self.host_pool = (np.zeros(pool_shape, dtype), np.zeros(pool_shape, dtype)) if num_host_blocks else None
 
     # ------------------------------------------------------------ compilation
 
@@ -153,7 +154,7 @@ class ModelRunner:
         return exe
 
     def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
-        """Abstract ``(params, kv_caches, batch, sampling, sampler_tables, prev_tokens)`` of bucket ``shape``:
+        """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens)`` of bucket ``shape``:
         exactly the structure, dtypes and shardings :meth:`execute` passes."""
         t, s, w = shape
         i32 = np.int32
@@ -167,7 +168,7 @@ class ModelRunner:
         batch = {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
         sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
                     for k, v in SamplingArrays.empty(s).as_dict().items()}
-        return (_abstract(self.params), _abstract(self.kv_caches), batch, sampling, _abstract(self.sampler_tables),
+        return (_abstract(self.params), _abstract(self.kv_cache), batch, sampling, _abstract(self.sampler_tables),
                 _abstract(self._no_prev_tokens))
 
     def compile_step(self, shape: tuple[int, int, int]) -> Callable:
@@ -181,7 +182,7 @@ class ModelRunner:
         exe = self._block_ops.get(name)
         if exe is not None:
             return exe
-        kv = _abstract(self.kv_caches)
+        kv = _abstract(self.kv_cache)
         rep = self._replicated
         ids = jax.ShapeDtypeStruct((BLOCK_CHUNK,), np.int32, sharding=rep)
         tables = _abstract(self.sampler_tables)
@@ -199,8 +200,8 @@ class ModelRunner:
         elif name == "gather":
             exe = self._compiled(jax.jit(_gather_blocks), kv, ids)
         elif name == "scatter":
-            blocks = [(jax.ShapeDtypeStruct((BLOCK_CHUNK,) + k.shape[1:], k.dtype, sharding=k.sharding),) * 2
-                      for k, _ in kv]
+            blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], BLOCK_CHUNK) + c.shape[2:], c.dtype, sharding=c.sharding)
+                           for c in kv)
             scatter = jax.jit(_scatter_blocks, donate_argnums=(0,), out_shardings=self._kv_sharding)
             exe = self._compiled(scatter, kv, ids, blocks)
         else:
@@ -259,8 +260,8 @@ class ModelRunner:
         arrays["prompt_target_ids"] = prompt_target_ids
         device_batch, device_sampling = jax.device_put((arrays, sampling.as_dict()), self._replicated)
         prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
-        out, next_prev, self.kv_caches, self.sampler_tables = exe(
-            self.params, self.kv_caches, device_batch, device_sampling, self.sampler_tables, prev
+        out, next_prev, self.kv_cache, self.sampler_tables = exe(
+            self.params, self.kv_cache, device_batch, device_sampling, self.sampler_tables, prev
         )
         return out, next_prev
 
@@ -280,29 +281,26 @@ class ModelRunner:
         """Device-side block copies: ``pairs`` of (src, dst) block ids."""
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
         for chunk, _ in _chunks(pairs):
-            self.kv_caches = self._block_op("copy")(self.kv_caches, chunk[:, 0], chunk[:, 1])
+            self.kv_cache = self._block_op("copy")(self.kv_cache, chunk[:, 0], chunk[:, 1])
 
     def swap_out(self, pairs: Sequence[Sequence[int]]) -> None:
         """Copy device blocks to the host pool: ``pairs`` of (device, host) ids."""
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
         for chunk, n in _chunks(pairs):
-            blocks = jax.device_get(self._block_op("gather")(self.kv_caches, chunk[:, 0]))
-            for (hk, hv), (bk, bv) in zip(self.host_pool, blocks):
-                hk[chunk[:n, 1]] = bk[:n]
-                hv[chunk[:n, 1]] = bv[:n]
+            blocks = jax.device_get(self._block_op("gather")(self.kv_cache, chunk[:, 0]))
+            for pool, block in zip(self.host_pool, blocks):
+                pool[:, chunk[:n, 1]] = block[:, :n]
 
     def swap_in(self, pairs: Sequence[Sequence[int]]) -> None:
         """Copy host-pool blocks back to the device: ``pairs`` of (host, device) ids."""
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
         for chunk, n in _chunks(pairs):
             blocks = []
-            for hk, hv in self.host_pool:
-                bk = np.zeros((BLOCK_CHUNK,) + hk.shape[1:], hk.dtype)
-                bv = np.zeros_like(bk)
-                bk[:n] = hk[chunk[:n, 0]]
-                bv[:n] = hv[chunk[:n, 0]]
-                blocks.append((bk, bv))
-            self.kv_caches = self._block_op("scatter")(self.kv_caches, chunk[:, 1], blocks)
+            for pool in self.host_pool:
+                block = np.zeros((pool.shape[0], BLOCK_CHUNK) + pool.shape[2:], pool.dtype)
+                block[:, :n] = pool[:, chunk[:n, 0]]
+                blocks.append(block)
+            self.kv_cache = self._block_op("scatter")(self.kv_cache, chunk[:, 1], tuple(blocks))
 
 
 def enable_persistent_compilation_cache(path: Optional[str]) -> None:

@@ -43,7 +43,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.llama import AttentionOps, Params
+from jaxllm.models.llama import Params
+from kernels_pallas import AttentionOps
 
 try:
     from jax import shard_map
@@ -203,12 +204,17 @@ class ModelSharding:
         return P(*[axis if axis is None or size % tp == 0 else None for axis, size in zip(mesh_axes, shape)])
 
     def param_specs(self, params: Any) -> Any:
-        """PartitionSpecs of a parameter pytree (of arrays, or of anything with ``.shape``)."""
+        """PartitionSpecs of a parameter pytree (of arrays, or of anything with ``.shape``).
+
+        Leaves under ``"layers"`` carry a leading layer axis, never split.
+        """
         def one(path, leaf):
             key = path[-1].key
             if key not in PARAM_AXES:
                 raise ValueError(f"parameter {key!r} has no entry in jaxllm.sharding.PARAM_AXES")
-            return self.spec(PARAM_AXES[key], leaf.shape)
+            stacked = path[0].key == "layers"
+            axes = ((None,) if stacked else ()) + PARAM_AXES[key]
+            return self.spec(axes, leaf.shape)
 
         return jax.tree_util.tree_map_with_path(one, params)
 
@@ -222,8 +228,8 @@ class ModelSharding:
 
     @property
     def kv_cache_sharding(self) -> NamedSharding:
-        """Sharding of each ``[num_blocks, block_size, num_cache_heads, head_dim]`` cache array."""
-        return NamedSharding(self.mesh, P(None, None, MODEL_AXIS, None))
+        """Sharding of each ``[num_layers, num_blocks, block_size, num_cache_heads, head_dim]`` cache array."""
+        return NamedSharding(self.mesh, P(None, None, None, MODEL_AXIS, None))
 
     @property
     def replicated(self) -> NamedSharding:
@@ -283,4 +289,9 @@ class ModelSharding:
                              out_specs=heads, check_vma=False)(
                 q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
 
-        return AttentionOps(ragged_paged_attention=attend, kv_cache_write=write)
+        def attend_decode(q, k_cache, v_cache, block_tables, seq_lens, **static):
+            local = functools.partial(ops.paged_attention, **static)
+            return shard_map(local, mesh=self.mesh, in_specs=(heads, cache, cache, rep, rep),
+                             out_specs=heads, check_vma=False)(q, k_cache, v_cache, block_tables, seq_lens)
+
+        return AttentionOps(ragged_paged_attention=attend, paged_attention=attend_decode, kv_cache_write=write)

@@ -23,6 +23,20 @@ def geometric_ladder(low: int, high: int, ratio: int = 2) -> tuple[int, ...]:
     return tuple(values)
 
 
+def half_step_ladder(low: int, high: int) -> tuple[int, ...]:
+    """Powers of two times ``low`` and the halfway points between them
+    (``low, 1.5 low, 2 low, 3 low, 4 low, 6 low, ...``) below ``high``, then
+    ``high`` itself: padding never exceeds a third of a step.
+
+    Raises:
+      ValueError: ``low < 2`` or odd (its 1.5x must be whole).
+    """
+    if low < 2 or low % 2:
+        raise ValueError(f"half_step_ladder: low={low} must be an even number >= 2")
+    values = sorted(set(geometric_ladder(low, high)[:-1]) | set(v * 3 // 2 for v in geometric_ladder(low, high)[:-1]))
+    return tuple(v for v in values if v < high) + (high,)
+
+
 def _ladder(low: int, high: int) -> tuple[int, ...]:
     """Powers of two from ``low`` (rounded up to one) below ``high``, then ``high`` itself."""
     return geometric_ladder(1 << max(low - 1, 0).bit_length(), high)
@@ -32,10 +46,13 @@ def _ladder(low: int, high: int) -> tuple[int, ...]:
 class BucketTable:
     """The padded sizes a batch may take: tokens T, rows S, block-table width W.
 
-    Each ladder is strictly increasing; its last value is the maximum. The
-    runner compiles one program per shape in :meth:`all_shapes` and pads
-    every batch up to :meth:`pick`'s shape (as nano-vllm / vLLM's CUDA-graph
-    batch sizes, here for all three dimensions).
+    Each ladder is strictly increasing; its last value is the maximum. Every
+    T is paired with one S, :meth:`seq_bucket_for` (the smallest S holding
+    ``min(T, max S)`` rows: a step never has more rows than tokens), so the
+    programs are ``len(token_buckets) * len(width_buckets)``, not a product
+    over all three ladders. The runner compiles one program per shape in
+    :meth:`all_shapes` and pads every batch up to :meth:`pick`'s shape (as
+    nano-vllm / vLLM's CUDA-graph batch sizes, here for all three dimensions).
 
     Attributes:
       token_buckets: T values (tokens per step).
@@ -100,20 +117,26 @@ class BucketTable:
             _ladder(min_width, max_width),
         )
 
+    def seq_bucket_for(self, num_tokens_bucket: int) -> int:
+        """The S paired with T bucket ``num_tokens_bucket``: the smallest S
+        bucket holding ``min(T, max S)`` rows."""
+        return _smallest_at_least(self.seq_buckets, min(num_tokens_bucket, self.seq_buckets[-1]), "num_seqs")
+
     def pick(self, num_tokens: int, num_seqs: int, width: int) -> tuple[int, int, int]:
-        """The smallest (T, S, W) holding the batch, with S <= T.
+        """The smallest (T, S, W) of :meth:`all_shapes` holding the batch.
 
         Raises:
           ValueError: a value past its ladder's maximum (named with the limit).
         """
-        s = _smallest_at_least(self.seq_buckets, num_seqs, "num_seqs")
-        t = _smallest_at_least(self.token_buckets, max(num_tokens, s), "num_tokens")
+        _smallest_at_least(self.seq_buckets, num_seqs, "num_seqs")
+        _smallest_at_least(self.token_buckets, num_tokens, "num_tokens")
+        t = next(t for t in self.token_buckets if t >= num_tokens and self.seq_bucket_for(t) >= num_seqs)
         w = _smallest_at_least(self.width_buckets, width, "width")
-        return t, s, w
+        return t, self.seq_bucket_for(t), w
 
     def all_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (T, S, W) that :meth:`pick` can return (S <= T), T-major."""
-        return [(t, s, w) for t in self.token_buckets for s in self.seq_buckets if s <= t for w in self.width_buckets]
+        """Every (T, S, W) that :meth:`pick` can return, T-major."""
+        return [(t, self.seq_bucket_for(t), w) for t in self.token_buckets for w in self.width_buckets]
 
     def __len__(self) -> int:
         """Number of programs the runner compiles."""

@@ -11,27 +11,33 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxllm.loader import load_model  # noqa: E402
-from jaxllm.models.llama import AttentionOps, forward  # noqa: E402
-from kernels_pallas import kv_cache_write_reference, ragged_paged_attention_reference  # noqa: E402
+from jaxllm.models.llama import forward  # noqa: E402
+from kernels_pallas import get_attention_ops  # noqa: E402
 from tests.hf_models import make_tiny_hf_model  # noqa: E402
 
 TOL = 1e-4
 BLOCK_SIZE = 4
 PROMPT_LEN = 13
 DECODE_STEPS = 16
-OPS = AttentionOps(ragged_paged_attention_reference, kv_cache_write_reference)
+# The jnp attention paths: the reference, and the tiled one the engine uses on CPU.
+BACKENDS = ("reference", "xla")
+
+
+_forward = jax.jit(forward, static_argnames=("cfg", "ops", "all_logits"))
 
 
 class SingleSequence:
     """Drives ``forward`` for one sequence laid in blocks 1, 2, ... of a fresh cache."""
 
-    def __init__(self, cfg, params, num_blocks=16):
+    def __init__(self, cfg, params, num_blocks=16, backend="reference"):
         self.cfg, self.params = cfg, params
-        shape = (num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.num_layers)]
+        self.ops = get_attention_ops(backend)
+        shape = (cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = (jnp.zeros(shape), jnp.zeros(shape))
         self.block_table = np.arange(1, num_blocks, dtype=np.int32)[None, :]
         self.num_computed = 0
 
@@ -46,7 +52,7 @@ class SingleSequence:
             query_start_loc=jnp.asarray([0, n], jnp.int32), logits_indices=jnp.asarray([n - 1], jnp.int32),
             num_seqs=jnp.int32(1),
         )
-        logits, self.kv = forward(self.params, self.kv, batch, cfg=self.cfg, ops=OPS, all_logits=True)
+        logits, self.kv = _forward(self.params, self.kv, batch, cfg=self.cfg, ops=self.ops, all_logits=True)
         self.num_computed += n
         return np.asarray(logits)
 
@@ -63,23 +69,26 @@ def tiny(request, tmp_path_factory):
     return cfg, params, ids, ref
 
 
-def test_prefill_logits_match_hf(tiny):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_logits_match_hf(tiny, backend):
     cfg, params, ids, ref = tiny
-    got = SingleSequence(cfg, params).run(ids[:PROMPT_LEN])
+    got = SingleSequence(cfg, params, backend=backend).run(ids[:PROMPT_LEN])
     np.testing.assert_allclose(got, ref[:PROMPT_LEN], atol=TOL, rtol=0)
 
 
-def test_chunked_prefill_logits_match_hf(tiny):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_prefill_logits_match_hf(tiny, backend):
     cfg, params, ids, ref = tiny
-    seq = SingleSequence(cfg, params)
+    seq = SingleSequence(cfg, params, backend=backend)
     first = seq.run(ids[:6])
     second = seq.run(ids[6:PROMPT_LEN])
     np.testing.assert_allclose(np.concatenate([first, second]), ref[:PROMPT_LEN], atol=TOL, rtol=0)
 
 
-def test_decode_steps_logits_match_hf(tiny):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_steps_logits_match_hf(tiny, backend):
     cfg, params, ids, ref = tiny
-    seq = SingleSequence(cfg, params)
+    seq = SingleSequence(cfg, params, backend=backend)
     seq.run(ids[:PROMPT_LEN])
     for i in range(PROMPT_LEN, PROMPT_LEN + DECODE_STEPS):
         got = seq.run(ids[i:i + 1])

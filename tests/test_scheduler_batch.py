@@ -16,13 +16,30 @@ def test_ladders_are_powers_of_two_capped_exactly_at_the_maxima():
 
 def test_pick_takes_the_smallest_bucket_holding_each_size():
     table = BucketTable.from_limits(512, 64, 2048, 16)
-    assert table.pick(9, 3, 5) == (16, 8, 8)
+    assert table.pick(9, 3, 5) == (16, 16, 8)
+    assert table.pick(40, 40, 5) == (64, 64, 8)
     assert table.pick(512, 64, 128) == (512, 64, 128)
+    assert table.pick(300, 2, 1) == (512, 64, 4)
 
 
-def test_pick_keeps_rows_within_tokens():
+def test_each_token_bucket_pairs_with_one_seq_bucket():
+    # S is the smallest seq bucket holding min(T, max S) rows; it may exceed T.
     table = BucketTable((4, 8, 16), (1, 8), (1,))
-    assert table.pick(3, 3, 1) == (8, 8, 1)
+    assert [table.seq_bucket_for(t) for t in table.token_buckets] == [8, 8, 8]
+    assert table.pick(3, 3, 1) == (4, 8, 1)
+    table = BucketTable((16, 24, 32, 512), (16, 24, 32), (4,))
+    assert [table.seq_bucket_for(t) for t in table.token_buckets] == [16, 24, 32, 32]
+    assert table.pick(20, 17, 4) == (24, 24, 4)
+
+
+@pytest.mark.parametrize("num_tokens", range(1, 65))
+def test_pick_holds_every_batch_that_fits(num_tokens):
+    table = BucketTable((4, 8, 12, 16, 32, 64), (2, 4, 16), (1, 2))
+    for num_seqs in range(1, min(num_tokens, 16) + 1):
+        t, s, w = table.pick(num_tokens, num_seqs, 2)
+        assert (t, s, w) in table.all_shapes()
+        assert t >= num_tokens and s >= num_seqs and w == 2
+        assert t == min(v for v in table.token_buckets if v >= num_tokens)
 
 
 def test_pick_past_a_maximum_raises_naming_it():
@@ -33,10 +50,10 @@ def test_pick_past_a_maximum_raises_naming_it():
         table.pick(8, 1, 129)
 
 
-def test_all_shapes_lists_every_program_with_rows_within_tokens():
+def test_all_shapes_lists_one_program_per_token_bucket_and_width():
     table = BucketTable((8, 16), (8, 16), (4, 8))
-    assert table.all_shapes() == [(8, 8, 4), (8, 8, 8), (16, 8, 4), (16, 8, 8), (16, 16, 4), (16, 16, 8)]
-    assert len(table) == 6
+    assert table.all_shapes() == [(8, 8, 4), (8, 8, 8), (16, 16, 4), (16, 16, 8)]
+    assert len(table) == 4
 
 
 def test_ladder_must_increase():

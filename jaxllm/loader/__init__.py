@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig
 from jaxllm.loader.orbax import is_orbax_checkpoint, read_config, restore_params
-from jaxllm.loader.safetensors import LazyTensor, iter_lazy_safetensors, iter_safetensors, read_hf_config
+from jaxllm.loader.safetensors import LazyStack, LazyTensor, iter_lazy_safetensors, iter_safetensors, read_hf_config
 from jaxllm.models.llama import Params, params_from_hf
 from jaxllm.sharding import ModelSharding
 
@@ -88,5 +88,5 @@ def load_sharded(path: str | os.PathLike, dtype: Any, mesh: Mesh) -> tuple[Model
     hf_config = read_hf_config(p)
     cfg = ModelConfig.from_hf_config(hf_config)
     sharding = ModelSharding(cfg, mesh)
-    lazy = params_from_hf(cfg, iter_lazy_safetensors(p), dtype, source=str(p), convert=_lazy)
+    lazy = params_from_hf(cfg, iter_lazy_safetensors(p), dtype, source=str(p), convert=_lazy, stack=LazyStack)
     return cfg, sharding.place_params(lazy, dtype), hf_config, sharding

@@ -100,6 +100,26 @@ class LazyTensor:
         return LazyTensor(self._handle, self.name, not self.transposed)
 
 
+class LazyStack:
+    """Lazy tensors of one shape stacked on a new leading axis (the layer axis).
+
+    Args:
+      tensors: the per-layer tensors (anything with ``.shape`` and ``read``).
+
+    Attributes:
+      shape: ``(len(tensors),) + tensors[0].shape``; ``read(index)`` reads only
+        the layers and the slice ``index`` selects.
+    """
+
+    def __init__(self, tensors: list):
+        self.tensors = list(tensors)
+        self.shape = (len(self.tensors),) + tuple(self.tensors[0].shape)
+
+    def read(self, index: tuple[slice, ...]) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+        return np.stack([t.read(index[1:]) for t in self.tensors[index[0]]])
+
+
 def iter_lazy_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, LazyTensor]]:
     """Yield ``(hf_name, LazyTensor)`` for every tensor in the folder; nothing
     is read until a tensor's ``read`` is called. The files stay open while a

@@ -10,36 +10,41 @@ concatenated), writes their K/V into the paged cache through ``slot_mapping``
 and attends over ``block_tables``; see ``kernels_pallas.reference`` for the
 attention semantics.
 
-Parameter pytree (dense weights stored ``[in, out]`` so that ``x @ w``)::
+Parameter pytree (dense weights stored ``[in, out]`` so that ``x @ w``; every
+layer leaf stacked on a leading ``L = num_layers`` axis)::
 
     {"embed": [V, E], "final_norm": [E], "lm_head": [E, V] (untied only),
-     "layers": [{"attn_norm": [E], "wq": [E, Hq*D], "wk": [E, Hkv*D],
-                 "wv": [E, Hkv*D], "wo": [Hq*D, E], "bq"/"bk"/"bv" (qkv_bias),
-                 "q_norm"/"k_norm": [D] (qk_norm), "mlp_norm": [E],
-                 "w_gate": [E, F], "w_up": [E, F], "w_down": [F, E]}, ...]}
+     "layers": {"attn_norm": [L, E], "wq": [L, E, Hq*D], "wk": [L, E, Hkv*D],
+                "wv": [L, E, Hkv*D], "wo": [L, Hq*D, E], "bq"/"bk"/"bv" (qkv_bias),
+                "q_norm"/"k_norm": [L, D] (qk_norm), "mlp_norm": [L, E],
+                "w_gate": [L, E, F], "w_up": [L, E, F], "w_down": [L, F, E]}}
+
+KV cache: ``(k_cache, v_cache)``, each ``[L, num_blocks, block_size,
+num_kv_heads, head_dim]``.
+
+The decoder runs as a ``lax.scan`` over the layer axis (one scan per run of
+layers sharing a sliding window), so a step traces, lowers and compiles one
+layer however deep the model is. Inside the scan the caches are viewed as
+``[L * num_blocks, block_size, ...]`` and layer ``l`` addresses its blocks
+as ``l * num_blocks + block``: the attention ops see one ordinary paged cache
+and the block tables and slot mapping are offset per layer, so they read
+only the blocks they need and write in place.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
+from kernels_pallas import AttentionOps
 
 Params = dict[str, Any]
-KVCache = list[tuple[jax.Array, jax.Array]]
-
-
-class AttentionOps(NamedTuple):
-    """The two attention entry points a step needs (kernel or reference);
-    signatures as in ``kernels_pallas.reference``."""
-
-    ragged_paged_attention: Callable[..., jax.Array]
-    kv_cache_write: Callable[..., tuple[jax.Array, jax.Array]]
+KVCache = tuple[jax.Array, jax.Array]
 
 
 _LAYER_NAMES = {
@@ -85,7 +90,7 @@ def expected_layer_keys(cfg: ModelConfig) -> set[str]:
 
 def params_from_hf(
     cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: Any, source: str = "checkpoint",
-    convert: Callable[[Any, bool, Any], Any] | None = None,
+    convert: Callable[[Any, bool, Any], Any] | None = None, stack: Callable[[list], Any] | None = None,
 ) -> Params:
     """Map HF-named tensors to the jaxllm parameter pytree (numpy, host).
 
@@ -97,9 +102,12 @@ def params_from_hf(
       convert: ``(array, transpose, dtype) -> leaf``; by default a contiguous
         numpy array of ``dtype``. A loader that places weights slice by slice
         passes one that keeps tensors lazy (anything with ``.shape``).
+      stack: per-layer leaves (a list, layer order) -> one leaf with a leading
+        layer axis; by default ``np.stack``. A lazy loader passes one that
+        stacks lazily.
 
     Returns:
-      The pytree of numpy arrays (or ``convert``'s leaves) described in the
+      The pytree of numpy arrays (or ``stack``'s leaves) described in the
       module docstring.
 
     Raises:
@@ -107,6 +115,7 @@ def params_from_hf(
         tensor has the wrong shape.
     """
     convert = convert or _convert
+    stack = stack or np.stack
     layers: list[dict[str, np.ndarray]] = [{} for _ in range(cfg.num_layers)]
     top: dict[str, np.ndarray] = {}
     for name, array in tensors:
@@ -133,9 +142,12 @@ def params_from_hf(
         raise ValueError(f"{source} is missing tensors required by {cfg.architecture}: {missing[:8]}")
     if cfg.tie_word_embeddings:
         top.pop("lm_head", None)
-    params: Params = {**top, "layers": layers}
-    _check_shapes(cfg, params)
-    return params
+    _check_shapes(cfg, top, layers)
+    stacked = {}
+    for key in sorted(need):
+        # Drop each layer's copy as soon as it is stacked: one extra leaf in memory at a time.
+        stacked[key] = stack([layer.pop(key) for layer in layers])
+    return {**top, "layers": stacked}
 
 
 def _convert(array: np.ndarray, transpose: bool, dtype: Any) -> np.ndarray:
@@ -145,7 +157,7 @@ def _convert(array: np.ndarray, transpose: bool, dtype: Any) -> np.ndarray:
     return np.ascontiguousarray(array.astype(dtype, copy=False))
 
 
-def _check_shapes(cfg: ModelConfig, params: Params) -> None:
+def _check_shapes(cfg: ModelConfig, top: dict[str, Any], layers: list[dict[str, Any]]) -> None:
     e, d = cfg.hidden_size, cfg.head_dim
     want = {
         "wq": (e, cfg.num_q_heads * d),
@@ -155,12 +167,12 @@ def _check_shapes(cfg: ModelConfig, params: Params) -> None:
         "w_gate": (e, cfg.intermediate_size),
         "w_down": (cfg.intermediate_size, e),
     }
-    for i, layer in enumerate(params["layers"]):
+    for i, layer in enumerate(layers):
         for key, shape in want.items():
-            if layer[key].shape != shape:
-                raise ValueError(f"layer {i} {key} has shape {layer[key].shape}, config implies {shape}")
-    if params["embed"].shape != (cfg.vocab_size, e):
-        raise ValueError(f"embed has shape {params['embed'].shape}, config implies {(cfg.vocab_size, e)}")
+            if tuple(layer[key].shape) != shape:
+                raise ValueError(f"layer {i} {key} has shape {tuple(layer[key].shape)}, config implies {shape}")
+    if tuple(top["embed"].shape) != (cfg.vocab_size, e):
+        raise ValueError(f"embed has shape {tuple(top['embed'].shape)}, config implies {(cfg.vocab_size, e)}")
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
@@ -203,8 +215,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    y = x @ w
-    return y if b is None else y + b
+    """``x @ w (+ b)`` accumulated in float32, returned in x's dtype.
+
+    For bfloat16 weights this is both closer to HF (whose matmuls accumulate
+    in float32) and faster on XLA's CPU backend, whose bf16-in/f32-out dots
+    run about twice as fast as bf16-in/bf16-out ones (issue 12's profile).
+    """
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
 
 
 def _attention_block(
@@ -244,9 +264,25 @@ def _mlp_block(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> j
     return _linear(jax.nn.silu(gate) * up, layer["w_down"], layer.get("b_down"))
 
 
+def layer_segments(cfg: ModelConfig) -> list[tuple[int, int, int | None]]:
+    """Runs of consecutive layers sharing a sliding window: ``(start, stop, window)``.
+
+    Each run is one ``lax.scan`` (the window is static in the attention ops):
+    one run for Llama or Mistral, two or more for models that mix windowed
+    and full layers.
+    """
+    segments: list[tuple[int, int, int | None]] = []
+    for i, window in enumerate(cfg.sliding_windows):
+        if segments and segments[-1][2] == window:
+            segments[-1] = (segments[-1][0], i + 1, window)
+        else:
+            segments.append((i, i + 1, window))
+    return segments
+
+
 def hidden_states(
     params: Params,
-    kv_caches: KVCache,
+    kv_cache: KVCache,
     batch: dict[str, jax.Array],
     *,
     cfg: ModelConfig,
@@ -256,8 +292,8 @@ def hidden_states(
 
     Args:
       params: the parameter pytree (module docstring).
-      kv_caches: per layer ``(k_cache, v_cache)``, each
-        ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+      kv_cache: ``(k_cache, v_cache)``, each
+        ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
       batch: ``input_ids, positions, slot_mapping: int32[T]``,
         ``block_tables: int32[S, W]``, ``seq_lens: int32[S]``,
         ``query_start_loc: int32[S + 1]``, ``num_seqs: int32[]``.
@@ -265,20 +301,40 @@ def hidden_states(
       ops: attention kernels or references (static).
 
     Returns:
-      (hidden, kv_caches): hidden ``[T, hidden_size]`` in the params' dtype,
+      (hidden, kv_cache): hidden ``[T, hidden_size]`` in the params' dtype,
       normed by ``final_norm``, and the caches with this step's K/V written.
     """
-    x = params["embed"][batch["input_ids"]]
+    x = jnp.take(params["embed"], batch["input_ids"], axis=0, mode="clip")
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope))
     freqs = batch["positions"].astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
-    new_caches: KVCache = []
-    for i, layer in enumerate(params["layers"]):
-        attn, kv = _attention_block(layer, x, kv_caches[i], batch, cos, sin, cfg, cfg.sliding_windows[i], ops)
-        x = x + attn
-        x = x + _mlp_block(layer, x, cfg)
-        new_caches.append(kv)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_caches
+    k_cache, v_cache = kv_cache
+    num_blocks, block_size = k_cache.shape[1], k_cache.shape[2]
+    flat = (k_cache.shape[0] * num_blocks,) + k_cache.shape[2:]
+
+    def layer_step(window: int | None) -> Callable:
+        def step(carry, layer_and_index):
+            x, k_flat, v_flat = carry
+            layer, index = layer_and_index
+            first_block = index * num_blocks
+            layer_batch = dict(batch, block_tables=batch["block_tables"] + first_block,
+                               slot_mapping=batch["slot_mapping"] + first_block * block_size)
+            attn, (k_flat, v_flat) = _attention_block(layer, x, (k_flat, v_flat), layer_batch, cos, sin, cfg,
+                                                      window, ops)
+            x = x + attn
+            x = x + _mlp_block(layer, x, cfg)
+            return (x, k_flat, v_flat), None
+        return step
+
+    carry = (x, k_cache.reshape(flat), v_cache.reshape(flat))
+    for start, stop, window in layer_segments(cfg):
+        layers = params["layers"]
+        if (start, stop) != (0, cfg.num_layers):
+            layers = jax.tree_util.tree_map(lambda a: a[start:stop], layers)
+        carry, _ = jax.lax.scan(layer_step(window), carry, (layers, jnp.arange(start, stop, dtype=jnp.int32)))
+    x, k_flat, v_flat = carry
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), (k_flat.reshape(k_cache.shape),
+                                                                  v_flat.reshape(v_cache.shape))
 
 
 def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> jax.Array:
@@ -290,7 +346,7 @@ def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> ja
 
 def forward(
     params: Params,
-    kv_caches: KVCache,
+    kv_cache: KVCache,
     batch: dict[str, jax.Array],
     *,
     cfg: ModelConfig,
@@ -301,14 +357,14 @@ def forward(
     the rows at ``batch["logits_indices"]: int32[S]``.
 
     Args:
-      params, kv_caches, batch, cfg, ops: as :func:`hidden_states`.
+      params, kv_cache, batch, cfg, ops: as :func:`hidden_states`.
       all_logits: return logits for every token row instead of ``logits_indices``.
 
     Returns:
-      (logits, kv_caches): logits float32 ``[S, vocab]`` (``[T, vocab]`` with
+      (logits, kv_cache): logits float32 ``[S, vocab]`` (``[T, vocab]`` with
       ``all_logits``), and the caches with this step's K/V written.
     """
-    hidden, kv_caches = hidden_states(params, kv_caches, batch, cfg=cfg, ops=ops)
+    hidden, kv_cache = hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops)
     if not all_logits:
         hidden = hidden[batch["logits_indices"]]
-    return compute_logits(params, hidden, cfg=cfg), kv_caches
+    return compute_logits(params, hidden, cfg=cfg), kv_cache

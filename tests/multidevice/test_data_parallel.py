@@ -14,7 +14,7 @@ def test_dp2_tp2_serves_32_requests_correctly_across_both_replicas(kv4_dir):
     got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)]
     assert got == want
     assert llm.engine.num_routed == [16, 16]
-    devices = [set(e.runner.kv_caches[0][0].sharding.device_set) for e in llm.engine.replicas]
+    devices = [set(e.runner.kv_cache[0].sharding.device_set) for e in llm.engine.replicas]
     assert len(devices[0]) == len(devices[1]) == 2 and not devices[0] & devices[1]
 
 

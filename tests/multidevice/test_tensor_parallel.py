@@ -32,10 +32,11 @@ def test_pallas_kernels_under_shard_map_give_reference_tokens(kv4_dir):
     assert _greedy_tokens(kv4_dir, 2, attention_backend="pallas", interpret=True) == _greedy_tokens(kv4_dir, 1)
 
 
-def _expected_spec(key, shape, tp, kv_replicated):
+def _expected_spec(key, shape, tp, kv_replicated, stacked):
     rules = {"vocab": "model", "heads": "model", "mlp": "model", "kv_heads": None if kv_replicated else "model"}
+    axes = ((None,) if stacked else ()) + PARAM_AXES[key]  # layer leaves lead with the layer axis
     return P(*[rules.get(axis) if rules.get(axis) and size % tp == 0 else None
-               for axis, size in zip(PARAM_AXES[key], shape)])
+               for axis, size in zip(axes, shape)])
 
 
 @pytest.mark.parametrize("model, kv_replicated", [("kv4", False), ("kv2", True)])
@@ -50,7 +51,7 @@ def test_each_weight_follows_its_rule_and_each_device_holds_only_its_slice(reque
     assert len(flat_host) == len(flat_device)
     for (path, want), array in zip(flat_host, flat_device):
         key = path[-1].key
-        spec = _expected_spec(key, want.shape, tp, kv_replicated)
+        spec = _expected_spec(key, want.shape, tp, kv_replicated, stacked=path[0].key == "layers")
         assert array.sharding.spec == spec, (key, array.sharding.spec, spec)
         assert len(array.addressable_shards) == tp
         split = [d for d, axis in enumerate(spec) if axis is not None]
@@ -65,7 +66,7 @@ def test_kv_cache_gives_each_device_the_kv_heads_its_q_heads_read(request, model
     folder = request.getfixturevalue(f"{model}_dir")
     tp = 4
     engine = LLM(model=folder, tensor_parallel_size=tp, **ENGINE).engine
-    k_cache = engine.runner.kv_caches[0][0]
-    assert k_cache.shape[2] == max(kv_heads, tp)
-    assert k_cache.sharding.spec == P(None, None, "model", None)
-    assert {s.data.shape[2] for s in k_cache.addressable_shards} == {max(kv_heads, tp) // tp}
+    k_cache = engine.runner.kv_cache[0]
+    assert k_cache.shape[3] == max(kv_heads, tp)
+    assert k_cache.sharding.spec == P(None, None, None, "model", None)
+    assert {s.data.shape[3] for s in k_cache.addressable_shards} == {max(kv_heads, tp) // tp}
