@@ -15,7 +15,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from jaxllm.sampling import MAX_BANNED_IDS, MAX_LOGPROBS, SamplingArrays
+from jaxllm.sampling import MAX_BANNED_IDS, SamplingArrays
 from scheduler import Request, SamplingParams, SchedulerOutput
 
 
@@ -83,13 +83,8 @@ def make_sequence_sampling(params: SamplingParams, seed: int, stop_ids: Sequence
     Raises:
       ValueError: ``bad_words`` without a tokenizer, a bad word that encodes
         to no token or to ids outside the vocabulary, or more than
-        ``MAX_BANNED_IDS`` multi-token bad-word sequences, or ``logprobs``
-        or ``prompt_logprobs`` above ``MAX_LOGPROBS``.
+        ``MAX_BANNED_IDS`` multi-token bad-word sequences.
     """
-    for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(params, name)
-        if value is not None and value > MAX_LOGPROBS:
-            raise ValueError(f"SamplingParams.{name}={value} is out of range: at most {MAX_LOGPROBS}")
     words: list[list[int]] = []
     if params.bad_words:
         if tokenizer is None:
