@@ -28,18 +28,26 @@ class SlotTables(Protocol):
 
 
 def bad_words_token_ids(tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
-    """Token sequences of ``bad_words``, as vLLM's ``SamplingParams.update_from_tokenizer``.
+    """Token sequences of ``bad_words``: each word both bare and with a leading space.
 
-    Each word is encoded as is (left-stripped) and with a leading space; the
-    spaced variant is kept when it starts with a different token but has the
-    same length (so "word" mid-sentence is caught too).
+    A word is banned where it starts the text (encoded as is, left-stripped)
+    and mid-text after a space (encoded with one leading space), whatever
+    the token counts of the two (a byte-level BPE often spells the bare
+    word in more tokens than the spaced one: SmolLM2's "beautiful" is two
+    tokens, " beautiful" one). vLLM's ``SamplingParams.update_from_tokenizer``
+    makes the same two encodings but drops a spaced one of another length,
+    which lets " beautiful" through; here both are kept (an identical
+    second one once).
+
+    Returns:
+      one or two token-id lists per word, in order.
     """
     out: list[list[int]] = []
     for word in bad_words:
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         out.append(plain)
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+        if spaced != plain:
             out.append(spaced)
     return out
 
