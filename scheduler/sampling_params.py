@@ -38,10 +38,14 @@ class SamplingParams:
       seed: per-request random seed; with it, the sampled tokens do not depend
         on what else is in the batch.
       max_tokens: number of tokens to generate at most (>= 1).
-      min_tokens: no stop (eos, stop ids, stop strings) before this many tokens.
-      stop: stop strings, checked on detokenized text.
+      min_tokens: eos and ``stop_token_ids`` are banned before this many
+        tokens; a stop string counts only where it ends in the text of a
+        later token (vLLM).
+      stop: stop strings, checked on detokenized text; the first to end
+        wins, and the text is cut before it.
       stop_token_ids: token ids that end generation (besides eos).
-      include_stop_str_in_output: keep the stop string in the returned text.
+      include_stop_str_in_output: keep the stop string, or the text of the
+        eos / ``stop_token_ids`` token that ended the sequence, in the text.
       ignore_eos: keep generating after the eos token.
       logprobs: number of top log-probabilities to return per generated token,
         0 to ``MAX_LOGPROBS`` (20, vLLM's default ``max_logprobs``); the chosen
@@ -49,7 +53,8 @@ class SamplingParams:
       prompt_logprobs: likewise for each prompt token.
       logit_bias: {token_id: bias} added to the logits before sampling.
       allowed_token_ids: restrict sampling to these ids.
-      bad_words: words whose token sequences may not be generated.
+      bad_words: words that may not be generated, each both bare and after
+        a space, whatever the token counts of the two.
       skip_special_tokens: drop special tokens from the detokenized text.
 
     Raises:
