@@ -3,7 +3,8 @@
 Shaped after vLLM: the engine owns one scheduler and one model runner in the
 same process, so block ids mean the same on both sides. Each ``step()``
 schedules, builds the bucketed batch, runs the jitted model step, feeds the
-sampled tokens back to the scheduler, detokenizes and checks stop strings.
+sampled tokens back to the scheduler, detokenizes and checks stop strings
+(``jaxllm.output_processor``: what text a stream may show, and its rules).
 
 A request with ``n > 1`` runs as ``n`` sequences (vLLM's parent/child
 requests): a prefill-only parent computes all prompt tokens but the last,
@@ -34,7 +35,8 @@ from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.kv_cache import resolve_num_blocks
 from jaxllm.loader import load_sharded
 from jaxllm.metrics import EngineMetrics, GenerateProgress
-from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.output_processor import OutputText, TokenTexts, logprob_entry
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
 from jaxllm.default_model import cache_dir
 from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache, fetch_rows
@@ -75,14 +77,13 @@ def _load_tokenizer(path: Path) -> Optional[Tokenizer]:
 
 @dataclasses.dataclass
 class _Tracked:
-    """Engine-side state of one sequence: detokenizer, stop strings, logprobs."""
+    """Engine-side state of one sequence: its text (stop strings, streaming) and logprobs."""
 
     request: Request
     index: int
-    detok: Optional[IncrementalDetokenizer]
-    text: str = ""
+    output: OutputText
     emitted_tokens: int = 0
-    logprobs: Optional[list[dict[int, float]]] = None
+    logprobs: Optional[list[dict[int, Logprob]]] = None
     cumulative_logprob: Optional[float] = None
 
 
@@ -97,6 +98,7 @@ class _Group:
     parent: Optional[Request] = None
     first_token_time: Optional[float] = None
     prompt_logprobs: Optional[PromptLogprobs] = None
+    num_cached_tokens: int = 0
 
 
 class LLMEngine:
@@ -187,6 +189,10 @@ class LLMEngine:
         # Request id (a sequence or a prefill parent) -> its group's prompt
         # logprobs, while some prompt position is not recorded yet.
         self._prompt_lp: dict[str, PromptLogprobs] = {}
+        # Id of the request that computes a group's prompt -> the group, until
+        # it is first scheduled (its prefix-cache hits are then known).
+        self._unscheduled: dict[str, _Group] = {}
+        self._token_texts = TokenTexts(self.tokenizer)
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
@@ -281,7 +287,7 @@ class LLMEngine:
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
-            seqs.append(_Tracked(Request(seq_id, ids, seq_params, **kwargs), i, detok,
+            seqs.append(_Tracked(Request(seq_id, ids, seq_params, **kwargs), i, OutputText(detok, params),
                                  logprobs=None if params.logprobs is None else [],
                                  cumulative_logprob=None if params.logprobs is None else 0.0))
         group = self._groups[request_id] = _Group(request_id, text, ids, seqs)
@@ -297,8 +303,9 @@ class LLMEngine:
             prefill = group.parent
         else:
             prefill = seqs[0].request
+        self._unscheduled[prefill.request_id] = group
         if params.prompt_logprobs is not None:
-            group.prompt_logprobs = PromptLogprobs(ids, params.prompt_logprobs)
+            group.prompt_logprobs = PromptLogprobs(ids, params.prompt_logprobs, self._token_texts)
             if not group.prompt_logprobs.complete:
                 self._prompt_lp[prefill.request_id] = group.prompt_logprobs
                 prefill.skip_reading_prefix_cache = True
@@ -320,11 +327,13 @@ class LLMEngine:
                 self.scheduler.abort_request(group.parent.request_id)
                 self._parent_group.pop(group.parent.request_id, None)
                 self._prompt_lp.pop(group.parent.request_id, None)
+                self._unscheduled.pop(group.parent.request_id, None)
             for seq in group.seqs:
                 self.scheduler.abort_request(seq.request.request_id)
                 self.slots.forget(seq.request.request_id)
                 self._seq_group.pop(seq.request.request_id, None)
                 self._prompt_lp.pop(seq.request.request_id, None)
+                self._unscheduled.pop(seq.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, unreported, or a step is in flight."""
@@ -347,6 +356,8 @@ class LLMEngine:
         schedule_seconds = time.perf_counter() - schedule_start
         for request in sched_out.preempted:
             self.slots.release(request.request_id)
+        if self._unscheduled:
+            self._record_cached_tokens(sched_out)
         touched: list[Request] = list(sched_out.finished)
         prev = self._in_flight
         try:
@@ -411,6 +422,7 @@ class LLMEngine:
         group = self._parent_group.pop(parent.request_id)
         group.parent = None
         self._prompt_lp.pop(parent.request_id, None)
+        self._unscheduled.pop(parent.request_id, None)
         children = [seq.request for seq in group.seqs]
         if parent.is_finished:
             for child in children:
@@ -418,8 +430,17 @@ class LLMEngine:
             return
         self.runner.copy_blocks(self.scheduler.fork_request(parent.request_id, children))
 
+    def _record_cached_tokens(self, sched_out: SchedulerOutput) -> None:
+        """A group whose prompt is scheduled for the first time: its prompt
+        tokens read from the prefix cache are the row's computed tokens
+        (vLLM's ``num_cached_tokens``)."""
+        for row in sched_out.scheduled:
+            group = self._unscheduled.pop(row.request.request_id, None)
+            if group is not None:
+                group.num_cached_tokens = row.num_computed_tokens
+
     def _record_logprobs(self, sched_out: Any, sampled: dict[str, np.ndarray]) -> None:
-        """Append each used sample's {token_id: logprob} (top ``logprobs`` plus the chosen one)."""
+        """Append each used sample's {token_id: Logprob} (the chosen one, then the top ``logprobs``)."""
         for i, row in enumerate(sched_out.scheduled):
             group = self._seq_group.get(row.request.request_id)
             if group is None or not row.samples:
@@ -429,9 +450,9 @@ class LLMEngine:
             if seq is None or seq.logprobs is None or len(seq.logprobs) >= row.request.num_output_tokens:
                 continue
             k = row.request.sampling_params.logprobs
-            entry = {int(t): float(lp) for t, lp in zip(sampled["top_ids"][i, :k], sampled["top_logprobs"][i, :k])}
-            entry[int(sampled["token_ids"][i])] = float(sampled["logprobs"][i])
-            seq.logprobs.append(entry)
+            seq.logprobs.append(logprob_entry(sampled["token_ids"][i], sampled["logprobs"][i], sampled["ranks"][i],
+                                              sampled["top_ids"][i, :k], sampled["top_logprobs"][i, :k],
+                                              self._token_texts))
             seq.cumulative_logprob += float(sampled["logprobs"][i])
 
     def _make_output(self, group: _Group) -> RequestOutput:
@@ -442,15 +463,17 @@ class LLMEngine:
             seq.emitted_tokens = len(request.output_token_ids)
             if new_ids and group.first_token_time is None:
                 group.first_token_time = time.monotonic()
-            delta = ""
-            if seq.detok is not None and new_ids:
-                for tok in new_ids:
-                    delta += seq.detok.step(tok)
-                delta = self._apply_stop_strings(seq, delta)
+            # An eos or stop_token_ids stop, not a stop string (those are found below).
+            stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED and not isinstance(
+                request.stop_reason, str)
+            stop = seq.output.add_tokens(new_ids, stopped_by_token)
+            if stop is not None:
+                self._finish_on_stop_string(request, stop)
+            delta = seq.output.delta(request.is_finished)
             if request.is_finished:
                 self.slots.forget(request.request_id)
             completions.append(CompletionOutput(
-                index=seq.index, text=seq.text, token_ids=list(request.output_token_ids),
+                index=seq.index, text=seq.output.text, token_ids=list(request.output_token_ids),
                 finish_reason=request.finish_reason, stop_reason=request.stop_reason,
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=None if seq.logprobs is None else list(seq.logprobs),
@@ -463,6 +486,7 @@ class LLMEngine:
             outputs=completions, finished=finished, delta_text=completions[0].delta_text,
             delta_token_ids=completions[0].delta_token_ids, ignored_reason=first.ignored_reason,
             prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs.entries),
+            num_cached_tokens=group.num_cached_tokens,
             metrics=dict(arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
                          first_token_time=group.first_token_time,
                          finished_time=time.monotonic() if finished else None),
@@ -472,36 +496,15 @@ class LLMEngine:
             for seq in group.seqs:
                 self._seq_group.pop(seq.request.request_id, None)
                 self._prompt_lp.pop(seq.request.request_id, None)
+                self._unscheduled.pop(seq.request.request_id, None)
         return out
 
-    def _apply_stop_strings(self, tracked: _Tracked, delta: str) -> str:
-        """Append ``delta`` to the text; on a stop string, cut and finish.
-
-        Returns the part of ``delta`` that stays in the output. Only text past
-        ``min_tokens`` generated tokens is searched; the search window starts
-        ``len(longest stop) - 1`` characters back so a stop string split
-        across tokens is found.
-        """
-        request = tracked.request
-        params = request.sampling_params
-        before = len(tracked.text)
-        tracked.text += delta
-        if not params.stop or request.num_output_tokens < params.min_tokens:
-            return delta
-        longest = max(len(s) for s in params.stop)
-        start = max(before - longest + 1, 0)
-        hits = [(tracked.text.find(s, start), s) for s in params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return delta
-        idx, stop = min(hits)
-        cut = idx + len(stop) if params.include_stop_str_in_output else idx
-        tracked.text = tracked.text[:cut]
+    def _finish_on_stop_string(self, request: Request, stop: str) -> None:
+        """A stop string matched in the request's text: finish it (its blocks are freed)."""
         if not request.is_finished:
             self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = stop
-        return tracked.text[before:]
 
 
 class LLM:
@@ -538,6 +541,10 @@ class LLM:
     @property
     def tokenizer(self) -> Optional[Tokenizer]:
         """The model's tokenizer (None for a model without one)."""
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Optional[Tokenizer]:
+        """The model's tokenizer, as vLLM's ``LLM.get_tokenizer()`` (None for a model without one)."""
         return self.engine.tokenizer
 
     def generate(
@@ -582,7 +589,10 @@ class LLM:
         (``delta_text``/``delta_token_ids``, and per continuation in
         ``outputs[i].delta_*``) besides the text so far; the last one of a
         request has ``finished=True``. A character split across tokens is
-        yielded whole, once complete.
+        yielded whole, once complete; text that could still begin a stop
+        string is held back until it cannot, so the ``delta_text``s of a
+        stream add up to the final ``text`` (and ``delta_token_ids``, which
+        arrive as generated, to ``token_ids``).
 
         Raises:
           ValueError: as :meth:`generate`, before anything is yielded.

@@ -1,8 +1,8 @@
 """Prompt logprobs on the host: which token rows of a step want one, and recording what the step returns.
 
 vLLM's ``SamplingParams.prompt_logprobs=k``: for every prompt position a
-``{token_id: logprob}`` dict holding the prompt token's logprob and the top
-``k``, of the raw model distribution (``log_softmax`` of the float32 logits);
+``{token_id: Logprob}`` dict holding the prompt token's logprob and rank and
+the top ``k``, of the raw model distribution (``log_softmax`` of the float32 logits);
 position 0 has no logprob (None). The step computes, at each query token,
 the logprob of the prompt token that follows it (``prompt_target_ids``,
 ``sampling.prompt_logprobs``), so query position ``p`` gives prompt position
@@ -18,10 +18,12 @@ are all recorded.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from jaxllm.output_processor import TokenTexts, logprob_entry
+from jaxllm.outputs import Logprob
 from scheduler import RequestStatus, ScheduledRequest
 
 
@@ -31,17 +33,21 @@ class PromptLogprobs:
     Args:
       prompt: the prompt's token ids.
       num_top: top logprobs kept per position (``SamplingParams.prompt_logprobs``).
+      decode: token id -> its text for ``Logprob.decoded_token``
+        (``output_processor.TokenTexts``); by default None for every token.
 
     Attributes:
       entries: per prompt position recorded so far: None for position 0,
-        then ``{prompt token: logprob, top tokens: logprob...}`` (the prompt
-        token first, as vLLM).
+        then ``{prompt token: Logprob, top tokens: Logprob...}`` (the prompt
+        token first, as vLLM; ``output_processor.logprob_entry``).
     """
 
-    def __init__(self, prompt: Sequence[int], num_top: int) -> None:
+    def __init__(self, prompt: Sequence[int], num_top: int,
+                 decode: Optional[Callable[[int], Optional[str]]] = None) -> None:
         self.prompt = np.asarray(prompt, np.int32)
         self.num_top = num_top
-        self.entries: list[Optional[dict[int, float]]] = [None]
+        self.decode = decode if decode is not None else TokenTexts(None)
+        self.entries: list[Optional[dict[int, Logprob]]] = [None]
 
     @property
     def complete(self) -> bool:
@@ -63,13 +69,15 @@ class PromptLogprobs:
         out[first - start - 1: end - start - 1] = self.prompt[first:end]
         return out
 
-    def record(self, start: int, logprobs: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray) -> None:
+    def record(self, start: int, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray,
+               top_logprobs: np.ndarray) -> None:
         """Record the step's outputs for query positions ``start, start + 1, ...``.
 
         Args:
           start: the first query token's position.
-          logprobs: float32[count]; top_ids: int32[count, K]; top_logprobs:
-            float32[count, K] (``sampling.prompt_logprobs``'s rows of these tokens).
+          logprobs: float32[count]; ranks: int32[count]; top_ids:
+            int32[count, K]; top_logprobs: float32[count, K]
+            (``sampling.prompt_logprobs``'s rows of these tokens).
 
         Only prompt positions not recorded yet are taken, in order.
         """
@@ -79,9 +87,8 @@ class PromptLogprobs:
             if pos != len(self.entries):
                 # Positions arrive in order; never record past a gap.
                 break
-            entry = {int(self.prompt[pos]): float(logprobs[i])}
-            entry.update(zip(top_ids[i, :k].tolist(), top_logprobs[i, :k].tolist()))
-            self.entries.append(entry)
+            self.entries.append(logprob_entry(self.prompt[pos], logprobs[i], ranks[i], top_ids[i, :k],
+                                              top_logprobs[i, :k], self.decode))
 
 
 def prompt_targets(rows: Sequence[ScheduledRequest], trackers: dict[str, PromptLogprobs],
@@ -115,7 +122,7 @@ def record_prompt_logprobs(rows: Sequence[ScheduledRequest], trackers: dict[str,
         tracker = trackers.get(request.request_id)
         # An aborted request's id may already name a new request.
         if tracker is not None and request.status is not RequestStatus.FINISHED_ABORTED:
-            tracker.record(row.num_computed_tokens, out["prompt_logprobs"][start:end],
+            tracker.record(row.num_computed_tokens, out["prompt_logprobs"][start:end], out["prompt_ranks"][start:end],
                            out["prompt_top_ids"][start:end], out["prompt_top_logprobs"][start:end])
             if tracker.complete:
                 del trackers[request.request_id]

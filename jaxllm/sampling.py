@@ -39,12 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _GREEDY_EPS = 1e-5
-# vLLM's default ``max_logprobs``: top log-probabilities are always computed
-# for this many tokens so shapes stay static; rows keep what they asked for.
-MAX_LOGPROBS = 20
 # Token rows whose logits are materialised at once for prompt logprobs: the
 # [rows, V] float32 logits of a whole step (hundreds of MB with a 128k
 # vocabulary) are never held together.
@@ -255,11 +252,16 @@ def _draw(logits: jax.Array, arrays: dict, filtered: bool) -> jax.Array:
     return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
 
 
-def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Raw logprobs of ``tokens`` [N], their ranks (1-based: how many tokens
+    are at least as likely, vLLM's rule) and the top ``MAX_LOGPROBS`` ids and
+    logprobs, descending (always computed, so shapes stay static; rows keep
+    what they asked for)."""
     logprobs = jax.nn.log_softmax(raw, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    ranks = jnp.sum(logprobs >= chosen[:, None], axis=-1, dtype=jnp.int32)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, raw.shape[-1]))
-    return chosen, top_ids.astype(jnp.int32), top_logprobs
+    return chosen, ranks, top_ids.astype(jnp.int32), top_logprobs
 
 
 def sample(logits: jax.Array, arrays: dict, tables: dict) -> tuple[dict, dict]:
@@ -273,6 +275,7 @@ def sample(logits: jax.Array, arrays: dict, tables: dict) -> tuple[dict, dict]:
     Returns:
       ``(out, tables)``: ``out`` holds ``token_ids: int32[S]``,
       ``logprobs: float32[S]`` (the chosen token's raw logprob),
+      ``ranks: int32[S]`` (its 1-based rank in the raw distribution),
       ``top_ids: int32[S, K]`` and ``top_logprobs: float32[S, K]`` with
       ``K = min(MAX_LOGPROBS, V)`` (descending; zeros when no row asked);
       ``tables`` has each used sample added to its slot's counts.
@@ -298,15 +301,15 @@ def sample(logits: jax.Array, arrays: dict, tables: dict) -> tuple[dict, dict]:
     )
     tokens = jnp.where(greedy, argmax, sampled)
     num_rows, width = raw.shape[0], min(MAX_LOGPROBS, raw.shape[-1])
-    chosen, top_ids, top_logprobs = jax.lax.cond(
+    chosen, ranks, top_ids, top_logprobs = jax.lax.cond(
         jnp.any(arrays["num_logprobs"] >= 0),
         lambda: _logprobs(raw, tokens),
-        lambda: (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, width), jnp.int32),
-                 jnp.zeros((num_rows, width), jnp.float32)),
+        lambda: (jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32),
+                 jnp.zeros((num_rows, width), jnp.int32), jnp.zeros((num_rows, width), jnp.float32)),
     )
     counted = (arrays["sample_mask"] & (arrays["slot"] > 0)).astype(jnp.int32)
     tables = {**tables, "counts": tables["counts"].at[arrays["slot"], tokens].add(counted)}
-    out = {"token_ids": tokens, "logprobs": chosen, "top_ids": top_ids, "top_logprobs": top_logprobs}
+    out = {"token_ids": tokens, "logprobs": chosen, "ranks": ranks, "top_ids": top_ids, "top_logprobs": top_logprobs}
     return out, tables
 
 
@@ -322,23 +325,24 @@ def prompt_logprobs(compute_logits: Callable[[jax.Array], jax.Array], hidden: ja
 
     Returns:
       ``prompt_logprobs: float32[T]`` (the target's ``log_softmax`` of the
-      float32 logits), ``prompt_top_ids: int32[T, K]`` and
+      float32 logits), ``prompt_ranks: int32[T]`` (its 1-based rank),
+      ``prompt_top_ids: int32[T, K]`` and
       ``prompt_top_logprobs: float32[T, K]`` with ``K = min(MAX_LOGPROBS, V)``
       (descending); zeros where the target is -1. When no row wants them the
       lm_head over the T rows is skipped (``lax.cond``), so the cost is paid
       only by steps that carry such rows, and the shapes never change.
     """
-    def row(h_and_target: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def row(h_and_target: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         h, target = h_and_target
-        chosen, top_ids, top_logprobs = _logprobs(compute_logits(h[None]), jnp.maximum(target, 0)[None])
-        keep = target >= 0
-        return jnp.where(keep, chosen[0], 0.0), jnp.where(keep, top_ids[0], 0), jnp.where(keep, top_logprobs[0], 0.0)
+        out = _logprobs(compute_logits(h[None]), jnp.maximum(target, 0)[None])
+        return tuple(jnp.where(target >= 0, x[0], 0) for x in out)
 
-    def computed() -> tuple[jax.Array, jax.Array, jax.Array]:
+    def computed() -> tuple[jax.Array, ...]:
         return jax.lax.map(row, (hidden, target_ids), batch_size=PROMPT_LOGPROBS_CHUNK)
 
-    def skipped() -> tuple[jax.Array, jax.Array, jax.Array]:
+    def skipped() -> tuple[jax.Array, ...]:
         return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(computed))
 
-    chosen, top_ids, top_logprobs = jax.lax.cond(jnp.any(target_ids >= 0), computed, skipped)
-    return {"prompt_logprobs": chosen, "prompt_top_ids": top_ids, "prompt_top_logprobs": top_logprobs}
+    chosen, ranks, top_ids, top_logprobs = jax.lax.cond(jnp.any(target_ids >= 0), computed, skipped)
+    return {"prompt_logprobs": chosen, "prompt_ranks": ranks, "prompt_top_ids": top_ids,
+            "prompt_top_logprobs": top_logprobs}

@@ -15,7 +15,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from jaxllm.sampling import MAX_BANNED_IDS, MAX_LOGPROBS, SamplingArrays
+from jaxllm.sampling import MAX_BANNED_IDS, SamplingArrays
 from scheduler import Request, SamplingParams, SchedulerOutput
 
 
@@ -28,18 +28,26 @@ class SlotTables(Protocol):
 
 
 def bad_words_token_ids(tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
-    """Token sequences of ``bad_words``, as vLLM's ``SamplingParams.update_from_tokenizer``.
+    """Token sequences of ``bad_words``: each word both bare and with a leading space.
 
-    Each word is encoded as is (left-stripped) and with a leading space; the
-    spaced variant is kept when it starts with a different token but has the
-    same length (so "word" mid-sentence is caught too).
+    A word is banned where it starts the text (encoded as is, left-stripped)
+    and mid-text after a space (encoded with one leading space), whatever
+    the token counts of the two (a byte-level BPE often spells the bare
+    word in more tokens than the spaced one: SmolLM2's "beautiful" is two
+    tokens, " beautiful" one). vLLM's ``SamplingParams.update_from_tokenizer``
+    makes the same two encodings but drops a spaced one of another length,
+    which lets " beautiful" through; here both are kept (an identical
+    second one once).
+
+    Returns:
+      one or two token-id lists per word, in order.
     """
     out: list[list[int]] = []
     for word in bad_words:
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         out.append(plain)
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+        if spaced != plain:
             out.append(spaced)
     return out
 
@@ -83,13 +91,8 @@ def make_sequence_sampling(params: SamplingParams, seed: int, stop_ids: Sequence
     Raises:
       ValueError: ``bad_words`` without a tokenizer, a bad word that encodes
         to no token or to ids outside the vocabulary, or more than
-        ``MAX_BANNED_IDS`` multi-token bad-word sequences, or ``logprobs``
-        or ``prompt_logprobs`` above ``MAX_LOGPROBS``.
+        ``MAX_BANNED_IDS`` multi-token bad-word sequences.
     """
-    for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(params, name)
-        if value is not None and value > MAX_LOGPROBS:
-            raise ValueError(f"SamplingParams.{name}={value} is out of range: at most {MAX_LOGPROBS}")
     words: list[list[int]] = []
     if params.bad_words:
         if tokenizer is None:

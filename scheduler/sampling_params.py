@@ -14,6 +14,10 @@ import math
 from typing import Optional, Sequence, Union
 
 _GREEDY_EPS = 1e-5
+# vLLM's default ``max_logprobs``: the most top log-probabilities a request may
+# ask for (per generated token, or per prompt token). The sampler always
+# computes this many so its shapes stay static.
+MAX_LOGPROBS = 20
 
 
 @dataclasses.dataclass
@@ -34,17 +38,23 @@ class SamplingParams:
       seed: per-request random seed; with it, the sampled tokens do not depend
         on what else is in the batch.
       max_tokens: number of tokens to generate at most (>= 1).
-      min_tokens: no stop (eos, stop ids, stop strings) before this many tokens.
-      stop: stop strings, checked on detokenized text.
+      min_tokens: eos and ``stop_token_ids`` are banned before this many
+        tokens; a stop string counts only where it ends in the text of a
+        later token (vLLM).
+      stop: stop strings, checked on detokenized text; the first to end
+        wins, and the text is cut before it.
       stop_token_ids: token ids that end generation (besides eos).
-      include_stop_str_in_output: keep the stop string in the returned text.
+      include_stop_str_in_output: keep the stop string, or the text of the
+        eos / ``stop_token_ids`` token that ended the sequence, in the text.
       ignore_eos: keep generating after the eos token.
-      logprobs: number of top log-probabilities to return per generated token
-        (the chosen token's is always included); None for none.
+      logprobs: number of top log-probabilities to return per generated token,
+        0 to ``MAX_LOGPROBS`` (20, vLLM's default ``max_logprobs``); the chosen
+        token's is always included; None for none.
       prompt_logprobs: likewise for each prompt token.
       logit_bias: {token_id: bias} added to the logits before sampling.
       allowed_token_ids: restrict sampling to these ids.
-      bad_words: words whose token sequences may not be generated.
+      bad_words: words that may not be generated, each both bare and after
+        a space, whatever the token counts of the two.
       skip_special_tokens: drop special tokens from the detokenized text.
 
     Raises:
@@ -114,10 +124,10 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", self.logprobs, ">= 0 or None")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise bad("prompt_logprobs", self.prompt_logprobs, ">= 0 or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, value, f"an int in [0, {MAX_LOGPROBS}] (max_logprobs) or None")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an int or None")
         if any(t < 0 for t in self.stop_token_ids):

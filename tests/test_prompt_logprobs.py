@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxllm.outputs import Logprob
 from jaxllm.prompt_logprobs import PromptLogprobs
 
 PROMPT = [10, 11, 12, 13, 14, 15]
 
 
 def step_outputs(start, count, k=2):
-    """Fake step rows for query positions start..: logprob -position, top ids 100+i."""
+    """Fake step rows for query positions start..: logprob -position, rank position + 3, top ids 100+i."""
     positions = np.arange(start, start + count)
     top_ids = np.stack([100 + positions] * k, axis=1).astype(np.int32) + np.arange(k)
-    return -positions.astype(np.float32), top_ids, np.full((count, k), -0.5, np.float32)
+    return -positions.astype(np.float32), positions + 3, top_ids, np.full((count, k), -0.5, np.float32)
 
 
 def test_targets_are_the_next_prompt_tokens_up_to_the_prompt_end():
@@ -35,7 +36,8 @@ def test_a_recomputed_chunk_records_only_positions_not_recorded_yet():
     tracker.record(0, *step_outputs(0, 6))
     assert tracker.complete
     assert tracker.entries[0] is None
-    assert tracker.entries[1:] == [{PROMPT[p]: -float(p - 1), 99 + p: -0.5} for p in range(1, 6)]
+    assert tracker.entries[1:] == [{PROMPT[p]: Logprob(-float(p - 1), p + 2), 99 + p: Logprob(-0.5, 1)}
+                                   for p in range(1, 6)]
 
 
 def test_positions_past_a_gap_are_not_recorded():

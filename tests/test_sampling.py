@@ -218,6 +218,7 @@ def test_logprobs_are_raw_log_softmax_with_top_k_descending():
     raw = LOGITS - np.log(np.exp(LOGITS.astype(np.float64)).sum())
     token = int(out["token_ids"][0])
     np.testing.assert_allclose(out["logprobs"][0], raw[token], atol=1e-6)
+    assert out["ranks"][0] == 1 + np.sum(LOGITS > LOGITS[token])  # LOGITS has no ties
     np.testing.assert_array_equal(out["top_ids"][0, :3], np.argsort(-LOGITS)[:3])
     np.testing.assert_allclose(out["top_logprobs"][0, :3], np.sort(raw)[::-1][:3], atol=1e-6)
 
@@ -232,9 +233,12 @@ def test_prompt_logprobs_are_raw_log_softmax_of_every_wanted_row_over_several_ch
     raw = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     wanted = targets >= 0
     np.testing.assert_allclose(out["prompt_logprobs"][wanted], raw[wanted, targets[wanted]], atol=1e-5)
+    ref_ranks = (raw >= raw[np.arange(rows), targets][:, None]).sum(-1)
+    np.testing.assert_array_equal(out["prompt_ranks"][wanted], ref_ranks[wanted])
     np.testing.assert_array_equal(out["prompt_top_ids"][wanted], np.argsort(-raw, axis=-1)[wanted, :20])
     np.testing.assert_allclose(out["prompt_top_logprobs"][wanted], -np.sort(-raw, axis=-1)[wanted, :20], atol=1e-5)
     assert not out["prompt_logprobs"][~wanted].any() and not out["prompt_top_ids"][~wanted].any()
+    assert not out["prompt_ranks"][~wanted].any()
 
 
 def test_prompt_logprobs_are_zeros_of_the_same_shapes_when_no_row_wants_them():
@@ -242,8 +246,8 @@ def test_prompt_logprobs_are_zeros_of_the_same_shapes_when_no_row_wants_them():
     out = jax.jit(lambda h, t: prompt_logprobs(lambda x: x @ head, h, t))(np.ones((16, 4), np.float32),
                                                                           np.full(16, -1, np.int32))
     assert {k: (v.shape, v.dtype) for k, v in out.items()} == {
-        "prompt_logprobs": ((16,), np.float32), "prompt_top_ids": ((16, 20), np.int32),
-        "prompt_top_logprobs": ((16, 20), np.float32)}
+        "prompt_logprobs": ((16,), np.float32), "prompt_ranks": ((16,), np.int32),
+        "prompt_top_ids": ((16, 20), np.int32), "prompt_top_logprobs": ((16, 20), np.float32)}
     assert not any(np.asarray(v).any() for v in out.values())
 
 

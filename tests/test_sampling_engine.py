@@ -41,8 +41,9 @@ def test_logprobs_equal_log_softmax_of_hf_logits(tiny_llama_dir, tiny_llm):
         top5 = np.argsort(-row)[:5]
         assert set(entry) == set(top5.tolist()) | {token}
         for t, lp in entry.items():
-            assert abs(lp - row[t]) < 1e-4
-    assert out.cumulative_logprob == pytest.approx(sum(e[t] for e, t in zip(out.logprobs, out.token_ids)), abs=1e-4)
+            assert abs(lp.logprob - row[t]) < 1e-4
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids)),
+                                                   abs=1e-4)
 
 
 def test_seeded_request_gives_the_same_tokens_alone_and_in_a_batch_of_16(tiny_llm):
@@ -180,7 +181,7 @@ def assert_prompt_logprobs_match_hf(entries, prompt, k, hf):
         assert set(entries[pos]) == set(np.argsort(-row)[:k].tolist()) | {prompt[pos]}
         assert next(iter(entries[pos])) == prompt[pos]
         for token, logprob in entries[pos].items():
-            assert abs(logprob - row[token]) < 1e-4
+            assert abs(logprob.logprob - row[token]) < 1e-4
 
 
 def test_prompt_logprobs_of_a_prompt_longer_than_the_token_budget_equal_log_softmax_of_hf_logits(

@@ -1,0 +1,142 @@
+"""OutputText (stop strings, min_tokens, stop-token text, stream hold-back) against a character-by-character reference.
+
+Token texts are given directly (a fake detokenizer), so any split of a text
+into tokens, including empty pieces (a byte of a split character), and any
+grouping of tokens into steps can be tried.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxllm.output_processor import OutputText, TokenTexts, logprob_entry
+from jaxllm.outputs import Logprob
+from scheduler import SamplingParams
+
+
+class Pieces:
+    """A detokenizer whose token ``i`` decodes to ``pieces[i]``."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def step(self, token_id):
+        return self.pieces[token_id]
+
+
+def reference(pieces, stop, include, min_tokens, stopped_by_token=False):
+    """(final text, stop string, tokens generated): scan character by
+    character; the first character at which some stop string ends, in the
+    text of a token past the first ``min_tokens``, ends the text (the longest
+    such stop string) and the generation (at that token)."""
+    num_tokens = len(pieces)
+    if stopped_by_token and not include:
+        pieces = pieces[:-1]
+    text = ""
+    for k, piece in enumerate(pieces, 1):
+        for ch in piece:
+            text += ch
+            hits = [s for s in stop if text.endswith(s)] if k > min_tokens else []
+            if hits:
+                s = max(hits, key=len)
+                return (text if include else text[: len(text) - len(s)]), s, k
+    return text, None, num_tokens
+
+
+def stream(pieces, stop, include, min_tokens, steps, stopped_by_token=False):
+    """Feed token ids 0.. in steps of the given sizes, as the engine does.
+
+    Returns (OutputText, deltas, held): held is the unstreamed text after each unfinished step."""
+    out = OutputText(Pieces(pieces), SamplingParams(stop=stop, include_stop_str_in_output=include,
+                                                    min_tokens=min_tokens, max_tokens=None))
+    ids, deltas, held, found = list(range(len(pieces))), [], [], None
+    while ids and found is None:
+        size = steps[len(deltas) % len(steps)]
+        chunk, ids = ids[:size], ids[size:]
+        found = out.add_tokens(chunk, stopped_by_token and not ids)
+        finished = found is not None or not ids
+        deltas.append(out.delta(finished))
+        if not finished:
+            held.append(out.text[len("".join(deltas)):])
+    return out, deltas, held, found
+
+
+texts = st.text(alphabet="ab .", max_size=4)
+
+
+@settings(max_examples=600, deadline=None)
+@given(pieces=st.lists(texts, min_size=1, max_size=14), stop=st.lists(st.text(alphabet="ab .", min_size=1, max_size=5),
+                                                                        min_size=1, max_size=3),
+       include=st.booleans(), min_tokens=st.integers(0, 6), steps=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+       stopped_by_token=st.booleans())
+def test_issue11_stream_deltas_equal_final_text_for_any_split(pieces, stop, include, min_tokens, steps,
+                                                              stopped_by_token):
+    """The kind behind issue 11 items 1-3: whatever the stop strings, the
+    token split, the steps, include_stop_str_in_output and min_tokens, the
+    deltas add up to the final text, which is the reference's; and only text
+    that may still begin a stop string is held back."""
+    out, deltas, held, found = stream(pieces, stop, include, min_tokens, steps, stopped_by_token)
+    text, expected_stop, _ = reference(pieces, stop, include, min_tokens, stopped_by_token)
+    assert (out.text, found) == (text, expected_stop)
+    assert "".join(deltas) == out.text
+    for tail in held:
+        assert tail == "" or (not include and any(len(s) > len(tail) and s.startswith(tail) for s in stop))
+
+
+def test_issue11_reported_stop_string_is_held_back_until_cut():
+    """Item 1's input as token texts (stories260K's greedy tokens): the
+    stream never shows "little gir" before the stop string cuts it."""
+    pieces = [",", " there", " was", " a", " little", " g", "ir", "l", " named"]
+    out, deltas, _, found = stream(pieces, ["little girl"], False, 0, [1])
+    assert found == "little girl" and out.text == ", there was a "
+    assert deltas == [",", " there", " was", " a", " ", "", "", ""]
+    assert "".join(deltas) == out.text
+
+
+def test_issue11_stop_string_inside_min_tokens_does_not_stop():
+    """Item 2's input as token texts: the first token is ","; with
+    min_tokens=1 only a "," in a later token stops."""
+    pieces = [",", " there", " was", ",", " a"]
+    out, deltas, _, found = stream(pieces, [","], False, 1, [1])
+    assert found == "," and out.text == ", there was"
+    assert out.num_tokens == 4
+    out, _, _, found = stream(pieces, [","], False, 0, [1])
+    assert found == "," and out.text == ""
+
+
+def test_a_stop_string_may_begin_in_the_text_of_the_first_min_tokens():
+    """vLLM's window: a match must end past the first min_tokens tokens' text, it may begin in it."""
+    out, _, _, found = stream(["x a", "b c"], ["ab"], False, 1, [1])
+    assert found == "ab" and out.text == "x "
+
+
+def test_the_first_stop_string_to_end_wins_whatever_the_split():
+    for pieces in (["xabc"], ["x", "a", "b", "c"], ["xa", "bc"]):
+        out, _, _, found = stream(pieces, ["abc", "b"], False, 0, [1])
+        assert (out.text, found) == ("xa", "b")
+
+
+def test_issue11_stop_token_text_left_out_unless_included():
+    """Item 3: the eos / stop_token_ids token that ended the sequence adds no
+    text unless include_stop_str_in_output."""
+    pieces = [",", " Lily", "."]
+    for include, text in ((False, ", Lily"), (True, ", Lily.")):
+        out, deltas, _, _ = stream(pieces, [], include, 0, [1], stopped_by_token=True)
+        assert out.text == "".join(deltas) == text
+        assert out.num_tokens == (3 if include else 2)
+
+
+def test_a_model_without_tokenizer_has_empty_text():
+    out = OutputText(None, SamplingParams(stop=["a"]))
+    assert out.add_tokens([1, 2, 3]) is None and out.delta(True) == "" and out.text == ""
+
+
+def test_logprob_entry_puts_the_chosen_token_first_and_ranks_the_top_1_to_k():
+    decode = TokenTexts(None)
+    entry = logprob_entry(7, -3.0, 12, np.array([4, 5]), np.array([-0.1, -0.2]), decode)
+    assert list(entry) == [7, 4, 5]
+    assert entry == {7: Logprob(-3.0, 12, None), 4: Logprob(-0.1, 1, None), 5: Logprob(-0.2, 2, None)}
+    among = logprob_entry(5, -0.2, 2, np.array([4, 5]), np.array([-0.1, -0.2]), decode)
+    assert list(among) == [5, 4] and among[5] == Logprob(-0.2, 2, None)
