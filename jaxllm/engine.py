@@ -33,6 +33,7 @@ from jaxllm.batching import StaticBatchScheduler
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.kv_cache import resolve_num_blocks
 from jaxllm.loader import load_sharded
+from jaxllm.loader.gguf import gguf_has_tokenizer
 from jaxllm.metrics import EngineMetrics, GenerateProgress
 from jaxllm.models.llama import AttentionOps
 from jaxllm.outputs import CompletionOutput, RequestOutput
@@ -67,8 +68,10 @@ def resolve_dtype(name: str) -> Any:
 
 
 def _load_tokenizer(path: Path) -> Optional[Tokenizer]:
+    """The model's tokenizer, or None when it ships none (the engine then
+    takes token ids, and its eos ids come from the model's configs)."""
     if path.is_file():
-        return Tokenizer.from_gguf(path)
+        return Tokenizer.from_gguf(path) if gguf_has_tokenizer(path) else None
     if (path / "tokenizer.json").is_file():
         return Tokenizer.from_pretrained(path)
     return None
@@ -203,11 +206,12 @@ class LLMEngine:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """Token ids that end generation: the tokenizer's (all of
-        generation_config's), else the model config's; the first is primary."""
-        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
-            return list(self.tokenizer.eos_token_ids)
-        return list(self.model_config.eos_token_ids)
+        """Token ids that end generation: the tokenizer's, then the model's
+        (``generation_config.json`` and ``config.json``, or the GGUF
+        metadata), without repeats; the first is primary (vLLM's eos plus the
+        generation config's eos ids)."""
+        ids = list(self.tokenizer.eos_token_ids) if self.tokenizer is not None else []
+        return list(dict.fromkeys(ids + list(self.model_config.eos_token_ids)))
 
     def encode_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """Prompt text or ids -> (text or None, token ids).
@@ -262,7 +266,8 @@ class LLMEngine:
             params = dataclasses.replace(
                 params, stop_token_ids=list(params.stop_token_ids) + [e for e in eos[1:] if e not in params.stop_token_ids]
             )
-        min_tokens_banned = list(params.stop_token_ids) + ([eos[0]] if eos and not params.ignore_eos else [])
+        # min_tokens bans every id that would end the request: stop ids and all eos ids.
+        min_tokens_banned = list(dict.fromkeys(list(params.stop_token_ids) + ([] if params.ignore_eos else eos)))
         n = params.n
         kwargs = dict(eos_token_id=eos[0] if eos else None, arrival_time=arrival_time, priority=priority,
                       cache_salt=cache_salt)

@@ -19,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
+from jaxllm.config import eos_token_ids
 from jaxllm.loader.gguf import gguf_tokenizer_metadata
 
 # llama.cpp token types (`tokenizer.ggml.token_type`).
@@ -82,10 +83,7 @@ class Tokenizer:
         bos_id = _token_id(backend, tok_config.get("bos_token"))
         for cfg in (gen_config, model_config):
             bos_id = cfg.get("bos_token_id") if bos_id is None else bos_id
-        eos_ids = [_token_id(backend, tok_config.get("eos_token"))]
-        for cfg in (gen_config, model_config):
-            eos = cfg.get("eos_token_id")
-            eos_ids += eos if isinstance(eos, list) else [eos]
+        eos_ids = [_token_id(backend, tok_config.get("eos_token")), *eos_token_ids(gen_config, model_config)]
 
         template_file = folder / "chat_template.jinja"
         if template_file.is_file():

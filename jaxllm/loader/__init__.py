@@ -2,7 +2,8 @@
 folder, to a ``(ModelConfig, params)`` pair. :func:`load_model` gives host
 numpy arrays; :func:`load_sharded` places them on a device mesh, each device
 reading only its own slice. Each format loader yields an HF-style config dict
-and HF-named tensors."""
+and HF-named tensors; a folder's ``generation_config.json`` adds its eos ids
+to the model config's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig
 from jaxllm.loader.orbax import is_orbax_checkpoint, read_config, restore_params
-from jaxllm.loader.safetensors import LazyTensor, iter_lazy_safetensors, iter_safetensors, read_hf_config
+from jaxllm.loader.safetensors import (
+    LazyTensor,
+    iter_lazy_safetensors,
+    iter_safetensors,
+    read_generation_config,
+    read_hf_config,
+)
 from jaxllm.models.llama import Params, params_from_hf
 from jaxllm.sharding import ModelSharding
 
@@ -29,6 +36,9 @@ def load_model(path: str | os.PathLike, dtype: Any = np.float32) -> tuple[ModelC
 
     Returns:
       (model config, parameter pytree of numpy arrays, the HF config dict).
+      The model config's ``eos_token_ids`` are those of the folder's
+      ``generation_config.json`` and ``config.json`` (a GGUF's from its
+      ``tokenizer.ggml.eos/eot/eom_token_id``), tokenizer files or not.
 
     Raises:
       ValueError: the path does not exist, lacks config.json, holds an
@@ -44,7 +54,7 @@ def load_model(path: str | os.PathLike, dtype: Any = np.float32) -> tuple[ModelC
     if not p.exists():
         raise ValueError(f"model path {str(p)!r} does not exist")
     hf_config = read_hf_config(p)
-    cfg = ModelConfig.from_hf_config(hf_config)
+    cfg = ModelConfig.from_hf_config(hf_config, read_generation_config(p))
     return cfg, params_from_hf(cfg, iter_safetensors(p), dtype, source=str(p)), hf_config
 
 
@@ -82,11 +92,11 @@ def load_sharded(path: str | os.PathLike, dtype: Any, mesh: Mesh) -> tuple[Model
         return cfg, sharding.place_params(params, dtype), hf_config, sharding
     if is_orbax_checkpoint(p):
         hf_config = read_config(p)
-        cfg = ModelConfig.from_hf_config(hf_config)
+        cfg = ModelConfig.from_hf_config(hf_config, read_generation_config(p))
         sharding = ModelSharding(cfg, mesh)
         return cfg, restore_params(p, sharding, dtype), hf_config, sharding
     hf_config = read_hf_config(p)
-    cfg = ModelConfig.from_hf_config(hf_config)
+    cfg = ModelConfig.from_hf_config(hf_config, read_generation_config(p))
     sharding = ModelSharding(cfg, mesh)
     lazy = params_from_hf(cfg, iter_lazy_safetensors(p), dtype, source=str(p), convert=_lazy)
     return cfg, sharding.place_params(lazy, dtype), hf_config, sharding

@@ -86,7 +86,8 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
             "qwen2", "qwen3"), `hidden_size`, `intermediate_size`, `num_hidden_layers`,
             `num_attention_heads`, `num_key_value_heads`, `head_dim`, `vocab_size`,
             `max_position_embeddings`, `rms_norm_eps`, `rope_theta`, `hidden_act`,
-            `tie_word_embeddings`, `bos_token_id`, `eos_token_id`, `attention_bias`, and
+            `tie_word_embeddings`, `bos_token_id`, `eos_token_id` (the eos id, or a list when the
+            file also names end-of-turn/end-of-message ids), `attention_bias`, and
             `rope_scaling` / `sliding_window` when the file states them.
         weights: HF names to arrays in HF orientation, e.g. `model.embed_tokens.weight`
             [vocab, hidden], `model.layers.{i}.self_attn.q_proj.weight` [heads*head_dim, hidden],
@@ -140,6 +141,11 @@ def gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
     if "tokens" not in meta:
         raise ValueError(f"{path}: no tokenizer.ggml.tokens; the file carries no tokenizer")
     return meta
+
+
+def gguf_has_tokenizer(path: str | os.PathLike) -> bool:
+    """Whether the GGUF file carries a tokenizer (`tokenizer.ggml.tokens`)."""
+    return "tokenizer.ggml.tokens" in _reader(os.fspath(path)).fields
 
 
 def _check_dtype(dtype) -> np.dtype:
@@ -201,7 +207,7 @@ def _config(reader: gguf.GGUFReader, arch: str, tensors: dict, path: str) -> dic
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", path, None),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", path, None),
+        "eos_token_id": _eos_token_ids(reader, path),
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
     }
     rope_type = key("rope.scaling.type", None)
@@ -214,6 +220,15 @@ def _config(reader: gguf.GGUFReader, arch: str, tensors: dict, path: str) -> dic
     if window is not None:
         config["sliding_window"] = window
     return config
+
+
+def _eos_token_ids(reader: gguf.GGUFReader, path: str) -> int | list[int] | None:
+    """The ids that end generation, as llama.cpp reads them from the metadata: eos, then
+    end-of-turn (eot) and end-of-message (eom). One id is given as an int (as transformers'
+    GGUF config has it), several as a list."""
+    ids = [_field(reader, f"tokenizer.ggml.{name}_token_id", path, None) for name in ("eos", "eot", "eom")]
+    ids = list(dict.fromkeys(i for i in ids if i is not None))
+    return ids[0] if len(ids) == 1 else ids or None
 
 
 def _hf_name(name: str, path: str) -> str:
