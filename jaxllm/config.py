@@ -256,6 +256,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive int (or None: the model's "
+                             "max_position_embeddings)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

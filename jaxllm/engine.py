@@ -32,8 +32,7 @@ import numpy as np
 from jaxllm.batching import StaticBatchScheduler
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.kv_cache import resolve_num_blocks
-from jaxllm.loader import load_sharded
-from jaxllm.loader.gguf import gguf_has_tokenizer
+from jaxllm.loader import load_sharded, read_model_config
 from jaxllm.metrics import EngineMetrics, GenerateProgress
 from jaxllm.models.llama import AttentionOps
 from jaxllm.outputs import CompletionOutput, RequestOutput
@@ -42,7 +41,7 @@ from jaxllm.default_model import cache_dir
 from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache, fetch_rows
 from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
 from jaxllm.sharding import make_mesh
-from jaxllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxllm.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from kernels_pallas import default_attention_backend, get_attention_ops
 from scheduler import (
     BucketTable,
@@ -65,16 +64,6 @@ def resolve_dtype(name: str) -> Any:
     if name == "auto":
         return np.float32 if jax.default_backend() == "cpu" else ml_dtypes.bfloat16
     return _DTYPES[name]
-
-
-def _load_tokenizer(path: Path) -> Optional[Tokenizer]:
-    """The model's tokenizer, or None when it ships none (the engine then
-    takes token ids, and its eos ids come from the model's configs)."""
-    if path.is_file():
-        return Tokenizer.from_gguf(path) if gguf_has_tokenizer(path) else None
-    if (path / "tokenizer.json").is_file():
-        return Tokenizer.from_pretrained(path)
-    return None
 
 
 @dataclasses.dataclass
@@ -142,14 +131,13 @@ class LLMEngine:
             raise ValueError(f"data_parallel_size={self.config.data_parallel_size}: an LLMEngine is one replica; "
                              "use LLM or jaxllm.replicas.ReplicatedEngine")
         path = Path(model)
-        if not path.exists():
-            raise ValueError(f"model path {str(path)!r} does not exist")
+        # The config is checked before any weight is read.
+        self.max_model_len = self.config.resolve_max_model_len(read_model_config(path)[0])
         self.dtype = resolve_dtype(self.config.dtype)
         mesh = mesh if mesh is not None else make_mesh(self.config.tensor_parallel_size)
         self.model_config, params, self.hf_config, self.sharding = load_sharded(path, self.dtype, mesh)
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         cfg = self.model_config
-        self.max_model_len = self.config.resolve_max_model_len(cfg)
         tp = self.sharding.tensor_parallel_size
         self.num_blocks = resolve_num_blocks(
             self.sharding.per_device_config(), block_size=self.config.block_size, dtype=self.dtype,

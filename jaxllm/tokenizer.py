@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as _Backend
 
 from jaxllm.config import eos_token_ids
-from jaxllm.loader.gguf import gguf_tokenizer_metadata
+from jaxllm.loader.gguf import gguf_has_tokenizer, gguf_tokenizer_metadata
 
 # llama.cpp token types (`tokenizer.ggml.token_type`).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
@@ -204,6 +204,17 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
+    """The tokenizer a model ships (a GGUF's metadata, a folder's tokenizer.json), or None when
+    it ships none: such a model takes token-id prompts, and its eos ids come from its configs."""
+    path = pathlib.Path(path)
+    if path.is_file():
+        return Tokenizer.from_gguf(path) if gguf_has_tokenizer(path) else None
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer.from_pretrained(path)
+    return None
 
 
 class IncrementalDetokenizer:

@@ -101,16 +101,11 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
     """
     path = os.fspath(path)
     dtype = _check_dtype(dtype)
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture", path)
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; "
-                         f"supported: {sorted(_ARCHITECTURES)}")
-    tensors = {t.name: t for t in reader.tensors}
-    _check_complete(tensors, arch, _field(reader, f"{arch}.block_count", path), path)
-    config = _config(reader, arch, tensors, path)
+    config = read_gguf_config(path)
+    arch = _field(_reader(path), "general.architecture", path)
     weights = {}
-    for name, tensor in tensors.items():
+    for tensor in _reader(path).tensors:
+        name = tensor.name
         hf_name = _hf_name(name, path)
         array = _dequantize(tensor, path)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -119,6 +114,23 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
             array = _unpermute_rows(array, config["num_key_value_heads"])
         weights[hf_name] = array.astype(dtype, copy=False)
     return config, weights
+
+
+def read_gguf_config(path: str | os.PathLike) -> dict:
+    """The `config.json`-style dict of a GGUF file (see `load_gguf`), without reading tensor data.
+
+    Raises:
+        ValueError: as `load_gguf`, but for tensor types (no tensor is dequantized).
+    """
+    path = os.fspath(path)
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture", path)
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; "
+                         f"supported: {sorted(_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    _check_complete(tensors, arch, _field(reader, f"{arch}.block_count", path), path)
+    return _config(reader, arch, tensors, path)
 
 
 def gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:

@@ -34,26 +34,6 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     return json.loads(config_file.read_text())
 
 
-def read_generation_config(path: str | os.PathLike) -> dict:
-    """``generation_config.json`` of a model folder (HF's ``GenerationConfig``
-    file: ``eos_token_id``, ``temperature``, ``top_p``, ...), or ``{}`` when
-    ``path`` is not a folder or has none.
-
-    Raises:
-      ValueError: the file is not a JSON object (the file is named).
-    """
-    file = Path(path) / "generation_config.json"
-    if not file.is_file():
-        return {}
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{str(file)!r} holds a {type(config).__name__}, not a JSON object")
-    return config
-
-
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
     """The safetensors files of a model folder, in shard order.
 
