@@ -19,8 +19,12 @@ temperature 0.8 and top-p 0.95. Flags given on the command line override both.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
+import signal
 import sys
+import threading
 from typing import Any, Optional, Sequence
 
 from jaxllm import __version__
@@ -229,17 +233,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_ctrl_c(signum: int, frame: Any) -> None:
+    """SIGINT: say so and leave at once with status 130. A KeyboardInterrupt would be lost when
+    it lands in a finalizer (JAX runs many), and interpreter shutdown in the middle of an XLA
+    compilation can crash; nothing here needs cleaning up but the output streams."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream
+            stream.flush()
+    os.write(2, b"\n[jaxllm] interrupted\n")
+    os._exit(EXIT_INTERRUPTED)
+
+
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m jaxllm.generate") -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``) and run; returns the exit status: 0, 2 for a bad
-    flag, model or prompt (one line on stderr), 130 after Ctrl-C."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run; returns the exit status: 0, or 2 for a
+    bad flag, model or prompt (one line on stderr). Ctrl-C ends the process with status 130
+    when SIGINT has its default handling in the main thread (not when it is ignored, as in a
+    background job, or handled by the caller); that handling is restored on return."""
+    previous = signal.getsignal(signal.SIGINT)
+    own = (previous in (signal.default_int_handler, signal.SIG_DFL)
+           and threading.current_thread() is threading.main_thread())
+    if own:
+        signal.signal(signal.SIGINT, _exit_on_ctrl_c)
     try:
         return run(build_parser(prog).parse_args(argv))
-    except KeyboardInterrupt:
-        print("\n[jaxllm] interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    finally:
+        if own:
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

@@ -102,11 +102,11 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
     path = os.fspath(path)
     dtype = _check_dtype(dtype)
     config = read_gguf_config(path)
-    arch = _field(_reader(path), "general.architecture", path)
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture", path)
     weights = {}
-    for tensor in _reader(path).tensors:
-        name = tensor.name
-        hf_name = _hf_name(name, path)
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name, path)
         array = _dequantize(tensor, path)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _unpermute_rows(array, config["num_attention_heads"])
