@@ -1,12 +1,28 @@
 """jaxllm: a JAX/XLA-compiled LLM inference engine.
 
 ``from jaxllm import LLM, SamplingParams`` is the offline API (vLLM's names);
-``jaxllm.engine.LLMEngine`` is the step-by-step one.
+``jaxllm.engine.LLMEngine`` is the step-by-step one. The names are imported on
+first use, so ``import jaxllm`` (and the CLI's ``--help``) does not import JAX.
 """
 
-from jaxllm.engine import LLM, LLMEngine
-from jaxllm.outputs import CompletionOutput, RequestOutput
-from scheduler.sampling_params import SamplingParams
+import importlib
+from typing import Any
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "jaxllm.engine",
+    "LLMEngine": "jaxllm.engine",
+    "SamplingParams": "scheduler.sampling_params",
+    "RequestOutput": "jaxllm.outputs",
+    "CompletionOutput": "jaxllm.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

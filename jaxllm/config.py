@@ -71,8 +71,13 @@ class ModelConfig:
     torch_dtype: Optional[str] = None
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a HF ``config.json`` dict.
+    def from_hf_config(cls, cfg: dict[str, Any], generation_config: Optional[dict[str, Any]] = None) -> "ModelConfig":
+        """Build from a HF ``config.json`` dict and, when the model has one,
+        its ``generation_config.json`` dict.
+
+        ``eos_token_ids`` is every ``eos_token_id`` (an int or a list) of
+        ``generation_config`` then ``cfg``, without repeats, as vLLM stops on
+        the generation config's eos ids besides the model's.
 
         Raises:
           ValueError: an architecture outside ``SUPPORTED_ARCHITECTURES``, an
@@ -98,8 +103,6 @@ class ModelConfig:
             )
         head_dim = int(cfg.get("head_dim") or hidden // num_q_heads)
         num_layers = int(cfg["num_hidden_layers"])
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None)
         qkv_bias = bool(cfg.get("attention_bias") or False) or model_type == "qwen2"
         return cls(
             architecture=arch,
@@ -121,7 +124,7 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             sliding_windows=_sliding_windows_from_hf(cfg, model_type, num_layers),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_token_ids(generation_config or {}, cfg),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         )
 
@@ -129,6 +132,18 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, per byte of dtype."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def eos_token_ids(*configs: dict[str, Any]) -> tuple[int, ...]:
+    """The ``eos_token_id`` entries (each an int, a list of ints, or None) of
+    HF config dicts, in order, without repeats."""
+    ids: dict[int, None] = {}
+    for cfg in configs:
+        eos = cfg.get("eos_token_id")
+        for e in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if e is not None:
+                ids[int(e)] = None
+    return tuple(ids)
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
@@ -242,6 +257,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive int (or None: the model's "
+                             "max_position_embeddings)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

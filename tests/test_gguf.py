@@ -104,8 +104,9 @@ TINY_TYPES = {"attn_q.weight": "Q8_0", "attn_k.weight": "Q4_0", "attn_v.weight":
               "ffn_down.weight": "F32"}
 
 
-def write_tiny_gguf(path, arch, *, skip=(), tied=True, head_dim=TINY["head_dim"]):
-    """A random two-layer model of `arch` (`TINY` sizes) as a GGUF, without `skip` tensors."""
+def write_tiny_gguf(path, arch, *, skip=(), tied=True, head_dim=TINY["head_dim"], eot=None):
+    """A random two-layer model of `arch` (`TINY` sizes) as a GGUF, without `skip` tensors, with
+    eos id 2 and, when given, an end-of-turn id `eot`; it carries no tokenizer."""
     t, rng = TINY | {"head_dim": head_dim}, np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(t["layers"])
@@ -121,6 +122,8 @@ def write_tiny_gguf(path, arch, *, skip=(), tied=True, head_dim=TINY["head_dim"]
     writer.add_vocab_size(t["vocab"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if eot is not None:
+        writer.add_eot_token_id(eot)
     q, kv, h = t["heads"] * t["head_dim"], t["kv_heads"] * t["head_dim"], t["hidden"]
     shapes = {"token_embd.weight": (t["vocab"], h), "output_norm.weight": (h,)}
     if not tied:
@@ -165,6 +168,17 @@ def test_tiny_gguf_matches_transformers(tmp_path, arch, tied, head_dim):
     assert set(weights) == expected
     for name in expected:
         np.testing.assert_allclose(weights[name], hf[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_issue11_gguf_eos_ids_come_from_its_metadata(tmp_path):
+    from jaxllm import LLM
+    from tests.test_engine import SMALL, assert_every_eos_stops_after_min_tokens
+
+    path = write_tiny_gguf(tmp_path / "eot.gguf", "llama", eot=5)
+    assert load_gguf(path)[0]["eos_token_id"] == [2, 5]
+    llm = LLM(model=path, **SMALL)  # no tokenizer in the file: token-id prompts only
+    assert llm.tokenizer is None and llm.engine.eos_token_ids == [2, 5]
+    assert_every_eos_stops_after_min_tokens(llm, [2, 5], [1, 7, 9, 11])
 
 
 def test_unknown_architecture_is_named(tmp_path):

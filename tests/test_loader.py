@@ -58,3 +58,17 @@ def _leaves(params):
     import jax
 
     return jax.tree_util.tree_leaves(params)
+
+
+@pytest.mark.parametrize("kind", ["text-file", "folder-without-config", "missing"])
+def test_issue11_model_path_that_is_not_a_model_is_named(tmp_path, kind):
+    from jaxllm import LLM
+    from jaxllm.loader import read_model_config
+
+    (tmp_path / "notes.gguf").write_text("not a model")
+    path, message = {"text-file": (tmp_path / "notes.gguf", "is a file but not a GGUF model"),
+                     "folder-without-config": (tmp_path, "has no config.json"),
+                     "missing": (tmp_path / "missing", "does not exist")}[kind]
+    for load in (read_model_config, load_model, LLM):
+        with pytest.raises(ValueError, match=message):
+            load(path)

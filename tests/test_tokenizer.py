@@ -1,11 +1,14 @@
 """Tokenizer, chat template and incremental detokenizer, checked against transformers."""
 
 import json
+import random
 import shutil
 
 import gguf
 import jinja2
 import pytest
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
 
 from jaxllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -232,3 +235,148 @@ def test_incremental_keeps_sentencepiece_word_spaces(stories, text):
     full = stories.decode(prompt + output)
     assert detok.text == full[len(stories.decode(prompt)):]
     assert detok.text.lstrip(" ") == stories.decode(output).lstrip(" ")
+
+
+# ---- tokenizer_config.json's legacy / add_prefix_space, against transformers (issue 11, item 7) --
+
+SWEEP_PIECES = ["hello", "Hello", "world", "user", "hi", "Once", "upon", "a", "time", ":", ",", ".", "!", "'s",
+                "don't", "café", "cafe\u0301", "naïve", "Ünïcödé", "ß", "ñ", "Ångström", "日本", "🙂", "0", "7",
+                "123", "4567", "3.14", "1,000", "2024-01-31", " ", "  ", "   ", "\t", "\n", "\n\n", " \n ", "\r\n"]
+
+
+def sweep_texts(specials, n=300, seed=0):
+    """Edge cases around special tokens and leading whitespace, then `n` random concatenations of
+    special tokens, words, accents (composed and decomposed), digits and whitespace runs."""
+    texts = ["", " ", "  ", "\n", "hi", " hi", "  hi", "hi ", "<s>user: hi", "Hello</s> world"]
+    for sp in specials:
+        texts += [sp, sp + sp, sp + "user", sp + " user", sp + "  user", "user" + sp, "user " + sp + " hi",
+                  sp + "\n" + "hi", " " + sp + "hi", sp + "123", sp + "é"]
+    rng = random.Random(seed)
+    pieces = SWEEP_PIECES + list(specials) * 3
+    while len(texts) < n + 10 + 11 * len(specials):
+        texts.append("".join(rng.choice(pieces) for _ in range(rng.randint(1, 10))))
+    return texts
+
+
+def encode_mismatches(ours, theirs, texts):
+    """The texts (with add_special_tokens) that `ours` encodes differently from transformers."""
+    return [(text, add, ours.encode(text, add_special_tokens=add), theirs.encode(text, add_special_tokens=add))
+            for text in texts for add in (True, False)
+            if ours.encode(text, add_special_tokens=add) != theirs.encode(text, add_special_tokens=add)]
+
+
+def with_tokenizer_config(src, dest, **changes):
+    """A copy of the tokenizer folder `src` with tokenizer_config.json keys changed (None: removed)."""
+    shutil.copytree(src, dest)
+    config = json.loads((dest / "tokenizer_config.json").read_text())
+    config.update(changes)
+    (dest / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return dest
+
+
+def test_issue11_tokenizer_legacy_false(stories_dir, tmp_path):
+    folder = with_tokenizer_config(stories_dir, tmp_path / "m", legacy=False)
+    ids = Tokenizer.from_pretrained(folder).encode("<s>user: hi", add_special_tokens=False)
+    assert ids[:2] == [1, 425]  # "u", where legacy inserts "▁u" (318)
+    assert ids == transformers.AutoTokenizer.from_pretrained(folder).encode("<s>user: hi", add_special_tokens=False)
+
+
+STORIES_CONFIGS = {
+    "as-shipped": {},
+    "legacy-false": dict(legacy=False),
+    "legacy-true": dict(legacy=True),
+    "legacy-null": dict(legacy=None, add_prefix_space=None),
+    "no-prefix-space": dict(add_prefix_space=False),
+    "prefix-space": dict(add_prefix_space=True),
+    "legacy-true-no-prefix-space": dict(legacy=True, add_prefix_space=False),
+    "generic-class-legacy-false": dict(tokenizer_class="PreTrainedTokenizerFast", legacy=False),
+}
+
+
+@pytest.mark.parametrize("changes", STORIES_CONFIGS.values(), ids=STORIES_CONFIGS.keys())
+@pytest.mark.parametrize("old_normalizer", [False, True], ids=["metaspace", "normalizer-form"])
+def test_issue11_sentencepiece_flags_match_transformers(stories_dir, tmp_path, changes, old_normalizer):
+    folder = with_tokenizer_config(stories_dir, tmp_path / "m", **changes)
+    if old_normalizer:
+        # The form older transformers wrote for Llama 2 / Mistral: "▁" added by the normalizer.
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+        spec["pre_tokenizer"] = None
+        (folder / "tokenizer.json").write_text(json.dumps(spec))
+    ours, theirs = Tokenizer.from_pretrained(folder), transformers.AutoTokenizer.from_pretrained(folder)
+    texts = sweep_texts(["<s>", "</s>", "<unk>"])
+    assert encode_mismatches(ours, theirs, texts)[:5] == []
+    for text in texts:
+        ids = theirs.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+@pytest.fixture(scope="module")
+def smol_hf_smollm_split(smollm2_gguf):
+    """transformers' tokenizer of the GGUF with the split SmolLM2's own tokenizer.json and llama.cpp
+    (`tokenizer.ggml.pre` "smollm") use: every digit alone, then the GPT-2 regex. transformers'
+    GGUF converter ignores `tokenizer.ggml.pre` and keeps only the GPT-2 regex, so "  7" or
+    "\r\n0" would split differently from the model's own tokenizer."""
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return tok
+
+
+def test_issue11_gguf_tokenizer_matches_transformers_sweep(smol, smol_hf_smollm_split):
+    texts = sweep_texts(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+    assert encode_mismatches(smol, smol_hf_smollm_split, texts)[:5] == []
+    for text in texts:
+        ids = smol_hf_smollm_split.encode(text)
+        for skip in (True, False):
+            assert smol.decode(ids, skip) == smol_hf_smollm_split.decode(ids, skip_special_tokens=skip), text
+
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def qwen_style_dir(tmp_path_factory):
+    """A small Qwen2-style byte-level BPE (NFC, Qwen2's split regex, ByteLevel) trained here."""
+    from tokenizers import normalizers, trainers
+
+    from jaxllm.tokenizer import _QWEN2_SPLIT
+
+    backend = _Backend(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    corpus = sweep_texts([], n=2000, seed=1) + TEXTS
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=QWEN_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    folder = tmp_path_factory.mktemp("qwen_style")
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 4096}))
+    return folder
+
+
+QWEN_CONFIGS = {
+    "as-shipped": {},
+    "prefix-space": dict(add_prefix_space=True),
+    "no-prefix-space": dict(add_prefix_space=False),
+    "generic-class-prefix-space": dict(tokenizer_class="PreTrainedTokenizerFast", add_prefix_space=True),
+}
+
+
+@pytest.mark.parametrize("changes", QWEN_CONFIGS.values(), ids=QWEN_CONFIGS.keys())
+def test_issue11_byte_level_flags_match_transformers(qwen_style_dir, tmp_path, changes):
+    folder = with_tokenizer_config(qwen_style_dir, tmp_path / "m", **changes)
+    ours, theirs = Tokenizer.from_pretrained(folder), transformers.AutoTokenizer.from_pretrained(folder)
+    texts = sweep_texts(QWEN_SPECIALS)
+    assert encode_mismatches(ours, theirs, texts)[:5] == []
+    for text in texts:
+        ids = theirs.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text

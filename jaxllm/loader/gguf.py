@@ -86,7 +86,8 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
             "qwen2", "qwen3"), `hidden_size`, `intermediate_size`, `num_hidden_layers`,
             `num_attention_heads`, `num_key_value_heads`, `head_dim`, `vocab_size`,
             `max_position_embeddings`, `rms_norm_eps`, `rope_theta`, `hidden_act`,
-            `tie_word_embeddings`, `bos_token_id`, `eos_token_id`, `attention_bias`, and
+            `tie_word_embeddings`, `bos_token_id`, `eos_token_id` (the eos id, or a list when the
+            file also names end-of-turn/end-of-message ids), `attention_bias`, and
             `rope_scaling` / `sliding_window` when the file states them.
         weights: HF names to arrays in HF orientation, e.g. `model.embed_tokens.weight`
             [vocab, hidden], `model.layers.{i}.self_attn.q_proj.weight` [heads*head_dim, hidden],
@@ -100,17 +101,12 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
     """
     path = os.fspath(path)
     dtype = _check_dtype(dtype)
+    config = read_gguf_config(path)
     reader = _reader(path)
     arch = _field(reader, "general.architecture", path)
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; "
-                         f"supported: {sorted(_ARCHITECTURES)}")
-    tensors = {t.name: t for t in reader.tensors}
-    _check_complete(tensors, arch, _field(reader, f"{arch}.block_count", path), path)
-    config = _config(reader, arch, tensors, path)
     weights = {}
-    for name, tensor in tensors.items():
-        hf_name = _hf_name(name, path)
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name, path)
         array = _dequantize(tensor, path)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _unpermute_rows(array, config["num_attention_heads"])
@@ -118,6 +114,23 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
             array = _unpermute_rows(array, config["num_key_value_heads"])
         weights[hf_name] = array.astype(dtype, copy=False)
     return config, weights
+
+
+def read_gguf_config(path: str | os.PathLike) -> dict:
+    """The `config.json`-style dict of a GGUF file (see `load_gguf`), without reading tensor data.
+
+    Raises:
+        ValueError: as `load_gguf`, but for tensor types (no tensor is dequantized).
+    """
+    path = os.fspath(path)
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture", path)
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; "
+                         f"supported: {sorted(_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    _check_complete(tensors, arch, _field(reader, f"{arch}.block_count", path), path)
+    return _config(reader, arch, tensors, path)
 
 
 def gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
@@ -140,6 +153,11 @@ def gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
     if "tokens" not in meta:
         raise ValueError(f"{path}: no tokenizer.ggml.tokens; the file carries no tokenizer")
     return meta
+
+
+def gguf_has_tokenizer(path: str | os.PathLike) -> bool:
+    """Whether the GGUF file carries a tokenizer (`tokenizer.ggml.tokens`)."""
+    return "tokenizer.ggml.tokens" in _reader(os.fspath(path)).fields
 
 
 def _check_dtype(dtype) -> np.dtype:
@@ -201,7 +219,7 @@ def _config(reader: gguf.GGUFReader, arch: str, tensors: dict, path: str) -> dic
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", path, None),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", path, None),
+        "eos_token_id": _eos_token_ids(reader, path),
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
     }
     rope_type = key("rope.scaling.type", None)
@@ -214,6 +232,15 @@ def _config(reader: gguf.GGUFReader, arch: str, tensors: dict, path: str) -> dic
     if window is not None:
         config["sliding_window"] = window
     return config
+
+
+def _eos_token_ids(reader: gguf.GGUFReader, path: str) -> int | list[int] | None:
+    """The ids that end generation, as llama.cpp reads them from the metadata: eos, then
+    end-of-turn (eot) and end-of-message (eom). One id is given as an int (as transformers'
+    GGUF config has it), several as a list."""
+    ids = [_field(reader, f"tokenizer.ggml.{name}_token_id", path, None) for name in ("eos", "eot", "eom")]
+    ids = list(dict.fromkeys(i for i in ids if i is not None))
+    return ids[0] if len(ids) == 1 else ids or None
 
 
 def _hf_name(name: str, path: str) -> str:

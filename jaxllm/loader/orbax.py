@@ -53,11 +53,6 @@ def save_checkpoint(path: str | os.PathLike, params: Params, hf_config: dict) ->
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
 
 
-def read_config(path: str | os.PathLike) -> dict:
-    """The HF-style config dict saved beside the parameters."""
-    return json.loads((Path(path) / "config.json").read_text())
-
-
 def restore_params(path: str | os.PathLike, sharding: ModelSharding, dtype: Any) -> Params:
     """Restore the parameter pytree into ``sharding``'s parameter shardings.
 
