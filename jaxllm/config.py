@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from scheduler.buckets import geometric_ladder, half_step_ladder
 
@@ -201,7 +201,11 @@ class EngineConfig:
       token_buckets, seq_buckets, width_buckets: explicit bucket ladders
         (T tokens, S rows, W block-table width); None derives each from the
         limits (see :meth:`bucket_ladders`); each must reach its limit.
-      precompile: compile every bucket at start-up (False: on first use).
+      precompile: when to build the step programs: ``True`` every bucket at
+        start-up; ``"background"`` the smallest and largest token buckets at
+        start-up and the rest in a background thread while serving (a step
+        pads up to a ready bucket meanwhile, so none waits on a compile);
+        ``False`` each bucket on first use.
       async_scheduling: schedule step N+1 while the device runs step N
         (outputs are identical; see ``LLMEngine.step``).
       compilation_cache: folder of JAX's persistent compilation cache;
@@ -240,7 +244,7 @@ class EngineConfig:
     token_buckets: Optional[Sequence[int]] = None
     seq_buckets: Optional[Sequence[int]] = None
     width_buckets: Optional[Sequence[int]] = None
-    precompile: bool = True
+    precompile: Union[bool, str] = "background"
     async_scheduling: bool = False
     compilation_cache: Optional[str] = "default"
     tensor_parallel_size: int = 1
@@ -274,6 +278,8 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.num_host_blocks < 1:
             raise ValueError(f"preemption_mode='swap' needs host blocks to swap to: num_host_blocks="
                              f"{self.num_host_blocks} must be >= 1")
+        if self.precompile not in (True, False, "background"):
+            raise ValueError(f"precompile={self.precompile!r} must be True, False or 'background'")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching={self.batching!r} must be 'continuous' or 'static'")
 

@@ -160,12 +160,19 @@ class LLMEngine:
         scheduler_cls = StaticBatchScheduler if self.config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(self._scheduler_config())
         b = self.buckets
-        _log(f"{len(b)} step programs: tokens {list(b.token_buckets)} x seqs {list(b.seq_buckets)} "
-             f"x block-table widths {list(b.width_buckets)}; {self.num_blocks} KV blocks of "
-             f"{self.config.block_size} tokens; attention {backend}; tensor parallel {tp}")
+        _log(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {[b.seq_bucket_for(t) for t in b.token_buckets]}, "
+             f"block-table widths {list(b.width_buckets)}); {self.num_blocks} KV blocks of {self.config.block_size} "
+             f"tokens; attention {backend}; tensor parallel {tp}")
         if self.config.precompile:
-            seconds = self.runner.warmup(swap=self.config.preemption_mode == "swap")
-            _log(f"compiled {self.runner.num_compilations} programs in {seconds:.1f} s")
+            background = self.config.precompile == "background"
+            seconds = self.runner.warmup(swap=self.config.preemption_mode == "swap", background=background)
+            r = self.runner
+            pending = r.num_pending_programs()
+            _log(f"built {r.num_compilations} programs in {seconds:.1f} s: {r.num_compilations - r.num_cache_hits} "
+                 f"compiled ({r.compile_seconds:.1f} s), {r.num_cache_hits} loaded from the persistent cache "
+                 f"({r.cache_load_seconds:.1f} s)" + (f"; {pending} more building in the background" if pending else ""))
+        else:
+            _log("step programs are built on first use (precompile=False)")
         self.metrics = EngineMetrics(
             self.scheduler, compile_count=lambda: self.runner.num_compilations, log_stats=self.config.log_stats,
             metrics_port=self.config.metrics_port,
@@ -184,6 +191,15 @@ class LLMEngine:
         # it is first scheduled (its prefix-cache hits are then known).
         self._unscheduled: dict[str, _Group] = {}
         self._token_texts = TokenTexts(self.tokenizer)
+
+    def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every step program is built (see ``EngineConfig.precompile``).
+
+        Returns:
+          True once nothing is left to build; False if ``timeout`` seconds
+          passed first.
+        """
+        return self.runner.wait_for_warmup(timeout)
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
@@ -400,7 +416,7 @@ class LLMEngine:
         self.runner.swap_out(sched_out.blocks_to_swap_out)
         self.runner.swap_in(sched_out.blocks_to_swap_in)
         self.runner.copy_blocks(sched_out.blocks_to_copy)
-        batch = build_batch(sched_out, self.buckets)
+        batch = build_batch(sched_out, self.runner.serving_buckets())
         targets = prompt_targets(sched_out.scheduled, self._prompt_lp, batch.input_ids.shape[0])
         out, next_prev = self.runner.dispatch(batch, self.slots.arrays(sched_out, batch.seq_lens.shape[0]),
                                               prev_tokens, targets)

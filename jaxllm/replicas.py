@@ -107,6 +107,10 @@ class ReplicatedEngine:
             if index is not None:
                 self.replicas[index].abort_request(rid)
 
+    def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every replica has built every step program (``LLMEngine.wait_for_warmup``)."""
+        return all([engine.wait_for_warmup(timeout) for engine in self.replicas])
+
     def has_unfinished_requests(self) -> bool:
         """True while any replica has unfinished requests."""
         return any(engine.has_unfinished_requests() for engine in self.replicas)

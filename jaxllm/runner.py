@@ -16,13 +16,17 @@ those same shardings.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import monitoring
 
 from jaxllm.config import ModelConfig
 from jaxllm.kv_cache import allocate_kv_cache
@@ -78,6 +82,20 @@ def _abstract(tree: Any) -> Any:
     )
 
 
+# Persistent-cache hits seen by the compile running on this thread (see
+# ModelRunner._compiled): JAX reports them as process-wide events, recorded on
+# the thread that asked for the compilation.
+_compile_events = threading.local()
+
+
+def _on_jax_event(event: str, **kwargs: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits" and getattr(_compile_events, "hits", None) is not None:
+        _compile_events.hits += 1
+
+
+monitoring.register_event_listener(_on_jax_event)
+
+
 def _chunks(pairs: np.ndarray) -> Iterable[np.ndarray]:
     """Split ``pairs: int32[K, 2]`` into ``[BLOCK_CHUNK, 2]`` chunks padded with (0, 0)."""
     for start in range(0, len(pairs), BLOCK_CHUNK):
@@ -111,9 +129,13 @@ class ModelRunner:
         sharding.num_cache_heads, head_dim]``, split over heads.
       sampler_tables: the sampler's per-slot tables (``sampling.init_tables``),
         replicated on the mesh and donated to every step like the KV cache.
-      num_compilations: programs this runner has compiled (steps and block
-        copies); after :meth:`warmup` it stays constant while serving.
-      compile_seconds: wall time spent compiling, seconds.
+      num_compilations: programs this runner has built (steps and block
+        copies), whether compiled or loaded from JAX's persistent cache; once
+        :meth:`warmup` has finished it stays constant while serving.
+      num_cache_hits: of those, programs loaded from the persistent cache.
+      compile_seconds: wall time spent compiling programs, seconds.
+      cache_load_seconds: wall time spent building programs the persistent
+        cache held (tracing, lowering and loading), seconds.
     """
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
@@ -131,8 +153,15 @@ class ModelRunner:
         self.sampler_tables = jax.device_put(init_tables(num_sampling_slots, cfg.vocab_size), self._replicated)
         self.max_model_len = max_model_len
         self.num_compilations = 0
+        self.num_cache_hits = 0
         self._no_prev_tokens = jax.device_put(np.zeros(buckets.seq_buckets[-1], np.int32), self._replicated)
         self.compile_seconds = 0.0
+        self.cache_load_seconds = 0.0
+        self._lock = threading.Lock()
+        # Token buckets whose programs (every width) are built; None: build on first use.
+        self._ready_tokens: Optional[set[int]] = None
+        self._background: Optional[threading.Thread] = None
+        self._stop_background = threading.Event()
         # Outputs pinned to the inputs' shardings: the donated KV cache and
         # sampler tables come back laid out as the next step was compiled for.
         self._step_jit = jax.jit(functools.partial(_step, cfg=cfg, ops=ops), donate_argnums=(1, 4),
@@ -148,9 +177,20 @@ class ModelRunner:
 
     def _compiled(self, fn: Any, *abstract_args: Any) -> Callable:
         start = time.perf_counter()
-        exe = fn.lower(*abstract_args).compile()
-        self.compile_seconds += time.perf_counter() - start
-        self.num_compilations += 1
+        _compile_events.hits = 0
+        try:
+            exe = fn.lower(*abstract_args).compile()
+            hit = _compile_events.hits > 0
+        finally:
+            _compile_events.hits = None
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self.num_compilations += 1
+            if hit:
+                self.num_cache_hits += 1
+                self.cache_load_seconds += seconds
+            else:
+                self.compile_seconds += seconds
         return exe
 
     def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
@@ -177,6 +217,25 @@ class ModelRunner:
         if exe is None:
             exe = self._steps[shape] = self._compiled(self._step_jit, *self.step_arguments(shape))
         return exe
+
+    def _build_token_bucket(self, tokens: int) -> None:
+        for shape in self.buckets.all_shapes():
+            if shape[0] == tokens:
+                self.compile_step(shape)
+        with self._lock:
+            if self._ready_tokens is not None:
+                self._ready_tokens.add(tokens)
+
+    def serving_buckets(self) -> BucketTable:
+        """The buckets a step may use now: all of them once warm-up is over
+        (or when compiling lazily); during a background warm-up, only the
+        token buckets already built, so no step waits on a compile (a batch
+        then pads up to the smallest ready bucket that holds it)."""
+        with self._lock:
+            ready = self._ready_tokens
+            if ready is None or len(ready) == len(self.buckets.token_buckets):
+                return self.buckets
+            return BucketTable(tuple(sorted(ready)), self.buckets.seq_buckets, self.buckets.width_buckets)
 
     def _block_op(self, name: str) -> Callable:
         exe = self._block_ops.get(name)
@@ -210,25 +269,65 @@ class ModelRunner:
         self._block_ops[name] = exe
         return exe
 
-    def warmup(self, progress: bool = True, swap: bool = False) -> float:
-        """Compile every bucket's step (and the block-copy and slot-fill programs) now.
+    def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> float:
+        """Build every bucket's step program (and the block-copy and slot-fill programs).
 
         Args:
           progress: show a tqdm bar on stderr.
-          swap: also compile the swap-out/in programs.
+          swap: also build the swap-out/in programs.
+          background: build only the smallest and the largest token buckets
+            now (the largest holds any step, the smallest serves short decode
+            steps) and the others in a background thread, smallest first;
+            :meth:`serving_buckets` tracks what is ready, and
+            :meth:`wait_for_warmup` waits for the rest.
 
         Returns:
-          Seconds spent.
+          Seconds spent before returning.
         """
         from tqdm import tqdm
 
         start = time.perf_counter()
-        shapes = self.buckets.all_shapes()
-        for shape in tqdm(shapes, desc="compiling buckets", unit="program", disable=not progress):
-            self.compile_step(shape)
+        tokens = self.buckets.token_buckets
+        first = sorted({tokens[-1], tokens[0]}, reverse=True) if background else list(tokens)
+        with self._lock:
+            self._ready_tokens = set()
+        for t in tqdm(first, desc="compiling buckets", unit="bucket", disable=not progress):
+            self._build_token_bucket(t)
         for name in ("copy", "fill", "rows") + (("gather", "scatter") if swap else ()):
             self._block_op(name)
+        rest = [t for t in tokens if t not in first]
+        if rest:
+            self._background = threading.Thread(target=self._build_in_background, args=(rest,),
+                                                name="jaxllm-warmup", daemon=True)
+            self._background.start()
+            # At interpreter exit, let the thread finish its program rather than die inside XLA.
+            runner = weakref.ref(self)
+            atexit.register(lambda: runner() is not None and runner().stop_warmup())
         return time.perf_counter() - start
+
+    def _build_in_background(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if self._stop_background.is_set():
+                return
+            self._build_token_bucket(t)
+
+    def num_pending_programs(self) -> int:
+        """Step programs a background warm-up has still to build (0 when compiling lazily)."""
+        with self._lock:
+            if self._ready_tokens is None:
+                return 0
+            return len(self.buckets) - sum(1 for shape in self.buckets.all_shapes() if shape[0] in self._ready_tokens)
+
+    def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
+        """Wait for a background warm-up to finish; True once every program is built."""
+        if self._background is not None:
+            self._background.join(timeout)
+        return self._background is None or not self._background.is_alive()
+
+    def stop_warmup(self) -> None:
+        """Stop a background warm-up after the program it is building (at shutdown)."""
+        self._stop_background.set()
+        self.wait_for_warmup()
 
     # ---------------------------------------------------------------- serving
 

@@ -46,6 +46,7 @@ def test_mixed_workload_after_warmup_triggers_zero_compilations(tiny_llama_dir, 
     engine = LLMEngine(
         tiny_llama_dir, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, block_size=8,
         num_kv_blocks=24, preemption_mode=preemption_mode, num_host_blocks=64, compilation_cache=None,
+        precompile=True,
     )
     compiled_at_warmup = engine.runner.num_compilations
     # Besides the steps: block copy, slot fill and slot rows (and swap out/in).

@@ -243,7 +243,7 @@ def test_get_attention_ops_rejects_unknown_backend_naming_the_allowed_ones():
 
 
 def test_default_attention_backend_follows_the_jax_backend():
-    expected = "pallas" if jax.default_backend() == "gpu" else "reference"
+    expected = "pallas" if jax.default_backend() == "gpu" else "xla"
     assert kernels_pallas.default_attention_backend() == expected
 
 

@@ -5,10 +5,20 @@ Follows llama.cpp's `convert_hf_to_gguf.py` in reverse: metadata keys `{arch}.*`
 permutation that the converter applies to the `llama` architecture (and only to it; `qwen2` and
 `qwen3` are written unpermuted) is undone so rotary embeddings line up with HF's `rotate_half`.
 Dequantization is `gguf.quants.dequantize`.
+
+Parsing is `gguf.GGUFReader`, which takes seconds on a file with a large vocabulary (it reads
+each of ~100k tokenizer strings separately). Its result -- every metadata value and where each
+tensor's bytes lie -- is kept as a small JSON file in the jaxllm cache, keyed by the file's path,
+size and modification time, so later loads read that and map the tensor bytes straight from the
+file (see `_reader`).
 """
 
+import dataclasses
 import functools
+import hashlib
+import json
 import os
+import pathlib
 from typing import Any
 
 import gguf
@@ -148,8 +158,7 @@ def gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """
     path = os.fspath(path)
     reader = _reader(path)
-    meta = {short: reader.fields[key].contents()
-            for key, short in _TOKENIZER_KEYS.items() if key in reader.fields}
+    meta = {short: reader.fields[key] for key, short in _TOKENIZER_KEYS.items() if key in reader.fields}
     if "tokens" not in meta:
         raise ValueError(f"{path}: no tokenizer.ggml.tokens; the file carries no tokenizer")
     return meta
@@ -170,28 +179,97 @@ def _check_dtype(dtype) -> np.dtype:
     return dt
 
 
-def _reader(path: str) -> gguf.GGUFReader:
-    """A parsed reader of ``path``, shared by the weight and tokenizer loaders:
-    parsing the metadata of a 49k-token vocabulary takes seconds."""
+@dataclasses.dataclass
+class _Tensor:
+    """One tensor of a GGUF file: its type and its raw bytes (a read-only memmap view) shaped as
+    `gguf.GGUFReader` shapes them, which is what `gguf.quants.dequantize` takes."""
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: list[int]  # ggml order, innermost dimension first
+    data: np.ndarray
+
+
+@dataclasses.dataclass
+class _Contents:
+    """A parsed GGUF file: metadata values by key (`ReaderField.contents()`) and its tensors."""
+
+    fields: dict[str, Any]
+    tensors: list[_Tensor]
+
+
+# Bump when the cached parse changes shape, so stale entries are ignored.
+_PARSE_CACHE_VERSION = 1
+
+
+def _reader(path: str) -> _Contents:
+    """The parsed contents of ``path``, shared by the weight and tokenizer loaders (held in memory
+    for the two most recent files, and on disk in the jaxllm cache)."""
     stat = os.stat(path)
-    return _cached_reader(path, stat.st_mtime_ns, stat.st_size)
+    return _cached_reader(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
-    return gguf.GGUFReader(path)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> _Contents:
+    from jaxllm.default_model import cache_dir
+
+    key = hashlib.sha256(f"{_PARSE_CACHE_VERSION}|{path}|{mtime_ns}|{size}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "gguf" / f"{pathlib.Path(path).stem}-{key}.json"
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        parse = json.loads(cached.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        parse = _parse(path)
+        _write_atomically(cached, json.dumps(parse, default=_plain))
+    tensors = []
+    for name, type_id, ggml_shape, offset, dtype, shape in parse["tensors"]:
+        dt = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dt.itemsize
+        tensors.append(_Tensor(name, gguf.GGMLQuantizationType(type_id), ggml_shape,
+                               raw[offset:offset + nbytes].view(dt).reshape(shape)))
+    return _Contents(parse["fields"], tensors)
 
 
-def _field(reader: gguf.GGUFReader, key: str, path: str, default: Any = ...) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def _parse(path: str) -> dict:
+    """Parse with `gguf.GGUFReader` into a JSON-able dict: `fields` (key -> contents) and
+    `tensors` ([name, type id, ggml shape, byte offset, numpy dtype, data shape] each)."""
+    reader = gguf.GGUFReader(path)
+    fields = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    tensors = [[t.name, int(t.tensor_type), [int(n) for n in t.shape], int(t.data_offset), t.data.dtype.str,
+                list(t.data.shape)] for t in reader.tensors]
+    return {"fields": fields, "tensors": tensors}
+
+
+def _plain(value: Any) -> Any:
+    """JSON fallback for numpy scalars and arrays among metadata values."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot store {type(value).__name__} in the GGUF parse cache")
+
+
+def _write_atomically(target: pathlib.Path, text: str) -> None:
+    """Write ``text`` to ``target`` via a temporary file and a rename; a cache that cannot be
+    written (read-only home, full disk) is skipped, since it only saves time."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, target)
+    except OSError:
+        pass
+
+
+def _field(reader: _Contents, key: str, path: str, default: Any = ...) -> Any:
+    if key not in reader.fields:
         if default is ...:
             raise ValueError(f"{path}: missing GGUF metadata key {key!r}")
         return default
-    return field.contents()
+    return reader.fields[key]
 
 
-def _config(reader: gguf.GGUFReader, arch: str, tensors: dict, path: str) -> dict:
+def _config(reader: _Contents, arch: str, tensors: dict, path: str) -> dict:
     def key(name, default=...):
         return _field(reader, f"{arch}.{name}", path, default)
 
