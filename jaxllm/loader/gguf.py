@@ -312,7 +312,7 @@ def _config(reader: _Contents, arch: str, tensors: dict, path: str) -> dict:
     return config
 
 
-def _eos_token_ids(reader: gguf.GGUFReader, path: str) -> int | list[int] | None:
+def _eos_token_ids(reader: _Contents, path: str) -> int | list[int] | None:
     """The ids that end generation, as llama.cpp reads them from the metadata: eos, then
     end-of-turn (eot) and end-of-message (eom). One id is given as an int (as transformers'
     GGUF config has it), several as a list."""
