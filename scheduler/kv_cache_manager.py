@@ -28,6 +28,9 @@ class KVCacheManager:
     table by a fresh one and the runner copies the cached contents into it
     before the step (:meth:`take_blocks_to_copy`). The cached block stays the
     canonical holder of its hash; the fresh copy is never registered.
+    :meth:`num_blocks_to_allocate` counts that copy (and every other block an
+    allocation takes); the scheduler admits with one hit fewer when it does
+    not fit.
 
     Args:
       block_pool: the device blocks.
@@ -98,55 +101,84 @@ class KVCacheManager:
             hits.append(block)
         return hits, min(len(hits) * bs, num_tokens - 1)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
-        """Grow ``request``'s table to hold its computed tokens, ``computed_blocks`` and ``num_new_tokens`` more.
+    def copies_last_block(self, request: Request, computed_blocks: Sequence[KVBlock]) -> bool:
+        """Whether admitting ``request`` with these hits copies the last one on write (they cover every token)."""
+        return bool(computed_blocks) and len(computed_blocks) * self.block_size >= request.num_tokens
+
+    def num_blocks_to_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
+    ) -> int:
+        """Free-queue blocks that :meth:`allocate_slots` with the same arguments takes; the one capacity rule.
+
+        Counts, beyond the blocks ``request`` already holds: the hits among
+        ``computed_blocks`` that sit unreferenced in the free queue (reviving
+        them takes them out of it; the copy source included), the fresh block
+        a copy on write of the last hit needs, and fresh blocks for
+        ``num_new_tokens`` plus ``num_lookahead_tokens`` more token slots
+        (vLLM v1's lookahead slots, e.g. for speculative tokens). Hits that
+        other requests hold cost nothing.
+        """
+        fresh, revive, _ = self._plan(request, num_new_tokens, computed_blocks, num_lookahead_tokens)
+        return fresh + revive
+
+    def _plan(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock], num_lookahead_tokens: int
+    ) -> tuple[int, int, bool]:
+        """``(fresh blocks, hits to revive from the free queue, copy_last)`` of one allocation."""
+        bs = self.block_size
+        num_held = len(self.req_to_blocks.get(request.request_id, ()))
+        num_hits = len(computed_blocks)
+        copy_last = self.copies_last_block(request, computed_blocks)
+        # The copied block's last slot is recomputed, so it counts once as a hit and once as fresh.
+        num_hit_tokens = request.num_tokens - 1 if copy_last else num_hits * bs
+        slots = request.num_computed_tokens + num_hit_tokens + num_new_tokens + num_lookahead_tokens
+        fresh = max(-(-slots // bs) - num_held - num_hits + copy_last, 0)
+        revive = sum(1 for b in computed_blocks if b.ref_cnt == 0) if computed_blocks else 0
+        return fresh, revive, copy_last
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
+        """Grow ``request``'s table to hold its computed tokens, ``computed_blocks``, ``num_new_tokens`` more and
+        ``num_lookahead_tokens`` slots beyond them.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`, only for a
         request with no blocks yet) are revived and referenced first; if they
         cover every token, the last one is pinned in :attr:`copy_sources` and
         a fresh block takes its place, its copy queued for
         :meth:`take_blocks_to_copy`. Returns False, changing nothing, when the
-        free queue is too short.
+        free queue holds fewer than :meth:`num_blocks_to_allocate` blocks.
         """
-        rid = request.request_id
-        blocks = self.req_to_blocks.get(rid, ())
-        bs = self.block_size
         pool = self.block_pool
-        if not computed_blocks:
-            # The common case (a running request growing), kept short.
-            new = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(blocks)
-            if new <= 0:
-                return True
-            if new > len(pool.free_queue):
-                return False
-            if rid not in self.req_to_blocks:
-                self._start_table(rid)
-            self._extend_table(rid, pool.get_new_blocks(new))
-            return True
-        num_hit = len(computed_blocks) * bs
-        copy_last = bool(computed_blocks) and num_hit >= request.num_tokens
-        if copy_last:
-            num_hit = request.num_tokens - 1
-        total = request.num_computed_tokens + num_hit + num_new_tokens
-        new = max(-(-total // bs) - len(blocks) - len(computed_blocks) + copy_last, 0)
-        revive = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if new + revive > len(pool.free_queue):
+        fresh, revive, copy_last = self._plan(request, num_new_tokens, computed_blocks, num_lookahead_tokens)
+        if fresh + revive > len(pool.free_queue):
             return False
+        if not fresh and not computed_blocks:
+            return True
+        rid = request.request_id
         if rid not in self.req_to_blocks:
             self._start_table(rid)
-            blocks = self.req_to_blocks[rid]
         shared = list(computed_blocks)
-        # Touched before the new blocks are taken, so allocation cannot evict
-        # a hit (the copy source included).
-        pool.touch(computed_blocks)
-        # The fresh copy counts as registered: the cached block keeps the hash.
-        self._num_cached[rid] = len(blocks) + len(computed_blocks)
-        fresh = pool.get_new_blocks(new)
+        if shared:
+            # Touched before the new blocks are taken, so allocation cannot
+            # evict a hit (the copy source included). The fresh copy counts as
+            # registered: the cached block keeps the hash.
+            pool.touch(shared)
+            self._num_cached[rid] = len(self.req_to_blocks[rid]) + len(shared)
+        new_blocks = pool.get_new_blocks(fresh)
         if copy_last:
             source = shared.pop()
             self.copy_sources.append(source)
-            self._copies[rid] = (source.block_id, fresh[0].block_id)
-        self._extend_table(rid, shared + fresh)
+            self._copies[rid] = (source.block_id, new_blocks[0].block_id)
+        self._extend_table(rid, shared + new_blocks)
         return True
 
     def fork(self, parent: Request, children: Sequence[Request]) -> tuple[int, list[tuple[int, int]]]:

@@ -77,7 +77,13 @@ class Scheduler:
     * A request whose tokens fill whole blocks, all cached, recomputes only
       its last token, into a copy of the last block (``blocks_to_copy``;
       our addition, see ``KVCacheManager``). This holds for re-prefills of
-      recompute-preempted requests too.
+      recompute-preempted requests too. The copy needs one block more than
+      recomputing the last block's tokens; when that block is not free the
+      request takes one hit fewer instead. So admission never needs more
+      than ``add_request`` checked against the whole cache, and the head of
+      the queue is always admitted once nothing else runs (liveness).
+    * With async scheduling, a running request that alone cannot grow while
+      blocks are pinned as copy sources of the step in flight waits a step.
     * ``recompute`` preemption frees the victim's blocks (their hashes stay,
       so its re-prefill can hit the cache) and resets its progress; ``swap``
       copies its computed blocks to the host pool and back on resume,
@@ -311,6 +317,10 @@ class Scheduler:
         while True:
             candidates = list(self.running)
             if len(candidates) == 1:
+                if self.kv_cache_manager.copy_sources:
+                    # With async scheduling, sources of the previous step's
+                    # copies stay pinned until its update: wait for them.
+                    return False
                 # It holds every used block and still cannot grow: only a
                 # request without max_tokens gets here (admission rules out
                 # the rest), and preempting itself would loop forever.
@@ -361,14 +371,9 @@ class Scheduler:
                 return False
             step.out.blocks_to_swap_in.extend(pairs)
         else:
-            hits, num_hit = kv.get_computed_blocks(req)
-            n = self._chunk(req.num_tokens - num_hit, step.budget)
-            if n == 0 or not kv.allocate_slots(req, n, hits):
+            n = self._allocate_admission(req, step.budget)
+            if n == 0:
                 return False
-            if kv.enable_caching and not req.skip_reading_prefix_cache:
-                self.prefix_cache_queries += req.num_tokens
-                self.prefix_cache_hits += num_hit
-            req.num_computed_tokens = num_hit
         req.status = _RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = step.now
@@ -376,6 +381,33 @@ class Scheduler:
         step.admitted_ids.add(rid)
         self._add_row(req, n, step)
         return True
+
+    def _allocate_admission(self, req: Request, budget: int) -> int:
+        """Take ``req``'s prefix hits and blocks for its first chunk; returns the chunk's tokens, 0 if it must wait.
+
+        A request whose hits cover all its tokens copies the last hit on
+        write, which needs one block more than recomputing that block's
+        tokens would. When that block is not free it takes one hit fewer, so
+        the capacity a request needs never exceeds what ``_never_fits``
+        checks at ``add_request``: alone, every admission succeeds.
+        """
+        kv = self.kv_cache_manager
+        hits, num_hit = kv.get_computed_blocks(req)
+        while True:
+            n = self._chunk(req.num_tokens - num_hit, budget)
+            if n == 0:
+                return 0
+            if kv.allocate_slots(req, n, hits):
+                break
+            if not kv.copies_last_block(req, hits):
+                return 0
+            hits = hits[:-1]
+            num_hit = len(hits) * self.config.block_size
+        if kv.enable_caching and not req.skip_reading_prefix_cache:
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += num_hit
+        req.num_computed_tokens = num_hit
+        return n
 
     def _insert_running(self, req: Request, now: float) -> None:
         """Add ``req`` to the running list, keeping a static-key policy's order without a re-sort."""

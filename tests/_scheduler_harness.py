@@ -66,10 +66,15 @@ class FakeRunner:
             config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len, bs, min_tokens=1, min_seqs=1, min_width=1
         )
         self.last_batch = None
+        self.last_sampled: list[int] = []
 
     def __call__(self, output) -> list[int]:
         b = build_batch(output, self.buckets)
         self.last_batch = b
+        # Async scheduling: inputs still "on the device" are the previous call's samples.
+        fed = b.prev_token_index >= 0
+        if fed.any():
+            b.input_ids[fed] = np.asarray(self.last_sampled)[b.prev_token_index[fed]]
         bs = self.block_size
         for d, h in b.blocks_to_swap_out:
             self.host[h] = self.kv[d * bs : (d + 1) * bs]
@@ -83,6 +88,7 @@ class FakeRunner:
             pos = np.arange(b.seq_lens[s])
             slots = b.block_tables[s, pos // bs] * bs + pos % bs
             sampled.append(next_token(self.kv[slots]))
+        self.last_sampled = sampled
         return sampled
 
 
@@ -98,6 +104,27 @@ def run_until_done(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000
         if not sched.has_unfinished_requests():
             return n
         step(sched, runner)
+        if check is not None:
+            check(sched)
+    raise AssertionError(f"scheduler still has {sched.num_unfinished_requests} unfinished requests after {max_steps} steps")
+
+
+def run_async_until_done(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000, check=None) -> int:
+    """As :func:`run_until_done` under ``async_scheduling``, in the engine's order: schedule and run step N+1,
+    then apply step N's samples (a step without rows, after doing its copies, at once)."""
+    in_flight = None
+    for n in range(max_steps):
+        if not sched.has_unfinished_requests() and in_flight is None:
+            return n
+        out = sched.schedule()
+        sampled = runner(out)
+        launched = (out, sampled) if out.scheduled else None
+        done = [in_flight] if in_flight is not None else []
+        in_flight = launched
+        if launched is None:
+            done.append((out, []))
+        for o, sampled in done:
+            sched.update_from_output(o, sampled)
         if check is not None:
             check(sched)
     raise AssertionError(f"scheduler still has {sched.num_unfinished_requests} unfinished requests after {max_steps} steps")
