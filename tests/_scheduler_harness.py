@@ -8,6 +8,7 @@ from typing import Optional
 import numpy as np
 import xxhash
 
+import scheduler.persistent_batch as pb
 from scheduler import (
     BucketTable,
     Request,
@@ -118,7 +119,7 @@ def run_async_until_done(sched: Scheduler, runner: FakeRunner, max_steps: int = 
             return n
         out = sched.schedule()
         sampled = runner(out)
-        launched = (out, sampled) if out.scheduled else None
+        launched = (out, sampled) if out.num_seqs else None
         done = [in_flight] if in_flight is not None else []
         in_flight = launched
         if launched is None:
@@ -150,11 +151,14 @@ def check_block_invariants(sched: Scheduler) -> None:
     for block in pool.blocks[1:]:
         assert block.ref_cnt == holders[block.block_id], block
         assert (block.ref_cnt == 0) == (block.block_id in set(free_ids)), block
-    table = kv.block_table.table
-    assert set(kv.req_to_row) == set(kv.req_to_block_ids)
-    for rid, ids in kv.req_to_block_ids.items():
-        row = table[kv.req_to_row[rid]]
+    table, lengths = kv.block_table.table, kv.block_table.lengths
+    rows = [sched.requests[rid].batch_row for rid in kv.req_to_block_ids]
+    assert len(set(rows)) == len(rows) and min(rows, default=0) >= 0, "two requests share a batch row"
+    for (rid, ids), r in zip(kv.req_to_block_ids.items(), rows):
+        row = table[r]
         assert row[: len(ids)].tolist() == ids and not row[len(ids) :].any(), f"{rid}'s numpy block table row is stale"
+        assert lengths[r] == len(ids)
+    check_persistent_batch(sched)
     for h, block in pool.cached.items():
         assert block.block_hash == h
     assert set(kv.req_to_blocks) <= {r.request_id for r in sched.running} | set(sched.requests)
@@ -164,6 +168,16 @@ def check_block_invariants(sched: Scheduler) -> None:
     assert len(host_ids) == len(set(host_ids))
     assert len(host_ids) + kv.host_pool.num_free_blocks == kv.host_pool.num_host_blocks
     assert len(sched.running) <= sched.config.max_num_seqs
+
+
+def check_persistent_batch(sched: Scheduler) -> None:
+    """Each running request's persistent batch row agrees with the request."""
+    for req in sched.running:
+        row = sched.batch.data[req.batch_row]
+        assert (row[pb.COMPUTED], row[pb.TOKENS], row[pb.PROMPT], row[pb.LAST_TOKEN]) == (
+            req.num_computed_tokens, req.num_tokens, req.num_prompt_tokens, req.all_token_ids[-1]
+        ), f"{req.request_id}'s persistent batch row is stale"
+        assert (row[pb.LENGTH_LIMIT], row[pb.PREFILL_ONLY]) == (req.length_limit, req.prefill_only)
 
 
 def check_copies(sched: Scheduler, out) -> None:

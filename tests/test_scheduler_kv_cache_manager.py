@@ -215,6 +215,21 @@ def test_incremental_hashes_equal_block_by_block_hashes():
     assert hashes == [first, second, third]
 
 
+def test_blocks_filled_while_decoding_hash_as_the_chain_of_block_hashes():
+    kv = manager()
+    req = computed(kv, [1, 2, 3, 4, 5, 6], "a", salt="salt")
+    for token in (7, 8, 9, 10, 11, 12):
+        req.append_output_token(token)
+        assert kv.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+        kv.cache_computed_blocks(req)
+    first = hash_block_tokens(None, [1, 2, 3, 4], b"salt")
+    second = hash_block_tokens(first, [5, 6, 7, 8])
+    third = hash_block_tokens(second, [9, 10, 11, 12])
+    assert req.block_hashes == [first, second, third]
+    assert [kv.block_pool.get_cached_block(h).block_id for h in req.block_hashes] == kv.get_block_ids("a")
+
+
 def test_hashes_sliced_from_the_prompt_array_equal_hashes_of_the_token_list():
     req = Request("r", list(range(100, 113)), SamplingParams(), cache_salt="salt")
     from_array: list[bytes] = []

@@ -310,6 +310,17 @@ def test_priority_most_urgent_arrival_runs_within_two_steps_of_a_full_batch():
     assert [r.request_id for r in first.preempted] == ["bulk1"]
 
 
+def test_urgent_request_preempting_a_prefill_cut_by_the_budget_gets_exactly_its_tokens():
+    # The running prefill is cut at the 10-token budget; preempting it gives those 10 tokens back.
+    sched, runner = setup(FakeClock(), scheduling_policy="priority", max_num_batched_tokens=10)
+    sched.add_request(make_request("long", list(range(1, 33)), max_tokens=1, priority=5, arrival_time=0.0))
+    step(sched, runner)
+    sched.add_request(make_request("urgent", list(range(40, 72)), max_tokens=1, priority=0, arrival_time=1.0))
+    out, _ = step(sched, runner)
+    assert [(r.request.request_id, r.num_new_tokens) for r in out.scheduled] == [("urgent", 10)]
+    assert [r.request_id for r in out.preempted] == ["long"]
+
+
 def test_fcfs_does_not_preempt_for_a_later_arrival():
     sched, runner = setup(max_num_seqs=2)
     for i in range(2):
