@@ -196,7 +196,7 @@ class KVCacheManager:
     def append_blocks(self, requests: Sequence[Request], rows: np.ndarray, counts: np.ndarray) -> None:
         """Give each request holding a table ``counts[i]`` fresh blocks at its end.
 
-        ``rows``: int32[len(requests)] their ``batch_row``s; ``counts``:
+        ``rows``: int[len(requests)] their ``batch_row``s; ``counts``:
         int[len(requests)] >= 1.
 
         One take from the free queue and one block-table write for all of
@@ -283,7 +283,9 @@ class KVCacheManager:
         """Register every full block of each request whose tokens are all computed; each block is hashed once."""
         if not self.enable_caching:
             return
-        bs, cache_blocks, num_cached = self.block_size, self.block_pool.cache_blocks, self._num_cached
+        bs, num_cached = self.block_size, self._num_cached
+        blocks: list[KVBlock] = []
+        block_hashes: list[bytes] = []
         for request in requests:
             rid = request.request_id
             # With async scheduling the computed count can run one sampled
@@ -298,8 +300,10 @@ class KVCacheManager:
                 hashes.append(hash_block_tokens(hashes[-1], request.all_token_ids[(num_full - 1) * bs : num_full * bs]))
             else:
                 extend_block_hashes(hashes, request.all_token_ids, num_full, bs, request.cache_salt, request.prompt_array)
-            cache_blocks(self.req_to_blocks[rid][done:num_full], hashes[done:num_full])
+            blocks += self.req_to_blocks[rid][done:num_full]
+            block_hashes += hashes[done:num_full]
             num_cached[rid] = num_full
+        self.block_pool.cache_blocks(blocks, block_hashes)
 
     def free(self, request: Request) -> None:
         """Release all of ``request``'s device blocks (tail first, so its prefix is evicted last) and host blocks."""

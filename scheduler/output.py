@@ -101,7 +101,7 @@ class SchedulerOutput:
         before this row's sample.
       prev_row: int32[num_seqs] async scheduling: the row of the previous
         output whose sample is this row's input token, else -1.
-      batch_rows: int32[num_seqs] each row's ``Request.batch_row``.
+      batch_rows: intp[num_seqs] each row's ``Request.batch_row``.
       last_token_ids: int32[num_seqs] each row's request's last known token
         id: the input of a row with one new token that samples and has
         ``prev_row`` -1.
@@ -128,7 +128,7 @@ class SchedulerOutput:
     samples: np.ndarray = _ints(np.bool_)
     sample_index: np.ndarray = _ints()
     prev_row: np.ndarray = _ints()
-    batch_rows: np.ndarray = _ints()
+    batch_rows: np.ndarray = _ints(np.intp)
     last_token_ids: np.ndarray = _ints()
     num_blocks: np.ndarray = _ints()
     block_tables: np.ndarray = _ints(shape=(0, 0))

@@ -29,8 +29,10 @@ from scheduler.policy import get_policy
 from scheduler.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
-_NO_ROWS = np.zeros(0, dtype=np.int32)
+_NO_ROWS = np.zeros(0, dtype=np.intp)
 _NO_ROWS.flags.writeable = False
+_NO_COUNTS = np.zeros(0, dtype=np.int32)
+_NO_COUNTS.flags.writeable = False
 _REPORTED_FINISHES = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_IGNORED)
 
 
@@ -62,7 +64,7 @@ class _Step:
         self.now = now
         self.dropped: set[str] = set()
         self.bulk_requests: list[Request] = []
-        self.bulk_rows = self.bulk_new = self.bulk_computed = _NO_ROWS
+        self.bulk_rows, self.bulk_new, self.bulk_computed = _NO_ROWS, _NO_COUNTS, _NO_COUNTS
         self.tail_requests: list[Request] = []
         self.tail_new: list[int] = []
         self.tail_computed: list[int] = []
@@ -317,14 +319,15 @@ class Scheduler:
         requests, rows, new, computed = step.bulk_requests, step.bulk_rows, step.bulk_new, step.bulk_computed
         if step.tail_requests:
             requests = requests + step.tail_requests
-            rows = np.concatenate([rows, np.array([r.batch_row for r in step.tail_requests], np.int32)])
+            rows = np.concatenate([rows, np.array([r.batch_row for r in step.tail_requests], np.intp)])
             new = np.concatenate([new, np.array(step.tail_new, np.int32)])
             computed = np.concatenate([computed, np.array(step.tail_computed, np.int32)])
         if step.dropped:
             keep = np.array([r.request_id not in step.dropped for r in requests], dtype=bool)
             requests = [r for r, k in zip(requests, keep.tolist()) if k]
             rows, new, computed = rows[keep], new[keep], computed[keep]
-        state = data[rows]
+        # take() gathers whole rows several times faster than fancy indexing.
+        state = data.take(rows, axis=0)
         known, pending = state[:, TOKENS], state[:, PENDING]
         advanced = computed + new
         samples = advanced >= known + pending
@@ -370,8 +373,8 @@ class Scheduler:
             return
         cfg, kv = self.config, self.kv_cache_manager
         bs = cfg.block_size
-        rows = np.array([r.batch_row for r in running], dtype=np.int32)
-        state = self.batch.data[rows]
+        rows = np.array([r.batch_row for r in running], dtype=np.intp)
+        state = self.batch.data.take(rows, axis=0)
         computed, pending = state[:, COMPUTED], state[:, PENDING]
         total = state[:, TOKENS] + pending
         new = total - computed
@@ -652,7 +655,7 @@ class Scheduler:
             req.output_token_ids.append(token)
             req._all_token_ids.append(token)
         data, rows = self.batch.data, output.batch_rows[taken]
-        state = data[rows]
+        state = data.take(rows, axis=0)
         known = state[:, TOKENS] + 1
         state[:, TOKENS] = known
         state[:, PENDING] -= 1
