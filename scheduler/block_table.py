@@ -24,11 +24,6 @@ class BlockTable:
         self.lengths = np.zeros(self.table.shape[0], dtype=np.int32)
         self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
 
-    @property
-    def num_rows(self) -> int:
-        """Rows allocated so far (held or free)."""
-        return self.table.shape[0]
-
     def acquire(self) -> int:
         """A zeroed row for a new holder."""
         if not self._free_rows:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
 
 import numpy as np
 

@@ -151,6 +151,7 @@ def check_block_invariants(sched: Scheduler) -> None:
     for block in pool.blocks[1:]:
         assert block.ref_cnt == holders[block.block_id], block
         assert (block.ref_cnt == 0) == (block.block_id in set(free_ids)), block
+        assert block.block_hash is None or pool.cached.get(block.block_hash) is block, f"{block} is not the map's"
     table, lengths = kv.block_table.table, kv.block_table.lengths
     rows = [sched.requests[rid].batch_row for rid in kv.req_to_block_ids]
     assert len(set(rows)) == len(rows) and min(rows, default=0) >= 0, "two requests share a batch row"
