@@ -9,6 +9,7 @@ from scheduler.buckets import BucketTable, geometric_ladder
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from scheduler.persistent_batch import PersistentBatch
 from scheduler.policy import AgingPolicy, FCFSPolicy, Policy, PriorityPolicy, SJFPolicy, get_policy
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
@@ -23,6 +24,7 @@ __all__ = [
     "FreeBlockQueue",
     "KVBlock",
     "KVCacheManager",
+    "PersistentBatch",
     "Policy",
     "PriorityPolicy",
     "Request",

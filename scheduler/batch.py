@@ -8,6 +8,7 @@ import numpy as np
 
 from scheduler.buckets import BucketTable
 from scheduler.output import SchedulerOutput
+from scheduler.request import Request
 
 
 @dataclasses.dataclass
@@ -33,7 +34,8 @@ class BatchDescriptor:
         chunk reaching the end of the prompt); padding rows False.
       num_seqs: real rows.
       num_tokens: real tokens.
-      request_ids: real rows' request ids, in row order.
+      requests: real rows' ``Request`` objects, in row order (``request_ids``
+        gives their ids).
       prev_token_index: int32[T] with async scheduling, the row of the
         previous step whose sampled token (still on the device) is this
         token's input id; -1 where ``input_ids`` holds the id.
@@ -53,11 +55,16 @@ class BatchDescriptor:
     sample_mask: np.ndarray
     num_seqs: int
     num_tokens: int
-    request_ids: list[str]
+    requests: list[Request]
     prev_token_index: np.ndarray
     blocks_to_swap_out: np.ndarray
     blocks_to_swap_in: np.ndarray
     blocks_to_copy: np.ndarray
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Real rows' request ids, in row order."""
+        return [r.request_id for r in self.requests]
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -66,13 +73,14 @@ class BatchDescriptor:
 
 
 def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescriptor:
-    """Flatten ``output.scheduled`` into padded arrays (vLLM v1 ``GPUModelRunner._prepare_inputs``).
+    """Flatten the output's rows into padded arrays (vLLM v1 ``GPUModelRunner._prepare_inputs``).
 
     Query token i of row s has position ``num_computed_tokens + i`` and slot
     ``block_ids[pos // block_size] * block_size + pos % block_size``;
     ``seq_lens = num_computed_tokens + num_new_tokens``;
-    ``logits_indices[s] = query_start_loc[s+1] - 1``. Per-row work is one
-    Python pass; per-token work is numpy. Call it before
+    ``logits_indices[s] = query_start_loc[s+1] - 1``. Works on the output's
+    arrays; only rows that compute several tokens (or one token inside a
+    prompt) copy their ids in a Python pass. Call it before
     ``update_from_output`` (it reads the requests' token lists).
 
     Raises:
@@ -82,88 +90,55 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
     bs = output.block_size
     if bs < 1:
         raise ValueError(f"build_batch: output.block_size={bs} must be >= 1 (set by Scheduler.schedule)")
-    rows = output.scheduled
-    num_seqs = len(rows)
-    # One-token rows' ids, in row order; longer chunks are copied as slices
-    # (numpy ones from the prompt array where they lie in the prompt) once
-    # their offsets are known, which spares converting prompt ints.
-    singles: list[int] = []
-    chunks: list[tuple[int, np.ndarray | list[int]]] = []
-    new: list[int] = []
-    computed: list[int] = []
-    table_rows: list[int] = []
-    samples: list[bool] = []
-    request_ids: list[str] = []
-    from_prev: list[tuple[int, int]] = []
-    width = 1
-    for s, row in enumerate(rows):
-        k, m = row.num_computed_tokens, row.num_new_tokens
-        req = row.request
-        if row.prev_row >= 0:
-            # Async scheduling: the input is a sample still on the device.
-            singles.append(0)
-            from_prev.append((s, row.prev_row))
-        elif m == 1:
-            singles.append(req._all_token_ids[k])
-        elif k + m <= len(req.prompt_array):
-            chunks.append((s, req.prompt_array[k : k + m]))
-        else:
-            chunks.append((s, req._all_token_ids[k : k + m]))
-        new.append(m)
-        computed.append(k)
-        table_rows.append(row.block_table_row)
-        samples.append(row.samples)
-        request_ids.append(req.request_id)
-        if len(row.block_ids) > width:
-            width = len(row.block_ids)
-    num_tokens = sum(new)
-    T, S, W = buckets.pick(num_tokens, num_seqs, width)
+    num_seqs = output.num_seqs
+    new = output.num_new_tokens
+    computed = output.num_computed_tokens
+    num_tokens = int(new.sum())
+    width = output.block_tables.shape[1]
+    T, S, W = buckets.pick(num_tokens, num_seqs, max(width, 1))
 
-    new_a = np.array(new, dtype=np.int32)
-    computed_a = np.array(computed, dtype=np.int32)
     query_start_loc = np.empty(S + 1, dtype=np.int32)
     query_start_loc[0] = 0
-    np.cumsum(new_a, out=query_start_loc[1 : num_seqs + 1])
+    new.cumsum(out=query_start_loc[1 : num_seqs + 1])
     query_start_loc[num_seqs + 1 :] = num_tokens
+    starts = query_start_loc[:num_seqs]
 
     block_tables = np.zeros((S, W), dtype=np.int32)
-    if num_seqs:
-        source = output.block_table
-        if source is None:
-            raise ValueError("build_batch: output.block_table is None but the output has rows")
-        w = min(W, source.shape[1])
-        block_tables[:num_seqs, :w] = source[table_rows, :w]
+    block_tables[:num_seqs, :width] = output.block_tables
 
     if num_tokens == num_seqs:
-        # All decodes: one token per row, so no repeat is needed.
+        # All rows one token long: no repeat is needed.
         row_of_token = np.arange(num_seqs)
-        pos = computed_a
+        pos = computed
     else:
-        row_of_token = np.repeat(np.arange(num_seqs), new_a)
-        pos = computed_a[row_of_token] + (np.arange(num_tokens, dtype=np.int32) - query_start_loc[row_of_token])
+        row_of_token = np.arange(num_seqs).repeat(new)
+        pos = computed[row_of_token] + (np.arange(num_tokens, dtype=np.int32) - starts[row_of_token])
     positions = np.zeros(T, dtype=np.int32)
     positions[:num_tokens] = pos
     slot_mapping = np.zeros(T, dtype=np.int32)
-    slot_mapping[:num_tokens] = block_tables[row_of_token, pos // bs] * bs + pos % bs
-    input_ids = np.zeros(T, dtype=np.int32)
-    if not chunks:
-        input_ids[:num_tokens] = singles
-    else:
-        if singles:
-            input_ids[query_start_loc[:num_seqs][new_a == 1]] = singles
-        for s, chunk in chunks:
-            input_ids[query_start_loc[s] : query_start_loc[s + 1]] = chunk
+    # A flat gather is cheaper than a 2-D fancy index.
+    slot_mapping[:num_tokens] = block_tables.ravel()[row_of_token * W + pos // bs] * bs + pos % bs
 
+    # Async scheduling: the input is a sample still on the device.
+    fed = output.prev_row >= 0
     prev_token_index = np.full(T, -1, dtype=np.int32)
-    for s, prev in from_prev:
-        prev_token_index[query_start_loc[s]] = prev
+    prev_token_index[starts[fed]] = output.prev_row[fed]
+    # A sampling row of one token whose input is known feeds the last known token.
+    last = (new == 1) & output.samples & ~fed
+    input_ids = np.zeros(T, dtype=np.int32)
+    input_ids[starts[last]] = output.last_token_ids[last]
+    for s in (~(last | fed)).nonzero()[0].tolist():
+        req, k, m, start = output.requests[s], int(computed[s]), int(new[s]), int(starts[s])
+        # Prompt tokens come from the prompt array, sparing a conversion of Python ints.
+        source = req.prompt_array if k + m <= len(req.prompt_array) else req.all_token_ids
+        input_ids[start : start + m] = source[k : k + m]
 
     seq_lens = np.zeros(S, dtype=np.int32)
-    seq_lens[:num_seqs] = computed_a + new_a
+    seq_lens[:num_seqs] = computed + new
     logits_indices = np.zeros(S, dtype=np.int32)
     logits_indices[:num_seqs] = query_start_loc[1 : num_seqs + 1] - 1
     sample_mask = np.zeros(S, dtype=bool)
-    sample_mask[:num_seqs] = samples
+    sample_mask[:num_seqs] = output.samples
 
     return BatchDescriptor(
         input_ids=input_ids,
@@ -176,7 +151,7 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
         sample_mask=sample_mask,
         num_seqs=num_seqs,
         num_tokens=num_tokens,
-        request_ids=request_ids,
+        requests=output.requests,
         prev_token_index=prev_token_index,
         blocks_to_swap_out=_pairs(output.blocks_to_swap_out),
         blocks_to_swap_in=_pairs(output.blocks_to_swap_in),
@@ -184,5 +159,9 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
     )
 
 
+_NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
+_NO_PAIRS.flags.writeable = False
+
+
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
-    return np.array(pairs, dtype=np.int32).reshape(-1, 2)
+    return np.array(pairs, dtype=np.int32).reshape(-1, 2) if pairs else _NO_PAIRS

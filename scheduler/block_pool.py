@@ -104,6 +104,9 @@ class FreeBlockQueue:
           ValueError: a block is already queued (nothing is added).
         """
         self._check_unqueued(blocks)
+        self._splice_back(blocks)
+
+    def _splice_back(self, blocks: list[KVBlock]) -> None:
         prev = self._tail.prev
         for block in blocks:
             prev.next = block
@@ -121,6 +124,9 @@ class FreeBlockQueue:
           ValueError: a block is already queued (nothing is added).
         """
         self._check_unqueued(blocks)
+        self._splice_front(blocks)
+
+    def _splice_front(self, blocks: list[KVBlock]) -> None:
         nxt = self._head.next
         for block in blocks:
             block.next = nxt
@@ -207,10 +213,10 @@ class BlockPool:
         blocks = self.free_queue.popleft_n(n)
         cached = self.cached
         for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is not None:
-                if cached.get(block_hash) is block:
-                    del cached[block_hash]
+            # A hashed block is the one the map holds under its hash (cache_blocks registers only unhashed
+            # blocks under new hashes).
+            if block.block_hash is not None:
+                del cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
         return blocks
@@ -246,8 +252,9 @@ class BlockPool:
                 if block.ref_cnt == 0:
                     (unhashed if block.block_hash is None else hashed).append(block)
         finally:
-            self.free_queue.extend(hashed)
-            self.free_queue.extendleft(unhashed)
+            # Referenced until now, so none of them is queued.
+            self.free_queue._splice_back(hashed)
+            self.free_queue._splice_front(unhashed)
 
     def get_cached_block(self, block_hash: bytes) -> Optional[KVBlock]:
         """The block registered under ``block_hash``, or None."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from scheduler.block_hash import extend_block_hashes
+import numpy as np
+
+from scheduler.block_hash import extend_block_hashes, hash_block_tokens
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.block_table import BlockTable
 from scheduler.host_block_pool import HostBlockPool
@@ -28,6 +30,9 @@ class KVCacheManager:
     table by a fresh one and the runner copies the cached contents into it
     before the step (:meth:`take_blocks_to_copy`). The cached block stays the
     canonical holder of its hash; the fresh copy is never registered.
+    :meth:`num_blocks_to_allocate` counts that copy (and every other block an
+    allocation takes); the scheduler admits with one hit fewer when it does
+    not fit.
 
     Args:
       block_pool: the device blocks.
@@ -37,10 +42,9 @@ class KVCacheManager:
 
     Attributes:
       req_to_blocks: request_id -> its block table (``KVBlock`` list).
-      req_to_block_ids: request_id -> the same table as ints, kept in step so
-        the hot path never rebuilds it.
-      block_table: the same tables again as a ``BlockTable`` (numpy rows, for
-        ``build_batch``); ``req_to_row`` maps request_id -> row.
+      req_to_block_ids: request_id -> the same table as ints.
+      block_table: the same tables again as a ``BlockTable`` (numpy rows);
+        a request's row is its ``batch_row``, set here while it holds blocks.
       swapped: request_id -> host block ids holding its swapped-out KV, in
         block-table order.
       copy_sources: cached blocks read by copies handed out since the last
@@ -59,7 +63,6 @@ class KVCacheManager:
         self.req_to_block_ids: dict[str, list[int]] = {}
         self.swapped: dict[str, list[int]] = {}
         self.block_table = BlockTable()
-        self.req_to_row: dict[str, int] = {}
         self.copy_sources: list[KVBlock] = []
         # request_id -> (cached block id, fresh block id) of copies not yet taken.
         self._copies: dict[str, tuple[int, int]] = {}
@@ -87,8 +90,8 @@ class KVCacheManager:
         # One-token blocks: the last block would hold only the recomputed
         # token, so it is left out rather than copied.
         max_blocks = num_tokens // bs if bs > 1 else num_tokens - 1
+        self.hash_blocks(request)
         hashes = request.block_hashes
-        extend_block_hashes(hashes, request.all_token_ids, max_blocks, bs, request.cache_salt, request.prompt_array)
         cached = self.block_pool.cached
         hits = []
         for i in range(max_blocks):
@@ -98,56 +101,120 @@ class KVCacheManager:
             hits.append(block)
         return hits, min(len(hits) * bs, num_tokens - 1)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
-        """Grow ``request``'s table to hold its computed tokens, ``computed_blocks`` and ``num_new_tokens`` more.
+    def hash_blocks(self, request: Request) -> None:
+        """Hash ``request``'s full blocks of known tokens not hashed yet (each block once in its life).
+
+        The scheduler calls it when a request arrives, as vLLM v1 does, so
+        admission in a step only looks the hashes up. A no-op without caching.
+        """
+        if self.enable_caching:
+            extend_block_hashes(
+                request.block_hashes, request.all_token_ids, request.num_tokens // self.block_size, self.block_size,
+                request.cache_salt, request.prompt_array,
+            )
+
+    def copies_last_block(self, request: Request, computed_blocks: Sequence[KVBlock]) -> bool:
+        """Whether admitting ``request`` with these hits copies the last one on write (they cover every token)."""
+        return bool(computed_blocks) and len(computed_blocks) * self.block_size >= request.num_tokens
+
+    def num_blocks_to_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
+    ) -> int:
+        """Free-queue blocks that :meth:`allocate_slots` with the same arguments takes; the one capacity rule.
+
+        Counts, beyond the blocks ``request`` already holds: the hits among
+        ``computed_blocks`` that sit unreferenced in the free queue (reviving
+        them takes them out of it; the copy source included), the fresh block
+        a copy on write of the last hit needs, and fresh blocks for
+        ``num_new_tokens`` plus ``num_lookahead_tokens`` more token slots
+        (vLLM v1's lookahead slots, e.g. for speculative tokens). Hits that
+        other requests hold cost nothing.
+        """
+        fresh, revive, _ = self._plan(request, num_new_tokens, computed_blocks, num_lookahead_tokens)
+        return fresh + revive
+
+    def _plan(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock], num_lookahead_tokens: int
+    ) -> tuple[int, int, bool]:
+        """``(fresh blocks, hits to revive from the free queue, copy_last)`` of one allocation."""
+        bs = self.block_size
+        num_held = len(self.req_to_blocks.get(request.request_id, ()))
+        num_hits = len(computed_blocks)
+        copy_last = self.copies_last_block(request, computed_blocks)
+        # The copied block's last slot is recomputed, so it counts once as a hit and once as fresh.
+        num_hit_tokens = request.num_tokens - 1 if copy_last else num_hits * bs
+        slots = request.num_computed_tokens + num_hit_tokens + num_new_tokens + num_lookahead_tokens
+        fresh = max(-(-slots // bs) - num_held - num_hits + copy_last, 0)
+        revive = sum(1 for b in computed_blocks if b.ref_cnt == 0) if computed_blocks else 0
+        return fresh, revive, copy_last
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
+        """Grow ``request``'s table to hold its computed tokens, ``computed_blocks``, ``num_new_tokens`` more and
+        ``num_lookahead_tokens`` slots beyond them.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`, only for a
         request with no blocks yet) are revived and referenced first; if they
         cover every token, the last one is pinned in :attr:`copy_sources` and
         a fresh block takes its place, its copy queued for
         :meth:`take_blocks_to_copy`. Returns False, changing nothing, when the
-        free queue is too short.
+        free queue holds fewer than :meth:`num_blocks_to_allocate` blocks.
         """
-        rid = request.request_id
-        blocks = self.req_to_blocks.get(rid, ())
-        bs = self.block_size
         pool = self.block_pool
-        if not computed_blocks:
-            # The common case (a running request growing), kept short.
-            new = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(blocks)
-            if new <= 0:
-                return True
-            if new > len(pool.free_queue):
-                return False
-            if rid not in self.req_to_blocks:
-                self._start_table(rid)
-            self._extend_table(rid, pool.get_new_blocks(new))
-            return True
-        num_hit = len(computed_blocks) * bs
-        copy_last = bool(computed_blocks) and num_hit >= request.num_tokens
-        if copy_last:
-            num_hit = request.num_tokens - 1
-        total = request.num_computed_tokens + num_hit + num_new_tokens
-        new = max(-(-total // bs) - len(blocks) - len(computed_blocks) + copy_last, 0)
-        revive = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if new + revive > len(pool.free_queue):
+        fresh, revive, copy_last = self._plan(request, num_new_tokens, computed_blocks, num_lookahead_tokens)
+        if fresh + revive > len(pool.free_queue):
             return False
+        if not fresh and not computed_blocks:
+            return True
+        rid = request.request_id
         if rid not in self.req_to_blocks:
-            self._start_table(rid)
-            blocks = self.req_to_blocks[rid]
+            self._start_table(request)
         shared = list(computed_blocks)
-        # Touched before the new blocks are taken, so allocation cannot evict
-        # a hit (the copy source included).
-        pool.touch(computed_blocks)
-        # The fresh copy counts as registered: the cached block keeps the hash.
-        self._num_cached[rid] = len(blocks) + len(computed_blocks)
-        fresh = pool.get_new_blocks(new)
+        if shared:
+            # Touched before the new blocks are taken, so allocation cannot
+            # evict a hit (the copy source included). The fresh copy counts as
+            # registered: the cached block keeps the hash.
+            pool.touch(shared)
+            self._num_cached[rid] = len(self.req_to_blocks[rid]) + len(shared)
+        new_blocks = pool.get_new_blocks(fresh)
         if copy_last:
             source = shared.pop()
             self.copy_sources.append(source)
-            self._copies[rid] = (source.block_id, fresh[0].block_id)
-        self._extend_table(rid, shared + fresh)
+            self._copies[rid] = (source.block_id, new_blocks[0].block_id)
+        self._extend_table(request, shared + new_blocks)
         return True
+
+    def append_blocks(self, requests: Sequence[Request], rows: np.ndarray, counts: np.ndarray) -> None:
+        """Give each request holding a table ``counts[i]`` fresh blocks at its end.
+
+        ``rows``: int[len(requests)] their ``batch_row``s; ``counts``:
+        int[len(requests)] >= 1.
+
+        One take from the free queue and one block-table write for all of
+        them: the same blocks, in the same order, as one
+        :meth:`allocate_slots` per request would give.
+
+        Raises:
+          ValueError: ``counts.sum()`` exceeds the free blocks (nothing is taken).
+        """
+        blocks = self.block_pool.get_new_blocks(int(counts.sum()))
+        ids = [b.block_id for b in blocks]
+        self.block_table.append_rows(rows, counts, ids)
+        start = 0
+        for request, count in zip(requests, counts.tolist()):
+            rid, end = request.request_id, start + count
+            self.req_to_blocks[rid] += blocks[start:end]
+            self.req_to_block_ids[rid] += ids[start:end]
+            start = end
 
     def fork(self, parent: Request, children: Sequence[Request]) -> tuple[int, list[tuple[int, int]]]:
         """Hand ``parent``'s blocks to ``children``, which continue from its computed tokens.
@@ -168,7 +235,7 @@ class KVCacheManager:
         first = children[0].request_id
         self.req_to_blocks[first] = blocks
         self.req_to_block_ids[first] = self.req_to_block_ids.pop(rid)
-        self.req_to_row[first] = self.req_to_row.pop(rid)
+        children[0].batch_row, parent.batch_row = parent.batch_row, -1
         num_cached = self._num_cached[first] = self._num_cached.pop(rid)
         partial = parent.num_computed_tokens % bs != 0
         shared = blocks[:-1] if partial else blocks
@@ -177,10 +244,10 @@ class KVCacheManager:
             if partial and self.block_pool.num_free_blocks == 0:
                 return i, copies
             cid = child.request_id
-            self._start_table(cid)
+            self._start_table(child)
             self.block_pool.touch(shared)
             fresh = self.block_pool.get_new_blocks(int(partial))
-            self._extend_table(cid, shared + fresh)
+            self._extend_table(child, shared + fresh)
             self._num_cached[cid] = num_cached
             if partial:
                 copies.append((blocks[-1].block_id, fresh[0].block_id))
@@ -198,35 +265,45 @@ class KVCacheManager:
             self.block_pool.free_blocks(self.copy_sources)
             self.copy_sources = []
 
-    def _start_table(self, rid: str) -> None:
+    def _start_table(self, request: Request) -> None:
+        rid = request.request_id
         self.req_to_blocks[rid] = []
         self.req_to_block_ids[rid] = []
-        self.req_to_row[rid] = self.block_table.acquire()
         self._num_cached[rid] = 0
+        request.batch_row = self.block_table.acquire()
 
-    def _extend_table(self, rid: str, blocks: list[KVBlock]) -> None:
+    def _extend_table(self, request: Request, blocks: list[KVBlock]) -> None:
+        rid = request.request_id
         ids = [b.block_id for b in blocks]
         self.req_to_blocks[rid].extend(blocks)
         self.req_to_block_ids[rid].extend(ids)
-        self.block_table.append(self.req_to_row[rid], ids)
+        self.block_table.append(request.batch_row, ids)
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Register every full block of ``request`` whose tokens are all computed; each block is hashed once."""
+    def cache_computed_blocks(self, *requests: Request) -> None:
+        """Register every full block of each request whose tokens are all computed; each block is hashed once."""
         if not self.enable_caching:
             return
-        rid = request.request_id
-        # With async scheduling the computed count can run one sampled token
-        # ahead of the known ids; only blocks of known tokens are hashed.
-        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
-        done = self._num_cached.get(rid, 0)
-        if num_full <= done:
-            return
-        hashes = request.block_hashes
-        extend_block_hashes(
-            hashes, request.all_token_ids, num_full, self.block_size, request.cache_salt, request.prompt_array
-        )
-        self.block_pool.cache_blocks(self.req_to_blocks[rid][done:num_full], hashes[done:num_full])
-        self._num_cached[rid] = num_full
+        bs, num_cached = self.block_size, self._num_cached
+        blocks: list[KVBlock] = []
+        block_hashes: list[bytes] = []
+        for request in requests:
+            rid = request.request_id
+            # With async scheduling the computed count can run one sampled
+            # token ahead of the known ids; only blocks of known tokens are hashed.
+            num_full = min(request.num_computed_tokens, request.num_tokens) // bs
+            done = num_cached.get(rid, 0)
+            if num_full <= done:
+                continue
+            hashes = request.block_hashes
+            if len(hashes) == num_full - 1 and num_full > 1:
+                # The common case while decoding: one more block, after hashed ones.
+                hashes.append(hash_block_tokens(hashes[-1], request.all_token_ids[(num_full - 1) * bs : num_full * bs]))
+            else:
+                extend_block_hashes(hashes, request.all_token_ids, num_full, bs, request.cache_salt, request.prompt_array)
+            blocks += self.req_to_blocks[rid][done:num_full]
+            block_hashes += hashes[done:num_full]
+            num_cached[rid] = num_full
+        self.block_pool.cache_blocks(blocks, block_hashes)
 
     def free(self, request: Request) -> None:
         """Release all of ``request``'s device blocks (tail first, so its prefix is evicted last) and host blocks."""
@@ -236,9 +313,9 @@ class KVCacheManager:
         self._copies.pop(rid, None)
         self.req_to_block_ids.pop(rid, None)
         self._num_cached.pop(rid, None)
-        row = self.req_to_row.pop(rid, None)
-        if row is not None:
-            self.block_table.release(row)
+        if request.batch_row >= 0:
+            self.block_table.release(request.batch_row)
+            request.batch_row = -1
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
         host = self.swapped.pop(rid, None)
@@ -276,8 +353,8 @@ class KVCacheManager:
         if n > self.block_pool.num_free_blocks:
             return None
         del self.swapped[rid]
-        self._start_table(rid)
-        self._extend_table(rid, self.block_pool.get_new_blocks(n))
+        self._start_table(request)
+        self._extend_table(request, self.block_pool.get_new_blocks(n))
         self.host_pool.free(host, after_step=True)
         return list(zip(host, self.req_to_block_ids[rid]))
 

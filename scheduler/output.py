@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import functools
 
 import numpy as np
 
 from scheduler.request import Request
 
 
-@dataclasses.dataclass(slots=True)
 class ScheduledRequest:
     """One row of the batch (vLLM v1 ``NewRequestData``/``CachedRequestData`` folded into one).
+
+    Built from the ``SchedulerOutput`` arrays when ``SchedulerOutput.scheduled``
+    is first read; each attribute is that row's entry there.
 
     Attributes:
       request: the request.
@@ -21,13 +23,13 @@ class ScheduledRequest:
       num_computed_tokens: its tokens already in the KV cache before this
         step; its query tokens are ``all_token_ids[num_computed_tokens :
         num_computed_tokens + num_new_tokens]`` at positions starting there.
-      block_ids: its whole block table at this step (a copy), enough blocks
-        for ``num_computed_tokens + num_new_tokens`` tokens.
+      block_ids: its whole block table at this step, enough blocks for
+        ``num_computed_tokens + num_new_tokens`` tokens (a new list per read).
       samples: True when this row's sampled token will be used: the chunk
         reaches the end of the request's known tokens. False for a partial
         prefill, whose sample ``update_from_output`` discards.
-      block_table_row: the row of ``SchedulerOutput.block_table`` holding
-        the same block ids.
+      block_table_row: its ``batch_row`` (persistent batch and block table
+        row) at this step.
       sample_index: how many tokens the request has generated before this
         row's sample (what seeds its random draw).
       prev_row: with async scheduling, the row of the previous output whose
@@ -35,30 +37,77 @@ class ScheduledRequest:
         when the input token is known.
     """
 
-    request: Request
-    num_new_tokens: int
-    num_computed_tokens: int
-    block_ids: list[int]
-    samples: bool = True
-    block_table_row: int = -1
-    sample_index: int = 0
-    prev_row: int = -1
+    __slots__ = (
+        "request", "num_new_tokens", "num_computed_tokens", "samples", "block_table_row", "sample_index",
+        "prev_row", "_tables", "_index",
+    )
+
+    def __init__(
+        self, request: Request, num_new_tokens: int, num_computed_tokens: int, samples: bool, block_table_row: int,
+        sample_index: int, prev_row: int, tables: tuple[np.ndarray, np.ndarray], index: int,
+    ) -> None:
+        self.request = request
+        self.num_new_tokens = num_new_tokens
+        self.num_computed_tokens = num_computed_tokens
+        self.samples = samples
+        self.block_table_row = block_table_row
+        self.sample_index = sample_index
+        self.prev_row = prev_row
+        # (SchedulerOutput.block_tables, SchedulerOutput.num_blocks), shared by the rows of one output.
+        self._tables = tables
+        self._index = index
+
+    @property
+    def block_ids(self) -> list[int]:
+        (block_tables, num_blocks), i = self._tables, self._index
+        return block_tables[i, : num_blocks[i]].tolist()
+
+    def __repr__(self) -> str:
+        return (
+            f"ScheduledRequest({self.request.request_id!r}, new={self.num_new_tokens}, "
+            f"computed={self.num_computed_tokens}, samples={self.samples}, prev_row={self.prev_row})"
+        )
+
+
+def _ints(dtype=np.int32, shape=(0,)):
+    return dataclasses.field(default_factory=lambda: np.zeros(shape, dtype=dtype))
 
 
 @dataclasses.dataclass
 class SchedulerOutput:
     """The batch of one step, in batch order, plus the block copies to do first.
 
+    Rows are held as arrays, one entry per row (the persistent batch's view
+    of this step, vLLM v1 ``InputBatch`` style); ``scheduled`` presents the
+    same rows as ``ScheduledRequest`` objects.
+
     The runner does, in order: every ``blocks_to_swap_out`` copy, every
     ``blocks_to_swap_in`` copy, every ``blocks_to_copy`` copy, then the model
-    step. Swap-outs go first because their device blocks may be handed to
-    swap-ins or copies in the same step. A copy's source is a cached block
-    that no swap-in or copy of this step writes: the scheduler holds a
-    reference to it until ``update_from_output``, so it cannot be reused.
+    step -- the copies even when there are no rows. Swap-outs go first
+    because their device blocks may be handed to swap-ins or copies in the
+    same step. A copy's source is a cached block that no swap-in or copy of
+    this step writes: the scheduler holds a reference to it until
+    ``update_from_output``, so it cannot be reused.
 
     Attributes:
-      scheduled: one ``ScheduledRequest`` per row, in batch order.
-      total_num_scheduled_tokens: sum of ``num_new_tokens`` over rows.
+      requests: each row's ``Request``, in batch order.
+      num_new_tokens: int32[num_seqs] tokens computed per row this step, >= 1.
+      num_computed_tokens: int32[num_seqs] each row's tokens in the KV cache
+        before this step.
+      samples: bool[num_seqs] whether each row's sample is used (see
+        ``ScheduledRequest.samples``).
+      sample_index: int32[num_seqs] outputs each row's request has generated
+        before this row's sample.
+      prev_row: int32[num_seqs] async scheduling: the row of the previous
+        output whose sample is this row's input token, else -1.
+      batch_rows: intp[num_seqs] each row's ``Request.batch_row``.
+      last_token_ids: int32[num_seqs] each row's request's last known token
+        id: the input of a row with one new token that samples and has
+        ``prev_row`` -1.
+      num_blocks: int32[num_seqs] blocks in each row's block table.
+      block_tables: int32[num_seqs, max(num_blocks)] each row's block ids,
+        zero past its ``num_blocks``.
+      total_num_scheduled_tokens: sum of ``num_new_tokens``.
       preempted: requests preempted during this call.
       finished: requests ignored, aborted (or otherwise finished outside
         ``update_from_output``) since the previous ``schedule()``.
@@ -70,13 +119,18 @@ class SchedulerOutput:
         ``KVCacheManager``). Each dst appears once.
       block_size: tokens per KV block (what ``build_batch`` computes slots
         with); set by the scheduler.
-      block_table: int32[rows, width] the KV cache manager's persistent block
-        table (rows indexed by ``ScheduledRequest.block_table_row``, zero past
-        each request's blocks). Shared, not copied: valid until the next
-        ``schedule()``.
     """
 
-    scheduled: list[ScheduledRequest] = dataclasses.field(default_factory=list)
+    requests: list[Request] = dataclasses.field(default_factory=list)
+    num_new_tokens: np.ndarray = _ints()
+    num_computed_tokens: np.ndarray = _ints()
+    samples: np.ndarray = _ints(np.bool_)
+    sample_index: np.ndarray = _ints()
+    prev_row: np.ndarray = _ints()
+    batch_rows: np.ndarray = _ints(np.intp)
+    last_token_ids: np.ndarray = _ints()
+    num_blocks: np.ndarray = _ints()
+    block_tables: np.ndarray = _ints(shape=(0, 0))
     total_num_scheduled_tokens: int = 0
     preempted: list[Request] = dataclasses.field(default_factory=list)
     finished: list[Request] = dataclasses.field(default_factory=list)
@@ -84,12 +138,21 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     block_size: int = 0
-    block_table: Optional[np.ndarray] = None
 
     @property
     def num_seqs(self) -> int:
         """Rows in the batch."""
-        return len(self.scheduled)
+        return len(self.requests)
+
+    @functools.cached_property
+    def scheduled(self) -> list[ScheduledRequest]:
+        """One ``ScheduledRequest`` per row, in batch order (built on first access)."""
+        num = len(self.requests)
+        return list(map(
+            ScheduledRequest, self.requests, self.num_new_tokens.tolist(), self.num_computed_tokens.tolist(),
+            self.samples.tolist(), self.batch_rows.tolist(), self.sample_index.tolist(), self.prev_row.tolist(),
+            [(self.block_tables, self.num_blocks)] * num, range(num),
+        ))
 
 
 @dataclasses.dataclass

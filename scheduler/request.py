@@ -80,6 +80,14 @@ class Request:
       prompt_array: int64[num_prompt_tokens] the prompt again, read-only, so
         hashing and ``build_batch`` slice prompt tokens without converting
         Python ints every step.
+      length_limit: ``num_tokens`` at which it is length-capped
+        (``max_model_len``, or prompt + ``max_tokens`` if smaller); set by
+        the scheduler on ``add_request``.
+      batch_row: its row in the scheduler's ``PersistentBatch`` and the KV
+        cache manager's block table while it holds KV blocks; -1 otherwise.
+      prefill_only: set before ``add_request`` for a parent that only
+        prefills a prompt for ``Scheduler.fork_request``: it is never
+        scheduled past its prompt.
 
     Raises:
       ValueError: empty prompt, a negative token id, or a non-int priority.
@@ -89,8 +97,8 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "cache_salt", "output_token_ids", "num_computed_tokens", "status",
         "stop_reason", "ignored_reason", "num_preemptions", "first_scheduled_time",
-        "block_hashes", "prompt_array", "_all_token_ids", "_max_tokens", "_seq", "_stop_ids", "_length_limit",
-        "num_pending_samples", "_last_sample_row", "prefill_only", "skip_reading_prefix_cache",
+        "block_hashes", "prompt_array", "_all_token_ids", "_max_tokens", "_seq", "length_limit", "batch_row",
+        "prefill_only", "skip_reading_prefix_cache",
     )
 
     def __init__(
@@ -137,18 +145,10 @@ class Request:
         # C-level slice on the hot path instead of a concatenation.
         self._all_token_ids = list(prompt)
         self._max_tokens = sampling_params.max_tokens
-        # Set by the scheduler on add_request: a tie-break for policy keys,
-        # and the update loop's cheap stop filter (token ids that may stop
-        # it, and num_tokens at which it is length-capped).
+        # Set by the scheduler on add_request: a tie-break for policy keys.
         self._seq = 0
-        self._stop_ids: frozenset[int] = frozenset()
-        self._length_limit = 0
-        # Async scheduling: samples scheduled but not yet returned by
-        # update_from_output, and the row (in the last output) of the latest.
-        self.num_pending_samples = 0
-        self._last_sample_row = -1
-        # A parent that only prefills a prompt for ``fork_request``: it is
-        # never scheduled past its prompt.
+        self.length_limit = 0
+        self.batch_row = -1
         self.prefill_only = False
 
     @property

@@ -20,11 +20,19 @@ import numpy as np
 from scheduler.block_pool import BlockPool
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from scheduler.output import SchedulerOutput, SchedulerStats
+from scheduler.persistent_batch import (
+    COMPUTED, EOS, HAS_STOP_IDS, LAST_SAMPLE_ROW, LAST_TOKEN, LENGTH_LIMIT, PENDING, PREFILL_ONLY, PROMPT, TOKENS,
+    PersistentBatch,
+)
 from scheduler.policy import get_policy
 from scheduler.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
+_NO_ROWS = np.zeros(0, dtype=np.intp)
+_NO_ROWS.flags.writeable = False
+_NO_COUNTS = np.zeros(0, dtype=np.int32)
+_NO_COUNTS.flags.writeable = False
 _REPORTED_FINISHES = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_IGNORED)
 
 
@@ -33,17 +41,47 @@ class UnknownRequestError(KeyError, ValueError):
 
 
 class _Step:
-    """Mutable state of one ``schedule()`` call."""
+    """Mutable state of one ``schedule()`` call, with its rows so far in batch order.
 
-    __slots__ = ("budget", "rows", "out", "preempted_ids", "admitted_ids", "now")
+    Running requests that need nothing but tokens and blocks are added in
+    bulk, as arrays (``bulk_*``); every other row is added one by one
+    (``tail_*``). A row whose request is preempted later in the step is
+    dropped.
+    """
+
+    __slots__ = (
+        "budget", "preempted", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped",
+        "bulk_requests", "bulk_rows", "bulk_new", "bulk_computed", "tail_requests", "tail_new", "tail_computed",
+    )
 
     def __init__(self, budget: int, now: float) -> None:
         self.budget = budget
-        self.rows: dict[str, ScheduledRequest] = {}
-        self.out = SchedulerOutput()
+        self.preempted: list[Request] = []
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
         self.preempted_ids: set[str] = set()
         self.admitted_ids: set[str] = set()
         self.now = now
+        self.dropped: set[str] = set()
+        self.bulk_requests: list[Request] = []
+        self.bulk_rows, self.bulk_new, self.bulk_computed = _NO_ROWS, _NO_COUNTS, _NO_COUNTS
+        self.tail_requests: list[Request] = []
+        self.tail_new: list[int] = []
+        self.tail_computed: list[int] = []
+
+    def add(self, req: Request, num_new: int, num_computed: int) -> None:
+        self.tail_requests.append(req)
+        self.tail_new.append(num_new)
+        self.tail_computed.append(num_computed)
+        self.budget -= num_new
+
+    def drop(self, req: Request) -> None:
+        """Take back ``req``'s row, if it has one, and its tokens."""
+        for requests, new in ((self.bulk_requests, self.bulk_new), (self.tail_requests, self.tail_new)):
+            if req in requests:
+                self.dropped.add(req.request_id)
+                self.budget += int(new[requests.index(req)])
+                return
 
 
 class Scheduler:
@@ -54,11 +92,17 @@ class Scheduler:
     ``config.async_scheduling``, before the one after it: the host schedules
     step N+1 while the device runs step N. A request's
     ``num_computed_tokens`` then advances when it is scheduled (as in vLLM
-    v1); a sample still on the device is counted in
-    ``num_pending_samples`` and its row in the next output carries
-    ``prev_row`` so the runner feeds it from the device. A request that
-    turns out to have stopped at step N has its step N+1 sample discarded;
-    one that is certain to stop by length is not scheduled again.
+    v1); a sample still on the device is counted as pending and its row in
+    the next output carries ``prev_row`` so the runner feeds it from the
+    device. A request that turns out to have stopped at step N has its step
+    N+1 sample discarded; one that is certain to stop by length is not
+    scheduled again.
+
+    The running requests' numbers live in a persistent batch
+    (``PersistentBatch``, vLLM v1's ``InputBatch``): numpy rows updated in
+    place, so a step schedules, advances and updates all of them with array
+    operations; Python work per step is per request only for token lists
+    (appending samples), per new block, and per admission or preemption.
 
     Step rules (vLLM v1 unless noted):
 
@@ -77,7 +121,13 @@ class Scheduler:
     * A request whose tokens fill whole blocks, all cached, recomputes only
       its last token, into a copy of the last block (``blocks_to_copy``;
       our addition, see ``KVCacheManager``). This holds for re-prefills of
-      recompute-preempted requests too.
+      recompute-preempted requests too. The copy needs one block more than
+      recomputing the last block's tokens; when that block is not free the
+      request takes one hit fewer instead. So admission never needs more
+      than ``add_request`` checked against the whole cache, and the head of
+      the queue is always admitted once nothing else runs (liveness).
+    * With async scheduling, a running request that alone cannot grow while
+      blocks are pinned as copy sources of the step in flight waits a step.
     * ``recompute`` preemption frees the victim's blocks (their hashes stay,
       so its re-prefill can hit the cache) and resets its progress; ``swap``
       copies its computed blocks to the host pool and back on resume,
@@ -97,8 +147,9 @@ class Scheduler:
 
     Attributes (for tests and the engine's metrics):
       config, policy, block_pool (``BlockPool``), kv_cache_manager
-      (``KVCacheManager``), requests (id -> unfinished ``Request``),
-      running and waiting (``Request`` lists).
+      (``KVCacheManager``), batch (``PersistentBatch``: the running
+      requests' numbers as numpy rows), requests (id -> unfinished
+      ``Request``), running and waiting (``Request`` lists).
     """
 
     def __init__(self, config: SchedulerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -108,6 +159,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             self.block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks
         )
+        self.batch = PersistentBatch(config.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting: list[Request] = []
@@ -117,7 +169,11 @@ class Scheduler:
         # Static-key policies only need a re-sort of the waiting list after
         # it changes; the running list stays sorted by insertion in order.
         self._waiting_dirty = False
-        self._pending: collections.deque[SchedulerOutput] = collections.deque()
+        # Outputs not yet updated, each with _num_stopped when it was made.
+        self._pending: collections.deque[tuple[SchedulerOutput, int]] = collections.deque()
+        # Times a request stopped running (finished or preempted): while it
+        # has not changed, every row of a pending output is still running.
+        self._num_stopped = 0
         self._max_pending = 2 if config.async_scheduling else 1
         self._finished_for_schedule: list[Request] = []
         self._finished_for_update: list[Request] = []
@@ -151,22 +207,18 @@ class Scheduler:
             self._finished_for_schedule.append(request)
             self._finished_for_update.append(request)
             return
+        self.kv_cache_manager.hash_blocks(request)
         self.requests[rid] = request
         self.waiting.append(request)
         self._waiting_dirty = True
 
     def _prepare(self, request: Request) -> None:
-        """Set the policy tie-break and the update loop's stop filter."""
+        """Set the policy tie-break and the length limit."""
         request._seq = next(self._seq)
-        sp = request.sampling_params
-        stop_ids = set(sp.stop_token_ids)
-        if request.eos_token_id is not None and not sp.ignore_eos:
-            stop_ids.add(request.eos_token_id)
-        request._stop_ids = frozenset(stop_ids)
         limit = self.config.max_model_len
         if request.max_tokens is not None:
             limit = min(limit, request.num_prompt_tokens + request.max_tokens)
-        request._length_limit = limit
+        request.length_limit = limit
 
     def fork_request(self, parent_id: str, children: Sequence[Request]) -> list[tuple[int, int]]:
         """Replace running ``parent_id`` by ``children`` that share its computed KV blocks.
@@ -199,6 +251,7 @@ class Scheduler:
         self.running.remove(parent)
         del self.requests[parent_id]
         parent.status = RequestStatus.FINISHED_STOPPED
+        self._num_stopped += 1
         seats = self.config.max_num_seqs - len(self.running)
         num_forked, copies = self.kv_cache_manager.fork(parent, children[:seats])
         for child in children[:num_forked]:
@@ -206,9 +259,9 @@ class Scheduler:
             child.status = _RUNNING
             child.num_computed_tokens = computed
             child.first_scheduled_time = parent.first_scheduled_time
+            self.batch.load(child)
             self.requests[child.request_id] = child
             self.running.append(child)
-        self._running_dirty = True
         for child in children[num_forked:]:
             self.add_request(child)
         return copies
@@ -248,69 +301,152 @@ class Scheduler:
         step = _Step(self.config.max_num_batched_tokens, now)
         self._schedule_running(step)
         self._schedule_waiting(step)
-        out = step.out
-        out.block_size = self.config.block_size
-        out.block_table = self.kv_cache_manager.block_table.table
-        out.scheduled = list(step.rows.values())
-        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - step.budget
+        out = self._emit_rows(step)
         out.finished, self._finished_for_schedule = self._finished_for_schedule, []
         out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
         self.kv_cache_manager.end_step()
-        self._advance(out.scheduled)
-        self._pending.append(out)
+        self._pending.append((out, self._num_stopped))
         return out
 
-    @staticmethod
-    def _advance(rows: list[ScheduledRequest]) -> None:
-        """Count the scheduled tokens as computed and the samples as pending."""
-        for i, row in enumerate(rows):
-            req = row.request
-            req.num_computed_tokens = row.num_computed_tokens + row.num_new_tokens
-            if row.num_computed_tokens >= len(req._all_token_ids):
-                row.prev_row = req._last_sample_row
-            if row.samples:
-                row.sample_index = len(req.output_token_ids) + req.num_pending_samples
-                req.num_pending_samples += 1
-                req._last_sample_row = i
+    def _emit_rows(self, step: _Step) -> SchedulerOutput:
+        """The step's output, its rows advanced in the persistent batch.
+
+        Each row's tokens count as computed and its sample, if used, as
+        pending; its ``prev_row`` points at its request's pending sample in
+        the previous output when its input is that sample.
+        """
+        data, table = self.batch.data, self.kv_cache_manager.block_table
+        requests, rows, new, computed = step.bulk_requests, step.bulk_rows, step.bulk_new, step.bulk_computed
+        if step.tail_requests:
+            requests = requests + step.tail_requests
+            rows = np.concatenate([rows, np.array([r.batch_row for r in step.tail_requests], np.intp)])
+            new = np.concatenate([new, np.array(step.tail_new, np.int32)])
+            computed = np.concatenate([computed, np.array(step.tail_computed, np.int32)])
+        if step.dropped:
+            keep = np.array([r.request_id not in step.dropped for r in requests], dtype=bool)
+            requests = [r for r, k in zip(requests, keep.tolist()) if k]
+            rows, new, computed = rows[keep], new[keep], computed[keep]
+        # take() gathers whole rows several times faster than fancy indexing.
+        state = data.take(rows, axis=0)
+        known, pending = state[:, TOKENS], state[:, PENDING]
+        advanced = computed + new
+        samples = advanced >= known + pending
+        sampled = samples.nonzero()[0]
+        num_blocks = table.lengths[rows]
+        out = SchedulerOutput(
+            requests=requests,
+            num_new_tokens=new,
+            num_computed_tokens=computed,
+            samples=samples,
+            sample_index=(known - state[:, PROMPT] + pending) * samples,
+            prev_row=np.where(computed >= known, state[:, LAST_SAMPLE_ROW], -1) if pending.any() else pending - 1,
+            batch_rows=rows,
+            last_token_ids=state[:, LAST_TOKEN].copy(),
+            num_blocks=num_blocks,
+            block_tables=table.table[rows, : num_blocks.max(initial=0)],
+            total_num_scheduled_tokens=int(new.sum()),
+            preempted=step.preempted,
+            blocks_to_swap_out=step.swap_out,
+            blocks_to_swap_in=step.swap_in,
+            block_size=self.config.block_size,
+        )
+        state[:, COMPUTED] = advanced
+        state[sampled, PENDING] += 1
+        state[sampled, LAST_SAMPLE_ROW] = sampled
+        data[rows] = state
+        for req, num in zip(requests, advanced.tolist()):
+            req.num_computed_tokens = num
+        return out
 
     def _schedule_running(self, step: _Step) -> None:
+        """Give running requests, in policy order, their remaining tokens within the budget.
+
+        The leading requests whose tokens and new blocks fit (usually all)
+        are scheduled together from the persistent batch's arrays; from the
+        first that would need a preemption (or, without chunked prefill, when
+        the budget is short) :meth:`_schedule_running_one` takes them one by one.
+        """
         if self.policy.keys_change_over_time:
             self.policy.sort(self.running, step.now)
-        kv = self.kv_cache_manager
-        allocate, block_ids, table_rows = kv.allocate_slots, kv.req_to_block_ids, kv.req_to_row
-        bs = self.config.block_size
-        rows = step.rows
-        # The hot path of a step: one pass per running request, with the
-        # common decode that needs no new block kept free of calls.
-        for req in list(self.running):
+        running = list(self.running)
+        if not running:
+            return
+        cfg, kv = self.config, self.kv_cache_manager
+        bs = cfg.block_size
+        rows = np.array([r.batch_row for r in running], dtype=np.intp)
+        state = self.batch.data.take(rows, axis=0)
+        computed, pending = state[:, COMPUTED], state[:, PENDING]
+        total = state[:, TOKENS] + pending
+        new = total - computed
+        if pending.any():
+            # Only with async scheduling: its pending sample ends it, or it is
+            # a prefill parent waiting to be forked. (A prompt of exactly
+            # max_model_len tokens reaches the limit with no sample pending;
+            # it must still finish its prefill.)
+            new[(pending > 0) & ((total >= state[:, LENGTH_LIMIT]) | (state[:, PREFILL_ONLY] > 0))] = 0
+        threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
+        if threshold:
+            np.minimum(new, threshold, out=new)
+        cumulative = new.cumsum()
+        end = len(running)
+        if cumulative[-1] > step.budget:
+            if not cfg.enable_chunked_prefill:
+                end = 0
+            else:
+                cut = int(cumulative.searchsorted(step.budget))
+                new[cut] -= cumulative[cut] - step.budget
+                new[cut + 1 :] = 0
+                cumulative[cut:] = step.budget
+        # Blocks the new tokens reach beyond those held (none for a row scheduling nothing).
+        need = (computed + new + (bs - 1)) // bs - kv.block_table.lengths[rows]
+        np.maximum(need, 0, out=need)
+        cumulative_need = need[:end].cumsum()
+        if end and cumulative_need[-1] > kv.block_pool.num_free_blocks:
+            end = int(cumulative_need.searchsorted(kv.block_pool.num_free_blocks, side="right"))
+        if end:
+            needy = need[:end].nonzero()[0]
+            if len(needy):
+                kv.append_blocks([running[i] for i in needy.tolist()], rows[needy], need[needy])
+            step.budget -= int(cumulative[end - 1])
+            if new[:end].all():
+                taken = slice(end)
+                step.bulk_requests = running[:end]
+            else:
+                taken = new[:end].nonzero()[0]
+                step.bulk_requests = [running[i] for i in taken.tolist()]
+            step.bulk_rows, step.bulk_new, step.bulk_computed = rows[taken], new[taken], computed[taken]
+        for req in running[end:]:
             if step.budget <= 0:
                 break
-            if req.status is not _RUNNING:
-                continue
-            computed = req.num_computed_tokens
-            num_tokens = len(req._all_token_ids) + req.num_pending_samples
-            if req.num_pending_samples and (num_tokens >= req._length_limit or req.prefill_only):
-                # Only with async scheduling: its pending sample ends it, or
-                # it is a prefill parent waiting to be forked. (A prompt of
-                # exactly max_model_len tokens reaches the limit with no
-                # sample pending; it must still finish its prefill.)
-                continue
-            n = num_tokens - computed
-            if n != 1:
-                n = self._chunk(n, step.budget)
-                if n == 0:
-                    continue
-            rid = req.request_id
-            ids = block_ids[rid]
-            if computed + n > len(ids) * bs and not (allocate(req, n) or self._preempt_until_allocated(req, n, step)):
-                continue
-            rows[rid] = ScheduledRequest(req, n, computed, ids[:], computed + n >= num_tokens, table_rows[rid])
-            step.budget -= n
+            if req.status is _RUNNING:
+                self._schedule_running_one(req, step)
+
+    def _schedule_running_one(self, req: Request, step: _Step) -> None:
+        computed = req.num_computed_tokens
+        pending = int(self.batch.data[req.batch_row, PENDING])
+        num_tokens = req.num_tokens + pending
+        if pending and (num_tokens >= req.length_limit or req.prefill_only):
+            return
+        n = num_tokens - computed
+        if n != 1:
+            n = self._chunk(n, step.budget)
+            if n == 0:
+                return
+        kv = self.kv_cache_manager
+        if computed + n > kv.block_table.lengths[req.batch_row] * self.config.block_size and not (
+            kv.allocate_slots(req, n) or self._preempt_until_allocated(req, n, step)
+        ):
+            return
+        step.add(req, n, computed)
 
     def _preempt_until_allocated(self, req: Request, n: int, step: _Step) -> bool:
         while True:
             candidates = list(self.running)
             if len(candidates) == 1:
+                if self.kv_cache_manager.copy_sources:
+                    # With async scheduling, sources of the previous step's
+                    # copies stay pinned until its update: wait for them.
+                    return False
                 # It holds every used block and still cannot grow: only a
                 # request without max_tokens gets here (admission rules out
                 # the rest), and preempting itself would loop forever.
@@ -359,23 +495,46 @@ class Scheduler:
             pairs = kv.swap_in(req, n) if n else None
             if pairs is None:
                 return False
-            step.out.blocks_to_swap_in.extend(pairs)
+            step.swap_in.extend(pairs)
         else:
-            hits, num_hit = kv.get_computed_blocks(req)
-            n = self._chunk(req.num_tokens - num_hit, step.budget)
-            if n == 0 or not kv.allocate_slots(req, n, hits):
+            n = self._allocate_admission(req, step.budget)
+            if n == 0:
                 return False
-            if kv.enable_caching and not req.skip_reading_prefix_cache:
-                self.prefix_cache_queries += req.num_tokens
-                self.prefix_cache_hits += num_hit
-            req.num_computed_tokens = num_hit
         req.status = _RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = step.now
+        self.batch.load(req)
         self._insert_running(req, step.now)
         step.admitted_ids.add(rid)
-        self._add_row(req, n, step)
+        step.add(req, n, req.num_computed_tokens)
         return True
+
+    def _allocate_admission(self, req: Request, budget: int) -> int:
+        """Take ``req``'s prefix hits and blocks for its first chunk; returns the chunk's tokens, 0 if it must wait.
+
+        A request whose hits cover all its tokens copies the last hit on
+        write, which needs one block more than recomputing that block's
+        tokens would. When that block is not free it takes one hit fewer, so
+        the capacity a request needs never exceeds what ``_never_fits``
+        checks at ``add_request``: alone, every admission succeeds.
+        """
+        kv = self.kv_cache_manager
+        hits, num_hit = kv.get_computed_blocks(req)
+        while True:
+            n = self._chunk(req.num_tokens - num_hit, budget)
+            if n == 0:
+                return 0
+            if kv.allocate_slots(req, n, hits):
+                break
+            if not kv.copies_last_block(req, hits):
+                return 0
+            hits = hits[:-1]
+            num_hit = len(hits) * self.config.block_size
+        if kv.enable_caching and not req.skip_reading_prefix_cache:
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += num_hit
+        req.num_computed_tokens = num_hit
+        return n
 
     def _insert_running(self, req: Request, now: float) -> None:
         """Add ``req`` to the running list, keeping a static-key policy's order without a re-sort."""
@@ -410,34 +569,25 @@ class Scheduler:
             return budget if cfg.enable_chunked_prefill else 0
         return remaining
 
-    def _add_row(self, req: Request, n: int, step: _Step) -> None:
-        kv, rid, computed = self.kv_cache_manager, req.request_id, req.num_computed_tokens
-        step.rows[rid] = ScheduledRequest(
-            req, n, computed, kv.req_to_block_ids[rid][:], computed + n >= req.num_tokens, kv.req_to_row[rid]
-        )
-        step.budget -= n
-
     def _preempt(self, victim: Request, step: _Step) -> None:
         self.running.remove(victim)
-        row = step.rows.pop(victim.request_id, None)
-        if row is not None:
-            step.budget += row.num_new_tokens
-        if victim.num_pending_samples:
+        step.drop(victim)
+        if self.batch.data[victim.batch_row, PENDING]:
             # Its in-flight sample will be discarded, so the last known token
             # is computed again on resume to sample it anew (same key).
-            victim.num_pending_samples = 0
-            victim.num_computed_tokens = min(victim.num_computed_tokens, len(victim._all_token_ids) - 1)
+            victim.num_computed_tokens = min(victim.num_computed_tokens, victim.num_tokens - 1)
         pairs = self.kv_cache_manager.swap_out(victim) if self._swap else None
         if pairs is None:
             self.kv_cache_manager.free(victim)
             victim.num_computed_tokens = 0
         else:
-            step.out.blocks_to_swap_out.extend(pairs)
+            step.swap_out.extend(pairs)
         victim.status = RequestStatus.PREEMPTED
+        self._num_stopped += 1
         victim.num_preemptions += 1
         self.num_preemptions += 1
         step.preempted_ids.add(victim.request_id)
-        step.out.preempted.append(victim)
+        step.preempted.append(victim)
         self.waiting.append(victim)
         self._waiting_dirty = True
 
@@ -449,8 +599,8 @@ class Scheduler:
         Args:
           output: the output of the last ``schedule()``.
           sampled_token_ids: ``[num_seqs]`` ints (list or integer array, any
-            extra padding entries beyond ``len(output.scheduled)`` ignored);
-            entry i belongs to ``output.scheduled[i]``. Samples of partial
+            extra padding entries beyond ``output.num_seqs`` ignored); entry i
+            belongs to row i (``output.requests[i]``). Samples of partial
             prefill rows are discarded.
 
         Stop rules, checked after appending the token: once ``min_tokens``
@@ -469,41 +619,59 @@ class Scheduler:
           ValueError: ``output`` is not the pending output, or fewer sampled
             ids than rows (nothing is changed).
         """
-        if not self._pending or output is not self._pending[0]:
+        if not self._pending or output is not self._pending[0][0]:
             raise ValueError("update_from_output: output is not the pending output (the oldest schedule() result not yet updated)")
-        rows = output.scheduled
-        if len(sampled_token_ids) < len(rows):
+        requests = output.requests
+        if len(sampled_token_ids) < len(requests):
             raise ValueError(
-                f"update_from_output: {len(sampled_token_ids)} sampled token ids for {len(rows)} scheduled rows"
+                f"update_from_output: {len(sampled_token_ids)} sampled token ids for {len(requests)} scheduled rows"
             )
-        self._pending.popleft()
+        _, num_stopped = self._pending.popleft()
         # The runner has done this step's copies.
         self.kv_cache_manager.release_copy_sources()
         result, self._finished_for_update = self._finished_for_update, []
-        cache = self.kv_cache_manager.cache_computed_blocks if self.config.enable_prefix_caching else None
-        bs = self.config.block_size
-        any_finished = False
-        for row, token in zip(rows, sampled_token_ids):
-            req = row.request
-            if req.status is not _RUNNING:
-                continue
-            if cache is not None and (row.num_computed_tokens + row.num_new_tokens) // bs != row.num_computed_tokens // bs:
-                cache(req)
-            if not row.samples:
-                continue
-            req.num_pending_samples -= 1
-            token = int(token)
+        if not requests:
+            return result
+        # Rows whose request was preempted or finished since schedule() are skipped.
+        all_alive = num_stopped == self._num_stopped
+        alive = None if all_alive else np.array([r.status is _RUNNING for r in requests], dtype=bool)
+        if self.config.enable_prefix_caching:
+            bs = self.config.block_size
+            filled = output.num_computed_tokens % bs + output.num_new_tokens >= bs
+            filled = (filled if all_alive else filled & alive).nonzero()[0]
+            if len(filled):
+                self.kv_cache_manager.cache_computed_blocks(*[requests[i] for i in filled.tolist()])
+        tokens = np.asarray(sampled_token_ids)[: len(requests)]
+        if all_alive and output.samples.all():
+            taken, receivers = slice(None), requests
+        else:
+            taken = (output.samples if all_alive else output.samples & alive).nonzero()[0]
+            if not len(taken):
+                return result
+            receivers = [requests[i] for i in taken.tolist()]
+            tokens = tokens[taken]
+        token_list = tokens.tolist()
+        for req, token in zip(receivers, token_list):
             req.output_token_ids.append(token)
             req._all_token_ids.append(token)
-            # Cheap filter; _stop_status holds the rules.
-            if token in req._stop_ids or len(req._all_token_ids) >= req._length_limit:
-                status = self._stop_status(req, token)
-                if status is not None:
-                    self._release(req, status)
-                    any_finished = True
-            result.append(req)
-        if any_finished:
-            self.running = [r for r in self.running if r.status is _RUNNING]
+        data, rows = self.batch.data, output.batch_rows[taken]
+        state = data.take(rows, axis=0)
+        known = state[:, TOKENS] + 1
+        state[:, TOKENS] = known
+        state[:, PENDING] -= 1
+        state[:, LAST_TOKEN] = tokens
+        data[rows] = state
+        # A cheap filter on the whole batch; _stop_status holds the rules.
+        maybe_stop = (known >= state[:, LENGTH_LIMIT]) | (tokens == state[:, EOS]) | (state[:, HAS_STOP_IDS] > 0)
+        finished = []
+        for j in maybe_stop.nonzero()[0].tolist():
+            status = self._stop_status(receivers[j], token_list[j])
+            if status is not None:
+                self._release(receivers[j], status)
+                finished.append(receivers[j])
+        result.extend(receivers)
+        for req in finished:
+            self.running.remove(req)
         return result
 
     def _stop_status(self, req: Request, token: int) -> Optional[RequestStatus]:
@@ -531,25 +699,25 @@ class Scheduler:
         Raises:
           ValueError: ``output`` is not the newest pending output.
         """
-        if not self._pending or output is not self._pending[-1]:
+        if not self._pending or output is not self._pending[-1][0]:
             raise ValueError("discard_output: output is not the newest pending output of schedule()")
         self._pending.pop()
         self.kv_cache_manager.release_copy_sources()
-        for row in output.scheduled:
-            req = row.request
+        for req in output.requests:
             if req.status is not _RUNNING:
                 continue
             self.running.remove(req)
             self.kv_cache_manager.free(req)
             req.num_computed_tokens = 0
-            req.num_pending_samples = 0
             req.status = RequestStatus.PREEMPTED
+            self._num_stopped += 1
             self.waiting.append(req)
         self._waiting_dirty = True
 
     def _release(self, req: Request, status: RequestStatus) -> None:
         """Finish ``req``: set ``status``, free its blocks, forget it. The caller fixes the running/waiting lists."""
         req.status = status
+        self._num_stopped += 1
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
 

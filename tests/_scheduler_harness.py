@@ -8,6 +8,7 @@ from typing import Optional
 import numpy as np
 import xxhash
 
+import scheduler.persistent_batch as pb
 from scheduler import (
     BucketTable,
     Request,
@@ -66,10 +67,15 @@ class FakeRunner:
             config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len, bs, min_tokens=1, min_seqs=1, min_width=1
         )
         self.last_batch = None
+        self.last_sampled: list[int] = []
 
     def __call__(self, output) -> list[int]:
         b = build_batch(output, self.buckets)
         self.last_batch = b
+        # Async scheduling: inputs still "on the device" are the previous call's samples.
+        fed = b.prev_token_index >= 0
+        if fed.any():
+            b.input_ids[fed] = np.asarray(self.last_sampled)[b.prev_token_index[fed]]
         bs = self.block_size
         for d, h in b.blocks_to_swap_out:
             self.host[h] = self.kv[d * bs : (d + 1) * bs]
@@ -83,6 +89,7 @@ class FakeRunner:
             pos = np.arange(b.seq_lens[s])
             slots = b.block_tables[s, pos // bs] * bs + pos % bs
             sampled.append(next_token(self.kv[slots]))
+        self.last_sampled = sampled
         return sampled
 
 
@@ -98,6 +105,27 @@ def run_until_done(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000
         if not sched.has_unfinished_requests():
             return n
         step(sched, runner)
+        if check is not None:
+            check(sched)
+    raise AssertionError(f"scheduler still has {sched.num_unfinished_requests} unfinished requests after {max_steps} steps")
+
+
+def run_async_until_done(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000, check=None) -> int:
+    """As :func:`run_until_done` under ``async_scheduling``, in the engine's order: schedule and run step N+1,
+    then apply step N's samples (a step without rows, after doing its copies, at once)."""
+    in_flight = None
+    for n in range(max_steps):
+        if not sched.has_unfinished_requests() and in_flight is None:
+            return n
+        out = sched.schedule()
+        sampled = runner(out)
+        launched = (out, sampled) if out.num_seqs else None
+        done = [in_flight] if in_flight is not None else []
+        in_flight = launched
+        if launched is None:
+            done.append((out, []))
+        for o, sampled in done:
+            sched.update_from_output(o, sampled)
         if check is not None:
             check(sched)
     raise AssertionError(f"scheduler still has {sched.num_unfinished_requests} unfinished requests after {max_steps} steps")
@@ -123,11 +151,15 @@ def check_block_invariants(sched: Scheduler) -> None:
     for block in pool.blocks[1:]:
         assert block.ref_cnt == holders[block.block_id], block
         assert (block.ref_cnt == 0) == (block.block_id in set(free_ids)), block
-    table = kv.block_table.table
-    assert set(kv.req_to_row) == set(kv.req_to_block_ids)
-    for rid, ids in kv.req_to_block_ids.items():
-        row = table[kv.req_to_row[rid]]
+        assert block.block_hash is None or pool.cached.get(block.block_hash) is block, f"{block} is not the map's"
+    table, lengths = kv.block_table.table, kv.block_table.lengths
+    rows = [sched.requests[rid].batch_row for rid in kv.req_to_block_ids]
+    assert len(set(rows)) == len(rows) and min(rows, default=0) >= 0, "two requests share a batch row"
+    for (rid, ids), r in zip(kv.req_to_block_ids.items(), rows):
+        row = table[r]
         assert row[: len(ids)].tolist() == ids and not row[len(ids) :].any(), f"{rid}'s numpy block table row is stale"
+        assert lengths[r] == len(ids)
+    check_persistent_batch(sched)
     for h, block in pool.cached.items():
         assert block.block_hash == h
     assert set(kv.req_to_blocks) <= {r.request_id for r in sched.running} | set(sched.requests)
@@ -137,6 +169,16 @@ def check_block_invariants(sched: Scheduler) -> None:
     assert len(host_ids) == len(set(host_ids))
     assert len(host_ids) + kv.host_pool.num_free_blocks == kv.host_pool.num_host_blocks
     assert len(sched.running) <= sched.config.max_num_seqs
+
+
+def check_persistent_batch(sched: Scheduler) -> None:
+    """Each running request's persistent batch row agrees with the request."""
+    for req in sched.running:
+        row = sched.batch.data[req.batch_row]
+        assert (row[pb.COMPUTED], row[pb.TOKENS], row[pb.PROMPT], row[pb.LAST_TOKEN]) == (
+            req.num_computed_tokens, req.num_tokens, req.num_prompt_tokens, req.all_token_ids[-1]
+        ), f"{req.request_id}'s persistent batch row is stale"
+        assert (row[pb.LENGTH_LIMIT], row[pb.PREFILL_ONLY]) == (req.length_limit, req.prefill_only)
 
 
 def check_copies(sched: Scheduler, out) -> None:

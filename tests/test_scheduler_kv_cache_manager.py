@@ -59,6 +59,36 @@ def test_fully_hit_allocation_copies_the_last_block_into_a_fresh_unregistered_on
     assert (kv.copy_sources, kv.block_pool.blocks[2].ref_cnt) == ([], 0)
 
 
+def test_blocks_to_allocate_count_revived_hits_the_copy_new_tokens_and_lookahead_slots():
+    kv = manager()
+    kv.free(computed(kv, list(range(8)), "a"))  # two cached blocks, both in the free queue
+    b = Request("b", list(range(8)), SamplingParams())
+    hits, _ = kv.get_computed_blocks(b)
+    assert kv.copies_last_block(b, hits) and not kv.copies_last_block(b, hits[:1])
+    # 2 revived hits + the copy; one lookahead slot (position 8) needs a third block.
+    assert kv.num_blocks_to_allocate(b, 1, hits) == 3
+    assert kv.num_blocks_to_allocate(b, 1, hits, num_lookahead_tokens=1) == 4
+    # One hit fewer: 1 revived + 1 fresh block for the recomputed 4 tokens; no copy.
+    assert kv.num_blocks_to_allocate(b, 4, hits[:1]) == 2
+    assert kv.num_blocks_to_allocate(b, 8) == 2
+    holder = Request("holder", list(range(8)) + [50], SamplingParams())
+    assert kv.allocate_slots(holder, 1, hits)  # now holds both hit blocks
+    assert kv.num_blocks_to_allocate(b, 1, hits) == 1
+
+
+def test_allocation_succeeds_exactly_when_the_free_queue_holds_the_blocks_it_needs():
+    for free, lookahead in ((2, 0), (3, 0), (3, 1), (4, 1)):
+        kv = manager(num_blocks=6)
+        kv.free(computed(kv, list(range(8)), "a"))  # 5 free blocks, 2 of them cached
+        assert kv.allocate_slots(Request("filler", [99] * 4 * (5 - free), SamplingParams()), 4 * (5 - free))
+        assert kv.block_pool.num_free_blocks == free
+        b = Request("b", list(range(8)), SamplingParams())
+        hits, _ = kv.get_computed_blocks(b)
+        need = kv.num_blocks_to_allocate(b, 1, hits, lookahead)
+        assert kv.allocate_slots(b, 1, hits, lookahead) == (need <= free), (free, lookahead)
+        assert kv.block_pool.num_free_blocks == (free - need if need <= free else free)
+
+
 def test_prompt_plus_outputs_filling_cached_blocks_is_copied_on_write_too():
     kv = manager()
     computed(kv, list(range(8)), "a")
@@ -183,6 +213,21 @@ def test_incremental_hashes_equal_block_by_block_hashes():
     second = hash_block_tokens(first, tokens[4:8])
     third = hash_block_tokens(second, tokens[8:12])
     assert hashes == [first, second, third]
+
+
+def test_blocks_filled_while_decoding_hash_as_the_chain_of_block_hashes():
+    kv = manager()
+    req = computed(kv, [1, 2, 3, 4, 5, 6], "a", salt="salt")
+    for token in (7, 8, 9, 10, 11, 12):
+        req.append_output_token(token)
+        assert kv.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+        kv.cache_computed_blocks(req)
+    first = hash_block_tokens(None, [1, 2, 3, 4], b"salt")
+    second = hash_block_tokens(first, [5, 6, 7, 8])
+    third = hash_block_tokens(second, [9, 10, 11, 12])
+    assert req.block_hashes == [first, second, third]
+    assert [kv.block_pool.get_cached_block(h).block_id for h in req.block_hashes] == kv.get_block_ids("a")
 
 
 def test_hashes_sliced_from_the_prompt_array_equal_hashes_of_the_token_list():

@@ -10,6 +10,7 @@ from tests._scheduler_harness import (
     check_block_invariants,
     make_request,
     reference_output,
+    run_async_until_done,
     run_until_done,
     step,
 )
@@ -129,6 +130,80 @@ def test_prompt_one_token_past_cached_blocks_hits_all_of_them():
     assert (out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens) == (8, 1)
 
 
+def test_issue11_fully_cached_block_aligned_prompt_needing_the_whole_cache_does_not_stall_the_queue():
+    # The reported input: 2 usable blocks of 16; a 32-token prompt with max_tokens=1 fills them exactly.
+    sched, runner = setup(num_blocks=3, block_size=16, max_model_len=64)
+    prompt = list(range(1, 33))
+    first = make_request("first", prompt, max_tokens=1)
+    sched.add_request(first)
+    run_until_done(sched, runner)
+    again, small = make_request("again", prompt, max_tokens=1), make_request("small", [5, 6, 7], max_tokens=4)
+    sched.add_request(again)
+    sched.add_request(small)
+    out, _ = step(sched, runner)
+    # Copying the cached last block would take a third block: the first block hits, the second is recomputed.
+    assert [(r.request, r.num_computed_tokens, r.num_new_tokens) for r in out.scheduled] == [(again, 16, 16)]
+    assert out.blocks_to_copy == []
+    # "again" finishes with this step's sample; then "small" prefills and decodes 3 more.
+    assert run_until_done(sched, runner, max_steps=10) == 4
+    assert again.output_token_ids == first.output_token_ids == expected(first)
+    assert small.output_token_ids == expected(small)
+    assert sched.block_pool.num_free_blocks == 2
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("chunk_budget", [None, 3])
+@pytest.mark.parametrize("block_size,usable", [(2, 1), (2, 3), (4, 1), (4, 2), (4, 5), (16, 2)])
+def test_fully_cached_prompt_that_needs_the_whole_cache_is_served_alone_and_so_is_the_queue_behind_it(
+    block_size, usable, chunk_budget, async_scheduling
+):
+    """The kind of issue 11 item 4: a request that fits the whole cache alone is admitted when alone.
+
+    A block-aligned prompt of every usable block with max_tokens=1 needs the
+    whole cache; sent again, its copy on write would need one block more.
+    """
+    budget = chunk_budget or 64
+    sched, runner = setup(
+        num_blocks=usable + 1, block_size=block_size, max_num_batched_tokens=budget,
+        max_num_seqs=min(8, budget), async_scheduling=async_scheduling,
+    )
+    run = run_async_until_done if async_scheduling else run_until_done
+    prompt = [1 + (i * 7) % 40 for i in range(usable * block_size)]
+    first = make_request("first", prompt, max_tokens=1)
+    sched.add_request(first)
+    run(sched, runner, max_steps=100)
+    # The small request behind it fits one block.
+    again, small = make_request("again", prompt, max_tokens=1), make_request("small", [5], max_tokens=block_size)
+    sched.add_request(again)
+    sched.add_request(small)
+    run(sched, runner, max_steps=100, check=check_block_invariants)
+    assert again.output_token_ids == first.output_token_ids == expected(first)
+    assert small.output_token_ids == expected(small)
+    assert sched.stats.prefix_cache_hits == (usable - 1) * block_size
+    assert sched.block_pool.num_free_blocks == usable
+
+
+def test_async_request_alone_waits_a_step_for_a_pinned_copy_source_instead_of_being_capped():
+    # 3 usable blocks: the 8-token prompt's two cached blocks, its copy, and nothing more. Under async
+    # scheduling the copy source stays pinned while the next step is scheduled, when the request needs
+    # its third block; it must wait for the pin, not be length-capped as if it alone filled the cache.
+    sched, runner = setup(num_blocks=4, async_scheduling=True)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    first = make_request("first", prompt, max_tokens=3)
+    sched.add_request(first)
+    run_async_until_done(sched, runner, max_steps=20)
+    again = make_request("again", prompt, max_tokens=3)
+    sched.add_request(again)
+    copying = sched.schedule()
+    assert copying.blocks_to_copy and sched.block_pool.num_free_blocks == 0
+    waiting = sched.schedule()
+    assert (waiting.scheduled, again.status) == ([], RequestStatus.RUNNING)
+    sched.update_from_output(copying, runner(copying))
+    sched.update_from_output(waiting, [])
+    run_async_until_done(sched, runner, max_steps=20)
+    assert again.output_token_ids == first.output_token_ids == expected(first)
+
+
 def test_evicted_block_is_never_served_as_a_hit_for_its_old_hash():
     sched, runner = setup(num_blocks=5)
     old = make_request("old", [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=1)
@@ -233,6 +308,17 @@ def test_priority_most_urgent_arrival_runs_within_two_steps_of_a_full_batch():
     assert urgent.status == RequestStatus.RUNNING
     assert [r.request.request_id for r in first.scheduled] == ["bulk0", "urgent"]
     assert [r.request_id for r in first.preempted] == ["bulk1"]
+
+
+def test_urgent_request_preempting_a_prefill_cut_by_the_budget_gets_exactly_its_tokens():
+    # The running prefill is cut at the 10-token budget; preempting it gives those 10 tokens back.
+    sched, runner = setup(FakeClock(), scheduling_policy="priority", max_num_batched_tokens=10)
+    sched.add_request(make_request("long", list(range(1, 33)), max_tokens=1, priority=5, arrival_time=0.0))
+    step(sched, runner)
+    sched.add_request(make_request("urgent", list(range(40, 72)), max_tokens=1, priority=0, arrival_time=1.0))
+    out, _ = step(sched, runner)
+    assert [(r.request.request_id, r.num_new_tokens) for r in out.scheduled] == [("urgent", 10)]
+    assert [r.request_id for r in out.preempted] == ["long"]
 
 
 def test_fcfs_does_not_preempt_for_a_later_arrival():

@@ -1,5 +1,9 @@
-"""Random arrivals, lengths, shared prefixes, aborts and clock jumps against a cache of a few blocks.
+"""Random arrivals, lengths, shared prefixes, resent prompts, aborts and clock jumps against a cache of a few blocks.
 
+Caches go down to one usable block, and prompts are often whole blocks of one
+shared token run, sent again and again, so fully cached block-aligned prompts
+that need the whole cache come up (issue 11 item 4). Liveness, after every
+step: while requests are unfinished, some request is scheduled or finishes.
 After every rule: each block is free xor referenced, with ref_cnt equal to the
 number of block tables holding it, and never held twice (see
 ``check_block_invariants``). Inside every step, between schedule() and
@@ -29,7 +33,11 @@ from tests._scheduler_harness import (
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 32
 PREFIXES = ([], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 9])
+# Block-aligned prompts are leading whole blocks of this run, so they share prefix blocks.
+ALIGNED = [1 + (i * 7) % (VOCAB - 1) for i in range(MAX_MODEL_LEN)]
 EOS = 0
+# max_tokens 1 often: a whole-block prompt then needs no block beyond its own.
+SHORT_MAX_TOKENS = st.one_of(st.just(1), st.integers(1, 12))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -37,7 +45,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     mode = "recompute"
 
     @initialize(
-        num_blocks=st.integers(4, 12),
+        num_blocks=st.integers(2, 12),
         caching=st.booleans(),
         chunked=st.booleans(),
         threshold=st.sampled_from([0, 5]),
@@ -63,6 +71,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.requests = []
         self.aborted = set()
         self.copies = 0
+        self.broken = False
 
     @rule(
         prefix=st.sampled_from(range(len(PREFIXES))),
@@ -73,7 +82,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         use_eos=st.booleans(),
     )
     def add_request(self, prefix, suffix, max_tokens, min_tokens, priority, use_eos):
-        prompt = (PREFIXES[prefix] + suffix) or [1]
+        self._send((PREFIXES[prefix] + suffix) or [1], max_tokens, min_tokens, priority, use_eos)
+
+    @rule(
+        num_blocks=st.one_of(st.none(), st.integers(1, MAX_MODEL_LEN // BLOCK_SIZE)),
+        max_tokens=SHORT_MAX_TOKENS,
+        priority=st.integers(0, 3),
+    )
+    def add_block_aligned_request(self, num_blocks, max_tokens, priority):
+        """``num_blocks`` None: as many blocks as the whole cache holds (with max_tokens 1, it then needs all of it)."""
+        if num_blocks is None:
+            num_blocks = min(self.config.num_blocks - 1, MAX_MODEL_LEN // BLOCK_SIZE)
+        self._send(ALIGNED[: num_blocks * BLOCK_SIZE], max_tokens, 0, priority, False)
+
+    @rule(data=st.data(), max_tokens=SHORT_MAX_TOKENS, priority=st.integers(0, 3))
+    def resend_a_prompt(self, data, max_tokens, priority):
+        if self.requests:
+            prompt = data.draw(st.sampled_from([r.prompt_token_ids for r in self.requests]))
+            self._send(prompt, max_tokens, 0, priority, False)
+
+    def _send(self, prompt, max_tokens, min_tokens, priority, use_eos):
         params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), temperature=0)
         req = make_request(
             f"r{len(self.requests)}", prompt, params=params, priority=priority,
@@ -88,15 +116,21 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        had_work = bool(self.sched.requests)
+        unfinished = len(self.sched.requests)
         out = self.sched.schedule()
+        self.broken = True  # until update_from_output, so a failing check does not make teardown step again
+        # Liveness: a request whose admission cannot succeed must never stall the queue.
+        assert out.num_seqs or len(self.sched.requests) < unfinished or not unfinished, (
+            f"{unfinished} unfinished requests but none scheduled or finished: "
+            f"waiting {self.sched.waiting}, running {self.sched.running}"
+        )
         check_block_invariants(self.sched)
         check_copies(self.sched, out)
         self.copies += len(out.blocks_to_copy)
         updated = self.sched.update_from_output(out, self.runner(out))
+        self.broken = False
         assert not self.sched.kv_cache_manager.copy_sources
         assert len({id(r) for r in updated}) == len(updated)
-        assert out.scheduled or not had_work, "unfinished requests but nothing scheduled"
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
 
     @rule(data=st.data())
@@ -117,7 +151,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             check_block_invariants(self.sched)
 
     def teardown(self):
-        if not hasattr(self, "sched"):
+        if not hasattr(self, "sched") or self.broken:
             return
         for _ in range(2000):
             if not self.sched.has_unfinished_requests():
