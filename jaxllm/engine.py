@@ -409,13 +409,14 @@ class LLMEngine:
         Returns:
           None if the output has no rows, else the runner's ``dispatch``
           result and the number of token rows that carry prompt logprobs
-          (0 when none was asked for, so none are fetched).
+          (0 when none was asked for, so none are fetched). The block copies
+          run either way: a step may only swap a preempted request out.
         """
-        if not sched_out.scheduled:
-            return None
         self.runner.swap_out(sched_out.blocks_to_swap_out)
         self.runner.swap_in(sched_out.blocks_to_swap_in)
         self.runner.copy_blocks(sched_out.blocks_to_copy)
+        if not sched_out.scheduled:
+            return None
         batch = build_batch(sched_out, self.runner.serving_buckets())
         targets = prompt_targets(sched_out.scheduled, self._prompt_lp, batch.input_ids.shape[0])
         out, next_prev = self.runner.dispatch(batch, self.slots.arrays(sched_out, batch.seq_lens.shape[0]),

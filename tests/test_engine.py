@@ -146,3 +146,22 @@ def assert_every_eos_stops_after_min_tokens(llm, eos_ids, prompt, min_tokens=5):
         out = llm.generate([prompt], pushed, use_tqdm=False)[0].outputs[0]
         assert len(out.token_ids) == min_tokens + 1 and out.token_ids[-1] == eos, (eos, out.token_ids)
         assert not set(eos_ids) & set(out.token_ids[:min_tokens]), (eos, out.token_ids)
+
+
+def test_swap_out_in_a_step_without_rows_still_copies_the_blocks(stories_dir):
+    # A step may schedule nothing but swap its one running request out (async
+    # scheduling, swap preemption): the copy must still happen, or the request
+    # resumes from whatever the host pool held.
+    from jaxllm.engine import LLMEngine
+    from scheduler import SchedulerOutput
+
+    engine = LLMEngine(stories_dir, preemption_mode="swap", num_host_blocks=4, num_kv_blocks=8, max_model_len=64,
+                       precompile=False)
+    k, v = engine.runner.kv_cache
+    engine.runner.kv_cache = (k.at[:, 3].set(1.0), v.at[:, 3].set(2.0))
+    out = SchedulerOutput(block_size=engine.config.block_size)
+    out.blocks_to_swap_out = [(3, 1)]
+    assert engine._launch(out, None) is None
+    host_k, host_v = engine.runner.host_pool
+    assert np.all(host_k[:, 1] == 1.0) and np.all(host_v[:, 1] == 2.0)
+    assert np.all(host_k[:, 0] == 0.0) and np.all(host_k[:, 2:] == 0.0)
