@@ -155,6 +155,7 @@ class LLMEngine:
             cfg, params, num_blocks=self.num_blocks, block_size=self.config.block_size, dtype=self.dtype,
             ops=ops, buckets=self.buckets, sharding=self.sharding, num_host_blocks=self.config.num_host_blocks,
             num_sampling_slots=self.config.max_num_seqs + 1, max_model_len=self.max_model_len,
+            bf16_as_uint16=backend != "pallas" and self.sharding.mesh.devices.flat[0].platform == "cpu",
         )
         self.slots = SamplingSlots(self.config.max_num_seqs + 1, cfg.vocab_size, self.runner)
         scheduler_cls = StaticBatchScheduler if self.config.batching == "static" else Scheduler

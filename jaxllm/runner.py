@@ -30,7 +30,7 @@ from jax import monitoring
 
 from jaxllm.config import ModelConfig
 from jaxllm.kv_cache import allocate_kv_cache
-from jaxllm.models.llama import AttentionOps, KVCache, Params, compute_logits, hidden_states
+from jaxllm.models.llama import AttentionOps, KVCache, Params, compute_logits, hidden_states, loop_storage
 from jaxllm.sampling import SamplingArrays, fill_slot, init_tables, prompt_logprobs, sample, set_slot_rows
 from jaxllm.sharding import ModelSharding
 from scheduler import BatchDescriptor, BucketTable
@@ -123,10 +123,16 @@ class ModelRunner:
         is padding), so at least ``max_num_seqs + 1``.
       max_model_len: tokens per sequence at most (the fixed length slot fills
         are padded to).
+      bf16_as_uint16: hold bfloat16 layer weights and KV caches as uint16 bit
+        patterns (``models.llama.loop_storage``): for XLA's CPU backend, with
+        the jnp attention ops (``kernels_pallas.reference`` says why).
 
     Attributes:
+      params: the parameter pytree on the devices (layer leaves as uint16
+        with ``bf16_as_uint16``).
       kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size,
-        sharding.num_cache_heads, head_dim]``, split over heads.
+        sharding.num_cache_heads, head_dim]``, split over heads; ``dtype``,
+        or uint16 with ``bf16_as_uint16``.
       sampler_tables: the sampler's per-slot tables (``sampling.init_tables``),
         replicated on the mesh and donated to every step like the KV cache.
       num_compilations: programs this runner has built (steps and block
@@ -140,14 +146,15 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
                  ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0,
-                 num_sampling_slots: int = 1, max_model_len: int = 1):
+                 num_sampling_slots: int = 1, max_model_len: int = 1, bf16_as_uint16: bool = False):
         self.cfg = cfg
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.buckets = buckets
-        self.params = params
-        self.kv_cache = allocate_kv_cache(num_blocks, block_size, dtype, sharding)
+        storage = bf16_as_uint16 and np.dtype(dtype) == jnp.bfloat16
+        self.params = loop_storage(params) if storage else params
+        self.kv_cache = allocate_kv_cache(num_blocks, block_size, np.uint16 if storage else dtype, sharding)
         self._replicated = sharding.replicated
         self._kv_sharding = sharding.kv_cache_sharding
         self.sampler_tables = jax.device_put(init_tables(num_sampling_slots, cfg.vocab_size), self._replicated)
@@ -171,7 +178,8 @@ class ModelRunner:
         self._block_ops: dict[str, Callable] = {}
         # Host swap space: (k, v), each [num_layers, num_host_blocks, block_size, heads, head_dim].
         pool_shape = (cfg.num_layers, num_host_blocks) + self.kv_cache[0].shape[2:]
-        self.host_pool = (np.zeros(pool_shape, dtype), np.zeros(pool_shape, dtype)) if num_host_blocks else None
+        pool_dtype = self.kv_cache[0].dtype
+        self.host_pool = (np.zeros(pool_shape, pool_dtype), np.zeros(pool_shape, pool_dtype)) if num_host_blocks else None
 
     # ------------------------------------------------------------ compilation
 

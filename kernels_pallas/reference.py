@@ -12,6 +12,15 @@ into; nothing reads it through a valid block-table entry.
 
 GQA follows Hugging Face's ``repeat_kv``: query head ``h`` reads KV head
 ``h // (num_q_heads // num_kv_heads)``.
+
+Storage. The jnp ops (here and in ``xla.py``) also accept caches that hold
+bfloat16 values as their uint16 bit patterns (:func:`to_storage`,
+:func:`from_storage`). XLA's CPU backend converts a bfloat16 array that a
+loop reads (the model's scan over layers, the KV-chunk loop) to float32 as a
+whole before the loop and back inside it: a full copy of the cache (and of
+the weights) every step. Integer arrays are left alone, so on CPU the engine
+keeps bfloat16 caches and layer weights as uint16 and bit-casts them back
+where they are read.
 """
 
 from __future__ import annotations
@@ -22,6 +31,18 @@ import jax
 import jax.numpy as jnp
 
 _NEG_INF = -1e30
+
+
+def from_storage(x: jax.Array) -> jax.Array:
+    """A stored array as numbers: uint16 is bfloat16 bit patterns, anything else is as is."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
+
+
+def to_storage(x: jax.Array, storage_dtype) -> jax.Array:
+    """``x`` as stored in an array of ``storage_dtype``: cast, then bit-cast to uint16 for a uint16 store."""
+    if storage_dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(storage_dtype)
 
 
 def _soft_cap(scores: jax.Array, soft_cap: Optional[float]) -> jax.Array:
@@ -41,7 +62,7 @@ def _masked_softmax_pv(scores: jax.Array, mask: jax.Array, v: jax.Array) -> jax.
     p = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom == 0.0, 1.0, denom)
-    return jnp.einsum("nhgl,nlhd->nhgd", p, v.astype(jnp.float32))
+    return jnp.einsum("nhgl,nlhd->nhgd", p, from_storage(v).astype(jnp.float32))
 
 
 def ragged_paged_attention_reference(
@@ -108,7 +129,7 @@ def ragged_paged_attention_reference(
         mask &= kv_pos > pos[:, None] - sliding_window
 
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("nhgd,nlhd->nhgl", qg, k.astype(jnp.float32)) * scale
+    scores = jnp.einsum("nhgd,nlhd->nhgl", qg, from_storage(k).astype(jnp.float32)) * scale
     scores = _soft_cap(scores, soft_cap)
     out = _masked_softmax_pv(scores, mask[:, None, None, :], v)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
@@ -159,7 +180,8 @@ def kv_cache_write_reference(
 
     Args:
       k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-      k, v: [T, num_kv_heads, head_dim], cast to the cache dtype.
+      k, v: [T, num_kv_heads, head_dim], cast to the cache dtype (bit-cast
+        from bfloat16 for a uint16 cache, see :func:`to_storage`).
       slot_mapping: int32[T] — flat slot ``block * block_size + offset`` of
         each token; padded tokens point into block 0.
 
@@ -169,6 +191,6 @@ def kv_cache_write_reference(
     """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     flat = (num_blocks * block_size, num_kv_heads, head_dim)
-    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype)).reshape(k_cache.shape)
-    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype)).reshape(v_cache.shape)
+    k_cache = k_cache.reshape(flat).at[slot_mapping].set(to_storage(k, k_cache.dtype)).reshape(k_cache.shape)
+    v_cache = v_cache.reshape(flat).at[slot_mapping].set(to_storage(v, v_cache.dtype)).reshape(v_cache.shape)
     return k_cache, v_cache

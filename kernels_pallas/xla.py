@@ -20,7 +20,8 @@ semantics and costs what the sequences need:
   ``lax.cond`` when the step has no row of its kind.
 
 Scores and the softmax are float32 whatever the cache dtype; the output is
-q's dtype. Cache layout, padding rules and GQA mapping as in ``reference.py``.
+q's dtype. Cache layout, padding rules, GQA mapping and the uint16 storage of
+bfloat16 caches as in ``reference.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+
+from kernels_pallas.reference import from_storage
 
 # Finite stand-in for -inf: masked scores and the initial running max. exp of
 # (masked - max) underflows to exactly 0, and no NaN arises from -inf - -inf.
@@ -84,7 +87,7 @@ def _attend_tiles(
         ids = jax.lax.dynamic_slice_in_dim(tables, chunk * chunk_blocks, chunk_blocks, axis=1)
         k = jnp.take(k_cache, ids, axis=0, mode="clip").reshape(num_tiles, chunk_len, num_kv_heads, head_dim)
         v = jnp.take(v_cache, ids, axis=0, mode="clip").reshape(num_tiles, chunk_len, num_kv_heads, head_dim)
-        scores = jnp.einsum("nqhgd,nlhd->nhqgl", qg, k.astype(jnp.float32))
+        scores = jnp.einsum("nqhgd,nlhd->nhqgl", qg, from_storage(k).astype(jnp.float32))
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         kv_pos = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
@@ -97,7 +100,7 @@ def _attend_tiles(
         p = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
         rescale = jnp.exp(run_max - new_max)
         run_sum = run_sum * rescale + jnp.sum(p, axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("nhqgl,nlhd->nhqgd", p, v.astype(jnp.float32))
+        acc = acc * rescale[..., None] + jnp.einsum("nhqgl,nlhd->nhqgd", p, from_storage(v).astype(jnp.float32))
         return new_max, run_sum, acc
 
     stats_shape = (num_tiles, num_kv_heads, tile_len, group)

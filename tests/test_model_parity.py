@@ -33,11 +33,11 @@ _forward = jax.jit(forward, static_argnames=("cfg", "ops", "all_logits"))
 class SingleSequence:
     """Drives ``forward`` for one sequence laid in blocks 1, 2, ... of a fresh cache."""
 
-    def __init__(self, cfg, params, num_blocks=16, backend="reference"):
+    def __init__(self, cfg, params, num_blocks=16, backend="reference", cache_dtype=jnp.float32):
         self.cfg, self.params = cfg, params
         self.ops = get_attention_ops(backend)
         shape = (cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = (jnp.zeros(shape), jnp.zeros(shape))
+        self.kv = (jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype))
         self.block_table = np.arange(1, num_blocks, dtype=np.int32)[None, :]
         self.num_computed = 0
 
@@ -93,3 +93,21 @@ def test_decode_steps_logits_match_hf(tiny, backend):
     for i in range(PROMPT_LEN, PROMPT_LEN + DECODE_STEPS):
         got = seq.run(ids[i:i + 1])
         np.testing.assert_allclose(got[0], ref[i], atol=TOL, rtol=0, err_msg=f"decode position {i}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_held_as_uint16_bits_gives_the_same_logits(tiny, backend):
+    # The CPU engine keeps bf16 layer weights and caches as uint16 bit patterns
+    # (models.llama.loop_storage): the numbers must not change at all.
+    import ml_dtypes
+
+    from jaxllm.models.llama import loop_storage
+
+    cfg, params, ids, _ = tiny
+    bf16 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, ml_dtypes.bfloat16), params)
+    plain = SingleSequence(cfg, bf16, backend=backend, cache_dtype=jnp.bfloat16)
+    bits = SingleSequence(cfg, loop_storage(bf16), backend=backend, cache_dtype=jnp.uint16)
+    for chunk in (ids[:9], ids[9:PROMPT_LEN], ids[PROMPT_LEN:PROMPT_LEN + 1]):
+        np.testing.assert_array_equal(bits.run(chunk), plain.run(chunk))
+    assert bits.params["layers"]["wq"].dtype == jnp.uint16
+    np.testing.assert_array_equal(jax.lax.bitcast_convert_type(bits.kv[0], jnp.bfloat16), plain.kv[0])

@@ -24,7 +24,9 @@ num_kv_heads, head_dim]``.
 
 The decoder runs as a ``lax.scan`` over the layer axis (one scan per run of
 layers sharing a sliding window), so a step traces, lowers and compiles one
-layer however deep the model is. Inside the scan the caches are viewed as
+layer however deep the model is. Layer leaves and caches may be held as
+uint16 bit patterns of bfloat16 (:func:`loop_storage`; why in
+``kernels_pallas.reference``). Inside the scan the caches are viewed as
 ``[L * num_blocks, block_size, ...]`` and layer ``l`` addresses its blocks
 as ``l * num_blocks + block``: the attention ops see one ordinary paged cache
 and the block tables and slot mapping are offset per layer, so they read
@@ -42,6 +44,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
 from kernels_pallas import AttentionOps
+from kernels_pallas.reference import from_storage, to_storage
 
 Params = dict[str, Any]
 KVCache = tuple[jax.Array, jax.Array]
@@ -264,6 +267,18 @@ def _mlp_block(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> j
     return _linear(jax.nn.silu(gate) * up, layer["w_down"], layer.get("b_down"))
 
 
+def loop_storage(params: Params) -> Params:
+    """``params`` with bfloat16 layer leaves bit-cast to uint16 (other leaves as they are).
+
+    For XLA's CPU backend, which would otherwise convert every bfloat16 weight
+    the layer scan reads to float32 and back on every step (see
+    ``kernels_pallas.reference``); :func:`hidden_states` bit-casts them back
+    per layer. Same bytes, same sharding.
+    """
+    bits = jax.jit(lambda a: to_storage(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a)
+    return {**params, "layers": jax.tree_util.tree_map(bits, params["layers"])}
+
+
 def layer_segments(cfg: ModelConfig) -> list[tuple[int, int, int | None]]:
     """Runs of consecutive layers sharing a sliding window: ``(start, stop, window)``.
 
@@ -316,6 +331,7 @@ def hidden_states(
         def step(carry, layer_and_index):
             x, k_flat, v_flat = carry
             layer, index = layer_and_index
+            layer = jax.tree_util.tree_map(from_storage, layer)
             first_block = index * num_blocks
             layer_batch = dict(batch, block_tables=batch["block_tables"] + first_block,
                                slot_mapping=batch["slot_mapping"] + first_block * block_size)
@@ -339,9 +355,16 @@ def hidden_states(
 
 def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     """The lm_head (or the tied embedding): hidden ``[N, hidden_size]`` ->
-    logits float32 ``[N, vocab]``, accumulated in float32."""
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+    logits float32 ``[N, vocab]``, accumulated in float32.
+
+    The tied embedding ``[V, E]`` is contracted on its second axis directly:
+    ``hidden @ embed.T`` would make XLA's CPU backend transpose the whole
+    table in bfloat16 on every step (5x slower there).
+    """
+    if cfg.tie_word_embeddings:
+        return jax.lax.dot_general(hidden, params["embed"], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    return jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def forward(
