@@ -11,7 +11,11 @@ import pytest
 # tests/test_sharding.py runs it in subprocesses with that flag set.
 collect_ignore = [] if os.environ.get("JAXLLM_MULTIDEVICE") else ["multidevice"]
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+_ROOT = Path(__file__).resolve().parents[1]
+# The project's shared/ folder sits beside the main checkout; a copy inside the
+# checkout (what travels to a GPU machine, see scripts/gpu_check.sh) comes first.
+SHARED = next((p for p in (_ROOT / "shared", _ROOT.parent / "shared") if (p / "models").is_dir()),
+              _ROOT.parent / "shared")
 STORIES = SHARED / "models" / "stories260K"
 STORIES_SENTENCE = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
