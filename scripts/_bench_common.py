@@ -77,6 +77,10 @@ def add_common_args(parser: argparse.ArgumentParser, *, num_requests: int, input
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    for name, what in (("token", "tokens per step (T)"), ("seq", "sequence rows per step (S)"),
+                       ("width", "block-table width (W)")):
+        parser.add_argument(f"--{name}-buckets", type=int, nargs="+", default=None, metavar="N",
+                            help=f"jaxllm's bucket ladder for {what}; default derived from the limits")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve the engine's Prometheus metrics on this port while it runs")
     parser.add_argument("--output-json", default=None, help="also write the results to this JSON file")
@@ -243,7 +247,8 @@ def engine_kwargs(args: argparse.Namespace, batching: str) -> dict[str, Any]:
         max_model_len=max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
         dtype=args.dtype, seed=args.seed, batching=batching, metrics_port=args.metrics_port,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
+        data_parallel_size=args.data_parallel_size, token_buckets=args.token_buckets,
+        seq_buckets=args.seq_buckets, width_buckets=args.width_buckets,
     )
 
 

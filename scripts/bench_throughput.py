@@ -41,10 +41,9 @@ jaxllm and, with ``--vllm-python``, vllm, and prints ratios to vllm (else hf).
 ``--single`` also times one request alone (a 16-token prompt, 256 output
 tokens) on hf, jaxllm and vllm: single-request decode speed.
 
-Defaults fit a 2-core CPU and the default model; on a GPU, e.g.
-``--num-requests 256 --input-len 100 1024 --output-len 100 1024
---max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 2048
---model qwen3_0.6b_config_folder --random-weights``.
+Defaults fit a 2-core CPU and the default model; on a GPU see
+scripts/gpu_check.sh's throughput stage (256 requests on a Qwen3-0.6B-shaped
+random-weights folder: ``--model FOLDER_WITH_CONFIG_JSON --random-weights``).
 """
 
 from __future__ import annotations
@@ -275,10 +274,12 @@ def _rates(backend: str, workload: Workload, elapsed: float, startup: float, tok
 
 
 def add_agreement(rows: list[dict]) -> None:
-    """Set each row's ``same_tokens_as_jaxllm``: requests whose greedy output equals jaxllm's, token for token."""
+    """Set each row's ``same_tokens_as_jaxllm``: requests whose greedy output equals jaxllm's, token for token
+    (None for jaxllm itself, and when jaxllm did not run)."""
     ref = next((r["token_ids"] for r in rows if r["backend"] == "jaxllm"), None)
     for r in rows:
-        r["same_tokens_as_jaxllm"] = None if ref is None else sum(a == b for a, b in zip(r["token_ids"], ref))
+        r["same_tokens_as_jaxllm"] = (None if ref is None or r["backend"] == "jaxllm"
+                                      else sum(a == b for a, b in zip(r["token_ids"], ref)))
 
 
 def _base(rows: list[dict]) -> Optional[dict]:
@@ -286,17 +287,22 @@ def _base(rows: list[dict]) -> Optional[dict]:
         (r for r in rows if r["backend"] == "hf"), None)
 
 
+def _agreement(row: dict) -> Optional[str]:
+    same = row["same_tokens_as_jaxllm"]
+    return None if same is None else f"{same}/{row['num_requests']}"
+
+
 def print_table(rows: list[dict]) -> None:
     base = _base(rows)
-    vs = f"output tok/s vs {base['backend']}" if base else "output tok/s vs -"
     header = ["backend", "start-up s", "time s", "req/s", "output tok/s", "total tok/s", "peak KV slots",
-              "peak KV usage", "live KV fraction", "compiles", "same tokens as jaxllm", vs]
+              "peak KV usage", "live KV fraction", "compiles", "same tokens as jaxllm"]
     table = [[r["backend"], r["startup_s"], r["elapsed_s"], r["requests_per_s"], r["output_tokens_per_s"],
               r["total_tokens_per_s"], r["peak_kv_slots"], r["peak_kv_cache_usage"], r["kv_live_slot_fraction"],
-              r["compilations"],
-              None if r["same_tokens_as_jaxllm"] is None else f"{r['same_tokens_as_jaxllm']}/{r['num_requests']}",
-              f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x" if base else None]
-             for r in rows]
+              r["compilations"], _agreement(r)] for r in rows]
+    if base:
+        header.append(f"output tok/s vs {base['backend']}")
+        for r, line in zip(rows, table):
+            line.append(f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x")
     print(common.format_table(header, table))
     by = {r["backend"]: r for r in rows}
     if "jaxllm" in by and "static" in by:
@@ -313,11 +319,12 @@ def print_table(rows: list[dict]) -> None:
 
 def print_single_table(rows: list[dict]) -> None:
     base = _base(rows)
-    header = ["backend", "time s", "decode tok/s", "same tokens as jaxllm",
-              f"vs {base['backend']}" if base else "vs -"]
-    table = [[r["backend"], r["elapsed_s"], r["output_tokens_per_s"],
-              None if r["same_tokens_as_jaxllm"] is None else f"{r['same_tokens_as_jaxllm']}/1",
-              f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x" if base else None] for r in rows]
+    header = ["backend", "time s", "decode tok/s", "same tokens as jaxllm"]
+    table = [[r["backend"], r["elapsed_s"], r["output_tokens_per_s"], _agreement(r)] for r in rows]
+    if base:
+        header.append(f"vs {base['backend']}")
+        for r, line in zip(rows, table):
+            line.append(f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x")
     print(f"\nsingle request: {SINGLE_INPUT_LEN}-token prompt, {SINGLE_OUTPUT_LEN} output tokens "
           f"(decode tok/s = output tokens / request time, prefill included)")
     print(common.format_table(header, table))

@@ -17,7 +17,7 @@
 # The GPU machine reaches nothing outside itself and its image lacks `gguf` (jaxllm imports it). Before
 # sending the repository there, from its root on a machine with pip:
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf
-# and carry `.whl` (ignored by git): its wheels are installed into /tmp first. The stages need no model
+# and carry `.whl` (ignored by git): its wheels are installed into /tmp first and win over the image's. The stages need no model
 # files (the parity test builds a tiny HF llama with torch, the throughput stage writes random weights).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -83,7 +83,7 @@ t0=$SECONDS
 if compgen -G ".whl/*.whl" >/dev/null; then
   echo "installing carried wheels: $(ls .whl)"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:$WORK/site"
+    && export PYTHONPATH="$WORK/site:$PYTHONPATH"
 fi
 BACKEND=$("$PY" -c "import jax; print(jax.default_backend())" 2>/dev/null || echo none)
 if [[ $BACKEND != gpu && $DRY_RUN == 0 ]]; then
@@ -98,9 +98,15 @@ print(f"Python {platform.python_version()}, JAX {jax.__version__}, backend {jax.
 EOF
 MISSING=$(for m in numpy safetensors tokenizers gguf jinja2 xxhash tqdm prometheus_client ml_dtypes orbax.checkpoint \
             pytest hypothesis; do has "$m" || echo -n "$m "; done)
+MISSING=${MISSING% }
 JAXLLM_OK=0
 if [[ -z $MISSING ]] && "$PY" -c "import jaxllm, kernels_pallas, scheduler"; then JAXLLM_OK=1; fi
-record setup "backend $BACKEND${MISSING:+, missing: $MISSING}" $((SECONDS - t0))
+SETUP="backend $BACKEND${MISSING:+, missing: $MISSING}"
+if [[ $BACKEND != gpu && $DRY_RUN == 0 ]]; then
+  SETUP="FAILED: JAX sees no GPU ($SETUP)"
+  FAILED=$((FAILED + 1))
+fi
+record setup "$SETUP" $((SECONDS - t0))
 
 if [[ $DRY_RUN == 1 ]]; then
   export JAXLLM_PALLAS_INTERPRET=1
@@ -150,12 +156,14 @@ if (( DRY_RUN )); then
   SHAPE='"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000'
   SIZES=(--num-requests 8 --input-len 8 32 --output-len 4 16 --max-num-seqs 8 --max-num-batched-tokens 64
-         --max-model-len 64)
+         --max-model-len 64 --token-buckets 16 64 --seq-buckets 4 8)
 else
   SHAPE='"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
          "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936'
+  # Six step programs (T x S with S <= T): the default ladders would compile ~30 programs of 28 layers each,
+  # minutes of this stage's budget.
   SIZES=(--num-requests 256 --input-len 100 512 --output-len 100 256 --max-num-seqs 256
-         --max-num-batched-tokens 8192 --max-model-len 1024)
+         --max-num-batched-tokens 4096 --max-model-len 1024 --token-buckets 256 1024 4096 --seq-buckets 64 256)
 fi
 cat > "$MODEL/config.json" <<EOF
 {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", $SHAPE,
