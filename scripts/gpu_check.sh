@@ -17,8 +17,9 @@
 # The GPU machine reaches nothing outside itself and its image lacks `gguf` (jaxllm imports it). Before
 # sending the repository there, from its root on a machine with pip:
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf
-# and carry `.whl` (ignored by git): its wheels are installed into /tmp first and win over the image's. The stages need no model
-# files (the parity test builds a tiny HF llama with torch, the throughput stage writes random weights).
+# and carry `.whl` (ignored by git): its wheels are installed into /tmp first and win over the image's.
+# The stages need no model files: the parity test builds a tiny HF llama with torch (stories260K cannot
+# serve on the Pallas kernels, head_dim 8 < 16), the throughput stage writes random weights.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
