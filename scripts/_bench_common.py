@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -54,7 +55,7 @@ class Workload:
 
 
 def add_common_args(parser: argparse.ArgumentParser, *, num_requests: int, input_len: Sequence[int],
-                    output_len: Sequence[int], max_num_seqs: int) -> None:
+                    output_len: Sequence[int], max_num_seqs: int, max_model_len: Optional[int] = None) -> None:
     """Model, workload and engine flags both benchmarks take (defaults sized for 2 CPU cores)."""
     parser.add_argument("--model", default=None,
                         help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct); with "
@@ -70,11 +71,16 @@ def add_common_args(parser: argparse.ArgumentParser, *, num_requests: int, input
     parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                         help="batch size; also the hf backend's padded batch size")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="default: the longest prompt plus the longest output")
+    parser.add_argument("--max-model-len", type=int, default=max_model_len,
+                        help=f"default: {max_model_len}" if max_model_len else
+                        "default: the longest prompt plus the longest output")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    for name, what in (("token", "tokens per step (T)"), ("seq", "sequence rows per step (S)"),
+                       ("width", "block-table width (W)")):
+        parser.add_argument(f"--{name}-buckets", type=int, nargs="+", default=None, metavar="N",
+                            help=f"jaxllm's bucket ladder for {what}; default derived from the limits")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve the engine's Prometheus metrics on this port while it runs")
     parser.add_argument("--output-json", default=None, help="also write the results to this JSON file")
@@ -160,6 +166,50 @@ def write_random_weights(config_file: Path, folder: Path, seed: int = 0) -> Path
     return folder
 
 
+def dequantized_hf_folder(gguf_path: Path) -> Path:
+    """An HF folder with ``gguf_path``'s weights dequantized to float32, for engines that read no GGUF (vLLM).
+
+    Built once with transformers (``from_pretrained(..., gguf_file=...)``, its
+    own progress bar, then ``save_pretrained`` with the tokenizer) into
+    ``cache_dir()/<gguf stem>-hf`` (``$JAXLLM_CACHE`` or ``~/.cache/jaxllm``)
+    and reused. It is written to a temporary sibling and renamed, so an
+    interrupted build leaves no half folder. A run that includes vLLM gives
+    this one folder to every backend, so all of them run the same weights.
+
+    Raises:
+      SystemExit: torch or transformers is not installed (both come with ``pip install -e .[test]``).
+    """
+    from jaxllm.default_model import cache_dir
+
+    target = cache_dir() / f"{gguf_path.stem}-hf"
+    if target.is_dir():
+        return target
+    try:
+        import torch
+        import transformers
+    except ImportError as err:
+        raise SystemExit(f"dequantizing {gguf_path.name} into an HF folder needs torch and transformers: {err}")
+    print(f"building {target} from {gguf_path.name} with transformers (float32, once)", file=sys.stderr)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                              dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # transformers marks a GGUF-loaded model quantized and refuses to save it,
+    # although its weights are plain float32 tensors by now.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-")
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
 def vocab_size(model: Path) -> int:
     """The model's vocabulary size, in token ids (read without loading the weights)."""
     if model.suffix == ".gguf":
@@ -197,7 +247,8 @@ def engine_kwargs(args: argparse.Namespace, batching: str) -> dict[str, Any]:
         max_model_len=max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
         dtype=args.dtype, seed=args.seed, batching=batching, metrics_port=args.metrics_port,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
+        data_parallel_size=args.data_parallel_size, token_buckets=args.token_buckets,
+        seq_buckets=args.seq_buckets, width_buckets=args.width_buckets,
     )
 
 

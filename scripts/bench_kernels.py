@@ -11,9 +11,11 @@ the reference (JAX's kernel is decode-only).
 GB/s counts the bytes a perfect kernel must move: every sequence's K and V
 once, plus q and the output. Usage:
 
-  python scripts/bench_kernels.py [--peak-gbps 4800] [--block-size 16]
+  python scripts/bench_kernels.py [--peak-gbps 4800] [--block-size 16] [--smoke]
 
-Exits with status 2 when JAX has no GPU.
+Exits with status 2 when JAX has no GPU, unless ``--smoke``: tiny shapes, every
+kernel in the Pallas interpreter, on any backend; it proves the script runs
+(scripts/gpu_check.sh --dry-run), its times mean nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ CONTEXTS = (512, 4096, 32768)
 # (new tokens, context) per sequence of the mixed batch: prefill chunks over a
 # cached prefix, whole prompts, and decode rows.
 MIXED = [(256, 1024)] * 4 + [(512, 512)] + [(1, 1024)] * 64
+SMOKE_BATCHES, SMOKE_CONTEXTS, SMOKE_MIXED = (2,), (64,), [(16, 48), (1, 40), (1, 64)]
 
 
 def _parse_args() -> argparse.Namespace:
@@ -47,6 +50,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=10, help="timed calls per measurement")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes in the Pallas interpreter on any backend (a dry run; times mean nothing)")
     return parser.parse_args()
 
 
@@ -114,7 +119,7 @@ def _bench_decode(key, batch: int, ctx: int, args) -> None:
     nbytes = cache_bytes + 2 * q.size * item
     scale = d ** -0.5
 
-    ours = jax.jit(functools.partial(kernels_pallas.paged_attention, scale=scale))
+    ours = jax.jit(functools.partial(kernels_pallas.paged_attention, scale=scale, interpret=args.smoke))
     _run("ours", shape, cache_bytes, ours, q, k_cache, v_cache, tables, seq_lens, nbytes=nbytes, args=args)
 
     try:
@@ -124,7 +129,7 @@ def _bench_decode(key, batch: int, ctx: int, args) -> None:
         v_pages = jax.block_until_ready(v_cache.transpose(2, 0, 1, 3))
         pages = tables.shape[1]
         k_splits = max(s for s in (16, 8, 4, 2, 1) if pages % s == 0)
-        theirs = jax.jit(functools.partial(jax_paged.paged_attention, k_splits=k_splits))
+        theirs = jax.jit(functools.partial(jax_paged.paged_attention, k_splits=k_splits, interpret=args.smoke))
         # JAX's kernel has no scale argument: fold it into q, as its callers do.
         _run("jax", shape, 2 * cache_bytes, theirs, q * scale,
              k_pages, v_pages, tables, seq_lens, nbytes=nbytes, args=args)
@@ -138,24 +143,24 @@ def _bench_decode(key, batch: int, ctx: int, args) -> None:
     _run("ref", shape, ref_bytes, ref, q, k_cache, v_cache, tables, seq_lens, nbytes=nbytes, args=args)
 
 
-def _bench_mixed(key, args) -> None:
+def _bench_mixed(key, mixed: list[tuple[int, int]], args) -> None:
     hq, hkv, d = args.num_q_heads, args.num_kv_heads, args.head_dim
     item = jnp.dtype(DTYPE).itemsize
-    q_lens = [n for n, _ in MIXED]
-    contexts = [c for _, c in MIXED]
+    q_lens = [n for n, _ in mixed]
+    contexts = [c for _, c in mixed]
     cache_key, q_key = jax.random.split(key)
     k_cache, v_cache, tables, seq_lens = _paged_inputs(cache_key, contexts, args)
     num_tokens = sum(q_lens)
     q = jax.random.normal(q_key, (num_tokens, hq, d), DTYPE)
     query_start_loc = jnp.cumsum(jnp.asarray([0] + q_lens, jnp.int32)).astype(jnp.int32)
-    num_seqs = jnp.int32(len(MIXED))
+    num_seqs = jnp.int32(len(mixed))
     cache_bytes = 2 * sum(contexts) * hkv * d * item
     nbytes = cache_bytes + 2 * q.size * item
-    shape = f"mixed T={num_tokens} S={len(MIXED)}"
+    shape = f"mixed T={num_tokens} S={len(mixed)}"
     batch = (q, k_cache, v_cache, tables, seq_lens, query_start_loc, num_seqs)
     scale = d ** -0.5
 
-    ours = jax.jit(functools.partial(kernels_pallas.ragged_paged_attention, scale=scale))
+    ours = jax.jit(functools.partial(kernels_pallas.ragged_paged_attention, scale=scale, interpret=args.smoke))
     _run("ours", shape, cache_bytes, ours, *batch, nbytes=nbytes, args=args)
     print(f"jax   {shape:<28} n/a: JAX's paged_attention is decode-only")
     ref_bytes = 2 * num_tokens * tables.shape[1] * args.block_size * hkv * d * (item + 4)
@@ -165,18 +170,22 @@ def _bench_mixed(key, args) -> None:
 
 def main() -> int:
     args = _parse_args()
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu" and not args.smoke:
         print(f"bench_kernels.py needs a GPU; JAX's default backend is {jax.default_backend()!r}.", file=sys.stderr)
         return 2
+    batches, contexts, mixed = (SMOKE_BATCHES, SMOKE_CONTEXTS, SMOKE_MIXED) if args.smoke else (
+        BATCHES, CONTEXTS, MIXED)
+    if args.smoke:
+        print("smoke run: tiny shapes in the Pallas interpreter; the times below mean nothing")
     print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}, {jnp.dtype(DTYPE).name}, "
           f"q_heads={args.num_q_heads} kv_heads={args.num_kv_heads} head_dim={args.head_dim} "
           f"block_size={args.block_size}, peak {args.peak_gbps:.0f} GB/s")
     key = jax.random.key(0)
-    for batch in BATCHES:
-        for ctx in CONTEXTS:
+    for batch in batches:
+        for ctx in contexts:
             _bench_decode(key, batch, ctx, args)
             gc.collect()  # drop the previous combination's caches before allocating the next
-    _bench_mixed(key, args)
+    _bench_mixed(key, mixed, args)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Online serving latency under Poisson arrivals, through the engine API (vLLM's benchmark_serving, in process).
 
-Usage: python scripts/bench_serving.py [--request-rate R] [--burstiness B] [--batching continuous|static]
+Usage: python scripts/bench_serving.py [--request-rate R|inf] [--burstiness B] [--batching continuous|static]
            [--compare] [--model PATH] [--num-requests N] [--input-len MIN MAX] [--output-len MIN MAX]
            [--max-num-seqs B] [--output-json FILE] [--metrics-port PORT] [--random-weights]
 
@@ -10,14 +10,19 @@ benchmark), and are fed to ``LLMEngine.add_request`` with that arrival time
 while one loop steps the engine, so a request arriving during a step waits
 for it, as it would in a server. Greedy, ``ignore_eos``, random tokens; one
 untimed warm-up run of the same lengths (other tokens) compiles the shapes
-first.
+first. Without ``--request-rate`` the rate is 70% of the capacity measured
+by that warm-up (requests finished per second with all of them queued at
+once, the first engine's): a rate above capacity only measures a growing
+queue.
 
 Reports TTFT, TPOT (decode time per output token after the first), inter-token
 latency (ITL), end-to-end latency and queue time (mean, p50, p90, p99,
 seconds), request and output-token throughput, the largest number of running
 requests, preemptions, and KV memory efficiency (fraction of allocated KV
 slots holding live tokens). ``--compare`` runs continuous and static batching
-on the same arrivals and prints the improvement in %.
+on the same arrivals and prints the improvement of continuous over static in
+%: positive means continuous is better, whichever direction is better for
+that metric (throughputs: higher; latencies: lower).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -111,18 +117,30 @@ def summarize(records: dict[str, dict], run: dict, batching: str) -> dict:
     )
 
 
-def run(model: Path, args: argparse.Namespace, workload: Workload, warmup: Workload, batching: str) -> dict:
-    """Warm up, then serve the workload at the requested rate under ``batching``; returns the summary."""
+RATE_FRACTION = 0.7  # of the measured capacity, when --request-rate is not given
+
+
+def run(model: Path, args: argparse.Namespace, workload: Workload, warmup: Workload, batching: str,
+        rate: Optional[float]) -> tuple[dict, float, float]:
+    """Warm up, then serve the workload under ``batching`` at ``rate`` requests/s.
+
+    ``rate`` None: ``RATE_FRACTION`` of the capacity the warm-up measured
+    (its requests, all queued at once, over its seconds). Returns the
+    summary, the rate used and that capacity (requests/s).
+    """
     from jaxllm import LLM, SamplingParams
 
     llm = LLM(model=model, **common.engine_kwargs(args, batching))
     try:
+        start = time.perf_counter()
         llm.generate(warmup.prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                                       for n in warmup.output_lens], use_tqdm=False)
+        capacity = len(warmup.prompts) / (time.perf_counter() - start)
+        rate = RATE_FRACTION * capacity if rate is None else rate
         llm.engine.metrics.begin_run()
-        offsets = arrival_offsets(len(workload.prompts), args.request_rate, args.burstiness, args.seed)
+        offsets = arrival_offsets(len(workload.prompts), rate, args.burstiness, args.seed)
         records = serve(llm.engine, workload, offsets, prefix=f"{batching}-")
-        return summarize(records, llm.engine.metrics.run_summary(), batching)
+        return summarize(records, llm.engine.metrics.run_summary(), batching), rate, capacity
     finally:
         llm.engine.metrics.close()
 
@@ -147,7 +165,8 @@ _REPORT = [  # (label, key, higher is better)
 
 
 def improvement(cont: float, static: float, higher_is_better: bool) -> str:
-    """Continuous over static, in %: positive means continuous is better."""
+    """Continuous over static, in %: positive means continuous is better
+    (``(cont - static) / static`` when higher is better, ``(static - cont) / static`` when lower is)."""
     if static in (None, 0) or cont is None:
         return "-"
     change = (cont - static) / static if higher_is_better else (static - cont) / static
@@ -165,23 +184,28 @@ def print_tables(results: list[dict]) -> None:
               f"live KV fraction {r['kv_live_slot_fraction']:.3f}, compilations {r['compilations']}")
     if len(results) == 2:
         cont, static = results
-        rows = [[label, cont[key], static[key], improvement(cont[key], static[key], better) if better is not None
-                 else "-"] for label, key, better in _REPORT]
+        rows = [[label, {True: "higher", False: "lower", None: "-"}[better], cont[key], static[key],
+                 improvement(cont[key], static[key], better) if better is not None else "-"]
+                for label, key, better in _REPORT]
         print()
-        print(common.format_table(["metric", "continuous", "static", "improvement"], rows))
+        print(common.format_table(["metric", "better", "continuous", "static", "improvement"], rows))
+        print("improvement: continuous over static; positive = continuous better in the metric's better "
+              "direction (a lower latency or a higher throughput), negative = static better")
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser, num_requests=24, input_len=(16, 64), output_len=(16, 128), max_num_seqs=8)
-    parser.add_argument("--request-rate", type=float, default=2.0, help="requests per second; inf = all at once")
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help=f"requests per second; inf = all at once; default {100 * RATE_FRACTION:.0f}%% of the "
+                             "capacity measured by the warm-up run")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     parser.add_argument("--batching", choices=["continuous", "static"], default="continuous")
     parser.add_argument("--compare", action="store_true", help="run continuous and static at the same arrivals")
     args = parser.parse_args(argv)
     common.validate_ranges(parser, args)
     device_note = common.simulate_cpu_devices(args)
-    if args.request_rate <= 0 or args.burstiness <= 0:
+    if (args.request_rate is not None and args.request_rate <= 0) or args.burstiness <= 0:
         parser.error("--request-rate and --burstiness must be > 0")
     modes = ("continuous", "static") if args.compare else (args.batching,)
     with common.temporary_workdir() as workdir:
@@ -189,8 +213,18 @@ def main(argv: list[str] | None = None) -> dict:
         vocab = common.vocab_size(model)
         workload = common.make_workload(args, vocab, token_seed=1)
         warmup = common.make_workload(args, vocab, token_seed=2)
-        results = [run(model, args, workload, warmup, mode) for mode in modes]
-    print(f"{args.num_requests} requests at {args.request_rate} req/s (burstiness {args.burstiness}), "
+        results, rate, measured = [], args.request_rate, None
+        rate_note = f"request rate {rate} req/s (--request-rate)"
+        for mode in modes:
+            result, used, capacity = run(model, args, workload, warmup, mode, rate)
+            if rate is None:
+                rate, measured = used, capacity
+                rate_note = (f"request rate {rate:.3f} req/s = {RATE_FRACTION:.0%} of the capacity {capacity:.3f} "
+                             f"req/s that {mode} batching's warm-up measured ({args.num_requests} requests queued at "
+                             f"once, same lengths); --request-rate sets it")
+            results.append(result)
+    print(rate_note)
+    print(f"{args.num_requests} requests at {rate:.3f} req/s (burstiness {args.burstiness}), "
           f"input {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
           f"max_num_seqs {args.max_num_seqs}")
     host = common.host_info()
@@ -199,8 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     if device_note:
         print(device_note)
     # JSON has no infinity; "inf" is what the flag takes.
-    payload = dict(config={**vars(args), "request_rate": str(args.request_rate) if np.isinf(args.request_rate)
-                           else args.request_rate}, host=host, results=results)
+    payload = dict(config={**vars(args), "request_rate": str(rate) if np.isinf(rate) else rate},
+                   request_rate_note=rate_note, measured_capacity=measured, host=host, results=results)
     common.write_json(args.output_json, payload)
     return payload
 

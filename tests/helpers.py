@@ -2,9 +2,35 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 TIE_TOL = 1e-4
+
+
+def pallas_interpret() -> bool:
+    """Whether the tests run the Pallas kernels in the interpreter rather than compiled through Triton.
+
+    ``JAXLLM_PALLAS_INTERPRET=1`` forces the interpreter; ``=0`` forces the
+    compiled kernels (scripts/gpu_check.sh sets it, so a GPU JAX cannot see
+    never passes silently in interpret mode); unset, the interpreter runs
+    unless JAX's default backend is a GPU.
+
+    Raises:
+      RuntimeError: ``JAXLLM_PALLAS_INTERPRET=0`` without a GPU, or a value other than 0 or 1.
+    """
+    import jax
+
+    flag = os.environ.get("JAXLLM_PALLAS_INTERPRET")
+    backend = jax.default_backend()
+    if flag is None:
+        return backend != "gpu"
+    if flag not in ("0", "1"):
+        raise RuntimeError(f"JAXLLM_PALLAS_INTERPRET={flag!r}: use 1 (interpreter) or 0 (compiled, needs a GPU)")
+    if flag == "0" and backend != "gpu":
+        raise RuntimeError(f"JAXLLM_PALLAS_INTERPRET=0 asks for compiled kernels, but JAX's backend is {backend!r}")
+    return flag == "1"
 
 
 def top2_gap(llm, token_ids) -> float:

@@ -1,5 +1,6 @@
 """The Pallas kernels against the jnp references: in interpret mode on CPU,
-compiled through Triton when JAX has a GPU.
+compiled through Triton when JAX has a GPU (``JAXLLM_PALLAS_INTERPRET``
+overrides: see tests/helpers.py).
 
 Sizes are tiny and the parametrizations are chosen to cover (block_size,
 head_dim, GQA ratio, dtype, sliding window, soft-cap) without a Cartesian
@@ -28,10 +29,11 @@ from kernels_pallas import (
 )
 from kernels_pallas.decode import _paged_attention
 from kernels_pallas.ragged import _ragged_paged_attention
+from tests.helpers import pallas_interpret
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 NUM_KV_HEADS = 2
-INTERPRET = jax.default_backend() != "gpu"
+INTERPRET = pallas_interpret()
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -207,12 +208,31 @@ def test_generate_shows_a_progress_bar_unless_use_tqdm_is_false(llm, capsys):
     assert "Processed prompts" in err and "tok/s" in err
 
 
-TINY = ["--num-requests", "3", "--input-len", "4", "12", "--output-len", "2", "6", "--max-num-seqs", "2"]
+TINY = ["--num-requests", "3", "--input-len", "4", "12", "--output-len", "2", "6", "--max-num-seqs", "2",
+        "--max-model-len", "64"]
 THROUGHPUT_FIELDS = {
-    "backend", "num_requests", "elapsed_s", "num_prompt_tokens", "num_output_tokens", "requests_per_s",
+    "backend", "num_requests", "startup_s", "elapsed_s", "num_prompt_tokens", "num_output_tokens", "requests_per_s",
     "output_tokens_per_s", "total_tokens_per_s", "peak_kv_cache_usage", "peak_kv_slots", "kv_live_slot_fraction",
-    "max_num_running", "num_preemptions", "compilations",
+    "max_num_running", "num_preemptions", "compilations", "same_tokens_as_jaxllm", "steps", "schedule_s_per_step",
+    "schedule_fraction_of_wall", "version",
 }
+# A stand-in for vLLM's package, run by bench_throughput.py's vllm backend through
+# scripts/_vllm_worker.py: it records the engine arguments and answers each
+# request with its own prompt tokens, repeated to the asked length.
+FAKE_VLLM = """
+import json, os, types
+__version__ = "fake"
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos, detokenize):
+        self.max_tokens = max_tokens
+class LLM:
+    def __init__(self, **kwargs):
+        with open(os.environ["FAKE_VLLM_ARGS"], "w") as f:
+            json.dump(kwargs, f)
+    def generate(self, prompts, params, use_tqdm):
+        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(
+            token_ids=(p["prompt_token_ids"] * s.max_tokens)[:s.max_tokens])]) for p, s in zip(prompts, params)]
+"""
 SERVING_FIELDS = {
     "batching", "num_requests", "duration_s", "request_throughput", "output_throughput", "num_output_tokens",
     "max_concurrency", "num_preemptions", "kv_live_slot_fraction", "mean_kv_cache_usage", "peak_kv_cache_usage",
@@ -220,22 +240,35 @@ SERVING_FIELDS = {
 } | {f"{m}_{s}" for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s") for s in ("mean", "p50", "p90", "p99")}
 
 
-def _run_script(name: str, args: list[str], tmp_path: Path) -> dict:
+def _run_script(name: str, args: list[str], tmp_path: Path, env: dict | None = None) -> dict:
     out = tmp_path / f"{name}.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args, "--output-json", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+                          capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp_path):
     pytest.importorskip("transformers")
-    result = _run_script("bench_throughput.py", ["--model", str(stories_dir), "--compare", *TINY], tmp_path)
-    assert [r["backend"] for r in result["results"]] == ["hf", "static", "jaxllm"]
+    fake = tmp_path / "fake_vllm"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    env = {**os.environ, "PYTHONPATH": str(fake), "FAKE_VLLM_ARGS": str(tmp_path / "vllm_args.json")}
+    result = _run_script("bench_throughput.py", ["--model", str(stories_dir), "--compare", *TINY,
+                                                 "--vllm-python", sys.executable], tmp_path, env)
+    assert [r["backend"] for r in result["results"]] == ["hf", "static", "jaxllm", "vllm"]
     for row in result["results"]:
         assert set(row) == THROUGHPUT_FIELDS
         assert row["num_requests"] == 3 and row["output_tokens_per_s"] > 0
     assert result["config"]["num_requests"] == 3
+    static, jaxllm, vllm = result["results"][1:]
+    # Greedy float32 outputs do not depend on the batching.
+    assert static["same_tokens_as_jaxllm"] == 3 and jaxllm["same_tokens_as_jaxllm"] is None
+    assert vllm["version"] == "vllm fake" and 0 <= vllm["same_tokens_as_jaxllm"] <= 3
+    assert 0 < jaxllm["schedule_fraction_of_wall"] < 1 and jaxllm["steps"] > 0
+    assert json.loads((tmp_path / "vllm_args.json").read_text()) == dict(
+        model=str(stories_dir), dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=512,
+        seed=0, skip_tokenizer_init=False)
 
 
 def test_bench_serving_json_has_every_field_for_both_batching_modes(stories_dir, tmp_path):
@@ -245,6 +278,13 @@ def test_bench_serving_json_has_every_field_for_both_batching_modes(stories_dir,
     for row in result["results"]:
         assert set(row) == SERVING_FIELDS
         assert row["num_requests"] == 3 and row["ttft_s_p99"] > 0
+
+
+def test_bench_serving_defaults_to_a_rate_below_the_capacity_its_warm_up_measured(stories_dir, tmp_path):
+    result = _run_script("bench_serving.py", ["--model", str(stories_dir), *TINY], tmp_path)
+    rate, capacity = result["config"]["request_rate"], result["measured_capacity"]
+    assert capacity > 0 and rate == pytest.approx(0.7 * capacity)
+    assert "70% of the capacity" in result["request_rate_note"]
 
 
 def test_bench_throughput_runs_random_weights_from_a_config_json_alone(tmp_path):

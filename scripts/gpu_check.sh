@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# GPU check (issue 12): one script, under 8 minutes on one H200, from a copy of the repository alone.
+#
+#   bash scripts/gpu_check.sh            # on the GPU machine, from the repository root or anywhere
+#   bash scripts/gpu_check.sh --dry-run  # on a CPU: every stage with shrunken sizes, kernels interpreted
+#
+# Stages, each under `timeout` and all within a 470 s budget; a failed, skipped or timed-out stage never
+# stops the next one, and a summary table ends the log:
+#   setup        Python and JAX versions, devices; `pip install -e .[cuda12]` only when JAX sees no GPU
+#   kernel tests tests/test_kernels_pallas.py compiled through Triton (JAXLLM_PALLAS_INTERPRET=0)
+#   kernel bench scripts/bench_kernels.py: ours vs jax.experimental.pallas.ops.gpu.paged_attention vs reference
+#   parity       tests/test_pallas_engine.py: pallas vs reference greedy tokens, float32 and bfloat16
+#   throughput   scripts/bench_throughput.py, 256 requests on a Qwen3-0.6B-shaped random-weights folder
+# The log goes to $OUT/gpu_check.log when OUT is set (else /tmp/gpu_check.log), and the throughput JSON
+# beside it. Exit status: the number of failed or timed-out stages.
+#
+# The GPU machine reaches nothing outside itself and its image lacks `gguf` (jaxllm imports it). Before
+# sending the repository there, from its root on a machine with pip:
+#   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf
+# and carry `.whl` (ignored by git): its wheels are installed into /tmp first and win over the image's.
+# The stages need no model files: the parity test builds a tiny HF llama with torch (stories260K cannot
+# serve on the Pallas kernels, head_dim 8 < 16), the throughput stage writes random weights.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+
+DRY_RUN=0
+case "${1:-}" in
+  --dry-run) DRY_RUN=1 ;;
+  "") ;;
+  *) echo "usage: bash scripts/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+esac
+PY=${PYTHON:-python3}
+LOG_DIR=${OUT:-/tmp}
+LOG=$LOG_DIR/gpu_check.log
+WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The dry run has no time limit of its own worth keeping (2 slow CPU cores): only the device's budget is real.
+BUDGET=$(( DRY_RUN ? 3600 : 470 ))
+START=$SECONDS
+FAILED=0
+SUMMARY=()
+
+record() {  # record NAME STATUS SECONDS
+  SUMMARY+=("$(printf '%-14s %-40s %5ss' "$1" "$2" "$3")")
+}
+
+skip() {  # skip NAME REASON
+  echo "=== $1: SKIPPED: $2"
+  record "$1" "SKIPPED: $2" 0
+}
+
+stage() {  # stage NAME TIMEOUT_S COMMAND... (runs under `timeout`, clipped to what is left of the budget)
+  local name=$1 limit=$2 left rc t0 status
+  shift 2
+  left=$(( BUDGET - (SECONDS - START) ))
+  (( limit > left )) && limit=$left
+  if (( limit < 15 )); then
+    skip "$name" "time budget spent"
+    return
+  fi
+  echo
+  echo "=== $name (timeout ${limit}s): $*"
+  t0=$SECONDS
+  timeout -k 10 "$limit" "$@"
+  rc=$?
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status="TIMEOUT after ${limit}s"; FAILED=$((FAILED + 1)) ;;
+    *) status="FAILED (exit $rc)"; FAILED=$((FAILED + 1)) ;;
+  esac
+  record "$name" "$status" $((SECONDS - t0))
+}
+
+has() {  # has MODULE...: all importable
+  "$PY" -c "import $(IFS=,; echo "$*")" 2>/dev/null
+}
+
+main() {
+echo "gpu_check $(date -u +%FT%TZ) dry_run=$DRY_RUN log=$LOG"
+command -v nvidia-smi >/dev/null && nvidia-smi -L
+
+# --- setup ------------------------------------------------------------------------------------------
+t0=$SECONDS
+if compgen -G ".whl/*.whl" >/dev/null; then
+  echo "installing carried wheels: $(ls .whl)"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl \
+    && export PYTHONPATH="$WORK/site:$PYTHONPATH"
+fi
+BACKEND=$("$PY" -c "import jax; print(jax.default_backend())" 2>/dev/null || echo none)
+if [[ $BACKEND != gpu && $DRY_RUN == 0 ]]; then
+  echo "JAX backend is '$BACKEND', not gpu: trying pip install -e .[cuda12]"
+  timeout 120 "$PY" -m pip install -q --retries 0 --timeout 10 -e ".[cuda12]"
+  BACKEND=$("$PY" -c "import jax; print(jax.default_backend())" 2>/dev/null || echo none)
+fi
+"$PY" - <<'EOF'
+import platform
+import jax
+print(f"Python {platform.python_version()}, JAX {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
+EOF
+MISSING=$(for m in numpy safetensors tokenizers gguf jinja2 xxhash tqdm prometheus_client ml_dtypes orbax.checkpoint \
+            pytest hypothesis; do has "$m" || echo -n "$m "; done)
+MISSING=${MISSING% }
+JAXLLM_OK=0
+if [[ -z $MISSING ]] && "$PY" -c "import jaxllm, kernels_pallas, scheduler"; then JAXLLM_OK=1; fi
+SETUP="backend $BACKEND${MISSING:+, missing: $MISSING}"
+if [[ $BACKEND != gpu && $DRY_RUN == 0 ]]; then
+  SETUP="FAILED: JAX sees no GPU ($SETUP)"
+  FAILED=$((FAILED + 1))
+fi
+record setup "$SETUP" $((SECONDS - t0))
+
+if [[ $DRY_RUN == 1 ]]; then
+  export JAXLLM_PALLAS_INTERPRET=1
+elif [[ $BACKEND == gpu ]]; then
+  export JAXLLM_PALLAS_INTERPRET=0
+fi
+GPU_OK=$DRY_RUN
+[[ $BACKEND == gpu ]] && GPU_OK=1
+
+# --- kernel tests -----------------------------------------------------------------------------------
+if (( ! GPU_OK )); then
+  skip "kernel tests" "JAX sees no GPU"
+elif ! has pytest hypothesis kernels_pallas; then
+  skip "kernel tests" "pytest, hypothesis or kernels_pallas does not import"
+elif (( DRY_RUN )); then
+  stage "kernel tests" 600 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_pallas.py -k "lowering or write"
+else
+  stage "kernel tests" 110 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_pallas.py
+fi
+
+# --- kernel bench -----------------------------------------------------------------------------------
+if (( ! GPU_OK )); then
+  skip "kernel bench" "JAX sees no GPU"
+elif (( DRY_RUN )); then
+  stage "kernel bench" 600 "$PY" scripts/bench_kernels.py --smoke --iters 1
+else
+  stage "kernel bench" 120 "$PY" scripts/bench_kernels.py
+fi
+
+# --- engine parity ----------------------------------------------------------------------------------
+if (( ! GPU_OK )); then
+  skip parity "JAX sees no GPU"
+elif (( ! JAXLLM_OK )); then
+  skip parity "jaxllm does not import (missing: ${MISSING:-see above})"
+elif ! has torch transformers; then
+  skip parity "torch or transformers missing (the test's tiny HF llama is built with them)"
+elif (( DRY_RUN )); then
+  stage parity 900 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_engine.py -k float32
+else
+  stage parity 70 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_engine.py
+fi
+
+# --- throughput -------------------------------------------------------------------------------------
+MODEL=$WORK/qwen3_0.6b_shape
+mkdir -p "$MODEL"
+if (( DRY_RUN )); then
+  SHAPE='"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000'
+  SIZES=(--num-requests 8 --input-len 8 32 --output-len 4 16 --max-num-seqs 8 --max-num-batched-tokens 64
+         --max-model-len 64 --token-buckets 16 64 --seq-buckets 4 8)
+else
+  SHAPE='"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+         "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936'
+  # Six step programs (T x S with S <= T): the default ladders would compile ~30 programs of 28 layers each,
+  # minutes of this stage's budget.
+  SIZES=(--num-requests 256 --input-len 100 512 --output-len 100 256 --max-num-seqs 256
+         --max-num-batched-tokens 4096 --max-model-len 1024 --token-buckets 256 1024 4096 --seq-buckets 64 256)
+fi
+cat > "$MODEL/config.json" <<EOF
+{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", $SHAPE,
+ "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "hidden_act": "silu",
+ "tie_word_embeddings": true, "attention_bias": false}
+EOF
+if (( ! GPU_OK )); then
+  skip throughput "JAX sees no GPU"
+elif (( ! JAXLLM_OK )); then
+  skip throughput "jaxllm does not import (missing: ${MISSING:-see above})"
+else
+  stage throughput "$(( DRY_RUN ? 900 : 160 ))" "$PY" scripts/bench_throughput.py --model "$MODEL" --random-weights \
+    "${SIZES[@]}" --output-json "$LOG_DIR/gpu_check_throughput.json"
+fi
+
+echo
+echo "=== summary ($((SECONDS - START)) s of a ${BUDGET} s budget; log $LOG)"
+printf '%s\n' "${SUMMARY[@]}"
+return "$FAILED"
+}
+
+main 2>&1 | tee "$LOG"
+status=${PIPESTATUS[0]}
+rm -rf "$WORK"
+exit "$status"
