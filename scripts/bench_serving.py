@@ -131,6 +131,7 @@ def run(model: Path, args: argparse.Namespace, workload: Workload, warmup: Workl
     from jaxllm import LLM, SamplingParams
 
     llm = LLM(model=model, **common.engine_kwargs(args, batching))
+    llm.engine.wait_for_warmup()  # every program built before the clock starts
     try:
         start = time.perf_counter()
         llm.generate(warmup.prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

@@ -1,6 +1,6 @@
 """Offline throughput, in the style of nano-vllm's bench.py, side by side with HF generate and vLLM's CPU build.
 
-Usage: python scripts/bench_throughput.py [--backend jaxllm|static|hf|vllm] [--compare] [--vllm-python PATH]
+Usage: python scripts/bench_throughput.py [--backend jaxllm|static|hf|vllm ...] [--compare] [--vllm-python PATH]
            [--single] [--dtype auto|float32|bfloat16] [--model PATH] [--num-requests N] [--input-len MIN MAX]
            [--output-len MIN MAX] [--max-num-seqs B] [--max-model-len L] [--output-json FILE] [--random-weights]
 
@@ -87,6 +87,7 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
 
     start = time.perf_counter()
     llm = LLM(model=model, **common.engine_kwargs(args, _BATCHING[backend]))
+    llm.engine.wait_for_warmup()  # every program built: none compiles in the timed runs
     startup = time.perf_counter() - start
     rows = []
     try:
@@ -334,7 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser, num_requests=48, input_len=(16, 256), output_len=(16, 192), max_num_seqs=64,
                            max_model_len=512)
-    parser.add_argument("--backend", choices=BACKENDS, default="jaxllm")
+    parser.add_argument("--backend", choices=BACKENDS, nargs="+", default=["jaxllm"],
+                        help="one or more backends, run one after the other on the same workload")
     parser.add_argument("--compare", action="store_true",
                         help="run hf, static, jaxllm (and vllm with --vllm-python); print ratios to vllm, else hf")
     parser.add_argument("--vllm-python", default=None,
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
                              f"output tokens) on hf, jaxllm and vllm")
     args = parser.parse_args(argv)
     common.validate_ranges(parser, args)
-    if args.backend == "vllm" and not args.vllm_python:
+    if "vllm" in args.backend and not args.vllm_python:
         parser.error("--backend vllm needs --vllm-python PATH (the python of a virtual environment with vLLM)")
     if args.vllm_python and not Path(args.vllm_python).is_file():
         parser.error(f"--vllm-python {args.vllm_python}: no such file")
@@ -355,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compare:
         backends = BACKENDS if args.vllm_python else BACKENDS[:-1]
     else:
-        backends = (args.backend,)
+        backends = tuple(dict.fromkeys(args.backend))
     from jaxllm.engine import resolve_dtype
 
     dtype = np.dtype(resolve_dtype(args.dtype)).name
