@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.llama import Params
+from jaxllm.models.common import Params
 from kernels_pallas import AttentionOps
 
 try:

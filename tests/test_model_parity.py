@@ -15,7 +15,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxllm.loader import load_model  # noqa: E402
-from jaxllm.models.llama import forward  # noqa: E402
+from jaxllm.models import forward  # noqa: E402
 from kernels_pallas import get_attention_ops  # noqa: E402
 from tests.hf_models import make_tiny_hf_model  # noqa: E402
 
@@ -98,10 +98,10 @@ def test_decode_steps_logits_match_hf(tiny, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bfloat16_held_as_uint16_bits_gives_the_same_logits(tiny, backend):
     # The CPU engine keeps bf16 layer weights and caches as uint16 bit patterns
-    # (models.llama.loop_storage): the numbers must not change at all.
+    # (models.loop_storage): the numbers must not change at all.
     import ml_dtypes
 
-    from jaxllm.models.llama import loop_storage
+    from jaxllm.models import loop_storage
 
     cfg, params, ids, _ = tiny
     bf16 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, ml_dtypes.bfloat16), params)

@@ -19,7 +19,7 @@ import pytest
 
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.sharding import PARAM_AXES, check_tensor_parallel, make_mesh
-from jaxllm.models.llama import expected_layer_keys
+from jaxllm.loader.params import expected_layer_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTIDEVICE = sorted((ROOT / "tests" / "multidevice").glob("test_*.py"))
