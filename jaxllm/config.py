@@ -63,8 +63,10 @@ class ModelConfig:
     ``layer_types``: Gemma 3's local layers), rope scaling (Llama 3, Phi-3's
     LongRoPE), ``local_rope`` (the rope of Gemma 3's sliding-window layers),
     ``hidden_act`` (SwiGLU or Gemma's GeGLU), ``query_pre_attn_scalar`` and the
-    soft caps (Gemma), the experts (Mixtral, Qwen3-MoE: ``num_experts > 0``;
-    ``moe_intermediate_size`` is each expert's FFN width), tied embeddings.
+    final logit soft cap (Gemma; HF's Gemma 3 attention ignores
+    ``attn_logit_softcapping``, and so does jaxllm), the experts (Mixtral,
+    Qwen3-MoE: ``num_experts > 0``; ``moe_intermediate_size`` is each
+    expert's FFN width), tied embeddings.
     Follows the fields of the HF ``*Config`` classes of these models.
     """
 
@@ -89,7 +91,6 @@ class ModelConfig:
     local_rope: Optional[RopeConfig] = None
     hidden_act: str = "silu"
     query_pre_attn_scalar: Optional[float] = None
-    attn_logit_softcap: Optional[float] = None
     final_logit_softcap: Optional[float] = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -161,7 +162,6 @@ class ModelConfig:
             local_rope=local_rope,
             hidden_act=act,
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
-            attn_logit_softcap=_optional_float(cfg.get("attn_logit_softcapping")),
             final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping")),
             **_experts_from_hf(cfg, model_type, num_layers),
             bos_token_id=cfg.get("bos_token_id"),
@@ -268,11 +268,11 @@ def _experts_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> d
         return {}
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense = sorted(set(cfg.get("mlp_only_layers") or []) | {i for i in range(num_layers) if (i + 1) % step})
-    if dense or not cfg.get("num_experts"):
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
+    if dense or not num_experts:
         raise ValueError(f"Qwen3-MoE layers {dense or 'all'} are dense (mlp_only_layers, decoder_sparse_step="
-                         f"{step}, num_experts={cfg.get('num_experts')}): jaxllm runs models whose layers are "
-                         "all MoE layers")
-    return dict(num_experts=int(cfg["num_experts"]), num_experts_per_tok=int(cfg.get("num_experts_per_tok", 8)),
+                         f"{step}, num_experts={num_experts}): jaxllm runs models whose layers are all MoE layers")
+    return dict(num_experts=int(num_experts), num_experts_per_tok=int(cfg.get("num_experts_per_tok", 8)),
                 moe_intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 

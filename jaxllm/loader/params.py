@@ -97,7 +97,7 @@ def params_from_hf(
 def _place(layer: dict[str, Any], name: str, tensor: Any, names: dict[str, tuple[str, bool]],
            convert: Callable, dtype: Any) -> None:
     expert = _EXPERT.search(name)
-    pattern = _EXPERT.sub(".*.", name, count=1) if expert else name
+    pattern = _EXPERT.sub(".experts.*.", name, count=1) if expert else name
     if pattern not in names:
         return  # rotary inv_freq buffers, tensors of layers a flag turns off
     key, transpose = names[pattern]

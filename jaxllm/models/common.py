@@ -176,8 +176,7 @@ class LayerContext(NamedTuple):
 
         q: [T, Hq, D]; k, v: [T, Hkv, D]; kv: this step's flattened caches.
         Returns (attention output [T, Hq * D], the caches with k and v written).
-        Scale, window and soft cap follow ``cfg`` (``attention_scale``,
-        ``attn_logit_softcap``) and the layer's ``window``.
+        The scale is ``cfg.attention_scale``, the window the layer's ``window``.
         """
         cfg, t = self.cfg, q.shape[0]
         q = apply_rope(q, self.cos, self.sin)
@@ -186,7 +185,6 @@ class LayerContext(NamedTuple):
         out = self.ops.ragged_paged_attention(
             q, k_cache, v_cache, self.batch["block_tables"], self.batch["seq_lens"], self.batch["query_start_loc"],
             self.batch["num_seqs"], scale=cfg.attention_scale, sliding_window=self.window,
-            soft_cap=cfg.attn_logit_softcap,
         )
         return out.reshape(t, cfg.num_q_heads * cfg.head_dim), (k_cache, v_cache)
 

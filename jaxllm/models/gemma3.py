@@ -6,8 +6,8 @@ Differences from the Llama layer, all followed step for step:
   four norms per layer: before and after attention, before and after the MLP
   (the "after" ones normalise the branch output before the residual add);
 - q/k RMSNorm per head, attention scale ``query_pre_attn_scalar ** -0.5``
-  (``ModelConfig.attention_scale``), attention logits soft-capped when the
-  config sets ``attn_logit_softcapping``;
+  (``ModelConfig.attention_scale``); no attention logit soft cap (HF's
+  ``Gemma3Attention`` ignores ``attn_logit_softcapping``, unlike Gemma 2);
 - GeGLU MLP (``gelu_pytorch_tanh``);
 - the embedding multiplied by ``sqrt(hidden_size)`` rounded to the model dtype;
 - local sliding-window layers interleaved with global ones (``layer_types``,
