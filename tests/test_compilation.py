@@ -41,10 +41,23 @@ def _random_params(rng) -> SamplingParams:
     )
 
 
-@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_mixed_workload_after_warmup_triggers_zero_compilations(tiny_llama_dir, preemption_mode):
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    pytest.importorskip("torch")
+    from tests.hf_models import make_tiny_hf_model
+
+    folder = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    make_tiny_hf_model("qwen3_moe", folder, seed=3)
+    return folder
+
+
+# The tiny MoE routes every step's tokens to other experts (random prompts, random samples): the
+# dispatch has fixed shapes, so routing never compiles.
+@pytest.mark.parametrize("model, preemption_mode", [("tiny_llama_dir", "recompute"), ("tiny_llama_dir", "swap"),
+                                                    ("tiny_moe_dir", "recompute")])
+def test_mixed_workload_after_warmup_triggers_zero_compilations(request, model, preemption_mode):
     engine = LLMEngine(
-        tiny_llama_dir, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, block_size=8,
+        request.getfixturevalue(model), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, block_size=8,
         num_kv_blocks=24, preemption_mode=preemption_mode, num_host_blocks=64, compilation_cache=None,
         precompile=True,
     )
