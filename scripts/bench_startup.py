@@ -22,11 +22,9 @@ def child(args: argparse.Namespace) -> None:
     from jaxllm import SamplingParams
     from jaxllm.engine import LLMEngine
 
-    model = args.model
-    if model is None:
-        from jaxllm.default_model import default_model_path
+    from jaxllm.default_model import resolve_model
 
-        model = str(default_model_path())
+    model = str(resolve_model(args.model))
     start = time.perf_counter()
     engine = LLMEngine(model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, compilation_cache=args.cache)
@@ -44,7 +42,8 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--model", default=None, help="HF folder, .gguf or a named model such as gemma3-270m "
+                                                 "(default: the embedded SmolLM2)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
