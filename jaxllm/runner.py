@@ -128,6 +128,7 @@ class ModelRunner:
         the jnp attention ops (``kernels_pallas.reference`` says why).
 
     Attributes:
+      ops: the attention ops the step runs (as given).
       params: the parameter pytree on the devices (layer leaves as uint16
         with ``bf16_as_uint16``).
       kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size,
@@ -148,6 +149,7 @@ class ModelRunner:
                  ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0,
                  num_sampling_slots: int = 1, max_model_len: int = 1, bf16_as_uint16: bool = False):
         self.cfg = cfg
+        self.ops = ops
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
