@@ -111,8 +111,8 @@ def test_decode_steps_logits_match_hf(tiny):
         assert got[0].argmax() == ref[i].argmax(), f"greedy token at decode position {i}"
 
 
-# The layer kinds of each storage path: the Llama family, Gemma 3's norms and embedding scale, the experts.
-BF16_CASES = [case for case in CASES if case[0] not in ("phi3", "phi3_long", "mixtral")]
+# One model of each layer kind: the Llama layer, Gemma 3's (norms, embedding scale), the experts.
+BF16_CASES = [("llama", backend) for backend in BACKENDS] + [("gemma3", "xla"), ("qwen3_moe", "xla")]
 
 
 @pytest.mark.parametrize("arch, backend", BF16_CASES, ids=["-".join(case) for case in BF16_CASES])
