@@ -100,6 +100,11 @@ def _attend_tiles(
     num_pairs = pair_end[-1]
     batch = pairs_per_step
     stats = (num_tiles, num_kv_heads, tile_len, group)
+    # Gather whole blocks as rows: with one KV head, a gather of [block_size, 1, head_dim]
+    # slices lets XLA's CPU layout assignment move the unit axis, and the layer scan then
+    # copies the whole cache on every layer.
+    k_blocks = k_cache.reshape(k_cache.shape[0], -1)
+    v_blocks = v_cache.reshape(v_cache.shape[0], -1)
 
     def body(step, carry):
         run_max, run_sum, acc = carry
@@ -109,8 +114,8 @@ def _attend_tiles(
         chunk = first_chunk[tile] + pair - (pair_end[tile] - num_chunks[tile])
         ids = jnp.take_along_axis(tables[tile], chunk[:, None] * chunk_blocks + jnp.arange(chunk_blocks)[None, :],
                                   axis=1)
-        k = from_storage(jnp.take(k_cache, ids, axis=0, mode="clip")).reshape(batch, chunk_len, num_kv_heads, head_dim)
-        v = from_storage(jnp.take(v_cache, ids, axis=0, mode="clip")).reshape(batch, chunk_len, num_kv_heads, head_dim)
+        k = from_storage(jnp.take(k_blocks, ids, axis=0, mode="clip")).reshape(batch, chunk_len, num_kv_heads, head_dim)
+        v = from_storage(jnp.take(v_blocks, ids, axis=0, mode="clip")).reshape(batch, chunk_len, num_kv_heads, head_dim)
         scores = jnp.einsum("bqhgd,blhd->bhqgl", qg[tile], k.astype(jnp.float32))
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)

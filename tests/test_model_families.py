@@ -113,3 +113,53 @@ def test_qwen3_moe_with_dense_layers_is_rejected(extra, match):
 def test_unsupported_activation_is_named():
     with pytest.raises(ValueError, match="gelu_new"):
         _config("LlamaForCausalLM", hidden_act="gelu_new")
+
+
+def _cache_copies_in_loops(hlo: str, cache_elements: int) -> int:
+    """Copy instructions of ``cache_elements`` elements inside while loops (the layer scan and
+    what it calls) of optimized HLO text: each runs once per layer."""
+    import re
+
+    comps = {}
+    for block in hlo.split("\n\n"):
+        header = re.match(r"(?:ENTRY )?%([\w.\-]+) ", block.strip())
+        if header:
+            comps[header[1]] = block
+    callees = {name: re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", text)
+               + re.findall(r"%([\w.\-]+)", " ".join(re.findall(r"branch_computations=\{([^}]*)\}", text)))
+               for name, text in comps.items()}
+    todo = [body for text in comps.values() for body in re.findall(r"body=%([\w.\-]+)", text)]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name not in seen and name in comps:
+            seen.add(name)
+            todo += callees[name]
+    sizes = [np.prod([int(d) for d in dims.split(",")]) for name in seen
+             for dims in re.findall(r"= \w+\[([\d,]+)\]\{[^}]*\} copy\(", comps[name])]
+    return sum(size == cache_elements for size in sizes)
+
+
+# One KV head (Gemma 3 270M, many small models) gave the cache a unit axis that XLA's CPU layout
+# assignment moved, copying the whole cache on every layer of every step (1000x slower steps).
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+def test_layer_scan_does_not_copy_a_one_kv_head_cache_per_layer(tmp_path, backend):
+    import jax
+
+    from jaxllm.loader import load_model
+    from jaxllm.models import forward
+    from kernels_pallas import get_attention_ops
+    from tests.hf_models import make_tiny_hf_model
+
+    make_tiny_hf_model("llama", tmp_path, num_hidden_layers=4, num_key_value_heads=1)
+    cfg, params, _ = load_model(tmp_path, np.float32)
+    cache = jax.ShapeDtypeStruct((cfg.num_layers, 64, 4, 1, cfg.head_dim), jnp.float32)
+    batch = dict(input_ids=jnp.arange(3, 8), positions=jnp.arange(5), slot_mapping=jnp.arange(4, 9),
+                 block_tables=jnp.arange(1, 9)[None], seq_lens=jnp.asarray([5]), query_start_loc=jnp.asarray([0, 5]),
+                 logits_indices=jnp.asarray([4]), num_seqs=jnp.int32(1))
+    step = jax.jit(forward, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
+    hlo = step.lower(params, (cache, cache), batch, cfg=cfg, ops=get_attention_ops(backend)).compile().as_text()
+    # (XLA still copies K and V once per step, on the way out: a layout change of the unit axis
+    # that moves no byte in memory.)
+    assert "while" in hlo and _cache_copies_in_loops(hlo, np.prod(cache.shape)) == 0
+

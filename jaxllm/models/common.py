@@ -27,10 +27,13 @@ lowers and compiles one layer per distinct kind of layer however deep the
 model is (:func:`layer_plan`). Layer leaves and caches may be held as uint16
 bit patterns of bfloat16 (:func:`loop_storage`; why in
 ``kernels_pallas.reference``). Inside the scan the caches are viewed as
-``[L * num_blocks, block_size, ...]`` and layer ``l`` addresses its blocks as
-``l * num_blocks + block``: the attention ops see one ordinary paged cache and
-the block tables and slot mapping are offset per layer, so they read only the
-blocks they need and write in place.
+``[L * num_blocks, block_size, num_kv_heads * head_dim]`` and layer ``l``
+addresses its blocks as ``l * num_blocks + block``: the attention ops see one
+ordinary paged cache (:meth:`LayerContext.attend` gives them its 4-d view)
+and the block tables and slot mapping are offset per layer, so they read only
+the blocks they need and write in place. The scan carries no unit KV-head
+axis: with one KV head (Gemma 3 270M), XLA's CPU layout assignment would move
+it and copy the whole cache on every layer.
 """
 
 from __future__ import annotations
@@ -174,19 +177,23 @@ class LayerContext(NamedTuple):
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """Rope q and k, write k and v into the paged cache, attend.
 
-        q: [T, Hq, D]; k, v: [T, Hkv, D]; kv: this step's flattened caches.
+        q: [T, Hq, D]; k, v: [T, Hkv, D]; kv: this step's flattened caches,
+        each ``[L * num_blocks, block_size, Hkv * D]``.
         Returns (attention output [T, Hq * D], the caches with k and v written).
         The scale is ``cfg.attention_scale``, the window the layer's ``window``.
         """
         cfg, t = self.cfg, q.shape[0]
         q = apply_rope(q, self.cos, self.sin)
         k = apply_rope(k, self.cos, self.sin)
-        k_cache, v_cache = self.ops.kv_cache_write(kv[0], kv[1], k, v, self.batch["slot_mapping"])
+        blocks = kv[0].shape[:2] + (cfg.num_kv_heads, cfg.head_dim)
+        k_cache, v_cache = self.ops.kv_cache_write(kv[0].reshape(blocks), kv[1].reshape(blocks), k, v,
+                                                   self.batch["slot_mapping"])
         out = self.ops.ragged_paged_attention(
             q, k_cache, v_cache, self.batch["block_tables"], self.batch["seq_lens"], self.batch["query_start_loc"],
             self.batch["num_seqs"], scale=cfg.attention_scale, sliding_window=self.window,
         )
-        return out.reshape(t, cfg.num_q_heads * cfg.head_dim), (k_cache, v_cache)
+        return out.reshape(t, cfg.num_q_heads * cfg.head_dim), (k_cache.reshape(kv[0].shape),
+                                                                v_cache.reshape(kv[1].shape))
 
 
 def attention_block(layer: dict[str, jax.Array], h: jax.Array, kv: KVCache, ctx: LayerContext,
@@ -319,7 +326,7 @@ def hidden_states(
     num_tokens = batch["query_start_loc"][batch["num_seqs"]]
     k_cache, v_cache = kv_cache
     num_blocks, block_size = k_cache.shape[1], k_cache.shape[2]
-    flat = (k_cache.shape[0] * num_blocks,) + k_cache.shape[2:]
+    flat = (k_cache.shape[0] * num_blocks, block_size, -1)
     layers = params["layers"]
 
     def run(carry, segments, base):
