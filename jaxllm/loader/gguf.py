@@ -128,7 +128,8 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
             `qwen3`, `gemma3`, `phi3` or `qwen3moe`.
         dtype: numpy floating dtype of the returned weights (default float32; ml_dtypes'
             bfloat16 works too). Every tensor type `gguf.quants.dequantize` handles is accepted
-            (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K are tested).
+            (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0 are tested on tiny files; Q4_K and Q6_K on
+            Gemma 3 270M against transformers' load).
 
     Returns:
         config: a `config.json`-style dict: `architectures`, `model_type` ("llama", "mistral",
@@ -137,9 +138,10 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
             `num_key_value_heads`, `head_dim`, `vocab_size`, `max_position_embeddings`,
             `rms_norm_eps`, `rope_theta`, `hidden_act`, `tie_word_embeddings`, `bos_token_id`,
             `eos_token_id` (the eos id, or a list when the file also names end-of-turn/
-            end-of-message ids), `attention_bias`, and `rope_scaling` / `sliding_window` when
-            the file states them; Gemma 3 adds `hidden_activation` and `query_pre_attn_scalar`,
-            mixture-of-experts files their expert counts and sizes.
+            end-of-message ids), `attention_bias`, and `rope_scaling` / `sliding_window` /
+            `partial_rotary_factor` (from `rope.dimension_count`) when the file states them;
+            Gemma 3 adds `hidden_activation` and `query_pre_attn_scalar`, mixture-of-experts
+            files their expert counts and sizes.
         weights: HF names to arrays in HF orientation, e.g. `model.embed_tokens.weight`
             [vocab, hidden], `model.layers.{i}.self_attn.q_proj.weight` [heads*head_dim, hidden],
             `model.layers.{i}.mlp.down_proj.weight` [hidden, intermediate], `model.norm.weight`
@@ -364,6 +366,9 @@ def _config(reader: _Contents, arch: str, tensors: dict, path: str) -> dict:
     window = key("attention.sliding_window", None)
     if window is not None:
         config["sliding_window"] = window
+    rotary = key("rope.dimension_count", None)
+    if rotary is not None and rotary != config["head_dim"]:
+        config["partial_rotary_factor"] = rotary / config["head_dim"]  # Phi-4-mini rotates 3/4 of each head
     if arch == "gemma3":
         # llama.cpp's Gemma 3: the attention scale is head_dim ** -0.5 but for the 27B model (62
         # layers), whose query_pre_attn_scalar is hidden / heads; 5 local layers then a global one
