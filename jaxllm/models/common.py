@@ -178,14 +178,15 @@ class LayerContext(NamedTuple):
         """Rope q and k, write k and v into the paged cache, attend.
 
         q: [T, Hq, D]; k, v: [T, Hkv, D]; kv: this step's flattened caches,
-        each ``[L * num_blocks, block_size, Hkv * D]``.
+        each ``[L * num_blocks, block_size, heads * D]`` (``heads``: the
+        cache's, more than Hkv where tensor parallelism replicates them).
         Returns (attention output [T, Hq * D], the caches with k and v written).
         The scale is ``cfg.attention_scale``, the window the layer's ``window``.
         """
         cfg, t = self.cfg, q.shape[0]
         q = apply_rope(q, self.cos, self.sin)
         k = apply_rope(k, self.cos, self.sin)
-        blocks = kv[0].shape[:2] + (cfg.num_kv_heads, cfg.head_dim)
+        blocks = kv[0].shape[:2] + (-1, cfg.head_dim)
         k_cache, v_cache = self.ops.kv_cache_write(kv[0].reshape(blocks), kv[1].reshape(blocks), k, v,
                                                    self.batch["slot_mapping"])
         out = self.ops.ragged_paged_attention(
