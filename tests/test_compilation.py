@@ -99,3 +99,32 @@ def test_mixed_workload_after_warmup_triggers_zero_compilations(request, model, 
     assert engine.runner.num_compilations == compiled_at_warmup
     assert _EVENTS[events_at_warmup:] == []
     assert stats.num_free_blocks == engine.num_blocks - 1
+
+
+def test_moe_layer_compiles_once_whatever_the_routing():
+    # Routings from spread out to every token on one expert, and fewer real tokens: one program.
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.config import ModelConfig
+    from jaxllm.models import moe
+
+    cfg = ModelConfig.from_hf_config(dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=256, hidden_size=16, intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8))
+    rng = np.random.default_rng(0)
+    layer = {"router": rng.standard_normal((16, 4)), "experts_gate": rng.standard_normal((4, 16, 8)),
+             "experts_up": rng.standard_normal((4, 16, 8)), "experts_down": rng.standard_normal((4, 8, 16))}
+    layer = {k: jnp.asarray(v, jnp.float32) for k, v in layer.items()}
+    run = jax.jit(moe.moe_mlp, static_argnames="cfg")
+    h = rng.standard_normal((32, 16)).astype(np.float32)
+    one_expert = np.tile(np.asarray(layer["router"])[:, 0] * 10, (32, 1))  # every token's top choice: expert 0
+    routings, compilations = set(), 0
+    for x, num_tokens in [(h, 32), (-h, 32), (h[::-1].copy(), 7), (one_expert, 32)]:
+        x, n, start = jnp.asarray(x), jnp.int32(num_tokens), len(_EVENTS)
+        run(layer, x, cfg=cfg, num_tokens=n).block_until_ready()
+        compilations += len(_EVENTS) - start
+        experts = np.asarray(moe.route(x, layer["router"], cfg)[1])[:num_tokens]
+        routings.add(tuple(np.bincount(experts.ravel(), minlength=4)))
+    assert len(routings) == 4
+    assert compilations == 1  # the first call's (or a persistent-cache hit)

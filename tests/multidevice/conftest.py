@@ -41,6 +41,17 @@ def kv2_dir(tmp_path_factory) -> Path:
     return _tiny(tmp_path_factory, "kv2", num_key_value_heads=2, tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory) -> Path:
+    """Tiny Qwen3-MoE: 8 experts, top 3, 8 q heads, 4 KV heads."""
+    pytest.importorskip("torch")
+    from tests.hf_models import make_tiny_hf_model
+
+    folder = tmp_path_factory.mktemp("moe")
+    make_tiny_hf_model("qwen3_moe", folder, seed=5, num_attention_heads=8, num_key_value_heads=4)
+    return folder
+
+
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     import numpy as np
 

@@ -28,6 +28,13 @@ def test_tp_4_with_2_kv_heads_replicates_them_and_gives_tp_1_tokens(kv2_dir):
     assert _greedy_tokens(kv2_dir, 4) == _greedy_tokens(kv2_dir, 1)
 
 
+def test_moe_experts_split_over_their_ffn_dim_give_tp_1_tokens(moe_dir):
+    llm = LLM(model=moe_dir, tensor_parallel_size=4, **ENGINE)
+    gate = llm.engine.runner.params["layers"]["experts_gate"]  # [L, experts, hidden, moe ffn]
+    assert {s.data.shape for s in gate.addressable_shards} == {gate.shape[:3] + (gate.shape[3] // 4,)}
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(6), GREEDY)] == _greedy_tokens(moe_dir, 1)
+
+
 def test_pallas_kernels_under_shard_map_give_reference_tokens(kv4_dir):
     assert _greedy_tokens(kv4_dir, 2, attention_backend="pallas", interpret=True) == _greedy_tokens(kv4_dir, 1)
 
