@@ -86,7 +86,10 @@ def _hf_greedy(model, prompt):
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3", "mixtral", "qwen3_moe"])
+# The engine's view of each new kind of step: Gemma 3's scan of local and global layers, the
+# experts (padding rows, chunks). Phi-3 runs the Llama layer and Mixtral the same experts (their
+# logits are tests/test_model_parity.py's).
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
 def test_engine_greedy_tokens_equal_hf_for_a_batch(arch, tmp_path):
     from tests.hf_models import make_tiny_hf_model
 

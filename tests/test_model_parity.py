@@ -111,8 +111,9 @@ def test_decode_steps_logits_match_hf(tiny):
         assert got[0].argmax() == ref[i].argmax(), f"greedy token at decode position {i}"
 
 
-# One model of each layer kind: the Llama layer, Gemma 3's (norms, embedding scale), the experts.
-BF16_CASES = [("llama", backend) for backend in BACKENDS] + [("gemma3", "xla"), ("qwen3_moe", "xla")]
+# The bit-casting is one tree_map over every layer leaf, whatever the family: one tiny model
+# (compiling six programs per model, the other families' cases would cost ~1 min of suite time).
+BF16_CASES = [("llama", backend) for backend in BACKENDS]
 
 
 @pytest.mark.parametrize("arch, backend", BF16_CASES, ids=["-".join(case) for case in BF16_CASES])
