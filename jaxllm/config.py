@@ -214,7 +214,8 @@ class EngineConfig:
         tensor parallelism, see ``jaxllm.sharding``); must divide the model's
         q heads, and its KV heads must divide it or be divisible by it.
       data_parallel_size: engine replicas, each with its own scheduler and
-        KV cache on ``tensor_parallel_size`` devices (``jaxllm.replicas``).
+        KV cache on ``tensor_parallel_size`` devices, one engine-core process
+        each (``jaxllm.core_client.MPClient``).
       batching: "continuous", or "static" (a new batch of up to
         ``max_num_seqs`` requests starts only when the previous one has
         finished entirely; the baseline for benchmarks).

@@ -18,8 +18,8 @@ from typing import Callable, Optional, Sequence
 import prometheus_client as prom
 from tqdm import tqdm
 
+from jaxllm.core_messages import CoreStats
 from jaxllm.outputs import RequestOutput
-from scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("jaxllm.metrics")
 
@@ -29,12 +29,9 @@ _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384
 _STEP_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)
 
 class EngineMetrics:
-    """The metrics of one engine, updated once per ``LLMEngine.step()``.
+    """The metrics of one front end, updated with each step's outputs and the cores' ``CoreStats``.
 
     Args:
-      scheduler: the engine's scheduler; read after every step.
-      compile_count: programs the engine's runner has compiled so far
-        (warm-up included); ``compilations`` follows it.
       log_stats: log a one-line summary (``logging``, logger
         ``jaxllm.metrics``, to stderr) every ``log_interval`` seconds.
       log_interval: seconds between summary lines.
@@ -44,13 +41,16 @@ class EngineMetrics:
     Attributes:
       registry: the ``CollectorRegistry`` holding every series below.
 
-    Series (gauges are set after each step, counters and histograms grow):
+    Series (gauges are set after each step, summed over the data-parallel
+    cores; counters and histograms grow):
       ``num_requests_running``, ``num_requests_waiting`` (requests held by
       static batching included), ``kv_cache_usage_perc`` (fraction in [0, 1],
       as vLLM), ``kv_cache_fragmentation_ratio`` (allocated KV slots holding
-      no computed token / allocated slots); counters ``prefix_cache_queries``
-      and ``prefix_cache_hits`` (tokens), ``num_preemptions``,
-      ``prompt_tokens`` (each request's prompt, counted at its first token),
+      no computed token / allocated slots), ``num_free_kv_blocks`` and
+      ``num_kv_blocks`` (device blocks free, and in all with the null block
+      of each core); counters ``prefix_cache_queries`` and
+      ``prefix_cache_hits`` (tokens), ``num_preemptions``, ``prompt_tokens``
+      (each request's prompt, counted at its first token),
       ``generation_tokens``, ``compilations``; histograms
       ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
       ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
@@ -58,17 +58,15 @@ class EngineMetrics:
       (host time of one ``schedule()``).
     """
 
-    def __init__(self, scheduler: Scheduler, *, compile_count: Callable[[], int] = lambda: 0, log_stats: bool = False, log_interval: float = 5.0,
-                 metrics_port: Optional[int] = None, clock: Callable[[], float] = time.monotonic):
-        self.scheduler = scheduler
+    def __init__(self, *, log_stats: bool = False, log_interval: float = 5.0, metrics_port: Optional[int] = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.registry = prom.CollectorRegistry()
         self._clock = clock
         self._define_series()
         self._last_token_time: dict[str, float] = {}
-        # Scheduler counters are cumulative; the Prometheus counters follow by deltas.
-        self._seen_queries = self._seen_hits = self._seen_preemptions = 0
-        self._compile_count = compile_count
-        self._seen_compilations = 0
+        # Each core's latest stats; gauges show their sum, counters follow the sums by deltas.
+        self._core_stats: dict[int, CoreStats] = {}
+        self._seen_queries = self._seen_hits = self._seen_preemptions = self._seen_compilations = 0
         self.log_stats = log_stats
         self.log_interval = log_interval
         self._log_at = clock()
@@ -100,6 +98,8 @@ class EngineMetrics:
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, in [0, 1].")
         self.kv_cache_fragmentation = gauge(
             "kv_cache_fragmentation_ratio", "Allocated KV slots holding no computed token / allocated slots.")
+        self.num_free_kv_blocks = gauge("num_free_kv_blocks", "Device KV blocks in the free queue.")
+        self.num_kv_blocks = gauge("num_kv_blocks", "Device KV blocks in all, the null block included.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Preemptions.")
@@ -126,24 +126,29 @@ class EngineMetrics:
         self._run_live_slots = 0
         self._run_allocated_slots = 0
         self._run_max_running = 0
-        self._run_base_preemptions = self.scheduler.num_preemptions
-        self._run_base_compilations = self._compile_count()
+        self._run_base_preemptions = self._total("num_preemptions")
+        self._run_base_compilations = self._total("compilations")
 
-    def on_step(self, sched_out: SchedulerOutput, outputs: Sequence[RequestOutput], schedule_seconds: float) -> None:
-        """Record one engine step.
+    def _total(self, field: str) -> float:
+        return sum(getattr(s, field) for s in self._core_stats.values())
+
+    def on_step(self, stats: CoreStats, outputs: Sequence[RequestOutput], core_index: int = 0) -> None:
+        """Record one core's step (or its stats update without a step) and the outputs it led to.
 
         Args:
-          sched_out: what ``schedule()`` returned this step.
-          outputs: the step's ``RequestOutput`` list (new tokens, finishes).
-          schedule_seconds: host time of this step's ``schedule()``, seconds.
+          stats: the core's ``CoreStats`` after it.
+          outputs: the ``RequestOutput``s of the step (new tokens, finishes).
+          core_index: which data-parallel core it was.
         """
         now = self._clock()
-        self.scheduler_step.observe(schedule_seconds)
-        if sched_out.total_num_scheduled_tokens:
-            self.iteration_tokens.observe(sched_out.total_num_scheduled_tokens)
+        self._core_stats[core_index] = stats
+        if stats.schedule_seconds is not None:
+            self.scheduler_step.observe(stats.schedule_seconds)
+            if stats.num_scheduled_tokens:
+                self.iteration_tokens.observe(stats.num_scheduled_tokens)
         for out in outputs:
             self._on_output(out, now)
-        self._update_scheduler_series()
+        self._update_core_series(stepped=stats.schedule_seconds is not None)
         if self.log_stats and now - self._log_at >= self.log_interval:
             self._log(now)
 
@@ -167,42 +172,38 @@ class EngineMetrics:
             if times["first_scheduled_time"] is not None:
                 self.request_queue_time.observe(times["first_scheduled_time"] - times["arrival_time"])
 
-    def _update_scheduler_series(self) -> None:
-        stats = self.scheduler.stats
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage.set(stats.kv_cache_usage)
-        self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._seen_queries)
-        self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._seen_hits)
-        self.num_preemptions.inc(stats.num_preemptions - self._seen_preemptions)
-        self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-        self._seen_preemptions = stats.num_preemptions
-        compilations = self._compile_count()
-        self.compilations.inc(compilations - self._seen_compilations)
-        self._seen_compilations = compilations
-        live, allocated = self._kv_slots()
+    def _update_core_series(self, stepped: bool) -> None:
+        total = self._total
+        running = total("num_running")
+        usage = self._kv_cache_usage()
+        live, allocated = total("kv_live_slots"), total("kv_allocated_slots")
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(total("num_waiting"))
+        self.kv_cache_usage.set(usage)
         self.kv_cache_fragmentation.set(1.0 - live / allocated if allocated else 0.0)
-        self._run_steps += 1
-        self._run_usage_sum += stats.kv_cache_usage
-        self._run_peak_usage = max(self._run_peak_usage, stats.kv_cache_usage)
-        self._run_live_slots += live
-        self._run_allocated_slots += allocated
-        self._run_max_running = max(self._run_max_running, stats.num_running)
+        self.num_free_kv_blocks.set(total("num_free_blocks"))
+        self.num_kv_blocks.set(total("num_blocks"))
+        queries, hits = total("prefix_cache_queries"), total("prefix_cache_hits")
+        preemptions, compilations = total("num_preemptions"), total("compilations")
+        self.prefix_cache_queries.inc(queries - self._seen_queries)
+        self.prefix_cache_hits.inc(hits - self._seen_hits)
+        self.num_preemptions.inc(preemptions - self._seen_preemptions)
+        self.compilations.inc(compilations - self._seen_compilations)
+        self._seen_queries, self._seen_hits = queries, hits
+        self._seen_preemptions, self._seen_compilations = preemptions, compilations
+        if stepped:
+            self._run_steps += 1
+            self._run_usage_sum += usage
+            self._run_peak_usage = max(self._run_peak_usage, usage)
+            self._run_live_slots += live
+            self._run_allocated_slots += allocated
+            self._run_max_running = max(self._run_max_running, running)
 
-    def _kv_slots(self) -> tuple[int, int]:
-        """(slots holding a computed token, allocated slots) over the referenced device blocks.
-
-        Only full, computed blocks are ever shared through the prefix cache,
-        so every unused slot sits in exactly one running request's own tail
-        blocks and the per-request sum counts each once.
-        """
-        sched = self.scheduler
-        bs = sched.config.block_size
-        pool = sched.block_pool
-        allocated = (pool.num_blocks - 1 - pool.num_free_blocks) * bs
-        tables = sched.kv_cache_manager.req_to_block_ids
-        unused = sum(max(len(tables.get(r.request_id, ())) * bs - r.num_computed_tokens, 0) for r in sched.running)
-        return allocated - unused, allocated
+    def _kv_cache_usage(self) -> float:
+        """The cores' ``kv_cache_usage`` weighted by their usable blocks."""
+        usable = {i: s.num_blocks - 1 for i, s in self._core_stats.items()}
+        total = sum(usable.values())
+        return sum(s.kv_cache_usage * usable[i] for i, s in self._core_stats.items()) / total if total else 0.0
 
     def close(self) -> None:
         """Stop serving ``/metrics`` (if ``metrics_port`` was given), freeing the port."""
@@ -233,19 +234,20 @@ class EngineMetrics:
             kv_live_slot_fraction=(self._run_live_slots / self._run_allocated_slots
                                    if self._run_allocated_slots else 1.0),
             max_num_running=self._run_max_running,
-            num_preemptions=self.scheduler.num_preemptions - self._run_base_preemptions,
-            compilations=self._compile_count() - self._run_base_compilations,
+            num_preemptions=self._total("num_preemptions") - self._run_base_preemptions,
+            compilations=self._total("compilations") - self._run_base_compilations,
         )
 
     def _log(self, now: float) -> None:
         elapsed = now - self._log_at
-        stats = self.scheduler.stats
-        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        total = self._total
+        queries = total("prefix_cache_queries")
+        hit_rate = total("prefix_cache_hits") / queries if queries else 0.0
         logger.info(
             "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d reqs, "
             "waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%, preemptions: %d",
-            self._log_tokens[0] / elapsed, self._log_tokens[1] / elapsed, stats.num_running, stats.num_waiting,
-            100 * stats.kv_cache_usage, 100 * hit_rate, stats.num_preemptions,
+            self._log_tokens[0] / elapsed, self._log_tokens[1] / elapsed, total("num_running"),
+            total("num_waiting"), 100 * self._kv_cache_usage(), 100 * hit_rate, total("num_preemptions"),
         )
         self._log_at = now
         self._log_tokens = [0, 0]

@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
         backends = BACKENDS if args.vllm_python else BACKENDS[:-1]
     else:
         backends = tuple(dict.fromkeys(args.backend))
-    from jaxllm.engine import resolve_dtype
+    from jaxllm.engine_core import resolve_dtype
 
     dtype = np.dtype(resolve_dtype(args.dtype)).name
     with common.temporary_workdir() as workdir:
