@@ -1,8 +1,10 @@
-"""Online serving latency under Poisson arrivals, through the engine API (vLLM's benchmark_serving, in process).
+"""Online serving latency under Poisson arrivals, through the engine API in process or a running server over HTTP
+(vLLM's benchmark_serving).
 
 Usage: python scripts/bench_serving.py [--request-rate R|inf] [--burstiness B] [--batching continuous|static]
            [--compare] [--model PATH] [--num-requests N] [--input-len MIN MAX] [--output-len MIN MAX]
            [--max-num-seqs B] [--output-json FILE] [--metrics-port PORT] [--random-weights]
+       python scripts/bench_serving.py --base-url http://HOST:PORT [--model PATH] [--request-rate R|inf] ...
 
 Requests arrive at ``--request-rate`` per second (``inf``: all at once) with
 gamma-distributed gaps of shape ``--burstiness`` (1 = Poisson, as vLLM's
@@ -23,11 +25,23 @@ slots holding live tokens). ``--compare`` runs continuous and static batching
 on the same arrivals and prints the improvement of continuous over static in
 %: positive means continuous is better, whichever direction is better for
 that metric (throughputs: higher; latencies: lower).
+
+``--base-url`` measures a running ``jaxllm serve`` (or any OpenAI-compatible
+server) instead: the same requests, as token-id prompts, streamed from
+``/v1/completions`` by an asyncio client, and the same table. A token's time
+is when its server-sent event arrived (one event per engine step and
+request); queue time and the KV-cache figures are the server's business and
+show as "-", preemptions and compilations are read from its ``/metrics``.
+``--model`` must name the served model (its vocabulary draws the prompts);
+start the server with the engine flags the in-process run would use (for the
+default workload: ``jaxllm serve --max-model-len 192 --max-num-seqs 8``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -97,7 +111,8 @@ def summarize(records: dict[str, dict], run: dict, batching: str) -> dict:
             raise RuntimeError(f"request {rid} produced no token (refused as too long for the KV cache?)")
         ttft.append(times[0] - rec["arrival"])
         e2e.append(rec["finished"] - rec["arrival"])
-        queue.append(rec["first_scheduled"] - rec["arrival"])
+        if rec["first_scheduled"] is not None:
+            queue.append(rec["first_scheduled"] - rec["arrival"])
         if len(times) > 1:
             tpot.append((times[-1] - times[0]) / (len(times) - 1))
             itl.extend(np.diff(times).tolist())
@@ -118,6 +133,72 @@ def summarize(records: dict[str, dict], run: dict, batching: str) -> dict:
 
 
 RATE_FRACTION = 0.7  # of the measured capacity, when --request-rate is not given
+
+
+async def _stream_one(client, model_name: str, prompt: list[int], max_tokens: int, arrival: float) -> dict:
+    """Send one streaming completion at ``arrival`` (monotonic seconds); its timings as :func:`serve` records them."""
+    await asyncio.sleep(max(arrival - time.monotonic(), 0.0))
+    record = dict(arrival=arrival, token_times=[], first_scheduled=None, finished=None)
+    body = dict(model=model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True)
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"the server answered {response.status_code}: {(await response.aread()).decode()}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                record["token_times"].append(time.monotonic())
+    record["finished"] = time.monotonic()
+    return record
+
+
+def serve_http(base_url: str, model_name: str, workload: Workload, offsets: np.ndarray) -> dict[str, dict]:
+    """:func:`serve` against a server: every request streamed from ``/v1/completions`` at its arrival time."""
+    import httpx
+
+    async def run_all() -> list[dict]:
+        limits = httpx.Limits(max_connections=len(workload.prompts) + 1, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
+            start = time.monotonic()
+            return await asyncio.gather(*(
+                _stream_one(client, model_name, prompt, n, start + offset)
+                for prompt, n, offset in zip(workload.prompts, workload.output_lens, offsets)))
+
+    return {f"http-{i}": record for i, record in enumerate(asyncio.run(run_all()))}
+
+
+def _scrape(base_url: str) -> dict[str, float]:
+    """The unlabelled series of the server's ``/metrics``."""
+    import httpx
+
+    values = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name and not name.startswith("#") and "{" not in name:
+            values[name] = float(value)
+    return values
+
+
+def run_http(base_url: str, args: argparse.Namespace, workload: Workload, warmup: Workload,
+             rate: Optional[float]) -> tuple[dict, float, float]:
+    """:func:`run` against a running server: its warm-up measures capacity, then the workload at ``rate``."""
+    import httpx
+
+    model_name = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    start = time.perf_counter()
+    serve_http(base_url, model_name, warmup, np.zeros(len(warmup.prompts)))
+    capacity = len(warmup.prompts) / (time.perf_counter() - start)
+    rate = RATE_FRACTION * capacity if rate is None else rate
+    before = _scrape(base_url)
+    records = serve_http(base_url, model_name, workload, arrival_offsets(len(workload.prompts), rate,
+                                                                          args.burstiness, args.seed))
+    after = _scrape(base_url)
+
+    def delta(name: str) -> Optional[int]:
+        return int(after[name] - before[name]) if name in after and name in before else None
+
+    run_stats = dict(max_num_running=None, num_preemptions=delta("jaxllm:num_preemptions_total"),
+                     kv_live_slot_fraction=None, mean_kv_cache_usage=None, peak_kv_cache_usage=None,
+                     compilations=delta("jaxllm:compilations_total"))
+    return summarize(records, run_stats, f"server {base_url}"), rate, capacity
 
 
 def run(model: Path, args: argparse.Namespace, workload: Workload, warmup: Workload, batching: str,
@@ -180,9 +261,11 @@ def print_tables(results: list[dict]) -> None:
         rows = [[m, r[f"{m}_mean"], r[f"{m}_p50"], r[f"{m}_p90"], r[f"{m}_p99"]]
                 for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")]
         print(common.format_table(["seconds", "mean", "p50", "p90", "p99"], rows))
+        live = r["kv_live_slot_fraction"]
         print(f"request throughput {r['request_throughput']:.3f} req/s, output {r['output_throughput']:.1f} tok/s, "
-              f"max concurrency {r['max_concurrency']}, preemptions {r['num_preemptions']}, "
-              f"live KV fraction {r['kv_live_slot_fraction']:.3f}, compilations {r['compilations']}")
+              f"max concurrency {r['max_concurrency'] if r['max_concurrency'] is not None else '-'}, "
+              f"preemptions {r['num_preemptions']}, live KV fraction {'-' if live is None else f'{live:.3f}'}, "
+              f"compilations {r['compilations']}")
     if len(results) == 2:
         cont, static = results
         rows = [[label, {True: "higher", False: "lower", None: "-"}[better], cont[key], static[key],
@@ -203,12 +286,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     parser.add_argument("--batching", choices=["continuous", "static"], default="continuous")
     parser.add_argument("--compare", action="store_true", help="run continuous and static at the same arrivals")
+    parser.add_argument("--base-url", default=None,
+                        help="measure the server running at this URL (http://HOST:PORT) instead of an engine in "
+                             "this process; --model names the served model")
     args = parser.parse_args(argv)
+    if args.base_url and args.compare:
+        parser.error("--compare runs two engines in process; it does not apply to --base-url")
     common.validate_ranges(parser, args)
     device_note = common.simulate_cpu_devices(args)
     if (args.request_rate is not None and args.request_rate <= 0) or args.burstiness <= 0:
         parser.error("--request-rate and --burstiness must be > 0")
     modes = ("continuous", "static") if args.compare else (args.batching,)
+    if args.base_url:
+        modes = ("server",)
     with common.temporary_workdir() as workdir:
         model = common.resolve_model(args, Path(workdir))
         vocab = common.vocab_size(model)
@@ -217,7 +307,10 @@ def main(argv: list[str] | None = None) -> dict:
         results, rate, measured = [], args.request_rate, None
         rate_note = f"request rate {rate} req/s (--request-rate)"
         for mode in modes:
-            result, used, capacity = run(model, args, workload, warmup, mode, rate)
+            if args.base_url:
+                result, used, capacity = run_http(args.base_url.rstrip("/"), args, workload, warmup, rate)
+            else:
+                result, used, capacity = run(model, args, workload, warmup, mode, rate)
             if rate is None:
                 rate, measured = used, capacity
                 rate_note = (f"request rate {rate:.3f} req/s = {RATE_FRACTION:.0%} of the capacity {capacity:.3f} "

@@ -63,8 +63,8 @@ def llm(chat_model):
                token_buckets=(16, 64), precompile=False)
 
 
-def post(server, path, body, headers=AUTH, **kwargs):
-    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=300, **kwargs)
+def post(server, path, body, headers=AUTH, timeout=300):
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=timeout)
 
 
 def wait_until_idle(server, seconds=60):
@@ -144,7 +144,6 @@ def test_n_2_gives_two_seeded_choices_equal_to_llm_generate(client, llm):
     response = client.completions.create(model="stories", prompt=PROMPT, n=2, temperature=1.0, seed=7, max_tokens=12)
     want = llm.generate(PROMPT, SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=12), use_tqdm=False)[0]
     assert [(c.index, c.text) for c in response.choices] == [(0, want.outputs[0].text), (1, want.outputs[1].text)]
-    assert want.outputs[0].text != want.outputs[1].text
     assert response.usage.completion_tokens == 24
 
 

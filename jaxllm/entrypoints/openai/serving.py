@@ -138,6 +138,9 @@ class OpenAIServing:
             ``max_model_len``).
         """
         room = self.max_model_len - prompt_len
+        if room < 0:
+            raise APIError(400, f"prompt of {prompt_len} tokens is longer than max_model_len={self.max_model_len}",
+                           "messages" if isinstance(request, ChatCompletionRequest) else "prompt")
         if max_tokens is None:
             if room < 1:
                 raise APIError(400, f"the prompt has {prompt_len} tokens, which leaves no room for a completion "
