@@ -118,12 +118,6 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             self.abort(request_id)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        """:meth:`add_request` and its outputs in one async iterator (``kwargs``: ``add_request``'s)."""
-        async for out in self.add_request(request_id, prompt_token_ids, params, **kwargs):
-            yield out
-
     def abort(self, request_id: str) -> None:
         """Abort a request if it is open (its blocks are freed in the core's next loop turn)."""
         open_ids = self.output_processor.abort_requests([request_id])

@@ -369,15 +369,6 @@ class MPClient:
     def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
         return all([self.call_utility(d, "wait_for_warmup", timeout) for d in range(len(self._cores))])
 
-    def kill_core(self, core: int) -> None:
-        """SIGKILL one core process (for tests of a crash)."""
-        self._cores[core].process.kill()
-
-    @property
-    def core_pids(self) -> list[int]:
-        """The core processes' ids, by core index."""
-        return [core.process.pid for core in self._cores]
-
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every core (each aborts its requests and exits), waiting up to ``timeout`` seconds before killing;
         a second call does nothing."""
