@@ -128,6 +128,7 @@ class ModelRunner:
         the jnp attention ops (``kernels_pallas.reference`` says why).
 
     Attributes:
+      ops: the attention ops the step runs (as given).
       params: the parameter pytree on the devices (layer leaves as uint16
         with ``bf16_as_uint16``).
       kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size,
@@ -148,6 +149,7 @@ class ModelRunner:
                  ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0,
                  num_sampling_slots: int = 1, max_model_len: int = 1, bf16_as_uint16: bool = False):
         self.cfg = cfg
+        self.ops = ops
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -305,19 +307,15 @@ class ModelRunner:
             self._block_op(name)
         rest = [t for t in tokens if t not in first]
         if rest:
-            self._background = threading.Thread(target=self._build_in_background, args=(rest,),
+            # The thread holds the runner only while it builds a program, so a
+            # runner nobody uses any more is freed and its warm-up ends.
+            runner = weakref.ref(self)
+            self._background = threading.Thread(target=_build_in_background, args=(runner, rest),
                                                 name="jaxllm-warmup", daemon=True)
             self._background.start()
             # At interpreter exit, let the thread finish its program rather than die inside XLA.
-            runner = weakref.ref(self)
             atexit.register(lambda: runner() is not None and runner().stop_warmup())
         return time.perf_counter() - start
-
-    def _build_in_background(self, tokens: list[int]) -> None:
-        for t in tokens:
-            if self._stop_background.is_set():
-                return
-            self._build_token_bucket(t)
 
     def num_pending_programs(self) -> int:
         """Step programs a background warm-up has still to build (0 when compiling lazily)."""
@@ -408,6 +406,16 @@ class ModelRunner:
                 block[:, :n] = pool[:, chunk[:n, 0]]
                 blocks.append(block)
             self.kv_cache = self._block_op("scatter")(self.kv_cache, chunk[:, 1], tuple(blocks))
+
+
+def _build_in_background(runner_ref: "weakref.ref[ModelRunner]", tokens: list[int]) -> None:
+    """Build the step programs of ``tokens`` (token buckets) one by one while the runner lives and is not stopped."""
+    for t in tokens:
+        runner = runner_ref()
+        if runner is None or runner._stop_background.is_set():
+            return
+        runner._build_token_bucket(t)
+        del runner
 
 
 def enable_persistent_compilation_cache(path: Optional[str]) -> None:

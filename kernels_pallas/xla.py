@@ -11,10 +11,13 @@ semantics and costs what the sequences need:
   The KV blocks of a tile are gathered once for all its queries, so the
   gather traffic follows tiles (about ``num_seqs + T / prefill_tile``), not
   tokens.
-* Keys and values are visited in chunks of ``kv_chunk_blocks`` blocks by a
-  ``fori_loop`` whose trip count is the longest context in the step (not the
-  table width), folding each chunk into a running (max, sum, output) as in
-  FlashAttention (Dao et al. 2022). Nothing of size ``W * block_size`` is ever
+* Keys and values are visited in chunks of ``kv_chunk_blocks`` blocks. The
+  (tile, chunk) pairs the step needs are enumerated on the device and a
+  ``fori_loop`` takes ``pairs_per_step`` of them at a time, folding each into
+  its tile's running (max, sum, output) with the log-sum-exp rescaling of
+  FlashAttention (Dao et al. 2022) and flash-decoding. The trip count is the
+  work that exists: a short sequence batched with a long one, or a padding
+  row, costs nothing, and nothing of size ``W * block_size`` is ever
   materialised, so a wide block table costs nothing until a sequence is long.
 * Decode tiles and prefill tiles are two fixed-shape passes, each skipped by
   ``lax.cond`` when the step has no row of its kind.
@@ -26,6 +29,7 @@ bfloat16 caches as in ``reference.py``.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -38,6 +42,7 @@ from kernels_pallas.reference import from_storage
 _MASKED = -1e30
 PREFILL_TILE = 16
 KV_CHUNK_BLOCKS = 2
+PAIRS_PER_STEP = 32
 
 
 def _attend_tiles(
@@ -51,15 +56,26 @@ def _attend_tiles(
     sliding_window: Optional[int],
     soft_cap: Optional[float],
     chunk_blocks: int,
+    pairs_per_step: int,
 ) -> jax.Array:
     """Attention of query tiles over their own sequence's paged KV.
+
+    The work is the list of (tile, KV chunk) pairs each tile needs -- the
+    chunks from the first its window can see to the one holding its last
+    query -- enumerated tile by tile. Each loop step takes the next
+    ``pairs_per_step`` pairs, computes their partial softmax statistics, and
+    folds them into their tiles' running (max, sum, output) with scatter
+    max/add (the log-sum-exp merge of flash-decoding). The trip count follows
+    the pairs that exist: no work for padding tiles, nor for a short
+    sequence batched with a long one.
 
     Args:
       q_tiles: [N, Q, Hq, D] queries, tile n belonging to one sequence.
       q_pos: int32[N, Q] position of each query; -1 marks a padding query.
       tables: int32[N, W] the block table of each tile's sequence.
       k_cache, v_cache: [num_blocks, block_size, Hkv, D].
-      chunk_blocks: KV blocks folded per loop iteration.
+      chunk_blocks: KV blocks per chunk.
+      pairs_per_step: (tile, chunk) pairs per loop step.
 
     Returns:
       float32 [N, Q, Hq, D]; padding queries give zeros.
@@ -70,43 +86,56 @@ def _attend_tiles(
     width = tables.shape[1]
     chunk_len = chunk_blocks * block_size
     # Pad the tables to whole chunks with the null block (masked out below).
-    num_chunks = -(-width // chunk_blocks)
-    tables = jnp.pad(tables, ((0, 0), (0, num_chunks * chunk_blocks - width)))
-
+    tables = jnp.pad(tables, ((0, 0), (0, -(-width // chunk_blocks) * chunk_blocks - width)))
     qg = (q_tiles.astype(jnp.float32) * scale).reshape(num_tiles, tile_len, num_kv_heads, group, head_dim)
-    valid_q = q_pos >= 0
-    kv_end = jnp.max(jnp.where(valid_q, q_pos + 1, 0))
-    first = jnp.int32(0)
-    if sliding_window is not None:
-        lowest = jnp.min(jnp.where(valid_q, q_pos - sliding_window + 1, jnp.iinfo(jnp.int32).max))
-        first = jnp.maximum(lowest, 0) // chunk_len
-    last = (kv_end + chunk_len - 1) // chunk_len
 
-    def body(chunk, carry):
+    valid_q = q_pos >= 0
+    last_pos = jnp.max(q_pos, axis=1)
+    first_chunk = jnp.zeros(num_tiles, jnp.int32)
+    if sliding_window is not None:
+        lowest = jnp.min(jnp.where(valid_q, q_pos, jnp.iinfo(jnp.int32).max), axis=1)
+        first_chunk = jnp.maximum(lowest - sliding_window + 1, 0) // chunk_len
+    num_chunks = jnp.where(last_pos >= 0, last_pos // chunk_len + 1 - first_chunk, 0)
+    pair_end = jnp.cumsum(num_chunks)
+    num_pairs = pair_end[-1]
+    batch = pairs_per_step
+    stats = (num_tiles, num_kv_heads, tile_len, group)
+
+    def body(step, carry):
         run_max, run_sum, acc = carry
-        ids = jax.lax.dynamic_slice_in_dim(tables, chunk * chunk_blocks, chunk_blocks, axis=1)
-        k = jnp.take(k_cache, ids, axis=0, mode="clip").reshape(num_tiles, chunk_len, num_kv_heads, head_dim)
-        v = jnp.take(v_cache, ids, axis=0, mode="clip").reshape(num_tiles, chunk_len, num_kv_heads, head_dim)
-        scores = jnp.einsum("nqhgd,nlhd->nhqgl", qg, from_storage(k).astype(jnp.float32))
+        pair = step * batch + jnp.arange(batch, dtype=jnp.int32)
+        live = pair < num_pairs
+        tile = jnp.minimum(jnp.searchsorted(pair_end, pair, side="right"), num_tiles - 1).astype(jnp.int32)
+        chunk = first_chunk[tile] + pair - (pair_end[tile] - num_chunks[tile])
+        ids = jnp.take_along_axis(tables[tile], chunk[:, None] * chunk_blocks + jnp.arange(chunk_blocks)[None, :],
+                                  axis=1)
+        k = from_storage(jnp.take(k_cache, ids, axis=0, mode="clip")).reshape(batch, chunk_len, num_kv_heads, head_dim)
+        v = from_storage(jnp.take(v_cache, ids, axis=0, mode="clip")).reshape(batch, chunk_len, num_kv_heads, head_dim)
+        scores = jnp.einsum("bqhgd,blhd->bhqgl", qg[tile], k.astype(jnp.float32))
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
-        kv_pos = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
-        visible = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]
+        kv_pos = chunk[:, None] * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)[None, :]  # [B, L]
+        pos = q_pos[tile]  # [B, Q]
+        visible = (kv_pos[:, None, :] <= pos[:, :, None]) & (pos[:, :, None] >= 0) & live[:, None, None]
         if sliding_window is not None:
-            visible &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        visible = visible[:, None, :, None, :]  # [N, 1, Q, 1, L]
+            visible &= kv_pos[:, None, :] > pos[:, :, None] - sliding_window
+        visible = visible[:, None, :, None, :]  # [B, 1, Q, 1, L]
         scores = jnp.where(visible, scores, _MASKED)
-        new_max = jnp.maximum(run_max, jnp.max(scores, axis=-1))
-        p = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
+        pair_max = jnp.max(scores, axis=-1)
+        p = jnp.where(visible, jnp.exp(scores - pair_max[..., None]), 0.0)
+        pair_out = jnp.einsum("bhqgl,blhd->bhqgd", p, v.astype(jnp.float32))
+        # Fold the pairs into their tiles; a dead pair points past the end and is dropped.
+        target = jnp.where(live, tile, num_tiles)
+        new_max = run_max.at[target].max(pair_max, mode="drop")
+        weight = jnp.exp(pair_max - new_max[tile])
         rescale = jnp.exp(run_max - new_max)
-        run_sum = run_sum * rescale + jnp.sum(p, axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("nhqgl,nlhd->nhqgd", p, from_storage(v).astype(jnp.float32))
+        run_sum = (run_sum * rescale).at[target].add(jnp.sum(p, axis=-1) * weight, mode="drop")
+        acc = (acc * rescale[..., None]).at[target].add(pair_out * weight[..., None], mode="drop")
         return new_max, run_sum, acc
 
-    stats_shape = (num_tiles, num_kv_heads, tile_len, group)
-    init = (jnp.full(stats_shape, _MASKED, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
-            jnp.zeros(stats_shape + (head_dim,), jnp.float32))
-    _, run_sum, acc = jax.lax.fori_loop(first, last, body, init)
+    init = (jnp.full(stats, _MASKED, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros(stats + (head_dim,), jnp.float32))
+    _, run_sum, acc = jax.lax.fori_loop(0, (num_pairs + batch - 1) // batch, body, init)
     out = acc / jnp.where(run_sum == 0.0, 1.0, run_sum)[..., None]
     return out.transpose(0, 2, 1, 3, 4).reshape(num_tiles, tile_len, num_q_heads, head_dim)
 
@@ -126,6 +155,7 @@ def ragged_paged_attention_xla(
     interpret: bool = False,
     prefill_tile: int = PREFILL_TILE,
     kv_chunk_blocks: int = KV_CHUNK_BLOCKS,
+    pairs_per_step: int = PAIRS_PER_STEP,
 ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache, tiled per sequence.
 
@@ -140,10 +170,13 @@ def ragged_paged_attention_xla(
       prefill_tile: queries per prefill tile (a sequence with more than one
         new token). Smaller tiles waste less on a chunk's last partial tile;
         larger ones gather each KV block for more queries at once.
-      kv_chunk_blocks: KV blocks folded per loop iteration.
+      kv_chunk_blocks: KV blocks per chunk (the unit of work of one pair).
+      pairs_per_step: (tile, chunk) pairs per loop iteration (at most the
+        number of tiles).
 
-    Cost: KV gathers of about ``(S + T / prefill_tile) * L * Hkv * D``
-    elements, where ``L`` is the longest context in the step rounded up to
+    Cost: KV gathers of about the summed context of the sequences
+    (``Hkv * D`` elements per token) for the decode rows, and the same once per
+    ``prefill_tile`` new tokens of a prefill chunk, each rounded up to
     ``kv_chunk_blocks * block_size``; no ``[T, W * block_size]`` buffer.
     """
     del interpret
@@ -156,12 +189,14 @@ def ragged_paged_attention_xla(
     is_prefill = live & (q_len > 1)
     first_pos = seq_lens - q_len  # position of each row's first new token
     attend = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, chunk_blocks=kv_chunk_blocks)
+    pairs = functools.partial(min, pairs_per_step)
     zeros = jnp.zeros(q.shape, jnp.float32)
 
     def decode(out: jax.Array) -> jax.Array:
         token = jnp.minimum(starts, num_tokens - 1)
         pos = jnp.where(is_decode, seq_lens - 1, -1)[:, None]
-        res = _attend_tiles(q[token][:, None], pos, block_tables, k_cache, v_cache, **attend)
+        res = _attend_tiles(q[token][:, None], pos, block_tables, k_cache, v_cache, pairs_per_step=pairs(num_rows),
+                            **attend)
         return out.at[jnp.where(is_decode, starts, num_tokens)].set(res[:, 0], mode="drop")
 
     # Every prefill row adds at most one partial tile, and there are at most
@@ -180,7 +215,7 @@ def ragged_paged_attention_xla(
         valid = used[:, None] & (token < ends[row][:, None])
         pos = jnp.where(valid, first_pos[row][:, None] + token - starts[row][:, None], -1)
         res = _attend_tiles(q[jnp.minimum(token, num_tokens - 1)], pos, block_tables[row], k_cache, v_cache,
-                            **attend)
+                            pairs_per_step=pairs(max_tiles), **attend)
         return out.at[jnp.where(valid, token, num_tokens)].set(res, mode="drop")
 
     out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, zeros)

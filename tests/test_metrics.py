@@ -20,7 +20,7 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def _llm(stories_dir, **kwargs) -> LLM:
-    config = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+    config = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, precompile=False)
     return LLM(model=stories_dir, **{**config, **kwargs})
 
 
@@ -209,7 +209,7 @@ def test_generate_shows_a_progress_bar_unless_use_tqdm_is_false(llm, capsys):
 
 
 TINY = ["--num-requests", "3", "--input-len", "4", "12", "--output-len", "2", "6", "--max-num-seqs", "2",
-        "--max-model-len", "64"]
+        "--max-model-len", "64", "--max-num-batched-tokens", "32"]
 THROUGHPUT_FIELDS = {
     "backend", "num_requests", "startup_s", "elapsed_s", "num_prompt_tokens", "num_output_tokens", "requests_per_s",
     "output_tokens_per_s", "total_tokens_per_s", "peak_kv_cache_usage", "peak_kv_slots", "kv_live_slot_fraction",
@@ -267,7 +267,7 @@ def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp
     assert vllm["version"] == "vllm fake" and 0 <= vllm["same_tokens_as_jaxllm"] <= 3
     assert 0 < jaxllm["schedule_fraction_of_wall"] < 1 and jaxllm["steps"] > 0
     assert json.loads((tmp_path / "vllm_args.json").read_text()) == dict(
-        model=str(stories_dir), dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=512,
+        model=str(stories_dir), dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32,
         seed=0, skip_tokenizer_init=False)
 
 

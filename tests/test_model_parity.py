@@ -96,18 +96,19 @@ def test_decode_steps_logits_match_hf(tiny, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bfloat16_held_as_uint16_bits_gives_the_same_logits(tiny, backend):
+def test_bfloat16_held_as_uint16_bits_gives_the_same_logits(tiny_llama_dir, backend):
     # The CPU engine keeps bf16 layer weights and caches as uint16 bit patterns
     # (models.llama.loop_storage): the numbers must not change at all.
     import ml_dtypes
 
     from jaxllm.models.llama import loop_storage
 
-    cfg, params, ids, _ = tiny
-    bf16 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, ml_dtypes.bfloat16), params)
+    cfg, params, _ = load_model(tiny_llama_dir, ml_dtypes.bfloat16)
+    ids = np.random.default_rng(2).integers(3, 256, size=PROMPT_LEN + 1)
+    bf16 = jax.tree_util.tree_map(jnp.asarray, params)
     plain = SingleSequence(cfg, bf16, backend=backend, cache_dtype=jnp.bfloat16)
     bits = SingleSequence(cfg, loop_storage(bf16), backend=backend, cache_dtype=jnp.uint16)
-    for chunk in (ids[:9], ids[9:PROMPT_LEN], ids[PROMPT_LEN:PROMPT_LEN + 1]):
+    for chunk in (ids[:9], ids[9:PROMPT_LEN], ids[PROMPT_LEN:]):
         np.testing.assert_array_equal(bits.run(chunk), plain.run(chunk))
     assert bits.params["layers"]["wq"].dtype == jnp.uint16
     np.testing.assert_array_equal(jax.lax.bitcast_convert_type(bits.kv[0], jnp.bfloat16), plain.kv[0])

@@ -1,0 +1,131 @@
+"""Where a model step's time goes, per part, for both dtypes.
+
+For a few fixed batches (a decode step of many rows, a lone decode row, a
+512-token prefill) it times, on the engine's own parameters and KV cache:
+
+- ``step``: the decoder (embedding, every layer, final norm) and the lm_head
+  of the sampled rows, as the engine runs it;
+- ``no attention``: the same with the attention op replaced by the identity
+  and the KV write by a no-op (so ``step - no attention`` is attention);
+- ``lm_head``: the logits of the sampled rows alone;
+- ``sampler``: one greedy ``sampling.sample`` over those logits.
+
+Each is compiled once, then timed ``--repeats`` times; the minimum is printed
+(the machine may be shared). Optionally ``--trace DIR`` also writes a
+``jax.profiler`` trace of the full steps (open with TensorBoard / Perfetto).
+
+    python scripts/profile_step.py [--model PATH] [--dtype float32 bfloat16] [--trace DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _batch(rng, num_blocks, q_lens, contexts, tokens, rows, width, block_size):
+    import jax.numpy as jnp
+
+    n = len(q_lens)
+    qsl = np.zeros(rows + 1, np.int32)
+    qsl[1:n + 1] = np.cumsum(q_lens)
+    qsl[n + 1:] = qsl[n]
+    seq_lens = np.zeros(rows, np.int32)
+    seq_lens[:n] = np.asarray(q_lens) + np.asarray(contexts)
+    tables = np.zeros((rows, width), np.int32)
+    tables[:n] = rng.integers(1, num_blocks, (n, width))
+    positions = np.zeros(tokens, np.int32)
+    slots = np.zeros(tokens, np.int32)
+    for i in range(n):
+        pos = contexts[i] + np.arange(q_lens[i])
+        positions[qsl[i]:qsl[i + 1]] = pos
+        slots[qsl[i]:qsl[i + 1]] = tables[i, pos // block_size] * block_size + pos % block_size
+    logits_indices = np.zeros(rows, np.int32)
+    logits_indices[:n] = qsl[1:n + 1] - 1
+    return dict(input_ids=jnp.asarray(rng.integers(0, 1000, tokens), jnp.int32), positions=jnp.asarray(positions),
+                slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(seq_lens),
+                query_start_loc=jnp.asarray(qsl), num_seqs=jnp.int32(n), logits_indices=jnp.asarray(logits_indices))
+
+
+def profile(model: str, dtype: str, repeats: int, trace: str | None) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.engine import LLMEngine
+    from jaxllm.models import llama
+    from jaxllm.sampling import SamplingArrays, sample
+
+    engine = LLMEngine(model, dtype=dtype, precompile=False, max_model_len=512, max_num_seqs=64,
+                       max_num_batched_tokens=512, compilation_cache=None)
+    cfg, runner = engine.model_config, engine.runner
+    ops = runner.ops
+    no_attention = ops._replace(ragged_paged_attention=lambda q, *a, **k: q,
+                                kv_cache_write=lambda k_cache, v_cache, *a: (k_cache, v_cache))
+    rng = np.random.default_rng(0)
+    width, block_size = engine.buckets.width_buckets[-1], engine.config.block_size
+    make = functools.partial(_batch, rng, engine.num_blocks, width=width, block_size=block_size)
+    cases = {
+        "decode, 48 rows (T=48)": make([1] * 48, rng.integers(100, 400, 48).tolist(), 48, 48),
+        "decode, 1 row (T=16)": make([1], [200], 16, 16),
+        "prefill 512 tokens, 3 rows": make([200, 200, 112], [0, 100, 0], 512, 64),
+    }
+
+    def model_step(params, kv, batch, ops):
+        hidden, kv = llama.hidden_states(params, kv, batch, cfg=cfg, ops=ops)
+        return llama.compute_logits(params, hidden[batch["logits_indices"]], cfg=cfg), kv
+
+    def timed(fn, *args, donate=False):
+        out = fn(*args)
+        times = []
+        for _ in range(repeats):
+            if donate:
+                args = (args[0], out[1]) + args[2:]
+            start = time.perf_counter()
+            out = fn(*args)
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - start)
+        return min(times) * 1e3, out
+
+    print(f"{model} {dtype}, attention {engine.config.attention_backend or 'default'}; ms, minimum of {repeats}")
+    print(f"{'batch':<30}{'step':>9}{'no attention':>14}{'attention':>11}{'lm_head':>9}{'sampler':>9}")
+    for name, batch in cases.items():
+        rows = batch["logits_indices"].shape[0]
+        step = jax.jit(functools.partial(model_step, ops=ops), donate_argnums=(1,))
+        full, (logits, runner.kv_cache) = timed(step, runner.params, runner.kv_cache, batch, donate=True)
+        bare = jax.jit(functools.partial(model_step, ops=no_attention), donate_argnums=(1,))
+        without, (_, runner.kv_cache) = timed(bare, runner.params, runner.kv_cache, batch, donate=True)
+        hidden = jnp.zeros((rows, cfg.hidden_size), runner.params["embed"].dtype)
+        head, _ = timed(jax.jit(functools.partial(llama.compute_logits, cfg=cfg)), runner.params, hidden)
+        arrays = jax.tree_util.tree_map(jnp.asarray, SamplingArrays.empty(rows).as_dict())
+        sampler, _ = timed(jax.jit(sample), logits, arrays, runner.sampler_tables)
+        print(f"{name:<30}{full:>9.1f}{without:>14.1f}{full - without:>11.1f}{head:>9.1f}{sampler:>9.1f}")
+        if trace:
+            with jax.profiler.trace(os.path.join(trace, f"{dtype}-{name.split(',')[0]}")):
+                timed(step, runner.params, runner.kv_cache, batch, donate=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--trace", default=None, help="also write jax.profiler traces of the full steps here")
+    args = parser.parse_args()
+    model = args.model
+    if model is None:
+        from jaxllm.default_model import default_model_path
+
+        model = str(default_model_path())
+    for dtype in args.dtype:
+        profile(model, dtype, args.repeats, args.trace)
+
+
+if __name__ == "__main__":
+    main()
