@@ -1,11 +1,14 @@
-"""The engine-core boundary: messages through msgpack, the data-parallel router, core processes (stories260K).
+"""The engine-core boundary: messages through msgpack, the data-parallel router, utility calls, and a core process
+exiting when its parent dies (stories260K).
 
-A core in another process gives the tokens the in-process core gives; two core processes on one CPU device serve
-one ``LLM``; a core process exits when its parent dies.
+A core in another process is exercised end to end by tests/test_openai_server.py (one core behind the server, its
+tokens, logprobs, n > 1 and aborts against ``LLM`` in this process) and tests/multidevice/test_data_parallel.py
+(two core processes behind one ``LLM``: tokens, routing, aborts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,7 +16,8 @@ import time
 
 import pytest
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import SamplingParams
+from jaxllm.config import EngineConfig
 from jaxllm.core_client import PrefixRouter
 from jaxllm.core_messages import (
     AbortRequests,
@@ -24,13 +28,14 @@ from jaxllm.core_messages import (
     EngineCoreRequest,
     SampleLogprobs,
     StopSequences,
+    UtilityCall,
+    UtilityResult,
     decode_input,
     decode_message,
     encode,
 )
-from tests.server_process import alive
-
-ENGINE = dict(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=8, token_buckets=(16, 64), precompile=False)
+from jaxllm.core_process import _call
+from tests.server_process import ENGINE, alive
 
 
 def _info(**overrides) -> CoreInfo:
@@ -75,58 +80,28 @@ def test_router_forgets_the_least_recently_routed_blocks_past_the_cores_capacity
     assert router.cached_prefix_tokens(0, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 0  # its first block was dropped
 
 
-@pytest.fixture(scope="module")
-def reference(stories_dir):
-    return LLM(model=stories_dir, **ENGINE)
+def test_a_utility_call_runs_only_utility_methods_and_answers_errors_as_values():
+    class Core:
+        UTILITY_METHODS = frozenset({"num_free_blocks", "cached_prefix_tokens"})
 
+        def num_free_blocks(self):
+            return 7
 
-def test_two_core_processes_serve_one_llm_with_the_in_process_tokens(stories_dir, reference):
-    prompts = ["Once upon a time", "One day", "The cat", "Lily saw", [1, 403, 407], "Tom had a"]
-    params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8),
-              SamplingParams(temperature=0, max_tokens=20, stop=["."]), SamplingParams(temperature=0, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=1), SamplingParams(temperature=0)]
-    want = reference.generate(prompts, params, use_tqdm=False)
-    llm = LLM(model=stories_dir, data_parallel_size=2, **ENGINE)
-    try:
-        got = llm.generate(prompts, params, use_tqdm=False)
-        client = llm.engine.client
-        assert client.num_routed == [3, 3]
-        assert [client.call_utility(d, "num_free_blocks") for d in (0, 1)] == [client.infos[0].num_blocks - 1] * 2
-    finally:
-        llm.engine.shutdown()
-    for w, g in zip(want, got):
-        assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in g.outputs] == \
-               [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in w.outputs]
-        assert [[(t, lp.rank) for t, lp in e.items()] for e in g.outputs[0].logprobs or []] == \
-               [[(t, lp.rank) for t, lp in e.items()] for e in w.outputs[0].logprobs or []]
-        assert (g.prompt_logprobs is None) == (w.prompt_logprobs is None)
-    assert got[1].outputs[0].text != got[1].outputs[1].text
-    assert got[2].outputs[0].stop_reason == "."
+        def cached_prefix_tokens(self, token_ids):
+            raise ValueError(f"bad ids {token_ids}")
 
+        def step(self):
+            raise AssertionError("step is not a utility method")
 
-def test_abort_in_a_core_process_frees_its_blocks(stories_dir):
-    llm = LLM(model=stories_dir, data_parallel_size=2, **ENGINE)
-    engine = llm.engine
-    try:
-        engine.add_request("long", "Once upon a time", SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
-                           data_parallel_rank=1)
-        while not any(engine.step()):
-            pass
-        engine.abort_request("long")
-        assert not engine.has_unfinished_requests() and engine.step() == []
-        assert engine.client.call_utility(1, "num_free_blocks") == engine.num_blocks - 1
-        with pytest.raises(ValueError, match="data_parallel_rank=2"):
-            engine.add_request("x", "One day", data_parallel_rank=2)
-        with pytest.raises(RuntimeError, match="not a utility method"):
-            engine.client.call_utility(0, "step")
-    finally:
-        engine.shutdown()
+    assert _call(Core(), UtilityCall(1, "num_free_blocks", [])) == UtilityResult(1, 7)
+    failed = _call(Core(), UtilityCall(2, "cached_prefix_tokens", [[5]]))
+    assert failed == UtilityResult(2, error="ValueError: bad ids [5]")
+    refused = _call(Core(), UtilityCall(3, "step", []))
+    assert refused.result is None and "'step' is not a utility method" in refused.error
+    assert decode_message(encode(refused)) == refused
 
 
 def test_a_core_process_exits_when_its_parent_dies(stories_dir, tmp_path):
-    from jaxllm.config import EngineConfig
-    import dataclasses
-
     config = json.dumps(dataclasses.asdict(EngineConfig(**ENGINE)))
     parent = (
         "import os, subprocess, sys, time\n"
