@@ -10,6 +10,8 @@
   dies (a crash, SIGKILL) is noticed within ``POLL_SECONDS``: every wait then raises :class:`EngineDeadError`.
   Each core process exits by itself when this process dies.
 
+Front ends shed load with :func:`check_waiting_limit` (``EngineConfig.max_waiting_requests``).
+
 Both offer ``add_request``, ``abort_requests``, ``stop_sequences``, ``requests_finished`` and ``get_outputs``
 (blocking until some core reported a step); :class:`MPClient` also ``get_outputs_async`` for an asyncio front end.
 """
@@ -37,6 +39,7 @@ from jaxllm.core_messages import (
     AbortRequests,
     CoreFailed,
     CoreInfo,
+    CoreStats,
     EngineCoreOutputs,
     EngineCoreRequest,
     Shutdown,
@@ -54,6 +57,36 @@ POLL_SECONDS = 0.5
 
 class EngineDeadError(RuntimeError):
     """An engine core process died or failed; no request in flight will finish."""
+
+
+class QueueFullError(RuntimeError):
+    """A new request was refused: ``max_waiting_requests`` sequences already wait (the server answers 503)."""
+
+
+def check_waiting_limit(limit: Optional[int], num_open_sequences: int, infos: Sequence[CoreInfo],
+                        latest_stats: dict[int, CoreStats]) -> None:
+    """Shed load: refuse a new request while ``limit`` sequences or more wait for a batch seat.
+
+    Waiting sequences are the larger of two lower bounds: the front end's
+    open sequences (``num_open_sequences``) beyond the seats in force (each
+    core's latest ``CoreStats.max_num_seqs``, lowered by graceful
+    degradation; its configured ``CoreInfo.max_num_seqs`` before it
+    reported), which counts a burst that arrived since the last step; and the
+    sequences the cores reported waiting after their last step (``num_waiting``
+    of ``latest_stats``, core index -> stats), which counts those held back
+    by a short KV cache while seats are free.
+
+    Raises:
+      QueueFullError: ``limit`` is not None and that many sequences wait; the
+        message names both numbers.
+    """
+    if limit is None:
+        return
+    seats = sum(latest_stats[i].max_num_seqs if i in latest_stats else info.max_num_seqs for i, info in enumerate(infos))
+    waiting = max(num_open_sequences - seats, sum(s.num_waiting for s in latest_stats.values()), 0)
+    if waiting >= limit:
+        raise QueueFullError(f"{waiting} requests are waiting for a batch seat, max_waiting_requests={limit}; "
+                             "try again later")
 
 
 class InprocClient:

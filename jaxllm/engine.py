@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional, Union
 import jax
 
 from jaxllm.config import EngineConfig
-from jaxllm.core_client import InprocClient, MPClient
+from jaxllm.core_client import InprocClient, MPClient, QueueFullError, check_waiting_limit
 from jaxllm.input_processor import InputProcessor, PromptType
 from jaxllm.metrics import EngineMetrics
 from jaxllm.output_processor import OutputProcessor
@@ -131,10 +131,18 @@ class LLMEngine:
           ValueError: an empty prompt, a prompt longer than ``max_model_len``
             (both numbers named), a token id outside the vocabulary, a
             duplicate ``request_id``, a bad ``data_parallel_rank``.
+          QueueFullError: ``max_waiting_requests`` sequences already wait
+            (``core_client.check_waiting_limit``); nothing is queued.
         """
         params = params if params is not None else SamplingParams()
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        try:
+            check_waiting_limit(self.config.max_waiting_requests, self.output_processor.num_open_sequences,
+                                self.client.infos, self.metrics.core_stats)
+        except QueueFullError:
+            self.metrics.request_refused.inc()
+            raise
         text, ids = self.input_processor.encode_prompt(prompt)
         request = self.input_processor.process(request_id, ids, params, priority=priority,
                                                arrival_time=arrival_time, cache_salt=cache_salt)

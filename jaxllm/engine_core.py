@@ -194,7 +194,7 @@ class EngineCore:
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=c.enable_chunked_prefill,
             long_prefill_token_threshold=c.long_prefill_token_threshold, scheduling_policy=c.scheduling_policy,
             preemption_mode=c.preemption_mode, num_host_blocks=c.num_host_blocks,
-            async_scheduling=c.async_scheduling,
+            async_scheduling=c.async_scheduling, graceful_degradation=c.graceful_degradation,
         )
 
     def info(self) -> CoreInfo:
@@ -353,8 +353,9 @@ class EngineCore:
                 outputs.append(self._output(*owner))
             elif request.request_id in self._parents and self._parents[request.request_id].parent is request:
                 self._advance_parent(request)
-        return EngineCoreOutputs(outputs, self.stats(schedule_seconds, sched_out.total_num_scheduled_tokens),
-                                 self.core_index)
+        stats = self.stats(schedule_seconds, sched_out.total_num_scheduled_tokens)
+        stats.step_seconds = time.perf_counter() - schedule_start
+        return EngineCoreOutputs(outputs, stats, self.core_index)
 
     def _launch(self, sched_out: SchedulerOutput, prev_tokens: Optional[jax.Array]) -> Optional[_Dispatched]:
         """Do the output's block copies and dispatch its step (None when it has no rows).
@@ -468,9 +469,21 @@ class EngineCore:
             num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks, kv_live_slots=live,
             kv_allocated_slots=allocated, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            compilations=self.runner.num_compilations, schedule_seconds=schedule_seconds,
+            compilations=self.runner.num_compilations, num_preempted_waiting=s.num_preempted_waiting,
+            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+            prompt_len_cv=self._prompt_len_cv(), schedule_seconds=schedule_seconds,
             num_scheduled_tokens=num_scheduled_tokens,
         )
+
+    def _prompt_len_cv(self) -> float:
+        """Coefficient of variation (population std / mean) of the running requests' prompt lengths, in tokens;
+        0 with fewer than two running (the board's "request mix" signal: high when short and long prompts share
+        the batch)."""
+        running = self.scheduler.running
+        if len(running) < 2:
+            return 0.0
+        lengths = np.fromiter((r.num_prompt_tokens for r in running), np.float64, len(running))
+        return float(lengths.std() / lengths.mean())
 
     def _kv_slots(self) -> tuple[int, int]:
         """(slots holding a computed token, allocated slots) over the referenced device blocks.

@@ -40,6 +40,7 @@ class EngineMetrics:
 
     Attributes:
       registry: the ``CollectorRegistry`` holding every series below.
+      core_stats: each core's latest ``CoreStats``, by core index.
 
     Series (gauges are set after each step, summed over the data-parallel
     cores; counters and histograms grow):
@@ -48,10 +49,14 @@ class EngineMetrics:
       as vLLM), ``kv_cache_fragmentation_ratio`` (allocated KV slots holding
       no computed token / allocated slots), ``num_free_kv_blocks`` and
       ``num_kv_blocks`` (device blocks free, and in all with the null block
-      of each core); counters ``prefix_cache_queries`` and
+      of each core), ``effective_max_num_seqs`` and
+      ``effective_max_num_batched_tokens`` (the limits in force: lower than
+      configured while graceful degradation backs off); counters
+      ``prefix_cache_queries`` and
       ``prefix_cache_hits`` (tokens), ``num_preemptions``, ``prompt_tokens``
       (each request's prompt, counted at its first token),
-      ``generation_tokens``, ``compilations``; histograms
+      ``generation_tokens``, ``compilations``, ``request_refused`` (new
+      requests refused by ``max_waiting_requests``); histograms
       ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
       ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
       ``iteration_tokens_total`` (tokens per step), ``scheduler_step_seconds``
@@ -65,7 +70,7 @@ class EngineMetrics:
         self._define_series()
         self._last_token_time: dict[str, float] = {}
         # Each core's latest stats; gauges show their sum, counters follow the sums by deltas.
-        self._core_stats: dict[int, CoreStats] = {}
+        self.core_stats: dict[int, CoreStats] = {}
         self._seen_queries = self._seen_hits = self._seen_preemptions = self._seen_compilations = 0
         self.log_stats = log_stats
         self.log_interval = log_interval
@@ -100,12 +105,19 @@ class EngineMetrics:
             "kv_cache_fragmentation_ratio", "Allocated KV slots holding no computed token / allocated slots.")
         self.num_free_kv_blocks = gauge("num_free_kv_blocks", "Device KV blocks in the free queue.")
         self.num_kv_blocks = gauge("num_kv_blocks", "Device KV blocks in all, the null block included.")
+        self.effective_max_num_seqs = gauge(
+            "effective_max_num_seqs", "Batch seats in force (below max_num_seqs while graceful degradation backs off).")
+        self.effective_max_num_batched_tokens = gauge(
+            "effective_max_num_batched_tokens",
+            "Token budget per step in force (below max_num_batched_tokens while graceful degradation backs off).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.compilations = counter("compilations", "Programs the engine compiled (warm-up included).")
+        self.request_refused = counter(
+            "request_refused", "New requests refused because max_waiting_requests sequences were waiting.")
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first token, seconds.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram(
@@ -130,7 +142,7 @@ class EngineMetrics:
         self._run_base_compilations = self._total("compilations")
 
     def _total(self, field: str) -> float:
-        return sum(getattr(s, field) for s in self._core_stats.values())
+        return sum(getattr(s, field) for s in self.core_stats.values())
 
     def on_step(self, stats: CoreStats, outputs: Sequence[RequestOutput], core_index: int = 0) -> None:
         """Record one core's step (or its stats update without a step) and the outputs it led to.
@@ -141,7 +153,7 @@ class EngineMetrics:
           core_index: which data-parallel core it was.
         """
         now = self._clock()
-        self._core_stats[core_index] = stats
+        self.core_stats[core_index] = stats
         if stats.schedule_seconds is not None:
             self.scheduler_step.observe(stats.schedule_seconds)
             if stats.num_scheduled_tokens:
@@ -183,6 +195,8 @@ class EngineMetrics:
         self.kv_cache_fragmentation.set(1.0 - live / allocated if allocated else 0.0)
         self.num_free_kv_blocks.set(total("num_free_blocks"))
         self.num_kv_blocks.set(total("num_blocks"))
+        self.effective_max_num_seqs.set(total("max_num_seqs"))
+        self.effective_max_num_batched_tokens.set(total("max_num_batched_tokens"))
         queries, hits = total("prefix_cache_queries"), total("prefix_cache_hits")
         preemptions, compilations = total("num_preemptions"), total("compilations")
         self.prefix_cache_queries.inc(queries - self._seen_queries)
@@ -201,9 +215,9 @@ class EngineMetrics:
 
     def _kv_cache_usage(self) -> float:
         """The cores' ``kv_cache_usage`` weighted by their usable blocks."""
-        usable = {i: s.num_blocks - 1 for i, s in self._core_stats.items()}
+        usable = {i: s.num_blocks - 1 for i, s in self.core_stats.items()}
         total = sum(usable.values())
-        return sum(s.kv_cache_usage * usable[i] for i, s in self._core_stats.items()) / total if total else 0.0
+        return sum(s.kv_cache_usage * usable[i] for i, s in self.core_stats.items()) / total if total else 0.0
 
     def close(self) -> None:
         """Stop serving ``/metrics`` (if ``metrics_port`` was given), freeing the port."""

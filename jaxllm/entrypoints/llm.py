@@ -8,6 +8,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
+from jaxllm.core_client import QueueFullError
 from jaxllm.engine import LLMEngine
 from jaxllm.input_processor import PromptType
 from jaxllm.metrics import GenerateProgress
@@ -72,6 +73,9 @@ class LLM:
 
         Raises:
           ValueError: any invalid prompt or parameter; nothing is queued then.
+          QueueFullError: with ``max_waiting_requests``, more prompts than
+            that would wait (all of them are queued at once); nothing is
+            queued then.
         """
         final: dict[str, RequestOutput] = {}
         ids = self._add_all(prompts, sampling_params, priority)
@@ -115,7 +119,7 @@ class LLM:
         try:
             for rid, prompt, params, prio in zip(ids, prompt_list, params_list, priorities):
                 self.engine.add_request(rid, prompt, params, priority=prio)
-        except ValueError:
+        except (ValueError, QueueFullError):
             self.engine.abort_request(ids)
             raise
         return ids
