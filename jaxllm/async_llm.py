@@ -105,6 +105,17 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             self.abort(request_id)
 
+    async def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
+        """KV diagnostics of one core (``LLMEngine.kv_cache_report``), answered between its steps.
+
+        Raises:
+          ValueError: ``core`` outside ``[0, data_parallel_size)``.
+          EngineDeadError: the cores died.
+        """
+        if not 0 <= core < len(self.client.infos):
+            raise ValueError(f"core={core} must be in [0, {len(self.client.infos)})")
+        return await self.client.call_utility_async(core, "kv_cache_report", block_map)
+
     def abort(self, request_id: str) -> None:
         """Abort a request if it is open (its blocks are freed in the core's next loop turn)."""
         open_ids = self.output_processor.abort_requests([request_id])

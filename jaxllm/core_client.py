@@ -368,11 +368,9 @@ class MPClient:
         Raises:
           EngineDeadError: a core died or failed.
         """
-        if self._async_output is None:
-            self._async_output = zmq.asyncio.Socket.from_socket(self._output)
         while not self._pending:
             self._check_alive()
-            if await self._async_output.poll(POLL_SECONDS * 1000):
+            if await self._async_socket().poll(POLL_SECONDS * 1000):
                 self._drain()
         self._check_alive()
         return self._take_pending()
@@ -391,10 +389,33 @@ class MPClient:
             self._check_alive()
             if self._output.poll(POLL_SECONDS * 1000):
                 self._drain()
+        return self._utility_result(core, method, call_id)
+
+    async def call_utility_async(self, core: int, method: str, *args: Any) -> Any:
+        """:meth:`call_utility` for an asyncio front end: waits without blocking the event loop. Outputs that
+        arrive meanwhile are kept for :meth:`get_outputs_async`, whose wait notices them within ``POLL_SECONDS``.
+
+        Raises:
+          RuntimeError, EngineDeadError: as :meth:`call_utility`.
+        """
+        call_id = next(self._call_ids)
+        self._send(core, UtilityCall(call_id, method, list(args)))
+        while call_id not in self._results:
+            self._check_alive()
+            if await self._async_socket().poll(POLL_SECONDS * 1000):
+                self._drain()
+        return self._utility_result(core, method, call_id)
+
+    def _utility_result(self, core: int, method: str, call_id: int) -> Any:
         result = self._results.pop(call_id)
         if result.error is not None:
             raise RuntimeError(f"engine core {core}: {method}: {result.error}")
         return result.result
+
+    def _async_socket(self) -> zmq.asyncio.Socket:
+        if self._async_output is None:
+            self._async_output = zmq.asyncio.Socket.from_socket(self._output)
+        return self._async_output
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.routed)

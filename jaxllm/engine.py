@@ -111,6 +111,19 @@ class LLMEngine:
         """
         return self.client.wait_for_warmup(timeout)
 
+    def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
+        """KV diagnostics of one core: block counts by state, the block map, fragmentation, the largest request,
+        the queue (``scheduler.diagnostics.kv_cache_report``; in a core process, answered between its steps).
+
+        Raises:
+          ValueError: ``core`` outside ``[0, data_parallel_size)``.
+        """
+        if not 0 <= core < len(self.client.infos):
+            raise ValueError(f"core={core} must be in [0, {len(self.client.infos)})")
+        if isinstance(self.client, InprocClient):
+            return self.client.core.kv_cache_report(block_map)
+        return self.client.call_utility(core, "kv_cache_report", block_map)
+
     def add_request(
         self,
         request_id: str,

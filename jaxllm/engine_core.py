@@ -48,6 +48,7 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
     build_batch,
+    kv_cache_report,
 )
 
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -122,7 +123,7 @@ class EngineCore:
     """
 
     # Methods a front end may call between steps of a core in another process (``core_messages.UtilityCall``).
-    UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks"})
+    UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks", "kv_cache_report"})
 
     def __init__(self, model: Union[str, os.PathLike], config: EngineConfig, *,
                  mesh: Optional[jax.sharding.Mesh] = None, core_index: int = 0):
@@ -225,6 +226,10 @@ class EngineCore:
         """
         probe = Request("prefix-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
         return self.scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
+
+    def kv_cache_report(self, block_map: bool = True) -> dict[str, Any]:
+        """The scheduler's KV diagnostics (``scheduler.diagnostics.kv_cache_report``) with this core's index."""
+        return {**kv_cache_report(self.scheduler, block_map), "core_index": self.core_index}
 
     def num_free_blocks(self) -> int:
         """Device KV blocks in the free queue (``num_blocks - 1`` when no request holds one)."""

@@ -7,6 +7,8 @@ from scheduler.batch import BatchDescriptor, build_batch
 from scheduler.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from scheduler.buckets import BucketTable, geometric_ladder
 from scheduler.config import SchedulerConfig
+from scheduler.degradation import DegradationController, GracefulDegradation
+from scheduler.diagnostics import kv_cache_report
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import PersistentBatch
@@ -20,8 +22,10 @@ __all__ = [
     "BatchDescriptor",
     "BlockPool",
     "BucketTable",
+    "DegradationController",
     "FCFSPolicy",
     "FreeBlockQueue",
+    "GracefulDegradation",
     "KVBlock",
     "KVCacheManager",
     "PersistentBatch",
@@ -40,4 +44,5 @@ __all__ = [
     "build_batch",
     "geometric_ladder",
     "get_policy",
+    "kv_cache_report",
 ]

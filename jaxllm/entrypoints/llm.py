@@ -54,6 +54,13 @@ class LLM:
         """The model's tokenizer, as vLLM's ``LLM.get_tokenizer()`` (None for a model without one)."""
         return self.engine.tokenizer
 
+    def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
+        """KV cache diagnostics (``LLMEngine.kv_cache_report``): a dict with ``num_blocks``, ``num_used_blocks``,
+        ``num_cached_free_blocks`` and ``num_free_blocks`` (adding up to ``num_blocks``), ``fragmentation``,
+        ``cache_crowding``, ``num_preemptions``, the queue depth, the largest request and the block map
+        (``scheduler.diagnostics``). ``jaxllm.diagnostics.render_kv_report`` draws it."""
+        return self.engine.kv_cache_report(core, block_map)
+
     def generate(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],

@@ -3,7 +3,8 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
 server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a final usage chunk),
 ``GET /health`` (503 once an engine core died), ``GET /metrics`` (Prometheus), ``POST /tokenize``,
-``POST /detokenize``, ``GET /version``.
+``POST /detokenize``, ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core: ``?core=0``,
+``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it).
 
 Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, a wrong
 type or a value out of range (naming the field and the limit), 401 for a missing or wrong key (``--api-key``,
@@ -137,6 +138,13 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None):
     async def metrics():
         return Response(prometheus_client.generate_latest(engine.metrics.registry),
                         media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/kv")
+    async def debug_kv(core: int = 0, block_map: bool = True):
+        try:
+            return await engine.kv_cache_report(core, block_map)
+        except ValueError as e:
+            raise APIError(400, str(e), "core") from None
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
