@@ -20,6 +20,7 @@ from jaxllm.core_client import EngineDeadError, MPClient, QueueFullError, check_
 from jaxllm.input_processor import InputProcessor
 from jaxllm.metrics import EngineMetrics
 from jaxllm.output_processor import OutputProcessor
+from jaxllm.prefix_warmup import preload_token_ids
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
@@ -54,6 +55,8 @@ class AsyncLLM:
         self.input_processor = InputProcessor(self.tokenizer, self.info, self.config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port)
+        if self.config.preload_prompts is not None:
+            self.client.preload_prefixes(preload_token_ids(self.config.preload_prompts, self.input_processor))
         self.dead: Optional[str] = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._output_task: Optional[asyncio.Task] = None

@@ -123,6 +123,10 @@ class InprocClient:
     def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
         return self.core.wait_for_warmup(timeout)
 
+    def preload_prefixes(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Compute ``prompts`` into the core's prefix cache (``EngineCore.preload_prefixes``)."""
+        self.core.preload_prefixes(prompts)
+
     def shutdown(self) -> None:
         self.core.runner.stop_warmup()
 
@@ -422,6 +426,14 @@ class MPClient:
 
     def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
         return all([self.call_utility(d, "wait_for_warmup", timeout) for d in range(len(self._cores))])
+
+    def preload_prefixes(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Compute ``prompts`` into every core's prefix cache (``EngineCore.preload_prefixes``); the router then
+        knows each core holds them, so requests sharing them are spread by load alone."""
+        for d in range(len(self._cores)):
+            self.call_utility(d, "preload_prefixes", [list(p) for p in prompts])
+            for ids in prompts:
+                self.router.record(d, ids, None)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every core (each aborts its requests and exits), waiting up to ``timeout`` seconds before killing;

@@ -19,6 +19,7 @@ from jaxllm.core_client import InprocClient, MPClient, QueueFullError, check_wai
 from jaxllm.input_processor import InputProcessor, PromptType
 from jaxllm.metrics import EngineMetrics
 from jaxllm.output_processor import OutputProcessor
+from jaxllm.prefix_warmup import preload_token_ids
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
@@ -66,6 +67,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.client.infos[0], self.config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port)
+        if self.config.preload_prompts is not None:
+            self.client.preload_prefixes(preload_token_ids(self.config.preload_prompts, self.input_processor))
 
     @property
     def core(self):

@@ -123,7 +123,8 @@ class EngineCore:
     """
 
     # Methods a front end may call between steps of a core in another process (``core_messages.UtilityCall``).
-    UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks", "kv_cache_report"})
+    UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks", "kv_cache_report",
+                                 "preload_prefixes"})
 
     def __init__(self, model: Union[str, os.PathLike], config: EngineConfig, *,
                  mesh: Optional[jax.sharding.Mesh] = None, core_index: int = 0):
@@ -226,6 +227,37 @@ class EngineCore:
         """
         probe = Request("prefix-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
         return self.scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
+
+    def preload_prefixes(self, prompts: Sequence[Sequence[int]]) -> dict[str, int]:
+        """Compute ``prompts`` (token ids, validated by the front end) into the prefix cache before serving, and
+        pin their full blocks (``Scheduler.pin_prefix``; only with graceful degradation, which releases them under
+        KV pressure). Each runs as a one-token greedy request; their prefix-cache lookups are not counted in
+        ``prefix_cache_queries``/``prefix_cache_hits`` (warm-up is not traffic).
+
+        Returns:
+          ``{"num_prompts", "num_cached_tokens" (prompt tokens now in full cached blocks), "num_pinned_blocks"}``.
+
+        Raises:
+          RuntimeError: requests are already queued or running (warm up before serving).
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("preload_prefixes: the core already has requests; warm the prefix cache up before "
+                               "serving")
+        sched = self.scheduler
+        counted = sched.prefix_cache_queries, sched.prefix_cache_hits
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        for i, ids in enumerate(prompts):
+            self.add_request(EngineCoreRequest(f"preload-{i}", list(ids), params, seeds=[0], stop_ids=[],
+                                               bad_words_token_ids=[], eos_token_id=None,
+                                               arrival_time=time.monotonic()))
+        while self.has_unfinished_requests():
+            self.step()
+        sched.prefix_cache_queries, sched.prefix_cache_hits = counted
+        cached = sum(self.cached_prefix_tokens(ids) for ids in prompts)
+        pinned = sum(sched.pin_prefix(ids) for ids in prompts)
+        _log(f"preloaded {len(prompts)} prompts into the prefix cache: {cached} tokens in full blocks, "
+             f"{pinned} blocks pinned")
+        return dict(num_prompts=len(prompts), num_cached_tokens=cached, num_pinned_blocks=pinned)
 
     def kv_cache_report(self, block_map: bool = True) -> dict[str, Any]:
         """The scheduler's KV diagnostics (``scheduler.diagnostics.kv_cache_report``) with this core's index."""
