@@ -54,7 +54,9 @@ class AsyncLLM:
         self.info = self.client.infos[0]
         self.input_processor = InputProcessor(self.tokenizer, self.info, self.config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port)
+        self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port,
+                                     max_num_seqs=self.config.max_num_seqs,
+                                     max_num_batched_tokens=self.config.max_num_batched_tokens)
         if self.config.preload_prompts is not None:
             self.client.preload_prefixes(preload_token_ids(self.config.preload_prompts, self.input_processor))
         self.dead: Optional[str] = None

@@ -66,7 +66,9 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self.input_processor = InputProcessor(self.tokenizer, self.client.infos[0], self.config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port)
+        self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port,
+                                     max_num_seqs=self.config.max_num_seqs,
+                                     max_num_batched_tokens=self.config.max_num_batched_tokens)
         if self.config.preload_prompts is not None:
             self.client.preload_prefixes(preload_token_ids(self.config.preload_prompts, self.input_processor))
 

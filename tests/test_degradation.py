@@ -152,7 +152,7 @@ def test_engine_burst_preemptions_on_vs_off_same_greedy_text_blocks_and_limits_r
     for flag in (False, True):
         llm = LLM(model=stories_dir, graceful_degradation=flag, **ENGINE)
         engine = llm.engine
-        seats = []
+        seats, requeued = [], 0.0
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         outputs = {}
@@ -160,8 +160,11 @@ def test_engine_burst_preemptions_on_vs_off_same_greedy_text_blocks_and_limits_r
             for out in engine.step():
                 if out.finished:
                     outputs[out.request_id] = out.outputs[0].token_ids
-            seats.append(engine.metrics.registry.get_sample_value("jaxllm:effective_max_num_seqs"))
+            registry = engine.metrics.registry
+            seats.append(registry.get_sample_value("jaxllm:effective_max_num_seqs"))
+            requeued = max(requeued, registry.get_sample_value("jaxllm:scheduler_queue_depth", {"kind": "preempted"}))
         results[flag] = [outputs[str(i)] for i in range(12)], engine.scheduler.num_preemptions, seats
+        assert requeued >= 1  # preempted requests show in the queue depth
         assert engine.scheduler.block_pool.num_free_blocks == 16
         assert all(len(tokens) == 12 for tokens in results[flag][0])
     assert results[True][0] == results[False][0]
