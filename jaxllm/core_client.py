@@ -218,7 +218,7 @@ class MPClient:
     def __init__(self, model: Union[str, os.PathLike], config: EngineConfig) -> None:
         if not isinstance(config.scheduling_policy, str):
             raise ValueError(f"scheduling_policy={config.scheduling_policy!r}: a core in another process takes a "
-                             "policy name ('fcfs', 'priority', 'sjf', 'aging')")
+                             "policy name ('fcfs', 'priority', 'sjf', 'aging', 'load_aware')")
         self._dir = tempfile.mkdtemp(prefix="jaxllm-core-")
         self._ctx = zmq.Context()
         self._output = self._ctx.socket(zmq.PULL)

@@ -12,7 +12,7 @@ from scheduler.diagnostics import kv_cache_report
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import PersistentBatch
-from scheduler.policy import AgingPolicy, FCFSPolicy, Policy, PriorityPolicy, SJFPolicy, get_policy
+from scheduler.policy import AgingPolicy, FCFSPolicy, LoadAwarePolicy, Policy, PriorityPolicy, SJFPolicy, get_policy
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, UnknownRequestError
@@ -28,6 +28,7 @@ __all__ = [
     "GracefulDegradation",
     "KVBlock",
     "KVCacheManager",
+    "LoadAwarePolicy",
     "PersistentBatch",
     "Policy",
     "PriorityPolicy",

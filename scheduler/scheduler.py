@@ -325,6 +325,9 @@ class Scheduler:
         if len(self._pending) >= self._max_pending:
             raise RuntimeError("schedule() called again before update_from_output() of the previous output")
         now = self._clock()
+        if self.policy.observes_load and self.policy.observe_load(len(self.waiting), len(self.running), now):
+            self.policy.sort(self.running, now)
+            self._waiting_dirty = True
         step = _Step(self.max_num_batched_tokens, now)
         self._schedule_running(step)
         self._schedule_waiting(step)
