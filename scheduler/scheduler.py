@@ -279,7 +279,9 @@ class Scheduler:
         del self.requests[parent_id]
         parent.status = RequestStatus.FINISHED_STOPPED
         self._num_stopped += 1
-        seats = self.max_num_seqs - len(self.running)
+        # The parent's own seat at least: while degradation holds the batch under its size, the first child
+        # takes over that seat rather than recomputing the prompt later.
+        seats = max(self.max_num_seqs - len(self.running), 1)
         num_forked, copies = self.kv_cache_manager.fork(parent, children[:seats])
         for child in children[:num_forked]:
             self._prepare(child)

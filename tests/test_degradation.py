@@ -11,7 +11,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineConfig
 from jaxllm.core_client import QueueFullError
-from scheduler import Scheduler, SchedulerConfig
+from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from scheduler.degradation import DegradationController, GracefulDegradation
 from tests._scheduler_harness import FakeClock, FakeRunner, check_block_invariants, make_request, reference_output, step
 
@@ -195,3 +195,29 @@ def test_engine_refuses_arrivals_past_max_waiting_requests_and_runs_the_rest(sto
     with pytest.raises(QueueFullError):
         llm.generate([_prompt(i) for i in range(9)], params, use_tqdm=False)
     assert not engine.output_processor.requests and not engine.scheduler.requests
+
+
+def test_fork_while_backed_off_below_the_running_count_gives_the_first_child_the_parent_seat():
+    # Regression: with seats in force under the running count, the free-seat count went negative and
+    # children[:negative] forked all but the last children.
+    config = SchedulerConfig(num_blocks=33, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    sched, runner = Scheduler(config, clock=FakeClock()), FakeRunner(config)
+    prompt = [5, 8, 13, 21, 34, 2, 7, 1, 9, 4]
+    parent = make_request("parent", prompt[:-1], params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    sched.add_request(parent)
+    for i in range(2):
+        sched.add_request(make_request(f"o{i}", [40 + i, 41, 42], max_tokens=20))
+    step(sched, runner)
+    for _ in range(20):  # pressure: down to ceil(4 * 0.2) = 1 seat, with 3 running
+        sched.degradation.observe(0, num_preemptions=0, idle=False)
+    assert sched.max_num_seqs == 1 and len(sched.running) == 3
+    children = [make_request(f"c{i}", prompt, max_tokens=4) for i in range(3)]
+    copies = sched.fork_request("parent", children)
+    assert [c.request_id for c in sched.running if c.request_id.startswith("c")] == ["c0"] and copies == []
+    assert [r.request_id for r in sched.waiting] == ["c1", "c2"]
+    check_block_invariants(sched)
+    while sched.has_unfinished_requests():
+        step(sched, runner)
+    for c in children:
+        assert c.output_token_ids == reference_output(prompt, c.sampling_params, None, 64)
+    assert sched.block_pool.num_free_blocks == 32
