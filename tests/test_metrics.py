@@ -234,10 +234,12 @@ class LLM:
             token_ids=(p["prompt_token_ids"] * s.max_tokens)[:s.max_tokens])]) for p, s in zip(prompts, params)]
 """
 SERVING_FIELDS = {
-    "batching", "num_requests", "duration_s", "request_throughput", "output_throughput", "num_output_tokens",
+    "batching", "graceful_degradation", "measured_capacity", "num_requests", "duration_s", "request_throughput",
+    "output_throughput", "num_output_tokens",
     "max_concurrency", "num_preemptions", "kv_live_slot_fraction", "mean_kv_cache_usage", "peak_kv_cache_usage",
     "compilations",
-} | {f"{m}_{s}" for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s") for s in ("mean", "p50", "p90", "p99")}
+} | {f"{m}_{s}" for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "step_s")
+      for s in ("mean", "p50", "p90", "p99")}
 
 
 def _run_script(name: str, args: list[str], tmp_path: Path, env: dict | None = None) -> dict:
