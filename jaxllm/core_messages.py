@@ -108,8 +108,14 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
       prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in, and served from, the prefix cache.
       num_preemptions: preemptions.
       compilations: programs the runner built (warm-up included).
+      num_preempted_waiting: of the waiting requests, those preempted.
+      max_num_seqs, max_num_batched_tokens: the limits in force (below the
+        configured ones while graceful degradation backs off).
+      prompt_len_cv: coefficient of variation (std / mean) of the running
+        requests' prompt lengths; 0 with fewer than two running.
       schedule_seconds: host time of this step's ``schedule()``.
       num_scheduled_tokens: tokens computed in this step.
+      step_seconds: wall time of the whole step (schedule, batch, device, sample read-back).
     """
 
     num_running: int
@@ -123,8 +129,13 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_hits: int
     num_preemptions: int
     compilations: int
+    num_preempted_waiting: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prompt_len_cv: float
     schedule_seconds: Optional[float] = None
     num_scheduled_tokens: Optional[int] = None
+    step_seconds: Optional[float] = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="outputs"):

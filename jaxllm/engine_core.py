@@ -48,6 +48,7 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
     build_batch,
+    kv_cache_report,
 )
 
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -122,7 +123,8 @@ class EngineCore:
     """
 
     # Methods a front end may call between steps of a core in another process (``core_messages.UtilityCall``).
-    UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks"})
+    UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks", "kv_cache_report",
+                                 "preload_prefixes"})
 
     def __init__(self, model: Union[str, os.PathLike], config: EngineConfig, *,
                  mesh: Optional[jax.sharding.Mesh] = None, core_index: int = 0):
@@ -194,7 +196,7 @@ class EngineCore:
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=c.enable_chunked_prefill,
             long_prefill_token_threshold=c.long_prefill_token_threshold, scheduling_policy=c.scheduling_policy,
             preemption_mode=c.preemption_mode, num_host_blocks=c.num_host_blocks,
-            async_scheduling=c.async_scheduling,
+            async_scheduling=c.async_scheduling, graceful_degradation=c.graceful_degradation,
         )
 
     def info(self) -> CoreInfo:
@@ -225,6 +227,41 @@ class EngineCore:
         """
         probe = Request("prefix-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
         return self.scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
+
+    def preload_prefixes(self, prompts: Sequence[Sequence[int]]) -> dict[str, int]:
+        """Compute ``prompts`` (token ids, validated by the front end) into the prefix cache before serving, and
+        pin their full blocks (``Scheduler.pin_prefix``; only with graceful degradation, which releases them under
+        KV pressure). Each runs as a one-token greedy request; their prefix-cache lookups are not counted in
+        ``prefix_cache_queries``/``prefix_cache_hits`` (warm-up is not traffic).
+
+        Returns:
+          ``{"num_prompts", "num_cached_tokens" (prompt tokens now in full cached blocks), "num_pinned_blocks"}``.
+
+        Raises:
+          RuntimeError: requests are already queued or running (warm up before serving).
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("preload_prefixes: the core already has requests; warm the prefix cache up before "
+                               "serving")
+        sched = self.scheduler
+        counted = sched.prefix_cache_queries, sched.prefix_cache_hits
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        for i, ids in enumerate(prompts):
+            self.add_request(EngineCoreRequest(f"preload-{i}", list(ids), params, seeds=[0], stop_ids=[],
+                                               bad_words_token_ids=[], eos_token_id=None,
+                                               arrival_time=time.monotonic()))
+        while self.has_unfinished_requests():
+            self.step()
+        sched.prefix_cache_queries, sched.prefix_cache_hits = counted
+        cached = sum(self.cached_prefix_tokens(ids) for ids in prompts)
+        pinned = sum(sched.pin_prefix(ids) for ids in prompts)
+        _log(f"preloaded {len(prompts)} prompts into the prefix cache: {cached} tokens in full blocks, "
+             f"{pinned} blocks pinned")
+        return dict(num_prompts=len(prompts), num_cached_tokens=cached, num_pinned_blocks=pinned)
+
+    def kv_cache_report(self, block_map: bool = True) -> dict[str, Any]:
+        """The scheduler's KV diagnostics (``scheduler.diagnostics.kv_cache_report``) with this core's index."""
+        return {**kv_cache_report(self.scheduler, block_map), "core_index": self.core_index}
 
     def num_free_blocks(self) -> int:
         """Device KV blocks in the free queue (``num_blocks - 1`` when no request holds one)."""
@@ -353,8 +390,9 @@ class EngineCore:
                 outputs.append(self._output(*owner))
             elif request.request_id in self._parents and self._parents[request.request_id].parent is request:
                 self._advance_parent(request)
-        return EngineCoreOutputs(outputs, self.stats(schedule_seconds, sched_out.total_num_scheduled_tokens),
-                                 self.core_index)
+        stats = self.stats(schedule_seconds, sched_out.total_num_scheduled_tokens)
+        stats.step_seconds = time.perf_counter() - schedule_start
+        return EngineCoreOutputs(outputs, stats, self.core_index)
 
     def _launch(self, sched_out: SchedulerOutput, prev_tokens: Optional[jax.Array]) -> Optional[_Dispatched]:
         """Do the output's block copies and dispatch its step (None when it has no rows).
@@ -468,9 +506,21 @@ class EngineCore:
             num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks, kv_live_slots=live,
             kv_allocated_slots=allocated, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            compilations=self.runner.num_compilations, schedule_seconds=schedule_seconds,
+            compilations=self.runner.num_compilations, num_preempted_waiting=s.num_preempted_waiting,
+            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+            prompt_len_cv=self._prompt_len_cv(), schedule_seconds=schedule_seconds,
             num_scheduled_tokens=num_scheduled_tokens,
         )
+
+    def _prompt_len_cv(self) -> float:
+        """Coefficient of variation (population std / mean) of the running requests' prompt lengths, in tokens;
+        0 with fewer than two running (the board's "request mix" signal: high when short and long prompts share
+        the batch)."""
+        running = self.scheduler.running
+        if len(running) < 2:
+            return 0.0
+        lengths = np.fromiter((r.num_prompt_tokens for r in running), np.float64, len(running))
+        return float(lengths.std() / lengths.mean())
 
     def _kv_slots(self) -> tuple[int, int]:
         """(slots holding a computed token, allocated slots) over the referenced device blocks.

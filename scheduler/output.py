@@ -170,6 +170,8 @@ class SchedulerStats:
       num_preemptions: preemptions so far, cumulative.
       num_free_blocks: device blocks in the free queue.
       num_blocks: device blocks in all, including the null block.
+      max_num_seqs, max_num_batched_tokens: the limits in force (lower than
+        the configured ones while graceful degradation backs off).
     """
 
     num_running: int
@@ -181,3 +183,5 @@ class SchedulerStats:
     num_preemptions: int
     num_free_blocks: int
     num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int

@@ -52,7 +52,8 @@ def test_core_messages_survive_msgpack():
     assert decode_input(encode(request)) == request
     assert decode_input(encode(AbortRequests(["a", "b"]))) == AbortRequests(["a", "b"])
     assert decode_input(encode(StopSequences([("a", 1)]))) == StopSequences([("a", 1)])
-    stats = CoreStats(1, 2, 0.5, 3, 9, 10, 12, 5, 4, 0, 2, schedule_seconds=0.001, num_scheduled_tokens=17)
+    stats = CoreStats(1, 2, 0.5, 3, 9, 10, 12, 5, 4, 0, 2, 1, 6, 48, 0.25, schedule_seconds=0.001,
+                      num_scheduled_tokens=17, step_seconds=0.01)
     outputs = EngineCoreOutputs([EngineCoreOutput("r", 1, [9], finish_reason="stop", stop_reason=2,
                                                   new_logprobs=[SampleLogprobs(9, -0.5, 1, [9, 8], [-0.5, -1.0])],
                                                   first_scheduled_time=3.0)], stats, core_index=1)

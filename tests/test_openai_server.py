@@ -338,6 +338,27 @@ def test_metrics_endpoint_serves_the_engine_series(server):
         assert name in body
 
 
+def test_debug_kv_and_jaxllm_diag_read_the_running_engine(server, tmp_path, capsys):
+    from jaxllm.cli import main as jaxllm_main
+
+    body = dict(prompt=PROMPT, max_tokens=120, temperature=0, ignore_eos=True, stream=True)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+        report = httpx.get(f"{server.url}/debug/kv").json()
+        png = tmp_path / "kv.png"
+        assert jaxllm_main(["diag", "--url", server.url, "--visualize", str(png)]) == 0
+    assert report["num_used_blocks"] + report["num_cached_free_blocks"] + report["num_free_blocks"] == \
+        report["num_blocks"] == len(report["blocks"])
+    assert report["blocks"][0]["state"] == "null" and report["core_index"] == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"KV blocks: {report['num_blocks']} of 16 tokens" in capsys.readouterr().out
+    numbers = httpx.get(f"{server.url}/debug/kv", params=dict(block_map="false")).json()
+    assert "blocks" not in numbers and numbers["num_blocks"] == report["num_blocks"]
+    bad = httpx.get(f"{server.url}/debug/kv", params=dict(core=3))
+    assert bad.status_code == 400 and "core=3" in bad.json()["error"]["message"]
+    wait_until_idle(server)
+
+
 def test_a_client_that_disconnects_aborts_its_request_and_frees_its_blocks(server):
     before = server.metric("jaxllm:generation_tokens_total")
     body = dict(prompt=PROMPT, max_tokens=500, temperature=0, ignore_eos=True, stream=True)
