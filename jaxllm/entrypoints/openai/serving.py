@@ -21,11 +21,11 @@ import msgspec
 from jaxllm.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
-from scheduler import SamplingParams
+from scheduler import SamplingParams, StructuredOutputsParams
 
 # Sampling fields the model's generation_config.json may set defaults for.
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-_PARAM = re.compile(r"SamplingParams\.(\w+)=")
+_PARAM = re.compile(r"SamplingParams\.(\w+)")
 
 
 class APIError(Exception):
@@ -164,11 +164,14 @@ class OpenAIServing:
                 stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
                 skip_special_tokens=request.skip_special_tokens,
-                include_stop_str_in_output=request.include_stop_str_in_output, **values,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                structured_outputs=structured_outputs(request), **values,
             )
         except ValueError as e:
             match = _PARAM.search(str(e))
             param = match[1] if match else None
+            if param == "structured_outputs" and request.structured_outputs is None:
+                param = "response_format"
             raise APIError(400, str(e).replace("SamplingParams.", ""),
                            logprobs_param if param == "logprobs" else param) from None
 
@@ -189,7 +192,8 @@ class OpenAIServing:
             for rid in ids:
                 self.engine.abort(rid)
             message = str(e)
-            param = "priority" if message.startswith("priority") else "prompt"
+            param = ("priority" if message.startswith("priority") else
+                     "structured_outputs" if "structured_outputs" in message else "prompt")
             raise APIError(400, message.replace("SamplingParams.", ""), param) from None
         except BaseException:
             for rid in ids:
@@ -415,6 +419,29 @@ class OpenAIServing:
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": self.tokenizer.decode(tokens)}
+
+
+def structured_outputs(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[StructuredOutputsParams]:
+    """The request's output constraint: vLLM's ``structured_outputs`` field if given, else OpenAI's
+    ``response_format`` (``json_object``: any JSON object; ``json_schema``: its ``schema``).
+
+    Raises:
+      APIError: 400 for unknown ``structured_outputs`` fields or a ``json_schema`` format without a schema
+        (bad values raise ``ValueError`` naming the field, mapped like other sampling fields).
+    """
+    if request.structured_outputs is not None:
+        try:
+            return StructuredOutputsParams(**request.structured_outputs)
+        except TypeError as e:
+            raise APIError(400, f"structured_outputs: {e}", "structured_outputs") from None
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise APIError(400, "response_format of type json_schema needs json_schema.schema", "response_format")
+    return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
