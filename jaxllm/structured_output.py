@@ -263,10 +263,6 @@ class StructuredOutputManager:
         fed = ((output.prev_row >= 0) & output.samples).nonzero()[0]
         return any(output.requests[i].request_id in self._seqs for i in fed.tolist())
 
-    def shutdown(self) -> None:
-        """Stop the compile threads (compiles already running finish)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     @property
     def num_grammars(self) -> int:
         """Grammars compiled or compiling, held in the cache."""

@@ -18,6 +18,9 @@ import pytest
 
 from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxllm.core_messages import EngineCoreRequest
+from jaxllm.structured_output import StructuredOutputManager
+from jaxllm.tokenizer import load_tokenizer
+from scheduler import Request, SchedulerOutput
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -174,6 +177,8 @@ def test_each_constraint_compiles_once_and_the_metrics_saw_the_bitmask(llm, mixe
     assert registry.get_sample_value("jaxllm:num_requests_waiting_for_grammar") == 0
     assert core.structured.num_sequences == 0
     assert core.scheduler.block_pool.num_free_blocks == core.num_blocks - 1
+    # The chat prompts share the template's system prompt: constrained requests read the prefix cache too.
+    assert core.scheduler.prefix_cache_hits > 0
 
 
 @pytest.mark.parametrize("field, value, words", [
@@ -195,6 +200,59 @@ def test_exactly_one_constraint_is_required():
         SO()
     with pytest.raises(ValueError, match=r"got \['regex', 'choice'\]"):
         SO(regex="a", choice=["a"])
+
+
+# ------------------------------------------------------- the manager, alone
+
+def _manager(stories_dir, vocab_size):
+    return StructuredOutputManager(lambda: load_tokenizer(stories_dir), vocab_size, [2])
+
+
+def _row(request, sample_index=0):
+    return SchedulerOutput(requests=[request], samples=np.array([True]), sample_index=np.array([sample_index]))
+
+
+def _allowed(bitmask, row=0):
+    return np.flatnonzero(np.unpackbits(bitmask[row].view(np.uint8), bitorder="little"))
+
+
+def test_padding_ids_of_a_vocabulary_larger_than_the_tokenizers_are_never_allowed(stories_dir):
+    manager = _manager(stories_dir, 600)  # stories260K's tokenizer has 512 ids
+    request = Request("r", [1], SamplingParams())
+    manager.add(request, manager.compile(SO(regex=r"(.|\n)*")))
+    bitmask = manager.bitmask(_row(request), num_rows=4)
+    assert bitmask.shape == (4, 19) and bitmask.dtype == np.int32
+    allowed = _allowed(bitmask)
+    assert 2 in allowed and 300 < len(allowed) and allowed.max() < 512
+    assert (bitmask[1:] == -1).all()  # padding rows: everything
+    assert manager.bitmask_seconds > 0
+
+
+def test_equal_constraints_share_one_compile_and_each_sequence_its_own_matcher(stories_dir):
+    manager = _manager(stories_dir, 512)
+    first = manager.compile(SO(choice=["cat", "dog"]))
+    assert manager.compile(SO(choice=["cat", "dog"])) is first
+    assert manager.compile(SO(choice=["dog", "cat"])) is not first
+    assert manager.num_grammars == 2
+    vocab = load_tokenizer(stories_dir).backend.token_to_id
+    a, b = Request("a", [1], SamplingParams()), Request("b", [1], SamplingParams())
+    for request in (a, b):
+        manager.add(request, first)
+    a.output_token_ids.extend([vocab("c"), vocab("at")])
+    manager.advance([a, b])
+    assert _allowed(manager.bitmask(_row(a, len(a.output_token_ids)), 1)).tolist() == [2]  # only eos is left
+    assert len(_allowed(manager.bitmask(_row(b), 1))) > 1  # b is still at the start
+
+
+def test_a_token_the_grammar_rejects_or_a_matcher_out_of_step_raises(stories_dir):
+    manager = _manager(stories_dir, 512)
+    request = Request("r", [1], SamplingParams())
+    manager.add(request, manager.compile(SO(regex="[0-9]+")))
+    with pytest.raises(RuntimeError, match="has consumed 0 tokens but the step samples output token 3"):
+        manager.bitmask(_row(request, 3), 1)
+    request.output_token_ids.append(load_tokenizer(stories_dir).backend.token_to_id("x"))
+    with pytest.raises(RuntimeError, match="the grammar rejected sampled token"):
+        manager.advance([request])
 
 
 # --------------------------------------------------------------- stories260K
