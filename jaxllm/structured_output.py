@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -74,9 +75,17 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
         the message names the field and carries llguidance's error.
     """
     field, grammar = grammar_spec(params)
+    error = _grammar_error(grammar)
+    if error is not None:
+        raise ValueError(f"SamplingParams.structured_outputs.{field} is invalid: {error}")
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def _grammar_error(grammar: str) -> Optional[str]:
+    """llguidance's error for ``grammar``, None when it is valid (a check costs milliseconds: batches of
+    requests with one schema pay it once)."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise ValueError(f"SamplingParams.structured_outputs.{field} is invalid: {messages[0].strip()}")
+    return messages[0].strip() if is_error else None
 
 
 def _compiled_ok(future: concurrent.futures.Future) -> bool:
