@@ -150,6 +150,8 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(grammar)
+            if future.done() and future.exception() is not None:
+                self._failed.set()  # so that the new request is aborted too
         return future
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
@@ -186,7 +188,7 @@ class StructuredOutputManager:
         return lambda: _compiled_ok(future)
 
     def remove(self, request_id: str) -> None:
-        """Forget a finished, aborted or forked-away sequence (unknown ids are ignored)."""
+        """Forget a finished or aborted sequence (unknown ids are ignored)."""
         self._seqs.pop(request_id, None)
 
     def take_failed(self) -> list[tuple[str, str]]:

@@ -313,6 +313,10 @@ def test_grammar_failing_in_the_core_aborts_only_its_request(stories_dir):
         time.sleep(0.01)
     assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outputs] == [("bad", "abort", [])]
     assert not core.has_unfinished_requests()
+    # The failure is cached with the grammar: the same constraint again is aborted at the next step.
+    core.add_request(EngineCoreRequest("again", [5, 6], SamplingParams(structured_outputs=SO(regex="[a-")),
+                                       [0], [2], [], 2, 0.0))
+    assert [(o.request_id, o.finish_reason) for o in core.step().outputs] == [("again", "abort")]
     good = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(good[0].outputs[0].token_ids) == 4
     assert core.scheduler.block_pool.num_free_blocks == core.num_blocks - 1
