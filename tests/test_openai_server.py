@@ -248,7 +248,7 @@ BAD_REQUESTS = [
     ("response_format with an invalid schema", "/v1/chat/completions",
      dict(messages=[{"role": "user", "content": "hi"}],
           response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}),
-     400, "structured_outputs", "structured_outputs.json is invalid"),
+     400, "response_format", "structured_outputs.json is invalid"),
     ("response_format json_schema without a schema", "/v1/chat/completions",
      dict(messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_schema"}), 400,
      "response_format", "json_schema.schema"),

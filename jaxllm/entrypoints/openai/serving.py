@@ -21,11 +21,12 @@ import msgspec
 from jaxllm.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.structured_output import validate_structured_outputs
 from scheduler import SamplingParams, StructuredOutputsParams
 
 # Sampling fields the model's generation_config.json may set defaults for.
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-_PARAM = re.compile(r"SamplingParams\.(\w+)")
+_PARAM = re.compile(r"SamplingParams\.(\w+)=")
 
 
 class APIError(Exception):
@@ -170,8 +171,6 @@ class OpenAIServing:
         except ValueError as e:
             match = _PARAM.search(str(e))
             param = match[1] if match else None
-            if param == "structured_outputs" and request.structured_outputs is None:
-                param = "response_format"
             raise APIError(400, str(e).replace("SamplingParams.", ""),
                            logprobs_param if param == "logprobs" else param) from None
 
@@ -192,8 +191,7 @@ class OpenAIServing:
             for rid in ids:
                 self.engine.abort(rid)
             message = str(e)
-            param = ("priority" if message.startswith("priority") else
-                     "structured_outputs" if "structured_outputs" in message else "prompt")
+            param = "priority" if message.startswith("priority") else "prompt"
             raise APIError(400, message.replace("SamplingParams.", ""), param) from None
         except BaseException:
             for rid in ids:
@@ -422,26 +420,31 @@ class OpenAIServing:
 
 
 def structured_outputs(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[StructuredOutputsParams]:
-    """The request's output constraint: vLLM's ``structured_outputs`` field if given, else OpenAI's
+    """The request's output constraint, checked: vLLM's ``structured_outputs`` field if given, else OpenAI's
     ``response_format`` (``json_object``: any JSON object; ``json_schema``: its ``schema``).
 
     Raises:
-      APIError: 400 for unknown ``structured_outputs`` fields or a ``json_schema`` format without a schema
-        (bad values raise ``ValueError`` naming the field, mapped like other sampling fields).
+      APIError: 400 naming ``structured_outputs`` or ``response_format``: unknown fields, no or several
+        constraints, a ``json_schema`` format without a schema, a schema, regex or grammar the grammar engine
+        rejects.
     """
-    if request.structured_outputs is not None:
-        try:
-            return StructuredOutputsParams(**request.structured_outputs)
-        except TypeError as e:
-            raise APIError(400, f"structured_outputs: {e}", "structured_outputs") from None
+    param = "structured_outputs" if request.structured_outputs is not None else "response_format"
     fmt = request.response_format
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-        raise APIError(400, "response_format of type json_schema needs json_schema.schema", "response_format")
-    return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+    try:
+        if request.structured_outputs is not None:
+            constraint = StructuredOutputsParams(**request.structured_outputs)
+        elif fmt is None or fmt.type == "text":
+            return None
+        elif fmt.type == "json_object":
+            constraint = StructuredOutputsParams(json_object=True)
+        elif fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema", param)
+        else:
+            constraint = StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        validate_structured_outputs(constraint)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, f"{e}".replace("SamplingParams.", ""), param) from None
+    return constraint
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
