@@ -116,6 +116,8 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
       schedule_seconds: host time of this step's ``schedule()``.
       num_scheduled_tokens: tokens computed in this step.
       step_seconds: wall time of the whole step (schedule, batch, device, sample read-back).
+      num_waiting_for_grammar: waiting requests whose structured-output grammar is still compiling.
+      grammar_bitmask_seconds: host time of this step's structured-output bitmask (None: no constrained row).
     """
 
     num_running: int
@@ -136,6 +138,8 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     schedule_seconds: Optional[float] = None
     num_scheduled_tokens: Optional[int] = None
     step_seconds: Optional[float] = None
+    num_waiting_for_grammar: int = 0
+    grammar_bitmask_seconds: Optional[float] = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="outputs"):

@@ -12,6 +12,13 @@ computes the last prompt token itself (a one-token step) and samples with its ow
 
 Prompt logprobs (``jaxllm.prompt_logprobs``) are computed by the request that computes the prompt: the sequence
 itself, or the prefill parent.
+
+Structured output (``jaxllm.structured_output``): a constrained request's grammar compiles in a thread pool while
+the request waits in the scheduler (``WAITING_FOR_FSM``; a prefill parent waits too, so its forked sequences find
+it ready); each sequence has its own matcher, which fills its row of the step's token bitmask and consumes its
+sampled tokens. Under async scheduling the bitmask of step N+1 needs step N's token: a step that holds a
+constrained row fed by the step in flight first applies that step (reads its samples, as without async), then
+builds the bitmask and launches; steps without such rows keep the overlap.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache, fetc
 from jaxllm.sampling import MAX_BANNED_IDS
 from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
 from jaxllm.sharding import make_mesh
+from jaxllm.structured_output import StructuredOutputManager
+from jaxllm.tokenizer import load_tokenizer
 from kernels_pallas import default_attention_backend, get_attention_ops
 from scheduler import (
     BucketTable,
@@ -115,7 +124,8 @@ class EngineCore:
       core_index: this core's data-parallel rank (reported with its outputs).
 
     Attributes:
-      scheduler, runner, buckets, num_blocks, model_config, max_model_len, hf_config, sharding, dtype.
+      scheduler, runner, buckets, num_blocks, model_config, max_model_len, hf_config, sharding, dtype,
+      structured (the ``StructuredOutputManager``; it loads the model's tokenizer at the first constraint).
 
     Raises:
       ValueError: a bad model path, an unsupported architecture, a config value out of range (named with its
@@ -158,6 +168,7 @@ class EngineCore:
             bf16_as_uint16=backend != "pallas" and self.sharding.mesh.devices.flat[0].platform == "cpu",
         )
         self.slots = SamplingSlots(config.max_num_seqs + 1, cfg.vocab_size, self.runner)
+        self.structured = StructuredOutputManager(lambda: load_tokenizer(path), cfg.vocab_size, cfg.eos_token_ids)
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(self._scheduler_config())
         b = self.buckets
@@ -268,12 +279,15 @@ class EngineCore:
         return self.scheduler.block_pool.num_free_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request the front end has validated (``jaxllm.input_processor``)."""
+        """Queue a request the front end has validated (``jaxllm.input_processor``); a structured-output
+        constraint starts compiling (off this thread) and the request waits for it."""
         params = request.sampling_params
         ids = request.prompt_token_ids
         n = params.n
+        grammar = None if params.structured_outputs is None else self.structured.compile(params.structured_outputs)
         kwargs = dict(eos_token_id=request.eos_token_id, arrival_time=request.arrival_time,
-                      priority=request.priority, cache_salt=request.cache_salt)
+                      priority=request.priority, cache_salt=request.cache_salt,
+                      grammar_ready=None if grammar is None else self.structured.ready(grammar))
         seqs = []
         for i, seed in enumerate(request.seeds):
             seq_params = params
@@ -283,6 +297,8 @@ class EngineCore:
             seq = _Sequence(Request(seq_id, ids, seq_params, **kwargs), i,
                             logprobs=None if params.logprobs is None else [])
             seqs.append(seq)
+            if grammar is not None:
+                self.structured.add(seq.request, grammar)
             self.slots.register(seq_id, make_sequence_sampling(seq_params, seed, request.stop_ids,
                                                                self.model_config.vocab_size,
                                                                request.bad_words_token_ids))
@@ -359,6 +375,7 @@ class EngineCore:
           an output for every sequence that produced a token or finished in
           this step, and the core's stats after it.
         """
+        outputs = self._fail_grammars()
         schedule_start = time.perf_counter()
         sched_out = self.scheduler.schedule()
         schedule_seconds = time.perf_counter() - schedule_start
@@ -368,8 +385,13 @@ class EngineCore:
             self._record_cached_tokens(sched_out)
         touched: list[Request] = list(sched_out.finished)
         prev = self._in_flight
+        prev_tokens = None if prev is None else prev.dispatched.next_prev
+        if prev is not None and self.structured.needs_previous_samples(sched_out):
+            # A constrained row's bitmask needs the token the step in flight samples for it.
+            touched += self._apply(prev)
+            prev = self._in_flight = None
         try:
-            launched = _Launched(sched_out, self._launch(sched_out, prev.dispatched.next_prev if prev else None))
+            launched = _Launched(sched_out, self._launch(sched_out, prev_tokens))
         except Exception:
             # Its rows never ran: they go back to waiting, so the engine stays usable.
             self.scheduler.discard_output(sched_out)
@@ -383,16 +405,31 @@ class EngineCore:
             done.append(launched)
         for step in done:
             touched += self._apply(step)
-        outputs = []
         for request in dict.fromkeys(touched):
             owner = self._seqs.get(request.request_id)
             if owner is not None and owner[1].request is request:
                 outputs.append(self._output(*owner))
             elif request.request_id in self._parents and self._parents[request.request_id].parent is request:
                 self._advance_parent(request)
-        stats = self.stats(schedule_seconds, sched_out.total_num_scheduled_tokens)
+        bitmask_seconds = self.structured.bitmask_seconds if launched.dispatched is not None else None
+        stats = self.stats(schedule_seconds, sched_out.total_num_scheduled_tokens, bitmask_seconds)
         stats.step_seconds = time.perf_counter() - schedule_start
         return EngineCoreOutputs(outputs, stats, self.core_index)
+
+    def _fail_grammars(self) -> list[EngineCoreOutput]:
+        """Abort the requests whose grammar failed to compile in the core (valid for the front end, not with
+        the model's tokenizer): each sequence is reported finished with "abort"."""
+        outputs = []
+        for rid, error in self.structured.take_failed():
+            owner = self._seqs.get(rid)
+            if owner is None or owner[0].request_id not in self._groups:
+                continue
+            group = owner[0]
+            _log(f"request {group.request_id!r}: its grammar failed to compile, so it is aborted: {error}")
+            outputs += [EngineCoreOutput(group.request_id, seq.index, [], finish_reason="abort")
+                        for seq in group.seqs if seq.request.request_id in self._seqs]
+            self.abort_requests([group.request_id])
+        return outputs
 
     def _launch(self, sched_out: SchedulerOutput, prev_tokens: Optional[jax.Array]) -> Optional[_Dispatched]:
         """Do the output's block copies and dispatch its step (None when it has no rows).
@@ -406,8 +443,9 @@ class EngineCore:
             return None
         batch = build_batch(sched_out, self.runner.serving_buckets())
         targets = prompt_targets(sched_out.scheduled, self._prompt_lp, batch.input_ids.shape[0])
-        out, next_prev = self.runner.dispatch(batch, self.slots.arrays(sched_out, batch.seq_lens.shape[0]),
-                                              prev_tokens, targets)
+        num_rows = batch.seq_lens.shape[0]
+        out, next_prev = self.runner.dispatch(batch, self.slots.arrays(sched_out, num_rows), prev_tokens, targets,
+                                              self.structured.bitmask(sched_out, num_rows))
         return _Dispatched(out, next_prev, 0 if targets is None else batch.num_tokens)
 
     def _apply(self, step: _Launched) -> list[Request]:
@@ -416,6 +454,7 @@ class EngineCore:
         sampled = None if d is None else fetch_rows(d.out, len(step.sched_out.scheduled), d.num_token_rows)
         tokens = np.zeros(0, np.int32) if sampled is None else sampled["token_ids"]
         touched = self.scheduler.update_from_output(step.sched_out, tokens)
+        self.structured.advance(touched)
         if sampled is not None:
             self._record_logprobs(step.sched_out, sampled)
             if d.num_token_rows:
@@ -493,12 +532,15 @@ class EngineCore:
     def _forget(self, request_id: str) -> None:
         """Drop a sequence's (or a parent's) per-request state."""
         self.slots.forget(request_id)
+        self.structured.remove(request_id)
         self._seqs.pop(request_id, None)
         self._prompt_lp.pop(request_id, None)
         self._unscheduled.pop(request_id, None)
 
-    def stats(self, schedule_seconds: Optional[float] = None, num_scheduled_tokens: Optional[int] = None) -> CoreStats:
-        """The core's ``CoreStats`` now (``schedule_seconds`` and ``num_scheduled_tokens`` of the step just run)."""
+    def stats(self, schedule_seconds: Optional[float] = None, num_scheduled_tokens: Optional[int] = None,
+              grammar_bitmask_seconds: Optional[float] = None) -> CoreStats:
+        """The core's ``CoreStats`` now (``schedule_seconds``, ``num_scheduled_tokens`` and
+        ``grammar_bitmask_seconds`` of the step just run)."""
         s = self.scheduler.stats
         live, allocated = self._kv_slots()
         return CoreStats(
@@ -509,7 +551,8 @@ class EngineCore:
             compilations=self.runner.num_compilations, num_preempted_waiting=s.num_preempted_waiting,
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             prompt_len_cv=self._prompt_len_cv(), schedule_seconds=schedule_seconds,
-            num_scheduled_tokens=num_scheduled_tokens,
+            num_scheduled_tokens=num_scheduled_tokens, num_waiting_for_grammar=s.num_waiting_for_fsm,
+            grammar_bitmask_seconds=grammar_bitmask_seconds,
         )
 
     def _prompt_len_cv(self) -> float:

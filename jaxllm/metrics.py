@@ -65,7 +65,10 @@ class EngineMetrics:
       ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
       ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
       ``iteration_tokens_total`` (tokens per step), ``scheduler_step_seconds``
-      (host time of one ``schedule()``).
+      (host time of one ``schedule()``). Structured output: the gauge
+      ``num_requests_waiting_for_grammar`` (waiting requests whose grammar is
+      still compiling) and the histogram ``grammar_bitmask_seconds`` (host time
+      building a step's token bitmask, for steps with a constrained row).
 
     The monitoring board (``docs/grafana.json``, alerts in
     ``docs/alert_rules.yml``) adds: histogram ``step_duration_seconds``
@@ -172,6 +175,11 @@ class EngineMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
         self.scheduler_step = histogram(
             "scheduler_step_seconds", "Host time of one Scheduler.schedule(), seconds.", _STEP_BUCKETS)
+        self.num_requests_waiting_for_grammar = gauge(
+            "num_requests_waiting_for_grammar", "Waiting requests whose structured-output grammar is compiling.")
+        self.grammar_bitmask = histogram(
+            "grammar_bitmask_seconds", "Host time building a step's structured-output token bitmask, seconds.",
+            _STEP_BUCKETS)
 
     def begin_run(self) -> None:
         """Restart the per-run aggregates of :meth:`run_summary` (the Prometheus series keep counting)."""
@@ -203,6 +211,8 @@ class EngineMetrics:
                 self.iteration_tokens.observe(stats.num_scheduled_tokens)
         if stats.step_seconds is not None:
             self.step_duration.observe(stats.step_seconds)
+        if stats.grammar_bitmask_seconds is not None:
+            self.grammar_bitmask.observe(stats.grammar_bitmask_seconds)
         for out in outputs:
             self._on_output(out, now)
         self._update_core_series(stepped=stats.schedule_seconds is not None)
@@ -237,6 +247,7 @@ class EngineMetrics:
         live, allocated = total("kv_live_slots"), total("kv_allocated_slots")
         self.num_requests_running.set(running)
         self.num_requests_waiting.set(total("num_waiting"))
+        self.num_requests_waiting_for_grammar.set(total("num_waiting_for_grammar"))
         self.kv_cache_usage.set(usage)
         self.kv_cache_fragmentation.set(1.0 - live / allocated if allocated else 0.0)
         self.num_free_kv_blocks.set(total("num_free_blocks"))

@@ -14,7 +14,7 @@ from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import PersistentBatch
 from scheduler.policy import AgingPolicy, FCFSPolicy, LoadAwarePolicy, Policy, PriorityPolicy, SJFPolicy, get_policy
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler, UnknownRequestError
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "StructuredOutputsParams",
     "UnknownRequestError",
     "build_batch",
     "geometric_ladder",

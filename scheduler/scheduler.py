@@ -31,6 +31,7 @@ from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 
 _RUNNING = RequestStatus.RUNNING
+_WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
 _NO_ROWS = np.zeros(0, dtype=np.intp)
 _NO_ROWS.flags.writeable = False
 _NO_COUNTS = np.zeros(0, dtype=np.int32)
@@ -118,6 +119,9 @@ class Scheduler:
       this very step (it would only evict what it just gave up). Under
       ``priority``/``aging`` a waiting request may first preempt less urgent
       running ones (never ones admitted this step).
+    * A request whose grammar is still compiling (``WAITING_FOR_FSM``, vLLM's
+      state of that name) is passed over, keeping its place in the queue,
+      and admitted like any other once ``Request.grammar_ready()`` says so.
     * With chunked prefill off, a prompt that does not fit the remaining
       budget waits for a later step.
     * A request whose tokens fill whole blocks, all cached, recomputes only
@@ -235,6 +239,8 @@ class Scheduler:
             self._finished_for_update.append(request)
             return
         self.kv_cache_manager.hash_blocks(request)
+        if request.use_structured_output and not request.grammar_ready():
+            request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[rid] = request
         self.waiting.append(request)
         self._waiting_dirty = True
@@ -500,15 +506,23 @@ class Scheduler:
             self.policy.sort(self.waiting, step.now)
             self._waiting_dirty = False
         queue, self.waiting = self.waiting, []
+        # Requests whose grammar is still compiling, passed over in queue order.
+        unready: list[Request] = []
         i = 0
         while i < len(queue):
             req = queue[i]
+            if req.status is _WAITING_FOR_FSM:
+                if not req.grammar_ready():
+                    unready.append(req)
+                    i += 1
+                    continue
+                req.status = RequestStatus.WAITING
             if req.request_id in step.preempted_ids or not self._admit(req, step):
                 break
             i += 1
         if self.waiting:
             self._waiting_dirty = True
-        self.waiting = queue[i:] + self.waiting
+        self.waiting = unready + queue[i:] + self.waiting
 
     def _admit(self, req: Request, step: _Step) -> bool:
         while True:
@@ -857,6 +871,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preempted_waiting=sum(1 for r in self.waiting if r.status == RequestStatus.PREEMPTED),
+            num_waiting_for_fsm=sum(1 for r in self.waiting if r.status is _WAITING_FOR_FSM),
             kv_cache_usage=self.block_pool.usage,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,

@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 from tests.conftest import STORIES_SENTENCE
 from tests.server_process import ENGINE, Server, alive, engine_flags
 
@@ -143,6 +143,27 @@ def test_greedy_chat_equals_llm_chat(client, llm):
     # max_completion_tokens is max_tokens' newer name.
     short = client.chat.completions.create(model="stories", messages=messages, max_completion_tokens=3, temperature=0)
     assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+
+
+MOOD = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}}, "required": ["mood"],
+        "additionalProperties": False}
+
+
+@pytest.mark.parametrize("body, constraint", [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "mood", "schema": MOOD, "strict": True}}),
+     StructuredOutputsParams(json=MOOD)),
+    (dict(response_format={"type": "json_object"}), StructuredOutputsParams(json_object=True)),
+    (dict(extra_body={"structured_outputs": {"choice": ["happy", "sad", "tired"]}}),
+     StructuredOutputsParams(choice=["happy", "sad", "tired"])),
+], ids=["json_schema", "json_object", "structured_outputs"])
+def test_response_format_and_structured_outputs_constrain_chat_as_llm_does(client, llm, body, constraint):
+    messages = [{"role": "user", "content": PROMPT}]
+    response = client.chat.completions.create(model="stories", messages=messages, max_tokens=24, temperature=0,
+                                              **body)
+    want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24, structured_outputs=constraint))[0]
+    assert response.choices[0].message.content == want.outputs[0].text
+    if constraint.choice:
+        assert want.outputs[0].text in constraint.choice
 
 
 def test_streamed_completion_adds_up_to_the_whole_text_and_ends_with_usage_and_done(server, client):
@@ -291,6 +312,20 @@ BAD_REQUESTS = [
     ("logit_bias key not a token id", "/v1/completions", dict(prompt=PROMPT, logit_bias={"x": 1}), 400, "logit_bias",
      "token ids"),
     ("unknown model", "/v1/completions", dict(model="gpt-5", prompt=PROMPT), 404, "model", "gpt-5"),
+    ("response_format with an invalid schema", "/v1/chat/completions",
+     dict(messages=[{"role": "user", "content": "hi"}],
+          response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}),
+     400, "response_format", "structured_outputs.json is invalid"),
+    ("response_format json_schema without a schema", "/v1/chat/completions",
+     dict(messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_schema"}), 400,
+     "response_format", "json_schema.schema"),
+    ("structured_outputs with an invalid regex", "/v1/completions",
+     dict(prompt=PROMPT, structured_outputs={"regex": "[a-"}), 400, "structured_outputs", "unclosed"),
+    ("structured_outputs with two constraints", "/v1/completions",
+     dict(prompt=PROMPT, structured_outputs={"regex": "a", "choice": ["a"]}), 400, "structured_outputs",
+     "exactly one"),
+    ("structured_outputs with an unknown field", "/v1/completions",
+     dict(prompt=PROMPT, structured_outputs={"regexp": "a"}), 400, "structured_outputs", "regexp"),
 ]
 
 
