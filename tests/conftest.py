@@ -58,7 +58,10 @@ def named_model_in_session_cache(name: str) -> Path:
     if not target.is_file() and users.is_file() and users.resolve() != target.resolve():
         target.parent.mkdir(parents=True, exist_ok=True)
         target.unlink(missing_ok=True)  # a link left dangling by a removed user copy
-        target.symlink_to(users.resolve())
+        try:
+            target.symlink_to(users.resolve())
+        except FileExistsError:  # another pytest-xdist worker linked it first
+            pass
     try:
         return named_model_path(name)
     except RuntimeError as e:
