@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Any, Optional, Sequence, Union
 
+from jaxllm.spec_decode.config import SpeculativeConfig
 from scheduler.buckets import geometric_ladder, half_step_ladder
 
 SUPPORTED_ARCHITECTURES = {
@@ -221,6 +222,13 @@ class EngineConfig:
         finished entirely; the baseline for benchmarks).
       log_stats: log a one-line stats summary to stderr every 5 seconds.
       metrics_port: serve the Prometheus metrics on this port (None: don't).
+      speculative_config: speculative decoding, a dict (or its JSON text)
+        as vLLM's: ``{"method": "ngram", "num_speculative_tokens": k,
+        "prompt_lookup_min": .., "prompt_lookup_max": ..}`` or
+        ``{"method": "draft_model", "model": PATH, "num_speculative_tokens":
+        k}``; held as a ``spec_decode.SpeculativeConfig`` once checked. None:
+        off. With it on, ``async_scheduling`` does not schedule ahead (a
+        step's drafts need the previous step's tokens).
 
     Raises:
       ValueError: a value out of range, naming it and the limit.
@@ -253,6 +261,7 @@ class EngineConfig:
     batching: str = "continuous"
     log_stats: bool = False
     metrics_port: Optional[int] = None
+    speculative_config: Union[SpeculativeConfig, dict, str, None] = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
@@ -283,6 +292,11 @@ class EngineConfig:
             raise ValueError(f"precompile={self.precompile!r} must be True, False or 'background'")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching={self.batching!r} must be 'continuous' or 'static'")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        spec = self.speculative_config
+        if spec is not None and spec.num_speculative_tokens >= self.max_num_batched_tokens:
+            raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} must be below "
+                             f"max_num_batched_tokens={self.max_num_batched_tokens}: a decode row carries 1 + that many")
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         """``max_model_len`` or the model's ``max_position_embeddings``.

@@ -110,6 +110,9 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
       compilations: programs the runner built (warm-up included).
       schedule_seconds: host time of this step's ``schedule()``.
       num_scheduled_tokens: tokens computed in this step.
+      spec_num_drafts: rows that verified draft tokens (speculative decoding).
+      spec_num_draft_tokens, spec_num_accepted_tokens: draft tokens verified, and accepted.
+      spec_accepted_per_position: accepted drafts by position in their row (0 = first draft).
     """
 
     num_running: int
@@ -125,6 +128,10 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     compilations: int
     schedule_seconds: Optional[float] = None
     num_scheduled_tokens: Optional[int] = None
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="outputs"):

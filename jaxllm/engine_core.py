@@ -12,6 +12,10 @@ computes the last prompt token itself (a one-token step) and samples with its ow
 
 Prompt logprobs (``jaxllm.prompt_logprobs``) are computed by the request that computes the prompt: the sequence
 itself, or the prefill parent.
+
+Speculative decoding (``EngineConfig.speculative_config``): after each step the proposer drafts tokens for every
+sequence that sampled, the scheduler puts them on its next decode row, and the step's sampler verifies them
+(``jaxllm.spec_decode``); a row then reports up to ``1 + num_speculative_tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache, fetc
 from jaxllm.sampling import MAX_BANNED_IDS
 from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
 from jaxllm.sharding import make_mesh
+from jaxllm.spec_decode import NgramProposer
 from kernels_pallas import default_attention_backend, get_attention_ops
 from scheduler import (
     BucketTable,
@@ -147,6 +152,12 @@ class EngineCore:
         backend = config.attention_backend or default_attention_backend()
         ops = self.sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
         self.buckets = BucketTable(*config.bucket_ladders(self.max_model_len, backend))
+        self.spec = config.speculative_config
+        num_positions = 1 + self.spec.num_speculative_tokens if self.spec is not None else 1
+        self.proposer = None
+        if self.spec is not None and self.spec.method == "ngram":
+            self.proposer = NgramProposer(self.spec.num_speculative_tokens, self.spec.prompt_lookup_min,
+                                          self.spec.prompt_lookup_max)
         cache = config.compilation_cache
         enable_persistent_compilation_cache(str(cache_dir() / "xla") if cache == "default" else cache)
         self.runner = ModelRunner(
@@ -154,6 +165,7 @@ class EngineCore:
             ops=ops, buckets=self.buckets, sharding=self.sharding, num_host_blocks=config.num_host_blocks,
             num_sampling_slots=config.max_num_seqs + 1, max_model_len=self.max_model_len,
             bf16_as_uint16=backend != "pallas" and self.sharding.mesh.devices.flat[0].platform == "cpu",
+            num_positions=num_positions,
         )
         self.slots = SamplingSlots(config.max_num_seqs + 1, cfg.vocab_size, self.runner)
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
@@ -185,6 +197,9 @@ class EngineCore:
         # Id of the request that computes a group's prompt -> the group, until
         # it is first scheduled (its prefix-cache hits are then known).
         self._unscheduled: dict[str, _Group] = {}
+        # Speculative decoding counters: rows that verified drafts, drafts, accepted drafts (and by position).
+        self._spec_counts = [0, 0, 0]
+        self._spec_per_position = [0] * (num_positions - 1)
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
@@ -195,6 +210,8 @@ class EngineCore:
             long_prefill_token_threshold=c.long_prefill_token_threshold, scheduling_policy=c.scheduling_policy,
             preemption_mode=c.preemption_mode, num_host_blocks=c.num_host_blocks,
             async_scheduling=c.async_scheduling,
+            num_lookahead_tokens=(self.spec.num_speculative_tokens
+                                  if self.spec is not None and self.spec.method == "draft_model" else 0),
         )
 
     def info(self) -> CoreInfo:
@@ -338,7 +355,8 @@ class EngineCore:
             self.scheduler.discard_output(sched_out)
             raise
         done = [prev] if prev is not None else []
-        if self.config.async_scheduling and launched.dispatched is not None:
+        # Drafts need the previous step's tokens: with speculation every step is applied before the next.
+        if self.config.async_scheduling and launched.dispatched is not None and self.spec is None:
             self._in_flight = launched
         else:
             # Nothing left on the device to overlap with: apply it now, in order.
@@ -346,6 +364,8 @@ class EngineCore:
             done.append(launched)
         for step in done:
             touched += self._apply(step)
+        if self.proposer is not None:
+            self._propose(done)
         outputs = []
         for request in dict.fromkeys(touched):
             owner = self._seqs.get(request.request_id)
@@ -368,8 +388,8 @@ class EngineCore:
             return None
         batch = build_batch(sched_out, self.runner.serving_buckets())
         targets = prompt_targets(sched_out.scheduled, self._prompt_lp, batch.input_ids.shape[0])
-        out, next_prev = self.runner.dispatch(batch, self.slots.arrays(sched_out, batch.seq_lens.shape[0]),
-                                              prev_tokens, targets)
+        arrays = self.slots.arrays(sched_out, batch.seq_lens.shape[0], self.runner.num_positions)
+        out, next_prev = self.runner.dispatch(batch, arrays, prev_tokens, targets)
         return _Dispatched(out, next_prev, 0 if targets is None else batch.num_tokens)
 
     def _apply(self, step: _Launched) -> list[Request]:
@@ -377,12 +397,38 @@ class EngineCore:
         d = step.dispatched
         sampled = None if d is None else fetch_rows(d.out, len(step.sched_out.scheduled), d.num_token_rows)
         tokens = np.zeros(0, np.int32) if sampled is None else sampled["token_ids"]
-        touched = self.scheduler.update_from_output(step.sched_out, tokens)
+        if sampled is not None and "num_emitted" in sampled:
+            touched = self.scheduler.update_from_output(step.sched_out, tokens, sampled["num_emitted"])
+            self._count_accepted(step.sched_out, sampled["num_emitted"])
+        else:
+            touched = self.scheduler.update_from_output(step.sched_out, tokens)
         if sampled is not None:
             self._record_logprobs(step.sched_out, sampled)
             if d.num_token_rows:
                 record_prompt_logprobs(step.sched_out.scheduled, self._prompt_lp, sampled)
         return touched
+
+    def _count_accepted(self, sched_out: SchedulerOutput, num_emitted: np.ndarray) -> None:
+        """Add a step's verified and accepted drafts to the speculative decoding counters."""
+        drafted = sched_out.num_spec_tokens.nonzero()[0]
+        if not len(drafted):
+            return
+        accepted = num_emitted[drafted] - 1
+        self._spec_counts[0] += len(drafted)
+        self._spec_counts[1] += int(sched_out.num_spec_tokens.sum())
+        self._spec_counts[2] += int(accepted.sum())
+        for position in range(int(accepted.max())):
+            self._spec_per_position[position] += int((accepted > position).sum())
+
+    def _propose(self, steps: list[_Launched]) -> None:
+        """N-gram drafts for every running sequence that sampled in these steps (the others keep theirs)."""
+        drafts = {}
+        for step in steps:
+            for row in step.sched_out.scheduled:
+                req = row.request
+                if row.samples and req.status == RequestStatus.RUNNING and not req.prefill_only:
+                    drafts[req.request_id] = self.proposer.propose(req.all_token_ids)
+        self.scheduler.update_draft_token_ids(drafts)
 
     def _advance_parent(self, parent: Request) -> None:
         """Fork a prefill parent into its sequences once its prompt is computed (it has sampled once).
@@ -421,10 +467,17 @@ class EngineCore:
                     or seq.num_logprobs >= row.request.num_output_tokens):
                 continue
             k = row.request.sampling_params.logprobs
-            seq.logprobs.append(SampleLogprobs(int(sampled["token_ids"][i]), float(sampled["logprobs"][i]),
-                                               int(sampled["ranks"][i]), sampled["top_ids"][i, :k].tolist(),
-                                               sampled["top_logprobs"][i, :k].tolist()))
-            seq.num_logprobs += 1
+            if "num_emitted" in sampled:
+                # Speculative rows: one entry per token the scheduler kept.
+                new = min(row.request.num_output_tokens - seq.num_logprobs, int(sampled["num_emitted"][i]))
+                positions = [(i, j) for j in range(new)]
+            else:
+                positions = [i]
+            for p in positions:
+                seq.logprobs.append(SampleLogprobs(int(sampled["token_ids"][p]), float(sampled["logprobs"][p]),
+                                                   int(sampled["ranks"][p]), sampled["top_ids"][p][:k].tolist(),
+                                                   sampled["top_logprobs"][p][:k].tolist()))
+            seq.num_logprobs += len(positions)
 
     def _output(self, group: _Group, seq: _Sequence) -> EngineCoreOutput:
         """What is new of a touched sequence; a finished one is forgotten."""
@@ -469,7 +522,9 @@ class EngineCore:
             kv_allocated_slots=allocated, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
             compilations=self.runner.num_compilations, schedule_seconds=schedule_seconds,
-            num_scheduled_tokens=num_scheduled_tokens,
+            num_scheduled_tokens=num_scheduled_tokens, spec_num_drafts=self._spec_counts[0],
+            spec_num_draft_tokens=self._spec_counts[1], spec_num_accepted_tokens=self._spec_counts[2],
+            spec_accepted_per_position=list(self._spec_per_position),
         )
 
     def _kv_slots(self) -> tuple[int, int]:

@@ -31,13 +31,21 @@ from jax import monitoring
 from jaxllm.config import ModelConfig
 from jaxllm.kv_cache import allocate_kv_cache
 from jaxllm.models.llama import AttentionOps, KVCache, Params, compute_logits, hidden_states, loop_storage
-from jaxllm.sampling import SamplingArrays, fill_slot, init_tables, prompt_logprobs, sample, set_slot_rows
+from jaxllm.sampling import (
+    SamplingArrays,
+    fill_slot,
+    init_tables,
+    prompt_logprobs,
+    sample,
+    sample_or_verify,
+    set_slot_rows,
+)
 from jaxllm.sharding import ModelSharding
 from scheduler import BatchDescriptor, BucketTable
 
 BATCH_KEYS = (
     "input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
-    "query_start_loc", "logits_indices", "prev_token_index",
+    "query_start_loc", "logits_indices", "prev_token_index", "num_spec_tokens",
 )
 # Block copies (swap, copy-on-write) run in fixed-size chunks so that they
 # compile once; a chunk's unused entries move null block 0 onto itself.
@@ -45,20 +53,29 @@ BLOCK_CHUNK = 16
 
 
 def _step(params: Params, kv_cache: KVCache, batch: dict, sampling: dict, tables: dict, prev_tokens: jax.Array,
-          *, cfg: ModelConfig, ops: AttentionOps) -> tuple[dict, jax.Array, KVCache, dict]:
+          *, cfg: ModelConfig, ops: AttentionOps, num_positions: int = 1) -> tuple[dict, jax.Array, KVCache, dict]:
     """Model + sampler + prompt logprobs. Input ids marked in
     ``prev_token_index`` come from the previous step's samples
     (``prev_tokens``, still on the device); the samples are also returned
     padded to ``prev_tokens``' length for the next step. ``out`` is the
     sampler's outputs (``[S]`` rows) and ``sampling.prompt_logprobs``' (``[T]``
-    rows, for ``batch["prompt_target_ids"]``)."""
+    rows, for ``batch["prompt_target_ids"]``). With ``num_positions > 1``
+    (speculative decoding) the sampler verifies each row's drafts
+    (``sampling.sample_or_verify``): ``[S, num_positions]`` tokens and
+    ``num_emitted: int32[S]``."""
     from_prev = batch["prev_token_index"]
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch["input_ids"])
     hidden, kv_cache = hidden_states(params, kv_cache, dict(batch, input_ids=input_ids), cfg=cfg, ops=ops)
     head = functools.partial(compute_logits, params, cfg=cfg)
-    out, tables = sample(head(hidden[batch["logits_indices"]]), sampling, tables)
+    if num_positions == 1:
+        out, tables = sample(head(hidden[batch["logits_indices"]]), sampling, tables)
+        first = out["token_ids"]
+    else:
+        out, tables = sample_or_verify(head, hidden, input_ids, batch["logits_indices"], batch["num_spec_tokens"],
+                                       sampling, tables, num_positions)
+        first = out["token_ids"][:, 0]
     out = {**out, **prompt_logprobs(head, hidden, batch["prompt_target_ids"])}
-    next_prev = jnp.zeros_like(prev_tokens).at[: out["token_ids"].shape[0]].set(out["token_ids"])
+    next_prev = jnp.zeros_like(prev_tokens).at[: first.shape[0]].set(first)
     return out, next_prev, kv_cache, tables
 
 
@@ -126,6 +143,10 @@ class ModelRunner:
       bf16_as_uint16: hold bfloat16 layer weights and KV caches as uint16 bit
         patterns (``models.llama.loop_storage``): for XLA's CPU backend, with
         the jnp attention ops (``kernels_pallas.reference`` says why).
+      num_positions: positions each row's sampler handles: 1, or 1 +
+        ``num_speculative_tokens`` when the steps verify draft tokens
+        (sampling arrays then have ``S * num_positions`` rows,
+        ``SamplingArrays.repeat``).
 
     Attributes:
       ops: the attention ops the step runs (as given).
@@ -147,13 +168,15 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
                  ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0,
-                 num_sampling_slots: int = 1, max_model_len: int = 1, bf16_as_uint16: bool = False):
+                 num_sampling_slots: int = 1, max_model_len: int = 1, bf16_as_uint16: bool = False,
+                 num_positions: int = 1):
         self.cfg = cfg
         self.ops = ops
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.buckets = buckets
+        self.num_positions = num_positions
         storage = bf16_as_uint16 and np.dtype(dtype) == jnp.bfloat16
         self.params = loop_storage(params) if storage else params
         self.kv_cache = allocate_kv_cache(num_blocks, block_size, np.uint16 if storage else dtype, sharding)
@@ -173,7 +196,8 @@ class ModelRunner:
         self._stop_background = threading.Event()
         # Outputs pinned to the inputs' shardings: the donated KV cache and
         # sampler tables come back laid out as the next step was compiled for.
-        self._step_jit = jax.jit(functools.partial(_step, cfg=cfg, ops=ops), donate_argnums=(1, 4),
+        self._step_jit = jax.jit(functools.partial(_step, cfg=cfg, ops=ops, num_positions=num_positions),
+                                 donate_argnums=(1, 4),
                                  out_shardings=(self._replicated, self._replicated, self._kv_sharding,
                                                 self._replicated))
         self._steps: dict[tuple[int, int, int], Callable] = {}
@@ -212,12 +236,12 @@ class ModelRunner:
             "input_ids": ((t,), i32), "positions": ((t,), i32), "slot_mapping": ((t,), i32),
             "block_tables": ((s, w), i32), "seq_lens": ((s,), i32), "query_start_loc": ((s + 1,), i32),
             "logits_indices": ((s,), i32), "prev_token_index": ((t,), i32), "prompt_target_ids": ((t,), i32),
-            "num_seqs": ((), i32),
+            "num_spec_tokens": ((s,), i32), "num_seqs": ((), i32),
         }
         rep = self._replicated
         batch = {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
         sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
-                    for k, v in SamplingArrays.empty(s).as_dict().items()}
+                    for k, v in SamplingArrays.empty(s * self.num_positions).as_dict().items()}
         return (_abstract(self.params), _abstract(self.kv_cache), batch, sampling, _abstract(self.sampler_tables),
                 _abstract(self._no_prev_tokens))
 
@@ -344,7 +368,7 @@ class ModelRunner:
         Args:
           batch: bucket-shaped (T, S, W) arrays; a bucket not compiled yet is
             compiled first (lazy mode).
-          sampling: per-row sampling controls, ``[S]`` each.
+          sampling: per-row sampling controls, ``[S]`` each (``[S * num_positions]``).
           prev_tokens: the previous dispatch's padded samples, for rows whose
             input is a sample still on the device (async scheduling).
           prompt_target_ids: int32[T] the prompt token following each token
