@@ -43,6 +43,7 @@ from jaxllm.sampling import MAX_BANNED_IDS
 from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
 from jaxllm.sharding import make_mesh
 from jaxllm.spec_decode import NgramProposer
+from jaxllm.spec_decode.draft import DraftRunner
 from kernels_pallas import default_attention_backend, get_attention_ops
 from scheduler import (
     BucketTable,
@@ -167,6 +168,10 @@ class EngineCore:
             bf16_as_uint16=backend != "pallas" and self.sharding.mesh.devices.flat[0].platform == "cpu",
             num_positions=num_positions,
         )
+        self.drafter = None
+        if self.spec is not None and self.spec.method == "draft_model":
+            self.drafter = self._load_drafter(backend, num_positions)
+        self._runners = [self.runner] + ([self.drafter] if self.drafter is not None else [])
         self.slots = SamplingSlots(config.max_num_seqs + 1, cfg.vocab_size, self.runner)
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(self._scheduler_config())
@@ -176,12 +181,13 @@ class EngineCore:
              f"tokens; attention {backend}; tensor parallel {self.sharding.tensor_parallel_size}")
         if config.precompile:
             background = config.precompile == "background"
-            seconds = self.runner.warmup(swap=config.preemption_mode == "swap", background=background)
-            r = self.runner
-            pending = r.num_pending_programs()
-            _log(f"built {r.num_compilations} programs in {seconds:.1f} s: {r.num_compilations - r.num_cache_hits} "
-                 f"compiled ({r.compile_seconds:.1f} s), {r.num_cache_hits} loaded from the persistent cache "
-                 f"({r.cache_load_seconds:.1f} s)" + (f"; {pending} more building in the background" if pending else ""))
+            for r in self._runners:
+                seconds = r.warmup(swap=config.preemption_mode == "swap", background=background)
+                pending = r.num_pending_programs()
+                _log(f"built {r.num_compilations} {'draft model ' if r is self.drafter else ''}programs in "
+                     f"{seconds:.1f} s: {r.num_compilations - r.num_cache_hits} compiled ({r.compile_seconds:.1f} s), "
+                     f"{r.num_cache_hits} loaded from the persistent cache ({r.cache_load_seconds:.1f} s)"
+                     + (f"; {pending} more building in the background" if pending else ""))
         else:
             _log("step programs are built on first use (precompile=False)")
         self._groups: dict[str, _Group] = {}
@@ -200,6 +206,29 @@ class EngineCore:
         # Speculative decoding counters: rows that verified drafts, drafts, accepted drafts (and by position).
         self._spec_counts = [0, 0, 0]
         self._spec_per_position = [0] * (num_positions - 1)
+
+    def _load_drafter(self, backend: str, num_positions: int) -> DraftRunner:
+        """The draft model's runner: its own weights and KV cache (the target's block count and size), on this mesh.
+
+        Raises:
+          ValueError: a bad draft model path, or a draft model whose vocabulary differs from the target's or whose
+            positions do not reach ``max_model_len``.
+        """
+        spec, config = self.spec, self.config
+        cfg, params, _, sharding = load_sharded(Path(spec.model), self.dtype, self.sharding.mesh)
+        if cfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"speculative_config model={spec.model!r} has vocab_size={cfg.vocab_size}; the target "
+                             f"has {self.model_config.vocab_size}, and drafts must be the target's token ids")
+        if cfg.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"speculative_config model={spec.model!r} has max_position_embeddings="
+                             f"{cfg.max_position_embeddings}, below max_model_len={self.max_model_len}")
+        ops = sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
+        return DraftRunner(
+            cfg, params, num_speculative_tokens=spec.num_speculative_tokens, num_blocks=self.num_blocks,
+            block_size=config.block_size, dtype=self.dtype, ops=ops, buckets=self.buckets, sharding=sharding,
+            num_host_blocks=config.num_host_blocks, max_model_len=self.max_model_len,
+            bf16_as_uint16=self.runner.bf16_as_uint16, num_positions=num_positions,
+        )
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
@@ -231,7 +260,7 @@ class EngineCore:
         Returns:
           True once nothing is left to build; False if ``timeout`` seconds passed first.
         """
-        return self.runner.wait_for_warmup(timeout)
+        return all([r.wait_for_warmup(timeout) for r in self._runners])
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
         """Prompt tokens this core would take from its prefix cache right now.
@@ -364,8 +393,6 @@ class EngineCore:
             done.append(launched)
         for step in done:
             touched += self._apply(step)
-        if self.proposer is not None:
-            self._propose(done)
         outputs = []
         for request in dict.fromkeys(touched):
             owner = self._seqs.get(request.request_id)
@@ -381,16 +408,27 @@ class EngineCore:
 
         The block copies run either way: a step may only swap a preempted request out.
         """
-        self.runner.swap_out(sched_out.blocks_to_swap_out)
-        self.runner.swap_in(sched_out.blocks_to_swap_in)
-        self.runner.copy_blocks(sched_out.blocks_to_copy)
+        for runner in self._runners:
+            runner.swap_out(sched_out.blocks_to_swap_out)
+            runner.swap_in(sched_out.blocks_to_swap_in)
+            runner.copy_blocks(sched_out.blocks_to_copy)
         if not sched_out.scheduled:
             return None
-        batch = build_batch(sched_out, self.runner.serving_buckets())
+        batch = build_batch(sched_out, self._serving_buckets())
         targets = prompt_targets(sched_out.scheduled, self._prompt_lp, batch.input_ids.shape[0])
         arrays = self.slots.arrays(sched_out, batch.seq_lens.shape[0], self.runner.num_positions)
         out, next_prev = self.runner.dispatch(batch, arrays, prev_tokens, targets)
+        if self.drafter is not None:
+            out = {**out, "draft_token_ids": self.drafter.propose_async(batch, out)}
         return _Dispatched(out, next_prev, 0 if targets is None else batch.num_tokens)
+
+    def _serving_buckets(self) -> BucketTable:
+        """The buckets a step may use now: during a background warm-up, those whose programs every runner has."""
+        buckets = self.runner.serving_buckets()
+        if self.drafter is not None:
+            ready = set(self.drafter.serving_buckets().token_buckets) & set(buckets.token_buckets)
+            buckets = BucketTable(tuple(sorted(ready)), buckets.seq_buckets, buckets.width_buckets)
+        return buckets
 
     def _apply(self, step: _Launched) -> list[Request]:
         """Read a launched step's samples into the scheduler and the logprob records; returns the requests it touched."""
@@ -400,6 +438,7 @@ class EngineCore:
         if sampled is not None and "num_emitted" in sampled:
             touched = self.scheduler.update_from_output(step.sched_out, tokens, sampled["num_emitted"])
             self._count_accepted(step.sched_out, sampled["num_emitted"])
+            self._propose(step.sched_out, sampled)
         else:
             touched = self.scheduler.update_from_output(step.sched_out, tokens)
         if sampled is not None:
@@ -420,14 +459,15 @@ class EngineCore:
         for position in range(int(accepted.max())):
             self._spec_per_position[position] += int((accepted > position).sum())
 
-    def _propose(self, steps: list[_Launched]) -> None:
-        """N-gram drafts for every running sequence that sampled in these steps (the others keep theirs)."""
+    def _propose(self, sched_out: SchedulerOutput, sampled: dict[str, np.ndarray]) -> None:
+        """Drafts for every running sequence that sampled in this step (the others keep theirs): the draft model's
+        from the step's outputs, or n-gram lookups."""
         drafts = {}
-        for step in steps:
-            for row in step.sched_out.scheduled:
-                req = row.request
-                if row.samples and req.status == RequestStatus.RUNNING and not req.prefill_only:
-                    drafts[req.request_id] = self.proposer.propose(req.all_token_ids)
+        for i, row in enumerate(sched_out.scheduled):
+            req = row.request
+            if row.samples and req.status == RequestStatus.RUNNING and not req.prefill_only:
+                drafts[req.request_id] = (sampled["draft_token_ids"][i].tolist() if self.drafter is not None
+                                          else self.proposer.propose(req.all_token_ids))
         self.scheduler.update_draft_token_ids(drafts)
 
     def _advance_parent(self, parent: Request) -> None:
@@ -444,7 +484,9 @@ class EngineCore:
             for child in children:
                 self.scheduler.add_request(child)
             return
-        self.runner.copy_blocks(self.scheduler.fork_request(parent.request_id, children))
+        copies = self.scheduler.fork_request(parent.request_id, children)
+        for runner in self._runners:
+            runner.copy_blocks(copies)
 
     def _record_cached_tokens(self, sched_out: SchedulerOutput) -> None:
         """A group whose prompt is scheduled for the first time: its prompt
@@ -521,7 +563,7 @@ class EngineCore:
             num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks, kv_live_slots=live,
             kv_allocated_slots=allocated, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            compilations=self.runner.num_compilations, schedule_seconds=schedule_seconds,
+            compilations=sum(r.num_compilations for r in self._runners), schedule_seconds=schedule_seconds,
             num_scheduled_tokens=num_scheduled_tokens, spec_num_drafts=self._spec_counts[0],
             spec_num_draft_tokens=self._spec_counts[1], spec_num_accepted_tokens=self._spec_counts[2],
             spec_accepted_per_position=list(self._spec_per_position),

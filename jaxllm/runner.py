@@ -177,6 +177,7 @@ class ModelRunner:
         self.dtype = dtype
         self.buckets = buckets
         self.num_positions = num_positions
+        self.bf16_as_uint16 = bf16_as_uint16
         storage = bf16_as_uint16 and np.dtype(dtype) == jnp.bfloat16
         self.params = loop_storage(params) if storage else params
         self.kv_cache = allocate_kv_cache(num_blocks, block_size, np.uint16 if storage else dtype, sharding)
@@ -194,12 +195,7 @@ class ModelRunner:
         self._ready_tokens: Optional[set[int]] = None
         self._background: Optional[threading.Thread] = None
         self._stop_background = threading.Event()
-        # Outputs pinned to the inputs' shardings: the donated KV cache and
-        # sampler tables come back laid out as the next step was compiled for.
-        self._step_jit = jax.jit(functools.partial(_step, cfg=cfg, ops=ops, num_positions=num_positions),
-                                 donate_argnums=(1, 4),
-                                 out_shardings=(self._replicated, self._replicated, self._kv_sharding,
-                                                self._replicated))
+        self._step_jit = self._jit_step()
         self._steps: dict[tuple[int, int, int], Callable] = {}
         self._block_ops: dict[str, Callable] = {}
         # Host swap space: (k, v), each [num_layers, num_host_blocks, block_size, heads, head_dim].
@@ -208,6 +204,17 @@ class ModelRunner:
         self.host_pool = (np.zeros(pool_shape, pool_dtype), np.zeros(pool_shape, pool_dtype)) if num_host_blocks else None
 
     # ------------------------------------------------------------ compilation
+
+    # Programs besides the steps that every warm-up builds.
+    WARMUP_OPS: tuple[str, ...] = ("copy", "fill", "rows")
+
+    def _jit_step(self) -> Any:
+        """The jitted step function that :meth:`compile_step` lowers with :meth:`step_arguments`."""
+        # Outputs pinned to the inputs' shardings: the donated KV cache and
+        # sampler tables come back laid out as the next step was compiled for.
+        return jax.jit(functools.partial(_step, cfg=self.cfg, ops=self.ops, num_positions=self.num_positions),
+                       donate_argnums=(1, 4),
+                       out_shardings=(self._replicated, self._replicated, self._kv_sharding, self._replicated))
 
     def _compiled(self, fn: Any, *abstract_args: Any) -> Callable:
         start = time.perf_counter()
@@ -227,9 +234,8 @@ class ModelRunner:
                 self.compile_seconds += seconds
         return exe
 
-    def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
-        """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens)`` of bucket ``shape``:
-        exactly the structure, dtypes and shardings :meth:`execute` passes."""
+    def batch_arguments(self, shape: tuple[int, int, int]) -> dict:
+        """Abstract batch dict of bucket ``shape`` (replicated int32 arrays, as :meth:`batch_arrays` makes)."""
         t, s, w = shape
         i32 = np.int32
         batch = {
@@ -239,11 +245,15 @@ class ModelRunner:
             "num_spec_tokens": ((s,), i32), "num_seqs": ((), i32),
         }
         rep = self._replicated
-        batch = {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
-        sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
-                    for k, v in SamplingArrays.empty(s * self.num_positions).as_dict().items()}
-        return (_abstract(self.params), _abstract(self.kv_cache), batch, sampling, _abstract(self.sampler_tables),
-                _abstract(self._no_prev_tokens))
+        return {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
+
+    def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
+        """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens)`` of bucket ``shape``:
+        exactly the structure, dtypes and shardings :meth:`dispatch` passes."""
+        sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._replicated)
+                    for k, v in SamplingArrays.empty(shape[1] * self.num_positions).as_dict().items()}
+        return (_abstract(self.params), _abstract(self.kv_cache), self.batch_arguments(shape), sampling,
+                _abstract(self.sampler_tables), _abstract(self._no_prev_tokens))
 
     def compile_step(self, shape: tuple[int, int, int]) -> Callable:
         """Compile (once) and return the step program of bucket ``shape``."""
@@ -327,7 +337,7 @@ class ModelRunner:
             self._ready_tokens = set()
         for t in tqdm(first, desc="compiling buckets", unit="bucket", disable=not progress):
             self._build_token_bucket(t)
-        for name in ("copy", "fill", "rows") + (("gather", "scatter") if swap else ()):
+        for name in self.WARMUP_OPS + (("gather", "scatter") if swap else ()):
             self._block_op(name)
         rest = [t for t in tokens if t not in first]
         if rest:
@@ -382,17 +392,23 @@ class ModelRunner:
           place (donated).
         """
         exe = self.compile_step(batch.shape)
-        arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
-        arrays["num_seqs"] = np.int32(batch.num_seqs)
-        if prompt_target_ids is None:
-            prompt_target_ids = np.full(batch.input_ids.shape, -1, np.int32)
-        arrays["prompt_target_ids"] = prompt_target_ids
-        device_batch, device_sampling = jax.device_put((arrays, sampling.as_dict()), self._replicated)
+        device_batch, device_sampling = jax.device_put((self.batch_arrays(batch, prompt_target_ids),
+                                                        sampling.as_dict()), self._replicated)
         prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
         out, next_prev, self.kv_cache, self.sampler_tables = exe(
             self.params, self.kv_cache, device_batch, device_sampling, self.sampler_tables, prev
         )
         return out, next_prev
+
+    @staticmethod
+    def batch_arrays(batch: BatchDescriptor, prompt_target_ids: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
+        """The host arrays of a step's batch dict (:meth:`batch_arguments`' structure)."""
+        arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
+        arrays["num_seqs"] = np.int32(batch.num_seqs)
+        if prompt_target_ids is None:
+            prompt_target_ids = np.full(batch.input_ids.shape, -1, np.int32)
+        arrays["prompt_target_ids"] = prompt_target_ids
+        return arrays
 
     def fill_slot(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
         """Reset sampling slot ``slot`` for a sequence (re)admitted with ``token_ids`` (prompt then output)."""
