@@ -228,7 +228,9 @@ class EngineConfig:
         ``{"method": "draft_model", "model": PATH, "num_speculative_tokens":
         k}``; held as a ``spec_decode.SpeculativeConfig`` once checked. None:
         off. With it on, ``async_scheduling`` does not schedule ahead (a
-        step's drafts need the previous step's tokens).
+        step's drafts need the previous step's tokens). A draft model's KV
+        cache has as many blocks as the target's, in memory beyond
+        ``kv_cache_memory_bytes``.
 
     Raises:
       ValueError: a value out of range, naming it and the limit.

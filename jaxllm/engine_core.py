@@ -249,7 +249,7 @@ class EngineCore:
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
             eos_token_ids=list(self.model_config.eos_token_ids), num_blocks=self.num_blocks,
             block_size=self.config.block_size, max_num_seqs=self.config.max_num_seqs,
-            async_scheduling=self.config.async_scheduling, max_banned_ids=MAX_BANNED_IDS,
+            async_scheduling=self.config.async_scheduling and self.spec is None, max_banned_ids=MAX_BANNED_IDS,
             enable_prefix_caching=self.config.enable_prefix_caching,
             device_ids=[d.id for d in self.sharding.mesh.devices.flat], core_index=self.core_index,
         )

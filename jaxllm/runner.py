@@ -150,6 +150,7 @@ class ModelRunner:
 
     Attributes:
       ops: the attention ops the step runs (as given).
+      num_positions, bf16_as_uint16: as given.
       params: the parameter pytree on the devices (layer leaves as uint16
         with ``bf16_as_uint16``).
       kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size,

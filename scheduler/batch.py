@@ -136,11 +136,11 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
     spec = output.num_spec_tokens
     for s in (~(last | fed)).nonzero()[0].tolist():
         req, k, m, start = output.requests[s], int(computed[s]), int(new[s]), int(starts[s])
+        if spec[s]:
+            input_ids[start : start + m] = req.all_token_ids[k:] + req.spec_token_ids[: spec[s]]
+            continue
         # Prompt tokens come from the prompt array, sparing a conversion of Python ints.
         source = req.prompt_array if k + m <= len(req.prompt_array) else req.all_token_ids
-        if spec[s]:
-            source = source[k:] + req.spec_token_ids[: spec[s]]
-            k = 0
         input_ids[start : start + m] = source[k : k + m]
 
     seq_lens = np.zeros(S, dtype=np.int32)

@@ -63,7 +63,7 @@ def stories_reference(stories_dir):
 
 
 def _check_run(llm: LLM) -> dict:
-    """Preemption, prefix hits, drafts accepted and rejected, counters consistent, every block back."""
+    """Preemption, prefix hits, drafts accepted and rejected, counters and metrics consistent, every block back."""
     engine = llm.engine
     stats = engine.core.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
@@ -71,6 +71,15 @@ def _check_run(llm: LLM) -> dict:
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     assert sum(per_position) == stats.spec_num_accepted_tokens
     assert all(a >= b for a, b in zip(per_position, per_position[1:])) and per_position[0] <= stats.spec_num_drafts
+    value = engine.metrics.registry.get_sample_value
+    assert value("jaxllm:spec_decode_num_drafts_total") == stats.spec_num_drafts
+    assert value("jaxllm:spec_decode_num_draft_tokens_total") == stats.spec_num_draft_tokens
+    assert value("jaxllm:spec_decode_num_accepted_tokens_total") == stats.spec_num_accepted_tokens
+    for i, n in enumerate(per_position):
+        assert (value("jaxllm:spec_decode_num_accepted_tokens_per_pos_total", {"position": str(i)}) or 0) == n
+    run = engine.metrics.run_summary()
+    assert run["spec_acceptance_rate"] == stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+    assert run["spec_mean_accepted_length"] == 1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts
     assert stats.num_free_blocks == engine.num_blocks - 1
     return stats
 
@@ -127,3 +136,41 @@ def test_ngram_outputs_equal_those_without_speculation_on_the_default_model(smol
         results.append([(c.token_ids, c.text, c.finish_reason, c.logprobs) for o in outs for c in o.outputs])
     _assert_same(results[1], results[0])
     _check_run(llm)
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(method="eagle", num_speculative_tokens=2), "method='eagle'"),
+    (dict(method="ngram", num_speculative_tokens=0), "num_speculative_tokens=0"),
+    (dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=2), "exceeds"),
+    (dict(method="ngram", num_speculative_tokens=2, prompt_lookup_max=0), "prompt_lookup_max=0"),
+    (dict(method="ngram", num_speculative_tokens=2, model="x"), "model='x'"),
+    (dict(method="draft_model", num_speculative_tokens=2), "needs model"),
+    (dict(method="ngram", num_speculative_tokens=2, lookahead=1), "unknown keys \\['lookahead'\\]"),
+    (dict(method="ngram"), "needs 'method' and 'num_speculative_tokens'"),
+    ("{not json", "is not JSON"),
+    (dict(method="ngram", num_speculative_tokens=64), "below max_num_batched_tokens=64"),
+])
+def test_bad_speculative_config_is_a_value_error_naming_it(config, match):
+    from jaxllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, speculative_config=config)
+
+
+def test_speculative_config_as_a_cli_flag():
+    import argparse
+
+    from jaxllm.entrypoints.engine_args import add_engine_args, check_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert check_engine_args(args) is None
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'])
+    assert "num_speculative_tokens=-1" in check_engine_args(args)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(stories_dir, tiny_llama_dir):
+    with pytest.raises(ValueError, match="vocab_size=256; the target has 512"):
+        LLM(model=stories_dir, **STORIES_KW, speculative_config=dict(method="draft_model", model=str(tiny_llama_dir),
+                                                                      num_speculative_tokens=2))

@@ -46,12 +46,13 @@ class SpeculativeConfig:
         if self.method == "ngram":
             if self.model is not None:
                 raise ValueError(f"speculative_config model={self.model!r} is for method 'draft_model', not 'ngram'")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                value = getattr(self, name)
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                    raise ValueError(f"speculative_config {name}={value!r} must be an int >= 1")
             low = self.prompt_lookup_min if self.prompt_lookup_min is not None else self.prompt_lookup_max
             high = self.prompt_lookup_max if self.prompt_lookup_max is not None else self.prompt_lookup_min
             low, high = (5, 5) if low is None else (low, high)
-            for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(f"speculative_config {name}={value!r} must be an int >= 1")
             if low > high:
                 raise ValueError(f"speculative_config prompt_lookup_min={low} exceeds prompt_lookup_max={high}")
             object.__setattr__(self, "prompt_lookup_min", low)
