@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLM": "jaxllm.entrypoints.llm",
     "LLMEngine": "jaxllm.engine",
     "SamplingParams": "scheduler.sampling_params",
+    "StructuredOutputsParams": "scheduler.sampling_params",
     "RequestOutput": "jaxllm.outputs",
     "CompletionOutput": "jaxllm.outputs",
 }

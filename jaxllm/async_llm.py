@@ -16,19 +16,16 @@ import os
 from typing import Any, AsyncIterator, Optional, Union
 
 from jaxllm.config import EngineConfig
-from jaxllm.core_client import EngineDeadError, MPClient
+from jaxllm.core_client import EngineDeadError, MPClient, QueueFullError, check_waiting_limit
 from jaxllm.input_processor import InputProcessor
 from jaxllm.metrics import EngineMetrics
 from jaxllm.output_processor import OutputProcessor
+from jaxllm.prefix_warmup import preload_token_ids
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
 
 logger = logging.getLogger("jaxllm.async_llm")
-
-
-class QueueFullError(RuntimeError):
-    """More requests wait than ``max_waiting_requests`` allows (the server answers 503)."""
 
 
 class AsyncLLM:
@@ -37,10 +34,8 @@ class AsyncLLM:
     Args:
       model: as ``LLMEngine``.
       tokenizer: a Tokenizer; by default read from the model.
-      max_waiting_requests: refuse a new request (``QueueFullError``) while
-        this many sequences or more wait for a batch seat: open sequences
-        beyond ``max_num_seqs`` per core. None: no limit.
-      **kwargs: ``EngineConfig`` fields.
+      **kwargs: ``EngineConfig`` fields (``max_waiting_requests`` sheds load:
+        ``core_client.check_waiting_limit``).
 
     Attributes:
       client: the ``MPClient``; info: core 0's ``CoreInfo``.
@@ -52,27 +47,21 @@ class AsyncLLM:
       EngineDeadError: a core failed to start.
     """
 
-    def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, *,
-                 max_waiting_requests: Optional[int] = None, **kwargs: Any) -> None:
+    def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, **kwargs: Any) -> None:
         self.config = EngineConfig(**kwargs)
-        if max_waiting_requests is not None and max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 0 (or None: no limit)")
-        self.max_waiting_requests = max_waiting_requests
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self.client = MPClient(model, self.config)
         self.info = self.client.infos[0]
         self.input_processor = InputProcessor(self.tokenizer, self.info, self.config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port)
+        self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port,
+                                     max_num_seqs=self.config.max_num_seqs,
+                                     max_num_batched_tokens=self.config.max_num_batched_tokens)
+        if self.config.preload_prompts is not None:
+            self.client.preload_prefixes(preload_token_ids(self.config.preload_prompts, self.input_processor))
         self.dead: Optional[str] = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._output_task: Optional[asyncio.Task] = None
-
-    @property
-    def num_waiting(self) -> int:
-        """Open sequences beyond what the cores can run at once (``max_num_seqs`` each)."""
-        open_seqs = sum(len(state.seqs) for state in self.output_processor.requests.values())
-        return max(open_seqs - self.info.max_num_seqs * len(self.client.infos), 0)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: Optional[str] = None, priority: int = 0,
@@ -83,14 +72,17 @@ class AsyncLLM:
 
         Raises:
           ValueError: a bad request (``InputProcessor.process``), a duplicate ``request_id``.
-          QueueFullError: too many requests wait (``max_waiting_requests``).
+          QueueFullError: too many requests wait (``EngineConfig.max_waiting_requests``).
           EngineDeadError: the cores died.
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
-            raise QueueFullError(f"{self.num_waiting} requests are waiting, max_waiting_requests="
-                                 f"{self.max_waiting_requests}; try again later")
+        try:
+            check_waiting_limit(self.config.max_waiting_requests, self.output_processor.num_open_sequences,
+                                self.client.infos, self.metrics.core_stats)
+        except QueueFullError:
+            self.metrics.request_refused.inc()
+            raise
         request = self.input_processor.process(request_id, prompt_token_ids, params, priority=priority,
                                                cache_salt=cache_salt)
         self.output_processor.add_request(request, prompt)
@@ -117,6 +109,17 @@ class AsyncLLM:
         finally:
             self._queues.pop(request_id, None)
             self.abort(request_id)
+
+    async def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
+        """KV diagnostics of one core (``LLMEngine.kv_cache_report``), answered between its steps.
+
+        Raises:
+          ValueError: ``core`` outside ``[0, data_parallel_size)``.
+          EngineDeadError: the cores died.
+        """
+        if not 0 <= core < len(self.client.infos):
+            raise ValueError(f"core={core} must be in [0, {len(self.client.infos)})")
+        return await self.client.call_utility_async(core, "kv_cache_report", block_map)
 
     def abort(self, request_id: str) -> None:
         """Abort a request if it is open (its blocks are freed in the core's next loop turn)."""

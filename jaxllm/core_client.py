@@ -10,6 +10,8 @@
   dies (a crash, SIGKILL) is noticed within ``POLL_SECONDS``: every wait then raises :class:`EngineDeadError`.
   Each core process exits by itself when this process dies.
 
+Front ends shed load with :func:`check_waiting_limit` (``EngineConfig.max_waiting_requests``).
+
 Both offer ``add_request``, ``abort_requests``, ``stop_sequences``, ``requests_finished`` and ``get_outputs``
 (blocking until some core reported a step); :class:`MPClient` also ``get_outputs_async`` for an asyncio front end.
 """
@@ -37,6 +39,7 @@ from jaxllm.core_messages import (
     AbortRequests,
     CoreFailed,
     CoreInfo,
+    CoreStats,
     EngineCoreOutputs,
     EngineCoreRequest,
     Shutdown,
@@ -54,6 +57,36 @@ POLL_SECONDS = 0.5
 
 class EngineDeadError(RuntimeError):
     """An engine core process died or failed; no request in flight will finish."""
+
+
+class QueueFullError(RuntimeError):
+    """A new request was refused: ``max_waiting_requests`` sequences already wait (the server answers 503)."""
+
+
+def check_waiting_limit(limit: Optional[int], num_open_sequences: int, infos: Sequence[CoreInfo],
+                        latest_stats: dict[int, CoreStats]) -> None:
+    """Shed load: refuse a new request while ``limit`` sequences or more wait for a batch seat.
+
+    Waiting sequences are the larger of two lower bounds: the front end's
+    open sequences (``num_open_sequences``) beyond the seats in force (each
+    core's latest ``CoreStats.max_num_seqs``, lowered by graceful
+    degradation; its configured ``CoreInfo.max_num_seqs`` before it
+    reported), which counts a burst that arrived since the last step; and the
+    sequences the cores reported waiting after their last step (``num_waiting``
+    of ``latest_stats``, core index -> stats), which counts those held back
+    by a short KV cache while seats are free.
+
+    Raises:
+      QueueFullError: ``limit`` is not None and that many sequences wait; the
+        message names both numbers.
+    """
+    if limit is None:
+        return
+    seats = sum(latest_stats[i].max_num_seqs if i in latest_stats else info.max_num_seqs for i, info in enumerate(infos))
+    waiting = max(num_open_sequences - seats, sum(s.num_waiting for s in latest_stats.values()), 0)
+    if waiting >= limit:
+        raise QueueFullError(f"{waiting} requests are waiting for a batch seat, max_waiting_requests={limit}; "
+                             "try again later")
 
 
 class InprocClient:
@@ -89,6 +122,10 @@ class InprocClient:
 
     def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
         return self.core.wait_for_warmup(timeout)
+
+    def preload_prefixes(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Compute ``prompts`` into the core's prefix cache (``EngineCore.preload_prefixes``)."""
+        self.core.preload_prefixes(prompts)
 
     def shutdown(self) -> None:
         self.core.runner.stop_warmup()
@@ -181,7 +218,7 @@ class MPClient:
     def __init__(self, model: Union[str, os.PathLike], config: EngineConfig) -> None:
         if not isinstance(config.scheduling_policy, str):
             raise ValueError(f"scheduling_policy={config.scheduling_policy!r}: a core in another process takes a "
-                             "policy name ('fcfs', 'priority', 'sjf', 'aging')")
+                             "policy name ('fcfs', 'priority', 'sjf', 'aging', 'load_aware')")
         self._dir = tempfile.mkdtemp(prefix="jaxllm-core-")
         self._ctx = zmq.Context()
         self._output = self._ctx.socket(zmq.PULL)
@@ -335,11 +372,9 @@ class MPClient:
         Raises:
           EngineDeadError: a core died or failed.
         """
-        if self._async_output is None:
-            self._async_output = zmq.asyncio.Socket.from_socket(self._output)
         while not self._pending:
             self._check_alive()
-            if await self._async_output.poll(POLL_SECONDS * 1000):
+            if await self._async_socket().poll(POLL_SECONDS * 1000):
                 self._drain()
         self._check_alive()
         return self._take_pending()
@@ -358,16 +393,47 @@ class MPClient:
             self._check_alive()
             if self._output.poll(POLL_SECONDS * 1000):
                 self._drain()
+        return self._utility_result(core, method, call_id)
+
+    async def call_utility_async(self, core: int, method: str, *args: Any) -> Any:
+        """:meth:`call_utility` for an asyncio front end: waits without blocking the event loop. Outputs that
+        arrive meanwhile are kept for :meth:`get_outputs_async`, whose wait notices them within ``POLL_SECONDS``.
+
+        Raises:
+          RuntimeError, EngineDeadError: as :meth:`call_utility`.
+        """
+        call_id = next(self._call_ids)
+        self._send(core, UtilityCall(call_id, method, list(args)))
+        while call_id not in self._results:
+            self._check_alive()
+            if await self._async_socket().poll(POLL_SECONDS * 1000):
+                self._drain()
+        return self._utility_result(core, method, call_id)
+
+    def _utility_result(self, core: int, method: str, call_id: int) -> Any:
         result = self._results.pop(call_id)
         if result.error is not None:
             raise RuntimeError(f"engine core {core}: {method}: {result.error}")
         return result.result
+
+    def _async_socket(self) -> zmq.asyncio.Socket:
+        if self._async_output is None:
+            self._async_output = zmq.asyncio.Socket.from_socket(self._output)
+        return self._async_output
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.routed)
 
     def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
         return all([self.call_utility(d, "wait_for_warmup", timeout) for d in range(len(self._cores))])
+
+    def preload_prefixes(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Compute ``prompts`` into every core's prefix cache (``EngineCore.preload_prefixes``); the router then
+        knows each core holds them, so requests sharing them are spread by load alone."""
+        for d in range(len(self._cores)):
+            self.call_utility(d, "preload_prefixes", [list(p) for p in prompts])
+            for ids in prompts:
+                self.router.record(d, ids, None)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every core (each aborts its requests and exits), waiting up to ``timeout`` seconds before killing;

@@ -108,11 +108,19 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
       prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in, and served from, the prefix cache.
       num_preemptions: preemptions.
       compilations: programs the runner built (warm-up included).
+      num_preempted_waiting: of the waiting requests, those preempted.
+      max_num_seqs, max_num_batched_tokens: the limits in force (below the
+        configured ones while graceful degradation backs off).
+      prompt_len_cv: coefficient of variation (std / mean) of the running
+        requests' prompt lengths; 0 with fewer than two running.
       schedule_seconds: host time of this step's ``schedule()``.
       num_scheduled_tokens: tokens computed in this step.
       spec_num_drafts: rows that verified draft tokens (speculative decoding).
       spec_num_draft_tokens, spec_num_accepted_tokens: draft tokens verified, and accepted.
       spec_accepted_per_position: accepted drafts by position in their row (0 = first draft).
+      step_seconds: wall time of the whole step (schedule, batch, device, sample read-back).
+      num_waiting_for_grammar: waiting requests whose structured-output grammar is still compiling.
+      grammar_bitmask_seconds: host time of this step's structured-output bitmask (None: no constrained row).
     """
 
     num_running: int
@@ -126,12 +134,19 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_hits: int
     num_preemptions: int
     compilations: int
+    num_preempted_waiting: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prompt_len_cv: float
     schedule_seconds: Optional[float] = None
     num_scheduled_tokens: Optional[int] = None
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    step_seconds: Optional[float] = None
+    num_waiting_for_grammar: int = 0
+    grammar_bitmask_seconds: Optional[float] = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="outputs"):

@@ -5,8 +5,10 @@ stops, utility calls), run one step while any request is unfinished and send its
 block on the input socket. When inputs changed the core's state but no step followed (an abort of the last
 request), the core sends its stats alone, so the front end's block counts stay current.
 
-The process exits when its parent dies (a watchdog thread checks the parent pid), and on a ``Shutdown`` input. An
-error it cannot continue after is sent to the front end as ``CoreFailed`` before the process exits with status 1.
+The process exits when its parent dies (a watchdog thread checks the parent pid), and on a ``Shutdown`` input
+(after stopping a background warm-up between two programs, without the interpreter's teardown, which for a process
+holding JAX takes a second or more). An error it cannot continue after is sent to the front end as ``CoreFailed``
+before the process exits with status 1.
 SIGINT is ignored: Ctrl-C reaches the whole process group, and the front end stops the core in its own time.
 """
 
@@ -59,6 +61,7 @@ def run_core_loop(core, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
             timeout = 0
             if isinstance(message, Shutdown):
                 core.abort_all()
+                core.runner.stop_warmup()
                 return
             if isinstance(message, UtilityCall):
                 outputs.send(encode(_call(core, message)))
@@ -136,4 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

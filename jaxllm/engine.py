@@ -15,10 +15,11 @@ from typing import Any, Iterable, Optional, Union
 import jax
 
 from jaxllm.config import EngineConfig
-from jaxllm.core_client import InprocClient, MPClient
+from jaxllm.core_client import InprocClient, MPClient, QueueFullError, check_waiting_limit
 from jaxllm.input_processor import InputProcessor, PromptType
 from jaxllm.metrics import EngineMetrics
 from jaxllm.output_processor import OutputProcessor
+from jaxllm.prefix_warmup import preload_token_ids
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
@@ -65,7 +66,11 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self.input_processor = InputProcessor(self.tokenizer, self.client.infos[0], self.config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port)
+        self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port,
+                                     max_num_seqs=self.config.max_num_seqs,
+                                     max_num_batched_tokens=self.config.max_num_batched_tokens)
+        if self.config.preload_prompts is not None:
+            self.client.preload_prefixes(preload_token_ids(self.config.preload_prompts, self.input_processor))
 
     @property
     def core(self):
@@ -111,6 +116,19 @@ class LLMEngine:
         """
         return self.client.wait_for_warmup(timeout)
 
+    def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
+        """KV diagnostics of one core: block counts by state, the block map, fragmentation, the largest request,
+        the queue (``scheduler.diagnostics.kv_cache_report``; in a core process, answered between its steps).
+
+        Raises:
+          ValueError: ``core`` outside ``[0, data_parallel_size)``.
+        """
+        if not 0 <= core < len(self.client.infos):
+            raise ValueError(f"core={core} must be in [0, {len(self.client.infos)})")
+        if isinstance(self.client, InprocClient):
+            return self.client.core.kv_cache_report(block_map)
+        return self.client.call_utility(core, "kv_cache_report", block_map)
+
     def add_request(
         self,
         request_id: str,
@@ -131,10 +149,18 @@ class LLMEngine:
           ValueError: an empty prompt, a prompt longer than ``max_model_len``
             (both numbers named), a token id outside the vocabulary, a
             duplicate ``request_id``, a bad ``data_parallel_rank``.
+          QueueFullError: ``max_waiting_requests`` sequences already wait
+            (``core_client.check_waiting_limit``); nothing is queued.
         """
         params = params if params is not None else SamplingParams()
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        try:
+            check_waiting_limit(self.config.max_waiting_requests, self.output_processor.num_open_sequences,
+                                self.client.infos, self.metrics.core_stats)
+        except QueueFullError:
+            self.metrics.request_refused.inc()
+            raise
         text, ids = self.input_processor.encode_prompt(prompt)
         request = self.input_processor.process(request_id, ids, params, priority=priority,
                                                arrival_time=arrival_time, cache_salt=cache_salt)

@@ -16,6 +16,15 @@ itself, or the prefill parent.
 Speculative decoding (``EngineConfig.speculative_config``): after each step the proposer drafts tokens for every
 sequence that sampled, the scheduler puts them on its next decode row, and the step's sampler verifies them
 (``jaxllm.spec_decode``); a row then reports up to ``1 + num_speculative_tokens`` tokens.
+Speculation skips structured-output requests: a constrained sequence gets no drafts (its grammar's bitmask
+applies to its one sampled token per step).
+
+Structured output (``jaxllm.structured_output``): a constrained request's grammar compiles in a thread pool while
+the request waits in the scheduler (``WAITING_FOR_FSM``; a prefill parent waits too, so its forked sequences find
+it ready); each sequence has its own matcher, which fills its row of the step's token bitmask and consumes its
+sampled tokens. Under async scheduling the bitmask of step N+1 needs step N's token: a step that holds a
+constrained row fed by the step in flight first applies that step (reads its samples, as without async), then
+builds the bitmask and launches; steps without such rows keep the overlap.
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
 from jaxllm.sharding import make_mesh
 from jaxllm.spec_decode import NgramProposer
 from jaxllm.spec_decode.draft import DraftRunner
+from jaxllm.structured_output import StructuredOutputManager
+from jaxllm.tokenizer import load_tokenizer
 from kernels_pallas import default_attention_backend, get_attention_ops
 from scheduler import (
     BucketTable,
@@ -54,6 +65,7 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
     build_batch,
+    kv_cache_report,
 )
 
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -120,7 +132,8 @@ class EngineCore:
       core_index: this core's data-parallel rank (reported with its outputs).
 
     Attributes:
-      scheduler, runner, buckets, num_blocks, model_config, max_model_len, hf_config, sharding, dtype.
+      scheduler, runner, buckets, num_blocks, model_config, max_model_len, hf_config, sharding, dtype,
+      structured (the ``StructuredOutputManager``; it loads the model's tokenizer at the first constraint).
 
     Raises:
       ValueError: a bad model path, an unsupported architecture, a config value out of range (named with its
@@ -128,7 +141,8 @@ class EngineCore:
     """
 
     # Methods a front end may call between steps of a core in another process (``core_messages.UtilityCall``).
-    UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks"})
+    UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks", "kv_cache_report",
+                                 "preload_prefixes"})
 
     def __init__(self, model: Union[str, os.PathLike], config: EngineConfig, *,
                  mesh: Optional[jax.sharding.Mesh] = None, core_index: int = 0):
@@ -173,6 +187,7 @@ class EngineCore:
             self.drafter = self._load_drafter(backend, num_positions)
         self._runners = [self.runner] + ([self.drafter] if self.drafter is not None else [])
         self.slots = SamplingSlots(config.max_num_seqs + 1, cfg.vocab_size, self.runner)
+        self.structured = StructuredOutputManager(lambda: load_tokenizer(path), cfg.vocab_size, cfg.eos_token_ids)
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(self._scheduler_config())
         b = self.buckets
@@ -238,7 +253,7 @@ class EngineCore:
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=c.enable_chunked_prefill,
             long_prefill_token_threshold=c.long_prefill_token_threshold, scheduling_policy=c.scheduling_policy,
             preemption_mode=c.preemption_mode, num_host_blocks=c.num_host_blocks,
-            async_scheduling=c.async_scheduling,
+            async_scheduling=c.async_scheduling, graceful_degradation=c.graceful_degradation,
             num_lookahead_tokens=(self.spec.num_speculative_tokens
                                   if self.spec is not None and self.spec.method == "draft_model" else 0),
         )
@@ -272,17 +287,55 @@ class EngineCore:
         probe = Request("prefix-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
         return self.scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
 
+    def preload_prefixes(self, prompts: Sequence[Sequence[int]]) -> dict[str, int]:
+        """Compute ``prompts`` (token ids, validated by the front end) into the prefix cache before serving, and
+        pin their full blocks (``Scheduler.pin_prefix``; only with graceful degradation, which releases them under
+        KV pressure). Each runs as a one-token greedy request; their prefix-cache lookups are not counted in
+        ``prefix_cache_queries``/``prefix_cache_hits`` (warm-up is not traffic).
+
+        Returns:
+          ``{"num_prompts", "num_cached_tokens" (prompt tokens now in full cached blocks), "num_pinned_blocks"}``.
+
+        Raises:
+          RuntimeError: requests are already queued or running (warm up before serving).
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("preload_prefixes: the core already has requests; warm the prefix cache up before "
+                               "serving")
+        sched = self.scheduler
+        counted = sched.prefix_cache_queries, sched.prefix_cache_hits
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        for i, ids in enumerate(prompts):
+            self.add_request(EngineCoreRequest(f"preload-{i}", list(ids), params, seeds=[0], stop_ids=[],
+                                               bad_words_token_ids=[], eos_token_id=None,
+                                               arrival_time=time.monotonic()))
+        while self.has_unfinished_requests():
+            self.step()
+        sched.prefix_cache_queries, sched.prefix_cache_hits = counted
+        cached = sum(self.cached_prefix_tokens(ids) for ids in prompts)
+        pinned = sum(sched.pin_prefix(ids) for ids in prompts)
+        _log(f"preloaded {len(prompts)} prompts into the prefix cache: {cached} tokens in full blocks, "
+             f"{pinned} blocks pinned")
+        return dict(num_prompts=len(prompts), num_cached_tokens=cached, num_pinned_blocks=pinned)
+
+    def kv_cache_report(self, block_map: bool = True) -> dict[str, Any]:
+        """The scheduler's KV diagnostics (``scheduler.diagnostics.kv_cache_report``) with this core's index."""
+        return {**kv_cache_report(self.scheduler, block_map), "core_index": self.core_index}
+
     def num_free_blocks(self) -> int:
         """Device KV blocks in the free queue (``num_blocks - 1`` when no request holds one)."""
         return self.scheduler.block_pool.num_free_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request the front end has validated (``jaxllm.input_processor``)."""
+        """Queue a request the front end has validated (``jaxllm.input_processor``); a structured-output
+        constraint starts compiling (off this thread) and the request waits for it."""
         params = request.sampling_params
         ids = request.prompt_token_ids
         n = params.n
+        grammar = None if params.structured_outputs is None else self.structured.compile(params.structured_outputs)
         kwargs = dict(eos_token_id=request.eos_token_id, arrival_time=request.arrival_time,
-                      priority=request.priority, cache_salt=request.cache_salt)
+                      priority=request.priority, cache_salt=request.cache_salt,
+                      grammar_ready=None if grammar is None else self.structured.ready(grammar))
         seqs = []
         for i, seed in enumerate(request.seeds):
             seq_params = params
@@ -292,6 +345,8 @@ class EngineCore:
             seq = _Sequence(Request(seq_id, ids, seq_params, **kwargs), i,
                             logprobs=None if params.logprobs is None else [])
             seqs.append(seq)
+            if grammar is not None:
+                self.structured.add(seq.request, grammar)
             self.slots.register(seq_id, make_sequence_sampling(seq_params, seed, request.stop_ids,
                                                                self.model_config.vocab_size,
                                                                request.bad_words_token_ids))
@@ -368,6 +423,7 @@ class EngineCore:
           an output for every sequence that produced a token or finished in
           this step, and the core's stats after it.
         """
+        outputs = self._fail_grammars()
         schedule_start = time.perf_counter()
         sched_out = self.scheduler.schedule()
         schedule_seconds = time.perf_counter() - schedule_start
@@ -377,8 +433,13 @@ class EngineCore:
             self._record_cached_tokens(sched_out)
         touched: list[Request] = list(sched_out.finished)
         prev = self._in_flight
+        prev_tokens = None if prev is None else prev.dispatched.next_prev
+        if prev is not None and self.structured.needs_previous_samples(sched_out):
+            # A constrained row's bitmask needs the token the step in flight samples for it.
+            touched += self._apply(prev)
+            prev = self._in_flight = None
         try:
-            launched = _Launched(sched_out, self._launch(sched_out, prev.dispatched.next_prev if prev else None))
+            launched = _Launched(sched_out, self._launch(sched_out, prev_tokens))
         except Exception:
             # Its rows never ran: they go back to waiting, so the engine stays usable.
             self.scheduler.discard_output(sched_out)
@@ -393,15 +454,31 @@ class EngineCore:
             done.append(launched)
         for step in done:
             touched += self._apply(step)
-        outputs = []
         for request in dict.fromkeys(touched):
             owner = self._seqs.get(request.request_id)
             if owner is not None and owner[1].request is request:
                 outputs.append(self._output(*owner))
             elif request.request_id in self._parents and self._parents[request.request_id].parent is request:
                 self._advance_parent(request)
-        return EngineCoreOutputs(outputs, self.stats(schedule_seconds, sched_out.total_num_scheduled_tokens),
-                                 self.core_index)
+        bitmask_seconds = self.structured.bitmask_seconds if launched.dispatched is not None else None
+        stats = self.stats(schedule_seconds, sched_out.total_num_scheduled_tokens, bitmask_seconds)
+        stats.step_seconds = time.perf_counter() - schedule_start
+        return EngineCoreOutputs(outputs, stats, self.core_index)
+
+    def _fail_grammars(self) -> list[EngineCoreOutput]:
+        """Abort the requests whose grammar failed to compile in the core (valid for the front end, not with
+        the model's tokenizer): each sequence is reported finished with "abort"."""
+        outputs = []
+        for rid, error in self.structured.take_failed():
+            owner = self._seqs.get(rid)
+            if owner is None or owner[0].request_id not in self._groups:
+                continue
+            group = owner[0]
+            _log(f"request {group.request_id!r}: its grammar failed to compile, so it is aborted: {error}")
+            outputs += [EngineCoreOutput(group.request_id, seq.index, [], finish_reason="abort")
+                        for seq in group.seqs if seq.request.request_id in self._seqs]
+            self.abort_requests([group.request_id])
+        return outputs
 
     def _launch(self, sched_out: SchedulerOutput, prev_tokens: Optional[jax.Array]) -> Optional[_Dispatched]:
         """Do the output's block copies and dispatch its step (None when it has no rows).
@@ -416,8 +493,10 @@ class EngineCore:
             return None
         batch = build_batch(sched_out, self._serving_buckets())
         targets = prompt_targets(sched_out.scheduled, self._prompt_lp, batch.input_ids.shape[0])
-        arrays = self.slots.arrays(sched_out, batch.seq_lens.shape[0], self.runner.num_positions)
-        out, next_prev = self.runner.dispatch(batch, arrays, prev_tokens, targets)
+        num_rows = batch.seq_lens.shape[0]
+        arrays = self.slots.arrays(sched_out, num_rows, self.runner.num_positions)
+        out, next_prev = self.runner.dispatch(batch, arrays, prev_tokens, targets,
+                                              self.structured.bitmask(sched_out, num_rows))
         if self.drafter is not None:
             out = {**out, "draft_token_ids": self.drafter.propose_async(batch, out)}
         return _Dispatched(out, next_prev, 0 if targets is None else batch.num_tokens)
@@ -441,6 +520,7 @@ class EngineCore:
             self._propose(step.sched_out, sampled)
         else:
             touched = self.scheduler.update_from_output(step.sched_out, tokens)
+        self.structured.advance(touched)
         if sampled is not None:
             self._record_logprobs(step.sched_out, sampled)
             if d.num_token_rows:
@@ -461,11 +541,13 @@ class EngineCore:
 
     def _propose(self, sched_out: SchedulerOutput, sampled: dict[str, np.ndarray]) -> None:
         """Drafts for every running sequence that sampled in this step (the others keep theirs): the draft model's
-        from the step's outputs, or n-gram lookups."""
+        from the step's outputs, or n-gram lookups. Structured-output sequences get none: their bitmask covers
+        one sampled token per step."""
         drafts = {}
         for i, row in enumerate(sched_out.scheduled):
             req = row.request
-            if row.samples and req.status == RequestStatus.RUNNING and not req.prefill_only:
+            if (row.samples and req.status == RequestStatus.RUNNING and not req.prefill_only
+                    and not self.structured.constrains(req)):
                 drafts[req.request_id] = (sampled["draft_token_ids"][i].tolist() if self.drafter is not None
                                           else self.proposer.propose(req.all_token_ids))
         self.scheduler.update_draft_token_ids(drafts)
@@ -550,12 +632,15 @@ class EngineCore:
     def _forget(self, request_id: str) -> None:
         """Drop a sequence's (or a parent's) per-request state."""
         self.slots.forget(request_id)
+        self.structured.remove(request_id)
         self._seqs.pop(request_id, None)
         self._prompt_lp.pop(request_id, None)
         self._unscheduled.pop(request_id, None)
 
-    def stats(self, schedule_seconds: Optional[float] = None, num_scheduled_tokens: Optional[int] = None) -> CoreStats:
-        """The core's ``CoreStats`` now (``schedule_seconds`` and ``num_scheduled_tokens`` of the step just run)."""
+    def stats(self, schedule_seconds: Optional[float] = None, num_scheduled_tokens: Optional[int] = None,
+              grammar_bitmask_seconds: Optional[float] = None) -> CoreStats:
+        """The core's ``CoreStats`` now (``schedule_seconds``, ``num_scheduled_tokens`` and
+        ``grammar_bitmask_seconds`` of the step just run)."""
         s = self.scheduler.stats
         live, allocated = self._kv_slots()
         return CoreStats(
@@ -563,11 +648,24 @@ class EngineCore:
             num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks, kv_live_slots=live,
             kv_allocated_slots=allocated, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            compilations=sum(r.num_compilations for r in self._runners), schedule_seconds=schedule_seconds,
-            num_scheduled_tokens=num_scheduled_tokens, spec_num_drafts=self._spec_counts[0],
+            compilations=sum(r.num_compilations for r in self._runners),
+            num_preempted_waiting=s.num_preempted_waiting, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+            prompt_len_cv=self._prompt_len_cv(), schedule_seconds=schedule_seconds,
+            num_scheduled_tokens=num_scheduled_tokens, num_waiting_for_grammar=s.num_waiting_for_fsm,
+            grammar_bitmask_seconds=grammar_bitmask_seconds, spec_num_drafts=self._spec_counts[0],
             spec_num_draft_tokens=self._spec_counts[1], spec_num_accepted_tokens=self._spec_counts[2],
             spec_accepted_per_position=list(self._spec_per_position),
         )
+
+    def _prompt_len_cv(self) -> float:
+        """Coefficient of variation (population std / mean) of the running requests' prompt lengths, in tokens;
+        0 with fewer than two running (the board's "request mix" signal: high when short and long prompts share
+        the batch)."""
+        running = self.scheduler.running
+        if len(running) < 2:
+            return 0.0
+        lengths = np.fromiter((r.num_prompt_tokens for r in running), np.float64, len(running))
+        return float(lengths.std() / lengths.mean())
 
     def _kv_slots(self) -> tuple[int, int]:
         """(slots holding a computed token, allocated slots) over the referenced device blocks.

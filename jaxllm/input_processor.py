@@ -3,7 +3,7 @@
 
 Everything a request can get wrong is found here, before anything reaches a core, so a bad request changes no
 state anywhere: an empty prompt, one longer than ``max_model_len``, token ids outside the vocabulary, bad words
-that encode to nothing. Eos ids are folded into the stop ids here (the tokenizer's first, then the model's), and
+that encode to nothing, a structured-output schema, regex or grammar the grammar engine rejects. Eos ids are folded into the stop ids here (the tokenizer's first, then the model's), and
 seeds are drawn here for sequences without one, so a core needs no tokenizer.
 """
 
@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from jaxllm.core_messages import CoreInfo, EngineCoreRequest
+from jaxllm.structured_output import validate_structured_outputs
 from scheduler import SamplingParams
 
 PromptType = Union[str, Sequence[int]]
@@ -99,8 +100,10 @@ class InputProcessor:
           ValueError: a prompt longer than ``max_model_len`` (both numbers
             named), token ids of ``params`` outside the vocabulary, bad words
             without a tokenizer or that encode to no token, too many
-            multi-token bad words, or multi-token bad words under async
-            scheduling.
+            multi-token bad words, multi-token bad words under async
+            scheduling, or an invalid ``structured_outputs`` (named with
+            the field and the grammar engine's error) or one without a
+            tokenizer.
         """
         if len(prompt_token_ids) > self.info.max_model_len:
             raise ValueError(
@@ -118,6 +121,10 @@ class InputProcessor:
         # min_tokens bans every id that would end the request: stop ids and all eos ids.
         stop_ids = list(dict.fromkeys(list(params.stop_token_ids) + ([] if params.ignore_eos else eos)))
         words = self._bad_words(params, vocab)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.structured_outputs needs a tokenizer; this model has none")
+            validate_structured_outputs(params.structured_outputs)
         seeds = [params.seed + i if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
                  for i in range(params.n)]
         return EngineCoreRequest(

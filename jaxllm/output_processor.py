@@ -241,6 +241,11 @@ class OutputProcessor:
             request.request_id, prompt, ids, seqs, request.arrival_time,
             prompt_logprobs=None if params.prompt_logprobs is None else [None])
 
+    @property
+    def num_open_sequences(self) -> int:
+        """Sequences of the open requests (``n`` per request), finished ones of an open request included."""
+        return sum(len(state.seqs) for state in self.requests.values())
+
     def abort_requests(self, request_ids: Sequence[str]) -> list[str]:
         """Close requests; returns those that were open (the caller aborts them in the core)."""
         return [rid for rid in request_ids if self.requests.pop(rid, None) is not None]

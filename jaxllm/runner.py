@@ -33,6 +33,7 @@ from jaxllm.kv_cache import allocate_kv_cache
 from jaxllm.models.llama import AttentionOps, KVCache, Params, compute_logits, hidden_states, loop_storage
 from jaxllm.sampling import (
     SamplingArrays,
+    bitmask_words,
     fill_slot,
     init_tables,
     prompt_logprobs,
@@ -53,26 +54,30 @@ BLOCK_CHUNK = 16
 
 
 def _step(params: Params, kv_cache: KVCache, batch: dict, sampling: dict, tables: dict, prev_tokens: jax.Array,
-          *, cfg: ModelConfig, ops: AttentionOps, num_positions: int = 1) -> tuple[dict, jax.Array, KVCache, dict]:
+          bitmask: jax.Array, *, cfg: ModelConfig, ops: AttentionOps, num_positions: int = 1
+          ) -> tuple[dict, jax.Array, KVCache, dict]:
     """Model + sampler + prompt logprobs. Input ids marked in
     ``prev_token_index`` come from the previous step's samples
     (``prev_tokens``, still on the device); the samples are also returned
-    padded to ``prev_tokens``' length for the next step. ``out`` is the
-    sampler's outputs (``[S]`` rows) and ``sampling.prompt_logprobs``' (``[T]``
-    rows, for ``batch["prompt_target_ids"]``). With ``num_positions > 1``
+    padded to ``prev_tokens``' length for the next step. ``bitmask``
+    (int32[S, ceil(V/32)]) holds each row's allowed tokens (structured
+    output). ``out`` is the sampler's outputs (``[S]`` rows) and
+    ``sampling.prompt_logprobs``' (``[T]`` rows, for
+    ``batch["prompt_target_ids"]``). With ``num_positions > 1``
     (speculative decoding) the sampler verifies each row's drafts
     (``sampling.sample_or_verify``): ``[S, num_positions]`` tokens and
-    ``num_emitted: int32[S]``."""
+    ``num_emitted: int32[S]``; a row's bitmask applies to its first position
+    (constrained rows carry no drafts)."""
     from_prev = batch["prev_token_index"]
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch["input_ids"])
     hidden, kv_cache = hidden_states(params, kv_cache, dict(batch, input_ids=input_ids), cfg=cfg, ops=ops)
     head = functools.partial(compute_logits, params, cfg=cfg)
     if num_positions == 1:
-        out, tables = sample(head(hidden[batch["logits_indices"]]), sampling, tables)
+        out, tables = sample(head(hidden[batch["logits_indices"]]), sampling, tables, bitmask)
         first = out["token_ids"]
     else:
         out, tables = sample_or_verify(head, hidden, input_ids, batch["logits_indices"], batch["num_spec_tokens"],
-                                       sampling, tables, num_positions)
+                                       sampling, tables, num_positions, bitmask)
         first = out["token_ids"][:, 0]
     out = {**out, **prompt_logprobs(head, hidden, batch["prompt_target_ids"])}
     next_prev = jnp.zeros_like(prev_tokens).at[: first.shape[0]].set(first)
@@ -189,6 +194,9 @@ class ModelRunner:
         self.num_compilations = 0
         self.num_cache_hits = 0
         self._no_prev_tokens = jax.device_put(np.zeros(buckets.seq_buckets[-1], np.int32), self._replicated)
+        self.bitmask_words = bitmask_words(cfg.vocab_size)
+        # Per row bucket S: an all-ones bitmask kept on the device, passed by steps without a constrained row.
+        self._all_allowed: dict[int, jax.Array] = {}
         self.compile_seconds = 0.0
         self.cache_load_seconds = 0.0
         self._lock = threading.Lock()
@@ -249,12 +257,14 @@ class ModelRunner:
         return {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
 
     def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
-        """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens)`` of bucket ``shape``:
-        exactly the structure, dtypes and shardings :meth:`dispatch` passes."""
-        sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._replicated)
-                    for k, v in SamplingArrays.empty(shape[1] * self.num_positions).as_dict().items()}
+        """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens, bitmask)`` of bucket
+        ``shape``: exactly the structure, dtypes and shardings :meth:`dispatch` passes."""
+        s, rep = shape[1], self._replicated
+        sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
+                    for k, v in SamplingArrays.empty(s * self.num_positions).as_dict().items()}
+        bitmask = jax.ShapeDtypeStruct((s, self.bitmask_words), np.int32, sharding=rep)
         return (_abstract(self.params), _abstract(self.kv_cache), self.batch_arguments(shape), sampling,
-                _abstract(self.sampler_tables), _abstract(self._no_prev_tokens))
+                _abstract(self.sampler_tables), _abstract(self._no_prev_tokens), bitmask)
 
     def compile_step(self, shape: tuple[int, int, int]) -> Callable:
         """Compile (once) and return the step program of bucket ``shape``."""
@@ -373,7 +383,8 @@ class ModelRunner:
     # ---------------------------------------------------------------- serving
 
     def dispatch(self, batch: BatchDescriptor, sampling: SamplingArrays, prev_tokens: Optional[jax.Array] = None,
-                 prompt_target_ids: Optional[np.ndarray] = None) -> tuple[dict, jax.Array]:
+                 prompt_target_ids: Optional[np.ndarray] = None,
+                 bitmask: Optional[np.ndarray] = None) -> tuple[dict, jax.Array]:
         """Launch one step without waiting for it.
 
         Args:
@@ -384,6 +395,9 @@ class ModelRunner:
             input is a sample still on the device (async scheduling).
           prompt_target_ids: int32[T] the prompt token following each token
             row whose prompt logprob is wanted, -1 elsewhere; None: none wanted.
+          bitmask: int32[S, ceil(V/32)] the tokens each row may sample
+            (``structured_output``); None: every token, from an all-ones
+            array kept on the device (no transfer).
 
         Returns:
           (the step's outputs on the device: the sampler's (``sampling.sample``,
@@ -393,11 +407,13 @@ class ModelRunner:
           place (donated).
         """
         exe = self.compile_step(batch.shape)
-        device_batch, device_sampling = jax.device_put((self.batch_arrays(batch, prompt_target_ids),
-                                                        sampling.as_dict()), self._replicated)
+        if bitmask is None:
+            bitmask = self._all_ones(batch.shape[1])
+        device_batch, device_sampling, bitmask = jax.device_put(
+            (self.batch_arrays(batch, prompt_target_ids), sampling.as_dict(), bitmask), self._replicated)
         prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
         out, next_prev, self.kv_cache, self.sampler_tables = exe(
-            self.params, self.kv_cache, device_batch, device_sampling, self.sampler_tables, prev
+            self.params, self.kv_cache, device_batch, device_sampling, self.sampler_tables, prev, bitmask
         )
         return out, next_prev
 
@@ -410,6 +426,13 @@ class ModelRunner:
             prompt_target_ids = np.full(batch.input_ids.shape, -1, np.int32)
         arrays["prompt_target_ids"] = prompt_target_ids
         return arrays
+
+    def _all_ones(self, num_rows: int) -> jax.Array:
+        ones = self._all_allowed.get(num_rows)
+        if ones is None:
+            ones = self._all_allowed[num_rows] = jax.device_put(
+                np.full((num_rows, self.bitmask_words), -1, np.int32), self._replicated)
+        return ones
 
     def fill_slot(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
         """Reset sampling slot ``slot`` for a sequence (re)admitted with ``token_ids`` (prompt then output)."""

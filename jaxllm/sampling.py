@@ -3,9 +3,12 @@
 Every per-request control is an array argument (one row per sequence), so no
 request property triggers a compilation. Follows vLLM v1's ``Sampler``:
 
+0. the structured-output bitmask: tokens a row's grammar does not allow
+   get -inf (``jaxllm.structured_output``; vLLM applies it to the logits
+   before its sampler);
 1. log-probabilities, when some row asks, of the *raw* model distribution
-   (``log_softmax`` of the logits before any processing; vLLM's default
-   ``logprobs_mode="raw_logprobs"``);
+   (``log_softmax`` of the logits before any processing but the bitmask;
+   vLLM's default ``logprobs_mode="raw_logprobs"``);
 2. logit processors: ``allowed_token_ids`` and single-token ``bad_words``
    and ``logit_bias`` (one additive bias row per request), multi-token bad
    words (ids banned this step), ``min_tokens`` (eos and stop ids banned);
@@ -33,7 +36,7 @@ produced -- not on the batch it shares, the bucket, or preemption.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -234,6 +237,23 @@ def apply_logit_processors(logits: jax.Array, arrays: dict, tables: dict,
     return logits - arrays["presence_penalty"][:, None] * output_seen
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one packed token-bitmask row: ``ceil(vocab_size / 32)``."""
+    return -(-vocab_size // 32)
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf on the tokens a packed bitmask does not allow.
+
+    logits: [S, V] float32; bitmask: int32[S, ceil(V / 32)], token ``t``
+    allowed when bit ``t % 32`` of word ``t // 32`` is set (llguidance's and
+    vLLM's layout); bits past V are ignored. Returns [S, V].
+    """
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[-1]] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def apply_top_k_top_p_min_p(
     logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
 ) -> jax.Array:
@@ -300,17 +320,19 @@ def _maybe_logprobs(raw: jax.Array, tokens: jax.Array, arrays: dict) -> tuple[ja
 def _choose(raw: jax.Array, arrays: dict, tables: dict, extra_counts: Callable[[], jax.Array] | None = None
             ) -> jax.Array:
     """One token per row of float32 logits ``raw`` [R, V]: the processors (with ``extra_counts()`` counted as
-    outputs, when given), then the argmax (greedy rows) or a draw."""
+    outputs, when given), then the argmax (greedy rows) or a draw. A row the processors leave without a token
+    (all -inf) chooses from ``raw`` as if it had none."""
     needs_processing = jnp.any(
         arrays["use_bias"] | (arrays["presence_penalty"] != 0) | (arrays["frequency_penalty"] != 0)
         | (arrays["repetition_penalty"] != 1) | (arrays["num_generated"] < arrays["min_tokens"])
         | jnp.any(arrays["banned"] < raw.shape[-1], axis=-1)
     )
-    logits = jax.lax.cond(
-        needs_processing,
-        lambda: apply_logit_processors(raw, arrays, tables, None if extra_counts is None else extra_counts()),
-        lambda: raw,
-    )
+
+    def processed() -> jax.Array:
+        out = apply_logit_processors(raw, arrays, tables, None if extra_counts is None else extra_counts())
+        return jnp.where(jnp.all(out == -jnp.inf, axis=-1, keepdims=True), raw, out)
+
+    logits = jax.lax.cond(needs_processing, processed, lambda: raw)
     greedy = arrays["temperature"] < _GREEDY_EPS
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     needs_filter = jnp.any(~greedy & ((arrays["top_k"] > 0) | (arrays["top_p"] < 1.0) | (arrays["min_p"] > 0.0)))
@@ -322,13 +344,24 @@ def _choose(raw: jax.Array, arrays: dict, tables: dict, extra_counts: Callable[[
     return jnp.where(greedy, argmax, sampled)
 
 
-def sample(logits: jax.Array, arrays: dict, tables: dict) -> tuple[dict, dict]:
+def _masked(raw: jax.Array, bitmask: Optional[jax.Array]) -> jax.Array:
+    """``raw`` [R, V] with :func:`apply_token_bitmask` of ``bitmask`` [R, W], skipped when no row is
+    constrained (all words -1) or ``bitmask`` is None."""
+    if bitmask is None:
+        return raw
+    return jax.lax.cond(jnp.any(bitmask != -1), lambda: apply_token_bitmask(raw, bitmask), lambda: raw)
+
+
+def sample(logits: jax.Array, arrays: dict, tables: dict, bitmask: Optional[jax.Array] = None) -> tuple[dict, dict]:
     """Draw one token per row and count it in the row's slot.
 
     Args:
       logits: [S, V] float32.
       arrays: ``SamplingArrays.as_dict()`` on the device.
       tables: SamplerTables (see :func:`init_tables`); donate them.
+      bitmask: int32[S, ceil(V / 32)] the tokens each row may take
+        (:func:`apply_token_bitmask`); all ones (-1) for unconstrained rows;
+        None: no row is constrained.
 
     Returns:
       ``(out, tables)``: ``out`` holds ``token_ids: int32[S]``,
@@ -338,11 +371,14 @@ def sample(logits: jax.Array, arrays: dict, tables: dict) -> tuple[dict, dict]:
       ``K = min(MAX_LOGPROBS, V)`` (descending; zeros when no row asked);
       ``tables`` has each used sample added to its slot's counts.
 
-    The processors, the sort, the random draw and the logprobs each run only
-    when some row needs them (``lax.cond``), so a plain greedy step pays for
-    an argmax alone.
+    The bitmask, the processors, the sort, the random draw and the logprobs
+    each run only when some row needs them (``lax.cond``), so a plain greedy
+    step pays for an argmax alone. A row whose bans (``allowed_token_ids``,
+    bad words, ``min_tokens``) leave no token its bitmask allows samples as
+    if it had no processors, so a constrained row always takes a token its
+    grammar accepts.
     """
-    raw = logits.astype(jnp.float32)
+    raw = _masked(logits.astype(jnp.float32), bitmask)
     tokens = _choose(raw, arrays, tables)
     chosen, ranks, top_ids, top_logprobs = _maybe_logprobs(raw, tokens, arrays)
     counted = (arrays["sample_mask"] & (arrays["slot"] > 0)).astype(jnp.int32)
@@ -364,7 +400,8 @@ def _draft_counts(drafts: jax.Array, vocab: int) -> jax.Array:
     return jnp.zeros((num_rows * width, vocab), jnp.int32).at[rows.ravel(), ids.ravel()].add(1, mode="drop")
 
 
-def verify(logits: jax.Array, drafts: jax.Array, arrays: dict, tables: dict) -> tuple[dict, dict]:
+def verify(logits: jax.Array, drafts: jax.Array, arrays: dict, tables: dict,
+           bitmask: Optional[jax.Array] = None) -> tuple[dict, dict]:
     """Verify each row's draft tokens and emit its accepted drafts plus one token (speculative decoding).
 
     Position j of a row holds the target's logits after the row's known
@@ -395,6 +432,11 @@ def verify(logits: jax.Array, drafts: jax.Array, arrays: dict, tables: dict) -> 
         the last, and past a row's drafts).
       arrays: ``SamplingArrays.repeat(P).as_dict()`` on the device.
       tables: SamplerTables; donate them.
+      bitmask: int32[S, ceil(V / 32)] structured-output bitmask (as in
+        :func:`sample`), applied to each row's first position only (all
+        ones elsewhere): a constrained row never carries drafts (the
+        proposers skip it), so it samples its one token at position 0.
+        None: no row is constrained.
 
     Returns:
       ``(out, tables)``: ``out`` holds ``token_ids: int32[S, P]`` (the
@@ -404,7 +446,10 @@ def verify(logits: jax.Array, drafts: jax.Array, arrays: dict, tables: dict) -> 
       ``tables`` counts the emitted tokens.
     """
     num_rows, width = drafts.shape
-    raw = logits.astype(jnp.float32)
+    if bitmask is not None:
+        at_first = (jnp.arange(width) == 0)[None, :, None]
+        bitmask = jnp.where(at_first, bitmask[:, None, :], -1).reshape(num_rows * width, -1)
+    raw = _masked(logits.astype(jnp.float32), bitmask)
     tokens = _choose(raw, arrays, tables, lambda: _draft_counts(drafts, raw.shape[-1]))
     accepted = ((tokens == drafts.reshape(-1)) & (drafts.reshape(-1) >= 0)).reshape(num_rows, width)
     num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1, dtype=jnp.int32)
@@ -420,7 +465,7 @@ def verify(logits: jax.Array, drafts: jax.Array, arrays: dict, tables: dict) -> 
 
 def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array, input_ids: jax.Array,
                      logits_indices: jax.Array, num_spec_tokens: jax.Array, arrays: dict, tables: dict,
-                     num_positions: int) -> tuple[dict, dict]:
+                     num_positions: int, bitmask: Optional[jax.Array] = None) -> tuple[dict, dict]:
     """The sampler of a step that may carry draft tokens: :func:`verify` when some row does, else :func:`sample`.
 
     Args:
@@ -432,6 +477,8 @@ def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: j
       arrays: ``SamplingArrays.repeat(num_positions).as_dict()`` on the device.
       tables: SamplerTables; donate them.
       num_positions: P = 1 + the most drafts a row may carry (static).
+      bitmask: int32[S, ceil(V / 32)] structured-output bitmask (see
+        :func:`sample`, :func:`verify`), None: no row is constrained.
 
     Returns:
       :func:`verify`'s outputs (a step without drafts fills position 0 of
@@ -445,11 +492,11 @@ def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: j
     drafts = jnp.where(has_draft, input_ids[jnp.minimum(first + position + 1, input_ids.shape[0] - 1)], -1)
 
     def drafted() -> tuple[dict, dict]:
-        return verify(compute_logits(hidden[rows.reshape(-1)]), drafts, arrays, tables)
+        return verify(compute_logits(hidden[rows.reshape(-1)]), drafts, arrays, tables, bitmask)
 
     def plain() -> tuple[dict, dict]:
         out, new_tables = sample(compute_logits(hidden[logits_indices]),
-                                 jax.tree_util.tree_map(lambda a: a[::num_positions], arrays), tables)
+                                 jax.tree_util.tree_map(lambda a: a[::num_positions], arrays), tables, bitmask)
         pad = [(0, 0), (0, num_positions - 1)]
         wide = {k: jnp.pad(v[:, None], pad + [(0, 0)] * (v.ndim - 1)) for k, v in out.items()}
         return {**wide, "num_emitted": jnp.ones(logits_indices.shape, jnp.int32)}, new_tables

@@ -239,7 +239,7 @@ def make_workload(args: argparse.Namespace, vocab: int, *, token_seed: int) -> W
     return Workload(prompts, [int(o) for o in output_lens])
 
 
-def engine_kwargs(args: argparse.Namespace, batching: str) -> dict[str, Any]:
+def engine_kwargs(args: argparse.Namespace, batching: str, graceful_degradation: bool = True) -> dict[str, Any]:
     """``LLM``/``LLMEngine`` keyword arguments from the flags."""
     max_model_len = args.max_model_len or (args.input_len[1] + args.output_len[1])
     return dict(
@@ -248,7 +248,7 @@ def engine_kwargs(args: argparse.Namespace, batching: str) -> dict[str, Any]:
         dtype=args.dtype, seed=args.seed, batching=batching, metrics_port=args.metrics_port,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size, token_buckets=args.token_buckets,
-        seq_buckets=args.seq_buckets, width_buckets=args.width_buckets,
+        seq_buckets=args.seq_buckets, width_buckets=args.width_buckets, graceful_degradation=graceful_degradation,
     )
 
 

@@ -16,11 +16,22 @@ import httpx
 STARTUP_SECONDS = 600
 
 
-def small_engine(max_num_seqs: int = 16) -> list[str]:
-    """Engine flags with small shapes, so compiling is short: two token buckets, built on first use (and cached
-    on disk by the test session's compilation cache)."""
-    return ["--max-model-len", "128", "--max-num-batched-tokens", "64", "--max-num-seqs", str(max_num_seqs),
-            "--token-buckets", "16", "64", "--precompile", "false"]
+# The stories260K engine of the server tests (both servers and the in-process reference) and the core-client
+# tests: one step program (16 tokens, 16 rows), built on first use and shared through the session's compilation
+# cache; prompts are prefilled in chunks of 16 tokens; max_model_len is the model's 512, so a request can run for
+# hundreds of steps.
+ENGINE = dict(max_model_len=512, max_num_batched_tokens=16, max_num_seqs=16, token_buckets=(16,), precompile=False)
+
+
+def engine_flags(**overrides) -> list[str]:
+    """``ENGINE`` (with ``overrides``) as ``jaxllm serve`` flags."""
+    flags = []
+    for name, value in {**ENGINE, **overrides}.items():
+        flags.append(f"--{name.replace('_', '-')}")
+        flags += [str(v) for v in value] if isinstance(value, tuple) else [str(value).lower()]
+    return flags
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -38,9 +49,18 @@ class Server:
         self.log = log
         self.process: Optional[subprocess.Popen] = None
 
-    def start(self) -> "Server":
+    def launch(self) -> "Server":
+        """Start the process without waiting (several servers then start side by side)."""
         out = open(self.log, "w") if self.log is not None else subprocess.DEVNULL
         self.process = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self) -> "Server":
+        """Wait until /health answers 200.
+
+        Raises:
+          RuntimeError: the process exited first (with its log's tail), or STARTUP_SECONDS passed.
+        """
         deadline = time.monotonic() + STARTUP_SECONDS
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -50,8 +70,12 @@ class Server:
                     return self
             except httpx.TransportError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise RuntimeError(f"the server did not answer /health in {STARTUP_SECONDS} s")
+
+    def start(self) -> "Server":
+        """:meth:`launch`, then :meth:`wait_ready`."""
+        return self.launch().wait_ready()
 
     def log_text(self) -> str:
         return self.log.read_text() if self.log is not None and self.log.exists() else ""

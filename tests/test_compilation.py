@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 from jax import monitoring
 
-from jaxllm import SamplingParams
+from jaxllm import SamplingParams, StructuredOutputsParams
 from jaxllm.engine import LLMEngine
 
 _EVENTS: list[str] = []
@@ -41,10 +44,21 @@ def _random_params(rng) -> SamplingParams:
     )
 
 
+# Structured-output requests mixed into the waves: (wave, constraint, n, temperature).
+STRUCTURED = [
+    (1, StructuredOutputsParams(choice=["yes", "no", "maybe"]), 1, 0.0),
+    (2, StructuredOutputsParams(regex=r"[a-z]{2,6}( [a-z]{2,6}){1,3}\."), 2, 1.0),
+    (4, StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 9}},
+                                      "required": ["n"], "additionalProperties": False},
+                                disable_any_whitespace=True), 1, 1.0),
+]
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_mixed_workload_after_warmup_triggers_zero_compilations(tiny_llama_dir, preemption_mode):
+def test_mixed_workload_after_warmup_triggers_zero_compilations(stories_dir, preemption_mode):
     engine = LLMEngine(
-        tiny_llama_dir, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, block_size=8,
+        stories_dir, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, block_size=8,
         num_kv_blocks=24, preemption_mode=preemption_mode, num_host_blocks=64, compilation_cache=None,
         precompile=True,
     )
@@ -63,6 +77,10 @@ def test_mixed_workload_after_warmup_triggers_zero_compilations(tiny_llama_dir, 
                 if rng.random() < 0.5 else rng.integers(3, 256, size=n).tolist()
             engine.add_request(f"r{next_id}", prompt, _random_params(rng))
             next_id += 1
+        for at, constraint, n, temperature in STRUCTURED:
+            if wave == at:
+                engine.add_request(f"structured{at}", rng.integers(3, 256, size=20).tolist(), SamplingParams(
+                    n=n, temperature=temperature, seed=at, max_tokens=32, structured_outputs=constraint))
         if wave == 2:
             # Prompt logprobs over a chunked prefill of a prompt sharing a prefix with others.
             engine.add_request("prompt-logprobs", shared + rng.integers(3, 256, size=40).tolist(),
@@ -79,6 +97,13 @@ def test_mixed_workload_after_warmup_triggers_zero_compilations(tiny_llama_dir, 
         outputs += engine.step()
 
     assert [len(o.prompt_logprobs) for o in outputs if o.request_id == "prompt-logprobs" and o.finished] == [80]
+    # Decoded alone: the detokenizer joins an output to the tail of its random prompt.
+    structured = {o.request_id: [engine.tokenizer.decode(c.token_ids) for c in o.outputs if c.finish_reason == "stop"]
+                  for o in outputs if o.request_id.startswith("structured") and o.finished}
+    assert structured["structured1"][0] in ("yes", "no", "maybe")
+    assert len(structured["structured2"]) == 2
+    assert all(re.fullmatch(STRUCTURED[1][1].regex, text) for text in structured["structured2"])
+    assert json.loads(structured["structured4"][0])["n"] in range(10)
     stats = engine.scheduler.stats
     assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0

@@ -1,19 +1,25 @@
-"""The engine-core boundary: messages through msgpack, the data-parallel router, core processes (stories260K).
+"""The engine-core boundary: messages through msgpack, the data-parallel router, utility calls, and a core process
+exiting when its parent dies (stories260K).
 
-A core in another process gives the tokens the in-process core gives; two core processes on one CPU device serve
-one ``LLM``; a core process exits when its parent dies.
+A core in another process is exercised end to end by tests/test_openai_server.py (one core behind the server, its
+tokens, logprobs, n > 1 and aborts against ``LLM`` in this process) and tests/multidevice/test_data_parallel.py
+(two core processes behind one ``LLM``: tokens, routing, aborts).
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import SamplingParams
+from jaxllm.config import EngineConfig
 from jaxllm.core_client import PrefixRouter
 from jaxllm.core_messages import (
     AbortRequests,
@@ -24,13 +30,14 @@ from jaxllm.core_messages import (
     EngineCoreRequest,
     SampleLogprobs,
     StopSequences,
+    UtilityCall,
+    UtilityResult,
     decode_input,
     decode_message,
     encode,
 )
-from tests.server_process import alive
-
-ENGINE = dict(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=8, token_buckets=(16, 64), precompile=False)
+from jaxllm.core_process import _call
+from tests.server_process import ENGINE, alive
 
 
 def _info(**overrides) -> CoreInfo:
@@ -45,7 +52,8 @@ def test_core_messages_survive_msgpack():
     assert decode_input(encode(request)) == request
     assert decode_input(encode(AbortRequests(["a", "b"]))) == AbortRequests(["a", "b"])
     assert decode_input(encode(StopSequences([("a", 1)]))) == StopSequences([("a", 1)])
-    stats = CoreStats(1, 2, 0.5, 3, 9, 10, 12, 5, 4, 0, 2, schedule_seconds=0.001, num_scheduled_tokens=17)
+    stats = CoreStats(1, 2, 0.5, 3, 9, 10, 12, 5, 4, 0, 2, 1, 6, 48, 0.25, schedule_seconds=0.001,
+                      num_scheduled_tokens=17, step_seconds=0.01)
     outputs = EngineCoreOutputs([EngineCoreOutput("r", 1, [9], finish_reason="stop", stop_reason=2,
                                                   new_logprobs=[SampleLogprobs(9, -0.5, 1, [9, 8], [-0.5, -1.0])],
                                                   first_scheduled_time=3.0)], stats, core_index=1)
@@ -75,58 +83,28 @@ def test_router_forgets_the_least_recently_routed_blocks_past_the_cores_capacity
     assert router.cached_prefix_tokens(0, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 0  # its first block was dropped
 
 
-@pytest.fixture(scope="module")
-def reference(stories_dir):
-    return LLM(model=stories_dir, **ENGINE)
+def test_a_utility_call_runs_only_utility_methods_and_answers_errors_as_values():
+    class Core:
+        UTILITY_METHODS = frozenset({"num_free_blocks", "cached_prefix_tokens"})
 
+        def num_free_blocks(self):
+            return 7
 
-def test_two_core_processes_serve_one_llm_with_the_in_process_tokens(stories_dir, reference):
-    prompts = ["Once upon a time", "One day", "The cat", "Lily saw", [1, 403, 407], "Tom had a"]
-    params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8),
-              SamplingParams(temperature=0, max_tokens=20, stop=["."]), SamplingParams(temperature=0, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=1), SamplingParams(temperature=0)]
-    want = reference.generate(prompts, params, use_tqdm=False)
-    llm = LLM(model=stories_dir, data_parallel_size=2, **ENGINE)
-    try:
-        got = llm.generate(prompts, params, use_tqdm=False)
-        client = llm.engine.client
-        assert client.num_routed == [3, 3]
-        assert [client.call_utility(d, "num_free_blocks") for d in (0, 1)] == [client.infos[0].num_blocks - 1] * 2
-    finally:
-        llm.engine.shutdown()
-    for w, g in zip(want, got):
-        assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in g.outputs] == \
-               [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in w.outputs]
-        assert [[(t, lp.rank) for t, lp in e.items()] for e in g.outputs[0].logprobs or []] == \
-               [[(t, lp.rank) for t, lp in e.items()] for e in w.outputs[0].logprobs or []]
-        assert (g.prompt_logprobs is None) == (w.prompt_logprobs is None)
-    assert got[1].outputs[0].text != got[1].outputs[1].text
-    assert got[2].outputs[0].stop_reason == "."
+        def cached_prefix_tokens(self, token_ids):
+            raise ValueError(f"bad ids {token_ids}")
 
+        def step(self):
+            raise AssertionError("step is not a utility method")
 
-def test_abort_in_a_core_process_frees_its_blocks(stories_dir):
-    llm = LLM(model=stories_dir, data_parallel_size=2, **ENGINE)
-    engine = llm.engine
-    try:
-        engine.add_request("long", "Once upon a time", SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
-                           data_parallel_rank=1)
-        while not any(engine.step()):
-            pass
-        engine.abort_request("long")
-        assert not engine.has_unfinished_requests() and engine.step() == []
-        assert engine.client.call_utility(1, "num_free_blocks") == engine.num_blocks - 1
-        with pytest.raises(ValueError, match="data_parallel_rank=2"):
-            engine.add_request("x", "One day", data_parallel_rank=2)
-        with pytest.raises(RuntimeError, match="not a utility method"):
-            engine.client.call_utility(0, "step")
-    finally:
-        engine.shutdown()
+    assert _call(Core(), UtilityCall(1, "num_free_blocks", [])) == UtilityResult(1, 7)
+    failed = _call(Core(), UtilityCall(2, "cached_prefix_tokens", [[5]]))
+    assert failed == UtilityResult(2, error="ValueError: bad ids [5]")
+    refused = _call(Core(), UtilityCall(3, "step", []))
+    assert refused.result is None and "'step' is not a utility method" in refused.error
+    assert decode_message(encode(refused)) == refused
 
 
 def test_a_core_process_exits_when_its_parent_dies(stories_dir, tmp_path):
-    from jaxllm.config import EngineConfig
-    import dataclasses
-
     config = json.dumps(dataclasses.asdict(EngineConfig(**ENGINE)))
     parent = (
         "import os, subprocess, sys, time\n"
@@ -145,3 +123,53 @@ def test_a_core_process_exits_when_its_parent_dies(stories_dir, tmp_path):
     while alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(child)
+
+
+def _imports(toplevel_only: bool) -> dict[str, set[str]]:
+    """jaxllm module -> the jaxllm modules and third-party top-level packages it imports (statically)."""
+    root = Path(__file__).resolve().parents[1]
+    modules = {}
+    for path in (root / "jaxllm").rglob("*.py"):
+        name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = ast.parse(path.read_text())
+    graph: dict[str, set[str]] = {}
+    for name, tree in modules.items():
+        targets = set()
+        for node in tree.body if toplevel_only else ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        # Importing a.b.c imports the packages a and a.b first.
+        parents = {t.rsplit(".", k)[0] for t in targets for k in range(1, t.count(".") + 1)}
+        graph[name] = {t for t in targets | parents if t in modules and t != name} | {t.split(".")[0] for t in targets}
+    return graph
+
+
+def test_jaxllm_modules_import_no_cycle_and_the_front_end_no_jax():
+    graph = _imports(toplevel_only=False)
+    done, path = set(), []
+
+    def visit(module):
+        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module):] + [module])}"
+        if module in done or module not in graph:
+            return
+        path.append(module)
+        for target in graph[module]:
+            visit(target)
+        path.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
+    # What the server's front end imports when it starts: no JAX (the engine core's processes hold it).
+    toplevel = _imports(toplevel_only=True)
+    front_end = ["jaxllm.async_llm", "jaxllm.entrypoints.openai.api_server", "jaxllm.entrypoints.openai.serving"]
+    seen, todo = set(), list(front_end)
+    while todo:
+        module = todo.pop()
+        if module not in seen and module in toplevel:
+            seen.add(module)
+            todo += toplevel[module]
+    assert "jaxllm.core_client" in seen and "jaxllm.tokenizer" in seen
+    assert not {m for m in seen if "jax" in toplevel[m]}, sorted(m for m in seen if "jax" in toplevel[m])

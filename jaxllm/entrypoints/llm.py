@@ -8,6 +8,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
+from jaxllm.core_client import QueueFullError
 from jaxllm.engine import LLMEngine
 from jaxllm.input_processor import PromptType
 from jaxllm.metrics import GenerateProgress
@@ -53,6 +54,13 @@ class LLM:
         """The model's tokenizer, as vLLM's ``LLM.get_tokenizer()`` (None for a model without one)."""
         return self.engine.tokenizer
 
+    def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
+        """KV cache diagnostics (``LLMEngine.kv_cache_report``): a dict with ``num_blocks``, ``num_used_blocks``,
+        ``num_cached_free_blocks`` and ``num_free_blocks`` (adding up to ``num_blocks``), ``fragmentation``,
+        ``cache_crowding``, ``num_preemptions``, the queue depth, the largest request and the block map
+        (``scheduler.diagnostics``). ``jaxllm.diagnostics.render_kv_report`` draws it."""
+        return self.engine.kv_cache_report(core, block_map)
+
     def generate(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],
@@ -72,6 +80,9 @@ class LLM:
 
         Raises:
           ValueError: any invalid prompt or parameter; nothing is queued then.
+          QueueFullError: with ``max_waiting_requests``, more prompts than
+            that would wait (all of them are queued at once); nothing is
+            queued then.
         """
         final: dict[str, RequestOutput] = {}
         ids = self._add_all(prompts, sampling_params, priority)
@@ -115,7 +126,7 @@ class LLM:
         try:
             for rid, prompt, params, prio in zip(ids, prompt_list, params_list, priorities):
                 self.engine.add_request(rid, prompt, params, priority=prio)
-        except ValueError:
+        except (ValueError, QueueFullError):
             self.engine.abort_request(ids)
             raise
         return ids

@@ -3,6 +3,8 @@ and by load."""
 
 from __future__ import annotations
 
+import pytest
+
 from jaxllm import LLM, SamplingParams
 from tests.multidevice.conftest import ENGINE, GREEDY, prompts
 
@@ -36,4 +38,10 @@ def test_request_goes_to_the_replica_caching_its_prefix_even_when_busier(kv4_dir
     assert client.routed["prefix"] == holder
     llm.engine.add_request("fresh", [3, 4, 5], GREEDY)
     assert client.routed["fresh"] == 1 - holder
+    with pytest.raises(ValueError, match=r"data_parallel_rank=2 must be in \[0, 2\)"):
+        llm.engine.add_request("nowhere", [3, 4, 5], GREEDY, data_parallel_rank=2)
+    # Aborted in their core processes: every block is free again (cached ones count as free).
+    llm.engine.abort_request(["busy", "prefix", "fresh"])
+    assert not llm.engine.has_unfinished_requests()
+    assert [client.call_utility(d, "num_free_blocks") for d in (0, 1)] == [ENGINE["num_kv_blocks"] - 1] * 2
     llm.engine.shutdown()

@@ -3,7 +3,8 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
 server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a final usage chunk),
 ``GET /health`` (503 once an engine core died), ``GET /metrics`` (Prometheus), ``POST /tokenize``,
-``POST /detokenize``, ``GET /version``.
+``POST /detokenize``, ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core: ``?core=0``,
+``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it).
 
 Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, a wrong
 type or a value out of range (naming the field and the limit), 401 for a missing or wrong key (``--api-key``,
@@ -32,8 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxllm import __version__
-from jaxllm.async_llm import QueueFullError
-from jaxllm.core_client import EngineDeadError
+from jaxllm.core_client import EngineDeadError, QueueFullError
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,8 +59,6 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and see (default: the model path)")
-    p.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 while this many sequences wait for a batch seat (default: no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight may take to finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -141,6 +139,13 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None):
         return Response(prometheus_client.generate_latest(engine.metrics.registry),
                         media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
+    @app.get("/debug/kv")
+    async def debug_kv(core: int = 0, block_map: bool = True):
+        try:
+            return await engine.kv_cache_report(core, block_map)
+        except ValueError as e:
+            raise APIError(400, str(e), "core") from None
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         serving.check_model(body.model)
@@ -190,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = args.model if args.model is not None else str(default_model_path())
     model_format(model)
-    engine = AsyncLLM(model, max_waiting_requests=args.max_waiting_requests, **engine_kwargs(args))
+    engine = AsyncLLM(model, **engine_kwargs(args))
     serving = OpenAIServing(engine, args.served_model_name or model,
                             generation_config_defaults(read_generation_config(model)))
 
@@ -222,8 +227,6 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm serve") -> in
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     problem = check_engine_args(args)
-    if problem is None and args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        problem = f"--max-waiting-requests {args.max_waiting_requests} must be >= 0"
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2

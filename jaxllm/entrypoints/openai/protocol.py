@@ -8,7 +8,7 @@ ignored, as vLLM does.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -17,9 +17,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is accepted; the schema is always
+    enforced)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Optional[str] = None
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 class _SamplingFields(BaseModel):
     """Fields completions and chat share; each maps onto the ``SamplingParams`` field of the same name
-    (``logit_bias`` keys are token ids as strings)."""
+    (``logit_bias`` keys are token ids as strings). ``response_format`` (OpenAI's) and ``structured_outputs``
+    (vLLM's extra field: the ``StructuredOutputsParams`` fields as an object, taking precedence) constrain the
+    output."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -41,6 +62,8 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None

@@ -21,7 +21,8 @@ import msgspec
 from jaxllm.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
-from scheduler import SamplingParams
+from jaxllm.structured_output import validate_structured_outputs
+from scheduler import SamplingParams, StructuredOutputsParams
 
 # Sampling fields the model's generation_config.json may set defaults for.
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -164,7 +165,8 @@ class OpenAIServing:
                 stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
                 skip_special_tokens=request.skip_special_tokens,
-                include_stop_str_in_output=request.include_stop_str_in_output, **values,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                structured_outputs=structured_outputs(request), **values,
             )
         except ValueError as e:
             match = _PARAM.search(str(e))
@@ -415,6 +417,34 @@ class OpenAIServing:
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": self.tokenizer.decode(tokens)}
+
+
+def structured_outputs(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[StructuredOutputsParams]:
+    """The request's output constraint, checked: vLLM's ``structured_outputs`` field if given, else OpenAI's
+    ``response_format`` (``json_object``: any JSON object; ``json_schema``: its ``schema``).
+
+    Raises:
+      APIError: 400 naming ``structured_outputs`` or ``response_format``: unknown fields, no or several
+        constraints, a ``json_schema`` format without a schema, a schema, regex or grammar the grammar engine
+        rejects.
+    """
+    param = "structured_outputs" if request.structured_outputs is not None else "response_format"
+    fmt = request.response_format
+    try:
+        if request.structured_outputs is not None:
+            constraint = StructuredOutputsParams(**request.structured_outputs)
+        elif fmt is None or fmt.type == "text":
+            return None
+        elif fmt.type == "json_object":
+            constraint = StructuredOutputsParams(json_object=True)
+        elif fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema", param)
+        else:
+            constraint = StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        validate_structured_outputs(constraint)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, f"{e}".replace("SamplingParams.", ""), param) from None
+    return constraint
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
