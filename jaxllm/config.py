@@ -1,8 +1,8 @@
 """Model and engine configuration.
 
 ``ModelConfig`` is read from a Hugging Face ``config.json`` dict (or the
-equivalent dict the GGUF loader builds); it keeps only what the Llama-family
-forward pass needs and rejects what it cannot run. ``EngineConfig`` holds the
+equivalent dict the GGUF loader builds); it keeps only what the decoders of
+``jaxllm.models`` need and rejects what they cannot run. ``EngineConfig`` holds the
 serving knobs, named as vLLM names them.
 """
 
@@ -15,20 +15,32 @@ from typing import Any, Optional, Sequence, Union
 from jaxllm.spec_decode.config import SpeculativeConfig
 from scheduler.buckets import geometric_ladder, half_step_ladder
 
+# HF architecture -> model_type (the key of its family in ``jaxllm.models``).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# HF ``hidden_act`` names of the gated MLP's activation that the models implement.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters (HF ``rope_parameters`` / ``rope_scaling``).
 
-    rope_type: "default", "linear" (positions divided by ``factor``) or
-      "llama3" (Llama 3.1 frequency-dependent scaling).
+    rope_type: "default", "linear" (positions divided by ``factor``),
+      "llama3" (Llama 3.1 frequency-dependent scaling) or "longrope" (Phi-3's
+      "su"/LongRoPE: per-frequency ``short_factor`` divisors, ``long_factor``
+      ones for a sequence longer than ``original_max_position_embeddings``,
+      and cos/sin scaled by ``attention_factor``).
+    partial_rotary_factor: the fraction of each head's dimensions rotated
+      (the first ones; the rest pass through), as HF.
     """
 
     theta: float = 10000.0
@@ -37,16 +49,26 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+    partial_rotary_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The shape and flags of a Llama-family decoder.
+    """The shape and flags of a decoder of ``jaxllm.models``.
 
-    One class covers Llama, Mistral, Qwen2, Qwen3 and SmolLM2 (a Llama):
-    ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``sliding_windows`` (Mistral,
-    or per-layer ``layer_types``), rope scaling (Llama 3), tied embeddings.
-    Follows the fields of HF ``LlamaConfig`` / ``Qwen3Config``.
+    One class covers every family: ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3,
+    Qwen3-MoE, Gemma 3), ``sliding_windows`` (Mistral, Phi-3, or per-layer
+    ``layer_types``: Gemma 3's local layers), rope scaling (Llama 3, Phi-3's
+    LongRoPE), ``local_rope`` (the rope of Gemma 3's sliding-window layers),
+    ``hidden_act`` (SwiGLU or Gemma's GeGLU), ``query_pre_attn_scalar`` and the
+    final logit soft cap (Gemma; HF's Gemma 3 attention ignores
+    ``attn_logit_softcapping``, and so does jaxllm), the experts (Mixtral,
+    Qwen3-MoE: ``num_experts > 0``; ``moe_intermediate_size`` is each
+    expert's FFN width), tied embeddings.
+    Follows the fields of the HF ``*Config`` classes of these models.
     """
 
     architecture: str
@@ -67,6 +89,14 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_windows: tuple[Optional[int], ...] = ()
+    local_rope: Optional[RopeConfig] = None
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: Optional[float] = None
+    final_logit_softcap: Optional[float] = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: Optional[str] = None
@@ -82,7 +112,8 @@ class ModelConfig:
 
         Raises:
           ValueError: an architecture outside ``SUPPORTED_ARCHITECTURES``, an
-            unsupported activation or rope type, or heads that do not divide.
+            unsupported activation or rope type, heads that do not divide, or
+            a mixture-of-experts model whose layers are not all MoE layers.
         """
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -92,9 +123,13 @@ class ModelConfig:
                 f"jaxllm runs {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         model_type = SUPPORTED_ARCHITECTURES[arch]
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is implemented")
+        gemma = model_type == "gemma3_text"
+        act = cfg.get("hidden_activation" if gemma else "hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}: the gated MLP implements {list(ACTIVATIONS)}")
+        if gemma and cfg.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention=True (Gemma 3 as an encoder) is not supported: "
+                             "jaxllm runs causal decoders")
         hidden = int(cfg["hidden_size"])
         num_q_heads = int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_q_heads)
@@ -105,6 +140,7 @@ class ModelConfig:
         head_dim = int(cfg.get("head_dim") or hidden // num_q_heads)
         num_layers = int(cfg["num_hidden_layers"])
         qkv_bias = bool(cfg.get("attention_bias") or False) or model_type == "qwen2"
+        rope, local_rope = _ropes_from_hf(cfg, model_type)
         return cls(
             architecture=arch,
             model_type=model_type,
@@ -116,18 +152,29 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(cfg),
+            rope=rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=qkv_bias,
             o_bias=bool(cfg.get("attention_bias") or False) and model_type != "qwen2",
             mlp_bias=bool(cfg.get("mlp_bias") or False),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_windows=_sliding_windows_from_hf(cfg, model_type, num_layers),
+            local_rope=local_rope,
+            hidden_act=act,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
+            final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping")),
+            **_experts_from_hf(cfg, model_type, num_layers),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_token_ids(generation_config or {}, cfg),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         )
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of q.k before the softmax: ``query_pre_attn_scalar ** -0.5``
+        (Gemma), else ``head_dim ** -0.5``."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -147,16 +194,38 @@ def eos_token_ids(*configs: dict[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    params = {**scaling, **params}
+def _optional_float(value: Any) -> Optional[float]:
+    return None if value is None else float(value)
+
+
+def _ropes_from_hf(cfg: dict[str, Any], model_type: str) -> tuple[RopeConfig, Optional[RopeConfig]]:
+    """(the rope of every layer, or of the global ones; the rope of sliding-window
+    layers when it differs: Gemma 3's ``sliding_attention`` entry or
+    ``rope_local_base_freq``, 10000 by default)."""
+    params = cfg.get("rope_parameters") or {}
+    if model_type != "gemma3_text":
+        return _rope_from_hf(cfg, {**(cfg.get("rope_scaling") or {}), **params}, model_type), None
+    if "full_attention" in params or "sliding_attention" in params:  # transformers >= 5 writes them per layer type
+        global_params = params.get("full_attention") or {}
+        local_params = params.get("sliding_attention") or {}
+    else:
+        global_params = {**(cfg.get("rope_scaling") or {}), **params}
+        local_params = {"rope_theta": cfg.get("rope_local_base_freq") or 10000.0}
+    global_params = {"rope_theta": cfg.get("rope_theta") or 1_000_000.0, **global_params}
+    return _rope_from_hf(cfg, global_params, model_type), _rope_from_hf(cfg, local_params, model_type)
+
+
+def _rope_from_hf(cfg: dict[str, Any], params: dict[str, Any], model_type: str) -> RopeConfig:
     theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    partial = float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "su" or (model_type == "phi3" and rope_type == "yarn"):
+        rope_type = "longrope"  # their old names, as HF's Phi3Config reads them
     if rope_type == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(theta=theta, partial_rotary_factor=partial)
     if rope_type == "linear":
-        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]),
+                          partial_rotary_factor=partial)
     if rope_type == "llama3":
         return RopeConfig(
             theta=theta,
@@ -165,18 +234,62 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+            partial_rotary_factor=partial,
         )
-    raise ValueError(f"unsupported rope_type {rope_type!r}: jaxllm implements 'default', 'linear', 'llama3'")
+    if rope_type == "longrope":
+        # HF's _compute_longrope_parameters: a top-level original_max_position_embeddings (Phi-3) wins.
+        original = int(cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                       or cfg["max_position_embeddings"])
+        factor = params.get("factor") or cfg["max_position_embeddings"] / original
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return RopeConfig(
+            theta=theta, rope_type="longrope", factor=float(factor), original_max_position_embeddings=original,
+            short_factor=tuple(float(f) for f in params["short_factor"]),
+            long_factor=tuple(float(f) for f in params["long_factor"]),
+            attention_factor=float(attention_factor), partial_rotary_factor=partial,
+        )
+    raise ValueError(f"unsupported rope_type {rope_type!r}: jaxllm implements 'default', 'linear', 'llama3', "
+                     "'longrope' (or 'su')")
+
+
+def _experts_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The MoE fields of ``ModelConfig`` (none for a dense model).
+
+    The decoder scans one stacked layer, so every layer must be a MoE layer:
+    Qwen3-MoE configs whose ``mlp_only_layers`` or ``decoder_sparse_step``
+    make some layers dense are rejected.
+    """
+    if model_type == "mixtral":
+        return dict(num_experts=int(cfg.get("num_local_experts", 8)),
+                    num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    if model_type != "qwen3_moe":
+        return {}
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = sorted(set(cfg.get("mlp_only_layers") or []) | {i for i in range(num_layers) if (i + 1) % step})
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
+    if dense or not num_experts:
+        raise ValueError(f"Qwen3-MoE layers {dense or 'all'} are dense (mlp_only_layers, decoder_sparse_step="
+                         f"{step}, num_experts={num_experts}): jaxllm runs models whose layers are all MoE layers")
+    return dict(num_experts=int(num_experts), num_experts_per_tok=int(cfg.get("num_experts_per_tok", 8)),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def _sliding_windows_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[Optional[int], ...]:
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
+    if model_type == "gemma3_text" and not layer_types:
+        # HF's Gemma3TextConfig: every sliding_window_pattern-th layer is global (default 6: 5 local, 1 global).
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if layer_types:
         if len(layer_types) != num_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries, expected num_hidden_layers={num_layers}")
         return tuple(int(window) if t == "sliding_attention" and window else None for t in layer_types)
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
         window = None
     return tuple(int(window) if window else None for _ in range(num_layers))
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.llama import KVCache
+from jaxllm.models.common import KVCache
 
 if TYPE_CHECKING:
     from jaxllm.sharding import ModelSharding

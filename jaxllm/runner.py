@@ -30,10 +30,9 @@ from jax import monitoring
 
 from jaxllm.config import ModelConfig
 from jaxllm.kv_cache import allocate_kv_cache
-from jaxllm.models.llama import AttentionOps, KVCache, Params, compute_logits, hidden_states, loop_storage
+from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states, loop_storage
 from jaxllm.sampling import (
     SamplingArrays,
-    bitmask_words,
     fill_slot,
     init_tables,
     prompt_logprobs,
@@ -42,6 +41,7 @@ from jaxllm.sampling import (
     set_slot_rows,
 )
 from jaxllm.sharding import ModelSharding
+from jaxllm.structured_output import bitmask_words
 from scheduler import BatchDescriptor, BucketTable
 
 BATCH_KEYS = (
@@ -146,7 +146,7 @@ class ModelRunner:
       max_model_len: tokens per sequence at most (the fixed length slot fills
         are padded to).
       bf16_as_uint16: hold bfloat16 layer weights and KV caches as uint16 bit
-        patterns (``models.llama.loop_storage``): for XLA's CPU backend, with
+        patterns (``models.loop_storage``): for XLA's CPU backend, with
         the jnp attention ops (``kernels_pallas.reference`` says why).
       num_positions: positions each row's sampler handles: 1, or 1 +
         ``num_speculative_tokens`` when the steps verify draft tokens

@@ -5,8 +5,10 @@ Training Multi-Billion Parameter Language Models Using Model Parallelism"):
 q/k/v and gate/up are column-parallel (their output features split over
 devices), o and down are row-parallel (their input features split; XLA adds
 the all-reduce after them), and the embedding and lm_head are split over the
-vocabulary. The way it is declared follows jax-llm-examples
-(``llama3/llama3_jax/model.py``): each parameter names its logical axes once
+vocabulary. Mixture-of-experts layers split each expert's FFN dimension the
+same way (every device holds a slice of every expert, so routing needs no
+all-to-all; ``jaxllm.models.moe``). The way it is declared follows
+jax-llm-examples (``llama3/llama3_jax/model.py``): each parameter names its logical axes once
 (:data:`PARAM_AXES`) and one table (:meth:`ModelSharding.logical_rules`) maps
 logical axes to mesh axes; nothing else in the model mentions sharding.
 
@@ -43,7 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.llama import Params
+from jaxllm.models.common import Params
 from kernels_pallas import AttentionOps
 
 try:
@@ -78,6 +80,13 @@ PARAM_AXES: dict[str, tuple[Optional[str], ...]] = {
     "b_gate": ("mlp",),
     "b_up": ("mlp",),
     "b_down": ("embed",),
+    "post_attn_norm": ("embed",),
+    "post_mlp_norm": ("embed",),
+    # Mixture of experts: split over each expert's FFN dimension, never over the experts (models/moe.py).
+    "router": ("embed", None),
+    "experts_gate": (None, "embed", "mlp"),
+    "experts_up": (None, "embed", "mlp"),
+    "experts_down": (None, "mlp", "embed"),
 }
 # The KV cache [num_blocks, block_size, kv_heads, head_dim].
 KV_CACHE_AXES = (None, None, "kv_heads", None)

@@ -58,7 +58,8 @@ def add_common_args(parser: argparse.ArgumentParser, *, num_requests: int, input
                     output_len: Sequence[int], max_num_seqs: int, max_model_len: Optional[int] = None) -> None:
     """Model, workload and engine flags both benchmarks take (defaults sized for 2 CPU cores)."""
     parser.add_argument("--model", default=None,
-                        help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct); with "
+                        help="HF folder, .gguf or a named model such as gemma3-270m (default: the embedded "
+                             "SmolLM2-135M-Instruct); with "
                              "--random-weights a folder (or config.json) holding only config.json")
     parser.add_argument("--random-weights", action="store_true",
                         help="random weights of --model's config.json shape (GPU machines cannot download)")
@@ -102,18 +103,17 @@ def validate_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def resolve_model(args: argparse.Namespace, workdir: Path) -> Path:
-    """The model path to load: ``--model``, the default model, or a random-weights folder written to ``workdir``."""
+    """The model path to load: ``--model`` (a path or a named model such as ``gemma3-270m``), the default
+    model, or a random-weights folder written to ``workdir``."""
     if args.random_weights:
         if args.model is None:
             raise SystemExit("--random-weights needs --model: a folder (or config.json) with the shape to build")
         config = Path(args.model)
         config = config / "config.json" if config.is_dir() else config
         return write_random_weights(config, workdir / "random_model", seed=args.seed)
-    if args.model is not None:
-        return Path(args.model)
-    from jaxllm.default_model import default_model_path
+    from jaxllm.default_model import resolve_model
 
-    return default_model_path()
+    return resolve_model(args.model)
 
 
 def write_random_weights(config_file: Path, folder: Path, seed: int = 0) -> Path:

@@ -89,7 +89,8 @@ def _run_cli(env: dict, args: argparse.Namespace) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--model", default=None, help="HF folder, .gguf or a named model such as gemma3-270m "
+                                                 "(default: the embedded SmolLM2)")
     p.add_argument("--skip-long-prompt", action="store_true", help="leave out the 4,096-token prompt run")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)

@@ -59,7 +59,7 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None) -> None:
     import jax.numpy as jnp
 
     from jaxllm.engine import LLMEngine
-    from jaxllm.models import llama
+    from jaxllm import models
     from jaxllm.sampling import SamplingArrays, sample
 
     engine = LLMEngine(model, dtype=dtype, precompile=False, max_model_len=512, max_num_seqs=64,
@@ -78,8 +78,8 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None) -> None:
     }
 
     def model_step(params, kv, batch, ops):
-        hidden, kv = llama.hidden_states(params, kv, batch, cfg=cfg, ops=ops)
-        return llama.compute_logits(params, hidden[batch["logits_indices"]], cfg=cfg), kv
+        hidden, kv = models.hidden_states(params, kv, batch, cfg=cfg, ops=ops)
+        return models.compute_logits(params, hidden[batch["logits_indices"]], cfg=cfg), kv
 
     def timed(fn, *args, donate=False):
         out = fn(*args)
@@ -102,7 +102,7 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None) -> None:
         bare = jax.jit(functools.partial(model_step, ops=no_attention), donate_argnums=(1,))
         without, (_, runner.kv_cache) = timed(bare, runner.params, runner.kv_cache, batch, donate=True)
         hidden = jnp.zeros((rows, cfg.hidden_size), runner.params["embed"].dtype)
-        head, _ = timed(jax.jit(functools.partial(llama.compute_logits, cfg=cfg)), runner.params, hidden)
+        head, _ = timed(jax.jit(functools.partial(models.compute_logits, cfg=cfg)), runner.params, hidden)
         arrays = jax.tree_util.tree_map(jnp.asarray, SamplingArrays.empty(rows).as_dict())
         sampler, _ = timed(jax.jit(sample), logits, arrays, runner.sampler_tables)
         print(f"{name:<30}{full:>9.1f}{without:>14.1f}{full - without:>11.1f}{head:>9.1f}{sampler:>9.1f}")
@@ -113,16 +113,15 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--model", default=None, help="HF folder, .gguf or a named model such as gemma3-270m "
+                                                      "(default: the embedded SmolLM2)")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--trace", default=None, help="also write jax.profiler traces of the full steps here")
     args = parser.parse_args()
-    model = args.model
-    if model is None:
-        from jaxllm.default_model import default_model_path
+    from jaxllm.default_model import resolve_model
 
-        model = str(default_model_path())
+    model = str(resolve_model(args.model))
     for dtype in args.dtype:
         profile(model, dtype, args.repeats, args.trace)
 

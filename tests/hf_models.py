@@ -27,6 +27,26 @@ ARCH_OVERRIDES = {
     "mistral": dict(sliding_window=8),
     "qwen2": dict(),
     "qwen3": dict(),
+    # 5 layers: (local, global) twice then a local one; a window shorter than the prompt; a global rope
+    # with linear scaling; a final logit soft cap; an attention soft cap, which HF's Gemma 3 ignores;
+    # query_pre_attn_scalar unlike head_dim.
+    "gemma3": dict(num_hidden_layers=5, sliding_window=4, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention"] * 2 + ["sliding_attention"],
+                   rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                                    "sliding_attention": dict(rope_type="default", rope_theta=1e4)},
+                   attn_logit_softcapping=30.0, final_logit_softcapping=20.0, tie_word_embeddings=True,
+                   pad_token_id=0),
+    # LongRoPE with its short factors (sequences up to 29 < 64 tokens), a partial rotary embedding.
+    "phi3": dict(rope_scaling=dict(type="su", short_factor=[1.0, 1.5, 2.0, 4.0],
+                                   long_factor=[2.0, 3.0, 5.0, 8.0], original_max_position_embeddings=64),
+                 partial_rotary_factor=0.5, original_max_position_embeddings=64, pad_token_id=0),
+    # LongRoPE's long factors: every forward pass here sees more than 4 tokens.
+    "phi3_long": dict(rope_scaling=dict(type="longrope", short_factor=[1.0] * 8,
+                                        long_factor=[1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0],
+                                        original_max_position_embeddings=4),
+                      original_max_position_embeddings=4, pad_token_id=0),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=False),
 }
 
 
@@ -41,6 +61,11 @@ def make_tiny_hf_model(arch: str, folder: Path, seed: int = 0, **overrides):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "phi3_long": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     config = config_cls(**{**TINY, **ARCH_OVERRIDES[arch], **overrides})

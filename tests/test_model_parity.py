@@ -1,7 +1,9 @@
 """Float32 logits of the jaxllm forward pass against HF transformers.
 
 Tolerance: max abs logit difference <= 1e-4 (issue 2), for a whole-prompt
-prefill, a prefill in two chunks over the paged cache, and 16 decode steps.
+prefill, a prefill in two chunks over the paged cache, and 16 decode steps,
+for a tiny random model of every family (issue 18: Gemma 3, Phi-3, Mixtral,
+Qwen3-MoE besides the Llama family).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxllm.loader import load_model  # noqa: E402
-from jaxllm.models.llama import forward  # noqa: E402
+from jaxllm.models import forward  # noqa: E402
 from kernels_pallas import get_attention_ops  # noqa: E402
 from tests.hf_models import make_tiny_hf_model  # noqa: E402
 
@@ -23,8 +25,11 @@ TOL = 1e-4
 BLOCK_SIZE = 4
 PROMPT_LEN = 13
 DECODE_STEPS = 16
-# The jnp attention paths: the reference, and the tiled one the engine uses on CPU.
+# The jnp attention paths: the reference, and the tiled one the engine uses on CPU. The Llama family
+# runs both; the other families the engine's.
 BACKENDS = ("reference", "xla")
+CASES = [(arch, backend) for arch in ("llama", "llama3", "mistral", "qwen2", "qwen3") for backend in BACKENDS] + [
+    (arch, "xla") for arch in ("gemma3", "phi3", "phi3_long", "mixtral", "qwen3_moe")]
 
 
 _forward = jax.jit(forward, static_argnames=("cfg", "ops", "all_logits"))
@@ -57,58 +62,72 @@ class SingleSequence:
         return np.asarray(logits)
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3", "mistral", "qwen2", "qwen3"])
-def tiny(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    hf = make_tiny_hf_model(request.param, folder)
-    cfg, params, _ = load_model(folder, np.float32)
-    rng = np.random.default_rng(1)
-    ids = rng.integers(3, 256, size=PROMPT_LEN + DECODE_STEPS)
-    with torch.no_grad():
-        ref = hf(torch.tensor(ids[None])).logits[0].numpy()
-    return cfg, params, ids, ref
+@pytest.fixture(scope="module")
+def hf_tiny_models(tmp_path_factory):
+    """Tiny HF models by arch, each built once: (cfg, float32 params, token ids, HF logits of all ids)."""
+    built = {}
+
+    def get(arch):
+        if arch not in built:
+            folder = tmp_path_factory.mktemp(arch)
+            hf = make_tiny_hf_model(arch, folder)
+            cfg, params, _ = load_model(folder, np.float32)
+            ids = np.random.default_rng(1).integers(3, 256, size=PROMPT_LEN + DECODE_STEPS)
+            with torch.no_grad():
+                ref = hf(torch.tensor(ids[None])).logits[0].numpy()
+            built[arch] = (cfg, params, ids, ref)
+        return built[arch]
+
+    return get
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_prefill_logits_match_hf(tiny, backend):
-    cfg, params, ids, ref = tiny
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
+def tiny(request, hf_tiny_models):
+    arch, backend = request.param
+    return hf_tiny_models(arch) + (backend,)
+
+
+def test_prefill_logits_match_hf(tiny):
+    cfg, params, ids, ref, backend = tiny
     got = SingleSequence(cfg, params, backend=backend).run(ids[:PROMPT_LEN])
     np.testing.assert_allclose(got, ref[:PROMPT_LEN], atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_chunked_prefill_logits_match_hf(tiny, backend):
-    cfg, params, ids, ref = tiny
+def test_chunked_prefill_logits_match_hf(tiny):
+    cfg, params, ids, ref, backend = tiny
     seq = SingleSequence(cfg, params, backend=backend)
     first = seq.run(ids[:6])
     second = seq.run(ids[6:PROMPT_LEN])
     np.testing.assert_allclose(np.concatenate([first, second]), ref[:PROMPT_LEN], atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_decode_steps_logits_match_hf(tiny, backend):
-    cfg, params, ids, ref = tiny
+def test_decode_steps_logits_match_hf(tiny):
+    cfg, params, ids, ref, backend = tiny
     seq = SingleSequence(cfg, params, backend=backend)
     seq.run(ids[:PROMPT_LEN])
     for i in range(PROMPT_LEN, PROMPT_LEN + DECODE_STEPS):
         got = seq.run(ids[i:i + 1])
         np.testing.assert_allclose(got[0], ref[i], atol=TOL, rtol=0, err_msg=f"decode position {i}")
+        assert got[0].argmax() == ref[i].argmax(), f"greedy token at decode position {i}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bfloat16_held_as_uint16_bits_gives_the_same_logits(tiny_llama_dir, backend):
+# One model of each layer kind: the Llama layer, Gemma 3's (norms, embedding scale), the experts.
+BF16_CASES = [("llama", backend) for backend in BACKENDS] + [("gemma3", "xla"), ("qwen3_moe", "xla")]
+
+
+@pytest.mark.parametrize("arch, backend", BF16_CASES, ids=["-".join(case) for case in BF16_CASES])
+def test_bfloat16_held_as_uint16_bits_gives_the_same_logits(hf_tiny_models, arch, backend):
     # The CPU engine keeps bf16 layer weights and caches as uint16 bit patterns
-    # (models.llama.loop_storage): the numbers must not change at all.
+    # (models.loop_storage): the numbers must not change at all.
     import ml_dtypes
 
-    from jaxllm.models.llama import loop_storage
+    from jaxllm.models import loop_storage
 
-    cfg, params, _ = load_model(tiny_llama_dir, ml_dtypes.bfloat16)
-    ids = np.random.default_rng(2).integers(3, 256, size=PROMPT_LEN + 1)
-    bf16 = jax.tree_util.tree_map(jnp.asarray, params)
+    cfg, params, ids, _ = hf_tiny_models(arch)
+    bf16 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, ml_dtypes.bfloat16), params)
     plain = SingleSequence(cfg, bf16, backend=backend, cache_dtype=jnp.bfloat16)
     bits = SingleSequence(cfg, loop_storage(bf16), backend=backend, cache_dtype=jnp.uint16)
-    for chunk in (ids[:9], ids[9:PROMPT_LEN], ids[PROMPT_LEN:]):
+    for chunk in (ids[:9], ids[9:PROMPT_LEN], ids[PROMPT_LEN:PROMPT_LEN + 1]):
         np.testing.assert_array_equal(bits.run(chunk), plain.run(chunk))
     assert bits.params["layers"]["wq"].dtype == jnp.uint16
     np.testing.assert_array_equal(jax.lax.bitcast_convert_type(bits.kv[0], jnp.bfloat16), plain.kv[0])

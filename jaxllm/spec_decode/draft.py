@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.llama import AttentionOps, KVCache, Params, compute_logits, hidden_states
+from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states
 from jaxllm.runner import ModelRunner, _abstract
 from scheduler import BatchDescriptor
 

@@ -187,13 +187,13 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from jaxllm.async_llm import AsyncLLM
-    from jaxllm.default_model import default_model_path
+    from jaxllm.default_model import resolve_model
     from jaxllm.entrypoints.engine_args import engine_kwargs
     from jaxllm.entrypoints.generate import generation_config_defaults
     from jaxllm.entrypoints.openai.serving import OpenAIServing
     from jaxllm.model_path import model_format, read_generation_config
 
-    model = args.model if args.model is not None else str(default_model_path())
+    model = str(resolve_model(args.model))
     model_format(model)
     engine = AsyncLLM(model, **engine_kwargs(args))
     serving = OpenAIServing(engine, args.served_model_name or model,

@@ -1,0 +1,154 @@
+"""HF-named tensors to the parameter pytree of ``jaxllm.models``, for every family.
+
+Each family names its layer tensors (``Family.hf_layer_names``, with ``*``
+for an expert index) and may split fused ones (``Family.unfuse``); the top
+level is the same for all: ``model.embed_tokens.weight``, ``model.norm.weight``
+and, untied, ``lm_head.weight``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.models import family
+from jaxllm.models.common import Params
+
+_TOP_NAMES = {
+    "model.embed_tokens.weight": ("embed", False),
+    "model.norm.weight": ("final_norm", False),
+    "lm_head.weight": ("lm_head", True),
+}
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def expected_layer_keys(cfg: ModelConfig) -> set[str]:
+    """Pytree keys each layer of ``cfg``'s family must have under its flags."""
+    return family(cfg).layer_keys(cfg)
+
+
+def params_from_hf(
+    cfg: ModelConfig, tensors: Iterable[tuple[str, Any]], dtype: Any, source: str = "checkpoint",
+    convert: Callable[[Any, bool, Any], Any] | None = None, stack: Callable[[list], Any] | None = None,
+) -> Params:
+    """Map HF-named tensors to the jaxllm parameter pytree (numpy, host).
+
+    Args:
+      cfg: the model configuration (its family names the layer tensors).
+      tensors: ``(hf_name, array)`` pairs in HF orientation (``[out, in]``).
+      dtype: numpy/ml_dtypes dtype of the result.
+      source: named in error messages (the file or folder).
+      convert: ``(array, transpose, dtype) -> leaf``; by default a contiguous
+        numpy array of ``dtype``. A loader that places weights slice by slice
+        passes one that keeps tensors lazy (anything with ``.shape``).
+      stack: per-layer (and per-expert) leaves (a list, in order) -> one leaf
+        with a new leading axis; by default ``np.stack``. A lazy loader passes
+        one that stacks lazily.
+
+    Returns:
+      The pytree of numpy arrays (or ``stack``'s leaves) described in
+      ``jaxllm.models.common``; expert leaves are ``[L, num_experts, ...]``.
+
+    Raises:
+      ValueError: a tensor the config requires is missing (named; an expert
+        tensor is named with its first missing expert), or a tensor has the
+        wrong shape.
+    """
+    convert = convert or _convert
+    stack = stack or np.stack
+    fam = family(cfg)
+    layers: list[dict[str, Any]] = [{} for _ in range(cfg.num_layers)]
+    top: dict[str, Any] = {}
+    for name, array in tensors:
+        if name.startswith("model.layers."):
+            idx_str, _, rest = name[len("model.layers."):].partition(".")
+            if int(idx_str) >= cfg.num_layers:
+                continue
+            for part, tensor in fam.unfuse(rest, array, cfg) if fam.unfuse else [(rest, array)]:
+                _place(layers[int(idx_str)], part, tensor, fam.hf_layer_names, convert, dtype)
+        elif name in _TOP_NAMES:
+            key, transpose = _TOP_NAMES[name]
+            top[key] = convert(array, transpose, dtype)
+    required_top = {"embed", "final_norm"} | (set() if cfg.tie_word_embeddings else {"lm_head"})
+    hf_top = {key: name for name, (key, _) in _TOP_NAMES.items()}
+    missing = [hf_top[k] for k in sorted(required_top - top.keys())]
+    need = fam.layer_keys(cfg)
+    for i, layer in enumerate(layers):
+        missing += [f"model.layers.{i}.{_hf_name(fam.hf_layer_names, k, layer.get(k), cfg)}"
+                    for k in sorted(need) if _incomplete(layer.get(k), cfg)]
+    if missing:
+        raise ValueError(f"{source} is missing tensors required by {cfg.architecture}: {missing[:8]}")
+    if cfg.tie_word_embeddings:
+        top.pop("lm_head", None)
+    _check_shapes(cfg, top, layers)
+    stacked = {}
+    for key in sorted(need):
+        # Drop each layer's copy as soon as it is stacked: one extra leaf in memory at a time.
+        per_layer = [layer.pop(key) for layer in layers]
+        if isinstance(per_layer[0], dict):  # experts: stack them first
+            per_layer = [stack([experts[j] for j in range(cfg.num_experts)]) for experts in per_layer]
+        stacked[key] = stack(per_layer)
+    return {**top, "layers": stacked}
+
+
+def _place(layer: dict[str, Any], name: str, tensor: Any, names: dict[str, tuple[str, bool]],
+           convert: Callable, dtype: Any) -> None:
+    expert = _EXPERT.search(name)
+    pattern = _EXPERT.sub(".experts.*.", name, count=1) if expert else name
+    if pattern not in names:
+        return  # rotary inv_freq buffers, tensors of layers a flag turns off
+    key, transpose = names[pattern]
+    if expert:
+        layer.setdefault(key, {})[int(expert.group(1))] = convert(tensor, transpose, dtype)
+    else:
+        layer[key] = convert(tensor, transpose, dtype)
+
+
+def _incomplete(leaf: Any, cfg: ModelConfig) -> bool:
+    return leaf is None or (isinstance(leaf, dict) and len([j for j in leaf if j < cfg.num_experts]) < cfg.num_experts)
+
+
+def _hf_name(names: dict[str, tuple[str, bool]], key: str, experts: Any, cfg: ModelConfig) -> str:
+    name = next(n for n, (k, _) in names.items() if k == key)
+    if "*" in name:
+        missing = next(j for j in range(cfg.num_experts) if j not in (experts or {}))
+        name = name.replace("*", str(missing))
+    return name
+
+
+def _convert(array: np.ndarray, transpose: bool, dtype: Any) -> np.ndarray:
+    array = np.asarray(array)
+    if transpose:
+        array = array.T
+    return np.ascontiguousarray(array.astype(dtype, copy=False))
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of each layer leaf without the layer axis, of the keys whose shape the config fixes."""
+    e, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv, x, fx = cfg.num_q_heads * d, cfg.num_kv_heads * d, cfg.num_experts, cfg.moe_intermediate_size
+    return {
+        "wq": (e, q), "wk": (e, kv), "wv": (e, kv), "wo": (q, e), "bq": (q,), "bk": (kv,), "bv": (kv,),
+        "q_norm": (d,), "k_norm": (d,), "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e),
+        "router": (e, x), "experts_gate": (x, e, fx), "experts_up": (x, e, fx), "experts_down": (x, fx, e),
+    }
+
+
+def _check_shapes(cfg: ModelConfig, top: dict[str, Any], layers: list[dict[str, Any]]) -> None:
+    want = _expected_shapes(cfg)
+    for i, layer in enumerate(layers):
+        for key, leaf in layer.items():
+            if key not in want:
+                continue
+            experts = leaf.items() if isinstance(leaf, dict) else [(None, leaf)]
+            shape = want[key][1:] if isinstance(leaf, dict) else want[key]
+            for j, tensor in experts:
+                if tuple(tensor.shape) != shape:
+                    where = f"layer {i} {key}" + ("" if j is None else f" expert {j}")
+                    raise ValueError(f"{where} has shape {tuple(tensor.shape)}, config implies {shape}")
+    if tuple(top["embed"].shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"embed has shape {tuple(top['embed'].shape)}, config implies "
+                         f"{(cfg.vocab_size, cfg.hidden_size)}")

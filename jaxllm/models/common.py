@@ -1,0 +1,369 @@
+"""The pieces every decoder family shares: norms, rotary embeddings, the gated
+MLP, the paged attention of one layer, the scan over stacked layers and the
+logits.
+
+Each family (``llama.py``, ``gemma3.py``, ...) is a :class:`Family`: how it
+embeds tokens, what one layer computes from these pieces, and its final norm.
+:func:`hidden_states` runs any of them over a ragged batch of new tokens
+(prefill chunks and decode rows concatenated): each layer writes its K/V into
+the paged cache through ``slot_mapping`` and attends over ``block_tables``
+(``kernels_pallas.reference`` states the attention semantics).
+
+Parameter pytree (dense weights stored ``[in, out]`` so that ``x @ w``; every
+layer leaf stacked on a leading ``L = num_layers`` axis; which layer keys a
+family has is ``jaxllm.loader.params.expected_layer_keys``)::
+
+    {"embed": [V, E], "final_norm": [E], "lm_head": [E, V] (untied only),
+     "layers": {"attn_norm": [L, E], "wq": [L, E, Hq*D], "wk": [L, E, Hkv*D],
+                "wv": [L, E, Hkv*D], "wo": [L, Hq*D, E], "mlp_norm": [L, E],
+                "w_gate": [L, E, F], "w_up": [L, E, F], "w_down": [L, F, E], ...}}
+
+KV cache: ``(k_cache, v_cache)``, each ``[L, num_blocks, block_size,
+num_kv_heads, head_dim]``.
+
+Layers run as ``lax.scan``s that carry the hidden state and the caches and
+read layer ``l``'s weights by index from the stacked leaves, so a step traces,
+lowers and compiles one layer per distinct kind of layer however deep the
+model is (:func:`layer_plan`). Layer leaves and caches may be held as uint16
+bit patterns of bfloat16 (:func:`loop_storage`; why in
+``kernels_pallas.reference``). Inside the scan the caches are viewed as
+``[L * num_blocks, block_size, ...]`` and layer ``l`` addresses its blocks as
+``l * num_blocks + block``: the attention ops see one ordinary paged cache and
+the block tables and slot mapping are offset per layer, so they read only the
+blocks they need and write in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import ModelConfig, RopeConfig
+from kernels_pallas import AttentionOps
+from kernels_pallas.reference import from_storage, to_storage
+
+Params = dict[str, Any]
+KVCache = tuple[jax.Array, jax.Array]
+# (start, stop, sliding window) of a run of consecutive layers of one kind.
+Segment = tuple[int, int, Optional[int]]
+
+
+def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None) -> jax.Array:
+    """``x @ w (+ b)`` accumulated in float32, returned in x's dtype.
+
+    For bfloat16 weights this is both closer to HF (whose matmuls accumulate
+    in float32) and faster on XLA's CPU backend, whose bf16-in/f32-out dots
+    run about twice as fast as bf16-in/bf16-out ones (issue 12's profile).
+    """
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF ``LlamaRMSNorm``: normalise in float32, scale in x's dtype.
+
+    x: [..., N]; weight: [N]."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def gated_mlp(layer: dict[str, jax.Array], h: jax.Array, act: str) -> jax.Array:
+    """``down(act(gate(h)) * up(h))``: SwiGLU (``act="silu"``) or GeGLU
+    (``"gelu_pytorch_tanh"``), with the optional ``b_*`` biases.
+
+    h: [T, E] -> [T, E], through ``w_gate``, ``w_up``: [E, F] and ``w_down``: [F, E].
+    """
+    gate = linear(h, layer["w_gate"], layer.get("b_gate"))
+    up = linear(h, layer["w_up"], layer.get("b_up"))
+    return linear(_ACTIVATIONS[act](gate) * up, layer["w_down"], layer.get("b_down"))
+
+
+# ------------------------------------------------------------------ rotary embeddings
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig, long: bool = False) -> np.ndarray:
+    """Inverse frequencies ``[rotary_dim // 2]`` float32, as HF's rope init
+    functions compute them (default, linear, llama3, longrope); ``rotary_dim``
+    is ``head_dim * rope.partial_rotary_factor``. ``long`` picks LongRoPE's
+    ``long_factor`` instead of its ``short_factor``."""
+    dim = int(head_dim * rope.partial_rotary_factor)
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+    if rope.rope_type == "longrope":
+        factors = np.asarray(rope.long_factor if long else rope.short_factor, np.float32)
+        return (1.0 / (factors * rope.theta ** exponents)).astype(np.float32)
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.rope_type == "linear":
+        return (inv_freq / rope.factor).astype(np.float32)
+    if rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(rope: RopeConfig, head_dim: int, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """cos and sin ``[T, rotary_dim // 2]`` float32 of each token's position.
+
+    LongRoPE picks its long factors for the tokens of a sequence longer than
+    ``original_max_position_embeddings`` (``seq_lens`` of the token's row), as
+    HF does for one sequence (it decides on the longest position of the
+    forward call), and scales cos and sin by ``attention_factor``.
+    """
+    positions = batch["positions"].astype(jnp.float32)[:, None]
+    inv_freq = jnp.asarray(rope_inv_freq(head_dim, rope))
+    if rope.rope_type == "longrope":
+        num_rows = batch["seq_lens"].shape[0]
+        row = jnp.searchsorted(batch["query_start_loc"][1:], jnp.arange(positions.shape[0]), side="right")
+        long = batch["seq_lens"][jnp.minimum(row, num_rows - 1)] > rope.original_max_position_embeddings
+        inv_freq = jnp.where(long[:, None], jnp.asarray(rope_inv_freq(head_dim, rope, long=True)), inv_freq)
+    freqs = positions * inv_freq
+    return jnp.cos(freqs) * rope.attention_factor, jnp.sin(freqs) * rope.attention_factor
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """HF ``rotate_half`` rotary embedding of the first ``2 * cos.shape[-1]``
+    dimensions of each head (all of them unless the rope is partial).
+
+    x: [T, H, D]; cos, sin: [T, R // 2] float32. Returns x's dtype.
+    """
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    c, s = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
+
+
+# ------------------------------------------------------------------ one layer's attention
+
+class LayerContext(NamedTuple):
+    """What one layer's computation needs besides its weights and the caches.
+
+    batch: the step's batch with ``block_tables`` and ``slot_mapping`` offset to
+      this layer's blocks of the flattened caches.
+    window: the layer's sliding window (static), None for full attention.
+    cos, sin: [T, R // 2] float32 of this layer's rope.
+    num_tokens: int32[] the batch's real (unpadded) tokens.
+    """
+
+    cfg: ModelConfig
+    ops: AttentionOps
+    batch: dict[str, jax.Array]
+    window: Optional[int]
+    cos: jax.Array
+    sin: jax.Array
+    num_tokens: jax.Array
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
+        """Rope q and k, write k and v into the paged cache, attend.
+
+        q: [T, Hq, D]; k, v: [T, Hkv, D]; kv: this step's flattened caches.
+        Returns (attention output [T, Hq * D], the caches with k and v written).
+        The scale is ``cfg.attention_scale``, the window the layer's ``window``.
+        """
+        cfg, t = self.cfg, q.shape[0]
+        q = apply_rope(q, self.cos, self.sin)
+        k = apply_rope(k, self.cos, self.sin)
+        k_cache, v_cache = self.ops.kv_cache_write(kv[0], kv[1], k, v, self.batch["slot_mapping"])
+        out = self.ops.ragged_paged_attention(
+            q, k_cache, v_cache, self.batch["block_tables"], self.batch["seq_lens"], self.batch["query_start_loc"],
+            self.batch["num_seqs"], scale=cfg.attention_scale, sliding_window=self.window,
+        )
+        return out.reshape(t, cfg.num_q_heads * cfg.head_dim), (k_cache, v_cache)
+
+
+def attention_block(layer: dict[str, jax.Array], h: jax.Array, kv: KVCache, ctx: LayerContext,
+                    norm: Callable[[jax.Array, jax.Array, float], jax.Array] = rms_norm) -> tuple[jax.Array, KVCache]:
+    """q/k/v projections (``wq``, ``wk``, ``wv``, optional ``b*`` biases),
+    optional per-head ``q_norm``/``k_norm`` with ``norm``, paged attention and
+    the ``wo`` projection, as HF's Llama/Qwen3/Gemma3 attention modules.
+
+    h: [T, E] (already normed) -> ([T, E], the caches with this layer's K/V).
+    """
+    cfg, t = ctx.cfg, h.shape[0]
+    q = linear(h, layer["wq"], layer.get("bq")).reshape(t, cfg.num_q_heads, cfg.head_dim)
+    k = linear(h, layer["wk"], layer.get("bk")).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(h, layer["wv"], layer.get("bv")).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    attn, kv = ctx.attend(q, k, v, kv)
+    return linear(attn, layer["wo"], layer.get("bo")), kv
+
+
+# ------------------------------------------------------------------ families and the layer scan
+
+def embed_tokens(params: Params, input_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Rows of ``embed`` [V, E] for ``input_ids`` int32[T] (out of range ids clip)."""
+    return jnp.take(params["embed"], input_ids, axis=0, mode="clip")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One decoder family: its checkpoint names and what it computes.
+
+    hf_layer_names: HF tensor name inside ``model.layers.{i}.`` -> (pytree
+      key, transpose from HF's ``[out, in]``). Expert tensors are named with
+      ``*`` for the expert index (``mlp.experts.*.gate_proj.weight``); their
+      leaves stack the experts: ``[L, num_experts, ...]``.
+    layer_keys: ``cfg -> set`` of the layer keys a model of the family has.
+    layer: ``(layer weights, x [T, E], kv, LayerContext) -> (x, kv)``: one
+      decoder layer, residuals included.
+    unfuse: ``(hf layer name, array, cfg) -> [(hf layer name, array)]`` that
+      splits fused HF tensors into the names of ``hf_layer_names`` (Phi-3's
+      ``qkv_proj``); arrays in HF orientation, sliced on their first axis.
+    embed: ``(params, input_ids, cfg) -> x [T, E]``.
+    final_norm: ``(x, weight, eps) -> x``.
+    """
+
+    hf_layer_names: dict[str, tuple[str, bool]]
+    layer_keys: Callable[[ModelConfig], set[str]]
+    layer: Callable[[dict[str, jax.Array], jax.Array, KVCache, LayerContext], tuple[jax.Array, KVCache]]
+    unfuse: Optional[Callable[[str, Any, ModelConfig], list[tuple[str, Any]]]] = None
+    embed: Callable[[Params, jax.Array, ModelConfig], jax.Array] = embed_tokens
+    final_norm: Callable[[jax.Array, jax.Array, float], jax.Array] = rms_norm
+
+
+def loop_storage(params: Params) -> Params:
+    """``params`` with bfloat16 layer leaves bit-cast to uint16 (other leaves as they are).
+
+    For XLA's CPU backend, which would otherwise convert every bfloat16 weight
+    the layer scan reads to float32 and back on every step (see
+    ``kernels_pallas.reference``); :func:`hidden_states` bit-casts them back
+    per layer. Same bytes, same sharding.
+    """
+    bits = jax.jit(lambda a: to_storage(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a)
+    return {**params, "layers": jax.tree_util.tree_map(bits, params["layers"])}
+
+
+def layer_segments(windows: tuple[Optional[int], ...], offset: int = 0) -> list[Segment]:
+    """Runs of consecutive layers sharing a sliding window: ``(start, stop, window)``,
+    layer indices shifted by ``offset``."""
+    segments: list[Segment] = []
+    for i, window in enumerate(windows, start=offset):
+        if segments and segments[-1][2] == window:
+            segments[-1] = (segments[-1][0], i + 1, window)
+        else:
+            segments.append((i, i + 1, window))
+    return segments
+
+
+def layer_plan(cfg: ModelConfig) -> tuple[list[Segment], int, list[Segment]]:
+    """How the layers are scanned: ``(period, repeats, rest)``.
+
+    The window is static in the attention ops, so each kind of layer is its
+    own scan body. A model whose layer kinds repeat with a period of several
+    kinds (Gemma 3: 5 sliding-window layers, then a global one) runs an outer
+    scan over ``repeats`` periods, each scanning the runs of ``period``
+    (layer indices within the period); the ``rest`` runs follow (absolute
+    indices; a partial last period, or every layer of a model without such a
+    period). Gemma 3 270M (18 layers) compiles 2 layer bodies this way, not
+    the 6 of one scan per run; Llama, one window throughout, is one run.
+    """
+    windows = cfg.sliding_windows or (None,) * cfg.num_layers
+    n = len(windows)
+    period = next(p for p in range(1, n + 1) if all(windows[i] == windows[i % p] for i in range(n)))
+    repeats = n // period
+    if period == 1 or repeats < 2:
+        return [], 0, layer_segments(windows)
+    return layer_segments(windows[:period]), repeats, layer_segments(windows[repeats * period:], repeats * period)
+
+
+def hidden_states(
+    params: Params,
+    kv_cache: KVCache,
+    batch: dict[str, jax.Array],
+    *,
+    cfg: ModelConfig,
+    ops: AttentionOps,
+    family: Family,
+) -> tuple[jax.Array, KVCache]:
+    """The decoder over a ragged batch, up to the final norm (HF's ``last_hidden_state``).
+
+    Args:
+      params: the parameter pytree (module docstring).
+      kv_cache: ``(k_cache, v_cache)``, each
+        ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
+      batch: ``input_ids, positions, slot_mapping: int32[T]``,
+        ``block_tables: int32[S, W]``, ``seq_lens: int32[S]``,
+        ``query_start_loc: int32[S + 1]``, ``num_seqs: int32[]``.
+      cfg: model configuration (static).
+      ops: attention kernels or references (static).
+      family: the decoder family (static).
+
+    Returns:
+      (hidden, kv_cache): hidden ``[T, hidden_size]`` in the params' dtype,
+      normed by ``final_norm``, and the caches with this step's K/V written.
+    """
+    x = family.embed(params, batch["input_ids"], cfg)
+    ropes = {None: rope_cos_sin(cfg.rope, cfg.head_dim, batch)}
+    if cfg.local_rope is not None:
+        ropes["local"] = rope_cos_sin(cfg.local_rope, cfg.head_dim, batch)
+    num_tokens = batch["query_start_loc"][batch["num_seqs"]]
+    k_cache, v_cache = kv_cache
+    num_blocks, block_size = k_cache.shape[1], k_cache.shape[2]
+    flat = (k_cache.shape[0] * num_blocks,) + k_cache.shape[2:]
+    layers = params["layers"]
+
+    def run(carry, segments, base):
+        for start, stop, window in segments:
+            cos, sin = ropes["local" if window is not None and cfg.local_rope is not None else None]
+
+            def step(carry, index, window=window, cos=cos, sin=sin):
+                x, k_flat, v_flat = carry
+                layer = jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers)
+                first_block = index * num_blocks
+                ctx = LayerContext(cfg, ops, dict(batch, block_tables=batch["block_tables"] + first_block,
+                                                  slot_mapping=batch["slot_mapping"] + first_block * block_size),
+                                   window, cos, sin, num_tokens)
+                x, (k_flat, v_flat) = family.layer(layer, x, (k_flat, v_flat), ctx)
+                return (x, k_flat, v_flat), None
+
+            carry, _ = jax.lax.scan(step, carry, base + jnp.arange(start, stop, dtype=jnp.int32))
+        return carry
+
+    period, repeats, rest = layer_plan(cfg)
+    carry = (x, k_cache.reshape(flat), v_cache.reshape(flat))
+    if repeats:
+        size = period[-1][1]
+        carry, _ = jax.lax.scan(lambda c, g: (run(c, period, g * size), None), carry,
+                                jnp.arange(repeats, dtype=jnp.int32))
+    x, k_flat, v_flat = run(carry, rest, 0)
+    x = family.final_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return x, (k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape))
+
+
+def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    """The lm_head (or the tied embedding): hidden ``[N, hidden_size]`` ->
+    logits float32 ``[N, vocab]``, accumulated in float32, soft-capped
+    (``cap * tanh(logits / cap)``) when ``cfg.final_logit_softcap`` is set.
+
+    The tied embedding ``[V, E]`` is contracted on its second axis directly:
+    ``hidden @ embed.T`` would make XLA's CPU backend transpose the whole
+    table in bfloat16 on every step (5x slower there).
+    """
+    if cfg.tie_word_embeddings:
+        logits = jax.lax.dot_general(hidden, params["embed"], (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits

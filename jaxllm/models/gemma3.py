@@ -1,0 +1,88 @@
+"""Gemma 3's text decoder (HF ``modeling_gemma3.py``, ``Gemma3ForCausalLM``).
+
+Differences from the Llama layer, all followed step for step:
+
+- RMSNorm scales by ``1 + weight``, computed in float32 (:func:`rms_norm`);
+  four norms per layer: before and after attention, before and after the MLP
+  (the "after" ones normalise the branch output before the residual add);
+- q/k RMSNorm per head, attention scale ``query_pre_attn_scalar ** -0.5``
+  (``ModelConfig.attention_scale``); no attention logit soft cap (HF's
+  ``Gemma3Attention`` ignores ``attn_logit_softcapping``, unlike Gemma 2);
+- GeGLU MLP (``gelu_pytorch_tanh``);
+- the embedding multiplied by ``sqrt(hidden_size)`` rounded to the model dtype;
+- local sliding-window layers interleaved with global ones (``layer_types``,
+  by default 5 local then 1 global), the local ones with their own rope base
+  (``ModelConfig.local_rope``); ``common.layer_plan`` scans the pattern so
+  that one local and one global layer body are compiled;
+- final logits soft-capped when ``final_logit_softcapping`` is set
+  (``common.compute_logits``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ModelConfig
+from jaxllm.models.common import Family, KVCache, LayerContext, Params, attention_block, embed_tokens, gated_mlp
+
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.o_proj.bias": ("bo", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+    "post_attention_layernorm.weight": ("post_attn_norm", False),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+
+
+def layer_keys(cfg: ModelConfig) -> set[str]:
+    """Pytree keys each layer must have under ``cfg``'s flags."""
+    keys = {"attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm",
+            "w_gate", "w_up", "w_down"}
+    if cfg.qkv_bias:
+        keys |= {"bq", "bk", "bv"}
+    if cfg.o_bias:
+        keys.add("bo")
+    return keys
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF ``Gemma3RMSNorm``: ``x / rms(x) * (1 + weight)`` in float32, cast to x's dtype.
+
+    x: [..., N]; weight: [N] (zero-centred: 0 leaves the normalised x as is)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def embed(params: Params, input_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Token embeddings times ``sqrt(hidden_size)`` in the embedding's dtype (HF
+    ``Gemma3TextScaledWordEmbedding``). input_ids: int32[T] -> [T, E]."""
+    x = embed_tokens(params, input_ids, cfg)
+    return x * jnp.asarray(cfg.hidden_size ** 0.5, dtype=x.dtype)
+
+
+def decoder_layer(layer: dict[str, jax.Array], x: jax.Array, kv: KVCache,
+                  ctx: LayerContext) -> tuple[jax.Array, KVCache]:
+    """One Gemma 3 decoder layer (HF ``Gemma3DecoderLayer``). x: [T, E]."""
+    eps = ctx.cfg.rms_norm_eps
+    attn, kv = attention_block(layer, rms_norm(x, layer["attn_norm"], eps), kv, ctx, norm=rms_norm)
+    x = x + rms_norm(attn, layer["post_attn_norm"], eps)
+    mlp = gated_mlp(layer, rms_norm(x, layer["mlp_norm"], eps), ctx.cfg.hidden_act)
+    return x + rms_norm(mlp, layer["post_mlp_norm"], eps), kv
+
+
+FAMILY = Family(hf_layer_names=HF_LAYER_NAMES, layer_keys=layer_keys, layer=decoder_layer, embed=embed,
+                final_norm=rms_norm)
