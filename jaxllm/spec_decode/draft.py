@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states
-from jaxllm.runner import ModelRunner, _abstract
+from jaxllm.runner import ModelRunner
 from scheduler import BatchDescriptor
 
 
@@ -104,9 +104,10 @@ class DraftRunner(ModelRunner):
         """Abstract ``(params, kv_cache, batch, tokens, num_emitted)`` of bucket ``shape``, as :meth:`propose_async` passes."""
         s = shape[1]
         rep = self._replicated
-        return (_abstract(self.params), _abstract(self.kv_cache), self.batch_arguments(shape),
-                jax.ShapeDtypeStruct((s, self.num_positions), np.int32, sharding=rep),
-                jax.ShapeDtypeStruct((s,), np.int32, sharding=rep))
+        return super().step_arguments(shape)[:3] + (
+            jax.ShapeDtypeStruct((s, self.num_positions), np.int32, sharding=rep),
+            jax.ShapeDtypeStruct((s,), np.int32, sharding=rep),
+        )
 
     def propose_async(self, batch: BatchDescriptor, target_out: dict) -> jax.Array:
         """Launch the draft step after the target's on ``batch``; returns the drafts int32[S, K] on the device.
