@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Any, Optional, Sequence, Union
 
+from jaxllm.spec_decode.config import SpeculativeConfig
 from scheduler.buckets import geometric_ladder, half_step_ladder
 
 # HF architecture -> model_type (the key of its family in ``jaxllm.models``).
@@ -334,6 +335,15 @@ class EngineConfig:
         finished entirely; the baseline for benchmarks).
       log_stats: log a one-line stats summary to stderr every 5 seconds.
       metrics_port: serve the Prometheus metrics on this port (None: don't).
+      speculative_config: speculative decoding, a dict (or its JSON text)
+        as vLLM's: ``{"method": "ngram", "num_speculative_tokens": k,
+        "prompt_lookup_min": .., "prompt_lookup_max": ..}`` or
+        ``{"method": "draft_model", "model": PATH, "num_speculative_tokens":
+        k}``; held as a ``spec_decode.SpeculativeConfig`` once checked. None:
+        off. With it on, ``async_scheduling`` does not schedule ahead (a
+        step's drafts need the previous step's tokens). A draft model's KV
+        cache has as many blocks as the target's, in memory beyond
+        ``kv_cache_memory_bytes``.
       graceful_degradation: under KV pressure (few free blocks, or
         preemptions), lower the effective ``max_num_seqs`` and prefill token
         budget step by step and restore them when calm, instead of thrashing
@@ -376,6 +386,7 @@ class EngineConfig:
     batching: str = "continuous"
     log_stats: bool = False
     metrics_port: Optional[int] = None
+    speculative_config: Union[SpeculativeConfig, dict, str, None] = None
     graceful_degradation: bool = True
     max_waiting_requests: Optional[int] = None
     preload_prompts: Optional[str] = None
@@ -417,6 +428,11 @@ class EngineConfig:
             raise ValueError(f"precompile={self.precompile!r} must be True, False or 'background'")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching={self.batching!r} must be 'continuous' or 'static'")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        spec = self.speculative_config
+        if spec is not None and spec.num_speculative_tokens >= self.max_num_batched_tokens:
+            raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} must be below "
+                             f"max_num_batched_tokens={self.max_num_batched_tokens}: a decode row carries 1 + that many")
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         """``max_model_len`` or the model's ``max_position_embeddings``.

@@ -115,6 +115,9 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
         requests' prompt lengths; 0 with fewer than two running.
       schedule_seconds: host time of this step's ``schedule()``.
       num_scheduled_tokens: tokens computed in this step.
+      spec_num_drafts: rows that verified draft tokens (speculative decoding).
+      spec_num_draft_tokens, spec_num_accepted_tokens: draft tokens verified, and accepted.
+      spec_accepted_per_position: accepted drafts by position in their row (0 = first draft).
       step_seconds: wall time of the whole step (schedule, batch, device, sample read-back).
       num_waiting_for_grammar: waiting requests whose structured-output grammar is still compiling.
       grammar_bitmask_seconds: host time of this step's structured-output bitmask (None: no constrained row).
@@ -137,6 +140,10 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     prompt_len_cv: float
     schedule_seconds: Optional[float] = None
     num_scheduled_tokens: Optional[int] = None
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
     step_seconds: Optional[float] = None
     num_waiting_for_grammar: int = 0
     grammar_bitmask_seconds: Optional[float] = None

@@ -13,6 +13,12 @@ computes the last prompt token itself (a one-token step) and samples with its ow
 Prompt logprobs (``jaxllm.prompt_logprobs``) are computed by the request that computes the prompt: the sequence
 itself, or the prefill parent.
 
+Speculative decoding (``EngineConfig.speculative_config``): after each step the proposer drafts tokens for every
+sequence that sampled, the scheduler puts them on its next decode row, and the step's sampler verifies them
+(``jaxllm.spec_decode``); a row then reports up to ``1 + num_speculative_tokens`` tokens.
+Speculation skips structured-output requests: a constrained sequence gets no drafts (its grammar's bitmask
+applies to its one sampled token per step).
+
 Structured output (``jaxllm.structured_output``): a constrained request's grammar compiles in a thread pool while
 the request waits in the scheduler (``WAITING_FOR_FSM``; a prefill parent waits too, so its forked sequences find
 it ready); each sequence has its own matcher, which fills its row of the step's token bitmask and consumes its
@@ -45,6 +51,8 @@ from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache, fetc
 from jaxllm.sampling import MAX_BANNED_IDS
 from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
 from jaxllm.sharding import make_mesh
+from jaxllm.spec_decode import NgramProposer
+from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.tokenizer import load_tokenizer
 from kernels_pallas import default_attention_backend, get_attention_ops
@@ -159,6 +167,12 @@ class EngineCore:
         backend = config.attention_backend or default_attention_backend()
         ops = self.sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
         self.buckets = BucketTable(*config.bucket_ladders(self.max_model_len, backend))
+        self.spec = config.speculative_config
+        num_positions = 1 + self.spec.num_speculative_tokens if self.spec is not None else 1
+        self.proposer = None
+        if self.spec is not None and self.spec.method == "ngram":
+            self.proposer = NgramProposer(self.spec.num_speculative_tokens, self.spec.prompt_lookup_min,
+                                          self.spec.prompt_lookup_max)
         cache = config.compilation_cache
         enable_persistent_compilation_cache(str(cache_dir() / "xla") if cache == "default" else cache)
         self.runner = ModelRunner(
@@ -166,7 +180,12 @@ class EngineCore:
             ops=ops, buckets=self.buckets, sharding=self.sharding, num_host_blocks=config.num_host_blocks,
             num_sampling_slots=config.max_num_seqs + 1, max_model_len=self.max_model_len,
             bf16_as_uint16=backend != "pallas" and self.sharding.mesh.devices.flat[0].platform == "cpu",
+            num_positions=num_positions,
         )
+        self.drafter = None
+        if self.spec is not None and self.spec.method == "draft_model":
+            self.drafter = self._load_drafter(backend, num_positions)
+        self._runners = [self.runner] + ([self.drafter] if self.drafter is not None else [])
         self.slots = SamplingSlots(config.max_num_seqs + 1, cfg.vocab_size, self.runner)
         self.structured = StructuredOutputManager(lambda: load_tokenizer(path), cfg.vocab_size, cfg.eos_token_ids)
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
@@ -177,12 +196,13 @@ class EngineCore:
              f"tokens; attention {backend}; tensor parallel {self.sharding.tensor_parallel_size}")
         if config.precompile:
             background = config.precompile == "background"
-            seconds = self.runner.warmup(swap=config.preemption_mode == "swap", background=background)
-            r = self.runner
-            pending = r.num_pending_programs()
-            _log(f"built {r.num_compilations} programs in {seconds:.1f} s: {r.num_compilations - r.num_cache_hits} "
-                 f"compiled ({r.compile_seconds:.1f} s), {r.num_cache_hits} loaded from the persistent cache "
-                 f"({r.cache_load_seconds:.1f} s)" + (f"; {pending} more building in the background" if pending else ""))
+            for r in self._runners:
+                seconds = r.warmup(swap=config.preemption_mode == "swap", background=background)
+                pending = r.num_pending_programs()
+                _log(f"built {r.num_compilations} {'draft model ' if r is self.drafter else ''}programs in "
+                     f"{seconds:.1f} s: {r.num_compilations - r.num_cache_hits} compiled ({r.compile_seconds:.1f} s), "
+                     f"{r.num_cache_hits} loaded from the persistent cache ({r.cache_load_seconds:.1f} s)"
+                     + (f"; {pending} more building in the background" if pending else ""))
         else:
             _log("step programs are built on first use (precompile=False)")
         self._groups: dict[str, _Group] = {}
@@ -198,6 +218,32 @@ class EngineCore:
         # Id of the request that computes a group's prompt -> the group, until
         # it is first scheduled (its prefix-cache hits are then known).
         self._unscheduled: dict[str, _Group] = {}
+        # Speculative decoding counters: rows that verified drafts, drafts, accepted drafts (and by position).
+        self._spec_counts = [0, 0, 0]
+        self._spec_per_position = [0] * (num_positions - 1)
+
+    def _load_drafter(self, backend: str, num_positions: int) -> DraftRunner:
+        """The draft model's runner: its own weights and KV cache (the target's block count and size), on this mesh.
+
+        Raises:
+          ValueError: a bad draft model path, or a draft model whose vocabulary differs from the target's or whose
+            positions do not reach ``max_model_len``.
+        """
+        spec, config = self.spec, self.config
+        cfg, params, _, sharding = load_sharded(Path(spec.model), self.dtype, self.sharding.mesh)
+        if cfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"speculative_config model={spec.model!r} has vocab_size={cfg.vocab_size}; the target "
+                             f"has {self.model_config.vocab_size}, and drafts must be the target's token ids")
+        if cfg.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"speculative_config model={spec.model!r} has max_position_embeddings="
+                             f"{cfg.max_position_embeddings}, below max_model_len={self.max_model_len}")
+        ops = sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
+        return DraftRunner(
+            cfg, params, num_speculative_tokens=spec.num_speculative_tokens, num_blocks=self.num_blocks,
+            block_size=config.block_size, dtype=self.dtype, ops=ops, buckets=self.buckets, sharding=sharding,
+            num_host_blocks=config.num_host_blocks, max_model_len=self.max_model_len,
+            bf16_as_uint16=self.runner.bf16_as_uint16, num_positions=num_positions,
+        )
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
@@ -208,6 +254,8 @@ class EngineCore:
             long_prefill_token_threshold=c.long_prefill_token_threshold, scheduling_policy=c.scheduling_policy,
             preemption_mode=c.preemption_mode, num_host_blocks=c.num_host_blocks,
             async_scheduling=c.async_scheduling, graceful_degradation=c.graceful_degradation,
+            num_lookahead_tokens=(self.spec.num_speculative_tokens
+                                  if self.spec is not None and self.spec.method == "draft_model" else 0),
         )
 
     def info(self) -> CoreInfo:
@@ -216,7 +264,7 @@ class EngineCore:
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
             eos_token_ids=list(self.model_config.eos_token_ids), num_blocks=self.num_blocks,
             block_size=self.config.block_size, max_num_seqs=self.config.max_num_seqs,
-            async_scheduling=self.config.async_scheduling, max_banned_ids=MAX_BANNED_IDS,
+            async_scheduling=self.config.async_scheduling and self.spec is None, max_banned_ids=MAX_BANNED_IDS,
             enable_prefix_caching=self.config.enable_prefix_caching,
             device_ids=[d.id for d in self.sharding.mesh.devices.flat], core_index=self.core_index,
         )
@@ -227,7 +275,7 @@ class EngineCore:
         Returns:
           True once nothing is left to build; False if ``timeout`` seconds passed first.
         """
-        return self.runner.wait_for_warmup(timeout)
+        return all([r.wait_for_warmup(timeout) for r in self._runners])
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
         """Prompt tokens this core would take from its prefix cache right now.
@@ -397,7 +445,8 @@ class EngineCore:
             self.scheduler.discard_output(sched_out)
             raise
         done = [prev] if prev is not None else []
-        if self.config.async_scheduling and launched.dispatched is not None:
+        # Drafts need the previous step's tokens: with speculation every step is applied before the next.
+        if self.config.async_scheduling and launched.dispatched is not None and self.spec is None:
             self._in_flight = launched
         else:
             # Nothing left on the device to overlap with: apply it now, in order.
@@ -436,30 +485,72 @@ class EngineCore:
 
         The block copies run either way: a step may only swap a preempted request out.
         """
-        self.runner.swap_out(sched_out.blocks_to_swap_out)
-        self.runner.swap_in(sched_out.blocks_to_swap_in)
-        self.runner.copy_blocks(sched_out.blocks_to_copy)
+        for runner in self._runners:
+            runner.swap_out(sched_out.blocks_to_swap_out)
+            runner.swap_in(sched_out.blocks_to_swap_in)
+            runner.copy_blocks(sched_out.blocks_to_copy)
         if not sched_out.scheduled:
             return None
-        batch = build_batch(sched_out, self.runner.serving_buckets())
+        batch = build_batch(sched_out, self._serving_buckets())
         targets = prompt_targets(sched_out.scheduled, self._prompt_lp, batch.input_ids.shape[0])
         num_rows = batch.seq_lens.shape[0]
-        out, next_prev = self.runner.dispatch(batch, self.slots.arrays(sched_out, num_rows), prev_tokens, targets,
+        arrays = self.slots.arrays(sched_out, num_rows, self.runner.num_positions)
+        out, next_prev = self.runner.dispatch(batch, arrays, prev_tokens, targets,
                                               self.structured.bitmask(sched_out, num_rows))
+        if self.drafter is not None:
+            out = {**out, "draft_token_ids": self.drafter.propose_async(batch, out)}
         return _Dispatched(out, next_prev, 0 if targets is None else batch.num_tokens)
+
+    def _serving_buckets(self) -> BucketTable:
+        """The buckets a step may use now: during a background warm-up, those whose programs every runner has."""
+        buckets = self.runner.serving_buckets()
+        if self.drafter is not None:
+            ready = set(self.drafter.serving_buckets().token_buckets) & set(buckets.token_buckets)
+            buckets = BucketTable(tuple(sorted(ready)), buckets.seq_buckets, buckets.width_buckets)
+        return buckets
 
     def _apply(self, step: _Launched) -> list[Request]:
         """Read a launched step's samples into the scheduler and the logprob records; returns the requests it touched."""
         d = step.dispatched
         sampled = None if d is None else fetch_rows(d.out, len(step.sched_out.scheduled), d.num_token_rows)
         tokens = np.zeros(0, np.int32) if sampled is None else sampled["token_ids"]
-        touched = self.scheduler.update_from_output(step.sched_out, tokens)
+        if sampled is not None and "num_emitted" in sampled:
+            touched = self.scheduler.update_from_output(step.sched_out, tokens, sampled["num_emitted"])
+            self._count_accepted(step.sched_out, sampled["num_emitted"])
+            self._propose(step.sched_out, sampled)
+        else:
+            touched = self.scheduler.update_from_output(step.sched_out, tokens)
         self.structured.advance(touched)
         if sampled is not None:
             self._record_logprobs(step.sched_out, sampled)
             if d.num_token_rows:
                 record_prompt_logprobs(step.sched_out.scheduled, self._prompt_lp, sampled)
         return touched
+
+    def _count_accepted(self, sched_out: SchedulerOutput, num_emitted: np.ndarray) -> None:
+        """Add a step's verified and accepted drafts to the speculative decoding counters."""
+        drafted = sched_out.num_spec_tokens.nonzero()[0]
+        if not len(drafted):
+            return
+        accepted = num_emitted[drafted] - 1
+        self._spec_counts[0] += len(drafted)
+        self._spec_counts[1] += int(sched_out.num_spec_tokens.sum())
+        self._spec_counts[2] += int(accepted.sum())
+        for position in range(int(accepted.max())):
+            self._spec_per_position[position] += int((accepted > position).sum())
+
+    def _propose(self, sched_out: SchedulerOutput, sampled: dict[str, np.ndarray]) -> None:
+        """Drafts for every running sequence that sampled in this step (the others keep theirs): the draft model's
+        from the step's outputs, or n-gram lookups. Structured-output sequences get none: their bitmask covers
+        one sampled token per step."""
+        drafts = {}
+        for i, row in enumerate(sched_out.scheduled):
+            req = row.request
+            if (row.samples and req.status == RequestStatus.RUNNING and not req.prefill_only
+                    and not self.structured.constrains(req)):
+                drafts[req.request_id] = (sampled["draft_token_ids"][i].tolist() if self.drafter is not None
+                                          else self.proposer.propose(req.all_token_ids))
+        self.scheduler.update_draft_token_ids(drafts)
 
     def _advance_parent(self, parent: Request) -> None:
         """Fork a prefill parent into its sequences once its prompt is computed (it has sampled once).
@@ -475,7 +566,9 @@ class EngineCore:
             for child in children:
                 self.scheduler.add_request(child)
             return
-        self.runner.copy_blocks(self.scheduler.fork_request(parent.request_id, children))
+        copies = self.scheduler.fork_request(parent.request_id, children)
+        for runner in self._runners:
+            runner.copy_blocks(copies)
 
     def _record_cached_tokens(self, sched_out: SchedulerOutput) -> None:
         """A group whose prompt is scheduled for the first time: its prompt
@@ -498,10 +591,17 @@ class EngineCore:
                     or seq.num_logprobs >= row.request.num_output_tokens):
                 continue
             k = row.request.sampling_params.logprobs
-            seq.logprobs.append(SampleLogprobs(int(sampled["token_ids"][i]), float(sampled["logprobs"][i]),
-                                               int(sampled["ranks"][i]), sampled["top_ids"][i, :k].tolist(),
-                                               sampled["top_logprobs"][i, :k].tolist()))
-            seq.num_logprobs += 1
+            if "num_emitted" in sampled:
+                # Speculative rows: one entry per token the scheduler kept.
+                new = min(row.request.num_output_tokens - seq.num_logprobs, int(sampled["num_emitted"][i]))
+                positions = [(i, j) for j in range(new)]
+            else:
+                positions = [i]
+            for p in positions:
+                seq.logprobs.append(SampleLogprobs(int(sampled["token_ids"][p]), float(sampled["logprobs"][p]),
+                                                   int(sampled["ranks"][p]), sampled["top_ids"][p][:k].tolist(),
+                                                   sampled["top_logprobs"][p][:k].tolist()))
+            seq.num_logprobs += len(positions)
 
     def _output(self, group: _Group, seq: _Sequence) -> EngineCoreOutput:
         """What is new of a touched sequence; a finished one is forgotten."""
@@ -548,11 +648,13 @@ class EngineCore:
             num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks, kv_live_slots=live,
             kv_allocated_slots=allocated, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            compilations=self.runner.num_compilations, num_preempted_waiting=s.num_preempted_waiting,
-            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+            compilations=sum(r.num_compilations for r in self._runners),
+            num_preempted_waiting=s.num_preempted_waiting, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             prompt_len_cv=self._prompt_len_cv(), schedule_seconds=schedule_seconds,
             num_scheduled_tokens=num_scheduled_tokens, num_waiting_for_grammar=s.num_waiting_for_fsm,
-            grammar_bitmask_seconds=grammar_bitmask_seconds,
+            grammar_bitmask_seconds=grammar_bitmask_seconds, spec_num_drafts=self._spec_counts[0],
+            spec_num_draft_tokens=self._spec_counts[1], spec_num_accepted_tokens=self._spec_counts[2],
+            spec_accepted_per_position=list(self._spec_per_position),
         )
 
     def _prompt_len_cv(self) -> float:

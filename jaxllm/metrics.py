@@ -65,6 +65,12 @@ class EngineMetrics:
       ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
       ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
       ``iteration_tokens_total`` (tokens per step), ``scheduler_step_seconds``
+      (host time of one ``schedule()``). With speculative decoding, counters
+      as vLLM's: ``spec_decode_num_drafts`` (rows that verified drafts),
+      ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens``
+      and ``spec_decode_num_accepted_tokens_per_pos`` (label ``position``,
+      0 = a row's first draft); the acceptance rate is accepted / draft
+      tokens, the mean accepted length 1 + accepted / drafts.
       (host time of one ``schedule()``). Structured output: the gauge
       ``num_requests_waiting_for_grammar`` (waiting requests whose grammar is
       still compiling) and the histogram ``grammar_bitmask_seconds`` (host time
@@ -97,6 +103,8 @@ class EngineMetrics:
         # Each core's latest stats; gauges show their sum, counters follow the sums by deltas.
         self.core_stats: dict[int, CoreStats] = {}
         self._seen_queries = self._seen_hits = self._seen_preemptions = self._seen_compilations = 0
+        self._seen_spec: list[int] = [0, 0, 0]
+        self._seen_spec_per_position: list[int] = []
         self.log_stats = log_stats
         self.log_interval = log_interval
         self._log_at = clock()
@@ -175,6 +183,14 @@ class EngineMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
         self.scheduler_step = histogram(
             "scheduler_step_seconds", "Host time of one Scheduler.schedule(), seconds.", _STEP_BUCKETS)
+        self.spec_decode = [
+            counter("spec_decode_num_drafts", "Rows that verified draft tokens (speculative decoding)."),
+            counter("spec_decode_num_draft_tokens", "Draft tokens verified."),
+            counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+        ]
+        self.spec_decode_per_position = prom.Counter(
+            "jaxllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in their row.",
+            ["position"], registry=r)
         self.num_requests_waiting_for_grammar = gauge(
             "num_requests_waiting_for_grammar", "Waiting requests whose structured-output grammar is compiling.")
         self.grammar_bitmask = histogram(
@@ -191,6 +207,17 @@ class EngineMetrics:
         self._run_max_running = 0
         self._run_base_preemptions = self._total("num_preemptions")
         self._run_base_compilations = self._total("compilations")
+        self._run_base_spec = self._spec_totals()
+
+    def _spec_totals(self) -> tuple[list[int], list[int]]:
+        """Speculative decoding counters summed over the cores: (drafts, draft tokens, accepted), and per position."""
+        totals = [int(self._total(f)) for f in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")]
+        per_position: list[int] = []
+        for stats in self.core_stats.values():
+            for i, n in enumerate(stats.spec_accepted_per_position):
+                per_position += [0] * (i + 1 - len(per_position))
+                per_position[i] += n
+        return totals, per_position
 
     def _total(self, field: str) -> float:
         return sum(getattr(s, field) for s in self.core_stats.values())
@@ -272,6 +299,13 @@ class EngineMetrics:
         self.compilations.inc(compilations - self._seen_compilations)
         self._seen_queries, self._seen_hits = queries, hits
         self._seen_preemptions, self._seen_compilations = preemptions, compilations
+        spec, per_position = self._spec_totals()
+        for series, now, seen in zip(self.spec_decode, spec, self._seen_spec):
+            series.inc(now - seen)
+        for i, n in enumerate(per_position):
+            seen = self._seen_spec_per_position[i] if i < len(self._seen_spec_per_position) else 0
+            self.spec_decode_per_position.labels(position=str(i)).inc(n - seen)
+        self._seen_spec, self._seen_spec_per_position = spec, per_position
         if stepped:
             self._run_steps += 1
             self._run_usage_sum += usage
@@ -335,9 +369,19 @@ class EngineMetrics:
           (fractions of the KV blocks, per step); ``kv_live_slot_fraction``
           (token slots holding a computed token / allocated slots, summed
           over steps); ``max_num_running`` (requests); ``num_preemptions``;
-          ``compilations``.
+          ``compilations``; with speculative decoding ``spec_num_draft_tokens``,
+          ``spec_num_accepted_tokens``, ``spec_acceptance_rate`` (accepted /
+          draft tokens), ``spec_mean_accepted_length`` (1 + accepted / rows
+          that verified drafts: tokens per such row) and
+          ``spec_acceptance_rate_per_position`` (accepted at position i / rows
+          that verified drafts); None without drafts.
         """
         steps = max(self._run_steps, 1)
+        (drafts, draft_tokens, accepted), per_position = self._spec_totals()
+        (base_drafts, base_tokens, base_accepted), base_per_position = self._run_base_spec
+        drafts, draft_tokens, accepted = drafts - base_drafts, draft_tokens - base_tokens, accepted - base_accepted
+        per_position = [n - (base_per_position[i] if i < len(base_per_position) else 0)
+                        for i, n in enumerate(per_position)]
         return dict(
             steps=self._run_steps,
             peak_kv_cache_usage=self._run_peak_usage,
@@ -347,6 +391,11 @@ class EngineMetrics:
             max_num_running=self._run_max_running,
             num_preemptions=self._total("num_preemptions") - self._run_base_preemptions,
             compilations=self._total("compilations") - self._run_base_compilations,
+            spec_num_draft_tokens=draft_tokens,
+            spec_num_accepted_tokens=accepted,
+            spec_acceptance_rate=accepted / draft_tokens if draft_tokens else None,
+            spec_mean_accepted_length=1 + accepted / drafts if drafts else None,
+            spec_acceptance_rate_per_position=[n / drafts for n in per_position] if drafts else None,
         )
 
     def _log(self, now: float) -> None:
@@ -360,6 +409,10 @@ class EngineMetrics:
             self._log_tokens[0] / elapsed, self._log_tokens[1] / elapsed, total("num_running"),
             total("num_waiting"), 100 * self._kv_cache_usage(), 100 * hit_rate, total("num_preemptions"),
         )
+        (drafts, draft_tokens, accepted), _ = self._spec_totals()
+        if draft_tokens:
+            logger.info("speculative decoding: %d draft tokens, %.1f%% accepted, mean accepted length %.2f",
+                        draft_tokens, 100 * accepted / draft_tokens, 1 + accepted / drafts)
         self._log_at = now
         self._log_tokens = [0, 0]
 

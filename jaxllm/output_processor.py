@@ -14,7 +14,8 @@ Rules, as vLLM's:
   begin before). The first match to end wins (the longest of those ending at
   the same character), whatever the tokens' boundaries. The text is cut
   before it, or after it with ``include_stop_str_in_output``; tokens after
-  the one that completed it add no text.
+  the one that completed it (several tokens arrive at once with speculative
+  decoding) are dropped.
 * The eos or ``stop_token_ids`` token that ended a sequence adds no text
   unless ``include_stop_str_in_output``.
 * A stream shows text once no stop string can cut it: the longest tail of
@@ -283,6 +284,12 @@ class OutputProcessor:
     def _update(self, state: RequestState, seq: _SequenceState, out: EngineCoreOutput, now: float) -> bool:
         """Apply one sequence's output; True when a stop string ended it before the core did."""
         new_ids = out.new_token_ids
+        decoded = seq.output.num_tokens
+        # The core finishes on eos and stop_token_ids only; stop strings are found here.
+        stop = seq.output.add_tokens(new_ids, stopped_by_token=out.finish_reason == "stop")
+        if stop is not None:
+            # Several tokens of one step (speculative decoding) may run past the one that completed the stop string.
+            new_ids = new_ids[: seq.output.num_tokens - decoded]
         seq.delta_token_ids = new_ids
         seq.token_ids += new_ids
         if new_ids and state.first_token_time is None:
@@ -292,13 +299,11 @@ class OutputProcessor:
         state.num_cached_tokens = out.num_cached_tokens
         if out.ignored_reason is not None:
             state.ignored_reason = out.ignored_reason
-        for row in out.new_logprobs or ():
+        for row in (out.new_logprobs or [])[: len(new_ids)]:
             seq.logprobs.append(_entry(row, self._token_texts))
             seq.cumulative_logprob += row.logprob
         if out.new_prompt_logprobs:
             state.prompt_logprobs += [_entry(row, self._token_texts) for row in out.new_prompt_logprobs]
-        # The core finishes on eos and stop_token_ids only; stop strings are found here.
-        stop = seq.output.add_tokens(new_ids, stopped_by_token=out.finish_reason == "stop")
         if stop is not None:
             stopped_here = out.finish_reason is None
             seq.finish_reason, seq.stop_reason = "stop", stop

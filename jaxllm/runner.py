@@ -32,7 +32,13 @@ from jaxllm.config import ModelConfig
 from jaxllm.kv_cache import allocate_kv_cache
 from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states, loop_storage
 from jaxllm.sampling import (
-    SamplingArrays, fill_slot, init_tables, prompt_logprobs, sample, set_slot_rows,
+    SamplingArrays,
+    fill_slot,
+    init_tables,
+    prompt_logprobs,
+    sample,
+    sample_or_verify,
+    set_slot_rows,
 )
 from jaxllm.sharding import ModelSharding
 from jaxllm.structured_output import bitmask_words
@@ -40,7 +46,7 @@ from scheduler import BatchDescriptor, BucketTable
 
 BATCH_KEYS = (
     "input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
-    "query_start_loc", "logits_indices", "prev_token_index",
+    "query_start_loc", "logits_indices", "prev_token_index", "num_spec_tokens",
 )
 # Block copies (swap, copy-on-write) run in fixed-size chunks so that they
 # compile once; a chunk's unused entries move null block 0 onto itself.
@@ -48,7 +54,8 @@ BLOCK_CHUNK = 16
 
 
 def _step(params: Params, kv_cache: KVCache, batch: dict, sampling: dict, tables: dict, prev_tokens: jax.Array,
-          bitmask: jax.Array, *, cfg: ModelConfig, ops: AttentionOps) -> tuple[dict, jax.Array, KVCache, dict]:
+          bitmask: jax.Array, *, cfg: ModelConfig, ops: AttentionOps, num_positions: int = 1
+          ) -> tuple[dict, jax.Array, KVCache, dict]:
     """Model + sampler + prompt logprobs. Input ids marked in
     ``prev_token_index`` come from the previous step's samples
     (``prev_tokens``, still on the device); the samples are also returned
@@ -56,14 +63,24 @@ def _step(params: Params, kv_cache: KVCache, batch: dict, sampling: dict, tables
     (int32[S, ceil(V/32)]) holds each row's allowed tokens (structured
     output). ``out`` is the sampler's outputs (``[S]`` rows) and
     ``sampling.prompt_logprobs``' (``[T]`` rows, for
-    ``batch["prompt_target_ids"]``)."""
+    ``batch["prompt_target_ids"]``). With ``num_positions > 1``
+    (speculative decoding) the sampler verifies each row's drafts
+    (``sampling.sample_or_verify``): ``[S, num_positions]`` tokens and
+    ``num_emitted: int32[S]``; a row's bitmask applies to its first position
+    (constrained rows carry no drafts)."""
     from_prev = batch["prev_token_index"]
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch["input_ids"])
     hidden, kv_cache = hidden_states(params, kv_cache, dict(batch, input_ids=input_ids), cfg=cfg, ops=ops)
     head = functools.partial(compute_logits, params, cfg=cfg)
-    out, tables = sample(head(hidden[batch["logits_indices"]]), sampling, tables, bitmask)
+    if num_positions == 1:
+        out, tables = sample(head(hidden[batch["logits_indices"]]), sampling, tables, bitmask)
+        first = out["token_ids"]
+    else:
+        out, tables = sample_or_verify(head, hidden, input_ids, batch["logits_indices"], batch["num_spec_tokens"],
+                                       sampling, tables, num_positions, bitmask)
+        first = out["token_ids"][:, 0]
     out = {**out, **prompt_logprobs(head, hidden, batch["prompt_target_ids"])}
-    next_prev = jnp.zeros_like(prev_tokens).at[: out["token_ids"].shape[0]].set(out["token_ids"])
+    next_prev = jnp.zeros_like(prev_tokens).at[: first.shape[0]].set(first)
     return out, next_prev, kv_cache, tables
 
 
@@ -131,9 +148,14 @@ class ModelRunner:
       bf16_as_uint16: hold bfloat16 layer weights and KV caches as uint16 bit
         patterns (``models.loop_storage``): for XLA's CPU backend, with
         the jnp attention ops (``kernels_pallas.reference`` says why).
+      num_positions: positions each row's sampler handles: 1, or 1 +
+        ``num_speculative_tokens`` when the steps verify draft tokens
+        (sampling arrays then have ``S * num_positions`` rows,
+        ``SamplingArrays.repeat``).
 
     Attributes:
       ops: the attention ops the step runs (as given).
+      num_positions, bf16_as_uint16: as given.
       params: the parameter pytree on the devices (layer leaves as uint16
         with ``bf16_as_uint16``).
       kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size,
@@ -152,13 +174,16 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
                  ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0,
-                 num_sampling_slots: int = 1, max_model_len: int = 1, bf16_as_uint16: bool = False):
+                 num_sampling_slots: int = 1, max_model_len: int = 1, bf16_as_uint16: bool = False,
+                 num_positions: int = 1):
         self.cfg = cfg
         self.ops = ops
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.buckets = buckets
+        self.num_positions = num_positions
+        self.bf16_as_uint16 = bf16_as_uint16
         storage = bf16_as_uint16 and np.dtype(dtype) == jnp.bfloat16
         self.params = loop_storage(params) if storage else params
         self.kv_cache = allocate_kv_cache(num_blocks, block_size, np.uint16 if storage else dtype, sharding)
@@ -179,11 +204,7 @@ class ModelRunner:
         self._ready_tokens: Optional[set[int]] = None
         self._background: Optional[threading.Thread] = None
         self._stop_background = threading.Event()
-        # Outputs pinned to the inputs' shardings: the donated KV cache and
-        # sampler tables come back laid out as the next step was compiled for.
-        self._step_jit = jax.jit(functools.partial(_step, cfg=cfg, ops=ops), donate_argnums=(1, 4),
-                                 out_shardings=(self._replicated, self._replicated, self._kv_sharding,
-                                                self._replicated))
+        self._step_jit = self._jit_step()
         self._steps: dict[tuple[int, int, int], Callable] = {}
         self._block_ops: dict[str, Callable] = {}
         # Host swap space: (k, v), each [num_layers, num_host_blocks, block_size, heads, head_dim].
@@ -192,6 +213,17 @@ class ModelRunner:
         self.host_pool = (np.zeros(pool_shape, pool_dtype), np.zeros(pool_shape, pool_dtype)) if num_host_blocks else None
 
     # ------------------------------------------------------------ compilation
+
+    # Programs besides the steps that every warm-up builds.
+    WARMUP_OPS: tuple[str, ...] = ("copy", "fill", "rows")
+
+    def _jit_step(self) -> Any:
+        """The jitted step function that :meth:`compile_step` lowers with :meth:`step_arguments`."""
+        # Outputs pinned to the inputs' shardings: the donated KV cache and
+        # sampler tables come back laid out as the next step was compiled for.
+        return jax.jit(functools.partial(_step, cfg=self.cfg, ops=self.ops, num_positions=self.num_positions),
+                       donate_argnums=(1, 4),
+                       out_shardings=(self._replicated, self._replicated, self._kv_sharding, self._replicated))
 
     def _compiled(self, fn: Any, *abstract_args: Any) -> Callable:
         start = time.perf_counter()
@@ -211,24 +243,28 @@ class ModelRunner:
                 self.compile_seconds += seconds
         return exe
 
-    def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
-        """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens, bitmask)`` of bucket
-        ``shape``: exactly the structure, dtypes and shardings :meth:`dispatch` passes."""
+    def batch_arguments(self, shape: tuple[int, int, int]) -> dict:
+        """Abstract batch dict of bucket ``shape`` (replicated int32 arrays, as :meth:`batch_arrays` makes)."""
         t, s, w = shape
         i32 = np.int32
         batch = {
             "input_ids": ((t,), i32), "positions": ((t,), i32), "slot_mapping": ((t,), i32),
             "block_tables": ((s, w), i32), "seq_lens": ((s,), i32), "query_start_loc": ((s + 1,), i32),
             "logits_indices": ((s,), i32), "prev_token_index": ((t,), i32), "prompt_target_ids": ((t,), i32),
-            "num_seqs": ((), i32),
+            "num_spec_tokens": ((s,), i32), "num_seqs": ((), i32),
         }
         rep = self._replicated
-        batch = {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
+        return {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
+
+    def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
+        """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens, bitmask)`` of bucket
+        ``shape``: exactly the structure, dtypes and shardings :meth:`dispatch` passes."""
+        s, rep = shape[1], self._replicated
         sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
-                    for k, v in SamplingArrays.empty(s).as_dict().items()}
+                    for k, v in SamplingArrays.empty(s * self.num_positions).as_dict().items()}
         bitmask = jax.ShapeDtypeStruct((s, self.bitmask_words), np.int32, sharding=rep)
-        return (_abstract(self.params), _abstract(self.kv_cache), batch, sampling, _abstract(self.sampler_tables),
-                _abstract(self._no_prev_tokens), bitmask)
+        return (_abstract(self.params), _abstract(self.kv_cache), self.batch_arguments(shape), sampling,
+                _abstract(self.sampler_tables), _abstract(self._no_prev_tokens), bitmask)
 
     def compile_step(self, shape: tuple[int, int, int]) -> Callable:
         """Compile (once) and return the step program of bucket ``shape``."""
@@ -312,7 +348,7 @@ class ModelRunner:
             self._ready_tokens = set()
         for t in tqdm(first, desc="compiling buckets", unit="bucket", disable=not progress):
             self._build_token_bucket(t)
-        for name in ("copy", "fill", "rows") + (("gather", "scatter") if swap else ()):
+        for name in self.WARMUP_OPS + (("gather", "scatter") if swap else ()):
             self._block_op(name)
         rest = [t for t in tokens if t not in first]
         if rest:
@@ -354,7 +390,7 @@ class ModelRunner:
         Args:
           batch: bucket-shaped (T, S, W) arrays; a bucket not compiled yet is
             compiled first (lazy mode).
-          sampling: per-row sampling controls, ``[S]`` each.
+          sampling: per-row sampling controls, ``[S]`` each (``[S * num_positions]``).
           prev_tokens: the previous dispatch's padded samples, for rows whose
             input is a sample still on the device (async scheduling).
           prompt_target_ids: int32[T] the prompt token following each token
@@ -371,20 +407,25 @@ class ModelRunner:
           place (donated).
         """
         exe = self.compile_step(batch.shape)
-        arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
-        arrays["num_seqs"] = np.int32(batch.num_seqs)
-        if prompt_target_ids is None:
-            prompt_target_ids = np.full(batch.input_ids.shape, -1, np.int32)
-        arrays["prompt_target_ids"] = prompt_target_ids
         if bitmask is None:
             bitmask = self._all_ones(batch.shape[1])
-        device_batch, device_sampling, bitmask = jax.device_put((arrays, sampling.as_dict(), bitmask),
-                                                                self._replicated)
+        device_batch, device_sampling, bitmask = jax.device_put(
+            (self.batch_arrays(batch, prompt_target_ids), sampling.as_dict(), bitmask), self._replicated)
         prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
         out, next_prev, self.kv_cache, self.sampler_tables = exe(
             self.params, self.kv_cache, device_batch, device_sampling, self.sampler_tables, prev, bitmask
         )
         return out, next_prev
+
+    @staticmethod
+    def batch_arrays(batch: BatchDescriptor, prompt_target_ids: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
+        """The host arrays of a step's batch dict (:meth:`batch_arguments`' structure)."""
+        arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
+        arrays["num_seqs"] = np.int32(batch.num_seqs)
+        if prompt_target_ids is None:
+            prompt_target_ids = np.full(batch.input_ids.shape, -1, np.int32)
+        arrays["prompt_target_ids"] = prompt_target_ids
+        return arrays
 
     def _all_ones(self, num_rows: int) -> jax.Array:
         ones = self._all_allowed.get(num_rows)

@@ -118,8 +118,7 @@ class SamplingArrays:
         Raises:
           ValueError: more than ``MAX_BANNED_IDS`` banned ids.
         """
-        if len(banned) > MAX_BANNED_IDS:
-            raise ValueError(f"{len(banned)} ids banned by bad words in one step; at most {MAX_BANNED_IDS}")
+        self.set_banned(row, banned)
         self.slot[row] = slot
         self.temperature[row] = 0.0 if params.greedy else params.temperature
         self.top_k[row] = params.top_k
@@ -134,11 +133,29 @@ class SamplingArrays:
         self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.sample_mask[row] = sample
+
+    def set_banned(self, row: int, banned: Sequence[int]) -> None:
+        """Set row ``row``'s ids banned this step (the rest of its entries out of range).
+
+        Raises:
+          ValueError: more than ``MAX_BANNED_IDS`` banned ids (nothing is changed).
+        """
+        if len(banned) > MAX_BANNED_IDS:
+            raise ValueError(f"{len(banned)} ids banned by bad words in one step; at most {MAX_BANNED_IDS}")
+        self.banned[row] = _NO_TOKEN
         self.banned[row, : len(banned)] = banned
 
     def as_dict(self) -> dict[str, np.ndarray]:
         """The arrays by field name: the pytree the step takes."""
         return dataclasses.asdict(self)
+
+    def repeat(self, num_positions: int) -> "SamplingArrays":
+        """Each row repeated for ``num_positions`` consecutive positions of
+        its sequence (speculative verification): row ``s * num_positions + j``
+        is row ``s`` with ``num_generated + j``."""
+        wide = {k: np.repeat(v, num_positions, axis=0) for k, v in self.as_dict().items()}
+        wide["num_generated"] += np.tile(np.arange(num_positions, dtype=np.int32), len(self.slot))
+        return SamplingArrays(**wide)
 
 
 # ------------------------------------------------------------ device tables
@@ -191,10 +208,13 @@ def set_slot_rows(tables: dict, slot: jax.Array, bias: jax.Array, stop: jax.Arra
 # --------------------------------------------------------------- transforms
 
 
-def apply_logit_processors(logits: jax.Array, arrays: dict, tables: dict) -> jax.Array:
+def apply_logit_processors(logits: jax.Array, arrays: dict, tables: dict,
+                           extra_counts: jax.Array | None = None) -> jax.Array:
     """Bias row, bad-word bans and min_tokens, then penalties (vLLM v1 order).
 
-    logits: [S, V] float32; returns the same shape. Repetition penalty
+    logits: [S, V] float32; returns the same shape. ``extra_counts``: int32
+    [S, V] output tokens to count on top of the slot's (the drafts before a
+    verified position), or None. Repetition penalty
     (CTRL): a logit of a token seen in the prompt or output is divided by the
     penalty when positive, multiplied when negative. Frequency and presence
     (OpenAI): ``logit -= frequency * count + presence * (count > 0)`` over
@@ -207,6 +227,8 @@ def apply_logit_processors(logits: jax.Array, arrays: dict, tables: dict) -> jax
     before_min = (arrays["num_generated"] < arrays["min_tokens"])[:, None]
     logits = jnp.where(before_min & tables["stop"][slot], -jnp.inf, logits)
     counts = tables["counts"][slot]
+    if extra_counts is not None:
+        counts = counts + extra_counts
     output_seen = counts > 0
     seen = output_seen | tables["prompt"][slot]
     rep = arrays["repetition_penalty"][:, None]
@@ -279,6 +301,52 @@ def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, 
     return chosen, ranks, top_ids.astype(jnp.int32), top_logprobs
 
 
+def _maybe_logprobs(raw: jax.Array, tokens: jax.Array, arrays: dict) -> tuple[jax.Array, ...]:
+    """:func:`_logprobs` when some row asks for logprobs, else zeros of the same shapes."""
+    num_rows, width = raw.shape[0], min(MAX_LOGPROBS, raw.shape[-1])
+    return jax.lax.cond(
+        jnp.any(arrays["num_logprobs"] >= 0),
+        lambda: _logprobs(raw, tokens),
+        lambda: (jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32),
+                 jnp.zeros((num_rows, width), jnp.int32), jnp.zeros((num_rows, width), jnp.float32)),
+    )
+
+
+def _choose(raw: jax.Array, arrays: dict, tables: dict, extra_counts: Callable[[], jax.Array] | None = None
+            ) -> jax.Array:
+    """One token per row of float32 logits ``raw`` [R, V]: the processors (with ``extra_counts()`` counted as
+    outputs, when given), then the argmax (greedy rows) or a draw. A row the processors leave without a token
+    (all -inf) chooses from ``raw`` as if it had none."""
+    needs_processing = jnp.any(
+        arrays["use_bias"] | (arrays["presence_penalty"] != 0) | (arrays["frequency_penalty"] != 0)
+        | (arrays["repetition_penalty"] != 1) | (arrays["num_generated"] < arrays["min_tokens"])
+        | jnp.any(arrays["banned"] < raw.shape[-1], axis=-1)
+    )
+
+    def processed() -> jax.Array:
+        out = apply_logit_processors(raw, arrays, tables, None if extra_counts is None else extra_counts())
+        return jnp.where(jnp.all(out == -jnp.inf, axis=-1, keepdims=True), raw, out)
+
+    logits = jax.lax.cond(needs_processing, processed, lambda: raw)
+    greedy = arrays["temperature"] < _GREEDY_EPS
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    needs_filter = jnp.any(~greedy & ((arrays["top_k"] > 0) | (arrays["top_p"] < 1.0) | (arrays["min_p"] > 0.0)))
+    sampled = jax.lax.cond(
+        jnp.all(greedy),
+        lambda: argmax,
+        lambda: jax.lax.cond(needs_filter, lambda: _draw(logits, arrays, True), lambda: _draw(logits, arrays, False)),
+    )
+    return jnp.where(greedy, argmax, sampled)
+
+
+def _masked(raw: jax.Array, bitmask: Optional[jax.Array]) -> jax.Array:
+    """``raw`` [R, V] with :func:`apply_token_bitmask` of ``bitmask`` [R, W], skipped when no row is
+    constrained (all words -1) or ``bitmask`` is None."""
+    if bitmask is None:
+        return raw
+    return jax.lax.cond(jnp.any(bitmask != -1), lambda: apply_token_bitmask(raw, bitmask), lambda: raw)
+
+
 def sample(logits: jax.Array, arrays: dict, tables: dict, bitmask: Optional[jax.Array] = None) -> tuple[dict, dict]:
     """Draw one token per row and count it in the row's slot.
 
@@ -305,40 +373,130 @@ def sample(logits: jax.Array, arrays: dict, tables: dict, bitmask: Optional[jax.
     if it had no processors, so a constrained row always takes a token its
     grammar accepts.
     """
-    raw = logits.astype(jnp.float32)
-    if bitmask is not None:
-        raw = jax.lax.cond(jnp.any(bitmask != -1), lambda: apply_token_bitmask(raw, bitmask), lambda: raw)
-    needs_processing = jnp.any(
-        arrays["use_bias"] | (arrays["presence_penalty"] != 0) | (arrays["frequency_penalty"] != 0)
-        | (arrays["repetition_penalty"] != 1) | (arrays["num_generated"] < arrays["min_tokens"])
-        | jnp.any(arrays["banned"] < raw.shape[-1], axis=-1)
-    )
-
-    def processed() -> jax.Array:
-        out = apply_logit_processors(raw, arrays, tables)
-        return jnp.where(jnp.all(out == -jnp.inf, axis=-1, keepdims=True), raw, out)
-
-    logits = jax.lax.cond(needs_processing, processed, lambda: raw)
-    greedy = arrays["temperature"] < _GREEDY_EPS
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    needs_filter = jnp.any(~greedy & ((arrays["top_k"] > 0) | (arrays["top_p"] < 1.0) | (arrays["min_p"] > 0.0)))
-    sampled = jax.lax.cond(
-        jnp.all(greedy),
-        lambda: argmax,
-        lambda: jax.lax.cond(needs_filter, lambda: _draw(logits, arrays, True), lambda: _draw(logits, arrays, False)),
-    )
-    tokens = jnp.where(greedy, argmax, sampled)
-    num_rows, width = raw.shape[0], min(MAX_LOGPROBS, raw.shape[-1])
-    chosen, ranks, top_ids, top_logprobs = jax.lax.cond(
-        jnp.any(arrays["num_logprobs"] >= 0),
-        lambda: _logprobs(raw, tokens),
-        lambda: (jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32),
-                 jnp.zeros((num_rows, width), jnp.int32), jnp.zeros((num_rows, width), jnp.float32)),
-    )
+    raw = _masked(logits.astype(jnp.float32), bitmask)
+    tokens = _choose(raw, arrays, tables)
+    chosen, ranks, top_ids, top_logprobs = _maybe_logprobs(raw, tokens, arrays)
     counted = (arrays["sample_mask"] & (arrays["slot"] > 0)).astype(jnp.int32)
     tables = {**tables, "counts": tables["counts"].at[arrays["slot"], tokens].add(counted)}
     out = {"token_ids": tokens, "logprobs": chosen, "ranks": ranks, "top_ids": top_ids, "top_logprobs": top_logprobs}
     return out, tables
+
+
+# ------------------------------------------------------ speculative decoding
+
+
+def _draft_counts(drafts: jax.Array, vocab: int) -> jax.Array:
+    """int32[S * P, V]: at position j of row s, one count for each of the drafts ``drafts[s, :j]`` (-1 = none)."""
+    num_rows, width = drafts.shape
+    before = jnp.arange(width)[None, :] < jnp.arange(width)[:, None]  # [j, i]: draft i comes before position j
+    ids = jnp.broadcast_to(drafts[:, None, :], (num_rows, width, width))
+    ids = jnp.where(before[None] & (ids >= 0), ids, vocab)
+    rows = jnp.broadcast_to(jnp.arange(num_rows * width).reshape(num_rows, width, 1), ids.shape)
+    return jnp.zeros((num_rows * width, vocab), jnp.int32).at[rows.ravel(), ids.ravel()].add(1, mode="drop")
+
+
+def verify(logits: jax.Array, drafts: jax.Array, arrays: dict, tables: dict,
+           bitmask: Optional[jax.Array] = None) -> tuple[dict, dict]:
+    """Verify each row's draft tokens and emit its accepted drafts plus one token (speculative decoding).
+
+    Position j of a row holds the target's logits after the row's known
+    tokens and its first j drafts; it verifies draft ``drafts[s, j]``. Each
+    position samples its token as it would without speculation: the
+    penalties count the drafts before it as output tokens, ``min_tokens``
+    and the random key see ``num_generated + j``
+    (``SamplingArrays.repeat``), bad-word bans are per position, and the
+    draw is :func:`sample`'s (argmax for greedy rows, the row's seeded
+    Gumbel draw otherwise). A row accepts its longest run of drafts equal to
+    those tokens and emits them and the token after them.
+
+    For temperature > 0 this is the rejection-sampling rule of Leviathan et
+    al. 2023 / Chen et al. 2023 (accept draft ``d`` with probability
+    ``min(1, p(d) / q(d))``, on rejection draw from ``max(0, p - q)``
+    renormalised) for a draft distribution ``q`` that is a point mass on
+    ``d`` -- the n-gram proposer's, and the draft model's, which proposes
+    greedily -- realised by coupling: the token ``x ~ p`` equals ``d`` with
+    probability ``p(d)``, and given ``x != d`` it is distributed as ``p``
+    without ``d``, renormalised. So every emitted token is distributed as
+    without speculation, and, as the draws are keyed by seed and
+    ``num_generated`` alone, a seeded request emits exactly the tokens it
+    would without speculation, in any batch.
+
+    Args:
+      logits: [S * P, V] float32, row ``s * P + j`` = row s at position j.
+      drafts: int32[S, P], -1 where a position verifies nothing (always
+        the last, and past a row's drafts).
+      arrays: ``SamplingArrays.repeat(P).as_dict()`` on the device.
+      tables: SamplerTables; donate them.
+      bitmask: int32[S, ceil(V / 32)] structured-output bitmask (as in
+        :func:`sample`), applied to each row's first position only (all
+        ones elsewhere): a constrained row never carries drafts (the
+        proposers skip it), so it samples its one token at position 0.
+        None: no row is constrained.
+
+    Returns:
+      ``(out, tables)``: ``out`` holds ``token_ids: int32[S, P]`` (the
+      emitted tokens first), ``num_emitted: int32[S]`` (accepted drafts +
+      1), and ``logprobs``, ``ranks`` ``[S, P]``, ``top_ids``,
+      ``top_logprobs`` ``[S, P, K]`` of those tokens as in :func:`sample`;
+      ``tables`` counts the emitted tokens.
+    """
+    num_rows, width = drafts.shape
+    if bitmask is not None:
+        at_first = (jnp.arange(width) == 0)[None, :, None]
+        bitmask = jnp.where(at_first, bitmask[:, None, :], -1).reshape(num_rows * width, -1)
+    raw = _masked(logits.astype(jnp.float32), bitmask)
+    tokens = _choose(raw, arrays, tables, lambda: _draft_counts(drafts, raw.shape[-1]))
+    accepted = ((tokens == drafts.reshape(-1)) & (drafts.reshape(-1) >= 0)).reshape(num_rows, width)
+    num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1, dtype=jnp.int32)
+    chosen, ranks, top_ids, top_logprobs = _maybe_logprobs(raw, tokens, arrays)
+    used = (jnp.arange(width)[None, :] <= num_accepted[:, None]).reshape(-1)
+    counted = (used & arrays["sample_mask"] & (arrays["slot"] > 0)).astype(jnp.int32)
+    tables = {**tables, "counts": tables["counts"].at[arrays["slot"], tokens].add(counted)}
+    out = {"token_ids": tokens.reshape(num_rows, width), "num_emitted": num_accepted + 1,
+           "logprobs": chosen.reshape(num_rows, width), "ranks": ranks.reshape(num_rows, width),
+           "top_ids": top_ids.reshape(num_rows, width, -1), "top_logprobs": top_logprobs.reshape(num_rows, width, -1)}
+    return out, tables
+
+
+def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array, input_ids: jax.Array,
+                     logits_indices: jax.Array, num_spec_tokens: jax.Array, arrays: dict, tables: dict,
+                     num_positions: int, bitmask: Optional[jax.Array] = None) -> tuple[dict, dict]:
+    """The sampler of a step that may carry draft tokens: :func:`verify` when some row does, else :func:`sample`.
+
+    Args:
+      compute_logits: hidden ``[N, E]`` -> logits float32 ``[N, V]``.
+      hidden: ``[T, E]`` final hidden states of the step's tokens.
+      input_ids: int32[T] the step's tokens (a row's drafts are its last
+        ``num_spec_tokens`` tokens).
+      logits_indices: int32[S] each row's last token; num_spec_tokens: int32[S].
+      arrays: ``SamplingArrays.repeat(num_positions).as_dict()`` on the device.
+      tables: SamplerTables; donate them.
+      num_positions: P = 1 + the most drafts a row may carry (static).
+      bitmask: int32[S, ceil(V / 32)] structured-output bitmask (see
+        :func:`sample`, :func:`verify`), None: no row is constrained.
+
+    Returns:
+      :func:`verify`'s outputs (a step without drafts fills position 0 of
+      each row, ``num_emitted`` 1). The lm_head runs on ``S * P`` rows only
+      when some row has drafts (``lax.cond``).
+    """
+    position = jnp.arange(num_positions)[None, :]
+    first = (logits_indices - num_spec_tokens)[:, None]
+    rows = jnp.minimum(first + position, logits_indices[:, None])
+    has_draft = position < num_spec_tokens[:, None]
+    drafts = jnp.where(has_draft, input_ids[jnp.minimum(first + position + 1, input_ids.shape[0] - 1)], -1)
+
+    def drafted() -> tuple[dict, dict]:
+        return verify(compute_logits(hidden[rows.reshape(-1)]), drafts, arrays, tables, bitmask)
+
+    def plain() -> tuple[dict, dict]:
+        out, new_tables = sample(compute_logits(hidden[logits_indices]),
+                                 jax.tree_util.tree_map(lambda a: a[::num_positions], arrays), tables, bitmask)
+        pad = [(0, 0), (0, num_positions - 1)]
+        wide = {k: jnp.pad(v[:, None], pad + [(0, 0)] * (v.ndim - 1)) for k, v in out.items()}
+        return {**wide, "num_emitted": jnp.ones(logits_indices.shape, jnp.int32)}, new_tables
+
+    return jax.lax.cond(jnp.any(num_spec_tokens > 0), drafted, plain)
 
 
 def prompt_logprobs(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array,

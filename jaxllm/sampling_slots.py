@@ -126,11 +126,16 @@ class SamplingSlots:
                 self.tables.set_slot_rows(slot, bias, stop)
         return slot
 
-    def arrays(self, output: SchedulerOutput, num_rows: int) -> SamplingArrays:
+    def arrays(self, output: SchedulerOutput, num_rows: int, num_positions: int = 1) -> SamplingArrays:
         """The step's per-row controls; rows of unregistered requests (a fork parent) stay inert.
 
         Preempted sequences must have been :meth:`release`-d first, so
         their slots are free for this step's admissions.
+
+        With ``num_positions > 1`` (speculative decoding) every row is
+        repeated for its positions (``SamplingArrays.repeat``), and a row
+        verifying drafts bans at each position the bad words its output
+        plus the drafts before that position would complete.
         """
         arrays = SamplingArrays.empty(num_rows)
         for i, row in enumerate(output.scheduled):
@@ -144,4 +149,14 @@ class SamplingSlots:
                 num_generated=row.sample_index, sample=row.samples, uses_bias=sampling.bias is not None,
                 banned=sampling.banned_ids(outputs) if sampling.multi_token_bad_words else (),
             )
-        return arrays
+        if num_positions == 1:
+            return arrays
+        wide = arrays.repeat(num_positions)
+        for i, row in enumerate(output.scheduled):
+            sampling = self.sequences.get(row.request.request_id)
+            if not row.num_spec_tokens or sampling is None or not sampling.multi_token_bad_words:
+                continue
+            outputs, drafts = row.request.output_token_ids, row.request.spec_token_ids
+            for j in range(1, row.num_spec_tokens + 1):
+                wide.set_banned(i * num_positions + j, sampling.banned_ids(outputs + drafts[:j]))
+        return wide

@@ -195,6 +195,11 @@ class StructuredOutputManager:
         """Forget a finished or aborted sequence (unknown ids are ignored)."""
         self._seqs.pop(request_id, None)
 
+    def constrains(self, request: Request) -> bool:
+        """True when ``request`` (one sequence) is under a grammar (speculative decoding gives it no drafts)."""
+        seq = self._seqs.get(request.request_id)
+        return seq is not None and seq.request is request
+
     def take_failed(self) -> list[tuple[str, str]]:
         """``(request_id, error)`` of the sequences whose grammar failed to compile since the last call (they
         are forgotten); such a grammar was valid for the front end but not with the model's tokenizer."""

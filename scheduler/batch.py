@@ -30,6 +30,10 @@ class BatchDescriptor:
         repeat the last real value.
       logits_indices: int32[S] index of each row's last query token, whose
         logits are sampled; padding rows 0.
+      num_spec_tokens: int32[S] draft tokens each row verifies: its last
+        ``num_spec_tokens`` query tokens are drafts, and the row samples
+        after each of its last ``num_spec_tokens + 1`` tokens (speculative
+        decoding); padding rows 0.
       sample_mask: bool[S] True where the row's sample is used (decode, or a
         chunk reaching the end of the prompt); padding rows False.
       num_seqs: real rows.
@@ -52,6 +56,7 @@ class BatchDescriptor:
     seq_lens: np.ndarray
     query_start_loc: np.ndarray
     logits_indices: np.ndarray
+    num_spec_tokens: np.ndarray
     sample_mask: np.ndarray
     num_seqs: int
     num_tokens: int
@@ -78,7 +83,8 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
     Query token i of row s has position ``num_computed_tokens + i`` and slot
     ``block_ids[pos // block_size] * block_size + pos % block_size``;
     ``seq_lens = num_computed_tokens + num_new_tokens``;
-    ``logits_indices[s] = query_start_loc[s+1] - 1``. Works on the output's
+    ``logits_indices[s] = query_start_loc[s+1] - 1``. A row with draft
+    tokens takes them after its known tokens. Works on the output's
     arrays; only rows that compute several tokens (or one token inside a
     prompt) copy their ids in a Python pass. Call it before
     ``update_from_output`` (it reads the requests' token lists).
@@ -127,8 +133,12 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
     last = (new == 1) & output.samples & ~fed
     input_ids = np.zeros(T, dtype=np.int32)
     input_ids[starts[last]] = output.last_token_ids[last]
+    spec = output.num_spec_tokens
     for s in (~(last | fed)).nonzero()[0].tolist():
         req, k, m, start = output.requests[s], int(computed[s]), int(new[s]), int(starts[s])
+        if spec[s]:
+            input_ids[start : start + m] = req.all_token_ids[k:] + req.spec_token_ids[: spec[s]]
+            continue
         # Prompt tokens come from the prompt array, sparing a conversion of Python ints.
         source = req.prompt_array if k + m <= len(req.prompt_array) else req.all_token_ids
         input_ids[start : start + m] = source[k : k + m]
@@ -137,6 +147,8 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
     seq_lens[:num_seqs] = computed + new
     logits_indices = np.zeros(S, dtype=np.int32)
     logits_indices[:num_seqs] = query_start_loc[1 : num_seqs + 1] - 1
+    num_spec_tokens = np.zeros(S, dtype=np.int32)
+    num_spec_tokens[:num_seqs] = spec
     sample_mask = np.zeros(S, dtype=bool)
     sample_mask[:num_seqs] = output.samples
 
@@ -148,6 +160,7 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
         seq_lens=seq_lens,
         query_start_loc=query_start_loc,
         logits_indices=logits_indices,
+        num_spec_tokens=num_spec_tokens,
         sample_mask=sample_mask,
         num_seqs=num_seqs,
         num_tokens=num_tokens,

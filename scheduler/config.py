@@ -41,6 +41,11 @@ class SchedulerConfig:
         tokens on the device; see ``Scheduler``).
       aging_rate: for "aging": priority units gained per second of waiting,
         >= 0.
+      num_lookahead_tokens: KV slots a running row reserves beyond its
+        scheduled tokens, >= 0, best effort (vLLM v1's lookahead slots): a
+        draft model writes its proposals' K/V there. Rows of the bulk path
+        get them while free blocks last; admissions and rows scheduled one
+        by one under memory pressure do not.
       graceful_degradation: lower the effective ``max_num_seqs`` and prefill
         token budget under KV pressure and restore them when calm
         (``scheduler.degradation``); True uses the default
@@ -65,6 +70,7 @@ class SchedulerConfig:
     num_host_blocks: int = 0
     aging_rate: float = 1.0
     async_scheduling: bool = False
+    num_lookahead_tokens: int = 0
     graceful_degradation: Union[bool, GracefulDegradation] = True
 
     def __post_init__(self) -> None:
@@ -90,6 +96,8 @@ class SchedulerConfig:
             raise bad("preemption_mode", f"one of {list(_PREEMPTION_MODES)}")
         if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
             raise bad("num_host_blocks", "an int >= 0")
+        if not isinstance(self.num_lookahead_tokens, int) or self.num_lookahead_tokens < 0:
+            raise bad("num_lookahead_tokens", "an int >= 0")
         if not self.aging_rate >= 0:
             raise bad("aging_rate", ">= 0 (priority units per second)")
         if not isinstance(self.graceful_degradation, (bool, GracefulDegradation)):

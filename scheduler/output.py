@@ -35,16 +35,19 @@ class ScheduledRequest:
       prev_row: with async scheduling, the row of the previous output whose
         sample (not yet known on the host) is this row's input token; -1
         when the input token is known.
+      num_spec_tokens: draft tokens this row verifies (the last
+        ``num_spec_tokens`` of its ``num_new_tokens``, the first of
+        ``request.spec_token_ids``); 0 without speculation.
     """
 
     __slots__ = (
         "request", "num_new_tokens", "num_computed_tokens", "samples", "block_table_row", "sample_index",
-        "prev_row", "_tables", "_index",
+        "prev_row", "num_spec_tokens", "_tables", "_index",
     )
 
     def __init__(
         self, request: Request, num_new_tokens: int, num_computed_tokens: int, samples: bool, block_table_row: int,
-        sample_index: int, prev_row: int, tables: tuple[np.ndarray, np.ndarray], index: int,
+        sample_index: int, prev_row: int, tables: tuple[np.ndarray, np.ndarray], index: int, num_spec_tokens: int = 0,
     ) -> None:
         self.request = request
         self.num_new_tokens = num_new_tokens
@@ -53,6 +56,7 @@ class ScheduledRequest:
         self.block_table_row = block_table_row
         self.sample_index = sample_index
         self.prev_row = prev_row
+        self.num_spec_tokens = num_spec_tokens
         # (SchedulerOutput.block_tables, SchedulerOutput.num_blocks), shared by the rows of one output.
         self._tables = tables
         self._index = index
@@ -100,6 +104,10 @@ class SchedulerOutput:
         before this row's sample.
       prev_row: int32[num_seqs] async scheduling: the row of the previous
         output whose sample is this row's input token, else -1.
+      num_spec_tokens: int32[num_seqs] draft tokens each row verifies
+        (speculative decoding): a decode row computes its last token and
+        then these, ``request.spec_token_ids[:num_spec_tokens]``, at the
+        following positions, and samples after each of them.
       batch_rows: intp[num_seqs] each row's ``Request.batch_row``.
       last_token_ids: int32[num_seqs] each row's request's last known token
         id: the input of a row with one new token that samples and has
@@ -127,6 +135,7 @@ class SchedulerOutput:
     samples: np.ndarray = _ints(np.bool_)
     sample_index: np.ndarray = _ints()
     prev_row: np.ndarray = _ints()
+    num_spec_tokens: np.ndarray = _ints()
     batch_rows: np.ndarray = _ints(np.intp)
     last_token_ids: np.ndarray = _ints()
     num_blocks: np.ndarray = _ints()
@@ -151,7 +160,7 @@ class SchedulerOutput:
         return list(map(
             ScheduledRequest, self.requests, self.num_new_tokens.tolist(), self.num_computed_tokens.tolist(),
             self.samples.tolist(), self.batch_rows.tolist(), self.sample_index.tolist(), self.prev_row.tolist(),
-            [(self.block_tables, self.num_blocks)] * num, range(num),
+            [(self.block_tables, self.num_blocks)] * num, range(num), self.num_spec_tokens.tolist(),
         ))
 
 

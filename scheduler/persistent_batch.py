@@ -17,7 +17,8 @@ LENGTH_LIMIT = 6  # Request.length_limit
 EOS = 7  # the eos id that stops it; -1 for none (or ignore_eos)
 HAS_STOP_IDS = 8  # 1 if it has stop_token_ids
 PREFILL_ONLY = 9  # Request.prefill_only
-NUM_COLUMNS = 10
+SPEC = 10  # len(Request.spec_token_ids): draft tokens to verify at its next decode
+NUM_COLUMNS = 11
 
 
 class PersistentBatch:
@@ -33,7 +34,7 @@ class PersistentBatch:
     Attributes:
       data: int32[rows, NUM_COLUMNS], the columns named by this module's
         constants (COMPUTED, TOKENS, PROMPT, PENDING, LAST_SAMPLE_ROW,
-        LAST_TOKEN, LENGTH_LIMIT, EOS, HAS_STOP_IDS, PREFILL_ONLY). Rows
+        LAST_TOKEN, LENGTH_LIMIT, EOS, HAS_STOP_IDS, PREFILL_ONLY, SPEC). Rows
         grow by doubling on demand.
     """
 
@@ -52,4 +53,5 @@ class PersistentBatch:
         self.data[row] = (
             request.num_computed_tokens, request.num_tokens, request.num_prompt_tokens, 0, -1,
             request.all_token_ids[-1], request.length_limit, eos, bool(sp.stop_token_ids), request.prefill_only,
+            len(request.spec_token_ids),
         )

@@ -95,6 +95,10 @@ class Request:
       prefill_only: set before ``add_request`` for a parent that only
         prefills a prompt for ``Scheduler.fork_request``: it is never
         scheduled past its prompt.
+      spec_token_ids: draft tokens (speculative decoding) its next decode
+        row verifies after its last token (vLLM v1's field); set through
+        ``Scheduler.update_draft_token_ids``, emptied once a step used them
+        or the request is preempted.
 
     Raises:
       ValueError: empty prompt, a negative token id, or a non-int priority.
@@ -105,7 +109,7 @@ class Request:
         "priority", "cache_salt", "output_token_ids", "num_computed_tokens", "status",
         "stop_reason", "ignored_reason", "num_preemptions", "first_scheduled_time",
         "block_hashes", "prompt_array", "_all_token_ids", "_max_tokens", "_seq", "length_limit", "batch_row",
-        "prefill_only", "skip_reading_prefix_cache", "grammar_ready",
+        "prefill_only", "skip_reading_prefix_cache", "spec_token_ids", "grammar_ready",
     )
 
     def __init__(
@@ -159,6 +163,7 @@ class Request:
         self.length_limit = 0
         self.batch_row = -1
         self.prefill_only = False
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,8 +23,8 @@ from scheduler.degradation import DegradationController
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import (
-    COMPUTED, EOS, HAS_STOP_IDS, LAST_SAMPLE_ROW, LAST_TOKEN, LENGTH_LIMIT, PENDING, PREFILL_ONLY, PROMPT, TOKENS,
-    PersistentBatch,
+    COMPUTED, EOS, HAS_STOP_IDS, LAST_SAMPLE_ROW, LAST_TOKEN, LENGTH_LIMIT, PENDING, PREFILL_ONLY, PROMPT, SPEC,
+    TOKENS, PersistentBatch,
 )
 from scheduler.policy import get_policy
 from scheduler.request import Request, RequestStatus
@@ -134,6 +134,16 @@ class Scheduler:
       the queue is always admitted once nothing else runs (liveness).
     * With async scheduling, a running request that alone cannot grow while
       blocks are pinned as copy sources of the step in flight waits a step.
+    * Speculative decoding (vLLM v1): draft tokens handed in by
+      :meth:`update_draft_token_ids` ride on the request's next decode row,
+      after its last token, and count against the token budget; when the
+      budget or the free blocks are short they are cut before anything
+      else gives way (a row never preempts or waits for its drafts). The
+      row reserves ``num_lookahead_tokens`` slots more when blocks allow.
+      :meth:`update_from_output` takes each row's accepted drafts plus one
+      token, takes the rejected drafts back from ``num_computed_tokens``
+      (their KV slots are overwritten later), and registers blocks in the
+      prefix cache only once they hold accepted tokens.
     * ``recompute`` preemption frees the victim's blocks (their hashes stay,
       so its re-prefill can hit the cache) and resets its progress; ``swap``
       copies its computed blocks to the host pool and back on resume,
@@ -370,6 +380,8 @@ class Scheduler:
         advanced = computed + new
         samples = advanced >= known + pending
         sampled = samples.nonzero()[0]
+        # Tokens past the known ones (and pending samples) are drafts.
+        num_spec = np.maximum(advanced - known - pending, 0)
         num_blocks = table.lengths[rows]
         out = SchedulerOutput(
             requests=requests,
@@ -378,6 +390,7 @@ class Scheduler:
             samples=samples,
             sample_index=(known - state[:, PROMPT] + pending) * samples,
             prev_row=np.where(computed >= known, state[:, LAST_SAMPLE_ROW], -1) if pending.any() else pending - 1,
+            num_spec_tokens=num_spec,
             batch_rows=rows,
             last_token_ids=state[:, LAST_TOKEN].copy(),
             num_blocks=num_blocks,
@@ -415,7 +428,8 @@ class Scheduler:
         state = self.batch.data.take(rows, axis=0)
         computed, pending = state[:, COMPUTED], state[:, PENDING]
         total = state[:, TOKENS] + pending
-        new = total - computed
+        # Drafts (only on decode rows with nothing pending) ride after the last token.
+        new = total + state[:, SPEC] - computed
         if pending.any():
             # Only with async scheduling: its pending sample ends it, or it is
             # a prefill parent waiting to be forked. (A prompt of exactly
@@ -436,8 +450,15 @@ class Scheduler:
                 new[cut + 1 :] = 0
                 cumulative[cut:] = step.budget
         # Blocks the new tokens reach beyond those held (none for a row scheduling nothing).
-        need = (computed + new + (bs - 1)) // bs - kv.block_table.lengths[rows]
-        np.maximum(need, 0, out=need)
+        held = kv.block_table.lengths[rows]
+        need = np.maximum((computed + new + (bs - 1)) // bs - held, 0)
+        if cfg.num_lookahead_tokens:
+            # Lookahead slots, up to the last position a row may ever write, while blocks last.
+            ends = computed + new
+            reach = np.where(new > 0, np.minimum(ends + cfg.num_lookahead_tokens, state[:, LENGTH_LIMIT] - 1), 0)
+            ahead = np.maximum((np.maximum(ends, reach) + (bs - 1)) // bs - held, 0)
+            if ahead[:end].sum() <= kv.block_pool.num_free_blocks:
+                need = ahead
         cumulative_need = need[:end].cumsum()
         if end and cumulative_need[-1] > kv.block_pool.num_free_blocks:
             end = int(cumulative_need.searchsorted(kv.block_pool.num_free_blocks, side="right"))
@@ -471,9 +492,12 @@ class Scheduler:
             if n == 0:
                 return
         kv = self.kv_cache_manager
-        if computed + n > kv.block_table.lengths[req.batch_row] * self.config.block_size and not (
-            kv.allocate_slots(req, n) or self._preempt_until_allocated(req, n, step)
-        ):
+        # Drafts fill what the budget leaves, and are the first to go when blocks are short.
+        with_drafts = n + min(len(req.spec_token_ids), step.budget - n) if n == 1 and not pending else n
+        held = kv.block_table.lengths[req.batch_row] * self.config.block_size
+        if computed + with_drafts <= held or kv.allocate_slots(req, with_drafts):
+            n = with_drafts
+        elif computed + n > held and not (kv.allocate_slots(req, n) or self._preempt_until_allocated(req, n, step)):
             return
         step.add(req, n, computed)
 
@@ -618,6 +642,7 @@ class Scheduler:
     def _preempt(self, victim: Request, step: _Step) -> None:
         self.running.remove(victim)
         step.drop(victim)
+        victim.spec_token_ids = []
         if self.batch.data[victim.batch_row, PENDING]:
             # Its in-flight sample will be discarded, so the last known token
             # is computed again on resume to sample it anew (same key).
@@ -639,7 +664,8 @@ class Scheduler:
 
     # ----------------------------------------------------------------- update
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Union[Sequence[int], np.ndarray]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Union[Sequence[int], np.ndarray],
+                           num_sampled: Optional[np.ndarray] = None) -> list[Request]:
         """Apply one model step: advance progress, append samples, stop, free, cache.
 
         Args:
@@ -647,7 +673,12 @@ class Scheduler:
           sampled_token_ids: ``[num_seqs]`` ints (list or integer array, any
             extra padding entries beyond ``output.num_seqs`` ignored); entry i
             belongs to row i (``output.requests[i]``). Samples of partial
-            prefill rows are discarded.
+            prefill rows are discarded. With speculative decoding an int
+            array ``[num_seqs, >= 1]``: row i's tokens in order, its accepted
+            drafts then one sampled token.
+          num_sampled: int ``[num_seqs]`` with a 2-D ``sampled_token_ids``:
+            how many of row i's tokens are valid (1 + accepted drafts, at
+            most ``1 + output.num_spec_tokens[i]``).
 
         Stop rules, checked after appending the token: once ``min_tokens``
         outputs exist, eos (unless ``ignore_eos``; ``stop_reason`` None) or a
@@ -657,13 +688,17 @@ class Scheduler:
         (``finish_requests``). Finished requests' blocks are freed after
         their full blocks are registered in the prefix cache.
 
+        A row's tokens are appended one by one, each checked against these
+        rules: tokens after the one that stops a request are dropped.
+
         Returns:
           every request that received a token this step or finished, plus
           those ignored or aborted since the last call, each once.
 
         Raises:
-          ValueError: ``output`` is not the pending output, or fewer sampled
-            ids than rows (nothing is changed).
+          ValueError: ``output`` is not the pending output, fewer sampled
+            ids than rows, or a 2-D ``sampled_token_ids`` without
+            ``num_sampled`` (nothing is changed).
         """
         if not self._pending or output is not self._pending[0][0]:
             raise ValueError("update_from_output: output is not the pending output (the oldest schedule() result not yet updated)")
@@ -672,16 +707,22 @@ class Scheduler:
             raise ValueError(
                 f"update_from_output: {len(sampled_token_ids)} sampled token ids for {len(requests)} scheduled rows"
             )
+        if np.ndim(sampled_token_ids) == 2:
+            if num_sampled is None:
+                raise ValueError("update_from_output: a 2-D sampled_token_ids needs num_sampled (tokens per row)")
+            if not output.num_spec_tokens.any():
+                sampled_token_ids = np.asarray(sampled_token_ids)[:, 0]
         _, num_stopped = self._pending.popleft()
         # The runner has done this step's copies.
         self.kv_cache_manager.release_copy_sources()
-        result = self._apply_samples(output, sampled_token_ids, num_stopped)
+        result = self._apply_samples(output, sampled_token_ids, num_sampled, num_stopped)
         if self.degradation is not None:
             self._observe_pressure()
         return result
 
     def _apply_samples(
-        self, output: SchedulerOutput, sampled_token_ids: Union[Sequence[int], np.ndarray], num_stopped: int
+        self, output: SchedulerOutput, sampled_token_ids: Union[Sequence[int], np.ndarray],
+        num_sampled: Optional[np.ndarray], num_stopped: int,
     ) -> list[Request]:
         """The body of :meth:`update_from_output` once ``output`` is popped."""
         requests = output.requests
@@ -691,6 +732,9 @@ class Scheduler:
         # Rows whose request was preempted or finished since schedule() are skipped.
         all_alive = num_stopped == self._num_stopped
         alive = None if all_alive else np.array([r.status is _RUNNING for r in requests], dtype=bool)
+        if np.ndim(sampled_token_ids) == 2:
+            return self._update_speculative(output, np.asarray(sampled_token_ids), np.asarray(num_sampled), alive,
+                                            result)
         if self.config.enable_prefix_caching:
             bs = self.config.block_size
             filled = output.num_computed_tokens % bs + output.num_new_tokens >= bs
@@ -712,6 +756,10 @@ class Scheduler:
             req._all_token_ids.append(token)
         data, rows = self.batch.data, output.batch_rows[taken]
         state = data.take(rows, axis=0)
+        # Drafts of a row that did not verify them (cut for blocks) are stale now.
+        for j in state[:, SPEC].nonzero()[0].tolist():
+            receivers[j].spec_token_ids = []
+        state[:, SPEC] = 0
         known = state[:, TOKENS] + 1
         state[:, TOKENS] = known
         state[:, PENDING] -= 1
@@ -729,6 +777,78 @@ class Scheduler:
         for req in finished:
             self.running.remove(req)
         return result
+
+    def _update_speculative(self, output: SchedulerOutput, sampled: np.ndarray, num_sampled: np.ndarray,
+                            alive: Optional[np.ndarray], result: list[Request]) -> list[Request]:
+        """``update_from_output`` of a step with drafts: row by row, tokens one by one.
+
+        A row that verified ``k`` drafts and got ``a + 1`` tokens gives back
+        ``k - a`` computed tokens (the rejected drafts). Blocks are registered
+        in the prefix cache after the accepted tokens are appended, so a hash
+        only ever covers accepted tokens whose K/V is computed.
+        """
+        data, bs = self.batch.data, self.config.block_size
+        caching = self.config.enable_prefix_caching
+        receivers, filled, finished = [], [], []
+        rows = zip(output.requests, output.num_spec_tokens.tolist(), output.samples.tolist(),
+                   output.num_computed_tokens.tolist(), output.num_new_tokens.tolist(), num_sampled.tolist())
+        for i, (req, num_spec, samples, computed, new, count) in enumerate(rows):
+            if alive is not None and not alive[i]:
+                continue
+            row = req.batch_row
+            tokens = sampled[i, :count].tolist() if samples else []
+            if num_spec:
+                rejected = num_spec + 1 - len(tokens)
+                req.num_computed_tokens -= rejected
+                data[row, COMPUTED] -= rejected
+            status = None
+            for token in tokens:
+                req.output_token_ids.append(token)
+                req._all_token_ids.append(token)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    break
+            if tokens:
+                data[row, TOKENS] = req.num_tokens
+                data[row, PENDING] -= 1
+                data[row, LAST_TOKEN] = req._all_token_ids[-1]
+                data[row, SPEC] = 0
+                req.spec_token_ids = []
+                receivers.append(req)
+            if caching and computed % bs + new >= bs:
+                filled.append(req)
+            if status is not None:
+                finished.append((req, status))
+        if filled:
+            self.kv_cache_manager.cache_computed_blocks(*filled)
+        for req, status in finished:
+            self._release(req, status)
+            self.running.remove(req)
+        result.extend(receivers)
+        return result
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, Sequence[int]]) -> None:
+        """Hand running requests the draft tokens their next decode row verifies (vLLM v1's method of the name).
+
+        Each request's drafts replace any it had. They are cut so that the
+        row's tokens never pass its length limit (``max_tokens`` or
+        ``max_model_len``), and dropped for a request that is not running,
+        is unknown, or is not at a decode (a prefill to finish, a sample
+        pending).
+
+        Args:
+          draft_token_ids: request id -> token ids (ints >= 0).
+        """
+        data = self.batch.data
+        for rid, ids in draft_token_ids.items():
+            req = self.requests.get(rid)
+            if req is None or req.status is not _RUNNING:
+                continue
+            row = req.batch_row
+            at_decode = not data[row, PENDING] and req.num_computed_tokens == req.num_tokens - 1
+            ids = list(ids[: max(req.length_limit - req.num_tokens - 1, 0)]) if at_decode else []
+            req.spec_token_ids = ids
+            data[row, SPEC] = len(ids)
 
     def _observe_pressure(self) -> None:
         """Feed the step's KV pressure to the degradation controller; unpin warm-up prefixes at its first back-off."""
@@ -801,6 +921,7 @@ class Scheduler:
             self.running.remove(req)
             self.kv_cache_manager.free(req)
             req.num_computed_tokens = 0
+            req.spec_token_ids = []
             req.status = RequestStatus.PREEMPTED
             self._num_stopped += 1
             self.waiting.append(req)

@@ -3,6 +3,8 @@
 Usage: python scripts/bench_throughput.py [--backend jaxllm|static|hf|vllm ...] [--compare] [--vllm-python PATH]
            [--single] [--dtype auto|float32|bfloat16] [--model PATH] [--num-requests N] [--input-len MIN MAX]
            [--output-len MIN MAX] [--max-num-seqs B] [--max-model-len L] [--output-json FILE] [--random-weights]
+           [--speculative ngram|draft --num-speculative-tokens K [--draft-model PATH | --draft-layers N]
+            [--prompt-lookup-min N] [--prompt-lookup-max N] [--workload copy random]]
            [--structured json|regex|choice] [--structured-repeats R]
 
 N requests with random token ids, prompt and output lengths drawn uniformly
@@ -41,6 +43,17 @@ host overhead ``jaxllm.metrics`` records). ``--compare`` runs hf, static,
 jaxllm and, with ``--vllm-python``, vllm, and prints ratios to vllm (else hf).
 ``--single`` also times one request alone (a 16-token prompt, 256 output
 tokens) on hf, jaxllm and vllm: single-request decode speed.
+
+``--speculative ngram|draft`` instead times jaxllm with and without
+speculative decoding (``speculative_config``) on each ``--workload``: ``copy``
+(prompts quoting a stretch of this repository's code, followed by "# The same
+code, copied verbatim:" and its first line, so the output copies the prompt,
+where n-gram lookup pays) and ``random`` (the random-token workload above).
+It prints output tok/s without and with, their ratio, whether the greedy
+outputs are identical, the acceptance rate (accepted / draft tokens), the
+mean accepted length (tokens per row that verified drafts) and the acceptance
+rate by draft position. ``draft`` uses ``--draft-model``, or else the target's
+first ``--draft-layers`` layers (``convert_checkpoint.py --num-layers``).
 
 ``--structured json|regex|choice`` then times, on the same jaxllm engine,
 ``--structured-repeats`` pairs of runs of the workload's lengths (fresh
@@ -388,6 +401,113 @@ def print_single_table(rows: list[dict]) -> None:
     print(common.format_table(header, table))
 
 
+def make_copy_workload(args: argparse.Namespace, tokenizer, *, token_seed: int) -> Workload:
+    """``--num-requests`` prompts that quote a stretch of this repository's Python (``--input-len`` tokens), then
+    ask for it again ("# The same code, copied verbatim:" and its first line); output lengths as ``--output-len``.
+
+    Lengths come from ``--seed``, the stretches from ``token_seed`` (a warm-up workload shares the lengths only).
+    """
+    root = Path(__file__).resolve().parents[1]
+    files = sorted((root / "jaxllm").rglob("*.py")) + sorted((root / "scheduler").rglob("*.py"))
+    ids = tokenizer.encode("\n\n".join(f.read_text() for f in files), add_special_tokens=False)
+    rng = np.random.default_rng(args.seed)
+    input_lens = rng.integers(args.input_len[0], args.input_len[1] + 1, size=args.num_requests)
+    output_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, size=args.num_requests)
+    starts = np.random.default_rng([args.seed, token_seed]).integers(0, len(ids) - args.input_len[1], args.num_requests)
+    prompts = []
+    for start, n in zip(starts.tolist(), input_lens.tolist()):
+        code = tokenizer.decode(ids[start:start + n])
+        first_line = code.lstrip("\n").split("\n", 1)[0]
+        prompts.append(tokenizer.encode(f"{code}\n\n# The same code, copied verbatim:\n\n{first_line}"))
+    return Workload(prompts, [int(o) for o in output_lens])
+
+
+def speculative_config(args: argparse.Namespace, model: Path, workdir: Path) -> dict:
+    """``speculative_config`` for ``--speculative``; a ``draft`` without ``--draft-model`` gets the target's first
+    ``--draft-layers`` layers, written to ``workdir``."""
+    if args.speculative == "ngram":
+        return dict(method="ngram", num_speculative_tokens=args.num_speculative_tokens,
+                    prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+    draft = args.draft_model
+    if draft is None:
+        from convert_checkpoint import convert
+
+        draft = workdir / f"draft-{args.draft_layers}-layers"
+        print(f"building the draft model: the first {args.draft_layers} layers of {model.name}", file=sys.stderr)
+        convert(model, draft, args.dtype if args.dtype != "auto" else "float32", num_layers=args.draft_layers)
+    return dict(method="draft_model", model=str(draft), num_speculative_tokens=args.num_speculative_tokens)
+
+
+def run_speculative(model: Path, args: argparse.Namespace, workdir: Path) -> list[dict]:
+    """Time jaxllm without and with ``--speculative`` on each ``--workload`` (after an untimed warm-up of each).
+
+    Returns one row per workload: output tok/s of both, their ratio, identical greedy outputs, acceptance.
+    """
+    from jaxllm import LLM
+    from jaxllm.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    vocab = common.vocab_size(model)
+    workloads = {}
+    for name in args.workload:
+        if name == "copy":
+            pair = [make_copy_workload(args, tokenizer, token_seed=s) for s in (1, 2)]
+        else:
+            pair = [common.make_workload(args, vocab, token_seed=s) for s in (1, 2)]
+        workloads[name] = pair
+    spec = speculative_config(args, model, workdir)
+    results: dict[str, dict] = {name: {} for name in workloads}
+    for label, config in (("without", None), ("with", spec)):
+        start = time.perf_counter()
+        llm = LLM(model=model, **common.engine_kwargs(args, "continuous"), speculative_config=config)
+        llm.engine.wait_for_warmup()
+        startup = time.perf_counter() - start
+        try:
+            for name, (workload, warmup) in workloads.items():
+                llm.generate(warmup.prompts, _greedy(warmup.output_lens), use_tqdm=False)
+                llm.engine.metrics.begin_run()
+                start = time.perf_counter()
+                outs = llm.generate(workload.prompts, _greedy(workload.output_lens), use_tqdm=False)
+                elapsed = time.perf_counter() - start
+                token_ids = [list(o.outputs[0].token_ids) for o in outs]
+                _check_lengths(f"jaxllm ({label} speculation)", workload, token_ids)
+                results[name][label] = dict(elapsed_s=elapsed, startup_s=startup, token_ids=token_ids,
+                                            output_tokens_per_s=workload.num_output_tokens / elapsed,
+                                            **llm.engine.metrics.run_summary())
+        finally:
+            llm.engine.metrics.close()
+    rows = []
+    for name, (workload, _) in workloads.items():
+        without, with_ = results[name]["without"], results[name]["with"]
+        rows.append(dict(
+            workload=name, num_requests=len(workload.prompts), num_prompt_tokens=workload.num_prompt_tokens,
+            num_output_tokens=workload.num_output_tokens,
+            tokens_per_s_without=without["output_tokens_per_s"], tokens_per_s_with=with_["output_tokens_per_s"],
+            speedup=with_["output_tokens_per_s"] / without["output_tokens_per_s"],
+            same_tokens=sum(a == b for a, b in zip(without["token_ids"], with_["token_ids"])),
+            steps_without=without["steps"], steps_with=with_["steps"],
+            acceptance_rate=with_["spec_acceptance_rate"], mean_accepted_length=with_["spec_mean_accepted_length"],
+            acceptance_rate_per_position=with_["spec_acceptance_rate_per_position"],
+            startup_s_without=without["startup_s"], startup_s_with=with_["startup_s"],
+        ))
+    return rows
+
+
+def print_speculative_table(rows: list[dict], spec: str) -> None:
+    header = ["workload", "requests", "output tok/s without", f"with {spec}", "with / without", "same tokens",
+              "steps without", "steps with", "acceptance", "mean accepted length"]
+    table = [[r["workload"], r["num_requests"], r["tokens_per_s_without"], r["tokens_per_s_with"],
+              f"{r['speedup']:.2f}x", f"{r['same_tokens']}/{r['num_requests']}", r["steps_without"], r["steps_with"],
+              r["acceptance_rate"], r["mean_accepted_length"]] for r in rows]
+    print(common.format_table(header, table))
+    for r in rows:
+        per_position = r["acceptance_rate_per_position"]
+        if per_position:
+            print(f"{r['workload']}: acceptance rate by draft position "
+                  + ", ".join(f"{i}: {a:.2f}" for i, a in enumerate(per_position)))
+    print("(tok/s are wall-clock rates on a shared machine: compare runs made together, and repeat them)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser, num_requests=48, input_len=(16, 256), output_len=(16, 192), max_num_seqs=64,
@@ -407,6 +527,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--single", action="store_true",
                         help=f"also time one request alone ({SINGLE_INPUT_LEN}-token prompt, {SINGLE_OUTPUT_LEN} "
                              f"output tokens) on hf, jaxllm and vllm")
+    parser.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                        help="time jaxllm without and with this speculative decoding method on --workload")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (k)")
+    parser.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n-gram (vLLM default 5)")
+    parser.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n-gram (vLLM default 5)")
+    parser.add_argument("--draft-model", default=None, help="draft: the draft model (same vocabulary)")
+    parser.add_argument("--draft-layers", type=int, default=8,
+                        help="draft without --draft-model: keep the target's first N layers")
+    parser.add_argument("--workload", choices=["copy", "random"], nargs="+", default=["copy", "random"],
+                        help="--speculative: the workloads to time")
     args = parser.parse_args(argv)
     common.validate_ranges(parser, args)
     if "vllm" in args.backend and not args.vllm_python:
@@ -427,6 +557,19 @@ def main(argv: list[str] | None = None) -> dict:
     from jaxllm.engine_core import resolve_dtype
 
     dtype = np.dtype(resolve_dtype(args.dtype)).name
+    if args.speculative:
+        with common.temporary_workdir() as workdir:
+            model = common.resolve_model(args, Path(workdir))
+            rows = run_speculative(model, args, Path(workdir))
+        print(f"model {model.name}, {dtype}, speculative {args.speculative} k={args.num_speculative_tokens}, "
+              f"{args.num_requests} requests per workload, input {args.input_len[0]}-{args.input_len[1]}, output "
+              f"{args.output_len[0]}-{args.output_len[1]} (greedy, ignore_eos), max_num_seqs {args.max_num_seqs}")
+        host = common.host_info()
+        print(f"host: {host['cpu_count']} CPUs, 1-minute load average {host['load_avg_1m']:.1f} at the end")
+        print_speculative_table(rows, args.speculative)
+        payload = dict(config=vars(args), dtype=dtype, host=host, speculative=rows)
+        common.write_json(args.output_json, payload)
+        return payload
     with common.temporary_workdir() as workdir:
         model = common.resolve_model(args, Path(workdir))
         model_note = model.name if not args.random_weights else f"{args.model} (random weights)"

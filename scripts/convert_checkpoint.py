@@ -1,6 +1,6 @@
 """Convert a HF model folder or a GGUF file to a jaxllm orbax checkpoint.
 
-Usage: python scripts/convert_checkpoint.py SOURCE DEST [--dtype float32|bfloat16|float16]
+Usage: python scripts/convert_checkpoint.py SOURCE DEST [--dtype float32|bfloat16|float16] [--num-layers N]
 
 DEST gets the parameter pytree as an orbax tree (``DEST/params``), the model
 config beside it as ``DEST/config.json``, and, from a HF folder, the
@@ -8,6 +8,12 @@ tokenizer files. ``LLM(model=DEST)`` then restores the parameters straight
 into its shardings, at any ``tensor_parallel_size``. A GGUF source carries
 its tokenizer inside the file, which is not converted: pass prompts as token
 ids, or hand the engine a ``Tokenizer.from_gguf(SOURCE)``.
+
+``--num-layers N`` keeps only the first N decoder layers (embedding, final
+norm and lm_head as they are): a layer-skipping draft model with the
+source's vocabulary for speculative decoding (``speculative_config={"method":
+"draft_model", "model": DEST, ...}``), as in Zhang et al. 2023 (Draft &
+Verify) and LayerSkip.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 # Import this checkout's jaxllm/, not whatever an editable install points at.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,13 +36,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja")
 
 
-def convert(source: Path, dest: Path, dtype: str = "float32") -> None:
-    """Write ``source``'s parameters (as ``dtype``) and config to ``dest``.
+def convert(source: Path, dest: Path, dtype: str = "float32", num_layers: Optional[int] = None) -> None:
+    """Write ``source``'s parameters (as ``dtype``) and config to ``dest``, keeping the first ``num_layers`` layers
+    (None: all).
 
     Raises:
-      ValueError: as ``jaxllm.loader.load_model``, or a non-empty ``dest``.
+      ValueError: as ``jaxllm.loader.load_model``, a non-empty ``dest``, or ``num_layers`` outside
+        ``[1, the source's layers]``.
     """
-    _, params, hf_config = load_model(source, resolve_dtype(dtype))
+    cfg, params, hf_config = load_model(source, resolve_dtype(dtype))
+    if num_layers is not None:
+        if not 1 <= num_layers <= cfg.num_layers:
+            raise ValueError(f"num_layers={num_layers} must be in [1, {cfg.num_layers}] (the source's layers)")
+        params = {**params, "layers": {k: v[:num_layers] for k, v in params["layers"].items()}}
+        hf_config = {**hf_config, "num_hidden_layers": num_layers}
+        if hf_config.get("layer_types"):
+            hf_config["layer_types"] = hf_config["layer_types"][:num_layers]
     save_checkpoint(dest, params, {**hf_config, "torch_dtype": dtype})
     if source.is_dir():
         for name in TOKENIZER_FILES:
@@ -48,8 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("source", type=Path, help="HF model folder or .gguf file")
     parser.add_argument("dest", type=Path, help="new (or empty) folder for the orbax checkpoint")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="keep only the first N decoder layers (a draft model for speculative decoding)")
     args = parser.parse_args(argv)
-    convert(args.source, args.dest, args.dtype)
+    convert(args.source, args.dest, args.dtype, args.num_layers)
     print(f"wrote {args.dest} ({args.dtype})")
 
 

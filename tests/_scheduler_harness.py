@@ -93,6 +93,27 @@ class FakeRunner:
         return sampled
 
 
+class FakeSpecRunner(FakeRunner):
+    """A ``FakeRunner`` that verifies draft tokens greedily (speculative decoding): at each of a row's last
+    ``num_spec_tokens + 1`` positions it samples from the KV read back up to there, and keeps the drafts while
+    they equal those samples. Returns ``(tokens [num_seqs, 1 + max drafts], tokens per row)``."""
+
+    def __call__(self, output) -> tuple[np.ndarray, np.ndarray]:
+        super().__call__(output)
+        b, bs = self.last_batch, self.block_size
+        tokens = np.zeros((b.num_seqs, 1 + int(b.num_spec_tokens.max(initial=0))), np.int64)
+        counts = np.ones(b.num_seqs, np.int64)
+        for s in range(b.num_seqs):
+            k, end, first = int(b.num_spec_tokens[s]), int(b.seq_lens[s]), int(b.logits_indices[s] - b.num_spec_tokens[s])
+            for j in range(k + 1):
+                pos = np.arange(end - k + j)
+                tokens[s, j] = next_token(self.kv[b.block_tables[s, pos // bs] * bs + pos % bs])
+                if j == k or b.input_ids[first + j + 1] != tokens[s, j]:
+                    counts[s] = j + 1
+                    break
+        return tokens, counts
+
+
 def step(sched: Scheduler, runner: FakeRunner):
     """One schedule -> fake model -> update round; returns (output, updated requests)."""
     out = sched.schedule()
@@ -178,7 +199,9 @@ def check_persistent_batch(sched: Scheduler) -> None:
         assert (row[pb.COMPUTED], row[pb.TOKENS], row[pb.PROMPT], row[pb.LAST_TOKEN]) == (
             req.num_computed_tokens, req.num_tokens, req.num_prompt_tokens, req.all_token_ids[-1]
         ), f"{req.request_id}'s persistent batch row is stale"
-        assert (row[pb.LENGTH_LIMIT], row[pb.PREFILL_ONLY]) == (req.length_limit, req.prefill_only)
+        assert (row[pb.LENGTH_LIMIT], row[pb.PREFILL_ONLY], row[pb.SPEC]) == (
+            req.length_limit, req.prefill_only, len(req.spec_token_ids)
+        )
 
 
 def check_copies(sched: Scheduler, out) -> None:

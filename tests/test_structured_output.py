@@ -320,3 +320,26 @@ def test_grammar_failing_in_the_core_aborts_only_its_request(stories_dir):
     good = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(good[0].outputs[0].token_ids) == 4
     assert core.scheduler.block_pool.num_free_blocks == core.num_blocks - 1
+
+
+
+def test_speculation_skips_constrained_requests_and_changes_no_tokens(stories_dir):
+    # The same batch with n-gram speculation: unconstrained sequences verify drafts, constrained ones never get any
+    # (their bitmask covers one sampled token per step), and every sequence's tokens equal those without it.
+    prompts, params = _stories_batch()
+    plain = _stories_llm(stories_dir).generate(prompts, params, use_tqdm=False)
+    llm = _stories_llm(stories_dir, speculative_config=dict(method="ngram", num_speculative_tokens=3,
+                                                            prompt_lookup_min=1, prompt_lookup_max=3))
+    scheduler = llm.engine.core.scheduler
+    drafted, update = [], scheduler.update_draft_token_ids
+
+    def record(drafts):
+        drafted.extend(scheduler.requests[rid].use_structured_output for rid, ids in drafts.items() if ids)
+        update(drafts)
+
+    scheduler.update_draft_token_ids = record
+    speculative = llm.generate(prompts, params, use_tqdm=False)
+    assert _tokens(speculative) == _tokens(plain)
+    assert drafted and not any(drafted)
+    assert llm.engine.core.stats().spec_num_drafts > 0
+    assert scheduler.block_pool.num_free_blocks == llm.engine.core.num_blocks - 1

@@ -1,0 +1,123 @@
+"""Draft-model proposer: a smaller model with the target's vocabulary drafts tokens greedily on the device.
+
+The draft model keeps its own paged KV cache, with the target's block ids: the same block tables and slot mapping
+address both caches, so the scheduler's allocation, prefix-cache hits, copy-on-write, forks and swaps cover the
+draft's K/V too (the engine does every block copy on both caches). Its step, one compiled program per bucket of
+the target's (T, S, W) ladder, runs right after the target's step on the same batch, without a host round trip:
+
+1. the draft computes the step's query tokens -- the same ids at the same positions and slots -- so its K/V
+   follows the target's (a rejected draft's slot, like the target's, is overwritten before it is read);
+2. from each row's last emitted token (the target's outputs, still on the device) it decodes
+   ``num_speculative_tokens`` tokens greedily, writing their K/V into the row's lookahead slots
+   (``SchedulerConfig.num_lookahead_tokens``; a position without a slot writes into the null block, and only
+   that row's drafts suffer).
+
+Drafts are the draft model's argmax, so the draft distribution ``q`` is a point mass and verification
+(``sampling.verify``) is exact for every temperature; vLLM's EAGLE and draft-model proposers also draft greedily.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states
+from jaxllm.runner import ModelRunner
+from scheduler import BatchDescriptor
+
+
+def propose(params: Params, kv_cache: KVCache, batch: dict, tokens: jax.Array, num_emitted: jax.Array, *,
+            cfg: ModelConfig, ops: AttentionOps, num_speculative_tokens: int) -> tuple[jax.Array, KVCache]:
+    """The draft model's step: catch up with the target's step, then draft greedily.
+
+    Args:
+      params, kv_cache: the draft model's (cache donated).
+      batch: the target step's batch dict (``runner.BATCH_KEYS`` and
+        ``num_seqs``): ``[T]`` tokens, ``[S]`` rows.
+      tokens: int32[S, P] the target's emitted tokens per row, first
+        ``num_emitted`` valid; num_emitted: int32[S].
+      cfg, ops: the draft model's config and attention ops (static).
+      num_speculative_tokens: drafts per row, K (static).
+
+    Returns:
+      (drafts int32[S, K], the updated cache). A row's drafts continue its
+      last emitted token, which sits at position ``seq_len - num_spec_tokens
+      + num_emitted - 1``. Rows that did not sample (a partial prefill, padding)
+      get drafts nobody uses.
+    """
+    _, kv_cache = hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops)
+    block_tables, num_seqs = batch["block_tables"], batch["num_seqs"]
+    num_rows, width = block_tables.shape
+    block_size = kv_cache[0].shape[2]
+    rows = jnp.arange(num_rows)
+    real = rows < num_seqs
+    last = tokens[rows, num_emitted - 1]
+    start = batch["seq_lens"] - batch["num_spec_tokens"] + num_emitted - 1
+
+    def one(carry: tuple[KVCache, jax.Array, jax.Array], _: Any) -> tuple[tuple[KVCache, jax.Array, jax.Array], jax.Array]:
+        cache, token, position = carry
+        block = position // block_size
+        has_slot = real & (block < width)
+        slot = block_tables[rows, jnp.minimum(block, width - 1)] * block_size + position % block_size
+        step = dict(input_ids=token, positions=position, slot_mapping=jnp.where(has_slot, slot, 0),
+                    block_tables=block_tables, seq_lens=jnp.where(real, position + 1, 0),
+                    query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32), num_seqs=num_seqs)
+        hidden, cache = hidden_states(params, cache, step, cfg=cfg, ops=ops)
+        draft = jnp.argmax(compute_logits(params, hidden, cfg=cfg), axis=-1).astype(jnp.int32)
+        return (cache, draft, position + 1), draft
+
+    (kv_cache, _, _), drafts = jax.lax.scan(one, (kv_cache, last, start), None, length=num_speculative_tokens)
+    return drafts.T, kv_cache
+
+
+class DraftRunner(ModelRunner):
+    """The draft model's parameters, KV cache and compiled :func:`propose` steps.
+
+    A ``ModelRunner`` (so warm-up, background building, compile counting and
+    the block copies and swaps are the target's) whose step is
+    :func:`propose`. Give it the target's ``num_blocks``, ``block_size``,
+    ``buckets`` and ``num_host_blocks``; ``cfg``/``params``/``ops``/``sharding``
+    are the draft model's.
+
+    Args:
+      num_speculative_tokens: drafts per row, K.
+      num_positions: the target's positions per row, ``1 + K``.
+      **kwargs: as ``ModelRunner``.
+    """
+
+    WARMUP_OPS = ("copy",)
+
+    def __init__(self, cfg: ModelConfig, params: Params, *, num_speculative_tokens: int, **kwargs: Any):
+        self.num_speculative_tokens = num_speculative_tokens
+        super().__init__(cfg, params, **kwargs)
+
+    def _jit_step(self) -> Any:
+        fn = functools.partial(propose, cfg=self.cfg, ops=self.ops, num_speculative_tokens=self.num_speculative_tokens)
+        return jax.jit(fn, donate_argnums=(1,), out_shardings=(self._replicated, self._kv_sharding))
+
+    def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
+        """Abstract ``(params, kv_cache, batch, tokens, num_emitted)`` of bucket ``shape``, as :meth:`propose_async` passes."""
+        s = shape[1]
+        rep = self._replicated
+        return super().step_arguments(shape)[:3] + (
+            jax.ShapeDtypeStruct((s, self.num_positions), np.int32, sharding=rep),
+            jax.ShapeDtypeStruct((s,), np.int32, sharding=rep),
+        )
+
+    def propose_async(self, batch: BatchDescriptor, target_out: dict) -> jax.Array:
+        """Launch the draft step after the target's on ``batch``; returns the drafts int32[S, K] on the device.
+
+        Args:
+          batch: the target step's batch.
+          target_out: the target step's outputs (``token_ids [S, P]`` and ``num_emitted [S]``, on the device).
+        """
+        exe = self.compile_step(batch.shape)
+        device_batch = jax.device_put(self.batch_arrays(batch), self._replicated)
+        drafts, self.kv_cache = exe(self.params, self.kv_cache, device_batch, target_out["token_ids"],
+                                    target_out["num_emitted"])
+        return drafts
