@@ -38,6 +38,7 @@ from jaxllm.metrics import EngineMetrics, GenerateProgress
 from jaxllm.output_processor import OutputText, TokenTexts, logprob_entry
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
+from jaxllm.quantization import calibrate_kv_scales, calibration_ids, kv_number_dtype, param_bytes, weight_quantization
 from jaxllm.default_model import cache_dir
 from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache, fetch_rows
 from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
@@ -117,6 +118,10 @@ class LLMEngine:
     Attributes:
       metrics: the engine's ``EngineMetrics`` (Prometheus registry at
         ``metrics.registry``).
+      kv_cache_dtype: numpy dtype of the KV cache's numbers (int8 or
+        float8_e4m3fn when quantized; ``kv_cache_dtype`` of the config).
+      param_bytes: ``jaxllm.quantization.param_bytes`` of the parameters on
+        the devices (printed at start-up with the KV block count).
 
     Raises:
       ValueError: a bad model path, an unsupported architecture, a config
@@ -136,12 +141,14 @@ class LLMEngine:
         self.max_model_len = self.config.resolve_max_model_len(read_model_config(path)[0])
         self.dtype = resolve_dtype(self.config.dtype)
         mesh = mesh if mesh is not None else make_mesh(self.config.tensor_parallel_size)
-        self.model_config, params, self.hf_config, self.sharding = load_sharded(path, self.dtype, mesh)
+        self.model_config, params, self.hf_config, self.sharding = load_sharded(
+            path, self.dtype, mesh, quantization=self.config.quantization)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         cfg = self.model_config
         tp = self.sharding.tensor_parallel_size
+        self.kv_cache_dtype = kv_number_dtype(self.config.kv_cache_dtype, self.dtype)
         self.num_blocks = resolve_num_blocks(
-            self.sharding.per_device_config(), block_size=self.config.block_size, dtype=self.dtype,
+            self.sharding.per_device_config(), block_size=self.config.block_size, dtype=self.kv_cache_dtype,
             num_kv_blocks=self.config.num_kv_blocks, kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
             max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len,
             device=self.sharding.mesh.devices.flat[0],
@@ -151,19 +158,30 @@ class LLMEngine:
         self.buckets = BucketTable(*self.config.bucket_ladders(self.max_model_len, backend))
         cache = self.config.compilation_cache
         enable_persistent_compilation_cache(str(cache_dir() / "xla") if cache == "default" else cache)
+        if self.kv_cache_dtype != np.dtype(self.dtype):
+            ids = calibration_ids(self.tokenizer, cfg.vocab_size)[: self.max_model_len]
+            k_scale, v_scale = calibrate_kv_scales(cfg, params, ids, ops=ops, sharding=self.sharding,
+                                                   kv_dtype=self.kv_cache_dtype)
+            params = {**params, "layers": {**params["layers"], "k_scale": k_scale, "v_scale": v_scale}}
         self.runner = ModelRunner(
             cfg, params, num_blocks=self.num_blocks, block_size=self.config.block_size, dtype=self.dtype,
             ops=ops, buckets=self.buckets, sharding=self.sharding, num_host_blocks=self.config.num_host_blocks,
             num_sampling_slots=self.config.max_num_seqs + 1, max_model_len=self.max_model_len,
-            bf16_as_uint16=backend != "pallas" and self.sharding.mesh.devices.flat[0].platform == "cpu",
+            float_bits_storage=backend != "pallas" and self.sharding.mesh.devices.flat[0].platform == "cpu",
+            kv_cache_dtype=self.kv_cache_dtype,
         )
+        self.param_bytes = param_bytes(self.runner.params)
         self.slots = SamplingSlots(self.config.max_num_seqs + 1, cfg.vocab_size, self.runner)
         scheduler_cls = StaticBatchScheduler if self.config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(self._scheduler_config())
         b = self.buckets
+        pb = self.param_bytes
+        quantized = (f" ({pb['quantized'] / 2**20:.1f} MiB of {weight_quantization(params)} weights and scales, "
+                     f"{pb['quantized_as_float32'] / 2**20:.1f} MiB as float32)" if pb["quantized"] else "")
+        _log(f"parameters: {pb['total'] / 2**20:.1f} MiB{quantized}")
         _log(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {[b.seq_bucket_for(t) for t in b.token_buckets]}, "
              f"block-table widths {list(b.width_buckets)}); {self.num_blocks} KV blocks of {self.config.block_size} "
-             f"tokens; attention {backend}; tensor parallel {tp}")
+             f"tokens ({self.kv_cache_dtype.name}); attention {backend}; tensor parallel {tp}")
         if self.config.precompile:
             background = self.config.precompile == "background"
             seconds = self.runner.warmup(swap=self.config.preemption_mode == "swap", background=background)

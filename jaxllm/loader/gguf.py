@@ -9,6 +9,8 @@ it, as transformers does); Phi-3 keeps its fused `qkv_proj` and `gate_up_proj` (
 `ffn_up`); mixture-of-experts files (`qwen3moe`, and `llama` with `expert_count`: Mixtral) stack
 each layer's experts in one `ffn_{gate,up,down}_exps` tensor, split here into HF's per-expert
 names. Dequantization is `gguf.quants.dequantize` (every type it handles, K-quants included).
+With `keep_q8_0`, Q8_0 projections are not dequantized: their int8 values and the float16 scale
+of each 32-value block come out as `<name>` and `<name>_scale` (see `load_gguf`).
 
 Parsing is `gguf.GGUFReader`, which takes seconds on a file with a large vocabulary (it reads
 each of ~100k tokenizer strings separately). Its result -- every metadata value and where each
@@ -119,7 +121,8 @@ _TOKENIZER_KEYS = {
 }
 
 
-def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str, np.ndarray]]:
+def load_gguf(path: str | os.PathLike, dtype=np.float32,
+              keep_q8_0: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
     """Read a GGUF checkpoint into `(config, weights)` in Hugging Face form.
 
     Args:
@@ -129,6 +132,10 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
         dtype: numpy floating dtype of the returned weights (default float32; ml_dtypes'
             bfloat16 works too). Every tensor type `gguf.quants.dequantize` handles is accepted
             (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K are tested).
+        keep_q8_0: return the Q8_0 tensors of the dense projections (`q/k/v/o_proj`,
+            `gate/up/down_proj`, `lm_head`; not fused nor expert ones) quantized: `<name>` int8
+            [out, in] (llama.cpp's values) and `<name>_scale` float32 [out, in / 32] (each
+            block's float16 scale), so that `q * scale` per block is the dequantized tensor.
 
     Returns:
         config: a `config.json`-style dict: `architectures`, `model_type` ("llama", "mistral",
@@ -157,21 +164,47 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
     arch = _field(reader, "general.architecture", path)
     weights = {}
     for tensor in reader.tensors:
-        for hf_name, array in _hf_tensors(tensor, arch, config, path):
-            weights[hf_name] = array.astype(dtype, copy=False)
+        hf_name = _hf_name(tensor.name, arch, config["model_type"], path)
+        if keep_q8_0 and tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0 and hf_name.endswith(_Q8_0_KEPT):
+            values, scales = _q8_0_blocks(tensor)
+            weights[hf_name] = _arrange(values, hf_name, tensor, arch, config)
+            weights[hf_name + "_scale"] = _arrange(scales, hf_name, tensor, arch, config)
+            continue
+        for name, array in _split_experts(hf_name, _arrange(_dequantize(tensor, path), hf_name, tensor, arch, config)):
+            weights[name] = array.astype(dtype, copy=False)
     return config, weights
 
 
-def _hf_tensors(tensor: "_Tensor", arch: str, config: dict, path: str) -> list[tuple[str, np.ndarray]]:
-    """The HF-named, dequantized arrays of one GGUF tensor (several for stacked experts)."""
-    hf_name = _hf_name(tensor.name, arch, config["model_type"], path)
-    array = _dequantize(tensor, path)
+# HF names (suffixes) of the dense projections `keep_q8_0` keeps quantized.
+_Q8_0_KEPT = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+              "up_proj.weight", "down_proj.weight", "lm_head.weight")
+
+
+def _q8_0_blocks(tensor: "_Tensor") -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor's int8 values [rows, row length] and float32 block scales [rows, row length / 32].
+
+    Each 34-byte block is a float16 scale then 32 int8 values (`gguf.quants.Q8_0`)."""
+    block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][1]
+    blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, block_bytes)
+    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    values = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(tensor.data.shape[0], -1)
+    return values, scales
+
+
+def _arrange(array: np.ndarray, hf_name: str, tensor: "_Tensor", arch: str, config: dict) -> np.ndarray:
+    """One GGUF tensor's array (or its Q8_0 values or scales, which share its rows) in HF's order:
+    llama's q/k rows unpermuted, Gemma 3's norms minus one."""
     if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-        array = _unpermute_rows(array, config["num_attention_heads"])
-    elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-        array = _unpermute_rows(array, config["num_key_value_heads"])
-    elif arch == "gemma3" and tensor.name.endswith("norm.weight"):
-        array = array - 1.0  # the converter stores Gemma's zero-centred norm weights plus one
+        return _unpermute_rows(array, config["num_attention_heads"])
+    if arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return _unpermute_rows(array, config["num_key_value_heads"])
+    if arch == "gemma3" and tensor.name.endswith("norm.weight"):
+        return array - 1.0  # the converter stores Gemma's zero-centred norm weights plus one
+    return array
+
+
+def _split_experts(hf_name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """HF-named arrays of one tensor: expert j's slice of a stacked expert tensor (`{j}` in the name)."""
     if "{j}" in hf_name:
         return [(hf_name.format(j=j), array[j]) for j in range(array.shape[0])]
     return [(hf_name, array)]
