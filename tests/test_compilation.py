@@ -52,14 +52,20 @@ def tiny_moe_dir(tmp_path_factory):
 
 
 # The tiny MoE routes every step's tokens to other experts (random prompts, random samples): the
-# dispatch has fixed shapes, so routing never compiles.
-@pytest.mark.parametrize("model, preemption_mode", [("tiny_llama_dir", "recompute"), ("tiny_llama_dir", "swap"),
-                                                    ("tiny_moe_dir", "recompute")])
-def test_mixed_workload_after_warmup_triggers_zero_compilations(request, model, preemption_mode):
+# dispatch has fixed shapes, so routing never compiles. The swap case runs quantized: int8 weights
+# and a float8 KV cache (held as uint8 bits on CPU, with calibrated scales), swapped out and in
+# (block copies do not depend on the cache dtype; one case for both keeps the suite's time).
+QUANTIZED = dict(quantization="int8", kv_cache_dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("model, preemption_mode, quant", [
+    ("tiny_llama_dir", "recompute", {}), ("tiny_llama_dir", "swap", QUANTIZED), ("tiny_moe_dir", "recompute", {})],
+    ids=["llama-recompute", "llama-swap-int8-fp8kv", "moe-recompute"])
+def test_mixed_workload_after_warmup_triggers_zero_compilations(request, model, preemption_mode, quant):
     engine = LLMEngine(
         request.getfixturevalue(model), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, block_size=8,
         num_kv_blocks=24, preemption_mode=preemption_mode, num_host_blocks=64, compilation_cache=None,
-        precompile=True,
+        precompile=True, **quant,
     )
     compiled_at_warmup = engine.runner.num_compilations
     # Besides the steps: block copy, slot fill and slot rows (and swap out/in).

@@ -130,8 +130,9 @@ def test_reference_attention_over_a_quantized_cache_is_float_attention_over_its_
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("storage, window, soft_cap", [(jnp.int8, None, None), (jnp.float8_e4m3fn, 11, 20.0),
-                                                       (jnp.uint8, 5, None)], ids=["int8", "float8_e4m3fn", "uint8"])
+# float8 as the CPU engine holds it (uint8 bits); the Pallas kernels below take float8_e4m3fn itself.
+@pytest.mark.parametrize("storage, window, soft_cap", [(jnp.int8, None, None), (jnp.uint8, 11, 20.0)],
+                         ids=["int8", "uint8"])
 def test_xla_attention_over_a_quantized_cache_matches_the_reference(storage, window, soft_cap):
     rng = np.random.default_rng(3)
     args, scales = _batch(rng, Q_LENS, SEQ_LENS, block_size=8, head_dim=32, group=2, storage=storage)
@@ -141,12 +142,12 @@ def test_xla_attention_over_a_quantized_cache_matches_the_reference(storage, win
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("storage, group, window", [(jnp.int8, 2, None), (jnp.float8_e4m3fn, 4, 5)],
-                         ids=["int8", "float8_e4m3fn"])
-def test_pallas_kernels_over_a_quantized_cache_match_the_reference(storage, group, window):
+# One interpret-mode case (slow): float8 K/V converted in the kernel; int8's conversion is the same
+# code, and both pass the Triton lowering below.
+def test_pallas_kernels_over_a_float8_cache_match_the_reference():
     rng = np.random.default_rng(4)
-    args, scales = _batch(rng, Q_LENS, SEQ_LENS, block_size=8, head_dim=16, group=group, storage=storage)
-    kw = dict(scale=0.125, sliding_window=window, soft_cap=None, **scales)
+    args, scales = _batch(rng, Q_LENS, SEQ_LENS, block_size=8, head_dim=16, group=4, storage=jnp.float8_e4m3fn)
+    kw = dict(scale=0.125, sliding_window=5, soft_cap=None, **scales)
     got = ragged_paged_attention(*args, interpret=INTERPRET, **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ragged_paged_attention_reference(*args, **kw)),
                                atol=TOL, rtol=0)
