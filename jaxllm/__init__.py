@@ -11,9 +11,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "jaxllm.engine",
+    "LLM": "jaxllm.entrypoints.llm",
     "LLMEngine": "jaxllm.engine",
     "SamplingParams": "scheduler.sampling_params",
+    "StructuredOutputsParams": "scheduler.sampling_params",
     "RequestOutput": "jaxllm.outputs",
     "CompletionOutput": "jaxllm.outputs",
 }

@@ -339,12 +339,23 @@ class EngineConfig:
         tensor parallelism, see ``jaxllm.sharding``); must divide the model's
         q heads, and its KV heads must divide it or be divisible by it.
       data_parallel_size: engine replicas, each with its own scheduler and
-        KV cache on ``tensor_parallel_size`` devices (``jaxllm.replicas``).
+        KV cache on ``tensor_parallel_size`` devices, one engine-core process
+        each (``jaxllm.core_client.MPClient``).
       batching: "continuous", or "static" (a new batch of up to
         ``max_num_seqs`` requests starts only when the previous one has
         finished entirely; the baseline for benchmarks).
       log_stats: log a one-line stats summary to stderr every 5 seconds.
       metrics_port: serve the Prometheus metrics on this port (None: don't).
+      graceful_degradation: under KV pressure (few free blocks, or
+        preemptions), lower the effective ``max_num_seqs`` and prefill token
+        budget step by step and restore them when calm, instead of thrashing
+        (``scheduler.degradation``); False turns it off.
+      preload_prompts: a file of common prompts (a ``.json`` list of strings,
+        or text with one prompt per line) computed at start-up so the first
+        request sharing one hits the prefix cache (``jaxllm.prefix_warmup``).
+      max_waiting_requests: shed load: refuse a new request
+        (``jaxllm.core_client.QueueFullError``; 503 at the server) while this
+        many sequences or more wait for a batch seat. None: no limit.
 
     Raises:
       ValueError: a value out of range, naming it and the limit.
@@ -379,6 +390,9 @@ class EngineConfig:
     batching: str = "continuous"
     log_stats: bool = False
     metrics_port: Optional[int] = None
+    graceful_degradation: bool = True
+    max_waiting_requests: Optional[int] = None
+    preload_prompts: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
@@ -391,6 +405,14 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive int (or None: the model's "
                              "max_position_embeddings)")
+        if self.max_waiting_requests is not None and (
+                not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 0):
+            raise ValueError(f"max_waiting_requests={self.max_waiting_requests!r} must be an int >= 0 (or None: no "
+                             "limit)")
+        if self.preload_prompts is not None:
+            from jaxllm.prefix_warmup import read_preload_prompts
+
+            read_preload_prompts(self.preload_prompts)  # a missing or malformed file fails before any loading
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

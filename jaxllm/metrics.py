@@ -18,8 +18,8 @@ from typing import Callable, Optional, Sequence
 import prometheus_client as prom
 from tqdm import tqdm
 
+from jaxllm.core_messages import CoreStats
 from jaxllm.outputs import RequestOutput
-from scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("jaxllm.metrics")
 
@@ -27,48 +27,76 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _STEP_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)
+# Whole engine steps: the board's step-delay threshold is 50 ms on a GPU; CPU steps run to seconds.
+_ENGINE_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+FINISHED_REASONS = ("stop", "length", "abort")
 
 class EngineMetrics:
-    """The metrics of one engine, updated once per ``LLMEngine.step()``.
+    """The metrics of one front end, updated with each step's outputs and the cores' ``CoreStats``.
 
     Args:
-      scheduler: the engine's scheduler; read after every step.
-      compile_count: programs the engine's runner has compiled so far
-        (warm-up included); ``compilations`` follows it.
       log_stats: log a one-line summary (``logging``, logger
         ``jaxllm.metrics``, to stderr) every ``log_interval`` seconds.
       log_interval: seconds between summary lines.
       metrics_port: serve ``/metrics`` for this registry on this port.
       clock: seconds, monotonic; must be the clock of request arrival times.
+      max_num_seqs, max_num_batched_tokens: each core's configured limits,
+        the denominators of ``batch_utilization``.
 
     Attributes:
       registry: the ``CollectorRegistry`` holding every series below.
+      core_stats: each core's latest ``CoreStats``, by core index.
 
-    Series (gauges are set after each step, counters and histograms grow):
+    Series (gauges are set after each step, summed over the data-parallel
+    cores; counters and histograms grow):
       ``num_requests_running``, ``num_requests_waiting`` (requests held by
       static batching included), ``kv_cache_usage_perc`` (fraction in [0, 1],
       as vLLM), ``kv_cache_fragmentation_ratio`` (allocated KV slots holding
-      no computed token / allocated slots); counters ``prefix_cache_queries``
-      and ``prefix_cache_hits`` (tokens), ``num_preemptions``,
-      ``prompt_tokens`` (each request's prompt, counted at its first token),
-      ``generation_tokens``, ``compilations``; histograms
+      no computed token / allocated slots), ``num_free_kv_blocks`` and
+      ``num_kv_blocks`` (device blocks free, and in all with the null block
+      of each core), ``effective_max_num_seqs`` and
+      ``effective_max_num_batched_tokens`` (the limits in force: lower than
+      configured while graceful degradation backs off); counters
+      ``prefix_cache_queries`` and
+      ``prefix_cache_hits`` (tokens), ``num_preemptions``, ``prompt_tokens``
+      (each request's prompt, counted at its first token),
+      ``generation_tokens``, ``compilations``, ``request_refused`` (new
+      requests refused by ``max_waiting_requests``); histograms
       ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
       ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
       ``iteration_tokens_total`` (tokens per step), ``scheduler_step_seconds``
-      (host time of one ``schedule()``).
+      (host time of one ``schedule()``). Structured output: the gauge
+      ``num_requests_waiting_for_grammar`` (waiting requests whose grammar is
+      still compiling) and the histogram ``grammar_bitmask_seconds`` (host time
+      building a step's token bitmask, for steps with a constrained row).
+
+    The monitoring board (``docs/grafana.json``, alerts in
+    ``docs/alert_rules.yml``) adds: histogram ``step_duration_seconds``
+    (wall time of a whole engine step: schedule, batch, device, sample
+    read-back); gauges ``batch_utilization{resource="tokens"}`` (the cores'
+    latest scheduled tokens / their ``max_num_batched_tokens``) and
+    ``{resource="seqs"}`` (running sequences / ``max_num_seqs``),
+    ``scheduler_queue_depth{kind="new"|"preempted"}`` (requests in the
+    cores' waiting queues, never run or preempted; their sum is the
+    scheduler's part of ``num_requests_waiting``) and ``batch_prompt_len_cv``
+    (coefficient of variation of the running requests' prompt lengths: the
+    request-mix signal); counter ``request_success{finished_reason}``
+    (finished requests by their first sequence's reason: stop, length,
+    abort). Queue-time percentiles come from the
+    ``request_queue_time_seconds`` histogram (:meth:`quantile`, or
+    ``histogram_quantile`` in PromQL).
     """
 
-    def __init__(self, scheduler: Scheduler, *, compile_count: Callable[[], int] = lambda: 0, log_stats: bool = False, log_interval: float = 5.0,
-                 metrics_port: Optional[int] = None, clock: Callable[[], float] = time.monotonic):
-        self.scheduler = scheduler
+    def __init__(self, *, log_stats: bool = False, log_interval: float = 5.0, metrics_port: Optional[int] = None,
+                 clock: Callable[[], float] = time.monotonic, max_num_seqs: int = 1, max_num_batched_tokens: int = 1):
         self.registry = prom.CollectorRegistry()
         self._clock = clock
+        self._max_num_seqs, self._max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self._define_series()
         self._last_token_time: dict[str, float] = {}
-        # Scheduler counters are cumulative; the Prometheus counters follow by deltas.
-        self._seen_queries = self._seen_hits = self._seen_preemptions = 0
-        self._compile_count = compile_count
-        self._seen_compilations = 0
+        # Each core's latest stats; gauges show their sum, counters follow the sums by deltas.
+        self.core_stats: dict[int, CoreStats] = {}
+        self._seen_queries = self._seen_hits = self._seen_preemptions = self._seen_compilations = 0
         self.log_stats = log_stats
         self.log_interval = log_interval
         self._log_at = clock()
@@ -95,17 +123,47 @@ class EngineMetrics:
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> prom.Histogram:
             return prom.Histogram(f"jaxllm:{name}", doc, buckets=buckets, registry=r)
 
+        def labelled_gauge(name: str, doc: str, label: str, values: Sequence[str]) -> prom.Gauge:
+            g = prom.Gauge(f"jaxllm:{name}", doc, [label], registry=r)
+            for value in values:
+                g.labels(value)  # shown as 0 before the first update
+            return g
+
         self.num_requests_running = gauge("num_requests_running", "Requests holding a batch seat.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, in [0, 1].")
         self.kv_cache_fragmentation = gauge(
             "kv_cache_fragmentation_ratio", "Allocated KV slots holding no computed token / allocated slots.")
+        self.num_free_kv_blocks = gauge("num_free_kv_blocks", "Device KV blocks in the free queue.")
+        self.num_kv_blocks = gauge("num_kv_blocks", "Device KV blocks in all, the null block included.")
+        self.effective_max_num_seqs = gauge(
+            "effective_max_num_seqs", "Batch seats in force (below max_num_seqs while graceful degradation backs off).")
+        self.effective_max_num_batched_tokens = gauge(
+            "effective_max_num_batched_tokens",
+            "Token budget per step in force (below max_num_batched_tokens while graceful degradation backs off).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.compilations = counter("compilations", "Programs the engine compiled (warm-up included).")
+        self.request_refused = counter(
+            "request_refused", "New requests refused because max_waiting_requests sequences were waiting.")
+        self.request_success = prom.Counter("jaxllm:request_success", "Finished requests by finish reason.",
+                                            ["finished_reason"], registry=r)
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(reason)
+        self.batch_utilization = labelled_gauge(
+            "batch_utilization", "Scheduled tokens / max_num_batched_tokens (tokens), running / max_num_seqs (seqs).",
+            "resource", ("tokens", "seqs"))
+        self.scheduler_queue_depth = labelled_gauge(
+            "scheduler_queue_depth", "Requests in the schedulers' waiting queues: never run (new) or preempted.",
+            "kind", ("new", "preempted"))
+        self.batch_prompt_len_cv = gauge(
+            "batch_prompt_len_cv", "Coefficient of variation (std / mean) of the running requests' prompt lengths.")
+        self.step_duration = histogram(
+            "step_duration_seconds", "Wall time of a whole engine step (host and device), seconds.",
+            _ENGINE_STEP_BUCKETS)
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first token, seconds.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram(
@@ -117,6 +175,11 @@ class EngineMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
         self.scheduler_step = histogram(
             "scheduler_step_seconds", "Host time of one Scheduler.schedule(), seconds.", _STEP_BUCKETS)
+        self.num_requests_waiting_for_grammar = gauge(
+            "num_requests_waiting_for_grammar", "Waiting requests whose structured-output grammar is compiling.")
+        self.grammar_bitmask = histogram(
+            "grammar_bitmask_seconds", "Host time building a step's structured-output token bitmask, seconds.",
+            _STEP_BUCKETS)
 
     def begin_run(self) -> None:
         """Restart the per-run aggregates of :meth:`run_summary` (the Prometheus series keep counting)."""
@@ -126,24 +189,33 @@ class EngineMetrics:
         self._run_live_slots = 0
         self._run_allocated_slots = 0
         self._run_max_running = 0
-        self._run_base_preemptions = self.scheduler.num_preemptions
-        self._run_base_compilations = self._compile_count()
+        self._run_base_preemptions = self._total("num_preemptions")
+        self._run_base_compilations = self._total("compilations")
 
-    def on_step(self, sched_out: SchedulerOutput, outputs: Sequence[RequestOutput], schedule_seconds: float) -> None:
-        """Record one engine step.
+    def _total(self, field: str) -> float:
+        return sum(getattr(s, field) for s in self.core_stats.values())
+
+    def on_step(self, stats: CoreStats, outputs: Sequence[RequestOutput], core_index: int = 0) -> None:
+        """Record one core's step (or its stats update without a step) and the outputs it led to.
 
         Args:
-          sched_out: what ``schedule()`` returned this step.
-          outputs: the step's ``RequestOutput`` list (new tokens, finishes).
-          schedule_seconds: host time of this step's ``schedule()``, seconds.
+          stats: the core's ``CoreStats`` after it.
+          outputs: the ``RequestOutput``s of the step (new tokens, finishes).
+          core_index: which data-parallel core it was.
         """
         now = self._clock()
-        self.scheduler_step.observe(schedule_seconds)
-        if sched_out.total_num_scheduled_tokens:
-            self.iteration_tokens.observe(sched_out.total_num_scheduled_tokens)
+        self.core_stats[core_index] = stats
+        if stats.schedule_seconds is not None:
+            self.scheduler_step.observe(stats.schedule_seconds)
+            if stats.num_scheduled_tokens:
+                self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        if stats.step_seconds is not None:
+            self.step_duration.observe(stats.step_seconds)
+        if stats.grammar_bitmask_seconds is not None:
+            self.grammar_bitmask.observe(stats.grammar_bitmask_seconds)
         for out in outputs:
             self._on_output(out, now)
-        self._update_scheduler_series()
+        self._update_core_series(stepped=stats.schedule_seconds is not None)
         if self.log_stats and now - self._log_at >= self.log_interval:
             self._log(now)
 
@@ -163,46 +235,56 @@ class EngineMetrics:
             self._log_tokens[1] += new_tokens
         if out.finished:
             self._last_token_time.pop(rid, None)
+            self.request_success.labels(out.outputs[0].finish_reason).inc()
             self.e2e_request_latency.observe(times["finished_time"] - times["arrival_time"])
             if times["first_scheduled_time"] is not None:
                 self.request_queue_time.observe(times["first_scheduled_time"] - times["arrival_time"])
 
-    def _update_scheduler_series(self) -> None:
-        stats = self.scheduler.stats
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage.set(stats.kv_cache_usage)
-        self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._seen_queries)
-        self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._seen_hits)
-        self.num_preemptions.inc(stats.num_preemptions - self._seen_preemptions)
-        self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-        self._seen_preemptions = stats.num_preemptions
-        compilations = self._compile_count()
-        self.compilations.inc(compilations - self._seen_compilations)
-        self._seen_compilations = compilations
-        live, allocated = self._kv_slots()
+    def _update_core_series(self, stepped: bool) -> None:
+        total = self._total
+        running = total("num_running")
+        usage = self._kv_cache_usage()
+        live, allocated = total("kv_live_slots"), total("kv_allocated_slots")
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(total("num_waiting"))
+        self.num_requests_waiting_for_grammar.set(total("num_waiting_for_grammar"))
+        self.kv_cache_usage.set(usage)
         self.kv_cache_fragmentation.set(1.0 - live / allocated if allocated else 0.0)
-        self._run_steps += 1
-        self._run_usage_sum += stats.kv_cache_usage
-        self._run_peak_usage = max(self._run_peak_usage, stats.kv_cache_usage)
-        self._run_live_slots += live
-        self._run_allocated_slots += allocated
-        self._run_max_running = max(self._run_max_running, stats.num_running)
+        self.num_free_kv_blocks.set(total("num_free_blocks"))
+        self.num_kv_blocks.set(total("num_blocks"))
+        self.effective_max_num_seqs.set(total("max_num_seqs"))
+        self.effective_max_num_batched_tokens.set(total("max_num_batched_tokens"))
+        cores = len(self.core_stats)
+        scheduled = sum(s.num_scheduled_tokens or 0 for s in self.core_stats.values())
+        self.batch_utilization.labels("tokens").set(scheduled / (cores * self._max_num_batched_tokens))
+        self.batch_utilization.labels("seqs").set(running / (cores * self._max_num_seqs))
+        preempted = total("num_preempted_waiting")
+        self.scheduler_queue_depth.labels("preempted").set(preempted)
+        self.scheduler_queue_depth.labels("new").set(total("num_waiting") - preempted)
+        # Each core's CV weighted by its running requests.
+        self.batch_prompt_len_cv.set(
+            sum(s.prompt_len_cv * s.num_running for s in self.core_stats.values()) / running if running else 0.0)
+        queries, hits = total("prefix_cache_queries"), total("prefix_cache_hits")
+        preemptions, compilations = total("num_preemptions"), total("compilations")
+        self.prefix_cache_queries.inc(queries - self._seen_queries)
+        self.prefix_cache_hits.inc(hits - self._seen_hits)
+        self.num_preemptions.inc(preemptions - self._seen_preemptions)
+        self.compilations.inc(compilations - self._seen_compilations)
+        self._seen_queries, self._seen_hits = queries, hits
+        self._seen_preemptions, self._seen_compilations = preemptions, compilations
+        if stepped:
+            self._run_steps += 1
+            self._run_usage_sum += usage
+            self._run_peak_usage = max(self._run_peak_usage, usage)
+            self._run_live_slots += live
+            self._run_allocated_slots += allocated
+            self._run_max_running = max(self._run_max_running, running)
 
-    def _kv_slots(self) -> tuple[int, int]:
-        """(slots holding a computed token, allocated slots) over the referenced device blocks.
-
-        Only full, computed blocks are ever shared through the prefix cache,
-        so every unused slot sits in exactly one running request's own tail
-        blocks and the per-request sum counts each once.
-        """
-        sched = self.scheduler
-        bs = sched.config.block_size
-        pool = sched.block_pool
-        allocated = (pool.num_blocks - 1 - pool.num_free_blocks) * bs
-        tables = sched.kv_cache_manager.req_to_block_ids
-        unused = sum(max(len(tables.get(r.request_id, ())) * bs - r.num_computed_tokens, 0) for r in sched.running)
-        return allocated - unused, allocated
+    def _kv_cache_usage(self) -> float:
+        """The cores' ``kv_cache_usage`` weighted by their usable blocks."""
+        usable = {i: s.num_blocks - 1 for i, s in self.core_stats.items()}
+        total = sum(usable.values())
+        return sum(s.kv_cache_usage * usable[i] for i, s in self.core_stats.items()) / total if total else 0.0
 
     def close(self) -> None:
         """Stop serving ``/metrics`` (if ``metrics_port`` was given), freeing the port."""
@@ -212,8 +294,38 @@ class EngineMetrics:
             self._http_server = None
 
     def forget(self, request_id: str) -> None:
-        """Drop the per-request state of an aborted request."""
+        """Count an aborted request (``request_success{finished_reason="abort"}``) and drop its state."""
         self._last_token_time.pop(request_id, None)
+        self.request_success.labels("abort").inc()
+
+    def quantile(self, name: str, q: float) -> float:
+        """The ``q`` quantile (0 <= q <= 1) of histogram ``name`` (e.g. ``"jaxllm:request_queue_time_seconds"``)
+        as PromQL's ``histogram_quantile`` computes it: linear within the bucket holding rank ``q * count``
+        (the first bucket starts at 0; past the last finite bound, that bound). NaN before any observation.
+
+        Raises:
+          ValueError: ``q`` outside [0, 1], or no histogram of that name.
+        """
+        if not 0 <= q <= 1:
+            raise ValueError(f"q={q} must be in [0, 1]")
+        bounds = []
+        for metric in self.registry.collect():
+            if metric.name == name and metric.type == "histogram":
+                bounds = [(float(s.labels["le"]), s.value) for s in metric.samples if s.name == name + "_bucket"]
+        if not bounds:
+            raise ValueError(f"no histogram named {name!r} in this registry")
+        count = bounds[-1][1]
+        if count == 0:
+            return float("nan")
+        rank = q * count
+        lower, below = 0.0, 0.0
+        for upper, cumulative in bounds:
+            if cumulative >= rank:
+                if upper == float("inf"):
+                    return lower
+                return lower + (upper - lower) * (rank - below) / (cumulative - below)
+            lower, below = upper, cumulative
+        return lower
 
     def run_summary(self) -> dict[str, float]:
         """Aggregates since :meth:`begin_run` (or construction), for benchmarks.
@@ -233,19 +345,20 @@ class EngineMetrics:
             kv_live_slot_fraction=(self._run_live_slots / self._run_allocated_slots
                                    if self._run_allocated_slots else 1.0),
             max_num_running=self._run_max_running,
-            num_preemptions=self.scheduler.num_preemptions - self._run_base_preemptions,
-            compilations=self._compile_count() - self._run_base_compilations,
+            num_preemptions=self._total("num_preemptions") - self._run_base_preemptions,
+            compilations=self._total("compilations") - self._run_base_compilations,
         )
 
     def _log(self, now: float) -> None:
         elapsed = now - self._log_at
-        stats = self.scheduler.stats
-        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        total = self._total
+        queries = total("prefix_cache_queries")
+        hit_rate = total("prefix_cache_hits") / queries if queries else 0.0
         logger.info(
             "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d reqs, "
             "waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%, preemptions: %d",
-            self._log_tokens[0] / elapsed, self._log_tokens[1] / elapsed, stats.num_running, stats.num_waiting,
-            100 * stats.kv_cache_usage, 100 * hit_rate, stats.num_preemptions,
+            self._log_tokens[0] / elapsed, self._log_tokens[1] / elapsed, total("num_running"),
+            total("num_waiting"), 100 * self._kv_cache_usage(), 100 * hit_rate, total("num_preemptions"),
         )
         self._log_at = now
         self._log_tokens = [0, 0]

@@ -1,8 +1,11 @@
-"""Front-end output processing: a sequence's text, its stop strings, what a stream may show, and logprob entries.
+"""Front-end output processing: core outputs in, ``RequestOutput`` out (vLLM's ``OutputProcessor``).
 
-This is the part of vLLM's ``OutputProcessor`` (``vllm.v1.engine.detokenizer``)
-that works on strings; the engine core (scheduler + runner) only hands it
-token ids and whether a token stopped the sequence.
+The engine core (scheduler + runner, ``jaxllm.engine_core``) hands over token
+ids, finishes and logprobs as numbers (``core_messages.EngineCoreOutput``, one
+per sequence); :class:`OutputProcessor` detokenizes them incrementally, checks
+stop strings (telling the caller which sequences to stop in the core), groups
+the ``n`` sequences of a request and assembles vLLM-shaped ``RequestOutput``s
+with ``Logprob`` dicts. :class:`OutputText` holds one sequence's text.
 
 Rules, as vLLM's:
 
@@ -25,11 +28,13 @@ Rules, as vLLM's:
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol, Sequence
+import dataclasses
+import time
+from typing import Callable, Optional, Protocol, Sequence, Union
 
-import numpy as np
-
-from jaxllm.outputs import Logprob
+from jaxllm.core_messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.tokenizer import IncrementalDetokenizer
 from scheduler import SamplingParams
 
 
@@ -139,14 +144,14 @@ class TokenTexts:
         return text
 
 
-def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: np.ndarray, top_logprobs: np.ndarray,
+def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: Sequence[int], top_logprobs: Sequence[float],
                   decode: Callable[[int], Optional[str]]) -> dict[int, Logprob]:
     """One position's ``{token_id: Logprob}``, shaped as vLLM's.
 
     Args:
       token_id, logprob, rank: the chosen (or prompt) token, its raw logprob
         and its 1-based rank.
-      top_ids: int[k], top_logprobs: float[k]: the top ``k`` tokens, descending.
+      top_ids: k ints, top_logprobs: k floats: the top ``k`` tokens, descending.
       decode: token id -> its text (``TokenTexts``).
 
     Returns:
@@ -155,6 +160,169 @@ def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: np.ndarray,
       rank (vLLM builds the dict in the same order).
     """
     entry = {int(token_id): Logprob(float(logprob), int(rank), decode(int(token_id)))}
-    for i, (t, lp) in enumerate(zip(top_ids.tolist(), top_logprobs.tolist())):
-        entry[t] = Logprob(float(lp), i + 1, decode(t))
+    for i, (t, lp) in enumerate(zip(top_ids, top_logprobs)):
+        entry[int(t)] = Logprob(float(lp), i + 1, decode(int(t)))
     return entry
+
+
+def _entry(row: SampleLogprobs, decode: Callable[[int], Optional[str]]) -> dict[int, Logprob]:
+    return logprob_entry(row.token_id, row.logprob, row.rank, row.top_ids, row.top_logprobs, decode)
+
+
+@dataclasses.dataclass
+class _SequenceState:
+    """One sequence's text, tokens, logprobs and finish, as the front end knows them."""
+
+    index: int
+    output: OutputText
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: Optional[list[dict[int, Logprob]]] = None
+    cumulative_logprob: Optional[float] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+@dataclasses.dataclass
+class RequestState:
+    """One request in the front end: its prompt, its ``n`` sequences and its timestamps (seconds, monotonic)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    seqs: list[_SequenceState]
+    arrival_time: float
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    ignored_reason: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finish_reason is not None for seq in self.seqs)
+
+
+class OutputProcessor:
+    """Turns core outputs into ``RequestOutput``s for the requests a front end has open.
+
+    Args:
+      tokenizer: the model's tokenizer; None leaves every text empty (stop
+        strings then never match) and ``Logprob.decoded_token`` None.
+
+    Attributes:
+      requests: request id -> ``RequestState`` of every unfinished request.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._token_texts = TokenTexts(tokenizer)
+
+    def add_request(self, request: EngineCoreRequest, prompt: Optional[str]) -> None:
+        """Open the front-end state of a request the core is given (``prompt``: its text, None for token ids).
+
+        Raises:
+          ValueError: its id is already open.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        params = request.sampling_params
+        ids = request.prompt_token_ids
+        seqs = []
+        for i in range(params.n):
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+            seqs.append(_SequenceState(i, OutputText(detok, params), logprobs=None if params.logprobs is None else [],
+                                       cumulative_logprob=None if params.logprobs is None else 0.0))
+        self.requests[request.request_id] = RequestState(
+            request.request_id, prompt, ids, seqs, request.arrival_time,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None])
+
+    @property
+    def num_open_sequences(self) -> int:
+        """Sequences of the open requests (``n`` per request), finished ones of an open request included."""
+        return sum(len(state.seqs) for state in self.requests.values())
+
+    def abort_requests(self, request_ids: Sequence[str]) -> list[str]:
+        """Close requests; returns those that were open (the caller aborts them in the core)."""
+        return [rid for rid in request_ids if self.requests.pop(rid, None) is not None]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def process_outputs(self, outputs: Sequence[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """Apply one step's core outputs.
+
+        Returns:
+          a ``RequestOutput`` for every open request they touched (finished
+          ones are closed), and the ``(request_id, index)`` sequences a stop
+          string ended, which the caller must stop in the core
+          (``EngineCore.stop_sequences``). Outputs of closed requests and of
+          sequences already finished are ignored.
+        """
+        touched: dict[str, RequestState] = {}
+        to_stop: list[tuple[str, int]] = []
+        now = time.monotonic()
+        for out in outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:
+                continue
+            if out.request_id not in touched:
+                touched[out.request_id] = state
+                for seq in state.seqs:
+                    seq.delta_token_ids = []
+            seq = state.seqs[out.index]
+            if seq.finish_reason is not None:
+                continue
+            if self._update(state, seq, out, now):
+                to_stop.append((out.request_id, out.index))
+        return [self._make_output(state, now) for state in touched.values()], to_stop
+
+    def _update(self, state: RequestState, seq: _SequenceState, out: EngineCoreOutput, now: float) -> bool:
+        """Apply one sequence's output; True when a stop string ended it before the core did."""
+        new_ids = out.new_token_ids
+        seq.delta_token_ids = new_ids
+        seq.token_ids += new_ids
+        if new_ids and state.first_token_time is None:
+            state.first_token_time = now
+        if out.index == 0 and state.first_scheduled_time is None:
+            state.first_scheduled_time = out.first_scheduled_time
+        state.num_cached_tokens = out.num_cached_tokens
+        if out.ignored_reason is not None:
+            state.ignored_reason = out.ignored_reason
+        for row in out.new_logprobs or ():
+            seq.logprobs.append(_entry(row, self._token_texts))
+            seq.cumulative_logprob += row.logprob
+        if out.new_prompt_logprobs:
+            state.prompt_logprobs += [_entry(row, self._token_texts) for row in out.new_prompt_logprobs]
+        # The core finishes on eos and stop_token_ids only; stop strings are found here.
+        stop = seq.output.add_tokens(new_ids, stopped_by_token=out.finish_reason == "stop")
+        if stop is not None:
+            stopped_here = out.finish_reason is None
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            return stopped_here
+        if out.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _make_output(self, state: RequestState, now: float) -> RequestOutput:
+        completions = [CompletionOutput(
+            index=seq.index, text=seq.output.text, token_ids=list(seq.token_ids), finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason, cumulative_logprob=seq.cumulative_logprob,
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            delta_text=seq.output.delta(seq.finish_reason is not None), delta_token_ids=seq.delta_token_ids,
+        ) for seq in state.seqs]
+        finished = state.finished
+        if finished:
+            del self.requests[state.request_id]
+        return RequestOutput(
+            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=list(state.prompt_token_ids),
+            outputs=completions, finished=finished, delta_text=completions[0].delta_text,
+            delta_token_ids=completions[0].delta_token_ids, ignored_reason=state.ignored_reason,
+            prompt_logprobs=None if state.prompt_logprobs is None else list(state.prompt_logprobs),
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=dict(arrival_time=state.arrival_time, first_scheduled_time=state.first_scheduled_time,
+                         first_token_time=state.first_token_time, finished_time=now if finished else None),
+        )

@@ -1,4 +1,4 @@
-"""Prompt logprobs on the host: which token rows of a step want one, and recording what the step returns.
+"""Prompt logprobs in the engine core: which token rows of a step want one, and recording what the step returns.
 
 vLLM's ``SamplingParams.prompt_logprobs=k``: for every prompt position a
 ``{token_id: Logprob}`` dict holding the prompt token's logprob and rank and
@@ -18,12 +18,11 @@ are all recorded.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxllm.output_processor import TokenTexts, logprob_entry
-from jaxllm.outputs import Logprob
+from jaxllm.core_messages import SampleLogprobs
 from scheduler import RequestStatus, ScheduledRequest
 
 
@@ -33,26 +32,28 @@ class PromptLogprobs:
     Args:
       prompt: the prompt's token ids.
       num_top: top logprobs kept per position (``SamplingParams.prompt_logprobs``).
-      decode: token id -> its text for ``Logprob.decoded_token``
-        (``output_processor.TokenTexts``); by default None for every token.
 
     Attributes:
-      entries: per prompt position recorded so far: None for position 0,
-        then ``{prompt token: Logprob, top tokens: Logprob...}`` (the prompt
-        token first, as vLLM; ``output_processor.logprob_entry``).
+      rows: per prompt position recorded so far, from position 1 (position 0
+        has none): the prompt token, its logprob and rank, and the top
+        ``num_top`` (the front end's ``output_processor.logprob_entry`` makes
+        vLLM's dicts of them).
     """
 
-    def __init__(self, prompt: Sequence[int], num_top: int,
-                 decode: Optional[Callable[[int], Optional[str]]] = None) -> None:
+    def __init__(self, prompt: Sequence[int], num_top: int) -> None:
         self.prompt = np.asarray(prompt, np.int32)
         self.num_top = num_top
-        self.decode = decode if decode is not None else TokenTexts(None)
-        self.entries: list[Optional[dict[int, Logprob]]] = [None]
+        self.rows: list[SampleLogprobs] = []
+
+    @property
+    def num_recorded(self) -> int:
+        """Prompt positions recorded, position 0 (which has no logprob) included."""
+        return len(self.rows) + 1
 
     @property
     def complete(self) -> bool:
         """Every prompt position is recorded."""
-        return len(self.entries) == len(self.prompt)
+        return self.num_recorded == len(self.prompt)
 
     def targets(self, start: int, count: int) -> Optional[np.ndarray]:
         """Target ids of ``count`` query tokens at positions ``start, start + 1, ...``.
@@ -62,7 +63,7 @@ class PromptLogprobs:
           where that prompt position is not recorded yet, -1 elsewhere; None
           when no position is wanted.
         """
-        first, end = max(start + 1, len(self.entries)), min(start + count + 1, len(self.prompt))
+        first, end = max(start + 1, self.num_recorded), min(start + count + 1, len(self.prompt))
         if first >= end:
             return None
         out = np.full(count, -1, np.int32)
@@ -82,13 +83,13 @@ class PromptLogprobs:
         Only prompt positions not recorded yet are taken, in order.
         """
         k = self.num_top
-        for i in range(max(len(self.entries) - 1 - start, 0), min(len(logprobs), len(self.prompt) - 1 - start)):
+        for i in range(max(self.num_recorded - 1 - start, 0), min(len(logprobs), len(self.prompt) - 1 - start)):
             pos = start + 1 + i
-            if pos != len(self.entries):
+            if pos != self.num_recorded:
                 # Positions arrive in order; never record past a gap.
                 break
-            self.entries.append(logprob_entry(self.prompt[pos], logprobs[i], ranks[i], top_ids[i, :k],
-                                              top_logprobs[i, :k], self.decode))
+            self.rows.append(SampleLogprobs(int(self.prompt[pos]), float(logprobs[i]), int(ranks[i]),
+                                            top_ids[i, :k].tolist(), top_logprobs[i, :k].tolist()))
 
 
 def prompt_targets(rows: Sequence[ScheduledRequest], trackers: dict[str, PromptLogprobs],

@@ -31,7 +31,9 @@ from jax import monitoring
 from jaxllm.config import ModelConfig
 from jaxllm.kv_cache import allocate_kv_cache
 from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states, loop_storage
-from jaxllm.sampling import SamplingArrays, fill_slot, init_tables, prompt_logprobs, sample, set_slot_rows
+from jaxllm.sampling import (
+    SamplingArrays, bitmask_words, fill_slot, init_tables, prompt_logprobs, sample, set_slot_rows,
+)
 from jaxllm.sharding import ModelSharding
 from scheduler import BatchDescriptor, BucketTable
 
@@ -47,18 +49,20 @@ BLOCK_CHUNK = 16
 
 
 def _step(params: Params, kv_cache: KVCache, batch: dict, sampling: dict, tables: dict, prev_tokens: jax.Array,
-          *, cfg: ModelConfig, ops: AttentionOps) -> tuple[dict, jax.Array, KVCache, dict]:
+          bitmask: jax.Array, *, cfg: ModelConfig, ops: AttentionOps) -> tuple[dict, jax.Array, KVCache, dict]:
     """Model + sampler + prompt logprobs. Input ids marked in
     ``prev_token_index`` come from the previous step's samples
     (``prev_tokens``, still on the device); the samples are also returned
-    padded to ``prev_tokens``' length for the next step. ``out`` is the
-    sampler's outputs (``[S]`` rows) and ``sampling.prompt_logprobs``' (``[T]``
-    rows, for ``batch["prompt_target_ids"]``)."""
+    padded to ``prev_tokens``' length for the next step. ``bitmask``
+    (int32[S, ceil(V/32)]) holds each row's allowed tokens (structured
+    output). ``out`` is the sampler's outputs (``[S]`` rows) and
+    ``sampling.prompt_logprobs``' (``[T]`` rows, for
+    ``batch["prompt_target_ids"]``)."""
     from_prev = batch["prev_token_index"]
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch["input_ids"])
     hidden, kv_cache = hidden_states(params, kv_cache, dict(batch, input_ids=input_ids), cfg=cfg, ops=ops)
     head = functools.partial(compute_logits, params, cfg=cfg)
-    out, tables = sample(head(hidden[batch["logits_indices"]]), sampling, tables)
+    out, tables = sample(head(hidden[batch["logits_indices"]]), sampling, tables, bitmask)
     out = {**out, **prompt_logprobs(head, hidden, batch["prompt_target_ids"])}
     next_prev = jnp.zeros_like(prev_tokens).at[: out["token_ids"].shape[0]].set(out["token_ids"])
     return out, next_prev, kv_cache, tables
@@ -173,6 +177,9 @@ class ModelRunner:
         self.num_compilations = 0
         self.num_cache_hits = 0
         self._no_prev_tokens = jax.device_put(np.zeros(buckets.seq_buckets[-1], np.int32), self._replicated)
+        self.bitmask_words = bitmask_words(cfg.vocab_size)
+        # Per row bucket S: an all-ones bitmask kept on the device, passed by steps without a constrained row.
+        self._all_allowed: dict[int, jax.Array] = {}
         self.compile_seconds = 0.0
         self.cache_load_seconds = 0.0
         self._lock = threading.Lock()
@@ -213,8 +220,8 @@ class ModelRunner:
         return exe
 
     def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
-        """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens)`` of bucket ``shape``:
-        exactly the structure, dtypes and shardings :meth:`execute` passes."""
+        """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens, bitmask)`` of bucket
+        ``shape``: exactly the structure, dtypes and shardings :meth:`dispatch` passes."""
         t, s, w = shape
         i32 = np.int32
         batch = {
@@ -227,8 +234,9 @@ class ModelRunner:
         batch = {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
         sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
                     for k, v in SamplingArrays.empty(s).as_dict().items()}
+        bitmask = jax.ShapeDtypeStruct((s, self.bitmask_words), np.int32, sharding=rep)
         return (_abstract(self.params), _abstract(self.kv_cache), batch, sampling, _abstract(self.sampler_tables),
-                _abstract(self._no_prev_tokens))
+                _abstract(self._no_prev_tokens), bitmask)
 
     def compile_step(self, shape: tuple[int, int, int]) -> Callable:
         """Compile (once) and return the step program of bucket ``shape``."""
@@ -347,7 +355,8 @@ class ModelRunner:
     # ---------------------------------------------------------------- serving
 
     def dispatch(self, batch: BatchDescriptor, sampling: SamplingArrays, prev_tokens: Optional[jax.Array] = None,
-                 prompt_target_ids: Optional[np.ndarray] = None) -> tuple[dict, jax.Array]:
+                 prompt_target_ids: Optional[np.ndarray] = None,
+                 bitmask: Optional[np.ndarray] = None) -> tuple[dict, jax.Array]:
         """Launch one step without waiting for it.
 
         Args:
@@ -358,6 +367,9 @@ class ModelRunner:
             input is a sample still on the device (async scheduling).
           prompt_target_ids: int32[T] the prompt token following each token
             row whose prompt logprob is wanted, -1 elsewhere; None: none wanted.
+          bitmask: int32[S, ceil(V/32)] the tokens each row may sample
+            (``structured_output``); None: every token, from an all-ones
+            array kept on the device (no transfer).
 
         Returns:
           (the step's outputs on the device: the sampler's (``sampling.sample``,
@@ -372,12 +384,22 @@ class ModelRunner:
         if prompt_target_ids is None:
             prompt_target_ids = np.full(batch.input_ids.shape, -1, np.int32)
         arrays["prompt_target_ids"] = prompt_target_ids
-        device_batch, device_sampling = jax.device_put((arrays, sampling.as_dict()), self._replicated)
+        if bitmask is None:
+            bitmask = self._all_ones(batch.shape[1])
+        device_batch, device_sampling, bitmask = jax.device_put((arrays, sampling.as_dict(), bitmask),
+                                                                self._replicated)
         prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
         out, next_prev, self.kv_cache, self.sampler_tables = exe(
-            self.params, self.kv_cache, device_batch, device_sampling, self.sampler_tables, prev
+            self.params, self.kv_cache, device_batch, device_sampling, self.sampler_tables, prev, bitmask
         )
         return out, next_prev
+
+    def _all_ones(self, num_rows: int) -> jax.Array:
+        ones = self._all_allowed.get(num_rows)
+        if ones is None:
+            ones = self._all_allowed[num_rows] = jax.device_put(
+                np.full((num_rows, self.bitmask_words), -1, np.int32), self._replicated)
+        return ones
 
     def fill_slot(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
         """Reset sampling slot ``slot`` for a sequence (re)admitted with ``token_ids`` (prompt then output)."""

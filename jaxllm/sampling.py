@@ -3,9 +3,12 @@
 Every per-request control is an array argument (one row per sequence), so no
 request property triggers a compilation. Follows vLLM v1's ``Sampler``:
 
+0. the structured-output bitmask: tokens a row's grammar does not allow
+   get -inf (``jaxllm.structured_output``; vLLM applies it to the logits
+   before its sampler);
 1. log-probabilities, when some row asks, of the *raw* model distribution
-   (``log_softmax`` of the logits before any processing; vLLM's default
-   ``logprobs_mode="raw_logprobs"``);
+   (``log_softmax`` of the logits before any processing but the bitmask;
+   vLLM's default ``logprobs_mode="raw_logprobs"``);
 2. logit processors: ``allowed_token_ids`` and single-token ``bad_words``
    and ``logit_bias`` (one additive bias row per request), multi-token bad
    words (ids banned this step), ``min_tokens`` (eos and stop ids banned);
@@ -33,7 +36,7 @@ produced -- not on the batch it shares, the bucket, or preemption.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -212,6 +215,23 @@ def apply_logit_processors(logits: jax.Array, arrays: dict, tables: dict) -> jax
     return logits - arrays["presence_penalty"][:, None] * output_seen
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one packed token-bitmask row: ``ceil(vocab_size / 32)``."""
+    return -(-vocab_size // 32)
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf on the tokens a packed bitmask does not allow.
+
+    logits: [S, V] float32; bitmask: int32[S, ceil(V / 32)], token ``t``
+    allowed when bit ``t % 32`` of word ``t // 32`` is set (llguidance's and
+    vLLM's layout); bits past V are ignored. Returns [S, V].
+    """
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[-1]] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def apply_top_k_top_p_min_p(
     logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
 ) -> jax.Array:
@@ -264,13 +284,16 @@ def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, 
     return chosen, ranks, top_ids.astype(jnp.int32), top_logprobs
 
 
-def sample(logits: jax.Array, arrays: dict, tables: dict) -> tuple[dict, dict]:
+def sample(logits: jax.Array, arrays: dict, tables: dict, bitmask: Optional[jax.Array] = None) -> tuple[dict, dict]:
     """Draw one token per row and count it in the row's slot.
 
     Args:
       logits: [S, V] float32.
       arrays: ``SamplingArrays.as_dict()`` on the device.
       tables: SamplerTables (see :func:`init_tables`); donate them.
+      bitmask: int32[S, ceil(V / 32)] the tokens each row may take
+        (:func:`apply_token_bitmask`); all ones (-1) for unconstrained rows;
+        None: no row is constrained.
 
     Returns:
       ``(out, tables)``: ``out`` holds ``token_ids: int32[S]``,
@@ -280,17 +303,27 @@ def sample(logits: jax.Array, arrays: dict, tables: dict) -> tuple[dict, dict]:
       ``K = min(MAX_LOGPROBS, V)`` (descending; zeros when no row asked);
       ``tables`` has each used sample added to its slot's counts.
 
-    The processors, the sort, the random draw and the logprobs each run only
-    when some row needs them (``lax.cond``), so a plain greedy step pays for
-    an argmax alone.
+    The bitmask, the processors, the sort, the random draw and the logprobs
+    each run only when some row needs them (``lax.cond``), so a plain greedy
+    step pays for an argmax alone. A row whose bans (``allowed_token_ids``,
+    bad words, ``min_tokens``) leave no token its bitmask allows samples as
+    if it had no processors, so a constrained row always takes a token its
+    grammar accepts.
     """
     raw = logits.astype(jnp.float32)
+    if bitmask is not None:
+        raw = jax.lax.cond(jnp.any(bitmask != -1), lambda: apply_token_bitmask(raw, bitmask), lambda: raw)
     needs_processing = jnp.any(
         arrays["use_bias"] | (arrays["presence_penalty"] != 0) | (arrays["frequency_penalty"] != 0)
         | (arrays["repetition_penalty"] != 1) | (arrays["num_generated"] < arrays["min_tokens"])
         | jnp.any(arrays["banned"] < raw.shape[-1], axis=-1)
     )
-    logits = jax.lax.cond(needs_processing, lambda: apply_logit_processors(raw, arrays, tables), lambda: raw)
+
+    def processed() -> jax.Array:
+        out = apply_logit_processors(raw, arrays, tables)
+        return jnp.where(jnp.all(out == -jnp.inf, axis=-1, keepdims=True), raw, out)
+
+    logits = jax.lax.cond(needs_processing, processed, lambda: raw)
     greedy = arrays["temperature"] < _GREEDY_EPS
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     needs_filter = jnp.any(~greedy & ((arrays["top_k"] > 0) | (arrays["top_p"] < 1.0) | (arrays["min_p"] > 0.0)))

@@ -1,4 +1,4 @@
-"""Host side of the sampler: sampling slots, per-sequence rows, bad words.
+"""Host side of the sampler in the engine core: sampling slots and per-sequence rows.
 
 Each running sequence holds a *sampling slot*: a row of the device tables
 (``sampling.init_tables``) with its output-token counts, prompt-token
@@ -15,7 +15,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from jaxllm.sampling import MAX_BANNED_IDS, SamplingArrays
+from jaxllm.sampling import SamplingArrays
 from scheduler import Request, SamplingParams, SchedulerOutput
 
 
@@ -25,31 +25,6 @@ class SlotTables(Protocol):
     def fill_slot(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None: ...
 
     def set_slot_rows(self, slot: int, bias: np.ndarray, stop: np.ndarray) -> None: ...
-
-
-def bad_words_token_ids(tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
-    """Token sequences of ``bad_words``: each word both bare and with a leading space.
-
-    A word is banned where it starts the text (encoded as is, left-stripped)
-    and mid-text after a space (encoded with one leading space), whatever
-    the token counts of the two (a byte-level BPE often spells the bare
-    word in more tokens than the spaced one: SmolLM2's "beautiful" is two
-    tokens, " beautiful" one). vLLM's ``SamplingParams.update_from_tokenizer``
-    makes the same two encodings but drops a spaced one of another length,
-    which lets " beautiful" through; here both are kept (an identical
-    second one once).
-
-    Returns:
-      one or two token-id lists per word, in order.
-    """
-    out: list[list[int]] = []
-    for word in bad_words:
-        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        out.append(plain)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        if spaced != plain:
-            out.append(spaced)
-    return out
 
 
 @dataclasses.dataclass
@@ -82,31 +57,20 @@ class SequenceSampling:
 
 
 def make_sequence_sampling(params: SamplingParams, seed: int, stop_ids: Sequence[int], vocab_size: int,
-                           tokenizer=None) -> SequenceSampling:
-    """Validate and precompute one sequence's host sampling state.
+                           bad_words: Sequence[Sequence[int]] = ()) -> SequenceSampling:
+    """Precompute one sequence's host sampling state.
 
     The bias row adds ``logit_bias``, puts -inf outside ``allowed_token_ids``
-    and on single-token bad words.
+    and on single-token bad words. The front end has checked every id
+    against the vocabulary and the number of multi-token bad words against
+    ``sampling.MAX_BANNED_IDS`` (``jaxllm.input_processor``).
 
-    Raises:
-      ValueError: ``bad_words`` without a tokenizer, a bad word that encodes
-        to no token or to ids outside the vocabulary, or more than
-        ``MAX_BANNED_IDS`` multi-token bad-word sequences.
+    Args:
+      bad_words: the bad words' token-id lists (``input_processor.bad_words_token_ids``).
     """
-    words: list[list[int]] = []
-    if params.bad_words:
-        if tokenizer is None:
-            raise ValueError("SamplingParams.bad_words needs a tokenizer; this model has none")
-        words = bad_words_token_ids(tokenizer, params.bad_words)
-        if any(not w or not all(0 <= t < vocab_size for t in w) for w in words):
-            raise ValueError(f"SamplingParams.bad_words={params.bad_words!r} encodes to no token or out-of-vocabulary ids")
-    multi = [w for w in words if len(w) > 1]
-    if len(multi) > MAX_BANNED_IDS:
-        raise ValueError(
-            f"SamplingParams.bad_words gives {len(multi)} multi-token sequences; at most {MAX_BANNED_IDS} are supported"
-        )
+    multi = [list(w) for w in bad_words if len(w) > 1]
     bias = None
-    single = [w[0] for w in words if len(w) == 1]
+    single = [w[0] for w in bad_words if len(w) == 1]
     if params.logit_bias or params.allowed_token_ids is not None or single:
         bias = np.zeros(vocab_size, np.float32)
         if params.allowed_token_ids is not None:

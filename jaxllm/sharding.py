@@ -13,7 +13,7 @@ jax-llm-examples (``llama3/llama3_jax/model.py``): each parameter names its logi
 logical axes to mesh axes; nothing else in the model mentions sharding.
 
 The mesh has two axes: ``data`` (engine replicas, each with its own scheduler
-and KV cache, see ``jaxllm.replicas``) and ``model`` (tensor parallelism
+and KV cache, one engine-core process each, see ``jaxllm.core_client``) and ``model`` (tensor parallelism
 inside one replica). The model step is a ``jax.jit`` over arrays carrying
 ``NamedSharding``s, except attention, which runs per device under
 ``shard_map`` over ``model`` (:meth:`ModelSharding.attention_ops`): each

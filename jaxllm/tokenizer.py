@@ -20,7 +20,6 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as _Backend
 
 from jaxllm.config import eos_token_ids
-from jaxllm.loader.gguf import gguf_has_tokenizer, gguf_tokenizer_metadata
 
 # llama.cpp token types (`tokenizer.ggml.token_type`).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
@@ -116,6 +115,8 @@ class Tokenizer:
         Raises:
             ValueError: the file has no tokenizer, or its tokenizer model is neither "gpt2" nor "llama".
         """
+        from jaxllm.loader.gguf import gguf_tokenizer_metadata  # the loader package imports JAX
+
         meta = gguf_tokenizer_metadata(path)
         kind = meta.get("model")
         if kind == "gpt2":
@@ -211,6 +212,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
     it ships none: such a model takes token-id prompts, and its eos ids come from its configs."""
     path = pathlib.Path(path)
     if path.is_file():
+        from jaxllm.loader.gguf import gguf_has_tokenizer  # the loader package imports JAX
+
         return Tokenizer.from_gguf(path) if gguf_has_tokenizer(path) else None
     if (path / "tokenizer.json").is_file():
         return Tokenizer.from_pretrained(path)

@@ -82,10 +82,12 @@ def _num_splits(num_programs: int, num_chunks: int) -> int:
     jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "block_k", "num_splits")
 )
 def _paged_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale,
+    q, k_cache, v_cache, block_tables, seq_lens, k_scale=None, v_scale=None,
     *, scale, sliding_window, soft_cap, interpret, block_k, num_splits,
 ):
     _flash.check_attention_shapes(q, k_cache, v_cache, block_tables)
+    ones = jnp.ones(k_cache.shape[2], jnp.float32)  # an unquantized cache
+    k_scale, v_scale = ones if k_scale is None else k_scale, ones if v_scale is None else v_scale
     num_seq_rows, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -184,10 +186,8 @@ def paged_attention(
       ValueError: mismatched shapes, num_q_heads not a multiple of
         num_kv_heads, or head_dim not a power of two >= 16.
     """
-    ones = jnp.ones(k_cache.shape[2], jnp.float32)
     return _paged_attention(
-        q, k_cache, v_cache, block_tables, seq_lens,
-        ones if k_scale is None else k_scale, ones if v_scale is None else v_scale,
+        q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale,
         scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
         block_k=BLOCK_K, num_splits=None,
     )

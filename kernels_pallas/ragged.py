@@ -102,10 +102,12 @@ def _ragged_kernel(
     jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "block_m", "block_k")
 )
 def _ragged_paged_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale,
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale=None, v_scale=None,
     *, scale, sliding_window, soft_cap, interpret, block_m, block_k,
 ):
     _flash.check_attention_shapes(q, k_cache, v_cache, block_tables)
+    ones = jnp.ones(k_cache.shape[2], jnp.float32)  # an unquantized cache
+    k_scale, v_scale = ones if k_scale is None else k_scale, ones if v_scale is None else v_scale
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seq_rows = block_tables.shape[0]
@@ -202,10 +204,8 @@ def ragged_paged_attention(
       ValueError: mismatched shapes, num_q_heads not a multiple of
         num_kv_heads, or head_dim not a power of two >= 16.
     """
-    ones = jnp.ones(k_cache.shape[2], jnp.float32)
     return _ragged_paged_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-        ones if k_scale is None else k_scale, ones if v_scale is None else v_scale,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale,
         scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
         block_m=BLOCK_M, block_k=BLOCK_K,
     )

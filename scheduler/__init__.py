@@ -7,12 +7,14 @@ from scheduler.batch import BatchDescriptor, build_batch
 from scheduler.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from scheduler.buckets import BucketTable, geometric_ladder
 from scheduler.config import SchedulerConfig
+from scheduler.degradation import DegradationController, GracefulDegradation
+from scheduler.diagnostics import kv_cache_report
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import PersistentBatch
-from scheduler.policy import AgingPolicy, FCFSPolicy, Policy, PriorityPolicy, SJFPolicy, get_policy
+from scheduler.policy import AgingPolicy, FCFSPolicy, LoadAwarePolicy, Policy, PriorityPolicy, SJFPolicy, get_policy
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler, UnknownRequestError
 
 __all__ = [
@@ -20,10 +22,13 @@ __all__ = [
     "BatchDescriptor",
     "BlockPool",
     "BucketTable",
+    "DegradationController",
     "FCFSPolicy",
     "FreeBlockQueue",
+    "GracefulDegradation",
     "KVBlock",
     "KVCacheManager",
+    "LoadAwarePolicy",
     "PersistentBatch",
     "Policy",
     "PriorityPolicy",
@@ -36,8 +41,10 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "StructuredOutputsParams",
     "UnknownRequestError",
     "build_batch",
     "geometric_ladder",
     "get_policy",
+    "kv_cache_report",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Union
 
+from scheduler.degradation import GracefulDegradation
 from scheduler.policy import POLICIES, Policy
 
 _PREEMPTION_MODES = ("recompute", "swap")
@@ -29,7 +30,8 @@ class SchedulerConfig:
       long_prefill_token_threshold: cap on one request's prefill tokens per
         step so long prompts leave room for others; 0 disables it, and so
         does ``enable_chunked_prefill=False``.
-      scheduling_policy: "fcfs", "priority", "sjf", "aging", or a ``Policy``.
+      scheduling_policy: "fcfs", "priority", "sjf", "aging", "load_aware", or a
+        ``Policy``.
       preemption_mode: "recompute" (free blocks, recompute later) or "swap"
         (copy blocks to the host pool and back).
       num_host_blocks: host blocks for swap mode, >= 0; a victim that does
@@ -39,6 +41,11 @@ class SchedulerConfig:
         tokens on the device; see ``Scheduler``).
       aging_rate: for "aging": priority units gained per second of waiting,
         >= 0.
+      graceful_degradation: lower the effective ``max_num_seqs`` and prefill
+        token budget under KV pressure and restore them when calm
+        (``scheduler.degradation``); True uses the default
+        ``GracefulDegradation`` thresholds, an instance its own, False turns
+        it off.
 
     Raises:
       ValueError: a field out of range; the message names the field, the value
@@ -58,6 +65,7 @@ class SchedulerConfig:
     num_host_blocks: int = 0
     aging_rate: float = 1.0
     async_scheduling: bool = False
+    graceful_degradation: Union[bool, GracefulDegradation] = True
 
     def __post_init__(self) -> None:
         def bad(field: str, limit: str) -> ValueError:
@@ -84,3 +92,12 @@ class SchedulerConfig:
             raise bad("num_host_blocks", "an int >= 0")
         if not self.aging_rate >= 0:
             raise bad("aging_rate", ">= 0 (priority units per second)")
+        if not isinstance(self.graceful_degradation, (bool, GracefulDegradation)):
+            raise bad("graceful_degradation", "a bool or a GracefulDegradation")
+
+    @property
+    def degradation(self) -> "GracefulDegradation | None":
+        """The ``GracefulDegradation`` thresholds in force, None when it is off."""
+        if self.graceful_degradation is True:
+            return GracefulDegradation()
+        return self.graceful_degradation or None

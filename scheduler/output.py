@@ -163,6 +163,8 @@ class SchedulerStats:
       num_running: requests holding a batch seat.
       num_waiting: requests in the waiting queue, preempted ones included.
       num_preempted_waiting: of those, requests that were preempted.
+      num_waiting_for_fsm: of those, requests whose grammar (structured
+        output) was still compiling when last looked at.
       kv_cache_usage: fraction of non-null device blocks referenced, in [0, 1]
         (cached-but-free blocks count as free).
       prefix_cache_queries: prompt tokens looked up in the prefix cache, cumulative.
@@ -170,14 +172,19 @@ class SchedulerStats:
       num_preemptions: preemptions so far, cumulative.
       num_free_blocks: device blocks in the free queue.
       num_blocks: device blocks in all, including the null block.
+      max_num_seqs, max_num_batched_tokens: the limits in force (lower than
+        the configured ones while graceful degradation backs off).
     """
 
     num_running: int
     num_waiting: int
     num_preempted_waiting: int
+    num_waiting_for_fsm: int
     kv_cache_usage: float
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
     num_free_blocks: int
     num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int

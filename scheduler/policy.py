@@ -22,6 +22,11 @@ class Policy:
     * :meth:`may_preempt` -- whether a *waiting* request may preempt a
       running one to get a seat, tokens or blocks. The default is never.
 
+    And, before each step, :meth:`observe_load` tells it the queue (only
+    called in classes that define it): a policy whose order depends on the
+    load returns True when its order changed, and the scheduler re-sorts.
+    ``LoadAwarePolicy`` is the example.
+
     Writing your own: subclass, override :meth:`key` (and, if you like,
     :meth:`select_victim` / :meth:`may_preempt`), and pass an instance as
     ``SchedulerConfig(scheduling_policy=MyPolicy())``::
@@ -46,18 +51,23 @@ class Policy:
       keys_change_over_time: see above.
       preempts_for_waiting: True in any class that defines ``may_preempt``
         (set automatically); the scheduler skips the victim search otherwise.
+      observes_load: True in any class that defines ``observe_load`` (set
+        automatically).
     """
 
     name = "base"
     keys_change_over_time = True
     preempts_for_waiting = False
+    observes_load = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # Lets the scheduler skip the victim search for policies that never
-        # preempt for a waiting request, without a flag users must remember.
+        # Lets the scheduler skip the victim search (and the load report) for
+        # policies that do not use them, without a flag users must remember.
         if "may_preempt" in cls.__dict__:
             cls.preempts_for_waiting = True
+        if "observe_load" in cls.__dict__:
+            cls.observes_load = True
 
     def key(self, request: Request, now: float) -> Any:
         """Sort key at clock time ``now`` (seconds); lower = more urgent."""
@@ -69,6 +79,11 @@ class Policy:
 
     def may_preempt(self, waiting: Request, victim: Request, now: float) -> bool:
         """Whether ``waiting`` may take ``victim``'s place. Default: never."""
+        return False
+
+    def observe_load(self, num_waiting: int, num_running: int, now: float) -> bool:
+        """The queue before a step: requests waiting (preempted ones included) and running. Returns whether
+        the policy's order changed (the scheduler then re-sorts its lists). Default: ignore it."""
         return False
 
     def sort(self, requests: list[Request], now: float) -> None:
@@ -168,6 +183,72 @@ class AgingPolicy(Policy):
         return f"AgingPolicy(aging_rate={self.aging_rate})"
 
 
+class LoadAwarePolicy(Policy):
+    """FCFS under light load, priority order under heavy load, with hysteresis so it does not flap.
+
+    The load is the waiting queue (requests waiting or preempted). It runs
+    as ``fcfs`` until ``high_watermark`` or more wait, then as ``priority``
+    (urgent requests first, and they may preempt less urgent running ones)
+    until no more than ``low_watermark`` wait. The gap between the two marks
+    is the hysteresis: a queue that hovers around one mark does not switch
+    back and forth. While light, arrival order is fair and nothing is
+    preempted for priority; while heavy, priorities decide who waits.
+
+    It is also the example of a custom policy that follows the load: it
+    defines :meth:`observe_load`, and returns True when it switched so the
+    scheduler re-sorts. Use it by name (``scheduling_policy="load_aware"``,
+    the default marks) or as ``LoadAwarePolicy(high_watermark=..., low_watermark=...)``.
+
+    Args:
+      high_watermark: waiting requests at which it switches to priority, >= 1.
+      low_watermark: waiting requests at or under which it switches back to
+        fcfs, in [0, high_watermark).
+
+    Attributes:
+      mode: "fcfs" or "priority".
+      num_switches: mode changes so far.
+
+    Raises:
+      ValueError: marks out of range, naming them.
+    """
+
+    name = "load_aware"
+    keys_change_over_time = False
+
+    def __init__(self, high_watermark: int = 16, low_watermark: int = 4) -> None:
+        if not (isinstance(high_watermark, int) and isinstance(low_watermark, int)
+                and 0 <= low_watermark < high_watermark):
+            raise ValueError(f"LoadAwarePolicy: high_watermark={high_watermark!r} and low_watermark="
+                             f"{low_watermark!r} must be ints with 0 <= low_watermark < high_watermark")
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.mode = "fcfs"
+        self.num_switches = 0
+
+    def observe_load(self, num_waiting: int, num_running: int, now: float) -> bool:
+        heavy = num_waiting >= self.high_watermark if self.mode == "fcfs" else num_waiting > self.low_watermark
+        mode = "priority" if heavy else "fcfs"
+        if mode == self.mode:
+            return False
+        self.mode = mode
+        self.num_switches += 1
+        return True
+
+    def key(self, request: Request, now: float) -> tuple:
+        if self.mode == "fcfs":
+            return (request.arrival_time, request._seq)
+        return (request.priority, request.arrival_time, request._seq)
+
+    def may_preempt(self, waiting: Request, victim: Request, now: float) -> bool:
+        return self.mode == "priority" and self.key(waiting, now) < self.key(victim, now)
+
+    def sort(self, requests: list[Request], now: float) -> None:
+        requests.sort(key=_arrival_key if self.mode == "fcfs" else _priority_key)
+
+    def __repr__(self) -> str:
+        return f"LoadAwarePolicy(high_watermark={self.high_watermark}, low_watermark={self.low_watermark})"
+
+
 def _arrival_key(r: Request) -> tuple:
     return (r.arrival_time, r._seq)
 
@@ -176,11 +257,12 @@ def _priority_key(r: Request) -> tuple:
     return (r.priority, r.arrival_time, r._seq)
 
 
-POLICIES = {p.name: p for p in (FCFSPolicy, PriorityPolicy, SJFPolicy, AgingPolicy)}
+POLICIES = {p.name: p for p in (FCFSPolicy, PriorityPolicy, SJFPolicy, AgingPolicy, LoadAwarePolicy)}
 
 
 def get_policy(name_or_instance: Union[str, Policy], *, aging_rate: float = 1.0, max_model_len: int = 1 << 30) -> Policy:
-    """A ``Policy`` from its name ("fcfs", "priority", "sjf", "aging") or an instance (returned as is).
+    """A ``Policy`` from its name ("fcfs", "priority", "sjf", "aging", "load_aware") or an instance (returned as
+    is; a name gets a fresh instance with the default settings).
 
     ``aging_rate`` (priority units per second) configures "aging";
     ``max_model_len`` bounds "sjf"'s length of a request without max_tokens.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -15,16 +15,19 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its life; the ``FINISHED_*`` members are final.
 
     Follows vLLM v1 ``RequestStatus``. ``PREEMPTED`` requests sit in the
-    waiting queue until they are readmitted.
+    waiting queue until they are readmitted; so do ``WAITING_FOR_FSM`` ones,
+    whose grammar (structured output) is still being compiled, skipped by
+    admission until it is ready.
     """
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6
+    WAITING_FOR_FSM = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_IGNORED = 7
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -64,6 +67,10 @@ class Request:
         cache holds it (vLLM's flag of the same name; the engine sets it for
         prompt logprobs, which need every prompt position computed). Its
         blocks are still cached for others. May be cleared later.
+      grammar_ready: for a request under a structured-output constraint,
+        returns whether its grammar is compiled; until then the request
+        waits (``WAITING_FOR_FSM``) and others are admitted past it. None:
+        unconstrained.
 
     Attributes (beyond the arguments):
       output_token_ids: generated token ids, in order.
@@ -98,7 +105,7 @@ class Request:
         "priority", "cache_salt", "output_token_ids", "num_computed_tokens", "status",
         "stop_reason", "ignored_reason", "num_preemptions", "first_scheduled_time",
         "block_hashes", "prompt_array", "_all_token_ids", "_max_tokens", "_seq", "length_limit", "batch_row",
-        "prefill_only", "skip_reading_prefix_cache",
+        "prefill_only", "skip_reading_prefix_cache", "grammar_ready",
     )
 
     def __init__(
@@ -112,6 +119,7 @@ class Request:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         skip_reading_prefix_cache: bool = False,
+        grammar_ready: Optional[Callable[[], bool]] = None,
     ) -> None:
         prompt_array = np.array(prompt_token_ids, dtype=np.int64).reshape(-1)
         if not prompt_array.size:
@@ -132,6 +140,7 @@ class Request:
         self.priority = int(priority)
         self.cache_salt = cache_salt
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.grammar_ready = grammar_ready
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
@@ -175,6 +184,11 @@ class Request:
     def max_tokens(self) -> Optional[int]:
         """``sampling_params.max_tokens`` (None: bounded by max_model_len only)."""
         return self._max_tokens
+
+    @property
+    def use_structured_output(self) -> bool:
+        """True for a request under a structured-output constraint (it has ``grammar_ready``)."""
+        return self.grammar_ready is not None
 
     @property
     def is_finished(self) -> bool:

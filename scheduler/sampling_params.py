@@ -10,6 +10,7 @@ ranges, so code written against vLLM ports by changing the import. It lives in
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Optional, Sequence, Union
 
@@ -18,6 +19,75 @@ _GREEDY_EPS = 1e-5
 # ask for (per generated token, or per prompt token). The sampler always
 # computes this many so its shapes stay static.
 MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``); give exactly one of the first five.
+
+    The engine turns it into a grammar (``jaxllm.structured_output``) and
+    masks, every step, the tokens that cannot continue the text within it.
+
+    Attributes:
+      json: a JSON schema (a dict, or its JSON text): the output is one JSON
+        value that validates against it.
+      regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
+      choice: the output is exactly one of these strings.
+      grammar: a context-free grammar in Lark syntax (llguidance's dialect)
+        or GBNF (llama.cpp's); the output is a sentence of it.
+      json_object: any JSON object (``{"type": "object"}``).
+      disable_any_whitespace: JSON without whitespace between tokens (by
+        default any run of spaces, tabs and newlines may separate them).
+
+    Raises:
+      ValueError: no constraint or several, or one of the wrong type (an
+        empty regex, a choice list that is empty or holds a non-string, a
+        schema that is not JSON); the message names the field. A schema,
+        regex or grammar the grammar engine rejects is found by the engine
+        at ``add_request``, with the same kind of message.
+    """
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = self.kinds()
+        if len(given) != 1:
+            raise ValueError(f"SamplingParams.structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {given or 'none'}")
+
+        def bad(field: str, limit: str) -> ValueError:
+            return ValueError(f"SamplingParams.structured_outputs.{field}={getattr(self, field)!r} is invalid: "
+                              f"must be {limit}")
+
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    raise bad("json", f"a JSON schema (as a dict or JSON text): {e}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise bad("json", "a JSON schema: an object (or true/false)")
+        for field in ("regex", "grammar"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(field, "a non-empty string")
+        if self.choice is not None:
+            if (isinstance(self.choice, str) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise bad("choice", "a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    def kinds(self) -> list[str]:
+        """The constraint fields that are set (exactly one once constructed)."""
+        return [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None] + (
+            ["json_object"] if self.json_object else [])
 
 
 @dataclasses.dataclass
@@ -56,6 +126,8 @@ class SamplingParams:
       bad_words: words that may not be generated, each both bare and after
         a space, whatever the token counts of the two.
       skip_special_tokens: drop special tokens from the detokenized text.
+      structured_outputs: a ``StructuredOutputsParams`` constraint (JSON
+        schema, regex, choice, grammar) on the output, or None.
 
     Raises:
       ValueError: a field out of its range; the message names the field, the
@@ -83,6 +155,7 @@ class SamplingParams:
     allowed_token_ids: Optional[Sequence[int]] = None
     bad_words: Optional[Sequence[str]] = None
     skip_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -136,6 +209,8 @@ class SamplingParams:
             raise bad("stop", self.stop, "non-empty strings")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list or None")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

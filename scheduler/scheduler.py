@@ -17,8 +17,9 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from scheduler.block_pool import BlockPool
+from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.config import SchedulerConfig
+from scheduler.degradation import DegradationController
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import (
@@ -27,8 +28,10 @@ from scheduler.persistent_batch import (
 )
 from scheduler.policy import get_policy
 from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
 
 _RUNNING = RequestStatus.RUNNING
+_WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
 _NO_ROWS = np.zeros(0, dtype=np.intp)
 _NO_ROWS.flags.writeable = False
 _NO_COUNTS = np.zeros(0, dtype=np.int32)
@@ -116,6 +119,9 @@ class Scheduler:
       this very step (it would only evict what it just gave up). Under
       ``priority``/``aging`` a waiting request may first preempt less urgent
       running ones (never ones admitted this step).
+    * A request whose grammar is still compiling (``WAITING_FOR_FSM``, vLLM's
+      state of that name) is passed over, keeping its place in the queue,
+      and admitted like any other once ``Request.grammar_ready()`` says so.
     * With chunked prefill off, a prompt that does not fit the remaining
       budget waits for a later step.
     * A request whose tokens fill whole blocks, all cached, recomputes only
@@ -139,6 +145,11 @@ class Scheduler:
       ``add_request``. A request without ``max_tokens`` that alone fills
       the whole cache is finished as ``FINISHED_LENGTH_CAPPED`` rather than
       preempting itself forever (our addition).
+    * With ``graceful_degradation`` (``scheduler.degradation``), admissions
+      and the step's token budget follow the effective limits
+      (:attr:`max_num_seqs`, :attr:`max_num_batched_tokens`), which each
+      ``update_from_output`` adjusts to the KV pressure it sees; running
+      requests are never preempted to meet a lowered seat limit.
 
     Args:
       config: a validated ``SchedulerConfig``.
@@ -149,7 +160,9 @@ class Scheduler:
       config, policy, block_pool (``BlockPool``), kv_cache_manager
       (``KVCacheManager``), batch (``PersistentBatch``: the running
       requests' numbers as numpy rows), requests (id -> unfinished
-      ``Request``), running and waiting (``Request`` lists).
+      ``Request``), running and waiting (``Request`` lists), degradation
+      (``DegradationController``, None when off), pinned_blocks (blocks held
+      by :meth:`pin_prefix`).
     """
 
     def __init__(self, config: SchedulerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -180,6 +193,24 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
+        settings = config.degradation
+        self.degradation = None if settings is None else DegradationController(
+            settings, config.max_num_seqs, config.max_num_batched_tokens, config.num_blocks - 1,
+            lower_token_budget=config.enable_chunked_prefill,
+        )
+        self._preemptions_seen = 0
+        self.pinned_blocks: list[KVBlock] = []
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Seats in force: ``config.max_num_seqs``, or less while degraded."""
+        return self.config.max_num_seqs if self.degradation is None else self.degradation.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Token budget per step in force: ``config.max_num_batched_tokens``, or less while degraded."""
+        d = self.degradation
+        return self.config.max_num_batched_tokens if d is None else d.max_num_batched_tokens
 
     # ----------------------------------------------------------------- intake
 
@@ -208,6 +239,8 @@ class Scheduler:
             self._finished_for_update.append(request)
             return
         self.kv_cache_manager.hash_blocks(request)
+        if request.use_structured_output and not request.grammar_ready():
+            request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[rid] = request
         self.waiting.append(request)
         self._waiting_dirty = True
@@ -252,7 +285,9 @@ class Scheduler:
         del self.requests[parent_id]
         parent.status = RequestStatus.FINISHED_STOPPED
         self._num_stopped += 1
-        seats = self.config.max_num_seqs - len(self.running)
+        # The parent's own seat at least: while degradation holds the batch under its size, the first child
+        # takes over that seat rather than recomputing the prompt later.
+        seats = max(self.max_num_seqs - len(self.running), 1)
         num_forked, copies = self.kv_cache_manager.fork(parent, children[:seats])
         for child in children[:num_forked]:
             self._prepare(child)
@@ -298,7 +333,10 @@ class Scheduler:
         if len(self._pending) >= self._max_pending:
             raise RuntimeError("schedule() called again before update_from_output() of the previous output")
         now = self._clock()
-        step = _Step(self.config.max_num_batched_tokens, now)
+        if self.policy.observes_load and self.policy.observe_load(len(self.waiting), len(self.running), now):
+            self.policy.sort(self.running, now)
+            self._waiting_dirty = True
+        step = _Step(self.max_num_batched_tokens, now)
         self._schedule_running(step)
         self._schedule_waiting(step)
         out = self._emit_rows(step)
@@ -468,19 +506,27 @@ class Scheduler:
             self.policy.sort(self.waiting, step.now)
             self._waiting_dirty = False
         queue, self.waiting = self.waiting, []
+        # Requests whose grammar is still compiling, passed over in queue order.
+        unready: list[Request] = []
         i = 0
         while i < len(queue):
             req = queue[i]
+            if req.status is _WAITING_FOR_FSM:
+                if not req.grammar_ready():
+                    unready.append(req)
+                    i += 1
+                    continue
+                req.status = RequestStatus.WAITING
             if req.request_id in step.preempted_ids or not self._admit(req, step):
                 break
             i += 1
         if self.waiting:
             self._waiting_dirty = True
-        self.waiting = queue[i:] + self.waiting
+        self.waiting = unready + queue[i:] + self.waiting
 
     def _admit(self, req: Request, step: _Step) -> bool:
         while True:
-            if len(self.running) < self.config.max_num_seqs and step.budget > 0 and self._try_admit(req, step):
+            if len(self.running) < self.max_num_seqs and step.budget > 0 and self._try_admit(req, step):
                 return True
             victim = self._waiting_victim(req, step)
             if victim is None:
@@ -629,6 +675,16 @@ class Scheduler:
         _, num_stopped = self._pending.popleft()
         # The runner has done this step's copies.
         self.kv_cache_manager.release_copy_sources()
+        result = self._apply_samples(output, sampled_token_ids, num_stopped)
+        if self.degradation is not None:
+            self._observe_pressure()
+        return result
+
+    def _apply_samples(
+        self, output: SchedulerOutput, sampled_token_ids: Union[Sequence[int], np.ndarray], num_stopped: int
+    ) -> list[Request]:
+        """The body of :meth:`update_from_output` once ``output`` is popped."""
+        requests = output.requests
         result, self._finished_for_update = self._finished_for_update, []
         if not requests:
             return result
@@ -673,6 +729,42 @@ class Scheduler:
         for req in finished:
             self.running.remove(req)
         return result
+
+    def _observe_pressure(self) -> None:
+        """Feed the step's KV pressure to the degradation controller; unpin warm-up prefixes at its first back-off."""
+        new = self.num_preemptions - self._preemptions_seen
+        self._preemptions_seen = self.num_preemptions
+        idle = not self.requests
+        if self.degradation.observe(self.block_pool.num_free_blocks, new, idle) and self.pinned_blocks:
+            self.release_pinned_prefixes()
+
+    def pin_prefix(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
+        """Hold a reference on the cached full blocks that prefix ``token_ids``, so LRU eviction leaves them alone.
+
+        For the prefix-cache warm-up (``preload_prompts``): the engine computes
+        a common prompt, then pins its blocks. Pinned blocks count as used.
+        Under KV pressure graceful degradation releases them
+        (:meth:`release_pinned_prefixes`), and without it nothing is pinned:
+        they stay ordinary cache entries, revivable until evicted.
+
+        Returns:
+          the blocks newly pinned (0 when degradation is off, or the prefix is not cached).
+        """
+        if self.degradation is None:
+            return 0
+        probe = Request("pin-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
+        blocks, _ = self.kv_cache_manager.get_computed_blocks(probe)
+        held = {b.block_id for b in self.pinned_blocks}
+        new = [b for b in blocks if b.block_id not in held]
+        self.block_pool.touch(new)
+        self.pinned_blocks += new
+        return len(new)
+
+    def release_pinned_prefixes(self) -> None:
+        """Drop the pins of :meth:`pin_prefix`: the blocks become ordinary LRU cache entries (a prefix's head is
+        evicted last)."""
+        blocks, self.pinned_blocks = self.pinned_blocks, []
+        self.block_pool.free_blocks(reversed(blocks))
 
     def _stop_status(self, req: Request, token: int) -> Optional[RequestStatus]:
         sp = req.sampling_params
@@ -779,10 +871,13 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preempted_waiting=sum(1 for r in self.waiting if r.status == RequestStatus.PREEMPTED),
+            num_waiting_for_fsm=sum(1 for r in self.waiting if r.status is _WAITING_FOR_FSM),
             kv_cache_usage=self.block_pool.usage,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_free_blocks=self.block_pool.num_free_blocks,
             num_blocks=self.block_pool.num_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )

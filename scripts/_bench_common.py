@@ -243,7 +243,8 @@ def make_workload(args: argparse.Namespace, vocab: int, *, token_seed: int) -> W
     return Workload(prompts, [int(o) for o in output_lens])
 
 
-def engine_kwargs(args: argparse.Namespace, batching: str, quantized: bool = True) -> dict[str, Any]:
+def engine_kwargs(args: argparse.Namespace, batching: str, graceful_degradation: bool = True,
+                  quantized: bool = True) -> dict[str, Any]:
     """``LLM``/``LLMEngine`` keyword arguments from the flags (``--quantization`` and
     ``--kv-cache-dtype`` unless ``quantized`` is False)."""
     max_model_len = args.max_model_len or (args.input_len[1] + args.output_len[1])
@@ -253,7 +254,7 @@ def engine_kwargs(args: argparse.Namespace, batching: str, quantized: bool = Tru
         dtype=args.dtype, seed=args.seed, batching=batching, metrics_port=args.metrics_port,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size, token_buckets=args.token_buckets,
-        seq_buckets=args.seq_buckets, width_buckets=args.width_buckets,
+        seq_buckets=args.seq_buckets, width_buckets=args.width_buckets, graceful_degradation=graceful_degradation,
         **(dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype) if quantized else {}),
     )
 

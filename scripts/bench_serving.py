@@ -1,8 +1,11 @@
-"""Online serving latency under Poisson arrivals, through the engine API (vLLM's benchmark_serving, in process).
+"""Online serving latency under Poisson arrivals, through the engine API in process or a running server over HTTP
+(vLLM's benchmark_serving).
 
 Usage: python scripts/bench_serving.py [--request-rate R|inf] [--burstiness B] [--batching continuous|static]
-           [--compare] [--model PATH] [--num-requests N] [--input-len MIN MAX] [--output-len MIN MAX]
-           [--max-num-seqs B] [--output-json FILE] [--metrics-port PORT] [--random-weights]
+           [--compare | --compare-degradation] [--no-graceful-degradation] [--model PATH] [--num-requests N]
+           [--input-len MIN MAX] [--output-len MIN MAX] [--max-num-seqs B] [--num-kv-blocks N]
+           [--output-json FILE] [--metrics-port PORT] [--random-weights]
+       python scripts/bench_serving.py --base-url http://HOST:PORT [--model PATH] [--request-rate R|inf] ...
 
 Requests arrive at ``--request-rate`` per second (``inf``: all at once) with
 gamma-distributed gaps of shape ``--burstiness`` (1 = Poisson, as vLLM's
@@ -17,17 +20,36 @@ queue.
 
 Reports TTFT, TPOT (decode time per output token after the first), inter-token
 latency (ITL), end-to-end latency and queue time (mean, p50, p90, p99,
-seconds), request and output-token throughput, the largest number of running
-requests, preemptions, and KV memory efficiency (fraction of allocated KV
-slots holding live tokens). ``--compare`` runs continuous and static batching
-on the same arrivals and prints the improvement of continuous over static in
-%: positive means continuous is better, whichever direction is better for
-that metric (throughputs: higher; latencies: lower).
+seconds), engine step times (the board's step delay), request and
+output-token throughput, the largest number of running requests,
+preemptions, and KV memory efficiency (fraction of allocated KV slots
+holding live tokens). ``--compare`` runs continuous and static batching on
+the same arrivals and prints the improvement of continuous over static in %:
+positive means continuous is better, whichever direction is better for that
+metric (throughputs: higher; latencies: lower). ``--compare-degradation``
+does the same for continuous batching with graceful degradation on and off
+(``EngineConfig.graceful_degradation``); it matters at a rate that overloads
+the engine with a KV cache too small for every seat
+(``--request-rate 4 --num-kv-blocks 40``, say): compare preemptions, P99
+E2E latency and throughput. Under overload every number is noisy (queueing
+amplifies small timing differences): repeat runs before concluding.
+
+``--base-url`` measures a running ``jaxllm serve`` (or any OpenAI-compatible
+server) instead: the same requests, as token-id prompts, streamed from
+``/v1/completions`` by an asyncio client, and the same table. A token's time
+is when its server-sent event arrived (one event per engine step and
+request); queue time and the KV-cache figures are the server's business and
+show as "-", preemptions and compilations are read from its ``/metrics``.
+``--model`` must name the served model (its vocabulary draws the prompts);
+start the server with the engine flags the in-process run would use (for the
+default workload: ``jaxllm serve --max-model-len 192 --max-num-seqs 8``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -53,8 +75,9 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> np.nda
     return np.cumsum(gaps)
 
 
-def serve(engine, workload: Workload, offsets: np.ndarray, prefix: str) -> dict[str, dict]:
-    """Feed the requests at their arrival times while stepping ``engine``; returns per-request timings.
+def serve(engine, workload: Workload, offsets: np.ndarray, prefix: str) -> tuple[dict[str, dict], list[float]]:
+    """Feed the requests at their arrival times while stepping ``engine``; returns per-request timings and the
+    wall time of every engine step (seconds).
 
     Each record holds ``arrival``, ``token_times`` (one per output token,
     when the step that made it returned), ``first_scheduled`` and
@@ -65,6 +88,7 @@ def serve(engine, workload: Workload, offsets: np.ndarray, prefix: str) -> dict[
     start = time.monotonic()
     arrivals = start + offsets
     records: dict[str, dict] = {}
+    step_seconds: list[float] = []
     i, n = 0, len(workload.prompts)
     while i < n or engine.has_unfinished_requests():
         now = time.monotonic()
@@ -77,18 +101,21 @@ def serve(engine, workload: Workload, offsets: np.ndarray, prefix: str) -> dict[
         if not engine.has_unfinished_requests():
             time.sleep(max(arrivals[i] - now, 0.0))
             continue
+        stepped = time.monotonic()
         outputs = engine.step()
         now = time.monotonic()
+        step_seconds.append(now - stepped)
         for out in outputs:
             rec = records[out.request_id]
             rec["token_times"].extend([now] * len(out.delta_token_ids))
             if out.finished:
                 rec["finished"] = now
                 rec["first_scheduled"] = out.metrics["first_scheduled_time"]
-    return records
+    return records, step_seconds
 
 
-def summarize(records: dict[str, dict], run: dict, batching: str) -> dict:
+def summarize(records: dict[str, dict], run: dict, batching: str, graceful_degradation: Optional[bool] = None,
+              step_seconds: Optional[list[float]] = None) -> dict:
     """Latency percentiles and throughputs from :func:`serve`'s records (seconds, tokens)."""
     ttft, tpot, itl, e2e, queue = [], [], [], [], []
     for rid, rec in records.items():
@@ -97,7 +124,8 @@ def summarize(records: dict[str, dict], run: dict, batching: str) -> dict:
             raise RuntimeError(f"request {rid} produced no token (refused as too long for the KV cache?)")
         ttft.append(times[0] - rec["arrival"])
         e2e.append(rec["finished"] - rec["arrival"])
-        queue.append(rec["first_scheduled"] - rec["arrival"])
+        if rec["first_scheduled"] is not None:
+            queue.append(rec["first_scheduled"] - rec["arrival"])
         if len(times) > 1:
             tpot.append((times[-1] - times[0]) / (len(times) - 1))
             itl.extend(np.diff(times).tolist())
@@ -105,12 +133,12 @@ def summarize(records: dict[str, dict], run: dict, batching: str) -> dict:
     duration = max(r["finished"] for r in records.values()) - start
     output_tokens = sum(len(r["token_times"]) for r in records.values())
     return dict(
-        batching=batching, num_requests=len(records), duration_s=duration,
+        batching=batching, graceful_degradation=graceful_degradation, num_requests=len(records), duration_s=duration,
         request_throughput=len(records) / duration, output_throughput=output_tokens / duration,
         num_output_tokens=output_tokens,
         **common.percentiles(ttft, "ttft_s"), **common.percentiles(tpot, "tpot_s"),
         **common.percentiles(itl, "itl_s"), **common.percentiles(e2e, "e2e_s"),
-        **common.percentiles(queue, "queue_s"),
+        **common.percentiles(queue, "queue_s"), **common.percentiles(step_seconds or [], "step_s"),
         max_concurrency=run["max_num_running"], num_preemptions=run["num_preemptions"],
         kv_live_slot_fraction=run["kv_live_slot_fraction"], mean_kv_cache_usage=run["mean_kv_cache_usage"],
         peak_kv_cache_usage=run["peak_kv_cache_usage"], compilations=run["compilations"],
@@ -120,9 +148,75 @@ def summarize(records: dict[str, dict], run: dict, batching: str) -> dict:
 RATE_FRACTION = 0.7  # of the measured capacity, when --request-rate is not given
 
 
+async def _stream_one(client, model_name: str, prompt: list[int], max_tokens: int, arrival: float) -> dict:
+    """Send one streaming completion at ``arrival`` (monotonic seconds); its timings as :func:`serve` records them."""
+    await asyncio.sleep(max(arrival - time.monotonic(), 0.0))
+    record = dict(arrival=arrival, token_times=[], first_scheduled=None, finished=None)
+    body = dict(model=model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True)
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"the server answered {response.status_code}: {(await response.aread()).decode()}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                record["token_times"].append(time.monotonic())
+    record["finished"] = time.monotonic()
+    return record
+
+
+def serve_http(base_url: str, model_name: str, workload: Workload, offsets: np.ndarray) -> dict[str, dict]:
+    """:func:`serve` against a server: every request streamed from ``/v1/completions`` at its arrival time."""
+    import httpx
+
+    async def run_all() -> list[dict]:
+        limits = httpx.Limits(max_connections=len(workload.prompts) + 1, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
+            start = time.monotonic()
+            return await asyncio.gather(*(
+                _stream_one(client, model_name, prompt, n, start + offset)
+                for prompt, n, offset in zip(workload.prompts, workload.output_lens, offsets)))
+
+    return {f"http-{i}": record for i, record in enumerate(asyncio.run(run_all()))}
+
+
+def _scrape(base_url: str) -> dict[str, float]:
+    """The unlabelled series of the server's ``/metrics``."""
+    import httpx
+
+    values = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name and not name.startswith("#") and "{" not in name:
+            values[name] = float(value)
+    return values
+
+
+def run_http(base_url: str, args: argparse.Namespace, workload: Workload, warmup: Workload,
+             rate: Optional[float]) -> tuple[dict, float, float]:
+    """:func:`run` against a running server: its warm-up measures capacity, then the workload at ``rate``."""
+    import httpx
+
+    model_name = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    start = time.perf_counter()
+    serve_http(base_url, model_name, warmup, np.zeros(len(warmup.prompts)))
+    capacity = len(warmup.prompts) / (time.perf_counter() - start)
+    rate = RATE_FRACTION * capacity if rate is None else rate
+    before = _scrape(base_url)
+    records = serve_http(base_url, model_name, workload, arrival_offsets(len(workload.prompts), rate,
+                                                                          args.burstiness, args.seed))
+    after = _scrape(base_url)
+
+    def delta(name: str) -> Optional[int]:
+        return int(after[name] - before[name]) if name in after and name in before else None
+
+    run_stats = dict(max_num_running=None, num_preemptions=delta("jaxllm:num_preemptions_total"),
+                     kv_live_slot_fraction=None, mean_kv_cache_usage=None, peak_kv_cache_usage=None,
+                     compilations=delta("jaxllm:compilations_total"))
+    return summarize(records, run_stats, f"server {base_url}"), rate, capacity
+
+
 def run(model: Path, args: argparse.Namespace, workload: Workload, warmup: Workload, batching: str,
-        rate: Optional[float]) -> tuple[dict, float, float]:
-    """Warm up, then serve the workload under ``batching`` at ``rate`` requests/s.
+        rate: Optional[float], graceful_degradation: bool = True) -> tuple[dict, float, float]:
+    """Warm up, then serve the workload under ``batching`` (and ``graceful_degradation``) at ``rate`` requests/s.
 
     ``rate`` None: ``RATE_FRACTION`` of the capacity the warm-up measured
     (its requests, all queued at once, over its seconds). Returns the
@@ -130,7 +224,7 @@ def run(model: Path, args: argparse.Namespace, workload: Workload, warmup: Workl
     """
     from jaxllm import LLM, SamplingParams
 
-    llm = LLM(model=model, **common.engine_kwargs(args, batching))
+    llm = LLM(model=model, **common.engine_kwargs(args, batching, graceful_degradation))
     llm.engine.wait_for_warmup()  # every program built before the clock starts
     try:
         start = time.perf_counter()
@@ -140,8 +234,9 @@ def run(model: Path, args: argparse.Namespace, workload: Workload, warmup: Workl
         rate = RATE_FRACTION * capacity if rate is None else rate
         llm.engine.metrics.begin_run()
         offsets = arrival_offsets(len(workload.prompts), rate, args.burstiness, args.seed)
-        records = serve(llm.engine, workload, offsets, prefix=f"{batching}-")
-        return summarize(records, llm.engine.metrics.run_summary(), batching), rate, capacity
+        records, step_seconds = serve(llm.engine, workload, offsets, prefix=f"{batching}-")
+        summary = summarize(records, llm.engine.metrics.run_summary(), batching, graceful_degradation, step_seconds)
+        return summary, rate, capacity
     finally:
         llm.engine.metrics.close()
 
@@ -157,6 +252,9 @@ _REPORT = [  # (label, key, higher is better)
     ("mean E2E latency (s)", "e2e_s_mean", False),
     ("P99 E2E latency (s)", "e2e_s_p99", False),
     ("mean queue time (s)", "queue_s_mean", False),
+    ("P99 queue time (s)", "queue_s_p99", False),
+    ("P50 engine step (s)", "step_s_p50", False),
+    ("P99 engine step (s)", "step_s_p99", False),
     ("memory efficiency (live KV slots)", "kv_live_slot_fraction", True),
     ("mean KV cache usage", "mean_kv_cache_usage", None),
     ("max concurrency (running reqs)", "max_concurrency", None),
@@ -165,33 +263,42 @@ _REPORT = [  # (label, key, higher is better)
 ]
 
 
-def improvement(cont: float, static: float, higher_is_better: bool) -> str:
-    """Continuous over static, in %: positive means continuous is better
-    (``(cont - static) / static`` when higher is better, ``(static - cont) / static`` when lower is)."""
-    if static in (None, 0) or cont is None:
+def improvement(first: float, second: float, higher_is_better: bool) -> str:
+    """The first run over the second, in %: positive means the first is better
+    (``(first - second) / second`` when higher is better, ``(second - first) / second`` when lower is)."""
+    if second in (None, 0) or first is None:
         return "-"
-    change = (cont - static) / static if higher_is_better else (static - cont) / static
+    change = (first - second) / second if higher_is_better else (second - first) / second
     return f"{100 * change:+.1f}%"
 
 
-def print_tables(results: list[dict]) -> None:
-    for r in results:
-        print(f"\n{r['batching']} batching: {r['num_requests']} requests in {r['duration_s']:.1f} s")
+def label(result: dict) -> str:
+    """A run's name in the tables: its batching, and its graceful degradation when that was compared."""
+    degradation = result.get("graceful_degradation")
+    return result["batching"] + ("" if degradation is None else f", degradation {'on' if degradation else 'off'}")
+
+
+def print_tables(results: list[dict], show_degradation: bool = False) -> None:
+    names = [label(r) if show_degradation else r["batching"] for r in results]
+    for r, name in zip(results, names):
+        print(f"\n{name} batching: {r['num_requests']} requests in {r['duration_s']:.1f} s")
         rows = [[m, r[f"{m}_mean"], r[f"{m}_p50"], r[f"{m}_p90"], r[f"{m}_p99"]]
-                for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")]
+                for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "step_s")]
         print(common.format_table(["seconds", "mean", "p50", "p90", "p99"], rows))
+        live = r["kv_live_slot_fraction"]
         print(f"request throughput {r['request_throughput']:.3f} req/s, output {r['output_throughput']:.1f} tok/s, "
-              f"max concurrency {r['max_concurrency']}, preemptions {r['num_preemptions']}, "
-              f"live KV fraction {r['kv_live_slot_fraction']:.3f}, compilations {r['compilations']}")
+              f"max concurrency {r['max_concurrency'] if r['max_concurrency'] is not None else '-'}, "
+              f"preemptions {r['num_preemptions']}, live KV fraction {'-' if live is None else f'{live:.3f}'}, "
+              f"compilations {r['compilations']}")
     if len(results) == 2:
-        cont, static = results
-        rows = [[label, {True: "higher", False: "lower", None: "-"}[better], cont[key], static[key],
-                 improvement(cont[key], static[key], better) if better is not None else "-"]
-                for label, key, better in _REPORT]
+        first, second = results
+        rows = [[metric, {True: "higher", False: "lower", None: "-"}[better], first[key], second[key],
+                 improvement(first[key], second[key], better) if better is not None else "-"]
+                for metric, key, better in _REPORT]
         print()
-        print(common.format_table(["metric", "better", "continuous", "static", "improvement"], rows))
-        print("improvement: continuous over static; positive = continuous better in the metric's better "
-              "direction (a lower latency or a higher throughput), negative = static better")
+        print(common.format_table(["metric", "better", *names, "improvement"], rows))
+        print(f"improvement: {names[0]} over {names[1]}; positive = {names[0]} better in the metric's better "
+              f"direction (a lower latency or a higher throughput), negative = {names[1]} better")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -203,12 +310,29 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     parser.add_argument("--batching", choices=["continuous", "static"], default="continuous")
     parser.add_argument("--compare", action="store_true", help="run continuous and static at the same arrivals")
+    parser.add_argument("--graceful-degradation", action=argparse.BooleanOptionalAction, default=True,
+                        help="EngineConfig.graceful_degradation (default on)")
+    parser.add_argument("--compare-degradation", action="store_true",
+                        help="run continuous batching with graceful degradation on, then off, at the same arrivals")
+    parser.add_argument("--base-url", default=None,
+                        help="measure the server running at this URL (http://HOST:PORT) instead of an engine in "
+                             "this process; --model names the served model")
     args = parser.parse_args(argv)
+    if args.base_url and (args.compare or args.compare_degradation):
+        parser.error("--compare and --compare-degradation run engines in process; they do not apply to --base-url")
+    if args.compare and args.compare_degradation:
+        parser.error("--compare and --compare-degradation: choose one")
     common.validate_ranges(parser, args)
     device_note = common.simulate_cpu_devices(args)
     if (args.request_rate is not None and args.request_rate <= 0) or args.burstiness <= 0:
         parser.error("--request-rate and --burstiness must be > 0")
-    modes = ("continuous", "static") if args.compare else (args.batching,)
+    modes = [(args.batching, args.graceful_degradation)]
+    if args.compare:
+        modes = [("continuous", args.graceful_degradation), ("static", args.graceful_degradation)]
+    if args.compare_degradation:
+        modes = [("continuous", True), ("continuous", False)]
+    if args.base_url:
+        modes = [("server", None)]
     with common.temporary_workdir() as workdir:
         model = common.resolve_model(args, Path(workdir))
         vocab = common.vocab_size(model)
@@ -216,8 +340,12 @@ def main(argv: list[str] | None = None) -> dict:
         warmup = common.make_workload(args, vocab, token_seed=2)
         results, rate, measured = [], args.request_rate, None
         rate_note = f"request rate {rate} req/s (--request-rate)"
-        for mode in modes:
-            result, used, capacity = run(model, args, workload, warmup, mode, rate)
+        for mode, degradation in modes:
+            if args.base_url:
+                result, used, capacity = run_http(args.base_url.rstrip("/"), args, workload, warmup, rate)
+            else:
+                result, used, capacity = run(model, args, workload, warmup, mode, rate, degradation)
+            result["measured_capacity"] = capacity
             if rate is None:
                 rate, measured = used, capacity
                 rate_note = (f"request rate {rate:.3f} req/s = {RATE_FRACTION:.0%} of the capacity {capacity:.3f} "
@@ -230,7 +358,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"max_num_seqs {args.max_num_seqs}")
     host = common.host_info()
     print(f"host: {host['cpu_count']} CPUs, 1-minute load average {host['load_avg_1m']:.1f} at the end")
-    print_tables(results)
+    capacities = ", ".join(f"{r['measured_capacity']:.3f}" for r in results)
+    print(f"capacity measured by each warm-up (req/s, all its requests queued at once): {capacities}")
+    print_tables(results, show_degradation=args.compare_degradation)
     if device_note:
         print(device_note)
     # JSON has no infinity; "inf" is what the flag takes.

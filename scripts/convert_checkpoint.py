@@ -24,7 +24,7 @@ from pathlib import Path
 # Import this checkout's jaxllm/, not whatever an editable install points at.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxllm.engine import resolve_dtype  # noqa: E402
+from jaxllm.engine_core import resolve_dtype  # noqa: E402
 from jaxllm.loader import load_model  # noqa: E402
 from jaxllm.loader.orbax import save_checkpoint  # noqa: E402
 

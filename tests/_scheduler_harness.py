@@ -140,7 +140,7 @@ def check_block_invariants(sched: Scheduler) -> None:
     """Every non-null block is free xor referenced, with ref_cnt == number of tables holding it
     plus the pins of pending copies' sources."""
     pool, kv = sched.block_pool, sched.kv_cache_manager
-    holders = Counter(b.block_id for b in kv.copy_sources)
+    holders = Counter(b.block_id for b in kv.copy_sources + sched.pinned_blocks)
     for rid, blocks in kv.req_to_blocks.items():
         assert len({b.block_id for b in blocks}) == len(blocks), f"{rid} holds a block twice"
         assert [b.block_id for b in blocks] == kv.req_to_block_ids[rid]

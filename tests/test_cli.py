@@ -205,3 +205,19 @@ def test_issue11_cli_jaxllm_generate_subcommand(stories_dir):
     assert proc.stdout.strip() == STORIES_SENTENCE
     typo = _cli("generate", "--model", str(stories_dir), "--max-token", "4", module="jaxllm.cli")
     assert typo.returncode == 2 and "unrecognized arguments: --max-token 4" in typo.stderr
+
+
+def test_serve_help_has_a_flag_for_every_engine_config_field_and_bad_flags_exit_2(stories_dir):
+    import dataclasses
+
+    from jaxllm.config import EngineConfig
+
+    helped = _cli("serve", "--help", module="jaxllm.cli")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: jaxllm serve ")
+    for flag in ["--host", "--port", "--api-key", "--served-model-name", "--max-waiting-requests",
+                 "--shutdown-timeout"] + [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(EngineConfig)]:
+        assert re.search(rf"^  {flag}\b", helped.stdout, re.M), flag
+    bad = _cli("serve", str(stories_dir), "--max-num-seqs", "0", module="jaxllm.cli")
+    assert bad.returncode == 2 and "error: --max-num-seqs 0 must be a positive int" in bad.stderr
+    missing = _cli("serve", str(stories_dir / "missing"), module="jaxllm.cli")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr

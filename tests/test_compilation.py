@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 from jax import monitoring
 
-from jaxllm import SamplingParams
+from jaxllm import SamplingParams, StructuredOutputsParams
 from jaxllm.engine import LLMEngine
 
 _EVENTS: list[str] = []
@@ -51,17 +54,28 @@ def tiny_moe_dir(tmp_path_factory):
     return folder
 
 
-# The tiny MoE routes every step's tokens to other experts (random prompts, random samples): the
-# dispatch has fixed shapes, so routing never compiles. The swap case runs quantized: int8 weights
-# and a float8 KV cache (held as uint8 bits on CPU, with calibrated scales), swapped out and in
-# (block copies do not depend on the cache dtype; one case for both keeps the suite's time).
+# Structured-output requests mixed into the waves: (wave, constraint, n, temperature).
+STRUCTURED = [
+    (1, StructuredOutputsParams(choice=["yes", "no", "maybe"]), 1, 0.0),
+    (2, StructuredOutputsParams(regex=r"[a-z]{2,6}( [a-z]{2,6}){1,3}\."), 2, 1.0),
+    (4, StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 9}},
+                                      "required": ["n"], "additionalProperties": False},
+                                disable_any_whitespace=True), 1, 1.0),
+]
+# The swap case runs quantized: int8 weights and a float8 KV cache (held as uint8 bits on CPU, with
+# calibrated scales), swapped out and in (block copies do not depend on the cache dtype; one case for
+# both keeps the suite's time).
 QUANTIZED = dict(quantization="int8", kv_cache_dtype="fp8_e4m3")
 
 
+# The tiny MoE (no tokenizer, so no structured requests) routes every step's tokens to other
+# experts (random prompts, random samples): the dispatch has fixed shapes, so routing never compiles.
 @pytest.mark.parametrize("model, preemption_mode, quant", [
-    ("tiny_llama_dir", "recompute", {}), ("tiny_llama_dir", "swap", QUANTIZED), ("tiny_moe_dir", "recompute", {})],
-    ids=["llama-recompute", "llama-swap-int8-fp8kv", "moe-recompute"])
+    ("stories_dir", "recompute", {}), ("stories_dir", "swap", QUANTIZED), ("tiny_moe_dir", "recompute", {})],
+    ids=["stories-recompute", "stories-swap-int8-fp8kv", "moe-recompute"])
 def test_mixed_workload_after_warmup_triggers_zero_compilations(request, model, preemption_mode, quant):
+    structured_requests = STRUCTURED if model == "stories_dir" else []
     engine = LLMEngine(
         request.getfixturevalue(model), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, block_size=8,
         num_kv_blocks=24, preemption_mode=preemption_mode, num_host_blocks=64, compilation_cache=None,
@@ -82,6 +96,10 @@ def test_mixed_workload_after_warmup_triggers_zero_compilations(request, model, 
                 if rng.random() < 0.5 else rng.integers(3, 256, size=n).tolist()
             engine.add_request(f"r{next_id}", prompt, _random_params(rng))
             next_id += 1
+        for at, constraint, n, temperature in structured_requests:
+            if wave == at:
+                engine.add_request(f"structured{at}", rng.integers(3, 256, size=20).tolist(), SamplingParams(
+                    n=n, temperature=temperature, seed=at, max_tokens=32, structured_outputs=constraint))
         if wave == 2:
             # Prompt logprobs over a chunked prefill of a prompt sharing a prefix with others.
             engine.add_request("prompt-logprobs", shared + rng.integers(3, 256, size=40).tolist(),
@@ -98,6 +116,14 @@ def test_mixed_workload_after_warmup_triggers_zero_compilations(request, model, 
         outputs += engine.step()
 
     assert [len(o.prompt_logprobs) for o in outputs if o.request_id == "prompt-logprobs" and o.finished] == [80]
+    # Decoded alone: the detokenizer joins an output to the tail of its random prompt.
+    if structured_requests:
+        structured = {o.request_id: [engine.tokenizer.decode(c.token_ids) for c in o.outputs if c.finish_reason == "stop"]
+                      for o in outputs if o.request_id.startswith("structured") and o.finished}
+        assert structured["structured1"][0] in ("yes", "no", "maybe")
+        assert len(structured["structured2"]) == 2
+        assert all(re.fullmatch(STRUCTURED[1][1].regex, text) for text in structured["structured2"])
+        assert json.loads(structured["structured4"][0])["n"] in range(10)
     stats = engine.scheduler.stats
     assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0

@@ -5,7 +5,7 @@ import subprocess
 import gguf
 import numpy as np
 import pytest
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 from jaxllm import default_model
 from jaxllm.loader.gguf import gguf_tokenizer_metadata, load_gguf
@@ -240,3 +240,35 @@ def test_missing_python_raises_a_clear_runtime_error(monkeypatch, tmp_path):
     monkeypatch.setattr(default_model.sys, "executable", str(tmp_path / "no-such-python"))
     with pytest.raises(RuntimeError, match=r"(?s)no-such-python.*--model"):
         default_model.default_model_path()
+
+
+def test_dequantized_tensors_are_cached_and_read_back_exactly(tmp_path, monkeypatch):
+    """The second load of a quantized file reads its float32 tensors from the jaxllm cache (gguf's
+    dequantizer is not called again) and gives the same bits; a limit of 0 GB writes no cache."""
+    import jaxllm.loader.gguf as loader
+
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "llama.gguf", "llama")
+    _, first = load_gguf(path)
+    written = list((tmp_path / "cache" / "gguf").glob("llama-*.safetensors"))
+    assert len(written) == 1
+    quantized = {t.name for t in loader._reader(str(path)).tensors if t.tensor_type not in loader._FLOAT_TYPES}
+    assert len(quantized) == 4 * TINY["layers"]  # q, k, v and ffn_up of each layer
+
+    def fail(*args):
+        raise AssertionError("dequantized again")
+
+    monkeypatch.setattr(loader, "dequantize", lambda data, qtype: (
+        fail() if qtype not in loader._FLOAT_TYPES else dequantize(data, qtype)))
+    _, second = load_gguf(path)
+    assert set(second) == set(first)
+    for name in first:
+        np.testing.assert_array_equal(second[name], first[name], err_msg=name)
+
+    monkeypatch.undo()
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache0"))
+    monkeypatch.setenv("JAXLLM_DEQUANT_CACHE_GB", "0")
+    loader._cached_reader.cache_clear()  # its cache folder moved
+    load_gguf(path)
+    assert list((tmp_path / "cache0" / "gguf").glob("llama-*.json"))
+    assert not list((tmp_path / "cache0" / "gguf").glob("*.safetensors"))

@@ -24,8 +24,8 @@ def _llm(stories_dir, **kwargs) -> LLM:
     return LLM(model=stories_dir, **{**config, **kwargs})
 
 
-def _value(llm: LLM, name: str) -> float:
-    return llm.engine.metrics.registry.get_sample_value(name) or 0.0
+def _value(llm: LLM, name: str, **labels: str) -> float:
+    return llm.engine.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 @pytest.fixture(scope="module")
@@ -234,10 +234,12 @@ class LLM:
             token_ids=(p["prompt_token_ids"] * s.max_tokens)[:s.max_tokens])]) for p, s in zip(prompts, params)]
 """
 SERVING_FIELDS = {
-    "batching", "num_requests", "duration_s", "request_throughput", "output_throughput", "num_output_tokens",
+    "batching", "graceful_degradation", "measured_capacity", "num_requests", "duration_s", "request_throughput",
+    "output_throughput", "num_output_tokens",
     "max_concurrency", "num_preemptions", "kv_live_slot_fraction", "mean_kv_cache_usage", "peak_kv_cache_usage",
     "compilations",
-} | {f"{m}_{s}" for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s") for s in ("mean", "p50", "p90", "p99")}
+} | {f"{m}_{s}" for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "step_s")
+      for s in ("mean", "p50", "p90", "p99")}
 
 
 def _run_script(name: str, args: list[str], tmp_path: Path, env: dict | None = None) -> dict:
@@ -306,3 +308,99 @@ def test_generation_tokens_count_every_completion_of_n(llm):
     llm.generate([_prompt(6)], SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=5, ignore_eos=True),
                  use_tqdm=False)
     assert _value(llm, "jaxllm:generation_tokens_total") - before == 15
+
+
+# ---- the monitoring board ----------------------------------------------------------------------------------------
+
+
+def test_step_duration_counts_every_engine_step_and_covers_its_schedule(llm):
+    names = ("jaxllm:step_duration_seconds", "jaxllm:scheduler_step_seconds")
+    before = {n: (_value(llm, f"{n}_count"), _value(llm, f"{n}_sum")) for n in names}
+    engine = llm.engine
+    engine.add_request("d0", _prompt(9, 301), SamplingParams(max_tokens=4, **GREEDY))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    (step_count, step_sum), (sched_count, sched_sum) = [
+        (_value(llm, f"{n}_count") - c, _value(llm, f"{n}_sum") - s) for n, (c, s) in before.items()]
+    assert step_count == sched_count == steps
+    assert step_sum > sched_sum > 0
+
+
+def test_batch_utilization_queue_depth_and_prompt_mix_follow_a_scripted_batch(llm):
+    engine = llm.engine
+    lengths = [10, 12, 20, 6, 9]  # 4 seats: the first four run (48 of 64 budget tokens), the fifth waits
+    for i, n in enumerate(lengths):
+        engine.add_request(f"u{i}", _prompt(n, 211 + 13 * i), SamplingParams(max_tokens=3, **GREEDY))
+    engine.step()
+    running = lengths[:4]
+    mean = sum(running) / 4
+    cv = (sum((n - mean) ** 2 for n in running) / 4) ** 0.5 / mean
+    assert _value(llm, "jaxllm:batch_utilization", resource="tokens") == 48 / 64
+    assert _value(llm, "jaxllm:batch_utilization", resource="seqs") == 1.0
+    assert _value(llm, "jaxllm:scheduler_queue_depth", kind="new") == 1
+    assert _value(llm, "jaxllm:scheduler_queue_depth", kind="preempted") == 0
+    assert _value(llm, "jaxllm:batch_prompt_len_cv") == pytest.approx(cv)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert _value(llm, "jaxllm:batch_utilization", resource="seqs") == 0
+    assert _value(llm, "jaxllm:scheduler_queue_depth", kind="new") == 0
+    assert _value(llm, "jaxllm:batch_prompt_len_cv") == 0
+
+
+def test_request_success_counts_finished_requests_by_reason(llm):
+    def count(reason: str) -> float:
+        return _value(llm, "jaxllm:request_success_total", finished_reason=reason)
+
+    before = {r: count(r) for r in ("stop", "length", "abort")}
+    prompt = _prompt(7, 333)
+    first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0,
+                                                    stop_token_ids=list(first.outputs[0].token_ids)), use_tqdm=False)
+    assert stopped[0].outputs[0].finish_reason == "stop"
+    llm.engine.add_request("aborted", prompt, SamplingParams(max_tokens=5))
+    llm.engine.abort_request("aborted")
+    assert {r: count(r) - before[r] for r in before} == {"stop": 1, "length": 1, "abort": 1}
+
+
+def test_queue_time_quantiles_interpolate_within_the_histogram_buckets():
+    from jaxllm.metrics import EngineMetrics
+
+    metrics = EngineMetrics()
+    name = "jaxllm:request_queue_time_seconds"
+    assert metrics.quantile(name, 0.99) != metrics.quantile(name, 0.99)  # NaN before any observation
+    for seconds in [0.003] * 9 + [0.6]:
+        metrics.request_queue_time.observe(seconds)
+    # Rank 5 of 10 falls in (0.001, 0.005], which holds 9; rank 9.9 in (0.5, 0.75], which holds the tenth.
+    assert metrics.quantile(name, 0.5) == pytest.approx(0.001 + 0.004 * 5 / 9)
+    assert metrics.quantile(name, 0.99) == pytest.approx(0.5 + 0.25 * 0.9)
+    with pytest.raises(ValueError, match="q=1.5"):
+        metrics.quantile(name, 1.5)
+    with pytest.raises(ValueError, match="no histogram"):
+        metrics.quantile("jaxllm:num_requests_running", 0.5)
+
+
+def test_board_and_alert_rules_use_only_series_the_engine_exports(llm):
+    import re
+
+    import prometheus_client
+
+    yaml = pytest.importorskip("yaml")
+    exported = {line.split("{")[0].split(" ")[0] for line in
+                prometheus_client.generate_latest(llm.engine.metrics.registry).decode().splitlines()
+                if line.startswith("jaxllm:")}
+    board = json.loads((ROOT / "docs" / "grafana.json").read_text())
+    rules = yaml.safe_load((ROOT / "docs" / "alert_rules.yml").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    alerts = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
+    used = {name for expr in exprs + list(alerts.values()) for name in re.findall(r"jaxllm:[a-z0-9_]+", expr)}
+    assert used and used <= exported, used - exported
+    for series in ("step_duration_seconds_bucket", "batch_utilization", "request_success_total",
+                   "request_queue_time_seconds_bucket", "scheduler_queue_depth", "batch_prompt_len_cv",
+                   "kv_cache_fragmentation_ratio", "effective_max_num_seqs"):
+        assert any(f"jaxllm:{series}" in e for e in exprs), series
+    thresholds = {"step_duration_seconds": "> 0.05", "kv_cache_fragmentation_ratio": "> 0.2",
+                  "batch_utilization": "< 0.7", "request_queue_time_seconds": "> 1"}
+    for series, bound in thresholds.items():
+        assert any(series in expr and bound in expr for expr in alerts.values()), (series, bound)

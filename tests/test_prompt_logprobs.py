@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxllm.outputs import Logprob
+from jaxllm.core_messages import SampleLogprobs
 from jaxllm.prompt_logprobs import PromptLogprobs
 
 PROMPT = [10, 11, 12, 13, 14, 15]
@@ -35,12 +35,10 @@ def test_a_recomputed_chunk_records_only_positions_not_recorded_yet():
     tracker.record(0, *step_outputs(0, 3))
     tracker.record(0, *step_outputs(0, 6))
     assert tracker.complete
-    assert tracker.entries[0] is None
-    assert tracker.entries[1:] == [{PROMPT[p]: Logprob(-float(p - 1), p + 2), 99 + p: Logprob(-0.5, 1)}
-                                   for p in range(1, 6)]
+    assert tracker.rows == [SampleLogprobs(PROMPT[p], -float(p - 1), p + 2, [99 + p], [-0.5]) for p in range(1, 6)]
 
 
 def test_positions_past_a_gap_are_not_recorded():
     tracker = PromptLogprobs(PROMPT, 1)
     tracker.record(2, *step_outputs(2, 3))
-    assert tracker.entries == [None]
+    assert tracker.rows == [] and tracker.num_recorded == 1

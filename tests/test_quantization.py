@@ -158,6 +158,44 @@ def test_gguf_q8_0_projections_keep_their_int8_blocks_and_give_the_float_logits(
                                atol=1e-5, rtol=0)
 
 
+def test_gguf_q8_0_kept_as_int8_are_read_as_blocks_not_from_the_dequantized_cache(tmp_path, monkeypatch):
+    """Kept Q8_0 projections never go through gguf's dequantizer nor the float32 cache (which then
+    holds the other quantized tensors only); a float load after it dequantizes and caches them all;
+    a kept load after that reads the rest from the cache, the same arrays as the first."""
+    import safetensors
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    import jaxllm.loader.gguf as loader
+    from jaxllm.loader.gguf import load_gguf
+    from tests.test_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "llama.gguf", "llama")
+    tensors = loader._reader(str(path)).tensors
+    quantized = {t.name for t in tensors if t.tensor_type not in loader._FLOAT_TYPES}
+    kept = {t.name for t in tensors if t.name.endswith(("attn_q.weight", "ffn_up.weight"))}
+    assert {t.tensor_type for t in tensors if t.name in kept} == {GGMLQuantizationType.Q8_0}
+    seen = []
+    monkeypatch.setattr(loader, "dequantize", lambda data, qtype: seen.append(qtype) or dequantize(data, qtype))
+
+    def cached_names():
+        (cache,) = (tmp_path / "cache" / "gguf").glob("llama-*.safetensors")
+        with safetensors.safe_open(cache, framework="numpy") as f:
+            return set(f.keys())
+
+    first = load_gguf(path, keep_q8_0=True)[1]
+    assert GGMLQuantizationType.Q8_0 not in seen
+    assert cached_names() == quantized - kept
+    load_gguf(path)
+    assert cached_names() == quantized
+    seen.clear()
+    again = load_gguf(path, keep_q8_0=True)[1]
+    assert set(seen) <= set(loader._FLOAT_TYPES)
+    assert set(again) == set(first)
+    for name in first:
+        np.testing.assert_array_equal(again[name], first[name], err_msg=name)
+
 # ---- the engine: memory, KV blocks, orbax ---------------------------------------------------
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=8, precompile=False, compilation_cache=None)

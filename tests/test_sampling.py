@@ -11,7 +11,9 @@ from jaxllm.sampling import (
     PROMPT_LOGPROBS_CHUNK,
     SamplingArrays,
     apply_logit_processors,
+    apply_token_bitmask,
     apply_top_k_top_p_min_p,
+    bitmask_words,
     fill_slot,
     init_tables,
     prompt_logprobs,
@@ -249,6 +251,52 @@ def test_prompt_logprobs_are_zeros_of_the_same_shapes_when_no_row_wants_them():
         "prompt_logprobs": ((16,), np.float32), "prompt_ranks": ((16,), np.int32),
         "prompt_top_ids": ((16, 20), np.int32), "prompt_top_logprobs": ((16, 20), np.float32)}
     assert not any(np.asarray(v).any() for v in out.values())
+
+
+def _bitmask(rows_allowed, vocab=V):
+    """Pack per-row allowed-id lists (None: all) into int32[rows, ceil(vocab/32)], llguidance's layout."""
+    bits = np.zeros((len(rows_allowed), bitmask_words(vocab) * 32), np.uint8)
+    for i, allowed in enumerate(rows_allowed):
+        bits[i, list(range(bits.shape[1])) if allowed is None else allowed] = 1
+    return np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+
+
+@pytest.mark.parametrize("vocab", [8, 32, 45])
+def test_token_bitmask_keeps_exactly_the_set_bits_and_ignores_bits_past_the_vocabulary(vocab):
+    rng = np.random.default_rng(vocab)
+    allowed = [np.flatnonzero(rng.random(bitmask_words(vocab) * 32) < 0.4).tolist() for _ in range(5)]
+    allowed.append([vocab - 1, bitmask_words(vocab) * 32 - 1])  # the last id, and a bit 31 past the vocabulary
+    logits = rng.normal(size=(len(allowed), vocab)).astype(np.float32)
+    got = np.asarray(apply_token_bitmask(logits, _bitmask(allowed, vocab)))
+    for row, ids in enumerate(allowed):
+        keep = np.isin(np.arange(vocab), ids)
+        np.testing.assert_array_equal(got[row], np.where(keep, logits[row], -np.inf))
+
+
+def test_bitmask_limits_greedy_and_sampled_tokens_and_the_logprobs_are_of_the_masked_distribution():
+    params = SamplingParams(temperature=1.0, logprobs=2)
+    allowed = [3, 5, 6]
+    arrays = _arrays(params, N_DRAWS, np.arange(N_DRAWS), seed=7)
+    out, _ = _sample(np.broadcast_to(LOGITS, (N_DRAWS, V)), arrays, _tables(params),
+                     np.broadcast_to(_bitmask([allowed]), (N_DRAWS, 1)))
+    masked = np.where(np.isin(np.arange(V), allowed), LOGITS, -np.inf)
+    p = np.exp(masked - masked.max()) / np.exp(masked - masked.max()).sum()
+    _assert_within_3_standard_errors(np.bincount(np.asarray(out["token_ids"]), minlength=V) / N_DRAWS, p)
+    np.testing.assert_allclose(np.asarray(out["logprobs"]), np.log(p[np.asarray(out["token_ids"])]), atol=1e-5)
+    np.testing.assert_array_equal(out["top_ids"][0, :2], [6, 3])
+    greedy = SamplingParams(temperature=0)
+    out, _ = _sample(np.broadcast_to(LOGITS, (2, V)), _arrays(greedy, 2, 0), _tables(greedy),
+                     _bitmask([allowed, None]))
+    assert out["token_ids"].tolist() == [6, 0]
+
+
+def test_a_row_whose_bans_leave_nothing_its_bitmask_allows_takes_an_allowed_token():
+    params = SamplingParams(temperature=0, allowed_token_ids=[0, 1])
+    out, _ = _sample(LOGITS[None], _arrays(params, 1, 0), _tables(params), _bitmask([[3, 5]]))
+    assert out["token_ids"].tolist() == [3]
+    # Where bans and the bitmask agree on something, both hold.
+    out, _ = _sample(LOGITS[None], _arrays(params, 1, 0), _tables(params), _bitmask([[1, 3]]))
+    assert out["token_ids"].tolist() == [1]
 
 
 def test_too_many_banned_ids_are_rejected():

@@ -13,6 +13,7 @@ def test_finish_reason_follows_vllm_for_every_final_status():
         reasons[status] = req.finish_reason
     assert reasons == {
         RequestStatus.WAITING: None,
+        RequestStatus.WAITING_FOR_FSM: None,
         RequestStatus.RUNNING: None,
         RequestStatus.PREEMPTED: None,
         RequestStatus.FINISHED_STOPPED: "stop",

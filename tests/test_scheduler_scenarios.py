@@ -362,6 +362,45 @@ def test_sjf_admits_the_shortest_job_first():
     assert [r.request.request_id for r in out.scheduled] == ["short"]
 
 
+def test_request_waiting_for_its_grammar_is_passed_over_until_ready_then_runs_like_any_other():
+    sched, runner = setup(max_num_seqs=2)
+    ready = [False]
+    constrained = make_request("constrained", [5, 6, 7, 8, 9], grammar_ready=lambda: ready[0])
+    later = [make_request(f"later{i}", [i + 1, 2, 3]) for i in range(2)]
+    for req in [constrained] + later:
+        sched.add_request(req)
+    assert constrained.status is RequestStatus.WAITING_FOR_FSM
+    assert sched.stats.num_waiting_for_fsm == 1
+    out, _ = step(sched, runner)
+    # Both seats go to the requests behind it; it keeps its place at the head of the queue.
+    assert [r.request_id for r in out.requests] == ["later0", "later1"]
+    assert sched.waiting == [constrained] and constrained.status is RequestStatus.WAITING_FOR_FSM
+    ready[0] = True
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert constrained.output_token_ids == expected(constrained)
+    assert all(r.output_token_ids == expected(r) for r in later)
+    assert sched.stats.num_waiting_for_fsm == 0
+    assert sched.block_pool.num_free_blocks == sched.config.num_blocks - 1
+
+
+def test_request_whose_grammar_is_ready_at_arrival_never_waits_for_it():
+    sched, runner = setup()
+    req = make_request("r", [1, 2, 3], grammar_ready=lambda: True)
+    sched.add_request(req)
+    assert req.status is RequestStatus.WAITING
+    out, _ = step(sched, runner)
+    assert out.requests == [req]
+
+
+def test_aborting_a_request_waiting_for_its_grammar_removes_it_from_the_queue():
+    sched, runner = setup()
+    req = make_request("r", [1, 2, 3], grammar_ready=lambda: False)
+    sched.add_request(req)
+    sched.abort_request("r")
+    assert sched.waiting == [] and req.status is RequestStatus.FINISHED_ABORTED
+    assert not sched.requests
+
+
 def test_aborting_a_running_request_returns_all_its_blocks_at_once():
     sched, runner = setup()
     req = make_request("r", list(range(10)), max_tokens=20)

@@ -16,7 +16,10 @@ Parsing is `gguf.GGUFReader`, which takes seconds on a file with a large vocabul
 each of ~100k tokenizer strings separately). Its result -- every metadata value and where each
 tensor's bytes lie -- is kept as a small JSON file in the jaxllm cache, keyed by the file's path,
 size and modification time, so later loads read that and map the tensor bytes straight from the
-file (see `_reader`).
+file (see `_reader`). Dequantizing with `gguf`'s numpy code takes seconds per hundred million
+weights, so the float32 result of a file's quantized tensors is kept too, as a safetensors file next
+to the parse (for files of up to `$JAXLLM_DEQUANT_CACHE_GB`, default 4 GB of float32; 0 turns it
+off), and later loads read it back instead (see `_dequantized`).
 """
 
 import dataclasses
@@ -25,7 +28,7 @@ import hashlib
 import json
 import os
 import pathlib
-from typing import Any
+from typing import AbstractSet, Any
 
 import gguf
 import numpy as np
@@ -162,15 +165,19 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32,
     config = read_gguf_config(path)
     reader = _reader(path)
     arch = _field(reader, "general.architecture", path)
+    hf_names = {t.name: _hf_name(t.name, arch, config["model_type"], path) for t in reader.tensors}
+    kept = {t.name for t in reader.tensors if keep_q8_0 and t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            and hf_names[t.name].endswith(_Q8_0_KEPT)}
+    floats = _dequantized(reader, path, skip=kept)
     weights = {}
     for tensor in reader.tensors:
-        hf_name = _hf_name(tensor.name, arch, config["model_type"], path)
-        if keep_q8_0 and tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0 and hf_name.endswith(_Q8_0_KEPT):
+        hf_name = hf_names[tensor.name]
+        if tensor.name in kept:
             values, scales = _q8_0_blocks(tensor)
             weights[hf_name] = _arrange(values, hf_name, tensor, arch, config)
             weights[hf_name + "_scale"] = _arrange(scales, hf_name, tensor, arch, config)
             continue
-        for name, array in _split_experts(hf_name, _arrange(_dequantize(tensor, path), hf_name, tensor, arch, config)):
+        for name, array in _split_experts(hf_name, _arrange(floats[tensor.name], hf_name, tensor, arch, config)):
             weights[name] = array.astype(dtype, copy=False)
     return config, weights
 
@@ -281,6 +288,7 @@ class _Contents:
 
     fields: dict[str, Any]
     tensors: list[_Tensor]
+    cache_stem: pathlib.Path  # where this file's cached parse and dequantized tensors live, less suffix
 
 
 # Bump when the cached parse changes shape, so stale entries are ignored.
@@ -299,7 +307,8 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> _Contents:
     from jaxllm.default_model import cache_dir
 
     key = hashlib.sha256(f"{_PARSE_CACHE_VERSION}|{path}|{mtime_ns}|{size}".encode()).hexdigest()[:16]
-    cached = cache_dir() / "gguf" / f"{pathlib.Path(path).stem}-{key}.json"
+    stem = cache_dir() / "gguf" / f"{pathlib.Path(path).stem}-{key}"
+    cached = stem.with_suffix(".json")
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     try:
         parse = json.loads(cached.read_text(encoding="utf-8"))
@@ -312,7 +321,7 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> _Contents:
         nbytes = int(np.prod(shape)) * dt.itemsize
         tensors.append(_Tensor(name, gguf.GGMLQuantizationType(type_id), ggml_shape,
                                raw[offset:offset + nbytes].view(dt).reshape(shape)))
-    return _Contents(parse["fields"], tensors)
+    return _Contents(parse["fields"], tensors, stem)
 
 
 def _parse(path: str) -> dict:
@@ -435,6 +444,57 @@ def _hf_name(name: str, arch: str, model_type: str, path: str) -> str:
         if parts[2] in layer_names:
             return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     raise ValueError(f"{path}: unexpected tensor {name!r}; this loader does not know where it goes")
+
+
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+
+
+def _dequantized(reader: _Contents, path: str, skip: AbstractSet[str] = frozenset()) -> dict[str, np.ndarray]:
+    """Every tensor of the file but those named in `skip` (the Q8_0 ones `keep_q8_0` keeps) as a
+    float32 array in numpy (row-major, HF) order, by GGUF name.
+
+    Float tensors are converted from the mapped file. Quantized ones are read from the cache file
+    `<cache_stem>.safetensors` when it holds all of them (written by gguf-package version, so an
+    upgrade of `gguf` recomputes them); otherwise they are dequantized with `gguf.quants` and the
+    cache file is written with them (atomically; skipped when the float32 total exceeds
+    `$JAXLLM_DEQUANT_CACHE_GB` gigabytes, default 4, or the cache cannot be written).
+
+    Raises:
+        ValueError: a tensor's type cannot be dequantized (names the tensor and the file).
+    """
+    import safetensors
+    import safetensors.numpy
+
+    tensors = [t for t in reader.tensors if t.name not in skip]
+    quantized = [t for t in tensors if t.tensor_type not in _FLOAT_TYPES]
+    floats = {t.name: _dequantize(t, path) for t in tensors if t.tensor_type in _FLOAT_TYPES}
+    if not quantized:
+        return floats
+    cached = reader.cache_stem.with_name(f"{reader.cache_stem.name}-gguf{_gguf_version()}.safetensors")
+    try:
+        with safetensors.safe_open(cached, framework="numpy") as f:
+            if {t.name for t in quantized} <= set(f.keys()):
+                return {**floats, **{t.name: f.get_tensor(t.name) for t in quantized}}
+    except (OSError, safetensors.SafetensorError):
+        pass
+    dequantized = {t.name: _dequantize(t, path) for t in quantized}
+    limit_gb = float(os.environ.get("JAXLLM_DEQUANT_CACHE_GB", "4"))
+    if sum(a.nbytes for a in dequantized.values()) <= limit_gb * 1e9:
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        try:
+            safetensors.numpy.save_file(dequantized, tmp)
+            os.chmod(tmp, 0o644)  # the cache may be shared, as the model file is
+            os.replace(tmp, cached)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return {**floats, **dequantized}
+
+
+@functools.cache
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
 
 
 def _dequantize(tensor, path: str) -> np.ndarray:

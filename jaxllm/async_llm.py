@@ -1,0 +1,177 @@
+"""AsyncLLM: the asyncio front end of the server, over engine-core processes (vLLM's ``AsyncLLM``).
+
+Requests are validated and tokenized here (``jaxllm.input_processor``) and sent to the core processes
+(``core_client.MPClient``); one output task reads every step the cores report, runs the output processor
+(detokenizing, stop strings, ``n > 1`` grouping) and hands each request its ``RequestOutput``s through its own
+queue. A consumer that stops reading (a client that disconnected) aborts its request, whose blocks the core frees
+in its next loop turn. When a core dies, every open request gets :class:`core_client.EngineDeadError` and
+:attr:`dead` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, AsyncIterator, Optional, Union
+
+from jaxllm.config import EngineConfig
+from jaxllm.core_client import EngineDeadError, MPClient, QueueFullError, check_waiting_limit
+from jaxllm.input_processor import InputProcessor
+from jaxllm.metrics import EngineMetrics
+from jaxllm.output_processor import OutputProcessor
+from jaxllm.prefix_warmup import preload_token_ids
+from jaxllm.outputs import RequestOutput
+from jaxllm.tokenizer import Tokenizer, load_tokenizer
+from scheduler import SamplingParams
+
+logger = logging.getLogger("jaxllm.async_llm")
+
+
+class AsyncLLM:
+    """Generate from asyncio code; the engine cores run in their own processes.
+
+    Args:
+      model: as ``LLMEngine``.
+      tokenizer: a Tokenizer; by default read from the model.
+      **kwargs: ``EngineConfig`` fields (``max_waiting_requests`` sheds load:
+        ``core_client.check_waiting_limit``).
+
+    Attributes:
+      client: the ``MPClient``; info: core 0's ``CoreInfo``.
+      input_processor, output_processor, metrics: as ``LLMEngine``'s.
+      dead: why the cores died (None while they run).
+
+    Raises:
+      ValueError: a config value out of range (named), a bad model path.
+      EngineDeadError: a core failed to start.
+    """
+
+    def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, **kwargs: Any) -> None:
+        self.config = EngineConfig(**kwargs)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+        self.client = MPClient(model, self.config)
+        self.info = self.client.infos[0]
+        self.input_processor = InputProcessor(self.tokenizer, self.info, self.config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port,
+                                     max_num_seqs=self.config.max_num_seqs,
+                                     max_num_batched_tokens=self.config.max_num_batched_tokens)
+        if self.config.preload_prompts is not None:
+            self.client.preload_prefixes(preload_token_ids(self.config.preload_prompts, self.input_processor))
+        self.dead: Optional[str] = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._output_task: Optional[asyncio.Task] = None
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    prompt: Optional[str] = None, priority: int = 0,
+                    cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Validate and start one request; returns the iterator of its ``RequestOutput``s (one after every step
+        that changed it, the last one finished). Closing the iterator early (or cancelling the task reading it)
+        aborts the request.
+
+        Raises:
+          ValueError: a bad request (``InputProcessor.process``), a duplicate ``request_id``.
+          QueueFullError: too many requests wait (``EngineConfig.max_waiting_requests``).
+          EngineDeadError: the cores died.
+        """
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        try:
+            check_waiting_limit(self.config.max_waiting_requests, self.output_processor.num_open_sequences,
+                                self.client.infos, self.metrics.core_stats)
+        except QueueFullError:
+            self.metrics.request_refused.inc()
+            raise
+        request = self.input_processor.process(request_id, prompt_token_ids, params, priority=priority,
+                                               cache_salt=cache_salt)
+        self.output_processor.add_request(request, prompt)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._start()
+        try:
+            self.client.add_request(request)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            self.output_processor.abort_requests([request_id])
+            raise
+        return self._outputs(request_id, queue)
+
+    async def _outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            self.abort(request_id)
+
+    async def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
+        """KV diagnostics of one core (``LLMEngine.kv_cache_report``), answered between its steps.
+
+        Raises:
+          ValueError: ``core`` outside ``[0, data_parallel_size)``.
+          EngineDeadError: the cores died.
+        """
+        if not 0 <= core < len(self.client.infos):
+            raise ValueError(f"core={core} must be in [0, {len(self.client.infos)})")
+        return await self.client.call_utility_async(core, "kv_cache_report", block_map)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if it is open (its blocks are freed in the core's next loop turn)."""
+        open_ids = self.output_processor.abort_requests([request_id])
+        if open_ids:
+            self.metrics.forget(request_id)
+            try:
+                self.client.abort_requests(open_ids)
+            except EngineDeadError:
+                pass  # nothing runs any more
+
+    def _start(self) -> None:
+        if self._output_task is None:
+            self._output_task = asyncio.get_running_loop().create_task(self._handle_outputs())
+
+    async def _handle_outputs(self) -> None:
+        """Read the cores' steps for as long as they live; hand each request its outputs."""
+        try:
+            while True:
+                for core_outputs in await self.client.get_outputs_async():
+                    request_outputs, to_stop = self.output_processor.process_outputs(core_outputs.outputs)
+                    if to_stop:
+                        self.client.stop_sequences(to_stop)
+                    finished = []
+                    for out in request_outputs:
+                        queue = self._queues.get(out.request_id)
+                        if queue is not None:
+                            queue.put_nowait(out)
+                        if out.finished:
+                            finished.append(out.request_id)
+                    if finished:
+                        self.client.requests_finished(finished)
+                    self.metrics.on_step(core_outputs.stats, request_outputs, core_outputs.core_index)
+                # Let the requests' tasks write what they were given before the next step's outputs.
+                await asyncio.sleep(0)
+        except Exception as e:  # a dead core, or a bug here: either way no request may hang
+            if not isinstance(e, EngineDeadError):
+                logger.exception("output processing failed")
+                e = EngineDeadError(f"output processing failed: {e!r}")
+            self.dead = str(e)
+            for queue in self._queues.values():
+                queue.put_nowait(e)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is open, stop the output task and the core processes."""
+        for request_id in list(self.output_processor.requests):
+            self.abort(request_id)
+        if self._output_task is not None:
+            self._output_task.cancel()
+            try:
+                await self._output_task
+            except (asyncio.CancelledError, EngineDeadError):
+                pass
+        await asyncio.to_thread(self.client.shutdown, timeout)
+        self.metrics.close()

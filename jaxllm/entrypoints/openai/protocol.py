@@ -1,0 +1,124 @@
+"""Request bodies of the OpenAI-compatible API (OpenAI's field names, vLLM's extra sampling fields), as pydantic
+models, and the OpenAI error body.
+
+Types are checked by pydantic (a wrong type is a 400 naming the field); ranges are checked where the values land,
+by ``SamplingParams`` (a value out of range is a 400 naming the field and the limit). Unknown fields are
+ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is accepted; the schema is always
+    enforced)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Optional[str] = None
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class _SamplingFields(BaseModel):
+    """Fields completions and chat share; each maps onto the ``SamplingParams`` field of the same name
+    (``logit_bias`` keys are token ids as strings). ``response_format`` (OpenAI's) and ``structured_outputs``
+    (vLLM's extra field: the ``StructuredOutputsParams`` fields as an object, taking precedence) constrain the
+    output."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    logit_bias: Optional[dict[str, float]] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids or a list of token-id lists;
+    ``max_tokens`` defaults to 16 (OpenAI's); ``logprobs`` is the number of top tokens per position."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template; ``max_tokens``
+    (or ``max_completion_tokens``) defaults to the room left under ``max_model_len``; ``logprobs`` is a switch
+    and ``top_logprobs`` the number of top tokens."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a ``prompt`` or chat ``messages``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+# HTTP status -> OpenAI's error ``type``.
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               500: "server_error", 503: "server_error"}
+
+
+def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}

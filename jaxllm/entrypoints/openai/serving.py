@@ -1,0 +1,457 @@
+"""The OpenAI-compatible endpoints' work: request -> ``SamplingParams`` and prompts, ``RequestOutput``s -> response
+bodies and server-sent-event chunks (OpenAI's schema; vLLM's ``OpenAIServingCompletion`` / ``OpenAIServingChat``).
+
+Field mapping: ``max_tokens`` (chat: ``max_completion_tokens`` first) is checked against the room the prompt leaves
+under ``max_model_len`` (400 past it, as vLLM) and defaults to that room in chat; sampling fields a request leaves
+out take the model's ``generation_config.json`` values (vLLM's ``--generation-config auto``), else
+``SamplingParams``' defaults. Choices of a request with several prompts are numbered prompt by prompt
+(``prompt_index * n + i``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional, Sequence, Union
+
+import msgspec
+
+from jaxllm.async_llm import AsyncLLM
+from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.structured_output import validate_structured_outputs
+from scheduler import SamplingParams, StructuredOutputsParams
+
+# Sampling fields the model's generation_config.json may set defaults for.
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_PARAM = re.compile(r"SamplingParams\.(\w+)=")
+
+
+class APIError(Exception):
+    """An error answered with ``status`` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def merge(streams: Sequence[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index; leaving early closes them all."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out = await queue.get()
+            if out is None:
+                remaining -= 1
+            elif isinstance(out, Exception):
+                raise out
+            else:
+                yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class OpenAIServing:
+    """Completions, chat, tokenize and detokenize over one ``AsyncLLM``.
+
+    Args:
+      engine: the ``AsyncLLM``.
+      model_name: the name clients use (``--served-model-name``).
+      generation_defaults: ``SamplingParams`` defaults from the model's generation config.
+    """
+
+    def __init__(self, engine: AsyncLLM, model_name: str, generation_defaults: dict[str, Any]) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        self.defaults = {k: v for k, v in generation_defaults.items() if k in DEFAULTABLE}
+        self.max_model_len = engine.info.max_model_len
+
+    def check_model(self, name: Optional[str]) -> None:
+        """Raises: APIError 404 for a model name this server does not serve."""
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           "model", "model_not_found")
+
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompt token ids", "prompt")
+
+    def encode(self, prompt: Union[str, list[int]], param: str) -> tuple[Optional[str], list[int]]:
+        """(text or None, token ids) of one prompt. Raises: APIError 400 (empty, out of vocabulary)."""
+        try:
+            return self.engine.input_processor.encode_prompt(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param) from None
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation in the model's chat template. Raises: APIError 400."""
+        self._need_tokenizer()
+        conversation = []
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if isinstance(content, list):  # OpenAI's content parts: only text is supported
+                if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                    raise APIError(400, f"messages[{i}].content: only parts of type 'text' are supported", "messages")
+                content = "".join(str(p.get("text", "")) for p in content)
+            if not isinstance(message.get("role"), str) or not isinstance(content, (str, type(None))):
+                raise APIError(400, f"messages[{i}] needs a string 'role' and a string (or text parts) 'content'",
+                               "messages")
+            conversation.append({**message, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # the template's own errors (raise_exception, missing template)
+            raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def sampling_params(self, request: Union[CompletionRequest, ChatCompletionRequest], prompt_len: int,
+                        max_tokens: Optional[int], logprobs: Optional[int], prompt_logprobs: Optional[int] = None,
+                        logprobs_param: str = "logprobs") -> SamplingParams:
+        """The request's ``SamplingParams`` for a prompt of ``prompt_len`` tokens.
+
+        Raises:
+          APIError: 400 naming the field and its limit (a value out of range, or prompt + ``max_tokens`` over
+            ``max_model_len``).
+        """
+        room = self.max_model_len - prompt_len
+        if room < 0:
+            raise APIError(400, f"prompt of {prompt_len} tokens is longer than max_model_len={self.max_model_len}",
+                           "messages" if isinstance(request, ChatCompletionRequest) else "prompt")
+        if max_tokens is None:
+            if room < 1:
+                raise APIError(400, f"the prompt has {prompt_len} tokens, which leaves no room for a completion "
+                                    f"under max_model_len={self.max_model_len}", "messages")
+            max_tokens = room
+        elif isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+                                "for the completion). Reduce the length of the prompt or max_tokens.", "max_tokens")
+        values = dict(self.defaults)
+        values.update({k: getattr(request, k) for k in DEFAULTABLE if getattr(request, k) is not None})
+        try:
+            logit_bias = {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {list(request.logit_bias)[:5]}",
+                           "logit_bias") from None
+        try:
+            return SamplingParams(
+                n=request.n, presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
+                stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                structured_outputs=structured_outputs(request), **values,
+            )
+        except ValueError as e:
+            match = _PARAM.search(str(e))
+            param = match[1] if match else None
+            raise APIError(400, str(e).replace("SamplingParams.", ""),
+                           logprobs_param if param == "logprobs" else param) from None
+
+    def start(self, prefix: str, prompts: list[tuple[Optional[str], list[int]]], params: list[SamplingParams],
+              priority: int) -> list[AsyncIterator[RequestOutput]]:
+        """Start one engine request per prompt (all or none).
+
+        Raises:
+          APIError: 400 for a request the engine refuses (the prompt's length, ids).
+          QueueFullError, EngineDeadError: as ``AsyncLLM.add_request``.
+        """
+        ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+        streams = []
+        try:
+            for rid, (text, token_ids), p in zip(ids, prompts, params):
+                streams.append(self.engine.add_request(rid, token_ids, p, prompt=text, priority=priority))
+        except ValueError as e:
+            for rid in ids:
+                self.engine.abort(rid)
+            message = str(e)
+            param = "priority" if message.startswith("priority") else "prompt"
+            raise APIError(400, message.replace("SamplingParams.", ""), param) from None
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return streams
+
+    # ------------------------------------------------------------------ completions
+
+    def completion_prompts(self, request: CompletionRequest) -> list[tuple[Optional[str], list[int]]]:
+        prompt = request.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "prompt is empty: give a string, a list of strings or token ids", "prompt")
+        if any(isinstance(p, str) for p in prompts):
+            self._need_tokenizer()
+        return [self.encode(p, "prompt") for p in prompts]
+
+    def prepare_completion(self, request: CompletionRequest):
+        """Check and start a completion request; returns (id, created, prompts, streams, params)."""
+        self.check_model(request.model)
+        prompts = self.completion_prompts(request)
+        echo_logprobs = request.logprobs if request.echo and not request.stream else None
+        params = [self.sampling_params(request, len(ids), request.max_tokens, request.logprobs,
+                                       prompt_logprobs=echo_logprobs) for _, ids in prompts]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = self.start(request_id, prompts, params, request.priority)
+        return request_id, int(time.time()), prompts, streams
+
+    def _prompt_text(self, prompt: tuple[Optional[str], list[int]]) -> str:
+        text, ids = prompt
+        if text is not None:
+            return text
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    async def completion(self, request: CompletionRequest, started) -> dict:
+        """The whole ``text_completion`` response of a non-streaming request."""
+        request_id, created, prompts, streams = started
+        final: dict[int, RequestOutput] = {}
+        async for i, out in merge(streams):
+            if out.finished:
+                final[i] = out
+        choices, completion_tokens = [], 0
+        for i in range(len(prompts)):
+            out = final[i]
+            prefix = self._prompt_text(prompts[i]) if request.echo else ""
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._completion_logprobs(c, out if request.echo else None)
+                choices.append({"index": i * request.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+    async def completion_stream(self, request: CompletionRequest, started) -> AsyncIterator[bytes]:
+        """The ``text_completion`` chunks of a streaming request, then the usage chunk if asked, then [DONE]."""
+        request_id, created, prompts, streams = started
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        completion_tokens = 0
+        sent_echo = set()
+        try:
+            async for i, out in merge(streams):
+                for c in out.outputs:
+                    index = i * request.n + c.index
+                    text = c.delta_text
+                    if request.echo and index not in sent_echo:
+                        sent_echo.add(index)
+                        text = self._prompt_text(prompts[i]) + text
+                    if not (text or c.delta_token_ids or c.finish_reason):
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None and c.delta_token_ids:
+                        logprobs = self._completion_logprobs(c, None, new_only=True)
+                    if c.finish_reason:
+                        completion_tokens += len(c.token_ids)
+                    chunk = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                                  "finish_reason": c.finish_reason,
+                                                  "stop_reason": c.stop_reason if c.finish_reason else None}]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+            if include_usage:
+                prompt_tokens = sum(len(ids) for _, ids in prompts)
+                yield _sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+        except Exception as e:
+            yield _sse(stream_error(e))
+        yield SSE_DONE
+
+    def _completion_logprobs(self, c: CompletionOutput, echo: Optional[RequestOutput], new_only: bool = False) -> dict:
+        """OpenAI's legacy ``logprobs``: tokens, their logprobs, the top tokens per position, text offsets
+        (``echo``: the prompt's tokens first, the first without a logprob)."""
+        ids, entries = c.token_ids, c.logprobs or []
+        if new_only:
+            n = len(c.delta_token_ids)
+            ids, entries = ids[len(ids) - n:], entries[len(entries) - n:]
+        rows: list[tuple[int, Optional[dict[int, Logprob]]]] = []
+        if echo is not None:
+            rows += list(zip(echo.prompt_token_ids, echo.prompt_logprobs or [None] * len(echo.prompt_token_ids)))
+        rows += list(zip(ids, entries))
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for token_id, entry in rows:
+            text = self._token_text(token_id, entry)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if entry is None else entry[token_id].logprob)
+            out["top_logprobs"].append(None if entry is None else
+                                       {self._token_text(t, entry): lp.logprob for t, lp in entry.items()})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    def _token_text(self, token_id: int, entry: Optional[dict[int, Logprob]]) -> str:
+        if entry is not None and entry[token_id].decoded_token is not None:
+            return entry[token_id].decoded_token
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    # ------------------------------------------------------------------ chat
+
+    def prepare_chat(self, request: ChatCompletionRequest):
+        """Check and start a chat request; returns (id, created, prompt ids, streams)."""
+        self.check_model(request.model)
+        ids = self.render_chat(request.messages, request.add_generation_prompt)
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, len(ids), max_tokens, logprobs, logprobs_param="top_logprobs")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = self.start(request_id, [(None, ids)], [params], request.priority)
+        return request_id, int(time.time()), ids, streams
+
+    async def chat(self, request: ChatCompletionRequest, started) -> dict:
+        """The whole ``chat.completion`` response of a non-streaming request."""
+        request_id, created, ids, streams = started
+        final = None
+        async for _, out in merge(streams):
+            final = out
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
+        return {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": _usage(len(ids), sum(len(c.token_ids) for c in final.outputs))}
+
+    async def chat_stream(self, request: ChatCompletionRequest, started) -> AsyncIterator[bytes]:
+        """The ``chat.completion.chunk`` chunks: a role chunk per choice, content deltas, a finish chunk each."""
+        request_id, created, ids, streams = started
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+
+        def chunk(choice: dict) -> bytes:
+            body = {**base, "choices": [choice]}
+            if include_usage:
+                body["usage"] = None
+            return _sse(body)
+
+        completion_tokens = 0
+        try:
+            for i in range(request.n):
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            async for _, out in merge(streams):
+                for c in out.outputs:
+                    if not (c.delta_text or c.delta_token_ids or c.finish_reason):
+                        continue
+                    logprobs = None
+                    if request.logprobs and c.delta_token_ids:
+                        logprobs = self._chat_logprobs(c, request.top_logprobs or 0, new_only=True)
+                    if c.finish_reason:
+                        completion_tokens += len(c.token_ids)
+                    yield chunk({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                 "stop_reason": c.stop_reason if c.finish_reason else None})
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": _usage(len(ids), completion_tokens)})
+        except Exception as e:
+            yield _sse(stream_error(e))
+        yield SSE_DONE
+
+    def _chat_logprobs(self, c: CompletionOutput, num_top: int, new_only: bool = False) -> dict:
+        """OpenAI's chat ``logprobs``: per token its text, logprob, UTF-8 bytes and the top ``num_top``."""
+        ids, entries = c.token_ids, c.logprobs or []
+        if new_only:
+            n = len(c.delta_token_ids)
+            ids, entries = ids[len(ids) - n:], entries[len(entries) - n:]
+
+        def item(token_id: int, lp: Logprob, entry: dict[int, Logprob]) -> dict:
+            text = self._token_text(token_id, entry)
+            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+        content = []
+        for token_id, entry in zip(ids, entries):
+            top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:num_top]
+            content.append({**item(token_id, entry[token_id], entry),
+                            "top_logprobs": [item(t, lp, entry) for t, lp in top]})
+        return {"content": content}
+
+    # ------------------------------------------------------------------ tokenize
+
+    def tokenize(self, prompt: Optional[str], messages: Optional[list[dict[str, Any]]], add_special_tokens: bool,
+                 add_generation_prompt: bool) -> dict:
+        """Token ids of a prompt or a conversation. Raises: APIError 400."""
+        if (prompt is None) == (messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if messages is not None:
+            ids = self.render_chat(messages, add_generation_prompt)
+        else:
+            self._need_tokenizer()
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
+    def detokenize(self, tokens: list[int]) -> dict:
+        """Text of token ids. Raises: APIError 400 (ids outside the vocabulary)."""
+        self._need_tokenizer()
+        vocab = self.engine.info.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(tokens)}
+
+
+def structured_outputs(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[StructuredOutputsParams]:
+    """The request's output constraint, checked: vLLM's ``structured_outputs`` field if given, else OpenAI's
+    ``response_format`` (``json_object``: any JSON object; ``json_schema``: its ``schema``).
+
+    Raises:
+      APIError: 400 naming ``structured_outputs`` or ``response_format``: unknown fields, no or several
+        constraints, a ``json_schema`` format without a schema, a schema, regex or grammar the grammar engine
+        rejects.
+    """
+    param = "structured_outputs" if request.structured_outputs is not None else "response_format"
+    fmt = request.response_format
+    try:
+        if request.structured_outputs is not None:
+            constraint = StructuredOutputsParams(**request.structured_outputs)
+        elif fmt is None or fmt.type == "text":
+            return None
+        elif fmt.type == "json_object":
+            constraint = StructuredOutputsParams(json_object=True)
+        elif fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema", param)
+        else:
+            constraint = StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        validate_structured_outputs(constraint)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, f"{e}".replace("SamplingParams.", ""), param) from None
+    return constraint
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def stream_error(error: Exception) -> dict:
+    """The error event a stream ends with when the engine fails mid-way (its status line was already sent)."""
+    return {"error": {"message": str(error), "type": "server_error", "param": None, "code": None}}

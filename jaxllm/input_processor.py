@@ -1,0 +1,154 @@
+"""Front-end input processing: a prompt and its ``SamplingParams`` checked and turned into an ``EngineCoreRequest``
+(vLLM's ``InputProcessor``).
+
+Everything a request can get wrong is found here, before anything reaches a core, so a bad request changes no
+state anywhere: an empty prompt, one longer than ``max_model_len``, token ids outside the vocabulary, bad words
+that encode to nothing, a structured-output schema, regex or grammar the grammar engine rejects. Eos ids are folded into the stop ids here (the tokenizer's first, then the model's), and
+seeds are drawn here for sequences without one, so a core needs no tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from jaxllm.core_messages import CoreInfo, EngineCoreRequest
+from jaxllm.structured_output import validate_structured_outputs
+from scheduler import SamplingParams
+
+PromptType = Union[str, Sequence[int]]
+
+
+def bad_words_token_ids(tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
+    """Token sequences of ``bad_words``: each word both bare and with a leading space.
+
+    A word is banned where it starts the text (encoded as is, left-stripped)
+    and mid-text after a space (encoded with one leading space), whatever
+    the token counts of the two (a byte-level BPE often spells the bare
+    word in more tokens than the spaced one: SmolLM2's "beautiful" is two
+    tokens, " beautiful" one). vLLM's ``SamplingParams.update_from_tokenizer``
+    makes the same two encodings but drops a spaced one of another length,
+    which lets " beautiful" through; here both are kept (an identical
+    second one once).
+
+    Returns:
+      one or two token-id lists per word, in order.
+    """
+    out: list[list[int]] = []
+    for word in bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced != plain:
+            out.append(spaced)
+    return out
+
+
+class InputProcessor:
+    """Validates requests and builds core requests for one model.
+
+    Args:
+      tokenizer: the model's tokenizer, or None (prompts must then be token ids).
+      info: the core's ``CoreInfo`` (vocabulary, ``max_model_len``, eos ids, limits).
+      seed: the engine seed; sequences without their own seed draw one from it, in order.
+    """
+
+    def __init__(self, tokenizer, info: CoreInfo, seed: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self._seed_rng = np.random.default_rng(seed)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end generation: the tokenizer's, then the model's
+        (``generation_config.json`` and ``config.json``, or the GGUF
+        metadata), without repeats; the first is primary (vLLM's eos plus the
+        generation config's eos ids)."""
+        ids = list(self.tokenizer.eos_token_ids) if self.tokenizer is not None else []
+        return list(dict.fromkeys(ids + list(self.info.eos_token_ids)))
+
+    def encode_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """Prompt text or ids -> (text or None, token ids).
+
+        Raises:
+          ValueError: an empty prompt, text without a tokenizer, or a token id
+            outside ``[0, vocab_size)``.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token id")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty: give at least one character or token id")
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return None, ids
+
+    def process(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+                arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> EngineCoreRequest:
+        """The core request for an encoded prompt.
+
+        Raises:
+          ValueError: a prompt longer than ``max_model_len`` (both numbers
+            named), token ids of ``params`` outside the vocabulary, bad words
+            without a tokenizer or that encode to no token, too many
+            multi-token bad words, multi-token bad words under async
+            scheduling, or an invalid ``structured_outputs`` (named with
+            the field and the grammar engine's error) or one without a
+            tokenizer.
+        """
+        if len(prompt_token_ids) > self.info.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens is longer than max_model_len={self.info.max_model_len}"
+            )
+        vocab = self.info.vocab_size
+        params.validate_for_vocab(vocab)
+        if not isinstance(priority, (int, np.integer)) or isinstance(priority, bool):
+            raise ValueError(f"priority={priority!r} must be an int")
+        eos = self.eos_token_ids
+        if len(eos) > 1 and not params.ignore_eos:
+            params = dataclasses.replace(
+                params, stop_token_ids=list(params.stop_token_ids) + [e for e in eos[1:] if e not in params.stop_token_ids]
+            )
+        # min_tokens bans every id that would end the request: stop ids and all eos ids.
+        stop_ids = list(dict.fromkeys(list(params.stop_token_ids) + ([] if params.ignore_eos else eos)))
+        words = self._bad_words(params, vocab)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.structured_outputs needs a tokenizer; this model has none")
+            validate_structured_outputs(params.structured_outputs)
+        seeds = [params.seed + i if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
+                 for i in range(params.n)]
+        return EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params, seeds=seeds,
+            stop_ids=stop_ids, bad_words_token_ids=words, eos_token_id=eos[0] if eos else None,
+            arrival_time=time.monotonic() if arrival_time is None else float(arrival_time), priority=int(priority),
+            cache_salt=cache_salt,
+        )
+
+    def _bad_words(self, params: SamplingParams, vocab: int) -> list[list[int]]:
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer; this model has none")
+        words = bad_words_token_ids(self.tokenizer, params.bad_words)
+        if any(not w or not all(0 <= t < vocab for t in w) for w in words):
+            raise ValueError(f"SamplingParams.bad_words={params.bad_words!r} encodes to no token or out-of-vocabulary ids")
+        multi = [w for w in words if len(w) > 1]
+        if len(multi) > self.info.max_banned_ids:
+            raise ValueError(f"SamplingParams.bad_words gives {len(multi)} multi-token sequences; at most "
+                             f"{self.info.max_banned_ids} are supported")
+        if multi and self.info.async_scheduling:
+            # Their bans match the last generated tokens, which async
+            # scheduling knows on the host only one step late.
+            raise ValueError(f"bad_words of several tokens ({params.bad_words!r}) are not supported with "
+                             "async_scheduling=True; use single-token words or async_scheduling=False")
+        return words

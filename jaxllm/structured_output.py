@@ -1,0 +1,285 @@
+"""Structured output: JSON schema, regex, choice and grammar constraints, enforced by a token bitmask each step.
+
+Follows vLLM v1's ``StructuredOutputManager`` with its ``guidance`` backend. The grammar engine is llguidance
+(Microsoft's, in Rust): it needs no torch or CUDA, compiles a JSON schema, regex, choice list or Lark/GBNF grammar
+into a matcher over the model's tokens, and fills one packed ``int32`` bitmask row for a matcher's state in tens
+of microseconds. (xgrammar, vLLM's other backend, needs torch at run time.)
+
+Where things happen:
+
+* front end: :func:`validate_structured_outputs` builds the grammar and checks it (no tokenizer needed), so a
+  bad schema, regex or grammar is a ``ValueError`` naming the field before anything is queued;
+* engine core, off the step loop: :class:`StructuredOutputManager` compiles each constraint into a template
+  matcher in a thread pool, cached by the grammar text; a request whose template is not ready waits in the
+  scheduler (``WAITING_FOR_FSM``) while others run;
+* engine core, each step: one row of ``int32[S, ceil(V/32)]`` per scheduled row (bit ``t % 32`` of word
+  ``t // 32`` set when token ``t`` is allowed; all ones for unconstrained rows), applied by the sampler on the
+  device before any other logit processing (``jaxllm.sampling.apply_token_bitmask``);
+* engine core, after each step: every sampled token advances its sequence's matcher; a token the matcher
+  rejects is a bug and raises.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import os
+import threading
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from jaxllm.sampling import bitmask_words
+from scheduler import Request, SchedulerOutput, StructuredOutputsParams
+
+# Compiled grammars kept (least recently used dropped first).
+GRAMMAR_CACHE_SIZE = 256
+
+
+def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
+    """The constraint as an llguidance grammar.
+
+    Returns:
+      ``(field, grammar)``: the ``StructuredOutputsParams`` field it came from and the grammar text
+      (``llguidance.LLMatcher`` input; equal constraints give equal text, the compile cache's key).
+
+    Raises:
+      ValueError: a schema that is not a JSON object, or a GBNF grammar that cannot be converted; the message
+        names the field.
+    """
+    field = params.kinds()[0]
+    try:
+        if field in ("json", "json_object"):
+            schema = {"type": "object"} if field == "json_object" else params.json
+            options = {"whitespace_flexible": not params.disable_any_whitespace}
+            return field, llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        if field == "regex":
+            return field, llguidance.LLMatcher.grammar_from_regex(params.regex)
+        if field == "choice":
+            return field, llguidance.grammar_from("choice", params.choice)
+        return field, llguidance.grammar_from("grammar", params.grammar)
+    except ValueError as e:
+        raise ValueError(f"SamplingParams.structured_outputs.{field} is invalid: {e}") from None
+
+
+def validate_structured_outputs(params: StructuredOutputsParams) -> None:
+    """Check that the constraint compiles (vLLM's ``validate_guidance_grammar``); no tokenizer is needed.
+
+    Raises:
+      ValueError: an invalid JSON schema (unknown type or format, a dangling ``$ref``...), regex or grammar;
+        the message names the field and carries llguidance's error.
+    """
+    field, grammar = grammar_spec(params)
+    error = _grammar_error(grammar)
+    if error is not None:
+        raise ValueError(f"SamplingParams.structured_outputs.{field} is invalid: {error}")
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def _grammar_error(grammar: str) -> Optional[str]:
+    """llguidance's error for ``grammar``, None when it is valid (a check costs milliseconds: batches of
+    requests with one schema pay it once)."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0].strip() if is_error else None
+
+
+def _compiled_ok(future: concurrent.futures.Future) -> bool:
+    return future.done() and future.exception() is None
+
+
+@dataclasses.dataclass
+class _SequenceGrammar:
+    """One constrained sequence: its grammar's compile future, its own matcher (a copy of the compiled
+    template, made on first use) and how many of its output tokens the matcher has consumed."""
+
+    request: Request
+    future: concurrent.futures.Future
+    matcher: Optional[llguidance.LLMatcher] = None
+    num_consumed: int = 0
+
+
+class StructuredOutputManager:
+    """Grammar compilation, per-sequence matchers and the step bitmask of one engine core.
+
+    Args:
+      load_tokenizer: returns the model's ``jaxllm.tokenizer.Tokenizer``; called once, in the compile thread,
+        when the first constraint arrives (so a core that never sees one never loads it).
+      vocab_size: the model's vocabulary (logit rows; may exceed the tokenizer's, whose padding ids are never
+        allowed in a constrained row).
+      eos_token_ids: ids that end generation besides the tokenizer's; allowed wherever the grammar may end.
+      max_workers: compile threads (default: half the CPUs, 1 to 4).
+
+    Attributes:
+      num_words: int32 words of one bitmask row, ``ceil(vocab_size / 32)``.
+      bitmask_seconds: host seconds spent building the last :meth:`bitmask`; None when it had no constrained
+        row.
+    """
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Sequence[int] = (),
+                 max_workers: Optional[int] = None):
+        self.vocab_size = vocab_size
+        self.num_words = bitmask_words(vocab_size)
+        self._load_tokenizer = load_tokenizer
+        self._eos_token_ids = list(eos_token_ids)
+        self._ll_tokenizer: Optional[llguidance.LLTokenizer] = None
+        self._tokenizer_lock = threading.Lock()
+        workers = max_workers or max(1, min(4, (os.cpu_count() or 2) // 2))
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxllm-grammar")
+        self._executor: Optional[llguidance.LLExecutor] = None
+        self._cache: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
+        self._seqs: dict[str, _SequenceGrammar] = {}
+        self._failed = threading.Event()
+        self.bitmask_seconds: Optional[float] = None
+
+    # ------------------------------------------------------------ compilation
+
+    def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """The compiled template matcher of ``params`` (a future; shared by every request with the same
+        grammar, compiled once while it stays among the ``GRAMMAR_CACHE_SIZE`` most recently used)."""
+        _, grammar = grammar_spec(params)
+        future = self._cache.get(grammar)
+        if future is None:
+            future = self._cache[grammar] = self._pool.submit(self._compile, grammar)
+            future.add_done_callback(lambda f: f.exception() is not None and self._failed.set())
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(grammar)
+            if future.done() and future.exception() is not None:
+                self._failed.set()  # so that the new request is aborted too
+        return future
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                tokenizer = self._load_tokenizer()
+                if tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer; this model has none")
+                if tokenizer.vocab_size > self.vocab_size:
+                    raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                                     f"vocab_size={self.vocab_size}")
+                eos = list(dict.fromkeys(list(tokenizer.eos_token_ids) + self._eos_token_ids))
+                self._ll_tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                                            eos_token=eos)
+            return self._ll_tokenizer
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        # The first mask builds the lexer states the start needs; the sequences' copies share them.
+        llguidance.numpy.fill_next_token_bitmask(matcher, np.zeros((1, self.num_words), np.int32))
+        return matcher
+
+    # -------------------------------------------------------------- sequences
+
+    def add(self, request: Request, future: concurrent.futures.Future) -> None:
+        """Constrain ``request`` (one sequence) by the grammar ``future`` compiles (from :meth:`compile`)."""
+        self._seqs[request.request_id] = _SequenceGrammar(request, future)
+
+    @staticmethod
+    def ready(future: concurrent.futures.Future) -> Callable[[], bool]:
+        """A ``Request.grammar_ready`` for the grammar ``future``: True once it compiled without error."""
+        return lambda: _compiled_ok(future)
+
+    def remove(self, request_id: str) -> None:
+        """Forget a finished or aborted sequence (unknown ids are ignored)."""
+        self._seqs.pop(request_id, None)
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """``(request_id, error)`` of the sequences whose grammar failed to compile since the last call (they
+        are forgotten); such a grammar was valid for the front end but not with the model's tokenizer."""
+        if not self._failed.is_set():
+            return []
+        self._failed.clear()
+        failed = [(rid, str(s.future.exception())) for rid, s in self._seqs.items()
+                  if s.future.done() and s.future.exception() is not None]
+        for rid, _ in failed:
+            del self._seqs[rid]
+        return failed
+
+    def _matcher(self, seq: _SequenceGrammar) -> llguidance.LLMatcher:
+        if seq.matcher is None:
+            seq.matcher = seq.future.result().deep_copy()
+        return seq.matcher
+
+    # ------------------------------------------------------------------- step
+
+    def bitmask(self, output: SchedulerOutput, num_rows: int) -> Optional[np.ndarray]:
+        """The step's allowed tokens: ``int32[num_rows, num_words]``, or None when no row that samples is
+        constrained (every token allowed everywhere).
+
+        Rows of unconstrained requests, rows whose sample is discarded (a partial prefill) and padding rows
+        are all ones. Each constrained row's matcher must have consumed exactly the outputs before that row's
+        sample (``ScheduledRequest.sample_index``): the engine applies a step's samples (:meth:`advance`)
+        before it builds the mask of a step that samples after them.
+
+        Raises:
+          RuntimeError: a matcher is behind or ahead of its sequence (a bug).
+        """
+        rows = []
+        for i, (request, samples) in enumerate(zip(output.requests, output.samples.tolist())):
+            seq = self._seqs.get(request.request_id) if samples else None
+            if seq is not None and seq.request is request:
+                rows.append((i, seq))
+        if not rows:
+            self.bitmask_seconds = None
+            return None
+        start = time.perf_counter()
+        bitmask = np.full((num_rows, self.num_words), -1, np.int32)
+        matchers = []
+        for i, seq in rows:
+            if seq.num_consumed != output.sample_index[i]:
+                raise RuntimeError(f"request {seq.request.request_id!r}: its grammar has consumed "
+                                   f"{seq.num_consumed} tokens but the step samples output token "
+                                   f"{int(output.sample_index[i])}")
+            matchers.append((self._matcher(seq), i))
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        self.bitmask_seconds = time.perf_counter() - start
+        return bitmask
+
+    def advance(self, requests: Iterable[Request]) -> None:
+        """Feed each constrained request's new output tokens to its matcher.
+
+        Raises:
+          RuntimeError: the matcher rejects a sampled token: the bitmask did not hold it back (a bug).
+        """
+        for request in requests:
+            seq = self._seqs.get(request.request_id)
+            if seq is None or seq.request is not request:
+                continue
+            new = request.output_token_ids[seq.num_consumed:]
+            if not new:
+                continue
+            matcher = self._matcher(seq)
+            # One by one: llguidance's consume_tokens refuses an eos after the grammar has ended.
+            for token in new:
+                if not matcher.consume_token(token):
+                    raise RuntimeError(f"request {request.request_id!r}: the grammar rejected sampled token {token} "
+                                       f"after {seq.num_consumed} outputs: {matcher.get_error()}")
+                seq.num_consumed += 1
+
+    def needs_previous_samples(self, output: SchedulerOutput) -> bool:
+        """True when a constrained row of ``output`` that samples takes the previous step's sample as input
+        (``prev_row``, async scheduling): its bitmask needs that step's tokens first."""
+        if not self._seqs:
+            return False
+        fed = ((output.prev_row >= 0) & output.samples).nonzero()[0]
+        return any(output.requests[i].request_id in self._seqs for i in fed.tolist())
+
+    @property
+    def num_grammars(self) -> int:
+        """Grammars compiled or compiling, held in the cache."""
+        return len(self._cache)
+
+    @property
+    def num_sequences(self) -> int:
+        """Constrained sequences the manager holds."""
+        return len(self._seqs)
