@@ -35,14 +35,13 @@ from jaxllm.sampling import (
     SamplingArrays, bitmask_words, fill_slot, init_tables, prompt_logprobs, sample, set_slot_rows,
 )
 from jaxllm.sharding import ModelSharding
+from kernels_pallas.reference import BITS_STORAGE
 from scheduler import BatchDescriptor, BucketTable
 
 BATCH_KEYS = (
     "input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
     "query_start_loc", "logits_indices", "prev_token_index",
 )
-# The uint storage of float caches on CPU (kernels_pallas.reference): float dtype -> its bits.
-_BITS_STORAGE = {np.dtype(jnp.bfloat16): np.dtype(np.uint16), np.dtype(jnp.float8_e4m3fn): np.dtype(np.uint8)}
 # Block copies (swap, copy-on-write) run in fixed-size chunks so that they
 # compile once; a chunk's unused entries move null block 0 onto itself.
 BLOCK_CHUNK = 16
@@ -168,7 +167,7 @@ class ModelRunner:
         self.params = loop_storage(params) if float_bits_storage else params
         kv_dtype = np.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
         if float_bits_storage:
-            kv_dtype = _BITS_STORAGE.get(kv_dtype, kv_dtype)
+            kv_dtype = BITS_STORAGE.get(kv_dtype, kv_dtype)
         self.kv_cache = allocate_kv_cache(num_blocks, block_size, kv_dtype, sharding)
         self._replicated = sharding.replicated
         self._kv_sharding = sharding.kv_cache_sharding

@@ -43,8 +43,9 @@ import jax.numpy as jnp
 _NEG_INF = -1e30
 
 
-# Bit-pattern storage dtype -> the float type whose bits it holds.
-_BITS_OF = {jnp.dtype(jnp.uint16): jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint8): jnp.dtype(jnp.float8_e4m3fn)}
+# Float types held as bit patterns on XLA's CPU backend -> the unsigned type holding them, and back.
+BITS_STORAGE = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8)}
+_BITS_OF = {bits: number for number, bits in BITS_STORAGE.items()}
 # Largest magnitude a quantized cache stores (int8 symmetric; float8_e4m3fn's finite maximum).
 KV_QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 

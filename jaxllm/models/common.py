@@ -21,8 +21,9 @@ family has is ``jaxllm.loader.params.expected_layer_keys``)::
 Quantized weights (``jaxllm.quantization``) are int8 or float8_e4m3fn leaves
 with a float32 ``"<key>_scale"`` sibling (``[L, out]`` per output channel, or
 ``[L, G, out]`` per group of input rows); :func:`dot_f32` takes either. A
-quantized KV cache has ``"k_scale"``, ``"v_scale": [L, num_kv_heads]`` layer
-leaves, handed to the attention ops.
+quantized KV cache has ``"k_scale"``, ``"v_scale": [L, cache heads]`` layer
+leaves (the heads the cache holds, ``ModelSharding.num_cache_heads``), handed
+to the attention ops.
 
 KV cache: ``(k_cache, v_cache)``, each ``[L, num_blocks, block_size,
 num_kv_heads, head_dim]``.
@@ -51,7 +52,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
 from kernels_pallas import AttentionOps
-from kernels_pallas.reference import from_storage, to_storage
+from kernels_pallas.reference import BITS_STORAGE, from_storage, to_storage
 
 Params = dict[str, Any]
 KVCache = tuple[jax.Array, jax.Array]
@@ -197,7 +198,7 @@ class LayerContext(NamedTuple):
     cos, sin: [T, R // 2] float32 of this layer's rope.
     num_tokens: int32[] the batch's real (unpadded) tokens.
     kv_scales: a quantized cache's float32 ``(k_scale, v_scale)``, each
-      ``[num_kv_heads]`` of this layer; None for a cache of plain values.
+      ``[cache heads]`` of this layer; None for a cache of plain values.
     """
 
     cfg: ModelConfig
@@ -280,9 +281,6 @@ class Family:
     final_norm: Callable[[jax.Array, jax.Array, float], jax.Array] = rms_norm
 
 
-_BIT_STORAGE = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float8_e4m3fn): jnp.uint8}
-
-
 def loop_storage(params: Params) -> Params:
     """``params`` with bfloat16 layer leaves bit-cast to uint16 and float8_e4m3fn ones
     (quantized weights) to uint8 (other leaves as they are).
@@ -292,8 +290,8 @@ def loop_storage(params: Params) -> Params:
     ``kernels_pallas.reference``); :func:`hidden_states` bit-casts them back
     per layer. Same bytes, same sharding.
     """
-    bits = jax.jit(lambda a: to_storage(a, _BIT_STORAGE[a.dtype]))
-    return {**params, "layers": jax.tree_util.tree_map(lambda a: bits(a) if a.dtype in _BIT_STORAGE else a,
+    bits = jax.jit(lambda a: to_storage(a, BITS_STORAGE[a.dtype]))
+    return {**params, "layers": jax.tree_util.tree_map(lambda a: bits(a) if a.dtype in BITS_STORAGE else a,
                                                        params["layers"])}
 
 
