@@ -3,8 +3,9 @@
 
 Everything a request can get wrong is found here, before anything reaches a core, so a bad request changes no
 state anywhere: an empty prompt, one longer than ``max_model_len``, token ids outside the vocabulary, bad words
-that encode to nothing, a structured-output schema, regex or grammar the grammar engine rejects. Eos ids are folded into the stop ids here (the tokenizer's first, then the model's), and
-seeds are drawn here for sequences without one, so a core needs no tokenizer.
+that encode to nothing, a structured-output schema, regex or grammar the grammar engine rejects. Eos ids are folded
+into the stop ids here (the tokenizer's first, then the model's), and seeds are drawn here for sequences without
+one, so a core needs no tokenizer (but to compile structured-output grammars over the model's tokens).
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ from jaxllm.config import ModelConfig
 from jaxllm.kv_cache import allocate_kv_cache
 from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states, loop_storage
 from jaxllm.sampling import (
-    SamplingArrays, bitmask_words, fill_slot, init_tables, prompt_logprobs, sample, set_slot_rows,
+    SamplingArrays, fill_slot, init_tables, prompt_logprobs, sample, set_slot_rows,
 )
 from jaxllm.sharding import ModelSharding
+from jaxllm.structured_output import bitmask_words
 from kernels_pallas.reference import BITS_STORAGE
 from scheduler import BatchDescriptor, BucketTable
 

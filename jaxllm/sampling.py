@@ -215,11 +215,6 @@ def apply_logit_processors(logits: jax.Array, arrays: dict, tables: dict) -> jax
     return logits - arrays["presence_penalty"][:, None] * output_seen
 
 
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words of one packed token-bitmask row: ``ceil(vocab_size / 32)``."""
-    return -(-vocab_size // 32)
-
-
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     """-inf on the tokens a packed bitmask does not allow.
 

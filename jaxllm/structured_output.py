@@ -34,11 +34,15 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from jaxllm.sampling import bitmask_words
 from scheduler import Request, SchedulerOutput, StructuredOutputsParams
 
 # Compiled grammars kept (least recently used dropped first).
 GRAMMAR_CACHE_SIZE = 256
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one packed token-bitmask row: ``ceil(vocab_size / 32)``."""
+    return -(-vocab_size // 32)
 
 
 def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:

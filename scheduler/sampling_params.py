@@ -57,8 +57,8 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = self.kinds()
         if len(given) != 1:
-            raise ValueError(f"SamplingParams.structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
-                             f"got {given or 'none'}")
+            raise ValueError("SamplingParams.structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
 
         def bad(field: str, limit: str) -> ValueError:
             return ValueError(f"SamplingParams.structured_outputs.{field}={getattr(self, field)!r} is invalid: "

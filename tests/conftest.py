@@ -57,7 +57,10 @@ def smollm2_gguf() -> Path:
     if not target.is_file() and users.is_file() and users.resolve() != target.resolve():
         target.parent.mkdir(parents=True, exist_ok=True)
         target.unlink(missing_ok=True)  # a link left dangling by a removed user copy
-        target.symlink_to(users.resolve())
+        try:
+            target.symlink_to(users.resolve())
+        except FileExistsError:  # another pytest-xdist worker linked it first
+            pass
     try:
         return default_model_path()
     except RuntimeError as e:

@@ -140,9 +140,11 @@ def _imports(toplevel_only: bool) -> dict[str, set[str]]:
                 targets |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        # Importing a.b.c imports the packages a and a.b first.
+        # Importing a.b.c imports the packages a and a.b first; a module's own packages are already
+        # imported (or being imported) when it runs, so they are no edge of it.
         parents = {t.rsplit(".", k)[0] for t in targets for k in range(1, t.count(".") + 1)}
-        graph[name] = {t for t in targets | parents if t in modules and t != name} | {t.split(".")[0] for t in targets}
+        graph[name] = {t for t in targets | parents if t in modules and t != name and not name.startswith(f"{t}.")
+                       } | {t.split(".")[0] for t in targets}
     return graph
 
 

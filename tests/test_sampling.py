@@ -13,13 +13,13 @@ from jaxllm.sampling import (
     apply_logit_processors,
     apply_token_bitmask,
     apply_top_k_top_p_min_p,
-    bitmask_words,
     fill_slot,
     init_tables,
     prompt_logprobs,
     sample,
     set_slot_rows,
 )
+from jaxllm.structured_output import bitmask_words
 from scheduler import SamplingParams
 
 V = 8
