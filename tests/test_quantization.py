@@ -196,6 +196,34 @@ def test_gguf_q8_0_kept_as_int8_are_read_as_blocks_not_from_the_dequantized_cach
     for name in first:
         np.testing.assert_array_equal(again[name], first[name], err_msg=name)
 
+
+# ---- tensor parallelism: where the scales live (the 8-device run is tests/multidevice) --------------
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_weight_scales_split_with_their_output_channels_and_kv_scales_with_the_cache_heads(kv_heads):
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from jaxllm.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_config(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=16))
+    sharding = ModelSharding(cfg, AbstractMesh((1, 4), ("data", "model")))
+    z = np.zeros
+    layers = {"wq_scale": z((2, 128)), "wk_scale": z((2, kv_heads * 16)), "wo_scale": z((2, 64)),
+              "w_up_scale": z((2, 128)), "w_down_scale": z((2, 4, 64)), "w_gate_scale": z((2, 2, 128)),
+              "k_scale": z((2, sharding.num_cache_heads))}
+    specs = sharding.param_specs({"lm_head_scale": z(256), "layers": layers})
+    kv = "model" if kv_heads == 4 else None  # 2 KV heads over 4 devices: k/v projections replicated
+    assert specs == {"lm_head_scale": P("model"), "layers": {
+        "wq_scale": P(None, "model"), "wk_scale": P(None, kv), "wo_scale": P(None, None),
+        "w_up_scale": P(None, "model"),
+        # Group scales [L, G, out]: G follows the weight's input axis (w_down's is split, 4 groups).
+        "w_down_scale": P(None, "model", None), "w_gate_scale": P(None, None, "model"),
+        "k_scale": P(None, "model")}}
+
+
 # ---- the engine: memory, KV blocks, orbax ---------------------------------------------------
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=8, precompile=False, compilation_cache=None)
