@@ -15,7 +15,7 @@ from jaxllm.default_model import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_DEFAULT_CACHE = Path.home() / ".cache" / "jaxllm"
-# A path that leaves the repository: ../shared, or an absolute path into /work/shared.
+# A path that leaves the repository: the shared folder beside it, relative or absolute.
 OUTSIDE = re.compile(r"\.\./shared|/work/shared|parents\[\d\]\.parent")
 
 

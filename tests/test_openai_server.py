@@ -434,7 +434,8 @@ def test_a_queue_past_max_waiting_requests_answers_503(server):
         assert refused.status_code == 503, refused.text
         error = refused.json()["error"]
         assert error["code"] == "queue_full" and error["type"] == "server_error"
-        assert f"{MAX_WAITING} requests are waiting, max_waiting_requests={MAX_WAITING}" in error["message"]
+        expected = f"{MAX_WAITING} requests are waiting for a batch seat, max_waiting_requests={MAX_WAITING}"
+        assert expected in error["message"]
     finally:
         waiting.__exit__(None, None, None)
         running.__exit__(None, None, None)
