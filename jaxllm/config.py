@@ -295,6 +295,11 @@ def _sliding_windows_from_hf(cfg: dict[str, Any], model_type: str, num_layers: i
 
 
 
+# Weight-only quantizations and KV cache dtypes (jaxllm.quantization), by vLLM's names.
+WEIGHT_QUANTIZATIONS = ("int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+
+
 @dataclasses.dataclass
 class EngineConfig:
     """Serving configuration, vLLM's names and meanings.
@@ -308,6 +313,13 @@ class EngineConfig:
       max_num_batched_tokens: tokens per step at most (the token budget).
       max_model_len: prompt + output tokens per request at most.
       dtype: "auto", "float32", "bfloat16" or "float16" (compute and KV).
+      quantization: None, "int8" or "fp8": weight-only quantization of the
+        dense projections and an untied lm_head, per output channel
+        (``jaxllm.quantization``); an orbax checkpoint converted quantized is
+        served as it was converted.
+      kv_cache_dtype: "auto" (the compute dtype), "int8", or "fp8" /
+        "fp8_e4m3" (float8_e4m3fn): the KV cache's numbers, quantized with
+        per-layer, per-head scales calibrated at start-up (vLLM's name).
       seed: engine seed for requests without their own.
       attention_backend: "pallas", "xla", "reference" or None (pallas on GPU, xla
         elsewhere; see ``kernels_pallas.get_attention_ops``).
@@ -366,6 +378,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: Optional[int] = None
     dtype: str = "auto"
+    quantization: Optional[str] = None
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     scheduling_policy: Any = "fcfs"
     preemption_mode: str = "recompute"
@@ -414,6 +428,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be one of 'auto', 'float32', 'bfloat16', 'float16'")
+        if self.quantization is not None and self.quantization not in WEIGHT_QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} must be None or one of {WEIGHT_QUANTIZATIONS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens={self.max_num_batched_tokens}: "

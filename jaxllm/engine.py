@@ -39,7 +39,8 @@ class LLMEngine:
         max_num_batched_tokens, max_model_len, dtype, seed, scheduling_policy,
         preemption_mode, enable_prefix_caching, enable_chunked_prefill,
         attention_backend, tensor_parallel_size, data_parallel_size,
-        async_scheduling, batching, log_stats, metrics_port, ...).
+        async_scheduling, batching, log_stats, metrics_port, quantization,
+        kv_cache_dtype, ...).
 
     Attributes:
       client: the core client (``InprocClient`` or ``MPClient``).
@@ -88,6 +89,10 @@ class LLMEngine:
     runner = property(lambda self: self.core.runner, doc="The in-process core's model runner.")
     buckets = property(lambda self: self.core.buckets, doc="The in-process core's bucket table.")
     model_config = property(lambda self: self.core.model_config, doc="The model's ModelConfig.")
+    kv_cache_dtype = property(lambda self: self.core.kv_cache_dtype,
+                              doc="The in-process core's KV cache number dtype (int8 / float8_e4m3fn when quantized).")
+    param_bytes = property(lambda self: self.core.param_bytes,
+                           doc="The in-process core's ``jaxllm.quantization.param_bytes`` of its parameters.")
 
     @property
     def num_blocks(self) -> int:

@@ -47,6 +47,7 @@ from jaxllm.default_model import cache_dir
 from jaxllm.kv_cache import resolve_num_blocks
 from jaxllm.loader import load_sharded, read_model_config
 from jaxllm.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
+from jaxllm.quantization import calibrate_kv_scales, calibration_ids, kv_number_dtype, param_bytes, weight_quantization
 from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache, fetch_rows
 from jaxllm.sampling import MAX_BANNED_IDS
 from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
@@ -134,6 +135,10 @@ class EngineCore:
     Attributes:
       scheduler, runner, buckets, num_blocks, model_config, max_model_len, hf_config, sharding, dtype,
       structured (the ``StructuredOutputManager``; it loads the model's tokenizer at the first constraint).
+      kv_cache_dtype: numpy dtype of the KV cache's numbers (int8 or float8_e4m3fn when quantized; the
+        config's ``kv_cache_dtype``).
+      param_bytes: ``jaxllm.quantization.param_bytes`` of the parameters on the devices (printed at start-up
+        with the KV block count).
 
     Raises:
       ValueError: a bad model path, an unsupported architecture, a config value out of range (named with its
@@ -156,10 +161,12 @@ class EngineCore:
         self.max_model_len = config.resolve_max_model_len(read_model_config(path)[0])
         self.dtype = resolve_dtype(config.dtype)
         mesh = mesh if mesh is not None else make_mesh(config.tensor_parallel_size)
-        self.model_config, params, self.hf_config, self.sharding = load_sharded(path, self.dtype, mesh)
+        self.model_config, params, self.hf_config, self.sharding = load_sharded(
+            path, self.dtype, mesh, quantization=config.quantization)
         cfg = self.model_config
+        self.kv_cache_dtype = kv_number_dtype(config.kv_cache_dtype, self.dtype)
         self.num_blocks = resolve_num_blocks(
-            self.sharding.per_device_config(), block_size=config.block_size, dtype=self.dtype,
+            self.sharding.per_device_config(), block_size=config.block_size, dtype=self.kv_cache_dtype,
             num_kv_blocks=config.num_kv_blocks, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             device=self.sharding.mesh.devices.flat[0],
@@ -175,13 +182,19 @@ class EngineCore:
                                           self.spec.prompt_lookup_max)
         cache = config.compilation_cache
         enable_persistent_compilation_cache(str(cache_dir() / "xla") if cache == "default" else cache)
+        if self.kv_cache_dtype != np.dtype(self.dtype):
+            ids = calibration_ids(load_tokenizer(path), cfg.vocab_size)[: self.max_model_len]
+            k_scale, v_scale = calibrate_kv_scales(cfg, params, ids, ops=ops, sharding=self.sharding,
+                                                   kv_dtype=self.kv_cache_dtype)
+            params = {**params, "layers": {**params["layers"], "k_scale": k_scale, "v_scale": v_scale}}
         self.runner = ModelRunner(
             cfg, params, num_blocks=self.num_blocks, block_size=config.block_size, dtype=self.dtype,
             ops=ops, buckets=self.buckets, sharding=self.sharding, num_host_blocks=config.num_host_blocks,
             num_sampling_slots=config.max_num_seqs + 1, max_model_len=self.max_model_len,
-            bf16_as_uint16=backend != "pallas" and self.sharding.mesh.devices.flat[0].platform == "cpu",
-            num_positions=num_positions,
+            float_bits_storage=backend != "pallas" and self.sharding.mesh.devices.flat[0].platform == "cpu",
+            kv_cache_dtype=self.kv_cache_dtype, num_positions=num_positions,
         )
+        self.param_bytes = param_bytes(self.runner.params)
         self.drafter = None
         if self.spec is not None and self.spec.method == "draft_model":
             self.drafter = self._load_drafter(backend, num_positions)
@@ -191,9 +204,13 @@ class EngineCore:
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(self._scheduler_config())
         b = self.buckets
+        pb = self.param_bytes
+        quantized = (f" ({pb['quantized'] / 2**20:.1f} MiB of {weight_quantization(params)} weights and scales, "
+                     f"{pb['quantized_as_float32'] / 2**20:.1f} MiB as float32)" if pb["quantized"] else "")
+        _log(f"parameters: {pb['total'] / 2**20:.1f} MiB{quantized}")
         _log(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {[b.seq_bucket_for(t) for t in b.token_buckets]}, "
              f"block-table widths {list(b.width_buckets)}); {self.num_blocks} KV blocks of {config.block_size} "
-             f"tokens; attention {backend}; tensor parallel {self.sharding.tensor_parallel_size}")
+             f"tokens ({self.kv_cache_dtype.name}); attention {backend}; tensor parallel {self.sharding.tensor_parallel_size}")
         if config.precompile:
             background = config.precompile == "background"
             for r in self._runners:
@@ -242,7 +259,7 @@ class EngineCore:
             cfg, params, num_speculative_tokens=spec.num_speculative_tokens, num_blocks=self.num_blocks,
             block_size=config.block_size, dtype=self.dtype, ops=ops, buckets=self.buckets, sharding=sharding,
             num_host_blocks=config.num_host_blocks, max_model_len=self.max_model_len,
-            bf16_as_uint16=self.runner.bf16_as_uint16, num_positions=num_positions,
+            float_bits_storage=self.runner.float_bits_storage, num_positions=num_positions,
         )
 
     def _scheduler_config(self) -> SchedulerConfig:

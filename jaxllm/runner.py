@@ -42,6 +42,7 @@ from jaxllm.sampling import (
 )
 from jaxllm.sharding import ModelSharding
 from jaxllm.structured_output import bitmask_words
+from kernels_pallas.reference import BITS_STORAGE
 from scheduler import BatchDescriptor, BucketTable
 
 BATCH_KEYS = (
@@ -145,9 +146,13 @@ class ModelRunner:
         is padding), so at least ``max_num_seqs + 1``.
       max_model_len: tokens per sequence at most (the fixed length slot fills
         are padded to).
-      bf16_as_uint16: hold bfloat16 layer weights and KV caches as uint16 bit
-        patterns (``models.loop_storage``): for XLA's CPU backend, with
-        the jnp attention ops (``kernels_pallas.reference`` says why).
+      float_bits_storage: hold bfloat16 layer weights and KV caches as uint16
+        bit patterns, float8_e4m3fn ones as uint8 (``models.loop_storage``):
+        for XLA's CPU backend, with the jnp attention ops
+        (``kernels_pallas.reference`` says why).
+      kv_cache_dtype: the KV cache's numbers: ``dtype`` (None), or int8 /
+        float8_e4m3fn for a quantized cache, whose scales are the
+        ``k_scale``/``v_scale`` layer leaves of ``params``.
       num_positions: positions each row's sampler handles: 1, or 1 +
         ``num_speculative_tokens`` when the steps verify draft tokens
         (sampling arrays then have ``S * num_positions`` rows,
@@ -155,12 +160,12 @@ class ModelRunner:
 
     Attributes:
       ops: the attention ops the step runs (as given).
-      num_positions, bf16_as_uint16: as given.
-      params: the parameter pytree on the devices (layer leaves as uint16
-        with ``bf16_as_uint16``).
+      num_positions, float_bits_storage: as given.
+      params: the parameter pytree on the devices (bfloat16 and float8 layer
+        leaves as uint16 and uint8 with ``float_bits_storage``).
       kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size,
-        sharding.num_cache_heads, head_dim]``, split over heads; ``dtype``,
-        or uint16 with ``bf16_as_uint16``.
+        sharding.num_cache_heads, head_dim]``, split over heads; of
+        ``kv_cache_dtype``, as uint16 / uint8 bits with ``float_bits_storage``.
       sampler_tables: the sampler's per-slot tables (``sampling.init_tables``),
         replicated on the mesh and donated to every step like the KV cache.
       num_compilations: programs this runner has built (steps and block
@@ -174,8 +179,8 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
                  ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0,
-                 num_sampling_slots: int = 1, max_model_len: int = 1, bf16_as_uint16: bool = False,
-                 num_positions: int = 1):
+                 num_sampling_slots: int = 1, max_model_len: int = 1, float_bits_storage: bool = False,
+                 kv_cache_dtype: Any = None, num_positions: int = 1):
         self.cfg = cfg
         self.ops = ops
         self.num_blocks = num_blocks
@@ -183,10 +188,12 @@ class ModelRunner:
         self.dtype = dtype
         self.buckets = buckets
         self.num_positions = num_positions
-        self.bf16_as_uint16 = bf16_as_uint16
-        storage = bf16_as_uint16 and np.dtype(dtype) == jnp.bfloat16
-        self.params = loop_storage(params) if storage else params
-        self.kv_cache = allocate_kv_cache(num_blocks, block_size, np.uint16 if storage else dtype, sharding)
+        self.float_bits_storage = float_bits_storage
+        self.params = loop_storage(params) if float_bits_storage else params
+        kv_dtype = np.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
+        if float_bits_storage:
+            kv_dtype = BITS_STORAGE.get(kv_dtype, kv_dtype)
+        self.kv_cache = allocate_kv_cache(num_blocks, block_size, kv_dtype, sharding)
         self._replicated = sharding.replicated
         self._kv_sharding = sharding.kv_cache_sharding
         self.sampler_tables = jax.device_put(init_tables(num_sampling_slots, cfg.vocab_size), self._replicated)

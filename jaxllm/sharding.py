@@ -37,7 +37,6 @@ one mesh across them. Each process places only the shards of its own devices
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Optional, Sequence
 
 import jax
@@ -46,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.common import Params
+from jaxllm.quantization import leaf_dtype
 from kernels_pallas import AttentionOps
 
 try:
@@ -87,9 +87,25 @@ PARAM_AXES: dict[str, tuple[Optional[str], ...]] = {
     "experts_gate": (None, "embed", "mlp"),
     "experts_up": (None, "embed", "mlp"),
     "experts_down": (None, "mlp", "embed"),
+    # A quantized KV cache's scales [num_cache_heads] per layer: split like the cache's heads.
+    "k_scale": ("cache_heads",),
+    "v_scale": ("cache_heads",),
 }
+# A quantized weight's "<key>_scale" takes the weight's axes: all of them for group scales
+# [..., G, out] (groups of input rows split with those rows), all but the input axis for
+# per-channel scales [..., out] (jaxllm.quantization).
+SCALE_SUFFIX = "_scale"
 # The KV cache [num_blocks, block_size, kv_heads, head_dim].
 KV_CACHE_AXES = (None, None, "kv_heads", None)
+
+
+def _axes(key: str) -> tuple[Optional[str], ...]:
+    """Logical axes of parameter ``key``; a weight's ``_scale`` gets the weight's."""
+    if key in PARAM_AXES:
+        return PARAM_AXES[key]
+    if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in PARAM_AXES:
+        return PARAM_AXES[key[: -len(SCALE_SUFFIX)]]
+    raise ValueError(f"parameter {key!r} has no entry in jaxllm.sharding.PARAM_AXES")
 
 
 def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -197,6 +213,7 @@ class ModelSharding:
             "embed": None,
             "heads": MODEL_AXIS,
             "kv_heads": None if self.kv_heads_replicated else MODEL_AXIS,
+            "cache_heads": MODEL_AXIS,
             "mlp": MODEL_AXIS,
             None: None,
         }
@@ -215,15 +232,17 @@ class ModelSharding:
     def param_specs(self, params: Any) -> Any:
         """PartitionSpecs of a parameter pytree (of arrays, or of anything with ``.shape``).
 
-        Leaves under ``"layers"`` carry a leading layer axis, never split.
+        Leaves under ``"layers"`` carry a leading layer axis, never split. A
+        quantized weight's scale splits with its weight's output channels (and,
+        for group scales, with its input rows: :data:`SCALE_SUFFIX`).
         """
         def one(path, leaf):
             key = path[-1].key
-            if key not in PARAM_AXES:
-                raise ValueError(f"parameter {key!r} has no entry in jaxllm.sharding.PARAM_AXES")
             stacked = path[0].key == "layers"
-            axes = ((None,) if stacked else ()) + PARAM_AXES[key]
-            return self.spec(axes, leaf.shape)
+            axes = _axes(key)
+            if key.endswith(SCALE_SUFFIX) and key not in PARAM_AXES and len(leaf.shape) < len(axes) + stacked:
+                axes = axes[:-2] + axes[-1:]  # per output channel: the weight's axes without its input axis
+            return self.spec(((None,) if stacked else ()) + axes, leaf.shape)
 
         return jax.tree_util.tree_map_with_path(one, params)
 
@@ -241,6 +260,11 @@ class ModelSharding:
         return NamedSharding(self.mesh, P(None, None, None, MODEL_AXIS, None))
 
     @property
+    def kv_scale_sharding(self) -> NamedSharding:
+        """Sharding of a quantized cache's ``[num_layers, num_cache_heads]`` scales: split like its heads."""
+        return NamedSharding(self.mesh, P(None, MODEL_AXIS))
+
+    @property
     def replicated(self) -> NamedSharding:
         """Every device holds the whole array (the batch and sampling arrays)."""
         return NamedSharding(self.mesh, P())
@@ -252,21 +276,25 @@ class ModelSharding:
           params: pytree of host arrays, or of lazy tensors with ``.shape``
             and ``read(index) -> np.ndarray`` (``jaxllm.loader.lazy``), so a
             device asks only for its slice.
-          dtype: dtype of the device arrays.
+          dtype: dtype of the device arrays (quantized weights keep theirs, and
+            their scales are float32: ``jaxllm.quantization.leaf_dtype``).
 
         Returns:
           The pytree of ``jax.Array``s, each with its :meth:`param_specs`
           sharding; no array is ever whole on one device unless its spec
           replicates it.
         """
-        def place(leaf, sharding):
+        def place(path, leaf, sharding):
             read = leaf.read if hasattr(leaf, "read") else leaf.__getitem__
-            return jax.make_array_from_callback(
-                tuple(leaf.shape), sharding, lambda index: np.asarray(read(index)).astype(dtype, copy=False)
-            )
 
-        return jax.tree_util.tree_map(place, params, self.param_shardings(params),
-                                      is_leaf=lambda x: hasattr(x, "read"))
+            def shard(index):
+                array = np.asarray(read(index))
+                return array.astype(leaf_dtype(path[-1].key, array.dtype, dtype), copy=False)
+
+            return jax.make_array_from_callback(tuple(leaf.shape), sharding, shard)
+
+        return jax.tree_util.tree_map_with_path(place, params, self.param_shardings(params),
+                                                is_leaf=lambda x: hasattr(x, "read"))
 
     def attention_ops(self, ops: AttentionOps) -> AttentionOps:
         """``ops`` run per device under ``shard_map`` over the ``model`` axis.
@@ -274,33 +302,54 @@ class ModelSharding:
         Each device writes and attends its own heads: q ``[T, Hq/tp, D]``
         against a cache of ``num_cache_heads/tp`` heads. When KV heads are
         replicated, the step's new k/v (all heads on every device) are cut to
-        the one head this device stores before the write.
+        the one head this device stores before the write. A quantized cache's
+        per-head scales (``k_scale``, ``v_scale``: ``[num_cache_heads]``) are
+        split like its heads.
         """
         heads = P(None, MODEL_AXIS, None)
         cache = P(None, None, MODEL_AXIS, None)
         rep = P()
+        cache_heads = P(MODEL_AXIS)
         group_devices = self.tensor_parallel_size // self.cfg.num_kv_heads
 
-        def write_local(k_cache, v_cache, k, v, slot_mapping):
-            if self.kv_heads_replicated:
-                head = jax.lax.axis_index(MODEL_AXIS) // group_devices
-                k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=1)
-                v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=1)
-            return ops.kv_cache_write(k_cache, v_cache, k, v, slot_mapping)
+        def scale_args(k_scale, v_scale):
+            """(the scales to pass, their specs, a function of them -> the op's keywords)."""
+            if k_scale is None:
+                return (), (), lambda: {}
+            return (k_scale, v_scale), (cache_heads, cache_heads), lambda k, v: dict(k_scale=k, v_scale=v)
 
-        kv_spec = rep if self.kv_heads_replicated else heads
-        write = shard_map(write_local, mesh=self.mesh, in_specs=(cache, cache, kv_spec, kv_spec, rep),
-                          out_specs=(cache, cache), check_vma=False)
+        def write(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
+            scales, specs, keywords = scale_args(k_scale, v_scale)
 
-        def attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, **static):
-            local = functools.partial(ops.ragged_paged_attention, **static)
-            return shard_map(local, mesh=self.mesh, in_specs=(heads, cache, cache, rep, rep, rep, rep),
+            def write_local(k_cache, v_cache, k, v, slot_mapping, *scales):
+                if self.kv_heads_replicated:
+                    head = jax.lax.axis_index(MODEL_AXIS) // group_devices
+                    k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=1)
+                    v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=1)
+                return ops.kv_cache_write(k_cache, v_cache, k, v, slot_mapping, **keywords(*scales))
+
+            kv_spec = rep if self.kv_heads_replicated else heads
+            return shard_map(write_local, mesh=self.mesh, in_specs=(cache, cache, kv_spec, kv_spec, rep) + specs,
+                             out_specs=(cache, cache), check_vma=False)(k_cache, v_cache, k, v, slot_mapping, *scales)
+
+        def attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale=None,
+                   v_scale=None, **static):
+            scales, specs, keywords = scale_args(k_scale, v_scale)
+
+            def local(*args):
+                return ops.ragged_paged_attention(*args[:7], **keywords(*args[7:]), **static)
+
+            return shard_map(local, mesh=self.mesh, in_specs=(heads, cache, cache, rep, rep, rep, rep) + specs,
                              out_specs=heads, check_vma=False)(
-                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
+                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *scales)
 
-        def attend_decode(q, k_cache, v_cache, block_tables, seq_lens, **static):
-            local = functools.partial(ops.paged_attention, **static)
-            return shard_map(local, mesh=self.mesh, in_specs=(heads, cache, cache, rep, rep),
-                             out_specs=heads, check_vma=False)(q, k_cache, v_cache, block_tables, seq_lens)
+        def attend_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale=None, v_scale=None, **static):
+            scales, specs, keywords = scale_args(k_scale, v_scale)
+
+            def local(*args):
+                return ops.paged_attention(*args[:5], **keywords(*args[5:]), **static)
+
+            return shard_map(local, mesh=self.mesh, in_specs=(heads, cache, cache, rep, rep) + specs,
+                             out_specs=heads, check_vma=False)(q, k_cache, v_cache, block_tables, seq_lens, *scales)
 
         return AttentionOps(ragged_paged_attention=attend, paged_attention=attend_decode, kv_cache_write=write)

@@ -69,11 +69,15 @@ def attend_chunk(
 ) -> Carry:
     """Fold one KV chunk into the running softmax of a query tile.
 
-    q: [M, head_dim], k, v: [block_k, head_dim] (same dtype as q),
-    mask: bool[M, block_k], True where the key is visible to the row. Masked
-    keys get exactly zero weight, so a row that never sees a key keeps
-    ``row_sum == 0`` and :func:`finish` turns it into zeros.
+    q: [M, head_dim], k, v: [block_k, head_dim] as the cache holds them
+    (q's dtype, or int8 / float8_e4m3fn numbers, converted to q's dtype
+    here; a quantized cache's K scale belongs in ``scale`` and its V scale
+    is applied to the result), mask: bool[M, block_k], True where the key
+    is visible to the row. Masked keys get exactly zero weight, so a row
+    that never sees a key keeps ``row_sum == 0`` and :func:`finish` turns it
+    into zeros.
     """
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
     scores = _dot(q, k, contract_b=1) * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)

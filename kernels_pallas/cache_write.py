@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas import _compat
+from kernels_pallas.reference import quantize_kv
 
 
 def _kv_cache_write_kernel(slot_ref, k_ref, v_ref, k_cache_in, v_cache_in, k_cache_ref, v_cache_ref):
@@ -25,6 +26,8 @@ def kv_cache_write(
     k: jax.Array,
     v: jax.Array,
     slot_mapping: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     *,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -38,11 +41,13 @@ def kv_cache_write(
 
     Args:
       k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], any
-        float dtype.
-      k, v: [T, num_kv_heads, head_dim], cast to the cache dtype.
+        float dtype, or int8 / float8_e4m3fn with scales.
+      k, v: [T, num_kv_heads, head_dim], cast to the cache dtype, or
+        quantized (``reference.quantize_kv``) when scales are given.
       slot_mapping: int32[T]. Padded tokens should point into block 0 (the
         null block); several tokens may share a slot there, and which one
         wins is unspecified.
+      k_scale, v_scale: float32[num_kv_heads] of a quantized cache, or None.
       interpret: run the Pallas interpreter (CPU tests) instead of Triton.
 
     Returns:
@@ -81,8 +86,8 @@ def kv_cache_write(
         name="kv_cache_write",
     )(
         slot_mapping.astype(jnp.int32),
-        k.astype(k_cache.dtype),
-        v.astype(v_cache.dtype),
+        k.astype(k_cache.dtype) if k_scale is None else quantize_kv(k, k_scale, k_cache.dtype),
+        v.astype(v_cache.dtype) if v_scale is None else quantize_kv(v, v_scale, v_cache.dtype),
         k_cache.reshape(flat),
         v_cache.reshape(flat),
     )

@@ -32,11 +32,12 @@ MIN_BLOCK_H = 16
 
 
 def _decode_kernel(
-    seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, acc_ref, max_ref, sum_ref,
+    seq_lens_ref, tables_ref, k_scale_ref, v_scale_ref, q_ref, k_ref, v_ref, acc_ref, max_ref, sum_ref,
     *, chunks_per_split: int, block_k: int, block_size: int, table_width: int,
     scale: float, sliding_window: Optional[int], soft_cap: Optional[float],
 ):
-    seq, split = pl.program_id(0), pl.program_id(2)
+    seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    k_scale = scale * k_scale_ref[head]
     seq_len = seq_lens_ref[seq]
     pos = seq_len - 1
     q = q_ref[...]
@@ -55,10 +56,10 @@ def _decode_kernel(
         if sliding_window is not None:
             visible &= kv_pos > pos - sliding_window
         mask = jnp.broadcast_to(visible[None, :], (block_h, block_k))
-        return _flash.attend_chunk(carry, q, k, v, mask, scale=scale, soft_cap=soft_cap)
+        return _flash.attend_chunk(carry, q, k, v, mask, scale=k_scale, soft_cap=soft_cap)
 
     carry = lax.fori_loop(start_chunk, end_chunk, body, _flash.init_carry(block_h, head_dim))
-    acc_ref[...] = carry.acc
+    acc_ref[...] = carry.acc * v_scale_ref[head]
     max_ref[...] = carry.row_max
     sum_ref[...] = carry.row_sum
 
@@ -81,10 +82,12 @@ def _num_splits(num_programs: int, num_chunks: int) -> int:
     jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "block_k", "num_splits")
 )
 def _paged_attention(
-    q, k_cache, v_cache, block_tables, seq_lens,
+    q, k_cache, v_cache, block_tables, seq_lens, k_scale=None, v_scale=None,
     *, scale, sliding_window, soft_cap, interpret, block_k, num_splits,
 ):
     _flash.check_attention_shapes(q, k_cache, v_cache, block_tables)
+    ones = jnp.ones(k_cache.shape[2], jnp.float32)  # an unquantized cache
+    k_scale, v_scale = ones if k_scale is None else k_scale, ones if v_scale is None else v_scale
     num_seq_rows, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -115,6 +118,8 @@ def _paged_attention(
         in_specs=[
             pl.BlockSpec(),
             pl.BlockSpec(),
+            pl.BlockSpec(),
+            pl.BlockSpec(),
             pl.BlockSpec((sq, sq, block_h, head_dim), lambda s, h, j: (s, h, 0, 0)),
             cache_spec,
             cache_spec,
@@ -132,7 +137,7 @@ def _paged_attention(
         compiler_params=_compat.compiler_params(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="paged_attention",
-    )(seq_lens.astype(jnp.int32), tables, qg, k_cache.reshape(flat), v_cache.reshape(flat))
+    )(seq_lens.astype(jnp.int32), tables, k_scale, v_scale, qg, k_cache.reshape(flat), v_cache.reshape(flat))
 
     out = _merge_splits(acc, row_max, row_sum)[:, :, :group]
     return out.reshape(num_seq_rows, num_q_heads, head_dim).astype(q.dtype)
@@ -149,6 +154,8 @@ def paged_attention(
     sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
     interpret: bool = False,
+    k_scale: Optional[jax.Array] = None,
+    v_scale: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Decode attention: one new query per sequence over its paged context.
 
@@ -161,13 +168,16 @@ def paged_attention(
       q: [S, num_q_heads, head_dim] float32 or bfloat16 — the query of the
         last token of each sequence (position ``seq_lens[s] - 1``).
       k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's
-        dtype.
+        dtype, or int8 / float8_e4m3fn with ``k_scale``, ``v_scale``.
       block_tables: int32[S, W]; seq_lens: int32[S] (0 marks a padding row).
       scale: multiplier of q·k (usually head_dim ** -0.5).
       sliding_window: if set, the query at position p sees keys in
         ``(p - sliding_window, p]``.
       soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
       interpret: run the Pallas interpreter (CPU tests) instead of Triton.
+      k_scale, v_scale: float32[num_kv_heads], the scales of a quantized
+        cache (``reference.py``); the K scale joins the score scale and the V
+        scale multiplies each program's output. None: a cache of plain values.
 
     Returns:
       [S, num_q_heads, head_dim] in q's dtype; rows with seq_lens 0 are zeros.
@@ -177,7 +187,7 @@ def paged_attention(
         num_kv_heads, or head_dim not a power of two >= 16.
     """
     return _paged_attention(
-        q, k_cache, v_cache, block_tables, seq_lens,
+        q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale,
         scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
         block_k=BLOCK_K, num_splits=None,
     )

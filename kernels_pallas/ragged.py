@@ -63,11 +63,12 @@ def _tile_schedule(seq_lens, query_start_loc, num_seqs, *, num_tiles: int, block
 
 
 def _ragged_kernel(
-    seq_ref, token_ref, pos_ref, rows_ref, tables_ref, q_ref, k_ref, v_ref, o_ref,
+    seq_ref, token_ref, pos_ref, rows_ref, tables_ref, k_scale_ref, v_scale_ref, q_ref, k_ref, v_ref, o_ref,
     *, group: int, block_q: int, block_k: int, block_size: int, table_width: int,
     scale: float, sliding_window: Optional[int], soft_cap: Optional[float],
 ):
-    tile = pl.program_id(1)
+    head, tile = pl.program_id(0), pl.program_id(1)
+    k_scale = scale * k_scale_ref[head]
     seq, token, first_pos, num_rows = seq_ref[tile], token_ref[tile], pos_ref[tile], rows_ref[tile]
     block_m = block_q * group
     row_token = lax.div(lax.broadcasted_iota(jnp.int32, (block_m,), 0), group)
@@ -89,21 +90,24 @@ def _ragged_kernel(
         mask = (kv_pos[None, :] <= row_pos[:, None]) & row_valid[:, None]
         if sliding_window is not None:
             mask &= kv_pos[None, :] > row_pos[:, None] - sliding_window
-        return _flash.attend_chunk(carry, q, k, v, mask, scale=scale, soft_cap=soft_cap)
+        return _flash.attend_chunk(carry, q, k, v, mask, scale=k_scale, soft_cap=soft_cap)
 
     carry = lax.fori_loop(start_chunk, end_chunk, body, _flash.init_carry(block_m, q.shape[1]))
     # Rows past the tile's sequence belong to the next sequence's tile: never write them.
-    _compat.masked_store(o_ref, (rows, slice(None)), _flash.finish(carry).astype(o_ref.dtype), row_valid[:, None])
+    out = _flash.finish(carry) * v_scale_ref[head]
+    _compat.masked_store(o_ref, (rows, slice(None)), out.astype(o_ref.dtype), row_valid[:, None])
 
 
 @functools.partial(
     jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "block_m", "block_k")
 )
 def _ragged_paged_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale=None, v_scale=None,
     *, scale, sliding_window, soft_cap, interpret, block_m, block_k,
 ):
     _flash.check_attention_shapes(q, k_cache, v_cache, block_tables)
+    ones = jnp.ones(k_cache.shape[2], jnp.float32)  # an unquantized cache
+    k_scale, v_scale = ones if k_scale is None else k_scale, ones if v_scale is None else v_scale
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seq_rows = block_tables.shape[0]
@@ -133,13 +137,13 @@ def _ragged_paged_attention(
     out = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_tiles),
-        in_specs=[pl.BlockSpec()] * 5 + [head_rows_spec, cache_spec, cache_spec],
+        in_specs=[pl.BlockSpec()] * 7 + [head_rows_spec, cache_spec, cache_spec],
         out_specs=head_rows_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=_compat.compiler_params(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(*sched, tables, qg, k_cache.reshape(flat), v_cache.reshape(flat))
+    )(*sched, tables, k_scale, v_scale, qg, k_cache.reshape(flat), v_cache.reshape(flat))
 
     out = out.reshape(num_kv_heads, num_tokens + block_q, group_p, head_dim)
     out = out[:, :num_tokens, :group].transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
@@ -161,6 +165,8 @@ def ragged_paged_attention(
     sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
     interpret: bool = False,
+    k_scale: Optional[jax.Array] = None,
+    v_scale: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch of new tokens over a paged KV cache.
 
@@ -173,7 +179,8 @@ def ragged_paged_attention(
       q: [T, num_q_heads, head_dim] float32 or bfloat16 — sequences
         concatenated in batch order, padded to T.
       k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's
-        dtype, already holding this step's keys and values.
+        dtype (or int8 / float8_e4m3fn with ``k_scale``, ``v_scale``),
+        already holding this step's keys and values.
       block_tables: int32[S, W] — block ids of each sequence, in order.
       seq_lens: int32[S] — KV length of each sequence including new tokens.
       query_start_loc: int32[S + 1] — sequence s owns query rows
@@ -185,6 +192,9 @@ def ragged_paged_attention(
         ``(p - sliding_window, p]``.
       soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
       interpret: run the Pallas interpreter (CPU tests) instead of Triton.
+      k_scale, v_scale: float32[num_kv_heads], the scales of a quantized
+        cache (``reference.py``); the K scale joins the score scale and the V
+        scale multiplies each tile's output. None: a cache of plain values.
 
     Returns:
       [T, num_q_heads, head_dim] in q's dtype. Query row i of sequence s sits
@@ -195,7 +205,7 @@ def ragged_paged_attention(
         num_kv_heads, or head_dim not a power of two >= 16.
     """
     return _ragged_paged_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale,
         scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
         block_m=BLOCK_M, block_k=BLOCK_K,
     )

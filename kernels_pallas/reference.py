@@ -20,7 +20,17 @@ loop reads (the model's scan over layers, the KV-chunk loop) to float32 as a
 whole before the loop and back inside it: a full copy of the cache (and of
 the weights) every step. Integer arrays are left alone, so on CPU the engine
 keeps bfloat16 caches and layer weights as uint16 and bit-casts them back
-where they are read.
+where they are read. float8_e4m3fn caches (and weights) are held as uint8
+bit patterns for the same reason.
+
+Quantized caches. A cache of int8 or float8_e4m3fn holds ``x / scale`` of
+each key and value, with one float32 scale per KV head and layer
+(``k_scale``, ``v_scale: [num_kv_heads]``; per-tensor scales in vLLM's
+fp8 KV cache, per head here): :func:`quantize_kv` rounds (int8) and clips to
+the type's range on the write, and the attention ops multiply back after
+loading (the kernels fold the K scale into the scores and the V scale into
+the output, which is the same product). Without scales a cache holds the
+values themselves, cast to its dtype.
 """
 
 from __future__ import annotations
@@ -33,16 +43,59 @@ import jax.numpy as jnp
 _NEG_INF = -1e30
 
 
+# Float types held as bit patterns on XLA's CPU backend -> the unsigned type holding them, and back.
+BITS_STORAGE = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8)}
+_BITS_OF = {bits: number for number, bits in BITS_STORAGE.items()}
+# Largest magnitude a quantized cache stores (int8 symmetric; float8_e4m3fn's finite maximum).
+KV_QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def number_dtype(storage_dtype) -> jnp.dtype:
+    """The dtype of the numbers an array of ``storage_dtype`` holds (uint16: bfloat16, uint8: float8_e4m3fn)."""
+    dtype = jnp.dtype(storage_dtype)
+    return _BITS_OF.get(dtype, dtype)
+
+
 def from_storage(x: jax.Array) -> jax.Array:
-    """A stored array as numbers: uint16 is bfloat16 bit patterns, anything else is as is."""
-    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
+    """A stored array as numbers: uint16 is bfloat16 bit patterns, uint8 float8_e4m3fn ones, anything else is as is."""
+    dtype = jnp.dtype(x.dtype)
+    return jax.lax.bitcast_convert_type(x, _BITS_OF[dtype]) if dtype in _BITS_OF else x
 
 
 def to_storage(x: jax.Array, storage_dtype) -> jax.Array:
-    """``x`` as stored in an array of ``storage_dtype``: cast, then bit-cast to uint16 for a uint16 store."""
-    if storage_dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    """``x`` as stored in an array of ``storage_dtype``: cast, then bit-cast for a uint16 or uint8 store."""
+    number = number_dtype(storage_dtype)
+    if number != jnp.dtype(storage_dtype):
+        return jax.lax.bitcast_convert_type(x.astype(number), storage_dtype)
     return x.astype(storage_dtype)
+
+
+def quantize_kv(x: jax.Array, scale: jax.Array, storage_dtype) -> jax.Array:
+    """Keys or values as a quantized cache stores them.
+
+    Args:
+      x: [T, num_kv_heads, head_dim] float.
+      scale: float32[num_kv_heads], the heads' scales.
+      storage_dtype: int8, float8_e4m3fn or uint8 (float8_e4m3fn bits).
+
+    Returns:
+      ``x / scale`` rounded to the nearest integer for int8, clipped to
+      ``KV_QUANT_MAX`` of the type (float8_e4m3fn has no infinity: an
+      unclipped overflow would be NaN), in ``storage_dtype``.
+    """
+    number = number_dtype(storage_dtype)
+    y = x.astype(jnp.float32) / scale[:, None]
+    if number == jnp.int8:
+        y = jnp.round(y)
+    limit = KV_QUANT_MAX[number]
+    return to_storage(jnp.clip(y, -limit, limit), storage_dtype)
+
+
+def dequantize_kv(x: jax.Array, scale: Optional[jax.Array]) -> jax.Array:
+    """A stored cache slice ``[..., num_kv_heads, head_dim]`` as float32 numbers, times ``scale``
+    (float32[num_kv_heads]) when the cache is quantized."""
+    x = from_storage(x).astype(jnp.float32)
+    return x if scale is None else x * scale[:, None]
 
 
 def _soft_cap(scores: jax.Array, soft_cap: Optional[float]) -> jax.Array:
@@ -54,7 +107,7 @@ def _soft_cap(scores: jax.Array, soft_cap: Optional[float]) -> jax.Array:
 def _masked_softmax_pv(scores: jax.Array, mask: jax.Array, v: jax.Array) -> jax.Array:
     """softmax over the last axis of ``scores`` under ``mask``, then @ v.
 
-    scores: [N, Hkv, G, L] float32, mask: [N, 1, 1, L] bool, v: [N, L, Hkv, D].
+    scores: [N, Hkv, G, L] float32, mask: [N, 1, 1, L] bool, v: [N, L, Hkv, D] float32.
     Rows with no valid key give zeros (never NaN).
     """
     scores = jnp.where(mask, scores, _NEG_INF)
@@ -62,7 +115,7 @@ def _masked_softmax_pv(scores: jax.Array, mask: jax.Array, v: jax.Array) -> jax.
     p = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom == 0.0, 1.0, denom)
-    return jnp.einsum("nhgl,nlhd->nhgd", p, from_storage(v).astype(jnp.float32))
+    return jnp.einsum("nhgl,nlhd->nhgd", p, v)
 
 
 def ragged_paged_attention_reference(
@@ -78,6 +131,8 @@ def ragged_paged_attention_reference(
     sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
     interpret: bool = False,
+    k_scale: Optional[jax.Array] = None,
+    v_scale: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch of new tokens over a paged KV cache.
 
@@ -97,6 +152,9 @@ def ragged_paged_attention_reference(
         ``(p - sliding_window, p]`` (Mistral's convention).
       soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
       interpret: accepted for signature parity with the Pallas kernel.
+      k_scale, v_scale: float32[num_kv_heads], the scales of a quantized
+        cache (int8 or float8_e4m3fn, module docstring); None for a cache of
+        plain values.
 
     Returns:
       [T, num_q_heads, head_dim] in q's dtype; padding rows are zeros.
@@ -129,9 +187,9 @@ def ragged_paged_attention_reference(
         mask &= kv_pos > pos[:, None] - sliding_window
 
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("nhgd,nlhd->nhgl", qg, from_storage(k).astype(jnp.float32)) * scale
+    scores = jnp.einsum("nhgd,nlhd->nhgl", qg, dequantize_kv(k, k_scale)) * scale
     scores = _soft_cap(scores, soft_cap)
-    out = _masked_softmax_pv(scores, mask[:, None, None, :], v)
+    out = _masked_softmax_pv(scores, mask[:, None, None, :], dequantize_kv(v, v_scale))
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -146,6 +204,8 @@ def paged_attention_reference(
     sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
     interpret: bool = False,
+    k_scale: Optional[jax.Array] = None,
+    v_scale: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Decode attention: one new query per sequence over its paged context.
 
@@ -154,7 +214,7 @@ def paged_attention_reference(
         sequence (position ``seq_lens[s] - 1``).
       k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
       block_tables: int32[S, W]; seq_lens: int32[S] (0 marks a padding row).
-      scale, sliding_window, soft_cap, interpret: as in
+      scale, sliding_window, soft_cap, interpret, k_scale, v_scale: as in
         :func:`ragged_paged_attention_reference`.
 
     Returns:
@@ -164,7 +224,7 @@ def paged_attention_reference(
     query_start_loc = jnp.arange(num_seqs + 1, dtype=jnp.int32)
     out = ragged_paged_attention_reference(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, jnp.int32(num_seqs),
-        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
     )
     return jnp.where((seq_lens > 0)[:, None, None], out, jnp.zeros_like(out))
 
@@ -175,15 +235,19 @@ def kv_cache_write_reference(
     k: jax.Array,
     v: jax.Array,
     slot_mapping: jax.Array,
+    k_scale: Optional[jax.Array] = None,
+    v_scale: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's keys and values into the paged cache.
 
     Args:
       k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
       k, v: [T, num_kv_heads, head_dim], cast to the cache dtype (bit-cast
-        from bfloat16 for a uint16 cache, see :func:`to_storage`).
+        from bfloat16 for a uint16 cache, see :func:`to_storage`), or
+        quantized by :func:`quantize_kv` when scales are given.
       slot_mapping: int32[T] — flat slot ``block * block_size + offset`` of
         each token; padded tokens point into block 0.
+      k_scale, v_scale: float32[num_kv_heads] of a quantized cache, or None.
 
     Returns:
       (k_cache, v_cache) with the slots written; in place when the caller
@@ -191,6 +255,8 @@ def kv_cache_write_reference(
     """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     flat = (num_blocks * block_size, num_kv_heads, head_dim)
-    k_cache = k_cache.reshape(flat).at[slot_mapping].set(to_storage(k, k_cache.dtype)).reshape(k_cache.shape)
-    v_cache = v_cache.reshape(flat).at[slot_mapping].set(to_storage(v, v_cache.dtype)).reshape(v_cache.shape)
+    k, v = (to_storage(x, c.dtype) if s is None else quantize_kv(x, s, c.dtype)
+            for x, s, c in ((k, k_scale, k_cache), (v, v_scale, v_cache)))
+    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k).reshape(k_cache.shape)
+    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v).reshape(v_cache.shape)
     return k_cache, v_cache

@@ -23,8 +23,10 @@ semantics and costs what the sequences need:
   ``lax.cond`` when the step has no row of its kind.
 
 Scores and the softmax are float32 whatever the cache dtype; the output is
-q's dtype. Cache layout, padding rules, GQA mapping and the uint16 storage of
-bfloat16 caches as in ``reference.py``.
+q's dtype. Cache layout, padding rules, GQA mapping, the uint16 storage of
+bfloat16 caches and the scales of quantized (int8, float8_e4m3fn) caches as
+in ``reference.py``; here the K scales multiply the queries once and the V
+scales the output, so the loop only converts what it loads to float32.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def _attend_tiles(
     soft_cap: Optional[float],
     chunk_blocks: int,
     pairs_per_step: int,
+    k_scale: Optional[jax.Array] = None,
+    v_scale: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Attention of query tiles over their own sequence's paged KV.
 
@@ -76,6 +80,7 @@ def _attend_tiles(
       k_cache, v_cache: [num_blocks, block_size, Hkv, D].
       chunk_blocks: KV blocks per chunk.
       pairs_per_step: (tile, chunk) pairs per loop step.
+      k_scale, v_scale: float32[Hkv] of a quantized cache, or None.
 
     Returns:
       float32 [N, Q, Hq, D]; padding queries give zeros.
@@ -88,6 +93,8 @@ def _attend_tiles(
     # Pad the tables to whole chunks with the null block (masked out below).
     tables = jnp.pad(tables, ((0, 0), (0, -(-width // chunk_blocks) * chunk_blocks - width)))
     qg = (q_tiles.astype(jnp.float32) * scale).reshape(num_tiles, tile_len, num_kv_heads, group, head_dim)
+    if k_scale is not None:
+        qg = qg * k_scale[:, None, None]
 
     valid_q = q_pos >= 0
     last_pos = jnp.max(q_pos, axis=1)
@@ -142,6 +149,8 @@ def _attend_tiles(
             jnp.zeros(stats + (head_dim,), jnp.float32))
     _, run_sum, acc = jax.lax.fori_loop(0, (num_pairs + batch - 1) // batch, body, init)
     out = acc / jnp.where(run_sum == 0.0, 1.0, run_sum)[..., None]
+    if v_scale is not None:
+        out = out * v_scale[:, None, None, None]
     return out.transpose(0, 2, 1, 3, 4).reshape(num_tiles, tile_len, num_q_heads, head_dim)
 
 
@@ -161,6 +170,8 @@ def ragged_paged_attention_xla(
     prefill_tile: int = PREFILL_TILE,
     kv_chunk_blocks: int = KV_CHUNK_BLOCKS,
     pairs_per_step: int = PAIRS_PER_STEP,
+    k_scale: Optional[jax.Array] = None,
+    v_scale: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache, tiled per sequence.
 
@@ -168,8 +179,9 @@ def ragged_paged_attention_xla(
     ``reference.ragged_paged_attention_reference`` (q ``[T, Hq, D]``, caches
     ``[num_blocks, block_size, Hkv, D]``, ``block_tables: int32[S, W]``,
     ``seq_lens: int32[S]``, ``query_start_loc: int32[S + 1]``,
-    ``num_seqs: int32[]``; returns ``[T, Hq, D]`` in q's dtype with zeros on
-    padding rows). ``interpret`` is accepted for signature parity.
+    ``num_seqs: int32[]``, ``k_scale, v_scale: float32[Hkv]`` of a quantized
+    cache or None; returns ``[T, Hq, D]`` in q's dtype with zeros on padding
+    rows). ``interpret`` is accepted for signature parity.
 
     Args:
       prefill_tile: queries per prefill tile (a sequence with more than one
@@ -193,7 +205,8 @@ def ragged_paged_attention_xla(
     is_decode = live & (q_len == 1)
     is_prefill = live & (q_len > 1)
     first_pos = seq_lens - q_len  # position of each row's first new token
-    attend = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, chunk_blocks=kv_chunk_blocks)
+    attend = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, chunk_blocks=kv_chunk_blocks,
+                  k_scale=k_scale, v_scale=v_scale)
     pairs = functools.partial(min, pairs_per_step)
     zeros = jnp.zeros(q.shape, jnp.float32)
 

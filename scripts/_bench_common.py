@@ -78,6 +78,10 @@ def add_common_args(parser: argparse.ArgumentParser, *, num_requests: int, input
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default=None, choices=["int8", "fp8"],
+                        help="jaxllm's weight-only quantization of the dense projections (default: none)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3"],
+                        help="jaxllm's KV cache dtype (default auto: the compute dtype)")
     for name, what in (("token", "tokens per step (T)"), ("seq", "sequence rows per step (S)"),
                        ("width", "block-table width (W)")):
         parser.add_argument(f"--{name}-buckets", type=int, nargs="+", default=None, metavar="N",
@@ -239,8 +243,10 @@ def make_workload(args: argparse.Namespace, vocab: int, *, token_seed: int) -> W
     return Workload(prompts, [int(o) for o in output_lens])
 
 
-def engine_kwargs(args: argparse.Namespace, batching: str, graceful_degradation: bool = True) -> dict[str, Any]:
-    """``LLM``/``LLMEngine`` keyword arguments from the flags."""
+def engine_kwargs(args: argparse.Namespace, batching: str, graceful_degradation: bool = True,
+                  quantized: bool = True) -> dict[str, Any]:
+    """``LLM``/``LLMEngine`` keyword arguments from the flags (``--quantization`` and
+    ``--kv-cache-dtype`` unless ``quantized`` is False)."""
     max_model_len = args.max_model_len or (args.input_len[1] + args.output_len[1])
     return dict(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -249,6 +255,7 @@ def engine_kwargs(args: argparse.Namespace, batching: str, graceful_degradation:
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size, token_buckets=args.token_buckets,
         seq_buckets=args.seq_buckets, width_buckets=args.width_buckets, graceful_degradation=graceful_degradation,
+        **(dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype) if quantized else {}),
     )
 
 

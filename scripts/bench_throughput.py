@@ -5,6 +5,7 @@ Usage: python scripts/bench_throughput.py [--backend jaxllm|static|hf|vllm ...] 
            [--output-len MIN MAX] [--max-num-seqs B] [--max-model-len L] [--output-json FILE] [--random-weights]
            [--speculative ngram|draft --num-speculative-tokens K [--draft-model PATH | --draft-layers N]
             [--prompt-lookup-min N] [--prompt-lookup-max N] [--workload copy random]]
+           [--quantization int8|fp8] [--kv-cache-dtype auto|int8|fp8_e4m3]
            [--structured json|regex|choice] [--structured-repeats R]
 
 N requests with random token ids, prompt and output lengths drawn uniformly
@@ -31,6 +32,11 @@ Backends:
           no GGUF: with a GGUF model (the default) every backend of the run
           reads one float32 HF folder dequantized from it, built once into
           the jaxllm cache folder.
+
+With ``--quantization`` and/or ``--kv-cache-dtype``, the jaxllm backend runs
+twice, unquantized (``jaxllm``) and quantized (``jaxllm-<quantization>-<kv
+dtype>``), one after the other on the same workload, and each row also gives
+the parameter bytes, the KV blocks and the KV cache bytes (jaxllm backends).
 
 Reports, per backend: start-up seconds (building the engine, compilation
 included; reported apart from the timed run), requests/s, output tokens/s,
@@ -95,6 +101,8 @@ SINGLE_INPUT_LEN, SINGLE_OUTPUT_LEN = 16, 256
 _WORKER = Path(__file__).resolve().parent / "_vllm_worker.py"
 # Engine-step statistics only jaxllm records.
 _NO_STEP_STATS = dict(steps=None, schedule_s_per_step=None, schedule_fraction_of_wall=None)
+# Memory only jaxllm reports: parameter MiB, KV blocks and KV cache MiB (whole arrays).
+_NO_MEMORY = dict(param_mib=None, kv_blocks=None, kv_mib=None)
 # --structured: the constraint every request of the constrained run gets (StructuredOutputsParams fields).
 STRUCTURED = {
     "json": dict(json={
@@ -120,11 +128,20 @@ def _greedy(lens: list[int], structured: Optional[str] = None) -> list:
             for n in lens]
 
 
+def quantized_label(args: argparse.Namespace) -> Optional[str]:
+    """The backend name of jaxllm's quantized run (``jaxllm-int8-fp8_e4m3``), None without quantization flags."""
+    if args.quantization is None and args.kv_cache_dtype == "auto":
+        return None
+    return f"jaxllm-{args.quantization or 'float'}-{args.kv_cache_dtype}"
+
+
 def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Workload]], backend: str,
-               compare: Sequence[tuple[Workload, Optional[Workload], Optional[str]]] = ()) -> list:
+               compare: Sequence[tuple[Workload, Optional[Workload], Optional[str]]] = (),
+               quantized: bool = False) -> list:
     """Build one ``LLM``, then time ``generate`` on each (timed, warm-up) pair after its untimed warm-up, then
     on each ``compare`` entry (timed, warm-up or None, structured-output kind or None).
 
+    ``quantized``: with ``--quantization`` and ``--kv-cache-dtype`` (named by :func:`quantized_label`).
     Returns one result row per pair (``token_ids`` included), then one per ``compare`` entry (``compare``
     True, ``structured`` its kind).
     """
@@ -133,7 +150,15 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
     from jaxllm import LLM
 
     start = time.perf_counter()
-    llm = LLM(model=model, **common.engine_kwargs(args, _BATCHING[backend]))
+    llm = LLM(model=model, **common.engine_kwargs(args, _BATCHING[backend], quantized=quantized))
+    try:
+        core = llm.engine.core
+        memory = dict(param_mib=core.param_bytes["total"] / 2**20, kv_blocks=core.num_blocks,
+                      kv_mib=sum(c.nbytes for c in core.runner.kv_cache) / 2**20)
+    except AttributeError:  # the cores run in their own processes (data_parallel_size > 1)
+        memory = _NO_MEMORY
+    if quantized:
+        backend = quantized_label(args)
     llm.engine.wait_for_warmup()  # every program built: none compiles in the timed runs
     startup = time.perf_counter() - start
     rows = []
@@ -170,6 +195,7 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
                 compare=compared,
                 bitmask_s_per_step=bitmask_sum / bitmask_count if bitmask_count else None,
                 version=f"jax {jax.__version__}",
+                **memory,
             ))
     finally:
         llm.engine.metrics.close()
@@ -227,7 +253,7 @@ def run_hf(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Wor
             max_num_running=min(batch, len(workload.prompts)),
             num_preemptions=0,
             compilations=None,
-            **_NO_STEP_STATS,
+            **_NO_STEP_STATS, **_NO_MEMORY,
             version=f"transformers {transformers.__version__}, torch {torch.__version__}",
         ))
     return rows
@@ -296,7 +322,7 @@ def run_vllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, W
         rows.append(dict(
             **_rates("vllm", workload, run["elapsed_s"], result["startup_s"], run["token_ids"]),
             peak_kv_cache_usage=None, peak_kv_slots=None, kv_live_slot_fraction=None,
-            max_num_running=None, num_preemptions=None, compilations=None, **_NO_STEP_STATS,
+            max_num_running=None, num_preemptions=None, compilations=None, **_NO_STEP_STATS, **_NO_MEMORY,
             version=f"vllm {result['vllm_version']}",
         ))
     return rows
@@ -350,10 +376,12 @@ def _agreement(row: dict) -> Optional[str]:
 def print_table(rows: list[dict]) -> None:
     base = _base(rows)
     header = ["backend", "start-up s", "time s", "req/s", "output tok/s", "total tok/s", "peak KV slots",
-              "peak KV usage", "live KV fraction", "compiles", "same tokens as jaxllm"]
+              "peak KV usage", "live KV fraction", "compiles", "param MiB", "KV blocks", "KV MiB",
+              "same tokens as jaxllm"]
     table = [[r["backend"], r["startup_s"], r["elapsed_s"], r["requests_per_s"], r["output_tokens_per_s"],
               r["total_tokens_per_s"], r["peak_kv_slots"], r["peak_kv_cache_usage"], r["kv_live_slot_fraction"],
-              r["compilations"], _agreement(r)] for r in rows]
+              r["compilations"], r.get("param_mib"), r.get("kv_blocks"), r.get("kv_mib"), _agreement(r)]
+             for r in rows]
     if base:
         header.append(f"output tok/s vs {base['backend']}")
         for r, line in zip(rows, table):
@@ -602,6 +630,10 @@ def main(argv: list[str] | None = None) -> dict:
                 rows = [r for r in rows if not r["compare"]]
             results.append(rows[0])
             single += rows[1:]
+            if backend == "jaxllm" and quantized_label(args):
+                rows = run_jaxllm(model, args, todo, backend, quantized=True)
+                results.append(rows[0])
+                single += rows[1:]
     for rows in (results, single):
         add_agreement(rows)
     print(f"model {model_note}, {dtype}, {args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}"

@@ -1,11 +1,15 @@
 """Convert a HF model folder or a GGUF file to a jaxllm orbax checkpoint.
 
-Usage: python scripts/convert_checkpoint.py SOURCE DEST [--dtype float32|bfloat16|float16] [--num-layers N]
+Usage: python scripts/convert_checkpoint.py SOURCE DEST [--dtype float32|bfloat16|float16] [--quantization int8|fp8]
+           [--num-layers N]
 
 DEST gets the parameter pytree as an orbax tree (``DEST/params``), the model
 config beside it as ``DEST/config.json``, and, from a HF folder, the
 tokenizer files. ``LLM(model=DEST)`` then restores the parameters straight
-into its shardings, at any ``tensor_parallel_size``. A GGUF source carries
+into its shardings, at any ``tensor_parallel_size``. With ``--quantization``
+the dense projections are stored quantized (int8 or float8_e4m3fn with their
+float32 per-channel scales, ``jaxllm.quantization``; a GGUF's Q8_0 tensors
+keep their blocks under int8) and restored as such. A GGUF source carries
 its tokenizer inside the file, which is not converted: pass prompts as token
 ids, or hand the engine a ``Tokenizer.from_gguf(SOURCE)``.
 
@@ -36,15 +40,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja")
 
 
-def convert(source: Path, dest: Path, dtype: str = "float32", num_layers: Optional[int] = None) -> None:
-    """Write ``source``'s parameters (as ``dtype``) and config to ``dest``, keeping the first ``num_layers`` layers
-    (None: all).
+def convert(source: Path, dest: Path, dtype: str = "float32", quantization: str | None = None,
+            num_layers: Optional[int] = None) -> None:
+    """Write ``source``'s parameters (as ``dtype``; quantized weights as ``quantization``) and config to ``dest``,
+    keeping the first ``num_layers`` layers (None: all).
 
     Raises:
       ValueError: as ``jaxllm.loader.load_model``, a non-empty ``dest``, or ``num_layers`` outside
         ``[1, the source's layers]``.
     """
-    cfg, params, hf_config = load_model(source, resolve_dtype(dtype))
+    cfg, params, hf_config = load_model(source, resolve_dtype(dtype), quantization)
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:
             raise ValueError(f"num_layers={num_layers} must be in [1, {cfg.num_layers}] (the source's layers)")
@@ -64,11 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("source", type=Path, help="HF model folder or .gguf file")
     parser.add_argument("dest", type=Path, help="new (or empty) folder for the orbax checkpoint")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default=None, choices=["int8", "fp8"],
+                        help="store the dense projections quantized (weight-only, per output channel)")
     parser.add_argument("--num-layers", type=int, default=None,
                         help="keep only the first N decoder layers (a draft model for speculative decoding)")
     args = parser.parse_args(argv)
-    convert(args.source, args.dest, args.dtype, args.num_layers)
-    print(f"wrote {args.dest} ({args.dtype})")
+    convert(args.source, args.dest, args.dtype, args.quantization, args.num_layers)
+    print(f"wrote {args.dest} ({args.dtype}" + (f", {args.quantization} weights)" if args.quantization else ")"))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 ``jax.profiler`` trace of the full steps (open with TensorBoard / Perfetto).
 
     python scripts/profile_step.py [--model PATH] [--dtype float32 bfloat16] [--trace DIR]
+                                   [--quantization int8|fp8] [--kv-cache-dtype auto|int8|fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _batch(rng, num_blocks, q_lens, contexts, tokens, rows, width, block_size):
                 query_start_loc=jnp.asarray(qsl), num_seqs=jnp.int32(n), logits_indices=jnp.asarray(logits_indices))
 
 
-def profile(model: str, dtype: str, repeats: int, trace: str | None) -> None:
+def profile(model: str, dtype: str, repeats: int, trace: str | None, quantization: str | None = None,
+            kv_cache_dtype: str = "auto") -> None:
     import jax
     import jax.numpy as jnp
 
@@ -63,11 +65,12 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None) -> None:
     from jaxllm.sampling import SamplingArrays, sample
 
     engine = LLMEngine(model, dtype=dtype, precompile=False, max_model_len=512, max_num_seqs=64,
-                       max_num_batched_tokens=512, compilation_cache=None)
+                       max_num_batched_tokens=512, compilation_cache=None, quantization=quantization,
+                       kv_cache_dtype=kv_cache_dtype)
     cfg, runner = engine.model_config, engine.runner
     ops = runner.ops
     no_attention = ops._replace(ragged_paged_attention=lambda q, *a, **k: q,
-                                kv_cache_write=lambda k_cache, v_cache, *a: (k_cache, v_cache))
+                                kv_cache_write=lambda k_cache, v_cache, *a, **k: (k_cache, v_cache))
     rng = np.random.default_rng(0)
     width, block_size = engine.buckets.width_buckets[-1], engine.config.block_size
     make = functools.partial(_batch, rng, engine.num_blocks, width=width, block_size=block_size)
@@ -93,7 +96,8 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None) -> None:
             times.append(time.perf_counter() - start)
         return min(times) * 1e3, out
 
-    print(f"{model} {dtype}, attention {engine.config.attention_backend or 'default'}; ms, minimum of {repeats}")
+    print(f"{model} {dtype}, weights {quantization or dtype}, KV {engine.kv_cache_dtype.name}, attention "
+          f"{engine.config.attention_backend or 'default'}; ms, minimum of {repeats}")
     print(f"{'batch':<30}{'step':>9}{'no attention':>14}{'attention':>11}{'lm_head':>9}{'sampler':>9}")
     for name, batch in cases.items():
         rows = batch["logits_indices"].shape[0]
@@ -118,12 +122,14 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--trace", default=None, help="also write jax.profiler traces of the full steps here")
+    parser.add_argument("--quantization", default=None, choices=["int8", "fp8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3"])
     args = parser.parse_args()
     from jaxllm.default_model import resolve_model
 
     model = str(resolve_model(args.model))
     for dtype in args.dtype:
-        profile(model, dtype, args.repeats, args.trace)
+        profile(model, dtype, args.repeats, args.trace, args.quantization, args.kv_cache_dtype)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,8 @@ BAD_FLAGS = [
     (["--prompt", "ok", "--prompt", ""], "--prompt number 2 is empty"),
     (["--max-model-len", "0"], "--max-model-len 0 must be a positive int"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["--quantization", "int4"], "argument --quantization: invalid choice: 'int4'"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "argument --kv-cache-dtype: invalid choice: 'fp8_e5m2'"),
     (["--n", "0"], "--n 0 is out of range"),
     (["--temperature", "-1"], "--temperature -1.0 is out of range"),
     (["--top-p", "1.5"], "--top-p 1.5 is out of range"),

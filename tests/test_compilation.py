@@ -63,18 +63,23 @@ STRUCTURED = [
                                       "required": ["n"], "additionalProperties": False},
                                 disable_any_whitespace=True), 1, 1.0),
 ]
+# The swap case runs quantized: int8 weights and a float8 KV cache (held as uint8 bits on CPU, with
+# calibrated scales), swapped out and in (block copies do not depend on the cache dtype; one case for
+# both keeps the suite's time).
+QUANTIZED = dict(quantization="int8", kv_cache_dtype="fp8_e4m3")
 
 
 # The tiny MoE (no tokenizer, so no structured requests) routes every step's tokens to other
 # experts (random prompts, random samples): the dispatch has fixed shapes, so routing never compiles.
-@pytest.mark.parametrize("model, preemption_mode", [("stories_dir", "recompute"), ("stories_dir", "swap"),
-                                                    ("tiny_moe_dir", "recompute")])
-def test_mixed_workload_after_warmup_triggers_zero_compilations(request, model, preemption_mode):
+@pytest.mark.parametrize("model, preemption_mode, quant", [
+    ("stories_dir", "recompute", {}), ("stories_dir", "swap", QUANTIZED), ("tiny_moe_dir", "recompute", {})],
+    ids=["stories-recompute", "stories-swap-int8-fp8kv", "moe-recompute"])
+def test_mixed_workload_after_warmup_triggers_zero_compilations(request, model, preemption_mode, quant):
     structured_requests = STRUCTURED if model == "stories_dir" else []
     engine = LLMEngine(
         request.getfixturevalue(model), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, block_size=8,
         num_kv_blocks=24, preemption_mode=preemption_mode, num_host_blocks=64, compilation_cache=None,
-        precompile=True,
+        precompile=True, **quant,
     )
     compiled_at_warmup = engine.runner.num_compilations
     # Besides the steps: block copy, slot fill and slot rows (and swap out/in).

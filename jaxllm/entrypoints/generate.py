@@ -29,6 +29,7 @@ import threading
 from typing import Any, Optional, Sequence
 
 from jaxllm import __version__
+from jaxllm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS
 
 DEFAULT_PROMPT = "Once upon a time"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -72,6 +73,10 @@ def build_parser(prog: str = "python -m jaxllm.generate") -> argparse.ArgumentPa
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences generated together at most (default 64)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights and KV cache dtype; auto = float32 on CPU, bfloat16 on accelerators (default auto)")
+    p.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS,
+                   help="weight-only quantization of the dense projections, per output channel (default: none)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache numbers: auto = the compute dtype; int8 or fp8 (e4m3) with calibrated scales")
     p.add_argument("--precompile", action="store_true",
                    help="compile every shape bucket before generating (default: compile on first use)")
     p.add_argument("--version", action="version", version=f"jaxllm {__version__}")
@@ -95,7 +100,8 @@ def check_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     if empty:
         raise ValueError(f"--prompt number {empty[0] + 1} is empty: give some text")
     engine_kwargs = dict(max_model_len=args.max_model_len, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                         seed=args.seed if args.seed is not None else 0, precompile=args.precompile)
+                         seed=args.seed if args.seed is not None else 0, precompile=args.precompile,
+                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     try:
         sampling_params(args, {})
         EngineConfig(**engine_kwargs)

@@ -9,6 +9,8 @@ it, as transformers does); Phi-3 keeps its fused `qkv_proj` and `gate_up_proj` (
 `ffn_up`); mixture-of-experts files (`qwen3moe`, and `llama` with `expert_count`: Mixtral) stack
 each layer's experts in one `ffn_{gate,up,down}_exps` tensor, split here into HF's per-expert
 names. Dequantization is `gguf.quants.dequantize` (every type it handles, K-quants included).
+With `keep_q8_0`, Q8_0 projections are not dequantized: their int8 values and the float16 scale
+of each 32-value block come out as `<name>` and `<name>_scale` (see `load_gguf`).
 
 Parsing is `gguf.GGUFReader`, which takes seconds on a file with a large vocabulary (it reads
 each of ~100k tokenizer strings separately). Its result -- every metadata value and where each
@@ -26,7 +28,7 @@ import hashlib
 import json
 import os
 import pathlib
-from typing import Any
+from typing import AbstractSet, Any
 
 import gguf
 import numpy as np
@@ -122,7 +124,8 @@ _TOKENIZER_KEYS = {
 }
 
 
-def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str, np.ndarray]]:
+def load_gguf(path: str | os.PathLike, dtype=np.float32,
+              keep_q8_0: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
     """Read a GGUF checkpoint into `(config, weights)` in Hugging Face form.
 
     Args:
@@ -133,6 +136,10 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
             bfloat16 works too). Every tensor type `gguf.quants.dequantize` handles is accepted
             (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0 are tested on tiny files; Q4_K and Q6_K on
             Gemma 3 270M against transformers' load).
+        keep_q8_0: return the Q8_0 tensors of the dense projections (`q/k/v/o_proj`,
+            `gate/up/down_proj`, `lm_head`; not fused nor expert ones) quantized: `<name>` int8
+            [out, in] (llama.cpp's values) and `<name>_scale` float32 [out, in / 32] (each
+            block's float16 scale), so that `q * scale` per block is the dequantized tensor.
 
     Returns:
         config: a `config.json`-style dict: `architectures`, `model_type` ("llama", "mistral",
@@ -160,25 +167,53 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32) -> tuple[dict, dict[str
     config = read_gguf_config(path)
     reader = _reader(path)
     arch = _field(reader, "general.architecture", path)
-    floats = _dequantized(reader, path)
+    hf_names = {t.name: _hf_name(t.name, arch, config["model_type"], path) for t in reader.tensors}
+    kept = {t.name for t in reader.tensors if keep_q8_0 and t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            and hf_names[t.name].endswith(_Q8_0_KEPT)}
+    floats = _dequantized(reader, path, skip=kept)
     weights = {}
     for tensor in reader.tensors:
-        for hf_name, array in _hf_tensors(tensor, floats[tensor.name], arch, config, path):
-            weights[hf_name] = array.astype(dtype, copy=False)
+        hf_name = hf_names[tensor.name]
+        if tensor.name in kept:
+            values, scales = _q8_0_blocks(tensor)
+            weights[hf_name] = _arrange(values, hf_name, tensor, arch, config)
+            weights[hf_name + "_scale"] = _arrange(scales, hf_name, tensor, arch, config)
+            continue
+        for name, array in _split_experts(hf_name, _arrange(floats[tensor.name], hf_name, tensor, arch, config)):
+            weights[name] = array.astype(dtype, copy=False)
     return config, weights
 
 
-def _hf_tensors(tensor: "_Tensor", array: np.ndarray, arch: str, config: dict,
-                path: str) -> list[tuple[str, np.ndarray]]:
-    """The HF-named arrays of one GGUF tensor, given its dequantized `array` (several for
-    stacked experts)."""
-    hf_name = _hf_name(tensor.name, arch, config["model_type"], path)
+# HF names (suffixes) of the dense projections `keep_q8_0` keeps quantized.
+_Q8_0_KEPT = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+              "up_proj.weight", "down_proj.weight", "lm_head.weight")
+
+
+def _q8_0_blocks(tensor: "_Tensor") -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor's int8 values [rows, row length] and float32 block scales [rows, row length / 32].
+
+    Each 34-byte block is a float16 scale then 32 int8 values (`gguf.quants.Q8_0`)."""
+    block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][1]
+    blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, block_bytes)
+    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    values = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(tensor.data.shape[0], -1)
+    return values, scales
+
+
+def _arrange(array: np.ndarray, hf_name: str, tensor: "_Tensor", arch: str, config: dict) -> np.ndarray:
+    """One GGUF tensor's array (or its Q8_0 values or scales, which share its rows) in HF's order:
+    llama's q/k rows unpermuted, Gemma 3's norms minus one."""
     if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-        array = _unpermute_rows(array, config["num_attention_heads"])
-    elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-        array = _unpermute_rows(array, config["num_key_value_heads"])
-    elif arch == "gemma3" and tensor.name.endswith("norm.weight"):
-        array = array - 1.0  # the converter stores Gemma's zero-centred norm weights plus one
+        return _unpermute_rows(array, config["num_attention_heads"])
+    if arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return _unpermute_rows(array, config["num_key_value_heads"])
+    if arch == "gemma3" and tensor.name.endswith("norm.weight"):
+        return array - 1.0  # the converter stores Gemma's zero-centred norm weights plus one
+    return array
+
+
+def _split_experts(hf_name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """HF-named arrays of one tensor: expert j's slice of a stacked expert tensor (`{j}` in the name)."""
     if "{j}" in hf_name:
         return [(hf_name.format(j=j), array[j]) for j in range(array.shape[0])]
     return [(hf_name, array)]
@@ -419,13 +454,14 @@ def _hf_name(name: str, arch: str, model_type: str, path: str) -> str:
 _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
 
-def _dequantized(reader: _Contents, path: str) -> dict[str, np.ndarray]:
-    """Every tensor of the file as a float32 array in numpy (row-major, HF) order, by GGUF name.
+def _dequantized(reader: _Contents, path: str, skip: AbstractSet[str] = frozenset()) -> dict[str, np.ndarray]:
+    """Every tensor of the file but those named in `skip` (the Q8_0 ones `keep_q8_0` keeps) as a
+    float32 array in numpy (row-major, HF) order, by GGUF name.
 
     Float tensors are converted from the mapped file. Quantized ones are read from the cache file
     `<cache_stem>.safetensors` when it holds all of them (written by gguf-package version, so an
     upgrade of `gguf` recomputes them); otherwise they are dequantized with `gguf.quants` and the
-    cache file is written (atomically; skipped when the float32 total exceeds
+    cache file is written with them (atomically; skipped when the float32 total exceeds
     `$JAXLLM_DEQUANT_CACHE_GB` gigabytes, default 4, or the cache cannot be written).
 
     Raises:
@@ -434,15 +470,16 @@ def _dequantized(reader: _Contents, path: str) -> dict[str, np.ndarray]:
     import safetensors
     import safetensors.numpy
 
-    quantized = [t for t in reader.tensors if t.tensor_type not in _FLOAT_TYPES]
-    floats = {t.name: _dequantize(t, path) for t in reader.tensors if t.tensor_type in _FLOAT_TYPES}
+    tensors = [t for t in reader.tensors if t.name not in skip]
+    quantized = [t for t in tensors if t.tensor_type not in _FLOAT_TYPES]
+    floats = {t.name: _dequantize(t, path) for t in tensors if t.tensor_type in _FLOAT_TYPES}
     if not quantized:
         return floats
     cached = reader.cache_stem.with_name(f"{reader.cache_stem.name}-gguf{_gguf_version()}.safetensors")
     try:
         with safetensors.safe_open(cached, framework="numpy") as f:
-            if set(f.keys()) == {t.name for t in quantized}:
-                return {**floats, **{name: f.get_tensor(name) for name in f.keys()}}
+            if {t.name for t in quantized} <= set(f.keys()):
+                return {**floats, **{t.name: f.get_tensor(t.name) for t in quantized}}
     except (OSError, safetensors.SafetensorError):
         pass
     dequantized = {t.name: _dequantize(t, path) for t in quantized}

@@ -5,7 +5,9 @@ Layout of a jaxllm orbax checkpoint folder (written by
 
     <dir>/config.json        the HF-style model config (what ModelConfig reads)
     <dir>/params/            orbax StandardCheckpointer tree: the pytree of
-                             ``jaxllm.models`` (``[in, out]`` weights)
+                             ``jaxllm.models`` (``[in, out]`` weights; int8 or
+                             float8 ones with their ``_scale`` leaves when
+                             converted with ``--quantization``)
     <dir>/tokenizer*.json    the tokenizer, when the source had one
 
 Restoring hands orbax a target of ``jax.ShapeDtypeStruct``s carrying each
@@ -23,6 +25,7 @@ from typing import Any
 import jax
 
 from jaxllm.models.common import Params
+from jaxllm.quantization import leaf_dtype
 from jaxllm.sharding import ModelSharding
 
 PARAMS_DIR = "params"
@@ -60,7 +63,9 @@ def restore_params(path: str | os.PathLike, sharding: ModelSharding, dtype: Any)
       path: a folder :func:`is_orbax_checkpoint` accepts.
       sharding: the target layout (any tensor-parallel degree, whatever the
         checkpoint was written from).
-      dtype: dtype of the restored arrays (orbax casts while reading).
+      dtype: dtype of the restored arrays (orbax casts while reading);
+        quantized weights keep their stored dtype and scales are float32
+        (``jaxllm.quantization.leaf_dtype``).
 
     Returns:
       The pytree of ``jax.Array``s, each sharded as ``sharding.param_specs``.
@@ -71,5 +76,7 @@ def restore_params(path: str | os.PathLike, sharding: ModelSharding, dtype: Any)
     checkpointer = ocp.StandardCheckpointer()
     metadata = checkpointer.metadata(folder).item_metadata.tree
     shardings = sharding.param_shardings(metadata)
-    target = jax.tree_util.tree_map(lambda m, s: jax.ShapeDtypeStruct(m.shape, dtype, sharding=s), metadata, shardings)
+    target = jax.tree_util.tree_map_with_path(
+        lambda path, m, s: jax.ShapeDtypeStruct(m.shape, leaf_dtype(path[-1].key, m.dtype, dtype), sharding=s),
+        metadata, shardings)
     return checkpointer.restore(folder, target)

@@ -3,7 +3,10 @@
 Each family names its layer tensors (``Family.hf_layer_names``, with ``*``
 for an expert index) and may split fused ones (``Family.unfuse``); the top
 level is the same for all: ``model.embed_tokens.weight``, ``model.norm.weight``
-and, untied, ``lm_head.weight``.
+and, untied, ``lm_head.weight``. A tensor that arrives quantized (int8) comes
+with ``<name>_scale`` (HF's name for fp8 checkpoints' scales), ``[out]`` or
+``[out, G]``, which becomes the leaf's ``_scale`` sibling
+(``jaxllm.quantization``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 from jaxllm.config import ModelConfig
 from jaxllm.models import family
 from jaxllm.models.common import Params
+from jaxllm.quantization import QUANTIZED_KEYS, SCALE_SUFFIX, dequantize_weight, quantize_weight
 
 _TOP_NAMES = {
     "model.embed_tokens.weight": ("embed", False),
@@ -33,6 +37,7 @@ def expected_layer_keys(cfg: ModelConfig) -> set[str]:
 def params_from_hf(
     cfg: ModelConfig, tensors: Iterable[tuple[str, Any]], dtype: Any, source: str = "checkpoint",
     convert: Callable[[Any, bool, Any], Any] | None = None, stack: Callable[[list], Any] | None = None,
+    quantization: str | None = None,
 ) -> Params:
     """Map HF-named tensors to the jaxllm parameter pytree (numpy, host).
 
@@ -47,10 +52,16 @@ def params_from_hf(
       stack: per-layer (and per-expert) leaves (a list, in order) -> one leaf
         with a new leading axis; by default ``np.stack``. A lazy loader passes
         one that stacks lazily.
+      quantization: None, or "int8" / "fp8": the ``QUANTIZED_KEYS`` leaves are
+        read as float32 and quantized per output channel once stacked
+        (``jaxllm.quantization.quantize_weight``). Tensors that arrive
+        quantized keep their int8 values and scales when every layer has them,
+        and are dequantized (then quantized per channel) otherwise.
 
     Returns:
       The pytree of numpy arrays (or ``stack``'s leaves) described in
-      ``jaxllm.models.common``; expert leaves are ``[L, num_experts, ...]``.
+      ``jaxllm.models.common``; expert leaves are ``[L, num_experts, ...]``;
+      quantized leaves with their ``_scale`` siblings.
 
     Raises:
       ValueError: a tensor the config requires is missing (named; an expert
@@ -68,10 +79,9 @@ def params_from_hf(
             if int(idx_str) >= cfg.num_layers:
                 continue
             for part, tensor in fam.unfuse(rest, array, cfg) if fam.unfuse else [(rest, array)]:
-                _place(layers[int(idx_str)], part, tensor, fam.hf_layer_names, convert, dtype)
-        elif name in _TOP_NAMES:
-            key, transpose = _TOP_NAMES[name]
-            top[key] = convert(array, transpose, dtype)
+                _place(layers[int(idx_str)], part, tensor, fam.hf_layer_names, convert, dtype, quantization)
+        else:
+            _place(top, name, array, _TOP_NAMES, convert, dtype, quantization)
     required_top = {"embed", "final_norm"} | (set() if cfg.tie_word_embeddings else {"lm_head"})
     hf_top = {key: name for name, (key, _) in _TOP_NAMES.items()}
     missing = [hf_top[k] for k in sorted(required_top - top.keys())]
@@ -83,28 +93,58 @@ def params_from_hf(
         raise ValueError(f"{source} is missing tensors required by {cfg.architecture}: {missing[:8]}")
     if cfg.tie_word_embeddings:
         top.pop("lm_head", None)
+        top.pop("lm_head" + SCALE_SUFFIX, None)
     _check_shapes(cfg, top, layers)
-    stacked = {}
+    if "lm_head" in top:
+        _set_leaf(top, "lm_head", top.pop("lm_head"), top.pop("lm_head" + SCALE_SUFFIX, None), quantization)
+    stacked: dict[str, Any] = {}
     for key in sorted(need):
         # Drop each layer's copy as soon as it is stacked: one extra leaf in memory at a time.
         per_layer = [layer.pop(key) for layer in layers]
+        scales = [layer.pop(key + SCALE_SUFFIX, None) for layer in layers]
         if isinstance(per_layer[0], dict):  # experts: stack them first
             per_layer = [stack([experts[j] for j in range(cfg.num_experts)]) for experts in per_layer]
-        stacked[key] = stack(per_layer)
+        if any(s is not None for s in scales) and (any(s is None for s in scales)
+                                                    or len({np.shape(s) for s in scales}) > 1):
+            # Quantized in some layers only (or with other groups): back to float32, per channel below.
+            per_layer = [w if s is None else dequantize_weight(w, s) for w, s in zip(per_layer, scales)]
+            scales = [None] * len(scales)
+        _set_leaf(stacked, key, stack(per_layer), None if scales[0] is None else stack(scales), quantization)
     return {**top, "layers": stacked}
 
 
+def _set_leaf(tree: dict[str, Any], key: str, leaf: Any, scale: Any, quantization: str | None) -> None:
+    """``tree[key] = leaf``, quantized per channel when ``quantization`` asks for it and it
+    did not arrive quantized (``scale`` None), with its scale beside it."""
+    if scale is not None:
+        tree[key], tree[key + SCALE_SUFFIX] = leaf, scale
+    elif quantization and key in QUANTIZED_KEYS:
+        tree[key], tree[key + SCALE_SUFFIX] = quantize_weight(leaf, quantization)
+    else:
+        tree[key] = leaf
+
+
 def _place(layer: dict[str, Any], name: str, tensor: Any, names: dict[str, tuple[str, bool]],
-           convert: Callable, dtype: Any) -> None:
+           convert: Callable, dtype: Any, quantization: str | None) -> None:
+    scale = name.endswith(SCALE_SUFFIX)
+    name = name[: -len(SCALE_SUFFIX)] if scale else name
     expert = _EXPERT.search(name)
     pattern = _EXPERT.sub(".experts.*.", name, count=1) if expert else name
     if pattern not in names:
         return  # rotary inv_freq buffers, tensors of layers a flag turns off
     key, transpose = names[pattern]
-    if expert:
-        layer.setdefault(key, {})[int(expert.group(1))] = convert(tensor, transpose, dtype)
+    stored = getattr(tensor, "dtype", None)
+    if scale:
+        key, target = key + SCALE_SUFFIX, np.float32
+    elif stored is not None and np.dtype(stored) == np.int8:
+        target = np.int8
     else:
-        layer[key] = convert(tensor, transpose, dtype)
+        # Quantized leaves are read in full precision, and quantized once stacked.
+        target = np.float32 if quantization and key in QUANTIZED_KEYS else dtype
+    if expert:
+        layer.setdefault(key, {})[int(expert.group(1))] = convert(tensor, transpose, target)
+    else:
+        layer[key] = convert(tensor, transpose, target)
 
 
 def _incomplete(leaf: Any, cfg: ModelConfig) -> bool:

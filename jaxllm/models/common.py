@@ -18,6 +18,13 @@ family has is ``jaxllm.loader.params.expected_layer_keys``)::
                 "wv": [L, E, Hkv*D], "wo": [L, Hq*D, E], "mlp_norm": [L, E],
                 "w_gate": [L, E, F], "w_up": [L, E, F], "w_down": [L, F, E], ...}}
 
+Quantized weights (``jaxllm.quantization``) are int8 or float8_e4m3fn leaves
+with a float32 ``"<key>_scale"`` sibling (``[L, out]`` per output channel, or
+``[L, G, out]`` per group of input rows); :func:`dot_f32` takes either. A
+quantized KV cache has ``"k_scale"``, ``"v_scale": [L, cache heads]`` layer
+leaves (the heads the cache holds, ``ModelSharding.num_cache_heads``), handed
+to the attention ops.
+
 KV cache: ``(k_cache, v_cache)``, each ``[L, num_blocks, block_size,
 num_kv_heads, head_dim]``.
 
@@ -25,7 +32,7 @@ Layers run as ``lax.scan``s that carry the hidden state and the caches and
 read layer ``l``'s weights by index from the stacked leaves, so a step traces,
 lowers and compiles one layer per distinct kind of layer however deep the
 model is (:func:`layer_plan`). Layer leaves and caches may be held as uint16
-bit patterns of bfloat16 (:func:`loop_storage`; why in
+bit patterns of bfloat16, uint8 ones of float8 (:func:`loop_storage`; why in
 ``kernels_pallas.reference``). Inside the scan the caches are viewed as
 ``[L * num_blocks, block_size, num_kv_heads * head_dim]`` and layer ``l``
 addresses its blocks as ``l * num_blocks + block``: the attention ops see one
@@ -48,7 +55,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
 from kernels_pallas import AttentionOps
-from kernels_pallas.reference import from_storage, to_storage
+from kernels_pallas.reference import BITS_STORAGE, from_storage, to_storage
 
 Params = dict[str, Any]
 KVCache = tuple[jax.Array, jax.Array]
@@ -56,17 +63,46 @@ KVCache = tuple[jax.Array, jax.Array]
 Segment = tuple[int, int, Optional[int]]
 
 
-def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None) -> jax.Array:
+def dot_f32(x: jax.Array, w: jax.Array, scale: Optional[jax.Array] = None) -> jax.Array:
+    """``x @ w`` in float32, for a float or a quantized weight.
+
+    x: [T, in]; w: [in, out], float or (with ``scale``) int8 / float8_e4m3fn.
+    scale: None; float32 ``[out]`` per output channel: ``(x @ w.astype(x.dtype)) * scale``;
+    or ``[G, out]`` per group of ``in / G`` input rows: the weight is dequantized group by
+    group (``w * scale`` in float32, then x's dtype) before the matmul (GGUF Q8_0 blocks).
+    Returns float32 [T, out].
+
+    Per channel, the scale multiplies the ``[T, out]`` output rather than the ``[in, out]``
+    weight; ``scripts/bench_quant_matmul.py`` times both and the alternatives on a backend.
+    """
+    if scale is None:
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
+    if scale.ndim == w.ndim - 1:
+        return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32) * scale
+    groups, (rows, cols) = scale.shape[-2], w.shape
+    grouped = w.reshape(groups, rows // groups, cols).astype(jnp.float32) * scale[:, None, :]
+    return jnp.dot(x, grouped.reshape(rows, cols).astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
+           scale: Optional[jax.Array] = None) -> jax.Array:
     """``x @ w (+ b)`` accumulated in float32, returned in x's dtype.
 
     For bfloat16 weights this is both closer to HF (whose matmuls accumulate
     in float32) and faster on XLA's CPU backend, whose bf16-in/f32-out dots
     run about twice as fast as bf16-in/bf16-out ones (issue 12's profile).
+    A quantized ``w`` comes with its ``scale`` (:func:`dot_f32`).
     """
-    y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    y = dot_f32(x, w, scale)
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)
+
+
+def project(layer: dict[str, jax.Array], key: str, x: jax.Array, bias: Optional[str] = None) -> jax.Array:
+    """``linear`` through ``layer[key]``, its ``key + "_scale"`` when quantized and the
+    ``bias`` leaf when the layer has it. x: [T, in] -> [T, out] in x's dtype."""
+    return linear(x, layer[key], layer.get(bias) if bias else None, layer.get(key + "_scale"))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -90,9 +126,9 @@ def gated_mlp(layer: dict[str, jax.Array], h: jax.Array, act: str) -> jax.Array:
 
     h: [T, E] -> [T, E], through ``w_gate``, ``w_up``: [E, F] and ``w_down``: [F, E].
     """
-    gate = linear(h, layer["w_gate"], layer.get("b_gate"))
-    up = linear(h, layer["w_up"], layer.get("b_up"))
-    return linear(_ACTIVATIONS[act](gate) * up, layer["w_down"], layer.get("b_down"))
+    gate = project(layer, "w_gate", h, "b_gate")
+    up = project(layer, "w_up", h, "b_up")
+    return project(layer, "w_down", _ACTIVATIONS[act](gate) * up, "b_down")
 
 
 # ------------------------------------------------------------------ rotary embeddings
@@ -164,6 +200,8 @@ class LayerContext(NamedTuple):
     window: the layer's sliding window (static), None for full attention.
     cos, sin: [T, R // 2] float32 of this layer's rope.
     num_tokens: int32[] the batch's real (unpadded) tokens.
+    kv_scales: a quantized cache's float32 ``(k_scale, v_scale)``, each
+      ``[cache heads]`` of this layer; None for a cache of plain values.
     """
 
     cfg: ModelConfig
@@ -173,6 +211,7 @@ class LayerContext(NamedTuple):
     cos: jax.Array
     sin: jax.Array
     num_tokens: jax.Array
+    kv_scales: Optional[tuple[jax.Array, jax.Array]] = None
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """Rope q and k, write k and v into the paged cache, attend.
@@ -187,11 +226,12 @@ class LayerContext(NamedTuple):
         q = apply_rope(q, self.cos, self.sin)
         k = apply_rope(k, self.cos, self.sin)
         blocks = kv[0].shape[:2] + (-1, cfg.head_dim)
+        scales = dict(zip(("k_scale", "v_scale"), self.kv_scales)) if self.kv_scales else {}
         k_cache, v_cache = self.ops.kv_cache_write(kv[0].reshape(blocks), kv[1].reshape(blocks), k, v,
-                                                   self.batch["slot_mapping"])
+                                                   self.batch["slot_mapping"], **scales)
         out = self.ops.ragged_paged_attention(
             q, k_cache, v_cache, self.batch["block_tables"], self.batch["seq_lens"], self.batch["query_start_loc"],
-            self.batch["num_seqs"], scale=cfg.attention_scale, sliding_window=self.window,
+            self.batch["num_seqs"], scale=cfg.attention_scale, sliding_window=self.window, **scales,
         )
         return out.reshape(t, cfg.num_q_heads * cfg.head_dim), (k_cache.reshape(kv[0].shape),
                                                                 v_cache.reshape(kv[1].shape))
@@ -206,14 +246,14 @@ def attention_block(layer: dict[str, jax.Array], h: jax.Array, kv: KVCache, ctx:
     h: [T, E] (already normed) -> ([T, E], the caches with this layer's K/V).
     """
     cfg, t = ctx.cfg, h.shape[0]
-    q = linear(h, layer["wq"], layer.get("bq")).reshape(t, cfg.num_q_heads, cfg.head_dim)
-    k = linear(h, layer["wk"], layer.get("bk")).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(h, layer["wv"], layer.get("bv")).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    q = project(layer, "wq", h, "bq").reshape(t, cfg.num_q_heads, cfg.head_dim)
+    k = project(layer, "wk", h, "bk").reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = project(layer, "wv", h, "bv").reshape(t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = norm(q, layer["q_norm"], cfg.rms_norm_eps)
         k = norm(k, layer["k_norm"], cfg.rms_norm_eps)
     attn, kv = ctx.attend(q, k, v, kv)
-    return linear(attn, layer["wo"], layer.get("bo")), kv
+    return project(layer, "wo", attn, "bo"), kv
 
 
 # ------------------------------------------------------------------ families and the layer scan
@@ -250,15 +290,17 @@ class Family:
 
 
 def loop_storage(params: Params) -> Params:
-    """``params`` with bfloat16 layer leaves bit-cast to uint16 (other leaves as they are).
+    """``params`` with bfloat16 layer leaves bit-cast to uint16 and float8_e4m3fn ones
+    (quantized weights) to uint8 (other leaves as they are).
 
-    For XLA's CPU backend, which would otherwise convert every bfloat16 weight
-    the layer scan reads to float32 and back on every step (see
+    For XLA's CPU backend, which would otherwise convert every bfloat16 (or
+    float8) weight the layer scan reads to float32 and back on every step (see
     ``kernels_pallas.reference``); :func:`hidden_states` bit-casts them back
     per layer. Same bytes, same sharding.
     """
-    bits = jax.jit(lambda a: to_storage(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a)
-    return {**params, "layers": jax.tree_util.tree_map(bits, params["layers"])}
+    bits = jax.jit(lambda a: to_storage(a, BITS_STORAGE[a.dtype]))
+    return {**params, "layers": jax.tree_util.tree_map(lambda a: bits(a) if a.dtype in BITS_STORAGE else a,
+                                                       params["layers"])}
 
 
 def layer_segments(windows: tuple[Optional[int], ...], offset: int = 0) -> list[Segment]:
@@ -340,7 +382,8 @@ def hidden_states(
                 first_block = index * num_blocks
                 ctx = LayerContext(cfg, ops, dict(batch, block_tables=batch["block_tables"] + first_block,
                                                   slot_mapping=batch["slot_mapping"] + first_block * block_size),
-                                   window, cos, sin, num_tokens)
+                                   window, cos, sin, num_tokens,
+                                   (layer["k_scale"], layer["v_scale"]) if "k_scale" in layer else None)
                 x, (k_flat, v_flat) = family.layer(layer, x, (k_flat, v_flat), ctx)
                 return (x, k_flat, v_flat), None
 
@@ -365,13 +408,14 @@ def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> ja
 
     The tied embedding ``[V, E]`` is contracted on its second axis directly:
     ``hidden @ embed.T`` would make XLA's CPU backend transpose the whole
-    table in bfloat16 on every step (5x slower there).
+    table in bfloat16 on every step (5x slower there). A quantized untied
+    lm_head goes through :func:`dot_f32` with its ``lm_head_scale``.
     """
     if cfg.tie_word_embeddings:
         logits = jax.lax.dot_general(hidden, params["embed"], (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)
     else:
-        logits = jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = dot_f32(hidden, params["lm_head"], params.get("lm_head_scale"))
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits

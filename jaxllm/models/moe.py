@@ -91,8 +91,8 @@ def moe_mlp(layer: dict[str, jax.Array], h: jax.Array, cfg: ModelConfig, num_tok
     rows = h[token]
 
     def run_expert(e, out):
-        mlp = {"w_gate": layer["experts_gate"][e], "w_up": layer["experts_up"][e],
-               "w_down": layer["experts_down"][e]}
+        mlp = {f"w_{part}{suffix}": layer[f"experts_{part}{suffix}"][e]
+               for part in ("gate", "up", "down") for suffix in ("", "_scale") if f"experts_{part}{suffix}" in layer}
 
         def run_chunk(c, out):
             first = starts[e] + c * block

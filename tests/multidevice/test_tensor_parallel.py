@@ -77,3 +77,22 @@ def test_kv_cache_gives_each_device_the_kv_heads_its_q_heads_read(request, model
     assert k_cache.shape[3] == max(kv_heads, tp)
     assert k_cache.sharding.spec == P(None, None, None, "model", None)
     assert {s.data.shape[3] for s in k_cache.addressable_shards} == {max(kv_heads, tp) // tp}
+
+
+def test_quantized_weights_and_kv_cache_split_their_scales_and_give_tp_1_tokens(kv2_dir):
+    # Weight scales split with their output channels; the KV scales with the cache heads, here with
+    # 2 KV heads replicated over 4 devices (one cache head per device). The rule table for every
+    # scale is tests/test_quantization.py's; this runs it.
+    folder = kv2_dir
+    quant = dict(quantization="int8", kv_cache_dtype="fp8_e4m3")
+    llm = LLM(model=folder, tensor_parallel_size=4, **ENGINE, **quant)
+    layers = llm.engine.runner.params["layers"]
+    expected = {"wq_scale": P(None, "model"), "wk_scale": P(None, None), "wo_scale": P(None, None),
+                "w_up_scale": P(None, "model"), "w_down_scale": P(None, None), "k_scale": P(None, "model"),
+                "v_scale": P(None, "model")}
+    for key, spec in expected.items():
+        assert layers[key].sharding.spec == spec, (key, layers[key].sharding.spec)
+    assert layers["k_scale"].shape[1] == 4 and {s.data.shape[1] for s in layers["k_scale"].addressable_shards} == {1}
+    assert layers["wq"].dtype == np.int8 and layers["wq"].sharding.spec == P(None, None, "model")
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts(6), GREEDY)]
+    assert tokens == _greedy_tokens(folder, 1, **quant)
