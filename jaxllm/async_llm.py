@@ -17,10 +17,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from jaxllm.config import EngineConfig
 from jaxllm.core_client import EngineDeadError, MPClient, QueueFullError, check_waiting_limit
-from jaxllm.input_processor import InputProcessor
-from jaxllm.metrics import EngineMetrics
-from jaxllm.output_processor import OutputProcessor
-from jaxllm.prefix_warmup import preload_token_ids
+from jaxllm.front_end import build_front_end
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
@@ -52,13 +49,8 @@ class AsyncLLM:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self.client = MPClient(model, self.config)
         self.info = self.client.infos[0]
-        self.input_processor = InputProcessor(self.tokenizer, self.info, self.config.seed)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port,
-                                     max_num_seqs=self.config.max_num_seqs,
-                                     max_num_batched_tokens=self.config.max_num_batched_tokens)
-        if self.config.preload_prompts is not None:
-            self.client.preload_prefixes(preload_token_ids(self.config.preload_prompts, self.input_processor))
+        self.input_processor, self.output_processor, self.metrics = build_front_end(self.tokenizer, self.client,
+                                                                                    self.config)
         self.dead: Optional[str] = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._output_task: Optional[asyncio.Task] = None

@@ -16,10 +16,8 @@ import jax
 
 from jaxllm.config import EngineConfig
 from jaxllm.core_client import InprocClient, MPClient, QueueFullError, check_waiting_limit
-from jaxllm.input_processor import InputProcessor, PromptType
-from jaxllm.metrics import EngineMetrics
-from jaxllm.output_processor import OutputProcessor
-from jaxllm.prefix_warmup import preload_token_ids
+from jaxllm.front_end import build_front_end
+from jaxllm.input_processor import PromptType
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
@@ -65,13 +63,8 @@ class LLMEngine:
 
             self.client = InprocClient(EngineCore(model, self.config, mesh=mesh))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
-        self.input_processor = InputProcessor(self.tokenizer, self.client.infos[0], self.config.seed)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(log_stats=self.config.log_stats, metrics_port=self.config.metrics_port,
-                                     max_num_seqs=self.config.max_num_seqs,
-                                     max_num_batched_tokens=self.config.max_num_batched_tokens)
-        if self.config.preload_prompts is not None:
-            self.client.preload_prefixes(preload_token_ids(self.config.preload_prompts, self.input_processor))
+        self.input_processor, self.output_processor, self.metrics = build_front_end(self.tokenizer, self.client,
+                                                                                    self.config)
 
     @property
     def core(self):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM
 from jaxllm.config import EngineConfig
 from jaxllm.core_client import QueueFullError
 from scheduler import SamplingParams, Scheduler, SchedulerConfig

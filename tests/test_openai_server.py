@@ -492,11 +492,6 @@ def test_sigterm_stops_accepting_lets_requests_in_flight_finish_and_exits_0(serv
 # ---- a second server, whose engine core is killed --------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def doomed_server(servers):
-    return servers[1]
-
-
 def test_a_killed_engine_core_fails_requests_in_flight_and_health_says_so(doomed_server):
     url = doomed_server.url
     body = dict(prompt=PROMPT, max_tokens=500, temperature=0, ignore_eos=True)

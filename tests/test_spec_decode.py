@@ -174,3 +174,14 @@ def test_a_draft_model_with_another_vocabulary_is_refused(stories_dir, tiny_llam
     with pytest.raises(ValueError, match="vocab_size=256; the target has 512"):
         LLM(model=stories_dir, **STORIES_KW, speculative_config=dict(method="draft_model", model=str(tiny_llama_dir),
                                                                       num_speculative_tokens=2))
+
+
+def test_ngram_over_fp8_weights_and_an_fp8_kv_cache_equals_the_same_engine_without_speculation(stories_dir):
+    """Speculation composes with quantization: verification reads the same fp8 cache entries (with their
+    calibrated scales) that one-token decode steps write and read, so the quantized engine's outputs do not change."""
+    kw = dict(STORIES_KW, quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    reference = _run(LLM(model=stories_dir, **kw))
+    llm = LLM(model=stories_dir, **kw, speculative_config=dict(NGRAM, num_speculative_tokens=3))
+    assert str(llm.engine.kv_cache_dtype) == "float8_e4m3fn"
+    _assert_same(_run(llm), reference)
+    _check_run(llm)

@@ -24,26 +24,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
+from jaxllm.models import llama
 from jaxllm.models.common import Family, KVCache, LayerContext, Params, attention_block, embed_tokens, gated_mlp
 
+# Llama's names, but HF's post_attention_layernorm here normalises the attention output
+# (the MLP has its own pre- and post-norms).
 HF_LAYER_NAMES = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.q_proj.bias": ("bq", False),
-    "self_attn.k_proj.bias": ("bk", False),
-    "self_attn.v_proj.bias": ("bv", False),
-    "self_attn.o_proj.bias": ("bo", False),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
+    **llama.HF_LAYER_NAMES,
     "post_attention_layernorm.weight": ("post_attn_norm", False),
     "pre_feedforward_layernorm.weight": ("mlp_norm", False),
     "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
 }
 
 
