@@ -215,6 +215,8 @@ THROUGHPUT_FIELDS = {
     "output_tokens_per_s", "total_tokens_per_s", "peak_kv_cache_usage", "peak_kv_slots", "kv_live_slot_fraction",
     "max_num_running", "num_preemptions", "compilations", "same_tokens_as_jaxllm", "steps", "schedule_s_per_step",
     "schedule_fraction_of_wall", "version",
+    # Memory: jaxllm's parameter and KV cache MiB and KV blocks (None on the other backends' rows).
+    "param_mib", "kv_blocks", "kv_mib",
 }
 # Rows of jaxllm's own runs (static and continuous batching) also say whether they were constrained.
 JAXLLM_RUN_FIELDS = {"structured", "compare", "bitmask_s_per_step"}
