@@ -297,6 +297,8 @@ def _sliding_windows_from_hf(cfg: dict[str, Any], model_type: str, num_layers: i
 
 # Weight-only quantizations and KV cache dtypes (jaxllm.quantization), by vLLM's names.
 WEIGHT_QUANTIZATIONS = ("int8", "fp8")
+# Token buckets below the default ladder's first value (16): steps of a few decode rows.
+SMALL_TOKEN_BUCKETS = (4, 8)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
@@ -474,9 +476,12 @@ class EngineConfig:
     def bucket_ladders(self, max_model_len: int, attention_backend: str) -> tuple[tuple[int, ...], ...]:
         """The (T, S, W) ladders steps are padded to.
 
-        Defaults, each ending exactly at its maximum: T takes powers of two
-        from 16 and the halfway points between them (16, 24, 32, 48, ...) up to
-        ``max_num_batched_tokens``, since padded tokens cost real matmul work;
+        Defaults, each ending exactly at its maximum: T takes 4 and 8, then
+        powers of two from 16 and the halfway points between them (16, 24, 32,
+        48, ...) up to ``max_num_batched_tokens``, since padded tokens cost real
+        matmul work (a lone request decoding in the T=4 program instead of T=16
+        takes 0.65-0.75x the step time on XLA's CPU backend,
+        ``scripts/bench_throughput.py --single``; T below 4 gains nothing);
         S is T capped at ``max_num_seqs`` (each T is paired with one S, see
         ``BucketTable``), so a decode step of n rows pads to at most 1.5 n; W
         is the maximum alone (``ceil(max_model_len / block_size)``) for the
@@ -489,7 +494,8 @@ class EngineConfig:
             with the limit).
         """
         max_width = self.max_blocks_per_seq(max_model_len)
-        tokens = self.token_buckets or half_step_ladder(16, self.max_num_batched_tokens)
+        tokens = self.token_buckets or (tuple(t for t in SMALL_TOKEN_BUCKETS if t < min(16, self.max_num_batched_tokens))
+                                        + half_step_ladder(16, self.max_num_batched_tokens))
         seqs = self.seq_buckets or tuple(sorted({min(t, self.max_num_seqs) for t in tokens}))
         if self.width_buckets:
             widths = self.width_buckets
