@@ -128,13 +128,23 @@ SMOL_PARAMS = [SamplingParams(temperature=0, max_tokens=8), SamplingParams(tempe
                SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0, max_tokens=8, logprobs=1)]
 
 
-def test_ngram_outputs_equal_those_without_speculation_on_the_default_model(smollm2_gguf):
-    results = []
-    for spec in (None, dict(NGRAM, num_speculative_tokens=3)):
-        llm = LLM(model=smollm2_gguf, **SMOL_KW, speculative_config=spec)
-        outs = llm.generate(SMOL_PROMPTS, SMOL_PARAMS, use_tqdm=False)
-        results.append([(c.token_ids, c.text, c.finish_reason, c.logprobs) for o in outs for c in o.outputs])
-    _assert_same(results[1], results[0])
+def _smol_run(llm: LLM) -> list:
+    outs = llm.generate(SMOL_PROMPTS, SMOL_PARAMS, use_tqdm=False)
+    return [(c.token_ids, c.text, c.finish_reason, c.logprobs) for o in outs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smollm2_gguf):
+    return _smol_run(LLM(model=smollm2_gguf, **SMOL_KW))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_outputs_equal_those_without_speculation_on_the_default_model(smollm2_gguf, smol_reference, method):
+    """Both methods on the real model. The draft model is the target itself (the only same-vocabulary model
+    shipped offline that drafts well): greedy rows accept their drafts, the sampled row rejects some."""
+    spec = dict(NGRAM) if method == "ngram" else dict(method=method, model=str(smollm2_gguf))
+    llm = LLM(model=smollm2_gguf, **SMOL_KW, speculative_config=dict(spec, num_speculative_tokens=3))
+    _assert_same(_smol_run(llm), smol_reference)
     _check_run(llm)
 
 
