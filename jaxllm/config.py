@@ -294,12 +294,11 @@ def _sliding_windows_from_hf(cfg: dict[str, Any], model_type: str, num_layers: i
     return tuple(int(window) if window else None for _ in range(num_layers))
 
 
-
 # Weight-only quantizations and KV cache dtypes (jaxllm.quantization), by vLLM's names.
 WEIGHT_QUANTIZATIONS = ("int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 # Token buckets below the default ladder's first value (16): steps of a few decode rows.
 SMALL_TOKEN_BUCKETS = (4, 8)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
 @dataclasses.dataclass
@@ -314,7 +313,8 @@ class EngineConfig:
       max_num_seqs: sequences per step at most.
       max_num_batched_tokens: tokens per step at most (the token budget).
       max_model_len: prompt + output tokens per request at most.
-      dtype: "auto", "float32", "bfloat16" or "float16" (compute and KV).
+      dtype: "auto", "float32", "bfloat16" or "float16" (compute, and the KV
+        cache unless ``kv_cache_dtype`` quantizes it).
       quantization: None, "int8" or "fp8": weight-only quantization of the
         dense projections and an untied lm_head, per output channel
         (``jaxllm.quantization``); an orbax checkpoint converted quantized is
@@ -330,8 +330,8 @@ class EngineConfig:
         (T tokens, S rows, W block-table width); None derives each from the
         limits (see :meth:`bucket_ladders`); each must reach its limit.
       precompile: when to build the step programs: ``True`` every bucket at
-        start-up; ``"background"`` the smallest and largest token buckets at
-        start-up and the rest in a background thread while serving (a step
+        start-up; ``"background"`` the largest token bucket and the smallest
+        of at least 16 tokens at start-up and the rest in a background thread while serving (a step
         pads up to a ready bucket meanwhile, so none waits on a compile);
         ``False`` each bucket on first use.
       async_scheduling: schedule step N+1 while the device runs step N
@@ -355,9 +355,12 @@ class EngineConfig:
         ``{"method": "draft_model", "model": PATH, "num_speculative_tokens":
         k}``; held as a ``spec_decode.SpeculativeConfig`` once checked. None:
         off. With it on, ``async_scheduling`` does not schedule ahead (a
-        step's drafts need the previous step's tokens). A draft model's KV
-        cache has as many blocks as the target's, in memory beyond
-        ``kv_cache_memory_bytes``.
+        step's drafts need the previous step's tokens). A draft model's
+        weights and KV cache (as many blocks as the target's, in the compute
+        dtype, unquantized) come on top of the memory the target's blocks were
+        sized for (``kv_cache_memory_bytes`` or its default share of the
+        device): on an accelerator with a large draft, set
+        ``kv_cache_memory_bytes`` or ``num_kv_blocks`` to leave room.
       graceful_degradation: under KV pressure (few free blocks, or
         preemptions), lower the effective ``max_num_seqs`` and prefill token
         budget step by step and restore them when calm, instead of thrashing

@@ -292,7 +292,9 @@ class EngineCore:
         Returns:
           True once nothing is left to build; False if ``timeout`` seconds passed first.
         """
-        return all([r.wait_for_warmup(timeout) for r in self._runners])
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all([r.wait_for_warmup(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                    for r in self._runners])
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
         """Prompt tokens this core would take from its prefix cache right now.

@@ -70,8 +70,7 @@ class EngineMetrics:
       ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens``
       and ``spec_decode_num_accepted_tokens_per_pos`` (label ``position``,
       0 = a row's first draft); the acceptance rate is accepted / draft
-      tokens, the mean accepted length 1 + accepted / drafts.
-      (host time of one ``schedule()``). Structured output: the gauge
+      tokens, the mean accepted length 1 + accepted / drafts. Structured output: the gauge
       ``num_requests_waiting_for_grammar`` (waiting requests whose grammar is
       still compiling) and the histogram ``grammar_bitmask_seconds`` (host time
       building a step's token bitmask, for steps with a constrained row).

@@ -136,7 +136,7 @@ class ModelRunner:
       params: parameter pytree, already placed by ``sharding``.
       num_blocks: KV blocks including the null block 0.
       block_size: tokens per block.
-      dtype: compute and KV dtype.
+      dtype: compute dtype (and the KV cache's unless ``kv_cache_dtype``).
       ops: attention implementation (Pallas kernels or jnp references),
         already wrapped by ``sharding.attention_ops``.
       buckets: the (T, S, W) shapes steps are padded to.
@@ -152,7 +152,8 @@ class ModelRunner:
         (``kernels_pallas.reference`` says why).
       kv_cache_dtype: the KV cache's numbers: ``dtype`` (None), or int8 /
         float8_e4m3fn for a quantized cache, whose scales are the
-        ``k_scale``/``v_scale`` layer leaves of ``params``.
+        ``k_scale``/``v_scale`` layer leaves of ``params`` (ValueError
+        without them).
       num_positions: positions each row's sampler handles: 1, or 1 +
         ``num_speculative_tokens`` when the steps verify draft tokens
         (sampling arrays then have ``S * num_positions`` rows,
@@ -191,6 +192,9 @@ class ModelRunner:
         self.float_bits_storage = float_bits_storage
         self.params = loop_storage(params) if float_bits_storage else params
         kv_dtype = np.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
+        if kv_dtype.itemsize == 1 and "k_scale" not in params["layers"]:
+            raise ValueError(f"kv_cache_dtype={kv_dtype.name} needs the per-layer k_scale/v_scale leaves in "
+                             "params['layers'] (jaxllm.quantization.calibrate_kv_scales)")
         if float_bits_storage:
             kv_dtype = BITS_STORAGE.get(kv_dtype, kv_dtype)
         self.kv_cache = allocate_kv_cache(num_blocks, block_size, kv_dtype, sharding)
@@ -337,9 +341,11 @@ class ModelRunner:
         Args:
           progress: show a tqdm bar on stderr.
           swap: also build the swap-out/in programs.
-          background: build only the smallest and the largest token buckets
-            now (the largest holds any step, the smallest serves short decode
-            steps) and the others in a background thread, smallest first;
+          background: build only two token buckets now: the largest (it
+            holds any step) and the smallest of at least 16 tokens (it serves
+            short prompts and decode steps; the smaller ones only speed up a
+            few decode rows), and the others in a background thread, smallest
+            first;
             :meth:`serving_buckets` tracks what is ready, and
             :meth:`wait_for_warmup` waits for the rest.
 
@@ -350,7 +356,8 @@ class ModelRunner:
 
         start = time.perf_counter()
         tokens = self.buckets.token_buckets
-        first = sorted({tokens[-1], tokens[0]}, reverse=True) if background else list(tokens)
+        first = sorted({tokens[-1], next((t for t in tokens if t >= 16), tokens[0])}, reverse=True) if background \
+            else list(tokens)
         with self._lock:
             self._ready_tokens = set()
         for t in tqdm(first, desc="compiling buckets", unit="bucket", disable=not progress):

@@ -151,12 +151,13 @@ def test_moe_layer_compiles_once_whatever_the_routing():
     run = jax.jit(moe.moe_mlp, static_argnames="cfg")
     h = rng.standard_normal((32, 16)).astype(np.float32)
     one_expert = np.tile(np.asarray(layer["router"])[:, 0] * 10, (32, 1))  # every token's top choice: expert 0
-    routings, compilations = set(), 0
+    routings = set()
     for x, num_tokens in [(h, 32), (-h, 32), (h[::-1].copy(), 7), (one_expert, 32)]:
-        x, n, start = jnp.asarray(x), jnp.int32(num_tokens), len(_EVENTS)
+        x, n = jnp.asarray(x), jnp.int32(num_tokens)
         run(layer, x, cfg=cfg, num_tokens=n).block_until_ready()
-        compilations += len(_EVENTS) - start
         experts = np.asarray(moe.route(x, layer["router"], cfg)[1])[:num_tokens]
         routings.add(tuple(np.bincount(experts.ravel(), minlength=4)))
     assert len(routings) == 4
-    assert compilations == 1  # the first call's (or a persistent-cache hit)
+    # One program for every routing. Counted on this function's own cache, not on JAX's global compile events,
+    # which other threads (an earlier engine's background warm-up in this process) may also fire.
+    assert run._cache_size() == 1

@@ -186,12 +186,23 @@ def test_a_draft_model_with_another_vocabulary_is_refused(stories_dir, tiny_llam
                                                                       num_speculative_tokens=2))
 
 
-def test_ngram_over_fp8_weights_and_an_fp8_kv_cache_equals_the_same_engine_without_speculation(stories_dir):
+@pytest.fixture(scope="module")
+def fp8_reference(stories_dir):
+    return _run(LLM(model=stories_dir, **FP8_KW))
+
+
+FP8_KW = dict(STORIES_KW, quantization="fp8", kv_cache_dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_over_fp8_weights_and_an_fp8_kv_cache_equals_the_same_engine_without_it(
+        stories_dir, stories_draft, fp8_reference, method):
     """Speculation composes with quantization: verification reads the same fp8 cache entries (with their
-    calibrated scales) that one-token decode steps write and read, so the quantized engine's outputs do not change."""
-    kw = dict(STORIES_KW, quantization="fp8", kv_cache_dtype="fp8_e4m3")
-    reference = _run(LLM(model=stories_dir, **kw))
-    llm = LLM(model=stories_dir, **kw, speculative_config=dict(NGRAM, num_speculative_tokens=3))
+    calibrated scales) that one-token decode steps write and read, so the quantized engine's outputs do not change.
+    The draft model keeps its own float32 weights and cache."""
+    spec = dict(NGRAM) if method == "ngram" else dict(method=method, model=str(stories_draft))
+    llm = LLM(model=stories_dir, **FP8_KW, speculative_config=dict(spec, num_speculative_tokens=3))
+    reference = fp8_reference
     assert str(llm.engine.kv_cache_dtype) == "float8_e4m3fn"
     _assert_same(_run(llm), reference)
     _check_run(llm)

@@ -7,7 +7,7 @@ with plus one token of its own; the scheduler takes the rejected drafts back.
 
 * ``config``: ``SpeculativeConfig`` (vLLM's ``speculative_config`` keys).
 * ``ngram``: prompt lookup on the host (``NgramProposer``).
-* ``draft``: a draft model on the device (``DraftRunner``), imported by the engine core when used.
+* ``draft``: a draft model on the device (``DraftRunner``), which the engine core builds for ``method="draft_model"``.
 """
 
 from jaxllm.spec_decode.config import SpeculativeConfig
