@@ -16,8 +16,8 @@ import os
 from typing import Any, AsyncIterator, Optional, Union
 
 from jaxllm.config import EngineConfig
-from jaxllm.core_client import EngineDeadError, MPClient, QueueFullError, check_waiting_limit
-from jaxllm.front_end import build_front_end
+from jaxllm.core_client import EngineDeadError, MPClient
+from jaxllm.front_end import build_front_end, refuse_when_full
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
@@ -69,12 +69,7 @@ class AsyncLLM:
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        try:
-            check_waiting_limit(self.config.max_waiting_requests, self.output_processor.num_open_sequences,
-                                self.client.infos, self.metrics.core_stats)
-        except QueueFullError:
-            self.metrics.request_refused.inc()
-            raise
+        refuse_when_full(self.config, self.client, self.output_processor, self.metrics)
         request = self.input_processor.process(request_id, prompt_token_ids, params, priority=priority,
                                                cache_salt=cache_salt)
         self.output_processor.add_request(request, prompt)

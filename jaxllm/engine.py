@@ -15,8 +15,8 @@ from typing import Any, Iterable, Optional, Union
 import jax
 
 from jaxllm.config import EngineConfig
-from jaxllm.core_client import InprocClient, MPClient, QueueFullError, check_waiting_limit
-from jaxllm.front_end import build_front_end
+from jaxllm.core_client import InprocClient, MPClient
+from jaxllm.front_end import build_front_end, refuse_when_full
 from jaxllm.input_processor import PromptType
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
@@ -153,12 +153,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        try:
-            check_waiting_limit(self.config.max_waiting_requests, self.output_processor.num_open_sequences,
-                                self.client.infos, self.metrics.core_stats)
-        except QueueFullError:
-            self.metrics.request_refused.inc()
-            raise
+        refuse_when_full(self.config, self.client, self.output_processor, self.metrics)
         text, ids = self.input_processor.encode_prompt(prompt)
         request = self.input_processor.process(request_id, ids, params, priority=priority,
                                                arrival_time=arrival_time, cache_salt=cache_salt)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from jaxllm.core_client import QueueFullError, check_waiting_limit
 from jaxllm.input_processor import InputProcessor
 from jaxllm.metrics import EngineMetrics
 from jaxllm.output_processor import OutputProcessor
@@ -42,3 +43,18 @@ def build_front_end(tokenizer: Any, client: Any, config: Any) -> FrontEnd:
     if config.preload_prompts is not None:
         client.preload_prefixes(preload_token_ids(config.preload_prompts, input_processor))
     return FrontEnd(input_processor, OutputProcessor(tokenizer), metrics)
+
+
+def refuse_when_full(config: Any, client: Any, output_processor: OutputProcessor, metrics: EngineMetrics) -> None:
+    """Refuse a new request when ``config.max_waiting_requests`` sequences already wait
+    (``core_client.check_waiting_limit`` over ``client``'s cores), counting it in ``metrics.request_refused``.
+
+    Raises:
+      QueueFullError: the queue is full; nothing was queued.
+    """
+    try:
+        check_waiting_limit(config.max_waiting_requests, output_processor.num_open_sequences, client.infos,
+                            metrics.core_stats)
+    except QueueFullError:
+        metrics.request_refused.inc()
+        raise

@@ -17,20 +17,12 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from tests.helpers import assert_same_or_near_tie
+from tests.test_smollm2 import PROMPTS as SMOLLM2_PROMPTS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea, there lived",
-    "1, 2, 3, 4,",
-    "The three primary colors are red, yellow and",
-    "Water boils at",
-    "In machine learning, a transformer is a neural network architecture that relies on",
-    "Hello",
-]
+PROMPTS = SMOLLM2_PROMPTS  # the same eight prompts as the SmolLM2 parity test
 NEW_TOKENS = 24
 FRANCE = " the capital of the country of France. It is the largest city in France and the second largest city in Europe. It"
 # The CLI's engine is this one (its defaults and these flags), so it reuses the compiled programs.
