@@ -1,7 +1,7 @@
 """Where a model step's time goes, per part, for both dtypes.
 
-For a few fixed batches (a decode step of many rows, a lone decode row, a
-512-token prefill) it times, on the engine's own parameters and KV cache:
+For a few fixed batches (a decode step of many rows, a lone decode row padded
+to 16 and to 4 tokens, a 512-token prefill) it times, on the engine's own parameters and KV cache:
 
 - ``step``: the decoder (embedding, every layer, final norm) and the lm_head
   of the sampled rows, as the engine runs it;
@@ -77,6 +77,7 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
     cases = {
         "decode, 48 rows (T=48)": make([1] * 48, rng.integers(100, 400, 48).tolist(), 48, 48),
         "decode, 1 row (T=16)": make([1], [200], 16, 16),
+        "decode, 1 row (T=4)": make([1], [200], 4, 4),
         "prefill 512 tokens, 3 rows": make([200, 200, 112], [0, 100, 0], 512, 64),
     }
 
