@@ -335,7 +335,12 @@ class EngineConfig:
         pads up to a ready bucket meanwhile, so none waits on a compile);
         ``False`` each bucket on first use.
       async_scheduling: schedule step N+1 while the device runs step N
-        (outputs are identical; see ``LLMEngine.step``).
+        (outputs are identical; see ``LLMEngine.step``). None (the default,
+        as in vLLM): on, unless ``speculative_config`` is set (a step's
+        drafts need the previous step's tokens). A step holding a row whose
+        multi-token ``bad_words`` or grammar need the token the step in
+        flight samples for it waits for that token first; other steps keep
+        the overlap.
       compilation_cache: folder of JAX's persistent compilation cache;
         "default" is ``<jaxllm cache>/xla``, None turns it off.
       tensor_parallel_size: devices one model step is split over (Megatron
@@ -398,7 +403,7 @@ class EngineConfig:
     seq_buckets: Optional[Sequence[int]] = None
     width_buckets: Optional[Sequence[int]] = None
     precompile: Union[bool, str] = "background"
-    async_scheduling: bool = False
+    async_scheduling: Optional[bool] = None
     compilation_cache: Optional[str] = "default"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -453,6 +458,11 @@ class EngineConfig:
             raise ValueError(f"batching={self.batching!r} must be 'continuous' or 'static'")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         spec = self.speculative_config
+        if self.async_scheduling is None:
+            self.async_scheduling = spec is None
+        elif not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be True, False or None (on unless "
+                             "speculative_config is set)")
         if spec is not None and spec.num_speculative_tokens >= self.max_num_batched_tokens:
             raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} must be below "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}: a decode row carries 1 + that many")

@@ -182,9 +182,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine-core step (with several cores: wait for the next one to report).
 
-        With ``async_scheduling`` the core schedules and launches step N+1
-        before it reads step N's samples; outputs then trail the launches by
-        one step (the first call returns none).
+        With ``async_scheduling`` (the default unless speculating) the core
+        schedules and launches step N+1 before it reads step N's samples;
+        outputs then trail the launches by one step (the first call returns
+        none).
 
         Returns:
           A RequestOutput for every request that produced a token or finished

@@ -453,8 +453,10 @@ class EngineCore:
         touched: list[Request] = list(sched_out.finished)
         prev = self._in_flight
         prev_tokens = None if prev is None else prev.dispatched.next_prev
-        if prev is not None and self.structured.needs_previous_samples(sched_out):
-            # A constrained row's bitmask needs the token the step in flight samples for it.
+        if prev is not None and (self.structured.needs_previous_samples(sched_out)
+                                 or self.slots.needs_previous_samples(sched_out)):
+            # A constrained row's bitmask, or the bans of a row's multi-token bad words, need the token the
+            # step in flight samples for it.
             touched += self._apply(prev)
             prev = self._in_flight = None
         try:

@@ -101,8 +101,7 @@ class InputProcessor:
           ValueError: a prompt longer than ``max_model_len`` (both numbers
             named), token ids of ``params`` outside the vocabulary, bad words
             without a tokenizer or that encode to no token, too many
-            multi-token bad words, multi-token bad words under async
-            scheduling, or an invalid ``structured_outputs`` (named with
+            multi-token bad words, or an invalid ``structured_outputs`` (named with
             the field and the grammar engine's error) or one without a
             tokenizer.
         """
@@ -147,9 +146,4 @@ class InputProcessor:
         if len(multi) > self.info.max_banned_ids:
             raise ValueError(f"SamplingParams.bad_words gives {len(multi)} multi-token sequences; at most "
                              f"{self.info.max_banned_ids} are supported")
-        if multi and self.info.async_scheduling:
-            # Their bans match the last generated tokens, which async
-            # scheduling knows on the host only one step late.
-            raise ValueError(f"bad_words of several tokens ({params.bad_words!r}) are not supported with "
-                             "async_scheduling=True; use single-token words or async_scheduling=False")
         return words

@@ -126,6 +126,17 @@ class SamplingSlots:
                 self.tables.set_slot_rows(slot, bias, stop)
         return slot
 
+    def needs_previous_samples(self, output: SchedulerOutput) -> bool:
+        """True when a row of ``output`` that samples and has multi-token bad words takes the previous step's
+        sample as input (``prev_row``, async scheduling): its bans match its last generated tokens, which the
+        host must know first."""
+        fed = ((output.prev_row >= 0) & output.samples).nonzero()[0]
+        for i in fed.tolist():
+            sampling = self.sequences.get(output.requests[i].request_id)
+            if sampling is not None and sampling.multi_token_bad_words:
+                return True
+        return False
+
     def arrays(self, output: SchedulerOutput, num_rows: int, num_positions: int = 1) -> SamplingArrays:
         """The step's per-row controls; rows of unregistered requests (a fork parent) stay inert.
 

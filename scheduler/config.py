@@ -38,7 +38,10 @@ class SchedulerConfig:
         not fit falls back to recompute.
       async_scheduling: allow one ``schedule()`` ahead of the last
         ``update_from_output()`` (the runner feeds the missing sampled
-        tokens on the device; see ``Scheduler``).
+        tokens on the device; see ``Scheduler``). A request admitted beside
+        running ones with the rest of its prompt then also takes the KV
+        slot of its first decode token, so it is not preempted before its
+        sample lands.
       aging_rate: for "aging": priority units gained per second of waiting,
         >= 0.
       num_lookahead_tokens: KV slots a running row reserves beyond its

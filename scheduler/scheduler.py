@@ -590,11 +590,17 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         hits, num_hit = kv.get_computed_blocks(req)
+        # Under async scheduling, a request admitted beside running ones whose chunk ends its prompt also takes
+        # the slot of its first decode token. Without it the next step, scheduled before this one's sample is
+        # known, may preempt it for that block, which discards the sample, and readmit it to recompute the same
+        # tokens, step after step (sync scheduling avoids this: there the victim keeps its sampled token).
+        ahead = int(self.config.async_scheduling and bool(self.running)
+                    and req.num_tokens + 1 < self.config.max_model_len)
         while True:
             n = self._chunk(req.num_tokens - num_hit, budget)
             if n == 0:
                 return 0
-            if kv.allocate_slots(req, n, hits):
+            if kv.allocate_slots(req, n, hits, ahead if num_hit + n == req.num_tokens else 0):
                 break
             if not kv.copies_last_block(req, hits):
                 return 0

@@ -89,8 +89,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, num_requests: int, input
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve the engine's Prometheus metrics on this port while it runs")
     parser.add_argument("--output-json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="schedule step N+1 while step N runs (jaxllm backends)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule step N+1 while step N runs (jaxllm backends; default: the engine's, on "
+                             "unless speculating)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="devices per model step; on CPU, simulated host devices (numbers not meaningful)")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas")

@@ -299,7 +299,7 @@ def _hf_batch(hf, prompts: list[list[int]], output_lens: list[int], pad: int, ba
 
 def run_vllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Workload]], dtype: str) -> list:
     """Run the (timed, warm-up) pairs on vLLM in ``--vllm-python``'s environment; one result row per pair."""
-    if (args.num_kv_blocks, args.block_size, args.async_scheduling) != (None, 16, False):
+    if (args.num_kv_blocks, args.block_size, args.async_scheduling) != (None, 16, None):
         print("note: --num-kv-blocks, --block-size and --async-scheduling apply to jaxllm only; vllm uses its "
               "defaults", file=sys.stderr)
     spec = dict(

@@ -145,12 +145,14 @@ def _prompt(i: int) -> list[int]:
     return [3 + (7 * i + 11 * j) % 400 for j in range(8)]
 
 
-def test_engine_burst_preemptions_on_vs_off_same_greedy_text_blocks_and_limits_restored(stories_dir):
+@pytest.mark.parametrize("async_scheduling, preemptions", [(False, (9, 3)), (True, (8, 2))])
+def test_engine_burst_preemptions_on_vs_off_same_greedy_text_blocks_and_limits_restored(stories_dir, async_scheduling,
+                                                                                        preemptions):
     params = SamplingParams(max_tokens=12, **GREEDY)
     prompts = [_prompt(i) for i in range(12)]
     results = {}
     for flag in (False, True):
-        llm = LLM(model=stories_dir, graceful_degradation=flag, **ENGINE)
+        llm = LLM(model=stories_dir, graceful_degradation=flag, async_scheduling=async_scheduling, **ENGINE)
         engine = llm.engine
         seats, requeued = [], 0.0
         for i, prompt in enumerate(prompts):
@@ -168,7 +170,7 @@ def test_engine_burst_preemptions_on_vs_off_same_greedy_text_blocks_and_limits_r
         assert engine.scheduler.block_pool.num_free_blocks == 16
         assert all(len(tokens) == 12 for tokens in results[flag][0])
     assert results[True][0] == results[False][0]
-    assert (results[False][1], results[True][1]) == (9, 3)
+    assert (results[False][1], results[True][1]) == preemptions
     assert min(results[True][2]) < 6 and results[True][2][-1] == 6 and set(results[False][2]) == {6}
 
 

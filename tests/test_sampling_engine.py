@@ -80,8 +80,9 @@ def test_seeded_request_gives_the_same_tokens_with_prefix_cache_hits(tiny_llm):
 
 
 def test_n_4_shares_the_prompt_blocks_and_returns_4_different_outputs(tiny_llama_dir):
+    # Synchronous steps: the fork is visible right after the first one.
     engine = LLMEngine(tiny_llama_dir, max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_kv_blocks=64,
-                       precompile=False)
+                       precompile=False, async_scheduling=False)
     prompt = list(range(10, 20))
     params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
     engine.add_request("x", prompt, params)
