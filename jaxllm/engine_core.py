@@ -270,7 +270,7 @@ class EngineCore:
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=c.enable_chunked_prefill,
             long_prefill_token_threshold=c.long_prefill_token_threshold, scheduling_policy=c.scheduling_policy,
             preemption_mode=c.preemption_mode, num_host_blocks=c.num_host_blocks,
-            async_scheduling=c.async_scheduling, graceful_degradation=c.graceful_degradation,
+            async_scheduling=c.async_scheduling and self.spec is None, graceful_degradation=c.graceful_degradation,
             num_lookahead_tokens=(self.spec.num_speculative_tokens
                                   if self.spec is not None and self.spec.method == "draft_model" else 0),
         )

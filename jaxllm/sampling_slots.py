@@ -95,12 +95,16 @@ class SamplingSlots:
         self.vocab_size = vocab_size
         self.tables = tables
         self.sequences: dict[str, SequenceSampling] = {}
+        # Ids of the sequences with multi-token bad words (most steps have none to look up).
+        self._multi_word_ids: set[str] = set()
         self.slots: dict[str, int] = {}
         self._free = list(range(num_slots - 1, 0, -1))
 
     def register(self, request_id: str, sampling: SequenceSampling) -> None:
         """Remember a sequence's sampling state; it gets a slot when scheduled."""
         self.sequences[request_id] = sampling
+        if sampling.multi_token_bad_words:
+            self._multi_word_ids.add(request_id)
 
     def release(self, request_id: str) -> None:
         """Give back the sequence's slot (preempted: refilled on readmission)."""
@@ -112,6 +116,7 @@ class SamplingSlots:
         """The sequence finished or was aborted: drop its slot and state."""
         self.release(request_id)
         self.sequences.pop(request_id, None)
+        self._multi_word_ids.discard(request_id)
 
     def _slot(self, request: Request, sampling: SequenceSampling) -> int:
         rid = request.request_id
@@ -130,12 +135,10 @@ class SamplingSlots:
         """True when a row of ``output`` that samples and has multi-token bad words takes the previous step's
         sample as input (``prev_row``, async scheduling): its bans match its last generated tokens, which the
         host must know first."""
+        if not self._multi_word_ids:
+            return False
         fed = ((output.prev_row >= 0) & output.samples).nonzero()[0]
-        for i in fed.tolist():
-            sampling = self.sequences.get(output.requests[i].request_id)
-            if sampling is not None and sampling.multi_token_bad_words:
-                return True
-        return False
+        return any(output.requests[i].request_id in self._multi_word_ids for i in fed.tolist())
 
     def arrays(self, output: SchedulerOutput, num_rows: int, num_positions: int = 1) -> SamplingArrays:
         """The step's per-row controls; rows of unregistered requests (a fork parent) stay inert.

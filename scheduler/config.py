@@ -40,8 +40,10 @@ class SchedulerConfig:
         ``update_from_output()`` (the runner feeds the missing sampled
         tokens on the device; see ``Scheduler``). A request admitted beside
         running ones with the rest of its prompt then also takes the KV
-        slot of its first decode token, so it is not preempted before its
-        sample lands.
+        slot of its first decode token (a running row whose chunk ends its
+        prompt does too, while free blocks last), and a preempted request
+        comes back only when its remaining prompt and that slot fit, so a
+        tight pool does not preempt it again before its sample lands.
       aging_rate: for "aging": priority units gained per second of waiting,
         >= 0.
       num_lookahead_tokens: KV slots a running row reserves beyond its

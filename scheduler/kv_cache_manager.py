@@ -220,9 +220,10 @@ class KVCacheManager:
         """Hand ``parent``'s blocks to ``children``, which continue from its computed tokens.
 
         The first child takes over the parent's table; every other child
-        references the parent's full blocks (ref counts grow) and gets a fresh
-        block for a partly written last block, into which the parent's must
-        be copied before anything writes it. Children are forked in order
+        references the parent's full blocks holding computed tokens (ref
+        counts grow) and gets a fresh block for a partly written last one,
+        into which the parent's must be copied before anything writes it;
+        blocks reserved past the computed tokens stay with the first child. Children are forked in order
         while free blocks last; the parent's table is gone afterwards.
 
         Returns:
@@ -238,7 +239,10 @@ class KVCacheManager:
         children[0].batch_row, parent.batch_row = parent.batch_row, -1
         num_cached = self._num_cached[first] = self._num_cached.pop(rid)
         partial = parent.num_computed_tokens % bs != 0
-        shared = blocks[:-1] if partial else blocks
+        # Blocks past the computed tokens (lookahead slots, an async admission's first decode slot) stay with
+        # the first child alone: the others would each write their own tokens into one shared block.
+        used = -(-parent.num_computed_tokens // bs)
+        shared = blocks[:used - 1] if partial else blocks[:used]
         copies = []
         for i, child in enumerate(children[1:], start=1):
             if partial and self.block_pool.num_free_blocks == 0:
@@ -250,7 +254,7 @@ class KVCacheManager:
             self._extend_table(child, shared + fresh)
             self._num_cached[cid] = num_cached
             if partial:
-                copies.append((blocks[-1].block_id, fresh[0].block_id))
+                copies.append((blocks[used - 1].block_id, fresh[0].block_id))
         return len(children), copies
 
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:

@@ -452,10 +452,14 @@ class Scheduler:
         # Blocks the new tokens reach beyond those held (none for a row scheduling nothing).
         held = kv.block_table.lengths[rows]
         need = np.maximum((computed + new + (bs - 1)) // bs - held, 0)
-        if cfg.num_lookahead_tokens:
-            # Lookahead slots, up to the last position a row may ever write, while blocks last.
+        if cfg.num_lookahead_tokens or cfg.async_scheduling:
+            # Lookahead slots, up to the last position a row may ever write, while blocks last; under async
+            # scheduling a chunk that ends a prompt also reaches its first decode slot (see _allocate_admission).
             ends = computed + new
-            reach = np.where(new > 0, np.minimum(ends + cfg.num_lookahead_tokens, state[:, LENGTH_LIMIT] - 1), 0)
+            look = cfg.num_lookahead_tokens
+            if cfg.async_scheduling:
+                look = np.maximum(look, ((new > 1) & (ends == total) & (state[:, PREFILL_ONLY] == 0)).astype(np.int64))
+            reach = np.where(new > 0, np.minimum(ends + look, state[:, LENGTH_LIMIT] - 1), 0)
             ahead = np.maximum((np.maximum(ends, reach) + (bs - 1)) // bs - held, 0)
             if ahead[:end].sum() <= kv.block_pool.num_free_blocks:
                 need = ahead
@@ -594,8 +598,13 @@ class Scheduler:
         # the slot of its first decode token. Without it the next step, scheduled before this one's sample is
         # known, may preempt it for that block, which discards the sample, and readmit it to recompute the same
         # tokens, step after step (sync scheduling avoids this: there the victim keeps its sampled token).
-        ahead = int(self.config.async_scheduling and bool(self.running)
-                    and req.num_tokens + 1 < self.config.max_model_len)
+        ahead = int(self.config.async_scheduling and bool(self.running) and not req.prefill_only
+                    and req.num_tokens + 1 < req.length_limit)
+        # The same loop with a prompt prefilled in chunks: a preempted request comes back only when its whole
+        # remaining prompt and that slot fit, so its last chunk cannot find the pool short again.
+        if ahead and req.num_preemptions and (kv.num_blocks_to_allocate(req, req.num_tokens - num_hit, hits, 1)
+                                              > len(kv.block_pool.free_queue)):
+            return 0
         while True:
             n = self._chunk(req.num_tokens - num_hit, budget)
             if n == 0:

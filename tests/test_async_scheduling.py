@@ -106,17 +106,19 @@ def test_async_scheduling_is_on_by_default_unless_speculating():
         EngineConfig(async_scheduling="yes")
 
 
+@pytest.mark.parametrize("budget", [64, 8], ids=["whole-prompt", "chunked"])
 @pytest.mark.parametrize("prompt_len", [8, 12, 15, 16])
-def test_a_tight_kv_pool_preempts_no_more_under_async_than_sync(stories_dir, prompt_len):
+def test_a_tight_kv_pool_preempts_no_more_under_async_than_sync(stories_dir, prompt_len, budget):
     """Two requests that cannot both finish in 3 usable blocks: under async scheduling the one admitted beside
-    a running request keeps the slot of its first decode token, so it is not preempted before its sample
-    lands and readmitted to recompute, step after step. Regression: a 16-token prompt (a whole block) gave 8
-    preemptions under async against 1 without it."""
+    a running request takes the slot of its first decode token, and once preempted comes back only when its
+    remaining prompt and that slot fit, so it is not preempted again before its sample lands and readmitted to
+    recompute, step after step; with the prompt whole or in chunks of 8. Regression: a 16-token prompt (a whole
+    block) gave 8 preemptions under async against 1 without it (4 against 1 in chunks)."""
     prompts = [[3 + (i * 7) % 400 for i in range(prompt_len)], [50 + (i * 7) % 400 for i in range(prompt_len)]]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     runs = {}
     for async_scheduling in (False, True):
-        llm = LLM(model=stories_dir, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=4,
+        llm = LLM(model=stories_dir, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=budget, num_kv_blocks=4,
                   precompile=False, async_scheduling=async_scheduling)
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs[async_scheduling] = ([o.outputs[0].token_ids for o in outs], llm.engine.scheduler.num_preemptions)
@@ -125,3 +127,33 @@ def test_a_tight_kv_pool_preempts_no_more_under_async_than_sync(stories_dir, pro
     assert all(len(tokens) == 20 for tokens in runs[True][0])
     assert runs[False][1] >= 1  # the pool is tight: sync scheduling preempts too
     assert runs[True][1] <= runs[False][1]
+
+
+@pytest.mark.parametrize("prompt_len", [16, 17, 18])
+def test_n_greater_than_one_beside_a_running_request_matches_sync(stories_dir, prompt_len):
+    """A prefill parent admitted beside a running request: under async scheduling it reserves no decode slot
+    (it never decodes), and forked children share only blocks holding computed tokens. Regression: with a
+    17-token prompt (the parent computes 16 tokens, two whole blocks of 8) the three children shared a reserved
+    block and two of them differed from sync."""
+    prompt = [1] + [(i * 37) % 400 + 3 for i in range(prompt_len - 1)]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)]
+    outs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(model=stories_dir, precompile=False, block_size=8, async_scheduling=async_scheduling)
+        res = llm.generate([[1, 5, 6, 7], prompt], params, use_tqdm=False)
+        outs[async_scheduling] = [[c.token_ids for c in o.outputs] for o in res]
+        assert llm.engine.scheduler.stats.num_free_blocks == llm.engine.num_blocks - 1
+    assert outs[True] == outs[False]
+    assert len({tuple(t) for t in outs[True][1]}) == 3
+
+
+def test_serve_flags_turn_async_scheduling_on_and_off():
+    import argparse
+
+    from jaxllm.entrypoints.engine_args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert [engine_kwargs(parser.parse_args(flags))["async_scheduling"]
+            for flags in ([], ["--async-scheduling"], ["--no-async-scheduling"])] == [None, True, False]

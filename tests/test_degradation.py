@@ -145,7 +145,7 @@ def _prompt(i: int) -> list[int]:
     return [3 + (7 * i + 11 * j) % 400 for j in range(8)]
 
 
-@pytest.mark.parametrize("async_scheduling, preemptions", [(False, (9, 3)), (True, (8, 2))])
+@pytest.mark.parametrize("async_scheduling, preemptions", [(False, (9, 3)), (True, (7, 2))])
 def test_engine_burst_preemptions_on_vs_off_same_greedy_text_blocks_and_limits_restored(stories_dir, async_scheduling,
                                                                                         preemptions):
     params = SamplingParams(max_tokens=12, **GREEDY)

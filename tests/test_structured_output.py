@@ -289,7 +289,7 @@ def _tokens(outs):
 
 def test_constrained_tokens_do_not_depend_on_preemption_or_async_scheduling(stories_dir):
     prompts, params = _stories_batch()
-    sync = _stories_llm(stories_dir)
+    sync = _stories_llm(stories_dir, async_scheduling=False)
     together = sync.generate(prompts, params, use_tqdm=False)
     assert sync.engine.scheduler.stats.num_preemptions > 0
     alone = [sync.generate([p], s, use_tqdm=False)[0] for p, s in zip(prompts, params)]

@@ -19,9 +19,9 @@ def _precompile(value: str) -> Union[bool, str]:
 
 def _flag_type(hint: Any) -> dict[str, Any]:
     """argparse keyword arguments for a field's type."""
-    if hint is bool:
-        return dict(action=argparse.BooleanOptionalAction)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if hint is bool or (typing.get_origin(hint) is Union and args == [bool]):  # bool or Optional[bool]
+        return dict(action=argparse.BooleanOptionalAction)
     if typing.get_origin(hint) is Union and set(args) == {bool, str}:
         return dict(type=_precompile, metavar="{true,false,background}")
     if typing.get_origin(hint) is Union and len(args) == 1:
