@@ -270,10 +270,16 @@ class EngineCore:
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=c.enable_chunked_prefill,
             long_prefill_token_threshold=c.long_prefill_token_threshold, scheduling_policy=c.scheduling_policy,
             preemption_mode=c.preemption_mode, num_host_blocks=c.num_host_blocks,
-            async_scheduling=c.async_scheduling and self.spec is None, graceful_degradation=c.graceful_degradation,
+            async_scheduling=self.schedules_ahead, graceful_degradation=c.graceful_degradation,
             num_lookahead_tokens=(self.spec.num_speculative_tokens
                                   if self.spec is not None and self.spec.method == "draft_model" else 0),
         )
+
+    @property
+    def schedules_ahead(self) -> bool:
+        """Whether steps overlap (``async_scheduling``): never while speculating, whose drafts need the last step's
+        tokens."""
+        return bool(self.config.async_scheduling) and self.spec is None
 
     def info(self) -> CoreInfo:
         """What a front end needs to know of this core."""
@@ -281,7 +287,7 @@ class EngineCore:
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
             eos_token_ids=list(self.model_config.eos_token_ids), num_blocks=self.num_blocks,
             block_size=self.config.block_size, max_num_seqs=self.config.max_num_seqs,
-            async_scheduling=self.config.async_scheduling and self.spec is None, max_banned_ids=MAX_BANNED_IDS,
+            async_scheduling=self.schedules_ahead, max_banned_ids=MAX_BANNED_IDS,
             enable_prefix_caching=self.config.enable_prefix_caching,
             device_ids=[d.id for d in self.sharding.mesh.devices.flat], core_index=self.core_index,
         )
@@ -467,7 +473,7 @@ class EngineCore:
             raise
         done = [prev] if prev is not None else []
         # Drafts need the previous step's tokens: with speculation every step is applied before the next.
-        if self.config.async_scheduling and launched.dispatched is not None and self.spec is None:
+        if self.schedules_ahead and launched.dispatched is not None:
             self._in_flight = launched
         else:
             # Nothing left on the device to overlap with: apply it now, in order.

@@ -223,8 +223,9 @@ class KVCacheManager:
         references the parent's full blocks holding computed tokens (ref
         counts grow) and gets a fresh block for a partly written last one,
         into which the parent's must be copied before anything writes it;
-        blocks reserved past the computed tokens stay with the first child. Children are forked in order
-        while free blocks last; the parent's table is gone afterwards.
+        blocks reserved past the computed tokens stay with the first child.
+        Children are forked in order while free blocks last; the parent's
+        table is gone afterwards.
 
         Returns:
           ``(num_forked, copies)``: how many leading children now hold a
