@@ -1,7 +1,7 @@
 """jaxllm: a JAX/XLA-compiled LLM inference engine.
 
 ``from jaxllm import LLM, SamplingParams`` is the offline API (vLLM's names);
-``jaxllm.engine.LLMEngine`` is the step-by-step one. The names are imported on
+``jaxllm.frontend.llm_engine.LLMEngine`` is the step-by-step one. The names are imported on
 first use, so ``import jaxllm`` (and the CLI's ``--help``) does not import JAX.
 """
 
@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "jaxllm.entrypoints.llm",
-    "LLMEngine": "jaxllm.engine",
+    "LLMEngine": "jaxllm.frontend.llm_engine",
     "SamplingParams": "scheduler.sampling_params",
     "StructuredOutputsParams": "scheduler.sampling_params",
     "RequestOutput": "jaxllm.outputs",

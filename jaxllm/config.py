@@ -294,7 +294,7 @@ def _sliding_windows_from_hf(cfg: dict[str, Any], model_type: str, num_layers: i
     return tuple(int(window) if window else None for _ in range(num_layers))
 
 
-# Weight-only quantizations and KV cache dtypes (jaxllm.quantization), by vLLM's names.
+# Weight-only quantizations and KV cache dtypes (jaxllm.worker.quantization), by vLLM's names.
 WEIGHT_QUANTIZATIONS = ("int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 # Token buckets below the default ladder's first value (16): steps of a few decode rows.
@@ -317,7 +317,7 @@ class EngineConfig:
         cache unless ``kv_cache_dtype`` quantizes it).
       quantization: None, "int8" or "fp8": weight-only quantization of the
         dense projections and an untied lm_head, per output channel
-        (``jaxllm.quantization``); an orbax checkpoint converted quantized is
+        (``jaxllm.worker.quantization``); an orbax checkpoint converted quantized is
         served as it was converted.
       kv_cache_dtype: "auto" (the compute dtype), "int8", or "fp8" /
         "fp8_e4m3" (float8_e4m3fn): the KV cache's numbers, quantized with
@@ -344,11 +344,11 @@ class EngineConfig:
       compilation_cache: folder of JAX's persistent compilation cache;
         "default" is ``<jaxllm cache>/xla``, None turns it off.
       tensor_parallel_size: devices one model step is split over (Megatron
-        tensor parallelism, see ``jaxllm.sharding``); must divide the model's
+        tensor parallelism, see ``jaxllm.worker.sharding``); must divide the model's
         q heads, and its KV heads must divide it or be divisible by it.
       data_parallel_size: engine replicas, each with its own scheduler and
         KV cache on ``tensor_parallel_size`` devices, one engine-core process
-        each (``jaxllm.core_client.MPClient``).
+        each (``jaxllm.core.client.MPClient``).
       batching: "continuous", or "static" (a new batch of up to
         ``max_num_seqs`` requests starts only when the previous one has
         finished entirely; the baseline for benchmarks).
@@ -372,9 +372,9 @@ class EngineConfig:
         (``scheduler.degradation``); False turns it off.
       preload_prompts: a file of common prompts (a ``.json`` list of strings,
         or text with one prompt per line) computed at start-up so the first
-        request sharing one hits the prefix cache (``jaxllm.prefix_warmup``).
+        request sharing one hits the prefix cache (``jaxllm.frontend.prefix_warmup``).
       max_waiting_requests: shed load: refuse a new request
-        (``jaxllm.core_client.QueueFullError``; 503 at the server) while this
+        (``jaxllm.core.client.QueueFullError``; 503 at the server) while this
         many sequences or more wait for a batch seat. None: no limit.
 
     Raises:
@@ -431,7 +431,7 @@ class EngineConfig:
             raise ValueError(f"max_waiting_requests={self.max_waiting_requests!r} must be an int >= 0 (or None: no "
                              "limit)")
         if self.preload_prompts is not None:
-            from jaxllm.prefix_warmup import read_preload_prompts
+            from jaxllm.frontend.prefix_warmup import read_preload_prompts
 
             read_preload_prompts(self.preload_prompts)  # a missing or malformed file fails before any loading
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -14,7 +14,7 @@ Where things happen:
   scheduler (``WAITING_FOR_FSM``) while others run;
 * engine core, each step: one row of ``int32[S, ceil(V/32)]`` per scheduled row (bit ``t % 32`` of word
   ``t // 32`` set when token ``t`` is allowed; all ones for unconstrained rows), applied by the sampler on the
-  device before any other logit processing (``jaxllm.sampling.apply_token_bitmask``);
+  device before any other logit processing (``jaxllm.sample.sampler.apply_token_bitmask``);
 * engine core, after each step: every sampled token advances its sequence's matcher; a token the matcher
   rejects is a bug and raises.
 """

@@ -16,7 +16,7 @@ release idle prompts, back off the batch, and shed load; here:
   ``step_fraction`` of the configured values per trigger, and restores them
   one step per ``recover_steps`` calm steps;
 * *shed load*: the front ends refuse new requests past
-  ``max_waiting_requests`` (``jaxllm.core_client.QueueFullError``, 503 at the
+  ``max_waiting_requests`` (``jaxllm.core.client.QueueFullError``, 503 at the
   server); nothing is dropped silently.
 
 Lowering the seats never preempts: running requests keep their seats and

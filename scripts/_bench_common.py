@@ -116,7 +116,7 @@ def resolve_model(args: argparse.Namespace, workdir: Path) -> Path:
         config = Path(args.model)
         config = config / "config.json" if config.is_dir() else config
         return write_random_weights(config, workdir / "random_model", seed=args.seed)
-    from jaxllm.default_model import resolve_model
+    from jaxllm.named_models import resolve_model
 
     return resolve_model(args.model)
 
@@ -184,7 +184,7 @@ def dequantized_hf_folder(gguf_path: Path) -> Path:
     Raises:
       SystemExit: torch or transformers is not installed (both come with ``pip install -e .[test]``).
     """
-    from jaxllm.default_model import cache_dir
+    from jaxllm.paths import cache_dir
 
     target = cache_dir() / f"{gguf_path.stem}-hf"
     if target.is_dir():

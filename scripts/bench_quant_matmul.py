@@ -76,8 +76,8 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
     import jax.numpy as jnp
     import ml_dtypes
 
-    from jaxllm.engine import resolve_dtype
-    from jaxllm.quantization import quantize_weight
+    from jaxllm.frontend.llm_engine import resolve_dtype
+    from jaxllm.worker.quantization import quantize_weight
     from kernels_pallas.reference import to_storage
 
     dtype = resolve_dtype(dtype_name)
@@ -136,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     import jax
 
-    from jaxllm.default_model import resolve_model
+    from jaxllm.named_models import resolve_model
     from jaxllm.loader import read_model_config
 
     cfg = read_model_config(resolve_model(args.model))[0]

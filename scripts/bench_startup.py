@@ -100,7 +100,8 @@ def main() -> None:
     if args.child:
         child_llm(args)
         return
-    from jaxllm.default_model import DEFAULT_MODEL_FILE, cache_dir, default_model_path
+    from jaxllm.named_models import DEFAULT_MODEL_FILE, default_model_path
+    from jaxllm.paths import cache_dir
 
     with tempfile.TemporaryDirectory(prefix="jaxllm-startup-") as cache:
         env = dict(os.environ, JAXLLM_CACHE=cache)

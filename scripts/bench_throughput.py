@@ -45,7 +45,7 @@ a fraction of jaxllm's cache), the fraction of allocated KV slots holding
 live tokens, and how many requests' greedy outputs are token-for-token those
 of jaxllm. For jaxllm backends also the host time of ``Scheduler.schedule()``
 per step and as a fraction of the timed run's wall time (the part of the
-host overhead ``jaxllm.metrics`` records). ``--compare`` runs hf, static,
+host overhead ``jaxllm.frontend.metrics`` records). ``--compare`` runs hf, static,
 jaxllm and, with ``--vllm-python``, vllm, and prints ratios to vllm (else hf).
 ``--single`` also times one request alone (a 16-token prompt, 256 output
 tokens) on hf, jaxllm and vllm: single-request decode speed.
@@ -397,7 +397,7 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['backend']} host overhead: {r['steps']} engine steps of {1e3 * r['elapsed_s'] / r['steps']:.1f}"
                   f" ms wall each; Scheduler.schedule() {1e6 * per_step:.0f} us per step = "
                   f"{100 * r['schedule_fraction_of_wall']:.2f}% of wall time (batch build, device_put and fetch "
-                  f"are not recorded by jaxllm.metrics)")
+                  f"are not recorded by jaxllm.frontend.metrics)")
 
 
 def print_structured(rows: list[dict]) -> None:
@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--structured times the jaxllm backend: add --backend jaxllm")
     if args.structured_repeats < 1:
         parser.error(f"--structured-repeats {args.structured_repeats}: need at least 1")
-    from jaxllm.engine_core import resolve_dtype
+    from jaxllm.core.engine_core import resolve_dtype
 
     dtype = np.dtype(resolve_dtype(args.dtype)).name
     if args.speculative:

@@ -8,7 +8,7 @@ config beside it as ``DEST/config.json``, and, from a HF folder, the
 tokenizer files. ``LLM(model=DEST)`` then restores the parameters straight
 into its shardings, at any ``tensor_parallel_size``. With ``--quantization``
 the dense projections are stored quantized (int8 or float8_e4m3fn with their
-float32 per-channel scales, ``jaxllm.quantization``; a GGUF's Q8_0 tensors
+float32 per-channel scales, ``jaxllm.worker.quantization``; a GGUF's Q8_0 tensors
 keep their blocks under int8) and restored as such. A GGUF source carries
 its tokenizer inside the file, which is not converted: pass prompts as token
 ids, or hand the engine a ``Tokenizer.from_gguf(SOURCE)``.
@@ -32,7 +32,7 @@ from typing import Optional
 # Import this checkout's jaxllm/, not whatever an editable install points at.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxllm.engine_core import resolve_dtype  # noqa: E402
+from jaxllm.core.engine_core import resolve_dtype  # noqa: E402
 from jaxllm.loader import load_model  # noqa: E402
 from jaxllm.loader.orbax import save_checkpoint  # noqa: E402
 

@@ -8,7 +8,7 @@ to 16 and to 4 tokens, a 512-token prefill) it times, on the engine's own parame
 - ``no attention``: the same with the attention op replaced by the identity
   and the KV write by a no-op (so ``step - no attention`` is attention);
 - ``lm_head``: the logits of the sampled rows alone;
-- ``sampler``: one greedy ``sampling.sample`` over those logits.
+- ``sampler``: one greedy ``sampler.sample`` over those logits.
 
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a
@@ -60,9 +60,9 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.engine import LLMEngine
+    from jaxllm.frontend.llm_engine import LLMEngine
     from jaxllm import models
-    from jaxllm.sampling import SamplingArrays, sample
+    from jaxllm.sample.sampler import SamplingArrays, sample
 
     engine = LLMEngine(model, dtype=dtype, precompile=False, max_model_len=512, max_num_seqs=64,
                        max_num_batched_tokens=512, compilation_cache=None, quantization=quantization,
@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, choices=["int8", "fp8"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3"])
     args = parser.parse_args()
-    from jaxllm.default_model import resolve_model
+    from jaxllm.named_models import resolve_model
 
     model = str(resolve_model(args.model))
     for dtype in args.dtype:

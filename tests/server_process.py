@@ -39,12 +39,12 @@ def free_port() -> int:
 
 
 class Server:
-    """``python -m jaxllm.cli serve MODEL --host 127.0.0.1 --port P ARGS``; :meth:`start` waits for /health."""
+    """``python -m jaxllm.entrypoints.cli serve MODEL --host 127.0.0.1 --port P ARGS``; :meth:`start` waits for /health."""
 
     def __init__(self, model: Path, *args: str, log: Optional[Path] = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "jaxllm.cli", "serve", str(model), "--host", "127.0.0.1",
+        self.argv = [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", str(model), "--host", "127.0.0.1",
                      "--port", str(self.port), *args]
         self.log = log
         self.process: Optional[subprocess.Popen] = None
@@ -82,10 +82,10 @@ class Server:
 
     @property
     def core_pids(self) -> list[int]:
-        """The engine-core processes (the server's children running ``jaxllm.core_process``)."""
+        """The engine-core processes (the server's children running ``jaxllm.core.process``)."""
         pid = self.process.pid
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        return [int(c) for c in children if b"jaxllm.core_process" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        return [int(c) for c in children if b"jaxllm.core.process" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
     def metric(self, name: str) -> float:
         """One unlabelled series of ``/metrics``."""

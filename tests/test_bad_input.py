@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.engine import LLMEngine
+from jaxllm.frontend.llm_engine import LLMEngine
 from tests.conftest import STORIES_SENTENCE
 
 

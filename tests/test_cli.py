@@ -156,9 +156,9 @@ def test_issue11_cli_n_stop_logprobs_min_p_max_num_seqs(stories_dir):
 
 def test_issue11_cli_version_help_and_dtype_choices():
     assert _cli("--version").stdout.strip() == "jaxllm 0.1.0"
-    assert _cli("--version", module="jaxllm.cli").stdout.strip() == "jaxllm 0.1.0"
+    assert _cli("--version", module="jaxllm.entrypoints.cli").stdout.strip() == "jaxllm 0.1.0"
     helps = [_cli("--help", python_flags=("-X", "importtime")),
-             _cli("generate", "--help", module="jaxllm.cli", python_flags=("-X", "importtime"))]
+             _cli("generate", "--help", module="jaxllm.entrypoints.cli", python_flags=("-X", "importtime"))]
     for proc in helps:
         assert proc.returncode == 0
         assert "--dtype {auto,float32,bfloat16,float16}" in proc.stdout
@@ -200,12 +200,12 @@ def test_issue11_cli_uses_the_models_generation_config(stories_dir, tmp_path):
 
 def test_issue11_cli_jaxllm_generate_subcommand(stories_dir):
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"jaxllm": "jaxllm.cli:main", "jaxllm-generate": "jaxllm.generate:main"}
+    assert scripts == {"jaxllm": "jaxllm.entrypoints.cli:main", "jaxllm-generate": "jaxllm.generate:main"}
     proc = _cli("generate", "--model", str(stories_dir), "--max-tokens", "40", "--temperature", "0",
-                module="jaxllm.cli")
+                module="jaxllm.entrypoints.cli")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == STORIES_SENTENCE
-    typo = _cli("generate", "--model", str(stories_dir), "--max-token", "4", module="jaxllm.cli")
+    typo = _cli("generate", "--model", str(stories_dir), "--max-token", "4", module="jaxllm.entrypoints.cli")
     assert typo.returncode == 2 and "unrecognized arguments: --max-token 4" in typo.stderr
 
 
@@ -214,12 +214,12 @@ def test_serve_help_has_a_flag_for_every_engine_config_field_and_bad_flags_exit_
 
     from jaxllm.config import EngineConfig
 
-    helped = _cli("serve", "--help", module="jaxllm.cli")
+    helped = _cli("serve", "--help", module="jaxllm.entrypoints.cli")
     assert helped.returncode == 0 and helped.stdout.startswith("usage: jaxllm serve ")
     for flag in ["--host", "--port", "--api-key", "--served-model-name", "--max-waiting-requests",
                  "--shutdown-timeout"] + [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(EngineConfig)]:
         assert re.search(rf"^  {flag}\b", helped.stdout, re.M), flag
-    bad = _cli("serve", str(stories_dir), "--max-num-seqs", "0", module="jaxllm.cli")
+    bad = _cli("serve", str(stories_dir), "--max-num-seqs", "0", module="jaxllm.entrypoints.cli")
     assert bad.returncode == 2 and "error: --max-num-seqs 0 must be a positive int" in bad.stderr
-    missing = _cli("serve", str(stories_dir / "missing"), module="jaxllm.cli")
+    missing = _cli("serve", str(stories_dir / "missing"), module="jaxllm.entrypoints.cli")
     assert missing.returncode == 2 and "does not exist" in missing.stderr

@@ -10,7 +10,7 @@ import pytest
 from jax import monitoring
 
 from jaxllm import SamplingParams, StructuredOutputsParams
-from jaxllm.engine import LLMEngine
+from jaxllm.frontend.llm_engine import LLMEngine
 
 _EVENTS: list[str] = []
 _WATCHED = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits")

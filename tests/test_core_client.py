@@ -20,8 +20,8 @@ import pytest
 
 from jaxllm import SamplingParams
 from jaxllm.config import EngineConfig
-from jaxllm.core_client import PrefixRouter
-from jaxllm.core_messages import (
+from jaxllm.core.router import PrefixRouter
+from jaxllm.core.messages import (
     AbortRequests,
     CoreInfo,
     CoreStats,
@@ -36,7 +36,7 @@ from jaxllm.core_messages import (
     decode_message,
     encode,
 )
-from jaxllm.core_process import _call
+from jaxllm.core.process import _call
 from tests.server_process import ENGINE, alive
 
 
@@ -108,7 +108,7 @@ def test_a_core_process_exits_when_its_parent_dies(stories_dir, tmp_path):
     config = json.dumps(dataclasses.asdict(EngineConfig(**ENGINE)))
     parent = (
         "import os, subprocess, sys, time\n"
-        f"child = subprocess.Popen([sys.executable, '-m', 'jaxllm.core_process', '--model', {str(stories_dir)!r},"
+        f"child = subprocess.Popen([sys.executable, '-m', 'jaxllm.core.process', '--model', {str(stories_dir)!r},"
         f" '--config', {config!r}, '--input', 'ipc://{tmp_path}/in', '--output', 'ipc://{tmp_path}/out',"
         " '--parent-pid', str(os.getpid())])\n"
         "print(child.pid, flush=True)\n"
@@ -177,12 +177,12 @@ def test_jaxllm_modules_import_no_cycle_and_the_front_end_no_jax():
         visit(module)
     # What the server's front end imports when it starts: no JAX (the engine core's processes hold it).
     toplevel = _imports(toplevel_only=True)
-    front_end = ["jaxllm.async_llm", "jaxllm.entrypoints.openai.api_server", "jaxllm.entrypoints.openai.serving"]
+    front_end = ["jaxllm.frontend.async_llm", "jaxllm.entrypoints.openai.api_server", "jaxllm.entrypoints.openai.serving"]
     seen, todo = set(), list(front_end)
     while todo:
         module = todo.pop()
         if module not in seen and module in toplevel:
             seen.add(module)
             todo += toplevel[module]
-    assert "jaxllm.core_client" in seen and "jaxllm.tokenizer" in seen
+    assert "jaxllm.core.client" in seen and "jaxllm.tokenizer" in seen
     assert not {m for m in seen if "jax" in toplevel[m]}, sorted(m for m in seen if "jax" in toplevel[m])

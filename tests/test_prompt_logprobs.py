@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxllm.core_messages import SampleLogprobs
-from jaxllm.prompt_logprobs import PromptLogprobs
+from jaxllm.core.messages import SampleLogprobs
+from jaxllm.core.prompt_logprobs import PromptLogprobs
 
 PROMPT = [10, 11, 12, 13, 14, 15]
 

@@ -24,20 +24,17 @@ import pytest
 
 from jaxllm import LLM
 from jaxllm.config import EngineConfig
-from jaxllm.engine import LLMEngine
-from jaxllm.kv_cache import resolve_num_blocks
+from jaxllm.frontend.llm_engine import LLMEngine
+from jaxllm.worker.kv_cache import calibrate_kv_scales, calibration_ids, kv_number_dtype, resolve_num_blocks
 from jaxllm.loader import load_model
 from jaxllm.models import family
-from jaxllm.quantization import (
+from jaxllm.worker.quantization import (
     QUANTIZED_KEYS,
-    calibrate_kv_scales,
-    calibration_ids,
     dequantize_weight,
-    kv_number_dtype,
     param_bytes,
     quantize_weight,
 )
-from jaxllm.sharding import ModelSharding, make_mesh
+from jaxllm.worker.sharding import ModelSharding, make_mesh
 from kernels_pallas import get_attention_ops
 from tests.test_model_parity import TOL, SingleSequence
 

@@ -15,7 +15,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.outputs import Logprob
-from jaxllm.input_processor import bad_words_token_ids
+from jaxllm.frontend.input_processor import bad_words_token_ids
 from tests.test_output_processor import reference
 
 PROMPT = "Once upon a time"

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm.sampling import (
+from jaxllm.sample.sampler import (
     MAX_BANNED_IDS,
     PROMPT_LOGPROBS_CHUNK,
     SamplingArrays,

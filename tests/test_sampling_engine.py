@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.engine import LLMEngine
+from jaxllm.frontend.llm_engine import LLMEngine
 from scheduler import RequestStatus
 
 SEEDED = SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.5,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from jaxllm.config import EngineConfig, ModelConfig
-from jaxllm.sharding import PARAM_AXES, check_tensor_parallel, make_mesh
+from jaxllm.worker.sharding import PARAM_AXES, check_tensor_parallel, make_mesh
 from jaxllm.loader.params import expected_layer_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ _DISTRIBUTED_CHILD = textwrap.dedent("""
     import sys
     import jax
     sys.path.insert(0, {root!r})
-    from jaxllm.sharding import initialize_distributed, make_mesh
+    from jaxllm.worker.sharding import initialize_distributed, make_mesh
     process_id = int(sys.argv[1])
     initialize_distributed("127.0.0.1:{port}", num_processes=2, process_id=process_id)
     mesh = make_mesh(tensor_parallel_size=2, data_parallel_size=2)

@@ -3,7 +3,7 @@
 One workload on stories260K mixes greedy and seeded sampling, a stop string, ``max_tokens``, logprobs, penalties,
 ``n > 1`` and a repeated prompt (prefix-cache hits) in a cache small enough to preempt; it runs once without
 speculation and once per (method, k, preemption mode / async scheduling). Verification samples every position
-with its own seeded key (``sampling.verify``), so even the sampled requests must match exactly. Each run must
+with its own seeded key (``sampler.verify``), so even the sampled requests must match exactly. Each run must
 also have preempted, hit the prefix cache, accepted and rejected drafts, and given back every block.
 """
 

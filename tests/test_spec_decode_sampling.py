@@ -1,4 +1,4 @@
-"""Verification of draft tokens in the sampler (``sampling.verify``): greedy acceptance, rejection sampling.
+"""Verification of draft tokens in the sampler (``sampler.verify``): greedy acceptance, rejection sampling.
 
 The distribution test draws 20,000 rows at once (each its own seed) from stories260K's next-token logits at two
 positions and checks, token by token within 3 standard errors, that the first emitted token follows the target
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxllm.loader import load_model
-from jaxllm.sampling import SamplingArrays, init_tables, sample, verify
+from jaxllm.sample.sampler import SamplingArrays, init_tables, sample, verify
 from jaxllm.tokenizer import load_tokenizer
 from scheduler import SamplingParams
 from tests.test_model_parity import SingleSequence
@@ -27,8 +27,8 @@ N_DRAWS = 20_000
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache():
     """The session's persistent compilation cache (the engines' own), so later runs load these programs."""
-    from jaxllm.default_model import cache_dir
-    from jaxllm.runner import enable_persistent_compilation_cache
+    from jaxllm.paths import cache_dir
+    from jaxllm.worker.model_runner import enable_persistent_compilation_cache
 
     enable_persistent_compilation_cache(str(cache_dir() / "xla"))
 _verify = jax.jit(verify)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams, StructuredOutputsParams
-from jaxllm.core_messages import EngineCoreRequest
+from jaxllm.core.messages import EngineCoreRequest
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.tokenizer import load_tokenizer
 from scheduler import Request, SchedulerOutput

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 
 from jaxllm import SamplingParams
-from jaxllm.engine import LLMEngine
+from jaxllm.frontend.llm_engine import LLMEngine
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_kv_blocks=48,
               compilation_cache=None)

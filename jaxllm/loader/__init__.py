@@ -19,10 +19,10 @@ from jaxllm.config import ModelConfig
 from jaxllm.loader.orbax import is_orbax_checkpoint, restore_params
 from jaxllm.loader.params import params_from_hf
 from jaxllm.loader.safetensors import LazyStack, LazyTensor, iter_lazy_safetensors, iter_safetensors, read_hf_config
-from jaxllm.model_path import model_format, read_generation_config
+from jaxllm.paths import model_format, read_generation_config
 from jaxllm.models.common import Params
-from jaxllm.quantization import check_quantization, quantize_params, weight_quantization
-from jaxllm.sharding import ModelSharding
+from jaxllm.worker.quantization import check_quantization, quantize_params, weight_quantization
+from jaxllm.worker.sharding import ModelSharding
 
 
 def read_model_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
@@ -34,7 +34,7 @@ def read_model_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
     ``tokenizer.ggml.eos/eot/eom_token_id``), tokenizer files or not.
 
     Raises:
-      ValueError: ``path`` is not a model (``jaxllm.model_path.model_format``:
+      ValueError: ``path`` is not a model (``jaxllm.paths.model_format``:
         missing, a file that is not a GGUF, a folder without config.json), or
         its config holds an unsupported architecture (named).
     """
@@ -56,7 +56,7 @@ def load_model(path: str | os.PathLike, dtype: Any = np.float32,
       path: a HF model folder (config.json + safetensors) or a GGUF file.
       dtype: numpy dtype of the parameters (``ml_dtypes.bfloat16`` for bf16).
       quantization: None, "int8" or "fp8": weight-only quantization of the
-        dense projections (``jaxllm.quantization``). With "int8", a GGUF's
+        dense projections (``jaxllm.worker.quantization``). With "int8", a GGUF's
         Q8_0 projections keep their int8 values and block scales.
 
     Returns:

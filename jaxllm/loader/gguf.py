@@ -306,7 +306,7 @@ def _reader(path: str) -> _Contents:
 
 @functools.lru_cache(maxsize=2)
 def _cached_reader(path: str, mtime_ns: int, size: int) -> _Contents:
-    from jaxllm.default_model import cache_dir
+    from jaxllm.paths import cache_dir
 
     key = hashlib.sha256(f"{_PARSE_CACHE_VERSION}|{path}|{mtime_ns}|{size}".encode()).hexdigest()[:16]
     stem = cache_dir() / "gguf" / f"{pathlib.Path(path).stem}-{key}"

@@ -25,8 +25,8 @@ from typing import Any
 import jax
 
 from jaxllm.models.common import Params
-from jaxllm.quantization import leaf_dtype
-from jaxllm.sharding import ModelSharding
+from jaxllm.worker.quantization import leaf_dtype
+from jaxllm.worker.sharding import ModelSharding
 
 PARAMS_DIR = "params"
 _METADATA_FILE = "_CHECKPOINT_METADATA"
@@ -65,7 +65,7 @@ def restore_params(path: str | os.PathLike, sharding: ModelSharding, dtype: Any)
         checkpoint was written from).
       dtype: dtype of the restored arrays (orbax casts while reading);
         quantized weights keep their stored dtype and scales are float32
-        (``jaxllm.quantization.leaf_dtype``).
+        (``jaxllm.worker.quantization.leaf_dtype``).
 
     Returns:
       The pytree of ``jax.Array``s, each sharded as ``sharding.param_specs``.

@@ -6,7 +6,7 @@ level is the same for all: ``model.embed_tokens.weight``, ``model.norm.weight``
 and, untied, ``lm_head.weight``. A tensor that arrives quantized (int8) comes
 with ``<name>_scale`` (HF's name for fp8 checkpoints' scales), ``[out]`` or
 ``[out, G]``, which becomes the leaf's ``_scale`` sibling
-(``jaxllm.quantization``).
+(``jaxllm.worker.quantization``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from jaxllm.config import ModelConfig
 from jaxllm.models import family
 from jaxllm.models.common import Params
-from jaxllm.quantization import QUANTIZED_KEYS, SCALE_SUFFIX, dequantize_weight, quantize_weight
+from jaxllm.worker.quantization import QUANTIZED_KEYS, SCALE_SUFFIX, dequantize_weight, quantize_weight
 
 _TOP_NAMES = {
     "model.embed_tokens.weight": ("embed", False),
@@ -54,7 +54,7 @@ def params_from_hf(
         one that stacks lazily.
       quantization: None, or "int8" / "fp8": the ``QUANTIZED_KEYS`` leaves are
         read as float32 and quantized per output channel once stacked
-        (``jaxllm.quantization.quantize_weight``). Tensors that arrive
+        (``jaxllm.worker.quantization.quantize_weight``). Tensors that arrive
         quantized keep their int8 values and scales when every layer has them,
         and are dequantized (then quantized per channel) otherwise.
 

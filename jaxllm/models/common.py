@@ -18,7 +18,7 @@ family has is ``jaxllm.loader.params.expected_layer_keys``)::
                 "wv": [L, E, Hkv*D], "wo": [L, Hq*D, E], "mlp_norm": [L, E],
                 "w_gate": [L, E, F], "w_up": [L, E, F], "w_down": [L, F, E], ...}}
 
-Quantized weights (``jaxllm.quantization``) are int8 or float8_e4m3fn leaves
+Quantized weights (``jaxllm.worker.quantization``) are int8 or float8_e4m3fn leaves
 with a float32 ``"<key>_scale"`` sibling (``[L, out]`` per output channel, or
 ``[L, G, out]`` per group of input rows); :func:`dot_f32` takes either. A
 quantized KV cache has ``"k_scale"``, ``"v_scale": [L, cache heads]`` layer

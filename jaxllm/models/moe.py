@@ -19,7 +19,7 @@ than ``jax.lax.ragged_dot`` or a dense all-experts einsum at Mixtral's
 sizes (both of which XLA's CPU backend computes densely).
 
 Sharding: the expert weights split over the expert FFN dimension
-(``jaxllm.sharding.PARAM_AXES``: ``experts_gate``/``experts_up``
+(``jaxllm.worker.sharding.PARAM_AXES``: ``experts_gate``/``experts_up``
 ``[E, hidden, mlp]``, ``experts_down`` ``[E, mlp, hidden]``, the ``mlp``
 axis on the mesh's ``model`` axis, the expert axis never split): each device
 holds a slice of every expert, as a dense MLP under Megatron's rule, so

@@ -6,7 +6,7 @@ embedding (``RopeConfig``; ``common.rope_cos_sin``).
 
 The loader splits the fused tensors (:func:`unfuse`), so every device keeps
 the Megatron split of separate q/k/v and gate/up weights
-(``jaxllm.sharding``) and the step is the Llama one.
+(``jaxllm.worker.sharding``) and the step is the Llama one.
 """
 
 from __future__ import annotations

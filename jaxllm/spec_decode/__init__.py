@@ -2,7 +2,7 @@
 
 A proposer drafts up to ``num_speculative_tokens`` tokens per sequence after each step; the scheduler puts them
 on the sequence's next decode row (``Scheduler.update_draft_token_ids``); the step computes the row's last token
-and its drafts together and the sampler (``jaxllm.sampling.sample_or_verify``) keeps the drafts the target agrees
+and its drafts together and the sampler (``jaxllm.sample.sampler.sample_or_verify``) keeps the drafts the target agrees
 with plus one token of its own; the scheduler takes the rejected drafts back.
 
 * ``config``: ``SpeculativeConfig`` (vLLM's ``speculative_config`` keys).

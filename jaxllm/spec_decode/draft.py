@@ -13,7 +13,7 @@ the target's (T, S, W) ladder, runs right after the target's step on the same ba
    that row's drafts suffer).
 
 Drafts are the draft model's argmax, so the draft distribution ``q`` is a point mass and verification
-(``sampling.verify``) is exact for every temperature; vLLM's EAGLE and draft-model proposers also draft greedily.
+(``sampler.verify``) is exact for every temperature; vLLM's EAGLE and draft-model proposers also draft greedily.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states
-from jaxllm.runner import ModelRunner
+from jaxllm.worker.model_runner import ModelRunner
 from scheduler import BatchDescriptor
 
 
@@ -37,7 +37,7 @@ def propose(params: Params, kv_cache: KVCache, batch: dict, tokens: jax.Array, n
 
     Args:
       params, kv_cache: the draft model's (cache donated).
-      batch: the target step's batch dict (``runner.BATCH_KEYS`` and
+      batch: the target step's batch dict (``model_runner.BATCH_KEYS`` and
         ``num_seqs``): ``[T]`` tokens, ``[S]`` rows.
       tokens: int32[S, P] the target's emitted tokens per row, first
         ``num_emitted`` valid; num_emitted: int32[S].

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm import LLM
 from jaxllm.loader import load_model
-from jaxllm.sharding import PARAM_AXES
+from jaxllm.worker.sharding import PARAM_AXES
 from tests.multidevice.conftest import ENGINE, GREEDY, prompts
 
 

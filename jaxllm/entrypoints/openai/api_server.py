@@ -13,7 +13,7 @@ an engine core died. A client that disconnects aborts its requests (their KV blo
 loop turn). SIGTERM (or Ctrl-C) stops accepting connections, lets requests in flight finish for up to
 ``--shutdown-timeout`` seconds, stops the engine cores and exits 0.
 
-The engine cores run in child processes (``jaxllm.core_client.MPClient``), one per ``--data-parallel-size``.
+The engine cores run in child processes (``jaxllm.core.client.MPClient``), one per ``--data-parallel-size``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxllm import __version__
-from jaxllm.core_client import EngineDeadError, QueueFullError
+from jaxllm.core.client import EngineDeadError, QueueFullError
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -186,12 +186,12 @@ def run(args: argparse.Namespace) -> int:
     """Start the engine cores, then serve until SIGTERM or Ctrl-C; returns the exit status."""
     import uvicorn
 
-    from jaxllm.async_llm import AsyncLLM
-    from jaxllm.default_model import resolve_model
+    from jaxllm.frontend.async_llm import AsyncLLM
+    from jaxllm.named_models import resolve_model
     from jaxllm.entrypoints.engine_args import engine_kwargs
     from jaxllm.entrypoints.generate import generation_config_defaults
     from jaxllm.entrypoints.openai.serving import OpenAIServing
-    from jaxllm.model_path import model_format, read_generation_config
+    from jaxllm.paths import model_format, read_generation_config
 
     model = str(resolve_model(args.model))
     model_format(model)

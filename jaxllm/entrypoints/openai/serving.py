@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Optional, Sequence, Union
 
 import msgspec
 
-from jaxllm.async_llm import AsyncLLM
+from jaxllm.frontend.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.structured_output import validate_structured_outputs

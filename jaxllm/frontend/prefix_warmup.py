@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Union
 
-from jaxllm.input_processor import InputProcessor
+from jaxllm.frontend.input_processor import InputProcessor
 from scheduler import SamplingParams
 
 

@@ -1,5 +1,5 @@
-"""What a model path holds, found without reading weights or importing JAX (the CLI checks
-its flags with it before it loads anything).
+"""Paths: what a model path holds, found without reading weights or importing JAX (the CLI checks
+its flags with it before it loads anything), and jaxllm's cache folder.
 
 A model is a GGUF file (recognised by its magic bytes, whatever its name) or a folder with a
 ``config.json``: a Hugging Face model folder (safetensors) or a jaxllm orbax checkpoint.
@@ -57,3 +57,12 @@ def read_generation_config(path: str | os.PathLike) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{str(file)!r} holds a {type(config).__name__}, not a JSON object")
     return config
+
+
+def cache_dir() -> Path:
+    """The jaxllm cache folder: `$JAXLLM_CACHE` if set, else `~/.cache/jaxllm`.
+
+    Returns the path without creating it.
+    """
+    env = os.environ.get("JAXLLM_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "jaxllm"

@@ -5,7 +5,7 @@ vLLM's ``SamplingParams.prompt_logprobs=k``: for every prompt position a
 the top ``k``, of the raw model distribution (``log_softmax`` of the float32 logits);
 position 0 has no logprob (None). The step computes, at each query token,
 the logprob of the prompt token that follows it (``prompt_target_ids``,
-``sampling.prompt_logprobs``), so query position ``p`` gives prompt position
+``sampler.prompt_logprobs``), so query position ``p`` gives prompt position
 ``p + 1``.
 
 Positions are recorded as each prefill chunk is computed, each once: a
@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxllm.core_messages import SampleLogprobs
+from jaxllm.core.messages import SampleLogprobs
 from scheduler import RequestStatus, ScheduledRequest
 
 
@@ -78,7 +78,7 @@ class PromptLogprobs:
           start: the first query token's position.
           logprobs: float32[count]; ranks: int32[count]; top_ids:
             int32[count, K]; top_logprobs: float32[count, K]
-            (``sampling.prompt_logprobs``'s rows of these tokens).
+            (``sampler.prompt_logprobs``'s rows of these tokens).
 
         Only prompt positions not recorded yet are taken, in order.
         """

@@ -9,7 +9,7 @@ the device holds one copy. Block ids are the scheduler's (one process, as in
 nano-vllm).
 
 Parameters, KV cache and step inputs live on the replica's mesh
-(``jaxllm.sharding.ModelSharding``); the batch and sampling arrays are
+(``jaxllm.worker.sharding.ModelSharding``); the batch and sampling arrays are
 replicated there, and the abstract arguments of the compiled programs carry
 those same shardings.
 """
@@ -29,9 +29,9 @@ import numpy as np
 from jax import monitoring
 
 from jaxllm.config import ModelConfig
-from jaxllm.kv_cache import allocate_kv_cache
+from jaxllm.worker.kv_cache import allocate_kv_cache
 from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states, loop_storage
-from jaxllm.sampling import (
+from jaxllm.sample.sampler import (
     SamplingArrays,
     fill_slot,
     init_tables,
@@ -40,7 +40,7 @@ from jaxllm.sampling import (
     sample_or_verify,
     set_slot_rows,
 )
-from jaxllm.sharding import ModelSharding
+from jaxllm.worker.sharding import ModelSharding
 from jaxllm.structured_output import bitmask_words
 from kernels_pallas.reference import BITS_STORAGE
 from scheduler import BatchDescriptor, BucketTable
@@ -63,10 +63,10 @@ def _step(params: Params, kv_cache: KVCache, batch: dict, sampling: dict, tables
     padded to ``prev_tokens``' length for the next step. ``bitmask``
     (int32[S, ceil(V/32)]) holds each row's allowed tokens (structured
     output). ``out`` is the sampler's outputs (``[S]`` rows) and
-    ``sampling.prompt_logprobs``' (``[T]`` rows, for
+    ``sampler.prompt_logprobs``' (``[T]`` rows, for
     ``batch["prompt_target_ids"]``). With ``num_positions > 1``
     (speculative decoding) the sampler verifies each row's drafts
-    (``sampling.sample_or_verify``): ``[S, num_positions]`` tokens and
+    (``sampler.sample_or_verify``): ``[S, num_positions]`` tokens and
     ``num_emitted: int32[S]``; a row's bitmask applies to its first position
     (constrained rows carry no drafts)."""
     from_prev = batch["prev_token_index"]
@@ -167,7 +167,7 @@ class ModelRunner:
       kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size,
         sharding.num_cache_heads, head_dim]``, split over heads; of
         ``kv_cache_dtype``, as uint16 / uint8 bits with ``float_bits_storage``.
-      sampler_tables: the sampler's per-slot tables (``sampling.init_tables``),
+      sampler_tables: the sampler's per-slot tables (``sampler.init_tables``),
         replicated on the mesh and donated to every step like the KV cache.
       num_compilations: programs this runner has built (steps and block
         copies), whether compiled or loaded from JAX's persistent cache; once
@@ -194,7 +194,7 @@ class ModelRunner:
         kv_dtype = np.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
         if kv_dtype.itemsize == 1 and "k_scale" not in params["layers"]:
             raise ValueError(f"kv_cache_dtype={kv_dtype.name} needs the per-layer k_scale/v_scale leaves in "
-                             "params['layers'] (jaxllm.quantization.calibrate_kv_scales)")
+                             "params['layers'] (jaxllm.worker.kv_cache.calibrate_kv_scales)")
         if float_bits_storage:
             kv_dtype = BITS_STORAGE.get(kv_dtype, kv_dtype)
         self.kv_cache = allocate_kv_cache(num_blocks, block_size, kv_dtype, sharding)
@@ -414,8 +414,8 @@ class ModelRunner:
             array kept on the device (no transfer).
 
         Returns:
-          (the step's outputs on the device: the sampler's (``sampling.sample``,
-          ``[S]`` rows) and the prompt logprobs (``sampling.prompt_logprobs``,
+          (the step's outputs on the device: the sampler's (``sampler.sample``,
+          ``[S]`` rows) and the prompt logprobs (``sampler.prompt_logprobs``,
           ``[T]`` rows); the sampled ids padded to int32[max S bucket] for the
           next dispatch). The KV cache and the sampler tables are updated in
           place (donated).

@@ -1,4 +1,4 @@
-"""An engine core in its own process: ``python -m jaxllm.core_process`` (started by ``core_client.MPClient``).
+"""An engine core in its own process: ``python -m jaxllm.core.process`` (started by ``client.MPClient``).
 
 One single-threaded busy loop (vLLM's ``EngineCoreProc``): take every waiting input (new requests, aborts,
 stops, utility calls), run one step while any request is unfinished and send its outputs; with nothing to do,
@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import zmq
 
-from jaxllm.core_messages import (
+from jaxllm.core.messages import (
     AbortRequests,
     CoreFailed,
     EngineCoreOutputs,
@@ -95,7 +95,7 @@ def replica_mesh(config, core_index: int):
     that sees only its own devices, as one CPU device per process)."""
     import jax
 
-    from jaxllm.sharding import make_mesh, replica_meshes
+    from jaxllm.worker.sharding import make_mesh, replica_meshes
 
     tp, dp = config.tensor_parallel_size, config.data_parallel_size
     if len(jax.devices()) >= tp * dp:
@@ -105,7 +105,7 @@ def replica_mesh(config, core_index: int):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Start one core: load the model, send its ``CoreInfo``, serve until told to stop; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m jaxllm.core_process")
+    parser = argparse.ArgumentParser(prog="python -m jaxllm.core.process")
     parser.add_argument("--model", required=True)
     parser.add_argument("--config", required=True, help="the EngineConfig fields as JSON")
     parser.add_argument("--core-index", type=int, default=0)
@@ -122,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     outputs.connect(args.output)
     try:
         from jaxllm.config import EngineConfig
-        from jaxllm.engine_core import EngineCore
+        from jaxllm.core.engine_core import EngineCore
 
         config = EngineConfig(**json.loads(args.config))
         core = EngineCore(args.model, dataclasses.replace(config, data_parallel_size=1),

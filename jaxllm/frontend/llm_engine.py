@@ -1,10 +1,10 @@
 """LLMEngine: the step-by-step engine API (add_request / step / abort), a front end over engine core(s).
 
-Shaped after vLLM's ``LLMEngine``: the input processor (``jaxllm.input_processor``) validates and tokenizes a
+Shaped after vLLM's ``LLMEngine``: the input processor (``jaxllm.frontend.input_processor``) validates and tokenizes a
 request into a core request; the core client runs the engine core(s); the output processor
-(``jaxllm.output_processor``) detokenizes, checks stop strings and assembles ``RequestOutput``s. One replica
-runs its ``EngineCore`` in this process (``core_client.InprocClient``: plain calls, nothing copied or
-serialized); ``data_parallel_size > 1`` runs one core process per replica (``core_client.MPClient``).
+(``jaxllm.frontend.output_processor``) detokenizes, checks stop strings and assembles ``RequestOutput``s. One replica
+runs its ``EngineCore`` in this process (``client.InprocClient``: plain calls, nothing copied or
+serialized); ``data_parallel_size > 1`` runs one core process per replica (``client.MPClient``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any, Iterable, Optional, Union
 import jax
 
 from jaxllm.config import EngineConfig
-from jaxllm.core_client import InprocClient, MPClient
-from jaxllm.front_end import build_front_end, refuse_when_full
-from jaxllm.input_processor import PromptType
+from jaxllm.core.client import InprocClient, MPClient
+from jaxllm.frontend.front_end import build_front_end, refuse_when_full
+from jaxllm.frontend.input_processor import PromptType
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
@@ -59,7 +59,7 @@ class LLMEngine:
                 raise ValueError("mesh is for one replica; data_parallel_size > 1 places each core process itself")
             self.client: Union[InprocClient, MPClient] = MPClient(model, self.config)
         else:
-            from jaxllm.engine_core import EngineCore
+            from jaxllm.core.engine_core import EngineCore
 
             self.client = InprocClient(EngineCore(model, self.config, mesh=mesh))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
@@ -85,7 +85,7 @@ class LLMEngine:
     kv_cache_dtype = property(lambda self: self.core.kv_cache_dtype,
                               doc="The in-process core's KV cache number dtype (int8 / float8_e4m3fn when quantized).")
     param_bytes = property(lambda self: self.core.param_bytes,
-                           doc="The in-process core's ``jaxllm.quantization.param_bytes`` of its parameters.")
+                           doc="The in-process core's ``jaxllm.worker.quantization.param_bytes`` of its parameters.")
 
     @property
     def num_blocks(self) -> int:
@@ -148,7 +148,7 @@ class LLMEngine:
             (both numbers named), a token id outside the vocabulary, a
             duplicate ``request_id``, a bad ``data_parallel_rank``.
           QueueFullError: ``max_waiting_requests`` sequences already wait
-            (``core_client.check_waiting_limit``); nothing is queued.
+            (``client.check_waiting_limit``); nothing is queued.
         """
         params = params if params is not None else SamplingParams()
         if request_id in self.output_processor.requests:

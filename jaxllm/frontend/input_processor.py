@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from jaxllm.core_messages import CoreInfo, EngineCoreRequest
+from jaxllm.core.messages import CoreInfo, EngineCoreRequest
 from jaxllm.structured_output import validate_structured_outputs
 from scheduler import SamplingParams
 

@@ -18,10 +18,10 @@ from typing import Callable, Optional, Sequence
 import prometheus_client as prom
 from tqdm import tqdm
 
-from jaxllm.core_messages import CoreStats
+from jaxllm.core.messages import CoreStats
 from jaxllm.outputs import RequestOutput
 
-logger = logging.getLogger("jaxllm.metrics")
+logger = logging.getLogger("jaxllm.frontend.metrics")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -36,7 +36,7 @@ class EngineMetrics:
 
     Args:
       log_stats: log a one-line summary (``logging``, logger
-        ``jaxllm.metrics``, to stderr) every ``log_interval`` seconds.
+        ``jaxllm.frontend.metrics``, to stderr) every ``log_interval`` seconds.
       log_interval: seconds between summary lines.
       metrics_port: serve ``/metrics`` for this registry on this port.
       clock: seconds, monotonic; must be the clock of request arrival times.

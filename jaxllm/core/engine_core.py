@@ -1,16 +1,16 @@
 """EngineCore: the scheduler and the model runner in one loop; core requests in, core outputs out (vLLM's ``EngineCore``).
 
-The core sees token ids only: the front end (``jaxllm.engine.LLMEngine``, ``jaxllm.async_llm.AsyncLLM``) tokenizes,
+The core sees token ids only: the front end (``jaxllm.frontend.llm_engine.LLMEngine``, ``jaxllm.frontend.async_llm.AsyncLLM``) tokenizes,
 validates, detokenizes and checks stop strings. Scheduler and runner share this process, so block ids mean the
 same on both sides. Each ``step()`` schedules, builds the bucketed batch, runs the jitted model step, feeds the
 sampled tokens back to the scheduler and reports, per sequence, its new token ids, finish and logprobs
-(``jaxllm.core_messages``).
+(``jaxllm.core.messages``).
 
 A request with ``n > 1`` runs as ``n`` sequences (vLLM's parent/child requests): a prefill-only parent computes all
 prompt tokens but the last, then the scheduler forks it into the ``n`` sequences, which share its KV blocks; each
 computes the last prompt token itself (a one-token step) and samples with its own seed.
 
-Prompt logprobs (``jaxllm.prompt_logprobs``) are computed by the request that computes the prompt: the sequence
+Prompt logprobs (``jaxllm.core.prompt_logprobs``) are computed by the request that computes the prompt: the sequence
 itself, or the prefill parent.
 
 Speculative decoding (``EngineConfig.speculative_config``): after each step the proposer drafts tokens for every
@@ -40,18 +40,18 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxllm.batching import StaticBatchScheduler
+from scheduler.static_batching import StaticBatchScheduler
 from jaxllm.config import EngineConfig
-from jaxllm.core_messages import CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SampleLogprobs
-from jaxllm.default_model import cache_dir
-from jaxllm.kv_cache import resolve_num_blocks
+from jaxllm.core.messages import CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SampleLogprobs
+from jaxllm.paths import cache_dir
+from jaxllm.worker.kv_cache import calibrate_kv_scales, calibration_ids, kv_number_dtype, resolve_num_blocks
 from jaxllm.loader import load_sharded, read_model_config
-from jaxllm.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
-from jaxllm.quantization import calibrate_kv_scales, calibration_ids, kv_number_dtype, param_bytes, weight_quantization
-from jaxllm.runner import ModelRunner, enable_persistent_compilation_cache, fetch_rows
-from jaxllm.sampling import MAX_BANNED_IDS
-from jaxllm.sampling_slots import SamplingSlots, make_sequence_sampling
-from jaxllm.sharding import make_mesh
+from jaxllm.core.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
+from jaxllm.worker.quantization import param_bytes, weight_quantization
+from jaxllm.worker.model_runner import ModelRunner, enable_persistent_compilation_cache, fetch_rows
+from jaxllm.sample.sampler import MAX_BANNED_IDS
+from jaxllm.sample.slots import SamplingSlots, make_sequence_sampling
+from jaxllm.worker.sharding import make_mesh
 from jaxllm.spec_decode import NgramProposer
 from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
@@ -137,7 +137,7 @@ class EngineCore:
       structured (the ``StructuredOutputManager``; it loads the model's tokenizer at the first constraint).
       kv_cache_dtype: numpy dtype of the KV cache's numbers (int8 or float8_e4m3fn when quantized; the
         config's ``kv_cache_dtype``).
-      param_bytes: ``jaxllm.quantization.param_bytes`` of the parameters on the devices (printed at start-up
+      param_bytes: ``jaxllm.worker.quantization.param_bytes`` of the parameters on the devices (printed at start-up
         with the KV block count).
 
     Raises:
@@ -145,7 +145,7 @@ class EngineCore:
         limit), heads that do not split over ``tensor_parallel_size``, or ``data_parallel_size > 1``.
     """
 
-    # Methods a front end may call between steps of a core in another process (``core_messages.UtilityCall``).
+    # Methods a front end may call between steps of a core in another process (``messages.UtilityCall``).
     UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks", "kv_cache_report",
                                  "preload_prefixes"})
 
@@ -352,7 +352,7 @@ class EngineCore:
         return self.scheduler.block_pool.num_free_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request the front end has validated (``jaxllm.input_processor``); a structured-output
+        """Queue a request the front end has validated (``jaxllm.frontend.input_processor``); a structured-output
         constraint starts compiling (off this thread) and the request waits for it."""
         params = request.sampling_params
         ids = request.prompt_token_ids

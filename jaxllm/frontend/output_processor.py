@@ -1,7 +1,7 @@
 """Front-end output processing: core outputs in, ``RequestOutput`` out (vLLM's ``OutputProcessor``).
 
-The engine core (scheduler + runner, ``jaxllm.engine_core``) hands over token
-ids, finishes and logprobs as numbers (``core_messages.EngineCoreOutput``, one
+The engine core (scheduler + runner, ``jaxllm.core.engine_core``) hands over token
+ids, finishes and logprobs as numbers (``messages.EngineCoreOutput``, one
 per sequence); :class:`OutputProcessor` detokenizes them incrementally, checks
 stop strings (telling the caller which sequences to stop in the core), groups
 the ``n`` sequences of a request and assembles vLLM-shaped ``RequestOutput``s
@@ -33,7 +33,7 @@ import dataclasses
 import time
 from typing import Callable, Optional, Protocol, Sequence, Union
 
-from jaxllm.core_messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
+from jaxllm.core.messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.tokenizer import IncrementalDetokenizer
 from scheduler import SamplingParams

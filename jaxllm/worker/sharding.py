@@ -13,7 +13,7 @@ jax-llm-examples (``llama3/llama3_jax/model.py``): each parameter names its logi
 logical axes to mesh axes; nothing else in the model mentions sharding.
 
 The mesh has two axes: ``data`` (engine replicas, each with its own scheduler
-and KV cache, one engine-core process each, see ``jaxllm.core_client``) and ``model`` (tensor parallelism
+and KV cache, one engine-core process each, see ``jaxllm.core.client``) and ``model`` (tensor parallelism
 inside one replica). The model step is a ``jax.jit`` over arrays carrying
 ``NamedSharding``s, except attention, which runs per device under
 ``shard_map`` over ``model`` (:meth:`ModelSharding.attention_ops`): each
@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.common import Params
-from jaxllm.quantization import leaf_dtype
+from jaxllm.worker.quantization import leaf_dtype
 from kernels_pallas import AttentionOps
 
 try:
@@ -93,7 +93,7 @@ PARAM_AXES: dict[str, tuple[Optional[str], ...]] = {
 }
 # A quantized weight's "<key>_scale" takes the weight's axes: all of them for group scales
 # [..., G, out] (groups of input rows split with those rows), all but the input axis for
-# per-channel scales [..., out] (jaxllm.quantization).
+# per-channel scales [..., out] (jaxllm.worker.quantization).
 SCALE_SUFFIX = "_scale"
 # The KV cache [num_blocks, block_size, kv_heads, head_dim].
 KV_CACHE_AXES = (None, None, "kv_heads", None)
@@ -105,7 +105,7 @@ def _axes(key: str) -> tuple[Optional[str], ...]:
         return PARAM_AXES[key]
     if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in PARAM_AXES:
         return PARAM_AXES[key[: -len(SCALE_SUFFIX)]]
-    raise ValueError(f"parameter {key!r} has no entry in jaxllm.sharding.PARAM_AXES")
+    raise ValueError(f"parameter {key!r} has no entry in jaxllm.worker.sharding.PARAM_AXES")
 
 
 def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -277,7 +277,7 @@ class ModelSharding:
             and ``read(index) -> np.ndarray`` (``jaxllm.loader.lazy``), so a
             device asks only for its slice.
           dtype: dtype of the device arrays (quantized weights keep theirs, and
-            their scales are float32: ``jaxllm.quantization.leaf_dtype``).
+            their scales are float32: ``jaxllm.worker.quantization.leaf_dtype``).
 
         Returns:
           The pytree of ``jax.Array``s, each with its :meth:`param_specs`

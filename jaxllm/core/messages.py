@@ -2,7 +2,7 @@
 ``EngineCoreOutput(s)``, ``SchedulerStats``).
 
 Token ids and numbers only: no strings the user reads, no tokenizer, no ``RequestOutput`` (those are the front
-end's: ``jaxllm.input_processor``, ``jaxllm.output_processor``). The same ``msgspec`` structs are handed over as
+end's: ``jaxllm.frontend.input_processor``, ``jaxllm.frontend.output_processor``). The same ``msgspec`` structs are handed over as
 objects by the in-process client and as msgpack frames (``encode`` / ``decode_*``) by the multiprocess one, so
 the in-process path pays no serialization. Structs are ``array_like`` (fields by position, no names on the wire)
 and ``gc=False`` where they hold no cycles, which keeps building one per sequence per step cheap.
@@ -46,7 +46,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
       seeds: one random seed per sequence (``seed + i``, or drawn by the front end).
       stop_ids: ids banned until ``min_tokens``: the stop ids and every eos id.
       bad_words_token_ids: the bad words as token-id lists (both spellings, see
-        ``sampling_slots.bad_words_token_ids``).
+        ``input_processor.bad_words_token_ids``).
       eos_token_id: the primary eos id (None: no eos stop).
       arrival_time: when the front end received it.
       priority: lower is more urgent (``priority``/``aging`` policies).

@@ -2,10 +2,10 @@
 
 * :class:`InprocClient` holds an ``EngineCore`` in this process and calls it: no copy, no serialization (what
   ``LLM`` uses by default).
-* :class:`MPClient` starts one core process per data-parallel replica (``python -m jaxllm.core_process``) and talks
-  to them over ZMQ with msgpack frames (``jaxllm.core_messages``): one PUSH socket per core for its inputs, one
+* :class:`MPClient` starts one core process per data-parallel replica (``python -m jaxllm.core.process``) and talks
+  to them over ZMQ with msgpack frames (``jaxllm.core.messages``): one PUSH socket per core for its inputs, one
   PULL socket all cores send their outputs to. A new request goes to the core that holds the longest cached
-  prefix of its prompt (:class:`PrefixRouter`), ties broken by the fewest unfinished requests, then the lowest
+  prefix of its prompt (``router.PrefixRouter``), ties broken by the fewest unfinished requests, then the lowest
   index (vLLM's data-parallel router and SGLang's cache-aware router make the same two choices). A core that
   dies (a crash, SIGKILL) is noticed within ``POLL_SECONDS``: every wait then raises :class:`EngineDeadError`.
   Each core process exits by itself when this process dies.
@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from jaxllm.config import EngineConfig
-from jaxllm.core_messages import (
+from jaxllm.core.messages import (
     AbortRequests,
     CoreFailed,
     CoreInfo,
@@ -49,7 +49,7 @@ from jaxllm.core_messages import (
     decode_message,
     encode,
 )
-from scheduler.block_hash import extend_block_hashes
+from jaxllm.core.router import PrefixRouter
 
 # How often a wait for outputs checks that every core process is alive, seconds.
 POLL_SECONDS = 0.5
@@ -131,64 +131,6 @@ class InprocClient:
         self.core.runner.stop_warmup()
 
 
-class PrefixRouter:
-    """The front end's picture of each core's prefix cache, for routing (SGLang's cache-aware router in spirit).
-
-    For each core it keeps the chained hashes (``scheduler.block_hash``, the
-    cores' own) of the full prompt blocks routed to it, least recently routed
-    dropped first once a core's number of KV blocks is reached. A prompt's
-    cached prefix on a core is the run of its leading blocks found there; as
-    in the scheduler, the block holding the last prompt token never counts.
-    It can be wrong about blocks a core has since evicted: routing only
-    prefers a core, the core's own prefix cache decides what is reused.
-
-    Args:
-      infos: each core's ``CoreInfo`` (block size, blocks, prefix caching).
-    """
-
-    def __init__(self, infos: Sequence[CoreInfo]) -> None:
-        self.block_size = infos[0].block_size
-        self.enabled = infos[0].enable_prefix_caching
-        self._capacity = [info.num_blocks - 1 for info in infos]
-        self._blocks: list[collections.OrderedDict[bytes, None]] = [collections.OrderedDict() for _ in infos]
-
-    def _hashes(self, token_ids: Sequence[int], cache_salt: Optional[str]) -> list[bytes]:
-        hashes: list[bytes] = []
-        num_full = len(token_ids) // self.block_size if self.block_size > 1 else len(token_ids) - 1
-        extend_block_hashes(hashes, token_ids, num_full, self.block_size, cache_salt)
-        return hashes
-
-    def cached_prefix_tokens(self, core: int, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
-        """Prompt tokens ``core`` is thought to hold in its prefix cache."""
-        if not self.enabled:
-            return 0
-        blocks = self._blocks[core]
-        hits = sum(1 for _ in itertools.takewhile(blocks.__contains__, self._hashes(token_ids, cache_salt)))
-        return min(hits * self.block_size, len(token_ids) - 1)
-
-    def choose(self, token_ids: Sequence[int], cache_salt: Optional[str], loads: Sequence[int]) -> int:
-        """The core for a prompt: most cached prefix tokens, then lowest load, then lowest index."""
-        if not self.enabled or len(loads) == 1:
-            return min(range(len(loads)), key=lambda i: (loads[i], i))
-        hashes = self._hashes(token_ids, cache_salt)
-
-        def hits(core: int) -> int:
-            return sum(1 for _ in itertools.takewhile(self._blocks[core].__contains__, hashes))
-
-        return min(range(len(loads)), key=lambda i: (-hits(i), loads[i], i))
-
-    def record(self, core: int, token_ids: Sequence[int], cache_salt: Optional[str]) -> None:
-        """Remember that ``core`` was given this prompt (its full blocks are in its cache now)."""
-        if not self.enabled:
-            return
-        blocks = self._blocks[core]
-        for h in self._hashes(token_ids, cache_salt):
-            blocks[h] = None
-            blocks.move_to_end(h)
-        while len(blocks) > self._capacity[core]:
-            blocks.popitem(last=False)
-
-
 @dataclasses.dataclass
 class _CoreProcess:
     index: int
@@ -235,7 +177,7 @@ class MPClient:
             address = f"ipc://{self._dir}/input{d}"
             sock.bind(address)
             process = subprocess.Popen([
-                sys.executable, "-m", "jaxllm.core_process", "--model", str(model), "--config", config_json,
+                sys.executable, "-m", "jaxllm.core.process", "--model", str(model), "--config", config_json,
                 "--core-index", str(d), "--input", address, "--output", f"ipc://{self._dir}/outputs",
                 "--parent-pid", str(os.getpid()),
             ])

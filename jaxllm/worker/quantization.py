@@ -1,4 +1,5 @@
-"""Weight-only quantization (int8, fp8) of the dense projections, and the scales of quantized KV caches.
+"""Weight-only quantization (int8, fp8) of the dense projections (a quantized KV cache's scales are
+``jaxllm.worker.kv_cache``'s).
 
 Weights (``LLM(quantization="int8" | "fp8")``). Every dense projection --
 ``wq, wk, wv, wo, w_gate, w_up, w_down``, the experts' ``experts_*`` and an
@@ -8,7 +9,7 @@ float8_e4m3fn with a float32 scale per output channel: ``w ~= q * scale``,
 largest finite value). The scale is a sibling leaf ``"<key>_scale"`` of shape
 ``[..., out]`` (the weight's shape without its input axis), so the parameter
 pytree stays a dict of arrays: scanned, sharded (a scale splits with its
-weight's output channels, ``jaxllm.sharding``) and checkpointed like any other
+weight's output channels, ``jaxllm.worker.sharding``) and checkpointed like any other
 leaf. The matmul is ``(x @ q.astype(x.dtype)) * scale``
 (``jaxllm.models.common.dot_f32``). The embedding, norms, biases and the MoE
 router stay in the compute dtype; a tied lm_head is the embedding and stays too.
@@ -21,28 +22,17 @@ exactly llama.cpp's numbers, dequantized per group before the matmul.
 This is the scheme of vLLM's weight-only int8 / fp8 (per-channel scales) and
 of qwix's weight-only PTQ; qwix itself targets flax modules (its dependency),
 whereas the model here is plain functions over a dict of arrays.
-
-KV caches (``LLM(kv_cache_dtype="int8" | "fp8_e4m3")``). One float32 scale
-per layer and KV head, for K and for V (``kernels_pallas.reference`` states
-how the write and attention use them). They are calibrated when the engine
-starts, by :func:`calibrate_kv_scales`: one forward pass over
-:data:`CALIBRATION_TEXT` with a float32 cache gives each head's largest
-``|k|`` and ``|v|``, and the scale maps that, times :data:`KV_SCALE_MARGIN`,
-to the type's largest value (per-tensor static scales are vLLM's fp8 KV
-cache, which TensorRT-LLM calibrates the same way for int8).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxllm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS, ModelConfig
+from jaxllm.config import WEIGHT_QUANTIZATIONS, ModelConfig
 from jaxllm.models.common import Params
 
 SCALE_SUFFIX = "_scale"
@@ -52,27 +42,7 @@ QUANTIZED_KEYS = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", 
 # Weight quantization -> (stored dtype, largest stored magnitude).
 _WEIGHT_TYPES = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}
 _QUANTIZED_DTYPES = frozenset(dtype for dtype, _ in _WEIGHT_TYPES.values())
-KV_QUANT_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
-                   "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn)}
-# Calibrated |k|, |v| maxima are mapped to the type's largest value divided by this: room for
-# keys and values larger than the calibration text's (clipped beyond), at the cost of
-# log2(margin) bits of int8 resolution. Chosen from the perplexity of the default model
-# (README, "Quantization").
-KV_SCALE_MARGIN = 2.0
 
-# Fixed English text of the KV calibration pass (written for this purpose).
-CALIBRATION_TEXT = (
-    "The harbour town woke slowly. Fishing boats knocked against the wooden pier while gulls argued over "
-    "the morning catch, and the baker on Quay Street pulled the first loaves from her oven. Children ran "
-    "past the lighthouse on their way to school, counting the steps as they always did: one hundred and "
-    "twelve, never more, never fewer. At the town hall, the mayor read a letter twice before folding it "
-    "into her coat. The railway company wanted to build a station on the hill above the bay, and the "
-    "council would vote on Thursday. Some said the trains would bring visitors, money and work for the "
-    "young; others feared the noise, the smoke and the end of a quiet life. In the library, an old "
-    "sailor explained to anyone who would listen how the tides are pulled by the moon, why the water "
-    "rises twice a day, and how his grandfather had once sailed to Lisbon with nothing but a compass, a "
-    "clock and a map drawn by hand. \"Numbers never lie,\" he said, \"but people who read them often do.\""
-)
 
 
 def quantized_dtype(quantization: str) -> np.dtype:
@@ -84,20 +54,6 @@ def check_quantization(quantization: Optional[str]) -> None:
     """Raise ValueError unless ``quantization`` is None or one of :data:`WEIGHT_QUANTIZATIONS`."""
     if quantization is not None and quantization not in WEIGHT_QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} must be None or one of {WEIGHT_QUANTIZATIONS}")
-
-
-def kv_number_dtype(kv_cache_dtype: str, dtype: Any) -> np.dtype:
-    """The dtype of the numbers a KV cache holds: ``dtype`` (the compute dtype) for "auto",
-    int8 for "int8", float8_e4m3fn for "fp8" / "fp8_e4m3" (vLLM's names).
-
-    Raises:
-      ValueError: an unknown ``kv_cache_dtype`` (named with the allowed ones).
-    """
-    if kv_cache_dtype == "auto":
-        return np.dtype(dtype)
-    if kv_cache_dtype not in KV_QUANT_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
-    return KV_QUANT_DTYPES[kv_cache_dtype]
 
 
 def is_quantized_dtype(dtype: Any) -> bool:
@@ -196,57 +152,3 @@ def param_bytes(params: Params) -> dict[str, int]:
         elif path[-1].endswith(SCALE_SUFFIX) and path[:-1] + (path[-1][: -len(SCALE_SUFFIX)],) in flat:
             quantized += nbytes
     return {"total": total, "quantized": quantized, "quantized_as_float32": as_f32}
-
-
-def calibration_ids(tokenizer: Any, vocab_size: int) -> np.ndarray:
-    """Token ids of :data:`CALIBRATION_TEXT` (int32), or, for a model without a tokenizer,
-    a fixed pseudo-random sequence of as many ids (seed 0)."""
-    if tokenizer is not None:
-        return np.asarray(tokenizer.encode(CALIBRATION_TEXT), np.int32)
-    return np.random.default_rng(0).integers(0, vocab_size, size=256).astype(np.int32)
-
-
-def calibrate_kv_scales(cfg: ModelConfig, params: Params, token_ids: np.ndarray, *, ops: Any, sharding: Any,
-                        kv_dtype: Any, block_size: int = 16,
-                        margin: float = KV_SCALE_MARGIN) -> tuple[jax.Array, jax.Array]:
-    """Per-layer, per-head K and V scales of a quantized KV cache, from one forward pass.
-
-    Runs the decoder (``jaxllm.models.hidden_states``, the engine's attention ops) over
-    ``token_ids`` as one sequence with a float32 cache, and takes each cache head's largest
-    ``|k|`` (after rope) and ``|v|`` over the sequence.
-
-    Args:
-      cfg: the model configuration.
-      params: the parameter pytree on ``sharding``'s devices (quantized weights or not).
-      token_ids: int32[N] the calibration tokens (:func:`calibration_ids`).
-      ops: the engine's attention ops (``ModelSharding.attention_ops`` of a backend).
-      sharding: the replica's ``ModelSharding``.
-      kv_dtype: int8 or float8_e4m3fn, the cache's numbers.
-      margin: the maximum maps to the type's largest value divided by this.
-
-    Returns:
-      (k_scale, v_scale): float32 ``[num_layers, sharding.num_cache_heads]`` on the devices,
-      split over the cache heads as the cache is; ``max * margin / type max`` (1 for a head
-      that saw only zeros).
-    """
-    from jaxllm.kv_cache import allocate_kv_cache
-    from jaxllm.models import hidden_states
-    from kernels_pallas.reference import KV_QUANT_MAX
-
-    n = len(token_ids)
-    num_blocks = -(-n // block_size) + 1
-    kv = allocate_kv_cache(num_blocks, block_size, jnp.float32, sharding)
-    positions = np.arange(n, dtype=np.int32)
-    batch = dict(input_ids=token_ids.astype(np.int32), positions=positions, slot_mapping=positions + block_size,
-                 block_tables=np.arange(1, num_blocks, dtype=np.int32)[None], seq_lens=np.asarray([n], np.int32),
-                 query_start_loc=np.asarray([0, n], np.int32), num_seqs=np.int32(1))
-    batch = jax.device_put(batch, sharding.replicated)
-    limit = KV_QUANT_MAX[jnp.dtype(kv_dtype)]
-
-    @functools.partial(jax.jit, out_shardings=sharding.kv_scale_sharding)
-    def scales(params, kv, batch):
-        _, (k_cache, v_cache) = hidden_states(params, kv, batch, cfg=cfg, ops=ops)
-        return tuple(jnp.where(m > 0, m * margin / limit, 1.0)
-                     for m in (jnp.max(jnp.abs(c), axis=(1, 2, 4)) for c in (k_cache, v_cache)))
-
-    return scales(params, kv, batch)

@@ -1,7 +1,7 @@
 """Host side of the sampler in the engine core: sampling slots and per-sequence rows.
 
 Each running sequence holds a *sampling slot*: a row of the device tables
-(``sampling.init_tables``) with its output-token counts, prompt-token
+(``sampler.init_tables``) with its output-token counts, prompt-token
 presence, bias row and stop row. A slot is taken when the sequence is
 scheduled without one (admission, or readmission after preemption) and is
 then refilled from the sequence's tokens, and given back when the sequence
@@ -15,7 +15,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from jaxllm.sampling import SamplingArrays
+from jaxllm.sample.sampler import SamplingArrays
 from scheduler import Request, SamplingParams, SchedulerOutput
 
 
@@ -63,7 +63,7 @@ def make_sequence_sampling(params: SamplingParams, seed: int, stop_ids: Sequence
     The bias row adds ``logit_bias``, puts -inf outside ``allowed_token_ids``
     and on single-token bad words. The front end has checked every id
     against the vocabulary and the number of multi-token bad words against
-    ``sampling.MAX_BANNED_IDS`` (``jaxllm.input_processor``).
+    ``sampler.MAX_BANNED_IDS`` (``jaxllm.frontend.input_processor``).
 
     Args:
       bad_words: the bad words' token-id lists (``input_processor.bad_words_token_ids``).

