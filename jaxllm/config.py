@@ -3,17 +3,21 @@
 ``ModelConfig`` is read from a Hugging Face ``config.json`` dict (or the
 equivalent dict the GGUF loader builds); it keeps only what the decoders of
 ``jaxllm.models`` need and rejects what they cannot run. ``EngineConfig`` holds the
-serving knobs, named as vLLM names them.
+serving knobs, named as vLLM names them; the scheduler's share of them is built from it
+(``EngineConfig.scheduler_config``), never copied by hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, Optional, Sequence, Union
 
 from jaxllm.spec_decode.config import SpeculativeConfig
 from scheduler.buckets import geometric_ladder, half_step_ladder
+from scheduler.config import SchedulerConfig
+from scheduler.degradation import GracefulDegradation
 
 # HF architecture -> model_type (the key of its family in ``jaxllm.models``).
 SUPPORTED_ARCHITECTURES = {
@@ -297,6 +301,9 @@ def _sliding_windows_from_hf(cfg: dict[str, Any], model_type: str, num_layers: i
 # Weight-only quantizations and KV cache dtypes (jaxllm.worker.quantization), by vLLM's names.
 WEIGHT_QUANTIZATIONS = ("int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+# SchedulerConfig fields that EngineConfig.scheduler_config fills in at start-up; every other one is an
+# EngineConfig field of the same name (a test checks both).
+SCHEDULER_FIELDS_FROM_START_UP = ("num_blocks", "max_model_len", "num_lookahead_tokens")
 # Token buckets below the default ladder's first value (16): steps of a few decode rows.
 SMALL_TOKEN_BUCKETS = (4, 8)
 
@@ -336,11 +343,12 @@ class EngineConfig:
         ``False`` each bucket on first use.
       async_scheduling: schedule step N+1 while the device runs step N
         (outputs are identical; see ``LLMEngine.step``). None (the default,
-        as in vLLM): on, unless ``speculative_config`` is set (a step's
-        drafts need the previous step's tokens). A step holding a row whose
-        multi-token ``bad_words`` or grammar need the token the step in
-        flight samples for it waits for that token first; other steps keep
-        the overlap.
+        as in vLLM): on, unless ``speculative_config`` is set; resolved here,
+        the one place that decides it. True with ``speculative_config`` is a
+        ValueError: a step's drafts need the previous step's tokens. A step
+        holding a row whose multi-token ``bad_words`` or grammar need the
+        token the step in flight samples for it waits for that token first;
+        other steps keep the overlap.
       compilation_cache: folder of JAX's persistent compilation cache;
         "default" is ``<jaxllm cache>/xla``, None turns it off.
       tensor_parallel_size: devices one model step is split over (Megatron
@@ -359,8 +367,7 @@ class EngineConfig:
         "prompt_lookup_min": .., "prompt_lookup_max": ..}`` or
         ``{"method": "draft_model", "model": PATH, "num_speculative_tokens":
         k}``; held as a ``spec_decode.SpeculativeConfig`` once checked. None:
-        off. With it on, ``async_scheduling`` does not schedule ahead (a
-        step's drafts need the previous step's tokens). A draft model's
+        off (see ``async_scheduling``). A draft model's
         weights and KV cache (as many blocks as the target's, in the compute
         dtype, unquantized) come on top of the memory the target's blocks were
         sized for (``kv_cache_memory_bytes`` or its default share of the
@@ -369,13 +376,22 @@ class EngineConfig:
       graceful_degradation: under KV pressure (few free blocks, or
         preemptions), lower the effective ``max_num_seqs`` and prefill token
         budget step by step and restore them when calm, instead of thrashing
-        (``scheduler.degradation``); False turns it off.
+        (``scheduler.degradation``). True: the default thresholds; False: off;
+        a dict (or its JSON text, as the CLI passes it) of
+        ``GracefulDegradation`` fields, e.g. ``{"low_free_fraction": 0.2,
+        "recover_steps": 4}``: those thresholds (the rest default). Held as
+        True, False or a ``GracefulDegradation`` once checked.
+      aging_rate: for ``scheduling_policy="aging"``: priority units a waiting
+        request gains per second, >= 0.
       preload_prompts: a file of common prompts (a ``.json`` list of strings,
         or text with one prompt per line) computed at start-up so the first
         request sharing one hits the prefix cache (``jaxllm.frontend.prefix_warmup``).
       max_waiting_requests: shed load: refuse a new request
         (``jaxllm.core.client.QueueFullError``; 503 at the server) while this
         many sequences or more wait for a batch seat. None: no limit.
+
+    The scheduler's knobs (``SchedulerConfig``'s fields of the same names) are
+    checked by ``SchedulerConfig`` itself, once, when this config is made.
 
     Raises:
       ValueError: a value out of range, naming it and the limit.
@@ -411,17 +427,17 @@ class EngineConfig:
     log_stats: bool = False
     metrics_port: Optional[int] = None
     speculative_config: Union[SpeculativeConfig, dict, str, None] = None
-    graceful_degradation: bool = True
+    graceful_degradation: Union[bool, dict, str, GracefulDegradation] = True
+    aging_rate: float = 1.0
     max_waiting_requests: Optional[int] = None
     preload_prompts: Optional[str] = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
-        if self.block_size & (self.block_size - 1):
+        if isinstance(self.block_size, int) and self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive int (or None: the model's "
@@ -442,13 +458,6 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} must be None or one of {WEIGHT_QUANTIZATIONS}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
-        if self.max_num_seqs > self.max_num_batched_tokens:
-            raise ValueError(
-                f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens={self.max_num_batched_tokens}: "
-                "every scheduled sequence takes at least one token of the budget"
-            )
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
         if self.preemption_mode == "swap" and self.num_host_blocks < 1:
             raise ValueError(f"preemption_mode='swap' needs host blocks to swap to: num_host_blocks="
                              f"{self.num_host_blocks} must be >= 1")
@@ -463,9 +472,35 @@ class EngineConfig:
         elif not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be True, False or None (on unless "
                              "speculative_config is set)")
+        elif self.async_scheduling and spec is not None:
+            raise ValueError("async_scheduling=True cannot be used with speculative_config: a step's drafts need "
+                             "the previous step's tokens (leave async_scheduling None or set it False)")
+        self.graceful_degradation = _parse_degradation(self.graceful_degradation)
+        # The scheduler's knobs are checked by SchedulerConfig, here rather than at start-up; the block count and
+        # the model's length are not known yet (placeholders; the real config is built by the engine core).
+        self.scheduler_config(num_blocks=2, max_model_len=self.max_model_len or 1)
         if spec is not None and spec.num_speculative_tokens >= self.max_num_batched_tokens:
             raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} must be below "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}: a decode row carries 1 + that many")
+
+    def scheduler_config(self, *, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's configuration: every ``SchedulerConfig`` field this config has, by the same name,
+        plus the fields known only at start-up (:data:`SCHEDULER_FIELDS_FROM_START_UP`).
+
+        Args:
+          num_blocks: device KV blocks, the null block included.
+          max_model_len: the resolved ``max_model_len`` (:meth:`resolve_max_model_len`).
+
+        Raises:
+          ValueError: a scheduler knob out of range (``SchedulerConfig`` names it and its limit).
+        """
+        spec = self.speculative_config
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig)
+                  if f.name not in SCHEDULER_FIELDS_FROM_START_UP}
+        # A draft model writes its proposals' K/V into slots its row reserves beyond the scheduled tokens.
+        lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+        return SchedulerConfig(**shared, num_blocks=num_blocks, max_model_len=max_model_len,
+                               num_lookahead_tokens=lookahead)
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         """``max_model_len`` or the model's ``max_position_embeddings``.
@@ -525,3 +560,29 @@ class EngineConfig:
                                  "would have no bucket")
         return tuple(tokens), tuple(seqs), tuple(widths)
 
+
+def _parse_degradation(value: Any) -> Union[bool, GracefulDegradation]:
+    """``EngineConfig.graceful_degradation`` as the scheduler takes it: True, False or a ``GracefulDegradation``.
+
+    Raises:
+      ValueError: a value that is none of a bool, "true"/"false", a dict or JSON object of
+        ``GracefulDegradation`` fields (an unknown field is named with the known ones), or an instance.
+    """
+    if isinstance(value, (bool, GracefulDegradation)):
+        return value
+    if isinstance(value, str):
+        if value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"graceful_degradation={value!r} must be true, false or a JSON object of "
+                             f"GracefulDegradation fields: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"graceful_degradation={value!r} must be a bool, a dict or JSON object of "
+                         "GracefulDegradation fields, or a GracefulDegradation")
+    known = [f.name for f in dataclasses.fields(GracefulDegradation)]
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"graceful_degradation has unknown field {unknown[0]!r}; the fields are {known}")
+    return GracefulDegradation(**value)

@@ -97,18 +97,27 @@ def _compiled_ok(future: concurrent.futures.Future) -> bool:
 
 
 @dataclasses.dataclass
-class _SequenceGrammar:
-    """One constrained sequence: its grammar's compile future, its own matcher (a copy of the compiled
-    template, made on first use) and how many of its output tokens the matcher has consumed."""
+class SequenceGrammar:
+    """One constrained sequence's grammar: the compile future, its own matcher (a copy of the compiled
+    template, made on first use) and how many of its output tokens the matcher has consumed. Held by the
+    sequence itself (``jaxllm.core.requests.CoreSequence.grammar``)."""
 
-    request: Request
     future: concurrent.futures.Future
     matcher: Optional[llguidance.LLMatcher] = None
     num_consumed: int = 0
 
+    @property
+    def error(self) -> Optional[str]:
+        """Why the grammar failed to compile; None while it compiles or once it compiled."""
+        failed = self.future.done() and self.future.exception() is not None
+        return str(self.future.exception()) if failed else None
+
 
 class StructuredOutputManager:
     """Grammar compilation, per-sequence matchers and the step bitmask of one engine core.
+
+    The sequences it constrains are the core's ``CoreSequence``s: each holds its own ``SequenceGrammar`` in
+    its ``grammar`` attribute (None: unconstrained), which :meth:`add` sets and :meth:`remove` clears.
 
     Args:
       load_tokenizer: returns the model's ``jaxllm.tokenizer.Tokenizer``; called once, in the compile thread,
@@ -136,7 +145,7 @@ class StructuredOutputManager:
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxllm-grammar")
         self._executor: Optional[llguidance.LLExecutor] = None
         self._cache: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
-        self._seqs: dict[str, _SequenceGrammar] = {}
+        self._num_sequences = 0
         self._failed = threading.Event()
         self.bitmask_seconds: Optional[float] = None
 
@@ -183,36 +192,36 @@ class StructuredOutputManager:
     # -------------------------------------------------------------- sequences
 
     def add(self, request: Request, future: concurrent.futures.Future) -> None:
-        """Constrain ``request`` (one sequence) by the grammar ``future`` compiles (from :meth:`compile`)."""
-        self._seqs[request.request_id] = _SequenceGrammar(request, future)
+        """Constrain ``request`` (one sequence, a ``CoreSequence``) by the grammar ``future`` compiles (from
+        :meth:`compile`)."""
+        request.grammar = SequenceGrammar(future)
+        self._num_sequences += 1
 
     @staticmethod
     def ready(future: concurrent.futures.Future) -> Callable[[], bool]:
         """A ``Request.grammar_ready`` for the grammar ``future``: True once it compiled without error."""
         return lambda: _compiled_ok(future)
 
-    def remove(self, request_id: str) -> None:
-        """Forget a finished or aborted sequence (unknown ids are ignored)."""
-        self._seqs.pop(request_id, None)
+    def remove(self, request: Request) -> None:
+        """Forget a finished or aborted sequence's grammar (an unconstrained one is ignored)."""
+        if request.grammar is not None:
+            request.grammar = None
+            self._num_sequences -= 1
 
-    def constrains(self, request: Request) -> bool:
+    @staticmethod
+    def constrains(request: Request) -> bool:
         """True when ``request`` (one sequence) is under a grammar (speculative decoding gives it no drafts)."""
-        seq = self._seqs.get(request.request_id)
-        return seq is not None and seq.request is request
+        return request.grammar is not None
 
-    def take_failed(self) -> list[tuple[str, str]]:
-        """``(request_id, error)`` of the sequences whose grammar failed to compile since the last call (they
-        are forgotten); such a grammar was valid for the front end but not with the model's tokenizer."""
+    def grammar_failed(self) -> bool:
+        """True once after some grammar failed to compile (valid for the front end, not with the model's
+        tokenizer): its sequences, whose ``grammar.error`` says why, are then for the core to abort."""
         if not self._failed.is_set():
-            return []
+            return False
         self._failed.clear()
-        failed = [(rid, str(s.future.exception())) for rid, s in self._seqs.items()
-                  if s.future.done() and s.future.exception() is not None]
-        for rid, _ in failed:
-            del self._seqs[rid]
-        return failed
+        return True
 
-    def _matcher(self, seq: _SequenceGrammar) -> llguidance.LLMatcher:
+    def _matcher(self, seq: SequenceGrammar) -> llguidance.LLMatcher:
         if seq.matcher is None:
             seq.matcher = seq.future.result().deep_copy()
         return seq.matcher
@@ -232,19 +241,20 @@ class StructuredOutputManager:
           RuntimeError: a matcher is behind or ahead of its sequence (a bug).
         """
         rows = []
-        for i, (request, samples) in enumerate(zip(output.requests, output.samples.tolist())):
-            seq = self._seqs.get(request.request_id) if samples else None
-            if seq is not None and seq.request is request:
-                rows.append((i, seq))
+        if self._num_sequences:
+            for i, (request, samples) in enumerate(zip(output.requests, output.samples.tolist())):
+                if samples and request.grammar is not None:
+                    rows.append((i, request))
         if not rows:
             self.bitmask_seconds = None
             return None
         start = time.perf_counter()
         bitmask = np.full((num_rows, self.num_words), -1, np.int32)
         matchers = []
-        for i, seq in rows:
+        for i, request in rows:
+            seq = request.grammar
             if seq.num_consumed != output.sample_index[i]:
-                raise RuntimeError(f"request {seq.request.request_id!r}: its grammar has consumed "
+                raise RuntimeError(f"request {request.request_id!r}: its grammar has consumed "
                                    f"{seq.num_consumed} tokens but the step samples output token "
                                    f"{int(output.sample_index[i])}")
             matchers.append((self._matcher(seq), i))
@@ -261,8 +271,8 @@ class StructuredOutputManager:
           RuntimeError: the matcher rejects a sampled token: the bitmask did not hold it back (a bug).
         """
         for request in requests:
-            seq = self._seqs.get(request.request_id)
-            if seq is None or seq.request is not request:
+            seq = request.grammar
+            if seq is None:
                 continue
             new = request.output_token_ids[seq.num_consumed:]
             if not new:
@@ -278,10 +288,10 @@ class StructuredOutputManager:
     def needs_previous_samples(self, output: SchedulerOutput) -> bool:
         """True when a constrained row of ``output`` that samples takes the previous step's sample as input
         (``prev_row``, async scheduling): its bitmask needs that step's tokens first."""
-        if not self._seqs:
+        if not self._num_sequences:
             return False
         fed = ((output.prev_row >= 0) & output.samples).nonzero()[0]
-        return any(output.requests[i].request_id in self._seqs for i in fed.tolist())
+        return any(output.requests[i].grammar is not None for i in fed.tolist())
 
     @property
     def num_grammars(self) -> int:
@@ -290,5 +300,5 @@ class StructuredOutputManager:
 
     @property
     def num_sequences(self) -> int:
-        """Constrained sequences the manager holds."""
-        return len(self._seqs)
+        """Constrained sequences not removed yet."""
+        return self._num_sequences

@@ -80,7 +80,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         def bad(field: str, limit: str) -> ValueError:
-            return ValueError(f"SchedulerConfig.{field}={getattr(self, field)!r} is out of range: must be {limit}")
+            return ValueError(f"{field}={getattr(self, field)!r} is out of range: must be {limit}")
 
         for field, low in (("block_size", 1), ("num_blocks", 2), ("max_num_seqs", 1), ("max_model_len", 1)):
             value = getattr(self, field)

@@ -213,7 +213,7 @@ class Request:
         return self.first_scheduled_time - self.arrival_time
 
     def append_output_token(self, token_id: int) -> None:
-        """Record one generated token (scheduler use)."""
+        """Record one generated token (``Scheduler.update_from_output``)."""
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
 

@@ -767,8 +767,7 @@ class Scheduler:
             tokens = tokens[taken]
         token_list = tokens.tolist()
         for req, token in zip(receivers, token_list):
-            req.output_token_ids.append(token)
-            req._all_token_ids.append(token)
+            req.append_output_token(token)
         data, rows = self.batch.data, output.batch_rows[taken]
         state = data.take(rows, axis=0)
         # Drafts of a row that did not verify them (cut for blocks) are stale now.
@@ -818,8 +817,7 @@ class Scheduler:
                 data[row, COMPUTED] -= rejected
             status = None
             for token in tokens:
-                req.output_token_ids.append(token)
-                req._all_token_ids.append(token)
+                req.append_output_token(token)
                 status = self._stop_status(req, token)
                 if status is not None:
                     break

@@ -76,7 +76,7 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
     import jax.numpy as jnp
     import ml_dtypes
 
-    from jaxllm.frontend.llm_engine import resolve_dtype
+    from jaxllm.core.build import resolve_dtype
     from jaxllm.worker.quantization import quantize_weight
     from kernels_pallas.reference import to_storage
 

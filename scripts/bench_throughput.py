@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--structured times the jaxllm backend: add --backend jaxllm")
     if args.structured_repeats < 1:
         parser.error(f"--structured-repeats {args.structured_repeats}: need at least 1")
-    from jaxllm.core.engine_core import resolve_dtype
+    from jaxllm.core.build import resolve_dtype
 
     dtype = np.dtype(resolve_dtype(args.dtype)).name
     if args.speculative:

@@ -32,7 +32,7 @@ from typing import Optional
 # Import this checkout's jaxllm/, not whatever an editable install points at.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxllm.core.engine_core import resolve_dtype  # noqa: E402
+from jaxllm.core.build import resolve_dtype  # noqa: E402
 from jaxllm.loader import load_model  # noqa: E402
 from jaxllm.loader.orbax import save_checkpoint  # noqa: E402
 

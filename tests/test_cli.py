@@ -68,7 +68,7 @@ BAD_FLAGS = [
     (["--top-p", "1.5"], "--top-p 1.5 is out of range"),
     (["--top-k", "-3"], "--top-k -3 is out of range"),
     (["--min-p", "2"], "--min-p 2.0 is out of range"),
-    (["--max-num-seqs", "0"], "--max-num-seqs 0 must be a positive int"),
+    (["--max-num-seqs", "0"], "--max-num-seqs 0 is out of range: must be an int >= 1"),
     (["--logprobs", "-1"], "--logprobs -1 is out of range"),
     (["--stop", ""], "--stop [''] is out of range"),
     (["--max-tokens", "0"], "--max-tokens 0 is out of range"),
@@ -220,6 +220,6 @@ def test_serve_help_has_a_flag_for_every_engine_config_field_and_bad_flags_exit_
                  "--shutdown-timeout"] + [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(EngineConfig)]:
         assert re.search(rf"^  {flag}\b", helped.stdout, re.M), flag
     bad = _cli("serve", str(stories_dir), "--max-num-seqs", "0", module="jaxllm.entrypoints.cli")
-    assert bad.returncode == 2 and "error: --max-num-seqs 0 must be a positive int" in bad.stderr
+    assert bad.returncode == 2 and "error: --max-num-seqs 0 is out of range: must be an int >= 1" in bad.stderr
     missing = _cli("serve", str(stories_dir / "missing"), module="jaxllm.entrypoints.cli")
     assert missing.returncode == 2 and "does not exist" in missing.stderr

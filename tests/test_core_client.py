@@ -42,7 +42,7 @@ from tests.server_process import ENGINE, alive
 
 def _info(**overrides) -> CoreInfo:
     values = dict(vocab_size=512, max_model_len=128, eos_token_ids=[2], num_blocks=9, block_size=4, max_num_seqs=8,
-                  async_scheduling=False, max_banned_ids=8, enable_prefix_caching=True, device_ids=[0])
+                  max_banned_ids=8, enable_prefix_caching=True, device_ids=[0])
     return CoreInfo(**{**values, **overrides})
 
 

@@ -161,7 +161,7 @@ def test_swap_out_in_a_step_without_rows_still_copies_the_blocks(stories_dir):
     engine.runner.kv_cache = (k.at[:, 3].set(1.0), v.at[:, 3].set(2.0))
     out = SchedulerOutput(block_size=engine.config.block_size)
     out.blocks_to_swap_out = [(3, 1)]
-    assert engine.core._launch(out, None) is None
+    assert engine.core._launch(out, None).dispatched is None
     host_k, host_v = engine.runner.host_pool
     assert np.all(host_k[:, 1] == 1.0) and np.all(host_v[:, 1] == 2.0)
     assert np.all(host_k[:, 0] == 0.0) and np.all(host_k[:, 2:] == 0.0)

@@ -219,7 +219,7 @@ def test_prompt_logprobs_are_recorded_once_when_preemption_recomputes_the_prompt
     while engine.has_unfinished_requests():
         outs = engine.step()
         if request.status == RequestStatus.PREEMPTED:
-            recorded_at_preemption.append(engine.core._groups["target"].prompt_logprobs.num_recorded)
+            recorded_at_preemption.append(engine.core.requests["target"].prompt_logprobs.num_recorded)
         final = next((o for o in outs if o.request_id == "target" and o.finished), final)
     assert 1 < min(recorded_at_preemption) < len(target)  # preempted part-way through its prompt
     assert_prompt_logprobs_match_hf(final.prompt_logprobs, target, 3, hf_log_softmax(target))

@@ -18,9 +18,10 @@ import pytest
 
 from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxllm.core.messages import EngineCoreRequest
+from jaxllm.core.requests import CoreRequest, CoreSequence
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.tokenizer import load_tokenizer
-from scheduler import Request, SchedulerOutput
+from scheduler import SchedulerOutput
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -208,6 +209,11 @@ def _manager(stories_dir, vocab_size):
     return StructuredOutputManager(lambda: load_tokenizer(stories_dir), vocab_size, [2])
 
 
+def _seq(request_id):
+    """A sequence as the engine core makes one (the manager keeps its grammar on it)."""
+    return CoreSequence(CoreRequest(request_id), 0, request_id, [1], SamplingParams())
+
+
 def _row(request, sample_index=0):
     return SchedulerOutput(requests=[request], samples=np.array([True]), sample_index=np.array([sample_index]))
 
@@ -218,7 +224,7 @@ def _allowed(bitmask, row=0):
 
 def test_padding_ids_of_a_vocabulary_larger_than_the_tokenizers_are_never_allowed(stories_dir):
     manager = _manager(stories_dir, 600)  # stories260K's tokenizer has 512 ids
-    request = Request("r", [1], SamplingParams())
+    request = _seq("r")
     manager.add(request, manager.compile(SO(regex=r"(.|\n)*")))
     bitmask = manager.bitmask(_row(request), num_rows=4)
     assert bitmask.shape == (4, 19) and bitmask.dtype == np.int32
@@ -235,7 +241,7 @@ def test_equal_constraints_share_one_compile_and_each_sequence_its_own_matcher(s
     assert manager.compile(SO(choice=["dog", "cat"])) is not first
     assert manager.num_grammars == 2
     vocab = load_tokenizer(stories_dir).backend.token_to_id
-    a, b = Request("a", [1], SamplingParams()), Request("b", [1], SamplingParams())
+    a, b = _seq("a"), _seq("b")
     for request in (a, b):
         manager.add(request, first)
     a.output_token_ids.extend([vocab("c"), vocab("at")])
@@ -246,7 +252,7 @@ def test_equal_constraints_share_one_compile_and_each_sequence_its_own_matcher(s
 
 def test_a_token_the_grammar_rejects_or_a_matcher_out_of_step_raises(stories_dir):
     manager = _manager(stories_dir, 512)
-    request = Request("r", [1], SamplingParams())
+    request = _seq("r")
     manager.add(request, manager.compile(SO(regex="[0-9]+")))
     with pytest.raises(RuntimeError, match="has consumed 0 tokens but the step samples output token 3"):
         manager.bitmask(_row(request, 3), 1)

@@ -173,7 +173,6 @@ class CoreInfo(msgspec.Struct, array_like=True, tag="ready"):
         front end puts the tokenizer's first).
       num_blocks, block_size: the KV cache (blocks, null block included; tokens per block).
       max_num_seqs: sequences per step at most.
-      async_scheduling: whether the core schedules a step ahead.
       max_banned_ids: multi-token bad words a sequence may have at most.
       enable_prefix_caching: whether the core reuses cached prompt blocks.
       device_ids: the ids of the devices the core's model step runs on.
@@ -186,7 +185,6 @@ class CoreInfo(msgspec.Struct, array_like=True, tag="ready"):
     num_blocks: int
     block_size: int
     max_num_seqs: int
-    async_scheduling: bool
     max_banned_ids: int
     enable_prefix_caching: bool
     device_ids: list[int]

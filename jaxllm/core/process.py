@@ -122,11 +122,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     outputs.connect(args.output)
     try:
         from jaxllm.config import EngineConfig
-        from jaxllm.core.engine_core import EngineCore
+        from jaxllm.core.build import build_engine_core
 
         config = EngineConfig(**json.loads(args.config))
-        core = EngineCore(args.model, dataclasses.replace(config, data_parallel_size=1),
-                          mesh=replica_mesh(config, args.core_index), core_index=args.core_index)
+        core = build_engine_core(args.model, dataclasses.replace(config, data_parallel_size=1),
+                                 mesh=replica_mesh(config, args.core_index), core_index=args.core_index)
         outputs.send(encode(core.info()))
         run_core_loop(core, inputs, outputs)
     except Exception:

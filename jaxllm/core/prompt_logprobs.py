@@ -92,16 +92,13 @@ class PromptLogprobs:
                                             top_ids[i, :k].tolist(), top_logprobs[i, :k].tolist()))
 
 
-def prompt_targets(rows: Sequence[ScheduledRequest], trackers: dict[str, PromptLogprobs],
-                   num_slots: int) -> Optional[np.ndarray]:
+def prompt_targets(rows: Sequence[ScheduledRequest], num_slots: int) -> Optional[np.ndarray]:
     """The step's ``prompt_target_ids``: int32[num_slots] (the T bucket), -1
-    where nothing is wanted; None when no row wants any. ``trackers`` maps
-    the request ids whose prompt logprobs are not all recorded."""
-    if not trackers:
-        return None
+    where nothing is wanted; None when no row wants any. A row wants them while
+    its request (a ``CoreSequence``) holds a ``prompt_logprobs`` tracker."""
     targets, start = None, 0
     for row in rows:
-        tracker = trackers.get(row.request.request_id)
+        tracker = row.request.prompt_logprobs
         wanted = None if tracker is None else tracker.targets(row.num_computed_tokens, row.num_new_tokens)
         if wanted is not None:
             if targets is None:
@@ -111,21 +108,19 @@ def prompt_targets(rows: Sequence[ScheduledRequest], trackers: dict[str, PromptL
     return targets
 
 
-def record_prompt_logprobs(rows: Sequence[ScheduledRequest], trackers: dict[str, PromptLogprobs],
-                           out: dict[str, np.ndarray]) -> None:
+def record_prompt_logprobs(rows: Sequence[ScheduledRequest], out: dict[str, np.ndarray]) -> None:
     """Record a step's prompt logprobs (``out["prompt_*"]``, one row per
-    token) into the rows' trackers; a tracker complete now leaves
-    ``trackers``, and its request may read the prefix cache again."""
+    token) into the rows' trackers; a tracker complete now leaves its
+    sequence, which may read the prefix cache again."""
     start = 0
     for row in rows:
         end = start + row.num_new_tokens
         request = row.request
-        tracker = trackers.get(request.request_id)
-        # An aborted request's id may already name a new request.
+        tracker = request.prompt_logprobs
         if tracker is not None and request.status is not RequestStatus.FINISHED_ABORTED:
             tracker.record(row.num_computed_tokens, out["prompt_logprobs"][start:end], out["prompt_ranks"][start:end],
                            out["prompt_top_ids"][start:end], out["prompt_top_logprobs"][start:end])
             if tracker.complete:
-                del trackers[request.request_id]
+                request.prompt_logprobs = None
                 request.skip_reading_prefix_cache = False
         start = end

@@ -28,7 +28,7 @@ def _flag_type(hint: Any) -> dict[str, Any]:
         hint = args[0]
     if typing.get_origin(hint) is not None and typing.get_args(hint) == (int,):  # Sequence[int]
         return dict(type=int, nargs="+", metavar="N")
-    return dict(type=int if hint is int else str)
+    return dict(type=hint if hint in (int, float) else str)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

@@ -28,7 +28,7 @@ import sys
 import threading
 from typing import Any, Optional, Sequence
 
-from jaxllm import __version__
+from jaxllm import __version__, log
 from jaxllm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS
 
 DEFAULT_PROMPT = "Once upon a time"
@@ -136,9 +136,6 @@ def sampling_params(args: argparse.Namespace, generation_config: dict):
     return SamplingParams(**values)
 
 
-def _log(msg: str) -> None:
-    print(f"[jaxllm] {msg}", file=sys.stderr, flush=True)
-
 
 def _encode(tokenizer: Any, texts: list[str], chat: bool) -> list[list[int]]:
     if not chat:
@@ -159,7 +156,7 @@ def _check_room(prompts: list[list[int]], max_tokens: int, max_model_len: int, l
                              f"({limit_name})")
         room = max(max_model_len - len(ids), 1)  # a full-length prompt still samples one token (vLLM too)
         if room < max_tokens:
-            _log(f"warning: prompt {i} has {len(ids)} tokens, so under max_model_len={max_model_len} ({limit_name}) "
+            log(f"warning: prompt {i} has {len(ids)} tokens, so under max_model_len={max_model_len} ({limit_name}) "
                  f"its output stops after {room} of the {max_tokens} --max-tokens")
 
 
@@ -193,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     generation_config = read_generation_config(model)
     params = sampling_params(args, generation_config)
     source = "the model's generation_config.json" if generation_config_defaults(generation_config) else "the CLI"
-    _log(f"sampling: temperature={params.temperature} top_p={params.top_p} top_k={params.top_k} "
+    log(f"sampling: temperature={params.temperature} top_p={params.top_p} top_k={params.top_k} "
          f"min_p={params.min_p} max_tokens={params.max_tokens} (defaults from {source})")
 
     from jaxllm.config import EngineConfig
@@ -212,11 +209,11 @@ def run(args: argparse.Namespace) -> int:
     limit = "--max-model-len" if args.max_model_len is not None else "the model's max_position_embeddings"
     _check_room(prompts, params.max_tokens, max_model_len, limit)
 
-    _log(f"loading {model}")
+    log(f"loading {model}")
     engine = LLMEngine(model, tokenizer=tokenizer, **engine_kwargs)
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, params)
-    _log(f"generating for {len(prompts)} prompt(s) (first steps compile; later ones reuse the programs)")
+    log(f"generating for {len(prompts)} prompt(s) (first steps compile; later ones reuse the programs)")
     stream = len(prompts) == 1 and params.n == 1
     if stream and not args.chat:
         sys.stdout.write(texts[0])

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.client import EngineDeadError, MPClient
-from jaxllm.frontend.front_end import build_front_end, refuse_when_full
+from jaxllm.frontend.front_end import FrontEnd
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
@@ -25,7 +25,7 @@ from scheduler import SamplingParams
 logger = logging.getLogger("jaxllm.frontend.async_llm")
 
 
-class AsyncLLM:
+class AsyncLLM(FrontEnd):
     """Generate from asyncio code; the engine cores run in their own processes.
 
     Args:
@@ -36,7 +36,7 @@ class AsyncLLM:
 
     Attributes:
       client: the ``MPClient``; info: core 0's ``CoreInfo``.
-      input_processor, output_processor, metrics: as ``LLMEngine``'s.
+      input_processor, output_processor, metrics: ``FrontEnd``'s.
       dead: why the cores died (None while they run).
 
     Raises:
@@ -45,12 +45,10 @@ class AsyncLLM:
     """
 
     def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, **kwargs: Any) -> None:
-        self.config = EngineConfig(**kwargs)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
-        self.client = MPClient(model, self.config)
+        config = EngineConfig(**kwargs)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+        super().__init__(tokenizer, MPClient(model, config), config)
         self.info = self.client.infos[0]
-        self.input_processor, self.output_processor, self.metrics = build_front_end(self.tokenizer, self.client,
-                                                                                    self.config)
         self.dead: Optional[str] = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._output_task: Optional[asyncio.Task] = None
@@ -69,19 +67,10 @@ class AsyncLLM:
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        refuse_when_full(self.config, self.client, self.output_processor, self.metrics)
-        request = self.input_processor.process(request_id, prompt_token_ids, params, priority=priority,
-                                               cache_salt=cache_salt)
-        self.output_processor.add_request(request, prompt)
+        self._queue(request_id, prompt_token_ids, params, prompt=prompt, priority=priority, cache_salt=cache_salt)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._start()
-        try:
-            self.client.add_request(request)
-        except BaseException:
-            self._queues.pop(request_id, None)
-            self.output_processor.abort_requests([request_id])
-            raise
         return self._outputs(request_id, queue)
 
     async def _outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -110,13 +99,10 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort a request if it is open (its blocks are freed in the core's next loop turn)."""
-        open_ids = self.output_processor.abort_requests([request_id])
-        if open_ids:
-            self.metrics.forget(request_id)
-            try:
-                self.client.abort_requests(open_ids)
-            except EngineDeadError:
-                pass  # nothing runs any more
+        try:
+            self._abort([request_id])
+        except EngineDeadError:
+            pass  # nothing runs any more
 
     def _start(self) -> None:
         if self._output_task is None:
@@ -127,19 +113,10 @@ class AsyncLLM:
         try:
             while True:
                 for core_outputs in await self.client.get_outputs_async():
-                    request_outputs, to_stop = self.output_processor.process_outputs(core_outputs.outputs)
-                    if to_stop:
-                        self.client.stop_sequences(to_stop)
-                    finished = []
-                    for out in request_outputs:
+                    for out in self._handle_outputs(core_outputs):
                         queue = self._queues.get(out.request_id)
                         if queue is not None:
                             queue.put_nowait(out)
-                        if out.finished:
-                            finished.append(out.request_id)
-                    if finished:
-                        self.client.requests_finished(finished)
-                    self.metrics.on_step(core_outputs.stats, request_outputs, core_outputs.core_index)
                 # Let the requests' tasks write what they were given before the next step's outputs.
                 await asyncio.sleep(0)
         except Exception as e:  # a dead core, or a bug here: either way no request may hang

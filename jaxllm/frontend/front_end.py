@@ -1,60 +1,101 @@
-"""The request front end that ``LLMEngine`` and ``AsyncLLM`` both put before their engine cores.
+"""The request front end that ``LLMEngine`` and ``AsyncLLM`` both are: requests in, ``RequestOutput``s out.
 
 It follows vLLM's split (``vllm/v1/engine``): an input processor validates and
 tokenizes requests, an output processor detokenizes and builds
 ``RequestOutput``s, and the metrics record what the cores report; none of them
-touches the device.
+touches the device. :class:`FrontEnd` owns the three and the steps both engines
+take around them (queue a request, handle a step's outputs, abort), so the two
+differ only in how they wait for the cores.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Optional, Sequence
 
 from jaxllm.core.client import QueueFullError, check_waiting_limit
+from jaxllm.core.messages import EngineCoreOutputs
 from jaxllm.frontend.input_processor import InputProcessor
 from jaxllm.frontend.metrics import EngineMetrics
 from jaxllm.frontend.output_processor import OutputProcessor
 from jaxllm.frontend.prefix_warmup import preload_token_ids
+from jaxllm.outputs import RequestOutput
+from scheduler import SamplingParams
 
 
-class FrontEnd(NamedTuple):
-    """The front-end parts of one engine (all in the caller's process)."""
-
-    input_processor: InputProcessor
-    output_processor: OutputProcessor
-    metrics: EngineMetrics
-
-
-def build_front_end(tokenizer: Any, client: Any, config: Any) -> FrontEnd:
-    """Build the front end for ``client``'s cores and preload ``config.preload_prompts`` into their prefix caches.
+class FrontEnd:
+    """The front-end parts of one engine (all in the caller's process) over ``client``'s cores.
 
     Args:
       tokenizer: the engine's ``Tokenizer``.
       client: an ``InprocClient`` or ``MPClient`` (its first core's ``infos[0]`` gives the limits requests are
         checked against).
-      config: the ``EngineConfig`` (seed, metrics settings, ``preload_prompts``).
+      config: the ``EngineConfig`` (seed, metrics settings, ``max_waiting_requests``, ``preload_prompts``, which
+        are computed into the cores' prefix caches here).
+
+    Attributes:
+      config, tokenizer, client: as given.
+      input_processor, output_processor: the two halves (``InputProcessor``, ``OutputProcessor``).
+      metrics: the engine's ``EngineMetrics`` (Prometheus registry at ``metrics.registry``).
 
     Raises:
       ValueError: a preload prompt the input processor refuses (``prefix_warmup.preload_token_ids``).
     """
-    input_processor = InputProcessor(tokenizer, client.infos[0], config.seed)
-    metrics = EngineMetrics(log_stats=config.log_stats, metrics_port=config.metrics_port,
-                            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
-    if config.preload_prompts is not None:
-        client.preload_prefixes(preload_token_ids(config.preload_prompts, input_processor))
-    return FrontEnd(input_processor, OutputProcessor(tokenizer), metrics)
 
+    def __init__(self, tokenizer: Any, client: Any, config: Any) -> None:
+        self.config, self.tokenizer, self.client = config, tokenizer, client
+        self.input_processor = InputProcessor(tokenizer, client.infos[0], config.seed)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.metrics = EngineMetrics(log_stats=config.log_stats, metrics_port=config.metrics_port,
+                                     max_num_seqs=config.max_num_seqs,
+                                     max_num_batched_tokens=config.max_num_batched_tokens)
+        if config.preload_prompts is not None:
+            client.preload_prefixes(preload_token_ids(config.preload_prompts, self.input_processor))
 
-def refuse_when_full(config: Any, client: Any, output_processor: OutputProcessor, metrics: EngineMetrics) -> None:
-    """Refuse a new request when ``config.max_waiting_requests`` sequences already wait
-    (``client.check_waiting_limit`` over ``client``'s cores), counting it in ``metrics.request_refused``.
+    def _queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+               prompt: Optional[str] = None, priority: int = 0, arrival_time: Optional[float] = None,
+               cache_salt: Optional[str] = None, data_parallel_rank: Optional[int] = None) -> None:
+        """Validate a request and hand it to the cores; nothing changes anywhere when it is refused.
 
-    Raises:
-      QueueFullError: the queue is full; nothing was queued.
-    """
-    try:
-        check_waiting_limit(config.max_waiting_requests, output_processor.num_open_sequences, client.infos,
-                            metrics.core_stats)
-    except QueueFullError:
-        metrics.request_refused.inc()
-        raise
+        Raises:
+          ValueError: a duplicate ``request_id``, a bad request (``InputProcessor.process``) or a bad
+            ``data_parallel_rank``.
+          QueueFullError: ``max_waiting_requests`` sequences already wait (``client.check_waiting_limit``,
+            counted in ``metrics.request_refused``).
+        """
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        try:
+            check_waiting_limit(self.config.max_waiting_requests, self.output_processor.num_open_sequences,
+                                self.client.infos, self.metrics.core_stats)
+        except QueueFullError:
+            self.metrics.request_refused.inc()
+            raise
+        request = self.input_processor.process(request_id, prompt_token_ids, params, priority=priority,
+                                               arrival_time=arrival_time, cache_salt=cache_salt)
+        self.output_processor.add_request(request, prompt)
+        try:
+            self.client.add_request(request, data_parallel_rank)
+        except BaseException:
+            self.output_processor.abort_requests([request_id])
+            raise
+
+    def _handle_outputs(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
+        """One core step's outputs as ``RequestOutput``s: stop strings found here stop their sequences in the
+        core, finished requests are released there, and the metrics see the step."""
+        request_outputs, to_stop = self.output_processor.process_outputs(core_outputs.outputs)
+        if to_stop:
+            self.client.stop_sequences(to_stop)
+        finished = [out.request_id for out in request_outputs if out.finished]
+        if finished:
+            self.client.requests_finished(finished)
+        self.metrics.on_step(core_outputs.stats, request_outputs, core_outputs.core_index)
+        return request_outputs
+
+    def _abort(self, request_ids: Sequence[str]) -> list[str]:
+        """Close the open ones of ``request_ids`` here and abort them in the cores; returns those."""
+        open_ids = self.output_processor.abort_requests(request_ids)
+        for rid in open_ids:
+            self.metrics.forget(rid)
+        if open_ids:
+            self.client.abort_requests(open_ids)
+        return open_ids

@@ -1,29 +1,29 @@
 """LLMEngine: the step-by-step engine API (add_request / step / abort), a front end over engine core(s).
 
-Shaped after vLLM's ``LLMEngine``: the input processor (``jaxllm.frontend.input_processor``) validates and tokenizes a
-request into a core request; the core client runs the engine core(s); the output processor
-(``jaxllm.frontend.output_processor``) detokenizes, checks stop strings and assembles ``RequestOutput``s. One replica
-runs its ``EngineCore`` in this process (``client.InprocClient``: plain calls, nothing copied or
-serialized); ``data_parallel_size > 1`` runs one core process per replica (``client.MPClient``).
+Shaped after vLLM's ``LLMEngine``, over the shared ``FrontEnd`` (input processor, output processor, metrics). One
+replica runs its ``EngineCore`` in this process (``core.client.InprocClient``: plain calls, nothing copied or
+serialized; JAX is imported only then); ``data_parallel_size > 1`` runs one core process per replica
+(``core.client.MPClient``).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Optional, Union
-
-import jax
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.client import InprocClient, MPClient
-from jaxllm.frontend.front_end import build_front_end, refuse_when_full
+from jaxllm.frontend.front_end import FrontEnd
 from jaxllm.frontend.input_processor import PromptType
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
 
+if TYPE_CHECKING:
+    import jax
 
-class LLMEngine:
+
+class LLMEngine(FrontEnd):
     """The serving engine: requests in, ``RequestOutput`` per step out.
 
     Args:
@@ -42,8 +42,7 @@ class LLMEngine:
 
     Attributes:
       client: the core client (``InprocClient`` or ``MPClient``).
-      metrics: the engine's ``EngineMetrics`` (Prometheus registry at ``metrics.registry``).
-      input_processor, output_processor: the front end's two halves.
+      metrics, input_processor, output_processor: ``FrontEnd``'s.
 
     Raises:
       ValueError: a bad model path, an unsupported architecture, a config
@@ -52,19 +51,17 @@ class LLMEngine:
     """
 
     def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, *,
-                 mesh: Optional[jax.sharding.Mesh] = None, **kwargs: Any):
-        self.config = EngineConfig(**kwargs)
-        if self.config.data_parallel_size > 1:
+                 mesh: Optional["jax.sharding.Mesh"] = None, **kwargs: Any):
+        config = EngineConfig(**kwargs)
+        if config.data_parallel_size > 1:
             if mesh is not None:
                 raise ValueError("mesh is for one replica; data_parallel_size > 1 places each core process itself")
-            self.client: Union[InprocClient, MPClient] = MPClient(model, self.config)
+            client: Union[InprocClient, MPClient] = MPClient(model, config)
         else:
-            from jaxllm.core.engine_core import EngineCore
+            from jaxllm.core.build import build_engine_core
 
-            self.client = InprocClient(EngineCore(model, self.config, mesh=mesh))
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
-        self.input_processor, self.output_processor, self.metrics = build_front_end(self.tokenizer, self.client,
-                                                                                    self.config)
+            client = InprocClient(build_engine_core(model, config, mesh=mesh))
+        super().__init__(tokenizer if tokenizer is not None else load_tokenizer(model), client, config)
 
     @property
     def core(self):
@@ -150,28 +147,14 @@ class LLMEngine:
           QueueFullError: ``max_waiting_requests`` sequences already wait
             (``client.check_waiting_limit``); nothing is queued.
         """
-        params = params if params is not None else SamplingParams()
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        refuse_when_full(self.config, self.client, self.output_processor, self.metrics)
         text, ids = self.input_processor.encode_prompt(prompt)
-        request = self.input_processor.process(request_id, ids, params, priority=priority,
-                                               arrival_time=arrival_time, cache_salt=cache_salt)
-        self.output_processor.add_request(request, text)
-        try:
-            self.client.add_request(request, data_parallel_rank)
-        except ValueError:
-            self.output_processor.abort_requests([request_id])
-            raise
+        self._queue(request_id, ids, params if params is not None else SamplingParams(), prompt=text,
+                    priority=priority, arrival_time=arrival_time, cache_salt=cache_salt,
+                    data_parallel_rank=data_parallel_rank)
 
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
         """Abort requests; their KV blocks return to the pool at once (in a core process: at its next loop turn)."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        open_ids = self.output_processor.abort_requests(ids)
-        for rid in open_ids:
-            self.metrics.forget(rid)
-        if open_ids:
-            self.client.abort_requests(open_ids)
+        self._abort([request_id] if isinstance(request_id, str) else list(request_id))
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, unreported, or a step is in flight."""
@@ -196,17 +179,7 @@ class LLMEngine:
         """
         if not isinstance(self.client, InprocClient) and not self.output_processor.has_unfinished_requests():
             return []
-        outputs: list[RequestOutput] = []
-        for core_outputs in self.client.get_outputs():
-            request_outputs, to_stop = self.output_processor.process_outputs(core_outputs.outputs)
-            if to_stop:
-                self.client.stop_sequences(to_stop)
-            finished = [out.request_id for out in request_outputs if out.finished]
-            if finished:
-                self.client.requests_finished(finished)
-            self.metrics.on_step(core_outputs.stats, request_outputs, core_outputs.core_index)
-            outputs += request_outputs
-        return outputs
+        return [out for core_outputs in self.client.get_outputs() for out in self._handle_outputs(core_outputs)]
 
     def shutdown(self) -> None:
         """Stop the cores (other processes exit) and the metrics server."""

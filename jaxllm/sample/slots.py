@@ -85,6 +85,9 @@ def make_sequence_sampling(params: SamplingParams, seed: int, stop_ids: Sequence
 class SamplingSlots:
     """Assigns sampling slots and builds each step's :class:`SamplingArrays`.
 
+    The sequences are the core's ``CoreSequence``s: each carries its ``SequenceSampling`` (``sampling``; None
+    for a prefill parent, whose row stays inert) and its slot (``slot``, 0 while it holds none).
+
     Args:
       num_slots: rows of the device tables, slot 0 included (>= max_num_seqs + 1).
       vocab_size: the model's vocabulary.
@@ -94,54 +97,50 @@ class SamplingSlots:
     def __init__(self, num_slots: int, vocab_size: int, tables: SlotTables) -> None:
         self.vocab_size = vocab_size
         self.tables = tables
-        self.sequences: dict[str, SequenceSampling] = {}
-        # Ids of the sequences with multi-token bad words (most steps have none to look up).
-        self._multi_word_ids: set[str] = set()
-        self.slots: dict[str, int] = {}
+        # Live sequences with multi-token bad words (most steps have none to look for).
+        self._num_multi_word = 0
         self._free = list(range(num_slots - 1, 0, -1))
 
-    def register(self, request_id: str, sampling: SequenceSampling) -> None:
-        """Remember a sequence's sampling state; it gets a slot when scheduled."""
-        self.sequences[request_id] = sampling
-        if sampling.multi_token_bad_words:
-            self._multi_word_ids.add(request_id)
+    def register(self, request: Request, sampling: SequenceSampling) -> None:
+        """Give a sequence its sampling state; it gets a slot when scheduled."""
+        request.sampling = sampling
+        self._num_multi_word += bool(sampling.multi_token_bad_words)
 
-    def release(self, request_id: str) -> None:
+    def release(self, request: Request) -> None:
         """Give back the sequence's slot (preempted: refilled on readmission)."""
-        slot = self.slots.pop(request_id, None)
-        if slot is not None:
-            self._free.append(slot)
+        if request.slot:
+            self._free.append(request.slot)
+            request.slot = 0
 
-    def forget(self, request_id: str) -> None:
-        """The sequence finished or was aborted: drop its slot and state."""
-        self.release(request_id)
-        self.sequences.pop(request_id, None)
-        self._multi_word_ids.discard(request_id)
+    def forget(self, request: Request) -> None:
+        """The sequence finished or was aborted: give back its slot, and it counts no more."""
+        self.release(request)
+        if request.sampling is not None:
+            self._num_multi_word -= bool(request.sampling.multi_token_bad_words)
+            request.sampling = None
 
     def _slot(self, request: Request, sampling: SequenceSampling) -> int:
-        rid = request.request_id
-        slot = self.slots.get(rid)
-        if slot is None:
-            slot = self.slots[rid] = self._free.pop()
+        if not request.slot:
+            slot = request.slot = self._free.pop()
             self.tables.fill_slot(slot, request.all_token_ids, request.num_prompt_tokens)
             if sampling.bias is not None or sampling.params.min_tokens > 0:
                 stop = np.zeros(self.vocab_size, bool)
                 stop[sampling.stop_ids] = True
                 bias = sampling.bias if sampling.bias is not None else np.zeros(self.vocab_size, np.float32)
                 self.tables.set_slot_rows(slot, bias, stop)
-        return slot
+        return request.slot
 
     def needs_previous_samples(self, output: SchedulerOutput) -> bool:
         """True when a row of ``output`` that samples and has multi-token bad words takes the previous step's
         sample as input (``prev_row``, async scheduling): its bans match its last generated tokens, which the
         host must know first."""
-        if not self._multi_word_ids:
+        if not self._num_multi_word:
             return False
         fed = ((output.prev_row >= 0) & output.samples).nonzero()[0]
-        return any(output.requests[i].request_id in self._multi_word_ids for i in fed.tolist())
+        return any(_has_multi_word(output.requests[i]) for i in fed.tolist())
 
     def arrays(self, output: SchedulerOutput, num_rows: int, num_positions: int = 1) -> SamplingArrays:
-        """The step's per-row controls; rows of unregistered requests (a fork parent) stay inert.
+        """The step's per-row controls; rows of sequences without sampling state (a fork parent) stay inert.
 
         Preempted sequences must have been :meth:`release`-d first, so
         their slots are free for this step's admissions.
@@ -154,7 +153,7 @@ class SamplingSlots:
         arrays = SamplingArrays.empty(num_rows)
         for i, row in enumerate(output.scheduled):
             request = row.request
-            sampling = self.sequences.get(request.request_id)
+            sampling = request.sampling
             if sampling is None:
                 continue
             outputs = request.output_token_ids
@@ -167,10 +166,14 @@ class SamplingSlots:
             return arrays
         wide = arrays.repeat(num_positions)
         for i, row in enumerate(output.scheduled):
-            sampling = self.sequences.get(row.request.request_id)
-            if not row.num_spec_tokens or sampling is None or not sampling.multi_token_bad_words:
+            if not row.num_spec_tokens or not _has_multi_word(row.request):
                 continue
+            sampling = row.request.sampling
             outputs, drafts = row.request.output_token_ids, row.request.spec_token_ids
             for j in range(1, row.num_spec_tokens + 1):
                 wide.set_banned(i * num_positions + j, sampling.banned_ids(outputs + drafts[:j]))
         return wide
+
+
+def _has_multi_word(request: Request) -> bool:
+    return request.sampling is not None and bool(request.sampling.multi_token_bad_words)

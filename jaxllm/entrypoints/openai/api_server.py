@@ -32,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxllm import __version__
+from jaxllm import __version__, log
 from jaxllm.core.client import EngineDeadError, QueueFullError
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     # that ends here, and the process exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    _log(f"serving {serving.model_name} on http://{args.host}:{args.port} (OpenAI-compatible API under /v1)")
+    log(f"serving {serving.model_name} on http://{args.host}:{args.port} (OpenAI-compatible API under /v1)")
     try:
         server.run()
     finally:
@@ -236,9 +236,6 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm serve") -> in
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-
-def _log(msg: str) -> None:
-    print(f"[jaxllm] {msg}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,168 @@
+"""Start-up of an engine core: read the model, place it on the mesh, size and calibrate the KV cache, build the
+runners (target and draft) and warm their programs up, then make the ``EngineCore`` from those parts.
+
+Each stage is a function of its own, so a caller holding some of the parts (weights already in memory, a mesh of
+its own) can build a core from them; ``build_engine_core`` is the whole start-up from a model path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from jaxllm.config import EngineConfig, ModelConfig
+from jaxllm import log
+from jaxllm.core.engine_core import EngineCore
+from jaxllm.loader import load_sharded, read_model_config
+from jaxllm.paths import cache_dir
+from jaxllm.spec_decode import NgramProposer
+from jaxllm.spec_decode.draft import DraftRunner
+from jaxllm.structured_output import StructuredOutputManager
+from jaxllm.tokenizer import load_tokenizer
+from jaxllm.worker.kv_cache import calibrate_kv_scales, calibration_ids, kv_number_dtype, resolve_num_blocks
+from jaxllm.worker.model_runner import ModelRunner, enable_persistent_compilation_cache
+from jaxllm.worker.quantization import weight_quantization
+from jaxllm.worker.sharding import ModelSharding, make_mesh
+from kernels_pallas import AttentionOps, default_attention_backend, get_attention_ops
+from scheduler import BucketTable
+
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def resolve_dtype(name: str) -> Any:
+    """The compute dtype of ``EngineConfig.dtype``: "auto" is float32 on CPU (fast there, and exact against HF)
+    and bfloat16 on accelerators; other names map directly (numpy / ml_dtypes types)."""
+    if name == "auto":
+        return np.float32 if jax.default_backend() == "cpu" else ml_dtypes.bfloat16
+    return _DTYPES[name]
+
+
+def build_engine_core(model: Union[str, os.PathLike], config: EngineConfig, *,
+                      mesh: Optional[jax.sharding.Mesh] = None, core_index: int = 0) -> EngineCore:
+    """Start an engine core for ``model``: every stage of start-up, logged to stderr.
+
+    Args:
+      model: a HF model folder, a ``.gguf`` file, or a jaxllm orbax folder.
+      config: the ``EngineConfig`` (``data_parallel_size`` must be 1: one core is one replica).
+      mesh: this replica's ``(data, model)`` mesh; by default ``make_mesh(tensor_parallel_size)`` over the first
+        devices.
+      core_index: this core's data-parallel rank (reported with its outputs).
+
+    Raises:
+      ValueError: a bad model path, an unsupported architecture, a config value out of range (named with its
+        limit), heads that do not split over ``tensor_parallel_size``, a draft model that does not fit the target,
+        or ``data_parallel_size > 1``.
+    """
+    if config.data_parallel_size > 1:
+        raise ValueError(f"data_parallel_size={config.data_parallel_size}: an EngineCore is one replica; "
+                         "LLM and the server run one core per replica")
+    path = Path(model)
+    # The config is checked before any weight is read.
+    max_model_len = config.resolve_max_model_len(read_model_config(path)[0])
+    dtype = resolve_dtype(config.dtype)
+    mesh = mesh if mesh is not None else make_mesh(config.tensor_parallel_size)
+    cfg, params, hf_config, sharding = load_sharded(path, dtype, mesh, quantization=config.quantization)
+    backend = config.attention_backend or default_attention_backend()
+    ops = sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
+    cache = config.compilation_cache
+    enable_persistent_compilation_cache(str(cache_dir() / "xla") if cache == "default" else cache)
+    kv_dtype = kv_number_dtype(config.kv_cache_dtype, dtype)
+    if kv_dtype != np.dtype(dtype):
+        ids = calibration_ids(load_tokenizer(path), cfg.vocab_size)[:max_model_len]
+        k_scale, v_scale = calibrate_kv_scales(cfg, params, ids, ops=ops, sharding=sharding, kv_dtype=kv_dtype)
+        params = {**params, "layers": {**params["layers"], "k_scale": k_scale, "v_scale": v_scale}}
+    runner = build_runner(cfg, params, config, sharding=sharding, ops=ops, backend=backend, dtype=dtype,
+                          kv_dtype=kv_dtype, max_model_len=max_model_len)
+    spec = config.speculative_config
+    drafter = proposer = None
+    if spec is not None and spec.method == "draft_model":
+        drafter = build_drafter(config, runner, mesh=sharding.mesh, backend=backend, max_model_len=max_model_len)
+    elif spec is not None:
+        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    structured = StructuredOutputManager(lambda: load_tokenizer(path), cfg.vocab_size, cfg.eos_token_ids)
+    core = EngineCore(config, runner, sharding=sharding, max_model_len=max_model_len, kv_cache_dtype=kv_dtype,
+                      structured=structured, drafter=drafter, proposer=proposer, hf_config=hf_config,
+                      core_index=core_index)
+    _log_start_up(core, backend, weight_quantization(params))
+    warm_up(core)
+    return core
+
+
+def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, sharding: ModelSharding, ops: AttentionOps,
+                 backend: str, dtype: Any, kv_dtype: np.dtype, max_model_len: int) -> ModelRunner:
+    """The target model's runner over ``params`` (placed by ``sharding``): its KV cache sized from ``config``
+    (``worker.kv_cache.resolve_num_blocks``) and its bucket table (``EngineConfig.bucket_ladders``).
+
+    Raises:
+      ValueError: the KV memory holds no ``max_model_len`` sequence, or a bucket ladder that stops short.
+    """
+    num_blocks = resolve_num_blocks(
+        sharding.per_device_config(), block_size=config.block_size, dtype=kv_dtype,
+        num_kv_blocks=config.num_kv_blocks, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, device=sharding.mesh.devices.flat[0],
+    )
+    spec = config.speculative_config
+    return ModelRunner(
+        cfg, params, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, ops=ops,
+        buckets=BucketTable(*config.bucket_ladders(max_model_len, backend)), sharding=sharding,
+        num_host_blocks=config.num_host_blocks, num_sampling_slots=config.max_num_seqs + 1,
+        max_model_len=max_model_len,
+        float_bits_storage=backend != "pallas" and sharding.mesh.devices.flat[0].platform == "cpu",
+        kv_cache_dtype=kv_dtype, num_positions=1 + (spec.num_speculative_tokens if spec is not None else 0),
+    )
+
+
+def build_drafter(config: EngineConfig, target: ModelRunner, *, mesh: jax.sharding.Mesh, backend: str,
+                  max_model_len: int) -> DraftRunner:
+    """The draft model's runner: its own weights and KV cache (the target's block count and size), on ``mesh``.
+
+    Raises:
+      ValueError: a bad draft model path, or a draft model whose vocabulary differs from the target's or whose
+        positions do not reach ``max_model_len``.
+    """
+    spec = config.speculative_config
+    cfg, params, _, sharding = load_sharded(Path(spec.model), target.dtype, mesh)
+    if cfg.vocab_size != target.cfg.vocab_size:
+        raise ValueError(f"speculative_config model={spec.model!r} has vocab_size={cfg.vocab_size}; the target "
+                         f"has {target.cfg.vocab_size}, and drafts must be the target's token ids")
+    if cfg.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config model={spec.model!r} has max_position_embeddings="
+                         f"{cfg.max_position_embeddings}, below max_model_len={max_model_len}")
+    ops = sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
+    return DraftRunner(
+        cfg, params, num_speculative_tokens=spec.num_speculative_tokens, num_blocks=target.num_blocks,
+        block_size=config.block_size, dtype=target.dtype, ops=ops, buckets=target.buckets, sharding=sharding,
+        num_host_blocks=config.num_host_blocks, max_model_len=max_model_len,
+        float_bits_storage=target.float_bits_storage, num_positions=target.num_positions,
+    )
+
+
+def warm_up(core: EngineCore) -> None:
+    """Build the step programs of every runner now, or start building them in the background
+    (``EngineConfig.precompile``), and log what was built."""
+    config = core.config
+    if not config.precompile:
+        log("step programs are built on first use (precompile=False)")
+        return
+    for r in [core.runner] + ([core.drafter] if core.drafter is not None else []):
+        seconds = r.warmup(swap=config.preemption_mode == "swap", background=config.precompile == "background")
+        pending = r.num_pending_programs()
+        log(f"built {r.num_compilations} {'draft model ' if r is core.drafter else ''}programs in "
+             f"{seconds:.1f} s: {r.num_compilations - r.num_cache_hits} compiled ({r.compile_seconds:.1f} s), "
+             f"{r.num_cache_hits} loaded from the persistent cache ({r.cache_load_seconds:.1f} s)"
+             + (f"; {pending} more building in the background" if pending else ""))
+
+
+def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -> None:
+    pb, b = core.param_bytes, core.buckets
+    quantized = (f" ({pb['quantized'] / 2**20:.1f} MiB of {quantization} weights and scales, "
+                 f"{pb['quantized_as_float32'] / 2**20:.1f} MiB as float32)" if pb["quantized"] else "")
+    log(f"parameters: {pb['total'] / 2**20:.1f} MiB{quantized}")
+    log(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {[b.seq_bucket_for(t) for t in b.token_buckets]}, "
+         f"block-table widths {list(b.width_buckets)}); {core.num_blocks} KV blocks of {core.config.block_size} "
+         f"tokens ({core.kv_cache_dtype.name}); attention {backend}; tensor parallel {core.sharding.tensor_parallel_size}")
