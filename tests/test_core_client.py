@@ -8,13 +8,11 @@ tokens, logprobs, n > 1 and aborts against ``LLM`` in this process) and tests/mu
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -124,65 +122,3 @@ def test_a_core_process_exits_when_its_parent_dies(stories_dir, tmp_path):
         time.sleep(0.1)
     assert not alive(child)
 
-
-def _walk_runtime(tree: ast.AST):
-    """``ast.walk`` without the bodies of ``if TYPE_CHECKING:`` blocks."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-            yield from (n for child in node.orelse for n in ast.walk(child))
-            continue
-        yield node
-        yield from _walk_runtime(node)
-
-
-def _imports(toplevel_only: bool) -> dict[str, set[str]]:
-    """jaxllm module -> the jaxllm modules and third-party top-level packages it imports (statically)."""
-    root = Path(__file__).resolve().parents[1]
-    modules = {}
-    for path in (root / "jaxllm").rglob("*.py"):
-        name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-        modules[name] = ast.parse(path.read_text())
-    graph: dict[str, set[str]] = {}
-    for name, tree in modules.items():
-        targets = set()
-        # Imports under `if TYPE_CHECKING:` never run, so they are no edge (kv_cache names ModelSharding so).
-        for node in tree.body if toplevel_only else _walk_runtime(tree):
-            if isinstance(node, ast.Import):
-                targets |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        # Importing a.b.c imports the packages a and a.b first; a module's own packages are already
-        # imported (or being imported) when it runs, so they are no edge of it.
-        parents = {t.rsplit(".", k)[0] for t in targets for k in range(1, t.count(".") + 1)}
-        graph[name] = {t for t in targets | parents if t in modules and t != name and not name.startswith(f"{t}.")
-                       } | {t.split(".")[0] for t in targets}
-    return graph
-
-
-def test_jaxllm_modules_import_no_cycle_and_the_front_end_no_jax():
-    graph = _imports(toplevel_only=False)
-    done, path = set(), []
-
-    def visit(module):
-        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module):] + [module])}"
-        if module in done or module not in graph:
-            return
-        path.append(module)
-        for target in graph[module]:
-            visit(target)
-        path.pop()
-        done.add(module)
-
-    for module in graph:
-        visit(module)
-    # What the server's front end imports when it starts: no JAX (the engine core's processes hold it).
-    toplevel = _imports(toplevel_only=True)
-    front_end = ["jaxllm.frontend.async_llm", "jaxllm.entrypoints.openai.api_server", "jaxllm.entrypoints.openai.serving"]
-    seen, todo = set(), list(front_end)
-    while todo:
-        module = todo.pop()
-        if module not in seen and module in toplevel:
-            seen.add(module)
-            todo += toplevel[module]
-    assert "jaxllm.core.client" in seen and "jaxllm.tokenizer" in seen
-    assert not {m for m in seen if "jax" in toplevel[m]}, sorted(m for m in seen if "jax" in toplevel[m])

@@ -1,0 +1,67 @@
+"""The layout of the code: the import graph, function lengths and the top level of jaxllm/, read with ``ast``
+by scripts/code_stats.py (which prints the same figures)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.code_stats import LONG_FUNCTION, functions, import_cycles, import_graph, top_level
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_jaxllm_modules_import_no_cycle_and_the_front_end_no_jax():
+    graph = import_graph(ROOT)
+    cycles = import_cycles(graph)
+    assert cycles == [], "import cycle: " + "; ".join(" -> ".join(c) for c in cycles)
+    # What the server's front end imports when it starts: no JAX (the engine core's processes hold it).
+    toplevel = import_graph(ROOT, toplevel_only=True)
+    front_end = ["jaxllm.frontend.async_llm", "jaxllm.entrypoints.openai.api_server", "jaxllm.entrypoints.openai.serving"]
+    # A module's packages are no edge of it in the graph, but importing it runs their __init__ first.
+    packages = [m.rsplit(".", k)[0] for m in front_end for k in range(1, m.count(".") + 1)]
+    seen, todo = set(), front_end + packages
+    while todo:
+        module = todo.pop()
+        if module not in seen and module in toplevel:
+            seen.add(module)
+            todo += toplevel[module]
+    assert "jaxllm.core.client" in seen and "jaxllm.tokenizer" in seen
+    assert not {m for m in seen if "jax" in toplevel[m]}, sorted(m for m in seen if "jax" in toplevel[m])
+
+
+# A package a boundary: the scheduler knows nothing of JAX, the kernels nothing of the scheduler or the models.
+@pytest.mark.parametrize(("package", "forbidden"), [("scheduler", {"jaxllm", "jax"}),
+                                                     ("kernels_pallas", {"jaxllm", "scheduler"})])
+def test_scheduler_and_kernels_pallas_import_no_jaxllm(package, forbidden):
+    graph = import_graph(ROOT, package, type_checking=True)
+    assert len(graph) > 5
+    assert {m: sorted(t & forbidden) for m, t in graph.items() if t & forbidden} == {}
+
+
+@pytest.mark.parametrize("package", ["jaxllm", "scheduler"])
+def test_no_function_exceeds_100_lines(package):
+    found = functions(ROOT, package)
+    assert len(found) > 100
+    assert [f for f in found if f.lines > LONG_FUNCTION] == []
+
+
+def test_jaxllm_top_level_holds_at_most_20_modules_and_folders():
+    top = top_level(ROOT)
+    assert "config.py" in top["modules"] and {"core", "frontend", "worker", "sample"} <= set(top["packages"])
+    assert len(top["modules"]) + len(top["packages"]) <= 20
+
+
+def test_code_stats_prints_the_figures_as_json_without_importing_jax():
+    run = ("import runpy, sys; sys.argv = ['code_stats.py', '--json'];"
+           " runpy.run_path('scripts/code_stats.py', run_name='__main__'); assert 'jax' not in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", run], cwd=ROOT, capture_output=True, text=True, check=True)
+    stats = json.loads(proc.stdout)
+    assert stats["top_level"]["count"] == sum(map(len, top_level(ROOT).values()))
+    assert stats["imports"]["cycles"] == [] and stats["imports"]["longest_chain"][0].startswith("jaxllm.")
+    assert stats["tracked"]["EngineCore.step"]["path"] == "jaxllm/core/engine_core.py"
+    assert stats["tracked"]["Scheduler.schedule"]["path"] == "scheduler/scheduler.py"
