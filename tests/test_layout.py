@@ -65,3 +65,8 @@ def test_code_stats_prints_the_figures_as_json_without_importing_jax():
     assert stats["imports"]["cycles"] == [] and stats["imports"]["longest_chain"][0].startswith("jaxllm.")
     assert stats["tracked"]["EngineCore.step"]["path"] == "jaxllm/core/engine_core.py"
     assert stats["tracked"]["Scheduler.schedule"]["path"] == "scheduler/scheduler.py"
+
+
+def test_engine_core_step_reads_as_schedule_launch_apply_report_in_at_most_30_lines():
+    step = next(f for f in functions(ROOT, "jaxllm") if f.qualname == "EngineCore.step")
+    assert step.path == "jaxllm/core/engine_core.py" and step.lines <= 30

@@ -113,7 +113,7 @@ class AsyncLLM(FrontEnd):
         try:
             while True:
                 for core_outputs in await self.client.get_outputs_async():
-                    for out in self._handle_outputs(core_outputs):
+                    for out in self._process_core_outputs(core_outputs):
                         queue = self._queues.get(out.request_id)
                         if queue is not None:
                             queue.put_nowait(out)

@@ -79,7 +79,7 @@ class FrontEnd:
             self.output_processor.abort_requests([request_id])
             raise
 
-    def _handle_outputs(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
+    def _process_core_outputs(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
         """One core step's outputs as ``RequestOutput``s: stop strings found here stop their sequences in the
         core, finished requests are released there, and the metrics see the step."""
         request_outputs, to_stop = self.output_processor.process_outputs(core_outputs.outputs)

@@ -179,7 +179,7 @@ class LLMEngine(FrontEnd):
         """
         if not isinstance(self.client, InprocClient) and not self.output_processor.has_unfinished_requests():
             return []
-        return [out for core_outputs in self.client.get_outputs() for out in self._handle_outputs(core_outputs)]
+        return [out for core_outputs in self.client.get_outputs() for out in self._process_core_outputs(core_outputs)]
 
     def shutdown(self) -> None:
         """Stop the cores (other processes exit) and the metrics server."""

@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
-from jaxllm.frontend.input_processor import InputProcessor
 from scheduler import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxllm.frontend.input_processor import InputProcessor
 
 
 def read_preload_prompts(path: Union[str, os.PathLike]) -> list[str]:
@@ -48,7 +50,7 @@ def read_preload_prompts(path: Union[str, os.PathLike]) -> list[str]:
     return prompts
 
 
-def preload_token_ids(path: Union[str, os.PathLike], input_processor: InputProcessor) -> list[list[int]]:
+def preload_token_ids(path: Union[str, os.PathLike], input_processor: "InputProcessor") -> list[list[int]]:
     """The warm-up prompts of ``path`` as token ids, each checked as a request's prompt would be.
 
     Raises:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import numpy as np
@@ -20,9 +20,11 @@ from jaxllm.loader.orbax import is_orbax_checkpoint, restore_params
 from jaxllm.loader.params import params_from_hf
 from jaxllm.loader.safetensors import LazyStack, LazyTensor, iter_lazy_safetensors, iter_safetensors, read_hf_config
 from jaxllm.paths import model_format, read_generation_config
-from jaxllm.models.common import Params
 from jaxllm.worker.quantization import check_quantization, quantize_params, weight_quantization
 from jaxllm.worker.sharding import ModelSharding
+
+if TYPE_CHECKING:
+    from jaxllm.models.common import Params
 
 
 def read_model_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:

@@ -20,13 +20,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jaxllm.models.common import Params
 from jaxllm.worker.quantization import leaf_dtype
 from jaxllm.worker.sharding import ModelSharding
+
+if TYPE_CHECKING:
+    from jaxllm.models.common import Params
 
 PARAMS_DIR = "params"
 _METADATA_FILE = "_CHECKPOINT_METADATA"

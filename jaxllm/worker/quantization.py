@@ -26,14 +26,16 @@ whereas the model here is plain functions over a dict of arrays.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import ml_dtypes
 import numpy as np
 
-from jaxllm.config import WEIGHT_QUANTIZATIONS, ModelConfig
-from jaxllm.models.common import Params
+from jaxllm.config import WEIGHT_QUANTIZATIONS
+
+if TYPE_CHECKING:
+    from jaxllm.models.common import Params
 
 SCALE_SUFFIX = "_scale"
 # Parameter keys quantized by ``quantization``: the dense projections and an untied lm_head.

@@ -37,16 +37,18 @@ one mesh across them. Each process places only the shards of its own devices
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.common import Params
 from jaxllm.worker.quantization import leaf_dtype
 from kernels_pallas import AttentionOps
+
+if TYPE_CHECKING:
+    from jaxllm.models.common import Params
 
 try:
     from jax import shard_map
