@@ -42,9 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
+from scheduler.sampling_params import GREEDY_EPS, MAX_LOGPROBS, SamplingParams
 
-_GREEDY_EPS = 1e-5
 # Token rows whose logits are materialised at once for prompt logprobs: the
 # [rows, V] float32 logits of a whole step (hundreds of MB with a 128k
 # vocabulary) are never held together.
@@ -281,7 +280,7 @@ def _row_keys(seed: jax.Array, num_generated: jax.Array) -> jax.Array:
 
 def _draw(logits: jax.Array, arrays: dict, filtered: bool) -> jax.Array:
     temperature = arrays["temperature"]
-    scaled = logits / jnp.where(temperature < _GREEDY_EPS, 1.0, temperature)[:, None]
+    scaled = logits / jnp.where(temperature < GREEDY_EPS, 1.0, temperature)[:, None]
     if filtered:
         scaled = apply_top_k_top_p_min_p(scaled, arrays["top_k"], arrays["top_p"], arrays["min_p"])
     keys = _row_keys(arrays["seed"], arrays["num_generated"])
@@ -328,7 +327,7 @@ def _choose(raw: jax.Array, arrays: dict, tables: dict, extra_counts: Callable[[
         return jnp.where(jnp.all(out == -jnp.inf, axis=-1, keepdims=True), raw, out)
 
     logits = jax.lax.cond(needs_processing, processed, lambda: raw)
-    greedy = arrays["temperature"] < _GREEDY_EPS
+    greedy = arrays["temperature"] < GREEDY_EPS
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     needs_filter = jnp.any(~greedy & ((arrays["top_k"] > 0) | (arrays["top_p"] < 1.0) | (arrays["min_p"] > 0.0)))
     sampled = jax.lax.cond(

@@ -185,7 +185,6 @@ class ModelRunner:
         self.cfg = cfg
         self.ops = ops
         self.num_blocks = num_blocks
-        self.block_size = block_size
         self.dtype = dtype
         self.buckets = buckets
         self.num_positions = num_positions
