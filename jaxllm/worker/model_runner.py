@@ -17,6 +17,7 @@ those same shardings.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import threading
 import time
@@ -41,46 +42,44 @@ from jaxllm.sample.sampler import (
     set_slot_rows,
 )
 from jaxllm.worker.sharding import ModelSharding
+from jaxllm.worker.step_batch import StepBatch
 from jaxllm.structured_output import bitmask_words
 from kernels_pallas.reference import BITS_STORAGE
 from scheduler import BatchDescriptor, BucketTable
 
-BATCH_KEYS = (
-    "input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
-    "query_start_loc", "logits_indices", "prev_token_index", "num_spec_tokens",
-)
 # Block copies (swap, copy-on-write) run in fixed-size chunks so that they
 # compile once; a chunk's unused entries move null block 0 onto itself.
 BLOCK_CHUNK = 16
 
 
-def _step(params: Params, kv_cache: KVCache, batch: dict, sampling: dict, tables: dict, prev_tokens: jax.Array,
+def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: dict, tables: dict, prev_tokens: jax.Array,
           bitmask: jax.Array, *, cfg: ModelConfig, ops: AttentionOps, num_positions: int = 1
           ) -> tuple[dict, jax.Array, KVCache, dict]:
     """Model + sampler + prompt logprobs. Input ids marked in
-    ``prev_token_index`` come from the previous step's samples
+    ``batch.prev_token_index`` come from the previous step's samples
     (``prev_tokens``, still on the device); the samples are also returned
     padded to ``prev_tokens``' length for the next step. ``bitmask``
     (int32[S, ceil(V/32)]) holds each row's allowed tokens (structured
     output). ``out`` is the sampler's outputs (``[S]`` rows) and
     ``sampler.prompt_logprobs``' (``[T]`` rows, for
-    ``batch["prompt_target_ids"]``). With ``num_positions > 1``
+    ``batch.prompt_target_ids``). With ``num_positions > 1``
     (speculative decoding) the sampler verifies each row's drafts
     (``sampler.sample_or_verify``): ``[S, num_positions]`` tokens and
     ``num_emitted: int32[S]``; a row's bitmask applies to its first position
     (constrained rows carry no drafts)."""
-    from_prev = batch["prev_token_index"]
-    input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch["input_ids"])
-    hidden, kv_cache = hidden_states(params, kv_cache, dict(batch, input_ids=input_ids), cfg=cfg, ops=ops)
+    from_prev = batch.prev_token_index
+    input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch.input_ids)
+    hidden, kv_cache = hidden_states(params, kv_cache, dataclasses.replace(batch, input_ids=input_ids),
+                                     cfg=cfg, ops=ops)
     head = functools.partial(compute_logits, params, cfg=cfg)
     if num_positions == 1:
-        out, tables = sample(head(hidden[batch["logits_indices"]]), sampling, tables, bitmask)
+        out, tables = sample(head(hidden[batch.logits_indices]), sampling, tables, bitmask)
         first = out["token_ids"]
     else:
-        out, tables = sample_or_verify(head, hidden, input_ids, batch["logits_indices"], batch["num_spec_tokens"],
+        out, tables = sample_or_verify(head, hidden, input_ids, batch.logits_indices, batch.num_spec_tokens,
                                        sampling, tables, num_positions, bitmask)
         first = out["token_ids"][:, 0]
-    out = {**out, **prompt_logprobs(head, hidden, batch["prompt_target_ids"])}
+    out = {**out, **prompt_logprobs(head, hidden, batch.prompt_target_ids)}
     next_prev = jnp.zeros_like(prev_tokens).at[: first.shape[0]].set(first)
     return out, next_prev, kv_cache, tables
 
@@ -253,19 +252,6 @@ class ModelRunner:
                 self.compile_seconds += seconds
         return exe
 
-    def batch_arguments(self, shape: tuple[int, int, int]) -> dict:
-        """Abstract batch dict of bucket ``shape`` (replicated int32 arrays, as :meth:`batch_arrays` makes)."""
-        t, s, w = shape
-        i32 = np.int32
-        batch = {
-            "input_ids": ((t,), i32), "positions": ((t,), i32), "slot_mapping": ((t,), i32),
-            "block_tables": ((s, w), i32), "seq_lens": ((s,), i32), "query_start_loc": ((s + 1,), i32),
-            "logits_indices": ((s,), i32), "prev_token_index": ((t,), i32), "prompt_target_ids": ((t,), i32),
-            "num_spec_tokens": ((s,), i32), "num_seqs": ((), i32),
-        }
-        rep = self._replicated
-        return {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
-
     def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
         """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens, bitmask)`` of bucket
         ``shape``: exactly the structure, dtypes and shardings :meth:`dispatch` passes."""
@@ -273,7 +259,7 @@ class ModelRunner:
         sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
                     for k, v in SamplingArrays.empty(s * self.num_positions).as_dict().items()}
         bitmask = jax.ShapeDtypeStruct((s, self.bitmask_words), np.int32, sharding=rep)
-        return (_abstract(self.params), _abstract(self.kv_cache), self.batch_arguments(shape), sampling,
+        return (_abstract(self.params), _abstract(self.kv_cache), StepBatch.abstract(shape, rep), sampling,
                 _abstract(self.sampler_tables), _abstract(self._no_prev_tokens), bitmask)
 
     def compile_step(self, shape: tuple[int, int, int]) -> Callable:
@@ -423,22 +409,12 @@ class ModelRunner:
         if bitmask is None:
             bitmask = self._all_ones(batch.shape[1])
         device_batch, device_sampling, bitmask = jax.device_put(
-            (self.batch_arrays(batch, prompt_target_ids), sampling.as_dict(), bitmask), self._replicated)
+            (StepBatch.from_descriptor(batch, prompt_target_ids), sampling.as_dict(), bitmask), self._replicated)
         prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
         out, next_prev, self.kv_cache, self.sampler_tables = exe(
             self.params, self.kv_cache, device_batch, device_sampling, self.sampler_tables, prev, bitmask
         )
         return out, next_prev
-
-    @staticmethod
-    def batch_arrays(batch: BatchDescriptor, prompt_target_ids: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
-        """The host arrays of a step's batch dict (:meth:`batch_arguments`' structure)."""
-        arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
-        arrays["num_seqs"] = np.int32(batch.num_seqs)
-        if prompt_target_ids is None:
-            prompt_target_ids = np.full(batch.input_ids.shape, -1, np.int32)
-        arrays["prompt_target_ids"] = prompt_target_ids
-        return arrays
 
     def _all_ones(self, num_rows: int) -> jax.Array:
         ones = self._all_allowed.get(num_rows)
