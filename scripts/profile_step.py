@@ -113,7 +113,7 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
         without, (_, runner.kv_cache) = timed(bare, runner.params, runner.kv_cache, batch, donate=True)
         hidden = jnp.zeros((rows, cfg.hidden_size), runner.params["embed"].dtype)
         head, _ = timed(jax.jit(functools.partial(models.compute_logits, cfg=cfg)), runner.params, hidden)
-        arrays = jax.tree_util.tree_map(jnp.asarray, SamplingArrays.empty(rows).as_dict())
+        arrays = jax.tree_util.tree_map(jnp.asarray, SamplingArrays.empty(rows))
         sampler, _ = timed(jax.jit(sample), logits, arrays, runner.sampler_tables)
         print(f"{name:<30}{full:>9.1f}{without:>14.1f}{full - without:>11.1f}{head:>9.1f}{sampler:>9.1f}")
         if trace:

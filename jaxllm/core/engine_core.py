@@ -48,8 +48,8 @@ from jaxllm.worker.kv_cache import calibrate_kv_scales, calibration_ids, kv_numb
 from jaxllm.loader import load_sharded, read_model_config
 from jaxllm.core.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
 from jaxllm.worker.quantization import param_bytes, weight_quantization
-from jaxllm.worker.model_runner import ModelRunner, enable_persistent_compilation_cache, fetch_rows
-from jaxllm.sample.sampler import MAX_BANNED_IDS
+from jaxllm.worker.model_runner import ModelRunner, StepOutput, enable_persistent_compilation_cache
+from jaxllm.sample.sampler import MAX_BANNED_IDS, SamplerOutput
 from jaxllm.sample.slots import SamplingSlots, make_sequence_sampling
 from jaxllm.worker.sharding import make_mesh
 from jaxllm.spec_decode import NgramProposer
@@ -109,7 +109,7 @@ class _Dispatched:
     """A step on the device: its outputs, its samples padded for the next step's input, and how many token rows
     carry prompt logprobs (0: none to fetch)."""
 
-    out: dict
+    out: StepOutput
     next_prev: jax.Array
     num_token_rows: int
 
@@ -525,7 +525,7 @@ class EngineCore:
         out, next_prev = self.runner.dispatch(batch, arrays, prev_tokens, targets,
                                               self.structured.bitmask(sched_out, num_rows))
         if self.drafter is not None:
-            out = {**out, "draft_token_ids": self.drafter.propose_async(batch, out)}
+            out = dataclasses.replace(out, draft_token_ids=self.drafter.propose_async(batch, out.sampled))
         return _Dispatched(out, next_prev, 0 if targets is None else batch.num_tokens)
 
     def _serving_buckets(self) -> BucketTable:
@@ -539,19 +539,20 @@ class EngineCore:
     def _apply(self, step: _Launched) -> list[Request]:
         """Read a launched step's samples into the scheduler and the logprob records; returns the requests it touched."""
         d = step.dispatched
-        sampled = None if d is None else fetch_rows(d.out, len(step.sched_out.scheduled), d.num_token_rows)
-        tokens = np.zeros(0, np.int32) if sampled is None else sampled["token_ids"]
-        if sampled is not None and "num_emitted" in sampled:
-            touched = self.scheduler.update_from_output(step.sched_out, tokens, sampled["num_emitted"])
-            self._count_accepted(step.sched_out, sampled["num_emitted"])
-            self._propose(step.sched_out, sampled)
+        out = None if d is None else d.out.fetch_rows(len(step.sched_out.scheduled), d.num_token_rows)
+        sampled = None if out is None else out.sampled
+        tokens = np.zeros(0, np.int32) if sampled is None else sampled.token_ids
+        if sampled is not None and sampled.num_emitted is not None:
+            touched = self.scheduler.update_from_output(step.sched_out, tokens, sampled.num_emitted)
+            self._count_accepted(step.sched_out, sampled.num_emitted)
+            self._propose(step.sched_out, out)
         else:
             touched = self.scheduler.update_from_output(step.sched_out, tokens)
         self.structured.advance(touched)
         if sampled is not None:
             self._record_logprobs(step.sched_out, sampled)
             if d.num_token_rows:
-                record_prompt_logprobs(step.sched_out.scheduled, self._prompt_lp, sampled)
+                record_prompt_logprobs(step.sched_out.scheduled, self._prompt_lp, out.prompt)
         return touched
 
     def _count_accepted(self, sched_out: SchedulerOutput, num_emitted: np.ndarray) -> None:
@@ -566,7 +567,7 @@ class EngineCore:
         for position in range(int(accepted.max())):
             self._spec_per_position[position] += int((accepted > position).sum())
 
-    def _propose(self, sched_out: SchedulerOutput, sampled: dict[str, np.ndarray]) -> None:
+    def _propose(self, sched_out: SchedulerOutput, out: StepOutput) -> None:
         """Drafts for every running sequence that sampled in this step (the others keep theirs): the draft model's
         from the step's outputs, or n-gram lookups. Structured-output sequences get none: their bitmask covers
         one sampled token per step."""
@@ -575,7 +576,7 @@ class EngineCore:
             req = row.request
             if (row.samples and req.status == RequestStatus.RUNNING and not req.prefill_only
                     and not self.structured.constrains(req)):
-                drafts[req.request_id] = (sampled["draft_token_ids"][i].tolist() if self.drafter is not None
+                drafts[req.request_id] = (out.draft_token_ids[i].tolist() if self.drafter is not None
                                           else self.proposer.propose(req.all_token_ids))
         self.scheduler.update_draft_token_ids(drafts)
 
@@ -606,7 +607,7 @@ class EngineCore:
             if group is not None:
                 group.num_cached_tokens = row.num_computed_tokens
 
-    def _record_logprobs(self, sched_out: SchedulerOutput, sampled: dict[str, np.ndarray]) -> None:
+    def _record_logprobs(self, sched_out: SchedulerOutput, sampled: SamplerOutput) -> None:
         """Keep each used sample's logprobs (the chosen token, then the top ``logprobs``) until reported."""
         for i, row in enumerate(sched_out.scheduled):
             owner = self._seqs.get(row.request.request_id)
@@ -618,16 +619,16 @@ class EngineCore:
                     or seq.num_logprobs >= row.request.num_output_tokens):
                 continue
             k = row.request.sampling_params.logprobs
-            if "num_emitted" in sampled:
+            if sampled.num_emitted is not None:
                 # Speculative rows: one entry per token the scheduler kept.
-                new = min(row.request.num_output_tokens - seq.num_logprobs, int(sampled["num_emitted"][i]))
+                new = min(row.request.num_output_tokens - seq.num_logprobs, int(sampled.num_emitted[i]))
                 positions = [(i, j) for j in range(new)]
             else:
                 positions = [i]
             for p in positions:
-                seq.logprobs.append(SampleLogprobs(int(sampled["token_ids"][p]), float(sampled["logprobs"][p]),
-                                                   int(sampled["ranks"][p]), sampled["top_ids"][p][:k].tolist(),
-                                                   sampled["top_logprobs"][p][:k].tolist()))
+                seq.logprobs.append(SampleLogprobs(int(sampled.token_ids[p]), float(sampled.logprobs[p]),
+                                                   int(sampled.ranks[p]), sampled.top_ids[p][:k].tolist(),
+                                                   sampled.top_logprobs[p][:k].tolist()))
             seq.num_logprobs += len(positions)
 
     def _output(self, group: _Group, seq: _Sequence) -> EngineCoreOutput:

@@ -18,12 +18,15 @@ are all recorded.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
 from jaxllm.core.messages import SampleLogprobs
 from scheduler import RequestStatus, ScheduledRequest
+
+if TYPE_CHECKING:
+    from jaxllm.sample.sampler import PromptLogprobRows
 
 
 class PromptLogprobs:
@@ -112,9 +115,9 @@ def prompt_targets(rows: Sequence[ScheduledRequest], trackers: dict[str, PromptL
 
 
 def record_prompt_logprobs(rows: Sequence[ScheduledRequest], trackers: dict[str, PromptLogprobs],
-                           out: dict[str, np.ndarray]) -> None:
-    """Record a step's prompt logprobs (``out["prompt_*"]``, one row per
-    token) into the rows' trackers; a tracker complete now leaves
+                           out: PromptLogprobRows) -> None:
+    """Record a step's prompt logprobs (``out``, one row per token, on the
+    host) into the rows' trackers; a tracker complete now leaves
     ``trackers``, and its request may read the prefix cache again."""
     start = 0
     for row in rows:
@@ -123,8 +126,8 @@ def record_prompt_logprobs(rows: Sequence[ScheduledRequest], trackers: dict[str,
         tracker = trackers.get(request.request_id)
         # An aborted request's id may already name a new request.
         if tracker is not None and request.status is not RequestStatus.FINISHED_ABORTED:
-            tracker.record(row.num_computed_tokens, out["prompt_logprobs"][start:end], out["prompt_ranks"][start:end],
-                           out["prompt_top_ids"][start:end], out["prompt_top_logprobs"][start:end])
+            tracker.record(row.num_computed_tokens, out.logprobs[start:end], out.ranks[start:end],
+                           out.top_ids[start:end], out.top_logprobs[start:end])
             if tracker.complete:
                 del trackers[request.request_id]
                 request.skip_reading_prefix_cache = False

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states
+from jaxllm.sample.sampler import SamplerOutput
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.step_batch import StepBatch
 from scheduler import BatchDescriptor
@@ -115,15 +116,16 @@ class DraftRunner(ModelRunner):
             jax.ShapeDtypeStruct((s,), np.int32, sharding=rep),
         )
 
-    def propose_async(self, batch: BatchDescriptor, target_out: dict) -> jax.Array:
+    def propose_async(self, batch: BatchDescriptor, target_out: SamplerOutput) -> jax.Array:
         """Launch the draft step after the target's on ``batch``; returns the drafts int32[S, K] on the device.
 
         Args:
           batch: the target step's batch.
-          target_out: the target step's outputs (``token_ids [S, P]`` and ``num_emitted [S]``, on the device).
+          target_out: the target step's sampler outputs (``token_ids [S, P]`` and ``num_emitted [S]``, on the
+            device).
         """
         exe = self.compile_step(batch.shape)
         device_batch = jax.device_put(StepBatch.from_descriptor(batch), self._replicated)
-        drafts, self.kv_cache = exe(self.params, self.kv_cache, device_batch, target_out["token_ids"],
-                                    target_out["num_emitted"])
+        drafts, self.kv_cache = exe(self.params, self.kv_cache, device_batch, target_out.token_ids,
+                                    target_out.num_emitted)
         return drafts
