@@ -27,10 +27,9 @@ ATTENTION_BACKENDS = ("pallas", "xla", "reference")
 
 
 class AttentionOps(NamedTuple):
-    """The three cache/attention ops, with the reference functions' signatures."""
+    """The two cache/attention ops, with the reference functions' signatures."""
 
     ragged_paged_attention: Callable[..., jax.Array]
-    paged_attention: Callable[..., jax.Array]
     kv_cache_write: Callable[..., tuple[jax.Array, jax.Array]]
 
 
@@ -47,30 +46,27 @@ def get_attention_ops(backend: str, *, interpret: bool = False) -> AttentionOps:
 
     Returns:
       AttentionOps whose members take the arguments of
-      ``ragged_paged_attention_reference``, ``paged_attention_reference`` and
-      ``kv_cache_write_reference``.
+      ``ragged_paged_attention_reference`` and ``kv_cache_write_reference``.
+      The Pallas decode kernel serves decode-only steps inside
+      ``ragged_paged_attention`` (:func:`decode_fast_path`).
 
     Raises:
       ValueError: for an unknown backend.
     """
     if backend == "pallas":
-        decode = functools.partial(paged_attention, interpret=interpret)
         return AttentionOps(
             ragged_paged_attention=decode_fast_path(functools.partial(ragged_paged_attention, interpret=interpret),
-                                                    decode),
-            paged_attention=decode,
+                                                    functools.partial(paged_attention, interpret=interpret)),
             kv_cache_write=functools.partial(kv_cache_write, interpret=interpret),
         )
     if backend == "xla":
         return AttentionOps(
             ragged_paged_attention=ragged_paged_attention_xla,
-            paged_attention=paged_attention_reference,
             kv_cache_write=kv_cache_write_reference,
         )
     if backend == "reference":
         return AttentionOps(
             ragged_paged_attention=ragged_paged_attention_reference,
-            paged_attention=paged_attention_reference,
             kv_cache_write=kv_cache_write_reference,
         )
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {ATTENTION_BACKENDS}")

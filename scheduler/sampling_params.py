@@ -14,7 +14,8 @@ import json
 import math
 from typing import Optional, Sequence, Union
 
-_GREEDY_EPS = 1e-5
+# Temperatures below this sample greedily (argmax), here and in the device sampler.
+GREEDY_EPS = 1e-5
 # vLLM's default ``max_logprobs``: the most top log-probabilities a request may
 # ask for (per generated token, or per prompt token). The sampler always
 # computes this many so its shapes stay static.
@@ -215,7 +216,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when sampling is argmax (temperature 0, or top_k == 1)."""
-        return self.temperature < _GREEDY_EPS or self.top_k == 1
+        return self.temperature < GREEDY_EPS or self.top_k == 1
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Check token ids in this request against the model's vocabulary.

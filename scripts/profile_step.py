@@ -34,6 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _batch(rng, num_blocks, q_lens, contexts, tokens, rows, width, block_size):
     import jax.numpy as jnp
 
+    from jaxllm.worker.step_batch import StepBatch
+
     n = len(q_lens)
     qsl = np.zeros(rows + 1, np.int32)
     qsl[1:n + 1] = np.cumsum(q_lens)
@@ -50,9 +52,12 @@ def _batch(rng, num_blocks, q_lens, contexts, tokens, rows, width, block_size):
         slots[qsl[i]:qsl[i + 1]] = tables[i, pos // block_size] * block_size + pos % block_size
     logits_indices = np.zeros(rows, np.int32)
     logits_indices[:n] = qsl[1:n + 1] - 1
-    return dict(input_ids=jnp.asarray(rng.integers(0, 1000, tokens), jnp.int32), positions=jnp.asarray(positions),
-                slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(seq_lens),
-                query_start_loc=jnp.asarray(qsl), num_seqs=jnp.int32(n), logits_indices=jnp.asarray(logits_indices))
+    no_token = jnp.full(tokens, -1, jnp.int32)
+    return StepBatch(input_ids=jnp.asarray(rng.integers(0, 1000, tokens), jnp.int32), positions=jnp.asarray(positions),
+                     slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(seq_lens),
+                     query_start_loc=jnp.asarray(qsl), logits_indices=jnp.asarray(logits_indices),
+                     prev_token_index=no_token, prompt_target_ids=no_token, num_spec_tokens=jnp.zeros(rows, jnp.int32),
+                     num_seqs=jnp.int32(n))
 
 
 def profile(model: str, dtype: str, repeats: int, trace: str | None, quantization: str | None = None,
@@ -83,7 +88,7 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
 
     def model_step(params, kv, batch, ops):
         hidden, kv = models.hidden_states(params, kv, batch, cfg=cfg, ops=ops)
-        return models.compute_logits(params, hidden[batch["logits_indices"]], cfg=cfg), kv
+        return models.compute_logits(params, hidden[batch.logits_indices], cfg=cfg), kv
 
     def timed(fn, *args, donate=False):
         out = fn(*args)
@@ -101,14 +106,14 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
           f"{engine.config.attention_backend or 'default'}; ms, minimum of {repeats}")
     print(f"{'batch':<30}{'step':>9}{'no attention':>14}{'attention':>11}{'lm_head':>9}{'sampler':>9}")
     for name, batch in cases.items():
-        rows = batch["logits_indices"].shape[0]
+        rows = batch.logits_indices.shape[0]
         step = jax.jit(functools.partial(model_step, ops=ops), donate_argnums=(1,))
         full, (logits, runner.kv_cache) = timed(step, runner.params, runner.kv_cache, batch, donate=True)
         bare = jax.jit(functools.partial(model_step, ops=no_attention), donate_argnums=(1,))
         without, (_, runner.kv_cache) = timed(bare, runner.params, runner.kv_cache, batch, donate=True)
         hidden = jnp.zeros((rows, cfg.hidden_size), runner.params["embed"].dtype)
         head, _ = timed(jax.jit(functools.partial(models.compute_logits, cfg=cfg)), runner.params, hidden)
-        arrays = jax.tree_util.tree_map(jnp.asarray, SamplingArrays.empty(rows).as_dict())
+        arrays = jax.tree_util.tree_map(jnp.asarray, SamplingArrays.empty(rows))
         sampler, _ = timed(jax.jit(sample), logits, arrays, runner.sampler_tables)
         print(f"{name:<30}{full:>9.1f}{without:>14.1f}{full - without:>11.1f}{head:>9.1f}{sampler:>9.1f}")
         if trace:

@@ -235,7 +235,6 @@ def test_get_attention_ops_pallas_matches_reference():
 def test_get_attention_ops_reference_returns_the_references():
     ops = kernels_pallas.get_attention_ops("reference")
     assert ops.ragged_paged_attention is ragged_paged_attention_reference
-    assert ops.paged_attention is paged_attention_reference
     assert ops.kv_cache_write is kv_cache_write_reference
 
 

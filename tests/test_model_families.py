@@ -151,15 +151,18 @@ def test_layer_scan_does_not_copy_a_one_kv_head_cache_per_layer(tmp_path, backen
 
     from jaxllm.loader import load_model
     from jaxllm.models import forward
+    from jaxllm.worker.step_batch import StepBatch
     from kernels_pallas import get_attention_ops
     from tests.hf_models import make_tiny_hf_model
 
     make_tiny_hf_model("llama", tmp_path, num_hidden_layers=4, num_key_value_heads=1)
     cfg, params, _ = load_model(tmp_path, np.float32)
     cache = jax.ShapeDtypeStruct((cfg.num_layers, 64, 4, 1, cfg.head_dim), jnp.float32)
-    batch = dict(input_ids=jnp.arange(3, 8), positions=jnp.arange(5), slot_mapping=jnp.arange(4, 9),
-                 block_tables=jnp.arange(1, 9)[None], seq_lens=jnp.asarray([5]), query_start_loc=jnp.asarray([0, 5]),
-                 logits_indices=jnp.asarray([4]), num_seqs=jnp.int32(1))
+    batch = StepBatch(input_ids=jnp.arange(3, 8), positions=jnp.arange(5), slot_mapping=jnp.arange(4, 9),
+                      block_tables=jnp.arange(1, 9)[None], seq_lens=jnp.asarray([5]),
+                      query_start_loc=jnp.asarray([0, 5]), logits_indices=jnp.asarray([4]),
+                      prev_token_index=jnp.full(5, -1), prompt_target_ids=jnp.full(5, -1),
+                      num_spec_tokens=jnp.zeros(1, jnp.int32), num_seqs=jnp.int32(1))
     step = jax.jit(forward, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
     hlo = step.lower(params, (cache, cache), batch, cfg=cfg, ops=get_attention_ops(backend)).compile().as_text()
     # (XLA still copies K and V once per step, on the way out: a layout change of the unit axis

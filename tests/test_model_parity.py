@@ -18,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxllm.loader import load_model  # noqa: E402
 from jaxllm.models import forward  # noqa: E402
+from jaxllm.worker.step_batch import StepBatch  # noqa: E402
 from kernels_pallas import get_attention_ops  # noqa: E402
 from tests.hf_models import make_tiny_hf_model  # noqa: E402
 
@@ -50,11 +51,13 @@ class SingleSequence:
         n = len(token_ids)
         pos = np.arange(self.num_computed, self.num_computed + n, dtype=np.int32)
         slots = self.block_table[0, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-        batch = dict(
+        no_token = jnp.full(n, -1, jnp.int32)
+        batch = StepBatch(
             input_ids=jnp.asarray(token_ids, jnp.int32), positions=jnp.asarray(pos),
             slot_mapping=jnp.asarray(slots, jnp.int32), block_tables=jnp.asarray(self.block_table),
             seq_lens=jnp.asarray([self.num_computed + n], jnp.int32),
             query_start_loc=jnp.asarray([0, n], jnp.int32), logits_indices=jnp.asarray([n - 1], jnp.int32),
+            prev_token_index=no_token, prompt_target_ids=no_token, num_spec_tokens=jnp.zeros(1, jnp.int32),
             num_seqs=jnp.int32(1),
         )
         logits, self.kv = _forward(self.params, self.kv, batch, cfg=self.cfg, ops=self.ops, all_logits=True)

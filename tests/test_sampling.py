@@ -96,14 +96,14 @@ def _arrays(params: SamplingParams, rows: int, num_generated, seed: int = 0, ban
     for i in range(rows):
         arrays.set_row(i, params, slot=1, seed=seed, num_generated=0, uses_bias=uses_bias, banned=banned)
     arrays.num_generated[:] = num_generated
-    return arrays.as_dict()
+    return arrays
 
 
 def _frequencies(params: SamplingParams, logits=LOGITS, **kw):
     arrays = _arrays(params, N_DRAWS, np.arange(N_DRAWS), seed=1234)
     batch = np.broadcast_to(logits, (N_DRAWS, V))
     out, _ = _sample(batch, arrays, _tables(params, **kw))
-    return np.bincount(np.asarray(out["token_ids"]), minlength=V) / N_DRAWS
+    return np.bincount(np.asarray(out.token_ids), minlength=V) / N_DRAWS
 
 
 def _assert_within_3_standard_errors(freq, p):
@@ -177,7 +177,7 @@ def test_top_k_1_and_temperature_0_equal_greedy():
     processed = ref_processors(LOGITS, params, PROMPT, OUTPUT)
     for p in (params, SamplingParams(temperature=1.3, top_k=1, repetition_penalty=1.5)):
         out, _ = _sample(np.broadcast_to(LOGITS, (64, V)), _arrays(p, 64, np.arange(64), seed=5), _tables(p))
-        assert np.all(np.asarray(out["token_ids"]) == np.argmax(processed))
+        assert np.all(np.asarray(out.token_ids) == np.argmax(processed))
 
 
 def test_seeded_row_draws_the_same_token_in_any_batch_position_or_bucket():
@@ -187,19 +187,19 @@ def test_seeded_row_draws_the_same_token_in_any_batch_position_or_bucket():
     logits[5] = LOGITS
     alone, _ = _sample(LOGITS[None], _arrays(params, 1, 7, seed=99), _tables(params))
     arrays = _arrays(params, 16, 7, seed=99)
-    arrays["seed"][:] = np.arange(16)
-    arrays["seed"][5] = 99
+    arrays.seed[:] = np.arange(16)
+    arrays.seed[5] = 99
     batched, _ = _sample(logits, arrays, _tables(params))
-    assert int(batched["token_ids"][5]) == int(alone["token_ids"][0])
+    assert int(batched.token_ids[5]) == int(alone.token_ids[0])
 
 
 def test_used_samples_are_counted_in_their_slot():
     params = SamplingParams(temperature=0.0)
     arrays = _arrays(params, 3, 4)
-    arrays["slot"][:] = [1, 2, 0]
-    arrays["sample_mask"][:] = [True, False, True]
+    arrays.slot[:] = [1, 2, 0]
+    arrays.sample_mask[:] = [True, False, True]
     out, tables = _sample(np.broadcast_to(LOGITS, (3, V)), arrays, _tables(params))
-    counts = np.asarray(tables["counts"])
+    counts = np.asarray(tables.counts)
     expected = np.bincount(OUTPUT, minlength=V)
     expected[0] += 1  # argmax of LOGITS
     np.testing.assert_array_equal(counts[1], expected)
@@ -210,19 +210,19 @@ def test_refilling_a_slot_recounts_instead_of_adding():
     params = SamplingParams()
     tables = _tables(params)
     tables = _tables(params)  # the same sequence readmitted after preemption
-    np.testing.assert_array_equal(np.asarray(tables["counts"])[1], np.bincount(OUTPUT, minlength=V))
-    np.testing.assert_array_equal(np.asarray(tables["prompt"])[1], np.isin(np.arange(V), PROMPT))
+    np.testing.assert_array_equal(np.asarray(tables.counts)[1], np.bincount(OUTPUT, minlength=V))
+    np.testing.assert_array_equal(np.asarray(tables.prompt)[1], np.isin(np.arange(V), PROMPT))
 
 
 def test_logprobs_are_raw_log_softmax_with_top_k_descending():
     params = SamplingParams(temperature=0.7, logprobs=3, repetition_penalty=2.0)
     out, _ = _sample(LOGITS[None], _arrays(params, 1, 4), _tables(params))
     raw = LOGITS - np.log(np.exp(LOGITS.astype(np.float64)).sum())
-    token = int(out["token_ids"][0])
-    np.testing.assert_allclose(out["logprobs"][0], raw[token], atol=1e-6)
-    assert out["ranks"][0] == 1 + np.sum(LOGITS > LOGITS[token])  # LOGITS has no ties
-    np.testing.assert_array_equal(out["top_ids"][0, :3], np.argsort(-LOGITS)[:3])
-    np.testing.assert_allclose(out["top_logprobs"][0, :3], np.sort(raw)[::-1][:3], atol=1e-6)
+    token = int(out.token_ids[0])
+    np.testing.assert_allclose(out.logprobs[0], raw[token], atol=1e-6)
+    assert out.ranks[0] == 1 + np.sum(LOGITS > LOGITS[token])  # LOGITS has no ties
+    np.testing.assert_array_equal(out.top_ids[0, :3], np.argsort(-LOGITS)[:3])
+    np.testing.assert_allclose(out.top_logprobs[0, :3], np.sort(raw)[::-1][:3], atol=1e-6)
 
 
 def test_prompt_logprobs_are_raw_log_softmax_of_every_wanted_row_over_several_chunks():
@@ -234,23 +234,23 @@ def test_prompt_logprobs_are_raw_log_softmax_of_every_wanted_row_over_several_ch
     logits = hidden.astype(np.float64) @ head
     raw = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     wanted = targets >= 0
-    np.testing.assert_allclose(out["prompt_logprobs"][wanted], raw[wanted, targets[wanted]], atol=1e-5)
+    np.testing.assert_allclose(out.logprobs[wanted], raw[wanted, targets[wanted]], atol=1e-5)
     ref_ranks = (raw >= raw[np.arange(rows), targets][:, None]).sum(-1)
-    np.testing.assert_array_equal(out["prompt_ranks"][wanted], ref_ranks[wanted])
-    np.testing.assert_array_equal(out["prompt_top_ids"][wanted], np.argsort(-raw, axis=-1)[wanted, :20])
-    np.testing.assert_allclose(out["prompt_top_logprobs"][wanted], -np.sort(-raw, axis=-1)[wanted, :20], atol=1e-5)
-    assert not out["prompt_logprobs"][~wanted].any() and not out["prompt_top_ids"][~wanted].any()
-    assert not out["prompt_ranks"][~wanted].any()
+    np.testing.assert_array_equal(out.ranks[wanted], ref_ranks[wanted])
+    np.testing.assert_array_equal(out.top_ids[wanted], np.argsort(-raw, axis=-1)[wanted, :20])
+    np.testing.assert_allclose(out.top_logprobs[wanted], -np.sort(-raw, axis=-1)[wanted, :20], atol=1e-5)
+    assert not out.logprobs[~wanted].any() and not out.top_ids[~wanted].any()
+    assert not out.ranks[~wanted].any()
 
 
 def test_prompt_logprobs_are_zeros_of_the_same_shapes_when_no_row_wants_them():
     head = np.eye(4, 30, dtype=np.float32)
     out = jax.jit(lambda h, t: prompt_logprobs(lambda x: x @ head, h, t))(np.ones((16, 4), np.float32),
                                                                           np.full(16, -1, np.int32))
-    assert {k: (v.shape, v.dtype) for k, v in out.items()} == {
-        "prompt_logprobs": ((16,), np.float32), "prompt_ranks": ((16,), np.int32),
-        "prompt_top_ids": ((16, 20), np.int32), "prompt_top_logprobs": ((16, 20), np.float32)}
-    assert not any(np.asarray(v).any() for v in out.values())
+    assert {k: (v.shape, v.dtype) for k, v in vars(out).items()} == {
+        "logprobs": ((16,), np.float32), "ranks": ((16,), np.int32),
+        "top_ids": ((16, 20), np.int32), "top_logprobs": ((16, 20), np.float32)}
+    assert not any(np.asarray(v).any() for v in vars(out).values())
 
 
 def _bitmask(rows_allowed, vocab=V):
@@ -281,22 +281,22 @@ def test_bitmask_limits_greedy_and_sampled_tokens_and_the_logprobs_are_of_the_ma
                      np.broadcast_to(_bitmask([allowed]), (N_DRAWS, 1)))
     masked = np.where(np.isin(np.arange(V), allowed), LOGITS, -np.inf)
     p = np.exp(masked - masked.max()) / np.exp(masked - masked.max()).sum()
-    _assert_within_3_standard_errors(np.bincount(np.asarray(out["token_ids"]), minlength=V) / N_DRAWS, p)
-    np.testing.assert_allclose(np.asarray(out["logprobs"]), np.log(p[np.asarray(out["token_ids"])]), atol=1e-5)
-    np.testing.assert_array_equal(out["top_ids"][0, :2], [6, 3])
+    _assert_within_3_standard_errors(np.bincount(np.asarray(out.token_ids), minlength=V) / N_DRAWS, p)
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.log(p[np.asarray(out.token_ids)]), atol=1e-5)
+    np.testing.assert_array_equal(out.top_ids[0, :2], [6, 3])
     greedy = SamplingParams(temperature=0)
     out, _ = _sample(np.broadcast_to(LOGITS, (2, V)), _arrays(greedy, 2, 0), _tables(greedy),
                      _bitmask([allowed, None]))
-    assert out["token_ids"].tolist() == [6, 0]
+    assert out.token_ids.tolist() == [6, 0]
 
 
 def test_a_row_whose_bans_leave_nothing_its_bitmask_allows_takes_an_allowed_token():
     params = SamplingParams(temperature=0, allowed_token_ids=[0, 1])
     out, _ = _sample(LOGITS[None], _arrays(params, 1, 0), _tables(params), _bitmask([[3, 5]]))
-    assert out["token_ids"].tolist() == [3]
+    assert out.token_ids.tolist() == [3]
     # Where bans and the bitmask agree on something, both hold.
     out, _ = _sample(LOGITS[None], _arrays(params, 1, 0), _tables(params), _bitmask([[1, 3]]))
-    assert out["token_ids"].tolist() == [1]
+    assert out.token_ids.tolist() == [1]
 
 
 def test_too_many_banned_ids_are_rejected():

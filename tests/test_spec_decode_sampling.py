@@ -35,11 +35,11 @@ _verify = jax.jit(verify)
 _sample = jax.jit(sample)
 
 
-def _wide(params: SamplingParams, rows: int, positions: int, num_generated: int, seed: int = 0) -> dict:
+def _wide(params: SamplingParams, rows: int, positions: int, num_generated: int, seed: int = 0) -> SamplingArrays:
     """Sampling arrays of ``rows`` rows (row i seeded ``seed + i``), repeated for ``positions`` positions."""
     arrays = _arrays(params, rows, num_generated)
-    arrays["seed"] = np.arange(seed, seed + rows, dtype=np.uint32)
-    return SamplingArrays(**arrays).repeat(positions).as_dict()
+    arrays.seed = np.arange(seed, seed + rows, dtype=np.uint32)
+    return arrays.repeat(positions)
 
 
 def _within_3_standard_errors(counts: np.ndarray, n: int, p: np.ndarray) -> None:
@@ -71,7 +71,7 @@ def test_rejection_sampling_draws_the_target_distribution(stories_logits):
     drafts = np.tile(np.array([[draft, second_draft, -1]], np.int32), (N_DRAWS, 1))
     vocab = len(first)
     out, _ = _verify(logits, drafts, _wide(params, N_DRAWS, 3, 0), init_tables(2, vocab))
-    tokens, emitted = np.asarray(out["token_ids"]), np.asarray(out["num_emitted"])
+    tokens, emitted = np.asarray(out.token_ids), np.asarray(out.num_emitted)
     _within_3_standard_errors(np.bincount(tokens[:, 0], minlength=vocab), N_DRAWS, target0)
     accepted = emitted >= 2
     p_accept = np.array([target0[draft]])
@@ -88,7 +88,7 @@ def _greedy_tokens(logits: np.ndarray, params: SamplingParams, stop_ids) -> list
     for j in range(len(logits)):
         tables = _tables(params, output=OUTPUT + tokens, stop_ids=stop_ids)
         out, _ = _sample(logits[j][None], _arrays(params, 1, len(OUTPUT) + j), tables)
-        tokens.append(int(out["token_ids"][0]))
+        tokens.append(int(out.token_ids[0]))
     return tokens
 
 
@@ -112,9 +112,9 @@ def test_greedy_verification_applies_every_control_at_every_position(kw):
         tables = _tables(params, output=OUTPUT, stop_ids=stop_ids)
         out, new_tables = _verify(logits, np.array([drafts + [-1]], np.int32), _wide(params, 1, 4, len(OUTPUT)),
                                   tables)
-        num = int(out["num_emitted"][0])
-        assert np.asarray(out["token_ids"])[0, :num].tolist() == expected
-        np.testing.assert_array_equal(np.asarray(new_tables["counts"])[1], np.bincount(OUTPUT + expected, minlength=V))
+        num = int(out.num_emitted[0])
+        assert np.asarray(out.token_ids)[0, :num].tolist() == expected
+        np.testing.assert_array_equal(np.asarray(new_tables.counts)[1], np.bincount(OUTPUT + expected, minlength=V))
 
 
 def test_processors_see_the_drafts_before_each_position():
@@ -130,8 +130,8 @@ def test_processors_see_the_drafts_before_each_position():
     d2 = int(np.argmax(processed2))
     out, _ = _verify(logits, np.array([[d0, d1, (d2 + 1) % V, -1]], np.int32), _wide(params, 1, 4, len(OUTPUT)),
                      _tables(params))
-    assert np.asarray(out["token_ids"])[0, :3].tolist() == [d0, d1, d2]
-    assert int(out["num_emitted"][0]) == 3
+    assert np.asarray(out.token_ids)[0, :3].tolist() == [d0, d1, d2]
+    assert int(out.num_emitted[0]) == 3
 
 
 def test_seeded_positions_draw_exactly_the_tokens_sampling_without_speculation_draws():
@@ -140,16 +140,16 @@ def test_seeded_positions_draw_exactly_the_tokens_sampling_without_speculation_d
     logits = np.tile(LOGITS, (4, 1))
     plain_tokens = set()
     for seed in range(24):
-        expected = [int(_sample(LOGITS[None], _arrays(params, 1, 5 + j, seed=seed), _tables(params))[0]["token_ids"][0])
+        expected = [int(_sample(LOGITS[None], _arrays(params, 1, 5 + j, seed=seed), _tables(params))[0].token_ids[0])
                     for j in range(4)]
         drafts = [expected[0] if seed % 3 else (expected[0] + 1) % V, expected[1] if seed % 2 else 0, -1, -1]
         out, _ = _verify(logits, np.array([drafts], np.int32), _wide(params, 1, 4, 5, seed=seed), _tables(params))
-        num = int(out["num_emitted"][0])
+        num = int(out.num_emitted[0])
         accepted = 0
         while accepted < 2 and drafts[accepted] == expected[accepted]:
             accepted += 1
         assert num == accepted + 1
-        assert np.asarray(out["token_ids"])[0, :num].tolist() == expected[:num]
+        assert np.asarray(out.token_ids)[0, :num].tolist() == expected[:num]
         plain_tokens.add(expected[0])
     assert len(plain_tokens) > 1
 
@@ -160,7 +160,7 @@ def test_logprobs_are_those_of_each_emitted_token():
     drafts = [int(np.argmax(logits[i])) for i in range(3)]
     out, _ = _verify(logits, np.array([drafts + [-1]], np.int32), _wide(params, 1, 4, 0), _tables(params, output=[]))
     raw = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
-    tokens = np.asarray(out["token_ids"])[0]
-    assert int(out["num_emitted"][0]) == 4
-    np.testing.assert_allclose(np.asarray(out["logprobs"])[0], raw[np.arange(4), tokens], atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(out["top_ids"])[0, :, 0], np.argmax(logits, axis=-1))
+    tokens = np.asarray(out.token_ids)[0]
+    assert int(out.num_emitted[0]) == 4
+    np.testing.assert_allclose(np.asarray(out.logprobs)[0], raw[np.arange(4), tokens], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out.top_ids)[0, :, 0], np.argmax(logits, axis=-1))

@@ -43,12 +43,12 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.messages import CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SampleLogprobs
 from jaxllm.core.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
 from jaxllm.core.requests import CoreRequest, CoreSequence
-from jaxllm.sample.sampler import MAX_BANNED_IDS
+from jaxllm.sample.sampler import MAX_BANNED_IDS, SamplerOutput
 from jaxllm.sample.slots import SamplingSlots, make_sequence_sampling
 from jaxllm.spec_decode import NgramProposer
 from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
-from jaxllm.worker.model_runner import ModelRunner, fetch_rows
+from jaxllm.worker.model_runner import ModelRunner, StepOutput
 from jaxllm.worker.quantization import param_bytes
 from jaxllm.worker.sharding import ModelSharding
 from scheduler import BucketTable, Request, RequestStatus, SamplingParams, Scheduler, SchedulerOutput, build_batch, kv_cache_report
@@ -60,7 +60,7 @@ class _Dispatched:
     """A step on the device: its outputs, its samples padded for the next step's input, and how many token rows
     carry prompt logprobs (0: none to fetch)."""
 
-    out: dict
+    out: StepOutput
     next_prev: jax.Array
     num_token_rows: int
 
@@ -358,7 +358,7 @@ class EngineCore:
             out, next_prev = self.runner.dispatch(batch, arrays, prev_tokens, targets,
                                                   self.structured.bitmask(sched_out, num_rows))
             if self.drafter is not None:
-                out = {**out, "draft_token_ids": self.drafter.propose_async(batch, out)}
+                out = dataclasses.replace(out, draft_token_ids=self.drafter.propose_async(batch, out.sampled))
         except Exception:
             self.scheduler.discard_output(sched_out)
             raise
@@ -375,19 +375,20 @@ class EngineCore:
     def _apply(self, step: _Launched) -> list[Request]:
         """Read a launched step's samples into the scheduler and the logprob records; returns the requests it touched."""
         d = step.dispatched
-        sampled = None if d is None else fetch_rows(d.out, len(step.sched_out.scheduled), d.num_token_rows)
-        tokens = np.zeros(0, np.int32) if sampled is None else sampled["token_ids"]
-        if sampled is not None and "num_emitted" in sampled:
-            touched = self.scheduler.update_from_output(step.sched_out, tokens, sampled["num_emitted"])
-            self._count_accepted(step.sched_out, sampled["num_emitted"])
-            self._propose(step.sched_out, sampled)
+        out = None if d is None else d.out.fetch_rows(len(step.sched_out.scheduled), d.num_token_rows)
+        sampled = None if out is None else out.sampled
+        tokens = np.zeros(0, np.int32) if sampled is None else sampled.token_ids
+        if sampled is not None and sampled.num_emitted is not None:
+            touched = self.scheduler.update_from_output(step.sched_out, tokens, sampled.num_emitted)
+            self._count_accepted(step.sched_out, sampled.num_emitted)
+            self._propose(step.sched_out, out)
         else:
             touched = self.scheduler.update_from_output(step.sched_out, tokens)
         self.structured.advance(touched)
         if sampled is not None:
             self._record_logprobs(step.sched_out, sampled)
             if d.num_token_rows:
-                record_prompt_logprobs(step.sched_out.scheduled, sampled)
+                record_prompt_logprobs(step.sched_out.scheduled, out.prompt)
         return touched
 
     def _count_accepted(self, sched_out: SchedulerOutput, num_emitted: np.ndarray) -> None:
@@ -402,7 +403,7 @@ class EngineCore:
         for position in range(int(accepted.max())):
             self._spec_per_position[position] += int((accepted > position).sum())
 
-    def _propose(self, sched_out: SchedulerOutput, sampled: dict[str, np.ndarray]) -> None:
+    def _propose(self, sched_out: SchedulerOutput, out: StepOutput) -> None:
         """Drafts for every running sequence that sampled in this step (the others keep theirs): the draft model's
         from the step's outputs, or n-gram lookups. Structured-output sequences get none: their bitmask covers
         one sampled token per step."""
@@ -411,7 +412,7 @@ class EngineCore:
             req = row.request
             if (row.samples and req.status == RequestStatus.RUNNING and not req.prefill_only
                     and not self.structured.constrains(req)):
-                drafts[req.request_id] = (sampled["draft_token_ids"][i].tolist() if self.drafter is not None
+                drafts[req.request_id] = (out.draft_token_ids[i].tolist() if self.drafter is not None
                                           else self.proposer.propose(req.all_token_ids))
         self.scheduler.update_draft_token_ids(drafts)
 
@@ -432,23 +433,23 @@ class EngineCore:
         for runner in self._runners:
             runner.copy_blocks(copies)
 
-    def _record_logprobs(self, sched_out: SchedulerOutput, sampled: dict[str, np.ndarray]) -> None:
+    def _record_logprobs(self, sched_out: SchedulerOutput, sampled: SamplerOutput) -> None:
         """Keep each used sample's logprobs (the chosen token, then the top ``logprobs``) until reported."""
         for i, row in enumerate(sched_out.scheduled):
             seq = row.request
             if seq.done or not row.samples or seq.logprobs is None or seq.num_logprobs >= seq.num_output_tokens:
                 continue
             k = seq.sampling_params.logprobs
-            if "num_emitted" in sampled:
+            if sampled.num_emitted is not None:
                 # Speculative rows: one entry per token the scheduler kept.
-                new = min(seq.num_output_tokens - seq.num_logprobs, int(sampled["num_emitted"][i]))
+                new = min(seq.num_output_tokens - seq.num_logprobs, int(sampled.num_emitted[i]))
                 positions = [(i, j) for j in range(new)]
             else:
                 positions = [i]
             for p in positions:
-                seq.logprobs.append(SampleLogprobs(int(sampled["token_ids"][p]), float(sampled["logprobs"][p]),
-                                                   int(sampled["ranks"][p]), sampled["top_ids"][p][:k].tolist(),
-                                                   sampled["top_logprobs"][p][:k].tolist()))
+                seq.logprobs.append(SampleLogprobs(int(sampled.token_ids[p]), float(sampled.logprobs[p]),
+                                                   int(sampled.ranks[p]), sampled.top_ids[p][:k].tolist(),
+                                                   sampled.top_logprobs[p][:k].tolist()))
             seq.num_logprobs += len(positions)
 
     def _output(self, seq: CoreSequence) -> EngineCoreOutput:

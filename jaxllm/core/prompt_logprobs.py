@@ -18,12 +18,15 @@ are all recorded.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
 from jaxllm.core.messages import SampleLogprobs
 from scheduler import RequestStatus, ScheduledRequest
+
+if TYPE_CHECKING:
+    from jaxllm.sample.sampler import PromptLogprobRows
 
 
 class PromptLogprobs:
@@ -108,9 +111,9 @@ def prompt_targets(rows: Sequence[ScheduledRequest], num_slots: int) -> Optional
     return targets
 
 
-def record_prompt_logprobs(rows: Sequence[ScheduledRequest], out: dict[str, np.ndarray]) -> None:
-    """Record a step's prompt logprobs (``out["prompt_*"]``, one row per
-    token) into the rows' trackers; a tracker complete now leaves its
+def record_prompt_logprobs(rows: Sequence[ScheduledRequest], out: PromptLogprobRows) -> None:
+    """Record a step's prompt logprobs (``out``, one row per token, on the
+    host) into the rows' trackers; a tracker complete now leaves its
     sequence, which may read the prefix cache again."""
     start = 0
     for row in rows:
@@ -118,8 +121,8 @@ def record_prompt_logprobs(rows: Sequence[ScheduledRequest], out: dict[str, np.n
         request = row.request
         tracker = request.prompt_logprobs
         if tracker is not None and request.status is not RequestStatus.FINISHED_ABORTED:
-            tracker.record(row.num_computed_tokens, out["prompt_logprobs"][start:end], out["prompt_ranks"][start:end],
-                           out["prompt_top_ids"][start:end], out["prompt_top_logprobs"][start:end])
+            tracker.record(row.num_computed_tokens, out.logprobs[start:end], out.ranks[start:end],
+                           out.top_ids[start:end], out.top_logprobs[start:end])
             if tracker.complete:
                 request.prompt_logprobs = None
                 request.skip_reading_prefix_cache = False

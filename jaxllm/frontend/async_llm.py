@@ -4,7 +4,7 @@ Requests are validated and tokenized here (``jaxllm.frontend.input_processor``) 
 (``client.MPClient``); one output task reads every step the cores report, runs the output processor
 (detokenizing, stop strings, ``n > 1`` grouping) and hands each request its ``RequestOutput``s through its own
 queue. A consumer that stops reading (a client that disconnected) aborts its request, whose blocks the core frees
-in its next loop turn. When a core dies, every open request gets :class:`core_client.EngineDeadError` and
+in its next loop turn. When a core dies, every open request gets :class:`EngineDeadError` and
 :attr:`dead` says why.
 """
 

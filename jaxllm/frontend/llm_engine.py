@@ -175,7 +175,7 @@ class LLMEngine(FrontEnd):
           in this step (``delta_*`` hold what is new).
 
         Raises:
-          core_client.EngineDeadError: a core process died.
+          jaxllm.core.client.EngineDeadError: a core process died.
         """
         if not isinstance(self.client, InprocClient) and not self.output_processor.has_unfinished_requests():
             return []

@@ -25,6 +25,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.models import gemma3, llama, mixtral, phi3, qwen3_moe
 from jaxllm.models.common import Family, KVCache, Params, compute_logits, loop_storage
 from jaxllm.models.common import hidden_states as _hidden_states
+from jaxllm.worker.step_batch import StepBatch
 from kernels_pallas import AttentionOps
 
 FAMILIES: dict[str, Family] = {
@@ -47,7 +48,7 @@ def family(cfg: ModelConfig) -> Family:
     return FAMILIES[cfg.model_type]
 
 
-def hidden_states(params: Params, kv_cache: KVCache, batch: dict[str, jax.Array], *, cfg: ModelConfig,
+def hidden_states(params: Params, kv_cache: KVCache, batch: StepBatch, *, cfg: ModelConfig,
                   ops: AttentionOps) -> tuple[jax.Array, KVCache]:
     """``common.hidden_states`` of ``cfg``'s family: the decoder up to the final
     norm, hidden ``[T, hidden_size]``, and the caches with this step's K/V."""
@@ -57,14 +58,14 @@ def hidden_states(params: Params, kv_cache: KVCache, batch: dict[str, jax.Array]
 def forward(
     params: Params,
     kv_cache: KVCache,
-    batch: dict[str, jax.Array],
+    batch: StepBatch,
     *,
     cfg: ModelConfig,
     ops: AttentionOps,
     all_logits: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """One model step: :func:`hidden_states`, then :func:`compute_logits` of
-    the rows at ``batch["logits_indices"]: int32[S]``.
+    the rows at ``batch.logits_indices: int32[S]``.
 
     Args:
       params, kv_cache, batch, cfg, ops: as :func:`hidden_states`.
@@ -76,5 +77,5 @@ def forward(
     """
     hidden, kv_cache = hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops)
     if not all_logits:
-        hidden = hidden[batch["logits_indices"]]
+        hidden = hidden[batch.logits_indices]
     return compute_logits(params, hidden, cfg=cfg), kv_cache

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
+from jaxllm.worker.step_batch import StepBatch
 from kernels_pallas import AttentionOps
 from kernels_pallas.reference import BITS_STORAGE, from_storage, to_storage
 
@@ -159,7 +160,7 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig, long: bool = False) -> np.nda
     return inv_freq.astype(np.float32)
 
 
-def rope_cos_sin(rope: RopeConfig, head_dim: int, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(rope: RopeConfig, head_dim: int, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
     """cos and sin ``[T, rotary_dim // 2]`` float32 of each token's position.
 
     LongRoPE picks its long factors for the tokens of a sequence longer than
@@ -167,12 +168,12 @@ def rope_cos_sin(rope: RopeConfig, head_dim: int, batch: dict[str, jax.Array]) -
     HF does for one sequence (it decides on the longest position of the
     forward call), and scales cos and sin by ``attention_factor``.
     """
-    positions = batch["positions"].astype(jnp.float32)[:, None]
+    positions = batch.positions.astype(jnp.float32)[:, None]
     inv_freq = jnp.asarray(rope_inv_freq(head_dim, rope))
     if rope.rope_type == "longrope":
-        num_rows = batch["seq_lens"].shape[0]
-        row = jnp.searchsorted(batch["query_start_loc"][1:], jnp.arange(positions.shape[0]), side="right")
-        long = batch["seq_lens"][jnp.minimum(row, num_rows - 1)] > rope.original_max_position_embeddings
+        num_rows = batch.seq_lens.shape[0]
+        row = jnp.searchsorted(batch.query_start_loc[1:], jnp.arange(positions.shape[0]), side="right")
+        long = batch.seq_lens[jnp.minimum(row, num_rows - 1)] > rope.original_max_position_embeddings
         inv_freq = jnp.where(long[:, None], jnp.asarray(rope_inv_freq(head_dim, rope, long=True)), inv_freq)
     freqs = positions * inv_freq
     return jnp.cos(freqs) * rope.attention_factor, jnp.sin(freqs) * rope.attention_factor
@@ -206,7 +207,7 @@ class LayerContext(NamedTuple):
 
     cfg: ModelConfig
     ops: AttentionOps
-    batch: dict[str, jax.Array]
+    batch: StepBatch
     window: Optional[int]
     cos: jax.Array
     sin: jax.Array
@@ -228,10 +229,10 @@ class LayerContext(NamedTuple):
         blocks = kv[0].shape[:2] + (-1, cfg.head_dim)
         scales = dict(zip(("k_scale", "v_scale"), self.kv_scales)) if self.kv_scales else {}
         k_cache, v_cache = self.ops.kv_cache_write(kv[0].reshape(blocks), kv[1].reshape(blocks), k, v,
-                                                   self.batch["slot_mapping"], **scales)
+                                                   self.batch.slot_mapping, **scales)
         out = self.ops.ragged_paged_attention(
-            q, k_cache, v_cache, self.batch["block_tables"], self.batch["seq_lens"], self.batch["query_start_loc"],
-            self.batch["num_seqs"], scale=cfg.attention_scale, sliding_window=self.window, **scales,
+            q, k_cache, v_cache, self.batch.block_tables, self.batch.seq_lens, self.batch.query_start_loc,
+            self.batch.num_seqs, scale=cfg.attention_scale, sliding_window=self.window, **scales,
         )
         return out.reshape(t, cfg.num_q_heads * cfg.head_dim), (k_cache.reshape(kv[0].shape),
                                                                 v_cache.reshape(kv[1].shape))
@@ -339,7 +340,7 @@ def layer_plan(cfg: ModelConfig) -> tuple[list[Segment], int, list[Segment]]:
 def hidden_states(
     params: Params,
     kv_cache: KVCache,
-    batch: dict[str, jax.Array],
+    batch: StepBatch,
     *,
     cfg: ModelConfig,
     ops: AttentionOps,
@@ -351,9 +352,10 @@ def hidden_states(
       params: the parameter pytree (module docstring).
       kv_cache: ``(k_cache, v_cache)``, each
         ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
-      batch: ``input_ids, positions, slot_mapping: int32[T]``,
-        ``block_tables: int32[S, W]``, ``seq_lens: int32[S]``,
-        ``query_start_loc: int32[S + 1]``, ``num_seqs: int32[]``.
+      batch: the step's batch; the decoder reads ``input_ids, positions,
+        slot_mapping: int32[T]``, ``block_tables: int32[S, W]``,
+        ``seq_lens: int32[S]``, ``query_start_loc: int32[S + 1]`` and
+        ``num_seqs: int32[]``.
       cfg: model configuration (static).
       ops: attention kernels or references (static).
       family: the decoder family (static).
@@ -362,11 +364,11 @@ def hidden_states(
       (hidden, kv_cache): hidden ``[T, hidden_size]`` in the params' dtype,
       normed by ``final_norm``, and the caches with this step's K/V written.
     """
-    x = family.embed(params, batch["input_ids"], cfg)
+    x = family.embed(params, batch.input_ids, cfg)
     ropes = {None: rope_cos_sin(cfg.rope, cfg.head_dim, batch)}
     if cfg.local_rope is not None:
         ropes["local"] = rope_cos_sin(cfg.local_rope, cfg.head_dim, batch)
-    num_tokens = batch["query_start_loc"][batch["num_seqs"]]
+    num_tokens = batch.query_start_loc[batch.num_seqs]
     k_cache, v_cache = kv_cache
     num_blocks, block_size = k_cache.shape[1], k_cache.shape[2]
     flat = (k_cache.shape[0] * num_blocks, block_size, -1)
@@ -380,9 +382,9 @@ def hidden_states(
                 x, k_flat, v_flat = carry
                 layer = jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers)
                 first_block = index * num_blocks
-                ctx = LayerContext(cfg, ops, dict(batch, block_tables=batch["block_tables"] + first_block,
-                                                  slot_mapping=batch["slot_mapping"] + first_block * block_size),
-                                   window, cos, sin, num_tokens,
+                layer_batch = dataclasses.replace(batch, block_tables=batch.block_tables + first_block,
+                                                  slot_mapping=batch.slot_mapping + first_block * block_size)
+                ctx = LayerContext(cfg, ops, layer_batch, window, cos, sin, num_tokens,
                                    (layer["k_scale"], layer["v_scale"]) if "k_scale" in layer else None)
                 x, (k_flat, v_flat) = family.layer(layer, x, (k_flat, v_flat), ctx)
                 return (x, k_flat, v_flat), None

@@ -42,9 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
+from scheduler.sampling_params import GREEDY_EPS, MAX_LOGPROBS, SamplingParams
 
-_GREEDY_EPS = 1e-5
 # Token rows whose logits are materialised at once for prompt logprobs: the
 # [rows, V] float32 logits of a whole step (hundreds of MB with a 128k
 # vocabulary) are never held together.
@@ -56,9 +55,12 @@ MAX_BANNED_IDS = 16
 _NO_TOKEN = np.iinfo(np.int32).max
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingArrays:
-    """Per-row sampling controls of one step (numpy, host side).
+    """Per-row sampling controls of one step: numpy on the host, where
+    :meth:`set_row` fills them; a pytree, so ``jax.device_put`` gives the
+    same class of device arrays, which the sampler reads.
 
     Arrays are ``[S]`` (the padded sequence bucket) unless noted:
 
@@ -145,44 +147,52 @@ class SamplingArrays:
         self.banned[row] = _NO_TOKEN
         self.banned[row, : len(banned)] = banned
 
-    def as_dict(self) -> dict[str, np.ndarray]:
-        """The arrays by field name: the pytree the step takes."""
-        return dataclasses.asdict(self)
-
     def repeat(self, num_positions: int) -> "SamplingArrays":
         """Each row repeated for ``num_positions`` consecutive positions of
         its sequence (speculative verification): row ``s * num_positions + j``
         is row ``s`` with ``num_generated + j``."""
-        wide = {k: np.repeat(v, num_positions, axis=0) for k, v in self.as_dict().items()}
-        wide["num_generated"] += np.tile(np.arange(num_positions, dtype=np.int32), len(self.slot))
-        return SamplingArrays(**wide)
+        wide = jax.tree_util.tree_map(lambda v: np.repeat(v, num_positions, axis=0), self)
+        wide.num_generated += np.tile(np.arange(num_positions, dtype=np.int32), len(self.slot))
+        return wide
 
 
 # ------------------------------------------------------------ device tables
 
 
-def init_tables(num_slots: int, vocab: int) -> dict[str, jax.Array]:
-    """Zeroed :class:`SamplerTables` for ``num_slots`` slots (slot 0 included).
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerTables:
+    """Per-slot state on the device, one row per sampling slot (``R`` slots, slot 0 the padding rows'),
+    donated to every program that changes it.
 
-    SamplerTables is a dict: ``counts: int32[R, V]`` output-token counts,
-    ``prompt: bool[R, V]`` prompt-token presence, ``bias: float32[R, V]``
-    additive bias (-inf = banned), ``stop: bool[R, V]`` ids banned before
-    ``min_tokens`` (eos and stop ids).
+      counts: int32[R, V] output-token counts.
+      prompt: bool[R, V] prompt-token presence.
+      bias: float32[R, V] additive bias (-inf = banned).
+      stop: bool[R, V] ids banned before ``min_tokens`` (eos and stop ids).
     """
-    return {
-        "counts": jnp.zeros((num_slots, vocab), jnp.int32),
-        "prompt": jnp.zeros((num_slots, vocab), bool),
-        "bias": jnp.zeros((num_slots, vocab), jnp.float32),
-        "stop": jnp.zeros((num_slots, vocab), bool),
-    }
+
+    counts: jax.Array
+    prompt: jax.Array
+    bias: jax.Array
+    stop: jax.Array
 
 
-def fill_slot(tables: dict, slot: jax.Array, token_ids: jax.Array, num_prompt: jax.Array,
-              num_tokens: jax.Array) -> dict:
+def init_tables(num_slots: int, vocab: int) -> SamplerTables:
+    """Zeroed :class:`SamplerTables` for ``num_slots`` slots (slot 0 included) of a ``vocab``-token model."""
+    return SamplerTables(
+        counts=jnp.zeros((num_slots, vocab), jnp.int32),
+        prompt=jnp.zeros((num_slots, vocab), bool),
+        bias=jnp.zeros((num_slots, vocab), jnp.float32),
+        stop=jnp.zeros((num_slots, vocab), bool),
+    )
+
+
+def fill_slot(tables: SamplerTables, slot: jax.Array, token_ids: jax.Array, num_prompt: jax.Array,
+              num_tokens: jax.Array) -> SamplerTables:
     """Reset slot ``slot`` for a sequence admitted (or readmitted) with these tokens.
 
     Args:
-      tables: SamplerTables (donated).
+      tables: the tables (donated).
       slot: int32[] the slot.
       token_ids: int32[L] prompt then output tokens, padded to a fixed L so
         this compiles once.
@@ -194,21 +204,70 @@ def fill_slot(tables: dict, slot: jax.Array, token_ids: jax.Array, num_prompt: j
     pos = jnp.arange(token_ids.shape[0])
     in_prompt = pos < num_prompt
     in_output = (pos >= num_prompt) & (pos < num_tokens)
-    vocab = tables["counts"].shape[1]
+    vocab = tables.counts.shape[1]
     counts = jnp.zeros(vocab, jnp.int32).at[token_ids].add(in_output.astype(jnp.int32))
     prompt = jnp.zeros(vocab, bool).at[token_ids].max(in_prompt)
-    return {**tables, "counts": tables["counts"].at[slot].set(counts), "prompt": tables["prompt"].at[slot].set(prompt)}
+    return dataclasses.replace(tables, counts=tables.counts.at[slot].set(counts),
+                               prompt=tables.prompt.at[slot].set(prompt))
 
 
-def set_slot_rows(tables: dict, slot: jax.Array, bias: jax.Array, stop: jax.Array) -> dict:
+def set_slot_rows(tables: SamplerTables, slot: jax.Array, bias: jax.Array, stop: jax.Array) -> SamplerTables:
     """Write a slot's bias row (``float32[V]``) and stop row (``bool[V]``); tables donated."""
-    return {**tables, "bias": tables["bias"].at[slot].set(bias), "stop": tables["stop"].at[slot].set(stop)}
+    return dataclasses.replace(tables, bias=tables.bias.at[slot].set(bias), stop=tables.stop.at[slot].set(stop))
+
+
+# ------------------------------------------------------------------ outputs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """The sampler's outputs, one row per sequence row ``S`` of the step.
+
+    :func:`sample` gives one token per row, ``[S]``; :func:`verify` and
+    :func:`sample_or_verify` (steps that may carry drafts) give ``P``
+    positions per row, ``[S, P]``, the emitted tokens first, and set
+    ``num_emitted``: whether it is None tells the two apart.
+
+      token_ids: int32[S] / int32[S, P] the sampled tokens.
+      logprobs: float32[S] / [S, P] each token's raw logprob.
+      ranks: int32[S] / [S, P] its 1-based rank in the raw distribution.
+      top_ids: int32[S, K] / [S, P, K] and top_logprobs: float32 of the same
+        shape, the top ``K = min(MAX_LOGPROBS, V)`` tokens, descending
+        (zeros when no row asked for logprobs).
+      num_emitted: int32[S] tokens each row emits (accepted drafts + 1);
+        None from :func:`sample`.
+    """
+
+    token_ids: jax.Array
+    logprobs: jax.Array
+    ranks: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    num_emitted: Optional[jax.Array] = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobRows:
+    """:func:`prompt_logprobs`' outputs, one row per token row ``T`` of the step (zeros where none was wanted).
+
+      logprobs: float32[T] the raw logprob of the prompt token after the row's token.
+      ranks: int32[T] its 1-based rank.
+      top_ids: int32[T, K] and top_logprobs: float32[T, K] the top
+        ``K = min(MAX_LOGPROBS, V)`` tokens, descending.
+    """
+
+    logprobs: jax.Array
+    ranks: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
 
 
 # --------------------------------------------------------------- transforms
 
 
-def apply_logit_processors(logits: jax.Array, arrays: dict, tables: dict,
+def apply_logit_processors(logits: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
                            extra_counts: jax.Array | None = None) -> jax.Array:
     """Bias row, bad-word bans and min_tokens, then penalties (vLLM v1 order).
 
@@ -220,21 +279,21 @@ def apply_logit_processors(logits: jax.Array, arrays: dict, tables: dict,
     (OpenAI): ``logit -= frequency * count + presence * (count > 0)`` over
     output tokens.
     """
-    slot = arrays["slot"]
+    slot = arrays.slot
     rows = jnp.arange(logits.shape[0])[:, None]
-    logits = logits + jnp.where(arrays["use_bias"][:, None], tables["bias"][slot], 0.0)
-    logits = logits.at[rows, arrays["banned"]].set(-jnp.inf, mode="drop")
-    before_min = (arrays["num_generated"] < arrays["min_tokens"])[:, None]
-    logits = jnp.where(before_min & tables["stop"][slot], -jnp.inf, logits)
-    counts = tables["counts"][slot]
+    logits = logits + jnp.where(arrays.use_bias[:, None], tables.bias[slot], 0.0)
+    logits = logits.at[rows, arrays.banned].set(-jnp.inf, mode="drop")
+    before_min = (arrays.num_generated < arrays.min_tokens)[:, None]
+    logits = jnp.where(before_min & tables.stop[slot], -jnp.inf, logits)
+    counts = tables.counts[slot]
     if extra_counts is not None:
         counts = counts + extra_counts
     output_seen = counts > 0
-    seen = output_seen | tables["prompt"][slot]
-    rep = arrays["repetition_penalty"][:, None]
+    seen = output_seen | tables.prompt[slot]
+    rep = arrays.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - arrays["frequency_penalty"][:, None] * counts
-    return logits - arrays["presence_penalty"][:, None] * output_seen
+    logits = logits - arrays.frequency_penalty[:, None] * counts
+    return logits - arrays.presence_penalty[:, None] * output_seen
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
@@ -279,12 +338,12 @@ def _row_keys(seed: jax.Array, num_generated: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, num_generated)
 
 
-def _draw(logits: jax.Array, arrays: dict, filtered: bool) -> jax.Array:
-    temperature = arrays["temperature"]
-    scaled = logits / jnp.where(temperature < _GREEDY_EPS, 1.0, temperature)[:, None]
+def _draw(logits: jax.Array, arrays: SamplingArrays, filtered: bool) -> jax.Array:
+    temperature = arrays.temperature
+    scaled = logits / jnp.where(temperature < GREEDY_EPS, 1.0, temperature)[:, None]
     if filtered:
-        scaled = apply_top_k_top_p_min_p(scaled, arrays["top_k"], arrays["top_p"], arrays["min_p"])
-    keys = _row_keys(arrays["seed"], arrays["num_generated"])
+        scaled = apply_top_k_top_p_min_p(scaled, arrays.top_k, arrays.top_p, arrays.min_p)
+    keys = _row_keys(arrays.seed, arrays.num_generated)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
     return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
 
@@ -301,26 +360,26 @@ def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, 
     return chosen, ranks, top_ids.astype(jnp.int32), top_logprobs
 
 
-def _maybe_logprobs(raw: jax.Array, tokens: jax.Array, arrays: dict) -> tuple[jax.Array, ...]:
+def _maybe_logprobs(raw: jax.Array, tokens: jax.Array, arrays: SamplingArrays) -> tuple[jax.Array, ...]:
     """:func:`_logprobs` when some row asks for logprobs, else zeros of the same shapes."""
     num_rows, width = raw.shape[0], min(MAX_LOGPROBS, raw.shape[-1])
     return jax.lax.cond(
-        jnp.any(arrays["num_logprobs"] >= 0),
+        jnp.any(arrays.num_logprobs >= 0),
         lambda: _logprobs(raw, tokens),
         lambda: (jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32),
                  jnp.zeros((num_rows, width), jnp.int32), jnp.zeros((num_rows, width), jnp.float32)),
     )
 
 
-def _choose(raw: jax.Array, arrays: dict, tables: dict, extra_counts: Callable[[], jax.Array] | None = None
-            ) -> jax.Array:
+def _choose(raw: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
+            extra_counts: Callable[[], jax.Array] | None = None) -> jax.Array:
     """One token per row of float32 logits ``raw`` [R, V]: the processors (with ``extra_counts()`` counted as
     outputs, when given), then the argmax (greedy rows) or a draw. A row the processors leave without a token
     (all -inf) chooses from ``raw`` as if it had none."""
     needs_processing = jnp.any(
-        arrays["use_bias"] | (arrays["presence_penalty"] != 0) | (arrays["frequency_penalty"] != 0)
-        | (arrays["repetition_penalty"] != 1) | (arrays["num_generated"] < arrays["min_tokens"])
-        | jnp.any(arrays["banned"] < raw.shape[-1], axis=-1)
+        arrays.use_bias | (arrays.presence_penalty != 0) | (arrays.frequency_penalty != 0)
+        | (arrays.repetition_penalty != 1) | (arrays.num_generated < arrays.min_tokens)
+        | jnp.any(arrays.banned < raw.shape[-1], axis=-1)
     )
 
     def processed() -> jax.Array:
@@ -328,9 +387,9 @@ def _choose(raw: jax.Array, arrays: dict, tables: dict, extra_counts: Callable[[
         return jnp.where(jnp.all(out == -jnp.inf, axis=-1, keepdims=True), raw, out)
 
     logits = jax.lax.cond(needs_processing, processed, lambda: raw)
-    greedy = arrays["temperature"] < _GREEDY_EPS
+    greedy = arrays.temperature < GREEDY_EPS
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    needs_filter = jnp.any(~greedy & ((arrays["top_k"] > 0) | (arrays["top_p"] < 1.0) | (arrays["min_p"] > 0.0)))
+    needs_filter = jnp.any(~greedy & ((arrays.top_k > 0) | (arrays.top_p < 1.0) | (arrays.min_p > 0.0)))
     sampled = jax.lax.cond(
         jnp.all(greedy),
         lambda: argmax,
@@ -347,24 +406,22 @@ def _masked(raw: jax.Array, bitmask: Optional[jax.Array]) -> jax.Array:
     return jax.lax.cond(jnp.any(bitmask != -1), lambda: apply_token_bitmask(raw, bitmask), lambda: raw)
 
 
-def sample(logits: jax.Array, arrays: dict, tables: dict, bitmask: Optional[jax.Array] = None) -> tuple[dict, dict]:
+def sample(logits: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
+           bitmask: Optional[jax.Array] = None) -> tuple[SamplerOutput, SamplerTables]:
     """Draw one token per row and count it in the row's slot.
 
     Args:
       logits: [S, V] float32.
-      arrays: ``SamplingArrays.as_dict()`` on the device.
-      tables: SamplerTables (see :func:`init_tables`); donate them.
+      arrays: the rows' :class:`SamplingArrays`, ``[S]``, on the device.
+      tables: the :class:`SamplerTables` (:func:`init_tables`); donate them.
       bitmask: int32[S, ceil(V / 32)] the tokens each row may take
         (:func:`apply_token_bitmask`); all ones (-1) for unconstrained rows;
         None: no row is constrained.
 
     Returns:
-      ``(out, tables)``: ``out`` holds ``token_ids: int32[S]``,
-      ``logprobs: float32[S]`` (the chosen token's raw logprob),
-      ``ranks: int32[S]`` (its 1-based rank in the raw distribution),
-      ``top_ids: int32[S, K]`` and ``top_logprobs: float32[S, K]`` with
-      ``K = min(MAX_LOGPROBS, V)`` (descending; zeros when no row asked);
-      ``tables`` has each used sample added to its slot's counts.
+      ``(out, tables)``: ``out`` a :class:`SamplerOutput` of ``[S]`` rows
+      (``num_emitted`` None); ``tables`` has each used sample added to its
+      slot's counts.
 
     The bitmask, the processors, the sort, the random draw and the logprobs
     each run only when some row needs them (``lax.cond``), so a plain greedy
@@ -376,10 +433,9 @@ def sample(logits: jax.Array, arrays: dict, tables: dict, bitmask: Optional[jax.
     raw = _masked(logits.astype(jnp.float32), bitmask)
     tokens = _choose(raw, arrays, tables)
     chosen, ranks, top_ids, top_logprobs = _maybe_logprobs(raw, tokens, arrays)
-    counted = (arrays["sample_mask"] & (arrays["slot"] > 0)).astype(jnp.int32)
-    tables = {**tables, "counts": tables["counts"].at[arrays["slot"], tokens].add(counted)}
-    out = {"token_ids": tokens, "logprobs": chosen, "ranks": ranks, "top_ids": top_ids, "top_logprobs": top_logprobs}
-    return out, tables
+    counted = (arrays.sample_mask & (arrays.slot > 0)).astype(jnp.int32)
+    tables = dataclasses.replace(tables, counts=tables.counts.at[arrays.slot, tokens].add(counted))
+    return SamplerOutput(tokens, chosen, ranks, top_ids, top_logprobs), tables
 
 
 # ------------------------------------------------------ speculative decoding
@@ -395,8 +451,8 @@ def _draft_counts(drafts: jax.Array, vocab: int) -> jax.Array:
     return jnp.zeros((num_rows * width, vocab), jnp.int32).at[rows.ravel(), ids.ravel()].add(1, mode="drop")
 
 
-def verify(logits: jax.Array, drafts: jax.Array, arrays: dict, tables: dict,
-           bitmask: Optional[jax.Array] = None) -> tuple[dict, dict]:
+def verify(logits: jax.Array, drafts: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
+           bitmask: Optional[jax.Array] = None) -> tuple[SamplerOutput, SamplerTables]:
     """Verify each row's draft tokens and emit its accepted drafts plus one token (speculative decoding).
 
     Position j of a row holds the target's logits after the row's known
@@ -425,8 +481,8 @@ def verify(logits: jax.Array, drafts: jax.Array, arrays: dict, tables: dict,
       logits: [S * P, V] float32, row ``s * P + j`` = row s at position j.
       drafts: int32[S, P], -1 where a position verifies nothing (always
         the last, and past a row's drafts).
-      arrays: ``SamplingArrays.repeat(P).as_dict()`` on the device.
-      tables: SamplerTables; donate them.
+      arrays: ``SamplingArrays.repeat(P)`` (``[S * P]``) on the device.
+      tables: the :class:`SamplerTables`; donate them.
       bitmask: int32[S, ceil(V / 32)] structured-output bitmask (as in
         :func:`sample`), applied to each row's first position only (all
         ones elsewhere): a constrained row never carries drafts (the
@@ -434,11 +490,9 @@ def verify(logits: jax.Array, drafts: jax.Array, arrays: dict, tables: dict,
         None: no row is constrained.
 
     Returns:
-      ``(out, tables)``: ``out`` holds ``token_ids: int32[S, P]`` (the
-      emitted tokens first), ``num_emitted: int32[S]`` (accepted drafts +
-      1), and ``logprobs``, ``ranks`` ``[S, P]``, ``top_ids``,
-      ``top_logprobs`` ``[S, P, K]`` of those tokens as in :func:`sample`;
-      ``tables`` counts the emitted tokens.
+      ``(out, tables)``: ``out`` a :class:`SamplerOutput` of ``[S, P]``
+      rows, the emitted tokens first, with ``num_emitted: int32[S]``
+      (accepted drafts + 1); ``tables`` counts the emitted tokens.
     """
     num_rows, width = drafts.shape
     if bitmask is not None:
@@ -450,17 +504,18 @@ def verify(logits: jax.Array, drafts: jax.Array, arrays: dict, tables: dict,
     num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1, dtype=jnp.int32)
     chosen, ranks, top_ids, top_logprobs = _maybe_logprobs(raw, tokens, arrays)
     used = (jnp.arange(width)[None, :] <= num_accepted[:, None]).reshape(-1)
-    counted = (used & arrays["sample_mask"] & (arrays["slot"] > 0)).astype(jnp.int32)
-    tables = {**tables, "counts": tables["counts"].at[arrays["slot"], tokens].add(counted)}
-    out = {"token_ids": tokens.reshape(num_rows, width), "num_emitted": num_accepted + 1,
-           "logprobs": chosen.reshape(num_rows, width), "ranks": ranks.reshape(num_rows, width),
-           "top_ids": top_ids.reshape(num_rows, width, -1), "top_logprobs": top_logprobs.reshape(num_rows, width, -1)}
+    counted = (used & arrays.sample_mask & (arrays.slot > 0)).astype(jnp.int32)
+    tables = dataclasses.replace(tables, counts=tables.counts.at[arrays.slot, tokens].add(counted))
+    out = SamplerOutput(token_ids=tokens.reshape(num_rows, width), logprobs=chosen.reshape(num_rows, width),
+                        ranks=ranks.reshape(num_rows, width), top_ids=top_ids.reshape(num_rows, width, -1),
+                        top_logprobs=top_logprobs.reshape(num_rows, width, -1), num_emitted=num_accepted + 1)
     return out, tables
 
 
 def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array, input_ids: jax.Array,
-                     logits_indices: jax.Array, num_spec_tokens: jax.Array, arrays: dict, tables: dict,
-                     num_positions: int, bitmask: Optional[jax.Array] = None) -> tuple[dict, dict]:
+                     logits_indices: jax.Array, num_spec_tokens: jax.Array, arrays: SamplingArrays,
+                     tables: SamplerTables, num_positions: int,
+                     bitmask: Optional[jax.Array] = None) -> tuple[SamplerOutput, SamplerTables]:
     """The sampler of a step that may carry draft tokens: :func:`verify` when some row does, else :func:`sample`.
 
     Args:
@@ -469,8 +524,8 @@ def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: j
       input_ids: int32[T] the step's tokens (a row's drafts are its last
         ``num_spec_tokens`` tokens).
       logits_indices: int32[S] each row's last token; num_spec_tokens: int32[S].
-      arrays: ``SamplingArrays.repeat(num_positions).as_dict()`` on the device.
-      tables: SamplerTables; donate them.
+      arrays: ``SamplingArrays.repeat(num_positions)`` on the device.
+      tables: the :class:`SamplerTables`; donate them.
       num_positions: P = 1 + the most drafts a row may carry (static).
       bitmask: int32[S, ceil(V / 32)] structured-output bitmask (see
         :func:`sample`, :func:`verify`), None: no row is constrained.
@@ -486,21 +541,21 @@ def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: j
     has_draft = position < num_spec_tokens[:, None]
     drafts = jnp.where(has_draft, input_ids[jnp.minimum(first + position + 1, input_ids.shape[0] - 1)], -1)
 
-    def drafted() -> tuple[dict, dict]:
+    def drafted() -> tuple[SamplerOutput, SamplerTables]:
         return verify(compute_logits(hidden[rows.reshape(-1)]), drafts, arrays, tables, bitmask)
 
-    def plain() -> tuple[dict, dict]:
+    def plain() -> tuple[SamplerOutput, SamplerTables]:
         out, new_tables = sample(compute_logits(hidden[logits_indices]),
                                  jax.tree_util.tree_map(lambda a: a[::num_positions], arrays), tables, bitmask)
         pad = [(0, 0), (0, num_positions - 1)]
-        wide = {k: jnp.pad(v[:, None], pad + [(0, 0)] * (v.ndim - 1)) for k, v in out.items()}
-        return {**wide, "num_emitted": jnp.ones(logits_indices.shape, jnp.int32)}, new_tables
+        wide = jax.tree_util.tree_map(lambda v: jnp.pad(v[:, None], pad + [(0, 0)] * (v.ndim - 1)), out)
+        return dataclasses.replace(wide, num_emitted=jnp.ones(logits_indices.shape, jnp.int32)), new_tables
 
     return jax.lax.cond(jnp.any(num_spec_tokens > 0), drafted, plain)
 
 
 def prompt_logprobs(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array,
-                    target_ids: jax.Array) -> dict[str, jax.Array]:
+                    target_ids: jax.Array) -> PromptLogprobRows:
     """Raw logprobs of each token row's next prompt token, and its top tokens (vLLM's prompt logprobs).
 
     Args:
@@ -510,11 +565,9 @@ def prompt_logprobs(compute_logits: Callable[[jax.Array], jax.Array], hidden: ja
         -1 where no logprob is wanted.
 
     Returns:
-      ``prompt_logprobs: float32[T]`` (the target's ``log_softmax`` of the
-      float32 logits), ``prompt_ranks: int32[T]`` (its 1-based rank),
-      ``prompt_top_ids: int32[T, K]`` and
-      ``prompt_top_logprobs: float32[T, K]`` with ``K = min(MAX_LOGPROBS, V)``
-      (descending); zeros where the target is -1. When no row wants them the
+      :class:`PromptLogprobRows` of ``[T]`` rows: the target's
+      ``log_softmax`` of the float32 logits, its rank and the top tokens;
+      zeros where the target is -1. When no row wants them the
       lm_head over the T rows is skipped (``lax.cond``), so the cost is paid
       only by steps that carry such rows, and the shapes never change.
     """
@@ -529,6 +582,4 @@ def prompt_logprobs(compute_logits: Callable[[jax.Array], jax.Array], hidden: ja
     def skipped() -> tuple[jax.Array, ...]:
         return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(computed))
 
-    chosen, ranks, top_ids, top_logprobs = jax.lax.cond(jnp.any(target_ids >= 0), computed, skipped)
-    return {"prompt_logprobs": chosen, "prompt_ranks": ranks, "prompt_top_ids": top_ids,
-            "prompt_top_logprobs": top_logprobs}
+    return PromptLogprobRows(*jax.lax.cond(jnp.any(target_ids >= 0), computed, skipped))

@@ -1,7 +1,7 @@
 """Host side of the sampler in the engine core: sampling slots and per-sequence rows.
 
 Each running sequence holds a *sampling slot*: a row of the device tables
-(``sampler.init_tables``) with its output-token counts, prompt-token
+(``sampler.SamplerTables``) with its output-token counts, prompt-token
 presence, bias row and stop row. A slot is taken when the sequence is
 scheduled without one (admission, or readmission after preemption) and is
 then refilled from the sequence's tokens, and given back when the sequence

@@ -18,6 +18,7 @@ Drafts are the draft model's argmax, so the draft distribution ``q`` is a point 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -27,18 +28,19 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states
+from jaxllm.sample.sampler import SamplerOutput
 from jaxllm.worker.model_runner import ModelRunner
+from jaxllm.worker.step_batch import StepBatch
 from scheduler import BatchDescriptor
 
 
-def propose(params: Params, kv_cache: KVCache, batch: dict, tokens: jax.Array, num_emitted: jax.Array, *,
+def propose(params: Params, kv_cache: KVCache, batch: StepBatch, tokens: jax.Array, num_emitted: jax.Array, *,
             cfg: ModelConfig, ops: AttentionOps, num_speculative_tokens: int) -> tuple[jax.Array, KVCache]:
     """The draft model's step: catch up with the target's step, then draft greedily.
 
     Args:
       params, kv_cache: the draft model's (cache donated).
-      batch: the target step's batch dict (``model_runner.BATCH_KEYS`` and
-        ``num_seqs``): ``[T]`` tokens, ``[S]`` rows.
+      batch: the target step's batch: ``[T]`` tokens, ``[S]`` rows.
       tokens: int32[S, P] the target's emitted tokens per row, first
         ``num_emitted`` valid; num_emitted: int32[S].
       cfg, ops: the draft model's config and attention ops (static).
@@ -51,22 +53,27 @@ def propose(params: Params, kv_cache: KVCache, batch: dict, tokens: jax.Array, n
       get drafts nobody uses.
     """
     _, kv_cache = hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops)
-    block_tables, num_seqs = batch["block_tables"], batch["num_seqs"]
+    block_tables, num_seqs = batch.block_tables, batch.num_seqs
     num_rows, width = block_tables.shape
     block_size = kv_cache[0].shape[2]
     rows = jnp.arange(num_rows)
     real = rows < num_seqs
     last = tokens[rows, num_emitted - 1]
-    start = batch["seq_lens"] - batch["num_spec_tokens"] + num_emitted - 1
+    start = batch.seq_lens - batch.num_spec_tokens + num_emitted - 1
+    # Every draft step is one token per row: S query tokens, none fed from a previous step, no prompt target,
+    # no draft to verify.
+    no_token = jnp.full(num_rows, -1, jnp.int32)
+    decode = dataclasses.replace(batch, query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32), logits_indices=rows,
+                                 prev_token_index=no_token, prompt_target_ids=no_token,
+                                 num_spec_tokens=jnp.zeros(num_rows, jnp.int32))
 
     def one(carry: tuple[KVCache, jax.Array, jax.Array], _: Any) -> tuple[tuple[KVCache, jax.Array, jax.Array], jax.Array]:
         cache, token, position = carry
         block = position // block_size
         has_slot = real & (block < width)
         slot = block_tables[rows, jnp.minimum(block, width - 1)] * block_size + position % block_size
-        step = dict(input_ids=token, positions=position, slot_mapping=jnp.where(has_slot, slot, 0),
-                    block_tables=block_tables, seq_lens=jnp.where(real, position + 1, 0),
-                    query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32), num_seqs=num_seqs)
+        step = dataclasses.replace(decode, input_ids=token, positions=position,
+                                   slot_mapping=jnp.where(has_slot, slot, 0), seq_lens=jnp.where(real, position + 1, 0))
         hidden, cache = hidden_states(params, cache, step, cfg=cfg, ops=ops)
         draft = jnp.argmax(compute_logits(params, hidden, cfg=cfg), axis=-1).astype(jnp.int32)
         return (cache, draft, position + 1), draft
@@ -109,15 +116,16 @@ class DraftRunner(ModelRunner):
             jax.ShapeDtypeStruct((s,), np.int32, sharding=rep),
         )
 
-    def propose_async(self, batch: BatchDescriptor, target_out: dict) -> jax.Array:
+    def propose_async(self, batch: BatchDescriptor, target_out: SamplerOutput) -> jax.Array:
         """Launch the draft step after the target's on ``batch``; returns the drafts int32[S, K] on the device.
 
         Args:
           batch: the target step's batch.
-          target_out: the target step's outputs (``token_ids [S, P]`` and ``num_emitted [S]``, on the device).
+          target_out: the target step's sampler outputs (``token_ids [S, P]`` and ``num_emitted [S]``, on the
+            device).
         """
         exe = self.compile_step(batch.shape)
-        device_batch = jax.device_put(self.batch_arrays(batch), self._replicated)
-        drafts, self.kv_cache = exe(self.params, self.kv_cache, device_batch, target_out["token_ids"],
-                                    target_out["num_emitted"])
+        device_batch = jax.device_put(StepBatch.from_descriptor(batch), self._replicated)
+        drafts, self.kv_cache = exe(self.params, self.kv_cache, device_batch, target_out.token_ids,
+                                    target_out.num_emitted)
         return drafts

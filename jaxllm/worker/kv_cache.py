@@ -30,6 +30,7 @@ import numpy as np
 from jaxllm.config import KV_CACHE_DTYPES, ModelConfig
 from jaxllm.models import hidden_states
 from jaxllm.models.common import KVCache, Params
+from jaxllm.worker.step_batch import StepBatch
 from kernels_pallas.reference import KV_QUANT_MAX
 
 if TYPE_CHECKING:
@@ -178,9 +179,12 @@ def calibrate_kv_scales(cfg: ModelConfig, params: Params, token_ids: np.ndarray,
     num_blocks = -(-n // block_size) + 1
     kv = allocate_kv_cache(num_blocks, block_size, jnp.float32, sharding)
     positions = np.arange(n, dtype=np.int32)
-    batch = dict(input_ids=token_ids.astype(np.int32), positions=positions, slot_mapping=positions + block_size,
-                 block_tables=np.arange(1, num_blocks, dtype=np.int32)[None], seq_lens=np.asarray([n], np.int32),
-                 query_start_loc=np.asarray([0, n], np.int32), num_seqs=np.int32(1))
+    none = np.full(n, -1, np.int32)
+    batch = StepBatch(input_ids=token_ids.astype(np.int32), positions=positions, slot_mapping=positions + block_size,
+                      block_tables=np.arange(1, num_blocks, dtype=np.int32)[None], seq_lens=np.asarray([n], np.int32),
+                      query_start_loc=np.asarray([0, n], np.int32), logits_indices=np.asarray([n - 1], np.int32),
+                      prev_token_index=none, prompt_target_ids=none, num_spec_tokens=np.zeros(1, np.int32),
+                      num_seqs=np.int32(1))
     batch = jax.device_put(batch, sharding.replicated)
     limit = KV_QUANT_MAX[jnp.dtype(kv_dtype)]
 

@@ -17,6 +17,7 @@ those same shardings.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import threading
 import time
@@ -32,6 +33,9 @@ from jaxllm.config import ModelConfig
 from jaxllm.worker.kv_cache import allocate_kv_cache
 from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states, loop_storage
 from jaxllm.sample.sampler import (
+    PromptLogprobRows,
+    SamplerOutput,
+    SamplerTables,
     SamplingArrays,
     fill_slot,
     init_tables,
@@ -41,46 +45,71 @@ from jaxllm.sample.sampler import (
     set_slot_rows,
 )
 from jaxllm.worker.sharding import ModelSharding
+from jaxllm.worker.step_batch import StepBatch
 from jaxllm.structured_output import bitmask_words
 from kernels_pallas.reference import BITS_STORAGE
 from scheduler import BatchDescriptor, BucketTable
 
-BATCH_KEYS = (
-    "input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
-    "query_start_loc", "logits_indices", "prev_token_index", "num_spec_tokens",
-)
 # Block copies (swap, copy-on-write) run in fixed-size chunks so that they
 # compile once; a chunk's unused entries move null block 0 onto itself.
 BLOCK_CHUNK = 16
 
 
-def _step(params: Params, kv_cache: KVCache, batch: dict, sampling: dict, tables: dict, prev_tokens: jax.Array,
-          bitmask: jax.Array, *, cfg: ModelConfig, ops: AttentionOps, num_positions: int = 1
-          ) -> tuple[dict, jax.Array, KVCache, dict]:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """A step's outputs: on the device from :meth:`ModelRunner.dispatch`, on the host from :meth:`fetch_rows`.
+
+      sampled: the sampler's :class:`SamplerOutput`, ``[S]`` rows
+        (``[S, num_positions]`` and ``num_emitted`` when the step verifies drafts).
+      prompt: the prompt logprobs, ``[T]`` rows (``sampler.prompt_logprobs``);
+        None once fetched without them.
+      draft_token_ids: int32[S, K] the draft model's drafts from this step's
+        samples (``DraftRunner.propose_async``); None without a draft model.
+    """
+
+    sampled: SamplerOutput
+    prompt: Optional[PromptLogprobRows]
+    draft_token_ids: Optional[jax.Array] = None
+
+    def fetch_rows(self, num_rows: int, num_token_rows: int = 0) -> "StepOutput":
+        """The outputs on the host (numpy), in one transfer: the per-row ones cut to ``num_rows`` rows, the
+        prompt logprobs to ``num_token_rows``. With ``num_token_rows=0`` the prompt logprobs are not fetched
+        (``prompt`` None): a step without prompt targets has none to read, and they are ``[T, 20]`` arrays."""
+        host = jax.device_get(dataclasses.replace(self, prompt=self.prompt if num_token_rows else None))
+
+        def first(n: int, tree: Any) -> Any:
+            return jax.tree_util.tree_map(lambda v: v[:n], tree)
+
+        return StepOutput(first(num_rows, host.sampled), first(num_token_rows, host.prompt),
+                          first(num_rows, host.draft_token_ids))
+
+
+def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: SamplingArrays, tables: SamplerTables,
+          prev_tokens: jax.Array, bitmask: jax.Array, *, cfg: ModelConfig, ops: AttentionOps, num_positions: int = 1
+          ) -> tuple[StepOutput, jax.Array, KVCache, SamplerTables]:
     """Model + sampler + prompt logprobs. Input ids marked in
-    ``prev_token_index`` come from the previous step's samples
+    ``batch.prev_token_index`` come from the previous step's samples
     (``prev_tokens``, still on the device); the samples are also returned
     padded to ``prev_tokens``' length for the next step. ``bitmask``
     (int32[S, ceil(V/32)]) holds each row's allowed tokens (structured
-    output). ``out`` is the sampler's outputs (``[S]`` rows) and
-    ``sampler.prompt_logprobs``' (``[T]`` rows, for
-    ``batch["prompt_target_ids"]``). With ``num_positions > 1``
-    (speculative decoding) the sampler verifies each row's drafts
-    (``sampler.sample_or_verify``): ``[S, num_positions]`` tokens and
-    ``num_emitted: int32[S]``; a row's bitmask applies to its first position
-    (constrained rows carry no drafts)."""
-    from_prev = batch["prev_token_index"]
-    input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch["input_ids"])
-    hidden, kv_cache = hidden_states(params, kv_cache, dict(batch, input_ids=input_ids), cfg=cfg, ops=ops)
+    output). The prompt logprobs are those of ``batch.prompt_target_ids``.
+    With ``num_positions > 1`` (speculative decoding) the sampler verifies
+    each row's drafts (``sampler.sample_or_verify``); a row's bitmask
+    applies to its first position (constrained rows carry no drafts)."""
+    from_prev = batch.prev_token_index
+    input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch.input_ids)
+    hidden, kv_cache = hidden_states(params, kv_cache, dataclasses.replace(batch, input_ids=input_ids),
+                                     cfg=cfg, ops=ops)
     head = functools.partial(compute_logits, params, cfg=cfg)
     if num_positions == 1:
-        out, tables = sample(head(hidden[batch["logits_indices"]]), sampling, tables, bitmask)
-        first = out["token_ids"]
+        sampled, tables = sample(head(hidden[batch.logits_indices]), sampling, tables, bitmask)
+        first = sampled.token_ids
     else:
-        out, tables = sample_or_verify(head, hidden, input_ids, batch["logits_indices"], batch["num_spec_tokens"],
-                                       sampling, tables, num_positions, bitmask)
-        first = out["token_ids"][:, 0]
-    out = {**out, **prompt_logprobs(head, hidden, batch["prompt_target_ids"])}
+        sampled, tables = sample_or_verify(head, hidden, input_ids, batch.logits_indices, batch.num_spec_tokens,
+                                           sampling, tables, num_positions, bitmask)
+        first = sampled.token_ids[:, 0]
+    out = StepOutput(sampled, prompt_logprobs(head, hidden, batch.prompt_target_ids))
     next_prev = jnp.zeros_like(prev_tokens).at[: first.shape[0]].set(first)
     return out, next_prev, kv_cache, tables
 
@@ -167,7 +196,7 @@ class ModelRunner:
       kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size,
         sharding.num_cache_heads, head_dim]``, split over heads; of
         ``kv_cache_dtype``, as uint16 / uint8 bits with ``float_bits_storage``.
-      sampler_tables: the sampler's per-slot tables (``sampler.init_tables``),
+      sampler_tables: the sampler's per-slot tables (:class:`SamplerTables`),
         replicated on the mesh and donated to every step like the KV cache.
       num_compilations: programs this runner has built (steps and block
         copies), whether compiled or loaded from JAX's persistent cache; once
@@ -185,7 +214,6 @@ class ModelRunner:
         self.cfg = cfg
         self.ops = ops
         self.num_blocks = num_blocks
-        self.block_size = block_size
         self.dtype = dtype
         self.buckets = buckets
         self.num_positions = num_positions
@@ -254,27 +282,14 @@ class ModelRunner:
                 self.compile_seconds += seconds
         return exe
 
-    def batch_arguments(self, shape: tuple[int, int, int]) -> dict:
-        """Abstract batch dict of bucket ``shape`` (replicated int32 arrays, as :meth:`batch_arrays` makes)."""
-        t, s, w = shape
-        i32 = np.int32
-        batch = {
-            "input_ids": ((t,), i32), "positions": ((t,), i32), "slot_mapping": ((t,), i32),
-            "block_tables": ((s, w), i32), "seq_lens": ((s,), i32), "query_start_loc": ((s + 1,), i32),
-            "logits_indices": ((s,), i32), "prev_token_index": ((t,), i32), "prompt_target_ids": ((t,), i32),
-            "num_spec_tokens": ((s,), i32), "num_seqs": ((), i32),
-        }
-        rep = self._replicated
-        return {k: jax.ShapeDtypeStruct(shape_, dtype, sharding=rep) for k, (shape_, dtype) in batch.items()}
-
     def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
         """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens, bitmask)`` of bucket
         ``shape``: exactly the structure, dtypes and shardings :meth:`dispatch` passes."""
         s, rep = shape[1], self._replicated
-        sampling = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
-                    for k, v in SamplingArrays.empty(s * self.num_positions).as_dict().items()}
+        sampling = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep),
+                                          SamplingArrays.empty(s * self.num_positions))
         bitmask = jax.ShapeDtypeStruct((s, self.bitmask_words), np.int32, sharding=rep)
-        return (_abstract(self.params), _abstract(self.kv_cache), self.batch_arguments(shape), sampling,
+        return (_abstract(self.params), _abstract(self.kv_cache), StepBatch.abstract(shape, rep), sampling,
                 _abstract(self.sampler_tables), _abstract(self._no_prev_tokens), bitmask)
 
     def compile_step(self, shape: tuple[int, int, int]) -> Callable:
@@ -398,7 +413,7 @@ class ModelRunner:
 
     def dispatch(self, batch: BatchDescriptor, sampling: SamplingArrays, prev_tokens: Optional[jax.Array] = None,
                  prompt_target_ids: Optional[np.ndarray] = None,
-                 bitmask: Optional[np.ndarray] = None) -> tuple[dict, jax.Array]:
+                 bitmask: Optional[np.ndarray] = None) -> tuple[StepOutput, jax.Array]:
         """Launch one step without waiting for it.
 
         Args:
@@ -414,32 +429,20 @@ class ModelRunner:
             array kept on the device (no transfer).
 
         Returns:
-          (the step's outputs on the device: the sampler's (``sampler.sample``,
-          ``[S]`` rows) and the prompt logprobs (``sampler.prompt_logprobs``,
-          ``[T]`` rows); the sampled ids padded to int32[max S bucket] for the
-          next dispatch). The KV cache and the sampler tables are updated in
-          place (donated).
+          (the step's :class:`StepOutput` on the device; the sampled ids
+          padded to int32[max S bucket] for the next dispatch). The KV cache
+          and the sampler tables are updated in place (donated).
         """
         exe = self.compile_step(batch.shape)
         if bitmask is None:
             bitmask = self._all_ones(batch.shape[1])
         device_batch, device_sampling, bitmask = jax.device_put(
-            (self.batch_arrays(batch, prompt_target_ids), sampling.as_dict(), bitmask), self._replicated)
+            (StepBatch.from_descriptor(batch, prompt_target_ids), sampling, bitmask), self._replicated)
         prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
         out, next_prev, self.kv_cache, self.sampler_tables = exe(
             self.params, self.kv_cache, device_batch, device_sampling, self.sampler_tables, prev, bitmask
         )
         return out, next_prev
-
-    @staticmethod
-    def batch_arrays(batch: BatchDescriptor, prompt_target_ids: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
-        """The host arrays of a step's batch dict (:meth:`batch_arguments`' structure)."""
-        arrays = {key: getattr(batch, key) for key in BATCH_KEYS}
-        arrays["num_seqs"] = np.int32(batch.num_seqs)
-        if prompt_target_ids is None:
-            prompt_target_ids = np.full(batch.input_ids.shape, -1, np.int32)
-        arrays["prompt_target_ids"] = prompt_target_ids
-        return arrays
 
     def _all_ones(self, num_rows: int) -> jax.Array:
         ones = self._all_allowed.get(num_rows)
@@ -505,12 +508,3 @@ def enable_persistent_compilation_cache(path: Optional[str]) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-
-def fetch_rows(out: dict, num_rows: int, num_token_rows: int = 0) -> dict[str, np.ndarray]:
-    """Bring a step's outputs to the host: the sampler's cut to ``num_rows``
-    rows, the prompt logprobs (``prompt_*``, one row per token) cut to
-    ``num_token_rows``. With ``num_token_rows=0`` the prompt logprobs are left
-    on the device: a step without prompt targets has none to read, and they
-    are ``[T, 20]`` arrays."""
-    wanted = {k: v for k, v in out.items() if num_token_rows or not k.startswith("prompt_")}
-    return {k: v[: num_token_rows if k.startswith("prompt_") else num_rows] for k, v in jax.device_get(wanted).items()}

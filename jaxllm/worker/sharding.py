@@ -97,8 +97,6 @@ PARAM_AXES: dict[str, tuple[Optional[str], ...]] = {
 # [..., G, out] (groups of input rows split with those rows), all but the input axis for
 # per-channel scales [..., out] (jaxllm.worker.quantization).
 SCALE_SUFFIX = "_scale"
-# The KV cache [num_blocks, block_size, kv_heads, head_dim].
-KV_CACHE_AXES = (None, None, "kv_heads", None)
 
 
 def _axes(key: str) -> tuple[Optional[str], ...]:
@@ -345,13 +343,4 @@ class ModelSharding:
                              out_specs=heads, check_vma=False)(
                 q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *scales)
 
-        def attend_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale=None, v_scale=None, **static):
-            scales, specs, keywords = scale_args(k_scale, v_scale)
-
-            def local(*args):
-                return ops.paged_attention(*args[:5], **keywords(*args[5:]), **static)
-
-            return shard_map(local, mesh=self.mesh, in_specs=(heads, cache, cache, rep, rep) + specs,
-                             out_specs=heads, check_vma=False)(q, k_cache, v_cache, block_tables, seq_lens, *scales)
-
-        return AttentionOps(ragged_paged_attention=attend, paged_attention=attend_decode, kv_cache_write=write)
+        return AttentionOps(ragged_paged_attention=attend, kv_cache_write=write)

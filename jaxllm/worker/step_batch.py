@@ -1,0 +1,80 @@
+"""StepBatch: the batch arrays of one compiled step, declared once.
+
+Each field names its shape in the bucket's ``(T, S, W)``; from that one
+declaration come the host arrays of a scheduled batch
+(:meth:`StepBatch.from_descriptor`) and the abstract arguments every bucket's
+program is compiled for (:meth:`StepBatch.abstract`), so a new per-step input
+is one new field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from scheduler import BatchDescriptor
+
+
+def _int32(*dims: str) -> Any:
+    """A field holding an int32 array of shape ``dims``: ``"T"``, ``"S"``, ``"W"``, ``"S+1"`` (none: a scalar)."""
+    return dataclasses.field(metadata={"dims": dims})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """The batch of one step, padded to a bucket ``(T, S, W)``: int32 arrays, numpy on the host and
+    ``jax.Array`` on the device (a pytree).
+
+    The layout is vLLM v1's flattened ragged batch; ``scheduler.BatchDescriptor``
+    documents the fields of the same names, which :meth:`from_descriptor` takes.
+
+      input_ids, positions, slot_mapping: int32[T].
+      block_tables: int32[S, W]; seq_lens: int32[S]; query_start_loc: int32[S + 1].
+      logits_indices: int32[S] each row's last query token.
+      prev_token_index: int32[T] the previous step's row whose sample is the
+        token's input id (async scheduling), -1 elsewhere.
+      prompt_target_ids: int32[T] the prompt token after each token row
+        whose prompt logprob is wanted, -1 elsewhere.
+      num_spec_tokens: int32[S] draft tokens each row verifies.
+      num_seqs: int32[] real rows.
+
+    The decoder (``jaxllm.models``) reads ``input_ids``, ``positions``,
+    ``slot_mapping``, ``block_tables``, ``seq_lens``, ``query_start_loc`` and
+    ``num_seqs``; the step's sampling and its inputs from the previous step
+    read the rest.
+    """
+
+    input_ids: jax.Array = _int32("T")
+    positions: jax.Array = _int32("T")
+    slot_mapping: jax.Array = _int32("T")
+    block_tables: jax.Array = _int32("S", "W")
+    seq_lens: jax.Array = _int32("S")
+    query_start_loc: jax.Array = _int32("S+1")
+    logits_indices: jax.Array = _int32("S")
+    prev_token_index: jax.Array = _int32("T")
+    prompt_target_ids: jax.Array = _int32("T")
+    num_spec_tokens: jax.Array = _int32("S")
+    num_seqs: jax.Array = _int32()
+
+    @classmethod
+    def from_descriptor(cls, batch: BatchDescriptor,
+                        prompt_target_ids: Optional[np.ndarray] = None) -> "StepBatch":
+        """The host arrays of ``batch``, with ``prompt_target_ids`` (int32[T]; None: no prompt logprob wanted)."""
+        if prompt_target_ids is None:
+            prompt_target_ids = np.full(batch.input_ids.shape, -1, np.int32)
+        arrays = {f.name: np.asarray(getattr(batch, f.name), np.int32)
+                  for f in dataclasses.fields(cls) if f.name != "prompt_target_ids"}
+        return cls(**arrays, prompt_target_ids=prompt_target_ids)
+
+    @classmethod
+    def abstract(cls, shape: tuple[int, int, int], sharding: Any) -> "StepBatch":
+        """``ShapeDtypeStruct``s of bucket ``shape`` ``(T, S, W)`` placed by ``sharding``: what a step compiles for."""
+        t, s, w = shape
+        sizes = {"T": t, "S": s, "W": w, "S+1": s + 1}
+        return cls(**{f.name: jax.ShapeDtypeStruct(tuple(sizes[d] for d in f.metadata["dims"]), np.int32,
+                                                   sharding=sharding)
+                      for f in dataclasses.fields(cls)})
