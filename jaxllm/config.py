@@ -474,7 +474,7 @@ class EngineConfig:
                              "speculative_config is set)")
         elif self.async_scheduling and spec is not None:
             raise ValueError("async_scheduling=True cannot be used with speculative_config: a step's drafts need "
-                             "the previous step's tokens (leave async_scheduling None or set it False)")
+                             "the previous step's tokens (leave async_scheduling unset, or turn it off)")
         self.graceful_degradation = _parse_degradation(self.graceful_degradation)
         # The scheduler's knobs are checked by SchedulerConfig, here rather than at start-up; the block count and
         # the model's length are not known yet (placeholders; the real config is built by the engine core).
@@ -585,4 +585,7 @@ def _parse_degradation(value: Any) -> Union[bool, GracefulDegradation]:
     unknown = sorted(set(value) - set(known))
     if unknown:
         raise ValueError(f"graceful_degradation has unknown field {unknown[0]!r}; the fields are {known}")
-    return GracefulDegradation(**value)
+    try:
+        return GracefulDegradation(**value)
+    except TypeError as e:  # a threshold of the wrong type, e.g. "0.2" for a fraction
+        raise ValueError(f"graceful_degradation={value!r}: {e}") from None

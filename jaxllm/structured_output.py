@@ -28,13 +28,16 @@ import functools
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 
 from scheduler import Request, SchedulerOutput, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from jaxllm.core.requests import CoreSequence
 
 # Compiled grammars kept (least recently used dropped first).
 GRAMMAR_CACHE_SIZE = 256
@@ -191,7 +194,7 @@ class StructuredOutputManager:
 
     # -------------------------------------------------------------- sequences
 
-    def add(self, request: Request, future: concurrent.futures.Future) -> None:
+    def add(self, request: "CoreSequence", future: concurrent.futures.Future) -> None:
         """Constrain ``request`` (one sequence, a ``CoreSequence``) by the grammar ``future`` compiles (from
         :meth:`compile`)."""
         request.grammar = SequenceGrammar(future)
@@ -202,14 +205,14 @@ class StructuredOutputManager:
         """A ``Request.grammar_ready`` for the grammar ``future``: True once it compiled without error."""
         return lambda: _compiled_ok(future)
 
-    def remove(self, request: Request) -> None:
+    def remove(self, request: "CoreSequence") -> None:
         """Forget a finished or aborted sequence's grammar (an unconstrained one is ignored)."""
         if request.grammar is not None:
             request.grammar = None
             self._num_sequences -= 1
 
     @staticmethod
-    def constrains(request: Request) -> bool:
+    def constrains(request: "CoreSequence") -> bool:
         """True when ``request`` (one sequence) is under a grammar (speculative decoding gives it no drafts)."""
         return request.grammar is not None
 

@@ -103,7 +103,7 @@ class SchedulerConfig:
             raise bad("num_host_blocks", "an int >= 0")
         if not isinstance(self.num_lookahead_tokens, int) or self.num_lookahead_tokens < 0:
             raise bad("num_lookahead_tokens", "an int >= 0")
-        if not self.aging_rate >= 0:
+        if isinstance(self.aging_rate, bool) or not isinstance(self.aging_rate, (int, float)) or not self.aging_rate >= 0:
             raise bad("aging_rate", ">= 0 (priority units per second)")
         if not isinstance(self.graceful_degradation, (bool, GracefulDegradation)):
             raise bad("graceful_degradation", "a bool or a GracefulDegradation")

@@ -87,8 +87,7 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
     }
 
     def model_step(params, kv, batch, ops):
-        hidden, kv = models.hidden_states(params, kv, batch, cfg=cfg, ops=ops)
-        return models.compute_logits(params, hidden[batch.logits_indices], cfg=cfg), kv
+        return models.forward(params, kv, batch, cfg=cfg, ops=ops)
 
     def timed(fn, *args, donate=False):
         out = fn(*args)

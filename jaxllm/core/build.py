@@ -62,11 +62,12 @@ def build_engine_core(model: Union[str, os.PathLike], config: EngineConfig, *,
         raise ValueError(f"data_parallel_size={config.data_parallel_size}: an EngineCore is one replica; "
                          "LLM and the server run one core per replica")
     path = Path(model)
-    # The config is checked before any weight is read.
+    # The config is checked before any weight is read: the scheduler's knobs against the model's length too.
     max_model_len = config.resolve_max_model_len(read_model_config(path)[0])
+    config.scheduler_config(num_blocks=2, max_model_len=max_model_len)
     dtype = resolve_dtype(config.dtype)
     mesh = mesh if mesh is not None else make_mesh(config.tensor_parallel_size)
-    cfg, params, hf_config, sharding = load_sharded(path, dtype, mesh, quantization=config.quantization)
+    cfg, params, _, sharding = load_sharded(path, dtype, mesh, quantization=config.quantization)
     backend = config.attention_backend or default_attention_backend()
     ops = sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
     cache = config.compilation_cache
@@ -86,7 +87,7 @@ def build_engine_core(model: Union[str, os.PathLike], config: EngineConfig, *,
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
     structured = StructuredOutputManager(lambda: load_tokenizer(path), cfg.vocab_size, cfg.eos_token_ids)
     core = EngineCore(config, runner, sharding=sharding, max_model_len=max_model_len, kv_cache_dtype=kv_dtype,
-                      structured=structured, drafter=drafter, proposer=proposer, hf_config=hf_config,
+                      structured=structured, drafter=drafter, proposer=proposer,
                       core_index=core_index)
     _log_start_up(core, backend, weight_quantization(params))
     warm_up(core)

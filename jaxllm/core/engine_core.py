@@ -88,11 +88,10 @@ class EngineCore:
       structured: the ``StructuredOutputManager`` (it loads the model's tokenizer at the first constraint).
       drafter: the draft model's runner (``speculative_config`` method "draft_model"), or None.
       proposer: the n-gram proposer (method "ngram"), or None.
-      hf_config: the model's HF config dict, as loaded (kept for callers).
       core_index: this core's data-parallel rank (reported with its outputs).
 
     Attributes:
-      scheduler, runner, drafter, proposer, structured, slots, sharding, max_model_len, kv_cache_dtype, hf_config:
+      scheduler, runner, drafter, proposer, structured, slots, sharding, max_model_len, kv_cache_dtype:
         as given or built from them. model_config, buckets, num_blocks, dtype: the runner's.
       requests: the record of each request by its id (``jaxllm.core.requests.CoreRequest``).
       param_bytes: ``jaxllm.worker.quantization.param_bytes`` of the parameters on the devices.
@@ -104,11 +103,10 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, *, sharding: ModelSharding, max_model_len: int,
                  kv_cache_dtype: Any, structured: StructuredOutputManager, drafter: Optional[DraftRunner] = None,
-                 proposer: Optional[NgramProposer] = None, hf_config: Optional[dict] = None, core_index: int = 0):
+                 proposer: Optional[NgramProposer] = None, core_index: int = 0):
         self.config, self.runner, self.sharding, self.drafter, self.proposer = config, runner, sharding, drafter, proposer
         self.max_model_len, self.kv_cache_dtype, self.structured = max_model_len, np.dtype(kv_cache_dtype), structured
-        self.hf_config, self.core_index = hf_config, core_index
-        self.spec = config.speculative_config
+        self.core_index = core_index
         self.model_config, self.buckets, self.num_blocks, self.dtype = runner.cfg, runner.buckets, runner.num_blocks, runner.dtype
         self.param_bytes = param_bytes(runner.params)
         self._runners = [runner] + ([drafter] if drafter is not None else [])
@@ -205,6 +203,8 @@ class EngineCore:
         kwargs = dict(eos_token_id=request.eos_token_id, arrival_time=request.arrival_time,
                       priority=request.priority, cache_salt=request.cache_salt,
                       grammar_ready=None if grammar is None else self.structured.ready(grammar))
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use in the engine core")
         record = CoreRequest(request.request_id, num_live=n)
         for i, seed in enumerate(request.seeds):
             seq_params = params
@@ -240,6 +240,8 @@ class EngineCore:
                 if not seq.is_finished:
                     self.scheduler.abort_request(seq.request_id)
                 self._release(seq)
+            if record is not None:
+                record.forget()
 
     def abort_all(self) -> None:
         """Abort every request."""
@@ -475,8 +477,9 @@ class EngineCore:
         self._release(seq)
         record = seq.record
         record.num_live -= 1
-        if record.num_live == 0 and self.requests.get(record.request_id) is record:
+        if record.num_live == 0:
             del self.requests[record.request_id]
+            record.forget()
 
     def _release(self, seq: CoreSequence) -> None:
         """Nothing more is recorded or reported of ``seq``: its sampling slot and grammar go."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 
 from jaxllm.core.messages import SampleLogprobs
-from scheduler import RequestStatus, ScheduledRequest
+from scheduler import ScheduledRequest
 
 if TYPE_CHECKING:
     from jaxllm.sample.sampler import PromptLogprobRows
@@ -120,7 +120,7 @@ def record_prompt_logprobs(rows: Sequence[ScheduledRequest], out: PromptLogprobR
         end = start + row.num_new_tokens
         request = row.request
         tracker = request.prompt_logprobs
-        if tracker is not None and request.status is not RequestStatus.FINISHED_ABORTED:
+        if tracker is not None:
             tracker.record(row.num_computed_tokens, out.logprobs[start:end], out.ranks[start:end],
                            out.top_ids[start:end], out.top_logprobs[start:end])
             if tracker.complete:

@@ -12,15 +12,11 @@ sequences then give their sampling slots back).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+from jaxllm.core.messages import SampleLogprobs
+from jaxllm.core.prompt_logprobs import PromptLogprobs
 from scheduler import Request
-
-if TYPE_CHECKING:
-    from jaxllm.core.messages import SampleLogprobs
-    from jaxllm.core.prompt_logprobs import PromptLogprobs
-    from jaxllm.sample.slots import SequenceSampling
-    from jaxllm.structured_output import SequenceGrammar
 
 
 class CoreSequence(Request):
@@ -53,9 +49,10 @@ class CoreSequence(Request):
         super().__init__(*args, **kwargs)
         self.record = record
         self.index = index
-        self.sampling: Optional[SequenceSampling] = None
+        # Typed in the docstring: the modules that set these annotate their methods with CoreSequence.
+        self.sampling: Any = None
         self.slot = 0
-        self.grammar: Optional[SequenceGrammar] = None
+        self.grammar: Any = None
         self.prompt_logprobs: Optional[PromptLogprobs] = None
         self.logprobs: Optional[list[SampleLogprobs]] = None
         self.num_logprobs = 0
@@ -90,6 +87,12 @@ class CoreRequest:
     def prefill(self) -> CoreSequence:
         """The sequence that computes the prompt: the prefill parent, or the first sequence."""
         return self.parent if self.parent is not None else self.seqs[0]
+
+    def forget(self) -> None:
+        """Drop the links to its sequences once the core has forgotten it: a sequence links back to its record,
+        and the cycle would otherwise keep both (and their token lists) until a full garbage collection."""
+        self.seqs = []
+        self.parent = None
 
     def live_sequences(self) -> list[CoreSequence]:
         """The parent (until it forks) and the sequences not done yet."""

@@ -32,7 +32,7 @@ class AsyncLLM(FrontEnd):
       model: as ``LLMEngine``.
       tokenizer: a Tokenizer; by default read from the model.
       **kwargs: ``EngineConfig`` fields (``max_waiting_requests`` sheds load:
-        ``client.check_waiting_limit``).
+        ``jaxllm.core.client.check_waiting_limit``).
 
     Attributes:
       client: the ``MPClient``; info: core 0's ``CoreInfo``.

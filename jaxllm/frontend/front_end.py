@@ -59,7 +59,7 @@ class FrontEnd:
         Raises:
           ValueError: a duplicate ``request_id``, a bad request (``InputProcessor.process``) or a bad
             ``data_parallel_rank``.
-          QueueFullError: ``max_waiting_requests`` sequences already wait (``client.check_waiting_limit``,
+          QueueFullError: ``max_waiting_requests`` sequences already wait (``jaxllm.core.client.check_waiting_limit``,
             counted in ``metrics.request_refused``).
         """
         if request_id in self.output_processor.requests:

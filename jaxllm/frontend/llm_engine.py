@@ -145,7 +145,7 @@ class LLMEngine(FrontEnd):
             (both numbers named), a token id outside the vocabulary, a
             duplicate ``request_id``, a bad ``data_parallel_rank``.
           QueueFullError: ``max_waiting_requests`` sequences already wait
-            (``client.check_waiting_limit``); nothing is queued.
+            (``jaxllm.core.client.check_waiting_limit``); nothing is queued.
         """
         text, ids = self.input_processor.encode_prompt(prompt)
         self._queue(request_id, ids, params if params is not None else SamplingParams(), prompt=text,

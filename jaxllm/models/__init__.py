@@ -19,14 +19,18 @@ gated MLP, the scan over stacked layers and the logits.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 
 from jaxllm.config import ModelConfig
 from jaxllm.models import gemma3, llama, mixtral, phi3, qwen3_moe
 from jaxllm.models.common import Family, KVCache, Params, compute_logits, loop_storage
 from jaxllm.models.common import hidden_states as _hidden_states
-from jaxllm.worker.step_batch import StepBatch
 from kernels_pallas import AttentionOps
+
+if TYPE_CHECKING:
+    from jaxllm.worker.step_batch import StepBatch
 
 FAMILIES: dict[str, Family] = {
     "llama": llama.FAMILY,

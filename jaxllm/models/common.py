@@ -47,16 +47,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
-from jaxllm.worker.step_batch import StepBatch
 from kernels_pallas import AttentionOps
 from kernels_pallas.reference import BITS_STORAGE, from_storage, to_storage
+
+if TYPE_CHECKING:
+    from jaxllm.worker.step_batch import StepBatch
 
 Params = dict[str, Any]
 KVCache = tuple[jax.Array, jax.Array]

@@ -11,12 +11,15 @@ is preempted or finished; so at most ``max_num_seqs`` slots are in use.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import numpy as np
 
 from jaxllm.sample.sampler import SamplingArrays
-from scheduler import Request, SamplingParams, SchedulerOutput
+from scheduler import SamplingParams, SchedulerOutput
+
+if TYPE_CHECKING:
+    from jaxllm.core.requests import CoreSequence
 
 
 class SlotTables(Protocol):
@@ -101,25 +104,25 @@ class SamplingSlots:
         self._num_multi_word = 0
         self._free = list(range(num_slots - 1, 0, -1))
 
-    def register(self, request: Request, sampling: SequenceSampling) -> None:
+    def register(self, request: "CoreSequence", sampling: SequenceSampling) -> None:
         """Give a sequence its sampling state; it gets a slot when scheduled."""
         request.sampling = sampling
         self._num_multi_word += bool(sampling.multi_token_bad_words)
 
-    def release(self, request: Request) -> None:
+    def release(self, request: "CoreSequence") -> None:
         """Give back the sequence's slot (preempted: refilled on readmission)."""
         if request.slot:
             self._free.append(request.slot)
             request.slot = 0
 
-    def forget(self, request: Request) -> None:
+    def forget(self, request: "CoreSequence") -> None:
         """The sequence finished or was aborted: give back its slot, and it counts no more."""
         self.release(request)
         if request.sampling is not None:
             self._num_multi_word -= bool(request.sampling.multi_token_bad_words)
             request.sampling = None
 
-    def _slot(self, request: Request, sampling: SequenceSampling) -> int:
+    def _slot(self, request: "CoreSequence", sampling: SequenceSampling) -> int:
         if not request.slot:
             slot = request.slot = self._free.pop()
             self.tables.fill_slot(slot, request.all_token_ids, request.num_prompt_tokens)
@@ -175,5 +178,5 @@ class SamplingSlots:
         return wide
 
 
-def _has_multi_word(request: Request) -> bool:
+def _has_multi_word(request: "CoreSequence") -> bool:
     return request.sampling is not None and bool(request.sampling.multi_token_bad_words)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states
+from jaxllm.models import AttentionOps, KVCache, Params, forward, hidden_states
 from jaxllm.sample.sampler import SamplerOutput
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.step_batch import StepBatch
@@ -74,8 +74,8 @@ def propose(params: Params, kv_cache: KVCache, batch: StepBatch, tokens: jax.Arr
         slot = block_tables[rows, jnp.minimum(block, width - 1)] * block_size + position % block_size
         step = dataclasses.replace(decode, input_ids=token, positions=position,
                                    slot_mapping=jnp.where(has_slot, slot, 0), seq_lens=jnp.where(real, position + 1, 0))
-        hidden, cache = hidden_states(params, cache, step, cfg=cfg, ops=ops)
-        draft = jnp.argmax(compute_logits(params, hidden, cfg=cfg), axis=-1).astype(jnp.int32)
+        logits, cache = forward(params, cache, step, cfg=cfg, ops=ops, all_logits=True)
+        draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (cache, draft, position + 1), draft
 
     (kv_cache, _, _), drafts = jax.lax.scan(one, (kv_cache, last, start), None, length=num_speculative_tokens)
