@@ -250,22 +250,33 @@ class IncrementalDetokenizer:
         self._window = [int(i) for i in prompt_token_ids[-self._CONTEXT:]]
         self._prefix_offset = 0
         self._read_offset = len(self._window)
+        self._prefix_text: str | None = None
 
     def step(self, token_id: int) -> str:
         """Append one generated id; return the text it completes ("" while a character is split)."""
+        delta = self.peek(token_id)
         self.token_ids.append(int(token_id))
         self._window.append(int(token_id))
-        decode = self.tokenizer.decode
-        prefix = decode(self._window[self._prefix_offset:self._read_offset], self.skip_special_tokens)
-        full = decode(self._window[self._prefix_offset:], self.skip_special_tokens)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        delta = full[len(prefix):]
-        self.text += delta
-        # Drop what no later window needs, so each step decodes a bounded number of ids.
-        self._window = self._window[self._read_offset:]
-        self._prefix_offset, self._read_offset = 0, len(self._window)
+        if delta:
+            self.text += delta
+            # Drop what no later window needs, so each step decodes a bounded number of ids.
+            self._window = self._window[self._read_offset:]
+            self._prefix_offset, self._read_offset = 0, len(self._window)
+            self._prefix_text = None
         return delta
+
+    def peek(self, token_id: int) -> str:
+        """The text `step(token_id)` would return, leaving the state as it is: what `token_id` adds
+        to the text after the ids so far (a SentencePiece word's leading space included; "" while
+        it leaves a character split). Logprob token texts ask this of every candidate."""
+        decode = self.tokenizer.decode
+        if self._prefix_text is None:  # shared by every candidate of one position
+            self._prefix_text = decode(self._window[self._prefix_offset:self._read_offset],
+                                       self.skip_special_tokens)
+        full = decode(self._window[self._prefix_offset:] + [int(token_id)], self.skip_special_tokens)
+        if len(full) <= len(self._prefix_text) or full.endswith("\ufffd"):
+            return ""
+        return full[len(self._prefix_text):]
 
 
 def _compile_template(source: str) -> jinja2.Template:

@@ -237,6 +237,24 @@ def test_incremental_keeps_sentencepiece_word_spaces(stories, text):
     assert detok.text.lstrip(" ") == stories.decode(output).lstrip(" ")
 
 
+@pytest.mark.parametrize("name", ["smol", "stories"])
+@pytest.mark.parametrize("text", [t for t in TEXTS if t])
+def test_issue25_item3_peek_is_what_step_returns_and_changes_nothing(name, text, request):
+    """Logprob texts ask peek of every candidate: it answers what step would return for it, in context (a
+    SentencePiece word's space included), and peeking other ids in between changes no later step."""
+    tokenizer = request.getfixturevalue(name)
+    prompt, output = tokenizer.encode("Once upon a time"), tokenizer.encode(text, add_special_tokens=False)
+    detok, deltas = stream(tokenizer, prompt, output)
+    peeking = IncrementalDetokenizer(tokenizer, prompt)
+    others = output[::-1] + tokenizer.encode(" the a", add_special_tokens=False)
+    for token, delta in zip(output, deltas):
+        for other in others:
+            peeking.peek(other)
+        assert peeking.peek(token) == delta
+        assert peeking.step(token) == delta
+    assert peeking.text == detok.text
+
+
 # ---- tokenizer_config.json's legacy / add_prefix_space, against transformers (issue 11, item 7) --
 
 SWEEP_PIECES = ["hello", "Hello", "world", "user", "hi", "Once", "upon", "a", "time", ":", ",", ".", "!", "'s",
