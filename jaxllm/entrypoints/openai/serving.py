@@ -217,7 +217,7 @@ class OpenAIServing:
         """Check and start a completion request; returns (id, created, prompts, streams, params)."""
         self.check_model(request.model)
         prompts = self.completion_prompts(request)
-        echo_logprobs = request.logprobs if request.echo and not request.stream else None
+        echo_logprobs = request.logprobs if request.echo else None
         params = [self.sampling_params(request, len(ids), request.max_tokens, request.logprobs,
                                        prompt_logprobs=echo_logprobs) for _, ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -245,7 +245,8 @@ class OpenAIServing:
                 completion_tokens += len(c.token_ids)
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self._completion_logprobs(c, out if request.echo else None)
+                    rows = (_prompt_rows(out) if request.echo else []) + _output_rows(c, len(c.token_ids))
+                    logprobs, _ = self._completion_logprobs(rows, 0)
                 choices.append({"index": i * request.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -253,62 +254,63 @@ class OpenAIServing:
                 "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
 
     async def completion_stream(self, request: CompletionRequest, started) -> AsyncIterator[bytes]:
-        """The ``text_completion`` chunks of a streaming request, then the usage chunk if asked, then [DONE]."""
+        """The ``text_completion`` chunks of a streaming request, then the usage chunk if asked, then [DONE].
+
+        Per choice, the chunks' texts and the lists of their ``logprobs`` (``echo``: the prompt's first, with the
+        first token) concatenate to the non-streamed response's; ``text_offset`` runs on from chunk to chunk.
+        """
         request_id, created, prompts, streams = started
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
-        completion_tokens = 0
-        sent_echo = set()
+        choices = StreamedChoices(len(prompts), request.n)
+        offsets = [0] * (len(prompts) * request.n)  # each choice's next text_offset
         try:
-            async for i, out in merge(streams):
-                for c in out.outputs:
-                    index = i * request.n + c.index
-                    text = c.delta_text
-                    if request.echo and index not in sent_echo:
-                        sent_echo.add(index)
-                        text = self._prompt_text(prompts[i]) + text
-                    if not (text or c.delta_token_ids or c.finish_reason):
-                        continue
-                    logprobs = None
-                    if request.logprobs is not None and c.delta_token_ids:
-                        logprobs = self._completion_logprobs(c, None, new_only=True)
-                    if c.finish_reason:
-                        completion_tokens += len(c.token_ids)
-                    chunk = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                                  "finish_reason": c.finish_reason,
-                                                  "stop_reason": c.stop_reason if c.finish_reason else None}]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield _sse(chunk)
+            async for i, index, first, out, c in choices.updates(merge(streams)):
+                text, rows = c.delta_text, []
+                if request.echo and first:
+                    text = self._prompt_text(prompts[i]) + text
+                    rows = _prompt_rows(out)
+                logprobs = None
+                if request.logprobs is not None:
+                    rows += _output_rows(c, len(c.delta_token_ids))
+                    logprobs, offsets[index] = self._completion_logprobs(rows, offsets[index])
+                chunk = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                              "finish_reason": c.finish_reason,
+                                              "stop_reason": c.stop_reason if c.finish_reason else None}]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
             if include_usage:
                 prompt_tokens = sum(len(ids) for _, ids in prompts)
-                yield _sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+                yield _sse({**base, "choices": [], "usage": _usage(prompt_tokens, choices.num_tokens)})
         except Exception as e:
             yield _sse(stream_error(e))
         yield SSE_DONE
 
-    def _completion_logprobs(self, c: CompletionOutput, echo: Optional[RequestOutput], new_only: bool = False) -> dict:
-        """OpenAI's legacy ``logprobs``: tokens, their logprobs, the top tokens per position, text offsets
-        (``echo``: the prompt's tokens first, the first without a logprob)."""
-        ids, entries = c.token_ids, c.logprobs or []
-        if new_only:
-            n = len(c.delta_token_ids)
-            ids, entries = ids[len(ids) - n:], entries[len(entries) - n:]
-        rows: list[tuple[int, Optional[dict[int, Logprob]]]] = []
-        if echo is not None:
-            rows += list(zip(echo.prompt_token_ids, echo.prompt_logprobs or [None] * len(echo.prompt_token_ids)))
-        rows += list(zip(ids, entries))
+    def _completion_logprobs(self, rows: list[tuple[int, Optional[dict[int, Logprob]]]],
+                             offset: int) -> tuple[dict, int]:
+        """OpenAI's legacy ``logprobs`` of ``rows`` (token id, its entry; None for the first prompt token):
+        tokens, their logprobs, the top tokens per position (a token whose text another id of the position
+        already has is keyed ``token_id:ID``, so none is lost), text offsets from ``offset`` (characters).
+
+        Returns:
+          the ``logprobs`` object and the offset after its last token.
+        """
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
         for token_id, entry in rows:
             text = self._token_text(token_id, entry)
             out["tokens"].append(text)
             out["token_logprobs"].append(None if entry is None else entry[token_id].logprob)
-            out["top_logprobs"].append(None if entry is None else
-                                       {self._token_text(t, entry): lp.logprob for t, lp in entry.items()})
+            top = None
+            if entry is not None:
+                top = {}
+                for t, lp in entry.items():
+                    key = self._token_text(t, entry)
+                    top[f"token_id:{t}" if key in top else key] = lp.logprob
+            out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
             offset += len(text)
-        return out
+        return out, offset
 
     def _token_text(self, token_id: int, entry: Optional[dict[int, Logprob]]) -> str:
         if entry is not None and entry[token_id].decoded_token is not None:
@@ -337,7 +339,8 @@ class OpenAIServing:
         async for _, out in merge(streams):
             final = out
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
+                    "logprobs": (self._chat_logprobs(_output_rows(c, len(c.token_ids)), request.top_logprobs or 0)
+                                 if request.logprobs else None),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
         return {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": _usage(len(ids), sum(len(c.token_ids) for c in final.outputs))}
@@ -354,42 +357,34 @@ class OpenAIServing:
                 body["usage"] = None
             return _sse(body)
 
-        completion_tokens = 0
+        choices = StreamedChoices(1, request.n)
         try:
             for i in range(request.n):
                 yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})
-            async for _, out in merge(streams):
-                for c in out.outputs:
-                    if not (c.delta_text or c.delta_token_ids or c.finish_reason):
-                        continue
-                    logprobs = None
-                    if request.logprobs and c.delta_token_ids:
-                        logprobs = self._chat_logprobs(c, request.top_logprobs or 0, new_only=True)
-                    if c.finish_reason:
-                        completion_tokens += len(c.token_ids)
-                    yield chunk({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                 "stop_reason": c.stop_reason if c.finish_reason else None})
+            async for _, index, _, _, c in choices.updates(merge(streams)):
+                logprobs = None
+                if request.logprobs and c.delta_token_ids:
+                    logprobs = self._chat_logprobs(_output_rows(c, len(c.delta_token_ids)), request.top_logprobs or 0)
+                yield chunk({"index": index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                             "logprobs": logprobs, "finish_reason": c.finish_reason,
+                             "stop_reason": c.stop_reason if c.finish_reason else None})
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(len(ids), completion_tokens)})
+                yield _sse({**base, "choices": [], "usage": _usage(len(ids), choices.num_tokens)})
         except Exception as e:
             yield _sse(stream_error(e))
         yield SSE_DONE
 
-    def _chat_logprobs(self, c: CompletionOutput, num_top: int, new_only: bool = False) -> dict:
-        """OpenAI's chat ``logprobs``: per token its text, logprob, UTF-8 bytes and the top ``num_top``."""
-        ids, entries = c.token_ids, c.logprobs or []
-        if new_only:
-            n = len(c.delta_token_ids)
-            ids, entries = ids[len(ids) - n:], entries[len(entries) - n:]
+    def _chat_logprobs(self, rows: list[tuple[int, dict[int, Logprob]]], num_top: int) -> dict:
+        """OpenAI's chat ``logprobs`` of ``rows`` (token id, its entry): per token its text, logprob, UTF-8 bytes
+        and the top ``num_top`` (a list: tokens of the same text stay apart)."""
 
         def item(token_id: int, lp: Logprob, entry: dict[int, Logprob]) -> dict:
             text = self._token_text(token_id, entry)
             return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
 
         content = []
-        for token_id, entry in zip(ids, entries):
+        for token_id, entry in rows:
             top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:num_top]
             content.append({**item(token_id, entry[token_id], entry),
                             "top_logprobs": [item(t, lp, entry) for t, lp in top]})
@@ -417,6 +412,52 @@ class OpenAIServing:
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": self.tokenizer.decode(tokens)}
+
+
+class StreamedChoices:
+    """The choices of a streamed response (``num_prompts * n``, numbered ``prompt_index * n + i``) as they change
+    (vLLM's ``finish_reason_sent`` / ``previous_num_tokens``): a ``RequestOutput`` holds every sequence of its
+    request, the finished ones too, so only a choice's new text, tokens or finish is news, and its finish is its
+    last.
+
+    Attributes:
+      num_tokens: tokens the choices generated so far, all together (the usage's ``completion_tokens``, as a
+        non-streamed response counts them in its final outputs).
+    """
+
+    def __init__(self, num_prompts: int, n: int) -> None:
+        self._n = n
+        self._tokens: list[Optional[int]] = [None] * (num_prompts * n)  # None: nothing sent yet
+        self._finished = [False] * (num_prompts * n)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t or 0 for t in self._tokens)
+
+    async def updates(self, outputs: AsyncIterator[tuple[int, RequestOutput]]
+                      ) -> AsyncIterator[tuple[int, int, bool, RequestOutput, CompletionOutput]]:
+        """(prompt index, choice index, whether it is the choice's first update, request output, completion) for
+        each choice with news in ``outputs`` (``merge``'s), up to and with the one that finishes it."""
+        async for i, out in outputs:
+            for c in out.outputs:
+                index = i * self._n + c.index
+                if self._finished[index] or not (c.delta_text or c.delta_token_ids or c.finish_reason):
+                    continue
+                first = self._tokens[index] is None
+                self._finished[index] = c.finish_reason is not None
+                self._tokens[index] = len(c.token_ids)
+                yield i, index, first, out, c
+
+
+def _prompt_rows(out: RequestOutput) -> list[tuple[int, Optional[dict[int, Logprob]]]]:
+    """(token id, entry) of the prompt's tokens (entries None when prompt logprobs were not asked for)."""
+    return list(zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)))
+
+
+def _output_rows(c: CompletionOutput, count: int) -> list[tuple[int, Optional[dict[int, Logprob]]]]:
+    """(token id, entry) of the last ``count`` generated tokens."""
+    first = len(c.token_ids) - count
+    return list(zip(c.token_ids[first:], (c.logprobs or [])[first:]))
 
 
 def structured_outputs(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[StructuredOutputsParams]:
