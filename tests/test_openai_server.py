@@ -234,8 +234,10 @@ SAMPLING_FIELDS = dict(n=2, temperature=0.9, top_p=0.9, top_k=20, min_p=0.05, se
 
 
 def test_every_sampling_field_reaches_sampling_params(server, llm):
+    # priority is no sampling field, and this fcfs server refuses a non-zero one
+    # (test_issue25_priority_5_on_an_fcfs_server_is_refused_naming_priority).
     bias = {403: 2.0, 407: -5.0}
-    body = dict(prompt=PROMPT, logit_bias={str(k): v for k, v in bias.items()}, priority=3, **SAMPLING_FIELDS)
+    body = dict(prompt=PROMPT, logit_bias={str(k): v for k, v in bias.items()}, **SAMPLING_FIELDS)
     got = post(server, "/v1/completions", body).json()
     want = llm.generate(PROMPT, SamplingParams(logit_bias=bias, **SAMPLING_FIELDS), use_tqdm=False)[0].outputs
     assert [(c["index"], c["text"], c["finish_reason"]) for c in got["choices"]] == \
