@@ -254,6 +254,18 @@ def test_every_sampling_field_reaches_sampling_params(server, llm):
     assert got["usage"]["completion_tokens"] == 6
 
 
+def test_issue25_priority_5_on_an_fcfs_server_is_refused_naming_priority(server, client):
+    """vLLM's rule (vllm #22997): fcfs ignores priorities, so a non-zero one is a 400, not a silent 200."""
+    for path, body in [("/v1/completions", dict(prompt=PROMPT)), ("/v1/chat/completions",
+                                                                  dict(messages=[{"role": "user", "content": "hi"}]))]:
+        response = post(server, path, {**body, "max_tokens": 3, "priority": 5})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "priority" and "priority=5" in error["message"] and "'fcfs'" in error["message"]
+    assert client.completions.create(model="stories", prompt=PROMPT, max_tokens=3, temperature=0,
+                                     extra_body={"priority": 0}).usage.completion_tokens == 3
+
+
 def test_stop_string_cuts_the_text_and_is_the_stop_reason(server, client):
     response = client.completions.create(model="stories", prompt=PROMPT, max_tokens=40, temperature=0, stop=["Lily"])
     assert response.choices[0].text == ", there was a little girl named "
