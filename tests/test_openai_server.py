@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -395,6 +396,42 @@ def test_issue25_item3_top_logprobs_keep_distinct_tokens_of_the_same_text_apart(
     assert offset == 7
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_issue25_streamed_logprobs_spelled_as_token_ids_concatenate_to_the_unstreamed(client, endpoint):
+    """Items 2 and 4 together: with return_tokens_as_token_ids every logprob token of a stream, an echo'd
+    prompt's included, is ``token_id:ID``, and the stream (several prompts, n=2) still concatenates to the
+    response; text_offset and chat's bytes still follow the text (those of the same request without it)."""
+    body = dict(n=2, temperature=1.0, seed=5, max_tokens=20)
+    if endpoint == "completions":
+        body.update(prompt=[PROMPT, "One day"], echo=True, logprobs=2)
+    else:
+        body.update(messages=[{"role": "user", "content": PROMPT}], logprobs=True, top_logprobs=2)
+    whole, _ = assert_stream_equals_response(client, endpoint, **body,
+                                             extra_body={"return_tokens_as_token_ids": True})
+    plain = create(client, endpoint, **body)
+    for choice, text_choice in zip(whole["choices"], plain["choices"]):
+        if endpoint == "completions":
+            lp, text_lp = choice["logprobs"], text_choice["logprobs"]
+            assert lp["token_logprobs"][0] is None  # the echo'd prompt comes first
+            assert lp["text_offset"] == text_lp["text_offset"]
+            spelled = lp["tokens"] + [key for top in lp["top_logprobs"] if top for key in top]
+        else:
+            content, text_content = choice["logprobs"]["content"], text_choice["logprobs"]["content"]
+            assert [item["bytes"] for item in content] == [item["bytes"] for item in text_content]
+            spelled = [item["token"] for item in content] + [t["token"] for i in content for t in i["top_logprobs"]]
+        assert spelled and all(re.fullmatch(r"token_id:\d+", token) for token in spelled)
+
+
+def test_issue25_streamed_usage_counts_the_cached_tokens_of_every_prompt_once(client):
+    """Items 1 and 4 together: the usage chunk of a stream with several prompts and n=2 says the unstreamed
+    usage, cached prompt tokens (``prompt_tokens_details.cached_tokens``) included, each prompt's counted once."""
+    prompts = [np.random.default_rng(seed).integers(3, 500, size=40).tolist() for seed in (41, 42)]
+    create(client, "completions", prompt=prompts, max_tokens=1)  # the prompts' 2 full blocks each are cached
+    whole, _ = assert_stream_equals_response(client, "completions", prompt=prompts, n=2, temperature=1.0, seed=5,
+                                             max_tokens=8)
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * 32
+
+
 # Every request field that maps onto a SamplingParams field, set at once; the server's tokens equal LLM.generate's
 # for the same SamplingParams (seeded, so they do not depend on the batch).
 SAMPLING_FIELDS = dict(n=2, temperature=0.9, top_p=0.9, top_k=20, min_p=0.05, seed=11, presence_penalty=0.5,
@@ -403,8 +440,10 @@ SAMPLING_FIELDS = dict(n=2, temperature=0.9, top_p=0.9, top_k=20, min_p=0.05, se
 
 
 def test_every_sampling_field_reaches_sampling_params(server, llm):
+    # priority is no sampling field, and this fcfs server refuses a non-zero one
+    # (test_issue25_priority_5_on_an_fcfs_server_is_refused_naming_priority).
     bias = {403: 2.0, 407: -5.0}
-    body = dict(prompt=PROMPT, logit_bias={str(k): v for k, v in bias.items()}, priority=3, **SAMPLING_FIELDS)
+    body = dict(prompt=PROMPT, logit_bias={str(k): v for k, v in bias.items()}, **SAMPLING_FIELDS)
     got = post(server, "/v1/completions", body).json()
     want = llm.generate(PROMPT, SamplingParams(logit_bias=bias, **SAMPLING_FIELDS), use_tqdm=False)[0].outputs
     assert [(c["index"], c["text"], c["finish_reason"]) for c in got["choices"]] == \
@@ -419,6 +458,18 @@ def test_every_sampling_field_reaches_sampling_params(server, llm):
     assert (got["choices"][0]["text"], got["choices"][0]["finish_reason"], got["choices"][0]["stop_reason"]) == \
         (want.text, "stop", stop_id)
     assert got["usage"]["completion_tokens"] == 6
+
+
+def test_issue25_priority_5_on_an_fcfs_server_is_refused_naming_priority(server, client):
+    """vLLM's rule (vllm #22997): fcfs ignores priorities, so a non-zero one is a 400, not a silent 200."""
+    for path, body in [("/v1/completions", dict(prompt=PROMPT)), ("/v1/chat/completions",
+                                                                  dict(messages=[{"role": "user", "content": "hi"}]))]:
+        response = post(server, path, {**body, "max_tokens": 3, "priority": 5})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "priority" and "priority=5" in error["message"] and "'fcfs'" in error["message"]
+    assert client.completions.create(model="stories", prompt=PROMPT, max_tokens=3, temperature=0,
+                                     extra_body={"priority": 0}).usage.completion_tokens == 3
 
 
 def test_stop_string_cuts_the_text_and_is_the_stop_reason(server, client):
