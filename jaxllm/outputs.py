@@ -17,8 +17,10 @@ class Logprob:
       rank: 1-based rank in that distribution: 1..k for the top ``k``
         tokens, and for the chosen (or prompt) token the number of tokens
         at least as likely as it (vLLM's rule).
-      decoded_token: the token's text (``tokenizer.decode([id])``), None
-        for a model without a tokenizer.
+      decoded_token: the token's text at its position: what it adds to the
+        text after the tokens before it, leading spaces included
+        (``frontend.output_processor.TokenTexts``); None for a model without
+        a tokenizer.
     """
 
     logprob: float

@@ -7,6 +7,7 @@ sets it up. `IncrementalDetokenizer` turns a stream of sampled ids into text del
 TGI do (prefix offset / read offset).
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -55,7 +56,7 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
-        self._template = _compile_template(chat_template) if chat_template else None
+        self._template = compile_chat_template(chat_template) if chat_template else None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -177,8 +178,18 @@ class Tokenizer:
             raise ValueError(f"token id(s) {bad[:5]} outside [0, {self.vocab_size})")
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def set_chat_template(self, source: str) -> None:
+        """Use `source` (jinja2) as the chat template from now on (`jaxllm serve --chat-template`).
+
+        Raises:
+            ValueError: `source` is not a valid jinja2 template (with the parser's message).
+        """
+        self._template = compile_chat_template(source)
+        self.chat_template = source
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools=None) -> str:
+                            tools=None, continue_final_message: bool = False,
+                            chat_template: str | None = None) -> str:
         """Render a conversation with the model's chat template, as HF's
         `apply_chat_template(..., tokenize=False)` does.
 
@@ -186,22 +197,33 @@ class Tokenizer:
             messages: dicts with at least `role` and `content`.
             add_generation_prompt: append the cue for the assistant's turn.
             tools: optional list of JSON-schema dicts, passed to the template as `tools`.
+            continue_final_message: end the text right after the last message's content (what the
+                template writes after it, such as an end-of-turn token, is cut), so the model goes on
+                with that message: a prefilled answer (HF's and vLLM's rule).
+            chat_template: a jinja2 template to use instead of the model's.
 
         Returns the prompt text; it already holds any BOS the template writes, so encode it with
         `add_special_tokens=False` when the template writes one.
 
         Raises:
-            ValueError: the model has no chat template, or `messages` is not a list of dicts.
+            ValueError: no chat template (the model's or `chat_template`), `messages` is not a
+                list of dicts, both `add_generation_prompt` and `continue_final_message`, or the
+                last message's content is not a string found in the rendered text.
             jinja2.TemplateError: the template itself raised (e.g. via `raise_exception`).
         """
-        if self._template is None:
-            raise ValueError("this model has no chat template; format the prompt yourself")
+        template = compile_chat_template(chat_template) if chat_template is not None else self._template
+        if template is None:
+            raise ValueError("this model has no chat template; format the prompt yourself or give a chat template")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError(f"messages must be a list of dicts, got {messages!r:.200}")
-        return self._template.render(
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: one continues "
+                             "the last message, the other starts a new assistant turn")
+        text = template.render(
             messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_id))
+        return _cut_after_final_message(text, messages) if continue_final_message else text
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
@@ -250,32 +272,70 @@ class IncrementalDetokenizer:
         self._window = [int(i) for i in prompt_token_ids[-self._CONTEXT:]]
         self._prefix_offset = 0
         self._read_offset = len(self._window)
+        self._prefix_text: str | None = None
 
     def step(self, token_id: int) -> str:
         """Append one generated id; return the text it completes ("" while a character is split)."""
+        delta = self.peek(token_id)
         self.token_ids.append(int(token_id))
         self._window.append(int(token_id))
-        decode = self.tokenizer.decode
-        prefix = decode(self._window[self._prefix_offset:self._read_offset], self.skip_special_tokens)
-        full = decode(self._window[self._prefix_offset:], self.skip_special_tokens)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        delta = full[len(prefix):]
-        self.text += delta
-        # Drop what no later window needs, so each step decodes a bounded number of ids.
-        self._window = self._window[self._read_offset:]
-        self._prefix_offset, self._read_offset = 0, len(self._window)
+        if delta:
+            self.text += delta
+            # Drop what no later window needs, so each step decodes a bounded number of ids.
+            self._window = self._window[self._read_offset:]
+            self._prefix_offset, self._read_offset = 0, len(self._window)
+            self._prefix_text = None
         return delta
 
+    def peek(self, token_id: int) -> str:
+        """The text `step(token_id)` would return, leaving the state as it is: what `token_id` adds
+        to the text after the ids so far (a SentencePiece word's leading space included; "" while
+        it leaves a character split). Logprob token texts ask this of every candidate."""
+        decode = self.tokenizer.decode
+        if self._prefix_text is None:  # shared by every candidate of one position
+            self._prefix_text = decode(self._window[self._prefix_offset:self._read_offset],
+                                       self.skip_special_tokens)
+        full = decode(self._window[self._prefix_offset:] + [int(token_id)], self.skip_special_tokens)
+        if len(full) <= len(self._prefix_text) or full.endswith("\ufffd"):
+            return ""
+        return full[len(self._prefix_text):]
 
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the sandbox HF uses, with HF's helper functions."""
+
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """`text` up to the end of the last message's content, as HF's `continue_final_message` cuts it.
+
+    Raises:
+        ValueError: there is no message, its content is not a string, or it is not in `text`.
+    """
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text content to continue")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the last message's content")
+    # A template that strips the content loses its trailing spaces; one that keeps them keeps them here too.
+    kept = final.lstrip()
+    return text[:at + len(kept)] if text[at:at + len(kept)] == kept else text[:at + len(final.strip())]
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandbox HF uses, with HF's helper functions (cached: a template
+    given per call, as `LLM.chat(chat_template=...)`, compiles once; `jaxllm serve --chat-template`
+    checks its template with it before loading the model).
+
+    Raises:
+        ValueError: `source` is not valid jinja2.
+    """
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template is not valid jinja2: {e} (line {e.lineno})") from None
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

@@ -53,10 +53,14 @@ class Policy:
         (set automatically); the scheduler skips the victim search otherwise.
       observes_load: True in any class that defines ``observe_load`` (set
         automatically).
+      reads_priority: whether ``Request.priority`` can change the order; the
+        front end refuses a non-zero priority where it cannot (vLLM's rule).
+        True unless a class says otherwise (a custom key may read it).
     """
 
     name = "base"
     keys_change_over_time = True
+    reads_priority = True
     preempts_for_waiting = False
     observes_load = False
 
@@ -99,6 +103,7 @@ class FCFSPolicy(Policy):
 
     name = "fcfs"
     keys_change_over_time = False
+    reads_priority = False
 
     def key(self, request: Request, now: float) -> tuple:
         return (request.arrival_time, request._seq)
@@ -139,6 +144,7 @@ class SJFPolicy(Policy):
 
     name = "sjf"
     keys_change_over_time = True
+    reads_priority = False
 
     def __init__(self, max_model_len: int = 1 << 30) -> None:
         self.max_model_len = max_model_len

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -226,6 +227,211 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, llm):
     np.testing.assert_allclose(lp.token_logprobs[1:5], want_prompt, atol=1e-5)
 
 
+# ---- issue 25: streams of several choices, streamed logprobs, logprob token texts ----------------------------
+
+
+def create(client, endpoint, **body):
+    """``client.completions.create`` or ``client.chat.completions.create``; a stream as a list of its chunks'
+    dicts, a response as its dict."""
+    api = client.completions if endpoint == "completions" else client.chat.completions
+    result = api.create(model="stories", **body)
+    return [chunk.model_dump() for chunk in result] if body.get("stream") else result.model_dump()
+
+
+def by_choice(chunks):
+    """Per choice index, its choice objects in the order the chunks came (the usage chunk has none)."""
+    choices = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            choices.setdefault(choice["index"], []).append(choice)
+    return choices
+
+
+def assert_close(got, want, path="response"):
+    """Equal, floats within 1e-5 (the second request reads the first one's prompt from the prefix cache)."""
+    if isinstance(want, float) and isinstance(got, float):
+        assert got == pytest.approx(want, abs=1e-5), path
+    elif isinstance(want, dict) and isinstance(got, dict):
+        assert list(got) == list(want), path
+        for key in want:
+            assert_close(got[key], want[key], f"{path}.{key}")
+    elif isinstance(want, list) and isinstance(got, list):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_close(g, w, f"{path}[{i}]")
+    else:
+        assert got == want, path
+
+
+def concatenated_logprobs(endpoint, choices):
+    """A choice's streamed logprobs joined: the legacy lists end to end, or chat's ``content`` items."""
+    parts = [c["logprobs"] for c in choices if c["logprobs"] is not None]
+    if endpoint == "chat":
+        return [item for part in parts for item in part["content"]]
+    return {key: [x for part in parts for x in part[key]] for key in parts[0]}
+
+
+def assert_stream_equals_response(client, endpoint, **body):
+    """The stream of ``body`` against the same request unstreamed (seeded): per choice index exactly one chunk
+    carries a finish_reason and it is the index's last; texts, finish and stop reasons and logprobs concatenate
+    to the response's; the usage chunk says the response's usage.
+
+    Returns:
+      the response, and whether a choice finished while another still ran (a chunk of another choice follows
+      its finish).
+    """
+    whole = create(client, endpoint, **body)
+    chunks = create(client, endpoint, stream=True, stream_options={"include_usage": True}, **body)
+    streams = by_choice(chunks)
+    order = [(choice["index"], choice["finish_reason"]) for chunk in chunks for choice in chunk["choices"]]
+    first_finish = min(order.index(c) for c in order if c[1] is not None)
+    finished_early = any(index != order[first_finish][0] for index, _ in order[first_finish + 1:])
+    assert sorted(streams) == [c["index"] for c in whole["choices"]]
+    for want in whole["choices"]:
+        choices = streams[want["index"]]
+        finishes = [c["finish_reason"] for c in choices]
+        assert finishes[-1] == want["finish_reason"] and finishes[:-1] == [None] * (len(finishes) - 1), finishes
+        if endpoint == "chat":
+            assert "".join(c["delta"]["content"] or "" for c in choices) == want["message"]["content"]
+        else:
+            assert "".join(c["text"] for c in choices) == want["text"]
+        assert choices[-1]["stop_reason"] == want["stop_reason"]
+        if want["logprobs"] is not None:
+            want_logprobs = want["logprobs"]["content"] if endpoint == "chat" else want["logprobs"]
+            assert_close(concatenated_logprobs(endpoint, choices), want_logprobs)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert all(chunk["usage"] is None for chunk in chunks[:-1])
+    return whole, finished_early
+
+
+STORIES_PERIOD = 426  # the token "."
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_issue25_item1_reported_n3_stream_sends_each_finish_once_and_the_real_usage(client, endpoint):
+    """The reported input: a choice that finished early was sent again, empty, with its finish_reason on every
+    later step, and the usage counted each choice's tokens once per such chunk (286 for 44 on completions)."""
+    body = dict(prompt=PROMPT) if endpoint == "completions" else dict(messages=[{"role": "user", "content": PROMPT}])
+    _, finished_early = assert_stream_equals_response(client, endpoint, **body, n=3, temperature=1.0, seed=3,
+                                                      max_tokens=60, stop=["."])
+    assert finished_early
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("ending", [dict(stop=["."]), dict(extra_body={"stop_token_ids": [STORIES_PERIOD]})],
+                         ids=["stop_string", "stop_token"])
+@pytest.mark.parametrize("logprobs", [False, True], ids=["no_logprobs", "logprobs"])
+def test_issue25_item1_streams_of_several_choices_finish_each_once_and_count_usage_once(client, endpoint, n, ending,
+                                                                                       logprobs):
+    """The kind: every streamed response with several choices, chat and completions, ended by a stop string
+    (found by the front end) or without one (a stop token, which the core finishes on), with and without
+    logprobs, with include_usage; completions with several prompts, whose choices are numbered prompt by prompt.
+    Seed 5 makes the choices end at different steps."""
+    body = dict(n=n, temperature=1.0, seed=5, max_tokens=40, **ending)
+    if endpoint == "completions":
+        body.update(prompt=[PROMPT, "One day"], **(dict(logprobs=2) if logprobs else {}))
+    else:
+        body.update(messages=[{"role": "user", "content": PROMPT}],
+                    **(dict(logprobs=True, top_logprobs=2) if logprobs else {}))
+    _, finished_early = assert_stream_equals_response(client, endpoint, **body)
+    assert finished_early
+
+
+def test_issue25_item2_reported_streamed_echo_keeps_the_prompt_logprobs_and_running_offsets(client):
+    """The reported input (stream, echo, logprobs=1): the stream left out the prompt tokens' logprobs and
+    started text_offset at 0 in every chunk."""
+    whole, _ = assert_stream_equals_response(client, "completions", prompt=PROMPT, temperature=0, echo=True,
+                                             logprobs=1)
+    logprobs = whole["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 5 + 16 and logprobs["token_logprobs"][0] is None
+    assert logprobs["text_offset"] == list(np.cumsum([0] + [len(t) for t in logprobs["tokens"][:-1]]))
+
+
+@pytest.mark.parametrize("echo", [False, True], ids=["no_echo", "echo"])
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stop", [None, [" the"]], ids=["no_stop", "stop"])
+def test_issue25_item2_streamed_completion_logprobs_concatenate_to_the_unstreamed(client, echo, n, stop):
+    """The kind: concatenating a stream's tokens, token_logprobs, top_logprobs and text_offset gives the
+    non-streamed response's, with or without echo, for every choice."""
+    assert_stream_equals_response(client, "completions", prompt=PROMPT, n=n, temperature=1.0, seed=5, max_tokens=30,
+                                  echo=echo, logprobs=3, stop=stop)
+
+
+def test_issue25_item3_reported_logprob_tokens_keep_their_spaces_and_every_top_token(client, llm):
+    """The reported input: the tokens joined to ",therewasalittle..." and two ids of the same text shared one
+    top_logprobs key (19 of 20 entries); chat's bytes spelled the content without its spaces."""
+    response = create(client, "completions", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=20)
+    (choice,) = response["choices"]
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    assert STORIES_SENTENCE[len(PROMPT):].startswith(choice["text"]) and len(choice["text"]) > 60
+    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, logprobs=20), use_tqdm=False)[0]
+    assert [len(top) for top in choice["logprobs"]["top_logprobs"]] == [len(e) for e in want.outputs[0].logprobs]
+    chat = create(client, "chat", messages=[{"role": "user", "content": PROMPT}], max_tokens=30, temperature=0,
+                  logprobs=True, top_logprobs=5)
+    (choice,) = chat["choices"]
+    assert choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert bytes(b for item in content for b in item["bytes"]).decode() == choice["message"]["content"]
+    assert "".join(item["token"] for item in content) == choice["message"]["content"]
+
+
+def test_issue25_item3_top_logprobs_keep_distinct_tokens_of_the_same_text_apart(stories_dir):
+    """Where two ids of a position still share a text (a byte token that leaves a character split adds ""),
+    the legacy dict keeps both: the later one is keyed ``token_id:ID``."""
+    from types import SimpleNamespace
+
+    from jaxllm.entrypoints.openai.serving import OpenAIServing
+    from jaxllm.outputs import Logprob
+    from jaxllm.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(stories_dir)
+    engine = SimpleNamespace(tokenizer=tokenizer, info=SimpleNamespace(max_model_len=MAX_MODEL_LEN))
+    serving = OpenAIServing(engine, "stories", {})
+    c3, e2 = tokenizer.backend.token_to_id("<0xC3>"), tokenizer.backend.token_to_id("<0xE2>")
+    entry = {c3: Logprob(-0.5, 1, ""), e2: Logprob(-1.5, 2, ""), 265: Logprob(-2.0, 3, " the")}
+    logprobs, offset = serving._completion_logprobs([(c3, entry)], 7)
+    assert logprobs == {"tokens": [""], "token_logprobs": [-0.5], "text_offset": [7],
+                        "top_logprobs": [{"": -0.5, f"token_id:{e2}": -1.5, " the": -2.0}]}
+    assert offset == 7
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_issue25_streamed_logprobs_spelled_as_token_ids_concatenate_to_the_unstreamed(client, endpoint):
+    """Items 2 and 4 together: with return_tokens_as_token_ids every logprob token of a stream, an echo'd
+    prompt's included, is ``token_id:ID``, and the stream (several prompts, n=2) still concatenates to the
+    response; text_offset and chat's bytes still follow the text (those of the same request without it)."""
+    body = dict(n=2, temperature=1.0, seed=5, max_tokens=20)
+    if endpoint == "completions":
+        body.update(prompt=[PROMPT, "One day"], echo=True, logprobs=2)
+    else:
+        body.update(messages=[{"role": "user", "content": PROMPT}], logprobs=True, top_logprobs=2)
+    whole, _ = assert_stream_equals_response(client, endpoint, **body,
+                                             extra_body={"return_tokens_as_token_ids": True})
+    plain = create(client, endpoint, **body)
+    for choice, text_choice in zip(whole["choices"], plain["choices"]):
+        if endpoint == "completions":
+            lp, text_lp = choice["logprobs"], text_choice["logprobs"]
+            assert lp["token_logprobs"][0] is None  # the echo'd prompt comes first
+            assert lp["text_offset"] == text_lp["text_offset"]
+            spelled = lp["tokens"] + [key for top in lp["top_logprobs"] if top for key in top]
+        else:
+            content, text_content = choice["logprobs"]["content"], text_choice["logprobs"]["content"]
+            assert [item["bytes"] for item in content] == [item["bytes"] for item in text_content]
+            spelled = [item["token"] for item in content] + [t["token"] for i in content for t in i["top_logprobs"]]
+        assert spelled and all(re.fullmatch(r"token_id:\d+", token) for token in spelled)
+
+
+def test_issue25_streamed_usage_counts_the_cached_tokens_of_every_prompt_once(client):
+    """Items 1 and 4 together: the usage chunk of a stream with several prompts and n=2 says the unstreamed
+    usage, cached prompt tokens (``prompt_tokens_details.cached_tokens``) included, each prompt's counted once."""
+    prompts = [np.random.default_rng(seed).integers(3, 500, size=40).tolist() for seed in (41, 42)]
+    create(client, "completions", prompt=prompts, max_tokens=1)  # the prompts' 2 full blocks each are cached
+    whole, _ = assert_stream_equals_response(client, "completions", prompt=prompts, n=2, temperature=1.0, seed=5,
+                                             max_tokens=8)
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * 32
+
+
 # Every request field that maps onto a SamplingParams field, set at once; the server's tokens equal LLM.generate's
 # for the same SamplingParams (seeded, so they do not depend on the batch).
 SAMPLING_FIELDS = dict(n=2, temperature=0.9, top_p=0.9, top_k=20, min_p=0.05, seed=11, presence_penalty=0.5,
@@ -234,8 +440,10 @@ SAMPLING_FIELDS = dict(n=2, temperature=0.9, top_p=0.9, top_k=20, min_p=0.05, se
 
 
 def test_every_sampling_field_reaches_sampling_params(server, llm):
+    # priority is no sampling field, and this fcfs server refuses a non-zero one
+    # (test_issue25_priority_5_on_an_fcfs_server_is_refused_naming_priority).
     bias = {403: 2.0, 407: -5.0}
-    body = dict(prompt=PROMPT, logit_bias={str(k): v for k, v in bias.items()}, priority=3, **SAMPLING_FIELDS)
+    body = dict(prompt=PROMPT, logit_bias={str(k): v for k, v in bias.items()}, **SAMPLING_FIELDS)
     got = post(server, "/v1/completions", body).json()
     want = llm.generate(PROMPT, SamplingParams(logit_bias=bias, **SAMPLING_FIELDS), use_tqdm=False)[0].outputs
     assert [(c["index"], c["text"], c["finish_reason"]) for c in got["choices"]] == \
@@ -250,6 +458,18 @@ def test_every_sampling_field_reaches_sampling_params(server, llm):
     assert (got["choices"][0]["text"], got["choices"][0]["finish_reason"], got["choices"][0]["stop_reason"]) == \
         (want.text, "stop", stop_id)
     assert got["usage"]["completion_tokens"] == 6
+
+
+def test_issue25_priority_5_on_an_fcfs_server_is_refused_naming_priority(server, client):
+    """vLLM's rule (vllm #22997): fcfs ignores priorities, so a non-zero one is a 400, not a silent 200."""
+    for path, body in [("/v1/completions", dict(prompt=PROMPT)), ("/v1/chat/completions",
+                                                                  dict(messages=[{"role": "user", "content": "hi"}]))]:
+        response = post(server, path, {**body, "max_tokens": 3, "priority": 5})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "priority" and "priority=5" in error["message"] and "'fcfs'" in error["message"]
+    assert client.completions.create(model="stories", prompt=PROMPT, max_tokens=3, temperature=0,
+                                     extra_body={"priority": 0}).usage.completion_tokens == 3
 
 
 def test_stop_string_cuts_the_text_and_is_the_stop_reason(server, client):

@@ -1,8 +1,10 @@
-"""OutputText (stop strings, min_tokens, stop-token text, stream hold-back) against a character-by-character reference.
+"""OutputText (stop strings, min_tokens, stop-token text, stream hold-back) against a character-by-character reference;
+logprob token texts against a decode of the whole context.
 
 Token texts are given directly (a fake detokenizer), so any split of a text
 into tokens, including empty pieces (a byte of a split character), and any
-grouping of tokens into steps can be tried.
+grouping of tokens into steps can be tried. The logprob texts use the real
+tokenizers: stories260K's SentencePiece and SmolLM2's byte-level BPE.
 """
 
 from __future__ import annotations
@@ -11,8 +13,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxllm.frontend.output_processor import OutputText, TokenTexts, logprob_entry
+import pytest
+
+from jaxllm.core.messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
+from jaxllm.frontend.output_processor import OutputProcessor, OutputText, TokenTexts, logprob_entry
 from jaxllm.outputs import Logprob
+from jaxllm.tokenizer import Tokenizer
 from scheduler import SamplingParams
 
 
@@ -140,3 +146,86 @@ def test_logprob_entry_puts_the_chosen_token_first_and_ranks_the_top_1_to_k():
     assert entry == {7: Logprob(-3.0, 12, None), 4: Logprob(-0.1, 1, None), 5: Logprob(-0.2, 2, None)}
     among = logprob_entry(5, -0.2, 2, np.array([4, 5]), np.array([-0.1, -0.2]), decode)
     assert list(among) == [5, 4] and among[5] == Logprob(-0.2, 2, None)
+
+
+# ---- logprob token texts (issue 25, item 3) ---------------------------------------------------------------------
+
+
+def contribution(tokenizer, context, token_id, skip_special_tokens=True):
+    """Reference: the text ``token_id`` adds after all of ``context``: ``decode(context + [id])`` past the text
+    of the context up to its last token that did not leave a character split (the tokens after it are not text
+    yet: the token completing the character carries them); "" while a character stays split; a special token's
+    own text."""
+    if token_id in tokenizer.all_special_ids:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    stable = len(context)
+    while stable and tokenizer.decode(context[:stable], skip_special_tokens).endswith("\ufffd"):
+        stable -= 1
+    before = tokenizer.decode(context[:stable], skip_special_tokens)
+    after = tokenizer.decode(context + [token_id], skip_special_tokens)
+    if after.endswith("\ufffd"):
+        return ""
+    assert after.startswith(before), (before, after)
+    return after[len(before):]
+
+
+@pytest.fixture(scope="module", params=["stories", "smollm2"])
+def tokenizer(request, stories_dir):
+    if request.param == "stories":
+        return Tokenizer.from_pretrained(stories_dir)
+    return Tokenizer.from_gguf(request.getfixturevalue("smollm2_gguf"))
+
+
+def candidates(tokenizer):
+    """Ids to offer at every position: words with and without their word-start mark (SentencePiece's "▁",
+    byte-level's "Ġ"), which decode alone to the same text in SentencePiece; lead bytes of split characters
+    (byte fallback's "<0xC3>", byte-level's "Ã"); the eos token."""
+    pieces = [p for w in ("the", "was", "a", "named") for p in (w, "\u2581" + w, "\u0120" + w)]
+    pieces += ["<0xC3>", "<0xF0>", "\u00c3", "\u00f0"]
+    ids = [tokenizer.backend.token_to_id(p) for p in pieces]
+    return [i for i in ids if i is not None] + [tokenizer.eos_token_id]
+
+
+def test_issue25_item3_logprob_texts_are_what_each_token_adds_in_context(tokenizer):
+    """The kind, for both tokenizer families: each candidate's text at each position, prompt and output, is
+    what it adds to the detokenized text after the tokens before it (leading spaces included, split characters
+    carried by the token that completes them); the chosen tokens' texts add up to the text; a word with and
+    without its word-start mark never shares a text after the text's start."""
+    ids = tokenizer.encode("Once upon a time, there was a café named Lily 🤖. The end")
+    cut = len(tokenizer.encode("Once upon a time,"))
+    prompt, output = ids[:cut], ids[cut:] + [tokenizer.eos_token_id]
+    pool = candidates(tokenizer)
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(logprobs=len(pool), prompt_logprobs=len(pool), max_tokens=None)
+    processor.add_request(EngineCoreRequest("r", prompt, params, [0], [], [], tokenizer.eos_token_id, 0.0), None)
+
+    def row(token_id):
+        return SampleLogprobs(token_id, -1.0, 1, pool, [-1.0] * len(pool))
+
+    steps = [output[i: i + 3] for i in range(0, len(output), 3)]  # several tokens a step, as speculation gives
+    for k, step in enumerate(steps):
+        last = k == len(steps) - 1
+        out = EngineCoreOutput("r", 0, step, finish_reason="stop" if last else None,
+                               new_logprobs=[row(t) for t in step],
+                               new_prompt_logprobs=[row(t) for t in prompt[1:]] if k == 0 else None)
+        (final,), _ = processor.process_outputs([out])
+    completion = final.outputs[0]
+    assert final.finished and completion.token_ids == output
+    for contexts, entries in ((ids[:cut + p] for p in range(len(output))), completion.logprobs), \
+            ((prompt[:j] for j in range(1, len(prompt))), final.prompt_logprobs[1:]):
+        for context, entry in zip(contexts, entries):
+            assert {t: lp.decoded_token for t, lp in entry.items()} == \
+                {t: contribution(tokenizer, context, t) for t in entry}
+            if not tokenizer.decode(context):
+                continue  # at the text's start SentencePiece drops the mark's space: both add the same
+            for w in ("the", "was", "a", "named"):
+                bare, *marked = (tokenizer.backend.token_to_id(m + w) for m in ("", "\u2581", "\u0120"))
+                for m in marked:
+                    if bare is not None and m is not None:
+                        assert entry[bare].decoded_token != entry[m].decoded_token
+    special = set(tokenizer.all_special_ids)
+    texts = [e[t].decoded_token for t, e in zip(output, completion.logprobs) if t not in special]
+    assert "".join(texts) == completion.text == " there was a café named Lily 🤖. The end"
+    assert "" in texts  # a character split across byte tokens
+    prompt_texts = [e[t].decoded_token for t, e in zip(prompt[1:], final.prompt_logprobs[1:]) if t not in special]
+    assert tokenizer.decode(prompt[:1]) + "".join(prompt_texts) == tokenizer.decode(prompt)

@@ -16,7 +16,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.outputs import Logprob
 from jaxllm.frontend.input_processor import bad_words_token_ids
-from tests.test_output_processor import reference
+from tests.test_output_processor import contribution, reference
 
 PROMPT = "Once upon a time"
 _ids = itertools.count()
@@ -264,15 +264,16 @@ def hf_stories(stories_dir):
     return log_softmax
 
 
-def assert_entry_matches_hf(entry, token, k, row, tokenizer):
+def assert_entry_matches_hf(entry, token, k, row, tokenizer, context):
     """vLLM's dict: the token first, then the top k with ranks 1..k; logprobs within 1e-4 of HF; the token's
-    rank is HF's count of tokens at least as likely (up to near-ties); decoded_token is decode([id])."""
+    rank is HF's count of tokens at least as likely (up to near-ties); decoded_token is what the token adds to
+    the text after ``context`` (issue 25 item 3; it was ``decode([id])``, which drops SentencePiece's spaces)."""
     top = np.argsort(-row)[:k].tolist()
     assert list(entry)[0] == token and set(entry) == {token, *top}
     for t, lp in entry.items():
         assert isinstance(lp, Logprob)
         assert abs(lp.logprob - row[t]) < 1e-4
-        assert lp.decoded_token == tokenizer.decode([t], skip_special_tokens=False)
+        assert lp.decoded_token == contribution(tokenizer, context, t)
     for rank, t in enumerate(top, 1):
         assert entry[t].rank == rank
     if token not in top:
@@ -286,8 +287,9 @@ def test_issue11_logprobs_are_logprob_objects(llm, hf_stories):
     completion = out.outputs[0]
     rows = hf_stories(out.prompt_token_ids + completion.token_ids)[len(out.prompt_token_ids) - 1: -1]
     assert len(completion.logprobs) == len(completion.token_ids) == 16
-    for entry, token, row in zip(completion.logprobs, completion.token_ids, rows):
-        assert_entry_matches_hf(entry, token, 2, row, llm.tokenizer)
+    ids = out.prompt_token_ids + completion.token_ids
+    for p, (entry, token, row) in enumerate(zip(completion.logprobs, completion.token_ids, rows)):
+        assert_entry_matches_hf(entry, token, 2, row, llm.tokenizer, ids[:len(out.prompt_token_ids) + p])
     assert any(entry[t].rank > 2 for entry, t in zip(completion.logprobs, completion.token_ids))
     assert completion.cumulative_logprob == pytest.approx(
         sum(e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids)), abs=1e-4)
@@ -300,7 +302,7 @@ def test_issue11_prompt_logprobs_are_logprob_objects(llm, hf_stories):
     rows = hf_stories(ids)
     assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
     for pos in range(1, len(ids)):
-        assert_entry_matches_hf(out.prompt_logprobs[pos], ids[pos], 3, rows[pos - 1], llm.tokenizer)
+        assert_entry_matches_hf(out.prompt_logprobs[pos], ids[pos], 3, rows[pos - 1], llm.tokenizer, ids[:pos])
     assert any(out.prompt_logprobs[p][ids[p]].rank > 3 for p in range(1, len(ids)))
 
 
@@ -308,6 +310,29 @@ def test_issue11_get_tokenizer(llm):
     tokenizer = llm.get_tokenizer()
     assert tokenizer is llm.tokenizer
     assert tokenizer.encode(PROMPT) == [1, 403, 407, 261, 378]
+
+
+@pytest.mark.parametrize("model", ["stories", "smollm2"])
+def test_issue25_item3_generated_logprob_texts_add_up_to_the_text(model, request):
+    """End to end on SentencePiece (stories260K) and byte-level BPE (SmolLM2): every text of every entry, output
+    and prompt, is what its token adds in context; the chosen tokens' texts add up to the output text, the
+    prompt tokens' to the prompt."""
+    engine = request.getfixturevalue("llm" if model == "stories" else "smollm2")
+    tokenizer = engine.tokenizer
+    prompt = "Once upon a time, a robot 🤖 named"
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=24, logprobs=5, prompt_logprobs=5, ignore_eos=True)
+    out = engine.generate(prompt, params, use_tqdm=False)[0]
+    completion, prompt_ids = out.outputs[0], out.prompt_token_ids
+    ids = prompt_ids + completion.token_ids
+    positions = [(len(prompt_ids) + p, e) for p, e in enumerate(completion.logprobs)]
+    for end, entry in positions + list(enumerate(out.prompt_logprobs))[1:]:
+        assert {t: lp.decoded_token for t, lp in entry.items()} == \
+            {t: contribution(tokenizer, ids[:end], t) for t in entry}
+    special = set(tokenizer.all_special_ids)
+    texts = [e[t].decoded_token for t, e in zip(completion.token_ids, completion.logprobs) if t not in special]
+    assert "".join(texts) == completion.text
+    prompt_texts = [out.prompt_logprobs[j][t].decoded_token for j, t in enumerate(prompt_ids) if j and t not in special]
+    assert tokenizer.decode(prompt_ids[:1]) + "".join(prompt_texts) == prompt
 
 
 @pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])

@@ -123,6 +123,37 @@ def test_gguf_chat_template_matches_transformers(smol, smol_hf, chat, add_genera
     assert smol.apply_chat_template(chat, add_generation_prompt=add_generation_prompt) == expected
 
 
+@pytest.mark.parametrize("answer", ["The capital", "The capital  ", "  The capital"])
+def test_issue25_continue_final_message_matches_transformers(smol, smol_hf, answer):
+    chat = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": answer}]
+    expected = smol_hf.apply_chat_template(chat, tokenize=False, continue_final_message=True)
+    assert smol.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True) == expected
+    assert expected.endswith(answer)  # nothing after the answer: no end-of-turn token
+
+
+def test_issue25_continue_final_message_is_refused_where_it_cannot_be_honoured(stories):
+    template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    chat = [{"role": "assistant", "content": "once"}]
+    with pytest.raises(ValueError, match="cannot both be true"):
+        stories.apply_chat_template(chat, continue_final_message=True, chat_template=template)
+    with pytest.raises(ValueError, match="does not write the last message's content"):
+        stories.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True,
+                                    chat_template=template)
+    with pytest.raises(ValueError, match="needs a last message with text content"):
+        stories.apply_chat_template([{"role": "assistant", "content": " "}], add_generation_prompt=False,
+                                    continue_final_message=True, chat_template=template)
+
+
+def test_issue25_a_chat_template_can_be_given_or_set(stories):
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    chat = [{"role": "user", "content": "hi"}]
+    assert stories.apply_chat_template(chat, chat_template=template) == "<s>[user] hi"
+    with pytest.raises(ValueError, match="no chat template"):  # given for that call only
+        stories.apply_chat_template(chat)
+    with pytest.raises(ValueError, match="not valid jinja2"):
+        stories.apply_chat_template(chat, chat_template="{% for m in messages %}")
+
+
 def write_sentencepiece_gguf(path, tokenizer_json, with_merges):
     """stories260K's sentencepiece BPE vocabulary as llama.cpp writes one (scores = merge rank)."""
     model = json.loads(tokenizer_json.read_text())["model"]
@@ -235,6 +266,24 @@ def test_incremental_keeps_sentencepiece_word_spaces(stories, text):
     full = stories.decode(prompt + output)
     assert detok.text == full[len(stories.decode(prompt)):]
     assert detok.text.lstrip(" ") == stories.decode(output).lstrip(" ")
+
+
+@pytest.mark.parametrize("name", ["smol", "stories"])
+@pytest.mark.parametrize("text", [t for t in TEXTS if t])
+def test_issue25_item3_peek_is_what_step_returns_and_changes_nothing(name, text, request):
+    """Logprob texts ask peek of every candidate: it answers what step would return for it, in context (a
+    SentencePiece word's space included), and peeking other ids in between changes no later step."""
+    tokenizer = request.getfixturevalue(name)
+    prompt, output = tokenizer.encode("Once upon a time"), tokenizer.encode(text, add_special_tokens=False)
+    detok, deltas = stream(tokenizer, prompt, output)
+    peeking = IncrementalDetokenizer(tokenizer, prompt)
+    others = output[::-1] + tokenizer.encode(" the a", add_special_tokens=False)
+    for token, delta in zip(output, deltas):
+        for other in others:
+            peeking.peek(other)
+        assert peeking.peek(token) == delta
+        assert peeking.step(token) == delta
+    assert peeking.text == detok.text
 
 
 # ---- tokenizer_config.json's legacy / add_prefix_space, against transformers (issue 11, item 7) --

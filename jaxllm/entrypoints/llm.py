@@ -16,6 +16,9 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer
 from scheduler import SamplingParams
 
+# One prefix-cache salt for every prompt, or one per prompt (None: unsalted).
+CacheSalt = Union[str, Sequence[Optional[str]], None]
+
 
 class LLM:
     """Offline batched generation, as vLLM's ``LLM``.
@@ -67,6 +70,7 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         priority: Optional[Sequence[int]] = None,
+        cache_salt: CacheSalt = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched; outputs in prompt order.
@@ -75,17 +79,22 @@ class LLM:
           prompts: a string, a list of strings, or a list of token-id lists.
           sampling_params: one for all prompts, or one per prompt.
           priority: per-prompt priority (lower = more urgent) for the
-            ``priority``/``aging`` policies.
+            ``priority``, ``aging`` and ``load_aware`` policies; a non-zero
+            one is refused under the others.
+          cache_salt: one salt for all prompts, or one per prompt (None: unsalted).
+            Prompts share prefix-cache blocks only with prompts of the same
+            salt (vLLM's ``cache_salt``: tenants cannot read each other's cache).
           use_tqdm: show a progress bar (requests done, output tokens/s) on stderr.
 
         Raises:
-          ValueError: any invalid prompt or parameter; nothing is queued then.
+          ValueError: any invalid prompt or parameter (a salt that is not a
+            non-empty string); nothing is queued then.
           QueueFullError: with ``max_waiting_requests``, more prompts than
             that would wait (all of them are queued at once); nothing is
             queued then.
         """
         final: dict[str, RequestOutput] = {}
-        ids = self._add_all(prompts, sampling_params, priority)
+        ids = self._add_all(prompts, sampling_params, priority, cache_salt)
         with GenerateProgress(len(ids), enabled=use_tqdm) as progress:
             for out in self._run(ids):
                 progress.update([out])
@@ -99,6 +108,7 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         priority: Optional[Sequence[int]] = None,
+        cache_salt: CacheSalt = None,
     ) -> Iterator[RequestOutput]:
         """As :meth:`generate`, but yield every partial output as tokens arrive.
 
@@ -114,18 +124,23 @@ class LLM:
         Raises:
           ValueError: as :meth:`generate`, before anything is yielded.
         """
-        return self._run(self._add_all(prompts, sampling_params, priority))
+        return self._run(self._add_all(prompts, sampling_params, priority, cache_salt))
 
-    def _add_all(self, prompts: Any, sampling_params: Any, priority: Optional[Sequence[int]]) -> list[str]:
+    def _add_all(self, prompts: Any, sampling_params: Any, priority: Optional[Sequence[int]],
+                 cache_salt: CacheSalt) -> list[str]:
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts")
+        salts = [cache_salt] * len(prompt_list) if cache_salt is None or isinstance(cache_salt, str) \
+            else list(cache_salt)
+        if len(salts) != len(prompt_list):
+            raise ValueError(f"cache_salt has {len(salts)} entries for {len(prompt_list)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
         try:
-            for rid, prompt, params, prio in zip(ids, prompt_list, params_list, priorities):
-                self.engine.add_request(rid, prompt, params, priority=prio)
+            for rid, prompt, params, prio, salt in zip(ids, prompt_list, params_list, priorities, salts):
+                self.engine.add_request(rid, prompt, params, priority=prio, cache_salt=salt)
         except (ValueError, QueueFullError):
             self.engine.abort_request(ids)
             raise
@@ -150,23 +165,38 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: Optional[str] = None,
+        cache_salt: CacheSalt = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Render conversation(s) with the model's chat template, then generate.
+        """Render conversation(s) with a chat template, then generate (as :meth:`generate`).
+
+        Args:
+          messages: one conversation (a list of message dicts) or several.
+          add_generation_prompt: end the prompt with the template's cue for the assistant's turn.
+          continue_final_message: end the prompt inside the last message, so the model continues it
+            (vLLM's; ``Tokenizer.apply_chat_template``); not with ``add_generation_prompt``.
+          chat_template: a jinja2 template to use instead of the model's.
+          cache_salt: as :meth:`generate`.
 
         Raises:
-          ValueError: the model has no tokenizer or no chat template.
+          ValueError: the model has no tokenizer, no template (and none given), both
+            ``add_generation_prompt`` and ``continue_final_message``, or as :meth:`generate`.
         """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
+                self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                   continue_final_message=continue_final_message,
+                                                   chat_template=chat_template),
                 add_special_tokens=False,
             )
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm)
 
     @staticmethod
     def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -43,7 +43,7 @@ class FrontEnd:
 
     def __init__(self, tokenizer: Any, client: Any, config: Any) -> None:
         self.config, self.tokenizer, self.client = config, tokenizer, client
-        self.input_processor = InputProcessor(tokenizer, client.infos[0], config.seed)
+        self.input_processor = InputProcessor(tokenizer, client.infos[0], config.seed, config.scheduling_policy)
         self.output_processor = OutputProcessor(tokenizer)
         self.metrics = EngineMetrics(log_stats=config.log_stats, metrics_port=config.metrics_port,
                                      max_num_seqs=config.max_num_seqs,

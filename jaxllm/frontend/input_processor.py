@@ -19,6 +19,7 @@ import numpy as np
 from jaxllm.core.messages import CoreInfo, EngineCoreRequest
 from jaxllm.structured_output import validate_structured_outputs
 from scheduler import SamplingParams
+from scheduler.policy import Policy, get_policy
 
 PromptType = Union[str, Sequence[int]]
 
@@ -55,12 +56,17 @@ class InputProcessor:
       tokenizer: the model's tokenizer, or None (prompts must then be token ids).
       info: the core's ``CoreInfo`` (vocabulary, ``max_model_len``, eos ids, limits).
       seed: the engine seed; sequences without their own seed draw one from it, in order.
+      scheduling_policy: the cores' (``EngineConfig.scheduling_policy``): a non-zero priority is refused
+        where it does not read priorities (``Policy.reads_priority``).
     """
 
-    def __init__(self, tokenizer, info: CoreInfo, seed: int = 0) -> None:
+    def __init__(self, tokenizer, info: CoreInfo, seed: int = 0,
+                 scheduling_policy: Union[str, Policy] = "fcfs") -> None:
         self.tokenizer = tokenizer
         self.info = info
         self._seed_rng = np.random.default_rng(seed)
+        policy = get_policy(scheduling_policy)
+        self._priority_blind_policy = None if policy.reads_priority else policy.name
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -101,9 +107,11 @@ class InputProcessor:
           ValueError: a prompt longer than ``max_model_len`` (both numbers
             named), token ids of ``params`` outside the vocabulary, bad words
             without a tokenizer or that encode to no token, too many
-            multi-token bad words, or an invalid ``structured_outputs`` (named with
+            multi-token bad words, an invalid ``structured_outputs`` (named with
             the field and the grammar engine's error) or one without a
-            tokenizer.
+            tokenizer, a non-zero ``priority`` under a policy that does not
+            read it (fcfs, sjf), or a ``cache_salt`` that is not a non-empty
+            string.
         """
         if len(prompt_token_ids) > self.info.max_model_len:
             raise ValueError(
@@ -113,6 +121,12 @@ class InputProcessor:
         params.validate_for_vocab(vocab)
         if not isinstance(priority, (int, np.integer)) or isinstance(priority, bool):
             raise ValueError(f"priority={priority!r} must be an int")
+        if priority != 0 and self._priority_blind_policy is not None:
+            raise ValueError(f"priority={priority} is not honoured by scheduling_policy="
+                             f"'{self._priority_blind_policy}', which ignores priorities: send priority 0, or "
+                             "start the engine with scheduling_policy 'priority', 'aging' or 'load_aware'")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt={cache_salt!r} must be a non-empty string (or None)")
         eos = self.eos_token_ids
         if len(eos) > 1 and not params.ignore_eos:
             params = dataclasses.replace(

@@ -129,20 +129,45 @@ class OutputText:
 
 
 class TokenTexts:
-    """Token id -> ``tokenizer.decode([id])`` with special tokens shown
-    (vLLM's ``Logprob.decoded_token``), remembered per id; None without a tokenizer."""
+    """Logprob token texts of one sequence (vLLM's ``Logprob.decoded_token``), in context: a candidate's text
+    at a position is what it adds to the detokenized text after the tokens before it (``IncrementalDetokenizer.peek``:
+    a SentencePiece word's leading space included, "" while it leaves a character split), so the chosen tokens'
+    texts add up to the text. A special token shows its own text (``decode([id])`` with special tokens), even
+    where ``skip_special_tokens`` leaves it out of the text.
 
-    def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
+    Args:
+      tokenizer: the model's tokenizer; None makes every text None.
+      context: the token ids before the first position (the prompt; for prompt logprobs its first token).
+      skip_special_tokens: as the sequence's ``SamplingParams``.
+      special_texts: special token id -> its own text (``special_token_texts``).
+    """
+
+    def __init__(self, tokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True,
+                 special_texts: Optional[dict[int, str]] = None) -> None:
+        self._detokenizer = None if tokenizer is None else IncrementalDetokenizer(
+            tokenizer, list(context), skip_special_tokens=skip_special_tokens)
+        self._special = special_texts if special_texts is not None else special_token_texts(tokenizer)
 
     def __call__(self, token_id: int) -> Optional[str]:
-        if self._tokenizer is None:
+        """The text of ``token_id`` as the next token (None without a tokenizer)."""
+        if self._detokenizer is None:
             return None
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+        special = self._special.get(token_id)
+        return special if special is not None else self._detokenizer.peek(token_id)
+
+    def advance(self, token_id: int) -> None:
+        """``token_id`` is the position's token: later texts are read after it."""
+        if self._detokenizer is not None:
+            self._detokenizer.step(token_id)
+
+
+def special_token_texts(tokenizer) -> dict[int, str]:
+    """Special token id -> ``decode([id])`` with special tokens shown ({} without a tokenizer)."""
+    if tokenizer is None:
+        return {}
+    # A config's eos id may lie past the tokenizer's vocabulary; such an id has no text to show.
+    return {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.all_special_ids
+            if i < tokenizer.vocab_size}
 
 
 def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: Sequence[int], top_logprobs: Sequence[float],
@@ -153,7 +178,7 @@ def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: Sequence[in
       token_id, logprob, rank: the chosen (or prompt) token, its raw logprob
         and its 1-based rank.
       top_ids: k ints, top_logprobs: k floats: the top ``k`` tokens, descending.
-      decode: token id -> its text (``TokenTexts``).
+      decode: token id -> its text at this position (``TokenTexts``).
 
     Returns:
       the chosen token first, then the top ``k`` with ranks ``1..k``; a
@@ -166,16 +191,23 @@ def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: Sequence[in
     return entry
 
 
-def _entry(row: SampleLogprobs, decode: Callable[[int], Optional[str]]) -> dict[int, Logprob]:
-    return logprob_entry(row.token_id, row.logprob, row.rank, row.top_ids, row.top_logprobs, decode)
+def _entries(rows: Sequence[SampleLogprobs], texts: TokenTexts) -> list[dict[int, Logprob]]:
+    """The rows' entries, in order; ``texts`` moves past each row's token."""
+    entries = []
+    for row in rows:
+        entries.append(logprob_entry(row.token_id, row.logprob, row.rank, row.top_ids, row.top_logprobs, texts))
+        texts.advance(row.token_id)
+    return entries
 
 
 @dataclasses.dataclass
 class _SequenceState:
-    """One sequence's text, tokens, logprobs and finish, as the front end knows them."""
+    """One sequence's text, tokens, logprobs (``texts``: their token texts) and finish, as the front end knows
+    them."""
 
     index: int
     output: OutputText
+    texts: Optional[TokenTexts] = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: Optional[list[dict[int, Logprob]]] = None
@@ -186,7 +218,8 @@ class _SequenceState:
 
 @dataclasses.dataclass
 class RequestState:
-    """One request in the front end: its prompt, its ``n`` sequences and its timestamps (seconds, monotonic)."""
+    """One request in the front end: its prompt (``prompt_texts``: its logprobs' token texts), its ``n``
+    sequences and its timestamps (seconds, monotonic)."""
 
     request_id: str
     prompt: Optional[str]
@@ -194,6 +227,7 @@ class RequestState:
     seqs: list[_SequenceState]
     arrival_time: float
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    prompt_texts: Optional[TokenTexts] = None
     num_cached_tokens: int = 0
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
@@ -218,7 +252,7 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
-        self._token_texts = TokenTexts(tokenizer)
+        self._special_texts = special_token_texts(tokenizer)
 
     def add_request(self, request: EngineCoreRequest, prompt: Optional[str]) -> None:
         """Open the front-end state of a request the core is given (``prompt``: its text, None for token ids).
@@ -230,16 +264,22 @@ class OutputProcessor:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         params = request.sampling_params
         ids = request.prompt_token_ids
+        skip = params.skip_special_tokens
         seqs = []
         for i in range(params.n):
             detok = None
             if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
-            seqs.append(_SequenceState(i, OutputText(detok, params), logprobs=None if params.logprobs is None else [],
-                                       cumulative_logprob=None if params.logprobs is None else 0.0))
-        self.requests[request.request_id] = RequestState(
-            request.request_id, prompt, ids, seqs, request.arrival_time,
-            prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=skip)
+            seq = _SequenceState(i, OutputText(detok, params))
+            if params.logprobs is not None:
+                seq.logprobs, seq.cumulative_logprob = [], 0.0
+                seq.texts = TokenTexts(self.tokenizer, ids, skip, self._special_texts)
+            seqs.append(seq)
+        state = RequestState(request.request_id, prompt, ids, seqs, request.arrival_time)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+            state.prompt_texts = TokenTexts(self.tokenizer, ids[:1], skip, self._special_texts)
+        self.requests[request.request_id] = state
 
     @property
     def num_open_sequences(self) -> int:
@@ -299,11 +339,13 @@ class OutputProcessor:
         state.num_cached_tokens = out.num_cached_tokens
         if out.ignored_reason is not None:
             state.ignored_reason = out.ignored_reason
-        for row in (out.new_logprobs or [])[: len(new_ids)]:
-            seq.logprobs.append(_entry(row, self._token_texts))
-            seq.cumulative_logprob += row.logprob
+        rows = (out.new_logprobs or [])[: len(new_ids)]
+        if rows:
+            seq.logprobs += _entries(rows, seq.texts)
+            for row in rows:
+                seq.cumulative_logprob += row.logprob
         if out.new_prompt_logprobs:
-            state.prompt_logprobs += [_entry(row, self._token_texts) for row in out.new_prompt_logprobs]
+            state.prompt_logprobs += _entries(out.new_prompt_logprobs, state.prompt_texts)
         if stop is not None:
             stopped_here = out.finish_reason is None
             seq.finish_reason, seq.stop_reason = "stop", stop

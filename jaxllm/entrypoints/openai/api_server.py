@@ -7,11 +7,12 @@ server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` 
 ``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it).
 
 Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, a wrong
-type or a value out of range (naming the field and the limit), 401 for a missing or wrong key (``--api-key``,
-``/v1`` routes only), 404 for an unknown model or route, 503 when ``--max-waiting-requests`` are waiting, 500 when
-an engine core died. A client that disconnects aborts its requests (their KV blocks are freed in the core's next
-loop turn). SIGTERM (or Ctrl-C) stops accepting connections, lets requests in flight finish for up to
-``--shutdown-timeout`` seconds, stops the engine cores and exits 0.
+type, a value out of range (naming the field and the limit) or a field the server does not honour (naming it), 401
+for a missing or wrong key (``--api-key``, ``/v1`` routes only), 404 for an unknown model or route, 503 when
+``--max-waiting-requests`` are waiting, 500 when an engine core died. A client that disconnects aborts its
+requests (their KV blocks are freed in the core's next loop turn). SIGTERM (or Ctrl-C) stops accepting
+connections, lets requests in flight finish for up to ``--shutdown-timeout`` seconds, stops the engine cores and
+exits 0. ``--chat-template`` replaces the model's chat template (a model without one can then serve chat).
 
 The engine cores run in child processes (``jaxllm.core.client.MPClient``), one per ``--data-parallel-size``.
 """
@@ -24,6 +25,7 @@ import contextlib
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import prometheus_client
@@ -63,6 +65,9 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
                    help="seconds requests in flight may take to finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
+    p.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a jinja2 chat template file (or the template itself, inline) used instead of the "
+                        "model's, e.g. for a model that has none")
     add_engine_args(p)
     return p
 
@@ -87,6 +92,9 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None):
         if first.get("type") == "json_invalid":
             return error(400, f"the body is not valid JSON: {first.get('msg')}", None, "json_invalid")
         where = ".".join(loc) or "body"
+        if first.get("type") == "extra_forbidden":
+            return error(400, f"{where}: jaxllm does not support this field, and refuses it rather than ignore it",
+                         loc[0] if loc else None, "unsupported_field")
         return error(400, f"{where}: {first.get('msg')} (got {first.get('input')!r})", loc[0] if loc else None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -149,7 +157,8 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None):
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         serving.check_model(body.model)
-        return serving.tokenize(body.prompt, body.messages, body.add_special_tokens, body.add_generation_prompt)
+        return serving.tokenize(body.prompt, body.messages, body.add_special_tokens, body.add_generation_prompt,
+                                body.continue_final_message)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -192,10 +201,16 @@ def run(args: argparse.Namespace) -> int:
     from jaxllm.entrypoints.generate import generation_config_defaults
     from jaxllm.entrypoints.openai.serving import OpenAIServing
     from jaxllm.paths import model_format, read_generation_config
+    from jaxllm.tokenizer import load_tokenizer
 
     model = str(resolve_model(args.model))
     model_format(model)
-    engine = AsyncLLM(model, **engine_kwargs(args))
+    tokenizer = load_tokenizer(model)
+    if args.chat_template is not None:
+        if tokenizer is None:
+            raise ValueError(f"--chat-template: {model} has no tokenizer, so it cannot render chats")
+        tokenizer.set_chat_template(args.chat_template)
+    engine = AsyncLLM(model, tokenizer=tokenizer, **engine_kwargs(args))
     serving = OpenAIServing(engine, args.served_model_name or model,
                             generation_config_defaults(read_generation_config(model)))
 
@@ -220,6 +235,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s template: the file ``value`` names, else ``value`` itself when it holds jinja2
+    (``{`` or a line break), as vLLM reads it.
+
+    Raises:
+      ValueError: ``value`` names no file and is no template.
+    """
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value}: no such file (and not a template: it has no '{{')")
+
+
 def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm serve") -> int:
     """Parse ``argv`` and serve; returns the exit status: 0, or 2 for a bad flag or model (one line on stderr)."""
     from jaxllm.entrypoints.engine_args import check_engine_args
@@ -231,6 +261,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm serve") -> in
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
+        if args.chat_template is not None:
+            from jaxllm.tokenizer import compile_chat_template
+
+            # Read and checked before the model loads, as the other flags are; run() takes the template itself.
+            args.chat_template = read_chat_template(args.chat_template)
+            compile_chat_template(args.chat_template)
         return run(args)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

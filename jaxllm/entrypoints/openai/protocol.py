@@ -2,8 +2,9 @@
 models, and the OpenAI error body.
 
 Types are checked by pydantic (a wrong type is a 400 naming the field); ranges are checked where the values land,
-by ``SamplingParams`` (a value out of range is a 400 naming the field and the limit). Unknown fields are
-ignored, as vLLM does.
+by ``SamplingParams`` (a value out of range is a 400 naming the field and the limit). Every field here is honoured;
+any other field is refused with a 400 naming it (``extra="forbid"``), where vLLM logs a warning and ignores it:
+a field the server drops silently is a request answered differently from what was asked.
 """
 
 from __future__ import annotations
@@ -13,15 +14,23 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class StreamOptions(BaseModel):
+class _Request(BaseModel):
+    """A request body, or a part of one: a field not declared is refused (400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    """``stream_options`` (only with ``stream: true``): ``include_usage`` adds a last chunk with the usage."""
+
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
-    """``response_format.json_schema``: OpenAI's named schema (``strict`` is accepted; the schema is always
-    enforced)."""
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: OpenAI's named schema. The schema is always enforced, so ``strict`` is
+    honoured either way (false allows what true enforces); ``name`` and ``description`` label it."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: Optional[str] = None
     description: Optional[str] = None
@@ -29,20 +38,21 @@ class JsonSchemaFormat(BaseModel):
     strict: Optional[bool] = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Request):
     """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Request):
     """Fields completions and chat share; each maps onto the ``SamplingParams`` field of the same name
     (``logit_bias`` keys are token ids as strings). ``response_format`` (OpenAI's) and ``structured_outputs``
     (vLLM's extra field: the ``StructuredOutputsParams`` fields as an object, taking precedence) constrain the
-    output."""
-
-    model_config = ConfigDict(extra="ignore")
+    output. vLLM's extras: ``priority`` (lower first; a non-zero one is a 400 unless the server's
+    ``--scheduling-policy`` reads priorities), ``cache_salt`` (prefix-cache blocks are shared only between
+    requests of the same salt), ``prompt_logprobs`` (the top ``k`` per prompt token, not with ``stream``),
+    ``return_tokens_as_token_ids`` (logprob tokens written ``token_id:ID``)."""
 
     model: Optional[str] = None
     n: int = 1
@@ -62,16 +72,20 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    cache_salt: Optional[str] = None
+    prompt_logprobs: Optional[int] = None
+    return_tokens_as_token_ids: bool = False
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[dict[str, Any]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
 
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids or a list of token-id lists;
-    ``max_tokens`` defaults to 16 (OpenAI's); ``logprobs`` is the number of top tokens per position."""
+    ``max_tokens`` defaults to 16 (OpenAI's); ``logprobs`` is the number of top tokens per position; ``echo``
+    puts the prompt (and, with ``logprobs``, its tokens' logprobs) before the completion, and with
+    ``max_tokens: 0`` nothing is generated (prompt scoring, as lm-eval's loglikelihood asks for)."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
@@ -80,9 +94,11 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template; ``max_tokens``
-    (or ``max_completion_tokens``) defaults to the room left under ``max_model_len``; ``logprobs`` is a switch
-    and ``top_logprobs`` the number of top tokens."""
+    """``POST /v1/chat/completions``: ``messages`` rendered with the chat template (the model's, or
+    ``--chat-template``); ``max_tokens`` (or ``max_completion_tokens``) defaults to the room left under
+    ``max_model_len``; ``logprobs`` is a switch and ``top_logprobs`` the number of top tokens;
+    ``add_generation_prompt`` ends the prompt with the assistant's cue, ``continue_final_message`` (with
+    ``add_generation_prompt: false``) ends it inside the last message, which the model then continues."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: Optional[int] = None
@@ -90,24 +106,22 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
-class TokenizeRequest(BaseModel):
-    """``POST /tokenize``: a ``prompt`` or chat ``messages``."""
-
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_Request):
+    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (rendered as chat completions render them)."""
 
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[dict[str, Any]]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     """``POST /detokenize``: token ids to text."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
     tokens: list[int]

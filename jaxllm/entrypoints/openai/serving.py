@@ -5,12 +5,15 @@ Field mapping: ``max_tokens`` (chat: ``max_completion_tokens`` first) is checked
 under ``max_model_len`` (400 past it, as vLLM) and defaults to that room in chat; sampling fields a request leaves
 out take the model's ``generation_config.json`` values (vLLM's ``--generation-config auto``), else
 ``SamplingParams``' defaults. Choices of a request with several prompts are numbered prompt by prompt
-(``prompt_index * n + i``).
+(``prompt_index * n + i``). Every field of the request models is honoured here (``check_combination`` refuses the
+combinations vLLM refuses); ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens read from the
+prefix cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 import uuid
@@ -109,8 +112,15 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param) from None
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation in the model's chat template. Raises: APIError 400."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """Token ids of a conversation in the chat template (``Tokenizer.apply_chat_template``).
+
+        Raises:
+          APIError: 400 naming ``messages`` (a message without a string role or text content, a template that
+            fails on them) or ``continue_final_message`` (with ``add_generation_prompt``, or no last message
+            content to continue).
+        """
         self._need_tokenizer()
         conversation = []
         for i, message in enumerate(messages):
@@ -124,15 +134,24 @@ class OpenAIServing:
                                "messages")
             conversation.append({**message, "content": content or ""})
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # the template's own errors (raise_exception, missing template)
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message)
+        except ValueError as e:
+            if "continue_final_message" in str(e):
+                raise APIError(400, str(e), "continue_final_message") from None
+            raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
+        except Exception as e:  # the template's own errors (raise_exception)
             raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def sampling_params(self, request: Union[CompletionRequest, ChatCompletionRequest], prompt_len: int,
                         max_tokens: Optional[int], logprobs: Optional[int], prompt_logprobs: Optional[int] = None,
-                        logprobs_param: str = "logprobs") -> SamplingParams:
+                        logprobs_param: str = "logprobs", score_prompt: bool = False) -> SamplingParams:
         """The request's ``SamplingParams`` for a prompt of ``prompt_len`` tokens.
+
+        ``score_prompt`` (``echo`` with ``max_tokens: 0``): the prompt is computed for its logprobs and nothing is
+        generated; the engine runs it with ``max_tokens=1`` (the step that computes the prompt samples a token)
+        and ``score_response`` drops that token.
 
         Raises:
           APIError: 400 naming the field and its limit (a value out of range, or prompt + ``max_tokens`` over
@@ -142,7 +161,9 @@ class OpenAIServing:
         if room < 0:
             raise APIError(400, f"prompt of {prompt_len} tokens is longer than max_model_len={self.max_model_len}",
                            "messages" if isinstance(request, ChatCompletionRequest) else "prompt")
-        if max_tokens is None:
+        if score_prompt:
+            max_tokens = 1
+        elif max_tokens is None:
             if room < 1:
                 raise APIError(400, f"the prompt has {prompt_len} tokens, which leaves no room for a completion "
                                     f"under max_model_len={self.max_model_len}", "messages")
@@ -175,23 +196,25 @@ class OpenAIServing:
                            logprobs_param if param == "logprobs" else param) from None
 
     def start(self, prefix: str, prompts: list[tuple[Optional[str], list[int]]], params: list[SamplingParams],
-              priority: int) -> list[AsyncIterator[RequestOutput]]:
-        """Start one engine request per prompt (all or none).
+              request: Union[CompletionRequest, ChatCompletionRequest]) -> list[AsyncIterator[RequestOutput]]:
+        """Start one engine request per prompt (all or none), with the request's ``priority`` and ``cache_salt``.
 
         Raises:
-          APIError: 400 for a request the engine refuses (the prompt's length, ids).
+          APIError: 400 for a request the engine refuses (the prompt's length, ids, a priority the
+            scheduling policy does not read, an empty salt), naming the field.
           QueueFullError, EngineDeadError: as ``AsyncLLM.add_request``.
         """
         ids = [f"{prefix}-{i}" for i in range(len(prompts))]
         streams = []
         try:
             for rid, (text, token_ids), p in zip(ids, prompts, params):
-                streams.append(self.engine.add_request(rid, token_ids, p, prompt=text, priority=priority))
+                streams.append(self.engine.add_request(rid, token_ids, p, prompt=text, priority=request.priority,
+                                                       cache_salt=request.cache_salt))
         except ValueError as e:
             for rid in ids:
                 self.engine.abort(rid)
             message = str(e)
-            param = "priority" if message.startswith("priority") else "prompt"
+            param = next((name for name in ("priority", "cache_salt") if message.startswith(name)), "prompt")
             raise APIError(400, message.replace("SamplingParams.", ""), param) from None
         except BaseException:
             for rid in ids:
@@ -214,14 +237,18 @@ class OpenAIServing:
         return [self.encode(p, "prompt") for p in prompts]
 
     def prepare_completion(self, request: CompletionRequest):
-        """Check and start a completion request; returns (id, created, prompts, streams, params)."""
+        """Check and start a completion request; returns (id, created, prompts, streams)."""
         self.check_model(request.model)
+        check_combination(request)
         prompts = self.completion_prompts(request)
-        echo_logprobs = request.logprobs if request.echo and not request.stream else None
+        echo_logprobs = request.logprobs if request.echo else None
+        # One computation serves both: the echo's top tokens and prompt_logprobs' are cut to their own k.
+        wanted = [k for k in (echo_logprobs, request.prompt_logprobs) if k is not None]
         params = [self.sampling_params(request, len(ids), request.max_tokens, request.logprobs,
-                                       prompt_logprobs=echo_logprobs) for _, ids in prompts]
+                                       prompt_logprobs=max(wanted, default=None), score_prompt=scores_prompt(request))
+                  for _, ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self.start(request_id, prompts, params, request.priority)
+        streams = self.start(request_id, prompts, params, request)
         return request_id, int(time.time()), prompts, streams
 
     def _prompt_text(self, prompt: tuple[Optional[str], list[int]]) -> str:
@@ -242,73 +269,86 @@ class OpenAIServing:
             out = final[i]
             prefix = self._prompt_text(prompts[i]) if request.echo else ""
             for c in out.outputs:
+                if scores_prompt(request):
+                    c = score_response(c)
                 completion_tokens += len(c.token_ids)
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self._completion_logprobs(c, out if request.echo else None)
-                choices.append({"index": i * request.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    rows = ((_prompt_rows(out, request.logprobs) if request.echo else [])
+                            + _output_rows(c, len(c.token_ids)))
+                    logprobs, _ = self._completion_logprobs(rows, 0, as_ids=request.return_tokens_as_token_ids)
+                choice = {"index": i * request.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_body(out, request.prompt_logprobs)
+                choices.append(choice)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
+        cached = sum(final[i].num_cached_tokens for i in range(len(prompts)))
         return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
     async def completion_stream(self, request: CompletionRequest, started) -> AsyncIterator[bytes]:
-        """The ``text_completion`` chunks of a streaming request, then the usage chunk if asked, then [DONE]."""
+        """The ``text_completion`` chunks of a streaming request, then the usage chunk if asked, then [DONE].
+
+        Per choice, the chunks' texts and the lists of their ``logprobs`` (``echo``: the prompt's first, with the
+        first token) concatenate to the non-streamed response's; ``text_offset`` runs on from chunk to chunk.
+        """
         request_id, created, prompts, streams = started
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
-        completion_tokens = 0
-        sent_echo = set()
+        choices = StreamedChoices(len(prompts), request.n)
+        offsets = [0] * (len(prompts) * request.n)  # each choice's next text_offset
         try:
-            async for i, out in merge(streams):
-                for c in out.outputs:
-                    index = i * request.n + c.index
-                    text = c.delta_text
-                    if request.echo and index not in sent_echo:
-                        sent_echo.add(index)
-                        text = self._prompt_text(prompts[i]) + text
-                    if not (text or c.delta_token_ids or c.finish_reason):
-                        continue
-                    logprobs = None
-                    if request.logprobs is not None and c.delta_token_ids:
-                        logprobs = self._completion_logprobs(c, None, new_only=True)
-                    if c.finish_reason:
-                        completion_tokens += len(c.token_ids)
-                    chunk = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                                  "finish_reason": c.finish_reason,
-                                                  "stop_reason": c.stop_reason if c.finish_reason else None}]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield _sse(chunk)
+            async for i, index, first, out, c in choices.updates(merge(streams)):
+                text, rows = c.delta_text, []
+                if request.echo and first:
+                    text = self._prompt_text(prompts[i]) + text
+                    rows = _prompt_rows(out, request.logprobs)
+                logprobs = None
+                if request.logprobs is not None:
+                    rows += _output_rows(c, len(c.delta_token_ids))
+                    logprobs, offsets[index] = self._completion_logprobs(rows, offsets[index],
+                                                                         as_ids=request.return_tokens_as_token_ids)
+                chunk = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                              "finish_reason": c.finish_reason,
+                                              "stop_reason": c.stop_reason if c.finish_reason else None}]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
             if include_usage:
                 prompt_tokens = sum(len(ids) for _, ids in prompts)
-                yield _sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+                yield _sse({**base, "choices": [],
+                            "usage": _usage(prompt_tokens, choices.num_tokens, choices.num_cached_tokens)})
         except Exception as e:
             yield _sse(stream_error(e))
         yield SSE_DONE
 
-    def _completion_logprobs(self, c: CompletionOutput, echo: Optional[RequestOutput], new_only: bool = False) -> dict:
-        """OpenAI's legacy ``logprobs``: tokens, their logprobs, the top tokens per position, text offsets
-        (``echo``: the prompt's tokens first, the first without a logprob)."""
-        ids, entries = c.token_ids, c.logprobs or []
-        if new_only:
-            n = len(c.delta_token_ids)
-            ids, entries = ids[len(ids) - n:], entries[len(entries) - n:]
-        rows: list[tuple[int, Optional[dict[int, Logprob]]]] = []
-        if echo is not None:
-            rows += list(zip(echo.prompt_token_ids, echo.prompt_logprobs or [None] * len(echo.prompt_token_ids)))
-        rows += list(zip(ids, entries))
+    def _completion_logprobs(self, rows: list[tuple[int, Optional[dict[int, Logprob]]]], offset: int,
+                             as_ids: bool = False) -> tuple[dict, int]:
+        """OpenAI's legacy ``logprobs`` of ``rows`` (token id, its entry; None for the first prompt token):
+        tokens, their logprobs, the top tokens per position (a token whose text another id of the position
+        already has is keyed ``token_id:ID``, so none is lost), text offsets from ``offset`` (characters).
+        ``as_ids`` (``return_tokens_as_token_ids``): tokens and top-token keys are all ``token_id:ID``; offsets
+        still count the tokens' text.
+
+        Returns:
+          the ``logprobs`` object and the offset after its last token.
+        """
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
         for token_id, entry in rows:
             text = self._token_text(token_id, entry)
-            out["tokens"].append(text)
+            out["tokens"].append(_token_id_label(token_id) if as_ids else text)
             out["token_logprobs"].append(None if entry is None else entry[token_id].logprob)
-            out["top_logprobs"].append(None if entry is None else
-                                       {self._token_text(t, entry): lp.logprob for t, lp in entry.items()})
+            top = None
+            if entry is not None:
+                top = {}
+                for t, lp in entry.items():
+                    key = self._token_text(t, entry)
+                    top[_token_id_label(t) if as_ids or key in top else key] = lp.logprob
+            out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
             offset += len(text)
-        return out
+        return out, offset
 
     def _token_text(self, token_id: int, entry: Optional[dict[int, Logprob]]) -> str:
         if entry is not None and entry[token_id].decoded_token is not None:
@@ -320,14 +360,16 @@ class OpenAIServing:
     def prepare_chat(self, request: ChatCompletionRequest):
         """Check and start a chat request; returns (id, created, prompt ids, streams)."""
         self.check_model(request.model)
-        ids = self.render_chat(request.messages, request.add_generation_prompt)
+        check_combination(request)
+        ids = self.render_chat(request.messages, request.add_generation_prompt, request.continue_final_message)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, len(ids), max_tokens, logprobs, logprobs_param="top_logprobs")
+        params = self.sampling_params(request, len(ids), max_tokens, logprobs, prompt_logprobs=request.prompt_logprobs,
+                                      logprobs_param="top_logprobs")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self.start(request_id, [(None, ids)], [params], request.priority)
+        streams = self.start(request_id, [(None, ids)], [params], request)
         return request_id, int(time.time()), ids, streams
 
     async def chat(self, request: ChatCompletionRequest, started) -> dict:
@@ -336,11 +378,17 @@ class OpenAIServing:
         final = None
         async for _, out in merge(streams):
             final = out
+        as_ids = request.return_tokens_as_token_ids
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
+                    "logprobs": (self._chat_logprobs(_output_rows(c, len(c.token_ids)), request.top_logprobs or 0,
+                                                     as_ids=as_ids) if request.logprobs else None),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
-        return {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": _usage(len(ids), sum(len(c.token_ids) for c in final.outputs))}
+        body = {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": _usage(len(ids), sum(len(c.token_ids) for c in final.outputs),
+                                                    final.num_cached_tokens)}
+        if request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = _prompt_logprobs_body(final, request.prompt_logprobs)
+        return body
 
     async def chat_stream(self, request: ChatCompletionRequest, started) -> AsyncIterator[bytes]:
         """The ``chat.completion.chunk`` chunks: a role chunk per choice, content deltas, a finish chunk each."""
@@ -354,42 +402,38 @@ class OpenAIServing:
                 body["usage"] = None
             return _sse(body)
 
-        completion_tokens = 0
+        choices = StreamedChoices(1, request.n)
         try:
             for i in range(request.n):
                 yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})
-            async for _, out in merge(streams):
-                for c in out.outputs:
-                    if not (c.delta_text or c.delta_token_ids or c.finish_reason):
-                        continue
-                    logprobs = None
-                    if request.logprobs and c.delta_token_ids:
-                        logprobs = self._chat_logprobs(c, request.top_logprobs or 0, new_only=True)
-                    if c.finish_reason:
-                        completion_tokens += len(c.token_ids)
-                    yield chunk({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                 "stop_reason": c.stop_reason if c.finish_reason else None})
+            async for _, index, _, _, c in choices.updates(merge(streams)):
+                logprobs = None
+                if request.logprobs and c.delta_token_ids:
+                    logprobs = self._chat_logprobs(_output_rows(c, len(c.delta_token_ids)), request.top_logprobs or 0,
+                                                   as_ids=request.return_tokens_as_token_ids)
+                yield chunk({"index": index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                             "logprobs": logprobs, "finish_reason": c.finish_reason,
+                             "stop_reason": c.stop_reason if c.finish_reason else None})
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(len(ids), completion_tokens)})
+                yield _sse({**base, "choices": [],
+                            "usage": _usage(len(ids), choices.num_tokens, choices.num_cached_tokens)})
         except Exception as e:
             yield _sse(stream_error(e))
         yield SSE_DONE
 
-    def _chat_logprobs(self, c: CompletionOutput, num_top: int, new_only: bool = False) -> dict:
-        """OpenAI's chat ``logprobs``: per token its text, logprob, UTF-8 bytes and the top ``num_top``."""
-        ids, entries = c.token_ids, c.logprobs or []
-        if new_only:
-            n = len(c.delta_token_ids)
-            ids, entries = ids[len(ids) - n:], entries[len(entries) - n:]
+    def _chat_logprobs(self, rows: list[tuple[int, dict[int, Logprob]]], num_top: int, as_ids: bool = False) -> dict:
+        """OpenAI's chat ``logprobs`` of ``rows`` (token id, its entry): per token its text, logprob, UTF-8 bytes
+        and the top ``num_top`` (a list: tokens of the same text stay apart; ``as_ids``,
+        ``return_tokens_as_token_ids``: each ``token`` is ``token_id:ID``, ``bytes`` still its text's)."""
 
         def item(token_id: int, lp: Logprob, entry: dict[int, Logprob]) -> dict:
             text = self._token_text(token_id, entry)
-            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+            return {"token": _token_id_label(token_id) if as_ids else text, "logprob": lp.logprob,
+                    "bytes": list(text.encode())}
 
         content = []
-        for token_id, entry in zip(ids, entries):
+        for token_id, entry in rows:
             top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:num_top]
             content.append({**item(token_id, entry[token_id], entry),
                             "top_logprobs": [item(t, lp, entry) for t, lp in top]})
@@ -398,12 +442,12 @@ class OpenAIServing:
     # ------------------------------------------------------------------ tokenize
 
     def tokenize(self, prompt: Optional[str], messages: Optional[list[dict[str, Any]]], add_special_tokens: bool,
-                 add_generation_prompt: bool) -> dict:
-        """Token ids of a prompt or a conversation. Raises: APIError 400."""
+                 add_generation_prompt: bool, continue_final_message: bool = False) -> dict:
+        """Token ids of a prompt or a conversation (as chat completions render it). Raises: APIError 400."""
         if (prompt is None) == (messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if messages is not None:
-            ids = self.render_chat(messages, add_generation_prompt)
+            ids = self.render_chat(messages, add_generation_prompt, continue_final_message)
         else:
             self._need_tokenizer()
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -417,6 +461,61 @@ class OpenAIServing:
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": self.tokenizer.decode(tokens)}
+
+
+class StreamedChoices:
+    """The choices of a streamed response (``num_prompts * n``, numbered ``prompt_index * n + i``) as they change
+    (vLLM's ``finish_reason_sent`` / ``previous_num_tokens``): a ``RequestOutput`` holds every sequence of its
+    request, the finished ones too, so only a choice's new text, tokens or finish is news, and its finish is its
+    last.
+
+    Attributes:
+      num_tokens: tokens the choices generated so far, all together (the usage's ``completion_tokens``, as a
+        non-streamed response counts them in its final outputs).
+      num_cached_tokens: prompt tokens read from the prefix cache, summed over the prompts (the usage's
+        ``prompt_tokens_details.cached_tokens``).
+    """
+
+    def __init__(self, num_prompts: int, n: int) -> None:
+        self._n = n
+        self._tokens: list[Optional[int]] = [None] * (num_prompts * n)  # None: nothing sent yet
+        self._finished = [False] * (num_prompts * n)
+        self._cached = [0] * num_prompts
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t or 0 for t in self._tokens)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self._cached)
+
+    async def updates(self, outputs: AsyncIterator[tuple[int, RequestOutput]]
+                      ) -> AsyncIterator[tuple[int, int, bool, RequestOutput, CompletionOutput]]:
+        """(prompt index, choice index, whether it is the choice's first update, request output, completion) for
+        each choice with news in ``outputs`` (``merge``'s), up to and with the one that finishes it."""
+        async for i, out in outputs:
+            self._cached[i] = out.num_cached_tokens
+            for c in out.outputs:
+                index = i * self._n + c.index
+                if self._finished[index] or not (c.delta_text or c.delta_token_ids or c.finish_reason):
+                    continue
+                first = self._tokens[index] is None
+                self._finished[index] = c.finish_reason is not None
+                self._tokens[index] = len(c.token_ids)
+                yield i, index, first, out, c
+
+
+def _prompt_rows(out: RequestOutput, k: Optional[int]) -> list[tuple[int, Optional[dict[int, Logprob]]]]:
+    """(token id, entry cut to the top ``k``) of the prompt's tokens (entries None when prompt logprobs were not
+    asked for)."""
+    return list(zip(out.prompt_token_ids, _top_k(out.prompt_logprobs, k) or [None] * len(out.prompt_token_ids)))
+
+
+def _output_rows(c: CompletionOutput, count: int) -> list[tuple[int, Optional[dict[int, Logprob]]]]:
+    """(token id, entry) of the last ``count`` generated tokens."""
+    first = len(c.token_ids) - count
+    return list(zip(c.token_ids[first:], (c.logprobs or [])[first:]))
 
 
 def structured_outputs(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[StructuredOutputsParams]:
@@ -447,9 +546,66 @@ def structured_outputs(request: Union[CompletionRequest, ChatCompletionRequest])
     return constraint
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def check_combination(request: Union[CompletionRequest, ChatCompletionRequest]) -> None:
+    """Refuse fields that cannot be honoured together (vLLM refuses the first two): ``stream_options`` without
+    ``stream``, ``prompt_logprobs`` with ``stream``, prompt scoring (``echo`` with ``max_tokens: 0``) with
+    ``stream``, ``return_tokens_as_token_ids`` without ``logprobs``.
+
+    Raises:
+      APIError: 400 naming the field that cannot be honoured.
+    """
+    if request.stream_options is not None and not request.stream:
+        raise APIError(400, "stream_options is only for streamed responses: set stream=true or leave it out",
+                       "stream_options")
+    if request.prompt_logprobs is not None and request.stream:
+        raise APIError(400, "prompt_logprobs are not available with stream=true", "prompt_logprobs")
+    if scores_prompt(request) and request.stream:
+        raise APIError(400, "max_tokens=0 (prompt scoring with echo) is not available with stream=true",
+                       "max_tokens")
+    if request.return_tokens_as_token_ids and (request.logprobs is None or request.logprobs is False):
+        raise APIError(400, "return_tokens_as_token_ids spells the tokens of logprobs: it needs logprobs",
+                       "return_tokens_as_token_ids")
+
+
+def scores_prompt(request: Union[CompletionRequest, ChatCompletionRequest]) -> bool:
+    """Whether the request only scores its prompt: a completion with ``echo`` and ``max_tokens: 0``."""
+    return isinstance(request, CompletionRequest) and request.echo and request.max_tokens == 0
+
+
+def score_response(c: CompletionOutput) -> CompletionOutput:
+    """A prompt-scoring choice: the token the engine sampled after the prompt dropped, finished by its length."""
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                               finish_reason="length", stop_reason=None, cumulative_logprob=None)
+
+
+def _top_k(entries: Optional[list[Optional[dict[int, Logprob]]]],
+           k: Optional[int]) -> Optional[list[Optional[dict[int, Logprob]]]]:
+    """Prompt logprob entries cut to the prompt token (first) and the top ``k`` (computed for the larger of
+    ``logprobs`` and ``prompt_logprobs``)."""
+    if entries is None or k is None:
+        return entries
+    return [None if e is None else {t: lp for i, (t, lp) in enumerate(e.items()) if i == 0 or lp.rank <= k}
+            for e in entries]
+
+
+def _prompt_logprobs_body(out: RequestOutput, k: int) -> list[Optional[dict[str, dict]]]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token ``{"ID": {"logprob", "rank",
+    "decoded_token"}}`` holding the prompt token and the top ``k``."""
+    return [None if e is None else {str(t): dataclasses.asdict(lp) for t, lp in e.items()}
+            for e in _top_k(out.prompt_logprobs, k)]
+
+
+def _token_id_label(token_id: int) -> str:
+    """vLLM's ``return_tokens_as_token_ids`` spelling of a token: any token, even one whose text is not valid
+    UTF-8 on its own, is then told apart."""
+    return f"token_id:{token_id}"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens read from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def stream_error(error: Exception) -> dict:
