@@ -319,7 +319,12 @@ class EngineConfig:
       kv_cache_memory_bytes: device bytes for the KV cache (all layers, K+V).
       max_num_seqs: sequences per step at most.
       max_num_batched_tokens: tokens per step at most (the token budget).
-      max_model_len: prompt + output tokens per request at most.
+      max_model_len: prompt + output tokens per request at most. None: the
+        model's ``max_position_embeddings``, or, when the KV cache is sized
+        from ``kv_cache_memory_bytes`` (or its default) and holds no sequence
+        that long, the longest it holds, with a warning naming both (vLLM's
+        ``max_model_len=-1``). A value the cache cannot hold is an error naming
+        the largest that fits.
       dtype: "auto", "float32", "bfloat16" or "float16" (compute, and the KV
         cache unless ``kv_cache_dtype`` quantizes it).
       quantization: None, "int8" or "fp8": weight-only quantization of the
@@ -450,6 +455,10 @@ class EngineConfig:
             from jaxllm.frontend.prefix_warmup import read_preload_prompts
 
             read_preload_prompts(self.preload_prompts)  # a missing or malformed file fails before any loading
+        if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
+                                                       or self.kv_cache_memory_bytes < 1):
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be a positive int (or None: "
+                             "90% of the accelerator's free memory, 1 GiB on CPU)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -503,7 +512,8 @@ class EngineConfig:
                                num_lookahead_tokens=lookahead)
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
-        """``max_model_len`` or the model's ``max_position_embeddings``.
+        """``max_model_len`` or the model's ``max_position_embeddings`` (which start-up may then fit to the KV cache:
+        ``jaxllm.worker.kv_cache.fit_max_model_len``).
 
         Raises:
           ValueError: a ``max_model_len`` above the model's positions.
