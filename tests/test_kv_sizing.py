@@ -133,3 +133,8 @@ def test_issue25_item7_the_cli_runs_a_long_context_model_with_no_length_flag(lon
     refused = _cli("--model", str(long_context_dir), "--kv-cache-memory-bytes", budget, "--max-model-len", str(NATIVE))
     assert refused.returncode == 2
     assert f"the largest max_model_len that fits is {FIT}. Change max_model_len (--max-model-len)" in refused.stderr
+    too_long = _cli("--model", str(long_context_dir), "--kv-cache-memory-bytes", budget, "--prompt",
+                    "Once upon a time " * 200)
+    assert too_long.returncode == 2
+    assert re.search(rf"error: prompt 0 has \d+ tokens, more than max_model_len={FIT} \(fitted to the KV cache\)",
+                     too_long.stderr), too_long.stderr
