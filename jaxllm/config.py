@@ -30,6 +30,9 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# The other way, for a config.json without ``architectures`` (transformers writes ``null`` when it saves a model it
+# loaded from a GGUF): each model_type names its causal LM, as transformers' and vLLM's registries map it.
+ARCHITECTURE_OF_MODEL_TYPE = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 # HF ``hidden_act`` names of the gated MLP's activation that the models implement.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -114,18 +117,18 @@ class ModelConfig:
         ``generation_config`` then ``cfg``, without repeats, as vLLM stops on
         the generation config's eos ids besides the model's.
 
+        The family is the first of ``architectures`` in
+        ``SUPPORTED_ARCHITECTURES``; a config without ``architectures`` (absent,
+        null or empty) is named by its ``model_type`` alone
+        (``ARCHITECTURE_OF_MODEL_TYPE``).
+
         Raises:
-          ValueError: an architecture outside ``SUPPORTED_ARCHITECTURES``, an
-            unsupported activation or rope type, heads that do not divide, or
+          ValueError: an architecture outside ``SUPPORTED_ARCHITECTURES``, or
+            without architectures a ``model_type`` none of them has (both name
+            the supported ones), an unsupported activation or rope type, heads that do not divide, or
             a mixture-of-experts model whose layers are not all MoE layers.
         """
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}: "
-                f"jaxllm runs {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch = _architecture_from_hf(cfg)
         model_type = SUPPORTED_ARCHITECTURES[arch]
         gemma = model_type == "gemma3_text"
         act = cfg.get("hidden_activation" if gemma else "hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
@@ -200,6 +203,21 @@ def eos_token_ids(*configs: dict[str, Any]) -> tuple[int, ...]:
 
 def _optional_float(value: Any) -> Optional[float]:
     return None if value is None else float(value)
+
+
+def _architecture_from_hf(cfg: dict[str, Any]) -> str:
+    """The architecture that runs a HF config dict (see ``ModelConfig.from_hf_config``)."""
+    archs = cfg.get("architectures") or []
+    if not archs:
+        model_type = cfg.get("model_type")
+        if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
+            raise ValueError(f"unsupported model_type {model_type!r} (config.json names no architectures): jaxllm "
+                             f"runs model_type {sorted(ARCHITECTURE_OF_MODEL_TYPE)}")
+        return ARCHITECTURE_OF_MODEL_TYPE[model_type]
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"unsupported architecture {archs!r}: jaxllm runs {sorted(SUPPORTED_ARCHITECTURES)}")
+    return arch
 
 
 def _ropes_from_hf(cfg: dict[str, Any], model_type: str) -> tuple[RopeConfig, Optional[RopeConfig]]:
