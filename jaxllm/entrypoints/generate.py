@@ -179,6 +179,21 @@ def _write_logprobs(tokenizer: Any, completion: Any) -> None:
                          f"top: {alternatives}\n")
 
 
+def describe_sampling(params: Any) -> str:
+    """The sampling controls ``params`` (a ``SamplingParams``) actually uses, for the start-up line: greedy
+    decoding ignores temperature, top-p, top-k and min-p, and a filter at its "off" value does nothing, so
+    those are left out; the repetition penalty applies either way; ``max_tokens`` always."""
+    if params.greedy:
+        parts = ["greedy (top_k=1)" if params.top_k == 1 else f"greedy (temperature={params.temperature})"]
+    else:
+        parts = [f"temperature={params.temperature}"]
+        parts += [f"{name}={value}" for name, value, off in (("top_p", params.top_p, 1.0), ("top_k", params.top_k, 0),
+                                                            ("min_p", params.min_p, 0.0)) if value != off]
+    if params.repetition_penalty != 1.0:
+        parts.append(f"repetition_penalty={params.repetition_penalty}")
+    return " ".join(parts + [f"max_tokens={params.max_tokens}"])
+
+
 def run(args: argparse.Namespace) -> int:
     """Check everything, load the model, generate for every prompt; returns the exit status.
 
@@ -195,8 +210,7 @@ def run(args: argparse.Namespace) -> int:
     generation_config = read_generation_config(model)
     params = sampling_params(args, generation_config)
     source = "the model's generation_config.json" if generation_config_defaults(generation_config) else "the CLI"
-    log(f"sampling: temperature={params.temperature} top_p={params.top_p} top_k={params.top_k} "
-         f"min_p={params.min_p} max_tokens={params.max_tokens} (defaults from {source})")
+    log(f"sampling: {describe_sampling(params)} (defaults from {source})")
 
     from jaxllm.config import EngineConfig
     from jaxllm.frontend.llm_engine import LLMEngine
