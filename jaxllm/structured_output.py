@@ -101,14 +101,12 @@ def _compiled_ok(future: concurrent.futures.Future) -> bool:
 @dataclasses.dataclass
 class SequenceGrammar:
     """One constrained sequence's grammar: the compile future, its own matcher (a copy of the compiled
-    template, made on first use), how many of its output tokens the matcher has consumed and whether the last
-    of them was the EOS that ends the grammar. Held by the sequence itself
-    (``jaxllm.core.requests.CoreSequence.grammar``)."""
+    template, made on first use) and how many of its output tokens the matcher has consumed. Held by the
+    sequence itself (``jaxllm.core.requests.CoreSequence.grammar``)."""
 
     future: concurrent.futures.Future
     matcher: Optional[llguidance.LLMatcher] = None
     num_consumed: int = 0
-    ended: bool = False
 
     @property
     def error(self) -> Optional[str]:
@@ -285,7 +283,7 @@ class StructuredOutputManager:
         ended = []
         for request in requests:
             seq = request.grammar
-            if seq is None or seq.ended:
+            if seq is None:
                 continue
             new = request.output_token_ids[seq.num_consumed:]
             if not new:
@@ -297,11 +295,9 @@ class StructuredOutputManager:
                     raise RuntimeError(f"request {request.request_id!r}: the grammar rejected sampled token {token} "
                                        f"after {seq.num_consumed} outputs: {matcher.get_error()}")
                 seq.num_consumed += 1
-                if token in self._grammar_eos and matcher.is_stopped():
-                    seq.ended = True
-                    if not request.is_finished:
-                        ended.append(request)
-                    break
+            # Nothing follows an EOS the matcher took (it rejects every other token after it), so only the last can be.
+            if new[-1] in self._grammar_eos and matcher.is_stopped() and not request.is_finished:
+                ended.append(request)
         return ended
 
     def needs_previous_samples(self, output: SchedulerOutput) -> bool:

@@ -90,7 +90,7 @@ def test_issue25_item7_a_set_max_model_len_that_fits_is_kept_and_num_kv_blocks_i
 
 
 def test_issue25_item7_a_budget_below_two_blocks_holds_no_length(long_context_dir, per_block):
-    with pytest.raises(ValueError, match=r"holds 1 KV blocks of .* a sequence needs 2 or more .*--kv-cache-memory-bytes"):
+    with pytest.raises(ValueError, match=r"holds 1 KV blocks .* a sequence needs 2 or more .*--kv-cache-memory-bytes"):
         _llm(long_context_dir, kv_cache_memory_bytes=per_block * 2 - 1)
 
 
