@@ -288,7 +288,8 @@ def apply_top_k_top_p_min_p(
 
 
 def _row_keys(seed: jax.Array, num_generated: jax.Array) -> jax.Array:
-    return jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(seed), num_generated)
+    # threefry named, not the configured default: the seed words are its key data (seed_words).
+    return jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(seed, impl="threefry2x32"), num_generated)
 
 
 def _draw(logits: jax.Array, arrays: dict, filtered: bool) -> jax.Array:
