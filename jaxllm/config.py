@@ -30,6 +30,9 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# The other way, for a config.json without ``architectures`` (transformers writes ``null`` when it saves a model it
+# loaded from a GGUF): each model_type names its causal LM, as transformers' and vLLM's registries map it.
+ARCHITECTURE_OF_MODEL_TYPE = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 # HF ``hidden_act`` names of the gated MLP's activation that the models implement.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -114,18 +117,18 @@ class ModelConfig:
         ``generation_config`` then ``cfg``, without repeats, as vLLM stops on
         the generation config's eos ids besides the model's.
 
+        The family is the first of ``architectures`` in
+        ``SUPPORTED_ARCHITECTURES``; a config without ``architectures`` (absent,
+        null or empty) is named by its ``model_type`` alone
+        (``ARCHITECTURE_OF_MODEL_TYPE``).
+
         Raises:
-          ValueError: an architecture outside ``SUPPORTED_ARCHITECTURES``, an
-            unsupported activation or rope type, heads that do not divide, or
+          ValueError: an architecture outside ``SUPPORTED_ARCHITECTURES``, or
+            without architectures a ``model_type`` none of them has (both name
+            the supported ones), an unsupported activation or rope type, heads that do not divide, or
             a mixture-of-experts model whose layers are not all MoE layers.
         """
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}: "
-                f"jaxllm runs {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch = _architecture_from_hf(cfg)
         model_type = SUPPORTED_ARCHITECTURES[arch]
         gemma = model_type == "gemma3_text"
         act = cfg.get("hidden_activation" if gemma else "hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
@@ -200,6 +203,21 @@ def eos_token_ids(*configs: dict[str, Any]) -> tuple[int, ...]:
 
 def _optional_float(value: Any) -> Optional[float]:
     return None if value is None else float(value)
+
+
+def _architecture_from_hf(cfg: dict[str, Any]) -> str:
+    """The architecture that runs a HF config dict (see ``ModelConfig.from_hf_config``)."""
+    archs = cfg.get("architectures") or []
+    if not archs:
+        model_type = cfg.get("model_type")
+        if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
+            raise ValueError(f"unsupported model_type {model_type!r} (config.json names no architectures): jaxllm "
+                             f"runs model_type {sorted(ARCHITECTURE_OF_MODEL_TYPE)}")
+        return ARCHITECTURE_OF_MODEL_TYPE[model_type]
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"unsupported architecture {archs!r}: jaxllm runs {sorted(SUPPORTED_ARCHITECTURES)}")
+    return arch
 
 
 def _ropes_from_hf(cfg: dict[str, Any], model_type: str) -> tuple[RopeConfig, Optional[RopeConfig]]:
@@ -319,7 +337,12 @@ class EngineConfig:
       kv_cache_memory_bytes: device bytes for the KV cache (all layers, K+V).
       max_num_seqs: sequences per step at most.
       max_num_batched_tokens: tokens per step at most (the token budget).
-      max_model_len: prompt + output tokens per request at most.
+      max_model_len: prompt + output tokens per request at most. None: the
+        model's ``max_position_embeddings``, or, when the KV cache is sized
+        from ``kv_cache_memory_bytes`` (or its default) and holds no sequence
+        that long, the longest it holds, with a warning naming both (vLLM's
+        ``max_model_len=-1``). A value the cache cannot hold is an error naming
+        the largest that fits.
       dtype: "auto", "float32", "bfloat16" or "float16" (compute, and the KV
         cache unless ``kv_cache_dtype`` quantizes it).
       quantization: None, "int8" or "fp8": weight-only quantization of the
@@ -450,6 +473,10 @@ class EngineConfig:
             from jaxllm.frontend.prefix_warmup import read_preload_prompts
 
             read_preload_prompts(self.preload_prompts)  # a missing or malformed file fails before any loading
+        if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
+                                                       or self.kv_cache_memory_bytes < 1):
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be a positive int (or None: "
+                             "90% of the accelerator's free memory, 1 GiB on CPU)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -503,7 +530,8 @@ class EngineConfig:
                                num_lookahead_tokens=lookahead)
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
-        """``max_model_len`` or the model's ``max_position_embeddings``.
+        """``max_model_len`` or the model's ``max_position_embeddings`` (which start-up may then fit to the KV cache:
+        ``jaxllm.worker.kv_cache.fit_max_model_len``).
 
         Raises:
           ValueError: a ``max_model_len`` above the model's positions.

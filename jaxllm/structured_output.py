@@ -16,7 +16,9 @@ Where things happen:
   ``t // 32`` set when token ``t`` is allowed; all ones for unconstrained rows), applied by the sampler on the
   device before any other logit processing (``jaxllm.sample.sampler.apply_token_bitmask``);
 * engine core, after each step: every sampled token advances its sequence's matcher; a token the matcher
-  rejects is a bug and raises.
+  rejects is a bug and raises. A sequence whose grammar consumed its EOS has ended: the core finishes it there,
+  whatever ``min_tokens`` or ``ignore_eos`` say (vLLM #54218), since the grammar allows nothing but EOS after
+  its end.
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ class StructuredOutputManager:
         self.num_words = bitmask_words(vocab_size)
         self._load_tokenizer = load_tokenizer
         self._eos_token_ids = list(eos_token_ids)
+        # The grammar's EOS ids (the tokenizer's and ``eos_token_ids``), known with the tokenizer.
+        self._grammar_eos: frozenset[int] = frozenset()
         self._ll_tokenizer: Optional[llguidance.LLTokenizer] = None
         self._tokenizer_lock = threading.Lock()
         workers = max_workers or max(1, min(4, (os.cpu_count() or 2) // 2))
@@ -180,6 +184,7 @@ class StructuredOutputManager:
                     raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                                      f"vocab_size={self.vocab_size}")
                 eos = list(dict.fromkeys(list(tokenizer.eos_token_ids) + self._eos_token_ids))
+                self._grammar_eos = frozenset(eos)
                 self._ll_tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                                                             eos_token=eos)
             return self._ll_tokenizer
@@ -267,12 +272,18 @@ class StructuredOutputManager:
         self.bitmask_seconds = time.perf_counter() - start
         return bitmask
 
-    def advance(self, requests: Iterable[Request]) -> None:
+    def advance(self, requests: Iterable[Request]) -> list[Request]:
         """Feed each constrained request's new output tokens to its matcher.
+
+        Returns:
+          the requests whose grammar ended with these tokens (it consumed an EOS, which llguidance accepts only
+          where the grammar may end, and allows nothing but EOS after) and that are not finished: the caller
+          finishes them, whatever their ``min_tokens`` or ``ignore_eos``.
 
         Raises:
           RuntimeError: the matcher rejects a sampled token: the bitmask did not hold it back (a bug).
         """
+        ended = []
         for request in requests:
             seq = request.grammar
             if seq is None:
@@ -287,6 +298,10 @@ class StructuredOutputManager:
                     raise RuntimeError(f"request {request.request_id!r}: the grammar rejected sampled token {token} "
                                        f"after {seq.num_consumed} outputs: {matcher.get_error()}")
                 seq.num_consumed += 1
+            # Nothing follows an EOS the matcher took (it rejects every other token after it), so only the last can be.
+            if new[-1] in self._grammar_eos and matcher.is_stopped() and not request.is_finished:
+                ended.append(request)
+        return ended
 
     def needs_previous_samples(self, output: SchedulerOutput) -> bool:
         """True when a constrained row of ``output`` that samples takes the previous step's sample as input

@@ -20,6 +20,8 @@ GREEDY_EPS = 1e-5
 # ask for (per generated token, or per prompt token). The sampler always
 # computes this many so its shapes stay static.
 MAX_LOGPROBS = 20
+# The seeds a request may give: int64's range (vLLM's OpenAI protocol's bound).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclasses.dataclass
@@ -106,8 +108,10 @@ class SamplingParams:
         [-2, 2] over generated tokens.
       repetition_penalty: CTRL-style multiplicative penalty (> 0) over prompt
         and generated tokens; 1 disables it.
-      seed: per-request random seed; with it, the sampled tokens do not depend
-        on what else is in the batch.
+      seed: per-request random seed, an int in ``[SEED_MIN, SEED_MAX - n + 1]``
+        (int64; sequence i of n uses ``seed + i``); with it, the sampled tokens
+        do not depend on what else is in the batch, and distinct seeds give
+        independent streams.
       max_tokens: number of tokens to generate at most (>= 1).
       min_tokens: eos and ``stop_token_ids`` are banned before this many
         tokens; a stop string counts only where it ends in the text of a
@@ -202,8 +206,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, value, f"an int in [0, {MAX_LOGPROBS}] (max_logprobs) or None")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "an int or None")
+        # 64 bits, as vLLM's OpenAI server bounds it: every seed in range gets its own stream, none is folded
+        # onto another. Sequence i of n samples with seed + i, so that must fit too.
+        top = SEED_MAX - (self.n - 1)
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_MIN <= self.seed <= top):
+            why = "int64" if self.n == 1 else f"int64 less n - 1 = {self.n - 1} at the top: sequence i uses seed + i"
+            raise bad("seed", self.seed, f"an int in [{SEED_MIN}, {top}] ({why}) or None")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
         if any(s == "" for s in self.stop):

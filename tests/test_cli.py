@@ -223,3 +223,39 @@ def test_serve_help_has_a_flag_for_every_engine_config_field_and_bad_flags_exit_
     assert bad.returncode == 2 and "error: --max-num-seqs 0 is out of range: must be an int >= 1" in bad.stderr
     missing = _cli("serve", str(stories_dir / "missing"), module="jaxllm.entrypoints.cli")
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+# ---- issue 25 item 9: the sampling line says what is used ------------------------------------------
+
+def test_issue25_item9_cli_sampling_line_under_temperature_0_has_no_unused_top_p(stories_dir):
+    # The report: --temperature 0 printed "temperature=0.0 top_p=0.95 top_k=0 min_p=0.0 ..." (top_p the CLI's
+    # unused default).
+    proc = _cli("--model", str(stories_dir), "--max-tokens", "4", "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr
+    line = next(s for s in proc.stderr.splitlines() if "sampling:" in s)
+    assert line == "[jaxllm] sampling: greedy (temperature=0.0) max_tokens=4 (defaults from the CLI)"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("top_k", [0, 1, 20])
+@pytest.mark.parametrize("top_p, min_p, repetition_penalty", [(1.0, 0.0, 1.0), (0.95, 0.05, 1.1), (0.9, 0.0, 1.0)])
+def test_issue25_item9_the_sampling_line_names_exactly_the_controls_in_use(temperature, top_k, top_p, min_p,
+                                                                           repetition_penalty):
+    from jaxllm.generate import describe_sampling
+    from scheduler import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repetition_penalty=repetition_penalty, max_tokens=7)
+    named = dict(word.split("=", 1) for word in describe_sampling(params).replace("(", "").replace(")", "").split()
+                 if "=" in word)
+    greedy = temperature == 0 or top_k == 1
+    assert describe_sampling(params).startswith("greedy (") == greedy
+    used = {"max_tokens": "7"}
+    if repetition_penalty != 1.0:
+        used["repetition_penalty"] = str(repetition_penalty)
+    if greedy:
+        used |= {"top_k": "1"} if top_k == 1 else {"temperature": str(temperature)}
+    else:
+        used |= {"temperature": str(temperature)} | ({"top_k": str(top_k)} if top_k else {})
+        used |= ({"top_p": str(top_p)} if top_p < 1 else {}) | ({"min_p": str(min_p)} if min_p else {})
+    assert named == used

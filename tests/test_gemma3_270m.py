@@ -13,6 +13,10 @@ base model, 4-bit): it is ``FRANCE`` below, and jaxllm must give the same text."
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import jax
 import pytest
 
 from jaxllm import LLM, SamplingParams
@@ -103,3 +107,16 @@ def test_cli_runs_it_by_name(llm, outputs, capsys):
     captured = capsys.readouterr()
     assert status == 0, captured.err
     assert captured.out == "The capital of France is" + llm.tokenizer.decode(outputs[0].outputs[0].token_ids[:8]) + "\n"
+
+
+def test_issue25_item7_the_readme_command_runs_with_no_other_flag(gemma3_gguf, llm, outputs):
+    # The report: this exact command failed, its 32768 positions needing 2049 KV blocks of the CPU's 1 GiB 1820.
+    # The length is fitted to the default budget instead (said on stderr), and the text is the greedy one.
+    proc = subprocess.run([sys.executable, "-m", "jaxllm.generate", "--model", "gemma3-270m", "--prompt",
+                           "The capital of France is", "--max-tokens", "12", "--temperature", "0"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ("The capital of France is" + llm.tokenizer.decode(outputs[0].outputs[0].token_ids[:12])
+                           + "\n")
+    if jax.default_backend() == "cpu":  # float32 in 1 GiB; an accelerator's budget holds the full length
+        assert "warning: max_model_len=29104, below the model's 32768" in proc.stderr

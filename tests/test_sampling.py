@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxllm.sample.sampler import (
     MAX_BANNED_IDS,
@@ -17,6 +19,7 @@ from jaxllm.sample.sampler import (
     init_tables,
     prompt_logprobs,
     sample,
+    seed_words,
     set_slot_rows,
 )
 from jaxllm.structured_output import bitmask_words
@@ -187,8 +190,8 @@ def test_seeded_row_draws_the_same_token_in_any_batch_position_or_bucket():
     logits[5] = LOGITS
     alone, _ = _sample(LOGITS[None], _arrays(params, 1, 7, seed=99), _tables(params))
     arrays = _arrays(params, 16, 7, seed=99)
-    arrays.seed[:] = np.arange(16)
-    arrays.seed[5] = 99
+    arrays.seed[:] = [seed_words(s) for s in range(16)]
+    arrays.seed[5] = seed_words(99)
     batched, _ = _sample(logits, arrays, _tables(params))
     assert int(batched.token_ids[5]) == int(alone.token_ids[0])
 
@@ -303,3 +306,69 @@ def test_too_many_banned_ids_are_rejected():
     with pytest.raises(ValueError, match=str(MAX_BANNED_IDS)):
         SamplingArrays.empty(1).set_row(0, SamplingParams(), slot=1, seed=0, num_generated=0,
                                         banned=list(range(MAX_BANNED_IDS + 1)))
+
+
+# ------------------------------------------- issue 25 item 6: every int64 seed its own stream
+
+# The reported aliases (5 and 5 + 2**32, 7 and 7 - 2**32, 0 and 2**40), the 32-bit boundaries and int64's edges.
+EDGE_SEEDS = [0, 1, -1, 5, 5 + 2**32, 7, 7 - 2**32, 2**40, 2**31 - 1, 2**31, 2**32 - 1, 2**32, -(2**31), -(2**32),
+              2**63 - 1, 2**63 - 2, -(2**63), -(2**63) + 1]
+STREAM = 256  # draws per seed, over 8 equally likely tokens: two independent streams agree on about 1/8 of them
+
+
+def _streams(seeds) -> np.ndarray:
+    """``STREAM`` draws of each seed (positions 0..STREAM-1) from uniform logits: int[len(seeds), STREAM]."""
+    params = SamplingParams(temperature=1.0)
+    arrays = _arrays(params, len(seeds) * STREAM, np.tile(np.arange(STREAM), len(seeds)))
+    arrays.seed[:] = np.repeat([seed_words(s) for s in seeds], STREAM, axis=0)
+    out, _ = _sample(np.zeros((len(seeds) * STREAM, V), np.float32), arrays, _tables(params))
+    return np.asarray(out.token_ids).reshape(len(seeds), STREAM)
+
+
+def _assert_independent(streams: np.ndarray) -> None:
+    # Agreements of two independent streams ~ Binomial(STREAM, 1/8): mean 32, sd 5.3; one seed aliased onto
+    # another agrees everywhere.
+    for i in range(len(streams)):
+        for j in range(i):
+            assert (streams[i] == streams[j]).sum() < 32 + 6 * 5.3, (i, j)
+
+
+def test_issue25_item6_seeds_beyond_32_bits_draw_their_own_streams():
+    _assert_independent(_streams(EDGE_SEEDS))
+
+
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=2, max_size=4, unique=True),
+       st.integers(-(2**31), 2**31 - 1))
+@settings(max_examples=25, deadline=None)
+def test_issue25_item6_distinct_int64_seeds_draw_independent_streams(seeds, shift):
+    # Any distinct seeds, and each shifted by a multiple of 2**32 (the aliases of a 32-bit seed), where in range.
+    shifted = [s + shift * 2**32 for s in seeds if -(2**63) <= s + shift * 2**32 < 2**63]
+    _assert_independent(_streams(list(dict.fromkeys(seeds + shifted))))
+
+
+@given(st.integers(-(2**63), 2**63 - 1))
+def test_issue25_item6_seed_words_are_the_seeds_64_bits_and_keep_32_bit_seeds_streams(seed):
+    high, low = seed_words(seed)
+    assert 0 <= high < 2**32 and 0 <= low < 2**32
+    assert ((high << 32) | low) - (2**64 if high >= 2**31 else 0) == seed  # one-to-one on int64
+    if 0 <= seed < 2**32:  # jax.random.key(seed)'s own key, so these seeds' tokens do not change
+        assert (high, low) == tuple(np.asarray(jax.random.key_data(jax.random.key(seed))).tolist())
+
+
+def test_issue25_item6_a_large_seeded_row_draws_the_same_tokens_in_any_batch_position():
+    target = 2**40 + 99
+    alone = _streams([target])[0]
+    for position in (0, 5, len(EDGE_SEEDS) - 1):
+        seeds = list(EDGE_SEEDS)
+        seeds[position] = target
+        assert (_streams(seeds)[position] == alone).all()
+
+
+@pytest.mark.parametrize("seed, n", [(2**63, 1), (2**64, 1), (-(2**63) - 1, 1), (2**63 - 1, 2), (2**100, 1)])
+def test_issue25_item6_a_seed_outside_int64_is_refused_naming_it_and_the_range(seed, n):
+    top = 2**63 - n
+    with pytest.raises(ValueError, match=rf"SamplingParams\.seed={seed} is out of range: must be an int in "
+                                         rf"\[-9223372036854775808, {top}\]"):
+        SamplingParams(seed=seed, n=n)
+    SamplingParams(seed=top, n=n)
+    SamplingParams(seed=-(2**63), n=n)

@@ -236,3 +236,17 @@ def test_n_2_returns_prompt_logprobs_computed_by_the_prefill_parent(tiny_llm, hf
 def test_prompt_logprobs_above_20_are_rejected(tiny_llm):
     with pytest.raises(ValueError, match="prompt_logprobs=21"):
         tiny_llm.generate([[5, 6, 7]], SamplingParams(prompt_logprobs=21))
+
+
+def test_issue25_item6_seeds_beyond_32_bits_give_their_own_tokens_in_any_batch(stories_dir):
+    # The report (stories260K, T=1): 5 and 5 + 2**32, 7 and 7 - 2**32, 0 and 2**40 gave the same tokens; with
+    # int64's edges every seed has its own stream, and a seeded request's tokens do not depend on its neighbours.
+    llm = LLM(model=stories_dir, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64, precompile=False)
+    pairs = [(5, 5 + 2**32), (7, 7 - 2**32), (0, 2**40)]
+    seeds = [s for pair in pairs for s in pair] + [2**63 - 1, -(2**63)]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24, ignore_eos=True) for s in seeds]
+    batch = llm.generate(["Once upon a time"] * len(seeds), params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in batch]
+    assert len({tuple(t) for t in tokens}) == len(seeds)
+    for p, together in zip(params, tokens):
+        assert llm.generate(["Once upon a time"], p, use_tqdm=False)[0].outputs[0].token_ids == together

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxllm.loader import load_model
-from jaxllm.sample.sampler import SamplingArrays, init_tables, sample, verify
+from jaxllm.sample.sampler import SamplingArrays, init_tables, sample, seed_words, verify
 from jaxllm.tokenizer import load_tokenizer
 from scheduler import SamplingParams
 from tests.test_model_parity import SingleSequence
@@ -38,7 +38,7 @@ _sample = jax.jit(sample)
 def _wide(params: SamplingParams, rows: int, positions: int, num_generated: int, seed: int = 0) -> SamplingArrays:
     """Sampling arrays of ``rows`` rows (row i seeded ``seed + i``), repeated for ``positions`` positions."""
     arrays = _arrays(params, rows, num_generated)
-    arrays.seed = np.arange(seed, seed + rows, dtype=np.uint32)
+    arrays.seed = np.array([seed_words(s) for s in range(seed, seed + rows)], np.uint32)
     return arrays.repeat(positions)
 
 

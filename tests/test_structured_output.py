@@ -349,3 +349,77 @@ def test_speculation_skips_constrained_requests_and_changes_no_tokens(stories_di
     assert drafted and not any(drafted)
     assert llm.engine.core.stats().spec_num_drafts > 0
     assert scheduler.block_pool.num_free_blocks == llm.engine.core.num_blocks - 1
+
+
+# ------------------------------------- issue 25 item 5: a finished value ends there
+
+EOS = 2  # stories260K's
+
+
+def _ends_once_at_eos(completion) -> bool:
+    ids = completion.token_ids
+    return completion.finish_reason == "stop" and ids.count(EOS) == 1 and ids[-1] == EOS
+
+
+def test_issue25_item5_finished_choice_stops_at_its_eos_under_min_tokens(stories_dir):
+    # The report: once "yes" or "no" is complete the grammar allows nothing but EOS, and min_tokens=8 kept the
+    # request sampling EOS after EOS until it had 8 tokens.
+    llm = _stories_llm(stories_dir)
+    choice = SO(choice=["yes", "no"])
+    plain, under_min = (llm.generate(["Is the sky blue?"], SamplingParams(temperature=0, max_tokens=20, min_tokens=m,
+                                                                          structured_outputs=choice),
+                                     use_tqdm=False)[0].outputs[0] for m in (0, 8))
+    assert under_min.text in ("yes", "no") and _ends_once_at_eos(under_min), under_min.token_ids
+    assert under_min.token_ids == plain.token_ids and under_min.stop_reason is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_issue25_item5_every_completed_constraint_ends_at_its_eos_whatever_min_tokens_or_ignore_eos(
+        stories_dir, async_scheduling):
+    # The class: every kind of constraint (regex, choice, JSON, Lark) whose value completes before min_tokens, in a
+    # state where the grammar allows nothing but EOS; greedy and seeded, n=2, in one batch, with and without
+    # async scheduling. Each sequence emits what it emits with neither min_tokens nor ignore_eos, then one EOS.
+    rng = np.random.default_rng(25)
+    prompts = [rng.integers(3, 500, size=int(rng.integers(4, 12))).tolist() for _ in STORIES_CONSTRAINTS]
+    def params(constraint, i, **kw):
+        return SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, n=2 if i == 2 else 1, max_tokens=40,
+                              structured_outputs=constraint, **kw)
+    llm = _stories_llm(stories_dir, async_scheduling=async_scheduling)
+    plain = llm.generate(prompts, [params(c, i) for i, c in enumerate(STORIES_CONSTRAINTS)], use_tqdm=False)
+    completed = [c for o in plain for c in o.outputs if c.finish_reason == "stop"]
+    assert len(completed) >= 4 and all(_ends_once_at_eos(c) for c in completed)
+    for kw in (dict(min_tokens=40), dict(ignore_eos=True), dict(ignore_eos=True, min_tokens=40)):
+        outs = llm.generate(prompts, [params(c, i, **kw) for i, c in enumerate(STORIES_CONSTRAINTS)], use_tqdm=False)
+        for before, after in zip(plain, outs):
+            for b, a in zip(before.outputs, after.outputs):
+                assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), kw
+    assert llm.engine.core.scheduler.block_pool.num_free_blocks == llm.engine.core.num_blocks - 1
+
+
+def test_issue25_item5_ignore_eos_lifts_the_min_tokens_ban_but_not_the_grammars_end(stories_dir):
+    # [a-z]+ allows EOS after any letter; a logit bias makes the model take it as soon as it may. min_tokens bans
+    # EOS while the grammar allows letters too, so the value grows to min_tokens letters first; under ignore_eos
+    # EOS is not banned, and taking it ends the grammar, so the request finishes there ("stop") rather than
+    # emitting EOS until max_tokens.
+    llm = _stories_llm(stories_dir)
+    def run(**kw):
+        return llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, logit_bias={EOS: 50.0},
+                                                        structured_outputs=SO(regex="[a-z]+"), **kw),
+                            use_tqdm=False)[0].outputs[0]
+    for kw, num_letters in ((dict(), 1), (dict(min_tokens=5), 5), (dict(ignore_eos=True), 1),
+                            (dict(ignore_eos=True, min_tokens=5), 1)):
+        out = run(**kw)
+        assert _ends_once_at_eos(out) and len(out.token_ids) == num_letters + 1, (kw, out.token_ids)
+        assert re.fullmatch("[a-z]+", out.text), (kw, out.text)
+
+
+def test_issue25_item5_the_manager_reports_a_grammar_that_consumed_its_eos(stories_dir):
+    manager = _manager(stories_dir, 512)
+    vocab = load_tokenizer(stories_dir).backend.token_to_id
+    request = _seq("r")
+    manager.add(request, manager.compile(SO(choice=["cat", "dog"])))
+    request.output_token_ids.extend([vocab("c"), vocab("at")])
+    assert manager.advance([request]) == []  # complete, but the EOS that ends it is not sampled yet
+    request.output_token_ids.append(EOS)
+    assert manager.advance([request]) == [request]
+    assert manager.advance([request]) == []  # reported once: nothing new was consumed

@@ -24,7 +24,8 @@ from jaxllm.spec_decode import NgramProposer
 from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.tokenizer import load_tokenizer
-from jaxllm.worker.kv_cache import calibrate_kv_scales, calibration_ids, kv_number_dtype, resolve_num_blocks
+from jaxllm.worker.kv_cache import (calibrate_kv_scales, calibration_ids, fit_max_model_len, kv_number_dtype,
+                                    resolve_num_blocks)
 from jaxllm.worker.model_runner import ModelRunner, enable_persistent_compilation_cache
 from jaxllm.worker.quantization import weight_quantization
 from jaxllm.worker.sharding import ModelSharding, make_mesh
@@ -56,7 +57,8 @@ def build_engine_core(model: Union[str, os.PathLike], config: EngineConfig, *,
     Raises:
       ValueError: a bad model path, an unsupported architecture, a config value out of range (named with its
         limit), heads that do not split over ``tensor_parallel_size``, a draft model that does not fit the target,
-        or ``data_parallel_size > 1``.
+        a KV budget that holds no ``max_model_len`` sequence (an unset ``max_model_len`` is fitted to it instead:
+        ``worker.kv_cache.fit_max_model_len``), or ``data_parallel_size > 1``.
     """
     if config.data_parallel_size > 1:
         raise ValueError(f"data_parallel_size={config.data_parallel_size}: an EngineCore is one replica; "
@@ -73,6 +75,12 @@ def build_engine_core(model: Union[str, os.PathLike], config: EngineConfig, *,
     cache = config.compilation_cache
     enable_persistent_compilation_cache(str(cache_dir() / "xla") if cache == "default" else cache)
     kv_dtype = kv_number_dtype(config.kv_cache_dtype, dtype)
+    if config.max_model_len is None and config.num_kv_blocks is None:
+        # Sized from a memory budget (measured now that the weights are placed): a model whose own length
+        # outgrows it serves the longest length it holds, as vLLM's max_model_len=-1.
+        max_model_len = fit_max_model_len(sharding.per_device_config(), block_size=config.block_size,
+                                          dtype=kv_dtype, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                                          max_model_len=max_model_len, device=sharding.mesh.devices.flat[0])
     if kv_dtype != np.dtype(dtype):
         ids = calibration_ids(load_tokenizer(path), cfg.vocab_size)[:max_model_len]
         k_scale, v_scale = calibrate_kv_scales(cfg, params, ids, ops=ops, sharding=sharding, kv_dtype=kv_dtype)

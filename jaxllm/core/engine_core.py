@@ -386,12 +386,22 @@ class EngineCore:
             self._propose(step.sched_out, out)
         else:
             touched = self.scheduler.update_from_output(step.sched_out, tokens)
-        self.structured.advance(touched)
+        self._end_grammars(self.structured.advance(touched))
         if sampled is not None:
             self._record_logprobs(step.sched_out, sampled)
             if d.num_token_rows:
                 record_prompt_logprobs(step.sched_out.scheduled, out.prompt)
         return touched
+
+    def _end_grammars(self, sequences: list[CoreSequence]) -> None:
+        """Finish (``stop``) the sequences whose grammar ended at their last token (its EOS) while ``min_tokens``
+        or ``ignore_eos`` kept the scheduler going: the grammar allows nothing after it but EOS again (vLLM
+        #54218). An EOS that is one of the request's ``stop_token_ids`` is its ``stop_reason``, as the scheduler's."""
+        for seq in sequences:
+            token = seq.output_token_ids[-1]
+            if token in seq.sampling_params.stop_token_ids:
+                seq.stop_reason = token
+            self.scheduler.finish_requests(seq.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _count_accepted(self, sched_out: SchedulerOutput, num_emitted: np.ndarray) -> None:
         """Add a step's verified and accepted drafts to the speculative decoding counters."""

@@ -43,7 +43,8 @@ FALLBACK_SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "logprobs", "seed")
 EXIT_ERROR, EXIT_INTERRUPTED = 2, 130
 # "field=" in SamplingParams' and EngineConfig's messages, for the fields the flags set.
-_FIELD = re.compile(r"\b(?:SamplingParams\.)?(" + "|".join(SAMPLING_FLAGS + ("max_model_len", "max_num_seqs")) + r")=")
+_FIELD = re.compile(r"\b(?:SamplingParams\.)?(" + "|".join(SAMPLING_FLAGS + ("max_model_len", "max_num_seqs",
+                                                                               "kv_cache_memory_bytes")) + r")=")
 
 
 def build_parser(prog: str = "python -m jaxllm.generate") -> argparse.ArgumentParser:
@@ -69,7 +70,10 @@ def build_parser(prog: str = "python -m jaxllm.generate") -> argparse.ArgumentPa
     p.add_argument("--logprobs", type=int, help="also print each generated token's log-probability and the top N")
     p.add_argument("--seed", type=int, help="sampling seed (default: the engine seed 0, so runs repeat)")
     p.add_argument("--max-model-len", type=int,
-                   help="prompt + output tokens at most (default: the model's max_position_embeddings)")
+                   help="prompt + output tokens at most (default: the model's max_position_embeddings, or the "
+                        "longest the KV cache holds when that is less)")
+    p.add_argument("--kv-cache-memory-bytes", type=int,
+                   help="device bytes for the KV cache (default: 90%% of the accelerator's free memory; 1 GiB on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences generated together at most (default 64)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights and KV cache dtype; auto = float32 on CPU, bfloat16 on accelerators (default auto)")
@@ -101,7 +105,8 @@ def check_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
         raise ValueError(f"--prompt number {empty[0] + 1} is empty: give some text")
     engine_kwargs = dict(max_model_len=args.max_model_len, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                          seed=args.seed if args.seed is not None else 0, precompile=args.precompile,
-                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                         kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     try:
         sampling_params(args, {})
         EngineConfig(**engine_kwargs)
@@ -174,6 +179,21 @@ def _write_logprobs(tokenizer: Any, completion: Any) -> None:
                          f"top: {alternatives}\n")
 
 
+def describe_sampling(params: Any) -> str:
+    """The sampling controls ``params`` (a ``SamplingParams``) actually uses, for the start-up line: greedy
+    decoding ignores temperature, top-p, top-k and min-p, and a filter at its "off" value does nothing, so
+    those are left out; the repetition penalty applies either way; ``max_tokens`` always."""
+    if params.greedy:
+        parts = ["greedy (top_k=1)" if params.top_k == 1 else f"greedy (temperature={params.temperature})"]
+    else:
+        parts = [f"temperature={params.temperature}"]
+        parts += [f"{name}={value}" for name, value, off in (("top_p", params.top_p, 1.0), ("top_k", params.top_k, 0),
+                                                            ("min_p", params.min_p, 0.0)) if value != off]
+    if params.repetition_penalty != 1.0:
+        parts.append(f"repetition_penalty={params.repetition_penalty}")
+    return " ".join(parts + [f"max_tokens={params.max_tokens}"])
+
+
 def run(args: argparse.Namespace) -> int:
     """Check everything, load the model, generate for every prompt; returns the exit status.
 
@@ -190,8 +210,7 @@ def run(args: argparse.Namespace) -> int:
     generation_config = read_generation_config(model)
     params = sampling_params(args, generation_config)
     source = "the model's generation_config.json" if generation_config_defaults(generation_config) else "the CLI"
-    log(f"sampling: temperature={params.temperature} top_p={params.top_p} top_k={params.top_k} "
-         f"min_p={params.min_p} max_tokens={params.max_tokens} (defaults from {source})")
+    log(f"sampling: {describe_sampling(params)} (defaults from {source})")
 
     from jaxllm.config import EngineConfig
     from jaxllm.frontend.llm_engine import LLMEngine
@@ -211,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
 
     log(f"loading {model}")
     engine = LLMEngine(model, tokenizer=tokenizer, **engine_kwargs)
+    if engine.max_model_len < max_model_len:  # fitted to the KV cache (the engine warned why)
+        _check_room(prompts, params.max_tokens, engine.max_model_len, "fitted to the KV cache")
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, params)
     log(f"generating for {len(prompts)} prompt(s) (first steps compile; later ones reuse the programs)")

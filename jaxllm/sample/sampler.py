@@ -30,7 +30,10 @@ the hidden states of every token row, only when some row asks for them.
 
 Randomness: each row's key is ``fold_in(key(seed), num_generated)``, so a
 request's draws depend only on its own seed and how many tokens it has
-produced -- not on the batch it shares, the bucket, or preemption.
+produced -- not on the batch it shares, the bucket, or preemption. The key
+holds all 64 bits of the seed (threefry's two key words: two int64 seeds
+never share a stream); JAX's own ``key(seed)`` would keep 32 of them
+without ``jax_enable_x64``.
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ class SamplingArrays:
 
       slot: int32, the row's sampling slot in :class:`SamplerTables` (0 = none).
       temperature: float32, 0 = greedy. top_k: int32, 0 = off. top_p,
-        min_p: float32. seed: uint32. num_generated: int32, tokens the
+        min_p: float32. seed: uint32[S, 2], the seed's two's-complement
+        64 bits as (high, low) words, the threefry key data of the row's
+        ``key(seed)`` (:func:`seed_words`). num_generated: int32, tokens the
         sequence has generated before this step.
       presence_penalty, frequency_penalty, repetition_penalty: float32
         (0, 0, 1 = off).
@@ -105,7 +110,7 @@ class SamplingArrays:
         f32, i32 = np.float32, np.int32
         return cls(
             slot=np.zeros(num_rows, i32), temperature=np.zeros(num_rows, f32), top_k=np.zeros(num_rows, i32),
-            top_p=np.ones(num_rows, f32), min_p=np.zeros(num_rows, f32), seed=np.zeros(num_rows, np.uint32),
+            top_p=np.ones(num_rows, f32), min_p=np.zeros(num_rows, f32), seed=np.zeros((num_rows, 2), np.uint32),
             num_generated=np.zeros(num_rows, i32), presence_penalty=np.zeros(num_rows, f32),
             frequency_penalty=np.zeros(num_rows, f32), repetition_penalty=np.ones(num_rows, f32),
             use_bias=np.zeros(num_rows, bool), min_tokens=np.zeros(num_rows, i32),
@@ -126,7 +131,7 @@ class SamplingArrays:
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
-        self.seed[row] = seed & 0xFFFFFFFF
+        self.seed[row] = seed_words(seed)
         self.num_generated[row] = num_generated
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty
@@ -154,6 +159,13 @@ class SamplingArrays:
         wide = jax.tree_util.tree_map(lambda v: np.repeat(v, num_positions, axis=0), self)
         wide.num_generated += np.tile(np.arange(num_positions, dtype=np.int32), len(self.slot))
         return wide
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """An int64 seed's threefry key data: its two's-complement bits as (high, low) uint32 words, what
+    ``jax.random.key(seed)`` holds under ``jax_enable_x64`` (a seed in ``[0, 2**32)`` is ``(0, seed)``).
+    ``SamplingParams`` keeps seeds in ``[-2**63, 2**63)``, where this is one-to-one."""
+    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
 
 
 # ------------------------------------------------------------ device tables
@@ -335,7 +347,8 @@ def apply_top_k_top_p_min_p(
 
 
 def _row_keys(seed: jax.Array, num_generated: jax.Array) -> jax.Array:
-    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, num_generated)
+    # threefry named, not the configured default: the seed words are its key data (seed_words).
+    return jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(seed, impl="threefry2x32"), num_generated)
 
 
 def _draw(logits: jax.Array, arrays: SamplingArrays, filtered: bool) -> jax.Array:

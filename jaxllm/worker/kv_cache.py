@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxllm import log
 from jaxllm.config import KV_CACHE_DTYPES, ModelConfig
 from jaxllm.models import hidden_states
 from jaxllm.models.common import KVCache, Params
@@ -57,6 +58,54 @@ def default_kv_cache_bytes(device: Any) -> int:
     return max(int(limit * GPU_MEMORY_FRACTION) - in_use, 0)
 
 
+def _budget(kv_cache_memory_bytes: Optional[int], device: Any) -> tuple[int, str]:
+    """The KV budget in bytes and how to name it in a message."""
+    if kv_cache_memory_bytes is not None:
+        return kv_cache_memory_bytes, f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
+    budget = default_kv_cache_bytes(device)
+    return budget, f"kv_cache_memory_bytes={budget} (the default on {device.platform})"
+
+
+# What a message about a KV budget too small for max_model_len tells the user to change (LLM keyword, CLI flag).
+_KV_FLAGS = ("max_model_len (--max-model-len), kv_cache_memory_bytes (--kv-cache-memory-bytes) or "
+             "kv_cache_dtype='fp8' (--kv-cache-dtype fp8, one byte a number)")
+
+
+def fit_max_model_len(cfg: ModelConfig, *, block_size: int, dtype: Any, kv_cache_memory_bytes: Optional[int],
+                      max_model_len: int, device: Any) -> int:
+    """The ``max_model_len`` to serve when the user left it unset (vLLM's ``max_model_len=-1``).
+
+    Args:
+      max_model_len: the model's own length (``max_position_embeddings``), in tokens.
+      the rest: as :func:`resolve_num_blocks`.
+
+    Returns:
+      ``max_model_len`` when the KV budget (``kv_cache_memory_bytes``, or :func:`default_kv_cache_bytes` of
+      ``device``) holds one sequence of it; else the largest length it holds, ``(blocks - 1) * block_size``
+      tokens (block 0 is the null block), logged as a warning that names both lengths and the budget.
+
+    Raises:
+      ValueError: the budget holds fewer than 2 blocks, so no length fits (named with the budget and the flags
+        that change it).
+    """
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    budget, budget_name = _budget(kv_cache_memory_bytes, device)
+    blocks = budget // per_block
+    fit = (blocks - 1) * block_size
+    if fit >= max_model_len:
+        return max_model_len
+    if fit < 1:
+        raise ValueError(f"{budget_name} holds {blocks} KV blocks of {per_block} bytes, and a sequence needs 2 or "
+                         f"more (the null block and one of {block_size} tokens); raise kv_cache_memory_bytes "
+                         f"(--kv-cache-memory-bytes) or use kv_cache_dtype='fp8' (--kv-cache-dtype fp8)")
+    need = math.ceil(max_model_len / block_size) + 1
+    log(f"warning: max_model_len={fit}, below the model's {max_model_len}: {budget_name} holds {blocks} KV blocks "
+        f"of {block_size} tokens and one {max_model_len}-token sequence needs {need} (null block included); for "
+        f"the model's full length give kv_cache_memory_bytes >= {need * per_block} (--kv-cache-memory-bytes) or "
+        f"kv_cache_dtype='fp8' (--kv-cache-dtype fp8), or set max_model_len (--max-model-len) to choose the length")
+    return fit
+
+
 def resolve_num_blocks(
     cfg: ModelConfig,
     *,
@@ -77,19 +126,24 @@ def resolve_num_blocks(
     ``max_model_len`` tokens can use.
 
     Raises:
-      ValueError: the budget holds fewer than 2 blocks, or fewer than one
-        ``max_model_len`` sequence needs (named with both numbers).
+      ValueError: the budget holds fewer blocks than one ``max_model_len``
+        sequence needs: named with both numbers, the largest
+        ``max_model_len`` that fits and the flags that change them (an unset
+        ``max_model_len`` is fitted before, by :func:`fit_max_model_len`).
     """
     if num_kv_blocks is not None:
         return num_kv_blocks
     per_block = bytes_per_block(cfg, block_size, dtype)
-    budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else default_kv_cache_bytes(device)
+    budget, budget_name = _budget(kv_cache_memory_bytes, device)
     blocks_per_seq = math.ceil(max_model_len / block_size)
     num_blocks = min(budget // per_block, max_num_seqs * blocks_per_seq + 1)
     if num_blocks < blocks_per_seq + 1:
+        fit = (budget // per_block - 1) * block_size
+        fits = f"the largest max_model_len that fits is {fit}" if fit >= 1 else "no max_model_len fits"
         raise ValueError(
-            f"kv_cache_memory_bytes={budget} holds {budget // per_block} blocks of {per_block} bytes; "
-            f"one max_model_len={max_model_len} sequence needs {blocks_per_seq + 1} (null block included)"
+            f"{budget_name} holds {budget // per_block} KV blocks of {per_block} bytes ({block_size} tokens); "
+            f"one max_model_len={max_model_len} sequence needs {blocks_per_seq + 1} (null block included), "
+            f"{(blocks_per_seq + 1) * per_block} bytes: {fits}. Change {_KV_FLAGS}"
         )
     return int(num_blocks)
 
