@@ -314,6 +314,21 @@ def test_issue25_skip_special_tokens_and_include_stop_str_in_output_are_honoured
     assert (with_stop["text"], with_stop["stop_reason"]) == (", there was a little girl named Lily", "Lily")
 
 
+def test_an_explicit_null_takes_the_fields_default(ready):
+    # openai-python sends null for an argument given as None; vLLM's fields are Optional for it.
+    nulls = dict(n=None, presence_penalty=None, frequency_penalty=None, stream=None, echo=None, ignore_eos=None,
+                 min_tokens=None, skip_special_tokens=None, priority=None, return_tokens_as_token_ids=None)
+    plain = completion(ready, prompt=PROMPT, max_tokens=8, temperature=0)
+    nulled = completion(ready, prompt=PROMPT, max_tokens=8, temperature=0, **nulls)
+    assert nulled["choices"] == plain["choices"] and nulled["usage"] == plain["usage"]
+    messages = [{"role": "user", "content": "Hello"}]
+    plain_chat = chat(ready, messages=messages, max_tokens=6, temperature=0)
+    nulled_chat = chat(ready, messages=messages, max_tokens=6, temperature=0, logprobs=None, n=None,
+                       continue_final_message=None)
+    assert nulled_chat["choices"] == plain_chat["choices"]
+    refused(ready, "/v1/completions", dict(prompt=PROMPT, max_tokens=4, bogus=None), "bogus")
+
+
 UNSUPPORTED = [
     # (path, body, param, the field's name as the message spells it)
     ("/v1/completions", dict(prompt=PROMPT, user="alice"), "user", "user"),

@@ -11,13 +11,22 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Request(BaseModel):
-    """A request body, or a part of one: a field not declared is refused (400 naming it)."""
+    """A request body, or a part of one: a field not declared is refused (400 naming it); a declared field sent
+    as null takes its default (OpenAI's clients send null for an argument given as None; vLLM's fields are
+    Optional for the same reason)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
 
 
 class StreamOptions(_Request):
