@@ -3,8 +3,8 @@ models, and the OpenAI error body.
 
 Types are checked by pydantic (a wrong type is a 400 naming the field); ranges are checked where the values land,
 by ``SamplingParams`` (a value out of range is a 400 naming the field and the limit). Every field here is honoured;
-any other field is refused with a 400 naming it (``extra="forbid"``), where vLLM logs a warning and ignores it:
-a field the server drops silently is a request answered differently from what was asked.
+any other field is refused with a 400 naming it (``extra="forbid"``; vLLM ignores an undeclared field with a
+warning): a field the server drops silently is a request answered differently from what was asked.
 """
 
 from __future__ import annotations
