@@ -29,8 +29,11 @@ STORIES_SENTENCE = (
 )
 
 
-# The user's jaxllm cache, as it was before this session redirected $JAXLLM_CACHE.
-USER_CACHE = Path(os.environ.get("JAXLLM_CACHE") or Path.home() / ".cache" / "jaxllm").expanduser()
+# The user's jaxllm cache, as it was before this session redirected $JAXLLM_CACHE. The first pytest process
+# records it in $JAXLLM_USER_CACHE before the redirect: xdist workers and nested runs inherit the redirected
+# $JAXLLM_CACHE, and would otherwise take the session's folder for the user's (and fetch the named models again).
+os.environ.setdefault("JAXLLM_USER_CACHE", os.environ.get("JAXLLM_CACHE") or str(Path.home() / ".cache" / "jaxllm"))
+USER_CACHE = Path(os.environ["JAXLLM_USER_CACHE"]).expanduser()
 
 
 def pytest_configure(config: pytest.Config) -> None:

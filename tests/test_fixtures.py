@@ -38,3 +38,12 @@ def test_issue11_test_session_cache_is_not_the_users(stories_dir):
     child = subprocess.run([sys.executable, "-c", "from jaxllm.paths import cache_dir; print(cache_dir())"],
                            capture_output=True, text=True, check=True)
     assert Path(child.stdout.strip()).resolve() == session
+
+
+def test_every_test_process_sees_the_users_cache_for_linking_the_named_models():
+    # Under xdist the workers inherit the session's $JAXLLM_CACHE; the user's cache must still be the user's, or
+    # every fresh clone fetches the named models again instead of linking the user's copies.
+    from tests.conftest import USER_CACHE
+
+    assert USER_CACHE.resolve() != cache_dir().resolve()
+    assert not USER_CACHE.resolve().is_relative_to(cache_dir().resolve())
