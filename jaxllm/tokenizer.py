@@ -213,7 +213,8 @@ class Tokenizer:
         """
         template = compile_chat_template(chat_template) if chat_template is not None else self._template
         if template is None:
-            raise ValueError("this model has no chat template; format the prompt yourself or give a chat template")
+            raise ValueError("this model has no chat template; format the prompt yourself or give one (--chat-template, "
+                             "or chat_template=)")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError(f"messages must be a list of dicts, got {messages!r:.200}")
         if continue_final_message and add_generation_prompt:
@@ -503,3 +504,18 @@ def _bos_eos_processor(backend: _Backend, bos_id: int | None, eos_id: int | None
     return processors.TemplateProcessing(single=bos + ["$A"] + eos,
                                          pair=bos + ["$A"] + eos + bos + ["$B:1"] + eos,
                                          special_tokens=specials)
+
+
+def read_chat_template(value: str) -> str:
+    """A ``--chat-template`` flag's template (``jaxllm serve``, ``jaxllm generate``): the file ``value`` names, else ``value`` itself when it holds jinja2
+    (``{`` or a line break), as vLLM reads it.
+
+    Raises:
+      ValueError: ``value`` names no file and is no template.
+    """
+    path = pathlib.Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value}: no such file (and not a template: it has no '{{')")

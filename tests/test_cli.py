@@ -259,3 +259,32 @@ def test_issue25_item9_the_sampling_line_names_exactly_the_controls_in_use(tempe
         used |= {"temperature": str(temperature)} | ({"top_k": str(top_k)} if top_k else {})
         used |= ({"top_p": str(top_p)} if top_p < 1 else {}) | ({"min_p": str(min_p)} if min_p else {})
     assert named == used
+
+
+STORY_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_chat_template_flag_lets_generate_chat_with_a_model_without_one(stories_dir, tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text(STORY_TEMPLATE)
+    proc = _cli("--model", str(stories_dir), "--chat", "--chat-template", str(template), "--prompt", "Tell me a story.",
+                "--max-tokens", "12", "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr
+    from jaxllm import LLM, SamplingParams
+
+    want = LLM(model=stories_dir, precompile=False, max_model_len=128).chat(
+        [{"role": "user", "content": "Tell me a story."}], SamplingParams(temperature=0, max_tokens=12),
+        chat_template=STORY_TEMPLATE, use_tqdm=False)[0].outputs[0].text
+    assert want and proc.stdout.strip() == want.strip()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--chat-template", "{{ messages }}"], "--chat-template applies to --chat prompts: add --chat"),
+    (["--chat", "--chat-template", "no-such-template.jinja"], "--chat-template no-such-template.jinja: no such file"),
+    (["--chat", "--chat-template", "{% for %}"], "error: the chat template is not valid jinja2"),
+])
+def test_a_chat_template_flag_that_cannot_be_used_exits_2_before_the_model_loads(stories_dir, flags, message):
+    proc = _cli("--model", str(stories_dir), *flags, python_flags=("-X", "importtime"))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "jax" not in imported_modules(proc.stderr)

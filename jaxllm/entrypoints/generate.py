@@ -58,6 +58,8 @@ def build_parser(prog: str = "python -m jaxllm.generate") -> argparse.ArgumentPa
                                     "smollm2-135m-instruct (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", action="append", help=f"prompt text; repeat for several (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--chat-template", metavar="PATH", help="with --chat: this jinja2 template (a file, or the template "
+                   "itself) instead of the model's, e.g. for a model that has none")
     p.add_argument("--n", type=int, default=1, help="completions per prompt (default 1)")
     p.add_argument("--max-tokens", type=int,
                    help=f"tokens to generate per completion {model_default.format(DEFAULT_MAX_TOKENS)}")
@@ -103,6 +105,14 @@ def check_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     empty = [i for i, t in enumerate(texts) if not t]
     if empty:
         raise ValueError(f"--prompt number {empty[0] + 1} is empty: give some text")
+    if args.chat_template is not None:
+        if not args.chat:
+            raise ValueError("--chat-template applies to --chat prompts: add --chat, or drop --chat-template")
+        from jaxllm.tokenizer import compile_chat_template, read_chat_template
+
+        # Read and compiled here, before the model loads; run() gives it to the tokenizer.
+        args.chat_template = read_chat_template(args.chat_template)
+        compile_chat_template(args.chat_template)
     engine_kwargs = dict(max_model_len=args.max_model_len, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                          seed=args.seed if args.seed is not None else 0, precompile=args.precompile,
                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -224,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(model)
     if tokenizer is None:
         raise ValueError(f"{model} has no tokenizer, so text prompts cannot be encoded")
+    if args.chat_template is not None:
+        tokenizer.set_chat_template(args.chat_template)
     prompts = _encode(tokenizer, texts, args.chat)
     limit = "--max-model-len" if args.max_model_len is not None else "the model's max_position_embeddings"
     _check_room(prompts, params.max_tokens, max_model_len, limit)

@@ -25,7 +25,6 @@ import contextlib
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import prometheus_client
@@ -235,21 +234,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_chat_template(value: str) -> str:
-    """``--chat-template``'s template: the file ``value`` names, else ``value`` itself when it holds jinja2
-    (``{`` or a line break), as vLLM reads it.
-
-    Raises:
-      ValueError: ``value`` names no file and is no template.
-    """
-    path = Path(value)
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    if any(c in value for c in "{}\n"):
-        return value
-    raise ValueError(f"--chat-template {value}: no such file (and not a template: it has no '{{')")
-
-
 def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm serve") -> int:
     """Parse ``argv`` and serve; returns the exit status: 0, or 2 for a bad flag or model (one line on stderr)."""
     from jaxllm.entrypoints.engine_args import check_engine_args
@@ -262,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm serve") -> in
         return 2
     try:
         if args.chat_template is not None:
-            from jaxllm.tokenizer import compile_chat_template
+            from jaxllm.tokenizer import compile_chat_template, read_chat_template
 
             # Read and checked before the model loads, as the other flags are; run() takes the template itself.
             args.chat_template = read_chat_template(args.chat_template)
