@@ -53,6 +53,7 @@ def test_every_way_a_request_ends_leaves_nothing_of_it_in_the_core(engine):
             assert time.monotonic() < deadline
         assert core.scheduler.stats.num_preemptions > 0
         assert core.requests == {}
+        assert core._num_unscheduled == 0 and core._num_prompt_trackers == 0
         assert len(core.slots._free) == MAX_NUM_SEQS and core.slots._num_multi_word == 0
         assert core.structured.num_sequences == 0
         assert core.scheduler.block_pool.num_free_blocks == core.num_blocks - 1

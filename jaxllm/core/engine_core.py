@@ -114,6 +114,10 @@ class EngineCore:
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=max_model_len))
         self.requests: dict[str, CoreRequest] = {}
+        # Records whose prompt is not scheduled yet, and sequences holding a prompt-logprobs tracker: most steps
+        # have none, and then skip the per-row look at them.
+        self._num_unscheduled = 0
+        self._num_prompt_trackers = 0
         # With async scheduling: the launched step whose samples are not read yet.
         self._in_flight: Optional[_Launched] = None
         # Speculative decoding counters: rows that verified drafts, drafts, accepted drafts (and by position).
@@ -228,20 +232,22 @@ class EngineCore:
             if not record.prompt_logprobs.complete:
                 record.prefill.prompt_logprobs = record.prompt_logprobs
                 record.prefill.skip_reading_prefix_cache = True
+                self._num_prompt_trackers += 1
         self.requests[request.request_id] = record
+        self._num_unscheduled += 1
         for seq in [record.parent] if record.parent is not None else record.seqs:
             self.scheduler.add_request(seq)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort whole requests (unknown ids are ignored); their KV blocks return to the pool at once."""
         for rid in request_ids:
-            record = self.requests.pop(rid, None)
+            record = self.requests.get(rid)
             for seq in [] if record is None else record.live_sequences():
                 if not seq.is_finished:
                     self.scheduler.abort_request(seq.request_id)
                 self._release(seq)
             if record is not None:
-                record.forget()
+                self._forget(record)
 
     def abort_all(self) -> None:
         """Abort every request."""
@@ -299,12 +305,13 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         for request in sched_out.preempted:
             self.slots.release(request)
-        for row in sched_out.scheduled:
+        for row in sched_out.scheduled if self._num_unscheduled else ():
             record = row.request.record
             if record.num_cached_tokens is None:
                 # Its prompt is scheduled for the first time: the prompt tokens read from the prefix cache are the
                 # row's computed tokens (vLLM's ``num_cached_tokens``).
                 record.num_cached_tokens = row.num_computed_tokens
+                self._num_unscheduled -= 1
         return sched_out
 
     def _needs_previous_samples(self, sched_out: SchedulerOutput) -> bool:
@@ -354,7 +361,8 @@ class EngineCore:
             if not sched_out.scheduled:
                 return _Launched(sched_out, None)
             batch = build_batch(sched_out, self._serving_buckets())
-            targets = prompt_targets(sched_out.scheduled, batch.input_ids.shape[0])
+            targets = (prompt_targets(sched_out.scheduled, batch.input_ids.shape[0]) if self._num_prompt_trackers
+                       else None)
             num_rows = batch.seq_lens.shape[0]
             arrays = self.slots.arrays(sched_out, num_rows, self.runner.num_positions)
             out, next_prev = self.runner.dispatch(batch, arrays, prev_tokens, targets,
@@ -390,7 +398,7 @@ class EngineCore:
         if sampled is not None:
             self._record_logprobs(step.sched_out, sampled)
             if d.num_token_rows:
-                record_prompt_logprobs(step.sched_out.scheduled, out.prompt)
+                self._num_prompt_trackers -= record_prompt_logprobs(step.sched_out.scheduled, out.prompt)
         return touched
 
     def _end_grammars(self, sequences: list[CoreSequence]) -> None:
@@ -488,13 +496,21 @@ class EngineCore:
         record = seq.record
         record.num_live -= 1
         if record.num_live == 0:
-            del self.requests[record.request_id]
-            record.forget()
+            self._forget(record)
+
+    def _forget(self, record: CoreRequest) -> None:
+        """Drop a request whose sequences are all released: one pop of the index."""
+        del self.requests[record.request_id]
+        if record.num_cached_tokens is None:
+            self._num_unscheduled -= 1
+        record.forget()
 
     def _release(self, seq: CoreSequence) -> None:
         """Nothing more is recorded or reported of ``seq``: its sampling slot and grammar go."""
         seq.done = True
-        seq.prompt_logprobs = None
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs = None
+            self._num_prompt_trackers -= 1
         self.slots.forget(seq)
         self.structured.remove(seq)
 

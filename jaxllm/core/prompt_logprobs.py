@@ -111,11 +111,15 @@ def prompt_targets(rows: Sequence[ScheduledRequest], num_slots: int) -> Optional
     return targets
 
 
-def record_prompt_logprobs(rows: Sequence[ScheduledRequest], out: PromptLogprobRows) -> None:
+def record_prompt_logprobs(rows: Sequence[ScheduledRequest], out: PromptLogprobRows) -> int:
     """Record a step's prompt logprobs (``out``, one row per token, on the
     host) into the rows' trackers; a tracker complete now leaves its
-    sequence, which may read the prefix cache again."""
-    start = 0
+    sequence, which may read the prefix cache again.
+
+    Returns:
+      the number of trackers completed (left their sequences) by this step.
+    """
+    start, completed = 0, 0
     for row in rows:
         end = start + row.num_new_tokens
         request = row.request
@@ -126,4 +130,6 @@ def record_prompt_logprobs(rows: Sequence[ScheduledRequest], out: PromptLogprobR
             if tracker.complete:
                 request.prompt_logprobs = None
                 request.skip_reading_prefix_cache = False
+                completed += 1
         start = end
+    return completed

@@ -484,10 +484,12 @@ class StreamedChoices:
 
     @property
     def num_tokens(self) -> int:
+        """Completion tokens of every choice so far, each counted once (the usage's ``completion_tokens``)."""
         return sum(t or 0 for t in self._tokens)
 
     @property
     def num_cached_tokens(self) -> int:
+        """Prompt tokens read from the prefix cache, over every prompt (``prompt_tokens_details.cached_tokens``)."""
         return sum(self._cached)
 
     async def updates(self, outputs: AsyncIterator[tuple[int, RequestOutput]]
