@@ -324,6 +324,8 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 SCHEDULER_FIELDS_FROM_START_UP = ("num_blocks", "max_model_len", "num_lookahead_tokens")
 # Token buckets below the default ladder's first value (16): steps of a few decode rows.
 SMALL_TOKEN_BUCKETS = (4, 8)
+# "vllm": the metrics under vLLM's names and labels (jaxllm.frontend.metrics).
+METRICS_NAMESPACES = ("jaxllm", "vllm")
 
 
 @dataclasses.dataclass
@@ -385,6 +387,8 @@ class EngineConfig:
         finished entirely; the baseline for benchmarks).
       log_stats: log a one-line stats summary to stderr every 5 seconds.
       metrics_port: serve the Prometheus metrics on this port (None: don't).
+      metrics_namespace: "jaxllm", or "vllm": the series vLLM also has under vLLM 0.32's names, each series
+        with vLLM's ``model_name`` label (``jaxllm.frontend.metrics``).
       speculative_config: speculative decoding, a dict (or its JSON text)
         as vLLM's: ``{"method": "ngram", "num_speculative_tokens": k,
         "prompt_lookup_min": .., "prompt_lookup_max": ..}`` or
@@ -449,6 +453,7 @@ class EngineConfig:
     batching: str = "continuous"
     log_stats: bool = False
     metrics_port: Optional[int] = None
+    metrics_namespace: str = "jaxllm"
     speculative_config: Union[SpeculativeConfig, dict, str, None] = None
     graceful_degradation: Union[bool, dict, str, GracefulDegradation] = True
     aging_rate: float = 1.0
@@ -479,6 +484,8 @@ class EngineConfig:
                              "90% of the accelerator's free memory, 1 GiB on CPU)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
+        if self.metrics_namespace not in METRICS_NAMESPACES:
+            raise ValueError(f"metrics_namespace={self.metrics_namespace!r} must be one of {METRICS_NAMESPACES}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be one of 'auto', 'float32', 'bfloat16', 'float16'")
         if self.quantization is not None and self.quantization not in WEIGHT_QUANTIZATIONS:

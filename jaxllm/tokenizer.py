@@ -48,11 +48,13 @@ class Tokenizer:
         bos_token_id: int or None.
         eos_token_ids: list[int], every id that ends generation; the first is `eos_token_id`.
         chat_template: the jinja2 source, or None.
+        config: the folder's `tokenizer_config.json` settings (empty for a GGUF).
     """
 
     def __init__(self, backend: _Backend, *, bos_token_id: int | None, eos_token_ids: list[int],
-                 chat_template: str | None):
+                 chat_template: str | None, config: dict | None = None):
         self.backend = backend
+        self.config = dict(config or {})
         self.bos_token_id = bos_token_id
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
@@ -93,7 +95,7 @@ class Tokenizer:
         else:
             template = _default_template(tok_config.get("chat_template"))
         return cls(backend, bos_token_id=bos_id,
-                   eos_token_ids=[i for i in eos_ids if i is not None], chat_template=template)
+                   eos_token_ids=[i for i in eos_ids if i is not None], chat_template=template, config=tok_config)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -226,6 +228,18 @@ class Tokenizer:
             eos_token=self._token_text(self.eos_token_id))
         return _cut_after_final_message(text, messages) if continue_final_message else text
 
+    def info(self) -> dict:
+        """vLLM's `GET /tokenizer_info` body: the tokenizer's settings (`tokenizer_config.json` without its file
+        paths, a special token spelled by its `content`), `tokenizer_class` (the config's, else transformers'
+        "PreTrainedTokenizerFast") and the `chat_template` in use, when there is one."""
+        info = {k: _token_content(v) for k, v in self.config.items() if k not in ("vocab_file", "merges_file")}
+        info.setdefault("bos_token", self._token_text(self.bos_token_id) or None)
+        info.setdefault("eos_token", self._token_text(self.eos_token_id) or None)
+        info["tokenizer_class"] = self.config.get("tokenizer_class") or "PreTrainedTokenizerFast"
+        if self.chat_template:
+            info["chat_template"] = self.chat_template
+        return info
+
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
 
@@ -317,6 +331,16 @@ def _cut_after_final_message(text: str, messages: list[dict]) -> str:
     # A template that strips the content loses its trailing spaces; one that keeps them keeps them here too.
     kept = final.lstrip()
     return text[:at + len(kept)] if text[at:at + len(kept)] == kept else text[:at + len(final.strip())]
+
+
+def _token_content(value):
+    """A setting as transformers' `init_kwargs` hold it once JSON-serialised: an added token (a dict with
+    `content`) becomes its text, in dicts and lists too."""
+    if isinstance(value, dict):
+        return value["content"] if "content" in value else {k: _token_content(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_token_content(v) for v in value]
+    return value
 
 
 @functools.lru_cache(maxsize=16)

@@ -410,3 +410,30 @@ def test_board_and_alert_rules_use_only_series_the_engine_exports(llm):
                   "batch_utilization": "< 0.7", "request_queue_time_seconds": "> 1"}
     for series, bound in thresholds.items():
         assert any(series in expr and bound in expr for expr in alerts.values()), (series, bound)
+
+
+def test_vllm_namespace_names_vllms_series_as_vllm_does_with_the_model_name_label(stories_dir):
+    from jaxllm.frontend.metrics import VLLM_SERIES
+
+    llm = _llm(stories_dir, metrics_namespace="vllm", max_num_batched_tokens=16)
+    model = {"model_name": str(stories_dir)}
+    llm.generate([_prompt(40), _prompt(40)], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
+    assert _value(llm, "vllm:prompt_tokens_total", **model) == 80
+    assert _value(llm, "vllm:generation_tokens_total", **model) == 6
+    assert _value(llm, "vllm:request_success_total", finished_reason="length", **model) == 2
+    assert _value(llm, "vllm:e2e_request_latency_seconds_count", **model) == 2
+    # The second prompt, identical and scheduled after the first's blocks were cached, hits its 2 full blocks.
+    assert _value(llm, "vllm:prefix_cache_queries_total", **model) == 80
+    assert _value(llm, "vllm:prefix_cache_hits_total", **model) == 32
+    assert _value(llm, "vllm:num_requests_running", **model) == 0
+    assert _value(llm, "jaxllm:num_kv_blocks", **model) > 0  # jaxllm's own series keep their names
+    names = {m.name for m in llm.engine.metrics.registry.collect()}
+    assert {n.split(":")[1] for n in names if n.startswith("vllm:")} == VLLM_SERIES
+    assert not any(n.startswith("jaxllm:") and n.split(":")[1] in VLLM_SERIES for n in names)
+
+
+def test_an_unknown_metrics_namespace_is_refused_naming_it():
+    from jaxllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="metrics_namespace='prometheus' must be one of"):
+        EngineConfig(metrics_namespace="prometheus")

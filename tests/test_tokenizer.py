@@ -429,3 +429,25 @@ def test_issue11_byte_level_flags_match_transformers(qwen_style_dir, tmp_path, c
     for text in texts:
         ids = theirs.encode(text)
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+def test_tokenizer_info_is_vllms_body_for_a_folder_and_a_gguf(stories_dir, smollm2_gguf):
+    from jaxllm.tokenizer import load_tokenizer
+
+    info = load_tokenizer(stories_dir).info()
+    assert info == {**json.loads((stories_dir / "tokenizer_config.json").read_text()), "tokenizer_class": "LlamaTokenizer"}
+    gguf = load_tokenizer(smollm2_gguf).info()
+    assert (gguf["bos_token"], gguf["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    assert gguf["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert gguf["chat_template"].startswith("{% for message in messages %}")
+
+
+def test_tokenizer_info_spells_added_tokens_by_their_content_and_drops_file_paths(stories_dir):
+    from jaxllm.tokenizer import Tokenizer, load_tokenizer
+
+    backend = load_tokenizer(stories_dir).backend
+    config = {"vocab_file": "/x/tokenizer.model", "merges_file": "m.txt", "unk_token": {"content": "<unk>"},
+              "added_tokens_decoder": {"0": {"content": "<unk>", "special": True}}}
+    info = Tokenizer(backend, bos_token_id=1, eos_token_ids=[2], chat_template="{{ 1 }}", config=config).info()
+    assert info == {"unk_token": "<unk>", "added_tokens_decoder": {"0": "<unk>"}, "bos_token": "<s>",
+                    "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "{{ 1 }}"}

@@ -31,6 +31,7 @@ class AsyncLLM(FrontEnd):
     Args:
       model: as ``LLMEngine``.
       tokenizer: a Tokenizer; by default read from the model.
+      served_model_name: the model's name in the metrics (default: ``model``).
       **kwargs: ``EngineConfig`` fields (``max_waiting_requests`` sheds load:
         ``jaxllm.core.client.check_waiting_limit``).
 
@@ -44,10 +45,11 @@ class AsyncLLM(FrontEnd):
       EngineDeadError: a core failed to start.
     """
 
-    def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, **kwargs: Any) -> None:
+    def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, *,
+                 served_model_name: Optional[str] = None, **kwargs: Any) -> None:
         config = EngineConfig(**kwargs)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
-        super().__init__(tokenizer, MPClient(model, config), config)
+        super().__init__(tokenizer, MPClient(model, config), config, served_model_name or str(model))
         self.info = self.client.infos[0]
         self.dead: Optional[str] = None
         self._queues: dict[str, asyncio.Queue] = {}

@@ -31,6 +31,7 @@ class FrontEnd:
         checked against).
       config: the ``EngineConfig`` (seed, metrics settings, ``max_waiting_requests``, ``preload_prompts``, which
         are computed into the cores' prefix caches here).
+      model_name: the model's name in the metrics' ``model_name`` label (``metrics_namespace="vllm"``).
 
     Attributes:
       config, tokenizer, client: as given.
@@ -41,13 +42,14 @@ class FrontEnd:
       ValueError: a preload prompt the input processor refuses (``prefix_warmup.preload_token_ids``).
     """
 
-    def __init__(self, tokenizer: Any, client: Any, config: Any) -> None:
+    def __init__(self, tokenizer: Any, client: Any, config: Any, model_name: str = "") -> None:
         self.config, self.tokenizer, self.client = config, tokenizer, client
         self.input_processor = InputProcessor(tokenizer, client.infos[0], config.seed, config.scheduling_policy)
         self.output_processor = OutputProcessor(tokenizer)
         self.metrics = EngineMetrics(log_stats=config.log_stats, metrics_port=config.metrics_port,
                                      max_num_seqs=config.max_num_seqs,
-                                     max_num_batched_tokens=config.max_num_batched_tokens)
+                                     max_num_batched_tokens=config.max_num_batched_tokens,
+                                     namespace=config.metrics_namespace, model_name=model_name)
         if config.preload_prompts is not None:
             client.preload_prefixes(preload_token_ids(config.preload_prompts, self.input_processor))
 

@@ -61,7 +61,7 @@ class LLMEngine(FrontEnd):
             from jaxllm.core.build import build_engine_core
 
             client = InprocClient(build_engine_core(model, config, mesh=mesh))
-        super().__init__(tokenizer if tokenizer is not None else load_tokenizer(model), client, config)
+        super().__init__(tokenizer if tokenizer is not None else load_tokenizer(model), client, config, str(model))
 
     @property
     def core(self):

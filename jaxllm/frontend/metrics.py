@@ -5,6 +5,9 @@ Each ``EngineMetrics`` owns a ``CollectorRegistry`` so that several engines
 series with a ``jaxllm:`` prefix (colons are legal in Prometheus names);
 ``prometheus_client`` appends ``_total`` to counters on exposition, so the
 counter ``jaxllm:prompt_tokens`` is scraped as ``jaxllm:prompt_tokens_total``.
+With ``metrics_namespace="vllm"`` the series vLLM 0.32 also has (:data:`VLLM_SERIES`, same meaning) take its
+``vllm:`` names, and every series carries vLLM's ``model_name`` label, so vLLM's dashboards, alert rules and
+routers read them unchanged; jaxllm's own series keep their ``jaxllm:`` names.
 All times are seconds; all token counts are tokens.
 """
 
@@ -18,6 +21,7 @@ from typing import Callable, Optional, Sequence
 import prometheus_client as prom
 from tqdm import tqdm
 
+from jaxllm.config import METRICS_NAMESPACES
 from jaxllm.core.messages import CoreStats
 from jaxllm.outputs import RequestOutput
 
@@ -30,6 +34,14 @@ _STEP_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-
 # Whole engine steps: the board's step-delay threshold is 50 ms on a GPU; CPU steps run to seconds.
 _ENGINE_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 FINISHED_REASONS = ("stop", "length", "abort")
+# The series vLLM 0.32 publishes under these names with the same meaning (its metrics documentation).
+VLLM_SERIES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+    "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "request_success",
+    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+    "request_queue_time_seconds", "iteration_tokens_total", "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
+})
 
 class EngineMetrics:
     """The metrics of one front end, updated with each step's outputs and the cores' ``CoreStats``.
@@ -42,6 +54,8 @@ class EngineMetrics:
       clock: seconds, monotonic; must be the clock of request arrival times.
       max_num_seqs, max_num_batched_tokens: each core's configured limits,
         the denominators of ``batch_utilization``.
+      namespace: "jaxllm", or "vllm" for vLLM's names and ``model_name`` label (module docstring).
+      model_name: the ``model_name`` label's value under the "vllm" namespace.
 
     Attributes:
       registry: the ``CollectorRegistry`` holding every series below.
@@ -93,7 +107,11 @@ class EngineMetrics:
     """
 
     def __init__(self, *, log_stats: bool = False, log_interval: float = 5.0, metrics_port: Optional[int] = None,
-                 clock: Callable[[], float] = time.monotonic, max_num_seqs: int = 1, max_num_batched_tokens: int = 1):
+                 clock: Callable[[], float] = time.monotonic, max_num_seqs: int = 1, max_num_batched_tokens: int = 1,
+                 namespace: str = "jaxllm", model_name: str = ""):
+        if namespace not in METRICS_NAMESPACES:
+            raise ValueError(f"metrics_namespace={namespace!r} must be one of {METRICS_NAMESPACES}")
+        self.namespace, self.model_name = namespace, model_name
         self.registry = prom.CollectorRegistry()
         self._clock = clock
         self._max_num_seqs, self._max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -120,21 +138,30 @@ class EngineMetrics:
 
     def _define_series(self) -> None:
         r = self.registry
+        # Under vLLM's namespace every series carries vLLM's model_name label, bound here once.
+        fixed = (self.model_name,) if self.namespace == "vllm" else ()
+        labels = ("model_name",) if fixed else ()
+
+        def bound(metric):
+            return metric.labels(*fixed) if fixed else metric
 
         def gauge(name: str, doc: str) -> prom.Gauge:
-            return prom.Gauge(f"jaxllm:{name}", doc, registry=r)
+            return bound(prom.Gauge(self.series_name(name), doc, labels, registry=r))
 
         def counter(name: str, doc: str) -> prom.Counter:
-            return prom.Counter(f"jaxllm:{name}", doc, registry=r)
+            return bound(prom.Counter(self.series_name(name), doc, labels, registry=r))
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> prom.Histogram:
-            return prom.Histogram(f"jaxllm:{name}", doc, buckets=buckets, registry=r)
+            return bound(prom.Histogram(self.series_name(name), doc, labels, buckets=buckets, registry=r))
 
-        def labelled_gauge(name: str, doc: str, label: str, values: Sequence[str]) -> prom.Gauge:
-            g = prom.Gauge(f"jaxllm:{name}", doc, [label], registry=r)
+        def labelled(kind, name: str, doc: str, label: str, values: Sequence[str] = ()) -> "_Labelled":
+            metric = _Labelled(kind(self.series_name(name), doc, (*labels, label), registry=r), fixed)
             for value in values:
-                g.labels(value)  # shown as 0 before the first update
-            return g
+                metric.labels(value)  # shown as 0 before the first update
+            return metric
+
+        def labelled_gauge(name: str, doc: str, label: str, values: Sequence[str]) -> "_Labelled":
+            return labelled(prom.Gauge, name, doc, label, values)
 
         self.num_requests_running = gauge("num_requests_running", "Requests holding a batch seat.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -156,10 +183,8 @@ class EngineMetrics:
         self.compilations = counter("compilations", "Programs the engine compiled (warm-up included).")
         self.request_refused = counter(
             "request_refused", "New requests refused because max_waiting_requests sequences were waiting.")
-        self.request_success = prom.Counter("jaxllm:request_success", "Finished requests by finish reason.",
-                                            ["finished_reason"], registry=r)
-        for reason in FINISHED_REASONS:
-            self.request_success.labels(reason)
+        self.request_success = labelled(prom.Counter, "request_success", "Finished requests by finish reason.",
+                                        "finished_reason", FINISHED_REASONS)
         self.batch_utilization = labelled_gauge(
             "batch_utilization", "Scheduled tokens / max_num_batched_tokens (tokens), running / max_num_seqs (seqs).",
             "resource", ("tokens", "seqs"))
@@ -187,14 +212,18 @@ class EngineMetrics:
             counter("spec_decode_num_draft_tokens", "Draft tokens verified."),
             counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
         ]
-        self.spec_decode_per_position = prom.Counter(
-            "jaxllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in their row.",
-            ["position"], registry=r)
+        self.spec_decode_per_position = labelled(
+            prom.Counter, "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in their row.",
+            "position")
         self.num_requests_waiting_for_grammar = gauge(
             "num_requests_waiting_for_grammar", "Waiting requests whose structured-output grammar is compiling.")
         self.grammar_bitmask = histogram(
             "grammar_bitmask_seconds", "Host time building a step's structured-output token bitmask, seconds.",
             _STEP_BUCKETS)
+
+    def series_name(self, name: str) -> str:
+        """The exposed name of series ``name`` (e.g. "num_requests_running") in this namespace."""
+        return f"{self.namespace if name in VLLM_SERIES else 'jaxllm'}:{name}"
 
     def begin_run(self) -> None:
         """Restart the per-run aggregates of :meth:`run_summary` (the Prometheus series keep counting)."""
@@ -303,7 +332,7 @@ class EngineMetrics:
             series.inc(now - seen)
         for i, n in enumerate(per_position):
             seen = self._seen_spec_per_position[i] if i < len(self._seen_spec_per_position) else 0
-            self.spec_decode_per_position.labels(position=str(i)).inc(n - seen)
+            self.spec_decode_per_position.labels(str(i)).inc(n - seen)
         self._seen_spec, self._seen_spec_per_position = spec, per_position
         if stepped:
             self._run_steps += 1
@@ -414,6 +443,17 @@ class EngineMetrics:
                         draft_tokens, 100 * accepted / draft_tokens, 1 + accepted / drafts)
         self._log_at = now
         self._log_tokens = [0, 0]
+
+
+class _Labelled:
+    """A labelled series whose leading labels (``model_name`` under "vllm") are fixed: ``labels`` takes the rest."""
+
+    def __init__(self, metric, fixed: tuple[str, ...]) -> None:
+        self._metric, self._fixed = metric, fixed
+
+    def labels(self, *values: str):
+        """The child series of these values of the labels after the fixed ones."""
+        return self._metric.labels(*self._fixed, *values)
 
 
 class GenerateProgress:

@@ -3,7 +3,8 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
 server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a final usage chunk),
 ``GET /health`` (503 once an engine core died), ``GET /metrics`` (Prometheus), ``POST /tokenize``,
-``POST /detokenize``, ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core: ``?core=0``,
+``POST /detokenize``, ``GET /tokenizer_info`` (with ``--enable-tokenizer-info-endpoint``, as vLLM: the
+tokenizer's settings and chat template), ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core: ``?core=0``,
 ``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it).
 
 Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, a wrong
@@ -67,11 +68,14 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a jinja2 chat template file (or the template itself, inline) used instead of the "
                         "model's, e.g. for a model that has none")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's settings and chat template; off by default, as "
+                        "in vLLM, since it shows the chat template)")
     add_engine_args(p)
     return p
 
 
-def build_app(serving, api_key: Optional[str] = None, lifespan=None):
+def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_tokenizer_info: bool = False):
     """The FastAPI app over an ``OpenAIServing`` (``lifespan``: FastAPI's, to stop the engine at shutdown)."""
     engine = serving.engine
     app = FastAPI(title="jaxllm", version=__version__, lifespan=lifespan)
@@ -168,7 +172,20 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None):
     async def version():
         return {"version": __version__}
 
+    if enable_tokenizer_info:
+        add_tokenizer_info_route(app, serving)
     return app
+
+
+def add_tokenizer_info_route(app, serving) -> None:
+    """``GET /tokenizer_info`` (``build_app(enable_tokenizer_info=True)``): vLLM's body (``jaxllm.tokenizer.Tokenizer.info``); 400 for a model without a
+    tokenizer."""
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        if serving.tokenizer is None:
+            raise APIError(400, f"{serving.model_name} has no tokenizer (it takes token-id prompts)")
+        return serving.tokenizer.info()
 
 
 async def until_disconnected(request, work) -> Any:
@@ -209,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer is None:
             raise ValueError(f"--chat-template: {model} has no tokenizer, so it cannot render chats")
         tokenizer.set_chat_template(args.chat_template)
-    engine = AsyncLLM(model, tokenizer=tokenizer, **engine_kwargs(args))
+    engine = AsyncLLM(model, tokenizer=tokenizer, served_model_name=args.served_model_name, **engine_kwargs(args))
     serving = OpenAIServing(engine, args.served_model_name or model,
                             generation_config_defaults(read_generation_config(model)))
 
@@ -218,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         yield
         await engine.shutdown()
 
-    app = build_app(serving, args.api_key, lifespan)
+    app = build_app(serving, args.api_key, lifespan, args.enable_tokenizer_info_endpoint)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
     server = uvicorn.Server(config)
