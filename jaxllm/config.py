@@ -14,6 +14,7 @@ import json
 import math
 from typing import Any, Optional, Sequence, Union
 
+from jaxllm.core.kv_events import KVEventsConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
 from scheduler.buckets import geometric_ladder, half_step_ladder
 from scheduler.config import SchedulerConfig
@@ -319,9 +320,10 @@ def _sliding_windows_from_hf(cfg: dict[str, Any], model_type: str, num_layers: i
 # Weight-only quantizations and KV cache dtypes (jaxllm.worker.quantization), by vLLM's names.
 WEIGHT_QUANTIZATIONS = ("int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
-# SchedulerConfig fields that EngineConfig.scheduler_config fills in at start-up; every other one is an
+# SchedulerConfig fields that EngineConfig.scheduler_config fills in itself (enable_kv_cache_events from
+# kv_events_config, the rest at start-up); every other one is an
 # EngineConfig field of the same name (a test checks both).
-SCHEDULER_FIELDS_FROM_START_UP = ("num_blocks", "max_model_len", "num_lookahead_tokens")
+SCHEDULER_FIELDS_FROM_START_UP = ("num_blocks", "max_model_len", "num_lookahead_tokens", "enable_kv_cache_events")
 # Token buckets below the default ladder's first value (16): steps of a few decode rows.
 SMALL_TOKEN_BUCKETS = (4, 8)
 # "vllm": the metrics under vLLM's names and labels (jaxllm.frontend.metrics).
@@ -413,6 +415,10 @@ class EngineConfig:
       preload_prompts: a file of common prompts (a ``.json`` list of strings,
         or text with one prompt per line) computed at start-up so the first
         request sharing one hits the prefix cache (``jaxllm.frontend.prefix_warmup``).
+      kv_events_config: publish the prefix cache's stored and evicted blocks, vLLM's ``--kv-events-config``: a
+        dict (or its JSON text) of ``jaxllm.core.kv_events.KVEventsConfig`` fields, e.g.
+        ``{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}``;
+        held as a ``KVEventsConfig`` once checked. None: off.
       max_waiting_requests: shed load: refuse a new request
         (``jaxllm.core.client.QueueFullError``; 503 at the server) while this
         many sequences or more wait for a batch seat. None: no limit.
@@ -459,6 +465,7 @@ class EngineConfig:
     aging_rate: float = 1.0
     max_waiting_requests: Optional[int] = None
     preload_prompts: Optional[str] = None
+    kv_events_config: Union[KVEventsConfig, dict, str, None] = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -510,6 +517,7 @@ class EngineConfig:
             raise ValueError("async_scheduling=True cannot be used with speculative_config: a step's drafts need "
                              "the previous step's tokens (leave async_scheduling unset, or turn it off)")
         self.graceful_degradation = _parse_degradation(self.graceful_degradation)
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         # The scheduler's knobs are checked by SchedulerConfig, here rather than at start-up; the block count and
         # the model's length are not known yet (placeholders; the real config is built by the engine core).
         self.scheduler_config(num_blocks=2, max_model_len=self.max_model_len or 1)
@@ -533,8 +541,9 @@ class EngineConfig:
                   if f.name not in SCHEDULER_FIELDS_FROM_START_UP}
         # A draft model writes its proposals' K/V into slots its row reserves beyond the scheduled tokens.
         lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+        events = self.kv_events_config is not None and self.kv_events_config.publishes
         return SchedulerConfig(**shared, num_blocks=num_blocks, max_model_len=max_model_len,
-                               num_lookahead_tokens=lookahead)
+                               num_lookahead_tokens=lookahead, enable_kv_cache_events=events)
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         """``max_model_len`` or the model's ``max_position_embeddings`` (which start-up may then fit to the KV cache:

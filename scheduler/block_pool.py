@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
+from scheduler.kv_events import BlockRemoved, KVEvent
+
 
 class KVBlock:
     """One device KV block of ``block_size`` token slots.
@@ -175,12 +177,18 @@ class BlockPool:
     Args:
       num_blocks: total blocks including the null block, >= 2.
       enable_caching: keep the hash -> block map (prefix caching).
+      enable_kv_cache_events: record evictions (and, through ``KVCacheManager``, registrations) in
+        :attr:`kv_events`.
+
+    Attributes:
+      kv_events: the ``scheduler.kv_events`` events since the last ``Scheduler.take_kv_events``; None when
+        events are off.
 
     Raises:
       ValueError: ``num_blocks < 2``.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"BlockPool: num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
@@ -189,6 +197,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVBlock] = {}
+        self.kv_events: Optional[list[KVEvent]] = [] if enable_kv_cache_events and enable_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -212,13 +221,17 @@ class BlockPool:
             raise ValueError(f"BlockPool.get_new_blocks: asked for {n} blocks, only {len(self.free_queue)} free")
         blocks = self.free_queue.popleft_n(n)
         cached = self.cached
+        evicted = []
         for block in blocks:
             # A hashed block is the one the map holds under its hash (cache_blocks registers only unhashed
             # blocks under new hashes).
             if block.block_hash is not None:
                 del cached[block.block_hash]
+                evicted.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
+        if evicted and self.kv_events is not None:
+            self.kv_events.append(BlockRemoved(evicted))
         return blocks
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

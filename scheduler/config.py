@@ -51,6 +51,8 @@ class SchedulerConfig:
         draft model writes its proposals' K/V there. Rows of the bulk path
         get them while free blocks last; admissions and rows scheduled one
         by one under memory pressure do not.
+      enable_kv_cache_events: record the prefix cache's stored and evicted blocks for
+        ``Scheduler.take_kv_events`` (``scheduler.kv_events``; none without prefix caching).
       graceful_degradation: lower the effective ``max_num_seqs`` and prefill
         token budget under KV pressure and restore them when calm
         (``scheduler.degradation``); True uses the default
@@ -77,6 +79,7 @@ class SchedulerConfig:
     async_scheduling: bool = False
     num_lookahead_tokens: int = 0
     graceful_degradation: Union[bool, GracefulDegradation] = True
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, limit: str) -> ValueError:

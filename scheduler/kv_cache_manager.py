@@ -10,6 +10,7 @@ from scheduler.block_hash import extend_block_hashes, hash_block_tokens
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.block_table import BlockTable
 from scheduler.host_block_pool import HostBlockPool
+from scheduler.kv_events import BlockStored
 from scheduler.request import Request
 
 
@@ -291,6 +292,7 @@ class KVCacheManager:
         bs, num_cached = self.block_size, self._num_cached
         blocks: list[KVBlock] = []
         block_hashes: list[bytes] = []
+        runs: Optional[list[tuple[Request, int, int]]] = None if self.block_pool.kv_events is None else []
         for request in requests:
             rid = request.request_id
             # With async scheduling the computed count can run one sampled
@@ -308,7 +310,26 @@ class KVCacheManager:
             blocks += self.req_to_blocks[rid][done:num_full]
             block_hashes += hashes[done:num_full]
             num_cached[rid] = num_full
+            if runs is not None:
+                runs.append((request, done, num_full))
         self.block_pool.cache_blocks(blocks, block_hashes)
+        if runs:
+            self._record_stored(runs)
+
+    def _record_stored(self, runs: list[tuple[Request, int, int]]) -> None:
+        """A ``BlockStored`` for each run of consecutive blocks ``[done, num_full)`` of a request that the pool
+        registered; a block left unregistered (another block already held its hash) ends a run."""
+        bs, events = self.block_size, self.block_pool.kv_events
+        for request, done, num_full in runs:
+            table, hashes = self.req_to_blocks[request.request_id], request.block_hashes
+            start = done
+            for i in range(done, num_full + 1):
+                if i < num_full and table[i].block_hash is not None:
+                    continue
+                if i > start:
+                    events.append(BlockStored(hashes[start:i], hashes[start - 1] if start else None,
+                                              request.all_token_ids[start * bs:i * bs], bs))
+                start = i + 1
 
     def free(self, request: Request) -> None:
         """Release all of ``request``'s device blocks (tail first, so its prefix is evicted last) and host blocks."""

@@ -21,6 +21,7 @@ from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.config import SchedulerConfig
 from scheduler.degradation import DegradationController
 from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_events import KVEvent
 from scheduler.output import SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import (
     COMPUTED, EOS, HAS_STOP_IDS, LAST_SAMPLE_ROW, LAST_TOKEN, LENGTH_LIMIT, PENDING, PREFILL_ONLY, PROMPT, SPEC,
@@ -178,7 +179,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.policy = get_policy(config.scheduling_policy, aging_rate=config.aging_rate, max_model_len=config.max_model_len)
-        self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.enable_kv_cache_events)
         self.kv_cache_manager = KVCacheManager(
             self.block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks
         )
@@ -898,6 +899,15 @@ class Scheduler:
         evicted last)."""
         blocks, self.pinned_blocks = self.pinned_blocks, []
         self.block_pool.free_blocks(reversed(blocks))
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's ``BlockStored`` / ``BlockRemoved`` events since the last call, oldest first (none when
+        ``enable_kv_cache_events`` is off)."""
+        events = self.block_pool.kv_events
+        if not events:
+            return []
+        self.block_pool.kv_events = []
+        return events
 
     def _stop_status(self, req: Request, token: int) -> Optional[RequestStatus]:
         sp = req.sampling_params

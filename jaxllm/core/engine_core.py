@@ -40,6 +40,7 @@ import numpy as np
 
 from jaxllm import log
 from jaxllm.config import EngineConfig
+from jaxllm.core.kv_events import make_publisher
 from jaxllm.core.messages import CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SampleLogprobs
 from jaxllm.core.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
 from jaxllm.core.requests import CoreRequest, CoreSequence
@@ -95,6 +96,7 @@ class EngineCore:
         as given or built from them. model_config, buckets, num_blocks, dtype: the runner's.
       requests: the record of each request by its id (``jaxllm.core.requests.CoreRequest``).
       param_bytes: ``jaxllm.worker.quantization.param_bytes`` of the parameters on the devices.
+      kv_events: the ``jaxllm.core.kv_events.ZmqEventPublisher`` of ``kv_events_config``, or None.
     """
 
     # Methods a front end may call between steps of a core in another process (``messages.UtilityCall``).
@@ -114,6 +116,7 @@ class EngineCore:
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=max_model_len))
         self.requests: dict[str, CoreRequest] = {}
+        self.kv_events = make_publisher(config.kv_events_config, core_index)
         # Records whose prompt is not scheduled yet, and sequences holding a prompt-logprobs tracker: most steps
         # have none, and then skip the per-row look at them.
         self._num_unscheduled = 0
@@ -320,7 +323,10 @@ class EngineCore:
         return self.structured.needs_previous_samples(sched_out) or self.slots.needs_previous_samples(sched_out)
 
     def _report(self, touched: list[Request]) -> list[EngineCoreOutput]:
-        """Outputs of the touched sequences; a touched prefill parent (its prompt computed) forks."""
+        """Outputs of the touched sequences; a touched prefill parent (its prompt computed) forks. The step's KV
+        cache events go to the subscribers (``kv_events_config``)."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.take_kv_events())
         outputs = []
         for seq in dict.fromkeys(touched):
             if seq.done:

@@ -62,6 +62,8 @@ def run_core_loop(core, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
             if isinstance(message, Shutdown):
                 core.abort_all()
                 core.runner.stop_warmup()
+                if core.kv_events is not None:
+                    core.kv_events.shutdown()
                 return
             if isinstance(message, UtilityCall):
                 outputs.send(encode(_call(core, message)))

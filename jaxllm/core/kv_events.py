@@ -1,0 +1,241 @@
+"""KV cache events published as vLLM publishes them (``--kv-events-config``), so routers see the prefix cache.
+
+Wire format (vLLM's ``vllm/distributed/kv_events.py``): each engine step that changed the prefix cache sends one
+ZMQ PUB multipart message ``(topic, seq, payload)``: ``topic`` the configured topic's UTF-8 bytes, ``seq`` a
+per-publisher counter from 0 as 8 big-endian bytes, ``payload`` a msgpack :class:`KVEventBatch` (``ts``: Unix
+seconds; ``events``: tagged ``BlockStored`` / ``BlockRemoved`` maps; ``data_parallel_rank``: the core's index).
+A block hash goes out as vLLM's default ``ExternalBlockHash``, the low 64 bits of the hash read big-endian, or
+as the hash's bytes when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (vLLM's switch). With ``replay_endpoint`` a
+ROUTER socket answers ``(b"", start_seq as 8 big-endian bytes)`` with every buffered ``(seq, payload)`` from
+``start_seq`` on, then ``(-1, b"")``. Data-parallel core ``i`` adds ``i`` to both ports, as vLLM's ranks do.
+
+Our hashes are 16-byte xxh3 digests of ``scheduler.block_hash`` (vLLM's are sha256 or xxhash of its own
+encoding): equal prefixes give equal hashes within one jaxllm version, which is what a subscriber matching
+stored against removed blocks, or one replica against another, needs. Events report the device tier (vLLM's
+medium ``"GPU"``); jaxllm has no LoRA, so ``lora_id`` and ``lora_name`` are None.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Optional, Union
+
+import msgspec
+import zmq
+
+from scheduler.kv_events import BlockRemoved as HostBlockRemoved
+from scheduler.kv_events import KVEvent
+
+logger = logging.getLogger("jaxllm.core.kv_events")
+
+MEDIUM_DEVICE = "GPU"  # vLLM's name for the accelerator's KV cache tier
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclasses.dataclass
+class KVEventsConfig:
+    """``--kv-events-config``: vLLM's ``KVEventsConfig`` fields, names, defaults and meanings.
+
+    Attributes:
+      enable_kv_cache_events: record and publish the events.
+      publisher: "zmq", or "null" (record nothing); None: "zmq" when enabled, else "null".
+      endpoint: the PUB socket's address; one with ``*``, ``::``, ``ipc://`` or ``inproc://`` is bound, any other
+        connected to (a subscriber or proxy listening there), as vLLM does.
+      replay_endpoint: a ROUTER address (bound) that replays buffered batches; None: no replay.
+      buffer_steps: batches kept for replay.
+      hwm: the PUB socket's high-water mark (ZMQ drops messages past it for a slow subscriber).
+      max_queue_size: batches waiting for the publisher thread at most (the core waits past it).
+      topic: the first frame of every message; subscribers filter on its prefix.
+
+    Raises:
+      ValueError: a field out of range, naming it.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: Optional[str] = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: Optional[str] = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config publisher={self.publisher!r} must be 'zmq' or 'null'")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"kv_events_config {name}={value!r} must be a positive int")
+        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"kv_events_config endpoint={self.endpoint!r} must be a tcp://, ipc:// or inproc:// "
+                             "address")
+
+    @property
+    def publishes(self) -> bool:
+        """Whether events are recorded and sent (enabled, with the "zmq" publisher)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value: Union["KVEventsConfig", dict[str, Any], str, None]) -> Optional["KVEventsConfig"]:
+        """A config from a dict, its JSON text (the CLI's ``--kv-events-config``), or itself; None stays None.
+
+        Raises:
+          ValueError: bad JSON, a key that is not a field (named with the fields), or a bad value.
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_events_config {value!r} is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config={value!r} must be a dict (or its JSON)")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise ValueError(f"kv_events_config has unknown field {unknown[0]!r}; the fields are {fields}")
+        return cls(**value)
+
+
+ExternalBlockHash = Union[int, bytes]
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """vLLM's base of the events; ``tag=True`` writes the class name under ``"type"``."""
+
+
+class BlockStored(KVCacheEvent):
+    """vLLM's ``BlockStored``: full blocks became cached (see ``scheduler.kv_events.BlockStored``)."""
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: Optional[ExternalBlockHash]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+
+
+class BlockRemoved(KVCacheEvent):
+    """vLLM's ``BlockRemoved``: cached blocks were evicted."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: Optional[str]
+
+
+class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    """vLLM's ``KVEventBatch``: one step's events."""
+
+    ts: float
+    events: list[Union[BlockStored, BlockRemoved]]
+    data_parallel_rank: Optional[int] = None
+
+
+def external_hash(block_hash: bytes, as_int: bool) -> ExternalBlockHash:
+    """vLLM's ``maybe_convert_block_hash``: the low 64 bits of the hash read big-endian, or the bytes."""
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1) if as_int else block_hash
+
+
+def to_wire(event: KVEvent, as_int: bool) -> Union[BlockStored, BlockRemoved]:
+    """A ``scheduler.kv_events`` event as vLLM's struct."""
+    hashes = [external_hash(h, as_int) for h in event.block_hashes]
+    if isinstance(event, HostBlockRemoved):
+        return BlockRemoved(hashes, MEDIUM_DEVICE)
+    parent = None if event.parent_block_hash is None else external_hash(event.parent_block_hash, as_int)
+    return BlockStored(hashes, parent, list(event.token_ids), event.block_size, None, MEDIUM_DEVICE, None)
+
+
+def offset_port(endpoint: Optional[str], rank: int) -> Optional[str]:
+    """``endpoint`` for data-parallel rank ``rank``: a tcp port plus ``rank``, an inproc name with ``_dp{rank}``
+    (vLLM's ``offset_endpoint_port``)."""
+    if not endpoint or rank == 0 or endpoint.startswith("ipc://"):
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    host, port = endpoint.rsplit(":", 1)
+    return f"{host}:{int(port) + rank}"
+
+
+class ZmqEventPublisher:
+    """Publishes each step's events from a thread, so encoding and sending stay off the core's loop.
+
+    Args:
+      config: the ``KVEventsConfig`` (``publishes`` true).
+      rank: the core's data-parallel index (offsets the ports; ``data_parallel_rank`` of every batch).
+    """
+
+    def __init__(self, config: KVEventsConfig, rank: int = 0) -> None:
+        self.rank, self._topic = rank, config.topic.encode()
+        self._as_int = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
+        self._queue: queue.Queue[Optional[KVEventBatch]] = queue.Queue(maxsize=config.max_queue_size)
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_steps)
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        endpoint = offset_port(config.endpoint, rank)
+        binds = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+        if binds:
+            self._pub.bind(endpoint)
+        else:
+            self._pub.connect(endpoint)
+        self._replay = None
+        if config.replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.bind(offset_port(config.replay_endpoint, rank))
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"jaxllm-kv-events-{rank}")
+        self._thread.start()
+
+    def publish(self, events: list[KVEvent]) -> None:
+        """Queue one step's events as a batch (nothing when there are none)."""
+        if events:
+            self._queue.put(KVEventBatch(time.time(), [to_wire(e, self._as_int) for e in events], self.rank))
+
+    def shutdown(self, timeout: float = 1.0) -> None:
+        """Send what is queued (for up to ``timeout`` seconds), then close the sockets."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._ctx.destroy(linger=0)
+
+    def _run(self) -> None:
+        encoder, seq = msgspec.msgpack.Encoder(), 0
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                batch = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if batch is None:
+                return
+            payload = encoder.encode(batch)
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+            seq += 1
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            logger.warning("kv events replay: a request of %d frames, not (identity, b'', start seq)", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+
+
+def make_publisher(config: Optional[KVEventsConfig], rank: int) -> Optional[ZmqEventPublisher]:
+    """The core's publisher, or None when events are off."""
+    return ZmqEventPublisher(config, rank) if config is not None and config.publishes else None
