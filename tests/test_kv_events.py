@@ -16,7 +16,7 @@ from scheduler.block_hash import hash_block_tokens
 
 
 # vLLM's structs, as a vLLM subscriber declares them.
-class VllmEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: Optional[int] = None

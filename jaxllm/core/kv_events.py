@@ -2,8 +2,9 @@
 
 Wire format (vLLM's ``vllm/distributed/kv_events.py``): each engine step that changed the prefix cache sends one
 ZMQ PUB multipart message ``(topic, seq, payload)``: ``topic`` the configured topic's UTF-8 bytes, ``seq`` a
-per-publisher counter from 0 as 8 big-endian bytes, ``payload`` a msgpack :class:`KVEventBatch` (``ts``: Unix
-seconds; ``events``: tagged ``BlockStored`` / ``BlockRemoved`` maps; ``data_parallel_rank``: the core's index).
+per-publisher counter from 0 as 8 big-endian bytes, ``payload`` a msgpack :class:`KVEventBatch`, the array
+``[ts, events, data_parallel_rank]`` (Unix seconds; ``BlockStored`` / ``BlockRemoved`` maps tagged with their
+class name under ``"type"``; the core's index).
 A block hash goes out as vLLM's default ``ExternalBlockHash``, the low 64 bits of the hash read big-endian, or
 as the hash's bytes when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (vLLM's switch). With ``replay_endpoint`` a
 ROUTER socket answers ``(b"", start_seq as 8 big-endian bytes)`` with every buffered ``(seq, payload)`` from
@@ -134,8 +135,8 @@ class BlockRemoved(KVCacheEvent):
     medium: Optional[str]
 
 
-class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    """vLLM's ``KVEventBatch``: one step's events."""
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """vLLM's ``KVEventBatch``: one step's events, a positional array ``[ts, events, data_parallel_rank]``."""
 
     ts: float
     events: list[Union[BlockStored, BlockRemoved]]
