@@ -43,6 +43,7 @@ from jaxllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     error_body,
 )
+from jaxllm.entrypoints.openai.router_compat import RouterDefaults
 from jaxllm.entrypoints.openai.serving import APIError
 
 DEFAULT_PORT = 8000
@@ -172,13 +173,20 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_toke
     async def version():
         return {"version": __version__}
 
-    if enable_tokenizer_info:
-        add_tokenizer_info_route(app, serving)
+    add_worker_parts(app, serving, enable_tokenizer_info)
     return app
 
 
+def add_worker_parts(app, serving, enable_tokenizer_info: bool) -> None:
+    """What a router's worker needs beyond the OpenAI routes: the router's default fields accepted
+    (``router_compat.RouterDefaults``), and ``GET /tokenizer_info`` when enabled."""
+    app.add_middleware(RouterDefaults)
+    if enable_tokenizer_info:
+        add_tokenizer_info_route(app, serving)
+
+
 def add_tokenizer_info_route(app, serving) -> None:
-    """``GET /tokenizer_info`` (``build_app(enable_tokenizer_info=True)``): vLLM's body (``jaxllm.tokenizer.Tokenizer.info``); 400 for a model without a
+    """``GET /tokenizer_info`` (``--enable-tokenizer-info-endpoint``): vLLM's body (``jaxllm.tokenizer.Tokenizer.info``); 400 for a model without a
     tokenizer."""
 
     @app.get("/tokenizer_info")

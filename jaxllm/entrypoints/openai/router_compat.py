@@ -1,0 +1,68 @@
+"""The fields ``vllm-router`` writes into every request it forwards, accepted at the values that mean what jaxllm does.
+
+vllm-router re-serialises each completion and chat request through its own structs, so a forwarded body carries
+fields the client never sent, at the router's defaults (``no_stop_trim: false``, ``return_hidden_states: false``,
+and for chats ``separate_reasoning``, ``stream_reasoning``, ``include_reasoning: true``). vLLM ignores undeclared
+fields; jaxllm refuses them (``protocol.py``). :class:`RouterDefaults` drops such a field only when it holds the
+router's default, which asks for jaxllm's behaviour anyway (stop strings trimmed, no hidden states, reasoning
+left where the model writes it); any other value still reaches validation and is refused naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_COMPLETION = {"no_stop_trim": False, "return_hidden_states": False}
+ROUTER_DEFAULTS: dict[str, dict[str, bool]] = {
+    "/v1/completions": _COMPLETION,
+    "/v1/chat/completions": {**_COMPLETION, "separate_reasoning": True, "stream_reasoning": True,
+                             "include_reasoning": True},
+}
+
+
+def strip_router_defaults(body: bytes, defaults: dict[str, bool]) -> bytes:
+    """``body`` without the fields that hold their value in ``defaults`` (a body that is not a JSON object is
+    returned as it is, for validation to refuse)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(request, dict):
+        return body
+    kept = {k: v for k, v in request.items() if not (k in defaults and v is defaults[k])}
+    return body if len(kept) == len(request) else json.dumps(kept).encode()
+
+
+class RouterDefaults:
+    """ASGI middleware: POST bodies of the routes in :data:`ROUTER_DEFAULTS` go through :func:`strip_router_defaults`.
+
+    The rest of the connection's messages (a client's disconnect) pass through unchanged.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        defaults = ROUTER_DEFAULTS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if defaults is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        body = strip_router_defaults(await _read_body(receive), defaults)
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+        scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def replay() -> dict:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)

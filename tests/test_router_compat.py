@@ -1,0 +1,25 @@
+"""The fields vllm-router adds to forwarded requests are dropped only at the router's defaults."""
+
+import json
+
+from jaxllm.entrypoints.openai.router_compat import ROUTER_DEFAULTS, strip_router_defaults
+
+CHAT = ROUTER_DEFAULTS["/v1/chat/completions"]
+
+
+def test_the_routers_defaults_are_dropped_and_the_clients_fields_kept():
+    forwarded = {"model": "m", "messages": [], "max_tokens": 3, "logprobs": False, "no_stop_trim": False,
+                 "ignore_eos": False, "separate_reasoning": True, "stream_reasoning": True,
+                 "return_hidden_states": False, "include_reasoning": True}
+    assert json.loads(strip_router_defaults(json.dumps(forwarded).encode(), CHAT)) == {
+        "model": "m", "messages": [], "max_tokens": 3, "logprobs": False, "ignore_eos": False}
+
+
+def test_any_other_value_of_those_fields_is_left_for_validation_to_refuse():
+    body = json.dumps({"model": "m", "no_stop_trim": True, "return_hidden_states": 0}).encode()
+    assert strip_router_defaults(body, ROUTER_DEFAULTS["/v1/completions"]) == body
+
+
+def test_a_body_that_is_not_a_json_object_is_untouched():
+    for body in (b"{not json", b"[1, 2]"):
+        assert strip_router_defaults(body, CHAT) == body
