@@ -159,3 +159,15 @@ def test_events_are_off_unless_enabled_with_the_zmq_publisher():
         num_blocks=4, max_model_len=8).enable_kv_cache_events is False
     assert EngineConfig(kv_events_config='{"enable_kv_cache_events": true}').scheduler_config(
         num_blocks=4, max_model_len=8).enable_kv_cache_events is True
+
+
+def test_data_parallel_cores_offset_the_endpoint_as_vllm_does():
+    from jaxllm.core.kv_events import offset_port
+
+    assert offset_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_port("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_port("tcp://127.0.0.1:6000", 1) == "tcp://127.0.0.1:6001"
+    assert offset_port("inproc://events", 1) == "inproc://events_dp1"
+    assert offset_port(None, 1) is None
+    with pytest.raises(ValueError, match="each core needs its own endpoint"):
+        offset_port("ipc:///tmp/events", 1)

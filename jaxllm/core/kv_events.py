@@ -159,11 +159,18 @@ def to_wire(event: KVEvent, as_int: bool) -> Union[BlockStored, BlockRemoved]:
 
 def offset_port(endpoint: Optional[str], rank: int) -> Optional[str]:
     """``endpoint`` for data-parallel rank ``rank``: a tcp port plus ``rank``, an inproc name with ``_dp{rank}``
-    (vLLM's ``offset_endpoint_port``)."""
-    if not endpoint or rank == 0 or endpoint.startswith("ipc://"):
+    (vLLM's ``offset_endpoint_port``).
+
+    Raises:
+      ValueError: an ipc endpoint for a rank above 0 (vLLM has no rule for one either).
+    """
+    if not endpoint or rank == 0:
         return endpoint
     if endpoint.startswith("inproc://"):
         return f"{endpoint}_dp{rank}"
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"kv_events_config endpoint {endpoint!r}: with data_parallel_size > 1 each core needs "
+                         "its own endpoint; use tcp:// (the port is offset by the core's index) or inproc://")
     host, port = endpoint.rsplit(":", 1)
     return f"{host}:{int(port) + rank}"
 
