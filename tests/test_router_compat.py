@@ -1,4 +1,5 @@
-"""The fields vllm-router adds to forwarded requests are dropped only at the router's defaults."""
+"""The fields vllm-router adds to forwarded requests are dropped only at the router's defaults; GET /tokenizer_info is
+served only with its flag."""
 
 import json
 
@@ -23,3 +24,24 @@ def test_any_other_value_of_those_fields_is_left_for_validation_to_refuse():
 def test_a_body_that_is_not_a_json_object_is_untouched():
     for body in (b"{not json", b"[1, 2]"):
         assert strip_router_defaults(body, CHAT) == body
+
+
+def _app(tokenizer, enable_tokenizer_info):
+    from types import SimpleNamespace
+
+    from jaxllm.entrypoints.openai.api_server import build_app
+
+    serving = SimpleNamespace(engine=SimpleNamespace(dead=None), tokenizer=tokenizer, model_name="m")
+    return build_app(serving, enable_tokenizer_info=enable_tokenizer_info)
+
+
+def test_tokenizer_info_is_served_only_with_its_flag(stories_dir):
+    from fastapi.testclient import TestClient
+
+    from jaxllm.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(stories_dir)
+    assert TestClient(_app(tokenizer, True)).get("/tokenizer_info").json() == tokenizer.info()
+    assert TestClient(_app(tokenizer, False)).get("/tokenizer_info").status_code == 404
+    refused = TestClient(_app(None, True)).get("/tokenizer_info")
+    assert refused.status_code == 400 and "has no tokenizer" in refused.json()["error"]["message"]

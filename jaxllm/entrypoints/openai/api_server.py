@@ -4,8 +4,9 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a final usage chunk),
 ``GET /health`` (503 once an engine core died), ``GET /metrics`` (Prometheus), ``POST /tokenize``,
 ``POST /detokenize``, ``GET /tokenizer_info`` (with ``--enable-tokenizer-info-endpoint``, as vLLM: the
-tokenizer's settings and chat template), ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core: ``?core=0``,
-``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it).
+tokenizer's settings and chat template), ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core:
+``?core=0``, ``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it). Behind vllm-router, the fields
+it adds to forwarded requests are accepted at its defaults (``router_compat``).
 
 Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, a wrong
 type, a value out of range (naming the field and the limit) or a field the server does not honour (naming it), 401
@@ -186,8 +187,8 @@ def add_worker_parts(app, serving, enable_tokenizer_info: bool) -> None:
 
 
 def add_tokenizer_info_route(app, serving) -> None:
-    """``GET /tokenizer_info`` (``--enable-tokenizer-info-endpoint``): vLLM's body (``jaxllm.tokenizer.Tokenizer.info``); 400 for a model without a
-    tokenizer."""
+    """``GET /tokenizer_info`` (``--enable-tokenizer-info-endpoint``): vLLM's body
+    (``jaxllm.tokenizer.Tokenizer.info``); 400 for a model without a tokenizer."""
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
