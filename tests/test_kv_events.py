@@ -171,3 +171,70 @@ def test_data_parallel_cores_offset_the_endpoint_as_vllm_does():
     assert offset_port(None, 1) is None
     with pytest.raises(ValueError, match="each core needs its own endpoint"):
         offset_port("ipc:///tmp/events", 1)
+
+
+def test_publisher_connects_to_a_listening_subscriber_and_replays_only_its_last_buffer_steps(tmp_path):
+    from jaxllm.core.kv_events import KVEventsConfig, ZmqEventPublisher
+    from scheduler.kv_events import BlockRemoved as HostBlockRemoved
+    from tests.server_process import free_port
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{port}",  # no '*': connects
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}", buffer_steps=2, hwm=7,
+                            max_queue_size=5)
+    publisher = ZmqEventPublisher(config, rank=0)
+    try:
+        assert (publisher._pub.getsockopt(zmq.SNDHWM), publisher._queue.maxsize) == (7, 5)
+        probes = 0
+        while not sub.poll(100):  # until the connection and the subscription have settled
+            publisher.publish([HostBlockRemoved([b"\xff" * 16])])
+            probes += 1
+        receive(sub)
+        for i in range(3):
+            publisher.publish([HostBlockRemoved([bytes([i]) * 16])])
+        publisher.publish([])  # a step without events sends nothing
+        got = receive(sub)
+        assert [(seq, batch.events) for _, seq, batch in got] == [
+            (probes + i, [BlockRemoved([int.from_bytes(bytes([i]) * 8, "big")], "GPU")]) for i in range(3)]
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(config.replay_endpoint)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        seqs = []
+        while True:
+            assert dealer.poll(10_000)
+            _, seq, _ = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                break
+            seqs.append(int.from_bytes(seq, "big"))
+        assert seqs == [probes + 1, probes + 2]  # buffer_steps=2 keeps the last two batches
+    finally:
+        publisher.shutdown()
+        ctx.destroy(linger=0)
+
+
+def test_the_null_publisher_records_nothing():
+    config = EngineConfig(kv_events_config={"enable_kv_cache_events": True, "publisher": "null"})
+    assert config.scheduler_config(num_blocks=4, max_model_len=8).enable_kv_cache_events is False
+
+
+def test_vllms_switch_sends_hashes_as_their_bytes(monkeypatch, tmp_path):
+    from jaxllm.core.kv_events import KVEventsConfig, ZmqEventPublisher
+    from scheduler.kv_events import BlockStored as HostBlockStored
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    publisher = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/ev"))
+    try:
+        sub.connect(f"ipc://{tmp_path}/ev")
+        while not sub.poll(100):  # the same batch until the subscription has settled
+            publisher.publish([HostBlockStored([b"h" * 16], b"p" * 16, list(range(4)), 4)])
+        _, _, batch = receive(sub)[0]
+        assert batch.events == [BlockStored([b"h" * 16], b"p" * 16, [0, 1, 2, 3], 4, None, "GPU", None)]
+    finally:
+        publisher.shutdown()
+        ctx.destroy(linger=0)
