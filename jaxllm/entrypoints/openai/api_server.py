@@ -42,7 +42,9 @@ from jaxllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     error_body,
 )
-from jaxllm.entrypoints.openai.serving import APIError
+from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from jaxllm.entrypoints.openai.serving import APIError, check_parsers
+from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 DEFAULT_PORT = 8000
 
@@ -67,6 +69,13 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a jinja2 chat template file (or the template itself, inline) used instead of the "
                         "model's, e.g. for a model that has none")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="read the calls a model writes when tool_choice is 'auto' (needs --tool-call-parser); "
+                        "without it, 'auto' with tools is refused")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes calls: hermes (Qwen2.5/3, Hermes), llama3_json, mistral, pythonic")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the model's <think> reasoning into message.reasoning: deepseek_r1, qwen3")
     add_engine_args(p)
     return p
 
@@ -211,7 +220,10 @@ def run(args: argparse.Namespace) -> int:
         tokenizer.set_chat_template(args.chat_template)
     engine = AsyncLLM(model, tokenizer=tokenizer, **engine_kwargs(args))
     serving = OpenAIServing(engine, args.served_model_name or model,
-                            generation_config_defaults(read_generation_config(model)))
+                            generation_config_defaults(read_generation_config(model)),
+                            tool_call_parser=args.tool_call_parser,
+                            enable_auto_tool_choice=args.enable_auto_tool_choice,
+                            reasoning_parser=args.reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -241,6 +253,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm serve") -> in
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     problem = check_engine_args(args)
+    try:
+        check_parsers(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
+    except ValueError as e:
+        problem = str(e)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
