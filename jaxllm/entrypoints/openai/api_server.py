@@ -2,6 +2,7 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
 server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a final usage chunk),
+``POST /v1/responses`` and ``GET /v1/responses/{id}`` (OpenAI's Responses API, ``serving_responses``),
 ``GET /health`` (503 once an engine core died), ``GET /metrics`` (Prometheus), ``POST /tokenize``,
 ``POST /detokenize``, ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core: ``?core=0``,
 ``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it).
@@ -39,11 +40,13 @@ from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
     error_body,
 )
 from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from jaxllm.entrypoints.openai.serving import APIError, check_parsers
+from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 DEFAULT_PORT = 8000
@@ -177,7 +180,21 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None):
     async def version():
         return {"version": __version__}
 
+    add_responses_routes(app, OpenAIServingResponses(serving), respond)
     return app
+
+
+def add_responses_routes(app: FastAPI, responses: OpenAIServingResponses, respond) -> None:
+    """``POST /v1/responses`` (through ``respond``, build_app's: streamed or whole) and
+    ``GET /v1/responses/{id}``."""
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await respond(request, body, responses.prepare, responses.create, responses.stream)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return responses.retrieve(response_id)
 
 
 async def until_disconnected(request, work) -> Any:

@@ -186,3 +186,64 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Opt
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": code}}
+
+
+class ResponsesFunctionTool(_Request):
+    """A ``/v1/responses`` tool: OpenAI's flat ``{"type": "function", "name", "description", "parameters",
+    "strict"}`` (chat's ``function`` object, unwrapped)."""
+
+    type: Literal["function"] = "function"
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ResponsesNamedToolChoice(_Request):
+    """``tool_choice: {"type": "function", "name": ...}``."""
+
+    type: Literal["function"] = "function"
+    name: str
+
+
+class ResponsesTextFormat(_Request):
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``, ``strict``,
+    ``description``, flat)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponsesText(_Request):
+    """``text``: the output's ``format``."""
+
+    format: Optional[ResponsesTextFormat] = None
+
+
+class ResponsesRequest(_Request):
+    """``POST /v1/responses`` (OpenAI's Responses API, the fields jaxllm honours): ``input`` (a string, or
+    message, ``function_call`` and ``function_call_output`` items; ``reasoning`` items are accepted and not
+    rendered, as chat templates drop past reasoning), ``instructions`` (a system message, not carried over by
+    ``previous_response_id``), ``max_output_tokens``, ``temperature``, ``top_p``, ``tools``, ``tool_choice``,
+    ``parallel_tool_calls``, ``text.format``, ``stream``, ``store`` (keep the response in memory, for
+    ``previous_response_id`` and ``GET /v1/responses/{id}``), ``metadata`` (echoed)."""
+
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    tools: Optional[list[ResponsesFunctionTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ResponsesNamedToolChoice]] = None
+    parallel_tool_calls: bool = True
+    text: Optional[ResponsesText] = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None

@@ -482,7 +482,7 @@ class OpenAIServing:
                                                              as_ids=as_ids) if request.logprobs else None),
                             "finish_reason": parsing.finish_reason(c.finish_reason, num_calls),
                             "stop_reason": c.stop_reason})
-        reasoning = (sum(self._reasoning_tokens(parsing, c.token_ids, params) for c in final.outputs)
+        reasoning = (sum(self.reasoning_tokens(parsing, c.token_ids, params) for c in final.outputs)
                      if parsing.reasoning is not None else None)
         body = {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": _usage(len(ids), sum(len(c.token_ids) for c in final.outputs),
@@ -491,7 +491,8 @@ class OpenAIServing:
             body["prompt_logprobs"] = _prompt_logprobs_body(final, request.prompt_logprobs)
         return body
 
-    def _reasoning_tokens(self, parsing: ChatParsing, token_ids: Sequence[int], params: SamplingParams) -> int:
+    def reasoning_tokens(self, parsing: ChatParsing, token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Tokens of a choice's reasoning (0 without a reasoning parser), decoded as ``params`` decode them."""
         return reasoning_token_count(
             parsing, token_ids, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens))
 
@@ -530,7 +531,7 @@ class OpenAIServing:
                                  "finish_reason": finish if last else None,
                                  "stop_reason": c.stop_reason if last and c.finish_reason else None})
             if include_usage:
-                reasoning = (sum(self._reasoning_tokens(parsing, t, params) for t in token_ids)
+                reasoning = (sum(self.reasoning_tokens(parsing, t, params) for t in token_ids)
                              if parsing.reasoning is not None else None)
                 yield _sse({**base, "choices": [],
                             "usage": _usage(len(ids), choices.num_tokens, choices.num_cached_tokens, reasoning)})
