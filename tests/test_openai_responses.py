@@ -166,3 +166,15 @@ def test_requests_that_cannot_be_honoured_are_refused_naming_the_field(client, b
     with pytest.raises(openai.BadRequestError) as info:
         create(client, **body)
     assert info.value.body["param"] == param and words in info.value.body["message"], info.value.body
+
+
+def test_temperature_and_top_p_reach_sampling_and_metadata_is_echoed(client):
+    greedy = create(client, input="Tell me a story.", max_output_tokens=12)
+    # top_p that keeps only the most likely token makes T=1 sampling greedy.
+    narrow = create(client, input="Tell me a story.", max_output_tokens=12, temperature=1.0, top_p=1e-6,
+                    metadata={"user": "alice"})
+    assert narrow.output_text == greedy.output_text and (narrow.temperature, narrow.top_p) == (1.0, 1e-6)
+    assert narrow.metadata == {"user": "alice"}
+    with pytest.raises(openai.BadRequestError) as info:
+        create(client, input="Hi", top_p=1.5)
+    assert info.value.body["param"] == "top_p"
