@@ -322,8 +322,10 @@ def test_reasoning_and_answer_are_split_on_real_output_streamed_or_not(client, t
     ids = [int(t.token.split(":")[1]) for t in response.choices[0].logprobs.content]
     ended = next(k for k in range(len(ids) + 1) if "</think>" in tokenizer.decode(ids[:k]))
     assert response.usage.completion_tokens_details.reasoning_tokens == ended < len(ids)
-    content, reasoning, _, _, _ = joined_stream(chat(client, stream=True, **body))
+    chunks = list(chat(client, stream=True, stream_options={"include_usage": True}, **body))
+    content, reasoning, _, _, _ = joined_stream(chunks)
     assert (reasoning, content) == ("It is sunny.", "Take a hat.")
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == ended
 
 
 def test_tool_calls_are_read_from_the_answer_after_the_reasoning(client):

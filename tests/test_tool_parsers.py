@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -76,7 +77,10 @@ def test_parser_finds_every_call_and_keeps_the_text_around_as_content(parser, te
     msg = message(parser, text)
     assert calls_of(msg) == [(n, a) for n, a in calls]
     assert msg["content"] == content
-    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in msg["tool_calls"])
+    # Mistral's templates take nine letters and digits only.
+    spelling = r"[A-Za-z0-9]{9}" if parser is MistralParser else r"chatcmpl-tool-[0-9a-f]{32}"
+    assert all(re.fullmatch(spelling, c["id"]) and c["type"] == "function" for c in msg["tool_calls"])
+    assert len({c["id"] for c in msg["tool_calls"]}) == len(calls)
 
 
 MALFORMED = [

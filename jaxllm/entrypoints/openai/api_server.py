@@ -14,6 +14,8 @@ for a missing or wrong key (``--api-key``, ``/v1`` routes only), 404 for an unkn
 requests (their KV blocks are freed in the core's next loop turn). SIGTERM (or Ctrl-C) stops accepting
 connections, lets requests in flight finish for up to ``--shutdown-timeout`` seconds, stops the engine cores and
 exits 0. ``--chat-template`` replaces the model's chat template (a model without one can then serve chat).
+``--enable-auto-tool-choice`` with ``--tool-call-parser`` reads the calls a model writes (``tool_choice: "auto"``),
+``--reasoning-parser`` splits its reasoning off (``tool_parsers``, ``reasoning_parsers``).
 
 The engine cores run in child processes (``jaxllm.core.client.MPClient``), one per ``--data-parallel-size``.
 """

@@ -10,16 +10,10 @@ the unstreamed response agree by construction: per choice, the ``content``, ``re
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from typing import Callable, Optional, Sequence
 
 from jaxllm.entrypoints.openai.reasoning_parsers import ReasoningParser, Split
 from jaxllm.entrypoints.openai.tool_parsers import ParsedCall, ToolParser, strip_separators
-
-
-def tool_call_id() -> str:
-    """A new call id (vLLM's spelling)."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +97,7 @@ class ChoiceStream:
         deltas = []
         for index, call in enumerate(calls):
             if index == len(self._calls):
-                self._calls.append([tool_call_id(), 0])
+                self._calls.append([self._tools.new_id(), 0])
                 deltas.append({"tool_calls": [{"index": index, "id": self._calls[index][0], "type": "function",
                                                "function": {"name": call.name, "arguments": ""}}]})
             new = call.arguments[self._calls[index][1]:]

@@ -18,7 +18,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import random
 import re
+import string
+import uuid
 from typing import Any, Optional
 
 
@@ -50,6 +53,11 @@ class ToolParser:
     # Whether the generation keeps special tokens (vLLM's adjust_request): the markers are special tokens in
     # the models these formats come from (Qwen's <tool_call>, Mistral's [TOOL_CALLS]).
     keeps_special_tokens = False
+
+    @staticmethod
+    def new_id() -> str:
+        """A new call id (vLLM's spelling)."""
+        return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
     def scan(self, text: str, final: bool) -> Parsed:
         """The pieces of ``text`` decided so far (``final``: the text is whole, so nothing is held back)."""
@@ -210,6 +218,11 @@ class MistralParser(ToolParser):
     args = "[ARGS]"
     keeps_special_tokens = True
     _name = re.compile(r"[\w.\-]+")
+
+    @staticmethod
+    def new_id() -> str:
+        """Nine letters and digits: Mistral's chat templates refuse a tool call id of another form."""
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
     def _end(self, text: str, start: int) -> Optional[int]:
         i = start + len(self.starts[0])
