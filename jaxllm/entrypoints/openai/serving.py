@@ -7,7 +7,8 @@ out take the model's ``generation_config.json`` values (vLLM's ``--generation-co
 ``SamplingParams``' defaults. Choices of a request with several prompts are numbered prompt by prompt
 (``prompt_index * n + i``). Every field of the request models is honoured here (``check_combination`` refuses the
 combinations vLLM refuses); ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens read from the
-prefix cache.
+prefix cache. Chat's tools and reasoning: ``chat_parsing`` decides how a request's choices are read and what its
+tool choice enforces; ``chat_outputs`` reads them.
 """
 
 from __future__ import annotations
@@ -138,10 +139,9 @@ class OpenAIServing:
             raise APIError(400, str(e), param) from None
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, tools: Optional[list[dict]] = None,
-                    template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+                    continue_final_message: bool = False) -> list[int]:
         """Token ids of a conversation in the chat template (``render_chat_text``'s, encoded)."""
-        text = self.render_chat_text(messages, add_generation_prompt, continue_final_message, tools, template_kwargs)
+        text = self.render_chat_text(messages, add_generation_prompt, continue_final_message)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def render_chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
