@@ -14,6 +14,10 @@ import json
 import jsonschema
 import pytest
 
+from jaxllm.entrypoints.openai.chat_outputs import ChatParsing
+from jaxllm.entrypoints.openai.reasoning_parsers import Qwen3ReasoningParser
+from jaxllm.entrypoints.openai.serving_responses import OutputItems
+from jaxllm.entrypoints.openai.tool_parsers import HermesParser
 from jaxllm.tokenizer import load_tokenizer
 from tests.server_process import Server, engine_flags
 from tests.test_openai_tools import SCHEMAS, TEMPLATE, WEATHER
@@ -178,3 +182,24 @@ def test_temperature_and_top_p_reach_sampling_and_metadata_is_echoed(client):
     with pytest.raises(openai.BadRequestError) as info:
         create(client, input="Hi", top_p=1.5)
     assert info.value.body["param"] == "top_p"
+
+
+def test_output_items_follow_the_text_and_their_events_rebuild_them():
+    text = ('<think>Paris.</think>Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
+            " Done.")
+    parsing = ChatParsing(reasoning=lambda: Qwen3ReasoningParser(False), tools=HermesParser)
+    stream, items, events = parsing.choice(), OutputItems(), []
+    for end in range(1, len(text) + 1):
+        for delta in stream.update(text[:end], final=end == len(text)):
+            events += items.feed(delta)
+    events += items.close()
+    assert [(i["type"], i["status"]) for i in items.items] == [
+        ("reasoning", "completed"), ("message", "completed"), ("function_call", "completed"), ("message", "completed")]
+    assert items.items[0]["content"][0]["text"] == "Paris." and items.items[2]["arguments"] == '{"zone": "CET"}'
+    # The messages hold the chat message's content, split where the call was (the space before the call is
+    # held until text follows it).
+    assert [i["content"][0]["text"] for i in items.items if i["type"] == "message"] == ["Sure.", "  Done."]
+    assert parsing.message(text)[0]["content"] == "Sure.  Done."
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == items.items and [e["output_index"] for e in events if e["type"] == "response.output_item.added"
+                                    ] == [0, 1, 2, 3]

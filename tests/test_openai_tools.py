@@ -173,13 +173,16 @@ def test_a_required_call_cut_by_max_tokens_is_left_as_content_finished_by_length
     assert choice.message.content.startswith('[{"name":"get_')
 
 
-def test_streamed_named_call_sends_id_and_name_first_then_argument_fragments(client):
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    whole = chat(client, tools=TOOLS, tool_choice=named, temperature=0)
-    content, _, calls, finishes, firsts = joined_stream(
-        chat(client, tools=TOOLS, tool_choice=named, temperature=0, stream=True))
-    assert content == "" and finishes == ["stop"]
-    assert firsts[0].id and firsts[0].function.name == "get_weather" and firsts[0].function.arguments == ""
+@pytest.mark.parametrize("tool_choice, finish", [
+    ({"type": "function", "function": {"name": "get_weather"}}, "stop"), ("required", "tool_calls")],
+    ids=["named", "required"])
+def test_streamed_enforced_call_sends_id_and_name_first_then_arguments_joining_to_the_unstreamed(
+        client, tool_choice, finish):
+    body = dict(tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False, temperature=1, seed=7)
+    whole = chat(client, **body)
+    content, _, calls, finishes, firsts = joined_stream(chat(client, stream=True, **body))
+    assert content == "" and finishes == [finish]
+    assert firsts[0].id and firsts[0].function.name and firsts[0].function.arguments == ""
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
 
