@@ -349,3 +349,14 @@ def test_enable_thinking_false_leaves_the_text_all_answer(client):
     message = response.choices[0].message
     assert message.reasoning is None and len(message.content) > 5
     assert response.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_a_constraint_waits_for_the_end_of_a_reasoning_the_prompt_opened(client):
+    body = dict(max_tokens=12, temperature=0)
+    free = chat(client, extra_body=THINKING, **body).choices[0]
+    constrained = chat(client, extra_body={**THINKING, "structured_outputs": {"regex": "[0-9]+"}}, **body).choices[0]
+    # The reasoning runs as it would unconstrained (stories260K never closes it within 12 tokens).
+    assert constrained.message.reasoning == free.message.reasoning and constrained.finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, extra_body={**THINKING, "structured_outputs": {"grammar": 'start: "x"'}}, **body)
+    assert info.value.body["param"] == "structured_outputs" and "reasoning" in info.value.body["message"]
