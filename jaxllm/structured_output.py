@@ -27,7 +27,9 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import json
 import os
+import re
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
@@ -74,6 +76,30 @@ def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
         return field, llguidance.grammar_from("grammar", params.grammar)
     except ValueError as e:
         raise ValueError(f"SamplingParams.structured_outputs.{field} is invalid: {e}") from None
+
+
+def after_reasoning(params: StructuredOutputsParams, end_tag: str) -> StructuredOutputsParams:
+    """``params`` applied to the answer after a model's reasoning, for a text that starts inside it: a Lark
+    grammar of free text up to the first ``end_tag``, then the constraint.
+
+    Raises:
+      ValueError: a ``grammar`` constraint (it cannot be composed), naming the field.
+    """
+    field = params.kinds()[0]
+    if field == "grammar":
+        raise ValueError("SamplingParams.structured_outputs.grammar cannot follow a reasoning parser's reasoning; "
+                         "use json, regex or choice, or serve without --reasoning-parser")
+    if field in ("json", "json_object"):
+        schema = {"type": "object"} if field == "json_object" else params.json
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        answer = "%json " + json.dumps({**schema, "x-guidance": options})
+    elif field == "regex":
+        answer = "/" + params.regex.replace("/", "\\/") + "/"
+    else:
+        answer = " | ".join(json.dumps(c) for c in params.choice)
+    end = re.escape(end_tag).replace("/", "\\/")
+    return StructuredOutputsParams(grammar=f"start: think answer\nthink[lazy]: /(?s:.*){end}/\nanswer: {answer}\n")
 
 
 def validate_structured_outputs(params: StructuredOutputsParams) -> None:

@@ -191,7 +191,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools=None, continue_final_message: bool = False,
-                            chat_template: str | None = None) -> str:
+                            chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
         """Render a conversation with the model's chat template, as HF's
         `apply_chat_template(..., tokenize=False)` does.
 
@@ -203,6 +203,8 @@ class Tokenizer:
                 template writes after it, such as an end-of-turn token, is cut), so the model goes on
                 with that message: a prefilled answer (HF's and vLLM's rule).
             chat_template: a jinja2 template to use instead of the model's.
+            template_kwargs: extra template variables (vLLM's `chat_template_kwargs`, e.g.
+                `enable_thinking`); the ones above take precedence.
 
         Returns the prompt text; it already holds any BOS the template writes, so encode it with
         `add_special_tokens=False` when the template writes one.
@@ -222,10 +224,10 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: one continues "
                              "the last message, the other starts a new assistant turn")
-        text = template.render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-            bos_token=self._token_text(self.bos_token_id),
-            eos_token=self._token_text(self.eos_token_id))
+        text = template.render({
+            **(template_kwargs or {}), "messages": messages, "tools": tools,
+            "add_generation_prompt": add_generation_prompt, "bos_token": self._token_text(self.bos_token_id),
+            "eos_token": self._token_text(self.eos_token_id)})
         return _cut_after_final_message(text, messages) if continue_final_message else text
 
     def info(self) -> dict:

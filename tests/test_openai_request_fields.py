@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import tests.test_openai_server as server_tests
+import tests.test_openai_tools as tools_tests
 from jaxllm import LLM, SamplingParams
 from jaxllm.entrypoints.openai.api_server import main as serve_main
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
@@ -335,8 +336,8 @@ UNSUPPORTED = [
     ("/v1/completions", dict(prompt=PROMPT, suffix="The end."), "suffix", "suffix"),
     ("/v1/completions", dict(prompt=PROMPT, best_of=2), "best_of", "best_of"),
     ("/v1/completions", dict(prompt=PROMPT, add_special_tokens=False), "add_special_tokens", "add_special_tokens"),
-    ("/v1/chat/completions", dict(messages=USER, tools=[{"type": "function", "function": {"name": "f"}}]), "tools",
-     "tools"),
+    # OpenAI's deprecated predecessor of tools.
+    ("/v1/chat/completions", dict(messages=USER, functions=[{"name": "f"}]), "functions", "functions"),
     ("/v1/chat/completions", dict(messages=USER, echo=True), "echo", "echo"),
     ("/v1/chat/completions", dict(messages=USER, chat_template="{{ messages }}"), "chat_template", "chat_template"),
     ("/v1/chat/completions", dict(messages=USER, stream=True, stream_options={"continuous_usage_stats": True}),
@@ -393,6 +394,11 @@ FIELD_TESTS = {
     "add_generation_prompt": test_issue25_add_generation_prompt_false_leaves_out_the_assistant_cue,
     "continue_final_message": test_issue25_continue_final_message_continues_the_last_message,
     "add_special_tokens": test_issue25_tokenize_add_special_tokens_false_leaves_out_bos,
+    "tools": tools_tests.test_tools_tool_calls_and_tool_results_reach_the_chat_template,
+    "tool_choice": tools_tests.test_named_tool_choice_returns_a_call_whose_arguments_validate,
+    "parallel_tool_calls": tools_tests.test_required_tool_choice_returns_calls_whose_arguments_validate,
+    "chat_template_kwargs": tools_tests.test_chat_template_kwargs_reach_the_template,
+    "include_reasoning": tools_tests.test_include_reasoning_false_drops_the_reasoning,
 }
 
 

@@ -12,8 +12,10 @@ def test_the_routers_defaults_are_dropped_and_the_clients_fields_kept():
     forwarded = {"model": "m", "messages": [], "max_tokens": 3, "logprobs": False, "no_stop_trim": False,
                  "ignore_eos": False, "separate_reasoning": True, "stream_reasoning": True,
                  "return_hidden_states": False, "include_reasoning": True}
+    # include_reasoning is a field the server declares (the reasoning parsers'): it reaches it as sent.
     assert json.loads(strip_router_defaults(json.dumps(forwarded).encode(), CHAT)) == {
-        "model": "m", "messages": [], "max_tokens": 3, "logprobs": False, "ignore_eos": False}
+        "model": "m", "messages": [], "max_tokens": 3, "logprobs": False, "ignore_eos": False,
+        "include_reasoning": True}
 
 
 def test_any_other_value_of_those_fields_is_left_for_validation_to_refuse():

@@ -2,6 +2,7 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
 server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a final usage chunk),
+``POST /v1/responses`` and ``GET /v1/responses/{id}`` (OpenAI's Responses API, ``serving_responses``),
 ``GET /health`` (503 once an engine core died), ``GET /metrics`` (Prometheus), ``POST /tokenize``,
 ``POST /detokenize``, ``GET /tokenizer_info`` (with ``--enable-tokenizer-info-endpoint``, as vLLM: the
 tokenizer's settings and chat template), ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core:
@@ -15,6 +16,8 @@ for a missing or wrong key (``--api-key``, ``/v1`` routes only), 404 for an unkn
 requests (their KV blocks are freed in the core's next loop turn). SIGTERM (or Ctrl-C) stops accepting
 connections, lets requests in flight finish for up to ``--shutdown-timeout`` seconds, stops the engine cores and
 exits 0. ``--chat-template`` replaces the model's chat template (a model without one can then serve chat).
+``--enable-auto-tool-choice`` with ``--tool-call-parser`` reads the calls a model writes (``tool_choice: "auto"``),
+``--reasoning-parser`` splits its reasoning off (``tool_parsers``, ``reasoning_parsers``).
 
 The engine cores run in child processes (``jaxllm.core.client.MPClient``), one per ``--data-parallel-size``.
 """
@@ -41,11 +44,15 @@ from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
     error_body,
 )
+from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from jaxllm.entrypoints.openai.router_compat import RouterDefaults
-from jaxllm.entrypoints.openai.serving import APIError
+from jaxllm.entrypoints.openai.serving import APIError, check_parsers
+from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 DEFAULT_PORT = 8000
 
@@ -73,6 +80,13 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (the tokenizer's settings and chat template; off by default, as "
                         "in vLLM, since it shows the chat template)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="read the calls a model writes when tool_choice is 'auto' (needs --tool-call-parser); "
+                        "without it, 'auto' with tools is refused")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes calls: hermes (Qwen2.5/3, Hermes), llama3_json, mistral, pythonic")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the model's <think> reasoning into message.reasoning: deepseek_r1, qwen3")
     add_engine_args(p)
     return p
 
@@ -175,6 +189,7 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_toke
         return {"version": __version__}
 
     add_worker_parts(app, serving, enable_tokenizer_info)
+    add_responses_routes(app, OpenAIServingResponses(serving), respond)
     return app
 
 
@@ -195,6 +210,19 @@ def add_tokenizer_info_route(app, serving) -> None:
         if serving.tokenizer is None:
             raise APIError(400, f"{serving.model_name} has no tokenizer (it takes token-id prompts)")
         return serving.tokenizer.info()
+
+
+def add_responses_routes(app: FastAPI, responses: OpenAIServingResponses, respond) -> None:
+    """``POST /v1/responses`` (through ``respond``, build_app's: streamed or whole) and
+    ``GET /v1/responses/{id}``."""
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await respond(request, body, responses.prepare, responses.create, responses.stream)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return responses.retrieve(response_id)
 
 
 async def until_disconnected(request, work) -> Any:
@@ -237,7 +265,10 @@ def run(args: argparse.Namespace) -> int:
         tokenizer.set_chat_template(args.chat_template)
     engine = AsyncLLM(model, tokenizer=tokenizer, served_model_name=args.served_model_name, **engine_kwargs(args))
     serving = OpenAIServing(engine, args.served_model_name or model,
-                            generation_config_defaults(read_generation_config(model)))
+                            generation_config_defaults(read_generation_config(model)),
+                            tool_call_parser=args.tool_call_parser,
+                            enable_auto_tool_choice=args.enable_auto_tool_choice,
+                            reasoning_parser=args.reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -267,6 +298,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm serve") -> in
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     problem = check_engine_args(args)
+    try:
+        check_parsers(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
+    except ValueError as e:
+        problem = str(e)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2

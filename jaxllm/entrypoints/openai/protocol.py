@@ -102,12 +102,48 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
 
+class FunctionDefinition(_Request):
+    """A tool's function: its ``name``, what it does, and its arguments' JSON schema (``parameters``; none: no
+    arguments). ``strict`` is honoured either way: a call the server enforces always validates."""
+
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatCompletionTool(_Request):
+    """One entry of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Request):
+    """The function a named ``tool_choice`` names."""
+
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: the model calls that function."""
+
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``: ``messages`` rendered with the chat template (the model's, or
     ``--chat-template``); ``max_tokens`` (or ``max_completion_tokens``) defaults to the room left under
     ``max_model_len``; ``logprobs`` is a switch and ``top_logprobs`` the number of top tokens;
     ``add_generation_prompt`` ends the prompt with the assistant's cue, ``continue_final_message`` (with
-    ``add_generation_prompt: false``) ends it inside the last message, which the model then continues."""
+    ``add_generation_prompt: false``) ends it inside the last message, which the model then continues.
+
+    ``tools`` reach the template (HF's ``tools=``); ``tool_choice`` is ``"none"``, ``"auto"`` (default with
+    tools: the ``--tool-call-parser`` reads calls from the text), ``"required"`` or a named function (both
+    enforced by a JSON-schema grammar); ``parallel_tool_calls: false`` allows one call. ``chat_template_kwargs``
+    are extra template variables (e.g. ``enable_thinking``); ``include_reasoning: false`` drops the
+    ``--reasoning-parser``'s ``reasoning``."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: Optional[int] = None
@@ -116,6 +152,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: Optional[list[ChatCompletionTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(_Request):
@@ -145,3 +186,64 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Opt
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": code}}
+
+
+class ResponsesFunctionTool(_Request):
+    """A ``/v1/responses`` tool: OpenAI's flat ``{"type": "function", "name", "description", "parameters",
+    "strict"}`` (chat's ``function`` object, unwrapped)."""
+
+    type: Literal["function"] = "function"
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ResponsesNamedToolChoice(_Request):
+    """``tool_choice: {"type": "function", "name": ...}``."""
+
+    type: Literal["function"] = "function"
+    name: str
+
+
+class ResponsesTextFormat(_Request):
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``, ``strict``,
+    ``description``, flat)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponsesText(_Request):
+    """``text``: the output's ``format``."""
+
+    format: Optional[ResponsesTextFormat] = None
+
+
+class ResponsesRequest(_Request):
+    """``POST /v1/responses`` (OpenAI's Responses API, the fields jaxllm honours): ``input`` (a string, or
+    message, ``function_call`` and ``function_call_output`` items; ``reasoning`` items are accepted and not
+    rendered, as chat templates drop past reasoning), ``instructions`` (a system message, not carried over by
+    ``previous_response_id``), ``max_output_tokens``, ``temperature``, ``top_p``, ``tools``, ``tool_choice``,
+    ``parallel_tool_calls``, ``text.format``, ``stream``, ``store`` (keep the response in memory, for
+    ``previous_response_id`` and ``GET /v1/responses/{id}``), ``metadata`` (echoed)."""
+
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    tools: Optional[list[ResponsesFunctionTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ResponsesNamedToolChoice]] = None
+    parallel_tool_calls: bool = True
+    text: Optional[ResponsesText] = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None

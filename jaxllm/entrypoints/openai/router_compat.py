@@ -2,10 +2,11 @@
 
 vllm-router re-serialises each completion and chat request through its own structs, so a forwarded body carries
 fields the client never sent, at the router's defaults (``no_stop_trim: false``, ``return_hidden_states: false``,
-and for chats ``separate_reasoning``, ``stream_reasoning``, ``include_reasoning: true``). vLLM ignores undeclared
-fields; jaxllm refuses them (``protocol.py``). :class:`RouterDefaults` drops such a field only when it holds the
-router's default, which asks for jaxllm's behaviour anyway (stop strings trimmed, no hidden states, reasoning
-left where the model writes it); any other value still reaches validation and is refused naming the field.
+and for chats ``separate_reasoning``, ``stream_reasoning`` and ``include_reasoning: true``, the last a field jaxllm
+declares and honours). vLLM ignores undeclared fields; jaxllm refuses them (``protocol.py``). :class:`RouterDefaults`
+drops such an undeclared field only when it holds the router's default, which asks for jaxllm's behaviour anyway
+(stop strings trimmed, no hidden states, reasoning split by the ``--reasoning-parser`` and streamed as it comes);
+any other value still reaches validation and is refused naming the field.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import Any
 _COMPLETION = {"no_stop_trim": False, "return_hidden_states": False}
 ROUTER_DEFAULTS: dict[str, dict[str, bool]] = {
     "/v1/completions": _COMPLETION,
-    "/v1/chat/completions": {**_COMPLETION, "separate_reasoning": True, "stream_reasoning": True,
-                             "include_reasoning": True},
+    "/v1/chat/completions": {**_COMPLETION, "separate_reasoning": True, "stream_reasoning": True},
 }
 
 

@@ -7,28 +7,43 @@ out take the model's ``generation_config.json`` values (vLLM's ``--generation-co
 ``SamplingParams``' defaults. Choices of a request with several prompts are numbered prompt by prompt
 (``prompt_index * n + i``). Every field of the request models is honoured here (``check_combination`` refuses the
 combinations vLLM refuses); ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens read from the
-prefix cache.
+prefix cache. Chat's tools and reasoning: ``chat_parsing`` decides how a request's choices are read and what its
+tool choice enforces; ``chat_outputs`` reads them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import json
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 import msgspec
 
 from jaxllm.frontend.async_llm import AsyncLLM
-from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxllm.entrypoints.openai.chat_outputs import ChatParsing, reasoning_token_count
+from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, THINK_END, opens_reasoning
+from jaxllm.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    NamedParser,
+    RequiredParser,
+    parameters_schema,
+    required_schema,
+)
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxllm.structured_output import validate_structured_outputs
+from jaxllm.structured_output import after_reasoning, validate_structured_outputs
 from scheduler import SamplingParams, StructuredOutputsParams
 
 # Sampling fields the model's generation_config.json may set defaults for.
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Variables the server gives the chat template itself; chat_template_kwargs may not set them.
+TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+AUTO_TOOLS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 _PARAM = re.compile(r"SamplingParams\.(\w+)=")
 
 
@@ -86,9 +101,20 @@ class OpenAIServing:
       engine: the ``AsyncLLM``.
       model_name: the name clients use (``--served-model-name``).
       generation_defaults: ``SamplingParams`` defaults from the model's generation config.
+      tool_call_parser: a ``TOOL_PARSERS`` name (``--tool-call-parser``), read with ``tool_choice: "auto"``.
+      enable_auto_tool_choice: ``--enable-auto-tool-choice`` (needs ``tool_call_parser``).
+      reasoning_parser: a ``REASONING_PARSERS`` name (``--reasoning-parser``).
+
+    Raises:
+      ValueError: an unknown parser name, or ``enable_auto_tool_choice`` without ``tool_call_parser``.
     """
 
-    def __init__(self, engine: AsyncLLM, model_name: str, generation_defaults: dict[str, Any]) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, generation_defaults: dict[str, Any],
+                 tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
+                 reasoning_parser: Optional[str] = None) -> None:
+        check_parsers(tool_call_parser, enable_auto_tool_choice, reasoning_parser)
+        self.tool_parser = TOOL_PARSERS[tool_call_parser] if enable_auto_tool_choice else None
+        self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
@@ -114,40 +140,44 @@ class OpenAIServing:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> list[int]:
-        """Token ids of a conversation in the chat template (``Tokenizer.apply_chat_template``).
+        """Token ids of a conversation in the chat template (``render_chat_text``'s, encoded)."""
+        text = self.render_chat_text(messages, add_generation_prompt, continue_final_message)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render_chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                         continue_final_message: bool = False, tools: Optional[list[dict]] = None,
+                         template_kwargs: Optional[dict[str, Any]] = None) -> str:
+        """A conversation in the chat template (``Tokenizer.apply_chat_template``), with ``tools`` (OpenAI's
+        ``{"type": "function", "function": ...}`` dicts, HF's ``tools=``) and extra template variables.
 
         Raises:
           APIError: 400 naming ``messages`` (a message without a string role or text content, a template that
-            fails on them) or ``continue_final_message`` (with ``add_generation_prompt``, or no last message
-            content to continue).
+            fails on them), ``continue_final_message`` (with ``add_generation_prompt``, or no last message
+            content to continue) or ``chat_template_kwargs`` (a variable the server sets itself).
         """
         self._need_tokenizer()
-        conversation = []
-        for i, message in enumerate(messages):
-            content = message.get("content")
-            if isinstance(content, list):  # OpenAI's content parts: only text is supported
-                if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                    raise APIError(400, f"messages[{i}].content: only parts of type 'text' are supported", "messages")
-                content = "".join(str(p.get("text", "")) for p in content)
-            if not isinstance(message.get("role"), str) or not isinstance(content, (str, type(None))):
-                raise APIError(400, f"messages[{i}] needs a string 'role' and a string (or text parts) 'content'",
-                               "messages")
-            conversation.append({**message, "content": content or ""})
+        clash = [k for k in template_kwargs or {} if k in TEMPLATE_VARIABLES]
+        if clash:
+            raise APIError(400, f"chat_template_kwargs may not set {clash}: the server sets them "
+                                f"(set the request fields instead)", "chat_template_kwargs")
+        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message)
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, tools=tools,
+                                                      template_kwargs=template_kwargs)
         except ValueError as e:
             if "continue_final_message" in str(e):
                 raise APIError(400, str(e), "continue_final_message") from None
             raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
         except Exception as e:  # the template's own errors (raise_exception)
             raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def sampling_params(self, request: Union[CompletionRequest, ChatCompletionRequest], prompt_len: int,
                         max_tokens: Optional[int], logprobs: Optional[int], prompt_logprobs: Optional[int] = None,
-                        logprobs_param: str = "logprobs", score_prompt: bool = False) -> SamplingParams:
-        """The request's ``SamplingParams`` for a prompt of ``prompt_len`` tokens.
+                        logprobs_param: str = "logprobs", score_prompt: bool = False,
+                        constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """The request's ``SamplingParams`` for a prompt of ``prompt_len`` tokens, under ``constraint`` (the
+        request's ``structured_outputs``, checked, or what its tool choice enforces).
 
         ``score_prompt`` (``echo`` with ``max_tokens: 0``): the prompt is computed for its logprobs and nothing is
         generated; the engine runs it with ``max_tokens=1`` (the step that computes the prompt samples a token)
@@ -187,7 +217,7 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
-                structured_outputs=structured_outputs(request), **values,
+                structured_outputs=constraint, **values,
             )
         except ValueError as e:
             match = _PARAM.search(str(e))
@@ -244,8 +274,10 @@ class OpenAIServing:
         echo_logprobs = request.logprobs if request.echo else None
         # One computation serves both: the echo's top tokens and prompt_logprobs' are cut to their own k.
         wanted = [k for k in (echo_logprobs, request.prompt_logprobs) if k is not None]
+        constraint = structured_outputs(request)
         params = [self.sampling_params(request, len(ids), request.max_tokens, request.logprobs,
-                                       prompt_logprobs=max(wanted, default=None), score_prompt=scores_prompt(request))
+                                       prompt_logprobs=max(wanted, default=None), score_prompt=scores_prompt(request),
+                                       constraint=constraint)
                   for _, ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, prompts, params, request)
@@ -358,41 +390,116 @@ class OpenAIServing:
     # ------------------------------------------------------------------ chat
 
     def prepare_chat(self, request: ChatCompletionRequest):
-        """Check and start a chat request; returns (id, created, prompt ids, streams)."""
+        """Check and start a chat request; returns (id, created, prompt ids, streams, how its choices are read,
+        its ``SamplingParams``)."""
         self.check_model(request.model)
         check_combination(request)
-        ids = self.render_chat(request.messages, request.add_generation_prompt, request.continue_final_message)
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        text = self.render_chat_text(request.messages, request.add_generation_prompt, request.continue_final_message,
+                                     tools, request.chat_template_kwargs)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        parsing, constraint = self.chat_parsing(request, opens_reasoning(text))
+        if parsing.tools is not None and parsing.tools().keeps_special_tokens \
+                and "skip_special_tokens" not in request.model_fields_set:
+            request = request.model_copy(update={"skip_special_tokens": False})
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, len(ids), max_tokens, logprobs, prompt_logprobs=request.prompt_logprobs,
-                                      logprobs_param="top_logprobs")
+                                      logprobs_param="top_logprobs", constraint=constraint)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, [(None, ids)], [params], request)
-        return request_id, int(time.time()), ids, streams
+        return request_id, int(time.time()), ids, streams, parsing, params
+
+    def chat_parsing(self, request: ChatCompletionRequest, prompt_opens: bool
+                     ) -> tuple[ChatParsing, Optional[StructuredOutputsParams]]:
+        """How the request's choices are read, and the constraint its output is under (the request's own, or
+        its tool choice's; after the reasoning when a reasoning parser is on). ``prompt_opens``: the prompt
+        ends inside a think block.
+
+        Raises:
+          APIError: 400 naming ``tool_choice`` (no tools, an unknown function, ``"auto"`` without
+            ``--enable-auto-tool-choice``, an enforced choice with ``response_format`` or
+            ``structured_outputs``), ``tools`` (a parameters schema the grammar engine rejects) or the
+            constraint's field.
+        """
+        tool_parser, constraint = self._tool_choice(request)
+        built, param = constraint is not None, "tools"  # built here: checked here
+        if constraint is None:
+            constraint = structured_outputs(request)
+            param = "structured_outputs" if request.structured_outputs is not None else "response_format"
+        elif request.structured_outputs is not None or request.response_format is not None:
+            raise APIError(400, "tool_choice 'required' or a named function is enforced by a grammar, so it cannot "
+                                "be combined with response_format or structured_outputs", "tool_choice")
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning = functools.partial(self.reasoning_parser, prompt_opens)
+            # The answer starts after the reasoning only when the text starts inside it.
+            if constraint is not None and (prompt_opens or self.reasoning_parser.always_reasoning):
+                constraint, built = _checked(lambda: after_reasoning(constraint, THINK_END), param), True
+        if built:
+            _checked(lambda: validate_structured_outputs(constraint), param)
+        parsing = ChatParsing(reasoning, tool_parser, request.include_reasoning, not request.parallel_tool_calls,
+                              named=isinstance(request.tool_choice, NamedToolChoice))
+        return parsing, constraint
+
+    def _tool_choice(self, request: ChatCompletionRequest):
+        """(the tool parser factory or None, the constraint the tool choice enforces or None)."""
+        choice = request.tool_choice or ("auto" if request.tools else "none")
+        if choice != "none" and not request.tools:
+            raise APIError(400, f"tool_choice={_choice_label(choice)} needs tools", "tool_choice")
+        if choice == "none":
+            return None, None
+        functions = [t.function.model_dump(exclude_none=True) for t in request.tools]
+        if choice == "auto":
+            if self.tool_parser is None:
+                raise APIError(400, AUTO_TOOLS_FLAGS, "tool_choice")
+            return self.tool_parser, None
+        if choice == "required":
+            schema = required_schema(functions, request.parallel_tool_calls)
+            return RequiredParser, StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        named = [f for f in functions if f["name"] == choice.function.name]
+        if not named:
+            raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not in tools "
+                                f"({[f['name'] for f in functions]})", "tool_choice")
+        schema = parameters_schema(named[0])
+        return functools.partial(NamedParser, named[0]["name"]), StructuredOutputsParams(json=schema,
+                                                                                        disable_any_whitespace=True)
 
     async def chat(self, request: ChatCompletionRequest, started) -> dict:
         """The whole ``chat.completion`` response of a non-streaming request."""
-        request_id, created, ids, streams = started
+        request_id, created, ids, streams, parsing, params = started
         final = None
         async for _, out in merge(streams):
             final = out
         as_ids = request.return_tokens_as_token_ids
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": (self._chat_logprobs(_output_rows(c, len(c.token_ids)), request.top_logprobs or 0,
-                                                     as_ids=as_ids) if request.logprobs else None),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message, num_calls = parsing.message(c.text)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": (self._chat_logprobs(_output_rows(c, len(c.token_ids)), request.top_logprobs or 0,
+                                                             as_ids=as_ids) if request.logprobs else None),
+                            "finish_reason": parsing.finish_reason(c.finish_reason, num_calls),
+                            "stop_reason": c.stop_reason})
+        reasoning = (sum(self.reasoning_tokens(parsing, c.token_ids, params) for c in final.outputs)
+                     if parsing.reasoning is not None else None)
         body = {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": _usage(len(ids), sum(len(c.token_ids) for c in final.outputs),
-                                                    final.num_cached_tokens)}
+                                                    final.num_cached_tokens, reasoning)}
         if request.prompt_logprobs is not None:
             body["prompt_logprobs"] = _prompt_logprobs_body(final, request.prompt_logprobs)
         return body
 
+    def reasoning_tokens(self, parsing: ChatParsing, token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Tokens of a choice's reasoning (0 without a reasoning parser), decoded as ``params`` decode them."""
+        return reasoning_token_count(
+            parsing, token_ids, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens))
+
     async def chat_stream(self, request: ChatCompletionRequest, started) -> AsyncIterator[bytes]:
-        """The ``chat.completion.chunk`` chunks: a role chunk per choice, content deltas, a finish chunk each."""
-        request_id, created, ids, streams = started
+        """The ``chat.completion.chunk`` chunks: a role chunk per choice, then its reasoning, content and
+        tool-call deltas (``ChoiceStream``), the last one carrying its finish reason."""
+        request_id, created, ids, streams, parsing, params = started
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
 
@@ -403,21 +510,31 @@ class OpenAIServing:
             return _sse(body)
 
         choices = StreamedChoices(1, request.n)
+        readers = [parsing.choice() for _ in range(request.n)]
+        texts, token_ids = [""] * request.n, [[] for _ in range(request.n)]
         try:
             for i in range(request.n):
                 yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})
             async for _, index, _, _, c in choices.updates(merge(streams)):
+                texts[index] += c.delta_text
+                token_ids[index] = list(c.token_ids)
                 logprobs = None
                 if request.logprobs and c.delta_token_ids:
                     logprobs = self._chat_logprobs(_output_rows(c, len(c.delta_token_ids)), request.top_logprobs or 0,
                                                    as_ids=request.return_tokens_as_token_ids)
-                yield chunk({"index": index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                             "logprobs": logprobs, "finish_reason": c.finish_reason,
-                             "stop_reason": c.stop_reason if c.finish_reason else None})
+                deltas = readers[index].update(texts[index], final=c.finish_reason is not None) or [{}]
+                finish = parsing.finish_reason(c.finish_reason, readers[index].num_calls)
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    yield chunk({"index": index, "delta": delta, "logprobs": logprobs if k == 0 else None,
+                                 "finish_reason": finish if last else None,
+                                 "stop_reason": c.stop_reason if last and c.finish_reason else None})
             if include_usage:
+                reasoning = (sum(self.reasoning_tokens(parsing, t, params) for t in token_ids)
+                             if parsing.reasoning is not None else None)
                 yield _sse({**base, "choices": [],
-                            "usage": _usage(len(ids), choices.num_tokens, choices.num_cached_tokens)})
+                            "usage": _usage(len(ids), choices.num_tokens, choices.num_cached_tokens, reasoning)})
         except Exception as e:
             yield _sse(stream_error(e))
         yield SSE_DONE
@@ -603,11 +720,77 @@ def _token_id_label(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens read from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+           reasoning_tokens: Optional[int] = None) -> dict:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens read from the prefix cache;
+    ``completion_tokens_details.reasoning_tokens`` (with a reasoning parser): tokens of the reasoning."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
+
+
+def check_parsers(tool_call_parser: Optional[str], enable_auto_tool_choice: bool,
+                  reasoning_parser: Optional[str]) -> None:
+    """Raises: ValueError naming the flag: an unknown parser, or ``--enable-auto-tool-choice`` without
+    ``--tool-call-parser`` (vLLM refuses it at start-up too)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser {tool_call_parser}: unknown; choose from {sorted(TOOL_PARSERS)}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser {reasoning_parser}: unknown; choose from {sorted(REASONING_PARSERS)}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                         f"{sorted(TOOL_PARSERS)})")
+
+
+def _checked(make: Callable[[], Any], param: str) -> Any:
+    """``make()``; its ValueError is a 400 naming ``param``."""
+    try:
+        return make()
+    except ValueError as e:
+        raise APIError(400, str(e).replace("SamplingParams.", ""), param) from None
+
+
+def _choice_label(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else f"{{'function': {{'name': {choice.function.name!r}}}}}"
+
+
+def _template_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
+    """A request message as chat templates read it: text parts joined; an assistant's ``tool_calls`` with
+    their ``arguments`` decoded from JSON text to objects (what HF templates write with ``tojson``, as vLLM
+    passes them).
+
+    Raises:
+      APIError: 400 naming ``messages``: no string role, content that is not text, a malformed tool call.
+    """
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI's content parts: only text is supported
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise APIError(400, f"messages[{i}].content: only parts of type 'text' are supported", "messages")
+        content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(message.get("role"), str) or not isinstance(content, (str, type(None))):
+        raise APIError(400, f"messages[{i}] needs a string 'role' and a string (or text parts) 'content'",
+                       "messages")
+    out = {**message, "content": content or ""}
+    if "tool_calls" in message:
+        out["tool_calls"] = [_template_call(i, call) for call in message["tool_calls"] or []]
+    return out
+
+
+def _template_call(i: int, call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, f"messages[{i}].tool_calls: each call needs a function with a name", "messages")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise APIError(400, f"messages[{i}].tool_calls: the arguments of {function['name']!r} are not JSON: "
+                                f"{arguments[:100]!r}", "messages") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def stream_error(error: Exception) -> dict:

@@ -1,0 +1,362 @@
+"""Issue 27, items 1-2, through the official ``openai`` client against real ``jaxllm serve`` processes on
+stories260K: tools in chat completions (enforced ``required`` and named choices whose arguments validate against
+the tool's schema, greedy and over many seeds; ``auto`` read by every ``--tool-call-parser`` from real model
+output, forced with a ``structured_outputs`` regex; streamed calls that join to the unstreamed ones; a history
+with tool calls and results rendered), and the reasoning split (``--reasoning-parser qwen3``).
+
+The main server runs ``--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3`` with
+``TEMPLATE``, a small chat template that renders tools, tool calls and tool results, and opens a think block when
+``enable_thinking`` is set. Each other parser gets a server of its own, one at a time (``parser_server``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from jaxllm.tokenizer import load_tokenizer
+from tests.server_process import Server, engine_flags
+
+openai = pytest.importorskip("openai")
+
+# Line breaks are written as expressions: HF's template settings (trim_blocks) drop one that follows a tag.
+TEMPLATE = (
+    "{{ bos_token }}{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}tool {{ m.tool_call_id }}: {{ m.content }}"
+    "{% elif m.tool_calls %}{{ m.role }}:{% for c in m.tool_calls %} <tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "{% else %}{{ m.role }}: {{ m.content }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% if enable_thinking %}<think>{% endif %}{% endif %}")
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["CET", "UTC", "PST"]}}, "required": ["zone"],
+        "additionalProperties": False}
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name} of a place", "parameters": schema}}
+         for name, schema in SCHEMAS.items()]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+SEEDS = range(4)
+N = 4  # choices per seeded request: 16 seeded draws in all
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools_template") / "template.jinja"
+    path.write_text(TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir, template_file):
+    server = Server(stories_dir, *engine_flags(), "--chat-template", str(template_file), "--served-model-name",
+                    "stories", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser",
+                    "qwen3", log=template_file.parent / "server.log").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stories_dir):
+    return load_tokenizer(stories_dir)
+
+
+def chat(client, **body):
+    return client.chat.completions.create(model="stories", messages=body.pop("messages", USER), **body)
+
+
+def forced(text: str) -> dict:
+    """``extra_body`` making the model write exactly ``text``."""
+    return {"structured_outputs": {"regex": "".join("\\" + c if c in "\\.^$|?*+()[]{}" else c for c in text)}}
+
+
+def hermes_call(name: str, arguments: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def joined_stream(chunks):
+    """(content, reasoning, calls, finish reasons, first delta of each call) of a one-choice stream."""
+    content, reasoning, calls, finishes, firsts = "", "", [], [], []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            reasoning += (delta.model_extra or {}).get("reasoning") or ""
+            for part in delta.tool_calls or []:
+                if part.index == len(calls):
+                    firsts.append(part)
+                    calls.append({"id": part.id, "name": part.function.name, "arguments": ""})
+                calls[part.index]["arguments"] += part.function.arguments or ""
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+    return content, reasoning, calls, finishes, firsts
+
+
+def calls_of(message):
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+# ------------------------------------------------------------------ templates
+
+def prompt_ids(response) -> list[int]:
+    """The prompt's token ids, read from ``prompt_logprobs`` (the first, BOS, has no entry)."""
+    return [1] + [int(next(iter(entry))) for entry in response.model_extra["prompt_logprobs"][1:]]
+
+
+def test_tools_tool_calls_and_tool_results_reach_the_chat_template(client, tokenizer):
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    response = chat(client, messages=history, tools=TOOLS, tool_choice="none", max_tokens=1,
+                    extra_body={"prompt_logprobs": 0})
+    want = ('<s>Tools: get_weather get_time\nuser: What is the weather in Paris?\nassistant: <tool_call>'
+            '{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}</tool_call>\n'
+            'tool call_1: sunny\nassistant:')
+    assert tokenizer.decode(prompt_ids(response), skip_special_tokens=False) == want
+
+
+def test_chat_template_kwargs_reach_the_template(client, tokenizer):
+    response = chat(client, max_tokens=1, extra_body={"prompt_logprobs": 0,
+                                                      "chat_template_kwargs": {"enable_thinking": True}})
+    assert tokenizer.decode(prompt_ids(response), skip_special_tokens=False).endswith("assistant:<think>")
+
+
+# ------------------------------------------------------------------ enforced choices
+
+def assert_valid_calls(message, names=tuple(SCHEMAS)):
+    assert message.content is None and message.tool_calls
+    for call in message.tool_calls:
+        assert call.function.name in names and call.id.startswith("chatcmpl-tool-") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("temperature, seeds", [(0, [None]), (1, SEEDS)], ids=["greedy", "seeded"])
+def test_named_tool_choice_returns_a_call_whose_arguments_validate(client, temperature, seeds):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in seeds:
+        response = chat(client, tools=TOOLS, tool_choice=named, temperature=temperature, seed=seed,
+                        n=1 if seed is None else N)
+        for choice in response.choices:
+            assert_valid_calls(choice.message, names=("get_weather",))
+            assert len(choice.message.tool_calls) == 1 and choice.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature, seeds", [(0, [None]), (1, SEEDS)], ids=["greedy", "seeded"])
+def test_required_tool_choice_returns_calls_whose_arguments_validate(client, temperature, seeds):
+    names = set()
+    for seed in seeds:
+        response = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                        temperature=temperature, seed=seed, n=1 if seed is None else N)
+        for choice in response.choices:
+            assert_valid_calls(choice.message)
+            assert len(choice.message.tool_calls) == 1 and choice.finish_reason == "tool_calls"
+            names.add(choice.message.tool_calls[0].function.name)
+    assert temperature == 0 or names == set(SCHEMAS)  # both tools are drawn
+
+
+def test_a_required_call_cut_by_max_tokens_is_left_as_content_finished_by_length(client):
+    # stories260K never closes a parallel call array: it goes on adding calls.
+    response = chat(client, tools=TOOLS, tool_choice="required", max_tokens=30, temperature=0)
+    (choice,) = response.choices
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content.startswith('[{"name":"get_')
+
+
+@pytest.mark.parametrize("tool_choice, finish", [
+    ({"type": "function", "function": {"name": "get_weather"}}, "stop"), ("required", "tool_calls")],
+    ids=["named", "required"])
+def test_streamed_enforced_call_sends_id_and_name_first_then_arguments_joining_to_the_unstreamed(
+        client, tool_choice, finish):
+    body = dict(tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False, temperature=1, seed=7)
+    whole = chat(client, **body)
+    content, _, calls, finishes, firsts = joined_stream(chat(client, stream=True, **body))
+    assert content == "" and finishes == [finish]
+    assert firsts[0].id and firsts[0].function.name and firsts[0].function.arguments == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+
+
+# ------------------------------------------------------------------ auto
+
+PARIS = ("get_weather", {"city": "Paris", "days": 2})
+CET = ("get_time", {"zone": "CET"})
+HERMES_TEXT = f"Sure. {hermes_call(*PARIS)}\n{hermes_call(*CET)}"
+
+
+def test_auto_hermes_reads_several_calls_from_model_text_and_keeps_the_text_around(client):
+    response = chat(client, tools=TOOLS, temperature=0, max_tokens=300, extra_body=forced(HERMES_TEXT))
+    (choice,) = response.choices
+    assert calls_of(choice.message) == [PARIS, CET]
+    assert choice.message.content == "Sure." and choice.finish_reason == "tool_calls"
+
+
+def test_auto_streamed_tool_call_deltas_join_to_the_unstreamed_calls(client):
+    body = dict(tools=TOOLS, temperature=0, max_tokens=300, extra_body=forced(HERMES_TEXT))
+    whole = chat(client, **body).choices[0]
+    content, _, calls, finishes, firsts = joined_stream(chat(client, stream=True, **body))
+    assert content == whole.message.content and finishes == ["tool_calls"]
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert all(f.id and f.type == "function" and f.function.name for f in firsts)
+
+
+def test_auto_malformed_call_stays_content(client):
+    text = '<tool_call>{"name": get_weather}</tool_call>'
+    response = chat(client, tools=TOOLS, temperature=0, max_tokens=60, extra_body=forced(text))
+    assert response.choices[0].message.content == text and not response.choices[0].message.tool_calls
+    assert response.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_none_leaves_the_text_alone(client):
+    response = chat(client, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=300,
+                    extra_body=forced(HERMES_TEXT))
+    assert response.choices[0].message.content == HERMES_TEXT and not response.choices[0].message.tool_calls
+
+
+PARSER_TEXTS = {
+    "llama3_json": ("<|python_tag|>" + json.dumps({"name": PARIS[0], "parameters": PARIS[1]}) + "; "
+                    + json.dumps({"name": CET[0], "parameters": CET[1]}), None),
+    "mistral": ("Here. [TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in (PARIS, CET)]), "Here."),
+    "pythonic": ('[get_weather(city="Paris", days=2), get_time(zone="CET")] done', " done"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PARSER_TEXTS))
+def parser_server(request, stories_dir, template_file):
+    server = Server(stories_dir, *engine_flags(), "--chat-template", str(template_file), "--served-model-name",
+                    "stories", "--enable-auto-tool-choice", "--tool-call-parser", request.param,
+                    log=template_file.parent / f"{request.param}.log").start()
+    try:
+        yield request.param, openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+    finally:
+        server.stop()
+
+
+def test_auto_every_parser_reads_the_calls_from_model_text(parser_server):
+    name, client = parser_server
+    text, content = PARSER_TEXTS[name]
+    body = dict(tools=TOOLS, temperature=0, max_tokens=300, extra_body=forced(text))
+    (choice,) = chat(client, **body).choices
+    assert calls_of(choice.message) == [PARIS, CET]
+    assert choice.message.content == content and choice.finish_reason == "tool_calls"
+    streamed, _, calls, finishes, _ = joined_stream(chat(client, stream=True, **body))
+    assert (streamed or None, finishes) == (content, ["tool_calls"])
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [PARIS, CET]
+
+
+# ------------------------------------------------------------------ refusals
+
+def refusal(client, **body) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, max_tokens=4, **body)
+    return info.value
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (dict(tool_choice="required"), "tool_choice", "needs tools"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_moon"}}), "tool_choice",
+     "'get_moon'"),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
+     "response_format"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+          tool_choice="required"), "tools", "objekt"),
+    (dict(extra_body={"chat_template_kwargs": {"messages": []}}), "chat_template_kwargs", "messages"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "paramters": {}}}]), "tools", "paramters"),
+], ids=["choice-without-tools", "unknown-function", "with-response-format", "bad-schema", "template-clash",
+        "unknown-tool-field"])
+def test_tool_requests_that_cannot_be_honoured_are_refused_naming_the_field(client, body, param, words):
+    error = refusal(client, **body)
+    assert error.body["param"] == param and words in error.body["message"], error.body
+
+
+def test_auto_without_enable_auto_tool_choice_is_refused_naming_the_flag(stories_dir, template_file):
+    server = Server(stories_dir, *engine_flags(), "--chat-template", str(template_file), "--served-model-name",
+                    "stories", log=template_file.parent / "plain.log").start()
+    try:
+        plain = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+        for choice in ("auto", None):  # tools without a tool_choice mean "auto", as OpenAI's
+            error = refusal(plain, tools=TOOLS, tool_choice=choice)
+            assert error.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in error.body["message"]
+        assert chat(plain, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).choices[0].message.tool_calls
+    finally:
+        server.stop()
+
+
+def test_serve_refuses_enable_auto_tool_choice_without_a_parser(capsys):
+    from jaxllm.entrypoints.openai.api_server import main
+
+    assert main(["--enable-auto-tool-choice"]) == 2
+    assert "--tool-call-parser" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ reasoning
+
+THINKING = {"chat_template_kwargs": {"enable_thinking": True}}
+
+
+def test_a_prompt_that_opens_a_think_block_makes_the_text_reasoning_and_counts_its_tokens(client):
+    response = chat(client, max_tokens=20, temperature=0, extra_body=THINKING)
+    message = response.choices[0].message
+    assert message.content is None and len(message.reasoning) > 20
+    assert response.usage.completion_tokens_details.reasoning_tokens == response.usage.completion_tokens == 20
+    content, reasoning, _, _, _ = joined_stream(chat(client, max_tokens=20, temperature=0, extra_body=THINKING,
+                                                     stream=True))
+    assert (content, reasoning) == ("", message.reasoning)
+
+
+def test_reasoning_and_answer_are_split_on_real_output_streamed_or_not(client, tokenizer):
+    text = "<think>It is sunny.</think>Take a hat."
+    body = dict(max_tokens=60, temperature=0, logprobs=True, extra_body={**forced(text),
+                                                                         "return_tokens_as_token_ids": True})
+    response = chat(client, **body)
+    message = response.choices[0].message
+    assert (message.reasoning, message.content) == ("It is sunny.", "Take a hat.")
+    ids = [int(t.token.split(":")[1]) for t in response.choices[0].logprobs.content]
+    ended = next(k for k in range(len(ids) + 1) if "</think>" in tokenizer.decode(ids[:k]))
+    assert response.usage.completion_tokens_details.reasoning_tokens == ended < len(ids)
+    chunks = list(chat(client, stream=True, stream_options={"include_usage": True}, **body))
+    content, reasoning, _, _, _ = joined_stream(chunks)
+    assert (reasoning, content) == ("It is sunny.", "Take a hat.")
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == ended
+
+
+def test_tool_calls_are_read_from_the_answer_after_the_reasoning(client):
+    text = f"<think>Paris, then.</think>{hermes_call(*PARIS)}"
+    response = chat(client, tools=TOOLS, temperature=0, max_tokens=300, extra_body=forced(text))
+    message = response.choices[0].message
+    assert message.reasoning == "Paris, then." and calls_of(message) == [PARIS] and message.content is None
+
+
+def test_include_reasoning_false_drops_the_reasoning(client):
+    response = chat(client, max_tokens=8, temperature=0, extra_body={**THINKING, "include_reasoning": False})
+    message = response.choices[0].message
+    assert "reasoning" not in (message.model_extra or {}) and message.content is None
+
+
+def test_enable_thinking_false_leaves_the_text_all_answer(client):
+    response = chat(client, max_tokens=8, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = response.choices[0].message
+    assert message.reasoning is None and len(message.content) > 5
+    assert response.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_a_constraint_waits_for_the_end_of_a_reasoning_the_prompt_opened(client):
+    body = dict(max_tokens=12, temperature=0)
+    free = chat(client, extra_body=THINKING, **body).choices[0]
+    constrained = chat(client, extra_body={**THINKING, "structured_outputs": {"regex": "[0-9]+"}}, **body).choices[0]
+    # The reasoning runs as it would unconstrained (stories260K never closes it within 12 tokens).
+    assert constrained.message.reasoning == free.message.reasoning and constrained.finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, extra_body={**THINKING, "structured_outputs": {"grammar": 'start: "x"'}}, **body)
+    assert info.value.body["param"] == "structured_outputs" and "reasoning" in info.value.body["message"]
