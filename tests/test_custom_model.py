@@ -202,22 +202,33 @@ def write_plugin(folder):
     return folder
 
 
-@pytest.fixture(scope="module")
-def server(gptj_dir, tmp_path_factory):
-    """``jaxllm serve`` of the custom model; its processes know the architecture only from the plugin."""
+# A program that registers the family object, then runs the CLI: the registration reaches the core process only
+# as the import string the front end sends it.
+LAUNCHER = ("import sys, jaxllm; from tests import custom_model_gptj as g; jaxllm.register_model(g.MODEL_TYPE, "
+            "g.FAMILY, hf_architectures=[g.ARCHITECTURE]); from jaxllm.entrypoints.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.fixture(scope="module", params=["plugin", "registered_by_the_launching_program"])
+def server(request, gptj_dir, tmp_path_factory):
+    """``jaxllm serve`` of the custom model, whose processes know the architecture only from an entry-point
+    plugin, or from a registration in the program that starts the server."""
     plugins = write_plugin(tmp_path_factory.mktemp("plugins"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugins), str(ROOT)])}
+    paths = [str(plugins)] if request.param == "plugin" else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [str(ROOT)])}
     env.pop(registry.PLUGINS_ENV, None)
     server = Server(gptj_dir, *engine_flags(**ENGINE), log=tmp_path_factory.mktemp("log") / "server.log", env=env)
+    if request.param != "plugin":
+        server.argv[1:3] = ["-c", LAUNCHER]
     try:
         yield server.start()
     finally:
         server.stop()
 
 
-def test_server_completions_of_the_registered_model_match_the_dense_reference(server, references):
+def test_server_completions_of_the_registered_model_match_the_dense_reference(server, gptj_dir, references):
     for prompt, (tokens, rows) in zip(PROMPTS, references):
-        body = {"model": server.argv[4], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        body = {"model": str(gptj_dir), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True}
         reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
