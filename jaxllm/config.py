@@ -79,7 +79,9 @@ class ModelConfig:
     ``attn_logit_softcapping``, and so does jaxllm), the experts (Mixtral,
     Qwen3-MoE: ``num_experts > 0``; ``moe_intermediate_size`` is each
     expert's FFN width), tied embeddings.
-    Follows the fields of the HF ``*Config`` classes of these models.
+    Follows the fields of the HF ``*Config`` classes of these models. A registered
+    architecture (``jaxllm.models.register_model``) fills the same fields; its family
+    reads ``hidden_act`` as it likes and ``rms_norm_eps`` as its norms' epsilon.
     """
 
     architecture: str

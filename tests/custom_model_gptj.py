@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -153,25 +153,31 @@ def _reference_rope(x: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
-def dense_logits(folder: Path, token_ids: Any) -> np.ndarray:
-    """Reference logits float32 ``[N, vocab]`` of every position of one sequence ``token_ids`` int[N]:
-    the model computed from the safetensors file in HF names, with full causal softmax attention in plain
-    ``jnp`` (no cache, no jaxllm code)."""
+def dense_forward(folder: Path) -> Callable[[Any], np.ndarray]:
+    """The reference model of ``folder``: token ids int[N] of one sequence -> logits float32 ``[N, vocab]`` of
+    every position, computed from the safetensors file in HF names with full causal softmax attention in plain
+    ``jnp`` (no cache, no jaxllm code); compiled once per length N."""
     cfg = json.loads((folder / "config.json").read_text())
     t = {name: jnp.asarray(a) for name, a in load_file(str(folder / "model.safetensors")).items()}
     heads, eps = cfg["n_head"], cfg["layer_norm_epsilon"]
-    ids = jnp.asarray(token_ids, jnp.int32)
-    n, d = ids.shape[0], cfg["n_embd"] // heads
-    x = t["transformer.wte.weight"][ids]
-    causal = jnp.tril(jnp.ones((n, n), bool))
-    for i in range(cfg["n_layer"]):
-        w = {name[len(f"transformer.h.{i}."):]: a for name, a in t.items() if name.startswith(f"transformer.h.{i}.")}
-        h = _reference_layer_norm(x, w["ln_1.weight"], w["ln_1.bias"], eps)
-        q, k, v = ((h @ w[f"attn.{p}_proj.weight"].T).reshape(n, heads, d) for p in "qkv")
-        q, k = (_reference_rope(a, cfg["rotary_dim"], cfg["rope_theta"]) for a in (q, k))
-        scores = jnp.where(causal[None], jnp.einsum("qhd,khd->hqk", q, k) * d ** -0.5, -jnp.inf)
-        attn = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v).reshape(n, heads * d)
-        fc = jax.nn.gelu(h @ w["mlp.fc_in.weight"].T + w["mlp.fc_in.bias"], approximate=True)
-        x = x + attn @ w["attn.out_proj.weight"].T + fc @ w["mlp.fc_out.weight"].T + w["mlp.fc_out.bias"]
-    x = _reference_layer_norm(x, t["transformer.ln_f.weight"], t["transformer.ln_f.bias"], eps)
-    return np.asarray(x @ t["lm_head.weight"].T)
+    d = cfg["n_embd"] // heads
+
+    @jax.jit
+    def logits(ids):
+        n = ids.shape[0]
+        x = t["transformer.wte.weight"][ids]
+        causal = jnp.tril(jnp.ones((n, n), bool))
+        for i in range(cfg["n_layer"]):
+            w = {name[len(f"transformer.h.{i}."):]: a for name, a in t.items()
+                 if name.startswith(f"transformer.h.{i}.")}
+            h = _reference_layer_norm(x, w["ln_1.weight"], w["ln_1.bias"], eps)
+            q, k, v = ((h @ w[f"attn.{p}_proj.weight"].T).reshape(n, heads, d) for p in "qkv")
+            q, k = (_reference_rope(a, cfg["rotary_dim"], cfg["rope_theta"]) for a in (q, k))
+            scores = jnp.where(causal[None], jnp.einsum("qhd,khd->hqk", q, k) * d ** -0.5, -jnp.inf)
+            attn = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v).reshape(n, heads * d)
+            fc = jax.nn.gelu(h @ w["mlp.fc_in.weight"].T + w["mlp.fc_in.bias"], approximate=True)
+            x = x + attn @ w["attn.out_proj.weight"].T + fc @ w["mlp.fc_out.weight"].T + w["mlp.fc_out.bias"]
+        x = _reference_layer_norm(x, t["transformer.ln_f.weight"], t["transformer.ln_f.bias"], eps)
+        return x @ t["lm_head.weight"].T
+
+    return lambda ids: np.asarray(logits(jnp.asarray(ids, jnp.int32)))

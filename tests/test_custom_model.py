@@ -1,7 +1,7 @@
 """An architecture jaxllm does not ship, registered (``jaxllm.register_model``) and served: the GPT-J-style
 model of tests/custom_model_gptj.py, loaded from safetensors in GPT-J's names, against its plain dense-attention
 reference (float32 logits within 1e-4, greedy tokens identical) through the model step, ``LLM`` (chunked
-prefill, prefix-cache hits, logprobs, structured output) and ``jaxllm serve`` (registered by an entry-point
+prefill, prefix-cache hits, preemption, logprobs, structured output) and ``jaxllm serve`` (registered by an entry-point
 plugin in the server's processes); and the registration's errors.
 """
 
@@ -43,19 +43,29 @@ def gptj_dir(tmp_path_factory, stories_dir):
     return gptj.write_checkpoint(tmp_path_factory.mktemp("gptj") / "tiny_gptj", stories_dir)
 
 
-def greedy_reference(folder, prompt, steps=MAX_TOKENS):
+# The reference's sequences are padded to this length: a position's logits under causal attention do not depend
+# on the tokens after it, so one program serves every greedy step.
+REFERENCE_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def dense(gptj_dir):
+    return gptj.dense_forward(gptj_dir)
+
+
+def greedy_reference(dense, prompt, steps=MAX_TOKENS):
     """(greedy token ids, log-softmax rows [steps, V] they were chosen from) of the dense reference."""
     ids, rows = list(prompt), []
     for _ in range(steps):
-        logits = gptj.dense_logits(folder, ids)[-1].astype(np.float64)
+        logits = dense(ids + [0] * (REFERENCE_LEN - len(ids)))[len(ids) - 1].astype(np.float64)
         rows.append(logits - logits.max() - np.log(np.exp(logits - logits.max()).sum()))
         ids.append(int(logits.argmax()))
     return ids[len(prompt):], np.stack(rows)
 
 
 @pytest.fixture(scope="module")
-def references(gptj_dir):
-    return [greedy_reference(gptj_dir, p) for p in PROMPTS]
+def references(dense):
+    return [greedy_reference(dense, p) for p in PROMPTS]
 
 
 def test_registered_config_json_in_gptj_names_maps_to_a_model_config(gptj_dir):
@@ -66,10 +76,10 @@ def test_registered_config_json_in_gptj_names_maps_to_a_model_config(gptj_dir):
     assert (cfg.hidden_act, cfg.tie_word_embeddings, cfg.eos_token_ids) == ("gelu_new", False, (2,))
 
 
-def test_step_logits_match_the_dense_reference_whole_chunked_and_decoding(gptj_dir):
+def test_step_logits_match_the_dense_reference_whole_chunked_and_decoding(gptj_dir, dense):
     cfg, params, _ = load_model(gptj_dir)
     ids = np.random.default_rng(3).integers(3, 500, size=30)
-    ref = gptj.dense_logits(gptj_dir, ids)
+    ref = dense(ids)
     whole = SingleSequence(cfg, params, num_blocks=len(ids) // BLOCK_SIZE + 2, backend="xla").run(ids)
     np.testing.assert_allclose(whole, ref, atol=TOL, rtol=0)
     seq = SingleSequence(cfg, params, num_blocks=len(ids) // BLOCK_SIZE + 2, backend="reference")
@@ -92,6 +102,16 @@ def test_llm_greedy_tokens_and_logprobs_match_the_dense_reference_with_prefix_hi
         for step, (chosen, row) in enumerate(zip(out.outputs[0].logprobs, rows)):
             got = {token: lp.logprob for token, lp in chosen.items()}
             np.testing.assert_allclose(list(got.values()), row[list(got)], atol=TOL, rtol=0, err_msg=f"step {step}")
+
+
+def test_preempted_requests_of_the_registered_model_keep_the_dense_reference_tokens(gptj_dir, dense):
+    # Three 14-token prompts take a block each; growing past 16 tokens, they need six of the four usable blocks.
+    prompts = np.random.default_rng(11).integers(3, 500, size=(3, 14)).tolist()
+    llm = LLM(model=gptj_dir, **{**ENGINE, "max_model_len": 32, "num_kv_blocks": 5})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert [list(o.outputs[0].token_ids) for o in outs] == [greedy_reference(dense, p)[0] for p in prompts]
 
 
 def test_llm_structured_output_constrains_the_registered_model(llm):

@@ -74,7 +74,7 @@ def register_model(model_type: str, family: Union[Family, str], *, hf_architectu
     After ``register_model("my_gptj", "my_pkg.gptj:FAMILY", hf_architectures=["MyGPTJForCausalLM"])``, a HF
     folder whose config.json names that architecture (or, when ``hf_architectures`` is empty, that
     ``model_type``) loads into ``LLM``, ``jaxllm serve`` and ``jaxllm generate`` like a built-in model, with the
-    paged KV cache, prefix caching, chunked prefill, preemption, sampling, structured output and speculation.
+    paged KV cache, prefix caching, chunked prefill, preemption, sampling and structured output.
 
     Registrations reach the engine-core processes (``jaxllm serve``, ``data_parallel_size > 1``) as import
     strings, replayed there; a ``Family`` object is found by its module (the one defining its ``layer``), so
@@ -116,7 +116,8 @@ def register_model(model_type: str, family: Union[Family, str], *, hf_architectu
       model_type: the HF ``model_type`` of the architecture (not a built-in one).
       family: a ``Family``, or the import string ``"module:attr"`` of one (imported on first use, in every
         process that runs the model).
-      hf_architectures: config.json ``architectures`` entries that select this family (not a built-in's).
+      hf_architectures: config.json ``architectures`` entries that select this family (not a built-in's); a
+        string is one architecture.
 
     Raises:
       ValueError: an empty or built-in ``model_type``, a family that is neither a ``Family`` nor
