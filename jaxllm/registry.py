@@ -64,6 +64,8 @@ class Registration:
 
 
 _REGISTERED: dict[str, Registration] = {}
+# model_type -> the object its import string named, once imported.
+_IMPORTED: dict[str, Any] = {}
 _plugins_loaded = False
 
 
@@ -71,6 +73,7 @@ def add(registration: Registration) -> None:
     """Record ``registration``, replacing an earlier one of its ``model_type`` (a plugin loaded twice
     registers the same thing twice); ``jaxllm.models.register_model`` checks it first."""
     _REGISTERED[registration.model_type] = registration
+    _IMPORTED.pop(registration.model_type, None)
 
 
 def registered(model_type: str) -> Optional[Registration]:
@@ -98,14 +101,14 @@ def resolve_family(model_type: str) -> Any:
     registration = _REGISTERED[model_type]
     if not isinstance(registration.family, str):
         return registration.family
-    module, _, attr = registration.family.partition(":")
-    try:
-        family = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"model_type {model_type!r} is registered as {registration.family!r}, which does not "
-                         f"import: {type(e).__name__}: {e}") from None
-    _REGISTERED[model_type] = dataclasses.replace(registration, family=family)
-    return family
+    if model_type not in _IMPORTED:
+        module, _, attr = registration.family.partition(":")
+        try:
+            _IMPORTED[model_type] = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"model_type {model_type!r} is registered as {registration.family!r}, which does not "
+                             f"import: {type(e).__name__}: {e}") from None
+    return _IMPORTED[model_type]
 
 
 def registrations_json() -> str:

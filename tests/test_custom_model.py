@@ -146,6 +146,16 @@ def test_family_param_axes_shard_its_own_leaves_and_undeclared_ones_are_replicat
 def isolated_registry(monkeypatch):
     """The registry as it is, restored after the test."""
     monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))
+    monkeypatch.setattr(registry, "_IMPORTED", dict(registry._IMPORTED))
+
+
+@pytest.mark.parametrize("axes", [("embed",), ("embed", "hidden")])
+def test_param_axes_that_do_not_fit_the_leaf_are_named(isolated_registry, gptj_dir, axes):
+    register_model("bad_axes", dataclasses.replace(gptj.FAMILY, param_axes={"w_fc": axes}))
+    cfg, params, _ = load_model(gptj_dir)
+    sharding = ModelSharding(dataclasses.replace(cfg, model_type="bad_axes"), make_mesh(1))
+    with pytest.raises(ValueError, match=r"Family.param_axes\['w_fc'\]=.* shape \(64, 160\)"):
+        sharding.param_specs(params)
 
 
 def test_model_type_registered_without_architectures_is_chosen_by_model_type(isolated_registry):

@@ -240,17 +240,28 @@ class ModelSharding:
         replicated. A quantized weight's scale splits with its weight's output channels (and,
         for group scales, with its input rows: :data:`SCALE_SUFFIX`).
         """
-        table = {**PARAM_AXES, **family(self.cfg).param_axes}
+        declared = family(self.cfg).param_axes
+        table = {**PARAM_AXES, **declared}
 
         def one(path, leaf):
             key = path[-1].key
             stacked = path[0].key == "layers"
             axes = _axes(key, len(leaf.shape) - stacked, table)
+            if key in declared:
+                self._check_declared_axes(key, axes, leaf.shape[stacked:])
             if key.endswith(SCALE_SUFFIX) and key not in table and len(leaf.shape) < len(axes) + stacked:
                 axes = axes[:-2] + axes[-1:]  # per output channel: the weight's axes without its input axis
             return self.spec(((None,) if stacked else ()) + axes, leaf.shape)
 
         return jax.tree_util.tree_map_with_path(one, params)
+
+    def _check_declared_axes(self, key: str, axes: tuple[Optional[str], ...], shape: tuple[int, ...]) -> None:
+        """Raise ValueError unless a family's ``param_axes[key]`` names one known logical axis per axis of its leaf."""
+        unknown = [a for a in axes if a not in self.logical_rules()]
+        if unknown or len(axes) != len(shape):
+            raise ValueError(f"Family.param_axes[{key!r}]={axes} must name one logical axis of "
+                             f"{sorted(a for a in self.logical_rules() if a)} or None per axis of the leaf, "
+                             f"shape {tuple(shape)} (without the layer axis)")
 
     def param_shardings(self, params: Any) -> Any:
         """NamedShardings of a parameter pytree, as :meth:`param_specs`."""
