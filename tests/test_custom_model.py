@@ -142,6 +142,14 @@ def test_family_param_axes_shard_its_own_leaves_and_undeclared_ones_are_replicat
     assert specs["layers"]["ln_bias"] == P(None, None) and specs["final_norm_bias"] == P(None)
 
 
+def test_int8_weight_quantization_covers_the_shared_projection_names_only(gptj_dir):
+    _, params, _ = load_model(gptj_dir, quantization="int8")
+    layers = params["layers"]
+    assert sorted(k for k in layers if k.endswith("_scale")) == ["wk_scale", "wo_scale", "wq_scale", "wv_scale"]
+    assert layers["wq"].dtype == np.int8 and layers["w_fc"].dtype == np.float32
+    assert "lm_head_scale" in params
+
+
 @pytest.fixture
 def isolated_registry(monkeypatch):
     """The registry as it is, restored after the test."""
