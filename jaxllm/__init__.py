@@ -1,7 +1,8 @@
 """jaxllm: a JAX/XLA-compiled LLM inference engine.
 
 ``from jaxllm import LLM, SamplingParams`` is the offline API (vLLM's names);
-``jaxllm.frontend.llm_engine.LLMEngine`` is the step-by-step one. The names are imported on
+``jaxllm.frontend.llm_engine.LLMEngine`` is the step-by-step one; ``jaxllm.register_model`` serves an
+architecture jaxllm does not ship (``jaxllm.models.register_model``). The names are imported on
 first use, so ``import jaxllm`` (and the CLI's ``--help``) does not import JAX.
 """
 
@@ -18,6 +19,7 @@ _EXPORTS = {
     "StructuredOutputsParams": "scheduler.sampling_params",
     "RequestOutput": "jaxllm.outputs",
     "CompletionOutput": "jaxllm.outputs",
+    "register_model": "jaxllm.models",
 }
 __all__ = list(_EXPORTS)
 

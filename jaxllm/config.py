@@ -14,6 +14,7 @@ import json
 import math
 from typing import Any, Optional, Sequence, Union
 
+from jaxllm import registry
 from jaxllm.core.kv_events import KVEventsConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
 from scheduler.buckets import geometric_ladder, half_step_ladder
@@ -36,6 +37,9 @@ SUPPORTED_ARCHITECTURES = {
 ARCHITECTURE_OF_MODEL_TYPE = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 # HF ``hidden_act`` names of the gated MLP's activation that the models implement.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# The config.json fields a registered architecture must have (``jaxllm.models.register_model``).
+REGISTERED_MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +80,9 @@ class ModelConfig:
     ``attn_logit_softcapping``, and so does jaxllm), the experts (Mixtral,
     Qwen3-MoE: ``num_experts > 0``; ``moe_intermediate_size`` is each
     expert's FFN width), tied embeddings.
-    Follows the fields of the HF ``*Config`` classes of these models.
+    Follows the fields of the HF ``*Config`` classes of these models. A registered
+    architecture (``jaxllm.models.register_model``) fills the same fields; its family
+    reads ``hidden_act`` as it likes and ``rms_norm_eps`` as its norms' epsilon.
     """
 
     architecture: str
@@ -119,21 +125,27 @@ class ModelConfig:
         the generation config's eos ids besides the model's.
 
         The family is the first of ``architectures`` in
-        ``SUPPORTED_ARCHITECTURES``; a config without ``architectures`` (absent,
-        null or empty) is named by its ``model_type`` alone
-        (``ARCHITECTURE_OF_MODEL_TYPE``).
+        ``SUPPORTED_ARCHITECTURES`` or registered (``jaxllm.models.register_model``,
+        after the ``jaxllm.general_plugins`` have run); a config without
+        ``architectures`` (absent, null or empty), or naming none of them, is
+        named by its ``model_type`` alone (``ARCHITECTURE_OF_MODEL_TYPE``, or a
+        model_type registered without architectures). A registered family's
+        ``hf_config`` maps the dict first.
 
         Raises:
-          ValueError: an architecture outside ``SUPPORTED_ARCHITECTURES``, or
-            without architectures a ``model_type`` none of them has (both name
-            the supported ones), an unsupported activation or rope type, heads that do not divide, or
-            a mixture-of-experts model whose layers are not all MoE layers.
+          ValueError: an architecture nothing runs, or without architectures a
+            ``model_type`` none of them has (both name the supported ones), an
+            unsupported activation or rope type, heads that do not divide, a
+            mixture-of-experts model whose layers are not all MoE layers, or a
+            registered architecture's config without ``REGISTERED_MODEL_FIELDS``
+            (the missing ones named).
         """
-        arch = _architecture_from_hf(cfg)
-        model_type = SUPPORTED_ARCHITECTURES[arch]
+        arch, model_type = _architecture_from_hf(cfg)
+        if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
+            cfg = _registered_hf_config(cfg, model_type)
         gemma = model_type == "gemma3_text"
         act = cfg.get("hidden_activation" if gemma else "hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
-        if act not in ACTIVATIONS:
+        if act not in ACTIVATIONS and model_type in ARCHITECTURE_OF_MODEL_TYPE:
             raise ValueError(f"unsupported hidden_act {act!r}: the gated MLP implements {list(ACTIVATIONS)}")
         if gemma and cfg.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention=True (Gemma 3 as an encoder) is not supported: "
@@ -206,19 +218,38 @@ def _optional_float(value: Any) -> Optional[float]:
     return None if value is None else float(value)
 
 
-def _architecture_from_hf(cfg: dict[str, Any]) -> str:
-    """The architecture that runs a HF config dict (see ``ModelConfig.from_hf_config``)."""
+def _architecture_from_hf(cfg: dict[str, Any]) -> tuple[str, str]:
+    """(architecture, model_type) that runs a HF config dict (see ``ModelConfig.from_hf_config``)."""
+    registry.load_general_plugins()
     archs = cfg.get("architectures") or []
-    if not archs:
-        model_type = cfg.get("model_type")
-        if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
-            raise ValueError(f"unsupported model_type {model_type!r} (config.json names no architectures): jaxllm "
-                             f"runs model_type {sorted(ARCHITECTURE_OF_MODEL_TYPE)}")
-        return ARCHITECTURE_OF_MODEL_TYPE[model_type]
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(f"unsupported architecture {archs!r}: jaxllm runs {sorted(SUPPORTED_ARCHITECTURES)}")
-    return arch
+    for arch in archs:
+        model_type = SUPPORTED_ARCHITECTURES.get(arch) or registry.architecture_owner(arch)
+        if model_type is not None:
+            return arch, model_type
+    model_type = cfg.get("model_type")
+    own = registry.registered(model_type) if isinstance(model_type, str) else None
+    if own is not None and not own.hf_architectures:
+        return (archs[0] if archs else model_type), model_type
+    runs = sorted(SUPPORTED_ARCHITECTURES) + [a for r in registry.registrations() for a in r.hf_architectures]
+    if archs:
+        raise ValueError(f"unsupported architecture {archs!r}: jaxllm runs {runs} (jaxllm.register_model adds one)")
+    if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
+        raise ValueError(f"unsupported model_type {model_type!r} (config.json names no architectures): jaxllm "
+                         f"runs model_type {sorted(ARCHITECTURE_OF_MODEL_TYPE)}")
+    return ARCHITECTURE_OF_MODEL_TYPE[model_type], model_type
+
+
+def _registered_hf_config(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A registered architecture's config dict, mapped by its family's ``hf_config``, with every
+    :data:`REGISTERED_MODEL_FIELDS` (ValueError naming the missing ones)."""
+    mapping = getattr(registry.resolve_family(model_type), "hf_config", None)
+    mapped = mapping(dict(cfg)) if mapping is not None else cfg
+    missing = [name for name in REGISTERED_MODEL_FIELDS if mapped.get(name) is None]
+    if missing:
+        raise ValueError(f"config.json of the registered model_type {model_type!r} lacks {missing}: a registered "
+                         f"architecture's config needs {list(REGISTERED_MODEL_FIELDS)} (Family.hf_config can map "
+                         "its own names to them)")
+    return mapped
 
 
 def _ropes_from_hf(cfg: dict[str, Any], model_type: str) -> tuple[RopeConfig, Optional[RopeConfig]]:

@@ -1,12 +1,21 @@
-"""Assertions shared by the end-to-end tests."""
+"""Assertions shared by the end-to-end tests, and :class:`SingleSequence`, which drives the model step for one
+sequence."""
 
 from __future__ import annotations
 
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.models import forward
+from jaxllm.worker.step_batch import StepBatch
+from kernels_pallas import get_attention_ops
+
 TIE_TOL = 1e-4
+# The block size of SingleSequence's cache.
+BLOCK_SIZE = 4
 
 
 def pallas_interpret() -> bool:
@@ -20,8 +29,6 @@ def pallas_interpret() -> bool:
     Raises:
       RuntimeError: ``JAXLLM_PALLAS_INTERPRET=0`` without a GPU, or a value other than 0 or 1.
     """
-    import jax
-
     flag = os.environ.get("JAXLLM_PALLAS_INTERPRET")
     backend = jax.default_backend()
     if flag is None:
@@ -36,7 +43,6 @@ def pallas_interpret() -> bool:
 def top2_gap(llm, token_ids) -> float:
     """Gap between the two largest next-token logits after ``token_ids``
     (one fresh prefill of the model's forward pass, float32)."""
-    from tests.test_model_parity import SingleSequence
 
     blocks = len(token_ids) // 4 + 2
     seq = SingleSequence(llm.engine.model_config, llm.engine.runner.params, num_blocks=blocks)
@@ -54,3 +60,35 @@ def assert_same_or_near_tie(llm, prompt, expected, got) -> None:
     step = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
     gap = top2_gap(llm, list(prompt) + list(expected[:step]))
     assert gap < TIE_TOL, f"outputs diverge at step {step} with a top-2 logit gap of {gap}: {expected} vs {got}"
+
+
+_forward = jax.jit(forward, static_argnames=("cfg", "ops", "all_logits"))
+
+
+class SingleSequence:
+    """Drives ``forward`` for one sequence laid in blocks 1, 2, ... of a fresh cache."""
+
+    def __init__(self, cfg, params, num_blocks=16, backend="reference", cache_dtype=jnp.float32):
+        self.cfg, self.params = cfg, params
+        self.ops = get_attention_ops(backend)
+        shape = (cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = (jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype))
+        self.block_table = np.arange(1, num_blocks, dtype=np.int32)[None, :]
+        self.num_computed = 0
+
+    def run(self, token_ids):
+        n = len(token_ids)
+        pos = np.arange(self.num_computed, self.num_computed + n, dtype=np.int32)
+        slots = self.block_table[0, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        no_token = jnp.full(n, -1, jnp.int32)
+        batch = StepBatch(
+            input_ids=jnp.asarray(token_ids, jnp.int32), positions=jnp.asarray(pos),
+            slot_mapping=jnp.asarray(slots, jnp.int32), block_tables=jnp.asarray(self.block_table),
+            seq_lens=jnp.asarray([self.num_computed + n], jnp.int32),
+            query_start_loc=jnp.asarray([0, n], jnp.int32), logits_indices=jnp.asarray([n - 1], jnp.int32),
+            prev_token_index=no_token, prompt_target_ids=no_token, num_spec_tokens=jnp.zeros(1, jnp.int32),
+            num_seqs=jnp.int32(1),
+        )
+        logits, self.kv = _forward(self.params, self.kv, batch, cfg=self.cfg, ops=self.ops, all_logits=True)
+        self.num_computed += n
+        return np.asarray(logits)

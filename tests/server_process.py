@@ -39,20 +39,22 @@ def free_port() -> int:
 
 
 class Server:
-    """``python -m jaxllm.entrypoints.cli serve MODEL --host 127.0.0.1 --port P ARGS``; :meth:`start` waits for /health."""
+    """``python -m jaxllm.entrypoints.cli serve MODEL --host 127.0.0.1 --port P ARGS`` (in ``env``, by default this
+    process's environment); :meth:`start` waits for /health."""
 
-    def __init__(self, model: Path, *args: str, log: Optional[Path] = None) -> None:
+    def __init__(self, model: Path, *args: str, log: Optional[Path] = None, env: Optional[dict] = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", str(model), "--host", "127.0.0.1",
                      "--port", str(self.port), *args]
         self.log = log
+        self.env = env
         self.process: Optional[subprocess.Popen] = None
 
     def launch(self) -> "Server":
         """Start the process without waiting (several servers then start side by side)."""
         out = open(self.log, "w") if self.log is not None else subprocess.DEVNULL
-        self.process = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env)
         return self
 
     def wait_ready(self) -> "Server":

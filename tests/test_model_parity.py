@@ -17,13 +17,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxllm.loader import load_model  # noqa: E402
-from jaxllm.models import forward  # noqa: E402
-from jaxllm.worker.step_batch import StepBatch  # noqa: E402
-from kernels_pallas import get_attention_ops  # noqa: E402
+from tests.helpers import BLOCK_SIZE, SingleSequence  # noqa: E402,F401  (SingleSequence: other tests import it here)
 from tests.hf_models import make_tiny_hf_model  # noqa: E402
 
 TOL = 1e-4
-BLOCK_SIZE = 4
 PROMPT_LEN = 13
 DECODE_STEPS = 16
 # The jnp attention paths: the reference, and the tiled one the engine uses on CPU. The Llama family
@@ -31,38 +28,6 @@ DECODE_STEPS = 16
 BACKENDS = ("reference", "xla")
 CASES = [(arch, backend) for arch in ("llama", "llama3", "mistral", "qwen2", "qwen3") for backend in BACKENDS] + [
     (arch, "xla") for arch in ("gemma3", "phi3", "phi3_long", "mixtral", "qwen3_moe")]
-
-
-_forward = jax.jit(forward, static_argnames=("cfg", "ops", "all_logits"))
-
-
-class SingleSequence:
-    """Drives ``forward`` for one sequence laid in blocks 1, 2, ... of a fresh cache."""
-
-    def __init__(self, cfg, params, num_blocks=16, backend="reference", cache_dtype=jnp.float32):
-        self.cfg, self.params = cfg, params
-        self.ops = get_attention_ops(backend)
-        shape = (cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = (jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype))
-        self.block_table = np.arange(1, num_blocks, dtype=np.int32)[None, :]
-        self.num_computed = 0
-
-    def run(self, token_ids):
-        n = len(token_ids)
-        pos = np.arange(self.num_computed, self.num_computed + n, dtype=np.int32)
-        slots = self.block_table[0, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-        no_token = jnp.full(n, -1, jnp.int32)
-        batch = StepBatch(
-            input_ids=jnp.asarray(token_ids, jnp.int32), positions=jnp.asarray(pos),
-            slot_mapping=jnp.asarray(slots, jnp.int32), block_tables=jnp.asarray(self.block_table),
-            seq_lens=jnp.asarray([self.num_computed + n], jnp.int32),
-            query_start_loc=jnp.asarray([0, n], jnp.int32), logits_indices=jnp.asarray([n - 1], jnp.int32),
-            prev_token_index=no_token, prompt_target_ids=no_token, num_spec_tokens=jnp.zeros(1, jnp.int32),
-            num_seqs=jnp.int32(1),
-        )
-        logits, self.kv = _forward(self.params, self.kv, batch, cfg=self.cfg, ops=self.ops, all_logits=True)
-        self.num_computed += n
-        return np.asarray(logits)
 
 
 @pytest.fixture(scope="module")

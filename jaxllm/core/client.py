@@ -34,6 +34,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import zmq
 import zmq.asyncio
 
+from jaxllm import registry
 from jaxllm.config import EngineConfig
 from jaxllm.core.messages import (
     AbortRequests,
@@ -146,6 +147,9 @@ class MPClient:
         ``d`` of the ``(data, model)`` mesh).
       config: the ``EngineConfig``; its ``scheduling_policy`` must be a name (it crosses a process boundary).
 
+    The architectures registered in this process (``jaxllm.models.register_model``) are registered again in
+    each core process, by their import strings.
+
     Attributes:
       infos: each core's ``CoreInfo``, by core index.
       router: the :class:`PrefixRouter`.
@@ -153,7 +157,8 @@ class MPClient:
       num_routed: requests each core has been given so far.
 
     Raises:
-      ValueError: a ``scheduling_policy`` object rather than a name.
+      ValueError: a ``scheduling_policy`` object rather than a name, or a registered family object no importable
+        module holds (``jaxllm.registry.Registration.import_string``).
       EngineDeadError: a core process failed while starting (its error is in the message and on stderr).
     """
 
@@ -161,6 +166,7 @@ class MPClient:
         if not isinstance(config.scheduling_policy, str):
             raise ValueError(f"scheduling_policy={config.scheduling_policy!r}: a core in another process takes a "
                              "policy name ('fcfs', 'priority', 'sjf', 'aging', 'load_aware')")
+        registrations = registry.registrations_json()
         self._dir = tempfile.mkdtemp(prefix="jaxllm-core-")
         self._ctx = zmq.Context()
         self._output = self._ctx.socket(zmq.PULL)
@@ -179,7 +185,7 @@ class MPClient:
             process = subprocess.Popen([
                 sys.executable, "-m", "jaxllm.core.process", "--model", str(model), "--config", config_json,
                 "--core-index", str(d), "--input", address, "--output", f"ipc://{self._dir}/outputs",
-                "--parent-pid", str(os.getpid()),
+                "--parent-pid", str(os.getpid()), "--registrations", registrations,
             ])
             self._cores.append(_CoreProcess(d, process, sock))
         self._finalizer = weakref.finalize(self, _stop_cores, self._cores, self._ctx, self._dir)

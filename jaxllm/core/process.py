@@ -114,6 +114,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--input", required=True, help="ZMQ address of this core's input socket")
     parser.add_argument("--output", required=True, help="ZMQ address of the front end's output socket")
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--registrations", default="[]",
+                        help="the front end's registered architectures (jaxllm.registry.registrations_json)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_parent_dies, args=(args.parent_pid,), daemon=True,
@@ -123,9 +125,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     inputs.connect(args.input)
     outputs.connect(args.output)
     try:
+        from jaxllm import registry
         from jaxllm.config import EngineConfig
         from jaxllm.core.build import build_engine_core
 
+        registry.replay_registrations(args.registrations)
         config = EngineConfig(**json.loads(args.config))
         core = build_engine_core(args.model, dataclasses.replace(config, data_parallel_size=1),
                                  mesh=replica_mesh(config, args.core_index), core_index=args.core_index)

@@ -3,7 +3,7 @@ folder, to a ``(ModelConfig, params)`` pair. :func:`load_model` gives host
 numpy arrays; :func:`load_sharded` places them on a device mesh, each device
 reading only its own slice. Each format loader yields an HF-style config dict
 and HF-named tensors; a folder's ``generation_config.json`` adds its eos ids
-to the model config's."""
+to the model config's. ``jaxllm.loader.nnx`` converts a Flax NNX model's state to the same pytree."""
 
 from __future__ import annotations
 

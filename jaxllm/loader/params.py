@@ -1,9 +1,10 @@
 """HF-named tensors to the parameter pytree of ``jaxllm.models``, for every family.
 
 Each family names its layer tensors (``Family.hf_layer_names``, with ``*``
-for an expert index) and may split fused ones (``Family.unfuse``); the top
-level is the same for all: ``model.embed_tokens.weight``, ``model.norm.weight``
-and, untied, ``lm_head.weight``. A tensor that arrives quantized (int8) comes
+for an expert index, after ``Family.hf_layer_prefix`` and the layer index) and
+may split fused ones (``Family.unfuse``); the top level is
+``Family.hf_top_names``, for the built-in families ``model.embed_tokens.weight``,
+``model.norm.weight`` and, untied, ``lm_head.weight``. A tensor that arrives quantized (int8) comes
 with ``<name>_scale`` (HF's name for fp8 checkpoints' scales), ``[out]`` or
 ``[out, G]``, which becomes the leaf's ``_scale`` sibling
 (``jaxllm.worker.quantization``).
@@ -18,14 +19,9 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models import family
-from jaxllm.models.common import Params
+from jaxllm.models.common import Family, Params
 from jaxllm.worker.quantization import QUANTIZED_KEYS, SCALE_SUFFIX, dequantize_weight, quantize_weight
 
-_TOP_NAMES = {
-    "model.embed_tokens.weight": ("embed", False),
-    "model.norm.weight": ("final_norm", False),
-    "lm_head.weight": ("lm_head", True),
-}
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
@@ -73,28 +69,29 @@ def params_from_hf(
     fam = family(cfg)
     layers: list[dict[str, Any]] = [{} for _ in range(cfg.num_layers)]
     top: dict[str, Any] = {}
+    prefix = fam.hf_layer_prefix
     for name, array in tensors:
-        if name.startswith("model.layers."):
-            idx_str, _, rest = name[len("model.layers."):].partition(".")
+        if name.startswith(prefix):
+            idx_str, _, rest = name[len(prefix):].partition(".")
             if int(idx_str) >= cfg.num_layers:
                 continue
             for part, tensor in fam.unfuse(rest, array, cfg) if fam.unfuse else [(rest, array)]:
                 _place(layers[int(idx_str)], part, tensor, fam.hf_layer_names, convert, dtype, quantization)
         else:
-            _place(top, name, array, _TOP_NAMES, convert, dtype, quantization)
-    required_top = {"embed", "final_norm"} | (set() if cfg.tie_word_embeddings else {"lm_head"})
-    hf_top = {key: name for name, (key, _) in _TOP_NAMES.items()}
+            _place(top, name, array, fam.hf_top_names, convert, dtype, quantization)
+    hf_top = {key: name for name, (key, _) in fam.hf_top_names.items()}
+    required_top = set(hf_top) - ({"lm_head"} if cfg.tie_word_embeddings else set())
     missing = [hf_top[k] for k in sorted(required_top - top.keys())]
     need = fam.layer_keys(cfg)
     for i, layer in enumerate(layers):
-        missing += [f"model.layers.{i}.{_hf_name(fam.hf_layer_names, k, layer.get(k), cfg)}"
+        missing += [f"{prefix}{i}.{_hf_name(fam.hf_layer_names, k, layer.get(k), cfg)}"
                     for k in sorted(need) if _incomplete(layer.get(k), cfg)]
     if missing:
         raise ValueError(f"{source} is missing tensors required by {cfg.architecture}: {missing[:8]}")
     if cfg.tie_word_embeddings:
         top.pop("lm_head", None)
         top.pop("lm_head" + SCALE_SUFFIX, None)
-    _check_shapes(cfg, top, layers)
+    _check_shapes(cfg, fam, top, layers)
     if "lm_head" in top:
         _set_leaf(top, "lm_head", top.pop("lm_head"), top.pop("lm_head" + SCALE_SUFFIX, None), quantization)
     stacked: dict[str, Any] = {}
@@ -166,19 +163,21 @@ def _convert(array: np.ndarray, transpose: bool, dtype: Any) -> np.ndarray:
     return np.ascontiguousarray(array.astype(dtype, copy=False))
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of each layer leaf without the layer axis, of the keys whose shape the config fixes."""
+def _expected_shapes(cfg: ModelConfig, fam: Family) -> dict[str, tuple[int, ...]]:
+    """Shape of each layer leaf without the layer axis, of the keys whose shape the config fixes
+    (the shared keys, then the family's own ``leaf_shapes``)."""
     e, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv, x, fx = cfg.num_q_heads * d, cfg.num_kv_heads * d, cfg.num_experts, cfg.moe_intermediate_size
     return {
         "wq": (e, q), "wk": (e, kv), "wv": (e, kv), "wo": (q, e), "bq": (q,), "bk": (kv,), "bv": (kv,),
         "q_norm": (d,), "k_norm": (d,), "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e),
         "router": (e, x), "experts_gate": (x, e, fx), "experts_up": (x, e, fx), "experts_down": (x, fx, e),
+        **(fam.leaf_shapes(cfg) if fam.leaf_shapes else {}),
     }
 
 
-def _check_shapes(cfg: ModelConfig, top: dict[str, Any], layers: list[dict[str, Any]]) -> None:
-    want = _expected_shapes(cfg)
+def _check_shapes(cfg: ModelConfig, fam: Family, top: dict[str, Any], layers: list[dict[str, Any]]) -> None:
+    want = _expected_shapes(cfg, fam)
     for i, layer in enumerate(layers):
         for key, leaf in layer.items():
             if key not in want:

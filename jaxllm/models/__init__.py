@@ -14,18 +14,20 @@ qwen3_moe      ``qwen3_moe.py`` (``moe.py``)              Qwen3MoeForCausalLM
 =============  =========================================  ===========================
 
 ``common.py`` holds what they share: norms, rope, the attention block, the
-gated MLP, the scan over stacked layers and the logits.
+gated MLP, the scan over stacked layers and the logits. An architecture from
+outside jaxllm joins them through :func:`register_model`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence, Union
 
 import jax
 
-from jaxllm.config import ModelConfig
+from jaxllm import registry
+from jaxllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxllm.models import gemma3, llama, mixtral, phi3, qwen3_moe
-from jaxllm.models.common import Family, KVCache, Params, compute_logits, loop_storage
+from jaxllm.models.common import Family, KVCache, LayerContext, Params, compute_logits, loop_storage
 from jaxllm.models.common import hidden_states as _hidden_states
 from kernels_pallas import AttentionOps
 
@@ -43,13 +45,98 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": qwen3_moe.FAMILY,
 }
 
-__all__ = ["FAMILIES", "AttentionOps", "Family", "KVCache", "Params", "compute_logits", "family", "forward",
-           "hidden_states", "loop_storage"]
+__all__ = ["FAMILIES", "AttentionOps", "Family", "KVCache", "LayerContext", "Params", "compute_logits", "family",
+           "forward", "hidden_states", "loop_storage", "register_model"]
 
 
 def family(cfg: ModelConfig) -> Family:
-    """The family that runs ``cfg`` (by its ``model_type``)."""
-    return FAMILIES[cfg.model_type]
+    """The family that runs ``cfg`` (by its ``model_type``): a built-in one, or one :func:`register_model` added.
+
+    Raises:
+      ValueError: a ``model_type`` nothing runs, or a registered import string that does not import or names
+        something other than a ``Family`` (named).
+    """
+    if cfg.model_type in FAMILIES:
+        return FAMILIES[cfg.model_type]
+    if registry.registered(cfg.model_type) is None:
+        raise ValueError(f"model_type {cfg.model_type!r} has no family: jaxllm runs {sorted(FAMILIES)} and the "
+                         f"registered {[r.model_type for r in registry.registrations()]}")
+    found = registry.resolve_family(cfg.model_type)
+    if not isinstance(found, Family):
+        raise ValueError(f"model_type {cfg.model_type!r} is registered as {registry.registered(cfg.model_type).family!r}"
+                         f", a {type(found).__name__}, not a jaxllm.models.Family")
+    return found
+
+
+def register_model(model_type: str, family: Union[Family, str], *, hf_architectures: Sequence[str] = ()) -> None:
+    """Serve an architecture jaxllm does not ship (vLLM's ``ModelRegistry.register_model``).
+
+    After ``register_model("my_gptj", "my_pkg.gptj:FAMILY", hf_architectures=["MyGPTJForCausalLM"])``, a HF
+    folder whose config.json names that architecture (or, when ``hf_architectures`` is empty, that
+    ``model_type``) loads into ``LLM``, ``jaxllm serve`` and ``jaxllm generate`` like a built-in model, with the
+    paged KV cache, prefix caching, chunked prefill, preemption, sampling and structured output.
+
+    Registrations reach the engine-core processes (``jaxllm serve``, ``data_parallel_size > 1``) as import
+    strings, replayed there; a ``Family`` object is found by its module (the one defining its ``layer``), so
+    one defined in ``__main__`` serves in-process only. A package can instead register from an entry point of
+    the group ``jaxllm.general_plugins`` (``jaxllm.registry``), which every process calls before it reads a
+    model.
+
+    The protocol (``jaxllm.models.common`` has the built-in families' pieces to reuse: ``project``,
+    ``linear``, ``rms_norm``, ``gated_mlp``, ``attention_block``):
+
+    * Config: config.json (through ``Family.hf_config`` when it names them otherwise) gives
+      ``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers`` and
+      ``num_attention_heads``; optionally ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps`` (the
+      epsilon of whatever norm the family uses), ``rope_theta``/``rope_scaling``/``partial_rotary_factor``,
+      ``max_position_embeddings``, ``tie_word_embeddings``, ``sliding_window``, ``hidden_act`` (read by the
+      family as it likes), ``bos_token_id``/``eos_token_id``. ``ModelConfig.from_hf_config`` names what is missing.
+    * Weights: every layer leaf is stacked ``[L, ...]`` (``L = num_hidden_layers``), dense weights ``[in, out]``
+      (``transpose=True`` in ``hf_layer_names`` turns HF's ``[out, in]`` around); the top level holds at least
+      ``embed: [V, E]`` and ``final_norm``, and ``lm_head: [E, V]`` unless tied (the logits are
+      ``jaxllm.models.compute_logits``: no lm_head bias). Leaf names outside ``PARAM_AXES`` are replicated
+      under tensor parallelism unless ``Family.param_axes`` declares their axes; weight-only quantization
+      covers the shared projection names (``wq``, ``wk``, ``wv``, ``wo``, ``w_gate``, ``w_up``, ``w_down``).
+    * Layer: ``layer(w, x, kv, ctx) -> (x, kv)`` with ``w`` this layer's leaves (dict of arrays without the
+      ``L`` axis, in the compute dtype: float32 on CPU, bfloat16 on accelerators), ``x: [T, E]`` the step's
+      tokens (prefill chunks and decode rows of several sequences, concatenated, padded to the bucket ``T``),
+      ``kv`` the paged caches, to be passed through ``ctx.attend`` untouched, and ``ctx`` a
+      ``LayerContext``. ``ctx.attend(q, k, v, kv)`` (q ``[T, Hq, D]``, k, v ``[T, Hkv, D]``, x's dtype) ropes
+      q and k (``cfg.rope``), writes k and v into the cache at each token's slot and attends causally over
+      each sequence's cached tokens with scale ``cfg.attention_scale``; it returns ``([T, Hq * D], kv)``.
+      Call it once per layer. ``ctx.cfg`` is the ``ModelConfig``; ``ctx.batch.positions: int32[T]`` each
+      token's position.
+    * Tracing: the layer is traced once per step bucket (inside ``jax.jit`` and a ``lax.scan`` over the
+      layers): no Python branching on array values (``jnp.where``, ``lax.cond``), no host callbacks or
+      prints of values, no shapes that depend on values (each step's shapes are fixed by its bucket). Rows
+      past the real tokens are padding: they must not mix into real rows (only ``ctx.attend`` mixes tokens).
+      Python branching on ``ctx.cfg`` fields (static) is fine.
+
+    Args:
+      model_type: the HF ``model_type`` of the architecture (not a built-in one).
+      family: a ``Family``, or the import string ``"module:attr"`` of one (imported on first use, in every
+        process that runs the model).
+      hf_architectures: config.json ``architectures`` entries that select this family (not a built-in's); a
+        string is one architecture.
+
+    Raises:
+      ValueError: an empty or built-in ``model_type``, a family that is neither a ``Family`` nor
+        ``"module:attr"``, or an architecture jaxllm or another registered model_type already runs (named).
+    """
+    if not isinstance(model_type, str) or not model_type or model_type in FAMILIES:
+        raise ValueError(f"register_model: model_type={model_type!r} must be a non-empty string other than the "
+                         f"built-in {sorted(FAMILIES)}")
+    if not isinstance(family, Family) and not (isinstance(family, str) and family.count(":") == 1
+                                               and all(family.split(":"))):
+        raise ValueError(f"register_model({model_type!r}): family={family!r} must be a jaxllm.models.Family or "
+                         "an import string 'module:attr'")
+    archs = (hf_architectures,) if isinstance(hf_architectures, str) else tuple(hf_architectures)
+    for arch in archs:
+        owner = SUPPORTED_ARCHITECTURES.get(arch) or registry.architecture_owner(arch)
+        if owner not in (None, model_type):
+            raise ValueError(f"register_model({model_type!r}): architecture {arch!r} already runs model_type "
+                             f"{owner!r}")
+    registry.add(registry.Registration(model_type, family, archs))
 
 
 def hidden_states(params: Params, kv_cache: KVCache, batch: StepBatch, *, cfg: ModelConfig,

@@ -266,11 +266,25 @@ def embed_tokens(params: Params, input_ids: jax.Array, cfg: ModelConfig) -> jax.
     return jnp.take(params["embed"], input_ids, axis=0, mode="clip")
 
 
+def final_rms_norm(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """:func:`rms_norm` of x [T, E] by the ``final_norm`` leaf [E] (Llama's ``model.norm``)."""
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+# HF names of the top-level tensors (outside the layers) of every built-in family -> (pytree key, transpose).
+HF_TOP_NAMES = {
+    "model.embed_tokens.weight": ("embed", False),
+    "model.norm.weight": ("final_norm", False),
+    "lm_head.weight": ("lm_head", True),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One decoder family: its checkpoint names and what it computes.
+    """One decoder family: its checkpoint names and what it computes (``jaxllm.models.register_model``
+    states the protocol a family from outside jaxllm follows).
 
-    hf_layer_names: HF tensor name inside ``model.layers.{i}.`` -> (pytree
+    hf_layer_names: HF tensor name inside ``{hf_layer_prefix}{i}.`` -> (pytree
       key, transpose from HF's ``[out, in]``). Expert tensors are named with
       ``*`` for the expert index (``mlp.experts.*.gate_proj.weight``); their
       leaves stack the experts: ``[L, num_experts, ...]``.
@@ -281,7 +295,17 @@ class Family:
       splits fused HF tensors into the names of ``hf_layer_names`` (Phi-3's
       ``qkv_proj``); arrays in HF orientation, sliced on their first axis.
     embed: ``(params, input_ids, cfg) -> x [T, E]``.
-    final_norm: ``(x, weight, eps) -> x``.
+    final_norm: ``(params, x [T, E], cfg) -> x``, before the logits.
+    hf_top_names: HF name -> (pytree key, transpose) of the tensors outside
+      the layers; every key is required but ``lm_head`` under tied embeddings.
+    hf_layer_prefix: what precedes a layer's index in its tensors' HF names.
+    hf_config: ``config.json dict -> dict`` with the names ``ModelConfig.from_hf_config``
+      reads (``hidden_size``, ...), for a checkpoint that names them otherwise; None: as it is.
+    param_axes: logical axes (``jaxllm.worker.sharding.PARAM_AXES``'s names) of the family's
+      own leaves, layer leaves without their ``L`` axis; a leaf that neither table names is
+      replicated on every device.
+    leaf_shapes: ``cfg -> {key: shape}`` of the family's own layer leaves (without ``L``),
+      checked when the weights load (the shared keys ``wq``, ``w_up``, ... are checked anyway).
     """
 
     hf_layer_names: dict[str, tuple[str, bool]]
@@ -289,7 +313,12 @@ class Family:
     layer: Callable[[dict[str, jax.Array], jax.Array, KVCache, LayerContext], tuple[jax.Array, KVCache]]
     unfuse: Optional[Callable[[str, Any, ModelConfig], list[tuple[str, Any]]]] = None
     embed: Callable[[Params, jax.Array, ModelConfig], jax.Array] = embed_tokens
-    final_norm: Callable[[jax.Array, jax.Array, float], jax.Array] = rms_norm
+    final_norm: Callable[[Params, jax.Array, ModelConfig], jax.Array] = final_rms_norm
+    hf_top_names: dict[str, tuple[str, bool]] = dataclasses.field(default_factory=lambda: dict(HF_TOP_NAMES))
+    hf_layer_prefix: str = "model.layers."
+    hf_config: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None
+    param_axes: dict[str, tuple[Optional[str], ...]] = dataclasses.field(default_factory=dict)
+    leaf_shapes: Optional[Callable[[ModelConfig], dict[str, tuple[int, ...]]]] = None
 
 
 def loop_storage(params: Params) -> Params:
@@ -401,7 +430,7 @@ def hidden_states(
         carry, _ = jax.lax.scan(lambda c, g: (run(c, period, g * size), None), carry,
                                 jnp.arange(repeats, dtype=jnp.int32))
     x, k_flat, v_flat = run(carry, rest, 0)
-    x = family.final_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    x = family.final_norm(params, x, cfg)
     return x, (k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape))
 
 

@@ -74,5 +74,10 @@ def decoder_layer(layer: dict[str, jax.Array], x: jax.Array, kv: KVCache,
     return x + rms_norm(mlp, layer["post_mlp_norm"], eps), kv
 
 
+def final_norm(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """:func:`rms_norm` of x [T, E] by the ``final_norm`` leaf (HF ``model.norm``)."""
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
 FAMILY = Family(hf_layer_names=HF_LAYER_NAMES, layer_keys=layer_keys, layer=decoder_layer, embed=embed,
-                final_norm=rms_norm)
+                final_norm=final_norm)

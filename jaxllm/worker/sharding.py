@@ -44,6 +44,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.config import ModelConfig
+from jaxllm.models import family
 from jaxllm.worker.quantization import leaf_dtype
 from kernels_pallas import AttentionOps
 
@@ -99,13 +100,15 @@ PARAM_AXES: dict[str, tuple[Optional[str], ...]] = {
 SCALE_SUFFIX = "_scale"
 
 
-def _axes(key: str) -> tuple[Optional[str], ...]:
-    """Logical axes of parameter ``key``; a weight's ``_scale`` gets the weight's."""
-    if key in PARAM_AXES:
-        return PARAM_AXES[key]
-    if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in PARAM_AXES:
-        return PARAM_AXES[key[: -len(SCALE_SUFFIX)]]
-    raise ValueError(f"parameter {key!r} has no entry in jaxllm.worker.sharding.PARAM_AXES")
+def _axes(key: str, ndim: int, table: dict[str, tuple[Optional[str], ...]]) -> tuple[Optional[str], ...]:
+    """Logical axes of parameter ``key`` (of ``ndim`` axes, a layer leaf's ``L`` not counted) in ``table``; a
+    weight's ``_scale`` gets the weight's; a key the table lacks (a registered family's undeclared leaf) is
+    replicated."""
+    if key in table:
+        return table[key]
+    if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in table:
+        return table[key[: -len(SCALE_SUFFIX)]]
+    return (None,) * ndim
 
 
 def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -232,19 +235,33 @@ class ModelSharding:
     def param_specs(self, params: Any) -> Any:
         """PartitionSpecs of a parameter pytree (of arrays, or of anything with ``.shape``).
 
-        Leaves under ``"layers"`` carry a leading layer axis, never split. A
-        quantized weight's scale splits with its weight's output channels (and,
+        Leaves under ``"layers"`` carry a leading layer axis, never split. The
+        family's ``param_axes`` add to :data:`PARAM_AXES`; a leaf neither names is
+        replicated. A quantized weight's scale splits with its weight's output channels (and,
         for group scales, with its input rows: :data:`SCALE_SUFFIX`).
         """
+        declared = family(self.cfg).param_axes
+        table = {**PARAM_AXES, **declared}
+
         def one(path, leaf):
             key = path[-1].key
             stacked = path[0].key == "layers"
-            axes = _axes(key)
-            if key.endswith(SCALE_SUFFIX) and key not in PARAM_AXES and len(leaf.shape) < len(axes) + stacked:
+            axes = _axes(key, len(leaf.shape) - stacked, table)
+            if key in declared:
+                self._check_declared_axes(key, axes, leaf.shape[stacked:])
+            if key.endswith(SCALE_SUFFIX) and key not in table and len(leaf.shape) < len(axes) + stacked:
                 axes = axes[:-2] + axes[-1:]  # per output channel: the weight's axes without its input axis
             return self.spec(((None,) if stacked else ()) + axes, leaf.shape)
 
         return jax.tree_util.tree_map_with_path(one, params)
+
+    def _check_declared_axes(self, key: str, axes: tuple[Optional[str], ...], shape: tuple[int, ...]) -> None:
+        """Raise ValueError unless a family's ``param_axes[key]`` names one known logical axis per axis of its leaf."""
+        unknown = [a for a in axes if a not in self.logical_rules()]
+        if unknown or len(axes) != len(shape):
+            raise ValueError(f"Family.param_axes[{key!r}]={axes} must name one logical axis of "
+                             f"{sorted(a for a in self.logical_rules() if a)} or None per axis of the leaf, "
+                             f"shape {tuple(shape)} (without the layer axis)")
 
     def param_shardings(self, params: Any) -> Any:
         """NamedShardings of a parameter pytree, as :meth:`param_specs`."""
