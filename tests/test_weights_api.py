@@ -42,7 +42,7 @@ def host():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(STORIES, **ENGINE)
+    return LLM(STORIES, enable_sleep_mode=True, **ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -294,3 +294,47 @@ def test_trees_cross_the_process_boundary_unchanged(host):
     tree = {**host, "bf16": host["embed"].astype(ml_dtypes.bfloat16)}
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(encode_params(tree)))
     _assert_trees_equal(unflatten(decode_params(wire)), tree)
+
+
+def test_sleep_needs_enable_sleep_mode(perturbed_llm):
+    with pytest.raises(ValueError, match="enable_sleep_mode=True"):
+        perturbed_llm.sleep()
+
+
+def test_the_core_process_takes_params_updates_and_sleeps_through_utility_calls(host, reference, perturbed_llm):
+    """AsyncLLM's core runs in its own process (MPClient): params are sent at spawn, updates as encoded host
+    arrays; get_params comes back as host numpy."""
+    import asyncio
+
+    from jaxllm.frontend.async_llm import AsyncLLM
+
+    ids = [perturbed_llm.get_tokenizer().encode(p) for p in PROMPTS]
+
+    async def generate(engine, tag):
+        outs = []
+        for i, prompt in enumerate(ids):
+            async for out in engine.add_request(f"{tag}-{i}", prompt, GREEDY):
+                pass
+            outs.append(out.outputs[0].token_ids)
+        return outs
+
+    async def scenario():
+        engine = AsyncLLM(STORIES, params=_perturbed(host), enable_sleep_mode=True, **ENGINE)
+        try:
+            assert await generate(engine, "a") == _tokens(perturbed_llm)
+            _assert_trees_equal(await engine.get_params(), _perturbed(host))
+            with pytest.raises(ValueError, match="'layers/wq' has shape"):
+                await engine.update_weights({"layers": {"wq": host["layers"]["wq"][:1]}})
+            report = await engine.update_weights(jax.device_put(host))
+            assert report["num_leaves"] == len(flatten(host))
+            assert await generate(engine, "b") == reference
+            assert (await engine.sleep(level=2))[0]["freed_bytes"] > 0 and await engine.is_sleeping()
+            with pytest.raises(EngineSleepingError):
+                engine.add_request("c", ids[0], GREEDY)
+            await engine.update_weights_from_path(STORIES)
+            await engine.wake_up()
+            assert await generate(engine, "d") == reference
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())

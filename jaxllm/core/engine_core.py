@@ -404,9 +404,11 @@ class EngineCore:
           "device_bytes_after"}``, the last two from ``jax.Device.memory_stats()`` (None where the backend has none).
 
         Raises:
-          ValueError: ``level`` is not 1 or 2.
+          ValueError: ``level`` is not 1 or 2, or ``EngineConfig.enable_sleep_mode`` is off.
           RuntimeError: requests are unfinished (as vLLM, sleep needs an idle engine: finish or abort them first).
         """
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep: the engine was started without enable_sleep_mode=True (--enable-sleep-mode)")
         if level not in (1, 2):
             raise ValueError(f"sleep(level={level!r}): level must be 1 (free the KV cache, weights to the host) "
                              "or 2 (free the KV cache, discard the weights)")
