@@ -20,7 +20,10 @@ from jaxllm.loader import load_model
 from jaxllm.models import param_layout
 from tests.conftest import STORIES, STORIES_SENTENCE
 
-ENGINE = dict(max_model_len=128, num_kv_blocks=48, block_size=8, max_num_seqs=4, precompile=False)
+# One step program (16 tokens, 4 rows), built on first use: once a test has stepped, the count of programs is
+# fixed, so any compilation an update or a wake-up caused would show.
+ENGINE = dict(max_model_len=128, num_kv_blocks=48, block_size=8, max_num_seqs=4, max_num_batched_tokens=16,
+              token_buckets=(16,), precompile=False)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = ["Once upon a time", "The little dog", STORIES_SENTENCE]
 
@@ -105,16 +108,30 @@ def test_params_are_cast_to_the_engine_dtype_as_the_folder_is(host):
     assert {a.dtype for a in jax.tree_util.tree_leaves(from_tree.get_params())} == {np.dtype(ml_dtypes.bfloat16)}
     _assert_trees_equal(from_tree.get_params(), jax.device_get(from_folder.get_params()))
     assert _tokens(from_tree) == _tokens(from_folder)
+    # On CPU the layer leaves are held as uint16 bits (float_bits_storage): an update converts them on the way in
+    # and get_params back, with no step program built.
+    assert from_tree.engine.runner.float_bits_storage
+    compiled, tokens = from_tree.engine.runner.num_compilations, _tokens(from_tree)
+    from_tree.update_weights(_perturbed(host))
+    assert _tokens(from_tree) != tokens
+    from_tree.update_weights(host)
+    assert _tokens(from_tree) == tokens
+    _assert_trees_equal(from_tree.get_params(), jax.device_get(from_folder.get_params()))
+    assert from_tree.engine.runner.num_compilations == compiled
 
 
 def test_params_are_quantized_on_the_way_in_as_the_folder_is(host):
     from_folder = LLM(STORIES, quantization="int8", **ENGINE)
-    from_tree = LLM(STORIES, params=host, quantization="int8", **ENGINE)
+    from_tree = LLM(STORIES, params=_perturbed(host), quantization="int8", **ENGINE)
     got = flatten(from_tree.get_params())
     assert got["layers/wq"].dtype == np.int8 and got["layers/wq_scale"].shape == (5, 64)
     assert set(got) == set(param_layout(from_tree.engine.model_config, quantization="int8"))
+    # A float update of a quantized engine is quantized on the way in too.
+    from_tree.update_weights(host)
     _assert_trees_equal(from_tree.get_params(), jax.device_get(from_folder.get_params()))
     assert _tokens(from_tree) == _tokens(from_folder)
+    with pytest.raises(ValueError, match="'layers/wq_scale' is given too"):
+        from_tree.update_weights({"layers": {"wq": host["layers"]["wq"], "wq_scale": got["layers/wq_scale"]}})
 
 
 def test_an_engine_over_a_model_config_alone_takes_token_id_prompts(llm, host, reference):
@@ -191,7 +208,7 @@ def test_a_request_in_flight_recomputes_its_tokens_with_the_new_weights(host, pe
     reported = _step_until(engine, "r", 5)
     compiled = engine.runner.num_compilations
     assert engine.update_weights(_perturbed(host))["num_preempted"] == 1
-    assert engine.runner.num_compilations == compiled  # (later steps may build a bucket lazily: precompile=False)
+    assert engine.runner.num_compilations == compiled
     seq = engine.core.requests["r"].seqs[0]
     num_old = seq.num_output_tokens  # tokens of steps launched before the update, the one in flight included
     assert num_old >= len(reported) and engine.core.num_free_blocks() == engine.num_blocks - 1
@@ -200,6 +217,7 @@ def test_a_request_in_flight_recomputes_its_tokens_with_the_new_weights(host, pe
     prompt = llm.get_tokenizer().encode(STORIES_SENTENCE) + tokens[:num_old]
     continuation = _tokens(perturbed_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=16 - num_old))[0]
     assert tokens[num_old:] == continuation
+    assert engine.runner.num_compilations == compiled
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -246,6 +264,14 @@ def test_sleep_level_1_frees_the_kv_cache_and_wakes_with_identical_outputs_and_n
     assert not restored.is_sleeping()
     assert _tokens(restored) == reference
     assert runner.num_compilations == compiled
+
+
+def test_a_partial_update_while_asleep_at_level_1_puts_the_host_copy_back_first(restored, host, perturbed_llm):
+    restored.sleep(level=1)
+    restored.update_weights({"layers": {"w_down": _perturbed(host)["layers"]["w_down"]}})
+    assert restored.engine.runner.weights_state == "device" and restored.is_sleeping()
+    restored.wake_up()
+    assert _tokens(restored) == _tokens(perturbed_llm)
 
 
 def test_sleep_level_2_discards_the_weights_until_an_update_restores_them(restored, host, reference):
