@@ -364,3 +364,46 @@ def test_the_core_process_takes_params_updates_and_sleeps_through_utility_calls(
             await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+# ----------------------------------------------------------------------------- the scheduler's side of the invariant
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize("reset_at_step", [1, 3, 6])
+def test_after_a_prefix_cache_reset_no_kv_written_before_it_is_read(preemption_mode, reset_at_step):
+    """The fake runner samples from the KV it reads back; the reset (with the running requests) comes with the
+    old KV overwritten by garbage on the device and in the host pool, as new weights make it: any block read from
+    before the reset (a prefix hit, a swap-in, a running request's own) would change the tokens."""
+    from scheduler import Scheduler, SchedulerConfig
+    from tests._scheduler_harness import (FakeRunner, check_block_invariants, make_request, reference_output,
+                                          run_until_done, step)
+
+    config = SchedulerConfig(num_blocks=14, block_size=4, max_num_seqs=3, max_num_batched_tokens=12, max_model_len=64,
+                             preemption_mode=preemption_mode, num_host_blocks=16 if preemption_mode == "swap" else 0,
+                             graceful_degradation=False)
+    sched, runner = Scheduler(config), FakeRunner(config)
+    prefix = list(range(1, 10))
+    requests = [make_request(f"r{i}", prefix + [10 + i], max_tokens=12) for i in range(5)]
+    for req in requests:
+        sched.add_request(req)
+    for _ in range(reset_at_step):
+        step(sched, runner)
+    preempted = sched.reset_prefix_cache(reset_running_requests=True)
+    assert {r.request_id for r in preempted} <= {r.request_id for r in requests} and not sched.running
+    assert sched.block_pool.cached == {} and sched.block_pool.num_free_blocks == config.num_blocks - 1
+    runner.kv[:], runner.host[:] = -7, -7
+    run_until_done(sched, runner, check=check_block_invariants)
+    for req in requests:
+        assert req.output_token_ids == reference_output(req.prompt_token_ids, req.sampling_params, None, 64)
+    assert sched.block_pool.num_free_blocks == config.num_blocks - 1
+
+
+def test_a_prefix_cache_reset_waits_for_the_step_in_flight():
+    from scheduler import Scheduler, SchedulerConfig
+    from tests._scheduler_harness import make_request
+
+    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, max_model_len=32))
+    sched.add_request(make_request("r", [1, 2, 3]))
+    sched.schedule()
+    with pytest.raises(RuntimeError, match="has not been applied"):
+        sched.reset_prefix_cache()
