@@ -407,3 +407,77 @@ def test_a_prefix_cache_reset_waits_for_the_step_in_flight():
     sched.schedule()
     with pytest.raises(RuntimeError, match="has not been applied"):
         sched.reset_prefix_cache()
+
+
+# ----------------------------------------------------------------------------- checking a tree, by classes of input
+
+def _expected_layout():
+    from jaxllm.config import ModelConfig
+    from jaxllm.loader import read_model_config
+    from jaxllm.worker.weights import layout_of
+
+    cfg: ModelConfig = read_model_config(STORIES)[0]
+    return layout_of(param_layout(cfg))
+
+
+_MUTATIONS = ["keep", "drop", "float64", "bfloat16", "int32", "shape", "scalar"]
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_prepare_params_refuses_exactly_the_trees_with_a_bad_leaf_and_names_one_of_them(partial):
+    from hypothesis import given, settings, strategies as st
+
+    from jaxllm.worker.weights import prepare_params
+
+    expected = _expected_layout()
+    paths = list(expected)
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.sampled_from(_MUTATIONS), min_size=len(paths), max_size=len(paths)))
+    def check(mutations):
+        tree, bad = {}, set()
+        for path, mutation in zip(paths, mutations):
+            want = expected[path]
+            zeros = np.zeros(want.shape, np.float32)
+            if mutation == "drop":
+                bad |= set() if partial else {path}
+                continue
+            tree[path] = {"keep": zeros, "float64": zeros.astype(np.float64), "scalar": np.float32(0),
+                          "bfloat16": jax.numpy.zeros(want.shape, jax.numpy.bfloat16), "int32": zeros.astype(np.int32),
+                          "shape": np.zeros(want.shape[:-1] + (want.shape[-1] + 1,), np.float32)}[mutation]
+            bad |= {path} if mutation in ("int32", "shape", "scalar") else set()
+        if not bad:
+            out = prepare_params(tree, expected, partial=partial)
+            assert list(out) == [p for p in paths if p in tree]
+            assert all(out[p].shape == expected[p].shape and out[p].dtype == expected[p].dtype for p in out)
+            return
+        with pytest.raises(ValueError) as refused:
+            prepare_params(tree, expected, partial=partial)
+        assert any(f"{p!r}" in str(refused.value) for p in bad), (str(refused.value), bad)
+
+    check()
+
+
+# ----------------------------------------------------------------------------- with a draft model, a quantized KV cache
+
+def test_an_update_of_the_target_keeps_the_draft_model_and_greedy_tokens_exact(host, perturbed_llm):
+    """Only the target's weights change; greedy verification keeps the target's tokens whatever the drafts."""
+    spec = {"method": "draft_model", "model": str(STORIES), "num_speculative_tokens": 2}
+    llm = LLM(STORIES, params=host, speculative_config=spec, enable_sleep_mode=True, **ENGINE)
+    draft = flatten(llm.engine.core.drafter.params)
+    llm.update_weights(_perturbed(host))
+    assert _tokens(llm) == _tokens(perturbed_llm)
+    assert all(a is draft[p] for p, a in flatten(llm.engine.core.drafter.params).items())
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert _tokens(llm) == _tokens(perturbed_llm)
+
+
+def test_an_engine_with_a_quantized_kv_cache_calibrates_given_params_and_keeps_its_scales(host):
+    from_folder = LLM(STORIES, kv_cache_dtype="int8", **ENGINE)
+    from_tree = LLM(STORIES, params=host, kv_cache_dtype="int8", **ENGINE)
+    _assert_trees_equal(from_tree.get_params(), jax.device_get(from_folder.get_params()))
+    assert _tokens(from_tree) == _tokens(from_folder)
+    scales = jax.device_get(from_tree.get_params()["layers"]["k_scale"])
+    from_tree.update_weights(_perturbed(host))
+    np.testing.assert_array_equal(jax.device_get(from_tree.get_params()["layers"]["k_scale"]), scales)
