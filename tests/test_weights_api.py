@@ -481,3 +481,20 @@ def test_an_engine_with_a_quantized_kv_cache_calibrates_given_params_and_keeps_i
     scales = jax.device_get(from_tree.get_params()["layers"]["k_scale"])
     from_tree.update_weights(_perturbed(host))
     np.testing.assert_array_equal(jax.device_get(from_tree.get_params()["layers"]["k_scale"]), scales)
+
+
+def test_data_parallel_cores_each_take_the_params_and_every_update(host, reference, perturbed_llm):
+    llm = LLM(STORIES, params=_perturbed(host), data_parallel_size=2, enable_sleep_mode=True, **ENGINE)
+    try:
+        assert _tokens(llm, PROMPTS * 2) == _tokens(perturbed_llm) * 2
+        with pytest.raises(ValueError, match="'embed' has shape"):
+            llm.update_weights({"embed": host["embed"][:10]})
+        llm.update_weights(host)
+        assert _tokens(llm, PROMPTS * 2) == reference * 2
+        _assert_trees_equal(llm.get_params(), host)
+        assert [r["level"] for r in llm.sleep(level=2)] == [2, 2]
+        llm.update_weights_from_path(STORIES)
+        llm.wake_up()
+        assert not llm.is_sleeping() and _tokens(llm, PROMPTS * 2) == reference * 2
+    finally:
+        llm.engine.shutdown()

@@ -156,6 +156,8 @@ class MPClient:
       model: as for ``EngineCore``; each core process loads its own copy onto its devices (replica ``d`` on row
         ``d`` of the ``(data, model)`` mesh).
       config: the ``EngineConfig``; its ``scheduling_policy`` must be a name (it crosses a process boundary).
+      params: weights in memory for every core instead of the model's (``build_engine_core``'s ``params``): copied
+        to the host once, written to a file the core processes read at start-up (removed once they have).
 
     Attributes:
       infos: each core's ``CoreInfo``, by core index.
@@ -164,7 +166,7 @@ class MPClient:
       num_routed: requests each core has been given so far.
 
     Raises:
-      ValueError: a ``scheduling_policy`` object rather than a name.
+      ValueError: a ``scheduling_policy`` object rather than a name, or a ``ModelConfig`` as ``model``.
       EngineDeadError: a core process failed while starting (its error is in the message and on stderr).
     """
 
@@ -199,6 +201,8 @@ class MPClient:
             self._cores.append(_CoreProcess(d, process, sock))
         self._finalizer = weakref.finalize(self, _stop_cores, self._cores, self._ctx, self._dir)
         self.infos = self._wait_ready()
+        if extra:
+            os.unlink(extra[1])  # every core has read its weights
         self.router = PrefixRouter(self.infos)
         self.routed: dict[str, int] = {}
         self.num_routed = [0] * len(self._cores)
