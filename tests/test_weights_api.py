@@ -167,6 +167,31 @@ def test_update_weights_changes_outputs_and_updating_back_restores_them_exactly(
     assert restored.engine.runner.num_compilations == compiled
 
 
+def _live_bytes():
+    """Bytes of the live device buffers, each counted once (arrays may share one)."""
+    import gc
+
+    gc.collect()
+    return sum({s.data.unsafe_buffer_pointer(): s.data.nbytes
+                for a in jax.live_arrays() for s in a.addressable_shards}.values())
+
+
+def test_an_update_holds_at_most_one_leaf_more_and_lets_the_old_weights_go(restored, host, monkeypatch):
+    runner = restored.engine.runner
+    largest = max(a.nbytes for a in flatten(host).values())
+    seen, set_param = [], runner.set_param
+
+    def watched(path, leaf):  # the new leaf is placed, the old one not yet let go: the peak of the update
+        seen.append(_live_bytes())
+        set_param(path, leaf)
+
+    monkeypatch.setattr(runner, "set_param", watched)
+    before = _live_bytes()
+    restored.update_weights(_perturbed(host))
+    assert len(seen) == len(flatten(host)) and max(seen) <= before + largest
+    assert _live_bytes() == before
+
+
 def test_update_weights_takes_device_arrays_and_flat_paths(restored, host, reference, perturbed_llm):
     compiled = restored.engine.runner.num_compilations
     device = jax.device_put(_perturbed(host)["layers"]["w_down"])
@@ -290,6 +315,15 @@ def test_sleep_level_2_discards_the_weights_until_an_update_restores_them(restor
     restored.wake_up(tags=["kv_cache"])
     assert not restored.is_sleeping() and _tokens(restored) == reference
     assert runner.num_compilations == compiled
+
+
+def test_sleep_level_2_after_level_1_discards_the_host_copy(restored, host, reference):
+    restored.sleep(level=1)
+    restored.sleep(level=2)
+    assert restored.engine.runner.weights_state == "discarded"
+    restored.update_weights(host)
+    restored.wake_up()
+    assert _tokens(restored) == reference
 
 
 def test_sleep_is_refused_while_a_request_is_unfinished_and_for_a_bad_level(restored):

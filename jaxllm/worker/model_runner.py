@@ -549,6 +549,8 @@ class ModelRunner:
           the bytes of the arrays let go (whole arrays, all shards).
         """
         if self.weights_state != "device":
+            if not offload:
+                self._host_params = None  # a deeper sleep discards the host copy of a lighter one
             return 0
         flat = flatten(self.params)
         self._host_params = jax.device_get(flat) if offload else None
