@@ -68,6 +68,34 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def host_copy(llm: Any, repeats: int) -> dict:
+    """Time ``get_params`` and its copy to host numpy; returns the copy (the engine's arrays are not kept)."""
+    import jax
+    import numpy as np
+
+    from jaxllm.core.messages import flatten
+
+    t, params = timed(llm.get_params, repeats)
+    leaves = flatten(params)
+    largest = max(a.nbytes for a in leaves.values())
+    print(f"get_params: {t * 1e3:.2f} ms ({len(leaves)} leaves, the largest {mib(largest)})")
+    # Copies, writable: on CPU jax.device_get gives read-only views of the device buffers, which device_put could
+    # take back without a copy; a trainer's arrays are its own.
+    t, host = timed(lambda: jax.tree_util.tree_map(np.array, jax.device_get(params)), repeats)
+    print(f"get_params() to host numpy (copied): {t:.3f} s")
+    print(f"an update holds at most one leaf more than the engine's weights meanwhile: {mib(largest)}")
+    return host
+
+
+def timed_update(llm: Any, tree: Any, settled: Callable[[Any], Any], repeats: int) -> str:
+    """``update_weights(tree)``: seconds, bytes placed, device bytes before and after, as one line's text."""
+    before, how = device_bytes()
+    t, report = timed(lambda: settled(llm.update_weights(tree)), repeats)
+    after, _ = device_bytes()
+    return (f"{t:.3f} s, {mib(report['num_bytes'])} placed ({report['num_bytes'] / t / 2**30:.2f} GiB/s); device "
+            f"bytes ({how}) {mib(before)} before, {mib(after)} after")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF folder or GGUF (default: the default model)")
@@ -75,10 +103,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import jax
-    import numpy as np
 
     from jaxllm import LLM, SamplingParams
-    from jaxllm.core.messages import flatten
     from jaxllm.named_models import resolve_model
 
     model = resolve_model(args.model)
@@ -99,29 +125,12 @@ def main() -> None:
     print(f"model {model}; backend {jax.default_backend()}; {llm.engine.param_bytes['total'] / 2**20:.1f} MiB of "
           f"parameters; {compiled} programs built")
 
-    t, params = timed(llm.get_params, args.repeats)
-    leaves = flatten(params)
-    largest = max(leaves.values(), key=lambda a: a.nbytes)
-    print(f"get_params: {t * 1e3:.2f} ms ({len(leaves)} leaves, the largest {mib(largest.nbytes)})")
-    t, host = timed(lambda: jax.tree_util.tree_map(np.array, jax.device_get(params)), args.repeats)
-    # Copies, writable: on CPU jax.device_get gives read-only views of the device buffers, which device_put could
-    # take back without a copy; a trainer's arrays are its own.
-    print(f"get_params() to host numpy (copied): {t:.3f} s")
-    largest_bytes = largest.nbytes
-    del params, leaves, largest
-
-    print(f"an update holds at most one leaf more than the engine's weights meanwhile: {mib(largest_bytes)}")
-    for name, tree in [("whole tree, host numpy", lambda: host),
+    host = host_copy(llm, args.repeats)
+    for name, make in [("whole tree, host numpy", lambda: host),
                        ("whole tree, device arrays", lambda: settled(jax.device_put(host))),
                        ("one leaf (layers/wq), host numpy", lambda: {"layers": {"wq": host["layers"]["wq"]}})]:
-        tree = tree()
-        before, how = device_bytes()
-        t, report = timed(lambda: settled(llm.update_weights(tree)), args.repeats)
-        after, _ = device_bytes()
-        print(f"update_weights ({name}): {t:.3f} s, {mib(report['num_bytes'])} placed "
-              f"({report['num_bytes'] / t / 2**30:.2f} GiB/s); device bytes ({how}) {mib(before)} before, "
-              f"{mib(after)} after; programs built since start-up: {runner.num_compilations - compiled}")
-        del tree
+        print(f"update_weights ({name}): {timed_update(llm, make(), settled, args.repeats)}; "
+              f"programs built since start-up: {runner.num_compilations - compiled}")
 
     t, report = timed(lambda: settled(llm.update_weights_from_path(model)), 1)
     print(f"update_weights_from_path: {t:.3f} s ({report['num_leaves']} leaves, {mib(report['num_bytes'])})")

@@ -14,6 +14,7 @@ it); a leaf of the quantized dtype itself is taken as it is.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import jax
