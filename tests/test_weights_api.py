@@ -141,6 +141,14 @@ def test_an_engine_over_a_model_config_alone_takes_token_id_prompts(llm, host, r
     assert _tokens(bare, ids) == reference
 
 
+def test_a_model_config_needs_params_and_one_replica_in_this_process(llm, host):
+    cfg = llm.engine.model_config
+    with pytest.raises(ValueError, match="pass its weights as params="):
+        LLM(cfg, **ENGINE)
+    with pytest.raises(ValueError, match="not a ModelConfig"):
+        LLM(cfg, params=host, data_parallel_size=2, **ENGINE)
+
+
 @pytest.mark.parametrize(("change", "message"), [
     (lambda t: {k: v for k, v in t.items() if k != "final_norm"}, "missing leaf 'final_norm' (shape (64,)"),
     (lambda t: {**t, "layers": {**t["layers"], "wq": t["layers"]["wq"][:, :, :32]}},
