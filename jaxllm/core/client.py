@@ -31,6 +31,7 @@ import time
 import weakref
 from typing import Any, Iterable, Optional, Sequence, Union
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -49,6 +50,7 @@ from jaxllm.core.messages import (
     UtilityResult,
     decode_message,
     encode,
+    encode_params,
 )
 from jaxllm.core.router import PrefixRouter
 
@@ -132,6 +134,15 @@ class InprocClient:
         self.core.runner.stop_warmup()
 
 
+def write_params_file(params: Any, folder: str) -> str:
+    """Write a parameter tree (host arrays, or arrays ``np.asarray`` reads) for the core processes to read at
+    start-up (``process.read_params_file``); returns the file's path."""
+    path = os.path.join(folder, "params.msgpack")
+    with open(path, "wb") as f:
+        f.write(msgspec.msgpack.encode(encode_params(params)))
+    return path
+
+
 @dataclasses.dataclass
 class _CoreProcess:
     index: int
@@ -146,6 +157,8 @@ class MPClient:
       model: as for ``EngineCore``; each core process loads its own copy onto its devices (replica ``d`` on row
         ``d`` of the ``(data, model)`` mesh).
       config: the ``EngineConfig``; its ``scheduling_policy`` must be a name (it crosses a process boundary).
+      params: weights in memory for every core instead of the model's (``build_engine_core``'s ``params``): copied
+        to the host once, written to a file the core processes read at start-up (removed once they have).
 
     The architectures registered in this process (``jaxllm.models.register_model``) are registered again in
     each core process, by their import strings.
@@ -157,17 +170,21 @@ class MPClient:
       num_routed: requests each core has been given so far.
 
     Raises:
-      ValueError: a ``scheduling_policy`` object rather than a name, or a registered family object no importable
-        module holds (``jaxllm.registry.Registration.import_string``).
+      ValueError: a ``scheduling_policy`` object rather than a name, a ``ModelConfig`` as ``model``, or a
+        registered family object no importable module holds (``jaxllm.registry.Registration.import_string``).
       EngineDeadError: a core process failed while starting (its error is in the message and on stderr).
     """
 
-    def __init__(self, model: Union[str, os.PathLike], config: EngineConfig) -> None:
+    def __init__(self, model: Union[str, os.PathLike], config: EngineConfig, params: Optional[Any] = None) -> None:
         if not isinstance(config.scheduling_policy, str):
             raise ValueError(f"scheduling_policy={config.scheduling_policy!r}: a core in another process takes a "
                              "policy name ('fcfs', 'priority', 'sjf', 'aging', 'load_aware')")
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model={type(model).__name__}: a core in another process reads its model config from "
+                             "a path (a HF folder, a GGUF file or an orbax folder), not a ModelConfig")
         registrations = registry.registrations_json()
         self._dir = tempfile.mkdtemp(prefix="jaxllm-core-")
+        extra = [] if params is None else ["--params", write_params_file(params, self._dir)]
         self._ctx = zmq.Context()
         self._output = self._ctx.socket(zmq.PULL)
         self._output.bind(f"ipc://{self._dir}/outputs")
@@ -185,11 +202,13 @@ class MPClient:
             process = subprocess.Popen([
                 sys.executable, "-m", "jaxllm.core.process", "--model", str(model), "--config", config_json,
                 "--core-index", str(d), "--input", address, "--output", f"ipc://{self._dir}/outputs",
-                "--parent-pid", str(os.getpid()), "--registrations", registrations,
+                "--parent-pid", str(os.getpid()), "--registrations", registrations, *extra,
             ])
             self._cores.append(_CoreProcess(d, process, sock))
         self._finalizer = weakref.finalize(self, _stop_cores, self._cores, self._ctx, self._dir)
         self.infos = self._wait_ready()
+        if extra:
+            os.unlink(extra[1])  # every core has read its weights
         self.router = PrefixRouter(self.infos)
         self.routed: dict[str, int] = {}
         self.num_routed = [0] * len(self._cores)
@@ -361,7 +380,9 @@ class MPClient:
     def _utility_result(self, core: int, method: str, call_id: int) -> Any:
         result = self._results.pop(call_id)
         if result.error is not None:
-            raise RuntimeError(f"engine core {core}: {method}: {result.error}")
+            # A refused argument stays a ValueError across the process boundary, as it is in the core.
+            error = ValueError if result.error_type == "ValueError" else RuntimeError
+            raise error(f"engine core {core}: {method}: {result.error}")
         return result.result
 
     def _async_socket(self) -> zmq.asyncio.Socket:

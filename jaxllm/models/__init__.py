@@ -20,15 +20,17 @@ outside jaxllm joins them through :func:`register_model`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import jax
+import numpy as np
 
 from jaxllm import registry
 from jaxllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxllm.models import gemma3, llama, mixtral, phi3, qwen3_moe
 from jaxllm.models.common import Family, KVCache, LayerContext, Params, compute_logits, loop_storage
 from jaxllm.models.common import hidden_states as _hidden_states
+from jaxllm.models.layout import layout_table, leaf_layout
 from kernels_pallas import AttentionOps
 
 if TYPE_CHECKING:
@@ -46,7 +48,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 __all__ = ["FAMILIES", "AttentionOps", "Family", "KVCache", "LayerContext", "Params", "compute_logits", "family",
-           "forward", "hidden_states", "loop_storage", "register_model"]
+           "forward", "hidden_states", "layout_table", "loop_storage", "param_layout", "register_model"]
 
 
 def family(cfg: ModelConfig) -> Family:
@@ -137,6 +139,12 @@ def register_model(model_type: str, family: Union[Family, str], *, hf_architectu
             raise ValueError(f"register_model({model_type!r}): architecture {arch!r} already runs model_type "
                              f"{owner!r}")
     registry.add(registry.Registration(model_type, family, archs))
+
+
+def param_layout(cfg: ModelConfig, dtype: Any = np.float32, quantization: Optional[str] = None) -> dict:
+    """Every leaf of ``cfg``'s parameter pytree, path -> (shape, dtype): ``layout.leaf_layout`` over its family's
+    layer keys (what ``LLM(params=...)`` takes and ``LLM.get_params()`` gives)."""
+    return leaf_layout(cfg, family(cfg).layer_keys(cfg), dtype, quantization)
 
 
 def hidden_states(params: Params, kv_cache: KVCache, batch: StepBatch, *, cfg: ModelConfig,

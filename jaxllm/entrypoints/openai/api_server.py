@@ -7,7 +7,10 @@ server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` 
 ``POST /detokenize``, ``GET /tokenizer_info`` (with ``--enable-tokenizer-info-endpoint``, as vLLM: the
 tokenizer's settings and chat template), ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core:
 ``?core=0``, ``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it). Behind vllm-router, the fields
-it adds to forwarded requests are accepted at its defaults (``router_compat``).
+it adds to forwarded requests are accepted at its defaults (``router_compat``). With ``JAXLLM_SERVER_DEV_MODE=1``,
+also ``POST /sleep?level=1``, ``POST /wake_up`` (``?tags=weights&tags=kv_cache``), ``GET /is_sleeping``,
+``POST /reset_prefix_cache`` and ``POST /update_weights_from_disk`` (``{"model_path": ...}``): see
+:func:`add_weight_routes`; while the engine sleeps, generation requests answer 503.
 
 Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, a wrong
 type, a value out of range (naming the field and the limit) or a field the server does not honour (naming it), 401
@@ -27,13 +30,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import time
 from typing import Any, Optional, Sequence
 
 import prometheus_client
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -46,6 +50,7 @@ from jaxllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     ResponsesRequest,
     TokenizeRequest,
+    UpdateWeightsFromDiskRequest,
     error_body,
 )
 from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
@@ -53,8 +58,12 @@ from jaxllm.entrypoints.openai.router_compat import RouterDefaults
 from jaxllm.entrypoints.openai.serving import APIError, check_parsers
 from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from jaxllm.frontend.front_end import EngineSleepingError
 
 DEFAULT_PORT = 8000
+# Set to 1 to serve the weight and sleep routes (add_weight_routes), as vLLM's VLLM_SERVER_DEV_MODE: they let any
+# client free the engine's memory or load a checkpoint from the server's disk.
+DEV_MODE_VARIABLE = "JAXLLM_SERVER_DEV_MODE"
 
 
 def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
@@ -100,33 +109,7 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_toke
     def error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
         return JSONResponse(error_body(status, message, param, code), status_code=status)
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return error(e.status, e.message, e.param, e.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0]
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        if first.get("type") == "json_invalid":
-            return error(400, f"the body is not valid JSON: {first.get('msg')}", None, "json_invalid")
-        where = ".".join(loc) or "body"
-        if first.get("type") == "extra_forbidden":
-            return error(400, f"{where}: jaxllm does not support this field, and refuses it rather than ignore it",
-                         loc[0] if loc else None, "unsupported_field")
-        return error(400, f"{where}: {first.get('msg')} (got {first.get('input')!r})", loc[0] if loc else None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error(e.status_code, str(e.detail))
-
-    @app.exception_handler(QueueFullError)
-    async def queue_full(_: Request, e: QueueFullError) -> JSONResponse:
-        return error(503, str(e), None, "queue_full")
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
-        return error(500, f"the engine died: {e}", None, "engine_dead")
+    add_error_handlers(app, error)
 
     if api_key is not None:
         @app.middleware("http")
@@ -190,7 +173,42 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_toke
 
     add_worker_parts(app, serving, enable_tokenizer_info)
     add_responses_routes(app, OpenAIServingResponses(serving), respond)
+    if os.environ.get(DEV_MODE_VARIABLE) == "1":
+        add_weight_routes(app, engine)
     return app
+
+
+def add_error_handlers(app: FastAPI, error) -> None:
+    """OpenAI's error body for every failure a request can meet (``error``: build_app's response maker): a
+    refused value or field (400, naming it), a queue that is full (503), an engine that died (500)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return error(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            return error(400, f"the body is not valid JSON: {first.get('msg')}", None, "json_invalid")
+        where = ".".join(loc) or "body"
+        if first.get("type") == "extra_forbidden":
+            return error(400, f"{where}: jaxllm does not support this field, and refuses it rather than ignore it",
+                         loc[0] if loc else None, "unsupported_field")
+        return error(400, f"{where}: {first.get('msg')} (got {first.get('input')!r})", loc[0] if loc else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error(e.status_code, str(e.detail))
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_: Request, e: QueueFullError) -> JSONResponse:
+        return error(503, str(e), None, "queue_full")
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return error(500, f"the engine died: {e}", None, "engine_dead")
 
 
 def add_worker_parts(app, serving, enable_tokenizer_info: bool) -> None:
@@ -223,6 +241,51 @@ def add_responses_routes(app: FastAPI, responses: OpenAIServingResponses, respon
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):
         return responses.retrieve(response_id)
+
+
+def add_weight_routes(app, engine) -> None:
+    """The routes RL frameworks drive between rollouts (vLLM's dev-mode ``/sleep``, ``/wake_up``,
+    ``/is_sleeping``, ``/reset_prefix_cache``; SGLang's ``/update_weights_from_disk``), over an ``AsyncLLM``.
+    A refused call answers 400 (a bad value or a missing ``--enable-sleep-mode``: ValueError) or 409 (the engine's
+    state forbids it, e.g. requests still running: RuntimeError), naming why."""
+
+    @app.exception_handler(EngineSleepingError)
+    async def sleeping(_: Request, e: EngineSleepingError) -> JSONResponse:
+        return JSONResponse(error_body(503, str(e), None, "engine_sleeping"), status_code=503)
+
+    async def call(work):
+        try:
+            return await work
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except RuntimeError as e:
+            if isinstance(e, EngineDeadError):
+                raise
+            raise APIError(409, str(e), None, "conflict") from None
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1):
+        return {"cores": await call(engine.sleep(level))}
+
+    @app.post("/wake_up")
+    async def wake_up(tags: Optional[list[str]] = Query(None)):
+        await call(engine.wake_up(tags))
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": await call(engine.is_sleeping())}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        await call(engine.reset_prefix_cache())
+        return Response(status_code=200)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
+        report = await call(engine.update_weights_from_path(body.model_path))
+        return {"success": True, "message": f"updated {report['num_leaves']} weights from {body.model_path}",
+                **report}
 
 
 async def until_disconnected(request, work) -> Any:

@@ -179,6 +179,7 @@ class DetokenizeRequest(_Request):
 
 # HTTP status -> OpenAI's error ``type``.
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               409: "invalid_request_error",
                500: "server_error", 503: "server_error"}
 
 
@@ -247,3 +248,10 @@ class ResponsesRequest(_Request):
     store: bool = True
     previous_response_id: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
+
+
+class UpdateWeightsFromDiskRequest(_Request):
+    """``POST /update_weights_from_disk`` (SGLang's): load every weight of the checkpoint at ``model_path`` (a HF
+    folder, GGUF file or orbax folder on the server's disk) into the running engine."""
+
+    model_path: str
