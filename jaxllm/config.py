@@ -414,6 +414,9 @@ class EngineConfig:
       max_waiting_requests: shed load: refuse a new request
         (``jaxllm.core.client.QueueFullError``; 503 at the server) while this
         many sequences or more wait for a batch seat. None: no limit.
+      enable_sleep_mode: allow ``sleep()`` / ``wake_up()`` (vLLM's flag;
+        ``jaxllm.core.engine_core.EngineCore.sleep``); without it sleep is
+        refused, naming this flag.
 
     The scheduler's knobs (``SchedulerConfig``'s fields of the same names) are
     checked by ``SchedulerConfig`` itself, once, when this config is made.
@@ -456,6 +459,7 @@ class EngineConfig:
     aging_rate: float = 1.0
     max_waiting_requests: Optional[int] = None
     preload_prompts: Optional[str] = None
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):

@@ -256,6 +256,19 @@ class BlockPool:
             self.free_queue._splice_back(hashed)
             self.free_queue._splice_front(unhashed)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every hash: no block can be found by content any more (vLLM's ``reset_prefix_cache``, used after
+        the weights change, when the cached KV is stale). Blocks keep their ref counts and queue places.
+
+        Returns:
+          the number of blocks that lost their hash.
+        """
+        for block in self.cached.values():
+            block.block_hash = None
+        num = len(self.cached)
+        self.cached.clear()
+        return num
+
     def get_cached_block(self, block_hash: bytes) -> Optional[KVBlock]:
         """The block registered under ``block_hash``, or None."""
         return self.cached.get(block_hash)

@@ -899,6 +899,48 @@ class Scheduler:
         blocks, self.pinned_blocks = self.pinned_blocks, []
         self.block_pool.free_blocks(reversed(blocks))
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> list[Request]:
+        """Make sure no KV computed so far is ever read again by another request (vLLM's ``reset_prefix_cache``):
+        release the pinned prefixes and forget every block hash.
+
+        Args:
+          reset_running_requests: also drop the KV of every unfinished request, so that none reads its own old KV:
+            running ones are preempted for recompute (their blocks freed, their tokens so far kept and computed
+            again when they are next scheduled), and swapped-out ones lose their host copies likewise. What the
+            engine does after a weight update.
+
+        Returns:
+          the requests preempted here (the caller gives back what it holds for them, such as sampling slots).
+
+        Raises:
+          RuntimeError: a ``schedule()`` output is still waiting for its ``update_from_output()`` (a step in flight).
+        """
+        if self._pending:
+            raise RuntimeError("reset_prefix_cache: a scheduled step has not been applied yet (update_from_output)")
+        preempted = list(self.running) if reset_running_requests else []
+        for req in preempted:
+            self.running.remove(req)
+            self._reset_progress(req)
+            self.waiting.append(req)
+        for req in self.waiting if reset_running_requests else ():
+            if req.request_id in self.kv_cache_manager.swapped:
+                self._reset_progress(req)
+        self._waiting_dirty = True
+        if self.pinned_blocks:
+            self.release_pinned_prefixes()
+        self.block_pool.reset_prefix_cache()
+        return preempted
+
+    def _reset_progress(self, req: Request) -> None:
+        """Free every block (device and host) of an unfinished request and start it over from its first token, its
+        tokens so far kept (a recompute preemption)."""
+        self.kv_cache_manager.free(req)
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        if req.status is _RUNNING:
+            req.status = RequestStatus.PREEMPTED
+            self._num_stopped += 1
+
     def _stop_status(self, req: Request, token: int) -> Optional[RequestStatus]:
         sp = req.sampling_params
         num_output = len(req.output_token_ids)

@@ -96,7 +96,7 @@ def test_a_utility_call_runs_only_utility_methods_and_answers_errors_as_values()
 
     assert _call(Core(), UtilityCall(1, "num_free_blocks", [])) == UtilityResult(1, 7)
     failed = _call(Core(), UtilityCall(2, "cached_prefix_tokens", [[5]]))
-    assert failed == UtilityResult(2, error="ValueError: bad ids [5]")
+    assert failed == UtilityResult(2, error="ValueError: bad ids [5]", error_type="ValueError")
     refused = _call(Core(), UtilityCall(3, "step", []))
     assert refused.result is None and "'step' is not a utility method" in refused.error
     assert decode_message(encode(refused)) == refused

@@ -29,6 +29,8 @@ from jaxllm.worker.kv_cache import (calibrate_kv_scales, calibration_ids, fit_ma
 from jaxllm.worker.model_runner import ModelRunner, enable_persistent_compilation_cache
 from jaxllm.worker.quantization import weight_quantization
 from jaxllm.worker.sharding import ModelSharding, make_mesh
+from jaxllm.worker.weights import flatten, layout_of, place_leaf, prepare_params, unflatten
+from jaxllm.models import param_layout
 from kernels_pallas import AttentionOps, default_attention_backend, get_attention_ops
 from scheduler import BucketTable
 
@@ -43,13 +45,17 @@ def resolve_dtype(name: str) -> Any:
     return _DTYPES[name]
 
 
-def build_engine_core(model: Union[str, os.PathLike], config: EngineConfig, *,
-                      mesh: Optional[jax.sharding.Mesh] = None, core_index: int = 0) -> EngineCore:
+def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: EngineConfig, *,
+                      mesh: Optional[jax.sharding.Mesh] = None, core_index: int = 0,
+                      params: Optional[Any] = None) -> EngineCore:
     """Start an engine core for ``model``: every stage of start-up, logged to stderr.
 
     Args:
-      model: a HF model folder, a ``.gguf`` file, or a jaxllm orbax folder.
+      model: a HF model folder, a ``.gguf`` file, or a jaxllm orbax folder; or, with ``params``, a
+        ``ModelConfig`` (no tokenizer then: prompts are token ids).
       config: the ``EngineConfig`` (``data_parallel_size`` must be 1: one core is one replica).
+      params: the weights to serve instead of the model's own (:func:`place_given_params`); the model then gives
+        only its config, tokenizer and generation defaults.
       mesh: this replica's ``(data, model)`` mesh; by default ``make_mesh(tensor_parallel_size)`` over the first
         devices.
       core_index: this core's data-parallel rank (reported with its outputs).
@@ -63,13 +69,21 @@ def build_engine_core(model: Union[str, os.PathLike], config: EngineConfig, *,
     if config.data_parallel_size > 1:
         raise ValueError(f"data_parallel_size={config.data_parallel_size}: an EngineCore is one replica; "
                          "LLM and the server run one core per replica")
-    path = Path(model)
+    path = None if isinstance(model, ModelConfig) else Path(model)
+    if path is None and params is None:
+        raise ValueError("model is a ModelConfig: pass its weights as params=")
+    cfg = model if path is None else read_model_config(path)[0]
     # The config is checked before any weight is read: the scheduler's knobs against the model's length too.
-    max_model_len = config.resolve_max_model_len(read_model_config(path)[0])
+    max_model_len = config.resolve_max_model_len(cfg)
     config.scheduler_config(num_blocks=2, max_model_len=max_model_len)
     dtype = resolve_dtype(config.dtype)
     mesh = mesh if mesh is not None else make_mesh(config.tensor_parallel_size)
-    cfg, params, _, sharding = load_sharded(path, dtype, mesh, quantization=config.quantization)
+    if params is None:
+        cfg, params, _, sharding = load_sharded(path, dtype, mesh, quantization=config.quantization)
+    else:
+        sharding = ModelSharding(cfg, mesh)
+        params = place_given_params(cfg, params, dtype, sharding, config.quantization)
+    tokenizer = (lambda: load_tokenizer(path)) if path is not None else (lambda: None)
     backend = config.attention_backend or default_attention_backend()
     ops = sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
     cache = config.compilation_cache
@@ -82,7 +96,7 @@ def build_engine_core(model: Union[str, os.PathLike], config: EngineConfig, *,
                                           dtype=kv_dtype, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                                           max_model_len=max_model_len, device=sharding.mesh.devices.flat[0])
     if kv_dtype != np.dtype(dtype):
-        ids = calibration_ids(load_tokenizer(path), cfg.vocab_size)[:max_model_len]
+        ids = calibration_ids(tokenizer(), cfg.vocab_size)[:max_model_len]
         k_scale, v_scale = calibrate_kv_scales(cfg, params, ids, ops=ops, sharding=sharding, kv_dtype=kv_dtype)
         params = {**params, "layers": {**params["layers"], "k_scale": k_scale, "v_scale": v_scale}}
     runner = build_runner(cfg, params, config, sharding=sharding, ops=ops, backend=backend, dtype=dtype,
@@ -93,13 +107,33 @@ def build_engine_core(model: Union[str, os.PathLike], config: EngineConfig, *,
         drafter = build_drafter(config, runner, mesh=sharding.mesh, backend=backend, max_model_len=max_model_len)
     elif spec is not None:
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    structured = StructuredOutputManager(lambda: load_tokenizer(path), cfg.vocab_size, cfg.eos_token_ids)
+    structured = StructuredOutputManager(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
     core = EngineCore(config, runner, sharding=sharding, max_model_len=max_model_len, kv_cache_dtype=kv_dtype,
                       structured=structured, drafter=drafter, proposer=proposer,
                       core_index=core_index)
     _log_start_up(core, backend, weight_quantization(params))
     warm_up(core)
     return core
+
+
+def place_given_params(cfg: ModelConfig, params: Any, dtype: Any, sharding: ModelSharding,
+                       quantization: Optional[str]) -> Any:
+    """The start-up stage for weights in memory (``LLM(params=...)``), in place of loading them: check the whole
+    tree against ``cfg``'s layout (``jaxllm.models.param_layout``; ``jaxllm.worker.weights.prepare_params``: float
+    leaves cast to ``dtype``, projections quantized on the way in with ``quantization``) and place every leaf by the
+    partition rules of ``sharding``.
+
+    Returns:
+      the parameter pytree of placed ``jax.Array``s.
+
+    Raises:
+      ValueError: the first leaf that is unknown, missing or of the wrong shape or dtype (named, with the expected
+        shape and dtype).
+    """
+    layout = layout_of(param_layout(cfg, dtype, quantization))
+    flat = prepare_params(params, layout, partial=False)
+    shardings = flatten(sharding.param_shardings(unflatten(layout)))
+    return unflatten({path: place_leaf(leaf, shardings[path]) for path, leaf in flat.items()})
 
 
 def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, sharding: ModelSharding, ops: AttentionOps,

@@ -31,6 +31,7 @@ import time
 import weakref
 from typing import Any, Iterable, Optional, Sequence, Union
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -48,6 +49,7 @@ from jaxllm.core.messages import (
     UtilityResult,
     decode_message,
     encode,
+    encode_params,
 )
 from jaxllm.core.router import PrefixRouter
 
@@ -131,6 +133,15 @@ class InprocClient:
         self.core.runner.stop_warmup()
 
 
+def write_params_file(params: Any, folder: str) -> str:
+    """Write a parameter tree (host arrays, or arrays ``np.asarray`` reads) for the core processes to read at
+    start-up (``process.read_params_file``); returns the file's path."""
+    path = os.path.join(folder, "params.msgpack")
+    with open(path, "wb") as f:
+        f.write(msgspec.msgpack.encode(encode_params(params)))
+    return path
+
+
 @dataclasses.dataclass
 class _CoreProcess:
     index: int
@@ -157,11 +168,15 @@ class MPClient:
       EngineDeadError: a core process failed while starting (its error is in the message and on stderr).
     """
 
-    def __init__(self, model: Union[str, os.PathLike], config: EngineConfig) -> None:
+    def __init__(self, model: Union[str, os.PathLike], config: EngineConfig, params: Optional[Any] = None) -> None:
         if not isinstance(config.scheduling_policy, str):
             raise ValueError(f"scheduling_policy={config.scheduling_policy!r}: a core in another process takes a "
                              "policy name ('fcfs', 'priority', 'sjf', 'aging', 'load_aware')")
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model={type(model).__name__}: a core in another process reads its model config from "
+                             "a path (a HF folder, a GGUF file or an orbax folder), not a ModelConfig")
         self._dir = tempfile.mkdtemp(prefix="jaxllm-core-")
+        extra = [] if params is None else ["--params", write_params_file(params, self._dir)]
         self._ctx = zmq.Context()
         self._output = self._ctx.socket(zmq.PULL)
         self._output.bind(f"ipc://{self._dir}/outputs")
@@ -179,7 +194,7 @@ class MPClient:
             process = subprocess.Popen([
                 sys.executable, "-m", "jaxllm.core.process", "--model", str(model), "--config", config_json,
                 "--core-index", str(d), "--input", address, "--output", f"ipc://{self._dir}/outputs",
-                "--parent-pid", str(os.getpid()),
+                "--parent-pid", str(os.getpid()), *extra,
             ])
             self._cores.append(_CoreProcess(d, process, sock))
         self._finalizer = weakref.finalize(self, _stop_cores, self._cores, self._ctx, self._dir)
@@ -355,7 +370,9 @@ class MPClient:
     def _utility_result(self, core: int, method: str, call_id: int) -> Any:
         result = self._results.pop(call_id)
         if result.error is not None:
-            raise RuntimeError(f"engine core {core}: {method}: {result.error}")
+            # A refused argument stays a ValueError across the process boundary, as it is in the core.
+            error = ValueError if result.error_type == "ValueError" else RuntimeError
+            raise error(f"engine core {core}: {method}: {result.error}")
         return result.result
 
     def _async_socket(self) -> zmq.asyncio.Socket:

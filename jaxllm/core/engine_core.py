@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import jax
@@ -40,7 +41,10 @@ import numpy as np
 
 from jaxllm import log
 from jaxllm.config import EngineConfig
-from jaxllm.core.messages import CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SampleLogprobs
+from jaxllm.core.messages import (CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                  SampleLogprobs, decode_params, encode_params)
+from jaxllm.loader import load_model, load_sharded
+from jaxllm.loader.orbax import is_orbax_checkpoint
 from jaxllm.core.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
 from jaxllm.core.requests import CoreRequest, CoreSequence
 from jaxllm.sample.sampler import MAX_BANNED_IDS, SamplerOutput
@@ -51,8 +55,21 @@ from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.worker.model_runner import ModelRunner, StepOutput
 from jaxllm.worker.quantization import param_bytes
 from jaxllm.worker.sharding import ModelSharding
+from jaxllm.worker.weights import device_bytes_in_use, place_leaf, prepare_params
 from scheduler import BucketTable, Request, RequestStatus, SamplingParams, Scheduler, SchedulerOutput, build_batch, kv_cache_report
 from scheduler.static_batching import StaticBatchScheduler
+
+
+def load_host_params(path: str, dtype: Any, quantization: Optional[str], sharding: ModelSharding) -> Any:
+    """The weights of the checkpoint at ``path`` in ``dtype`` (and ``quantization``), for an update: host numpy for
+    a HF folder or a GGUF file (placed leaf by leaf by the update), placed on ``sharding`` for an orbax folder.
+
+    Raises:
+      ValueError: as ``jaxllm.loader.load_model``.
+    """
+    if is_orbax_checkpoint(Path(path)):
+        return load_sharded(path, dtype, sharding.mesh, quantization)[1]
+    return load_model(path, dtype, quantization)[1]
 
 
 @dataclasses.dataclass
@@ -99,7 +116,8 @@ class EngineCore:
 
     # Methods a front end may call between steps of a core in another process (``messages.UtilityCall``).
     UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks", "kv_cache_report",
-                                 "preload_prefixes"})
+                                 "preload_prefixes", "host_params", "update_weights_encoded",
+                                 "update_weights_from_path", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping"})
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, *, sharding: ModelSharding, max_model_len: int,
                  kv_cache_dtype: Any, structured: StructuredOutputManager, drafter: Optional[DraftRunner] = None,
@@ -123,6 +141,11 @@ class EngineCore:
         # Speculative decoding counters: rows that verified drafts, drafts, accepted drafts (and by position).
         self._spec_counts = [0, 0, 0]
         self._spec_per_position = [0] * (runner.num_positions - 1)
+        # Outputs of a step applied between two steps (before a weight update or a sleep), reported by the next.
+        self._held_outputs: list[EngineCoreOutput] = []
+        # What sleeps: "weights" and/or "kv_cache" (empty when awake), and the level of the last sleep.
+        self._asleep: set[str] = set()
+        self._sleep_level = 0
 
     @property
     def schedules_ahead(self) -> bool:
@@ -202,6 +225,8 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the front end has validated (``jaxllm.frontend.input_processor``); a structured-output
         constraint starts compiling (off this thread) and the request waits for it."""
+        if self._asleep:
+            raise RuntimeError(f"the engine is sleeping (sleep(level={self._sleep_level})): call wake_up() first")
         params, ids, n = request.sampling_params, request.prompt_token_ids, request.sampling_params.n
         grammar = None if params.structured_outputs is None else self.structured.compile(params.structured_outputs)
         kwargs = dict(eos_token_id=request.eos_token_id, arrival_time=request.arrival_time,
@@ -267,7 +292,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, unreported, or a step is in flight."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._held_outputs)
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, launch the step, apply the samples, report. With ``async_scheduling`` it launches step N+1
@@ -278,7 +303,7 @@ class EngineCore:
           an output for every sequence that produced a token or finished, and the core's stats after the step.
         """
         start = time.perf_counter()
-        outputs = self._fail_grammars()
+        outputs = self._take_held_outputs() + self._fail_grammars()
         sched_out = self._schedule()
         schedule_seconds = time.perf_counter() - start
         touched: list[Request] = list(sched_out.finished)
@@ -299,6 +324,148 @@ class EngineCore:
                            self.structured.bitmask_seconds if launched.dispatched is not None else None)
         stats.step_seconds = time.perf_counter() - start
         return EngineCoreOutputs(outputs, stats, self.core_index)
+
+    # ------------------------------------------------------------ weights and sleep (between steps)
+
+    def get_params(self) -> Any:
+        """The target model's parameters, device arrays with their shardings (``ModelRunner.get_params``)."""
+        return self.runner.get_params()
+
+    def host_params(self) -> dict[str, Any]:
+        """:meth:`get_params` copied to the host, encoded for another process (``messages.encode_params``)."""
+        return encode_params(jax.device_get(self.get_params()))
+
+    def update_weights(self, params: Any) -> dict[str, int]:
+        """Replace the target model's weights between two steps, with no new compilation.
+
+        ``params`` is checked first (``jaxllm.worker.weights.prepare_params``: any subset of the leaves, or all of
+        them after ``sleep(level=2)``). Then the step in flight finishes with the old weights (its tokens are
+        reported by the next step), each leaf is placed into the sharding the programs were compiled for and
+        swapped in, the old array let go at once (``ModelRunner.set_param``), and the KV computed with the old
+        weights is dropped: the prefix cache is reset and every unfinished request is preempted for recompute
+        (``Scheduler.reset_prefix_cache``), so its tokens so far are computed again by the new weights before it
+        samples its next one. The draft model (speculative decoding) keeps its weights. A quantized KV cache keeps
+        its calibrated scales unless the update gives ``layers/k_scale`` and ``layers/v_scale``.
+
+        Returns:
+          ``{"num_leaves": leaves replaced, "num_bytes": their bytes, "num_preempted": requests recomputed}``.
+
+        Raises:
+          ValueError: a leaf that is unknown, missing or of the wrong shape or dtype (``prepare_params``); the
+            engine is unchanged then.
+        """
+        runner = self.runner
+        flat = prepare_params(params, runner.param_layout(), partial=runner.weights_state != "discarded")
+        self._settle()
+        if runner.weights_state == "offloaded":
+            runner.restore_params()
+        layout = runner.param_layout()
+        num_leaves, num_bytes = len(flat), 0
+        for path in list(flat):
+            leaf = place_leaf(flat.pop(path), layout[path].sharding)
+            num_bytes += leaf.nbytes
+            runner.set_param(path, leaf)
+        preempted = self._drop_kv_state()
+        self.param_bytes = param_bytes(runner.params)
+        if runner.weights_state == "device":
+            self._asleep.discard("weights")
+        return {"num_leaves": num_leaves, "num_bytes": num_bytes, "num_preempted": preempted}
+
+    def update_weights_encoded(self, encoded: dict[str, Any]) -> dict[str, int]:
+        """:meth:`update_weights` of a tree sent by another process (``messages.encode_params``)."""
+        return self.update_weights(decode_params(encoded))
+
+    def update_weights_from_path(self, path: str) -> dict[str, int]:
+        """:meth:`update_weights` with every weight of the checkpoint at ``path`` (a HF folder, a GGUF file or an
+        orbax folder, read by the loader with the engine's dtype and quantization).
+
+        Raises:
+          ValueError: ``path`` is not a model, or its weights do not fit the engine's (the first leaf named).
+        """
+        return self.update_weights(load_host_params(path, self.dtype, self.config.quantization, self.sharding))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``); running requests keep their own KV.
+        Returns True (it cannot fail here)."""
+        self._settle()
+        self.scheduler.reset_prefix_cache()
+        return True
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Free device memory between rollouts (vLLM's ``sleep``).
+
+        Level 1 frees the KV cache (of the draft model too) and moves the target's weights to the host; level 2
+        frees the KV cache and discards the weights, which ``update_weights`` (every leaf) or
+        ``update_weights_from_path`` restore before :meth:`wake_up`. The prefix cache is reset (its KV is gone).
+        The programs stay compiled.
+
+        Returns:
+          ``{"level", "freed_bytes" (bytes of the device arrays let go), "device_bytes_before",
+          "device_bytes_after"}``, the last two from ``jax.Device.memory_stats()`` (None where the backend has none).
+
+        Raises:
+          ValueError: ``level`` is not 1 or 2, or ``EngineConfig.enable_sleep_mode`` is off.
+          RuntimeError: requests are unfinished (as vLLM, sleep needs an idle engine: finish or abort them first).
+        """
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep: the engine was started without enable_sleep_mode=True (--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep(level={level!r}): level must be 1 (free the KV cache, weights to the host) "
+                             "or 2 (free the KV cache, discard the weights)")
+        self._settle()
+        if self.requests:
+            raise RuntimeError(f"sleep: {len(self.requests)} requests are unfinished; finish or abort them first")
+        device = self.sharding.mesh.devices.flat[0]
+        before = device_bytes_in_use(device)
+        self.scheduler.reset_prefix_cache()
+        freed = sum(r.release_kv_cache() for r in self._runners) + self.runner.release_params(offload=level == 1)
+        self._asleep, self._sleep_level = {"weights", "kv_cache"}, level
+        return {"level": level, "freed_bytes": freed, "device_bytes_before": before,
+                "device_bytes_after": device_bytes_in_use(device)}
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Bring back what :meth:`sleep` freed (vLLM's ``wake_up``): ``tags`` None for all, or some of "weights"
+        (the host copy back on the devices) and "kv_cache" (zeroed arrays of the same shapes and shardings). No
+        program is compiled again.
+
+        Raises:
+          ValueError: an unknown tag.
+          RuntimeError: the weights were discarded (level 2) and not restored by an update.
+        """
+        tags = {"weights", "kv_cache"} if tags is None else set(tags)
+        unknown = tags - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; the tags are 'weights' and 'kv_cache'")
+        if "weights" in tags and "weights" in self._asleep:
+            self.runner.restore_params()
+            self._asleep.discard("weights")
+        if "kv_cache" in tags:
+            for r in self._runners:
+                r.allocate_kv_cache()
+            self._asleep.discard("kv_cache")
+
+    def is_sleeping(self) -> bool:
+        """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""
+        return bool(self._asleep)
+
+    def _settle(self) -> None:
+        """Apply the step in flight (async scheduling) now: its samples came from the weights it launched with,
+        and its outputs are held for the next :meth:`step` to report."""
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._held_outputs += self._report(self._apply(step))
+
+    def _take_held_outputs(self) -> list[EngineCoreOutput]:
+        held, self._held_outputs = self._held_outputs, []
+        return held
+
+    def _drop_kv_state(self) -> int:
+        """Reset the prefix cache and recompute every unfinished request (after a weight update): no KV computed
+        with the old weights is read again. Returns the requests preempted."""
+        preempted = self.scheduler.reset_prefix_cache(reset_running_requests=True)
+        for seq in preempted:
+            self.slots.release(seq)
+        return len(preempted)
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step; preempted sequences give their sampling slots back."""

@@ -12,9 +12,12 @@ Times are seconds on ``time.monotonic`` (one clock for every process of a machin
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from collections.abc import Mapping
+from typing import Any, Iterator, Optional, Union
 
+import ml_dtypes
 import msgspec
+import numpy as np
 
 from scheduler.sampling_params import SamplingParams
 
@@ -212,11 +215,12 @@ class UtilityCall(msgspec.Struct, array_like=True, tag="call"):
 
 
 class UtilityResult(msgspec.Struct, array_like=True, tag="result"):
-    """The value (or the error message) of a ``UtilityCall``."""
+    """The value (or the error message, and the exception's class name) of a ``UtilityCall``."""
 
     call_id: int
     result: Any = None
     error: Optional[str] = None
+    error_type: Optional[str] = None
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
@@ -228,6 +232,65 @@ class CoreFailed(msgspec.Struct, array_like=True, tag="failed"):
 
     core_index: int
     message: str
+
+
+def flatten(tree: Any) -> dict[str, Any]:
+    """``{path: leaf}`` of a parameter tree of nested dicts, a path being the keys joined by ``/``
+    (``"layers/wq"``); a key that holds ``/`` is already a path.
+
+    Raises:
+      ValueError: ``tree`` is not a dict (named by its type).
+    """
+    if not isinstance(tree, Mapping):
+        raise ValueError(f"params must be a dict of arrays (the layout of jaxllm.models.param_layout), "
+                         f"not {type(tree).__name__}")
+    return dict(_walk("", tree))
+
+
+def _walk(prefix: str, node: Mapping) -> Iterator[tuple[str, Any]]:
+    for key, value in node.items():
+        if isinstance(value, Mapping):
+            yield from _walk(f"{prefix}{key}/", value)
+        else:
+            yield f"{prefix}{key}", value
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The nested dicts of ``{path: leaf}`` (the inverse of :func:`flatten`)."""
+    tree: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        *parents, key = path.split("/")
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[key] = leaf
+    return tree
+
+
+def encode_params(tree: Any) -> dict[str, list]:
+    """A parameter tree (host arrays, or anything ``np.asarray`` reads: device arrays are copied to the host) as
+    msgpack-ready values for another process: ``{path: [dtype name, shape, raw bytes (C order)]}``
+    (:func:`flatten`'s paths); the bytes are the arrays' own buffers where they are contiguous."""
+    out = {}
+    for path, leaf in flatten(tree).items():
+        array = np.ascontiguousarray(leaf)
+        out[path] = [array.dtype.name, list(array.shape), memoryview(array.reshape(-1).view(np.uint8))]
+    return out
+
+
+def decode_params(encoded: dict[str, list]) -> dict[str, np.ndarray]:
+    """The arrays of :func:`encode_params` (read-only views of the received bytes, no copy).
+
+    Raises:
+      ValueError: a dtype numpy and ml_dtypes do not know, or bytes that do not fill the shape (the leaf named).
+    """
+    out = {}
+    for path, (dtype_name, shape, data) in encoded.items():
+        dtype = np.dtype(getattr(ml_dtypes, dtype_name, dtype_name))
+        if len(data) != dtype.itemsize * int(np.prod(shape)):
+            raise ValueError(f"params leaf {path!r}: {len(data)} bytes do not hold a {dtype_name} array of {shape}")
+        out[path] = np.frombuffer(data, dtype).reshape(shape)
+    return out
 
 
 CoreInput = Union[EngineCoreRequest, AbortRequests, StopSequences, UtilityCall, Shutdown]

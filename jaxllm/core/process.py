@@ -25,6 +25,7 @@ import time
 import traceback
 from typing import Optional, Sequence
 
+import msgspec
 import zmq
 
 from jaxllm.core.messages import (
@@ -37,6 +38,7 @@ from jaxllm.core.messages import (
     UtilityCall,
     UtilityResult,
     decode_input,
+    decode_params,
     encode,
 )
 
@@ -86,7 +88,13 @@ def _call(core, call: UtilityCall) -> UtilityResult:
     try:
         return UtilityResult(call.call_id, getattr(core, call.method)(*call.args))
     except Exception as e:  # the caller gets the error; the core goes on
-        return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+        return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}", error_type=type(e).__name__)
+
+
+def read_params_file(path: str) -> dict:
+    """The weights a front end wrote for its core processes (``client.write_params_file``), as numpy arrays."""
+    with open(path, "rb") as f:
+        return decode_params(msgspec.msgpack.decode(f.read()))
 
 
 def replica_mesh(config, core_index: int):
@@ -112,6 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--input", required=True, help="ZMQ address of this core's input socket")
     parser.add_argument("--output", required=True, help="ZMQ address of the front end's output socket")
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--params", help="a file of the weights to serve (messages.encode_params, msgpack)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_parent_dies, args=(args.parent_pid,), daemon=True,
@@ -126,7 +135,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         config = EngineConfig(**json.loads(args.config))
         core = build_engine_core(args.model, dataclasses.replace(config, data_parallel_size=1),
-                                 mesh=replica_mesh(config, args.core_index), core_index=args.core_index)
+                                 mesh=replica_mesh(config, args.core_index), core_index=args.core_index,
+                                 params=None if args.params is None else read_params_file(args.params))
         outputs.send(encode(core.info()))
         run_core_loop(core, inputs, outputs)
     except Exception:

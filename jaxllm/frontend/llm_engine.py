@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
-from jaxllm.config import EngineConfig
+from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.core.client import InprocClient, MPClient
+from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd
 from jaxllm.frontend.input_processor import PromptType
 from jaxllm.outputs import RequestOutput
@@ -28,8 +29,12 @@ class LLMEngine(FrontEnd):
 
     Args:
       model: a HF model folder, a ``.gguf`` file, or a jaxllm orbax folder
-        (``scripts/convert_checkpoint.py``).
+        (``scripts/convert_checkpoint.py``); with ``params`` also a ``ModelConfig`` (one replica only; no
+        tokenizer: prompts are token ids).
       tokenizer: a Tokenizer; by default read from the model.
+      params: weights in memory to serve instead of the model's (``jaxllm.core.build.place_given_params``):
+        a tree of numpy or JAX arrays in the layout of ``jaxllm.models.param_layout``; with
+        ``data_parallel_size > 1`` copied to the host and sent to every core process.
       mesh: the replica's ``(data, model)`` mesh (one replica only); by
         default ``make_mesh(tensor_parallel_size)`` over the first devices.
       **kwargs: ``EngineConfig`` fields (block_size, num_kv_blocks,
@@ -50,18 +55,20 @@ class LLMEngine(FrontEnd):
         over ``tensor_parallel_size``, or a ``mesh`` with ``data_parallel_size > 1``.
     """
 
-    def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, *,
-                 mesh: Optional["jax.sharding.Mesh"] = None, **kwargs: Any):
+    def __init__(self, model: Union[str, os.PathLike, ModelConfig], tokenizer: Optional[Tokenizer] = None, *,
+                 mesh: Optional["jax.sharding.Mesh"] = None, params: Optional[Any] = None, **kwargs: Any):
         config = EngineConfig(**kwargs)
         if config.data_parallel_size > 1:
             if mesh is not None:
                 raise ValueError("mesh is for one replica; data_parallel_size > 1 places each core process itself")
-            client: Union[InprocClient, MPClient] = MPClient(model, config)
+            client: Union[InprocClient, MPClient] = MPClient(model, config, params=params)
         else:
             from jaxllm.core.build import build_engine_core
 
-            client = InprocClient(build_engine_core(model, config, mesh=mesh))
-        super().__init__(tokenizer if tokenizer is not None else load_tokenizer(model), client, config)
+            client = InprocClient(build_engine_core(model, config, mesh=mesh, params=params))
+        if tokenizer is None and not isinstance(model, ModelConfig):
+            tokenizer = load_tokenizer(model)
+        super().__init__(tokenizer, client, config)
 
     @property
     def core(self):
@@ -123,6 +130,79 @@ class LLMEngine(FrontEnd):
         if isinstance(self.client, InprocClient):
             return self.client.core.kv_cache_report(block_map)
         return self.client.call_utility(core, "kv_cache_report", block_map)
+
+    def get_params(self) -> dict[str, Any]:
+        """The weights the engine runs, in ``jaxllm.models.param_layout``'s layout: the device arrays with their
+        shardings (``ModelRunner.get_params``), or, from a core in another process, host numpy copies of core 0's.
+
+        Raises:
+          RuntimeError: the weights sleep (``sleep``).
+        """
+        if isinstance(self.client, InprocClient):
+            return self.client.core.get_params()
+        return unflatten(decode_params(self.client.call_utility(0, "host_params")))
+
+    def update_weights(self, params: Any) -> dict[str, int]:
+        """Replace the weights of the running engine (``EngineCore.update_weights``: checked first, no new
+        compilation, the prefix cache reset, requests in flight recomputed with the new weights); every core
+        takes the same tree (copied to the host once for cores in other processes).
+
+        Raises:
+          ValueError: a leaf that is unknown, missing or of the wrong shape or dtype (named); nothing changes then.
+        """
+        return self._each_core("update_weights", params)
+
+    def update_weights_from_path(self, path: Union[str, os.PathLike]) -> dict[str, int]:
+        """:meth:`update_weights` with the weights of the checkpoint at ``path`` (HF folder, GGUF or orbax folder).
+
+        Raises:
+          ValueError: ``path`` is not a model, or its weights do not fit the engine's (the first leaf named).
+        """
+        return self._each_core("update_weights_from_path", str(path))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix in every core (vLLM's ``reset_prefix_cache``); True."""
+        return all(self._each_core("reset_prefix_cache", all_results=True))
+
+    def sleep(self, level: int = 1) -> list[dict[str, Any]]:
+        """Free device memory while no request runs (``EngineCore.sleep``: level 1 frees the KV cache and moves the
+        weights to the host, level 2 discards the weights); one report per core (its ``freed_bytes``).
+
+        Raises:
+          ValueError: ``level`` not 1 or 2.
+          RuntimeError: requests are unfinished.
+        """
+        if self.has_unfinished_requests() and not isinstance(self.client, InprocClient):
+            raise RuntimeError("sleep: requests are unfinished; finish or abort them first")
+        reports = self._each_core("sleep", level, all_results=True)
+        self.sleeping = True
+        return reports
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Bring back what :meth:`sleep` freed (``EngineCore.wake_up``; ``tags``: "weights", "kv_cache", or None
+        for both) with no new compilation.
+
+        Raises:
+          ValueError: an unknown tag.
+          RuntimeError: discarded weights (``sleep(level=2)``) not restored by an update.
+        """
+        self._each_core("wake_up", tags)
+        self.sleeping = any(self._each_core("is_sleeping", all_results=True))
+
+    def is_sleeping(self) -> bool:
+        """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""
+        return any(self._each_core("is_sleeping", all_results=True))
+
+    def _each_core(self, method: str, *args: Any, all_results: bool = False) -> Any:
+        """``EngineCore.<method>(*args)`` in every core, in order; core 0's result (all of them with
+        ``all_results``). For cores in other processes a parameter tree is encoded once (``messages.encode_params``)."""
+        if isinstance(self.client, InprocClient):
+            result = getattr(self.client.core, method)(*args)
+            return [result] if all_results else result
+        if method == "update_weights":
+            method, args = "update_weights_encoded", (encode_params(args[0]),)
+        results = [self.client.call_utility(d, method, *args) for d in range(len(self.client.infos))]
+        return results if all_results else results[0]
 
     def add_request(
         self,

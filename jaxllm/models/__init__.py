@@ -19,14 +19,16 @@ gated MLP, the scan over stacked layers and the logits.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax
+import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models import gemma3, llama, mixtral, phi3, qwen3_moe
 from jaxllm.models.common import Family, KVCache, Params, compute_logits, loop_storage
 from jaxllm.models.common import hidden_states as _hidden_states
+from jaxllm.models.layout import layout_table, leaf_layout
 from kernels_pallas import AttentionOps
 
 if TYPE_CHECKING:
@@ -44,12 +46,18 @@ FAMILIES: dict[str, Family] = {
 }
 
 __all__ = ["FAMILIES", "AttentionOps", "Family", "KVCache", "Params", "compute_logits", "family", "forward",
-           "hidden_states", "loop_storage"]
+           "hidden_states", "layout_table", "loop_storage", "param_layout"]
 
 
 def family(cfg: ModelConfig) -> Family:
     """The family that runs ``cfg`` (by its ``model_type``)."""
     return FAMILIES[cfg.model_type]
+
+
+def param_layout(cfg: ModelConfig, dtype: Any = np.float32, quantization: Optional[str] = None) -> dict:
+    """Every leaf of ``cfg``'s parameter pytree, path -> (shape, dtype): ``layout.leaf_layout`` over its family's
+    layer keys (what ``LLM(params=...)`` takes and ``LLM.get_params()`` gives)."""
+    return leaf_layout(cfg, family(cfg).layer_keys(cfg), dtype, quantization)
 
 
 def hidden_states(params: Params, kv_cache: KVCache, batch: StepBatch, *, cfg: ModelConfig,

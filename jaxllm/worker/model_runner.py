@@ -47,8 +47,9 @@ from jaxllm.sample.sampler import (
 )
 from jaxllm.worker.sharding import ModelSharding
 from jaxllm.worker.step_batch import StepBatch
+from jaxllm.worker.weights import Layout, flatten, unflatten
 from jaxllm.structured_output import bitmask_words
-from kernels_pallas.reference import BITS_STORAGE
+from kernels_pallas.reference import BITS_STORAGE, from_storage, to_storage
 from scheduler import BatchDescriptor, BucketTable
 
 # Block copies (swap, copy-on-write) run in fixed-size chunks so that they
@@ -226,7 +227,10 @@ class ModelRunner:
         self.buckets = buckets
         self.num_positions = num_positions
         self.float_bits_storage = float_bits_storage
+        self._param_layout = {path: _abstract(leaf) for path, leaf in flatten(params).items()}
         self.params = loop_storage(params) if float_bits_storage else params
+        self._storage_layout = {path: _abstract(leaf) for path, leaf in flatten(self.params).items()}
+        self._host_params: Optional[dict[str, np.ndarray]] = None
         kv_dtype = np.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
         if kv_dtype.itemsize == 1 and "k_scale" not in params["layers"]:
             raise ValueError(f"kv_cache_dtype={kv_dtype.name} needs the per-layer k_scale/v_scale leaves in "
@@ -533,6 +537,123 @@ class ModelRunner:
                 block[:, :n] = pool[:, chunk[:n, 0]]
                 blocks.append(block)
             self.kv_cache = self._block_op("scatter")(self.kv_cache, chunk[:, 1], tuple(blocks))
+
+    # ------------------------------------------------------ weights and sleep
+
+    def param_layout(self) -> Layout:
+        """Every parameter leaf by path (``jaxllm.worker.weights``): its shape, its dtype as numbers (bfloat16, not
+        the uint16 bits ``float_bits_storage`` holds) and its sharding, which a new leaf must match."""
+        return dict(self._param_layout)
+
+    @property
+    def weights_state(self) -> str:
+        """"device" (serving), "offloaded" (a host copy, ``release_params(offload=True)``) or "discarded"."""
+        if all(isinstance(leaf, jax.Array) for leaf in flatten(self.params).values()):
+            return "device"
+        return "offloaded" if self._host_params is not None else "discarded"
+
+    def get_params(self) -> Params:
+        """The parameters the steps run: a new tree of the device arrays, in the layout's dtypes (bfloat16 leaves
+        held as bits are converted back, into new arrays) with their shardings.
+
+        Raises:
+          RuntimeError: the weights are not on the devices (``weights_state``).
+        """
+        self._need_weights("get_params")
+        flat = {path: leaf if leaf.dtype == self._param_layout[path].dtype else _number_cast(leaf.sharding)(leaf)
+                for path, leaf in flatten(self.params).items()}
+        return unflatten(flat)
+
+    def set_param(self, path: str, leaf: jax.Array) -> None:
+        """Replace leaf ``path`` by ``leaf`` between steps. The old array is let go at once, so a tree replaced
+        leaf by leaf holds one leaf more at most (memory others keep alive, e.g. a tree from :meth:`get_params`,
+        stays theirs); the compiled steps are not rebuilt.
+
+        Args:
+          path: a leaf of :meth:`param_layout`.
+          leaf: placed, of exactly its shape, dtype and sharding; with ``float_bits_storage`` a bfloat16 / float8
+            leaf is donated to its conversion to bits.
+
+        Raises:
+          ValueError: ``leaf`` does not match the layout (the compiled programs would not take it).
+        """
+        want = self._param_layout[path]
+        if _abstract(leaf) != want:
+            raise ValueError(f"set_param({path!r}): {_abstract(leaf)} does not match the compiled layout {want}")
+        stored = self._storage_layout[path]
+        if stored.dtype != leaf.dtype:
+            leaf = _storage_cast(stored.sharding, stored.dtype)(leaf)
+        flat = flatten(self.params)
+        flat[path] = leaf
+        self.params = unflatten(flat)
+
+    def release_params(self, offload: bool) -> int:
+        """Let the parameters' device arrays go (sleep): with ``offload`` a host copy is kept for
+        :meth:`restore_params`; the programs still build from their avals meanwhile.
+
+        Returns:
+          the bytes of the arrays let go (whole arrays, all shards).
+        """
+        if self.weights_state != "device":
+            return 0
+        flat = flatten(self.params)
+        self._host_params = jax.device_get(flat) if offload else None
+        self.params = unflatten(self._storage_layout)
+        return sum(leaf.nbytes for leaf in flat.values())
+
+    def restore_params(self) -> None:
+        """Put the host copy of :meth:`release_params` back on the devices (nothing to do when they are there).
+
+        Raises:
+          RuntimeError: the weights were discarded, and some leaves have not been set again since.
+        """
+        if self._host_params is not None:
+            host, self._host_params = self._host_params, None
+            self.params = unflatten({path: jax.device_put(leaf, self._storage_layout[path].sharding)
+                                     for path, leaf in host.items()})
+        self._need_weights("restore_params")
+
+    def release_kv_cache(self) -> int:
+        """Free the KV cache's device memory (sleep); its avals stay, so programs still build, and
+        :meth:`allocate_kv_cache` makes the same arrays again. Returns the bytes freed (0 if already free)."""
+        caches = self.kv_cache
+        if not isinstance(caches[0], jax.Array):
+            return 0
+        self.kv_cache = tuple(_abstract(c) for c in caches)
+        freed = sum(c.nbytes for c in caches)
+        for c in caches:
+            c.delete()
+        return freed
+
+    def allocate_kv_cache(self) -> None:
+        """Zeroed KV cache arrays of the compiled shapes and shardings again (wake up); nothing if allocated."""
+        if not isinstance(self.kv_cache[0], jax.Array):
+            self.kv_cache = tuple(_zeros(a.shape, a.dtype, a.sharding)() for a in self.kv_cache)
+
+    def _need_weights(self, what: str) -> None:
+        state = self.weights_state
+        if state != "device":
+            raise RuntimeError(f"{what}: the weights are {state} (sleep); wake_up() first"
+                               + (", after restoring them with update_weights or update_weights_from_path"
+                                  if state == "discarded" else ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _storage_cast(sharding: jax.sharding.Sharding, storage: np.dtype) -> Callable:
+    """A leaf (donated) as stored with ``float_bits_storage``, on the same sharding: one program per pair."""
+    return jax.jit(lambda a: to_storage(a, storage), donate_argnums=0, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _number_cast(sharding: jax.sharding.Sharding) -> Callable:
+    """A stored leaf as numbers (bfloat16 of uint16 bits), on the same sharding."""
+    return jax.jit(from_storage, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding) -> Callable:
+    """A program making a zeroed array laid out by ``sharding`` shard by shard (a KV cache woken up)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def _build_in_background(runner_ref: "weakref.ref[ModelRunner]",

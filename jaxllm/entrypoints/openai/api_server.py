@@ -4,7 +4,10 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a final usage chunk),
 ``GET /health`` (503 once an engine core died), ``GET /metrics`` (Prometheus), ``POST /tokenize``,
 ``POST /detokenize``, ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core: ``?core=0``,
-``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it).
+``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it). With ``JAXLLM_SERVER_DEV_MODE=1``, also
+``POST /sleep?level=1``, ``POST /wake_up`` (``?tags=weights&tags=kv_cache``), ``GET /is_sleeping``,
+``POST /reset_prefix_cache`` and ``POST /update_weights_from_disk`` (``{"model_path": ...}``): see
+:func:`add_weight_routes`; while the engine sleeps, generation requests answer 503.
 
 Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, a wrong
 type, a value out of range (naming the field and the limit) or a field the server does not honour (naming it), 401
@@ -22,13 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import time
 from typing import Any, Optional, Sequence
 
 import prometheus_client
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -40,11 +44,16 @@ from jaxllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    UpdateWeightsFromDiskRequest,
     error_body,
 )
 from jaxllm.entrypoints.openai.serving import APIError
+from jaxllm.frontend.front_end import EngineSleepingError
 
 DEFAULT_PORT = 8000
+# Set to 1 to serve the weight and sleep routes (add_weight_routes), as vLLM's VLLM_SERVER_DEV_MODE: they let any
+# client free the engine's memory or load a checkpoint from the server's disk.
+DEV_MODE_VARIABLE = "JAXLLM_SERVER_DEV_MODE"
 
 
 def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
@@ -168,7 +177,54 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None):
     async def version():
         return {"version": __version__}
 
+    if os.environ.get(DEV_MODE_VARIABLE) == "1":
+        add_weight_routes(app, engine)
     return app
+
+
+def add_weight_routes(app, engine) -> None:
+    """The routes RL frameworks drive between rollouts (vLLM's dev-mode ``/sleep``, ``/wake_up``,
+    ``/is_sleeping``, ``/reset_prefix_cache``; SGLang's ``/update_weights_from_disk``), over an ``AsyncLLM``.
+    A refused call answers 400 (a bad value or a missing ``--enable-sleep-mode``: ValueError) or 409 (the engine's
+    state forbids it, e.g. requests still running: RuntimeError), naming why."""
+
+    @app.exception_handler(EngineSleepingError)
+    async def sleeping(_: Request, e: EngineSleepingError) -> JSONResponse:
+        return JSONResponse(error_body(503, str(e), None, "engine_sleeping"), status_code=503)
+
+    async def call(work):
+        try:
+            return await work
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except RuntimeError as e:
+            if isinstance(e, EngineDeadError):
+                raise
+            raise APIError(409, str(e), None, "conflict") from None
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1):
+        return {"cores": await call(engine.sleep(level))}
+
+    @app.post("/wake_up")
+    async def wake_up(tags: Optional[list[str]] = Query(None)):
+        await call(engine.wake_up(tags))
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": await call(engine.is_sleeping())}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        await call(engine.reset_prefix_cache())
+        return Response(status_code=200)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
+        report = await call(engine.update_weights_from_path(body.model_path))
+        return {"success": True, "message": f"updated {report['num_leaves']} weights from {body.model_path}",
+                **report}
 
 
 async def until_disconnected(request, work) -> Any:

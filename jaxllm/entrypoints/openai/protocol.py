@@ -138,6 +138,7 @@ class DetokenizeRequest(_Request):
 
 # HTTP status -> OpenAI's error ``type``.
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               409: "invalid_request_error",
                500: "server_error", 503: "server_error"}
 
 
@@ -145,3 +146,10 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Opt
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": code}}
+
+
+class UpdateWeightsFromDiskRequest(_Request):
+    """``POST /update_weights_from_disk`` (SGLang's): load every weight of the checkpoint at ``model_path`` (a HF
+    folder, GGUF file or orbax folder on the server's disk) into the running engine."""
+
+    model_path: str

@@ -1,0 +1,148 @@
+"""Weight updates and sleep / wake of a running engine (the JAX research API), on the default model.
+
+What an RL loop does between rollouts, timed on one engine (seconds, median of ``--repeats``):
+
+1. ``get_params()`` and its copy to the host (``jax.device_get``).
+2. ``update_weights(tree)`` with the whole tree as host numpy (what a trainer in another framework hands over),
+   with the whole tree as device arrays already placed, and with one leaf (``layers/wq``); bytes placed, and the
+   device bytes held before and after (``memory_stats()`` where the backend has it, else the bytes of the live
+   arrays). An update places leaf by leaf and lets each old array go at once, so at most one leaf more is held
+   meanwhile: the largest leaf's bytes are printed as that bound.
+3. ``update_weights_from_path(model)``: the checkpoint read again by the loader.
+4. ``sleep(level=1)`` / ``wake_up()`` and ``sleep(level=2)`` / ``update_weights`` / ``wake_up()``: seconds and the
+   bytes freed.
+5. Side by side, what one would run instead of an update: a new ``LLM(model, params=tree)`` (start-up seconds).
+
+Every line also checks what it claims: the step programs built before and after (no compilation), and the greedy
+tokens of one prompt before and after (identical).
+
+    python scripts/bench_weights.py [--model PATH] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROMPT = "The capital of France is"
+# One step program: the weights API does not depend on the bucket ladder, and start-up stays short.
+ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(64,), precompile=False,
+              enable_sleep_mode=True)
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """(median seconds of ``repeats`` calls, the last call's value)."""
+    seconds, value = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        value = fn()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds), value
+
+
+def device_bytes() -> tuple[int, str]:
+    """Bytes held on device 0 and how they were counted."""
+    import gc
+
+    import jax
+
+    gc.collect()  # arrays only cycles hold count until collected
+    stats = jax.devices()[0].memory_stats()
+    if stats:
+        return int(stats["bytes_in_use"]), "memory_stats"
+    # Arrays can share a buffer (device_put onto an equivalent sharding aliases it): count each buffer once.
+    buffers = {}
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    return sum(buffers.values()), "live buffers"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF folder or GGUF (default: the default model)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    import jax
+    import numpy as np
+
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.core.messages import flatten
+    from jaxllm.named_models import resolve_model
+
+    model = resolve_model(args.model)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    llm = LLM(model, **ENGINE)
+    runner = llm.engine.runner
+
+    def tokens() -> list[int]:
+        return llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+    def settled(value: Any) -> Any:
+        """``value`` once the engine's arrays are ready (transfers are asynchronous)."""
+        jax.block_until_ready((runner.params, runner.kv_cache))
+        return value
+
+    reference = tokens()
+    compiled = runner.num_compilations
+    print(f"model {model}; backend {jax.default_backend()}; {llm.engine.param_bytes['total'] / 2**20:.1f} MiB of "
+          f"parameters; {compiled} programs built")
+
+    t, params = timed(llm.get_params, args.repeats)
+    leaves = flatten(params)
+    largest = max(leaves.values(), key=lambda a: a.nbytes)
+    print(f"get_params: {t * 1e3:.2f} ms ({len(leaves)} leaves, the largest {mib(largest.nbytes)})")
+    t, host = timed(lambda: jax.tree_util.tree_map(np.array, jax.device_get(params)), args.repeats)
+    # Copies, writable: on CPU jax.device_get gives read-only views of the device buffers, which device_put could
+    # take back without a copy; a trainer's arrays are its own.
+    print(f"get_params() to host numpy (copied): {t:.3f} s")
+    largest_bytes = largest.nbytes
+    del params, leaves, largest
+
+    print(f"an update holds at most one leaf more than the engine's weights meanwhile: {mib(largest_bytes)}")
+    for name, tree in [("whole tree, host numpy", lambda: host),
+                       ("whole tree, device arrays", lambda: settled(jax.device_put(host))),
+                       ("one leaf (layers/wq), host numpy", lambda: {"layers": {"wq": host["layers"]["wq"]}})]:
+        tree = tree()
+        before, how = device_bytes()
+        t, report = timed(lambda: settled(llm.update_weights(tree)), args.repeats)
+        after, _ = device_bytes()
+        print(f"update_weights ({name}): {t:.3f} s, {mib(report['num_bytes'])} placed "
+              f"({report['num_bytes'] / t / 2**30:.2f} GiB/s); device bytes ({how}) {mib(before)} before, "
+              f"{mib(after)} after; programs built since start-up: {runner.num_compilations - compiled}")
+        del tree
+
+    t, report = timed(lambda: settled(llm.update_weights_from_path(model)), 1)
+    print(f"update_weights_from_path: {t:.3f} s ({report['num_leaves']} leaves, {mib(report['num_bytes'])})")
+
+    for level in (1, 2):
+        before, how = device_bytes()
+        t_sleep, reports = timed(lambda: llm.sleep(level=level), 1)
+        asleep, _ = device_bytes()
+        restore = 0.0
+        if level == 2:
+            restore, _ = timed(lambda: settled(llm.update_weights(host)), 1)
+        t_wake, _ = timed(lambda: settled(llm.wake_up()), 1)
+        print(f"sleep(level={level}): {t_sleep:.3f} s, {mib(reports[0]['freed_bytes'])} of arrays freed; device "
+              f"bytes ({how}) {mib(before)} -> {mib(asleep)} asleep; "
+              + (f"update_weights (restore) {restore:.3f} s; " if level == 2 else "")
+              + f"wake_up {t_wake:.3f} s; programs built since start-up: {runner.num_compilations - compiled}")
+
+    print(f"greedy tokens after every update and wake-up identical to before: {tokens() == reference}")
+    t, fresh = timed(lambda: LLM(model, params=host, **ENGINE), 1)
+    print(f"instead: a new LLM(model, params=tree) starts in {t:.2f} s (before its first step compiles)")
+
+
+if __name__ == "__main__":
+    main()

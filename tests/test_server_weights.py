@@ -1,0 +1,102 @@
+"""``jaxllm serve``'s weight and sleep routes (``JAXLLM_SERVER_DEV_MODE=1``, as vLLM's dev mode): ``/sleep``,
+``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache`` and SGLang's ``/update_weights_from_disk``, on a real
+server over stories260K, against the in-process engine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import types
+
+import httpx
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from tests.server_process import ENGINE, Server, engine_flags
+
+PROMPT = "Once upon a time"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def scaled_checkpoint(stories_dir, tmp_path_factory):
+    """stories260K with every MLP down projection scaled by 8: other greedy tokens."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("scaled") / "stories260K"
+    shutil.copytree(stories_dir, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors = {k: v * np.float32(8.0) if "down_proj" in k else v for k, v in tensors.items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir, tmp_path_factory):
+    os.environ["JAXLLM_SERVER_DEV_MODE"] = "1"
+    try:
+        server = Server(stories_dir, *engine_flags(), "--enable-sleep-mode",
+                        log=tmp_path_factory.mktemp("server") / "server.log").launch()
+    finally:
+        del os.environ["JAXLLM_SERVER_DEV_MODE"]
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def _reference(model):
+    llm = LLM(model=model, **ENGINE)
+    return llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].text
+
+
+def _complete(server):
+    return httpx.post(f"{server.url}/v1/completions", timeout=300,
+                      json={"model": str(server.argv[4]), "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+
+
+def test_sleep_refuses_requests_with_503_until_wake_up_and_then_serves_the_same_text(server, stories_dir):
+    text = _reference(stories_dir)
+    assert _complete(server).json()["choices"][0]["text"] == text
+    slept = httpx.post(f"{server.url}/sleep", params={"level": 1}, timeout=60)
+    assert slept.status_code == 200 and slept.json()["cores"][0]["freed_bytes"] > 0
+    assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": True}
+    refused = _complete(server)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_sleeping"
+    assert httpx.post(f"{server.url}/wake_up", params={"tags": ["weights", "kv_cache"]}, timeout=60).status_code == 200
+    assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": False}
+    assert _complete(server).json()["choices"][0]["text"] == text
+
+
+def test_update_weights_from_disk_serves_the_checkpoints_tokens(server, stories_dir, scaled_checkpoint):
+    scaled = _reference(scaled_checkpoint)
+    done = httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": str(scaled_checkpoint)},
+                      timeout=300)
+    assert done.status_code == 200 and done.json()["success"] is True and done.json()["num_leaves"] == 11
+    assert _complete(server).json()["choices"][0]["text"] == scaled != _reference(stories_dir)
+    httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": str(stories_dir)}, timeout=300)
+    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 200
+    assert _complete(server).json()["choices"][0]["text"] == _reference(stories_dir)
+
+
+@pytest.mark.parametrize(("path", "params", "body", "status", "message"), [
+    ("/sleep", {"level": 3}, None, 400, "level must be 1"),
+    ("/wake_up", {"tags": "weigths"}, None, 400, "unknown tags"),
+    ("/update_weights_from_disk", None, {"model_path": "/nonexistent"}, 400, "/nonexistent"),
+    ("/update_weights_from_disk", None, {"path": "x"}, 400, "path"),
+])
+def test_a_bad_weight_or_sleep_call_is_refused_naming_why(server, path, params, body, status, message):
+    got = httpx.post(f"{server.url}{path}", params=params, json=body, timeout=60)
+    assert got.status_code == status and message in got.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": False}
+
+
+def test_the_weight_routes_exist_only_in_dev_mode(monkeypatch):
+    from jaxllm.entrypoints.openai.api_server import build_app
+
+    routes = {"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/update_weights_from_disk"}
+    monkeypatch.delenv("JAXLLM_SERVER_DEV_MODE", raising=False)
+    assert not routes & {r.path for r in build_app(types.SimpleNamespace(engine=None)).routes}
+    monkeypatch.setenv("JAXLLM_SERVER_DEV_MODE", "1")
+    assert routes <= {r.path for r in build_app(types.SimpleNamespace(engine=None)).routes}

@@ -1,0 +1,366 @@
+"""The JAX research API (issue 26, items 1-3): an engine over weights in memory (``LLM(params=...)``,
+``get_params``), weight updates in place (``update_weights``, ``update_weights_from_path``) and sleep / wake, on
+stories260K in float32 (greedy tokens compared exactly, weights bit for bit).
+
+The invariant "after a weight update, no KV computed with the old weights is ever read" is
+``test_a_prompt_sent_again_after_an_update_reads_no_kv_of_the_old_weights`` (prefix cache) and
+``test_a_request_in_flight_recomputes_its_tokens_with_the_new_weights`` (its own KV).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.core.messages import flatten, unflatten
+from jaxllm.frontend.front_end import EngineSleepingError
+from jaxllm.loader import load_model
+from jaxllm.models import param_layout
+from tests.conftest import STORIES, STORIES_SENTENCE
+
+# One step program (16 tokens, 4 rows), built on first use: once a test has stepped, the count of programs is
+# fixed, so any compilation an update or a wake-up caused would show.
+ENGINE = dict(max_model_len=128, num_kv_blocks=48, block_size=8, max_num_seqs=4, max_num_batched_tokens=16,
+              token_buckets=(16,), precompile=False)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = ["Once upon a time", "The little dog", STORIES_SENTENCE]
+
+
+def _tokens(llm, prompts=PROMPTS, params=GREEDY):
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _perturbed(host):
+    """Weights whose greedy tokens differ from stories260K's: every MLP output projection scaled up."""
+    return {**host, "layers": {**host["layers"], "w_down": host["layers"]["w_down"] * 8.0}}
+
+
+@pytest.fixture(scope="module")
+def host():
+    """stories260K's weights as host numpy (the loader's tree)."""
+    return load_model(STORIES)[1]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(STORIES, enable_sleep_mode=True, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Greedy tokens of the folder's weights, before any test updates them."""
+    return _tokens(llm)
+
+
+@pytest.fixture(scope="module")
+def perturbed_llm(host):
+    """A fresh engine over the perturbed weights: what an updated engine must match."""
+    return LLM(STORIES, params=_perturbed(host), **ENGINE)
+
+
+@pytest.fixture()
+def restored(llm, host):
+    """The shared engine, put back on the folder's weights after the test (whatever it did)."""
+    yield llm
+    if llm.is_sleeping():
+        llm.engine.abort_request(list(llm.engine.output_processor.requests))
+        llm.update_weights(host)
+        llm.wake_up()
+    llm.update_weights(host)
+
+
+def _assert_trees_equal(got, want):
+    got, want = flatten(jax.device_get(got)), flatten(want)
+    assert list(sorted(got)) == list(sorted(want))
+    for path in want:
+        assert got[path].dtype == want[path].dtype, path
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+
+
+# ----------------------------------------------------------------------------- 1. an engine over weights in memory
+
+def test_an_engine_over_params_in_memory_gives_the_folders_greedy_tokens(perturbed_llm, host, reference):
+    # The perturbed engine was built from a tree; given the folder's own tree back, it serves the folder's tokens.
+    in_memory = LLM(STORIES, params=host, **ENGINE)
+    assert _tokens(in_memory) == reference
+    assert _tokens(perturbed_llm) != reference
+
+
+def test_get_params_gives_the_documented_layout_and_round_trips(llm, host):
+    params = llm.get_params()
+    layout = param_layout(llm.engine.model_config)
+    flat = flatten(params)
+    assert {p: (tuple(a.shape), a.dtype) for p, a in flat.items()} == layout
+    assert all(isinstance(a, jax.Array) and a.sharding is not None for a in flat.values())
+    _assert_trees_equal(params, host)
+    # Round trip: an engine built from get_params() runs, and gives back, the same arrays.
+    again = LLM(STORIES, params=params, **ENGINE)
+    _assert_trees_equal(again.get_params(), host)
+
+
+def test_params_are_cast_to_the_engine_dtype_as_the_folder_is(host):
+    import ml_dtypes
+
+    from_folder = LLM(STORIES, dtype="bfloat16", **ENGINE)
+    from_tree = LLM(STORIES, params=host, dtype="bfloat16", **ENGINE)
+    assert {a.dtype for a in jax.tree_util.tree_leaves(from_tree.get_params())} == {np.dtype(ml_dtypes.bfloat16)}
+    _assert_trees_equal(from_tree.get_params(), jax.device_get(from_folder.get_params()))
+    assert _tokens(from_tree) == _tokens(from_folder)
+    # On CPU the layer leaves are held as uint16 bits (float_bits_storage): an update converts them on the way in
+    # and get_params back, with no step program built.
+    assert from_tree.engine.runner.float_bits_storage
+    compiled, tokens = from_tree.engine.runner.num_compilations, _tokens(from_tree)
+    from_tree.update_weights(_perturbed(host))
+    assert _tokens(from_tree) != tokens
+    from_tree.update_weights(host)
+    assert _tokens(from_tree) == tokens
+    _assert_trees_equal(from_tree.get_params(), jax.device_get(from_folder.get_params()))
+    assert from_tree.engine.runner.num_compilations == compiled
+
+
+def test_params_are_quantized_on_the_way_in_as_the_folder_is(host):
+    from_folder = LLM(STORIES, quantization="int8", **ENGINE)
+    from_tree = LLM(STORIES, params=_perturbed(host), quantization="int8", **ENGINE)
+    got = flatten(from_tree.get_params())
+    assert got["layers/wq"].dtype == np.int8 and got["layers/wq_scale"].shape == (5, 64)
+    assert set(got) == set(param_layout(from_tree.engine.model_config, quantization="int8"))
+    # A float update of a quantized engine is quantized on the way in too.
+    from_tree.update_weights(host)
+    _assert_trees_equal(from_tree.get_params(), jax.device_get(from_folder.get_params()))
+    assert _tokens(from_tree) == _tokens(from_folder)
+    with pytest.raises(ValueError, match="'layers/wq_scale' is given too"):
+        from_tree.update_weights({"layers": {"wq": host["layers"]["wq"], "wq_scale": got["layers/wq_scale"]}})
+
+
+def test_an_engine_over_a_model_config_alone_takes_token_id_prompts(llm, host, reference):
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    bare = LLM(llm.engine.model_config, params=host, **ENGINE)
+    assert bare.get_tokenizer() is None
+    assert _tokens(bare, ids) == reference
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda t: {k: v for k, v in t.items() if k != "final_norm"}, "missing leaf 'final_norm' (shape (64,)"),
+    (lambda t: {**t, "layers": {**t["layers"], "wq": t["layers"]["wq"][:, :, :32]}},
+     "'layers/wq' has shape (5, 64, 32) and dtype float32; the engine expects shape (5, 64, 64)"),
+    (lambda t: {**t, "embed": t["embed"].astype(np.int32)}, "'embed' has shape (512, 64) and dtype int32"),
+    (lambda t: {**t, "layers": {**t["layers"], "q_norm": t["final_norm"]}}, "'layers/q_norm' is not a parameter"),
+])
+def test_a_bad_params_tree_is_refused_at_start_up_naming_the_leaf(host, change, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        LLM(STORIES, params=change(host), **ENGINE)
+
+
+# ----------------------------------------------------------------------------- 2. weight updates in place
+
+def test_update_weights_changes_outputs_and_updating_back_restores_them_exactly(restored, host, reference,
+                                                                                 perturbed_llm):
+    compiled = restored.engine.runner.num_compilations
+    report = restored.update_weights({"layers": {"w_down": _perturbed(host)["layers"]["w_down"]}})
+    assert report["num_leaves"] == 1 and report["num_bytes"] == host["layers"]["w_down"].nbytes
+    assert _tokens(restored) == _tokens(perturbed_llm) != reference
+    restored.update_weights(host)
+    assert _tokens(restored) == reference
+    _assert_trees_equal(restored.get_params(), host)
+    assert restored.engine.runner.num_compilations == compiled
+
+
+def test_update_weights_takes_device_arrays_and_flat_paths(restored, host, reference, perturbed_llm):
+    compiled = restored.engine.runner.num_compilations
+    device = jax.device_put(_perturbed(host)["layers"]["w_down"])
+    restored.update_weights({"layers/w_down": device})
+    assert _tokens(restored) == _tokens(perturbed_llm)
+    # Any float dtype is cast to the engine's (float32 here).
+    restored.update_weights({"layers/w_down": host["layers"]["w_down"].astype(np.float64)})
+    assert _tokens(restored) == reference
+    assert restored.engine.runner.num_compilations == compiled
+
+
+def test_a_prompt_sent_again_after_an_update_reads_no_kv_of_the_old_weights(restored, host, perturbed_llm):
+    before = restored.generate([STORIES_SENTENCE], GREEDY, use_tqdm=False)[0]
+    cached = restored.generate([STORIES_SENTENCE], GREEDY, use_tqdm=False)[0]
+    assert cached.num_cached_tokens > 0 and cached.outputs[0].token_ids == before.outputs[0].token_ids
+    restored.update_weights(_perturbed(host))
+    after = restored.generate([STORIES_SENTENCE], GREEDY, use_tqdm=False)[0]
+    fresh = perturbed_llm.generate([STORIES_SENTENCE], GREEDY, use_tqdm=False)[0]
+    assert after.num_cached_tokens == 0
+    assert after.outputs[0].token_ids == fresh.outputs[0].token_ids != before.outputs[0].token_ids
+    assert restored.engine.core.num_free_blocks() == restored.engine.num_blocks - 1
+
+
+def _step_until(engine, rid, num_tokens):
+    tokens = []
+    while len(tokens) < num_tokens:
+        tokens += [t for out in engine.step() if out.request_id == rid for t in out.outputs[0].delta_token_ids]
+    return tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_request_in_flight_recomputes_its_tokens_with_the_new_weights(host, perturbed_llm, async_scheduling):
+    """vLLM's pause: the step in flight finishes with the old weights, the update happens between steps, and the
+    request resumes; its tokens after the update are the new weights' continuation of everything before it."""
+    llm = LLM(STORIES, params=host, async_scheduling=async_scheduling, **ENGINE)
+    engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=16)
+    old = _tokens(llm, [STORIES_SENTENCE], params)[0]
+    engine.add_request("r", STORIES_SENTENCE, params)
+    reported = _step_until(engine, "r", 5)
+    compiled = engine.runner.num_compilations
+    assert engine.update_weights(_perturbed(host))["num_preempted"] == 1
+    assert engine.runner.num_compilations == compiled
+    seq = engine.core.requests["r"].seqs[0]
+    num_old = seq.num_output_tokens  # tokens of steps launched before the update, the one in flight included
+    assert num_old >= len(reported) and engine.core.num_free_blocks() == engine.num_blocks - 1
+    tokens = reported + _step_until(engine, "r", 16 - len(reported))
+    assert tokens[:num_old] == old[:num_old]
+    prompt = llm.get_tokenizer().encode(STORIES_SENTENCE) + tokens[:num_old]
+    continuation = _tokens(perturbed_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=16 - num_old))[0]
+    assert tokens[num_old:] == continuation
+    assert engine.runner.num_compilations == compiled
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda t: {"layers": {"wq": t["layers"]["wq"].T}}, "'layers/wq' has shape (64, 64, 5) and dtype float32; "
+                                                        "the engine expects shape (5, 64, 64) and dtype float32"),
+    (lambda t: {"layers": {"wk": t["layers"]["wk"].astype(np.int8)}}, "'layers/wk' has shape (5, 64, 32) and "
+                                                                      "dtype int8"),
+    (lambda t: {"lm_head": t["embed"].T}, "'lm_head' is not a parameter of this engine"),
+    (lambda t: {"layers": {"wq": t["layers"]["wq"], "w_up": t["layers"]["w_up"][:1]}}, "'layers/w_up' has shape "
+                                                                                       "(1, 64, 172)"),
+    (lambda t: [t["embed"]], "params must be a dict of arrays"),
+])
+def test_a_bad_update_is_refused_naming_the_leaf_and_the_old_weights_are_kept(restored, host, reference, change,
+                                                                              message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        restored.update_weights(change(_perturbed(host)))
+    _assert_trees_equal(restored.get_params(), host)
+    assert _tokens(restored) == reference
+
+
+def test_update_weights_from_path_reads_the_checkpoint(restored, host, reference, tmp_path):
+    restored.update_weights(_perturbed(host))
+    assert _tokens(restored) != reference
+    restored.update_weights_from_path(STORIES)
+    assert _tokens(restored) == reference
+    with pytest.raises(ValueError, match="config.json"):
+        restored.update_weights_from_path(tmp_path)
+
+
+# ----------------------------------------------------------------------------- 3. sleep and wake
+
+def test_sleep_level_1_frees_the_kv_cache_and_wakes_with_identical_outputs_and_no_compilation(restored, reference):
+    runner, core = restored.engine.runner, restored.engine.core
+    compiled = runner.num_compilations
+    kv_bytes = sum(c.nbytes for c in runner.kv_cache)
+    param_bytes = core.param_bytes["total"]
+    report = restored.sleep(level=1)[0]
+    assert report["level"] == 1 and report["freed_bytes"] == kv_bytes + param_bytes
+    assert restored.is_sleeping() and runner.weights_state == "offloaded"
+    assert not any(isinstance(c, jax.Array) for c in runner.kv_cache)
+    with pytest.raises(EngineSleepingError, match="wake_up"):
+        restored.generate(PROMPTS, GREEDY, use_tqdm=False)
+    restored.wake_up()
+    assert not restored.is_sleeping()
+    assert _tokens(restored) == reference
+    assert runner.num_compilations == compiled
+
+
+def test_a_partial_update_while_asleep_at_level_1_puts_the_host_copy_back_first(restored, host, perturbed_llm):
+    restored.sleep(level=1)
+    restored.update_weights({"layers": {"w_down": _perturbed(host)["layers"]["w_down"]}})
+    assert restored.engine.runner.weights_state == "device" and restored.is_sleeping()
+    restored.wake_up()
+    assert _tokens(restored) == _tokens(perturbed_llm)
+
+
+def test_sleep_level_2_discards_the_weights_until_an_update_restores_them(restored, host, reference):
+    runner = restored.engine.runner
+    compiled = runner.num_compilations
+    restored.sleep(level=2)
+    assert runner.weights_state == "discarded"
+    with pytest.raises(RuntimeError, match="discarded"):
+        restored.wake_up()
+    with pytest.raises(ValueError, match="missing leaf 'embed'"):
+        restored.update_weights({"layers": host["layers"]})
+    # vLLM's order: weights first, then the KV cache.
+    restored.update_weights(host)
+    restored.wake_up(tags=["weights"])
+    assert restored.is_sleeping()
+    restored.wake_up(tags=["kv_cache"])
+    assert not restored.is_sleeping() and _tokens(restored) == reference
+    assert runner.num_compilations == compiled
+
+
+def test_sleep_is_refused_while_a_request_is_unfinished_and_for_a_bad_level(restored):
+    restored.engine.add_request("busy", "Once upon a time", GREEDY)
+    with pytest.raises(RuntimeError, match="1 requests are unfinished"):
+        restored.sleep()
+    restored.engine.abort_request("busy")
+    with pytest.raises(ValueError, match="level must be 1"):
+        restored.sleep(level=3)
+    with pytest.raises(ValueError, match="unknown tags"):
+        restored.wake_up(tags=["weigths"])
+    assert not restored.is_sleeping()
+
+
+def test_sleep_resets_the_prefix_cache(restored):
+    restored.generate([STORIES_SENTENCE], GREEDY, use_tqdm=False)
+    restored.sleep()
+    restored.wake_up()
+    assert restored.generate([STORIES_SENTENCE], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_trees_cross_the_process_boundary_unchanged(host):
+    import ml_dtypes
+    import msgspec
+
+    from jaxllm.core.messages import decode_params, encode_params
+
+    tree = {**host, "bf16": host["embed"].astype(ml_dtypes.bfloat16)}
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(encode_params(tree)))
+    _assert_trees_equal(unflatten(decode_params(wire)), tree)
+
+
+def test_sleep_needs_enable_sleep_mode(perturbed_llm):
+    with pytest.raises(ValueError, match="enable_sleep_mode=True"):
+        perturbed_llm.sleep()
+
+
+def test_the_core_process_takes_params_updates_and_sleeps_through_utility_calls(host, reference, perturbed_llm):
+    """AsyncLLM's core runs in its own process (MPClient): params are sent at spawn, updates as encoded host
+    arrays; get_params comes back as host numpy."""
+    import asyncio
+
+    from jaxllm.frontend.async_llm import AsyncLLM
+
+    ids = [perturbed_llm.get_tokenizer().encode(p) for p in PROMPTS]
+
+    async def generate(engine, tag):
+        outs = []
+        for i, prompt in enumerate(ids):
+            async for out in engine.add_request(f"{tag}-{i}", prompt, GREEDY):
+                pass
+            outs.append(out.outputs[0].token_ids)
+        return outs
+
+    async def scenario():
+        engine = AsyncLLM(STORIES, params=_perturbed(host), enable_sleep_mode=True, **ENGINE)
+        try:
+            assert await generate(engine, "a") == _tokens(perturbed_llm)
+            _assert_trees_equal(await engine.get_params(), _perturbed(host))
+            with pytest.raises(ValueError, match="'layers/wq' has shape"):
+                await engine.update_weights({"layers": {"wq": host["layers"]["wq"][:1]}})
+            report = await engine.update_weights(jax.device_put(host))
+            assert report["num_leaves"] == len(flatten(host))
+            assert await generate(engine, "b") == reference
+            assert (await engine.sleep(level=2))[0]["freed_bytes"] > 0 and await engine.is_sleeping()
+            with pytest.raises(EngineSleepingError):
+                engine.add_request("c", ids[0], GREEDY)
+            await engine.update_weights_from_path(STORIES)
+            await engine.wake_up()
+            assert await generate(engine, "d") == reference
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
