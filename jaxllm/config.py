@@ -396,9 +396,11 @@ class EngineConfig:
         limits (see :meth:`bucket_ladders`); each must reach its limit.
       precompile: when to build the step programs: ``True`` every bucket at
         start-up; ``"background"`` the largest token bucket and the smallest
-        of at least 16 tokens at start-up and the rest in a background thread while serving (a step
-        pads up to a ready bucket meanwhile, so none waits on a compile);
-        ``False`` each bucket on first use.
+        of at least 16 tokens at start-up and the rest in a background thread, each program once the engine
+        has been idle a second (or busy 15 s without a pause: ``worker.model_runner.IDLE_SECONDS``), so a
+        short script neither shares the CPU with compiles nor waits for one at exit (a step pads up to a
+        ready bucket meanwhile, so none waits on a compile); ``False`` each bucket on first use (logged
+        while the step waits).
       async_scheduling: schedule step N+1 while the device runs step N
         (outputs are identical; see ``LLMEngine.step``). None (the default,
         as in vLLM): on, unless ``speculative_config`` is set; resolved here,

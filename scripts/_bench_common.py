@@ -303,8 +303,45 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def host_info() -> dict[str, Any]:
-    """CPU count and 1-minute load average: other work on the machine skews every number."""
-    return dict(cpu_count=os.cpu_count(), load_avg_1m=os.getloadavg()[0])
+    """CPU count, instruction sets and 1-minute load average: which dtype is fast and how fast depend on the
+    instruction sets, and other work on the machine skews every number."""
+    from jaxllm.worker.cpu_features import describe_cpu
+
+    return dict(cpu_count=os.cpu_count(), cpu_isa=describe_cpu(), load_avg_1m=os.getloadavg()[0])
+
+
+def host_line(host: dict[str, Any]) -> str:
+    """The ``host:`` line every benchmark prints."""
+    return (f"host: {host['cpu_count']} CPUs ({host['cpu_isa']}), 1-minute load average {host['load_avg_1m']:.1f} "
+            "at the end")
+
+
+def matmul_flops_per_token(cfg: ModelConfig) -> int:
+    """FLOPs of the dense projections one token runs through (2 per multiply-add: q, k, v, o, the MLP's or the
+    routed experts' projections, the lm_head); attention over the context is not counted."""
+    e, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    attention = e * cfg.num_q_heads * d * 2 + e * cfg.num_kv_heads * d * 2
+    mlp = 3 * e * (cfg.moe_intermediate_size * cfg.num_experts_per_tok if cfg.num_experts else f)
+    return 2 * (cfg.num_layers * (attention + mlp) + e * cfg.vocab_size)
+
+
+def measure_dot_gflops(dtype: str, rows: int = 256, inner: int = 1024, cols: int = 4096, seconds: float = 2.0) -> float:
+    """The machine's matmul rate now, GFLOP/s: XLA's ``[rows, inner] @ [inner, cols]`` dot in ``dtype`` (float32
+    accumulation, as the engine's projections), repeated for about ``seconds``."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((rows, inner), dtype)
+    w = jnp.ones((inner, cols), dtype)
+    dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    dot(x, w).block_until_ready()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        dot(x, w).block_until_ready()
+        count += 1
+    return 2 * rows * inner * cols * count / (time.perf_counter() - start) / 1e9
 
 
 def write_json(path: Optional[str], payload: dict) -> None:

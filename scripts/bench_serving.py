@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"input {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
           f"max_num_seqs {args.max_num_seqs}")
     host = common.host_info()
-    print(f"host: {host['cpu_count']} CPUs, 1-minute load average {host['load_avg_1m']:.1f} at the end")
+    print(common.host_line(host))
     capacities = ", ".join(f"{r['measured_capacity']:.3f}" for r in results)
     print(f"capacity measured by each warm-up (req/s, all its requests queued at once): {capacities}")
     print_tables(results, show_degradation=args.compare_degradation)

@@ -354,6 +354,17 @@ def _rates(backend: str, workload: Workload, elapsed: float, startup: float, tok
     )
 
 
+def add_dot_peak_fraction(rows: list[dict], cfg, dtype: str) -> None:
+    """Set each row's ``dot_peak_fraction``: the matmul FLOP/s its tokens needed (``matmul_flops_per_token`` x
+    total tok/s) over the machine's dot rate measured now (``dot_gflops``, the same for every row): how far the
+    run is from the physical limit of its matmuls."""
+    gflops = common.measure_dot_gflops(dtype)
+    flops = common.matmul_flops_per_token(cfg)
+    for r in rows:
+        r["dot_gflops"] = gflops
+        r["dot_peak_fraction"] = r["total_tokens_per_s"] * flops / (gflops * 1e9)
+
+
 def add_agreement(rows: list[dict]) -> None:
     """Set each row's ``same_tokens_as_jaxllm``: requests whose greedy output equals jaxllm's, token for token
     (None for jaxllm itself, and when jaxllm did not run)."""
@@ -377,10 +388,11 @@ def print_table(rows: list[dict]) -> None:
     base = _base(rows)
     header = ["backend", "start-up s", "time s", "req/s", "output tok/s", "total tok/s", "peak KV slots",
               "peak KV usage", "live KV fraction", "compiles", "param MiB", "KV blocks", "KV MiB",
-              "same tokens as jaxllm"]
+              "same tokens as jaxllm", "of dot peak"]
     table = [[r["backend"], r["startup_s"], r["elapsed_s"], r["requests_per_s"], r["output_tokens_per_s"],
               r["total_tokens_per_s"], r["peak_kv_slots"], r["peak_kv_cache_usage"], r["kv_live_slot_fraction"],
-              r["compilations"], r.get("param_mib"), r.get("kv_blocks"), r.get("kv_mib"), _agreement(r)]
+              r["compilations"], r.get("param_mib"), r.get("kv_blocks"), r.get("kv_mib"), _agreement(r),
+              f"{100 * r['dot_peak_fraction']:.1f}%"]
              for r in rows]
     if base:
         header.append(f"output tok/s vs {base['backend']}")
@@ -593,7 +605,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{args.num_requests} requests per workload, input {args.input_len[0]}-{args.input_len[1]}, output "
               f"{args.output_len[0]}-{args.output_len[1]} (greedy, ignore_eos), max_num_seqs {args.max_num_seqs}")
         host = common.host_info()
-        print(f"host: {host['cpu_count']} CPUs, 1-minute load average {host['load_avg_1m']:.1f} at the end")
+        print(common.host_line(host))
         print_speculative_table(rows, args.speculative)
         payload = dict(config=vars(args), dtype=dtype, host=host, speculative=rows)
         common.write_json(args.output_json, payload)
@@ -634,13 +646,19 @@ def main(argv: list[str] | None = None) -> dict:
                 rows = run_jaxllm(model, args, todo, backend, quantized=True)
                 results.append(rows[0])
                 single += rows[1:]
+        from jaxllm.loader import read_model_config
+
+        add_dot_peak_fraction(results + single, read_model_config(model)[0], dtype)
     for rows in (results, single):
         add_agreement(rows)
     print(f"model {model_note}, {dtype}, {args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}"
           f", output {args.output_len[0]}-{args.output_len[1]}, max_num_seqs {args.max_num_seqs}, max_model_len "
           f"{_max_model_len(args)}, max_num_batched_tokens {args.max_num_batched_tokens}")
     host = common.host_info()
-    print(f"host: {host['cpu_count']} CPUs, 1-minute load average {host['load_avg_1m']:.1f} at the end")
+    print(common.host_line(host))
+    print(f"XLA {dtype} dot rate measured in this run: {results[0]['dot_gflops']:.1f} GFLOP/s "
+          f"([256, 1024] @ [1024, 4096]); 'of dot peak' = matmul FLOPs of every prompt and output token x total "
+          "tok/s / that rate")
     print_table(results)
     if single:
         print_single_table(single)

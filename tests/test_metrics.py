@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.worker.cpu_features import cpu_instruction_sets, describe_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
@@ -217,6 +219,8 @@ THROUGHPUT_FIELDS = {
     "schedule_fraction_of_wall", "version",
     # Memory: jaxllm's parameter and KV cache MiB and KV blocks (None on the other backends' rows).
     "param_mib", "kv_blocks", "kv_mib",
+    # The matmul rate measured in the run, and the fraction of it the row's tokens needed.
+    "dot_gflops", "dot_peak_fraction",
 }
 # Rows of jaxllm's own runs (static and continuous batching) also say whether they were constrained.
 JAXLLM_RUN_FIELDS = {"structured", "compare", "bitmask_s_per_step"}
@@ -254,6 +258,34 @@ def _run_script(name: str, args: list[str], tmp_path: Path, env: dict | None = N
     return json.loads(out.read_text())
 
 
+# stories260K: 5 layers of q, k, v, o (64 x 64, 64 x 32, 64 x 32, 64 x 64) and a 64 x 172 SwiGLU, the tied
+# 64 x 512 head; 2 FLOPs a multiply-add.
+STORIES_MATMUL_FLOPS = 2 * (5 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 172) + 64 * 512)
+
+
+def test_matmul_flops_per_token_counts_every_projection_and_the_head(stories_dir):
+    from jaxllm.loader import read_model_config
+
+    sys.path.insert(0, str(SCRIPTS))
+    import _bench_common
+
+    assert _bench_common.matmul_flops_per_token(read_model_config(stories_dir)[0]) == STORIES_MATMUL_FLOPS
+
+
+@pytest.mark.parametrize("flags, names", [
+    ("fpu sse avx2 fma", ["AVX2"]),
+    ("avx2 avx512f avx512bw avx512_bf16", ["AVX2", "AVX-512", "AVX-512-BF16"]),
+    ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", ["AVX2", "AVX-512", "AVX-512-BF16", "AMX-BF16"]),
+    ("sse4_2", []),
+])
+def test_cpu_instruction_sets_are_read_from_the_first_cpus_flags(tmp_path, flags, names):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: avx2 avx512f\n")
+    assert cpu_instruction_sets(info) == names
+    assert describe_cpu(info) == (", ".join(names) or "no AVX2")
+    assert cpu_instruction_sets(tmp_path / "missing") == []
+
+
 def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp_path):
     pytest.importorskip("transformers")
     fake = tmp_path / "fake_vllm"
@@ -268,6 +300,12 @@ def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp
         assert set(row) == THROUGHPUT_FIELDS | own
         assert row["num_requests"] == 3 and row["output_tokens_per_s"] > 0
     assert result["config"]["num_requests"] == 3
+    assert result["host"]["cpu_isa"] == describe_cpu()
+    gflops = result["results"][0]["dot_gflops"]
+    assert gflops > 0 and all(r["dot_gflops"] == gflops for r in result["results"])
+    for row in result["results"]:
+        assert row["dot_peak_fraction"] == pytest.approx(
+            row["total_tokens_per_s"] * STORIES_MATMUL_FLOPS / (gflops * 1e9))
     static, jaxllm, vllm = result["results"][1:]
     # Greedy float32 outputs do not depend on the batching.
     assert static["same_tokens_as_jaxllm"] == 3 and jaxllm["same_tokens_as_jaxllm"] is None

@@ -79,6 +79,24 @@ def test_decode_steps_logits_match_hf(tiny):
         assert got[0].argmax() == ref[i].argmax(), f"greedy token at decode position {i}"
 
 
+DENSE_ARCHS = sorted({arch for arch, _ in CASES})
+
+
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
+def test_dense_forward_logits_match_hf_for_whole_and_right_padded_rows(hf_tiny_models, arch):
+    # The training-side forward (jaxllm.models.dense_forward) runs the family's own layers with dense attention:
+    # row 0 is the whole sequence, row 1 its first PROMPT_LEN tokens right-padded, whose padding changes nothing.
+    from jaxllm.models.dense import dense_forward
+
+    cfg, params, ids, ref = hf_tiny_models(arch)
+    padded = np.where(np.arange(len(ids)) < PROMPT_LEN, ids, 0)
+    got = np.asarray(jax.jit(dense_forward, static_argnames="cfg")(params, jnp.asarray(np.stack([ids, padded]),
+                                                                                       jnp.int32), cfg=cfg))
+    np.testing.assert_allclose(got[0], ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(got[1, :PROMPT_LEN], ref[:PROMPT_LEN], atol=TOL, rtol=0)
+    assert (got[0].argmax(-1) == ref.argmax(-1)).all()
+
+
 # The bit-casting is one tree_map over every layer leaf, whatever the family: one tiny model
 # (compiling six programs per model, the other families' cases would cost ~1 min of suite time).
 BF16_CASES = [("llama", backend) for backend in BACKENDS]

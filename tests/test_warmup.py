@@ -1,28 +1,38 @@
-"""Background warm-up: serving starts after two programs; no step waits on a compile."""
+"""Background warm-up: serving starts after two programs; no step waits on a compile; the background builds while
+the engine is idle (or busy past a grace time), never beside a short run, and never holds the process at exit."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import numpy as np
 
 from jaxllm import SamplingParams
 from jaxllm.frontend.llm_engine import LLMEngine
+from jaxllm.worker import model_runner
+from tests.conftest import STORIES
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_kv_blocks=48,
               compilation_cache=None)
 
 
-def _record_builds(engine: LLMEngine) -> list[tuple[str, int]]:
-    """(thread name, token bucket) of every step program the runner builds from now on."""
+def _record_builds(engine: LLMEngine, times: list[float] | None = None) -> list[tuple[str, int]]:
+    """(thread name, token bucket) of every step program the runner builds from now on (and, into ``times``, the
+    monotonic second each build starts)."""
     builds = []
     runner = engine.runner
     compile_step = runner.compile_step
 
-    def recording(shape):
+    def recording(shape, **kwargs):
         if shape not in runner._steps:
             builds.append((threading.current_thread().name, shape[0]))
-        return compile_step(shape)
+            if times is not None:
+                times.append(time.monotonic())
+        return compile_step(shape, **kwargs)
 
     runner.compile_step = recording
     return builds
@@ -66,8 +76,73 @@ def test_background_warmup_builds_two_buckets_first_and_never_compiles_on_the_se
     assert during == want and after == want
 
 
-def test_lazy_mode_builds_only_the_buckets_steps_use(tiny_llama_dir):
+def test_lazy_mode_builds_only_the_buckets_steps_use_and_says_so_while_the_step_waits(tiny_llama_dir, capsys):
     engine = LLMEngine(tiny_llama_dir, precompile=False, **ENGINE)
     builds = _record_builds(engine)
+    capsys.readouterr()
     _serve(engine, [[5, 6, 7]], 0)  # a 3-token prompt, then one-token decode steps: the smallest bucket only
     assert builds == [("MainThread", engine.buckets.token_buckets[0])]
+    t, s, _ = engine.buckets.pick(3, 1, 1)
+    err = capsys.readouterr().err
+    assert f"building the step program for {t} tokens x {s} rows (first use)..." in err
+    assert err.count("building the step program") == 1 and "built it in" in err
+
+
+def test_background_warmup_builds_nothing_while_steps_run_and_the_rest_once_idle(tiny_llama_dir, monkeypatch):
+    # Idle means no step for 2 s here (1 s by default): wide enough that no gap between this test's steps counts.
+    monkeypatch.setattr(model_runner, "IDLE_SECONDS", 2.0)
+    engine = LLMEngine(tiny_llama_dir, **ENGINE)
+    times: list[float] = []
+    builds = _record_builds(engine, times)
+    pending = engine.runner.num_pending_programs()
+    assert pending > 0
+    prompts = [[5 + i] * (4 + 5 * i) for i in range(10)]
+    start = time.monotonic()
+    for round_ in range(3):
+        _serve(engine, prompts, 100 * round_)
+    served = time.monotonic()
+    assert [t for t in times if t < served] == [] and engine.runner.num_pending_programs() == pending
+    assert engine.wait_for_warmup(timeout=600)
+    assert len(builds) == pending and all(name == "jaxllm-warmup" for name, _ in builds)
+    assert times[0] - served >= 2.0 - 0.1 and served > start
+
+
+def test_background_warmup_builds_beside_an_engine_busy_past_the_grace_time(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(model_runner, "IDLE_SECONDS", 600.0)
+    monkeypatch.setattr(model_runner, "BUSY_GRACE_SECONDS", 0.0)
+    engine = LLMEngine(tiny_llama_dir, **ENGINE)
+    builds = _record_builds(engine)
+    deadline = time.monotonic() + 600
+    while engine.runner.num_pending_programs() and time.monotonic() < deadline:
+        _serve(engine, [[5, 6, 7, 8]], len(builds) * 10)
+    assert engine.runner.num_pending_programs() == 0
+    assert builds and all(name == "jaxllm-warmup" for name, _ in builds)
+
+
+def test_process_with_a_background_warmup_in_progress_exits_within_2_s_of_its_last_call():
+    # Each background program takes 5 s more here, as a large model's do on a slow CPU: a process that waited for
+    # the program in progress at exit would take that long.
+    script = textwrap.dedent(f"""
+        import threading, time
+        from jaxllm import LLM, SamplingParams
+        from jaxllm.worker.model_runner import ModelRunner
+        compiled = ModelRunner._compiled
+        def slow(self, *args):
+            if threading.current_thread().name == "jaxllm-warmup":
+                time.sleep(5)
+            return compiled(self, *args)
+        ModelRunner._compiled = slow
+        llm = LLM({str(STORIES)!r}, compilation_cache=None, max_model_len=96, max_num_seqs=8,
+                  max_num_batched_tokens=64, block_size=8, num_kv_blocks=48)
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        print(llm.engine.runner.num_pending_programs(), len(out[0].outputs[0].token_ids), time.time(), flush=True)
+        time.sleep(0.5)  # a script's own work after its last call
+        print(time.time(), flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    ended = time.time()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, second = proc.stdout.split("\n")[:2]
+    pending, tokens, _ = first.split()
+    assert int(pending) > 0 and int(tokens) == 8
+    assert ended - float(second) < 2.0

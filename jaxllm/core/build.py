@@ -24,6 +24,7 @@ from jaxllm.spec_decode import NgramProposer
 from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.tokenizer import load_tokenizer
+from jaxllm.worker.cpu_features import describe_cpu
 from jaxllm.worker.kv_cache import (calibrate_kv_scales, calibration_ids, fit_max_model_len, kv_number_dtype,
                                     resolve_num_blocks)
 from jaxllm.worker.model_runner import ModelRunner, enable_persistent_compilation_cache
@@ -38,8 +39,9 @@ _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.
 
 
 def resolve_dtype(name: str) -> Any:
-    """The compute dtype of ``EngineConfig.dtype``: "auto" is float32 on CPU (fast there, and exact against HF)
-    and bfloat16 on accelerators; other names map directly (numpy / ml_dtypes types)."""
+    """The compute dtype of ``EngineConfig.dtype``: "auto" is float32 on CPU (exact against HF, and faster than
+    bfloat16 there unless the CPU has bfloat16 arithmetic: ``worker.cpu_features``) and bfloat16 on accelerators;
+    other names map directly (numpy / ml_dtypes types)."""
     if name == "auto":
         return np.float32 if jax.default_backend() == "cpu" else ml_dtypes.bfloat16
     return _DTYPES[name]
@@ -205,7 +207,9 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
     pb, b = core.param_bytes, core.buckets
     quantized = (f" ({pb['quantized'] / 2**20:.1f} MiB of {quantization} weights and scales, "
                  f"{pb['quantized_as_float32'] / 2**20:.1f} MiB as float32)" if pb["quantized"] else "")
-    log(f"parameters: {pb['total'] / 2**20:.1f} MiB{quantized}")
+    log(f"parameters: {pb['total'] / 2**20:.1f} MiB{quantized}, {np.dtype(core.dtype).name} (dtype="
+        f"{core.config.dtype!r})" + (f"; CPU: {describe_cpu()}" if core.sharding.mesh.devices.flat[0].platform == "cpu"
+                                    else ""))
     log(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {[b.seq_bucket_for(t) for t in b.token_buckets]}, "
          f"block-table widths {list(b.width_buckets)}); {core.num_blocks} KV blocks of {core.config.block_size} "
          f"tokens ({core.kv_cache_dtype.name}); attention {backend}; tensor parallel {core.sharding.tensor_parallel_size}")

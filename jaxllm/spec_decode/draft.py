@@ -124,7 +124,8 @@ class DraftRunner(ModelRunner):
           target_out: the target step's sampler outputs (``token_ids [S, P]`` and ``num_emitted [S]``, on the
             device).
         """
-        exe = self.compile_step(batch.shape)
+        exe = self.compile_step(batch.shape, announce=self._ready_tokens is None)
+        self._note_dispatch()
         device_batch = jax.device_put(StepBatch.from_descriptor(batch), self._replicated)
         drafts, self.kv_cache = exe(self.params, self.kv_cache, device_batch, target_out.token_ids,
                                     target_out.num_emitted)

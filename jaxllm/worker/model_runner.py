@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
 
+from jaxllm import log
 from jaxllm.config import ModelConfig
 from jaxllm.worker.kv_cache import allocate_kv_cache
 from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states, loop_storage
@@ -54,6 +55,13 @@ from scheduler import BatchDescriptor, BucketTable
 # Block copies (swap, copy-on-write) run in fixed-size chunks so that they
 # compile once; a chunk's unused entries move null block 0 onto itself.
 BLOCK_CHUNK = 16
+
+# A background warm-up starts a program only once the engine has been idle (no step dispatched, counting from the
+# end of the start-up warm-up) for IDLE_SECONDS, so a short script, whose calls and exit follow each other closely,
+# never shares the CPU with compiles it does not need nor waits at exit for one; an engine busy for
+# BUSY_GRACE_SECONDS without a pause is a long job, which the remaining buckets pay for, and then builds them anyway.
+IDLE_SECONDS = 1.0
+BUSY_GRACE_SECONDS = 15.0
 
 
 @jax.tree_util.register_dataclass
@@ -247,6 +255,10 @@ class ModelRunner:
         self._ready_tokens: Optional[set[int]] = None
         self._background: Optional[threading.Thread] = None
         self._stop_background = threading.Event()
+        # Monotonic seconds of the last dispatch (or of the end of the start-up warm-up) and of the first dispatch
+        # since the engine was last idle (None before any).
+        self._last_dispatch = time.monotonic()
+        self._busy_since: Optional[float] = None
         self._step_jit = self._jit_step()
         self._steps: dict[tuple[int, int, int], Callable] = {}
         self._block_ops: dict[str, Callable] = {}
@@ -296,17 +308,44 @@ class ModelRunner:
         return (_abstract(self.params), _abstract(self.kv_cache), StepBatch.abstract(shape, rep), sampling,
                 _abstract(self.sampler_tables), _abstract(self._no_prev_tokens), bitmask)
 
-    def compile_step(self, shape: tuple[int, int, int]) -> Callable:
-        """Compile (once) and return the step program of bucket ``shape``."""
+    def compile_step(self, shape: tuple[int, int, int], announce: bool = False) -> Callable:
+        """Compile (once) and return the step program of bucket ``shape``; with ``announce``, log the wait (a step
+        that needs a program nobody has built: lazy mode)."""
         exe = self._steps.get(shape)
         if exe is None:
+            if announce:
+                log(f"building the step program for {shape[0]} tokens x {shape[1]} rows (first use)...")
+            start = time.perf_counter()
             exe = self._steps[shape] = self._compiled(self._step_jit, *self.step_arguments(shape))
+            if announce:
+                log(f"built it in {time.perf_counter() - start:.1f} s")
         return exe
 
+    def may_build_in_background(self) -> bool:
+        """Whether a background warm-up may start its next program now: the engine is idle, or has been busy for
+        ``BUSY_GRACE_SECONDS`` without a pause (see ``IDLE_SECONDS``)."""
+        now = time.monotonic()
+        with self._lock:
+            last, since = self._last_dispatch, self._busy_since
+        return now - last >= IDLE_SECONDS or (since is not None and now - since >= BUSY_GRACE_SECONDS)
+
+    def _note_dispatch(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._busy_since is None or now - self._last_dispatch >= IDLE_SECONDS:
+                self._busy_since = now
+            self._last_dispatch = now
+
+    def token_bucket_shapes(self, tokens: int) -> list[tuple[int, int, int]]:
+        """The bucket shapes of token bucket ``tokens`` (one per block-table width)."""
+        return [shape for shape in self.buckets.all_shapes() if shape[0] == tokens]
+
     def _build_token_bucket(self, tokens: int) -> None:
-        for shape in self.buckets.all_shapes():
-            if shape[0] == tokens:
-                self.compile_step(shape)
+        for shape in self.token_bucket_shapes(tokens):
+            self.compile_step(shape)
+        self._mark_ready(tokens)
+
+    def _mark_ready(self, tokens: int) -> None:
         with self._lock:
             if self._ready_tokens is not None:
                 self._ready_tokens.add(tokens)
@@ -364,9 +403,11 @@ class ModelRunner:
             holds any step) and the smallest of at least 16 tokens (it serves
             short prompts and decode steps; the smaller ones only speed up a
             few decode rows), and the others in a background thread, smallest
-            first;
+            first, one program at a time while :meth:`may_build_in_background`;
             :meth:`serving_buckets` tracks what is ready, and
-            :meth:`wait_for_warmup` waits for the rest.
+            :meth:`wait_for_warmup` waits for the rest. At interpreter exit the
+            thread stops after the program it is building (XLA cannot be left
+            mid-compile: the process would abort).
 
         Returns:
           Seconds spent before returning.
@@ -384,14 +425,17 @@ class ModelRunner:
         for name in self.WARMUP_OPS + (("gather", "scatter") if swap else ()):
             self._block_op(name)
         rest = [t for t in tokens if t not in first]
+        with self._lock:
+            self._last_dispatch = time.monotonic()
         if rest:
             # The thread holds the runner only while it builds a program, so a
             # runner nobody uses any more is freed and its warm-up ends.
             runner = weakref.ref(self)
-            self._background = threading.Thread(target=_build_in_background, args=(runner, rest),
+            self._background = threading.Thread(target=_build_in_background, args=(runner, [(t, self.token_bucket_shapes(t)) for t in rest]),
                                                 name="jaxllm-warmup", daemon=True)
             self._background.start()
-            # At interpreter exit, let the thread finish its program rather than die inside XLA.
+            # At interpreter exit, let the thread finish its program: a daemon thread that Python stops inside an
+            # XLA compile aborts the process ("FATAL: exception not rethrown").
             atexit.register(lambda: runner() is not None and runner().stop_warmup())
         return time.perf_counter() - start
 
@@ -409,7 +453,8 @@ class ModelRunner:
         return self._background is None or not self._background.is_alive()
 
     def stop_warmup(self) -> None:
-        """Stop a background warm-up after the program it is building (at shutdown)."""
+        """Stop a background warm-up after the program it is building (at shutdown); the persistent compilation
+        cache keeps the programs it finished."""
         self._stop_background.set()
         self.wait_for_warmup()
 
@@ -437,7 +482,8 @@ class ModelRunner:
           padded to int32[max S bucket] for the next dispatch). The KV cache
           and the sampler tables are updated in place (donated).
         """
-        exe = self.compile_step(batch.shape)
+        exe = self.compile_step(batch.shape, announce=self._ready_tokens is None)
+        self._note_dispatch()
         if bitmask is None:
             bitmask = self._all_ones(batch.shape[1])
         device_batch, device_sampling, bitmask = jax.device_put(
@@ -612,14 +658,38 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Shard
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
-def _build_in_background(runner_ref: "weakref.ref[ModelRunner]", tokens: list[int]) -> None:
-    """Build the step programs of ``tokens`` (token buckets) one by one while the runner lives and is not stopped."""
-    for t in tokens:
+def _build_in_background(runner_ref: "weakref.ref[ModelRunner]",
+                         buckets: list[tuple[int, list[tuple[int, int, int]]]]) -> None:
+    """Build the step programs of ``buckets`` (token bucket, its shapes) one by one, each when the runner allows it
+    (``ModelRunner.may_build_in_background``), while the runner lives and is not stopped."""
+    for tokens, shapes in buckets:
+        for shape in shapes:
+            if not _wait_for_turn(runner_ref):
+                return
+            runner = runner_ref()
+            if runner is None:
+                return
+            runner.compile_step(shape)
+            del runner
+        runner = runner_ref()
+        if runner is None:
+            return
+        runner._mark_ready(tokens)
+        del runner
+
+
+def _wait_for_turn(runner_ref: "weakref.ref[ModelRunner]", poll: float = 0.05) -> bool:
+    """Wait until the runner may build its next program; False once it is stopped or gone. The runner is held
+    only while it is asked, so one nobody uses any more is freed meanwhile."""
+    while True:
         runner = runner_ref()
         if runner is None or runner._stop_background.is_set():
-            return
-        runner._build_token_bucket(t)
+            return False
+        if runner.may_build_in_background():
+            return True
+        stop = runner._stop_background
         del runner
+        stop.wait(poll)
 
 
 def enable_persistent_compilation_cache(path: Optional[str]) -> None:

@@ -1,0 +1,91 @@
+"""A dense-attention forward over the engine's parameter pytree, for training against the weights the engine serves.
+
+:func:`dense_forward` runs any family's layers (``Family.layer``, the same functions the engine's step runs) over a
+``[B, L]`` batch of whole sequences, with plain causal attention instead of the paged cache: no block tables, no KV
+cache, differentiable with ``jax.grad``. A layer reaches attention only through ``LayerContext.attend``; here a
+:class:`DenseContext` stands in for it. Positions are ``0 .. L-1`` in every row; right padding does not change the
+logits of the positions before it (the mask is causal), so a loss masks the padded positions out.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ModelConfig
+from jaxllm.models.common import KVCache, Params, apply_rope, compute_logits, layer_segments, rope_cos_sin
+
+
+class DenseContext(NamedTuple):
+    """What a layer receives in place of ``LayerContext`` (same field names for what layers read).
+
+    cfg: the model configuration. shape: ``(B, L)`` of the batch (static). window: the layer's sliding window
+    (static), None for full attention. cos, sin: ``[B * L, R // 2]`` float32 of this layer's rope. num_tokens:
+    int32[] ``B * L``.
+    """
+
+    cfg: ModelConfig
+    shape: tuple[int, int]
+    window: Optional[int]
+    cos: jax.Array
+    sin: jax.Array
+    num_tokens: jax.Array
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
+        """Rope q and k, then causal attention within each row (``LayerContext.attend``'s contract: q
+        ``[T, Hq, D]``, k, v ``[T, Hkv, D]``, T = B * L; returns ``[T, Hq * D]`` and ``kv`` untouched)."""
+        cfg, (b, n) = self.cfg, self.shape
+        q, k = apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+        group = cfg.num_q_heads // cfg.num_kv_heads
+        q = q.reshape(b, n, cfg.num_kv_heads, group, cfg.head_dim)
+        k, v = (a.reshape(b, n, cfg.num_kv_heads, cfg.head_dim) for a in (k, v))
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * cfg.attention_scale
+        pos = jnp.arange(n)
+        mask = pos[None, :] <= pos[:, None]
+        if self.window is not None:
+            mask &= pos[None, :] > pos[:, None] - self.window
+        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v.dtype)
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)
+        return out.reshape(b * n, cfg.num_q_heads * cfg.head_dim), kv
+
+
+def dense_forward(params: Params, input_ids: jax.Array, *, cfg: ModelConfig, family=None) -> jax.Array:
+    """Logits of every position of whole sequences, through the family's own layers and dense causal attention.
+
+    Args:
+      params: the parameter pytree the engine serves (``jaxllm.models.common``'s layout: layer leaves stacked on a
+        leading ``L`` axis; float leaves, not the engine's uint16/uint8 bit storage nor quantized ones).
+      input_ids: int32 ``[B, L]``, each row a sequence from position 0 (right padding allowed: see the module doc).
+      cfg: the model configuration (static).
+      family: the decoder family; by default ``cfg``'s (``jaxllm.models.family``).
+
+    Returns:
+      float32 ``[B, L, vocab]``: equal to the engine's logits of the same tokens (within float32 rounding).
+    """
+    from jaxllm.models import family as family_of
+
+    fam = family if family is not None else family_of(cfg)
+    b, n = input_ids.shape
+    flat = input_ids.reshape(-1)
+    # rope_cos_sin reads a batch's positions (and, for LongRoPE, each row's length and start).
+    rows = types.SimpleNamespace(positions=jnp.tile(jnp.arange(n, dtype=jnp.int32), b),
+                                 seq_lens=jnp.full((b,), n, jnp.int32),
+                                 query_start_loc=jnp.arange(b + 1, dtype=jnp.int32) * n)
+    ropes = {None: rope_cos_sin(cfg.rope, cfg.head_dim, rows)}
+    if cfg.local_rope is not None:
+        ropes["local"] = rope_cos_sin(cfg.local_rope, cfg.head_dim, rows)
+    x = fam.embed(params, flat, cfg)
+    layers = params["layers"]
+    for start, stop, window in layer_segments(cfg.sliding_windows or (None,) * cfg.num_layers):
+        cos, sin = ropes["local" if window is not None and cfg.local_rope is not None else None]
+        ctx = DenseContext(cfg, (b, n), window, cos, sin, jnp.int32(b * n))
+
+        def step(x, layer, ctx=ctx):
+            return fam.layer(layer, x, None, ctx)[0], None
+
+        x, _ = jax.lax.scan(step, x, jax.tree_util.tree_map(lambda a: a[start:stop], layers))
+    x = fam.final_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return compute_logits(params, x, cfg=cfg).reshape(b, n, -1)
