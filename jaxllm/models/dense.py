@@ -87,5 +87,5 @@ def dense_forward(params: Params, input_ids: jax.Array, *, cfg: ModelConfig, fam
             return fam.layer(layer, x, None, ctx)[0], None
 
         x, _ = jax.lax.scan(step, x, jax.tree_util.tree_map(lambda a: a[start:stop], layers))
-    x = fam.final_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    x = fam.final_norm(params, x, cfg)
     return compute_logits(params, x, cfg=cfg).reshape(b, n, -1)
