@@ -23,7 +23,7 @@ from jax import monitoring
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.loader import load_model
-from jaxllm.models.dense import dense_forward
+from jaxllm.models import dense_forward
 
 STORIES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260K"
 PROMPTS = ["Once upon a time, there was a", "One day, a little girl named Lily", "The dog saw a",

@@ -12,6 +12,7 @@ import json
 import os
 
 import httpx
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -85,6 +86,18 @@ def test_step_logits_match_the_dense_reference_whole_chunked_and_decoding(gptj_d
     seq = SingleSequence(cfg, params, num_blocks=len(ids) // BLOCK_SIZE + 2, backend="reference")
     pieces = [seq.run(ids[:7]), seq.run(ids[7:20])] + [seq.run(ids[i:i + 1]) for i in range(20, 30)]
     np.testing.assert_allclose(np.concatenate(pieces), ref, atol=TOL, rtol=0)
+
+
+def test_training_forward_of_the_registered_family_matches_the_dense_reference(gptj_dir, dense):
+    # jaxllm.models.dense.dense_forward runs any family's layers through LayerContext.attend's contract, so a
+    # registered architecture can be trained against the pytree the engine serves.
+    from jaxllm.models.dense import dense_forward
+
+    cfg, params, _ = load_model(gptj_dir)
+    ids = np.random.default_rng(4).integers(3, 500, size=(2, 24))
+    got = np.asarray(dense_forward(params, jnp.asarray(ids, jnp.int32), cfg=cfg))
+    for row in range(2):
+        np.testing.assert_allclose(got[row], dense(ids[row]), atol=TOL, rtol=0)
 
 
 @pytest.fixture(scope="module")
