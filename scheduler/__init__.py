@@ -13,6 +13,7 @@ from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import PersistentBatch
 from scheduler.policy import AgingPolicy, FCFSPolicy, LoadAwarePolicy, Policy, PriorityPolicy, SJFPolicy, get_policy
+from scheduler.predictor import OutputLengthPredictor
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler, UnknownRequestError
@@ -29,6 +30,7 @@ __all__ = [
     "KVBlock",
     "KVCacheManager",
     "LoadAwarePolicy",
+    "OutputLengthPredictor",
     "PersistentBatch",
     "Policy",
     "PriorityPolicy",

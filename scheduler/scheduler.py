@@ -27,6 +27,7 @@ from scheduler.persistent_batch import (
     TOKENS, PersistentBatch,
 )
 from scheduler.policy import get_policy
+from scheduler.predictor import OutputLengthPredictor
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 
@@ -37,6 +38,8 @@ _NO_ROWS.flags.writeable = False
 _NO_COUNTS = np.zeros(0, dtype=np.int32)
 _NO_COUNTS.flags.writeable = False
 _REPORTED_FINISHES = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_IGNORED)
+# Finishes whose output length the predictor learns from (an abort says nothing of it).
+_NATURAL_FINISHES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 class UnknownRequestError(KeyError, ValueError):
@@ -172,12 +175,15 @@ class Scheduler:
       requests' numbers as numpy rows), requests (id -> unfinished
       ``Request``), running and waiting (``Request`` lists), degradation
       (``DegradationController``, None when off), pinned_blocks (blocks held
-      by :meth:`pin_prefix`).
+      by :meth:`pin_prefix`), predictor (``OutputLengthPredictor``: sets each
+      arrival's ``predicted_output_tokens``, learns from each stop or length
+      cap).
     """
 
     def __init__(self, config: SchedulerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.policy = get_policy(config.scheduling_policy, aging_rate=config.aging_rate, max_model_len=config.max_model_len)
+        self.predictor = OutputLengthPredictor(config.block_size)
         self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(
             self.block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks
@@ -249,6 +255,7 @@ class Scheduler:
             self._finished_for_update.append(request)
             return
         self.kv_cache_manager.hash_blocks(request)
+        request.predicted_output_tokens = self.predictor.predict(request)
         if request.use_structured_output and not request.grammar_ready():
             request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[rid] = request
@@ -301,6 +308,7 @@ class Scheduler:
         num_forked, copies = self.kv_cache_manager.fork(parent, children[:seats])
         for child in children[:num_forked]:
             self._prepare(child)
+            child.predicted_output_tokens = self.predictor.predict(child)
             child.status = _RUNNING
             child.num_computed_tokens = computed
             child.first_scheduled_time = parent.first_scheduled_time
@@ -944,6 +952,8 @@ class Scheduler:
         """Finish ``req``: set ``status``, free its blocks, forget it. The caller fixes the running/waiting lists."""
         req.status = status
         self._num_stopped += 1
+        if status in _NATURAL_FINISHES:
+            self.predictor.observe(req)
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
 
@@ -1014,4 +1024,8 @@ class Scheduler:
             num_blocks=self.block_pool.num_blocks,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            num_predicted_finished=self.predictor.num_observed,
+            predicted_output_tokens=self.predictor.predicted_output_tokens,
+            actual_output_tokens=self.predictor.actual_output_tokens,
+            prediction_abs_error_tokens=self.predictor.abs_error_tokens,
         )
