@@ -12,7 +12,9 @@ from scheduler.diagnostics import kv_cache_report
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import PersistentBatch
-from scheduler.policy import AgingPolicy, FCFSPolicy, LoadAwarePolicy, Policy, PriorityPolicy, SJFPolicy, get_policy
+from scheduler.policy import (
+    AgingPolicy, FCFSPolicy, LoadAwarePolicy, Policy, PredictedPolicy, PriorityPolicy, SJFPolicy, get_policy,
+)
 from scheduler.predictor import OutputLengthPredictor
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
@@ -33,6 +35,7 @@ __all__ = [
     "OutputLengthPredictor",
     "PersistentBatch",
     "Policy",
+    "PredictedPolicy",
     "PriorityPolicy",
     "Request",
     "RequestStatus",

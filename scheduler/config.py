@@ -30,8 +30,8 @@ class SchedulerConfig:
       long_prefill_token_threshold: cap on one request's prefill tokens per
         step so long prompts leave room for others; 0 disables it, and so
         does ``enable_chunked_prefill=False``.
-      scheduling_policy: "fcfs", "priority", "sjf", "aging", "load_aware", or a
-        ``Policy``.
+      scheduling_policy: "fcfs", "priority", "sjf", "aging", "load_aware",
+        "predicted" (``PredictedPolicy``), or a ``Policy``.
       preemption_mode: "recompute" (free blocks, recompute later) or "swap"
         (copy blocks to the host pool and back).
       num_host_blocks: host blocks for swap mode, >= 0; a victim that does

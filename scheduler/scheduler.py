@@ -182,7 +182,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.policy = get_policy(config.scheduling_policy, aging_rate=config.aging_rate, max_model_len=config.max_model_len)
+        self.policy = get_policy(config.scheduling_policy, aging_rate=config.aging_rate,
+                                 max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens)
         self.predictor = OutputLengthPredictor(config.block_size)
         self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(

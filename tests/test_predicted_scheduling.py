@@ -1,8 +1,15 @@
-"""Predicted output lengths in the scheduler: set at arrival, learned at finishes."""
+"""Predicted output lengths in the scheduler: learned at finishes, ordering ``scheduling_policy="predicted"`` (with its
+anti-starvation bound)."""
 
 from __future__ import annotations
 
-from scheduler import SamplingParams, Scheduler, SchedulerConfig
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import PredictedPolicy, RequestStatus, SamplingParams, Scheduler, SchedulerConfig, get_policy
 from tests._scheduler_harness import FakeClock, FakeRunner, check_block_invariants, make_request, step
 
 EOS = 0
@@ -76,3 +83,113 @@ def test_an_aborted_request_teaches_the_predictor_nothing():
     late = eos_request("late", SYSTEM_A)
     sched.add_request(late)
     assert (sched.stats.num_predicted_finished, late.predicted_output_tokens) == (0, 40)
+
+
+# ------------------------------------------------------------------------------------------------- the policy
+
+
+@pytest.mark.parametrize("policy, order", [("predicted", ["short", "long"]), ("sjf", ["long", "short"])])
+def test_predicted_admits_the_template_predicted_shorter_first_where_sjf_goes_by_prompt(policy, order):
+    sched = setup(scheduling_policy=policy)
+    train(sched, [(SYSTEM_A + [5], 2), (SYSTEM_B + [5], 20)])
+    admitted = []
+    run(sched, {"long": 20, "short": 2}, admitted, arrivals={0: [eos_request("long", SYSTEM_B + [6]),
+                                                             eos_request("short", SYSTEM_A + [6, 7, 8, 9, 10])]})
+    assert admitted == order
+
+
+def _short_stream_behind_a_long_request(policy):
+    """A long request (max_tokens 20) then, one per step for 60 steps, short ones (max_tokens 2) into one seat.
+    Returns the long request and how many short ones were first scheduled before it."""
+    sched = setup(scheduling_policy=policy, num_blocks=129)
+    runner = FakeRunner(sched.config)
+    sched.add_request(make_request("busy", [9] * 4, max_tokens=3))
+    step(sched, runner)
+    long = make_request("long", [8] * 4, max_tokens=20)
+    sched.add_request(long)
+    overtakers: set[str] = set()
+    for t in range(60):
+        sched.add_request(make_request(f"s{t}", [t % 40 + 10] * 4, max_tokens=2))
+        out, _ = step(sched, runner)
+        if long.first_scheduled_time is None:
+            overtakers.update(r.request_id for r in out.requests if r.request_id.startswith("s"))
+    return long, len(overtakers)
+
+
+def test_a_long_request_is_overtaken_by_exactly_the_bounds_number_of_short_arrivals():
+    long, overtakers = _short_stream_behind_a_long_request(PredictedPolicy(aging_per_arrival=1.0,
+                                                                           max_num_batched_tokens=16))
+    # W(long) - W(short) = 20 - 2: a short request k arrivals later overtakes it while k < 18.
+    assert (long.status, overtakers) == (RequestStatus.FINISHED_LENGTH_CAPPED, 17)
+
+
+def test_sjf_starves_it_under_the_same_stream():
+    long, overtakers = _short_stream_behind_a_long_request("sjf")
+    assert (long.status, long.first_scheduled_time) == (RequestStatus.WAITING, None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    jobs=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(0, 9), st.integers(0, 3)),
+                  min_size=1, max_size=14),
+    seats=st.integers(1, 3),
+    num_blocks=st.integers(16, 48),
+    beta=st.sampled_from([0.5, 1.0, 2.0, 4.0]),
+    training=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 30)), max_size=4),
+)
+def test_no_request_is_overtaken_by_more_later_arrivals_than_the_theorem_allows(jobs, seats, num_blocks, beta,
+                                                                                training):
+    """Any arrivals (template, true output length, user prompt tokens, steps to the next arrival), predictions
+    trained or not: a request r is first scheduled after a later arrival k requests behind it only if
+    k < (W(r) - 1) / beta, so after at most ceil((W(r) - 1) / beta) - 1 of them."""
+    sched = setup(scheduling_policy=PredictedPolicy(beta, 16), max_num_seqs=seats, num_blocks=num_blocks)
+    systems = [SYSTEM_A, SYSTEM_B, [5, 6, 7, 8, 31, 32, 33, 34]]
+    train(sched, [(systems[t], n) for t, n in training])
+    arrivals, lengths, work, t = {}, {}, {}, 0
+    for i, (template, length, user, gap) in enumerate(jobs):
+        req = eos_request(f"j{i}", systems[template] + [40 + i] * user)
+        arrivals.setdefault(t, []).append(req)
+        lengths[req.request_id] = length
+        t += gap
+    originals = sched.add_request
+
+    def add_and_measure(req):
+        originals(req)
+        work[req.request_id] = sched.policy.remaining_work(req)
+
+    sched.add_request = add_and_measure
+    admitted = []
+    run(sched, lengths, admitted, arrivals)
+    rank = {rid: i for i, rid in enumerate(admitted)}
+    for i in range(len(jobs)):
+        overtaken_by = [k - i for k in range(i + 1, len(jobs)) if rank[f"j{k}"] < rank[f"j{i}"]]
+        w = work[f"j{i}"]
+        assert all(k < (w - 1) / beta for k in overtaken_by)
+        assert len(overtaken_by) <= max(math.ceil((w - 1) / beta) - 1, 0)
+
+
+def test_the_latest_longest_running_request_is_the_victim():
+    policy = PredictedPolicy(aging_per_arrival=1.0, max_num_batched_tokens=16)
+    sched = setup(scheduling_policy=policy, max_num_seqs=3)
+    requests = [eos_request(rid, SYSTEM_A, max_tokens=n) for rid, n in (("a", 30), ("b", 5), ("c", 30))]
+    for req in requests:
+        sched.add_request(req)
+    assert policy.select_victim(requests, 0.0).request_id == "c"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(aging_per_arrival=0), r"aging_per_arrival=0 must be > 0 \(steps per arrival\)"),
+    (dict(aging_per_arrival=True), r"aging_per_arrival=True must be > 0"),
+    (dict(aging_per_arrival=float("nan")), r"aging_per_arrival=nan must be > 0"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens=0 must be an int >= 1"),
+])
+def test_out_of_range_policy_arguments_are_refused_naming_the_value_and_the_limit(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PredictedPolicy(**kwargs)
+
+
+def test_by_name_the_policy_takes_the_schedulers_token_budget_and_ignores_priority():
+    sched = setup(scheduling_policy="predicted", max_num_batched_tokens=32)
+    assert (type(sched.policy), sched.policy.max_num_batched_tokens, sched.policy.aging_per_arrival) == (
+        PredictedPolicy, 32, 4.0)
+    assert get_policy("predicted").reads_priority is False
