@@ -42,6 +42,11 @@ _REPORTED_FINISHES = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_IGN
 _NATURAL_FINISHES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
+def _outputs_left(req: Request) -> int:
+    """Output tokens ``req`` is predicted to generate still, within its length limit (>= 0)."""
+    return max(min(req.predicted_output_tokens - req.num_output_tokens, req.length_limit - req.num_tokens), 0)
+
+
 class UnknownRequestError(KeyError, ValueError):
     """No unfinished request has this id (a ``KeyError`` for lookups, a ``ValueError`` for bad input)."""
 
@@ -56,7 +61,7 @@ class _Step:
     """
 
     __slots__ = (
-        "budget", "preempted", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped",
+        "budget", "preempted", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped", "headroom",
         "bulk_requests", "bulk_rows", "bulk_new", "bulk_computed", "tail_requests", "tail_new", "tail_computed",
     )
 
@@ -69,6 +74,8 @@ class _Step:
         self.admitted_ids: set[str] = set()
         self.now = now
         self.dropped: set[str] = set()
+        # With reserve_predicted_output: free blocks that the running requests' predicted outputs leave.
+        self.headroom = 0
         self.bulk_requests: list[Request] = []
         self.bulk_rows, self.bulk_new, self.bulk_computed = _NO_ROWS, _NO_COUNTS, _NO_COUNTS
         self.tail_requests: list[Request] = []
@@ -163,6 +170,10 @@ class Scheduler:
       (:attr:`max_num_seqs`, :attr:`max_num_batched_tokens`), which each
       ``update_from_output`` adjusts to the KV pressure it sees; running
       requests are never preempted to meet a lowered seat limit.
+    * With ``reserve_predicted_output``, a waiting request is admitted beside
+      running ones only while the free blocks, less those the running
+      requests still lack for their predicted outputs, hold its prompt and
+      its own predicted output (our addition); alone, it always is.
 
     Args:
       config: a validated ``SchedulerConfig``.
@@ -542,6 +553,8 @@ class Scheduler:
         if self._waiting_dirty or self.policy.keys_change_over_time:
             self.policy.sort(self.waiting, step.now)
             self._waiting_dirty = False
+        if self.config.reserve_predicted_output:
+            step.headroom = self.block_pool.num_free_blocks - self._reserved_blocks()
         queue, self.waiting = self.waiting, []
         # Requests whose grammar is still compiling, passed over in queue order.
         unready: list[Request] = []
@@ -573,6 +586,12 @@ class Scheduler:
     def _try_admit(self, req: Request, step: _Step) -> bool:
         kv = self.kv_cache_manager
         rid = req.request_id
+        if self.config.reserve_predicted_output:
+            # Alone, a request is always admitted (liveness); its need still counts against those after it.
+            need = self._predicted_need(req)
+            if need > step.headroom and self.running:
+                return False
+            step.headroom -= need
         if rid in kv.swapped:
             n = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget)
             pairs = kv.swap_in(req, n) if n else None
@@ -591,6 +610,21 @@ class Scheduler:
         step.admitted_ids.add(rid)
         step.add(req, n, req.num_computed_tokens)
         return True
+
+    def _reserved_blocks(self) -> int:
+        """Blocks the running requests still lack for their predicted lengths (``reserve_predicted_output``)."""
+        bs, lengths = self.config.block_size, self.kv_cache_manager.block_table.lengths
+        # The last output token is never fed back, so it takes no KV slot.
+        return sum(max(-(-(r.num_tokens + _outputs_left(r) - 1) // bs) - int(lengths[r.batch_row]), 0)
+                   for r in self.running)
+
+    def _predicted_need(self, req: Request) -> int:
+        """Free blocks that admitting waiting ``req`` takes to hold its prompt and predicted outputs."""
+        kv, left = self.kv_cache_manager, max(_outputs_left(req) - 1, 0)
+        if req.request_id in kv.swapped:
+            return -(-(req.num_tokens + left) // self.config.block_size)
+        hits, num_hit = kv.get_computed_blocks(req)
+        return kv.num_blocks_to_allocate(req, req.num_tokens - num_hit, hits, left)
 
     def _allocate_admission(self, req: Request, budget: int) -> int:
         """Take ``req``'s prefix hits and blocks for its first chunk; returns the chunk's tokens, 0 if it must wait.

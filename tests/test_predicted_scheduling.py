@@ -1,5 +1,5 @@
 """Predicted output lengths in the scheduler: learned at finishes, ordering ``scheduling_policy="predicted"`` (with its
-anti-starvation bound)."""
+anti-starvation bound), and reserving blocks at admission (``reserve_predicted_output``)."""
 
 from __future__ import annotations
 
@@ -193,3 +193,51 @@ def test_by_name_the_policy_takes_the_schedulers_token_budget_and_ignores_priori
     assert (type(sched.policy), sched.policy.max_num_batched_tokens, sched.policy.aging_per_arrival) == (
         PredictedPolicy, 32, 4.0)
     assert get_policy("predicted").reads_priority is False
+
+
+# ------------------------------------------------------------------------------------------------- reservation
+
+
+def _two_requests_of_14_tokens_in_ten_blocks(reserve: bool):
+    """Two 8-token prompts that cannot stop before 14 outputs (so each is predicted 14 and needs 6 blocks) into
+    10 free blocks. Returns the requests, the scheduler's preemptions, and b's first step."""
+    sched = setup(num_blocks=11, max_num_seqs=2, reserve_predicted_output=reserve)
+    runner = FakeRunner(sched.config)
+    requests = [make_request(rid, SYSTEM_A, params=SamplingParams(max_tokens=14, ignore_eos=True)) for rid in "ab"]
+    for req in requests:
+        sched.add_request(req)
+    first_step_of_b = None
+    for n in range(100):
+        if not sched.has_unfinished_requests():
+            break
+        out, _ = step(sched, runner)
+        check_block_invariants(sched)
+        if first_step_of_b is None and requests[1] in out.requests:
+            first_step_of_b = n
+    return requests, sched.num_preemptions, first_step_of_b
+
+
+def test_without_reservation_both_are_admitted_and_the_second_is_preempted_once():
+    (a, b), preemptions, first_step_of_b = _two_requests_of_14_tokens_in_ten_blocks(reserve=False)
+    assert (preemptions, a.num_preemptions, b.num_preemptions, first_step_of_b) == (1, 0, 1, 0)
+
+
+def test_reservation_holds_the_second_back_until_the_first_finishes_and_nothing_is_preempted():
+    (a, b), preemptions, first_step_of_b = _two_requests_of_14_tokens_in_ten_blocks(reserve=True)
+    # a's prefill step and 13 decode steps, then b.
+    assert (preemptions, first_step_of_b, b.status) == (0, 14, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+def test_reservation_admits_side_by_side_requests_whose_predicted_outputs_fit():
+    sched = setup(num_blocks=11, max_num_seqs=2, reserve_predicted_output=True)
+    train(sched, [(SYSTEM_A, 3)], max_tokens=14)
+    admitted = []
+    run(sched, {"a": 3, "b": 3}, admitted, arrivals={0: [eos_request("a", SYSTEM_A + [5], 14),
+                                                          eos_request("b", SYSTEM_A + [6], 14)]})
+    # Predicted 3 outputs each: 3 blocks each of 10 free.
+    assert (admitted, sched.num_preemptions) == (["a", "b"], 0)
+
+
+def test_reserve_predicted_output_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"reserve_predicted_output='yes' is out of range: must be a bool"):
+        SchedulerConfig(num_blocks=11, reserve_predicted_output="yes")
