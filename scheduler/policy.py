@@ -293,7 +293,9 @@ class PredictedPolicy(Policy):
     """
 
     name = "predicted"
-    keys_change_over_time = True
+    # A waiting request's key is fixed (see the proof), and running requests are scheduled, so the waiting
+    # queue needs a re-sort only after it changes.
+    keys_change_over_time = False
     reads_priority = False
 
     def __init__(self, aging_per_arrival: float = 4.0, max_num_batched_tokens: int = 512) -> None:

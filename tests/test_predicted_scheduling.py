@@ -136,13 +136,15 @@ def test_sjf_starves_it_under_the_same_stream():
     num_blocks=st.integers(16, 48),
     beta=st.sampled_from([0.5, 1.0, 2.0, 4.0]),
     training=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 30)), max_size=4),
+    reserve=st.booleans(),
 )
 def test_no_request_is_overtaken_by_more_later_arrivals_than_the_theorem_allows(jobs, seats, num_blocks, beta,
-                                                                                training):
+                                                                                training, reserve):
     """Any arrivals (template, true output length, user prompt tokens, steps to the next arrival), predictions
-    trained or not: a request r is first scheduled after a later arrival k requests behind it only if
+    trained or not, blocks reserved for them or not: a request r is first scheduled after a later arrival k requests behind it only if
     k < (W(r) - 1) / beta, so after at most ceil((W(r) - 1) / beta) - 1 of them."""
-    sched = setup(scheduling_policy=PredictedPolicy(beta, 16), max_num_seqs=seats, num_blocks=num_blocks)
+    sched = setup(scheduling_policy=PredictedPolicy(beta, 16), max_num_seqs=seats, num_blocks=num_blocks,
+                  reserve_predicted_output=reserve)
     systems = [SYSTEM_A, SYSTEM_B, [5, 6, 7, 8, 31, 32, 33, 34]]
     train(sched, [(systems[t], n) for t, n in training])
     arrivals, lengths, work, t = {}, {}, {}, 0
