@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-from typing import Optional
 
 from scheduler.block_hash import extend_block_hashes
 from scheduler.request import Request
@@ -110,8 +109,3 @@ class OutputLengthPredictor:
         if request.cache_salt is not None:
             keys.append("salt:" + request.cache_salt)
         return keys
-
-    @property
-    def mean_abs_error(self) -> Optional[float]:
-        """Mean ``|predicted - actual|`` output tokens over the requests learned from; None before any."""
-        return self.abs_error_tokens / self.num_observed if self.num_observed else None
