@@ -586,12 +586,10 @@ class Scheduler:
     def _try_admit(self, req: Request, step: _Step) -> bool:
         kv = self.kv_cache_manager
         rid = req.request_id
-        if self.config.reserve_predicted_output:
-            # Alone, a request is always admitted (liveness); its need still counts against those after it.
-            need = self._predicted_need(req)
-            if need > step.headroom and self.running:
-                return False
-            step.headroom -= need
+        need = self._predicted_need(req) if self.config.reserve_predicted_output else 0
+        # Alone, a request is always admitted (liveness); its need still counts against those after it.
+        if need > step.headroom and self.running:
+            return False
         if rid in kv.swapped:
             n = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget)
             pairs = kv.swap_in(req, n) if n else None
@@ -609,6 +607,7 @@ class Scheduler:
         self._insert_running(req, step.now)
         step.admitted_ids.add(rid)
         step.add(req, n, req.num_computed_tokens)
+        step.headroom -= need
         return True
 
     def _reserved_blocks(self) -> int:
