@@ -2,6 +2,7 @@
 oracle, on a workload whose output length follows its template.
 
 Usage: python scripts/bench_predicted.py [--requests N] [--rate R] [--seed S] [--aging B] [--no-graceful-degradation]
+                                         [--shuffle-lengths]
 
 This is a simulation: no model runs. The real ``Scheduler`` is driven by a fake model on a simulated clock: a step
 of T scheduled tokens takes ``STEP_BASE_S + STEP_PER_TOKEN_S * T`` seconds (4 ms + 40 us per token: a decode row is
@@ -12,6 +13,8 @@ tokens, ``max_tokens=1024`` for all, and an output length drawn around its templ
 (lognormal, sigma 0.3). The cache (1024 blocks of 16 tokens) holds about 40 such requests, so the batch is
 memory-bound and preempts. The scheduler's other settings are its defaults (prefix caching, chunked prefill,
 graceful degradation; ``--no-graceful-degradation`` turns the last off, which preempts far more).
+``--shuffle-lengths`` is the control: the same lengths shuffled across requests, so a template says nothing of
+its requests' lengths.
 
 Policies, the same arrivals for each: ``fcfs``; ``sjf`` (here by prompt length: max_tokens is the same for
 all); ``predicted``; ``oracle`` (the predicted policy with each prediction replaced by the true length); each of the
@@ -44,8 +47,9 @@ TEMPLATE_OUTPUT_TOKENS = (16, 128, 512)
 CONFIG = dict(num_blocks=1025, block_size=16, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048)
 
 
-def make_workload(num_requests: int, rate: float, seed: int) -> list[tuple[float, list[int], int]]:
-    """``(arrival seconds, prompt token ids, true output length)`` per request, in arrival order."""
+def make_workload(num_requests: int, rate: float, seed: int, shuffle: bool) -> list[tuple[float, list[int], int]]:
+    """``(arrival seconds, prompt token ids, true output length)`` per request, in arrival order; with ``shuffle``
+    the lengths are permuted across requests."""
     rng = np.random.default_rng(seed)
     header = rng.integers(1, 32000, 16).tolist()
     systems = [header + rng.integers(1, 32000, 40).tolist() for _ in TEMPLATE_OUTPUT_TOKENS]
@@ -56,6 +60,9 @@ def make_workload(num_requests: int, rate: float, seed: int) -> list[tuple[float
         user = rng.integers(1, 32000, int(rng.integers(16, 257))).tolist()
         length = int(np.clip(round(TEMPLATE_OUTPUT_TOKENS[t] * rng.lognormal(0.0, 0.3)), 1, MAX_TOKENS - 1))
         workload.append((arrival, systems[t] + user, length))
+    if shuffle:
+        lengths = rng.permutation([length for _, _, length in workload]).tolist()
+        workload = [(arrival, prompt, length) for (arrival, prompt, _), length in zip(workload, lengths)]
     return workload
 
 
@@ -114,8 +121,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--aging", type=float, default=4.0, help="PredictedPolicy aging_per_arrival (steps)")
     parser.add_argument("--no-graceful-degradation", action="store_true")
+    parser.add_argument("--shuffle-lengths", action="store_true", help="lengths independent of the template")
     args = parser.parse_args()
-    workload = make_workload(args.requests, args.rate, args.seed)
+    workload = make_workload(args.requests, args.rate, args.seed, args.shuffle_lengths)
     budget = CONFIG["max_num_batched_tokens"]
     predicted = lambda: PredictedPolicy(args.aging, budget)  # noqa: E731 -- a fresh policy per run
     runs = [
@@ -125,7 +133,7 @@ def main() -> None:
     ]
     print(f"simulated: {args.requests} requests, Poisson {args.rate}/s, seed {args.seed}, aging_per_arrival "
           f"{args.aging}; step = {STEP_BASE_S * 1e3:g} ms + {STEP_PER_TOKEN_S * 1e6:g} us/token; {CONFIG}, "
-          f"graceful_degradation={not args.no_graceful_degradation}")
+          f"graceful_degradation={not args.no_graceful_degradation}, shuffled lengths: {args.shuffle_lengths}")
     print(f"{'policy':18s} {'e2e mean':>9s} {'e2e p99':>8s} {'ttft mean':>9s} {'ttft p99':>8s} {'req/s':>6s} "
           f"{'tok/s':>6s} {'preempt':>7s} {'pred MAE':>8s} {'fcfs->oracle':>12s} {'host s':>6s}")
     degradation = not args.no_graceful_degradation
