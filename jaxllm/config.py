@@ -445,6 +445,9 @@ class EngineConfig:
         True, False or a ``GracefulDegradation`` once checked.
       aging_rate: for ``scheduling_policy="aging"``: priority units a waiting
         request gains per second, >= 0.
+      reserve_predicted_output: admit a request beside running ones only when
+        the free KV blocks also hold every running request's predicted output
+        (``SchedulerConfig.reserve_predicted_output``); off by default.
       preload_prompts: a file of common prompts (a ``.json`` list of strings,
         or text with one prompt per line) computed at start-up so the first
         request sharing one hits the prefix cache (``jaxllm.frontend.prefix_warmup``).
@@ -499,6 +502,7 @@ class EngineConfig:
     speculative_config: Union[SpeculativeConfig, dict, str, None] = None
     graceful_degradation: Union[bool, dict, str, GracefulDegradation] = True
     aging_rate: float = 1.0
+    reserve_predicted_output: bool = False
     max_waiting_requests: Optional[int] = None
     preload_prompts: Optional[str] = None
     kv_events_config: Union[KVEventsConfig, dict, str, None] = None

@@ -12,7 +12,10 @@ from scheduler.diagnostics import kv_cache_report
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import PersistentBatch
-from scheduler.policy import AgingPolicy, FCFSPolicy, LoadAwarePolicy, Policy, PriorityPolicy, SJFPolicy, get_policy
+from scheduler.policy import (
+    AgingPolicy, FCFSPolicy, LoadAwarePolicy, Policy, PredictedPolicy, PriorityPolicy, SJFPolicy, get_policy,
+)
+from scheduler.predictor import OutputLengthPredictor
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler, UnknownRequestError
@@ -29,8 +32,10 @@ __all__ = [
     "KVBlock",
     "KVCacheManager",
     "LoadAwarePolicy",
+    "OutputLengthPredictor",
     "PersistentBatch",
     "Policy",
+    "PredictedPolicy",
     "PriorityPolicy",
     "Request",
     "RequestStatus",

@@ -30,8 +30,8 @@ class SchedulerConfig:
       long_prefill_token_threshold: cap on one request's prefill tokens per
         step so long prompts leave room for others; 0 disables it, and so
         does ``enable_chunked_prefill=False``.
-      scheduling_policy: "fcfs", "priority", "sjf", "aging", "load_aware", or a
-        ``Policy``.
+      scheduling_policy: "fcfs", "priority", "sjf", "aging", "load_aware",
+        "predicted" (``PredictedPolicy``), or a ``Policy``.
       preemption_mode: "recompute" (free blocks, recompute later) or "swap"
         (copy blocks to the host pool and back).
       num_host_blocks: host blocks for swap mode, >= 0; a victim that does
@@ -58,6 +58,12 @@ class SchedulerConfig:
         (``scheduler.degradation``); True uses the default
         ``GracefulDegradation`` thresholds, an instance its own, False turns
         it off.
+      reserve_predicted_output: admit a request beside running ones only
+        when the free blocks, less those the running requests still lack
+        for their predicted outputs (``scheduler.predictor``), hold its
+        prompt and its own predicted output; so fewer admitted requests are
+        preempted when predictions are good. Off by default: it measured
+        no better (``scripts/bench_predicted.py``).
 
     Raises:
       ValueError: a field out of range; the message names the field, the value
@@ -80,6 +86,7 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     graceful_degradation: Union[bool, GracefulDegradation] = True
     enable_kv_cache_events: bool = False
+    reserve_predicted_output: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, limit: str) -> ValueError:
@@ -108,6 +115,8 @@ class SchedulerConfig:
             raise bad("num_lookahead_tokens", "an int >= 0")
         if isinstance(self.aging_rate, bool) or not isinstance(self.aging_rate, (int, float)) or not self.aging_rate >= 0:
             raise bad("aging_rate", ">= 0 (priority units per second)")
+        if not isinstance(self.reserve_predicted_output, bool):
+            raise bad("reserve_predicted_output", "a bool")
         if not isinstance(self.graceful_degradation, (bool, GracefulDegradation)):
             raise bad("graceful_degradation", "a bool or a GracefulDegradation")
 

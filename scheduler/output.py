@@ -183,6 +183,15 @@ class SchedulerStats:
       num_blocks: device blocks in all, including the null block.
       max_num_seqs, max_num_batched_tokens: the limits in force (lower than
         the configured ones while graceful degradation backs off).
+      num_predicted_finished: requests that stopped or were length-capped,
+        whose output length the predictor (``scheduler.predictor``) learned;
+        cumulative.
+      predicted_output_tokens: their output tokens as predicted at arrival,
+        summed; cumulative.
+      actual_output_tokens: their output tokens, summed; cumulative.
+      prediction_abs_error_tokens: ``|predicted - actual|`` output tokens,
+        summed over them; cumulative (divide by ``num_predicted_finished``
+        for the mean error).
     """
 
     num_running: int
@@ -197,3 +206,7 @@ class SchedulerStats:
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    num_predicted_finished: int
+    predicted_output_tokens: int
+    actual_output_tokens: int
+    prediction_abs_error_tokens: int

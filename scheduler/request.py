@@ -99,6 +99,9 @@ class Request:
         row verifies after its last token (vLLM v1's field); set through
         ``Scheduler.update_draft_token_ids``, emptied once a step used them
         or the request is preempted.
+      predicted_output_tokens: its output tokens in all as predicted at
+        arrival (``scheduler.predictor``); set by the scheduler on
+        ``add_request``, 0 before.
 
     Raises:
       ValueError: empty prompt, a negative token id, or a non-int priority.
@@ -110,6 +113,7 @@ class Request:
         "stop_reason", "ignored_reason", "num_preemptions", "first_scheduled_time",
         "block_hashes", "prompt_array", "_all_token_ids", "_max_tokens", "_seq", "length_limit", "batch_row",
         "prefill_only", "skip_reading_prefix_cache", "spec_token_ids", "grammar_ready",
+        "predicted_output_tokens",
     )
 
     def __init__(
@@ -164,6 +168,7 @@ class Request:
         self.batch_row = -1
         self.prefill_only = False
         self.spec_token_ids: list[int] = []
+        self.predicted_output_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,6 +28,7 @@ from scheduler.persistent_batch import (
     TOKENS, PersistentBatch,
 )
 from scheduler.policy import get_policy
+from scheduler.predictor import OutputLengthPredictor
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 
@@ -38,6 +39,13 @@ _NO_ROWS.flags.writeable = False
 _NO_COUNTS = np.zeros(0, dtype=np.int32)
 _NO_COUNTS.flags.writeable = False
 _REPORTED_FINISHES = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_IGNORED)
+# Finishes whose output length the predictor learns from (an abort says nothing of it).
+_NATURAL_FINISHES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+def _outputs_left(req: Request) -> int:
+    """Output tokens ``req`` is predicted to generate still, within its length limit (>= 0)."""
+    return max(min(req.predicted_output_tokens - req.num_output_tokens, req.length_limit - req.num_tokens), 0)
 
 
 class UnknownRequestError(KeyError, ValueError):
@@ -54,7 +62,7 @@ class _Step:
     """
 
     __slots__ = (
-        "budget", "preempted", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped",
+        "budget", "preempted", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped", "headroom",
         "bulk_requests", "bulk_rows", "bulk_new", "bulk_computed", "tail_requests", "tail_new", "tail_computed",
     )
 
@@ -67,6 +75,8 @@ class _Step:
         self.admitted_ids: set[str] = set()
         self.now = now
         self.dropped: set[str] = set()
+        # With reserve_predicted_output: free blocks that the running requests' predicted outputs leave.
+        self.headroom = 0
         self.bulk_requests: list[Request] = []
         self.bulk_rows, self.bulk_new, self.bulk_computed = _NO_ROWS, _NO_COUNTS, _NO_COUNTS
         self.tail_requests: list[Request] = []
@@ -161,6 +171,10 @@ class Scheduler:
       (:attr:`max_num_seqs`, :attr:`max_num_batched_tokens`), which each
       ``update_from_output`` adjusts to the KV pressure it sees; running
       requests are never preempted to meet a lowered seat limit.
+    * With ``reserve_predicted_output``, a waiting request is admitted beside
+      running ones only while the free blocks, less those the running
+      requests still lack for their predicted outputs, hold its prompt and
+      its own predicted output (our addition); alone, it always is.
 
     Args:
       config: a validated ``SchedulerConfig``.
@@ -173,12 +187,16 @@ class Scheduler:
       requests' numbers as numpy rows), requests (id -> unfinished
       ``Request``), running and waiting (``Request`` lists), degradation
       (``DegradationController``, None when off), pinned_blocks (blocks held
-      by :meth:`pin_prefix`).
+      by :meth:`pin_prefix`), predictor (``OutputLengthPredictor``: sets each
+      arrival's ``predicted_output_tokens``, learns from each stop or length
+      cap).
     """
 
     def __init__(self, config: SchedulerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.policy = get_policy(config.scheduling_policy, aging_rate=config.aging_rate, max_model_len=config.max_model_len)
+        self.policy = get_policy(config.scheduling_policy, aging_rate=config.aging_rate,
+                                 max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens)
+        self.predictor = OutputLengthPredictor(config.block_size)
         self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.enable_kv_cache_events)
         self.kv_cache_manager = KVCacheManager(
             self.block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks
@@ -250,6 +268,7 @@ class Scheduler:
             self._finished_for_update.append(request)
             return
         self.kv_cache_manager.hash_blocks(request)
+        request.predicted_output_tokens = self.predictor.predict(request)
         if request.use_structured_output and not request.grammar_ready():
             request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[rid] = request
@@ -302,6 +321,7 @@ class Scheduler:
         num_forked, copies = self.kv_cache_manager.fork(parent, children[:seats])
         for child in children[:num_forked]:
             self._prepare(child)
+            child.predicted_output_tokens = self.predictor.predict(child)
             child.status = _RUNNING
             child.num_computed_tokens = computed
             child.first_scheduled_time = parent.first_scheduled_time
@@ -534,6 +554,8 @@ class Scheduler:
         if self._waiting_dirty or self.policy.keys_change_over_time:
             self.policy.sort(self.waiting, step.now)
             self._waiting_dirty = False
+        if self.config.reserve_predicted_output:
+            step.headroom = self.block_pool.num_free_blocks - self._reserved_blocks()
         queue, self.waiting = self.waiting, []
         # Requests whose grammar is still compiling, passed over in queue order.
         unready: list[Request] = []
@@ -565,6 +587,10 @@ class Scheduler:
     def _try_admit(self, req: Request, step: _Step) -> bool:
         kv = self.kv_cache_manager
         rid = req.request_id
+        need = self._predicted_need(req) if self.config.reserve_predicted_output else 0
+        # Alone, a request is always admitted (liveness); its need still counts against those after it.
+        if need > step.headroom and self.running:
+            return False
         if rid in kv.swapped:
             n = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget)
             pairs = kv.swap_in(req, n) if n else None
@@ -582,7 +608,23 @@ class Scheduler:
         self._insert_running(req, step.now)
         step.admitted_ids.add(rid)
         step.add(req, n, req.num_computed_tokens)
+        step.headroom -= need
         return True
+
+    def _reserved_blocks(self) -> int:
+        """Blocks the running requests still lack for their predicted lengths (``reserve_predicted_output``)."""
+        bs, lengths = self.config.block_size, self.kv_cache_manager.block_table.lengths
+        # The last output token is never fed back, so it takes no KV slot.
+        return sum(max(-(-(r.num_tokens + _outputs_left(r) - 1) // bs) - int(lengths[r.batch_row]), 0)
+                   for r in self.running)
+
+    def _predicted_need(self, req: Request) -> int:
+        """Free blocks that admitting waiting ``req`` takes to hold its prompt and predicted outputs."""
+        kv, left = self.kv_cache_manager, max(_outputs_left(req) - 1, 0)
+        if req.request_id in kv.swapped:
+            return -(-(req.num_tokens + left) // self.config.block_size)
+        hits, num_hit = kv.get_computed_blocks(req)
+        return kv.num_blocks_to_allocate(req, req.num_tokens - num_hit, hits, left)
 
     def _allocate_admission(self, req: Request, budget: int) -> int:
         """Take ``req``'s prefix hits and blocks for its first chunk; returns the chunk's tokens, 0 if it must wait.
@@ -996,6 +1038,8 @@ class Scheduler:
         """Finish ``req``: set ``status``, free its blocks, forget it. The caller fixes the running/waiting lists."""
         req.status = status
         self._num_stopped += 1
+        if status in _NATURAL_FINISHES:
+            self.predictor.observe(req)
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
 
@@ -1066,4 +1110,8 @@ class Scheduler:
             num_blocks=self.block_pool.num_blocks,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            num_predicted_finished=self.predictor.num_observed,
+            predicted_output_tokens=self.predictor.predicted_output_tokens,
+            actual_output_tokens=self.predictor.actual_output_tokens,
+            prediction_abs_error_tokens=self.predictor.abs_error_tokens,
         )

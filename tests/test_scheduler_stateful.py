@@ -12,7 +12,7 @@ every copy-on-write copy is exact (see ``check_copies``). At the end: every requ
 with a reason, every unaborted one generated exactly what a scheduler-free
 reference generates (the fake runner samples from KV it reads back through the
 block tables), and free blocks == total - 1. Runs under every policy and both
-preemption modes.
+preemption modes, with and without ``reserve_predicted_output``.
 """
 
 from hypothesis import HealthCheck, settings
@@ -49,8 +49,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         chunked=st.booleans(),
         threshold=st.sampled_from([0, 5]),
+        reserve=st.booleans(),
     )
-    def setup(self, num_blocks, caching, chunked, threshold):
+    def setup(self, num_blocks, caching, chunked, threshold, reserve=False):
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
             block_size=BLOCK_SIZE,
@@ -64,6 +65,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             preemption_mode=self.mode,
             num_host_blocks=6,
             aging_rate=0.5,
+            reserve_predicted_output=reserve,
         )
         self.clock = FakeClock()
         self.sched = Scheduler(self.config, clock=self.clock)
@@ -188,3 +190,5 @@ TestStatefulSJFRecompute = _test_case("sjf", "recompute")
 TestStatefulSJFSwap = _test_case("sjf", "swap")
 TestStatefulAgingRecompute = _test_case("aging", "recompute")
 TestStatefulAgingSwap = _test_case("aging", "swap")
+TestStatefulPredictedRecompute = _test_case("predicted", "recompute")
+TestStatefulPredictedSwap = _test_case("predicted", "swap")
