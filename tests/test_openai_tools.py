@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 
 from jaxllm.tokenizer import load_tokenizer
-from tests.server_process import Server, engine_flags
+from tests.server_process import ENGINE, Server, engine_flags
 
 openai = pytest.importorskip("openai")
 
@@ -432,3 +432,38 @@ def test_completion_render_returns_one_generate_request_per_prompt(server, token
 def test_render_refuses_what_the_generation_route_refuses_naming_the_field(server, path, body, param):
     response = post(server, path, **body)
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+# ------------------------------------------------------------------ LLM.chat
+
+@pytest.fixture(scope="module")
+def llm(stories_dir):
+    from jaxllm import LLM
+
+    return LLM(stories_dir, **ENGINE)
+
+
+def test_llm_chat_renders_tools_and_chat_template_kwargs_as_the_server_does(llm, client, tokenizer):
+    from jaxllm import SamplingParams
+
+    kwargs = {"enable_thinking": True}
+    out = llm.chat(HISTORY, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), chat_template=TEMPLATE,
+                   tools=TOOLS, chat_template_kwargs=kwargs, use_tqdm=False)[0]
+    response = chat(client, messages=HISTORY, tools=TOOLS, tool_choice="none", max_tokens=1,
+                    extra_body={"prompt_logprobs": 0, "chat_template_kwargs": kwargs})
+    assert out.prompt_token_ids == prompt_ids(response)
+    assert tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) == RENDERED
+    assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("messages, kwargs, field", [
+    (USER, {"tools": []}, "chat_template_kwargs"),
+    (USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{zone"}}]}], None, "messages"),
+], ids=["kwargs-setting-tools", "arguments-not-json"])
+def test_llm_chat_refuses_what_the_server_refuses_naming_the_argument(llm, messages, kwargs, field):
+    from jaxllm.tokenizer import ChatInputError
+
+    with pytest.raises(ChatInputError) as info:
+        llm.chat(messages, chat_template=TEMPLATE, tools=TOOLS, chat_template_kwargs=kwargs, use_tqdm=False)
+    assert info.value.field == field

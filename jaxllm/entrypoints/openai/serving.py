@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import re
 import time
 import uuid
@@ -43,12 +42,11 @@ from jaxllm.entrypoints.openai.tool_parsers import (
 )
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.structured_output import after_reasoning, validate_structured_outputs
+from jaxllm.tokenizer import ChatInputError
 from scheduler import SamplingParams, StructuredOutputsParams
 
 # Sampling fields the model's generation_config.json may set defaults for.
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-# Variables the server gives the chat template itself; chat_template_kwargs may not set them.
-TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 AUTO_TOOLS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 _PARAM = re.compile(r"SamplingParams\.(\w+)=")
 
@@ -147,30 +145,20 @@ class OpenAIServing:
     def render_chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                          continue_final_message: bool = False, tools: Optional[list[dict]] = None,
                          template_kwargs: Optional[dict[str, Any]] = None) -> str:
-        """A conversation in the chat template (``Tokenizer.apply_chat_template``), with ``tools`` (OpenAI's
-        ``{"type": "function", "function": ...}`` dicts, HF's ``tools=``) and extra template variables.
+        """A conversation in the chat template (``Tokenizer.render_chat``: what ``LLM.chat`` renders too), with
+        ``tools`` (OpenAI's ``{"type": "function", "function": ...}`` dicts, HF's ``tools=``) and extra template
+        variables.
 
         Raises:
-          APIError: 400 naming ``messages`` (a message without a string role or text content, a template that
-            fails on them), ``continue_final_message`` (with ``add_generation_prompt``, or no last message
-            content to continue) or ``chat_template_kwargs`` (a variable the server sets itself).
+          APIError: 400 naming ``messages``, ``continue_final_message`` or ``chat_template_kwargs``
+            (``ChatInputError``'s field).
         """
         self._need_tokenizer()
-        clash = [k for k in template_kwargs or {} if k in TEMPLATE_VARIABLES]
-        if clash:
-            raise APIError(400, f"chat_template_kwargs may not set {clash}: the server sets them "
-                                f"(set the request fields instead)", "chat_template_kwargs")
-        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
         try:
-            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message, tools=tools,
-                                                      template_kwargs=template_kwargs)
-        except ValueError as e:
-            if "continue_final_message" in str(e):
-                raise APIError(400, str(e), "continue_final_message") from None
-            raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
-        except Exception as e:  # the template's own errors (raise_exception)
-            raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
+            return self.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message, tools,
+                                              template_kwargs)
+        except ChatInputError as e:
+            raise APIError(400, str(e), e.field) from None
 
     def sampling_params(self, request: Union[CompletionRequest, ChatCompletionRequest], prompt_len: int,
                         max_tokens: Optional[int], logprobs: Optional[int], prompt_logprobs: Optional[int] = None,
@@ -822,42 +810,6 @@ def _checked(make: Callable[[], Any], param: str) -> Any:
 
 def _choice_label(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else f"{{'function': {{'name': {choice.function.name!r}}}}}"
-
-
-def _template_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
-    """A request message as chat templates read it: text parts joined; an assistant's ``tool_calls`` with
-    their ``arguments`` decoded from JSON text to objects (what HF templates write with ``tojson``, as vLLM
-    passes them).
-
-    Raises:
-      APIError: 400 naming ``messages``: no string role, content that is not text, a malformed tool call.
-    """
-    content = message.get("content")
-    if isinstance(content, list):  # OpenAI's content parts: only text is supported
-        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-            raise APIError(400, f"messages[{i}].content: only parts of type 'text' are supported", "messages")
-        content = "".join(str(p.get("text", "")) for p in content)
-    if not isinstance(message.get("role"), str) or not isinstance(content, (str, type(None))):
-        raise APIError(400, f"messages[{i}] needs a string 'role' and a string (or text parts) 'content'",
-                       "messages")
-    out = {**message, "content": content or ""}
-    if "tool_calls" in message:
-        out["tool_calls"] = [_template_call(i, call) for call in message["tool_calls"] or []]
-    return out
-
-
-def _template_call(i: int, call: Any) -> dict[str, Any]:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise APIError(400, f"messages[{i}].tool_calls: each call needs a function with a name", "messages")
-    arguments = function.get("arguments", "{}")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            raise APIError(400, f"messages[{i}].tool_calls: the arguments of {function['name']!r} are not JSON: "
-                                f"{arguments[:100]!r}", "messages") from None
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def tool_dicts(tools: Optional[list[ChatCompletionTool]]) -> Optional[list[dict]]:
