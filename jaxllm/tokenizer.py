@@ -37,6 +37,19 @@ _DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact", "codeshell"}
 _GPT2_PRE = {"default", "gpt2", "gpt-2"}
 
 
+# Variables the renderer gives the chat template itself; chat_template_kwargs may not set them.
+TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+class ChatInputError(ValueError):
+    """A conversation the chat template cannot be given; ``field`` names the input at fault (``messages``,
+    ``continue_final_message`` or ``chat_template_kwargs``: the chat request's fields, ``LLM.chat``'s arguments)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class Tokenizer:
     """A text tokenizer with the special-token ids and chat template a model needs.
 
@@ -229,6 +242,37 @@ class Tokenizer:
             "add_generation_prompt": add_generation_prompt, "bos_token": self._token_text(self.bos_token_id),
             "eos_token": self._token_text(self.eos_token_id)})
         return _cut_after_final_message(text, messages) if continue_final_message else text
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> str:
+        """A conversation of OpenAI-style messages in the chat template, as the server renders a chat request
+        (and ``LLM.chat`` renders one): text content parts joined, an assistant's ``tool_calls`` with their
+        ``arguments`` decoded from JSON text (what HF templates write with ``tojson``, as vLLM passes them),
+        ``tools`` as HF's ``tools=``, ``chat_template_kwargs`` as extra variables (:meth:`apply_chat_template`).
+
+        Raises:
+            ChatInputError: naming ``chat_template_kwargs`` (a variable the renderer sets itself),
+                ``continue_final_message`` (with ``add_generation_prompt``, or no last message content to
+                continue) or ``messages`` (a malformed message, no chat template, a template that fails on them).
+        """
+        clash = [k for k in chat_template_kwargs or {} if k in TEMPLATE_VARIABLES]
+        if clash:
+            raise ChatInputError("chat_template_kwargs", f"chat_template_kwargs may not set {clash}: the renderer "
+                                 "sets them (give them as the request's fields or the call's arguments instead)")
+        if not isinstance(messages, list):
+            raise ChatInputError("messages", f"messages must be a list of message dicts, got {messages!r:.100}")
+        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+        try:
+            return self.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, tools=tools,
+                                            chat_template=chat_template, template_kwargs=chat_template_kwargs)
+        except ValueError as e:
+            if "continue_final_message" in str(e):
+                raise ChatInputError("continue_final_message", str(e)) from None
+            raise ChatInputError("messages", f"the chat template failed on these messages: {e}") from None
+        except Exception as e:  # the template's own errors (raise_exception)
+            raise ChatInputError("messages", f"the chat template failed on these messages: {e}") from None
 
     def info(self) -> dict:
         """vLLM's `GET /tokenizer_info` body: the tokenizer's settings (`tokenizer_config.json` without its file
@@ -545,3 +589,41 @@ def read_chat_template(value: str) -> str:
     if any(c in value for c in "{}\n"):
         return value
     raise ValueError(f"--chat-template {value}: no such file (and not a template: it has no '{{')")
+
+
+def _template_message(i: int, message: dict) -> dict:
+    """A chat message as chat templates read it: text parts joined; an assistant's ``tool_calls`` with
+    their ``arguments`` decoded from JSON text to objects (what HF templates write with ``tojson``, as vLLM
+    passes them).
+
+    Raises:
+      ChatInputError: ``messages``: not a dict, no string role, content that is not text, a malformed tool call.
+    """
+    if not isinstance(message, dict):
+        raise ChatInputError("messages", f"messages[{i}] must be a dict, got {message!r:.100}")
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI's content parts: only text is supported
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise ChatInputError("messages", f"messages[{i}].content: only parts of type 'text' are supported")
+        content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(message.get("role"), str) or not isinstance(content, (str, type(None))):
+        raise ChatInputError("messages", f"messages[{i}] needs a string 'role' and a string (or text parts) "
+                                         "'content'")
+    out = {**message, "content": content or ""}
+    if "tool_calls" in message:
+        out["tool_calls"] = [_template_call(i, call) for call in message["tool_calls"] or []]
+    return out
+
+
+def _template_call(i: int, call) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ChatInputError("messages", f"messages[{i}].tool_calls: each call needs a function with a name")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise ChatInputError("messages", f"messages[{i}].tool_calls: the arguments of {function['name']!r} are "
+                                             f"not JSON: {arguments[:100]!r}") from None
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 
 from jaxllm.tokenizer import load_tokenizer
-from tests.server_process import Server, engine_flags
+from tests.server_process import ENGINE, Server, engine_flags
 
 openai = pytest.importorskip("openai")
 
@@ -360,3 +361,109 @@ def test_a_constraint_waits_for_the_end_of_a_reasoning_the_prompt_opened(client)
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, extra_body={**THINKING, "structured_outputs": {"grammar": 'start: "x"'}}, **body)
     assert info.value.body["param"] == "structured_outputs" and "reasoning" in info.value.body["message"]
+
+
+# ------------------------------------------------------------------ tokenize and render
+
+HISTORY = USER + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+RENDERED = ('<s>Tools: get_weather get_time\nuser: What is the weather in Paris?\nassistant: <tool_call>'
+            '{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}</tool_call>\n'
+            'tool call_1: sunny\nassistant:<think>')
+
+
+def post(server, path: str, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json={"model": "stories", **body}, timeout=300)
+
+
+def test_tokenize_renders_tools_and_chat_template_kwargs_as_the_chat_route_does(server, client, tokenizer):
+    kwargs = {"enable_thinking": True}
+    tokens = post(server, "/tokenize", messages=HISTORY, tools=TOOLS, chat_template_kwargs=kwargs).json()["tokens"]
+    response = chat(client, messages=HISTORY, tools=TOOLS, tool_choice="none", max_tokens=1,
+                    extra_body={"prompt_logprobs": 0, "chat_template_kwargs": kwargs})
+    assert tokens == prompt_ids(response)
+    assert tokenizer.decode(tokens, skip_special_tokens=False) == RENDERED
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(prompt="Hi", tools=TOOLS), "tools"),
+    (dict(prompt="Hi", chat_template_kwargs={"enable_thinking": True}), "chat_template_kwargs"),
+    (dict(messages=USER, chat_template_kwargs={"tools": []}), "chat_template_kwargs"),
+    (dict(messages=USER, tools=[{"type": "function", "function": {"name": ""}}]), "tools"),
+], ids=["tools-with-a-prompt", "kwargs-with-a-prompt", "kwargs-setting-tools", "a-nameless-tool"])
+def test_tokenize_refuses_chat_fields_it_cannot_honour_naming_them(server, body, param):
+    response = post(server, "/tokenize", **body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_chat_render_returns_the_chat_routes_prompt_and_sampling_params(server, client):
+    body = dict(messages=HISTORY, tools=TOOLS, tool_choice="none", chat_template_kwargs={"enable_thinking": True},
+                temperature=0.5, seed=7, max_tokens=3, stop=["\n"], cache_salt="tenant-a")
+    rendered = post(server, "/v1/chat/completions/render", **body).json()
+    response = chat(client, extra_body={"prompt_logprobs": 0, "chat_template_kwargs": body.pop("chat_template_kwargs")},
+                    **{k: v for k, v in body.items() if k != "cache_salt"})
+    assert rendered["token_ids"] == prompt_ids(response)
+    assert rendered["request_id"].startswith("chatcmpl-") and rendered["model"] == "stories"
+    assert (rendered["features"], rendered["stream"], rendered["cache_salt"], rendered["priority"]) == (
+        None, False, "tenant-a", 0)
+    params = rendered["sampling_params"]
+    assert (params["temperature"], params["seed"], params["max_tokens"], params["stop"], params["n"]) == (
+        0.5, 7, 3, ["\n"], 1)
+
+
+def test_completion_render_returns_one_generate_request_per_prompt(server, tokenizer):
+    rendered = post(server, "/v1/completions/render", prompt=["Once upon a time", "One day"], top_k=3).json()
+    assert [r["token_ids"] for r in rendered] == [tokenizer.encode("Once upon a time"), tokenizer.encode("One day")]
+    assert post(server, "/v1/completions/render", prompt=[1, 5, 9]).json()[0]["token_ids"] == [1, 5, 9]
+    assert [(r["sampling_params"]["max_tokens"], r["sampling_params"]["top_k"]) for r in rendered] == [(16, 3)] * 2
+    assert all(r["request_id"].startswith("cmpl-") for r in rendered)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions/render", dict(prompt="Hi", bogus=1), "bogus"),
+    ("/v1/completions/render", dict(prompt="Hi", max_tokens=600), "max_tokens"),
+    ("/v1/completions/render", dict(prompt="Hi", priority=1), "priority"),
+    ("/v1/chat/completions/render", dict(messages=USER, tool_choice="required"), "tool_choice"),
+    ("/v1/chat/completions/render", dict(messages=USER, stream_options={"include_usage": True}), "stream_options"),
+], ids=["unknown-field", "too-long", "priority-under-fcfs", "required-without-tools", "stream-options-alone"])
+def test_render_refuses_what_the_generation_route_refuses_naming_the_field(server, path, body, param):
+    response = post(server, path, **body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+# ------------------------------------------------------------------ LLM.chat
+
+@pytest.fixture(scope="module")
+def llm(stories_dir):
+    from jaxllm import LLM
+
+    return LLM(stories_dir, **ENGINE)
+
+
+def test_llm_chat_renders_tools_and_chat_template_kwargs_as_the_server_does(llm, client, tokenizer):
+    from jaxllm import SamplingParams
+
+    kwargs = {"enable_thinking": True}
+    out = llm.chat(HISTORY, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), chat_template=TEMPLATE,
+                   tools=TOOLS, chat_template_kwargs=kwargs, use_tqdm=False)[0]
+    response = chat(client, messages=HISTORY, tools=TOOLS, tool_choice="none", max_tokens=1,
+                    extra_body={"prompt_logprobs": 0, "chat_template_kwargs": kwargs})
+    assert out.prompt_token_ids == prompt_ids(response)
+    assert tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) == RENDERED
+    assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("messages, kwargs, field", [
+    (USER, {"tools": []}, "chat_template_kwargs"),
+    (USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{zone"}}]}], None, "messages"),
+], ids=["kwargs-setting-tools", "arguments-not-json"])
+def test_llm_chat_refuses_what_the_server_refuses_naming_the_argument(llm, messages, kwargs, field):
+    from jaxllm.tokenizer import ChatInputError
+
+    with pytest.raises(ChatInputError) as info:
+        llm.chat(messages, chat_template=TEMPLATE, tools=TOOLS, chat_template_kwargs=kwargs, use_tqdm=False)
+    assert info.value.field == field

@@ -33,6 +33,8 @@ MODEL = "stories"
 ROUTER_STARTUP_SECONDS = 60
 # Long enough to be caught running, short enough for max_model_len 512.
 LONG = 480
+# stories260K has no chat template of its own.
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 
 
 class Replica(Server):
@@ -40,10 +42,12 @@ class Replica(Server):
 
     def __init__(self, model: Path, log: Path) -> None:
         self.event_port = free_port()
+        # vLLM's default topic, the empty one: vllm-router's --kv-event-source subscribes to no other.
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.event_port}",
-                  "topic": "kv"}
+                  "topic": ""}
         super().__init__(model, *engine_flags(), "--served-model-name", MODEL, "--metrics-namespace", "vllm",
-                         "--enable-tokenizer-info-endpoint", "--kv-events-config", json.dumps(events), log=log)
+                         "--enable-tokenizer-info-endpoint", "--kv-events-config", json.dumps(events),
+                         "--chat-template", CHAT_TEMPLATE, log=log)
 
     def series(self, name: str, **labels: str) -> float:
         """One series of ``/metrics`` with ``model_name`` and ``labels``."""
@@ -112,6 +116,17 @@ def complete(url: str, prompt, max_tokens: int = 2) -> dict:
     return response.json()
 
 
+def ask(url: str, route: str, text: str) -> dict:
+    """``text`` as a greedy completion's prompt or a chat's user message, through ``url``; the response body."""
+    if route == "completions":
+        return complete(url, text)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0,
+            "ignore_eos": True}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def counts(replicas: list[Replica]) -> list[tuple[float, float]]:
     """Each replica's (finished requests, prefix-cache hit tokens)."""
     return [(r.served(), r.series("vllm:prefix_cache_hits_total")) for r in replicas]
@@ -160,7 +175,7 @@ def test_kv_aware_router_reads_the_replicas_events_and_each_replica_publishes_th
     for r in replicas:
         sub = ctx.socket(zmq.SUB)
         sub.connect(f"tcp://127.0.0.1:{r.event_port}")
-        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
         subs.append(sub)
     time.sleep(0.5)  # ZMQ's slow joiner
     prompt = [3 + (i * 37) % 500 for i in range(64)]
@@ -175,6 +190,31 @@ def test_kv_aware_router_reads_the_replicas_events_and_each_replica_publishes_th
         ctx.destroy(linger=0)
     assert [h for e in stored[holder] for h in e.block_hashes] == vllm_hashes(prompt)
     assert stored[1 - holder] == []
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_kv_aware_sends_prefix_sharing_requests_to_the_replica_whose_events_hold_the_blocks(
+        replicas, tmp_path, route):
+    # One prefix computed on each replica, each behind the router's back: only the replicas' events (and the
+    # render route, which gives the router each request's token ids) tell it where the blocks are. Without
+    # them every request here would go to the same replica (kv_aware's fallback breaks ties the same way).
+    prefixes = [f"One sunny morning ({route}), a small brown dog named Max found a shiny key under the old oak "
+                "tree. He picked it up and",
+                f"Sara had a red kite ({route}) with a long tail. Every day after school she ran to the big hill "
+                "near her house and"]
+    followers = [" ran home.", " looked around.", " smiled."]
+    sources = [f"--kv-event-source={r.url}=tcp://127.0.0.1:{r.event_port}" for r in replicas]
+    with router(replicas, tmp_path, "kv_aware", *sources, "--kv-event-model", MODEL) as url:
+        time.sleep(0.5)  # ZMQ's slow joiner: the router's subscriptions take effect a moment after it answers
+        for replica, prefix in zip(replicas, prefixes):
+            ask(replica.url, route, prefix)
+        time.sleep(1.0)  # the router reads the events from its subscriptions asynchronously
+        before = counts(replicas)
+        cached = [[ask(url, route, prefix + f)["usage"]["prompt_tokens_details"]["cached_tokens"]
+                   for prefix in prefixes] for f in followers]
+    per_prefix = [[row[i] for row in cached] for i in range(2)]
+    assert delta(before, counts(replicas)) == [(3, sum(per_prefix[0])), (3, sum(per_prefix[1]))]
+    assert per_prefix == [[64] * 3, [48] * 3]  # the prefixes fill 4 and 3 blocks; every follower hit them all
 
 
 def _batches(sub: zmq.Socket) -> list:

@@ -23,6 +23,13 @@ def test_any_other_value_of_those_fields_is_left_for_validation_to_refuse():
     assert strip_router_defaults(body, ROUTER_DEFAULTS["/v1/completions"]) == body
 
 
+def test_the_render_routes_drop_the_defaults_of_their_generation_routes():
+    # kv_aware forwards a request's body to the render route before the request itself.
+    assert ROUTER_DEFAULTS["/v1/chat/completions/render"] == CHAT
+    assert ROUTER_DEFAULTS["/v1/completions/render"] == ROUTER_DEFAULTS["/v1/completions"] == {
+        "no_stop_trim": False, "return_hidden_states": False}
+
+
 def test_a_body_that_is_not_a_json_object_is_untouched():
     for body in (b"{not json", b"[1, 2]"):
         assert strip_router_defaults(body, CHAT) == body

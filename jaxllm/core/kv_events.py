@@ -53,7 +53,8 @@ class KVEventsConfig:
       buffer_steps: batches kept for replay.
       hwm: the PUB socket's high-water mark (ZMQ drops messages past it for a slow subscriber).
       max_queue_size: batches waiting for the publisher thread at most (the core waits past it).
-      topic: the first frame of every message; subscribers filter on its prefix.
+      topic: the first frame of every message; subscribers filter on its prefix (vllm-router 0.1.17's
+        --kv-event-source applies only vLLM's default, the empty topic).
 
     Raises:
       ValueError: a field out of range, naming it.

@@ -243,31 +243,40 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template: Optional[str] = None,
+        tools: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
         cache_salt: CacheSalt = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Render conversation(s) with a chat template, then generate (as :meth:`generate`).
+        """Render conversation(s) with a chat template, as the server renders a chat request
+        (``Tokenizer.render_chat``), then generate (as :meth:`generate`).
 
         Args:
-          messages: one conversation (a list of message dicts) or several.
+          messages: one conversation (a list of OpenAI-style message dicts: text content or text parts,
+            assistant ``tool_calls`` with JSON-text ``arguments``, ``role: "tool"`` results) or several.
           add_generation_prompt: end the prompt with the template's cue for the assistant's turn.
           continue_final_message: end the prompt inside the last message, so the model continues it
             (vLLM's; ``Tokenizer.apply_chat_template``); not with ``add_generation_prompt``.
           chat_template: a jinja2 template to use instead of the model's.
+          tools: OpenAI's tool dicts (``{"type": "function", "function": {"name", "parameters", ...}}``),
+            given to the template as HF's ``tools=`` (vLLM's ``LLM.chat(tools=...)``); the calls the model
+            writes stay in its text.
+          chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
           cache_salt: as :meth:`generate`.
 
         Raises:
-          ValueError: the model has no tokenizer, no template (and none given), both
-            ``add_generation_prompt`` and ``continue_final_message``, or as :meth:`generate`.
+          ValueError: the model has no tokenizer; ``tokenizer.ChatInputError`` (a ValueError) naming
+            ``messages`` (a malformed message, no template and none given, a template that fails on them),
+            ``continue_final_message`` (with ``add_generation_prompt``) or ``chat_template_kwargs`` (a variable
+            the renderer sets itself); or as :meth:`generate`.
         """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                   continue_final_message=continue_final_message,
-                                                   chat_template=chat_template),
+                self.tokenizer.render_chat(conv, add_generation_prompt, continue_final_message, tools,
+                                           chat_template_kwargs, chat_template),
                 add_special_tokens=False,
             )
             for conv in conversations

@@ -4,7 +4,8 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a final usage chunk),
 ``POST /v1/responses`` and ``GET /v1/responses/{id}`` (OpenAI's Responses API, ``serving_responses``),
 ``GET /health`` (503 once an engine core died), ``GET /metrics`` (Prometheus), ``POST /tokenize``,
-``POST /detokenize``, ``GET /tokenizer_info`` (with ``--enable-tokenizer-info-endpoint``, as vLLM: the
+``POST /detokenize``, ``POST /v1/completions/render`` and ``POST /v1/chat/completions/render`` (vLLM's: a request's
+prompt token ids and sampling params, without generating), ``GET /tokenizer_info`` (with ``--enable-tokenizer-info-endpoint``, as vLLM: the
 tokenizer's settings and chat template), ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core:
 ``?core=0``, ``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it). Behind vllm-router, the fields
 it adds to forwarded requests are accepted at its defaults (``router_compat``). With ``JAXLLM_SERVER_DEV_MODE=1``,
@@ -158,9 +159,7 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_toke
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        serving.check_model(body.model)
-        return serving.tokenize(body.prompt, body.messages, body.add_special_tokens, body.add_generation_prompt,
-                                body.continue_final_message)
+        return serving.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -172,6 +171,7 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_toke
         return {"version": __version__}
 
     add_worker_parts(app, serving, enable_tokenizer_info)
+    add_render_routes(app, serving)
     add_responses_routes(app, OpenAIServingResponses(serving), respond)
     if os.environ.get(DEV_MODE_VARIABLE) == "1":
         add_weight_routes(app, engine)
@@ -217,6 +217,20 @@ def add_worker_parts(app, serving, enable_tokenizer_info: bool) -> None:
     app.add_middleware(RouterDefaults)
     if enable_tokenizer_info:
         add_tokenizer_info_route(app, serving)
+
+
+def add_render_routes(app: FastAPI, serving) -> None:
+    """vLLM's render routes, which a router (vllm-router's ``kv_aware``) calls to learn a request's prompt token ids
+    without generating: ``POST /v1/completions/render`` (a list, one ``GenerateRequest`` body per prompt) and
+    ``POST /v1/chat/completions/render`` (one); the request is checked as its generation route checks it."""
+
+    @app.post("/v1/completions/render")
+    async def render_completion(body: CompletionRequest):
+        return serving.render_completion(body)
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat_completion(body: ChatCompletionRequest):
+        return serving.render_chat_completion(body)
 
 
 def add_tokenizer_info_route(app, serving) -> None:

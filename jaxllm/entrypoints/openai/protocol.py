@@ -160,7 +160,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Request):
-    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (rendered as chat completions render them)."""
+    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (rendered as chat completions render them, with
+    ``tools`` and ``chat_template_kwargs``, vLLM's ``TokenizeChatRequest`` fields; only with ``messages``)."""
 
     model: Optional[str] = None
     prompt: Optional[str] = None
@@ -168,6 +169,8 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: Optional[list[ChatCompletionTool]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class DetokenizeRequest(_Request):

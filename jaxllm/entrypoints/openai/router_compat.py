@@ -15,9 +15,11 @@ import json
 from typing import Any
 
 _COMPLETION = {"no_stop_trim": False, "return_hidden_states": False}
+_CHAT = {**_COMPLETION, "separate_reasoning": True, "stream_reasoning": True}
+# The render routes take the generation routes' bodies, which the router forwards the same way.
 ROUTER_DEFAULTS: dict[str, dict[str, bool]] = {
-    "/v1/completions": _COMPLETION,
-    "/v1/chat/completions": {**_COMPLETION, "separate_reasoning": True, "stream_reasoning": True},
+    "/v1/completions": _COMPLETION, "/v1/completions/render": _COMPLETION,
+    "/v1/chat/completions": _CHAT, "/v1/chat/completions/render": _CHAT,
 }
 
 

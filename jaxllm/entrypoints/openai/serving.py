@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import re
 import time
 import uuid
@@ -26,7 +25,13 @@ import msgspec
 
 from jaxllm.frontend.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.chat_outputs import ChatParsing, reasoning_token_count
-from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from jaxllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionTool,
+    CompletionRequest,
+    NamedToolChoice,
+    TokenizeRequest,
+)
 from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, THINK_END, opens_reasoning
 from jaxllm.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
@@ -37,12 +42,11 @@ from jaxllm.entrypoints.openai.tool_parsers import (
 )
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.structured_output import after_reasoning, validate_structured_outputs
+from jaxllm.tokenizer import ChatInputError
 from scheduler import SamplingParams, StructuredOutputsParams
 
 # Sampling fields the model's generation_config.json may set defaults for.
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-# Variables the server gives the chat template itself; chat_template_kwargs may not set them.
-TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 AUTO_TOOLS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 _PARAM = re.compile(r"SamplingParams\.(\w+)=")
 
@@ -138,39 +142,23 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param) from None
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
-        """Token ids of a conversation in the chat template (``render_chat_text``'s, encoded)."""
-        text = self.render_chat_text(messages, add_generation_prompt, continue_final_message)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def render_chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                          continue_final_message: bool = False, tools: Optional[list[dict]] = None,
                          template_kwargs: Optional[dict[str, Any]] = None) -> str:
-        """A conversation in the chat template (``Tokenizer.apply_chat_template``), with ``tools`` (OpenAI's
-        ``{"type": "function", "function": ...}`` dicts, HF's ``tools=``) and extra template variables.
+        """A conversation in the chat template (``Tokenizer.render_chat``: what ``LLM.chat`` renders too), with
+        ``tools`` (OpenAI's ``{"type": "function", "function": ...}`` dicts, HF's ``tools=``) and extra template
+        variables.
 
         Raises:
-          APIError: 400 naming ``messages`` (a message without a string role or text content, a template that
-            fails on them), ``continue_final_message`` (with ``add_generation_prompt``, or no last message
-            content to continue) or ``chat_template_kwargs`` (a variable the server sets itself).
+          APIError: 400 naming ``messages``, ``continue_final_message`` or ``chat_template_kwargs``
+            (``ChatInputError``'s field).
         """
         self._need_tokenizer()
-        clash = [k for k in template_kwargs or {} if k in TEMPLATE_VARIABLES]
-        if clash:
-            raise APIError(400, f"chat_template_kwargs may not set {clash}: the server sets them "
-                                f"(set the request fields instead)", "chat_template_kwargs")
-        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
         try:
-            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message, tools=tools,
-                                                      template_kwargs=template_kwargs)
-        except ValueError as e:
-            if "continue_final_message" in str(e):
-                raise APIError(400, str(e), "continue_final_message") from None
-            raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
-        except Exception as e:  # the template's own errors (raise_exception)
-            raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
+            return self.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message, tools,
+                                              template_kwargs)
+        except ChatInputError as e:
+            raise APIError(400, str(e), e.field) from None
 
     def sampling_params(self, request: Union[CompletionRequest, ChatCompletionRequest], prompt_len: int,
                         max_tokens: Optional[int], logprobs: Optional[int], prompt_logprobs: Optional[int] = None,
@@ -243,9 +231,7 @@ class OpenAIServing:
         except ValueError as e:
             for rid in ids:
                 self.engine.abort(rid)
-            message = str(e)
-            param = next((name for name in ("priority", "cache_salt") if message.startswith(name)), "prompt")
-            raise APIError(400, message.replace("SamplingParams.", ""), param) from None
+            raise _engine_refusal(e) from None
         except BaseException:
             for rid in ids:
                 self.engine.abort(rid)
@@ -266,8 +252,13 @@ class OpenAIServing:
             self._need_tokenizer()
         return [self.encode(p, "prompt") for p in prompts]
 
-    def prepare_completion(self, request: CompletionRequest):
-        """Check and start a completion request; returns (id, created, prompts, streams)."""
+    def completion_inputs(self, request: CompletionRequest
+                          ) -> tuple[list[tuple[Optional[str], list[int]]], list[SamplingParams]]:
+        """A completion request checked: its prompts (text or None, token ids) and each one's ``SamplingParams``.
+
+        Raises:
+          APIError: as the completions route answers (404 for another model, 400 naming the field).
+        """
         self.check_model(request.model)
         check_combination(request)
         prompts = self.completion_prompts(request)
@@ -279,6 +270,11 @@ class OpenAIServing:
                                        prompt_logprobs=max(wanted, default=None), score_prompt=scores_prompt(request),
                                        constraint=constraint)
                   for _, ids in prompts]
+        return prompts, params
+
+    def prepare_completion(self, request: CompletionRequest):
+        """Check and start a completion request; returns (id, created, prompts, streams)."""
+        prompts, params = self.completion_inputs(request)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, prompts, params, request)
         return request_id, int(time.time()), prompts, streams
@@ -389,14 +385,17 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ chat
 
-    def prepare_chat(self, request: ChatCompletionRequest):
-        """Check and start a chat request; returns (id, created, prompt ids, streams, how its choices are read,
-        its ``SamplingParams``)."""
+    def chat_inputs(self, request: ChatCompletionRequest
+                    ) -> tuple[list[int], ChatParsing, SamplingParams]:
+        """A chat request checked: its prompt's token ids, how its choices are read, its ``SamplingParams``.
+
+        Raises:
+          APIError: as the chat route answers (404 for another model, 400 naming the field).
+        """
         self.check_model(request.model)
         check_combination(request)
-        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         text = self.render_chat_text(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                     tools, request.chat_template_kwargs)
+                                     tool_dicts(request.tools), request.chat_template_kwargs)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         parsing, constraint = self.chat_parsing(request, opens_reasoning(text))
         if parsing.tools is not None and parsing.tools().keeps_special_tokens \
@@ -408,6 +407,12 @@ class OpenAIServing:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, len(ids), max_tokens, logprobs, prompt_logprobs=request.prompt_logprobs,
                                       logprobs_param="top_logprobs", constraint=constraint)
+        return ids, parsing, params
+
+    def prepare_chat(self, request: ChatCompletionRequest):
+        """Check and start a chat request; returns (id, created, prompt ids, streams, how its choices are read,
+        its ``SamplingParams``)."""
+        ids, parsing, params = self.chat_inputs(request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, [(None, ids)], [params], request)
         return request_id, int(time.time()), ids, streams, parsing, params
@@ -556,18 +561,68 @@ class OpenAIServing:
                             "top_logprobs": [item(t, lp, entry) for t, lp in top]})
         return {"content": content}
 
+    # ------------------------------------------------------------------ render
+
+    def render_completion(self, request: CompletionRequest) -> list[dict]:
+        """vLLM's ``POST /v1/completions/render``: per prompt, the ``GenerateRequest`` body the completions route
+        would run (``_generate_request``), checked as that route checks it; nothing is generated.
+
+        Raises:
+          APIError: what the completions route would answer for the request.
+        """
+        prompts, params = self.completion_inputs(request)
+        return [self._generate_request("cmpl", ids, p, request) for (_, ids), p in zip(prompts, params)]
+
+    def render_chat_completion(self, request: ChatCompletionRequest) -> dict:
+        """vLLM's ``POST /v1/chat/completions/render``: the ``GenerateRequest`` body of the chat request (its
+        rendered prompt's token ids), checked as the chat route checks it; nothing is generated.
+
+        Raises:
+          APIError: what the chat route would answer for the request.
+        """
+        ids, _, params = self.chat_inputs(request)
+        return self._generate_request("chatcmpl", ids, params, request)
+
+    def _generate_request(self, prefix: str, ids: list[int], params: SamplingParams,
+                          request: Union[CompletionRequest, ChatCompletionRequest]) -> dict:
+        """vLLM's ``GenerateRequest`` body for one prompt, once the engine's own checks (``InputProcessor.process``:
+        length, vocabulary, priority, salt) pass as they would when the request starts."""
+        try:
+            self.engine.input_processor.process(f"{prefix}-render", ids, params, priority=request.priority,
+                                                cache_salt=request.cache_salt)
+        except ValueError as e:
+            raise _engine_refusal(e) from None
+        stream_options = request.stream_options.model_dump() if request.stream_options is not None else None
+        return {"request_id": f"{prefix}-{uuid.uuid4().hex}", "token_ids": ids, "features": None,
+                "sampling_params": dataclasses.asdict(params), "model": request.model, "stream": request.stream,
+                "stream_options": stream_options, "cache_salt": request.cache_salt, "priority": request.priority,
+                "kv_transfer_params": None}
+
     # ------------------------------------------------------------------ tokenize
 
-    def tokenize(self, prompt: Optional[str], messages: Optional[list[dict[str, Any]]], add_special_tokens: bool,
-                 add_generation_prompt: bool, continue_final_message: bool = False) -> dict:
-        """Token ids of a prompt or a conversation (as chat completions render it). Raises: APIError 400."""
-        if (prompt is None) == (messages is None):
+    def tokenize(self, request: TokenizeRequest) -> dict:
+        """Token ids of a prompt, or of a conversation as chat completions render it (with its ``tools`` and
+        ``chat_template_kwargs``).
+
+        Raises:
+          APIError: 400 naming the field: neither or both of ``prompt`` and ``messages``, ``tools`` or
+            ``chat_template_kwargs`` with a ``prompt``, or as ``render_chat_text``.
+        """
+        self.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
-        if messages is not None:
-            ids = self.render_chat(messages, add_generation_prompt, continue_final_message)
-        else:
+        if request.messages is None:
+            chat_only = [k for k in ("tools", "chat_template_kwargs") if getattr(request, k) is not None]
+            if chat_only:
+                raise APIError(400, f"{chat_only[0]} is for chat messages; a prompt is not rendered with the "
+                                    "chat template", chat_only[0])
             self._need_tokenizer()
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        else:
+            text = self.render_chat_text(request.messages, request.add_generation_prompt,
+                                         request.continue_final_message, tool_dicts(request.tools),
+                                         request.chat_template_kwargs)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
     def detokenize(self, tokens: list[int]) -> dict:
@@ -757,40 +812,17 @@ def _choice_label(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else f"{{'function': {{'name': {choice.function.name!r}}}}}"
 
 
-def _template_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
-    """A request message as chat templates read it: text parts joined; an assistant's ``tool_calls`` with
-    their ``arguments`` decoded from JSON text to objects (what HF templates write with ``tojson``, as vLLM
-    passes them).
-
-    Raises:
-      APIError: 400 naming ``messages``: no string role, content that is not text, a malformed tool call.
-    """
-    content = message.get("content")
-    if isinstance(content, list):  # OpenAI's content parts: only text is supported
-        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-            raise APIError(400, f"messages[{i}].content: only parts of type 'text' are supported", "messages")
-        content = "".join(str(p.get("text", "")) for p in content)
-    if not isinstance(message.get("role"), str) or not isinstance(content, (str, type(None))):
-        raise APIError(400, f"messages[{i}] needs a string 'role' and a string (or text parts) 'content'",
-                       "messages")
-    out = {**message, "content": content or ""}
-    if "tool_calls" in message:
-        out["tool_calls"] = [_template_call(i, call) for call in message["tool_calls"] or []]
-    return out
+def tool_dicts(tools: Optional[list[ChatCompletionTool]]) -> Optional[list[dict]]:
+    """A request's ``tools`` as the chat template reads them (OpenAI's dicts, HF's ``tools=``), or None."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
-def _template_call(i: int, call: Any) -> dict[str, Any]:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise APIError(400, f"messages[{i}].tool_calls: each call needs a function with a name", "messages")
-    arguments = function.get("arguments", "{}")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            raise APIError(400, f"messages[{i}].tool_calls: the arguments of {function['name']!r} are not JSON: "
-                                f"{arguments[:100]!r}", "messages") from None
-    return {**call, "function": {**function, "arguments": arguments}}
+def _engine_refusal(error: ValueError) -> APIError:
+    """The 400 for a request the engine refuses (``InputProcessor.process``), naming ``priority``, ``cache_salt``
+    or else ``prompt``."""
+    message = str(error)
+    param = next((name for name in ("priority", "cache_salt") if message.startswith(name)), "prompt")
+    return APIError(400, message.replace("SamplingParams.", ""), param)
 
 
 def stream_error(error: Exception) -> dict:
