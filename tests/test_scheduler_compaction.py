@@ -219,3 +219,14 @@ def test_any_permutation_with_fan_out_runs_as_if_all_sources_were_read_first(per
             written.add(dst)
     kv = np.arange(9) * 10
     assert _in_rounds(kv, order_block_moves(pairs))[1:].tolist() == _simultaneous(kv, pairs)[1:].tolist()
+
+
+def test_the_report_counts_the_holes_a_compaction_closes_up():
+    from scheduler import kv_cache_report
+
+    sched, runner, _ = _three_running_one_aborted()
+    report = kv_cache_report(sched, block_map=False)
+    assert (report["highest_live_block"], report["num_holes"], report["num_used_blocks"]) == (6, 2, 5)
+    runner.relocate(sched.compact_kv_cache())
+    report = kv_cache_report(sched, block_map=False)
+    assert (report["highest_live_block"], report["num_holes"]) == (4, 0)
