@@ -152,6 +152,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert {id(b) for b in pool.blocks[1:len(live) + 1]} == live
         assert len({d for _, d in moves}) == len(moves) and not {d for _, d in moves} & {s for s, _ in moves}
 
+    @rule(data=st.data())
+    def abort_then_compact(self, data):
+        """An abort leaves holes (its unhashed blocks) below other requests' blocks: compaction then moves some."""
+        self.abort(data)
+        self.compact()
+
     @rule(num_blocks=st.integers(1, 14))
     def resize(self, num_blocks):
         """A resize to any size: accepted ones keep every request going; refused ones change nothing."""
