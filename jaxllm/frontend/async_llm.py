@@ -113,8 +113,7 @@ class AsyncLLM(FrontEnd):
           ValueError, RuntimeError: as ``LLMEngine.kv_cache_resize``.
         """
         reports = await self._each_core("kv_cache_resize", num_blocks)
-        for info in self.client.infos:
-            info.num_blocks = num_blocks
+        self._note_kv_resize(num_blocks)
         return reports
 
     async def get_params(self) -> dict[str, Any]:

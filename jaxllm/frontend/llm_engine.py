@@ -146,8 +146,7 @@ class LLMEngine(FrontEnd):
           RuntimeError: the KV cache sleeps.
         """
         reports = self._each_core("kv_cache_resize", num_blocks, all_results=True)
-        for info in self.client.infos:
-            info.num_blocks = num_blocks
+        self._note_kv_resize(num_blocks)
         return reports
 
     def get_params(self) -> dict[str, Any]:
