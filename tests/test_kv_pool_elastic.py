@@ -128,3 +128,28 @@ def test_compaction_and_resize_are_refused_while_the_kv_cache_sleeps():
             call()
     llm.wake_up()
     assert llm.kv_cache_resize(32)[0]["num_blocks"] == 32
+
+
+def test_device_block_moves_with_chains_cycles_and_fan_out_act_as_if_every_source_were_read_first():
+    """``ModelRunner.move_blocks`` over the warm 16-block copy program: a 20-block cycle (broken through block 0),
+    a chain, a block read twice and 11 disjoint moves; each one-copy chunk is padded with its copy repeated, so
+    the copy into block 0 is not raced by a (0, 0) pad."""
+    import jax
+    import numpy as np
+
+    runner = LLM(STORIES, **ENGINE).engine.runner
+    compiled = runner.num_compilations
+    shape = runner.kv_cache[0].shape
+    values = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    runner.kv_cache = tuple(jax.device_put(values * (i + 1), c.sharding) for i, c in enumerate(runner.kv_cache))
+    cycle = [(i, i % 20 + 1) for i in range(1, 21)]
+    chain = [(21, 22), (22, 23), (23, 24), (21, 25)]
+    disjoint = [(26 + i, 47 - i) for i in range(0, 11)]
+    pairs = cycle + chain + disjoint
+    runner.move_blocks(pairs)
+    want = values.copy()
+    for src, dst in pairs:
+        want[:, dst] = values[:, src]
+    for i, c in enumerate(runner.kv_cache):
+        np.testing.assert_array_equal(np.asarray(c)[:, 1:], want[:, 1:] * (i + 1))
+    assert runner.num_compilations == compiled
