@@ -230,3 +230,20 @@ def test_the_report_counts_the_holes_a_compaction_closes_up():
     runner.relocate(sched.compact_kv_cache())
     report = kv_cache_report(sched, block_map=False)
     assert (report["highest_live_block"], report["num_holes"]) == (4, 0)
+
+
+def test_a_shrink_that_evicts_cached_blocks_reports_them_removed_and_a_compaction_reports_nothing():
+    from scheduler.kv_events import BlockRemoved
+
+    config = SchedulerConfig(num_blocks=12, block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=64, enable_kv_cache_events=True)
+    sched, runner = Scheduler(config), FakeRunner(config)
+    sched.add_request(make_request("a", list(range(1, 9)), max_tokens=1))
+    _run_to_end(sched, runner)  # its two prompt blocks cached free
+    hashes = [b.block_hash for b in sched.block_pool.blocks if b.block_hash is not None]
+    sched.take_kv_events()
+    runner.relocate(sched.compact_kv_cache())
+    assert sched.take_kv_events() == []
+    sched.resize_kv_cache(2)  # room for one: the prompt's tail goes (freed first), its head stays (block 1)
+    assert sched.take_kv_events() == [BlockRemoved([hashes[1]])]
+    assert list(sched.block_pool.cached) == [hashes[0]] and sched.block_pool.blocks[1].block_hash == hashes[0]
