@@ -24,11 +24,12 @@ The result holds only ints, floats, strings, lists and string-keyed dicts, so it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from scheduler.request import RequestStatus
 
 if TYPE_CHECKING:
+    from scheduler.block_pool import BlockPool
     from scheduler.scheduler import Scheduler
 
 # Block states in the map, in the order the counts add up.
@@ -80,21 +81,7 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
     for name, blocks in (("<pinned>", scheduler.pinned_blocks), ("<copy source>", kv.copy_sources)):
         for block in blocks:
             holders.setdefault(block.block_id, []).append(name)
-    counts = {NULL: 0, USED: 0, CACHED_FREE: 0, FREE: 0}
-    entries = []
-    highest = 0
-    for block in pool.blocks:
-        if block is pool.null_block:
-            state = NULL
-        elif block.ref_cnt > 0:
-            state = USED
-        else:
-            state = FREE if block.block_hash is None else CACHED_FREE
-        counts[state] += 1
-        if state in (USED, CACHED_FREE):
-            highest = block.block_id
-        if block_map:
-            entries.append({"state": state, "ref_cnt": block.ref_cnt, "holders": holders.get(block.block_id, [])})
+    counts, entries, highest = _block_states(pool, holders if block_map else None)
     running = scheduler.running
     request_blocks = {r.request_id: len(kv.req_to_block_ids.get(r.request_id, ())) for r in running}
     allocated = counts[USED] * bs
@@ -133,3 +120,23 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
     if block_map:
         report["blocks"] = entries
     return report
+
+
+def _block_states(pool: "BlockPool", holders: Optional[dict[int, list[str]]]) -> tuple[dict[str, int], list, int]:
+    """``(blocks by state, one map entry per block (none without holders), the highest used or cached free id)``."""
+    counts = {NULL: 0, USED: 0, CACHED_FREE: 0, FREE: 0}
+    entries = []
+    highest = 0
+    for block in pool.blocks:
+        if block is pool.null_block:
+            state = NULL
+        elif block.ref_cnt > 0:
+            state = USED
+        else:
+            state = FREE if block.block_hash is None else CACHED_FREE
+        counts[state] += 1
+        if state in (USED, CACHED_FREE):
+            highest = block.block_id
+        if holders is not None:
+            entries.append({"state": state, "ref_cnt": block.ref_cnt, "holders": holders.get(block.block_id, [])})
+    return counts, entries, highest
