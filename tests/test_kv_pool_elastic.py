@@ -77,8 +77,9 @@ def test_shrink_and_grow_in_the_middle_of_decoding_keep_every_token_and_compile_
     llm = LLM(STORIES, **ENGINE)
     tokens = _start(llm)
     runner = llm.engine.runner
-    before = runner.num_compilations
+    before, full = runner.num_compilations, llm.kv_cache_compact()[0]["kv_cache_bytes"]
     (report,) = llm.kv_cache_resize(24)
+    assert report["kv_cache_bytes"] * 2 == full  # half the blocks: half the device memory
     # The resize copy, the block copy program and the one step program built so far.
     assert report["num_compilations"] == 3 == runner.num_compilations - before
     assert runner.kv_cache[0].shape[1] == 24 and llm.engine.num_blocks == 24

@@ -462,8 +462,9 @@ class EngineCore:
         recomputed, and what each request generates is unchanged.
 
         Returns:
-          ``{"num_moved_blocks", "num_blocks", "num_used_blocks" (the null block included), "seconds" (host
-          plan and device copies, until the copies are done)}``.
+          ``{"num_moved_blocks", "num_blocks", "num_used_blocks" (the null block included), "kv_cache_bytes" (the
+          device arrays of every runner's cache, K and V), "seconds" (host plan and device copies, until the copies
+          are done)}``.
 
         Raises:
           RuntimeError: the KV cache sleeps.
@@ -515,7 +516,9 @@ class EngineCore:
     def _pool_report(self, num_moved: int, start: float) -> dict[str, Any]:
         pool = self.scheduler.block_pool
         return {"num_moved_blocks": num_moved, "num_blocks": pool.num_blocks,
-                "num_used_blocks": pool.num_blocks - pool.num_free_blocks, "seconds": time.perf_counter() - start}
+                "num_used_blocks": pool.num_blocks - pool.num_free_blocks,
+                "kv_cache_bytes": sum(c.nbytes for r in self._runners for c in r.kv_cache),
+                "seconds": time.perf_counter() - start}
 
     def _settle(self) -> None:
         """Apply the step in flight (async scheduling) now: its samples came from the weights it launched with,

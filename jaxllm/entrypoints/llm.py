@@ -144,7 +144,7 @@ class LLM:
         """Move the live KV blocks to the low end of the pool (``EngineCore.kv_cache_compact``), so that a
         following :meth:`kv_cache_resize` can give the top back; block tables are rewritten and the prefix cache
         kept, so requests generate what they would have. One report per core: ``{"num_moved_blocks",
-        "num_blocks", "num_used_blocks", "seconds"}``."""
+        "num_blocks", "num_used_blocks", "kv_cache_bytes", "seconds"}``."""
         return self.engine.kv_cache_compact()
 
     def kv_cache_resize(self, num_blocks: int) -> list[dict[str, Any]]:
