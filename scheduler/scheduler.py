@@ -962,9 +962,11 @@ class Scheduler:
 
         Raises:
           RuntimeError: a ``schedule()`` output is still waiting for its ``update_from_output()``.
-          ValueError: the referenced blocks do not fit below ``num_blocks`` (nothing changes).
+          ValueError: ``num_blocks`` is one :meth:`check_resize` refuses (nothing changes).
         """
         self._check_between_steps("compact_kv_cache")
+        if num_blocks is not None:
+            self.check_resize(num_blocks)
         moves = self.block_pool.compact(num_blocks)
         self.kv_cache_manager.renumber(moves)
         return moves

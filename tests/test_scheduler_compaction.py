@@ -148,10 +148,12 @@ def test_shrink_below_what_a_waiting_request_needs_is_refused_naming_it():
 
 
 @pytest.mark.parametrize("bad", [1, 0, -3, 2.5, True, "8"])
-def test_resize_refuses_a_bad_value_naming_it(bad):
+def test_resize_and_a_compaction_for_a_shrink_refuse_a_bad_value_naming_it(bad):
     sched, _ = _scheduler()
-    with pytest.raises(ValueError, match=f"num_blocks={bad!r} must be an int >= 2"):
-        sched.resize_kv_cache(bad)
+    for call in (sched.resize_kv_cache, sched.compact_kv_cache):
+        with pytest.raises(ValueError, match=f"num_blocks={bad!r} must be an int >= 2"):
+            call(bad)
+    assert sched.block_pool.num_blocks == 12
 
 
 def test_compaction_and_resize_are_refused_while_a_step_is_in_flight():
