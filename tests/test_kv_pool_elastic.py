@@ -154,3 +154,14 @@ def test_device_block_moves_with_chains_cycles_and_fan_out_act_as_if_every_sourc
     for i, c in enumerate(runner.kv_cache):
         np.testing.assert_array_equal(np.asarray(c)[:, 1:], want[:, 1:] * (i + 1))
     assert runner.num_compilations == compiled
+
+
+def test_a_shrink_to_one_block_more_than_in_use_swaps_requests_out_and_in_with_the_rebuilt_programs(reference):
+    llm = LLM(STORIES, preemption_mode="swap", num_host_blocks=16, **ENGINE)
+    tokens = _start(llm)
+    runner = llm.engine.runner
+    (report,) = llm.kv_cache_resize(llm.kv_cache_report(block_map=False)["num_used_blocks"] + 1)
+    assert report["num_compilations"] == 5  # the resize copy, block copy, swap out (gather), swap in (scatter), step
+    compiled = runner.num_compilations
+    assert _finish(llm, tokens) == reference
+    assert llm.engine.core.stats().num_preemptions > 0 and runner.num_compilations == compiled
