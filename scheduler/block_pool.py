@@ -304,3 +304,82 @@ class BlockPool:
             if block.block_hash is None and block_hash not in cached:
                 block.block_hash = block_hash
                 cached[block_hash] = block
+
+    # ------------------------------------------------------ compaction and resizing (between steps)
+
+    def compact(self, num_blocks: Optional[int] = None) -> list[tuple[int, int]]:
+        """Renumber the blocks so that every referenced and every cached free block has an id below ``k + 1``
+        (``k`` of them), each keeping its ref count, hash and free-queue place: block objects swap ids with empty
+        free blocks, so the tables holding them stay valid objects (``KVCacheManager.renumber`` rewrites their ids).
+
+        With ``num_blocks`` (a shrink to come) the cached free blocks beyond ``num_blocks - 1 - referenced`` are
+        evicted first, those nearest the front of the free queue (the next to be evicted anyway) first, so that
+        every id from ``num_blocks`` on is an empty free block afterwards.
+
+        Returns:
+          the moves, ``(old id, new id)`` pairs, whose contents the device must copy; no destination is a source
+          (every destination held nothing), so they can run as one batch.
+
+        Raises:
+          ValueError: ``num_blocks`` is below the referenced blocks plus the null block (nothing changes).
+        """
+        referenced = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        cached_free = sum(1 for b in self.cached.values() if b.ref_cnt == 0)
+        if num_blocks is not None:
+            if num_blocks < referenced + 1:
+                raise ValueError(f"BlockPool.compact: {referenced} referenced blocks and the null block do not "
+                                 f"fit in num_blocks={num_blocks}")
+            evicted = max(cached_free - (num_blocks - 1 - referenced), 0)
+            self._evict_cached_free(evicted)
+            cached_free -= evicted
+        kept = referenced + cached_free
+        blocks = self.blocks
+        holes = [b for b in blocks[1:kept + 1] if not self._is_live(b)]
+        movers = [b for b in blocks[kept + 1:] if self._is_live(b)]
+        moves = []
+        for mover, hole in zip(movers, holes):
+            moves.append((mover.block_id, hole.block_id))
+            mover.block_id, hole.block_id = hole.block_id, mover.block_id
+            blocks[mover.block_id], blocks[hole.block_id] = mover, hole
+        return moves
+
+    @staticmethod
+    def _is_live(block: KVBlock) -> bool:
+        return block.ref_cnt > 0 or block.block_hash is not None
+
+    def _evict_cached_free(self, n: int) -> None:
+        """Drop the hashes of the first ``n`` cached free blocks of the free queue (front first); each goes to the
+        front, as an unhashed free block does."""
+        if n <= 0:
+            return
+        victims = [b for b in self.free_queue if b.block_hash is not None][:n]
+        for block in victims:
+            del self.cached[block.block_hash]
+            self.free_queue.remove(block)
+        if self.kv_events is not None:
+            self.kv_events.append(BlockRemoved([b.block_hash for b in victims]))
+        for block in victims:
+            block.block_hash = None
+        self.free_queue._splice_front(victims)
+
+    def resize(self, num_blocks: int) -> None:
+        """Grow the pool with empty free blocks (at the front of the free queue: reused before cached ones), or
+        shrink it by dropping the top ids, which must all be empty free blocks (:meth:`compact` first).
+
+        Raises:
+          ValueError: ``num_blocks < 2``, or a block from ``num_blocks`` on is referenced or cached (nothing
+            changes).
+        """
+        if num_blocks < 2:
+            raise ValueError(f"BlockPool.resize: num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
+        dropped = self.blocks[num_blocks:]
+        live = [b.block_id for b in dropped if self._is_live(b)]
+        if live:
+            raise ValueError(f"BlockPool.resize: blocks {live[:8]} at or above num_blocks={num_blocks} are "
+                             "referenced or cached; compact(num_blocks) first")
+        for block in dropped:
+            self.free_queue.remove(block)
+        grown = [KVBlock(i) for i in range(self.num_blocks, num_blocks)]
+        self.free_queue.extendleft(grown[::-1])
+        self.blocks = self.blocks[:num_blocks] + grown
+        self.num_blocks = num_blocks

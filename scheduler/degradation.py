@@ -122,6 +122,10 @@ class DegradationController:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
 
+    def resize(self, num_usable_blocks: int) -> None:
+        """Follow a resized KV pool (``Scheduler.resize_kv_cache``): the low-water mark is a fraction of it."""
+        self._low_water = self.settings.low_free_fraction * num_usable_blocks
+
     def observe(self, num_free_blocks: int, num_preemptions: int, idle: bool) -> bool:
         """Record one step: free blocks after it, preemptions in it, and whether the scheduler is now empty.
 

@@ -13,17 +13,23 @@ there is no external fragmentation to measure; what wastes KV memory is
   loses a prefix some later request might have hit. Reported as ``cache_crowding`` = cached free blocks / free
   blocks; near 1 with a low hit rate means the cache holds prefixes nobody reuses.
 
+Block ids themselves matter once the pool is to give memory back: ``Scheduler.resize_kv_cache`` can drop only
+the top ids. ``highest_live_block`` is the largest id that is used or cached free, and ``num_holes`` counts the empty
+free blocks below it -- what ``Scheduler.compact_kv_cache`` closes up (``LLM.kv_cache_compact``, ``jaxllm diag
+--compact``); a resize accepts any ``num_blocks`` from ``num_used_blocks`` on, evicting cached free blocks past it.
+
 The result holds only ints, floats, strings, lists and string-keyed dicts, so it crosses process boundaries
 (msgpack) and becomes JSON as it is.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from scheduler.request import RequestStatus
 
 if TYPE_CHECKING:
+    from scheduler.block_pool import BlockPool
     from scheduler.scheduler import Scheduler
 
 # Block states in the map, in the order the counts add up.
@@ -52,6 +58,8 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
       * ``allocated_slots``, ``empty_allocated_slots`` (token slots), ``fragmentation``
         (their ratio, 0 with nothing allocated), ``cache_crowding`` (cached free
         blocks / free blocks, 0 with none free); see the module docstring;
+      * ``highest_live_block`` (largest id used or cached free, 0 with none) and ``num_holes`` (empty free
+        blocks below it, which a compaction closes up);
       * ``num_preemptions`` (cumulative), ``num_running``, ``num_waiting``,
         ``num_preempted_waiting`` (the queue depth), ``max_num_seqs`` and
         ``max_num_batched_tokens`` in force, ``degradation_level`` (0 when
@@ -73,18 +81,7 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
     for name, blocks in (("<pinned>", scheduler.pinned_blocks), ("<copy source>", kv.copy_sources)):
         for block in blocks:
             holders.setdefault(block.block_id, []).append(name)
-    counts = {NULL: 0, USED: 0, CACHED_FREE: 0, FREE: 0}
-    entries = []
-    for block in pool.blocks:
-        if block is pool.null_block:
-            state = NULL
-        elif block.ref_cnt > 0:
-            state = USED
-        else:
-            state = FREE if block.block_hash is None else CACHED_FREE
-        counts[state] += 1
-        if block_map:
-            entries.append({"state": state, "ref_cnt": block.ref_cnt, "holders": holders.get(block.block_id, [])})
+    counts, entries, highest = _block_states(pool, holders if block_map else None)
     running = scheduler.running
     request_blocks = {r.request_id: len(kv.req_to_block_ids.get(r.request_id, ())) for r in running}
     allocated = counts[USED] * bs
@@ -105,6 +102,8 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
         "empty_allocated_slots": empty,
         "fragmentation": empty / allocated if allocated else 0.0,
         "cache_crowding": counts[CACHED_FREE] / num_free_queue if num_free_queue else 0.0,
+        "highest_live_block": highest,
+        "num_holes": highest - counts[USED] - counts[CACHED_FREE],
         "num_preemptions": scheduler.num_preemptions,
         "num_running": len(running),
         "num_waiting": len(scheduler.waiting),
@@ -121,3 +120,23 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
     if block_map:
         report["blocks"] = entries
     return report
+
+
+def _block_states(pool: "BlockPool", holders: Optional[dict[int, list[str]]]) -> tuple[dict[str, int], list, int]:
+    """``(blocks by state, one map entry per block (none without holders), the highest used or cached free id)``."""
+    counts = {NULL: 0, USED: 0, CACHED_FREE: 0, FREE: 0}
+    entries = []
+    highest = 0
+    for block in pool.blocks:
+        if block is pool.null_block:
+            state = NULL
+        elif block.ref_cnt > 0:
+            state = USED
+        else:
+            state = FREE if block.block_hash is None else CACHED_FREE
+        counts[state] += 1
+        if state in (USED, CACHED_FREE):
+            highest = block.block_id
+        if holders is not None:
+            entries.append({"state": state, "ref_cnt": block.ref_cnt, "holders": holders.get(block.block_id, [])})
+    return counts, entries, highest

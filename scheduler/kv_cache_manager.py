@@ -384,6 +384,19 @@ class KVCacheManager:
         self.host_pool.free(host, after_step=True)
         return list(zip(host, self.req_to_block_ids[rid]))
 
+    def renumber(self, moves: Sequence[tuple[int, int]]) -> None:
+        """Rewrite every block table's ids after ``BlockPool.compact`` swapped the ids of ``moves`` (its
+        ``(old id, new id)`` pairs, each block object taking the other's id): the ``KVBlock`` lists are the same
+        objects, their ids lists and the numpy rows follow. Call it before the pool is resized."""
+        if not moves:
+            return
+        remap = np.arange(self.block_pool.num_blocks, dtype=np.int32)
+        old, new = np.asarray(moves, np.int32).T
+        remap[old], remap[new] = new, old
+        self.block_table.table = remap[self.block_table.table]
+        for rid, blocks in self.req_to_blocks.items():
+            self.req_to_block_ids[rid][:] = [b.block_id for b in blocks]
+
     def end_step(self) -> None:
         """Called at the end of ``Scheduler.schedule``: host ids freed by swap-ins become reusable."""
         self.host_pool.end_step()

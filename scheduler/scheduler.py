@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import itertools
 import time
 from typing import Callable, Iterable, Optional, Sequence, Union
@@ -337,20 +338,24 @@ class Scheduler:
         prompt = request.num_prompt_tokens
         if prompt > cfg.max_model_len:
             return f"prompt has {prompt} tokens, more than max_model_len={cfg.max_model_len}"
-        max_tokens = request.max_tokens
+        need = self._kv_blocks_needed(request)
+        have = cfg.num_blocks - 1
+        if need > have:
+            return (
+                f"prompt ({prompt} tokens) + max_tokens ({request.max_tokens}) needs {need} KV blocks of "
+                f"{cfg.block_size} tokens; the whole cache has {have}"
+            )
+        return None
+
+    def _kv_blocks_needed(self, request: Request) -> int:
+        """Blocks ``request`` holds at most over its life (its prompt alone without ``max_tokens``)."""
+        cfg, prompt, max_tokens = self.config, request.num_prompt_tokens, request.max_tokens
         # The last generated token is never fed back, so it needs no KV slot.
         if max_tokens is None:
             kv_tokens = prompt
         else:
             kv_tokens = min(prompt + max_tokens, max(cfg.max_model_len, prompt + 1)) - 1
-        need = -(-kv_tokens // cfg.block_size)
-        have = cfg.num_blocks - 1
-        if need > have:
-            return (
-                f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks of "
-                f"{cfg.block_size} tokens; the whole cache has {have}"
-            )
-        return None
+        return -(-kv_tokens // cfg.block_size)
 
     # ------------------------------------------------------------------- step
 
@@ -982,6 +987,76 @@ class Scheduler:
             self.release_pinned_prefixes()
         self.block_pool.reset_prefix_cache()
         return preempted
+
+    # ------------------------------------------------ compaction and resizing (between steps)
+
+    def compact_kv_cache(self, num_blocks: Optional[int] = None) -> list[tuple[int, int]]:
+        """Move every referenced and every cached free block to the lowest ids (``BlockPool.compact``) and rewrite
+        the block tables to match; ref counts, prefix-cache hashes, pins and the free queue's order are kept, so
+        running requests go on as if nothing happened once the device has copied the moves.
+
+        Args:
+          num_blocks: a smaller pool to make room for: the cached free blocks that would not fit below it are
+            evicted first (oldest first). None: keep them all.
+
+        Returns:
+          ``(src, dst)`` block copies for the device, none of whose destinations is a source.
+
+        Raises:
+          RuntimeError: a ``schedule()`` output is still waiting for its ``update_from_output()``.
+          ValueError: ``num_blocks`` is one :meth:`check_resize` refuses (nothing changes).
+        """
+        self._check_between_steps("compact_kv_cache")
+        if num_blocks is not None:
+            self.check_resize(num_blocks)
+        moves = self.block_pool.compact(num_blocks)
+        self.kv_cache_manager.renumber(moves)
+        return moves
+
+    def check_resize(self, num_blocks: int) -> None:
+        """Raise unless :meth:`resize_kv_cache` would accept ``num_blocks``.
+
+        Raises:
+          ValueError: ``num_blocks`` is not an int >= 2, is below the referenced blocks plus the null block, or
+            an unfinished request needs more blocks than the smaller cache has (it could never finish).
+          RuntimeError: a step is in flight.
+        """
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ValueError(f"resize_kv_cache: num_blocks={num_blocks!r} must be an int >= 2 (block 0 is the "
+                             "null block)")
+        self._check_between_steps("resize_kv_cache")
+        used = sum(1 for b in self.block_pool.blocks if b.ref_cnt > 0)
+        if num_blocks < used + 1:
+            raise ValueError(f"resize_kv_cache: num_blocks={num_blocks} is below the {used + 1} blocks in use "
+                             f"({used} held by requests and pins, plus the null block)")
+        need = max(self.requests.values(), key=self._kv_blocks_needed, default=None)
+        if need is not None and self._kv_blocks_needed(need) > num_blocks - 1:
+            raise ValueError(f"resize_kv_cache: request {need.request_id!r} needs {self._kv_blocks_needed(need)} "
+                             f"blocks, more than the {num_blocks - 1} usable of num_blocks={num_blocks}")
+
+    def resize_kv_cache(self, num_blocks: int) -> list[tuple[int, int]]:
+        """Grow or shrink the pool to ``num_blocks`` (the null block included) without touching a request: a
+        shrink compacts first (:meth:`compact_kv_cache` with ``num_blocks``), evicting the cached free blocks that
+        do not fit. The limits follow (``config.num_blocks``, what ``add_request`` checks; graceful degradation's
+        low-water mark).
+
+        Returns:
+          the device copies of the compaction (none when growing or already compact).
+
+        Raises:
+          ValueError, RuntimeError: as :meth:`check_resize` (nothing changes).
+        """
+        self.check_resize(num_blocks)
+        moves = self.compact_kv_cache(num_blocks) if num_blocks < self.block_pool.num_blocks else []
+        self.block_pool.resize(num_blocks)
+        self.config = dataclasses.replace(self.config, num_blocks=num_blocks)
+        if self.degradation is not None:
+            self.degradation.resize(num_blocks - 1)
+        return moves
+
+    def _check_between_steps(self, what: str) -> None:
+        if self._pending:
+            raise RuntimeError(f"{what}: a scheduled step has not been applied yet (update_from_output)")
 
     def _reset_progress(self, req: Request) -> None:
         """Free every block (device and host) of an unfinished request and start it over from its first token, its

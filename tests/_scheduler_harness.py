@@ -9,6 +9,7 @@ import numpy as np
 import xxhash
 
 import scheduler.persistent_batch as pb
+from scheduler.block_moves import order_block_moves
 from scheduler import (
     BucketTable,
     Request,
@@ -91,6 +92,22 @@ class FakeRunner:
             sampled.append(next_token(self.kv[slots]))
         self.last_sampled = sampled
         return sampled
+
+    def relocate(self, moves) -> None:
+        """Do a compaction's ``(src, dst)`` moves round by round (``order_block_moves``), each round reading all
+        its sources before writing, as the device's copy program does."""
+        bs = self.block_size
+        for moves_round in order_block_moves(moves):
+            src, dst = (np.asarray(ids, np.int64) for ids in zip(*moves_round))
+            slots = np.arange(bs)
+            self.kv[(dst[:, None] * bs + slots).ravel()] = self.kv[(src[:, None] * bs + slots).ravel()]
+
+    def resize(self, num_blocks: int) -> None:
+        """The simulated cache cut or grown to ``num_blocks`` blocks (new ones empty)."""
+        kv = np.full(num_blocks * self.block_size, -1, dtype=np.int64)
+        n = min(len(kv), len(self.kv))
+        kv[:n] = self.kv[:n]
+        self.kv = kv
 
 
 class FakeSpecRunner(FakeRunner):
@@ -186,6 +203,7 @@ def check_block_invariants(sched: Scheduler) -> None:
     assert set(kv.req_to_blocks) <= {r.request_id for r in sched.running} | set(sched.requests)
     for req in sched.waiting:
         assert req.request_id not in kv.req_to_blocks, f"waiting {req.request_id} holds device blocks"
+    assert len(pool.blocks) == pool.num_blocks and all(b.block_id == i for i, b in enumerate(pool.blocks))
     host_ids = [h for ids in kv.swapped.values() for h in ids]
     assert len(host_ids) == len(set(host_ids))
     assert len(host_ids) + kv.host_pool.num_free_blocks == kv.host_pool.num_host_blocks

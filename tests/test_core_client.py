@@ -81,6 +81,17 @@ def test_router_forgets_the_least_recently_routed_blocks_past_the_cores_capacity
     assert router.cached_prefix_tokens(0, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 0  # its first block was dropped
 
 
+def test_router_follows_a_pool_resize_dropping_the_least_recently_routed_blocks():
+    router = PrefixRouter([_info(), _info()])
+    router.record(0, [1, 2, 3, 4, 5, 6, 7, 8, 9], None)
+    router.record(0, [20, 21, 22, 23, 24], None)
+    router.resize(3)  # two usable blocks: the first prompt's first block goes
+    assert router.cached_prefix_tokens(0, [20, 21, 22, 23, 24]) == 4
+    assert router.cached_prefix_tokens(0, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 0
+    router.record(1, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42], None)
+    assert router.cached_prefix_tokens(1, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42]) == 0
+
+
 def test_a_utility_call_runs_only_utility_methods_and_answers_errors_as_values():
     class Core:
         UTILITY_METHODS = frozenset({"num_free_blocks", "cached_prefix_tokens"})

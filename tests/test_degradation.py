@@ -70,6 +70,18 @@ def test_controller_backs_off_once_per_cooldown_under_pressure_and_restores_one_
     assert (c.num_backoffs, c.num_restores) == (3, 3)
 
 
+def test_the_low_water_mark_follows_a_resized_pool():
+    settings = GracefulDegradation(low_free_fraction=0.1, cooldown=1)
+    c = DegradationController(settings, max_num_seqs=8, max_num_batched_tokens=40, num_usable_blocks=100)
+    c.observe(9, num_preemptions=0, idle=False)  # under 10 of 100
+    assert c.level == 1
+    sched = Scheduler(SchedulerConfig(num_blocks=101, block_size=4, graceful_degradation=settings))
+    sched.resize_kv_cache(51)  # 50 usable: the mark is 5
+    sched.degradation.observe(9, num_preemptions=0, idle=False)
+    sched.degradation.observe(4, num_preemptions=0, idle=False)
+    assert sched.degradation.level == 1 and sched.degradation.num_backoffs == 1
+
+
 def test_controller_counts_each_preemption_once_and_an_idle_scheduler_is_restored_at_once():
     c = DegradationController(GracefulDegradation(max_preemptions=1, cooldown=1), 10, 100, num_usable_blocks=100)
     assert not c.observe(100, num_preemptions=1, idle=False) and c.level == 0  # 1 in the window is tolerated

@@ -86,3 +86,67 @@ def test_llm_report_on_a_running_engine_agrees_with_the_pool_and_the_metric_and_
 def test_diag_command_says_when_the_server_cannot_be_reached(capsys):
     assert jaxllm_main(["diag", "--url", "http://127.0.0.1:9", "--timeout", "5"]) == 1
     assert "error:" in capsys.readouterr().err
+
+
+class _FakeServer:
+    """A loopback HTTP server answering ``jaxllm diag``'s calls: a scheduler's report on ``GET /debug/kv``, and on
+    ``POST /kv_cache/...`` either a one-core report or, with ``dev_mode`` off, 404."""
+
+    def __init__(self, dev_mode: bool) -> None:
+        import http.server
+        import threading
+
+        report = kv_cache_report(Scheduler(SchedulerConfig(num_blocks=8, block_size=4)))
+        self.posts = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _send(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(200, report)
+
+            def do_POST(self):
+                outer.posts.append(self.path)
+                done = {"num_moved_blocks": 3, "num_blocks": 8, "num_used_blocks": 1, "seconds": 0.002}
+                if "resize" in self.path:
+                    done["num_compilations"] = 3
+                self._send(200, {"cores": [done]}) if dev_mode else self._send(404, {"detail": "Not Found"})
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_diag_compact_and_resize_post_to_the_pool_routes_and_keep_json_output_clean(capsys):
+    server = _FakeServer(dev_mode=True)
+    try:
+        assert jaxllm_main(["diag", "--url", server.url, "--compact", "--resize", "8", "--json"]) == 0
+    finally:
+        server.stop()
+    assert server.posts == ["/kv_cache/compact", "/kv_cache/resize?num_blocks=8"]
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["num_blocks"] == 8
+    assert "core 0: compact: moved 3 blocks in 2.0 ms; now 8 blocks, 1 used" in captured.err
+    assert "core 0: resize: moved 3 blocks in 2.0 ms; now 8 blocks, 1 used; 3 programs rebuilt" in captured.err
+
+
+def test_diag_compact_on_a_server_without_dev_mode_says_how_to_enable_it(capsys):
+    server = _FakeServer(dev_mode=False)
+    try:
+        assert jaxllm_main(["diag", "--url", server.url, "--compact"]) == 1
+    finally:
+        server.stop()
+    assert "answered 404 (start the server with JAXLLM_SERVER_DEV_MODE=1)" in capsys.readouterr().err

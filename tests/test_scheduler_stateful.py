@@ -143,6 +143,39 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.abort_request(rid)
             self.aborted.add(rid)
 
+    @rule()
+    def compact(self):
+        """Compaction between steps: every referenced and cached block below the rest, KV moved with it (the
+        teardown's outputs check that nothing read moved KV wrongly)."""
+        pool = self.sched.block_pool
+        live = {id(b) for b in pool.blocks if b.ref_cnt or b.block_hash is not None}
+        moves = self.sched.compact_kv_cache()
+        self.runner.relocate(moves)
+        assert {id(b) for b in pool.blocks[1:len(live) + 1]} == live
+        assert len({d for _, d in moves}) == len(moves) and not {d for _, d in moves} & {s for s, _ in moves}
+
+    @rule(data=st.data())
+    def abort_then_compact(self, data):
+        """An abort leaves holes (its unhashed blocks) below other requests' blocks: compaction then moves some."""
+        self.abort(data)
+        self.compact()
+
+    @rule(num_blocks=st.integers(1, 14))
+    def resize(self, num_blocks):
+        """A resize to any size: accepted ones keep every request going; refused ones change nothing."""
+        pool = self.sched.block_pool
+        before = (pool.num_blocks, pool.num_free_blocks, dict(self.sched.kv_cache_manager.req_to_block_ids))
+        try:
+            moves = self.sched.resize_kv_cache(num_blocks)
+        except ValueError as e:
+            assert str(num_blocks) in str(e)
+            assert (pool.num_blocks, pool.num_free_blocks, dict(self.sched.kv_cache_manager.req_to_block_ids)) == before
+            return
+        self.runner.relocate(moves)
+        self.runner.resize(num_blocks)
+        self.config = self.sched.config
+        assert pool.num_blocks == self.config.num_blocks == num_blocks
+
     @rule(dt=st.floats(0.0, 5.0))
     def advance_clock(self, dt):
         self.clock.advance(dt)

@@ -95,8 +95,41 @@ def test_a_bad_weight_or_sleep_call_is_refused_naming_why(server, path, params, 
 def test_the_weight_routes_exist_only_in_dev_mode(monkeypatch):
     from jaxllm.entrypoints.openai.api_server import build_app
 
-    routes = {"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/update_weights_from_disk"}
+    routes = {"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/update_weights_from_disk",
+              "/kv_cache/compact", "/kv_cache/resize"}
     monkeypatch.delenv("JAXLLM_SERVER_DEV_MODE", raising=False)
     assert not routes & {r.path for r in build_app(types.SimpleNamespace(engine=None)).routes}
     monkeypatch.setenv("JAXLLM_SERVER_DEV_MODE", "1")
     assert routes <= {r.path for r in build_app(types.SimpleNamespace(engine=None)).routes}
+
+
+def test_diag_compacts_and_resizes_a_running_servers_pool_while_a_request_decodes(server, stories_dir, capsys):
+    """``jaxllm diag --compact --resize N`` between the core's steps while a long completion runs: its text is the
+    in-process engine's, and the pool ends at N blocks with every block back."""
+    import threading
+    import time
+
+    from jaxllm.entrypoints.cli import main as jaxllm_main
+
+    params = SamplingParams(temperature=0.0, max_tokens=200)
+    text = LLM(model=stories_dir, **ENGINE).generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
+    got = {}
+    body = {"model": str(server.argv[4]), "prompt": PROMPT, "max_tokens": 200, "temperature": 0}
+    worker = threading.Thread(target=lambda: got.update(
+        httpx.post(f"{server.url}/v1/completions", timeout=300, json=body).json()))
+    worker.start()
+    while httpx.get(f"{server.url}/debug/kv", params={"block_map": "false"}).json()["num_running"] == 0:
+        time.sleep(0.01)
+    assert jaxllm_main(["diag", "--url", server.url, "--compact", "--resize", "64", "--timeout", "300"]) == 0
+    printed = capsys.readouterr().out
+    assert "core 0: compact: moved" in printed and "core 0: resize:" in printed and "now 64 blocks" in printed
+    worker.join()
+    assert got["choices"][0]["text"] == text
+    report = httpx.get(f"{server.url}/debug/kv", params={"block_map": "false"}).json()
+    assert report["num_blocks"] == 64 and report["num_used_blocks"] + report["num_cached_free_blocks"] + \
+        report["num_free_blocks"] == 64 and report["num_running"] == 0
+
+
+def test_a_resize_below_the_blocks_in_use_answers_400_naming_the_value(server):
+    got = httpx.post(f"{server.url}/kv_cache/resize", params={"num_blocks": 1}, timeout=60)
+    assert got.status_code == 400 and "num_blocks=1 must be an int >= 2" in got.json()["error"]["message"]

@@ -119,7 +119,8 @@ class EngineCore:
     # Methods a front end may call between steps of a core in another process (``messages.UtilityCall``).
     UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks", "kv_cache_report",
                                  "preload_prefixes", "host_params", "update_weights_encoded",
-                                 "update_weights_from_path", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping"})
+                                 "update_weights_from_path", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping",
+                                 "kv_cache_compact", "kv_cache_resize"})
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, *, sharding: ModelSharding, max_model_len: int,
                  kv_cache_dtype: Any, structured: StructuredOutputManager, drafter: Optional[DraftRunner] = None,
@@ -450,6 +451,74 @@ class EngineCore:
     def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""
         return bool(self._asleep)
+
+    # ------------------------------------------------------------ an elastic KV pool (between steps)
+
+    def kv_cache_compact(self) -> dict[str, Any]:
+        """Move every live block (held by a request or a pin, or cached free) to the lowest block ids, between two
+        steps: the step in flight finishes first, the scheduler renumbers the blocks and rewrites the block tables
+        (hashes, ref counts and free-queue order kept: ``Scheduler.compact_kv_cache``), and each runner (the draft
+        model's too) copies the moved blocks with its warm copy program: nothing compiles, no request is
+        recomputed, and what each request generates is unchanged.
+
+        Returns:
+          ``{"num_moved_blocks", "num_blocks", "num_used_blocks" (the null block included), "kv_cache_bytes" (the
+          device arrays of every runner's cache, K and V), "seconds" (host plan and device copies, until the copies
+          are done)}``.
+
+        Raises:
+          RuntimeError: the KV cache sleeps.
+        """
+        start = time.perf_counter()
+        self._settle()
+        self._need_kv_cache("kv_cache_compact")
+        moves = self.scheduler.compact_kv_cache()
+        self._move_blocks(moves)
+        return self._pool_report(len(moves), start)
+
+    def kv_cache_resize(self, num_blocks: int) -> dict[str, Any]:
+        """Grow or shrink the KV pool to ``num_blocks`` blocks (the null block included) between two steps,
+        running requests kept as they are: a shrink compacts first (evicting the cached free blocks that do not
+        fit, oldest first); then each runner's cache is copied into arrays of the new size and the programs
+        taking it are rebuilt (``ModelRunner.resize_kv_cache``: one resize copy, the step programs built so far and
+        the block-copy programs, per runner; serving after it compiles nothing more). The draft model's cache
+        (speculative decoding) has the same blocks and is resized with it.
+
+        Returns:
+          :meth:`kv_cache_compact`'s report plus ``"num_compilations"`` (programs built by the resize).
+
+        Raises:
+          ValueError: ``num_blocks`` not an int >= 2, below the blocks in use, or too small for an unfinished
+            request (``Scheduler.check_resize``; nothing changes).
+          RuntimeError: the KV cache sleeps; or the device could not hold the new arrays (nothing changes).
+        """
+        start = time.perf_counter()
+        self._settle()
+        self._need_kv_cache("kv_cache_resize")
+        sched = self.scheduler
+        sched.check_resize(num_blocks)
+        moves = sched.compact_kv_cache(num_blocks) if num_blocks < sched.block_pool.num_blocks else []
+        self._move_blocks(moves)
+        compiled = sum(r.resize_kv_cache(num_blocks) for r in self._runners)
+        sched.resize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        return {**self._pool_report(len(moves), start), "num_compilations": compiled}
+
+    def _need_kv_cache(self, what: str) -> None:
+        if "kv_cache" in self._asleep:
+            raise RuntimeError(f"{what}: the KV cache sleeps; wake_up() first")
+
+    def _move_blocks(self, moves: list[tuple[int, int]]) -> None:
+        for runner in self._runners:
+            runner.move_blocks(moves)
+        jax.block_until_ready([r.kv_cache for r in self._runners])
+
+    def _pool_report(self, num_moved: int, start: float) -> dict[str, Any]:
+        pool = self.scheduler.block_pool
+        return {"num_moved_blocks": num_moved, "num_blocks": pool.num_blocks,
+                "num_used_blocks": pool.num_blocks - pool.num_free_blocks,
+                "kv_cache_bytes": sum(c.nbytes for r in self._runners for c in r.kv_cache),
+                "seconds": time.perf_counter() - start}
 
     def _settle(self) -> None:
         """Apply the step in flight (async scheduling) now: its samples came from the weights it launched with,

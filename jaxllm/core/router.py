@@ -56,6 +56,14 @@ class PrefixRouter:
 
         return min(range(len(loads)), key=lambda i: (-hits(i), loads[i], i))
 
+    def resize(self, num_blocks: int) -> None:
+        """Follow a KV pool resize of every core (``kv_cache_resize``): at most ``num_blocks - 1`` blocks are
+        remembered per core, the least recently routed dropped first."""
+        self._capacity = [num_blocks - 1] * len(self._capacity)
+        for blocks in self._blocks:
+            while len(blocks) > num_blocks - 1:
+                blocks.popitem(last=False)
+
     def record(self, core: int, token_ids: Sequence[int], cache_salt: Optional[str]) -> None:
         """Remember that ``core`` was given this prompt (its full blocks are in its cache now)."""
         if not self.enabled:

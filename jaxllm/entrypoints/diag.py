@@ -4,7 +4,11 @@ The report is ``scheduler.diagnostics.kv_cache_report`` (``LLM.kv_cache_report()
 PATH`` draws it with matplotlib (imported only then; ``pip install jaxllm[diag]``): the block map, one cell per
 block coloured by state, and a histogram of how many blocks each running request holds.
 
-Usage: jaxllm diag [--url http://127.0.0.1:8000] [--core N] [--json] [--visualize PATH]
+``--compact`` and ``--resize N`` first act on the pool of every core (``POST /kv_cache/compact``, ``POST
+/kv_cache/resize?num_blocks=N``: routes of a server started with ``JAXLLM_SERVER_DEV_MODE=1``), between its steps
+while requests run, and print what they did, then the report after it.
+
+Usage: jaxllm diag [--url http://127.0.0.1:8000] [--core N] [--json] [--visualize PATH] [--compact] [--resize N]
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def summarize(report: dict[str, Any]) -> str:
         f"({report['num_preempted_waiting']} preempted); {report['num_preemptions']} preemptions so far",
         f"limits in force: max_num_seqs {report['max_num_seqs']}, max_num_batched_tokens "
         f"{report['max_num_batched_tokens']} (degradation level {report['degradation_level']})",
+        f"live blocks up to id {report['highest_live_block']} with {report['num_holes']} empty below it "
+        f"(jaxllm diag --compact closes them up); a resize accepts num_blocks >= {report['num_used_blocks']}",
         "largest request: " + ("none" if largest is None else
                                f"{largest['request_id']} ({largest['num_blocks']} blocks, {largest['num_tokens']} tokens)"),
     ]
@@ -131,6 +137,32 @@ def fetch_report(url: str, core: int = 0, block_map: bool = True, timeout: float
         raise OSError(f"{url}/debug/kv answered {e.code}: {e.read().decode(errors='replace')}") from None
 
 
+def pool_action(url: str, action: str, num_blocks: Optional[int] = None, timeout: float = 300.0) -> list[dict[str, Any]]:
+    """``POST {url}/kv_cache/{action}`` (``compact``, or ``resize`` to ``num_blocks``) of a running ``jaxllm serve``;
+    one report per core.
+
+    Raises:
+      OSError: the server cannot be reached, refuses (its message included), or has no such route (not in dev mode).
+    """
+    query = "" if num_blocks is None else "?" + urllib.parse.urlencode({"num_blocks": num_blocks})
+    request = urllib.request.Request(f"{url.rstrip('/')}/kv_cache/{action}{query}", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.load(response)["cores"]
+    except urllib.error.HTTPError as e:
+        hint = " (start the server with JAXLLM_SERVER_DEV_MODE=1)" if e.code == 404 else ""
+        raise OSError(f"{url}/kv_cache/{action} answered {e.code}{hint}: {e.read().decode(errors='replace')}") from None
+
+
+def describe_action(action: str, reports: list[dict[str, Any]]) -> str:
+    """One line per core of what a compaction or resize did."""
+    return "\n".join(
+        f"core {i}: {action}: moved {r['num_moved_blocks']} blocks in {r['seconds'] * 1e3:.1f} ms; now {r['num_blocks']} "
+        f"blocks, {r['num_used_blocks']} used" + (f"; {r['num_compilations']} programs rebuilt" if "num_compilations" in r
+                                                  else "")
+        for i, r in enumerate(reports))
+
+
 def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm diag") -> int:
     """Print a running server's KV diagnostics; returns 0, 1 when the server cannot be read, 2 for bad flags."""
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
@@ -140,9 +172,19 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm diag") -> int
     parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
     parser.add_argument("--visualize", metavar="PNG", default=None,
                         help="write the block map and the per-request block histogram to this PNG (matplotlib)")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the server (default 30)")
+    parser.add_argument("--timeout", type=float, default=30.0,
+                        help="seconds to wait for each answer of the server (default 30; a resize rebuilds the step "
+                             "programs, so give it more on a large model)")
+    parser.add_argument("--compact", action="store_true",
+                        help="first move every core's live KV blocks to the low end of its pool (dev mode)")
+    parser.add_argument("--resize", metavar="N", type=int, default=None,
+                        help="first grow or shrink every core's KV pool to N blocks, the null block included (dev mode)")
     args = parser.parse_args(argv)
     try:
+        actions = [("compact", None)] * args.compact + [("resize", args.resize)] * (args.resize is not None)
+        for action, num_blocks in actions:
+            print(describe_action(action, pool_action(args.url, action, num_blocks, args.timeout)),
+                  file=sys.stderr if args.json else sys.stdout)
         report = fetch_report(args.url, args.core, block_map=args.json or args.visualize is not None,
                               timeout=args.timeout)
     except OSError as e:

@@ -140,6 +140,26 @@ class LLM:
         (``scheduler.diagnostics``). ``jaxllm.entrypoints.diag.render_kv_report`` draws it."""
         return self.engine.kv_cache_report(core, block_map)
 
+    def kv_cache_compact(self) -> list[dict[str, Any]]:
+        """Move the live KV blocks to the low end of the pool (``EngineCore.kv_cache_compact``), so that a
+        following :meth:`kv_cache_resize` can give the top back; block tables are rewritten and the prefix cache
+        kept, so requests generate what they would have. One report per core: ``{"num_moved_blocks",
+        "num_blocks", "num_used_blocks", "kv_cache_bytes", "seconds"}``."""
+        return self.engine.kv_cache_compact()
+
+    def kv_cache_resize(self, num_blocks: int) -> list[dict[str, Any]]:
+        """Grow or shrink the KV pool to ``num_blocks`` blocks (the null block included) at run time, unfinished
+        requests kept (``EngineCore.kv_cache_resize``): a shrink compacts first and evicts the cached free blocks
+        that do not fit; the step programs are rebuilt once for the new shape (``"num_compilations"`` in each
+        core's report), and serving afterwards compiles nothing more.
+
+        Raises:
+          ValueError: ``num_blocks`` not an int >= 2, below the blocks in use (both named), or too small for an
+            unfinished request (named); nothing changes.
+          RuntimeError: the KV cache sleeps.
+        """
+        return self.engine.kv_cache_resize(num_blocks)
+
     def generate(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],

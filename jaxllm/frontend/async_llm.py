@@ -102,6 +102,20 @@ class AsyncLLM(FrontEnd):
             raise ValueError(f"core={core} must be in [0, {len(self.client.infos)})")
         return await self.client.call_utility_async(core, "kv_cache_report", block_map)
 
+    async def kv_cache_compact(self) -> list[dict[str, Any]]:
+        """``LLMEngine.kv_cache_compact`` of every core, between its steps; one report per core."""
+        return await self._each_core("kv_cache_compact")
+
+    async def kv_cache_resize(self, num_blocks: int) -> list[dict[str, Any]]:
+        """``LLMEngine.kv_cache_resize`` of every core, between its steps; one report per core.
+
+        Raises:
+          ValueError, RuntimeError: as ``LLMEngine.kv_cache_resize``.
+        """
+        reports = await self._each_core("kv_cache_resize", num_blocks)
+        self._note_kv_resize(num_blocks)
+        return reports
+
     async def get_params(self) -> dict[str, Any]:
         """Host numpy copies of the weights core 0 runs (``LLMEngine.get_params``)."""
         return unflatten(decode_params(await self.client.call_utility_async(0, "host_params")))

@@ -90,6 +90,15 @@ class FrontEnd:
             self.output_processor.abort_requests([request_id])
             raise
 
+    def _note_kv_resize(self, num_blocks: int) -> None:
+        """The cores' pools now have ``num_blocks`` blocks (``kv_cache_resize``): the core infos and the router's
+        model of each core's cache follow."""
+        for info in self.client.infos:
+            info.num_blocks = num_blocks
+        router = getattr(self.client, "router", None)  # only the multiprocess client routes
+        if router is not None:
+            router.resize(num_blocks)
+
     def _process_core_outputs(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
         """One core step's outputs as ``RequestOutput``s: stop strings found here stop their sequences in the
         core, finished requests are released there, and the metrics see the step."""

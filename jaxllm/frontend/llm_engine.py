@@ -131,6 +131,24 @@ class LLMEngine(FrontEnd):
             return self.client.core.kv_cache_report(block_map)
         return self.client.call_utility(core, "kv_cache_report", block_map)
 
+    def kv_cache_compact(self) -> list[dict[str, Any]]:
+        """Move every core's live KV blocks to the low end of its pool between two steps (``EngineCore.kv_cache_compact``:
+        block tables rewritten, prefix cache kept, no request recomputed, nothing compiled); one report per core."""
+        return self._each_core("kv_cache_compact", all_results=True)
+
+    def kv_cache_resize(self, num_blocks: int) -> list[dict[str, Any]]:
+        """Grow or shrink every core's KV pool to ``num_blocks`` blocks (``EngineCore.kv_cache_resize``: running
+        requests kept; the programs taking the cache rebuilt once); one report per core.
+
+        Raises:
+          ValueError: ``num_blocks`` not an int >= 2, below a core's blocks in use, or too small for an unfinished
+            request; a core that refuses leaves its pool as it was (cores before it in order are resized).
+          RuntimeError: the KV cache sleeps.
+        """
+        reports = self._each_core("kv_cache_resize", num_blocks, all_results=True)
+        self._note_kv_resize(num_blocks)
+        return reports
+
     def get_params(self) -> dict[str, Any]:
         """The weights the engine runs, in ``jaxllm.models.param_layout``'s layout: the device arrays with their
         shardings (``ModelRunner.get_params``), or, from a core in another process, host numpy copies of core 0's.

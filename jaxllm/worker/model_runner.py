@@ -51,9 +51,11 @@ from jaxllm.worker.weights import Layout, flatten, unflatten
 from jaxllm.structured_output import bitmask_words
 from kernels_pallas.reference import BITS_STORAGE, from_storage, to_storage
 from scheduler import BatchDescriptor, BucketTable
+from scheduler.block_moves import order_block_moves
 
-# Block copies (swap, copy-on-write) run in fixed-size chunks so that they
-# compile once; a chunk's unused entries move null block 0 onto itself.
+# Block copies (swap, copy-on-write, compaction) run in fixed-size chunks so
+# that they compile once; a swap chunk's unused entries move null block 0 onto
+# itself, a copy chunk's repeat its first copy.
 BLOCK_CHUNK = 16
 
 # A background warm-up starts a program only once the engine has been idle (no step dispatched, counting from the
@@ -157,13 +159,24 @@ def _on_jax_event(event: str, **kwargs: Any) -> None:
 monitoring.register_event_listener(_on_jax_event)
 
 
-def _chunks(pairs: np.ndarray) -> Iterable[np.ndarray]:
-    """Split ``pairs: int32[K, 2]`` into ``[BLOCK_CHUNK, 2]`` chunks padded with (0, 0)."""
+def _chunks(pairs: np.ndarray, repeat_first: bool = False) -> Iterable[np.ndarray]:
+    """Split ``pairs: int32[K, 2]`` into ``[BLOCK_CHUNK, 2]`` chunks padded with (0, 0), or with ``repeat_first``
+    with the chunk's first pair (a copy written twice writes one value, so a chunk may then write block 0, the
+    scratch block of ``order_block_moves``, without a (0, 0) pad racing it)."""
     for start in range(0, len(pairs), BLOCK_CHUNK):
-        chunk = np.zeros((BLOCK_CHUNK, 2), np.int32)
         part = pairs[start:start + BLOCK_CHUNK]
+        chunk = np.repeat(part[:1], BLOCK_CHUNK, axis=0) if repeat_first else np.zeros((BLOCK_CHUNK, 2), np.int32)
         chunk[: len(part)] = part
         yield chunk, len(part)
+
+
+def _resized(kv_cache: KVCache, num_blocks: int) -> KVCache:
+    """The caches with ``num_blocks`` blocks: the old ones' first blocks, zeros past them."""
+    out = []
+    for c in kv_cache:
+        n = min(num_blocks, c.shape[1])
+        out.append(jnp.zeros((c.shape[0], num_blocks) + c.shape[2:], c.dtype).at[:, :n].set(c[:, :n]))
+    return tuple(out)
 
 
 class ModelRunner:
@@ -514,10 +527,50 @@ class ModelRunner:
         self.sampler_tables = self._block_op("rows")(self.sampler_tables, np.int32(slot), bias, stop)
 
     def copy_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
-        """Device-side block copies: ``pairs`` of (src, dst) block ids."""
+        """Device-side block copies: ``pairs`` of (src, dst) block ids, in ``BLOCK_CHUNK`` chunks (each reads its
+        sources before writing, but a later chunk reads what an earlier one wrote: :meth:`move_blocks` orders
+        moves that chain)."""
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
-        for chunk, _ in _chunks(pairs):
+        for chunk, _ in _chunks(pairs, repeat_first=True):
             self.kv_cache = self._block_op("copy")(self.kv_cache, chunk[:, 0], chunk[:, 1])
+
+    def move_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Block copies done as if every source were read first, whatever the chains and cycles among them
+        (``scheduler.block_moves.order_block_moves``: round by round, each round in chunks of the copy program
+        built at warm-up, so nothing compiles). A compaction's moves are one round."""
+        for moves in order_block_moves(pairs):
+            self.copy_blocks(moves)
+
+    def resize_kv_cache(self, num_blocks: int) -> int:
+        """Give the KV cache ``num_blocks`` blocks (the null block included): new arrays holding the old ones'
+        first ``min(old, new)`` blocks (zeros past them), the old ones let go, then every program that takes the
+        cache rebuilt for its new shape -- the step programs built so far and the block-copy ones -- so serving
+        afterwards compiles nothing more. A background warm-up is waited for first. Old and new arrays coexist
+        during the copy (a shape change cannot reuse the buffer): the device needs both sizes at once.
+
+        Returns:
+          the programs built (the copy into the new arrays included).
+
+        Raises:
+          RuntimeError: the KV cache is released (sleep).
+        """
+        if not isinstance(self.kv_cache[0], jax.Array):
+            raise RuntimeError("resize_kv_cache: the KV cache is released (sleep); wake_up() first")
+        self.wait_for_warmup()
+        before = self.num_compilations
+        resize = jax.jit(functools.partial(_resized, num_blocks=num_blocks), out_shardings=self._kv_sharding)
+        old, self.kv_cache = self.kv_cache, self._compiled(resize, _abstract(self.kv_cache))(self.kv_cache)
+        for c in old:
+            c.delete()
+        self.num_blocks = num_blocks
+        shapes, ops = list(self._steps), [name for name in ("copy", "gather", "scatter") if name in self._block_ops]
+        self._steps = {}
+        for name in ops:
+            del self._block_ops[name]
+            self._block_op(name)
+        for shape in shapes:
+            self.compile_step(shape)
+        return self.num_compilations - before
 
     def swap_out(self, pairs: Sequence[Sequence[int]]) -> None:
         """Copy device blocks to the host pool: ``pairs`` of (device, host) ids."""

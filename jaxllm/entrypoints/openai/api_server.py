@@ -11,7 +11,8 @@ tokenizer's settings and chat template), ``GET /version``, ``GET /debug/kv`` (KV
 it adds to forwarded requests are accepted at its defaults (``router_compat``). With ``JAXLLM_SERVER_DEV_MODE=1``,
 also ``POST /sleep?level=1``, ``POST /wake_up`` (``?tags=weights&tags=kv_cache``), ``GET /is_sleeping``,
 ``POST /reset_prefix_cache`` and ``POST /update_weights_from_disk`` (``{"model_path": ...}``): see
-:func:`add_weight_routes`; while the engine sleeps, generation requests answer 503.
+:func:`add_weight_routes`; while the engine sleeps, generation requests answer 503. Also ``POST /kv_cache/compact``
+and ``POST /kv_cache/resize?num_blocks=N`` (:func:`add_kv_pool_routes`; ``jaxllm diag --compact``).
 
 Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, a wrong
 type, a value out of range (naming the field and the limit) or a field the server does not honour (naming it), 401
@@ -175,6 +176,7 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_toke
     add_responses_routes(app, OpenAIServingResponses(serving), respond)
     if os.environ.get(DEV_MODE_VARIABLE) == "1":
         add_weight_routes(app, engine)
+        add_kv_pool_routes(app, engine)
     return app
 
 
@@ -267,39 +269,57 @@ def add_weight_routes(app, engine) -> None:
     async def sleeping(_: Request, e: EngineSleepingError) -> JSONResponse:
         return JSONResponse(error_body(503, str(e), None, "engine_sleeping"), status_code=503)
 
-    async def call(work):
-        try:
-            return await work
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        except RuntimeError as e:
-            if isinstance(e, EngineDeadError):
-                raise
-            raise APIError(409, str(e), None, "conflict") from None
-
     @app.post("/sleep")
     async def sleep(level: int = 1):
-        return {"cores": await call(engine.sleep(level))}
+        return {"cores": await _refused_as_api_errors(engine.sleep(level))}
 
     @app.post("/wake_up")
     async def wake_up(tags: Optional[list[str]] = Query(None)):
-        await call(engine.wake_up(tags))
+        await _refused_as_api_errors(engine.wake_up(tags))
         return Response(status_code=200)
 
     @app.get("/is_sleeping")
     async def is_sleeping():
-        return {"is_sleeping": await call(engine.is_sleeping())}
+        return {"is_sleeping": await _refused_as_api_errors(engine.is_sleeping())}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
-        await call(engine.reset_prefix_cache())
+        await _refused_as_api_errors(engine.reset_prefix_cache())
         return Response(status_code=200)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
-        report = await call(engine.update_weights_from_path(body.model_path))
+        report = await _refused_as_api_errors(engine.update_weights_from_path(body.model_path))
         return {"success": True, "message": f"updated {report['num_leaves']} weights from {body.model_path}",
                 **report}
+
+
+def add_kv_pool_routes(app, engine) -> None:
+    """The elastic KV pool's routes (dev mode): ``POST /kv_cache/compact`` (``AsyncLLM.kv_cache_compact``) and
+    ``POST /kv_cache/resize?num_blocks=N`` (``AsyncLLM.kv_cache_resize``), each answering ``{"cores": [one report
+    per core]}``, between the cores' steps while requests run; ``jaxllm diag --compact`` / ``--resize N`` call them.
+    A refused resize answers 400 naming the value and the limit (the pool unchanged), a sleeping KV cache 409."""
+
+    @app.post("/kv_cache/compact")
+    async def kv_cache_compact():
+        return {"cores": await _refused_as_api_errors(engine.kv_cache_compact())}
+
+    @app.post("/kv_cache/resize")
+    async def kv_cache_resize(num_blocks: int):
+        return {"cores": await _refused_as_api_errors(engine.kv_cache_resize(num_blocks))}
+
+
+async def _refused_as_api_errors(work) -> Any:
+    """Await an engine call, a refusal turned into an APIError: 400 for a ValueError (a bad value), 409 for a
+    RuntimeError (the engine's state forbids it); a dead engine stays an EngineDeadError (500)."""
+    try:
+        return await work
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    except RuntimeError as e:
+        if isinstance(e, EngineDeadError):
+            raise
+        raise APIError(409, str(e), None, "conflict") from None
 
 
 async def until_disconnected(request, work) -> Any:
