@@ -13,6 +13,8 @@ compiled during the iteration (the engine's and the training step's; 0 after the
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -21,9 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
 
-from jaxllm import LLM, SamplingParams
-from jaxllm.loader import load_model
-from jaxllm.models import dense_forward
+# Import this checkout's packages, not whatever an installed copy points at.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxllm import LLM, SamplingParams  # noqa: E402
+from jaxllm.loader import load_model  # noqa: E402
+from jaxllm.models import dense_forward  # noqa: E402
 
 STORIES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260K"
 PROMPTS = ["Once upon a time, there was a", "One day, a little girl named Lily", "The dog saw a",

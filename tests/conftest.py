@@ -15,6 +15,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# No per-example deadline: an example's first call into JAX compiles (hundreds of ms), and CI machines are shared,
+# so a deadline measures the machine's load, not the code (a 0.1 ms example once took 306 ms and failed as flaky).
+settings.register_profile("jaxllm", deadline=None)
+settings.load_profile("jaxllm")
 
 # tests/multidevice needs 8 host devices, a flag JAX reads once at start-up:
 # tests/test_sharding.py runs it in subprocesses with that flag set.
