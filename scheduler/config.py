@@ -36,6 +36,8 @@ class SchedulerConfig:
         (copy blocks to the host pool and back).
       num_host_blocks: host blocks for swap mode, >= 0; a victim that does
         not fit falls back to recompute.
+      num_offload_blocks: host-tier blocks of the prefix cache (``scheduler.host_tier``), >= 0; 0: no tier.
+        Needs ``enable_prefix_caching``.
       async_scheduling: allow one ``schedule()`` ahead of the last
         ``update_from_output()`` (the runner feeds the missing sampled
         tokens on the device; see ``Scheduler``). A request admitted beside
@@ -75,6 +77,7 @@ class SchedulerConfig:
     scheduling_policy: Union[str, Policy] = "fcfs"
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0
+    num_offload_blocks: int = 0
     aging_rate: float = 1.0
     async_scheduling: bool = False
     num_lookahead_tokens: int = 0
@@ -104,6 +107,10 @@ class SchedulerConfig:
             raise bad("preemption_mode", f"one of {list(_PREEMPTION_MODES)}")
         if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
             raise bad("num_host_blocks", "an int >= 0")
+        if not isinstance(self.num_offload_blocks, int) or self.num_offload_blocks < 0:
+            raise bad("num_offload_blocks", "an int >= 0")
+        if self.num_offload_blocks and not self.enable_prefix_caching:
+            raise bad("num_offload_blocks", "0 when enable_prefix_caching is False (the tier holds prefix-cache blocks)")
         if not isinstance(self.num_lookahead_tokens, int) or self.num_lookahead_tokens < 0:
             raise bad("num_lookahead_tokens", "an int >= 0")
         if isinstance(self.aging_rate, bool) or not isinstance(self.aging_rate, (int, float)) or not self.aging_rate >= 0:

@@ -10,6 +10,7 @@ from scheduler.block_hash import extend_block_hashes, hash_block_tokens
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.block_table import BlockTable
 from scheduler.host_block_pool import HostBlockPool
+from scheduler.host_tier import HostHit
 from scheduler.kv_events import BlockStored
 from scheduler.request import Request
 
@@ -102,6 +103,27 @@ class KVCacheManager:
             hits.append(block)
         return hits, min(len(hits) * bs, num_tokens - 1)
 
+    def extend_with_host_hits(self, request: Request, hits: list[KVBlock]) -> list:
+        """``hits`` (from :meth:`get_computed_blocks`) continued along ``request``'s hash chain through the host tier.
+
+        Returns ``hits`` followed by the blocks after them found in the host tier (``HostHit``) or, between those,
+        on the device (``KVBlock``), up to the first block found in neither. The result never covers the last
+        token (a host block is not copied on write; its tokens are recomputed instead), and is ``hits`` itself
+        when there is no tier or nothing more hits. Pass it to :meth:`allocate_slots` like ``hits``.
+        """
+        tier = self.block_pool.host_tier
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if tier is None or len(hits) >= max_blocks or request.skip_reading_prefix_cache:
+            return hits
+        hashes, cached = request.block_hashes, self.block_pool.cached
+        more: list = []
+        for i in range(len(hits), max_blocks):
+            found = cached.get(hashes[i]) or tier.lookup(hashes[i])
+            if found is None:
+                break
+            more.append(found)
+        return hits + more if more else hits
+
     def hash_blocks(self, request: Request) -> None:
         """Hash ``request``'s full blocks of known tokens not hashed yet (each block once in its life).
 
@@ -184,8 +206,11 @@ class KVCacheManager:
             # Touched before the new blocks are taken, so allocation cannot
             # evict a hit (the copy source included). The fresh copy counts as
             # registered: the cached block keeps the hash.
-            pool.touch(shared)
+            host = [b for b in shared if type(b) is HostHit]
+            pool.touch([b for b in shared if type(b) is not HostHit] if host else shared)
             self._num_cached[rid] = len(self.req_to_blocks[rid]) + len(shared)
+            if host:
+                shared = self._load_host_hits(request, shared, host)
         new_blocks = pool.get_new_blocks(fresh)
         if copy_last:
             source = shared.pop()
@@ -193,6 +218,38 @@ class KVCacheManager:
             self._copies[rid] = (source.block_id, new_blocks[0].block_id)
         self._extend_table(request, shared + new_blocks)
         return True
+
+    def _load_host_hits(self, request: Request, shared: list, host: list[HostHit]) -> list[KVBlock]:
+        """``shared`` with each of its ``host`` hits replaced by a fresh device block registered under its hash, the
+        tier's copy into it queued (the runner loads it before the step reads it)."""
+        pool, tier = self.block_pool, self.block_pool.host_tier
+        # Pinned first: taking the fresh blocks may offload others into the tier, which must not evict these.
+        tier.pin(host)
+        fresh = iter(pool.get_new_blocks(len(host)))
+        num_held = len(self.req_to_blocks[request.request_id])
+        out = []
+        for i, block in enumerate(shared):
+            if type(block) is HostHit:
+                hit, block = block, next(fresh)
+                tier.load(hit, block.block_id)
+                pool.cache_block(block, hit.block_hash)
+                self._record_loaded(request, num_held + i)
+            out.append(block)
+        return out
+
+    def _record_loaded(self, request: Request, i: int) -> None:
+        """A device ``BlockStored`` for block ``i`` of ``request``, loaded from the host tier."""
+        events = self.block_pool.kv_events
+        if events is not None:
+            bs, hashes = self.block_size, request.block_hashes
+            events.append(BlockStored([hashes[i]], hashes[i - 1] if i else None,
+                                      request.all_token_ids[i * bs:(i + 1) * bs], bs))
+
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's ``(device, slot)`` offloads and ``(slot, device)`` loads queued since the last call
+        (empty without a tier), for the runner to do before the step, offloads first."""
+        tier = self.block_pool.host_tier
+        return ([], []) if tier is None else tier.take_copies()
 
     def append_blocks(self, requests: Sequence[Request], rows: np.ndarray, counts: np.ndarray) -> None:
         """Give each request holding a table ``counts[i]`` fresh blocks at its end.
@@ -385,5 +442,8 @@ class KVCacheManager:
         return list(zip(host, self.req_to_block_ids[rid]))
 
     def end_step(self) -> None:
-        """Called at the end of ``Scheduler.schedule``: host ids freed by swap-ins become reusable."""
+        """Called at the end of ``Scheduler.schedule``: host ids freed by swap-ins become reusable, and so do the host
+        tier's slots read by this step's loads."""
         self.host_pool.end_step()
+        if self.block_pool.host_tier is not None:
+            self.block_pool.host_tier.end_step()

@@ -20,6 +20,7 @@ import numpy as np
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.config import SchedulerConfig
 from scheduler.degradation import DegradationController
+from scheduler.host_tier import HostHit
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.kv_events import KVEvent
 from scheduler.output import SchedulerOutput, SchedulerStats
@@ -179,7 +180,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.policy = get_policy(config.scheduling_policy, aging_rate=config.aging_rate, max_model_len=config.max_model_len)
-        self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.enable_kv_cache_events)
+        self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.enable_kv_cache_events,
+                                    num_offload_blocks=config.num_offload_blocks, offload_base=config.num_host_blocks,
+                                    block_size=config.block_size)
         self.kv_cache_manager = KVCacheManager(
             self.block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks
         )
@@ -203,6 +206,10 @@ class Scheduler:
         self._finished_for_update: list[Request] = []
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Of those hits, tokens loaded from the host tier.
+        self.prefix_cache_hits_host = 0
+        # Host-tier blocks one step loads at most beyond the first loading request's (what the step could compute).
+        self._load_budget = max(config.max_num_batched_tokens // config.block_size, 1)
         self.num_preemptions = 0
         settings = config.degradation
         self.degradation = None if settings is None else DegradationController(
@@ -353,6 +360,7 @@ class Scheduler:
         out = self._emit_rows(step)
         out.finished, self._finished_for_schedule = self._finished_for_schedule, []
         out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
+        out.blocks_to_offload, out.blocks_to_load = self.kv_cache_manager.take_tier_copies()
         self.kv_cache_manager.end_step()
         self._pending.append((out, self._num_stopped))
         return out
@@ -595,6 +603,13 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         hits, num_hit = kv.get_computed_blocks(req)
+        num_host = 0
+        if kv.block_pool.host_tier is not None:
+            hits, num_host = self._host_hits(req, hits)
+            if num_host < 0:
+                return 0
+            if num_host:
+                num_hit = len(hits) * self.config.block_size
         # Under async scheduling, a request admitted beside running ones whose chunk ends its prompt also takes
         # the slot of its first decode token. Without it the next step, scheduled before this one's sample is
         # known, may preempt it for that block, which discards the sample, and readmit it to recompute the same
@@ -619,8 +634,21 @@ class Scheduler:
         if kv.enable_caching and not req.skip_reading_prefix_cache:
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += num_hit
+            self.prefix_cache_hits_host += num_host * self.config.block_size
         req.num_computed_tokens = num_hit
         return n
+
+    def _host_hits(self, req: Request, hits: list[KVBlock]) -> tuple[list, int]:
+        """``hits`` continued through the host tier, and how many of them are host hits; -1 when loading them
+        would pass the step's load budget after another request's loads (``req`` then waits a step, so a storm
+        of host hits cannot stretch one step's copies; the first loading request of a step always goes)."""
+        kv = self.kv_cache_manager
+        hits = kv.extend_with_host_hits(req, hits)
+        num_host = sum(1 for b in hits if type(b) is HostHit)
+        loading = kv.block_pool.host_tier.num_loads_this_step
+        if num_host and loading and loading + num_host > self._load_budget:
+            return hits, -1
+        return hits, num_host
 
     def _insert_running(self, req: Request, now: float) -> None:
         """Add ``req`` to the running list, keeping a static-key policy's order without a re-sort."""
