@@ -192,6 +192,10 @@ class SchedulerStats:
       num_blocks: device blocks in all, including the null block.
       max_num_seqs, max_num_batched_tokens: the limits in force (lower than
         the configured ones while graceful degradation backs off).
+      prefix_cache_hits_host: of ``prefix_cache_hits``, tokens loaded from the host tier, cumulative.
+      num_offload_blocks, num_offload_cached_blocks: the host tier's blocks, and those holding a block (0
+        without a tier).
+      num_blocks_offloaded, num_blocks_loaded: blocks copied device -> host tier and back, cumulative.
     """
 
     num_running: int
@@ -206,3 +210,8 @@ class SchedulerStats:
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    prefix_cache_hits_host: int = 0
+    num_offload_blocks: int = 0
+    num_offload_cached_blocks: int = 0
+    num_blocks_offloaded: int = 0
+    num_blocks_loaded: int = 0

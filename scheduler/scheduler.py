@@ -1081,7 +1081,13 @@ class Scheduler:
     @property
     def stats(self) -> SchedulerStats:
         """A fresh ``SchedulerStats`` snapshot."""
+        tier = self.block_pool.host_tier
         return SchedulerStats(
+            prefix_cache_hits_host=self.prefix_cache_hits_host,
+            num_offload_blocks=0 if tier is None else tier.num_slots,
+            num_offload_cached_blocks=0 if tier is None else tier.num_cached,
+            num_blocks_offloaded=0 if tier is None else tier.num_offloaded,
+            num_blocks_loaded=0 if tier is None else tier.num_loaded,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preempted_waiting=sum(1 for r in self.waiting if r.status == RequestStatus.PREEMPTED),

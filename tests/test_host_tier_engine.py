@@ -85,3 +85,25 @@ def test_the_cli_flag_is_vllms_kv_offloading_size_in_gib():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_kwargs(parser.parse_args(["--kv-offloading-size", "0.5"]))["kv_offloading_size"] == 0.5
+
+
+def test_metrics_and_report_count_hits_by_tier_and_bytes_each_way():
+    llm = LLM(model=str(STORIES), **{**BASE, "num_kv_blocks": 6, "max_num_seqs": 1, "kv_offloading_size": TIER_GIB})
+    metric = llm.engine.metrics.registry.get_sample_value
+    prompt = [1] + [(5 * i) % 500 + 3 for i in range(48)]  # three full blocks and one token
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate([prompt], params, use_tqdm=False)
+    # Five blocks of other tokens take the whole pool: the prompt's three cached blocks go to the host tier.
+    llm.generate([[1] + [(3 * i) % 500 + 7 for i in range(70)]], params, use_tqdm=False)
+    assert llm.kv_cache_report()["host_tier"]["num_offloaded_blocks"] == 3
+    llm.generate([prompt], params, use_tqdm=False)
+    report = llm.kv_cache_report(block_map=False)["host_tier"]
+    assert (report["num_blocks"], report["num_loaded_blocks"], report["hit_tokens"]) == (60, 3, 48)
+    assert report["num_cached_blocks"] + report["num_free_blocks"] == 60
+    assert metric("jaxllm:prefix_cache_hits_by_tier_total", {"tier": "host"}) == 48
+    assert metric("jaxllm:prefix_cache_hits_by_tier_total", {"tier": "device"}) == 0
+    assert metric("jaxllm:kv_offload_total_bytes_total", {"transfer_type": "CPU_to_GPU"}) == 3 * 20480
+    assert metric("jaxllm:kv_offload_total_bytes_total", {"transfer_type": "GPU_to_CPU"}) == (
+        report["num_offloaded_blocks"] * 20480)
+    assert metric("jaxllm:kv_offload_total_time_total", {"transfer_type": "CPU_to_GPU"}) > 0
+    assert metric("jaxllm:kv_offload_usage_perc") == report["num_cached_blocks"] / 60

@@ -136,6 +136,8 @@ class EngineCore:
                                                                num_offload_blocks=runner.num_offload_blocks))
         # Seconds the host tier's copies took: device -> host (offloads), host -> device (loads, dispatch only).
         self.offload_seconds = [0.0, 0.0]
+        # Bytes one host-tier block copy moves: K and V of every layer, of every runner.
+        self._offload_block_bytes = sum(2 * r.host_pool[0][:, 0].nbytes for r in self._runners if r.host_pool is not None)
         self.requests: dict[str, CoreRequest] = {}
         self.kv_events = make_publisher(config.kv_events_config, core_index)
         # Records whose prompt is not scheduled yet, and sequences holding a prompt-logprobs tracker: most steps
@@ -722,7 +724,11 @@ class EngineCore:
             num_scheduled_tokens=num_scheduled_tokens, num_waiting_for_grammar=s.num_waiting_for_fsm,
             grammar_bitmask_seconds=grammar_bitmask_seconds, spec_num_drafts=self._spec_counts[0],
             spec_num_draft_tokens=self._spec_counts[1], spec_num_accepted_tokens=self._spec_counts[2],
-            spec_accepted_per_position=list(self._spec_per_position),
+            spec_accepted_per_position=list(self._spec_per_position), prefix_cache_hits_host=s.prefix_cache_hits_host,
+            kv_offload_bytes_to_host=s.num_blocks_offloaded * self._offload_block_bytes,
+            kv_offload_bytes_to_device=s.num_blocks_loaded * self._offload_block_bytes,
+            kv_offload_seconds_to_host=self.offload_seconds[0], kv_offload_seconds_to_device=self.offload_seconds[1],
+            num_offload_blocks=s.num_offload_blocks, num_offload_cached_blocks=s.num_offload_cached_blocks,
         )
 
     def _prompt_len_cv(self) -> float:
