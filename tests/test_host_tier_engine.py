@@ -107,3 +107,19 @@ def test_metrics_and_report_count_hits_by_tier_and_bytes_each_way():
         report["num_offloaded_blocks"] * 20480)
     assert metric("jaxllm:kv_offload_total_time_total", {"transfer_type": "CPU_to_GPU"}) > 0
     assert metric("jaxllm:kv_offload_usage_perc") == report["num_cached_blocks"] / 60
+
+
+def test_multiturn_bench_runs_both_configurations_with_equal_answers():
+    import sys
+
+    sys.path.insert(0, str(STORIES.parents[2] / "scripts"))
+    try:
+        import bench_multiturn
+    finally:
+        sys.path.pop(0)
+    payload = bench_multiturn.main(["--conversations", "4", "--turns", "3", "--max-num-seqs", "1",
+                                    "--kv-offloading-size", "0.001"])
+    off, on = payload["results"]
+    assert off["host_hit_tokens"] == 0 and on["host_hit_tokens"] > 0
+    assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] - on["host_hit_tokens"]
+    assert payload["answers_equal"]
