@@ -181,3 +181,45 @@ def test_bad_num_offload_blocks_is_refused_naming_the_value(value):
 def test_num_offload_blocks_needs_prefix_caching():
     with pytest.raises(ValueError, match="num_offload_blocks=2 .*enable_prefix_caching"):
         SchedulerConfig(num_blocks=4, num_offload_blocks=2, enable_prefix_caching=False)
+
+
+def test_async_scheduling_with_the_tier_generates_the_reference_tokens():
+    from tests._scheduler_harness import run_async_until_done
+
+    config = SchedulerConfig(num_blocks=8, block_size=BS, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
+                             num_offload_blocks=12, async_scheduling=True)
+    sched, runner = Scheduler(config), FakeRunner(config)
+    requests = []
+    for turn in range(3):
+        for c in range(4):
+            req = make_request(f"c{c}-{turn}", [c * 60 + i + 3 for i in range(9 + 6 * turn)], max_tokens=3)
+            sched.add_request(req)
+            requests.append(req)
+        run_async_until_done(sched, runner, check=check_block_invariants)
+    for req in requests:
+        assert req.output_token_ids == reference_output(req.prompt_token_ids, req.sampling_params, None, 64), req
+    assert sched.prefix_cache_hits_host > 0
+
+
+def test_a_fork_that_reuses_a_cached_block_queues_its_offload_for_before_the_fork_copies():
+    from scheduler import SamplingParams
+    from tests._scheduler_harness import step
+
+    sched, runner = _sched(num_blocks=5, num_offload_blocks=4)
+    a, _ = _run(sched, runner, "a", A[:4])
+    a_block = sched.block_pool.cached[a.block_hashes[0]].block_id
+    prompt = [5, 8, 13, 21, 34, 2, 7, 1, 9, 4]
+    parent = make_request("parent", prompt[:-1], params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    sched.add_request(parent)
+    step(sched, runner)
+    children = [make_request(f"c{i}", prompt, max_tokens=2) for i in range(2)]
+    copies = sched.fork_request("parent", children)
+    # The second child's copy of the partial block lands in a's cached block, the only free one: the engine runs
+    # this offload before the copies (EngineCore._advance_parent).
+    offloads, loads = sched.kv_cache_manager.take_tier_copies()
+    assert offloads == [(a_block, 0)] and not loads and copies[0][1] == a_block
+    runner.host[0] = runner.kv[a_block * BS:(a_block + 1) * BS]
+    for src, dst in copies:
+        runner.kv[dst * BS:(dst + 1) * BS] = runner.kv[src * BS:(src + 1) * BS]
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert runner.host[0].tolist() == A[:4]
