@@ -462,6 +462,10 @@ class EngineConfig:
         device is loaded back from there instead of recomputed. Holds ``GiB * 2**30 // bytes per block`` blocks
         (all layers, K and V, in the KV cache's dtype); a draft model's runner keeps as many blocks of its own
         KV beside them. Needs ``enable_prefix_caching``.
+      kv_offloading_prefetch: load the host-tier hits of the requests at the head of the waiting queue a step
+        before their admission, into free blocks that hold no cached block (``SchedulerConfig``'s field of the
+        name). Off by default: ``scripts/bench_multiturn.py`` measures it no better than loading on admission
+        (README). Needs ``kv_offloading_size > 0``.
       enable_sleep_mode: allow ``sleep()`` / ``wake_up()`` (vLLM's flag;
         ``jaxllm.core.engine_core.EngineCore.sleep``); without it sleep is
         refused, naming this flag.
@@ -511,6 +515,7 @@ class EngineConfig:
     kv_events_config: Union[KVEventsConfig, dict, str, None] = None
     enable_sleep_mode: bool = False
     kv_offloading_size: float = 0.0
+    kv_offloading_prefetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -553,6 +558,9 @@ class EngineConfig:
         if size and not self.enable_prefix_caching:
             raise ValueError(f"kv_offloading_size={size!r} needs enable_prefix_caching=True: the host tier holds "
                              "prefix-cache blocks")
+        if self.kv_offloading_prefetch is True and not size:
+            raise ValueError("kv_offloading_prefetch=True needs a host tier to prefetch from: kv_offloading_size="
+                             f"{size!r} must be > 0")
         if self.precompile not in (True, False, "background"):
             raise ValueError(f"precompile={self.precompile!r} must be True, False or 'background'")
         if self.batching not in ("continuous", "static"):
@@ -576,14 +584,16 @@ class EngineConfig:
             raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} must be below "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}: a decode row carries 1 + that many")
 
-    def scheduler_config(self, *, num_blocks: int, max_model_len: int, num_offload_blocks: int = 0) -> SchedulerConfig:
+    def scheduler_config(self, *, num_blocks: int, max_model_len: int,
+                         num_offload_blocks: Optional[int] = None) -> SchedulerConfig:
         """The scheduler's configuration: every ``SchedulerConfig`` field this config has, by the same name,
         plus the fields known only at start-up (:data:`SCHEDULER_FIELDS_FROM_START_UP`).
 
         Args:
           num_blocks: device KV blocks, the null block included.
           max_model_len: the resolved ``max_model_len`` (:meth:`resolve_max_model_len`).
-          num_offload_blocks: the host tier's blocks (from ``kv_offloading_size``, :meth:`num_offload_blocks`).
+          num_offload_blocks: the host tier's blocks (from ``kv_offloading_size``, :meth:`num_offload_blocks`);
+            None, for a check before start-up knows them: a placeholder, 1 when ``kv_offloading_size`` is set.
 
         Raises:
           ValueError: a scheduler knob out of range (``SchedulerConfig`` names it and its limit).
@@ -596,7 +606,8 @@ class EngineConfig:
         events = self.kv_events_config is not None and self.kv_events_config.publishes
         return SchedulerConfig(**shared, num_blocks=num_blocks, max_model_len=max_model_len,
                                num_lookahead_tokens=lookahead, enable_kv_cache_events=events,
-                               num_offload_blocks=num_offload_blocks)
+                               num_offload_blocks=int(bool(self.kv_offloading_size)) if num_offload_blocks is None
+                               else num_offload_blocks)
 
     def num_offload_blocks(self, bytes_per_block: int) -> int:
         """Blocks of ``bytes_per_block`` bytes that ``kv_offloading_size`` GiB hold (0 without a tier)."""

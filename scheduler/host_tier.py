@@ -55,6 +55,7 @@ class HostTier:
     Attributes:
       slots: hash -> slot, least recently used first.
       num_offloaded, num_loaded: blocks copied device -> host and host -> device so far.
+      num_prefetched: of ``num_loaded``, blocks loaded ahead of their request's admission.
 
     Raises:
       ValueError: ``num_slots`` or ``base`` < 0.
@@ -77,6 +78,7 @@ class HostTier:
         self._loads: list[tuple[int, int]] = []
         self.num_offloaded = 0
         self.num_loaded = 0
+        self.num_prefetched = 0
 
     @property
     def num_cached(self) -> int:

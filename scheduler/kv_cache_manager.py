@@ -245,6 +245,33 @@ class KVCacheManager:
             events.append(BlockStored([hashes[i]], hashes[i - 1] if i else None,
                                       request.all_token_ids[i * bs:(i + 1) * bs], bs))
 
+    def prefetch_host_hits(self, request: Request, limit: int) -> int:
+        """Load up to ``limit`` of waiting ``request``'s host hits (its first ones, in chain order) into free
+        blocks that hold no cached block, registered under their hashes and left free (revivable, at the back of
+        the free queue), so the request finds them on the device when admitted. Returns the blocks loaded."""
+        if request.request_id in self.swapped or request.request_id in self.req_to_blocks:
+            return 0
+        pool, tier = self.block_pool, self.block_pool.host_tier
+        chain = self.extend_with_host_hits(request, self.get_computed_blocks(request)[0])
+        host = [(i, b) for i, b in enumerate(chain) if type(b) is HostHit][:limit]
+        # Unhashed free blocks sit at the front of the free queue: take only those, so nothing is evicted.
+        n = 0
+        for block in pool.free_queue:
+            if n == len(host) or block.block_hash is not None:
+                break
+            n += 1
+        if not n:
+            return 0
+        tier.pin([b for _, b in host[:n]])
+        fresh = pool.get_new_blocks(n)
+        for (i, hit), block in zip(host, fresh):
+            tier.load(hit, block.block_id)
+            pool.cache_block(block, hit.block_hash)
+            self._record_loaded(request, i)
+        tier.num_prefetched += n
+        pool.free_blocks(fresh)
+        return n
+
     def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The host tier's ``(device, slot)`` offloads and ``(slot, device)`` loads queued since the last call
         (empty without a tier), for the runner to do before the step, offloads first."""

@@ -560,6 +560,21 @@ class Scheduler:
         if self.waiting:
             self._waiting_dirty = True
         self.waiting = unready + queue[i:] + self.waiting
+        if self.config.kv_offloading_prefetch and self.block_pool.host_tier is not None:
+            self._prefetch()
+
+    def _prefetch(self) -> None:
+        """Load the host hits of the first ``max_num_seqs`` requests still waiting, in queue order, while the step's
+        load budget lasts
+        (``SchedulerConfig.kv_offloading_prefetch``): the copies run before this step, so the requests admitted
+        in a later step find those blocks on the device."""
+        kv, tier = self.kv_cache_manager, self.block_pool.host_tier
+        # The next admissions come from the head of the queue; looking further costs a lookup a request a step.
+        for req in self.waiting[: self.max_num_seqs]:
+            room = self._load_budget - tier.num_loads_this_step
+            if room <= 0:
+                return
+            kv.prefetch_host_hits(req, room)
 
     def _admit(self, req: Request, step: _Step) -> bool:
         while True:

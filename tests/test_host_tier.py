@@ -223,3 +223,54 @@ def test_a_fork_that_reuses_a_cached_block_queues_its_offload_for_before_the_for
         runner.kv[dst * BS:(dst + 1) * BS] = runner.kv[src * BS:(src + 1) * BS]
     run_until_done(sched, runner, check=check_block_invariants)
     assert runner.host[0].tolist() == A[:4]
+
+
+def test_prefetch_loads_a_waiting_requests_host_hits_into_empty_blocks_before_its_admission():
+    config = SchedulerConfig(num_blocks=7, block_size=BS, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
+                             num_offload_blocks=8, kv_offloading_prefetch=True)
+    sched, runner = Scheduler(config), FakeRunner(config)
+    _run(sched, runner, "a", A)
+    _run(sched, runner, "b", list(range(20, 41)))  # six blocks: A's two go to the host tier
+    # Five blocks allocated, then given back unwritten (aborted): empty blocks a prefetch may use.
+    sched.add_request(make_request("c", list(range(70, 87)), max_tokens=1))
+    out = sched.schedule()
+    sched.abort_request("c")
+    sched.update_from_output(out, runner(out))
+    long = make_request("long", list(range(60, 69)), max_tokens=1)  # runs first, three blocks
+    again = make_request("a2", A + [40], max_tokens=4)
+    sched.add_request(long)
+    sched.add_request(again)
+    out = sched.schedule()
+    # One seat: a2 waits, and its two host hits are loaded into the empty blocks left.
+    assert [r.request_id for r in out.requests] == ["long"]
+    assert [slot for slot, _ in out.blocks_to_load] == [1, 0] and sched.block_pool.host_tier.num_prefetched == 2
+    loaded = [d for _, d in out.blocks_to_load]
+    assert all(sched.block_pool.blocks[d].ref_cnt == 0 for d in loaded)
+    sched.update_from_output(out, runner(out))
+    out = sched.schedule()
+    # Admitted with device hits, nothing more to load.
+    assert [r.request_id for r in out.requests] == ["a2"] and not out.blocks_to_load
+    assert out.num_computed_tokens.tolist() == [8] and sched.kv_cache_manager.get_block_ids("a2")[:2] == loaded
+    sched.update_from_output(out, runner(out))
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert again.output_token_ids == reference_output(again.prompt_token_ids, again.sampling_params, None, 64)
+
+
+def test_prefetch_never_evicts_a_cached_block():
+    config = SchedulerConfig(num_blocks=5, block_size=BS, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
+                             num_offload_blocks=8, kv_offloading_prefetch=True)
+    sched, runner = Scheduler(config), FakeRunner(config)
+    _run(sched, runner, "a", A)
+    _run(sched, runner, "b", B)  # all four blocks: A's go to the host tier, B's three stay cached
+    sched.add_request(make_request("long", list(range(60, 64)), max_tokens=1))
+    sched.add_request(make_request("a2", A + [40], max_tokens=1))
+    cached = dict(sched.block_pool.cached)
+    out = sched.schedule()
+    # "long" took the one empty block; a prefetch would have had to evict one of B's.
+    assert not out.blocks_to_load and all(sched.block_pool.cached.get(h) is b for h, b in cached.items()
+                                          if b.ref_cnt == 0)
+
+
+def test_prefetch_needs_a_host_tier():
+    with pytest.raises(ValueError, match="kv_offloading_prefetch=True .*num_offload_blocks=0"):
+        SchedulerConfig(num_blocks=4, kv_offloading_prefetch=True)

@@ -72,6 +72,13 @@ def test_bad_kv_offloading_size_is_refused_naming_the_value(value):
         EngineConfig(kv_offloading_size=value)
 
 
+def test_kv_offloading_prefetch_needs_a_host_tier():
+    with pytest.raises(ValueError, match="kv_offloading_prefetch=True needs a host tier"):
+        EngineConfig(kv_offloading_prefetch=True)
+    assert EngineConfig(kv_offloading_prefetch=True, kv_offloading_size=1).scheduler_config(
+        num_blocks=4, max_model_len=8, num_offload_blocks=3).kv_offloading_prefetch is True
+
+
 def test_kv_offloading_size_needs_prefix_caching():
     with pytest.raises(ValueError, match="kv_offloading_size=1 needs enable_prefix_caching"):
         EngineConfig(kv_offloading_size=1, enable_prefix_caching=False)
@@ -119,7 +126,7 @@ def test_multiturn_bench_runs_both_configurations_with_equal_answers():
         sys.path.pop(0)
     payload = bench_multiturn.main(["--conversations", "4", "--turns", "3", "--max-num-seqs", "1",
                                     "--kv-offloading-size", "0.001"])
-    off, on = payload["results"]
-    assert off["host_hit_tokens"] == 0 and on["host_hit_tokens"] > 0
+    off, on, prefetch = payload["results"]
+    assert off["host_hit_tokens"] == 0 and on["host_hit_tokens"] > 0 and prefetch["host_hit_tokens"] > 0
     assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] - on["host_hit_tokens"]
     assert payload["answers_equal"]

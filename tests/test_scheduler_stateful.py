@@ -12,7 +12,7 @@ every copy-on-write copy is exact (see ``check_copies``). At the end: every requ
 with a reason, every unaborted one generated exactly what a scheduler-free
 reference generates (the fake runner samples from KV it reads back through the
 block tables), and free blocks == total - 1. Runs under every policy and both
-preemption modes, with and without a host tier for the prefix cache: its slots
+preemption modes, with and without a host tier for the prefix cache (and its prefetch): its slots
 held + free always add up (``check_host_tier``), and after every step each slot
 holds exactly its block's tokens.
 """
@@ -52,8 +52,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunked=st.booleans(),
         threshold=st.sampled_from([0, 5]),
         offload=st.sampled_from([0, 3, 8]),
+        prefetch=st.booleans(),
     )
-    def setup(self, num_blocks, caching, chunked, threshold, offload=0):
+    def setup(self, num_blocks, caching, chunked, threshold, offload=0, prefetch=False):
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
             block_size=BLOCK_SIZE,
@@ -67,6 +68,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             preemption_mode=self.mode,
             num_host_blocks=6,
             num_offload_blocks=offload if caching else 0,
+            kv_offloading_prefetch=prefetch and bool(offload) and caching,
             aging_rate=0.5,
         )
         self.clock = FakeClock()
