@@ -274,3 +274,20 @@ def test_prefetch_never_evicts_a_cached_block():
 def test_prefetch_needs_a_host_tier():
     with pytest.raises(ValueError, match="kv_offloading_prefetch=True .*num_offload_blocks=0"):
         SchedulerConfig(num_blocks=4, kv_offloading_prefetch=True)
+
+
+def test_kv_cache_report_and_diag_summary_show_the_host_tier():
+    from jaxllm.entrypoints.diag import summarize
+    from scheduler.diagnostics import kv_cache_report
+
+    sched, runner = _sched()
+    assert kv_cache_report(_sched(num_offload_blocks=0)[0])["host_tier"] is None
+    _run(sched, runner, "a", A)
+    _run(sched, runner, "b", B)
+    _run(sched, runner, "a2", A + [40])
+    report = kv_cache_report(sched, block_map=False)
+    # A's two blocks went to the host for b, and two of b's for a2's fresh blocks.
+    assert report["host_tier"] == {"num_blocks": 8, "num_cached_blocks": 4, "num_free_blocks": 4,
+                                   "num_offloaded_blocks": 4, "num_loaded_blocks": 2, "hit_tokens": 8}
+    assert ("host tier: 8 blocks: 4 cached, 4 free; 4 offloaded and 2 loaded so far; 8 prompt tokens served"
+            in summarize(report))
