@@ -151,6 +151,15 @@ class HostTier:
         """Slots read by this step's loads may be evicted again."""
         self._reading.clear()
 
+    def forget(self, slots: list[int]) -> None:
+        """Free ``slots`` and forget the blocks they held (their copies in never ran)."""
+        gone = set(slots)
+        lost = [h for h, slot in self.slots.items() if slot in gone]
+        for h in lost:
+            self._free.append(self.slots.pop(h))
+        if lost and self.record is not None:
+            self.record(BlockRemoved(lost, MEDIUM_HOST))
+
     def clear(self) -> None:
         """Forget every block (the weights changed). Call between steps, with no copies queued."""
         self._free.extend(reversed(self.slots.values()))

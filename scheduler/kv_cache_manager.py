@@ -11,7 +11,7 @@ from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.block_table import BlockTable
 from scheduler.host_block_pool import HostBlockPool
 from scheduler.host_tier import HostHit
-from scheduler.kv_events import BlockStored
+from scheduler.kv_events import BlockRemoved, BlockStored
 from scheduler.request import Request
 
 
@@ -271,6 +271,22 @@ class KVCacheManager:
         tier.num_prefetched += n
         pool.free_blocks(fresh)
         return n
+
+    def forget_tier_copies(self, offloads: Sequence[tuple[int, int]], loads: Sequence[tuple[int, int]]) -> None:
+        """Forget what copies that may never have run were to fill: the host slots of ``offloads`` (``(device,
+        slot)``) and the device blocks of ``loads`` (``(slot, device)``) lose their hashes."""
+        pool, tier = self.block_pool, self.block_pool.host_tier
+        if tier is not None:
+            tier.forget([slot for _, slot in offloads])
+        lost = []
+        for _, block_id in loads:
+            block = pool.blocks[block_id]
+            if block.block_hash is not None and pool.cached.get(block.block_hash) is block:
+                del pool.cached[block.block_hash]
+                lost.append(block.block_hash)
+                block.block_hash = None
+        if lost and pool.kv_events is not None:
+            pool.kv_events.append(BlockRemoved(lost))
 
     def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The host tier's ``(device, slot)`` offloads and ``(slot, device)`` loads queued since the last call

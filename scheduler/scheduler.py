@@ -1014,7 +1014,8 @@ class Scheduler:
 
         Its rows' requests lose their blocks and progress and wait again, as
         after a recompute preemption, so the scheduler stays consistent and
-        the next ``schedule()`` works.
+        the next ``schedule()`` works. Its host-tier copies may not have run,
+        so the blocks they were to fill are forgotten by both tiers.
 
         Raises:
           ValueError: ``output`` is not the newest pending output.
@@ -1023,6 +1024,7 @@ class Scheduler:
             raise ValueError("discard_output: output is not the newest pending output of schedule()")
         self._pending.pop()
         self.kv_cache_manager.release_copy_sources()
+        self.kv_cache_manager.forget_tier_copies(output.blocks_to_offload, output.blocks_to_load)
         for req in output.requests:
             if req.status is not _RUNNING:
                 continue

@@ -291,3 +291,21 @@ def test_kv_cache_report_and_diag_summary_show_the_host_tier():
                                    "num_offloaded_blocks": 4, "num_loaded_blocks": 2, "hit_tokens": 8}
     assert ("host tier: 8 blocks: 4 cached, 4 free; 4 offloaded and 2 loaded so far; 8 prompt tokens served"
             in summarize(report))
+
+
+def test_a_discarded_output_forgets_the_blocks_its_tier_copies_were_to_fill():
+    sched, runner = _sched()
+    a, _ = _run(sched, runner, "a", A)
+    _run(sched, runner, "b", B)
+    again = make_request("a2", A + [40], max_tokens=1)
+    sched.add_request(again)
+    out = sched.schedule()
+    assert len(out.blocks_to_load) == 2 and len(out.blocks_to_offload) == 2
+    loaded = [d for _, d in out.blocks_to_load]
+    offloaded = {slot for _, slot in out.blocks_to_offload}
+    sched.discard_output(out)  # the runner failed: none of the copies ran
+    tier = sched.block_pool.host_tier
+    assert all(sched.block_pool.blocks[d].block_hash is None for d in loaded)
+    assert offloaded.isdisjoint(tier.slots.values()) and tier.num_cached == 2
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert again.output_token_ids == reference_output(again.prompt_token_ids, again.sampling_params, None, 64)
