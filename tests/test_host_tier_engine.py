@@ -75,6 +75,8 @@ def test_bad_kv_offloading_size_is_refused_naming_the_value(value):
 def test_kv_offloading_prefetch_needs_a_host_tier():
     with pytest.raises(ValueError, match="kv_offloading_prefetch=True needs a host tier"):
         EngineConfig(kv_offloading_prefetch=True)
+    with pytest.raises(ValueError, match="kv_offloading_prefetch='yes' is out of range: must be True or False"):
+        EngineConfig(kv_offloading_prefetch="yes", kv_offloading_size=1)
     assert EngineConfig(kv_offloading_prefetch=True, kv_offloading_size=1).scheduler_config(
         num_blocks=4, max_model_len=8, num_offload_blocks=3).kv_offloading_prefetch is True
 
