@@ -118,7 +118,7 @@ def test_metrics_and_report_count_hits_by_tier_and_bytes_each_way():
     assert metric("jaxllm:kv_offload_usage_perc") == report["num_cached_blocks"] / 60
 
 
-def test_multiturn_bench_runs_both_configurations_with_equal_answers():
+def test_multiturn_bench_runs_every_configuration_with_equal_answers():
     import sys
 
     sys.path.insert(0, str(STORIES.parents[2] / "scripts"))
