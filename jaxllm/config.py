@@ -354,7 +354,8 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 # SchedulerConfig fields that EngineConfig.scheduler_config fills in itself (enable_kv_cache_events from
 # kv_events_config, the rest at start-up); every other one is an
 # EngineConfig field of the same name (a test checks both).
-SCHEDULER_FIELDS_FROM_START_UP = ("num_blocks", "max_model_len", "num_lookahead_tokens", "enable_kv_cache_events")
+SCHEDULER_FIELDS_FROM_START_UP = ("num_blocks", "max_model_len", "num_lookahead_tokens", "enable_kv_cache_events",
+                                  "num_offload_blocks")
 # Token buckets below the default ladder's first value (16): steps of a few decode rows.
 SMALL_TOKEN_BUCKETS = (4, 8)
 # "vllm": the metrics under vLLM's names and labels (jaxllm.frontend.metrics).
@@ -458,6 +459,16 @@ class EngineConfig:
       max_waiting_requests: shed load: refuse a new request
         (``jaxllm.core.client.QueueFullError``; 503 at the server) while this
         many sequences or more wait for a batch seat. None: no limit.
+      kv_offloading_size: GiB of host memory for a host tier of the prefix cache (vLLM's
+        ``--kv-offloading-size`` with its native backend; ``scheduler.host_tier``), >= 0; 0 (the default): no
+        tier. A hashed block about to be reused on the device is copied there first, and a prefix missing on the
+        device is loaded back from there instead of recomputed. Holds ``GiB * 2**30 // bytes per block`` blocks
+        (all layers, K and V, in the KV cache's dtype); a draft model's runner keeps as many blocks of its own
+        KV beside them. Needs ``enable_prefix_caching``.
+      kv_offloading_prefetch: load the host-tier hits of the requests at the head of the waiting queue a step
+        before their admission, into free blocks that hold no cached block (``SchedulerConfig``'s field of the
+        name). Off by default: ``scripts/bench_multiturn.py`` measures it no better than loading on admission
+        (README). Needs ``kv_offloading_size > 0``.
       enable_sleep_mode: allow ``sleep()`` / ``wake_up()`` (vLLM's flag;
         ``jaxllm.core.engine_core.EngineCore.sleep``); without it sleep is
         refused, naming this flag.
@@ -507,6 +518,8 @@ class EngineConfig:
     preload_prompts: Optional[str] = None
     kv_events_config: Union[KVEventsConfig, dict, str, None] = None
     enable_sleep_mode: bool = False
+    kv_offloading_size: float = 0.0
+    kv_offloading_prefetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -543,6 +556,15 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.num_host_blocks < 1:
             raise ValueError(f"preemption_mode='swap' needs host blocks to swap to: num_host_blocks="
                              f"{self.num_host_blocks} must be >= 1")
+        size = self.kv_offloading_size
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size >= 0:
+            raise ValueError(f"kv_offloading_size={size!r} must be a number of GiB >= 0 (0: no host tier)")
+        if size and not self.enable_prefix_caching:
+            raise ValueError(f"kv_offloading_size={size!r} needs enable_prefix_caching=True: the host tier holds "
+                             "prefix-cache blocks")
+        if self.kv_offloading_prefetch is True and not size:
+            raise ValueError("kv_offloading_prefetch=True needs a host tier to prefetch from: kv_offloading_size="
+                             f"{size!r} must be > 0")
         if self.precompile not in (True, False, "background"):
             raise ValueError(f"precompile={self.precompile!r} must be True, False or 'background'")
         if self.batching not in ("continuous", "static"):
@@ -566,13 +588,16 @@ class EngineConfig:
             raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} must be below "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}: a decode row carries 1 + that many")
 
-    def scheduler_config(self, *, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+    def scheduler_config(self, *, num_blocks: int, max_model_len: int,
+                         num_offload_blocks: Optional[int] = None) -> SchedulerConfig:
         """The scheduler's configuration: every ``SchedulerConfig`` field this config has, by the same name,
         plus the fields known only at start-up (:data:`SCHEDULER_FIELDS_FROM_START_UP`).
 
         Args:
           num_blocks: device KV blocks, the null block included.
           max_model_len: the resolved ``max_model_len`` (:meth:`resolve_max_model_len`).
+          num_offload_blocks: the host tier's blocks (from ``kv_offloading_size``, :meth:`num_offload_blocks`);
+            None, for a check before start-up knows them: a placeholder, 1 when ``kv_offloading_size`` is set.
 
         Raises:
           ValueError: a scheduler knob out of range (``SchedulerConfig`` names it and its limit).
@@ -584,7 +609,13 @@ class EngineConfig:
         lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
         events = self.kv_events_config is not None and self.kv_events_config.publishes
         return SchedulerConfig(**shared, num_blocks=num_blocks, max_model_len=max_model_len,
-                               num_lookahead_tokens=lookahead, enable_kv_cache_events=events)
+                               num_lookahead_tokens=lookahead, enable_kv_cache_events=events,
+                               num_offload_blocks=int(bool(self.kv_offloading_size)) if num_offload_blocks is None
+                               else num_offload_blocks)
+
+    def num_offload_blocks(self, bytes_per_block: int) -> int:
+        """Blocks of ``bytes_per_block`` bytes that ``kv_offloading_size`` GiB hold (0 without a tier)."""
+        return int(self.kv_offloading_size * 2**30) // bytes_per_block
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         """``max_model_len`` or the model's ``max_position_embeddings`` (which start-up may then fit to the KV cache:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
+from scheduler.host_tier import HostTier
 from scheduler.kv_events import BlockRemoved, KVEvent
 
 
@@ -179,16 +180,22 @@ class BlockPool:
       enable_caching: keep the hash -> block map (prefix caching).
       enable_kv_cache_events: record evictions (and, through ``KVCacheManager``, registrations) in
         :attr:`kv_events`.
+      num_offload_blocks: slots of the host tier (``scheduler.host_tier``), >= 0; 0: no tier. An evicted hashed
+        block is offloaded there before its reuse.
+      offload_base: the tier's first slot id in the runner's host pool.
+      block_size: tokens per block, for the tier's events.
 
     Attributes:
       kv_events: the ``scheduler.kv_events`` events since the last ``Scheduler.take_kv_events``; None when
         events are off.
+      host_tier: the ``HostTier``, None without one (or without caching).
 
     Raises:
       ValueError: ``num_blocks < 2``.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False,
+                 num_offload_blocks: int = 0, offload_base: int = 0, block_size: int = 1) -> None:
         if num_blocks < 2:
             raise ValueError(f"BlockPool: num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
@@ -198,6 +205,13 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVBlock] = {}
         self.kv_events: Optional[list[KVEvent]] = [] if enable_kv_cache_events and enable_caching else None
+        self.host_tier = HostTier(
+            num_offload_blocks, offload_base, block_size, record=self._record if self.kv_events is not None else None,
+        ) if num_offload_blocks and enable_caching else None
+
+    def _record(self, event: KVEvent) -> None:
+        # Looked up per event: Scheduler.take_kv_events replaces the list.
+        self.kv_events.append(event)
 
     @property
     def num_free_blocks(self) -> int:
@@ -212,7 +226,8 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks from the front of the free queue, each with ref_cnt 1.
 
-        A taken block that still carried a hash is evicted from the map first.
+        A taken block that still carried a hash is evicted from the map first, and offloaded to the host tier
+        when there is one.
 
         Raises:
           ValueError: ``n`` exceeds the free blocks (nothing is taken).
@@ -221,6 +236,7 @@ class BlockPool:
             raise ValueError(f"BlockPool.get_new_blocks: asked for {n} blocks, only {len(self.free_queue)} free")
         blocks = self.free_queue.popleft_n(n)
         cached = self.cached
+        tier = self.host_tier
         evicted = []
         for block in blocks:
             # A hashed block is the one the map holds under its hash (cache_blocks registers only unhashed
@@ -228,6 +244,8 @@ class BlockPool:
             if block.block_hash is not None:
                 del cached[block.block_hash]
                 evicted.append(block.block_hash)
+                if tier is not None:
+                    tier.offload(block.block_id, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
         if evicted and self.kv_events is not None:
@@ -271,7 +289,8 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> int:
         """Forget every hash: no block can be found by content any more (vLLM's ``reset_prefix_cache``, used after
-        the weights change, when the cached KV is stale). Blocks keep their ref counts and queue places.
+        the weights change, when the cached KV is stale). Blocks keep their ref counts and queue places; the host
+        tier is emptied.
 
         Returns:
           the number of blocks that lost their hash.
@@ -280,6 +299,8 @@ class BlockPool:
             block.block_hash = None
         num = len(self.cached)
         self.cached.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
         return num
 
     def get_cached_block(self, block_hash: bytes) -> Optional[KVBlock]:

@@ -36,6 +36,12 @@ class SchedulerConfig:
         (copy blocks to the host pool and back).
       num_host_blocks: host blocks for swap mode, >= 0; a victim that does
         not fit falls back to recompute.
+      num_offload_blocks: host-tier blocks of the prefix cache (``scheduler.host_tier``), >= 0; 0: no tier.
+        Needs ``enable_prefix_caching``.
+      kv_offloading_prefetch: with a host tier, load the host hits of the requests left waiting at the end of a
+        step (policy order, within the step's load budget) into free blocks that hold no cached block, so they
+        are device hits when admitted (``Scheduler``); a prefetch never evicts a cached block. Needs
+        ``num_offload_blocks``.
       async_scheduling: allow one ``schedule()`` ahead of the last
         ``update_from_output()`` (the runner feeds the missing sampled
         tokens on the device; see ``Scheduler``). A request admitted beside
@@ -81,6 +87,8 @@ class SchedulerConfig:
     scheduling_policy: Union[str, Policy] = "fcfs"
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0
+    num_offload_blocks: int = 0
+    kv_offloading_prefetch: bool = False
     aging_rate: float = 1.0
     async_scheduling: bool = False
     num_lookahead_tokens: int = 0
@@ -111,6 +119,14 @@ class SchedulerConfig:
             raise bad("preemption_mode", f"one of {list(_PREEMPTION_MODES)}")
         if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
             raise bad("num_host_blocks", "an int >= 0")
+        if not isinstance(self.num_offload_blocks, int) or self.num_offload_blocks < 0:
+            raise bad("num_offload_blocks", "an int >= 0")
+        if self.num_offload_blocks and not self.enable_prefix_caching:
+            raise bad("num_offload_blocks", "0 when enable_prefix_caching is False (the tier holds prefix-cache blocks)")
+        if not isinstance(self.kv_offloading_prefetch, bool):
+            raise bad("kv_offloading_prefetch", "True or False")
+        if self.kv_offloading_prefetch and not self.num_offload_blocks:
+            raise bad("kv_offloading_prefetch", f"False without a host tier (num_offload_blocks={self.num_offload_blocks})")
         if not isinstance(self.num_lookahead_tokens, int) or self.num_lookahead_tokens < 0:
             raise bad("num_lookahead_tokens", "an int >= 0")
         if isinstance(self.aging_rate, bool) or not isinstance(self.aging_rate, (int, float)) or not self.aging_rate >= 0:

@@ -67,6 +67,10 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
       * ``request_blocks``: request id -> blocks it holds (running requests);
         ``largest_request``: ``{"request_id", "num_blocks", "num_tokens"}`` of
         the one holding most blocks, or None;
+      * ``host_tier``: the prefix cache's host tier (``scheduler.host_tier``), None without one, else
+        ``{"num_blocks", "num_cached_blocks", "num_free_blocks"}`` (the two add up to ``num_blocks``),
+        ``"num_offloaded_blocks"`` and ``"num_loaded_blocks"`` (copies device -> host and back, cumulative) and
+        ``"hit_tokens"`` (prompt tokens it served, cumulative);
       * ``blocks`` (with ``block_map``): per block id, ``{"state": "null" |
         "used" | "cached_free" | "free", "ref_cnt", "holders"}``, holders being
         the request ids whose tables hold it, plus ``"<pinned>"`` and
@@ -117,6 +121,7 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
             "num_tokens": largest.num_tokens,
         },
     }
+    report["host_tier"] = _host_tier_report(scheduler)
     if block_map:
         report["blocks"] = entries
     return report
@@ -140,3 +145,12 @@ def _block_states(pool: "BlockPool", holders: Optional[dict[int, list[str]]]) ->
         if holders is not None:
             entries.append({"state": state, "ref_cnt": block.ref_cnt, "holders": holders.get(block.block_id, [])})
     return counts, entries, highest
+
+
+def _host_tier_report(scheduler: "Scheduler") -> Any:
+    tier = scheduler.block_pool.host_tier
+    if tier is None:
+        return None
+    return {"num_blocks": tier.num_slots, "num_cached_blocks": tier.num_cached, "num_free_blocks": tier.num_free_slots,
+            "num_offloaded_blocks": tier.num_offloaded, "num_loaded_blocks": tier.num_loaded,
+            "hit_tokens": scheduler.prefix_cache_hits_host}

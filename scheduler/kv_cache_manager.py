@@ -10,7 +10,8 @@ from scheduler.block_hash import extend_block_hashes, hash_block_tokens
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.block_table import BlockTable
 from scheduler.host_block_pool import HostBlockPool
-from scheduler.kv_events import BlockStored
+from scheduler.host_tier import HostHit
+from scheduler.kv_events import BlockRemoved, BlockStored
 from scheduler.request import Request
 
 
@@ -102,6 +103,27 @@ class KVCacheManager:
             hits.append(block)
         return hits, min(len(hits) * bs, num_tokens - 1)
 
+    def extend_with_host_hits(self, request: Request, hits: list[KVBlock]) -> list:
+        """``hits`` (from :meth:`get_computed_blocks`) continued along ``request``'s hash chain through the host tier.
+
+        Returns ``hits`` followed by the blocks after them found in the host tier (``HostHit``) or, between those,
+        on the device (``KVBlock``), up to the first block found in neither. The result never covers the last
+        token (a host block is not copied on write; its tokens are recomputed instead), and is ``hits`` itself
+        when there is no tier or nothing more hits. Pass it to :meth:`allocate_slots` like ``hits``.
+        """
+        tier = self.block_pool.host_tier
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if tier is None or len(hits) >= max_blocks or request.skip_reading_prefix_cache:
+            return hits
+        hashes, cached = request.block_hashes, self.block_pool.cached
+        more: list = []
+        for i in range(len(hits), max_blocks):
+            found = cached.get(hashes[i]) or tier.lookup(hashes[i])
+            if found is None:
+                break
+            more.append(found)
+        return hits + more if more else hits
+
     def hash_blocks(self, request: Request) -> None:
         """Hash ``request``'s full blocks of known tokens not hashed yet (each block once in its life).
 
@@ -184,8 +206,11 @@ class KVCacheManager:
             # Touched before the new blocks are taken, so allocation cannot
             # evict a hit (the copy source included). The fresh copy counts as
             # registered: the cached block keeps the hash.
-            pool.touch(shared)
+            host = [b for b in shared if type(b) is HostHit]
+            pool.touch([b for b in shared if type(b) is not HostHit] if host else shared)
             self._num_cached[rid] = len(self.req_to_blocks[rid]) + len(shared)
+            if host:
+                shared = self._load_host_hits(request, shared, host)
         new_blocks = pool.get_new_blocks(fresh)
         if copy_last:
             source = shared.pop()
@@ -193,6 +218,81 @@ class KVCacheManager:
             self._copies[rid] = (source.block_id, new_blocks[0].block_id)
         self._extend_table(request, shared + new_blocks)
         return True
+
+    def _load_host_hits(self, request: Request, shared: list, host: list[HostHit]) -> list[KVBlock]:
+        """``shared`` with each of its ``host`` hits replaced by a fresh device block registered under its hash, the
+        tier's copy into it queued (the runner loads it before the step reads it)."""
+        pool, tier = self.block_pool, self.block_pool.host_tier
+        # Pinned first: taking the fresh blocks may offload others into the tier, which must not evict these.
+        tier.pin(host)
+        fresh = iter(pool.get_new_blocks(len(host)))
+        num_held = len(self.req_to_blocks[request.request_id])
+        out = []
+        for i, block in enumerate(shared):
+            if type(block) is HostHit:
+                hit, block = block, next(fresh)
+                tier.load(hit, block.block_id)
+                pool.cache_block(block, hit.block_hash)
+                self._record_loaded(request, num_held + i)
+            out.append(block)
+        return out
+
+    def _record_loaded(self, request: Request, i: int) -> None:
+        """A device ``BlockStored`` for block ``i`` of ``request``, loaded from the host tier."""
+        events = self.block_pool.kv_events
+        if events is not None:
+            bs, hashes = self.block_size, request.block_hashes
+            events.append(BlockStored([hashes[i]], hashes[i - 1] if i else None,
+                                      request.all_token_ids[i * bs:(i + 1) * bs], bs))
+
+    def prefetch_host_hits(self, request: Request, limit: int) -> int:
+        """Load up to ``limit`` of waiting ``request``'s host hits (its first ones, in chain order) into free
+        blocks that hold no cached block, registered under their hashes and left free (revivable, at the back of
+        the free queue), so the request finds them on the device when admitted. Returns the blocks loaded."""
+        if request.request_id in self.swapped or request.request_id in self.req_to_blocks:
+            return 0
+        pool, tier = self.block_pool, self.block_pool.host_tier
+        chain = self.extend_with_host_hits(request, self.get_computed_blocks(request)[0])
+        host = [(i, b) for i, b in enumerate(chain) if type(b) is HostHit][:limit]
+        # Unhashed free blocks sit at the front of the free queue: take only those, so nothing is evicted.
+        n = 0
+        for block in pool.free_queue:
+            if n == len(host) or block.block_hash is not None:
+                break
+            n += 1
+        if not n:
+            return 0
+        tier.pin([b for _, b in host[:n]])
+        fresh = pool.get_new_blocks(n)
+        for (i, hit), block in zip(host, fresh):
+            tier.load(hit, block.block_id)
+            pool.cache_block(block, hit.block_hash)
+            self._record_loaded(request, i)
+        tier.num_prefetched += n
+        pool.free_blocks(fresh)
+        return n
+
+    def forget_tier_copies(self, offloads: Sequence[tuple[int, int]], loads: Sequence[tuple[int, int]]) -> None:
+        """Forget what copies that may never have run were to fill: the host slots of ``offloads`` (``(device,
+        slot)``) and the device blocks of ``loads`` (``(slot, device)``) lose their hashes."""
+        pool, tier = self.block_pool, self.block_pool.host_tier
+        if tier is not None:
+            tier.forget([slot for _, slot in offloads])
+        lost = []
+        for _, block_id in loads:
+            block = pool.blocks[block_id]
+            if block.block_hash is not None and pool.cached.get(block.block_hash) is block:
+                del pool.cached[block.block_hash]
+                lost.append(block.block_hash)
+                block.block_hash = None
+        if lost and pool.kv_events is not None:
+            pool.kv_events.append(BlockRemoved(lost))
+
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's ``(device, slot)`` offloads and ``(slot, device)`` loads queued since the last call
+        (empty without a tier), for the runner to do before the step, offloads first."""
+        tier = self.block_pool.host_tier
+        return ([], []) if tier is None else tier.take_copies()
 
     def append_blocks(self, requests: Sequence[Request], rows: np.ndarray, counts: np.ndarray) -> None:
         """Give each request holding a table ``counts[i]`` fresh blocks at its end.
@@ -398,5 +498,8 @@ class KVCacheManager:
             self.req_to_block_ids[rid][:] = [b.block_id for b in blocks]
 
     def end_step(self) -> None:
-        """Called at the end of ``Scheduler.schedule``: host ids freed by swap-ins become reusable."""
+        """Called at the end of ``Scheduler.schedule``: host ids freed by swap-ins become reusable, and so do the host
+        tier's slots read by this step's loads."""
         self.host_pool.end_step()
+        if self.block_pool.host_tier is not None:
+            self.block_pool.host_tier.end_step()

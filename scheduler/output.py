@@ -86,10 +86,12 @@ class SchedulerOutput:
     same rows as ``ScheduledRequest`` objects.
 
     The runner does, in order: every ``blocks_to_swap_out`` copy, every
-    ``blocks_to_swap_in`` copy, every ``blocks_to_copy`` copy, then the model
-    step -- the copies even when there are no rows. Swap-outs go first
-    because their device blocks may be handed to swap-ins or copies in the
-    same step. A copy's source is a cached block that no swap-in or copy of
+    ``blocks_to_offload`` copy, every ``blocks_to_swap_in`` copy, every
+    ``blocks_to_load`` copy, every ``blocks_to_copy`` copy, then the model
+    step -- the copies even when there are no rows. Swap-outs and offloads go
+    first because their device blocks may be handed to swap-ins, loads or
+    copies in the same step; offloads go before loads because a load may
+    read a slot an offload of the same step writes. A copy's source is a cached block that no swap-in or copy of
     this step writes: the scheduler holds a reference to it until
     ``update_from_output``, so it cannot be reused.
 
@@ -121,6 +123,11 @@ class SchedulerOutput:
         ``update_from_output``) since the previous ``schedule()``.
       blocks_to_swap_out: ``(device_block, host_block)`` pairs.
       blocks_to_swap_in: ``(host_block, device_block)`` pairs.
+      blocks_to_offload: ``(device_block, host_block)`` pairs: hashed blocks
+        evicted from the device, kept in the host tier (``scheduler.host_tier``;
+        host ids after the swap pool's).
+      blocks_to_load: ``(host_block, device_block)`` pairs: host-tier prefix
+        hits copied into the fresh device blocks that take their place.
       blocks_to_copy: ``(src_block, dst_block)`` device pairs: a fully cached
         prompt's last block, copied into the fresh block that replaces it in
         the request's table, where its last token's K/V is written (see
@@ -146,6 +153,8 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_offload: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_load: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     block_size: int = 0
 
     @property
@@ -192,6 +201,10 @@ class SchedulerStats:
       prediction_abs_error_tokens: ``|predicted - actual|`` output tokens,
         summed over them; cumulative (divide by ``num_predicted_finished``
         for the mean error).
+      prefix_cache_hits_host: of ``prefix_cache_hits``, tokens loaded from the host tier, cumulative.
+      num_offload_blocks, num_offload_cached_blocks: the host tier's blocks, and those holding a block (0
+        without a tier).
+      num_blocks_offloaded, num_blocks_loaded: blocks copied device -> host tier and back, cumulative.
     """
 
     num_running: int
@@ -210,3 +223,8 @@ class SchedulerStats:
     predicted_output_tokens: int
     actual_output_tokens: int
     prediction_abs_error_tokens: int
+    prefix_cache_hits_host: int = 0
+    num_offload_blocks: int = 0
+    num_offload_cached_blocks: int = 0
+    num_blocks_offloaded: int = 0
+    num_blocks_loaded: int = 0

@@ -21,6 +21,7 @@ import numpy as np
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.config import SchedulerConfig
 from scheduler.degradation import DegradationController
+from scheduler.host_tier import HostHit
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.kv_events import KVEvent
 from scheduler.output import SchedulerOutput, SchedulerStats
@@ -198,7 +199,9 @@ class Scheduler:
         self.policy = get_policy(config.scheduling_policy, aging_rate=config.aging_rate,
                                  max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens)
         self.predictor = OutputLengthPredictor(config.block_size)
-        self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.enable_kv_cache_events)
+        self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.enable_kv_cache_events,
+                                    num_offload_blocks=config.num_offload_blocks, offload_base=config.num_host_blocks,
+                                    block_size=config.block_size)
         self.kv_cache_manager = KVCacheManager(
             self.block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks
         )
@@ -222,6 +225,10 @@ class Scheduler:
         self._finished_for_update: list[Request] = []
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Of those hits, tokens loaded from the host tier.
+        self.prefix_cache_hits_host = 0
+        # Host-tier blocks one step loads at most beyond the first loading request's (what the step could compute).
+        self._load_budget = max(config.max_num_batched_tokens // config.block_size, 1)
         self.num_preemptions = 0
         settings = config.degradation
         self.degradation = None if settings is None else DegradationController(
@@ -378,6 +385,7 @@ class Scheduler:
         out = self._emit_rows(step)
         out.finished, self._finished_for_schedule = self._finished_for_schedule, []
         out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
+        out.blocks_to_offload, out.blocks_to_load = self.kv_cache_manager.take_tier_copies()
         self.kv_cache_manager.end_step()
         self._pending.append((out, self._num_stopped))
         return out
@@ -579,6 +587,21 @@ class Scheduler:
         if self.waiting:
             self._waiting_dirty = True
         self.waiting = unready + queue[i:] + self.waiting
+        if self.config.kv_offloading_prefetch and self.block_pool.host_tier is not None:
+            self._prefetch()
+
+    def _prefetch(self) -> None:
+        """Load the host hits of the first ``max_num_seqs`` requests still waiting, in queue order, while the step's
+        load budget lasts
+        (``SchedulerConfig.kv_offloading_prefetch``): the copies run before this step, so the requests admitted
+        in a later step find those blocks on the device."""
+        kv, tier = self.kv_cache_manager, self.block_pool.host_tier
+        # The next admissions come from the head of the queue; looking further costs a lookup a request a step.
+        for req in self.waiting[: self.max_num_seqs]:
+            room = self._load_budget - tier.num_loads_this_step
+            if room <= 0:
+                return
+            kv.prefetch_host_hits(req, room)
 
     def _admit(self, req: Request, step: _Step) -> bool:
         while True:
@@ -642,6 +665,13 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         hits, num_hit = kv.get_computed_blocks(req)
+        num_host = 0
+        if kv.block_pool.host_tier is not None:
+            hits, num_host = self._host_hits(req, hits)
+            if num_host < 0:
+                return 0
+            if num_host:
+                num_hit = len(hits) * self.config.block_size
         # Under async scheduling, a request admitted beside running ones whose chunk ends its prompt also takes
         # the slot of its first decode token. Without it the next step, scheduled before this one's sample is
         # known, may preempt it for that block, which discards the sample, and readmit it to recompute the same
@@ -666,8 +696,21 @@ class Scheduler:
         if kv.enable_caching and not req.skip_reading_prefix_cache:
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += num_hit
+            self.prefix_cache_hits_host += num_host * self.config.block_size
         req.num_computed_tokens = num_hit
         return n
+
+    def _host_hits(self, req: Request, hits: list[KVBlock]) -> tuple[list, int]:
+        """``hits`` continued through the host tier, and how many of them are host hits; -1 when loading them
+        would pass the step's load budget after another request's loads (``req`` then waits a step, so a storm
+        of host hits cannot stretch one step's copies; the first loading request of a step always goes)."""
+        kv = self.kv_cache_manager
+        hits = kv.extend_with_host_hits(req, hits)
+        num_host = sum(1 for b in hits if type(b) is HostHit)
+        loading = kv.block_pool.host_tier.num_loads_this_step
+        if num_host and loading and loading + num_host > self._load_budget:
+            return hits, -1
+        return hits, num_host
 
     def _insert_running(self, req: Request, now: float) -> None:
         """Add ``req`` to the running list, keeping a static-key policy's order without a re-sort."""
@@ -1088,7 +1131,8 @@ class Scheduler:
 
         Its rows' requests lose their blocks and progress and wait again, as
         after a recompute preemption, so the scheduler stays consistent and
-        the next ``schedule()`` works.
+        the next ``schedule()`` works. Its host-tier copies may not have run,
+        so the blocks they were to fill are forgotten by both tiers.
 
         Raises:
           ValueError: ``output`` is not the newest pending output.
@@ -1097,6 +1141,7 @@ class Scheduler:
             raise ValueError("discard_output: output is not the newest pending output of schedule()")
         self._pending.pop()
         self.kv_cache_manager.release_copy_sources()
+        self.kv_cache_manager.forget_tier_copies(output.blocks_to_offload, output.blocks_to_load)
         for req in output.requests:
             if req.status is not _RUNNING:
                 continue
@@ -1172,7 +1217,13 @@ class Scheduler:
     @property
     def stats(self) -> SchedulerStats:
         """A fresh ``SchedulerStats`` snapshot."""
+        tier = self.block_pool.host_tier
         return SchedulerStats(
+            prefix_cache_hits_host=self.prefix_cache_hits_host,
+            num_offload_blocks=0 if tier is None else tier.num_slots,
+            num_offload_cached_blocks=0 if tier is None else tier.num_cached,
+            num_blocks_offloaded=0 if tier is None else tier.num_offloaded,
+            num_blocks_loaded=0 if tier is None else tier.num_loaded,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preempted_waiting=sum(1 for r in self.waiting if r.status == RequestStatus.PREEMPTED),

@@ -63,7 +63,8 @@ class FakeRunner:
         bs = config.block_size
         self.block_size = bs
         self.kv = np.full(config.num_blocks * bs, -1, dtype=np.int64)
-        self.host = np.full((max(config.num_host_blocks, 1), bs), -1, dtype=np.int64)
+        # The swap pool's blocks, then the host tier's (as the model runner's host pool).
+        self.host = np.full((max(config.num_host_blocks + config.num_offload_blocks, 1), bs), -1, dtype=np.int64)
         self.buckets = buckets or BucketTable.from_limits(
             config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len, bs, min_tokens=1, min_seqs=1, min_width=1
         )
@@ -80,7 +81,9 @@ class FakeRunner:
         bs = self.block_size
         for d, h in b.blocks_to_swap_out:
             self.host[h] = self.kv[d * bs : (d + 1) * bs]
-        for h, d in b.blocks_to_swap_in:
+        for d, h in output.blocks_to_offload:
+            self.host[h] = self.kv[d * bs : (d + 1) * bs]
+        for h, d in [*b.blocks_to_swap_in.tolist(), *output.blocks_to_load]:
             self.kv[d * bs : (d + 1) * bs] = self.host[h]
         for src, dst in b.blocks_to_copy:
             self.kv[dst * bs : (dst + 1) * bs] = self.kv[src * bs : (src + 1) * bs]
@@ -208,6 +211,18 @@ def check_block_invariants(sched: Scheduler) -> None:
     assert len(host_ids) == len(set(host_ids))
     assert len(host_ids) + kv.host_pool.num_free_blocks == kv.host_pool.num_host_blocks
     assert len(sched.running) <= sched.config.max_num_seqs
+    check_host_tier(sched)
+
+
+def check_host_tier(sched: Scheduler) -> None:
+    """The host tier's slots: each held by at most one hash, held + free == all, all in its id range."""
+    tier = sched.block_pool.host_tier
+    if tier is None:
+        return
+    held = list(tier.slots.values())
+    assert len(set(held)) == len(held), "a host slot holds two hashes"
+    assert len(held) + tier.num_free_slots == tier.num_slots
+    assert all(tier.base <= s < tier.base + tier.num_slots for s in held)
 
 
 def check_persistent_batch(sched: Scheduler) -> None:

@@ -12,7 +12,9 @@ every copy-on-write copy is exact (see ``check_copies``). At the end: every requ
 with a reason, every unaborted one generated exactly what a scheduler-free
 reference generates (the fake runner samples from KV it reads back through the
 block tables), and free blocks == total - 1. Runs under every policy and both
-preemption modes, with and without ``reserve_predicted_output``.
+preemption modes, with and without ``reserve_predicted_output``, with and without a host tier for the prefix
+cache (and its prefetch): its slots held + free always add up (``check_host_tier``), and after every step each slot
+holds exactly its block's tokens.
 """
 
 from hypothesis import HealthCheck, settings
@@ -50,8 +52,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunked=st.booleans(),
         threshold=st.sampled_from([0, 5]),
         reserve=st.booleans(),
+        offload=st.sampled_from([0, 3, 8]),
+        prefetch=st.booleans(),
     )
-    def setup(self, num_blocks, caching, chunked, threshold, reserve=False):
+    def setup(self, num_blocks, caching, chunked, threshold, reserve=False, offload=0, prefetch=False):
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
             block_size=BLOCK_SIZE,
@@ -64,6 +68,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             scheduling_policy=self.policy,
             preemption_mode=self.mode,
             num_host_blocks=6,
+            num_offload_blocks=offload if caching else 0,
+            kv_offloading_prefetch=prefetch and bool(offload) and caching,
             aging_rate=0.5,
             reserve_predicted_output=reserve,
         )
@@ -130,10 +136,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         check_copies(self.sched, out)
         self.copies += len(out.blocks_to_copy)
         updated = self.sched.update_from_output(out, self.runner(out))
+        self.check_host_tier_contents()
         self.broken = False
         assert not self.sched.kv_cache_manager.copy_sources
         assert len({id(r) for r in updated}) == len(updated)
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+
+    def check_host_tier_contents(self):
+        """Once a step's copies are done, each host-tier slot holds exactly the tokens of its block hash."""
+        tier = self.sched.block_pool.host_tier
+        if tier is None:
+            return
+        tokens = {}
+        for req in self.requests:
+            for i, h in enumerate(req.block_hashes):
+                tokens[h] = req.all_token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
+        for h, slot in tier.slots.items():
+            assert self.runner.host[slot].tolist() == tokens[h]
 
     @rule(data=st.data())
     def abort(self, data):

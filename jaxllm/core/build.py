@@ -25,8 +25,8 @@ from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.worker.cpu_features import describe_cpu
-from jaxllm.worker.kv_cache import (calibrate_kv_scales, calibration_ids, fit_max_model_len, kv_number_dtype,
-                                    resolve_num_blocks)
+from jaxllm.worker.kv_cache import (bytes_per_block, calibrate_kv_scales, calibration_ids, fit_max_model_len,
+                                    kv_number_dtype, resolve_num_blocks)
 from jaxllm.worker.model_runner import ModelRunner, enable_persistent_compilation_cache
 from jaxllm.worker.quantization import weight_quantization
 from jaxllm.worker.sharding import ModelSharding, make_mesh
@@ -156,6 +156,7 @@ def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, shardin
         cfg, params, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, ops=ops,
         buckets=BucketTable(*config.bucket_ladders(max_model_len, backend)), sharding=sharding,
         num_host_blocks=config.num_host_blocks, num_sampling_slots=config.max_num_seqs + 1,
+        num_offload_blocks=config.num_offload_blocks(bytes_per_block(cfg, config.block_size, kv_dtype)),
         max_model_len=max_model_len,
         float_bits_storage=backend != "pallas" and sharding.mesh.devices.flat[0].platform == "cpu",
         kv_cache_dtype=kv_dtype, num_positions=1 + (spec.num_speculative_tokens if spec is not None else 0),
@@ -182,8 +183,8 @@ def build_drafter(config: EngineConfig, target: ModelRunner, *, mesh: jax.shardi
     return DraftRunner(
         cfg, params, num_speculative_tokens=spec.num_speculative_tokens, num_blocks=target.num_blocks,
         block_size=config.block_size, dtype=target.dtype, ops=ops, buckets=target.buckets, sharding=sharding,
-        num_host_blocks=config.num_host_blocks, max_model_len=max_model_len,
-        float_bits_storage=target.float_bits_storage, num_positions=target.num_positions,
+        num_host_blocks=config.num_host_blocks, num_offload_blocks=target.num_offload_blocks,
+        max_model_len=max_model_len, float_bits_storage=target.float_bits_storage, num_positions=target.num_positions,
     )
 
 
@@ -195,7 +196,7 @@ def warm_up(core: EngineCore) -> None:
         log("step programs are built on first use (precompile=False)")
         return
     for r in [core.runner] + ([core.drafter] if core.drafter is not None else []):
-        seconds = r.warmup(swap=config.preemption_mode == "swap", background=config.precompile == "background")
+        seconds = r.warmup(swap=config.preemption_mode == "swap" or r.num_offload_blocks > 0, background=config.precompile == "background")
         pending = r.num_pending_programs()
         log(f"built {r.num_compilations} {'draft model ' if r is core.drafter else ''}programs in "
              f"{seconds:.1f} s: {r.num_compilations - r.num_cache_hits} compiled ({r.compile_seconds:.1f} s), "

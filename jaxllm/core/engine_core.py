@@ -133,7 +133,12 @@ class EngineCore:
         self._runners = [runner] + ([drafter] if drafter is not None else [])
         self.slots = SamplingSlots(config.max_num_seqs + 1, self.model_config.vocab_size, runner)
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
-        self.scheduler = scheduler_cls(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=max_model_len))
+        self.scheduler = scheduler_cls(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=max_model_len,
+                                                               num_offload_blocks=runner.num_offload_blocks))
+        # Seconds the host tier's copies took: device -> host (offloads), host -> device (loads, dispatch only).
+        self.offload_seconds = [0.0, 0.0]
+        # Bytes one host-tier block copy moves: K and V of every layer, of every runner.
+        self._offload_block_bytes = sum(2 * r.host_pool[0][:, 0].nbytes for r in self._runners if r.host_pool is not None)
         self.requests: dict[str, CoreRequest] = {}
         self.kv_events = make_publisher(config.kv_events_config, core_index)
         # Records whose prompt is not scheduled yet, and sequences holding a prompt-logprobs tracker: most steps
@@ -589,6 +594,21 @@ class EngineCore:
             self.abort_requests([record.request_id])
         return outputs
 
+    def _copy_blocks(self, sched_out: SchedulerOutput) -> None:
+        """Every runner's block copies of ``sched_out``, in ``SchedulerOutput``'s order; the host tier's timed."""
+        for runner in self._runners:
+            runner.swap_out(sched_out.blocks_to_swap_out)
+            if sched_out.blocks_to_offload:
+                start = time.perf_counter()
+                runner.swap_out(sched_out.blocks_to_offload)
+                self.offload_seconds[0] += time.perf_counter() - start
+            runner.swap_in(sched_out.blocks_to_swap_in)
+            if sched_out.blocks_to_load:
+                start = time.perf_counter()
+                runner.swap_in(sched_out.blocks_to_load)
+                self.offload_seconds[1] += time.perf_counter() - start
+            runner.copy_blocks(sched_out.blocks_to_copy)
+
     def _launch(self, sched_out: SchedulerOutput, prev_tokens: Optional[jax.Array]) -> _Launched:
         """Do the output's block copies and dispatch its step (``dispatched`` None when it has no rows).
 
@@ -596,10 +616,7 @@ class EngineCore:
         launch never ran: its rows go back to waiting, so the engine stays usable.
         """
         try:
-            for runner in self._runners:
-                runner.swap_out(sched_out.blocks_to_swap_out)
-                runner.swap_in(sched_out.blocks_to_swap_in)
-                runner.copy_blocks(sched_out.blocks_to_copy)
+            self._copy_blocks(sched_out)
             if not sched_out.scheduled:
                 return _Launched(sched_out, None)
             batch = build_batch(sched_out, self._serving_buckets())
@@ -692,7 +709,10 @@ class EngineCore:
                 self.scheduler.add_request(child)
             return
         copies = self.scheduler.fork_request(parent.request_id, children)
+        # The children's fresh blocks may have been hashed ones, offloaded to the host tier before they are written.
+        offloads, _ = self.scheduler.kv_cache_manager.take_tier_copies()
         for runner in self._runners:
+            runner.swap_out(offloads)
             runner.copy_blocks(copies)
 
     def _record_logprobs(self, sched_out: SchedulerOutput, sampled: SamplerOutput) -> None:
@@ -773,7 +793,11 @@ class EngineCore:
             num_scheduled_tokens=num_scheduled_tokens, num_waiting_for_grammar=s.num_waiting_for_fsm,
             grammar_bitmask_seconds=grammar_bitmask_seconds, spec_num_drafts=self._spec_counts[0],
             spec_num_draft_tokens=self._spec_counts[1], spec_num_accepted_tokens=self._spec_counts[2],
-            spec_accepted_per_position=list(self._spec_per_position),
+            spec_accepted_per_position=list(self._spec_per_position), prefix_cache_hits_host=s.prefix_cache_hits_host,
+            kv_offload_bytes_to_host=s.num_blocks_offloaded * self._offload_block_bytes,
+            kv_offload_bytes_to_device=s.num_blocks_loaded * self._offload_block_bytes,
+            kv_offload_seconds_to_host=self.offload_seconds[0], kv_offload_seconds_to_device=self.offload_seconds[1],
+            num_offload_blocks=s.num_offload_blocks, num_offload_cached_blocks=s.num_offload_cached_blocks,
         )
 
     def _prompt_len_cv(self) -> float:

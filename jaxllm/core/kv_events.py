@@ -12,8 +12,8 @@ ROUTER socket answers ``(b"", start_seq as 8 big-endian bytes)`` with every buff
 
 Our hashes are 16-byte xxh3 digests of ``scheduler.block_hash`` (vLLM's are sha256 or xxhash of its own
 encoding): equal prefixes give equal hashes within one jaxllm version, which is what a subscriber matching
-stored against removed blocks, or one replica against another, needs. Events report the device tier (vLLM's
-medium ``"GPU"``); jaxllm has no LoRA, so ``lora_id`` and ``lora_name`` are None.
+stored against removed blocks, or one replica against another, needs. Events report their tier as vLLM's
+medium: ``"GPU"`` for the device pool, ``"CPU"`` for the host tier (``scheduler.host_tier``); jaxllm has no LoRA, so ``lora_id`` and ``lora_name`` are None.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from scheduler.kv_events import KVEvent
 
 logger = logging.getLogger("jaxllm.core.kv_events")
 
-MEDIUM_DEVICE = "GPU"  # vLLM's name for the accelerator's KV cache tier
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -153,9 +152,9 @@ def to_wire(event: KVEvent, as_int: bool) -> Union[BlockStored, BlockRemoved]:
     """A ``scheduler.kv_events`` event as vLLM's struct."""
     hashes = [external_hash(h, as_int) for h in event.block_hashes]
     if isinstance(event, HostBlockRemoved):
-        return BlockRemoved(hashes, MEDIUM_DEVICE)
+        return BlockRemoved(hashes, event.medium)
     parent = None if event.parent_block_hash is None else external_hash(event.parent_block_hash, as_int)
-    return BlockStored(hashes, parent, list(event.token_ids), event.block_size, None, MEDIUM_DEVICE, None)
+    return BlockStored(hashes, parent, list(event.token_ids), event.block_size, None, event.medium, None)
 
 
 def offset_port(endpoint: Optional[str], rank: int) -> Optional[str]:

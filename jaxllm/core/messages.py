@@ -124,6 +124,12 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
       step_seconds: wall time of the whole step (schedule, batch, device, sample read-back).
       num_waiting_for_grammar: waiting requests whose structured-output grammar is still compiling.
       grammar_bitmask_seconds: host time of this step's structured-output bitmask (None: no constrained row).
+      prefix_cache_hits_host: of ``prefix_cache_hits``, tokens loaded from the host tier (``kv_offloading_size``).
+      kv_offload_bytes_to_host, kv_offload_bytes_to_device: bytes the host tier's copies moved each way (every
+        runner's KV, a draft model's included).
+      kv_offload_seconds_to_host, kv_offload_seconds_to_device: wall time of those copies (to the device: the
+        host side and the dispatch; the device finishes them before the step reads them).
+      num_offload_blocks, num_offload_cached_blocks: the host tier's blocks, and those holding a block.
     """
 
     num_running: int
@@ -150,6 +156,13 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     step_seconds: Optional[float] = None
     num_waiting_for_grammar: int = 0
     grammar_bitmask_seconds: Optional[float] = None
+    prefix_cache_hits_host: int = 0
+    kv_offload_bytes_to_host: int = 0
+    kv_offload_bytes_to_device: int = 0
+    kv_offload_seconds_to_host: float = 0.0
+    kv_offload_seconds_to_device: float = 0.0
+    num_offload_blocks: int = 0
+    num_offload_cached_blocks: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="outputs"):

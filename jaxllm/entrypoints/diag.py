@@ -68,6 +68,11 @@ def summarize(report: dict[str, Any]) -> str:
         "largest request: " + ("none" if largest is None else
                                f"{largest['request_id']} ({largest['num_blocks']} blocks, {largest['num_tokens']} tokens)"),
     ]
+    tier = report.get("host_tier")
+    if tier is not None:
+        lines.append(f"host tier: {tier['num_blocks']} blocks: {tier['num_cached_blocks']} cached, "
+                     f"{tier['num_free_blocks']} free; {tier['num_offloaded_blocks']} offloaded and "
+                     f"{tier['num_loaded_blocks']} loaded so far; {tier['hit_tokens']} prompt tokens served")
     return "\n".join(lines)
 
 

@@ -34,6 +34,11 @@ _STEP_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-
 # Whole engine steps: the board's step-delay threshold is 50 ms on a GPU; CPU steps run to seconds.
 _ENGINE_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 FINISHED_REASONS = ("stop", "length", "abort")
+_TIERS = ("device", "host")
+_TRANSFER_TYPES = ("GPU_to_CPU", "CPU_to_GPU")
+# CoreStats fields of the host tier's counters: hits by tier ("device" is the rest), bytes and seconds each way.
+_OFFLOAD_FIELDS = ("prefix_cache_hits_host", "kv_offload_bytes_to_host", "kv_offload_bytes_to_device",
+                   "kv_offload_seconds_to_host", "kv_offload_seconds_to_device")
 # The series vLLM 0.32 publishes under these names with the same meaning (its metrics documentation).
 VLLM_SERIES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
@@ -88,6 +93,13 @@ class EngineMetrics:
       ``num_requests_waiting_for_grammar`` (waiting requests whose grammar is
       still compiling) and the histogram ``grammar_bitmask_seconds`` (host time
       building a step's token bitmask, for steps with a constrained row).
+      The prefix cache's host tier (``kv_offloading_size``): counter
+      ``prefix_cache_hits_by_tier{tier="device"|"host"}`` (tokens; the two add
+      up to ``prefix_cache_hits``), counters ``kv_offload_total_bytes`` and
+      ``kv_offload_total_time`` (seconds) with label ``transfer_type``
+      ("GPU_to_CPU", "CPU_to_GPU": vLLM's offloading directions), and the gauge
+      ``kv_offload_usage_perc`` (host-tier blocks holding a block / all of
+      them, in [0, 1]; 0 without a tier).
 
     The monitoring board (``docs/grafana.json``, alerts in
     ``docs/alert_rules.yml``) adds: histogram ``step_duration_seconds``
@@ -120,6 +132,7 @@ class EngineMetrics:
         # Each core's latest stats; gauges show their sum, counters follow the sums by deltas.
         self.core_stats: dict[int, CoreStats] = {}
         self._seen_queries = self._seen_hits = self._seen_preemptions = self._seen_compilations = 0
+        self._seen_offload = [0] * (len(_OFFLOAD_FIELDS) + 1)
         self._seen_spec: list[int] = [0, 0, 0]
         self._seen_spec_per_position: list[int] = []
         self.log_stats = log_stats
@@ -177,6 +190,17 @@ class EngineMetrics:
             "Token budget per step in force (below max_num_batched_tokens while graceful degradation backs off).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prefix_cache_hits_by_tier = labelled(
+            prom.Counter, "prefix_cache_hits_by_tier", "Prompt tokens served from the prefix cache, by tier.", "tier",
+            _TIERS)
+        self.kv_offload_bytes = labelled(prom.Counter, "kv_offload_total_bytes",
+                                         "Bytes the prefix cache's host tier copied, by direction.", "transfer_type",
+                                         _TRANSFER_TYPES)
+        self.kv_offload_time = labelled(prom.Counter, "kv_offload_total_time",
+                                        "Seconds the prefix cache's host tier copies took, by direction.",
+                                        "transfer_type", _TRANSFER_TYPES)
+        self.kv_offload_usage = gauge("kv_offload_usage_perc",
+                                      "Fraction of the host tier's blocks holding a block, in [0, 1].")
         self.num_preemptions = counter("num_preemptions", "Preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -326,6 +350,7 @@ class EngineMetrics:
         self.num_preemptions.inc(preemptions - self._seen_preemptions)
         self.compilations.inc(compilations - self._seen_compilations)
         self._seen_queries, self._seen_hits = queries, hits
+        self._update_offload_series(hits)
         self._seen_preemptions, self._seen_compilations = preemptions, compilations
         spec, per_position = self._spec_totals()
         for series, now, seen in zip(self.spec_decode, spec, self._seen_spec):
@@ -341,6 +366,19 @@ class EngineMetrics:
             self._run_live_slots += live
             self._run_allocated_slots += allocated
             self._run_max_running = max(self._run_max_running, running)
+
+    def _update_offload_series(self, hits: float) -> None:
+        """The host tier's series from the cores' totals (``hits``: all prefix-cache hits)."""
+        now = [self._total(f) for f in _OFFLOAD_FIELDS]
+        now = [hits - now[0]] + now
+        series = (self.prefix_cache_hits_by_tier.labels("device"), self.prefix_cache_hits_by_tier.labels("host"),
+                  self.kv_offload_bytes.labels("GPU_to_CPU"), self.kv_offload_bytes.labels("CPU_to_GPU"),
+                  self.kv_offload_time.labels("GPU_to_CPU"), self.kv_offload_time.labels("CPU_to_GPU"))
+        for metric, value, seen in zip(series, now, self._seen_offload):
+            metric.inc(value - seen)
+        self._seen_offload = now
+        slots = self._total("num_offload_blocks")
+        self.kv_offload_usage.set(self._total("num_offload_cached_blocks") / slots if slots else 0.0)
 
     def _kv_cache_usage(self) -> float:
         """The cores' ``kv_cache_usage`` weighted by their usable blocks."""

@@ -193,6 +193,8 @@ class ModelRunner:
       buckets: the (T, S, W) shapes steps are padded to.
       sharding: the replica's mesh and partition rules.
       num_host_blocks: host swap pool size in blocks (0 = no swap space).
+      num_offload_blocks: blocks of the prefix cache's host tier, held in the host pool after the swap pool's
+        (``scheduler.host_tier``); 0: none.
       num_sampling_slots: rows of the sampler's per-sequence tables (slot 0
         is padding), so at least ``max_num_seqs + 1``.
       max_model_len: tokens per sequence at most (the fixed length slot fills
@@ -231,7 +233,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
                  ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0,
-                 num_sampling_slots: int = 1, max_model_len: int = 1, float_bits_storage: bool = False,
+                 num_offload_blocks: int = 0, num_sampling_slots: int = 1, max_model_len: int = 1, float_bits_storage: bool = False,
                  kv_cache_dtype: Any = None, num_positions: int = 1):
         self.cfg = cfg
         self.ops = ops
@@ -275,10 +277,13 @@ class ModelRunner:
         self._step_jit = self._jit_step()
         self._steps: dict[tuple[int, int, int], Callable] = {}
         self._block_ops: dict[str, Callable] = {}
-        # Host swap space: (k, v), each [num_layers, num_host_blocks, block_size, heads, head_dim].
-        pool_shape = (cfg.num_layers, num_host_blocks) + self.kv_cache[0].shape[2:]
+        # Host swap space, then the host tier: (k, v), each [num_layers, num_host_blocks + num_offload_blocks,
+        # block_size, heads, head_dim], in the cache's dtype (a quantized cache's scales are per layer, in params).
+        self.num_offload_blocks = num_offload_blocks
+        num_host = num_host_blocks + num_offload_blocks
+        pool_shape = (cfg.num_layers, num_host) + self.kv_cache[0].shape[2:]
         pool_dtype = self.kv_cache[0].dtype
-        self.host_pool = (np.zeros(pool_shape, pool_dtype), np.zeros(pool_shape, pool_dtype)) if num_host_blocks else None
+        self.host_pool = (np.zeros(pool_shape, pool_dtype), np.zeros(pool_shape, pool_dtype)) if num_host else None
 
     # ------------------------------------------------------------ compilation
 

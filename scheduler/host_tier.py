@@ -1,0 +1,166 @@
+"""The host-memory tier of the prefix cache: full, hashed blocks evicted from the device, kept in host slots.
+
+vLLM's native CPU offloading (``--kv-offloading-size``) in its simplest sound form: when the device pool reuses a
+free block that still carries a hash, its contents are copied to a host slot first (``BlockPool.get_new_blocks``);
+a prefix lookup that misses on the device continues the same hash chain here, and a hit is copied back into a
+fresh device block before the step that reads it (``KVCacheManager.allocate_slots``). The tier keeps its copy
+after a hit, so a block evicted again needs no second copy. Hashes are the device's, so ``cache_salt`` isolation
+holds here too.
+
+Slots are numbered ``base .. base + num_slots - 1`` in the runner's host pool, after the swap-preemption pool's
+``0 .. base - 1``, so the runner's swap programs copy both.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Optional
+
+from scheduler.kv_events import BlockRemoved, BlockStored, KVEvent
+
+MEDIUM_HOST = "CPU"  # vLLM's name for the host tier in KV events
+
+
+class HostHit:
+    """A prefix block found in the host tier (the ``KVCacheManager`` loads it into a fresh device block).
+
+    Looks like an unreferenced free ``KVBlock`` to the capacity rule (``ref_cnt`` 0: it takes one free-queue block).
+
+    Attributes:
+      block_hash: its 16-byte hash.
+      slot: the host slot holding it.
+    """
+
+    __slots__ = ("block_hash", "slot")
+    ref_cnt = 0
+
+    def __init__(self, block_hash: bytes, slot: int) -> None:
+        self.block_hash = block_hash
+        self.slot = slot
+
+    def __repr__(self) -> str:
+        return f"HostHit(slot={self.slot})"
+
+
+class HostTier:
+    """Host slots holding full blocks by hash, with their own LRU (front evicted first).
+
+    Args:
+      num_slots: host blocks in the tier, >= 0 (0: the tier keeps nothing).
+      base: id of the first slot in the runner's host pool (the swap pool's size).
+      block_size: tokens per block (for the ``BlockStored`` events).
+      record: called with each ``BlockStored`` / ``BlockRemoved`` event of the tier (medium ``"CPU"``), or None
+        (events off).
+
+    Attributes:
+      slots: hash -> slot, least recently used first.
+      num_offloaded, num_loaded: blocks copied device -> host and host -> device so far.
+      num_prefetched: of ``num_loaded``, blocks loaded ahead of their request's admission.
+
+    Raises:
+      ValueError: ``num_slots`` or ``base`` < 0.
+    """
+
+    def __init__(self, num_slots: int, base: int = 0, block_size: int = 1,
+                 record: Optional[Callable[[KVEvent], None]] = None) -> None:
+        if num_slots < 0 or base < 0:
+            raise ValueError(f"HostTier: num_slots={num_slots} and base={base} must be >= 0")
+        self.num_slots = num_slots
+        self.base = base
+        self.block_size = block_size
+        self.record = record
+        self.slots: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._free = list(range(base + num_slots - 1, base - 1, -1))
+        # Slots read by this step's loads: the runner offloads before it loads, so overwriting one in the same
+        # step would hand the load the wrong contents.
+        self._reading: set[int] = set()
+        self._offloads: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        self.num_offloaded = 0
+        self.num_loaded = 0
+        self.num_prefetched = 0
+
+    @property
+    def num_cached(self) -> int:
+        """Slots holding a block."""
+        return len(self.slots)
+
+    def lookup(self, block_hash: bytes) -> Optional[HostHit]:
+        """The block held under ``block_hash``, or None."""
+        slot = self.slots.get(block_hash)
+        return None if slot is None else HostHit(block_hash, slot)
+
+    def offload(self, block_id: int, block_hash: bytes) -> None:
+        """Keep device block ``block_id`` (about to be reused) under ``block_hash``: queue its copy to a slot.
+
+        A hash already held is only made most recent. When every slot is full, the least recently used one not
+        read this step is evicted; when all are read this step, the block is dropped.
+        """
+        if block_hash in self.slots:
+            self.slots.move_to_end(block_hash)
+            return
+        slot = self._take_slot()
+        if slot is None:
+            return
+        self.slots[block_hash] = slot
+        self._offloads.append((block_id, slot))
+        self.num_offloaded += 1
+        if self.record is not None:
+            # vLLM's offloading events carry no tokens nor parent: the device's BlockStored had them.
+            self.record(BlockStored([block_hash], None, [], self.block_size, MEDIUM_HOST))
+
+    def _take_slot(self) -> Optional[int]:
+        if self._free:
+            return self._free.pop()
+        for victim, slot in self.slots.items():
+            if slot not in self._reading:
+                del self.slots[victim]
+                if self.record is not None:
+                    self.record(BlockRemoved([victim], MEDIUM_HOST))
+                return slot
+        return None
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots holding nothing."""
+        return len(self._free)
+
+    @property
+    def num_loads_this_step(self) -> int:
+        """Host slots read by the loads queued in this step."""
+        return len(self._reading)
+
+    def pin(self, hits: list[HostHit]) -> None:
+        """Keep ``hits``' slots from eviction until :meth:`end_step` (they are about to be loaded)."""
+        self._reading.update(h.slot for h in hits)
+
+    def load(self, hit: HostHit, block_id: int) -> None:
+        """Queue the copy of ``hit`` into device block ``block_id``; its slot is kept and made most recent."""
+        self.slots.move_to_end(hit.block_hash)
+        self._reading.add(hit.slot)
+        self._loads.append((hit.slot, block_id))
+        self.num_loaded += 1
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """``(offloads, loads)`` queued since the last call: ``(device, slot)`` and ``(slot, device)`` pairs."""
+        out = self._offloads, self._loads
+        self._offloads, self._loads = [], []
+        return out
+
+    def end_step(self) -> None:
+        """Slots read by this step's loads may be evicted again."""
+        self._reading.clear()
+
+    def forget(self, slots: list[int]) -> None:
+        """Free ``slots`` and forget the blocks they held (their copies in never ran)."""
+        gone = set(slots)
+        lost = [h for h, slot in self.slots.items() if slot in gone]
+        for h in lost:
+            self._free.append(self.slots.pop(h))
+        if lost and self.record is not None:
+            self.record(BlockRemoved(lost, MEDIUM_HOST))
+
+    def clear(self) -> None:
+        """Forget every block (the weights changed). Call between steps, with no copies queued."""
+        self._free.extend(reversed(self.slots.values()))
+        self.slots.clear()

@@ -1,0 +1,134 @@
+"""The prefix cache's host tier through the engine (stories260K, float32, greedy): a multi-turn chat on a device
+pool too small for its histories gives token-for-token the same outputs with the tier as without, while the
+tier serves prefixes the device lost, under both preemption modes, chunked prefill, speculative decoding and a
+quantized KV cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.config import EngineConfig
+from tests.conftest import STORIES
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+# stories260K: 5 layers * (K + V) * 4 heads * 8 dims * 4 bytes * 16 tokens = 20480 bytes a block; 60 blocks.
+TIER_GIB = 60 * 20480 / 2**30
+BASE = dict(precompile=False, max_num_seqs=2, max_model_len=160, block_size=16, num_kv_blocks=12,
+            max_num_batched_tokens=160, dtype="float32")
+
+
+def chat(llm: LLM, num_conversations: int = 6, num_turns: int = 3) -> list[list[int]]:
+    """Each turn resends every conversation's growing history (a shared system prompt, its own turns); returns
+    every output's token ids, turn by turn. Three times as many conversations as seats: the later half's histories
+    are evicted from the device while the first half runs."""
+    system = [1] + [(7 * i) % 500 + 3 for i in range(20)]
+    histories = [system + [400 + c, 401 + c] for c in range(num_conversations)]
+    outputs = []
+    for turn in range(num_turns):
+        outs = llm.generate(histories, GREEDY, use_tqdm=False)
+        for c, out in enumerate(outs):
+            ids = list(out.outputs[0].token_ids)
+            outputs.append(ids)
+            histories[c] = histories[c] + ids + [(300 + 11 * turn + 7 * c + j) % 500 + 3 for j in range(10)]
+    return outputs
+
+
+def run(**kw):
+    llm = LLM(model=str(STORIES), **{**BASE, **kw})
+    outputs = chat(llm)
+    return outputs, llm.engine.core.scheduler
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"preemption_mode": "swap", "num_host_blocks": 8},
+    {"max_num_batched_tokens": 32, "long_prefill_token_threshold": 24},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+    {"kv_cache_dtype": "int8"},
+], ids=["recompute", "swap", "chunked", "ngram", "int8"])
+def test_the_tier_serves_lost_prefixes_with_the_same_greedy_tokens(extra):
+    without, sched_off = run(**extra)
+    with_tier, sched_on = run(kv_offloading_size=TIER_GIB, **extra)
+    assert with_tier == without
+    # An int8 cache's blocks take a quarter of the bytes, so the same GiB hold four times as many.
+    slots = 240 if extra.get("kv_cache_dtype") == "int8" else 60
+    assert sched_on.block_pool.host_tier.num_slots == slots and sched_off.block_pool.host_tier is None
+    assert sched_on.prefix_cache_hits_host > 0
+    assert sched_on.prefix_cache_hits > sched_off.prefix_cache_hits
+
+
+def test_kv_offloading_size_sizes_the_runner_host_pool_after_the_swap_pool():
+    llm = LLM(model=str(STORIES), kv_offloading_size=TIER_GIB, preemption_mode="swap", num_host_blocks=8, **BASE)
+    k, v = llm.engine.runner.host_pool
+    assert k.shape == v.shape == (5, 8 + 60, 16, 4, 8) and k.dtype == np.float32
+    assert llm.engine.core.scheduler.block_pool.host_tier.base == 8
+
+
+@pytest.mark.parametrize("value", [-1, "1", True])
+def test_bad_kv_offloading_size_is_refused_naming_the_value(value):
+    with pytest.raises(ValueError, match=f"kv_offloading_size={value!r}"):
+        EngineConfig(kv_offloading_size=value)
+
+
+def test_kv_offloading_prefetch_needs_a_host_tier():
+    with pytest.raises(ValueError, match="kv_offloading_prefetch=True needs a host tier"):
+        EngineConfig(kv_offloading_prefetch=True)
+    with pytest.raises(ValueError, match="kv_offloading_prefetch='yes' is out of range: must be True or False"):
+        EngineConfig(kv_offloading_prefetch="yes", kv_offloading_size=1)
+    assert EngineConfig(kv_offloading_prefetch=True, kv_offloading_size=1).scheduler_config(
+        num_blocks=4, max_model_len=8, num_offload_blocks=3).kv_offloading_prefetch is True
+
+
+def test_kv_offloading_size_needs_prefix_caching():
+    with pytest.raises(ValueError, match="kv_offloading_size=1 needs enable_prefix_caching"):
+        EngineConfig(kv_offloading_size=1, enable_prefix_caching=False)
+
+
+def test_the_cli_flag_is_vllms_kv_offloading_size_in_gib():
+    import argparse
+
+    from jaxllm.entrypoints.engine_args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args(["--kv-offloading-size", "0.5"]))["kv_offloading_size"] == 0.5
+
+
+def test_metrics_and_report_count_hits_by_tier_and_bytes_each_way():
+    llm = LLM(model=str(STORIES), **{**BASE, "num_kv_blocks": 6, "max_num_seqs": 1, "kv_offloading_size": TIER_GIB})
+    metric = llm.engine.metrics.registry.get_sample_value
+    prompt = [1] + [(5 * i) % 500 + 3 for i in range(48)]  # three full blocks and one token
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate([prompt], params, use_tqdm=False)
+    # Five blocks of other tokens take the whole pool: the prompt's three cached blocks go to the host tier.
+    llm.generate([[1] + [(3 * i) % 500 + 7 for i in range(70)]], params, use_tqdm=False)
+    assert llm.kv_cache_report()["host_tier"]["num_offloaded_blocks"] == 3
+    llm.generate([prompt], params, use_tqdm=False)
+    report = llm.kv_cache_report(block_map=False)["host_tier"]
+    assert (report["num_blocks"], report["num_loaded_blocks"], report["hit_tokens"]) == (60, 3, 48)
+    assert report["num_cached_blocks"] + report["num_free_blocks"] == 60
+    assert metric("jaxllm:prefix_cache_hits_by_tier_total", {"tier": "host"}) == 48
+    assert metric("jaxllm:prefix_cache_hits_by_tier_total", {"tier": "device"}) == 0
+    assert metric("jaxllm:kv_offload_total_bytes_total", {"transfer_type": "CPU_to_GPU"}) == 3 * 20480
+    assert metric("jaxllm:kv_offload_total_bytes_total", {"transfer_type": "GPU_to_CPU"}) == (
+        report["num_offloaded_blocks"] * 20480)
+    assert metric("jaxllm:kv_offload_total_time_total", {"transfer_type": "CPU_to_GPU"}) > 0
+    assert metric("jaxllm:kv_offload_usage_perc") == report["num_cached_blocks"] / 60
+
+
+def test_multiturn_bench_runs_every_configuration_with_equal_answers():
+    import sys
+
+    sys.path.insert(0, str(STORIES.parents[2] / "scripts"))
+    try:
+        import bench_multiturn
+    finally:
+        sys.path.pop(0)
+    payload = bench_multiturn.main(["--conversations", "4", "--turns", "3", "--max-num-seqs", "1",
+                                    "--kv-offloading-size", "0.001"])
+    off, on, prefetch = payload["results"]
+    assert off["host_hit_tokens"] == 0 and on["host_hit_tokens"] > 0 and prefetch["host_hit_tokens"] > 0
+    assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] - on["host_hit_tokens"]
+    assert payload["answers_equal"]
