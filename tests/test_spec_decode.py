@@ -155,7 +155,7 @@ def test_outputs_equal_those_without_speculation_on_the_default_model(smollm2_gg
     (dict(method="ngram", num_speculative_tokens=2, prompt_lookup_max=0), "prompt_lookup_max=0"),
     (dict(method="ngram", num_speculative_tokens=2, model="x"), "model='x'"),
     (dict(method="draft_model", num_speculative_tokens=2), "needs model"),
-    (dict(method="ngram", num_speculative_tokens=2, lookahead=1), "unknown keys \\['lookahead'\\]"),
+    (dict(method="ngram", num_speculative_tokens=2, lookahead=1), "unknown field 'lookahead'"),
     (dict(method="ngram"), "needs 'method' and 'num_speculative_tokens'"),
     ("{not json", "is not JSON"),
     (dict(method="ngram", num_speculative_tokens=64), "below max_num_batched_tokens=64"),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -30,6 +29,8 @@ from typing import Any, Optional, Union
 
 import msgspec
 import zmq
+
+from jaxllm.json_config import dataclass_from_json
 
 from scheduler.kv_events import BlockRemoved as HostBlockRemoved
 from scheduler.kv_events import KVEvent
@@ -93,20 +94,7 @@ class KVEventsConfig:
         Raises:
           ValueError: bad JSON, a key that is not a field (named with the fields), or a bad value.
         """
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config {value!r} is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config={value!r} must be a dict (or its JSON)")
-        fields = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(fields))
-        if unknown:
-            raise ValueError(f"kv_events_config has unknown field {unknown[0]!r}; the fields are {fields}")
-        return cls(**value)
+        return dataclass_from_json(cls, value, "kv_events_config")
 
 
 ExternalBlockHash = Union[int, bytes]

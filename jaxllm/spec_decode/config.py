@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Optional, Union
+
+from jaxllm.json_config import dataclass_from_json
 
 METHODS = ("ngram", "draft_model")
 
@@ -71,19 +72,4 @@ class SpeculativeConfig:
         Raises:
           ValueError: bad JSON, a key that is not a field, or a bad value (see the class).
         """
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config {value!r} is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config={value!r} must be a dict (or its JSON)")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - fields)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(fields)}")
-        if "method" not in value or "num_speculative_tokens" not in value:
-            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
-        return cls(**value)
+        return dataclass_from_json(cls, value, "speculative_config", required=("method", "num_speculative_tokens"))
