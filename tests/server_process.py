@@ -51,6 +51,12 @@ class Server:
         self.env = env
         self.process: Optional[subprocess.Popen] = None
 
+    def openai_client(self, api_key: str = "none", timeout: float = 300):
+        """The official ``openai`` client on this server's ``/v1``, without retries (a retry would hide a failure)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
     def launch(self) -> "Server":
         """Start the process without waiting (several servers then start side by side)."""
         out = open(self.log, "w") if self.log is not None else subprocess.DEVNULL

@@ -49,7 +49,7 @@ def server(stories_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def openai_client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+    return server.openai_client()
 
 
 @pytest.mark.parametrize("mode", ["TOOLS", "TOOLS_STRICT"])

@@ -47,7 +47,7 @@ def server(stories_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+    return server.openai_client()
 
 
 @pytest.fixture(scope="module")

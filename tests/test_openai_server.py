@@ -88,7 +88,7 @@ def doomed_server(servers, llm):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+    return server.openai_client(KEY)
 
 
 def post(server, path, body, headers=AUTH, timeout=300):
@@ -757,7 +757,7 @@ def test_default_model_server_names_paris(smollm2_gguf, tmp_path):
     server = Server(smollm2_gguf, "--max-model-len", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
                     "--token-buckets", "16", "64", "--precompile", "false", log=tmp_path / "server.log").start()
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
+        client = server.openai_client(timeout=600)
         chat = client.chat.completions.create(model=str(smollm2_gguf), temperature=0, max_tokens=8, messages=[
             {"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in chat.choices[0].message.content

@@ -63,7 +63,7 @@ def server(stories_dir, template_file):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+    return server.openai_client()
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +239,7 @@ def parser_server(request, stories_dir, template_file):
                     "stories", "--enable-auto-tool-choice", "--tool-call-parser", request.param,
                     log=template_file.parent / f"{request.param}.log").start()
     try:
-        yield request.param, openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+        yield request.param, server.openai_client()
     finally:
         server.stop()
 
@@ -285,7 +285,7 @@ def test_auto_without_enable_auto_tool_choice_is_refused_naming_the_flag(stories
     server = Server(stories_dir, *engine_flags(), "--chat-template", str(template_file), "--served-model-name",
                     "stories", log=template_file.parent / "plain.log").start()
     try:
-        plain = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+        plain = server.openai_client()
         for choice in ("auto", None):  # tools without a tool_choice mean "auto", as OpenAI's
             error = refusal(plain, tools=TOOLS, tool_choice=choice)
             assert error.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in error.body["message"]
