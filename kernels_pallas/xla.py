@@ -20,7 +20,12 @@ semantics and costs what the sequences need:
   row, costs nothing, and nothing of size ``W * block_size`` is ever
   materialised, so a wide block table costs nothing until a sequence is long.
 * Decode tiles and prefill tiles are two fixed-shape passes, each skipped by
-  ``lax.cond`` when the step has no row of its kind.
+  ``lax.cond`` when the step has no row of its kind. Decode tiles take larger
+  KV chunks and, with few KV heads, dots over every (query head, KV head)
+  pair (``_cross_head_dots``): batching a one-query dot over the KV heads
+  makes XLA copy the gathered keys into a transposed layout element by
+  element, which cost more than the dots themselves (profile in
+  ``scripts/profile_step.py``'s docstring).
 
 Scores and the softmax are float32 whatever the cache dtype; the output is
 q's dtype. Cache layout, padding rules, GQA mapping, the uint16 storage of
@@ -32,7 +37,7 @@ scales the output, so the loop only converts what it loads to float32.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +49,57 @@ from kernels_pallas.reference import from_storage
 _MASKED = -1e30
 PREFILL_TILE = 16
 KV_CHUNK_BLOCKS = 2
+DECODE_KV_CHUNK_BLOCKS = 4
 PAIRS_PER_STEP = 32
+# Up to this many KV heads (per device), decode tiles take the cross-head dots:
+# Hkv times the multiply-adds of the decode dots, none of the layout copies.
+CROSS_HEAD_MAX_KV_HEADS = 4
+
+
+def _head_batched_dots(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """Scores of queries against keys, and the function taking weights to outputs, as dots batched over KV heads.
+
+    Args:
+      q: float32 [B, Q, Hkv, G, D] (G query heads per KV head).
+      k, v: float32 [B, L, Hkv, D].
+
+    Returns:
+      (scores float32 [B, Hkv, Q, G, L], weights [B, Hkv, Q, G, L] -> float32 [B, Hkv, Q, G, D]).
+    """
+    return (jnp.einsum("bqhgd,blhd->bhqgl", q, k),
+            lambda p: jnp.einsum("bhqgl,blhd->bhqgd", p, v))
+
+
+def _cross_head_dots(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """:func:`_head_batched_dots` computed over every pair of KV heads, the matching pairs kept.
+
+    Batching the dots over the KV heads makes XLA's CPU backend copy the
+    gathered keys and values into head-major layouts first (for the keys,
+    ``head_dim`` against ``L``: element by element), and those copies cost
+    more than the dots on a decode step. Here the keys ``[B, L * Hkv, D]``
+    and values ``[B, L, Hkv * D]`` are used in the layout they were gathered
+    in: each dot covers all ``Hkv`` KV heads for every query head, which is
+    ``Hkv`` times the multiply-adds, and the diagonal (query head's own KV
+    head) is kept. Worth it when ``Q * G`` (queries per tile times the GQA
+    group) and ``Hkv`` are small, as on decode tiles: ``scripts/profile_step.py``
+    has the measurement.
+
+    Args, returns: as :func:`_head_batched_dots`.
+    """
+    batch, tile_len, num_kv_heads, group, head_dim = q.shape
+    chunk_len = k.shape[1]
+    rows = q.reshape(batch, tile_len * num_kv_heads * group, head_dim)
+    cross = jnp.einsum("bmd,bnd->bmn", k.reshape(batch, chunk_len * num_kv_heads, head_dim), rows)
+    cross = cross.reshape(batch, chunk_len, num_kv_heads, tile_len, num_kv_heads, group)
+    scores = jnp.diagonal(cross, axis1=2, axis2=4).transpose(0, 4, 2, 3, 1)  # [B, Hkv, Q, G, L]
+
+    def values(p: jax.Array) -> jax.Array:
+        weights = p.reshape(batch, num_kv_heads * tile_len * group, chunk_len)
+        out = jnp.einsum("bnl,blm->bnm", weights, v.reshape(batch, chunk_len, num_kv_heads * head_dim))
+        out = out.reshape(batch, num_kv_heads, tile_len, group, num_kv_heads, head_dim)
+        return jnp.diagonal(out, axis1=1, axis2=4).transpose(0, 4, 1, 2, 3)  # [B, Hkv, Q, G, D]
+
+    return scores, values
 
 
 def _attend_tiles(
@@ -61,6 +116,7 @@ def _attend_tiles(
     pairs_per_step: int,
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
+    cross_heads: bool = False,
 ) -> jax.Array:
     """Attention of query tiles over their own sequence's paged KV.
 
@@ -81,6 +137,9 @@ def _attend_tiles(
       chunk_blocks: KV blocks per chunk.
       pairs_per_step: (tile, chunk) pairs per loop step.
       k_scale, v_scale: float32[Hkv] of a quantized cache, or None.
+      cross_heads: compute both dots over every (query head, KV head) pair
+        and keep the matching ones (:func:`_cross_head_dots`) instead of
+        batching over the KV heads.
 
     Returns:
       float32 [N, Q, Hq, D]; padding queries give zeros.
@@ -123,7 +182,8 @@ def _attend_tiles(
                                   axis=1)
         k = from_storage(jnp.take(k_blocks, ids, axis=0, mode="clip")).reshape(batch, chunk_len, num_kv_heads, head_dim)
         v = from_storage(jnp.take(v_blocks, ids, axis=0, mode="clip")).reshape(batch, chunk_len, num_kv_heads, head_dim)
-        scores = jnp.einsum("bqhgd,blhd->bhqgl", qg[tile], k.astype(jnp.float32))
+        dots = _cross_head_dots if cross_heads else _head_batched_dots
+        scores, values = dots(qg[tile], k.astype(jnp.float32), v.astype(jnp.float32))
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         kv_pos = chunk[:, None] * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)[None, :]  # [B, L]
@@ -135,7 +195,7 @@ def _attend_tiles(
         scores = jnp.where(visible, scores, _MASKED)
         pair_max = jnp.max(scores, axis=-1)
         p = jnp.where(visible, jnp.exp(scores - pair_max[..., None]), 0.0)
-        pair_out = jnp.einsum("bhqgl,blhd->bhqgd", p, v.astype(jnp.float32))
+        pair_out = values(p)
         # Fold the pairs into their tiles; a dead pair points past the end and is dropped.
         target = jnp.where(live, tile, num_tiles)
         new_max = run_max.at[target].max(pair_max, mode="drop")
@@ -169,9 +229,11 @@ def ragged_paged_attention_xla(
     interpret: bool = False,
     prefill_tile: int = PREFILL_TILE,
     kv_chunk_blocks: int = KV_CHUNK_BLOCKS,
+    decode_kv_chunk_blocks: int = DECODE_KV_CHUNK_BLOCKS,
     pairs_per_step: int = PAIRS_PER_STEP,
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
+    cross_head_decode: Optional[bool] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache, tiled per sequence.
 
@@ -187,9 +249,15 @@ def ragged_paged_attention_xla(
       prefill_tile: queries per prefill tile (a sequence with more than one
         new token). Smaller tiles waste less on a chunk's last partial tile;
         larger ones gather each KV block for more queries at once.
-      kv_chunk_blocks: KV blocks per chunk (the unit of work of one pair).
+      kv_chunk_blocks: KV blocks per chunk (the unit of work of one pair) of
+        the prefill tiles.
+      decode_kv_chunk_blocks: the same for decode tiles (one query each, so
+        a pair does less work per block and larger chunks pay).
       pairs_per_step: (tile, chunk) pairs per loop iteration (at most the
         number of tiles).
+      cross_head_decode: the decode tiles' dots over all KV-head pairs
+        (``_cross_head_dots``); None means when ``num_kv_heads <=``
+        :data:`CROSS_HEAD_MAX_KV_HEADS`.
 
     Cost: KV gathers of about the summed context of the sequences
     (``Hkv * D`` elements per token) for the decode rows, and the same once per
@@ -197,6 +265,8 @@ def ragged_paged_attention_xla(
     ``kv_chunk_blocks * block_size``; no ``[T, W * block_size]`` buffer.
     """
     del interpret
+    if cross_head_decode is None:
+        cross_head_decode = k_cache.shape[2] <= CROSS_HEAD_MAX_KV_HEADS
     num_tokens = q.shape[0]
     num_rows = block_tables.shape[0]
     starts, ends = query_start_loc[:-1], query_start_loc[1:]
@@ -205,8 +275,7 @@ def ragged_paged_attention_xla(
     is_decode = live & (q_len == 1)
     is_prefill = live & (q_len > 1)
     first_pos = seq_lens - q_len  # position of each row's first new token
-    attend = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, chunk_blocks=kv_chunk_blocks,
-                  k_scale=k_scale, v_scale=v_scale)
+    attend = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
     pairs = functools.partial(min, pairs_per_step)
     zeros = jnp.zeros(q.shape, jnp.float32)
 
@@ -214,7 +283,7 @@ def ragged_paged_attention_xla(
         token = jnp.minimum(starts, num_tokens - 1)
         pos = jnp.where(is_decode, seq_lens - 1, -1)[:, None]
         res = _attend_tiles(q[token][:, None], pos, block_tables, k_cache, v_cache, pairs_per_step=pairs(num_rows),
-                            **attend)
+                            cross_heads=cross_head_decode, chunk_blocks=decode_kv_chunk_blocks, **attend)
         return out.at[jnp.where(is_decode, starts, num_tokens)].set(res[:, 0], mode="drop")
 
     # Every prefill row adds at most one partial tile, and there are at most
@@ -233,7 +302,7 @@ def ragged_paged_attention_xla(
         valid = used[:, None] & (token < ends[row][:, None])
         pos = jnp.where(valid, first_pos[row][:, None] + token - starts[row][:, None], -1)
         res = _attend_tiles(q[jnp.minimum(token, num_tokens - 1)], pos, block_tables[row], k_cache, v_cache,
-                            pairs_per_step=pairs(max_tiles), **attend)
+                            pairs_per_step=pairs(max_tiles), chunk_blocks=kv_chunk_blocks, **attend)
         return out.at[jnp.where(valid, token, num_tokens)].set(res, mode="drop")
 
     out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, zeros)

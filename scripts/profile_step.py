@@ -8,7 +8,30 @@ to 16 and to 4 tokens, a 512-token prefill) it times, on the engine's own parame
 - ``no attention``: the same with the attention op replaced by the identity
   and the KV write by a no-op (so ``step - no attention`` is attention);
 - ``lm_head``: the logits of the sampled rows alone;
-- ``sampler``: one greedy ``sampler.sample`` over those logits.
+- ``sampler``: one greedy ``sampler.sample`` over those logits;
+- ``head-batched``: with the ``xla`` attention (the CPU default), the full step
+  again with the decode tiles' dots batched over the KV heads
+  (``cross_head_decode=False``, the kernel before its cross-head dots).
+
+Block tables hold each row's blocks and the null block after them, as the
+scheduler's do. What the profile showed on SmolLM2-135M, float32, 2 cores
+with AVX-512 (``jax.profiler`` traces, 2026-12-01): in a 48-row decode step
+(contexts 100-400) attention took two thirds of the step (about 90 of 132 ms),
+and 74 ms of that was two loop fusions that gather the keys and values and
+copy them into the head-major layouts the dots want -- for the keys a
+transpose of ``head_dim`` against the context, element by element. The
+dense layers ran at XLA's measured dot rate (a 512-token prefill's matmuls
+at about 400 GFLOP/s), so the decode gap to vLLM's CPU build is attention.
+Cross-head dots (``kernels_pallas.xla._cross_head_dots``) and 4-block decode
+chunks removed the transposed copy: 132 -> 105-112 ms for that step, 204 ->
+183 ms for 64 rows at contexts 400-500, prefill unchanged. The same traces
+show each layer's weights copied out of the stacked parameters by a
+dynamic-slice (about 15 ms of the decode step); unrolling the layer loop
+instead made the step slower (122 -> 218 ms), so the scan stays. The
+``XLA_FLAGS`` of jaxlib 0.10.2's CPU backend that name oneDNN or XNNPACK
+(``xla_cpu_use_onednn``, ``xla_cpu_experimental_onednn_fusion_type``,
+``xla_cpu_use_xnnpack``, ``xla_cpu_experimental_ynn_fusion_type``) left the
+optimized HLO unchanged (its dots are YNNPACK fusions either way).
 
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a
@@ -43,7 +66,8 @@ def _batch(rng, num_blocks, q_lens, contexts, tokens, rows, width, block_size):
     seq_lens = np.zeros(rows, np.int32)
     seq_lens[:n] = np.asarray(q_lens) + np.asarray(contexts)
     tables = np.zeros((rows, width), np.int32)
-    tables[:n] = rng.integers(1, num_blocks, (n, width))
+    for i in range(n):
+        tables[i, :-(-seq_lens[i] // block_size)] = rng.integers(1, num_blocks, -(-seq_lens[i] // block_size))
     positions = np.zeros(tokens, np.int32)
     slots = np.zeros(tokens, np.int32)
     for i in range(n):
@@ -103,7 +127,11 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
 
     print(f"{model} {dtype}, weights {quantization or dtype}, KV {engine.kv_cache_dtype.name}, attention "
           f"{engine.config.attention_backend or 'default'}; ms, minimum of {repeats}")
-    print(f"{'batch':<30}{'step':>9}{'no attention':>14}{'attention':>11}{'lm_head':>9}{'sampler':>9}")
+    xla = engine.config.attention_backend in (None, "xla") and jax.default_backend() == "cpu"
+    head_batched = ops._replace(ragged_paged_attention=functools.partial(ops.ragged_paged_attention,
+                                                                         cross_head_decode=False))
+    print(f"{'batch':<30}{'step':>9}{'no attention':>14}{'attention':>11}{'lm_head':>9}{'sampler':>9}"
+          + (f"{'head-batched':>14}" if xla else ""))
     for name, batch in cases.items():
         rows = batch.logits_indices.shape[0]
         step = jax.jit(functools.partial(model_step, ops=ops), donate_argnums=(1,))
@@ -114,7 +142,12 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
         head, _ = timed(jax.jit(functools.partial(models.compute_logits, cfg=cfg)), runner.params, hidden)
         arrays = jax.tree_util.tree_map(jnp.asarray, SamplingArrays.empty(rows))
         sampler, _ = timed(jax.jit(sample), logits, arrays, runner.sampler_tables)
-        print(f"{name:<30}{full:>9.1f}{without:>14.1f}{full - without:>11.1f}{head:>9.1f}{sampler:>9.1f}")
+        extra = ""
+        if xla:
+            batched = jax.jit(functools.partial(model_step, ops=head_batched), donate_argnums=(1,))
+            old, (_, runner.kv_cache) = timed(batched, runner.params, runner.kv_cache, batch, donate=True)
+            extra = f"{old:>14.1f}"
+        print(f"{name:<30}{full:>9.1f}{without:>14.1f}{full - without:>11.1f}{head:>9.1f}{sampler:>9.1f}{extra}")
         if trace:
             with jax.profiler.trace(os.path.join(trace, f"{dtype}-{name.split(',')[0]}")):
                 timed(step, runner.params, runner.kv_cache, batch, donate=True)

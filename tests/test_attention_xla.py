@@ -4,7 +4,8 @@ The class of inputs: any ragged batch -- decode rows and prefill chunks in any
 order, chunks shorter or longer than a tile and not a multiple of it,
 contexts that end mid-block or on a block boundary, padded sequence rows and
 padded token rows -- under every GQA ratio, block size, sliding window and
-soft-cap, and the two tuning knobs (tile length, KV blocks per loop step).
+soft-cap, and the tuning knobs (tile length, KV blocks per loop step for prefill and
+for decode tiles, decode dots batched over KV heads or over every head pair).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def test_xla_attention_matches_reference_on_random_ragged_batches(seed, dtype):
                          pad_tokens=int(rng.integers(0, 6)))
     window = [None, int(rng.integers(1, 3 * block_size))][seed % 2]
     soft_cap = [None, 5.0][(seed // 2) % 2]
-    tuning = dict(prefill_tile=int(rng.choice([1, 4, 16])), kv_chunk_blocks=int(rng.choice([1, 2, 3])))
+    tuning = dict(prefill_tile=int(rng.choice([1, 4, 16])), kv_chunk_blocks=int(rng.choice([1, 2, 3])),
+                  decode_kv_chunk_blocks=int(rng.choice([1, 3, 4])), cross_head_decode=bool(seed % 3))
     want = ragged_paged_attention_reference(*args, scale=SCALE, sliding_window=window, soft_cap=soft_cap)
     got = jax.jit(functools.partial(ragged_paged_attention_xla, scale=SCALE, sliding_window=window,
                                     soft_cap=soft_cap, **tuning))(*args)

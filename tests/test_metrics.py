@@ -286,6 +286,20 @@ def test_cpu_instruction_sets_are_read_from_the_first_cpus_flags(tmp_path, flags
     assert cpu_instruction_sets(tmp_path / "missing") == []
 
 
+@pytest.mark.parametrize("dtype, said", [
+    ("auto", "float32 (dtype='auto', float32 on CPU: bfloat16 is no faster there)"),
+    ("float32", "float32 (dtype='float32')"),
+])
+def test_start_up_log_says_the_dtype_auto_chose_on_cpu_and_the_cpus_instruction_sets(stories_dir, capfd, dtype,
+                                                                                     said):
+    from jaxllm.frontend.llm_engine import LLMEngine
+
+    engine = LLMEngine(stories_dir, dtype=dtype, num_kv_blocks=8, max_model_len=64, precompile=False,
+                       compilation_cache=None)
+    assert engine.runner.kv_cache[0].dtype.name == "float32"
+    assert f"MiB, {said}; CPU: {describe_cpu()}\n" in capfd.readouterr().err
+
+
 def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp_path):
     pytest.importorskip("transformers")
     fake = tmp_path / "fake_vllm"
