@@ -132,3 +132,15 @@ def test_multiturn_bench_runs_every_configuration_with_equal_answers():
     assert off["host_hit_tokens"] == 0 and on["host_hit_tokens"] > 0 and prefetch["host_hit_tokens"] > 0
     assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] - on["host_hit_tokens"]
     assert payload["answers_equal"]
+
+
+def test_prefetch_gives_the_same_greedy_tokens_and_compiles_nothing_after_warmup():
+    without, _ = run()
+    llm = LLM(model=str(STORIES), **{**BASE, "precompile": True}, kv_offloading_size=TIER_GIB,
+              kv_offloading_prefetch=True)
+    compiled = llm.engine.runner.num_compilations
+    outputs = chat(llm)
+    tier = llm.engine.core.scheduler.block_pool.host_tier
+    assert outputs == without
+    assert tier.num_prefetched > 0 and tier.num_loaded > tier.num_prefetched
+    assert llm.engine.runner.num_compilations == compiled
