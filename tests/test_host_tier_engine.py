@@ -115,6 +115,11 @@ def test_metrics_and_report_count_hits_by_tier_and_bytes_each_way():
     assert metric("jaxllm:kv_offload_total_bytes_total", {"transfer_type": "GPU_to_CPU"}) == (
         report["num_offloaded_blocks"] * 20480)
     assert metric("jaxllm:kv_offload_total_time_total", {"transfer_type": "CPU_to_GPU"}) > 0
+    # The offloads' host writes ran after their steps' dispatch; their time is part of the GPU_to_CPU one.
+    core = llm.engine.core
+    assert 0 < core.offload_write_seconds <= core.offload_seconds[0]
+    assert metric("jaxllm:kv_offload_total_time_total", {"transfer_type": "GPU_to_CPU"}) == pytest.approx(
+        core.offload_seconds[0])
     assert metric("jaxllm:kv_offload_usage_perc") == report["num_cached_blocks"] / 60
 
 
@@ -131,6 +136,8 @@ def test_multiturn_bench_runs_every_configuration_with_equal_answers():
     off, on, prefetch = payload["results"]
     assert off["host_hit_tokens"] == 0 and on["host_hit_tokens"] > 0 and prefetch["host_hit_tokens"] > 0
     assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] - on["host_hit_tokens"]
+    assert off["offloaded_blocks"] == off["offload_seconds_after_dispatch"] == 0 and on["offloaded_blocks"] > 0
+    assert on["prefetched_blocks"] == 0 and 0 < prefetch["prefetched_blocks"] <= prefetch["loaded_blocks"]
     assert payload["answers_equal"]
 
 

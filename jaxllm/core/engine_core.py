@@ -136,8 +136,10 @@ class EngineCore:
         self.scheduler = scheduler_cls(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=max_model_len,
                                                                num_offload_blocks=runner.num_offload_blocks))
         # Seconds the engine loop spent on the host tier's copies: device -> host (offloads: dispatching their
-        # gathers, then writing the host pool while the step runs), host -> device (loads, dispatch only).
+        # gathers, then writing the host pool while the step runs), host -> device (loads, dispatch only); and of
+        # the first, the host writes (after the step's dispatch, off the step's critical path).
         self.offload_seconds = [0.0, 0.0]
+        self.offload_write_seconds = 0.0
         # Bytes one host-tier block copy moves: K and V of every layer, of every runner.
         self._offload_block_bytes = sum(2 * r.host_pool[0][:, 0].nbytes for r in self._runners if r.host_pool is not None)
         self.requests: dict[str, CoreRequest] = {}
@@ -603,9 +605,11 @@ class EngineCore:
         pending = []
         for runner in self._runners:
             runner.swap_out(sched_out.blocks_to_swap_out)
-            start = time.perf_counter()
-            pending.append(runner.start_swap_out(sched_out.blocks_to_offload))
-            self.offload_seconds[0] += time.perf_counter() - start
+            pending.append([])
+            if sched_out.blocks_to_offload:
+                start = time.perf_counter()
+                pending[-1] = runner.start_swap_out(sched_out.blocks_to_offload)
+                self.offload_seconds[0] += time.perf_counter() - start
             runner.swap_in(sched_out.blocks_to_swap_in)
             if sched_out.blocks_to_load:
                 start = time.perf_counter()
@@ -617,10 +621,14 @@ class EngineCore:
     def _write_offloads(self, pending: list[list]) -> None:
         """Complete the host tier's offloads that :meth:`_copy_blocks` gathered: their slots become hits at the
         next ``Scheduler.schedule()``, which comes after this."""
+        if not any(pending):
+            return
         start = time.perf_counter()
         for runner, writes in zip(self._runners, pending):
             runner.finish_swap_out(writes)
-        self.offload_seconds[0] += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.offload_seconds[0] += seconds
+        self.offload_write_seconds += seconds
 
     def _launch(self, sched_out: SchedulerOutput, prev_tokens: Optional[jax.Array]) -> _Launched:
         """Do the output's block copies and dispatch its step (``dispatched`` None when it has no rows), then write
