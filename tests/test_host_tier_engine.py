@@ -151,3 +151,34 @@ def test_prefetch_gives_the_same_greedy_tokens_and_compiles_nothing_after_warmup
     assert outputs == without
     assert tier.num_prefetched > 0 and tier.num_loaded > tier.num_prefetched
     assert llm.engine.runner.num_compilations == compiled
+
+
+def test_a_launch_whose_offload_writes_fail_forgets_them_and_serves_the_same_tokens():
+    without, _ = run()
+    llm = LLM(model=str(STORIES), kv_offloading_size=TIER_GIB, **BASE)
+    core = llm.engine.core
+    sched, tier = core.scheduler, core.scheduler.block_pool.host_tier
+    step, finish, discard = core.step, core.runner.finish_swap_out, sched.discard_output
+    forgotten = []
+
+    def failing_finish(pending):
+        if pending and not forgotten:
+            raise RuntimeError("injected: the host write failed")
+        finish(pending)
+
+    def discard_and_check(output):
+        discard(output)
+        slots = {slot for _, slot in output.blocks_to_offload}
+        assert slots and slots.isdisjoint(tier.slots.values())
+        forgotten.append(slots)
+
+    def step_past_the_failure():
+        try:
+            return step()
+        except RuntimeError as e:
+            assert "injected" in str(e)
+            return step()
+
+    core.runner.finish_swap_out, sched.discard_output, core.step = failing_finish, discard_and_check, step_past_the_failure
+    outputs = chat(llm)
+    assert len(forgotten) == 1 and outputs == without and sched.prefix_cache_hits_host > 0
