@@ -452,3 +452,26 @@ def test_a_discarded_output_forgets_the_blocks_its_tier_copies_were_to_fill():
     assert offloaded.isdisjoint(tier.slots.values()) and tier.num_cached == 2
     run_until_done(sched, runner, check=check_block_invariants)
     assert again.output_token_ids == reference_output(again.prompt_token_ids, again.sampling_params, None, 64)
+
+
+def test_a_request_waiting_for_the_copy_budget_preempts_no_one():
+    # Priority policy: c2 outranks the running "low", but what holds it back is the step's copy budget (a2's five
+    # copies and its own five pass 4), which preempting "low" would not shorten.
+    config = SchedulerConfig(num_blocks=11, block_size=BS, max_num_seqs=4, max_num_batched_tokens=16,
+                             max_model_len=64, num_offload_blocks=16, scheduling_policy="priority")
+    sched, runner = Scheduler(config), FakeRunner(config)
+    C = list(range(60, 68))
+    for rid, prompt in (("a", A), ("c", C), ("b", list(range(20, 60)))):
+        _run(sched, runner, rid, prompt)
+    low = make_request("low", [5, 6, 7], max_tokens=20, priority=5)
+    sched.add_request(low)
+    out = sched.schedule()
+    sched.update_from_output(out, runner(out))
+    for rid, prompt in (("a2", A + [1]), ("c2", C + [1])):
+        sched.add_request(make_request(rid, prompt, max_tokens=1, priority=0))
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == ["low", "a2"] and sched.num_preemptions == 0
+    assert (len(out.blocks_to_load), len(out.blocks_to_offload)) == (2, 3)
+    sched.update_from_output(out, runner(out))
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert low.output_token_ids == reference_output(low.prompt_token_ids, low.sampling_params, None, 64)
