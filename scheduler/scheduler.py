@@ -91,6 +91,11 @@ class _Step:
         self.tail_computed.append(num_computed)
         self.budget -= num_new
 
+    @property
+    def num_rows(self) -> int:
+        """Rows scheduled so far, those taken back by a preemption not counted."""
+        return len(self.bulk_requests) + len(self.tail_requests) - len(self.dropped)
+
     def drop(self, req: Request) -> None:
         """Take back ``req``'s row, if it has one, and its tokens."""
         for requests, new in ((self.bulk_requests, self.bulk_new), (self.tail_requests, self.tail_new)):
@@ -637,7 +642,7 @@ class Scheduler:
                 return False
             step.swap_in.extend(pairs)
         else:
-            n = self._allocate_admission(req, step.budget)
+            n = self._allocate_admission(req, step.budget, may_wait=step.num_rows > 0)
             if n <= 0:
                 return None if n < 0 else False
         req.status = _RUNNING
@@ -665,9 +670,10 @@ class Scheduler:
         hits, num_hit = kv.get_computed_blocks(req)
         return kv.num_blocks_to_allocate(req, req.num_tokens - num_hit, hits, left)
 
-    def _allocate_admission(self, req: Request, budget: int) -> int:
+    def _allocate_admission(self, req: Request, budget: int, may_wait: bool) -> int:
         """Take ``req``'s prefix hits and blocks for its first chunk; returns the chunk's tokens, 0 if it must wait
-        for blocks or tokens, -1 if for this step's host-tier copies (:meth:`_host_hits`).
+        for blocks or tokens, -1 if for this step's host-tier copies (:meth:`_host_hits`; ``may_wait`` False when
+        the step has no row yet, so a wait would stall it).
 
         A request whose hits cover all its tokens copies the last hit on
         write, which needs one block more than recomputing that block's
@@ -679,7 +685,7 @@ class Scheduler:
         hits, num_hit = kv.get_computed_blocks(req)
         num_host = 0
         if kv.block_pool.host_tier is not None:
-            hits, num_host = self._host_hits(req, hits, budget)
+            hits, num_host = self._host_hits(req, hits, budget, may_wait)
             if num_host < 0:
                 return -1
             if num_host:
@@ -712,21 +718,21 @@ class Scheduler:
         req.num_computed_tokens = num_hit
         return n
 
-    def _host_hits(self, req: Request, hits: list[KVBlock], budget: int) -> tuple[list, int]:
+    def _host_hits(self, req: Request, hits: list[KVBlock], budget: int, may_wait: bool) -> tuple[list, int]:
         """``hits`` continued through the host tier, and how many of them are host hits; -1 when its loads and the
         offloads its allocation causes (its first chunk within the token ``budget`` left) would take the step's
         host-tier copies, offloads and loads queued so far counted, past :attr:`copy_budget` after another
         request's loads: ``req`` then waits a step, so a storm of host hits cannot stretch one step's copies. The
         first loading request of a step always goes (liveness). Offloads alone never hold a request back: they
-        come from blocks the step computes into, which the token budget already bounds. Also -1 when the hits stop
-        at a block this step offloads (readable from the next step on): waiting a step beats recomputing the
-        rest, and the step that offloads it makes progress."""
+        come from blocks the step computes into, which the token budget already bounds. Also -1, if ``may_wait``
+        (the step has rows, so it makes progress without ``req``), when the hits stop at a block this step
+        offloads (readable from the next step on): waiting a step beats recomputing the rest."""
         kv = self.kv_cache_manager
         hits = kv.extend_with_host_hits(req, hits)
         tier = kv.block_pool.host_tier
         hashes = req.block_hashes
-        if len(hits) < min(len(hashes), (req.num_tokens - 1) // self.config.block_size) and tier.being_written(
-                hashes[len(hits)]):
+        if may_wait and len(hits) < min(len(hashes), (req.num_tokens - 1) // self.config.block_size) and (
+                tier.being_written(hashes[len(hits)])):
             return hits, -1
         num_host = sum(1 for b in hits if type(b) is HostHit)
         if num_host and tier.num_loads_this_step:

@@ -275,3 +275,20 @@ TestStatefulPredictedRecompute = _test_case("predicted", "recompute")
 TestStatefulPredictedSwap = _test_case("predicted", "swap")
 TestStatefulFCFSRecomputePrefetch = _test_case("fcfs", "recompute", prefetching=True)
 TestStatefulPrioritySwapPrefetch = _test_case("priority", "swap", prefetching=True)
+
+
+def test_a_request_whose_hits_stop_at_a_block_being_written_is_admitted_when_the_step_has_no_other_row():
+    """The machine's falsifying example (priority, swap, prefetching): r0's chunk takes a cached free block, whose
+    hash is next in r2's chain and goes to the host tier; r2 then preempts r0, so the step has no row left and
+    r2 must not wait for that write."""
+    machine = type("Machine", (SchedulerMachine,), {"policy": "priority", "mode": "swap", "prefetching": True})()
+    machine.setup(num_blocks=2, caching=False, chunked=True, threshold=0)
+    machine.add_block_aligned_request(max_tokens=1, num_blocks=None, priority=1)
+    machine.step()
+    machine.add_block_aligned_request(max_tokens=1, num_blocks=1, priority=0)
+    machine.step()
+    machine.step()
+    machine.add_block_aligned_request(max_tokens=1, num_blocks=None, priority=0)
+    machine.step()
+    assert [r.request_id for r in machine.sched.running] == ["r2"] and machine.sched.num_preemptions == 2
+    machine.teardown()
