@@ -466,9 +466,9 @@ class EngineConfig:
         (all layers, K and V, in the KV cache's dtype); a draft model's runner keeps as many blocks of its own
         KV beside them. Needs ``enable_prefix_caching``.
       kv_offloading_prefetch: load the host-tier hits of the requests at the head of the waiting queue a step
-        before their admission, into free blocks that hold no cached block (``SchedulerConfig``'s field of the
-        name). Off by default: ``scripts/bench_multiturn.py`` measures it no better than loading on admission
-        (README). Needs ``kv_offloading_size > 0``.
+        before their admission, into free blocks (cached ones offloaded first, never the requests' own hits;
+        ``SchedulerConfig``'s field of the name). Off by default: ``scripts/bench_multiturn.py`` measures it no
+        better than loading on admission (README). Needs ``kv_offloading_size > 0``.
       enable_sleep_mode: allow ``sleep()`` / ``wake_up()`` (vLLM's flag;
         ``jaxllm.core.engine_core.EngineCore.sleep``); without it sleep is
         refused, naming this flag.

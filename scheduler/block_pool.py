@@ -252,6 +252,23 @@ class BlockPool:
             self.kv_events.append(BlockRemoved(evicted))
         return blocks
 
+    def offloads_to_take(self, n: int, skip: frozenset[int] = frozenset()) -> list[bool]:
+        """For each of the first ``n`` free-queue blocks whose id is not in ``skip`` (about to be revived, so not
+        taken), front first: whether :meth:`get_new_blocks` taking it now would queue a copy to the host tier (it
+        carries a hash the tier does not hold). Shorter than ``n`` when fewer blocks are free; all False without
+        a tier."""
+        tier = self.host_tier
+        out: list[bool] = []
+        if n <= 0:
+            return out
+        for block in self.free_queue:
+            if block.block_id in skip:
+                continue
+            out.append(tier is not None and block.block_hash is not None and not tier.holds(block.block_hash))
+            if len(out) == n:
+                break
+        return out
+
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Add a reference to each block, reviving it from the free queue if unreferenced."""
         for block in blocks:

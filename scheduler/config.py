@@ -39,8 +39,9 @@ class SchedulerConfig:
       num_offload_blocks: host-tier blocks of the prefix cache (``scheduler.host_tier``), >= 0; 0: no tier.
         Needs ``enable_prefix_caching``.
       kv_offloading_prefetch: with a host tier, load the host hits of the requests left waiting at the end of a
-        step (policy order, within the step's load budget) into free blocks that hold no cached block, so they
-        are device hits when admitted (``Scheduler``); a prefetch never evicts a cached block. Needs
+        step (policy order, within the step's copy budget) into free blocks, so they are device hits when
+        admitted (``Scheduler._prefetch``): cached free blocks are taken from the LRU end and offloaded first,
+        never a hit of the requests it loads for (``KVCacheManager.prefetch_host_hits``). Needs
         ``num_offload_blocks``.
       async_scheduling: allow one ``schedule()`` ahead of the last
         ``update_from_output()`` (the runner feeds the missing sampled

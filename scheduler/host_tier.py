@@ -9,6 +9,11 @@ holds here too.
 
 Slots are numbered ``base .. base + num_slots - 1`` in the runner's host pool, after the swap-preemption pool's
 ``0 .. base - 1``, so the runner's swap programs copy both.
+
+An offload's host write is deferred (``EngineCore._launch`` completes it after dispatching the step), so a slot
+written by this step's offloads is no hit until the next ``Scheduler.schedule()``
+(:meth:`HostTier.start_step`): the runner completes an output's copies before the next schedule, or the output is
+discarded and its slots forgotten (:meth:`HostTier.forget`).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class HostTier:
       slots: hash -> slot, least recently used first.
       num_offloaded, num_loaded: blocks copied device -> host and host -> device so far.
       num_prefetched: of ``num_loaded``, blocks loaded ahead of their request's admission.
+      num_dropped: hashed blocks reused on the device that no slot could take (every slot busy this step).
 
     Raises:
       ValueError: ``num_slots`` or ``base`` < 0.
@@ -71,14 +77,17 @@ class HostTier:
         self.record = record
         self.slots: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._free = list(range(base + num_slots - 1, base - 1, -1))
-        # Slots read by this step's loads: the runner offloads before it loads, so overwriting one in the same
-        # step would hand the load the wrong contents.
+        # Slots read by this step's loads: the runner gathers offloads before it loads, so overwriting one in the
+        # same step would hand the load the wrong contents.
         self._reading: set[int] = set()
+        # Slots this step's offloads write, after the step is dispatched: not readable yet.
+        self._writing: set[int] = set()
         self._offloads: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
         self.num_offloaded = 0
         self.num_loaded = 0
         self.num_prefetched = 0
+        self.num_dropped = 0
 
     @property
     def num_cached(self) -> int:
@@ -86,23 +95,34 @@ class HostTier:
         return len(self.slots)
 
     def lookup(self, block_hash: bytes) -> Optional[HostHit]:
-        """The block held under ``block_hash``, or None."""
+        """The block held under ``block_hash``, or None (also while its slot's write is not complete)."""
         slot = self.slots.get(block_hash)
-        return None if slot is None else HostHit(block_hash, slot)
+        return None if slot is None or slot in self._writing else HostHit(block_hash, slot)
+
+    def being_written(self, block_hash: bytes) -> bool:
+        """Whether ``block_hash``'s slot is written by this step's offloads (a hit from the next step on)."""
+        slot = self.slots.get(block_hash)
+        return slot is not None and slot in self._writing
+
+    def holds(self, block_hash: bytes) -> bool:
+        """Whether a slot holds (or is being written with) ``block_hash``: offloading it again copies nothing."""
+        return block_hash in self.slots
 
     def offload(self, block_id: int, block_hash: bytes) -> None:
         """Keep device block ``block_id`` (about to be reused) under ``block_hash``: queue its copy to a slot.
 
         A hash already held is only made most recent. When every slot is full, the least recently used one not
-        read this step is evicted; when all are read this step, the block is dropped.
+        read this step is evicted; when all are, the block is dropped (counted in ``num_dropped``).
         """
         if block_hash in self.slots:
             self.slots.move_to_end(block_hash)
             return
         slot = self._take_slot()
         if slot is None:
+            self.num_dropped += 1
             return
         self.slots[block_hash] = slot
+        self._writing.add(slot)
         self._offloads.append((block_id, slot))
         self.num_offloaded += 1
         if self.record is not None:
@@ -114,6 +134,11 @@ class HostTier:
             return self._free.pop()
         for victim, slot in self.slots.items():
             if slot not in self._reading:
+                if slot in self._writing:
+                    # Written by this step already (the most recent slots, so the last resort): that copy is
+                    # dropped rather than done and overwritten.
+                    self._offloads = [pair for pair in self._offloads if pair[1] != slot]
+                    self.num_offloaded -= 1
                 del self.slots[victim]
                 if self.record is not None:
                     self.record(BlockRemoved([victim], MEDIUM_HOST))
@@ -129,6 +154,11 @@ class HostTier:
     def num_loads_this_step(self) -> int:
         """Host slots read by the loads queued in this step."""
         return len(self._reading)
+
+    @property
+    def num_copies_this_step(self) -> int:
+        """Offload and load copies queued and not yet taken (this step's, with :meth:`take_copies` at its end)."""
+        return len(self._offloads) + len(self._loads)
 
     def pin(self, hits: list[HostHit]) -> None:
         """Keep ``hits``' slots from eviction until :meth:`end_step` (they are about to be loaded)."""
@@ -148,12 +178,18 @@ class HostTier:
         return out
 
     def end_step(self) -> None:
-        """Slots read by this step's loads may be evicted again."""
+        """Slots read by this step's loads may be evicted again (the runner reads them when it launches the step,
+        before the next schedule)."""
         self._reading.clear()
+
+    def start_step(self) -> None:
+        """The previous steps' offloads have been written (or forgotten): their slots are hits."""
+        self._writing.clear()
 
     def forget(self, slots: list[int]) -> None:
         """Free ``slots`` and forget the blocks they held (their copies in never ran)."""
         gone = set(slots)
+        self._writing -= gone
         lost = [h for h, slot in self.slots.items() if slot in gone]
         for h in lost:
             self._free.append(self.slots.pop(h))
@@ -164,3 +200,4 @@ class HostTier:
         """Forget every block (the weights changed). Call between steps, with no copies queued."""
         self._free.extend(reversed(self.slots.values()))
         self.slots.clear()
+        self._writing.clear()

@@ -245,32 +245,85 @@ class KVCacheManager:
             events.append(BlockStored([hashes[i]], hashes[i - 1] if i else None,
                                       request.all_token_ids[i * bs:(i + 1) * bs], bs))
 
-    def prefetch_host_hits(self, request: Request, limit: int) -> int:
-        """Load up to ``limit`` of waiting ``request``'s host hits (its first ones, in chain order) into free
-        blocks that hold no cached block, registered under their hashes and left free (revivable, at the back of
-        the free queue), so the request finds them on the device when admitted. Returns the blocks loaded."""
-        if request.request_id in self.swapped or request.request_id in self.req_to_blocks:
-            return 0
+    def num_offloads_to_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence = (),
+                                 num_lookahead_tokens: int = 0) -> int:
+        """Copies to the host tier that :meth:`allocate_slots` with the same arguments would queue now: the hashed
+        free blocks, not held by the tier, among those it takes from the front of the free queue (its fresh blocks
+        and one per ``HostHit``; the device hits it revives are not taken)."""
+        fresh, _, _ = self._plan(request, num_new_tokens, computed_blocks, num_lookahead_tokens)
+        num_host = sum(1 for b in computed_blocks if type(b) is HostHit)
+        revived = frozenset(b.block_id for b in computed_blocks if type(b) is not HostHit and b.ref_cnt == 0)
+        return sum(self.block_pool.offloads_to_take(fresh + num_host, revived))
+
+    def prefetch_host_hits(self, requests: Sequence[Request], room: int) -> int:
+        """Load the host hits of waiting ``requests`` (in the given order, chain order within each) into device
+        blocks now, so each finds them on the device when admitted; returns the blocks loaded.
+
+        The fresh blocks come from the front of the free queue, cached ones included (their own offloads come
+        first, so nothing is lost), but never from the requests' hits: while it runs, every device hit of the
+        requests looked at and every block loaded for them is referenced. It stops at the first request whose
+        hits (the free blocks its admission revives, and those it loads) do not fit in the free blocks left by
+        those before it (prefetching it would evict the hits of those), and once the loads and the offloads
+        they cause would pass ``room`` copies. The loaded blocks end registered under their hashes and free
+        (revivable), freed last request first and tail first, so each request's prefix is evicted last. A
+        request holding blocks or swapped out is passed over.
+        """
         pool, tier = self.block_pool, self.block_pool.host_tier
-        chain = self.extend_with_host_hits(request, self.get_computed_blocks(request)[0])
-        host = [(i, b) for i, b in enumerate(chain) if type(b) is HostHit][:limit]
-        # Unhashed free blocks sit at the front of the free queue: take only those, so nothing is evicted.
-        n = 0
-        for block in pool.free_queue:
-            if n == len(host) or block.block_hash is not None:
+        spare = len(pool.free_queue)
+        held: list[KVBlock] = []
+        num_loaded = 0
+        try:
+            for request in requests:
+                if request.request_id in self.swapped or request.request_id in self.req_to_blocks:
+                    continue
+                chain = self.extend_with_host_hits(request, self.get_computed_blocks(request)[0])
+                # The blocks its admission takes for its hits (those revived, those loaded); the fresh ones for
+                # its new tokens may come from requests that finish first.
+                need = sum(1 for b in chain if b.ref_cnt == 0)
+                if need > spare:
+                    break
+                spare -= need
+                pool.touch([b for b in chain if type(b) is not HostHit])
+                num_host = sum(1 for b in chain if type(b) is HostHit)
+                num, cost = self._prefetchable(num_host, room)
+                room -= cost
+                chain = self._load_prefetched(request, chain, num)
+                held += [b for b in chain if type(b) is not HostHit]
+                num_loaded += num
+                if num < num_host:
+                    break
+        finally:
+            pool.free_blocks(reversed(held))
+        tier.num_prefetched += num_loaded
+        return num_loaded
+
+    def _prefetchable(self, num_host: int, room: int) -> tuple[int, int]:
+        """``(loads, copies)``: how many of ``num_host`` host hits can be loaded within ``room`` copies, each costing
+        its load and the offload of the free block it takes (if that one is cached and not in the tier)."""
+        num = cost = 0
+        for offloads in self.block_pool.offloads_to_take(num_host):
+            if cost + 1 + offloads > room:
                 break
-            n += 1
-        if not n:
-            return 0
-        tier.pin([b for _, b in host[:n]])
-        fresh = pool.get_new_blocks(n)
-        for (i, hit), block in zip(host, fresh):
-            tier.load(hit, block.block_id)
-            pool.cache_block(block, hit.block_hash)
+            num += 1
+            cost += 1 + offloads
+        return num, cost
+
+    def _load_prefetched(self, request: Request, chain: list, num: int) -> list:
+        """``request``'s ``chain`` with its first ``num`` host hits replaced by fresh blocks (referenced), each
+        loaded from its slot and registered under its hash."""
+        if not num:
+            return chain
+        pool, tier = self.block_pool, self.block_pool.host_tier
+        host = [i for i, b in enumerate(chain) if type(b) is HostHit][:num]
+        # Pinned first: the fresh blocks' own offloads must not evict the slots about to be read.
+        tier.pin([chain[i] for i in host])
+        out = list(chain)
+        for i, block in zip(host, pool.get_new_blocks(num)):
+            tier.load(chain[i], block.block_id)
+            pool.cache_block(block, chain[i].block_hash)
             self._record_loaded(request, i)
-        tier.num_prefetched += n
-        pool.free_blocks(fresh)
-        return n
+            out[i] = block
+        return out
 
     def forget_tier_copies(self, offloads: Sequence[tuple[int, int]], loads: Sequence[tuple[int, int]]) -> None:
         """Forget what copies that may never have run were to fill: the host slots of ``offloads`` (``(device,
@@ -496,6 +549,12 @@ class KVCacheManager:
         self.block_table.table = remap[self.block_table.table]
         for rid, blocks in self.req_to_blocks.items():
             self.req_to_block_ids[rid][:] = [b.block_id for b in blocks]
+
+    def start_step(self) -> None:
+        """Called at the start of ``Scheduler.schedule``: the host tier's slots written by earlier steps' offloads
+        are complete (the runner completes an output's copies before the next schedule, or it was discarded)."""
+        if self.block_pool.host_tier is not None:
+            self.block_pool.host_tier.start_step()
 
     def end_step(self) -> None:
         """Called at the end of ``Scheduler.schedule``: host ids freed by swap-ins become reusable, and so do the host

@@ -90,8 +90,9 @@ class SchedulerOutput:
     ``blocks_to_load`` copy, every ``blocks_to_copy`` copy, then the model
     step -- the copies even when there are no rows. Swap-outs and offloads go
     first because their device blocks may be handed to swap-ins, loads or
-    copies in the same step; offloads go before loads because a load may
-    read a slot an offload of the same step writes. A copy's source is a cached block that no swap-in or copy of
+    copies in the same step. An offload's host write may complete after the
+    step is dispatched, before the next ``schedule()``: no load of the same
+    step reads its slot (``scheduler.host_tier``). A copy's source is a cached block that no swap-in or copy of
     this step writes: the scheduler holds a reference to it until
     ``update_from_output``, so it cannot be reused.
 

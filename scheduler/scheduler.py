@@ -91,6 +91,11 @@ class _Step:
         self.tail_computed.append(num_computed)
         self.budget -= num_new
 
+    @property
+    def num_rows(self) -> int:
+        """Rows scheduled so far, those taken back by a preemption not counted."""
+        return len(self.bulk_requests) + len(self.tail_requests) - len(self.dropped)
+
     def drop(self, req: Request) -> None:
         """Take back ``req``'s row, if it has one, and its tokens."""
         for requests, new in ((self.bulk_requests, self.bulk_new), (self.tail_requests, self.tail_new)):
@@ -191,7 +196,9 @@ class Scheduler:
       (``DegradationController``, None when off), pinned_blocks (blocks held
       by :meth:`pin_prefix`), predictor (``OutputLengthPredictor``: sets each
       arrival's ``predicted_output_tokens``, learns from each stop or length
-      cap).
+      cap), copy_budget (host-tier copies, offloads and loads, a step queues
+      at most beyond its first loading request's:
+      ``max_num_batched_tokens // block_size``, at least 1).
     """
 
     def __init__(self, config: SchedulerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -227,8 +234,9 @@ class Scheduler:
         self.prefix_cache_hits = 0
         # Of those hits, tokens loaded from the host tier.
         self.prefix_cache_hits_host = 0
-        # Host-tier blocks one step loads at most beyond the first loading request's (what the step could compute).
-        self._load_budget = max(config.max_num_batched_tokens // config.block_size, 1)
+        # Host-tier copies (offloads and loads together) one step queues at most beyond the first loading request's:
+        # as many blocks as the step could compute, so a storm of host hits cannot stretch a step's copies.
+        self.copy_budget = max(config.max_num_batched_tokens // config.block_size, 1)
         self.num_preemptions = 0
         settings = config.degradation
         self.degradation = None if settings is None else DegradationController(
@@ -380,6 +388,7 @@ class Scheduler:
             self.policy.sort(self.running, now)
             self._waiting_dirty = True
         step = _Step(self.max_num_batched_tokens, now)
+        self.kv_cache_manager.start_step()
         self._schedule_running(step)
         self._schedule_waiting(step)
         out = self._emit_rows(step)
@@ -591,28 +600,35 @@ class Scheduler:
             self._prefetch()
 
     def _prefetch(self) -> None:
-        """Load the host hits of the first ``max_num_seqs`` requests still waiting, in queue order, while the step's
-        load budget lasts
-        (``SchedulerConfig.kv_offloading_prefetch``): the copies run before this step, so the requests admitted
-        in a later step find those blocks on the device."""
-        kv, tier = self.kv_cache_manager, self.block_pool.host_tier
-        # The next admissions come from the head of the queue; looking further costs a lookup a request a step.
-        for req in self.waiting[: self.max_num_seqs]:
-            room = self._load_budget - tier.num_loads_this_step
-            if room <= 0:
-                return
-            kv.prefetch_host_hits(req, room)
+        """Load the host hits of the first ``max_num_seqs`` requests still waiting, in policy order, while the step's
+        copy budget lasts (``SchedulerConfig.kv_offloading_prefetch``; ``KVCacheManager.prefetch_host_hits`` says
+        which blocks it may take). They are device hits when admitted: the runner does this step's loads before
+        this step's program, which takes the KV cache they write and hands on the one every later step reads,
+        so the copies have landed by the time any later step reads them (also under async scheduling, where the
+        next step is scheduled while this one runs, but dispatched after it)."""
+        tier = self.block_pool.host_tier
+        room = self.copy_budget - tier.num_copies_this_step
+        if room > 0:
+            # The next admissions come from the head of the queue; looking further costs a lookup a request a step.
+            self.kv_cache_manager.prefetch_host_hits(self.waiting[: self.max_num_seqs], room)
 
     def _admit(self, req: Request, step: _Step) -> bool:
         while True:
-            if len(self.running) < self.max_num_seqs and step.budget > 0 and self._try_admit(req, step):
-                return True
+            if len(self.running) < self.max_num_seqs and step.budget > 0:
+                admitted = self._try_admit(req, step)
+                if admitted:
+                    return True
+                if admitted is None:
+                    # It waits for this step's host-tier copies, which no preemption shortens.
+                    return False
             victim = self._waiting_victim(req, step)
             if victim is None:
                 return False
             self._preempt(victim, step)
 
-    def _try_admit(self, req: Request, step: _Step) -> bool:
+    def _try_admit(self, req: Request, step: _Step) -> Optional[bool]:
+        """Admit ``req`` into this step if it fits; None when it waits for the step's host-tier copies
+        (:meth:`_host_hits`)."""
         kv = self.kv_cache_manager
         rid = req.request_id
         need = self._predicted_need(req) if self.config.reserve_predicted_output else 0
@@ -626,9 +642,9 @@ class Scheduler:
                 return False
             step.swap_in.extend(pairs)
         else:
-            n = self._allocate_admission(req, step.budget)
-            if n == 0:
-                return False
+            n = self._allocate_admission(req, step.budget, may_wait=step.num_rows > 0)
+            if n <= 0:
+                return None if n < 0 else False
         req.status = _RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = step.now
@@ -654,8 +670,10 @@ class Scheduler:
         hits, num_hit = kv.get_computed_blocks(req)
         return kv.num_blocks_to_allocate(req, req.num_tokens - num_hit, hits, left)
 
-    def _allocate_admission(self, req: Request, budget: int) -> int:
-        """Take ``req``'s prefix hits and blocks for its first chunk; returns the chunk's tokens, 0 if it must wait.
+    def _allocate_admission(self, req: Request, budget: int, may_wait: bool) -> int:
+        """Take ``req``'s prefix hits and blocks for its first chunk; returns the chunk's tokens, 0 if it must wait
+        for blocks or tokens, -1 if for this step's host-tier copies (:meth:`_host_hits`; ``may_wait`` False when
+        the step has no row yet, so a wait would stall it).
 
         A request whose hits cover all its tokens copies the last hit on
         write, which needs one block more than recomputing that block's
@@ -667,9 +685,9 @@ class Scheduler:
         hits, num_hit = kv.get_computed_blocks(req)
         num_host = 0
         if kv.block_pool.host_tier is not None:
-            hits, num_host = self._host_hits(req, hits)
+            hits, num_host = self._host_hits(req, hits, budget, may_wait)
             if num_host < 0:
-                return 0
+                return -1
             if num_host:
                 num_hit = len(hits) * self.config.block_size
         # Under async scheduling, a request admitted beside running ones whose chunk ends its prompt also takes
@@ -700,16 +718,28 @@ class Scheduler:
         req.num_computed_tokens = num_hit
         return n
 
-    def _host_hits(self, req: Request, hits: list[KVBlock]) -> tuple[list, int]:
-        """``hits`` continued through the host tier, and how many of them are host hits; -1 when loading them
-        would pass the step's load budget after another request's loads (``req`` then waits a step, so a storm
-        of host hits cannot stretch one step's copies; the first loading request of a step always goes)."""
+    def _host_hits(self, req: Request, hits: list[KVBlock], budget: int, may_wait: bool) -> tuple[list, int]:
+        """``hits`` continued through the host tier, and how many of them are host hits; -1 when its loads and the
+        offloads its allocation causes (its first chunk within the token ``budget`` left) would take the step's
+        host-tier copies, offloads and loads queued so far counted, past :attr:`copy_budget` after another
+        request's loads: ``req`` then waits a step, so a storm of host hits cannot stretch one step's copies. The
+        first loading request of a step always goes (liveness). Offloads alone never hold a request back: they
+        come from blocks the step computes into, which the token budget already bounds. Also -1, if ``may_wait``
+        (the step has rows, so it makes progress without ``req``), when the hits stop at a block this step
+        offloads (readable from the next step on): waiting a step beats recomputing the rest."""
         kv = self.kv_cache_manager
         hits = kv.extend_with_host_hits(req, hits)
-        num_host = sum(1 for b in hits if type(b) is HostHit)
-        loading = kv.block_pool.host_tier.num_loads_this_step
-        if num_host and loading and loading + num_host > self._load_budget:
+        tier = kv.block_pool.host_tier
+        hashes = req.block_hashes
+        if may_wait and len(hits) < min(len(hashes), (req.num_tokens - 1) // self.config.block_size) and (
+                tier.being_written(hashes[len(hits)])):
             return hits, -1
+        num_host = sum(1 for b in hits if type(b) is HostHit)
+        if num_host and tier.num_loads_this_step:
+            num_new = self._chunk(req.num_tokens - len(hits) * self.config.block_size, budget)
+            copies = num_host + kv.num_offloads_to_allocate(req, num_new, hits)
+            if tier.num_copies_this_step + copies > self.copy_budget:
+                return hits, -1
         return hits, num_host
 
     def _insert_running(self, req: Request, now: float) -> None:

@@ -1,5 +1,6 @@
 """Multi-turn chat against a device KV pool too small for the live histories: the prefix cache's host tier
-(``--kv-offloading-size``) off and on, side by side.
+(``--kv-offloading-size``) off, on with loads at admission, and on with prefetch (``kv_offloading_prefetch``),
+side by side.
 
 Usage: python scripts/bench_multiturn.py [--model PATH] [--conversations 16] [--turns 8] [--system-len 64]
            [--user-len 16] [--output-len 16] [--max-num-seqs 4] [--num-kv-blocks N] [--kv-offloading-size GIB]
@@ -15,8 +16,10 @@ built before the clock starts.
 
 Reports per configuration: TTFT P50/P99 (submission to first token, seconds), output throughput (tokens/s),
 prefill tokens computed (prompt tokens looked up in the prefix cache minus those it served: recomputed re-prefills
-of preempted requests included), hits by tier (tokens), preemptions, and whether every answer equals the tier-off
-run's token for token (greedy, float32).
+of preempted requests included), hits by tier (tokens), preemptions, blocks offloaded and loaded (and of those
+prefetched), the engine loop's seconds on the tier's copies (offloads: dispatching the gathers before the step's
+dispatch, writing the host pool after it, while the step runs; loads: all before), and whether every answer equals the tier-off run's token for token (greedy, float32). Timings share the machine: the
+``host:`` line gives its load.
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ def chat(engine, system: list[int], users: list[list[list[int]]], output_len: in
     return dict(ttft=ttft, answers=answers, seconds=time.monotonic() - start)
 
 
+def tier_copies(tier) -> tuple[int, int, int]:
+    """The host tier's blocks offloaded, loaded, and prefetched (of those loaded) so far; zeros without a tier."""
+    return (0, 0, 0) if tier is None else (tier.num_offloaded, tier.num_loaded, tier.num_prefetched)
+
+
 def run(args: argparse.Namespace, offloading_gib: float, prefetch: bool = False) -> dict:
     """One configuration: warm up, chat, and read the core's counters."""
     from jaxllm import LLM
@@ -94,16 +102,19 @@ def run(args: argparse.Namespace, offloading_gib: float, prefetch: bool = False)
         vocab = common.vocab_size(args.model)
         system, users = conversations(args, vocab, seed=1)
         chat(engine, system, users[:1], args.output_len, prefix="warmup-")
-        before = engine.metrics.core_stats[0]
+        tier = engine.core.scheduler.block_pool.host_tier
+        before, copies_before = engine.metrics.core_stats[0], tier_copies(tier)
+        written_before = engine.core.offload_write_seconds
         system, users = conversations(args, vocab, seed=0)
         result = chat(engine, system, users, args.output_len, prefix="c")
         after = engine.metrics.core_stats[0]
-        tier = engine.core.scheduler.block_pool.host_tier
-        prefetched = 0 if tier is None else tier.num_prefetched
+        offloaded, loaded, prefetched = (a - b for a, b in zip(tier_copies(tier), copies_before))
+        written = engine.core.offload_write_seconds - written_before
     finally:
         engine.metrics.close()
     delta = {f: getattr(after, f) - getattr(before, f) for f in (
-        "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hits_host", "num_preemptions")}
+        "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hits_host", "num_preemptions",
+        "kv_offload_seconds_to_host", "kv_offload_seconds_to_device")}
     output_tokens = sum(len(a) for a in result["answers"].values())
     return dict(
         kv_offloading_size=offloading_gib, host_tier_blocks=after.num_offload_blocks,
@@ -112,7 +123,10 @@ def run(args: argparse.Namespace, offloading_gib: float, prefetch: bool = False)
         prefill_tokens_computed=delta["prefix_cache_queries"] - delta["prefix_cache_hits"],
         device_hit_tokens=delta["prefix_cache_hits"] - delta["prefix_cache_hits_host"],
         host_hit_tokens=delta["prefix_cache_hits_host"], preemptions=delta["num_preemptions"],
-        prefetched_blocks=prefetched,
+        offloaded_blocks=offloaded, loaded_blocks=loaded, prefetched_blocks=prefetched,
+        offload_seconds_before_dispatch=delta["kv_offload_seconds_to_host"] - written,
+        offload_seconds_after_dispatch=written,
+        offload_seconds_to_device=delta["kv_offload_seconds_to_device"],
         answers=result["answers"],
     )
 
@@ -125,7 +139,12 @@ _ROWS = [  # (label, key)
     ("device-tier hit tokens", "device_hit_tokens"),
     ("host-tier hit tokens", "host_hit_tokens"),
     ("preemptions", "preemptions"),
-    ("blocks prefetched", "prefetched_blocks"),
+    ("blocks offloaded", "offloaded_blocks"),
+    ("blocks loaded", "loaded_blocks"),
+    ("  of them prefetched", "prefetched_blocks"),
+    ("loop s on offloads before dispatch", "offload_seconds_before_dispatch"),
+    ("loop s on offloads after dispatch", "offload_seconds_after_dispatch"),
+    ("loop s on loads (before dispatch)", "offload_seconds_to_device"),
     ("host-tier blocks", "host_tier_blocks"),
     ("wall time (s)", "duration_s"),
 ]
@@ -183,7 +202,9 @@ def main(argv=None) -> dict:
     results = [run(args, 0.0), run(args, args.kv_offloading_size), run(args, args.kv_offloading_size, True)]
     names = ["tier off", f"tier on ({args.kv_offloading_size} GiB)", "tier on + prefetch"]
     print_table(results, names)
-    payload = {"args": {k: str(v) for k, v in vars(args).items()},
+    host = common.host_info()
+    print(common.host_line(host))
+    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "host": host,
                "results": [{k: v for k, v in r.items() if k != "answers"} for r in results],
                "answers_equal": all(r["answers"] == results[0]["answers"] for r in results)}
     common.write_json(args.output_json, payload)

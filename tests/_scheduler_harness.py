@@ -81,8 +81,9 @@ class FakeRunner:
         bs = self.block_size
         for d, h in b.blocks_to_swap_out:
             self.host[h] = self.kv[d * bs : (d + 1) * bs]
-        for d, h in output.blocks_to_offload:
-            self.host[h] = self.kv[d * bs : (d + 1) * bs]
+        # As the engine does: offloads are gathered before the step and written to the host after it, so a
+        # load of a slot an offload of the same step writes would read the slot's old contents.
+        offloaded = [(h, self.kv[d * bs : (d + 1) * bs].copy()) for d, h in output.blocks_to_offload]
         for h, d in [*b.blocks_to_swap_in.tolist(), *output.blocks_to_load]:
             self.kv[d * bs : (d + 1) * bs] = self.host[h]
         for src, dst in b.blocks_to_copy:
@@ -93,6 +94,8 @@ class FakeRunner:
             pos = np.arange(b.seq_lens[s])
             slots = b.block_tables[s, pos // bs] * bs + pos % bs
             sampled.append(next_token(self.kv[slots]))
+        for h, block in offloaded:
+            self.host[h] = block
         self.last_sampled = sampled
         return sampled
 
@@ -215,13 +218,15 @@ def check_block_invariants(sched: Scheduler) -> None:
 
 
 def check_host_tier(sched: Scheduler) -> None:
-    """The host tier's slots: each held by at most one hash, held + free == all, all in its id range."""
+    """The host tier's slots: each held by at most one hash, held + free == all, all in its id range, those being
+    written held."""
     tier = sched.block_pool.host_tier
     if tier is None:
         return
     held = list(tier.slots.values())
     assert len(set(held)) == len(held), "a host slot holds two hashes"
     assert len(held) + tier.num_free_slots == tier.num_slots
+    assert tier._writing <= set(held), "a slot being written holds no hash"
     assert all(tier.base <= s < tier.base + tier.num_slots for s in held)
 
 

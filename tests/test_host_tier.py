@@ -162,12 +162,16 @@ def test_reset_prefix_cache_empties_the_host_tier():
 def test_a_full_tier_whose_slots_are_all_read_this_step_drops_the_offload():
     tier = HostTier(1, base=3)
     tier.offload(5, b"h1")
+    assert tier.take_copies() == ([(5, 3)], [])
+    tier.end_step()
+    tier.start_step()
     hit = tier.lookup(b"h1")
     tier.pin([hit])
     tier.load(hit, 7)
     tier.offload(6, b"h2")
-    assert tier.take_copies() == ([(5, 3)], [(3, 7)]) and list(tier.slots) == [b"h1"]
+    assert tier.take_copies() == ([], [(3, 7)]) and list(tier.slots) == [b"h1"] and tier.num_dropped == 1
     tier.end_step()
+    tier.start_step()
     tier.offload(6, b"h2")
     assert tier.take_copies() == ([(6, 3)], []) and list(tier.slots) == [b"h2"]
 
@@ -183,11 +187,12 @@ def test_num_offload_blocks_needs_prefix_caching():
         SchedulerConfig(num_blocks=4, num_offload_blocks=2, enable_prefix_caching=False)
 
 
-def test_async_scheduling_with_the_tier_generates_the_reference_tokens():
+@pytest.mark.parametrize("prefetch", [False, True], ids=["on-demand", "prefetch"])
+def test_async_scheduling_with_the_tier_generates_the_reference_tokens(prefetch):
     from tests._scheduler_harness import run_async_until_done
 
     config = SchedulerConfig(num_blocks=8, block_size=BS, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
-                             num_offload_blocks=12, async_scheduling=True)
+                             num_offload_blocks=12, async_scheduling=True, kv_offloading_prefetch=prefetch)
     sched, runner = Scheduler(config), FakeRunner(config)
     requests = []
     for turn in range(3):
@@ -199,6 +204,8 @@ def test_async_scheduling_with_the_tier_generates_the_reference_tokens():
     for req in requests:
         assert req.output_token_ids == reference_output(req.prompt_token_ids, req.sampling_params, None, 64), req
     assert sched.prefix_cache_hits_host > 0
+    # Prefetched blocks are loaded before the step after the one that scheduled them reads them.
+    assert (sched.block_pool.host_tier.num_prefetched > 0) == prefetch
 
 
 def test_a_fork_that_reuses_a_cached_block_queues_its_offload_for_before_the_fork_copies():
@@ -256,19 +263,155 @@ def test_prefetch_loads_a_waiting_requests_host_hits_into_empty_blocks_before_it
     assert again.output_token_ids == reference_output(again.prompt_token_ids, again.sampling_params, None, 64)
 
 
-def test_prefetch_never_evicts_a_cached_block():
-    config = SchedulerConfig(num_blocks=5, block_size=BS, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
-                             num_offload_blocks=8, kv_offloading_prefetch=True)
+P = list(range(1, 13))  # three full blocks
+Q = list(range(100, 139))  # nine full blocks and three tokens
+
+
+def _prefetch_setup(prefetch=True, max_num_batched_tokens=64, long_prompt=Q[:8] + [7]):
+    """P's last two blocks in the host tier (slots 1 and 0), its first one cached on the device in block 1, at the
+    front of the free queue behind an empty block; then "long" (one seat) is admitted and "p2" (P and one
+    token) waits."""
+    config = SchedulerConfig(num_blocks=12, block_size=BS, max_num_seqs=1, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=64, num_offload_blocks=16, kv_offloading_prefetch=prefetch)
     sched, runner = Scheduler(config), FakeRunner(config)
-    _run(sched, runner, "a", A)
-    _run(sched, runner, "b", B)  # all four blocks: A's go to the host tier, B's three stay cached
-    sched.add_request(make_request("long", list(range(60, 64)), max_tokens=1))
-    sched.add_request(make_request("a2", A + [40], max_tokens=1))
-    cached = dict(sched.block_pool.cached)
+    _run(sched, runner, "p", P)  # blocks 1, 2, 3
+    _run(sched, runner, "q", Q)  # takes the eight empty blocks, then 3 and 2: P's tail goes to slots 0 and 1
+    pool, tier = sched.block_pool, sched.block_pool.host_tier
+    p_hashes = a_hashes(sched, P)
+    assert [tier.slots.get(h) for h in p_hashes] == [None, 1, 0] and pool.cached[p_hashes[0]].block_id == 1
+    assert [b.block_id for b in pool.free_queue][:3] == [2, 1, 3]  # Q's partial last block, P's first, Q's tail
+    sched.add_request(make_request("long", long_prompt, max_tokens=1))
+    p2 = make_request("p2", P + [40], max_tokens=4)
+    sched.add_request(p2)
+    return sched, runner, p2
+
+
+def test_prefetch_turns_a_waiting_requests_host_hits_into_device_hits_at_its_admission():
+    sched, runner, p2 = _prefetch_setup()
     out = sched.schedule()
-    # "long" took the one empty block; a prefetch would have had to evict one of B's.
-    assert not out.blocks_to_load and all(sched.block_pool.cached.get(h) is b for h, b in cached.items()
-                                          if b.ref_cnt == 0)
+    # "long" takes the empty block 2 and the seat; p2's two host hits are loaded into the next free blocks, 3 and
+    # 11 (Q's cached tail), which go to the tier first.
+    assert [r.request_id for r in out.requests] == ["long"]
+    assert out.blocks_to_offload == [(3, 2), (11, 3)] and out.blocks_to_load == [(1, 3), (0, 11)]
+    assert sched.block_pool.host_tier.num_prefetched == 2
+    sched.update_from_output(out, runner(out))
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == ["p2"] and not out.blocks_to_load and not out.blocks_to_offload
+    assert out.num_computed_tokens.tolist() == [12] and sched.kv_cache_manager.get_block_ids("p2") == [1, 3, 11, 2]
+    assert sched.prefix_cache_hits_host == 0
+    sched.update_from_output(out, runner(out))
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert p2.output_token_ids == reference_output(p2.prompt_token_ids, p2.sampling_params, None, 64)
+
+
+def test_without_prefetch_the_same_request_loads_its_host_hits_at_admission():
+    sched, runner, p2 = _prefetch_setup(prefetch=False)
+    out = sched.schedule()
+    assert not out.blocks_to_load and not out.blocks_to_offload
+    sched.update_from_output(out, runner(out))
+    out = sched.schedule()
+    assert out.blocks_to_load == [(1, 2), (0, 3)] and sched.prefix_cache_hits_host == 8
+
+
+def test_prefetch_never_evicts_a_device_hit_of_the_request_it_loads_for():
+    sched, runner, p2 = _prefetch_setup()
+    first = sched.block_pool.cached[p2.block_hashes[0]]
+    out = sched.schedule()
+    # Block 1 (P's first block, p2's device hit) was the front of the free queue once "long" took block 2: the
+    # prefetch passed over it.
+    assert 1 not in {d for d, _ in out.blocks_to_offload} | {d for _, d in out.blocks_to_load}
+    assert sched.block_pool.cached[p2.block_hashes[0]] is first and first.block_id == 1 and first.ref_cnt == 0
+    check_block_invariants(sched)
+
+
+def test_prefetch_stops_at_the_step_copy_budget_counting_the_offloads_it_causes():
+    # 12 tokens a step: a copy budget of 3. The first load costs 2 copies (it and the offload of block 3); the
+    # second would bring it to 4.
+    sched, runner, p2 = _prefetch_setup(max_num_batched_tokens=12)
+    assert sched.copy_budget == 3
+    out = sched.schedule()
+    assert out.blocks_to_offload == [(3, 2)] and out.blocks_to_load == [(1, 3)]
+    sched.update_from_output(out, runner(out))
+    out = sched.schedule()
+    # Admitted with two device hits, the third loaded now.
+    assert [r.request_id for r in out.requests] == ["p2"] and out.blocks_to_load == [(0, 2)]
+    assert out.num_computed_tokens.tolist() == [12] and sched.prefix_cache_hits_host == 4
+    sched.update_from_output(out, runner(out))
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert p2.output_token_ids == reference_output(p2.prompt_token_ids, p2.sampling_params, None, 64)
+
+
+def test_prefetch_stops_at_a_request_whose_hits_do_not_fit_in_the_free_blocks():
+    # "long" revives eight of Q's blocks: two blocks stay free, and p2's hits need three (its device hit revived,
+    # two loaded).
+    sched, runner, p2 = _prefetch_setup(long_prompt=Q[:32] + [7])
+    out = sched.schedule()
+    assert sched.block_pool.num_free_blocks == 2
+    assert not out.blocks_to_load and not out.blocks_to_offload and sched.block_pool.host_tier.num_prefetched == 0
+
+
+def test_a_failed_launch_forgets_the_prefetched_blocks_and_the_offloads_they_caused():
+    sched, runner, p2 = _prefetch_setup()
+    out = sched.schedule()
+    sched.discard_output(out)
+    pool, tier = sched.block_pool, sched.block_pool.host_tier
+    assert pool.blocks[3].block_hash is None and pool.blocks[11].block_hash is None
+    # Q's two offloaded blocks are gone from the tier (slots 2 and 3 never got them); P's stay in slots 1, 0.
+    assert sorted(tier.slots.values()) == [0, 1] and tier.num_free_slots == 14
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert p2.output_token_ids == reference_output(p2.prompt_token_ids, p2.sampling_params, None, 64)
+
+
+def test_an_offloaded_block_is_no_hit_until_the_step_that_writes_it_has_run():
+    config = SchedulerConfig(num_blocks=9, block_size=BS, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                             num_offload_blocks=8)
+    sched, runner = Scheduler(config), FakeRunner(config)
+    _run(sched, runner, "a", A)  # blocks 1, 2
+    _run(sched, runner, "d", list(range(60, 68)))  # blocks 3, 4: the free queue ends with A's 2, 1, then 4, 3
+    tier, a1 = sched.block_pool.host_tier, a_hashes(sched, A)[1]
+    x = make_request("x", list(range(80, 100)), max_tokens=1)  # five blocks: the four empty ones, then A's tail
+    a2 = make_request("a2", A + [40], max_tokens=1)
+    sched.add_request(x)
+    sched.add_request(a2)
+    out = sched.schedule()
+    # A's tail is written to slot 0 after this step is dispatched: a2 would stop its hits there and recompute
+    # it, so it waits a step instead.
+    assert out.blocks_to_offload == [(2, 0)] and tier.slots[a1] == 0
+    assert [r.request_id for r in out.requests] == ["x"] and tier.lookup(a1) is None and tier.being_written(a1)
+    assert runner.host[0].tolist() == [-1] * BS
+    sched.update_from_output(out, runner(out))
+    assert runner.host[0].tolist() == A[4:]
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == ["a2"] and out.blocks_to_load[0][0] == 0
+    assert out.num_computed_tokens.tolist() == [8]
+    sched.update_from_output(out, runner(out))
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert a2.output_token_ids == reference_output(a2.prompt_token_ids, a2.sampling_params, None, 64)
+
+
+def test_a_second_loading_request_counts_the_offloads_its_allocation_causes():
+    # 16 tokens a step: a copy budget of 4. a2 goes first: two loads and three offloads (its two loaded blocks
+    # and its fresh one take cached blocks of b). c2's two loads would fit 4 with loads alone counted, but with
+    # its three offloads the step would queue 10 copies: it waits a step.
+    config = SchedulerConfig(num_blocks=9, block_size=BS, max_num_seqs=4, max_num_batched_tokens=16,
+                             max_model_len=64, num_offload_blocks=16)
+    sched, runner = Scheduler(config), FakeRunner(config)
+    C = list(range(60, 68))
+    for rid, prompt in (("a", A), ("c", C), ("b", list(range(20, 52)))):
+        _run(sched, runner, rid, prompt)  # b's eight blocks take the whole pool: A's and C's go to the host
+    for rid, prompt in (("a2", A + [1]), ("c2", C + [1])):
+        sched.add_request(make_request(rid, prompt, max_tokens=1))
+    assert sched.copy_budget == 4
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == ["a2"]
+    assert (len(out.blocks_to_load), len(out.blocks_to_offload)) == (2, 3)
+    sched.update_from_output(out, runner(out))
+    out = sched.schedule()
+    # Its fresh block is now a2's empty last block: two offloads.
+    assert [r.request_id for r in out.requests] == ["c2"]
+    assert (len(out.blocks_to_load), len(out.blocks_to_offload)) == (2, 2)
+    sched.update_from_output(out, runner(out))
+    run_until_done(sched, runner, check=check_block_invariants)
 
 
 def test_prefetch_needs_a_host_tier():
@@ -309,3 +452,26 @@ def test_a_discarded_output_forgets_the_blocks_its_tier_copies_were_to_fill():
     assert offloaded.isdisjoint(tier.slots.values()) and tier.num_cached == 2
     run_until_done(sched, runner, check=check_block_invariants)
     assert again.output_token_ids == reference_output(again.prompt_token_ids, again.sampling_params, None, 64)
+
+
+def test_a_request_waiting_for_the_copy_budget_preempts_no_one():
+    # Priority policy: c2 outranks the running "low", but what holds it back is the step's copy budget (a2's five
+    # copies and its own five pass 4), which preempting "low" would not shorten.
+    config = SchedulerConfig(num_blocks=11, block_size=BS, max_num_seqs=4, max_num_batched_tokens=16,
+                             max_model_len=64, num_offload_blocks=16, scheduling_policy="priority")
+    sched, runner = Scheduler(config), FakeRunner(config)
+    C = list(range(60, 68))
+    for rid, prompt in (("a", A), ("c", C), ("b", list(range(20, 60)))):
+        _run(sched, runner, rid, prompt)
+    low = make_request("low", [5, 6, 7], max_tokens=20, priority=5)
+    sched.add_request(low)
+    out = sched.schedule()
+    sched.update_from_output(out, runner(out))
+    for rid, prompt in (("a2", A + [1]), ("c2", C + [1])):
+        sched.add_request(make_request(rid, prompt, max_tokens=1, priority=0))
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == ["low", "a2"] and sched.num_preemptions == 0
+    assert (len(out.blocks_to_load), len(out.blocks_to_offload)) == (2, 3)
+    sched.update_from_output(out, runner(out))
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert low.output_token_ids == reference_output(low.prompt_token_ids, low.sampling_params, None, 64)

@@ -115,6 +115,11 @@ def test_metrics_and_report_count_hits_by_tier_and_bytes_each_way():
     assert metric("jaxllm:kv_offload_total_bytes_total", {"transfer_type": "GPU_to_CPU"}) == (
         report["num_offloaded_blocks"] * 20480)
     assert metric("jaxllm:kv_offload_total_time_total", {"transfer_type": "CPU_to_GPU"}) > 0
+    # The offloads' host writes ran after their steps' dispatch; their time is part of the GPU_to_CPU one.
+    core = llm.engine.core
+    assert 0 < core.offload_write_seconds <= core.offload_seconds[0]
+    assert metric("jaxllm:kv_offload_total_time_total", {"transfer_type": "GPU_to_CPU"}) == pytest.approx(
+        core.offload_seconds[0])
     assert metric("jaxllm:kv_offload_usage_perc") == report["num_cached_blocks"] / 60
 
 
@@ -131,4 +136,49 @@ def test_multiturn_bench_runs_every_configuration_with_equal_answers():
     off, on, prefetch = payload["results"]
     assert off["host_hit_tokens"] == 0 and on["host_hit_tokens"] > 0 and prefetch["host_hit_tokens"] > 0
     assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] - on["host_hit_tokens"]
+    assert off["offloaded_blocks"] == off["offload_seconds_after_dispatch"] == 0 and on["offloaded_blocks"] > 0
+    assert on["prefetched_blocks"] == 0 and 0 < prefetch["prefetched_blocks"] <= prefetch["loaded_blocks"]
     assert payload["answers_equal"]
+
+
+def test_prefetch_gives_the_same_greedy_tokens_and_compiles_nothing_after_warmup():
+    without, _ = run()
+    llm = LLM(model=str(STORIES), **{**BASE, "precompile": True}, kv_offloading_size=TIER_GIB,
+              kv_offloading_prefetch=True)
+    compiled = llm.engine.runner.num_compilations
+    outputs = chat(llm)
+    tier = llm.engine.core.scheduler.block_pool.host_tier
+    assert outputs == without
+    assert tier.num_prefetched > 0 and tier.num_loaded > tier.num_prefetched
+    assert llm.engine.runner.num_compilations == compiled
+
+
+def test_a_launch_whose_offload_writes_fail_forgets_them_and_serves_the_same_tokens():
+    without, _ = run()
+    llm = LLM(model=str(STORIES), kv_offloading_size=TIER_GIB, **BASE)
+    core = llm.engine.core
+    sched, tier = core.scheduler, core.scheduler.block_pool.host_tier
+    step, finish, discard = core.step, core.runner.finish_swap_out, sched.discard_output
+    forgotten = []
+
+    def failing_finish(pending):
+        if pending and not forgotten:
+            raise RuntimeError("injected: the host write failed")
+        finish(pending)
+
+    def discard_and_check(output):
+        discard(output)
+        slots = {slot for _, slot in output.blocks_to_offload}
+        assert slots and slots.isdisjoint(tier.slots.values())
+        forgotten.append(slots)
+
+    def step_past_the_failure():
+        try:
+            return step()
+        except RuntimeError as e:
+            assert "injected" in str(e)
+            return step()
+
+    core.runner.finish_swap_out, sched.discard_output, core.step = failing_finish, discard_and_check, step_past_the_failure
+    outputs = chat(llm)
+    assert len(forgotten) == 1 and outputs == without and sched.prefix_cache_hits_host > 0

@@ -13,8 +13,9 @@ with a reason, every unaborted one generated exactly what a scheduler-free
 reference generates (the fake runner samples from KV it reads back through the
 block tables), and free blocks == total - 1. Runs under every policy and both
 preemption modes, with and without ``reserve_predicted_output``, with and without a host tier for the prefix
-cache (and its prefetch): its slots held + free always add up (``check_host_tier``), and after every step each slot
-holds exactly its block's tokens.
+cache (and its prefetch): its slots held + free always add up (``check_host_tier``), a step's loads never read a slot
+its deferred offloads write, every copy moves exactly its block's tokens (``check_tier_copies``), and after every
+step each slot holds exactly its block's tokens.
 """
 
 from hypothesis import HealthCheck, settings
@@ -45,6 +46,8 @@ SHORT_MAX_TOKENS = st.one_of(st.just(1), st.integers(1, 12))
 class SchedulerMachine(RuleBasedStateMachine):
     policy = "fcfs"
     mode = "recompute"
+    # True: always a host tier with prefetch (otherwise drawn, and mostly absent).
+    prefetching = False
 
     @initialize(
         num_blocks=st.integers(2, 12),
@@ -56,10 +59,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefetch=st.booleans(),
     )
     def setup(self, num_blocks, caching, chunked, threshold, reserve=False, offload=0, prefetch=False):
+        if self.prefetching:
+            # One seat, so requests wait beside free blocks for the prefetch to fill.
+            caching, offload, prefetch, num_blocks = True, max(offload, 3), True, max(num_blocks, 9)
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
             block_size=BLOCK_SIZE,
-            max_num_seqs=3,
+            max_num_seqs=1 if self.prefetching else 3,
             max_num_batched_tokens=10 if chunked else MAX_MODEL_LEN,
             max_model_len=MAX_MODEL_LEN,
             enable_prefix_caching=caching,
@@ -134,6 +140,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         check_block_invariants(self.sched)
         check_copies(self.sched, out)
+        self.check_tier_copies(out)
         self.copies += len(out.blocks_to_copy)
         updated = self.sched.update_from_output(out, self.runner(out))
         self.check_host_tier_contents()
@@ -142,17 +149,38 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len({id(r) for r in updated}) == len(updated)
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
 
+    def _block_tokens(self):
+        tokens = {}
+        for req in self.requests:
+            for i, h in enumerate(req.block_hashes):
+                tokens[h] = req.all_token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
+        return tokens
+
     def check_host_tier_contents(self):
         """Once a step's copies are done, each host-tier slot holds exactly the tokens of its block hash."""
         tier = self.sched.block_pool.host_tier
         if tier is None:
             return
-        tokens = {}
-        for req in self.requests:
-            for i, h in enumerate(req.block_hashes):
-                tokens[h] = req.all_token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
+        tokens = self._block_tokens()
         for h, slot in tier.slots.items():
             assert self.runner.host[slot].tolist() == tokens[h]
+
+    def check_tier_copies(self, out):
+        """Before a step's copies (prefetches and deferred offloads included): no load reads a slot this step's
+        offloads write, each load's slot already holds exactly its block's tokens, and each offloaded device
+        block holds exactly the tokens of the hash its slot now holds."""
+        tier = self.sched.block_pool.host_tier
+        if tier is None:
+            assert not out.blocks_to_offload and not out.blocks_to_load
+            return
+        written = {slot for _, slot in out.blocks_to_offload}
+        assert written.isdisjoint(slot for slot, _ in out.blocks_to_load)
+        tokens, by_slot = self._block_tokens(), {slot: h for h, slot in tier.slots.items()}
+        bs, kv = BLOCK_SIZE, self.runner.kv
+        for slot, block in out.blocks_to_load:
+            assert self.runner.host[slot].tolist() == tokens[self.sched.block_pool.blocks[block].block_hash]
+        for block, slot in out.blocks_to_offload:
+            assert kv[block * bs:(block + 1) * bs].tolist() == tokens[by_slot[slot]]
 
     @rule(data=st.data())
     def abort(self, data):
@@ -225,8 +253,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.kv_cache_manager.host_pool.num_free_blocks == 6
 
 
-def _test_case(policy, mode):
-    machine = type(f"SchedulerMachine_{policy}_{mode}", (SchedulerMachine,), {"policy": policy, "mode": mode})
+def _test_case(policy, mode, prefetching=False):
+    machine = type(f"SchedulerMachine_{policy}_{mode}", (SchedulerMachine,),
+                   {"policy": policy, "mode": mode, "prefetching": prefetching})
     case = machine.TestCase
     case.settings = settings(
         max_examples=25, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -244,3 +273,22 @@ TestStatefulAgingRecompute = _test_case("aging", "recompute")
 TestStatefulAgingSwap = _test_case("aging", "swap")
 TestStatefulPredictedRecompute = _test_case("predicted", "recompute")
 TestStatefulPredictedSwap = _test_case("predicted", "swap")
+TestStatefulFCFSRecomputePrefetch = _test_case("fcfs", "recompute", prefetching=True)
+TestStatefulPrioritySwapPrefetch = _test_case("priority", "swap", prefetching=True)
+
+
+def test_a_request_whose_hits_stop_at_a_block_being_written_is_admitted_when_the_step_has_no_other_row():
+    """The machine's falsifying example (priority, swap, prefetching): r0's chunk takes a cached free block, whose
+    hash is next in r2's chain and goes to the host tier; r2 then preempts r0, so the step has no row left and
+    r2 must not wait for that write."""
+    machine = type("Machine", (SchedulerMachine,), {"policy": "priority", "mode": "swap", "prefetching": True})()
+    machine.setup(num_blocks=2, caching=False, chunked=True, threshold=0)
+    machine.add_block_aligned_request(max_tokens=1, num_blocks=None, priority=1)
+    machine.step()
+    machine.add_block_aligned_request(max_tokens=1, num_blocks=1, priority=0)
+    machine.step()
+    machine.step()
+    machine.add_block_aligned_request(max_tokens=1, num_blocks=None, priority=0)
+    machine.step()
+    assert [r.request_id for r in machine.sched.running] == ["r2"] and machine.sched.num_preemptions == 2
+    machine.teardown()

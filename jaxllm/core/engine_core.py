@@ -135,8 +135,11 @@ class EngineCore:
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=max_model_len,
                                                                num_offload_blocks=runner.num_offload_blocks))
-        # Seconds the host tier's copies took: device -> host (offloads), host -> device (loads, dispatch only).
+        # Seconds the engine loop spent on the host tier's copies: device -> host (offloads: dispatching their
+        # gathers, then writing the host pool while the step runs), host -> device (loads, dispatch only); and of
+        # the first, the host writes (after the step's dispatch, off the step's critical path).
         self.offload_seconds = [0.0, 0.0]
+        self.offload_write_seconds = 0.0
         # Bytes one host-tier block copy moves: K and V of every layer, of every runner.
         self._offload_block_bytes = sum(2 * r.host_pool[0][:, 0].nbytes for r in self._runners if r.host_pool is not None)
         self.requests: dict[str, CoreRequest] = {}
@@ -594,13 +597,18 @@ class EngineCore:
             self.abort_requests([record.request_id])
         return outputs
 
-    def _copy_blocks(self, sched_out: SchedulerOutput) -> None:
-        """Every runner's block copies of ``sched_out``, in ``SchedulerOutput``'s order; the host tier's timed."""
+    def _copy_blocks(self, sched_out: SchedulerOutput) -> list[list]:
+        """Every runner's block copies of ``sched_out``, in ``SchedulerOutput``'s order, except that the host tier's
+        offloads are only gathered on the device: their host writes are returned, one list per runner, for
+        :meth:`_write_offloads` once the step is dispatched (the loads never read a slot this step writes:
+        ``scheduler.host_tier``). The tier's copies are timed."""
+        pending = []
         for runner in self._runners:
             runner.swap_out(sched_out.blocks_to_swap_out)
+            pending.append([])
             if sched_out.blocks_to_offload:
                 start = time.perf_counter()
-                runner.swap_out(sched_out.blocks_to_offload)
+                pending[-1] = runner.start_swap_out(sched_out.blocks_to_offload)
                 self.offload_seconds[0] += time.perf_counter() - start
             runner.swap_in(sched_out.blocks_to_swap_in)
             if sched_out.blocks_to_load:
@@ -608,16 +616,33 @@ class EngineCore:
                 runner.swap_in(sched_out.blocks_to_load)
                 self.offload_seconds[1] += time.perf_counter() - start
             runner.copy_blocks(sched_out.blocks_to_copy)
+        return pending
+
+    def _write_offloads(self, pending: list[list]) -> None:
+        """Complete the host tier's offloads that :meth:`_copy_blocks` gathered: their slots become hits at the
+        next ``Scheduler.schedule()``, which comes after this."""
+        if not any(pending):
+            return
+        start = time.perf_counter()
+        for runner, writes in zip(self._runners, pending):
+            runner.finish_swap_out(writes)
+        seconds = time.perf_counter() - start
+        self.offload_seconds[0] += seconds
+        self.offload_write_seconds += seconds
 
     def _launch(self, sched_out: SchedulerOutput, prev_tokens: Optional[jax.Array]) -> _Launched:
-        """Do the output's block copies and dispatch its step (``dispatched`` None when it has no rows).
+        """Do the output's block copies and dispatch its step (``dispatched`` None when it has no rows), then write
+        the host tier's offloads while the step runs: waiting for their gathers (and for the step before them)
+        before the dispatch would keep the device idle meanwhile.
 
         The block copies run either way: a step may only swap a preempted request out. A step that fails to
-        launch never ran: its rows go back to waiting, so the engine stays usable.
+        launch never ran: its rows go back to waiting, so the engine stays usable (the tier forgets the blocks its
+        copies were to fill).
         """
         try:
-            self._copy_blocks(sched_out)
+            offloads = self._copy_blocks(sched_out)
             if not sched_out.scheduled:
+                self._write_offloads(offloads)
                 return _Launched(sched_out, None)
             batch = build_batch(sched_out, self._serving_buckets())
             targets = (prompt_targets(sched_out.scheduled, batch.input_ids.shape[0]) if self._num_prompt_trackers
@@ -628,6 +653,7 @@ class EngineCore:
                                                   self.structured.bitmask(sched_out, num_rows))
             if self.drafter is not None:
                 out = dataclasses.replace(out, draft_token_ids=self.drafter.propose_async(batch, out.sampled))
+            self._write_offloads(offloads)
         except Exception:
             self.scheduler.discard_output(sched_out)
             raise

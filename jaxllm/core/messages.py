@@ -127,8 +127,9 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
       prefix_cache_hits_host: of ``prefix_cache_hits``, tokens loaded from the host tier (``kv_offloading_size``).
       kv_offload_bytes_to_host, kv_offload_bytes_to_device: bytes the host tier's copies moved each way (every
         runner's KV, a draft model's included).
-      kv_offload_seconds_to_host, kv_offload_seconds_to_device: wall time of those copies (to the device: the
-        host side and the dispatch; the device finishes them before the step reads them).
+      kv_offload_seconds_to_host, kv_offload_seconds_to_device: engine-loop time of those copies (to the host:
+        dispatching the gathers before the step, writing the host pool after its dispatch, while it runs; to the
+        device: the host side and the dispatch; the device finishes them before the step reads them).
       num_offload_blocks, num_offload_cached_blocks: the host tier's blocks, and those holding a block.
     """
 

@@ -578,12 +578,29 @@ class ModelRunner:
         return self.num_compilations - before
 
     def swap_out(self, pairs: Sequence[Sequence[int]]) -> None:
-        """Copy device blocks to the host pool: ``pairs`` of (device, host) ids."""
+        """Copy device blocks to the host pool: ``pairs`` of (device, host) ids; returns once the pool holds them."""
+        self.finish_swap_out(self.start_swap_out(pairs))
+
+    def start_swap_out(self, pairs: Sequence[Sequence[int]]) -> list[tuple[np.ndarray, KVCache]]:
+        """The first half of :meth:`swap_out`: dispatch the gathers of the device blocks of ``pairs`` ((device, host)
+        ids) without waiting for them. They read the KV cache as it is now (programs dispatched later, which may
+        overwrite those blocks, run after them), into arrays of their own.
+
+        Returns:
+          per chunk of ``BLOCK_CHUNK`` pairs: its host ids (int32[n]) and its gathered blocks (K and V, each
+          ``[num_layers, BLOCK_CHUNK, block_size, num_kv_heads, head_dim]`` on the device), for
+          :meth:`finish_swap_out`.
+        """
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
-        for chunk, n in _chunks(pairs):
-            blocks = jax.device_get(self._block_op("gather")(self.kv_cache, chunk[:, 0]))
+        return [(chunk[:n, 1], self._block_op("gather")(self.kv_cache, chunk[:, 0])) for chunk, n in _chunks(pairs)]
+
+    def finish_swap_out(self, pending: list[tuple[np.ndarray, KVCache]]) -> None:
+        """Write what :meth:`start_swap_out` gathered into the host pool (waits for those gathers only)."""
+        if not pending:
+            return
+        for (host_ids, _), blocks in zip(pending, jax.device_get([blocks for _, blocks in pending])):
             for pool, block in zip(self.host_pool, blocks):
-                pool[:, chunk[:n, 1]] = block[:, :n]
+                pool[:, host_ids] = block[:, :len(host_ids)]
 
     def swap_in(self, pairs: Sequence[Sequence[int]]) -> None:
         """Copy host-pool blocks back to the device: ``pairs`` of (host, device) ids."""
