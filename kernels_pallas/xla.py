@@ -27,6 +27,9 @@ q's dtype. Cache layout, padding rules, GQA mapping, the uint16 storage of
 bfloat16 caches and the scales of quantized (int8, float8_e4m3fn) caches as
 in ``reference.py``; here the K scales multiply the queries once and the V
 scales the output, so the loop only converts what it loads to float32.
+Blocks of the compressed pool (``reference.CompressedKV``: table ids past the
+cache's blocks) are gathered from it beside and dequantized with their own
+per-block scales where the ids name them.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.reference import from_storage
+from kernels_pallas.reference import CompressedKV, _check_scales, from_storage
 
 # Finite stand-in for -inf: masked scores and the initial running max. exp of
 # (masked - max) underflows to exactly 0, and no NaN arises from -inf - -inf.
@@ -61,6 +64,7 @@ def _attend_tiles(
     pairs_per_step: int,
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
+    compressed: Optional[CompressedKV] = None,
 ) -> jax.Array:
     """Attention of query tiles over their own sequence's paged KV.
 
@@ -81,6 +85,7 @@ def _attend_tiles(
       chunk_blocks: KV blocks per chunk.
       pairs_per_step: (tile, chunk) pairs per loop step.
       k_scale, v_scale: float32[Hkv] of a quantized cache, or None.
+      compressed: the pool that table ids ``>= num_blocks`` name, or None.
 
     Returns:
       float32 [N, Q, Hq, D]; padding queries give zeros.
@@ -110,8 +115,23 @@ def _attend_tiles(
     # Gather whole blocks as rows: with one KV head, a gather of [block_size, 1, head_dim]
     # slices lets XLA's CPU layout assignment move the unit axis, and the layer scan then
     # copies the whole cache on every layer.
-    k_blocks = k_cache.reshape(k_cache.shape[0], -1)
-    v_blocks = v_cache.reshape(v_cache.shape[0], -1)
+    num_blocks = k_cache.shape[0]
+    k_blocks = k_cache.reshape(num_blocks, -1)
+    v_blocks = v_cache.reshape(num_blocks, -1)
+    pool = None if compressed is None else (compressed.k.reshape(compressed.k.shape[0], -1),
+                                            compressed.v.reshape(compressed.v.shape[0], -1))
+
+    def load(blocks: jax.Array, ids: jax.Array, which: int) -> jax.Array:
+        """float32 [B, chunk_len, Hkv, D] of blocks ``ids`` (int32[B, chunk_blocks]), K (0) or V (1)."""
+        x = from_storage(jnp.take(blocks, ids, axis=0, mode="clip")).astype(jnp.float32)
+        shape = (batch, chunk_blocks, block_size, num_kv_heads, head_dim)
+        if pool is not None:
+            in_pool = ids >= num_blocks
+            slot = jnp.where(in_pool, ids - num_blocks, 0)
+            y = from_storage(jnp.take(pool[which], slot, axis=0)).astype(jnp.float32).reshape(shape)
+            y = y * jnp.take(compressed[2 + which], slot, axis=0)[:, :, None, :, None]
+            x = jnp.where(in_pool[:, :, None, None, None], y, x.reshape(shape))
+        return x.reshape(batch, chunk_len, num_kv_heads, head_dim)
 
     def body(step, carry):
         run_max, run_sum, acc = carry
@@ -121,9 +141,8 @@ def _attend_tiles(
         chunk = first_chunk[tile] + pair - (pair_end[tile] - num_chunks[tile])
         ids = jnp.take_along_axis(tables[tile], chunk[:, None] * chunk_blocks + jnp.arange(chunk_blocks)[None, :],
                                   axis=1)
-        k = from_storage(jnp.take(k_blocks, ids, axis=0, mode="clip")).reshape(batch, chunk_len, num_kv_heads, head_dim)
-        v = from_storage(jnp.take(v_blocks, ids, axis=0, mode="clip")).reshape(batch, chunk_len, num_kv_heads, head_dim)
-        scores = jnp.einsum("bqhgd,blhd->bhqgl", qg[tile], k.astype(jnp.float32))
+        k, v = load(k_blocks, ids, 0), load(v_blocks, ids, 1)
+        scores = jnp.einsum("bqhgd,blhd->bhqgl", qg[tile], k)
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         kv_pos = chunk[:, None] * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)[None, :]  # [B, L]
@@ -135,7 +154,7 @@ def _attend_tiles(
         scores = jnp.where(visible, scores, _MASKED)
         pair_max = jnp.max(scores, axis=-1)
         p = jnp.where(visible, jnp.exp(scores - pair_max[..., None]), 0.0)
-        pair_out = jnp.einsum("bhqgl,blhd->bhqgd", p, v.astype(jnp.float32))
+        pair_out = jnp.einsum("bhqgl,blhd->bhqgd", p, v)
         # Fold the pairs into their tiles; a dead pair points past the end and is dropped.
         target = jnp.where(live, tile, num_tiles)
         new_max = run_max.at[target].max(pair_max, mode="drop")
@@ -172,6 +191,7 @@ def ragged_paged_attention_xla(
     pairs_per_step: int = PAIRS_PER_STEP,
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
+    compressed: Optional[CompressedKV] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache, tiled per sequence.
 
@@ -180,8 +200,9 @@ def ragged_paged_attention_xla(
     ``[num_blocks, block_size, Hkv, D]``, ``block_tables: int32[S, W]``,
     ``seq_lens: int32[S]``, ``query_start_loc: int32[S + 1]``,
     ``num_seqs: int32[]``, ``k_scale, v_scale: float32[Hkv]`` of a quantized
-    cache or None; returns ``[T, Hq, D]`` in q's dtype with zeros on padding
-    rows). ``interpret`` is accepted for signature parity.
+    cache or None, ``compressed``: the pool of compressed blocks or None;
+    returns ``[T, Hq, D]`` in q's dtype with zeros on padding rows).
+    ``interpret`` is accepted for signature parity.
 
     Args:
       prefill_tile: queries per prefill tile (a sequence with more than one
@@ -197,6 +218,7 @@ def ragged_paged_attention_xla(
     ``kv_chunk_blocks * block_size``; no ``[T, W * block_size]`` buffer.
     """
     del interpret
+    _check_scales(k_scale, compressed)
     num_tokens = q.shape[0]
     num_rows = block_tables.shape[0]
     starts, ends = query_start_loc[:-1], query_start_loc[1:]
@@ -206,7 +228,7 @@ def ragged_paged_attention_xla(
     is_prefill = live & (q_len > 1)
     first_pos = seq_lens - q_len  # position of each row's first new token
     attend = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, chunk_blocks=kv_chunk_blocks,
-                  k_scale=k_scale, v_scale=v_scale)
+                  k_scale=k_scale, v_scale=v_scale, compressed=compressed)
     pairs = functools.partial(min, pairs_per_step)
     zeros = jnp.zeros(q.shape, jnp.float32)
 
