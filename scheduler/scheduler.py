@@ -64,13 +64,14 @@ class _Step:
     """
 
     __slots__ = (
-        "budget", "preempted", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped", "headroom",
+        "budget", "preempted", "compress", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped", "headroom",
         "bulk_requests", "bulk_rows", "bulk_new", "bulk_computed", "tail_requests", "tail_new", "tail_computed",
     )
 
     def __init__(self, budget: int, now: float) -> None:
         self.budget = budget
         self.preempted: list[Request] = []
+        self.compress: list[tuple[int, int]] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
         self.preempted_ids: set[str] = set()
@@ -203,7 +204,8 @@ class Scheduler:
                                     num_offload_blocks=config.num_offload_blocks, offload_base=config.num_host_blocks,
                                     block_size=config.block_size)
         self.kv_cache_manager = KVCacheManager(
-            self.block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks
+            self.block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks,
+            config.num_compressed_blocks,
         )
         self.batch = PersistentBatch(config.max_num_seqs)
         self.requests: dict[str, Request] = {}
@@ -431,6 +433,7 @@ class Scheduler:
             block_tables=table.table[rows, : num_blocks.max(initial=0)],
             total_num_scheduled_tokens=int(new.sum()),
             preempted=step.preempted,
+            blocks_to_compress=step.compress,
             blocks_to_swap_out=step.swap_out,
             blocks_to_swap_in=step.swap_in,
             block_size=self.config.block_size,
@@ -540,7 +543,10 @@ class Scheduler:
         step.add(req, n, computed)
 
     def _preempt_until_allocated(self, req: Request, n: int, step: _Step) -> bool:
+        kv = self.kv_cache_manager
         while True:
+            if self._compress_for(req, n, step) and kv.allocate_slots(req, n):
+                return True
             candidates = list(self.running)
             if len(candidates) == 1:
                 if self.kv_cache_manager.copy_sources:
@@ -560,6 +566,46 @@ class Scheduler:
                 return False
             if self.kv_cache_manager.allocate_slots(req, n):
                 return True
+
+    @staticmethod
+    def _may_compress(req: Request) -> bool:
+        """Whether ``req``'s KV may be compressed: not opted out, not of high priority (< 0)."""
+        return req.sampling_params.allow_kv_compression and req.priority >= 0
+
+    def _compress_for(self, req: Request, n: int, step: _Step) -> bool:
+        """Compress blocks so that ``req`` can take ``n`` more tokens, instead of a preemption; False, changing
+        nothing, when the compressible blocks of running requests (or the compressed pool's free slots) fall short.
+
+        The blocks come from the running requests that may be compressed, in the policy's victim order (the
+        request a preemption would take first, first), each request's oldest blocks first.
+        """
+        kv = self.kv_cache_manager
+        cpool = kv.compressed_pool
+        if cpool is None:
+            return False
+        need = kv.num_blocks_to_allocate(req, n) - self.block_pool.num_free_blocks
+        if need > cpool.num_free_blocks:
+            return False
+        plan, found = [], 0
+        for victim in sorted(filter(self._may_compress, self.running), key=lambda r: self.policy.key(r, step.now),
+                             reverse=True):
+            k = min(len(kv.compressible(victim)), need - found)
+            if k:
+                plan.append((victim, k))
+                found += k
+            if found == need:
+                break
+        if found < need:
+            return False
+        for victim, k in plan:
+            step.compress += kv.compress(victim, k)
+        return True
+
+    def _compressible_blocks(self) -> int:
+        """Device blocks that compression could free now (graceful degradation counts them as free)."""
+        kv = self.kv_cache_manager
+        found = sum(len(kv.compressible(r)) for r in self.running if self._may_compress(r))
+        return min(found, kv.compressed_pool.num_free_blocks)
 
     def _schedule_waiting(self, step: _Step) -> None:
         if not self.waiting:
@@ -959,7 +1005,11 @@ class Scheduler:
         new = self.num_preemptions - self._preemptions_seen
         self._preemptions_seen = self.num_preemptions
         idle = not self.requests
-        if self.degradation.observe(self.block_pool.num_free_blocks, new, idle) and self.pinned_blocks:
+        free = self.block_pool.num_free_blocks
+        # Compression is the first move: the batch backs off only once it can no longer cover the shortage.
+        if self.kv_cache_manager.compressed_pool is not None and free < self.degradation.low_water:
+            free += self._compressible_blocks()
+        if self.degradation.observe(free, new, idle) and self.pinned_blocks:
             self.release_pinned_prefixes()
 
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
@@ -1050,6 +1100,7 @@ class Scheduler:
           ValueError: ``num_blocks`` is one :meth:`check_resize` refuses (nothing changes).
         """
         self._check_between_steps("compact_kv_cache")
+        self._check_no_compression("compact_kv_cache()")
         if num_blocks is not None:
             self.check_resize(num_blocks)
         moves = self.block_pool.compact(num_blocks)
@@ -1068,6 +1119,7 @@ class Scheduler:
             raise ValueError(f"resize_kv_cache: num_blocks={num_blocks!r} must be an int >= 2 (block 0 is the "
                              "null block)")
         self._check_between_steps("resize_kv_cache")
+        self._check_no_compression(f"resize_kv_cache(num_blocks={num_blocks})")
         used = sum(1 for b in self.block_pool.blocks if b.ref_cnt > 0)
         if num_blocks < used + 1:
             raise ValueError(f"resize_kv_cache: num_blocks={num_blocks} is below the {used + 1} blocks in use "
@@ -1096,6 +1148,12 @@ class Scheduler:
         if self.degradation is not None:
             self.degradation.resize(num_blocks - 1)
         return moves
+
+    def _check_no_compression(self, what: str) -> None:
+        # Compressed blocks' ids are the device pool's size plus their slot: renumbering or resizing would move them.
+        if self.kv_cache_manager.compressed_pool is not None:
+            raise ValueError(f"{what}: not with a compressed KV pool (num_compressed_blocks="
+                             f"{self.config.num_compressed_blocks}, kv_cache_compression)")
 
     def _check_between_steps(self, what: str) -> None:
         if self._pending:
@@ -1218,7 +1276,11 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """A fresh ``SchedulerStats`` snapshot."""
         tier = self.block_pool.host_tier
+        cpool = self.kv_cache_manager.compressed_pool
         return SchedulerStats(
+            num_compressed_blocks=0 if cpool is None else cpool.num_blocks - 1,
+            num_compressed_in_use=0 if cpool is None else cpool.num_blocks - 1 - cpool.num_free_blocks,
+            num_blocks_compressed=0 if cpool is None else cpool.num_compressed,
             prefix_cache_hits_host=self.prefix_cache_hits_host,
             num_offload_blocks=0 if tier is None else tier.num_slots,
             num_offload_cached_blocks=0 if tier is None else tier.num_cached,
