@@ -133,8 +133,10 @@ class EngineCore:
         self._runners = [runner] + ([drafter] if drafter is not None else [])
         self.slots = SamplingSlots(config.max_num_seqs + 1, self.model_config.vocab_size, runner)
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
+        num_compressed = 0 if runner.compressed is None else runner.compressed.k.shape[1]
         self.scheduler = scheduler_cls(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=max_model_len,
-                                                               num_offload_blocks=runner.num_offload_blocks))
+                                                               num_offload_blocks=runner.num_offload_blocks,
+                                                               num_compressed_blocks=num_compressed))
         # Seconds the host tier's copies took: device -> host (offloads), host -> device (loads, dispatch only).
         self.offload_seconds = [0.0, 0.0]
         # Bytes one host-tier block copy moves: K and V of every layer, of every runner.
@@ -596,6 +598,9 @@ class EngineCore:
 
     def _copy_blocks(self, sched_out: SchedulerOutput) -> None:
         """Every runner's block copies of ``sched_out``, in ``SchedulerOutput``'s order; the host tier's timed."""
+        if sched_out.blocks_to_compress:
+            # Only the target model's: kv_cache_compression refuses a draft model.
+            self.runner.compress_blocks(sched_out.blocks_to_compress)
         for runner in self._runners:
             runner.swap_out(sched_out.blocks_to_swap_out)
             if sched_out.blocks_to_offload:
