@@ -573,18 +573,22 @@ class Scheduler:
         return req.sampling_params.allow_kv_compression and req.priority >= 0
 
     def _compress_for(self, req: Request, n: int, step: _Step) -> bool:
-        """Compress blocks so that ``req`` can take ``n`` more tokens, instead of a preemption; False, changing
-        nothing, when the compressible blocks of running requests (or the compressed pool's free slots) fall short.
+        """Compress blocks so that running ``req`` can take ``n`` more tokens, instead of a preemption (see
+        :meth:`_compress_blocks`)."""
+        kv = self.kv_cache_manager
+        if kv.compressed_pool is None:
+            return False
+        return self._compress_blocks(kv.num_blocks_to_allocate(req, n) - self.block_pool.num_free_blocks, step)
+
+    def _compress_blocks(self, need: int, step: _Step) -> bool:
+        """Compress ``need`` blocks of running requests (queued for the runner in the step's output); False,
+        changing nothing, when they or the compressed pool's free slots fall short (or ``need < 1``).
 
         The blocks come from the running requests that may be compressed, in the policy's victim order (the
         request a preemption would take first, first), each request's oldest blocks first.
         """
         kv = self.kv_cache_manager
-        cpool = kv.compressed_pool
-        if cpool is None:
-            return False
-        need = kv.num_blocks_to_allocate(req, n) - self.block_pool.num_free_blocks
-        if need > cpool.num_free_blocks:
+        if need < 1 or need > kv.compressed_pool.num_free_blocks:
             return False
         plan, found = [], 0
         for victim in sorted(filter(self._may_compress, self.running), key=lambda r: self.policy.key(r, step.now),
@@ -656,7 +660,23 @@ class Scheduler:
             victim = self._waiting_victim(req, step)
             if victim is None:
                 return False
+            if self._compress_to_admit(req, step) and self._try_admit(req, step):
+                return True
             self._preempt(victim, step)
+
+    def _compress_to_admit(self, req: Request, step: _Step) -> bool:
+        """Compress blocks so that waiting ``req`` can be admitted, instead of preempting for it; False, changing
+        nothing, when blocks are not what it lacks (seats, budget, the predicted-output headroom) or compression
+        cannot free enough."""
+        kv = self.kv_cache_manager
+        if (kv.compressed_pool is None or len(self.running) >= self.max_num_seqs or step.budget <= 0
+                or req.request_id in kv.swapped or self.config.reserve_predicted_output):
+            return False
+        hits, num_hit = kv.get_computed_blocks(req)
+        n = self._chunk(req.num_tokens - num_hit, step.budget)
+        ahead = int(self.config.async_scheduling and not req.prefill_only and req.num_tokens + 1 < req.length_limit)
+        need = kv.num_blocks_to_allocate(req, n, hits, ahead) if n else 0
+        return bool(n) and self._compress_blocks(need - self.block_pool.num_free_blocks, step)
 
     def _try_admit(self, req: Request, step: _Step) -> bool:
         kv = self.kv_cache_manager

@@ -53,6 +53,7 @@ def _run(config: SchedulerConfig, allow=(True, True), priority=(0, 0)):
 
 
 def test_without_compression_the_later_request_is_preempted_once():
+    # The baseline of the scenario (module docstring).
     sched, reqs, _ = _run(_config(0))
     assert (sched.num_preemptions, reqs[1].num_preemptions, sched.stats.num_blocks_compressed) == (1, 1, 0)
 
@@ -132,6 +133,34 @@ def test_preempting_a_request_with_compressed_blocks_frees_both_kinds():
     while sched.has_unfinished_requests():
         out = sched.schedule()
         sched.update_from_output(out, runner(out))
+    for req in reqs:
+        assert req.output_token_ids == reference_output(req.prompt_token_ids, req.sampling_params, None,
+                                                        MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize("num_compressed, preempted, compressed", [(0, [(4, ["r1"])], []), (5, [], [(4, 1), (5, 3)])])
+def test_an_urgent_arrival_compresses_instead_of_preempting(num_compressed, preempted, compressed):
+    """Under the priority policy an urgent arrival may preempt a running request for its blocks; compression frees
+    them instead (1 block for its prompt at its arrival, then 3 as the others grow)."""
+    config = _config(num_compressed, scheduling_policy="priority")
+    sched, runner = Scheduler(config, clock=FakeClock()), FakeRunner(config)
+    reqs = [make_request(f"r{i}", [i + 1] * 8, max_tokens=9, priority=1) for i in range(2)]
+    for req in reqs:
+        sched.add_request(req)
+    seen_preempted, seen_compressed, n = [], [], 0
+    while sched.has_unfinished_requests():
+        if n == 4:
+            reqs.append(make_request("urgent", [7] * 4, max_tokens=2, priority=0))
+            sched.add_request(reqs[-1])
+        out = sched.schedule()
+        check_block_invariants(sched)
+        if out.preempted:
+            seen_preempted.append((n, [r.request_id for r in out.preempted]))
+        if out.blocks_to_compress:
+            seen_compressed.append((n, len(out.blocks_to_compress)))
+        sched.update_from_output(out, runner(out))
+        n += 1
+    assert (seen_preempted, seen_compressed) == (preempted, compressed)
     for req in reqs:
         assert req.output_token_ids == reference_output(req.prompt_token_ids, req.sampling_params, None,
                                                         MAX_MODEL_LEN)

@@ -326,7 +326,8 @@ class ModelSharding:
         replicated, the step's new k/v (all heads on every device) are cut to
         the one head this device stores before the write. A quantized cache's
         per-head scales (``k_scale``, ``v_scale``: ``[num_cache_heads]``) are
-        split like its heads.
+        split like its heads, and so are the blocks and per-block scales of a
+        pool of compressed blocks (``compressed``, ``reference.CompressedKV``).
         """
         heads = P(None, MODEL_AXIS, None)
         cache = P(None, None, MODEL_AXIS, None)
