@@ -4,13 +4,16 @@ Usage: python scripts/bench_kv_compression.py [--model PATH] [--requests N] [--b
                                               [--max-tokens N]
 
 The default model (SmolLM2-135M-Instruct, float32 on CPU) serves an overload: N greedy requests (16; English
-prompts of 40-70 tokens, ``max_tokens`` 96, ``ignore_eos``) arrive at once into a KV budget of B blocks of 16
+prompts of 18-50 tokens, ``max_tokens`` 96, ``ignore_eos``) arrive at once into a KV budget of B blocks of 16
 float32 tokens (48: about 5 whole requests) with ``max_num_seqs=N``, so without compression the batch preempts.
 Each configuration gets the same budget in bytes: compression gives ``F`` of it to the compressed pool
 (``kv_cache_compression_fraction``). Columns:
 
 * ``device blk`` / ``compr blk``: the two pools' blocks (null ones included);
-* ``max seqs, no preempt``: the most requests running at once before the first preemption (all of the run's
+* ``capacity``: the most of the workload's requests (its first k, all arriving at once, ``max_num_seqs=k``) that
+  are served to the end without any preemption, from the real ``Scheduler`` over those pools (no model: with
+  ``ignore_eos`` its decisions do not depend on the tokens);
+* ``peak``: in the engine run, the most requests running at once before the first preemption (all of the run's
   when there is none);
 * ``preempt``: preemptions over the run; ``compressed``: blocks compressed;
 * ``tok/s``: output tokens per wall second of the serving loop (warm-up excluded);
@@ -66,6 +69,28 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
+def capacity(workload, *, num_blocks: int, num_compressed: int, max_tokens: int) -> int:
+    """The largest k such that the workload's first k requests run to the end without a preemption."""
+    from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+
+    best = 0
+    for k in range(1, len(workload) + 1):
+        max_len = max(len(p) for p in workload) + max_tokens
+        sched = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=k,
+                                          max_num_batched_tokens=256, max_model_len=max_len,
+                                          num_compressed_blocks=num_compressed))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for i, prompt in enumerate(workload[:k]):
+            sched.add_request(Request(f"r{i}", prompt, params))
+        while sched.has_unfinished_requests() and not sched.num_preemptions:
+            out = sched.schedule()
+            sched.update_from_output(out, [1] * out.num_seqs)
+        if sched.num_preemptions:
+            break
+        best = k
+    return best
+
+
 def serve(model, workload, *, budget_blocks: int, max_tokens: int, compression=None, fraction=0.5):
     """One engine over the workload. Returns its row: sizes, counts, throughput, tokens and compressed ids."""
     from jaxllm import SamplingParams
@@ -94,8 +119,11 @@ def serve(model, workload, *, budget_blocks: int, max_tokens: int, compression=N
     seconds = time.perf_counter() - start
     stats = sched.stats
     pool = engine.runner.compressed
+    num_compressed = 0 if pool is None else pool.k.shape[1]
     return dict(name=compression or "off", fraction=fraction if compression else 0.0, device=engine.num_blocks,
-                compressed_blocks=0 if pool is None else pool.k.shape[1], peak=peak, preemptions=stats.num_preemptions,
+                compressed_blocks=num_compressed, peak=peak, preemptions=stats.num_preemptions,
+                capacity=capacity(workload, num_blocks=engine.num_blocks, num_compressed=num_compressed,
+                                  max_tokens=max_tokens),
                 num_compressed=stats.num_blocks_compressed, tok_s=sum(map(len, tokens.values())) / seconds,
                 tokens=tokens, compressed=compressed, steps=steps)
 
@@ -192,7 +220,7 @@ def main() -> None:
     base = runs[0]["tokens"]
     print(f"\n{args.requests} requests, {sum(map(len, workload))} prompt tokens, max_tokens {args.max_tokens}; KV budget "
           f"{args.budget_blocks} blocks of {BLOCK_SIZE} float32 tokens")
-    header = (f"{'compression':<12}{'fraction':>9}{'device blk':>11}{'compr blk':>10}{'max seqs, no preempt':>22}"
+    header = (f"{'compression':<12}{'fraction':>9}{'device blk':>11}{'compr blk':>10}{'capacity':>9}{'peak':>6}"
               f"{'preempt':>8}{'compressed':>11}{'tok/s':>8}{'agree %':>9}{'ppl':>8}{'top1 %':>8}")
     print(header)
     print("-" * len(header))
@@ -203,7 +231,7 @@ def main() -> None:
         agree = f"{100 * same / total:.1f}" if total else "-"
         ppl, top1 = (base_ppl, base_top1) if run["name"] == "off" else quality[run["name"]]
         print(f"{run['name']:<12}{run['fraction']:>9.2f}{run['device']:>11}{run['compressed_blocks']:>10}"
-              f"{run['peak']:>22}{run['preemptions']:>8}{run['num_compressed']:>11}{run['tok_s']:>8.1f}{agree:>9}"
+              f"{run['capacity']:>9}{run['peak']:>6}{run['preemptions']:>8}{run['num_compressed']:>11}{run['tok_s']:>8.1f}{agree:>9}"
               f"{ppl:>8.3f}{100 * np.mean(top1 == base_top1):>8.1f}")
 
 
