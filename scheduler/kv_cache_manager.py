@@ -483,7 +483,9 @@ class KVCacheManager:
           (the freed blocks may be written by this very step).
         """
         cpool = self.compressed_pool
-        indices = self.compressible(request)[:min(n, cpool.num_free_blocks if cpool is not None else 0)]
+        if cpool is None:
+            return []
+        indices = self.compressible(request)[:min(n, cpool.num_free_blocks)]
         if not indices:
             return []
         rid, row = request.request_id, request.batch_row

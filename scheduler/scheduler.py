@@ -1210,7 +1210,8 @@ class Scheduler:
         Its rows' requests lose their blocks and progress and wait again, as
         after a recompute preemption, so the scheduler stays consistent and
         the next ``schedule()`` works. Its host-tier copies may not have run,
-        so the blocks they were to fill are forgotten by both tiers.
+        so the blocks they were to fill are forgotten by both tiers; nor may
+        its compressions, so the requests holding their blocks start over too.
 
         Raises:
           ValueError: ``output`` is not the newest pending output.
@@ -1220,7 +1221,7 @@ class Scheduler:
         self._pending.pop()
         self.kv_cache_manager.release_copy_sources()
         self.kv_cache_manager.forget_tier_copies(output.blocks_to_offload, output.blocks_to_load)
-        for req in output.requests:
+        for req in output.requests + self._compressed_by(output):
             if req.status is not _RUNNING:
                 continue
             self.running.remove(req)
@@ -1231,6 +1232,16 @@ class Scheduler:
             self._num_stopped += 1
             self.waiting.append(req)
         self._waiting_dirty = True
+
+    def _compressed_by(self, output: SchedulerOutput) -> list[Request]:
+        """The running requests that hold a block ``output`` compressed and are not among its rows."""
+        cpool = self.kv_cache_manager.compressed_pool
+        if cpool is None or not output.blocks_to_compress:
+            return []
+        ids = {cpool.base + slot for _, slot in output.blocks_to_compress}
+        rows = {id(r) for r in output.requests}
+        return [r for r in self.running if id(r) not in rows
+                and ids.intersection(self.kv_cache_manager.get_block_ids(r.request_id))]
 
     def _release(self, req: Request, status: RequestStatus) -> None:
         """Finish ``req``: set ``status``, free its blocks, forget it. The caller fixes the running/waiting lists."""

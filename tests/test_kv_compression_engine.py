@@ -1,6 +1,6 @@
 """KV compression in the engine (``kv_cache_compression``), on the stories260K fixture.
 
-Four greedy requests outgrow a small cache mid-decode: the scheduler compresses full blocks instead of preempting.
+Four greedy requests outgrow a small cache mid-decode (with and without async scheduling): the scheduler compresses full blocks instead of preempting.
 The request that opted out and the one of high priority must generate exactly the tokens of an engine with a cache
 large enough for everything (their KV is never compressed, and a row's output does not depend on the rest of the
 batch); compression must have fired with no preemption and no compile after warm-up; all blocks of both pools come
@@ -43,12 +43,13 @@ def uncompressed(stories_dir):
     return _serve(LLMEngine(stories_dir, num_kv_blocks=64, **ENGINE))
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_compression_replaces_preemption_and_leaves_protected_requests_exact(stories_dir, uncompressed, kind):
+@pytest.mark.parametrize("kind, async_scheduling", [("int8", False), ("fp8", False), ("int8", True)])
+def test_compression_replaces_preemption_and_leaves_protected_requests_exact(stories_dir, uncompressed, kind,
+                                                                             async_scheduling):
     # A budget of 20 float32 blocks of 10240 bytes: two thirds make 13 device blocks (12 usable), one third 25
     # compressed blocks of 2720 bytes (one byte a number, and 5 layers x 4 heads x 2 float32 scales).
     engine = LLMEngine(stories_dir, num_kv_blocks=20, kv_cache_compression=kind,
-                       kv_cache_compression_fraction=1 / 3, **ENGINE)
+                       kv_cache_compression_fraction=1 / 3, **{**ENGINE, "async_scheduling": async_scheduling})
     pool = engine.runner.compressed
     assert (engine.num_blocks, pool.k.shape[1]) == (13, 25)
     assert pool.k.dtype.itemsize == 1 and pool.k_scale.shape == (5, 25, 4)

@@ -166,6 +166,30 @@ def test_an_urgent_arrival_compresses_instead_of_preempting(num_compressed, pree
                                                         MAX_MODEL_LEN)
 
 
+def test_a_discarded_output_restarts_the_requests_its_compressions_touched():
+    """A step that never ran never re-encoded its blocks: whoever holds them starts over (the fake runner would
+    read -1s from the compressed pool otherwise, and the outputs would differ from the reference)."""
+    config = _config(5)
+    sched, runner = Scheduler(config, clock=FakeClock()), FakeRunner(config)
+    reqs = [make_request(f"r{i}", [i + 1] * 8, max_tokens=9) for i in range(2)]
+    for req in reqs:
+        sched.add_request(req)
+    while True:
+        out = sched.schedule()
+        if out.blocks_to_compress:
+            break
+        sched.update_from_output(out, runner(out))
+    sched.discard_output(out)
+    check_block_invariants(sched)
+    assert not sched.running and sched.kv_cache_manager.compressed_pool.num_free_blocks == 4
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        sched.update_from_output(out, runner(out))
+    for req in reqs:
+        assert req.output_token_ids == reference_output(req.prompt_token_ids, req.sampling_params, None,
+                                                        MAX_MODEL_LEN)
+
+
 def test_graceful_degradation_backs_off_only_once_compression_cannot_cover():
     # Every step under the low-water mark (half the blocks free) counts as pressure unless compression can free
     # enough blocks to lift it.
