@@ -66,6 +66,28 @@ def test_compression_replaces_preemption_and_leaves_protected_requests_exact(sto
     assert stats.num_free_blocks == engine.num_blocks - 1 and stats.num_compressed_in_use == 0
 
 
+def test_sleep_frees_the_compressed_pool_and_wake_up_brings_it_back(stories_dir, uncompressed):
+    import jax
+
+    engine = LLMEngine(stories_dir, num_kv_blocks=20, kv_cache_compression="int8", kv_cache_compression_fraction=1 / 3,
+                       enable_sleep_mode=True, **ENGINE)
+    runner = engine.runner
+    pool_bytes = sum(a.nbytes for a in runner.compressed)
+    kv_bytes = sum(c.nbytes for c in runner.kv_cache)
+    assert pool_bytes == 2 * 5 * 25 * 8 * 4 * 8 + 2 * 5 * 25 * 4 * 4  # int8 K, V and float32 scales
+    compiled = runner.num_compilations
+    _serve(engine)
+    report = engine.sleep(level=1)[0]
+    assert report["freed_bytes"] >= kv_bytes + pool_bytes
+    assert not isinstance(runner.compressed.k, jax.Array)
+    engine.wake_up()
+    assert isinstance(runner.compressed.k, jax.Array)
+    tokens = _serve(engine)
+    assert tokens["opted-out"] == uncompressed["opted-out"] and tokens["high-priority"] == uncompressed["high-priority"]
+    assert engine.scheduler.stats.num_blocks_compressed == 20  # 10 in each of the two runs
+    assert runner.num_compilations == compiled
+
+
 def test_the_same_budget_without_compression_preempts(stories_dir, uncompressed):
     engine = LLMEngine(stories_dir, num_kv_blocks=20, **ENGINE)
     tokens = _serve(engine)

@@ -147,8 +147,12 @@ def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, shardin
     """The target model's runner over ``params`` (placed by ``sharding``): its KV cache sized from ``config``
     (``worker.kv_cache.resolve_num_blocks``) and its bucket table (``EngineConfig.bucket_ladders``).
 
+    With ``kv_cache_compression`` the budget is split between the device blocks and the compressed pool
+    (``worker.kv_cache.split_kv_budget``).
+
     Raises:
-      ValueError: the KV memory holds no ``max_model_len`` sequence, or a bucket ladder that stops short.
+      ValueError: the KV memory holds no ``max_model_len`` sequence, its compressed share fewer than 2 blocks, or a
+        bucket ladder that stops short.
     """
     sizes = dict(block_size=config.block_size, dtype=kv_dtype, num_kv_blocks=config.num_kv_blocks,
                  kv_cache_memory_bytes=config.kv_cache_memory_bytes, max_num_seqs=config.max_num_seqs,
