@@ -167,7 +167,7 @@ def gather_blocks(cache: jax.Array, ids: jax.Array, scale: Optional[jax.Array] =
     return jnp.where(compressed[..., None, None, None], y, x)
 
 
-def _check_scales(k_scale: Optional[jax.Array], compressed: Optional[CompressedKV]) -> None:
+def check_pool_scales(k_scale: Optional[jax.Array], compressed: Optional[CompressedKV]) -> None:
     """Raise ValueError for a quantized cache with a compressed pool: a one-byte cache has nothing to compress."""
     if k_scale is not None and compressed is not None:
         raise ValueError("compressed KV blocks need a cache of plain values: k_scale (a quantized cache) and "
@@ -242,7 +242,7 @@ def ragged_paged_attention_reference(
     * head_dim) — a reference, not a kernel.
     """
     del interpret
-    _check_scales(k_scale, compressed)
+    check_pool_scales(k_scale, compressed)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads

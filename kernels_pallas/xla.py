@@ -40,7 +40,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.reference import CompressedKV, _check_scales, from_storage
+from kernels_pallas.reference import CompressedKV, check_pool_scales, from_storage
 
 # Finite stand-in for -inf: masked scores and the initial running max. exp of
 # (masked - max) underflows to exactly 0, and no NaN arises from -inf - -inf.
@@ -218,7 +218,7 @@ def ragged_paged_attention_xla(
     ``kv_chunk_blocks * block_size``; no ``[T, W * block_size]`` buffer.
     """
     del interpret
-    _check_scales(k_scale, compressed)
+    check_pool_scales(k_scale, compressed)
     num_tokens = q.shape[0]
     num_rows = block_tables.shape[0]
     starts, ends = query_start_loc[:-1], query_start_loc[1:]

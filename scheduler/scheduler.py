@@ -163,6 +163,11 @@ class Scheduler:
       copies its computed blocks to the host pool and back on resume,
       reporting the copies in the output (falling back to recompute when the
       host pool is short).
+    * With a compressed pool (``num_compressed_blocks``, ``scheduler.compressed_pool``; our addition), a
+      preemption -- for a running request's blocks, or for an urgent arrival under a policy that preempts for
+      waiting requests -- is first replaced by compressing enough full blocks of running requests that may be
+      compressed (not ``SamplingParams.allow_kv_compression=False``, not ``priority < 0``), in victim order,
+      oldest blocks first; only when they cannot cover the shortage does the preemption happen.
     * A request that can never fit -- prompt over ``max_model_len``, or
       prompt + ``max_tokens`` (capped at ``max_model_len``) needing more than
       the whole cache -- is finished as ``FINISHED_IGNORED`` at
