@@ -482,7 +482,7 @@ class EngineConfig:
       kv_cache_compression_fraction: with ``kv_cache_compression``, the share of the KV budget
         (``kv_cache_memory_bytes``, its default, or ``num_kv_blocks`` blocks of the cache's dtype) given to the
         compressed pool, in (0, 1); the device blocks get the rest, so both pools together take the budget
-        (``worker.kv_cache.split_kv_budget``).
+        (``worker.kv_cache.split_kv_budget``). 0.5 measured better than 0.25 (README).
       enable_sleep_mode: allow ``sleep()`` / ``wake_up()`` (vLLM's flag;
         ``jaxllm.core.engine_core.EngineCore.sleep``); without it sleep is
         refused, naming this flag.
