@@ -64,7 +64,8 @@ class _Step:
     """
 
     __slots__ = (
-        "budget", "preempted", "compress", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped", "headroom",
+        "budget", "preempted", "compress", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped",
+        "headroom",
         "bulk_requests", "bulk_rows", "bulk_new", "bulk_computed", "tail_requests", "tail_new", "tail_computed",
     )
 

@@ -218,8 +218,8 @@ def main() -> None:
     quality = {kind: teacher_forced(model, kind) for kind in ("int8", "fp8")}
 
     base = runs[0]["tokens"]
-    print(f"\n{args.requests} requests, {sum(map(len, workload))} prompt tokens, max_tokens {args.max_tokens}; KV budget "
-          f"{args.budget_blocks} blocks of {BLOCK_SIZE} float32 tokens")
+    print(f"\n{args.requests} requests, {sum(map(len, workload))} prompt tokens, max_tokens {args.max_tokens}; "
+          f"KV budget {args.budget_blocks} blocks of {BLOCK_SIZE} float32 tokens")
     header = (f"{'compression':<12}{'fraction':>9}{'device blk':>11}{'compr blk':>10}{'capacity':>9}{'peak':>6}"
               f"{'preempt':>8}{'compressed':>11}{'tok/s':>8}{'agree %':>9}{'ppl':>8}{'top1 %':>8}")
     print(header)
@@ -231,7 +231,8 @@ def main() -> None:
         agree = f"{100 * same / total:.1f}" if total else "-"
         ppl, top1 = (base_ppl, base_top1) if run["name"] == "off" else quality[run["name"]]
         print(f"{run['name']:<12}{run['fraction']:>9.2f}{run['device']:>11}{run['compressed_blocks']:>10}"
-              f"{run['capacity']:>9}{run['peak']:>6}{run['preemptions']:>8}{run['num_compressed']:>11}{run['tok_s']:>8.1f}{agree:>9}"
+              f"{run['capacity']:>9}{run['peak']:>6}{run['preemptions']:>8}{run['num_compressed']:>11}"
+              f"{run['tok_s']:>8.1f}{agree:>9}"
               f"{ppl:>8.3f}{100 * np.mean(top1 == base_top1):>8.1f}")
 
 

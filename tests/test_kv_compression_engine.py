@@ -1,10 +1,10 @@
 """KV compression in the engine (``kv_cache_compression``), on the stories260K fixture.
 
-Four greedy requests outgrow a small cache mid-decode (with and without async scheduling): the scheduler compresses full blocks instead of preempting.
-The request that opted out and the one of high priority must generate exactly the tokens of an engine with a cache
-large enough for everything (their KV is never compressed, and a row's output does not depend on the rest of the
-batch); compression must have fired with no preemption and no compile after warm-up; all blocks of both pools come
-back. The compressed requests' quality cost is measured by ``scripts/bench_kv_compression.py``, not asserted here.
+Four greedy requests outgrow a small cache mid-decode (with and without async scheduling): the scheduler compresses
+full blocks instead of preempting. The request that opted out and the one of high priority must generate exactly
+the tokens of an engine with a cache large enough for everything (their KV is never compressed, and a row's output
+does not depend on the rest of the batch); compression must have fired with no preemption and no compile after
+warm-up; all blocks of both pools come back. The compressed requests' quality cost is measured by ``scripts/bench_kv_compression.py``, not asserted here.
 """
 
 from __future__ import annotations

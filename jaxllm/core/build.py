@@ -230,5 +230,6 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
          f"tokens ({core.kv_cache_dtype.name}); attention {backend}; tensor parallel {core.sharding.tensor_parallel_size}")
     pool = core.runner.compressed
     if pool is not None:
-        log(f"KV compression ({core.config.kv_cache_compression}): {pool.k.shape[1]} compressed blocks beside the "
-            f"{core.num_blocks} device blocks (kv_cache_compression_fraction={core.config.kv_cache_compression_fraction})")
+        config = core.config
+        log(f"KV compression ({config.kv_cache_compression}): {pool.k.shape[1]} compressed blocks beside the "
+            f"{core.num_blocks} device blocks (kv_cache_compression_fraction={config.kv_cache_compression_fraction})")

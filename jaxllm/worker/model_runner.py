@@ -717,7 +717,8 @@ class ModelRunner:
         self._need_weights("restore_params")
 
     def release_kv_cache(self) -> int:
-        """Free the KV cache's device memory, the compressed pool's too (sleep); its avals stay, so programs still build, and
+        """Free the KV cache's device memory, the compressed pool's too (sleep); its avals stay, so programs still
+        build, and
         :meth:`allocate_kv_cache` makes the same arrays again. Returns the bytes freed (0 if already free)."""
         caches = self.kv_cache
         if not isinstance(caches[0], jax.Array):
