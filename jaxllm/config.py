@@ -351,11 +351,13 @@ def _sliding_windows_from_hf(cfg: dict[str, Any], model_type: str, num_layers: i
 # Weight-only quantizations and KV cache dtypes (jaxllm.worker.quantization), by vLLM's names.
 WEIGHT_QUANTIZATIONS = ("int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+# EngineConfig.kv_cache_compression: the one-byte types compressed KV blocks are re-encoded in.
+KV_COMPRESSION_DTYPES = ("int8", "fp8")
 # SchedulerConfig fields that EngineConfig.scheduler_config fills in itself (enable_kv_cache_events from
 # kv_events_config, the rest at start-up); every other one is an
 # EngineConfig field of the same name (a test checks both).
 SCHEDULER_FIELDS_FROM_START_UP = ("num_blocks", "max_model_len", "num_lookahead_tokens", "enable_kv_cache_events",
-                                  "num_offload_blocks")
+                                  "num_offload_blocks", "num_compressed_blocks")
 # Token buckets below the default ladder's first value (16): steps of a few decode rows.
 SMALL_TOKEN_BUCKETS = (4, 8)
 # "vllm": the metrics under vLLM's names and labels (jaxllm.frontend.metrics).
@@ -469,6 +471,18 @@ class EngineConfig:
         before their admission, into free blocks (cached ones offloaded first, never the requests' own hits;
         ``SchedulerConfig``'s field of the name). Off by default: ``scripts/bench_multiturn.py`` measures it no
         better than loading on admission (README). Needs ``kv_offloading_size > 0``.
+      kv_cache_compression: None (the default: ``scripts/bench_kv_compression.py`` measures it, README), "int8"
+        or "fp8" (float8_e4m3fn): when free KV blocks run short, before preempting, the scheduler re-encodes full
+        blocks of running requests in this one-byte type, with a scale per block and KV head, into a second
+        pool and frees their blocks (``scheduler.compressed_pool``; the attention reads each block in its own
+        dtype). Requests with ``SamplingParams(allow_kv_compression=False)`` or ``priority < 0`` are never
+        compressed. Needs ``kv_cache_dtype="auto"`` and the xla or reference attention; not with
+        ``speculative_config``, ``preemption_mode="swap"``, ``kv_offloading_size``, ``tensor_parallel_size > 1``
+        or ``batching="static"``, nor with ``kv_cache_compact``/``kv_cache_resize``.
+      kv_cache_compression_fraction: with ``kv_cache_compression``, the share of the KV budget
+        (``kv_cache_memory_bytes``, its default, or ``num_kv_blocks`` blocks of the cache's dtype) given to the
+        compressed pool, in (0, 1); the device blocks get the rest, so both pools together take the budget
+        (``worker.kv_cache.split_kv_budget``). 0.5 measured better than 0.25 (README).
       enable_sleep_mode: allow ``sleep()`` / ``wake_up()`` (vLLM's flag;
         ``jaxllm.core.engine_core.EngineCore.sleep``); without it sleep is
         refused, naming this flag.
@@ -520,6 +534,8 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     kv_offloading_size: float = 0.0
     kv_offloading_prefetch: bool = False
+    kv_cache_compression: Optional[str] = None
+    kv_cache_compression_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -579,6 +595,7 @@ class EngineConfig:
         elif self.async_scheduling and spec is not None:
             raise ValueError("async_scheduling=True cannot be used with speculative_config: a step's drafts need "
                              "the previous step's tokens (leave async_scheduling unset, or turn it off)")
+        self._check_compression()
         self.graceful_degradation = _parse_degradation(self.graceful_degradation)
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         # The scheduler's knobs are checked by SchedulerConfig, here rather than at start-up; the block count and
@@ -588,8 +605,34 @@ class EngineConfig:
             raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} must be below "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}: a decode row carries 1 + that many")
 
+    def _check_compression(self) -> None:
+        """Raise ValueError for a bad ``kv_cache_compression`` (or fraction) or a setting it does not work with."""
+        mode, fraction = self.kv_cache_compression, self.kv_cache_compression_fraction
+        if mode is not None and mode not in KV_COMPRESSION_DTYPES:
+            raise ValueError(f"kv_cache_compression={mode!r} must be None or one of {KV_COMPRESSION_DTYPES}")
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+            raise ValueError(f"kv_cache_compression_fraction={fraction!r} must be a number in (0, 1)")
+        if mode is None:
+            return
+        conflicts = (
+            (self.kv_cache_dtype != "auto", f"kv_cache_dtype={self.kv_cache_dtype!r} (the cache is one byte a "
+                                            "number already; use 'auto')"),
+            (self.speculative_config is not None, "speculative_config (a draft model reads the same block tables)"),
+            (self.preemption_mode == "swap", "preemption_mode='swap' (swaps copy device blocks only)"),
+            (bool(self.kv_offloading_size), f"kv_offloading_size={self.kv_offloading_size!r} (the host tier copies "
+                                            "device blocks only)"),
+            (self.tensor_parallel_size > 1, f"tensor_parallel_size={self.tensor_parallel_size}"),
+            (self.batching == "static", "batching='static'"),
+            (self.attention_backend == "pallas", "attention_backend='pallas' (its kernels read one pool; use "
+                                                 "'xla' or 'reference')"),
+        )
+        for bad, setting in conflicts:
+            if bad:
+                raise ValueError(f"kv_cache_compression={mode!r} cannot be used with {setting}")
+
     def scheduler_config(self, *, num_blocks: int, max_model_len: int,
-                         num_offload_blocks: Optional[int] = None) -> SchedulerConfig:
+                         num_offload_blocks: Optional[int] = None,
+                         num_compressed_blocks: Optional[int] = None) -> SchedulerConfig:
         """The scheduler's configuration: every ``SchedulerConfig`` field this config has, by the same name,
         plus the fields known only at start-up (:data:`SCHEDULER_FIELDS_FROM_START_UP`).
 
@@ -598,6 +641,8 @@ class EngineConfig:
           max_model_len: the resolved ``max_model_len`` (:meth:`resolve_max_model_len`).
           num_offload_blocks: the host tier's blocks (from ``kv_offloading_size``, :meth:`num_offload_blocks`);
             None, for a check before start-up knows them: a placeholder, 1 when ``kv_offloading_size`` is set.
+          num_compressed_blocks: the compressed pool's slots (``worker.kv_cache.split_kv_budget``); None: a
+            placeholder, 2 when ``kv_cache_compression`` is set.
 
         Raises:
           ValueError: a scheduler knob out of range (``SchedulerConfig`` names it and its limit).
@@ -611,7 +656,9 @@ class EngineConfig:
         return SchedulerConfig(**shared, num_blocks=num_blocks, max_model_len=max_model_len,
                                num_lookahead_tokens=lookahead, enable_kv_cache_events=events,
                                num_offload_blocks=int(bool(self.kv_offloading_size)) if num_offload_blocks is None
-                               else num_offload_blocks)
+                               else num_offload_blocks,
+                               num_compressed_blocks=(2 * bool(self.kv_cache_compression) if num_compressed_blocks
+                                                      is None else num_compressed_blocks))
 
     def num_offload_blocks(self, bytes_per_block: int) -> int:
         """Blocks of ``bytes_per_block`` bytes that ``kv_offloading_size`` GiB hold (0 without a tier)."""

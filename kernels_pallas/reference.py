@@ -31,11 +31,20 @@ the type's range on the write, and the attention ops multiply back after
 loading (the kernels fold the K scale into the scores and the V scale into
 the output, which is the same product). Without scales a cache holds the
 values themselves, cast to its dtype.
+
+Compressed blocks (``LLM(kv_cache_compression="int8" | "fp8")``). Beside the
+cache, a second pool of one-byte blocks (:class:`CompressedKV`) holds blocks
+re-encoded from it with one float32 scale per block and KV head, the block's
+largest ``|x|`` mapped to the type's largest value (:func:`quantize_blocks`).
+A block-table id ``b >= num_blocks`` (``num_blocks``: the cache's first axis)
+names block ``b - num_blocks`` of that pool; the attention ops read each block
+in its own dtype (:func:`gather_blocks`). Writes never touch the pool: only
+full blocks of computed tokens are compressed.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +107,73 @@ def dequantize_kv(x: jax.Array, scale: Optional[jax.Array]) -> jax.Array:
     return x if scale is None else x * scale[:, None]
 
 
+class CompressedKV(NamedTuple):
+    """The pool of compressed KV blocks (module docstring), a pytree.
+
+    k, v: [num_compressed, block_size, num_kv_heads, head_dim] int8, or uint8 holding float8_e4m3fn bits
+      (or float8_e4m3fn itself).
+    k_scale, v_scale: float32[num_compressed, num_kv_heads], each block's per-head scale.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array
+    v_scale: jax.Array
+
+
+def quantize_blocks(x: jax.Array, storage_dtype) -> tuple[jax.Array, jax.Array]:
+    """Blocks re-encoded with one scale per block and head.
+
+    Args:
+      x: [..., block_size, num_kv_heads, head_dim] float (any stored float: see :func:`from_storage`).
+      storage_dtype: int8, float8_e4m3fn or uint8 (float8_e4m3fn bits).
+
+    Returns:
+      (q, scale): q of ``x``'s shape in ``storage_dtype``, ``x / scale`` (rounded for int8, within
+      ``KV_QUANT_MAX`` of the type); scale float32 ``[..., num_kv_heads]``, the block's largest ``|x|`` of
+      that head over the type's largest value (1 for an all-zero head, so nothing divides by 0).
+    """
+    x = from_storage(x).astype(jnp.float32)
+    limit = KV_QUANT_MAX[number_dtype(storage_dtype)]
+    peak = jnp.max(jnp.abs(x), axis=(-3, -1))
+    scale = jnp.where(peak > 0, peak / limit, 1.0)
+    y = x / scale[..., None, :, None]
+    if number_dtype(storage_dtype) == jnp.int8:
+        y = jnp.round(y)
+    return to_storage(jnp.clip(y, -limit, limit), storage_dtype), scale
+
+
+def gather_blocks(cache: jax.Array, ids: jax.Array, scale: Optional[jax.Array] = None,
+                  pool: Optional[jax.Array] = None, pool_scale: Optional[jax.Array] = None) -> jax.Array:
+    """Blocks ``ids`` as float32 numbers, each from the cache or the compressed pool its id names.
+
+    Args:
+      cache: [num_blocks, block_size, Hkv, D], stored (``from_storage``).
+      ids: int32[...] block ids; ``>= num_blocks`` names block ``id - num_blocks`` of ``pool``.
+      scale: float32[Hkv] of a quantized cache, or None.
+      pool: the compressed pool's K or V, [C, block_size, Hkv, D]; None: every id is the cache's.
+      pool_scale: float32[C, Hkv], with ``pool``.
+
+    Returns:
+      float32 ``[..., block_size, Hkv, D]``.
+    """
+    num_blocks = cache.shape[0]
+    x = dequantize_kv(cache[jnp.minimum(ids, num_blocks - 1)], scale)
+    if pool is None:
+        return x
+    compressed = ids >= num_blocks
+    slot = jnp.where(compressed, ids - num_blocks, 0)
+    y = from_storage(pool[slot]).astype(jnp.float32) * pool_scale[slot][..., None, :, None]
+    return jnp.where(compressed[..., None, None, None], y, x)
+
+
+def check_pool_scales(k_scale: Optional[jax.Array], compressed: Optional[CompressedKV]) -> None:
+    """Raise ValueError for a quantized cache with a compressed pool: a one-byte cache has nothing to compress."""
+    if k_scale is not None and compressed is not None:
+        raise ValueError("compressed KV blocks need a cache of plain values: k_scale (a quantized cache) and "
+                         "compressed were both given")
+
+
 def _soft_cap(scores: jax.Array, soft_cap: Optional[float]) -> jax.Array:
     if soft_cap is None:
         return scores
@@ -133,6 +209,7 @@ def ragged_paged_attention_reference(
     interpret: bool = False,
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
+    compressed: Optional[CompressedKV] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch of new tokens over a paged KV cache.
 
@@ -165,6 +242,7 @@ def ragged_paged_attention_reference(
     * head_dim) — a reference, not a kernel.
     """
     del interpret
+    check_pool_scales(k_scale, compressed)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -178,8 +256,11 @@ def ragged_paged_attention_reference(
     pos = seq_lens[seq_of_token] - q_len[seq_of_token] + (token_idx - query_start_loc[seq_of_token])
 
     tables = block_tables[seq_of_token]  # [T, W]
-    k = k_cache[tables].reshape(num_tokens, ctx_len, num_kv_heads, head_dim)
-    v = v_cache[tables].reshape(num_tokens, ctx_len, num_kv_heads, head_dim)
+    pools = (None, None, None, None) if compressed is None else compressed
+    k = gather_blocks(k_cache, tables, k_scale, pools[0], pools[2]).reshape(num_tokens, ctx_len, num_kv_heads,
+                                                                            head_dim)
+    v = gather_blocks(v_cache, tables, v_scale, pools[1], pools[3]).reshape(num_tokens, ctx_len, num_kv_heads,
+                                                                            head_dim)
 
     kv_pos = jnp.arange(ctx_len, dtype=jnp.int32)[None, :]
     mask = (kv_pos <= pos[:, None]) & valid_token[:, None]
@@ -187,9 +268,9 @@ def ragged_paged_attention_reference(
         mask &= kv_pos > pos[:, None] - sliding_window
 
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("nhgd,nlhd->nhgl", qg, dequantize_kv(k, k_scale)) * scale
+    scores = jnp.einsum("nhgd,nlhd->nhgl", qg, k) * scale
     scores = _soft_cap(scores, soft_cap)
-    out = _masked_softmax_pv(scores, mask[:, None, None, :], dequantize_kv(v, v_scale))
+    out = _masked_softmax_pv(scores, mask[:, None, None, :], v)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 

@@ -32,6 +32,9 @@ q's dtype. Cache layout, padding rules, GQA mapping, the uint16 storage of
 bfloat16 caches and the scales of quantized (int8, float8_e4m3fn) caches as
 in ``reference.py``; here the K scales multiply the queries once and the V
 scales the output, so the loop only converts what it loads to float32.
+Blocks of the compressed pool (``reference.CompressedKV``: table ids past the
+cache's blocks) are gathered from it beside and dequantized with their own
+per-block scales where the ids name them.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.reference import from_storage
+from kernels_pallas.reference import CompressedKV, check_pool_scales, from_storage
 
 # Finite stand-in for -inf: masked scores and the initial running max. exp of
 # (masked - max) underflows to exactly 0, and no NaN arises from -inf - -inf.
@@ -117,6 +120,7 @@ def _attend_tiles(
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
     cross_heads: bool = False,
+    compressed: Optional[CompressedKV] = None,
 ) -> jax.Array:
     """Attention of query tiles over their own sequence's paged KV.
 
@@ -140,6 +144,7 @@ def _attend_tiles(
       cross_heads: compute both dots over every (query head, KV head) pair
         and keep the matching ones (:func:`_cross_head_dots`) instead of
         batching over the KV heads.
+      compressed: the pool that table ids ``>= num_blocks`` name, or None.
 
     Returns:
       float32 [N, Q, Hq, D]; padding queries give zeros.
@@ -169,8 +174,23 @@ def _attend_tiles(
     # Gather whole blocks as rows: with one KV head, a gather of [block_size, 1, head_dim]
     # slices lets XLA's CPU layout assignment move the unit axis, and the layer scan then
     # copies the whole cache on every layer.
-    k_blocks = k_cache.reshape(k_cache.shape[0], -1)
-    v_blocks = v_cache.reshape(v_cache.shape[0], -1)
+    num_blocks = k_cache.shape[0]
+    k_blocks = k_cache.reshape(num_blocks, -1)
+    v_blocks = v_cache.reshape(num_blocks, -1)
+    pool = None if compressed is None else (compressed.k.reshape(compressed.k.shape[0], -1),
+                                            compressed.v.reshape(compressed.v.shape[0], -1))
+
+    def load(blocks: jax.Array, ids: jax.Array, which: int) -> jax.Array:
+        """float32 [B, chunk_len, Hkv, D] of blocks ``ids`` (int32[B, chunk_blocks]), K (0) or V (1)."""
+        x = from_storage(jnp.take(blocks, ids, axis=0, mode="clip")).astype(jnp.float32)
+        shape = (batch, chunk_blocks, block_size, num_kv_heads, head_dim)
+        if pool is not None:
+            in_pool = ids >= num_blocks
+            slot = jnp.where(in_pool, ids - num_blocks, 0)
+            y = from_storage(jnp.take(pool[which], slot, axis=0)).astype(jnp.float32).reshape(shape)
+            y = y * jnp.take(compressed[2 + which], slot, axis=0)[:, :, None, :, None]
+            x = jnp.where(in_pool[:, :, None, None, None], y, x.reshape(shape))
+        return x.reshape(batch, chunk_len, num_kv_heads, head_dim)
 
     def body(step, carry):
         run_max, run_sum, acc = carry
@@ -180,10 +200,9 @@ def _attend_tiles(
         chunk = first_chunk[tile] + pair - (pair_end[tile] - num_chunks[tile])
         ids = jnp.take_along_axis(tables[tile], chunk[:, None] * chunk_blocks + jnp.arange(chunk_blocks)[None, :],
                                   axis=1)
-        k = from_storage(jnp.take(k_blocks, ids, axis=0, mode="clip")).reshape(batch, chunk_len, num_kv_heads, head_dim)
-        v = from_storage(jnp.take(v_blocks, ids, axis=0, mode="clip")).reshape(batch, chunk_len, num_kv_heads, head_dim)
+        k, v = load(k_blocks, ids, 0), load(v_blocks, ids, 1)
         dots = _cross_head_dots if cross_heads else _head_batched_dots
-        scores, values = dots(qg[tile], k.astype(jnp.float32), v.astype(jnp.float32))
+        scores, values = dots(qg[tile], k, v)
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         kv_pos = chunk[:, None] * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)[None, :]  # [B, L]
@@ -234,6 +253,7 @@ def ragged_paged_attention_xla(
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
     cross_head_decode: Optional[bool] = None,
+    compressed: Optional[CompressedKV] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache, tiled per sequence.
 
@@ -242,8 +262,9 @@ def ragged_paged_attention_xla(
     ``[num_blocks, block_size, Hkv, D]``, ``block_tables: int32[S, W]``,
     ``seq_lens: int32[S]``, ``query_start_loc: int32[S + 1]``,
     ``num_seqs: int32[]``, ``k_scale, v_scale: float32[Hkv]`` of a quantized
-    cache or None; returns ``[T, Hq, D]`` in q's dtype with zeros on padding
-    rows). ``interpret`` is accepted for signature parity.
+    cache or None, ``compressed``: the pool of compressed blocks or None;
+    returns ``[T, Hq, D]`` in q's dtype with zeros on padding rows).
+    ``interpret`` is accepted for signature parity.
 
     Args:
       prefill_tile: queries per prefill tile (a sequence with more than one
@@ -265,6 +286,7 @@ def ragged_paged_attention_xla(
     ``kv_chunk_blocks * block_size``; no ``[T, W * block_size]`` buffer.
     """
     del interpret
+    check_pool_scales(k_scale, compressed)
     if cross_head_decode is None:
         cross_head_decode = k_cache.shape[2] <= CROSS_HEAD_MAX_KV_HEADS
     num_tokens = q.shape[0]
@@ -275,7 +297,8 @@ def ragged_paged_attention_xla(
     is_decode = live & (q_len == 1)
     is_prefill = live & (q_len > 1)
     first_pos = seq_lens - q_len  # position of each row's first new token
-    attend = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+    attend = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+                  compressed=compressed)
     pairs = functools.partial(min, pairs_per_step)
     zeros = jnp.zeros(q.shape, jnp.float32)
 

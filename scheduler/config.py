@@ -71,6 +71,10 @@ class SchedulerConfig:
         prompt and its own predicted output; so fewer admitted requests are
         preempted when predictions are good. Off by default: it measured
         no better (``scripts/bench_predicted.py``).
+      num_compressed_blocks: slots of the pool of compressed KV blocks (``scheduler.compressed_pool``), the null
+        slot included: 0 (no compression) or >= 2. Before a preemption, full blocks of running requests move
+        there (``Scheduler``). Not with ``preemption_mode="swap"`` nor a host tier (``num_offload_blocks``),
+        whose copies move device blocks only.
 
     Raises:
       ValueError: a field out of range; the message names the field, the value
@@ -96,6 +100,7 @@ class SchedulerConfig:
     graceful_degradation: Union[bool, GracefulDegradation] = True
     enable_kv_cache_events: bool = False
     reserve_predicted_output: bool = False
+    num_compressed_blocks: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, limit: str) -> ValueError:
@@ -134,6 +139,13 @@ class SchedulerConfig:
             raise bad("aging_rate", ">= 0 (priority units per second)")
         if not isinstance(self.reserve_predicted_output, bool):
             raise bad("reserve_predicted_output", "a bool")
+        n = self.num_compressed_blocks
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n == 1:
+            raise bad("num_compressed_blocks", "0 (no compression) or an int >= 2 (slot 0 is the null slot)")
+        if n and self.preemption_mode == "swap":
+            raise bad("num_compressed_blocks", "0 with preemption_mode='swap' (swaps copy device blocks only)")
+        if n and self.num_offload_blocks:
+            raise bad("num_compressed_blocks", f"0 with a host tier (num_offload_blocks={self.num_offload_blocks})")
         if not isinstance(self.graceful_degradation, (bool, GracefulDegradation)):
             raise bad("graceful_degradation", "a bool or a GracefulDegradation")
 

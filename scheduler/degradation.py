@@ -8,6 +8,11 @@ is re-admitted the next step because its own blocks are free again, grows,
 and is preempted again. The operator's moves when memory runs short are to
 release idle prompts, back off the batch, and shed load; here:
 
+* *compress* (with ``kv_cache_compression``, ``scheduler.compressed_pool``):
+  before any preemption, full blocks of running requests are re-encoded in
+  one byte and their device blocks freed; the blocks compression could still
+  free count as free for the low-water mark, so the batch backs off only once
+  compression can no longer cover the shortage;
 * *release idle prompts*: prefixes pinned by the prefix-cache warm-up
   (``Scheduler.pin_prefix``) are unpinned on the first back-off and become
   ordinary LRU cache entries (revivable while not evicted);
@@ -96,6 +101,7 @@ class DegradationController:
         chunked prefill, where a prompt must fit one step's budget whole).
 
     Attributes:
+      low_water: the free blocks under which a step is under pressure (``low_free_fraction`` of the usable ones).
       level: back-offs in force (0: the configured limits).
       max_num_seqs: the effective seats: ``ceil(configured * f)``, at least 1,
         with ``f = max(1 - level * step_fraction, min_fraction)``.
@@ -110,7 +116,7 @@ class DegradationController:
         self.settings = settings
         self.configured_max_num_seqs = max_num_seqs
         self.configured_max_num_batched_tokens = max_num_batched_tokens
-        self._low_water = settings.low_free_fraction * num_usable_blocks
+        self.low_water = settings.low_free_fraction * num_usable_blocks
         self._lower_tokens = lower_token_budget
         self._max_level = math.ceil(round((1 - settings.min_fraction) / settings.step_fraction, 9))
         self._recent: collections.deque[int] = collections.deque(maxlen=settings.window)
@@ -124,7 +130,7 @@ class DegradationController:
 
     def resize(self, num_usable_blocks: int) -> None:
         """Follow a resized KV pool (``Scheduler.resize_kv_cache``): the low-water mark is a fraction of it."""
-        self._low_water = self.settings.low_free_fraction * num_usable_blocks
+        self.low_water = self.settings.low_free_fraction * num_usable_blocks
 
     def observe(self, num_free_blocks: int, num_preemptions: int, idle: bool) -> bool:
         """Record one step: free blocks after it, preemptions in it, and whether the scheduler is now empty.
@@ -141,7 +147,7 @@ class DegradationController:
             self._calm = 0
             self._set_level(0)
             return False
-        pressure = num_free_blocks < self._low_water or sum(self._recent) > s.max_preemptions
+        pressure = num_free_blocks < self.low_water or sum(self._recent) > s.max_preemptions
         if not pressure:
             self._calm += 1
             if self.level and self._calm >= s.recover_steps:

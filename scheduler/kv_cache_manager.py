@@ -9,6 +9,7 @@ import numpy as np
 from scheduler.block_hash import extend_block_hashes, hash_block_tokens
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.block_table import BlockTable
+from scheduler.compressed_pool import CompressedBlockPool
 from scheduler.host_block_pool import HostBlockPool
 from scheduler.host_tier import HostHit
 from scheduler.kv_events import BlockRemoved, BlockStored
@@ -41,6 +42,8 @@ class KVCacheManager:
       block_size: tokens per block, >= 1.
       enable_caching: look up and register prefix-cache hashes.
       num_host_blocks: size of the host pool for swap-mode preemption.
+      num_compressed_blocks: slots of the pool of compressed blocks (``scheduler.compressed_pool``), the null slot
+        included; 0: no compression.
 
     Attributes:
       req_to_blocks: request_id -> its block table (``KVBlock`` list).
@@ -52,9 +55,11 @@ class KVCacheManager:
       copy_sources: cached blocks read by copies handed out since the last
         :meth:`release_copy_sources`, each holding one extra reference so it
         can be neither evicted nor reused before the runner has copied it.
+      compressed_pool: the ``CompressedBlockPool``, None without compression.
     """
 
-    def __init__(self, block_pool: BlockPool, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
+    def __init__(self, block_pool: BlockPool, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
+                 num_compressed_blocks: int = 0):
         if block_size < 1:
             raise ValueError(f"KVCacheManager: block_size={block_size} must be >= 1")
         self.block_pool = block_pool
@@ -70,6 +75,8 @@ class KVCacheManager:
         self._copies: dict[str, tuple[int, int]] = {}
         # How many leading blocks of each table are already registered.
         self._num_cached: dict[str, int] = {}
+        self.compressed_pool = (CompressedBlockPool(num_compressed_blocks, block_pool.num_blocks)
+                                if num_compressed_blocks else None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (the manager's list; do not mutate)."""
@@ -496,10 +503,54 @@ class KVCacheManager:
             self.block_table.release(request.batch_row)
             request.batch_row = -1
         if blocks:
+            cpool = self.compressed_pool
+            if cpool is not None:
+                cpool.free(b for b in blocks if cpool.holds(b))
+                blocks = [b for b in blocks if not cpool.holds(b)]
             self.block_pool.free_blocks(reversed(blocks))
         host = self.swapped.pop(rid, None)
         if host:
             self.host_pool.free(host)
+
+    def compressible(self, request: Request) -> list[int]:
+        """Table indices of ``request``'s blocks that :meth:`compress` may take, oldest first: device blocks
+        full of computed tokens (registered in the prefix cache already, when caching is on, so the cache never
+        registers a compressed block), which no other request, pin or pending copy holds (ref_cnt 1). Empty
+        without a compressed pool."""
+        cpool = self.compressed_pool
+        blocks = self.req_to_blocks.get(request.request_id)
+        if cpool is None or not blocks:
+            return []
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if self.enable_caching:
+            full = min(full, self._num_cached.get(request.request_id, 0))
+        return [i for i, b in enumerate(blocks[:full]) if b.ref_cnt == 1 and not cpool.holds(b)]
+
+    def compress(self, request: Request, n: int) -> list[tuple[int, int]]:
+        """Move up to ``n`` of ``request``'s :meth:`compressible` blocks, oldest first, into the compressed pool
+        (while its slots last): each table entry becomes the compressed block's id and the device block is freed
+        (a hashed one stays revivable: its KV is still there until reused).
+
+        Returns:
+          ``(device block, compressed slot)`` pairs, for the runner to re-encode before anything else of the step
+          (the freed blocks may be written by this very step).
+        """
+        cpool = self.compressed_pool
+        if cpool is None:
+            return []
+        indices = self.compressible(request)[:min(n, cpool.num_free_blocks)]
+        if not indices:
+            return []
+        rid, row = request.request_id, request.batch_row
+        blocks, ids = self.req_to_blocks[rid], self.req_to_block_ids[rid]
+        pairs, freed = [], []
+        for i, new in zip(indices, cpool.take(len(indices))):
+            pairs.append((blocks[i].block_id, new.block_id - cpool.base))
+            freed.append(blocks[i])
+            blocks[i], ids[i] = new, new.block_id
+        self.block_table.table[row, indices] = [ids[i] for i in indices]
+        self.block_pool.free_blocks(freed)
+        return pairs
 
     def swap_out(self, request: Request) -> Optional[list[tuple[int, int]]]:
         """Move ``request``'s computed blocks to the host pool and free its device blocks.

@@ -85,7 +85,7 @@ class SchedulerOutput:
     of this step, vLLM v1 ``InputBatch`` style); ``scheduled`` presents the
     same rows as ``ScheduledRequest`` objects.
 
-    The runner does, in order: every ``blocks_to_swap_out`` copy, every
+    The runner does, in order: every ``blocks_to_compress`` re-encoding, every ``blocks_to_swap_out`` copy, every
     ``blocks_to_offload`` copy, every ``blocks_to_swap_in`` copy, every
     ``blocks_to_load`` copy, every ``blocks_to_copy`` copy, then the model
     step -- the copies even when there are no rows. Swap-outs and offloads go
@@ -122,6 +122,11 @@ class SchedulerOutput:
       preempted: requests preempted during this call.
       finished: requests ignored, aborted (or otherwise finished outside
         ``update_from_output``) since the previous ``schedule()``.
+      blocks_to_compress: ``(device_block, compressed_slot)`` pairs: full blocks
+        re-encoded into slot ``compressed_slot`` of the compressed pool
+        (``scheduler.compressed_pool``; the table now holds its id, pool base +
+        slot), done first of all: the device blocks are free again and this
+        step may write them.
       blocks_to_swap_out: ``(device_block, host_block)`` pairs.
       blocks_to_swap_in: ``(host_block, device_block)`` pairs.
       blocks_to_offload: ``(device_block, host_block)`` pairs: hashed blocks
@@ -151,6 +156,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted: list[Request] = dataclasses.field(default_factory=list)
     finished: list[Request] = dataclasses.field(default_factory=list)
+    blocks_to_compress: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
@@ -206,6 +212,9 @@ class SchedulerStats:
       num_offload_blocks, num_offload_cached_blocks: the host tier's blocks, and those holding a block (0
         without a tier).
       num_blocks_offloaded, num_blocks_loaded: blocks copied device -> host tier and back, cumulative.
+      num_compressed_blocks, num_compressed_in_use: the compressed pool's slots without the null slot, and those
+        requests hold (0 without compression).
+      num_blocks_compressed: blocks compressed instead of a preemption, cumulative.
     """
 
     num_running: int
@@ -228,4 +237,7 @@ class SchedulerStats:
     num_offload_blocks: int = 0
     num_offload_cached_blocks: int = 0
     num_blocks_offloaded: int = 0
+    num_compressed_blocks: int = 0
+    num_compressed_in_use: int = 0
+    num_blocks_compressed: int = 0
     num_blocks_loaded: int = 0

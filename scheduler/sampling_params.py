@@ -133,6 +133,11 @@ class SamplingParams:
       skip_special_tokens: drop special tokens from the detokenized text.
       structured_outputs: a ``StructuredOutputsParams`` constraint (JSON
         schema, regex, choice, grammar) on the output, or None.
+      allow_kv_compression: our addition: with ``kv_cache_compression`` on,
+        the scheduler may re-encode this request's full KV blocks in one
+        byte rather than preempt (``scheduler.compressed_pool``); False opts
+        out (exact KV always). A request with ``priority < 0`` is never
+        compressed either way.
 
     Raises:
       ValueError: a field out of its range; the message names the field, the
@@ -161,6 +166,7 @@ class SamplingParams:
     bad_words: Optional[Sequence[str]] = None
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
+    allow_kv_compression: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -218,6 +224,8 @@ class SamplingParams:
             raise bad("stop", self.stop, "non-empty strings")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list or None")
+        if not isinstance(self.allow_kv_compression, bool):
+            raise bad("allow_kv_compression", self.allow_kv_compression, "True or False")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
 

@@ -64,13 +64,15 @@ class _Step:
     """
 
     __slots__ = (
-        "budget", "preempted", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped", "headroom",
+        "budget", "preempted", "compress", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped",
+        "headroom",
         "bulk_requests", "bulk_rows", "bulk_new", "bulk_computed", "tail_requests", "tail_new", "tail_computed",
     )
 
     def __init__(self, budget: int, now: float) -> None:
         self.budget = budget
         self.preempted: list[Request] = []
+        self.compress: list[tuple[int, int]] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
         self.preempted_ids: set[str] = set()
@@ -167,6 +169,11 @@ class Scheduler:
       copies its computed blocks to the host pool and back on resume,
       reporting the copies in the output (falling back to recompute when the
       host pool is short).
+    * With a compressed pool (``num_compressed_blocks``, ``scheduler.compressed_pool``; our addition), a
+      preemption -- for a running request's blocks, or for an urgent arrival under a policy that preempts for
+      waiting requests -- is first replaced by compressing enough full blocks of running requests that may be
+      compressed (not ``SamplingParams.allow_kv_compression=False``, not ``priority < 0``), in victim order,
+      oldest blocks first; only when they cannot cover the shortage does the preemption happen.
     * A request that can never fit -- prompt over ``max_model_len``, or
       prompt + ``max_tokens`` (capped at ``max_model_len``) needing more than
       the whole cache -- is finished as ``FINISHED_IGNORED`` at
@@ -210,7 +217,8 @@ class Scheduler:
                                     num_offload_blocks=config.num_offload_blocks, offload_base=config.num_host_blocks,
                                     block_size=config.block_size)
         self.kv_cache_manager = KVCacheManager(
-            self.block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks
+            self.block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks,
+            config.num_compressed_blocks,
         )
         self.batch = PersistentBatch(config.max_num_seqs)
         self.requests: dict[str, Request] = {}
@@ -440,6 +448,7 @@ class Scheduler:
             block_tables=table.table[rows, : num_blocks.max(initial=0)],
             total_num_scheduled_tokens=int(new.sum()),
             preempted=step.preempted,
+            blocks_to_compress=step.compress,
             blocks_to_swap_out=step.swap_out,
             blocks_to_swap_in=step.swap_in,
             block_size=self.config.block_size,
@@ -549,7 +558,10 @@ class Scheduler:
         step.add(req, n, computed)
 
     def _preempt_until_allocated(self, req: Request, n: int, step: _Step) -> bool:
+        kv = self.kv_cache_manager
         while True:
+            if self._compress_for(req, n, step) and kv.allocate_slots(req, n):
+                return True
             candidates = list(self.running)
             if len(candidates) == 1:
                 if self.kv_cache_manager.copy_sources:
@@ -569,6 +581,50 @@ class Scheduler:
                 return False
             if self.kv_cache_manager.allocate_slots(req, n):
                 return True
+
+    @staticmethod
+    def _may_compress(req: Request) -> bool:
+        """Whether ``req``'s KV may be compressed: not opted out, not of high priority (< 0)."""
+        return req.sampling_params.allow_kv_compression and req.priority >= 0
+
+    def _compress_for(self, req: Request, n: int, step: _Step) -> bool:
+        """Compress blocks so that running ``req`` can take ``n`` more tokens, instead of a preemption (see
+        :meth:`_compress_blocks`)."""
+        kv = self.kv_cache_manager
+        if kv.compressed_pool is None:
+            return False
+        return self._compress_blocks(kv.num_blocks_to_allocate(req, n) - self.block_pool.num_free_blocks, step)
+
+    def _compress_blocks(self, need: int, step: _Step) -> bool:
+        """Compress ``need`` blocks of running requests (queued for the runner in the step's output); False,
+        changing nothing, when they or the compressed pool's free slots fall short (or ``need < 1``).
+
+        The blocks come from the running requests that may be compressed, in the policy's victim order (the
+        request a preemption would take first, first), each request's oldest blocks first.
+        """
+        kv = self.kv_cache_manager
+        if need < 1 or need > kv.compressed_pool.num_free_blocks:
+            return False
+        plan, found = [], 0
+        for victim in sorted(filter(self._may_compress, self.running), key=lambda r: self.policy.key(r, step.now),
+                             reverse=True):
+            k = min(len(kv.compressible(victim)), need - found)
+            if k:
+                plan.append((victim, k))
+                found += k
+            if found == need:
+                break
+        if found < need:
+            return False
+        for victim, k in plan:
+            step.compress += kv.compress(victim, k)
+        return True
+
+    def _compressible_blocks(self) -> int:
+        """Device blocks that compression could free now (graceful degradation counts them as free)."""
+        kv = self.kv_cache_manager
+        found = sum(len(kv.compressible(r)) for r in self.running if self._may_compress(r))
+        return min(found, kv.compressed_pool.num_free_blocks)
 
     def _schedule_waiting(self, step: _Step) -> None:
         if not self.waiting:
@@ -624,7 +680,23 @@ class Scheduler:
             victim = self._waiting_victim(req, step)
             if victim is None:
                 return False
+            if self._compress_to_admit(req, step) and self._try_admit(req, step):
+                return True
             self._preempt(victim, step)
+
+    def _compress_to_admit(self, req: Request, step: _Step) -> bool:
+        """Compress blocks so that waiting ``req`` can be admitted, instead of preempting for it; False, changing
+        nothing, when blocks are not what it lacks (seats, budget, the predicted-output headroom) or compression
+        cannot free enough."""
+        kv = self.kv_cache_manager
+        if (kv.compressed_pool is None or len(self.running) >= self.max_num_seqs or step.budget <= 0
+                or req.request_id in kv.swapped or self.config.reserve_predicted_output):
+            return False
+        hits, num_hit = kv.get_computed_blocks(req)
+        n = self._chunk(req.num_tokens - num_hit, step.budget)
+        ahead = int(self.config.async_scheduling and not req.prefill_only and req.num_tokens + 1 < req.length_limit)
+        need = kv.num_blocks_to_allocate(req, n, hits, ahead) if n else 0
+        return bool(n) and self._compress_blocks(need - self.block_pool.num_free_blocks, step)
 
     def _try_admit(self, req: Request, step: _Step) -> Optional[bool]:
         """Admit ``req`` into this step if it fits; None when it waits for the step's host-tier copies
@@ -989,7 +1061,11 @@ class Scheduler:
         new = self.num_preemptions - self._preemptions_seen
         self._preemptions_seen = self.num_preemptions
         idle = not self.requests
-        if self.degradation.observe(self.block_pool.num_free_blocks, new, idle) and self.pinned_blocks:
+        free = self.block_pool.num_free_blocks
+        # Compression is the first move: the batch backs off only once it can no longer cover the shortage.
+        if self.kv_cache_manager.compressed_pool is not None and free < self.degradation.low_water:
+            free += self._compressible_blocks()
+        if self.degradation.observe(free, new, idle) and self.pinned_blocks:
             self.release_pinned_prefixes()
 
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
@@ -1080,6 +1156,7 @@ class Scheduler:
           ValueError: ``num_blocks`` is one :meth:`check_resize` refuses (nothing changes).
         """
         self._check_between_steps("compact_kv_cache")
+        self._check_no_compression("compact_kv_cache()")
         if num_blocks is not None:
             self.check_resize(num_blocks)
         moves = self.block_pool.compact(num_blocks)
@@ -1098,6 +1175,7 @@ class Scheduler:
             raise ValueError(f"resize_kv_cache: num_blocks={num_blocks!r} must be an int >= 2 (block 0 is the "
                              "null block)")
         self._check_between_steps("resize_kv_cache")
+        self._check_no_compression(f"resize_kv_cache(num_blocks={num_blocks})")
         used = sum(1 for b in self.block_pool.blocks if b.ref_cnt > 0)
         if num_blocks < used + 1:
             raise ValueError(f"resize_kv_cache: num_blocks={num_blocks} is below the {used + 1} blocks in use "
@@ -1126,6 +1204,12 @@ class Scheduler:
         if self.degradation is not None:
             self.degradation.resize(num_blocks - 1)
         return moves
+
+    def _check_no_compression(self, what: str) -> None:
+        # Compressed blocks' ids are the device pool's size plus their slot: renumbering or resizing would move them.
+        if self.kv_cache_manager.compressed_pool is not None:
+            raise ValueError(f"{what}: not with a compressed KV pool (num_compressed_blocks="
+                             f"{self.config.num_compressed_blocks}, kv_cache_compression)")
 
     def _check_between_steps(self, what: str) -> None:
         if self._pending:
@@ -1162,7 +1246,8 @@ class Scheduler:
         Its rows' requests lose their blocks and progress and wait again, as
         after a recompute preemption, so the scheduler stays consistent and
         the next ``schedule()`` works. Its host-tier copies may not have run,
-        so the blocks they were to fill are forgotten by both tiers.
+        so the blocks they were to fill are forgotten by both tiers; nor may
+        its compressions, so the requests holding their blocks start over too.
 
         Raises:
           ValueError: ``output`` is not the newest pending output.
@@ -1172,7 +1257,7 @@ class Scheduler:
         self._pending.pop()
         self.kv_cache_manager.release_copy_sources()
         self.kv_cache_manager.forget_tier_copies(output.blocks_to_offload, output.blocks_to_load)
-        for req in output.requests:
+        for req in output.requests + self._compressed_by(output):
             if req.status is not _RUNNING:
                 continue
             self.running.remove(req)
@@ -1183,6 +1268,16 @@ class Scheduler:
             self._num_stopped += 1
             self.waiting.append(req)
         self._waiting_dirty = True
+
+    def _compressed_by(self, output: SchedulerOutput) -> list[Request]:
+        """The running requests that hold a block ``output`` compressed and are not among its rows."""
+        cpool = self.kv_cache_manager.compressed_pool
+        if cpool is None or not output.blocks_to_compress:
+            return []
+        ids = {cpool.base + slot for _, slot in output.blocks_to_compress}
+        rows = {id(r) for r in output.requests}
+        return [r for r in self.running if id(r) not in rows
+                and ids.intersection(self.kv_cache_manager.get_block_ids(r.request_id))]
 
     def _release(self, req: Request, status: RequestStatus) -> None:
         """Finish ``req``: set ``status``, free its blocks, forget it. The caller fixes the running/waiting lists."""
@@ -1248,7 +1343,11 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """A fresh ``SchedulerStats`` snapshot."""
         tier = self.block_pool.host_tier
+        cpool = self.kv_cache_manager.compressed_pool
         return SchedulerStats(
+            num_compressed_blocks=0 if cpool is None else cpool.num_blocks - 1,
+            num_compressed_in_use=0 if cpool is None else cpool.num_blocks - 1 - cpool.num_free_blocks,
+            num_blocks_compressed=0 if cpool is None else cpool.num_compressed,
             prefix_cache_hits_host=self.prefix_cache_hits_host,
             num_offload_blocks=0 if tier is None else tier.num_slots,
             num_offload_cached_blocks=0 if tier is None else tier.num_cached,

@@ -55,9 +55,10 @@ class FakeClock:
 
 
 class FakeRunner:
-    """Plays the model runner: does the swap and copy-on-write copies, writes token ids into a simulated KV cache
-    through slot_mapping, and samples from the history it *reads back* through the block
-    tables -- so a wrong block table, slot or prefix-cache hit changes the generated tokens."""
+    """Plays the model runner: does the compressions, swap and copy-on-write copies, writes token ids into a
+    simulated KV cache through slot_mapping, and samples from the history it *reads back* through the block
+    tables -- so a wrong block table, slot, compression or prefix-cache hit changes the generated tokens. The
+    compressed pool (lossless here) follows the cache in one id space, as the attention ops read it."""
 
     def __init__(self, config: SchedulerConfig, buckets: Optional[BucketTable] = None) -> None:
         bs = config.block_size
@@ -65,6 +66,7 @@ class FakeRunner:
         self.kv = np.full(config.num_blocks * bs, -1, dtype=np.int64)
         # The swap pool's blocks, then the host tier's (as the model runner's host pool).
         self.host = np.full((max(config.num_host_blocks + config.num_offload_blocks, 1), bs), -1, dtype=np.int64)
+        self.compressed = np.full(config.num_compressed_blocks * bs, -1, dtype=np.int64)
         self.buckets = buckets or BucketTable.from_limits(
             config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len, bs, min_tokens=1, min_seqs=1, min_width=1
         )
@@ -79,6 +81,8 @@ class FakeRunner:
         if fed.any():
             b.input_ids[fed] = np.asarray(self.last_sampled)[b.prev_token_index[fed]]
         bs = self.block_size
+        for d, c in output.blocks_to_compress:
+            self.compressed[c * bs : (c + 1) * bs] = self.kv[d * bs : (d + 1) * bs]
         for d, h in b.blocks_to_swap_out:
             self.host[h] = self.kv[d * bs : (d + 1) * bs]
         # As the engine does: offloads are gathered before the step and written to the host after it, so a
@@ -93,11 +97,15 @@ class FakeRunner:
         for s in range(b.num_seqs):
             pos = np.arange(b.seq_lens[s])
             slots = b.block_tables[s, pos // bs] * bs + pos % bs
-            sampled.append(next_token(self.kv[slots]))
+            sampled.append(next_token(self.read(slots)))
         for h, block in offloaded:
             self.host[h] = block
         self.last_sampled = sampled
         return sampled
+
+    def read(self, slots: np.ndarray) -> np.ndarray:
+        """The tokens at ``slots`` of the cache, and past its end of the compressed pool."""
+        return np.concatenate([self.kv, self.compressed])[slots]
 
     def relocate(self, moves) -> None:
         """Do a compaction's ``(src, dst)`` moves round by round (``order_block_moves``), each round reading all
@@ -130,7 +138,7 @@ class FakeSpecRunner(FakeRunner):
             k, end, first = int(b.num_spec_tokens[s]), int(b.seq_lens[s]), int(b.logits_indices[s] - b.num_spec_tokens[s])
             for j in range(k + 1):
                 pos = np.arange(end - k + j)
-                tokens[s, j] = next_token(self.kv[b.block_tables[s, pos // bs] * bs + pos % bs])
+                tokens[s, j] = next_token(self.read(b.block_tables[s, pos // bs] * bs + pos % bs))
                 if j == k or b.input_ids[first + j + 1] != tokens[s, j]:
                     counts[s] = j + 1
                     break
@@ -182,13 +190,15 @@ def make_request(rid: str, prompt, max_tokens: Optional[int] = 8, **kw) -> Reque
 
 def check_block_invariants(sched: Scheduler) -> None:
     """Every non-null block is free xor referenced, with ref_cnt == number of tables holding it
-    plus the pins of pending copies' sources."""
+    plus the pins of pending copies' sources; the same of the compressed pool's blocks, whose free and held
+    slots add up to all of them."""
     pool, kv = sched.block_pool, sched.kv_cache_manager
     holders = Counter(b.block_id for b in kv.copy_sources + sched.pinned_blocks)
     for rid, blocks in kv.req_to_blocks.items():
         assert len({b.block_id for b in blocks}) == len(blocks), f"{rid} holds a block twice"
         assert [b.block_id for b in blocks] == kv.req_to_block_ids[rid]
         holders.update(b.block_id for b in blocks)
+    check_compressed_pool(kv.compressed_pool, holders)
     free_ids = [b.block_id for b in pool.free_queue]
     assert len(free_ids) == len(set(free_ids)) == pool.num_free_blocks
     assert 0 not in holders and 0 not in free_ids
@@ -215,6 +225,17 @@ def check_block_invariants(sched: Scheduler) -> None:
     assert len(host_ids) + kv.host_pool.num_free_blocks == kv.host_pool.num_host_blocks
     assert len(sched.running) <= sched.config.max_num_seqs
     check_host_tier(sched)
+
+
+def check_compressed_pool(cpool, holders: Counter) -> None:
+    """Each compressed block's ref_cnt is the tables holding it; held + free == all; none has a hash."""
+    if cpool is None:
+        return
+    held = [b for b in cpool.blocks[1:] if b.ref_cnt]
+    assert len(held) + cpool.num_free_blocks == cpool.num_blocks - 1
+    assert holders[cpool.base] == 0 and cpool.blocks[0].ref_cnt == 0
+    for block in cpool.blocks[1:]:
+        assert block.ref_cnt == holders[block.block_id] and block.block_hash is None, block
 
 
 def check_host_tier(sched: Scheduler) -> None:

@@ -41,7 +41,7 @@ def test_aging_rate_and_degradation_thresholds_reach_the_running_scheduler(stori
     assert scheduler.config.aging_rate == 2.5
     assert scheduler.degradation.settings == GracefulDegradation(**THRESHOLDS)
     # One back-off level per low-water trigger: 0.3 of the 23 usable blocks.
-    assert scheduler.degradation._low_water == pytest.approx(0.3 * 23)
+    assert scheduler.degradation.low_water == pytest.approx(0.3 * 23)
 
 
 def test_degradation_thresholds_as_json_text_and_true_false_words():

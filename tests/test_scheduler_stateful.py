@@ -15,9 +15,12 @@ block tables), and free blocks == total - 1. Runs under every policy and both
 preemption modes, with and without ``reserve_predicted_output``, with and without a host tier for the prefix
 cache (and its prefetch): its slots held + free always add up (``check_host_tier``), a step's loads never read a slot
 its deferred offloads write, every copy moves exactly its block's tokens (``check_tier_copies``), and after every
-step each slot holds exactly its block's tokens.
+step each slot holds exactly its block's tokens. With a compressed KV pool (``num_compressed_blocks``; the fake
+runner's compression is lossless, so outputs must still be exact): its slots held + free add up, only requests that
+may be compressed hold compressed blocks, and compaction and resizing are refused.
 """
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -48,6 +51,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     mode = "recompute"
     # True: always a host tier with prefetch (otherwise drawn, and mostly absent).
     prefetching = False
+    compression = False
 
     @initialize(
         num_blocks=st.integers(2, 12),
@@ -57,11 +61,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         reserve=st.booleans(),
         offload=st.sampled_from([0, 3, 8]),
         prefetch=st.booleans(),
+        compressed=st.sampled_from([2, 3, 8]),
     )
-    def setup(self, num_blocks, caching, chunked, threshold, reserve=False, offload=0, prefetch=False):
+    def setup(self, num_blocks, caching, chunked, threshold, reserve=False, offload=0, prefetch=False, compressed=0):
         if self.prefetching:
             # One seat, so requests wait beside free blocks for the prefetch to fill.
             caching, offload, prefetch, num_blocks = True, max(offload, 3), True, max(num_blocks, 9)
+        if self.compression:
+            offload = 0
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
             block_size=BLOCK_SIZE,
@@ -78,6 +85,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             kv_offloading_prefetch=prefetch and bool(offload) and caching,
             aging_rate=0.5,
             reserve_predicted_output=reserve,
+            num_compressed_blocks=compressed if self.compression else 0,
         )
         self.clock = FakeClock()
         self.sched = Scheduler(self.config, clock=self.clock)
@@ -92,11 +100,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         suffix=st.lists(st.integers(1, VOCAB - 1), max_size=28),
         max_tokens=st.integers(1, 12),
         min_tokens=st.integers(0, 2),
-        priority=st.integers(0, 3),
+        priority=st.integers(-1, 3),
         use_eos=st.booleans(),
+        opt_out=st.booleans(),
     )
-    def add_request(self, prefix, suffix, max_tokens, min_tokens, priority, use_eos):
-        self._send((PREFIXES[prefix] + suffix) or [1], max_tokens, min_tokens, priority, use_eos)
+    def add_request(self, prefix, suffix, max_tokens, min_tokens, priority, use_eos, opt_out=False):
+        self._send((PREFIXES[prefix] + suffix) or [1], max_tokens, min_tokens, priority, use_eos, opt_out)
 
     @rule(
         num_blocks=st.one_of(st.none(), st.integers(1, MAX_MODEL_LEN // BLOCK_SIZE)),
@@ -115,8 +124,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             prompt = data.draw(st.sampled_from([r.prompt_token_ids for r in self.requests]))
             self._send(prompt, max_tokens, 0, priority, False)
 
-    def _send(self, prompt, max_tokens, min_tokens, priority, use_eos):
-        params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), temperature=0)
+    def _send(self, prompt, max_tokens, min_tokens, priority, use_eos, opt_out=False):
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), temperature=0,
+                                allow_kv_compression=not opt_out)
         req = make_request(
             f"r{len(self.requests)}", prompt, params=params, priority=priority,
             eos_token_id=EOS if use_eos else None, arrival_time=self.clock.t,
@@ -141,6 +151,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         check_block_invariants(self.sched)
         check_copies(self.sched, out)
         self.check_tier_copies(out)
+        self.check_compressed_holders()
         self.copies += len(out.blocks_to_copy)
         updated = self.sched.update_from_output(out, self.runner(out))
         self.check_host_tier_contents()
@@ -155,6 +166,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             for i, h in enumerate(req.block_hashes):
                 tokens[h] = req.all_token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
         return tokens
+
+    def check_compressed_holders(self):
+        """Only requests that may be compressed hold compressed blocks."""
+        kv = self.sched.kv_cache_manager
+        cpool = kv.compressed_pool
+        if cpool is None:
+            return
+        for rid, blocks in kv.req_to_blocks.items():
+            if any(cpool.holds(b) for b in blocks):
+                req = self.sched.requests[rid]
+                assert req.sampling_params.allow_kv_compression and req.priority >= 0, req
 
     def check_host_tier_contents(self):
         """Once a step's copies are done, each host-tier slot holds exactly the tokens of its block hash."""
@@ -195,6 +217,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Compaction between steps: every referenced and cached block below the rest, KV moved with it (the
         teardown's outputs check that nothing read moved KV wrongly)."""
         pool = self.sched.block_pool
+        if self.compression:
+            with pytest.raises(ValueError, match="num_compressed_blocks"):
+                self.sched.compact_kv_cache()
+            return
         live = {id(b) for b in pool.blocks if b.ref_cnt or b.block_hash is not None}
         moves = self.sched.compact_kv_cache()
         self.runner.relocate(moves)
@@ -251,11 +277,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 ), req
         assert self.sched.block_pool.num_free_blocks == self.config.num_blocks - 1
         assert self.sched.kv_cache_manager.host_pool.num_free_blocks == 6
+        cpool = self.sched.kv_cache_manager.compressed_pool
+        assert cpool is None or cpool.num_free_blocks == cpool.num_blocks - 1
 
 
-def _test_case(policy, mode, prefetching=False):
-    machine = type(f"SchedulerMachine_{policy}_{mode}", (SchedulerMachine,),
-                   {"policy": policy, "mode": mode, "prefetching": prefetching})
+def _test_case(policy, mode, prefetching=False, compression=False):
+    suffix = ("_prefetch" if prefetching else "") + ("_compression" if compression else "")
+    machine = type(f"SchedulerMachine_{policy}_{mode}{suffix}", (SchedulerMachine,),
+                   {"policy": policy, "mode": mode, "prefetching": prefetching, "compression": compression})
     case = machine.TestCase
     case.settings = settings(
         max_examples=25, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -275,6 +304,8 @@ TestStatefulPredictedRecompute = _test_case("predicted", "recompute")
 TestStatefulPredictedSwap = _test_case("predicted", "swap")
 TestStatefulFCFSRecomputePrefetch = _test_case("fcfs", "recompute", prefetching=True)
 TestStatefulPrioritySwapPrefetch = _test_case("priority", "swap", prefetching=True)
+TestStatefulFCFSCompression = _test_case("fcfs", "recompute", compression=True)
+TestStatefulPriorityCompression = _test_case("priority", "recompute", compression=True)
 
 
 def test_a_request_whose_hits_stop_at_a_block_being_written_is_admitted_when_the_step_has_no_other_row():

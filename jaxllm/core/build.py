@@ -25,8 +25,8 @@ from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.worker.cpu_features import describe_cpu
-from jaxllm.worker.kv_cache import (bytes_per_block, calibrate_kv_scales, calibration_ids, fit_max_model_len,
-                                    kv_number_dtype, resolve_num_blocks)
+from jaxllm.worker.kv_cache import (KV_QUANT_DTYPES, bytes_per_block, calibrate_kv_scales, calibration_ids,
+                                    fit_max_model_len, kv_number_dtype, resolve_num_blocks, split_kv_budget)
 from jaxllm.worker.model_runner import ModelRunner, enable_persistent_compilation_cache
 from jaxllm.worker.quantization import weight_quantization
 from jaxllm.worker.sharding import ModelSharding, make_mesh
@@ -91,6 +91,10 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
         params = place_given_params(cfg, params, dtype, sharding, config.quantization)
     tokenizer = (lambda: load_tokenizer(path)) if path is not None else (lambda: None)
     backend = config.attention_backend or default_attention_backend()
+    if config.kv_cache_compression is not None and backend == "pallas":
+        raise ValueError(f"kv_cache_compression={config.kv_cache_compression!r} cannot be used with the pallas "
+                         "attention backend (the default on GPU; its kernels read one pool): set "
+                         "attention_backend='xla' (--attention-backend xla)")
     ops = sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
     cache = config.compilation_cache
     enable_persistent_compilation_cache(str(cache_dir() / "xla") if cache == "default" else cache)
@@ -147,14 +151,22 @@ def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, shardin
     """The target model's runner over ``params`` (placed by ``sharding``): its KV cache sized from ``config``
     (``worker.kv_cache.resolve_num_blocks``) and its bucket table (``EngineConfig.bucket_ladders``).
 
+    With ``kv_cache_compression`` the budget is split between the device blocks and the compressed pool
+    (``worker.kv_cache.split_kv_budget``).
+
     Raises:
-      ValueError: the KV memory holds no ``max_model_len`` sequence, or a bucket ladder that stops short.
+      ValueError: the KV memory holds no ``max_model_len`` sequence, its compressed share fewer than 2 blocks, or a
+        bucket ladder that stops short.
     """
-    num_blocks = resolve_num_blocks(
-        sharding.per_device_config(), block_size=config.block_size, dtype=kv_dtype,
-        num_kv_blocks=config.num_kv_blocks, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, device=sharding.mesh.devices.flat[0],
-    )
+    sizes = dict(block_size=config.block_size, dtype=kv_dtype, num_kv_blocks=config.num_kv_blocks,
+                 kv_cache_memory_bytes=config.kv_cache_memory_bytes, max_num_seqs=config.max_num_seqs,
+                 max_model_len=max_model_len, device=sharding.mesh.devices.flat[0])
+    num_compressed = 0
+    if config.kv_cache_compression is None:
+        num_blocks = resolve_num_blocks(sharding.per_device_config(), **sizes)
+    else:
+        num_blocks, num_compressed = split_kv_budget(sharding.per_device_config(),
+                                                     fraction=config.kv_cache_compression_fraction, **sizes)
     spec = config.speculative_config
     return ModelRunner(
         cfg, params, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, ops=ops,
@@ -164,6 +176,8 @@ def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, shardin
         max_model_len=max_model_len,
         float_bits_storage=backend != "pallas" and sharding.mesh.devices.flat[0].platform == "cpu",
         kv_cache_dtype=kv_dtype, num_positions=1 + (spec.num_speculative_tokens if spec is not None else 0),
+        num_compressed_blocks=num_compressed,
+        compressed_dtype=None if not num_compressed else KV_QUANT_DTYPES[config.kv_cache_compression],
     )
 
 
@@ -219,3 +233,8 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
     log(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {[b.seq_bucket_for(t) for t in b.token_buckets]}, "
          f"block-table widths {list(b.width_buckets)}); {core.num_blocks} KV blocks of {core.config.block_size} "
          f"tokens ({core.kv_cache_dtype.name}); attention {backend}; tensor parallel {core.sharding.tensor_parallel_size}")
+    pool = core.runner.compressed
+    if pool is not None:
+        config = core.config
+        log(f"KV compression ({config.kv_cache_compression}): {pool.k.shape[1]} compressed blocks beside the "
+            f"{core.num_blocks} device blocks (kv_cache_compression_fraction={config.kv_cache_compression_fraction})")

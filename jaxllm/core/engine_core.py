@@ -133,8 +133,10 @@ class EngineCore:
         self._runners = [runner] + ([drafter] if drafter is not None else [])
         self.slots = SamplingSlots(config.max_num_seqs + 1, self.model_config.vocab_size, runner)
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
+        num_compressed = 0 if runner.compressed is None else runner.compressed.k.shape[1]
         self.scheduler = scheduler_cls(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=max_model_len,
-                                                               num_offload_blocks=runner.num_offload_blocks))
+                                                               num_offload_blocks=runner.num_offload_blocks,
+                                                               num_compressed_blocks=num_compressed))
         # Seconds the engine loop spent on the host tier's copies: device -> host (offloads: dispatching their
         # gathers, then writing the host pool while the step runs), host -> device (loads, dispatch only); and of
         # the first, the host writes (after the step's dispatch, off the step's critical path).
@@ -602,6 +604,9 @@ class EngineCore:
         offloads are only gathered on the device: their host writes are returned, one list per runner, for
         :meth:`_write_offloads` once the step is dispatched (the loads never read a slot this step writes:
         ``scheduler.host_tier``). The tier's copies are timed."""
+        if sched_out.blocks_to_compress:
+            # Only the target model's: kv_cache_compression refuses a draft model.
+            self.runner.compress_blocks(sched_out.blocks_to_compress)
         pending = []
         for runner in self._runners:
             runner.swap_out(sched_out.blocks_to_swap_out)

@@ -150,10 +150,11 @@ def param_layout(cfg: ModelConfig, dtype: Any = np.float32, quantization: Option
 
 
 def hidden_states(params: Params, kv_cache: KVCache, batch: StepBatch, *, cfg: ModelConfig,
-                  ops: AttentionOps) -> tuple[jax.Array, KVCache]:
+                  ops: AttentionOps, compressed: Any = None) -> tuple[jax.Array, KVCache]:
     """``common.hidden_states`` of ``cfg``'s family: the decoder up to the final
-    norm, hidden ``[T, hidden_size]``, and the caches with this step's K/V."""
-    return _hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops, family=family(cfg))
+    norm, hidden ``[T, hidden_size]``, and the caches with this step's K/V
+    (``compressed``: the pool of compressed KV blocks, or None)."""
+    return _hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops, family=family(cfg), compressed=compressed)
 
 
 def forward(

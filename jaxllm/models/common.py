@@ -26,7 +26,10 @@ leaves (the heads the cache holds, ``ModelSharding.num_cache_heads``), handed
 to the attention ops.
 
 KV cache: ``(k_cache, v_cache)``, each ``[L, num_blocks, block_size,
-num_kv_heads, head_dim]``.
+num_kv_heads, head_dim]``. Beside it, optionally, the pool of compressed blocks
+(``kernels_pallas.reference.CompressedKV``, each array with a leading ``L``):
+block-table ids ``>= num_blocks`` name its blocks (``num_blocks + slot``), and
+each layer's ids are offset into the flattened pool as into the cache.
 
 Layers run as ``lax.scan``s that carry the hidden state and the caches and
 read layer ``l``'s weights by index from the stacked leaves, so a step traces,
@@ -55,7 +58,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
 from kernels_pallas import AttentionOps
-from kernels_pallas.reference import BITS_STORAGE, from_storage, to_storage
+from kernels_pallas.reference import BITS_STORAGE, CompressedKV, from_storage, to_storage
 
 if TYPE_CHECKING:
     from jaxllm.worker.step_batch import StepBatch
@@ -205,6 +208,8 @@ class LayerContext(NamedTuple):
     num_tokens: int32[] the batch's real (unpadded) tokens.
     kv_scales: a quantized cache's float32 ``(k_scale, v_scale)``, each
       ``[cache heads]`` of this layer; None for a cache of plain values.
+    compressed: the pool of compressed blocks, every layer's, flattened to
+      ``[L * C, ...]`` (this layer's block tables are offset into it), or None.
     """
 
     cfg: ModelConfig
@@ -215,6 +220,7 @@ class LayerContext(NamedTuple):
     sin: jax.Array
     num_tokens: jax.Array
     kv_scales: Optional[tuple[jax.Array, jax.Array]] = None
+    compressed: Optional[CompressedKV] = None
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """Rope q and k, write k and v into the paged cache, attend.
@@ -232,9 +238,10 @@ class LayerContext(NamedTuple):
         scales = dict(zip(("k_scale", "v_scale"), self.kv_scales)) if self.kv_scales else {}
         k_cache, v_cache = self.ops.kv_cache_write(kv[0].reshape(blocks), kv[1].reshape(blocks), k, v,
                                                    self.batch.slot_mapping, **scales)
+        pool = {} if self.compressed is None else {"compressed": self.compressed}
         out = self.ops.ragged_paged_attention(
             q, k_cache, v_cache, self.batch.block_tables, self.batch.seq_lens, self.batch.query_start_loc,
-            self.batch.num_seqs, scale=cfg.attention_scale, sliding_window=self.window, **scales,
+            self.batch.num_seqs, scale=cfg.attention_scale, sliding_window=self.window, **scales, **pool,
         )
         return out.reshape(t, cfg.num_q_heads * cfg.head_dim), (k_cache.reshape(kv[0].shape),
                                                                 v_cache.reshape(kv[1].shape))
@@ -376,6 +383,7 @@ def hidden_states(
     cfg: ModelConfig,
     ops: AttentionOps,
     family: Family,
+    compressed: Optional[CompressedKV] = None,
 ) -> tuple[jax.Array, KVCache]:
     """The decoder over a ragged batch, up to the final norm (HF's ``last_hidden_state``).
 
@@ -390,6 +398,9 @@ def hidden_states(
       cfg: model configuration (static).
       ops: attention kernels or references (static).
       family: the decoder family (static).
+      compressed: the pool of compressed blocks, ``k, v: [num_layers, C, block_size, cache heads, head_dim]``,
+        ``k_scale, v_scale: float32[num_layers, C, cache heads]``, read where a block table holds an id
+        ``>= num_blocks``; None: no such id.
 
     Returns:
       (hidden, kv_cache): hidden ``[T, hidden_size]`` in the params' dtype,
@@ -402,8 +413,14 @@ def hidden_states(
     num_tokens = batch.query_start_loc[batch.num_seqs]
     k_cache, v_cache = kv_cache
     num_blocks, block_size = k_cache.shape[1], k_cache.shape[2]
-    flat = (k_cache.shape[0] * num_blocks, block_size, -1)
+    num_layers = k_cache.shape[0]
+    flat = (num_layers * num_blocks, block_size, -1)
     layers = params["layers"]
+    pool = None
+    if compressed is not None:
+        num_compressed = compressed.k.shape[1]
+        pool = CompressedKV(*(a.reshape((num_layers * num_compressed,) + a.shape[2:]) for a in compressed))
+        in_pool = batch.block_tables >= num_blocks
 
     def run(carry, segments, base):
         for start, stop, window in segments:
@@ -413,10 +430,15 @@ def hidden_states(
                 x, k_flat, v_flat = carry
                 layer = jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers)
                 first_block = index * num_blocks
-                layer_batch = dataclasses.replace(batch, block_tables=batch.block_tables + first_block,
+                tables = batch.block_tables + first_block
+                if pool is not None:
+                    # Past the flattened cache's L * num_blocks ids: this layer's slots of the flattened pool.
+                    tables = jnp.where(in_pool, batch.block_tables + (num_layers - 1) * num_blocks
+                                       + index * num_compressed, tables)
+                layer_batch = dataclasses.replace(batch, block_tables=tables,
                                                   slot_mapping=batch.slot_mapping + first_block * block_size)
                 ctx = LayerContext(cfg, ops, layer_batch, window, cos, sin, num_tokens,
-                                   (layer["k_scale"], layer["v_scale"]) if "k_scale" in layer else None)
+                                   (layer["k_scale"], layer["v_scale"]) if "k_scale" in layer else None, pool)
                 x, (k_flat, v_flat) = family.layer(layer, x, (k_flat, v_flat), ctx)
                 return (x, k_flat, v_flat), None
 

@@ -148,6 +148,45 @@ def resolve_num_blocks(
     return int(num_blocks)
 
 
+def compressed_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
+    """Device bytes one compressed block takes over all layers: K and V of one byte a number, and their float32
+    scales, one per layer and KV head each."""
+    return cfg.kv_bytes_per_token * block_size + 2 * 4 * cfg.num_layers * cfg.num_kv_heads
+
+
+def split_kv_budget(cfg: ModelConfig, *, block_size: int, dtype: Any, fraction: float, num_kv_blocks: Optional[int],
+                    kv_cache_memory_bytes: Optional[int], max_num_seqs: int, max_model_len: int,
+                    device: Any) -> tuple[int, int]:
+    """The device blocks and the compressed pool's slots of one KV budget (``kv_cache_compression``).
+
+    The budget is ``num_kv_blocks`` blocks of ``dtype`` when given, else ``kv_cache_memory_bytes`` (or its
+    default, :func:`default_kv_cache_bytes`). ``fraction`` of it goes to the compressed pool
+    (:func:`compressed_bytes_per_block` a slot), the rest to the device blocks (:func:`resolve_num_blocks` of it),
+    so a comparison with compression off at the same budget is one of equal bytes.
+
+    Returns:
+      ``(num_blocks, num_compressed_blocks)``, each with its null block / slot.
+
+    Raises:
+      ValueError: the device share holds no ``max_model_len`` sequence (as :func:`resolve_num_blocks`), or the
+        compressed share holds fewer than 2 slots (named with the fraction).
+    """
+    if num_kv_blocks is not None:
+        budget = num_kv_blocks * bytes_per_block(cfg, block_size, dtype)
+    else:
+        budget = _budget(kv_cache_memory_bytes, device)[0]
+    num_blocks = resolve_num_blocks(cfg, block_size=block_size, dtype=dtype, num_kv_blocks=None,
+                                    kv_cache_memory_bytes=int(budget * (1 - fraction)), max_num_seqs=max_num_seqs,
+                                    max_model_len=max_model_len, device=device)
+    per_slot = compressed_bytes_per_block(cfg, block_size)
+    num_compressed = int(budget * fraction) // per_slot
+    if num_compressed < 2:
+        raise ValueError(f"kv_cache_compression_fraction={fraction} of a {budget}-byte KV budget holds "
+                         f"{num_compressed} compressed blocks of {per_slot} bytes; it needs 2 or more (the null "
+                         "slot and one): raise the fraction or the budget")
+    return num_blocks, num_compressed
+
+
 def allocate_kv_cache(num_blocks: int, block_size: int, dtype: Any, sharding: "ModelSharding") -> KVCache:
     """Zeroed ``(k_cache, v_cache)`` on ``sharding``'s devices.
 

@@ -49,7 +49,7 @@ from jaxllm.worker.sharding import ModelSharding
 from jaxllm.worker.step_batch import StepBatch
 from jaxllm.worker.weights import Layout, flatten, unflatten
 from jaxllm.structured_output import bitmask_words
-from kernels_pallas.reference import BITS_STORAGE, from_storage, to_storage
+from kernels_pallas.reference import BITS_STORAGE, CompressedKV, from_storage, quantize_blocks, to_storage
 from scheduler import BatchDescriptor, BucketTable
 from scheduler.block_moves import order_block_moves
 
@@ -97,8 +97,8 @@ class StepOutput:
 
 
 def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: SamplingArrays, tables: SamplerTables,
-          prev_tokens: jax.Array, bitmask: jax.Array, *, cfg: ModelConfig, ops: AttentionOps, num_positions: int = 1
-          ) -> tuple[StepOutput, jax.Array, KVCache, SamplerTables]:
+          prev_tokens: jax.Array, bitmask: jax.Array, compressed: Optional[CompressedKV], *, cfg: ModelConfig,
+          ops: AttentionOps, num_positions: int = 1) -> tuple[StepOutput, jax.Array, KVCache, SamplerTables]:
     """Model + sampler + prompt logprobs. Input ids marked in
     ``batch.prev_token_index`` come from the previous step's samples
     (``prev_tokens``, still on the device); the samples are also returned
@@ -107,11 +107,12 @@ def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: Samplin
     output). The prompt logprobs are those of ``batch.prompt_target_ids``.
     With ``num_positions > 1`` (speculative decoding) the sampler verifies
     each row's drafts (``sampler.sample_or_verify``); a row's bitmask
-    applies to its first position (constrained rows carry no drafts)."""
+    applies to its first position (constrained rows carry no drafts).
+    ``compressed`` (the pool of compressed KV blocks, or None) is only read."""
     from_prev = batch.prev_token_index
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch.input_ids)
     hidden, kv_cache = hidden_states(params, kv_cache, dataclasses.replace(batch, input_ids=input_ids),
-                                     cfg=cfg, ops=ops)
+                                     cfg=cfg, ops=ops, compressed=compressed)
     head = functools.partial(compute_logits, params, cfg=cfg)
     if num_positions == 1:
         sampled, tables = sample(head(hidden[batch.logits_indices]), sampling, tables, bitmask)
@@ -136,6 +137,13 @@ def _scatter_blocks(kv_cache: KVCache, ids: jax.Array, blocks: KVCache) -> KVCac
 
 def _copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     return tuple(c.at[:, dst].set(c[:, src]) for c in kv_cache)
+
+
+def _compress_blocks(kv_cache: KVCache, pool: CompressedKV, src: jax.Array, dst: jax.Array) -> CompressedKV:
+    """Device blocks ``src`` of every layer re-encoded into slots ``dst`` of the compressed pool."""
+    (k, k_scale), (v, v_scale) = (quantize_blocks(c[:, src], p.dtype) for c, p in zip(kv_cache, pool[:2]))
+    return CompressedKV(pool.k.at[:, dst].set(k), pool.v.at[:, dst].set(v), pool.k_scale.at[:, dst].set(k_scale),
+                        pool.v_scale.at[:, dst].set(v_scale))
 
 
 def _abstract(tree: Any) -> Any:
@@ -211,6 +219,10 @@ class ModelRunner:
         ``num_speculative_tokens`` when the steps verify draft tokens
         (sampling arrays then have ``S * num_positions`` rows,
         ``SamplingArrays.repeat``).
+      num_compressed_blocks: slots of the pool of compressed KV blocks
+        (``kv_cache_compression``; the null slot 0 included), 0 for none.
+      compressed_dtype: its numbers, int8 or float8_e4m3fn (with
+        ``num_compressed_blocks``).
 
     Attributes:
       ops: the attention ops the step runs (as given).
@@ -220,6 +232,12 @@ class ModelRunner:
       kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size,
         sharding.num_cache_heads, head_dim]``, split over heads; of
         ``kv_cache_dtype``, as uint16 / uint8 bits with ``float_bits_storage``.
+      compressed: the pool of compressed KV blocks
+        (``kernels_pallas.reference.CompressedKV``: ``k, v: [num_layers,
+        num_compressed_blocks, block_size, heads, head_dim]`` of
+        ``compressed_dtype``, float8 as uint8 bits with ``float_bits_storage``;
+        ``k_scale, v_scale: float32[num_layers, num_compressed_blocks, heads]``),
+        split over heads like the cache; None without compression.
       sampler_tables: the sampler's per-slot tables (:class:`SamplerTables`),
         replicated on the mesh and donated to every step like the KV cache.
       num_compilations: programs this runner has built (steps and block
@@ -234,7 +252,8 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
                  ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0,
                  num_offload_blocks: int = 0, num_sampling_slots: int = 1, max_model_len: int = 1, float_bits_storage: bool = False,
-                 kv_cache_dtype: Any = None, num_positions: int = 1):
+                 kv_cache_dtype: Any = None, num_positions: int = 1, num_compressed_blocks: int = 0,
+                 compressed_dtype: Any = None):
         self.cfg = cfg
         self.ops = ops
         self.num_blocks = num_blocks
@@ -255,6 +274,17 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(num_blocks, block_size, kv_dtype, sharding)
         self._replicated = sharding.replicated
         self._kv_sharding = sharding.kv_cache_sharding
+        self.compressed: Optional[CompressedKV] = None
+        if num_compressed_blocks:
+            storage = np.dtype(compressed_dtype)
+            storage = BITS_STORAGE.get(storage, storage) if float_bits_storage else storage
+            k, v = allocate_kv_cache(num_compressed_blocks, block_size, storage, sharding)
+            scales = _zeros((cfg.num_layers, num_compressed_blocks, sharding.num_cache_heads), np.dtype(np.float32),
+                            sharding.compressed_scale_sharding)
+            self.compressed = CompressedKV(k, v, scales(), scales())
+            self._compressed_sharding = CompressedKV(self._kv_sharding, self._kv_sharding,
+                                                     sharding.compressed_scale_sharding,
+                                                     sharding.compressed_scale_sharding)
         self.sampler_tables = jax.device_put(init_tables(num_sampling_slots, cfg.vocab_size), self._replicated)
         self.max_model_len = max_model_len
         self.num_compilations = 0
@@ -317,14 +347,14 @@ class ModelRunner:
         return exe
 
     def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
-        """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens, bitmask)`` of bucket
+        """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens, bitmask, compressed)`` of bucket
         ``shape``: exactly the structure, dtypes and shardings :meth:`dispatch` passes."""
         s, rep = shape[1], self._replicated
         sampling = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep),
                                           SamplingArrays.empty(s * self.num_positions))
         bitmask = jax.ShapeDtypeStruct((s, self.bitmask_words), np.int32, sharding=rep)
         return (_abstract(self.params), _abstract(self.kv_cache), StepBatch.abstract(shape, rep), sampling,
-                _abstract(self.sampler_tables), _abstract(self._no_prev_tokens), bitmask)
+                _abstract(self.sampler_tables), _abstract(self._no_prev_tokens), bitmask, _abstract(self.compressed))
 
     def compile_step(self, shape: tuple[int, int, int], announce: bool = False) -> Callable:
         """Compile (once) and return the step program of bucket ``shape``; with ``announce``, log the wait (a step
@@ -400,6 +430,9 @@ class ModelRunner:
                                  *rows)
         elif name == "gather":
             exe = self._compiled(jax.jit(_gather_blocks), kv, ids)
+        elif name == "compress":
+            compress = jax.jit(_compress_blocks, donate_argnums=(1,), out_shardings=self._compressed_sharding)
+            exe = self._compiled(compress, kv, _abstract(self.compressed), ids, ids)
         elif name == "scatter":
             blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], BLOCK_CHUNK) + c.shape[2:], c.dtype, sharding=c.sharding)
                            for c in kv)
@@ -440,7 +473,8 @@ class ModelRunner:
             self._ready_tokens = set()
         for t in tqdm(first, desc="compiling buckets", unit="bucket", disable=not progress):
             self._build_token_bucket(t)
-        for name in self.WARMUP_OPS + (("gather", "scatter") if swap else ()):
+        for name in self.WARMUP_OPS + (("gather", "scatter") if swap else ()) + (
+                ("compress",) if self.compressed is not None else ()):
             self._block_op(name)
         rest = [t for t in tokens if t not in first]
         with self._lock:
@@ -508,7 +542,8 @@ class ModelRunner:
             (StepBatch.from_descriptor(batch, prompt_target_ids), sampling, bitmask), self._replicated)
         prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
         out, next_prev, self.kv_cache, self.sampler_tables = exe(
-            self.params, self.kv_cache, device_batch, device_sampling, self.sampler_tables, prev, bitmask
+            self.params, self.kv_cache, device_batch, device_sampling, self.sampler_tables, prev, bitmask,
+            self.compressed,
         )
         return out, next_prev
 
@@ -538,6 +573,14 @@ class ModelRunner:
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
         for chunk, _ in _chunks(pairs, repeat_first=True):
             self.kv_cache = self._block_op("copy")(self.kv_cache, chunk[:, 0], chunk[:, 1])
+
+    def compress_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
+        """Re-encode device blocks into the compressed pool: ``pairs`` of (device block, compressed slot), in
+        ``BLOCK_CHUNK`` chunks of the program built at warm-up (a chunk's unused entries re-encode null block 0 into
+        the null slot 0, which nothing reads). Call it before anything writes the device blocks."""
+        pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
+        for chunk, _ in _chunks(pairs):
+            self.compressed = self._block_op("compress")(self.kv_cache, self.compressed, chunk[:, 0], chunk[:, 1])
 
     def move_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Block copies done as if every source were read first, whatever the chains and cycles among them
@@ -691,14 +734,19 @@ class ModelRunner:
         self._need_weights("restore_params")
 
     def release_kv_cache(self) -> int:
-        """Free the KV cache's device memory (sleep); its avals stay, so programs still build, and
+        """Free the KV cache's device memory, the compressed pool's too (sleep); its avals stay, so programs still
+        build, and
         :meth:`allocate_kv_cache` makes the same arrays again. Returns the bytes freed (0 if already free)."""
         caches = self.kv_cache
         if not isinstance(caches[0], jax.Array):
             return 0
         self.kv_cache = tuple(_abstract(c) for c in caches)
-        freed = sum(c.nbytes for c in caches)
-        for c in caches:
+        arrays = list(caches)
+        if self.compressed is not None:
+            arrays += list(self.compressed)
+            self.compressed = _abstract(self.compressed)
+        freed = sum(c.nbytes for c in arrays)
+        for c in arrays:
             c.delete()
         return freed
 
@@ -706,6 +754,8 @@ class ModelRunner:
         """Zeroed KV cache arrays of the compiled shapes and shardings again (wake up); nothing if allocated."""
         if not isinstance(self.kv_cache[0], jax.Array):
             self.kv_cache = tuple(_zeros(a.shape, a.dtype, a.sharding)() for a in self.kv_cache)
+            if self.compressed is not None:
+                self.compressed = CompressedKV(*(_zeros(a.shape, a.dtype, a.sharding)() for a in self.compressed))
 
     def _need_weights(self, what: str) -> None:
         state = self.weights_state

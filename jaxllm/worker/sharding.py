@@ -282,6 +282,11 @@ class ModelSharding:
         return NamedSharding(self.mesh, P(None, MODEL_AXIS))
 
     @property
+    def compressed_scale_sharding(self) -> NamedSharding:
+        """Sharding of the compressed KV pool's ``[num_layers, num_compressed, num_cache_heads]`` scales."""
+        return NamedSharding(self.mesh, P(None, None, MODEL_AXIS))
+
+    @property
     def replicated(self) -> NamedSharding:
         """Every device holds the whole array (the batch and sampling arrays)."""
         return NamedSharding(self.mesh, P())
@@ -321,7 +326,8 @@ class ModelSharding:
         replicated, the step's new k/v (all heads on every device) are cut to
         the one head this device stores before the write. A quantized cache's
         per-head scales (``k_scale``, ``v_scale``: ``[num_cache_heads]``) are
-        split like its heads.
+        split like its heads, and so are the blocks and per-block scales of a
+        pool of compressed blocks (``compressed``, ``reference.CompressedKV``).
         """
         heads = P(None, MODEL_AXIS, None)
         cache = P(None, None, MODEL_AXIS, None)
@@ -350,14 +356,20 @@ class ModelSharding:
                              out_specs=(cache, cache), check_vma=False)(k_cache, v_cache, k, v, slot_mapping, *scales)
 
         def attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale=None,
-                   v_scale=None, **static):
+                   v_scale=None, compressed=None, **static):
             scales, specs, keywords = scale_args(k_scale, v_scale)
+            # The compressed pool's blocks and per-block scales split over heads like the cache's.
+            pool, pool_specs = ((), ()) if compressed is None else (
+                tuple(compressed), (cache, cache, P(None, MODEL_AXIS), P(None, MODEL_AXIS)))
 
             def local(*args):
-                return ops.ragged_paged_attention(*args[:7], **keywords(*args[7:]), **static)
+                extra = args[7 + len(specs):]
+                pools = {"compressed": type(compressed)(*extra)} if extra else {}
+                return ops.ragged_paged_attention(*args[:7], **keywords(*args[7:7 + len(specs)]), **pools, **static)
 
-            return shard_map(local, mesh=self.mesh, in_specs=(heads, cache, cache, rep, rep, rep, rep) + specs,
+            return shard_map(local, mesh=self.mesh,
+                             in_specs=(heads, cache, cache, rep, rep, rep, rep) + specs + pool_specs,
                              out_specs=heads, check_vma=False)(
-                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *scales)
+                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *scales, *pool)
 
         return AttentionOps(ragged_paged_attention=attend, kv_cache_write=write)
