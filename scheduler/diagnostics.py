@@ -71,6 +71,10 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
         ``{"num_blocks", "num_cached_blocks", "num_free_blocks"}`` (the two add up to ``num_blocks``),
         ``"num_offloaded_blocks"`` and ``"num_loaded_blocks"`` (copies device -> host and back, cumulative) and
         ``"hit_tokens"`` (prompt tokens it served, cumulative);
+      * ``compressed_pool``: the one-byte pool of ``kv_cache_compression`` (``scheduler.compressed_pool``), None
+        without one, else ``{"num_blocks", "num_used_blocks", "num_free_blocks"}`` (slots without the null slot;
+        the two add up to ``num_blocks``) and ``"num_compressed_blocks"`` (blocks compressed instead of a
+        preemption, cumulative);
       * ``blocks`` (with ``block_map``): per block id, ``{"state": "null" |
         "used" | "cached_free" | "free", "ref_cnt", "holders"}``, holders being
         the request ids whose tables hold it, plus ``"<pinned>"`` and
@@ -122,6 +126,10 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
         },
     }
     report["host_tier"] = _host_tier_report(scheduler)
+    cpool = kv.compressed_pool
+    report["compressed_pool"] = None if cpool is None else {
+        "num_blocks": cpool.num_blocks - 1, "num_used_blocks": cpool.num_blocks - 1 - cpool.num_free_blocks,
+        "num_free_blocks": cpool.num_free_blocks, "num_compressed_blocks": cpool.num_compressed}
     if block_map:
         report["blocks"] = entries
     return report

@@ -13,6 +13,7 @@ import pytest
 
 from jaxllm import SamplingParams
 from jaxllm.config import EngineConfig
+from jaxllm.entrypoints.diag import summarize
 from jaxllm.frontend.llm_engine import LLMEngine
 
 MAX_MODEL_LEN = 96
@@ -64,6 +65,13 @@ def test_compression_replaces_preemption_and_leaves_protected_requests_exact(sto
     assert all(len(tokens[rid]) == MAX_TOKENS[rid] for rid in PROMPTS)
     assert engine.runner.num_compilations == compiled
     assert stats.num_free_blocks == engine.num_blocks - 1 and stats.num_compressed_in_use == 0
+    metric = engine.metrics.registry.get_sample_value
+    assert metric("jaxllm:kv_blocks_compressed_total") == 10
+    assert metric("jaxllm:kv_compressed_usage_perc") == 0.0
+    report = engine.kv_cache_report(block_map=False)
+    assert report["compressed_pool"] == {
+        "num_blocks": 24, "num_used_blocks": 0, "num_free_blocks": 24, "num_compressed_blocks": 10}
+    assert "compressed pool: 24 blocks: 0 used, 24 free; 10 compressed so far" in summarize(report)
 
 
 def test_sleep_frees_the_compressed_pool_and_wake_up_brings_it_back(stories_dir, uncompressed):

@@ -829,6 +829,10 @@ class EngineCore:
             kv_offload_bytes_to_device=s.num_blocks_loaded * self._offload_block_bytes,
             kv_offload_seconds_to_host=self.offload_seconds[0], kv_offload_seconds_to_device=self.offload_seconds[1],
             num_offload_blocks=s.num_offload_blocks, num_offload_cached_blocks=s.num_offload_cached_blocks,
+            num_predicted_finished=s.num_predicted_finished, predicted_output_tokens=s.predicted_output_tokens,
+            actual_output_tokens=s.actual_output_tokens, prediction_abs_error_tokens=s.prediction_abs_error_tokens,
+            num_compressed_blocks=s.num_compressed_blocks, num_compressed_in_use=s.num_compressed_in_use,
+            num_blocks_compressed=s.num_blocks_compressed,
         )
 
     def _prompt_len_cv(self) -> float:

@@ -131,6 +131,10 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
         dispatching the gathers before the step, writing the host pool after its dispatch, while it runs; to the
         device: the host side and the dispatch; the device finishes them before the step reads them).
       num_offload_blocks, num_offload_cached_blocks: the host tier's blocks, and those holding a block.
+      num_predicted_finished, predicted_output_tokens, actual_output_tokens, prediction_abs_error_tokens: the
+        output-length predictor's record (``scheduler.SchedulerStats``' fields of the names), cumulative.
+      num_compressed_blocks, num_compressed_in_use, num_blocks_compressed: the compressed KV pool's slots, those
+        held, and blocks compressed instead of a preemption, cumulative (``kv_cache_compression``; 0 without).
     """
 
     num_running: int
@@ -164,6 +168,13 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     kv_offload_seconds_to_device: float = 0.0
     num_offload_blocks: int = 0
     num_offload_cached_blocks: int = 0
+    num_predicted_finished: int = 0
+    predicted_output_tokens: int = 0
+    actual_output_tokens: int = 0
+    prediction_abs_error_tokens: int = 0
+    num_compressed_blocks: int = 0
+    num_compressed_in_use: int = 0
+    num_blocks_compressed: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="outputs"):

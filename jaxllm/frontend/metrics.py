@@ -39,6 +39,10 @@ _TRANSFER_TYPES = ("GPU_to_CPU", "CPU_to_GPU")
 # CoreStats fields of the host tier's counters: hits by tier ("device" is the rest), bytes and seconds each way.
 _OFFLOAD_FIELDS = ("prefix_cache_hits_host", "kv_offload_bytes_to_host", "kv_offload_bytes_to_device",
                    "kv_offload_seconds_to_host", "kv_offload_seconds_to_device")
+# Cumulative CoreStats fields published as counters of the same meaning: the output-length predictor's record
+# and the compressed KV pool's compressions.
+_COUNTED_FIELDS = ("num_predicted_finished", "predicted_output_tokens", "actual_output_tokens",
+                   "prediction_abs_error_tokens", "num_blocks_compressed")
 # The series vLLM 0.32 publishes under these names with the same meaning (its metrics documentation).
 VLLM_SERIES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
@@ -99,7 +103,15 @@ class EngineMetrics:
       ``kv_offload_total_time`` (seconds) with label ``transfer_type``
       ("GPU_to_CPU", "CPU_to_GPU": vLLM's offloading directions), and the gauge
       ``kv_offload_usage_perc`` (host-tier blocks holding a block / all of
-      them, in [0, 1]; 0 without a tier).
+      them, in [0, 1]; 0 without a tier). The scheduler's output-length
+      predictor (``scheduler.predictor``): counters
+      ``request_output_length_predictions`` (finished requests it learned
+      from), ``request_predicted_output_tokens`` and
+      ``request_actual_output_tokens`` (their outputs as predicted at arrival
+      and as generated) and ``request_output_length_prediction_abs_error_tokens``
+      (summed ``|predicted - generated|``: divided by the first, the mean
+      absolute error). KV compression (``kv_cache_compression``): counter
+      ``kv_blocks_compressed`` and gauge ``kv_compressed_usage_perc``.
 
     The monitoring board (``docs/grafana.json``, alerts in
     ``docs/alert_rules.yml``) adds: histogram ``step_duration_seconds``
@@ -133,6 +145,7 @@ class EngineMetrics:
         self.core_stats: dict[int, CoreStats] = {}
         self._seen_queries = self._seen_hits = self._seen_preemptions = self._seen_compilations = 0
         self._seen_offload = [0] * (len(_OFFLOAD_FIELDS) + 1)
+        self._seen_counted = [0] * len(_COUNTED_FIELDS)
         self._seen_spec: list[int] = [0, 0, 0]
         self._seen_spec_per_position: list[int] = []
         self.log_stats = log_stats
@@ -201,6 +214,17 @@ class EngineMetrics:
                                         "transfer_type", _TRANSFER_TYPES)
         self.kv_offload_usage = gauge("kv_offload_usage_perc",
                                       "Fraction of the host tier's blocks holding a block, in [0, 1].")
+        self.counted = [
+            counter("request_output_length_predictions",
+                    "Finished requests whose output length the scheduler predicted at arrival."),
+            counter("request_predicted_output_tokens", "Output tokens of those requests, as predicted at arrival."),
+            counter("request_actual_output_tokens", "Output tokens of those requests, as generated."),
+            counter("request_output_length_prediction_abs_error_tokens",
+                    "Sum over those requests of |predicted - generated| output tokens."),
+            counter("kv_blocks_compressed", "KV blocks compressed into the one-byte pool instead of a preemption."),
+        ]
+        self.kv_compressed_usage = gauge("kv_compressed_usage_perc",
+                                         "Fraction of the compressed KV pool's blocks held, in [0, 1].")
         self.num_preemptions = counter("num_preemptions", "Preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -351,6 +375,12 @@ class EngineMetrics:
         self.compilations.inc(compilations - self._seen_compilations)
         self._seen_queries, self._seen_hits = queries, hits
         self._update_offload_series(hits)
+        counted = [total(f) for f in _COUNTED_FIELDS]
+        for metric, value, seen in zip(self.counted, counted, self._seen_counted):
+            metric.inc(value - seen)
+        self._seen_counted = counted
+        compressed = total("num_compressed_blocks")
+        self.kv_compressed_usage.set(total("num_compressed_in_use") / compressed if compressed else 0.0)
         self._seen_preemptions, self._seen_compilations = preemptions, compilations
         spec, per_position = self._spec_totals()
         for series, now, seen in zip(self.spec_decode, spec, self._seen_spec):
