@@ -39,10 +39,19 @@ _TRANSFER_TYPES = ("GPU_to_CPU", "CPU_to_GPU")
 # CoreStats fields of the host tier's counters: hits by tier ("device" is the rest), bytes and seconds each way.
 _OFFLOAD_FIELDS = ("prefix_cache_hits_host", "kv_offload_bytes_to_host", "kv_offload_bytes_to_device",
                    "kv_offload_seconds_to_host", "kv_offload_seconds_to_device")
-# Cumulative CoreStats fields published as counters of the same meaning: the output-length predictor's record
-# and the compressed KV pool's compressions.
-_COUNTED_FIELDS = ("num_predicted_finished", "predicted_output_tokens", "actual_output_tokens",
-                   "prediction_abs_error_tokens", "num_blocks_compressed")
+# Cumulative CoreStats fields published as counters of the same meaning, (field, series, help): the output-length
+# predictor's record and the compressed KV pool's compressions.
+_COUNTED = (
+    ("num_predicted_finished", "request_output_length_predictions",
+     "Finished requests whose output length the scheduler predicted at arrival."),
+    ("predicted_output_tokens", "request_predicted_output_tokens",
+     "Output tokens of those requests, as predicted at arrival."),
+    ("actual_output_tokens", "request_actual_output_tokens", "Output tokens of those requests, as generated."),
+    ("prediction_abs_error_tokens", "request_output_length_prediction_abs_error_tokens",
+     "Sum over those requests of |predicted - generated| output tokens."),
+    ("num_blocks_compressed", "kv_blocks_compressed",
+     "KV blocks compressed into the one-byte pool instead of a preemption."),
+)
 # The series vLLM 0.32 publishes under these names with the same meaning (its metrics documentation).
 VLLM_SERIES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
@@ -145,7 +154,7 @@ class EngineMetrics:
         self.core_stats: dict[int, CoreStats] = {}
         self._seen_queries = self._seen_hits = self._seen_preemptions = self._seen_compilations = 0
         self._seen_offload = [0] * (len(_OFFLOAD_FIELDS) + 1)
-        self._seen_counted = [0] * len(_COUNTED_FIELDS)
+        self._seen_counted = [0] * len(_COUNTED)
         self._seen_spec: list[int] = [0, 0, 0]
         self._seen_spec_per_position: list[int] = []
         self.log_stats = log_stats
@@ -214,15 +223,7 @@ class EngineMetrics:
                                         "transfer_type", _TRANSFER_TYPES)
         self.kv_offload_usage = gauge("kv_offload_usage_perc",
                                       "Fraction of the host tier's blocks holding a block, in [0, 1].")
-        self.counted = [
-            counter("request_output_length_predictions",
-                    "Finished requests whose output length the scheduler predicted at arrival."),
-            counter("request_predicted_output_tokens", "Output tokens of those requests, as predicted at arrival."),
-            counter("request_actual_output_tokens", "Output tokens of those requests, as generated."),
-            counter("request_output_length_prediction_abs_error_tokens",
-                    "Sum over those requests of |predicted - generated| output tokens."),
-            counter("kv_blocks_compressed", "KV blocks compressed into the one-byte pool instead of a preemption."),
-        ]
+        self.counted = [counter(name, doc) for _, name, doc in _COUNTED]
         self.kv_compressed_usage = gauge("kv_compressed_usage_perc",
                                          "Fraction of the compressed KV pool's blocks held, in [0, 1].")
         self.num_preemptions = counter("num_preemptions", "Preemptions.")
@@ -375,7 +376,7 @@ class EngineMetrics:
         self.compilations.inc(compilations - self._seen_compilations)
         self._seen_queries, self._seen_hits = queries, hits
         self._update_offload_series(hits)
-        counted = [total(f) for f in _COUNTED_FIELDS]
+        counted = [total(field) for field, _, _ in _COUNTED]
         for metric, value, seen in zip(self.counted, counted, self._seen_counted):
             metric.inc(value - seen)
         self._seen_counted = counted
