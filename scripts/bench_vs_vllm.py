@@ -49,7 +49,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import _bench_common as common
 import bench_throughput as bt
@@ -57,10 +57,13 @@ from _vllm_worker import process_affinity
 
 DTYPES = ("float32", "bfloat16")
 WARMUP_REQUESTS, WARMUP_OUTPUT_LEN = 8, 8
+# Requests vllm bench serve sends (and waits for) before it starts the clock.
+SERVING_WARMUPS = 2
 MAX_NUM_BATCHED_TOKENS = 512
 SERVED_MODEL_NAME = "bench"
 SERVER_STARTUP_S = 900
 _CLI = Path(__file__).resolve().parent / "_vllm_cli.py"
+_ROOT = _CLI.parents[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +205,9 @@ def startup_table(rows: Sequence[dict], bindings: Sequence[str]) -> str:
 # ---- serving ------------------------------------------------------------------------------------------------------
 
 SERVING_METRICS = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")
+# What else of vllm bench serve's result goes into the JSON (its per-request lists do not).
+SERVING_EXTRA = ("duration", "total_input_tokens", "request_throughput", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms",
+                 "p99_e2el_ms", "max_concurrency")
 
 
 def random_dataset_flags(shape: Shape) -> list[str]:
@@ -236,7 +242,7 @@ def client_argv(vllm_python: str, url: str, model: Path, shape: Shape, num_promp
     return [vllm_python, str(_CLI), "bench", "serve", "--backend", "openai", "--base-url", url,
             "--model", SERVED_MODEL_NAME, "--tokenizer", str(model), *random_dataset_flags(shape),
             "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--ignore-eos", "--temperature", "0",
-            "--seed", str(seed), "--num-warmups", str(min(WARMUP_REQUESTS, num_prompts)),
+            "--seed", str(seed), "--num-warmups", str(min(SERVING_WARMUPS, num_prompts)),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
             "--result-dir", str(result_dir), "--result-filename", "result.json", "--disable-tqdm"]
 
@@ -265,12 +271,27 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
     raise RuntimeError(f"{proc.args[:4]} did not answer /health in {SERVER_STARTUP_S} s")
 
 
-def serve_and_measure(kind: str, binding: Optional[str], model: Path, shape: Shape, dtype: str, args: argparse.Namespace,
-                      workdir: Path) -> dict:
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (vLLM's engine core and worker too), SIGKILL after 60 s."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the whole group has already exited
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def serve_and_measure(kind: str, binding: Optional[str], model: Path, shape: Shape, dtype: str,
+                      args: argparse.Namespace, workdir: Path) -> dict:
     """Start one server, wait for /health, run ``vllm bench serve`` against it, stop it (its process group).
 
-    Returns the row: ``server`` label, ``dtype``, ``startup_s`` (to /health), :data:`SERVING_METRICS`,
-    ``completed``/``failed`` requests, and for vLLM the binding's ``env`` and its processes' ``affinity``.
+    Returns the row: ``server`` label, ``dtype``, ``startup_s`` (to /health), :data:`SERVING_METRICS` and
+    :data:`SERVING_EXTRA` (vLLM's names and units: tok/s, req/s, ms, s), ``completed``/``failed`` requests,
+    and for vLLM the binding's ``env`` and its processes' ``affinity``.
 
     Raises:
       RuntimeError: the server did not come up, or the client failed (the logs' tails).
@@ -283,9 +304,11 @@ def serve_and_measure(kind: str, binding: Optional[str], model: Path, shape: Sha
     progress(f"serving: starting {label} {dtype} on port {port} (log {log})")
     start = time.perf_counter()
     with open(log, "w") as out:
+        # From the repository root, so jaxllm serve runs this checkout's packages (as the offline runs do);
+        # vLLM's KV cache is 4 GiB, as offline (its default reserves 92% of the memory, more than is free).
         proc = subprocess.Popen(server_argv(kind, model, shape, dtype, port, args.seed, args.vllm_python),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", **env})
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=_ROOT,
+                                env={"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "VLLM_TARGET_DEVICE": "cpu", **env})
     try:
         _wait_ready(proc, url, log)
         startup = time.perf_counter() - start
@@ -303,16 +326,12 @@ def serve_and_measure(kind: str, binding: Optional[str], model: Path, shape: Sha
                                f"{(client.stdout + client.stderr)[-3000:]}")
         result = json.loads((result_dir / "result.json").read_text())
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
     row = dict(server=label, dtype=dtype, startup_s=startup, num_prompts=args.serving_num_prompts,
                completed=result["completed"], failed=result.get("failed", 0),
                total_output_tokens=result["total_output_tokens"], env=env, affinity=affinity)
     row.update({k: result[k] for k in SERVING_METRICS})
+    row.update({k: result.get(k) for k in SERVING_EXTRA})
     progress(f"serving: {label} {dtype}: {row['output_throughput']:.1f} output tok/s")
     return row
 
@@ -406,14 +425,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     return payload
 
 
+def _shape_from_json(fields: dict) -> Shape:
+    return Shape(**{**fields, "input_len": tuple(fields["input_len"]), "output_len": tuple(fields["output_len"])})
+
+
 def report(payload: dict) -> str:
     """The printed report of a run's ``payload`` (:func:`main`'s JSON): command, model, host, shapes, the tables."""
     bindings = payload["bindings"]
     lines = [f"command: {payload['command']}", f"model: {payload['model']} (every engine reads it)",
              common.host_line(payload["host"]),
              "shapes (greedy, ignore_eos, prefix caching on; random token ids):",
-             *(f"  {Shape(**{**s, 'input_len': tuple(s['input_len']), 'output_len': tuple(s['output_len'])}).describe()}"
-               for s in payload["shapes"].values())]
+             *(f"  {_shape_from_json(s).describe()}" for s in payload["shapes"].values())]
     if payload["offline"]:
         lines += ["", "offline: output tok/s of the timed generate (after an untimed warm-up); vLLM: one engine per "
                   "dtype and binding for every shape", offline_table(payload["offline"], bindings),
