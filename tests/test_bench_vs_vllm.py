@@ -229,6 +229,17 @@ def test_report_quotes_the_command_the_host_and_each_binding_affinity():
     assert text.endswith("wall time 10.0 min")
 
 
+def test_report_quotes_the_serving_clients_workload_flags():
+    row = dict(server="jaxllm", dtype="float32", completed=48, num_prompts=48, output_throughput=90.0,
+               p50_ttft_ms=100.0, p99_ttft_ms=900.0, p50_tpot_ms=20.0, p99_tpot_ms=30.0, startup_s=15.0, affinity=None,
+               client_flags=["--dataset-name", "random", "--num-prompts", "48"])
+    payload = dict(command="c", model="/m", bindings=["default"], host=dict(cpu_count=2, cpu_isa="AVX2",
+                   load_avg_1m=0.5), shapes={}, offline=[], serving=[row], wall_s=60)
+    assert ("serving: jaxllm serve and vllm serve with the limits of mixed: 48 requests, prompts 16-256, outputs "
+            "16-192, max_num_seqs 64, max_model_len 512; client vllm bench serve --dataset-name random --num-prompts "
+            "48") in vs.report(payload)
+
+
 def test_random_dataset_flags_span_the_shapes_lengths():
     flags = vs.random_dataset_flags(vs.SHAPES["mixed"])
     assert flags == ["--dataset-name", "random", "--random-input-len", "136", "--random-output-len", "104",
@@ -249,6 +260,7 @@ def test_random_dataset_flags_span_the_shapes_lengths():
     (["--vllm-bindings", "both", "both"], "--vllm-bindings both both: a binding is named twice"),
     (["--serving-num-prompts", "0"], "--serving-num-prompts 0: need at least 1"),
     (["--serving-request-rate", "0"], "--serving-request-rate 0.0: need > 0"),
+    (["--shapes", "--serving-dtypes"], "--shapes and --serving-dtypes both empty: nothing to run"),
 ])
 def test_bad_flags_are_refused_naming_the_value(flags, message, capsys):
     with pytest.raises(SystemExit):
@@ -299,3 +311,27 @@ def test_offline_run_gives_one_row_per_shape_with_every_binding(stories_dir, tmp
     engine = json.loads((tmp_path / "vllm_args.json").read_text())
     assert (engine["max_num_seqs"], engine["max_model_len"]) == (4, 96)
     assert engine["binding_env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+def test_both_servers_get_the_same_engine_flags():
+    shape = vs.SHAPES["mixed"]
+    jaxllm = vs.server_argv("jaxllm", Path("/m"), shape, "bfloat16", 8001, 3, "/venv/bin/python")
+    vllm = vs.server_argv("vllm", Path("/m"), shape, "bfloat16", 8002, 3, "/venv/bin/python")
+    engine = ["--served-model-name", "bench", "--dtype", "bfloat16", "--max-num-seqs", "64", "--max-model-len", "512",
+              "--max-num-batched-tokens", "512", "--seed", "3"]
+    assert jaxllm == [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", "/m", "--host", "127.0.0.1", "--port",
+                      "8001", *engine]
+    assert vllm == ["/venv/bin/python", str(SCRIPTS / "_vllm_cli.py"), "serve", "/m", "--host", "127.0.0.1", "--port",
+                    "8002", *engine, "--enable-prefix-caching"]
+
+
+def test_client_is_vllms_bench_serve_greedy_with_ignore_eos_and_p50_p99(tmp_path):
+    argv = vs.client_argv("/venv/bin/python", "http://127.0.0.1:8001", Path("/m"), vs.SHAPES["mixed"], 32,
+                          float("inf"), 0, tmp_path)
+    assert argv[:4] == ["/venv/bin/python", str(SCRIPTS / "_vllm_cli.py"), "bench", "serve"]
+    flags = " ".join(argv[4:])
+    for part in ("--base-url http://127.0.0.1:8001", "--model bench --tokenizer /m", "--num-prompts 32",
+                 "--request-rate inf", "--ignore-eos", "--temperature 0", "--num-warmups 2",
+                 "--percentile-metrics ttft,tpot,itl,e2el", "--metric-percentiles 50,99",
+                 f"--result-dir {tmp_path} --result-filename result.json"):
+        assert part in flags
