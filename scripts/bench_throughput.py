@@ -394,16 +394,17 @@ def run_vllm_worker(vllm_python: str, spec: dict, env: dict[str, str]) -> dict:
     """Run scripts/_vllm_worker.py on ``spec`` in ``vllm_python``'s environment plus ``env``; its result dict.
 
     Raises:
-      SystemExit: the worker failed (its output went to this process's stdout and stderr).
+      SystemExit: the worker failed (its output, all of it, went to this process's stderr).
     """
     with common.temporary_workdir() as tmp:
         spec_file, result_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_file.write_text(json.dumps(spec))
-        proc = subprocess.run([vllm_python, str(_WORKER), str(spec_file), str(result_file)],
+        # vLLM logs to stdout: sent to stderr (fd 2), so stdout holds the tables alone.
+        proc = subprocess.run([vllm_python, str(_WORKER), str(spec_file), str(result_file)], stdout=2,
                               env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", **env})
         if proc.returncode != 0:
             raise SystemExit(f"vllm backend: {vllm_python} {_WORKER.name} exited with status "
-                             f"{proc.returncode} (its output is above)")
+                             f"{proc.returncode} (its output is above, on stderr)")
         return json.loads(result_file.read_text())
 
 
