@@ -94,6 +94,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -390,6 +391,21 @@ def vllm_binding_env(binding: str, vllm_python: str, cpus: Optional[Sequence[int
     return env
 
 
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group ``proc`` leads (started with ``start_new_session``: vLLM's engine core and
+    worker with it, which outlive their parent killed alone), SIGKILL after 60 s; nothing when none is left."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the whole group has already exited
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_vllm_worker(vllm_python: str, spec: dict, env: dict[str, str]) -> dict:
     """Run scripts/_vllm_worker.py on ``spec`` in ``vllm_python``'s environment plus ``env``; its result dict.
 
@@ -400,8 +416,12 @@ def run_vllm_worker(vllm_python: str, spec: dict, env: dict[str, str]) -> dict:
         spec_file, result_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_file.write_text(json.dumps(spec))
         # vLLM logs to stdout: sent to stderr (fd 2), so stdout holds the tables alone.
-        proc = subprocess.run([vllm_python, str(_WORKER), str(spec_file), str(result_file)], stdout=2,
-                              env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", **env})
+        proc = subprocess.Popen([vllm_python, str(_WORKER), str(spec_file), str(result_file)], stdout=2,
+                                env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", **env}, start_new_session=True)
+        try:
+            proc.wait()
+        finally:
+            stop_process_group(proc)
         if proc.returncode != 0:
             raise SystemExit(f"vllm backend: {vllm_python} {_WORKER.name} exited with status "
                              f"{proc.returncode} (its output is above, on stderr)")

@@ -271,20 +271,6 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
     raise RuntimeError(f"{proc.args[:4]} did not answer /health in {SERVER_STARTUP_S} s")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group (vLLM's engine core and worker too), SIGKILL after 60 s."""
-    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:  # the whole group has already exited
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def serve_and_measure(kind: str, binding: Optional[str], model: Path, shape: Shape, dtype: str,
                       args: argparse.Namespace, workdir: Path) -> dict:
     """Start one server, wait for /health, run ``vllm bench serve`` against it, stop it (its process group).
@@ -327,7 +313,7 @@ def serve_and_measure(kind: str, binding: Optional[str], model: Path, shape: Sha
                                f"{(client.stdout + client.stderr)[-3000:]}")
         result = json.loads((result_dir / "result.json").read_text())
     finally:
-        _stop(proc)
+        bt.stop_process_group(proc)
     flags = client_argv(args.vllm_python, "URL", model, shape, args.serving_num_prompts, args.serving_request_rate,
                         args.seed, Path("DIR"))
     row = dict(server=label, dtype=dtype, startup_s=startup, num_prompts=args.serving_num_prompts,
@@ -403,8 +389,14 @@ def command_line(argv: Optional[Sequence[str]]) -> str:
     return " ".join(["python", "scripts/bench_vs_vllm.py", *(sys.argv[1:] if argv is None else argv)])
 
 
+def _exit_on_sigterm(signum: int, frame) -> None:
+    # As an exception, so the finally blocks stop the vLLM and server process groups this run started.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from jaxllm.named_models import resolve_model
 
     model = resolve_model(args.model)

@@ -160,6 +160,31 @@ def test_affinity_is_read_for_the_process_and_its_children():
     assert line == "vllm[x] CPU affinity: VLLM::Worker (pid 7) CPUs 0, threads 47 on 0, 2 on 0-1"
 
 
+def _ended(pid: int) -> bool:
+    """The process is gone, or a zombie waiting for init to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_stopping_a_process_group_ends_the_children_that_outlive_their_parent(tmp_path):
+    pids = tmp_path / "pids"
+    # The leader's child would outlive it, as vLLM's engine core outlived its killed parent here.
+    leader = subprocess.Popen(["bash", "-c", f"sleep 60 & echo $! > {pids}; wait"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not (pids.exists() and pids.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child = int(pids.read_text())
+    bt.stop_process_group(leader)
+    assert leader.returncode == -15
+    deadline = time.monotonic() + 10
+    while not _ended(child) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _ended(child)
+    bt.stop_process_group(leader)  # nothing left: no error
+
+
 # ---- tables from canned results --------------------------------------------------------------------------------
 
 
