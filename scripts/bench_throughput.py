@@ -182,6 +182,7 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
             metrics = llm.engine.metrics
             metrics.begin_run()
             sched_before = _histogram(metrics.scheduler_step)
+            hits_before = _counter(metrics.prefix_cache_hits)
             bitmask_before = _histogram(metrics.grammar_bitmask)
             start = time.perf_counter()
             outs = llm.generate(workload.prompts, _greedy(workload.output_lens, structured))
@@ -206,12 +207,18 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
                 structured=structured,
                 compare=compared,
                 bitmask_s_per_step=bitmask_sum / bitmask_count if bitmask_count else None,
+                num_cached_prompt_tokens=int(_counter(metrics.prefix_cache_hits) - hits_before),
                 version=f"jax {jax.__version__}",
                 **memory,
             ))
     finally:
         llm.engine.metrics.close()
     return rows
+
+
+def _counter(counter) -> float:
+    """One of the engine's Prometheus counters so far."""
+    return next(s.value for s in counter.collect()[0].samples if s.name.endswith("_total"))
 
 
 def _histogram(histogram) -> tuple[float, float]:
@@ -504,13 +511,16 @@ def _rates(backend: str, workload: Workload, elapsed: float, startup: float, tok
 
 def add_dot_peak_fraction(rows: list[dict], cfg, dtype: str) -> None:
     """Set each row's ``dot_peak_fraction``: the matmul FLOP/s its tokens needed (``matmul_flops_per_token`` x
-    total tok/s) over the machine's dot rate measured now (``dot_gflops``, the same for every row): how far the
-    run is from the physical limit of its matmuls."""
+    the prompt and output tokens it computed, over its seconds) over the machine's dot rate measured now
+    (``dot_gflops``, the same for every row): how far the run is from the physical limit of its matmuls.
+    Prompt tokens read from the prefix cache are not computed: rows that count them
+    (``num_cached_prompt_tokens``, jaxllm's) leave them out; other rows count every prompt token."""
     gflops = common.measure_dot_gflops(dtype)
     flops = common.matmul_flops_per_token(cfg)
     for r in rows:
+        computed = r["num_prompt_tokens"] - (r.get("num_cached_prompt_tokens") or 0) + r["num_output_tokens"]
         r["dot_gflops"] = gflops
-        r["dot_peak_fraction"] = r["total_tokens_per_s"] * flops / (gflops * 1e9)
+        r["dot_peak_fraction"] = computed / r["elapsed_s"] * flops / (gflops * 1e9)
 
 
 def add_agreement(rows: list[dict]) -> None:
@@ -813,8 +823,8 @@ def main(argv: list[str] | None = None) -> dict:
     host = common.host_info()
     print(common.host_line(host))
     print(f"XLA {dtype} dot rate measured in this run: {results[0]['dot_gflops']:.1f} GFLOP/s "
-          f"([256, 1024] @ [1024, 4096]); 'of dot peak' = matmul FLOPs of every prompt and output token x total "
-          "tok/s / that rate")
+          f"([256, 1024] @ [1024, 4096]); 'of dot peak' = matmul FLOPs of the prompt and output tokens computed "
+          "(jaxllm leaves out prompt tokens read from its prefix cache) / seconds / that rate")
     print_table(results)
     for row in results:
         if row.get("vllm_affinity"):

@@ -168,7 +168,8 @@ def run_offline(model: Path, dtype: str, shapes: Sequence[Shape], bindings: Sequ
 
 def offline_row(shape: Shape, dtype: str, jaxllm: dict, vllm: dict[str, dict]) -> dict:
     """One shape's numbers: jaxllm's and each binding's output tok/s and start-up, the faster binding, jaxllm's
-    ratio to it, greedy agreement with it (requests), jaxllm's dot-peak fraction and compilations."""
+    ratio to it, greedy agreement with it (requests), jaxllm's dot-peak fraction, compilations and prompt tokens
+    read from its prefix cache."""
     best = max(vllm, key=lambda b: vllm[b]["output_tokens_per_s"])
     same = sum(a == b for a, b in zip(jaxllm["token_ids"], vllm[best]["token_ids"]))
     return dict(
@@ -176,6 +177,7 @@ def offline_row(shape: Shape, dtype: str, jaxllm: dict, vllm: dict[str, dict]) -
         num_prompt_tokens=jaxllm["num_prompt_tokens"], num_output_tokens=jaxllm["num_output_tokens"],
         jaxllm_output_tokens_per_s=jaxllm["output_tokens_per_s"], jaxllm_startup_s=jaxllm["startup_s"],
         jaxllm_compilations=jaxllm["compilations"], dot_peak_fraction=jaxllm["dot_peak_fraction"],
+        jaxllm_cached_prompt_tokens=jaxllm["num_cached_prompt_tokens"],
         vllm={b: dict(output_tokens_per_s=r["output_tokens_per_s"], startup_s=r["startup_s"],
                       env=r["vllm_env"], affinity=r["vllm_affinity"], version=r["version"])
               for b, r in vllm.items()},

@@ -190,7 +190,7 @@ def test_stopping_a_process_group_ends_the_children_that_outlive_their_parent(tm
 
 def _jaxllm_row(tok_s: float, tokens: list) -> dict:
     return dict(num_requests=4, num_prompt_tokens=400, num_output_tokens=200, output_tokens_per_s=tok_s,
-                startup_s=11.0, compilations=0, dot_peak_fraction=0.125, token_ids=tokens)
+                startup_s=11.0, compilations=0, dot_peak_fraction=0.125, num_cached_prompt_tokens=0, token_ids=tokens)
 
 
 def _vllm_row(tok_s: float, tokens: list, binding: str) -> dict:
@@ -321,7 +321,8 @@ def test_offline_run_gives_one_row_per_shape_with_every_binding(stories_dir, tmp
     monkeypatch.setenv("PYTHONPATH", str(fake))
     monkeypatch.setenv("FAKE_VLLM_ARGS", str(tmp_path / "vllm_args.json"))
     tiny = [vs.Shape("tiny", 3, (4, 12), (2, 6), max_num_seqs=2, max_model_len=64),
-            vs.Shape("tiny-prefix", 2, (4, 8), (2, 4), max_num_seqs=4, max_model_len=96, shared_prefix_len=20)]
+            # One request at a time: the second finds the first's full block of the prefix (16 tokens) cached.
+            vs.Shape("tiny-prefix", 2, (4, 8), (2, 4), max_num_seqs=1, max_model_len=96, shared_prefix_len=20)]
     rows = vs.run_offline(stories_dir, "float32", tiny, ["default", "both"], sys.executable, seed=0)
     assert [r["shape"] for r in rows] == ["tiny", "tiny-prefix"]
     for row, shape in zip(rows, tiny):
@@ -332,9 +333,10 @@ def test_offline_run_gives_one_row_per_shape_with_every_binding(stories_dir, tmp
             row["jaxllm_output_tokens_per_s"] / row["vllm"][row["best_binding"]]["output_tokens_per_s"])
         assert 0 <= row["same_tokens_as_best"] <= shape.num_requests
         assert row["vllm"]["both"]["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert [r["jaxllm_cached_prompt_tokens"] for r in rows] == [0, 16]
     # The last vLLM engine (binding both) ran every shape with the largest limits.
     engine = json.loads((tmp_path / "vllm_args.json").read_text())
-    assert (engine["max_num_seqs"], engine["max_model_len"]) == (4, 96)
+    assert (engine["max_num_seqs"], engine["max_model_len"]) == (2, 96)
     assert engine["binding_env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
 
 

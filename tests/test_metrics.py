@@ -223,7 +223,7 @@ THROUGHPUT_FIELDS = {
     "dot_gflops", "dot_peak_fraction",
 }
 # Rows of jaxllm's own runs (static and continuous batching) also say whether they were constrained.
-JAXLLM_RUN_FIELDS = {"structured", "compare", "bitmask_s_per_step"}
+JAXLLM_RUN_FIELDS = {"structured", "compare", "bitmask_s_per_step", "num_cached_prompt_tokens"}
 # vLLM's rows also say which CPU binding ran and where it put vLLM's processes.
 VLLM_RUN_FIELDS = {"vllm_binding", "vllm_env", "vllm_affinity"}
 # A stand-in for vLLM's package, run by bench_throughput.py's vllm backend through
@@ -309,6 +309,8 @@ def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp
     gflops = result["results"][0]["dot_gflops"]
     assert gflops > 0 and all(r["dot_gflops"] == gflops for r in result["results"])
     for row in result["results"]:
+        # Random prompts shorter than a block: no prompt token comes from the prefix cache.
+        assert row.get("num_cached_prompt_tokens", 0) == 0
         assert row["dot_peak_fraction"] == pytest.approx(
             row["total_tokens_per_s"] * STORIES_MATMUL_FLOPS / (gflops * 1e9))
     static, jaxllm, vllm = result["results"][1:]
