@@ -68,6 +68,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, num_requests: int, input
                         help="prompt lengths are drawn uniformly from [MIN, MAX] tokens")
     parser.add_argument("--output-len", type=int, nargs=2, default=list(output_len), metavar=("MIN", "MAX"),
                         help="output lengths are drawn uniformly from [MIN, MAX] tokens (ignore_eos)")
+    parser.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
+                        help="every prompt starts with the same N random tokens (a shared system prompt, read from "
+                             "the prefix cache after the first request), then its own --input-len tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                         help="batch size; also the hf backend's padded batch size")
@@ -105,6 +108,8 @@ def validate_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--{flag.replace('_', '-')} {low} {high}: need 1 <= MIN <= MAX")
     if args.num_requests < 1:
         parser.error(f"--num-requests {args.num_requests}: need at least 1")
+    if args.shared_prefix_len < 0:
+        parser.error(f"--shared-prefix-len {args.shared_prefix_len}: need at least 0")
 
 
 def resolve_model(args: argparse.Namespace, workdir: Path) -> Path:
@@ -231,7 +236,10 @@ def make_workload(args: argparse.Namespace, vocab: int, *, token_seed: int) -> W
 
     Lengths come from ``--seed`` alone; token ids from ``token_seed``, so a
     warm-up run can share the lengths (hence the compiled shapes) of the timed
-    run without sharing its tokens (hence its prefix-cache blocks).
+    run without sharing its tokens (hence its prefix-cache blocks). With
+    ``--shared-prefix-len N`` (``args.shared_prefix_len``)
+    every prompt is the same N tokens (also drawn from ``token_seed``)
+    followed by its own ``--input-len`` tokens.
     """
     rng = np.random.default_rng(args.seed)
     n = args.num_requests
@@ -240,7 +248,8 @@ def make_workload(args: argparse.Namespace, vocab: int, *, token_seed: int) -> W
     tokens = np.random.default_rng([args.seed, token_seed])
     # Ids from the first 10000 (nano-vllm's choice) keep clear of special tokens at the top of large vocabularies.
     high = min(vocab, 10000)
-    prompts = [tokens.integers(0, high, size=int(m)).tolist() for m in input_lens]
+    prefix = tokens.integers(0, high, size=args.shared_prefix_len).tolist()
+    prompts = [prefix + tokens.integers(0, high, size=int(m)).tolist() for m in input_lens]
     return Workload(prompts, [int(o) for o in output_lens])
 
 
@@ -248,7 +257,7 @@ def engine_kwargs(args: argparse.Namespace, batching: str, graceful_degradation:
                   quantized: bool = True) -> dict[str, Any]:
     """``LLM``/``LLMEngine`` keyword arguments from the flags (``--quantization`` and
     ``--kv-cache-dtype`` unless ``quantized`` is False)."""
-    max_model_len = args.max_model_len or (args.input_len[1] + args.output_len[1])
+    max_model_len = args.max_model_len or (args.shared_prefix_len + args.input_len[1] + args.output_len[1])
     return dict(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,

@@ -6,19 +6,25 @@ SPEC.json holds the engine settings (``model``: an HF folder, ``dtype``,
 ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``seed``)
 and ``runs``: a list of ``{"name", "warmup", "timed"}``, each workload a
 ``{"prompts": [[token id, ...], ...], "output_lens": [tokens, ...]}``. Every
-request is greedy with ``ignore_eos``. RESULT.json gets ``vllm_version``,
-``startup_s`` (building ``vllm.LLM``, seconds) and per run name
+request is greedy with ``ignore_eos``; prefix caching is on (vLLM's default,
+asked for explicitly). RESULT.json gets ``vllm_version``, ``startup_s``
+(building ``vllm.LLM``, seconds), ``affinity`` (:func:`process_affinity` of
+this process and its descendants once the engine is built: where the
+binding put vLLM's engine core and model worker) and per run name
 ``elapsed_s`` (the timed ``generate``, seconds, after the untimed warm-up)
 and ``token_ids`` (each request's output tokens, in request order).
 
 vLLM runs its engine core in a spawned process, hence the ``__main__`` guard.
 ``VLLM_CPU_KVCACHE_SPACE`` defaults to 4 (GiB) here: vLLM's own default is
-sized for servers. A folder without ``tokenizer.json`` (random weights) runs
+sized for servers. The CPU binding (``VLLM_CPU_OMP_THREADS_BIND``,
+``VLLM_CPU_NUM_OF_RESERVED_CPU``, ``LD_PRELOAD``) comes from the environment
+the caller sets. A folder without ``tokenizer.json`` (random weights) runs
 with ``skip_tokenizer_init`` and no detokenization.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -35,6 +41,51 @@ def _generate(llm, workload: dict, use_tqdm: bool, detokenize: bool) -> list:
     return llm.generate(prompts, params, use_tqdm=use_tqdm)
 
 
+def _descendants(root: int) -> list[int]:
+    """``root`` and every process below it, parents first (read from ``/proc/*/stat``)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name in parentheses may hold spaces; the parent pid is the second field after it.
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children[ppid].append(int(stat.parent.name))
+    order, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        order.append(pid)
+        todo += sorted(children[pid])
+    return order
+
+
+def process_affinity(root: int) -> list[dict]:
+    """Where ``root`` and its descendants may run: one ``{"pid", "name", "cpus", "threads"}`` per process.
+
+    ``name`` is ``/proc/PID/comm`` (vLLM names its processes ``VLLM::EngineCore``
+    and ``VLLM::Worker``), ``cpus`` the process's affinity (its main thread's,
+    ``os.sched_getaffinity``) as a list of CPU ids, ``threads`` maps each
+    ``Cpus_allowed_list`` its threads have (``"0"``, ``"0-1"``) to how many have
+    it: OpenMP binds each compute thread on its own, so the threads show the
+    binding. Processes that end while being read are left out.
+    """
+    rows = []
+    for pid in _descendants(root):
+        proc = Path(f"/proc/{pid}")
+        try:
+            name = (proc / "comm").read_text().strip()
+            cpus = sorted(os.sched_getaffinity(pid))
+            threads = collections.Counter()
+            for status in (proc / "task").glob("*/status"):
+                for line in status.read_text().splitlines():
+                    if line.startswith("Cpus_allowed_list:"):
+                        threads[line.split(":", 1)[1].strip()] += 1
+        except (OSError, ProcessLookupError):
+            continue
+        rows.append(dict(pid=pid, name=name, cpus=cpus, threads=dict(sorted(threads.items()))))
+    return rows
+
+
 def main(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -45,10 +96,12 @@ def main(spec_path: str, result_path: str) -> None:
     llm = vllm.LLM(
         model=spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"],
         max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-        seed=spec["seed"], skip_tokenizer_init=not has_tokenizer,
+        seed=spec["seed"], skip_tokenizer_init=not has_tokenizer, enable_prefix_caching=True,
     )
-    result = dict(vllm_version=vllm.__version__, startup_s=time.perf_counter() - start, runs={})
+    result = dict(vllm_version=vllm.__version__, startup_s=time.perf_counter() - start,
+                  affinity=process_affinity(os.getpid()), runs={})
     for run in spec["runs"]:
+        print(f"vllm: run {run['name']}: {len(run['timed']['prompts'])} requests", file=sys.stderr, flush=True)
         _generate(llm, run["warmup"], use_tqdm=False, detokenize=has_tokenizer)
         start = time.perf_counter()
         outs = _generate(llm, run["timed"], use_tqdm=True, detokenize=has_tokenizer)

