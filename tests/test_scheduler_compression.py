@@ -14,7 +14,8 @@ import pytest
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from scheduler.degradation import GracefulDegradation
-from tests._scheduler_harness import FakeClock, FakeRunner, check_block_invariants, make_request, reference_output
+from tests._scheduler_harness import (FakeClock, FakeRunner, check_block_invariants, make_request, reference_output,
+                                      run_until_done)
 
 MAX_MODEL_LEN = 64
 
@@ -113,6 +114,14 @@ def test_compression_without_prefix_caching():
     assert (sched.num_preemptions, sched.stats.num_blocks_compressed) == (0, 2)
 
 
+def _finish_exactly(sched, runner, reqs):
+    """Run ``sched`` to the end; every request then holds exactly its scheduler-free reference output."""
+    run_until_done(sched, runner)
+    for req in reqs:
+        assert req.output_token_ids == reference_output(req.prompt_token_ids, req.sampling_params, None,
+                                                        MAX_MODEL_LEN)
+
+
 def test_preempting_a_request_with_compressed_blocks_frees_both_kinds():
     config = _config(5)
     sched, runner = Scheduler(config, clock=FakeClock()), FakeRunner(config)
@@ -130,12 +139,7 @@ def test_preempting_a_request_with_compressed_blocks_frees_both_kinds():
     sched.reset_prefix_cache(reset_running_requests=True)  # a recompute preemption of every running request
     check_block_invariants(sched)
     assert (sched.block_pool.num_free_blocks, kv.compressed_pool.num_free_blocks) == (6, 4)
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        sched.update_from_output(out, runner(out))
-    for req in reqs:
-        assert req.output_token_ids == reference_output(req.prompt_token_ids, req.sampling_params, None,
-                                                        MAX_MODEL_LEN)
+    _finish_exactly(sched, runner, reqs)
 
 
 @pytest.mark.parametrize("num_compressed, preempted, compressed", [(0, [(4, ["r1"])], []), (5, [], [(4, 1), (5, 3)])])
@@ -182,12 +186,7 @@ def test_a_discarded_output_restarts_the_requests_its_compressions_touched():
     sched.discard_output(out)
     check_block_invariants(sched)
     assert not sched.running and sched.kv_cache_manager.compressed_pool.num_free_blocks == 4
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        sched.update_from_output(out, runner(out))
-    for req in reqs:
-        assert req.output_token_ids == reference_output(req.prompt_token_ids, req.sampling_params, None,
-                                                        MAX_MODEL_LEN)
+    _finish_exactly(sched, runner, reqs)
 
 
 def test_graceful_degradation_backs_off_only_once_compression_cannot_cover():
