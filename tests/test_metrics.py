@@ -502,3 +502,13 @@ def test_an_unknown_metrics_namespace_is_refused_naming_it():
 
     with pytest.raises(ValueError, match="metrics_namespace='prometheus' must be one of"):
         EngineConfig(metrics_namespace="prometheus")
+
+
+def test_bench_short_run_times_a_short_script_cold_and_warm_and_its_exit(stories_dir, tmp_path):
+    result = _run_script("bench_short_run.py", ["--model", str(stories_dir), "--max-tokens", "6", "--repeats", "1"],
+                         tmp_path)
+    rows = result["results"]
+    assert [(r["mode"], r["repeat"], r["tokens"]) for r in rows] == [("cold", 1, 6), ("warm", 1, 6)]
+    for r in rows:
+        assert 0 < r["ttft_s"] < r["start_up_s"] + 60 and r["tok_s"] > 0 and 0 <= r["exit_s"] < 30
+    assert result["host"]["cpu_isa"] == describe_cpu()
