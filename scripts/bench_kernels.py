@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import _bench_common as common  # noqa: E402
 import kernels_pallas  # noqa: E402  (after the path fix so the checkout's package is used)
 
 DTYPE = jnp.bfloat16
@@ -186,6 +187,7 @@ def main() -> int:
             _bench_decode(key, batch, ctx, args)
             gc.collect()  # drop the previous combination's caches before allocating the next
     _bench_mixed(key, mixed, args)
+    print(common.host_line(common.host_info()))
     return 0
 
 

@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _bench_common as common  # noqa: E402
 
 BLOCK_SIZE = 16
 SENTENCES = (
@@ -234,6 +235,7 @@ def main() -> None:
               f"{run['capacity']:>9}{run['peak']:>6}{run['preemptions']:>8}{run['num_compressed']:>11}"
               f"{run['tok_s']:>8.1f}{agree:>9}"
               f"{ppl:>8.3f}{100 * np.mean(top1 == base_top1):>8.1f}")
+    print(common.host_line(common.host_info()))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import _bench_common as common  # noqa: E402
 from jaxllm import LLM  # noqa: E402  (after the path fix so the checkout's package is used)
 from jaxllm.worker import model_runner  # noqa: E402
 
@@ -117,6 +118,7 @@ def main() -> None:
     print(f"\n{'from':>7} {'to':>7} {'moved':>6} {'programs':>8} {'resize s':>8}")
     for old, new, moved, programs, seconds in resizes:
         print(f"{old:>7} {new:>7} {moved:>6} {programs:>8} {seconds:>8.2f}")
+    print(common.host_line(common.host_info()))
 
 
 if __name__ == "__main__":

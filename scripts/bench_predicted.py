@@ -37,6 +37,7 @@ import numpy as np
 # Import this checkout's scheduler/, not whatever an editable install points at.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _bench_common as common  # noqa: E402
 from scheduler import PredictedPolicy, Request, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
 
 STEP_BASE_S = 4e-3
@@ -143,6 +144,7 @@ def main() -> None:
         gain = (results["fcfs"]["e2e_mean"] - r["e2e_mean"]) / span if span else float("nan")
         print(f"{name:18s} {r['e2e_mean']:9.2f} {r['e2e_p99']:8.2f} {r['ttft_mean']:9.2f} {r['ttft_p99']:8.2f} "
               f"{r['req_s']:6.2f} {r['tok_s']:6.0f} {r['preemptions']:7d} {r['mae']:8.1f} {gain:11.0%} {r['host_s']:6.2f}")
+    print(common.host_line(common.host_info()))
 
 
 if __name__ == "__main__":

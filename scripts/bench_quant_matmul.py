@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _bench_common as common  # noqa: E402
 
 
 def _variants(dtype):
@@ -143,6 +144,7 @@ def main() -> None:
     print(f"backend {jax.default_backend()}, jax {jax.__version__}")
     for dtype in args.dtype:
         bench(cfg, dtype, args.tokens, args.rounds)
+    print(common.host_line(common.host_info()))
 
 
 if __name__ == "__main__":

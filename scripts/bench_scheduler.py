@@ -13,8 +13,9 @@ median over runs of each run's median and p99 (microseconds per step), per
 phase and in all, and each phase's share of the total; "total_cpu" is the
 total in this thread's CPU time, which other processes inflate less. "scheduled" is the extra
 time to read ``SchedulerOutput.scheduled`` (one object per row, built on first
-access; the engine reads it), not part of the step total. The machine's load
-average is printed because other work on a shared machine inflates the numbers.
+access; the engine reads it), not part of the step total. The ``host:`` line
+gives the machine's load average at the end (and a line after it, at the start)
+because other work on a shared machine inflates the numbers.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 # Import this checkout's scheduler/, not whatever an editable install points at.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _bench_common as common  # noqa: E402
 from scheduler import BucketTable, Request, SamplingParams, Scheduler, SchedulerConfig, build_batch  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -137,7 +139,8 @@ def main() -> None:
         print(f"{name:8s} {rows:5.0f} {tokens:6.0f}  {cells}")
         shares = ", ".join(f"{p} {med[p] / med['total']:.0%}" for p in ("schedule", "build_batch", "update"))
         print(f"{'':8s} share of the median total: {shares}")
-    print(f"load average (1 min): {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end, on {os.cpu_count()} CPUs")
+    print(common.host_line(common.host_info()))
+    print(f"1-minute load average at the start: {load_start:.1f}")
 
 
 if __name__ == "__main__":

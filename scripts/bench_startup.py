@@ -33,6 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# Import this checkout's packages, not whatever an editable install points at (the parent reads the named models).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _bench_common as common  # noqa: E402
+
 PROMPT = "The capital of France is"
 
 
@@ -125,6 +129,7 @@ def main() -> None:
         print(f"4,096-token prompt, max_model_len 8192: completed in {long['generate_s']:.1f} s "
               f"(first token after {long['first_token_s']:.1f} s from import), peak RSS "
               f"{long['peak_rss_bytes'] / 1e9:.2f} GB")
+    print(common.host_line(common.host_info()))
 
 
 if __name__ == "__main__":

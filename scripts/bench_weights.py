@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _bench_common as common  # noqa: E402
 
 PROMPT = "The capital of France is"
 # One step program: the weights API does not depend on the bucket ladder, and start-up stays short.
@@ -151,6 +152,7 @@ def main() -> None:
     print(f"greedy tokens after every update and wake-up identical to before: {tokens() == reference}")
     t, fresh = timed(lambda: LLM(model, params=host, **ENGINE), 1)
     print(f"instead: a new LLM(model, params=tree) starts in {t:.2f} s (before its first step compiles)")
+    print(common.host_line(common.host_info()))
 
 
 if __name__ == "__main__":

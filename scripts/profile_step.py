@@ -52,6 +52,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _bench_common as common  # noqa: E402
 
 
 def _batch(rng, num_blocks, q_lens, contexts, tokens, rows, width, block_size):
@@ -168,6 +169,7 @@ def main() -> None:
     model = str(resolve_model(args.model))
     for dtype in args.dtype:
         profile(model, dtype, args.repeats, args.trace, args.quantization, args.kv_cache_dtype)
+    print(common.host_line(common.host_info()))
 
 
 if __name__ == "__main__":

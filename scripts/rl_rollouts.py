@@ -26,6 +26,7 @@ from jax import monitoring
 # Import this checkout's packages, not whatever an installed copy points at.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _bench_common as common  # noqa: E402
 from jaxllm import LLM, SamplingParams  # noqa: E402
 from jaxllm.loader import load_model  # noqa: E402
 from jaxllm.models import dense_forward  # noqa: E402
@@ -132,6 +133,7 @@ def main() -> None:
         tokens = sum(len(c.token_ids) for c in completions)
         print(f"{it:>4} {reward.mean():>11.3f} {tokens / rollout_s:>13.1f} {update_s:>8.3f} "
               f"{_compiles[0] - compiles:>12} {llm.engine.runner.num_compilations - engine_programs:>15}", flush=True)
+    print(common.host_line(common.host_info()))
 
 
 if __name__ == "__main__":

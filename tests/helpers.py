@@ -1,21 +1,34 @@
-"""Assertions shared by the end-to-end tests, and :class:`SingleSequence`, which drives the model step for one
-sequence."""
+"""Assertions shared by the end-to-end tests and the benchmark scripts' tests, and :class:`SingleSequence`, which
+drives the model step for one sequence."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models import forward
+from jaxllm.worker.cpu_features import describe_cpu
 from jaxllm.worker.step_batch import StepBatch
 from kernels_pallas import get_attention_ops
 
 TIE_TOL = 1e-4
 # The block size of SingleSequence's cache.
 BLOCK_SIZE = 4
+
+
+def assert_one_host_line(stdout: str) -> str:
+    """The one ``host:`` line (scripts/_bench_common.py's ``host_line``) of a benchmark's ``stdout``, checked to name
+    this machine's CPU count and instruction sets (``describe_cpu()``); the load average is any one-decimal number.
+    Returns the line."""
+    pattern = re.compile(rf"host: {os.cpu_count()} CPUs \({re.escape(describe_cpu())}\), 1-minute load average "
+                         r"\d+\.\d at the end")
+    lines = [line for line in stdout.splitlines() if line.startswith("host:")]
+    assert len(lines) == 1 and pattern.fullmatch(lines[0]), f"host lines {lines} in:\n{stdout[-3000:]}"
+    return lines[0]
 
 
 def pallas_interpret() -> bool:

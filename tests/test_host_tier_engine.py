@@ -11,6 +11,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineConfig
 from tests.conftest import STORIES
+from tests.helpers import assert_one_host_line
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 # stories260K: 5 layers * (K + V) * 4 heads * 8 dims * 4 bytes * 16 tokens = 20480 bytes a block; 60 blocks.
@@ -123,7 +124,7 @@ def test_metrics_and_report_count_hits_by_tier_and_bytes_each_way():
     assert metric("jaxllm:kv_offload_usage_perc") == report["num_cached_blocks"] / 60
 
 
-def test_multiturn_bench_runs_every_configuration_with_equal_answers():
+def test_multiturn_bench_runs_every_configuration_with_equal_answers(capsys):
     import sys
 
     sys.path.insert(0, str(STORIES.parents[2] / "scripts"))
@@ -133,6 +134,7 @@ def test_multiturn_bench_runs_every_configuration_with_equal_answers():
         sys.path.pop(0)
     payload = bench_multiturn.main(["--conversations", "4", "--turns", "3", "--max-num-seqs", "1",
                                     "--kv-offloading-size", "0.001"])
+    assert assert_one_host_line(capsys.readouterr().out) == bench_multiturn.common.host_line(payload["host"])
     off, on, prefetch = payload["results"]
     assert off["host_hit_tokens"] == 0 and on["host_hit_tokens"] > 0 and prefetch["host_hit_tokens"] > 0
     assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] - on["host_hit_tokens"]

@@ -15,6 +15,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.worker.cpu_features import cpu_instruction_sets, describe_cpu
+from tests.helpers import assert_one_host_line
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -254,11 +255,23 @@ SERVING_FIELDS = {
 
 
 def _run_script(name: str, args: list[str], tmp_path: Path, env: dict | None = None) -> dict:
+    """The script's JSON, once its printed ``host:`` line is checked to be its JSON's ``host`` (this machine's)."""
     out = tmp_path / f"{name}.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args, "--output-json", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    assert assert_one_host_line(proc.stdout) == _bench_common().host_line(result["host"])
+    return result
+
+
+def _bench_common():
+    """scripts/_bench_common.py, imported with scripts/ on the path."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    import _bench_common
+
+    return _bench_common
 
 
 # stories260K: 5 layers of q, k, v, o (64 x 64, 64 x 32, 64 x 32, 64 x 64) and a 64 x 172 SwiGLU, the tied
@@ -269,10 +282,7 @@ STORIES_MATMUL_FLOPS = 2 * (5 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 172) + 64 
 def test_matmul_flops_per_token_counts_every_projection_and_the_head(stories_dir):
     from jaxllm.loader import read_model_config
 
-    sys.path.insert(0, str(SCRIPTS))
-    import _bench_common
-
-    assert _bench_common.matmul_flops_per_token(read_model_config(stories_dir)[0]) == STORIES_MATMUL_FLOPS
+    assert _bench_common().matmul_flops_per_token(read_model_config(stories_dir)[0]) == STORIES_MATMUL_FLOPS
 
 
 @pytest.mark.parametrize("flags, names", [

@@ -10,13 +10,19 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.helpers import assert_one_host_line
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "rl_rollouts.py"
 
 
 def _script():
     spec = importlib.util.spec_from_file_location("rl_rollouts", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(SCRIPT.parent))  # where a run of the script finds _bench_common
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
     return module
 
 
@@ -39,3 +45,4 @@ def test_three_iterations_raise_the_reward_and_compile_nothing_after_the_first()
     reward = [float(r[1]) for r in rows]
     assert reward[2] > reward[0], proc.stdout
     assert [int(r[4]) for r in rows[1:]] == [0, 0] and [int(r[5]) for r in rows] == [0, 0, 0], proc.stdout
+    assert_one_host_line(proc.stdout)
