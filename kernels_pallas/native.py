@@ -40,6 +40,8 @@ _SYMBOL = "JaxllmPagedDecodeCpu"
 # -march=native: the library is built on the machine that runs it, for its vector instructions.
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
+# The kernel's fixed limits (paged_decode_cpu.cc: kMaxQHeads, kMaxHeadDim, kMaxBlockSize).
+MAX_Q_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 128
 _reason: Optional[str] = None
 
 
@@ -98,6 +100,13 @@ def available() -> bool:
     return True
 
 
+def supports(num_q_heads: int, block_size: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel takes these shapes: at most :data:`MAX_Q_HEADS` query heads (a multiple of the KV
+    heads), :data:`MAX_HEAD_DIM` head dims and :data:`MAX_BLOCK_SIZE` tokens per block."""
+    return (num_q_heads <= MAX_Q_HEADS and num_q_heads % num_kv_heads == 0 and head_dim <= MAX_HEAD_DIM
+            and block_size <= MAX_BLOCK_SIZE)
+
+
 def unavailable_reason() -> Optional[str]:
     """Why :func:`available` is False (None while it is True or not yet asked)."""
     return _reason
@@ -121,7 +130,8 @@ def paged_decode_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, table
       float32 [S, Hq, D].
 
     Raises:
-      ValueError: a cache dtype other than those above, or the kernel is not :func:`available`.
+      ValueError: a cache dtype other than those above, shapes it does not take (:func:`supports`), or the
+        kernel is not :func:`available`.
       XlaRuntimeError (at run time): a block id outside [0, N) or a ``ctx_len`` beyond ``W * block_size``.
     """
     if not available():
@@ -129,6 +139,11 @@ def paged_decode_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, table
     if jnp.dtype(k_cache.dtype) not in CACHE_DTYPES or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"paged_decode_cpu: cache dtypes {k_cache.dtype}, {v_cache.dtype}; expected both one of "
                          f"{[str(d) for d in CACHE_DTYPES]}")
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if not supports(q.shape[1], block_size, num_kv_heads, head_dim):
+        raise ValueError(f"paged_decode_cpu: {q.shape[1]} query heads, block_size {block_size}, {num_kv_heads} KV "
+                         f"heads, head_dim {head_dim}; the kernel takes at most {MAX_Q_HEADS} query heads (a multiple "
+                         f"of the KV heads), head_dim {MAX_HEAD_DIM}, block_size {MAX_BLOCK_SIZE}")
     if k_cache.dtype == jnp.bfloat16:
         # As bit patterns: XLA's CPU backend would otherwise convert a bfloat16 operand of the call.
         k_cache, v_cache = (jax.lax.bitcast_convert_type(c, jnp.uint16) for c in (k_cache, v_cache))

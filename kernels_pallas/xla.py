@@ -234,13 +234,15 @@ def _attend_tiles(
     return out.transpose(0, 2, 1, 3, 4).reshape(num_tiles, tile_len, num_q_heads, head_dim)
 
 
-def native_decode_applies(k_cache: jax.Array, k_scale: Optional[jax.Array] = None,
+def native_decode_applies(k_cache: jax.Array, num_q_heads: int, k_scale: Optional[jax.Array] = None,
                           compressed: Optional[CompressedKV] = None) -> bool:
     """Whether :func:`ragged_paged_attention_xla` hands decode rows to the C++ kernel by default: on XLA's CPU
-    backend, for a float32 or bfloat16 (uint16-stored) cache without KV scales or a compressed pool, once
-    ``native.available()`` (the kernel built)."""
+    backend, for a float32 or bfloat16 (uint16-stored) cache ``[N, block_size, Hkv, D]`` without KV scales or a
+    compressed pool, in shapes it takes (``native.supports``), once ``native.available()`` (the kernel built)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     return (jax.default_backend() == "cpu" and k_scale is None and compressed is None
-            and jnp.dtype(k_cache.dtype) in native.CACHE_DTYPES and native.available())
+            and jnp.dtype(k_cache.dtype) in native.CACHE_DTYPES
+            and native.supports(num_q_heads, block_size, num_kv_heads, head_dim) and native.available())
 
 
 def ragged_paged_attention_xla(
@@ -301,11 +303,12 @@ def ragged_paged_attention_xla(
     """
     del interpret
     check_pool_scales(k_scale, compressed)
-    applies = native_decode_applies(k_cache, k_scale, compressed)
+    applies = native_decode_applies(k_cache, q.shape[1], k_scale, compressed)
     if native_decode and not applies:
         raise ValueError("native_decode=True needs XLA's CPU backend, a float32 or bfloat16 cache without KV scales "
-                         f"or a compressed pool, and the built C++ kernel ({native.unavailable_reason() or 'built'}); "
-                         f"got backend {jax.default_backend()!r}, cache {k_cache.dtype}, "
+                         "or a compressed pool, shapes the kernel takes (native.supports) and the built C++ kernel "
+                         f"({native.unavailable_reason() or 'built'}); got backend {jax.default_backend()!r}, "
+                         f"cache {k_cache.dtype} {k_cache.shape}, {q.shape[1]} query heads, "
                          f"scales {k_scale is not None}, pool {compressed is not None}")
     native_decode = applies if native_decode is None else native_decode
     if cross_head_decode is None:

@@ -89,7 +89,7 @@ def test_ragged_attention_sends_decode_rows_to_the_kernel_and_prefill_rows_to_th
     seq_lens = [q + int(rng.integers(0, 50)) for q in q_lens]
     args = _ragged_batch(rng, q_lens, seq_lens, block_size=8, head_dim=64, group=3, dtype=dtype, pad_seqs=2,
                          pad_tokens=3)
-    assert native_decode_applies(args[1])
+    assert native_decode_applies(args[1], args[0].shape[1])
     window = [None, 9][seed % 2]
     want = ragged_paged_attention_reference(*args, scale=SCALE, sliding_window=window)
     attend = functools.partial(ragged_paged_attention_xla, scale=SCALE, sliding_window=window)
@@ -106,8 +106,14 @@ def test_native_decode_is_not_taken_where_it_does_not_apply_and_refused_when_for
     q, k, v, tables, lens, qsl, n = _ragged_batch(rng, [1, 1], [5, 9], block_size=4, head_dim=16, group=2,
                                                   dtype=jnp.float32)
     scales = jnp.ones(2, jnp.float32)
-    assert not native_decode_applies(k.astype(jnp.int8), scales)
-    assert not native_decode_applies(k.astype(jnp.float8_e4m3fn))
+    assert native_decode_applies(k, 4)
+    assert not native_decode_applies(k.astype(jnp.int8), 4, scales)
+    assert not native_decode_applies(k.astype(jnp.float8_e4m3fn), 4)
+    assert not native_decode_applies(jnp.zeros((4, 4, 2, 512)), 4)  # head_dim past the kernel's 256
+    assert not native_decode_applies(k, 3)  # query heads not a multiple of the KV heads
+    with pytest.raises(ValueError, match=r"head_dim 512; the kernel takes at most 64 query heads"):
+        native.paged_decode_cpu(jnp.zeros((1, 2, 512)), *(jnp.zeros((4, 4, 2, 512)),) * 2, tables[:1], lens[:1],
+                                scale=SCALE)
     with pytest.raises(ValueError, match=r"native_decode=True needs .*scales True"):
         ragged_paged_attention_xla(q, k.astype(jnp.int8), v.astype(jnp.int8), tables, lens, qsl, n, scale=SCALE,
                                    k_scale=scales, v_scale=scales, native_decode=True)
@@ -137,7 +143,7 @@ def test_native_decode_refuses_a_table_or_length_it_would_read_past(bad, message
 
 def _probe(env: dict[str, str]) -> str:
     code = ("from kernels_pallas import native, xla; import jax.numpy as jnp; a = native.available(); "
-            "print(a, native.unavailable_reason(), xla.native_decode_applies(jnp.zeros((1, 1, 1, 1))))")
+            "print(a, native.unavailable_reason(), xla.native_decode_applies(jnp.zeros((1, 1, 1, 1)), 1))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr
