@@ -45,6 +45,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import native
 from kernels_pallas.reference import CompressedKV, check_pool_scales, from_storage
 
 # Finite stand-in for -inf: masked scores and the initial running max. exp of
@@ -233,6 +234,17 @@ def _attend_tiles(
     return out.transpose(0, 2, 1, 3, 4).reshape(num_tiles, tile_len, num_q_heads, head_dim)
 
 
+def native_decode_applies(k_cache: jax.Array, num_q_heads: int, k_scale: Optional[jax.Array] = None,
+                          compressed: Optional[CompressedKV] = None) -> bool:
+    """Whether :func:`ragged_paged_attention_xla` hands decode rows to the C++ kernel by default: on XLA's CPU
+    backend, for a float32 or bfloat16 (uint16-stored) cache ``[N, block_size, Hkv, D]`` without KV scales or a
+    compressed pool, in shapes it takes (``native.supports``), once ``native.available()`` (the kernel built)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    return (jax.default_backend() == "cpu" and k_scale is None and compressed is None
+            and jnp.dtype(k_cache.dtype) in native.CACHE_DTYPES
+            and native.supports(num_q_heads, block_size, num_kv_heads, head_dim) and native.available())
+
+
 def ragged_paged_attention_xla(
     q: jax.Array,
     k_cache: jax.Array,
@@ -254,6 +266,7 @@ def ragged_paged_attention_xla(
     v_scale: Optional[jax.Array] = None,
     cross_head_decode: Optional[bool] = None,
     compressed: Optional[CompressedKV] = None,
+    native_decode: Optional[bool] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache, tiled per sequence.
 
@@ -279,6 +292,9 @@ def ragged_paged_attention_xla(
       cross_head_decode: the decode tiles' dots over all KV-head pairs
         (``_cross_head_dots``); None means when ``num_kv_heads <=``
         :data:`CROSS_HEAD_MAX_KV_HEADS`.
+      native_decode: decode rows through ``native.paged_decode_cpu`` (the
+        C++ kernel); None means where :func:`native_decode_applies`. True
+        where it does not apply raises ValueError.
 
     Cost: KV gathers of about the summed context of the sequences
     (``Hkv * D`` elements per token) for the decode rows, and the same once per
@@ -287,6 +303,14 @@ def ragged_paged_attention_xla(
     """
     del interpret
     check_pool_scales(k_scale, compressed)
+    applies = native_decode_applies(k_cache, q.shape[1], k_scale, compressed)
+    if native_decode and not applies:
+        raise ValueError("native_decode=True needs XLA's CPU backend, a float32 or bfloat16 cache without KV scales "
+                         "or a compressed pool, shapes the kernel takes (native.supports) and the built C++ kernel "
+                         f"({native.unavailable_reason() or 'built'}); got backend {jax.default_backend()!r}, "
+                         f"cache {k_cache.dtype} {k_cache.shape}, {q.shape[1]} query heads, "
+                         f"scales {k_scale is not None}, pool {compressed is not None}")
+    native_decode = applies if native_decode is None else native_decode
     if cross_head_decode is None:
         cross_head_decode = k_cache.shape[2] <= CROSS_HEAD_MAX_KV_HEADS
     num_tokens = q.shape[0]
@@ -304,6 +328,10 @@ def ragged_paged_attention_xla(
 
     def decode(out: jax.Array) -> jax.Array:
         token = jnp.minimum(starts, num_tokens - 1)
+        if native_decode:
+            res = native.paged_decode_cpu(q[token], k_cache, v_cache, block_tables, jnp.where(is_decode, seq_lens, 0),
+                                          scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+            return out.at[jnp.where(is_decode, starts, num_tokens)].set(res, mode="drop")
         pos = jnp.where(is_decode, seq_lens - 1, -1)[:, None]
         res = _attend_tiles(q[token][:, None], pos, block_tables, k_cache, v_cache, pairs_per_step=pairs(num_rows),
                             cross_heads=cross_head_decode, chunk_blocks=decode_kv_chunk_blocks, **attend)

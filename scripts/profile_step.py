@@ -129,10 +129,10 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
     print(f"{model} {dtype}, weights {quantization or dtype}, KV {engine.kv_cache_dtype.name}, attention "
           f"{engine.config.attention_backend or 'default'}; ms, minimum of {repeats}")
     xla = engine.config.attention_backend in (None, "xla") and jax.default_backend() == "cpu"
-    head_batched = ops._replace(ragged_paged_attention=functools.partial(ops.ragged_paged_attention,
-                                                                         cross_head_decode=False))
+    jnp_decode = ops._replace(ragged_paged_attention=functools.partial(ops.ragged_paged_attention,
+                                                                       native_decode=False))
     print(f"{'batch':<30}{'step':>9}{'no attention':>14}{'attention':>11}{'lm_head':>9}{'sampler':>9}"
-          + (f"{'head-batched':>14}" if xla else ""))
+          + (f"{'jnp decode':>12}" if xla else ""))
     for name, batch in cases.items():
         rows = batch.logits_indices.shape[0]
         step = jax.jit(functools.partial(model_step, ops=ops), donate_argnums=(1,))
@@ -145,9 +145,9 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
         sampler, _ = timed(jax.jit(sample), logits, arrays, runner.sampler_tables)
         extra = ""
         if xla:
-            batched = jax.jit(functools.partial(model_step, ops=head_batched), donate_argnums=(1,))
-            old, (_, runner.kv_cache) = timed(batched, runner.params, runner.kv_cache, batch, donate=True)
-            extra = f"{old:>14.1f}"
+            tiled = jax.jit(functools.partial(model_step, ops=jnp_decode), donate_argnums=(1,))
+            old, (_, runner.kv_cache) = timed(tiled, runner.params, runner.kv_cache, batch, donate=True)
+            extra = f"{old:>12.1f}"
         print(f"{name:<30}{full:>9.1f}{without:>14.1f}{full - without:>11.1f}{head:>9.1f}{sampler:>9.1f}{extra}")
         if trace:
             with jax.profiler.trace(os.path.join(trace, f"{dtype}-{name.split(',')[0]}")):

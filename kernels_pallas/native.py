@@ -1,0 +1,153 @@
+"""The CPU decode-attention kernel in C++ (``paged_decode_cpu.cc``), built on first use and called through XLA's FFI.
+
+XLA's CPU dots cannot read through a gather, so the plain-``jnp`` kernels
+(``kernels_pallas.xla``) copy every KV block a decode row needs into a
+contiguous buffer and then read it again: three passes over the cached bytes
+where one would do, and on a decode step the bytes are the cost
+(``scripts/profile_step.py``). The C++ kernel reads the blocks in place
+through the block table, one (row, KV head) pair at a time on XLA's intra-op
+threads, with the online softmax of flash-decoding.
+
+The library is compiled once per source, compiler flags and jaxlib version
+with the system's C++ compiler (``$CXX`` or ``c++``) into
+``$XDG_CACHE_HOME/jaxllm/native`` (default ``~/.cache/jaxllm/native``; a
+``JAXLLM_NATIVE_CACHE`` path overrides it) and registered as the FFI target
+:data:`TARGET`. Where no compiler is found or the build fails,
+:func:`available` is False (the reason in :func:`unavailable_reason`) and the
+callers keep the ``jnp`` path; ``JAXLLM_NATIVE_KERNELS=0`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("paged_decode_cpu.cc")
+TARGET = "jaxllm_paged_decode_cpu"
+_SYMBOL = "JaxllmPagedDecodeCpu"
+# -march=native: the library is built on the machine that runs it, for its vector instructions.
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
+# The kernel's fixed limits (paged_decode_cpu.cc: kMaxQHeads, kMaxHeadDim, kMaxBlockSize).
+MAX_Q_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 128
+_reason: Optional[str] = None
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("JAXLLM_NATIVE_CACHE"):
+        return Path(os.environ["JAXLLM_NATIVE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxllm" / "native"
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library's path, compiling it unless this source, these flags and this jaxlib built it before.
+
+    Raises:
+      subprocess.CalledProcessError / OSError: the compiler failed or could not write the cache.
+    """
+    import jaxlib
+
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *_FLAGS, jaxlib.__version__, include]).encode())
+    out = _cache_dir() / f"paged_decode_cpu-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes starting together never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, f"-I{include}", str(SOURCE), "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=300)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether the kernel is built and registered (once per process; False where it cannot be, see the module)."""
+    global _reason
+    if os.environ.get("JAXLLM_NATIVE_KERNELS", "1") == "0":
+        _reason = "JAXLLM_NATIVE_KERNELS=0"
+        return False
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not compiler:
+        _reason = "no C++ compiler (c++, g++ or clang++ on PATH, or $CXX)"
+        return False
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        _reason = f"the C++ decode kernel did not build or load: {detail.strip()[:500]}"
+        print(f"[kernels_pallas] {_reason}; using the jnp decode attention", file=sys.stderr)
+        return False
+    return True
+
+
+def supports(num_q_heads: int, block_size: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel takes these shapes: at most :data:`MAX_Q_HEADS` query heads (a multiple of the KV
+    heads), :data:`MAX_HEAD_DIM` head dims and :data:`MAX_BLOCK_SIZE` tokens per block."""
+    return (num_q_heads <= MAX_Q_HEADS and num_q_heads % num_kv_heads == 0 and head_dim <= MAX_HEAD_DIM
+            and block_size <= MAX_BLOCK_SIZE)
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`available` is False (None while it is True or not yet asked)."""
+    return _reason
+
+
+def paged_decode_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array, ctx_lens: jax.Array,
+                     *, scale: float, soft_cap: Optional[float] = None,
+                     sliding_window: Optional[int] = None) -> jax.Array:
+    """One query per row over its paged KV, in place through the block table (the C++ kernel).
+
+    Args:
+      q: [S, Hq, D], any float dtype (computed in float32).
+      k_cache, v_cache: [N, block_size, Hkv, D], float32, bfloat16 or uint16 bit patterns of bfloat16.
+      tables: int32 [S, W], block ids in [0, N).
+      ctx_lens: int32 [S], the positions each row sees (its query is at ``ctx_len - 1``); 0 gives zeros.
+      scale: the score scale (``1 / sqrt(D)`` or the model's).
+      soft_cap: scores become ``soft_cap * tanh(scores / soft_cap)``; None: no cap.
+      sliding_window: a row sees only its last ``sliding_window`` positions; None: all.
+
+    Returns:
+      float32 [S, Hq, D].
+
+    Raises:
+      ValueError: a cache dtype other than those above, shapes it does not take (:func:`supports`), or the
+        kernel is not :func:`available`.
+      XlaRuntimeError (at run time): a block id outside [0, N) or a ``ctx_len`` beyond ``W * block_size``.
+    """
+    if not available():
+        raise ValueError(f"paged_decode_cpu is not available: {unavailable_reason()}")
+    if jnp.dtype(k_cache.dtype) not in CACHE_DTYPES or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"paged_decode_cpu: cache dtypes {k_cache.dtype}, {v_cache.dtype}; expected both one of "
+                         f"{[str(d) for d in CACHE_DTYPES]}")
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if not supports(q.shape[1], block_size, num_kv_heads, head_dim):
+        raise ValueError(f"paged_decode_cpu: {q.shape[1]} query heads, block_size {block_size}, {num_kv_heads} KV "
+                         f"heads, head_dim {head_dim}; the kernel takes at most {MAX_Q_HEADS} query heads (a multiple "
+                         f"of the KV heads), head_dim {MAX_HEAD_DIM}, block_size {MAX_BLOCK_SIZE}")
+    if k_cache.dtype == jnp.bfloat16:
+        # As bit patterns: XLA's CPU backend would otherwise convert a bfloat16 operand of the call.
+        k_cache, v_cache = (jax.lax.bitcast_convert_type(c, jnp.uint16) for c in (k_cache, v_cache))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q.astype(jnp.float32), k_cache, v_cache, tables.astype(jnp.int32), ctx_lens.astype(jnp.int32),
+                scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
+                sliding_window=np.int32(sliding_window or 0))
