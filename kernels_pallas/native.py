@@ -147,7 +147,11 @@ def paged_decode_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, table
     if k_cache.dtype == jnp.bfloat16:
         # As bit patterns: XLA's CPU backend would otherwise convert a bfloat16 operand of the call.
         k_cache, v_cache = (jax.lax.bitcast_convert_type(c, jnp.uint16) for c in (k_cache, v_cache))
+    # Each block one row: with one KV head, a [N, block_size, 1, D] operand lets XLA's CPU layout assignment move
+    # the unit axis and copy the whole cache on every layer.
+    rows = (k_cache.shape[0], block_size * num_kv_heads * head_dim)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q.astype(jnp.float32), k_cache, v_cache, tables.astype(jnp.int32), ctx_lens.astype(jnp.int32),
-                scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
-                sliding_window=np.int32(sliding_window or 0))
+    return call(q.astype(jnp.float32), k_cache.reshape(rows), v_cache.reshape(rows), tables.astype(jnp.int32),
+                ctx_lens.astype(jnp.int32), scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
+                sliding_window=np.int32(sliding_window or 0), block_size=np.int32(block_size),
+                num_kv_heads=np.int32(num_kv_heads))

@@ -12,11 +12,14 @@
 //
 // Operands (row-major):
 //   q          float32 [S, Hq, D]    (already in float32)
-//   k_cache    [N, block_size, Hkv, D]  float32, or bfloat16 / uint16 bit patterns of bfloat16
+//   k_cache    [N, block_size * Hkv * D]  float32, or bfloat16 / uint16 bit patterns of bfloat16 (each
+//              block one row: a unit KV-head axis in the operand would let XLA's CPU layout assignment
+//              move it and copy the whole cache around the call)
 //   v_cache    same shape and dtype as k_cache
 //   tables     int32 [S, W]          block ids, < N
 //   ctx_lens   int32 [S]             positions each row sees; 0 = padding row (zeros out)
-// Attributes: scale (f32), soft_cap (f32, 0 = none), sliding_window (i32, 0 = none).
+// Attributes: scale (f32), soft_cap (f32, 0 = none), sliding_window (i32, 0 = none), block_size (i32),
+// num_kv_heads (i32).
 // Result: float32 [S, Hq, D].
 // Errors: an id outside [0, N) or ctx_len > W * block_size returns an FFI
 // error naming the row and value (no out-of-bounds read).
@@ -191,10 +194,13 @@ void drain(Shared& s) {
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                            ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> ctx_lens,
-                           ffi::ResultBuffer<ffi::F32> out, float scale, float soft_cap, int32_t sliding_window) {
+                           ffi::ResultBuffer<ffi::F32> out, float scale, float soft_cap, int32_t sliding_window,
+                           int32_t block_size, int32_t num_kv_heads) {
   const auto qd = q.dimensions(), kd = k_cache.dimensions(), td = tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) {
-    return ffi::Error::InvalidArgument("paged_decode_cpu: q must be [S, Hq, D], caches [N, bs, Hkv, D], tables [S, W]");
+  if (qd.size() != 3 || kd.size() != 2 || td.size() != 2 || block_size < 1 || num_kv_heads < 1 ||
+      kd[1] != static_cast<int64_t>(block_size) * num_kv_heads * qd[2]) {
+    return ffi::Error::InvalidArgument(
+        "paged_decode_cpu: q must be [S, Hq, D], caches [N, block_size * Hkv * D], tables [S, W]");
   }
   const ffi::DataType dtype = k_cache.element_type();
   if (v_cache.element_type() != dtype ||
@@ -202,10 +208,10 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     return ffi::Error::InvalidArgument("paged_decode_cpu: caches must both be float32, bfloat16 or uint16 (bf16 bits)");
   }
   Problem p{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), tables.typed_data(),
-            ctx_lens.typed_data(), out->typed_data(), qd[0], qd[1], kd[2], qd[2], kd[1], td[1],
+            ctx_lens.typed_data(), out->typed_data(), qd[0], qd[1], num_kv_heads, qd[2], block_size, td[1],
             scale, soft_cap, sliding_window};
   const int64_t num_blocks = kd[0];
-  if (kd[3] != p.head_dim || p.q_heads % p.kv_heads != 0 || p.q_heads > kMaxQHeads ||
+  if (p.q_heads % p.kv_heads != 0 || p.q_heads > kMaxQHeads ||
       p.head_dim > kMaxHeadDim || p.block_size > kMaxBlockSize || td[0] != p.rows) {
     return ffi::Error::InvalidArgument(
         "paged_decode_cpu: shapes out of range (head_dim <= 256, block_size <= 128, <= 64 query heads)");
@@ -252,4 +258,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedDecodeCpu, PagedDecodeImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("sliding_window"));
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<int32_t>("block_size")
+                                  .Attr<int32_t>("num_kv_heads"));
