@@ -1,12 +1,13 @@
-"""The CPU decode-attention kernel in C++ (``paged_decode_cpu.cc``), built on first use and called through XLA's FFI.
+"""The CPU paged-attention kernel in C++ (``paged_attention_cpu.cc``), built on first use and called through XLA's FFI.
 
 XLA's CPU dots cannot read through a gather, so the plain-``jnp`` kernels
-(``kernels_pallas.xla``) copy every KV block a decode row needs into a
+(``kernels_pallas.xla``) copy every KV block a query tile needs into a
 contiguous buffer and then read it again: three passes over the cached bytes
-where one would do, and on a decode step the bytes are the cost
+where one would do, and on a CPU the bytes are the cost
 (``scripts/profile_step.py``). The C++ kernel reads the blocks in place
-through the block table, one (row, KV head) pair at a time on XLA's intra-op
-threads, with the online softmax of flash-decoding.
+through the block table, for runs of up to 16 query tokens of one sequence at
+a time (a decode row is a run of one) on XLA's intra-op threads, with the
+online softmax of flash-attention.
 
 The library is compiled once per source, compiler flags and jaxlib version
 with the system's C++ compiler (``$CXX`` or ``c++``) into
@@ -34,14 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).with_name("paged_decode_cpu.cc")
-TARGET = "jaxllm_paged_decode_cpu"
-_SYMBOL = "JaxllmPagedDecodeCpu"
+SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
+TARGET = "jaxllm_paged_attention_cpu"
+_SYMBOL = "JaxllmPagedAttentionCpu"
 # -march=native: the library is built on the machine that runs it, for its vector instructions.
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
-# The kernel's fixed limits (paged_decode_cpu.cc: kMaxQHeads, kMaxHeadDim, kMaxBlockSize).
-MAX_Q_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 128
+# The kernel's largest block (paged_attention_cpu.cc: kMaxBlockSize).
+MAX_BLOCK_SIZE = 256
 _reason: Optional[str] = None
 
 
@@ -61,7 +62,7 @@ def _build(compiler: str) -> Path:
 
     include = jax.ffi.include_dir()
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *_FLAGS, jaxlib.__version__, include]).encode())
-    out = _cache_dir() / f"paged_decode_cpu-{key.hexdigest()[:16]}.so"
+    out = _cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -94,17 +95,16 @@ def available() -> bool:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         detail = getattr(exc, "stderr", None) or str(exc)
-        _reason = f"the C++ decode kernel did not build or load: {detail.strip()[:500]}"
-        print(f"[kernels_pallas] {_reason}; using the jnp decode attention", file=sys.stderr)
+        _reason = f"the C++ attention kernel did not build or load: {detail.strip()[:500]}"
+        print(f"[kernels_pallas] {_reason}; using the jnp attention", file=sys.stderr)
         return False
     return True
 
 
-def supports(num_q_heads: int, block_size: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel takes these shapes: at most :data:`MAX_Q_HEADS` query heads (a multiple of the KV
-    heads), :data:`MAX_HEAD_DIM` head dims and :data:`MAX_BLOCK_SIZE` tokens per block."""
-    return (num_q_heads <= MAX_Q_HEADS and num_q_heads % num_kv_heads == 0 and head_dim <= MAX_HEAD_DIM
-            and block_size <= MAX_BLOCK_SIZE)
+def supports(num_q_heads: int, block_size: int, num_kv_heads: int) -> bool:
+    """Whether the kernel takes these shapes: query heads a multiple of the KV heads, at most
+    :data:`MAX_BLOCK_SIZE` tokens per block."""
+    return num_q_heads % num_kv_heads == 0 and block_size <= MAX_BLOCK_SIZE
 
 
 def unavailable_reason() -> Optional[str]:
@@ -112,38 +112,41 @@ def unavailable_reason() -> Optional[str]:
     return _reason
 
 
-def paged_decode_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array, ctx_lens: jax.Array,
-                     *, scale: float, soft_cap: Optional[float] = None,
-                     sliding_window: Optional[int] = None) -> jax.Array:
-    """One query per row over its paged KV, in place through the block table (the C++ kernel).
+def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array,
+                               token_row: jax.Array, token_pos: jax.Array, *, scale: float,
+                               soft_cap: Optional[float] = None, sliding_window: Optional[int] = None) -> jax.Array:
+    """Every query token over its sequence's paged KV, in place through the block table (the C++ kernel).
 
     Args:
-      q: [S, Hq, D], any float dtype (computed in float32).
+      q: [T, Hq, D], any float dtype (computed in float32).
       k_cache, v_cache: [N, block_size, Hkv, D], float32, bfloat16 or uint16 bit patterns of bfloat16.
       tables: int32 [S, W], block ids in [0, N).
-      ctx_lens: int32 [S], the positions each row sees (its query is at ``ctx_len - 1``); 0 gives zeros.
+      token_row: int32 [T], the row of ``tables`` each token belongs to; -1 marks a padding token (zeros out).
+      token_pos: int32 [T], each token's position in its sequence: it sees positions ``[0, pos]`` (the last
+        ``sliding_window`` of them when set).
       scale: the score scale (``1 / sqrt(D)`` or the model's).
       soft_cap: scores become ``soft_cap * tanh(scores / soft_cap)``; None: no cap.
-      sliding_window: a row sees only its last ``sliding_window`` positions; None: all.
+      sliding_window: None: no window.
 
     Returns:
-      float32 [S, Hq, D].
+      float32 [T, Hq, D].
 
     Raises:
       ValueError: a cache dtype other than those above, shapes it does not take (:func:`supports`), or the
         kernel is not :func:`available`.
-      XlaRuntimeError (at run time): a block id outside [0, N) or a ``ctx_len`` beyond ``W * block_size``.
+      JaxRuntimeError (at run time): a row outside [0, S), a position at or past ``W * block_size``, or a block
+        id outside [0, N) that a token would read (named in the message).
     """
     if not available():
-        raise ValueError(f"paged_decode_cpu is not available: {unavailable_reason()}")
+        raise ValueError(f"ragged_paged_attention_cpu is not available: {unavailable_reason()}")
     if jnp.dtype(k_cache.dtype) not in CACHE_DTYPES or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"paged_decode_cpu: cache dtypes {k_cache.dtype}, {v_cache.dtype}; expected both one of "
-                         f"{[str(d) for d in CACHE_DTYPES]}")
+        raise ValueError(f"ragged_paged_attention_cpu: cache dtypes {k_cache.dtype}, {v_cache.dtype}; expected both "
+                         f"one of {[str(d) for d in CACHE_DTYPES]}")
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    if not supports(q.shape[1], block_size, num_kv_heads, head_dim):
-        raise ValueError(f"paged_decode_cpu: {q.shape[1]} query heads, block_size {block_size}, {num_kv_heads} KV "
-                         f"heads, head_dim {head_dim}; the kernel takes at most {MAX_Q_HEADS} query heads (a multiple "
-                         f"of the KV heads), head_dim {MAX_HEAD_DIM}, block_size {MAX_BLOCK_SIZE}")
+    if not supports(q.shape[1], block_size, num_kv_heads):
+        raise ValueError(f"ragged_paged_attention_cpu: {q.shape[1]} query heads, {num_kv_heads} KV heads, block_size "
+                         f"{block_size}; the kernel takes query heads a multiple of the KV heads and block_size <= "
+                         f"{MAX_BLOCK_SIZE}")
     if k_cache.dtype == jnp.bfloat16:
         # As bit patterns: XLA's CPU backend would otherwise convert a bfloat16 operand of the call.
         k_cache, v_cache = (jax.lax.bitcast_convert_type(c, jnp.uint16) for c in (k_cache, v_cache))
@@ -152,6 +155,6 @@ def paged_decode_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, table
     rows = (k_cache.shape[0], block_size * num_kv_heads * head_dim)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), k_cache.reshape(rows), v_cache.reshape(rows), tables.astype(jnp.int32),
-                ctx_lens.astype(jnp.int32), scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0),
-                sliding_window=np.int32(sliding_window or 0), block_size=np.int32(block_size),
-                num_kv_heads=np.int32(num_kv_heads))
+                token_row.astype(jnp.int32), token_pos.astype(jnp.int32), scale=np.float32(scale),
+                soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int32(sliding_window or 0),
+                block_size=np.int32(block_size), num_kv_heads=np.int32(num_kv_heads))

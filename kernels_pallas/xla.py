@@ -26,6 +26,14 @@ semantics and costs what the sequences need:
   makes XLA copy the gathered keys into a transposed layout element by
   element, which cost more than the dots themselves (profile in
   ``scripts/profile_step.py``'s docstring).
+* On XLA's CPU backend, the decode rows of a float32 or bfloat16 cache (no
+  KV scales, no compressed pool) go to the C++ kernel of ``native.py``
+  instead: it reads the blocks in place rather than through gathered copies
+  (a 48-row decode step's attention 75-88 -> about 50 ms). Prefill chunks
+  keep the tiles, whose dots beat the kernel's per-query loops there (a
+  512-token prefill: 380 vs 411 ms float32, 253 vs 349 ms bfloat16,
+  ``scripts/profile_step.py``); so does everything where the kernel cannot be
+  built.
 
 Scores and the softmax are float32 whatever the cache dtype; the output is
 q's dtype. Cache layout, padding rules, GQA mapping, the uint16 storage of
@@ -234,15 +242,30 @@ def _attend_tiles(
     return out.transpose(0, 2, 1, 3, 4).reshape(num_tiles, tile_len, num_q_heads, head_dim)
 
 
-def native_decode_applies(k_cache: jax.Array, num_q_heads: int, k_scale: Optional[jax.Array] = None,
-                          compressed: Optional[CompressedKV] = None) -> bool:
+def native_applies(k_cache: jax.Array, num_q_heads: int, k_scale: Optional[jax.Array] = None,
+                   compressed: Optional[CompressedKV] = None) -> bool:
     """Whether :func:`ragged_paged_attention_xla` hands decode rows to the C++ kernel by default: on XLA's CPU
     backend, for a float32 or bfloat16 (uint16-stored) cache ``[N, block_size, Hkv, D]`` without KV scales or a
     compressed pool, in shapes it takes (``native.supports``), once ``native.available()`` (the kernel built)."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     return (jax.default_backend() == "cpu" and k_scale is None and compressed is None
             and jnp.dtype(k_cache.dtype) in native.CACHE_DTYPES
-            and native.supports(num_q_heads, block_size, num_kv_heads, head_dim) and native.available())
+            and native.supports(num_q_heads, block_size, num_kv_heads) and native.available())
+
+
+def token_rows_and_positions(query_start_loc: jax.Array, seq_lens: jax.Array, num_seqs: jax.Array,
+                             num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Each query token's sequence row (-1 past the batch's tokens) and position, from the ragged layout.
+
+    Args: ``query_start_loc: int32[S + 1]``, ``seq_lens: int32[S]``, ``num_seqs: int32[]`` as in the reference;
+    ``num_tokens``: T. Returns ``(row, pos)``, both int32 [T]; a padding token has row -1 and position 0.
+    """
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    ends = query_start_loc[1:]
+    row = jnp.minimum(jnp.searchsorted(ends, token, side="right"), seq_lens.shape[0] - 1).astype(jnp.int32)
+    live = (token < query_start_loc[num_seqs]) & (row < num_seqs)
+    pos = seq_lens[row] - (ends[row] - token)
+    return jnp.where(live, row, -1), jnp.where(live, pos, 0)
 
 
 def ragged_paged_attention_xla(
@@ -266,7 +289,7 @@ def ragged_paged_attention_xla(
     v_scale: Optional[jax.Array] = None,
     cross_head_decode: Optional[bool] = None,
     compressed: Optional[CompressedKV] = None,
-    native_decode: Optional[bool] = None,
+    use_native: Optional[bool] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache, tiled per sequence.
 
@@ -292,9 +315,10 @@ def ragged_paged_attention_xla(
       cross_head_decode: the decode tiles' dots over all KV-head pairs
         (``_cross_head_dots``); None means when ``num_kv_heads <=``
         :data:`CROSS_HEAD_MAX_KV_HEADS`.
-      native_decode: decode rows through ``native.paged_decode_cpu`` (the
-        C++ kernel); None means where :func:`native_decode_applies`. True
-        where it does not apply raises ValueError.
+      use_native: the decode rows through ``native.ragged_paged_attention_cpu``
+        (the C++ kernel) instead of the decode tiles; None means where
+        :func:`native_applies`. True where it does not apply raises
+        ValueError.
 
     Cost: KV gathers of about the summed context of the sequences
     (``Hkv * D`` elements per token) for the decode rows, and the same once per
@@ -303,14 +327,14 @@ def ragged_paged_attention_xla(
     """
     del interpret
     check_pool_scales(k_scale, compressed)
-    applies = native_decode_applies(k_cache, q.shape[1], k_scale, compressed)
-    if native_decode and not applies:
-        raise ValueError("native_decode=True needs XLA's CPU backend, a float32 or bfloat16 cache without KV scales "
+    applies = native_applies(k_cache, q.shape[1], k_scale, compressed)
+    if use_native and not applies:
+        raise ValueError("use_native=True needs XLA's CPU backend, a float32 or bfloat16 cache without KV scales "
                          "or a compressed pool, shapes the kernel takes (native.supports) and the built C++ kernel "
                          f"({native.unavailable_reason() or 'built'}); got backend {jax.default_backend()!r}, "
                          f"cache {k_cache.dtype} {k_cache.shape}, {q.shape[1]} query heads, "
                          f"scales {k_scale is not None}, pool {compressed is not None}")
-    native_decode = applies if native_decode is None else native_decode
+    use_native = applies if use_native is None else use_native
     if cross_head_decode is None:
         cross_head_decode = k_cache.shape[2] <= CROSS_HEAD_MAX_KV_HEADS
     num_tokens = q.shape[0]
@@ -328,10 +352,6 @@ def ragged_paged_attention_xla(
 
     def decode(out: jax.Array) -> jax.Array:
         token = jnp.minimum(starts, num_tokens - 1)
-        if native_decode:
-            res = native.paged_decode_cpu(q[token], k_cache, v_cache, block_tables, jnp.where(is_decode, seq_lens, 0),
-                                          scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-            return out.at[jnp.where(is_decode, starts, num_tokens)].set(res, mode="drop")
         pos = jnp.where(is_decode, seq_lens - 1, -1)[:, None]
         res = _attend_tiles(q[token][:, None], pos, block_tables, k_cache, v_cache, pairs_per_step=pairs(num_rows),
                             cross_heads=cross_head_decode, chunk_blocks=decode_kv_chunk_blocks, **attend)
@@ -356,6 +376,13 @@ def ragged_paged_attention_xla(
                             pairs_per_step=pairs(max_tiles), chunk_blocks=kv_chunk_blocks, **attend)
         return out.at[jnp.where(valid, token, num_tokens)].set(res, mode="drop")
 
-    out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, zeros)
+    if use_native:
+        # Decode tokens only (-1 elsewhere: zeros); a step without any costs the kernel one pass over T rows.
+        row, pos = token_rows_and_positions(query_start_loc, seq_lens, num_seqs, num_tokens)
+        row = jnp.where((row >= 0) & is_decode[jnp.maximum(row, 0)], row, -1)
+        out = native.ragged_paged_attention_cpu(q, k_cache, v_cache, block_tables, row, pos, scale=scale,
+                                                soft_cap=soft_cap, sliding_window=sliding_window)
+    else:
+        out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, zeros)
     out = jax.lax.cond(jnp.any(is_prefill), prefill, lambda o: o, out)
     return out.astype(q.dtype)

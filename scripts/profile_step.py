@@ -130,9 +130,9 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
           f"{engine.config.attention_backend or 'default'}; ms, minimum of {repeats}")
     xla = engine.config.attention_backend in (None, "xla") and jax.default_backend() == "cpu"
     jnp_decode = ops._replace(ragged_paged_attention=functools.partial(ops.ragged_paged_attention,
-                                                                       native_decode=False))
+                                                                       use_native=False))
     print(f"{'batch':<30}{'step':>9}{'no attention':>14}{'attention':>11}{'lm_head':>9}{'sampler':>9}"
-          + (f"{'jnp decode':>12}" if xla else ""))
+          + (f"{'jnp tiles':>12}" if xla else ""))
     for name, batch in cases.items():
         rows = batch.logits_indices.shape[0]
         step = jax.jit(functools.partial(model_step, ops=ops), donate_argnums=(1,))

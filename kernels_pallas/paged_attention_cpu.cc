@@ -1,0 +1,305 @@
+// Ragged paged attention for XLA's CPU backend, as an XLA FFI custom call.
+//
+// Every query token of a ragged batch (decode rows and prefill chunks alike)
+// attends over its sequence's paged KV cache, read in place through the
+// block table. The plain-jnp kernels (kernels_pallas/xla.py) have to gather
+// the blocks into contiguous copies before each dot, since XLA's CPU dots
+// cannot read through a gather; that moves every cached byte three times,
+// and on a CPU the bytes are the cost. Semantics are those of
+// kernels_pallas.reference.ragged_paged_attention_reference: a query at
+// position p sees positions [0, p] of its sequence (the last sliding_window
+// of them when set); scores = (q . k) * scale, optionally soft-capped
+// (cap * tanh(s / cap)); softmax in float32 (the online form of
+// flash-attention); weighted sum of v.
+//
+// Operands (row-major):
+//   q          float32 [T, Hq, D]
+//   k_cache    [N, block_size * Hkv * D]  float32, or uint16 bit patterns of bfloat16 (each block one row:
+//              a unit KV-head axis in the operand would let XLA's CPU layout assignment move it and copy
+//              the whole cache around the call)
+//   v_cache    same shape and dtype as k_cache
+//   tables     int32 [S, W]   block ids, in [0, N)
+//   token_row  int32 [T]      the sequence row of each query token; -1: a padding token (zeros out)
+//   token_pos  int32 [T]      the position of each query token in its sequence
+// Attributes: scale (f32), soft_cap (f32, 0 = none), sliding_window (i32, 0 = none), block_size (i32),
+// num_kv_heads (i32).
+// Result: float32 [T, Hq, D].
+// Errors: a row outside [0, S), a position at or past W * block_size, or a block id outside [0, N) that a
+// token would read returns an FFI error naming the token and the value (no out-of-bounds read).
+//
+// Work: runs of up to kTile consecutive tokens of one row are the units (a decode row is a unit of one),
+// so each KV block a unit needs is read once for all its queries. The calling thread and tasks on XLA's
+// intra-op thread pool take units from one atomic counter; the caller returns once every unit is done.
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTile = 16;           // query tokens per unit
+constexpr int64_t kMaxBlockSize = 256;  // tokens per block
+// Blocks ahead whose lines are prefetched (measured on decode: 0-3 within 5% of each other).
+constexpr int64_t kPrefetchBlocks = 1;
+
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) { return __builtin_bit_cast(float, static_cast<uint32_t>(*p) << 16); }
+
+// exp(x) for x <= 0 (the softmax's shifted scores), in a form the compiler vectorizes: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error below 2e-7), times 2^n built in the
+// exponent bits. Below -87 (where e^x is under float's normal range) it returns 0.
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.0f ? -87.0f : x;
+  const float n = __builtin_roundf(clamped * 1.44269504f);
+  const float r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f;
+  float poly = 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return x < -87.0f ? 0.0f : poly * __builtin_bit_cast(float, bits);
+}
+
+struct Problem {
+  const float* q;
+  const void* k;
+  const void* v;
+  const int32_t* tables;
+  const int32_t* token_row;
+  const int32_t* token_pos;
+  float* out;
+  int64_t q_heads, kv_heads, head_dim, block_size, width;
+  float scale, soft_cap;
+  int32_t window;
+};
+
+struct Unit {
+  int64_t first, count;  // query tokens [first, first + count), all of one row
+};
+
+// Per-thread running state of a unit's (query, query head) pairs: scaled queries, accumulators, max and sum;
+// and a bfloat16 block's keys and values in float32.
+struct Scratch {
+  std::vector<float> q, acc, run_max, run_sum, k_block, v_block;
+};
+
+// The block's elements as float32: in place for a float32 cache; converted once into `buffer` for bfloat16
+// bits, so the loops below convert each element once rather than once per query head that reads it.
+inline const float* as_float(const float* block, int64_t, std::vector<float>&) { return block; }
+inline const float* as_float(const uint16_t* block, int64_t count, std::vector<float>& buffer) {
+  buffer.resize(count);
+  float* out = buffer.data();
+#pragma omp simd
+  for (int64_t i = 0; i < count; ++i) out[i] = load(block + i);
+  return out;
+}
+
+// Attention of one unit's queries over the blocks they see. Each block is visited once, every KV head of it
+// before the next block (a block is one contiguous run of block_size * Hkv * D elements), and the next block
+// is prefetched while this one is computed: a row's blocks lie anywhere in a cache far larger than the CPU's.
+template <typename T>
+void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
+  const int64_t heads = p.q_heads, group = p.q_heads / p.kv_heads, dim = p.head_dim, bs = p.block_size;
+  const int64_t pairs = u.count * heads;
+  s.q.resize(pairs * dim);
+  s.acc.assign(pairs * dim, 0.0f);
+  s.run_max.assign(pairs, -INFINITY);
+  s.run_sum.assign(pairs, 0.0f);
+  int64_t lo_all = INT64_MAX, hi_all = 0;
+  int64_t lo[kTile], hi[kTile];  // positions [lo, hi] each query sees
+  for (int64_t j = 0; j < u.count; ++j) {
+    const int64_t pos = p.token_pos[u.first + j];
+    hi[j] = pos;
+    lo[j] = p.window > 0 && pos + 1 > p.window ? pos + 1 - p.window : 0;
+    lo_all = lo[j] < lo_all ? lo[j] : lo_all;
+    hi_all = hi[j] > hi_all ? hi[j] : hi_all;
+    const float* src = p.q + (u.first + j) * heads * dim;
+    for (int64_t i = 0; i < heads * dim; ++i) s.q[j * heads * dim + i] = src[i] * p.scale;
+  }
+  const T* kc = static_cast<const T*>(p.k);
+  const T* vc = static_cast<const T*>(p.v);
+  const int64_t token_stride = p.kv_heads * dim;  // elements between consecutive tokens of a block
+  const int64_t block_elems = bs * token_stride;
+  const int32_t* table = p.tables + static_cast<int64_t>(p.token_row[u.first]) * p.width;
+  alignas(64) float scores[kMaxBlockSize];
+  alignas(64) float weights[kMaxBlockSize];
+  for (int64_t start = lo_all - lo_all % bs; start <= hi_all; start += bs) {
+    if (start + kPrefetchBlocks * bs <= hi_all) {
+      const int64_t ahead = table[start / bs + kPrefetchBlocks];
+      const char* next_k = reinterpret_cast<const char*>(kc + ahead * block_elems);
+      const char* next_v = reinterpret_cast<const char*>(vc + ahead * block_elems);
+      for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64) {
+        __builtin_prefetch(next_k + off);
+        __builtin_prefetch(next_v + off);
+      }
+    }
+    const float* kb = as_float(kc + table[start / bs] * block_elems, block_elems, s.k_block);
+    const float* vb = as_float(vc + table[start / bs] * block_elems, block_elems, s.v_block);
+    for (int64_t j = 0; j < u.count; ++j) {
+      // The tokens of this block query j sees: [t_lo, t_hi).
+      const int64_t t_lo = lo[j] > start ? lo[j] - start : 0;
+      const int64_t t_hi = hi[j] - start + 1 < bs ? hi[j] - start + 1 : bs;
+      if (t_lo >= t_hi) continue;
+      for (int64_t qh = 0; qh < heads; ++qh) {
+        const int64_t h = qh / group, pair = j * heads + qh;
+        const float* qv = s.q.data() + pair * dim;
+        float block_max = -INFINITY;
+        for (int64_t t = t_lo; t < t_hi; ++t) {
+          const float* key = kb + t * token_stride + h * dim;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += qv[d] * key[d];
+          if (p.soft_cap > 0.0f) dot = p.soft_cap * std::tanh(dot / p.soft_cap);
+          scores[t] = dot;
+          block_max = dot > block_max ? dot : block_max;
+        }
+        const float old_max = s.run_max[pair];
+        const float new_max = block_max > old_max ? block_max : old_max;
+        const float rescale = std::exp(old_max - new_max);  // 0 on the first block (-inf)
+        float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+        for (int64_t t = t_lo; t < t_hi; ++t) {
+          weights[t] = exp_nonpositive(scores[t] - new_max);
+          block_sum += weights[t];
+        }
+        s.run_sum[pair] = s.run_sum[pair] * rescale + block_sum;
+        s.run_max[pair] = new_max;
+        float* a = s.acc.data() + pair * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
+        for (int64_t t = t_lo; t < t_hi; ++t) {
+          const float w = weights[t];
+          const float* value = vb + t * token_stride + h * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) a[d] += w * value[d];
+        }
+      }
+    }
+  }
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const float inv = 1.0f / s.run_sum[pair];
+    float* out = p.out + u.first * heads * dim + pair * dim;
+    const float* a = s.acc.data() + pair * dim;
+    for (int64_t d = 0; d < dim; ++d) out[d] = a[d] * inv;
+  }
+}
+
+struct Shared {
+  Problem problem;
+  bool bits16;
+  std::vector<Unit> units;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+// Take units until none is left; returns after the last unit this thread took.
+void drain(Shared& s) {
+  thread_local Scratch scratch;
+  const int64_t total = static_cast<int64_t>(s.units.size());
+  for (;;) {
+    const int64_t i = s.next.fetch_add(1);
+    if (i >= total) return;
+    if (s.bits16) {
+      attend_unit<uint16_t>(s.problem, s.units[i], scratch);
+    } else {
+      attend_unit<float>(s.problem, s.units[i], scratch);
+    }
+    s.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+std::string at(int64_t token) { return "paged_attention_cpu: token " + std::to_string(token) + " "; }
+
+ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> token_row, ffi::Buffer<ffi::S32> token_pos,
+                      ffi::ResultBuffer<ffi::F32> out, float scale, float soft_cap, int32_t sliding_window,
+                      int32_t block_size, int32_t num_kv_heads) {
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 2 || td.size() != 2 || block_size < 1 || block_size > kMaxBlockSize ||
+      num_kv_heads < 1 || qd[1] % num_kv_heads != 0 || kd[1] != int64_t{block_size} * num_kv_heads * qd[2] ||
+      token_row.element_count() != static_cast<size_t>(qd[0]) ||
+      token_pos.element_count() != static_cast<size_t>(qd[0])) {
+    return ffi::Error::InvalidArgument(
+        "paged_attention_cpu: q must be [T, Hq, D] with Hq a multiple of num_kv_heads, caches "
+        "[N, block_size * Hkv * D] with block_size <= 256, tables [S, W], token_row and token_pos [T]");
+  }
+  const ffi::DataType dtype = k_cache.element_type();
+  if (v_cache.element_type() != dtype || (dtype != ffi::DataType::F32 && dtype != ffi::DataType::U16)) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: caches must both be float32 or uint16 (bfloat16 bits)");
+  }
+  Problem p{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), tables.typed_data(),
+            token_row.typed_data(), token_pos.typed_data(), out->typed_data(), qd[1], num_kv_heads, qd[2],
+            block_size, td[1], scale, soft_cap, sliding_window};
+  const int64_t num_tokens = qd[0], num_rows = td[0], num_blocks = kd[0];
+  auto shared = std::make_shared<Shared>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int32_t row = p.token_row[t], pos = p.token_pos[t];
+    if (row < 0) {
+      std::memset(p.out + t * p.q_heads * p.head_dim, 0, sizeof(float) * p.q_heads * p.head_dim);
+      continue;
+    }
+    if (row >= num_rows) {
+      return ffi::Error::InvalidArgument(at(t) + "row " + std::to_string(row) + " outside [0, " +
+                                         std::to_string(num_rows) + ")");
+    }
+    if (pos < 0 || pos >= p.width * p.block_size) {
+      return ffi::Error::InvalidArgument(at(t) + "position " + std::to_string(pos) + " outside the table's " +
+                                         std::to_string(p.width * p.block_size) + " positions");
+    }
+    const int64_t first_block = p.window > 0 && pos + 1 > p.window ? (pos + 1 - p.window) / p.block_size : 0;
+    for (int64_t b = first_block; b <= pos / p.block_size; ++b) {
+      const int32_t id = p.tables[row * p.width + b];
+      if (id < 0 || id >= num_blocks) {
+        return ffi::Error::InvalidArgument(at(t) + "(row " + std::to_string(row) + ") block id " +
+                                           std::to_string(id) + " outside [0, " + std::to_string(num_blocks) + ")");
+      }
+    }
+    Unit* last = shared->units.empty() ? nullptr : &shared->units.back();
+    if (last != nullptr && last->first + last->count == t && p.token_row[last->first] == row && last->count < kTile) {
+      ++last->count;
+    } else {
+      shared->units.push_back(Unit{t, 1});
+    }
+  }
+  shared->problem = p;
+  shared->bits16 = dtype == ffi::DataType::U16;
+  const int64_t total = static_cast<int64_t>(shared->units.size());
+  const int64_t helpers = pool.num_threads() - 1;
+  for (int64_t i = 0; i < helpers && i + 1 < total; ++i) {
+    // A task that starts after the work is done finds nothing to take; the shared_ptr keeps its state alive.
+    pool.Schedule([shared] { drain(*shared); });
+  }
+  drain(*shared);
+  while (shared->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionCpu, RaggedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<int32_t>("block_size")
+                                  .Attr<int32_t>("num_kv_heads"));

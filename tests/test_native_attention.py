@@ -1,0 +1,189 @@
+"""The C++ CPU attention kernel (``kernels_pallas.native``) against the reference, and the paths around it.
+
+The class of inputs: any ragged batch -- decode rows and prefill chunks, contexts of one token, ending
+mid-block or on a block boundary, filling the block table, padding rows and padding tokens -- under every
+block size, head dim, GQA ratio and KV head count (one included: its unit axis must not make XLA copy the
+cache), with and without a sliding window and a soft cap, on float32 and bfloat16 caches (stored as bfloat16
+or as its uint16 bit patterns). Around it: how ``ragged_paged_attention_xla`` sends decode rows to it, its
+errors, and the build (cached per source; a failed build leaves the jnp path).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels_pallas import native
+from kernels_pallas.reference import ragged_paged_attention_reference
+from kernels_pallas.xla import native_applies, ragged_paged_attention_xla, token_rows_and_positions
+from tests.test_kernels_pallas import _ragged_batch
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler: the kernel cannot be built here")
+SCALE = 0.125
+
+
+def _case(rng, *, block_size, head_dim, group, kv_heads, dtype, width, pad_rows=1, pad_tokens=2):
+    """A ragged batch in the reference's layout: rows of 1 (decode) to 40 new tokens after a context, the
+    table's positions at most ``width * block_size``; plus padding rows and padding tokens."""
+    full = width * block_size
+    rows = int(rng.integers(1, 5))
+    seq_lens = [int(rng.choice([1, min(block_size, full), min(block_size + 1, full), full,
+                                int(rng.integers(1, full + 1))])) for _ in range(rows)]
+    q_lens = [1 if rng.random() < 0.5 else int(rng.integers(1, min(n, 40) + 1)) for n in seq_lens]
+    num_blocks = (rows + pad_rows) * width + 1
+    k = jnp.asarray(rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)), dtype)
+    tables = jnp.asarray(rng.permutation(num_blocks)[:(rows + pad_rows) * width].reshape(-1, width), jnp.int32)
+    ends = np.cumsum(q_lens)
+    qsl = jnp.asarray(np.concatenate([[0], ends, np.full(pad_rows, ends[-1])]), jnp.int32)
+    lens = jnp.asarray(seq_lens + [0] * pad_rows, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((int(ends[-1]) + pad_tokens, kv_heads * group, head_dim)), jnp.float32)
+    return q, k, v, tables, lens, qsl, jnp.int32(rows)
+
+
+def _native(q, k, v, tables, lens, qsl, num_seqs, **kw):
+    row, pos = token_rows_and_positions(qsl, lens, num_seqs, q.shape[0])
+    return native.ragged_paged_attention_cpu(q, k, v, tables, row, pos, scale=SCALE, **kw)
+
+
+def _want(q, k, v, tables, lens, qsl, num_seqs, **kw):
+    # The reference in float32 over the same cache values; padding tokens are zeros.
+    return np.asarray(ragged_paged_attention_reference(q, k.astype(jnp.float32), v.astype(jnp.float32), tables,
+                                                       lens, qsl, num_seqs, scale=SCALE, **kw), np.float32)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), block_size=st.sampled_from([1, 4, 16, 32]), head_dim=st.sampled_from([8, 64, 128]),
+       group=st.sampled_from([1, 2, 3, 4]), kv_heads=st.sampled_from([1, 2, 3]),
+       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), window=st.sampled_from([None, 1, 5, 40]),
+       soft_cap=st.sampled_from([None, 5.0]), as_bits=st.booleans())
+def test_native_attention_matches_reference_on_any_ragged_batch(seed, block_size, head_dim, group, kv_heads, dtype,
+                                                                 window, soft_cap, as_bits):
+    rng = np.random.default_rng(seed)
+    args = _case(rng, block_size=block_size, head_dim=head_dim, group=group, kv_heads=kv_heads, dtype=dtype,
+                 width=int(rng.integers(1, 5)))
+    want = _want(*args, sliding_window=window, soft_cap=soft_cap)
+    q, k, v, *rest = args
+    if as_bits and dtype == jnp.bfloat16:
+        k, v = (jax.lax.bitcast_convert_type(c, jnp.uint16) for c in (k, v))
+    got = _native(q, k, v, *rest, sliding_window=window, soft_cap=soft_cap)
+    assert got.dtype == jnp.float32 and got.shape == q.shape
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
+
+
+def test_native_attention_handles_long_contexts_with_scores_far_apart():
+    # A decode row at 2,000 positions and a 40-token chunk ending there, scores spread over +-60: the running-max
+    # rescale and the exp's range; the chunk spans three units of 16 queries.
+    rng = np.random.default_rng(3)
+    q, k, v, tables, _, _, _ = _case(rng, block_size=16, head_dim=64, group=3, kv_heads=3, dtype=jnp.float32,
+                                     width=125)
+    q = jnp.concatenate([q, q, q] * 9)[:41] * 8.0
+    lens = jnp.asarray([2000, 1999], jnp.int32)
+    qsl = jnp.asarray([0, 1, 41], jnp.int32)
+    args = (q, k, v, tables[:2], lens, qsl, jnp.int32(2))
+    got = jax.jit(lambda *a: _native(*a))(*args)
+    np.testing.assert_allclose(np.asarray(got), _want(*args), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_attention_sends_decode_rows_to_the_kernel_and_prefill_rows_to_the_tiles(seed, dtype):
+    # Mixed batches: decode rows take the kernel, prefill rows the jnp tiles, both against the reference.
+    rng = np.random.default_rng(seed)
+    q_lens = [1, int(rng.integers(2, 40)), 1, 1, int(rng.integers(2, 9))]
+    seq_lens = [q + int(rng.integers(0, 50)) for q in q_lens]
+    args = _ragged_batch(rng, q_lens, seq_lens, block_size=8, head_dim=64, group=3, dtype=dtype, pad_seqs=2,
+                         pad_tokens=3)
+    assert native_applies(args[1], args[0].shape[1])
+    window = [None, 9][seed % 2]
+    want = ragged_paged_attention_reference(*args, scale=SCALE, sliding_window=window)
+    attend = functools.partial(ragged_paged_attention_xla, scale=SCALE, sliding_window=window)
+    got = jax.jit(attend)(*args)
+    tiles = jax.jit(functools.partial(attend, use_native=False))(*args)
+    tol = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}[dtype]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=0)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(tiles, np.float32), atol=tol, rtol=0)
+    assert np.all(np.asarray(got)[sum(q_lens):] == 0.0)
+
+
+def test_native_attention_is_not_taken_where_it_does_not_apply_and_refused_when_forced():
+    rng = np.random.default_rng(0)
+    q, k, v, tables, lens, qsl, n = _ragged_batch(rng, [1, 1], [5, 9], block_size=4, head_dim=16, group=2,
+                                                  dtype=jnp.float32)
+    scales = jnp.ones(2, jnp.float32)
+    assert native_applies(k, 4)
+    assert not native_applies(k.astype(jnp.int8), 4, scales)
+    assert not native_applies(k.astype(jnp.float8_e4m3fn), 4)
+    assert not native_applies(jnp.zeros((4, 512, 2, 16)), 4)  # blocks past the kernel's 256 tokens
+    assert not native_applies(k, 3)  # query heads not a multiple of the KV heads
+    row, pos = token_rows_and_positions(qsl, lens, n, q.shape[0])
+    with pytest.raises(ValueError, match=r"3 query heads, 2 KV heads, block_size 4; the kernel takes"):
+        native.ragged_paged_attention_cpu(q[:, :3], k, v, tables, row, pos, scale=SCALE)
+    with pytest.raises(ValueError, match=r"use_native=True needs .*scales True"):
+        ragged_paged_attention_xla(q, k.astype(jnp.int8), v.astype(jnp.int8), tables, lens, qsl, n, scale=SCALE,
+                                   k_scale=scales, v_scale=scales, use_native=True)
+    with pytest.raises(ValueError, match=r"cache dtypes int8, int8"):
+        native.ragged_paged_attention_cpu(q, k.astype(jnp.int8), v.astype(jnp.int8), tables, row, pos, scale=SCALE)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("id", r"token 1 \(row 1\) block id 99 outside \[0, 5\)"),
+    ("negative", r"token 0 \(row 0\) block id -1 outside"),
+    ("position", r"token 1 position 8 outside the table's 8 positions"),
+    ("row", r"token 1 row 2 outside \[0, 2\)"),
+])
+def test_native_attention_refuses_a_table_row_or_position_it_would_read_past(bad, message):
+    rng = np.random.default_rng(1)
+    k, v = (jnp.asarray(rng.standard_normal((5, 4, 1, 16)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((2, 1, 16)), jnp.float32)
+    tables = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
+    row, pos = jnp.asarray([0, 1], jnp.int32), jnp.asarray([4, 7], jnp.int32)
+    if bad == "id":
+        tables = tables.at[1, 1].set(99)
+    elif bad == "negative":
+        tables = tables.at[0, 0].set(-1)
+    elif bad == "position":
+        pos = pos.at[1].set(8)
+    else:
+        row = row.at[1].set(2)
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(native.ragged_paged_attention_cpu(q, k, v, tables, row, pos, scale=SCALE))
+
+
+def _probe(env: dict[str, str]) -> str:
+    code = ("from kernels_pallas import native, xla; import jax.numpy as jnp; a = native.available(); "
+            "print(a, native.unavailable_reason(), xla.native_applies(jnp.zeros((1, 1, 1, 1)), 1))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip() + "\n" + out.stderr
+
+
+def test_a_failed_build_or_the_off_switch_leaves_the_jnp_path(tmp_path):
+    failed = _probe({"CXX": "false", "JAXLLM_NATIVE_CACHE": str(tmp_path)})
+    assert failed.startswith("False the C++ attention kernel did not build or load") and failed.split("\n")[0].endswith(
+        "False")
+    assert "using the jnp attention" in failed
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+    off = _probe({"JAXLLM_NATIVE_KERNELS": "0"})
+    assert off.startswith("False JAXLLM_NATIVE_KERNELS=0 False")
+
+
+def test_the_library_is_built_once_per_source_and_reused(tmp_path):
+    first = _probe({"JAXLLM_NATIVE_CACHE": str(tmp_path)})
+    built = sorted(p.name for p in tmp_path.iterdir())
+    assert first.startswith("True None True") and len(built) == 1 and built[0].startswith("paged_attention_cpu-")
+    stamp = (tmp_path / built[0]).stat().st_mtime_ns
+    assert _probe({"JAXLLM_NATIVE_CACHE": str(tmp_path)}).startswith("True None True")
+    assert (tmp_path / built[0]).stat().st_mtime_ns == stamp
