@@ -72,6 +72,46 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : poly * __builtin_bit_cast(float, bits);
 }
 
+// Sixteen floats as one value (one AVX-512 register, two AVX2 ones): the unit of the 16-token block path.
+typedef float V16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+
+inline V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Lanes 0-7 hold a's 16 lanes summed in pairs (a[i] + a[i + 8]), lanes 8-15 b's: two vectors of partial sums
+// become one with half as many partials each.
+inline V16 fold(V16 a, V16 b, I16 lo, I16 hi) { return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi); }
+
+// The 16 dot products of q [dim] with the keys of one block's 16 tokens (key t at keys + t * stride), dim a
+// multiple of 16: per token 16-lane partial sums, then the 16 vectors summed across lanes together by a tree of
+// shuffles (4 levels), a fraction of the cost of 16 separate horizontal sums.
+inline V16 scores16(const float* q, const float* keys, int64_t stride, int64_t dim) {
+  V16 part[16];
+  for (int t = 0; t < 16; ++t) {
+    const float* key = keys + t * stride;
+    V16 acc = load16(q) * load16(key);
+    for (int64_t d = 16; d < dim; d += 16) acc += load16(q + d) * load16(key + d);
+    part[t] = acc;
+  }
+  const I16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const I16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const I16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const I16 hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const I16 lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const I16 hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const I16 lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const I16 hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  V16 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i) l1[i] = fold(part[2 * i], part[2 * i + 1], lo1, hi1);  // 8 partials per token
+  for (int i = 0; i < 4; ++i) l2[i] = fold(l1[2 * i], l1[2 * i + 1], lo2, hi2);      // 4
+  for (int i = 0; i < 2; ++i) l3[i] = fold(l2[2 * i], l2[2 * i + 1], lo3, hi3);      // 2
+  return fold(l3[0], l3[1], lo4, hi4);                                               // lane t: token t's dot
+}
+
 struct Problem {
   const float* q;
   const void* k;
@@ -133,6 +173,8 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
   const int64_t token_stride = p.kv_heads * dim;  // elements between consecutive tokens of a block
   const int64_t block_elems = bs * token_stride;
   const int32_t* table = p.tables + static_cast<int64_t>(p.token_row[u.first]) * p.width;
+  // Blocks of 16 tokens and head dims of whole 16-lane vectors take the vector path.
+  const bool fast = bs == 16 && dim % 16 == 0;
   alignas(64) float scores[kMaxBlockSize];
   alignas(64) float weights[kMaxBlockSize];
   for (int64_t start = lo_all - lo_all % bs; start <= hi_all; start += bs) {
@@ -156,11 +198,20 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
         const int64_t h = qh / group, pair = j * heads + qh;
         const float* qv = s.q.data() + pair * dim;
         float block_max = -INFINITY;
+        if (fast) {
+          const V16 all = scores16(qv, kb + h * dim, token_stride, dim);
+          std::memcpy(scores, &all, sizeof(all));
+        }
         for (int64_t t = t_lo; t < t_hi; ++t) {
-          const float* key = kb + t * token_stride + h * dim;
-          float dot = 0.0f;
+          float dot;
+          if (fast) {
+            dot = scores[t];
+          } else {
+            const float* key = kb + t * token_stride + h * dim;
+            dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qv[d] * key[d];
+            for (int64_t d = 0; d < dim; ++d) dot += qv[d] * key[d];
+          }
           if (p.soft_cap > 0.0f) dot = p.soft_cap * std::tanh(dot / p.soft_cap);
           scores[t] = dot;
           block_max = dot > block_max ? dot : block_max;
@@ -179,11 +230,20 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
         float* a = s.acc.data() + pair * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
-        for (int64_t t = t_lo; t < t_hi; ++t) {
-          const float w = weights[t];
-          const float* value = vb + t * token_stride + h * dim;
+        if (fast) {
+          // 16 output elements held across the block's tokens.
+          for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+            V16 out = load16(a + d0);
+            for (int64_t t = t_lo; t < t_hi; ++t) out += weights[t] * load16(vb + t * token_stride + h * dim + d0);
+            std::memcpy(a + d0, &out, sizeof(out));
+          }
+        } else {
+          for (int64_t t = t_lo; t < t_hi; ++t) {
+            const float w = weights[t];
+            const float* value = vb + t * token_stride + h * dim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += w * value[d];
+            for (int64_t d = 0; d < dim; ++d) a[d] += w * value[d];
+          }
         }
       }
     }

@@ -29,11 +29,11 @@ semantics and costs what the sequences need:
 * On XLA's CPU backend, the decode rows of a float32 or bfloat16 cache (no
   KV scales, no compressed pool) go to the C++ kernel of ``native.py``
   instead: it reads the blocks in place rather than through gathered copies
-  (a 48-row decode step's attention 75-88 -> about 50 ms). Prefill chunks
-  keep the tiles, whose dots beat the kernel's per-query loops there (a
-  512-token prefill: 380 vs 411 ms float32, 253 vs 349 ms bfloat16,
-  ``scripts/profile_step.py``); so does everything where the kernel cannot be
-  built.
+  (``scripts/profile_step.py``'s ``jnp tiles`` column has the step without
+  it). Prefill chunks keep the tiles: there attention is bound by its
+  multiply-adds, which the tiles' dots do as fast (a 512-token prefill's 30
+  layers of attention: 84 ms tiles, 94 ms kernel, float32); so does
+  everything where the kernel cannot be built.
 
 Scores and the softmax are float32 whatever the cache dtype; the output is
 q's dtype. Cache layout, padding rules, GQA mapping, the uint16 storage of
