@@ -9,9 +9,9 @@ to 16 and to 4 tokens, a 512-token prefill) it times, on the engine's own parame
   and the KV write by a no-op (so ``step - no attention`` is attention);
 - ``lm_head``: the logits of the sampled rows alone;
 - ``sampler``: one greedy ``sampler.sample`` over those logits;
-- ``head-batched``: with the ``xla`` attention (the CPU default), the full step
-  again with the decode tiles' dots batched over the KV heads
-  (``cross_head_decode=False``, the kernel before its cross-head dots).
+- ``jnp tiles``: with the ``xla`` attention (the CPU default), the full step
+  again with decode rows on the ``jnp`` tiles instead of the C++ kernel
+  (``use_native=False``: the step where the kernel cannot be built).
 
 Block tables hold each row's blocks and the null block after them, as the
 scheduler's do. What the profile showed on SmolLM2-135M, float32, 2 cores
@@ -32,6 +32,18 @@ instead made the step slower (122 -> 218 ms), so the scan stays. The
 (``xla_cpu_use_onednn``, ``xla_cpu_experimental_onednn_fusion_type``,
 ``xla_cpu_use_xnnpack``, ``xla_cpu_experimental_ynn_fusion_type``) left the
 optimized HLO unchanged (its dots are YNNPACK fusions either way).
+
+The gathered copies are what XLA's CPU dots need (they cannot read through
+a gather), so the next change left XLA for decode rows: a C++ kernel
+(``kernels_pallas/paged_attention_cpu.cc``, an XLA FFI call) reads each
+row's blocks in place, one pass over the cached bytes instead of three
+(traced: ``ffi_call`` is then the step's only attention op besides the KV
+write). Measured with this script's ``jnp tiles`` column, same process
+(2026-12-01, AVX-512 EPYC, 2 cores): the 48-row decode step 117-129 -> 95-98
+ms float32 with the kernel's first, scalar-reduction form. A 512-token
+prefill is bound by attention's multiply-adds rather than its bytes, and
+there the tiles' dots are as fast as the kernel (84 vs 94 ms for 30 layers),
+so prefill rows keep the tiles.
 
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a
