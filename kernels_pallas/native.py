@@ -9,8 +9,8 @@ through the block table, for runs of up to 16 query tokens of one sequence at
 a time (a decode row is a run of one) on XLA's intra-op threads, with the
 online softmax of flash-attention.
 
-The library is compiled once per source, compiler flags and jaxlib version
-with the system's C++ compiler (``$CXX`` or ``c++``) into
+The library is compiled once per source, compiler flags, jaxlib version and
+CPU (its instruction-set flags) with the system's C++ compiler (``$CXX`` or ``c++``) into
 ``$XDG_CACHE_HOME/jaxllm/native`` (default ``~/.cache/jaxllm/native``; a
 ``JAXLLM_NATIVE_CACHE`` path overrides it) and registered as the FFI target
 :data:`TARGET`. Where no compiler is found or the build fails,
@@ -52,17 +52,34 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxllm" / "native"
 
 
+def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first CPU's ``flags`` line ("" where unreadable): part of the library's cache key, since ``-march=native``
+    code from a machine with AVX-512 dies of an illegal instruction on one without (a shared home directory, an
+    image built elsewhere)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library built by ``compiler`` for this source, these flags, this jaxlib and this CPU is cached."""
+    import jaxlib
+
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *_FLAGS, jaxlib.__version__,
+                                    jax.ffi.include_dir(), _cpu_flags()]).encode())
+    return _cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+
+
 def _build(compiler: str) -> Path:
-    """The compiled library's path, compiling it unless this source, these flags and this jaxlib built it before.
+    """The compiled library's path (:func:`library_path`), compiling it unless it is there.
 
     Raises:
       subprocess.CalledProcessError / OSError: the compiler failed or could not write the cache.
     """
-    import jaxlib
-
     include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *_FLAGS, jaxlib.__version__, include]).encode())
-    out = _cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    out = library_path(compiler)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -206,3 +206,19 @@ def test_the_library_is_built_once_per_source_and_reused(tmp_path):
     stamp = (tmp_path / built[0]).stat().st_mtime_ns
     assert _probe({"JAXLLM_NATIVE_CACHE": str(tmp_path)}).startswith("True None True")
     assert (tmp_path / built[0]).stat().st_mtime_ns == stamp
+
+
+def test_the_library_cache_key_names_the_cpu(tmp_path, monkeypatch):
+    # -march=native code built where AVX-512 exists would die of an illegal instruction where it does not: a shared
+    # cache directory must never hand one CPU's library to another.
+    monkeypatch.setenv("JAXLLM_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags\t: fpu avx2 avx512f")
+    avx512 = native.library_path("c++")
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags\t: fpu avx2")
+    avx2 = native.library_path("c++")
+    assert avx512 != avx2 and avx512.parent == avx2.parent == tmp_path
+    assert native.library_path("c++") == avx2 and native.library_path("clang++") != avx2
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2\n")
+    monkeypatch.undo()
+    assert native._cpu_flags(cpuinfo) == "flags\t\t: fpu avx2" and native._cpu_flags(tmp_path / "none") == ""
