@@ -64,7 +64,12 @@ def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 
 def library_path(compiler: str) -> Path:
-    """Where the library built by ``compiler`` for this source, these flags, this jaxlib and this CPU is cached."""
+    """Where the library built by ``compiler`` (a path or name) for this source, these flags, this jaxlib and this
+    CPU is cached: ``<cache dir>/paged_attention_cpu-<16 hex digits of their SHA-256>.so``. Builds nothing.
+
+    Raises:
+      OSError: the C++ source cannot be read.
+    """
     import jaxlib
 
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *_FLAGS, jaxlib.__version__,

@@ -320,8 +320,9 @@ def ragged_paged_attention_xla(
         :func:`native_applies`. True where it does not apply raises
         ValueError.
 
-    Cost: KV gathers of about the summed context of the sequences
-    (``Hkv * D`` elements per token) for the decode rows, and the same once per
+    Cost: one read of each decode row's context in place (the C++ kernel), or
+    with the tiles KV gathers of about the summed context of the sequences
+    (``Hkv * D`` elements per token) for the decode rows; and the same once per
     ``prefill_tile`` new tokens of a prefill chunk, each rounded up to
     ``kv_chunk_blocks * block_size``; no ``[T, W * block_size]`` buffer.
     """
