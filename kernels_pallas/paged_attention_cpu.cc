@@ -31,6 +31,7 @@
 // so each KV block a unit needs is read once for all its queries. The calling thread and tasks on XLA's
 // intra-op thread pool take units from one atomic counter; the caller returns once every unit is done.
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -50,6 +51,8 @@ constexpr int64_t kTile = 16;           // query tokens per unit
 constexpr int64_t kMaxBlockSize = 256;  // tokens per block
 // Blocks ahead whose lines are prefetched (measured on decode: 0-3 within 5% of each other).
 constexpr int64_t kPrefetchBlocks = 1;
+// Units of at least this many query tokens take the GEMM-shaped path when the shapes allow it.
+constexpr int64_t kTiledMinTokens = 2;
 
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) { return __builtin_bit_cast(float, static_cast<uint32_t>(*p) << 16); }
@@ -59,7 +62,9 @@ inline float load(const uint16_t* p) { return __builtin_bit_cast(float, static_c
 // exponent bits. Below -87 (where e^x is under float's normal range) it returns 0.
 inline float exp_nonpositive(float x) {
   const float clamped = x < -87.0f ? -87.0f : x;
-  const float n = __builtin_roundf(clamped * 1.44269504f);
+  // Round to the nearest integer by adding and subtracting 1.5 * 2^23 (exact for |value| < 2^22): plain
+  // arithmetic that vectorizes, where roundf is a library call in every lane.
+  const float n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;
   const float r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f;
   float poly = 1.0f / 720.0f;
   poly = poly * r + 1.0f / 120.0f;
@@ -72,44 +77,62 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : poly * __builtin_bit_cast(float, bits);
 }
 
-// Sixteen floats as one value (one AVX-512 register, two AVX2 ones): the unit of the 16-token block path.
-typedef float V16 __attribute__((vector_size(64)));
-typedef int32_t I16 __attribute__((vector_size(64)));
+// One vector register of floats: 16 lanes with AVX-512, 8 otherwise (AVX2). Wider generic vectors than the
+// registers make GCC spill every operation to the stack, so the lane count follows the target.
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float VF __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t VI __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-inline V16 load16(const float* p) {
-  V16 v;
+inline VF loadv(const float* p) {
+  VF v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-// Lanes 0-7 hold a's 16 lanes summed in pairs (a[i] + a[i + 8]), lanes 8-15 b's: two vectors of partial sums
-// become one with half as many partials each.
-inline V16 fold(V16 a, V16 b, I16 lo, I16 hi) { return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi); }
+inline void storev(float* p, VF v) { std::memcpy(p, &v, sizeof(v)); }
 
-// The 16 dot products of q [dim] with the keys of one block's 16 tokens (key t at keys + t * stride), dim a
-// multiple of 16: per token 16-lane partial sums, then the 16 vectors summed across lanes together by a tree of
-// shuffles (4 levels), a fraction of the cost of 16 separate horizontal sums.
-inline V16 scores16(const float* q, const float* keys, int64_t stride, int64_t dim) {
-  V16 part[16];
-  for (int t = 0; t < 16; ++t) {
+// Shuffle masks of the tree below, level k = 1, 2, ...: lanes [0, kLanes / 2) of the result take pairs of a's
+// lanes, the rest pairs of b's, each pair half = kLanes >> k lanes apart within segments of 2 * half lanes.
+#ifdef __AVX512F__
+constexpr VI kLo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                       {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+                       {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+                       {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+constexpr VI kHi[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+                       {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+                       {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+                       {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+constexpr int kLevels = 4;
+#else
+constexpr VI kLo[3] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 4, 5, 8, 9, 12, 13}, {0, 2, 4, 6, 8, 10, 12, 14}};
+constexpr VI kHi[3] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 6, 7, 10, 11, 14, 15}, {1, 3, 5, 7, 9, 11, 13, 15}};
+constexpr int kLevels = 3;
+#endif
+
+// Two vectors of partial sums become one with half as many partials each (a's in the low half, b's in the high).
+inline VF fold(VF a, VF b, int level) {
+  return __builtin_shuffle(a, b, kLo[level]) + __builtin_shuffle(a, b, kHi[level]);
+}
+
+// The kLanes dot products of q [dim] with kLanes consecutive keys (key t at keys + t * stride), dim a multiple
+// of kLanes: per key kLanes-lane partial sums, then the kLanes vectors summed across lanes together by a tree of
+// shuffles (log2 kLanes levels), a fraction of the cost of a horizontal sum per key.
+inline VF scores_of_lanes(const float* q, const float* keys, int64_t stride, int64_t dim) {
+  VF part[kLanes];
+  for (int t = 0; t < kLanes; ++t) {
     const float* key = keys + t * stride;
-    V16 acc = load16(q) * load16(key);
-    for (int64_t d = 16; d < dim; d += 16) acc += load16(q + d) * load16(key + d);
+    VF acc = loadv(q) * loadv(key);
+    for (int64_t d = kLanes; d < dim; d += kLanes) acc += loadv(q + d) * loadv(key + d);
     part[t] = acc;
   }
-  const I16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const I16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  const I16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const I16 hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  const I16 lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const I16 hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-  const I16 lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const I16 hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  V16 l1[8], l2[4], l3[2];
-  for (int i = 0; i < 8; ++i) l1[i] = fold(part[2 * i], part[2 * i + 1], lo1, hi1);  // 8 partials per token
-  for (int i = 0; i < 4; ++i) l2[i] = fold(l1[2 * i], l1[2 * i + 1], lo2, hi2);      // 4
-  for (int i = 0; i < 2; ++i) l3[i] = fold(l2[2 * i], l2[2 * i + 1], lo3, hi3);      // 2
-  return fold(l3[0], l3[1], lo4, hi4);                                               // lane t: token t's dot
+  for (int level = 0, n = kLanes; level < kLevels; ++level, n /= 2) {
+    for (int i = 0; i < n / 2; ++i) part[i] = fold(part[2 * i], part[2 * i + 1], level);
+  }
+  return part[0];  // lane t: key t's dot
 }
 
 struct Problem {
@@ -173,8 +196,8 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
   const int64_t token_stride = p.kv_heads * dim;  // elements between consecutive tokens of a block
   const int64_t block_elems = bs * token_stride;
   const int32_t* table = p.tables + static_cast<int64_t>(p.token_row[u.first]) * p.width;
-  // Blocks of 16 tokens and head dims of whole 16-lane vectors take the vector path.
-  const bool fast = bs == 16 && dim % 16 == 0;
+  // Blocks and head dims of whole vectors take the vector path.
+  const bool fast = bs % kLanes == 0 && dim % kLanes == 0;
   alignas(64) float scores[kMaxBlockSize];
   alignas(64) float weights[kMaxBlockSize];
   for (int64_t start = lo_all - lo_all % bs; start <= hi_all; start += bs) {
@@ -199,8 +222,9 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
         const float* qv = s.q.data() + pair * dim;
         float block_max = -INFINITY;
         if (fast) {
-          const V16 all = scores16(qv, kb + h * dim, token_stride, dim);
-          std::memcpy(scores, &all, sizeof(all));
+          for (int64_t t0 = 0; t0 < bs; t0 += kLanes) {
+            storev(scores + t0, scores_of_lanes(qv, kb + t0 * token_stride + h * dim, token_stride, dim));
+          }
         }
         for (int64_t t = t_lo; t < t_hi; ++t) {
           float dot;
@@ -231,11 +255,11 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
         if (fast) {
-          // 16 output elements held across the block's tokens.
-          for (int64_t d0 = 0; d0 < dim; d0 += 16) {
-            V16 out = load16(a + d0);
-            for (int64_t t = t_lo; t < t_hi; ++t) out += weights[t] * load16(vb + t * token_stride + h * dim + d0);
-            std::memcpy(a + d0, &out, sizeof(out));
+          // A vector of output elements held across the block's tokens.
+          for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {
+            VF out = loadv(a + d0);
+            for (int64_t t = t_lo; t < t_hi; ++t) out += weights[t] * loadv(vb + t * token_stride + h * dim + d0);
+            storev(a + d0, out);
           }
         } else {
           for (int64_t t = t_lo; t < t_hi; ++t) {
@@ -256,9 +280,213 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
   }
 }
 
+// The GEMM-shaped path for units of several query tokens (prefill chunks). Per KV head the unit's
+// (token, query head) pairs are the lanes m of vectors (kLanes wide): the queries are held transposed (qt[d][m]), so the
+// scores of a block come out transposed too (st[t][m]) from broadcast-multiply-adds with no sum across lanes, the
+// online softmax runs lane-wise down the block's keys, and the weighted sum of values is kept transposed
+// (acc[d][m]). Register tiles: kTB keys or kDB output dims by kMB vectors of lanes.
+#ifdef __AVX512F__
+constexpr int kTB = 8, kDB = 8, kMB = 3;  // 24 accumulators of AVX-512's 32 registers
+#else
+constexpr int kTB = 4, kDB = 4, kMB = 2;  // 8 of AVX2's 16, beside the operands and a broadcast
+#endif
+// Lanes no query owns start from this running max rather than -inf, so exp(max_old - max_new) stays defined.
+constexpr float kNoScore = -1e30f;
+
+struct TileScratch {
+  std::vector<float> qt, st, acc, run_max, run_sum, alpha, k_head, v_head;
+  std::vector<int32_t> lo, hi;
+};
+
+// st[t][m] = sum over d of qt[d][m] * keys[t * stride + d], for keys [t0, t0 + TB) and lanes of vectors
+// [mv0, mv0 + MB) (mp lanes per row of qt and st).
+template <int TB, int MB>
+inline void score_tile(const float* qt, int64_t mp, const float* keys, int64_t stride, int64_t dim, float* st,
+                       int64_t t0, int64_t mv0) {
+  VF acc[TB][MB] = {};
+  for (int64_t d = 0; d < dim; ++d) {
+    VF qv[MB];
+    for (int b = 0; b < MB; ++b) qv[b] = loadv(qt + d * mp + (mv0 + b) * kLanes);
+    for (int a = 0; a < TB; ++a) {
+      const float key = keys[(t0 + a) * stride + d];
+      for (int b = 0; b < MB; ++b) acc[a][b] += qv[b] * key;
+    }
+  }
+  for (int a = 0; a < TB; ++a)
+    for (int b = 0; b < MB; ++b) storev(st + (t0 + a) * mp + (mv0 + b) * kLanes, acc[a][b]);
+}
+
+// acc[d][m] = acc[d][m] * alpha[m] + sum over t in [t_lo, t_hi) of vals[t * stride + d] * st[t][m], for dims
+// [d0, d0 + DB) and the lanes of vectors [mv0, mv0 + MB).
+template <int DB, int MB>
+inline void value_tile(const float* st, int64_t mp, const float* vals, int64_t stride, int64_t t_lo, int64_t t_hi,
+                       const float* alpha, float* acc, int64_t d0, int64_t mv0) {
+  VF out[DB][MB], scale[MB];
+  for (int b = 0; b < MB; ++b) scale[b] = loadv(alpha + (mv0 + b) * kLanes);
+  for (int a = 0; a < DB; ++a)
+    for (int b = 0; b < MB; ++b) out[a][b] = loadv(acc + (d0 + a) * mp + (mv0 + b) * kLanes) * scale[b];
+  for (int64_t t = t_lo; t < t_hi; ++t) {
+    VF w[MB];
+    for (int b = 0; b < MB; ++b) w[b] = loadv(st + t * mp + (mv0 + b) * kLanes);
+    for (int a = 0; a < DB; ++a) {
+      const float v = vals[t * stride + d0 + a];
+      for (int b = 0; b < MB; ++b) out[a][b] += w[b] * v;
+    }
+  }
+  for (int a = 0; a < DB; ++a)
+    for (int b = 0; b < MB; ++b) storev(acc + (d0 + a) * mp + (mv0 + b) * kLanes, out[a][b]);
+}
+
+template <int MB>
+inline void score_vectors(const float* qt, int64_t mp, const float* keys, int64_t stride, int64_t dim, int64_t bs,
+                          float* st, int64_t mv0) {
+  for (int64_t t0 = 0; t0 < bs; t0 += kTB) score_tile<kTB, MB>(qt, mp, keys, stride, dim, st, t0, mv0);
+}
+
+template <int MB>
+inline void value_vectors(const float* st, int64_t mp, const float* vals, int64_t stride, int64_t dim, int64_t t_lo,
+                          int64_t t_hi, const float* alpha, float* acc, int64_t mv0) {
+  for (int64_t d0 = 0; d0 < dim; d0 += kDB) value_tile<kDB, MB>(st, mp, vals, stride, t_lo, t_hi, alpha, acc, d0, mv0);
+}
+
+// One KV head's slice of a block ([bs] tokens of [dim] elements, `stride` apart) as float32: in place for a
+// float32 cache, converted into `buffer` (stride dim) for bfloat16 bits. Returns the pointer and sets stride.
+inline const float* head_slice(const float* block, int64_t bs, int64_t dim, int64_t& stride, std::vector<float>&) {
+  return block;
+}
+inline const float* head_slice(const uint16_t* block, int64_t bs, int64_t dim, int64_t& stride,
+                               std::vector<float>& buffer) {
+  buffer.resize(bs * dim);
+  float* out = buffer.data();
+  for (int64_t t = 0; t < bs; ++t) {
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) out[t * dim + d] = load(block + t * stride + d);
+  }
+  stride = dim;
+  return out;
+}
+
+// A unit through the GEMM-shaped path (block_size and head_dim multiples of 8); same result as attend_unit.
+template <typename T>
+void attend_unit_tiled(const Problem& p, const Unit& u, TileScratch& s) {
+  const int64_t heads = p.q_heads, group = p.q_heads / p.kv_heads, dim = p.head_dim, bs = p.block_size;
+  const int64_t lanes = u.count * group, vectors = (lanes + kLanes - 1) / kLanes, mp = vectors * kLanes;
+  s.qt.resize(dim * mp);
+  s.st.resize(bs * mp);
+  s.acc.resize(dim * mp);
+  s.run_max.resize(mp);
+  s.run_sum.resize(mp);
+  s.alpha.resize(mp);
+  s.lo.resize(mp);
+  s.hi.resize(mp);
+  int64_t lo_all = INT64_MAX, hi_all = 0, lo_max = 0, hi_min = INT64_MAX;
+  for (int64_t m = 0; m < mp; ++m) {
+    if (m < lanes) {
+      const int64_t pos = p.token_pos[u.first + m / group];
+      const int64_t lo = p.window > 0 && pos + 1 > p.window ? pos + 1 - p.window : 0;
+      s.lo[m] = static_cast<int32_t>(lo);
+      s.hi[m] = static_cast<int32_t>(pos);
+      lo_all = lo < lo_all ? lo : lo_all;
+      hi_all = pos > hi_all ? pos : hi_all;
+      lo_max = lo > lo_max ? lo : lo_max;
+      hi_min = pos < hi_min ? pos : hi_min;
+    } else {
+      s.lo[m] = 0;  // a spare lane: a zero query that sees every key, its result dropped
+      s.hi[m] = INT32_MAX;
+    }
+  }
+  const T* kc = static_cast<const T*>(p.k);
+  const T* vc = static_cast<const T*>(p.v);
+  const int64_t token_stride = p.kv_heads * dim, block_elems = bs * token_stride;
+  const int32_t* table = p.tables + static_cast<int64_t>(p.token_row[u.first]) * p.width;
+  float* qt = s.qt.data();
+  float* st = s.st.data();
+  float* acc = s.acc.data();
+  float* run_max = s.run_max.data();
+  float* run_sum = s.run_sum.data();
+  float* alpha = s.alpha.data();
+  const int32_t* lo = s.lo.data();
+  const int32_t* hi = s.hi.data();
+  for (int64_t h = 0; h < p.kv_heads; ++h) {
+    for (int64_t d = 0; d < dim; ++d) {
+      for (int64_t m = 0; m < mp; ++m) {
+        qt[d * mp + m] = m < lanes ? p.q[((u.first + m / group) * heads + h * group + m % group) * dim + d] * p.scale
+                                   : 0.0f;
+      }
+    }
+    std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+    std::fill(s.run_max.begin(), s.run_max.end(), kNoScore);
+    std::fill(s.run_sum.begin(), s.run_sum.end(), 0.0f);
+    for (int64_t start = lo_all - lo_all % bs; start <= hi_all; start += bs) {
+      if (start + kPrefetchBlocks * bs <= hi_all) {
+        const int64_t ahead = table[start / bs + kPrefetchBlocks] * block_elems + h * dim;
+        for (int64_t t = 0; t < bs; ++t) {
+          for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(kc + ahead + t * token_stride) + off);
+            __builtin_prefetch(reinterpret_cast<const char*>(vc + ahead + t * token_stride) + off);
+          }
+        }
+      }
+      const int64_t base = table[start / bs] * block_elems + h * dim;
+      int64_t k_stride = token_stride, v_stride = token_stride;
+      const float* keys = head_slice(kc + base, bs, dim, k_stride, s.k_head);
+      const float* vals = head_slice(vc + base, bs, dim, v_stride, s.v_head);
+      int64_t mv = 0;
+      for (; mv + kMB <= vectors; mv += kMB) score_vectors<kMB>(qt, mp, keys, k_stride, dim, bs, st, mv);
+      for (; mv < vectors; ++mv) score_vectors<1>(qt, mp, keys, k_stride, dim, bs, st, mv);
+      if (p.soft_cap > 0.0f) {
+        for (int64_t i = 0; i < bs * mp; ++i) st[i] = p.soft_cap * std::tanh(st[i] / p.soft_cap);
+      }
+      // Keys [t_lo, t_hi) of this block are seen by some lane; a key some lane does not see scores -inf there.
+      const int64_t t_lo = lo_all > start ? lo_all - start : 0;
+      const int64_t t_hi = hi_all - start + 1 < bs ? hi_all - start + 1 : bs;
+      if (start < lo_max || start + bs - 1 > hi_min) {
+        for (int64_t t = 0; t < bs; ++t) {
+          const int32_t pos = static_cast<int32_t>(start + t);
+#pragma omp simd
+          for (int64_t m = 0; m < mp; ++m) {
+            if (pos < lo[m] || pos > hi[m]) st[t * mp + m] = -INFINITY;
+          }
+        }
+      }
+#pragma omp simd
+      for (int64_t m = 0; m < mp; ++m) alpha[m] = run_max[m];
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+#pragma omp simd
+        for (int64_t m = 0; m < mp; ++m) alpha[m] = st[t * mp + m] > alpha[m] ? st[t * mp + m] : alpha[m];
+      }
+      // alpha holds the new running max here; below it becomes the old accumulators' rescale.
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+#pragma omp simd
+        for (int64_t m = 0; m < mp; ++m) st[t * mp + m] = exp_nonpositive(st[t * mp + m] - alpha[m]);
+      }
+#pragma omp simd
+      for (int64_t m = 0; m < mp; ++m) {
+        const float new_max = alpha[m];
+        alpha[m] = exp_nonpositive(run_max[m] - new_max);
+        run_max[m] = new_max;
+        run_sum[m] *= alpha[m];
+      }
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+#pragma omp simd
+        for (int64_t m = 0; m < mp; ++m) run_sum[m] += st[t * mp + m];
+      }
+      mv = 0;
+      for (; mv + kMB <= vectors; mv += kMB) value_vectors<kMB>(st, mp, vals, v_stride, dim, t_lo, t_hi, alpha, acc, mv);
+      for (; mv < vectors; ++mv) value_vectors<1>(st, mp, vals, v_stride, dim, t_lo, t_hi, alpha, acc, mv);
+    }
+    for (int64_t m = 0; m < lanes; ++m) {
+      const float inv = 1.0f / run_sum[m];
+      float* out = p.out + ((u.first + m / group) * heads + h * group + m % group) * dim;
+      for (int64_t d = 0; d < dim; ++d) out[d] = acc[d * mp + m] * inv;
+    }
+  }
+}
+
 struct Shared {
   Problem problem;
   bool bits16;
+  bool tiled;  // units of several tokens take attend_unit_tiled
   std::vector<Unit> units;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -267,11 +495,18 @@ struct Shared {
 // Take units until none is left; returns after the last unit this thread took.
 void drain(Shared& s) {
   thread_local Scratch scratch;
+  thread_local TileScratch tile_scratch;
   const int64_t total = static_cast<int64_t>(s.units.size());
   for (;;) {
     const int64_t i = s.next.fetch_add(1);
     if (i >= total) return;
-    if (s.bits16) {
+    if (s.tiled && s.units[i].count >= kTiledMinTokens) {
+      if (s.bits16) {
+        attend_unit_tiled<uint16_t>(s.problem, s.units[i], tile_scratch);
+      } else {
+        attend_unit_tiled<float>(s.problem, s.units[i], tile_scratch);
+      }
+    } else if (s.bits16) {
       attend_unit<uint16_t>(s.problem, s.units[i], scratch);
     } else {
       attend_unit<float>(s.problem, s.units[i], scratch);
@@ -335,6 +570,7 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   }
   shared->problem = p;
   shared->bits16 = dtype == ffi::DataType::U16;
+  shared->tiled = block_size % kTB == 0 && p.head_dim % kDB == 0;
   const int64_t total = static_cast<int64_t>(shared->units.size());
   const int64_t helpers = pool.num_threads() - 1;
   for (int64_t i = 0; i < helpers && i + 1 < total; ++i) {

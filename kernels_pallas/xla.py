@@ -378,12 +378,10 @@ def ragged_paged_attention_xla(
         return out.at[jnp.where(valid, token, num_tokens)].set(res, mode="drop")
 
     if use_native:
-        # Decode tokens only (-1 elsewhere: zeros); a step without any costs the kernel one pass over T rows.
         row, pos = token_rows_and_positions(query_start_loc, seq_lens, num_seqs, num_tokens)
-        row = jnp.where((row >= 0) & is_decode[jnp.maximum(row, 0)], row, -1)
         out = native.ragged_paged_attention_cpu(q, k_cache, v_cache, block_tables, row, pos, scale=scale,
                                                 soft_cap=soft_cap, sliding_window=sliding_window)
-    else:
-        out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, zeros)
+        return out.astype(q.dtype)
+    out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, zeros)
     out = jax.lax.cond(jnp.any(is_prefill), prefill, lambda o: o, out)
     return out.astype(q.dtype)

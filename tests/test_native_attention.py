@@ -4,8 +4,9 @@ The class of inputs: any ragged batch -- decode rows and prefill chunks, context
 mid-block or on a block boundary, filling the block table, padding rows and padding tokens -- under every
 block size, head dim, GQA ratio and KV head count (one included: its unit axis must not make XLA copy the
 cache), with and without a sliding window and a soft cap, on float32 and bfloat16 caches (stored as bfloat16
-or as its uint16 bit patterns). Around it: how ``ragged_paged_attention_xla`` sends decode rows to it, its
-errors, and the build (cached per source; a failed build leaves the jnp path).
+or as its uint16 bit patterns). Around it: how ``ragged_paged_attention_xla`` sends every row to it, its
+errors, and the build (cached per source; a failed build leaves the jnp path). Runs of several query
+tokens take the kernel's GEMM-shaped path, decode rows its per-token one; both are swept here.
 """
 
 from __future__ import annotations
@@ -50,6 +51,19 @@ def _case(rng, *, block_size, head_dim, group, kv_heads, dtype, width, pad_rows=
     lens = jnp.asarray(seq_lens + [0] * pad_rows, jnp.int32)
     q = jnp.asarray(rng.standard_normal((int(ends[-1]) + pad_tokens, kv_heads * group, head_dim)), jnp.float32)
     return q, k, v, tables, lens, qsl, jnp.int32(rows)
+
+
+def _rows(rng, q_lens, seq_lens, *, block_size, head_dim, group, kv_heads, dtype):
+    """Rows of the given new-token and sequence lengths, a padding row and two padding tokens, each row's
+    blocks anywhere in the cache."""
+    width = max(-(-n // block_size) for n in seq_lens) + 1
+    num_blocks = (len(q_lens) + 1) * width + 1
+    k, v = (jnp.asarray(rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)), dtype) for _ in range(2))
+    tables = jnp.asarray(rng.permutation(num_blocks)[:(len(q_lens) + 1) * width].reshape(-1, width), jnp.int32)
+    ends = np.cumsum(q_lens)
+    qsl = jnp.asarray(np.concatenate([[0], ends, [ends[-1]]]), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((int(ends[-1]) + 2, kv_heads * group, head_dim)), jnp.float32)
+    return q, k, v, tables, jnp.asarray(list(seq_lens) + [0], jnp.int32), qsl, jnp.int32(len(q_lens))
 
 
 def _native(q, k, v, tables, lens, qsl, num_seqs, **kw):
@@ -101,6 +115,30 @@ def test_native_attention_vector_path_of_16_token_blocks_matches_reference(head_
                                    rtol=0)
 
 
+@pytest.mark.parametrize("block_size, head_dim, dtype, window, soft_cap", [
+    (16, 64, jnp.float32, None, None),   # SmolLM2-135M's blocks and heads
+    (8, 8, jnp.float32, 11, None),
+    (32, 128, jnp.bfloat16, None, 5.0),
+    (16, 256, jnp.bfloat16, 20, None),   # Gemma 3 270M's heads, a window starting mid-block
+    (64, 16, jnp.float32, 3, 3.0),
+])
+def test_native_attention_gemm_path_of_prefill_runs_matches_reference(block_size, head_dim, dtype, window, soft_cap):
+    # Runs of 2 to 40 query tokens of one row take the kernel's GEMM-shaped path (blocks and head dims multiples
+    # of 8): per KV head a unit's (token, head) pairs are 16-wide vectors of lanes, so every run length times every
+    # GQA group below fills 1 to 8 vectors, whole or with spare lanes, in tiles of 3 vectors and the remainder;
+    # contexts start at 0 (causal within the block) or after a cached prefix ending mid-block.
+    rng = np.random.default_rng(block_size + head_dim)
+    for group, run in [(1, 2), (3, 16), (2, 9), (8, 16), (4, 23), (3, 40), (5, 7)]:
+        kv_heads = 1 + run % 3
+        context = int(rng.choice([0, block_size // 2 + 1, 3 * block_size]))
+        q_lens, seq_lens = [run, 1, run], [run + context, context + 5, run]
+        args = _rows(rng, q_lens, seq_lens, block_size=block_size, head_dim=head_dim, group=group, kv_heads=kv_heads,
+                     dtype=dtype)
+        got = _native(*args, sliding_window=window, soft_cap=soft_cap)
+        np.testing.assert_allclose(np.asarray(got), _want(*args, sliding_window=window, soft_cap=soft_cap), atol=1e-5,
+                                   rtol=0, err_msg=f"group {group}, run {run}, context {context}")
+
+
 def test_native_attention_handles_long_contexts_with_scores_far_apart():
     # A decode row at 2,000 positions and a 40-token chunk ending there, scores spread over +-60: the running-max
     # rescale and the exp's range; the chunk spans three units of 16 queries.
@@ -117,8 +155,8 @@ def test_native_attention_handles_long_contexts_with_scores_far_apart():
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_ragged_attention_sends_decode_rows_to_the_kernel_and_prefill_rows_to_the_tiles(seed, dtype):
-    # Mixed batches: decode rows take the kernel, prefill rows the jnp tiles, both against the reference.
+def test_ragged_attention_sends_every_row_to_the_kernel_and_agrees_with_the_tiles(seed, dtype):
+    # Mixed batches of decode and prefill rows through the kernel, against the reference and the jnp tiles.
     rng = np.random.default_rng(seed)
     q_lens = [1, int(rng.integers(2, 40)), 1, 1, int(rng.integers(2, 9))]
     seq_lens = [q + int(rng.integers(0, 50)) for q in q_lens]
