@@ -7,7 +7,10 @@ where one would do, and on a CPU the bytes are the cost
 (``scripts/profile_step.py``). The C++ kernel reads the blocks in place
 through the block table, for runs of up to 16 query tokens of one sequence at
 a time (a decode row is a run of one) on XLA's intra-op threads, with the
-online softmax of flash-attention.
+online softmax of flash-attention; a run of several tokens (a prefill chunk)
+is computed as register-tiled multiply-adds over its (token, head) pairs, so
+prefill attention runs near the machine's matmul rate rather than at the rate
+of many small dots.
 
 The library is compiled once per source, compiler flags, jaxlib version and
 CPU (its instruction-set flags) with the system's C++ compiler (``$CXX`` or ``c++``) into

@@ -28,8 +28,12 @@
 // token would read returns an FFI error naming the token and the value (no out-of-bounds read).
 //
 // Work: runs of up to kTile consecutive tokens of one row are the units (a decode row is a unit of one),
-// so each KV block a unit needs is read once for all its queries. The calling thread and tasks on XLA's
-// intra-op thread pool take units from one atomic counter; the caller returns once every unit is done.
+// so each KV block a unit needs is read once for all its queries. A decode row goes through attend_unit (per
+// query head, dot products across a block's keys); a run of several tokens, when block size and head dim are
+// multiples of 8, through attend_unit_tiled, whose register-tiled multiply-adds make prefill attention
+// matmul-shaped. The calling thread and tasks on XLA's intra-op thread pool take units from one atomic
+// counter; the caller returns once every unit is done. Vectors are the target's registers (-march=native):
+// 16 floats with AVX-512, 8 with AVX2.
 
 #include <algorithm>
 #include <atomic>

@@ -26,14 +26,14 @@ semantics and costs what the sequences need:
   makes XLA copy the gathered keys into a transposed layout element by
   element, which cost more than the dots themselves (profile in
   ``scripts/profile_step.py``'s docstring).
-* On XLA's CPU backend, the decode rows of a float32 or bfloat16 cache (no
-  KV scales, no compressed pool) go to the C++ kernel of ``native.py``
-  instead: it reads the blocks in place rather than through gathered copies
-  (``scripts/profile_step.py``'s ``jnp tiles`` column has the step without
-  it). Prefill chunks keep the tiles: there attention is bound by its
-  multiply-adds, which the tiles' dots do as fast (a 512-token prefill's 30
-  layers of attention: 84 ms tiles, 94 ms kernel, float32); so does
-  everything where the kernel cannot be built.
+* On XLA's CPU backend, every row of a float32 or bfloat16 cache (no KV
+  scales, no compressed pool) goes to the C++ kernel of ``native.py``
+  instead: it reads the blocks in place rather than through gathered copies,
+  and runs prefill chunks as register-tiled multiply-adds rather than the
+  tiles' many small dots (``scripts/profile_step.py``'s ``jnp tiles`` column
+  has the step without it; 30 layers of a 512-token prefill after a
+  1000-token context: 223 ms in the kernel, 863 ms on the tiles, float32,
+  AVX-512). The tiles serve everything where the kernel cannot be built.
 
 Scores and the softmax are float32 whatever the cache dtype; the output is
 q's dtype. Cache layout, padding rules, GQA mapping, the uint16 storage of
@@ -244,7 +244,7 @@ def _attend_tiles(
 
 def native_applies(k_cache: jax.Array, num_q_heads: int, k_scale: Optional[jax.Array] = None,
                    compressed: Optional[CompressedKV] = None) -> bool:
-    """Whether :func:`ragged_paged_attention_xla` hands decode rows to the C++ kernel by default: on XLA's CPU
+    """Whether :func:`ragged_paged_attention_xla` hands its rows to the C++ kernel by default: on XLA's CPU
     backend, for a float32 or bfloat16 (uint16-stored) cache ``[N, block_size, Hkv, D]`` without KV scales or a
     compressed pool, in shapes it takes (``native.supports``), once ``native.available()`` (the kernel built)."""
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -315,16 +315,17 @@ def ragged_paged_attention_xla(
       cross_head_decode: the decode tiles' dots over all KV-head pairs
         (``_cross_head_dots``); None means when ``num_kv_heads <=``
         :data:`CROSS_HEAD_MAX_KV_HEADS`.
-      use_native: the decode rows through ``native.ragged_paged_attention_cpu``
-        (the C++ kernel) instead of the decode tiles; None means where
+      use_native: every row through ``native.ragged_paged_attention_cpu``
+        (the C++ kernel) instead of the tiles; None means where
         :func:`native_applies`. True where it does not apply raises
         ValueError.
 
-    Cost: one read of each decode row's context in place (the C++ kernel), or
-    with the tiles KV gathers of about the summed context of the sequences
-    (``Hkv * D`` elements per token) for the decode rows; and the same once per
-    ``prefill_tile`` new tokens of a prefill chunk, each rounded up to
-    ``kv_chunk_blocks * block_size``; no ``[T, W * block_size]`` buffer.
+    Cost: with the C++ kernel, one read in place of each decode row's context
+    and of a prefill chunk's once per 16 new tokens. With the tiles, KV gathers
+    of about the summed context of the sequences (``Hkv * D`` elements per
+    token) for the decode rows, and the same once per ``prefill_tile`` new
+    tokens of a prefill chunk, each rounded up to ``kv_chunk_blocks *
+    block_size``. No ``[T, W * block_size]`` buffer either way.
     """
     del interpret
     check_pool_scales(k_scale, compressed)
