@@ -38,14 +38,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
+# One library of both sources; its FFI targets and their symbols.
+SOURCES = (Path(__file__).with_name("paged_attention_cpu.cc"), Path(__file__).with_name("matmul_cpu.cc"))
 TARGET = "jaxllm_paged_attention_cpu"
-_SYMBOL = "JaxllmPagedAttentionCpu"
+MATMUL_TARGET = "jaxllm_matmul_cpu"
+_SYMBOLS = {TARGET: "JaxllmPagedAttentionCpu", MATMUL_TARGET: "JaxllmMatmulCpu"}
 # -march=native: the library is built on the machine that runs it, for its vector instructions.
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
 # The kernel's largest block (paged_attention_cpu.cc: kMaxBlockSize).
 MAX_BLOCK_SIZE = 256
+# stacked_matmul_cpu's weights: these dtypes, output columns a multiple of this (matmul_cpu.cc).
+MATMUL_DTYPES = CACHE_DTYPES
+MATMUL_COLUMN_MULTIPLE = 16
 _reason: Optional[str] = None
 
 
@@ -75,8 +80,8 @@ def library_path(compiler: str) -> Path:
     """
     import jaxlib
 
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *_FLAGS, jaxlib.__version__,
-                                    jax.ffi.include_dir(), _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), compiler, *_FLAGS,
+                                    jaxlib.__version__, jax.ffi.include_dir(), _cpu_flags()]).encode())
     return _cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
 
 
@@ -95,7 +100,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, f"-I{include}", str(SOURCE), "-o", tmp], check=True,
+        subprocess.run([compiler, *_FLAGS, f"-I{include}", *map(str, SOURCES), "-o", tmp], check=True,
                        capture_output=True, text=True, timeout=300)
         os.replace(tmp, out)
     finally:
@@ -117,7 +122,8 @@ def available() -> bool:
         return False
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+        for target, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         detail = getattr(exc, "stderr", None) or str(exc)
         _reason = f"the C++ attention kernel did not build or load: {detail.strip()[:500]}"
@@ -183,3 +189,40 @@ def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
                 token_row.astype(jnp.int32), token_pos.astype(jnp.int32), scale=np.float32(scale),
                 soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int32(sliding_window or 0),
                 block_size=np.int32(block_size), num_kv_heads=np.int32(num_kv_heads))
+
+
+def matmul_supports(w: jax.Array) -> bool:
+    """Whether :func:`stacked_matmul_cpu` takes this stacked weight: ``[L, K, N]`` of a :data:`MATMUL_DTYPES`
+    dtype with N a multiple of :data:`MATMUL_COLUMN_MULTIPLE`."""
+    return (w.ndim == 3 and jnp.dtype(w.dtype) in MATMUL_DTYPES and w.shape[2] % MATMUL_COLUMN_MULTIPLE == 0)
+
+
+def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
+    """``x @ w[layer]`` with the layer's weight read in place from the stacked ``w`` (the C++ kernel).
+
+    Inside a scan over layers, ``w[layer]`` would be a dynamic-slice that XLA's CPU backend copies on every step;
+    passing the whole stack and the index reads each weight once (``matmul_cpu.cc``).
+
+    Args:
+      x: [M, K], any float dtype (computed in float32).
+      w: [L, K, N] float32, bfloat16 or uint16 bit patterns of bfloat16, N a multiple of
+        :data:`MATMUL_COLUMN_MULTIPLE`.
+      layer: int32 [] in [0, L).
+
+    Returns:
+      float32 [M, N], accumulated in float32.
+
+    Raises:
+      ValueError: a weight :func:`matmul_supports` does not take, K not matching x, or the kernel is not
+        :func:`available`.
+      JaxRuntimeError (at run time): a layer outside [0, L) (named in the message).
+    """
+    if not available():
+        raise ValueError(f"stacked_matmul_cpu is not available: {unavailable_reason()}")
+    if not matmul_supports(w) or x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"stacked_matmul_cpu: x {x.shape}, w {w.dtype} {w.shape}; expected x [M, K] and w [L, K, N] "
+                         f"of {[str(d) for d in MATMUL_DTYPES]} with N a multiple of {MATMUL_COLUMN_MULTIPLE}")
+    if w.dtype == jnp.bfloat16:
+        w = jax.lax.bitcast_convert_type(w, jnp.uint16)
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
+    return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32))

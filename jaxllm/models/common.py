@@ -44,6 +44,14 @@ and the block tables and slot mapping are offset per layer, so they read only
 the blocks they need and write in place. The scan carries no unit KV-head
 axis: with one KV head (Gemma 3 270M), XLA's CPU layout assignment would move
 it and copy the whole cache on every layer.
+
+Reading layer ``l``'s weights by index is a dynamic-slice, which XLA's CPU
+backend copies on every step before its dots read the copy again. So each
+layer dict inside the scan also holds, under :data:`STACKED`, the stacked
+leaves and the index, and :func:`project` hands steps of at most
+:data:`NATIVE_MATMUL_MAX_ROWS` tokens (decode) on a one-device CPU backend to
+``kernels_pallas.native.stacked_matmul_cpu``, which reads the stacked weight
+in place (``scripts/profile_step.py`` has the profile).
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig, RopeConfig
-from kernels_pallas import AttentionOps
+from kernels_pallas import AttentionOps, native
 from kernels_pallas.reference import BITS_STORAGE, CompressedKV, from_storage, to_storage
 
 if TYPE_CHECKING:
@@ -105,10 +113,37 @@ def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
     return y.astype(x.dtype)
 
 
+# The key of a scanned layer's dict that holds (the stacked layer leaves, the layer index).
+STACKED = "_stacked"
+# Steps of at most this many tokens take the native matmul (decode steps, where the weights' bytes are the cost;
+# XLA's dots are as fast on larger ones, where the multiply-adds are).
+NATIVE_MATMUL_MAX_ROWS = 64
+
+
+def native_matmul_applies(x: jax.Array, stacked_w: jax.Array) -> bool:
+    """Whether :func:`project` computes ``x @ w`` with ``native.stacked_matmul_cpu``: on XLA's CPU backend with
+    one device (a sharded weight would need the custom call partitioned), at most
+    :data:`NATIVE_MATMUL_MAX_ROWS` rows of x, a stacked weight the kernel takes, once the kernel is built."""
+    return (jax.default_backend() == "cpu" and jax.device_count() == 1 and x.shape[0] <= NATIVE_MATMUL_MAX_ROWS
+            and native.matmul_supports(stacked_w) and native.available())
+
+
 def project(layer: dict[str, jax.Array], key: str, x: jax.Array, bias: Optional[str] = None) -> jax.Array:
     """``linear`` through ``layer[key]``, its ``key + "_scale"`` when quantized and the
-    ``bias`` leaf when the layer has it. x: [T, in] -> [T, out] in x's dtype."""
-    return linear(x, layer[key], layer.get(bias) if bias else None, layer.get(key + "_scale"))
+    ``bias`` leaf when the layer has it. x: [T, in] -> [T, out] in x's dtype.
+
+    Inside the layer scan (``layer[STACKED]`` set) an unquantized weight where :func:`native_matmul_applies` is
+    read in place from the stacked leaf instead of the sliced ``layer[key]``."""
+    b = layer.get(bias) if bias else None
+    scale = layer.get(key + "_scale")
+    if STACKED in layer and scale is None:
+        stacked, index = layer[STACKED]
+        if native_matmul_applies(x, stacked[key]):
+            y = native.stacked_matmul_cpu(x, stacked[key], index)
+            if b is not None:
+                y = y + b.astype(jnp.float32)
+            return y.astype(x.dtype)
+    return linear(x, layer[key], b, scale)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -429,6 +464,7 @@ def hidden_states(
             def step(carry, index, window=window, cos=cos, sin=sin):
                 x, k_flat, v_flat = carry
                 layer = jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers)
+                layer[STACKED] = (layers, index)  # slices project() does not read are dropped by XLA
                 first_block = index * num_blocks
                 tables = batch.block_tables + first_block
                 if pool is not None:
