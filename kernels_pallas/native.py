@@ -48,8 +48,7 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fP
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
 # The kernel's largest block (paged_attention_cpu.cc: kMaxBlockSize).
 MAX_BLOCK_SIZE = 256
-# stacked_matmul_cpu's weights: these dtypes, output columns a multiple of this (matmul_cpu.cc).
-MATMUL_DTYPES = CACHE_DTYPES
+# stacked_matmul_cpu's weights: float32 (matmul_cpu.cc says why not bfloat16), output columns a multiple of this.
 MATMUL_COLUMN_MULTIPLE = 16
 _reason: Optional[str] = None
 
@@ -192,9 +191,9 @@ def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
 
 
 def matmul_supports(w: jax.Array) -> bool:
-    """Whether :func:`stacked_matmul_cpu` takes this stacked weight: ``[L, K, N]`` of a :data:`MATMUL_DTYPES`
-    dtype with N a multiple of :data:`MATMUL_COLUMN_MULTIPLE`."""
-    return (w.ndim == 3 and jnp.dtype(w.dtype) in MATMUL_DTYPES and w.shape[2] % MATMUL_COLUMN_MULTIPLE == 0)
+    """Whether :func:`stacked_matmul_cpu` takes this stacked weight: float32 ``[L, K, N]`` with N a multiple of
+    :data:`MATMUL_COLUMN_MULTIPLE`."""
+    return w.ndim == 3 and w.dtype == jnp.float32 and w.shape[2] % MATMUL_COLUMN_MULTIPLE == 0
 
 
 def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
@@ -205,8 +204,7 @@ def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Arra
 
     Args:
       x: [M, K], any float dtype (computed in float32).
-      w: [L, K, N] float32, bfloat16 or uint16 bit patterns of bfloat16, N a multiple of
-        :data:`MATMUL_COLUMN_MULTIPLE`.
+      w: float32 [L, K, N], N a multiple of :data:`MATMUL_COLUMN_MULTIPLE`.
       layer: int32 [] in [0, L).
 
     Returns:
@@ -220,9 +218,7 @@ def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Arra
     if not available():
         raise ValueError(f"stacked_matmul_cpu is not available: {unavailable_reason()}")
     if not matmul_supports(w) or x.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"stacked_matmul_cpu: x {x.shape}, w {w.dtype} {w.shape}; expected x [M, K] and w [L, K, N] "
-                         f"of {[str(d) for d in MATMUL_DTYPES]} with N a multiple of {MATMUL_COLUMN_MULTIPLE}")
-    if w.dtype == jnp.bfloat16:
-        w = jax.lax.bitcast_convert_type(w, jnp.uint16)
+        raise ValueError(f"stacked_matmul_cpu: x {x.shape}, w {w.dtype} {w.shape}; expected x [M, K] and float32 w "
+                         f"[L, K, N] with N a multiple of {MATMUL_COLUMN_MULTIPLE}")
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
     return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32))

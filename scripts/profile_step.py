@@ -10,8 +10,12 @@ to 16 and to 4 tokens, a 512-token prefill) it times, on the engine's own parame
 - ``lm_head``: the logits of the sampled rows alone;
 - ``sampler``: one greedy ``sampler.sample`` over those logits;
 - ``jnp tiles``: with the ``xla`` attention (the CPU default), the full step
-  again with decode rows on the ``jnp`` tiles instead of the C++ kernel
-  (``use_native=False``: the step where the kernel cannot be built).
+  again with attention on the ``jnp`` tiles instead of the C++ kernel
+  (``use_native=False``);
+- ``xla dots``: the full step again with every projection on XLA's dots
+  instead of the C++ matmul (``jaxllm.models.common.NATIVE_MATMUL_MAX_ROWS``
+  set to 0); the step where neither kernel can be built is about both
+  differences together.
 
 Block tables hold each row's blocks and the null block after them, as the
 scheduler's do. What the profile showed on SmolLM2-135M, float32, 2 cores
@@ -104,6 +108,7 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
 
     from jaxllm.frontend.llm_engine import LLMEngine
     from jaxllm import models
+    from jaxllm.models import common as model_common
     from jaxllm.sample.sampler import SamplingArrays, sample
 
     engine = LLMEngine(model, dtype=dtype, precompile=False, max_model_len=512, max_num_seqs=64,
@@ -144,7 +149,7 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
     jnp_decode = ops._replace(ragged_paged_attention=functools.partial(ops.ragged_paged_attention,
                                                                        use_native=False))
     print(f"{'batch':<30}{'step':>9}{'no attention':>14}{'attention':>11}{'lm_head':>9}{'sampler':>9}"
-          + (f"{'jnp tiles':>12}" if xla else ""))
+          + (f"{'jnp tiles':>12}{'xla dots':>10}" if xla else ""))
     for name, batch in cases.items():
         rows = batch.logits_indices.shape[0]
         step = jax.jit(functools.partial(model_step, ops=ops), donate_argnums=(1,))
@@ -159,7 +164,14 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
         if xla:
             tiled = jax.jit(functools.partial(model_step, ops=jnp_decode), donate_argnums=(1,))
             old, (_, runner.kv_cache) = timed(tiled, runner.params, runner.kv_cache, batch, donate=True)
-            extra = f"{old:>12.1f}"
+            rows_limit = model_common.NATIVE_MATMUL_MAX_ROWS
+            model_common.NATIVE_MATMUL_MAX_ROWS = 0  # read when the step below is traced
+            try:
+                dots = jax.jit(functools.partial(model_step, ops=ops), donate_argnums=(1,))
+                xla_dots, (_, runner.kv_cache) = timed(dots, runner.params, runner.kv_cache, batch, donate=True)
+            finally:
+                model_common.NATIVE_MATMUL_MAX_ROWS = rows_limit
+            extra = f"{old:>12.1f}{xla_dots:>10.1f}"
         print(f"{name:<30}{full:>9.1f}{without:>14.1f}{full - without:>11.1f}{head:>9.1f}{sampler:>9.1f}{extra}")
         if trace:
             with jax.profiler.trace(os.path.join(trace, f"{dtype}-{name.split(',')[0]}")):

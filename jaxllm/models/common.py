@@ -48,10 +48,10 @@ it and copy the whole cache on every layer.
 Reading layer ``l``'s weights by index is a dynamic-slice, which XLA's CPU
 backend copies on every step before its dots read the copy again. So each
 layer dict inside the scan also holds, under :data:`STACKED`, the stacked
-leaves and the index, and :func:`project` hands steps of at most
-:data:`NATIVE_MATMUL_MAX_ROWS` tokens (decode) on a one-device CPU backend to
-``kernels_pallas.native.stacked_matmul_cpu``, which reads the stacked weight
-in place (``scripts/profile_step.py`` has the profile).
+leaves and the index, and :func:`project` hands the float32 weights of steps
+of at most :data:`NATIVE_MATMUL_MAX_ROWS` tokens on a one-device CPU backend
+to ``kernels_pallas.native.stacked_matmul_cpu``, which reads the stacked
+weight in place (``scripts/profile_step.py`` has the profile).
 """
 
 from __future__ import annotations
@@ -115,15 +115,17 @@ def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
 
 # The key of a scanned layer's dict that holds (the stacked layer leaves, the layer index).
 STACKED = "_stacked"
-# Steps of at most this many tokens take the native matmul (decode steps, where the weights' bytes are the cost;
-# XLA's dots are as fast on larger ones, where the multiply-adds are).
-NATIVE_MATMUL_MAX_ROWS = 64
+# Steps of at most this many tokens take the native matmul: measured faster than XLA's dots plus the slice copies
+# from 1 to 512 rows (30 layers of SmolLM2-135M, float32: 28 -> 8 ms at 1 row, 52 -> 35 ms at 48, 283 -> 260 ms at
+# 512); larger steps keep XLA's dots, unmeasured past that.
+NATIVE_MATMUL_MAX_ROWS = 512
 
 
 def native_matmul_applies(x: jax.Array, stacked_w: jax.Array) -> bool:
     """Whether :func:`project` computes ``x @ w`` with ``native.stacked_matmul_cpu``: on XLA's CPU backend with
     one device (a sharded weight would need the custom call partitioned), at most
-    :data:`NATIVE_MATMUL_MAX_ROWS` rows of x, a stacked weight the kernel takes, once the kernel is built."""
+    :data:`NATIVE_MATMUL_MAX_ROWS` rows of x, a stacked float32 weight the kernel takes (``native.matmul_supports``;
+    bfloat16 weights keep XLA's dots, faster on CPUs with AVX-512-BF16), once the kernel is built."""
     return (jax.default_backend() == "cpu" and jax.device_count() == 1 and x.shape[0] <= NATIVE_MATMUL_MAX_ROWS
             and native.matmul_supports(stacked_w) and native.available())
 
