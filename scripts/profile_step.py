@@ -44,10 +44,26 @@ row's blocks in place, one pass over the cached bytes instead of three
 (traced: ``ffi_call`` is then the step's only attention op besides the KV
 write). Measured with this script's ``jnp tiles`` column, same process
 (2026-12-01, AVX-512 EPYC, 2 cores): the 48-row decode step 117-129 -> 95-98
-ms float32 with the kernel's first, scalar-reduction form. A 512-token
-prefill is bound by attention's multiply-adds rather than its bytes, and
-there the tiles' dots are as fast as the kernel (84 vs 94 ms for 30 layers),
-so prefill rows keep the tiles.
+ms float32 with the kernel's first, scalar-reduction form.
+
+Then (2026-12-01, same machine): the kernel's ``exp`` had called ``roundf``
+per lane, which kept its loops scalar (``perf annotate``: ``__roundf`` was
+12% of a prefill's attention); rounding by adding and subtracting 1.5 * 2^23
+vectorizes. Prefill runs got a GEMM-shaped path (a unit's (token, head) pairs
+as vector lanes, transposed queries, register tiles of keys by lanes), so
+prefill rows left the tiles too: 30 layers of a 512-token prefill after a
+1000-token context 863 -> 223 ms (about 200 GFLOP/s). Vectors now follow the
+target (16 floats with AVX-512, 8 with AVX2): 16-float generic vectors under
+``-march=haswell`` spilled every operation to the stack, making the kernel
+slower than the tiles on an AVX2-only CPU (a 48-row decode's attention 153
+vs 99 ms; now 54 ms). The dense layers: XLA's dynamic-slice of each layer's
+weights out of the stacked parameters is a copy per layer per step, so a
+30-layer scan of SmolLM2's projections at 4 rows took 27-36 ms against 18 ms
+for the same dots on separate per-layer arrays; a C++ matmul that reads the
+stacked weight in place took 8-12 ms at 1-4 rows and 35 ms at 48 (52 in
+XLA). This script's columns then read, float32, load 5-8 (another job at
+``nice 19``): a 48-row decode step 80.9 ms, 115.5 with the tiles, 104.3 with
+XLA's dots; a 512-token prefill 313.7, 406.5 and 324.0 ms.
 
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a
