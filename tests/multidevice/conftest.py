@@ -10,7 +10,12 @@ import pytest
 from jaxllm import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_kv_blocks=96, precompile=False)
+# Two token buckets, a decode-sized and a prefill-sized one: each engine here (one per model, degree and backend)
+# compiles its step programs on first use, and the default ladder's seven (4 to 64 tokens) made most of these
+# modules' time. The tests compare tokens across degrees under the same buckets; the default ladder is built and
+# served by the single-device tests (tests/test_warmup.py, tests/test_compilation.py).
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_kv_blocks=96, precompile=False,
+              token_buckets=(8, 64))
 
 
 @pytest.fixture(scope="session", autouse=True)
