@@ -39,7 +39,7 @@ without ``jax_enable_x64``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -346,6 +346,37 @@ def apply_top_k_top_p_min_p(
     return jnp.where(logits >= cutoff, logits, -jnp.inf)
 
 
+# Chunk widths argmax_rows tries, in order: the first that divides the vocabulary is used.
+ARGMAX_CHUNKS = (128, 256, 64, 512, 32)
+
+
+def argmax_rows(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` of float ``logits`` [R, V] as int32 [R], the same index (the first of
+    the row's maxima; a row with NaN, its first NaN), in two cheap passes.
+
+    XLA's CPU backend compiles ``argmax`` as a reduction over (value, index) pairs that it does not vectorize:
+    measured 5.5 ms for 48 rows of a 49152-token vocabulary against 0.3 ms here (and 22 -> 13 ms at 192 rows).
+    Here each row is cut into chunks of ``c`` tokens (the first width of :data:`ARGMAX_CHUNKS` that divides V):
+    a plain vectorized max per chunk, the argmax over those [R, V / c] maxima (the first chunk holding the
+    row's maximum), then the argmax within that chunk. The vectorized max may skip NaN, so when some row's
+    sum is NaN (a NaN, or +inf beside -inf) the whole batch takes ``jnp.argmax`` instead. A vocabulary no
+    width divides takes ``jnp.argmax`` too.
+    """
+    num_rows, vocab = logits.shape
+    chunk = next((c for c in ARGMAX_CHUNKS if vocab % c == 0 and vocab // c >= 2), None)
+    if chunk is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def chunked() -> jax.Array:
+        blocks = logits.reshape(num_rows, vocab // chunk, chunk)
+        best = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+        within = jnp.take_along_axis(blocks, best[:, None, None], axis=1)[:, 0]
+        return (best * chunk + jnp.argmax(within, axis=-1)).astype(jnp.int32)
+
+    return jax.lax.cond(jnp.any(jnp.isnan(jnp.sum(logits, axis=-1))),
+                        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32), chunked)
+
+
 def _row_keys(seed: jax.Array, num_generated: jax.Array) -> jax.Array:
     # threefry named, not the configured default: the seed words are its key data (seed_words).
     return jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(seed, impl="threefry2x32"), num_generated)
@@ -358,7 +389,7 @@ def _draw(logits: jax.Array, arrays: SamplingArrays, filtered: bool) -> jax.Arra
         scaled = apply_top_k_top_p_min_p(scaled, arrays.top_k, arrays.top_p, arrays.min_p)
     keys = _row_keys(arrays.seed, arrays.num_generated)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-    return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    return argmax_rows(scaled + gumbel)
 
 
 def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -388,35 +419,44 @@ def _choose(raw: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
             extra_counts: Callable[[], jax.Array] | None = None) -> jax.Array:
     """One token per row of float32 logits ``raw`` [R, V]: the processors (with ``extra_counts()`` counted as
     outputs, when given), then the argmax (greedy rows) or a draw. A row the processors leave without a token
-    (all -inf) chooses from ``raw`` as if it had none."""
+    (all -inf) chooses from ``raw`` as if it had none.
+
+    Every ``lax.cond`` here returns tokens, never logits: a branch that passed ``raw`` through would make XLA's
+    CPU backend copy the [R, V] logits into the cond's result on every step (measured 2.5 ms of a 48-row
+    greedy step's 2.8, 11 of 12 ms at 192 rows, 49152-token vocabulary).
+    """
     needs_processing = jnp.any(
         arrays.use_bias | (arrays.presence_penalty != 0) | (arrays.frequency_penalty != 0)
         | (arrays.repetition_penalty != 1) | (arrays.num_generated < arrays.min_tokens)
         | jnp.any(arrays.banned < raw.shape[-1], axis=-1)
     )
+    greedy = arrays.temperature < GREEDY_EPS
+    needs_filter = jnp.any(~greedy & ((arrays.top_k > 0) | (arrays.top_p < 1.0) | (arrays.min_p > 0.0)))
+
+    def pick(logits: jax.Array) -> jax.Array:
+        argmax = argmax_rows(logits)
+        sampled = jax.lax.cond(
+            jnp.all(greedy),
+            lambda: argmax,
+            lambda: jax.lax.cond(needs_filter, lambda: _draw(logits, arrays, True),
+                                 lambda: _draw(logits, arrays, False)),
+        )
+        return jnp.where(greedy, argmax, sampled)
 
     def processed() -> jax.Array:
         out = apply_logit_processors(raw, arrays, tables, None if extra_counts is None else extra_counts())
-        return jnp.where(jnp.all(out == -jnp.inf, axis=-1, keepdims=True), raw, out)
+        return pick(jnp.where(jnp.all(out == -jnp.inf, axis=-1, keepdims=True), raw, out))
 
-    logits = jax.lax.cond(needs_processing, processed, lambda: raw)
-    greedy = arrays.temperature < GREEDY_EPS
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    needs_filter = jnp.any(~greedy & ((arrays.top_k > 0) | (arrays.top_p < 1.0) | (arrays.min_p > 0.0)))
-    sampled = jax.lax.cond(
-        jnp.all(greedy),
-        lambda: argmax,
-        lambda: jax.lax.cond(needs_filter, lambda: _draw(logits, arrays, True), lambda: _draw(logits, arrays, False)),
-    )
-    return jnp.where(greedy, argmax, sampled)
+    return jax.lax.cond(needs_processing, processed, lambda: pick(raw))
 
 
-def _masked(raw: jax.Array, bitmask: Optional[jax.Array]) -> jax.Array:
-    """``raw`` [R, V] with :func:`apply_token_bitmask` of ``bitmask`` [R, W], skipped when no row is
-    constrained (all words -1) or ``bitmask`` is None."""
+def _on_masked(raw: jax.Array, bitmask: Optional[jax.Array], fn: Callable[[jax.Array], Any]) -> Any:
+    """``fn`` of ``raw`` [R, V] with :func:`apply_token_bitmask` of ``bitmask`` [R, W] applied, or of ``raw``
+    itself when no row is constrained (all words -1) or ``bitmask`` is None. ``fn`` runs inside the cond's
+    branches, so only its (per-row) results leave them, not a copy of the logits."""
     if bitmask is None:
-        return raw
-    return jax.lax.cond(jnp.any(bitmask != -1), lambda: apply_token_bitmask(raw, bitmask), lambda: raw)
+        return fn(raw)
+    return jax.lax.cond(jnp.any(bitmask != -1), lambda: fn(apply_token_bitmask(raw, bitmask)), lambda: fn(raw))
 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
@@ -443,9 +483,12 @@ def sample(logits: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
     if it had no processors, so a constrained row always takes a token its
     grammar accepts.
     """
-    raw = _masked(logits.astype(jnp.float32), bitmask)
-    tokens = _choose(raw, arrays, tables)
-    chosen, ranks, top_ids, top_logprobs = _maybe_logprobs(raw, tokens, arrays)
+    def tokens_and_logprobs(raw: jax.Array) -> tuple[jax.Array, ...]:
+        tokens = _choose(raw, arrays, tables)
+        return tokens, *_maybe_logprobs(raw, tokens, arrays)
+
+    tokens, chosen, ranks, top_ids, top_logprobs = _on_masked(logits.astype(jnp.float32), bitmask,
+                                                                  tokens_and_logprobs)
     counted = (arrays.sample_mask & (arrays.slot > 0)).astype(jnp.int32)
     tables = dataclasses.replace(tables, counts=tables.counts.at[arrays.slot, tokens].add(counted))
     return SamplerOutput(tokens, chosen, ranks, top_ids, top_logprobs), tables
@@ -511,11 +554,14 @@ def verify(logits: jax.Array, drafts: jax.Array, arrays: SamplingArrays, tables:
     if bitmask is not None:
         at_first = (jnp.arange(width) == 0)[None, :, None]
         bitmask = jnp.where(at_first, bitmask[:, None, :], -1).reshape(num_rows * width, -1)
-    raw = _masked(logits.astype(jnp.float32), bitmask)
-    tokens = _choose(raw, arrays, tables, lambda: _draft_counts(drafts, raw.shape[-1]))
+    def tokens_and_logprobs(raw: jax.Array) -> tuple[jax.Array, ...]:
+        tokens = _choose(raw, arrays, tables, lambda: _draft_counts(drafts, raw.shape[-1]))
+        return tokens, *_maybe_logprobs(raw, tokens, arrays)
+
+    tokens, chosen, ranks, top_ids, top_logprobs = _on_masked(logits.astype(jnp.float32), bitmask,
+                                                                  tokens_and_logprobs)
     accepted = ((tokens == drafts.reshape(-1)) & (drafts.reshape(-1) >= 0)).reshape(num_rows, width)
     num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1, dtype=jnp.int32)
-    chosen, ranks, top_ids, top_logprobs = _maybe_logprobs(raw, tokens, arrays)
     used = (jnp.arange(width)[None, :] <= num_accepted[:, None]).reshape(-1)
     counted = (used & arrays.sample_mask & (arrays.slot > 0)).astype(jnp.int32)
     tables = dataclasses.replace(tables, counts=tables.counts.at[arrays.slot, tokens].add(counted))

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models import AttentionOps, KVCache, Params, forward, hidden_states
-from jaxllm.sample.sampler import SamplerOutput
+from jaxllm.sample.sampler import SamplerOutput, argmax_rows
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.step_batch import StepBatch
 from scheduler import BatchDescriptor
@@ -75,7 +75,7 @@ def propose(params: Params, kv_cache: KVCache, batch: StepBatch, tokens: jax.Arr
         step = dataclasses.replace(decode, input_ids=token, positions=position,
                                    slot_mapping=jnp.where(has_slot, slot, 0), seq_lens=jnp.where(real, position + 1, 0))
         logits, cache = forward(params, cache, step, cfg=cfg, ops=ops, all_logits=True)
-        draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        draft = argmax_rows(logits)
         return (cache, draft, position + 1), draft
 
     (kv_cache, _, _), drafts = jax.lax.scan(one, (kv_cache, last, start), None, length=num_speculative_tokens)
