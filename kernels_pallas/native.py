@@ -38,17 +38,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# One library of both sources; its FFI targets and their symbols.
+# One library of both sources (and the header they share: part of the cache key); its FFI targets and symbols.
 SOURCES = (Path(__file__).with_name("paged_attention_cpu.cc"), Path(__file__).with_name("matmul_cpu.cc"))
+HEADERS = (Path(__file__).with_name("cpu_vectors.h"),)
 TARGET = "jaxllm_paged_attention_cpu"
 MATMUL_TARGET = "jaxllm_matmul_cpu"
-_SYMBOLS = {TARGET: "JaxllmPagedAttentionCpu", MATMUL_TARGET: "JaxllmMatmulCpu"}
+MATMUL_NT_TARGET = "jaxllm_matmul_nt_cpu"
+_SYMBOLS = {TARGET: "JaxllmPagedAttentionCpu", MATMUL_TARGET: "JaxllmMatmulCpu",
+            MATMUL_NT_TARGET: "JaxllmMatmulNtCpu"}
 # -march=native: the library is built on the machine that runs it, for its vector instructions.
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
 # The kernel's largest block (paged_attention_cpu.cc: kMaxBlockSize).
 MAX_BLOCK_SIZE = 256
-# stacked_matmul_cpu's weights: float32 (matmul_cpu.cc says why not bfloat16), output columns a multiple of this.
+# stacked_matmul_cpu's weights: float32 (matmul_cpu.cc says why not bfloat16), output columns a multiple of this;
+# matmul_nt_cpu's: float32, the contracted axis a multiple of it.
 MATMUL_COLUMN_MULTIPLE = 16
 _reason: Optional[str] = None
 
@@ -79,7 +83,7 @@ def library_path(compiler: str) -> Path:
     """
     import jaxlib
 
-    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), compiler, *_FLAGS,
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES + HEADERS), compiler, *_FLAGS,
                                     jaxlib.__version__, jax.ffi.include_dir(), _cpu_flags()]).encode())
     return _cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
 
@@ -196,7 +200,11 @@ def matmul_supports(w: jax.Array) -> bool:
     return w.ndim == 3 and w.dtype == jnp.float32 and w.shape[2] % MATMUL_COLUMN_MULTIPLE == 0
 
 
-def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
+def _valid_rows(rows: Optional[jax.Array], m: int) -> jax.Array:
+    return jnp.asarray(m if rows is None else rows, jnp.int32)
+
+
+def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array, rows: Optional[jax.Array] = None) -> jax.Array:
     """``x @ w[layer]`` with the layer's weight read in place from the stacked ``w`` (the C++ kernel).
 
     Inside a scan over layers, ``w[layer]`` would be a dynamic-slice that XLA's CPU backend copies on every step;
@@ -206,6 +214,8 @@ def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Arra
       x: [M, K], any float dtype (computed in float32).
       w: float32 [L, K, N], N a multiple of :data:`MATMUL_COLUMN_MULTIPLE`.
       layer: int32 [] in [0, L).
+      rows: int32 [], the leading rows of x to compute (a padded step's tokens), clamped to [0, M]; the other
+        rows of the result are zeros. None: all M.
 
     Returns:
       float32 [M, N], accumulated in float32.
@@ -221,4 +231,36 @@ def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Arra
         raise ValueError(f"stacked_matmul_cpu: x {x.shape}, w {w.dtype} {w.shape}; expected x [M, K] and float32 w "
                          f"[L, K, N] with N a multiple of {MATMUL_COLUMN_MULTIPLE}")
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
-    return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32))
+    return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32), _valid_rows(rows, x.shape[0]))
+
+
+def matmul_nt_supports(w: jax.Array) -> bool:
+    """Whether :func:`matmul_nt_cpu` takes this weight: float32 ``[N, K]`` with K a multiple of
+    :data:`MATMUL_COLUMN_MULTIPLE`."""
+    return w.ndim == 2 and w.dtype == jnp.float32 and w.shape[1] % MATMUL_COLUMN_MULTIPLE == 0 and w.shape[0] > 0
+
+
+def matmul_nt_cpu(x: jax.Array, w: jax.Array, rows: Optional[jax.Array] = None) -> jax.Array:
+    """``x @ w.T`` for a row-major ``w`` [N, K] (a tied embedding as the lm_head), by the C++ kernel: each output a
+    dot of a row of x with a row of w, register-tiled (``matmul_cpu.cc``).
+
+    Args:
+      x: [M, K], any float dtype (computed in float32).
+      w: float32 [N, K], K a multiple of :data:`MATMUL_COLUMN_MULTIPLE`.
+      rows: int32 [], the leading rows of x to compute (a padded step's sequences), clamped to [0, M]; the other
+        rows of the result are zeros. None: all M.
+
+    Returns:
+      float32 [M, N], accumulated in float32.
+
+    Raises:
+      ValueError: a weight :func:`matmul_nt_supports` does not take, K not matching x, or the kernel is not
+        :func:`available`.
+    """
+    if not available():
+        raise ValueError(f"matmul_nt_cpu is not available: {unavailable_reason()}")
+    if not matmul_nt_supports(w) or x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul_nt_cpu: x {x.shape}, w {w.dtype} {w.shape}; expected x [M, K] and float32 w "
+                         f"[N, K] with K a multiple of {MATMUL_COLUMN_MULTIPLE}")
+    call = jax.ffi.ffi_call(MATMUL_NT_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(x.astype(jnp.float32), w, _valid_rows(rows, x.shape[0]))

@@ -1,10 +1,15 @@
-"""The C++ CPU matmul (``kernels_pallas.native.stacked_matmul_cpu``) against numpy, and how the layer scan uses it.
+"""The C++ CPU matmuls (``kernels_pallas.native.stacked_matmul_cpu``, ``matmul_nt_cpu``) against numpy, and how
+the model step uses them.
 
 The class of inputs: any ``x [M, K] @ w[layer]`` of a stacked ``w [L, K, N]`` -- row counts that fill whole
 register tiles of rows and leave every remainder, inner dims of one element and more, column counts of one to
-four vectors per panel and several panels, any layer of the stack. Around it: its errors, and the model step,
-which reads every float32 projection through it (no per-layer slice of the weights) up to
-``NATIVE_MATMUL_MAX_ROWS`` tokens, with the same logits, while bfloat16 weights and larger steps keep XLA's dots.
+four vectors per panel and several panels, any layer of the stack; any ``x [M, K] @ w.T`` of a ``w [N, K]`` with
+K a multiple of 16 -- row counts on both sides of the transposed-panel threshold, column counts that fill whole
+panels, leave a narrower last one or fall short of one dot tile; for both, any count of leading rows to compute
+(the rest zeros), clamped to [0, M]. Around them: their errors, and the model step, which reads every float32
+projection through the first (no per-layer slice of the weights) up to ``NATIVE_MATMUL_MAX_ROWS`` tokens and the
+lm_head of 4 rows or more through either, with the same logits, while bfloat16 weights and larger steps keep
+XLA's dots.
 """
 
 from __future__ import annotations
@@ -52,6 +57,79 @@ def test_stacked_matmul_refuses_weights_it_does_not_take_and_a_layer_past_the_st
         jax.block_until_ready(native.stacked_matmul_cpu(x, jnp.ones((2, 8, 16), jnp.float32), jnp.int32(2)))
     with pytest.raises(Exception, match=r"matmul_cpu: layer -1 outside \[0, 2\)"):
         jax.block_until_ready(native.stacked_matmul_cpu(x, jnp.ones((2, 8, 16), jnp.float32), jnp.int32(-1)))
+
+
+def test_matmul_nt_matches_numpy_on_every_tile_shape():
+    # Rows 1-13, 48 and 97: below and above the transposed-panel threshold (8), whole and partial tiles of x rows
+    # (dot tiles of 4 or 2 rows, packed tiles of 6 or 3); N = 1 and 3 are less than one dot tile, 64 one panel,
+    # 129, 200 and 257 whole panels and a narrower last one; K = 16 .. 576 whole vectors of 8 or 16.
+    rng = np.random.default_rng(1)
+    for k_dim, n in [(16, 1), (16, 3), (32, 64), (48, 129), (576, 200), (64, 257)]:
+        w = rng.standard_normal((n, k_dim)).astype(np.float32)
+        for m in [*range(1, 14), 48, 97]:
+            x = rng.standard_normal((m, k_dim)).astype(np.float32)
+            got = np.asarray(native.matmul_nt_cpu(jnp.asarray(x), jnp.asarray(w)))
+            want = x.astype(np.float64) @ w.T.astype(np.float64)
+            assert got.dtype == np.float32 and got.shape == (m, n)
+            np.testing.assert_allclose(got, want, atol=2e-6 * k_dim, rtol=0, err_msg=f"M={m} K={k_dim} N={n}")
+
+
+@pytest.mark.parametrize("m", [5, 12])  # dot tiles for all rows / packed panels for all rows
+def test_both_matmuls_compute_the_leading_rows_and_zero_the_rest(m):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((m, 64)).astype(np.float32)
+    x[m // 2:] = np.nan  # a padding row's contents never reach the result
+    stack = rng.standard_normal((2, 64, 80)).astype(np.float32)
+    w_nt = rng.standard_normal((130, 64)).astype(np.float32)
+    for rows in (-3, 0, 1, m // 2, m + 5):
+        valid = min(max(rows, 0), m)
+        if valid > m // 2:
+            x_rows = np.where(np.isnan(x), 1.0, x).astype(np.float32)  # every computed row finite
+        else:
+            x_rows = x
+        for got, w in ((native.stacked_matmul_cpu(jnp.asarray(x_rows), jnp.asarray(stack), 1, jnp.int32(rows)),
+                        stack[1]),
+                       (native.matmul_nt_cpu(jnp.asarray(x_rows), jnp.asarray(w_nt), jnp.int32(rows)), w_nt.T)):
+            got = np.asarray(got)
+            want = x_rows[:valid].astype(np.float64) @ w.astype(np.float64)
+            np.testing.assert_allclose(got[:valid], want, atol=2e-6 * 64, rtol=0, err_msg=f"rows={rows}")
+            assert (got[valid:] == 0).all(), f"rows={rows}: the rows past {valid} must be zeros"
+
+
+def test_matmul_nt_refuses_weights_it_does_not_take():
+    x = jnp.ones((2, 32), jnp.float32)
+    with pytest.raises(ValueError, match=r"x \(2, 40\), w float32 \(8, 40\); expected .* K a multiple of 16"):
+        native.matmul_nt_cpu(jnp.ones((2, 40), jnp.float32), jnp.ones((8, 40), jnp.float32))
+    with pytest.raises(ValueError, match=r"x \(2, 32\), w float32 \(8, 48\)"):
+        native.matmul_nt_cpu(x, jnp.ones((8, 48), jnp.float32))
+    for w in (jnp.ones((8, 32), jnp.bfloat16), jnp.ones((1, 8, 32), jnp.float32), jnp.ones((0, 32), jnp.float32)):
+        assert not native.matmul_nt_supports(w)
+        with pytest.raises(ValueError, match=r"matmul_nt_cpu: .* expected x \[M, K\] and float32 w \[N, K\]"):
+            native.matmul_nt_cpu(x, w)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_lm_head_of_four_rows_or_more_takes_the_kernels_with_xlas_logits(tmp_path, tied):
+    from jaxllm.loader import load_model
+    from jaxllm.models import common
+    from tests.hf_models import make_tiny_hf_model
+
+    make_tiny_hf_model("llama", tmp_path, tie_word_embeddings=tied)
+    cfg, params, _ = load_model(tmp_path, np.float32)
+    target = "jaxllm_matmul_nt_cpu" if tied else "jaxllm_matmul_cpu"
+    hidden = jnp.asarray(np.random.default_rng(3).standard_normal((6, cfg.hidden_size)), jnp.float32)
+    head = jax.jit(lambda h, n: common.compute_logits(params, h, cfg=cfg, num_rows=n))
+    assert f'custom_call_target="{target}"' in head.lower(hidden, jnp.int32(6)).compile().as_text()
+    weight = params["embed"].T if tied else params["lm_head"]
+    want = np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64)
+    np.testing.assert_allclose(np.asarray(head(hidden, jnp.int32(6))), want, atol=1e-5, rtol=0)
+    padded = np.asarray(head(hidden, jnp.int32(4)))  # a step of 4 sequences in a bucket of 6 rows
+    np.testing.assert_allclose(padded[:4], want[:4], atol=1e-5, rtol=0)
+    assert (padded[4:] == 0).all()
+    # Fewer rows than NATIVE_LM_HEAD_MIN_ROWS: XLA's dot, every row computed.
+    few = hidden[:common.NATIVE_LM_HEAD_MIN_ROWS - 1]
+    assert target not in head.lower(few, jnp.int32(1)).compile().as_text()
+    np.testing.assert_allclose(np.asarray(head(few, jnp.int32(1))), want[:len(few)], atol=1e-5, rtol=0)
 
 
 def _step(tmp_path, dtype, num_tokens):

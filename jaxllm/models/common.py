@@ -113,7 +113,7 @@ def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
     return y.astype(x.dtype)
 
 
-# The key of a scanned layer's dict that holds (the stacked layer leaves, the layer index).
+# The key of a scanned layer's dict that holds (the stacked layer leaves, the layer index, the step's token count).
 STACKED = "_stacked"
 # Steps of at most this many tokens take the native matmul: measured faster than XLA's dots plus the slice copies
 # from 1 to 512 rows (30 layers of SmolLM2-135M, float32: 28 -> 8 ms at 1 row, 52 -> 35 ms at 48, 283 -> 260 ms at
@@ -135,13 +135,14 @@ def project(layer: dict[str, jax.Array], key: str, x: jax.Array, bias: Optional[
     ``bias`` leaf when the layer has it. x: [T, in] -> [T, out] in x's dtype.
 
     Inside the layer scan (``layer[STACKED]`` set) an unquantized weight where :func:`native_matmul_applies` is
-    read in place from the stacked leaf instead of the sliced ``layer[key]``."""
+    read in place from the stacked leaf instead of the sliced ``layer[key]``, and only the step's tokens (the
+    leading rows of x) are computed: the padding rows of its bucket come out zeros (then the bias)."""
     b = layer.get(bias) if bias else None
     scale = layer.get(key + "_scale")
     if STACKED in layer and scale is None:
-        stacked, index = layer[STACKED]
+        stacked, index, num_tokens = layer[STACKED]
         if native_matmul_applies(x, stacked[key]):
-            y = native.stacked_matmul_cpu(x, stacked[key], index)
+            y = native.stacked_matmul_cpu(x, stacked[key], index, num_tokens)
             if b is not None:
                 y = y + b.astype(jnp.float32)
             return y.astype(x.dtype)
@@ -466,7 +467,7 @@ def hidden_states(
             def step(carry, index, window=window, cos=cos, sin=sin):
                 x, k_flat, v_flat = carry
                 layer = jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers)
-                layer[STACKED] = (layers, index)  # slices project() does not read are dropped by XLA
+                layer[STACKED] = (layers, index, num_tokens)  # slices project() does not read are dropped by XLA
                 first_block = index * num_blocks
                 tables = batch.block_tables + first_block
                 if pool is not None:
@@ -494,21 +495,46 @@ def hidden_states(
     return x, (k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape))
 
 
-def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+# The lm_head takes the native kernels from this many rows: below it XLA's dot streams the embedding faster than
+# the kernel's tiles (1 row: 2.2 against 3.2 ms, SmolLM2's [49152, 576] float32 embedding, 2 AVX-512 cores).
+NATIVE_LM_HEAD_MIN_ROWS = 4
+
+
+def native_lm_head_applies(hidden: jax.Array, weight: jax.Array, tied: bool) -> bool:
+    """Whether :func:`compute_logits` runs the lm_head on the native kernels: on XLA's CPU backend with one
+    device, at least :data:`NATIVE_LM_HEAD_MIN_ROWS` rows, a float32 weight the kernel takes (the tied
+    embedding [V, E] through ``native.matmul_nt_cpu``, an lm_head [E, V] through ``native.stacked_matmul_cpu``),
+    once the kernels are built."""
+    supported = native.matmul_nt_supports(weight) if tied else native.matmul_supports(weight[None])
+    return (jax.default_backend() == "cpu" and jax.device_count() == 1 and hidden.shape[0] >= NATIVE_LM_HEAD_MIN_ROWS
+            and supported and native.available())
+
+
+def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig,
+                   num_rows: Optional[jax.Array] = None) -> jax.Array:
     """The lm_head (or the tied embedding): hidden ``[N, hidden_size]`` ->
     logits float32 ``[N, vocab]``, accumulated in float32, soft-capped
     (``cap * tanh(logits / cap)``) when ``cfg.final_logit_softcap`` is set.
+
+    ``num_rows`` (int32 [], or None for all N): the leading rows that are
+    real (a step's sequences; the rest pad its bucket). Where
+    :func:`native_lm_head_applies`, only those are computed and the others
+    are zeros; elsewhere every row is computed.
 
     The tied embedding ``[V, E]`` is contracted on its second axis directly:
     ``hidden @ embed.T`` would make XLA's CPU backend transpose the whole
     table in bfloat16 on every step (5x slower there). A quantized untied
     lm_head goes through :func:`dot_f32` with its ``lm_head_scale``.
     """
-    if cfg.tie_word_embeddings:
-        logits = jax.lax.dot_general(hidden, params["embed"], (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+    tied = cfg.tie_word_embeddings
+    weight = params["embed"] if tied else params["lm_head"]
+    if "lm_head_scale" not in params and native_lm_head_applies(hidden, weight, tied):
+        logits = (native.matmul_nt_cpu(hidden, weight, num_rows) if tied
+                  else native.stacked_matmul_cpu(hidden, weight[None], 0, num_rows))
+    elif tied:
+        logits = jax.lax.dot_general(hidden, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     else:
-        logits = dot_f32(hidden, params["lm_head"], params.get("lm_head_scale"))
+        logits = dot_f32(hidden, weight, params.get("lm_head_scale"))
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits

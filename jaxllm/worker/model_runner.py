@@ -115,7 +115,8 @@ def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: Samplin
                                      cfg=cfg, ops=ops, compressed=compressed)
     head = functools.partial(compute_logits, params, cfg=cfg)
     if num_positions == 1:
-        sampled, tables = sample(head(hidden[batch.logits_indices]), sampling, tables, bitmask)
+        logits = head(hidden[batch.logits_indices], num_rows=batch.num_seqs)  # padding rows: zeros
+        sampled, tables = sample(logits, sampling, tables, bitmask)
         first = sampled.token_ids
     else:
         sampled, tables = sample_or_verify(head, hidden, input_ids, batch.logits_indices, batch.num_spec_tokens,
