@@ -1,5 +1,6 @@
-// Vector helpers shared by the CPU kernels (paged_attention_cpu.cc, matmul_cpu.cc): one register of floats in
-// GCC's vector extensions, and a tree of shuffles that sums kLanes vectors across their lanes at once.
+// Vector helpers shared by the CPU kernels (paged_attention_cpu.cc, matmul_cpu.cc): one register of floats (VF)
+// and of int32 lanes (VI: shuffle masks; kIota its lane indices) in GCC's vector extensions, loads and stores,
+// and a tree of shuffles that sums kLanes vectors across their lanes at once.
 #pragma once
 
 #include <cstdint>

@@ -1,10 +1,11 @@
-"""The CPU paged-attention kernel in C++ (``paged_attention_cpu.cc``), built on first use and called through XLA's FFI.
+"""The CPU kernels in C++ (``paged_attention_cpu.cc``, ``matmul_cpu.cc``), built on first use and called through
+XLA's FFI.
 
 XLA's CPU dots cannot read through a gather, so the plain-``jnp`` kernels
 (``kernels_pallas.xla``) copy every KV block a query tile needs into a
 contiguous buffer and then read it again: three passes over the cached bytes
 where one would do, and on a CPU the bytes are the cost
-(``scripts/profile_step.py``). The C++ kernel reads the blocks in place
+(``scripts/profile_step.py``). The C++ attention kernel reads the blocks in place
 through the block table, for runs of up to 16 query tokens of one sequence at
 a time (a decode row is a run of one) on XLA's intra-op threads, with the
 online softmax of flash-attention; a run of several tokens (a prefill chunk)
@@ -12,13 +13,19 @@ is computed as register-tiled multiply-adds over its (token, head) pairs, so
 prefill attention runs near the machine's matmul rate rather than at the rate
 of many small dots.
 
+The matmuls: :func:`stacked_matmul_cpu` reads a layer's weight in place from the
+stacked parameters (XLA's dynamic-slice of it is a copy per layer per step), and
+:func:`matmul_nt_cpu` multiplies by a row-major ``[N, K]`` weight transposed (the tied
+embedding as the lm_head); both compute only the leading rows a padded step
+fills.
+
 The library is compiled once per source, compiler flags, jaxlib version and
 CPU (its instruction-set flags) with the system's C++ compiler (``$CXX`` or ``c++``) into
 ``$XDG_CACHE_HOME/jaxllm/native`` (default ``~/.cache/jaxllm/native``; a
-``JAXLLM_NATIVE_CACHE`` path overrides it) and registered as the FFI target
-:data:`TARGET`. Where no compiler is found or the build fails,
-:func:`available` is False (the reason in :func:`unavailable_reason`) and the
-callers keep the ``jnp`` path; ``JAXLLM_NATIVE_KERNELS=0`` turns the kernel off.
+``JAXLLM_NATIVE_CACHE`` path overrides it) and registered as the FFI targets
+:data:`TARGET`, :data:`MATMUL_TARGET` and :data:`MATMUL_NT_TARGET`. Where no compiler is found or the
+build fails, :func:`available` is False (the reason in :func:`unavailable_reason`) and the
+callers keep the ``jnp`` path and XLA's dots; ``JAXLLM_NATIVE_KERNELS=0`` turns the kernels off.
 """
 
 from __future__ import annotations
@@ -129,8 +136,8 @@ def available() -> bool:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         detail = getattr(exc, "stderr", None) or str(exc)
-        _reason = f"the C++ attention kernel did not build or load: {detail.strip()[:500]}"
-        print(f"[kernels_pallas] {_reason}; using the jnp attention", file=sys.stderr)
+        _reason = f"the C++ CPU kernels did not build or load: {detail.strip()[:500]}"
+        print(f"[kernels_pallas] {_reason}; using the jnp attention and XLA's dots", file=sys.stderr)
         return False
     return True
 

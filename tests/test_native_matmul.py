@@ -74,14 +74,14 @@ def test_matmul_nt_matches_numpy_on_every_tile_shape():
             np.testing.assert_allclose(got, want, atol=2e-6 * k_dim, rtol=0, err_msg=f"M={m} K={k_dim} N={n}")
 
 
-@pytest.mark.parametrize("m", [5, 12])  # dot tiles for all rows / packed panels for all rows
+@pytest.mark.parametrize("m", [5, 12, 20])  # the NT kernel packs panels from 8 computed rows (rows 12 and 10 of 20)
 def test_both_matmuls_compute_the_leading_rows_and_zero_the_rest(m):
     rng = np.random.default_rng(2)
     x = rng.standard_normal((m, 64)).astype(np.float32)
     x[m // 2:] = np.nan  # a padding row's contents never reach the result
     stack = rng.standard_normal((2, 64, 80)).astype(np.float32)
     w_nt = rng.standard_normal((130, 64)).astype(np.float32)
-    for rows in (-3, 0, 1, m // 2, m + 5):
+    for rows in (-3, 0, 1, m // 2, m - 1, m + 5):
         valid = min(max(rows, 0), m)
         if valid > m // 2:
             x_rows = np.where(np.isnan(x), 1.0, x).astype(np.float32)  # every computed row finite
@@ -118,7 +118,7 @@ def test_the_lm_head_of_four_rows_or_more_takes_the_kernels_with_xlas_logits(tmp
     cfg, params, _ = load_model(tmp_path, np.float32)
     target = "jaxllm_matmul_nt_cpu" if tied else "jaxllm_matmul_cpu"
     hidden = jnp.asarray(np.random.default_rng(3).standard_normal((6, cfg.hidden_size)), jnp.float32)
-    head = jax.jit(lambda h, n: common.compute_logits(params, h, cfg=cfg, num_rows=n))
+    head = jax.jit(lambda h, n: common.compute_logits(params, h, cfg=cfg, num_rows=n, native_kernels=True))
     assert f'custom_call_target="{target}"' in head.lower(hidden, jnp.int32(6)).compile().as_text()
     weight = params["embed"].T if tied else params["lm_head"]
     want = np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64)
@@ -130,6 +130,28 @@ def test_the_lm_head_of_four_rows_or_more_takes_the_kernels_with_xlas_logits(tmp
     few = hidden[:common.NATIVE_LM_HEAD_MIN_ROWS - 1]
     assert target not in head.lower(few, jnp.int32(1)).compile().as_text()
     np.testing.assert_allclose(np.asarray(head(few, jnp.int32(1))), want[:len(few)], atol=1e-5, rtol=0)
+
+
+def test_dense_forward_keeps_xlas_dots_so_jax_grad_goes_through(tmp_path):
+    """The kernels have no derivative: ``dense_forward`` (the differentiable forward, 2 x 6 rows of a float32 tied
+    model, past NATIVE_LM_HEAD_MIN_ROWS) keeps XLA's dots, and its gradient is the finite difference's."""
+    from jaxllm.loader import load_model
+    from jaxllm.models.dense import dense_forward
+    from tests.hf_models import make_tiny_hf_model
+
+    make_tiny_hf_model("llama", tmp_path, tie_word_embeddings=True)
+    cfg, params, _ = load_model(tmp_path, np.float32)
+    ids = jnp.asarray(np.arange(12).reshape(2, 6) * 7 % cfg.vocab_size, jnp.int32)
+
+    def loss(embed):
+        return jnp.sum(jax.nn.log_softmax(dense_forward({**params, "embed": embed}, ids, cfg=cfg))[..., 5])
+
+    assert "jaxllm_" not in jax.jit(loss).lower(params["embed"]).compile().as_text()
+    grad = np.asarray(jax.grad(loss)(params["embed"]))
+    step = np.zeros(params["embed"].shape, np.float32)
+    step[7, 3] = 1e-2
+    numeric = (loss(params["embed"] + step) - loss(params["embed"] - step)) / 2e-2
+    np.testing.assert_allclose(grad[7, 3], numeric, rtol=2e-2, atol=1e-3)
 
 
 def _step(tmp_path, dtype, num_tokens):

@@ -167,7 +167,9 @@ def forward(
     all_logits: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """One model step: :func:`hidden_states`, then :func:`compute_logits` of
-    the rows at ``batch.logits_indices: int32[S]``.
+    the rows at ``batch.logits_indices: int32[S]`` (on the CPU, both on the
+    native kernels where they apply, which have no derivative:
+    ``dense_forward`` is the differentiable forward).
 
     Args:
       params, kv_cache, batch, cfg, ops: as :func:`hidden_states`.
@@ -180,4 +182,4 @@ def forward(
     hidden, kv_cache = hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops)
     if not all_logits:
         hidden = hidden[batch.logits_indices]
-    return compute_logits(params, hidden, cfg=cfg), kv_cache
+    return compute_logits(params, hidden, cfg=cfg, native_kernels=True), kv_cache

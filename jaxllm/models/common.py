@@ -48,10 +48,14 @@ it and copy the whole cache on every layer.
 Reading layer ``l``'s weights by index is a dynamic-slice, which XLA's CPU
 backend copies on every step before its dots read the copy again. So each
 layer dict inside the scan also holds, under :data:`STACKED`, the stacked
-leaves and the index, and :func:`project` hands the float32 weights of steps
+leaves, the index and the step's token count, and :func:`project` hands the float32 weights of steps
 of at most :data:`NATIVE_MATMUL_MAX_ROWS` tokens on a one-device CPU backend
 to ``kernels_pallas.native.stacked_matmul_cpu``, which reads the stacked
-weight in place (``scripts/profile_step.py`` has the profile).
+weight in place (``scripts/profile_step.py`` has the profile). Each call
+computes only the step's tokens (the leading rows of its bucket), and
+:func:`compute_logits` (``native_kernels=True``, the model step's head) runs a float32
+lm_head of 4 rows or more on the native kernels too, for the step's sequences
+only.
 """
 
 from __future__ import annotations
@@ -501,25 +505,32 @@ NATIVE_LM_HEAD_MIN_ROWS = 4
 
 
 def native_lm_head_applies(hidden: jax.Array, weight: jax.Array, tied: bool) -> bool:
-    """Whether :func:`compute_logits` runs the lm_head on the native kernels: on XLA's CPU backend with one
-    device, at least :data:`NATIVE_LM_HEAD_MIN_ROWS` rows, a float32 weight the kernel takes (the tied
-    embedding [V, E] through ``native.matmul_nt_cpu``, an lm_head [E, V] through ``native.stacked_matmul_cpu``),
-    once the kernels are built."""
-    supported = native.matmul_nt_supports(weight) if tied else native.matmul_supports(weight[None])
+    """Whether :func:`compute_logits` (with ``native_kernels=True``) runs the lm_head on the native kernels: on XLA's CPU
+    backend with one device, at least :data:`NATIVE_LM_HEAD_MIN_ROWS` rows, a float32 weight the kernel takes
+    (the tied embedding [V, E] through ``native.matmul_nt_cpu``, an lm_head [E, V] through
+    ``native.stacked_matmul_cpu``), once the kernels are built."""
+    if tied:
+        supported = native.matmul_nt_supports(weight)
+    else:  # as the one layer of a stack: [1, E, V]
+        supported = (weight.ndim == 2 and weight.dtype == jnp.float32
+                     and weight.shape[1] % native.MATMUL_COLUMN_MULTIPLE == 0)
     return (jax.default_backend() == "cpu" and jax.device_count() == 1 and hidden.shape[0] >= NATIVE_LM_HEAD_MIN_ROWS
             and supported and native.available())
 
 
-def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig,
-                   num_rows: Optional[jax.Array] = None) -> jax.Array:
+def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig, num_rows: Optional[jax.Array] = None,
+                   native_kernels: bool = False) -> jax.Array:
     """The lm_head (or the tied embedding): hidden ``[N, hidden_size]`` ->
     logits float32 ``[N, vocab]``, accumulated in float32, soft-capped
     (``cap * tanh(logits / cap)``) when ``cfg.final_logit_softcap`` is set.
 
-    ``num_rows`` (int32 [], or None for all N): the leading rows that are
-    real (a step's sequences; the rest pad its bucket). Where
-    :func:`native_lm_head_applies`, only those are computed and the others
-    are zeros; elsewhere every row is computed.
+    ``native_kernels``: the model step's head (``models.forward``, the engine's
+    step) takes the C++ kernels where :func:`native_lm_head_applies`; they
+    have no derivative, so the default (``dense_forward``, which ``jax.grad``
+    goes through) keeps XLA's dots. ``num_rows`` (int32 [], or None for all
+    N): the leading rows that are real (a step's sequences; the rest pad its
+    bucket); on the kernels only those are computed and the others are
+    zeros, elsewhere every row is computed.
 
     The tied embedding ``[V, E]`` is contracted on its second axis directly:
     ``hidden @ embed.T`` would make XLA's CPU backend transpose the whole
@@ -528,7 +539,7 @@ def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig,
     """
     tied = cfg.tie_word_embeddings
     weight = params["embed"] if tied else params["lm_head"]
-    if "lm_head_scale" not in params and native_lm_head_applies(hidden, weight, tied):
+    if native_kernels and "lm_head_scale" not in params and native_lm_head_applies(hidden, weight, tied):
         logits = (native.matmul_nt_cpu(hidden, weight, num_rows) if tied
                   else native.stacked_matmul_cpu(hidden, weight[None], 0, num_rows))
     elif tied:

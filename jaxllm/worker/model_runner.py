@@ -113,9 +113,9 @@ def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: Samplin
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch.input_ids)
     hidden, kv_cache = hidden_states(params, kv_cache, dataclasses.replace(batch, input_ids=input_ids),
                                      cfg=cfg, ops=ops, compressed=compressed)
-    head = functools.partial(compute_logits, params, cfg=cfg)
+    head = functools.partial(compute_logits, params, cfg=cfg, native_kernels=True)
     if num_positions == 1:
-        logits = head(hidden[batch.logits_indices], num_rows=batch.num_seqs)  # padding rows: zeros
+        logits = head(hidden[batch.logits_indices], num_rows=batch.num_seqs)  # on the kernels: padding rows 0
         sampled, tables = sample(logits, sampling, tables, bitmask)
         first = sampled.token_ids
     else:
