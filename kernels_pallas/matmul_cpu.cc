@@ -28,9 +28,9 @@
 // Work: panels of columns are the units, taken from an atomic counter by the calling thread and tasks on XLA's
 // intra-op thread pool. Within a panel of kPanel columns, tiles of kRows rows of x accumulate in registers down K;
 // jaxllm_matmul_nt_cpu first transposes its panel (kPanel rows of w) into a per-thread buffer, by blocks of
-// kLanes x kLanes in registers, so the same tiles read it. With fewer than kPackMinRows rows (and in a last, narrower panel) it
-// takes dot tiles instead: kNtRows rows of x by kNtCols rows of w, kLanes accumulators of lane-wise partial dots
-// down K, summed across lanes together by the shuffle tree of cpu_vectors.h.
+// kLanes x kLanes in registers, so the same tiles read it. With fewer than kPackMinRows rows (and in a last,
+// narrower panel) it takes dot tiles instead: kNtRows rows of x by kNtCols rows of w, kLanes accumulators of
+// lane-wise partial dots down K, summed across lanes together by the shuffle tree of cpu_vectors.h.
 
 #include <algorithm>
 #include <atomic>

@@ -505,8 +505,8 @@ NATIVE_LM_HEAD_MIN_ROWS = 4
 
 
 def native_lm_head_applies(hidden: jax.Array, weight: jax.Array, tied: bool) -> bool:
-    """Whether :func:`compute_logits` (with ``native_kernels=True``) runs the lm_head on the native kernels: on XLA's CPU
-    backend with one device, at least :data:`NATIVE_LM_HEAD_MIN_ROWS` rows, a float32 weight the kernel takes
+    """Whether :func:`compute_logits` (with ``native_kernels=True``) runs the lm_head on the native kernels: on
+    XLA's CPU backend with one device, at least :data:`NATIVE_LM_HEAD_MIN_ROWS` rows, a float32 weight the kernel takes
     (the tied embedding [V, E] through ``native.matmul_nt_cpu``, an lm_head [E, V] through
     ``native.stacked_matmul_cpu``), once the kernels are built."""
     if tied:
