@@ -509,11 +509,9 @@ def native_lm_head_applies(hidden: jax.Array, weight: jax.Array, tied: bool) -> 
     XLA's CPU backend with one device, at least :data:`NATIVE_LM_HEAD_MIN_ROWS` rows, a float32 weight the kernel takes
     (the tied embedding [V, E] through ``native.matmul_nt_cpu``, an lm_head [E, V] through
     ``native.stacked_matmul_cpu``), once the kernels are built."""
-    if tied:
-        supported = native.matmul_nt_supports(weight)
-    else:  # as the one layer of a stack: [1, E, V]
-        supported = (weight.ndim == 2 and weight.dtype == jnp.float32
-                     and weight.shape[1] % native.MATMUL_COLUMN_MULTIPLE == 0)
+    # Untied: as the one layer of a stack, [1, E, V] (a shape only: nothing is computed to ask).
+    supported = (native.matmul_nt_supports(weight) if tied
+                 else native.matmul_supports(jax.ShapeDtypeStruct((1, *weight.shape), weight.dtype)))
     return (jax.default_backend() == "cpu" and jax.device_count() == 1 and hidden.shape[0] >= NATIVE_LM_HEAD_MIN_ROWS
             and supported and native.available())
 
