@@ -7,7 +7,7 @@ to 16 and to 4 tokens, a 512-token prefill) it times, on the engine's own parame
   of the sampled rows, as the engine runs it;
 - ``no attention``: the same with the attention op replaced by the identity
   and the KV write by a no-op (so ``step - no attention`` is attention);
-- ``lm_head``: the logits of the sampled rows alone;
+- ``lm_head``: the logits of the sampled rows alone, as the step computes them (every row);
 - ``sampler``: one greedy ``sampler.sample`` over those logits;
 - ``jnp tiles``: with the ``xla`` attention (the CPU default), the full step
   again with attention on the ``jnp`` tiles instead of the C++ kernel
@@ -185,7 +185,8 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
         bare = jax.jit(functools.partial(model_step, ops=no_attention), donate_argnums=(1,))
         without, (_, runner.kv_cache) = timed(bare, runner.params, runner.kv_cache, batch, donate=True)
         hidden = jnp.zeros((rows, cfg.hidden_size), runner.params["embed"].dtype)
-        head, _ = timed(jax.jit(functools.partial(models.compute_logits, cfg=cfg)), runner.params, hidden)
+        head, _ = timed(jax.jit(functools.partial(models.compute_logits, cfg=cfg, native_kernels=True)),
+                        runner.params, hidden)
         arrays = jax.tree_util.tree_map(jnp.asarray, SamplingArrays.empty(rows))
         sampler, _ = timed(jax.jit(sample), logits, arrays, runner.sampler_tables)
         extra = ""
