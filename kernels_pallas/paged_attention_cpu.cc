@@ -56,7 +56,8 @@ using namespace jaxllm_cpu;
 
 constexpr int64_t kTile = 16;           // query tokens per unit
 constexpr int64_t kMaxBlockSize = 256;  // tokens per block
-// Blocks ahead whose lines are prefetched (measured on decode: 0-3 within 5% of each other).
+// Blocks ahead whose lines are prefetched (the tiled path measured 0-3 within 5% of each other; decode: 1 and 2
+// alike, both 1.4-1.5x faster than none).
 constexpr int64_t kPrefetchBlocks = 1;
 // Units of at least this many query tokens take the GEMM-shaped path when the shapes allow it.
 constexpr int64_t kTiledMinTokens = 2;
@@ -86,16 +87,48 @@ inline float exp_nonpositive(float x) {
 
 // The kLanes dot products of q [dim] with kLanes consecutive keys (key t at keys + t * stride), dim a multiple
 // of kLanes: per key kLanes-lane partial sums, then the kLanes vectors summed across lanes together by a tree of
-// shuffles (log2 kLanes levels), a fraction of the cost of a horizontal sum per key.
+// shuffles (log2 kLanes levels), a fraction of the cost of a horizontal sum per key. The loop over keys is the
+// inner, unrolled one, so the kLanes multiply-add chains are independent: one key at a time, each chain waited
+// on the latency of the one before (profiled: the decode kernel's largest cost before).
 inline VF scores_of_lanes(const float* q, const float* keys, int64_t stride, int64_t dim) {
-  VF part[kLanes];
-  for (int t = 0; t < kLanes; ++t) {
-    const float* key = keys + t * stride;
-    VF acc = loadv(q) * loadv(key);
-    for (int64_t d = kLanes; d < dim; d += kLanes) acc += loadv(q + d) * loadv(key + d);
-    part[t] = acc;
+  VF part[kLanes] = {};
+  for (int64_t d = 0; d < dim; d += kLanes) {
+    const VF qd = loadv(q + d);
+#pragma GCC unroll 16
+    for (int t = 0; t < kLanes; ++t) part[t] += qd * loadv(keys + t * stride + d);
   }
   return sum_lanes_together(part);  // lane t: key t's dot
+}
+
+// a[d] = a[d] * rescale + sum over t in [t_lo, t_hi) of weights[t] * vals[t * stride + d], for d in
+// [0, NV * kLanes). Even and odd tokens go to separate accumulators, so 2 * NV multiply-add chains run at once
+// (NV alone left the loop waiting on the multiply-add latency).
+template <int NV>
+inline void add_weighted_values(const float* weights, const float* vals, int64_t stride, int64_t t_lo, int64_t t_hi,
+                                float rescale, float* a) {
+  VF even[NV], odd[NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) {
+    even[i] = loadv(a + i * kLanes) * rescale;
+    odd[i] = VF{};
+  }
+  int64_t t = t_lo;
+  for (; t + 1 < t_hi; t += 2) {
+    const float w0 = weights[t], w1 = weights[t + 1];
+    const float* v0 = vals + t * stride;
+    const float* v1 = v0 + stride;
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+      even[i] += w0 * loadv(v0 + i * kLanes);
+      odd[i] += w1 * loadv(v1 + i * kLanes);
+    }
+  }
+  if (t < t_hi) {
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) even[i] += weights[t] * loadv(vals + t * stride + i * kLanes);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) storev(a + i * kLanes, even[i] + odd[i]);
 }
 
 struct Problem {
@@ -164,15 +197,17 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
   alignas(64) float scores[kMaxBlockSize];
   alignas(64) float weights[kMaxBlockSize];
   for (int64_t start = lo_all - lo_all % bs; start <= hi_all; start += bs) {
+    // The lines of a block ahead, prefetched a share per query head below: all at once, they filled the core's
+    // miss buffers and held up the loads of this block's work behind them (1.4-1.5x slower decode, measured).
+    const char* next_k = nullptr;
+    const char* next_v = nullptr;
     if (start + kPrefetchBlocks * bs <= hi_all) {
       const int64_t ahead = table[start / bs + kPrefetchBlocks];
-      const char* next_k = reinterpret_cast<const char*>(kc + ahead * block_elems);
-      const char* next_v = reinterpret_cast<const char*>(vc + ahead * block_elems);
-      for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64) {
-        __builtin_prefetch(next_k + off);
-        __builtin_prefetch(next_v + off);
-      }
+      next_k = reinterpret_cast<const char*>(kc + ahead * block_elems);
+      next_v = reinterpret_cast<const char*>(vc + ahead * block_elems);
     }
+    const int64_t block_lines = (block_elems * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    const int64_t lines_per_head = (block_lines + heads - 1) / heads;
     const float* kb = as_float(kc + table[start / bs] * block_elems, block_elems, s.k_block);
     const float* vb = as_float(vc + table[start / bs] * block_elems, block_elems, s.v_block);
     for (int64_t j = 0; j < u.count; ++j) {
@@ -183,6 +218,13 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
       for (int64_t qh = 0; qh < heads; ++qh) {
         const int64_t h = qh / group, pair = j * heads + qh;
         const float* qv = s.q.data() + pair * dim;
+        if (next_k != nullptr && j == 0) {
+          const int64_t end = std::min(block_lines, (qh + 1) * lines_per_head);
+          for (int64_t line = qh * lines_per_head; line < end; ++line) {
+            __builtin_prefetch(next_k + line * 64);
+            __builtin_prefetch(next_v + line * 64);
+          }
+        }
         float block_max = -INFINITY;
         if (fast) {
           for (int64_t t0 = 0; t0 < bs; t0 += kLanes) {
@@ -205,7 +247,7 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
         }
         const float old_max = s.run_max[pair];
         const float new_max = block_max > old_max ? block_max : old_max;
-        const float rescale = std::exp(old_max - new_max);  // 0 on the first block (-inf)
+        const float rescale = exp_nonpositive(old_max - new_max);  // 0 on the first block (-inf)
         float block_sum = 0.0f;
 #pragma omp simd reduction(+ : block_sum)
         for (int64_t t = t_lo; t < t_hi; ++t) {
@@ -215,19 +257,22 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
         s.run_sum[pair] = s.run_sum[pair] * rescale + block_sum;
         s.run_max[pair] = new_max;
         float* a = s.acc.data() + pair * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
+        const float* values = vb + h * dim;
         if (fast) {
-          // A vector of output elements held across the block's tokens.
-          for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {
-            VF out = loadv(a + d0);
-            for (int64_t t = t_lo; t < t_hi; ++t) out += weights[t] * loadv(vb + t * token_stride + h * dim + d0);
-            storev(a + d0, out);
+          // Four vectors of output elements at a time, held across the block's tokens.
+          int64_t d0 = 0;
+          for (; d0 + 4 * kLanes <= dim; d0 += 4 * kLanes) {
+            add_weighted_values<4>(weights, values + d0, token_stride, t_lo, t_hi, rescale, a + d0);
+          }
+          for (; d0 < dim; d0 += kLanes) {
+            add_weighted_values<1>(weights, values + d0, token_stride, t_lo, t_hi, rescale, a + d0);
           }
         } else {
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
           for (int64_t t = t_lo; t < t_hi; ++t) {
             const float w = weights[t];
-            const float* value = vb + t * token_stride + h * dim;
+            const float* value = values + t * token_stride;
 #pragma omp simd
             for (int64_t d = 0; d < dim; ++d) a[d] += w * value[d];
           }

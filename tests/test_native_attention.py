@@ -102,6 +102,7 @@ def test_native_attention_matches_reference_on_any_ragged_batch(seed, block_size
     (128, 2, 2, jnp.bfloat16, None, 5.0),
     (256, 4, 1, jnp.bfloat16, 20, None),    # Gemma 3 270M's heads
     (32, 2, 3, jnp.float32, 16, 3.0),
+    (80, 2, 2, jnp.float32, None, None),    # four-vector runs of the values' sum, then single vectors
 ])
 def test_native_attention_vector_path_of_16_token_blocks_matches_reference(head_dim, group, kv_heads, dtype, window,
                                                                            soft_cap):
