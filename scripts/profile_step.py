@@ -77,6 +77,15 @@ either way), a 512-token prefill step's 64-row head (3 real rows) 11.5 -> 3-4
 ms (one pass over the embedding), and the projections skip a bucket's padding
 tokens the same way. The step columns above call the head on every row.
 
+Then (a later session, same machine): the decode attention read scattered
+blocks at 11-14 GB/s against 22-28 GB/s for a plain read of the same blocks
+through the same tables, and ran no faster with every block already in the
+L3. ``perf annotate``: the multiply-adds of the scores (one key at a time) and
+of the values' sum waited on each other's latency, and the 384 prefetches of
+the next block issued at once stalled the loads behind them. Keys innermost,
+even and odd tokens in separate accumulators, and the prefetches spread over
+the query heads: 48 rows at contexts 100-400, 30 layers, 43-48 -> 27-31 ms.
+
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a
 ``jax.profiler`` trace of the full steps (open with TensorBoard / Perfetto).
