@@ -7,6 +7,10 @@
 // layer's weight in place, once: each column panel's rows stream through registers for a few rows of x at a
 // time.
 //
+// jaxllm_matmul_bf16_cpu: the same for bfloat16 weights and x. XLA's bfloat16 dots pay the same slice copy; here
+// the weights are read in place at half float32's bytes, and with AVX-512-BF16 each vdpbf16ps multiplies 16
+// pairs of bfloat16 (two rows of K) into float32 accumulators.
+//
 // jaxllm_matmul_nt_cpu, x @ w^T: the tied embedding [V, E] as the lm_head, each output a dot of a row of x
 // with a row of w. Against XLA's dot of that shape it gains little on full rows (48 rows of SmolLM2's
 // [49152, 576] embedding: 10.3 -> 9.7-11 ms, the embedding streaming from memory either way); what it is for is
@@ -17,9 +21,10 @@
 // stale memory that could be NaN).
 //
 // Operands (row-major):
-//   jaxllm_matmul_cpu:    x float32 [M, K]; w float32 [L, K, N], N a multiple of 16 (bfloat16 weights keep XLA's
-//                         dots: on a CPU with AVX-512-BF16 they multiply pairs of bf16 in one instruction, faster
-//                         than converting to float32 here); layer int32 [] in [0, L); rows int32 [].
+//   jaxllm_matmul_cpu:    x float32 [M, K]; w float32 [L, K, N], N a multiple of 16; layer int32 [] in [0, L);
+//                         rows int32 [].
+//   jaxllm_matmul_bf16_cpu: as jaxllm_matmul_cpu with x and w bfloat16 (or uint16 bfloat16 bits) and K even. Without
+//                         AVX-512-BF16 the weights are converted to float32 as they are read.
 //   jaxllm_matmul_nt_cpu: x float32 [M, K]; w float32 [N, K], K a multiple of 16; rows int32 [].
 // Result: float32 [M, N], accumulated in float32; rows [rows, M) zeros (rows is clamped to [0, M]).
 // Errors: shapes outside those above return an FFI error saying what is expected; a layer outside [0, L) one
@@ -39,7 +44,12 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 #include "cpu_vectors.h"
 #include "xla/ffi/api/ffi.h"
@@ -64,43 +74,214 @@ constexpr int kNtCols = kLanes / kNtRows;  // rows of w per dot tile: a tile's d
 // jaxllm_matmul_cpu; fewer rows take the dot tiles (reading w once, at memory speed either way).
 constexpr int64_t kPackMinRows = 8;
 
-// y[r0, r0 + R) x [0, C * kLanes) = x[r0, r0 + R) @ w[:, 0, C * kLanes), w's rows ws floats apart, y's ys.
-template <int R, int C>
-inline void tile(const float* x, const float* w, int64_t ws, float* y, int64_t ys, int64_t k_dim, int64_t r0) {
+// A bfloat16's bits as the float32 it is (its high half).
+inline float to_float(uint16_t b) { return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16); }
+inline float to_float(float f) { return f; }
+
+// kLanes consecutive weights as float32: a load, or for bfloat16 bits a widening and a shift.
+inline VF loadw(const float* p) { return loadv(p); }
+inline VF loadw(const uint16_t* p) {
+  typedef uint16_t VH __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t VU __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  VH h;
+  std::memcpy(&h, p, sizeof(h));
+  return reinterpret_cast<VF>(__builtin_convertvector(h, VU) << 16);
+}
+
+// One tile's operands: rows of x (xs elements apart), k rows of a panel of w (ws apart) from the same K offset,
+// rows of y (ys apart); accumulate: add to y's values (a later chunk of K) instead of storing. pf: pf_rows rows
+// (pf_stride elements apart, pf_lines cache lines each) of the weights a later tile reads, prefetched one row
+// per row of K here so that memory is read while this tile computes (pf_rows 0: none).
+template <typename T>
+struct Operands {
+  const T* x;
+  int64_t xs;
+  const T* w;
+  int64_t ws;
+  float* y;
+  int64_t ys;
+  int64_t k;
+  bool accumulate;
+  const T* pf = nullptr;
+  int64_t pf_stride = 0, pf_rows = 0;
+  int pf_lines = 0;
+};
+
+// The prefetches of Operands::pf due at row k of a tile of o.k rows (row k, and k + o.k, ... past o.k rows).
+template <typename T>
+inline void prefetch_rows(const Operands<T>& o, int64_t k) {
+  for (int64_t row = k; row < o.pf_rows; row += o.k) {
+    const char* line = reinterpret_cast<const char*>(o.pf + row * o.pf_stride);
+    for (int i = 0; i < o.pf_lines; ++i) __builtin_prefetch(line + 64 * i, 0, 3);
+  }
+}
+
+// y[r0, r0 + R) x [0, C * kLanes) (+)= x[r0, r0 + R) @ w[:, 0, C * kLanes).
+// T: float, or uint16_t for bfloat16 bits converted to float32 as they are read (CPUs without AVX-512-BF16).
+template <int R, int C, typename T>
+inline void tile(const Operands<T>& o, int64_t r0) {
   VF acc[R][C] = {};
-  const float* rows = x + r0 * k_dim;
-  for (int64_t k = 0; k < k_dim; ++k) {
-    VF wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = loadv(w + k * ws + c * kLanes);
+  if (o.accumulate) {
     for (int r = 0; r < R; ++r) {
-      const float xv = rows[r * k_dim + k];
+      for (int c = 0; c < C; ++c) acc[r][c] = loadv(o.y + (r0 + r) * o.ys + c * kLanes);
+    }
+  }
+  const T* rows = o.x + r0 * o.xs;
+  for (int64_t k = 0; k < o.k; ++k) {
+    prefetch_rows(o, k);
+    VF wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = loadw(o.w + k * o.ws + c * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float xv = to_float(rows[r * o.xs + k]);
       for (int c = 0; c < C; ++c) acc[r][c] += wv[c] * xv;
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) storev(y + (r0 + r) * ys + c * kLanes, acc[r][c]);
+    for (int c = 0; c < C; ++c) storev(o.y + (r0 + r) * o.ys + c * kLanes, acc[r][c]);
   }
 }
 
+#ifdef __AVX512BF16__
+// The bfloat16 tile where the CPU multiplies pairs of bfloat16 in one instruction (vdpbf16ps: lane i of the
+// accumulator += a[2i] * b[2i] + a[2i + 1] * b[2i + 1], in float32): K is taken two rows at a time, rows k and
+// k + 1 of 32 columns interleaved into two registers of pairs (vpunpcklwd / vpunpckhwd, shared by the R rows of
+// x), and each row's (x[k], x[k + 1]) broadcast as one 32-bit pair. The interleave works within 128-bit lanes,
+// so `lo` holds columns 0-3, 8-11, 16-19, 24-27 of the 32 and `hi` the others; the accumulators leave (and
+// re-enter) that order once per tile (a 16-bit permute across lanes, vpermt2w, is three micro-ops per use on
+// Intel cores). C: vectors of 16 columns, even; o.k even (the caller checks).
+template <int R, int C>
+inline void tile_pairs(const Operands<uint16_t>& o, int64_t r0) {
+  static_assert(kLanes == 16 && C % 2 == 0, "AVX-512: 16 float32 lanes, 32 bfloat16 columns per pair of vectors");
+  // Column j of the 32 sits in lo (j % 8 < 4) or hi, lane 4 * (j / 8) + j % 4 of it; index bit 4 picks the
+  // second operand.
+  alignas(64) static constexpr int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static constexpr int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  alignas(64) static constexpr int32_t kLo[16] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  alignas(64) static constexpr int32_t kHi[16] = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; c += 2) {
+      if (o.accumulate) {
+        const float* in = o.y + (r0 + r) * o.ys + c * kLanes;
+        const __m512 a = _mm512_loadu_ps(in), b = _mm512_loadu_ps(in + kLanes);
+        acc[r][c] = _mm512_permutex2var_ps(a, _mm512_load_si512(kLo), b);
+        acc[r][c + 1] = _mm512_permutex2var_ps(a, _mm512_load_si512(kHi), b);
+      } else {
+        acc[r][c] = acc[r][c + 1] = _mm512_setzero_ps();
+      }
+    }
+  }
+  const uint16_t* rows = o.x + r0 * o.xs;
+  for (int64_t k = 0; k < o.k; k += 2) {
+    prefetch_rows(o, k);
+    prefetch_rows(o, k + 1);
+    __m512bh wv[C];
+    for (int c = 0; c < C; c += 2) {
+      const __m512i a = _mm512_loadu_si512(o.w + k * o.ws + c * kLanes);
+      const __m512i b = _mm512_loadu_si512(o.w + (k + 1) * o.ws + c * kLanes);
+      wv[c] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+      wv[c + 1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, rows + r * o.xs + k, sizeof(pair));
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
+    }
+  }
+  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; c += 2) {
+      float* out = o.y + (r0 + r) * o.ys + c * kLanes;
+      _mm512_storeu_ps(out, _mm512_permutex2var_ps(acc[r][c], first, acc[r][c + 1]));
+      _mm512_storeu_ps(out + kLanes, _mm512_permutex2var_ps(acc[r][c], second, acc[r][c + 1]));
+    }
+  }
+}
+#endif
+
+// One tile of R rows: the pairs tile for bfloat16 where the CPU has it, else the float32 arithmetic of tile.
+template <int R, int C, typename T>
+inline void any_tile(const Operands<T>& o, int64_t r0) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, uint16_t> && C % 2 == 0) {
+    tile_pairs<R, C>(o, r0);
+    return;
+  }
+#endif
+  tile<R, C>(o, r0);
+}
+
 // The last `rows_left` (< kRows) rows of a panel, as one tile of exactly that many rows.
-template <int C, int R = kRows - 1>
-inline void tail(const float* x, const float* w, int64_t ws, float* y, int64_t ys, int64_t k_dim, int64_t r0,
-                 int64_t rows_left) {
+template <int C, typename T, int R = kRows - 1>
+inline void tail(const Operands<T>& o, int64_t r0, int64_t rows_left) {
   if constexpr (R > 0) {
     if (rows_left == R) {
-      tile<R, C>(x, w, ws, y, ys, k_dim, r0);
+      any_tile<R, C>(o, r0);
     } else {
-      tail<C, R - 1>(x, w, ws, y, ys, k_dim, r0, rows_left);
+      tail<C, T, R - 1>(o, r0, rows_left);
     }
   }
 }
 
-// Rows [0, m) of y's C vectors of columns at y (row stride ys) from w's at w (row stride ws).
-template <int C>
-void panel(const float* x, const float* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k_dim) {
+// Rows [0, m) of the tiles of one chunk of K; the rows of o.pf are shared out among the tiles.
+template <int C, typename T>
+inline void tiles(Operands<T> o, int64_t m) {
+  const int64_t count = (m + kRows - 1) / kRows, pf_rows = o.pf_rows, share = (pf_rows + count - 1) / count;
+  const T* pf = o.pf;
   int64_t r = 0;
-  for (; r + kRows <= m; r += kRows) tile<kRows, C>(x, w, ws, y, ys, k_dim, r);
-  tail<C>(x, w, ws, y, ys, k_dim, r, m - r);
+  for (int64_t t = 0; t < count; ++t, r += kRows) {
+    o.pf = pf + std::min(t * share, pf_rows) * o.pf_stride;
+    o.pf_rows = std::clamp<int64_t>(pf_rows - t * share, 0, share);
+    if (r + kRows <= m) {
+      any_tile<kRows, C>(o, r);
+    } else {
+      tail<C>(o, r, m - r);
+    }
+  }
+}
+
+// Rows of K per chunk of a panel when x has more than one tile of rows: 128 rows of 64 float32 columns are
+// 32 KiB, which stay in L1 while every tile of rows reads them.
+constexpr int64_t kChunk = 128;
+
+// Rows [0, m) of y's C vectors of columns at y (row stride ys) from w's at w (row stride ws).
+// One tile of rows reads the panel once, in place. More tiles read it once per tile, so the panel is taken in
+// chunks of kChunk rows of K, each copied into a contiguous per-thread buffer first (unless w is one already):
+// in place, rows of the panel ws elements apart map to few cache sets when ws * sizeof(T) is a multiple of
+// 4 KiB (SmolLM2's fused gate and up, N = 3072 float32: 77 against 137 GFLOP/s at N = 3136, 48 rows, 2 Intel
+// AVX-512 cores), and a chunk stays in L1 while the tiles reread it. The tiles of a later chunk add to y.
+// While a chunk's tiles run they prefetch the next chunk's rows, or `next`'s first chunk (the panel this thread
+// takes next, same stride; nullptr: none), so that the copy finds them in cache.
+template <int C, typename T>
+void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k_dim, const T* next) {
+  constexpr int64_t cols = C * kLanes;
+  if (m <= kRows) {
+    tiles<C>(Operands<T>{x, k_dim, w, ws, y, ys, k_dim, false}, m);
+    return;
+  }
+  constexpr int lines = std::max<int>(1, cols * sizeof(T) / 64);
+  thread_local std::vector<T> chunk;
+  if (ws != cols) chunk.resize(kChunk * cols);
+  for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
+    const int64_t kc = std::min(kChunk, k_dim - k0);
+    const T* rows = w + k0 * ws;
+    if (ws != cols) {
+      for (int64_t k = 0; k < kc; ++k) std::memcpy(chunk.data() + k * cols, rows + k * ws, cols * sizeof(T));
+      rows = chunk.data();
+    }
+    Operands<T> o{x + k0, k_dim, rows, cols, y, ys, kc, k0 > 0};
+    if (k0 + kc < k_dim) {
+      o.pf = w + (k0 + kc) * ws;
+      o.pf_rows = std::min(kChunk, k_dim - k0 - kc);
+    } else if (next != nullptr) {
+      o.pf = next;
+      o.pf_rows = std::min(kChunk, k_dim);
+    }
+    o.pf_stride = ws;
+    o.pf_lines = lines;
+    tiles<C>(o, m);
+  }
 }
 
 // The kLanes x kLanes block in v (row i = v[i]) transposed in registers: stage t swaps bit t of the row and
@@ -179,6 +360,8 @@ inline void nt_tile(const float* x, const float* w, float* y, int64_t m, int64_t
 struct Shared {
   const float* x;
   const float* w;
+  const uint16_t* xb = nullptr;  // jaxllm_matmul_bf16_cpu: x and w as bfloat16 bits (x and w unused)
+  const uint16_t* wb = nullptr;
   float* y;
   int64_t m, k, n, panels;
   bool transposed;  // jaxllm_matmul_nt_cpu
@@ -186,10 +369,31 @@ struct Shared {
   std::atomic<int64_t> done{0};
 };
 
-// One panel of kPanel output columns (the last one may be narrower).
-void run_panel(const Shared& s, int64_t p) {
+// panel<C> for the panel's `vectors` vectors of columns (4 or more: 4).
+template <typename T>
+void any_panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k_dim,
+               int64_t vectors, const T* next) {
+  if (vectors >= 4) {
+    panel<4>(x, w, ws, y, ys, m, k_dim, next);
+  } else if (vectors == 3) {
+    panel<3>(x, w, ws, y, ys, m, k_dim, next);
+  } else if (vectors == 2) {
+    panel<2>(x, w, ws, y, ys, m, k_dim, next);
+  } else {
+    panel<1>(x, w, ws, y, ys, m, k_dim, next);
+  }
+}
+
+// One panel of kPanel output columns (the last one may be narrower); `next`: the panel this thread takes after
+// it (its weights are prefetched), or -1.
+void run_panel(const Shared& s, int64_t p, int64_t next) {
   const int64_t c0 = p * kPanel;
   const int64_t cols = std::min(kPanel, s.n - c0);
+  const int64_t vectors = cols / kLanes;  // jaxllm_matmul_cpu and _bf16_cpu: N is a multiple of 16
+  if (s.wb != nullptr) {
+    any_panel(s.xb, s.wb + c0, s.n, s.y + c0, s.n, s.m, s.k, vectors, next < 0 ? nullptr : s.wb + next * kPanel);
+    return;
+  }
   if (s.transposed && (s.m < kPackMinRows || cols < kPanel)) {
     for (int64_t r0 = 0; r0 < s.m; r0 += kNtRows) {
       for (int64_t c = c0; c < c0 + cols; c += kNtCols) nt_tile(s.x, s.w, s.y, s.m, s.k, s.n, r0, c);
@@ -205,26 +409,20 @@ void run_panel(const Shared& s, int64_t p) {
     w = packed.data();
     ws = kPanel;
   }
-  float* y = s.y + c0;
-  const int64_t vectors = cols / kLanes;  // jaxllm_matmul_cpu: N is a multiple of 16
-  if (vectors >= 4) {
-    panel<4>(s.x, w, ws, y, s.n, s.m, s.k);
-  } else if (vectors == 3) {
-    panel<3>(s.x, w, ws, y, s.n, s.m, s.k);
-  } else if (vectors == 2) {
-    panel<2>(s.x, w, ws, y, s.n, s.m, s.k);
-  } else {
-    panel<1>(s.x, w, ws, y, s.n, s.m, s.k);
-  }
+  // The transposed panel is packed from rows of w, not read at this stride: nothing of it to prefetch.
+  const float* ahead = s.transposed || next < 0 ? nullptr : s.w + next * kPanel;
+  any_panel(s.x, w, ws, s.y + c0, s.n, s.m, s.k, vectors, ahead);
 }
 
-// Take panels until none is left; returns after the last panel this thread took.
+// Take panels until none is left; returns after the last panel this thread took. Each panel is taken one ahead,
+// so that its weights are prefetched while the one before it computes.
 void drain(Shared& s) {
-  for (;;) {
-    const int64_t p = s.next.fetch_add(1);
-    if (p >= s.panels) return;
-    run_panel(s, p);
+  int64_t p = s.next.fetch_add(1);
+  while (p < s.panels) {
+    const int64_t next = s.next.fetch_add(1);
+    run_panel(s, p, next < s.panels ? next : -1);
     s.done.fetch_add(1, std::memory_order_release);
+    p = next;
   }
 }
 
@@ -244,6 +442,29 @@ int64_t valid_rows(ffi::Buffer<ffi::S32>& rows, int64_t m) {
   return std::clamp<int64_t>(*rows.typed_data(), 0, m);
 }
 
+// What both stacked matmuls share once their shapes are checked: the layer's range check, then the run, with
+// `place(s, offset)` setting s's operand pointers (w at the layer's element offset). name: the call's, for errors.
+template <typename Place>
+ffi::Error run_stacked(ffi::ThreadPool& pool, const std::string& name, int64_t m, int64_t k, int64_t layers,
+                       int64_t n, ffi::Buffer<ffi::S32>& layer, ffi::Buffer<ffi::S32>& rows, float* y,
+                       Place place) {
+  const int32_t index = *layer.typed_data();
+  if (index < 0 || index >= layers) {
+    return ffi::Error::InvalidArgument(name + ": layer " + std::to_string(index) + " outside [0, " +
+                                       std::to_string(layers) + ")");
+  }
+  auto s = std::make_shared<Shared>();
+  place(*s, index * k * n);
+  s->y = y;
+  s->m = valid_rows(rows, m);
+  s->k = k;
+  s->n = n;
+  s->panels = (n + kPanel - 1) / kPanel;
+  s->transposed = false;
+  run(pool, s, m);
+  return ffi::Error::Success();
+}
+
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
@@ -252,23 +473,32 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("matmul_cpu: x must be [M, K], w [L, K, N] with N a multiple of 16, "
                                        "layer and rows one int32 each");
   }
-  const int64_t m = xd[0], k = xd[1], layers = wd[0], n = wd[2];
-  const int32_t index = *layer.typed_data();
-  if (index < 0 || index >= layers) {
-    return ffi::Error::InvalidArgument("matmul_cpu: layer " + std::to_string(index) + " outside [0, " +
-                                       std::to_string(layers) + ")");
+  return run_stacked(pool, "matmul_cpu", xd[0], xd[1], wd[0], wd[2], layer, rows, y->typed_data(),
+                     [&](Shared& s, int64_t offset) {
+                       s.x = x.typed_data();
+                       s.w = w.typed_data() + offset;
+                     });
+}
+
+// bfloat16, or uint16 holding bfloat16 bits (the engine's stored layer weights on CPU: models.loop_storage).
+bool is_bf16_bits(const ffi::AnyBuffer& b) {
+  return b.element_type() == ffi::DataType::BF16 || b.element_type() == ffi::DataType::U16;
+}
+
+ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (!is_bf16_bits(x) || !is_bf16_bits(w) || xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] ||
+      wd[1] % 2 != 0 || wd[2] % 16 != 0 || layer.element_count() != 1 || rows.element_count() != 1) {
+    return ffi::Error::InvalidArgument("matmul_bf16_cpu: x must be bfloat16 [M, K], w bfloat16 [L, K, N] (or "
+                                       "uint16 bits of them) with K even and N a multiple of 16, layer and rows "
+                                       "one int32 each");
   }
-  auto s = std::make_shared<Shared>();
-  s->x = x.typed_data();
-  s->w = w.typed_data() + index * k * n;
-  s->y = y->typed_data();
-  s->m = valid_rows(rows, m);
-  s->k = k;
-  s->n = n;
-  s->panels = (n + kPanel - 1) / kPanel;
-  s->transposed = false;
-  run(pool, s, m);
-  return ffi::Error::Success();
+  return run_stacked(pool, "matmul_bf16_cpu", xd[0], xd[1], wd[0], wd[2], layer, rows, y->typed_data(),
+                     [&](Shared& s, int64_t offset) {
+                       s.xb = static_cast<const uint16_t*>(x.untyped_data());
+                       s.wb = static_cast<const uint16_t*>(w.untyped_data()) + offset;
+                     });
 }
 
 ffi::Error MatmulNtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -299,6 +529,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulCpu, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulBf16Cpu, MatmulBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

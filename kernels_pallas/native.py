@@ -13,7 +13,7 @@ is computed as register-tiled multiply-adds over its (token, head) pairs, so
 prefill attention runs near the machine's matmul rate rather than at the rate
 of many small dots.
 
-The matmuls: :func:`stacked_matmul_cpu` reads a layer's weight in place from the
+The matmuls: :func:`stacked_matmul_cpu` reads a layer's weight (float32 or bfloat16) in place from the
 stacked parameters (XLA's dynamic-slice of it is a copy per layer per step), and
 :func:`matmul_nt_cpu` multiplies by a row-major ``[N, K]`` weight transposed (the tied
 embedding as the lm_head); both compute only the leading rows a padded step
@@ -23,9 +23,10 @@ The library is compiled once per source, compiler flags, jaxlib version and
 CPU (its instruction-set flags) with the system's C++ compiler (``$CXX`` or ``c++``) into
 ``$XDG_CACHE_HOME/jaxllm/native`` (default ``~/.cache/jaxllm/native``; a
 ``JAXLLM_NATIVE_CACHE`` path overrides it) and registered as the FFI targets
-:data:`TARGET`, :data:`MATMUL_TARGET` and :data:`MATMUL_NT_TARGET`. Where no compiler is found or the
-build fails, :func:`available` is False (the reason in :func:`unavailable_reason`) and the
-callers keep the ``jnp`` path and XLA's dots; ``JAXLLM_NATIVE_KERNELS=0`` turns the kernels off.
+:data:`TARGET`, :data:`MATMUL_TARGET`, :data:`MATMUL_BF16_TARGET` and :data:`MATMUL_NT_TARGET`.
+Where no compiler is found or the build fails, :func:`available` is False (the reason in
+:func:`unavailable_reason`) and the callers keep the ``jnp`` path and XLA's dots;
+``JAXLLM_NATIVE_KERNELS=0`` turns the kernels off.
 """
 
 from __future__ import annotations
@@ -50,16 +51,17 @@ SOURCES = (Path(__file__).with_name("paged_attention_cpu.cc"), Path(__file__).wi
 HEADERS = (Path(__file__).with_name("cpu_vectors.h"),)
 TARGET = "jaxllm_paged_attention_cpu"
 MATMUL_TARGET = "jaxllm_matmul_cpu"
+MATMUL_BF16_TARGET = "jaxllm_matmul_bf16_cpu"
 MATMUL_NT_TARGET = "jaxllm_matmul_nt_cpu"
 _SYMBOLS = {TARGET: "JaxllmPagedAttentionCpu", MATMUL_TARGET: "JaxllmMatmulCpu",
-            MATMUL_NT_TARGET: "JaxllmMatmulNtCpu"}
+            MATMUL_BF16_TARGET: "JaxllmMatmulBf16Cpu", MATMUL_NT_TARGET: "JaxllmMatmulNtCpu"}
 # -march=native: the library is built on the machine that runs it, for its vector instructions.
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
 # The kernel's largest block (paged_attention_cpu.cc: kMaxBlockSize).
 MAX_BLOCK_SIZE = 256
-# stacked_matmul_cpu's weights: float32 (matmul_cpu.cc says why not bfloat16), output columns a multiple of this;
-# matmul_nt_cpu's: float32, the contracted axis a multiple of it.
+# stacked_matmul_cpu's weights: float32 or bfloat16 (then an even contracted axis), output columns a multiple of
+# this; matmul_nt_cpu's: float32, the contracted axis a multiple of it.
 MATMUL_COLUMN_MULTIPLE = 16
 _reason: Optional[str] = None
 
@@ -201,10 +203,20 @@ def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
                 block_size=np.int32(block_size), num_kv_heads=np.int32(num_kv_heads))
 
 
+@functools.lru_cache(maxsize=None)
+def has_bf16_pairs(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the CPU multiplies pairs of bfloat16 in one instruction (the ``avx512_bf16`` flag: ``vdpbf16ps``),
+    which :func:`stacked_matmul_cpu`'s bfloat16 kernel then uses."""
+    return "avx512_bf16" in _cpu_flags(cpuinfo).split()
+
+
 def matmul_supports(w: jax.Array) -> bool:
-    """Whether :func:`stacked_matmul_cpu` takes this stacked weight: float32 ``[L, K, N]`` with N a multiple of
-    :data:`MATMUL_COLUMN_MULTIPLE`."""
-    return w.ndim == 3 and w.dtype == jnp.float32 and w.shape[2] % MATMUL_COLUMN_MULTIPLE == 0
+    """Whether :func:`stacked_matmul_cpu` takes this stacked weight: ``[L, K, N]`` with N a multiple of
+    :data:`MATMUL_COLUMN_MULTIPLE`, float32, or bfloat16 (or uint16 bfloat16 bits, as the engine stores its layer
+    weights on CPU: ``models.loop_storage``) with K even (its kernel takes K two rows at a time)."""
+    if w.ndim != 3 or w.shape[2] % MATMUL_COLUMN_MULTIPLE != 0:
+        return False
+    return w.dtype == jnp.float32 or (w.dtype in (jnp.bfloat16, jnp.uint16) and w.shape[1] % 2 == 0)
 
 
 def _valid_rows(rows: Optional[jax.Array], m: int) -> jax.Array:
@@ -215,11 +227,14 @@ def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array, rows: Optio
     """``x @ w[layer]`` with the layer's weight read in place from the stacked ``w`` (the C++ kernel).
 
     Inside a scan over layers, ``w[layer]`` would be a dynamic-slice that XLA's CPU backend copies on every step;
-    passing the whole stack and the index reads each weight once (``matmul_cpu.cc``).
+    passing the whole stack and the index reads each weight once (``matmul_cpu.cc``). A bfloat16 ``w`` (or its
+    uint16 bits) multiplies bfloat16 x (x is rounded to it, as XLA's bfloat16 dot does), products summed in
+    float32: with the CPU's ``vdpbf16ps`` where it has AVX-512-BF16, else converted to float32 as they are read.
 
     Args:
-      x: [M, K], any float dtype (computed in float32).
-      w: float32 [L, K, N], N a multiple of :data:`MATMUL_COLUMN_MULTIPLE`.
+      x: [M, K], any float dtype (computed in float32 against a float32 ``w``, in bfloat16 against a bfloat16 one).
+      w: float32, bfloat16 or uint16 (bfloat16 bits) [L, K, N], N a multiple of :data:`MATMUL_COLUMN_MULTIPLE` (K
+        even unless float32).
       layer: int32 [] in [0, L).
       rows: int32 [], the leading rows of x to compute (a padded step's tokens), clamped to [0, M]; the other
         rows of the result are zeros. None: all M.
@@ -235,10 +250,13 @@ def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array, rows: Optio
     if not available():
         raise ValueError(f"stacked_matmul_cpu is not available: {unavailable_reason()}")
     if not matmul_supports(w) or x.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"stacked_matmul_cpu: x {x.shape}, w {w.dtype} {w.shape}; expected x [M, K] and float32 w "
-                         f"[L, K, N] with N a multiple of {MATMUL_COLUMN_MULTIPLE}")
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
-    return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32), _valid_rows(rows, x.shape[0]))
+        raise ValueError(f"stacked_matmul_cpu: x {x.shape}, w {w.dtype} {w.shape}; expected x [M, K] and a float32 "
+                         f"or bfloat16 w [L, K, N] with N a multiple of {MATMUL_COLUMN_MULTIPLE} (K even for bfloat16)")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
+    layer, rows = jnp.asarray(layer, jnp.int32), _valid_rows(rows, x.shape[0])
+    if w.dtype != jnp.float32:
+        return jax.ffi.ffi_call(MATMUL_BF16_TARGET, out)(x.astype(jnp.bfloat16), w, layer, rows)
+    return jax.ffi.ffi_call(MATMUL_TARGET, out)(x.astype(jnp.float32), w, layer, rows)
 
 
 def matmul_nt_supports(w: jax.Array) -> bool:

@@ -87,6 +87,25 @@ even and odd tokens in separate accumulators, and the prefetches spread over
 the query heads: this script's 48-row decode step 95.6 / 91.0 -> 76.9 / 73.3 ms,
 its attention column 47.6 / 44.2 -> 29.8 / 24.6 (two runs each, interleaved).
 
+Then (2026-12-02, an Intel Xeon with AVX-512, AVX-512-BF16 and AMX, 2 cores,
+about 13 GB/s of memory reads per core): in a perf profile of the
+shared-prefix shape (float32) the C++ matmul's tiles were 52% of the samples
+and attention 12%. A 30-layer scan of one projection shape alone showed the
+fused gate and up (N = 3072) at 77 GFLOP/s against 137 at N = 3136: rows of a
+panel 12 KiB apart fall in the same few cache sets. More than one tile of rows
+now takes the panel in chunks of 128 rows of K copied into a contiguous
+buffer (kept in L1 while the tiles reread it), and each chunk's tiles prefetch
+the next chunk's rows (or the next panel's, taken one ahead from the shared
+counter). SmolLM2's projections, 30 layers, float32, before -> after (two runs
+each, interleaved): 16 rows 55-62 -> 45-46 ms, 48 rows 82-89 -> 73-74, 128
+rows 145-151 -> 121-129, 512 rows 490-497 -> 422-465 (XLA's dots: 53-59, 82-93,
+139-153 and 496-500). This script's 48-row decode step: 131-144 -> 128-138 ms.
+The same kernel now takes bfloat16 weights (``vdpbf16ps`` on pairs of rows of
+K): on this machine XLA's bfloat16 dots run on AMX and beat it from 4 rows,
+so the engine uses it for the 4-token bucket only: this script's 1-row decode
+step in that bucket 36.1 / 38.4 -> 26.1 / 26.4 ms (48 rows through it: 78 ->
+112 ms, so they keep XLA's dots).
+
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a
 ``jax.profiler`` trace of the full steps (open with TensorBoard / Perfetto).

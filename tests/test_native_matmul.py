@@ -8,8 +8,9 @@ K a multiple of 16 -- row counts on both sides of the transposed-panel threshold
 panels, leave a narrower last one or fall short of one dot tile; for both, any count of leading rows to compute
 (the rest zeros), clamped to [0, M]. Around them: their errors, and the model step, which reads every float32
 projection through the first (no per-layer slice of the weights) up to ``NATIVE_MATMUL_MAX_ROWS`` tokens and the
-lm_head of 4 rows or more through either, with the same logits, while bfloat16 weights and larger steps keep
-XLA's dots.
+lm_head of 4 rows or more through either, with the same logits, and every bfloat16 projection through the first
+where the CPU has AVX-512-BF16, as close to the float32 logits as XLA's bfloat16 dots; other bfloat16 weights and
+larger steps keep XLA's dots.
 """
 
 from __future__ import annotations
@@ -44,15 +45,45 @@ def test_stacked_matmul_matches_numpy_on_every_tile_shape():
             np.testing.assert_allclose(got, want, atol=2e-6 * k_dim, rtol=0, err_msg=f"M={m} K={k_dim} N={n}")
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """a rounded to bfloat16 (as float64: the exact values the kernel multiplies)."""
+    return np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+
+
+def test_bfloat16_stacked_matmul_matches_numpy_on_every_tile_shape():
+    # As the float32 test, with K even (pairs of rows): K = 2 is one pair, 34 leaves a pair past whole vectors,
+    # 576 is four chunks of 128 rows and a half one. x is given in float32 for half the cases: the kernel
+    # multiplies it rounded to bfloat16.
+    rng = np.random.default_rng(4)
+    for k_dim, n in [(2, 16), (8, 48), (64, 80), (576, 192), (34, 208)]:
+        stack = jnp.asarray(rng.standard_normal((3, k_dim, n)), jnp.bfloat16)
+        for m in [*range(1, 14), 48, 64, 97]:
+            x = rng.standard_normal((m, k_dim)).astype(np.float32)
+            layer = m % 3
+            given = jnp.asarray(x, jnp.bfloat16) if m % 2 else jnp.asarray(x)
+            # The engine's stored layer weights are uint16 bits of bfloat16 (models.loop_storage): the same call.
+            stored = stack if m % 4 < 2 else jax.lax.bitcast_convert_type(stack, jnp.uint16)
+            got = np.asarray(native.stacked_matmul_cpu(given, stored, jnp.int32(layer)))
+            want = _bf16(x) @ np.asarray(stack[layer], np.float64)
+            assert got.dtype == np.float32 and got.shape == (m, n)
+            # Exact bfloat16 products summed in float32, as in the float32 test.
+            np.testing.assert_allclose(got, want, atol=2e-6 * k_dim, rtol=0, err_msg=f"M={m} K={k_dim} N={n}")
+
+
 def test_stacked_matmul_refuses_weights_it_does_not_take_and_a_layer_past_the_stack():
     x = jnp.ones((2, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"w float32 \(2, 8, 40\); expected .* N a multiple of 16"):
         native.stacked_matmul_cpu(x, jnp.ones((2, 8, 40), jnp.float32), 0)
     with pytest.raises(ValueError, match=r"x \(2, 8\), w float32 \(2, 9, 16\)"):
         native.stacked_matmul_cpu(x, jnp.ones((2, 9, 16), jnp.float32), 0)
-    for dtype in (jnp.bfloat16, jnp.int8):
-        with pytest.raises(ValueError, match=rf"w {jnp.dtype(dtype).name} \(2, 8, 16\); expected .* float32 w"):
-            native.stacked_matmul_cpu(x, jnp.ones((2, 8, 16), dtype), 0)
+    for dtype, k_dim in ((jnp.int8, 8), (jnp.float16, 8), (jnp.bfloat16, 7)):  # bfloat16 takes an even K only
+        w = jnp.ones((2, k_dim, 16), dtype)
+        assert not native.matmul_supports(w)
+        with pytest.raises(ValueError, match=rf"w {jnp.dtype(dtype).name} \(2, {k_dim}, 16\); expected .* float32 "
+                                             r"or bfloat16 w .* \(K even for bfloat16\)"):
+            native.stacked_matmul_cpu(jnp.ones((2, k_dim), jnp.float32), w, 0)
+    with pytest.raises(Exception, match=r"matmul_bf16_cpu: layer 2 outside \[0, 2\)"):
+        jax.block_until_ready(native.stacked_matmul_cpu(x, jnp.ones((2, 8, 16), jnp.bfloat16), jnp.int32(2)))
     with pytest.raises(Exception, match=r"matmul_cpu: layer 2 outside \[0, 2\)"):
         jax.block_until_ready(native.stacked_matmul_cpu(x, jnp.ones((2, 8, 16), jnp.float32), jnp.int32(2)))
     with pytest.raises(Exception, match=r"matmul_cpu: layer -1 outside \[0, 2\)"):
@@ -75,7 +106,7 @@ def test_matmul_nt_matches_numpy_on_every_tile_shape():
 
 
 @pytest.mark.parametrize("m", [5, 12, 20])  # the NT kernel packs panels from 8 computed rows (rows 12 and 10 of 20)
-def test_both_matmuls_compute_the_leading_rows_and_zero_the_rest(m):
+def test_the_matmuls_compute_the_leading_rows_and_zero_the_rest(m):
     rng = np.random.default_rng(2)
     x = rng.standard_normal((m, 64)).astype(np.float32)
     x[m // 2:] = np.nan  # a padding row's contents never reach the result
@@ -87,11 +118,15 @@ def test_both_matmuls_compute_the_leading_rows_and_zero_the_rest(m):
             x_rows = np.where(np.isnan(x), 1.0, x).astype(np.float32)  # every computed row finite
         else:
             x_rows = x
-        for got, w in ((native.stacked_matmul_cpu(jnp.asarray(x_rows), jnp.asarray(stack), 1, jnp.int32(rows)),
-                        stack[1]),
-                       (native.matmul_nt_cpu(jnp.asarray(x_rows), jnp.asarray(w_nt), jnp.int32(rows)), w_nt.T)):
+        stack_bf16 = jnp.asarray(stack, jnp.bfloat16)
+        for got, x_used, w in (
+                (native.stacked_matmul_cpu(jnp.asarray(x_rows), jnp.asarray(stack), 1, jnp.int32(rows)), x_rows,
+                 stack[1]),
+                (native.stacked_matmul_cpu(jnp.asarray(x_rows), stack_bf16, 1, jnp.int32(rows)), _bf16(x_rows),
+                 np.asarray(stack_bf16[1], np.float64)),
+                (native.matmul_nt_cpu(jnp.asarray(x_rows), jnp.asarray(w_nt), jnp.int32(rows)), x_rows, w_nt.T)):
             got = np.asarray(got)
-            want = x_rows[:valid].astype(np.float64) @ w.astype(np.float64)
+            want = x_used[:valid].astype(np.float64) @ w.astype(np.float64)
             np.testing.assert_allclose(got[:valid], want, atol=2e-6 * 64, rtol=0, err_msg=f"rows={rows}")
             assert (got[valid:] == 0).all(), f"rows={rows}: the rows past {valid} must be zeros"
 
@@ -202,14 +237,45 @@ def test_decode_steps_read_the_stacked_weights_in_place_with_the_same_logits(tmp
         np.testing.assert_allclose(native_logits, xla_logits, atol=1e-4, rtol=0, err_msg=f"{num_tokens} tokens")
 
 
-def test_bfloat16_weights_and_steps_past_the_row_limit_keep_xlas_dots(tmp_path):
+@pytest.mark.skipif(not native.has_bf16_pairs(), reason="the bfloat16 kernel is used only with AVX-512-BF16")
+def test_bfloat16_steps_read_the_stacked_weights_in_place_as_close_to_float32_as_xlas_dots(tmp_path, monkeypatch):
     from jaxllm.models import common
 
+    # A decode step, and a prefill of several tiles of rows (the row limit lifted for it).
+    monkeypatch.setattr(common, "NATIVE_BF16_MATMUL_MAX_ROWS", 40)
+    for num_tokens in (3, 40):
+        exact, _ = _logits(*_step(tmp_path, np.float32, num_tokens))
+        step = _step(tmp_path, jnp.bfloat16, num_tokens)
+        native_logits, hlo = _logits(*step)
+        assert hlo.count('custom_call_target="jaxllm_matmul_bf16_cpu"') == 7
+        # The engine's layer weights as uint16 bits (loop_storage): the same calls, the same logits.
+        stored_logits, hlo = _logits(common.loop_storage(step[0]), *step[1:])
+        assert hlo.count('custom_call_target="jaxllm_matmul_bf16_cpu"') == 7
+        np.testing.assert_array_equal(stored_logits, native_logits)
+        with monkeypatch.context() as patch:
+            patch.setattr(common, "NATIVE_MATMUL_MAX_ROWS", 0)
+            xla_logits, hlo = _logits(*step)
+        assert "jaxllm_matmul_bf16_cpu" not in hlo
+        # Both round every projection's output to bfloat16 (sums in different orders): the kernel's distance to the
+        # float32 logits is within a quarter more than XLA's own, plus one bfloat16 step of a logit.
+        native_err, xla_err = (float(np.abs(got - exact).max()) for got in (native_logits, xla_logits))
+        scale = float(np.abs(exact).max())
+        assert native_err <= 1.25 * xla_err + scale * 2 ** -8, (num_tokens, native_err, xla_err, scale)
+
+
+def test_bfloat16_weights_without_avx512_bf16_and_steps_past_the_row_limit_keep_xlas_dots(tmp_path, monkeypatch):
+    from jaxllm.models import common
+
+    monkeypatch.setattr(native, "has_bf16_pairs", lambda: False)
     _, hlo = _logits(*_step(tmp_path, jnp.bfloat16, 5))
-    assert "jaxllm_matmul_cpu" not in hlo
+    assert "jaxllm_matmul" not in hlo.replace("jaxllm_matmul_nt_cpu", "")
     wq = _step(tmp_path, np.float32, 5)[0]["layers"]["wq"]
+    assert not common.native_matmul_applies(jnp.zeros((4, 64)), wq.astype(jnp.bfloat16))
+    monkeypatch.setattr(native, "has_bf16_pairs", lambda: True)
+    bf16_limit = common.NATIVE_BF16_MATMUL_MAX_ROWS
+    assert common.native_matmul_applies(jnp.zeros((bf16_limit, 64)), wq.astype(jnp.bfloat16))
+    assert not common.native_matmul_applies(jnp.zeros((bf16_limit + 1, 64)), wq.astype(jnp.bfloat16))
     limit = common.NATIVE_MATMUL_MAX_ROWS
     assert common.native_matmul_applies(jnp.zeros((limit, 64)), wq)
     assert not common.native_matmul_applies(jnp.zeros((limit + 1, 64)), wq)
     assert not common.native_matmul_applies(jnp.zeros((4, 64)), jnp.zeros((3, 64, 40)))  # N not a multiple of 16
-    assert not common.native_matmul_applies(jnp.zeros((4, 64)), wq.astype(jnp.bfloat16))

@@ -49,7 +49,8 @@ Reading layer ``l``'s weights by index is a dynamic-slice, which XLA's CPU
 backend copies on every step before its dots read the copy again. So each
 layer dict inside the scan also holds, under :data:`STACKED`, the stacked
 leaves, the index and the step's token count, and :func:`project` hands the float32 weights of steps
-of at most :data:`NATIVE_MATMUL_MAX_ROWS` tokens on a one-device CPU backend
+of at most :data:`NATIVE_MATMUL_MAX_ROWS` tokens on a one-device CPU backend (bfloat16 ones up to
+:data:`NATIVE_BF16_MATMUL_MAX_ROWS` where the CPU has AVX-512-BF16)
 to ``kernels_pallas.native.stacked_matmul_cpu``, which reads the stacked
 weight in place (``scripts/profile_step.py`` has the profile). Each call
 computes only the step's tokens (the leading rows of its bucket), and
@@ -121,15 +122,28 @@ def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
 STACKED = "_stacked"
 # Steps of at most this many tokens take the native matmul: measured faster than XLA's dots plus the slice copies
 # from 1 to 512 rows (30 layers of SmolLM2-135M, float32: 28 -> 8 ms at 1 row, 52 -> 35 ms at 48, 283 -> 260 ms at
-# 512); larger steps keep XLA's dots, unmeasured past that.
+# 512, an AVX-512 EPYC; 36 -> 22, 99 -> 70 and 466 -> 471 ms on an Intel Xeon with AMX); larger steps keep XLA's
+# dots, unmeasured past that.
 NATIVE_MATMUL_MAX_ROWS = 512
+# The same for bfloat16 weights (as the engine stores them, uint16 bits), far lower: XLA's bfloat16 dots run on
+# AMX tiles where the CPU has them, and the kernel's gain is the slice copy it saves and the padding rows it
+# skips. 30 layers of SmolLM2-135M on an Intel Xeon with AMX, kernel against XLA: 16.9 against 31.3 ms at 1 row,
+# 30.0 / 26.5 at 4, 33.5 / 28.4 at 16, 72.9 / 36.9 at 48. So only the smallest bucket (4 tokens: a decode step of
+# 1-4 sequences, which computes its real rows only); unmeasured on a CPU with AVX-512-BF16 and no AMX.
+NATIVE_BF16_MATMUL_MAX_ROWS = 4
 
 
 def native_matmul_applies(x: jax.Array, stacked_w: jax.Array) -> bool:
     """Whether :func:`project` computes ``x @ w`` with ``native.stacked_matmul_cpu``: on XLA's CPU backend with
     one device (a sharded weight would need the custom call partitioned), at most
-    :data:`NATIVE_MATMUL_MAX_ROWS` rows of x, a stacked float32 weight the kernel takes (``native.matmul_supports``;
-    bfloat16 weights keep XLA's dots, faster on CPUs with AVX-512-BF16), once the kernel is built."""
+    :data:`NATIVE_MATMUL_MAX_ROWS` rows of x, a stacked weight the kernel takes (``native.matmul_supports``), once
+    the kernel is built. A bfloat16 weight (or its uint16 bits, as the engine stores them on CPU:
+    :func:`loop_storage`) at most :data:`NATIVE_BF16_MATMUL_MAX_ROWS` rows and only where the CPU
+    has AVX-512-BF16 (``native.has_bf16_pairs``): elsewhere the kernel converts every weight to float32 as it reads
+    it, unmeasured against XLA's dots, which keep it."""
+    if stacked_w.dtype in (jnp.bfloat16, jnp.uint16) and not (native.has_bf16_pairs()
+                                                              and x.shape[0] <= NATIVE_BF16_MATMUL_MAX_ROWS):
+        return False
     return (jax.default_backend() == "cpu" and jax.device_count() == 1 and x.shape[0] <= NATIVE_MATMUL_MAX_ROWS
             and native.matmul_supports(stacked_w) and native.available())
 
