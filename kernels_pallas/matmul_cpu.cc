@@ -252,7 +252,7 @@ constexpr int64_t kChunk = 128;
 // 4 KiB (SmolLM2's fused gate and up, N = 3072 float32: 77 against 137 GFLOP/s at N = 3136, 48 rows, 2 Intel
 // AVX-512 cores), and a chunk stays in L1 while the tiles reread it. The tiles of a later chunk add to y.
 // While a chunk's tiles run they prefetch the next chunk's rows, or `next`'s first chunk (the panel this thread
-// takes next, same stride; nullptr: none), so that the copy finds them in cache.
+// takes next, same stride and at least as wide; nullptr: none), so that the copy finds them in cache.
 template <int C, typename T>
 void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k_dim, const T* next) {
   constexpr int64_t cols = C * kLanes;
@@ -271,7 +271,9 @@ void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, 
       rows = chunk.data();
     }
     Operands<T> o{x + k0, k_dim, rows, cols, y, ys, kc, k0 > 0};
-    if (k0 + kc < k_dim) {
+    if (ws == cols) {
+      // A contiguous panel (jaxllm_matmul_nt_cpu's packed one) is read where it is: nothing to prefetch.
+    } else if (k0 + kc < k_dim) {
       o.pf = w + (k0 + kc) * ws;
       o.pf_rows = std::min(kChunk, k_dim - k0 - kc);
     } else if (next != nullptr) {
@@ -390,8 +392,10 @@ void run_panel(const Shared& s, int64_t p, int64_t next) {
   const int64_t c0 = p * kPanel;
   const int64_t cols = std::min(kPanel, s.n - c0);
   const int64_t vectors = cols / kLanes;  // jaxllm_matmul_cpu and _bf16_cpu: N is a multiple of 16
+  // The next panel's rows are prefetched as wide as this one's: not where it is a narrower last panel.
+  const bool ahead = next >= 0 && s.n - next * kPanel >= cols;
   if (s.wb != nullptr) {
-    any_panel(s.xb, s.wb + c0, s.n, s.y + c0, s.n, s.m, s.k, vectors, next < 0 ? nullptr : s.wb + next * kPanel);
+    any_panel(s.xb, s.wb + c0, s.n, s.y + c0, s.n, s.m, s.k, vectors, ahead ? s.wb + next * kPanel : nullptr);
     return;
   }
   if (s.transposed && (s.m < kPackMinRows || cols < kPanel)) {
@@ -410,19 +414,20 @@ void run_panel(const Shared& s, int64_t p, int64_t next) {
     ws = kPanel;
   }
   // The transposed panel is packed from rows of w, not read at this stride: nothing of it to prefetch.
-  const float* ahead = s.transposed || next < 0 ? nullptr : s.w + next * kPanel;
-  any_panel(s.x, w, ws, s.y + c0, s.n, s.m, s.k, vectors, ahead);
+  any_panel(s.x, w, ws, s.y + c0, s.n, s.m, s.k, vectors, ahead && !s.transposed ? s.w + next * kPanel : nullptr);
 }
 
-// Take panels until none is left; returns after the last panel this thread took. Each panel is taken one ahead,
-// so that its weights are prefetched while the one before it computes.
+// Take panels until none is left; returns after the last panel this thread took. With more than one tile of
+// rows each panel is taken one ahead, so that its weights are prefetched while the one before it computes; with
+// one tile (a decode step) nothing is prefetched, and taking two at a time would only leave threads idle.
 void drain(Shared& s) {
+  const bool ahead = s.m > kRows;
   int64_t p = s.next.fetch_add(1);
   while (p < s.panels) {
-    const int64_t next = s.next.fetch_add(1);
+    const int64_t next = ahead ? s.next.fetch_add(1) : -1;
     run_panel(s, p, next < s.panels ? next : -1);
     s.done.fetch_add(1, std::memory_order_release);
-    p = next;
+    p = ahead ? next : s.next.fetch_add(1);
   }
 }
 

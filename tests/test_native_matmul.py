@@ -1,16 +1,16 @@
-"""The C++ CPU matmuls (``kernels_pallas.native.stacked_matmul_cpu``, ``matmul_nt_cpu``) against numpy, and how
-the model step uses them.
+"""The C++ CPU matmuls (``kernels_pallas.native.stacked_matmul_cpu``, ``matmul_nt_cpu``) against numpy, and how the
+model step uses them.
 
-The class of inputs: any ``x [M, K] @ w[layer]`` of a stacked ``w [L, K, N]`` -- row counts that fill whole
-register tiles of rows and leave every remainder, inner dims of one element and more, column counts of one to
-four vectors per panel and several panels, any layer of the stack; any ``x [M, K] @ w.T`` of a ``w [N, K]`` with
-K a multiple of 16 -- row counts on both sides of the transposed-panel threshold, column counts that fill whole
-panels, leave a narrower last one or fall short of one dot tile; for both, any count of leading rows to compute
-(the rest zeros), clamped to [0, M]. Around them: their errors, and the model step, which reads every float32
-projection through the first (no per-layer slice of the weights) up to ``NATIVE_MATMUL_MAX_ROWS`` tokens and the
-lm_head of 4 rows or more through either, with the same logits, and every bfloat16 projection through the first
-where the CPU has AVX-512-BF16, as close to the float32 logits as XLA's bfloat16 dots; other bfloat16 weights and
-larger steps keep XLA's dots.
+The class of inputs: any ``x [M, K] @ w[layer]`` of a stacked ``w [L, K, N]`` -- row counts that fill whole register
+tiles of rows and leave every remainder, inner dims of one element to several chunks of K, column counts of one to
+four vectors per panel and several panels, any layer of the stack; any ``x [M, K] @ w.T`` of a ``w [N, K]`` with K a
+multiple of 16 -- row counts on both sides of the transposed-panel threshold, column counts that fill whole panels,
+leave a narrower last one or fall short of one dot tile; for both, any count of leading rows to compute (the rest
+zeros), clamped to [0, M]. Around them: their errors, and the model step, which reads every float32 projection
+through the first (no per-layer slice of the weights) up to ``NATIVE_MATMUL_MAX_ROWS`` tokens and the lm_head of 4
+rows or more through either, with the same logits, and every bfloat16 projection through the first where the CPU has
+AVX-512-BF16, as close to the float32 logits as XLA's bfloat16 dots; other bfloat16 weights and larger steps keep
+XLA's dots.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ def test_stacked_matmul_matches_numpy_on_every_tile_shape():
     # Rows 1-13, 48 and 64 cover whole tiles of 6 (AVX-512) and 3 (AVX2) rows and every remainder; N = 16 .. 208
     # gives panels of 1-4 vectors of 8 or 16 columns and more than one panel; K = 1 and 7 leave no vector of K.
     rng = np.random.default_rng(0)
-    for k_dim, n in [(1, 16), (7, 48), (64, 80), (576, 192), (33, 208)]:
+    # K = 257: odd, over three chunks of 128 rows when more than one tile of rows copies the panel; N = 96, 160:
+    # panels of two vectors of 16 (AVX-512).
+    for k_dim, n in [(1, 16), (7, 48), (64, 80), (576, 192), (33, 208), (257, 96), (40, 160)]:
         stack = rng.standard_normal((3, k_dim, n)).astype(np.float32)
         w = jnp.asarray(stack)
         for m in [*range(1, 14), 48, 64, 97]:
@@ -51,11 +53,11 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 
 def test_bfloat16_stacked_matmul_matches_numpy_on_every_tile_shape():
-    # As the float32 test, with K even (pairs of rows): K = 2 is one pair, 34 leaves a pair past whole vectors,
-    # 576 is four chunks of 128 rows and a half one. x is given in float32 for half the cases: the kernel
-    # multiplies it rounded to bfloat16.
+    # As the float32 test, with K even (pairs of rows): K = 2 is one pair, 258 is two chunks of 128 rows and one
+    # pair, 576 four chunks and a half one; N = 96 and 160 take the pairs tile of two vectors (AVX-512-BF16).
+    # x is given in float32 for half the cases: the kernel multiplies it rounded to bfloat16.
     rng = np.random.default_rng(4)
-    for k_dim, n in [(2, 16), (8, 48), (64, 80), (576, 192), (34, 208)]:
+    for k_dim, n in [(2, 16), (8, 48), (64, 80), (576, 192), (34, 208), (258, 96), (40, 160)]:
         stack = jnp.asarray(rng.standard_normal((3, k_dim, n)), jnp.bfloat16)
         for m in [*range(1, 14), 48, 64, 97]:
             x = rng.standard_normal((m, k_dim)).astype(np.float32)
@@ -161,6 +163,12 @@ def test_the_lm_head_of_four_rows_or_more_takes_the_kernels_with_xlas_logits(tmp
     padded = np.asarray(head(hidden, jnp.int32(4)))  # a step of 4 sequences in a bucket of 6 rows
     np.testing.assert_allclose(padded[:4], want[:4], atol=1e-5, rtol=0)
     assert (padded[4:] == 0).all()
+    # A bfloat16 head keeps XLA's dot (the bfloat16 stacked kernel is for the layers' 4-token bucket only).
+    head16 = jax.jit(lambda h, n: common.compute_logits(jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16),
+                                                                              params),
+                                                        h.astype(jnp.bfloat16), cfg=cfg, num_rows=n,
+                                                        native_kernels=True))
+    assert "jaxllm_matmul" not in head16.lower(hidden, jnp.int32(6)).compile().as_text()
     # Fewer rows than NATIVE_LM_HEAD_MIN_ROWS: XLA's dot, every row computed.
     few = hidden[:common.NATIVE_LM_HEAD_MIN_ROWS - 1]
     assert target not in head.lower(few, jnp.int32(1)).compile().as_text()

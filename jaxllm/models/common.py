@@ -524,8 +524,11 @@ def native_lm_head_applies(hidden: jax.Array, weight: jax.Array, tied: bool) -> 
     (the tied embedding [V, E] through ``native.matmul_nt_cpu``, an lm_head [E, V] through
     ``native.stacked_matmul_cpu``), once the kernels are built."""
     # Untied: as the one layer of a stack, [1, E, V] (a shape only: nothing is computed to ask).
-    supported = (native.matmul_nt_supports(weight) if tied
-                 else native.matmul_supports(jax.ShapeDtypeStruct((1, *weight.shape), weight.dtype)))
+    # float32 only: the stacked kernel also takes bfloat16, which XLA's dots beat from 4 rows on AMX (see
+    # NATIVE_BF16_MATMUL_MAX_ROWS), and a head has one row per sequence.
+    supported = weight.dtype == jnp.float32 and (
+        native.matmul_nt_supports(weight) if tied
+        else native.matmul_supports(jax.ShapeDtypeStruct((1, *weight.shape), weight.dtype)))
     return (jax.default_backend() == "cpu" and jax.device_count() == 1 and hidden.shape[0] >= NATIVE_LM_HEAD_MIN_ROWS
             and supported and native.available())
 
