@@ -205,8 +205,9 @@ def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
 
 @functools.lru_cache(maxsize=None)
 def has_bf16_pairs(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether the CPU multiplies pairs of bfloat16 in one instruction (the ``avx512_bf16`` flag: ``vdpbf16ps``),
-    which :func:`stacked_matmul_cpu`'s bfloat16 kernel then uses."""
+    """Whether the CPU multiplies pairs of bfloat16 in one instruction (the ``avx512_bf16`` flag of the first CPU
+    in ``cpuinfo``: ``vdpbf16ps``), which :func:`stacked_matmul_cpu`'s bfloat16 kernel then uses (built with
+    ``-march=native``). False where the file is unreadable (not Linux). Read once per path."""
     return "avx512_bf16" in _cpu_flags(cpuinfo).split()
 
 

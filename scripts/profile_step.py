@@ -96,7 +96,8 @@ panel 12 KiB apart fall in the same few cache sets. More than one tile of rows
 now takes the panel in chunks of 128 rows of K copied into a contiguous
 buffer (kept in L1 while the tiles reread it), and each chunk's tiles prefetch
 the next chunk's rows (or the next panel's, taken one ahead from the shared
-counter). SmolLM2's projections, 30 layers, float32, before -> after (two runs
+counter). SmolLM2's projections, 30 layers, float32 (``scripts/bench_matmul.py``'s
+shapes), before -> after (two runs
 each, interleaved): 16 rows 55-62 -> 45-46 ms, 48 rows 82-89 -> 73-74, 128
 rows 145-151 -> 121-129, 512 rows 490-497 -> 422-465 (XLA's dots: 53-59, 82-93,
 139-153 and 496-500). This script's 48-row decode step: 131-144 -> 128-138 ms.

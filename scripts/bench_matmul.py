@@ -1,0 +1,102 @@
+"""The dense layers' matmuls alone: the C++ kernel against XLA's dots, in the engine's layer scan.
+
+Every projection of a model (q, k, v, o, gate, up, down at its sizes) runs for every layer inside a ``lax.scan``
+over stacked weights, as ``jaxllm.models.common.hidden_states`` runs them, for a few token counts:
+
+- ``native``: ``kernels_pallas.native.stacked_matmul_cpu``, reading each layer's weight in place from the stack
+  (what the engine runs up to ``common.NATIVE_MATMUL_MAX_ROWS`` float32 tokens and
+  ``common.NATIVE_BF16_MATMUL_MAX_ROWS`` bfloat16 ones, with AVX-512-BF16);
+- ``xla``: ``x @ w[layer]``, XLA's dynamic-slice of the layer and its dot (bfloat16 held as uint16 bits and
+  bit-cast back per layer, as the CPU engine holds them).
+
+The two are compiled once, then timed in turns (``--rounds``; the minimum is printed, ms per pass over all
+layers), so that a machine shared with other work slows them alike. ``scripts/profile_step.py``'s docstring
+quotes these figures.
+
+    python scripts/bench_matmul.py [--model PATH] [--tokens 1 4 16 48 128 512] [--dtype float32 bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _bench_common as common  # noqa: E402
+
+
+def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.core.build import resolve_dtype
+    from kernels_pallas import native
+    from kernels_pallas.reference import from_storage, to_storage
+
+    dtype = jnp.dtype(resolve_dtype(dtype_name))
+    rng = np.random.default_rng(0)
+    e, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    q, kv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"wq": (e, q), "wk": (e, kv), "wv": (e, kv), "wo": (q, e), "w_gate": (e, f), "w_up": (e, f),
+              "w_down": (f, e)}
+    storage = jnp.uint16 if dtype == jnp.bfloat16 else dtype
+    stack = {k: to_storage(jnp.asarray(rng.standard_normal((layers, *s)) * 0.05, dtype), storage)
+             for k, s in shapes.items()}
+
+    def run(use_native, x, m):
+        def layer(x, i):
+            total = jnp.zeros_like(x)
+            for key, (k_dim, _) in shapes.items():
+                xin = jnp.resize(x, (x.shape[0], k_dim))
+                if use_native:
+                    y = native.stacked_matmul_cpu(xin, stack[key], i, m)
+                else:
+                    y = jnp.dot(xin, from_storage(stack[key][i]), preferred_element_type=jnp.float32)
+                total = total + jnp.resize(y, x.shape).astype(x.dtype)
+            return (x + total * 1e-3).astype(x.dtype), None
+
+        return jax.lax.scan(layer, x, jnp.arange(layers))[0]
+
+    print(f"\n{dtype_name}: {layers} layers of {', '.join(f'{k} {a}x{b}' for k, (a, b) in shapes.items())}; "
+          f"ms per pass, minimum of {rounds} rounds")
+    print(f"{'tokens':>7}{'native':>12}{'xla':>12}")
+    for t in tokens:
+        x = jnp.asarray(rng.standard_normal((t, e)), dtype)
+        fns = {name: jax.jit(lambda x, m, n=use: run(n, x, m)) for name, use in (("native", True), ("xla", False))}
+        for fn in fns.values():
+            jax.block_until_ready(fn(x, jnp.int32(t)))
+        best = {name: float("inf") for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                jax.block_until_ready(fn(x, jnp.int32(t)))
+                best[name] = min(best[name], time.perf_counter() - start)
+        print(f"{t:>7}{best['native'] * 1e3:>12.1f}{best['xla'] * 1e3:>12.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="HF folder, .gguf or a named model (default: the embedded "
+                                                      "SmolLM2); only its sizes are used")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 48, 128, 512])
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    import jax
+
+    from jaxllm.loader import read_model_config
+    from jaxllm.named_models import resolve_model
+
+    cfg = read_model_config(resolve_model(args.model))[0]
+    print(f"backend {jax.default_backend()}, jax {jax.__version__}")
+    for dtype in args.dtype:
+        bench(cfg, dtype, args.tokens, args.rounds)
+    print(common.host_line(common.host_info()))
+
+
+if __name__ == "__main__":
+    main()
