@@ -362,3 +362,27 @@ def write_json(path: Optional[str], payload: dict) -> None:
 def temporary_workdir() -> tempfile.TemporaryDirectory:
     """A scratch folder for random weights, removed on exit."""
     return tempfile.TemporaryDirectory(prefix="jaxllm-bench-")
+
+
+def run_matmul_bench(doc: str, bench, default_tokens: Sequence[int]) -> None:
+    """The command line of the matmul benchmarks (``bench_matmul.py``, ``bench_quant_matmul.py``): parse
+    ``--model``, ``--tokens``, ``--dtype``, ``--rounds``, read the model's sizes, call ``bench(cfg, dtype_name,
+    tokens, rounds)`` per dtype, then print the ``host:`` line. doc: the script's docstring (its first paragraph
+    is the help's description)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="HF folder, .gguf or a named model (default: the embedded "
+                                                      "SmolLM2); only its sizes are used")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(default_tokens))
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    import jax
+
+    from jaxllm.loader import read_model_config
+    from jaxllm.named_models import resolve_model
+
+    cfg = read_model_config(resolve_model(args.model))[0]
+    print(f"backend {jax.default_backend()}, jax {jax.__version__}")
+    for dtype in args.dtype:
+        bench(cfg, dtype, args.tokens, args.rounds)
+    print(host_line(host_info()))

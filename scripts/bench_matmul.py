@@ -18,7 +18,6 @@ quotes these figures.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -63,10 +62,16 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
 
     print(f"\n{dtype_name}: {layers} layers of {', '.join(f'{k} {a}x{b}' for k, (a, b) in shapes.items())}; "
           f"ms per pass, minimum of {rounds} rounds")
+    # A shape the kernel does not take (native.matmul_supports: N a multiple of 16, an even K for bfloat16) or no
+    # kernel built: XLA's column only.
+    sides = (("native", True), ("xla", False))
+    if not (native.available() and all(native.matmul_supports(w) for w in stack.values())):
+        print(f"native: not run ({native.unavailable_reason() or 'a shape the kernel does not take'})")
+        sides = sides[1:]
     print(f"{'tokens':>7}{'native':>12}{'xla':>12}")
     for t in tokens:
         x = jnp.asarray(rng.standard_normal((t, e)), dtype)
-        fns = {name: jax.jit(lambda x, m, n=use: run(n, x, m)) for name, use in (("native", True), ("xla", False))}
+        fns = {name: jax.jit(lambda x, m, n=use: run(n, x, m)) for name, use in sides}
         for fn in fns.values():
             jax.block_until_ready(fn(x, jnp.int32(t)))
         best = {name: float("inf") for name in fns}
@@ -75,27 +80,11 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
                 start = time.perf_counter()
                 jax.block_until_ready(fn(x, jnp.int32(t)))
                 best[name] = min(best[name], time.perf_counter() - start)
-        print(f"{t:>7}{best['native'] * 1e3:>12.1f}{best['xla'] * 1e3:>12.1f}")
+        print(f"{t:>7}" + "".join(f"{best[n] * 1e3:>12.1f}" if n in best else f"{'-':>12}" for n in ("native", "xla")))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="HF folder, .gguf or a named model (default: the embedded "
-                                                      "SmolLM2); only its sizes are used")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 48, 128, 512])
-    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
-    import jax
-
-    from jaxllm.loader import read_model_config
-    from jaxllm.named_models import resolve_model
-
-    cfg = read_model_config(resolve_model(args.model))[0]
-    print(f"backend {jax.default_backend()}, jax {jax.__version__}")
-    for dtype in args.dtype:
-        bench(cfg, dtype, args.tokens, args.rounds)
-    print(common.host_line(common.host_info()))
+    common.run_matmul_bench(__doc__, bench, [1, 4, 16, 48, 128, 512])
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ is printed), so that a machine shared with other work slows them alike.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -128,23 +127,7 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="HF folder, .gguf or a named model (default: the embedded "
-                                                      "SmolLM2); only its sizes are used")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 48, 512])
-    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
-    import jax
-
-    from jaxllm.named_models import resolve_model
-    from jaxllm.loader import read_model_config
-
-    cfg = read_model_config(resolve_model(args.model))[0]
-    print(f"backend {jax.default_backend()}, jax {jax.__version__}")
-    for dtype in args.dtype:
-        bench(cfg, dtype, args.tokens, args.rounds)
-    print(common.host_line(common.host_info()))
+    common.run_matmul_bench(__doc__, bench, [16, 48, 512])
 
 
 if __name__ == "__main__":

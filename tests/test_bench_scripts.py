@@ -24,6 +24,7 @@ QUICK_RUNS = {
                                 "--budget-blocks", "24"],
     "bench_kv_pool.py": ["--num-blocks", "64", "--live", "0.5", "--repeats", "1", "--wide-chunk", "8"],
     "bench_quant_matmul.py": ["--model", str(STORIES), "--tokens", "4", "--dtype", "float32", "--rounds", "1"],
+    "bench_matmul.py": ["--model", str(STORIES), "--tokens", "4", "--dtype", "float32", "--rounds", "1"],
     "bench_weights.py": ["--model", str(STORIES), "--repeats", "1"],
 }
 # The scheduler-only simulations, which must not import JAX (not even for the host line).
