@@ -211,6 +211,14 @@ def has_bf16_pairs(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return "avx512_bf16" in _cpu_flags(cpuinfo).split()
 
 
+@functools.lru_cache(maxsize=None)
+def has_amx_tiles(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the CPU has AMX's bfloat16 tile multiplies (the ``amx_bf16`` flag of the first CPU in ``cpuinfo``),
+    which XLA's own bfloat16 dots use (so the engine hands fewer of them to :func:`stacked_matmul_cpu`). False
+    where the file is unreadable (not Linux). Read once per path."""
+    return "amx_bf16" in _cpu_flags(cpuinfo).split()
+
+
 def matmul_supports(w: jax.Array) -> bool:
     """Whether :func:`stacked_matmul_cpu` takes this stacked weight: ``[L, K, N]`` with N a multiple of
     :data:`MATMUL_COLUMN_MULTIPLE`, float32, or bfloat16 (or uint16 bfloat16 bits, as the engine stores its layer

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import native
+from kernels_pallas.reference import to_storage
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                 reason="no C++ compiler: the kernel cannot be built here")
@@ -249,8 +250,8 @@ def test_decode_steps_read_the_stacked_weights_in_place_with_the_same_logits(tmp
 def test_bfloat16_steps_read_the_stacked_weights_in_place_as_close_to_float32_as_xlas_dots(tmp_path, monkeypatch):
     from jaxllm.models import common
 
-    # A decode step, and a prefill of several tiles of rows (the row limit lifted for it).
-    monkeypatch.setattr(common, "NATIVE_BF16_MATMUL_MAX_ROWS", 40)
+    # A decode step, and a prefill of several tiles of rows (the row limit lifted for it, with AMX or without).
+    monkeypatch.setattr(common, "native_bf16_matmul_max_rows", lambda: 40)
     for num_tokens in (3, 40):
         exact, _ = _logits(*_step(tmp_path, np.float32, num_tokens))
         step = _step(tmp_path, jnp.bfloat16, num_tokens)
@@ -271,18 +272,35 @@ def test_bfloat16_steps_read_the_stacked_weights_in_place_as_close_to_float32_as
         assert native_err <= 1.25 * xla_err + scale * 2 ** -8, (num_tokens, native_err, xla_err, scale)
 
 
+def test_the_bfloat16_flags_are_read_from_the_first_cpu(tmp_path):
+    # The flags of an AMD EPYC (AVX-512-BF16, no AMX) and an Intel Xeon (both); a flag's name is matched whole.
+    amd, intel, neither = (tmp_path / name for name in ("amd", "intel", "neither"))
+    amd.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    intel.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    neither.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16x amx_bf16x\n")
+    assert [native.has_bf16_pairs(p) for p in (amd, intel, neither)] == [True, True, False]
+    assert [native.has_amx_tiles(p) for p in (amd, intel, neither)] == [False, True, False]
+    assert not native.has_amx_tiles(tmp_path / "missing") and not native.has_bf16_pairs(tmp_path / "missing")
+
+
 def test_bfloat16_weights_without_avx512_bf16_and_steps_past_the_row_limit_keep_xlas_dots(tmp_path, monkeypatch):
     from jaxllm.models import common
 
     monkeypatch.setattr(native, "has_bf16_pairs", lambda: False)
+    assert common.native_bf16_matmul_max_rows() == 0
     _, hlo = _logits(*_step(tmp_path, jnp.bfloat16, 5))
     assert "jaxllm_matmul" not in hlo.replace("jaxllm_matmul_nt_cpu", "")
     wq = _step(tmp_path, np.float32, 5)[0]["layers"]["wq"]
-    assert not common.native_matmul_applies(jnp.zeros((4, 64)), wq.astype(jnp.bfloat16))
+    for stored in (wq.astype(jnp.bfloat16), to_storage(wq.astype(jnp.bfloat16), jnp.uint16)):
+        assert not common.native_matmul_applies(jnp.zeros((1, 64)), stored)
     monkeypatch.setattr(native, "has_bf16_pairs", lambda: True)
-    bf16_limit = common.NATIVE_BF16_MATMUL_MAX_ROWS
-    assert common.native_matmul_applies(jnp.zeros((bf16_limit, 64)), wq.astype(jnp.bfloat16))
-    assert not common.native_matmul_applies(jnp.zeros((bf16_limit + 1, 64)), wq.astype(jnp.bfloat16))
+    # AVX-512-BF16: 4 rows where XLA's dots have AMX tiles, 128 without (common's measurements).
+    for amx, bf16_limit in ((True, 4), (False, 128)):
+        monkeypatch.setattr(native, "has_amx_tiles", lambda amx=amx: amx)
+        assert common.native_bf16_matmul_max_rows() == bf16_limit
+        for stored in (wq.astype(jnp.bfloat16), to_storage(wq.astype(jnp.bfloat16), jnp.uint16)):
+            assert common.native_matmul_applies(jnp.zeros((bf16_limit, 64)), stored)
+            assert not common.native_matmul_applies(jnp.zeros((bf16_limit + 1, 64)), stored)
     limit = common.NATIVE_MATMUL_MAX_ROWS
     assert common.native_matmul_applies(jnp.zeros((limit, 64)), wq)
     assert not common.native_matmul_applies(jnp.zeros((limit + 1, 64)), wq)

@@ -50,7 +50,7 @@ backend copies on every step before its dots read the copy again. So each
 layer dict inside the scan also holds, under :data:`STACKED`, the stacked
 leaves, the index and the step's token count, and :func:`project` hands the float32 weights of steps
 of at most :data:`NATIVE_MATMUL_MAX_ROWS` tokens on a one-device CPU backend (bfloat16 ones up to
-:data:`NATIVE_BF16_MATMUL_MAX_ROWS` where the CPU has AVX-512-BF16)
+:func:`native_bf16_matmul_max_rows`, by the CPU's bfloat16 instructions)
 to ``kernels_pallas.native.stacked_matmul_cpu``, which reads the stacked
 weight in place (``scripts/profile_step.py`` has the profile). Each call
 computes only the step's tokens (the leading rows of its bucket), and
@@ -125,12 +125,26 @@ STACKED = "_stacked"
 # 512, an AVX-512 EPYC; 36 -> 22, 99 -> 70 and 466 -> 471 ms on an Intel Xeon with AMX); larger steps keep XLA's
 # dots, unmeasured past that.
 NATIVE_MATMUL_MAX_ROWS = 512
-# The same for bfloat16 weights (as the engine stores them, uint16 bits), far lower: XLA's bfloat16 dots run on
-# AMX tiles where the CPU has them, and the kernel's gain is the slice copy it saves and the padding rows it
-# skips. 30 layers of SmolLM2-135M on an Intel Xeon with AMX, kernel against XLA: 16.9 against 31.3 ms at 1 row,
-# 30.0 / 26.5 at 4, 33.5 / 28.4 at 16, 72.9 / 36.9 at 48. So only the smallest bucket (4 tokens: a decode step of
-# 1-4 sequences, which computes its real rows only); unmeasured on a CPU with AVX-512-BF16 and no AMX.
-NATIVE_BF16_MATMUL_MAX_ROWS = 4
+# The same for bfloat16 weights (as the engine stores them, uint16 bits), by what the CPU has: XLA's bfloat16 dots
+# run on AMX tiles where the CPU has them, and the kernel's gain is then the slice copy it saves and the padding
+# rows it skips. 30 layers of SmolLM2-135M on an Intel Xeon with AMX, kernel against XLA: 16.9 against 31.3 ms at
+# 1 row, 30.0 / 26.5 at 4, 33.5 / 28.4 at 16, 72.9 / 36.9 at 48: so only the smallest bucket (4 tokens: a decode
+# step of 1-4 sequences, which computes its real rows only). Without AMX (an AMD EPYC with AVX-512-BF16, 2 cores,
+# scripts/bench_matmul.py, every row computed on both sides) XLA's dots and the kernel's vdpbf16ps tiles run at
+# about the same rate and the kernel keeps the copy it saves up to 128 rows: 14.6 / 19.9 ms at 4 rows, 29.1 / 28.9
+# at 16, 42.7 / 46.7 at 48, 46.3 / 54.5 at 64, 82.5 / 84.5 at 128, then 117.8 / 114.1 at 192, 332.8 / 311.1 at 512.
+NATIVE_BF16_MATMUL_MAX_ROWS_AMX = 4
+NATIVE_BF16_MATMUL_MAX_ROWS = 128
+
+
+def native_bf16_matmul_max_rows() -> int:
+    """The most rows (tokens) of a step whose bfloat16 projections :func:`project` hands to the native kernel:
+    :data:`NATIVE_BF16_MATMUL_MAX_ROWS_AMX` where the CPU has AMX (``native.has_amx_tiles``),
+    :data:`NATIVE_BF16_MATMUL_MAX_ROWS` where it has AVX-512-BF16 without AMX (``native.has_bf16_pairs``), 0
+    elsewhere (the kernel would convert every weight to float32 as it reads it, unmeasured against XLA's dots)."""
+    if not native.has_bf16_pairs():
+        return 0
+    return NATIVE_BF16_MATMUL_MAX_ROWS_AMX if native.has_amx_tiles() else NATIVE_BF16_MATMUL_MAX_ROWS
 
 
 def native_matmul_applies(x: jax.Array, stacked_w: jax.Array) -> bool:
@@ -138,11 +152,8 @@ def native_matmul_applies(x: jax.Array, stacked_w: jax.Array) -> bool:
     one device (a sharded weight would need the custom call partitioned), at most
     :data:`NATIVE_MATMUL_MAX_ROWS` rows of x, a stacked weight the kernel takes (``native.matmul_supports``), once
     the kernel is built. A bfloat16 weight (or its uint16 bits, as the engine stores them on CPU:
-    :func:`loop_storage`) at most :data:`NATIVE_BF16_MATMUL_MAX_ROWS` rows and only where the CPU
-    has AVX-512-BF16 (``native.has_bf16_pairs``): elsewhere the kernel converts every weight to float32 as it reads
-    it, unmeasured against XLA's dots, which keep it."""
-    if stacked_w.dtype in (jnp.bfloat16, jnp.uint16) and not (native.has_bf16_pairs()
-                                                              and x.shape[0] <= NATIVE_BF16_MATMUL_MAX_ROWS):
+    :func:`loop_storage`) at most :func:`native_bf16_matmul_max_rows` rows (none without AVX-512-BF16)."""
+    if stacked_w.dtype in (jnp.bfloat16, jnp.uint16) and x.shape[0] > native_bf16_matmul_max_rows():
         return False
     return (jax.default_backend() == "cpu" and jax.device_count() == 1 and x.shape[0] <= NATIVE_MATMUL_MAX_ROWS
             and native.matmul_supports(stacked_w) and native.available())
@@ -525,7 +536,7 @@ def native_lm_head_applies(hidden: jax.Array, weight: jax.Array, tied: bool) -> 
     ``native.stacked_matmul_cpu``), once the kernels are built."""
     # Untied: as the one layer of a stack, [1, E, V] (a shape only: nothing is computed to ask).
     # float32 only: the stacked kernel also takes bfloat16, which XLA's dots beat from 4 rows on AMX (see
-    # NATIVE_BF16_MATMUL_MAX_ROWS), and a head has one row per sequence.
+    # native_bf16_matmul_max_rows), and a tied head would need a bfloat16 matmul_nt_cpu, which there is not.
     supported = weight.dtype == jnp.float32 and (
         native.matmul_nt_supports(weight) if tied
         else native.matmul_supports(jax.ShapeDtypeStruct((1, *weight.shape), weight.dtype)))
