@@ -214,8 +214,9 @@ def has_bf16_pairs(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 @functools.lru_cache(maxsize=None)
 def has_amx_tiles(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether the CPU has AMX's bfloat16 tile multiplies (the ``amx_bf16`` flag of the first CPU in ``cpuinfo``),
-    which XLA's own bfloat16 dots use (so the engine hands fewer of them to :func:`stacked_matmul_cpu`). False
-    where the file is unreadable (not Linux). Read once per path."""
+    which XLA's own bfloat16 dots use (so the engine hands fewer of them to :func:`stacked_matmul_cpu`: see
+    ``jaxllm.models.common.native_bf16_matmul_max_rows``). False where the file is unreadable (not Linux); raises
+    nothing. Read once per path."""
     return "amx_bf16" in _cpu_flags(cpuinfo).split()
 
 

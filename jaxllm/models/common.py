@@ -141,7 +141,9 @@ def native_bf16_matmul_max_rows() -> int:
     """The most rows (tokens) of a step whose bfloat16 projections :func:`project` hands to the native kernel:
     :data:`NATIVE_BF16_MATMUL_MAX_ROWS_AMX` where the CPU has AMX (``native.has_amx_tiles``),
     :data:`NATIVE_BF16_MATMUL_MAX_ROWS` where it has AVX-512-BF16 without AMX (``native.has_bf16_pairs``), 0
-    elsewhere (the kernel would convert every weight to float32 as it reads it, unmeasured against XLA's dots)."""
+    elsewhere (the kernel would convert every weight to float32 as it reads it, unmeasured against XLA's dots).
+    The limits are the crossovers measured with ``scripts/bench_matmul.py`` (the comment above); the flags are
+    read from ``/proc/cpuinfo`` once per process. Raises nothing: a CPU without the file counts as neither."""
     if not native.has_bf16_pairs():
         return 0
     return NATIVE_BF16_MATMUL_MAX_ROWS_AMX if native.has_amx_tiles() else NATIVE_BF16_MATMUL_MAX_ROWS
