@@ -60,19 +60,31 @@ namespace {
 
 using namespace jaxllm_cpu;
 
+// Tiles of kRows rows by kCols vectors of columns; x of at most kFewRows rows takes one tile of kFewRows by
+// kFewCols instead. kPanel: columns per panel (kFewPanel with few rows).
 #ifdef __AVX512F__
 constexpr int kRows = 6;  // 6 rows x 4 vectors: 24 accumulators of AVX-512's 32 registers
+constexpr int kCols = 4;
+constexpr int kFewRows = kRows, kFewTileRows = kRows, kFewCols = kCols;
 constexpr int kNtRows = 4;  // 4 x 4 dots: 16 accumulators, 4 + 4 more registers for x and w
 #else
-constexpr int kRows = 3;  // 3 x 4: 12 of AVX2's 16
+// AVX2: 6 x 2 (12 of its 16 registers) reads each panel once per 6 rows, where 3 x 4 read it once per 3 (48
+// rows of SmolLM2-135M's 30 layers, float32, 2 AMD Zen 3 cores: 122 -> 75 ms; 128 rows: 252 -> 176 ms). Up to
+// 6 rows tiles of 3 x 4 read 128 bytes of each row of the weights at a time, which stream from memory faster
+// than 64 (1 row, in place: 15 against 23 ms; 4-6 rows: 28-30 against 37).
+constexpr int kRows = 6;
+constexpr int kCols = 2;
+constexpr int kFewRows = 6, kFewTileRows = 3, kFewCols = 4;
 constexpr int kNtRows = 2;  // 2 x 4 dots: 8 accumulators, 2 + 4 more registers
 #endif
-constexpr int kCols = 4;  // vectors of columns per panel
-constexpr int64_t kPanel = kCols * kLanes;  // columns per panel
+constexpr int64_t kPanel = kCols * kLanes;
+constexpr int64_t kFewPanel = kFewCols * kLanes;
 constexpr int kNtCols = kLanes / kNtRows;  // rows of w per dot tile: a tile's dots fill one vector
 // jaxllm_matmul_nt_cpu: from this many rows of x a panel of w is transposed into a buffer and multiplied as in
 // jaxllm_matmul_cpu; fewer rows take the dot tiles (reading w once, at memory speed either way).
 constexpr int64_t kPackMinRows = 8;
+static_assert(kPackMinRows > kFewRows && kRows >= kFewRows, "packed panels and tiles of more than one tile of "
+              "rows are kPanel columns wide");
 
 // A bfloat16's bits as the float32 it is (its high half).
 inline float to_float(uint16_t b) { return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16); }
@@ -212,37 +224,37 @@ inline void any_tile(const Operands<T>& o, int64_t r0) {
   tile<R, C>(o, r0);
 }
 
-// The last `rows_left` (< kRows) rows of a panel, as one tile of exactly that many rows.
-template <int C, typename T, int R = kRows - 1>
+// The last `rows_left` (< R + 1) rows of a panel, as one tile of exactly that many rows.
+template <int R, int C, typename T>
 inline void tail(const Operands<T>& o, int64_t r0, int64_t rows_left) {
   if constexpr (R > 0) {
     if (rows_left == R) {
       any_tile<R, C>(o, r0);
     } else {
-      tail<C, T, R - 1>(o, r0, rows_left);
+      tail<R - 1, C>(o, r0, rows_left);
     }
   }
 }
 
 // Rows [0, m) of the tiles of one chunk of K; the rows of o.pf are shared out among the tiles.
-template <int C, typename T>
+template <int R, int C, typename T>
 inline void tiles(Operands<T> o, int64_t m) {
-  const int64_t count = (m + kRows - 1) / kRows, pf_rows = o.pf_rows, share = (pf_rows + count - 1) / count;
+  const int64_t count = (m + R - 1) / R, pf_rows = o.pf_rows, share = (pf_rows + count - 1) / count;
   const T* pf = o.pf;
   int64_t r = 0;
-  for (int64_t t = 0; t < count; ++t, r += kRows) {
+  for (int64_t t = 0; t < count; ++t, r += R) {
     o.pf = pf + std::min(t * share, pf_rows) * o.pf_stride;
     o.pf_rows = std::clamp<int64_t>(pf_rows - t * share, 0, share);
-    if (r + kRows <= m) {
-      any_tile<kRows, C>(o, r);
+    if (r + R <= m) {
+      any_tile<R, C>(o, r);
     } else {
-      tail<C>(o, r, m - r);
+      tail<R - 1, C>(o, r, m - r);
     }
   }
 }
 
 // Rows of K per chunk of a panel when x has more than one tile of rows: 128 rows of 64 float32 columns are
-// 32 KiB, which stay in L1 while every tile of rows reads them.
+// 32 KiB (8 KiB of AVX2's 16), which stay in L1 while every tile of rows reads them.
 constexpr int64_t kChunk = 128;
 
 // Rows [0, m) of y's C vectors of columns at y (row stride ys) from w's at w (row stride ws).
@@ -253,11 +265,11 @@ constexpr int64_t kChunk = 128;
 // AVX-512 cores), and a chunk stays in L1 while the tiles reread it. The tiles of a later chunk add to y.
 // While a chunk's tiles run they prefetch the next chunk's rows, or `next`'s first chunk (the panel this thread
 // takes next, same stride and at least as wide; nullptr: none), so that the copy finds them in cache.
-template <int C, typename T>
+template <int R, int C, typename T>
 void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k_dim, const T* next) {
   constexpr int64_t cols = C * kLanes;
-  if (m <= kRows) {
-    tiles<C>(Operands<T>{x, k_dim, w, ws, y, ys, k_dim, false}, m);
+  if (m <= R) {
+    tiles<R, C>(Operands<T>{x, k_dim, w, ws, y, ys, k_dim, false}, m);
     return;
   }
   constexpr int lines = std::max<int>(1, cols * sizeof(T) / 64);
@@ -282,7 +294,7 @@ void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, 
     }
     o.pf_stride = ws;
     o.pf_lines = lines;
-    tiles<C>(o, m);
+    tiles<R, C>(o, m);
   }
 }
 
@@ -365,37 +377,52 @@ struct Shared {
   const uint16_t* xb = nullptr;  // jaxllm_matmul_bf16_cpu: x and w as bfloat16 bits (x and w unused)
   const uint16_t* wb = nullptr;
   float* y;
-  int64_t m, k, n, panels;
+  int64_t m, k, n;
+  int64_t panel_cols, panels;  // set_panels
   bool transposed;  // jaxllm_matmul_nt_cpu
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
 
-// panel<C> for the panel's `vectors` vectors of columns (4 or more: 4).
-template <typename T>
-void any_panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k_dim,
-               int64_t vectors, const T* next) {
-  if (vectors >= 4) {
-    panel<4>(x, w, ws, y, ys, m, k_dim, next);
-  } else if (vectors == 3) {
-    panel<3>(x, w, ws, y, ys, m, k_dim, next);
-  } else if (vectors == 2) {
-    panel<2>(x, w, ws, y, ys, m, k_dim, next);
-  } else {
-    panel<1>(x, w, ws, y, ys, m, k_dim, next);
+// The panels of s's m rows: kFewPanel columns each up to kFewRows rows, else kPanel.
+void set_panels(Shared& s) {
+  s.panel_cols = s.m <= kFewRows ? kFewPanel : kPanel;
+  s.panels = (s.n + s.panel_cols - 1) / s.panel_cols;
+}
+
+// panel<R, C> for the panel's `vectors` vectors of columns (C or more: C), with C = kFewCols up to kFewRows
+// rows, else kCols.
+template <int R, int C, typename T>
+void panel_of(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k_dim,
+              int64_t vectors, const T* next) {
+  if (vectors >= C) {
+    panel<R, C>(x, w, ws, y, ys, m, k_dim, next);
+  } else if constexpr (C > 1) {
+    panel_of<R, C - 1>(x, w, ws, y, ys, m, k_dim, vectors, next);
   }
 }
 
-// One panel of kPanel output columns (the last one may be narrower); `next`: the panel this thread takes after
-// it (its weights are prefetched), or -1.
+template <typename T>
+void any_panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k_dim,
+               int64_t vectors, const T* next) {
+  if (m <= kFewRows) {
+    panel_of<kFewTileRows, kFewCols>(x, w, ws, y, ys, m, k_dim, vectors, next);
+  } else {
+    panel_of<kRows, kCols>(x, w, ws, y, ys, m, k_dim, vectors, next);
+  }
+}
+
+// One panel of s.panel_cols output columns (the last one may be narrower); `next`: the panel this thread takes
+// after it (its weights are prefetched), or -1.
 void run_panel(const Shared& s, int64_t p, int64_t next) {
-  const int64_t c0 = p * kPanel;
-  const int64_t cols = std::min(kPanel, s.n - c0);
+  const int64_t c0 = p * s.panel_cols;
+  const int64_t cols = std::min(s.panel_cols, s.n - c0);
   const int64_t vectors = cols / kLanes;  // jaxllm_matmul_cpu and _bf16_cpu: N is a multiple of 16
   // The next panel's rows are prefetched as wide as this one's: not where it is a narrower last panel.
-  const bool ahead = next >= 0 && s.n - next * kPanel >= cols;
+  const bool ahead = next >= 0 && s.n - next * s.panel_cols >= cols;
   if (s.wb != nullptr) {
-    any_panel(s.xb, s.wb + c0, s.n, s.y + c0, s.n, s.m, s.k, vectors, ahead ? s.wb + next * kPanel : nullptr);
+    const uint16_t* after = ahead ? s.wb + next * s.panel_cols : nullptr;
+    any_panel(s.xb, s.wb + c0, s.n, s.y + c0, s.n, s.m, s.k, vectors, after);
     return;
   }
   if (s.transposed && (s.m < kPackMinRows || cols < kPanel)) {
@@ -414,14 +441,15 @@ void run_panel(const Shared& s, int64_t p, int64_t next) {
     ws = kPanel;
   }
   // The transposed panel is packed from rows of w, not read at this stride: nothing of it to prefetch.
-  any_panel(s.x, w, ws, s.y + c0, s.n, s.m, s.k, vectors, ahead && !s.transposed ? s.w + next * kPanel : nullptr);
+  const float* after = ahead && !s.transposed ? s.w + next * s.panel_cols : nullptr;
+  any_panel(s.x, w, ws, s.y + c0, s.n, s.m, s.k, vectors, after);
 }
 
 // Take panels until none is left; returns after the last panel this thread took. With more than one tile of
 // rows each panel is taken one ahead, so that its weights are prefetched while the one before it computes; with
 // one tile (a decode step) nothing is prefetched, and taking two at a time would only leave threads idle.
 void drain(Shared& s) {
-  const bool ahead = s.m > kRows;
+  const bool ahead = s.m > (s.m <= kFewRows ? kFewTileRows : kRows);
   int64_t p = s.next.fetch_add(1);
   while (p < s.panels) {
     const int64_t next = ahead ? s.next.fetch_add(1) : -1;
@@ -464,7 +492,7 @@ ffi::Error run_stacked(ffi::ThreadPool& pool, const std::string& name, int64_t m
   s->m = valid_rows(rows, m);
   s->k = k;
   s->n = n;
-  s->panels = (n + kPanel - 1) / kPanel;
+  set_panels(*s);
   s->transposed = false;
   run(pool, s, m);
   return ffi::Error::Success();
@@ -521,7 +549,7 @@ ffi::Error MatmulNtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   s->m = valid_rows(rows, xd[0]);
   s->k = xd[1];
   s->n = wd[0];
-  s->panels = (s->n + kPanel - 1) / kPanel;
+  set_panels(*s);
   s->transposed = true;
   run(pool, s, xd[0]);
   return ffi::Error::Success();

@@ -204,6 +204,15 @@ def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
 
 
 @functools.lru_cache(maxsize=None)
+def has_avx512(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the CPU has AVX-512 (the ``avx512f`` flag of the first CPU in ``cpuinfo``), which the kernels,
+    built with ``-march=native``, then use: 16 float32 lanes and :func:`stacked_matmul_cpu`'s tiles of 6 rows by
+    64 columns, against 8 lanes and tiles of 6 by 16 on AVX2. False where the file is unreadable (not Linux);
+    raises nothing. Read once per path."""
+    return "avx512f" in _cpu_flags(cpuinfo).split()
+
+
+@functools.lru_cache(maxsize=None)
 def has_bf16_pairs(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether the CPU multiplies pairs of bfloat16 in one instruction (the ``avx512_bf16`` flag of the first CPU
     in ``cpuinfo``: ``vdpbf16ps``), which :func:`stacked_matmul_cpu`'s bfloat16 kernel then uses (built with

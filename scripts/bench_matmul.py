@@ -4,7 +4,7 @@ Every projection of a model (q, k, v, o, gate, up, down at its sizes) runs for e
 over stacked weights, as ``jaxllm.models.common.hidden_states`` runs them, for a few token counts:
 
 - ``native``: ``kernels_pallas.native.stacked_matmul_cpu``, reading each layer's weight in place from the stack
-  (what the engine runs up to ``common.NATIVE_MATMUL_MAX_ROWS`` float32 tokens and
+  (what the engine runs up to ``common.native_matmul_max_rows()`` float32 tokens and
   ``common.native_bf16_matmul_max_rows()`` bfloat16 ones, by the CPU's bfloat16 instructions);
 - ``xla``: ``x @ w[layer]``, XLA's dynamic-slice of the layer and its dot (bfloat16 held as uint16 bits and
   bit-cast back per layer, as the CPU engine holds them).

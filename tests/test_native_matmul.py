@@ -7,7 +7,8 @@ four vectors per panel and several panels, any layer of the stack; any ``x [M, K
 multiple of 16 -- row counts on both sides of the transposed-panel threshold, column counts that fill whole panels,
 leave a narrower last one or fall short of one dot tile; for both, any count of leading rows to compute (the rest
 zeros), clamped to [0, M]. Around them: their errors, and the model step, which reads every float32 projection
-through the first (no per-layer slice of the weights) up to ``NATIVE_MATMUL_MAX_ROWS`` tokens and the lm_head of 4
+through the first (no per-layer slice of the weights) up to ``native_matmul_max_rows()`` tokens (by the CPU's vector
+width) and the lm_head of 4
 rows or more through either, with the same logits, and every bfloat16 projection through the first where the CPU has
 AVX-512-BF16, as close to the float32 logits as XLA's bfloat16 dots; other bfloat16 weights and larger steps keep
 XLA's dots.
@@ -30,8 +31,9 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g+
 
 
 def test_stacked_matmul_matches_numpy_on_every_tile_shape():
-    # Rows 1-13, 48 and 64 cover whole tiles of 6 (AVX-512) and 3 (AVX2) rows and every remainder; N = 16 .. 208
-    # gives panels of 1-4 vectors of 8 or 16 columns and more than one panel; K = 1 and 7 leave no vector of K.
+    # Rows 1-13, 48 and 64 cover whole tiles of 6 rows and every remainder, and AVX2's tiles of 3 rows by 4
+    # vectors up to 6 rows (1-3 in place, 4-6 over chunks); N = 16 .. 208 gives panels of 1-4 vectors of 8 or 16
+    # columns and more than one panel; K = 1 and 7 leave no vector of K.
     rng = np.random.default_rng(0)
     # K = 257: odd, over three chunks of 128 rows when more than one tile of rows copies the panel; N = 96, 160:
     # panels of two vectors of 16 (AVX-512).
@@ -272,15 +274,18 @@ def test_bfloat16_steps_read_the_stacked_weights_in_place_as_close_to_float32_as
         assert native_err <= 1.25 * xla_err + scale * 2 ** -8, (num_tokens, native_err, xla_err, scale)
 
 
-def test_the_bfloat16_flags_are_read_from_the_first_cpu(tmp_path):
-    # The flags of an AMD EPYC (AVX-512-BF16, no AMX) and an Intel Xeon (both); a flag's name is matched whole.
+def test_the_vector_flags_are_read_from_the_first_cpu(tmp_path):
+    # The flags of an AMD EPYC (AVX-512-BF16, no AMX), an Intel Xeon (both) and an AVX2 CPU whose near-miss names
+    # are no flags: a flag's name is matched whole.
     amd, intel, neither = (tmp_path / name for name in ("amd", "intel", "neither"))
     amd.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
     intel.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
-    neither.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16x amx_bf16x\n")
+    neither.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512fx avx512_bf16x amx_bf16x\n")
     assert [native.has_bf16_pairs(p) for p in (amd, intel, neither)] == [True, True, False]
     assert [native.has_amx_tiles(p) for p in (amd, intel, neither)] == [False, True, False]
-    assert not native.has_amx_tiles(tmp_path / "missing") and not native.has_bf16_pairs(tmp_path / "missing")
+    assert [native.has_avx512(p) for p in (amd, intel, neither)] == [True, True, False]
+    assert not any(reader(tmp_path / "missing") for reader in (native.has_amx_tiles, native.has_bf16_pairs,
+                                                               native.has_avx512))
 
 
 def test_bfloat16_weights_without_avx512_bf16_and_steps_past_the_row_limit_keep_xlas_dots(tmp_path, monkeypatch):
@@ -301,7 +306,10 @@ def test_bfloat16_weights_without_avx512_bf16_and_steps_past_the_row_limit_keep_
         for stored in (wq.astype(jnp.bfloat16), to_storage(wq.astype(jnp.bfloat16), jnp.uint16)):
             assert common.native_matmul_applies(jnp.zeros((bf16_limit, 64)), stored)
             assert not common.native_matmul_applies(jnp.zeros((bf16_limit + 1, 64)), stored)
-    limit = common.NATIVE_MATMUL_MAX_ROWS
-    assert common.native_matmul_applies(jnp.zeros((limit, 64)), wq)
-    assert not common.native_matmul_applies(jnp.zeros((limit + 1, 64)), wq)
+    # float32: 512 rows with AVX-512, 192 on AVX2 (common's measurements).
+    for avx512, limit in ((True, 512), (False, 192)):
+        monkeypatch.setattr(native, "has_avx512", lambda avx512=avx512: avx512)
+        assert common.native_matmul_max_rows() == limit
+        assert common.native_matmul_applies(jnp.zeros((limit, 64)), wq)
+        assert not common.native_matmul_applies(jnp.zeros((limit + 1, 64)), wq)
     assert not common.native_matmul_applies(jnp.zeros((4, 64)), jnp.zeros((3, 64, 40)))  # N not a multiple of 16

@@ -49,7 +49,7 @@ Reading layer ``l``'s weights by index is a dynamic-slice, which XLA's CPU
 backend copies on every step before its dots read the copy again. So each
 layer dict inside the scan also holds, under :data:`STACKED`, the stacked
 leaves, the index and the step's token count, and :func:`project` hands the float32 weights of steps
-of at most :data:`NATIVE_MATMUL_MAX_ROWS` tokens on a one-device CPU backend (bfloat16 ones up to
+of at most :func:`native_matmul_max_rows` tokens on a one-device CPU backend (bfloat16 ones up to
 :func:`native_bf16_matmul_max_rows`, by the CPU's bfloat16 instructions)
 to ``kernels_pallas.native.stacked_matmul_cpu``, which reads the stacked
 weight in place (``scripts/profile_step.py`` has the profile). Each call
@@ -123,8 +123,11 @@ STACKED = "_stacked"
 # Steps of at most this many tokens take the native matmul: measured faster than XLA's dots plus the slice copies
 # from 1 to 512 rows (30 layers of SmolLM2-135M, float32: 28 -> 8 ms at 1 row, 52 -> 35 ms at 48, 283 -> 260 ms at
 # 512, an AVX-512 EPYC; 36 -> 22, 99 -> 70 and 466 -> 471 ms on an Intel Xeon with AMX); larger steps keep XLA's
-# dots, unmeasured past that.
+# dots, unmeasured past that. Without AVX-512 (the kernel's tiles of 6 rows by 16 columns on AVX2) it keeps up to
+# 192: 17 / 25 ms at 1 row, 45 / 50 at 16, 75 / 96 at 48, 176 / 192 at 128, 290 / 280 at 192, then 352 / 333 at
+# 256 and 700 / 647 at 512 (scripts/bench_matmul.py, an AMD EPYC with AVX2 only, Zen 3, 2 cores).
 NATIVE_MATMUL_MAX_ROWS = 512
+NATIVE_MATMUL_MAX_ROWS_AVX2 = 192
 # The same for bfloat16 weights (as the engine stores them, uint16 bits), by what the CPU has: XLA's bfloat16 dots
 # run on AMX tiles where the CPU has them, and the kernel's gain is then the slice copy it saves and the padding
 # rows it skips. 30 layers of SmolLM2-135M on an Intel Xeon with AMX, kernel against XLA: 16.9 against 31.3 ms at
@@ -135,6 +138,16 @@ NATIVE_MATMUL_MAX_ROWS = 512
 # at 16, 42.7 / 46.7 at 48, 46.3 / 54.5 at 64, 82.5 / 84.5 at 128, then 117.8 / 114.1 at 192, 332.8 / 311.1 at 512.
 NATIVE_BF16_MATMUL_MAX_ROWS_AMX = 4
 NATIVE_BF16_MATMUL_MAX_ROWS = 128
+
+
+def native_matmul_max_rows() -> int:
+    """The most rows (tokens) of a step whose float32 projections :func:`project` hands to the native kernel:
+    :data:`NATIVE_MATMUL_MAX_ROWS`, or :data:`NATIVE_MATMUL_MAX_ROWS_AVX2` where lower and the CPU lacks AVX-512
+    (``native.has_avx512``, read from ``/proc/cpuinfo`` once per process). The limits are the crossovers measured
+    with ``scripts/bench_matmul.py`` (the comment above). Raises nothing: a CPU without the file counts as AVX2."""
+    if native.has_avx512():
+        return NATIVE_MATMUL_MAX_ROWS
+    return min(NATIVE_MATMUL_MAX_ROWS, NATIVE_MATMUL_MAX_ROWS_AVX2)
 
 
 def native_bf16_matmul_max_rows() -> int:
@@ -152,12 +165,12 @@ def native_bf16_matmul_max_rows() -> int:
 def native_matmul_applies(x: jax.Array, stacked_w: jax.Array) -> bool:
     """Whether :func:`project` computes ``x @ w`` with ``native.stacked_matmul_cpu``: on XLA's CPU backend with
     one device (a sharded weight would need the custom call partitioned), at most
-    :data:`NATIVE_MATMUL_MAX_ROWS` rows of x, a stacked weight the kernel takes (``native.matmul_supports``), once
+    :func:`native_matmul_max_rows` rows of x, a stacked weight the kernel takes (``native.matmul_supports``), once
     the kernel is built. A bfloat16 weight (or its uint16 bits, as the engine stores them on CPU:
     :func:`loop_storage`) at most :func:`native_bf16_matmul_max_rows` rows (none without AVX-512-BF16)."""
     if stacked_w.dtype in (jnp.bfloat16, jnp.uint16) and x.shape[0] > native_bf16_matmul_max_rows():
         return False
-    return (jax.default_backend() == "cpu" and jax.device_count() == 1 and x.shape[0] <= NATIVE_MATMUL_MAX_ROWS
+    return (jax.default_backend() == "cpu" and jax.device_count() == 1 and x.shape[0] <= native_matmul_max_rows()
             and native.matmul_supports(stacked_w) and native.available())
 
 
