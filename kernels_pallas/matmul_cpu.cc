@@ -31,7 +31,8 @@
 // naming the layer.
 //
 // Work: panels of columns are the units, taken from an atomic counter by the calling thread and tasks on XLA's
-// intra-op thread pool. Within a panel of kPanel columns, tiles of kRows rows of x accumulate in registers down K;
+// intra-op thread pool. Within a panel of kPanel columns, tiles of kRows rows of x accumulate in registers down K
+// (x of at most kFewRows rows: panels of kFewPanel columns, tiles of kFewTileRows rows);
 // jaxllm_matmul_nt_cpu first transposes its panel (kPanel rows of w) into a per-thread buffer, by blocks of
 // kLanes x kLanes in registers, so the same tiles read it. With fewer than kPackMinRows rows (and in a last,
 // narrower panel) it takes dot tiles instead: kNtRows rows of x by kNtCols rows of w, kLanes accumulators of
@@ -60,8 +61,8 @@ namespace {
 
 using namespace jaxllm_cpu;
 
-// Tiles of kRows rows by kCols vectors of columns; x of at most kFewRows rows takes one tile of kFewRows by
-// kFewCols instead. kPanel: columns per panel (kFewPanel with few rows).
+// Tiles of kRows rows by kCols vectors of columns in panels of kPanel columns; x of at most kFewRows rows takes
+// tiles of kFewTileRows rows by kFewCols vectors instead, in panels of kFewPanel columns.
 #ifdef __AVX512F__
 constexpr int kRows = 6;  // 6 rows x 4 vectors: 24 accumulators of AVX-512's 32 registers
 constexpr int kCols = 4;
@@ -253,8 +254,9 @@ inline void tiles(Operands<T> o, int64_t m) {
   }
 }
 
-// Rows of K per chunk of a panel when x has more than one tile of rows: 128 rows of 64 float32 columns are
-// 32 KiB (8 KiB of AVX2's 16), which stay in L1 while every tile of rows reads them.
+// Rows of K per chunk of a panel when x has more than one tile of rows: at most 128 rows of 64 float32 columns,
+// 32 KiB (AVX2: 8 KiB of a 16-column panel, 16 KiB of a 32-column one), which stay in L1 while every tile of
+// rows reads them.
 constexpr int64_t kChunk = 128;
 
 // Rows [0, m) of y's C vectors of columns at y (row stride ys) from w's at w (row stride ws).

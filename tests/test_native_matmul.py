@@ -32,12 +32,14 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g+
 
 def test_stacked_matmul_matches_numpy_on_every_tile_shape():
     # Rows 1-13, 48 and 64 cover whole tiles of 6 rows and every remainder, and AVX2's tiles of 3 rows by 4
-    # vectors up to 6 rows (1-3 in place, 4-6 over chunks); N = 16 .. 208 gives panels of 1-4 vectors of 8 or 16
-    # columns and more than one panel; K = 1 and 7 leave no vector of K.
+    # vectors up to 6 rows (1-3 in place, 4-6 over chunks); N = 16 .. 208 gives panels of 1-4 vectors of 16
+    # columns (AVX-512), of 2 or 4 vectors of 8 (AVX2), and more than one panel; K = 1 and 7 leave no vector of K.
+    # N = 16 and 32 with K = 300: a weight exactly one AVX2 panel wide, which tiles of more than one tile of rows
+    # read in place (nothing to copy) over three chunks of K.
     rng = np.random.default_rng(0)
     # K = 257: odd, over three chunks of 128 rows when more than one tile of rows copies the panel; N = 96, 160:
     # panels of two vectors of 16 (AVX-512).
-    for k_dim, n in [(1, 16), (7, 48), (64, 80), (576, 192), (33, 208), (257, 96), (40, 160)]:
+    for k_dim, n in [(1, 16), (7, 48), (64, 80), (576, 192), (33, 208), (257, 96), (40, 160), (300, 16), (300, 32)]:
         stack = rng.standard_normal((3, k_dim, n)).astype(np.float32)
         w = jnp.asarray(stack)
         for m in [*range(1, 14), 48, 64, 97]:
@@ -97,7 +99,7 @@ def test_stacked_matmul_refuses_weights_it_does_not_take_and_a_layer_past_the_st
 
 def test_matmul_nt_matches_numpy_on_every_tile_shape():
     # Rows 1-13, 48 and 97: below and above the transposed-panel threshold (8), whole and partial tiles of x rows
-    # (dot tiles of 4 or 2 rows, packed tiles of 6 or 3); N = 1 and 3 are less than one dot tile, 64 one panel,
+    # (dot tiles of 4 or 2 rows, packed tiles of 6); N = 1 and 3 are less than one dot tile, 64 one panel,
     # 129, 200 and 257 whole panels and a narrower last one; K = 16 .. 576 whole vectors of 8 or 16.
     rng = np.random.default_rng(1)
     for k_dim, n in [(16, 1), (16, 3), (32, 64), (48, 129), (576, 200), (64, 257)]:

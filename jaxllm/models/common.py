@@ -124,8 +124,9 @@ STACKED = "_stacked"
 # from 1 to 512 rows (30 layers of SmolLM2-135M, float32: 28 -> 8 ms at 1 row, 52 -> 35 ms at 48, 283 -> 260 ms at
 # 512, an AVX-512 EPYC; 36 -> 22, 99 -> 70 and 466 -> 471 ms on an Intel Xeon with AMX); larger steps keep XLA's
 # dots, unmeasured past that. Without AVX-512 (the kernel's tiles of 6 rows by 16 columns on AVX2) it keeps up to
-# 192: 17 / 25 ms at 1 row, 45 / 50 at 16, 75 / 96 at 48, 176 / 192 at 128, 290 / 280 at 192, then 352 / 333 at
-# 256 and 700 / 647 at 512 (scripts/bench_matmul.py, an AMD EPYC with AVX2 only, Zen 3, 2 cores).
+# 192, kernel / XLA: 17 / 25 ms at 1 row, 45 / 50 at 16, 75 / 96 at 48, 176-240 / 192-229 at 128, 262-301 /
+# 280-336 at 192, then 359-421 / 368-398 at 256 and 700 / 647 at 512 (scripts/bench_matmul.py, runs of one
+# session, an AMD EPYC with AVX2 only, Zen 3, 2 cores: XLA's dots vary by up to 2x between runs there).
 NATIVE_MATMUL_MAX_ROWS = 512
 NATIVE_MATMUL_MAX_ROWS_AVX2 = 192
 # The same for bfloat16 weights (as the engine stores them, uint16 bits), by what the CPU has: XLA's bfloat16 dots
