@@ -208,8 +208,7 @@ def has_avx512(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether the CPU has AVX-512 (the ``avx512f`` flag of the first CPU in ``cpuinfo``), which the kernels,
     built with ``-march=native``, then use: 16 float32 lanes and :func:`stacked_matmul_cpu`'s tiles of 6 rows by
     64 columns, against 8 lanes and tiles of 6 by 16 on AVX2 (3 by 32 for x of at most 6 rows). False where the
-    file is unreadable (not Linux);
-    raises nothing. Read once per path."""
+    file is unreadable (not Linux); raises nothing. Read once per path."""
     return "avx512f" in _cpu_flags(cpuinfo).split()
 
 

@@ -15,8 +15,8 @@ to 16 and to 4 tokens, a 512-token prefill) it times, on the engine's own parame
 - ``xla dots``: the full step again with every projection on XLA's dots
   instead of the C++ matmul (``jaxllm.models.common.NATIVE_MATMUL_MAX_ROWS``
   set to 0, which ``native_matmul_max_rows()`` then returns on every CPU; past
-  its AVX2 limit the step takes XLA's dots in every column); the step where neither kernel can be built is about both
-  differences together.
+  its AVX2 limit the step takes XLA's dots in every column); the step where
+  neither kernel can be built is about both differences together.
 
 Block tables hold each row's blocks and the null block after them, as the
 scheduler's do. What the profile showed on SmolLM2-135M, float32, 2 cores
