@@ -108,6 +108,22 @@ so the engine uses it for the 4-token bucket only: this script's 1-row decode
 step in that bucket 36.1 / 38.4 -> 26.1 / 26.4 ms (48 rows through it: 78 ->
 112 ms, so they keep XLA's dots).
 
+Then (2026-12-03, an Intel Xeon with AVX-512 and AMX, 2 cores, quiet): this
+script's columns, three runs: the 48-row decode step 107-110 ms (attention
+30-35, lm_head 14-15), the 512-token prefill 476-546 ms against 468-501 with
+XLA's dots. In perf profiles of the short and shared-prefix shapes of
+``bench_vs_vllm.py`` the C++ matmul was 55-66% of the samples and decode
+attention 6-15%; 30-layer scans of SmolLM2's projection shapes at 192 rows
+ran at 250-295 GFLOP/s, 75-89% of the 333 that two cores with two AVX-512
+FMA units each reach at the 2.6 GHz the machine reports. Two things
+were tried and dropped, each measured interleaved against the commit before:
+splitting the panels left over when their count is odd (N = 576: 9 panels on
+2 threads) by rows (192 rows, three runs each: 249-255 against 251-273 GFLOP/s
+at N = 576, K = 1536, no consistent difference), and glibc's malloc tunables
+(one arena with ``mmap_max=0``, or ``hugetlb=1``), which cut the short
+shape's page faults from 2.4 million to 0.6 and 0.3 million but left its
+output tok/s within the noise (384-405 before, 387 and 391 after).
+
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a
 ``jax.profiler`` trace of the full steps (open with TensorBoard / Perfetto).
