@@ -8,7 +8,8 @@ to 16 and to 4 tokens, a 512-token prefill) it times, on the engine's own parame
 - ``no attention``: the same with the attention op replaced by the identity
   and the KV write by a no-op (so ``step - no attention`` is attention);
 - ``lm_head``: the logits of the sampled rows alone, as the step computes them (every row);
-- ``sampler``: one greedy ``sampler.sample`` over those logits;
+- ``sampler``: one greedy ``sampler.sample`` over those logits, its tables
+  donated as in the engine's step;
 - ``jnp tiles``: with the ``xla`` attention (the CPU default), the full step
   again with attention on the ``jnp`` tiles instead of the C++ kernel
   (``use_native=False``);
@@ -235,7 +236,9 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
         head, _ = timed(jax.jit(functools.partial(models.compute_logits, cfg=cfg, native_kernels=True)),
                         runner.params, hidden)
         arrays = jax.tree_util.tree_map(jnp.asarray, SamplingArrays.empty(rows))
-        sampler, _ = timed(jax.jit(sample), logits, arrays, runner.sampler_tables)
+        # The tables donated, as the engine's step donates them (else the timing includes a copy of the counts).
+        draw = jax.jit(lambda logits, tables, arrays: sample(logits, arrays, tables), donate_argnums=(1,))
+        sampler, (_, runner.sampler_tables) = timed(draw, logits, runner.sampler_tables, arrays, donate=True)
         extra = ""
         if xla:
             tiled = jax.jit(functools.partial(model_step, ops=jnp_decode), donate_argnums=(1,))
