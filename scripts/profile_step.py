@@ -123,7 +123,10 @@ splitting the panels left over when their count is odd (N = 576: 9 panels on
 at N = 576, K = 1536, no consistent difference), and glibc's malloc tunables
 (one arena with ``mmap_max=0``, or ``hugetlb=1``), which cut the short
 shape's page faults from 2.4 million to 0.6 and 0.3 million but left its
-output tok/s within the noise (384-405 before, 387 and 391 after).
+output tok/s within the noise (384-405 before, 387 and 391 after). The
+``sampler`` column had timed a copy of the counts table as well, its tables
+not donated (2.3-3.6 ms here at any row count, the earlier figures above
+included); donated, 0.3-1.3 ms.
 
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a
