@@ -114,16 +114,18 @@ script's columns, three runs: the 48-row decode step 107-110 ms (attention
 30-35, lm_head 14-15), the 512-token prefill 476-546 ms against 468-501 with
 XLA's dots. In perf profiles of the short and shared-prefix shapes of
 ``bench_vs_vllm.py`` the C++ matmul was 55-66% of the samples and decode
-attention 6-15%; 30-layer scans of SmolLM2's projection shapes at 192 rows
-ran at 250-295 GFLOP/s, 75-89% of the 333 that two cores with two AVX-512
-FMA units each reach at the 2.6 GHz the machine reports. Two things
-were tried and dropped, each measured interleaved against the commit before:
-splitting the panels left over when their count is odd (N = 576: 9 panels on
-2 threads) by rows (192 rows, three runs each: 249-255 against 251-273 GFLOP/s
-at N = 576, K = 1536, no consistent difference), and glibc's malloc tunables
-(one arena with ``mmap_max=0``, or ``hugetlb=1``), which cut the short
-shape's page faults from 2.4 million to 0.6 and 0.3 million but left its
-output tok/s within the noise (384-405 before, 387 and 391 after). The
+attention 6-15%; ``scripts/bench_matmul.py --dtype float32`` ran SmolLM2's
+projections over 30 layers at 192 rows in 158-167 ms (four runs), 244-258
+GFLOP/s, 73-77% of the 333 that two cores with two AVX-512 FMA units each
+reach at the 2.6 GHz the machine reports. Two things were tried and dropped,
+each measured interleaved with the code as it was: splitting the panels left
+over when their count is odd (N = 576: 9 panels on 2 threads) by rows
+(``bench_matmul.py``, two runs each: 192 rows 158.5 / 167.2 ms before against
+173.0 / 158.1 after, 256 rows 192.4 / 200.9 against 197.1 / 218.4, 512 rows
+412.4 / 405.6 against 399.4 / 378.3: no consistent difference), and glibc's
+malloc tunables (one arena with ``mmap_max=0``, or ``hugetlb=1``), which cut
+the short shape's page faults from 2.4 million to 0.6 and 0.3 million but left
+its output tok/s within the noise (384-405 before, 387 and 391 after). The
 ``sampler`` column had timed a copy of the counts table as well, its tables
 not donated (2.3-3.6 ms here at any row count, the earlier figures above
 included); donated, 0.3-1.3 ms.
