@@ -141,18 +141,11 @@ no longer leave a thread idle -- ``bench_matmul.py`` 32 rows 55.0 -> 51.8 ms,
 48 rows 66.2 -> 65.5, 192 rows 169.9 -> 167.0, 512 rows 422.4 -> 440.7; short
 343.5 / 352.6 -> 346.7 / 346.6 tok/s, shared-prefix 153.1 / 149.8 -> 157.0 /
 148.4; the lm_head on XLA's dot when at least 3/4 of its bucket's rows are
-sequences (a ``lax.cond`` on the row count; standalone, 192 rows took 51-52 ms
-on XLA's dot against 58-63 on the kernel): one run each, short 354.0 -> 349.0,
+sequences (a ``lax.cond`` on the row count): one run each, short 354.0 -> 349.0,
 shared-prefix 155.4 -> 153.8, and start-up 9 -> 26 s for the second branch of
 every head; and the decode attention's prefetch of the next block into L2
-instead of L1, one or two blocks ahead: this script's 48-row attention 37.3 ms before, 33.9
-and 36.4 after, within its spread. Measured and not pursued: the tied
-embedding packed once for the lm_head (no per-call transpose of its panels)
-saves about 1.5 ms of a 48-row head (16.0 -> 14.6 ms) and 0.1-2.7 at 192 rows,
-for a second copy of the embedding (113 MB). A standalone timing of the head
-is not the step's: its fresh 38 MB buffer of logits page-faults on every call
-(192 rows and an argmax: 79 ms, 62 with glibc's one-arena tunables), which the
-step's own buffers do not show at that cost (see the tunables above).
+instead of L1, one or two blocks ahead: this script's 48-row attention 37.3 ms
+before, 33.9 and 36.4 after, within its spread.
 
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a
