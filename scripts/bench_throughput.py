@@ -822,8 +822,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{_max_model_len(args)}, max_num_batched_tokens {args.max_num_batched_tokens}")
     host = common.host_info()
     print(common.host_line(host))
+    rows, inner, cols = common.dot_bench_shape()
     print(f"XLA {dtype} dot rate measured in this run: {results[0]['dot_gflops']:.1f} GFLOP/s "
-          f"([256, 1024] @ [1024, 4096]); 'of dot peak' = matmul FLOPs of the prompt and output tokens computed "
+          f"([{rows}, {inner}] @ [{inner}, {cols}]); 'of dot peak' = matmul FLOPs of the prompt and output tokens computed "
           "(jaxllm leaves out prompt tokens read from its prefix cache) / seconds / that rate")
     print_table(results)
     for row in results:

@@ -367,3 +367,12 @@ def test_client_is_vllms_bench_serve_greedy_with_ignore_eos_and_p50_p99(tmp_path
                  "--percentile-metrics ttft,tpot,itl,e2el", "--metric-percentiles 50,99",
                  f"--result-dir {tmp_path} --result-filename result.json"):
         assert part in flags
+
+
+@pytest.mark.parametrize("backend, shape", [("cpu", (256, 1024, 4096)), ("gpu", (8192, 8192, 8192))])
+def test_dot_rate_is_timed_on_a_projection_shape_on_cpu_and_a_large_dot_on_an_accelerator(monkeypatch, backend,
+                                                                                          shape):
+    import jax
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    assert common.dot_bench_shape() == shape
