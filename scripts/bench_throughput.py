@@ -824,8 +824,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(common.host_line(host))
     rows, inner, cols = common.dot_bench_shape()
     print(f"XLA {dtype} dot rate measured in this run: {results[0]['dot_gflops']:.1f} GFLOP/s "
-          f"([{rows}, {inner}] @ [{inner}, {cols}]); 'of dot peak' = matmul FLOPs of the prompt and output tokens computed "
-          "(jaxllm leaves out prompt tokens read from its prefix cache) / seconds / that rate")
+          f"([{rows}, {inner}] @ [{inner}, {cols}]); 'of dot peak' = matmul FLOPs of the prompt and output tokens "
+          "computed (jaxllm leaves out prompt tokens read from its prefix cache) / seconds / that rate")
     print_table(results)
     for row in results:
         if row.get("vllm_affinity"):
