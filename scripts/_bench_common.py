@@ -338,7 +338,8 @@ def dot_bench_shape() -> tuple[int, int, int]:
     """``(rows, inner, cols)`` of the dot that ``measure_dot_gflops`` times on this backend: 256 x 1024 x 4096 on
     CPU (a step's projection shape), 8192 cubed on an accelerator, where a call of the CPU's size (2 GFLOP, about
     3 us at an H200's bf16 rate) times the launch and the sync rather than the dot. The first H200 run measured
-    22.5 TFLOP/s with the CPU's size, and its throughput row came out at 138% of that "peak"."""
+    22.5 TFLOP/s with the CPU's size, and its throughput row came out at 138% of that "peak". Sizes in elements
+    (ints); reads ``jax.default_backend()``, raises nothing."""
     import jax
 
     return (256, 1024, 4096) if jax.default_backend() == "cpu" else (8192, 8192, 8192)
@@ -346,7 +347,8 @@ def dot_bench_shape() -> tuple[int, int, int]:
 
 def measure_dot_gflops(dtype: str, seconds: float = 2.0) -> float:
     """The machine's matmul rate now, GFLOP/s: XLA's ``[rows, inner] @ [inner, cols]`` dot (``dot_bench_shape``) in
-    ``dtype`` (float32 accumulation, as the engine's projections), repeated for about ``seconds``."""
+    ``dtype`` (float32 accumulation, as the engine's projections), repeated for about ``seconds`` (wall clock).
+    dtype: a JAX dtype name ("float32", "bfloat16"); an unknown name raises JAX's TypeError."""
     import time
 
     import jax
