@@ -343,6 +343,17 @@ class BlockPool:
                 block.block_hash = block_hash
                 cached[block_hash] = block
 
+    def uncache_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop the hashes of those of ``blocks`` that hold one (a ``BlockRemoved`` event for them): no request finds
+        them by content any more. For registered blocks whose KV was never written (their step never ran)."""
+        gone = [b for b in blocks if b.block_hash is not None]
+        for block in gone:
+            del self.cached[block.block_hash]
+        if gone and self.kv_events is not None:
+            self.kv_events.append(BlockRemoved([b.block_hash for b in gone]))
+        for block in gone:
+            block.block_hash = None
+
     # ------------------------------------------------------ compaction and resizing (between steps)
 
     def compact(self, num_blocks: Optional[int] = None) -> list[tuple[int, int]]:

@@ -22,8 +22,10 @@ class KVCacheManager:
     Follows vLLM v1 ``KVCacheManager``: a request's block table is a list of
     ``KVBlock`` covering its first ``num_computed_tokens + num_new_tokens``
     tokens. Blocks become prefix-cacheable once full *and* computed
-    (:meth:`cache_computed_blocks`, called after the model step), so a hit
-    always points at KV that exists.
+    (:meth:`cache_computed_blocks`, called after the model step), or once
+    full and scheduled by an admission (:meth:`cache_scheduled_blocks`), so
+    a hit points at KV that exists or that the step it is read in writes
+    before it attends.
 
     Copy-on-write of the last block (our addition to vLLM v1, whose hits stop
     at a block boundary before the last token): when every block of a
@@ -56,6 +58,8 @@ class KVCacheManager:
         :meth:`release_copy_sources`, each holding one extra reference so it
         can be neither evicted nor reused before the runner has copied it.
       compressed_pool: the ``CompressedBlockPool``, None without compression.
+      scheduled_blocks: the blocks :meth:`cache_scheduled_blocks` registered since the last :meth:`start_step`,
+        whose KV the step being scheduled computes.
     """
 
     def __init__(self, block_pool: BlockPool, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
@@ -77,6 +81,7 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}
         self.compressed_pool = (CompressedBlockPool(num_compressed_blocks, block_pool.num_blocks)
                                 if num_compressed_blocks else None)
+        self.scheduled_blocks: list[KVBlock] = []
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (the manager's list; do not mutate)."""
@@ -90,7 +95,10 @@ class KVCacheManager:
         computing, ``min(len(blocks) * block_size, request.num_tokens - 1)``.
         The last token is always computed, so there are logits to sample
         from; when its block hits too, that block is copied on write (see the
-        class docstring). A request with ``skip_reading_prefix_cache`` hits nothing.
+        class docstring), unless the step being scheduled computes that block
+        (:meth:`cache_scheduled_blocks`): the copy would run before it, so
+        the block's tokens are computed again instead. A request with
+        ``skip_reading_prefix_cache`` hits nothing.
         """
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
@@ -108,6 +116,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if len(hits) * bs >= num_tokens and any(hits[-1] is b for b in self.scheduled_blocks):
+            hits.pop()
         return hits, min(len(hits) * bs, num_tokens - 1)
 
     def extend_with_host_hits(self, request: Request, hits: list[KVBlock]) -> list:
@@ -447,17 +457,39 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, *requests: Request) -> None:
         """Register every full block of each request whose tokens are all computed; each block is hashed once."""
-        if not self.enable_caching:
-            return
+        if self.enable_caching:
+            self._cache_full_blocks(requests, [r.num_computed_tokens for r in requests])
+
+    def cache_scheduled_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the full blocks of ``request``'s first ``num_tokens`` tokens as the step that computes them is
+        scheduled, as vLLM v1's ``allocate_slots`` does: a request admitted later in the same step then reads them
+        as hits (each layer writes the step's K/V before it attends), instead of computing the same prefix again.
+
+        For requests just admitted only: an admitted request is never preempted in the step that admits it, so the
+        step computes every block registered here. Until that step has run, such a block is not a copy-on-write
+        source (:meth:`get_computed_blocks`: the copies run before the step); if the step never runs,
+        :meth:`uncache_scheduled_blocks` forgets them. They are listed in :attr:`scheduled_blocks`.
+        """
+        if self.enable_caching:
+            self.scheduled_blocks += self._cache_full_blocks((request,), (num_tokens,))
+
+    def uncache_scheduled_blocks(self, blocks: Sequence[KVBlock]) -> None:
+        """Unregister ``blocks`` (a ``schedule()``'s :attr:`scheduled_blocks`) whose step never ran: their KV was
+        never written. Call it before the requests holding them are freed, so they go to the free queue's front."""
+        self.block_pool.uncache_blocks(blocks)
+
+    def _cache_full_blocks(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[KVBlock]:
+        """Register the full blocks among the first ``num_tokens[i]`` tokens of each ``requests[i]`` not registered
+        yet; returns the blocks that took a hash (another block may hold it already)."""
         bs, num_cached = self.block_size, self._num_cached
         blocks: list[KVBlock] = []
         block_hashes: list[bytes] = []
         runs: Optional[list[tuple[Request, int, int]]] = None if self.block_pool.kv_events is None else []
-        for request in requests:
+        for request, count in zip(requests, num_tokens):
             rid = request.request_id
             # With async scheduling the computed count can run one sampled
             # token ahead of the known ids; only blocks of known tokens are hashed.
-            num_full = min(request.num_computed_tokens, request.num_tokens) // bs
+            num_full = min(count, request.num_tokens) // bs
             done = num_cached.get(rid, 0)
             if num_full <= done:
                 continue
@@ -475,6 +507,7 @@ class KVCacheManager:
         self.block_pool.cache_blocks(blocks, block_hashes)
         if runs:
             self._record_stored(runs)
+        return [b for b, h in zip(blocks, block_hashes) if b.block_hash is h]
 
     def _record_stored(self, runs: list[tuple[Request, int, int]]) -> None:
         """A ``BlockStored`` for each run of consecutive blocks ``[done, num_full)`` of a request that the pool
@@ -603,7 +636,10 @@ class KVCacheManager:
 
     def start_step(self) -> None:
         """Called at the start of ``Scheduler.schedule``: the host tier's slots written by earlier steps' offloads
-        are complete (the runner completes an output's copies before the next schedule, or it was discarded)."""
+        are complete (the runner completes an output's copies before the next schedule, or it was discarded), and
+        the blocks earlier schedules registered are written before anything this one queues reads them (the
+        runner dispatches steps and copies in order)."""
+        self.scheduled_blocks = []
         if self.block_pool.host_tier is not None:
             self.block_pool.host_tier.start_step()
 

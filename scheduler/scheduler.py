@@ -139,6 +139,11 @@ class Scheduler:
       this very step (it would only evict what it just gave up). Under
       ``priority``/``aging`` a waiting request may first preempt less urgent
       running ones (never ones admitted this step).
+    * An admitted request's full blocks among its hits and first chunk are
+      registered in the prefix cache as it is admitted (vLLM v1), so those
+      admitted after it in the same step read them as hits: N requests
+      arriving together with one system prompt compute it once. A discarded
+      output's registrations are forgotten (:meth:`discard_output`).
     * A request whose grammar is still compiling (``WAITING_FOR_FSM``, vLLM's
       state of that name) is passed over, keeping its place in the queue,
       and admitted like any other once ``Request.grammar_ready()`` says so.
@@ -230,8 +235,10 @@ class Scheduler:
         # Static-key policies only need a re-sort of the waiting list after
         # it changes; the running list stays sorted by insertion in order.
         self._waiting_dirty = False
-        # Outputs not yet updated, each with _num_stopped when it was made.
-        self._pending: collections.deque[tuple[SchedulerOutput, int]] = collections.deque()
+        # Outputs not yet updated, each with _num_stopped when it was made, the blocks its admissions registered
+        # in the prefix cache (forgotten if it is discarded), and the ids of its requests that started over since
+        # (discard_output), whose rows it must skip even once they run again.
+        self._pending: collections.deque[tuple[SchedulerOutput, int, list[KVBlock], set[str]]] = collections.deque()
         # Times a request stopped running (finished or preempted): while it
         # has not changed, every row of a pending output is still running.
         self._num_stopped = 0
@@ -404,7 +411,7 @@ class Scheduler:
         out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
         out.blocks_to_offload, out.blocks_to_load = self.kv_cache_manager.take_tier_copies()
         self.kv_cache_manager.end_step()
-        self._pending.append((out, self._num_stopped))
+        self._pending.append((out, self._num_stopped, self.kv_cache_manager.scheduled_blocks, set()))
         return out
 
     def _emit_rows(self, step: _Step) -> SchedulerOutput:
@@ -788,6 +795,7 @@ class Scheduler:
             self.prefix_cache_hits += num_hit
             self.prefix_cache_hits_host += num_host * self.config.block_size
         req.num_computed_tokens = num_hit
+        kv.cache_scheduled_blocks(req, num_hit + n)
         return n
 
     def _host_hits(self, req: Request, hits: list[KVBlock], budget: int, may_wait: bool) -> tuple[list, int]:
@@ -920,17 +928,17 @@ class Scheduler:
                 raise ValueError("update_from_output: a 2-D sampled_token_ids needs num_sampled (tokens per row)")
             if not output.num_spec_tokens.any():
                 sampled_token_ids = np.asarray(sampled_token_ids)[:, 0]
-        _, num_stopped = self._pending.popleft()
+        _, num_stopped, _, restarted = self._pending.popleft()
         # The runner has done this step's copies.
         self.kv_cache_manager.release_copy_sources()
-        result = self._apply_samples(output, sampled_token_ids, num_sampled, num_stopped)
+        result = self._apply_samples(output, sampled_token_ids, num_sampled, num_stopped, restarted)
         if self.degradation is not None:
             self._observe_pressure()
         return result
 
     def _apply_samples(
         self, output: SchedulerOutput, sampled_token_ids: Union[Sequence[int], np.ndarray],
-        num_sampled: Optional[np.ndarray], num_stopped: int,
+        num_sampled: Optional[np.ndarray], num_stopped: int, restarted: set[str],
     ) -> list[Request]:
         """The body of :meth:`update_from_output` once ``output`` is popped."""
         requests = output.requests
@@ -939,7 +947,8 @@ class Scheduler:
             return result
         # Rows whose request was preempted or finished since schedule() are skipped.
         all_alive = num_stopped == self._num_stopped
-        alive = None if all_alive else np.array([r.status is _RUNNING for r in requests], dtype=bool)
+        alive = None if all_alive else np.array(
+            [r.status is _RUNNING and r.request_id not in restarted for r in requests], dtype=bool)
         if np.ndim(sampled_token_ids) == 2:
             return self._update_speculative(output, np.asarray(sampled_token_ids), np.asarray(num_sampled), alive,
                                             result)
@@ -1248,13 +1257,17 @@ class Scheduler:
         the next ``schedule()`` works. Its host-tier copies may not have run,
         so the blocks they were to fill are forgotten by both tiers; nor may
         its compressions, so the requests holding their blocks start over too.
+        The blocks its admissions registered in the prefix cache are forgotten.
+        Under async scheduling, the rows these requests have in the step
+        before it (still to be applied) are skipped when it is applied.
 
         Raises:
           ValueError: ``output`` is not the newest pending output.
         """
         if not self._pending or output is not self._pending[-1][0]:
             raise ValueError("discard_output: output is not the newest pending output of schedule()")
-        self._pending.pop()
+        _, _, scheduled_blocks, _ = self._pending.pop()
+        self.kv_cache_manager.uncache_scheduled_blocks(scheduled_blocks)
         self.kv_cache_manager.release_copy_sources()
         self.kv_cache_manager.forget_tier_copies(output.blocks_to_offload, output.blocks_to_load)
         for req in output.requests + self._compressed_by(output):
@@ -1267,6 +1280,10 @@ class Scheduler:
             req.status = RequestStatus.PREEMPTED
             self._num_stopped += 1
             self.waiting.append(req)
+            if self._pending:
+                # Under async scheduling the step before it is still to be applied; the request may run again
+                # before that, and must not take that step's row (its sample, its old batch row) as its own.
+                self._pending[0][3].add(req.request_id)
         self._waiting_dirty = True
 
     def _compressed_by(self, output: SchedulerOutput) -> list[Request]:

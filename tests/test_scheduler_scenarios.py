@@ -2,9 +2,13 @@
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.kv_events import BlockRemoved
 from tests._scheduler_harness import (
+    VOCAB,
     FakeClock,
     FakeRunner,
     check_block_invariants,
@@ -425,6 +429,107 @@ def test_aborting_a_waiting_request_removes_it_from_the_queue():
     sched.abort_request("b")
     sched.abort_request("no-such-id")
     assert (sched.stats.num_waiting, sched.num_unfinished_requests) == (0, 1)
+
+
+# A 3-block system prompt, then: 2 tokens, 1 token, 5 tokens, nothing (the prompt is the prefix itself, so its
+# hits would cover every token and copy the last block, which the same step writes: it recomputes that block).
+_PREFIX = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+_SUFFIXES = [[7, 7], [8], [9, 9, 9, 9, 1], []]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_requests_admitted_in_one_step_read_the_prefix_the_first_of_them_computes(async_scheduling):
+    """vLLM v1 registers an admission's full blocks as it is scheduled: those admitted after it in the same step
+    hit them (the step writes every row's K/V before any row attends), so the prefix is computed once."""
+    sched, runner = setup(async_scheduling=async_scheduling)
+    reqs = [make_request(f"r{i}", _PREFIX + suffix) for i, suffix in enumerate(_SUFFIXES)]
+    for req in reqs:
+        sched.add_request(req)
+    out = sched.schedule()
+    assert [(r.num_computed_tokens, r.num_new_tokens) for r in out.scheduled] == [(0, 14), (12, 1), (12, 5), (8, 4)]
+    assert out.blocks_to_copy == []
+    tables = [sched.kv_cache_manager.get_block_ids(r.request_id) for r in reqs]
+    assert tables[1][:3] == tables[2][:3] == tables[0][:3] and tables[3][:2] == tables[0][:2]
+    assert tables[3][2] != tables[0][2]
+    sched.update_from_output(out, runner(out))
+    (run_async_until_done if async_scheduling else run_until_done)(sched, runner, check=check_block_invariants)
+    assert [r.output_token_ids for r in reqs] == [expected(r) for r in reqs]
+    assert (sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits) == (14 + 13 + 17 + 12, 12 + 12 + 8)
+    assert sched.block_pool.num_free_blocks == 32
+
+
+def test_a_discarded_output_forgets_the_blocks_its_admissions_registered():
+    """The step never ran, so the prefix it was to compute is not in the cache: nothing hits it afterwards, no
+    block is lost, and the requests computed again from scratch generate the right tokens."""
+    sched, runner = setup(enable_kv_cache_events=True)
+    reqs = [make_request(f"r{i}", _PREFIX + suffix) for i, suffix in enumerate(_SUFFIXES[:2])]
+    for req in reqs:
+        sched.add_request(req)
+    out = sched.schedule()
+    assert [(r.num_computed_tokens, r.num_new_tokens) for r in out.scheduled] == [(0, 14), (12, 1)]
+    stored = sched.take_kv_events()
+    assert [type(e).__name__ for e in stored] == ["BlockStored"] and len(stored[0].block_hashes) == 3
+    sched.discard_output(out)
+    assert sched.block_pool.cached == {} and sched.block_pool.num_free_blocks == 32
+    assert sched.take_kv_events() == [BlockRemoved(stored[0].block_hashes)]
+    out = sched.schedule()
+    assert [(r.num_computed_tokens, r.num_new_tokens) for r in out.scheduled] == [(0, 14), (12, 1)]
+    sched.update_from_output(out, runner(out))
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert [r.output_token_ids for r in reqs] == [expected(r) for r in reqs]
+
+
+@given(prompts=st.lists(st.tuples(st.integers(0, len(_PREFIX)), st.lists(st.integers(0, VOCAB - 1), max_size=6)),
+                        min_size=1, max_size=8),
+       async_scheduling=st.booleans(), budget=st.sampled_from([8, 9, 32]), num_blocks=st.integers(12, 33),
+       discard_at=st.integers(-1, 3))
+def test_requests_sharing_prefixes_generate_the_reference_whatever_is_admitted_together(
+        prompts, async_scheduling, budget, num_blocks, discard_at):
+    """The class: prompts of any prefix of one system prompt plus their own tokens, arriving together, admitted
+    together or step by step as the token budget and a small cache allow (chunks, preemptions), sync or async,
+    with the output of step ``discard_at`` discarded unrun: each request generates what a scheduler-free
+    reference does (the fake runner reads back the KV through the block tables), and no block is lost."""
+    sched, runner = setup(async_scheduling=async_scheduling, max_num_batched_tokens=budget, num_blocks=num_blocks)
+    reqs = [make_request(f"r{i}", _PREFIX[:k] + suffix or [1]) for i, (k, suffix) in enumerate(prompts)]
+    for req in reqs:
+        sched.add_request(req)
+    in_flight = None
+    for n in range(1000):
+        if not sched.has_unfinished_requests() and in_flight is None:
+            break
+        out = sched.schedule()
+        if n == discard_at and out.num_seqs:
+            sched.discard_output(out)
+            continue
+        launched = (out, runner(out))
+        if not async_scheduling or not out.num_seqs:
+            done, in_flight = [d for d in (in_flight, launched) if d is not None], None
+        else:
+            done, in_flight = [in_flight] if in_flight is not None else [], launched
+        for o, sampled in done:
+            sched.update_from_output(o, sampled)
+        check_block_invariants(sched)
+    assert [r.output_token_ids for r in reqs] == [expected(r) for r in reqs]
+    assert sched.block_pool.num_free_blocks == num_blocks - 1
+
+
+def test_a_request_a_discard_restarts_under_async_scheduling_ignores_its_row_in_the_step_before():
+    """Regression (found by the test above): step 1 is discarded while step 0 is in flight; the request waits,
+    runs again in step 2, and only then is step 0 applied. Its step-0 row (a sample of the old start, on its old
+    batch row) must not count as the restarted request's: it generated its first token twice."""
+    sched, runner = setup(async_scheduling=True)
+    req = make_request("r0", [1])
+    sched.add_request(req)
+    step0 = sched.schedule()
+    sampled0 = runner(step0)
+    sched.discard_output(sched.schedule())
+    step2 = sched.schedule()
+    assert [(r.num_computed_tokens, r.num_new_tokens) for r in step2.scheduled] == [(0, 1)]
+    sampled2 = runner(step2)
+    assert sched.update_from_output(step0, sampled0) == [] and req.output_token_ids == []
+    sched.update_from_output(step2, sampled2)
+    run_async_until_done(sched, runner, check=check_block_invariants)
+    assert req.output_token_ids == expected(req)
 
 
 def test_recompute_preemption_keeps_hashes_so_the_resumed_prefill_hits_its_own_prefix():
