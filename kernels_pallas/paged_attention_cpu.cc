@@ -199,6 +199,9 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
   for (int64_t start = lo_all - lo_all % bs; start <= hi_all; start += bs) {
     // The lines of a block ahead, prefetched a share per query head below: all at once, they filled the core's
     // miss buffers and held up the loads of this block's work behind them (1.4-1.5x slower decode, measured).
+    // Into L2 (prefetcht1): into L1 they evicted the K and V this block's heads reread. On 2 AMD Zen 4 cores,
+    // scripts/profile_step.py's 48-row decode attention 38-40 -> 32-33 ms (two runs each, interleaved; two
+    // blocks ahead the same); on an Intel Xeon it had measured within its spread.
     const char* next_k = nullptr;
     const char* next_v = nullptr;
     if (start + kPrefetchBlocks * bs <= hi_all) {
@@ -221,8 +224,8 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
         if (next_k != nullptr && j == 0) {
           const int64_t end = std::min(block_lines, (qh + 1) * lines_per_head);
           for (int64_t line = qh * lines_per_head; line < end; ++line) {
-            __builtin_prefetch(next_k + line * 64);
-            __builtin_prefetch(next_v + line * 64);
+            __builtin_prefetch(next_k + line * 64, 0, 2);
+            __builtin_prefetch(next_v + line * 64, 0, 2);
           }
         }
         float block_max = -INFINITY;

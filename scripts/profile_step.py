@@ -147,6 +147,14 @@ every head; and the decode attention's prefetch of the next block into L2
 instead of L1, one or two blocks ahead: this script's 48-row attention 37.3 ms
 before, 33.9 and 36.4 after, within its spread.
 
+Then (2026-12-04, an AMD EPYC Zen 4 with AVX-512, 2 cores) the same change
+measured apart from the noise and was kept, with its twin in the matmul: on
+that core the chunk or block being reread fills L1, and lines prefetched into
+L1 evicted it. This script's 48-row decode step 118.8 / 119.0 -> 109.3 /
+110.9 ms (attention 40.1 / 38.2 -> 32.0 / 32.9; interleaved runs), and
+``bench_matmul.py --dtype float32``: 8 rows 32-36 -> 21-22 ms, 16 rows 41-46
+-> 27-30, 32 rows 54-56 -> 45-47, 64 rows and up alike.
+
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a
 ``jax.profiler`` trace of the full steps (open with TensorBoard / Perfetto).
