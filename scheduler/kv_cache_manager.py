@@ -58,8 +58,8 @@ class KVCacheManager:
         :meth:`release_copy_sources`, each holding one extra reference so it
         can be neither evicted nor reused before the runner has copied it.
       compressed_pool: the ``CompressedBlockPool``, None without compression.
-      scheduled_blocks: the blocks :meth:`cache_scheduled_blocks` registered since the last :meth:`start_step`,
-        whose KV the step being scheduled computes.
+      scheduled_blocks: the blocks :meth:`cache_scheduled_blocks` registered in the ``Scheduler.schedule`` under
+        way, whose KV the step being scheduled computes; emptied by :meth:`end_step`.
     """
 
     def __init__(self, block_pool: BlockPool, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
@@ -636,16 +636,15 @@ class KVCacheManager:
 
     def start_step(self) -> None:
         """Called at the start of ``Scheduler.schedule``: the host tier's slots written by earlier steps' offloads
-        are complete (the runner completes an output's copies before the next schedule, or it was discarded), and
-        the blocks earlier schedules registered are written before anything this one queues reads them (the
-        runner dispatches steps and copies in order)."""
-        self.scheduled_blocks = []
+        are complete (the runner completes an output's copies before the next schedule, or it was discarded)."""
         if self.block_pool.host_tier is not None:
             self.block_pool.host_tier.start_step()
 
     def end_step(self) -> None:
         """Called at the end of ``Scheduler.schedule``: host ids freed by swap-ins become reusable, and so do the host
-        tier's slots read by this step's loads."""
+        tier's slots read by this step's loads. :attr:`scheduled_blocks` empties: a block registered by an earlier
+        schedule is a copy source like any other, since the runner does a step's copies after the steps before it."""
+        self.scheduled_blocks = []
         self.host_pool.end_step()
         if self.block_pool.host_tier is not None:
             self.block_pool.host_tier.end_step()

@@ -410,8 +410,8 @@ class Scheduler:
         out.finished, self._finished_for_schedule = self._finished_for_schedule, []
         out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
         out.blocks_to_offload, out.blocks_to_load = self.kv_cache_manager.take_tier_copies()
-        self.kv_cache_manager.end_step()
         self._pending.append((out, self._num_stopped, self.kv_cache_manager.scheduled_blocks, set()))
+        self.kv_cache_manager.end_step()
         return out
 
     def _emit_rows(self, step: _Step) -> SchedulerOutput:

@@ -458,6 +458,18 @@ def test_requests_admitted_in_one_step_read_the_prefix_the_first_of_them_compute
     assert sched.block_pool.num_free_blocks == 32
 
 
+def test_blocks_registered_by_a_schedule_are_copy_sources_once_it_returns():
+    """Regression (a pinned prefix came back one block short): only inside the schedule that registers a block is
+    it kept from being copied on write; after it, lookups between steps (``pin_prefix``) and later schedules see
+    every hit, since the runner does a step's copies after the steps before it."""
+    sched, runner = setup()
+    sched.add_request(make_request("first", _PREFIX))
+    out = sched.schedule()
+    assert sched.kv_cache_manager.get_computed_blocks(make_request("probe", _PREFIX))[1] == 11
+    sched.update_from_output(out, runner(out))
+    assert sched.pin_prefix(_PREFIX) == 3
+
+
 def test_a_discarded_output_forgets_the_blocks_its_admissions_registered():
     """The step never ran, so the prefix it was to compute is not in the cache: nothing hits it afterwards, no
     block is lost, and the requests computed again from scratch generate the right tokens."""
