@@ -1258,8 +1258,9 @@ class Scheduler:
         so the blocks they were to fill are forgotten by both tiers; nor may
         its compressions, so the requests holding their blocks start over too.
         The blocks its admissions registered in the prefix cache are forgotten.
-        Under async scheduling, the rows these requests have in the step
-        before it (still to be applied) are skipped when it is applied.
+        Under async scheduling, the rows these requests, and those it
+        preempted, have in the step before it (still to be applied) are
+        skipped when it is applied.
 
         Raises:
           ValueError: ``output`` is not the newest pending output.
@@ -1284,6 +1285,9 @@ class Scheduler:
                 # Under async scheduling the step before it is still to be applied; the request may run again
                 # before that, and must not take that step's row (its sample, its old batch row) as its own.
                 self._pending[0][3].add(req.request_id)
+        if self._pending:
+            # So may the requests it preempted, now that it no longer holds the step before back.
+            self._pending[0][3].update(r.request_id for r in output.preempted)
         self._waiting_dirty = True
 
     def _compressed_by(self, output: SchedulerOutput) -> list[Request]:
