@@ -466,17 +466,13 @@ class KVCacheManager:
         as hits (each layer writes the step's K/V before it attends), instead of computing the same prefix again.
 
         For requests just admitted only: an admitted request is never preempted in the step that admits it, so the
-        step computes every block registered here. Until that step has run, such a block is not a copy-on-write
+        step computes every block registered here. While that step is scheduled, such a block is not a copy-on-write
         source (:meth:`get_computed_blocks`: the copies run before the step); if the step never runs,
-        :meth:`uncache_scheduled_blocks` forgets them. They are listed in :attr:`scheduled_blocks`.
+        ``BlockPool.uncache_blocks`` forgets them (before the requests holding them are freed, so they go to
+        the free queue's front). They are listed in :attr:`scheduled_blocks`.
         """
         if self.enable_caching:
             self.scheduled_blocks += self._cache_full_blocks((request,), (num_tokens,))
-
-    def uncache_scheduled_blocks(self, blocks: Sequence[KVBlock]) -> None:
-        """Unregister ``blocks`` (a ``schedule()``'s :attr:`scheduled_blocks`) whose step never ran: their KV was
-        never written. Call it before the requests holding them are freed, so they go to the free queue's front."""
-        self.block_pool.uncache_blocks(blocks)
 
     def _cache_full_blocks(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[KVBlock]:
         """Register the full blocks among the first ``num_tokens[i]`` tokens of each ``requests[i]`` not registered

@@ -1268,9 +1268,10 @@ class Scheduler:
         if not self._pending or output is not self._pending[-1][0]:
             raise ValueError("discard_output: output is not the newest pending output of schedule()")
         _, _, scheduled_blocks, _ = self._pending.pop()
-        self.kv_cache_manager.uncache_scheduled_blocks(scheduled_blocks)
+        self.block_pool.uncache_blocks(scheduled_blocks)
         self.kv_cache_manager.release_copy_sources()
         self.kv_cache_manager.forget_tier_copies(output.blocks_to_offload, output.blocks_to_load)
+        restarted = [r.request_id for r in output.preempted]
         for req in output.requests + self._compressed_by(output):
             if req.status is not _RUNNING:
                 continue
@@ -1281,13 +1282,11 @@ class Scheduler:
             req.status = RequestStatus.PREEMPTED
             self._num_stopped += 1
             self.waiting.append(req)
-            if self._pending:
-                # Under async scheduling the step before it is still to be applied; the request may run again
-                # before that, and must not take that step's row (its sample, its old batch row) as its own.
-                self._pending[0][3].add(req.request_id)
+            restarted.append(req.request_id)
         if self._pending:
-            # So may the requests it preempted, now that it no longer holds the step before back.
-            self._pending[0][3].update(r.request_id for r in output.preempted)
+            # Under async scheduling the step before it is still to be applied; these requests may run again
+            # before that, and must not take that step's rows (samples, old batch rows) as their own.
+            self._pending[0][3].update(restarted)
         self._waiting_dirty = True
 
     def _compressed_by(self, output: SchedulerOutput) -> list[Request]:
