@@ -30,9 +30,10 @@
 // Errors: shapes outside those above return an FFI error saying what is expected; a layer outside [0, L) one
 // naming the layer.
 //
-// Work: panels of columns are the units, taken from an atomic counter by the calling thread and tasks on XLA's
-// intra-op thread pool. Within a panel of kPanel columns, tiles of kRows rows of x accumulate in registers down K
-// (x of at most kFewRows rows: panels of kFewPanel columns, tiles of kFewTileRows rows);
+// Work: panels of columns (the last ones in pieces: set_units) are the units, taken from an atomic counter by the
+// calling thread and tasks on XLA's intra-op thread pool. Within a panel of kPanel columns, tiles of kRows rows
+// of x accumulate in registers down K (x of at most kFewRows rows: panels of kFewPanel columns, tiles of
+// kFewTileRows rows);
 // jaxllm_matmul_nt_cpu first transposes its panel (kPanel rows of w) into a per-thread buffer, by blocks of
 // kLanes x kLanes in registers, so the same tiles read it. With fewer than kPackMinRows rows (and in a last,
 // narrower panel) it takes dot tiles instead: kNtRows rows of x by kNtCols rows of w, kLanes accumulators of
@@ -385,6 +386,10 @@ struct Shared {
   float* y;
   int64_t m, k, n;
   int64_t panel_cols, panels;  // set_panels
+  // Units of work (set_units): panels [0, whole) whole, then each later panel in `pieces` pieces of rows
+  // (by_rows) or of columns.
+  int64_t whole, pieces, units, threads;
+  bool by_rows;
   bool transposed;  // jaxllm_matmul_nt_cpu
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -394,6 +399,25 @@ struct Shared {
 void set_panels(Shared& s) {
   s.panel_cols = s.m <= kFewRows ? kFewPanel : kPanel;
   s.panels = (s.n + s.panel_cols - 1) / s.panel_cols;
+}
+
+// The units `threads` threads share: whole panels while every thread can take one, then the last
+// panels % threads panels cut into `threads` pieces each, so that no thread waits idle through a last whole
+// panel (SmolLM2's N = 576 is 9 panels of 64 columns, 192 is 3: on 2 cores one thread took 5 and the other 4,
+// or 2 and 1). With more than one tile of rows the pieces are runs of tiles, each reading the panel's weights
+// again (which many rows amortize); with one tile (a decode step, which streams the weights once) they are runs
+// of the panel's columns, whole vectors each. SmolLM2-135M's 30 layers, float32, 2 AMD Zen 4 cores, alone
+// (`[L, K, N]` stacks in a scan): N = 192 at 192 rows 152-156 -> 207-209 GFLOP/s, N = 576 188-191 -> 195-206,
+// K = 1536 186 -> 201; `bench_matmul.py` (interleaved runs) 1 row 23-28 -> 21 ms, 48 rows 63 -> 60, 192 rows 213
+// -> 204-207.
+void set_units(Shared& s, int64_t threads) {
+  const int64_t tail = s.panels % threads;
+  s.by_rows = s.m > kRows;
+  const int64_t most = s.by_rows ? (s.m + kRows - 1) / kRows : s.panel_cols / kLanes;
+  s.pieces = tail > 0 ? std::min(threads, most) : 1;
+  s.whole = s.pieces > 1 ? s.panels - tail : s.panels;
+  s.units = s.whole + (s.panels - s.whole) * s.pieces;
+  s.threads = threads;
 }
 
 // panel<R, C> for the panel's `vectors` vectors of columns (C or more: C), with C = kFewCols up to kFewRows
@@ -418,22 +442,49 @@ void any_panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t
   }
 }
 
-// One panel of s.panel_cols output columns (the last one may be narrower); `next`: the panel this thread takes
-// after it (its weights are prefetched), or -1.
-void run_panel(const Shared& s, int64_t p, int64_t next) {
-  const int64_t c0 = p * s.panel_cols;
-  const int64_t cols = std::min(s.panel_cols, s.n - c0);
+// Unit u: rows [r0, r0 + rows) by columns [c0, c0 + cols) of one panel (rows or cols may be 0: a piece past
+// the last row or column).
+struct Unit {
+  int64_t panel, r0, rows, c0, cols;
+};
+
+Unit unit_of(const Shared& s, int64_t u) {
+  const int64_t panel = u < s.whole ? u : s.whole + (u - s.whole) / s.pieces;
+  Unit unit{panel, 0, s.m, panel * s.panel_cols, std::min(s.panel_cols, s.n - panel * s.panel_cols)};
+  if (u < s.whole) return unit;
+  const int64_t piece = (u - s.whole) % s.pieces;
+  // Each piece but the last spans whole tiles of rows or whole vectors of columns; the last takes what is left.
+  const int64_t step = s.by_rows ? kRows : kLanes;
+  int64_t& start = s.by_rows ? unit.r0 : unit.c0;
+  int64_t& size = s.by_rows ? unit.rows : unit.cols;
+  const int64_t span = ((size + step - 1) / step + s.pieces - 1) / s.pieces * step;
+  const int64_t end = start + size;
+  start = std::min(end, start + piece * span);
+  size = std::min(end, start + span) - start;
+  return unit;
+}
+
+// One unit (unit_of); `next`: the unit this thread expects to take after it (its panel's weights are
+// prefetched), or -1.
+void run_unit(const Shared& s, int64_t u, int64_t next) {
+  const Unit unit = unit_of(s, u);
+  if (unit.rows == 0 || unit.cols == 0) return;
+  const int64_t c0 = unit.c0, cols = unit.cols;
   const int64_t vectors = cols / kLanes;  // jaxllm_matmul_cpu and _bf16_cpu: N is a multiple of 16
+  const int64_t m = unit.rows, x0 = unit.r0 * s.k, y0 = unit.r0 * s.n + c0;
   // The next panel's rows are prefetched as wide as this one's: not where it is a narrower last panel.
-  const bool ahead = next >= 0 && s.n - next * s.panel_cols >= cols;
+  const int64_t next_c0 = next >= 0 ? unit_of(s, next).c0 : s.n;
+  const bool ahead = s.n - next_c0 >= cols;
   if (s.wb != nullptr) {
-    const uint16_t* after = ahead ? s.wb + next * s.panel_cols : nullptr;
-    any_panel(s.xb, s.wb + c0, s.n, s.y + c0, s.n, s.m, s.k, vectors, after);
+    const uint16_t* after = ahead ? s.wb + next_c0 : nullptr;
+    any_panel(s.xb + x0, s.wb + c0, s.n, s.y + y0, s.n, m, s.k, vectors, after);
     return;
   }
   if (s.transposed && (s.m < kPackMinRows || cols < kPanel)) {
-    for (int64_t r0 = 0; r0 < s.m; r0 += kNtRows) {
-      for (int64_t c = c0; c < c0 + cols; c += kNtCols) nt_tile(s.x, s.w, s.y, s.m, s.k, s.n, r0, c);
+    for (int64_t r0 = 0; r0 < m; r0 += kNtRows) {
+      for (int64_t c = c0; c < c0 + cols; c += kNtCols) {
+        nt_tile(s.x + x0, s.w, s.y + unit.r0 * s.n, m, s.k, s.n, r0, c);
+      }
     }
     return;
   }
@@ -447,21 +498,20 @@ void run_panel(const Shared& s, int64_t p, int64_t next) {
     ws = kPanel;
   }
   // The transposed panel is packed from rows of w, not read at this stride: nothing of it to prefetch.
-  const float* after = ahead && !s.transposed ? s.w + next * s.panel_cols : nullptr;
-  any_panel(s.x, w, ws, s.y + c0, s.n, s.m, s.k, vectors, after);
+  const float* after = ahead && !s.transposed ? s.w + next_c0 : nullptr;
+  any_panel(s.x + x0, w, ws, s.y + y0, s.n, m, s.k, vectors, after);
 }
 
-// Take panels until none is left; returns after the last panel this thread took. With more than one tile of
-// rows each panel is taken one ahead, so that its weights are prefetched while the one before it computes; with
-// one tile (a decode step) nothing is prefetched, and taking two at a time would only leave threads idle.
+// Take units one at a time until none is left; returns after the last unit this thread took. With more than one
+// tile of rows each unit prefetches the weights of the unit `threads` later, the one this thread is likely to take
+// next while the threads keep pace (reserving it instead, two units a thread, left one thread with twice the
+// work of another where there are few units); with one tile (a decode step) nothing is prefetched.
 void drain(Shared& s) {
   const bool ahead = s.m > (s.m <= kFewRows ? kFewTileRows : kRows);
-  int64_t p = s.next.fetch_add(1);
-  while (p < s.panels) {
-    const int64_t next = ahead ? s.next.fetch_add(1) : -1;
-    run_panel(s, p, next < s.panels ? next : -1);
+  for (int64_t u = s.next.fetch_add(1); u < s.units; u = s.next.fetch_add(1)) {
+    const int64_t guess = u + s.threads;
+    run_unit(s, u, ahead && guess < s.units ? guess : -1);
     s.done.fetch_add(1, std::memory_order_release);
-    p = ahead ? next : s.next.fetch_add(1);
   }
 }
 
@@ -469,12 +519,13 @@ void drain(Shared& s) {
 void run(ffi::ThreadPool& pool, std::shared_ptr<Shared> s, int64_t total_rows) {
   std::memset(s->y + s->m * s->n, 0, (total_rows - s->m) * s->n * sizeof(float));
   if (s->m == 0) return;
-  for (int64_t i = 0; i + 1 < pool.num_threads() && i + 1 < s->panels; ++i) {
+  set_units(*s, std::max<int64_t>(1, pool.num_threads()));
+  for (int64_t i = 0; i + 1 < pool.num_threads() && i + 1 < s->units; ++i) {
     // A task that starts after the work is done finds nothing to take; the shared_ptr keeps its state alive.
     pool.Schedule([s] { drain(*s); });
   }
   drain(*s);
-  while (s->done.load(std::memory_order_acquire) < s->panels) std::this_thread::yield();
+  while (s->done.load(std::memory_order_acquire) < s->units) std::this_thread::yield();
 }
 
 int64_t valid_rows(ffi::Buffer<ffi::S32>& rows, int64_t m) {
