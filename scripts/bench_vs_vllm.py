@@ -2,7 +2,8 @@
 
 Usage: python scripts/bench_vs_vllm.py [--vllm-python PATH] [--shapes mixed long shared-prefix short]
            [--dtypes float32 bfloat16] [--vllm-bindings default both] [--serving-dtypes float32 ...]
-           [--serving-num-prompts N] [--serving-request-rate R|inf] [--model PATH] [--seed S] [--json FILE]
+           [--serving-num-prompts N] [--serving-request-rate R|inf] [--model PATH] [--seed S] [--repeats N]
+           [--json FILE]
 
 Offline, per dtype of ``--dtypes`` and shape of ``--shapes`` (:data:`SHAPES`),
 the same random-token requests (greedy, ``ignore_eos``, prefix caching on)
@@ -15,11 +16,15 @@ its scheduler (its KV cache is ``VLLM_CPU_KVCACHE_SPACE``), and no shape but
 ``short`` asks for more sequences than the smaller limit would admit. Each
 timed run follows an untimed warm-up of :data:`WARMUP_REQUESTS` requests of
 the shape's prompt lengths (other tokens, so the timed run finds none of its
-blocks cached) and :data:`WARMUP_OUTPUT_LEN` output tokens. The table gives
-output tok/s of jaxllm and of each binding, jaxllm's ratio to the faster
-binding, how many requests' greedy outputs equal that binding's token for
-token, and jaxllm's fraction of the XLA dot peak (bench_throughput.py's
-column); start-up seconds (engine built, compilation included) are a table
+blocks cached) and :data:`WARMUP_OUTPUT_LEN` output tokens. With
+``--repeats N`` each engine runs each shape N times, one warm-up and timed
+run after the other, each repeat on tokens of its own: on a shared machine
+one run's tok/s moves by 10-15% (vLLM's as much as jaxllm's), so the table
+then gives each engine's median run and the range, and the ratio of the
+medians. The table gives output tok/s of jaxllm and of each binding,
+jaxllm's ratio to the faster binding, how many requests' greedy outputs
+equal that binding's token for token (on the first repeat), and jaxllm's
+fraction of the XLA dot peak (bench_throughput.py's column); start-up seconds (engine built, compilation included) are a table
 of their own, and where vLLM's processes and threads were bound is printed
 (read from ``/proc`` once each engine is built).
 
@@ -111,12 +116,14 @@ def shape_args(shape: Shape, dtype: str, seed: int) -> argparse.Namespace:
     return args
 
 
-def shape_workloads(shape: Shape, vocab: int, seed: int) -> tuple[common.Workload, common.Workload]:
+def shape_workloads(shape: Shape, vocab: int, seed: int, repeat: int = 0) -> tuple[common.Workload, common.Workload]:
     """(timed, warm-up) of ``shape``: the warm-up has the first :data:`WARMUP_REQUESTS` prompt lengths, other
-    tokens (its own shared prefix too) and :data:`WARMUP_OUTPUT_LEN` output tokens each."""
+    tokens (its own shared prefix too) and :data:`WARMUP_OUTPUT_LEN` output tokens each. Repeat ``repeat`` has the
+    same lengths as repeat 0 and tokens (shared prefix included) of its own, so that a timed run finds nothing of
+    an earlier repeat in the prefix cache."""
     args = shape_args(shape, "float32", seed)
-    timed = common.make_workload(args, vocab, token_seed=1)
-    other = common.make_workload(args, vocab, token_seed=2)
+    timed = common.make_workload(args, vocab, token_seed=1 + 2 * repeat)
+    other = common.make_workload(args, vocab, token_seed=2 + 2 * repeat)
     n = min(WARMUP_REQUESTS, shape.num_requests)
     return timed, common.Workload(other.prompts[:n], [WARMUP_OUTPUT_LEN] * n)
 
@@ -133,52 +140,75 @@ def progress(message: str) -> None:
 
 
 def run_offline(model: Path, dtype: str, shapes: Sequence[Shape], bindings: Sequence[str], vllm_python: str,
-                seed: int) -> list[dict]:
-    """jaxllm (one engine per shape) and vLLM (one engine per binding) on every shape in ``dtype``.
+                seed: int, repeats: int = 1) -> list[dict]:
+    """jaxllm (one engine per shape) and vLLM (one engine per binding) on every shape in ``dtype``, ``repeats``
+    timed runs of each shape on each engine (:func:`shape_workloads`' repeats, one after the other).
 
     Returns one row per shape (:func:`offline_row`'s fields).
     """
     from jaxllm.loader import read_model_config
 
     vocab = common.vocab_size(model)
-    pairs = {s.name: shape_workloads(s, vocab, seed) for s in shapes}
-    jaxllm_rows = {}
+    pairs = {s.name: [shape_workloads(s, vocab, seed, r) for r in range(repeats)] for s in shapes}
+    jaxllm_runs = {}
     for shape in shapes:
         progress(f"jaxllm {dtype} {shape.describe()}")
-        (row,) = bt.run_jaxllm(model, shape_args(shape, dtype, seed), [pairs[shape.name]], "jaxllm")
-        jaxllm_rows[shape.name] = row
-        progress(f"jaxllm {dtype} {shape.name}: {row['output_tokens_per_s']:.1f} output tok/s "
-                 f"(start-up {row['startup_s']:.0f} s)")
-    bt.add_dot_peak_fraction(list(jaxllm_rows.values()), read_model_config(model)[0], dtype)
-    vllm_rows: dict[str, dict[str, dict]] = {s.name: {} for s in shapes}
+        runs = bt.run_jaxllm(model, shape_args(shape, dtype, seed), pairs[shape.name], "jaxllm")
+        jaxllm_runs[shape.name] = runs
+        progress(f"jaxllm {dtype} {shape.name}: {_rates(runs)} output tok/s (start-up {runs[0]['startup_s']:.0f} s)")
+    bt.add_dot_peak_fraction([r for runs in jaxllm_runs.values() for r in runs], read_model_config(model)[0], dtype)
+    named = {f"{s.name}#{r}": pair for s in shapes for r, pair in enumerate(pairs[s.name])}
+    vllm_runs: dict[str, dict[str, list[dict]]] = {s.name: {} for s in shapes}
     for binding in bindings:
         env = bt.vllm_binding_env(binding, vllm_python)
         engine = vllm_engine_args(shapes, dtype, seed)
         progress(f"vllm[{binding}] {dtype}: one engine (max_num_seqs {engine.max_num_seqs}, max_model_len "
                  f"{engine.max_model_len}) for {', '.join(s.name for s in shapes)}; env {env or 'none'}; "
                  "start-up takes minutes")
-        result = bt.run_vllm_worker(vllm_python, bt.vllm_spec(model, engine, dtype, pairs), env)
+        result = bt.run_vllm_worker(vllm_python, bt.vllm_spec(model, engine, dtype, named), env)
         progress(bt.affinity_line(f"vllm[{binding}] {dtype}", result["affinity"]))
-        rows = bt.vllm_rows(result, list(pairs.values()), list(pairs), binding, env)
-        for shape, row in zip(shapes, rows):
-            vllm_rows[shape.name][binding] = row
-            progress(f"vllm[{binding}] {dtype} {shape.name}: {row['output_tokens_per_s']:.1f} output tok/s")
-    return [offline_row(shape, dtype, jaxllm_rows[shape.name], vllm_rows[shape.name]) for shape in shapes]
+        rows = bt.vllm_rows(result, list(named.values()), list(named), binding, env)
+        for i, shape in enumerate(shapes):
+            runs = rows[i * repeats:(i + 1) * repeats]
+            vllm_runs[shape.name][binding] = runs
+            progress(f"vllm[{binding}] {dtype} {shape.name}: {_rates(runs)} output tok/s")
+    return [offline_row(shape, dtype, jaxllm_runs[shape.name], vllm_runs[shape.name]) for shape in shapes]
 
 
-def offline_row(shape: Shape, dtype: str, jaxllm: dict, vllm: dict[str, dict]) -> dict:
-    """One shape's numbers: jaxllm's and each binding's output tok/s and start-up, the faster binding, jaxllm's
-    ratio to it, greedy agreement with it (requests), jaxllm's dot-peak fraction, compilations and prompt tokens
-    read from its prefix cache."""
+def _rates(runs: Sequence[dict]) -> str:
+    return ", ".join(f"{r['output_tokens_per_s']:.1f}" for r in runs)
+
+
+def median_run(runs: Sequence[dict]) -> dict:
+    """The run of median output tok/s among ``runs`` (the lower middle one of an even count): one of the runs,
+    so that its other figures (seconds, tokens, dot-peak fraction) are its own.
+
+    Raises:
+      ValueError: no runs.
+    """
+    if not runs:
+        raise ValueError("median_run: no runs")
+    return sorted(runs, key=lambda r: r["output_tokens_per_s"])[(len(runs) - 1) // 2]
+
+
+def offline_row(shape: Shape, dtype: str, jaxllm_runs: Sequence[dict], vllm_runs: dict[str, Sequence[dict]]) -> dict:
+    """One shape's numbers from each engine's timed runs (repeat 0 first): jaxllm's and each binding's median
+    output tok/s (:func:`median_run`) and every run's, start-up, the binding of the higher median, jaxllm's ratio
+    to it (median over median), greedy agreement with it on repeat 0 (requests; both ran the same prompts),
+    jaxllm's dot-peak fraction, compilations and prompt tokens read from its prefix cache (of its median run)."""
+    jaxllm = median_run(jaxllm_runs)
+    vllm = {b: median_run(runs) for b, runs in vllm_runs.items()}
     best = max(vllm, key=lambda b: vllm[b]["output_tokens_per_s"])
-    same = sum(a == b for a, b in zip(jaxllm["token_ids"], vllm[best]["token_ids"]))
+    same = sum(a == b for a, b in zip(jaxllm_runs[0]["token_ids"], vllm_runs[best][0]["token_ids"]))
     return dict(
         shape=shape.name, dtype=dtype, num_requests=jaxllm["num_requests"],
         num_prompt_tokens=jaxllm["num_prompt_tokens"], num_output_tokens=jaxllm["num_output_tokens"],
         jaxllm_output_tokens_per_s=jaxllm["output_tokens_per_s"], jaxllm_startup_s=jaxllm["startup_s"],
+        jaxllm_runs_output_tokens_per_s=[r["output_tokens_per_s"] for r in jaxllm_runs],
         jaxllm_compilations=jaxllm["compilations"], dot_peak_fraction=jaxllm["dot_peak_fraction"],
         jaxllm_cached_prompt_tokens=jaxllm["num_cached_prompt_tokens"],
         vllm={b: dict(output_tokens_per_s=r["output_tokens_per_s"], startup_s=r["startup_s"],
+                      runs_output_tokens_per_s=[run["output_tokens_per_s"] for run in vllm_runs[b]],
                       env=r["vllm_env"], affinity=r["vllm_affinity"], version=r["version"])
               for b, r in vllm.items()},
         best_binding=best, ratio_to_best=jaxllm["output_tokens_per_s"] / vllm[best]["output_tokens_per_s"],
@@ -186,12 +216,21 @@ def offline_row(shape: Shape, dtype: str, jaxllm: dict, vllm: dict[str, dict]) -
     )
 
 
+def _tok_s(median: float, runs: Optional[Sequence[float]]):
+    """A tok/s cell: the median, and with more than one run the lowest and highest."""
+    if runs is None or len(runs) < 2:
+        return median
+    return f"{median:.1f} ({min(runs):.0f}-{max(runs):.0f})"
+
+
 def offline_table(rows: Sequence[dict], bindings: Sequence[str]) -> str:
-    """The side-by-side table: one line per (shape, dtype)."""
+    """The side-by-side table: one line per (shape, dtype); tok/s medians (with more than one run their range)."""
     header = ["shape", "dtype", "requests", "jaxllm tok/s", *(f"vllm[{b}] tok/s" for b in bindings),
               "jaxllm / best vllm", "same tokens as best", "jaxllm of dot peak"]
-    table = [[r["shape"], r["dtype"], r["num_requests"], r["jaxllm_output_tokens_per_s"],
-              *(r["vllm"][b]["output_tokens_per_s"] for b in bindings),
+    table = [[r["shape"], r["dtype"], r["num_requests"],
+              _tok_s(r["jaxllm_output_tokens_per_s"], r.get("jaxllm_runs_output_tokens_per_s")),
+              *(_tok_s(r["vllm"][b]["output_tokens_per_s"], r["vllm"][b].get("runs_output_tokens_per_s"))
+                for b in bindings),
               f"{r['ratio_to_best']:.2f}x vs {r['best_binding']}", f"{r['same_tokens_as_best']}/{r['num_requests']}",
               f"{100 * r['dot_peak_fraction']:.1f}%"] for r in rows]
     return common.format_table(header, table)
@@ -364,6 +403,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="requests/s of vllm bench serve (default inf: all at once)")
     parser.add_argument("--model", default=None, help="a GGUF or HF folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed runs of each shape on each engine, each on its own tokens; the table gives "
+                             "the median run and the range (default 1)")
     parser.add_argument("--json", default=None, help="also write every number to this JSON file")
     args = parser.parse_args(argv)
     if not Path(args.vllm_python).is_file():
@@ -375,6 +417,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
             parser.error(f"--vllm-bindings: {err}")
     if len(set(args.vllm_bindings)) != len(args.vllm_bindings):
         parser.error(f"--vllm-bindings {' '.join(args.vllm_bindings)}: a binding is named twice")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: need at least 1")
     if args.serving_num_prompts < 1:
         parser.error(f"--serving-num-prompts {args.serving_num_prompts}: need at least 1")
     if not args.serving_request_rate > 0:
@@ -408,7 +452,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     started = time.perf_counter()
     offline = []
     for dtype in args.dtypes if shapes else ():
-        offline += run_offline(model, dtype, shapes, args.vllm_bindings, args.vllm_python, args.seed)
+        offline += run_offline(model, dtype, shapes, args.vllm_bindings, args.vllm_python, args.seed, args.repeats)
     serving = []
     with common.temporary_workdir() as workdir:
         for dtype in args.serving_dtypes:
@@ -437,7 +481,8 @@ def report(payload: dict) -> str:
              "shapes (greedy, ignore_eos, prefix caching on; random token ids):",
              *(f"  {_shape_from_json(s).describe()}" for s in payload["shapes"].values())]
     if payload["offline"]:
-        lines += ["", "offline: output tok/s of the timed generate (after an untimed warm-up); vLLM: one engine per "
+        lines += ["", "offline: output tok/s of the timed generate (after an untimed warm-up; of several repeats the "
+                  "median and the range); vLLM: one engine per "
                   "dtype and binding for every shape", offline_table(payload["offline"], bindings),
                   "", "start-up (seconds, engine built and compiled):", startup_table(payload["offline"], bindings)]
         seen = set()

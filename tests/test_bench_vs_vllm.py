@@ -199,19 +199,53 @@ def _vllm_row(tok_s: float, tokens: list, binding: str) -> dict:
 
 
 CANNED = [
-    vs.offline_row(vs.SHAPES["mixed"], "float32", _jaxllm_row(100.0, [[1], [2], [3], [4]]),
-                   {"default": _vllm_row(60.0, [[1], [2], [3], [4]], "default"),
-                    "both": _vllm_row(80.0, [[1], [2], [3], [5]], "both")}),
-    vs.offline_row(vs.SHAPES["long"], "bfloat16", _jaxllm_row(20.0, [[1], [2], [3], [4]]),
-                   {"default": _vllm_row(40.0, [[1], [9], [3], [4]], "default"),
-                    "both": _vllm_row(25.0, [[1], [2], [3], [4]], "both")}),
+    vs.offline_row(vs.SHAPES["mixed"], "float32", [_jaxllm_row(100.0, [[1], [2], [3], [4]])],
+                   {"default": [_vllm_row(60.0, [[1], [2], [3], [4]], "default")],
+                    "both": [_vllm_row(80.0, [[1], [2], [3], [5]], "both")]}),
+    vs.offline_row(vs.SHAPES["long"], "bfloat16", [_jaxllm_row(20.0, [[1], [2], [3], [4]])],
+                   {"default": [_vllm_row(40.0, [[1], [9], [3], [4]], "default")],
+                    "both": [_vllm_row(25.0, [[1], [2], [3], [4]], "both")]}),
 ]
+# Three repeats each: the medians are 100 (jaxllm) and 90 (both, over default's 85), the agreement of repeat 0.
+REPEATED = vs.offline_row(
+    vs.SHAPES["short"], "float32",
+    [_jaxllm_row(100.0, [[1], [2], [3], [4]]), _jaxllm_row(130.0, [[7]] * 4), _jaxllm_row(91.0, [[7]] * 4)],
+    {"default": [_vllm_row(85.0, [[1], [2], [3], [4]], "default"), _vllm_row(60.0, [[7]] * 4, "default"),
+                 _vllm_row(99.0, [[7]] * 4, "default")],
+     "both": [_vllm_row(70.0, [[1], [2], [0], [0]], "both"), _vllm_row(90.0, [[8]] * 4, "both"),
+              _vllm_row(120.0, [[8]] * 4, "both")]})
 
 
 def test_offline_row_compares_with_the_faster_binding():
     mixed, long = CANNED
     assert (mixed["best_binding"], mixed["ratio_to_best"], mixed["same_tokens_as_best"]) == ("both", 1.25, 3)
     assert (long["best_binding"], long["ratio_to_best"], long["same_tokens_as_best"]) == ("default", 0.5, 3)
+
+
+def test_repeated_runs_compare_the_median_runs_and_agree_on_the_first():
+    assert vs.median_run([dict(output_tokens_per_s=v) for v in (3.0, 1.0, 2.0, 4.0)]) == dict(output_tokens_per_s=2.0)
+    with pytest.raises(ValueError, match="no runs"):
+        vs.median_run([])
+    row = REPEATED
+    assert (row["jaxllm_output_tokens_per_s"], row["best_binding"], row["vllm"]["both"]["output_tokens_per_s"],
+            row["vllm"]["default"]["output_tokens_per_s"]) == (100.0, "both", 90.0, 85.0)
+    assert row["ratio_to_best"] == pytest.approx(100.0 / 90.0) and row["same_tokens_as_best"] == 2
+    assert row["jaxllm_runs_output_tokens_per_s"] == [100.0, 130.0, 91.0]
+    assert row["vllm"]["both"]["runs_output_tokens_per_s"] == [70.0, 90.0, 120.0]
+    line = vs.offline_table([row], ["default", "both"]).splitlines()[2].split()
+    assert line == ["short", "float32", "4", "100.0", "(91-130)", "85.0", "(60-99)", "90.0", "(70-120)", "1.11x",
+                    "vs", "both", "2/4", "12.5%"]
+
+
+def test_repeats_have_the_lengths_of_the_first_and_tokens_of_their_own():
+    shape = vs.SHAPES["shared-prefix"]
+    first, second = (vs.shape_workloads(shape, VOCAB, seed=0, repeat=r) for r in (0, 1))
+    assert first[0].prompts == vs.shape_workloads(shape, VOCAB, seed=0)[0].prompts
+    assert [len(p) for p in first[0].prompts] == [len(p) for p in second[0].prompts]
+    assert first[0].output_lens == second[0].output_lens and first[1].output_lens == second[1].output_lens
+    # Nothing shared: not the 384-token prefix of the timed prompts, nor the warm-ups' tokens.
+    assert first[0].prompts[0][:384] != second[0].prompts[0][:384]
+    assert all(a[:16] != b[:16] for a, b in zip(first[1].prompts + first[0].prompts, second[1].prompts))
 
 
 def test_offline_table_prints_every_binding_the_ratio_and_agreement():
@@ -284,6 +318,7 @@ def test_random_dataset_flags_span_the_shapes_lengths():
     (["--vllm-bindings", "default", "fast"], "--vllm-bindings: vLLM binding 'fast': 'fast' is neither"),
     (["--vllm-bindings", "both", "both"], "--vllm-bindings both both: a binding is named twice"),
     (["--serving-num-prompts", "0"], "--serving-num-prompts 0: need at least 1"),
+    (["--repeats", "0"], "--repeats 0: need at least 1"),
     (["--serving-request-rate", "0"], "--serving-request-rate 0.0: need > 0"),
     (["--shapes", "--serving-dtypes"], "--shapes and --serving-dtypes both empty: nothing to run"),
 ])
@@ -328,8 +363,11 @@ def test_offline_run_gives_one_row_per_shape_with_every_binding(stories_dir, tmp
     # The engine builds every step program before its timed run (13 token buckets up to 512, twice: ~4 minutes on
     # 2 cores); a 32-token budget (5 buckets, the tiny prompts chunked) runs the same path in a fraction of that.
     monkeypatch.setattr(vs, "MAX_NUM_BATCHED_TOKENS", 32)
-    rows = vs.run_offline(stories_dir, "float32", tiny, ["default", "both"], sys.executable, seed=0)
+    rows = vs.run_offline(stories_dir, "float32", tiny, ["default", "both"], sys.executable, seed=0, repeats=2)
     assert [r["shape"] for r in rows] == ["tiny", "tiny-prefix"]
+    for row in rows:  # two timed runs of each shape on each engine
+        assert len(row["jaxllm_runs_output_tokens_per_s"]) == 2
+        assert all(len(v["runs_output_tokens_per_s"]) == 2 for v in row["vllm"].values())
     for row, shape in zip(rows, tiny):
         assert row["num_requests"] == shape.num_requests and set(row["vllm"]) == {"default", "both"}
         assert row["num_output_tokens"] == sum(_lengths(shape)[1])
