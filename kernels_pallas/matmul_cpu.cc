@@ -388,7 +388,7 @@ struct Shared {
   int64_t panel_cols, panels;  // set_panels
   // Units of work (set_units): panels [0, whole) whole, then each later panel in `pieces` pieces of rows
   // (by_rows) or of columns.
-  int64_t whole, pieces, units, threads;
+  int64_t whole, pieces, units;
   bool by_rows;
   bool transposed;  // jaxllm_matmul_nt_cpu
   std::atomic<int64_t> next{0};
@@ -407,9 +407,9 @@ void set_panels(Shared& s) {
 // or 2 and 1). With more than one tile of rows the pieces are runs of tiles, each reading the panel's weights
 // again (which many rows amortize); with one tile (a decode step, which streams the weights once) they are runs
 // of the panel's columns, whole vectors each. SmolLM2-135M's 30 layers, float32, 2 AMD Zen 4 cores, alone
-// (`[L, K, N]` stacks in a scan): N = 192 at 192 rows 152-156 -> 207-209 GFLOP/s, N = 576 188-191 -> 195-206,
-// K = 1536 186 -> 201; `bench_matmul.py` (interleaved runs) 1 row 23-28 -> 21 ms, 48 rows 63 -> 60, 192 rows 213
-// -> 204-207.
+// (`[L, K, N]` stacks in a scan, two runs interleaved): N = 576 at 192 rows 181-188 -> 206-207 GFLOP/s, at 512
+// 178-194 -> 214-215, K = 1536 at 512 192-193 -> 210-213. N = 192 is unchanged (152-161): drain's reservation
+// gives the first thread panels 0 and 1, the other panel 2 in both pieces.
 void set_units(Shared& s, int64_t threads) {
   const int64_t tail = s.panels % threads;
   s.by_rows = s.m > kRows;
@@ -417,7 +417,6 @@ void set_units(Shared& s, int64_t threads) {
   s.pieces = tail > 0 ? std::min(threads, most) : 1;
   s.whole = s.pieces > 1 ? s.panels - tail : s.panels;
   s.units = s.whole + (s.panels - s.whole) * s.pieces;
-  s.threads = threads;
 }
 
 // panel<R, C> for the panel's `vectors` vectors of columns (C or more: C), with C = kFewCols up to kFewRows
@@ -464,7 +463,7 @@ Unit unit_of(const Shared& s, int64_t u) {
   return unit;
 }
 
-// One unit (unit_of); `next`: the unit this thread expects to take after it (its panel's weights are
+// One unit (unit_of); `next`: the unit this thread takes after it (its panel's weights are
 // prefetched), or -1.
 void run_unit(const Shared& s, int64_t u, int64_t next) {
   const Unit unit = unit_of(s, u);
@@ -502,16 +501,19 @@ void run_unit(const Shared& s, int64_t u, int64_t next) {
   any_panel(s.x + x0, w, ws, s.y + y0, s.n, m, s.k, vectors, after);
 }
 
-// Take units one at a time until none is left; returns after the last unit this thread took. With more than one
-// tile of rows each unit prefetches the weights of the unit `threads` later, the one this thread is likely to take
-// next while the threads keep pace (reserving it instead, two units a thread, left one thread with twice the
-// work of another where there are few units); with one tile (a decode step) nothing is prefetched.
+// Take units until none is left; returns after the last unit this thread took. With more than one tile of rows
+// each unit is taken one ahead, so that its weights are prefetched while the one before it computes; with one
+// tile (a decode step) nothing is prefetched, and taking two at a time would only leave threads idle. (Guessing
+// the next unit instead, `threads` on, balanced N = 192 but lost prefetches in the engine, where the threads do
+// not keep pace: the shared-prefix shape of bench_throughput.py 171 -> 161 tok/s, three runs each.)
 void drain(Shared& s) {
   const bool ahead = s.m > (s.m <= kFewRows ? kFewTileRows : kRows);
-  for (int64_t u = s.next.fetch_add(1); u < s.units; u = s.next.fetch_add(1)) {
-    const int64_t guess = u + s.threads;
-    run_unit(s, u, ahead && guess < s.units ? guess : -1);
+  int64_t u = s.next.fetch_add(1);
+  while (u < s.units) {
+    const int64_t next = ahead ? s.next.fetch_add(1) : -1;
+    run_unit(s, u, next < s.units ? next : -1);
     s.done.fetch_add(1, std::memory_order_release);
+    u = ahead ? next : s.next.fetch_add(1);
   }
 }
 
