@@ -407,9 +407,9 @@ void set_panels(Shared& s) {
 // or 2 and 1). With more than one tile of rows the pieces are runs of tiles, each reading the panel's weights
 // again (which many rows amortize); with one tile (a decode step, which streams the weights once) they are runs
 // of the panel's columns, whole vectors each. SmolLM2-135M's 30 layers, float32, 2 AMD Zen 4 cores, alone
-// (`[L, K, N]` stacks in a scan, two runs interleaved): N = 576 at 192 rows 181-188 -> 206-207 GFLOP/s, at 512
-// 178-194 -> 214-215, K = 1536 at 512 192-193 -> 210-213. N = 192 is unchanged (152-161): drain's reservation
-// gives the first thread panels 0 and 1, the other panel 2 in both pieces.
+// (`bench_matmul.py`'s table of one projection alone, two runs interleaved): N = 576 at 192 rows 181-188 -> 206-207
+// GFLOP/s, at 512 178-194 -> 214-215, K = 1536 at 512 192-193 -> 210-213. N = 192 is unchanged (152-161): drain's
+// reservation gives the first thread panels 0 and 1, the other panel 2 in both pieces.
 void set_units(Shared& s, int64_t threads) {
   const int64_t tail = s.panels % threads;
   s.by_rows = s.m > kRows;

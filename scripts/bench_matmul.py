@@ -10,8 +10,8 @@ over stacked weights, as ``jaxllm.models.common.hidden_states`` runs them, for a
   bit-cast back per layer, as the CPU engine holds them).
 
 The two are compiled once, then timed in turns (``--rounds``; the minimum is printed, ms per pass over all
-layers), so that a machine shared with other work slows them alike. ``scripts/profile_step.py``'s docstring
-quotes these figures.
+layers), so that a machine shared with other work slows them alike. Then the native kernel on each projection
+shape alone, in GFLOP/s. ``scripts/profile_step.py``'s docstring quotes these figures.
 
     python scripts/bench_matmul.py [--model PATH] [--tokens 1 4 16 48 128 512] [--dtype float32 bfloat16]
 """
@@ -81,6 +81,42 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
                 jax.block_until_ready(fn(x, jnp.int32(t)))
                 best[name] = min(best[name], time.perf_counter() - start)
         print(f"{t:>7}" + "".join(f"{best[n] * 1e3:>12.1f}" if n in best else f"{'-':>12}" for n in ("native", "xla")))
+    if sides[0][0] == "native":
+        per_projection(stack, shapes, tokens, rounds, layers, dtype)
+
+
+def per_projection(stack, shapes, tokens: list[int], rounds: int, layers: int, dtype) -> None:
+    """The native kernel on each projection shape alone (a scan of its stacked weight over the layers): GFLOP/s,
+    the minimum time of ``rounds``, so that a shape the kernel's threads share out badly shows apart from the rest
+    (SmolLM2's N = 576 is 9 panels of 64 columns, N = 192 is 3)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas import native
+
+    names: dict[tuple[int, int], list[str]] = {}
+    for key, shape in shapes.items():
+        names.setdefault(shape, []).append(key)
+    print(f"native, one projection alone over the {layers} layers: GFLOP/s, best of {rounds} rounds")
+    labels = {shape: "/".join(keys) + f" {shape[0]}x{shape[1]}" for shape, keys in names.items()}
+    print(f"{'tokens':>7}" + "".join(f"{label:>22}" for label in labels.values()))
+    rng = np.random.default_rng(1)
+    for t in tokens:
+        cells = []
+        for (k_dim, n), keys in names.items():
+            w = stack[keys[0]]
+            x = jnp.asarray(rng.standard_normal((t, k_dim)), dtype)
+            fn = jax.jit(lambda x, m, w=w: jax.lax.scan(
+                lambda acc, i: (acc + native.stacked_matmul_cpu(x, w, i, m)[0, 0], None), 0.0,
+                jnp.arange(layers))[0])
+            jax.block_until_ready(fn(x, jnp.int32(t)))
+            best = float("inf")
+            for _ in range(rounds):
+                start = time.perf_counter()
+                jax.block_until_ready(fn(x, jnp.int32(t)))
+                best = min(best, time.perf_counter() - start)
+            cells.append(2 * t * k_dim * n * layers / best / 1e9)
+        print(f"{t:>7}" + "".join(f"{c:>22.1f}" for c in cells))
 
 
 def main() -> None:

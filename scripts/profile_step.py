@@ -157,12 +157,12 @@ L1 evicted it. This script's 48-row decode step 118.8 / 119.0 -> 109.3 /
 
 Then (2026-12-05, the same kind of Zen 4 machine) the split of the panels left over on an odd count, dropped on
 the Xeon above, measured clear of the noise per projection and was kept (``matmul_cpu.cc``: ``set_units``): the
-last panels % threads panels go in pieces, runs of row tiles or, for a decode step, of columns. A 30-layer scan of
-one projection, two runs each interleaved: N = 576 at 512 rows 178-194 -> 214-215 GFLOP/s, K = 1536 192-193 ->
-210-213; ``bench_throughput.py``'s short shape, jaxllm alone, three runs each interleaved: 280 / 322 / 295 ->
-306 / 327 / 320 tok/s, shared-prefix 166 / 168 / 170 -> 172 / 171 / 172. Taking units one at a time and
-prefetching a guess at the next (which would have balanced N = 192's 3 panels too) cost shared-prefix 171 -> 161
-in the engine, so each thread still reserves its next unit.
+last panels % threads panels go in pieces, runs of row tiles or, for a decode step, of columns. One projection
+alone (this session's form of ``bench_matmul.py``'s per-projection table), two runs each interleaved: N = 576 at
+512 rows 178-194 -> 214-215 GFLOP/s, K = 1536 192-193 -> 210-213; ``bench_throughput.py``'s short shape, jaxllm
+alone, three runs each interleaved: 280 / 322 / 295 -> 306 / 327 / 320 tok/s, shared-prefix 166 / 168 / 170 -> 172
+/ 171 / 172. Taking units one at a time and prefetching a guess at the next (which would have balanced N = 192's 3
+panels too) cost shared-prefix 171 -> 161 in the engine, so each thread still reserves its next unit.
 
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a

@@ -74,3 +74,25 @@ def test_slow_script_prints_the_host_line_last(script):
     assert ast.unparse(main.body[-1]) == "print(common.host_line(common.host_info()))"
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "host_line"]
     assert len(calls) == 1
+
+
+@pytest.mark.skipif(not __import__("kernels_pallas.native", fromlist=["available"]).available(),
+                    reason="no C++ kernel built here")
+def test_bench_matmul_times_each_projection_shape_alone_in_gflops(capsys):
+    # stories260K's projections are not all multiples of 16 (its quick run prints no native column), so the
+    # per-projection table is run on a stack of its own: two names of one shape share a column.
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(SCRIPTS))
+    import bench_matmul
+
+    shapes = {"wq": (32, 48), "wk": (32, 16), "wv": (32, 16)}
+    stack = {k: jnp.ones((2, *s), jnp.float32) for k, s in shapes.items()}
+    bench_matmul.per_projection(stack, shapes, [1, 7], rounds=1, layers=2, dtype=jnp.float32)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "native, one projection alone over the 2 layers: GFLOP/s, best of 1 rounds"
+    assert lines[1].split() == ["tokens", "wq", "32x48", "wk/wv", "32x16"]
+    rows = [line.split() for line in lines[2:]]
+    # Tiny shapes run at well under 0.1 GFLOP/s: the cells are numbers, one per shape.
+    assert [r[0] for r in rows] == ["1", "7"] and all(len(r) == 3 and float(r[1]) >= 0 and float(r[2]) >= 0
+                                                      for r in rows)
