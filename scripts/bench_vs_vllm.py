@@ -24,9 +24,10 @@ then gives each engine's median run and the range, and the ratio of the
 medians. The table gives output tok/s of jaxllm and of each binding,
 jaxllm's ratio to the faster binding, how many requests' greedy outputs
 equal that binding's token for token (on the first repeat), and jaxllm's
-fraction of the XLA dot peak (bench_throughput.py's column); start-up seconds (engine built, compilation included) are a table
-of their own, and where vLLM's processes and threads were bound is printed
-(read from ``/proc`` once each engine is built).
+fraction of the XLA dot peak (bench_throughput.py's column); start-up
+seconds (engine built, compilation included) are a table of their own,
+and where vLLM's processes and threads were bound is printed (read from
+``/proc`` once each engine is built).
 
 Serving, per dtype of ``--serving-dtypes`` (none: skipped): ``jaxllm serve``
 and ``vllm serve`` (each binding) on the same weights with the ``mixed``
