@@ -25,6 +25,7 @@ from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.worker.cpu_features import describe_cpu
+from jaxllm.worker.host_malloc import tune_host_malloc
 from jaxllm.worker.kv_cache import (KV_QUANT_DTYPES, bytes_per_block, calibrate_kv_scales, calibration_ids,
                                     fit_max_model_len, kv_number_dtype, resolve_num_blocks, split_kv_budget)
 from jaxllm.worker.model_runner import ModelRunner, enable_persistent_compilation_cache
@@ -75,6 +76,8 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
     if config.data_parallel_size > 1:
         raise ValueError(f"data_parallel_size={config.data_parallel_size}: an EngineCore is one replica; "
                          "LLM and the server run one core per replica")
+    # Before JAX's CPU client starts its threads (make_mesh, the weights): see host_malloc.
+    log(tune_host_malloc())
     path = None if isinstance(model, ModelConfig) else Path(model)
     if path is None and params is None:
         raise ValueError("model is a ModelConfig: pass its weights as params=")
