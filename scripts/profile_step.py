@@ -163,6 +163,18 @@ alone (this session's form of ``bench_matmul.py``'s per-projection table), two r
 alone, three runs each interleaved: 280 / 322 / 295 -> 306 / 327 / 320 tok/s, shared-prefix 166 / 168 / 170 -> 172
 / 171 / 172. Taking units one at a time and prefetching a guess at the next (which would have balanced N = 192's 3
 panels too) cost shared-prefix 171 -> 161 in the engine, so each thread still reserves its next unit.
+Then (2026-12-05, same machine) ``perf record`` of the short shape's timed run alone (perf started from inside the
+process when the timed ``generate`` began): the C++ kernels 86% of the samples (matmul tiles 80%, the lm_head's
+inlined into ``drain``; attention 7%), the kernel 5%, XLA's fusions 3%, Python under 1%; 1.9 of the 2 CPUs busy.
+Two costs showed: the tiled attention's copy of the queries divided an index by the group size for every element
+(one layer of a 512-token prefill of 63-token prompts, the kernel alone: 729-734 -> 474-487 us), and the timed run
+took 0.76 million page faults and 2.0 s of system time (``perf record -e page-faults``: 54% of them where the
+lm_head writes the logits, 37.7 MB at 192 rows, fresh pages on every step). glibc's mallopt before JAX's CPU
+client starts (``jaxllm/worker/host_malloc.py``: one arena, no mmap or trim below 1 GiB) took them to 14 thousand
+and 0.5 s; set after the client had started, nothing changed (768 thousand: its threads keep their arenas). The
+short shape, three runs each interleaved with the code before: 317.5 / 329.2 / 316.0 -> 329.5 / 329.1 / 333.4
+tok/s; shared-prefix, two runs each: 155.7 / 159.1 -> 177.0 / 166.4. A contiguous buffer for the lm_head's
+output panel (its rows are 196 KB apart in the logits) measured within the noise and was dropped.
 
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a

@@ -126,6 +126,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="the front end's registered architectures (jaxllm.registry.registrations_json)")
     parser.add_argument("--params", help="a file of the weights to serve (messages.encode_params, msgpack)")
     args = parser.parse_args(argv)
+    # First, before any thread or JAX's CPU client (replica_mesh below starts it) allocates: see host_malloc.
+    from jaxllm.worker.host_malloc import tune_host_malloc
+
+    tune_host_malloc()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_parent_dies, args=(args.parent_pid,), daemon=True,
                      name="jaxllm-parent-watchdog").start()
