@@ -55,8 +55,10 @@ a fraction of jaxllm's cache), the fraction of allocated KV slots holding
 live tokens, and how many requests' greedy outputs are token-for-token those
 of jaxllm. For jaxllm backends also the host time of ``Scheduler.schedule()``
 per step and as a fraction of the timed run's wall time (the part of the
-host overhead ``jaxllm.frontend.metrics`` records). ``--compare`` runs hf, static,
-jaxllm and, with ``--vllm-python``, vllm, and prints ratios to vllm (else hf).
+host overhead ``jaxllm.frontend.metrics`` records), and the process's minor
+page faults and system CPU seconds over the timed run. ``--compare`` runs hf,
+static, jaxllm and, with ``--vllm-python``, vllm, and prints ratios to vllm
+(else hf).
 ``--single`` also times one request alone (a 16-token prompt, 256 output
 tokens) on hf, jaxllm and vllm: single-request decode speed.
 
@@ -94,6 +96,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -184,9 +187,11 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
             sched_before = _histogram(metrics.scheduler_step)
             hits_before = _counter(metrics.prefix_cache_hits)
             bitmask_before = _histogram(metrics.grammar_bitmask)
+            usage = resource.getrusage(resource.RUSAGE_SELF)
             start = time.perf_counter()
             outs = llm.generate(workload.prompts, _greedy(workload.output_lens, structured))
             elapsed = time.perf_counter() - start
+            after = resource.getrusage(resource.RUSAGE_SELF)
             token_ids = [list(o.outputs[0].token_ids) for o in outs]
             _check_lengths(backend, workload, token_ids)
             run = metrics.run_summary()
@@ -204,6 +209,9 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
                 steps=run["steps"],
                 schedule_s_per_step=sched_sum / sched_count if sched_count else None,
                 schedule_fraction_of_wall=sched_sum / elapsed,
+                # The whole process's, over the timed generate: freshly mapped pages each step show here.
+                page_faults=after.ru_minflt - usage.ru_minflt,
+                system_s=after.ru_stime - usage.ru_stime,
                 structured=structured,
                 compare=compared,
                 bitmask_s_per_step=bitmask_sum / bitmask_count if bitmask_count else None,
@@ -567,7 +575,8 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['backend']} host overhead: {r['steps']} engine steps of {1e3 * r['elapsed_s'] / r['steps']:.1f}"
                   f" ms wall each; Scheduler.schedule() {1e6 * per_step:.0f} us per step = "
                   f"{100 * r['schedule_fraction_of_wall']:.2f}% of wall time (batch build, device_put and fetch "
-                  f"are not recorded by jaxllm.frontend.metrics)")
+                  f"are not recorded by jaxllm.frontend.metrics); the process took {r['page_faults']} page faults "
+                  f"and {r['system_s']:.2f} s of system time in the timed run")
 
 
 def print_structured(rows: list[dict]) -> None:

@@ -224,7 +224,8 @@ THROUGHPUT_FIELDS = {
     "dot_gflops", "dot_peak_fraction",
 }
 # Rows of jaxllm's own runs (static and continuous batching) also say whether they were constrained.
-JAXLLM_RUN_FIELDS = {"structured", "compare", "bitmask_s_per_step", "num_cached_prompt_tokens"}
+JAXLLM_RUN_FIELDS = {"structured", "compare", "bitmask_s_per_step", "num_cached_prompt_tokens", "page_faults",
+                     "system_s"}
 # vLLM's rows also say which CPU binding ran and where it put vLLM's processes.
 VLLM_RUN_FIELDS = {"vllm_binding", "vllm_env", "vllm_affinity"}
 # A stand-in for vLLM's package, run by bench_throughput.py's vllm backend through
@@ -342,6 +343,9 @@ def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp
     assert static["same_tokens_as_jaxllm"] == 3 and jaxllm["same_tokens_as_jaxllm"] is None
     assert vllm["version"] == "vllm fake" and 0 <= vllm["same_tokens_as_jaxllm"] <= 3
     assert 0 < jaxllm["schedule_fraction_of_wall"] < 1 and jaxllm["steps"] > 0
+    for row in (static, jaxllm):
+        assert isinstance(row["page_faults"], int) and row["page_faults"] >= 0
+        assert 0 <= row["system_s"] <= row["elapsed_s"] * len(os.sched_getaffinity(0))
     cpus = sorted(os.sched_getaffinity(0))
     both = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0]),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
