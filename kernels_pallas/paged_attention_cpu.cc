@@ -420,8 +420,8 @@ void attend_unit_tiled(const Problem& p, const Unit& u, TileScratch& s) {
   const int32_t* hi = s.hi.data();
   for (int64_t h = 0; h < p.kv_heads; ++h) {
     // Lane m = j * group + g is head h * group + g of the unit's token j: each such query row is read once,
-    // contiguously (an index divided by group per element had made this copy a tenth of the short shape's
-    // step, perf record of bench_throughput.py).
+    // contiguously (an index divided by group per element had made this copy a third of a short prefill's
+    // attention: one layer of a 512-token prefill of 63-token prompts took 730 us against 480 now).
     for (int64_t j = 0; j < u.count; ++j) {
       for (int64_t g = 0; g < group; ++g) {
         const float* src = p.q + ((u.first + j) * heads + h * group + g) * dim;
