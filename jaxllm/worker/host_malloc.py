@@ -95,6 +95,9 @@ def tune_host_malloc(environ: Optional[Mapping[str, str]] = None) -> str:
     Returns:
       The start-up log's line saying what was done, with the values glibc took (the same line on every later
       call).
+
+    Raises nothing: a setting glibc refuses is named "refused" in the line. Follows glibc's ``mallopt(3)``
+    parameters (malloc.h); vLLM's CPU platform preloads tcmalloc for the same cost.
     """
     global _done
     if _done is not None:
