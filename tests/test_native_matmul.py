@@ -36,9 +36,11 @@ def test_stacked_matmul_matches_numpy_on_every_tile_shape():
     # N = 16 and 32 with K = 300: a weight exactly one AVX2 panel wide, which tiles of more than one tile of rows
     # read in place (nothing to copy) over three chunks of K.
     rng = np.random.default_rng(0)
-    # K = 257: odd, over three chunks of 128 rows when more than one tile of rows copies the panel; N = 96, 160:
-    # panels of two vectors of 16 (AVX-512).
-    for k_dim, n in [(1, 16), (7, 48), (64, 80), (576, 192), (33, 208), (257, 96), (40, 160), (300, 16), (300, 32)]:
+    # K = 257: odd, over three chunks of 128 rows, read in place (AVX-512: up to 48 rows) or copied (64 and 97
+    # rows; AVX2: from 7); N = 96, 160: panels of two vectors of 16 (AVX-512). N = 1024: rows 4 KiB apart, whose
+    # chunks are copied from two tiles of rows on either CPU.
+    for k_dim, n in [(1, 16), (7, 48), (64, 80), (576, 192), (33, 208), (257, 96), (40, 160), (300, 16), (300, 32),
+                     (257, 1024)]:
         stack = rng.standard_normal((3, k_dim, n)).astype(np.float32)
         w = jnp.asarray(stack)
         for m in [*range(1, 14), 48, 64, 97]:
@@ -58,10 +60,11 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 def test_bfloat16_stacked_matmul_matches_numpy_on_every_tile_shape():
     # As the float32 test, with K even (pairs of rows): K = 2 is one pair, 258 is two chunks of 128 rows and one
-    # pair, 576 four chunks and a half one; N = 96 and 160 take the pairs tile of two vectors (AVX-512-BF16).
-    # x is given in float32 for half the cases: the kernel multiplies it rounded to bfloat16.
+    # pair, 576 four chunks and a half one; N = 96 and 160 take the pairs tile of two vectors (AVX-512-BF16); N =
+    # 2048: rows 4 KiB apart (copied chunks). x is given in float32 for half the cases: the kernel multiplies it
+    # rounded to bfloat16.
     rng = np.random.default_rng(4)
-    for k_dim, n in [(2, 16), (8, 48), (64, 80), (576, 192), (34, 208), (258, 96), (40, 160)]:
+    for k_dim, n in [(2, 16), (8, 48), (64, 80), (576, 192), (34, 208), (258, 96), (40, 160), (258, 2048)]:
         stack = jnp.asarray(rng.standard_normal((3, k_dim, n)), jnp.bfloat16)
         for m in [*range(1, 14), 48, 64, 97]:
             x = rng.standard_normal((m, k_dim)).astype(np.float32)
