@@ -228,26 +228,26 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
             __builtin_prefetch(next_v + line * 64, 0, 2);
           }
         }
-        float block_max = -INFINITY;
         if (fast) {
           for (int64_t t0 = 0; t0 < bs; t0 += kLanes) {
             storev(scores + t0, scores_of_lanes(qv, kb + t0 * token_stride + h * dim, token_stride, dim));
           }
-        }
-        for (int64_t t = t_lo; t < t_hi; ++t) {
-          float dot;
-          if (fast) {
-            dot = scores[t];
-          } else {
+        } else {
+          for (int64_t t = t_lo; t < t_hi; ++t) {
             const float* key = kb + t * token_stride + h * dim;
-            dot = 0.0f;
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < dim; ++d) dot += qv[d] * key[d];
+            scores[t] = dot;
           }
-          if (p.soft_cap > 0.0f) dot = p.soft_cap * std::tanh(dot / p.soft_cap);
-          scores[t] = dot;
-          block_max = dot > block_max ? dot : block_max;
         }
+        if (p.soft_cap > 0.0f) {
+          for (int64_t t = t_lo; t < t_hi; ++t) scores[t] = p.soft_cap * std::tanh(scores[t] / p.soft_cap);
+        }
+        // A loop of its own, so that it vectorizes (with the dot products and the cap in it, it ran a key at a time).
+        float block_max = -INFINITY;
+#pragma omp simd reduction(max : block_max)
+        for (int64_t t = t_lo; t < t_hi; ++t) block_max = scores[t] > block_max ? scores[t] : block_max;
         const float old_max = s.run_max[pair];
         const float new_max = block_max > old_max ? block_max : old_max;
         const float rescale = exp_nonpositive(old_max - new_max);  // 0 on the first block (-inf)
