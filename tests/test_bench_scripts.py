@@ -19,6 +19,8 @@ SCRIPTS = ROOT / "scripts"
 
 # Script -> the arguments of its quickest run.
 QUICK_RUNS = {
+    "bench_cpu_attention.py": ["--model", str(STORIES), "--rows", "2", "--context", "8", "40", "--dtype",
+                               "float32", "bfloat16", "--rounds", "1"],
     "bench_kernels.py": ["--smoke"],
     "bench_kv_compression.py": ["--model", str(STORIES), "--requests", "2", "--max-tokens", "4",
                                 "--budget-blocks", "24"],

@@ -1,0 +1,137 @@
+"""Decode attention alone on the CPU: the C++ kernel's KV bytes per second against the host's memory stream rate.
+
+A decode step reads every running sequence's K and V once per layer, so on a CPU its attention is bounded by how
+fast the host streams memory. For a few batches (``--rows`` sequences of one new token each, contexts drawn
+uniformly in ``--context MIN MAX``) this times ``kernels_pallas.native.ragged_paged_attention_cpu`` on the
+model's head shape (``--model``'s query heads, KV heads and head dim; one layer), its blocks anywhere in a cache
+of the rows' blocks (block size 16), and prints the minimum over ``--rounds`` calls, the KV bytes the call
+attends over (every row's K and V) divided by that time, and what share that is of the stream rate measured in
+the same run: one numpy ``sum`` over a 400 MB float32 array per CPU at once (the best of three). With
+``--shared-prefix N`` every row's first N tokens (whole blocks) are the same blocks, as prefix caching leaves a
+shared system prompt: those bytes come from the CPU's caches after the first row, so the share can pass 100%.
+``scripts/profile_step.py`` has the whole step; this is the part of it that is bound by memory.
+
+    python scripts/bench_cpu_attention.py [--model PATH] [--rows 1 32 192] [--context 400 830]
+                                          [--shared-prefix 0] [--dtype float32 bfloat16] [--rounds 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import _bench_common as common  # noqa: E402
+
+BLOCK_SIZE = 16
+STREAM_BYTES = 400_000_000
+
+
+def stream_gbps(threads: int) -> float:
+    """GB/s that ``threads`` numpy sums read at once, each over its own share of one float32 array of
+    STREAM_BYTES (the best of three rounds)."""
+    parts = np.array_split(np.ones(STREAM_BYTES // 4, np.float32), threads)
+    best = float("inf")
+    for _ in range(3):
+        workers = [threading.Thread(target=np.sum, args=(part,)) for part in parts]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - start)
+    return STREAM_BYTES / best / 1e9
+
+
+def decode_batch(rng: np.random.Generator, rows: int, context: tuple[int, int], q_heads: int, kv_heads: int,
+                 head_dim: int, dtype, shared_blocks: int = 0):
+    """(q, k_cache, v_cache, tables, token_row, token_pos, total context tokens) of a decode step of ``rows``
+    sequences, each row's blocks a random permutation's share of a cache holding exactly the batch's blocks; the
+    first ``shared_blocks`` blocks of every row the same ones (a prefix-cache hit). bfloat16 caches come as their
+    uint16 bits, as the engine holds them on the CPU (a bfloat16 operand would be copied on every call)."""
+    import jax
+    import jax.numpy as jnp
+
+    lens = rng.integers(context[0], context[1] + 1, size=rows)
+    width = int(-(-lens.max() // BLOCK_SIZE))
+    num_blocks = shared_blocks + rows * (width - shared_blocks)
+    k, v = (jnp.asarray(rng.standard_normal((num_blocks, BLOCK_SIZE, kv_heads, head_dim)), dtype) for _ in range(2))
+    if dtype == jnp.bfloat16:
+        k, v = (jax.lax.bitcast_convert_type(c, jnp.uint16) for c in (k, v))
+    ids = rng.permutation(num_blocks)
+    own = ids[shared_blocks:].reshape(rows, width - shared_blocks)
+    tables = jnp.asarray(np.concatenate([np.broadcast_to(ids[:shared_blocks], (rows, shared_blocks)), own], 1),
+                         jnp.int32)
+    q = jnp.asarray(rng.standard_normal((rows, q_heads, head_dim)), jnp.float32)
+    token_row = jnp.arange(rows, dtype=jnp.int32)
+    token_pos = jnp.asarray(lens - 1, jnp.int32)
+    return q, k, v, tables, token_row, token_pos, int(lens.sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="HF folder, .gguf or a named model (default: the embedded "
+                                                      "SmolLM2); only its head shape is used")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 192])
+    parser.add_argument("--context", type=int, nargs=2, default=[400, 830], metavar=("MIN", "MAX"))
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                        help="tokens at the start of every row in the same blocks (rounded down to whole blocks)")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=50)
+    args = parser.parse_args()
+    if not 1 <= args.context[0] <= args.context[1]:
+        parser.error(f"--context {args.context[0]} {args.context[1]}: need 1 <= MIN <= MAX")
+    if not 0 <= args.shared_prefix < args.context[0]:
+        parser.error(f"--shared-prefix {args.shared_prefix}: need 0 <= N < the shortest context {args.context[0]}")
+    if min(args.rows) < 1 or args.rounds < 1:
+        parser.error(f"--rows {args.rows} and --rounds {args.rounds}: need at least 1")
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.loader import read_model_config
+    from jaxllm.named_models import resolve_model
+    from kernels_pallas import native
+
+    cfg = read_model_config(resolve_model(args.model))[0]
+    print(f"backend {jax.default_backend()}, jax {jax.__version__}")
+    if not native.available():
+        print(f"native attention: not run ({native.unavailable_reason()})")
+        print(common.host_line(common.host_info()))
+        return
+    threads = os.cpu_count() or 1
+    stream = stream_gbps(threads)
+    print(f"memory stream rate: {stream:.1f} GB/s ({threads} numpy sums at once over {STREAM_BYTES / 1e6:.0f} MB)")
+    heads = (cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim)
+    shared = args.shared_prefix // BLOCK_SIZE
+    print(f"one layer of {heads[0]} query heads, {heads[1]} KV heads of {heads[2]}, block size {BLOCK_SIZE}, "
+          f"contexts {args.context[0]}-{args.context[1]}, shared prefix {shared * BLOCK_SIZE}; minimum of "
+          f"{args.rounds} calls")
+    print(f"{'dtype':>9}{'rows':>6}{'context':>9}{'us':>10}{'KV GB/s':>10}{'of stream':>11}")
+    scale = 1.0 / float(np.sqrt(cfg.head_dim))
+    call = jax.jit(lambda q, k, v, t, r, p: native.ragged_paged_attention_cpu(q, k, v, t, r, p, scale=scale))
+    rng = np.random.default_rng(0)
+    for dtype_name in args.dtype:
+        dtype = jnp.dtype(dtype_name)
+        for rows in args.rows:
+            *operands, tokens = decode_batch(rng, rows, tuple(args.context), *heads, dtype, shared)
+            jax.block_until_ready(call(*operands))
+            best = float("inf")
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                jax.block_until_ready(call(*operands))
+                best = min(best, time.perf_counter() - start)
+            kv_bytes = 2 * tokens * heads[1] * heads[2] * dtype.itemsize
+            gbps = kv_bytes / best / 1e9
+            print(f"{dtype_name:>9}{rows:>6}{tokens / rows:>9.0f}{best * 1e6:>10.0f}{gbps:>10.1f}"
+                  f"{gbps / stream:>10.0%}")
+    print(common.host_line(common.host_info()))
+
+
+if __name__ == "__main__":
+    main()
