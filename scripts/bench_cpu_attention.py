@@ -51,10 +51,14 @@ def stream_gbps(threads: int) -> float:
 
 def decode_batch(rng: np.random.Generator, rows: int, context: tuple[int, int], q_heads: int, kv_heads: int,
                  head_dim: int, dtype, shared_blocks: int = 0):
-    """(q, k_cache, v_cache, tables, token_row, token_pos, total context tokens) of a decode step of ``rows``
-    sequences, each row's blocks a random permutation's share of a cache holding exactly the batch's blocks; the
-    first ``shared_blocks`` blocks of every row the same ones (a prefix-cache hit). bfloat16 caches come as their
-    uint16 bits, as the engine holds them on the CPU (a bfloat16 operand would be copied on every call)."""
+    """A decode step of ``rows`` sequences, context lengths uniform in ``context`` (tokens, both ends included),
+    as ``native.ragged_paged_attention_cpu`` takes it: q float32 [rows, q_heads, head_dim]; k_cache and v_cache
+    [N, BLOCK_SIZE, kv_heads, head_dim] in ``dtype``, a bfloat16 cache as its uint16 bits, as the engine holds it
+    on the CPU (a bfloat16 operand is copied by XLA on every call); tables int32 [rows, W]; token_row int32 [rows]
+    (0..rows-1); token_pos int32 [rows] (each length minus one); then the total context tokens (int). Each row's
+    blocks are a random permutation's share of a cache holding exactly the batch's blocks, the first
+    ``shared_blocks`` of every row the same ones (a prefix-cache hit; the caller keeps it below the shortest
+    context's blocks). Raises nothing."""
     import jax
     import jax.numpy as jnp
 

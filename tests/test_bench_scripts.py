@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.conftest import STORIES
@@ -19,8 +20,8 @@ SCRIPTS = ROOT / "scripts"
 
 # Script -> the arguments of its quickest run.
 QUICK_RUNS = {
-    "bench_cpu_attention.py": ["--model", str(STORIES), "--rows", "2", "--context", "8", "40", "--dtype",
-                               "float32", "bfloat16", "--rounds", "1"],
+    "bench_cpu_attention.py": ["--model", str(STORIES), "--rows", "2", "--context", "20", "40", "--shared-prefix",
+                               "16", "--dtype", "float32", "bfloat16", "--rounds", "1"],
     "bench_kernels.py": ["--smoke"],
     "bench_kv_compression.py": ["--model", str(STORIES), "--requests", "2", "--max-tokens", "4",
                                 "--budget-blocks", "24"],
@@ -98,3 +99,22 @@ def test_bench_matmul_times_each_projection_shape_alone_in_gflops(capsys):
     # Tiny shapes run at well under 0.1 GFLOP/s: the cells are numbers, one per shape.
     assert [r[0] for r in rows] == ["1", "7"] and all(len(r) == 3 and float(r[1]) >= 0 and float(r[2]) >= 0
                                                       for r in rows)
+
+
+def test_bench_cpu_attention_builds_shared_prefix_tables_and_refuses_a_prefix_past_the_context():
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(SCRIPTS))
+    import bench_cpu_attention
+
+    rng = np.random.default_rng(0)
+    q, k, v, tables, row, pos, tokens = bench_cpu_attention.decode_batch(rng, 3, (33, 64), 4, 2, 8, jnp.bfloat16, 2)
+    tables = np.asarray(tables)
+    # Two shared blocks, then each row's own: every id once apart from the shared ones, all inside the cache.
+    assert (tables[:, :2] == tables[0, :2]).all() and k.dtype == v.dtype == jnp.uint16 and k.shape[1:] == (16, 2, 8)
+    assert sorted(tables[:, 2:].ravel().tolist() + tables[0, :2].tolist()) == list(range(k.shape[0]))
+    assert tokens == int(pos.sum()) + 3 and 33 <= pos.min() + 1 and pos.max() + 1 <= tables.shape[1] * 16
+    assert row.tolist() == [0, 1, 2] and q.shape == (3, 4, 8)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_cpu_attention.py"), "--context", "16", "32",
+                           "--shared-prefix", "16"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "--shared-prefix 16: need 0 <= N < the shortest context 16" in proc.stderr
