@@ -263,26 +263,29 @@ inline void tiles(Operands<T> o, int64_t m) {
 // 32 KiB (AVX2: 8 KiB of a 16-column panel, 16 KiB of a 32-column one), which stay in L1 while every tile of
 // rows reads them.
 constexpr int64_t kChunk = 128;
-// From this many rows of x a chunk is copied into a contiguous buffer (below, panel); fewer rows' tiles read it in
-// place unless its rows are a multiple of 4 KiB apart. With AVX-512 the copy cost more than it saved up to 8 tiles
-// of rows: SmolLM2-135M's 30 layers, float32, 2 AMD Zen 4 cores (`bench_matmul.py`, interleaved with the copy from
-// 7 rows, two runs each): 16 rows 31.8 / 28.4 -> 25.0 / 24.9 ms, 24 rows 35.5 / 35.2 -> 30.9 / 30.8, 32 rows
-// 49.8 / 46.7 -> 40.9 / 41.2, 48 rows 60.7 / 62.9 -> 57.0 / 57.1; 64 to 192 rows alike either way. AVX2 keeps the
-// copy from two tiles (unmeasured without it).
+// From this many rows of a unit (its rows of x) a chunk is copied into a contiguous buffer (below, panel); fewer
+// rows' tiles read it in place unless its rows are a multiple of 4 KiB apart. With AVX-512 the copy cost more than
+// it saved up to 8 tiles of rows: SmolLM2-135M's 30 layers, float32, 2 AMD Zen 4 cores (`bench_matmul.py`,
+// interleaved with the copy from 7 rows, two runs each): 16 rows 31.8 / 28.4 -> 25.0 / 24.9 ms, 24 rows 35.5 /
+// 35.2 -> 30.9 / 30.8, 32 rows 49.8 / 46.7 -> 40.9 / 41.2, 48 rows 60.7 / 62.9 -> 57.0 / 57.1; 64 to 192 rows
+// alike either way. In place, the gate and up projections (rows 6 KiB apart, a few L1 sets: the chunk is reread
+// from L2) went 145-152 -> 168-171 GFLOP/s at 32 rows. AVX2 copies from two tiles, as before (unmeasured
+// without the copy).
 #ifdef __AVX512F__
 constexpr int64_t kCopyMinRows = 8 * kRows + 1;
 #else
-constexpr int64_t kCopyMinRows = kRows + 1;
+constexpr int64_t kCopyMinRows = kFewTileRows + 1;
 #endif
 
 // Rows [0, m) of y's C vectors of columns at y (row stride ys) from w's at w (row stride ws).
 // One tile of rows reads the panel once, in place. More tiles read it once per tile, so the panel is taken in
-// chunks of kChunk rows of K; from kCopyMinRows rows of x, or where the rows are a multiple of 4 KiB apart, each
-// chunk is copied into a contiguous per-thread buffer first (unless w is one already): in place, rows of the panel ws elements apart map to few cache sets when ws * sizeof(T) is a multiple of
-// 4 KiB (SmolLM2's fused gate and up, N = 3072 float32: 77 against 137 GFLOP/s at N = 3136, 48 rows, 2 Intel
-// AVX-512 cores), and a chunk stays in L1 while the tiles reread it. The tiles of a later chunk add to y.
-// While a chunk's tiles run they prefetch the next chunk's rows, or `next`'s first chunk (the panel this thread
-// takes next, same stride and at least as wide; nullptr: none), so that the copy finds them in cache.
+// chunks of kChunk rows of K; from kCopyMinRows rows, or where the rows are a multiple of 4 KiB apart, each chunk
+// is copied into a contiguous per-thread buffer first (unless w is one already): in place, rows of the panel ws
+// elements apart map to few cache sets when ws * sizeof(T) is a multiple of 4 KiB (SmolLM2's fused gate and up,
+// N = 3072 float32: 77 against 137 GFLOP/s at N = 3136, 48 rows, 2 Intel AVX-512 cores), and a chunk stays in L1
+// while the tiles reread it. The tiles of a later chunk add to y. While a chunk's tiles run they prefetch the next
+// chunk's rows, or `next`'s first chunk (the panel this thread takes next, same stride and at least as wide;
+// nullptr: none), so that the copy (or, in place, the tiles) finds them in cache.
 template <int R, int C, typename T>
 void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k_dim, const T* next) {
   constexpr int64_t cols = C * kLanes;

@@ -6,10 +6,12 @@ uniformly in ``--context MIN MAX``) this times ``kernels_pallas.native.ragged_pa
 model's head shape (``--model``'s query heads, KV heads and head dim; one layer), its blocks anywhere in a cache
 of the rows' blocks (block size 16), and prints the minimum over ``--rounds`` calls, the KV bytes the call
 attends over (every row's K and V) divided by that time, and what share that is of the stream rate measured in
-the same run: one numpy ``sum`` over a 400 MB float32 array per CPU at once (the best of three). With
+the same run: numpy ``sum`` over a 400 MB float32 array in one share per CPU this process may run on, all at
+once (the best of three). Every dtype gets the same batch of a row count (its lengths and tables). With
 ``--shared-prefix N`` every row's first N tokens (whole blocks) are the same blocks, as prefix caching leaves a
 shared system prompt: those bytes come from the CPU's caches after the first row, so the share can pass 100%.
-``scripts/profile_step.py`` has the whole step; this is the part of it that is bound by memory.
+``scripts/profile_step.py`` has the whole step; this is its part that the memory's rate bounds (or, with a shared
+prefix, the kernel's own arithmetic).
 
     python scripts/bench_cpu_attention.py [--model PATH] [--rows 1 32 192] [--context 400 830]
                                           [--shared-prefix 0] [--dtype float32 bfloat16] [--rounds 50]
@@ -108,21 +110,22 @@ def main() -> None:
         print(f"native attention: not run ({native.unavailable_reason()})")
         print(common.host_line(common.host_info()))
         return
-    threads = os.cpu_count() or 1
+    threads = len(os.sched_getaffinity(0))
     stream = stream_gbps(threads)
-    print(f"memory stream rate: {stream:.1f} GB/s ({threads} numpy sums at once over {STREAM_BYTES / 1e6:.0f} MB)")
+    print(f"memory stream rate: {stream:.1f} GB/s ({threads} numpy sums at once over shares of "
+          f"{STREAM_BYTES / 1e6:.0f} MB)")
     heads = (cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim)
     shared = args.shared_prefix // BLOCK_SIZE
     print(f"one layer of {heads[0]} query heads, {heads[1]} KV heads of {heads[2]}, block size {BLOCK_SIZE}, "
           f"contexts {args.context[0]}-{args.context[1]}, shared prefix {shared * BLOCK_SIZE}; minimum of "
           f"{args.rounds} calls")
-    print(f"{'dtype':>9}{'rows':>6}{'context':>9}{'us':>10}{'KV GB/s':>10}{'of stream':>11}")
+    print(f"{'dtype':>9}{'rows':>6}{'context':>9}{'us':>10}{'KV GB/s':>10}{'of stream':>10}")
     scale = 1.0 / float(np.sqrt(cfg.head_dim))
     call = jax.jit(lambda q, k, v, t, r, p: native.ragged_paged_attention_cpu(q, k, v, t, r, p, scale=scale))
-    rng = np.random.default_rng(0)
     for dtype_name in args.dtype:
         dtype = jnp.dtype(dtype_name)
         for rows in args.rows:
+            rng = np.random.default_rng(rows)
             *operands, tokens = decode_batch(rng, rows, tuple(args.context), *heads, dtype, shared)
             jax.block_until_ready(call(*operands))
             best = float("inf")

@@ -37,8 +37,8 @@ def test_stacked_matmul_matches_numpy_on_every_tile_shape():
     # read in place (nothing to copy) over three chunks of K.
     rng = np.random.default_rng(0)
     # K = 257: odd, over three chunks of 128 rows, read in place (AVX-512: up to 48 rows) or copied (64 and 97
-    # rows; AVX2: from 7); N = 96, 160: panels of two vectors of 16 (AVX-512). N = 1024: rows 4 KiB apart, whose
-    # chunks are copied from two tiles of rows on either CPU.
+    # rows; AVX2: from 4, two tiles of 3); N = 96, 160: panels of two vectors of 16 (AVX-512). N = 1024: rows 4 KiB
+    # apart, whose chunks are copied from two tiles of rows on either CPU.
     for k_dim, n in [(1, 16), (7, 48), (64, 80), (576, 192), (33, 208), (257, 96), (40, 160), (300, 16), (300, 32),
                      (257, 1024)]:
         stack = rng.standard_normal((3, k_dim, n)).astype(np.float32)
