@@ -36,8 +36,9 @@ STREAM_BYTES = 400_000_000
 
 
 def stream_gbps(threads: int) -> float:
-    """GB/s that ``threads`` numpy sums read at once, each over its own share of one float32 array of
-    STREAM_BYTES (the best of three rounds)."""
+    """GB/s (10^9 bytes per second) that ``threads`` numpy sums read at once, each over its own share of one
+    float32 array of STREAM_BYTES (the best of three rounds): the read half of McCalpin's STREAM idea, with the
+    threads the kernel would have. Raises nothing (MemoryError where the host cannot hold the array)."""
     parts = np.array_split(np.ones(STREAM_BYTES // 4, np.float32), threads)
     best = float("inf")
     for _ in range(3):
@@ -60,7 +61,8 @@ def decode_batch(rng: np.random.Generator, rows: int, context: tuple[int, int], 
     (0..rows-1); token_pos int32 [rows] (each length minus one); then the total context tokens (int). Each row's
     blocks are a random permutation's share of a cache holding exactly the batch's blocks, the first
     ``shared_blocks`` of every row the same ones (a prefix-cache hit; the caller keeps it below the shortest
-    context's blocks). Raises nothing."""
+    context's blocks). The layout is ``kernels_pallas.native.ragged_paged_attention_cpu``'s (the engine's paged
+    cache). Raises nothing."""
     import jax
     import jax.numpy as jnp
 
