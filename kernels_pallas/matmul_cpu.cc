@@ -259,9 +259,9 @@ inline void tiles(Operands<T> o, int64_t m) {
   }
 }
 
-// Rows of K per chunk of a panel when x has more than one tile of rows: at most 128 rows of 64 float32 columns,
-// 32 KiB (AVX2: 8 KiB of a 16-column panel, 16 KiB of a 32-column one), which stay in L1 while every tile of
-// rows reads them.
+// Rows of K per chunk of a panel read in place, or copied for fewer than kWholeMinRows rows of x, when x has more
+// than one tile of rows: at most 128 rows of 64 float32 columns, 32 KiB (AVX2: 8 KiB of a 16-column panel, 16 KiB
+// of a 32-column one), which stay in L1 while every tile of rows reads them.
 constexpr int64_t kChunk = 128;
 // From this many rows of a unit (its rows of x) a chunk is copied into a contiguous buffer (below, panel); fewer
 // rows' tiles read it in place unless its rows are a multiple of 4 KiB apart. With AVX-512 the copy cost more than
@@ -276,6 +276,15 @@ constexpr int64_t kCopyMinRows = 8 * kRows + 1;
 #else
 constexpr int64_t kCopyMinRows = kFewTileRows + 1;
 #endif
+// From this many rows a copied panel is copied whole, all of K at once, and each tile runs down all of K from the
+// buffer (in L2: 144 KiB at K = 576, 384 KiB at K = 1536) instead of in chunks from L1: a chunk's tiles add to y,
+// so every chunk after the first reread and rewrote all of the unit's rows of y, and a chunk of 32 KiB filled L1
+// beside the tiles' rows of x. SmolLM2-135M's projections over its 30 layers, float32, 2 AMD Zen 4 cores
+// (interleaved with chunks, three runs each): 96 rows 184 / 188 / 190 -> 191 / 196 / 196 GFLOP/s, 192 rows 200 /
+// 199 / 200 -> 207 / 196 / 208, 512 rows 208 / 207 / 206 -> 209 / 217 / 218; AVX2's tiles built for the same
+// CPU: 48 rows 149 / 151 -> 163 / 169, 192 rows 174 / 193 -> 202 / 206. Below four tiles the whole copy, a
+// stream of the weights with little arithmetic beside it, was slower than chunks (AVX2, 8 rows: 69 -> 57-61).
+constexpr int64_t kWholeMinRows = 4 * kRows;
 
 // Rows [0, m) of y's C vectors of columns at y (row stride ys) from w's at w (row stride ws).
 // One tile of rows reads the panel once, in place. More tiles read it once per tile, so the panel is taken in
@@ -283,9 +292,12 @@ constexpr int64_t kCopyMinRows = kFewTileRows + 1;
 // is copied into a contiguous per-thread buffer first (unless w is one already): in place, rows of the panel ws
 // elements apart map to few cache sets when ws * sizeof(T) is a multiple of 4 KiB (SmolLM2's fused gate and up,
 // N = 3072 float32: 77 against 137 GFLOP/s at N = 3136, 48 rows, 2 Intel AVX-512 cores), and a chunk stays in L1
-// while the tiles reread it. The tiles of a later chunk add to y. While a chunk's tiles run they prefetch the next
-// chunk's rows, or `next`'s first chunk (the panel this thread takes next, same stride and at least as wide;
-// nullptr: none), so that the copy (or, in place, the tiles) finds them in cache.
+// while the tiles reread it. The tiles of a later chunk add to y. A panel that is contiguous already
+// (jaxllm_matmul_nt_cpu's packed one: its y rows are the vocabulary apart, a multiple of 4 KiB for SmolLM2, so
+// rereading y per chunk missed every cache; 192 rows, interleaved, three runs each: 193 / 192 / 194 -> 207 / 206 /
+// 199 GFLOP/s) or copied from kWholeMinRows rows is one chunk of all of K. While a chunk's tiles run they prefetch
+// the next chunk's rows, or `next`'s first chunk (the panel this thread takes next, same stride and at least as
+// wide; nullptr: none), so that the copy (or, in place, the tiles) finds them in cache.
 template <int R, int C, typename T>
 void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k_dim, const T* next) {
   constexpr int64_t cols = C * kLanes;
@@ -296,9 +308,10 @@ void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, 
   constexpr int lines = std::max<int>(1, cols * sizeof(T) / 64);
   thread_local std::vector<T> chunk;
   const bool copy = ws != cols && (m >= kCopyMinRows || ws * static_cast<int64_t>(sizeof(T)) % 4096 == 0);
-  if (copy) chunk.resize(kChunk * cols);
-  for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
-    const int64_t kc = std::min(kChunk, k_dim - k0);
+  const int64_t step = ws == cols || (copy && m >= kWholeMinRows) ? k_dim : kChunk;
+  if (copy) chunk.resize(step * cols);
+  for (int64_t k0 = 0; k0 < k_dim; k0 += step) {
+    const int64_t kc = std::min(step, k_dim - k0);
     const T* rows = w + k0 * ws;
     if (copy) {
       for (int64_t k = 0; k < kc; ++k) std::memcpy(chunk.data() + k * cols, rows + k * ws, cols * sizeof(T));
@@ -312,7 +325,7 @@ void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, 
       o.pf_rows = std::min(kChunk, k_dim - k0 - kc);
     } else if (next != nullptr) {
       o.pf = next;
-      o.pf_rows = std::min(kChunk, k_dim);
+      o.pf_rows = std::min(step, k_dim);
     }
     o.pf_stride = ws;
     o.pf_lines = lines;
