@@ -436,14 +436,16 @@ void set_panels(Shared& s) {
 // again (which many rows amortize); with one tile (a decode step, which streams the weights once) they are runs
 // of the panel's columns, whole vectors each. SmolLM2-135M's 30 layers, float32, 2 AMD Zen 4 cores, alone
 // (`bench_matmul.py`'s table of one projection alone, two runs interleaved): N = 576 at 192 rows 181-188 -> 206-207
-// GFLOP/s, at 512 178-194 -> 214-215, K = 1536 at 512 192-193 -> 210-213. N = 192 is unchanged (152-161): drain's
-// reservation gives the first thread panels 0 and 1, the other panel 2 in both pieces.
+// GFLOP/s, at 512 178-194 -> 214-215, K = 1536 at 512 192-193 -> 210-213. Fewer panels than two per thread are all
+// cut: drain's reservation of the next unit had given the first thread N = 192's panels 0 and 1 whole and the
+// other panel 2 in both pieces (2 Zen 4 cores, interleaved, two runs each: 96 rows 90 / 131 -> 189 / 188 GFLOP/s,
+// 512 rows 161 / 160 -> 199 / 201; runs where the pool's second thread starts late fall to about 100 either way).
 void set_units(Shared& s, int64_t threads) {
   const int64_t tail = s.panels % threads;
   s.by_rows = s.m > kRows;
   const int64_t most = s.by_rows ? (s.m + kRows - 1) / kRows : s.panel_cols / kLanes;
   s.pieces = tail > 0 ? std::min(threads, most) : 1;
-  s.whole = s.pieces > 1 ? s.panels - tail : s.panels;
+  s.whole = s.pieces <= 1 ? s.panels : s.panels < 2 * threads ? 0 : s.panels - tail;
   s.units = s.whole + (s.panels - s.whole) * s.pieces;
 }
 
