@@ -345,25 +345,65 @@ def dot_bench_shape() -> tuple[int, int, int]:
     return (256, 1024, 4096) if jax.default_backend() == "cpu" else (8192, 8192, 8192)
 
 
-def measure_dot_gflops(dtype: str, seconds: float = 2.0) -> float:
-    """The machine's matmul rate now, GFLOP/s: XLA's ``[rows, inner] @ [inner, cols]`` dot (``dot_bench_shape``) in
-    ``dtype`` (float32 accumulation, as the engine's projections), repeated for about ``seconds`` (wall clock).
-    dtype: a JAX dtype name ("float32", "bfloat16"); an unknown name raises JAX's TypeError."""
+def _rate(fn, args, flops: float, seconds: float) -> float:
+    """GFLOP/s of ``fn(*args)`` (``flops`` per call), called again and again for about ``seconds`` after one
+    untimed call; ``fn`` returns something with ``block_until_ready`` (a JAX array) or a numpy array."""
     import time
 
-    import jax
-    import jax.numpy as jnp
+    def call():
+        out = fn(*args)
+        if hasattr(out, "block_until_ready"):
+            out.block_until_ready()
 
-    rows, inner, cols = dot_bench_shape()
-    x = jnp.ones((rows, inner), dtype)
-    w = jnp.ones((inner, cols), dtype)
-    dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-    dot(x, w).block_until_ready()
+    call()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        dot(x, w).block_until_ready()
+        call()
         count += 1
-    return 2 * rows * inner * cols * count / (time.perf_counter() - start) / 1e9
+    return flops * count / (time.perf_counter() - start) / 1e9
+
+
+def measure_matmul_rates(dtype: str, seconds: float = 1.0) -> dict[str, float]:
+    """The machine's matmul rates now, GFLOP/s, each timed for about ``seconds`` (wall clock) on
+    ``[rows, inner] @ [inner, cols]`` (``dot_bench_shape``) in ``dtype`` with float32 accumulation:
+
+    - ``"xla"``: XLA's dot (on CPU its own code generator or library, as the jaxlib in use picks);
+    - ``"jaxllm kernel"``: ``kernels_pallas.native.stacked_matmul_cpu``, the C++ kernel that runs the engine's
+      projections on CPU (where it is built and takes the shape);
+    - ``"numpy"``: numpy's ``@`` (its BLAS: OpenBLAS in numpy's wheels), float32 only.
+
+    The last two only on the CPU backend.
+
+    The faster of them is the limit a step's matmuls are measured against (``add_dot_peak_fraction``): with XLA's
+    dot alone, a step whose kernel outran XLA's dot came out above 100% of its "peak".
+    dtype: a JAX dtype name ("float32", "bfloat16"); an unknown name raises JAX's TypeError."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rows, inner, cols = dot_bench_shape()
+    flops = 2.0 * rows * inner * cols
+    x = jnp.ones((rows, inner), dtype)
+    w = jnp.ones((inner, cols), dtype)
+    rates = {"xla": _rate(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)), (x, w), flops,
+                          seconds)}
+    if jax.default_backend() != "cpu":
+        return rates  # the host's own rates say nothing of an accelerator's steps
+    from kernels_pallas import native
+
+    stacked = w[None]
+    if native.available() and native.matmul_supports(stacked):
+        kernel = jax.jit(lambda a, b: native.stacked_matmul_cpu(a, b, jnp.int32(0)))
+        rates["jaxllm kernel"] = _rate(kernel, (x, stacked), flops, seconds)
+    if jnp.dtype(dtype) == jnp.float32:
+        a, b = np.ones((rows, inner), np.float32), np.ones((inner, cols), np.float32)
+        rates["numpy"] = _rate(np.matmul, (a, b), flops, seconds)
+    return rates
+
+
+def rates_line(rates: dict[str, float]) -> str:
+    """``measure_matmul_rates``'s rates as one line, e.g. "xla 201.3, jaxllm kernel 214.0, numpy 180.2 GFLOP/s"."""
+    return ", ".join(f"{name} {gflops:.1f}" for name, gflops in rates.items()) + " GFLOP/s"
 
 
 def write_json(path: Optional[str], payload: dict) -> None:

@@ -519,15 +519,18 @@ def _rates(backend: str, workload: Workload, elapsed: float, startup: float, tok
 
 def add_dot_peak_fraction(rows: list[dict], cfg, dtype: str) -> None:
     """Set each row's ``dot_peak_fraction``: the matmul FLOP/s its tokens needed (``matmul_flops_per_token`` x
-    the prompt and output tokens it computed, over its seconds) over the machine's dot rate measured now
-    (``dot_gflops``, the same for every row): how far the run is from the physical limit of its matmuls.
+    the prompt and output tokens it computed, over its seconds) over the machine's fastest matmul rate measured now
+    (``dot_gflops``, with every rate measured in ``dot_rates``, the same for every row:
+    ``common.measure_matmul_rates``): how far the run is from the physical limit of its matmuls.
     Prompt tokens read from the prefix cache are not computed: rows that count them
     (``num_cached_prompt_tokens``, jaxllm's) leave them out; other rows count every prompt token."""
-    gflops = common.measure_dot_gflops(dtype)
+    rates = common.measure_matmul_rates(dtype)
+    gflops = max(rates.values())
     flops = common.matmul_flops_per_token(cfg)
     for r in rows:
         computed = r["num_prompt_tokens"] - (r.get("num_cached_prompt_tokens") or 0) + r["num_output_tokens"]
         r["dot_gflops"] = gflops
+        r["dot_rates"] = rates
         r["dot_peak_fraction"] = computed / r["elapsed_s"] * flops / (gflops * 1e9)
 
 
@@ -832,9 +835,9 @@ def main(argv: list[str] | None = None) -> dict:
     host = common.host_info()
     print(common.host_line(host))
     rows, inner, cols = common.dot_bench_shape()
-    print(f"XLA {dtype} dot rate measured in this run: {results[0]['dot_gflops']:.1f} GFLOP/s "
-          f"([{rows}, {inner}] @ [{inner}, {cols}]); 'of dot peak' = matmul FLOPs of the prompt and output tokens "
-          "computed (jaxllm leaves out prompt tokens read from its prefix cache) / seconds / that rate")
+    print(f"{dtype} matmul rates measured in this run ([{rows}, {inner}] @ [{inner}, {cols}]): "
+          f"{common.rates_line(results[0]['dot_rates'])}; 'of dot peak' = matmul FLOPs of the prompt and output "
+          "tokens computed (jaxllm leaves out prompt tokens read from its prefix cache) / seconds / the fastest")
     print_table(results)
     for row in results:
         if row.get("vllm_affinity"):

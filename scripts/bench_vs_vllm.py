@@ -24,7 +24,8 @@ then gives each engine's median run and the range, and the ratio of the
 medians. The table gives output tok/s of jaxllm and of each binding,
 jaxllm's ratio to the faster binding, how many requests' greedy outputs
 equal that binding's token for token (on the first repeat), and jaxllm's
-fraction of the XLA dot peak (bench_throughput.py's column); start-up
+fraction of the fastest matmul rate measured in the run, of XLA's dot,
+jaxllm's own kernel and numpy's (bench_throughput.py's column); start-up
 seconds (engine built, compilation included) are a table of their own,
 and where vLLM's processes and threads were bound is printed (read from
 ``/proc`` once each engine is built).
@@ -196,7 +197,8 @@ def offline_row(shape: Shape, dtype: str, jaxllm_runs: Sequence[dict], vllm_runs
     """One shape's numbers from each engine's timed runs (repeat 0 first): jaxllm's and each binding's median
     output tok/s (:func:`median_run`) and every run's, start-up, the binding of the higher median, jaxllm's ratio
     to it (median over median), greedy agreement with it on repeat 0 (requests; both ran the same prompts),
-    jaxllm's dot-peak fraction, compilations and prompt tokens read from its prefix cache (of its median run)."""
+    jaxllm's dot-peak fraction (and the matmul rates it is taken against), compilations and prompt tokens read from
+    its prefix cache (of its median run)."""
     jaxllm = median_run(jaxllm_runs)
     vllm = {b: median_run(runs) for b, runs in vllm_runs.items()}
     best = max(vllm, key=lambda b: vllm[b]["output_tokens_per_s"])
@@ -207,6 +209,7 @@ def offline_row(shape: Shape, dtype: str, jaxllm_runs: Sequence[dict], vllm_runs
         jaxllm_output_tokens_per_s=jaxllm["output_tokens_per_s"], jaxllm_startup_s=jaxllm["startup_s"],
         jaxllm_runs_output_tokens_per_s=[r["output_tokens_per_s"] for r in jaxllm_runs],
         jaxllm_compilations=jaxllm["compilations"], dot_peak_fraction=jaxllm["dot_peak_fraction"],
+        dot_rates=jaxllm["dot_rates"],
         jaxllm_cached_prompt_tokens=jaxllm["num_cached_prompt_tokens"],
         vllm={b: dict(output_tokens_per_s=r["output_tokens_per_s"], startup_s=r["startup_s"],
                       runs_output_tokens_per_s=[run["output_tokens_per_s"] for run in vllm_runs[b]],
@@ -486,6 +489,9 @@ def report(payload: dict) -> str:
                   "median and the range); vLLM: one engine per "
                   "dtype and binding for every shape", offline_table(payload["offline"], bindings),
                   "", "start-up (seconds, engine built and compiled):", startup_table(payload["offline"], bindings)]
+        rates = {r["dtype"]: r["dot_rates"] for r in payload["offline"]}
+        lines += [f"{dtype} matmul rates measured in this run: {common.rates_line(r)}; 'jaxllm of dot peak' is "
+                  "against the fastest" for dtype, r in rates.items()]
         seen = set()
         for r in payload["offline"]:
             for b, v in r["vllm"].items():
