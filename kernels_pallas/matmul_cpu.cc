@@ -259,32 +259,38 @@ inline void tiles(Operands<T> o, int64_t m) {
   }
 }
 
-// Rows of K per chunk of a panel read in place, or copied for fewer than kWholeMinRows rows of x, when x has more
-// than one tile of rows: at most 128 rows of 64 float32 columns, 32 KiB (AVX2: 8 KiB of a 16-column panel, 16 KiB
-// of a 32-column one), which stay in L1 while every tile of rows reads them.
+// Rows of K per chunk of a panel read in place at w's stride, or copied for fewer than kWholeMinRows rows of x,
+// when x has more than one tile of rows: at most 128 rows of 64 float32 columns, 32 KiB (AVX2: 8 KiB of a
+// 16-column panel, 16 KiB of a 32-column one), which stay in L1 while every tile of rows reads them.
 constexpr int64_t kChunk = 128;
-// From this many rows of a unit (its rows of x) a chunk is copied into a contiguous buffer (below, panel); fewer
-// rows' tiles read it in place unless its rows are a multiple of 4 KiB apart. With AVX-512 the copy cost more than
-// it saved up to 8 tiles of rows: SmolLM2-135M's 30 layers, float32, 2 AMD Zen 4 cores (`bench_matmul.py`,
-// interleaved with the copy from 7 rows, two runs each): 16 rows 31.8 / 28.4 -> 25.0 / 24.9 ms, 24 rows 35.5 /
-// 35.2 -> 30.9 / 30.8, 32 rows 49.8 / 46.7 -> 40.9 / 41.2, 48 rows 60.7 / 62.9 -> 57.0 / 57.1; 64 to 192 rows
-// alike either way. In place, the gate and up projections (rows 6 KiB apart, a few L1 sets: the chunk is reread
-// from L2) went 145-152 -> 168-171 GFLOP/s at 32 rows. AVX2 copies from two tiles, as before (unmeasured
-// without the copy).
+// From this many rows of a unit (its rows of x) a chunk (from kWholeMinRows rows, a pass: below) is copied into a
+// contiguous buffer (below, panel); fewer rows' tiles read it in place unless its rows are a multiple of 4 KiB
+// apart. With AVX-512 the copy cost more than it saved up to 8 tiles of rows: SmolLM2-135M's 30 layers, float32,
+// 2 AMD Zen 4 cores (`bench_matmul.py`, interleaved with the copy from 7 rows, two runs each): 16 rows 31.8 / 28.4
+// -> 25.0 / 24.9 ms, 24 rows 35.5 / 35.2 -> 30.9 / 30.8, 32 rows 49.8 / 46.7 -> 40.9 / 41.2, 48 rows 60.7 / 62.9
+// -> 57.0 / 57.1; 64 to 192 rows alike either way (copied in chunks then). In place, the gate and up projections
+// (rows 6 KiB apart, a few L1 sets: the chunk is reread from L2) went 145-152 -> 168-171 GFLOP/s at 32 rows. AVX2
+// copies from two tiles, as before (unmeasured without the copy).
 #ifdef __AVX512F__
 constexpr int64_t kCopyMinRows = 8 * kRows + 1;
 #else
 constexpr int64_t kCopyMinRows = kFewTileRows + 1;
 #endif
-// From this many rows a copied panel is copied whole, all of K at once, and each tile runs down all of K from the
-// buffer (in L2: 144 KiB at K = 576, 384 KiB at K = 1536) instead of in chunks from L1: a chunk's tiles add to y,
-// so every chunk after the first reread and rewrote all of the unit's rows of y, and a chunk of 32 KiB filled L1
-// beside the tiles' rows of x. SmolLM2-135M's projections over its 30 layers, float32, 2 AMD Zen 4 cores
-// (interleaved with chunks, three runs each): 96 rows 184 / 188 / 190 -> 191 / 196 / 196 GFLOP/s, 192 rows 200 /
-// 199 / 200 -> 207 / 196 / 208, 512 rows 208 / 207 / 206 -> 209 / 217 / 218; AVX2's tiles built for the same
-// CPU: 48 rows 149 / 151 -> 163 / 169, 192 rows 174 / 193 -> 202 / 206. Below four tiles the whole copy, a
+// From this many rows a copied panel is copied in passes of up to kPassBytes (all of K, for SmolLM2), and each tile
+// runs down a whole pass from the buffer (in L2: 144 KiB at K = 576, 384 KiB at K = 1536) instead of in chunks
+// from L1: a chunk's tiles add to y, so every chunk after the first reread and rewrote all of the unit's rows of
+// y, and a chunk of 32 KiB filled L1 beside the tiles' rows of x. SmolLM2-135M's projections over its 30 layers,
+// float32, 2 AMD Zen 4 cores (interleaved with chunks, three runs each): 96 rows 184 / 188 / 190 -> 191 / 196 /
+// 196 GFLOP/s, 192 rows 200 / 199 / 200 -> 207 / 196 / 208, 512 rows 208 / 207 / 206 -> 209 / 217 / 218; AVX2's
+// tiles built for the same CPU (-mno-avx512f), two runs each: 16 rows 102 / 104 -> 101 / 101, 24 rows 122 / 132
+// -> 139 / 134, 48 rows 149 / 151 -> 163 / 169, 192 rows 174 / 193 -> 202 / 206. Below that, the whole copy, a
 // stream of the weights with little arithmetic beside it, was slower than chunks (AVX2, 8 rows: 69 -> 57-61).
+// AVX-512 copies from 8 tiles (kCopyMinRows) except where w's rows are a multiple of 4 KiB apart, unmeasured
+// whole at 24-48 rows.
 constexpr int64_t kWholeMinRows = 4 * kRows;
+// The most of a panel one pass of its tiles reads: SmolLM2's K = 1536 at 64 float32 columns, the largest measured
+// (a longer K goes in passes that add to y, each prefetched while the one before computes).
+constexpr int64_t kPassBytes = 384 * 1024;
 
 // Rows [0, m) of y's C vectors of columns at y (row stride ys) from w's at w (row stride ws).
 // One tile of rows reads the panel once, in place. More tiles read it once per tile, so the panel is taken in
@@ -293,11 +299,12 @@ constexpr int64_t kWholeMinRows = 4 * kRows;
 // elements apart map to few cache sets when ws * sizeof(T) is a multiple of 4 KiB (SmolLM2's fused gate and up,
 // N = 3072 float32: 77 against 137 GFLOP/s at N = 3136, 48 rows, 2 Intel AVX-512 cores), and a chunk stays in L1
 // while the tiles reread it. The tiles of a later chunk add to y. A panel that is contiguous already
-// (jaxllm_matmul_nt_cpu's packed one: its y rows are the vocabulary apart, a multiple of 4 KiB for SmolLM2, so
-// rereading y per chunk missed every cache; 192 rows, interleaved, three runs each: 193 / 192 / 194 -> 207 / 206 /
-// 199 GFLOP/s) or copied from kWholeMinRows rows is one chunk of all of K. While a chunk's tiles run they prefetch
-// the next chunk's rows, or `next`'s first chunk (the panel this thread takes next, same stride and at least as
-// wide; nullptr: none), so that the copy (or, in place, the tiles) finds them in cache.
+// (jaxllm_matmul_nt_cpu's packed one, or a w one panel wide: for the lm_head, y's rows are the vocabulary apart, a
+// multiple of 4 KiB for SmolLM2, so rereading y per chunk missed every cache; 192 rows, interleaved, three runs
+// each: 193 / 192 / 194 -> 207 / 206 / 199 GFLOP/s) or copied from kWholeMinRows rows is taken in passes of up to
+// kPassBytes instead of chunks. While a chunk's (or pass's) tiles run they prefetch the next one's rows, or
+// `next`'s first (the panel this thread takes next, same stride and at least as wide; nullptr: none), so that
+// the copy (or, in place, the tiles) finds them in cache.
 template <int R, int C, typename T>
 void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k_dim, const T* next) {
   constexpr int64_t cols = C * kLanes;
@@ -308,8 +315,11 @@ void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, 
   constexpr int lines = std::max<int>(1, cols * sizeof(T) / 64);
   thread_local std::vector<T> chunk;
   const bool copy = ws != cols && (m >= kCopyMinRows || ws * static_cast<int64_t>(sizeof(T)) % 4096 == 0);
-  const int64_t step = ws == cols || (copy && m >= kWholeMinRows) ? k_dim : kChunk;
-  if (copy) chunk.resize(step * cols);
+  // Passes: an even number of rows, as the bfloat16 pairs tiles take K.
+  constexpr int64_t pass = kPassBytes / (cols * sizeof(T)) / 2 * 2;
+  const int64_t step = ws == cols || (copy && m >= kWholeMinRows) ? pass : kChunk;
+  // Only grown: a resize that shrank and regrew would zero the buffer again.
+  if (copy && static_cast<int64_t>(chunk.size()) < step * cols) chunk.resize(step * cols);
   for (int64_t k0 = 0; k0 < k_dim; k0 += step) {
     const int64_t kc = std::min(step, k_dim - k0);
     const T* rows = w + k0 * ws;
@@ -322,7 +332,7 @@ void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, 
       // A contiguous panel (jaxllm_matmul_nt_cpu's packed one) is read where it is: nothing to prefetch.
     } else if (k0 + kc < k_dim) {
       o.pf = w + (k0 + kc) * ws;
-      o.pf_rows = std::min(kChunk, k_dim - k0 - kc);
+      o.pf_rows = std::min(step, k_dim - k0 - kc);
     } else if (next != nullptr) {
       o.pf = next;
       o.pf_rows = std::min(step, k_dim);
@@ -429,6 +439,9 @@ void set_panels(Shared& s) {
   s.panels = (s.n + s.panel_cols - 1) / s.panel_cols;
 }
 
+// Whether drain takes each unit one ahead: with more than one tile of rows (see drain).
+bool reserves_ahead(const Shared& s) { return s.m > (s.m <= kFewRows ? kFewTileRows : kRows); }
+
 // The units `threads` threads share: whole panels while every thread can take one, then the last
 // panels % threads panels cut into `threads` pieces each, so that no thread waits idle through a last whole
 // panel (SmolLM2's N = 576 is 9 panels of 64 columns, 192 is 3: on 2 cores one thread took 5 and the other 4,
@@ -436,16 +449,18 @@ void set_panels(Shared& s) {
 // again (which many rows amortize); with one tile (a decode step, which streams the weights once) they are runs
 // of the panel's columns, whole vectors each. SmolLM2-135M's 30 layers, float32, 2 AMD Zen 4 cores, alone
 // (`bench_matmul.py`'s table of one projection alone, two runs interleaved): N = 576 at 192 rows 181-188 -> 206-207
-// GFLOP/s, at 512 178-194 -> 214-215, K = 1536 at 512 192-193 -> 210-213. Fewer panels than two per thread are all
-// cut: drain's reservation of the next unit had given the first thread N = 192's panels 0 and 1 whole and the
-// other panel 2 in both pieces (2 Zen 4 cores, interleaved, two runs each: 96 rows 90 / 131 -> 189 / 188 GFLOP/s,
-// 512 rows 161 / 160 -> 199 / 201; runs where the pool's second thread starts late fall to about 100 either way).
+// GFLOP/s, at 512 178-194 -> 214-215, K = 1536 at 512 192-193 -> 210-213. Where drain reserves a thread's next
+// unit ahead, fewer panels than two per thread are all cut: the reservation had given the first thread N = 192's
+// panels 0 and 1 whole and the other panel 2 in both pieces (2 Zen 4 cores, interleaved, two runs each: 96 rows
+// 90 / 131 -> 189 / 188 GFLOP/s, 512 rows 161 / 160 -> 199 / 201; runs where the pool's second thread starts late
+// fall to about 100 either way), and as many panels as threads would all have gone to the first.
 void set_units(Shared& s, int64_t threads) {
   const int64_t tail = s.panels % threads;
+  const bool cut_all = reserves_ahead(s) && s.panels < 2 * threads;
   s.by_rows = s.m > kRows;
   const int64_t most = s.by_rows ? (s.m + kRows - 1) / kRows : s.panel_cols / kLanes;
-  s.pieces = tail > 0 ? std::min(threads, most) : 1;
-  s.whole = s.pieces <= 1 ? s.panels : s.panels < 2 * threads ? 0 : s.panels - tail;
+  s.pieces = tail > 0 || cut_all ? std::min(threads, most) : 1;
+  s.whole = s.pieces <= 1 ? s.panels : cut_all ? 0 : s.panels - tail;
   s.units = s.whole + (s.panels - s.whole) * s.pieces;
 }
 
@@ -537,7 +552,7 @@ void run_unit(const Shared& s, int64_t u, int64_t next) {
 // the next unit instead, `threads` on, balanced N = 192 but lost prefetches in the engine, where the threads do
 // not keep pace: the shared-prefix shape of bench_throughput.py 171 -> 161 tok/s, three runs each.)
 void drain(Shared& s) {
-  const bool ahead = s.m > (s.m <= kFewRows ? kFewTileRows : kRows);
+  const bool ahead = reserves_ahead(s);
   int64_t u = s.next.fetch_add(1);
   while (u < s.units) {
     const int64_t next = ahead ? s.next.fetch_add(1) : -1;

@@ -335,7 +335,7 @@ def matmul_flops_per_token(cfg: ModelConfig) -> int:
 
 
 def dot_bench_shape() -> tuple[int, int, int]:
-    """``(rows, inner, cols)`` of the dot that ``measure_dot_gflops`` times on this backend: 256 x 1024 x 4096 on
+    """``(rows, inner, cols)`` of the matmul that ``measure_matmul_rates`` times on this backend: 256 x 1024 x 4096 on
     CPU (a step's projection shape), 8192 cubed on an accelerator, where a call of the CPU's size (2 GFLOP, about
     3 us at an H200's bf16 rate) times the launch and the sync rather than the dot. The first H200 run measured
     22.5 TFLOP/s with the CPU's size, and its throughput row came out at 138% of that "peak". Sizes in elements
@@ -363,12 +363,12 @@ def _rate(fn, args, flops: float, seconds: float) -> float:
     return flops * count / (time.perf_counter() - start) / 1e9
 
 
-def measure_matmul_rates(dtype: str, seconds: float = 1.0) -> dict[str, float]:
+def measure_matmul_rates(dtype: str, seconds: float = 2.0) -> dict[str, float]:
     """The machine's matmul rates now, GFLOP/s, each timed for about ``seconds`` (wall clock) on
     ``[rows, inner] @ [inner, cols]`` (``dot_bench_shape``) in ``dtype`` with float32 accumulation:
 
     - ``"xla"``: XLA's dot (on CPU its own code generator or library, as the jaxlib in use picks);
-    - ``"jaxllm kernel"``: ``kernels_pallas.native.stacked_matmul_cpu``, the C++ kernel that runs the engine's
+    - ``"jaxllm_kernel"``: ``kernels_pallas.native.stacked_matmul_cpu``, the C++ kernel that runs the engine's
       projections on CPU (where it is built and takes the shape);
     - ``"numpy"``: numpy's ``@`` (its BLAS: OpenBLAS in numpy's wheels), float32 only.
 
@@ -394,7 +394,7 @@ def measure_matmul_rates(dtype: str, seconds: float = 1.0) -> dict[str, float]:
     stacked = w[None]
     if native.available() and native.matmul_supports(stacked):
         kernel = jax.jit(lambda a, b: native.stacked_matmul_cpu(a, b, jnp.int32(0)))
-        rates["jaxllm kernel"] = _rate(kernel, (x, stacked), flops, seconds)
+        rates["jaxllm_kernel"] = _rate(kernel, (x, stacked), flops, seconds)
     if jnp.dtype(dtype) == jnp.float32:
         a, b = np.ones((rows, inner), np.float32), np.ones((inner, cols), np.float32)
         rates["numpy"] = _rate(np.matmul, (a, b), flops, seconds)
@@ -402,7 +402,7 @@ def measure_matmul_rates(dtype: str, seconds: float = 1.0) -> dict[str, float]:
 
 
 def rates_line(rates: dict[str, float]) -> str:
-    """``measure_matmul_rates``'s rates as one line, e.g. "xla 201.3, jaxllm kernel 214.0, numpy 180.2 GFLOP/s"."""
+    """``measure_matmul_rates``'s rates as one line, e.g. "xla 201.3, jaxllm_kernel 214.0, numpy 180.2 GFLOP/s"."""
     return ", ".join(f"{name} {gflops:.1f}" for name, gflops in rates.items()) + " GFLOP/s"
 
 

@@ -34,11 +34,11 @@ def test_stacked_matmul_matches_numpy_on_every_tile_shape():
     # vectors up to 6 rows (1-3 in place, 4-6 over chunks); N = 16 .. 208 gives panels of 1-4 vectors of 16
     # columns (AVX-512), of 2 or 4 vectors of 8 (AVX2), and more than one panel; K = 1 and 7 leave no vector of K.
     # N = 16 and 32 with K = 300: a weight exactly one AVX2 panel wide, which tiles of more than one tile of rows
-    # read in place (nothing to copy) over three chunks of K.
+    # read in place (nothing to copy) in one pass down all of K.
     rng = np.random.default_rng(0)
-    # K = 257: odd, over three chunks of 128 rows, read in place (AVX-512: up to 48 rows) or copied (64 and 97
-    # rows; AVX2: from 4, two tiles of 3); N = 96, 160: panels of two vectors of 16 (AVX-512). N = 1024: rows 4 KiB
-    # apart, whose chunks are copied from two tiles of rows on either CPU.
+    # K = 257: odd, over three chunks of 128 rows read in place (AVX-512: up to 48 rows) or copied (AVX2: 4-23
+    # rows), or copied whole (AVX-512: 64 and 97 rows; AVX2: from 24); N = 96, 160: panels of two vectors of 16
+    # (AVX-512). N = 1024: rows 4 KiB apart, copied from two tiles of rows on either CPU (whole from 24 rows).
     for k_dim, n in [(1, 16), (7, 48), (64, 80), (576, 192), (33, 208), (257, 96), (40, 160), (300, 16), (300, 32),
                      (257, 1024)]:
         stack = rng.standard_normal((3, k_dim, n)).astype(np.float32)
@@ -61,8 +61,8 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 def test_bfloat16_stacked_matmul_matches_numpy_on_every_tile_shape():
     # As the float32 test, with K even (pairs of rows): K = 2 is one pair, 258 is two chunks of 128 rows and one
     # pair, 576 four chunks and a half one; N = 96 and 160 take the pairs tile of two vectors (AVX-512-BF16); N =
-    # 2048: rows 4 KiB apart (copied chunks). x is given in float32 for half the cases: the kernel multiplies it
-    # rounded to bfloat16.
+    # 2048: rows 4 KiB apart (copied: in chunks below 24 rows, whole from 24). x is given in float32 for half the
+    # cases: the kernel multiplies it rounded to bfloat16.
     rng = np.random.default_rng(4)
     for k_dim, n in [(2, 16), (8, 48), (64, 80), (576, 192), (34, 208), (258, 96), (40, 160), (258, 2048)]:
         stack = jnp.asarray(rng.standard_normal((3, k_dim, n)), jnp.bfloat16)
@@ -77,6 +77,37 @@ def test_bfloat16_stacked_matmul_matches_numpy_on_every_tile_shape():
             assert got.dtype == np.float32 and got.shape == (m, n)
             # Exact bfloat16 products summed in float32, as in the float32 test.
             np.testing.assert_allclose(got, want, atol=2e-6 * k_dim, rtol=0, err_msg=f"M={m} K={k_dim} N={n}")
+
+
+@pytest.mark.parametrize("dtype, k_dim, n", [
+    # Longer than one pass (384 KiB of a panel: 1536 float32 rows of 64 columns, 3072 bfloat16 ones, 6144 of 16
+    # columns): a 64-column panel copied from 24 (AVX2) or 49 (AVX-512) rows in two passes, the second adding to y,
+    # then a narrower last panel; one 16-column panel read where it is, in two passes.
+    ("float32", 1600, 80), ("float32", 6200, 16), ("bfloat16", 3100, 96),
+    # 2 and 3 panels of 64 columns (AVX-512) for the pool's threads: with a unit reserved ahead, every panel is cut
+    # into pieces of rows, so that no thread holds two whole panels while another waits.
+    ("float32", 576, 128), ("float32", 576, 192), ("bfloat16", 576, 192)])
+def test_long_contractions_go_in_passes_and_few_panels_in_pieces(dtype, k_dim, n):
+    rng = np.random.default_rng(5)
+    stack = jnp.asarray(rng.standard_normal((2, k_dim, n)) * 0.1, dtype)
+    for m in (7, 24, 49, 97):
+        x = (rng.standard_normal((m, k_dim)) * 0.1).astype(np.float32)
+        got = np.asarray(native.stacked_matmul_cpu(jnp.asarray(x, dtype), stack, jnp.int32(1)))
+        want = _bf16(x) @ np.asarray(stack[1], np.float64) if dtype == "bfloat16" else (
+            x.astype(np.float64) @ np.asarray(stack[1], np.float64))
+        # Products of terms ~0.1 summed in float32: error ~ sqrt(K) * 2^-24 * 0.01 per term, far below the bound.
+        np.testing.assert_allclose(got, want, atol=2e-8 * k_dim, rtol=0, err_msg=f"M={m} K={k_dim} N={n}")
+
+
+def test_matmul_nt_takes_a_long_contraction_in_passes():
+    # The lm_head's packed panel (64 rows of w transposed) is read in passes of 1536 rows of K: K = 1600 is two.
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal((200, 1600)) * 0.1).astype(np.float32)
+    for m in (8, 24, 97):
+        x = (rng.standard_normal((m, 1600)) * 0.1).astype(np.float32)
+        got = np.asarray(native.matmul_nt_cpu(jnp.asarray(x), jnp.asarray(w)))
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=2e-8 * 1600, rtol=0,
+                                   err_msg=f"M={m}")
 
 
 def test_stacked_matmul_refuses_weights_it_does_not_take_and_a_layer_past_the_stack():
