@@ -285,11 +285,13 @@ constexpr int64_t kCopyMinRows = kFewTileRows + 1;
 // tiles built for the same CPU (-mno-avx512f), two runs each: 16 rows 102 / 104 -> 101 / 101, 24 rows 122 / 132
 // -> 139 / 134, 48 rows 149 / 151 -> 163 / 169, 192 rows 174 / 193 -> 202 / 206. Below that, the whole copy, a
 // stream of the weights with little arithmetic beside it, was slower than chunks (AVX2, 8 rows: 69 -> 57-61).
-// AVX-512 copies from 8 tiles (kCopyMinRows) except where w's rows are a multiple of 4 KiB apart, unmeasured
-// whole at 24-48 rows.
+// With AVX-512 a unit is copied from 49 rows (kCopyMinRows) except where w's rows are a multiple of 4 KiB apart,
+// unmeasured whole at 24-48 rows.
 constexpr int64_t kWholeMinRows = 4 * kRows;
 // The most of a panel one pass of its tiles reads: SmolLM2's K = 1536 at 64 float32 columns, the largest measured
-// (a longer K goes in passes that add to y, each prefetched while the one before computes).
+// (a longer K goes in passes that add to y, each prefetched while the one before computes). A pass and the next
+// one prefetched beside it take 768 KiB of the measured cores' 1 MiB L2; a CPU with less L2 (AVX2 figures above
+// are Zen 4's too) was not measured.
 constexpr int64_t kPassBytes = 384 * 1024;
 
 // Rows [0, m) of y's C vectors of columns at y (row stride ys) from w's at w (row stride ws).
@@ -299,9 +301,9 @@ constexpr int64_t kPassBytes = 384 * 1024;
 // elements apart map to few cache sets when ws * sizeof(T) is a multiple of 4 KiB (SmolLM2's fused gate and up,
 // N = 3072 float32: 77 against 137 GFLOP/s at N = 3136, 48 rows, 2 Intel AVX-512 cores), and a chunk stays in L1
 // while the tiles reread it. The tiles of a later chunk add to y. A panel that is contiguous already
-// (jaxllm_matmul_nt_cpu's packed one, or a w one panel wide: for the lm_head, y's rows are the vocabulary apart, a
-// multiple of 4 KiB for SmolLM2, so rereading y per chunk missed every cache; 192 rows, interleaved, three runs
-// each: 193 / 192 / 194 -> 207 / 206 / 199 GFLOP/s) or copied from kWholeMinRows rows is taken in passes of up to
+// (jaxllm_matmul_nt_cpu's packed one, whose y rows are the vocabulary apart, a multiple of 4 KiB for SmolLM2, so
+// that rereading y per chunk missed every cache: 192 rows, interleaved, three runs each, 193 / 192 / 194 -> 207 /
+// 206 / 199 GFLOP/s; or a w exactly one panel wide) or copied from kWholeMinRows rows is taken in passes of up to
 // kPassBytes instead of chunks. While a chunk's (or pass's) tiles run they prefetch the next one's rows, or
 // `next`'s first (the panel this thread takes next, same stride and at least as wide; nullptr: none), so that
 // the copy (or, in place, the tiles) finds them in cache.
@@ -315,11 +317,12 @@ void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, 
   constexpr int lines = std::max<int>(1, cols * sizeof(T) / 64);
   thread_local std::vector<T> chunk;
   const bool copy = ws != cols && (m >= kCopyMinRows || ws * static_cast<int64_t>(sizeof(T)) % 4096 == 0);
-  // Passes: an even number of rows, as the bfloat16 pairs tiles take K.
-  constexpr int64_t pass = kPassBytes / (cols * sizeof(T)) / 2 * 2;
-  const int64_t step = ws == cols || (copy && m >= kWholeMinRows) ? pass : kChunk;
+  constexpr int64_t pass = kPassBytes / (cols * sizeof(T));
+  static_assert(pass % 2 == 0 && pass >= kChunk, "passes of whole pairs of rows (the bfloat16 pairs tiles)");
+  const int64_t step = (ws == cols || (copy && m >= kWholeMinRows)) ? pass : kChunk;
   // Only grown: a resize that shrank and regrew would zero the buffer again.
-  if (copy && static_cast<int64_t>(chunk.size()) < step * cols) chunk.resize(step * cols);
+  const int64_t held = std::min(step, k_dim) * cols;
+  if (copy && static_cast<int64_t>(chunk.size()) < held) chunk.resize(held);
   for (int64_t k0 = 0; k0 < k_dim; k0 += step) {
     const int64_t kc = std::min(step, k_dim - k0);
     const T* rows = w + k0 * ws;
@@ -329,7 +332,8 @@ void panel(const T* x, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, 
     }
     Operands<T> o{x + k0, k_dim, rows, copy ? cols : ws, y, ys, kc, k0 > 0};
     if (ws == cols) {
-      // A contiguous panel (jaxllm_matmul_nt_cpu's packed one) is read where it is: nothing to prefetch.
+      // A contiguous panel (jaxllm_matmul_nt_cpu's packed one, or a w one panel wide) is read where it is: the
+      // hardware's prefetcher follows it.
     } else if (k0 + kc < k_dim) {
       o.pf = w + (k0 + kc) * ws;
       o.pf_rows = std::min(step, k_dim - k0 - kc);
@@ -453,7 +457,9 @@ bool reserves_ahead(const Shared& s) { return s.m > (s.m <= kFewRows ? kFewTileR
 // unit ahead, fewer panels than two per thread are all cut: the reservation had given the first thread N = 192's
 // panels 0 and 1 whole and the other panel 2 in both pieces (2 Zen 4 cores, interleaved, two runs each: 96 rows
 // 90 / 131 -> 189 / 188 GFLOP/s, 512 rows 161 / 160 -> 199 / 201; runs where the pool's second thread starts late
-// fall to about 100 either way), and as many panels as threads would all have gone to the first.
+// fall to about 100 either way), and as many panels as threads would all have gone to the first. Not where drain
+// takes one unit at a time (a decode step): cutting N = 192 into pieces of columns there, 2 vectors each, ran 4
+// rows at 45-47 GFLOP/s against 69-74 with the split above.
 void set_units(Shared& s, int64_t threads) {
   const int64_t tail = s.panels % threads;
   const bool cut_all = reserves_ahead(s) && s.panels < 2 * threads;

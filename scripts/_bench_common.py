@@ -374,7 +374,7 @@ def measure_matmul_rates(dtype: str, seconds: float = 2.0) -> dict[str, float]:
 
     The last two only on the CPU backend.
 
-    The faster of them is the limit a step's matmuls are measured against (``add_dot_peak_fraction``): with XLA's
+    The fastest of them is the limit a step's matmuls are measured against (``add_dot_peak_fraction``): with XLA's
     dot alone, a step whose kernel outran XLA's dot came out above 100% of its "peak".
     dtype: a JAX dtype name ("float32", "bfloat16"); an unknown name raises JAX's TypeError."""
     import jax

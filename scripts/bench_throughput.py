@@ -521,7 +521,8 @@ def add_dot_peak_fraction(rows: list[dict], cfg, dtype: str) -> None:
     """Set each row's ``dot_peak_fraction``: the matmul FLOP/s its tokens needed (``matmul_flops_per_token`` x
     the prompt and output tokens it computed, over its seconds) over the machine's fastest matmul rate measured now
     (``dot_gflops``, with every rate measured in ``dot_rates``, the same for every row:
-    ``common.measure_matmul_rates``): how far the run is from the physical limit of its matmuls.
+    ``common.measure_matmul_rates``): how far the run is from the fastest matmul this host has (a faster kernel
+    raises the bar for every row).
     Prompt tokens read from the prefix cache are not computed: rows that count them
     (``num_cached_prompt_tokens``, jaxllm's) leave them out; other rows count every prompt token."""
     rates = common.measure_matmul_rates(dtype)

@@ -15,6 +15,7 @@ bfloat16 weights and larger steps keep XLA's dots.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import jax
@@ -36,9 +37,10 @@ def test_stacked_matmul_matches_numpy_on_every_tile_shape():
     # N = 16 and 32 with K = 300: a weight exactly one AVX2 panel wide, which tiles of more than one tile of rows
     # read in place (nothing to copy) in one pass down all of K.
     rng = np.random.default_rng(0)
-    # K = 257: odd, over three chunks of 128 rows read in place (AVX-512: up to 48 rows) or copied (AVX2: 4-23
-    # rows), or copied whole (AVX-512: 64 and 97 rows; AVX2: from 24); N = 96, 160: panels of two vectors of 16
-    # (AVX-512). N = 1024: rows 4 KiB apart, copied from two tiles of rows on either CPU (whole from 24 rows).
+    # K = 257: odd, over three chunks of 128 rows read in place (AVX-512: units of up to 48 rows) or copied (AVX2:
+    # 4-23 rows), or copied whole (units of 49 rows or more on AVX-512, of 24 or more on AVX2); N = 96, 160: panels
+    # of two vectors of 16 (AVX-512). N = 1024: rows 4 KiB apart, copied from two tiles of rows on either CPU
+    # (whole from 24 rows).
     for k_dim, n in [(1, 16), (7, 48), (64, 80), (576, 192), (33, 208), (257, 96), (40, 160), (300, 16), (300, 32),
                      (257, 1024)]:
         stack = rng.standard_normal((3, k_dim, n)).astype(np.float32)
@@ -79,11 +81,18 @@ def test_bfloat16_stacked_matmul_matches_numpy_on_every_tile_shape():
             np.testing.assert_allclose(got, want, atol=2e-6 * k_dim, rtol=0, err_msg=f"M={m} K={k_dim} N={n}")
 
 
+# Panels of 64 columns (AVX-512; AVX2's are 16) enough that none but the last is cut into pieces for the pool's
+# threads (at most one per CPU): a unit then has all of x's rows.
+_MANY_PANELS = 128 * (os.cpu_count() or 1) + 16
+
+
 @pytest.mark.parametrize("dtype, k_dim, n", [
-    # Longer than one pass (384 KiB of a panel: 1536 float32 rows of 64 columns, 3072 bfloat16 ones, 6144 of 16
-    # columns): a 64-column panel copied from 24 (AVX2) or 49 (AVX-512) rows in two passes, the second adding to y,
-    # then a narrower last panel; one 16-column panel read where it is, in two passes.
-    ("float32", 1600, 80), ("float32", 6200, 16), ("bfloat16", 3100, 96),
+    # Longer than one pass (384 KiB of a panel: 1536 float32 rows of 64 columns, 3072 bfloat16 ones; 6144 float32
+    # and 12288 bfloat16 rows of AVX2's 16 columns), copied from 49 rows (AVX-512) or 24 (AVX2) and read in passes
+    # that add to y: K = 1600 and 3100 on AVX-512, 6200 and 12400 on AVX2 too; N = 16 is one panel read where it
+    # is, in two passes on either CPU.
+    ("float32", 1600, _MANY_PANELS), ("float32", 6200, _MANY_PANELS), ("float32", 6200, 16),
+    ("bfloat16", 3100, _MANY_PANELS), ("bfloat16", 12400, _MANY_PANELS),
     # 2 and 3 panels of 64 columns (AVX-512) for the pool's threads: with a unit reserved ahead, every panel is cut
     # into pieces of rows, so that no thread holds two whole panels while another waits.
     ("float32", 576, 128), ("float32", 576, 192), ("bfloat16", 576, 192)])
@@ -95,18 +104,20 @@ def test_long_contractions_go_in_passes_and_few_panels_in_pieces(dtype, k_dim, n
         got = np.asarray(native.stacked_matmul_cpu(jnp.asarray(x, dtype), stack, jnp.int32(1)))
         want = _bf16(x) @ np.asarray(stack[1], np.float64) if dtype == "bfloat16" else (
             x.astype(np.float64) @ np.asarray(stack[1], np.float64))
-        # Products of terms ~0.1 summed in float32: error ~ sqrt(K) * 2^-24 * 0.01 per term, far below the bound.
+        # K products of about 0.01 summed in float32: rounding error about 4e-10 * K; a row of K lost, or a pass
+        # that overwrote y instead of adding to it, is off by 0.01 or more.
         np.testing.assert_allclose(got, want, atol=2e-8 * k_dim, rtol=0, err_msg=f"M={m} K={k_dim} N={n}")
 
 
 def test_matmul_nt_takes_a_long_contraction_in_passes():
-    # The lm_head's packed panel (64 rows of w transposed) is read in passes of 1536 rows of K: K = 1600 is two.
+    # The lm_head's packed panel (64 rows of w transposed; AVX2: 16) is read in passes of 1536 rows of K (AVX2:
+    # 6144): K = 6208 is five (two).
     rng = np.random.default_rng(6)
-    w = (rng.standard_normal((200, 1600)) * 0.1).astype(np.float32)
+    w = (rng.standard_normal((200, 6208)) * 0.1).astype(np.float32)
     for m in (8, 24, 97):
-        x = (rng.standard_normal((m, 1600)) * 0.1).astype(np.float32)
+        x = (rng.standard_normal((m, 6208)) * 0.1).astype(np.float32)
         got = np.asarray(native.matmul_nt_cpu(jnp.asarray(x), jnp.asarray(w)))
-        np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=2e-8 * 1600, rtol=0,
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=2e-8 * 6208, rtol=0,
                                    err_msg=f"M={m}")
 
 
