@@ -66,4 +66,33 @@ inline VF sum_lanes_together(VF (&part)[kLanes]) {
   return part[0];
 }
 
+// A lane-wise max of two vectors.
+inline VF max_of(VF a, VF b) { return a > b ? a : b; }
+
+// The largest of v's lanes, and their sum: log2 kLanes steps that combine v with itself, lanes swapped across
+// halves, quarters, ... (a reduction loop leaves GCC's horizontal sum a chain of kLanes scalar adds through the
+// stack).
+inline float max_lanes(VF v) {
+#pragma GCC unroll 8
+  for (int half = kLanes / 2; half > 0; half /= 2) v = max_of(v, __builtin_shuffle(v, kIota ^ half));
+  return v[0];
+}
+inline float add_lanes(VF v) {
+#pragma GCC unroll 8
+  for (int half = kLanes / 2; half > 0; half /= 2) v += __builtin_shuffle(v, kIota ^ half);
+  return v[0];
+}
+
+// The tree above on half as many vectors (kLanes / 2), all its levels but the last: one vector of partial sums
+// such that fold(fold_half(lo), fold_half(hi), kLevels - 1) equals sum_lanes_together over lo's vectors then hi's
+// (the tree folds neighbours, so each half folds on its own until the last level). Overwrites part.
+inline VF fold_half(VF (&part)[kLanes / 2]) {
+#pragma GCC unroll 8
+  for (int level = 0; level + 1 < kLevels; ++level) {
+#pragma GCC unroll 16
+    for (int i = 0; i < (kLanes >> (level + 2)); ++i) part[i] = fold(part[2 * i], part[2 * i + 1], level);
+  }
+  return part[0];
+}
+
 }  // namespace jaxllm_cpu

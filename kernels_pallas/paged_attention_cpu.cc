@@ -29,9 +29,9 @@
 //
 // Work: runs of up to kTile consecutive tokens of one row are the units (a decode row is a unit of one),
 // so each KV block a unit needs is read once for all its queries. A decode row goes through attend_unit (per
-// query head, dot products across a block's keys); a run of several tokens, when block size and head dim are
-// multiples of 8, through attend_unit_tiled, whose register-tiled multiply-adds make prefill attention
-// matmul-shaped. The calling thread and tasks on XLA's intra-op thread pool take units from one atomic
+// KV head, its query heads together: dot products across a block's keys); a run of several tokens, when block
+// size and head dim are multiples of 8, through attend_unit_tiled, whose register-tiled multiply-adds make
+// prefill attention matmul-shaped. The calling thread and tasks on XLA's intra-op thread pool take units from one atomic
 // counter; the caller returns once every unit is done. Vectors are the target's registers (-march=native):
 // 16 floats with AVX-512, 8 with AVX2.
 
@@ -85,6 +85,22 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : poly * __builtin_bit_cast(float, bits);
 }
 
+// exp_nonpositive in every lane.
+inline VF exp_nonpositive(VF x) {
+  const VF clamped = x < -87.0f ? VF{} - 87.0f : x;
+  const VF n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;
+  const VF r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f;
+  VF poly = VF{} + 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  return x < -87.0f ? VF{} : poly * reinterpret_cast<VF>(bits);
+}
+
 // The kLanes dot products of q [dim] with kLanes consecutive keys (key t at keys + t * stride), dim a multiple
 // of kLanes: per key kLanes-lane partial sums, then the kLanes vectors summed across lanes together by a tree of
 // shuffles (log2 kLanes levels), a fraction of the cost of a horizontal sum per key. The loop over keys is the
@@ -131,6 +147,77 @@ inline void add_weighted_values(const float* weights, const float* vals, int64_t
   for (int i = 0; i < NV; ++i) storev(a + i * kLanes, even[i] + odd[i]);
 }
 
+// Query heads of one KV head that attend_unit takes together, so each key and value vector it loads serves all of
+// them: as many as AVX-512's 32 registers hold (3 heads by half a vector of keys of partial sums, 24 registers,
+// beside the 3 queries and a key) or AVX2's 16 (2 by 4, 8 registers).
+#ifdef __AVX512F__
+constexpr int kHeadsAtOnce = 3;
+#else
+constexpr int kHeadsAtOnce = 2;
+#endif
+constexpr int kHalfLanes = kLanes / 2;
+
+// out[g * kMaxBlockSize + t] for g in [0, G), t in [0, kLanes): the dot products of G queries (query g at
+// q + g * dim, [dim]) with kLanes consecutive keys (key t at keys + t * stride), dim a multiple of kLanes. The keys
+// go in two halves of kHalfLanes, each key's vectors loaded once for the G queries; each half's partial sums fold
+// down to a vector per query by the first levels of sum_lanes_together's tree, and its last level joins the halves.
+// Half the keys at a time keep the G * kHalfLanes partial sums and their row pointers in registers (all kLanes
+// keys at once had GCC park the pointers in vector registers and move them back for every load).
+template <int G>
+inline void scores_of_heads(const float* q, int64_t dim, const float* keys, int64_t stride, float* out) {
+  VF halves[2][G];
+#pragma GCC unroll 2
+  for (int half = 0; half < 2; ++half) {
+    const float* key = keys + half * kHalfLanes * stride;
+    VF part[G][kHalfLanes] = {};
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      VF qd[G];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) qd[g] = loadv(q + g * dim + d);
+#pragma GCC unroll 16
+      for (int t = 0; t < kHalfLanes; ++t) {
+        const VF k = loadv(key + t * stride + d);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) part[g][t] += qd[g] * k;
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) halves[half][g] = fold_half(part[g]);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) storev(out + g * kMaxBlockSize, fold(halves[0][g], halves[1][g], kLevels - 1));
+}
+
+// For g in [0, G): a[g * dim + d] = a[g * dim + d] * rescale[g] + sum over t in [t_lo, t_hi) of
+// weights[g * kMaxBlockSize + t] * vals[t * stride + d], for d in [0, NV * kLanes). Each value vector is loaded
+// once for the G query heads, whose G * NV multiply-add chains run at once.
+template <int G, int NV>
+inline void add_weighted_values_of_heads(const float* weights, const float* vals, int64_t stride, int64_t t_lo,
+                                         int64_t t_hi, const float* rescale, float* a, int64_t dim) {
+  VF out[G][NV];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) out[g][i] = loadv(a + g * dim + i * kLanes) * rescale[g];
+  }
+  for (int64_t t = t_lo; t < t_hi; ++t) {
+    VF v[NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) v[i] = loadv(vals + t * stride + i * kLanes);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const float w = weights[g * kMaxBlockSize + t];
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; ++i) out[g][i] += w * v[i];
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) storev(a + g * dim + i * kLanes, out[g][i]);
+  }
+}
+
 struct Problem {
   const float* q;
   const void* k;
@@ -165,9 +252,120 @@ inline const float* as_float(const uint16_t* block, int64_t count, std::vector<f
   return out;
 }
 
+// One block's keys [t_lo, t_hi) for G query heads of one KV head: their scaled queries at q, accumulators at acc
+// (both dim apart), running max and sum at run_max and run_sum; the KV head's keys and values at kb and vb, token t
+// at t * stride. Scores, the online softmax's update, the weighted sum of values. `fast`: block size and head dim
+// are whole vectors.
+template <int G>
+void attend_block_heads(const Problem& p, bool fast, const float* q, const float* kb, const float* vb, int64_t stride,
+                        int64_t t_lo, int64_t t_hi, float* run_max, float* run_sum, float* acc) {
+  const int64_t dim = p.head_dim, bs = p.block_size;
+  alignas(64) float scores[G * kMaxBlockSize];  // then the softmax's weights, in place
+  float rescale[G];
+  if (fast) {
+    for (int64_t t0 = 0; t0 < bs; t0 += kLanes) {
+      if constexpr (G == 1) {
+        storev(scores + t0, scores_of_lanes(q, kb + t0 * stride, stride, dim));
+      } else {
+        scores_of_heads<G>(q, dim, kb + t0 * stride, stride, scores + t0);
+      }
+    }
+  } else {
+    for (int g = 0; g < G; ++g) {
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+        const float* key = kb + t * stride;
+        const float* qv = q + g * dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; ++d) dot += qv[d] * key[d];
+        scores[g * kMaxBlockSize + t] = dot;
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* sc = scores + g * kMaxBlockSize;
+    if (p.soft_cap > 0.0f) {
+      for (int64_t t = t_lo; t < t_hi; ++t) sc[t] = p.soft_cap * std::tanh(sc[t] / p.soft_cap);
+    }
+    if (fast) {
+      // Whole vectors of keys, those outside [t_lo, t_hi) at -inf (weight 0), and the lanes' max and sum by
+      // max_lanes and add_lanes.
+      const int64_t v_lo = t_lo - t_lo % kLanes;
+      VF vmax = VF{} - INFINITY;
+      for (int64_t t0 = v_lo; t0 < t_hi; t0 += kLanes) {
+        const VI t = kIota + static_cast<int32_t>(t0);
+        const VF v =
+            t >= static_cast<int32_t>(t_lo) && t < static_cast<int32_t>(t_hi) ? loadv(sc + t0) : VF{} - INFINITY;
+        storev(sc + t0, v);
+        vmax = max_of(vmax, v);
+      }
+      const float old_max = run_max[g];
+      const float block_max = max_lanes(vmax);
+      const float new_max = block_max > old_max ? block_max : old_max;
+      rescale[g] = exp_nonpositive(old_max - new_max);  // 0 on the first block (-inf)
+      VF vsum = VF{};
+      for (int64_t t0 = v_lo; t0 < t_hi; t0 += kLanes) {
+        const VF w = exp_nonpositive(loadv(sc + t0) - new_max);
+        storev(sc + t0, w);
+        vsum += w;
+      }
+      run_sum[g] = run_sum[g] * rescale[g] + add_lanes(vsum);
+      run_max[g] = new_max;
+      continue;
+    }
+    // A loop of its own, so that it vectorizes (with the dot products and the cap in it, it ran a key at a time).
+    float block_max = -INFINITY;
+#pragma omp simd reduction(max : block_max)
+    for (int64_t t = t_lo; t < t_hi; ++t) block_max = sc[t] > block_max ? sc[t] : block_max;
+    const float old_max = run_max[g];
+    const float new_max = block_max > old_max ? block_max : old_max;
+    rescale[g] = exp_nonpositive(old_max - new_max);  // 0 on the first block (-inf)
+    float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+    for (int64_t t = t_lo; t < t_hi; ++t) {
+      sc[t] = exp_nonpositive(sc[t] - new_max);
+      block_sum += sc[t];
+    }
+    run_sum[g] = run_sum[g] * rescale[g] + block_sum;
+    run_max[g] = new_max;
+  }
+  if (fast) {
+    // Four vectors of output elements at a time, held across the block's tokens.
+    int64_t d0 = 0;
+    for (; d0 + 4 * kLanes <= dim; d0 += 4 * kLanes) {
+      if constexpr (G == 1) {
+        add_weighted_values<4>(scores, vb + d0, stride, t_lo, t_hi, rescale[0], acc + d0);
+      } else {
+        add_weighted_values_of_heads<G, 4>(scores, vb + d0, stride, t_lo, t_hi, rescale, acc + d0, dim);
+      }
+    }
+    for (; d0 < dim; d0 += kLanes) {
+      if constexpr (G == 1) {
+        add_weighted_values<1>(scores, vb + d0, stride, t_lo, t_hi, rescale[0], acc + d0);
+      } else {
+        add_weighted_values_of_heads<G, 1>(scores, vb + d0, stride, t_lo, t_hi, rescale, acc + d0, dim);
+      }
+    }
+  } else {
+    for (int g = 0; g < G; ++g) {
+      float* a = acc + g * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] *= rescale[g];
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+        const float w = scores[g * kMaxBlockSize + t];
+        const float* value = vb + t * stride;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) a[d] += w * value[d];
+      }
+    }
+  }
+}
+
 // Attention of one unit's queries over the blocks they see. Each block is visited once, every KV head of it
 // before the next block (a block is one contiguous run of block_size * Hkv * D elements), and the next block
 // is prefetched while this one is computed: a row's blocks lie anywhere in a cache far larger than the CPU's.
+// The query heads of a KV head go through attend_block_heads up to kHeadsAtOnce at a time, in chunks as even as
+// that allows (a group of 4 in two of 2, not 3 and 1).
 template <typename T>
 void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
   const int64_t heads = p.q_heads, group = p.q_heads / p.kv_heads, dim = p.head_dim, bs = p.block_size;
@@ -194,14 +392,14 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
   const int32_t* table = p.tables + static_cast<int64_t>(p.token_row[u.first]) * p.width;
   // Blocks and head dims of whole vectors take the vector path.
   const bool fast = bs % kLanes == 0 && dim % kLanes == 0;
-  alignas(64) float scores[kMaxBlockSize];
-  alignas(64) float weights[kMaxBlockSize];
+  const int64_t chunks = (group + kHeadsAtOnce - 1) / kHeadsAtOnce;  // of a KV head's query heads
+  const int64_t slices = p.kv_heads * chunks;                         // of a block's work per query token
   for (int64_t start = lo_all - lo_all % bs; start <= hi_all; start += bs) {
-    // The lines of a block ahead, prefetched a share per query head below: all at once, they filled the core's
-    // miss buffers and held up the loads of this block's work behind them (1.4-1.5x slower decode, measured).
-    // Into L2 (prefetcht1): into L1 they evicted the K and V this block's heads reread. On 2 AMD Zen 4 cores,
-    // scripts/profile_step.py's 48-row decode attention 38-40 -> 32-33 ms (two runs each, interleaved; two
-    // blocks ahead the same); on an Intel Xeon it had measured within its spread.
+    // The lines of a block ahead, prefetched a share per slice of this block's work below: all at once, they
+    // filled the core's miss buffers and held up the loads of this block's work behind them (1.4-1.5x slower
+    // decode, measured). Into L2 (prefetcht1): into L1 they evicted the K and V this block's heads reread. On 2
+    // AMD Zen 4 cores, scripts/profile_step.py's 48-row decode attention 38-40 -> 32-33 ms (two runs each,
+    // interleaved; two blocks ahead the same); on an Intel Xeon it had measured within its spread.
     const char* next_k = nullptr;
     const char* next_v = nullptr;
     if (start + kPrefetchBlocks * bs <= hi_all) {
@@ -210,7 +408,7 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
       next_v = reinterpret_cast<const char*>(vc + ahead * block_elems);
     }
     const int64_t block_lines = (block_elems * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-    const int64_t lines_per_head = (block_lines + heads - 1) / heads;
+    const int64_t lines_per_slice = (block_lines + slices - 1) / slices;
     const float* kb = as_float(kc + table[start / bs] * block_elems, block_elems, s.k_block);
     const float* vb = as_float(vc + table[start / bs] * block_elems, block_elems, s.v_block);
     for (int64_t j = 0; j < u.count; ++j) {
@@ -218,67 +416,32 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
       const int64_t t_lo = lo[j] > start ? lo[j] - start : 0;
       const int64_t t_hi = hi[j] - start + 1 < bs ? hi[j] - start + 1 : bs;
       if (t_lo >= t_hi) continue;
-      for (int64_t qh = 0; qh < heads; ++qh) {
-        const int64_t h = qh / group, pair = j * heads + qh;
-        const float* qv = s.q.data() + pair * dim;
-        if (next_k != nullptr && j == 0) {
-          const int64_t end = std::min(block_lines, (qh + 1) * lines_per_head);
-          for (int64_t line = qh * lines_per_head; line < end; ++line) {
-            __builtin_prefetch(next_k + line * 64, 0, 2);
-            __builtin_prefetch(next_v + line * 64, 0, 2);
+      for (int64_t h = 0; h < p.kv_heads; ++h) {
+        for (int64_t c = 0, g0 = 0; c < chunks; ++c) {
+          const int64_t n = (group - g0) / (chunks - c);  // even chunks, the larger ones last
+          if (next_k != nullptr && j == 0) {
+            const int64_t slice = h * chunks + c;
+            const int64_t end = std::min(block_lines, (slice + 1) * lines_per_slice);
+            for (int64_t line = slice * lines_per_slice; line < end; ++line) {
+              __builtin_prefetch(next_k + line * 64, 0, 2);
+              __builtin_prefetch(next_v + line * 64, 0, 2);
+            }
           }
-        }
-        if (fast) {
-          for (int64_t t0 = 0; t0 < bs; t0 += kLanes) {
-            storev(scores + t0, scores_of_lanes(qv, kb + t0 * token_stride + h * dim, token_stride, dim));
+          const int64_t pair = j * heads + h * group + g0;
+          const float* q = s.q.data() + pair * dim;
+          const float* keys = kb + h * dim;
+          const float* vals = vb + h * dim;
+          float* run_max = s.run_max.data() + pair;
+          float* run_sum = s.run_sum.data() + pair;
+          float* acc = s.acc.data() + pair * dim;
+          if (n == 3) {
+            attend_block_heads<3>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc);
+          } else if (n == 2) {
+            attend_block_heads<2>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc);
+          } else {
+            attend_block_heads<1>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc);
           }
-        } else {
-          for (int64_t t = t_lo; t < t_hi; ++t) {
-            const float* key = kb + t * token_stride + h * dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qv[d] * key[d];
-            scores[t] = dot;
-          }
-        }
-        if (p.soft_cap > 0.0f) {
-          for (int64_t t = t_lo; t < t_hi; ++t) scores[t] = p.soft_cap * std::tanh(scores[t] / p.soft_cap);
-        }
-        // A loop of its own, so that it vectorizes (with the dot products and the cap in it, it ran a key at a time).
-        float block_max = -INFINITY;
-#pragma omp simd reduction(max : block_max)
-        for (int64_t t = t_lo; t < t_hi; ++t) block_max = scores[t] > block_max ? scores[t] : block_max;
-        const float old_max = s.run_max[pair];
-        const float new_max = block_max > old_max ? block_max : old_max;
-        const float rescale = exp_nonpositive(old_max - new_max);  // 0 on the first block (-inf)
-        float block_sum = 0.0f;
-#pragma omp simd reduction(+ : block_sum)
-        for (int64_t t = t_lo; t < t_hi; ++t) {
-          weights[t] = exp_nonpositive(scores[t] - new_max);
-          block_sum += weights[t];
-        }
-        s.run_sum[pair] = s.run_sum[pair] * rescale + block_sum;
-        s.run_max[pair] = new_max;
-        float* a = s.acc.data() + pair * dim;
-        const float* values = vb + h * dim;
-        if (fast) {
-          // Four vectors of output elements at a time, held across the block's tokens.
-          int64_t d0 = 0;
-          for (; d0 + 4 * kLanes <= dim; d0 += 4 * kLanes) {
-            add_weighted_values<4>(weights, values + d0, token_stride, t_lo, t_hi, rescale, a + d0);
-          }
-          for (; d0 < dim; d0 += kLanes) {
-            add_weighted_values<1>(weights, values + d0, token_stride, t_lo, t_hi, rescale, a + d0);
-          }
-        } else {
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
-          for (int64_t t = t_lo; t < t_hi; ++t) {
-            const float w = weights[t];
-            const float* value = values + t * token_stride;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += w * value[d];
-          }
+          g0 += n;
         }
       }
     }
