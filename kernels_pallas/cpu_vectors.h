@@ -1,6 +1,7 @@
 // Vector helpers shared by the CPU kernels (paged_attention_cpu.cc, matmul_cpu.cc): one register of floats (VF)
 // and of int32 lanes (VI: shuffle masks; kIota its lane indices) in GCC's vector extensions, loads and stores,
-// and a tree of shuffles that sums kLanes vectors across their lanes at once.
+// a tree of shuffles that sums kLanes vectors across their lanes at once (sum_lanes_together, or in halves with
+// fold_half), and one vector's max and sum across its lanes.
 #pragma once
 
 #include <cstdint>
@@ -83,9 +84,9 @@ inline float add_lanes(VF v) {
   return v[0];
 }
 
-// The tree above on half as many vectors (kLanes / 2), all its levels but the last: one vector of partial sums
-// such that fold(fold_half(lo), fold_half(hi), kLevels - 1) equals sum_lanes_together over lo's vectors then hi's
-// (the tree folds neighbours, so each half folds on its own until the last level). Overwrites part.
+// sum_lanes_together's tree on half as many vectors (kLanes / 2), all its levels but the last: one vector of
+// partial sums such that fold(fold_half(lo), fold_half(hi), kLevels - 1) equals sum_lanes_together over lo's vectors
+// then hi's (the tree folds neighbours, so each half folds on its own until the last level). Overwrites part.
 inline VF fold_half(VF (&part)[kLanes / 2]) {
 #pragma GCC unroll 8
   for (int level = 0; level + 1 < kLevels; ++level) {

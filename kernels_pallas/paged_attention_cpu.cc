@@ -31,8 +31,8 @@
 // so each KV block a unit needs is read once for all its queries. A decode row goes through attend_unit (per
 // KV head, its query heads together: dot products across a block's keys); a run of several tokens, when block
 // size and head dim are multiples of 8, through attend_unit_tiled, whose register-tiled multiply-adds make
-// prefill attention matmul-shaped. The calling thread and tasks on XLA's intra-op thread pool take units from one atomic
-// counter; the caller returns once every unit is done. Vectors are the target's registers (-march=native):
+// prefill attention matmul-shaped. The calling thread and tasks on XLA's intra-op thread pool take units from one
+// atomic counter; the caller returns once every unit is done. Vectors are the target's registers (-march=native):
 // 16 floats with AVX-512, 8 with AVX2.
 
 #include <algorithm>
@@ -85,7 +85,8 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : poly * __builtin_bit_cast(float, bits);
 }
 
-// exp_nonpositive in every lane.
+// exp_nonpositive in every lane. Lanes of -inf (the keys a query does not see) take the clamp before the
+// conversion to integers, so none reaches it out of range, and come out 0.
 inline VF exp_nonpositive(VF x) {
   const VF clamped = x < -87.0f ? VF{} - 87.0f : x;
   const VF n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;
@@ -148,8 +149,8 @@ inline void add_weighted_values(const float* weights, const float* vals, int64_t
 }
 
 // Query heads of one KV head that attend_unit takes together, so each key and value vector it loads serves all of
-// them: as many as AVX-512's 32 registers hold (3 heads by half a vector of keys of partial sums, 24 registers,
-// beside the 3 queries and a key) or AVX2's 16 (2 by 4, 8 registers).
+// them: as many as the registers hold in scores_of_heads, AVX-512's 32 (3 heads by half a vector of keys of partial
+// sums, 24, beside the 3 queries, the 3 sums of the first half and a key: 31) or AVX2's 16 (2 by 4: 8 + 2 + 2 + 1).
 #ifdef __AVX512F__
 constexpr int kHeadsAtOnce = 3;
 #else
@@ -263,7 +264,8 @@ void attend_block_heads(const Problem& p, bool fast, const float* q, const float
   alignas(64) float scores[G * kMaxBlockSize];  // then the softmax's weights, in place
   float rescale[G];
   if (fast) {
-    for (int64_t t0 = 0; t0 < bs; t0 += kLanes) {
+    // Only the vectors of keys that hold [t_lo, t_hi): a row's last block is half empty on average.
+    for (int64_t t0 = t_lo - t_lo % kLanes; t0 < t_hi; t0 += kLanes) {
       if constexpr (G == 1) {
         storev(scores + t0, scores_of_lanes(q, kb + t0 * stride, stride, dim));
       } else {
@@ -399,7 +401,11 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
     // filled the core's miss buffers and held up the loads of this block's work behind them (1.4-1.5x slower
     // decode, measured). Into L2 (prefetcht1): into L1 they evicted the K and V this block's heads reread. On 2
     // AMD Zen 4 cores, scripts/profile_step.py's 48-row decode attention 38-40 -> 32-33 ms (two runs each,
-    // interleaved; two blocks ahead the same); on an Intel Xeon it had measured within its spread.
+    // interleaved; two blocks ahead the same); on an Intel Xeon it had measured within its spread. That was a share
+    // per query head; a share per chunk of them (3x longer bursts for SmolLM2) left a 32-row decode step's attention
+    // over contexts of 400-640 uncached tokens level within this host's spread (35.9-38.9 -> 37.2-40.2 ms, three
+    // runs each, a scratch timing of the engine's step with and without attention), and halves of the share issued
+    // before the scores and before the values measured the same.
     const char* next_k = nullptr;
     const char* next_v = nullptr;
     if (start + kPrefetchBlocks * bs <= hi_all) {
@@ -434,11 +440,12 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
           float* run_max = s.run_max.data() + pair;
           float* run_sum = s.run_sum.data() + pair;
           float* acc = s.acc.data() + pair * dim;
-          if (n == 3) {
-            attend_block_heads<3>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc);
-          } else if (n == 2) {
+          if constexpr (kHeadsAtOnce >= 3) {
+            if (n == 3) attend_block_heads<3>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc);
+          }
+          if (n == 2) {
             attend_block_heads<2>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc);
-          } else {
+          } else if (n == 1) {
             attend_block_heads<1>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc);
           }
           g0 += n;

@@ -117,20 +117,23 @@ def test_native_attention_vector_path_of_16_token_blocks_matches_reference(head_
 
 
 @pytest.mark.parametrize("group, kv_heads, block_size, head_dim, dtype, window, soft_cap", [
-    (3, 3, 16, 64, jnp.float32, None, None),  # SmolLM2-135M: one chunk of 3 query heads (2 and 1 on AVX2)
-    (5, 2, 16, 48, jnp.float32, 21, None),    # chunks of 2 and 3; 48 dims: single vectors of values
-    (7, 1, 32, 64, jnp.bfloat16, None, 4.0),  # 2, 2 and 3; two vectors of keys per block
-    (8, 2, 16, 128, jnp.float32, 5, None),    # 3, 3 and 2; 128 dims: two runs of four vectors
-    (4, 1, 16, 256, jnp.bfloat16, 20, None),  # Gemma 3 270M's heads: 2 and 2
-    (6, 1, 16, 64, jnp.float32, 9, 3.0),      # 3 and 3
-    (2, 3, 32, 32, jnp.float32, None, None),  # 2 (and 1 and 1 on AVX2)
-    (1, 4, 16, 64, jnp.float32, 3, None),     # no grouping
+    # Chunks of query heads with AVX-512 (3 at most), then with AVX2 (2 at most), smaller chunks first.
+    (3, 3, 16, 64, jnp.float32, None, None),  # SmolLM2-135M: 3; AVX2 1, 2
+    (5, 2, 16, 48, jnp.float32, 21, None),    # 2, 3; AVX2 1, 2, 2; 48 dims: single vectors of values
+    (7, 1, 32, 64, jnp.bfloat16, None, 4.0),  # 2, 2, 3; AVX2 1, 2, 2, 2; two vectors of keys per block
+    (8, 2, 16, 128, jnp.float32, 5, None),    # 2, 3, 3; AVX2 2, 2, 2, 2; 128 dims: two runs of four vectors
+    (4, 1, 16, 256, jnp.bfloat16, 20, None),  # Gemma 3 270M's heads: 2, 2
+    (6, 1, 16, 64, jnp.float32, 9, 3.0),      # 3, 3; AVX2 2, 2, 2
+    (2, 3, 32, 32, jnp.float32, None, None),  # 2
+    (1, 4, 16, 64, jnp.float32, 3, None),     # 1: no grouping
+    (5, 1, 4, 40, jnp.float32, 6, 2.0),       # 2, 3 off the vector path (block and head dim not whole vectors)
+    (3, 2, 16, 40, jnp.bfloat16, None, None),  # 3 off the vector path (head dim)
 ])
 def test_native_attention_decode_rows_take_a_kv_heads_query_heads_together(group, kv_heads, block_size, head_dim,
                                                                            dtype, window, soft_cap):
-    # Decode rows on the vector path: the query heads of a KV head share each load of its keys and values, in
-    # chunks as even as the registers allow, whatever the GQA group; contexts end anywhere in a block and windows
-    # start anywhere in a vector of keys (the lanes outside a row's keys must weigh nothing).
+    # Decode rows (on the vector path but for the last two cases): the query heads of a KV head share each load of
+    # its keys and values, in chunks as even as the registers allow, whatever the GQA group; contexts end anywhere
+    # in a block and windows start anywhere in a vector of keys (the lanes outside a row's keys must weigh nothing).
     rng = np.random.default_rng(group * 100 + head_dim)
     seq_lens = [1, 2, block_size - 1, block_size, block_size + 7, 3 * block_size + 1, int(rng.integers(4, 200))]
     args = _rows(rng, [1] * len(seq_lens), seq_lens, block_size=block_size, head_dim=head_dim, group=group,
