@@ -31,9 +31,11 @@
 // so each KV block a unit needs is read once for all its queries. A decode row goes through attend_unit (per
 // KV head, its query heads together: dot products across a block's keys); a run of several tokens, when block
 // size and head dim are multiples of 8, through attend_unit_tiled, whose register-tiled multiply-adds make
-// prefill attention matmul-shaped. The calling thread and tasks on XLA's intra-op thread pool take units from one
-// atomic counter; the caller returns once every unit is done. Vectors are the target's registers (-march=native):
-// 16 floats with AVX-512, 8 with AVX2.
+// prefill attention matmul-shaped. Decode rows whose tables begin with the same blocks (a prefix-cached system
+// prompt) are taken up to kTile at a time as cascade units: the shared blocks once for all of them through the
+// GEMM-shaped path, then each row's own blocks through attend_unit from where that left off. The calling thread
+// and tasks on XLA's intra-op thread pool take units from one atomic counter; the caller returns once every unit
+// is done. Vectors are the target's registers (-march=native): 16 floats with AVX-512, 8 with AVX2.
 
 #include <algorithm>
 #include <atomic>
@@ -43,6 +45,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cpu_vectors.h"
@@ -61,6 +64,8 @@ constexpr int64_t kMaxBlockSize = 256;  // tokens per block
 constexpr int64_t kPrefetchBlocks = 1;
 // Units of at least this many query tokens take the GEMM-shaped path when the shapes allow it.
 constexpr int64_t kTiledMinTokens = 2;
+// Decode tokens form cascade units over at least this many shared blocks (form_cascades).
+constexpr int64_t kMinSharedBlocks = 2;
 
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) { return __builtin_bit_cast(float, static_cast<uint32_t>(*p) << 16); }
@@ -234,6 +239,18 @@ struct Problem {
 
 struct Unit {
   int64_t first, count;  // query tokens [first, first + count), all of one row
+  // A cascade unit's decode tokens: Shared::members[members_at, members_at + count), of rows whose block tables
+  // begin with the same shared_blocks blocks, every one of which each of the tokens sees whole. -1: none.
+  int64_t members_at = -1, shared_blocks = 0;
+};
+
+// A decode token's attention carried over from its cascade unit: its query heads' running max and sum ([Hq]) and
+// accumulators ([Hq, D]) after the blocks [0, blocks) of its row.
+struct Resume {
+  const float* max;
+  const float* sum;
+  const float* acc;
+  int64_t blocks;
 };
 
 // Per-thread running state of a unit's (query, query head) pairs: scaled queries, accumulators, max and sum;
@@ -368,14 +385,22 @@ void attend_block_heads(const Problem& p, bool fast, const float* q, const float
 // is prefetched while this one is computed: a row's blocks lie anywhere in a cache far larger than the CPU's.
 // The query heads of a KV head go through attend_block_heads up to kHeadsAtOnce at a time, in chunks as even as
 // that allows (a group of 4 in two of 2, not 3 and 1).
+// With `from` (a unit of one token), the token's state after its row's first from->blocks blocks is taken up and
+// the blocks after them attended.
 template <typename T>
-void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
+void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from = nullptr) {
   const int64_t heads = p.q_heads, group = p.q_heads / p.kv_heads, dim = p.head_dim, bs = p.block_size;
   const int64_t pairs = u.count * heads;
   s.q.resize(pairs * dim);
-  s.acc.assign(pairs * dim, 0.0f);
-  s.run_max.assign(pairs, -INFINITY);
-  s.run_sum.assign(pairs, 0.0f);
+  if (from != nullptr) {
+    s.acc.assign(from->acc, from->acc + pairs * dim);
+    s.run_max.assign(from->max, from->max + pairs);
+    s.run_sum.assign(from->sum, from->sum + pairs);
+  } else {
+    s.acc.assign(pairs * dim, 0.0f);
+    s.run_max.assign(pairs, -INFINITY);
+    s.run_sum.assign(pairs, 0.0f);
+  }
   int64_t lo_all = INT64_MAX, hi_all = 0;
   int64_t lo[kTile], hi[kTile];  // positions [lo, hi] each query sees
   for (int64_t j = 0; j < u.count; ++j) {
@@ -396,7 +421,8 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s) {
   const bool fast = bs % kLanes == 0 && dim % kLanes == 0;
   const int64_t chunks = (group + kHeadsAtOnce - 1) / kHeadsAtOnce;  // of a KV head's query heads
   const int64_t slices = p.kv_heads * chunks;                         // of a block's work per query token
-  for (int64_t start = lo_all - lo_all % bs; start <= hi_all; start += bs) {
+  const int64_t first = from != nullptr ? std::max(lo_all - lo_all % bs, from->blocks * bs) : lo_all - lo_all % bs;
+  for (int64_t start = first; start <= hi_all; start += bs) {
     // The lines of a block ahead, prefetched a share per slice of this block's work below: all at once, they
     // filled the core's miss buffers and held up the loads of this block's work behind them (1.4-1.5x slower
     // decode, measured). Into L2 (prefetcht1): into L1 they evicted the K and V this block's heads reread. On 2
@@ -475,7 +501,7 @@ constexpr int kTB = 4, kDB = 4, kMB = 2;  // 8 of AVX2's 16, beside the operands
 constexpr float kNoScore = -1e30f;
 
 struct TileScratch {
-  std::vector<float> qt, st, acc, run_max, run_sum, alpha, k_head, v_head;
+  std::vector<float> qt, st, acc, run_max, run_sum, alpha, k_head, v_head, resume_max, resume_sum, resume_acc;
   std::vector<int32_t> lo, hi;
 };
 
@@ -548,9 +574,13 @@ inline const float* head_slice(const uint16_t* block, int64_t bs, int64_t dim, i
 }
 
 // A unit through the GEMM-shaped path (block_size and head_dim multiples of 8); same result as attend_unit.
+// For a cascade unit (members set: its decode tokens), only its shared blocks are attended, and each query
+// head's running max, sum and accumulators go to s.resume_max, resume_sum ([count, Hq]) and resume_acc ([count, Hq,
+// D]) for attend_unit to take up, instead of the result to out.
 template <typename T>
-void attend_unit_tiled(const Problem& p, const Unit& u, TileScratch& s) {
+void attend_unit_tiled(const Problem& p, const Unit& u, TileScratch& s, const int32_t* members = nullptr) {
   const int64_t heads = p.q_heads, group = p.q_heads / p.kv_heads, dim = p.head_dim, bs = p.block_size;
+  const auto token = [&](int64_t j) { return members != nullptr ? int64_t{members[j]} : u.first + j; };
   const int64_t lanes = u.count * group, vectors = (lanes + kLanes - 1) / kLanes, mp = vectors * kLanes;
   s.qt.resize(dim * mp);
   s.st.resize(bs * mp);
@@ -563,7 +593,7 @@ void attend_unit_tiled(const Problem& p, const Unit& u, TileScratch& s) {
   int64_t lo_all = INT64_MAX, hi_all = 0, lo_max = 0, hi_min = INT64_MAX;
   for (int64_t m = 0; m < mp; ++m) {
     if (m < lanes) {
-      const int64_t pos = p.token_pos[u.first + m / group];
+      const int64_t pos = p.token_pos[token(m / group)];
       const int64_t lo = p.window > 0 && pos + 1 > p.window ? pos + 1 - p.window : 0;
       s.lo[m] = static_cast<int32_t>(lo);
       s.hi[m] = static_cast<int32_t>(pos);
@@ -576,10 +606,17 @@ void attend_unit_tiled(const Problem& p, const Unit& u, TileScratch& s) {
       s.hi[m] = INT32_MAX;
     }
   }
+  if (members != nullptr) {
+    // Every member sees these blocks whole (no window): no key is masked.
+    hi_all = u.shared_blocks * bs - 1;
+    s.resume_max.resize(u.count * heads);
+    s.resume_sum.resize(u.count * heads);
+    s.resume_acc.resize(u.count * heads * dim);
+  }
   const T* kc = static_cast<const T*>(p.k);
   const T* vc = static_cast<const T*>(p.v);
   const int64_t token_stride = p.kv_heads * dim, block_elems = bs * token_stride;
-  const int32_t* table = p.tables + static_cast<int64_t>(p.token_row[u.first]) * p.width;
+  const int32_t* table = p.tables + static_cast<int64_t>(p.token_row[token(0)]) * p.width;
   float* qt = s.qt.data();
   float* st = s.st.data();
   float* acc = s.acc.data();
@@ -594,7 +631,7 @@ void attend_unit_tiled(const Problem& p, const Unit& u, TileScratch& s) {
     // attention: one layer of a 512-token prefill of 63-token prompts took 730 us against 480 now).
     for (int64_t j = 0; j < u.count; ++j) {
       for (int64_t g = 0; g < group; ++g) {
-        const float* src = p.q + ((u.first + j) * heads + h * group + g) * dim;
+        const float* src = p.q + (token(j) * heads + h * group + g) * dim;
         const int64_t m = j * group + g;
         for (int64_t d = 0; d < dim; ++d) qt[d * mp + m] = src[d] * p.scale;
       }
@@ -664,10 +701,45 @@ void attend_unit_tiled(const Problem& p, const Unit& u, TileScratch& s) {
       for (; mv < vectors; ++mv) value_vectors<1>(st, mp, vals, v_stride, dim, t_lo, t_hi, alpha, acc, mv);
     }
     for (int64_t m = 0; m < lanes; ++m) {
+      if (members != nullptr) {
+        const int64_t pair = (m / group) * heads + h * group + m % group;
+        s.resume_max[pair] = run_max[m];
+        s.resume_sum[pair] = run_sum[m];
+        for (int64_t d = 0; d < dim; ++d) s.resume_acc[pair * dim + d] = acc[d * mp + m];
+        continue;
+      }
       const float inv = 1.0f / run_sum[m];
       float* out = p.out + ((u.first + m / group) * heads + h * group + m % group) * dim;
       for (int64_t d = 0; d < dim; ++d) out[d] = acc[d * mp + m] * inv;
     }
+  }
+}
+
+// A cascade unit: its members' shared blocks once for all of them through the GEMM-shaped path (lanes of several
+// rows' queries), then each member's own blocks through attend_unit, taking up where that left off. Decode over
+// a shared prefix (a system prompt that prefix caching keeps in the same blocks for every row) reads those blocks
+// once per unit rather than once per row, in register tiles rather than in dot products summed across lanes.
+template <typename T>
+void attend_cascade(const Problem& p, const Unit& u, const int32_t* members, TileScratch& ts, Scratch& s) {
+  const int64_t heads = p.q_heads, dim = p.head_dim;
+  attend_unit_tiled<T>(p, u, ts, members);
+  const int64_t block_elems = p.block_size * p.kv_heads * dim;
+  const int64_t block_lines = (block_elems * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  for (int64_t j = 0; j < u.count; ++j) {
+    if (j + 1 < u.count && p.token_pos[members[j + 1]] >= u.shared_blocks * p.block_size) {
+      // The next member's first block of its own, which attend_unit's prefetch (a block ahead of the one it
+      // reads) never reaches.
+      const int64_t id = p.tables[p.token_row[members[j + 1]] * p.width + u.shared_blocks];
+      const char* k = reinterpret_cast<const char*>(static_cast<const T*>(p.k) + id * block_elems);
+      const char* v = reinterpret_cast<const char*>(static_cast<const T*>(p.v) + id * block_elems);
+      for (int64_t line = 0; line < block_lines; ++line) {
+        __builtin_prefetch(k + line * 64, 0, 2);
+        __builtin_prefetch(v + line * 64, 0, 2);
+      }
+    }
+    const Resume from{ts.resume_max.data() + j * heads, ts.resume_sum.data() + j * heads,
+                      ts.resume_acc.data() + j * heads * dim, u.shared_blocks};
+    attend_unit<T>(p, Unit{members[j], 1}, s, &from);
   }
 }
 
@@ -676,6 +748,7 @@ struct Shared {
   bool bits16;
   bool tiled;  // units of several tokens take attend_unit_tiled
   std::vector<Unit> units;
+  std::vector<int32_t> members;  // of the cascade units
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
@@ -688,7 +761,14 @@ void drain(Shared& s) {
   for (;;) {
     const int64_t i = s.next.fetch_add(1);
     if (i >= total) return;
-    if (s.tiled && s.units[i].count >= kTiledMinTokens) {
+    if (s.units[i].members_at >= 0) {
+      const int32_t* members = s.members.data() + s.units[i].members_at;
+      if (s.bits16) {
+        attend_cascade<uint16_t>(s.problem, s.units[i], members, tile_scratch, scratch);
+      } else {
+        attend_cascade<float>(s.problem, s.units[i], members, tile_scratch, scratch);
+      }
+    } else if (s.tiled && s.units[i].count >= kTiledMinTokens) {
       if (s.bits16) {
         attend_unit_tiled<uint16_t>(s.problem, s.units[i], tile_scratch);
       } else {
@@ -701,6 +781,58 @@ void drain(Shared& s) {
     }
     s.done.fetch_add(1, std::memory_order_release);
   }
+}
+
+// Decode tokens (units of one token) whose rows' block tables begin with the same kMinSharedBlocks or more blocks,
+// each seen whole by all of them, become cascade units of up to kTile tokens (lanes of kTile * group queries, as a
+// prefill unit's), at least two each, in pieces of about an equal share per thread so that every thread gets one:
+// one per row's first block, over the blocks all of its tokens share. They go first in s.units; the other units
+// follow in their order. Not with a sliding window (a key of the shared blocks could lie outside it).
+void form_cascades(Shared& s, int64_t threads) {
+  const Problem& p = s.problem;
+  const int32_t* tables = p.tables;
+  std::vector<std::pair<int32_t, int64_t>> decode;  // (first block, unit) of the decode units that could share
+  for (int64_t i = 0; i < static_cast<int64_t>(s.units.size()); ++i) {
+    const Unit& u = s.units[i];
+    if (u.count == 1 && p.token_pos[u.first] + 1 >= kMinSharedBlocks * p.block_size) {
+      decode.emplace_back(tables[p.token_row[u.first] * p.width], i);
+    }
+  }
+  std::sort(decode.begin(), decode.end());
+  std::vector<Unit> cascades;
+  std::vector<bool> taken(s.units.size(), false);
+  for (size_t lo = 0, hi = 0; lo < decode.size(); lo = hi) {
+    hi = lo;
+    while (hi < decode.size() && decode[hi].first == decode[lo].first) ++hi;
+    const int64_t n = static_cast<int64_t>(hi - lo);
+    if (n < 2) continue;
+    const int32_t* lead = tables + p.token_row[s.units[decode[lo].second].first] * p.width;
+    int64_t shared = INT64_MAX;
+    for (size_t k = lo; k < hi; ++k) {
+      const Unit& u = s.units[decode[k].second];
+      const int32_t* table = tables + p.token_row[u.first] * p.width;
+      const int64_t whole = std::min(shared, (p.token_pos[u.first] + 1) / p.block_size);
+      int64_t b = 0;
+      while (b < whole && table[b] == lead[b]) ++b;
+      shared = b;
+    }
+    if (shared < kMinSharedBlocks) continue;
+    const int64_t piece = std::min(kTile, std::max<int64_t>(2, (n + threads - 1) / threads));
+    for (int64_t k = 0; k + 1 < n; k += piece) {
+      const int64_t count = std::min(piece, n - k);
+      Unit c{s.units[decode[lo + k].second].first, count, static_cast<int64_t>(s.members.size()), shared};
+      for (int64_t m = 0; m < count; ++m) {
+        s.members.push_back(static_cast<int32_t>(s.units[decode[lo + k + m].second].first));
+        taken[decode[lo + k + m].second] = true;
+      }
+      cascades.push_back(c);
+    }
+  }
+  if (cascades.empty()) return;
+  for (size_t i = 0; i < s.units.size(); ++i) {
+    if (!taken[i]) cascades.push_back(s.units[i]);
+  }
+  s.units.swap(cascades);
 }
 
 std::string at(int64_t token) { return "paged_attention_cpu: token " + std::to_string(token) + " "; }
@@ -759,6 +891,7 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   shared->problem = p;
   shared->bits16 = dtype == ffi::DataType::U16;
   shared->tiled = block_size % kTB == 0 && p.head_dim % kDB == 0;
+  if (shared->tiled && p.window == 0) form_cascades(*shared, std::max<int64_t>(1, pool.num_threads()));
   const int64_t total = static_cast<int64_t>(shared->units.size());
   const int64_t helpers = pool.num_threads() - 1;
   for (int64_t i = 0; i < helpers && i + 1 < total; ++i) {

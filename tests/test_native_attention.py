@@ -6,7 +6,8 @@ block size, head dim, GQA ratio and KV head count (one included: its unit axis m
 cache), with and without a sliding window and a soft cap, on float32 and bfloat16 caches (stored as bfloat16
 or as its uint16 bit patterns). Around it: how ``ragged_paged_attention_xla`` sends every row to it, its
 errors, and the build (cached per source; a failed build leaves the jnp path). Runs of several query
-tokens take the kernel's GEMM-shaped path, decode rows its per-token one; both are swept here.
+tokens take the kernel's GEMM-shaped path, decode rows its per-token one, decode rows over a shared prefix both (a
+cascade); all three are swept here.
 """
 
 from __future__ import annotations
@@ -141,6 +142,64 @@ def test_native_attention_decode_rows_take_a_kv_heads_query_heads_together(group
     got = _native(*args, sliding_window=window, soft_cap=soft_cap)
     np.testing.assert_allclose(np.asarray(got), _want(*args, sliding_window=window, soft_cap=soft_cap), atol=1e-5,
                                rtol=0)
+
+
+def _shared_prefix_rows(rng, *, rows, shared, block_size, head_dim, group, kv_heads, dtype, short_row=True):
+    """Decode rows whose block tables begin with the same ``shared`` blocks (as prefix caching leaves a system
+    prompt), their contexts past them; with ``short_row``, row 1 of them ends inside the shared blocks (the rows can
+    share only what it sees whole), half the time; after them a row of other blocks, a prefill run over the shared
+    blocks, a padding row and two padding tokens; the other blocks anywhere in the cache."""
+    lens = [int(rng.integers(shared * block_size + 1, shared * block_size + 3 * block_size + 1))
+            for _ in range(rows)]
+    q_lens = [1] * rows
+    if short_row and shared > 1 and rows > 3 and rng.random() < 0.5:
+        lens[1] = int(rng.integers(1, shared * block_size))
+    lens.append(int(rng.integers(1, 4 * block_size)))  # other blocks
+    q_lens.append(1)
+    lens.append(shared * block_size + 9)  # a prefill run of 9 tokens after the shared blocks
+    q_lens.append(9)
+    width = max(-(-n // block_size) for n in lens) + 1
+    num_blocks = shared + (len(lens) + 1) * width
+    k, v = (jnp.asarray(rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)), dtype) for _ in range(2))
+    ids = rng.permutation(num_blocks)
+    own = ids[shared:shared + (len(lens) + 1) * width].reshape(-1, width)
+    tables = own.copy()
+    for i in list(range(rows)) + [len(lens) - 1]:
+        tables[i, :shared] = ids[:shared]
+    ends = np.cumsum(q_lens)
+    qsl = jnp.asarray(np.concatenate([[0], ends, [ends[-1]]]), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((int(ends[-1]) + 2, kv_heads * group, head_dim)), jnp.float32)
+    return (q, k, v, jnp.asarray(tables, jnp.int32), jnp.asarray(lens + [0], jnp.int32), qsl,
+            jnp.int32(len(lens)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(2, 40), shared=st.integers(0, 5),
+       block_size=st.sampled_from([8, 16, 32]), head_dim=st.sampled_from([8, 40, 64]), group=st.integers(1, 5),
+       kv_heads=st.sampled_from([1, 3]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+       window=st.sampled_from([None, None, 20]), soft_cap=st.sampled_from([None, 4.0]))
+def test_native_attention_decode_rows_over_a_shared_prefix_match_reference(seed, rows, shared, block_size, head_dim,
+                                                                           group, kv_heads, dtype, window, soft_cap):
+    # Decode rows that share their first blocks attend over them together (a cascade unit: the shared blocks once
+    # for up to 16 rows' queries, then each row's own blocks from where that left off), in pieces of any size
+    # from 2 to 16 rows; a window turns it off. Every token must still match the reference.
+    rng = np.random.default_rng(seed)
+    args = _shared_prefix_rows(rng, rows=rows, shared=shared, block_size=block_size, head_dim=head_dim, group=group,
+                               kv_heads=kv_heads, dtype=dtype)
+    got = _native(*args, sliding_window=window, soft_cap=soft_cap)
+    np.testing.assert_allclose(np.asarray(got), _want(*args, sliding_window=window, soft_cap=soft_cap), atol=1e-5,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_attention_32_rows_over_a_384_token_system_prompt_match_reference(dtype):
+    # The shared-prefix benchmark's decode step on SmolLM2-135M's heads: 32 rows after the same 24 blocks, in two
+    # cascade units of 16 rows on two threads.
+    rng = np.random.default_rng(384)
+    args = _shared_prefix_rows(rng, rows=32, shared=24, block_size=16, head_dim=64, group=3, kv_heads=3, dtype=dtype,
+                               short_row=False)
+    got = _native(*args)
+    np.testing.assert_allclose(np.asarray(got), _want(*args), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("block_size, head_dim, dtype, window, soft_cap", [
