@@ -64,6 +64,7 @@ MAX_BLOCK_SIZE = 256
 # this; matmul_nt_cpu's: float32, the contracted axis a multiple of it.
 MATMUL_COLUMN_MULTIPLE = 16
 _reason: Optional[str] = None
+_lib: Optional[ctypes.CDLL] = None  # the loaded kernels, once available() has built them
 
 
 def _cache_dir() -> Path:
@@ -133,7 +134,8 @@ def available() -> bool:
         _reason = "no C++ compiler (c++, g++ or clang++ on PATH, or $CXX)"
         return False
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        global _lib
+        lib = _lib = ctypes.CDLL(str(_build(compiler)))
         for target, symbol in _SYMBOLS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
@@ -142,6 +144,17 @@ def available() -> bool:
         print(f"[kernels_pallas] {_reason}; using the jnp attention and XLA's dots", file=sys.stderr)
         return False
     return True
+
+
+def cascade_units_formed() -> int:
+    """How many cascade units the attention kernel has formed in this process (decode rows whose block tables begin
+    with the same blocks, attended over them together: ``paged_attention_cpu.cc``'s ``form_cascades``); 0 where the
+    kernel is not loaded. A count for tests and profiles; raises nothing."""
+    if _lib is None:
+        return 0
+    count = _lib.jaxllm_cascade_units
+    count.restype = ctypes.c_int64
+    return int(count())
 
 
 def supports(num_q_heads: int, block_size: int, num_kv_heads: int) -> bool:

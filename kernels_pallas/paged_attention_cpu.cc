@@ -32,10 +32,11 @@
 // KV head, its query heads together: dot products across a block's keys); a run of several tokens, when block
 // size and head dim are multiples of 8, through attend_unit_tiled, whose register-tiled multiply-adds make
 // prefill attention matmul-shaped. Decode rows whose tables begin with the same blocks (a prefix-cached system
-// prompt) are taken up to kTile at a time as cascade units: the shared blocks once for all of them through the
-// GEMM-shaped path, then each row's own blocks through attend_unit from where that left off. The calling thread
-// and tasks on XLA's intra-op thread pool take units from one atomic counter; the caller returns once every unit
-// is done. Vectors are the target's registers (-march=native): 16 floats with AVX-512, 8 with AVX2.
+// prompt; no sliding window, tiled shapes, at least kMinSharedBlocks) are taken up to kTile at a time as cascade
+// units (form_cascades): the shared blocks once for all of them through the GEMM-shaped path, then each row's
+// own blocks through attend_unit from where that left off. The calling thread and tasks on XLA's intra-op thread
+// pool take units from one atomic counter; the caller returns once every unit is done. Vectors are the target's
+// registers (-march=native): 16 floats with AVX-512, 8 with AVX2.
 
 #include <algorithm>
 #include <atomic>
@@ -64,47 +65,37 @@ constexpr int64_t kMaxBlockSize = 256;  // tokens per block
 constexpr int64_t kPrefetchBlocks = 1;
 // Units of at least this many query tokens take the GEMM-shaped path when the shapes allow it.
 constexpr int64_t kTiledMinTokens = 2;
-// Decode tokens form cascade units over at least this many shared blocks (form_cascades).
+// Decode tokens form cascade units over at least this many shared blocks (form_cascades). Not tuned: the case
+// measured shares 24.
 constexpr int64_t kMinSharedBlocks = 2;
 
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) { return __builtin_bit_cast(float, static_cast<uint32_t>(*p) << 16); }
 
-// exp(x) for x <= 0 (the softmax's shifted scores), in a form the compiler vectorizes: x = n ln2 + r with
-// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error below 2e-7), times 2^n built in the
-// exponent bits. Below -87 (where e^x is under float's normal range) it returns 0.
-inline float exp_nonpositive(float x) {
-  const float clamped = x < -87.0f ? -87.0f : x;
+// 2^n for the whole numbers n in [-126, 0] (as floats), built in the exponent bits: one float, or every lane.
+inline float two_to(float n) { return __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23); }
+inline VF two_to(VF n) { return reinterpret_cast<VF>((__builtin_convertvector(n, VI) + 127) << 23); }
+
+// exp(x) for x <= 0 (the softmax's shifted scores), of one float or of every lane of a vector, in a form the
+// compiler vectorizes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error
+// below 2e-7), times 2^n. Below -87 (where e^x is under float's normal range) it returns 0; -inf (a key a query
+// does not see) takes the clamp before n's conversion to an integer, so none reaches it out of range.
+template <typename V>
+inline V exp_nonpositive(V x) {
+  const V lowest = V{} - 87.0f;
+  const V clamped = x < lowest ? lowest : x;
   // Round to the nearest integer by adding and subtracting 1.5 * 2^23 (exact for |value| < 2^22): plain
   // arithmetic that vectorizes, where roundf is a library call in every lane.
-  const float n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;
-  const float r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f;
-  float poly = 1.0f / 720.0f;
+  const V n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;
+  const V r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f;
+  V poly = V{} + 1.0f / 720.0f;
   poly = poly * r + 1.0f / 120.0f;
   poly = poly * r + 1.0f / 24.0f;
   poly = poly * r + 1.0f / 6.0f;
   poly = poly * r + 0.5f;
   poly = poly * r + 1.0f;
   poly = poly * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return x < -87.0f ? 0.0f : poly * __builtin_bit_cast(float, bits);
-}
-
-// exp_nonpositive in every lane. Lanes of -inf (the keys a query does not see) take the clamp before the
-// conversion to integers, so none reaches it out of range, and come out 0.
-inline VF exp_nonpositive(VF x) {
-  const VF clamped = x < -87.0f ? VF{} - 87.0f : x;
-  const VF n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;
-  const VF r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f;
-  VF poly = VF{} + 1.0f / 720.0f;
-  poly = poly * r + 1.0f / 120.0f;
-  poly = poly * r + 1.0f / 24.0f;
-  poly = poly * r + 1.0f / 6.0f;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.0f;
-  poly = poly * r + 1.0f;
-  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
-  return x < -87.0f ? VF{} : poly * reinterpret_cast<VF>(bits);
+  return x < lowest ? V{} : poly * two_to(n);
 }
 
 // The kLanes dot products of q [dim] with kLanes consecutive keys (key t at keys + t * stride), dim a multiple
@@ -238,9 +229,9 @@ struct Problem {
 };
 
 struct Unit {
-  int64_t first, count;  // query tokens [first, first + count), all of one row
-  // A cascade unit's decode tokens: Shared::members[members_at, members_at + count), of rows whose block tables
-  // begin with the same shared_blocks blocks, every one of which each of the tokens sees whole. -1: none.
+  int64_t first, count;  // query tokens [first, first + count), all of one row (unless members_at is set)
+  // A cascade unit's count decode tokens: Shared::members[members_at, members_at + count), of rows whose block
+  // tables begin with the same shared_blocks blocks, every one of which each of the tokens sees whole. -1: none.
   int64_t members_at = -1, shared_blocks = 0;
 };
 
@@ -321,7 +312,7 @@ void attend_block_heads(const Problem& p, bool fast, const float* q, const float
       const float old_max = run_max[g];
       const float block_max = max_lanes(vmax);
       const float new_max = block_max > old_max ? block_max : old_max;
-      rescale[g] = exp_nonpositive(old_max - new_max);  // 0 on the first block (-inf)
+      rescale[g] = exp_nonpositive(old_max - new_max);  // 0 where no block came before (-inf)
       VF vsum = VF{};
       for (int64_t t0 = v_lo; t0 < t_hi; t0 += kLanes) {
         const VF w = exp_nonpositive(loadv(sc + t0) - new_max);
@@ -338,7 +329,7 @@ void attend_block_heads(const Problem& p, bool fast, const float* q, const float
     for (int64_t t = t_lo; t < t_hi; ++t) block_max = sc[t] > block_max ? sc[t] : block_max;
     const float old_max = run_max[g];
     const float new_max = block_max > old_max ? block_max : old_max;
-    rescale[g] = exp_nonpositive(old_max - new_max);  // 0 on the first block (-inf)
+    rescale[g] = exp_nonpositive(old_max - new_max);  // 0 where no block came before (-inf)
     float block_sum = 0.0f;
 #pragma omp simd reduction(+ : block_sum)
     for (int64_t t = t_lo; t < t_hi; ++t) {
@@ -723,20 +714,7 @@ template <typename T>
 void attend_cascade(const Problem& p, const Unit& u, const int32_t* members, TileScratch& ts, Scratch& s) {
   const int64_t heads = p.q_heads, dim = p.head_dim;
   attend_unit_tiled<T>(p, u, ts, members);
-  const int64_t block_elems = p.block_size * p.kv_heads * dim;
-  const int64_t block_lines = (block_elems * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   for (int64_t j = 0; j < u.count; ++j) {
-    if (j + 1 < u.count && p.token_pos[members[j + 1]] >= u.shared_blocks * p.block_size) {
-      // The next member's first block of its own, which attend_unit's prefetch (a block ahead of the one it
-      // reads) never reaches.
-      const int64_t id = p.tables[p.token_row[members[j + 1]] * p.width + u.shared_blocks];
-      const char* k = reinterpret_cast<const char*>(static_cast<const T*>(p.k) + id * block_elems);
-      const char* v = reinterpret_cast<const char*>(static_cast<const T*>(p.v) + id * block_elems);
-      for (int64_t line = 0; line < block_lines; ++line) {
-        __builtin_prefetch(k + line * 64, 0, 2);
-        __builtin_prefetch(v + line * 64, 0, 2);
-      }
-    }
     const Resume from{ts.resume_max.data() + j * heads, ts.resume_sum.data() + j * heads,
                       ts.resume_acc.data() + j * heads * dim, u.shared_blocks};
     attend_unit<T>(p, Unit{members[j], 1}, s, &from);
@@ -783,52 +761,64 @@ void drain(Shared& s) {
   }
 }
 
-// Decode tokens (units of one token) whose rows' block tables begin with the same kMinSharedBlocks or more blocks,
-// each seen whole by all of them, become cascade units of up to kTile tokens (lanes of kTile * group queries, as a
-// prefill unit's), at least two each, in pieces of about an equal share per thread so that every thread gets one:
-// one per row's first block, over the blocks all of its tokens share. They go first in s.units; the other units
-// follow in their order. Not with a sliding window (a key of the shared blocks could lie outside it).
+// Cascade units formed in this process (jaxllm_cascade_units: for tests and profiles).
+std::atomic<int64_t> cascade_units{0};
+
+// Cascade units out of the decode tokens (units of one token). Tokens are grouped by their row's first block;
+// within a group each token's share is the blocks its table has in common with the group's first token's, up to
+// those it sees whole; tokens sharing at least kMinSharedBlocks are taken in order of their share, largest first,
+// in pieces of up to kTile tokens (lanes of kTile * group queries, as a prefill unit's) whose shared blocks are the
+// smallest share among them, so that a row that shares less only shortens its own piece. The pieces come in a
+// multiple of the threads, as even as that allows, so that the threads get the same work (and the rows' own
+// blocks, from memory, dominate it); none where a piece would have fewer than half a vector of query lanes (the
+// tiles would be mostly padding). Cascade units go first in s.units, the other units after them in their order.
+// Not with a sliding window (a key of the shared blocks could lie outside it).
 void form_cascades(Shared& s, int64_t threads) {
   const Problem& p = s.problem;
-  const int32_t* tables = p.tables;
+  const int64_t group = p.q_heads / p.kv_heads;
+  const auto table_of = [&](int64_t unit) { return p.tables + p.token_row[s.units[unit].first] * p.width; };
   std::vector<std::pair<int32_t, int64_t>> decode;  // (first block, unit) of the decode units that could share
   for (int64_t i = 0; i < static_cast<int64_t>(s.units.size()); ++i) {
     const Unit& u = s.units[i];
     if (u.count == 1 && p.token_pos[u.first] + 1 >= kMinSharedBlocks * p.block_size) {
-      decode.emplace_back(tables[p.token_row[u.first] * p.width], i);
+      decode.emplace_back(table_of(i)[0], i);
     }
   }
   std::sort(decode.begin(), decode.end());
   std::vector<Unit> cascades;
   std::vector<bool> taken(s.units.size(), false);
+  std::vector<std::pair<int64_t, int64_t>> share;  // (-shared blocks, unit) of one group
   for (size_t lo = 0, hi = 0; lo < decode.size(); lo = hi) {
     hi = lo;
     while (hi < decode.size() && decode[hi].first == decode[lo].first) ++hi;
-    const int64_t n = static_cast<int64_t>(hi - lo);
-    if (n < 2) continue;
-    const int32_t* lead = tables + p.token_row[s.units[decode[lo].second].first] * p.width;
-    int64_t shared = INT64_MAX;
+    const int32_t* lead = table_of(decode[lo].second);
+    share.clear();
     for (size_t k = lo; k < hi; ++k) {
-      const Unit& u = s.units[decode[k].second];
-      const int32_t* table = tables + p.token_row[u.first] * p.width;
-      const int64_t whole = std::min(shared, (p.token_pos[u.first] + 1) / p.block_size);
+      const int64_t unit = decode[k].second;
+      const int32_t* table = table_of(unit);
+      const int64_t whole = (p.token_pos[s.units[unit].first] + 1) / p.block_size;
       int64_t b = 0;
       while (b < whole && table[b] == lead[b]) ++b;
-      shared = b;
+      if (b >= kMinSharedBlocks) share.emplace_back(-b, unit);
     }
-    if (shared < kMinSharedBlocks) continue;
-    const int64_t piece = std::min(kTile, std::max<int64_t>(2, (n + threads - 1) / threads));
+    const int64_t n = static_cast<int64_t>(share.size());
+    const int64_t pieces = threads * ((n + threads * kTile - 1) / (threads * kTile));
+    const int64_t piece = (n + pieces - 1) / pieces;
+    if (n < 2 || 2 * piece * group < kLanes) continue;
+    std::sort(share.begin(), share.end());
     for (int64_t k = 0; k + 1 < n; k += piece) {
       const int64_t count = std::min(piece, n - k);
-      Unit c{s.units[decode[lo + k].second].first, count, static_cast<int64_t>(s.members.size()), shared};
+      const int64_t shared = -share[k + count - 1].first;  // the piece's smallest share
+      Unit c{s.units[share[k].second].first, count, static_cast<int64_t>(s.members.size()), shared};
       for (int64_t m = 0; m < count; ++m) {
-        s.members.push_back(static_cast<int32_t>(s.units[decode[lo + k + m].second].first));
-        taken[decode[lo + k + m].second] = true;
+        s.members.push_back(static_cast<int32_t>(s.units[share[k + m].second].first));
+        taken[share[k + m].second] = true;
       }
       cascades.push_back(c);
     }
   }
   if (cascades.empty()) return;
+  cascade_units.fetch_add(static_cast<int64_t>(cascades.size()), std::memory_order_relaxed);
   for (size_t i = 0; i < s.units.size(); ++i) {
     if (!taken[i]) cascades.push_back(s.units[i]);
   }
@@ -904,6 +894,9 @@ ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
 }
 
 }  // namespace
+
+// The number of cascade units formed in this process so far.
+extern "C" int64_t jaxllm_cascade_units() { return cascade_units.load(std::memory_order_relaxed); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionCpu, RaggedImpl,
                               ffi::Ffi::Bind()

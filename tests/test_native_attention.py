@@ -193,13 +193,63 @@ def test_native_attention_decode_rows_over_a_shared_prefix_match_reference(seed,
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_native_attention_32_rows_over_a_384_token_system_prompt_match_reference(dtype):
-    # The shared-prefix benchmark's decode step on SmolLM2-135M's heads: 32 rows after the same 24 blocks, in two
-    # cascade units of 16 rows on two threads.
+    # The shared-prefix benchmark's decode step on SmolLM2-135M's heads: 32 rows after the same 24 blocks, in
+    # cascade units (two of 16 rows on two threads).
     rng = np.random.default_rng(384)
     args = _shared_prefix_rows(rng, rows=32, shared=24, block_size=16, head_dim=64, group=3, kv_heads=3, dtype=dtype,
                                short_row=False)
     got = _native(*args)
     np.testing.assert_allclose(np.asarray(got), _want(*args), atol=1e-5, rtol=0)
+
+
+def _prefix_rows(rng, rows, *, block_size, head_dim, group, kv_heads, dtype):
+    """Decode rows given as (prefix, blocks in common with it, context length): each row's table begins with that
+    many of its prefix's blocks (prefixes of 8 blocks each, by name; None: none), the rest of its blocks its own,
+    anywhere in the cache; then a padding row."""
+    names = sorted({name for name, _, _ in rows if name is not None})
+    width = max(-(-n // block_size) for _, _, n in rows) + 1
+    num_blocks = 8 * len(names) + (len(rows) + 1) * width
+    k, v = (jnp.asarray(rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)), dtype) for _ in range(2))
+    ids = rng.permutation(num_blocks)
+    prefix = {name: ids[8 * i:8 * i + 8] for i, name in enumerate(names)}
+    tables = ids[8 * len(names):].reshape(-1, width).copy()
+    for i, (name, common, _) in enumerate(rows):
+        if name is not None:
+            tables[i, :common] = prefix[name][:common]
+    lens = [n for _, _, n in rows] + [0]
+    qsl = jnp.asarray(list(range(len(rows) + 1)) + [len(rows)], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((len(rows) + 2, kv_heads * group, head_dim)), jnp.float32)
+    return q, k, v, jnp.asarray(tables, jnp.int32), jnp.asarray(lens, jnp.int32), qsl, jnp.int32(len(rows))
+
+
+_BS = 16  # block size of the cascade cases below
+
+
+@pytest.mark.parametrize("name, rows, window, cascades", [
+    # Two system prompts of 4 and 3 blocks, ten rows each.
+    ("two groups", [("a", 4, 4 * _BS + 5 + i) for i in range(10)] + [("b", 3, 3 * _BS + 2 * i + 1) for i in range(10)],
+     None, 4),
+    # A row that shares only the first block must not keep the others from sharing their four.
+    ("one row shares block 0", [("a", 4, 5 * _BS + i) for i in range(15)] + [("a", 1, 6 * _BS)], None, 2),
+    # Rows that see the prefix only in part: one ending exactly on its third block, one inside it, one in block 0.
+    ("rows inside the prefix", [("a", 6, 7 * _BS + i) for i in range(12)] + [("a", 6, 3 * _BS), ("a", 6, 2 * _BS + 7),
+                                                                            ("a", 6, 9)], None, 2),
+    # A sliding window turns cascades off; so do two rows on two threads (pieces of one row).
+    ("window", [("a", 4, 5 * _BS + i) for i in range(12)], 40, 0),
+    ("two rows", [("a", 4, 5 * _BS), ("a", 4, 5 * _BS + 3)], None, 0),
+])
+def test_native_attention_cascades_form_where_rows_share_blocks(name, rows, window, cascades):
+    # Decode rows over shared blocks go in cascade units (the shared blocks once for several rows' queries through
+    # the GEMM-shaped tiles, then each row's own blocks): as many units as the shapes call for on this machine's
+    # threads (at least the number given, on two or more), and every token as the reference has it.
+    rng = np.random.default_rng(len(name))
+    args = _prefix_rows(rng, rows, block_size=_BS, head_dim=64, group=3, kv_heads=3, dtype=jnp.float32)
+    before = native.cascade_units_formed()
+    got = _native(*args, sliding_window=window)
+    formed = native.cascade_units_formed() - before
+    np.testing.assert_allclose(np.asarray(got), _want(*args, sliding_window=window), atol=1e-5, rtol=0)
+    if cascades == 0 or (os.cpu_count() or 1) >= 2:
+        assert (formed >= cascades) if cascades else (formed == 0), (name, formed)
 
 
 @pytest.mark.parametrize("block_size, head_dim, dtype, window, soft_cap", [
