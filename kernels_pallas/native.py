@@ -53,8 +53,10 @@ TARGET = "jaxllm_paged_attention_cpu"
 MATMUL_TARGET = "jaxllm_matmul_cpu"
 MATMUL_BF16_TARGET = "jaxllm_matmul_bf16_cpu"
 MATMUL_NT_TARGET = "jaxllm_matmul_nt_cpu"
+MATMUL_NT_PACKED_TARGET = "jaxllm_matmul_nt_packed_cpu"
 _SYMBOLS = {TARGET: "JaxllmPagedAttentionCpu", MATMUL_TARGET: "JaxllmMatmulCpu",
-            MATMUL_BF16_TARGET: "JaxllmMatmulBf16Cpu", MATMUL_NT_TARGET: "JaxllmMatmulNtCpu"}
+            MATMUL_BF16_TARGET: "JaxllmMatmulBf16Cpu", MATMUL_NT_TARGET: "JaxllmMatmulNtCpu",
+            MATMUL_NT_PACKED_TARGET: "JaxllmMatmulNtPackedCpu"}
 # -march=native: the library is built on the machine that runs it, for its vector instructions.
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
@@ -297,7 +299,45 @@ def matmul_nt_supports(w: jax.Array) -> bool:
     return w.ndim == 2 and w.dtype == jnp.float32 and w.shape[1] % MATMUL_COLUMN_MULTIPLE == 0 and w.shape[0] > 0
 
 
-def matmul_nt_cpu(x: jax.Array, w: jax.Array, rows: Optional[jax.Array] = None) -> jax.Array:
+def nt_panel_columns() -> int:
+    """Columns per panel of :func:`pack_nt_panels` on this build of the kernels: 64 with AVX-512, 16 with AVX2 (the
+    matmul tiles' width). Raises ValueError where the kernels are not :func:`available`."""
+    if not available():
+        raise ValueError(f"nt_panel_columns: the kernels are not available: {unavailable_reason()}")
+    columns = _lib.jaxllm_matmul_panel_columns
+    columns.restype = ctypes.c_int64
+    return int(columns())
+
+
+def nt_panels_shape(w: jax.Array) -> Optional[tuple[int, int, int]]:
+    """The shape :func:`pack_nt_panels` gives ``w`` [N, K]: ``(N / P, K, P)`` with P :func:`nt_panel_columns`, or
+    None where w is not a weight :func:`matmul_nt_supports` takes with N a multiple of P (or the kernels are not
+    :func:`available`)."""
+    if not available() or not matmul_nt_supports(w):
+        return None
+    p = nt_panel_columns()
+    return (w.shape[0] // p, w.shape[1], p) if w.shape[0] % p == 0 else None
+
+
+def pack_nt_panels(w: jax.Array) -> jax.Array:
+    """``w`` [N, K] float32 as :func:`matmul_nt_cpu`'s ``panels``: float32 ``[N / P, K, P]`` with
+    ``panels[p, k, j] = w[p * P + j, k]`` (P :func:`nt_panel_columns`), each panel of P rows of w transposed and
+    contiguous. With them the kernel reads each panel where it lies instead of transposing it on every call (the
+    tied lm_head: SmolLM2's [49152, 576] embedding at 48 rows, ``scripts/bench_matmul.py --head``); they take as
+    much memory as w.
+
+    Raises:
+      ValueError: w is not a weight :func:`nt_panels_shape` takes (its message names the shape).
+    """
+    shape = nt_panels_shape(w)
+    if shape is None:
+        raise ValueError(f"pack_nt_panels: w {w.dtype} {w.shape}; expected float32 [N, K] with K a multiple of "
+                         f"{MATMUL_COLUMN_MULTIPLE} and N of the panel width ({unavailable_reason() or 'available'})")
+    return jnp.transpose(w.reshape(shape[0], shape[2], shape[1]), (0, 2, 1))
+
+
+def matmul_nt_cpu(x: jax.Array, w: jax.Array, rows: Optional[jax.Array] = None,
+                  panels: Optional[jax.Array] = None) -> jax.Array:
     """``x @ w.T`` for a row-major ``w`` [N, K] (a tied embedding as the lm_head), by the C++ kernel: each output a
     dot of a row of x with a row of w, register-tiled (``matmul_cpu.cc``).
 
@@ -306,18 +346,25 @@ def matmul_nt_cpu(x: jax.Array, w: jax.Array, rows: Optional[jax.Array] = None) 
       w: float32 [N, K], K a multiple of :data:`MATMUL_COLUMN_MULTIPLE`.
       rows: int32 [], the leading rows of x to compute (a padded step's sequences), clamped to [0, M]; the other
         rows of the result are zeros. None: all M.
+      panels: :func:`pack_nt_panels` of w, or None (each panel transposed as it is read).
 
     Returns:
       float32 [M, N], accumulated in float32.
 
     Raises:
-      ValueError: a weight :func:`matmul_nt_supports` does not take, K not matching x, or the kernel is not
-        :func:`available`.
+      ValueError: a weight :func:`matmul_nt_supports` does not take, K not matching x, panels not of w's packed
+        shape, or the kernel is not :func:`available`.
     """
     if not available():
         raise ValueError(f"matmul_nt_cpu is not available: {unavailable_reason()}")
     if not matmul_nt_supports(w) or x.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"matmul_nt_cpu: x {x.shape}, w {w.dtype} {w.shape}; expected x [M, K] and float32 w "
                          f"[N, K] with K a multiple of {MATMUL_COLUMN_MULTIPLE}")
-    call = jax.ffi.ffi_call(MATMUL_NT_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
-    return call(x.astype(jnp.float32), w, _valid_rows(rows, x.shape[0]))
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    if panels is not None:
+        if panels.shape != nt_panels_shape(w) or panels.dtype != jnp.float32:
+            raise ValueError(f"matmul_nt_cpu: panels {panels.dtype} {panels.shape}; expected float32 "
+                             f"{nt_panels_shape(w)} (pack_nt_panels of w)")
+        return jax.ffi.ffi_call(MATMUL_NT_PACKED_TARGET, out)(x.astype(jnp.float32), w, panels,
+                                                              _valid_rows(rows, x.shape[0]))
+    return jax.ffi.ffi_call(MATMUL_NT_TARGET, out)(x.astype(jnp.float32), w, _valid_rows(rows, x.shape[0]))

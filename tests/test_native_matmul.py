@@ -156,6 +156,43 @@ def test_matmul_nt_matches_numpy_on_every_tile_shape():
             np.testing.assert_allclose(got, want, atol=2e-6 * k_dim, rtol=0, err_msg=f"M={m} K={k_dim} N={n}")
 
 
+def test_packed_panels_hold_the_weight_transposed_and_multiply_as_numpy_on_every_tile_shape():
+    # The class: any w [N, K] with N a whole number of panels (P columns: 64 with AVX-512, 16 with AVX2) and K a
+    # multiple of 16, times x of 1-13, 48 or 97 rows (few-row tiles, whole and partial tiles of 6 rows, pieces of a
+    # panel's columns or rows when there are fewer panels than threads to share them), any leading rows computed.
+    p = native.nt_panel_columns()
+    assert p in (16, 64)
+    rng = np.random.default_rng(4)
+    for k_dim, n in [(16, p), (48, 3 * p), (576, 4 * p), (64, 9 * p)]:
+        w = rng.standard_normal((n, k_dim)).astype(np.float32)
+        panels = native.pack_nt_panels(jnp.asarray(w))
+        assert panels.shape == native.nt_panels_shape(w) == (n // p, k_dim, p)
+        np.testing.assert_array_equal(np.asarray(panels), w.reshape(n // p, p, k_dim).transpose(0, 2, 1))
+        for m in [*range(1, 14), 48, 97]:
+            x = rng.standard_normal((m, k_dim)).astype(np.float32)
+            x[m - 1] = np.nan  # past the leading rows computed below: never read
+            for rows in (m, m - 1):
+                got = np.asarray(native.matmul_nt_cpu(jnp.asarray(x), jnp.asarray(w), jnp.int32(rows), panels))
+                want = x[:rows].astype(np.float64) @ w.T.astype(np.float64)
+                assert got.dtype == np.float32 and got.shape == (m, n)
+                np.testing.assert_allclose(got[:rows], want, atol=2e-6 * k_dim, rtol=0,
+                                           err_msg=f"M={m} rows={rows} K={k_dim} N={n}")
+                assert (got[rows:] == 0).all()
+
+
+def test_packed_panels_are_refused_for_a_weight_they_do_not_fit():
+    p = native.nt_panel_columns()
+    w = jnp.ones((3 * p + 1, 32), jnp.float32)  # a vocabulary that is not whole panels
+    assert native.nt_panels_shape(w) is None
+    with pytest.raises(ValueError, match=rf"pack_nt_panels: w float32 \({3 * p + 1}, 32\); expected .* panel"):
+        native.pack_nt_panels(w)
+    w = jnp.ones((2 * p, 32), jnp.float32)
+    x = jnp.ones((4, 32), jnp.float32)
+    for bad in (jnp.ones((2, 32, p), jnp.bfloat16), jnp.ones((2, p, 32), jnp.float32), jnp.ones((1, 32, p))):
+        with pytest.raises(ValueError, match=rf"matmul_nt_cpu: panels .*; expected float32 \(2, 32, {p}\)"):
+            native.matmul_nt_cpu(x, w, panels=bad)
+
+
 @pytest.mark.parametrize("m", [5, 12, 20])  # the NT kernel packs panels from 8 computed rows (rows 12 and 10 of 20)
 def test_the_matmuls_compute_the_leading_rows_and_zero_the_rest(m):
     rng = np.random.default_rng(2)
@@ -195,7 +232,7 @@ def test_matmul_nt_refuses_weights_it_does_not_take():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_the_lm_head_of_four_rows_or_more_takes_the_kernels_with_xlas_logits(tmp_path, tied):
+def test_the_lm_head_of_four_rows_or_more_or_packed_takes_the_kernels_with_xlas_logits(tmp_path, tied):
     from jaxllm.loader import load_model
     from jaxllm.models import common
     from tests.hf_models import make_tiny_hf_model
@@ -222,6 +259,17 @@ def test_the_lm_head_of_four_rows_or_more_takes_the_kernels_with_xlas_logits(tmp
     few = hidden[:common.NATIVE_LM_HEAD_MIN_ROWS - 1]
     assert target not in head.lower(few, jnp.int32(1)).compile().as_text()
     np.testing.assert_allclose(np.asarray(head(few, jnp.int32(1))), want[:len(few)], atol=1e-5, rtol=0)
+    # The engine's tied embedding packed (with_head_panels): the packed kernel from one row on, same logits.
+    engine_params = common.with_head_panels(params, cfg)
+    assert (common.HEAD_PANELS in engine_params) == tied
+    if tied:
+        packed = jax.jit(lambda h, n: common.compute_logits(engine_params, h, cfg=cfg, num_rows=n,
+                                                            native_kernels=True))
+        for rows in (1, 6):
+            hlo = packed.lower(hidden[:rows], jnp.int32(rows)).compile().as_text()
+            assert 'custom_call_target="jaxllm_matmul_nt_packed_cpu"' in hlo and "dot(" not in hlo
+            np.testing.assert_allclose(np.asarray(packed(hidden[:rows], jnp.int32(rows))), want[:rows], atol=1e-5,
+                                       rtol=0)
 
 
 def test_dense_forward_keeps_xlas_dots_so_jax_grad_goes_through(tmp_path):

@@ -17,7 +17,8 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.core.messages import flatten, unflatten
 from jaxllm.frontend.front_end import EngineSleepingError
 from jaxllm.loader import load_model
-from jaxllm.models import param_layout
+from jaxllm.models import HEAD_PANELS, param_layout
+from kernels_pallas import native
 from tests.conftest import STORIES, STORIES_SENTENCE
 
 # One step program (16 tokens, 4 rows), built on first use: once a test has stepped, the count of programs is
@@ -198,6 +199,21 @@ def test_an_update_holds_at_most_one_leaf_more_and_lets_the_old_weights_go(resto
     restored.update_weights(_perturbed(host))
     assert len(seen) == len(flatten(host)) and max(seen) <= before + largest
     assert _live_bytes() == before
+
+
+@pytest.mark.skipif(not native.available(), reason="the lm_head's panels are for the native kernels")
+def test_an_update_of_the_tied_embedding_packs_the_lm_heads_panels_again(restored, host, reference):
+    runner = restored.engine.runner
+    pack = jax.jit(native.pack_nt_panels)
+    # stories260K ties its [512, 64] float32 embedding: the engine holds it packed for the lm_head too.
+    np.testing.assert_array_equal(np.asarray(runner.params[HEAD_PANELS]), np.asarray(pack(host["embed"])))
+    compiled = runner.num_compilations
+    embed = host["embed"][::-1].copy()  # every token's row moved: the logits move with it
+    restored.update_weights({"embed": embed})
+    np.testing.assert_array_equal(np.asarray(runner.params[HEAD_PANELS]), np.asarray(pack(embed)))
+    assert HEAD_PANELS not in restored.get_params() and _tokens(restored) != reference
+    restored.update_weights({"embed": host["embed"]})
+    assert _tokens(restored) == reference and runner.num_compilations == compiled
 
 
 def test_update_weights_takes_device_arrays_and_flat_paths(restored, host, reference, perturbed_llm):

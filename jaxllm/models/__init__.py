@@ -28,7 +28,8 @@ import numpy as np
 from jaxllm import registry
 from jaxllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxllm.models import gemma3, llama, mixtral, phi3, qwen3_moe
-from jaxllm.models.common import Family, KVCache, LayerContext, Params, compute_logits, loop_storage
+from jaxllm.models.common import HEAD_PANELS, Family, KVCache, LayerContext, Params, compute_logits, loop_storage
+from jaxllm.models.common import with_head_panels
 from jaxllm.models.common import hidden_states as _hidden_states
 from jaxllm.models.dense import dense_forward
 from jaxllm.models.layout import layout_table, leaf_layout
@@ -48,9 +49,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": qwen3_moe.FAMILY,
 }
 
-__all__ = ["FAMILIES", "AttentionOps", "Family", "KVCache", "LayerContext", "Params", "compute_logits",
-           "dense_forward", "family", "forward", "hidden_states", "layout_table", "loop_storage", "param_layout",
-           "register_model"]
+__all__ = ["FAMILIES", "HEAD_PANELS", "AttentionOps", "Family", "KVCache", "LayerContext", "Params",
+           "compute_logits", "dense_forward", "family", "forward", "hidden_states", "layout_table", "loop_storage",
+           "param_layout", "register_model", "with_head_panels"]
 
 
 def family(cfg: ModelConfig) -> Family:

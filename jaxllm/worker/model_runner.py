@@ -32,7 +32,16 @@ from jax import monitoring
 from jaxllm import log
 from jaxllm.config import ModelConfig
 from jaxllm.worker.kv_cache import allocate_kv_cache
-from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states, loop_storage
+from jaxllm.models import (
+    HEAD_PANELS,
+    AttentionOps,
+    KVCache,
+    Params,
+    compute_logits,
+    hidden_states,
+    loop_storage,
+    with_head_panels,
+)
 from jaxllm.sample.sampler import (
     PromptLogprobRows,
     SamplerOutput,
@@ -122,7 +131,10 @@ def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: Samplin
         sampled, tables = sample_or_verify(head, hidden, input_ids, batch.logits_indices, batch.num_spec_tokens,
                                            sampling, tables, num_positions, bitmask)
         first = sampled.token_ids[:, 0]
-    out = StepOutput(sampled, prompt_logprobs(head, hidden, batch.prompt_target_ids))
+    # Prompt logprobs map the head over rows one at a time (vmapped): XLA's dot, which batches them, not the
+    # kernels (an FFI call has no batching rule).
+    rows_head = functools.partial(compute_logits, params, cfg=cfg)
+    out = StepOutput(sampled, prompt_logprobs(rows_head, hidden, batch.prompt_target_ids))
     next_prev = jnp.zeros_like(prev_tokens).at[: first.shape[0]].set(first)
     return out, next_prev, kv_cache, tables
 
@@ -229,7 +241,8 @@ class ModelRunner:
       ops: the attention ops the step runs (as given).
       num_positions, float_bits_storage: as given.
       params: the parameter pytree on the devices (bfloat16 and float8 layer
-        leaves as uint16 and uint8 with ``float_bits_storage``).
+        leaves as uint16 and uint8 with ``float_bits_storage``), and
+        ``models.HEAD_PANELS`` where ``models.with_head_panels`` adds them.
       kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size,
         sharding.num_cache_heads, head_dim]``, split over heads; of
         ``kv_cache_dtype``, as uint16 / uint8 bits with ``float_bits_storage``.
@@ -263,7 +276,7 @@ class ModelRunner:
         self.num_positions = num_positions
         self.float_bits_storage = float_bits_storage
         self._param_layout = {path: _abstract(leaf) for path, leaf in flatten(params).items()}
-        self.params = loop_storage(params) if float_bits_storage else params
+        self.params = with_head_panels(loop_storage(params) if float_bits_storage else params, cfg)
         self._storage_layout = {path: _abstract(leaf) for path, leaf in flatten(self.params).items()}
         self._host_params: Optional[dict[str, np.ndarray]] = None
         kv_dtype = np.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
@@ -680,7 +693,7 @@ class ModelRunner:
         """
         self._need_weights("get_params")
         flat = {path: leaf if leaf.dtype == self._param_layout[path].dtype else _number_cast(leaf.sharding)(leaf)
-                for path, leaf in flatten(self.params).items()}
+                for path, leaf in flatten(self.params).items() if path in self._param_layout}
         return unflatten(flat)
 
     def set_param(self, path: str, leaf: jax.Array) -> None:
@@ -691,7 +704,8 @@ class ModelRunner:
         Args:
           path: a leaf of :meth:`param_layout`.
           leaf: placed, of exactly its shape, dtype and sharding; with ``float_bits_storage`` a bfloat16 / float8
-            leaf is donated to its conversion to bits.
+            leaf is donated to its conversion to bits. A new ``embed`` is packed again into the lm_head's
+            ``models.HEAD_PANELS`` where the runner holds them.
 
         Raises:
           ValueError: ``leaf`` does not match the layout (the compiled programs would not take it).
@@ -704,6 +718,11 @@ class ModelRunner:
             leaf = _storage_cast(stored.sharding, stored.dtype)(leaf)
         flat = flatten(self.params)
         flat[path] = leaf
+        if path == "embed" and HEAD_PANELS in flat:
+            # The lm_head's panels of the new embedding; the old ones go first, so this holds one leaf more at most.
+            del flat[HEAD_PANELS]
+            self.params = unflatten(flat)
+            flat[HEAD_PANELS] = with_head_panels({"embed": leaf}, self.cfg)[HEAD_PANELS]
         self.params = unflatten(flat)
 
     def release_params(self, offload: bool) -> int:
