@@ -19,6 +19,7 @@ from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm import log
 from jaxllm.core.engine_core import EngineCore
 from jaxllm.loader import load_sharded, read_model_config
+from jaxllm.models import HEAD_PANELS
 from jaxllm.paths import cache_dir
 from jaxllm.spec_decode import NgramProposer
 from jaxllm.spec_decode.draft import DraftRunner
@@ -229,9 +230,12 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
     pb, b = core.param_bytes, core.buckets
     quantized = (f" ({pb['quantized'] / 2**20:.1f} MiB of {quantization} weights and scales, "
                  f"{pb['quantized_as_float32'] / 2**20:.1f} MiB as float32)" if pb["quantized"] else "")
+    panels = core.runner.params.get(HEAD_PANELS)
+    packed = (f" ({panels.nbytes / 2**20:.1f} MiB of them the tied embedding packed again for the CPU lm_head)"
+              if panels is not None else "")
     on_cpu = core.sharding.mesh.devices.flat[0].platform == "cpu"
     why = ", float32 on CPU: bfloat16 is no faster there" if on_cpu and core.config.dtype == "auto" else ""
-    log(f"parameters: {pb['total'] / 2**20:.1f} MiB{quantized}, {np.dtype(core.dtype).name} (dtype="
+    log(f"parameters: {pb['total'] / 2**20:.1f} MiB{quantized}{packed}, {np.dtype(core.dtype).name} (dtype="
         f"{core.config.dtype!r}{why})" + (f"; CPU: {describe_cpu()}" if on_cpu else ""))
     log(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {[b.seq_bucket_for(t) for t in b.token_buckets]}, "
          f"block-table widths {list(b.width_buckets)}); {core.num_blocks} KV blocks of {core.config.block_size} "
