@@ -16,7 +16,11 @@
 // [49152, 576] embedding: 10.3 -> 9.7-11 ms, the embedding streaming from memory either way); what it is for is
 // `rows` below: a step's head has one row per sequence of its bucket, most of them padding in a prefill step.
 //
-// Both take `rows`, the rows of x that hold tokens (a step's batch is padded to its bucket): only those are
+// jaxllm_matmul_nt_packed_cpu: the same product with w's panels packed once beforehand (the engine keeps them
+// beside the embedding): each panel is read where it lies, from one row of x on, instead of transposed on every
+// call (SmolLM2's head at 8 rows: 7.0 -> 3.8 ms; scripts/bench_matmul.py's last table).
+//
+// All take `rows`, the rows of x that hold tokens (a step's batch is padded to its bucket): only those are
 // computed, the rest of y is zeros, so a padded step pays for its real tokens (and a padding row never holds
 // stale memory that could be NaN).
 //
@@ -26,6 +30,8 @@
 //   jaxllm_matmul_bf16_cpu: as jaxllm_matmul_cpu with x and w bfloat16 (or uint16 bfloat16 bits) and K even. Without
 //                         AVX-512-BF16 the weights are converted to float32 as they are read.
 //   jaxllm_matmul_nt_cpu: x float32 [M, K]; w float32 [N, K], K a multiple of 16; rows int32 [].
+//   jaxllm_matmul_nt_packed_cpu: x, w and rows as jaxllm_matmul_nt_cpu with N a multiple of kPanel; panels float32
+//                         [N / kPanel, K, kPanel], panels[p][k][j] = w[p * kPanel + j][k] (w's values unread).
 // Result: float32 [M, N], accumulated in float32; rows [rows, M) zeros (rows is clamped to [0, M]).
 // Errors: shapes outside those above return an FFI error saying what is expected; a layer outside [0, L) one
 // naming the layer.
@@ -38,6 +44,7 @@
 // kLanes x kLanes in registers, so the same tiles read it. With fewer than kPackMinRows rows (and in a last,
 // narrower panel) it takes dot tiles instead: kNtRows rows of x by kNtCols rows of w, kLanes accumulators of
 // lane-wise partial dots down K, summed across lanes together by the shuffle tree of cpu_vectors.h.
+// jaxllm_matmul_nt_packed_cpu's panels are kPanel columns at any row count, read in place by the same tiles.
 
 #include <algorithm>
 #include <atomic>
@@ -438,7 +445,7 @@ struct Shared {
   std::atomic<int64_t> done{0};
 };
 
-// The panels of s's m rows: kFewPanel columns each up to kFewRows rows, else kPanel.
+// The panels of s's m rows: kFewPanel columns each up to kFewRows rows, else kPanel (packed panels: kPanel).
 void set_panels(Shared& s) {
   s.panel_cols = s.m <= kFewRows && s.packed == nullptr ? kFewPanel : kPanel;
   s.panels = (s.n + s.panel_cols - 1) / s.panel_cols;
@@ -657,8 +664,9 @@ ffi::Error run_nt(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<f
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1] || xd[1] % 16 != 0 || wd[0] < 1 ||
       rows.element_count() != 1) {
-    return ffi::Error::InvalidArgument("matmul_nt_cpu: x must be [M, K] with K a multiple of 16, w [N, K] with "
-                                       "N >= 1, rows one int32");
+    return ffi::Error::InvalidArgument(std::string(packed != nullptr ? "matmul_nt_packed_cpu" : "matmul_nt_cpu") +
+                                       ": x must be [M, K] with K a multiple of 16, w [N, K] with N >= 1, rows "
+                                       "one int32");
   }
   auto s = std::make_shared<Shared>();
   s->x = x.typed_data();

@@ -23,7 +23,8 @@ The library is compiled once per source, compiler flags, jaxlib version and
 CPU (its instruction-set flags) with the system's C++ compiler (``$CXX`` or ``c++``) into
 ``$XDG_CACHE_HOME/jaxllm/native`` (default ``~/.cache/jaxllm/native``; a
 ``JAXLLM_NATIVE_CACHE`` path overrides it) and registered as the FFI targets
-:data:`TARGET`, :data:`MATMUL_TARGET`, :data:`MATMUL_BF16_TARGET` and :data:`MATMUL_NT_TARGET`.
+:data:`TARGET`, :data:`MATMUL_TARGET`, :data:`MATMUL_BF16_TARGET`, :data:`MATMUL_NT_TARGET` and
+:data:`MATMUL_NT_PACKED_TARGET` (the latter with the weight's panels packed once: :func:`pack_nt_panels`).
 Where no compiler is found or the build fails, :func:`available` is False (the reason in
 :func:`unavailable_reason`) and the callers keep the ``jnp`` path and XLA's dots;
 ``JAXLLM_NATIVE_KERNELS=0`` turns the kernels off.
@@ -300,8 +301,8 @@ def matmul_nt_supports(w: jax.Array) -> bool:
 
 
 def nt_panel_columns() -> int:
-    """Columns per panel of :func:`pack_nt_panels` on this build of the kernels: 64 with AVX-512, 16 with AVX2 (the
-    matmul tiles' width). Raises ValueError where the kernels are not :func:`available`."""
+    """Columns per panel of :func:`pack_nt_panels` on this build of the kernels, the matmul tiles' width: 64 with
+    AVX-512, 16 without (AVX2). Raises ValueError where the kernels are not :func:`available`."""
     if not available():
         raise ValueError(f"nt_panel_columns: the kernels are not available: {unavailable_reason()}")
     columns = _lib.jaxllm_matmul_panel_columns
@@ -323,16 +324,18 @@ def pack_nt_panels(w: jax.Array) -> jax.Array:
     """``w`` [N, K] float32 as :func:`matmul_nt_cpu`'s ``panels``: float32 ``[N / P, K, P]`` with
     ``panels[p, k, j] = w[p * P + j, k]`` (P :func:`nt_panel_columns`), each panel of P rows of w transposed and
     contiguous. With them the kernel reads each panel where it lies instead of transposing it on every call (the
-    tied lm_head: SmolLM2's [49152, 576] embedding at 48 rows, ``scripts/bench_matmul.py --head``); they take as
-    much memory as w.
+    tied lm_head: ``scripts/bench_matmul.py``'s last table); they take as much memory as w.
 
     Raises:
-      ValueError: w is not a weight :func:`nt_panels_shape` takes (its message names the shape).
+      ValueError: the kernels are not :func:`available`, or w is not a weight :func:`nt_panels_shape` takes (the
+        message names its shape and the panel width).
     """
+    if not available():
+        raise ValueError(f"pack_nt_panels: the kernels are not available: {unavailable_reason()}")
     shape = nt_panels_shape(w)
     if shape is None:
         raise ValueError(f"pack_nt_panels: w {w.dtype} {w.shape}; expected float32 [N, K] with K a multiple of "
-                         f"{MATMUL_COLUMN_MULTIPLE} and N of the panel width ({unavailable_reason() or 'available'})")
+                         f"{MATMUL_COLUMN_MULTIPLE} and N a multiple of the panel width {nt_panel_columns()}")
     return jnp.transpose(w.reshape(shape[0], shape[2], shape[1]), (0, 2, 1))
 
 
@@ -346,7 +349,9 @@ def matmul_nt_cpu(x: jax.Array, w: jax.Array, rows: Optional[jax.Array] = None,
       w: float32 [N, K], K a multiple of :data:`MATMUL_COLUMN_MULTIPLE`.
       rows: int32 [], the leading rows of x to compute (a padded step's sequences), clamped to [0, M]; the other
         rows of the result are zeros. None: all M.
-      panels: :func:`pack_nt_panels` of w, or None (each panel transposed as it is read).
+      panels: :func:`pack_nt_panels` of w, or None (each panel transposed as it is read). Given, the kernel reads
+        the panels in place of w's values (only their shape is checked against w: panels of another weight give
+        that weight's product).
 
     Returns:
       float32 [M, N], accumulated in float32.

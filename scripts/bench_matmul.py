@@ -11,7 +11,10 @@ over stacked weights, as ``jaxllm.models.common.hidden_states`` runs them, for a
 
 The two are compiled once, then timed in turns (``--rounds``; the minimum is printed, ms per pass over all
 layers), so that a machine shared with other work slows them alike. Then the native kernel on each projection
-shape alone, in GFLOP/s. ``scripts/profile_step.py``'s docstring quotes these figures.
+shape alone, in GFLOP/s. ``scripts/profile_step.py``'s docstring quotes these figures. In float32, last, the
+lm_head as a tied embedding ``[vocab, hidden]`` multiplies it (ms, the minimum of the rounds, in turns): XLA's
+dot, ``native.matmul_nt_cpu`` transposing each panel as it reads it, and the same reading the panels
+``native.pack_nt_panels`` packed once (the engine's ``models.HEAD_PANELS``).
 
     python scripts/bench_matmul.py [--model PATH] [--tokens 1 4 16 48 128 512] [--dtype float32 bfloat16]
 """
@@ -83,6 +86,39 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
         print(f"{t:>7}" + "".join(f"{best[n] * 1e3:>12.1f}" if n in best else f"{'-':>12}" for n in ("native", "xla")))
     if sides[0][0] == "native":
         per_projection(stack, shapes, tokens, rounds, layers, dtype)
+        if dtype == jnp.float32:
+            tied_head(cfg, tokens, rounds)
+
+
+def tied_head(cfg, tokens: list[int], rounds: int) -> None:
+    """The tied lm_head ``x @ embed.T`` (float32 ``embed [vocab, hidden]``) three ways, ms, the minimum of
+    ``rounds`` taken in turns; a side the kernels do not take (a vocabulary not of whole panels) prints ``-``."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas import native
+
+    v, e = cfg.vocab_size, cfg.hidden_size
+    embed = jnp.asarray(np.random.default_rng(1).standard_normal((v, e)) * 0.05, jnp.float32)
+    fns = {"xla": jax.jit(lambda x, m: jax.lax.dot_general(x, embed, (((1,), (1,)), ((), ())))),
+           "transposed": jax.jit(lambda x, m: native.matmul_nt_cpu(x, embed, m))}
+    if native.nt_panels_shape(embed) is not None:
+        panels = jax.block_until_ready(native.pack_nt_panels(embed))
+        fns["packed"] = jax.jit(lambda x, m: native.matmul_nt_cpu(x, embed, m, panels))
+    print(f"\nthe tied lm_head, [{v}, {e}] float32: ms, minimum of {rounds} rounds")
+    print(f"{'tokens':>7}" + "".join(f"{name:>12}" for name in ("xla", "transposed", "packed")))
+    for t in tokens:
+        x = jnp.asarray(np.random.default_rng(t).standard_normal((t, e)), jnp.float32)
+        for fn in fns.values():
+            jax.block_until_ready(fn(x, jnp.int32(t)))
+        best = {name: float("inf") for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                jax.block_until_ready(fn(x, jnp.int32(t)))
+                best[name] = min(best[name], time.perf_counter() - start)
+        print(f"{t:>7}" + "".join(f"{best[n] * 1e3:>12.2f}" if n in best else f"{'-':>12}"
+                                  for n in ("xla", "transposed", "packed")))
 
 
 def per_projection(stack, shapes, tokens: list[int], rounds: int, layers: int, dtype) -> None:

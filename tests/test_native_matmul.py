@@ -170,9 +170,10 @@ def test_packed_panels_hold_the_weight_transposed_and_multiply_as_numpy_on_every
         np.testing.assert_array_equal(np.asarray(panels), w.reshape(n // p, p, k_dim).transpose(0, 2, 1))
         for m in [*range(1, 14), 48, 97]:
             x = rng.standard_normal((m, k_dim)).astype(np.float32)
-            x[m - 1] = np.nan  # past the leading rows computed below: never read
-            for rows in (m, m - 1):
-                got = np.asarray(native.matmul_nt_cpu(jnp.asarray(x), jnp.asarray(w), jnp.int32(rows), panels))
+            padded = x.copy()
+            padded[m - 1] = np.nan  # past the leading rows computed: never read
+            for rows, x_in in ((m, x), (m - 1, padded)):
+                got = np.asarray(native.matmul_nt_cpu(jnp.asarray(x_in), jnp.asarray(w), jnp.int32(rows), panels))
                 want = x[:rows].astype(np.float64) @ w.T.astype(np.float64)
                 assert got.dtype == np.float32 and got.shape == (m, n)
                 np.testing.assert_allclose(got[:rows], want, atol=2e-6 * k_dim, rtol=0,

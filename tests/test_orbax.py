@@ -29,7 +29,7 @@ def test_hf_folder_round_trip_is_bit_identical_with_the_same_text(stories_dir, t
     convert(stories_dir, tmp_path / "ckpt")
     assert is_orbax_checkpoint(tmp_path / "ckpt") and not is_orbax_checkpoint(stories_dir)
     restored = LLM(model=tmp_path / "ckpt", **ENGINE)
-    _assert_same_params(restored.engine.runner.params, load_model(stories_dir, np.float32)[1])
+    _assert_same_params(restored.get_params(), load_model(stories_dir, np.float32)[1])
     original = LLM(model=stories_dir, **ENGINE)
     assert restored.generate("Once upon a time", GREEDY)[0].outputs[0].text \
         == original.generate("Once upon a time", GREEDY)[0].outputs[0].text
@@ -42,7 +42,7 @@ def test_gguf_round_trip_is_bit_identical_and_serves_token_ids(tmp_path):
     write_tiny_gguf(gguf_path, "llama")
     convert(gguf_path, tmp_path / "ckpt")
     restored = LLM(model=tmp_path / "ckpt", **ENGINE)
-    _assert_same_params(restored.engine.runner.params, load_model(gguf_path, np.float32)[1])
+    _assert_same_params(restored.get_params(), load_model(gguf_path, np.float32)[1])
     assert len(restored.generate([[1, 5, 9, 20]], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
 
 

@@ -273,8 +273,8 @@ def test_quantized_orbax_checkpoint_restores_the_int8_weights_bit_for_bit(storie
     restored = LLM(model=tmp_path / "ckpt", num_kv_blocks=32, **ENGINE)
     host = load_model(stories_dir, np.float32, quantization="int8")[1]
     flat = jax.tree_util.tree_leaves_with_path(host)
-    assert len(flat) == len(jax.tree_util.tree_leaves(restored.engine.runner.params))
-    for (path, want), got in zip(flat, jax.tree_util.tree_leaves(restored.engine.runner.params)):
+    assert len(flat) == len(jax.tree_util.tree_leaves(restored.get_params()))
+    for (path, want), got in zip(flat, jax.tree_util.tree_leaves(restored.get_params())):
         assert got.dtype == want.dtype, path
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(path))
     with pytest.raises(ValueError, match="holds int8 weights; quantization='fp8'"):

@@ -55,8 +55,8 @@ to ``kernels_pallas.native.stacked_matmul_cpu``, which reads the stacked
 weight in place (``scripts/profile_step.py`` has the profile). Each call
 computes only the step's tokens (the leading rows of its bucket), and
 :func:`compute_logits` (``native_kernels=True``, the model step's head) runs a float32
-lm_head of 4 rows or more on the native kernels too, for the step's sequences
-only.
+lm_head of 4 rows or more on the native kernels too (a tied embedding the engine holds packed,
+:data:`HEAD_PANELS`, from one row), for the step's sequences only.
 """
 
 from __future__ import annotations

@@ -719,8 +719,9 @@ class ModelRunner:
         flat = flatten(self.params)
         flat[path] = leaf
         if path == "embed" and HEAD_PANELS in flat:
-            # The lm_head's panels of the new embedding; the old ones go first, so this holds one leaf more at most.
-            del flat[HEAD_PANELS]
+            # The lm_head's panels of the new embedding. The old ones go first, so this holds one leaf more at most;
+            # meanwhile their abstract leaf keeps the tree's structure for a program the background warm-up builds.
+            flat[HEAD_PANELS] = self._storage_layout[HEAD_PANELS]
             self.params = unflatten(flat)
             flat[HEAD_PANELS] = with_head_panels({"embed": leaf}, self.cfg)[HEAD_PANELS]
         self.params = unflatten(flat)
