@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.models import HEAD_PANELS
 from jaxllm.worker.cpu_features import cpu_instruction_sets, describe_cpu
+from kernels_pallas import native
 from tests.helpers import assert_one_host_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -311,7 +313,13 @@ def test_start_up_log_says_the_dtype_auto_chose_on_cpu_and_the_cpus_instruction_
     engine = LLMEngine(stories_dir, dtype=dtype, num_kv_blocks=8, max_model_len=64, precompile=False,
                        compilation_cache=None)
     assert engine.runner.kv_cache[0].dtype.name == "float32"
-    assert f"MiB, {said}; CPU: {describe_cpu()}\n" in capfd.readouterr().err
+    total = engine.param_bytes["total"] / 2**20
+    # stories260K ties its float32 embedding: with the native kernels the engine holds it packed for the lm_head too.
+    panels = engine.runner.params.get(HEAD_PANELS)
+    assert (panels is not None) == native.available()
+    packed = "" if panels is None else f" ({panels.nbytes / 2**20:.1f} MiB of them the tied embedding packed again " \
+                                       "for the CPU lm_head)"
+    assert f"parameters: {total:.1f} MiB{packed}, {said}; CPU: {describe_cpu()}\n" in capfd.readouterr().err
 
 
 def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp_path):

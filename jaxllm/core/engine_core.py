@@ -112,7 +112,8 @@ class EngineCore:
       scheduler, runner, drafter, proposer, structured, slots, sharding, max_model_len, kv_cache_dtype:
         as given or built from them. model_config, buckets, num_blocks, dtype: the runner's.
       requests: the record of each request by its id (``jaxllm.core.requests.CoreRequest``).
-      param_bytes: ``jaxllm.worker.quantization.param_bytes`` of the parameters on the devices.
+      param_bytes: ``jaxllm.worker.quantization.param_bytes`` of the parameters on the devices (the lm_head's
+        packed embedding, ``models.HEAD_PANELS``, included).
       kv_events: the ``jaxllm.core.kv_events.ZmqEventPublisher`` of ``kv_events_config``, or None.
     """
 
