@@ -263,6 +263,10 @@ def test_the_lm_head_of_four_rows_or_more_or_packed_takes_the_kernels_with_xlas_
     # The engine's tied embedding packed (with_head_panels): the packed kernel from one row on, same logits.
     engine_params = common.with_head_panels(params, cfg)
     assert (common.HEAD_PANELS in engine_params) == tied
+    # An embedding past HEAD_PANELS_MAX_BYTES is not copied: the head transposes its panels per call instead.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(common, "HEAD_PANELS_MAX_BYTES", params["embed"].nbytes - 1)
+        assert common.HEAD_PANELS not in common.with_head_panels(params, cfg)
     if tied:
         packed = jax.jit(lambda h, n: common.compute_logits(engine_params, h, cfg=cfg, num_rows=n,
                                                             native_kernels=True))

@@ -567,17 +567,23 @@ def native_lm_head_applies(hidden: jax.Array, weight: jax.Array, tied: bool, pac
 # [49152, 576] embedding alone, 2 AMD Zen 4 cores (interleaved, best of 15): 1 row 5.7 -> 3.9 ms (XLA's dot 3.9),
 # 8 rows 7.0 -> 3.8, 16 rows 9.2 -> 6.0, 48 rows 16.3 -> 14.0, 192 rows 69 -> 67.
 HEAD_PANELS = "embed_panels"
+# The largest embedding packed so (bytes): the copy holds it twice. gemma3-270m's [262144, 640] float32 embedding,
+# 640 MiB, would gain the most (8 rows 39.1 -> 20.4 ms) but makes the model half as large again, and with it the
+# test suite's worker running gemma3-270m beside its CLI in a subprocess was killed for memory on a 24 GiB machine.
+HEAD_PANELS_MAX_BYTES = 256 * 2**20
 
 
 def with_head_panels(params: Params, cfg: ModelConfig) -> Params:
     """``params`` with :data:`HEAD_PANELS` added (derived from ``params["embed"]``, as much memory again) where the
     engine's lm_head is the tied embedding and the native kernels take it packed: float32, one CPU device, a
-    vocabulary in whole panels (``native.nt_panels_shape``); else ``params`` itself. :func:`compute_logits`
+    vocabulary in whole panels (``native.nt_panels_shape``), at most :data:`HEAD_PANELS_MAX_BYTES`; else ``params``
+    itself. :func:`compute_logits`
     (``native_kernels=True``) reads them in place of the embedding. A new embedding needs them packed again (the
     engine's ``ModelRunner.set_param`` does)."""
     embed = params.get("embed")
     applies = (cfg.tie_word_embeddings and embed is not None and "lm_head_scale" not in params
-               and embed.dtype == jnp.float32 and jax.default_backend() == "cpu" and jax.device_count() == 1
+               and embed.dtype == jnp.float32 and embed.nbytes <= HEAD_PANELS_MAX_BYTES
+               and jax.default_backend() == "cpu" and jax.device_count() == 1
                and native.nt_panels_shape(embed) is not None)
     return {**params, HEAD_PANELS: _pack_panels(embed)} if applies else params
 
