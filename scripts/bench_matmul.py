@@ -31,6 +31,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _bench_common as common  # noqa: E402
 
 
+def in_turns(fns: dict, args: tuple, rounds: int) -> dict[str, float]:
+    """Each of ``fns`` called once on ``args`` (compiled), then ``rounds`` rounds of all of them in turns: the
+    minimum seconds of each by name, so that a machine shared with other work slows them alike."""
+    import jax
+
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
     import jax
     import jax.numpy as jnp
@@ -75,14 +91,7 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
     for t in tokens:
         x = jnp.asarray(rng.standard_normal((t, e)), dtype)
         fns = {name: jax.jit(lambda x, m, n=use: run(n, x, m)) for name, use in sides}
-        for fn in fns.values():
-            jax.block_until_ready(fn(x, jnp.int32(t)))
-        best = {name: float("inf") for name in fns}
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                jax.block_until_ready(fn(x, jnp.int32(t)))
-                best[name] = min(best[name], time.perf_counter() - start)
+        best = in_turns(fns, (x, jnp.int32(t)), rounds)
         print(f"{t:>7}" + "".join(f"{best[n] * 1e3:>12.1f}" if n in best else f"{'-':>12}" for n in ("native", "xla")))
     if sides[0][0] == "native":
         per_projection(stack, shapes, tokens, rounds, layers, dtype)
@@ -109,14 +118,7 @@ def tied_head(cfg, tokens: list[int], rounds: int) -> None:
     print(f"{'tokens':>7}" + "".join(f"{name:>12}" for name in ("xla", "transposed", "packed")))
     for t in tokens:
         x = jnp.asarray(np.random.default_rng(t).standard_normal((t, e)), jnp.float32)
-        for fn in fns.values():
-            jax.block_until_ready(fn(x, jnp.int32(t)))
-        best = {name: float("inf") for name in fns}
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                jax.block_until_ready(fn(x, jnp.int32(t)))
-                best[name] = min(best[name], time.perf_counter() - start)
+        best = in_turns(fns, (x, jnp.int32(t)), rounds)
         print(f"{t:>7}" + "".join(f"{best[n] * 1e3:>12.2f}" if n in best else f"{'-':>12}"
                                   for n in ("xla", "transposed", "packed")))
 
