@@ -574,17 +574,18 @@ HEAD_PANELS_MAX_BYTES = 256 * 2**20
 
 
 def with_head_panels(params: Params, cfg: ModelConfig) -> Params:
-    """``params`` with :data:`HEAD_PANELS` added (derived from ``params["embed"]``, as much memory again) where the
-    engine's lm_head is the tied embedding and the native kernels take it packed: float32, one CPU device, a
-    vocabulary in whole panels (``native.nt_panels_shape``), at most :data:`HEAD_PANELS_MAX_BYTES`; else ``params``
-    itself. :func:`compute_logits`
-    (``native_kernels=True``) reads them in place of the embedding. A new embedding needs them packed again (the
-    engine's ``ModelRunner.set_param`` does)."""
+    """``params`` with :data:`HEAD_PANELS` added where the engine's lm_head is the tied embedding and the native
+    kernels take it packed: ``params["embed"]`` float32 [V, E] of at most :data:`HEAD_PANELS_MAX_BYTES`, V a
+    multiple of the kernels' panel width P and E of 16 (``native.nt_panels_shape``), on one CPU device; else
+    ``params`` itself (the same dict). The panels are ``native.pack_nt_panels`` of the embedding, float32
+    [V / P, E, P], as much memory again; :func:`compute_logits` (``native_kernels=True``) reads them in place of the
+    embedding, and a new embedding needs them packed again (the engine's ``ModelRunner.set_param`` does). Raises
+    nothing."""
     embed = params.get("embed")
+    # nt_panels_shape is None unless the embedding is float32 with whole panels and the kernels are built.
     applies = (cfg.tie_word_embeddings and embed is not None and "lm_head_scale" not in params
-               and embed.dtype == jnp.float32 and embed.nbytes <= HEAD_PANELS_MAX_BYTES
-               and jax.default_backend() == "cpu" and jax.device_count() == 1
-               and native.nt_panels_shape(embed) is not None)
+               and embed.nbytes <= HEAD_PANELS_MAX_BYTES and jax.default_backend() == "cpu"
+               and jax.device_count() == 1 and native.nt_panels_shape(embed) is not None)
     return {**params, HEAD_PANELS: _pack_panels(embed)} if applies else params
 
 
