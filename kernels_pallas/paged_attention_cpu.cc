@@ -98,14 +98,34 @@ inline V exp_nonpositive(V x) {
   return x < lowest ? V{} : poly * two_to(n);
 }
 
+// The lines of the next block's K and V that a slice of this block's work prefetches (into L2), a few at a time
+// through its arithmetic: `step` between the loads of the scores' and the weighted sum's loops issues `rate` of
+// them, `issue` a burst. In bursts of a slice's whole share (64 lines of K and 64 of V for SmolLM2) the prefetches
+// filled the core's miss buffers and the loads of this block's work queued behind them, so memory and arithmetic
+// took turns: decode attention over DRAM-resident caches (30 layers of 16 rows of 600-1500 tokens, 2 Zen 4 cores)
+// read 17 GB/s of the 35-42 the host streams; spread out, 24-27 GB/s.
+struct Prefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t line = 0, end = 0, rate = 0;  // lines [line, end) are still to prefetch, `rate` per step
+  inline void issue(int64_t n) {
+    for (; n > 0 && line < end; --n, ++line) {
+      __builtin_prefetch(k + line * 64, 0, 2);
+      __builtin_prefetch(v + line * 64, 0, 2);
+    }
+  }
+  inline void step() { issue(rate); }
+};
+
 // The kLanes dot products of q [dim] with kLanes consecutive keys (key t at keys + t * stride), dim a multiple
 // of kLanes: per key kLanes-lane partial sums, then the kLanes vectors summed across lanes together by a tree of
 // shuffles (log2 kLanes levels), a fraction of the cost of a horizontal sum per key. The loop over keys is the
 // inner, unrolled one, so the kLanes multiply-add chains are independent: one key at a time, each chain waited
 // on the latency of the one before (profiled: the decode kernel's largest cost before).
-inline VF scores_of_lanes(const float* q, const float* keys, int64_t stride, int64_t dim) {
+inline VF scores_of_lanes(const float* q, const float* keys, int64_t stride, int64_t dim, Prefetch& pf) {
   VF part[kLanes] = {};
   for (int64_t d = 0; d < dim; d += kLanes) {
+    pf.step();
     const VF qd = loadv(q + d);
 #pragma GCC unroll 16
     for (int t = 0; t < kLanes; ++t) part[t] += qd * loadv(keys + t * stride + d);
@@ -118,7 +138,7 @@ inline VF scores_of_lanes(const float* q, const float* keys, int64_t stride, int
 // (NV alone left the loop waiting on the multiply-add latency).
 template <int NV>
 inline void add_weighted_values(const float* weights, const float* vals, int64_t stride, int64_t t_lo, int64_t t_hi,
-                                float rescale, float* a) {
+                                float rescale, float* a, Prefetch& pf) {
   VF even[NV], odd[NV];
 #pragma GCC unroll 16
   for (int i = 0; i < NV; ++i) {
@@ -127,6 +147,7 @@ inline void add_weighted_values(const float* weights, const float* vals, int64_t
   }
   int64_t t = t_lo;
   for (; t + 1 < t_hi; t += 2) {
+    pf.step();
     const float w0 = weights[t], w1 = weights[t + 1];
     const float* v0 = vals + t * stride;
     const float* v1 = v0 + stride;
@@ -161,13 +182,14 @@ constexpr int kHalfLanes = kLanes / 2;
 // Half the keys at a time keep the G * kHalfLanes partial sums and their row pointers in registers (all kLanes
 // keys at once had GCC park the pointers in vector registers and move them back for every load).
 template <int G>
-inline void scores_of_heads(const float* q, int64_t dim, const float* keys, int64_t stride, float* out) {
+inline void scores_of_heads(const float* q, int64_t dim, const float* keys, int64_t stride, float* out, Prefetch& pf) {
   VF halves[2][G];
 #pragma GCC unroll 2
   for (int half = 0; half < 2; ++half) {
     const float* key = keys + half * kHalfLanes * stride;
     VF part[G][kHalfLanes] = {};
     for (int64_t d = 0; d < dim; d += kLanes) {
+      pf.step();
       VF qd[G];
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) qd[g] = loadv(q + g * dim + d);
@@ -190,7 +212,7 @@ inline void scores_of_heads(const float* q, int64_t dim, const float* keys, int6
 // once for the G query heads, whose G * NV multiply-add chains run at once.
 template <int G, int NV>
 inline void add_weighted_values_of_heads(const float* weights, const float* vals, int64_t stride, int64_t t_lo,
-                                         int64_t t_hi, const float* rescale, float* a, int64_t dim) {
+                                         int64_t t_hi, const float* rescale, float* a, int64_t dim, Prefetch& pf) {
   VF out[G][NV];
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) {
@@ -198,6 +220,7 @@ inline void add_weighted_values_of_heads(const float* weights, const float* vals
     for (int i = 0; i < NV; ++i) out[g][i] = loadv(a + g * dim + i * kLanes) * rescale[g];
   }
   for (int64_t t = t_lo; t < t_hi; ++t) {
+    pf.step();
     VF v[NV];
 #pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) v[i] = loadv(vals + t * stride + i * kLanes);
@@ -267,7 +290,7 @@ inline const float* as_float(const uint16_t* block, int64_t count, std::vector<f
 // are whole vectors.
 template <int G>
 void attend_block_heads(const Problem& p, bool fast, const float* q, const float* kb, const float* vb, int64_t stride,
-                        int64_t t_lo, int64_t t_hi, float* run_max, float* run_sum, float* acc) {
+                        int64_t t_lo, int64_t t_hi, float* run_max, float* run_sum, float* acc, Prefetch& pf) {
   const int64_t dim = p.head_dim, bs = p.block_size;
   alignas(64) float scores[G * kMaxBlockSize];  // then the softmax's weights, in place
   float rescale[G];
@@ -275,12 +298,13 @@ void attend_block_heads(const Problem& p, bool fast, const float* q, const float
     // Only the vectors of keys that hold [t_lo, t_hi): a row's last block is half empty on average.
     for (int64_t t0 = t_lo - t_lo % kLanes; t0 < t_hi; t0 += kLanes) {
       if constexpr (G == 1) {
-        storev(scores + t0, scores_of_lanes(q, kb + t0 * stride, stride, dim));
+        storev(scores + t0, scores_of_lanes(q, kb + t0 * stride, stride, dim, pf));
       } else {
-        scores_of_heads<G>(q, dim, kb + t0 * stride, stride, scores + t0);
+        scores_of_heads<G>(q, dim, kb + t0 * stride, stride, scores + t0, pf);
       }
     }
   } else {
+    pf.issue(pf.end);  // the scalar loops below take no steps
     for (int g = 0; g < G; ++g) {
       for (int64_t t = t_lo; t < t_hi; ++t) {
         const float* key = kb + t * stride;
@@ -344,16 +368,16 @@ void attend_block_heads(const Problem& p, bool fast, const float* q, const float
     int64_t d0 = 0;
     for (; d0 + 4 * kLanes <= dim; d0 += 4 * kLanes) {
       if constexpr (G == 1) {
-        add_weighted_values<4>(scores, vb + d0, stride, t_lo, t_hi, rescale[0], acc + d0);
+        add_weighted_values<4>(scores, vb + d0, stride, t_lo, t_hi, rescale[0], acc + d0, pf);
       } else {
-        add_weighted_values_of_heads<G, 4>(scores, vb + d0, stride, t_lo, t_hi, rescale, acc + d0, dim);
+        add_weighted_values_of_heads<G, 4>(scores, vb + d0, stride, t_lo, t_hi, rescale, acc + d0, dim, pf);
       }
     }
     for (; d0 < dim; d0 += kLanes) {
       if constexpr (G == 1) {
-        add_weighted_values<1>(scores, vb + d0, stride, t_lo, t_hi, rescale[0], acc + d0);
+        add_weighted_values<1>(scores, vb + d0, stride, t_lo, t_hi, rescale[0], acc + d0, pf);
       } else {
-        add_weighted_values_of_heads<G, 1>(scores, vb + d0, stride, t_lo, t_hi, rescale, acc + d0, dim);
+        add_weighted_values_of_heads<G, 1>(scores, vb + d0, stride, t_lo, t_hi, rescale, acc + d0, dim, pf);
       }
     }
   } else {
@@ -413,16 +437,18 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
   const int64_t chunks = (group + kHeadsAtOnce - 1) / kHeadsAtOnce;  // of a KV head's query heads
   const int64_t slices = p.kv_heads * chunks;                         // of a block's work per query token
   const int64_t first = from != nullptr ? std::max(lo_all - lo_all % bs, from->blocks * bs) : lo_all - lo_all % bs;
+  // The Prefetch steps that attend_block_heads<n> takes over a whole block on the vector path: its scores' loops
+  // over head dims (twice for n > 1: scores_of_heads's halves), its weighted sums' over tokens (by twos for n = 1).
+  const auto steps_of = [&](int64_t n) {
+    const int64_t score_steps = (bs / kLanes) * (dim / kLanes) * (n > 1 ? 2 : 1);
+    const int64_t sums = dim / (4 * kLanes) + (dim % (4 * kLanes)) / kLanes;
+    return std::max<int64_t>(1, score_steps + sums * (n > 1 ? bs : bs / 2));
+  };
+  Prefetch pf;
   for (int64_t start = first; start <= hi_all; start += bs) {
-    // The lines of a block ahead, prefetched a share per slice of this block's work below: all at once, they
-    // filled the core's miss buffers and held up the loads of this block's work behind them (1.4-1.5x slower
-    // decode, measured). Into L2 (prefetcht1): into L1 they evicted the K and V this block's heads reread. On 2
-    // AMD Zen 4 cores, scripts/profile_step.py's 48-row decode attention 38-40 -> 32-33 ms (two runs each,
-    // interleaved; two blocks ahead the same); on an Intel Xeon it had measured within its spread. That was a share
-    // per query head; a share per chunk of them (3x longer bursts for SmolLM2) left a 32-row decode step's attention
-    // over contexts of 400-640 uncached tokens level within this host's spread (35.9-38.9 -> 37.2-40.2 ms, three
-    // runs each, a scratch timing of the engine's step with and without attention), and halves of the share issued
-    // before the scores and before the values measured the same.
+    // The lines of a block ahead, prefetched a share per slice of this block's work below (Prefetch: an eighth of
+    // them at once, then the rest spread evenly over the steps of its loops). Into L2 (prefetcht1): into L1 they evicted the K
+    // and V this block's heads reread. None at all ran decode 1.4-1.5x slower; two blocks ahead measured the same as one.
     const char* next_k = nullptr;
     const char* next_v = nullptr;
     if (start + kPrefetchBlocks * bs <= hi_all) {
@@ -444,11 +470,12 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
           const int64_t n = (group - g0) / (chunks - c);  // even chunks, the larger ones last
           if (next_k != nullptr && j == 0) {
             const int64_t slice = h * chunks + c;
-            const int64_t end = std::min(block_lines, (slice + 1) * lines_per_slice);
-            for (int64_t line = slice * lines_per_slice; line < end; ++line) {
-              __builtin_prefetch(next_k + line * 64, 0, 2);
-              __builtin_prefetch(next_v + line * 64, 0, 2);
-            }
+            pf.issue(pf.end);  // what the last slice left
+            pf = Prefetch{next_k, next_v, slice * lines_per_slice,
+                          std::min(block_lines, (slice + 1) * lines_per_slice), 0};
+            const int64_t lines = pf.end - pf.line, burst = lines / 8;
+            pf.issue(burst);
+            pf.rate = (lines - burst + steps_of(n) - 1) / steps_of(n);
           }
           const int64_t pair = j * heads + h * group + g0;
           const float* q = s.q.data() + pair * dim;
@@ -458,12 +485,12 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
           float* run_sum = s.run_sum.data() + pair;
           float* acc = s.acc.data() + pair * dim;
           if constexpr (kHeadsAtOnce >= 3) {
-            if (n == 3) attend_block_heads<3>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc);
+            if (n == 3) attend_block_heads<3>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc, pf);
           }
           if (n == 2) {
-            attend_block_heads<2>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc);
+            attend_block_heads<2>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc, pf);
           } else if (n == 1) {
-            attend_block_heads<1>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc);
+            attend_block_heads<1>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc, pf);
           }
           g0 += n;
         }

@@ -101,7 +101,7 @@ def test_bench_matmul_times_each_projection_shape_alone_in_gflops(capsys):
                                                       for r in rows)
 
 
-def test_bench_cpu_attention_builds_shared_prefix_tables_and_refuses_a_prefix_past_the_context():
+def test_bench_cpu_attention_builds_shared_prefix_tables_and_refuses_a_prefix_past_the_context_or_no_layers():
     import jax.numpy as jnp
 
     sys.path.insert(0, str(SCRIPTS))
@@ -118,3 +118,6 @@ def test_bench_cpu_attention_builds_shared_prefix_tables_and_refuses_a_prefix_pa
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_cpu_attention.py"), "--context", "16", "32",
                            "--shared-prefix", "16"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "--shared-prefix 16: need 0 <= N < the shortest context 16" in proc.stderr
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_cpu_attention.py"), "--layers", "0"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "--layers 0: need at least 1" in proc.stderr
