@@ -103,7 +103,7 @@ inline V exp_nonpositive(V x) {
 // them, `issue` a burst. In bursts of a slice's whole share (64 lines of K and 64 of V for SmolLM2) the prefetches
 // filled the core's miss buffers and the loads of this block's work queued behind them, so memory and arithmetic
 // took turns: decode attention over DRAM-resident caches (30 layers of 16 rows of 600-1500 tokens, 2 Zen 4 cores)
-// read 17 GB/s of the 35-42 the host streams; spread out, 24-27 GB/s.
+// read 17.5 GB/s of the 31-42 the host streams; spread out, 23-25 GB/s.
 struct Prefetch {
   const char* k = nullptr;
   const char* v = nullptr;

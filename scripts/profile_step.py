@@ -175,6 +175,18 @@ and 0.5 s; set after the client had started, nothing changed (768 thousand: its 
 short shape, three runs each interleaved with the code before: 317.5 / 329.2 / 316.0 -> 329.5 / 329.1 / 333.4
 tok/s; shared-prefix, two runs each: 155.7 / 159.1 -> 177.0 / 166.4. A contiguous buffer for the lm_head's
 output panel (its rows are 196 KB apart in the logits) measured within the noise and was dropped.
+Then (2026-12-05, same machine) decode attention with its cache from memory: ``bench_cpu_attention.py`` had timed
+one layer, whose 25 MB of K and V (16 rows at contexts 600-1500) stay in the 32 MiB L3 between calls; over 30
+layers' caches the kernel read 17.5 GB/s (one thread: 9.9) against the host's 31-42 (one thread: 22.7); its time did
+not move with the prefetch distance (1, 2 or 4 blocks ahead) while dropping the prefetches cost 1.4x: the prefetches
+came in bursts of a slice's share (64 lines of K and 64 of V), which filled the core's miss buffers so that the
+block's own loads waited behind them. Spread over the block's loops a few lines a step (``Prefetch``): 44.8 / 45.0
+-> 34.0 / 33.4 ms for the 30 layers (23-25 GB/s), 48 rows at 16-448 31.0 -> 23.5, 192 rows at 16-128 41.3 -> 35.1,
+AVX2's build 42.4 -> 34.7; long 69.3 / 65.7 / 70.8 -> 74.5 / 71.1 / 76.3 tok/s and mixed 270.3 / 270.9 -> 298.3 /
+286.1 (jaxllm alone, interleaved). The same spreading in the prefill tiles (a few tokens' lines per tile call)
+measured level (a 512-token chunk at position 1200: 7.9 -> 7.9-8.0 ms a layer): they are bound by their arithmetic,
+about 70 GFLOP/s a core against the matmul's 105 (``perf``: the value tiles 46% of it, the score tiles 34%, the
+softmax between them 20%).
 
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a
