@@ -35,8 +35,9 @@
 // prompt; no sliding window, tiled shapes, at least kMinSharedBlocks) are taken up to kTile at a time as cascade
 // units (form_cascades): the shared blocks once for all of them through the GEMM-shaped path, then each row's
 // own blocks through attend_unit from where that left off. The calling thread and tasks on XLA's intra-op thread
-// pool take units from one atomic counter; the caller returns once every unit is done. Vectors are the target's
-// registers (-march=native): 16 floats with AVX-512, 8 with AVX2.
+// pool take units from one atomic counter (a decode unit reserves the next as it starts, so that its last block
+// prefetches that one's first); the caller returns once every unit is done. Vectors are the target's registers
+// (-march=native): 16 floats with AVX-512, 8 with AVX2.
 
 #include <algorithm>
 #include <atomic>
@@ -60,8 +61,8 @@ using namespace jaxllm_cpu;
 
 constexpr int64_t kTile = 16;           // query tokens per unit
 constexpr int64_t kMaxBlockSize = 256;  // tokens per block
-// Blocks ahead whose lines are prefetched (the tiled path measured 0-3 within 5% of each other; decode: 1 and 2
-// alike, both 1.4-1.5x faster than none).
+// Blocks ahead whose lines are prefetched (the tiled path measured 0-3 within 5% of each other; decode: 1, 2 and 4
+// alike, all 1.4-1.5x faster than none).
 constexpr int64_t kPrefetchBlocks = 1;
 // Units of at least this many query tokens take the GEMM-shaped path when the shapes allow it.
 constexpr int64_t kTiledMinTokens = 2;
@@ -100,10 +101,11 @@ inline V exp_nonpositive(V x) {
 
 // The lines of the next block's K and V that a slice of this block's work prefetches (into L2), a few at a time
 // through its arithmetic: `step` between the loads of the scores' and the weighted sum's loops issues `rate` of
-// them, `issue` a burst. In bursts of a slice's whole share (64 lines of K and 64 of V for SmolLM2) the prefetches
-// filled the core's miss buffers and the loads of this block's work queued behind them, so memory and arithmetic
-// took turns: decode attention over DRAM-resident caches (30 layers of 16 rows of 600-1500 tokens, 2 Zen 4 cores)
-// read 17.5 GB/s of the 31-42 the host streams; spread out, 23-25 GB/s.
+// them, `issue` a burst. In bursts of a slice's whole share (64 lines of K and 64 of V for SmolLM2's float32 cache
+// with AVX-512; 32 and 32 with AVX2, whose slices are half as many heads) the prefetches filled the core's miss
+// buffers and the loads of this block's work queued behind them, so memory and arithmetic took turns: decode
+// attention over DRAM-resident caches (30 layers of 16 rows of 600-1500 tokens, 2 Zen 4 cores) read 17.5 GB/s of
+// the 31-42 the host streams; spread out, about 23 GB/s.
 struct Prefetch {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -403,7 +405,8 @@ void attend_block_heads(const Problem& p, bool fast, const float* q, const float
 // With `from` (a unit of one token), the token's state after its row's first from->blocks blocks is taken up and
 // the blocks after them attended.
 template <typename T>
-void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from = nullptr) {
+void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from = nullptr,
+                 int64_t then_block = -1) {
   const int64_t heads = p.q_heads, group = p.q_heads / p.kv_heads, dim = p.head_dim, bs = p.block_size;
   const int64_t pairs = u.count * heads;
   s.q.resize(pairs * dim);
@@ -446,13 +449,15 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
   };
   Prefetch pf;
   for (int64_t start = first; start <= hi_all; start += bs) {
-    // The lines of a block ahead, prefetched a share per slice of this block's work below (Prefetch: an eighth of
-    // them at once, then the rest spread evenly over the steps of its loops). Into L2 (prefetcht1): into L1 they evicted the K
-    // and V this block's heads reread. None at all ran decode 1.4-1.5x slower; two blocks ahead measured the same as one.
+    // The lines of a block ahead, prefetched a share per slice of this block's work below, so that each slice's
+    // loads overlap the next block's (Prefetch: an eighth of a share at once, then the rest spread evenly over the
+    // steps of its loops; the whole share at once held this block's loads up behind it). Into L2 (prefetcht1): into
+    // L1 they evicted the K and V this block's heads reread. None at all ran decode 1.4-1.5x slower; two blocks
+    // ahead measured the same as one.
     const char* next_k = nullptr;
     const char* next_v = nullptr;
-    if (start + kPrefetchBlocks * bs <= hi_all) {
-      const int64_t ahead = table[start / bs + kPrefetchBlocks];
+    if (start + kPrefetchBlocks * bs <= hi_all || then_block >= 0) {
+      const int64_t ahead = start + kPrefetchBlocks * bs <= hi_all ? table[start / bs + kPrefetchBlocks] : then_block;
       next_k = reinterpret_cast<const char*>(kc + ahead * block_elems);
       next_v = reinterpret_cast<const char*>(vc + ahead * block_elems);
     }
@@ -471,11 +476,12 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
           if (next_k != nullptr && j == 0) {
             const int64_t slice = h * chunks + c;
             pf.issue(pf.end);  // what the last slice left
-            pf = Prefetch{next_k, next_v, slice * lines_per_slice,
+            // The last slices of a block of few lines may get none (begin clamped to end).
+            pf = Prefetch{next_k, next_v, std::min(block_lines, slice * lines_per_slice),
                           std::min(block_lines, (slice + 1) * lines_per_slice), 0};
-            const int64_t lines = pf.end - pf.line, burst = lines / 8;
+            const int64_t lines = pf.end - pf.line, burst = lines / 8, steps = steps_of(n);
             pf.issue(burst);
-            pf.rate = (lines - burst + steps_of(n) - 1) / steps_of(n);
+            pf.rate = (lines - burst + steps - 1) / steps;
           }
           const int64_t pair = j * heads + h * group + g0;
           const float* q = s.q.data() + pair * dim;
@@ -485,7 +491,9 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
           float* run_sum = s.run_sum.data() + pair;
           float* acc = s.acc.data() + pair * dim;
           if constexpr (kHeadsAtOnce >= 3) {
-            if (n == 3) attend_block_heads<3>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc, pf);
+            if (n == 3) {
+              attend_block_heads<3>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc, pf);
+            }
           }
           if (n == 2) {
             attend_block_heads<2>(p, fast, q, keys, vals, token_stride, t_lo, t_hi, run_max, run_sum, acc, pf);
@@ -758,14 +766,35 @@ struct Shared {
   std::atomic<int64_t> done{0};
 };
 
-// Take units until none is left; returns after the last unit this thread took.
+// Whether unit i goes through attend_unit alone (a decode row, or a run of tokens where the tiles do not apply).
+inline bool plain(const Shared& s, int64_t i) {
+  return s.units[i].members_at < 0 && !(s.tiled && s.units[i].count >= kTiledMinTokens);
+}
+
+// The first block unit i reads (of its first token's row), for the unit before it to prefetch.
+inline int64_t first_block_of(const Shared& s, int64_t i) {
+  const Problem& p = s.problem;
+  const int64_t t = s.units[i].first, pos = p.token_pos[t];
+  const int64_t lo = p.window > 0 && pos + 1 > p.window ? pos + 1 - p.window : 0;
+  return p.tables[static_cast<int64_t>(p.token_row[t]) * p.width + lo / p.block_size];
+}
+
+// Take units until none is left; returns after the last unit this thread took. A plain unit reserves the unit
+// after it when it starts, so that its last block prefetches that one's first: each row's first block had come
+// from memory unprefetched (over 30 layers' caches, 192 rows at contexts 16-128: 34.6 / 34.7 -> 29.9 / 30.0 ms;
+// 48 rows at 16-448 23.4 / 23.7 -> 22.2 / 21.0). A tiled or cascade unit reserves nothing: holding a long unit back
+// while this one runs could leave the other threads idle at the end.
 void drain(Shared& s) {
   thread_local Scratch scratch;
   thread_local TileScratch tile_scratch;
   const int64_t total = static_cast<int64_t>(s.units.size());
-  for (;;) {
-    const int64_t i = s.next.fetch_add(1);
-    if (i >= total) return;
+  int64_t i = s.next.fetch_add(1);
+  while (i < total) {
+    int64_t after = -1, then_block = -1;
+    if (plain(s, i)) {
+      after = s.next.fetch_add(1);
+      if (after < total && plain(s, after)) then_block = first_block_of(s, after);
+    }
     if (s.units[i].members_at >= 0) {
       const int32_t* members = s.members.data() + s.units[i].members_at;
       if (s.bits16) {
@@ -773,18 +802,19 @@ void drain(Shared& s) {
       } else {
         attend_cascade<float>(s.problem, s.units[i], members, tile_scratch, scratch);
       }
-    } else if (s.tiled && s.units[i].count >= kTiledMinTokens) {
+    } else if (!plain(s, i)) {
       if (s.bits16) {
         attend_unit_tiled<uint16_t>(s.problem, s.units[i], tile_scratch);
       } else {
         attend_unit_tiled<float>(s.problem, s.units[i], tile_scratch);
       }
     } else if (s.bits16) {
-      attend_unit<uint16_t>(s.problem, s.units[i], scratch);
+      attend_unit<uint16_t>(s.problem, s.units[i], scratch, nullptr, then_block);
     } else {
-      attend_unit<float>(s.problem, s.units[i], scratch);
+      attend_unit<float>(s.problem, s.units[i], scratch, nullptr, then_block);
     }
     s.done.fetch_add(1, std::memory_order_release);
+    i = after >= 0 ? after : s.next.fetch_add(1);
   }
 }
 

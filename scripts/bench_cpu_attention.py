@@ -2,19 +2,20 @@
 
 A decode step reads every running sequence's K and V once per layer, so on a CPU its attention is bounded by how
 fast the host streams memory. For a few batches (``--rows`` sequences of one new token each, contexts drawn
-uniformly in ``--context MIN MAX``) this times ``kernels_pallas.native.ragged_paged_attention_cpu`` on the
-model's head shape (``--model``'s query heads, KV heads and head dim), its blocks anywhere in a cache of the
-rows' blocks (block size 16). A round calls it once per layer, each layer's cache its own (``--layers``; by
-default as many as make the caches together pass DRAM_BYTES, at most the model's layers), so that the K and V come
-from memory as in a step rather than from the CPU's last-level cache as one layer's alone would (on a 32 MiB L3 a
-16-row batch at contexts 600-1500, 25 MB a layer, measured about twice as fast alone as among 30 layers). It
-prints the minimum over ``--rounds`` rounds per layer, the KV bytes a layer attends over (every row's K and V)
-divided by that time, and what share that is of the stream rate measured in the same run: numpy ``sum`` over a 400 MB float32 array in one share per CPU this process may run on, all at
-once (the best of three). Every dtype gets the same batch of a row count (its lengths and tables). With
-``--shared-prefix N`` every row's first N tokens (whole blocks) are the same blocks, as prefix caching leaves a
-shared system prompt: those bytes come from the CPU's caches after the first row, so the share can pass 100%.
-``scripts/profile_step.py`` has the whole step; this is its part that the memory's rate bounds (or, with a shared
-prefix, the kernel's own arithmetic).
+uniformly in ``--context MIN MAX``) this times ``kernels_pallas.native.ragged_paged_attention_cpu`` on the model's
+head shape (``--model``'s query heads, KV heads and head dim), its blocks anywhere in a cache of the rows' blocks
+(block size 16). A round calls it once per layer, each layer's cache its own (``--layers``; by default as many as
+make the caches together pass 512 MB, at most the model's layers), so that the K and V come from memory as in a step
+(for a batch of a few short rows, whose 30 layers may not fill much more than an L3, less surely) rather than from
+the CPU's last-level cache as one layer's alone would (on a 32 MiB L3 a 16-row batch at contexts 600-1500, 25 MB a
+layer, measured about twice as fast alone as among 30 layers). It prints the fastest of ``--rounds`` rounds divided
+by its layers, the KV bytes a layer attends over (every row's K and V) divided by that time, and what share that is
+of the stream rate measured in the same run: numpy ``sum`` over a 400 MB float32 array in one share per CPU this
+process may run on, all at once (the best of three). Every dtype gets the same batch of a row count (its lengths and
+tables). With ``--shared-prefix N`` every row's first N tokens (whole blocks) are the same blocks, as prefix caching
+leaves a shared system prompt: those bytes come from the CPU's caches after the first row, so the share can pass
+100%. ``scripts/profile_step.py`` has the whole step; this is its part that the memory's rate bounds (or, with a
+shared prefix, the kernel's own arithmetic).
 
     python scripts/bench_cpu_attention.py [--model PATH] [--rows 1 32 192] [--context 400 830]
                                           [--shared-prefix 0] [--dtype float32 bfloat16] [--rounds 50]
@@ -37,7 +38,7 @@ import _bench_common as common  # noqa: E402
 
 BLOCK_SIZE = 16
 STREAM_BYTES = 400_000_000
-DRAM_BYTES = 512_000_000  # the layers' caches together, by default: 16 times a 32 MiB L3
+DRAM_BYTES = 512_000_000  # the layers' caches together, by default: about 15 times a 32 MiB L3
 
 
 def stream_gbps(threads: int) -> float:
@@ -155,7 +156,7 @@ def main() -> None:
             gbps = kv_bytes / best / 1e9
             print(f"{dtype_name:>9}{rows:>6}{tokens / rows:>9.0f}{layers:>7}{best * 1e6:>10.0f}{gbps:>10.1f}"
                   f"{gbps / stream:>10.0%}")
-            del caches
+            del caches, k, v  # before the next batch's are made
     print(common.host_line(common.host_info()))
 
 

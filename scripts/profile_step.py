@@ -181,12 +181,14 @@ layers' caches the kernel read 17.5 GB/s (one thread: 9.9) against the host's 31
 not move with the prefetch distance (1, 2 or 4 blocks ahead) while dropping the prefetches cost 1.4x: the prefetches
 came in bursts of a slice's share (64 lines of K and 64 of V), which filled the core's miss buffers so that the
 block's own loads waited behind them. Spread over the block's loops a few lines a step (``Prefetch``): 44.8 / 45.0
--> 34.0 / 33.4 ms for the 30 layers (23-25 GB/s), 48 rows at 16-448 31.0 -> 23.5, 192 rows at 16-128 41.3 -> 35.1,
-AVX2's build 42.4 -> 34.7; long 69.3 / 65.7 / 70.8 -> 74.5 / 71.1 / 76.3 tok/s and mixed 270.3 / 270.9 -> 298.3 /
-286.1 (jaxllm alone, interleaved). The same spreading in the prefill tiles (a few tokens' lines per tile call)
-measured level (a 512-token chunk at position 1200: 7.9 -> 7.9-8.0 ms a layer): they are bound by their arithmetic,
-about 70 GFLOP/s a core against the matmul's 105 (``perf``: the value tiles 46% of it, the score tiles 34%, the
-softmax between them 20%).
+-> 34.0 / 33.4 ms for the 30 layers (about 23 GB/s), 48 rows at 16-448 31.0 -> 23.5, 192 rows at 16-128 41.3 ->
+35.1, AVX2's build 42.4 -> 34.7; long 69.3 / 65.7 / 70.8 -> 74.5 / 71.1 / 76.3 tok/s and mixed 270.3 / 270.9 ->
+298.3 / 286.1 (jaxllm alone, interleaved). The same spreading in the prefill tiles (a few tokens' lines per tile
+call) measured level (a 512-token chunk at position 1200: 7.9 -> 7.9-8.0 ms a layer): they are bound by their
+arithmetic, about 70 GFLOP/s a core against the matmul's 105 (``perf``: the value tiles 46% of it, the score tiles
+34%, the softmax between them 20%). Each row's first block came unprefetched: a decode unit that reserves the next
+unit as it starts and prefetches that one's first block during its last took 192 rows at 16-128 34.6 / 34.7 -> 29.9
+/ 30.0 ms over the 30 layers (48 rows at 16-448 23.4 / 23.7 -> 22.2 / 21.0), level end to end.
 
 Each is compiled once, then timed ``--repeats`` times; the minimum is printed
 (the machine may be shared). Optionally ``--trace DIR`` also writes a
