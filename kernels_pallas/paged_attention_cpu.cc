@@ -35,9 +35,9 @@
 // prompt; no sliding window, tiled shapes, at least kMinSharedBlocks) are taken up to kTile at a time as cascade
 // units (form_cascades): the shared blocks once for all of them through the GEMM-shaped path, then each row's
 // own blocks through attend_unit from where that left off. The calling thread and tasks on XLA's intra-op thread
-// pool take units from one atomic counter (a decode unit reserves the next as it starts, so that its last block
-// prefetches that one's first); the caller returns once every unit is done. Vectors are the target's registers
-// (-march=native): 16 floats with AVX-512, 8 with AVX2.
+// pool take units from one atomic counter (a unit through attend_unit reserves the next one of its kind as it
+// starts, so that its last block prefetches that one's first); the caller returns once every unit is done. Vectors
+// are the target's registers (-march=native): 16 floats with AVX-512, 8 with AVX2.
 
 #include <algorithm>
 #include <atomic>
@@ -99,13 +99,13 @@ inline V exp_nonpositive(V x) {
   return x < lowest ? V{} : poly * two_to(n);
 }
 
-// The lines of the next block's K and V that a slice of this block's work prefetches (into L2), a few at a time
-// through its arithmetic: `step` between the loads of the scores' and the weighted sum's loops issues `rate` of
-// them, `issue` a burst. In bursts of a slice's whole share (64 lines of K and 64 of V for SmolLM2's float32 cache
-// with AVX-512; 32 and 32 with AVX2, whose slices are half as many heads) the prefetches filled the core's miss
-// buffers and the loads of this block's work queued behind them, so memory and arithmetic took turns: decode
-// attention over DRAM-resident caches (30 layers of 16 rows of 600-1500 tokens, 2 Zen 4 cores) read 17.5 GB/s of
-// the 31-42 the host streams; spread out, about 23 GB/s.
+// The lines of the next block's K and V that a slice of this block's work prefetches (into L2), a few at a time through
+// its arithmetic: `step` between the loads of the scores' and the weighted sum's loops issues `rate` of them, `issue` a
+// burst. In bursts of a slice's whole share (64 lines of K and 64 of V for SmolLM2's float32 cache in blocks of 16 with
+// AVX-512; 32 and 32 with AVX2, whose slices are half as many heads) the prefetches filled the core's miss buffers and
+// the loads of this block's work queued behind them, so memory and arithmetic took turns: decode attention over
+// DRAM-resident caches (30 layers of 16 rows of 600-1500 tokens, 2 Zen 4 cores) read 17.5 GB/s of the 31-42 the host
+// streams; spread out, about 23 GB/s.
 struct Prefetch {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -440,12 +440,15 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
   const int64_t chunks = (group + kHeadsAtOnce - 1) / kHeadsAtOnce;  // of a KV head's query heads
   const int64_t slices = p.kv_heads * chunks;                         // of a block's work per query token
   const int64_t first = from != nullptr ? std::max(lo_all - lo_all % bs, from->blocks * bs) : lo_all - lo_all % bs;
-  // The Prefetch steps that attend_block_heads<n> takes over a whole block on the vector path: its scores' loops
-  // over head dims (twice for n > 1: scores_of_heads's halves), its weighted sums' over tokens (by twos for n = 1).
-  const auto steps_of = [&](int64_t n) {
-    const int64_t score_steps = (bs / kLanes) * (dim / kLanes) * (n > 1 ? 2 : 1);
+  // The Prefetch steps that attend_block_heads<n> takes over a block's keys [t_lo, t_hi) on the vector path: its
+  // scores' loops over head dims per vector of keys (twice for n > 1: scores_of_heads's halves), its weighted sums'
+  // over tokens (by twos for n = 1). A row's last block holds a few keys: counted as a whole block, most of a
+  // slice's share was left to the next slice's burst, and the last slice's to none.
+  const auto steps_of = [&](int64_t n, int64_t t_lo, int64_t t_hi) {
+    const int64_t key_vectors = (t_hi - 1) / kLanes - t_lo / kLanes + 1;
+    const int64_t score_steps = key_vectors * (dim / kLanes) * (n > 1 ? 2 : 1);
     const int64_t sums = dim / (4 * kLanes) + (dim % (4 * kLanes)) / kLanes;
-    return std::max<int64_t>(1, score_steps + sums * (n > 1 ? bs : bs / 2));
+    return std::max<int64_t>(1, score_steps + sums * (n > 1 ? t_hi - t_lo : (t_hi - t_lo) / 2));
   };
   Prefetch pf;
   for (int64_t start = first; start <= hi_all; start += bs) {
@@ -457,6 +460,8 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
     const char* next_k = nullptr;
     const char* next_v = nullptr;
     if (start + kPrefetchBlocks * bs <= hi_all || then_block >= 0) {
+      // then_block: the next unit's first, after this unit's last block (one block ahead).
+      static_assert(kPrefetchBlocks == 1, "then_block stands for the block one past a unit's last");
       const int64_t ahead = start + kPrefetchBlocks * bs <= hi_all ? table[start / bs + kPrefetchBlocks] : then_block;
       next_k = reinterpret_cast<const char*>(kc + ahead * block_elems);
       next_v = reinterpret_cast<const char*>(vc + ahead * block_elems);
@@ -479,7 +484,7 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
             // The last slices of a block of few lines may get none (begin clamped to end).
             pf = Prefetch{next_k, next_v, std::min(block_lines, slice * lines_per_slice),
                           std::min(block_lines, (slice + 1) * lines_per_slice), 0};
-            const int64_t lines = pf.end - pf.line, burst = lines / 8, steps = steps_of(n);
+            const int64_t lines = pf.end - pf.line, burst = lines / 8, steps = steps_of(n, t_lo, t_hi);
             pf.issue(burst);
             pf.rate = (lines - burst + steps - 1) / steps;
           }
@@ -505,6 +510,7 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
       }
     }
   }
+  pf.issue(pf.end);  // the next unit's first block, what its last slice left
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const float inv = 1.0f / s.run_sum[pair];
     float* out = p.out + u.first * heads * dim + pair * dim;
@@ -779,11 +785,11 @@ inline int64_t first_block_of(const Shared& s, int64_t i) {
   return p.tables[static_cast<int64_t>(p.token_row[t]) * p.width + lo / p.block_size];
 }
 
-// Take units until none is left; returns after the last unit this thread took. A plain unit reserves the unit
-// after it when it starts, so that its last block prefetches that one's first: each row's first block had come
-// from memory unprefetched (over 30 layers' caches, 192 rows at contexts 16-128: 34.6 / 34.7 -> 29.9 / 30.0 ms;
-// 48 rows at 16-448 23.4 / 23.7 -> 22.2 / 21.0). A tiled or cascade unit reserves nothing: holding a long unit back
-// while this one runs could leave the other threads idle at the end.
+// Take units until none is left; returns after the last unit this thread took. A plain unit reserves the unit after it
+// when it starts, if that one is plain too, so that its last block prefetches that one's first: each row's first block
+// had come from memory unprefetched (over 30 layers' caches, 192 rows at contexts 16-128: 34.6 / 34.7 -> 29.9 / 30.0
+// ms; 48 rows at 16-448 23.4 / 23.7 -> 22.2 / 21.0). Tiled and cascade units are neither reserved nor reserve: holding
+// a long unit back while another runs could leave the other threads idle at the end.
 void drain(Shared& s) {
   thread_local Scratch scratch;
   thread_local TileScratch tile_scratch;
@@ -792,8 +798,11 @@ void drain(Shared& s) {
   while (i < total) {
     int64_t after = -1, then_block = -1;
     if (plain(s, i)) {
-      after = s.next.fetch_add(1);
-      if (after < total && plain(s, after)) then_block = first_block_of(s, after);
+      int64_t peek = s.next.load();
+      if (peek < total && plain(s, peek) && s.next.compare_exchange_strong(peek, peek + 1)) {
+        after = peek;
+        then_block = first_block_of(s, after);
+      }
     }
     if (s.units[i].members_at >= 0) {
       const int32_t* members = s.members.data() + s.units[i].members_at;
