@@ -58,6 +58,12 @@ def stream_gbps(threads: int) -> float:
     return STREAM_BYTES / best / 1e9
 
 
+def default_layers(layer_bytes: int, num_layers: int) -> int:
+    """Caches a round calls by default: the fewest of ``layer_bytes`` each (one layer's K and V, bytes) that pass
+    DRAM_BYTES together, at most ``num_layers`` (the model's) and at least 1. Raises nothing."""
+    return max(1, min(num_layers, -(-DRAM_BYTES // max(1, layer_bytes))))
+
+
 def decode_batch(rng: np.random.Generator, rows: int, context: tuple[int, int], q_heads: int, kv_heads: int,
                  head_dim: int, dtype, shared_blocks: int = 0):
     """A decode step of ``rows`` sequences, context lengths uniform in ``context`` (tokens, both ends included),
@@ -140,7 +146,7 @@ def main() -> None:
         for rows in args.rows:
             rng = np.random.default_rng(rows)
             q, k, v, *rest, tokens = decode_batch(rng, rows, tuple(args.context), *heads, dtype, shared)
-            layers = args.layers or max(1, min(cfg.num_layers, -(-DRAM_BYTES // (k.nbytes + v.nbytes))))
+            layers = args.layers or default_layers(k.nbytes + v.nbytes, cfg.num_layers)
             # The same batch over each layer's own cache, as a step's layers read it.
             caches = [(k, v)] + [tuple(jax.random.permutation(jax.random.key(i), c) for c in (k, v))
                                  for i in range(1, layers)]

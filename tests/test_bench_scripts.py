@@ -121,3 +121,20 @@ def test_bench_cpu_attention_builds_shared_prefix_tables_and_refuses_a_prefix_pa
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_cpu_attention.py"), "--layers", "0"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "--layers 0: need at least 1" in proc.stderr
+
+
+def test_bench_cpu_attention_calls_the_layers_asked_for_and_by_default_enough_to_pass_its_dram_bytes():
+    sys.path.insert(0, str(SCRIPTS))
+    import bench_cpu_attention
+
+    dram = bench_cpu_attention.DRAM_BYTES
+    # 16 rows at contexts 600-1500 of SmolLM2 (37 MB a layer, K and V): 14 layers pass 512 MB; capped by the model.
+    assert bench_cpu_attention.default_layers(37_748_736, 30) == 14
+    assert bench_cpu_attention.default_layers(dram // 100, 30) == 30
+    assert bench_cpu_attention.default_layers(dram, 30) == 1 and bench_cpu_attention.default_layers(dram + 1, 30) == 1
+    assert bench_cpu_attention.default_layers(dram // 2 + 1, 30) == 2 and bench_cpu_attention.default_layers(0, 5) == 5
+    out = _run([str(SCRIPTS / "bench_cpu_attention.py"), "--model", str(STORIES), "--rows", "2", "--context", "20",
+                "40", "--dtype", "float32", "--layers", "3", "--rounds", "1"])
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("float32")]
+    # dtype, rows, mean context, layers, us, GB/s, share of stream
+    assert len(rows) == 1 and rows[0][:2] == ["float32", "2"] and rows[0][3] == "3" and float(rows[0][4]) > 0
