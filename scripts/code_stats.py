@@ -13,6 +13,11 @@ What is counted:
               ``end_lineno - lineno + 1`` of the def: decorators excluded, docstring included.
   imports     static imports of each module, also those inside functions (they run when
               called); not those under ``if TYPE_CHECKING:``, which never run.
+  docstrings  lines of module, class and function docstrings over all lines of the ``*.py`` files
+              under jaxllm/, scheduler/ and kernels_pallas/.
+  house       README.md lines, ``ModelRunner``'s methods and lines, scheduler/scheduler.py lines, the source
+              files (``*.py``, ``*.cc``, ``*.h`` of the three packages) that mention "compress", and the modules
+              that import the C++ driver ``kernels_pallas.native``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxllm", "scheduler")
+SOURCE_PACKAGES = ("jaxllm", "scheduler", "kernels_pallas")
+NATIVE_DRIVER = "kernels_pallas.native"
 LONG_FUNCTION = 100
 # The functions the reviews track, by qualified name and the package that holds them.
 TRACKED = (("jaxllm", "EngineCore.step"), ("scheduler", "Scheduler.schedule"))
@@ -154,6 +161,53 @@ def longest_import_chain(graph: dict[str, set[str]]) -> list[str]:
     return max((visit(m, set()) for m in sorted(graph)), key=len, default=[])
 
 
+def docstring_lines(root: Path) -> dict[str, int]:
+    """Docstring lines and all lines of the ``*.py`` files of :data:`SOURCE_PACKAGES` under ``root``."""
+    docs = total = 0
+    for package in SOURCE_PACKAGES:
+        for path, tree in _modules(root, package).values():
+            total += len((root / path).read_text().splitlines())
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                        ast.get_docstring(node, clean=False) is not None:
+                    docs += node.body[0].end_lineno - node.body[0].lineno + 1
+    return {"docstring_lines": docs, "lines": total}
+
+
+def class_size(root: Path, package: str, name: str) -> dict | None:
+    """The methods (direct ``def``s) and lines of the first class named ``name`` under ``root/package``."""
+    for path, tree in _modules(root, package).values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                return {"path": path, "methods": len(methods), "lines": node.end_lineno - node.lineno + 1}
+    return None
+
+
+def house(root: Path) -> dict:
+    """The figures issue 53 tracks (see the module docstring)."""
+    sources = [p for package in SOURCE_PACKAGES for suffix in ("*.py", "*.cc", "*.h")
+               for p in sorted((root / package).rglob(suffix))]
+    importers = set()
+    for package in SOURCE_PACKAGES:
+        for module, (_, tree) in _modules(root, package).items():
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+                         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+                if module != NATIVE_DRIVER and NATIVE_DRIVER in names:
+                    importers.add(module)
+    scheduler_py = root / "scheduler" / "scheduler.py"
+    return {
+        "readme_lines": len((root / "README.md").read_text().splitlines()),
+        "model_runner": class_size(root, "jaxllm", "ModelRunner"),
+        "scheduler_py_lines": len(scheduler_py.read_text().splitlines()) if scheduler_py.exists() else None,
+        "files_mentioning_compress": sorted(p.relative_to(root).as_posix() for p in sources
+                                            if "compress" in p.read_text().lower()),
+        "native_driver_importers": sorted(importers),
+    }
+
+
 def _function_stats(found: list[Function]) -> dict:
     longest = max(found, key=lambda f: f.lines)
     return {
@@ -177,6 +231,8 @@ def stats(root: Path) -> dict:
         "function_lines": {package: _function_stats(found[package]) for package in PACKAGES},
         "tracked": {name: next((dataclasses.asdict(f) for f in found[package] if f.qualname == name), None)
                     for package, name in TRACKED},
+        "docstrings": docstring_lines(root),
+        "house": house(root),
         "imports": {
             "modules": len(graph),
             "longest_chain_depth": len(chain),
@@ -221,6 +277,19 @@ def report(s: dict) -> str:
         + " -> ".join(imports["longest_chain_at_import"]),
         f"  cycles: {_cycles(imports['cycles'])}; also counting `if TYPE_CHECKING:` imports: "
         f"{_cycles(imports['cycles_with_type_checking'])}",
+    ]
+    docs, h = s["docstrings"], s["house"]
+    runner = h["model_runner"]
+    lines += [
+        f"docstrings: {docs['docstring_lines']} of {docs['lines']} lines "
+        f"({docs['docstring_lines'] / docs['lines']:.1%}) in {', '.join(SOURCE_PACKAGES)}",
+        f"README.md: {h['readme_lines']} lines; scheduler/scheduler.py: {h['scheduler_py_lines']} lines",
+        "ModelRunner: " + (f"{runner['methods']} methods, {runner['lines']} lines ({runner['path']})" if runner
+                           else "not found"),
+        f"files mentioning compression: {len(h['files_mentioning_compress'])}: "
+        + " ".join(h["files_mentioning_compress"]),
+        f"modules importing {NATIVE_DRIVER}: {len(h['native_driver_importers'])}: "
+        + " ".join(h["native_driver_importers"]),
     ]
     return "\n".join(lines)
 
