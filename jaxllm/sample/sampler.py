@@ -1,39 +1,13 @@
-"""Batched token sampler: one jitted function for every row of a step.
+"""Batched token sampler: one jitted function for every row of a step (vLLM v1's ``Sampler``).
 
-Every per-request control is an array argument (one row per sequence), so no
-request property triggers a compilation. Follows vLLM v1's ``Sampler``:
+Every per-request control is an array row, so no request property triggers a compilation. Order, as vLLM:
+structured-output bitmask; raw logprobs (``logprobs_mode="raw_logprobs"``); logit processors (bias row,
+allowed ids, bad words, ``min_tokens``); penalties (CTRL repetition, OpenAI frequency/presence); argmax for
+greedy rows, else temperature, min-p/top-k/top-p and a Gumbel-max draw.
 
-0. the structured-output bitmask: tokens a row's grammar does not allow
-   get -inf (``jaxllm.structured_output``; vLLM applies it to the logits
-   before its sampler);
-1. log-probabilities, when some row asks, of the *raw* model distribution
-   (``log_softmax`` of the logits before any processing but the bitmask;
-   vLLM's default ``logprobs_mode="raw_logprobs"``);
-2. logit processors: ``allowed_token_ids`` and single-token ``bad_words``
-   and ``logit_bias`` (one additive bias row per request), multi-token bad
-   words (ids banned this step), ``min_tokens`` (eos and stop ids banned);
-3. penalties: CTRL's repetition penalty (Keskar et al. 2019) over prompt and
-   output tokens, OpenAI's frequency and presence penalties over output
-   tokens;
-4. greedy rows (temperature 0) take the argmax of the processed logits;
-5. the others: temperature, then min-p, top-k and top-p from one descending
-   sort, then a Gumbel-max draw (equivalent to vLLM's exponential race).
-
-Per-request state lives on the device in :class:`SamplerTables` rows indexed by
-a *sampling slot* (slot 0 is padding) that the engine assigns while a
-sequence runs: output-token counts, prompt-token presence, the bias row and
-the stop-id row. The step gathers each row's slot and adds the sampled token
-to its counts (the tables are donated).
-
-Prompt logprobs (:func:`prompt_logprobs`) are computed in the same step, from
-the hidden states of every token row, only when some row asks for them.
-
-Randomness: each row's key is ``fold_in(key(seed), num_generated)``, so a
-request's draws depend only on its own seed and how many tokens it has
-produced -- not on the batch it shares, the bucket, or preemption. The key
-holds all 64 bits of the seed (threefry's two key words: two int64 seeds
-never share a stream); JAX's own ``key(seed)`` would keep 32 of them
-without ``jax_enable_x64``.
+Per-request state lives on the device in :class:`SamplerTables`, indexed by a sampling slot (0 = padding).
+A row's key is ``fold_in(key(seed), num_generated)`` over the seed's full 64 bits, so its draws depend only
+on its seed and its token count, never on the batch. Design notes: docs/design/sampler.md.
 """
 
 from __future__ import annotations
@@ -61,31 +35,15 @@ _NO_TOKEN = np.iinfo(np.int32).max
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingArrays:
-    """Per-row sampling controls of one step: numpy on the host, where
-    :meth:`set_row` fills them; a pytree, so ``jax.device_put`` gives the
-    same class of device arrays, which the sampler reads.
+    """Per-row sampling controls of one step (numpy on the host, a pytree of device arrays in the sampler).
 
-    Arrays are ``[S]`` (the padded sequence bucket) unless noted:
-
-      slot: int32, the row's sampling slot in :class:`SamplerTables` (0 = none).
-      temperature: float32, 0 = greedy. top_k: int32, 0 = off. top_p,
-        min_p: float32. seed: uint32[S, 2], the seed's two's-complement
-        64 bits as (high, low) words, the threefry key data of the row's
-        ``key(seed)`` (:func:`seed_words`). num_generated: int32, tokens the
-        sequence has generated before this step.
-      presence_penalty, frequency_penalty, repetition_penalty: float32
-        (0, 0, 1 = off).
-      use_bias: bool, add the slot's bias row (logit_bias, allowed ids,
-        single-token bad words).
-      min_tokens: int32, the slot's stop row is banned while
-        ``num_generated < min_tokens``.
-      num_logprobs: int32, top log-probabilities wanted (0 = only the chosen
-        token's), -1 = none.
-      sample_mask: bool, the sample is used (its token is counted).
-      banned: int32[S, MAX_BANNED_IDS], ids banned this step, padded with an
-        out-of-range id.
-
-    Padding rows are greedy, inert and use slot 0.
+    Arrays are ``[S]`` (the padded sequence bucket) unless noted; padding rows are greedy, inert, slot 0:
+      slot: int32 sampling slot (0 = none); temperature: float32 (0 = greedy); top_k: int32 (0 = off);
+      top_p, min_p: float32; seed: uint32[S, 2] (:func:`seed_words`); num_generated: int32;
+      presence_penalty, frequency_penalty, repetition_penalty: float32 (0, 0, 1 = off);
+      use_bias: bool, add the slot's bias row; min_tokens: int32, the slot's stop row is banned before it;
+      num_logprobs: int32 (0 = chosen token's only, -1 = none); sample_mask: bool, the token is counted;
+      banned: int32[S, MAX_BANNED_IDS] ids banned this step, padded with an out-of-range id.
     """
 
     slot: np.ndarray
@@ -153,18 +111,14 @@ class SamplingArrays:
         self.banned[row, : len(banned)] = banned
 
     def repeat(self, num_positions: int) -> "SamplingArrays":
-        """Each row repeated for ``num_positions`` consecutive positions of
-        its sequence (speculative verification): row ``s * num_positions + j``
-        is row ``s`` with ``num_generated + j``."""
+        """Each row repeated ``num_positions`` times: row ``s * P + j`` is row s at ``num_generated + j``."""
         wide = jax.tree_util.tree_map(lambda v: np.repeat(v, num_positions, axis=0), self)
         wide.num_generated += np.tile(np.arange(num_positions, dtype=np.int32), len(self.slot))
         return wide
 
 
 def seed_words(seed: int) -> tuple[int, int]:
-    """An int64 seed's threefry key data: its two's-complement bits as (high, low) uint32 words, what
-    ``jax.random.key(seed)`` holds under ``jax_enable_x64`` (a seed in ``[0, 2**32)`` is ``(0, seed)``).
-    ``SamplingParams`` keeps seeds in ``[-2**63, 2**63)``, where this is one-to-one."""
+    """An int64 seed's two's-complement bits as (high, low) uint32 words: ``jax.random.key(seed)``'s data under x64."""
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
 
 
@@ -201,17 +155,11 @@ def init_tables(num_slots: int, vocab: int) -> SamplerTables:
 
 def fill_slot(tables: SamplerTables, slot: jax.Array, token_ids: jax.Array, num_prompt: jax.Array,
               num_tokens: jax.Array) -> SamplerTables:
-    """Reset slot ``slot`` for a sequence admitted (or readmitted) with these tokens.
+    """Reset slot ``slot`` for a sequence (re)admitted with these tokens (recounted, so a recompute never counts twice).
 
     Args:
-      tables: the tables (donated).
-      slot: int32[] the slot.
-      token_ids: int32[L] prompt then output tokens, padded to a fixed L so
-        this compiles once.
-      num_prompt: int32[] prompt length; num_tokens: int32[] prompt + output.
-
-    Recounting from the token list on every (re)admission means a preempted
-    and recomputed sequence never counts a token twice.
+      tables: the tables (donated). slot: int32[]. token_ids: int32[L] prompt then output tokens, padded to a
+      fixed L. num_prompt: int32[] prompt length. num_tokens: int32[] prompt + output.
     """
     pos = jnp.arange(token_ids.shape[0])
     in_prompt = pos < num_prompt
@@ -234,21 +182,12 @@ def set_slot_rows(tables: SamplerTables, slot: jax.Array, bias: jax.Array, stop:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
-    """The sampler's outputs, one row per sequence row ``S`` of the step.
+    """The sampler's outputs: ``[S]`` rows from :func:`sample`, ``[S, P]`` (emitted tokens first) from :func:`verify`.
 
-    :func:`sample` gives one token per row, ``[S]``; :func:`verify` and
-    :func:`sample_or_verify` (steps that may carry drafts) give ``P``
-    positions per row, ``[S, P]``, the emitted tokens first, and set
-    ``num_emitted``: whether it is None tells the two apart.
-
-      token_ids: int32[S] / int32[S, P] the sampled tokens.
-      logprobs: float32[S] / [S, P] each token's raw logprob.
-      ranks: int32[S] / [S, P] its 1-based rank in the raw distribution.
-      top_ids: int32[S, K] / [S, P, K] and top_logprobs: float32 of the same
-        shape, the top ``K = min(MAX_LOGPROBS, V)`` tokens, descending
-        (zeros when no row asked for logprobs).
-      num_emitted: int32[S] tokens each row emits (accepted drafts + 1);
-        None from :func:`sample`.
+      token_ids: int32 the tokens; logprobs: float32 their raw logprobs; ranks: int32 1-based raw ranks.
+      top_ids: int32[..., K], top_logprobs: float32[..., K] the top ``K = min(MAX_LOGPROBS, V)``, descending
+        (zeros when no row asked).
+      num_emitted: int32[S] accepted drafts + 1; None from :func:`sample`.
     """
 
     token_ids: jax.Array
@@ -262,12 +201,8 @@ class SamplerOutput:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PromptLogprobRows:
-    """:func:`prompt_logprobs`' outputs, one row per token row ``T`` of the step (zeros where none was wanted).
-
-      logprobs: float32[T] the raw logprob of the prompt token after the row's token.
-      ranks: int32[T] its 1-based rank.
-      top_ids: int32[T, K] and top_logprobs: float32[T, K] the top
-        ``K = min(MAX_LOGPROBS, V)`` tokens, descending.
+    """:func:`prompt_logprobs`' outputs per token row ``T`` (zeros where none was wanted): logprobs float32[T],
+    ranks int32[T] (1-based), top_ids int32[T, K] and top_logprobs float32[T, K], descending.
     """
 
     logprobs: jax.Array
@@ -283,13 +218,9 @@ def apply_logit_processors(logits: jax.Array, arrays: SamplingArrays, tables: Sa
                            extra_counts: jax.Array | None = None) -> jax.Array:
     """Bias row, bad-word bans and min_tokens, then penalties (vLLM v1 order).
 
-    logits: [S, V] float32; returns the same shape. ``extra_counts``: int32
-    [S, V] output tokens to count on top of the slot's (the drafts before a
-    verified position), or None. Repetition penalty
-    (CTRL): a logit of a token seen in the prompt or output is divided by the
-    penalty when positive, multiplied when negative. Frequency and presence
-    (OpenAI): ``logit -= frequency * count + presence * (count > 0)`` over
-    output tokens.
+    logits: float32[S, V], returned in the same shape. extra_counts: int32[S, V] output tokens counted on top of
+    the slot's (the drafts before a verified position), or None. Repetition (CTRL): seen tokens' logits divided
+    by the penalty when positive, multiplied when negative; frequency/presence (OpenAI) over output tokens.
     """
     slot = arrays.slot
     rows = jnp.arange(logits.shape[0])[:, None]
@@ -323,15 +254,10 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 def apply_top_k_top_p_min_p(
     logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
 ) -> jax.Array:
-    """Mask logits outside each row's min-p / top-k / nucleus set with -inf.
+    """Mask logits outside each row's min-p / top-k / top-p set with -inf (vLLM's rules, one sort per row).
 
-    logits: [S, V] float32 (already temperature-scaled); top_k int32[S]
-    (0 = off); top_p, min_p float32[S]. As vLLM: min-p keeps tokens with
-    probability >= ``min_p`` times the top one's; top-k the k most likely;
-    top-p the smallest most-likely set whose mass reaches ``top_p``,
-    measured on the distribution renormalised after min-p and top-k. One
-    descending sort per row; the most likely token always survives, and ties
-    at the cut-off all survive.
+    logits: float32[S, V] (temperature-scaled); top_k: int32[S] (0 = off); top_p, min_p: float32[S]. Top-p is
+    measured after min-p and top-k; the top token always survives and ties at a cut-off all survive.
     """
     vocab = logits.shape[-1]
     sorted_logits = -jnp.sort(-logits, axis=-1)
@@ -351,16 +277,10 @@ ARGMAX_CHUNKS = (128, 256, 64, 512, 32)
 
 
 def argmax_rows(logits: jax.Array) -> jax.Array:
-    """``jnp.argmax(logits, axis=-1)`` of float ``logits`` [R, V] as int32 [R], the same index (the first of
-    the row's maxima; a row with NaN, its first NaN), in two cheap passes.
+    """``jnp.argmax(logits, axis=-1)`` of float ``[R, V]`` as int32 ``[R]``, the same index, in two vectorized passes.
 
-    XLA's CPU backend compiles ``argmax`` as a reduction over (value, index) pairs that it does not vectorize:
-    measured 5.5 ms for 48 rows of a 49152-token vocabulary against 0.3 ms here (and 22 -> 1.8 ms at 192 rows).
-    Here each row is cut into chunks of ``c`` tokens (the first width of :data:`ARGMAX_CHUNKS` that divides V):
-    a plain vectorized max per chunk, the argmax over those [R, V / c] maxima (the first chunk holding the
-    row's maximum), then the argmax within that chunk. The vectorized max may skip NaN, so when some row's
-    sum is NaN (a NaN, or +inf beside -inf) the whole batch takes ``jnp.argmax`` instead. A vocabulary no
-    width divides takes ``jnp.argmax`` too.
+    Max per chunk of :data:`ARGMAX_CHUNKS` width, then the argmax within the first chunk holding the maximum;
+    a batch with a NaN sum, or a V no width divides, takes ``jnp.argmax``. Why: docs/design/sampler.md.
     """
     num_rows, vocab = logits.shape
     chunk = next((c for c in ARGMAX_CHUNKS if vocab % c == 0 and vocab // c >= 2), None)
@@ -393,10 +313,7 @@ def _draw(logits: jax.Array, arrays: SamplingArrays, filtered: bool) -> jax.Arra
 
 
 def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Raw logprobs of ``tokens`` [N], their ranks (1-based: how many tokens
-    are at least as likely, vLLM's rule) and the top ``MAX_LOGPROBS`` ids and
-    logprobs, descending (always computed, so shapes stay static; rows keep
-    what they asked for)."""
+    """Raw logprobs of ``tokens`` [N], 1-based ranks (vLLM's rule) and the top ``MAX_LOGPROBS``, descending."""
     logprobs = jax.nn.log_softmax(raw, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     ranks = jnp.sum(logprobs >= chosen[:, None], axis=-1, dtype=jnp.int32)
@@ -406,8 +323,7 @@ def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, 
 
 def _maybe_logprobs(raw: jax.Array, tokens: jax.Array, arrays: SamplingArrays,
                     bitmask: Optional[jax.Array]) -> tuple[jax.Array, ...]:
-    """:func:`_logprobs` of ``raw`` with the ``bitmask`` applied (:func:`_with_bitmask`) when some row asks for
-    logprobs, else zeros of the same shapes."""
+    """:func:`_logprobs` of ``raw`` with the bitmask applied when some row asks for logprobs, else zeros."""
     num_rows, width = raw.shape[0], min(MAX_LOGPROBS, raw.shape[-1])
     return jax.lax.cond(
         jnp.any(arrays.num_logprobs >= 0),
@@ -418,22 +334,16 @@ def _maybe_logprobs(raw: jax.Array, tokens: jax.Array, arrays: SamplingArrays,
 
 
 def _with_bitmask(raw: jax.Array, bitmask: Optional[jax.Array]) -> jax.Array:
-    """``raw`` [R, V] with :func:`apply_token_bitmask` of ``bitmask`` [R, W] (None: ``raw``); called inside a
-    ``lax.cond`` branch only, where it costs nothing unless the branch runs."""
+    """``raw`` [R, V] with :func:`apply_token_bitmask` of ``bitmask`` (None: ``raw``)."""
     return raw if bitmask is None else apply_token_bitmask(raw, bitmask)
 
 
 def _choose(raw: jax.Array, arrays: SamplingArrays, tables: SamplerTables, bitmask: Optional[jax.Array],
             extra_counts: Callable[[], jax.Array] | None = None) -> jax.Array:
-    """One token per row of float32 logits ``raw`` [R, V]: the structured-output ``bitmask`` (None: no row is
-    constrained), the processors (with ``extra_counts()`` counted as outputs, when given), then the argmax
-    (greedy rows) or a draw. A row the processors leave without a token (all -inf) chooses from the masked
-    logits as if it had no processors, so a constrained row always takes a token its grammar accepts.
+    """One token per row of float32 ``raw`` [R, V]: bitmask, processors, then argmax or a draw.
 
-    Every ``lax.cond`` here returns tokens, never logits: a branch that passed ``raw`` through would make XLA's
-    CPU backend copy the [R, V] logits into the cond's result on every step (measured 2.5 ms of a 48-row
-    greedy step's 2.8, 11 of 12 ms at 192 rows, 49152-token vocabulary). The bitmask is one more reason to
-    take the processing branch, so the sampler is traced twice (processed or not), not once per branch.
+    A row the processors leave without a token chooses as if it had none. Each ``lax.cond`` returns tokens,
+    never logits (a logits-valued branch copies [R, V] every step: docs/design/sampler.md).
     """
     constrained = False if bitmask is None else jnp.any(bitmask != -1)
     needs_processing = constrained | jnp.any(
@@ -468,24 +378,13 @@ def sample(logits: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
     """Draw one token per row and count it in the row's slot.
 
     Args:
-      logits: [S, V] float32.
-      arrays: the rows' :class:`SamplingArrays`, ``[S]``, on the device.
-      tables: the :class:`SamplerTables` (:func:`init_tables`); donate them.
-      bitmask: int32[S, ceil(V / 32)] the tokens each row may take
-        (:func:`apply_token_bitmask`); all ones (-1) for unconstrained rows;
-        None: no row is constrained.
+      logits: float32[S, V]. arrays: the rows' :class:`SamplingArrays` on the device.
+      tables: the :class:`SamplerTables` (donated).
+      bitmask: int32[S, ceil(V / 32)] allowed tokens (all ones for unconstrained rows), or None.
 
     Returns:
-      ``(out, tables)``: ``out`` a :class:`SamplerOutput` of ``[S]`` rows
-      (``num_emitted`` None); ``tables`` has each used sample added to its
-      slot's counts.
-
-    The bitmask, the processors, the sort, the random draw and the logprobs
-    each run only when some row needs them (``lax.cond``), so a plain greedy
-    step pays for an argmax alone. A row whose bans (``allowed_token_ids``,
-    bad words, ``min_tokens``) leave no token its bitmask allows samples as
-    if it had no processors, so a constrained row always takes a token its
-    grammar accepts.
+      ``(out, tables)``: a :class:`SamplerOutput` of ``[S]`` rows and the tables with used samples counted.
+      Each stage runs only when some row needs it (``lax.cond``).
     """
     raw = logits.astype(jnp.float32)
     tokens = _choose(raw, arrays, tables, bitmask)
@@ -510,46 +409,21 @@ def _draft_counts(drafts: jax.Array, vocab: int) -> jax.Array:
 
 def verify(logits: jax.Array, drafts: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
            bitmask: Optional[jax.Array] = None) -> tuple[SamplerOutput, SamplerTables]:
-    """Verify each row's draft tokens and emit its accepted drafts plus one token (speculative decoding).
+    """Verify each row's drafts and emit its accepted drafts plus one token (speculative decoding).
 
-    Position j of a row holds the target's logits after the row's known
-    tokens and its first j drafts; it verifies draft ``drafts[s, j]``. Each
-    position samples its token as it would without speculation: the
-    penalties count the drafts before it as output tokens, ``min_tokens``
-    and the random key see ``num_generated + j``
-    (``SamplingArrays.repeat``), bad-word bans are per position, and the
-    draw is :func:`sample`'s (argmax for greedy rows, the row's seeded
-    Gumbel draw otherwise). A row accepts its longest run of drafts equal to
-    those tokens and emits them and the token after them.
-
-    For temperature > 0 this is the rejection-sampling rule of Leviathan et
-    al. 2023 / Chen et al. 2023 (accept draft ``d`` with probability
-    ``min(1, p(d) / q(d))``, on rejection draw from ``max(0, p - q)``
-    renormalised) for a draft distribution ``q`` that is a point mass on
-    ``d`` -- the n-gram proposer's, and the draft model's, which proposes
-    greedily -- realised by coupling: the token ``x ~ p`` equals ``d`` with
-    probability ``p(d)``, and given ``x != d`` it is distributed as ``p``
-    without ``d``, renormalised. So every emitted token is distributed as
-    without speculation, and, as the draws are keyed by seed and
-    ``num_generated`` alone, a seeded request emits exactly the tokens it
-    would without speculation, in any batch.
+    Position j samples as without speculation (drafts before it count as output, keys see ``num_generated + j``);
+    a row accepts its longest run of drafts equal to those tokens. For temperature > 0 this is the
+    rejection-sampling rule of Leviathan et al. 2023 for a point-mass draft, so a seeded request emits exactly
+    the tokens it would without speculation.
 
     Args:
-      logits: [S * P, V] float32, row ``s * P + j`` = row s at position j.
-      drafts: int32[S, P], -1 where a position verifies nothing (always
-        the last, and past a row's drafts).
-      arrays: ``SamplingArrays.repeat(P)`` (``[S * P]``) on the device.
-      tables: the :class:`SamplerTables`; donate them.
-      bitmask: int32[S, ceil(V / 32)] structured-output bitmask (as in
-        :func:`sample`), applied to each row's first position only (all
-        ones elsewhere): a constrained row never carries drafts (the
-        proposers skip it), so it samples its one token at position 0.
-        None: no row is constrained.
+      logits: float32[S * P, V], row ``s * P + j`` = row s at position j.
+      drafts: int32[S, P], -1 where a position verifies nothing.
+      arrays: ``SamplingArrays.repeat(P)`` on the device. tables: donated.
+      bitmask: int32[S, ceil(V / 32)] applied at position 0 only (constrained rows carry no drafts), or None.
 
     Returns:
-      ``(out, tables)``: ``out`` a :class:`SamplerOutput` of ``[S, P]``
-      rows, the emitted tokens first, with ``num_emitted: int32[S]``
-      (accepted drafts + 1); ``tables`` counts the emitted tokens.
+      ``(out, tables)``: a :class:`SamplerOutput` of ``[S, P]`` rows with ``num_emitted: int32[S]``.
     """
     num_rows, width = drafts.shape
     if bitmask is not None:
@@ -573,24 +447,16 @@ def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: j
                      logits_indices: jax.Array, num_spec_tokens: jax.Array, arrays: SamplingArrays,
                      tables: SamplerTables, num_positions: int,
                      bitmask: Optional[jax.Array] = None) -> tuple[SamplerOutput, SamplerTables]:
-    """The sampler of a step that may carry draft tokens: :func:`verify` when some row does, else :func:`sample`.
+    """The sampler of a step that may carry drafts: :func:`verify` when some row does, else :func:`sample`.
 
     Args:
-      compute_logits: hidden ``[N, E]`` -> logits float32 ``[N, V]``.
-      hidden: ``[T, E]`` final hidden states of the step's tokens.
-      input_ids: int32[T] the step's tokens (a row's drafts are its last
-        ``num_spec_tokens`` tokens).
-      logits_indices: int32[S] each row's last token; num_spec_tokens: int32[S].
-      arrays: ``SamplingArrays.repeat(num_positions)`` on the device.
-      tables: the :class:`SamplerTables`; donate them.
-      num_positions: P = 1 + the most drafts a row may carry (static).
-      bitmask: int32[S, ceil(V / 32)] structured-output bitmask (see
-        :func:`sample`, :func:`verify`), None: no row is constrained.
+      compute_logits: hidden ``[N, E]`` -> float32 logits ``[N, V]``. hidden: ``[T, E]``.
+      input_ids: int32[T] (a row's drafts are its last ``num_spec_tokens``). logits_indices,
+      num_spec_tokens: int32[S]. arrays: ``SamplingArrays.repeat(num_positions)``. tables: donated.
+      num_positions: static P = 1 + the most drafts a row may carry. bitmask: as :func:`verify`.
 
     Returns:
-      :func:`verify`'s outputs (a step without drafts fills position 0 of
-      each row, ``num_emitted`` 1). The lm_head runs on ``S * P`` rows only
-      when some row has drafts (``lax.cond``).
+      :func:`verify`'s outputs (without drafts: position 0, ``num_emitted`` 1).
     """
     position = jnp.arange(num_positions)[None, :]
     first = (logits_indices - num_spec_tokens)[:, None]
@@ -616,17 +482,11 @@ def prompt_logprobs(compute_logits: Callable[[jax.Array], jax.Array], hidden: ja
     """Raw logprobs of each token row's next prompt token, and its top tokens (vLLM's prompt logprobs).
 
     Args:
-      compute_logits: hidden ``[N, E]`` -> logits float32 ``[N, V]`` (the lm_head).
-      hidden: ``[T, E]`` the final hidden states of every token row.
-      target_ids: int32[T] the prompt token that follows each row's token,
-        -1 where no logprob is wanted.
+      compute_logits: hidden ``[N, E]`` -> float32 logits ``[N, V]``. hidden: ``[T, E]``.
+      target_ids: int32[T] the next prompt token, -1 where none is wanted.
 
     Returns:
-      :class:`PromptLogprobRows` of ``[T]`` rows: the target's
-      ``log_softmax`` of the float32 logits, its rank and the top tokens;
-      zeros where the target is -1. When no row wants them the
-      lm_head over the T rows is skipped (``lax.cond``), so the cost is paid
-      only by steps that carry such rows, and the shapes never change.
+      :class:`PromptLogprobRows` of ``[T]`` rows (zeros at -1); the lm_head is skipped when no row wants them.
     """
     def row(h_and_target: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         h, target = h_and_target

@@ -1,11 +1,7 @@
-"""Host side of the sampler in the engine core: sampling slots and per-sequence rows.
+"""Host side of the sampler: sampling slots and per-sequence rows.
 
-Each running sequence holds a *sampling slot*: a row of the device tables
-(``sampler.SamplerTables``) with its output-token counts, prompt-token
-presence, bias row and stop row. A slot is taken when the sequence is
-scheduled without one (admission, or readmission after preemption) and is
-then refilled from the sequence's tokens, and given back when the sequence
-is preempted or finished; so at most ``max_num_seqs`` slots are in use.
+A running sequence holds a sampling slot, a row of ``sampler.SamplerTables``: taken when it is scheduled
+without one (and refilled from its tokens), given back when it is preempted or finished.
 """
 
 from __future__ import annotations
@@ -32,15 +28,8 @@ class SlotTables(Protocol):
 
 @dataclasses.dataclass
 class SequenceSampling:
-    """Sampling state of one sequence that lives on the host.
-
-    Attributes:
-      params: its SamplingParams (n == 1).
-      seed: its random seed (its own, or one the engine drew).
-      stop_ids: eos and stop token ids, banned until ``min_tokens``.
-      multi_token_bad_words: bad words of two or more tokens; single-token
-        ones are in the bias row.
-      bias: the dense bias row (float32[V]) or None when it would be zero.
+    """Host sampling state of one sequence: ``params`` (n == 1), ``seed``, ``stop_ids`` (banned until
+    ``min_tokens``), ``multi_token_bad_words`` (single-token ones are in the bias row), ``bias`` float32[V] or None.
     """
 
     params: SamplingParams
@@ -61,15 +50,9 @@ class SequenceSampling:
 
 def make_sequence_sampling(params: SamplingParams, seed: int, stop_ids: Sequence[int], vocab_size: int,
                            bad_words: Sequence[Sequence[int]] = ()) -> SequenceSampling:
-    """Precompute one sequence's host sampling state.
+    """One sequence's host sampling state; ids were checked by the front end (``frontend.input_processor``).
 
-    The bias row adds ``logit_bias``, puts -inf outside ``allowed_token_ids``
-    and on single-token bad words. The front end has checked every id
-    against the vocabulary and the number of multi-token bad words against
-    ``sampler.MAX_BANNED_IDS`` (``jaxllm.frontend.input_processor``).
-
-    Args:
-      bad_words: the bad words' token-id lists (``input_processor.bad_words_token_ids``).
+    The bias row adds ``logit_bias`` and puts -inf outside ``allowed_token_ids`` and on single-token bad words.
     """
     multi = [list(w) for w in bad_words if len(w) > 1]
     bias = None
@@ -86,15 +69,11 @@ def make_sequence_sampling(params: SamplingParams, seed: int, stop_ids: Sequence
 
 
 class SamplingSlots:
-    """Assigns sampling slots and builds each step's :class:`SamplingArrays`.
-
-    The sequences are the core's ``CoreSequence``s: each carries its ``SequenceSampling`` (``sampling``; None
-    for a prefill parent, whose row stays inert) and its slot (``slot``, 0 while it holds none).
+    """Assigns sampling slots and builds each step's :class:`SamplingArrays` for the core's ``CoreSequence``s.
 
     Args:
       num_slots: rows of the device tables, slot 0 included (>= max_num_seqs + 1).
-      vocab_size: the model's vocabulary.
-      tables: writes the device tables (the runner).
+      vocab_size: the model's vocabulary. tables: writes the device tables (the runner).
     """
 
     def __init__(self, num_slots: int, vocab_size: int, tables: SlotTables) -> None:
@@ -134,24 +113,17 @@ class SamplingSlots:
         return request.slot
 
     def needs_previous_samples(self, output: SchedulerOutput) -> bool:
-        """True when a row of ``output`` that samples and has multi-token bad words takes the previous step's
-        sample as input (``prev_row``, async scheduling): its bans match its last generated tokens, which the
-        host must know first."""
+        """Whether a sampling row with multi-token bad words takes the previous step's sample (async scheduling)."""
         if not self._num_multi_word:
             return False
         fed = ((output.prev_row >= 0) & output.samples).nonzero()[0]
         return any(_has_multi_word(output.requests[i]) for i in fed.tolist())
 
     def arrays(self, output: SchedulerOutput, num_rows: int, num_positions: int = 1) -> SamplingArrays:
-        """The step's per-row controls; rows of sequences without sampling state (a fork parent) stay inert.
+        """The step's per-row controls (a fork parent's row stays inert); preempted sequences must be released first.
 
-        Preempted sequences must have been :meth:`release`-d first, so
-        their slots are free for this step's admissions.
-
-        With ``num_positions > 1`` (speculative decoding) every row is
-        repeated for its positions (``SamplingArrays.repeat``), and a row
-        verifying drafts bans at each position the bad words its output
-        plus the drafts before that position would complete.
+        With ``num_positions > 1`` each row is repeated per position, banning the bad words its output plus the
+        drafts before that position would complete.
         """
         arrays = SamplingArrays.empty(num_rows)
         for i, row in enumerate(output.scheduled):
