@@ -1,10 +1,7 @@
 """Tokenizer, chat template and incremental detokenizer.
 
-`Tokenizer` wraps a `tokenizers.Tokenizer` built either from a Hugging Face folder
-(`tokenizer.json` + configs) or from a GGUF file's `tokenizer.ggml.*` metadata, the way llama.cpp
-reads it. Chat templates render with a sandboxed jinja2 environment set up as HF transformers
-sets it up. `IncrementalDetokenizer` turns a stream of sampled ids into text deltas, as vLLM and
-TGI do (prefix offset / read offset).
+Builds a ``tokenizers.Tokenizer`` from a Hugging Face folder or a GGUF's ``tokenizer.ggml.*`` metadata
+(llama.cpp's reading); chat templates render in HF's jinja2 sandbox; detokenizes incrementally as vLLM/TGI.
 """
 
 import functools
@@ -42,8 +39,7 @@ TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token",
 
 
 class ChatInputError(ValueError):
-    """A conversation the chat template cannot be given; ``field`` names the input at fault (``messages``,
-    ``continue_final_message`` or ``chat_template_kwargs``: the chat request's fields, ``LLM.chat``'s arguments)."""
+    """A conversation the chat template cannot be given; ``field`` names the input at fault."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
@@ -53,15 +49,10 @@ class ChatInputError(ValueError):
 class Tokenizer:
     """A text tokenizer with the special-token ids and chat template a model needs.
 
-    Build it with `Tokenizer.from_pretrained(folder)` or `Tokenizer.from_gguf(file)`; the
-    constructor takes the parts directly (keyword-only after `backend`).
-
     Attributes:
-        backend: the wrapped `tokenizers.Tokenizer`.
-        bos_token_id: int or None.
-        eos_token_ids: list[int], every id that ends generation; the first is `eos_token_id`.
-        chat_template: the jinja2 source, or None.
-        config: the folder's `tokenizer_config.json` settings (empty for a GGUF).
+        backend: the wrapped ``tokenizers.Tokenizer``. bos_token_id: int or None.
+        eos_token_ids: list[int], every id that ends generation (the first is ``eos_token_id``).
+        chat_template: jinja2 source or None. config: ``tokenizer_config.json`` (empty for a GGUF).
     """
 
     def __init__(self, backend: _Backend, *, bos_token_id: int | None, eos_token_ids: list[int],
@@ -75,19 +66,14 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
-        """Load from a Hugging Face model folder.
+        """Load from a Hugging Face model folder, as transformers 5 does.
 
-        Reads `tokenizer.json` (model and post-processor as written, so BOS is added exactly when
-        its post-processor adds it; normalizer, pre-tokenizer and decoder as transformers 5 sets
-        them from `tokenizer_config.json`'s `legacy` and `add_prefix_space`, see
-        `_apply_config_flags`); the chat template from
-        `chat_template.jinja`, else `tokenizer_config.json["chat_template"]`; the BOS id from
-        `tokenizer_config.json`'s `bos_token`, else `generation_config.json`, else `config.json`;
-        and the EOS ids as the union, in that order, of `tokenizer_config.json`'s `eos_token` and
-        the `eos_token_id` (int or list) of `generation_config.json` and `config.json`.
+        ``tokenizer.json`` with ``tokenizer_config.json``'s ``legacy``/``add_prefix_space`` applied; the template
+        from ``chat_template.jinja`` or the config; BOS from the tokenizer config, generation config, then config;
+        EOS ids the union of those files' ``eos_token``/``eos_token_id``.
 
         Raises:
-            ValueError: `path` is not a folder with a `tokenizer.json`.
+            ValueError: ``path`` is not a folder with a ``tokenizer.json``.
         """
         folder = pathlib.Path(path)
         if not (folder / "tokenizer.json").is_file():
@@ -112,24 +98,14 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
-        """Build from a GGUF file's `tokenizer.ggml.*` metadata, following llama.cpp.
+        """Build from a GGUF file's ``tokenizer.ggml.*`` metadata, following llama.cpp.
 
-        `tokenizer.ggml.model`:
-          - "gpt2": byte-level BPE from `tokens` and `merges`. The split before BPE follows
-            `tokenizer.ggml.pre`: "smollm"/"starcoder"/"refact"/"codeshell" split digits one by
-            one then use the GPT-2 regex; "llama3"/"llama-bpe"/"qwen2"/... use their regex;
-            anything else falls back to the GPT-2 regex (with a warning unless it is "default"
-            or "gpt2").
-          - "llama": SentencePiece-style BPE with byte fallback and a `▁` word prefix (when
-            `add_space_prefix`, default true). Merges come from the file, or, when it has none,
-            are derived from the token scores (higher-scoring merged piece first). Best effort:
-            checked against a sentencepiece BPE tokenizer.json, not against every llama.cpp file.
-        Control (and unknown) tokens become special tokens; user-defined tokens are matched
-        whole but are not special. BOS is prepended when `add_bos_token` (default: false for
-        "gpt2", true for "llama", as llama.cpp does), EOS appended when `add_eos_token`.
+        "gpt2": byte-level BPE, pre-split by ``tokenizer.ggml.pre``'s regex (GPT-2's when unknown). "llama":
+        SentencePiece-style BPE with byte fallback, merges from the file or from the token scores. Control tokens
+        are special; BOS/EOS added per ``add_bos_token``/``add_eos_token`` (llama.cpp's defaults).
 
         Raises:
-            ValueError: the file has no tokenizer, or its tokenizer model is neither "gpt2" nor "llama".
+            ValueError: the file has no tokenizer, or its model is neither "gpt2" nor "llama".
         """
         from jaxllm.loader.gguf import gguf_tokenizer_metadata  # the loader package imports JAX
 
@@ -153,8 +129,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of ids the tokenizer can produce, added tokens included (may be below the
-        model's embedding rows, which are often padded)."""
+        """Ids the tokenizer can produce, added tokens included (may be below the model's padded embedding rows)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     @property
@@ -205,28 +180,21 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools=None, continue_final_message: bool = False,
                             chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
-        """Render a conversation with the model's chat template, as HF's
-        `apply_chat_template(..., tokenize=False)` does.
+        """Render a conversation with the chat template, as HF's ``apply_chat_template(..., tokenize=False)``.
 
         Args:
-            messages: dicts with at least `role` and `content`.
+            messages: dicts with at least ``role`` and ``content``.
             add_generation_prompt: append the cue for the assistant's turn.
-            tools: optional list of JSON-schema dicts, passed to the template as `tools`.
-            continue_final_message: end the text right after the last message's content (what the
-                template writes after it, such as an end-of-turn token, is cut), so the model goes on
-                with that message: a prefilled answer (HF's and vLLM's rule).
-            chat_template: a jinja2 template to use instead of the model's.
-            template_kwargs: extra template variables (vLLM's `chat_template_kwargs`, e.g.
-                `enable_thinking`); the ones above take precedence.
+            tools: JSON-schema dicts passed as ``tools``.
+            continue_final_message: cut the text right after the last message's content (HF's and vLLM's rule).
+            chat_template: a jinja2 template instead of the model's.
+            template_kwargs: extra variables (vLLM's ``chat_template_kwargs``); the ones above take precedence.
 
-        Returns the prompt text; it already holds any BOS the template writes, so encode it with
-        `add_special_tokens=False` when the template writes one.
+        Returns the prompt text, holding any BOS the template writes (encode with ``add_special_tokens=False``).
 
         Raises:
-            ValueError: no chat template (the model's or `chat_template`), `messages` is not a
-                list of dicts, both `add_generation_prompt` and `continue_final_message`, or the
-                last message's content is not a string found in the rendered text.
-            jinja2.TemplateError: the template itself raised (e.g. via `raise_exception`).
+            ValueError: no template, malformed ``messages``, both prompt flags, or no final content to continue.
+            jinja2.TemplateError: the template raised.
         """
         template = compile_chat_template(chat_template) if chat_template is not None else self._template
         if template is None:
@@ -246,15 +214,12 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict] | None = None,
                     chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> str:
-        """A conversation of OpenAI-style messages in the chat template, as the server renders a chat request
-        (and ``LLM.chat`` renders one): text content parts joined, an assistant's ``tool_calls`` with their
-        ``arguments`` decoded from JSON text (what HF templates write with ``tojson``, as vLLM passes them),
-        ``tools`` as HF's ``tools=``, ``chat_template_kwargs`` as extra variables (:meth:`apply_chat_template`).
+        """OpenAI-style messages in the chat template, as the server and ``LLM.chat`` render them (vLLM's rules).
+
+        Text parts are joined and tool-call ``arguments`` decoded from JSON; see :meth:`apply_chat_template`.
 
         Raises:
-            ChatInputError: naming ``chat_template_kwargs`` (a variable the renderer sets itself),
-                ``continue_final_message`` (with ``add_generation_prompt``, or no last message content to
-                continue) or ``messages`` (a malformed message, no chat template, a template that fails on them).
+            ChatInputError: naming ``chat_template_kwargs``, ``continue_final_message`` or ``messages``.
         """
         clash = [k for k in chat_template_kwargs or {} if k in TEMPLATE_VARIABLES]
         if clash:
@@ -275,9 +240,7 @@ class Tokenizer:
             raise ChatInputError("messages", f"the chat template failed on these messages: {e}") from None
 
     def info(self) -> dict:
-        """vLLM's `GET /tokenizer_info` body: the tokenizer's settings (`tokenizer_config.json` without its file
-        paths, a special token spelled by its `content`), `tokenizer_class` (the config's, else transformers'
-        "PreTrainedTokenizerFast") and the `chat_template` in use, when there is one."""
+        """vLLM's ``GET /tokenizer_info`` body: the tokenizer config, ``tokenizer_class`` and the template."""
         info = {k: _token_content(v) for k, v in self.config.items() if k not in ("vocab_file", "merges_file")}
         info.setdefault("bos_token", self._token_text(self.bos_token_id) or None)
         info.setdefault("eos_token", self._token_text(self.eos_token_id) or None)
@@ -291,8 +254,7 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
-    """The tokenizer a model ships (a GGUF's metadata, a folder's tokenizer.json), or None when
-    it ships none: such a model takes token-id prompts, and its eos ids come from its configs."""
+    """The tokenizer a model ships (GGUF metadata or a folder's tokenizer.json), or None (token-id prompts only)."""
     path = pathlib.Path(path)
     if path.is_file():
         from jaxllm.loader.gguf import gguf_has_tokenizer  # the loader package imports JAX
@@ -304,21 +266,13 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
 
 
 class IncrementalDetokenizer:
-    """Turns generated ids into text deltas, one token at a time (vLLM/TGI's method).
+    """Turns generated ids into text deltas one token at a time (vLLM/TGI's prefix/read offsets).
 
-    Each step decodes a short window `ids[prefix_offset:]` and subtracts the already-emitted
-    window `ids[prefix_offset:read_offset]`; decoding with context keeps SentencePiece's word
-    spaces and the byte-level merges right. While the decoded tail ends in U+FFFD (a UTF-8
-    character split across byte tokens) nothing is emitted and the offsets stay put.
-
-    The window starts in the last prompt tokens, so `text` is the continuation of the prompt:
-    `decode(prompt + output)` minus `decode(prompt)`. That equals `decode(output)` except where
-    the decoder strips a leading space (SentencePiece output starting a new word, where `text`
-    keeps the space) and for a trailing incomplete character (held back, never emitted).
+    Nothing is emitted while the decoded tail ends in U+FFFD (a split UTF-8 character). ``text`` is the
+    continuation of the prompt: ``decode(prompt + output)`` minus ``decode(prompt)``.
 
     Args:
-        tokenizer: the model's `Tokenizer`.
-        prompt_token_ids: the prompt's ids (only the last few are kept, as context).
+        tokenizer: the model's ``Tokenizer``. prompt_token_ids: the prompt's ids (the last few kept).
         skip_special_tokens: drop special tokens from the text.
     """
 
@@ -349,9 +303,7 @@ class IncrementalDetokenizer:
         return delta
 
     def peek(self, token_id: int) -> str:
-        """The text `step(token_id)` would return, leaving the state as it is: what `token_id` adds
-        to the text after the ids so far (a SentencePiece word's leading space included; "" while
-        it leaves a character split). Logprob token texts ask this of every candidate."""
+        """The text ``step(token_id)`` would return, leaving the state unchanged (logprob token texts)."""
         decode = self.tokenizer.decode
         if self._prefix_text is None:  # shared by every candidate of one position
             self._prefix_text = decode(self._window[self._prefix_offset:self._read_offset],
@@ -380,8 +332,7 @@ def _cut_after_final_message(text: str, messages: list[dict]) -> str:
 
 
 def _token_content(value):
-    """A setting as transformers' `init_kwargs` hold it once JSON-serialised: an added token (a dict with
-    `content`) becomes its text, in dicts and lists too."""
+    """A setting as transformers' serialised ``init_kwargs`` hold it: an added token dict becomes its text."""
     if isinstance(value, dict):
         return value["content"] if "content" in value else {k: _token_content(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -391,12 +342,10 @@ def _token_content(value):
 
 @functools.lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the sandbox HF uses, with HF's helper functions (cached: a template
-    given per call, as `LLM.chat(chat_template=...)`, compiles once; `jaxllm serve --chat-template`
-    checks its template with it before loading the model).
+    """Compile a chat template in HF's sandbox with HF's helpers (cached per source).
 
     Raises:
-        ValueError: `source` is not valid jinja2.
+        ValueError: ``source`` is not valid jinja2.
     """
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols])
@@ -430,21 +379,10 @@ def _backend_from_json(text: str, tok_config: dict) -> _Backend:
 
 
 def _apply_config_flags(spec: dict, tok_config: dict) -> bool:
-    """Apply `legacy` and `add_prefix_space` of `tok_config` to a parsed `tokenizer.json` as
-    transformers (5.x) does when it loads one; returns whether `spec` changed.
+    """Apply ``legacy``/``add_prefix_space`` to a parsed tokenizer.json as transformers 5 does; True if changed.
 
-    - `tokenizer_class` "PreTrainedTokenizerFast", "TokenizersBackend" or none: transformers
-      takes the file as written, and so do we.
-    - "LlamaTokenizer"/"LlamaTokenizerFast" (Llama 2, Mistral, stories260K) on a
-      SentencePiece-style file (a `Metaspace` pre-tokenizer, or the older normalizer that
-      replaces " " with "▁"): no normalizer; a `Metaspace` pre-tokenizer that prepends "▁" to
-      the text never (`add_prefix_space` false), only at the very start of the input
-      (`legacy` false, null or absent: no "▁" after a special token) or before every piece of
-      text, special tokens included (`legacy` true); the decoder strips the leading space only
-      when one was prepended (transformers' `LlamaTokenizer.__init__` and
-      `_get_prepend_scheme`).
-    - any other class (GPT2Tokenizer, Qwen2Tokenizer, ...) on a byte-level file: every
-      `ByteLevel` pre-tokenizer gets `add_prefix_space` (absent: false, those classes' default).
+    Llama tokenizer classes on a SentencePiece file get transformers' ``_get_prepend_scheme`` Metaspace; other
+    classes on a byte-level file get ``ByteLevel(add_prefix_space)``; fast/absent classes are left as written.
     """
     cls = tok_config.get("tokenizer_class")
     if cls in (None, "PreTrainedTokenizerFast", "TokenizersBackend"):
@@ -543,8 +481,7 @@ def _sentencepiece_bpe(meta: dict) -> _Backend:
 
 
 def _merges_from_scores(tokens: list[str], scores: list[float], vocab: dict) -> list[tuple]:
-    """SentencePiece BPE merges implied by a scored vocabulary: every split of a piece into two
-    pieces of the vocabulary, ranked by the merged piece's score (highest first)."""
+    """SentencePiece BPE merges implied by a scored vocabulary, the merged piece's score highest first."""
     ranked = []
     for token, score in zip(tokens, scores):
         for cut in range(1, len(token)):
@@ -577,8 +514,7 @@ def _bos_eos_processor(backend: _Backend, bos_id: int | None, eos_id: int | None
 
 
 def read_chat_template(value: str) -> str:
-    """A ``--chat-template`` flag's template (``jaxllm serve``, ``jaxllm generate``): the file ``value`` names, else ``value`` itself when it holds jinja2
-    (``{`` or a line break), as vLLM reads it.
+    """A ``--chat-template`` flag's template: the file ``value`` names, else ``value`` when it holds jinja2 (vLLM).
 
     Raises:
       ValueError: ``value`` names no file and is no template.
@@ -592,12 +528,10 @@ def read_chat_template(value: str) -> str:
 
 
 def _template_message(i: int, message: dict) -> dict:
-    """A chat message as chat templates read it: text parts joined; an assistant's ``tool_calls`` with
-    their ``arguments`` decoded from JSON text to objects (what HF templates write with ``tojson``, as vLLM
-    passes them).
+    """A chat message as templates read it: text parts joined, tool-call ``arguments`` decoded from JSON.
 
     Raises:
-      ChatInputError: ``messages``: not a dict, no string role, content that is not text, a malformed tool call.
+      ChatInputError: ``messages``: malformed message, role, content or tool call.
     """
     if not isinstance(message, dict):
         raise ChatInputError("messages", f"messages[{i}] must be a dict, got {message!r:.100}")
