@@ -1,19 +1,8 @@
-"""Core clients: how a front end talks to its engine core(s), behind one interface (vLLM's ``EngineCoreClient``).
+"""Core clients: how a front end talks to its engine core(s) (vLLM's ``EngineCoreClient``).
 
-* :class:`InprocClient` holds an ``EngineCore`` in this process and calls it: no copy, no serialization (what
-  ``LLM`` uses by default).
-* :class:`MPClient` starts one core process per data-parallel replica (``python -m jaxllm.core.process``) and talks
-  to them over ZMQ with msgpack frames (``jaxllm.core.messages``): one PUSH socket per core for its inputs, one
-  PULL socket all cores send their outputs to. A new request goes to the core that holds the longest cached
-  prefix of its prompt (``router.PrefixRouter``), ties broken by the fewest unfinished requests, then the lowest
-  index (vLLM's data-parallel router and SGLang's cache-aware router make the same two choices). A core that
-  dies (a crash, SIGKILL) is noticed within ``POLL_SECONDS``: every wait then raises :class:`EngineDeadError`.
-  Each core process exits by itself when this process dies.
-
-Front ends shed load with :func:`check_waiting_limit` (``EngineConfig.max_waiting_requests``).
-
-Both offer ``add_request``, ``abort_requests``, ``stop_sequences``, ``requests_finished`` and ``get_outputs``
-(blocking until some core reported a step); :class:`MPClient` also ``get_outputs_async`` for an asyncio front end.
+:class:`InprocClient` calls an ``EngineCore`` in this process; :class:`MPClient` runs one core process per
+data-parallel replica over ZMQ msgpack frames, routing a request to the core with the longest cached prefix
+(``router.PrefixRouter``), then the fewest unfinished requests, then the lowest index.
 """
 
 from __future__ import annotations
@@ -70,18 +59,11 @@ def check_waiting_limit(limit: Optional[int], num_open_sequences: int, infos: Se
                         latest_stats: dict[int, CoreStats]) -> None:
     """Shed load: refuse a new request while ``limit`` sequences or more wait for a batch seat.
 
-    Waiting sequences are the larger of two lower bounds: the front end's
-    open sequences (``num_open_sequences``) beyond the seats in force (each
-    core's latest ``CoreStats.max_num_seqs``, lowered by graceful
-    degradation; its configured ``CoreInfo.max_num_seqs`` before it
-    reported), which counts a burst that arrived since the last step; and the
-    sequences the cores reported waiting after their last step (``num_waiting``
-    of ``latest_stats``, core index -> stats), which counts those held back
-    by a short KV cache while seats are free.
+    Waiting is the larger of the open sequences beyond the seats in force and the cores' reported
+    ``num_waiting`` (``latest_stats``: core index -> ``CoreStats``).
 
     Raises:
-      QueueFullError: ``limit`` is not None and that many sequences wait; the
-        message names both numbers.
+      QueueFullError: ``limit`` is not None and reached (both numbers named).
     """
     if limit is None:
         return
@@ -93,12 +75,7 @@ def check_waiting_limit(limit: Optional[int], num_open_sequences: int, infos: Se
 
 
 class InprocClient:
-    """An ``EngineCore`` in this process (in-process calls; outputs are the core's own objects).
-
-    Attributes:
-      core: the ``EngineCore``.
-      infos: its ``CoreInfo``, in a one-item list (as :class:`MPClient`'s one per core).
-    """
+    """An ``EngineCore`` in this process: ``core``, and ``infos`` its ``CoreInfo`` in a one-item list."""
 
     def __init__(self, core) -> None:
         self.core = core
@@ -135,8 +112,7 @@ class InprocClient:
 
 
 def write_params_file(params: Any, folder: str) -> str:
-    """Write a parameter tree (host arrays, or arrays ``np.asarray`` reads) for the core processes to read at
-    start-up (``process.read_params_file``); returns the file's path."""
+    """Write a parameter tree for the core processes to read at start-up; returns the file's path."""
     path = os.path.join(folder, "params.msgpack")
     with open(path, "wb") as f:
         f.write(msgspec.msgpack.encode(encode_params(params)))
@@ -154,25 +130,17 @@ class MPClient:
     """``data_parallel_size`` engine-core processes behind one front end, over ZMQ.
 
     Args:
-      model: as for ``EngineCore``; each core process loads its own copy onto its devices (replica ``d`` on row
-        ``d`` of the ``(data, model)`` mesh).
-      config: the ``EngineConfig``; its ``scheduling_policy`` must be a name (it crosses a process boundary).
-      params: weights in memory for every core instead of the model's (``build_engine_core``'s ``params``): copied
-        to the host once, written to a file the core processes read at start-up (removed once they have).
-
-    The architectures registered in this process (``jaxllm.models.register_model``) are registered again in
-    each core process, by their import strings.
+      model: as for ``EngineCore``; replica ``d`` runs on row ``d`` of the ``(data, model)`` mesh.
+      config: the ``EngineConfig``; ``scheduling_policy`` must be a name.
+      params: weights for every core instead of the model's, passed through a file.
 
     Attributes:
-      infos: each core's ``CoreInfo``, by core index.
-      router: the :class:`PrefixRouter`.
-      routed: request id -> core index of every request not known to be finished.
-      num_routed: requests each core has been given so far.
+      infos: each core's ``CoreInfo``. router: the :class:`PrefixRouter`. routed: request id -> core index.
+      num_routed: requests each core has been given.
 
     Raises:
-      ValueError: a ``scheduling_policy`` object rather than a name, a ``ModelConfig`` as ``model``, or a
-        registered family object no importable module holds (``jaxllm.registry.Registration.import_string``).
-      EngineDeadError: a core process failed while starting (its error is in the message and on stderr).
+      ValueError: a policy object, a ``ModelConfig`` as ``model``, or a registered family not importable.
+      EngineDeadError: a core process failed while starting (its error in the message).
     """
 
     def __init__(self, model: Union[str, os.PathLike], config: EngineConfig, params: Optional[Any] = None) -> None:
@@ -347,12 +315,10 @@ class MPClient:
         return self._take_pending()
 
     def call_utility(self, core: int, method: str, *args: Any) -> Any:
-        """Call ``EngineCore.<method>(*args)`` in core ``core`` between its steps and wait for the value
-        (``EngineCore.UTILITY_METHODS``); outputs that arrive meanwhile are kept for :meth:`get_outputs`.
+        """Call ``EngineCore.<method>(*args)`` in core ``core`` between its steps and return the value.
 
         Raises:
-          RuntimeError: the core refused or the call raised (its message).
-          EngineDeadError: the cores are dead.
+          RuntimeError: the core refused or the call raised. EngineDeadError: the cores are dead.
         """
         call_id = next(self._call_ids)
         self._send(core, UtilityCall(call_id, method, list(args)))
@@ -363,12 +329,7 @@ class MPClient:
         return self._utility_result(core, method, call_id)
 
     async def call_utility_async(self, core: int, method: str, *args: Any) -> Any:
-        """:meth:`call_utility` for an asyncio front end: waits without blocking the event loop. Outputs that
-        arrive meanwhile are kept for :meth:`get_outputs_async`, whose wait notices them within ``POLL_SECONDS``.
-
-        Raises:
-          RuntimeError, EngineDeadError: as :meth:`call_utility`.
-        """
+        """:meth:`call_utility` without blocking the event loop. Raises as :meth:`call_utility`."""
         call_id = next(self._call_ids)
         self._send(core, UtilityCall(call_id, method, list(args)))
         while call_id not in self._results:
@@ -397,16 +358,14 @@ class MPClient:
         return all([self.call_utility(d, "wait_for_warmup", timeout) for d in range(len(self._cores))])
 
     def preload_prefixes(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Compute ``prompts`` into every core's prefix cache (``EngineCore.preload_prefixes``); the router then
-        knows each core holds them, so requests sharing them are spread by load alone."""
+        """Compute ``prompts`` into every core's prefix cache (``EngineCore.preload_prefixes``)."""
         for d in range(len(self._cores)):
             self.call_utility(d, "preload_prefixes", [list(p) for p in prompts])
             for ids in prompts:
                 self.router.record(d, ids, None)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop every core (each aborts its requests and exits), waiting up to ``timeout`` seconds before killing;
-        a second call does nothing."""
+        """Stop every core, killing after ``timeout`` seconds; a second call does nothing."""
         if not self._finalizer.alive:
             return
         self._finalizer.detach()

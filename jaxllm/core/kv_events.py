@@ -1,19 +1,9 @@
 """KV cache events published as vLLM publishes them (``--kv-events-config``), so routers see the prefix cache.
 
-Wire format (vLLM's ``vllm/distributed/kv_events.py``): each engine step that changed the prefix cache sends one
-ZMQ PUB multipart message ``(topic, seq, payload)``: ``topic`` the configured topic's UTF-8 bytes, ``seq`` a
-per-publisher counter from 0 as 8 big-endian bytes, ``payload`` a msgpack :class:`KVEventBatch`, the array
-``[ts, events, data_parallel_rank]`` (Unix seconds; ``BlockStored`` / ``BlockRemoved`` maps tagged with their
-class name under ``"type"``; the core's index).
-A block hash goes out as vLLM's default ``ExternalBlockHash``, the low 64 bits of the hash read big-endian, or
-as the hash's bytes when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (vLLM's switch). With ``replay_endpoint`` a
-ROUTER socket answers ``(b"", start_seq as 8 big-endian bytes)`` with every buffered ``(seq, payload)`` from
-``start_seq`` on, then ``(-1, b"")``. Data-parallel core ``i`` adds ``i`` to both ports, as vLLM's ranks do.
-
-Our hashes are 16-byte xxh3 digests of ``scheduler.block_hash`` (vLLM's are sha256 or xxhash of its own
-encoding): equal prefixes give equal hashes within one jaxllm version, which is what a subscriber matching
-stored against removed blocks, or one replica against another, needs. Events report their tier as vLLM's
-medium: ``"GPU"`` for the device pool, ``"CPU"`` for the host tier (``scheduler.host_tier``); jaxllm has no LoRA, so ``lora_id`` and ``lora_name`` are None.
+Wire format of vLLM's ``vllm/distributed/kv_events.py``: ZMQ PUB ``(topic, seq as 8 big-endian bytes,
+msgpack KVEventBatch)``; an optional ROUTER replays from a ``start_seq``; core ``i`` adds ``i`` to the ports.
+Hashes are 16-byte xxh3 digests of ``scheduler.block_hash`` (stable within a jaxllm version); medium "GPU"
+is the device pool, "CPU" the host tier.
 """
 
 from __future__ import annotations
@@ -45,16 +35,11 @@ class KVEventsConfig:
     """``--kv-events-config``: vLLM's ``KVEventsConfig`` fields, names, defaults and meanings.
 
     Attributes:
-      enable_kv_cache_events: record and publish the events.
-      publisher: "zmq", or "null" (record nothing); None: "zmq" when enabled, else "null".
-      endpoint: the PUB socket's address; one with ``*``, ``::``, ``ipc://`` or ``inproc://`` is bound, any other
-        connected to (a subscriber or proxy listening there), as vLLM does.
-      replay_endpoint: a ROUTER address (bound) that replays buffered batches; None: no replay.
-      buffer_steps: batches kept for replay.
-      hwm: the PUB socket's high-water mark (ZMQ drops messages past it for a slow subscriber).
-      max_queue_size: batches waiting for the publisher thread at most (the core waits past it).
-      topic: the first frame of every message; subscribers filter on its prefix (vllm-router 0.1.17's
-        --kv-event-source applies only vLLM's default, the empty topic).
+      enable_kv_cache_events: record and publish. publisher: "zmq" or "null" (None: "zmq" when enabled).
+      endpoint: the PUB address (bound for ``*``, ``::``, ``ipc://``, ``inproc://``; else connected).
+      replay_endpoint: a ROUTER address for replay, or None. buffer_steps: batches kept for replay.
+      hwm: the PUB high-water mark. max_queue_size: batches queued for the publisher thread.
+      topic: the first frame of every message.
 
     Raises:
       ValueError: a field out of range, naming it.
@@ -89,10 +74,10 @@ class KVEventsConfig:
 
     @classmethod
     def parse(cls, value: Union["KVEventsConfig", dict[str, Any], str, None]) -> Optional["KVEventsConfig"]:
-        """A config from a dict, its JSON text (the CLI's ``--kv-events-config``), or itself; None stays None.
+        """A config from a dict, its JSON text or itself; None stays None.
 
         Raises:
-          ValueError: bad JSON, a key that is not a field (named with the fields), or a bad value.
+          ValueError: bad JSON, an unknown key (named with the fields), or a bad value.
         """
         return dataclass_from_json(cls, value, "kv_events_config")
 
@@ -146,11 +131,10 @@ def to_wire(event: KVEvent, as_int: bool) -> Union[BlockStored, BlockRemoved]:
 
 
 def offset_port(endpoint: Optional[str], rank: int) -> Optional[str]:
-    """``endpoint`` for data-parallel rank ``rank``: a tcp port plus ``rank``, an inproc name with ``_dp{rank}``
-    (vLLM's ``offset_endpoint_port``).
+    """``endpoint`` for data-parallel ``rank``: tcp port + rank, inproc ``_dp{rank}`` (vLLM's ``offset_endpoint_port``).
 
     Raises:
-      ValueError: an ipc endpoint for a rank above 0 (vLLM has no rule for one either).
+      ValueError: an ipc endpoint for a rank above 0.
     """
     if not endpoint or rank == 0:
         return endpoint
@@ -164,12 +148,7 @@ def offset_port(endpoint: Optional[str], rank: int) -> Optional[str]:
 
 
 class ZmqEventPublisher:
-    """Publishes each step's events from a thread, so encoding and sending stay off the core's loop.
-
-    Args:
-      config: the ``KVEventsConfig`` (``publishes`` true).
-      rank: the core's data-parallel index (offsets the ports; ``data_parallel_rank`` of every batch).
-    """
+    """Publishes each step's events from a thread (``config.publishes`` true; ``rank`` the core's index)."""
 
     def __init__(self, config: KVEventsConfig, rank: int = 0) -> None:
         self.rank, self._topic = rank, config.topic.encode()

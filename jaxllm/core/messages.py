@@ -1,13 +1,8 @@
-"""What crosses the engine-core boundary: core requests in, core outputs and stats out (vLLM's ``EngineCoreRequest``,
-``EngineCoreOutput(s)``, ``SchedulerStats``).
+"""What crosses the engine-core boundary (vLLM's ``EngineCoreRequest``, ``EngineCoreOutput(s)``, ``SchedulerStats``).
 
-Token ids and numbers only: no strings the user reads, no tokenizer, no ``RequestOutput`` (those are the front
-end's: ``jaxllm.frontend.input_processor``, ``jaxllm.frontend.output_processor``). The same ``msgspec`` structs are handed over as
-objects by the in-process client and as msgpack frames (``encode`` / ``decode_*``) by the multiprocess one, so
-the in-process path pays no serialization. Structs are ``array_like`` (fields by position, no names on the wire)
-and ``gc=False`` where they hold no cycles, which keeps building one per sequence per step cheap.
-
-Times are seconds on ``time.monotonic`` (one clock for every process of a machine).
+Token ids and numbers only. The same ``msgspec`` structs pass as objects in-process and as msgpack frames
+(``encode`` / ``decode_*``) across processes; ``array_like`` and ``gc=False`` keep them cheap.
+Times are seconds on ``time.monotonic``.
 """
 
 from __future__ import annotations
@@ -23,13 +18,8 @@ from scheduler.sampling_params import SamplingParams
 
 
 class SampleLogprobs(msgspec.Struct, array_like=True, gc=False):
-    """One position's logprobs, as numbers (the front end turns them into vLLM's ``{token_id: Logprob}``).
-
-    Attributes:
-      token_id: the chosen (or prompt) token.
-      logprob: its raw logprob (``log_softmax`` of the float32 logits).
-      rank: its 1-based rank in that distribution.
-      top_ids, top_logprobs: the top ``k`` tokens and their logprobs, descending.
+    """One position's logprobs as numbers: ``token_id``, its raw ``logprob`` and 1-based ``rank``, and the top
+    ``k`` as ``top_ids``/``top_logprobs``, descending.
     """
 
     token_id: int
@@ -43,17 +33,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     """A request as the core takes it: validated and tokenized by the front end.
 
     Attributes:
-      request_id: unique among the front end's unfinished requests.
-      prompt_token_ids: the prompt, within the vocabulary and ``max_model_len``.
-      sampling_params: the request's (``n`` sequences are run).
-      seeds: one random seed per sequence (``seed + i``, or drawn by the front end).
-      stop_ids: ids banned until ``min_tokens``: the stop ids and every eos id.
-      bad_words_token_ids: the bad words as token-id lists (both spellings, see
-        ``input_processor.bad_words_token_ids``).
-      eos_token_id: the primary eos id (None: no eos stop).
-      arrival_time: when the front end received it.
-      priority: lower is more urgent (``priority``/``aging`` policies).
-      cache_salt: kept apart in the prefix cache from other salts.
+      request_id: unique among unfinished requests. prompt_token_ids: within the vocabulary and ``max_model_len``.
+      sampling_params: ``n`` sequences are run. seeds: one per sequence.
+      stop_ids: ids banned until ``min_tokens`` (stop and eos ids). bad_words_token_ids: token-id lists.
+      eos_token_id: the primary eos id (None: no eos stop). arrival_time: seconds.
+      priority: lower is more urgent. cache_salt: kept apart in the prefix cache.
     """
 
     request_id: str
@@ -69,19 +53,13 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """What one step did to one sequence of a request.
+    """What one step did to one sequence (``index`` of ``n``) of a request.
 
     Attributes:
-      request_id: the request's id.
-      index: which of its ``n`` sequences.
-      new_token_ids: tokens generated since the previous output.
-      finish_reason: "stop", "length" or "abort" once finished, else None.
-      stop_reason: the stop token id that ended it (stop strings are the front end's).
-      new_logprobs: one entry per new token, when the request asked for logprobs.
-      new_prompt_logprobs: prompt positions recorded since the request's previous
-        output (one entry each, position 1 first), with ``prompt_logprobs``.
-      num_cached_tokens: prompt tokens read from the prefix cache at first scheduling.
-      first_scheduled_time: when the sequence was first scheduled (None before).
+      new_token_ids: tokens since the previous output. finish_reason: "stop", "length", "abort" or None.
+      stop_reason: the stop token id that ended it. new_logprobs: one per new token, when asked.
+      new_prompt_logprobs: prompt positions recorded since the previous output (position 1 first).
+      num_cached_tokens: prompt tokens from the prefix cache. first_scheduled_time: seconds, or None.
       ignored_reason: why the scheduler refused it, if it did.
     """
 
@@ -98,43 +76,27 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 class CoreStats(msgspec.Struct, array_like=True, gc=False):
-    """The core after a step (or after requests changed while it was idle), for metrics.
-
-    Counters are cumulative since the core started; ``schedule_seconds`` and
-    ``num_scheduled_tokens`` are None for an update without a step.
+    """The core after a step (or an idle change), for metrics; counters are cumulative since the core started.
 
     Attributes:
-      num_running, num_waiting: requests holding a batch seat, and waiting (held by static batching included).
+      num_running, num_waiting: requests holding a batch seat, and waiting.
       kv_cache_usage: fraction of non-null KV blocks referenced, in [0, 1].
-      num_free_blocks, num_blocks: free KV blocks, and all of them (null block 0 included).
-      kv_live_slots, kv_allocated_slots: token slots of referenced blocks that hold a computed token, and all.
-      prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in, and served from, the prefix cache.
-      num_preemptions: preemptions.
-      compilations: programs the runner built (warm-up included).
-      num_preempted_waiting: of the waiting requests, those preempted.
-      max_num_seqs, max_num_batched_tokens: the limits in force (below the
-        configured ones while graceful degradation backs off).
-      prompt_len_cv: coefficient of variation (std / mean) of the running
-        requests' prompt lengths; 0 with fewer than two running.
-      schedule_seconds: host time of this step's ``schedule()``.
-      num_scheduled_tokens: tokens computed in this step.
-      spec_num_drafts: rows that verified draft tokens (speculative decoding).
-      spec_num_draft_tokens, spec_num_accepted_tokens: draft tokens verified, and accepted.
-      spec_accepted_per_position: accepted drafts by position in their row (0 = first draft).
-      step_seconds: wall time of the whole step (schedule, batch, device, sample read-back).
-      num_waiting_for_grammar: waiting requests whose structured-output grammar is still compiling.
-      grammar_bitmask_seconds: host time of this step's structured-output bitmask (None: no constrained row).
-      prefix_cache_hits_host: of ``prefix_cache_hits``, tokens loaded from the host tier (``kv_offloading_size``).
-      kv_offload_bytes_to_host, kv_offload_bytes_to_device: bytes the host tier's copies moved each way (every
-        runner's KV, a draft model's included).
-      kv_offload_seconds_to_host, kv_offload_seconds_to_device: engine-loop time of those copies (to the host:
-        dispatching the gathers before the step, writing the host pool after its dispatch, while it runs; to the
-        device: the host side and the dispatch; the device finishes them before the step reads them).
-      num_offload_blocks, num_offload_cached_blocks: the host tier's blocks, and those holding a block.
-      num_predicted_finished, predicted_output_tokens, actual_output_tokens, prediction_abs_error_tokens: the
-        output-length predictor's record (``scheduler.SchedulerStats``' fields of the names), cumulative.
-      num_compressed_blocks, num_compressed_in_use, num_blocks_compressed: the compressed KV pool's slots, those
-        held, and blocks compressed instead of a preemption, cumulative (``kv_cache_compression``; 0 without).
+      num_free_blocks, num_blocks: free KV blocks, and all (null block included).
+      kv_live_slots, kv_allocated_slots: token slots holding a computed token, and all allocated.
+      prefix_cache_queries, prefix_cache_hits: prompt tokens looked up, and served.
+      num_preemptions, compilations, num_preempted_waiting: counts.
+      max_num_seqs, max_num_batched_tokens: the limits in force (lowered by graceful degradation).
+      prompt_len_cv: std / mean of the running prompts' lengths (0 below two).
+      schedule_seconds, num_scheduled_tokens: this step's ``schedule()`` time and tokens (None without a step).
+      spec_num_drafts, spec_num_draft_tokens, spec_num_accepted_tokens, spec_accepted_per_position: drafts.
+      step_seconds: wall time of the whole step.
+      num_waiting_for_grammar, grammar_bitmask_seconds: structured output (None: no constrained row).
+      prefix_cache_hits_host: hits loaded from the host tier.
+      kv_offload_bytes_to_host/_to_device, kv_offload_seconds_to_host/_to_device: host-tier copies' bytes and
+        engine-loop seconds. num_offload_blocks, num_offload_cached_blocks: host-tier blocks, and those in use.
+      num_predicted_finished, predicted_output_tokens, actual_output_tokens, prediction_abs_error_tokens:
+        the output-length predictor's record.
+      num_compressed_blocks, num_compressed_in_use, num_blocks_compressed: the compressed KV pool (0 without).
     """
 
     num_running: int
@@ -178,13 +140,7 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="outputs"):
-    """One step's outputs of one core, with its stats after the step.
-
-    Attributes:
-      outputs: one per sequence that produced a token or finished.
-      stats: the core's ``CoreStats``.
-      core_index: which data-parallel core sent it.
-    """
+    """One step's ``outputs`` of one core (``core_index``), with its ``stats`` after the step."""
 
     outputs: list[EngineCoreOutput]
     stats: CoreStats
@@ -192,19 +148,12 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class CoreInfo(msgspec.Struct, array_like=True, tag="ready"):
-    """What the front end needs to know of a core (its handshake in the multiprocess client).
+    """What the front end needs to know of a core (the multiprocess handshake).
 
     Attributes:
-      vocab_size: the model's vocabulary.
-      max_model_len: prompt + output tokens at most.
-      eos_token_ids: the model's eos ids (config and generation config; the
-        front end puts the tokenizer's first).
-      num_blocks, block_size: the KV cache (blocks, null block included; tokens per block).
-      max_num_seqs: sequences per step at most.
-      max_banned_ids: multi-token bad words a sequence may have at most.
-      enable_prefix_caching: whether the core reuses cached prompt blocks.
-      device_ids: the ids of the devices the core's model step runs on.
-      core_index: the core's data-parallel rank.
+      vocab_size, max_model_len, eos_token_ids: the model's. num_blocks (null included), block_size: the KV
+      cache. max_num_seqs, max_banned_ids: limits. enable_prefix_caching: bool. device_ids: the step's devices.
+      core_index: the data-parallel rank.
     """
 
     vocab_size: int
@@ -232,7 +181,7 @@ class StopSequences(msgspec.Struct, array_like=True, tag="stop"):
 
 
 class UtilityCall(msgspec.Struct, array_like=True, tag="call"):
-    """Call ``EngineCore.<method>(*args)`` between steps (``EngineCore.UTILITY_METHODS``); answered by ``UtilityResult``."""
+    """Call ``EngineCore.<method>(*args)`` between steps; answered by ``UtilityResult``."""
 
     call_id: int
     method: str
@@ -260,11 +209,10 @@ class CoreFailed(msgspec.Struct, array_like=True, tag="failed"):
 
 
 def flatten(tree: Any) -> dict[str, Any]:
-    """``{path: leaf}`` of a parameter tree of nested dicts, a path being the keys joined by ``/``
-    (``"layers/wq"``); a key that holds ``/`` is already a path.
+    """``{"a/b": leaf}`` of a nested-dict parameter tree (a key holding ``/`` is already a path).
 
     Raises:
-      ValueError: ``tree`` is not a dict (named by its type).
+      ValueError: ``tree`` is not a dict.
     """
     if not isinstance(tree, Mapping):
         raise ValueError(f"params must be a dict of arrays (the layout of jaxllm.models.param_layout), "
@@ -293,9 +241,7 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def encode_params(tree: Any) -> dict[str, list]:
-    """A parameter tree (host arrays, or anything ``np.asarray`` reads: device arrays are copied to the host) as
-    msgpack-ready values for another process: ``{path: [dtype name, shape, raw bytes (C order)]}``
-    (:func:`flatten`'s paths); the bytes are the arrays' own buffers where they are contiguous."""
+    """A parameter tree as msgpack-ready ``{path: [dtype name, shape, raw C-order bytes]}`` (device arrays copied)."""
     out = {}
     for path, leaf in flatten(tree).items():
         array = np.ascontiguousarray(leaf)
@@ -304,10 +250,10 @@ def encode_params(tree: Any) -> dict[str, list]:
 
 
 def decode_params(encoded: dict[str, list]) -> dict[str, np.ndarray]:
-    """The arrays of :func:`encode_params` (read-only views of the received bytes, no copy).
+    """The arrays of :func:`encode_params` (read-only views of the received bytes).
 
     Raises:
-      ValueError: a dtype numpy and ml_dtypes do not know, or bytes that do not fill the shape (the leaf named).
+      ValueError: an unknown dtype, or bytes that do not fill the shape (the leaf named).
     """
     out = {}
     for path, (dtype_name, shape, data) in encoded.items():

@@ -1,15 +1,8 @@
 """An engine core in its own process: ``python -m jaxllm.core.process`` (started by ``client.MPClient``).
 
-One single-threaded busy loop (vLLM's ``EngineCoreProc``): take every waiting input (new requests, aborts,
-stops, utility calls), run one step while any request is unfinished and send its outputs; with nothing to do,
-block on the input socket. When inputs changed the core's state but no step followed (an abort of the last
-request), the core sends its stats alone, so the front end's block counts stay current.
-
-The process exits when its parent dies (a watchdog thread checks the parent pid), and on a ``Shutdown`` input
-(after stopping a background warm-up between two programs, without the interpreter's teardown, which for a process
-holding JAX takes a second or more). An error it cannot continue after is sent to the front end as ``CoreFailed``
-before the process exits with status 1.
-SIGINT is ignored: Ctrl-C reaches the whole process group, and the front end stops the core in its own time.
+A single-threaded busy loop (vLLM's ``EngineCoreProc``): drain inputs, step while requests are unfinished,
+send outputs (stats alone when inputs changed state without a step). It exits with its parent, on
+``Shutdown``, or after sending ``CoreFailed`` (status 1). SIGINT is ignored: the front end stops the core.
 """
 
 from __future__ import annotations
@@ -100,9 +93,9 @@ def read_params_file(path: str) -> dict:
 
 
 def replica_mesh(config, core_index: int):
-    """Core ``core_index``'s mesh: row ``core_index`` of the ``(data, model)`` mesh when this process sees
-    ``data_parallel_size x tensor_parallel_size`` devices, else the first ``tensor_parallel_size`` (a process
-    that sees only its own devices, as one CPU device per process)."""
+    """Core ``core_index``'s mesh: its row of the ``(data, model)`` mesh when all devices are visible, else the
+    first ``tensor_parallel_size`` devices.
+    """
     import jax
 
     from jaxllm.worker.sharding import make_mesh, replica_meshes

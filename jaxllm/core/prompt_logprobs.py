@@ -1,19 +1,7 @@
-"""Prompt logprobs in the engine core: which token rows of a step want one, and recording what the step returns.
+"""Prompt logprobs in the engine core (vLLM's ``SamplingParams.prompt_logprobs``): rows wanted, results recorded.
 
-vLLM's ``SamplingParams.prompt_logprobs=k``: for every prompt position a
-``{token_id: Logprob}`` dict holding the prompt token's logprob and rank and
-the top ``k``, of the raw model distribution (``log_softmax`` of the float32 logits);
-position 0 has no logprob (None). The step computes, at each query token,
-the logprob of the prompt token that follows it (``prompt_target_ids``,
-``sampler.prompt_logprobs``), so query position ``p`` gives prompt position
-``p + 1``.
-
-Positions are recorded as each prefill chunk is computed, each once: a
-request recomputed after preemption asks only for positions not recorded
-yet, and a step that was in flight when its request was preempted (async
-scheduling) is not recorded twice. The request that computes them skips the
-prefix cache (``Request.skip_reading_prefix_cache``), as in vLLM, until they
-are all recorded.
+Query position ``p`` gives prompt position ``p + 1``; each position is recorded once, across chunks and
+preemption, and the request skips reading the prefix cache until all are recorded (as vLLM).
 """
 
 from __future__ import annotations
@@ -30,17 +18,9 @@ if TYPE_CHECKING:
 
 
 class PromptLogprobs:
-    """One request's prompt logprobs, filled in as its prompt is computed.
+    """One request's prompt logprobs, filled in as ``prompt`` is computed, keeping the top ``num_top``.
 
-    Args:
-      prompt: the prompt's token ids.
-      num_top: top logprobs kept per position (``SamplingParams.prompt_logprobs``).
-
-    Attributes:
-      rows: per prompt position recorded so far, from position 1 (position 0
-        has none): the prompt token, its logprob and rank, and the top
-        ``num_top`` (the front end's ``output_processor.logprob_entry`` makes
-        vLLM's dicts of them).
+    ``rows``: per prompt position from 1: token, logprob, rank and the top ``num_top``.
     """
 
     def __init__(self, prompt: Sequence[int], num_top: int) -> None:
@@ -59,13 +39,7 @@ class PromptLogprobs:
         return self.num_recorded == len(self.prompt)
 
     def targets(self, start: int, count: int) -> Optional[np.ndarray]:
-        """Target ids of ``count`` query tokens at positions ``start, start + 1, ...``.
-
-        Returns:
-          int32[count]: the prompt token at ``p + 1`` for query position ``p``
-          where that prompt position is not recorded yet, -1 elsewhere; None
-          when no position is wanted.
-        """
+        """int32[count] target ids of query positions from ``start`` (-1 where recorded), or None when none wanted."""
         first, end = max(start + 1, self.num_recorded), min(start + count + 1, len(self.prompt))
         if first >= end:
             return None
@@ -75,16 +49,7 @@ class PromptLogprobs:
 
     def record(self, start: int, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray,
                top_logprobs: np.ndarray) -> None:
-        """Record the step's outputs for query positions ``start, start + 1, ...``.
-
-        Args:
-          start: the first query token's position.
-          logprobs: float32[count]; ranks: int32[count]; top_ids:
-            int32[count, K]; top_logprobs: float32[count, K]
-            (``sampler.prompt_logprobs``'s rows of these tokens).
-
-        Only prompt positions not recorded yet are taken, in order.
-        """
+        """Record ``sampler.prompt_logprobs``' rows (``[count]``, top ``[count, K]``) from query position ``start``."""
         k = self.num_top
         for i in range(max(self.num_recorded - 1 - start, 0), min(len(logprobs), len(self.prompt) - 1 - start)):
             pos = start + 1 + i
@@ -96,9 +61,7 @@ class PromptLogprobs:
 
 
 def prompt_targets(rows: Sequence[ScheduledRequest], num_slots: int) -> Optional[np.ndarray]:
-    """The step's ``prompt_target_ids``: int32[num_slots] (the T bucket), -1
-    where nothing is wanted; None when no row wants any. A row wants them while
-    its request (a ``CoreSequence``) holds a ``prompt_logprobs`` tracker."""
+    """The step's ``prompt_target_ids``: int32[num_slots], -1 where nothing is wanted; None when no row wants any."""
     targets, start = None, 0
     for row in rows:
         tracker = row.request.prompt_logprobs
@@ -112,13 +75,7 @@ def prompt_targets(rows: Sequence[ScheduledRequest], num_slots: int) -> Optional
 
 
 def record_prompt_logprobs(rows: Sequence[ScheduledRequest], out: PromptLogprobRows) -> int:
-    """Record a step's prompt logprobs (``out``, one row per token, on the
-    host) into the rows' trackers; a tracker complete now leaves its
-    sequence, which may read the prefix cache again.
-
-    Returns:
-      the number of trackers completed (left their sequences) by this step.
-    """
+    """Record a step's prompt logprobs into the rows' trackers; returns how many trackers completed."""
     start, completed = 0, 0
     for row in rows:
         end = start + row.num_new_tokens

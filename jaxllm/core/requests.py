@@ -1,12 +1,7 @@
 """The engine core's record of each request: one ``CoreRequest`` per request id, holding its sequences.
 
-A request with ``n`` sequences runs in the scheduler as ``n`` ``Request``s (and, for ``n > 1``, first a prefill
-parent that computes the shared prompt; ``EngineCore`` says how it forks). Each of those is a
-:class:`CoreSequence`: the scheduler's ``Request`` carrying the core's state of it (its sampling state and slot,
-its grammar, its unreported logprobs), so a scheduled row leads to everything the core knows of it without a
-lookup, and a row of a request aborted meanwhile can never be mistaken for a new request that reuses its id.
-The core indexes the records once, by request id; forgetting a request is one ``pop`` of that index (its
-sequences then give their sampling slots back).
+Each sequence is a :class:`CoreSequence`, the scheduler's ``Request`` carrying the core's state of it, so a
+scheduled row leads to everything the core knows of it without a lookup.
 """
 
 from __future__ import annotations
@@ -23,23 +18,14 @@ class CoreSequence(Request):
     """One sequence of a request as the scheduler runs it, with the engine core's state of it.
 
     Args:
-      record: the request it belongs to.
-      index: its index among the request's ``n`` sequences; -1 for the prefill parent.
+      record: its ``CoreRequest``. index: among the ``n`` sequences; -1 for the prefill parent.
       *args, **kwargs: ``scheduler.Request``'s.
 
     Attributes (beyond ``Request``'s):
-      record, index: as given.
-      sampling: its host sampling state (``sample.slots.SequenceSampling``); None for a prefill parent, which
-        samples greedily and whose sample is never used.
-      slot: its sampling slot, a row of the sampler's device tables; 0 (padding) while it holds none.
-      grammar: its structured-output matcher state (``structured_output.SequenceGrammar``), None when
-        unconstrained.
-      prompt_logprobs: the request's prompt-logprobs tracker while this sequence computes the prompt and some
-        position is not recorded yet; None otherwise.
-      logprobs: sample logprobs not reported yet; None when the request asks for none.
-      num_logprobs: sample logprobs recorded so far.
-      num_reported: output tokens reported to the front end so far.
-      done: True once reported finished, forked (a parent) or aborted: nothing more is recorded or reported.
+      sampling: ``SequenceSampling`` (None for a prefill parent). slot: its sampling slot (0 while none).
+      grammar: ``SequenceGrammar`` or None. prompt_logprobs: the tracker while it computes the prompt.
+      logprobs: unreported sample logprobs or None. num_logprobs, num_reported: counts.
+      done: reported finished, forked or aborted.
     """
 
     __slots__ = ("record", "index", "sampling", "slot", "grammar", "prompt_logprobs", "logprobs", "num_logprobs",
@@ -65,14 +51,8 @@ class CoreRequest:
     """One request in the engine core: its sequences and what the core reports of it.
 
     Attributes:
-      request_id: the front end's id.
-      seqs: its ``n`` sequences, by index.
-      parent: its prefill parent until it forks (``n > 1`` and a prompt of two tokens or more); None otherwise.
-      prompt_logprobs: its prompt logprobs (``SamplingParams.prompt_logprobs``), None when not asked for.
-      num_prompt_logprobs_reported: prompt positions reported so far.
-      num_cached_tokens: prompt tokens read from the prefix cache, known when its prompt is first scheduled
-        (vLLM's ``num_cached_tokens``); None before.
-      num_live: sequences not reported finished yet.
+      request_id; seqs: by index; parent: the prefill parent until it forks, else None; prompt_logprobs;
+      num_prompt_logprobs_reported; num_cached_tokens: None until first scheduled; num_live: not finished.
     """
 
     request_id: str
@@ -89,8 +69,7 @@ class CoreRequest:
         return self.parent if self.parent is not None else self.seqs[0]
 
     def forget(self) -> None:
-        """Drop the links to its sequences once the core has forgotten it: a sequence links back to its record,
-        and the cycle would otherwise keep both (and their token lists) until a full garbage collection."""
+        """Drop the links to its sequences (they link back: a cycle only a full collection would free)."""
         self.seqs = []
         self.parent = None
 

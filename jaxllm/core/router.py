@@ -13,16 +13,9 @@ from scheduler.block_hash import extend_block_hashes
 class PrefixRouter:
     """The front end's picture of each core's prefix cache, for routing (SGLang's cache-aware router in spirit).
 
-    For each core it keeps the chained hashes (``scheduler.block_hash``, the
-    cores' own) of the full prompt blocks routed to it, least recently routed
-    dropped first once a core's number of KV blocks is reached. A prompt's
-    cached prefix on a core is the run of its leading blocks found there; as
-    in the scheduler, the block holding the last prompt token never counts.
-    It can be wrong about blocks a core has since evicted: routing only
-    prefers a core, the core's own prefix cache decides what is reused.
-
-    Args:
-      infos: each core's ``CoreInfo`` (block size, blocks, prefix caching).
+    Keeps per core the chained hashes (``scheduler.block_hash``) of full prompt blocks routed to it, least
+    recently routed dropped first; the block holding the last prompt token never counts. It may be stale: it
+    only prefers a core. ``infos``: each core's ``CoreInfo``.
     """
 
     def __init__(self, infos: Sequence[CoreInfo]) -> None:
@@ -57,8 +50,7 @@ class PrefixRouter:
         return min(range(len(loads)), key=lambda i: (-hits(i), loads[i], i))
 
     def resize(self, num_blocks: int) -> None:
-        """Follow a KV pool resize of every core (``kv_cache_resize``): at most ``num_blocks - 1`` blocks are
-        remembered per core, the least recently routed dropped first."""
+        """Follow a KV pool resize: at most ``num_blocks - 1`` blocks remembered per core, least recent dropped."""
         self._capacity = [num_blocks - 1] * len(self._capacity)
         for blocks in self._blocks:
             while len(blocks) > num_blocks - 1:
