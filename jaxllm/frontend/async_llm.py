@@ -1,11 +1,7 @@
 """AsyncLLM: the asyncio front end of the server, over engine-core processes (vLLM's ``AsyncLLM``).
 
-Requests are validated and tokenized here (``jaxllm.frontend.input_processor``) and sent to the core processes
-(``client.MPClient``); one output task reads every step the cores report, runs the output processor
-(detokenizing, stop strings, ``n > 1`` grouping) and hands each request its ``RequestOutput``s through its own
-queue. A consumer that stops reading (a client that disconnected) aborts its request, whose blocks the core frees
-in its next loop turn. When a core dies, every open request gets :class:`EngineDeadError` and
-:attr:`dead` says why.
+One output task reads every step the cores report and hands each request its outputs through its own queue;
+a consumer that stops reading aborts its request; a dead core fails every open request.
 """
 
 from __future__ import annotations
@@ -30,18 +26,13 @@ class AsyncLLM(FrontEnd):
     """Generate from asyncio code; the engine cores run in their own processes.
 
     Args:
-      model: as ``LLMEngine``.
-      tokenizer: a Tokenizer; by default read from the model.
+      model, params: as ``LLMEngine``. tokenizer: by default the model's.
       served_model_name: the model's name in the metrics (default: ``model``).
-      params: weights in memory to serve instead of the model's (as ``LLMEngine``), copied to the host and sent
-        to the core processes at start-up.
-      **kwargs: ``EngineConfig`` fields (``max_waiting_requests`` sheds load:
-        ``jaxllm.core.client.check_waiting_limit``).
+      **kwargs: ``EngineConfig`` fields.
 
     Attributes:
-      client: the ``MPClient``; info: core 0's ``CoreInfo``.
-      input_processor, output_processor, metrics: ``FrontEnd``'s.
-      dead: why the cores died (None while they run).
+      client: the ``MPClient``; info: core 0's ``CoreInfo``; input_processor, output_processor, metrics:
+      ``FrontEnd``'s; dead: why the cores died (None while they run).
 
     Raises:
       ValueError: a config value out of range (named), a bad model path.
@@ -61,14 +52,11 @@ class AsyncLLM(FrontEnd):
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: Optional[str] = None, priority: int = 0,
                     cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """Validate and start one request; returns the iterator of its ``RequestOutput``s (one after every step
-        that changed it, the last one finished). Closing the iterator early (or cancelling the task reading it)
-        aborts the request.
+        """Validate and start one request; returns the iterator of its ``RequestOutput``s (closing it aborts).
 
         Raises:
-          ValueError: a bad request (``InputProcessor.process``), a duplicate ``request_id``.
-          QueueFullError: too many requests wait (``EngineConfig.max_waiting_requests``).
-          EngineDeadError: the cores died.
+          ValueError: a bad request or a duplicate ``request_id``.
+          QueueFullError: too many requests wait. EngineDeadError: the cores died.
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
@@ -121,11 +109,10 @@ class AsyncLLM(FrontEnd):
         return unflatten(decode_params(await self.client.call_utility_async(0, "host_params")))
 
     async def update_weights(self, params: Any) -> dict[str, int]:
-        """Replace every core's weights between its steps (``LLMEngine.update_weights``); the tree is copied to
-        the host and encoded once.
+        """Replace every core's weights between its steps (``LLMEngine.update_weights``).
 
         Raises:
-          ValueError: a leaf that does not fit (named); core 0 checks first, so nothing changes then.
+          ValueError: a leaf that does not fit (named); nothing changes then.
         """
         return (await self._each_core("update_weights_encoded", encode_params(params)))[0]
 

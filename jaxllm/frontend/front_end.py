@@ -1,11 +1,5 @@
-"""The request front end that ``LLMEngine`` and ``AsyncLLM`` both are: requests in, ``RequestOutput``s out.
-
-It follows vLLM's split (``vllm/v1/engine``): an input processor validates and
-tokenizes requests, an output processor detokenizes and builds
-``RequestOutput``s, and the metrics record what the cores report; none of them
-touches the device. :class:`FrontEnd` owns the three and the steps both engines
-take around them (queue a request, handle a step's outputs, abort), so the two
-differ only in how they wait for the cores.
+"""The request front end ``LLMEngine`` and ``AsyncLLM`` share (vLLM's ``vllm/v1/engine`` split): input
+processor, output processor and metrics, none touching the device.
 """
 
 from __future__ import annotations
@@ -27,23 +21,18 @@ class EngineSleepingError(RuntimeError):
 
 
 class FrontEnd:
-    """The front-end parts of one engine (all in the caller's process) over ``client``'s cores.
+    """The front-end parts of one engine over ``client``'s cores.
 
     Args:
-      tokenizer: the engine's ``Tokenizer``.
-      client: an ``InprocClient`` or ``MPClient`` (its first core's ``infos[0]`` gives the limits requests are
-        checked against).
-      config: the ``EngineConfig`` (seed, metrics settings, ``max_waiting_requests``, ``preload_prompts``, which
-        are computed into the cores' prefix caches here).
-      model_name: the model's name in the metrics' ``model_name`` label (``metrics_namespace="vllm"``).
+      tokenizer: the engine's ``Tokenizer``. client: ``InprocClient`` or ``MPClient``.
+      config: the ``EngineConfig`` (``preload_prompts`` are computed into the cores here).
+      model_name: the metrics' ``model_name`` label.
 
     Attributes:
-      config, tokenizer, client: as given.
-      input_processor, output_processor: the two halves (``InputProcessor``, ``OutputProcessor``).
-      metrics: the engine's ``EngineMetrics`` (Prometheus registry at ``metrics.registry``).
+      config, tokenizer, client; input_processor, output_processor; metrics: ``EngineMetrics``.
 
     Raises:
-      ValueError: a preload prompt the input processor refuses (``prefix_warmup.preload_token_ids``).
+      ValueError: a preload prompt the input processor refuses.
     """
 
     def __init__(self, tokenizer: Any, client: Any, config: Any, model_name: str = "") -> None:
@@ -62,14 +51,10 @@ class FrontEnd:
     def _queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                prompt: Optional[str] = None, priority: int = 0, arrival_time: Optional[float] = None,
                cache_salt: Optional[str] = None, data_parallel_rank: Optional[int] = None) -> None:
-        """Validate a request and hand it to the cores; nothing changes anywhere when it is refused.
+        """Validate a request and hand it to the cores; nothing changes when it is refused.
 
         Raises:
-          EngineSleepingError: the engine sleeps.
-          ValueError: a duplicate ``request_id``, a bad request (``InputProcessor.process``) or a bad
-            ``data_parallel_rank``.
-          QueueFullError: ``max_waiting_requests`` sequences already wait (``jaxllm.core.client.check_waiting_limit``,
-            counted in ``metrics.request_refused``).
+          EngineSleepingError; ValueError: a duplicate id, a bad request or rank; QueueFullError.
         """
         if self.sleeping:
             raise EngineSleepingError("the engine is sleeping (sleep()); call wake_up() before adding requests")
@@ -91,8 +76,7 @@ class FrontEnd:
             raise
 
     def _note_kv_resize(self, num_blocks: int) -> None:
-        """The cores' pools now have ``num_blocks`` blocks (``kv_cache_resize``): the core infos and the router's
-        model of each core's cache follow."""
+        """The cores' pools now have ``num_blocks`` blocks: core infos and the router follow."""
         for info in self.client.infos:
             info.num_blocks = num_blocks
         router = getattr(self.client, "router", None)  # only the multiprocess client routes
@@ -100,8 +84,7 @@ class FrontEnd:
             router.resize(num_blocks)
 
     def _process_core_outputs(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
-        """One core step's outputs as ``RequestOutput``s: stop strings found here stop their sequences in the
-        core, finished requests are released there, and the metrics see the step."""
+        """One core step's outputs as ``RequestOutput``s; stop-string hits and finishes are passed to the core."""
         request_outputs, to_stop = self.output_processor.process_outputs(core_outputs.outputs)
         if to_stop:
             self.client.stop_sequences(to_stop)

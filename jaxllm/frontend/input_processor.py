@@ -1,11 +1,6 @@
-"""Front-end input processing: a prompt and its ``SamplingParams`` checked and turned into an ``EngineCoreRequest``
-(vLLM's ``InputProcessor``).
-
-Everything a request can get wrong is found here, before anything reaches a core, so a bad request changes no
-state anywhere: an empty prompt, one longer than ``max_model_len``, token ids outside the vocabulary, bad words
-that encode to nothing, a structured-output schema, regex or grammar the grammar engine rejects. Eos ids are folded
-into the stop ids here (the tokenizer's first, then the model's), and seeds are drawn here for sequences without
-one, so a core needs no tokenizer (but to compile structured-output grammars over the model's tokens).
+"""Front-end input processing: prompt and ``SamplingParams`` checked into an ``EngineCoreRequest`` (vLLM's
+``InputProcessor``). A bad request fails here, before it changes any state; eos ids are folded into the
+stop ids and missing seeds drawn here.
 """
 
 from __future__ import annotations
@@ -25,19 +20,9 @@ PromptType = Union[str, Sequence[int]]
 
 
 def bad_words_token_ids(tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
-    """Token sequences of ``bad_words``: each word both bare and with a leading space.
+    """Token sequences of ``bad_words``: each word bare and with a leading space (one or two lists per word).
 
-    A word is banned where it starts the text (encoded as is, left-stripped)
-    and mid-text after a space (encoded with one leading space), whatever
-    the token counts of the two (a byte-level BPE often spells the bare
-    word in more tokens than the spaced one: SmolLM2's "beautiful" is two
-    tokens, " beautiful" one). vLLM's ``SamplingParams.update_from_tokenizer``
-    makes the same two encodings but drops a spaced one of another length,
-    which lets " beautiful" through; here both are kept (an identical
-    second one once).
-
-    Returns:
-      one or two token-id lists per word, in order.
+    Unlike vLLM's ``update_from_tokenizer``, a spaced encoding of another length is kept, not dropped.
     """
     out: list[list[int]] = []
     for word in bad_words:
@@ -53,11 +38,9 @@ class InputProcessor:
     """Validates requests and builds core requests for one model.
 
     Args:
-      tokenizer: the model's tokenizer, or None (prompts must then be token ids).
-      info: the core's ``CoreInfo`` (vocabulary, ``max_model_len``, eos ids, limits).
-      seed: the engine seed; sequences without their own seed draw one from it, in order.
-      scheduling_policy: the cores' (``EngineConfig.scheduling_policy``): a non-zero priority is refused
-        where it does not read priorities (``Policy.reads_priority``).
+      tokenizer: the model's, or None (prompts must be token ids). info: the core's ``CoreInfo``.
+      seed: the engine seed, drawn from for sequences without one.
+      scheduling_policy: a non-zero priority is refused unless it ``reads_priority``.
     """
 
     def __init__(self, tokenizer, info: CoreInfo, seed: int = 0,
@@ -70,10 +53,7 @@ class InputProcessor:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """Token ids that end generation: the tokenizer's, then the model's
-        (``generation_config.json`` and ``config.json``, or the GGUF
-        metadata), without repeats; the first is primary (vLLM's eos plus the
-        generation config's eos ids)."""
+        """Ids that end generation: the tokenizer's, then the model's configs', no repeats; the first is primary."""
         ids = list(self.tokenizer.eos_token_ids) if self.tokenizer is not None else []
         return list(dict.fromkeys(ids + list(self.info.eos_token_ids)))
 
@@ -81,8 +61,7 @@ class InputProcessor:
         """Prompt text or ids -> (text or None, token ids).
 
         Raises:
-          ValueError: an empty prompt, text without a tokenizer, or a token id
-            outside ``[0, vocab_size)``.
+          ValueError: an empty prompt, text without a tokenizer, or an id outside ``[0, vocab_size)``.
         """
         if isinstance(prompt, str):
             if not prompt:
@@ -104,14 +83,9 @@ class InputProcessor:
         """The core request for an encoded prompt.
 
         Raises:
-          ValueError: a prompt longer than ``max_model_len`` (both numbers
-            named), token ids of ``params`` outside the vocabulary, bad words
-            without a tokenizer or that encode to no token, too many
-            multi-token bad words, an invalid ``structured_outputs`` (named with
-            the field and the grammar engine's error) or one without a
-            tokenizer, a non-zero ``priority`` under a policy that does not
-            read it (fcfs, sjf), or a ``cache_salt`` that is not a non-empty
-            string.
+          ValueError: a prompt over ``max_model_len`` (both numbers named), ids outside the vocabulary, bad words
+            that encode to nothing or too many, an invalid ``structured_outputs`` (field named), a non-zero
+            ``priority`` the policy ignores, or an empty ``cache_salt``.
         """
         if len(prompt_token_ids) > self.info.max_model_len:
             raise ValueError(

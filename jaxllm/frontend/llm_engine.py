@@ -1,9 +1,7 @@
-"""LLMEngine: the step-by-step engine API (add_request / step / abort), a front end over engine core(s).
+"""LLMEngine: the step-by-step engine API (add_request / step / abort), vLLM's ``LLMEngine``.
 
-Shaped after vLLM's ``LLMEngine``, over the shared ``FrontEnd`` (input processor, output processor, metrics). One
-replica runs its ``EngineCore`` in this process (``core.client.InprocClient``: plain calls, nothing copied or
-serialized; JAX is imported only then); ``data_parallel_size > 1`` runs one core process per replica
-(``core.client.MPClient``).
+One replica runs its ``EngineCore`` in this process (``InprocClient``); ``data_parallel_size > 1`` runs one
+core process per replica (``MPClient``).
 """
 
 from __future__ import annotations
@@ -28,30 +26,17 @@ class LLMEngine(FrontEnd):
     """The serving engine: requests in, ``RequestOutput`` per step out.
 
     Args:
-      model: a HF model folder, a ``.gguf`` file, or a jaxllm orbax folder
-        (``scripts/convert_checkpoint.py``); with ``params`` also a ``ModelConfig`` (one replica only; no
-        tokenizer: prompts are token ids).
-      tokenizer: a Tokenizer; by default read from the model.
-      params: weights in memory to serve instead of the model's (``jaxllm.core.build.place_given_params``):
-        a tree of numpy or JAX arrays in the layout of ``jaxllm.models.param_layout``; with
-        ``data_parallel_size > 1`` copied to the host and sent to every core process.
-      mesh: the replica's ``(data, model)`` mesh (one replica only); by
-        default ``make_mesh(tensor_parallel_size)`` over the first devices.
-      **kwargs: ``EngineConfig`` fields (block_size, num_kv_blocks,
-        kv_cache_memory_bytes (per device), max_num_seqs,
-        max_num_batched_tokens, max_model_len, dtype, seed, scheduling_policy,
-        preemption_mode, enable_prefix_caching, enable_chunked_prefill,
-        attention_backend, tensor_parallel_size, data_parallel_size,
-        async_scheduling, batching, log_stats, metrics_port, quantization,
-        kv_cache_dtype, ...).
+      model: a HF folder, a ``.gguf`` file or a jaxllm orbax folder; with ``params`` also a ``ModelConfig``.
+      tokenizer: a Tokenizer; by default the model's.
+      params: weights to serve instead (``jaxllm.models.param_layout``'s layout, numpy or JAX arrays).
+      mesh: the replica's ``(data, model)`` mesh (one replica only); default ``make_mesh(tensor_parallel_size)``.
+      **kwargs: ``EngineConfig`` fields.
 
     Attributes:
-      client: the core client (``InprocClient`` or ``MPClient``).
-      metrics, input_processor, output_processor: ``FrontEnd``'s.
+      client: ``InprocClient`` or ``MPClient``. metrics, input_processor, output_processor: ``FrontEnd``'s.
 
     Raises:
-      ValueError: a bad model path, an unsupported architecture, a config
-        value out of range (named with its limit), heads that do not split
+      ValueError: a bad model path or architecture, a config value out of range (named), heads that do not split
         over ``tensor_parallel_size``, or a ``mesh`` with ``data_parallel_size > 1``.
     """
 
@@ -111,16 +96,11 @@ class LLMEngine(FrontEnd):
         return self.input_processor.encode_prompt(prompt)
 
     def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every step program is built (see ``EngineConfig.precompile``).
-
-        Returns:
-          True once nothing is left to build; False if ``timeout`` seconds passed first.
-        """
+        """Wait until every step program is built; False if ``timeout`` seconds passed first."""
         return self.client.wait_for_warmup(timeout)
 
     def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
-        """KV diagnostics of one core: block counts by state, the block map, fragmentation, the largest request,
-        the queue (``scheduler.diagnostics.kv_cache_report``; in a core process, answered between its steps).
+        """KV diagnostics of one core (``scheduler.diagnostics.kv_cache_report``).
 
         Raises:
           ValueError: ``core`` outside ``[0, data_parallel_size)``.
@@ -132,17 +112,14 @@ class LLMEngine(FrontEnd):
         return self.client.call_utility(core, "kv_cache_report", block_map)
 
     def kv_cache_compact(self) -> list[dict[str, Any]]:
-        """Move every core's live KV blocks to the low end of its pool between two steps (``EngineCore.kv_cache_compact``:
-        block tables rewritten, prefix cache kept, no request recomputed, nothing compiled); one report per core."""
+        """Move every core's live KV blocks to the low end of its pool (``EngineCore.kv_cache_compact``); reports."""
         return self._each_core("kv_cache_compact", all_results=True)
 
     def kv_cache_resize(self, num_blocks: int) -> list[dict[str, Any]]:
-        """Grow or shrink every core's KV pool to ``num_blocks`` blocks (``EngineCore.kv_cache_resize``: running
-        requests kept; the programs taking the cache rebuilt once); one report per core.
+        """Resize every core's KV pool to ``num_blocks`` blocks, keeping running requests; one report per core.
 
         Raises:
-          ValueError: ``num_blocks`` not an int >= 2, below a core's blocks in use, or too small for an unfinished
-            request; a core that refuses leaves its pool as it was (cores before it in order are resized).
+          ValueError: ``num_blocks`` not an int >= 2 or too small; a refusing core keeps its pool.
           RuntimeError: the KV cache sleeps.
         """
         reports = self._each_core("kv_cache_resize", num_blocks, all_results=True)
@@ -150,31 +127,28 @@ class LLMEngine(FrontEnd):
         return reports
 
     def get_params(self) -> dict[str, Any]:
-        """The weights the engine runs, in ``jaxllm.models.param_layout``'s layout: the device arrays with their
-        shardings (``ModelRunner.get_params``), or, from a core in another process, host numpy copies of core 0's.
+        """The weights the engine runs (``param_layout``'s layout): device arrays, or host copies from a core process.
 
         Raises:
-          RuntimeError: the weights sleep (``sleep``).
+          RuntimeError: the weights sleep.
         """
         if isinstance(self.client, InprocClient):
             return self.client.core.get_params()
         return unflatten(decode_params(self.client.call_utility(0, "host_params")))
 
     def update_weights(self, params: Any) -> dict[str, int]:
-        """Replace the weights of the running engine (``EngineCore.update_weights``: checked first, no new
-        compilation, the prefix cache reset, requests in flight recomputed with the new weights); every core
-        takes the same tree (copied to the host once for cores in other processes).
+        """Replace every core's weights (``EngineCore.update_weights``: no new compilation, requests recomputed).
 
         Raises:
-          ValueError: a leaf that is unknown, missing or of the wrong shape or dtype (named); nothing changes then.
+          ValueError: an unknown, missing, misshapen or mistyped leaf (named); nothing changes then.
         """
         return self._each_core("update_weights", params)
 
     def update_weights_from_path(self, path: Union[str, os.PathLike]) -> dict[str, int]:
-        """:meth:`update_weights` with the weights of the checkpoint at ``path`` (HF folder, GGUF or orbax folder).
+        """:meth:`update_weights` with the checkpoint at ``path`` (HF folder, GGUF or orbax folder).
 
         Raises:
-          ValueError: ``path`` is not a model, or its weights do not fit the engine's (the first leaf named).
+          ValueError: ``path`` is not a model, or its weights do not fit (the first leaf named).
         """
         return self._each_core("update_weights_from_path", str(path))
 
@@ -183,8 +157,7 @@ class LLMEngine(FrontEnd):
         return all(self._each_core("reset_prefix_cache", all_results=True))
 
     def sleep(self, level: int = 1) -> list[dict[str, Any]]:
-        """Free device memory while no request runs (``EngineCore.sleep``: level 1 frees the KV cache and moves the
-        weights to the host, level 2 discards the weights); one report per core (its ``freed_bytes``).
+        """Free device memory while idle (level 1: KV freed, weights to host; level 2: weights discarded); reports.
 
         Raises:
           ValueError: ``level`` not 1 or 2.
@@ -197,12 +170,11 @@ class LLMEngine(FrontEnd):
         return reports
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        """Bring back what :meth:`sleep` freed (``EngineCore.wake_up``; ``tags``: "weights", "kv_cache", or None
-        for both) with no new compilation.
+        """Bring back what :meth:`sleep` freed (``tags``: "weights", "kv_cache", or None for both), no compilation.
 
         Raises:
           ValueError: an unknown tag.
-          RuntimeError: discarded weights (``sleep(level=2)``) not restored by an update.
+          RuntimeError: discarded weights not restored by an update.
         """
         self._each_core("wake_up", tags)
         self.sleeping = any(self._each_core("is_sleeping", all_results=True))
@@ -212,8 +184,7 @@ class LLMEngine(FrontEnd):
         return any(self._each_core("is_sleeping", all_results=True))
 
     def _each_core(self, method: str, *args: Any, all_results: bool = False) -> Any:
-        """``EngineCore.<method>(*args)`` in every core, in order; core 0's result (all of them with
-        ``all_results``). For cores in other processes a parameter tree is encoded once (``messages.encode_params``)."""
+        """``EngineCore.<method>(*args)`` in every core, in order; core 0's result (or all with ``all_results``)."""
         if isinstance(self.client, InprocClient):
             result = getattr(self.client.core, method)(*args)
             return [result] if all_results else result
@@ -233,17 +204,11 @@ class LLMEngine(FrontEnd):
         cache_salt: Optional[str] = None,
         data_parallel_rank: Optional[int] = None,
     ) -> None:
-        """Queue a request. It is validated before anything changes.
-
-        Args:
-          data_parallel_rank: run it on this core rather than the routed one (vLLM's field).
+        """Queue a request, validated before anything changes (``data_parallel_rank``: a core chosen by the caller).
 
         Raises:
-          ValueError: an empty prompt, a prompt longer than ``max_model_len``
-            (both numbers named), a token id outside the vocabulary, a
-            duplicate ``request_id``, a bad ``data_parallel_rank``.
-          QueueFullError: ``max_waiting_requests`` sequences already wait
-            (``jaxllm.core.client.check_waiting_limit``); nothing is queued.
+          ValueError: an empty or too-long prompt, an id outside the vocabulary, a duplicate id, a bad rank.
+          QueueFullError: ``max_waiting_requests`` sequences already wait; nothing is queued.
         """
         text, ids = self.input_processor.encode_prompt(prompt)
         self._queue(request_id, ids, params if params is not None else SamplingParams(), prompt=text,
@@ -261,16 +226,9 @@ class LLMEngine(FrontEnd):
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine-core step (with several cores: wait for the next one to report).
+        """Run one engine-core step and return a ``RequestOutput`` per request with news.
 
-        With ``async_scheduling`` (the default unless speculating) the core
-        schedules and launches step N+1 before it reads step N's samples;
-        outputs then trail the launches by one step (the first call returns
-        none).
-
-        Returns:
-          A RequestOutput for every request that produced a token or finished
-          in this step (``delta_*`` hold what is new).
+        With ``async_scheduling`` outputs trail the launches by one step (the first call returns none).
 
         Raises:
           jaxllm.core.client.EngineDeadError: a core process died.

@@ -1,14 +1,8 @@
 """Engine metrics: Prometheus series named as vLLM's, a periodic log line, the ``generate`` progress bar.
 
-Each ``EngineMetrics`` owns a ``CollectorRegistry`` so that several engines
-(and tests) in one process never clash. Names follow vLLM's ``vllm:*``
-series with a ``jaxllm:`` prefix (colons are legal in Prometheus names);
-``prometheus_client`` appends ``_total`` to counters on exposition, so the
-counter ``jaxllm:prompt_tokens`` is scraped as ``jaxllm:prompt_tokens_total``.
-With ``metrics_namespace="vllm"`` the series vLLM 0.32 also has (:data:`VLLM_SERIES`, same meaning) take its
-``vllm:`` names, and every series carries vLLM's ``model_name`` label, so vLLM's dashboards, alert rules and
-routers read them unchanged; jaxllm's own series keep their ``jaxllm:`` names.
-All times are seconds; all token counts are tokens.
+Series are vLLM's with a ``jaxllm:`` prefix (counters scraped with ``_total``); with
+``metrics_namespace="vllm"`` the shared ones (:data:`VLLM_SERIES`) take vLLM's names and ``model_name``
+label. Times are seconds. The series are listed in docs/design/metrics.md.
 """
 
 from __future__ import annotations
@@ -62,81 +56,16 @@ VLLM_SERIES = frozenset({
 })
 
 class EngineMetrics:
-    """The metrics of one front end, updated with each step's outputs and the cores' ``CoreStats``.
+    """The metrics of one front end (its own ``CollectorRegistry``), updated from step outputs and ``CoreStats``.
 
     Args:
-      log_stats: log a one-line summary (``logging``, logger
-        ``jaxllm.frontend.metrics``, to stderr) every ``log_interval`` seconds.
-      log_interval: seconds between summary lines.
-      metrics_port: serve ``/metrics`` for this registry on this port.
-      clock: seconds, monotonic; must be the clock of request arrival times.
-      max_num_seqs, max_num_batched_tokens: each core's configured limits,
-        the denominators of ``batch_utilization``.
-      namespace: "jaxllm", or "vllm" for vLLM's names and ``model_name`` label (module docstring).
-      model_name: the ``model_name`` label's value under the "vllm" namespace.
+      log_stats: log a summary line every ``log_interval`` seconds. metrics_port: serve ``/metrics`` there.
+      clock: monotonic seconds, the clock of request arrival times.
+      max_num_seqs, max_num_batched_tokens: each core's limits (``batch_utilization``'s denominators).
+      namespace: "jaxllm" or "vllm". model_name: the ``model_name`` label under "vllm".
 
     Attributes:
-      registry: the ``CollectorRegistry`` holding every series below.
-      core_stats: each core's latest ``CoreStats``, by core index.
-
-    Series (gauges are set after each step, summed over the data-parallel
-    cores; counters and histograms grow):
-      ``num_requests_running``, ``num_requests_waiting`` (requests held by
-      static batching included), ``kv_cache_usage_perc`` (fraction in [0, 1],
-      as vLLM), ``kv_cache_fragmentation_ratio`` (allocated KV slots holding
-      no computed token / allocated slots), ``num_free_kv_blocks`` and
-      ``num_kv_blocks`` (device blocks free, and in all with the null block
-      of each core), ``effective_max_num_seqs`` and
-      ``effective_max_num_batched_tokens`` (the limits in force: lower than
-      configured while graceful degradation backs off); counters
-      ``prefix_cache_queries`` and
-      ``prefix_cache_hits`` (tokens), ``num_preemptions``, ``prompt_tokens``
-      (each request's prompt, counted at its first token),
-      ``generation_tokens``, ``compilations``, ``request_refused`` (new
-      requests refused by ``max_waiting_requests``); histograms
-      ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
-      ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
-      ``iteration_tokens_total`` (tokens per step), ``scheduler_step_seconds``
-      (host time of one ``schedule()``). With speculative decoding, counters
-      as vLLM's: ``spec_decode_num_drafts`` (rows that verified drafts),
-      ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens``
-      and ``spec_decode_num_accepted_tokens_per_pos`` (label ``position``,
-      0 = a row's first draft); the acceptance rate is accepted / draft
-      tokens, the mean accepted length 1 + accepted / drafts. Structured output: the gauge
-      ``num_requests_waiting_for_grammar`` (waiting requests whose grammar is
-      still compiling) and the histogram ``grammar_bitmask_seconds`` (host time
-      building a step's token bitmask, for steps with a constrained row).
-      The prefix cache's host tier (``kv_offloading_size``): counter
-      ``prefix_cache_hits_by_tier{tier="device"|"host"}`` (tokens; the two add
-      up to ``prefix_cache_hits``), counters ``kv_offload_total_bytes`` and
-      ``kv_offload_total_time`` (seconds) with label ``transfer_type``
-      ("GPU_to_CPU", "CPU_to_GPU": vLLM's offloading directions), and the gauge
-      ``kv_offload_usage_perc`` (host-tier blocks holding a block / all of
-      them, in [0, 1]; 0 without a tier). The scheduler's output-length
-      predictor (``scheduler.predictor``): counters
-      ``request_output_length_predictions`` (finished requests it learned
-      from), ``request_predicted_output_tokens`` and
-      ``request_actual_output_tokens`` (their outputs as predicted at arrival
-      and as generated) and ``request_output_length_prediction_abs_error_tokens``
-      (summed ``|predicted - generated|``: divided by the first, the mean
-      absolute error). KV compression (``kv_cache_compression``): counter
-      ``kv_blocks_compressed`` and gauge ``kv_compressed_usage_perc``.
-
-    The monitoring board (``docs/grafana.json``, alerts in
-    ``docs/alert_rules.yml``) adds: histogram ``step_duration_seconds``
-    (wall time of a whole engine step: schedule, batch, device, sample
-    read-back); gauges ``batch_utilization{resource="tokens"}`` (the cores'
-    latest scheduled tokens / their ``max_num_batched_tokens``) and
-    ``{resource="seqs"}`` (running sequences / ``max_num_seqs``),
-    ``scheduler_queue_depth{kind="new"|"preempted"}`` (requests in the
-    cores' waiting queues, never run or preempted; their sum is the
-    scheduler's part of ``num_requests_waiting``) and ``batch_prompt_len_cv``
-    (coefficient of variation of the running requests' prompt lengths: the
-    request-mix signal); counter ``request_success{finished_reason}``
-    (finished requests by their first sequence's reason: stop, length,
-    abort). Queue-time percentiles come from the
-    ``request_queue_time_seconds`` histogram (:meth:`quantile`, or
-    ``histogram_quantile`` in PromQL).
+      registry: the ``CollectorRegistry``. core_stats: each core's latest ``CoreStats``, by core index.
     """
 
     def __init__(self, *, log_stats: bool = False, log_interval: float = 5.0, metrics_port: Optional[int] = None,
@@ -300,13 +229,7 @@ class EngineMetrics:
         return sum(getattr(s, field) for s in self.core_stats.values())
 
     def on_step(self, stats: CoreStats, outputs: Sequence[RequestOutput], core_index: int = 0) -> None:
-        """Record one core's step (or its stats update without a step) and the outputs it led to.
-
-        Args:
-          stats: the core's ``CoreStats`` after it.
-          outputs: the ``RequestOutput``s of the step (new tokens, finishes).
-          core_index: which data-parallel core it was.
-        """
+        """Record one core's step (``stats``: its ``CoreStats``; ``outputs``: the step's ``RequestOutput``s)."""
         now = self._clock()
         self.core_stats[core_index] = stats
         if stats.schedule_seconds is not None:
@@ -430,9 +353,7 @@ class EngineMetrics:
         self.request_success.labels("abort").inc()
 
     def quantile(self, name: str, q: float) -> float:
-        """The ``q`` quantile (0 <= q <= 1) of histogram ``name`` (e.g. ``"jaxllm:request_queue_time_seconds"``)
-        as PromQL's ``histogram_quantile`` computes it: linear within the bucket holding rank ``q * count``
-        (the first bucket starts at 0; past the last finite bound, that bound). NaN before any observation.
+        """The ``q`` quantile of histogram ``name`` as PromQL's ``histogram_quantile``; NaN before any observation.
 
         Raises:
           ValueError: ``q`` outside [0, 1], or no histogram of that name.
@@ -459,19 +380,8 @@ class EngineMetrics:
         return lower
 
     def run_summary(self) -> dict[str, float]:
-        """Aggregates since :meth:`begin_run` (or construction), for benchmarks.
-
-        Returns:
-          ``steps``; ``peak_kv_cache_usage`` and ``mean_kv_cache_usage``
-          (fractions of the KV blocks, per step); ``kv_live_slot_fraction``
-          (token slots holding a computed token / allocated slots, summed
-          over steps); ``max_num_running`` (requests); ``num_preemptions``;
-          ``compilations``; with speculative decoding ``spec_num_draft_tokens``,
-          ``spec_num_accepted_tokens``, ``spec_acceptance_rate`` (accepted /
-          draft tokens), ``spec_mean_accepted_length`` (1 + accepted / rows
-          that verified drafts: tokens per such row) and
-          ``spec_acceptance_rate_per_position`` (accepted at position i / rows
-          that verified drafts); None without drafts.
+        """Aggregates since :meth:`begin_run`, for benchmarks: steps, KV usage (peak, mean, live-slot fraction),
+        ``max_num_running``, preemptions, compilations and, with drafts, the speculative acceptance figures.
         """
         steps = max(self._run_steps, 1)
         (drafts, draft_tokens, accepted), per_position = self._spec_totals()
@@ -526,12 +436,7 @@ class _Labelled:
 
 
 class GenerateProgress:
-    """The ``LLM.generate`` progress bar: requests finished, and output tokens/s since it opened.
-
-    Args:
-      total: requests to wait for.
-      enabled: False makes every call a no-op (``use_tqdm=False``).
-    """
+    """The ``LLM.generate`` progress bar over ``total`` requests (no-op unless ``enabled``): finished, tokens/s."""
 
     def __init__(self, total: int, enabled: bool = True):
         self._bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True,

@@ -1,30 +1,9 @@
 """Front-end output processing: core outputs in, ``RequestOutput`` out (vLLM's ``OutputProcessor``).
 
-The engine core (scheduler + runner, ``jaxllm.core.engine_core``) hands over token
-ids, finishes and logprobs as numbers (``messages.EngineCoreOutput``, one
-per sequence); :class:`OutputProcessor` detokenizes them incrementally, checks
-stop strings (telling the caller which sequences to stop in the core), groups
-the ``n`` sequences of a request and assembles vLLM-shaped ``RequestOutput``s
-with ``Logprob`` dicts. :class:`OutputText` holds one sequence's text.
-
-Rules, as vLLM's:
-
-* Stop strings are searched only in text produced after the first
-  ``min_tokens`` tokens: a match must end in the text of a later token (it may
-  begin before). The first match to end wins (the longest of those ending at
-  the same character), whatever the tokens' boundaries. The text is cut
-  before it, or after it with ``include_stop_str_in_output``; tokens after
-  the one that completed it (several tokens arrive at once with speculative
-  decoding) are dropped.
-* The eos or ``stop_token_ids`` token that ended a sequence adds no text
-  unless ``include_stop_str_in_output``.
-* A stream shows text once no stop string can cut it: the longest tail of
-  the text that is a proper prefix of some stop string is held back until it
-  cannot be (vLLM holds back a fixed ``len(longest stop) - 1`` characters;
-  this holds back only what may still match). Nothing is held back with
-  ``include_stop_str_in_output`` (a cut then never reaches text already
-  there) nor once the sequence has finished. So a stream's ``delta_text``s
-  add up to the final ``text``, always.
+Stop-string rules, as vLLM's: a match is searched only after ``min_tokens`` tokens; the first match to end
+wins, the text is cut before it (after it with ``include_stop_str_in_output``) and later tokens dropped; the
+eos/stop token adds no text unless ``include_stop_str_in_output``. A stream holds back only the tail that
+may still begin a stop string, so its ``delta_text``s always add up to the final ``text``.
 """
 
 from __future__ import annotations
@@ -49,14 +28,11 @@ class OutputText:
     """One sequence's output text: detokenized, cut at stop strings, streamed (rules in the module docstring).
 
     Args:
-      detokenizer: the sequence's incremental detokenizer; None for a model
-        without a tokenizer (the text stays empty, stop strings never match).
-      params: the sequence's SamplingParams (``stop``,
-        ``include_stop_str_in_output``, ``min_tokens``).
+      detokenizer: the sequence's incremental detokenizer; None: the text stays empty.
+      params: its SamplingParams (``stop``, ``include_stop_str_in_output``, ``min_tokens``).
 
     Attributes:
-      text: the output text so far (cut at a stop string once one matched).
-      num_tokens: tokens decoded so far.
+      text: the output text so far. num_tokens: tokens decoded so far.
     """
 
     def __init__(self, detokenizer: Optional[Detokenizer], params: SamplingParams) -> None:
@@ -70,17 +46,9 @@ class OutputText:
         self._streamed = 0
 
     def add_tokens(self, token_ids: Sequence[int], stopped_by_token: bool = False) -> Optional[str]:
-        """Decode new token ids in order, looking for stop strings after each.
+        """Decode new ids in order, looking for stop strings; returns the stop string that matched, else None.
 
-        Args:
-          token_ids: the ids generated since the last call.
-          stopped_by_token: the last id is the eos or ``stop_token_ids``
-            token that ended the sequence (its text is then left out unless
-            ``include_stop_str_in_output``).
-
-        Returns:
-          the stop string that matched (the text is cut, and later ids are
-          not decoded), else None.
+        ``stopped_by_token``: the last id is the eos or stop token that ended the sequence.
         """
         if self._detokenizer is None:
             return None
@@ -129,17 +97,14 @@ class OutputText:
 
 
 class TokenTexts:
-    """Logprob token texts of one sequence (vLLM's ``Logprob.decoded_token``), in context: a candidate's text
-    at a position is what it adds to the detokenized text after the tokens before it (``IncrementalDetokenizer.peek``:
-    a SentencePiece word's leading space included, "" while it leaves a character split), so the chosen tokens'
-    texts add up to the text. A special token shows its own text (``decode([id])`` with special tokens), even
-    where ``skip_special_tokens`` leaves it out of the text.
+    """Logprob token texts of one sequence (vLLM's ``Logprob.decoded_token``), each in its context.
+
+    A candidate's text is what it adds after the tokens before it (``IncrementalDetokenizer.peek``), so the
+    chosen tokens' texts add up to the text; a special token shows its own text.
 
     Args:
-      tokenizer: the model's tokenizer; None makes every text None.
-      context: the token ids before the first position (the prompt; for prompt logprobs its first token).
-      skip_special_tokens: as the sequence's ``SamplingParams``.
-      special_texts: special token id -> its own text (``special_token_texts``).
+      tokenizer: None makes every text None. context: the ids before the first position.
+      skip_special_tokens: the sequence's. special_texts: ``special_token_texts``' mapping.
     """
 
     def __init__(self, tokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True,
@@ -172,18 +137,9 @@ def special_token_texts(tokenizer) -> dict[int, str]:
 
 def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: Sequence[int], top_logprobs: Sequence[float],
                   decode: Callable[[int], Optional[str]]) -> dict[int, Logprob]:
-    """One position's ``{token_id: Logprob}``, shaped as vLLM's.
+    """One position's ``{token_id: Logprob}`` in vLLM's order: the chosen token first, then the top ``k`` (ranks 1..k).
 
-    Args:
-      token_id, logprob, rank: the chosen (or prompt) token, its raw logprob
-        and its 1-based rank.
-      top_ids: k ints, top_logprobs: k floats: the top ``k`` tokens, descending.
-      decode: token id -> its text at this position (``TokenTexts``).
-
-    Returns:
-      the chosen token first, then the top ``k`` with ranks ``1..k``; a
-      chosen token among the top keeps its first place and takes its top
-      rank (vLLM builds the dict in the same order).
+    ``decode`` maps a token id to its text at this position (``TokenTexts``).
     """
     entry = {int(token_id): Logprob(float(logprob), int(rank), decode(int(token_id)))}
     for i, (t, lp) in enumerate(zip(top_ids, top_logprobs)):
@@ -202,8 +158,7 @@ def _entries(rows: Sequence[SampleLogprobs], texts: TokenTexts) -> list[dict[int
 
 @dataclasses.dataclass
 class _SequenceState:
-    """One sequence's text, tokens, logprobs (``texts``: their token texts) and finish, as the front end knows
-    them."""
+    """One sequence's text, tokens, logprobs and finish, as the front end knows them."""
 
     index: int
     output: OutputText
@@ -218,8 +173,7 @@ class _SequenceState:
 
 @dataclasses.dataclass
 class RequestState:
-    """One request in the front end: its prompt (``prompt_texts``: its logprobs' token texts), its ``n``
-    sequences and its timestamps (seconds, monotonic)."""
+    """One request in the front end: its prompt, its ``n`` sequences and its timestamps (monotonic seconds)."""
 
     request_id: str
     prompt: Optional[str]
@@ -239,14 +193,9 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Turns core outputs into ``RequestOutput``s for the requests a front end has open.
+    """Turns core outputs into ``RequestOutput``s for the open requests (``requests``: id -> ``RequestState``).
 
-    Args:
-      tokenizer: the model's tokenizer; None leaves every text empty (stop
-        strings then never match) and ``Logprob.decoded_token`` None.
-
-    Attributes:
-      requests: request id -> ``RequestState`` of every unfinished request.
+    ``tokenizer``: None leaves every text empty and ``Logprob.decoded_token`` None.
     """
 
     def __init__(self, tokenizer) -> None:
@@ -297,11 +246,8 @@ class OutputProcessor:
         """Apply one step's core outputs.
 
         Returns:
-          a ``RequestOutput`` for every open request they touched (finished
-          ones are closed), and the ``(request_id, index)`` sequences a stop
-          string ended, which the caller must stop in the core
-          (``EngineCore.stop_sequences``). Outputs of closed requests and of
-          sequences already finished are ignored.
+          a ``RequestOutput`` per open request touched (finished ones closed), and the ``(request_id, index)``
+          sequences a stop string ended, for the caller to stop in the core.
         """
         touched: dict[str, RequestState] = {}
         to_stop: list[tuple[str, int]] = []

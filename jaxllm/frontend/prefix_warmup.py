@@ -1,13 +1,7 @@
-"""Prefix-cache warm-up: compute common prompts (system prompts, few-shot headers) at start-up
-(``EngineConfig.preload_prompts``, ``jaxllm serve --preload-prompts PATH``), so that the first real request that
-shares one already reads its full blocks from the prefix cache.
+"""Prefix-cache warm-up: common prompts computed at start-up (``EngineConfig.preload_prompts``).
 
-The front end reads and tokenizes the prompts (as it would a request's, special tokens included) and hands the
-token ids to each engine core (``EngineCore.preload_prefixes``), which computes them as one-token requests before
-serving, then pins their full blocks (``Scheduler.pin_prefix``) while graceful degradation is on: pinned blocks
-are never evicted until KV pressure makes degradation release them into the LRU cache, where they stay revivable
-like any other cached block. Without degradation nothing is pinned. Only whole blocks are cached: the tokens past
-a prompt's last full block are computed again by each request.
+Each core computes them (``EngineCore.preload_prefixes``) and, under graceful degradation, pins their full
+blocks until KV pressure releases them into the LRU cache.
 """
 
 from __future__ import annotations
@@ -24,12 +18,10 @@ if TYPE_CHECKING:
 
 
 def read_preload_prompts(path: Union[str, os.PathLike]) -> list[str]:
-    """The prompts of a warm-up file: a ``.json`` file holding a list of strings, or any other file as text with
-    one prompt per line (empty lines skipped; use JSON for prompts that contain newlines).
+    """The prompts of a warm-up file: a ``.json`` list of strings, or one prompt per non-empty line.
 
     Raises:
-      ValueError: the file is missing or unreadable, a ``.json`` file is not a list of non-empty strings, or the
-        file holds no prompt; the message names the path.
+      ValueError: the file is missing or unreadable, malformed, or holds no prompt (path named).
     """
     path = Path(path)
     try:
@@ -51,11 +43,10 @@ def read_preload_prompts(path: Union[str, os.PathLike]) -> list[str]:
 
 
 def preload_token_ids(path: Union[str, os.PathLike], input_processor: "InputProcessor") -> list[list[int]]:
-    """The warm-up prompts of ``path`` as token ids, each checked as a request's prompt would be.
+    """The warm-up prompts of ``path`` as token ids, each checked as a request's prompt.
 
     Raises:
-      ValueError: as :func:`read_preload_prompts`, or a prompt the model cannot take (longer than
-        ``max_model_len``, no tokenizer); the message names the prompt's index.
+      ValueError: as :func:`read_preload_prompts`, or a prompt the model cannot take (index named).
     """
     ids = []
     for i, prompt in enumerate(read_preload_prompts(path)):
