@@ -1,9 +1,8 @@
-"""Checkpoint loading: a HF folder (safetensors), a GGUF file or a jaxllm orbax
-folder, to a ``(ModelConfig, params)`` pair. :func:`load_model` gives host
-numpy arrays; :func:`load_sharded` places them on a device mesh, each device
-reading only its own slice. Each format loader yields an HF-style config dict
-and HF-named tensors; a folder's ``generation_config.json`` adds its eos ids
-to the model config's. ``jaxllm.loader.nnx`` converts a Flax NNX model's state to the same pytree."""
+"""Checkpoint loading: a HF folder (safetensors), a GGUF file or a jaxllm orbax folder -> ``(ModelConfig, params)``.
+
+:func:`load_model` gives host numpy arrays; :func:`load_sharded` places them on a mesh, each device reading
+only its own slice.
+"""
 
 from __future__ import annotations
 
@@ -28,17 +27,12 @@ if TYPE_CHECKING:
 
 
 def read_model_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    """The model config of ``path`` and its HF-style config dict, read
-    without any weights (a GGUF's metadata, a folder's config.json).
+    """The model config of ``path`` and its HF-style config dict, read without weights.
 
-    The model config's ``eos_token_ids`` are those of the folder's
-    ``generation_config.json`` then ``config.json`` (a GGUF's from its
-    ``tokenizer.ggml.eos/eot/eom_token_id``), tokenizer files or not.
+    ``eos_token_ids`` come from ``generation_config.json`` then ``config.json`` (a GGUF's metadata).
 
     Raises:
-      ValueError: ``path`` is not a model (``jaxllm.paths.model_format``:
-        missing, a file that is not a GGUF, a folder without config.json), or
-        its config holds an unsupported architecture (named).
+      ValueError: ``path`` is not a model, or its architecture is unsupported (named).
     """
     p = Path(path)
     if model_format(p) == "gguf":
@@ -52,22 +46,18 @@ def read_model_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
 
 def load_model(path: str | os.PathLike, dtype: Any = np.float32,
                quantization: Optional[str] = None) -> tuple[ModelConfig, Params, dict]:
-    """Load weights and config from ``path``.
+    """Load weights and config from ``path`` (a HF folder or a GGUF file) as host arrays.
 
     Args:
-      path: a HF model folder (config.json + safetensors) or a GGUF file.
       dtype: numpy dtype of the parameters (``ml_dtypes.bfloat16`` for bf16).
-      quantization: None, "int8" or "fp8": weight-only quantization of the
-        dense projections (``jaxllm.worker.quantization``). With "int8", a GGUF's
-        Q8_0 projections keep their int8 values and block scales.
+      quantization: None, "int8" or "fp8" weight-only quantization of the dense projections ("int8" keeps a
+        GGUF's Q8_0 blocks).
 
     Returns:
-      (model config as :func:`read_model_config`, parameter pytree of numpy
-      arrays, the HF config dict).
+      (model config, parameter pytree of numpy arrays, the HF config dict).
 
     Raises:
-      ValueError: as :func:`read_model_config`, a missing tensor (named), or
-        an unknown ``quantization``.
+      ValueError: as :func:`read_model_config`, a missing tensor (named), or an unknown ``quantization``.
     """
     check_quantization(quantization)
     p = Path(path)
@@ -87,33 +77,21 @@ def _lazy(tensor: LazyTensor, transpose: bool, dtype: Any) -> LazyTensor:
 
 def load_sharded(path: str | os.PathLike, dtype: Any, mesh: Mesh,
                  quantization: Optional[str] = None) -> tuple[ModelConfig, Params, dict, ModelSharding]:
-    """Load weights from ``path`` straight into their shardings on ``mesh``.
+    """Load weights from ``path`` straight into their shardings on ``mesh``, slice by slice.
 
-    A safetensors folder is read slice by slice (``get_slice``) and an orbax
-    folder restored into the target shardings, so no device (and no host
-    buffer) ever holds a whole sharded tensor. A GGUF file is dequantized on
-    the host first (its quantized blocks do not slice), then placed slice by
-    slice; so are the weights of a safetensors folder that is quantized at
-    load (a per-channel scale needs the whole input axis).
+    A GGUF, and a folder quantized at load, are read whole on the host first.
 
     Args:
-      path: a HF folder, a ``.gguf`` file, or an orbax folder
-        (``jaxllm.loader.orbax``; detected by its ``params/`` tree).
-      dtype: dtype of the device arrays (quantized weights keep theirs).
-      mesh: the replica's ``(data, model)`` mesh.
-      quantization: None, "int8" or "fp8" (:func:`load_model`). An orbax
-        checkpoint written quantized restores as it was written (None or its
-        own quantization asked for); an unquantized one is quantized after
-        restoring.
+      path: a HF folder, a ``.gguf`` file, or an orbax folder (with a ``params/`` tree).
+      dtype: dtype of the device arrays (quantized weights keep theirs). mesh: the ``(data, model)`` mesh.
+      quantization: as :func:`load_model`; a quantized orbax checkpoint restores as written.
 
     Returns:
-      (model config, pytree of sharded ``jax.Array``s, HF config dict, the
-      ModelSharding used).
+      (model config, pytree of sharded ``jax.Array``s, HF config dict, the ModelSharding used).
 
     Raises:
-      ValueError: as :func:`load_model`, heads that do not split over the
-        mesh's ``model`` axis, or a quantized orbax checkpoint asked for
-        another quantization (both named).
+      ValueError: as :func:`load_model`, heads that do not split over ``model``, or a quantized orbax
+        checkpoint asked for another quantization.
     """
     check_quantization(quantization)
     p = Path(path)

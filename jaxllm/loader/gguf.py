@@ -1,25 +1,8 @@
 """Load a llama.cpp GGUF file as an HF-style config dict and HF-named, dequantized numpy weights.
 
-Follows llama.cpp's `convert_hf_to_gguf.py` in reverse: metadata keys `{arch}.*` become
-`config.json` fields, `blk.{i}.*` tensors get their Hugging Face names back, and the q/k row
-permutation that the converter applies to the `llama` architecture (and only to it; `qwen2` and
-`qwen3` are written unpermuted) is undone so rotary embeddings line up with HF's `rotate_half`.
-Per architecture: Gemma 3's norms are stored as `1 + weight` (the converter adds 1; we subtract
-it, as transformers does); Phi-3 keeps its fused `qkv_proj` and `gate_up_proj` (`attn_qkv`,
-`ffn_up`); mixture-of-experts files (`qwen3moe`, and `llama` with `expert_count`: Mixtral) stack
-each layer's experts in one `ffn_{gate,up,down}_exps` tensor, split here into HF's per-expert
-names. Dequantization is `gguf.quants.dequantize` (every type it handles, K-quants included).
-With `keep_q8_0`, Q8_0 projections are not dequantized: their int8 values and the float16 scale
-of each 32-value block come out as `<name>` and `<name>_scale` (see `load_gguf`).
-
-Parsing is `gguf.GGUFReader`, which takes seconds on a file with a large vocabulary (it reads
-each of ~100k tokenizer strings separately). Its result -- every metadata value and where each
-tensor's bytes lie -- is kept as a small JSON file in the jaxllm cache, keyed by the file's path,
-size and modification time, so later loads read that and map the tensor bytes straight from the
-file (see `_reader`). Dequantizing with `gguf`'s numpy code takes seconds per hundred million
-weights, so the float32 result of a file's quantized tensors is kept too, as a safetensors file next
-to the parse (for files of up to `$JAXLLM_DEQUANT_CACHE_GB`, default 4 GB of float32; 0 turns it
-off), and later loads read it back instead (see `_dequantized`).
+Reverses llama.cpp's ``convert_hf_to_gguf.py`` (names, llama's q/k permutation, Gemma 3's ``1 + weight``
+norms, stacked experts split per expert); dequantizes with ``gguf.quants``. The parse and the float32
+dequantized tensors are cached (``$JAXLLM_DEQUANT_CACHE_GB``, default 4; 0 off): docs/design/gguf.md.
 """
 
 import dataclasses
@@ -126,41 +109,23 @@ _TOKENIZER_KEYS = {
 
 def load_gguf(path: str | os.PathLike, dtype=np.float32,
               keep_q8_0: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
-    """Read a GGUF checkpoint into `(config, weights)` in Hugging Face form.
+    """Read a GGUF checkpoint into ``(config, weights)`` in Hugging Face form.
 
     Args:
-        path: a `.gguf` file whose `general.architecture` is `llama` (including Mistral files,
-            which llama.cpp writes as `llama`, and Mixtral ones: `llama` with experts), `qwen2`,
-            `qwen3`, `gemma3`, `phi3` or `qwen3moe`.
-        dtype: numpy floating dtype of the returned weights (default float32; ml_dtypes'
-            bfloat16 works too). Every tensor type `gguf.quants.dequantize` handles is accepted
-            (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0 are tested on tiny files; Q4_K and Q6_K on
-            Gemma 3 270M against transformers' load).
-        keep_q8_0: return the Q8_0 tensors of the dense projections (`q/k/v/o_proj`,
-            `gate/up/down_proj`, `lm_head`; not fused nor expert ones) quantized: `<name>` int8
-            [out, in] (llama.cpp's values) and `<name>_scale` float32 [out, in / 32] (each
-            block's float16 scale), so that `q * scale` per block is the dequantized tensor.
+        path: a ``.gguf`` of architecture ``llama`` (Mistral, Mixtral too), ``qwen2``, ``qwen3``, ``gemma3``,
+            ``phi3`` or ``qwen3moe``; any tensor type ``gguf.quants.dequantize`` handles.
+        dtype: numpy floating dtype of the weights (default float32; ml_dtypes' bfloat16 works).
+        keep_q8_0: keep the dense projections' Q8_0 tensors quantized: ``<name>`` int8 [out, in] and
+            ``<name>_scale`` float32 [out, in / 32], so ``q * scale`` per 32-block is the tensor.
 
     Returns:
-        config: a `config.json`-style dict: `architectures`, `model_type` ("llama", "mistral",
-            "qwen2", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "mixtral"), `hidden_size`,
-            `intermediate_size`, `num_hidden_layers`, `num_attention_heads`,
-            `num_key_value_heads`, `head_dim`, `vocab_size`, `max_position_embeddings`,
-            `rms_norm_eps`, `rope_theta`, `hidden_act`, `tie_word_embeddings`, `bos_token_id`,
-            `eos_token_id` (the eos id, or a list when the file also names end-of-turn/
-            end-of-message ids), `attention_bias`, and `rope_scaling` / `sliding_window` /
-            `partial_rotary_factor` (from `rope.dimension_count`) when the file states them;
-            Gemma 3 adds `hidden_activation` and `query_pre_attn_scalar`, mixture-of-experts
-            files their expert counts and sizes.
-        weights: HF names to arrays in HF orientation, e.g. `model.embed_tokens.weight`
-            [vocab, hidden], `model.layers.{i}.self_attn.q_proj.weight` [heads*head_dim, hidden],
-            `model.layers.{i}.mlp.down_proj.weight` [hidden, intermediate], `model.norm.weight`
-            [hidden]; `lm_head.weight` [vocab, hidden] only when the embedding is not tied.
+        config: a ``config.json``-style dict (``model_type``, sizes, rope and eos settings the file states).
+        weights: HF names to arrays in HF orientation, e.g. ``...q_proj.weight`` [heads*head_dim, hidden];
+            ``lm_head.weight`` only when the embedding is not tied.
 
     Raises:
-        ValueError: the file's architecture is not supported, a required metadata key or tensor
-            is missing, a tensor is not one we know how to place, or its type cannot be
-            dequantized; the message names the offending item and the file.
+        ValueError: an unsupported architecture, a missing metadata key or tensor, an unknown tensor or a
+            type that cannot be dequantized (the item and the file named).
     """
     path = os.fspath(path)
     dtype = _check_dtype(dtype)
@@ -190,9 +155,7 @@ _Q8_0_KEPT = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"
 
 
 def _q8_0_blocks(tensor: "_Tensor") -> tuple[np.ndarray, np.ndarray]:
-    """A Q8_0 tensor's int8 values [rows, row length] and float32 block scales [rows, row length / 32].
-
-    Each 34-byte block is a float16 scale then 32 int8 values (`gguf.quants.Q8_0`)."""
+    """A Q8_0 tensor's int8 values [rows, n] and float32 block scales [rows, n / 32] (34-byte blocks)."""
     block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][1]
     blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, block_bytes)
     scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
@@ -201,8 +164,7 @@ def _q8_0_blocks(tensor: "_Tensor") -> tuple[np.ndarray, np.ndarray]:
 
 
 def _arrange(array: np.ndarray, hf_name: str, tensor: "_Tensor", arch: str, config: dict) -> np.ndarray:
-    """One GGUF tensor's array (or its Q8_0 values or scales, which share its rows) in HF's order:
-    llama's q/k rows unpermuted, Gemma 3's norms minus one."""
+    """One GGUF tensor's array (or Q8_0 values/scales) in HF's order: llama's q/k unpermuted, Gemma 3's norms - 1."""
     if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
         return _unpermute_rows(array, config["num_attention_heads"])
     if arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -238,17 +200,14 @@ def read_gguf_config(path: str | os.PathLike) -> dict:
 
 
 def gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The `tokenizer.*` metadata of a GGUF file, under short names.
+    """The ``tokenizer.*`` metadata of a GGUF file under short names (only the keys the file has).
 
-    Returns a dict with only the keys the file has, among: `model` (str, e.g. "gpt2", "llama"),
-    `pre` (str, llama.cpp pre-tokenizer name, e.g. "smollm"), `tokens` (list[str]),
-    `token_types` (list[int]; llama.cpp's 1 normal, 2 unknown, 3 control, 4 user-defined,
-    5 unused, 6 byte), `scores` (list[float]), `merges` (list[str], "left right"),
-    `bos_token_id` / `eos_token_id` / `unk_token_id` / `pad_token_id` (int),
-    `add_bos_token` / `add_eos_token` / `add_space_prefix` (bool), `chat_template` (str).
+    Keys: ``model``, ``pre``, ``tokens``, ``token_types`` (llama.cpp's 1 normal .. 6 byte), ``scores``,
+    ``merges``, ``bos/eos/unk/pad_token_id``, ``add_bos_token``, ``add_eos_token``, ``add_space_prefix``,
+    ``chat_template``.
 
     Raises:
-        ValueError: the file has no `tokenizer.ggml.tokens`.
+        ValueError: the file has no ``tokenizer.ggml.tokens``.
     """
     path = os.fspath(path)
     reader = _reader(path)
@@ -275,8 +234,7 @@ def _check_dtype(dtype) -> np.dtype:
 
 @dataclasses.dataclass
 class _Tensor:
-    """One tensor of a GGUF file: its type and its raw bytes (a read-only memmap view) shaped as
-    `gguf.GGUFReader` shapes them, which is what `gguf.quants.dequantize` takes."""
+    """One GGUF tensor: its type and raw bytes (a read-only memmap view) shaped as ``gguf.GGUFReader`` shapes them."""
 
     name: str
     tensor_type: gguf.GGMLQuantizationType
@@ -298,8 +256,7 @@ _PARSE_CACHE_VERSION = 1
 
 
 def _reader(path: str) -> _Contents:
-    """The parsed contents of ``path``, shared by the weight and tokenizer loaders (held in memory
-    for the two most recent files, and on disk in the jaxllm cache)."""
+    """The parsed contents of ``path`` (the two most recent in memory, and on disk in the jaxllm cache)."""
     stat = os.stat(path)
     return _cached_reader(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
 
@@ -327,8 +284,7 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> _Contents:
 
 
 def _parse(path: str) -> dict:
-    """Parse with `gguf.GGUFReader` into a JSON-able dict: `fields` (key -> contents) and
-    `tensors` ([name, type id, ggml shape, byte offset, numpy dtype, data shape] each)."""
+    """``gguf.GGUFReader``'s parse as a JSON-able dict: ``fields`` and ``tensors`` (name, type, shapes, offset)."""
     reader = gguf.GGUFReader(path)
     fields = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
     tensors = [[t.name, int(t.tensor_type), [int(n) for n in t.shape], int(t.data_offset), t.data.dtype.str,
@@ -346,8 +302,7 @@ def _plain(value: Any) -> Any:
 
 
 def _write_atomically(target: pathlib.Path, text: str) -> None:
-    """Write ``text`` to ``target`` via a temporary file and a rename; a cache that cannot be
-    written (read-only home, full disk) is skipped, since it only saves time."""
+    """Write ``text`` to ``target`` via a temporary file and a rename; skipped when the cache is not writable."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
@@ -431,9 +386,7 @@ def _config(reader: _Contents, arch: str, tensors: dict, path: str) -> dict:
 
 
 def _eos_token_ids(reader: _Contents, path: str) -> int | list[int] | None:
-    """The ids that end generation, as llama.cpp reads them from the metadata: eos, then
-    end-of-turn (eot) and end-of-message (eom). One id is given as an int (as transformers'
-    GGUF config has it), several as a list."""
+    """The ids that end generation as llama.cpp reads them (eos, eot, eom): an int for one, a list for several."""
     ids = [_field(reader, f"tokenizer.ggml.{name}_token_id", path, None) for name in ("eos", "eot", "eom")]
     ids = list(dict.fromkeys(i for i in ids if i is not None))
     return ids[0] if len(ids) == 1 else ids or None
@@ -455,17 +408,10 @@ _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gg
 
 
 def _dequantized(reader: _Contents, path: str, skip: AbstractSet[str] = frozenset()) -> dict[str, np.ndarray]:
-    """Every tensor of the file but those named in `skip` (the Q8_0 ones `keep_q8_0` keeps) as a
-    float32 array in numpy (row-major, HF) order, by GGUF name.
-
-    Float tensors are converted from the mapped file. Quantized ones are read from the cache file
-    `<cache_stem>.safetensors` when it holds all of them (written by gguf-package version, so an
-    upgrade of `gguf` recomputes them); otherwise they are dequantized with `gguf.quants` and the
-    cache file is written with them (atomically; skipped when the float32 total exceeds
-    `$JAXLLM_DEQUANT_CACHE_GB` gigabytes, default 4, or the cache cannot be written).
+    """Every tensor but those in ``skip`` as float32 in numpy (HF) order, by GGUF name, via the dequant cache.
 
     Raises:
-        ValueError: a tensor's type cannot be dequantized (names the tensor and the file).
+        ValueError: a tensor's type cannot be dequantized (the tensor and the file named).
     """
     import safetensors
     import safetensors.numpy
@@ -512,11 +458,7 @@ def _dequantize(tensor, path: str) -> np.ndarray:
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k permutation.
-
-    The converter reorders each head's rows from HF's [two halves, head_dim/2] to interleaved
-    [head_dim/2, pairs]; we swap those axes back. `w`: [n_heads*head_dim, ...] (weight or bias).
-    """
+    """Undo llama.cpp's q/k row permutation of ``w`` [n_heads*head_dim, ...] (interleaved pairs -> two halves)."""
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 

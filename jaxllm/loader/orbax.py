@@ -1,18 +1,8 @@
 """orbax-checkpoint storage of the parameter pytree, restored straight into shardings.
 
-Layout of a jaxllm orbax checkpoint folder (written by
-``scripts/convert_checkpoint.py``)::
-
-    <dir>/config.json        the HF-style model config (what ModelConfig reads)
-    <dir>/params/            orbax StandardCheckpointer tree: the pytree of
-                             ``jaxllm.models`` (``[in, out]`` weights; int8 or
-                             float8 ones with their ``_scale`` leaves when
-                             converted with ``--quantization``)
-    <dir>/tokenizer*.json    the tokenizer, when the source had one
-
-Restoring hands orbax a target of ``jax.ShapeDtypeStruct``s carrying each
-parameter's ``NamedSharding``, so every device reads only its own slice from
-storage (orbax/TensorStore chunked reads); no array is assembled on the host.
+A checkpoint folder (``scripts/convert_checkpoint.py``) holds ``config.json``, ``params/`` (the
+``jaxllm.models`` pytree, ``[in, out]`` weights, ``_scale`` leaves when quantized) and tokenizer files.
+Each device reads only its own slice.
 """
 
 from __future__ import annotations
@@ -59,18 +49,10 @@ def save_checkpoint(path: str | os.PathLike, params: Params, hf_config: dict) ->
 
 
 def restore_params(path: str | os.PathLike, sharding: ModelSharding, dtype: Any) -> Params:
-    """Restore the parameter pytree into ``sharding``'s parameter shardings.
+    """Restore the parameter pytree into ``sharding``'s parameter shardings (any tensor-parallel degree).
 
-    Args:
-      path: a folder :func:`is_orbax_checkpoint` accepts.
-      sharding: the target layout (any tensor-parallel degree, whatever the
-        checkpoint was written from).
-      dtype: dtype of the restored arrays (orbax casts while reading);
-        quantized weights keep their stored dtype and scales are float32
-        (``jaxllm.worker.quantization.leaf_dtype``).
-
-    Returns:
-      The pytree of ``jax.Array``s, each sharded as ``sharding.param_specs``.
+    ``dtype``: of the restored arrays (quantized weights keep theirs, scales float32). Returns ``jax.Array``s
+    sharded as ``sharding.param_specs``.
     """
     import orbax.checkpoint as ocp
 

@@ -1,13 +1,7 @@
 """HF-named tensors to the parameter pytree of ``jaxllm.models``, for every family.
 
-Each family names its layer tensors (``Family.hf_layer_names``, with ``*``
-for an expert index, after ``Family.hf_layer_prefix`` and the layer index) and
-may split fused ones (``Family.unfuse``); the top level is
-``Family.hf_top_names``, for the built-in families ``model.embed_tokens.weight``,
-``model.norm.weight`` and, untied, ``lm_head.weight``. A tensor that arrives quantized (int8) comes
-with ``<name>_scale`` (HF's name for fp8 checkpoints' scales), ``[out]`` or
-``[out, G]``, which becomes the leaf's ``_scale`` sibling
-(``jaxllm.worker.quantization``).
+Names come from the family (``hf_layer_names``, ``hf_top_names``, ``unfuse``); an int8 tensor arrives with
+``<name>_scale`` (``[out]`` or ``[out, G]``), which becomes the leaf's ``_scale`` sibling.
 """
 
 from __future__ import annotations
@@ -38,31 +32,17 @@ def params_from_hf(
     """Map HF-named tensors to the jaxllm parameter pytree (numpy, host).
 
     Args:
-      cfg: the model configuration (its family names the layer tensors).
-      tensors: ``(hf_name, array)`` pairs in HF orientation (``[out, in]``).
-      dtype: numpy/ml_dtypes dtype of the result.
-      source: named in error messages (the file or folder).
-      convert: ``(array, transpose, dtype) -> leaf``; by default a contiguous
-        numpy array of ``dtype``. A loader that places weights slice by slice
-        passes one that keeps tensors lazy (anything with ``.shape``).
-      stack: per-layer (and per-expert) leaves (a list, in order) -> one leaf
-        with a new leading axis; by default ``np.stack``. A lazy loader passes
-        one that stacks lazily.
-      quantization: None, or "int8" / "fp8": the ``QUANTIZED_KEYS`` leaves are
-        read as float32 and quantized per output channel once stacked
-        (``jaxllm.worker.quantization.quantize_weight``). Tensors that arrive
-        quantized keep their int8 values and scales when every layer has them,
-        and are dequantized (then quantized per channel) otherwise.
+      cfg: the model configuration. tensors: ``(hf_name, array)`` in HF orientation ``[out, in]``.
+      dtype: the result's dtype. source: named in error messages.
+      convert: ``(array, transpose, dtype) -> leaf`` (default: contiguous numpy); lazy loaders keep tensors lazy.
+      stack: per-layer leaves -> one leaf with a leading axis (default ``np.stack``).
+      quantization: None, "int8" or "fp8": ``QUANTIZED_KEYS`` quantized per output channel once stacked.
 
     Returns:
-      The pytree of numpy arrays (or ``stack``'s leaves) described in
-      ``jaxllm.models.common``; expert leaves are ``[L, num_experts, ...]``;
-      quantized leaves with their ``_scale`` siblings.
+      The pytree of ``jaxllm.models.common`` (experts ``[L, num_experts, ...]``, ``_scale`` siblings).
 
     Raises:
-      ValueError: a tensor the config requires is missing (named; an expert
-        tensor is named with its first missing expert), or a tensor has the
-        wrong shape.
+      ValueError: a required tensor is missing (named) or has the wrong shape.
     """
     convert = convert or _convert
     stack = stack or np.stack
@@ -111,8 +91,7 @@ def params_from_hf(
 
 
 def _set_leaf(tree: dict[str, Any], key: str, leaf: Any, scale: Any, quantization: str | None) -> None:
-    """``tree[key] = leaf``, quantized per channel when ``quantization`` asks for it and it
-    did not arrive quantized (``scale`` None), with its scale beside it."""
+    """``tree[key] = leaf``, quantized per channel when asked and not already quantized, with its scale beside it."""
     if scale is not None:
         tree[key], tree[key + SCALE_SUFFIX] = leaf, scale
     elif quantization and key in QUANTIZED_KEYS:
@@ -164,8 +143,7 @@ def _convert(array: np.ndarray, transpose: bool, dtype: Any) -> np.ndarray:
 
 
 def _expected_shapes(cfg: ModelConfig, fam: Family) -> dict[str, tuple[int, ...]]:
-    """Shape of each layer leaf without the layer axis, of the keys whose shape the config fixes
-    (the shared keys, then the family's own ``leaf_shapes``)."""
+    """Each layer leaf's shape without the layer axis, for the keys whose shape the config fixes."""
     e, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv, x, fx = cfg.num_q_heads * d, cfg.num_kv_heads * d, cfg.num_experts, cfg.moe_intermediate_size
     return {

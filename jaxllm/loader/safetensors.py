@@ -1,9 +1,4 @@
-"""Load a Hugging Face model folder (config.json + safetensors) with no torch.
-
-Follows the HF layout: one ``model.safetensors``, or shards listed in
-``model.safetensors.index.json`` (its ``weight_map`` names the file of each
-tensor).
-"""
+"""Load a Hugging Face model folder (config.json + ``model.safetensors`` or indexed shards) with no torch."""
 
 from __future__ import annotations
 
@@ -38,8 +33,7 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     """The safetensors files of a model folder, in shard order.
 
     Raises:
-      ValueError: neither ``model.safetensors`` nor an index is present, or the
-        index names a missing shard.
+      ValueError: no ``model.safetensors`` nor index, or the index names a missing shard.
     """
     folder = Path(path)
     index = folder / INDEX_FILE
@@ -60,8 +54,7 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
 
 
 def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(hf_name, array)`` for every tensor in the folder, as stored
-    (bfloat16 arrives as ``ml_dtypes.bfloat16``), one tensor in memory at a time."""
+    """``(hf_name, array)`` of every tensor as stored (bfloat16 as ``ml_dtypes.bfloat16``), one at a time in memory."""
     for file in safetensors_files(path):
         with safe_open(str(file), framework="numpy") as f:
             for name in f.keys():
@@ -69,19 +62,12 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]
 
 
 class LazyTensor:
-    """One tensor of a safetensors file, read a slice at a time (``get_slice``).
+    """One tensor of a safetensors file, read a slice at a time; ``read(index)`` returns ``view[index]`` as numpy.
 
     Args:
-      handle: an open ``safe_open`` file (numpy framework).
-      name: the tensor's name in the file.
-      transpose: present the 2-D tensor transposed (HF ``[out, in]`` as
-        jaxllm's ``[in, out]``) without reading it.
-      first_rows: ``(start, stop)``: present only these rows of the stored
-        tensor (a part of a fused tensor, ``rows``); None: all of them.
-
-    Attributes:
-      shape: the (row-cut, transposed) shape; ``read(index)`` returns
-        ``array[index]`` of that view as numpy.
+      handle: an open ``safe_open`` file (numpy). name: the tensor's name.
+      transpose: present a 2-D ``[out, in]`` tensor as ``[in, out]`` without reading it.
+      first_rows: ``(start, stop)`` of the stored rows to present (part of a fused tensor), or None.
     """
 
     def __init__(self, handle: Any, name: str, transpose: bool = False, first_rows: tuple[int, int] | None = None):
@@ -110,15 +96,7 @@ class LazyTensor:
 
 
 class LazyStack:
-    """Lazy tensors of one shape stacked on a new leading axis (the layer axis).
-
-    Args:
-      tensors: the per-layer tensors (anything with ``.shape`` and ``read``).
-
-    Attributes:
-      shape: ``(len(tensors),) + tensors[0].shape``; ``read(index)`` reads only
-        the layers and the slice ``index`` selects.
-    """
+    """Lazy tensors of one shape stacked on a new leading (layer) axis; ``read(index)`` reads only what it selects."""
 
     def __init__(self, tensors: list):
         self.tensors = list(tensors)
@@ -130,9 +108,7 @@ class LazyStack:
 
 
 def iter_lazy_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, LazyTensor]]:
-    """Yield ``(hf_name, LazyTensor)`` for every tensor in the folder; nothing
-    is read until a tensor's ``read`` is called. The files stay open while a
-    LazyTensor refers to them."""
+    """``(hf_name, LazyTensor)`` of every tensor in the folder; nothing is read until ``read``."""
     for file in safetensors_files(path):
         handle = safe_open(str(file), framework="numpy")
         for name in handle.keys():
