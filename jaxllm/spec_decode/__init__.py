@@ -1,13 +1,5 @@
-"""Speculative decoding: proposers of draft tokens, verified by the target model in its compiled step.
-
-A proposer drafts up to ``num_speculative_tokens`` tokens per sequence after each step; the scheduler puts them
-on the sequence's next decode row (``Scheduler.update_draft_token_ids``); the step computes the row's last token
-and its drafts together and the sampler (``jaxllm.sample.sampler.sample_or_verify``) keeps the drafts the target agrees
-with plus one token of its own; the scheduler takes the rejected drafts back.
-
-* ``config``: ``SpeculativeConfig`` (vLLM's ``speculative_config`` keys).
-* ``ngram``: prompt lookup on the host (``NgramProposer``).
-* ``draft``: a draft model on the device (``DraftRunner``), which the engine core builds for ``method="draft_model"``.
+"""Speculative decoding: proposers of draft tokens (``ngram`` on the host, ``draft`` on the device), verified
+by the target in its step (``sampler.sample_or_verify``); ``config`` holds ``SpeculativeConfig``.
 """
 
 from jaxllm.spec_decode.config import SpeculativeConfig

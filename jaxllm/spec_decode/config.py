@@ -15,21 +15,13 @@ class SpeculativeConfig:
     """Speculative decoding settings, named as vLLM's ``speculative_config`` keys.
 
     Attributes:
-      method: "ngram" (prompt lookup: the tokens that followed the latest
-        earlier occurrence of the sequence's last n tokens) or "draft_model"
-        (a smaller model with the same vocabulary proposes greedily).
-      num_speculative_tokens: draft tokens per decode step, >= 1; a decode
-        row then carries up to 1 + this many query tokens and emits up to
-        that many tokens.
-      prompt_lookup_min, prompt_lookup_max: n-gram sizes tried, longest
-        first (ngram only); as vLLM, one given alone sets both, neither
-        given means 5.
-      model: the draft model (HF folder, ``.gguf`` or orbax folder;
-        draft_model only).
+      method: "ngram" (prompt lookup) or "draft_model" (a smaller model, same vocabulary, greedy).
+      num_speculative_tokens: drafts per decode step, >= 1.
+      prompt_lookup_min, prompt_lookup_max: n-gram sizes (ngram only; one alone sets both, default 5).
+      model: the draft model's path (draft_model only).
 
     Raises:
-      ValueError: an unknown method or key, a value out of range (named with
-        its limit), a missing or extra ``model``.
+      ValueError: an unknown method or key, a value out of range (named), a missing or extra ``model``.
     """
 
     method: str
