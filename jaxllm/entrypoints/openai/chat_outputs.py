@@ -1,10 +1,7 @@
-"""A chat choice's message read from its text: the reasoning (``--reasoning-parser``), then, in the answer after
-it, the content and the tool calls (a ``tool_parsers`` parser), streamed as deltas or whole.
+"""A chat choice's message read from its text: reasoning, then content and tool calls, streamed or whole.
 
-The whole message is the join of the deltas a fresh ``ChoiceStream`` gives for the whole text, so a stream and
-the unstreamed response agree by construction: per choice, the ``content``, ``reasoning`` and each call's
-``arguments`` deltas concatenate to the unstreamed message's, each call's first delta carries its ``id``,
-``type`` and ``name``.
+The whole message is the join of a fresh ``ChoiceStream``'s deltas, so a stream and the unstreamed
+response agree by construction.
 """
 
 from __future__ import annotations
@@ -21,11 +18,8 @@ class ChatParsing:
     """How a chat request's choices are read.
 
     Attributes:
-      reasoning: makes a choice's reasoning parser (None: no ``--reasoning-parser``).
-      tools: makes a choice's tool parser (None: calls are not read; ``tool_choice`` none or no tools).
-      include_reasoning: the request's ``include_reasoning`` (false: reasoning is dropped).
-      single_call: ``parallel_tool_calls: false``: only the first call is kept.
-      named: the tool choice names the function (its call is not the model's choice).
+      reasoning, tools: parser factories (None: not read). include_reasoning: the request's.
+      single_call: ``parallel_tool_calls: false``. named: the tool choice names the function.
     """
 
     reasoning: Optional[Callable[[], ReasoningParser]] = None
@@ -49,14 +43,12 @@ class ChatParsing:
         return join_deltas(stream.update(text, final=True), self), stream.num_calls
 
     def finish_reason(self, engine_reason: Optional[str], num_calls: int) -> Optional[str]:
-        """``"tool_calls"`` for a choice that stopped with calls it chose to make (``auto``, ``required``); a
-        named choice's and every other stay the engine's (vLLM's and OpenAI's rule)."""
+        """``"tool_calls"`` for a choice that chose to call (``auto``, ``required``), else the engine's (vLLM)."""
         return "tool_calls" if num_calls and engine_reason == "stop" and not self.named else engine_reason
 
 
 class ChoiceStream:
-    """One choice's deltas as its text grows: ``update`` takes the whole text so far and returns what is new,
-    as OpenAI's ``delta`` objects (``{"reasoning": ...}``, ``{"content": ...}``, ``{"tool_calls": [...]}``)."""
+    """One choice's deltas as its text grows: ``update`` returns OpenAI ``delta`` objects of what is new."""
 
     def __init__(self, parsing: ChatParsing) -> None:
         self.parsing = parsing
@@ -108,8 +100,7 @@ class ChoiceStream:
 
 
 def join_deltas(deltas: Sequence[dict], parsing: ChatParsing) -> dict:
-    """The ``message`` the ``deltas`` of one choice add up to (content null when a parser read the text and
-    left none; ``reasoning`` present with a reasoning parser that keeps it; ``tool_calls`` when there are)."""
+    """The ``message`` one choice's ``deltas`` add up to."""
     content = "".join(d.get("content", "") for d in deltas)
     message = {"role": "assistant", "content": content if content or not parsing.active else None}
     if parsing.reasoning is not None and parsing.include_reasoning:
@@ -127,8 +118,7 @@ def join_deltas(deltas: Sequence[dict], parsing: ChatParsing) -> dict:
 
 
 def reasoning_token_count(parsing: ChatParsing, token_ids: Sequence[int], decode: Callable[[list[int]], str]) -> int:
-    """Tokens of the reasoning (``completion_tokens_details.reasoning_tokens``): the fewest first tokens whose
-    text ends the reasoning, or all of them when it never ends; 0 when the text has none."""
+    """Tokens of the reasoning: the fewest first tokens whose text ends it (all when it never ends; 0 without)."""
     if parsing.reasoning is None:
         return 0
     reader = parsing.reasoning()

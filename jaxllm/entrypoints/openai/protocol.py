@@ -1,10 +1,7 @@
-"""Request bodies of the OpenAI-compatible API (OpenAI's field names, vLLM's extra sampling fields), as pydantic
-models, and the OpenAI error body.
+"""Request bodies of the OpenAI-compatible API (OpenAI's fields, vLLM's extras) as pydantic models, and errors.
 
-Types are checked by pydantic (a wrong type is a 400 naming the field); ranges are checked where the values land,
-by ``SamplingParams`` (a value out of range is a 400 naming the field and the limit). Every field here is honoured;
-any other field is refused with a 400 naming it (``extra="forbid"``; vLLM ignores an undeclared field with a
-warning): a field the server drops silently is a request answered differently from what was asked.
+Pydantic checks types and ``SamplingParams`` ranges, each a 400 naming the field; an undeclared field is
+refused with a 400 (``extra="forbid"``, where vLLM only warns).
 """
 
 from __future__ import annotations
@@ -15,9 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Request(BaseModel):
-    """A request body, or a part of one: a field not declared is refused (400 naming it); a declared field sent
-    as null takes its default (OpenAI's clients send null for an argument given as None; vLLM's fields are
-    Optional for the same reason)."""
+    """A request body or part: undeclared fields refused; a declared field sent as null takes its default."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -36,8 +31,7 @@ class StreamOptions(_Request):
 
 
 class JsonSchemaFormat(_Request):
-    """``response_format.json_schema``: OpenAI's named schema. The schema is always enforced, so ``strict`` is
-    honoured either way (false allows what true enforces); ``name`` and ``description`` label it."""
+    """``response_format.json_schema``: OpenAI's named schema, always enforced (so ``strict`` holds either way)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -55,13 +49,12 @@ class ResponseFormat(_Request):
 
 
 class _SamplingFields(_Request):
-    """Fields completions and chat share; each maps onto the ``SamplingParams`` field of the same name
-    (``logit_bias`` keys are token ids as strings). ``response_format`` (OpenAI's) and ``structured_outputs``
-    (vLLM's extra field: the ``StructuredOutputsParams`` fields as an object, taking precedence) constrain the
-    output. vLLM's extras: ``priority`` (lower first; a non-zero one is a 400 unless the server's
-    ``--scheduling-policy`` reads priorities), ``cache_salt`` (prefix-cache blocks are shared only between
-    requests of the same salt), ``prompt_logprobs`` (the top ``k`` per prompt token, not with ``stream``),
-    ``return_tokens_as_token_ids`` (logprob tokens written ``token_id:ID``)."""
+    """Fields completions and chat share, each mapped onto the ``SamplingParams`` field of the same name.
+
+    ``logit_bias`` keys are token ids as strings; ``structured_outputs`` takes precedence over
+    ``response_format``. vLLM's extras: ``priority`` (a 400 unless the policy reads it), ``cache_salt``,
+    ``prompt_logprobs`` (not with ``stream``), ``return_tokens_as_token_ids``.
+    """
 
     model: Optional[str] = None
     n: int = 1
@@ -91,10 +84,9 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids or a list of token-id lists;
-    ``max_tokens`` defaults to 16 (OpenAI's); ``logprobs`` is the number of top tokens per position; ``echo``
-    puts the prompt (and, with ``logprobs``, its tokens' logprobs) before the completion, and with
-    ``max_tokens: 0`` nothing is generated (prompt scoring, as lm-eval's loglikelihood asks for)."""
+    """``POST /v1/completions``: ``prompt`` text(s) or token-id list(s); ``max_tokens`` default 16; ``echo`` with
+    ``max_tokens: 0`` scores the prompt without generating.
+    """
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
@@ -103,8 +95,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class FunctionDefinition(_Request):
-    """A tool's function: its ``name``, what it does, and its arguments' JSON schema (``parameters``; none: no
-    arguments). ``strict`` is honoured either way: a call the server enforces always validates."""
+    """A tool's function: ``name``, ``description`` and the arguments' JSON schema ``parameters``."""
 
     name: str = Field(min_length=1)
     description: Optional[str] = None
@@ -133,17 +124,13 @@ class NamedToolChoice(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``: ``messages`` rendered with the chat template (the model's, or
-    ``--chat-template``); ``max_tokens`` (or ``max_completion_tokens``) defaults to the room left under
-    ``max_model_len``; ``logprobs`` is a switch and ``top_logprobs`` the number of top tokens;
-    ``add_generation_prompt`` ends the prompt with the assistant's cue, ``continue_final_message`` (with
-    ``add_generation_prompt: false``) ends it inside the last message, which the model then continues.
+    """``POST /v1/chat/completions``: ``messages`` rendered with the chat template.
 
-    ``tools`` reach the template (HF's ``tools=``); ``tool_choice`` is ``"none"``, ``"auto"`` (default with
-    tools: the ``--tool-call-parser`` reads calls from the text), ``"required"`` or a named function (both
-    enforced by a JSON-schema grammar); ``parallel_tool_calls: false`` allows one call. ``chat_template_kwargs``
-    are extra template variables (e.g. ``enable_thinking``); ``include_reasoning: false`` drops the
-    ``--reasoning-parser``'s ``reasoning``."""
+    ``max_tokens`` (or ``max_completion_tokens``) defaults to the room under ``max_model_len``;
+    ``continue_final_message`` (with ``add_generation_prompt: false``) continues the last message.
+    ``tool_choice``: "none", "auto" (read by ``--tool-call-parser``), "required" or a named function (both
+    enforced by a grammar); ``include_reasoning: false`` drops the reasoning parser's ``reasoning``.
+    """
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: Optional[int] = None
@@ -160,8 +147,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Request):
-    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (rendered as chat completions render them, with
-    ``tools`` and ``chat_template_kwargs``, vLLM's ``TokenizeChatRequest`` fields; only with ``messages``)."""
+    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (vLLM's ``TokenizeChatRequest`` fields with them)."""
 
     model: Optional[str] = None
     prompt: Optional[str] = None
@@ -193,8 +179,7 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Opt
 
 
 class ResponsesFunctionTool(_Request):
-    """A ``/v1/responses`` tool: OpenAI's flat ``{"type": "function", "name", "description", "parameters",
-    "strict"}`` (chat's ``function`` object, unwrapped)."""
+    """A ``/v1/responses`` tool: OpenAI's flat ``{"type": "function", "name", ...}``."""
 
     type: Literal["function"] = "function"
     name: str = Field(min_length=1)
@@ -211,8 +196,7 @@ class ResponsesNamedToolChoice(_Request):
 
 
 class ResponsesTextFormat(_Request):
-    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``, ``strict``,
-    ``description``, flat)."""
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (flat ``name``, ``schema``, ``strict``)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -230,12 +214,11 @@ class ResponsesText(_Request):
 
 
 class ResponsesRequest(_Request):
-    """``POST /v1/responses`` (OpenAI's Responses API, the fields jaxllm honours): ``input`` (a string, or
-    message, ``function_call`` and ``function_call_output`` items; ``reasoning`` items are accepted and not
-    rendered, as chat templates drop past reasoning), ``instructions`` (a system message, not carried over by
-    ``previous_response_id``), ``max_output_tokens``, ``temperature``, ``top_p``, ``tools``, ``tool_choice``,
-    ``parallel_tool_calls``, ``text.format``, ``stream``, ``store`` (keep the response in memory, for
-    ``previous_response_id`` and ``GET /v1/responses/{id}``), ``metadata`` (echoed)."""
+    """``POST /v1/responses``, the fields jaxllm honours of OpenAI's Responses API.
+
+    ``input`` is a string or message/function-call items (``reasoning`` items accepted, not rendered);
+    ``instructions`` is not carried over by ``previous_response_id``; ``store`` keeps the response in memory.
+    """
 
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]]]
@@ -254,7 +237,6 @@ class ResponsesRequest(_Request):
 
 
 class UpdateWeightsFromDiskRequest(_Request):
-    """``POST /update_weights_from_disk`` (SGLang's): load every weight of the checkpoint at ``model_path`` (a HF
-    folder, GGUF file or orbax folder on the server's disk) into the running engine."""
+    """``POST /update_weights_from_disk`` (SGLang's): load the checkpoint at ``model_path`` into the engine."""
 
     model_path: str

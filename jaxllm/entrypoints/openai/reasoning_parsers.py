@@ -1,11 +1,7 @@
-"""Reasoning parsers (vLLM's ``--reasoning-parser``): the text a model thinks in, between ``<think>`` and
-``</think>``, apart from its answer.
+"""Reasoning parsers (vLLM's ``--reasoning-parser``): the ``<think>...</think>`` text apart from the answer.
 
-They read text, not token ids, so they work where the tags are several tokens (the test model's) as well as
-where they are one. A prompt that ends inside an open think block (DeepSeek-R1's and Qwen3's generation prompts
-open one) makes the generated text reasoning until the closing tag. ``deepseek_r1`` takes the text as reasoning
-until ``</think>`` whatever the prompt (R1 may leave out the opening tag); ``qwen3`` does so only when the prompt
-opened the block or the text opens one, else the text is all answer (``enable_thinking: false``).
+They read text, not ids, so multi-token tags work. ``deepseek_r1`` reads reasoning until ``</think>`` even
+without an opening tag; ``qwen3`` only inside a block the prompt or the text opens.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ THINK_START, THINK_END = "<think>", "</think>"
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """What a reasoning parser decided so far: ``reasoning`` (None: the text has none), ``content`` (the answer)
-    and whether the reasoning ``ended``."""
+    """A reasoning parser's decision so far: ``reasoning`` (None: none), ``content`` and whether it ``ended``."""
 
     reasoning: Optional[str]
     content: str

@@ -1,12 +1,8 @@
 """The fields ``vllm-router`` writes into every request it forwards, accepted at the values that mean what jaxllm does.
 
-vllm-router re-serialises each completion and chat request through its own structs, so a forwarded body carries
-fields the client never sent, at the router's defaults (``no_stop_trim: false``, ``return_hidden_states: false``,
-and for chats ``separate_reasoning``, ``stream_reasoning`` and ``include_reasoning: true``, the last a field jaxllm
-declares and honours). vLLM ignores undeclared fields; jaxllm refuses them (``protocol.py``). :class:`RouterDefaults`
-drops such an undeclared field only when it holds the router's default, which asks for jaxllm's behaviour anyway
-(stop strings trimmed, no hidden states, reasoning split by the ``--reasoning-parser`` and streamed as it comes);
-any other value still reaches validation and is refused naming the field.
+:class:`RouterDefaults` drops such an undeclared field (``no_stop_trim``, ``return_hidden_states``,
+``separate_reasoning``, ``stream_reasoning``) only when it holds the router's default; any other value is
+refused by validation, naming the field.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ ROUTER_DEFAULTS: dict[str, dict[str, bool]] = {
 
 
 def strip_router_defaults(body: bytes, defaults: dict[str, bool]) -> bytes:
-    """``body`` without the fields that hold their value in ``defaults`` (a body that is not a JSON object is
-    returned as it is, for validation to refuse)."""
+    """``body`` without the fields holding their value in ``defaults`` (a non-object body is returned as it is)."""
     try:
         request = json.loads(body)
     except ValueError:
@@ -37,10 +32,7 @@ def strip_router_defaults(body: bytes, defaults: dict[str, bool]) -> bytes:
 
 
 class RouterDefaults:
-    """ASGI middleware: POST bodies of the routes in :data:`ROUTER_DEFAULTS` go through :func:`strip_router_defaults`.
-
-    The rest of the connection's messages (a client's disconnect) pass through unchanged.
-    """
+    """ASGI middleware: POST bodies of :data:`ROUTER_DEFAULTS`' routes go through :func:`strip_router_defaults`."""
 
     def __init__(self, app: Any) -> None:
         self.app = app

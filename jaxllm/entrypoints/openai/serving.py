@@ -1,14 +1,8 @@
-"""The OpenAI-compatible endpoints' work: request -> ``SamplingParams`` and prompts, ``RequestOutput``s -> response
-bodies and server-sent-event chunks (OpenAI's schema; vLLM's ``OpenAIServingCompletion`` / ``OpenAIServingChat``).
+"""OpenAI-compatible endpoints: requests -> ``SamplingParams`` and prompts, outputs -> bodies and SSE chunks.
 
-Field mapping: ``max_tokens`` (chat: ``max_completion_tokens`` first) is checked against the room the prompt leaves
-under ``max_model_len`` (400 past it, as vLLM) and defaults to that room in chat; sampling fields a request leaves
-out take the model's ``generation_config.json`` values (vLLM's ``--generation-config auto``), else
-``SamplingParams``' defaults. Choices of a request with several prompts are numbered prompt by prompt
-(``prompt_index * n + i``). Every field of the request models is honoured here (``check_combination`` refuses the
-combinations vLLM refuses); ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens read from the
-prefix cache. Chat's tools and reasoning: ``chat_parsing`` decides how a request's choices are read and what its
-tool choice enforces; ``chat_outputs`` reads them.
+Follows vLLM's ``OpenAIServingCompletion`` / ``OpenAIServingChat``: ``max_tokens`` is checked against the room
+under ``max_model_len`` (400 past it), omitted sampling fields take ``generation_config.json``'s values, and
+choices are numbered ``prompt_index * n + i``.
 """
 
 from __future__ import annotations
@@ -145,13 +139,10 @@ class OpenAIServing:
     def render_chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                          continue_final_message: bool = False, tools: Optional[list[dict]] = None,
                          template_kwargs: Optional[dict[str, Any]] = None) -> str:
-        """A conversation in the chat template (``Tokenizer.render_chat``: what ``LLM.chat`` renders too), with
-        ``tools`` (OpenAI's ``{"type": "function", "function": ...}`` dicts, HF's ``tools=``) and extra template
-        variables.
+        """A conversation in the chat template (``Tokenizer.render_chat``) with OpenAI ``tools`` and template variables.
 
         Raises:
-          APIError: 400 naming ``messages``, ``continue_final_message`` or ``chat_template_kwargs``
-            (``ChatInputError``'s field).
+          APIError: 400 naming ``ChatInputError``'s field.
         """
         self._need_tokenizer()
         try:
@@ -164,16 +155,12 @@ class OpenAIServing:
                         max_tokens: Optional[int], logprobs: Optional[int], prompt_logprobs: Optional[int] = None,
                         logprobs_param: str = "logprobs", score_prompt: bool = False,
                         constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
-        """The request's ``SamplingParams`` for a prompt of ``prompt_len`` tokens, under ``constraint`` (the
-        request's ``structured_outputs``, checked, or what its tool choice enforces).
+        """The request's ``SamplingParams`` for a ``prompt_len``-token prompt under ``constraint`` (checked).
 
-        ``score_prompt`` (``echo`` with ``max_tokens: 0``): the prompt is computed for its logprobs and nothing is
-        generated; the engine runs it with ``max_tokens=1`` (the step that computes the prompt samples a token)
-        and ``score_response`` drops that token.
+        A scored prompt (``echo``, ``max_tokens: 0``) runs with ``max_tokens=1``; ``score_response`` drops the token.
 
         Raises:
-          APIError: 400 naming the field and its limit (a value out of range, or prompt + ``max_tokens`` over
-            ``max_model_len``).
+          APIError: 400 naming the field and its limit.
         """
         room = self.max_model_len - prompt_len
         if room < 0:
@@ -218,8 +205,7 @@ class OpenAIServing:
         """Start one engine request per prompt (all or none), with the request's ``priority`` and ``cache_salt``.
 
         Raises:
-          APIError: 400 for a request the engine refuses (the prompt's length, ids, a priority the
-            scheduling policy does not read, an empty salt), naming the field.
+          APIError: 400 naming the field for a request the engine refuses.
           QueueFullError, EngineDeadError: as ``AsyncLLM.add_request``.
         """
         ids = [f"{prefix}-{i}" for i in range(len(prompts))]
@@ -316,11 +302,7 @@ class OpenAIServing:
                 "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
     async def completion_stream(self, request: CompletionRequest, started) -> AsyncIterator[bytes]:
-        """The ``text_completion`` chunks of a streaming request, then the usage chunk if asked, then [DONE].
-
-        Per choice, the chunks' texts and the lists of their ``logprobs`` (``echo``: the prompt's first, with the
-        first token) concatenate to the non-streamed response's; ``text_offset`` runs on from chunk to chunk.
-        """
+        """The ``text_completion`` chunks of a streaming request, then the usage chunk if asked, then [DONE]."""
         request_id, created, prompts, streams = started
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
@@ -353,14 +335,9 @@ class OpenAIServing:
 
     def _completion_logprobs(self, rows: list[tuple[int, Optional[dict[int, Logprob]]]], offset: int,
                              as_ids: bool = False) -> tuple[dict, int]:
-        """OpenAI's legacy ``logprobs`` of ``rows`` (token id, its entry; None for the first prompt token):
-        tokens, their logprobs, the top tokens per position (a token whose text another id of the position
-        already has is keyed ``token_id:ID``, so none is lost), text offsets from ``offset`` (characters).
-        ``as_ids`` (``return_tokens_as_token_ids``): tokens and top-token keys are all ``token_id:ID``; offsets
-        still count the tokens' text.
+        """OpenAI's legacy ``logprobs`` of ``rows`` from character ``offset``; returns it and the offset after it.
 
-        Returns:
-          the ``logprobs`` object and the offset after its last token.
+        A top token whose text another id already has is keyed ``token_id:ID``; ``as_ids`` keys all tokens so.
         """
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, entry in rows:
@@ -410,8 +387,7 @@ class OpenAIServing:
         return ids, parsing, params
 
     def prepare_chat(self, request: ChatCompletionRequest):
-        """Check and start a chat request; returns (id, created, prompt ids, streams, how its choices are read,
-        its ``SamplingParams``)."""
+        """Check and start a chat request; returns (id, created, prompt ids, streams, parsing, ``SamplingParams``)."""
         ids, parsing, params = self.chat_inputs(request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, [(None, ids)], [params], request)
@@ -419,15 +395,10 @@ class OpenAIServing:
 
     def chat_parsing(self, request: ChatCompletionRequest, prompt_opens: bool
                      ) -> tuple[ChatParsing, Optional[StructuredOutputsParams]]:
-        """How the request's choices are read, and the constraint its output is under (the request's own, or
-        its tool choice's; after the reasoning when a reasoning parser is on). ``prompt_opens``: the prompt
-        ends inside a think block.
+        """How the request's choices are read and the constraint its output is under (``prompt_opens``: inside think).
 
         Raises:
-          APIError: 400 naming ``tool_choice`` (no tools, an unknown function, ``"auto"`` without
-            ``--enable-auto-tool-choice``, an enforced choice with ``response_format`` or
-            ``structured_outputs``), ``tools`` (a parameters schema the grammar engine rejects) or the
-            constraint's field.
+          APIError: 400 naming ``tool_choice``, ``tools`` or the constraint's field.
         """
         tool_parser, constraint = self._tool_choice(request)
         built, param = constraint is not None, "tools"  # built here: checked here
@@ -502,8 +473,7 @@ class OpenAIServing:
             parsing, token_ids, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens))
 
     async def chat_stream(self, request: ChatCompletionRequest, started) -> AsyncIterator[bytes]:
-        """The ``chat.completion.chunk`` chunks: a role chunk per choice, then its reasoning, content and
-        tool-call deltas (``ChoiceStream``), the last one carrying its finish reason."""
+        """The ``chat.completion.chunk`` chunks: a role chunk per choice, then its deltas, the last with its finish."""
         request_id, created, ids, streams, parsing, params = started
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
@@ -545,9 +515,7 @@ class OpenAIServing:
         yield SSE_DONE
 
     def _chat_logprobs(self, rows: list[tuple[int, dict[int, Logprob]]], num_top: int, as_ids: bool = False) -> dict:
-        """OpenAI's chat ``logprobs`` of ``rows`` (token id, its entry): per token its text, logprob, UTF-8 bytes
-        and the top ``num_top`` (a list: tokens of the same text stay apart; ``as_ids``,
-        ``return_tokens_as_token_ids``: each ``token`` is ``token_id:ID``, ``bytes`` still its text's)."""
+        """OpenAI's chat ``logprobs`` of ``rows``: per token text, logprob, UTF-8 bytes and the top ``num_top``."""
 
         def item(token_id: int, lp: Logprob, entry: dict[int, Logprob]) -> dict:
             text = self._token_text(token_id, entry)
@@ -564,29 +532,26 @@ class OpenAIServing:
     # ------------------------------------------------------------------ render
 
     def render_completion(self, request: CompletionRequest) -> list[dict]:
-        """vLLM's ``POST /v1/completions/render``: per prompt, the ``GenerateRequest`` body the completions route
-        would run (``_generate_request``), checked as that route checks it; nothing is generated.
+        """vLLM's ``POST /v1/completions/render``: the checked ``GenerateRequest`` body per prompt; nothing generated.
 
         Raises:
-          APIError: what the completions route would answer for the request.
+          APIError: what the completions route would answer.
         """
         prompts, params = self.completion_inputs(request)
         return [self._generate_request("cmpl", ids, p, request) for (_, ids), p in zip(prompts, params)]
 
     def render_chat_completion(self, request: ChatCompletionRequest) -> dict:
-        """vLLM's ``POST /v1/chat/completions/render``: the ``GenerateRequest`` body of the chat request (its
-        rendered prompt's token ids), checked as the chat route checks it; nothing is generated.
+        """vLLM's ``POST /v1/chat/completions/render``: the checked ``GenerateRequest`` body; nothing generated.
 
         Raises:
-          APIError: what the chat route would answer for the request.
+          APIError: what the chat route would answer.
         """
         ids, _, params = self.chat_inputs(request)
         return self._generate_request("chatcmpl", ids, params, request)
 
     def _generate_request(self, prefix: str, ids: list[int], params: SamplingParams,
                           request: Union[CompletionRequest, ChatCompletionRequest]) -> dict:
-        """vLLM's ``GenerateRequest`` body for one prompt, once the engine's own checks (``InputProcessor.process``:
-        length, vocabulary, priority, salt) pass as they would when the request starts."""
+        """vLLM's ``GenerateRequest`` body for one prompt, once the engine's own checks pass."""
         try:
             self.engine.input_processor.process(f"{prefix}-render", ids, params, priority=request.priority,
                                                 cache_salt=request.cache_salt)
@@ -601,12 +566,10 @@ class OpenAIServing:
     # ------------------------------------------------------------------ tokenize
 
     def tokenize(self, request: TokenizeRequest) -> dict:
-        """Token ids of a prompt, or of a conversation as chat completions render it (with its ``tools`` and
-        ``chat_template_kwargs``).
+        """Token ids of a prompt, or of a conversation as chat completions render it.
 
         Raises:
-          APIError: 400 naming the field: neither or both of ``prompt`` and ``messages``, ``tools`` or
-            ``chat_template_kwargs`` with a ``prompt``, or as ``render_chat_text``.
+          APIError: 400 naming the field (neither or both of ``prompt``/``messages``, chat fields with ``prompt``).
         """
         self.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
@@ -636,17 +599,7 @@ class OpenAIServing:
 
 
 class StreamedChoices:
-    """The choices of a streamed response (``num_prompts * n``, numbered ``prompt_index * n + i``) as they change
-    (vLLM's ``finish_reason_sent`` / ``previous_num_tokens``): a ``RequestOutput`` holds every sequence of its
-    request, the finished ones too, so only a choice's new text, tokens or finish is news, and its finish is its
-    last.
-
-    Attributes:
-      num_tokens: tokens the choices generated so far, all together (the usage's ``completion_tokens``, as a
-        non-streamed response counts them in its final outputs).
-      num_cached_tokens: prompt tokens read from the prefix cache, summed over the prompts (the usage's
-        ``prompt_tokens_details.cached_tokens``).
-    """
+    """The choices of a streamed response as they change (vLLM's ``finish_reason_sent``): only news is yielded."""
 
     def __init__(self, num_prompts: int, n: int) -> None:
         self._n = n
@@ -666,8 +619,7 @@ class StreamedChoices:
 
     async def updates(self, outputs: AsyncIterator[tuple[int, RequestOutput]]
                       ) -> AsyncIterator[tuple[int, int, bool, RequestOutput, CompletionOutput]]:
-        """(prompt index, choice index, whether it is the choice's first update, request output, completion) for
-        each choice with news in ``outputs`` (``merge``'s), up to and with the one that finishes it."""
+        """(prompt index, choice index, first update?, request output, completion) of each choice with news."""
         async for i, out in outputs:
             self._cached[i] = out.num_cached_tokens
             for c in out.outputs:
@@ -681,8 +633,7 @@ class StreamedChoices:
 
 
 def _prompt_rows(out: RequestOutput, k: Optional[int]) -> list[tuple[int, Optional[dict[int, Logprob]]]]:
-    """(token id, entry cut to the top ``k``) of the prompt's tokens (entries None when prompt logprobs were not
-    asked for)."""
+    """(token id, entry cut to the top ``k``) of the prompt's tokens (entries None when not asked for)."""
     return list(zip(out.prompt_token_ids, _top_k(out.prompt_logprobs, k) or [None] * len(out.prompt_token_ids)))
 
 
@@ -693,13 +644,10 @@ def _output_rows(c: CompletionOutput, count: int) -> list[tuple[int, Optional[di
 
 
 def structured_outputs(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[StructuredOutputsParams]:
-    """The request's output constraint, checked: vLLM's ``structured_outputs`` field if given, else OpenAI's
-    ``response_format`` (``json_object``: any JSON object; ``json_schema``: its ``schema``).
+    """The request's checked output constraint: vLLM's ``structured_outputs``, else OpenAI's ``response_format``.
 
     Raises:
-      APIError: 400 naming ``structured_outputs`` or ``response_format``: unknown fields, no or several
-        constraints, a ``json_schema`` format without a schema, a schema, regex or grammar the grammar engine
-        rejects.
+      APIError: 400 naming ``structured_outputs`` or ``response_format``.
     """
     param = "structured_outputs" if request.structured_outputs is not None else "response_format"
     fmt = request.response_format
@@ -721,12 +669,10 @@ def structured_outputs(request: Union[CompletionRequest, ChatCompletionRequest])
 
 
 def check_combination(request: Union[CompletionRequest, ChatCompletionRequest]) -> None:
-    """Refuse fields that cannot be honoured together (vLLM refuses the first two): ``stream_options`` without
-    ``stream``, ``prompt_logprobs`` with ``stream``, prompt scoring (``echo`` with ``max_tokens: 0``) with
-    ``stream``, ``return_tokens_as_token_ids`` without ``logprobs``.
+    """Refuse fields that cannot be honoured together (``stream_options``/``prompt_logprobs``/scoring vs ``stream``).
 
     Raises:
-      APIError: 400 naming the field that cannot be honoured.
+      APIError: 400 naming the field.
     """
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only for streamed responses: set stream=true or leave it out",
@@ -754,8 +700,7 @@ def score_response(c: CompletionOutput) -> CompletionOutput:
 
 def _top_k(entries: Optional[list[Optional[dict[int, Logprob]]]],
            k: Optional[int]) -> Optional[list[Optional[dict[int, Logprob]]]]:
-    """Prompt logprob entries cut to the prompt token (first) and the top ``k`` (computed for the larger of
-    ``logprobs`` and ``prompt_logprobs``)."""
+    """Prompt logprob entries cut to the prompt token and the top ``k``."""
     if entries is None or k is None:
         return entries
     return [None if e is None else {t: lp for i, (t, lp) in enumerate(e.items()) if i == 0 or lp.rank <= k}
@@ -763,22 +708,19 @@ def _top_k(entries: Optional[list[Optional[dict[int, Logprob]]]],
 
 
 def _prompt_logprobs_body(out: RequestOutput, k: int) -> list[Optional[dict[str, dict]]]:
-    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token ``{"ID": {"logprob", "rank",
-    "decoded_token"}}`` holding the prompt token and the top ``k``."""
+    """vLLM's ``prompt_logprobs``: None, then per token ``{"ID": {"logprob", "rank", "decoded_token"}}``."""
     return [None if e is None else {str(t): dataclasses.asdict(lp) for t, lp in e.items()}
             for e in _top_k(out.prompt_logprobs, k)]
 
 
 def _token_id_label(token_id: int) -> str:
-    """vLLM's ``return_tokens_as_token_ids`` spelling of a token: any token, even one whose text is not valid
-    UTF-8 on its own, is then told apart."""
+    """vLLM's ``return_tokens_as_token_ids`` spelling of a token."""
     return f"token_id:{token_id}"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
            reasoning_tokens: Optional[int] = None) -> dict:
-    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens read from the prefix cache;
-    ``completion_tokens_details.reasoning_tokens`` (with a reasoning parser): tokens of the reasoning."""
+    """OpenAI's ``usage``, with ``cached_tokens`` and (with a reasoning parser) ``reasoning_tokens``."""
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens,
              "prompt_tokens_details": {"cached_tokens": cached_tokens}}
@@ -789,8 +731,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
 
 def check_parsers(tool_call_parser: Optional[str], enable_auto_tool_choice: bool,
                   reasoning_parser: Optional[str]) -> None:
-    """Raises: ValueError naming the flag: an unknown parser, or ``--enable-auto-tool-choice`` without
-    ``--tool-call-parser`` (vLLM refuses it at start-up too)."""
+    """Raises: ValueError naming the flag: an unknown parser, or auto tool choice without a parser (as vLLM)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser {tool_call_parser}: unknown; choose from {sorted(TOOL_PARSERS)}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -818,8 +759,7 @@ def tool_dicts(tools: Optional[list[ChatCompletionTool]]) -> Optional[list[dict]
 
 
 def _engine_refusal(error: ValueError) -> APIError:
-    """The 400 for a request the engine refuses (``InputProcessor.process``), naming ``priority``, ``cache_salt``
-    or else ``prompt``."""
+    """The 400 for a request the engine refuses, naming ``priority``, ``cache_salt`` or ``prompt``."""
     message = str(error)
     param = next((name for name in ("priority", "cache_salt") if message.startswith(name)), "prompt")
     return APIError(400, message.replace("SamplingParams.", ""), param)

@@ -1,18 +1,9 @@
-"""``POST /v1/responses`` and ``GET /v1/responses/{id}``: OpenAI's Responses API over the chat machinery (vLLM's
-``OpenAIServingResponses``).
+"""``POST /v1/responses`` and ``GET /v1/responses/{id}`` over the chat machinery (vLLM's ``OpenAIServingResponses``).
 
-A request becomes a chat request (``input`` items -> messages, ``instructions`` -> a system message first,
-``max_output_tokens`` -> ``max_tokens``, ``text.format`` -> ``response_format``, flat tools -> chat tools), so the
-chat template, the tool choices, the parsers and the checks are the chat endpoint's. Its output is read into
-items (``OutputItems``): ``reasoning`` (with a reasoning parser), ``message`` (``output_text``) and
-``function_call``, one open at a time, in the order the text gives them. A stream sends OpenAI's events for them
-(``response.created``, ``response.in_progress``, per item ``response.output_item.added``, its content part, its
-deltas and ``.done`` events, ``response.output_item.done``, then ``response.completed``, whose response has
-status ``incomplete`` when ``max_output_tokens`` cut it, as vLLM's: the client's stream helpers wait for that
-event); the unstreamed response is what the same events build, so both agree.
-
-Stored responses (``store``, the default) are kept in memory, the last ``STORE_SIZE``, with the conversation they
-end, for ``previous_response_id``.
+A request becomes a chat request; its output is read into ``reasoning``, ``message`` and ``function_call``
+items, streamed as OpenAI's events (``response.created`` ... ``response.completed``, status ``incomplete``
+when ``max_output_tokens`` cut it); the unstreamed response is built from the same events. The last
+``STORE_SIZE`` stored responses are kept in memory for ``previous_response_id``.
 """
 
 from __future__ import annotations
@@ -40,11 +31,8 @@ def _id(prefix: str) -> str:
 
 
 class OutputItems:
-    """The output items of one response, built from a chat choice's deltas (``ChoiceStream``'s), and the stream
-    events that build them (without ``sequence_number``).
-
-    Attributes:
-      items: the items so far (``reasoning``, ``message``, ``function_call`` dicts, OpenAI's shapes).
+    """The output items of one response (``items``, OpenAI's shapes), built from a chat choice's deltas, and the
+    stream events that build them (without ``sequence_number``).
     """
 
     def __init__(self) -> None:
@@ -120,12 +108,7 @@ class OutputItems:
 
 
 class OpenAIServingResponses:
-    """The Responses API over an ``OpenAIServing`` (its engine, template, parsers and checks).
-
-    Args:
-      serving: the chat endpoints' ``OpenAIServing``.
-      store_size: responses kept for ``previous_response_id`` (the oldest dropped first).
-    """
+    """The Responses API over ``serving`` (an ``OpenAIServing``), keeping ``store_size`` responses."""
 
     def __init__(self, serving: OpenAIServing, store_size: int = STORE_SIZE) -> None:
         self.serving = serving
@@ -142,8 +125,7 @@ class OpenAIServingResponses:
         """Check and start a request; returns (the response skeleton, its conversation, the chat's start).
 
         Raises:
-          APIError: 400 naming the Responses field (an input item jaxllm cannot read, and every check of the
-            chat endpoint); 404 for an unknown model or ``previous_response_id``.
+          APIError: 400 naming the Responses field; 404 for an unknown model or ``previous_response_id``.
         """
         self.serving.check_model(request.model)
         conversation = self._history(request.previous_response_id) + input_messages(request.input)
@@ -256,12 +238,11 @@ def chat_request(request: ResponsesRequest, messages: list[dict]) -> ChatComplet
 
 
 def input_messages(items: Any) -> list[dict]:
-    """Chat messages of a Responses ``input``: a string is a user message; message items keep their role
-    (``developer`` is ``system``) and text; ``function_call`` items join the assistant message before them as
-    ``tool_calls``; ``function_call_output`` items are ``tool`` messages; ``reasoning`` items are dropped.
+    """Chat messages of a Responses ``input`` (``developer`` is ``system``; function calls join the assistant's
+    ``tool_calls``; outputs are ``tool`` messages; ``reasoning`` items dropped).
 
     Raises:
-      APIError: 400 naming ``input``: an item of another type, or one without its fields.
+      APIError: 400 naming ``input``.
     """
     if isinstance(items, str):
         return [{"role": "user", "content": items}]

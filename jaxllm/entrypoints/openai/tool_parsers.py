@@ -1,16 +1,8 @@
 """Tool-call parsers (vLLM's ``--tool-call-parser``): the calls a model wrote in its text, and the text around them.
 
-A parser scans the text into pieces, in order: content and calls. A block that may hold calls (from a start
-marker: ``<tool_call>`` for ``hermes``) is decided once it closes: calls if it decodes, else content, as written;
-until then it is held back, and so is a tail that may begin a start marker. Decided pieces never change as more
-text comes, so a stream's deltas (``jaxllm.entrypoints.openai.chat_outputs``) join to what the whole text gives.
-Text between calls that is only separators (white space; ``;`` for ``llama3_json``) is not content, nor, when
-there are calls, the separators ending the content.
-
-Arguments are the JSON text of an object (``json.dumps`` of what the model wrote, so a call's arguments always
-parse). The enforced tool choices (``"required"``, a named function) have their own parsers here too:
-``RequiredParser`` reads the JSON array their grammar produces, ``NamedParser`` takes the whole text as the
-arguments.
+A block that may hold calls is held back until it closes, then read as calls if it decodes, else content, so
+a stream's deltas join to what the whole text gives. Arguments are JSON text of an object.
+``RequiredParser`` and ``NamedParser`` read the enforced tool choices' output.
 """
 
 from __future__ import annotations
@@ -42,10 +34,8 @@ class Parsed:
 
 
 class ToolParser:
-    """A parser of calls written between start markers and a closing point (``_end``), decoded by ``_decode``.
-
-    Subclasses set ``starts`` (the markers a block begins with) and ``separator`` (a regex of the text between
-    calls that is not content), and define ``_end`` and ``_decode``.
+    """A parser of calls between start markers (``starts``) and ``_end``, decoded by ``_decode``; ``separator`` is a
+    regex of the text between calls that is not content.
     """
 
     starts: tuple[str, ...] = ()
@@ -112,8 +102,7 @@ def strip_separators(content: str, separator: re.Pattern) -> str:
 
 
 def matching_close(text: str, start: int, quotes: str = '"') -> Optional[int]:
-    """The index after the bracket closing the ``[`` or ``{`` at ``text[start]``, skipping strings in ``quotes``
-    (backslash escapes); None when it is not closed in ``text``."""
+    """The index after the bracket closing ``text[start]``, skipping quoted strings; None when not closed."""
     depth, quote, escaped = 0, None, False
     for i in range(start, len(text)):
         ch = text[i]
@@ -131,8 +120,7 @@ def matching_close(text: str, start: int, quotes: str = '"') -> Optional[int]:
 
 
 def call_from_json(value: Any, keys: tuple[str, ...] = ("arguments", "parameters")) -> Optional[ParsedCall]:
-    """A call from a decoded ``{"name": ..., "arguments": {...}}`` (the arguments under the first of ``keys``
-    present; an object, or JSON text of one); None when ``value`` is not one."""
+    """A call from a decoded ``{"name", "arguments"}`` (arguments under the first of ``keys``); None if not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     arguments = next((value[k] for k in keys if k in value), {})
@@ -163,9 +151,7 @@ def _calls_from_array(text: str) -> Optional[list[ParsedCall]]:
 
 
 class HermesParser(ToolParser):
-    """``hermes`` (Hermes 2 Pro, Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
-    one call a block; a block left open at the end of the text is read as closed there (a model may stop
-    before writing the closing tag)."""
+    """``hermes`` (Hermes 2 Pro, Qwen2.5, Qwen3): ``<tool_call>{json}</tool_call>``; an open block at the end closes."""
 
     starts = ("<tool_call>",)
     close = "</tool_call>"
@@ -183,9 +169,7 @@ class HermesParser(ToolParser):
 
 
 class Llama3JsonParser(ToolParser):
-    """``llama3_json`` (Llama 3.1-3.3's JSON tool calls): ``{"name": ..., "parameters": {...}}`` objects
-    (``arguments`` also read), separated by ``;``, optionally after ``<|python_tag|>``; an object that is not
-    a call is content."""
+    """``llama3_json``: ``{"name", "parameters"}`` objects separated by ``;``, optionally after ``<|python_tag|>``."""
 
     tag = "<|python_tag|>"
     starts = (tag, "{")
@@ -211,8 +195,7 @@ class Llama3JsonParser(ToolParser):
 
 
 class MistralParser(ToolParser):
-    """``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` objects (older tokenizers),
-    or ``[TOOL_CALLS]name[ARGS]{...}`` per call (tokenizers v11 and later)."""
+    """``mistral``: ``[TOOL_CALLS]`` then a JSON array of calls, or ``[TOOL_CALLS]name[ARGS]{...}`` per call (v11+)."""
 
     starts = ("[TOOL_CALLS]",)
     args = "[ARGS]"
@@ -256,8 +239,7 @@ class MistralParser(ToolParser):
 
 
 class PythonicParser(ToolParser):
-    """``pythonic`` (Llama 3.2 and 4, ToolACE): a Python list of calls with keyword arguments,
-    ``[get_weather(city="Paris"), get_time(zone="CET")]``; the argument values are Python literals."""
+    """``pythonic`` (Llama 3.2 and 4, ToolACE): ``[f(a="x"), g(b=1)]`` with Python-literal arguments."""
 
     starts = ("[",)
     separator = re.compile(r"[\s,]*")
@@ -287,8 +269,7 @@ class PythonicParser(ToolParser):
 
 
 class RequiredParser(ToolParser):
-    """The output of ``tool_choice: "required"``: the JSON array of ``{"name", "parameters"}`` objects its
-    grammar (``required_schema``) allows; a text that is not one (cut by ``max_tokens``) is content."""
+    """The output of ``tool_choice: "required"``: the JSON array ``required_schema`` allows; otherwise content."""
 
     starts = ("[",)
 
@@ -300,8 +281,7 @@ class RequiredParser(ToolParser):
 
 
 class NamedParser(ToolParser):
-    """The output of a named ``tool_choice``: the whole text is the arguments of one call to ``name`` (its
-    grammar is the function's parameters schema), sent as it grows; cut by ``max_tokens``, they are cut too."""
+    """The output of a named ``tool_choice``: the whole text is the arguments of one call to ``name``."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -324,8 +304,7 @@ def parameters_schema(function: dict) -> dict:
 
 
 def required_schema(functions: list[dict], parallel: bool) -> dict:
-    """The JSON schema ``tool_choice: "required"`` enforces (vLLM's): an array of one or more calls, each
-    ``{"name": one of the functions, "parameters": its arguments}``; ``parallel`` false: exactly one."""
+    """The schema ``tool_choice: "required"`` enforces (vLLM's): one or more calls, one unless ``parallel``."""
     items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
                                                "parameters": parameters_schema(f)},
               "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
