@@ -10,18 +10,13 @@ T = TypeVar("T")
 
 
 def dataclass_from_json(cls: type[T], value: Any, name: str, required: Sequence[str] = ()) -> T | None:
-    """``cls`` built from ``value``: an instance as it is, a dict of its fields, or that dict's JSON text; None stays
-    None.
+    """``cls`` (a dataclass) from ``value``: an instance, a dict of its fields or its JSON text; None stays None.
 
-    Args:
-      cls: a dataclass.
-      value: the value given for the option.
-      name: the option's name, for the errors (e.g. ``"speculative_config"``).
-      required: keys the dict must have.
+    ``name`` is the option named in errors; ``required`` the keys the dict must have.
 
     Raises:
-      ValueError: bad JSON, a value that is not a dict, a key that is not a field (named, with the fields), a
-        missing required key, or what ``cls`` itself refuses.
+      ValueError: bad JSON, not a dict, an unknown key (named with the fields), a missing required key, or
+        what ``cls`` refuses.
     """
     if value is None or isinstance(value, cls):
         return value

@@ -1,17 +1,9 @@
 """Architectures registered from outside jaxllm, and the plugins that register them (vLLM's ``ModelRegistry``
 and ``vllm.general_plugins``).
 
-A registration names a ``model_type``, its family (a ``jaxllm.models.Family``, or the import string
-``"module:attr"`` of one, imported on first use) and the HF ``architectures`` that select it
-(``jaxllm.models.register_model`` checks and adds it; the protocol a family follows is written there).
-This module holds the registrations without importing JAX or the families, so that a front end can hand
-them to the engine-core processes it starts (:func:`registrations_json`, replayed there by
-:func:`replay_registrations`).
-
-Plugins: every entry point of the group ``jaxllm.general_plugins`` (a function of no arguments, which
-typically calls ``jaxllm.register_model``) is called once per process, before the first model config is
-read (:func:`load_general_plugins`); ``$JAXLLM_PLUGINS``, a comma-separated list of entry-point names,
-loads only those (vLLM's ``VLLM_PLUGINS``; empty: none).
+Holds registrations without importing JAX, so a front end can replay them in its core processes
+(:func:`registrations_json`, :func:`replay_registrations`). Plugins are the ``jaxllm.general_plugins`` entry
+points, filtered by ``$JAXLLM_PLUGINS`` (vLLM's ``VLLM_PLUGINS``).
 """
 
 from __future__ import annotations
@@ -30,12 +22,8 @@ PLUGINS_ENV = "JAXLLM_PLUGINS"
 
 @dataclasses.dataclass(frozen=True)
 class Registration:
-    """One registered architecture.
-
-    model_type: the HF ``model_type`` it runs (``ModelConfig.model_type``).
-    family: a ``jaxllm.models.Family``, or ``"module:attr"`` naming one.
-    hf_architectures: the HF ``architectures`` entries that select it; none: any config.json of this
-      ``model_type`` whose architectures name nothing jaxllm runs.
+    """One registered architecture: ``model_type``, its ``family`` (a ``Family`` or ``"module:attr"``) and the
+    ``hf_architectures`` that select it (none: any config of this ``model_type``).
     """
 
     model_type: str
@@ -46,8 +34,7 @@ class Registration:
         """``"module:attr"`` under which another process finds this family.
 
         Raises:
-          ValueError: a family object that no importable module holds (defined in ``__main__``, or built
-            inside a function), so an engine-core process could not rebuild it.
+          ValueError: a family object no importable module holds.
         """
         if isinstance(self.family, str):
             return self.family
@@ -70,8 +57,7 @@ _plugins_loaded = False
 
 
 def add(registration: Registration) -> None:
-    """Record ``registration``, replacing an earlier one of its ``model_type`` (a plugin loaded twice
-    registers the same thing twice); ``jaxllm.models.register_model`` checks it first."""
+    """Record ``registration``, replacing an earlier one of its ``model_type``."""
     _REGISTERED[registration.model_type] = registration
     _IMPORTED.pop(registration.model_type, None)
 
@@ -127,8 +113,7 @@ def replay_registrations(text: str) -> None:
 
 
 def load_general_plugins() -> None:
-    """Call every ``jaxllm.general_plugins`` entry point (those ``$JAXLLM_PLUGINS`` names, when set), once per
-    process; an error a plugin raises propagates, naming the plugin."""
+    """Call every ``jaxllm.general_plugins`` entry point (filtered by ``$JAXLLM_PLUGINS``) once per process."""
     global _plugins_loaded
     if _plugins_loaded:
         return

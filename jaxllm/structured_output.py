@@ -1,24 +1,10 @@
 """Structured output: JSON schema, regex, choice and grammar constraints, enforced by a token bitmask each step.
 
-Follows vLLM v1's ``StructuredOutputManager`` with its ``guidance`` backend. The grammar engine is llguidance
-(Microsoft's, in Rust): it needs no torch or CUDA, compiles a JSON schema, regex, choice list or Lark/GBNF grammar
-into a matcher over the model's tokens, and fills one packed ``int32`` bitmask row for a matcher's state in tens
-of microseconds. (xgrammar, vLLM's other backend, needs torch at run time.)
-
-Where things happen:
-
-* front end: :func:`validate_structured_outputs` builds the grammar and checks it (no tokenizer needed), so a
-  bad schema, regex or grammar is a ``ValueError`` naming the field before anything is queued;
-* engine core, off the step loop: :class:`StructuredOutputManager` compiles each constraint into a template
-  matcher in a thread pool, cached by the grammar text; a request whose template is not ready waits in the
-  scheduler (``WAITING_FOR_FSM``) while others run;
-* engine core, each step: one row of ``int32[S, ceil(V/32)]`` per scheduled row (bit ``t % 32`` of word
-  ``t // 32`` set when token ``t`` is allowed; all ones for unconstrained rows), applied by the sampler on the
-  device before any other logit processing (``jaxllm.sample.sampler.apply_token_bitmask``);
-* engine core, after each step: every sampled token advances its sequence's matcher; a token the matcher
-  rejects is a bug and raises. A sequence whose grammar consumed its EOS has ended: the core finishes it there,
-  whatever ``min_tokens`` or ``ignore_eos`` say (vLLM #54218), since the grammar allows nothing but EOS after
-  its end.
+Follows vLLM v1's ``StructuredOutputManager`` with its ``guidance`` backend (llguidance: no torch needed).
+The front end validates (:func:`validate_structured_outputs`); the core compiles off the step loop (a request
+waits in ``WAITING_FOR_FSM``), builds an ``int32[S, ceil(V/32)]`` bitmask per step (applied by
+``sampler.apply_token_bitmask``), and advances each matcher with the sampled tokens; a grammar that consumed
+EOS ends its sequence whatever ``min_tokens`` or ``ignore_eos`` say (vLLM #54218).
 """
 
 from __future__ import annotations
@@ -53,15 +39,10 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
-    """The constraint as an llguidance grammar.
-
-    Returns:
-      ``(field, grammar)``: the ``StructuredOutputsParams`` field it came from and the grammar text
-      (``llguidance.LLMatcher`` input; equal constraints give equal text, the compile cache's key).
+    """The constraint as llguidance grammar text: ``(field, grammar)`` (equal constraints give equal text).
 
     Raises:
-      ValueError: a schema that is not a JSON object, or a GBNF grammar that cannot be converted; the message
-        names the field.
+      ValueError: a schema that is not a JSON object, or a GBNF grammar that cannot be converted (field named).
     """
     field = params.kinds()[0]
     try:
@@ -79,8 +60,7 @@ def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
 
 
 def after_reasoning(params: StructuredOutputsParams, end_tag: str) -> StructuredOutputsParams:
-    """``params`` applied to the answer after a model's reasoning, for a text that starts inside it: a Lark
-    grammar of free text up to the first ``end_tag``, then the constraint.
+    """``params`` applied after a model's reasoning: free text up to the first ``end_tag``, then the constraint.
 
     Raises:
       ValueError: a ``grammar`` constraint (it cannot be composed), naming the field.
@@ -106,8 +86,7 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
     """Check that the constraint compiles (vLLM's ``validate_guidance_grammar``); no tokenizer is needed.
 
     Raises:
-      ValueError: an invalid JSON schema (unknown type or format, a dangling ``$ref``...), regex or grammar;
-        the message names the field and carries llguidance's error.
+      ValueError: an invalid JSON schema, regex or grammar (the field and llguidance's error named).
     """
     field, grammar = grammar_spec(params)
     error = _grammar_error(grammar)
@@ -117,8 +96,7 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
 
 @functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
 def _grammar_error(grammar: str) -> Optional[str]:
-    """llguidance's error for ``grammar``, None when it is valid (a check costs milliseconds: batches of
-    requests with one schema pay it once)."""
+    """llguidance's error for ``grammar``, None when it is valid (cached)."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     return messages[0].strip() if is_error else None
 
@@ -129,9 +107,7 @@ def _compiled_ok(future: concurrent.futures.Future) -> bool:
 
 @dataclasses.dataclass
 class SequenceGrammar:
-    """One constrained sequence's grammar: the compile future, its own matcher (a copy of the compiled
-    template, made on first use) and how many of its output tokens the matcher has consumed. Held by the
-    sequence itself (``jaxllm.core.requests.CoreSequence.grammar``)."""
+    """One constrained sequence's grammar: the compile future, its own matcher and the tokens it consumed."""
 
     future: concurrent.futures.Future
     matcher: Optional[llguidance.LLMatcher] = None
@@ -147,21 +123,14 @@ class SequenceGrammar:
 class StructuredOutputManager:
     """Grammar compilation, per-sequence matchers and the step bitmask of one engine core.
 
-    The sequences it constrains are the core's ``CoreSequence``s: each holds its own ``SequenceGrammar`` in
-    its ``grammar`` attribute (None: unconstrained), which :meth:`add` sets and :meth:`remove` clears.
-
     Args:
-      load_tokenizer: returns the model's ``jaxllm.tokenizer.Tokenizer``; called once, in the compile thread,
-        when the first constraint arrives (so a core that never sees one never loads it).
-      vocab_size: the model's vocabulary (logit rows; may exceed the tokenizer's, whose padding ids are never
-        allowed in a constrained row).
-      eos_token_ids: ids that end generation besides the tokenizer's; allowed wherever the grammar may end.
-      max_workers: compile threads (default: half the CPUs, 1 to 4).
+      load_tokenizer: returns the model's ``Tokenizer``; called once, when the first constraint arrives.
+      vocab_size: logit rows (padding ids past the tokenizer's are never allowed).
+      eos_token_ids: extra ids that end generation. max_workers: compile threads (default half the CPUs, 1-4).
 
     Attributes:
-      num_words: int32 words of one bitmask row, ``ceil(vocab_size / 32)``.
-      bitmask_seconds: host seconds spent building the last :meth:`bitmask`; None when it had no constrained
-        row.
+      num_words: ``ceil(vocab_size / 32)``. bitmask_seconds: host seconds of the last :meth:`bitmask` (None
+      when it had no constrained row).
     """
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Sequence[int] = (),
@@ -185,8 +154,7 @@ class StructuredOutputManager:
     # ------------------------------------------------------------ compilation
 
     def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
-        """The compiled template matcher of ``params`` (a future; shared by every request with the same
-        grammar, compiled once while it stays among the ``GRAMMAR_CACHE_SIZE`` most recently used)."""
+        """The compiled template matcher of ``params`` (a future, cached among ``GRAMMAR_CACHE_SIZE`` grammars)."""
         _, grammar = grammar_spec(params)
         future = self._cache.get(grammar)
         if future is None:
@@ -226,8 +194,7 @@ class StructuredOutputManager:
     # -------------------------------------------------------------- sequences
 
     def add(self, request: "CoreSequence", future: concurrent.futures.Future) -> None:
-        """Constrain ``request`` (one sequence, a ``CoreSequence``) by the grammar ``future`` compiles (from
-        :meth:`compile`)."""
+        """Constrain ``request`` (a ``CoreSequence``) by the grammar ``future`` compiles."""
         request.grammar = SequenceGrammar(future)
         self._num_sequences += 1
 
@@ -248,8 +215,7 @@ class StructuredOutputManager:
         return request.grammar is not None
 
     def grammar_failed(self) -> bool:
-        """True once after some grammar failed to compile (valid for the front end, not with the model's
-        tokenizer): its sequences, whose ``grammar.error`` says why, are then for the core to abort."""
+        """True once after some grammar failed to compile; its sequences (``grammar.error``) are to abort."""
         if not self._failed.is_set():
             return False
         self._failed.clear()
@@ -263,13 +229,10 @@ class StructuredOutputManager:
     # ------------------------------------------------------------------- step
 
     def bitmask(self, output: SchedulerOutput, num_rows: int) -> Optional[np.ndarray]:
-        """The step's allowed tokens: ``int32[num_rows, num_words]``, or None when no row that samples is
-        constrained (every token allowed everywhere).
+        """The step's allowed tokens: ``int32[num_rows, num_words]``, or None when no sampling row is constrained.
 
-        Rows of unconstrained requests, rows whose sample is discarded (a partial prefill) and padding rows
-        are all ones. Each constrained row's matcher must have consumed exactly the outputs before that row's
-        sample (``ScheduledRequest.sample_index``): the engine applies a step's samples (:meth:`advance`)
-        before it builds the mask of a step that samples after them.
+        Unconstrained, discarded and padding rows are all ones; each matcher must have consumed exactly the outputs
+        before its row's sample.
 
         Raises:
           RuntimeError: a matcher is behind or ahead of its sequence (a bug).
@@ -299,15 +262,10 @@ class StructuredOutputManager:
         return bitmask
 
     def advance(self, requests: Iterable[Request]) -> list[Request]:
-        """Feed each constrained request's new output tokens to its matcher.
-
-        Returns:
-          the requests whose grammar ended with these tokens (it consumed an EOS, which llguidance accepts only
-          where the grammar may end, and allows nothing but EOS after) and that are not finished: the caller
-          finishes them, whatever their ``min_tokens`` or ``ignore_eos``.
+        """Feed each constrained request's new output tokens to its matcher; returns those whose grammar ended.
 
         Raises:
-          RuntimeError: the matcher rejects a sampled token: the bitmask did not hold it back (a bug).
+          RuntimeError: the matcher rejects a sampled token (a bug).
         """
         ended = []
         for request in requests:
@@ -330,8 +288,7 @@ class StructuredOutputManager:
         return ended
 
     def needs_previous_samples(self, output: SchedulerOutput) -> bool:
-        """True when a constrained row of ``output`` that samples takes the previous step's sample as input
-        (``prev_row``, async scheduling): its bitmask needs that step's tokens first."""
+        """Whether a constrained sampling row takes the previous step's sample as input (async scheduling)."""
         if not self._num_sequences:
             return False
         fed = ((output.prev_row >= 0) & output.samples).nonzero()[0]
