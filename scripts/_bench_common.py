@@ -22,8 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _devices_asked(argv: Sequence[str]) -> int:
-    """TP x DP from the command line, read before JAX starts (it fixes the
-    number of simulated CPU devices when it initialises)."""
+    """TP x DP from the command line, read before JAX starts (it fixes the simulated CPU device count)."""
     sizes = {"--tensor-parallel-size": 1, "--data-parallel-size": 1}
     for i, arg in enumerate(argv[:-1]):
         if arg in sizes and argv[i + 1].isdigit():
@@ -113,8 +112,7 @@ def validate_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def resolve_model(args: argparse.Namespace, workdir: Path) -> Path:
-    """The model path to load: ``--model`` (a path or a named model such as ``gemma3-270m``), the default
-    model, or a random-weights folder written to ``workdir``."""
+    """The model path: ``--model`` (a path or a named model), the default model, or random weights in ``workdir``."""
     if args.random_weights:
         if args.model is None:
             raise SystemExit("--random-weights needs --model: a folder (or config.json) with the shape to build")
@@ -127,11 +125,7 @@ def resolve_model(args: argparse.Namespace, workdir: Path) -> Path:
 
 
 def write_random_weights(config_file: Path, folder: Path, seed: int = 0) -> Path:
-    """Write ``config.json`` and HF-named random float16 safetensors for its shape into ``folder``.
-
-    Both jaxllm and HF ``from_pretrained`` load the folder, so both backends
-    run the same weights. Weights ~ N(0, 0.02), norms 1, biases 0.
-    """
+    """Write ``config.json`` and HF-named random float16 safetensors (N(0, 0.02), norms 1, biases 0) into ``folder``."""
     from safetensors.numpy import save_file
 
     hf_config = json.loads(config_file.read_text())
@@ -177,17 +171,12 @@ def write_random_weights(config_file: Path, folder: Path, seed: int = 0) -> Path
 
 
 def dequantized_hf_folder(gguf_path: Path) -> Path:
-    """An HF folder with ``gguf_path``'s weights dequantized to float32, for engines that read no GGUF (vLLM).
+    """An HF folder of ``gguf_path``'s weights dequantized to float32, for engines that read no GGUF (vLLM).
 
-    Built once with transformers (``from_pretrained(..., gguf_file=...)``, its
-    own progress bar, then ``save_pretrained`` with the tokenizer) into
-    ``cache_dir()/<gguf stem>-hf`` (``$JAXLLM_CACHE`` or ``~/.cache/jaxllm``)
-    and reused. It is written to a temporary sibling and renamed, so an
-    interrupted build leaves no half folder. A run that includes vLLM gives
-    this one folder to every backend, so all of them run the same weights.
+    Built once with transformers into ``cache_dir()/<gguf stem>-hf`` (atomically, by rename) and reused.
 
     Raises:
-      SystemExit: torch or transformers is not installed (both come with ``pip install -e .[test]``).
+      SystemExit: torch or transformers is not installed.
     """
     from jaxllm.paths import cache_dir
 
@@ -234,12 +223,8 @@ def vocab_size(model: Path) -> int:
 def make_workload(args: argparse.Namespace, vocab: int, *, token_seed: int) -> Workload:
     """``--num-requests`` prompts and output lengths, uniform in the flags' ranges.
 
-    Lengths come from ``--seed`` alone; token ids from ``token_seed``, so a
-    warm-up run can share the lengths (hence the compiled shapes) of the timed
-    run without sharing its tokens (hence its prefix-cache blocks). With
-    ``--shared-prefix-len N`` (``args.shared_prefix_len``)
-    every prompt is the same N tokens (also drawn from ``token_seed``)
-    followed by its own ``--input-len`` tokens.
+    Lengths come from ``--seed`` alone, token ids from ``token_seed`` (a warm-up shares lengths, not tokens);
+    ``--shared-prefix-len N`` starts every prompt with the same N tokens.
     """
     rng = np.random.default_rng(args.seed)
     n = args.num_requests
@@ -270,8 +255,7 @@ def engine_kwargs(args: argparse.Namespace, batching: str, graceful_degradation:
 
 
 def simulate_cpu_devices(args: argparse.Namespace) -> Optional[str]:
-    """A warning line for the output when TP x DP devices are simulated on
-    the CPU (this module asked XLA for them at import), else None."""
+    """A warning line when TP x DP devices are simulated on the CPU, else None."""
     import jax
 
     needed = args.tensor_parallel_size * args.data_parallel_size
@@ -312,8 +296,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def host_info() -> dict[str, Any]:
-    """CPU count, instruction sets and 1-minute load average: which dtype is fast and how fast depend on the
-    instruction sets, and other work on the machine skews every number."""
+    """CPU count, instruction sets and 1-minute load average."""
     from jaxllm.worker.cpu_features import describe_cpu
 
     return dict(cpu_count=os.cpu_count(), cpu_isa=describe_cpu(), load_avg_1m=os.getloadavg()[0])
@@ -326,8 +309,7 @@ def host_line(host: dict[str, Any]) -> str:
 
 
 def matmul_flops_per_token(cfg: ModelConfig) -> int:
-    """FLOPs of the dense projections one token runs through (2 per multiply-add: q, k, v, o, the MLP's or the
-    routed experts' projections, the lm_head); attention over the context is not counted."""
+    """FLOPs of the dense projections one token runs through (2 per multiply-add, lm_head included, attention not)."""
     e, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     attention = e * cfg.num_q_heads * d * 2 + e * cfg.num_kv_heads * d * 2
     mlp = 3 * e * (cfg.moe_intermediate_size * cfg.num_experts_per_tok if cfg.num_experts else f)
@@ -335,19 +317,16 @@ def matmul_flops_per_token(cfg: ModelConfig) -> int:
 
 
 def dot_bench_shape() -> tuple[int, int, int]:
-    """``(rows, inner, cols)`` of the matmul that ``measure_matmul_rates`` times on this backend: 256 x 1024 x 4096 on
-    CPU (a step's projection shape), 8192 cubed on an accelerator, where a call of the CPU's size (2 GFLOP, about
-    3 us at an H200's bf16 rate) times the launch and the sync rather than the dot. The first H200 run measured
-    22.5 TFLOP/s with the CPU's size, and its throughput row came out at 138% of that "peak". Sizes in elements
-    (ints); reads ``jax.default_backend()``, raises nothing."""
+    """``(rows, inner, cols)`` of the matmul ``measure_matmul_rates`` times: 256 x 1024 x 4096 on CPU, 8192 cubed on
+    an accelerator (where a smaller call times the launch, not the dot).
+    """
     import jax
 
     return (256, 1024, 4096) if jax.default_backend() == "cpu" else (8192, 8192, 8192)
 
 
 def _rate(fn, args, flops: float, seconds: float) -> float:
-    """GFLOP/s of ``fn(*args)`` (``flops`` per call), called again and again for about ``seconds`` after one
-    untimed call; ``fn`` returns something with ``block_until_ready`` (a JAX array) or a numpy array."""
+    """GFLOP/s of ``fn(*args)`` (``flops`` per call), repeated for about ``seconds`` after one untimed call."""
     import time
 
     def call():
@@ -364,19 +343,10 @@ def _rate(fn, args, flops: float, seconds: float) -> float:
 
 
 def measure_matmul_rates(dtype: str, seconds: float = 2.0) -> dict[str, float]:
-    """The machine's matmul rates now, GFLOP/s, each timed for about ``seconds`` (wall clock) on
-    ``[rows, inner] @ [inner, cols]`` (``dot_bench_shape``) in ``dtype`` with float32 accumulation:
-
-    - ``"xla"``: XLA's dot (on CPU its own code generator or library, as the jaxlib in use picks);
-    - ``"jaxllm_kernel"``: ``kernels_pallas.native.stacked_matmul_cpu``, the C++ kernel that runs the engine's
-      projections on CPU (where it is built and takes the shape);
-    - ``"numpy"``: numpy's ``@`` (its BLAS: OpenBLAS in numpy's wheels), float32 only.
-
-    The last two only on the CPU backend.
-
-    The fastest of them is the limit a step's matmuls are measured against (``add_dot_peak_fraction``): with XLA's
-    dot alone, a step whose kernel outran XLA's dot came out above 100% of its "peak".
-    dtype: a JAX dtype name ("float32", "bfloat16"); an unknown name raises JAX's TypeError."""
+    """The machine's matmul rates now in GFLOP/s, each timed for about ``seconds`` on ``dot_bench_shape`` in
+    ``dtype`` with float32 accumulation: ``"xla"`` (XLA's dot), and on CPU ``"jaxllm_kernel"`` (the C++
+    projection kernel) and ``"numpy"`` (float32 only). An unknown dtype raises JAX's TypeError.
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -402,8 +372,7 @@ def measure_matmul_rates(dtype: str, seconds: float = 2.0) -> dict[str, float]:
 
 
 def rates_line(rates: dict[str, float]) -> str:
-    """``measure_matmul_rates``'s rates (name -> GFLOP/s) as one line in their order, one decimal each, e.g. "xla
-    201.3, jaxllm_kernel 214.0, numpy 180.2 GFLOP/s"; raises nothing for a dict of numbers."""
+    """``measure_matmul_rates``' rates as one line, e.g. "xla 201.3, jaxllm_kernel 214.0, numpy 180.2 GFLOP/s"."""
     return ", ".join(f"{name} {gflops:.1f}" for name, gflops in rates.items()) + " GFLOP/s"
 
 
@@ -419,10 +388,10 @@ def temporary_workdir() -> tempfile.TemporaryDirectory:
 
 
 def run_matmul_bench(doc: str, bench, default_tokens: Sequence[int]) -> None:
-    """The command line of the matmul benchmarks (``bench_matmul.py``, ``bench_quant_matmul.py``): parse
-    ``--model``, ``--tokens``, ``--dtype``, ``--rounds``, read the model's sizes, call ``bench(cfg, dtype_name,
-    tokens, rounds)`` per dtype, then print the ``host:`` line. doc: the script's docstring (its first paragraph
-    is the help's description)."""
+    """The matmul benchmarks' command line: parse ``--model``, ``--tokens``, ``--dtype``, ``--rounds``, call
+    ``bench(cfg, dtype_name, tokens, rounds)`` per dtype, print the ``host:`` line (``doc``'s first paragraph is
+    the description).
+    """
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder, .gguf or a named model (default: the embedded "
                                                       "SmolLM2); only its sizes are used")

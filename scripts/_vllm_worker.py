@@ -2,24 +2,11 @@
 
 Usage (bench_throughput.py starts it): VLLM_PYTHON scripts/_vllm_worker.py SPEC.json RESULT.json
 
-SPEC.json holds the engine settings (``model``: an HF folder, ``dtype``,
-``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``seed``)
-and ``runs``: a list of ``{"name", "warmup", "timed"}``, each workload a
-``{"prompts": [[token id, ...], ...], "output_lens": [tokens, ...]}``. Every
-request is greedy with ``ignore_eos``; prefix caching is on (vLLM's default,
-asked for explicitly). RESULT.json gets ``vllm_version``, ``startup_s``
-(building ``vllm.LLM``, seconds), ``affinity`` (:func:`process_affinity` of
-this process and its descendants once the engine is built: where the
-binding put vLLM's engine core and model worker) and per run name
-``elapsed_s`` (the timed ``generate``, seconds, after the untimed warm-up)
-and ``token_ids`` (each request's output tokens, in request order).
-
-vLLM runs its engine core in a spawned process, hence the ``__main__`` guard.
-``VLLM_CPU_KVCACHE_SPACE`` defaults to 4 (GiB) here: vLLM's own default is
-sized for servers. The CPU binding (``VLLM_CPU_OMP_THREADS_BIND``,
-``VLLM_CPU_NUM_OF_RESERVED_CPU``, ``LD_PRELOAD``) comes from the environment
-the caller sets. A folder without ``tokenizer.json`` (random weights) runs
-with ``skip_tokenizer_init`` and no detokenization.
+SPEC.json: engine settings (``model``, ``dtype``, ``max_num_seqs``, ``max_model_len``,
+``max_num_batched_tokens``, ``seed``) and ``runs``, each ``{"name", "warmup", "timed"}`` with workloads
+``{"prompts": [[ids]], "output_lens": [n]}``; greedy, ``ignore_eos``, prefix caching on.
+RESULT.json: ``vllm_version``, ``startup_s``, ``affinity`` and per run ``elapsed_s`` and ``token_ids``.
+``VLLM_CPU_KVCACHE_SPACE`` defaults to 4 (GiB); the CPU binding comes from the caller's environment.
 """
 
 from __future__ import annotations
@@ -60,14 +47,8 @@ def _descendants(root: int) -> list[int]:
 
 
 def process_affinity(root: int) -> list[dict]:
-    """Where ``root`` and its descendants may run: one ``{"pid", "name", "cpus", "threads"}`` per process.
-
-    ``name`` is ``/proc/PID/comm`` (vLLM names its processes ``VLLM::EngineCore``
-    and ``VLLM::Worker``), ``cpus`` the process's affinity (its main thread's,
-    ``os.sched_getaffinity``) as a list of CPU ids, ``threads`` maps each
-    ``Cpus_allowed_list`` its threads have (``"0"``, ``"0-1"``) to how many have
-    it: OpenMP binds each compute thread on its own, so the threads show the
-    binding. Processes that end while being read are left out.
+    """Where ``root`` and its descendants may run: one ``{"pid", "name", "cpus", "threads"}`` per process
+    (``threads``: each thread ``Cpus_allowed_list`` -> how many threads have it).
     """
     rows = []
     for pid in _descendants(root):

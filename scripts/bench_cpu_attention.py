@@ -1,21 +1,10 @@
 """Decode attention alone on the CPU: the C++ kernel's KV bytes per second against the host's memory stream rate.
 
-A decode step reads every running sequence's K and V once per layer, so on a CPU its attention is bounded by how
-fast the host streams memory. For a few batches (``--rows`` sequences of one new token each, contexts drawn
-uniformly in ``--context MIN MAX``) this times ``kernels_pallas.native.ragged_paged_attention_cpu`` on the model's
-head shape (``--model``'s query heads, KV heads and head dim), its blocks anywhere in a cache of the rows' blocks
-(block size 16). A round calls it once per layer, each layer's cache its own (``--layers``; by default as many as
-make the caches together pass 512 MB, at most the model's layers), so that the K and V come from memory as in a step
-(for a batch of a few short rows, whose 30 layers may not fill much more than an L3, less surely) rather than from
-the CPU's last-level cache as one layer's alone would (on a 32 MiB L3 a 16-row batch at contexts 600-1500, 25 MB a
-layer, measured about twice as fast alone as among 30 layers). It prints the fastest of ``--rounds`` rounds divided
-by its layers, the KV bytes a layer attends over (every row's K and V) divided by that time, and what share that is
-of the stream rate measured in the same run: numpy ``sum`` over a 400 MB float32 array in one share per CPU this
-process may run on, all at once (the best of three). Every dtype gets the same batch of a row count (its lengths and
-tables). With ``--shared-prefix N`` every row's first N tokens (whole blocks) are the same blocks, as prefix caching
-leaves a shared system prompt: those bytes come from the CPU's caches after the first row, so the share can pass
-100%. ``scripts/profile_step.py`` has the whole step; this is its part that the memory's rate bounds (or, with a
-shared prefix, the kernel's own arithmetic).
+Times ``kernels_pallas.native.ragged_paged_attention_cpu`` on the model's head shape for ``--rows`` decode
+rows with contexts uniform in ``--context``, once per layer over ``--layers`` caches (default: enough to pass
+512 MB, so K and V come from memory). Prints per layer the fastest of ``--rounds`` rounds, the KV bytes over
+that time, and its share of the stream rate (numpy sums, one thread per CPU) measured in the same run.
+``--shared-prefix N`` shares every row's first N tokens (the share can then pass 100%).
 
     python scripts/bench_cpu_attention.py [--model PATH] [--rows 1 32 192] [--context 400 830]
                                           [--shared-prefix 0] [--dtype float32 bfloat16] [--rounds 50]
@@ -42,9 +31,7 @@ DRAM_BYTES = 512_000_000  # the layers' caches together, by default: about 15 ti
 
 
 def stream_gbps(threads: int) -> float:
-    """GB/s (10^9 bytes per second) that ``threads`` numpy sums read at once, each over its own share of one
-    float32 array of STREAM_BYTES (the best of three rounds): the read half of McCalpin's STREAM idea, with the
-    threads the kernel would have. Raises nothing (MemoryError where the host cannot hold the array)."""
+    """GB/s that ``threads`` numpy sums read at once over shares of one STREAM_BYTES float32 array (best of three)."""
     parts = np.array_split(np.ones(STREAM_BYTES // 4, np.float32), threads)
     best = float("inf")
     for _ in range(3):
@@ -59,22 +46,18 @@ def stream_gbps(threads: int) -> float:
 
 
 def default_layers(layer_bytes: int, num_layers: int) -> int:
-    """Caches a round calls by default: the fewest of ``layer_bytes`` each (one layer's K and V, bytes) that pass
-    DRAM_BYTES together, at most ``num_layers`` (the model's) and at least 1. Raises nothing."""
+    """The fewest caches of ``layer_bytes`` each that pass DRAM_BYTES together, within ``[1, num_layers]``."""
     return max(1, min(num_layers, -(-DRAM_BYTES // max(1, layer_bytes))))
 
 
 def decode_batch(rng: np.random.Generator, rows: int, context: tuple[int, int], q_heads: int, kv_heads: int,
                  head_dim: int, dtype, shared_blocks: int = 0):
-    """A decode step of ``rows`` sequences, context lengths uniform in ``context`` (tokens, both ends included),
-    as ``native.ragged_paged_attention_cpu`` takes it: q float32 [rows, q_heads, head_dim]; k_cache and v_cache
-    [N, BLOCK_SIZE, kv_heads, head_dim] in ``dtype``, a bfloat16 cache as its uint16 bits, as the engine holds it
-    on the CPU (a bfloat16 operand is copied by XLA on every call); tables int32 [rows, W]; token_row int32 [rows]
-    (0..rows-1); token_pos int32 [rows] (each length minus one); then the total context tokens (int). Each row's
-    blocks are a random permutation's share of a cache holding exactly the batch's blocks, the first
-    ``shared_blocks`` of every row the same ones (a prefix-cache hit; the caller keeps it below the shortest
-    context's blocks). The layout is ``kernels_pallas.native.ragged_paged_attention_cpu``'s (the engine's paged
-    cache). Raises nothing."""
+    """A decode step of ``rows`` sequences (contexts uniform in ``context``) as the kernel takes it.
+
+    Returns q float32 [rows, q_heads, head_dim]; k_cache, v_cache [N, BLOCK_SIZE, kv_heads, head_dim] in
+    ``dtype`` (bfloat16 as uint16 bits); tables int32 [rows, W]; token_row, token_pos int32 [rows]; the total
+    context tokens. Blocks are randomly placed; the first ``shared_blocks`` of every row are shared.
+    """
     import jax
     import jax.numpy as jnp
 

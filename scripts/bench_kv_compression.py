@@ -3,27 +3,16 @@
 Usage: python scripts/bench_kv_compression.py [--model PATH] [--requests N] [--budget-blocks B] [--fraction F ...]
                                               [--max-tokens N]
 
-The default model (SmolLM2-135M-Instruct, float32 on CPU) serves an overload: N greedy requests (16; English
-prompts of 18-50 tokens, ``max_tokens`` 96, ``ignore_eos``) arrive at once into a KV budget of B blocks of 16
-float32 tokens (48: about 5 whole requests) with ``max_num_seqs=N``, so without compression the batch preempts.
-Each configuration gets the same budget in bytes: compression gives ``F`` of it to the compressed pool
-(``kv_cache_compression_fraction``). Columns:
+N greedy requests (default 16, ``max_tokens`` 96, ``ignore_eos``) arrive at once into a budget of B blocks
+(default 48) with ``max_num_seqs=N``, so without compression the batch preempts; compression gives fraction
+``F`` of the same bytes to the compressed pool. Columns:
 
 * ``device blk`` / ``compr blk``: the two pools' blocks (null ones included);
-* ``capacity``: the most of the workload's requests (its first k, all arriving at once, ``max_num_seqs=k``) that
-  are served to the end without any preemption, from the real ``Scheduler`` over those pools (no model: with
-  ``ignore_eos`` its decisions do not depend on the tokens);
-* ``peak``: in the engine run, the most requests running at once before the first preemption (all of the run's
-  when there is none);
-* ``preempt``: preemptions over the run; ``compressed``: blocks compressed;
-* ``tok/s``: output tokens per wall second of the serving loop (warm-up excluded);
-* ``agree %``: of the output tokens of the requests that held compressed blocks, the share equal to the
-  uncompressed run's at the same position (greedy, so a difference is the compression's);
-* ``ppl`` and ``top1 %``: teacher-forced over ``jaxllm.worker.kv_cache.CALIBRATION_TEXT`` fed in 16-token chunks,
-  every earlier block read compressed (the worst case: the engine compresses only under pressure, the current block
-  never): perplexity and the share of positions whose argmax equals the uncompressed pass's.
-
-One run each, side by side; the persistent compilation cache is used (a second run skips most compiles).
+* ``capacity``: the most leading requests served without preemption (the real ``Scheduler``, no model);
+* ``peak``: requests running at once before the first preemption;
+* ``preempt``, ``compressed``: preemptions, and blocks compressed; ``tok/s``: output tokens per wall second;
+* ``agree %``: output tokens of compressed requests equal to the uncompressed run's;
+* ``ppl`` and ``top1 %``: teacher-forced over ``CALIBRATION_TEXT`` with every earlier block read compressed.
 """
 
 from __future__ import annotations
@@ -130,8 +119,9 @@ def serve(model, workload, *, budget_blocks: int, max_tokens: int, compression=N
 
 
 def teacher_forced(path, compression):
-    """(perplexity, argmax per position) of CALIBRATION_TEXT fed in BLOCK_SIZE-token chunks, each earlier block
-    read from a compressed pool of ``compression`` (None: from the cache as it is)."""
+    """(perplexity, argmax per position) of CALIBRATION_TEXT in BLOCK_SIZE-token chunks, earlier blocks read from
+    a compressed pool of ``compression`` (None: uncompressed).
+    """
     import jax
     import jax.numpy as jnp
 

@@ -1,20 +1,10 @@
 """The dense layers' matmuls alone: the C++ kernel against XLA's dots, in the engine's layer scan.
 
-Every projection of a model (q, k, v, o, gate, up, down at its sizes) runs for every layer inside a ``lax.scan``
-over stacked weights, as ``jaxllm.models.common.hidden_states`` runs them, for a few token counts:
-
-- ``native``: ``kernels_pallas.native.stacked_matmul_cpu``, reading each layer's weight in place from the stack
-  (what the engine runs up to ``common.native_matmul_max_rows()`` float32 tokens and
-  ``common.native_bf16_matmul_max_rows()`` bfloat16 ones, by the CPU's bfloat16 instructions);
-- ``xla``: ``x @ w[layer]``, XLA's dynamic-slice of the layer and its dot (bfloat16 held as uint16 bits and
-  bit-cast back per layer, as the CPU engine holds them).
-
-The two are compiled once, then timed in turns (``--rounds``; the minimum is printed, ms per pass over all
-layers), so that a machine shared with other work slows them alike. Then the native kernel on each projection
-shape alone, in GFLOP/s. ``scripts/profile_step.py``'s docstring quotes these figures. In float32, last, the
-lm_head as a tied embedding ``[vocab, hidden]`` multiplies it (ms, the minimum of the rounds, in turns): XLA's
-dot, ``native.matmul_nt_cpu`` transposing each panel as it reads it, and the same reading the panels
-``native.pack_nt_panels`` packed once (the engine's ``models.HEAD_PANELS``).
+Every projection of the model runs per layer inside a ``lax.scan`` over stacked weights, for a few token
+counts: ``native`` (``kernels_pallas.native.stacked_matmul_cpu``, weights read in place) and ``xla``
+(``x @ w[layer]``). Prints ms per pass over all layers (minimum of ``--rounds``, taken in turns), then the
+native kernel per projection shape in GFLOP/s, and in float32 the tied lm_head three ways (XLA,
+``native.matmul_nt_cpu``, and over ``native.pack_nt_panels``' packed panels).
 
     python scripts/bench_matmul.py [--model PATH] [--tokens 1 4 16 48 128 512] [--dtype float32 bfloat16]
 """
@@ -32,8 +22,7 @@ import _bench_common as common  # noqa: E402
 
 
 def in_turns(fns: dict, args: tuple, rounds: int) -> dict[str, float]:
-    """Each of ``fns`` called once on ``args`` (compiled), then ``rounds`` rounds of all of them in turns: the
-    minimum seconds of each by name, so that a machine shared with other work slows them alike."""
+    """Each of ``fns`` compiled, then ``rounds`` rounds of all of them in turns: the minimum seconds of each by name."""
     import jax
 
     for fn in fns.values():
@@ -100,8 +89,7 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
 
 
 def tied_head(cfg, tokens: list[int], rounds: int) -> None:
-    """The tied lm_head ``x @ embed.T`` (float32 ``embed [vocab, hidden]``) three ways, ms, the minimum of
-    ``rounds`` taken in turns; a side the kernels do not take (a vocabulary not of whole panels) prints ``-``."""
+    """The tied lm_head ``x @ embed.T`` three ways, ms (minimum of ``rounds``); ``-`` where a kernel cannot."""
     import jax
     import jax.numpy as jnp
 
@@ -124,9 +112,7 @@ def tied_head(cfg, tokens: list[int], rounds: int) -> None:
 
 
 def per_projection(stack, shapes, tokens: list[int], rounds: int, layers: int, dtype) -> None:
-    """The native kernel on each projection shape alone (a scan of its stacked weight over the layers): GFLOP/s,
-    the minimum time of ``rounds``, so that a shape the kernel's threads share out badly shows apart from the rest
-    (SmolLM2's N = 576 is 9 panels of 64 columns, N = 192 is 3)."""
+    """The native kernel on each projection shape alone over the layers: GFLOP/s from the minimum of ``rounds``."""
     import jax
     import jax.numpy as jnp
 

@@ -1,25 +1,17 @@
 """Multi-turn chat against a device KV pool too small for the live histories: the prefix cache's host tier
-(``--kv-offloading-size``) off, on with loads at admission, and on with prefetch (``kv_offloading_prefetch``),
-side by side.
+(``--kv-offloading-size``) off, on with loads at admission, and on with prefetch, side by side.
 
 Usage: python scripts/bench_multiturn.py [--model PATH] [--conversations 16] [--turns 8] [--system-len 64]
            [--user-len 16] [--output-len 16] [--max-num-seqs 4] [--num-kv-blocks N] [--kv-offloading-size GIB]
            [--output-json FILE]
 
-Each of ``--conversations`` conversations sends ``--turns`` turns; a turn resends the whole history (a shared
-system prompt, the conversation's earlier turns and answers, then ``--user-len`` new random tokens) as soon as
-the conversation's previous answer is complete (closed loop, all conversations at once), and asks for
-``--output-len`` greedy tokens (``ignore_eos``). The device pool defaults to a quarter of the blocks the final
-histories take together, or to every seat's longest history if more (``--num-kv-blocks``), so the device cache alone keeps losing histories; the tier
-defaults to room for all of them. One untimed warm-up conversation of other tokens first; every step program is
-built before the clock starts.
+Each conversation resends its whole history plus ``--user-len`` new tokens as soon as its previous answer
+is complete (closed loop), asking for ``--output-len`` greedy tokens. The device pool defaults to a quarter
+of the final histories' blocks (at least every seat's longest), the tier to room for all.
 
-Reports per configuration: TTFT P50/P99 (submission to first token, seconds), output throughput (tokens/s),
-prefill tokens computed (prompt tokens looked up in the prefix cache minus those it served: recomputed re-prefills
-of preempted requests included), hits by tier (tokens), preemptions, blocks offloaded and loaded (and of those
-prefetched), the engine loop's seconds on the tier's copies (offloads: dispatching the gathers before the step's
-dispatch, writing the host pool after it, while the step runs; loads: all before), and whether every answer equals the tier-off run's token for token (greedy, float32). Timings share the machine: the
-``host:`` line gives its load.
+Prints per configuration: TTFT P50/P99 (s), output tokens/s, prefill tokens computed, hits by tier,
+preemptions, blocks offloaded/loaded/prefetched, the loop's seconds on tier copies, and whether every answer
+equals the tier-off run's.
 """
 
 from __future__ import annotations

@@ -4,25 +4,15 @@ oracle, on a workload whose output length follows its template.
 Usage: python scripts/bench_predicted.py [--requests N] [--rate R] [--seed S] [--aging B] [--no-graceful-degradation]
                                          [--shuffle-lengths]
 
-This is a simulation: no model runs. The real ``Scheduler`` is driven by a fake model on a simulated clock: a step
-of T scheduled tokens takes ``STEP_BASE_S + STEP_PER_TOKEN_S * T`` seconds (4 ms + 40 us per token: a decode row is
-cheap, a step with a 512-token prefill chunk costs 6x a lone decode), and each request emits eos exactly at its true output
-length. Requests arrive as a Poisson process of R per second (35 by default, an overload: the engine serves about 22);
-each has one of three system prompts (40 tokens after a 16-token header all share), a random user prompt of 16-256
-tokens, ``max_tokens=1024`` for all, and an output length drawn around its template's: ~16, ~128 or ~512 tokens
-(lognormal, sigma 0.3). The cache (1024 blocks of 16 tokens) holds about 40 such requests, so the batch is
-memory-bound and preempts. The scheduler's other settings are its defaults (prefix caching, chunked prefill,
-graceful degradation; ``--no-graceful-degradation`` turns the last off, which preempts far more).
-``--shuffle-lengths`` is the control: the same lengths shuffled across requests, so a template says nothing of
-its requests' lengths.
+A simulation (no model): the real ``Scheduler`` with a fake model on a simulated clock (a step of T tokens
+takes ``STEP_BASE_S + STEP_PER_TOKEN_S * T`` s). Poisson arrivals at R/s (default 35, an overload); three
+templates with outputs around 16, 128 or 512 tokens; a cache of 1024 blocks, so the batch preempts.
+``--shuffle-lengths`` is the control (lengths shuffled across requests).
 
-Policies, the same arrivals for each: ``fcfs``; ``sjf`` (here by prompt length: max_tokens is the same for
-all); ``predicted``; ``oracle`` (the predicted policy with each prediction replaced by the true length); each of the
-last two also with ``reserve_predicted_output``. Columns: mean and P99 end-to-end latency and time to first token
-(simulated seconds), throughput (requests and output tokens per simulated second over the run), preemptions, the
-predictor's mean absolute error (output tokens, over finished requests; 0 for the oracle; one that knew each
-template's mean would score about 55), where the mean latency lands between fcfs (0%) and the oracle (100%), and
-the run's host CPU seconds (the scheduler and the fake model).
+Policies on the same arrivals: fcfs, sjf (by prompt length), predicted and oracle (each of the last two also
+with ``reserve_predicted_output``). Columns: mean and P99 end-to-end latency and TTFT (simulated s),
+throughput, preemptions, the predictor's mean absolute error (tokens), the mean latency's place between fcfs
+(0%) and the oracle (100%), and host CPU seconds.
 """
 
 from __future__ import annotations
@@ -49,8 +39,7 @@ CONFIG = dict(num_blocks=1025, block_size=16, max_num_seqs=64, max_num_batched_t
 
 
 def make_workload(num_requests: int, rate: float, seed: int, shuffle: bool) -> list[tuple[float, list[int], int]]:
-    """``(arrival seconds, prompt token ids, true output length)`` per request, in arrival order; with ``shuffle``
-    the lengths are permuted across requests."""
+    """``(arrival s, prompt ids, true output length)`` per request, by arrival (``shuffle``: lengths permuted)."""
     rng = np.random.default_rng(seed)
     header = rng.integers(1, 32000, 16).tolist()
     systems = [header + rng.integers(1, 32000, 40).tolist() for _ in TEMPLATE_OUTPUT_TOKENS]

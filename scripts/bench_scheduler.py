@@ -2,20 +2,12 @@
 
 Usage: python scripts/bench_scheduler.py [--steps N] [--running R] [--budget T] [--runs K]
 
-Scenarios, each with R requests running in every step and a T-token budget:
-  decode: every request decoding (one token each), as in steady-state serving;
-          the cache is sized so nothing is preempted.
-  mixed:  requests finish after 32-128 tokens and fresh 300-token prompts take
-          their seats, so prefill chunks share each step with R-1 or so decodes.
-The model is replaced by a precomputed array of token ids, so only host work
-is timed. Each scenario runs K times on a fresh scheduler; the table shows the
-median over runs of each run's median and p99 (microseconds per step), per
-phase and in all, and each phase's share of the total; "total_cpu" is the
-total in this thread's CPU time, which other processes inflate less. "scheduled" is the extra
-time to read ``SchedulerOutput.scheduled`` (one object per row, built on first
-access; the engine reads it), not part of the step total. The ``host:`` line
-gives the machine's load average at the end (and a line after it, at the start)
-because other work on a shared machine inflates the numbers.
+Scenarios with R requests running and a T-token budget, the model replaced by precomputed token ids:
+  decode: every request decoding one token, nothing preempted.
+  mixed:  requests finish after 32-128 tokens and fresh 300-token prompts take their seats.
+Each runs K times on a fresh scheduler; the table shows the median over runs of each run's median and p99
+(microseconds per step) per phase and in all, each phase's share, "total_cpu" (thread CPU time) and
+"scheduled" (reading ``SchedulerOutput.scheduled``, not in the total). The ``host:`` lines give the load.
 """
 
 from __future__ import annotations

@@ -7,42 +7,16 @@ Usage: python scripts/bench_serving.py [--request-rate R|inf] [--burstiness B] [
            [--output-json FILE] [--metrics-port PORT] [--random-weights]
        python scripts/bench_serving.py --base-url http://HOST:PORT [--model PATH] [--request-rate R|inf] ...
 
-Requests arrive at ``--request-rate`` per second (``inf``: all at once) with
-gamma-distributed gaps of shape ``--burstiness`` (1 = Poisson, as vLLM's
-benchmark), and are fed to ``LLMEngine.add_request`` with that arrival time
-while one loop steps the engine, so a request arriving during a step waits
-for it, as it would in a server. Greedy, ``ignore_eos``, random tokens; one
-untimed warm-up run of the same lengths (other tokens) compiles the shapes
-first. Without ``--request-rate`` the rate is 70% of the capacity measured
-by that warm-up (requests finished per second with all of them queued at
-once, the first engine's): a rate above capacity only measures a growing
-queue.
+Requests arrive at ``--request-rate``/s with gamma gaps of shape ``--burstiness`` (1 = Poisson) and are fed
+to ``LLMEngine.add_request`` while one loop steps the engine (greedy, ``ignore_eos``, random tokens, after
+an untimed warm-up). The default rate is 70% of the capacity the warm-up measured.
 
-Reports TTFT, TPOT (decode time per output token after the first), inter-token
-latency (ITL), end-to-end latency and queue time (mean, p50, p90, p99,
-seconds), engine step times (the board's step delay), request and
-output-token throughput, the largest number of running requests,
-preemptions, and KV memory efficiency (fraction of allocated KV slots
-holding live tokens). ``--compare`` runs continuous and static batching on
-the same arrivals and prints the improvement of continuous over static in %:
-positive means continuous is better, whichever direction is better for that
-metric (throughputs: higher; latencies: lower). ``--compare-degradation``
-does the same for continuous batching with graceful degradation on and off
-(``EngineConfig.graceful_degradation``); it matters at a rate that overloads
-the engine with a KV cache too small for every seat
-(``--request-rate 4 --num-kv-blocks 40``, say): compare preemptions, P99
-E2E latency and throughput. Under overload every number is noisy (queueing
-amplifies small timing differences): repeat runs before concluding.
-
-``--base-url`` measures a running ``jaxllm serve`` (or any OpenAI-compatible
-server) instead: the same requests, as token-id prompts, streamed from
-``/v1/completions`` by an asyncio client, and the same table. A token's time
-is when its server-sent event arrived (one event per engine step and
-request); queue time and the KV-cache figures are the server's business and
-show as "-", preemptions and compilations are read from its ``/metrics``.
-``--model`` must name the served model (its vocabulary draws the prompts);
-start the server with the engine flags the in-process run would use (for the
-default workload: ``jaxllm serve --max-model-len 192 --max-num-seqs 8``).
+Prints TTFT, TPOT, ITL, end-to-end latency and queue time (mean, p50, p90, p99, seconds), step times,
+request and output-token throughput, peak running requests, preemptions and live KV slot fraction.
+``--compare`` (continuous vs static batching) and ``--compare-degradation`` (graceful degradation on vs
+off) print the first's improvement in % (positive: better). ``--base-url`` measures a running OpenAI-
+compatible server with streamed ``/v1/completions`` (``--model`` must name the served model; the server's
+queue and KV figures print as "-").
 """
 
 from __future__ import annotations
@@ -61,12 +35,7 @@ from _bench_common import Workload
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
-    """Seconds from the start at which each of ``n`` requests arrives.
-
-    Gaps are gamma(shape=burstiness, scale=1 / (rate * burstiness)): mean
-    1/rate; burstiness 1 is a Poisson process, lower is burstier. The first
-    request arrives at 0.
-    """
+    """Arrival seconds of ``n`` requests: gaps gamma(burstiness, 1 / (rate * burstiness)), the first at 0."""
     if np.isinf(rate):
         return np.zeros(n)
     rng = np.random.default_rng([seed, 3])
@@ -76,12 +45,8 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> np.nda
 
 
 def serve(engine, workload: Workload, offsets: np.ndarray, prefix: str) -> tuple[dict[str, dict], list[float]]:
-    """Feed the requests at their arrival times while stepping ``engine``; returns per-request timings and the
-    wall time of every engine step (seconds).
-
-    Each record holds ``arrival``, ``token_times`` (one per output token,
-    when the step that made it returned), ``first_scheduled`` and
-    ``finished`` (seconds on ``time.monotonic``).
+    """Feed the requests at their arrival times while stepping ``engine``; returns per-request timings
+    (``arrival``, ``token_times``, ``first_scheduled``, ``finished``: monotonic seconds) and each step's seconds.
     """
     from jaxllm import SamplingParams
 
@@ -216,11 +181,8 @@ def run_http(base_url: str, args: argparse.Namespace, workload: Workload, warmup
 
 def run(model: Path, args: argparse.Namespace, workload: Workload, warmup: Workload, batching: str,
         rate: Optional[float], graceful_degradation: bool = True) -> tuple[dict, float, float]:
-    """Warm up, then serve the workload under ``batching`` (and ``graceful_degradation``) at ``rate`` requests/s.
-
-    ``rate`` None: ``RATE_FRACTION`` of the capacity the warm-up measured
-    (its requests, all queued at once, over its seconds). Returns the
-    summary, the rate used and that capacity (requests/s).
+    """Warm up, then serve the workload under ``batching`` at ``rate`` requests/s (None: ``RATE_FRACTION`` of the
+    warm-up's capacity); returns the summary, the rate and that capacity.
     """
     from jaxllm import LLM, SamplingParams
 
@@ -264,8 +226,7 @@ _REPORT = [  # (label, key, higher is better)
 
 
 def improvement(first: float, second: float, higher_is_better: bool) -> str:
-    """The first run over the second, in %: positive means the first is better
-    (``(first - second) / second`` when higher is better, ``(second - first) / second`` when lower is)."""
+    """The first run over the second in %, positive when the first is better (higher or lower as the metric wants)."""
     if second in (None, 0) or first is None:
         return "-"
     change = (first - second) / second if higher_is_better else (second - first) / second

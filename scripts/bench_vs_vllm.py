@@ -5,42 +5,18 @@ Usage: python scripts/bench_vs_vllm.py [--vllm-python PATH] [--shapes mixed long
            [--serving-num-prompts N] [--serving-request-rate R|inf] [--model PATH] [--seed S] [--repeats N]
            [--json FILE]
 
-Offline, per dtype of ``--dtypes`` and shape of ``--shapes`` (:data:`SHAPES`),
-the same random-token requests (greedy, ``ignore_eos``, prefix caching on)
-run on jaxllm (one engine per shape, built with the shape's limits) and on
-vLLM under every binding of ``--vllm-bindings`` (bench_throughput.py's
-``--vllm-binding`` names; ``default`` is vLLM's own). vLLM starts in minutes,
-so it builds one engine per dtype and binding for all the shapes, with the
-largest ``max_num_seqs`` and ``max_model_len`` among them: both only bound
-its scheduler (its KV cache is ``VLLM_CPU_KVCACHE_SPACE``), and no shape but
-``short`` asks for more sequences than the smaller limit would admit. Each
-timed run follows an untimed warm-up of :data:`WARMUP_REQUESTS` requests of
-the shape's prompt lengths (other tokens, so the timed run finds none of its
-blocks cached) and :data:`WARMUP_OUTPUT_LEN` output tokens. With
-``--repeats N`` each engine runs each shape N times, one warm-up and timed
-run after the other, each repeat on tokens of its own: on a shared machine
-one run's tok/s moves by 10-15% (vLLM's as much as jaxllm's), so the table
-then gives each engine's median run and the range, and the ratio of the
-medians. The table gives output tok/s of jaxllm and of each binding,
-jaxllm's ratio to the faster binding, how many requests' greedy outputs
-equal that binding's token for token (on the first repeat), and jaxllm's
-fraction of the fastest matmul rate measured in the run, of XLA's dot,
-jaxllm's own kernel and numpy's (bench_throughput.py's column); start-up
-seconds (engine built, compilation included) are a table of their own,
-and where vLLM's processes and threads were bound is printed (read from
-``/proc`` once each engine is built).
+Offline, per dtype and shape (:data:`SHAPES`): the same random-token requests (greedy, ``ignore_eos``, prefix
+caching on) on jaxllm (one engine per shape) and on vLLM under each ``--vllm-bindings`` binding (one engine per
+dtype and binding, with the shapes' largest limits), each timed run after an untimed warm-up on other tokens.
+``--repeats N`` gives each engine's median run, the range and the ratio of the medians. Prints output tok/s
+of jaxllm and each binding, jaxllm's ratio to the faster binding, greedy agreement, jaxllm's fraction of the
+fastest matmul rate, a start-up table and vLLM's CPU binding.
 
-Serving, per dtype of ``--serving-dtypes`` (none: skipped): ``jaxllm serve``
-and ``vllm serve`` (each binding) on the same weights with the ``mixed``
-shape's limits, each driven by vLLM's own client, ``vllm bench serve``
-(random dataset, lengths drawn around the ``mixed`` shape's,
-``--serving-num-prompts`` requests at ``--serving-request-rate``, greedy,
-``ignore_eos``, after a few warm-up requests), run from ``--vllm-python``:
-output tok/s, TTFT and TPOT P50/P99 (ms).
+Serving, per ``--serving-dtypes`` dtype: ``jaxllm serve`` and ``vllm serve`` on the same weights driven by
+``vllm bench serve`` (random dataset around the ``mixed`` shape): output tok/s, TTFT and TPOT P50/P99 (ms).
 
-The default model's GGUF is dequantized into one float32 HF folder (built
-once) that every engine reads. ``--json`` also writes every number. The
-instruction sets line (``host:``) says which dtype this CPU makes fast.
+The default GGUF is dequantized once into a float32 HF folder every engine reads. ``--json`` writes every
+number; the ``host:`` line names the CPU's instruction sets.
 """
 
 from __future__ import annotations
@@ -119,10 +95,9 @@ def shape_args(shape: Shape, dtype: str, seed: int) -> argparse.Namespace:
 
 
 def shape_workloads(shape: Shape, vocab: int, seed: int, repeat: int = 0) -> tuple[common.Workload, common.Workload]:
-    """(timed, warm-up) of ``shape``: the warm-up has the first :data:`WARMUP_REQUESTS` prompt lengths, other
-    tokens (its own shared prefix too) and :data:`WARMUP_OUTPUT_LEN` output tokens each. Repeat ``repeat`` has the
-    same lengths as repeat 0 and tokens (shared prefix included) of its own, so that a timed run finds nothing of
-    an earlier repeat in the prefix cache."""
+    """(timed, warm-up) of ``shape``: the warm-up has the first :data:`WARMUP_REQUESTS` lengths, other tokens and
+    :data:`WARMUP_OUTPUT_LEN` outputs; each ``repeat`` has repeat 0's lengths and tokens of its own.
+    """
     args = shape_args(shape, "float32", seed)
     timed = common.make_workload(args, vocab, token_seed=1 + 2 * repeat)
     other = common.make_workload(args, vocab, token_seed=2 + 2 * repeat)
@@ -143,11 +118,7 @@ def progress(message: str) -> None:
 
 def run_offline(model: Path, dtype: str, shapes: Sequence[Shape], bindings: Sequence[str], vllm_python: str,
                 seed: int, repeats: int = 1) -> list[dict]:
-    """jaxllm (one engine per shape) and vLLM (one engine per binding) on every shape in ``dtype``, ``repeats``
-    timed runs of each shape on each engine (:func:`shape_workloads`' repeats, one after the other).
-
-    Returns one row per shape (:func:`offline_row`'s fields).
-    """
+    """jaxllm and vLLM on every shape in ``dtype``, ``repeats`` timed runs each; rows of :func:`offline_row`."""
     from jaxllm.loader import read_model_config
 
     vocab = common.vocab_size(model)
@@ -182,8 +153,7 @@ def _rates(runs: Sequence[dict]) -> str:
 
 
 def median_run(runs: Sequence[dict]) -> dict:
-    """The run of median output tok/s among ``runs`` (the lower middle one of an even count): one of the runs,
-    so that its other figures (seconds, tokens, dot-peak fraction) are its own.
+    """The run of median output tok/s among ``runs`` (the lower middle of an even count).
 
     Raises:
       ValueError: no runs.
@@ -194,11 +164,9 @@ def median_run(runs: Sequence[dict]) -> dict:
 
 
 def offline_row(shape: Shape, dtype: str, jaxllm_runs: Sequence[dict], vllm_runs: dict[str, Sequence[dict]]) -> dict:
-    """One shape's numbers from each engine's timed runs (repeat 0 first): jaxllm's and each binding's median
-    output tok/s (:func:`median_run`) and every run's, start-up, the binding of the higher median, jaxllm's ratio
-    to it (median over median), greedy agreement with it on repeat 0 (requests; both ran the same prompts),
-    jaxllm's dot-peak fraction (and the matmul rates it is taken against), compilations and prompt tokens read from
-    its prefix cache (of its median run)."""
+    """One shape's numbers: each engine's median and per-run tok/s, start-up, the faster binding, jaxllm's ratio to
+    it, greedy agreement on repeat 0, jaxllm's dot-peak fraction, compilations and cached prompt tokens.
+    """
     jaxllm = median_run(jaxllm_runs)
     vllm = {b: median_run(runs) for b, runs in vllm_runs.items()}
     best = max(vllm, key=lambda b: vllm[b]["output_tokens_per_s"])
@@ -256,8 +224,7 @@ SERVING_EXTRA = ("duration", "total_input_tokens", "request_throughput", "p50_it
 
 
 def random_dataset_flags(shape: Shape) -> list[str]:
-    """``vllm bench serve`` random-dataset flags drawing lengths over ``shape``'s ranges: a centre and a range
-    ratio each (vLLM draws from [centre x (1 - ratio), centre x (1 + ratio)])."""
+    """``vllm bench serve`` random-dataset flags over ``shape``'s ranges (a centre and a range ratio each)."""
     def centre_ratio(low: int, high: int) -> tuple[int, float]:
         centre = (low + high) / 2
         return round(centre), (high - low) / (low + high)
@@ -282,8 +249,7 @@ def server_argv(kind: str, model: Path, shape: Shape, dtype: str, port: int, see
 
 def client_argv(vllm_python: str, url: str, model: Path, shape: Shape, num_prompts: int, rate: float, seed: int,
                 result_dir: Path) -> list[str]:
-    """``vllm bench serve`` against ``url``: greedy, ``ignore_eos``, TTFT/TPOT/ITL/E2E P50 and P99, a JSON result
-    file ``result.json`` in ``result_dir``."""
+    """``vllm bench serve`` against ``url``: greedy, ``ignore_eos``, P50/P99 latencies, ``result_dir/result.json``."""
     return [vllm_python, str(_CLI), "bench", "serve", "--backend", "openai", "--base-url", url,
             "--model", SERVED_MODEL_NAME, "--tokenizer", str(model), *random_dataset_flags(shape),
             "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--ignore-eos", "--temperature", "0",
@@ -318,12 +284,10 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
 
 def serve_and_measure(kind: str, binding: Optional[str], model: Path, shape: Shape, dtype: str,
                       args: argparse.Namespace, workdir: Path) -> dict:
-    """Start one server, wait for /health, run ``vllm bench serve`` against it, stop it (its process group).
+    """Start one server, wait for /health, run ``vllm bench serve`` against it, stop its process group.
 
-    Returns the row: ``server`` label, ``dtype``, ``startup_s`` (to /health), ``client_flags`` (the client's
-    workload flags, to quote), :data:`SERVING_METRICS` and
-    :data:`SERVING_EXTRA` (vLLM's names and units: tok/s, req/s, ms, s), ``completed``/``failed`` requests,
-    and for vLLM the binding's ``env`` and its processes' ``affinity``.
+    Returns the row: ``server``, ``dtype``, ``startup_s``, ``client_flags``, :data:`SERVING_METRICS` and
+    :data:`SERVING_EXTRA` (vLLM's names and units), ``completed``/``failed``, and vLLM's ``env`` and ``affinity``.
 
     Raises:
       RuntimeError: the server did not come up, or the client failed (the logs' tails).

@@ -1,20 +1,10 @@
 """Weight updates and sleep / wake of a running engine (the JAX research API), on the default model.
 
-What an RL loop does between rollouts, timed on one engine (seconds, median of ``--repeats``):
-
-1. ``get_params()`` and its copy to the host (``jax.device_get``).
-2. ``update_weights(tree)`` with the whole tree as host numpy (what a trainer in another framework hands over),
-   with the whole tree as device arrays already placed, and with one leaf (``layers/wq``); bytes placed, and the
-   device bytes held before and after (``memory_stats()`` where the backend has it, else the bytes of the live
-   arrays). An update places leaf by leaf and lets each old array go at once, so at most one leaf more is held
-   meanwhile: the largest leaf's bytes are printed as that bound.
-3. ``update_weights_from_path(model)``: the checkpoint read again by the loader.
-4. ``sleep(level=1)`` / ``wake_up()`` and ``sleep(level=2)`` / ``update_weights`` / ``wake_up()``: seconds and the
-   bytes freed.
-5. Side by side, what one would run instead of an update: a new ``LLM(model, params=tree)`` (start-up seconds).
-
-Every line also checks what it claims: the step programs built before and after (no compilation), and the greedy
-tokens of one prompt before and after (identical).
+Prints seconds (median of ``--repeats``) of: ``get_params()`` and its host copy; ``update_weights`` with a host
+tree, a device tree and one leaf (bytes placed, device bytes before and after, the largest leaf as the bound
+on extra memory); ``update_weights_from_path``; ``sleep``/``wake_up`` at levels 1 and 2 (bytes freed); and a
+new ``LLM(model, params=tree)`` for comparison. Each line checks no compilation happened and the greedy
+tokens of one prompt are unchanged.
 
     python scripts/bench_weights.py [--model PATH] [--repeats N]
 """

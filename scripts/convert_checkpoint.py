@@ -3,21 +3,10 @@
 Usage: python scripts/convert_checkpoint.py SOURCE DEST [--dtype float32|bfloat16|float16] [--quantization int8|fp8]
            [--num-layers N]
 
-DEST gets the parameter pytree as an orbax tree (``DEST/params``), the model
-config beside it as ``DEST/config.json``, and, from a HF folder, the
-tokenizer files. ``LLM(model=DEST)`` then restores the parameters straight
-into its shardings, at any ``tensor_parallel_size``. With ``--quantization``
-the dense projections are stored quantized (int8 or float8_e4m3fn with their
-float32 per-channel scales, ``jaxllm.worker.quantization``; a GGUF's Q8_0 tensors
-keep their blocks under int8) and restored as such. A GGUF source carries
-its tokenizer inside the file, which is not converted: pass prompts as token
-ids, or hand the engine a ``Tokenizer.from_gguf(SOURCE)``.
-
-``--num-layers N`` keeps only the first N decoder layers (embedding, final
-norm and lm_head as they are): a layer-skipping draft model with the
-source's vocabulary for speculative decoding (``speculative_config={"method":
-"draft_model", "model": DEST, ...}``), as in Zhang et al. 2023 (Draft &
-Verify) and LayerSkip.
+DEST gets ``params/`` (orbax), ``config.json`` and, from a HF folder, the tokenizer files (a GGUF's tokenizer
+is not converted). ``--quantization`` stores the dense projections quantized with float32 per-channel scales.
+``--num-layers N`` keeps the first N decoder layers: a layer-skipping draft model for speculative decoding
+(Draft & Verify, Zhang et al. 2023).
 """
 
 from __future__ import annotations
@@ -42,12 +31,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def convert(source: Path, dest: Path, dtype: str = "float32", quantization: str | None = None,
             num_layers: Optional[int] = None) -> None:
-    """Write ``source``'s parameters (as ``dtype``; quantized weights as ``quantization``) and config to ``dest``,
-    keeping the first ``num_layers`` layers (None: all).
+    """Write ``source``'s parameters (``dtype``, ``quantization``) and config to ``dest``, keeping ``num_layers``.
 
     Raises:
-      ValueError: as ``jaxllm.loader.load_model``, a non-empty ``dest``, or ``num_layers`` outside
-        ``[1, the source's layers]``.
+      ValueError: as ``jaxllm.loader.load_model``, a non-empty ``dest``, or ``num_layers`` out of range.
     """
     cfg, params, hf_config = load_model(source, resolve_dtype(dtype), quantization)
     if num_layers is not None:
