@@ -462,7 +462,7 @@ class EngineConfig:
         (``jaxllm.core.client.QueueFullError``; 503 at the server) while this
         many sequences or more wait for a batch seat. None: no limit.
       kv_offloading_size: GiB of host memory for a host tier of the prefix cache (vLLM's
-        ``--kv-offloading-size`` with its native backend; ``scheduler.host_tier``), >= 0; 0 (the default): no
+        ``--kv-offloading-size`` with its native backend; ``scheduler.kv.host_tier``), >= 0; 0 (the default): no
         tier. A hashed block about to be reused on the device is copied there first, and a prefix missing on the
         device is loaded back from there instead of recomputed. Holds ``GiB * 2**30 // bytes per block`` blocks
         (all layers, K and V, in the KV cache's dtype); a draft model's runner keeps as many blocks of its own
@@ -474,7 +474,7 @@ class EngineConfig:
       kv_cache_compression: None (the default: ``scripts/bench_kv_compression.py`` measures it, README), "int8"
         or "fp8" (float8_e4m3fn): when free KV blocks run short, before preempting, the scheduler re-encodes full
         blocks of running requests in this one-byte type, with a scale per block and KV head, into a second
-        pool and frees their blocks (``scheduler.compressed_pool``; the attention reads each block in its own
+        pool and frees their blocks (``scheduler.kv.compressed_pool``; the attention reads each block in its own
         dtype). Requests with ``SamplingParams(allow_kv_compression=False)`` or ``priority < 0`` are never
         compressed. Needs ``kv_cache_dtype="auto"`` and the xla or reference attention; not with
         ``speculative_config``, ``preemption_mode="swap"``, ``kv_offloading_size``, ``tensor_parallel_size > 1``

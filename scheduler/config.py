@@ -36,7 +36,7 @@ class SchedulerConfig:
         (copy blocks to the host pool and back).
       num_host_blocks: host blocks for swap mode, >= 0; a victim that does
         not fit falls back to recompute.
-      num_offload_blocks: host-tier blocks of the prefix cache (``scheduler.host_tier``), >= 0; 0: no tier.
+      num_offload_blocks: host-tier blocks of the prefix cache (``scheduler.kv.host_tier``), >= 0; 0: no tier.
         Needs ``enable_prefix_caching``.
       kv_offloading_prefetch: with a host tier, load the host hits of the requests left waiting at the end of a
         step (policy order, within the step's copy budget) into free blocks, so they are device hits when
@@ -71,7 +71,7 @@ class SchedulerConfig:
         prompt and its own predicted output; so fewer admitted requests are
         preempted when predictions are good. Off by default: it measured
         no better (``scripts/bench_predicted.py``).
-      num_compressed_blocks: slots of the pool of compressed KV blocks (``scheduler.compressed_pool``), the null
+      num_compressed_blocks: slots of the pool of compressed KV blocks (``scheduler.kv.compressed_pool``), the null
         slot included: 0 (no compression) or >= 2. Before a preemption, full blocks of running requests move
         there (``Scheduler``). Not with ``preemption_mode="swap"`` nor a host tier (``num_offload_blocks``),
         whose copies move device blocks only.

@@ -8,7 +8,7 @@ is re-admitted the next step because its own blocks are free again, grows,
 and is preempted again. The operator's moves when memory runs short are to
 release idle prompts, back off the batch, and shed load; here:
 
-* *compress* (with ``kv_cache_compression``, ``scheduler.compressed_pool``):
+* *compress* (with ``kv_cache_compression``, ``scheduler.kv.compressed_pool``):
   before any preemption, full blocks of running requests are re-encoded in
   one byte and their device blocks freed; the blocks compression could still
   free count as free for the low-water mark, so the batch backs off only once

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from scheduler.request import RequestStatus
 
 if TYPE_CHECKING:
-    from scheduler.block_pool import BlockPool
+    from scheduler.kv.block_pool import BlockPool
     from scheduler.scheduler import Scheduler
 
 # Block states in the map, in the order the counts add up.
@@ -67,11 +67,11 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
       * ``request_blocks``: request id -> blocks it holds (running requests);
         ``largest_request``: ``{"request_id", "num_blocks", "num_tokens"}`` of
         the one holding most blocks, or None;
-      * ``host_tier``: the prefix cache's host tier (``scheduler.host_tier``), None without one, else
+      * ``host_tier``: the prefix cache's host tier (``scheduler.kv.host_tier``), None without one, else
         ``{"num_blocks", "num_cached_blocks", "num_free_blocks"}`` (the two add up to ``num_blocks``),
         ``"num_offloaded_blocks"`` and ``"num_loaded_blocks"`` (copies device -> host and back, cumulative) and
         ``"hit_tokens"`` (prompt tokens it served, cumulative);
-      * ``compressed_pool``: the one-byte pool of ``kv_cache_compression`` (``scheduler.compressed_pool``), None
+      * ``compressed_pool``: the one-byte pool of ``kv_cache_compression`` (``scheduler.kv.compressed_pool``), None
         without one, else ``{"num_blocks", "num_used_blocks", "num_free_blocks"}`` (slots without the null slot;
         the two add up to ``num_blocks``) and ``"num_compressed_blocks"`` (blocks compressed instead of a
         preemption, cumulative);

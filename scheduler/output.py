@@ -92,7 +92,7 @@ class SchedulerOutput:
     first because their device blocks may be handed to swap-ins, loads or
     copies in the same step. An offload's host write may complete after the
     step is dispatched, before the next ``schedule()``: no load of the same
-    step reads its slot (``scheduler.host_tier``). A copy's source is a cached block that no swap-in or copy of
+    step reads its slot (``scheduler.kv.host_tier``). A copy's source is a cached block that no swap-in or copy of
     this step writes: the scheduler holds a reference to it until
     ``update_from_output``, so it cannot be reused.
 
@@ -124,13 +124,13 @@ class SchedulerOutput:
         ``update_from_output``) since the previous ``schedule()``.
       blocks_to_compress: ``(device_block, compressed_slot)`` pairs: full blocks
         re-encoded into slot ``compressed_slot`` of the compressed pool
-        (``scheduler.compressed_pool``; the table now holds its id, pool base +
+        (``scheduler.kv.compressed_pool``; the table now holds its id, pool base +
         slot), done first of all: the device blocks are free again and this
         step may write them.
       blocks_to_swap_out: ``(device_block, host_block)`` pairs.
       blocks_to_swap_in: ``(host_block, device_block)`` pairs.
       blocks_to_offload: ``(device_block, host_block)`` pairs: hashed blocks
-        evicted from the device, kept in the host tier (``scheduler.host_tier``;
+        evicted from the device, kept in the host tier (``scheduler.kv.host_tier``;
         host ids after the swap pool's).
       blocks_to_load: ``(host_block, device_block)`` pairs: host-tier prefix
         hits copied into the fresh device blocks that take their place.

@@ -18,11 +18,11 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from scheduler.block_pool import BlockPool, KVBlock
+from scheduler.kv.block_pool import BlockPool, KVBlock
 from scheduler.config import SchedulerConfig
 from scheduler.degradation import DegradationController
-from scheduler.host_tier import HostHit
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv.host_tier import HostHit
+from scheduler.kv.kv_cache_manager import KVCacheManager
 from scheduler.kv_events import KVEvent
 from scheduler.output import SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import (
@@ -174,7 +174,7 @@ class Scheduler:
       copies its computed blocks to the host pool and back on resume,
       reporting the copies in the output (falling back to recompute when the
       host pool is short).
-    * With a compressed pool (``num_compressed_blocks``, ``scheduler.compressed_pool``; our addition), a
+    * With a compressed pool (``num_compressed_blocks``, ``scheduler.kv.compressed_pool``; our addition), a
       preemption -- for a running request's blocks, or for an urgent arrival under a policy that preempts for
       waiting requests -- is first replaced by compressing enough full blocks of running requests that may be
       compressed (not ``SamplingParams.allow_kv_compression=False``, not ``priority < 0``), in victim order,

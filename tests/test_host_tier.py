@@ -1,4 +1,4 @@
-"""The prefix cache's host tier (``scheduler.host_tier``) in the scheduler, against the fake runner's simulated KV:
+"""The prefix cache's host tier (``scheduler.kv.host_tier``) in the scheduler, against the fake runner's simulated KV:
 eviction to host and revival with exact contents, host hits equal to fresh computation, the tier's LRU, load
 budget, events and reset."""
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from scheduler import Scheduler, SchedulerConfig
-from scheduler.host_tier import HostTier
+from scheduler.kv.host_tier import HostTier
 from scheduler.kv_events import BlockRemoved, BlockStored
 from tests._scheduler_harness import FakeRunner, check_block_invariants, make_request, reference_output, run_until_done
 

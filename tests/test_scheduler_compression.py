@@ -1,4 +1,4 @@
-"""Compressing KV blocks before preempting (``scheduler.compressed_pool``), one scenario per test.
+"""Compressing KV blocks before preempting (``scheduler.kv.compressed_pool``), one scenario per test.
 
 The scenario: 6 usable device blocks of 4 tokens, two requests of 8 prompt tokens and 9 outputs; each ends holding
 4 blocks (16 KV tokens), 8 in all, so 2 are missing near the end. Without compression the later request is preempted

@@ -604,7 +604,7 @@ class EngineCore:
         """Every runner's block copies of ``sched_out``, in ``SchedulerOutput``'s order, except that the host tier's
         offloads are only gathered on the device: their host writes are returned, one list per runner, for
         :meth:`_write_offloads` once the step is dispatched (the loads never read a slot this step writes:
-        ``scheduler.host_tier``). The tier's copies are timed."""
+        ``scheduler.kv.host_tier``). The tier's copies are timed."""
         if sched_out.blocks_to_compress:
             # Only the target model's: kv_cache_compression refuses a draft model.
             self.runner.compress_blocks(sched_out.blocks_to_compress)

@@ -13,7 +13,7 @@ ROUTER socket answers ``(b"", start_seq as 8 big-endian bytes)`` with every buff
 Our hashes are 16-byte xxh3 digests of ``scheduler.block_hash`` (vLLM's are sha256 or xxhash of its own
 encoding): equal prefixes give equal hashes within one jaxllm version, which is what a subscriber matching
 stored against removed blocks, or one replica against another, needs. Events report their tier as vLLM's
-medium: ``"GPU"`` for the device pool, ``"CPU"`` for the host tier (``scheduler.host_tier``); jaxllm has no LoRA, so ``lora_id`` and ``lora_name`` are None.
+medium: ``"GPU"`` for the device pool, ``"CPU"`` for the host tier (``scheduler.kv.host_tier``); jaxllm has no LoRA, so ``lora_id`` and ``lora_name`` are None.
 """
 
 from __future__ import annotations

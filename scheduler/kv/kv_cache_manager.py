@@ -7,11 +7,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 from scheduler.block_hash import extend_block_hashes, hash_block_tokens
-from scheduler.block_pool import BlockPool, KVBlock
+from scheduler.kv.block_pool import BlockPool, KVBlock
 from scheduler.block_table import BlockTable
-from scheduler.compressed_pool import CompressedBlockPool
-from scheduler.host_block_pool import HostBlockPool
-from scheduler.host_tier import HostHit
+from scheduler.kv.compressed_pool import CompressedBlockPool
+from scheduler.kv.swap import HostBlockPool
+from scheduler.kv.host_tier import HostHit
 from scheduler.kv_events import BlockRemoved, BlockStored
 from scheduler.request import Request
 
@@ -44,7 +44,7 @@ class KVCacheManager:
       block_size: tokens per block, >= 1.
       enable_caching: look up and register prefix-cache hashes.
       num_host_blocks: size of the host pool for swap-mode preemption.
-      num_compressed_blocks: slots of the pool of compressed blocks (``scheduler.compressed_pool``), the null slot
+      num_compressed_blocks: slots of the pool of compressed blocks (``scheduler.kv.compressed_pool``), the null slot
         included; 0: no compression.
 
     Attributes:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from scheduler.block_pool import KVBlock
+from scheduler.kv.block_pool import KVBlock
 
 
 class CompressedBlockPool:
