@@ -467,10 +467,6 @@ class EngineConfig:
         device is loaded back from there instead of recomputed. Holds ``GiB * 2**30 // bytes per block`` blocks
         (all layers, K and V, in the KV cache's dtype); a draft model's runner keeps as many blocks of its own
         KV beside them. Needs ``enable_prefix_caching``.
-      kv_offloading_prefetch: load the host-tier hits of the requests at the head of the waiting queue a step
-        before their admission, into free blocks (cached ones offloaded first, never the requests' own hits;
-        ``SchedulerConfig``'s field of the name). Off by default: ``scripts/bench_multiturn.py`` measures it no
-        better than loading on admission (README). Needs ``kv_offloading_size > 0``.
       kv_cache_compression: None (the default: ``scripts/bench_kv_compression.py`` measures it, README), "int8"
         or "fp8" (float8_e4m3fn): when free KV blocks run short, before preempting, the scheduler re-encodes full
         blocks of running requests in this one-byte type, with a scale per block and KV head, into a second
@@ -533,7 +529,6 @@ class EngineConfig:
     kv_events_config: Union[KVEventsConfig, dict, str, None] = None
     enable_sleep_mode: bool = False
     kv_offloading_size: float = 0.0
-    kv_offloading_prefetch: bool = False
     kv_cache_compression: Optional[str] = None
     kv_cache_compression_fraction: float = 0.5
 
@@ -578,9 +573,6 @@ class EngineConfig:
         if size and not self.enable_prefix_caching:
             raise ValueError(f"kv_offloading_size={size!r} needs enable_prefix_caching=True: the host tier holds "
                              "prefix-cache blocks")
-        if self.kv_offloading_prefetch is True and not size:
-            raise ValueError("kv_offloading_prefetch=True needs a host tier to prefetch from: kv_offloading_size="
-                             f"{size!r} must be > 0")
         if self.precompile not in (True, False, "background"):
             raise ValueError(f"precompile={self.precompile!r} must be True, False or 'background'")
         if self.batching not in ("continuous", "static"):

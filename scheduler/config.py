@@ -38,11 +38,6 @@ class SchedulerConfig:
         not fit falls back to recompute.
       num_offload_blocks: host-tier blocks of the prefix cache (``scheduler.kv.host_tier``), >= 0; 0: no tier.
         Needs ``enable_prefix_caching``.
-      kv_offloading_prefetch: with a host tier, load the host hits of the requests left waiting at the end of a
-        step (policy order, within the step's copy budget) into free blocks, so they are device hits when
-        admitted (``Scheduler._prefetch``): cached free blocks are taken from the LRU end and offloaded first,
-        never a hit of the requests it loads for (``KVCacheManager.prefetch_host_hits``). Needs
-        ``num_offload_blocks``.
       async_scheduling: allow one ``schedule()`` ahead of the last
         ``update_from_output()`` (the runner feeds the missing sampled
         tokens on the device; see ``Scheduler``). A request admitted beside
@@ -93,7 +88,6 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0
     num_offload_blocks: int = 0
-    kv_offloading_prefetch: bool = False
     aging_rate: float = 1.0
     async_scheduling: bool = False
     num_lookahead_tokens: int = 0
@@ -129,10 +123,6 @@ class SchedulerConfig:
             raise bad("num_offload_blocks", "an int >= 0")
         if self.num_offload_blocks and not self.enable_prefix_caching:
             raise bad("num_offload_blocks", "0 when enable_prefix_caching is False (the tier holds prefix-cache blocks)")
-        if not isinstance(self.kv_offloading_prefetch, bool):
-            raise bad("kv_offloading_prefetch", "True or False")
-        if self.kv_offloading_prefetch and not self.num_offload_blocks:
-            raise bad("kv_offloading_prefetch", f"False without a host tier (num_offload_blocks={self.num_offload_blocks})")
         if not isinstance(self.num_lookahead_tokens, int) or self.num_lookahead_tokens < 0:
             raise bad("num_lookahead_tokens", "an int >= 0")
         if isinstance(self.aging_rate, bool) or not isinstance(self.aging_rate, (int, float)) or not self.aging_rate >= 0:

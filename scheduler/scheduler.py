@@ -659,21 +659,6 @@ class Scheduler:
         if self.waiting:
             self._waiting_dirty = True
         self.waiting = unready + queue[i:] + self.waiting
-        if self.config.kv_offloading_prefetch and self.block_pool.host_tier is not None:
-            self._prefetch()
-
-    def _prefetch(self) -> None:
-        """Load the host hits of the first ``max_num_seqs`` requests still waiting, in policy order, while the step's
-        copy budget lasts (``SchedulerConfig.kv_offloading_prefetch``; ``KVCacheManager.prefetch_host_hits`` says
-        which blocks it may take). They are device hits when admitted: the runner does this step's loads before
-        this step's program, which takes the KV cache they write and hands on the one every later step reads,
-        so the copies have landed by the time any later step reads them (also under async scheduling, where the
-        next step is scheduled while this one runs, but dispatched after it)."""
-        tier = self.block_pool.host_tier
-        room = self.copy_budget - tier.num_copies_this_step
-        if room > 0:
-            # The next admissions come from the head of the queue; looking further costs a lookup a request a step.
-            self.kv_cache_manager.prefetch_host_hits(self.waiting[: self.max_num_seqs], room)
 
     def _admit(self, req: Request, step: _Step) -> bool:
         while True:

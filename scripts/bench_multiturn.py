@@ -1,6 +1,5 @@
 """Multi-turn chat against a device KV pool too small for the live histories: the prefix cache's host tier
-(``--kv-offloading-size``) off, on with loads at admission, and on with prefetch (``kv_offloading_prefetch``),
-side by side.
+(``--kv-offloading-size``) off and on, side by side.
 
 Usage: python scripts/bench_multiturn.py [--model PATH] [--conversations 16] [--turns 8] [--system-len 64]
            [--user-len 16] [--output-len 16] [--max-num-seqs 4] [--num-kv-blocks N] [--kv-offloading-size GIB]
@@ -16,8 +15,7 @@ built before the clock starts.
 
 Reports per configuration: TTFT P50/P99 (submission to first token, seconds), output throughput (tokens/s),
 prefill tokens computed (prompt tokens looked up in the prefix cache minus those it served: recomputed re-prefills
-of preempted requests included), hits by tier (tokens), preemptions, blocks offloaded and loaded (and of those
-prefetched), the engine loop's seconds on the tier's copies (offloads: dispatching the gathers before the step's
+of preempted requests included), hits by tier (tokens), preemptions, blocks offloaded and loaded, the engine loop's seconds on the tier's copies (offloads: dispatching the gathers before the step's
 dispatch, writing the host pool after it, while the step runs; loads: all before), and whether every answer equals the tier-off run's token for token (greedy, float32). Timings share the machine: the
 ``host:`` line gives its load.
 """
@@ -84,18 +82,18 @@ def chat(engine, system: list[int], users: list[list[list[int]]], output_len: in
     return dict(ttft=ttft, answers=answers, seconds=time.monotonic() - start)
 
 
-def tier_copies(tier) -> tuple[int, int, int]:
-    """The host tier's blocks offloaded, loaded, and prefetched (of those loaded) so far; zeros without a tier."""
-    return (0, 0, 0) if tier is None else (tier.num_offloaded, tier.num_loaded, tier.num_prefetched)
+def tier_copies(tier) -> tuple[int, int]:
+    """The host tier's blocks offloaded and loaded so far; zeros without a tier."""
+    return (0, 0) if tier is None else (tier.num_offloaded, tier.num_loaded)
 
 
-def run(args: argparse.Namespace, offloading_gib: float, prefetch: bool = False) -> dict:
+def run(args: argparse.Namespace, offloading_gib: float) -> dict:
     """One configuration: warm up, chat, and read the core's counters."""
     from jaxllm import LLM
 
     llm = LLM(model=str(args.model), max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              dtype="float32", kv_offloading_size=offloading_gib, kv_offloading_prefetch=prefetch, precompile=True)
+              dtype="float32", kv_offloading_size=offloading_gib, precompile=True)
     engine = llm.engine
     engine.wait_for_warmup()
     try:
@@ -108,7 +106,7 @@ def run(args: argparse.Namespace, offloading_gib: float, prefetch: bool = False)
         system, users = conversations(args, vocab, seed=0)
         result = chat(engine, system, users, args.output_len, prefix="c")
         after = engine.metrics.core_stats[0]
-        offloaded, loaded, prefetched = (a - b for a, b in zip(tier_copies(tier), copies_before))
+        offloaded, loaded = (a - b for a, b in zip(tier_copies(tier), copies_before))
         written = engine.core.offload_write_seconds - written_before
     finally:
         engine.metrics.close()
@@ -123,7 +121,7 @@ def run(args: argparse.Namespace, offloading_gib: float, prefetch: bool = False)
         prefill_tokens_computed=delta["prefix_cache_queries"] - delta["prefix_cache_hits"],
         device_hit_tokens=delta["prefix_cache_hits"] - delta["prefix_cache_hits_host"],
         host_hit_tokens=delta["prefix_cache_hits_host"], preemptions=delta["num_preemptions"],
-        offloaded_blocks=offloaded, loaded_blocks=loaded, prefetched_blocks=prefetched,
+        offloaded_blocks=offloaded, loaded_blocks=loaded,
         offload_seconds_before_dispatch=delta["kv_offload_seconds_to_host"] - written,
         offload_seconds_after_dispatch=written,
         offload_seconds_to_device=delta["kv_offload_seconds_to_device"],
@@ -141,7 +139,6 @@ _ROWS = [  # (label, key)
     ("preemptions", "preemptions"),
     ("blocks offloaded", "offloaded_blocks"),
     ("blocks loaded", "loaded_blocks"),
-    ("  of them prefetched", "prefetched_blocks"),
     ("loop s on offloads before dispatch", "offload_seconds_before_dispatch"),
     ("loop s on offloads after dispatch", "offload_seconds_after_dispatch"),
     ("loop s on loads (before dispatch)", "offload_seconds_to_device"),
@@ -199,8 +196,8 @@ def main(argv=None) -> dict:
     print(f"{args.conversations} conversations x {args.turns} turns, histories up to {args.max_model_len} tokens; "
           f"device pool {args.num_kv_blocks} blocks (final histories: {final_history_blocks(args)}), "
           f"max_num_seqs {args.max_num_seqs}")
-    results = [run(args, 0.0), run(args, args.kv_offloading_size), run(args, args.kv_offloading_size, True)]
-    names = ["tier off", f"tier on ({args.kv_offloading_size} GiB)", "tier on + prefetch"]
+    results = [run(args, 0.0), run(args, args.kv_offloading_size)]
+    names = ["tier off", f"tier on ({args.kv_offloading_size} GiB)"]
     print_table(results, names)
     host = common.host_info()
     print(common.host_line(host))

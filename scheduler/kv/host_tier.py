@@ -60,7 +60,6 @@ class HostTier:
     Attributes:
       slots: hash -> slot, least recently used first.
       num_offloaded, num_loaded: blocks copied device -> host and host -> device so far.
-      num_prefetched: of ``num_loaded``, blocks loaded ahead of their request's admission.
       num_dropped: hashed blocks reused on the device that no slot could take (every slot busy this step).
 
     Raises:
@@ -86,7 +85,6 @@ class HostTier:
         self._loads: list[tuple[int, int]] = []
         self.num_offloaded = 0
         self.num_loaded = 0
-        self.num_prefetched = 0
         self.num_dropped = 0
 
     @property
