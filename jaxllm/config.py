@@ -19,6 +19,7 @@ from jaxllm.core.kv_events import KVEventsConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
 from scheduler.buckets import geometric_ladder, half_step_ladder
 from scheduler.config import SchedulerConfig
+from scheduler.kv.compressed_pool import CompressedBlockPool
 from scheduler.degradation import GracefulDegradation
 
 # HF architecture -> model_type (the key of its family in ``jaxllm.models``).
@@ -606,21 +607,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_compression_fraction={fraction!r} must be a number in (0, 1)")
         if mode is None:
             return
-        conflicts = (
-            (self.kv_cache_dtype != "auto", f"kv_cache_dtype={self.kv_cache_dtype!r} (the cache is one byte a "
-                                            "number already; use 'auto')"),
-            (self.speculative_config is not None, "speculative_config (a draft model reads the same block tables)"),
-            (self.preemption_mode == "swap", "preemption_mode='swap' (swaps copy device blocks only)"),
-            (bool(self.kv_offloading_size), f"kv_offloading_size={self.kv_offloading_size!r} (the host tier copies "
-                                            "device blocks only)"),
-            (self.tensor_parallel_size > 1, f"tensor_parallel_size={self.tensor_parallel_size}"),
-            (self.batching == "static", "batching='static'"),
-            (self.attention_backend == "pallas", "attention_backend='pallas' (its kernels read one pool; use "
-                                                 "'xla' or 'reference')"),
-        )
-        for bad, setting in conflicts:
-            if bad:
-                raise ValueError(f"kv_cache_compression={mode!r} cannot be used with {setting}")
+        refused = CompressedBlockPool.refuses(self)
+        if refused:
+            raise ValueError(f"kv_cache_compression={mode!r} cannot be used with {refused}")
 
     def scheduler_config(self, *, num_blocks: int, max_model_len: int,
                          num_offload_blocks: Optional[int] = None,

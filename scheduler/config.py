@@ -6,6 +6,8 @@ import dataclasses
 from typing import Union
 
 from scheduler.degradation import GracefulDegradation
+from scheduler.kv.compressed_pool import CompressedBlockPool
+from scheduler.kv.host_tier import HostTier
 from scheduler.policy import POLICIES, Policy
 
 _PREEMPTION_MODES = ("recompute", "swap")
@@ -121,8 +123,9 @@ class SchedulerConfig:
             raise bad("num_host_blocks", "an int >= 0")
         if not isinstance(self.num_offload_blocks, int) or self.num_offload_blocks < 0:
             raise bad("num_offload_blocks", "an int >= 0")
-        if self.num_offload_blocks and not self.enable_prefix_caching:
-            raise bad("num_offload_blocks", "0 when enable_prefix_caching is False (the tier holds prefix-cache blocks)")
+        refused = self.num_offload_blocks and HostTier.refuses(self)
+        if refused:
+            raise bad("num_offload_blocks", f"0 with {refused}")
         if not isinstance(self.num_lookahead_tokens, int) or self.num_lookahead_tokens < 0:
             raise bad("num_lookahead_tokens", "an int >= 0")
         if isinstance(self.aging_rate, bool) or not isinstance(self.aging_rate, (int, float)) or not self.aging_rate >= 0:
@@ -132,10 +135,9 @@ class SchedulerConfig:
         n = self.num_compressed_blocks
         if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n == 1:
             raise bad("num_compressed_blocks", "0 (no compression) or an int >= 2 (slot 0 is the null slot)")
-        if n and self.preemption_mode == "swap":
-            raise bad("num_compressed_blocks", "0 with preemption_mode='swap' (swaps copy device blocks only)")
-        if n and self.num_offload_blocks:
-            raise bad("num_compressed_blocks", f"0 with a host tier (num_offload_blocks={self.num_offload_blocks})")
+        refused = n and CompressedBlockPool.refuses(self)
+        if refused:
+            raise bad("num_compressed_blocks", f"0 with {refused}")
         if not isinstance(self.graceful_degradation, (bool, GracefulDegradation)):
             raise bad("graceful_degradation", "a bool or a GracefulDegradation")
 

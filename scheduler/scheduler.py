@@ -21,8 +21,8 @@ import numpy as np
 from scheduler.kv.block_pool import BlockPool, KVBlock
 from scheduler.config import SchedulerConfig
 from scheduler.degradation import DegradationController
-from scheduler.kv.host_tier import HostHit
 from scheduler.kv.kv_cache_manager import KVCacheManager
+from scheduler.kv.tier import Admission, KVTier
 from scheduler.kv_events import KVEvent
 from scheduler.output import SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import (
@@ -64,7 +64,7 @@ class _Step:
     """
 
     __slots__ = (
-        "budget", "preempted", "compress", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped",
+        "budget", "preempted", "preempted_ids", "admitted_ids", "now", "dropped",
         "headroom",
         "bulk_requests", "bulk_rows", "bulk_new", "bulk_computed", "tail_requests", "tail_new", "tail_computed",
     )
@@ -72,9 +72,6 @@ class _Step:
     def __init__(self, budget: int, now: float) -> None:
         self.budget = budget
         self.preempted: list[Request] = []
-        self.compress: list[tuple[int, int]] = []
-        self.swap_out: list[tuple[int, int]] = []
-        self.swap_in: list[tuple[int, int]] = []
         self.preempted_ids: set[str] = set()
         self.admitted_ids: set[str] = set()
         self.now = now
@@ -231,7 +228,10 @@ class Scheduler:
         self.waiting: list[Request] = []
         self._clock = clock
         self._seq = itertools.count()
-        self._swap = config.preemption_mode == "swap"
+        # The swap tier takes preempted requests only in swap mode.
+        self.tiers: list[KVTier] = [t for t in self.kv_cache_manager.tiers
+                                    if t is not self.kv_cache_manager.swap or config.preemption_mode == "swap"]
+        self._room_tiers = [t for t in self.tiers if t.makes_room]
         # Static-key policies only need a re-sort of the waiting list after
         # it changes; the running list stays sorted by insertion in order.
         self._waiting_dirty = False
@@ -408,8 +408,7 @@ class Scheduler:
         self._schedule_waiting(step)
         out = self._emit_rows(step)
         out.finished, self._finished_for_schedule = self._finished_for_schedule, []
-        out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
-        out.blocks_to_offload, out.blocks_to_load = self.kv_cache_manager.take_tier_copies()
+        out.block_copies = self.kv_cache_manager.take_block_copies()
         self._pending.append((out, self._num_stopped, self.kv_cache_manager.scheduled_blocks, set()))
         self.kv_cache_manager.end_step()
         return out
@@ -455,9 +454,6 @@ class Scheduler:
             block_tables=table.table[rows, : num_blocks.max(initial=0)],
             total_num_scheduled_tokens=int(new.sum()),
             preempted=step.preempted,
-            blocks_to_compress=step.compress,
-            blocks_to_swap_out=step.swap_out,
-            blocks_to_swap_in=step.swap_in,
             block_size=self.config.block_size,
         )
         state[:, COMPUTED] = advanced
@@ -567,7 +563,7 @@ class Scheduler:
     def _preempt_until_allocated(self, req: Request, n: int, step: _Step) -> bool:
         kv = self.kv_cache_manager
         while True:
-            if self._compress_for(req, n, step) and kv.allocate_slots(req, n):
+            if self._make_room_for(req, n, step) and kv.allocate_slots(req, n):
                 return True
             candidates = list(self.running)
             if len(candidates) == 1:
@@ -589,49 +585,23 @@ class Scheduler:
             if self.kv_cache_manager.allocate_slots(req, n):
                 return True
 
-    @staticmethod
-    def _may_compress(req: Request) -> bool:
-        """Whether ``req``'s KV may be compressed: not opted out, not of high priority (< 0)."""
-        return req.sampling_params.allow_kv_compression and req.priority >= 0
-
-    def _compress_for(self, req: Request, n: int, step: _Step) -> bool:
-        """Compress blocks so that running ``req`` can take ``n`` more tokens, instead of a preemption (see
-        :meth:`_compress_blocks`)."""
-        kv = self.kv_cache_manager
-        if kv.compressed_pool is None:
+    def _make_room_for(self, req: Request, n: int, step: _Step) -> bool:
+        """Have the tiers make room so that running ``req`` can take ``n`` more tokens, instead of a preemption."""
+        if not self._room_tiers:
             return False
-        return self._compress_blocks(kv.num_blocks_to_allocate(req, n) - self.block_pool.num_free_blocks, step)
+        return self._make_room(self.kv_cache_manager.num_blocks_to_allocate(req, n) - self.block_pool.num_free_blocks,
+                               step)
 
-    def _compress_blocks(self, need: int, step: _Step) -> bool:
-        """Compress ``need`` blocks of running requests (queued for the runner in the step's output); False,
-        changing nothing, when they or the compressed pool's free slots fall short (or ``need < 1``).
-
-        The blocks come from the running requests that may be compressed, in the policy's victim order (the
-        request a preemption would take first, first), each request's oldest blocks first.
-        """
-        kv = self.kv_cache_manager
-        if need < 1 or need > kv.compressed_pool.num_free_blocks:
+    def _make_room(self, need: int, step: _Step) -> bool:
+        """Ask the tiers to free ``need`` device blocks (``KVTier.make_room``), victims in the policy's order."""
+        if need < 1:
             return False
-        plan, found = [], 0
-        for victim in sorted(filter(self._may_compress, self.running), key=lambda r: self.policy.key(r, step.now),
-                             reverse=True):
-            k = min(len(kv.compressible(victim)), need - found)
-            if k:
-                plan.append((victim, k))
-                found += k
-            if found == need:
-                break
-        if found < need:
-            return False
-        for victim, k in plan:
-            step.compress += kv.compress(victim, k)
-        return True
+        victims = sorted(self.running, key=lambda r: self.policy.key(r, step.now), reverse=True)
+        return any(t.make_room(need, victims) for t in self._room_tiers)
 
-    def _compressible_blocks(self) -> int:
-        """Device blocks that compression could free now (graceful degradation counts them as free)."""
-        kv = self.kv_cache_manager
-        found = sum(len(kv.compressible(r)) for r in self.running if self._may_compress(r))
-        return min(found, kv.compressed_pool.num_free_blocks)
+    def _holder(self, req: Request) -> Optional[KVTier]:
+        """The tier holding ``req``'s KV whole (``KVTier.holds_request``), or None."""
+        return next((t for t in self.tiers if t.holds_request(req)), None)
 
     def _schedule_waiting(self, step: _Step) -> None:
         if not self.waiting:
@@ -672,39 +642,37 @@ class Scheduler:
             victim = self._waiting_victim(req, step)
             if victim is None:
                 return False
-            if self._compress_to_admit(req, step) and self._try_admit(req, step):
+            if self._make_room_to_admit(req, step) and self._try_admit(req, step):
                 return True
             self._preempt(victim, step)
 
-    def _compress_to_admit(self, req: Request, step: _Step) -> bool:
-        """Compress blocks so that waiting ``req`` can be admitted, instead of preempting for it; False, changing
-        nothing, when blocks are not what it lacks (seats, budget, the predicted-output headroom) or compression
-        cannot free enough."""
+    def _make_room_to_admit(self, req: Request, step: _Step) -> bool:
+        """Have the tiers make room so that waiting ``req`` can be admitted, instead of preempting for it; False,
+        changing nothing, when blocks are not what it lacks (seats, budget, the predicted-output headroom) or the
+        tiers cannot free enough."""
         kv = self.kv_cache_manager
-        if (kv.compressed_pool is None or len(self.running) >= self.max_num_seqs or step.budget <= 0
-                or req.request_id in kv.swapped or self.config.reserve_predicted_output):
+        if (not self._room_tiers or len(self.running) >= self.max_num_seqs or step.budget <= 0
+                or self._holder(req) is not None or self.config.reserve_predicted_output):
             return False
         hits, num_hit = kv.get_computed_blocks(req)
         n = self._chunk(req.num_tokens - num_hit, step.budget)
         ahead = int(self.config.async_scheduling and not req.prefill_only and req.num_tokens + 1 < req.length_limit)
         need = kv.num_blocks_to_allocate(req, n, hits, ahead) if n else 0
-        return bool(n) and self._compress_blocks(need - self.block_pool.num_free_blocks, step)
+        return bool(n) and self._make_room(need - self.block_pool.num_free_blocks, step)
 
     def _try_admit(self, req: Request, step: _Step) -> Optional[bool]:
-        """Admit ``req`` into this step if it fits; None when it waits for the step's host-tier copies
-        (:meth:`_host_hits`)."""
+        """Admit ``req`` into this step if it fits; None when a tier has it wait a step (``KVTier.match``)."""
         kv = self.kv_cache_manager
         rid = req.request_id
         need = self._predicted_need(req) if self.config.reserve_predicted_output else 0
         # Alone, a request is always admitted (liveness); its need still counts against those after it.
         if need > step.headroom and self.running:
             return False
-        if rid in kv.swapped:
+        holder = self._holder(req)
+        if holder is not None:
             n = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget)
-            pairs = kv.swap_in(req, n) if n else None
-            if pairs is None:
+            if not n or not holder.resume(req, n):
                 return False
-            step.swap_in.extend(pairs)
         else:
             n = self._allocate_admission(req, step.budget, may_wait=step.num_rows > 0)
             if n <= 0:
@@ -729,15 +697,15 @@ class Scheduler:
     def _predicted_need(self, req: Request) -> int:
         """Free blocks that admitting waiting ``req`` takes to hold its prompt and predicted outputs."""
         kv, left = self.kv_cache_manager, max(_outputs_left(req) - 1, 0)
-        if req.request_id in kv.swapped:
+        if self._holder(req) is not None:
             return -(-(req.num_tokens + left) // self.config.block_size)
         hits, num_hit = kv.get_computed_blocks(req)
         return kv.num_blocks_to_allocate(req, req.num_tokens - num_hit, hits, left)
 
     def _allocate_admission(self, req: Request, budget: int, may_wait: bool) -> int:
         """Take ``req``'s prefix hits and blocks for its first chunk; returns the chunk's tokens, 0 if it must wait
-        for blocks or tokens, -1 if for this step's host-tier copies (:meth:`_host_hits`; ``may_wait`` False when
-        the step has no row yet, so a wait would stall it).
+        for blocks or tokens, -1 if a tier has it wait a step (``KVTier.match``; ``may_wait`` False when the step has
+        no row yet, so a wait would stall it).
 
         A request whose hits cover all its tokens copies the last hit on
         write, which needs one block more than recomputing that block's
@@ -748,10 +716,14 @@ class Scheduler:
         kv = self.kv_cache_manager
         hits, num_hit = kv.get_computed_blocks(req)
         num_host = 0
-        if kv.block_pool.host_tier is not None:
-            hits, num_host = self._host_hits(req, hits, budget, may_wait)
-            if num_host < 0:
-                return -1
+        if self.tiers:
+            admission = Admission(budget, may_wait, self._chunk, self.copy_budget)
+            for tier in self.tiers:
+                matched = tier.match(req, hits, admission)
+                if matched is None:
+                    return -1
+                hits, num = matched
+                num_host += num
             if num_host:
                 num_hit = len(hits) * self.config.block_size
         # Under async scheduling, a request admitted beside running ones whose chunk ends its prompt also takes
@@ -782,30 +754,6 @@ class Scheduler:
         req.num_computed_tokens = num_hit
         kv.cache_scheduled_blocks(req, num_hit + n)
         return n
-
-    def _host_hits(self, req: Request, hits: list[KVBlock], budget: int, may_wait: bool) -> tuple[list, int]:
-        """``hits`` continued through the host tier, and how many of them are host hits; -1 when its loads and the
-        offloads its allocation causes (its first chunk within the token ``budget`` left) would take the step's
-        host-tier copies, offloads and loads queued so far counted, past :attr:`copy_budget` after another
-        request's loads: ``req`` then waits a step, so a storm of host hits cannot stretch one step's copies. The
-        first loading request of a step always goes (liveness). Offloads alone never hold a request back: they
-        come from blocks the step computes into, which the token budget already bounds. Also -1, if ``may_wait``
-        (the step has rows, so it makes progress without ``req``), when the hits stop at a block this step
-        offloads (readable from the next step on): waiting a step beats recomputing the rest."""
-        kv = self.kv_cache_manager
-        hits = kv.extend_with_host_hits(req, hits)
-        tier = kv.block_pool.host_tier
-        hashes = req.block_hashes
-        if may_wait and len(hits) < min(len(hashes), (req.num_tokens - 1) // self.config.block_size) and (
-                tier.being_written(hashes[len(hits)])):
-            return hits, -1
-        num_host = sum(1 for b in hits if type(b) is HostHit)
-        if num_host and tier.num_loads_this_step:
-            num_new = self._chunk(req.num_tokens - len(hits) * self.config.block_size, budget)
-            copies = num_host + kv.num_offloads_to_allocate(req, num_new, hits)
-            if tier.num_copies_this_step + copies > self.copy_budget:
-                return hits, -1
-        return hits, num_host
 
     def _insert_running(self, req: Request, now: float) -> None:
         """Add ``req`` to the running list, keeping a static-key policy's order without a re-sort."""
@@ -848,12 +796,9 @@ class Scheduler:
             # Its in-flight sample will be discarded, so the last known token
             # is computed again on resume to sample it anew (same key).
             victim.num_computed_tokens = min(victim.num_computed_tokens, victim.num_tokens - 1)
-        pairs = self.kv_cache_manager.swap_out(victim) if self._swap else None
-        if pairs is None:
+        if not any(t.keep(victim) for t in self.tiers):
             self.kv_cache_manager.free(victim)
             victim.num_computed_tokens = 0
-        else:
-            step.swap_out.extend(pairs)
         victim.status = RequestStatus.PREEMPTED
         self._num_stopped += 1
         victim.num_preemptions += 1
@@ -1056,9 +1001,9 @@ class Scheduler:
         self._preemptions_seen = self.num_preemptions
         idle = not self.requests
         free = self.block_pool.num_free_blocks
-        # Compression is the first move: the batch backs off only once it can no longer cover the shortage.
-        if self.kv_cache_manager.compressed_pool is not None and free < self.degradation.low_water:
-            free += self._compressible_blocks()
+        # Making room is the first move: the batch backs off only once the tiers can no longer cover the shortage.
+        if self._room_tiers and free < self.degradation.low_water:
+            free += sum(t.reclaimable(self.running) for t in self._room_tiers)
         if self.degradation.observe(free, new, idle) and self.pinned_blocks:
             self.release_pinned_prefixes()
 
@@ -1123,7 +1068,7 @@ class Scheduler:
             self._reset_progress(req)
             self.waiting.append(req)
         for req in self.waiting if reset_running_requests else ():
-            if req.request_id in self.kv_cache_manager.swapped:
+            if self._holder(req) is not None:
                 self._reset_progress(req)
         self._waiting_dirty = True
         if self.pinned_blocks:
@@ -1150,7 +1095,7 @@ class Scheduler:
           ValueError: ``num_blocks`` is one :meth:`check_resize` refuses (nothing changes).
         """
         self._check_between_steps("compact_kv_cache")
-        self._check_no_compression("compact_kv_cache()")
+        self._check_ids_may_move("compact_kv_cache()")
         if num_blocks is not None:
             self.check_resize(num_blocks)
         moves = self.block_pool.compact(num_blocks)
@@ -1169,7 +1114,7 @@ class Scheduler:
             raise ValueError(f"resize_kv_cache: num_blocks={num_blocks!r} must be an int >= 2 (block 0 is the "
                              "null block)")
         self._check_between_steps("resize_kv_cache")
-        self._check_no_compression(f"resize_kv_cache(num_blocks={num_blocks})")
+        self._check_ids_may_move(f"resize_kv_cache(num_blocks={num_blocks})")
         used = sum(1 for b in self.block_pool.blocks if b.ref_cnt > 0)
         if num_blocks < used + 1:
             raise ValueError(f"resize_kv_cache: num_blocks={num_blocks} is below the {used + 1} blocks in use "
@@ -1199,11 +1144,11 @@ class Scheduler:
             self.degradation.resize(num_blocks - 1)
         return moves
 
-    def _check_no_compression(self, what: str) -> None:
-        # Compressed blocks' ids are the device pool's size plus their slot: renumbering or resizing would move them.
-        if self.kv_cache_manager.compressed_pool is not None:
-            raise ValueError(f"{what}: not with a compressed KV pool (num_compressed_blocks="
-                             f"{self.config.num_compressed_blocks}, kv_cache_compression)")
+    def _check_ids_may_move(self, what: str) -> None:
+        for tier in self.tiers:
+            reason = tier.refuses_compaction()
+            if reason is not None:
+                raise ValueError(f"{what}: {reason}")
 
     def _check_between_steps(self, what: str) -> None:
         if self._pending:
@@ -1255,9 +1200,10 @@ class Scheduler:
         _, _, scheduled_blocks, _ = self._pending.pop()
         self.block_pool.uncache_blocks(scheduled_blocks)
         self.kv_cache_manager.release_copy_sources()
-        self.kv_cache_manager.forget_tier_copies(output.blocks_to_offload, output.blocks_to_load)
+        rows = {id(r) for r in output.requests}
+        lost = [r for t in self.tiers for r in t.forget(output.block_copies, self.running) if id(r) not in rows]
         restarted = [r.request_id for r in output.preempted]
-        for req in output.requests + self._compressed_by(output):
+        for req in output.requests + lost:
             if req.status is not _RUNNING:
                 continue
             self.running.remove(req)
@@ -1273,16 +1219,6 @@ class Scheduler:
             # before that, and must not take that step's rows (samples, old batch rows) as their own.
             self._pending[0][3].update(restarted)
         self._waiting_dirty = True
-
-    def _compressed_by(self, output: SchedulerOutput) -> list[Request]:
-        """The running requests that hold a block ``output`` compressed and are not among its rows."""
-        cpool = self.kv_cache_manager.compressed_pool
-        if cpool is None or not output.blocks_to_compress:
-            return []
-        ids = {cpool.base + slot for _, slot in output.blocks_to_compress}
-        rows = {id(r) for r in output.requests}
-        return [r for r in self.running if id(r) not in rows
-                and ids.intersection(self.kv_cache_manager.get_block_ids(r.request_id))]
 
     def _release(self, req: Request, status: RequestStatus) -> None:
         """Finish ``req``: set ``status``, free its blocks, forget it. The caller fixes the running/waiting lists."""
@@ -1347,17 +1283,9 @@ class Scheduler:
     @property
     def stats(self) -> SchedulerStats:
         """A fresh ``SchedulerStats`` snapshot."""
-        tier = self.block_pool.host_tier
-        cpool = self.kv_cache_manager.compressed_pool
         return SchedulerStats(
-            num_compressed_blocks=0 if cpool is None else cpool.num_blocks - 1,
-            num_compressed_in_use=0 if cpool is None else cpool.num_blocks - 1 - cpool.num_free_blocks,
-            num_blocks_compressed=0 if cpool is None else cpool.num_compressed,
+            **{k: v for tier in self.kv_cache_manager.tiers for k, v in tier.stats().items()},
             prefix_cache_hits_host=self.prefix_cache_hits_host,
-            num_offload_blocks=0 if tier is None else tier.num_slots,
-            num_offload_cached_blocks=0 if tier is None else tier.num_cached,
-            num_blocks_offloaded=0 if tier is None else tier.num_offloaded,
-            num_blocks_loaded=0 if tier is None else tier.num_loaded,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preempted_waiting=sum(1 for r in self.waiting if r.status == RequestStatus.PREEMPTED),

@@ -7,6 +7,7 @@ import pytest
 
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.kv.host_tier import HostTier
+from scheduler.kv.tier import BlockCopy, CopyKind
 from scheduler.kv_events import BlockRemoved, BlockStored
 from tests._scheduler_harness import FakeRunner, check_block_invariants, make_request, reference_output, run_until_done
 
@@ -43,10 +44,10 @@ def test_evicted_block_is_offloaded_then_revived_with_exact_contents():
     _, outs = _run(sched, runner, "b", B)
     # B needs all four usable blocks, so both of A's cached blocks are reused (A's tail first: a request's
     # blocks are freed tail first), copied to slots 0 and 1 before.
-    assert outs[0].blocks_to_offload == [(a_blocks[1], 0), (a_blocks[0], 1)]
+    assert outs[0].copies(CopyKind.OFFLOAD) == [(a_blocks[1], 0), (a_blocks[0], 1)]
     assert runner.host[0].tolist() == A[4:] and runner.host[1].tolist() == A[:4]
     again, outs = _run(sched, runner, "a2", A + [40])
-    loads = outs[0].blocks_to_load
+    loads = outs[0].copies(CopyKind.LOAD)
     assert [slot for slot, _ in loads] == [1, 0]
     assert [runner.kv[d * BS:(d + 1) * BS].tolist() for _, d in loads] == [A[:4], A[4:]]
     assert (outs[0].num_computed_tokens.tolist(), outs[0].num_new_tokens.tolist()) == ([8], [1])
@@ -60,7 +61,7 @@ def test_host_hit_gives_the_tokens_of_a_fresh_computation():
     _run(sched, runner, "a", prompt[:12])
     _run(sched, runner, "b", B)  # takes the two unhashed blocks, then a's last two
     hit, outs = _run(sched, runner, "a2", prompt, max_tokens=6)
-    assert len(outs[0].blocks_to_load) == 2 and outs[0].num_computed_tokens.tolist() == [12]
+    assert len(outs[0].copies(CopyKind.LOAD)) == 2 and outs[0].num_computed_tokens.tolist() == [12]
     fresh_sched, fresh_runner = _sched(num_blocks=6, num_offload_blocks=0)
     fresh, fresh_outs = _run(fresh_sched, fresh_runner, "a2", prompt, max_tokens=6)
     assert fresh_outs[0].num_computed_tokens.tolist() == [0]
@@ -73,7 +74,7 @@ def test_host_hits_never_cover_the_last_token():
     _run(sched, runner, "b", B)
     # A whole-block prompt all in the host tier: the last block is recomputed, not copied on write.
     _, outs = _run(sched, runner, "a2", A)
-    assert len(outs[0].blocks_to_load) == 1 and not outs[0].blocks_to_copy
+    assert len(outs[0].copies(CopyKind.LOAD)) == 1 and not outs[0].copies(CopyKind.COPY)
     assert (outs[0].num_computed_tokens.tolist(), outs[0].num_new_tokens.tolist()) == ([4], [4])
 
 
@@ -102,7 +103,7 @@ def test_prefix_evicted_from_both_tiers_is_recomputed():
     _run(sched, runner, "b", B)
     _run(sched, runner, "c", list(range(60, 73)))
     again, outs = _run(sched, runner, "a2", A + [40], max_tokens=4)
-    assert not outs[0].blocks_to_load and outs[0].num_computed_tokens.tolist() == [0]
+    assert not outs[0].copies(CopyKind.LOAD) and outs[0].num_computed_tokens.tolist() == [0]
     assert sched.prefix_cache_hits_host == 0
 
 
@@ -114,7 +115,7 @@ def test_cache_salt_isolates_host_tier_hits():
     bob = make_request("bob", A + [40], max_tokens=1, cache_salt="bob")
     sched.add_request(bob)
     out = sched.schedule()
-    assert not out.blocks_to_load and out.num_computed_tokens.tolist() == [0]
+    assert not out.copies(CopyKind.LOAD) and out.num_computed_tokens.tolist() == [0]
 
 
 def test_a_second_loading_request_waits_past_the_step_load_budget():
@@ -128,10 +129,10 @@ def test_a_second_loading_request_waits_past_the_step_load_budget():
         sched.add_request(make_request(rid, prompt, max_tokens=1))
     # The budget is 8 // 4 = 2 blocks: a2 loads 2, so c2 (2 more) waits a step.
     out = sched.schedule()
-    assert [r.request_id for r in out.requests] == ["a2"] and len(out.blocks_to_load) == 2
+    assert [r.request_id for r in out.requests] == ["a2"] and len(out.copies(CopyKind.LOAD)) == 2
     sched.update_from_output(out, runner(out))
     out = sched.schedule()
-    assert [r.request_id for r in out.requests] == ["c2"] and len(out.blocks_to_load) == 2
+    assert [r.request_id for r in out.requests] == ["c2"] and len(out.copies(CopyKind.LOAD)) == 2
 
 
 def test_events_name_the_tier_of_each_store_and_removal():
@@ -156,24 +157,24 @@ def test_reset_prefix_cache_empties_the_host_tier():
     tier = sched.block_pool.host_tier
     assert tier.num_cached == 0 and tier.num_free_slots == 8
     _, outs = _run(sched, runner, "a2", A + [40])
-    assert not outs[0].blocks_to_load
+    assert not outs[0].copies(CopyKind.LOAD)
 
 
 def test_a_full_tier_whose_slots_are_all_read_this_step_drops_the_offload():
     tier = HostTier(1, base=3)
     tier.offload(5, b"h1")
-    assert tier.take_copies() == ([(5, 3)], [])
+    assert tier.take_copies() == [BlockCopy(CopyKind.OFFLOAD, 5, 3)]
     tier.end_step()
     tier.start_step()
     hit = tier.lookup(b"h1")
     tier.pin([hit])
     tier.load(hit, 7)
     tier.offload(6, b"h2")
-    assert tier.take_copies() == ([], [(3, 7)]) and list(tier.slots) == [b"h1"] and tier.num_dropped == 1
+    assert tier.take_copies() == [BlockCopy(CopyKind.LOAD, 3, 7)] and list(tier.slots) == [b"h1"] and tier.num_dropped == 1
     tier.end_step()
     tier.start_step()
     tier.offload(6, b"h2")
-    assert tier.take_copies() == ([(6, 3)], []) and list(tier.slots) == [b"h2"]
+    assert tier.take_copies() == [BlockCopy(CopyKind.OFFLOAD, 6, 3)] and list(tier.slots) == [b"h2"]
 
 
 @pytest.mark.parametrize("value", [-1, 1.5])
@@ -220,8 +221,8 @@ def test_a_fork_that_reuses_a_cached_block_queues_its_offload_for_before_the_for
     copies = sched.fork_request("parent", children)
     # The second child's copy of the partial block lands in a's cached block, the only free one: the engine runs
     # this offload before the copies (EngineCore._advance_parent).
-    offloads, loads = sched.kv_cache_manager.take_tier_copies()
-    assert offloads == [(a_block, 0)] and not loads and copies[0][1] == a_block
+    assert sched.kv_cache_manager.take_block_copies() == [BlockCopy(CopyKind.OFFLOAD, a_block, 0)]
+    assert copies[0][1] == a_block
     runner.host[0] = runner.kv[a_block * BS:(a_block + 1) * BS]
     for src, dst in copies:
         runner.kv[dst * BS:(dst + 1) * BS] = runner.kv[src * BS:(src + 1) * BS]
@@ -255,10 +256,10 @@ def _waiting_setup(max_num_batched_tokens=64, long_prompt=Q[:8] + [7]):
 def test_a_waiting_request_loads_its_host_hits_at_admission():
     sched, runner, p2 = _waiting_setup()
     out = sched.schedule()
-    assert not out.blocks_to_load and not out.blocks_to_offload
+    assert not out.copies(CopyKind.LOAD) and not out.copies(CopyKind.OFFLOAD)
     sched.update_from_output(out, runner(out))
     out = sched.schedule()
-    assert out.blocks_to_load == [(1, 2), (0, 3)] and sched.prefix_cache_hits_host == 8
+    assert out.copies(CopyKind.LOAD) == [(1, 2), (0, 3)] and sched.prefix_cache_hits_host == 8
 
 
 def test_an_offloaded_block_is_no_hit_until_the_step_that_writes_it_has_run():
@@ -275,13 +276,13 @@ def test_an_offloaded_block_is_no_hit_until_the_step_that_writes_it_has_run():
     out = sched.schedule()
     # A's tail is written to slot 0 after this step is dispatched: a2 would stop its hits there and recompute
     # it, so it waits a step instead.
-    assert out.blocks_to_offload == [(2, 0)] and tier.slots[a1] == 0
+    assert out.copies(CopyKind.OFFLOAD) == [(2, 0)] and tier.slots[a1] == 0
     assert [r.request_id for r in out.requests] == ["x"] and tier.lookup(a1) is None and tier.being_written(a1)
     assert runner.host[0].tolist() == [-1] * BS
     sched.update_from_output(out, runner(out))
     assert runner.host[0].tolist() == A[4:]
     out = sched.schedule()
-    assert [r.request_id for r in out.requests] == ["a2"] and out.blocks_to_load[0][0] == 0
+    assert [r.request_id for r in out.requests] == ["a2"] and out.copies(CopyKind.LOAD)[0][0] == 0
     assert out.num_computed_tokens.tolist() == [8]
     sched.update_from_output(out, runner(out))
     run_until_done(sched, runner, check=check_block_invariants)
@@ -303,11 +304,11 @@ def test_a_second_loading_request_counts_the_offloads_its_allocation_causes():
     assert sched.copy_budget == 4
     out = sched.schedule()
     assert [r.request_id for r in out.requests] == ["a2"]
-    assert (len(out.blocks_to_load), len(out.blocks_to_offload)) == (2, 3)
+    assert (len(out.copies(CopyKind.LOAD)), len(out.copies(CopyKind.OFFLOAD))) == (2, 3)
     sched.update_from_output(out, runner(out))
     out = sched.schedule()
     # Its fresh block is now a2's empty last block: two offloads.
     assert [r.request_id for r in out.requests] == ["c2"]
-    assert (len(out.blocks_to_load), len(out.blocks_to_offload)) == (2, 2)
+    assert (len(out.copies(CopyKind.LOAD)), len(out.copies(CopyKind.OFFLOAD))) == (2, 2)
     sched.update_from_output(out, runner(out))
     run_until_done(sched, runner, check=check_block_invariants)

@@ -10,6 +10,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineConfig
+from scheduler.kv.tier import CopyKind
 from tests.conftest import STORIES
 from tests.helpers import assert_one_host_line
 
@@ -162,7 +163,7 @@ def test_a_launch_whose_offload_writes_fail_forgets_them_and_serves_the_same_tok
 
     def discard_and_check(output):
         discard(output)
-        slots = {slot for _, slot in output.blocks_to_offload}
+        slots = {slot for _, slot in output.copies(CopyKind.OFFLOAD)}
         assert slots and slots.isdisjoint(tier.slots.values())
         forgotten.append(slots)
 

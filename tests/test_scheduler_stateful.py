@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.kv.tier import CopyKind
 from tests._scheduler_harness import (
     VOCAB,
     FakeClock,
@@ -150,7 +151,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         check_copies(self.sched, out)
         self.check_tier_copies(out)
         self.check_compressed_holders()
-        self.copies += len(out.blocks_to_copy)
+        self.copies += len(out.copies(CopyKind.COPY))
         updated = self.sched.update_from_output(out, self.runner(out))
         self.check_host_tier_contents()
         self.broken = False
@@ -191,15 +192,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         block holds exactly the tokens of the hash its slot now holds."""
         tier = self.sched.block_pool.host_tier
         if tier is None:
-            assert not out.blocks_to_offload and not out.blocks_to_load
+            assert not out.copies(CopyKind.OFFLOAD) and not out.copies(CopyKind.LOAD)
             return
-        written = {slot for _, slot in out.blocks_to_offload}
-        assert written.isdisjoint(slot for slot, _ in out.blocks_to_load)
+        written = {slot for _, slot in out.copies(CopyKind.OFFLOAD)}
+        assert written.isdisjoint(slot for slot, _ in out.copies(CopyKind.LOAD))
         tokens, by_slot = self._block_tokens(), {slot: h for h, slot in tier.slots.items()}
         bs, kv = BLOCK_SIZE, self.runner.kv
-        for slot, block in out.blocks_to_load:
+        for slot, block in out.copies(CopyKind.LOAD):
             assert self.runner.host[slot].tolist() == tokens[self.sched.block_pool.blocks[block].block_hash]
-        for block, slot in out.blocks_to_offload:
+        for block, slot in out.copies(CopyKind.OFFLOAD):
             assert kv[block * bs:(block + 1) * bs].tolist() == tokens[by_slot[slot]]
 
     @rule(data=st.data())
@@ -274,7 +275,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     req.prompt_token_ids, req.sampling_params, req.eos_token_id, MAX_MODEL_LEN
                 ), req
         assert self.sched.block_pool.num_free_blocks == self.config.num_blocks - 1
-        assert self.sched.kv_cache_manager.host_pool.num_free_blocks == 6
+        assert self.sched.kv_cache_manager.swap.host_pool.num_free_blocks == 6
         cpool = self.sched.kv_cache_manager.compressed_pool
         assert cpool is None or cpool.num_free_blocks == cpool.num_blocks - 1
 
