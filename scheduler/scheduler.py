@@ -33,13 +33,10 @@ from scheduler.policy import get_policy
 from scheduler.predictor import OutputLengthPredictor
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
+from scheduler.step import Step
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
-_NO_ROWS = np.zeros(0, dtype=np.intp)
-_NO_ROWS.flags.writeable = False
-_NO_COUNTS = np.zeros(0, dtype=np.int32)
-_NO_COUNTS.flags.writeable = False
 _REPORTED_FINISHES = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_IGNORED)
 # Finishes whose output length the predictor learns from (an abort says nothing of it).
 _NATURAL_FINISHES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -54,159 +51,27 @@ class UnknownRequestError(KeyError, ValueError):
     """No unfinished request has this id (a ``KeyError`` for lookups, a ``ValueError`` for bad input)."""
 
 
-class _Step:
-    """Mutable state of one ``schedule()`` call, with its rows so far in batch order.
-
-    Running requests that need nothing but tokens and blocks are added in
-    bulk, as arrays (``bulk_*``); every other row is added one by one
-    (``tail_*``). A row whose request is preempted later in the step is
-    dropped.
-    """
-
-    __slots__ = (
-        "budget", "preempted", "preempted_ids", "admitted_ids", "now", "dropped",
-        "headroom",
-        "bulk_requests", "bulk_rows", "bulk_new", "bulk_computed", "tail_requests", "tail_new", "tail_computed",
-    )
-
-    def __init__(self, budget: int, now: float) -> None:
-        self.budget = budget
-        self.preempted: list[Request] = []
-        self.preempted_ids: set[str] = set()
-        self.admitted_ids: set[str] = set()
-        self.now = now
-        self.dropped: set[str] = set()
-        # With reserve_predicted_output: free blocks that the running requests' predicted outputs leave.
-        self.headroom = 0
-        self.bulk_requests: list[Request] = []
-        self.bulk_rows, self.bulk_new, self.bulk_computed = _NO_ROWS, _NO_COUNTS, _NO_COUNTS
-        self.tail_requests: list[Request] = []
-        self.tail_new: list[int] = []
-        self.tail_computed: list[int] = []
-
-    def add(self, req: Request, num_new: int, num_computed: int) -> None:
-        self.tail_requests.append(req)
-        self.tail_new.append(num_new)
-        self.tail_computed.append(num_computed)
-        self.budget -= num_new
-
-    @property
-    def num_rows(self) -> int:
-        """Rows scheduled so far, those taken back by a preemption not counted."""
-        return len(self.bulk_requests) + len(self.tail_requests) - len(self.dropped)
-
-    def drop(self, req: Request) -> None:
-        """Take back ``req``'s row, if it has one, and its tokens."""
-        for requests, new in ((self.bulk_requests, self.bulk_new), (self.tail_requests, self.tail_new)):
-            if req in requests:
-                self.dropped.add(req.request_id)
-                self.budget += int(new[requests.index(req)])
-                return
-
-
 class Scheduler:
-    """Decides, step by step, which tokens of which requests the model computes.
+    """Decides, step by step, which tokens of which requests the model computes (vLLM v1's ``Scheduler``).
 
-    Each ``schedule()`` must be followed by one ``update_from_output()`` with
-    that output before the next ``schedule()`` -- or, with
-    ``config.async_scheduling``, before the one after it: the host schedules
-    step N+1 while the device runs step N. A request's
-    ``num_computed_tokens`` then advances when it is scheduled (as in vLLM
-    v1); a sample still on the device is counted as pending and its row in
-    the next output carries ``prev_row`` so the runner feeds it from the
-    device. A request that turns out to have stopped at step N has its step
-    N+1 sample discarded; one that is certain to stop by length is not
-    scheduled again.
-
-    The running requests' numbers live in a persistent batch
-    (``PersistentBatch``, vLLM v1's ``InputBatch``): numpy rows updated in
-    place, so a step schedules, advances and updates all of them with array
-    operations; Python work per step is per request only for token lists
-    (appending samples), per new block, and per admission or preemption.
-
-    Step rules (vLLM v1 unless noted):
-
-    * Running requests, in policy order, get their remaining tokens (1 for a
-      decode; a prefill chunk capped by ``long_prefill_token_threshold`` and
-      the budget). If a block cannot be had, the policy's victim is
-      preempted; that may be the requester itself.
-    * Then waiting requests, in policy order, are admitted while seats, budget
-      and blocks last, each taking its prefix-cache hit first. Admission stops
-      at the first request that cannot be admitted, or that was preempted in
-      this very step (it would only evict what it just gave up). Under
-      ``priority``/``aging`` a waiting request may first preempt less urgent
-      running ones (never ones admitted this step).
-    * An admitted request's full blocks among its hits and first chunk are
-      registered in the prefix cache as it is admitted (vLLM v1), so those
-      admitted after it in the same step read them as hits: N requests
-      arriving together with one system prompt compute it once. A discarded
-      output's registrations are forgotten (:meth:`discard_output`).
-    * A request whose grammar is still compiling (``WAITING_FOR_FSM``, vLLM's
-      state of that name) is passed over, keeping its place in the queue,
-      and admitted like any other once ``Request.grammar_ready()`` says so.
-    * With chunked prefill off, a prompt that does not fit the remaining
-      budget waits for a later step.
-    * A request whose tokens fill whole blocks, all cached, recomputes only
-      its last token, into a copy of the last block (``blocks_to_copy``;
-      our addition, see ``KVCacheManager``). This holds for re-prefills of
-      recompute-preempted requests too. The copy needs one block more than
-      recomputing the last block's tokens; when that block is not free the
-      request takes one hit fewer instead. So admission never needs more
-      than ``add_request`` checked against the whole cache, and the head of
-      the queue is always admitted once nothing else runs (liveness).
-    * With async scheduling, a running request that alone cannot grow while
-      blocks are pinned as copy sources of the step in flight waits a step.
-    * Speculative decoding (vLLM v1): draft tokens handed in by
-      :meth:`update_draft_token_ids` ride on the request's next decode row,
-      after its last token, and count against the token budget; when the
-      budget or the free blocks are short they are cut before anything
-      else gives way (a row never preempts or waits for its drafts). The
-      row reserves ``num_lookahead_tokens`` slots more when blocks allow.
-      :meth:`update_from_output` takes each row's accepted drafts plus one
-      token, takes the rejected drafts back from ``num_computed_tokens``
-      (their KV slots are overwritten later), and registers blocks in the
-      prefix cache only once they hold accepted tokens.
-    * ``recompute`` preemption frees the victim's blocks (their hashes stay,
-      so its re-prefill can hit the cache) and resets its progress; ``swap``
-      copies its computed blocks to the host pool and back on resume,
-      reporting the copies in the output (falling back to recompute when the
-      host pool is short).
-    * With a compressed pool (``num_compressed_blocks``, ``scheduler.kv.compressed_pool``; our addition), a
-      preemption -- for a running request's blocks, or for an urgent arrival under a policy that preempts for
-      waiting requests -- is first replaced by compressing enough full blocks of running requests that may be
-      compressed (not ``SamplingParams.allow_kv_compression=False``, not ``priority < 0``), in victim order,
-      oldest blocks first; only when they cannot cover the shortage does the preemption happen.
-    * A request that can never fit -- prompt over ``max_model_len``, or
-      prompt + ``max_tokens`` (capped at ``max_model_len``) needing more than
-      the whole cache -- is finished as ``FINISHED_IGNORED`` at
-      ``add_request``. A request without ``max_tokens`` that alone fills
-      the whole cache is finished as ``FINISHED_LENGTH_CAPPED`` rather than
-      preempting itself forever (our addition).
-    * With ``graceful_degradation`` (``scheduler.degradation``), admissions
-      and the step's token budget follow the effective limits
-      (:attr:`max_num_seqs`, :attr:`max_num_batched_tokens`), which each
-      ``update_from_output`` adjusts to the KV pressure it sees; running
-      requests are never preempted to meet a lowered seat limit.
-    * With ``reserve_predicted_output``, a waiting request is admitted beside
-      running ones only while the free blocks, less those the running
-      requests still lack for their predicted outputs, hold its prompt and
-      its own predicted output (our addition); alone, it always is.
+    Each ``schedule()`` must be followed by one ``update_from_output()`` with that output before the next
+    ``schedule()`` -- or, with ``config.async_scheduling``, before the one after it: the host schedules step N+1
+    while the device runs step N, and a row whose input is a sample still on the device carries ``prev_row``.
+    Running requests are served first, then waiting ones in policy order, within the token budget and the seats;
+    a request short of blocks has the tiers make room (``scheduler.kv.tier``), else preempts the policy's victim
+    (which a tier may keep). A request that can never fit is finished as ``FINISHED_IGNORED`` at ``add_request``.
+    The step's rules, one by one, and why: ``docs/design/scheduler.md``.
 
     Args:
       config: a validated ``SchedulerConfig``.
-      clock: seconds, monotonic; what ``arrival_time`` and queue times are
-        measured on. Tests pass a fake clock.
+      clock: seconds, monotonic; what ``arrival_time`` and queue times are measured on. Tests pass a fake clock.
 
     Attributes (for tests and the engine's metrics):
-      config, policy, block_pool (``BlockPool``), kv_cache_manager
-      (``KVCacheManager``), batch (``PersistentBatch``: the running
-      requests' numbers as numpy rows), requests (id -> unfinished
-      ``Request``), running and waiting (``Request`` lists), degradation
-      (``DegradationController``, None when off), pinned_blocks (blocks held
-      by :meth:`pin_prefix`), predictor (``OutputLengthPredictor``: sets each
-      arrival's ``predicted_output_tokens``, learns from each stop or length
-      cap), copy_budget (host-tier copies, offloads and loads, a step queues
-      at most beyond its first loading request's:
+      config, policy, block_pool (``BlockPool``), kv_cache_manager (``KVCacheManager``), tiers (the ``KVTier``s
+      it asks), batch (``PersistentBatch``: the running requests' numbers as numpy rows), requests (id ->
+      unfinished ``Request``), running and waiting (``Request`` lists), degradation (``DegradationController``,
+      None when off), pinned_blocks (blocks held by :meth:`pin_prefix`), predictor (``OutputLengthPredictor``),
+      copy_budget (host-tier copies a step queues at most beyond its first loading request's:
       ``max_num_batched_tokens // block_size``, at least 1).
     """
 
@@ -275,15 +140,11 @@ class Scheduler:
     # ----------------------------------------------------------------- intake
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request, or finish it at once as ``FINISHED_IGNORED`` if it can never fit.
-
-        An ignored request has ``ignored_reason`` set and is reported in the
-        next ``SchedulerOutput.finished`` and ``update_from_output`` result.
+        """Queue a new request, or finish it at once as ``FINISHED_IGNORED`` (``ignored_reason`` set, reported by
+        the next ``schedule`` and ``update_from_output``) if it can never fit.
 
         Raises:
-          ValueError: the id belongs to an unfinished request, or the request
-            was already scheduled somewhere (status not WAITING, or progress
-            recorded).
+          ValueError: the id belongs to an unfinished request, or the request is not fresh.
         """
         rid = request.request_id
         if rid in self.requests:
@@ -315,24 +176,18 @@ class Scheduler:
         request.length_limit = limit
 
     def fork_request(self, parent_id: str, children: Sequence[Request]) -> list[tuple[int, int]]:
-        """Replace running ``parent_id`` by ``children`` that share its computed KV blocks.
+        """Replace running ``parent_id`` by ``children`` (``n > 1`` sampling) that share its computed KV blocks.
 
-        For ``n > 1`` sampling: the parent prefilled the common prompt; each
-        child continues from there (its tokens start with the parent's
-        computed tokens) with its own sampling. Call it between
-        ``update_from_output`` and the next ``schedule``. Children run at once
-        while seats (``max_num_seqs``) and blocks for their copied last block
-        last; the rest are queued as new requests (a prefix-cache hit may
-        still spare their prompt). The parent is finished as
+        Call it between ``update_from_output`` and the next ``schedule``. Children run at once while seats and
+        blocks for their copied last block last; the rest are queued as new requests. The parent is finished as
         ``FINISHED_STOPPED`` and not reported.
 
         Returns:
-          ``(src_block, dst_block)`` copies the runner must do before the
-          next step (each forked child's copy of a partly written last block).
+          ``(src_block, dst_block)`` copies the runner must do before the next step.
 
         Raises:
-          ValueError: the parent is not running, a child is not fresh, or a
-            child's tokens do not extend the parent's computed tokens.
+          ValueError: the parent is not running, a child is not fresh, or a child's tokens do not extend the
+            parent's computed tokens.
         """
         parent = self.get_request(parent_id)
         computed = parent.num_computed_tokens
@@ -402,7 +257,7 @@ class Scheduler:
         if self.policy.observes_load and self.policy.observe_load(len(self.waiting), len(self.running), now):
             self.policy.sort(self.running, now)
             self._waiting_dirty = True
-        step = _Step(self.max_num_batched_tokens, now)
+        step = Step(self.max_num_batched_tokens, now)
         self.kv_cache_manager.start_step()
         self._schedule_running(step)
         self._schedule_waiting(step)
@@ -413,7 +268,7 @@ class Scheduler:
         self.kv_cache_manager.end_step()
         return out
 
-    def _emit_rows(self, step: _Step) -> SchedulerOutput:
+    def _emit_rows(self, step: Step) -> SchedulerOutput:
         """The step's output, its rows advanced in the persistent batch.
 
         Each row's tokens count as computed and its sample, if used, as
@@ -464,7 +319,7 @@ class Scheduler:
             req.num_computed_tokens = num
         return out
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: Step) -> None:
         """Give running requests, in policy order, their remaining tokens within the budget.
 
         The leading requests whose tokens and new blocks fit (usually all)
@@ -539,7 +394,7 @@ class Scheduler:
             if req.status is _RUNNING:
                 self._schedule_running_one(req, step)
 
-    def _schedule_running_one(self, req: Request, step: _Step) -> None:
+    def _schedule_running_one(self, req: Request, step: Step) -> None:
         computed = req.num_computed_tokens
         pending = int(self.batch.data[req.batch_row, PENDING])
         num_tokens = req.num_tokens + pending
@@ -560,7 +415,7 @@ class Scheduler:
             return
         step.add(req, n, computed)
 
-    def _preempt_until_allocated(self, req: Request, n: int, step: _Step) -> bool:
+    def _preempt_until_allocated(self, req: Request, n: int, step: Step) -> bool:
         kv = self.kv_cache_manager
         while True:
             if self._make_room_for(req, n, step) and kv.allocate_slots(req, n):
@@ -585,14 +440,14 @@ class Scheduler:
             if self.kv_cache_manager.allocate_slots(req, n):
                 return True
 
-    def _make_room_for(self, req: Request, n: int, step: _Step) -> bool:
+    def _make_room_for(self, req: Request, n: int, step: Step) -> bool:
         """Have the tiers make room so that running ``req`` can take ``n`` more tokens, instead of a preemption."""
         if not self._room_tiers:
             return False
         return self._make_room(self.kv_cache_manager.num_blocks_to_allocate(req, n) - self.block_pool.num_free_blocks,
                                step)
 
-    def _make_room(self, need: int, step: _Step) -> bool:
+    def _make_room(self, need: int, step: Step) -> bool:
         """Ask the tiers to free ``need`` device blocks (``KVTier.make_room``), victims in the policy's order."""
         if need < 1:
             return False
@@ -603,7 +458,7 @@ class Scheduler:
         """The tier holding ``req``'s KV whole (``KVTier.holds_request``), or None."""
         return next((t for t in self.tiers if t.holds_request(req)), None)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: Step) -> None:
         if not self.waiting:
             return
         if self._waiting_dirty or self.policy.keys_change_over_time:
@@ -630,7 +485,7 @@ class Scheduler:
             self._waiting_dirty = True
         self.waiting = unready + queue[i:] + self.waiting
 
-    def _admit(self, req: Request, step: _Step) -> bool:
+    def _admit(self, req: Request, step: Step) -> bool:
         while True:
             if len(self.running) < self.max_num_seqs and step.budget > 0:
                 admitted = self._try_admit(req, step)
@@ -646,7 +501,7 @@ class Scheduler:
                 return True
             self._preempt(victim, step)
 
-    def _make_room_to_admit(self, req: Request, step: _Step) -> bool:
+    def _make_room_to_admit(self, req: Request, step: Step) -> bool:
         """Have the tiers make room so that waiting ``req`` can be admitted, instead of preempting for it; False,
         changing nothing, when blocks are not what it lacks (seats, budget, the predicted-output headroom) or the
         tiers cannot free enough."""
@@ -660,7 +515,7 @@ class Scheduler:
         need = kv.num_blocks_to_allocate(req, n, hits, ahead) if n else 0
         return bool(n) and self._make_room(need - self.block_pool.num_free_blocks, step)
 
-    def _try_admit(self, req: Request, step: _Step) -> Optional[bool]:
+    def _try_admit(self, req: Request, step: Step) -> Optional[bool]:
         """Admit ``req`` into this step if it fits; None when a tier has it wait a step (``KVTier.match``)."""
         kv = self.kv_cache_manager
         rid = req.request_id
@@ -704,14 +559,10 @@ class Scheduler:
 
     def _allocate_admission(self, req: Request, budget: int, may_wait: bool) -> int:
         """Take ``req``'s prefix hits and blocks for its first chunk; returns the chunk's tokens, 0 if it must wait
-        for blocks or tokens, -1 if a tier has it wait a step (``KVTier.match``; ``may_wait`` False when the step has
-        no row yet, so a wait would stall it).
+        for blocks or tokens, -1 if a tier has it wait a step (``may_wait``: the step has rows already).
 
-        A request whose hits cover all its tokens copies the last hit on
-        write, which needs one block more than recomputing that block's
-        tokens would. When that block is not free it takes one hit fewer, so
-        the capacity a request needs never exceeds what ``_never_fits``
-        checks at ``add_request``: alone, every admission succeeds.
+        Hits covering every token copy the last one on write, which takes one block more; short of it, the
+        request takes one hit fewer, so alone it is always admitted (what ``_never_fits`` checks).
         """
         kv = self.kv_cache_manager
         hits, num_hit = kv.get_computed_blocks(req)
@@ -770,7 +621,7 @@ class Scheduler:
         else:
             bisect.insort(running, req, key=lambda r: policy.key(r, now))
 
-    def _waiting_victim(self, req: Request, step: _Step) -> Optional[Request]:
+    def _waiting_victim(self, req: Request, step: Step) -> Optional[Request]:
         if not self.policy.preempts_for_waiting:
             return None
         candidates = [r for r in self.running if r.request_id not in step.admitted_ids]
@@ -788,7 +639,7 @@ class Scheduler:
             return budget if cfg.enable_chunked_prefill else 0
         return remaining
 
-    def _preempt(self, victim: Request, step: _Step) -> None:
+    def _preempt(self, victim: Request, step: Step) -> None:
         self.running.remove(victim)
         step.drop(victim)
         victim.spec_token_ids = []
@@ -812,39 +663,25 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Union[Sequence[int], np.ndarray],
                            num_sampled: Optional[np.ndarray] = None) -> list[Request]:
-        """Apply one model step: advance progress, append samples, stop, free, cache.
+        """Apply one model step: append each row's samples, stop, free, register full blocks in the prefix cache.
 
         Args:
-          output: the output of the last ``schedule()``.
-          sampled_token_ids: ``[num_seqs]`` ints (list or integer array, any
-            extra padding entries beyond ``output.num_seqs`` ignored); entry i
-            belongs to row i (``output.requests[i]``). Samples of partial
-            prefill rows are discarded. With speculative decoding an int
-            array ``[num_seqs, >= 1]``: row i's tokens in order, its accepted
+          output: the oldest ``schedule()`` output not yet updated.
+          sampled_token_ids: ``[num_seqs]`` ints (extra entries ignored), entry i row i's sample (partial prefill
+            rows' are discarded); with speculative decoding an int array ``[num_seqs, >= 1]``: row i's accepted
             drafts then one sampled token.
-          num_sampled: int ``[num_seqs]`` with a 2-D ``sampled_token_ids``:
-            how many of row i's tokens are valid (1 + accepted drafts, at
-            most ``1 + output.num_spec_tokens[i]``).
+          num_sampled: int ``[num_seqs]`` with a 2-D ``sampled_token_ids``: how many of row i's tokens are valid.
 
-        Stop rules, checked after appending the token: once ``min_tokens``
-        outputs exist, eos (unless ``ignore_eos``; ``stop_reason`` None) or a
-        ``stop_token_ids`` member (``stop_reason`` = that id) ->
-        ``FINISHED_STOPPED``; else ``max_tokens`` outputs or ``max_model_len``
-        tokens -> ``FINISHED_LENGTH_CAPPED``. Stop strings are the engine's
-        (``finish_requests``). Finished requests' blocks are freed after
-        their full blocks are registered in the prefix cache.
-
-        A row's tokens are appended one by one, each checked against these
-        rules: tokens after the one that stops a request are dropped.
+        A request stops at the first appended token that, once ``min_tokens`` outputs exist, is eos (unless
+        ``ignore_eos``) or in ``stop_token_ids`` (``FINISHED_STOPPED``, ``stop_reason`` that id), or that makes
+        ``max_tokens`` outputs or ``max_model_len`` tokens (``FINISHED_LENGTH_CAPPED``); tokens after it are dropped.
 
         Returns:
-          every request that received a token this step or finished, plus
-          those ignored or aborted since the last call, each once.
+          every request that received a token or finished, plus those ignored or aborted since the last call, once.
 
         Raises:
-          ValueError: ``output`` is not the pending output, fewer sampled
-            ids than rows, or a 2-D ``sampled_token_ids`` without
-            ``num_sampled`` (nothing is changed).
+          ValueError: ``output`` is not the pending output, fewer sampled ids than rows, or a 2-D
+            ``sampled_token_ids`` without ``num_sampled`` (nothing is changed).
         """
         if not self._pending or output is not self._pending[0][0]:
             raise ValueError("update_from_output: output is not the pending output (the oldest schedule() result not yet updated)")
@@ -973,13 +810,10 @@ class Scheduler:
         return result
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, Sequence[int]]) -> None:
-        """Hand running requests the draft tokens their next decode row verifies (vLLM v1's method of the name).
+        """Hand running requests the drafts their next decode row verifies (vLLM v1's method of the name).
 
-        Each request's drafts replace any it had. They are cut so that the
-        row's tokens never pass its length limit (``max_tokens`` or
-        ``max_model_len``), and dropped for a request that is not running,
-        is unknown, or is not at a decode (a prefill to finish, a sample
-        pending).
+        Each request's drafts replace its old ones, cut to its length limit; dropped for a request not running,
+        unknown, or not at a decode.
 
         Args:
           draft_token_ids: request id -> token ids (ints >= 0).
@@ -1008,13 +842,8 @@ class Scheduler:
             self.release_pinned_prefixes()
 
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
-        """Hold a reference on the cached full blocks that prefix ``token_ids``, so LRU eviction leaves them alone.
-
-        For the prefix-cache warm-up (``preload_prompts``): the engine computes
-        a common prompt, then pins its blocks. Pinned blocks count as used.
-        Under KV pressure graceful degradation releases them
-        (:meth:`release_pinned_prefixes`), and without it nothing is pinned:
-        they stay ordinary cache entries, revivable until evicted.
+        """Hold a reference on the cached full blocks that prefix ``token_ids`` (the prefix-cache warm-up), so LRU
+        eviction leaves them alone until graceful degradation's first back-off releases them.
 
         Returns:
           the blocks newly pinned (0 when degradation is off, or the prefix is not cached).
@@ -1045,20 +874,18 @@ class Scheduler:
         return events
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> list[Request]:
-        """Make sure no KV computed so far is ever read again by another request (vLLM's ``reset_prefix_cache``):
-        release the pinned prefixes and forget every block hash.
+        """Forget every block hash and release the pinned prefixes, so no KV computed so far is read again by
+        another request (vLLM's ``reset_prefix_cache``).
 
         Args:
-          reset_running_requests: also drop the KV of every unfinished request, so that none reads its own old KV:
-            running ones are preempted for recompute (their blocks freed, their tokens so far kept and computed
-            again when they are next scheduled), and swapped-out ones lose their host copies likewise. What the
-            engine does after a weight update.
+          reset_running_requests: also start every unfinished request over (recompute preemption; a tier's copies
+            of its KV dropped), as after a weight update.
 
         Returns:
-          the requests preempted here (the caller gives back what it holds for them, such as sampling slots).
+          the requests preempted here (the caller gives back what it holds for them).
 
         Raises:
-          RuntimeError: a ``schedule()`` output is still waiting for its ``update_from_output()`` (a step in flight).
+          RuntimeError: a step is in flight.
         """
         if self._pending:
             raise RuntimeError("reset_prefix_cache: a scheduled step has not been applied yet (update_from_output)")
@@ -1079,20 +906,18 @@ class Scheduler:
     # ------------------------------------------------ compaction and resizing (between steps)
 
     def compact_kv_cache(self, num_blocks: Optional[int] = None) -> list[tuple[int, int]]:
-        """Move every referenced and every cached free block to the lowest ids (``BlockPool.compact``) and rewrite
-        the block tables to match; ref counts, prefix-cache hashes, pins and the free queue's order are kept, so
-        running requests go on as if nothing happened once the device has copied the moves.
+        """Move every referenced and cached free block to the lowest ids (``BlockPool.compact``) and rewrite the
+        block tables to match; ref counts, hashes, pins and the free queue's order are kept.
 
         Args:
-          num_blocks: a smaller pool to make room for: the cached free blocks that would not fit below it are
-            evicted first (oldest first). None: keep them all.
+          num_blocks: a smaller pool to make room for (the cached free blocks above it are evicted, oldest first).
 
         Returns:
           ``(src, dst)`` block copies for the device, none of whose destinations is a source.
 
         Raises:
-          RuntimeError: a ``schedule()`` output is still waiting for its ``update_from_output()``.
-          ValueError: ``num_blocks`` is one :meth:`check_resize` refuses (nothing changes).
+          RuntimeError: a step is in flight.
+          ValueError: ``num_blocks`` is one :meth:`check_resize` refuses, or a tier refuses moving ids.
         """
         self._check_between_steps("compact_kv_cache")
         self._check_ids_may_move("compact_kv_cache()")
@@ -1125,10 +950,8 @@ class Scheduler:
                              f"blocks, more than the {num_blocks - 1} usable of num_blocks={num_blocks}")
 
     def resize_kv_cache(self, num_blocks: int) -> list[tuple[int, int]]:
-        """Grow or shrink the pool to ``num_blocks`` (the null block included) without touching a request: a
-        shrink compacts first (:meth:`compact_kv_cache` with ``num_blocks``), evicting the cached free blocks that
-        do not fit. The limits follow (``config.num_blocks``, what ``add_request`` checks; graceful degradation's
-        low-water mark).
+        """Grow or shrink the pool to ``num_blocks`` (the null block included) without touching a request (a shrink
+        compacts first); ``config.num_blocks`` and degradation's limits follow.
 
         Returns:
           the device copies of the compaction (none when growing or already compact).
@@ -1179,18 +1002,11 @@ class Scheduler:
         return None
 
     def discard_output(self, output: SchedulerOutput) -> None:
-        """Forget the newest ``schedule()`` output, whose step never ran (the
-        runner failed before launching it).
+        """Forget the newest ``schedule()`` output, whose step never ran (its launch failed).
 
-        Its rows' requests lose their blocks and progress and wait again, as
-        after a recompute preemption, so the scheduler stays consistent and
-        the next ``schedule()`` works. Its host-tier copies may not have run,
-        so the blocks they were to fill are forgotten by both tiers; nor may
-        its compressions, so the requests holding their blocks start over too.
-        The blocks its admissions registered in the prefix cache are forgotten.
-        Under async scheduling, the rows these requests, and those it
-        preempted, have in the step before it (still to be applied) are
-        skipped when it is applied.
+        Its rows' requests, and those holding KV its copies were to write (``KVTier.forget``), start over as after a
+        recompute preemption; the blocks its admissions registered in the prefix cache are forgotten. Under async
+        scheduling the step before it skips their rows when applied.
 
         Raises:
           ValueError: ``output`` is not the newest pending output.
@@ -1232,12 +1048,8 @@ class Scheduler:
     # ---------------------------------------------------------- engine hooks
 
     def finish_requests(self, request_ids: Union[str, Iterable[str]], status: RequestStatus) -> None:
-        """Finish requests from outside (stop strings, aborts), freeing all their blocks at once.
-
-        Unknown or already finished ids are skipped. Aborted (and ignored)
-        requests are reported in the next ``SchedulerOutput.finished`` and
-        ``update_from_output`` result; other statuses are not, as the caller
-        already knows.
+        """Finish requests from outside (stop strings, aborts), freeing their blocks; unknown ids are skipped.
+        Aborted and ignored ones are reported in the next output's ``finished`` and ``update_from_output`` result.
 
         Raises:
           ValueError: ``status`` is not a ``FINISHED_*`` status.
