@@ -86,7 +86,7 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
     for rid, ids in kv.req_to_block_ids.items():
         for block_id in ids:
             holders.setdefault(block_id, []).append(rid)
-    for name, blocks in (("<pinned>", scheduler.pinned_blocks), ("<copy source>", kv.copy_sources)):
+    for name, blocks in (("<pinned>", kv.pinned_blocks), ("<copy source>", kv.copy_sources)):
         for block in blocks:
             holders.setdefault(block.block_id, []).append(name)
     counts, entries, highest = _block_states(pool, holders if block_map else None)
@@ -104,7 +104,7 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
         "num_used_blocks": counts[USED] + counts[NULL],
         "num_cached_free_blocks": counts[CACHED_FREE],
         "num_free_blocks": counts[FREE],
-        "num_pinned_blocks": len(scheduler.pinned_blocks),
+        "num_pinned_blocks": len(kv.pinned_blocks),
         "num_shared_blocks": sum(1 for b in pool.blocks if b.ref_cnt > 1),
         "allocated_slots": allocated,
         "empty_allocated_slots": empty,

@@ -1,11 +1,6 @@
-"""The continuous-batching step: token budget, chunked prefill, prefix hits, preemption.
-
-Follows vLLM v1's ``Scheduler``: no prefill/decode phases. Every step hands
-out at most ``max_num_batched_tokens`` tokens to at most ``max_num_seqs``
-requests so that each request's ``num_computed_tokens`` catches up with its
-``num_tokens``; running requests are served first, then waiting ones in
-policy order.
-"""
+"""The continuous-batching step (vLLM v1's ``Scheduler``, with no prefill/decode phases): each step hands out at most
+``max_num_batched_tokens`` tokens to at most ``max_num_seqs`` requests, running ones first, then waiting ones in
+policy order, so that each request's ``num_computed_tokens`` catches up with its ``num_tokens``."""
 
 from __future__ import annotations
 
@@ -26,13 +21,11 @@ from scheduler.kv.tier import Admission, KVTier
 from scheduler.kv_events import KVEvent
 from scheduler.output import SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import (
-    COMPUTED, EOS, HAS_STOP_IDS, LAST_SAMPLE_ROW, LAST_TOKEN, LENGTH_LIMIT, PENDING, PREFILL_ONLY, PROMPT, SPEC,
-    TOKENS, PersistentBatch,
+    COMPUTED, EOS, HAS_STOP_IDS, LAST_TOKEN, LENGTH_LIMIT, PENDING, PREFILL_ONLY, SPEC, TOKENS, PersistentBatch,
 )
 from scheduler.policy import get_policy
 from scheduler.predictor import OutputLengthPredictor
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
 from scheduler.step import Step
 
 _RUNNING = RequestStatus.RUNNING
@@ -70,7 +63,7 @@ class Scheduler:
       config, policy, block_pool (``BlockPool``), kv_cache_manager (``KVCacheManager``), tiers (the ``KVTier``s
       it asks), batch (``PersistentBatch``: the running requests' numbers as numpy rows), requests (id ->
       unfinished ``Request``), running and waiting (``Request`` lists), degradation (``DegradationController``,
-      None when off), pinned_blocks (blocks held by :meth:`pin_prefix`), predictor (``OutputLengthPredictor``),
+      None when off), predictor (``OutputLengthPredictor``),
       copy_budget (host-tier copies a step queues at most beyond its first loading request's:
       ``max_num_batched_tokens // block_size``, at least 1).
     """
@@ -83,10 +76,7 @@ class Scheduler:
         self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.enable_kv_cache_events,
                                     num_offload_blocks=config.num_offload_blocks, offload_base=config.num_host_blocks,
                                     block_size=config.block_size)
-        self.kv_cache_manager = KVCacheManager(
-            self.block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks,
-            config.num_compressed_blocks,
-        )
+        self.kv_cache_manager = KVCacheManager.for_config(self.block_pool, config)
         self.batch = PersistentBatch(config.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -97,15 +87,15 @@ class Scheduler:
         self.tiers: list[KVTier] = [t for t in self.kv_cache_manager.tiers
                                     if t is not self.kv_cache_manager.swap or config.preemption_mode == "swap"]
         self._room_tiers = [t for t in self.tiers if t.makes_room]
-        # Static-key policies only need a re-sort of the waiting list after
-        # it changes; the running list stays sorted by insertion in order.
+        # Static-key policies only need a re-sort of the waiting list after it changes; the running list stays sorted by
+        # insertion in order.
         self._waiting_dirty = False
-        # Outputs not yet updated, each with _num_stopped when it was made, the blocks its admissions registered
-        # in the prefix cache (forgotten if it is discarded), and the ids of its requests that started over since
+        # Outputs not yet updated, each with _num_stopped when it was made, the blocks its admissions registered in the
+        # prefix cache (forgotten if it is discarded), and the ids of its requests that started over since
         # (discard_output), whose rows it must skip even once they run again.
         self._pending: collections.deque[tuple[SchedulerOutput, int, list[KVBlock], set[str]]] = collections.deque()
-        # Times a request stopped running (finished or preempted): while it
-        # has not changed, every row of a pending output is still running.
+        # Times a request stopped running (finished or preempted): while it has not changed, every row of a pending
+        # output is still running.
         self._num_stopped = 0
         self._max_pending = 2 if config.async_scheduling else 1
         self._finished_for_schedule: list[Request] = []
@@ -114,8 +104,8 @@ class Scheduler:
         self.prefix_cache_hits = 0
         # Of those hits, tokens loaded from the host tier.
         self.prefix_cache_hits_host = 0
-        # Host-tier copies (offloads and loads together) one step queues at most beyond the first loading request's:
-        # as many blocks as the step could compute, so a storm of host hits cannot stretch a step's copies.
+        # Host-tier copies (offloads and loads together) one step queues at most beyond the first loading request's: as
+        # many blocks as the step could compute, so a storm of host hits cannot stretch a step's copies.
         self.copy_budget = max(config.max_num_batched_tokens // config.block_size, 1)
         self.num_preemptions = 0
         settings = config.degradation
@@ -124,7 +114,6 @@ class Scheduler:
             lower_token_budget=config.enable_chunked_prefill,
         )
         self._preemptions_seen = 0
-        self.pinned_blocks: list[KVBlock] = []
 
     @property
     def max_num_seqs(self) -> int:
@@ -201,8 +190,8 @@ class Scheduler:
         del self.requests[parent_id]
         parent.status = RequestStatus.FINISHED_STOPPED
         self._num_stopped += 1
-        # The parent's own seat at least: while degradation holds the batch under its size, the first child
-        # takes over that seat rather than recomputing the prompt later.
+        # The parent's own seat at least: while degradation holds the batch under its size, the first child takes over
+        # that seat rather than recomputing the prompt later.
         seats = max(self.max_num_seqs - len(self.running), 1)
         num_forked, copies = self.kv_cache_manager.fork(parent, children[:seats])
         for child in children[:num_forked]:
@@ -219,17 +208,13 @@ class Scheduler:
         return copies
 
     def _never_fits(self, request: Request) -> Optional[str]:
-        cfg = self.config
-        prompt = request.num_prompt_tokens
+        cfg, prompt = self.config, request.num_prompt_tokens
         if prompt > cfg.max_model_len:
             return f"prompt has {prompt} tokens, more than max_model_len={cfg.max_model_len}"
-        need = self._kv_blocks_needed(request)
-        have = cfg.num_blocks - 1
+        need, have = self._kv_blocks_needed(request), cfg.num_blocks - 1
         if need > have:
-            return (
-                f"prompt ({prompt} tokens) + max_tokens ({request.max_tokens}) needs {need} KV blocks of "
-                f"{cfg.block_size} tokens; the whole cache has {have}"
-            )
+            return (f"prompt ({prompt} tokens) + max_tokens ({request.max_tokens}) needs {need} KV blocks of "
+                    f"{cfg.block_size} tokens; the whole cache has {have}")
         return None
 
     def _kv_blocks_needed(self, request: Request) -> int:
@@ -248,8 +233,7 @@ class Scheduler:
         """Choose this step's rows; returns them with the block copies to do first.
 
         Raises:
-          RuntimeError: the previous output (with async scheduling, the one
-            before it) has not been passed to ``update_from_output`` yet.
+          RuntimeError: the previous output (with async scheduling, the one before it) is not updated yet.
         """
         if len(self._pending) >= self._max_pending:
             raise RuntimeError("schedule() called again before update_from_output() of the previous output")
@@ -261,72 +245,17 @@ class Scheduler:
         self.kv_cache_manager.start_step()
         self._schedule_running(step)
         self._schedule_waiting(step)
-        out = self._emit_rows(step)
+        out = step.emit(self.batch, self.kv_cache_manager.block_table, self.config.block_size)
         out.finished, self._finished_for_schedule = self._finished_for_schedule, []
         out.block_copies = self.kv_cache_manager.take_block_copies()
         self._pending.append((out, self._num_stopped, self.kv_cache_manager.scheduled_blocks, set()))
         self.kv_cache_manager.end_step()
         return out
 
-    def _emit_rows(self, step: Step) -> SchedulerOutput:
-        """The step's output, its rows advanced in the persistent batch.
-
-        Each row's tokens count as computed and its sample, if used, as
-        pending; its ``prev_row`` points at its request's pending sample in
-        the previous output when its input is that sample.
-        """
-        data, table = self.batch.data, self.kv_cache_manager.block_table
-        requests, rows, new, computed = step.bulk_requests, step.bulk_rows, step.bulk_new, step.bulk_computed
-        if step.tail_requests:
-            requests = requests + step.tail_requests
-            rows = np.concatenate([rows, np.array([r.batch_row for r in step.tail_requests], np.intp)])
-            new = np.concatenate([new, np.array(step.tail_new, np.int32)])
-            computed = np.concatenate([computed, np.array(step.tail_computed, np.int32)])
-        if step.dropped:
-            keep = np.array([r.request_id not in step.dropped for r in requests], dtype=bool)
-            requests = [r for r, k in zip(requests, keep.tolist()) if k]
-            rows, new, computed = rows[keep], new[keep], computed[keep]
-        # take() gathers whole rows several times faster than fancy indexing.
-        state = data.take(rows, axis=0)
-        known, pending = state[:, TOKENS], state[:, PENDING]
-        advanced = computed + new
-        samples = advanced >= known + pending
-        sampled = samples.nonzero()[0]
-        # Tokens past the known ones (and pending samples) are drafts.
-        num_spec = np.maximum(advanced - known - pending, 0)
-        num_blocks = table.lengths[rows]
-        out = SchedulerOutput(
-            requests=requests,
-            num_new_tokens=new,
-            num_computed_tokens=computed,
-            samples=samples,
-            sample_index=(known - state[:, PROMPT] + pending) * samples,
-            prev_row=np.where(computed >= known, state[:, LAST_SAMPLE_ROW], -1) if pending.any() else pending - 1,
-            num_spec_tokens=num_spec,
-            batch_rows=rows,
-            last_token_ids=state[:, LAST_TOKEN].copy(),
-            num_blocks=num_blocks,
-            block_tables=table.table[rows, : num_blocks.max(initial=0)],
-            total_num_scheduled_tokens=int(new.sum()),
-            preempted=step.preempted,
-            block_size=self.config.block_size,
-        )
-        state[:, COMPUTED] = advanced
-        state[sampled, PENDING] += 1
-        state[sampled, LAST_SAMPLE_ROW] = sampled
-        data[rows] = state
-        for req, num in zip(requests, advanced.tolist()):
-            req.num_computed_tokens = num
-        return out
-
     def _schedule_running(self, step: Step) -> None:
-        """Give running requests, in policy order, their remaining tokens within the budget.
-
-        The leading requests whose tokens and new blocks fit (usually all)
-        are scheduled together from the persistent batch's arrays; from the
-        first that would need a preemption (or, without chunked prefill, when
-        the budget is short) :meth:`_schedule_running_one` takes them one by one.
-        """
+        """Give running requests, in policy order, their remaining tokens within the budget: the leading ones whose
+        tokens and new blocks fit (usually all) together, as arrays; from the first that would need a preemption
+        (or, without chunked prefill, a short budget) on, one by one (:meth:`_schedule_running_one`)."""
         if self.policy.keys_change_over_time:
             self.policy.sort(self.running, step.now)
         running = list(self.running)
@@ -341,10 +270,9 @@ class Scheduler:
         # Drafts (only on decode rows with nothing pending) ride after the last token.
         new = total + state[:, SPEC] - computed
         if pending.any():
-            # Only with async scheduling: its pending sample ends it, or it is
-            # a prefill parent waiting to be forked. (A prompt of exactly
-            # max_model_len tokens reaches the limit with no sample pending;
-            # it must still finish its prefill.)
+            # Only with async scheduling: its pending sample ends it, or it is a prefill parent waiting to be forked. (A
+            # prompt of exactly max_model_len tokens reaches the limit with no sample pending; it must still finish its
+            # prefill.)
             new[(pending > 0) & ((total >= state[:, LENGTH_LIMIT]) | (state[:, PREFILL_ONLY] > 0))] = 0
         threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
         if threshold:
@@ -363,8 +291,8 @@ class Scheduler:
         held = kv.block_table.lengths[rows]
         need = np.maximum((computed + new + (bs - 1)) // bs - held, 0)
         if cfg.num_lookahead_tokens or cfg.async_scheduling:
-            # Lookahead slots, up to the last position a row may ever write, while blocks last; under async
-            # scheduling a chunk that ends a prompt also reaches its first decode slot (see _allocate_admission).
+            # Lookahead slots, up to the last position a row may ever write, while blocks last; under async scheduling a
+            # chunk that ends a prompt also reaches its first decode slot (see _allocate_admission).
             ends = computed + new
             look = cfg.num_lookahead_tokens
             if cfg.async_scheduling:
@@ -423,12 +351,11 @@ class Scheduler:
             candidates = list(self.running)
             if len(candidates) == 1:
                 if self.kv_cache_manager.copy_sources:
-                    # With async scheduling, sources of the previous step's
-                    # copies stay pinned until its update: wait for them.
+                    # With async scheduling, sources of the previous step's copies stay pinned until its update: wait
+                    # for them.
                     return False
-                # It holds every used block and still cannot grow: only a
-                # request without max_tokens gets here (admission rules out
-                # the rest), and preempting itself would loop forever.
+                # It holds every used block and still cannot grow: only a request without max_tokens gets here
+                # (admission rules out the rest), and preempting itself would loop forever.
                 self.running.remove(req)
                 self._release(req, RequestStatus.FINISHED_LENGTH_CAPPED)
                 self._finished_for_update.append(req)
@@ -577,14 +504,14 @@ class Scheduler:
                 num_host += num
             if num_host:
                 num_hit = len(hits) * self.config.block_size
-        # Under async scheduling, a request admitted beside running ones whose chunk ends its prompt also takes
-        # the slot of its first decode token. Without it the next step, scheduled before this one's sample is
-        # known, may preempt it for that block, which discards the sample, and readmit it to recompute the same
-        # tokens, step after step (sync scheduling avoids this: there the victim keeps its sampled token).
+        # Under async scheduling, a request admitted beside running ones whose chunk ends its prompt also takes the slot
+        # of its first decode token. Without it the next step, scheduled before this one's sample is known, may preempt
+        # it for that block, which discards the sample, and readmit it to recompute the same tokens, step after step
+        # (sync scheduling avoids this: there the victim keeps its sampled token).
         ahead = int(self.config.async_scheduling and bool(self.running) and not req.prefill_only
                     and req.num_tokens + 1 < req.length_limit)
-        # The same loop with a prompt prefilled in chunks: a preempted request comes back only when its whole
-        # remaining prompt and that slot fit, so its last chunk cannot find the pool short again.
+        # The same loop with a prompt prefilled in chunks: a preempted request comes back only when its whole remaining
+        # prompt and that slot fit, so its last chunk cannot find the pool short again.
         if ahead and req.num_preemptions and (kv.num_blocks_to_allocate(req, req.num_tokens - num_hit, hits, 1)
                                               > len(kv.block_pool.free_queue)):
             return 0
@@ -614,8 +541,7 @@ class Scheduler:
             running.append(req)
             return
         key = policy.key(req, now)
-        # Admissions usually come after everything running (FCFS), so the
-        # tail is checked before a binary search.
+        # Admissions usually come after everything running (FCFS), so the tail is checked before a binary search.
         if policy.key(running[-1], now) < key:
             running.append(req)
         else:
@@ -644,8 +570,8 @@ class Scheduler:
         step.drop(victim)
         victim.spec_token_ids = []
         if self.batch.data[victim.batch_row, PENDING]:
-            # Its in-flight sample will be discarded, so the last known token
-            # is computed again on resume to sample it anew (same key).
+            # Its in-flight sample will be discarded, so the last known token is computed again on resume to sample it
+            # anew (same key).
             victim.num_computed_tokens = min(victim.num_computed_tokens, victim.num_tokens - 1)
         if not any(t.keep(victim) for t in self.tiers):
             self.kv_cache_manager.free(victim)
@@ -748,11 +674,11 @@ class Scheduler:
         state[:, PENDING] -= 1
         state[:, LAST_TOKEN] = tokens
         data[rows] = state
-        # A cheap filter on the whole batch; _stop_status holds the rules.
+        # A cheap filter on the whole batch; Request.stop_status holds the rules.
         maybe_stop = (known >= state[:, LENGTH_LIMIT]) | (tokens == state[:, EOS]) | (state[:, HAS_STOP_IDS] > 0)
         finished = []
         for j in maybe_stop.nonzero()[0].tolist():
-            status = self._stop_status(receivers[j], token_list[j])
+            status = receivers[j].stop_status(token_list[j], self.config.max_model_len)
             if status is not None:
                 self._release(receivers[j], status)
                 finished.append(receivers[j])
@@ -763,13 +689,9 @@ class Scheduler:
 
     def _update_speculative(self, output: SchedulerOutput, sampled: np.ndarray, num_sampled: np.ndarray,
                             alive: Optional[np.ndarray], result: list[Request]) -> list[Request]:
-        """``update_from_output`` of a step with drafts: row by row, tokens one by one.
-
-        A row that verified ``k`` drafts and got ``a + 1`` tokens gives back
-        ``k - a`` computed tokens (the rejected drafts). Blocks are registered
-        in the prefix cache after the accepted tokens are appended, so a hash
-        only ever covers accepted tokens whose K/V is computed.
-        """
+        """``update_from_output`` of a step with drafts, row by row: a row that verified ``k`` drafts and got
+        ``a + 1`` tokens gives back ``k - a`` computed tokens; blocks are registered after the accepted tokens are
+        appended, so a hash only covers accepted tokens."""
         data, bs = self.batch.data, self.config.block_size
         caching = self.config.enable_prefix_caching
         receivers, filled, finished = [], [], []
@@ -787,7 +709,7 @@ class Scheduler:
             status = None
             for token in tokens:
                 req.append_output_token(token)
-                status = self._stop_status(req, token)
+                status = req.stop_status(token, self.config.max_model_len)
                 if status is not None:
                     break
             if tokens:
@@ -838,40 +760,17 @@ class Scheduler:
         # Making room is the first move: the batch backs off only once the tiers can no longer cover the shortage.
         if self._room_tiers and free < self.degradation.low_water:
             free += sum(t.reclaimable(self.running) for t in self._room_tiers)
-        if self.degradation.observe(free, new, idle) and self.pinned_blocks:
-            self.release_pinned_prefixes()
+        if self.degradation.observe(free, new, idle):
+            self.kv_cache_manager.release_pinned_prefixes()
 
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
-        """Hold a reference on the cached full blocks that prefix ``token_ids`` (the prefix-cache warm-up), so LRU
-        eviction leaves them alone until graceful degradation's first back-off releases them.
-
-        Returns:
-          the blocks newly pinned (0 when degradation is off, or the prefix is not cached).
-        """
-        if self.degradation is None:
-            return 0
-        probe = Request("pin-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
-        blocks, _ = self.kv_cache_manager.get_computed_blocks(probe)
-        held = {b.block_id for b in self.pinned_blocks}
-        new = [b for b in blocks if b.block_id not in held]
-        self.block_pool.touch(new)
-        self.pinned_blocks += new
-        return len(new)
-
-    def release_pinned_prefixes(self) -> None:
-        """Drop the pins of :meth:`pin_prefix`: the blocks become ordinary LRU cache entries (a prefix's head is
-        evicted last)."""
-        blocks, self.pinned_blocks = self.pinned_blocks, []
-        self.block_pool.free_blocks(reversed(blocks))
+        """Pin the cached full blocks that prefix ``token_ids`` (``KVCacheManager.pin_prefix``) while graceful
+        degradation is on, which releases them at its first back-off; returns the blocks newly pinned (0 when off)."""
+        return 0 if self.degradation is None else self.kv_cache_manager.pin_prefix(token_ids, cache_salt)
 
     def take_kv_events(self) -> list[KVEvent]:
-        """The prefix cache's ``BlockStored`` / ``BlockRemoved`` events since the last call, oldest first (none when
-        ``enable_kv_cache_events`` is off)."""
-        events = self.block_pool.kv_events
-        if not events:
-            return []
-        self.block_pool.kv_events = []
-        return events
+        """The prefix cache's events since the last call, oldest first (``BlockPool.take_kv_events``)."""
+        return self.block_pool.take_kv_events()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> list[Request]:
         """Forget every block hash and release the pinned prefixes, so no KV computed so far is read again by
@@ -898,8 +797,7 @@ class Scheduler:
             if self._holder(req) is not None:
                 self._reset_progress(req)
         self._waiting_dirty = True
-        if self.pinned_blocks:
-            self.release_pinned_prefixes()
+        self.kv_cache_manager.release_pinned_prefixes()
         self.block_pool.reset_prefix_cache()
         return preempted
 
@@ -987,20 +885,6 @@ class Scheduler:
             req.status = RequestStatus.PREEMPTED
             self._num_stopped += 1
 
-    def _stop_status(self, req: Request, token: int) -> Optional[RequestStatus]:
-        sp = req.sampling_params
-        num_output = len(req.output_token_ids)
-        if num_output >= sp.min_tokens:
-            if token == req.eos_token_id and not sp.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if sp.stop_token_ids and token in sp.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        max_tokens = req.max_tokens
-        if (max_tokens is not None and num_output >= max_tokens) or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
-
     def discard_output(self, output: SchedulerOutput) -> None:
         """Forget the newest ``schedule()`` output, whose step never ran (its launch failed).
 
@@ -1031,8 +915,8 @@ class Scheduler:
             self.waiting.append(req)
             restarted.append(req.request_id)
         if self._pending:
-            # Under async scheduling the step before it is still to be applied; these requests may run again
-            # before that, and must not take that step's rows (samples, old batch rows) as their own.
+            # Under async scheduling the step before it is still to be applied; these requests may run again before
+            # that, and must not take that step's rows (samples, old batch rows) as their own.
             self._pending[0][3].update(restarted)
         self._waiting_dirty = True
 
@@ -1073,11 +957,8 @@ class Scheduler:
         self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
     def get_request(self, request_id: str) -> Request:
-        """The unfinished request with this id.
-
-        Raises:
-          UnknownRequestError: (a KeyError and a ValueError) no unfinished request has this id.
-        """
+        """The unfinished request with this id; raises ``UnknownRequestError`` (a KeyError and a ValueError) if
+        none has it."""
         try:
             return self.requests[request_id]
         except KeyError:
@@ -1110,8 +991,5 @@ class Scheduler:
             num_blocks=self.block_pool.num_blocks,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            num_predicted_finished=self.predictor.num_observed,
-            predicted_output_tokens=self.predictor.predicted_output_tokens,
-            actual_output_tokens=self.predictor.actual_output_tokens,
-            prediction_abs_error_tokens=self.predictor.abs_error_tokens,
+            **self.predictor.stats(),
         )

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from scheduler.block_table import BlockTable
+from scheduler.output import SchedulerOutput
+from scheduler.persistent_batch import COMPUTED, LAST_SAMPLE_ROW, LAST_TOKEN, PENDING, PROMPT, TOKENS, PersistentBatch
 from scheduler.request import Request
 
 _NO_ROWS = np.zeros(0, dtype=np.intp)
@@ -60,3 +63,53 @@ class Step:
                 self.dropped.add(req.request_id)
                 self.budget += int(new[requests.index(req)])
                 return
+
+    def emit(self, batch: PersistentBatch, table: BlockTable, block_size: int) -> SchedulerOutput:
+        """The step's output, its rows advanced in ``batch`` (block tables read from ``table``).
+
+        Each row's tokens count as computed and its sample, if used, as pending; its ``prev_row`` points at its
+        request's pending sample in the previous output when its input is that sample.
+        """
+        data = batch.data
+        requests, rows, new, computed = self.bulk_requests, self.bulk_rows, self.bulk_new, self.bulk_computed
+        if self.tail_requests:
+            requests = requests + self.tail_requests
+            rows = np.concatenate([rows, np.array([r.batch_row for r in self.tail_requests], np.intp)])
+            new = np.concatenate([new, np.array(self.tail_new, np.int32)])
+            computed = np.concatenate([computed, np.array(self.tail_computed, np.int32)])
+        if self.dropped:
+            keep = np.array([r.request_id not in self.dropped for r in requests], dtype=bool)
+            requests = [r for r, k in zip(requests, keep.tolist()) if k]
+            rows, new, computed = rows[keep], new[keep], computed[keep]
+        # take() gathers whole rows several times faster than fancy indexing.
+        state = data.take(rows, axis=0)
+        known, pending = state[:, TOKENS], state[:, PENDING]
+        advanced = computed + new
+        samples = advanced >= known + pending
+        sampled = samples.nonzero()[0]
+        # Tokens past the known ones (and pending samples) are drafts.
+        num_spec = np.maximum(advanced - known - pending, 0)
+        num_blocks = table.lengths[rows]
+        out = SchedulerOutput(
+            requests=requests,
+            num_new_tokens=new,
+            num_computed_tokens=computed,
+            samples=samples,
+            sample_index=(known - state[:, PROMPT] + pending) * samples,
+            prev_row=np.where(computed >= known, state[:, LAST_SAMPLE_ROW], -1) if pending.any() else pending - 1,
+            num_spec_tokens=num_spec,
+            batch_rows=rows,
+            last_token_ids=state[:, LAST_TOKEN].copy(),
+            num_blocks=num_blocks,
+            block_tables=table.table[rows, : num_blocks.max(initial=0)],
+            total_num_scheduled_tokens=int(new.sum()),
+            preempted=self.preempted,
+            block_size=block_size,
+        )
+        state[:, COMPUTED] = advanced
+        state[sampled, PENDING] += 1
+        state[sampled, LAST_SAMPLE_ROW] = sampled
+        data[rows] = state
+        for req, num in zip(requests, advanced.tolist()):
+            req.num_computed_tokens = num
+        return out

@@ -197,7 +197,7 @@ def check_block_invariants(sched: Scheduler) -> None:
     plus the pins of pending copies' sources; the same of the compressed pool's blocks, whose free and held
     slots add up to all of them."""
     pool, kv = sched.block_pool, sched.kv_cache_manager
-    holders = Counter(b.block_id for b in kv.copy_sources + sched.pinned_blocks)
+    holders = Counter(b.block_id for b in kv.copy_sources + sched.kv_cache_manager.pinned_blocks)
     for rid, blocks in kv.req_to_blocks.items():
         assert len({b.block_id for b in blocks}) == len(blocks), f"{rid} holds a block twice"
         assert [b.block_id for b in blocks] == kv.req_to_block_ids[rid]

@@ -1,6 +1,5 @@
 """Scheduler behaviour, one scenario per test, driven by a fake runner with a simulated KV cache."""
 
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st

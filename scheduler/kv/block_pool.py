@@ -213,6 +213,15 @@ class BlockPool:
         # Looked up per event: Scheduler.take_kv_events replaces the list.
         self.kv_events.append(event)
 
+    def take_kv_events(self) -> list[KVEvent]:
+        """The ``BlockStored`` / ``BlockRemoved`` events since the last call, oldest first (none when events are
+        off)."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks in the free queue, cached-but-unreferenced ones included."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
@@ -15,6 +15,10 @@ from scheduler.kv.swap import SwapTier
 from scheduler.kv.tier import BlockCopy, CopyKind, KVTier, copies_of
 from scheduler.kv_events import BlockStored
 from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler.config import SchedulerConfig
 
 
 class KVCacheManager:
@@ -59,6 +63,7 @@ class KVCacheManager:
       swap: the ``SwapTier``.
       compressed_pool: the ``CompressedBlockPool`` tier, None without one.
       tiers: every tier: the compressed pool (if any), the swap tier, the block pool's host tier (if any).
+      pinned_blocks: the blocks :meth:`pin_prefix` holds.
       scheduled_blocks: the blocks :meth:`cache_scheduled_blocks` registered in the ``Scheduler.schedule`` under
         way, whose KV the step being scheduled computes; emptied by :meth:`end_step`.
     """
@@ -86,6 +91,13 @@ class KVCacheManager:
         self.tiers: list[KVTier] = [t for t in (self.compressed_pool, self.swap, block_pool.host_tier)
                                     if t is not None]
         self.scheduled_blocks: list[KVBlock] = []
+        self.pinned_blocks: list[KVBlock] = []
+
+    @classmethod
+    def for_config(cls, block_pool: BlockPool, config: "SchedulerConfig") -> "KVCacheManager":
+        """The manager of ``block_pool`` with the tiers ``config`` sizes."""
+        return cls(block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks,
+                   config.num_compressed_blocks)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (the manager's list; do not mutate)."""
@@ -442,6 +454,24 @@ class KVCacheManager:
         self.block_table.table = remap[self.block_table.table]
         for rid, blocks in self.req_to_blocks.items():
             self.req_to_block_ids[rid][:] = [b.block_id for b in blocks]
+
+    def pin_prefix(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
+        """Hold a reference on the cached full blocks that prefix ``token_ids`` (the prefix-cache warm-up), so LRU
+        eviction leaves them alone until :meth:`release_pinned_prefixes`; returns the blocks newly pinned."""
+        probe = Request("pin-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
+        blocks, _ = self.get_computed_blocks(probe)
+        held = {b.block_id for b in self.pinned_blocks}
+        new = [b for b in blocks if b.block_id not in held]
+        self.block_pool.touch(new)
+        self.pinned_blocks += new
+        return len(new)
+
+    def release_pinned_prefixes(self) -> None:
+        """Drop the pins of :meth:`pin_prefix`: the blocks become ordinary LRU cache entries (a prefix's head is
+        evicted last)."""
+        blocks, self.pinned_blocks = self.pinned_blocks, []
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
 
     def num_cached_blocks(self, request: Request) -> int:
         """How many leading blocks of ``request``'s table are registered in the prefix cache."""
