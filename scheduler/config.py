@@ -66,12 +66,11 @@ class SchedulerConfig:
         when the free blocks, less those the running requests still lack
         for their predicted outputs (``scheduler.predictor``), hold its
         prompt and its own predicted output; so fewer admitted requests are
-        preempted when predictions are good. Off by default: it measured
-        no better (``scripts/bench_predicted.py``).
+        preempted when predictions are good. Off by default
+        (``docs/design/scheduler.md``).
       num_compressed_blocks: slots of the pool of compressed KV blocks (``scheduler.kv.compressed_pool``), the null
         slot included: 0 (no compression) or >= 2. Before a preemption, full blocks of running requests move
-        there (``Scheduler``). Not with ``preemption_mode="swap"`` nor a host tier (``num_offload_blocks``),
-        whose copies move device blocks only.
+        there (``Scheduler``). What it cannot run with: ``CompressedBlockPool.refuses``.
 
     Raises:
       ValueError: a field out of range; the message names the field, the value
