@@ -13,9 +13,9 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from scheduler.kv.block_pool import BlockPool, KVBlock
 from scheduler.config import SchedulerConfig
 from scheduler.degradation import DegradationController
+from scheduler.kv.block_pool import BlockPool, KVBlock
 from scheduler.kv.kv_cache_manager import KVCacheManager
 from scheduler.kv.tier import Admission, KVTier
 from scheduler.kv_events import KVEvent

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 
 from scheduler.block_hash import extend_block_hashes, hash_block_tokens
-from scheduler.kv.block_pool import BlockPool, KVBlock
 from scheduler.block_table import BlockTable
+from scheduler.kv.block_pool import BlockPool, KVBlock
 from scheduler.kv.compressed_pool import CompressedBlockPool
 from scheduler.kv.host_tier import HostHit
 from scheduler.kv.swap import SwapTier
