@@ -19,6 +19,7 @@ from jaxllm.core.kv_events import KVEventsConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
 from scheduler.buckets import geometric_ladder, half_step_ladder
 from scheduler.config import SchedulerConfig
+from scheduler.kv.compressed_pool import CompressedBlockPool
 from scheduler.degradation import GracefulDegradation
 
 # HF architecture -> model_type (the key of its family in ``jaxllm.models``).
@@ -462,19 +463,15 @@ class EngineConfig:
         (``jaxllm.core.client.QueueFullError``; 503 at the server) while this
         many sequences or more wait for a batch seat. None: no limit.
       kv_offloading_size: GiB of host memory for a host tier of the prefix cache (vLLM's
-        ``--kv-offloading-size`` with its native backend; ``scheduler.host_tier``), >= 0; 0 (the default): no
+        ``--kv-offloading-size`` with its native backend; ``scheduler.kv.host_tier``), >= 0; 0 (the default): no
         tier. A hashed block about to be reused on the device is copied there first, and a prefix missing on the
         device is loaded back from there instead of recomputed. Holds ``GiB * 2**30 // bytes per block`` blocks
         (all layers, K and V, in the KV cache's dtype); a draft model's runner keeps as many blocks of its own
         KV beside them. Needs ``enable_prefix_caching``.
-      kv_offloading_prefetch: load the host-tier hits of the requests at the head of the waiting queue a step
-        before their admission, into free blocks (cached ones offloaded first, never the requests' own hits;
-        ``SchedulerConfig``'s field of the name). Off by default: ``scripts/bench_multiturn.py`` measures it no
-        better than loading on admission (README). Needs ``kv_offloading_size > 0``.
       kv_cache_compression: None (the default: ``scripts/bench_kv_compression.py`` measures it, README), "int8"
         or "fp8" (float8_e4m3fn): when free KV blocks run short, before preempting, the scheduler re-encodes full
         blocks of running requests in this one-byte type, with a scale per block and KV head, into a second
-        pool and frees their blocks (``scheduler.compressed_pool``; the attention reads each block in its own
+        pool and frees their blocks (``scheduler.kv.compressed_pool``; the attention reads each block in its own
         dtype). Requests with ``SamplingParams(allow_kv_compression=False)`` or ``priority < 0`` are never
         compressed. Needs ``kv_cache_dtype="auto"`` and the xla or reference attention; not with
         ``speculative_config``, ``preemption_mode="swap"``, ``kv_offloading_size``, ``tensor_parallel_size > 1``
@@ -533,7 +530,6 @@ class EngineConfig:
     kv_events_config: Union[KVEventsConfig, dict, str, None] = None
     enable_sleep_mode: bool = False
     kv_offloading_size: float = 0.0
-    kv_offloading_prefetch: bool = False
     kv_cache_compression: Optional[str] = None
     kv_cache_compression_fraction: float = 0.5
 
@@ -578,9 +574,6 @@ class EngineConfig:
         if size and not self.enable_prefix_caching:
             raise ValueError(f"kv_offloading_size={size!r} needs enable_prefix_caching=True: the host tier holds "
                              "prefix-cache blocks")
-        if self.kv_offloading_prefetch is True and not size:
-            raise ValueError("kv_offloading_prefetch=True needs a host tier to prefetch from: kv_offloading_size="
-                             f"{size!r} must be > 0")
         if self.precompile not in (True, False, "background"):
             raise ValueError(f"precompile={self.precompile!r} must be True, False or 'background'")
         if self.batching not in ("continuous", "static"):
@@ -614,21 +607,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_compression_fraction={fraction!r} must be a number in (0, 1)")
         if mode is None:
             return
-        conflicts = (
-            (self.kv_cache_dtype != "auto", f"kv_cache_dtype={self.kv_cache_dtype!r} (the cache is one byte a "
-                                            "number already; use 'auto')"),
-            (self.speculative_config is not None, "speculative_config (a draft model reads the same block tables)"),
-            (self.preemption_mode == "swap", "preemption_mode='swap' (swaps copy device blocks only)"),
-            (bool(self.kv_offloading_size), f"kv_offloading_size={self.kv_offloading_size!r} (the host tier copies "
-                                            "device blocks only)"),
-            (self.tensor_parallel_size > 1, f"tensor_parallel_size={self.tensor_parallel_size}"),
-            (self.batching == "static", "batching='static'"),
-            (self.attention_backend == "pallas", "attention_backend='pallas' (its kernels read one pool; use "
-                                                 "'xla' or 'reference')"),
-        )
-        for bad, setting in conflicts:
-            if bad:
-                raise ValueError(f"kv_cache_compression={mode!r} cannot be used with {setting}")
+        refused = CompressedBlockPool.refuses(self)
+        if refused:
+            raise ValueError(f"kv_cache_compression={mode!r} cannot be used with {refused}")
 
     def scheduler_config(self, *, num_blocks: int, max_model_len: int,
                          num_offload_blocks: Optional[int] = None,

@@ -4,12 +4,12 @@ Pure Python and numpy (plus xxhash); never imports JAX (or jaxllm).
 """
 
 from scheduler.batch import BatchDescriptor, build_batch
-from scheduler.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from scheduler.buckets import BucketTable, geometric_ladder
 from scheduler.config import SchedulerConfig
 from scheduler.degradation import DegradationController, GracefulDegradation
 from scheduler.diagnostics import kv_cache_report
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from scheduler.kv.kv_cache_manager import KVCacheManager
 from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import PersistentBatch
 from scheduler.policy import (

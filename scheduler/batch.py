@@ -43,10 +43,6 @@ class BatchDescriptor:
       prev_token_index: int32[T] with async scheduling, the row of the
         previous step whose sampled token (still on the device) is this
         token's input id; -1 where ``input_ids`` holds the id.
-      blocks_to_swap_out: int32[K, 2] (device_block, host_block) copies, done first.
-      blocks_to_swap_in: int32[K, 2] (host_block, device_block) copies, done second.
-      blocks_to_copy: int32[K, 2] (src_block, dst_block) device copies, done
-        third, before the model step.
     """
 
     input_ids: np.ndarray
@@ -62,9 +58,6 @@ class BatchDescriptor:
     num_tokens: int
     requests: list[Request]
     prev_token_index: np.ndarray
-    blocks_to_swap_out: np.ndarray
-    blocks_to_swap_in: np.ndarray
-    blocks_to_copy: np.ndarray
 
     @property
     def request_ids(self) -> list[str]:
@@ -166,15 +159,5 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
         num_tokens=num_tokens,
         requests=output.requests,
         prev_token_index=prev_token_index,
-        blocks_to_swap_out=_pairs(output.blocks_to_swap_out),
-        blocks_to_swap_in=_pairs(output.blocks_to_swap_in),
-        blocks_to_copy=_pairs(output.blocks_to_copy),
     )
 
-
-_NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
-_NO_PAIRS.flags.writeable = False
-
-
-def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
-    return np.array(pairs, dtype=np.int32).reshape(-1, 2) if pairs else _NO_PAIRS

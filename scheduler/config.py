@@ -6,6 +6,8 @@ import dataclasses
 from typing import Union
 
 from scheduler.degradation import GracefulDegradation
+from scheduler.kv.compressed_pool import CompressedBlockPool
+from scheduler.kv.host_tier import HostTier
 from scheduler.policy import POLICIES, Policy
 
 _PREEMPTION_MODES = ("recompute", "swap")
@@ -36,13 +38,8 @@ class SchedulerConfig:
         (copy blocks to the host pool and back).
       num_host_blocks: host blocks for swap mode, >= 0; a victim that does
         not fit falls back to recompute.
-      num_offload_blocks: host-tier blocks of the prefix cache (``scheduler.host_tier``), >= 0; 0: no tier.
+      num_offload_blocks: host-tier blocks of the prefix cache (``scheduler.kv.host_tier``), >= 0; 0: no tier.
         Needs ``enable_prefix_caching``.
-      kv_offloading_prefetch: with a host tier, load the host hits of the requests left waiting at the end of a
-        step (policy order, within the step's copy budget) into free blocks, so they are device hits when
-        admitted (``Scheduler._prefetch``): cached free blocks are taken from the LRU end and offloaded first,
-        never a hit of the requests it loads for (``KVCacheManager.prefetch_host_hits``). Needs
-        ``num_offload_blocks``.
       async_scheduling: allow one ``schedule()`` ahead of the last
         ``update_from_output()`` (the runner feeds the missing sampled
         tokens on the device; see ``Scheduler``). A request admitted beside
@@ -69,12 +66,11 @@ class SchedulerConfig:
         when the free blocks, less those the running requests still lack
         for their predicted outputs (``scheduler.predictor``), hold its
         prompt and its own predicted output; so fewer admitted requests are
-        preempted when predictions are good. Off by default: it measured
-        no better (``scripts/bench_predicted.py``).
-      num_compressed_blocks: slots of the pool of compressed KV blocks (``scheduler.compressed_pool``), the null
+        preempted when predictions are good. Off by default
+        (``docs/design/scheduler.md``).
+      num_compressed_blocks: slots of the pool of compressed KV blocks (``scheduler.kv.compressed_pool``), the null
         slot included: 0 (no compression) or >= 2. Before a preemption, full blocks of running requests move
-        there (``Scheduler``). Not with ``preemption_mode="swap"`` nor a host tier (``num_offload_blocks``),
-        whose copies move device blocks only.
+        there (``Scheduler``). What it cannot run with: ``CompressedBlockPool.refuses``.
 
     Raises:
       ValueError: a field out of range; the message names the field, the value
@@ -93,7 +89,6 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0
     num_offload_blocks: int = 0
-    kv_offloading_prefetch: bool = False
     aging_rate: float = 1.0
     async_scheduling: bool = False
     num_lookahead_tokens: int = 0
@@ -127,12 +122,9 @@ class SchedulerConfig:
             raise bad("num_host_blocks", "an int >= 0")
         if not isinstance(self.num_offload_blocks, int) or self.num_offload_blocks < 0:
             raise bad("num_offload_blocks", "an int >= 0")
-        if self.num_offload_blocks and not self.enable_prefix_caching:
-            raise bad("num_offload_blocks", "0 when enable_prefix_caching is False (the tier holds prefix-cache blocks)")
-        if not isinstance(self.kv_offloading_prefetch, bool):
-            raise bad("kv_offloading_prefetch", "True or False")
-        if self.kv_offloading_prefetch and not self.num_offload_blocks:
-            raise bad("kv_offloading_prefetch", f"False without a host tier (num_offload_blocks={self.num_offload_blocks})")
+        refused = self.num_offload_blocks and HostTier.refuses(self)
+        if refused:
+            raise bad("num_offload_blocks", f"0 with {refused}")
         if not isinstance(self.num_lookahead_tokens, int) or self.num_lookahead_tokens < 0:
             raise bad("num_lookahead_tokens", "an int >= 0")
         if isinstance(self.aging_rate, bool) or not isinstance(self.aging_rate, (int, float)) or not self.aging_rate >= 0:
@@ -142,10 +134,9 @@ class SchedulerConfig:
         n = self.num_compressed_blocks
         if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n == 1:
             raise bad("num_compressed_blocks", "0 (no compression) or an int >= 2 (slot 0 is the null slot)")
-        if n and self.preemption_mode == "swap":
-            raise bad("num_compressed_blocks", "0 with preemption_mode='swap' (swaps copy device blocks only)")
-        if n and self.num_offload_blocks:
-            raise bad("num_compressed_blocks", f"0 with a host tier (num_offload_blocks={self.num_offload_blocks})")
+        refused = n and CompressedBlockPool.refuses(self)
+        if refused:
+            raise bad("num_compressed_blocks", f"0 with {refused}")
         if not isinstance(self.graceful_degradation, (bool, GracefulDegradation)):
             raise bad("graceful_degradation", "a bool or a GracefulDegradation")
 

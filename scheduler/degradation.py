@@ -8,11 +8,10 @@ is re-admitted the next step because its own blocks are free again, grows,
 and is preempted again. The operator's moves when memory runs short are to
 release idle prompts, back off the batch, and shed load; here:
 
-* *compress* (with ``kv_cache_compression``, ``scheduler.compressed_pool``):
-  before any preemption, full blocks of running requests are re-encoded in
-  one byte and their device blocks freed; the blocks compression could still
-  free count as free for the low-water mark, so the batch backs off only once
-  compression can no longer cover the shortage;
+* *make room*: before any preemption a KV tier may free device blocks
+  (``KVTier.make_room``); the blocks the tiers could still free count as free
+  for the low-water mark, so the batch backs off only once they can no longer
+  cover the shortage;
 * *release idle prompts*: prefixes pinned by the prefix-cache warm-up
   (``Scheduler.pin_prefix``) are unpinned on the first back-off and become
   ordinary LRU cache entries (revivable while not evicted);

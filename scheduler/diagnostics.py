@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from scheduler.request import RequestStatus
 
 if TYPE_CHECKING:
-    from scheduler.block_pool import BlockPool
+    from scheduler.kv.block_pool import BlockPool
     from scheduler.scheduler import Scheduler
 
 # Block states in the map, in the order the counts add up.
@@ -67,11 +67,11 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
       * ``request_blocks``: request id -> blocks it holds (running requests);
         ``largest_request``: ``{"request_id", "num_blocks", "num_tokens"}`` of
         the one holding most blocks, or None;
-      * ``host_tier``: the prefix cache's host tier (``scheduler.host_tier``), None without one, else
+      * ``host_tier``: the prefix cache's host tier (``scheduler.kv.host_tier``), None without one, else
         ``{"num_blocks", "num_cached_blocks", "num_free_blocks"}`` (the two add up to ``num_blocks``),
         ``"num_offloaded_blocks"`` and ``"num_loaded_blocks"`` (copies device -> host and back, cumulative) and
         ``"hit_tokens"`` (prompt tokens it served, cumulative);
-      * ``compressed_pool``: the one-byte pool of ``kv_cache_compression`` (``scheduler.compressed_pool``), None
+      * ``compressed_pool``: the one-byte pool of ``kv_cache_compression`` (``scheduler.kv.compressed_pool``), None
         without one, else ``{"num_blocks", "num_used_blocks", "num_free_blocks"}`` (slots without the null slot;
         the two add up to ``num_blocks``) and ``"num_compressed_blocks"`` (blocks compressed instead of a
         preemption, cumulative);
@@ -86,7 +86,7 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
     for rid, ids in kv.req_to_block_ids.items():
         for block_id in ids:
             holders.setdefault(block_id, []).append(rid)
-    for name, blocks in (("<pinned>", scheduler.pinned_blocks), ("<copy source>", kv.copy_sources)):
+    for name, blocks in (("<pinned>", kv.pinned_blocks), ("<copy source>", kv.copy_sources)):
         for block in blocks:
             holders.setdefault(block.block_id, []).append(name)
     counts, entries, highest = _block_states(pool, holders if block_map else None)
@@ -104,7 +104,7 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
         "num_used_blocks": counts[USED] + counts[NULL],
         "num_cached_free_blocks": counts[CACHED_FREE],
         "num_free_blocks": counts[FREE],
-        "num_pinned_blocks": len(scheduler.pinned_blocks),
+        "num_pinned_blocks": len(kv.pinned_blocks),
         "num_shared_blocks": sum(1 for b in pool.blocks if b.ref_cnt > 1),
         "allocated_slots": allocated,
         "empty_allocated_slots": empty,

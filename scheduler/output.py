@@ -7,6 +7,7 @@ import functools
 
 import numpy as np
 
+from scheduler.kv.tier import BlockCopy, CopyKind
 from scheduler.request import Request
 
 
@@ -85,16 +86,8 @@ class SchedulerOutput:
     of this step, vLLM v1 ``InputBatch`` style); ``scheduled`` presents the
     same rows as ``ScheduledRequest`` objects.
 
-    The runner does, in order: every ``blocks_to_compress`` re-encoding, every ``blocks_to_swap_out`` copy, every
-    ``blocks_to_offload`` copy, every ``blocks_to_swap_in`` copy, every
-    ``blocks_to_load`` copy, every ``blocks_to_copy`` copy, then the model
-    step -- the copies even when there are no rows. Swap-outs and offloads go
-    first because their device blocks may be handed to swap-ins, loads or
-    copies in the same step. An offload's host write may complete after the
-    step is dispatched, before the next ``schedule()``: no load of the same
-    step reads its slot (``scheduler.host_tier``). A copy's source is a cached block that no swap-in or copy of
-    this step writes: the scheduler holds a reference to it until
-    ``update_from_output``, so it cannot be reused.
+    The runner does every one of ``block_copies``, in order, then the model step -- the copies even when there
+    are no rows.
 
     Attributes:
       requests: each row's ``Request``, in batch order.
@@ -122,22 +115,8 @@ class SchedulerOutput:
       preempted: requests preempted during this call.
       finished: requests ignored, aborted (or otherwise finished outside
         ``update_from_output``) since the previous ``schedule()``.
-      blocks_to_compress: ``(device_block, compressed_slot)`` pairs: full blocks
-        re-encoded into slot ``compressed_slot`` of the compressed pool
-        (``scheduler.compressed_pool``; the table now holds its id, pool base +
-        slot), done first of all: the device blocks are free again and this
-        step may write them.
-      blocks_to_swap_out: ``(device_block, host_block)`` pairs.
-      blocks_to_swap_in: ``(host_block, device_block)`` pairs.
-      blocks_to_offload: ``(device_block, host_block)`` pairs: hashed blocks
-        evicted from the device, kept in the host tier (``scheduler.host_tier``;
-        host ids after the swap pool's).
-      blocks_to_load: ``(host_block, device_block)`` pairs: host-tier prefix
-        hits copied into the fresh device blocks that take their place.
-      blocks_to_copy: ``(src_block, dst_block)`` device pairs: a fully cached
-        prompt's last block, copied into the fresh block that replaces it in
-        the request's table, where its last token's K/V is written (see
-        ``KVCacheManager``). Each dst appears once.
+      block_copies: the ``BlockCopy`` list of the step, sorted by ``CopyKind`` (which states why that order),
+        each kind in the order queued; a ``COPY`` dst appears once.
       block_size: tokens per KV block (what ``build_batch`` computes slots
         with); set by the scheduler.
     """
@@ -156,18 +135,17 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted: list[Request] = dataclasses.field(default_factory=list)
     finished: list[Request] = dataclasses.field(default_factory=list)
-    blocks_to_compress: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    blocks_to_offload: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    blocks_to_load: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    block_copies: list[BlockCopy] = dataclasses.field(default_factory=list)
     block_size: int = 0
 
     @property
     def num_seqs(self) -> int:
         """Rows in the batch."""
         return len(self.requests)
+
+    def copies(self, kind: CopyKind) -> list[tuple[int, int]]:
+        """The ``(src, dst)`` pairs of ``block_copies`` of ``kind``, in order."""
+        return [(c.src, c.dst) for c in self.block_copies if c.kind is kind]
 
     @functools.cached_property
     def scheduled(self) -> list[ScheduledRequest]:

@@ -285,10 +285,8 @@ class PredictedPolicy(Policy):
     their parent, are not admissions.)
 
     Args:
-      aging_per_arrival: ``beta``, steps of work, > 0. The default, 4, kept
-        P99 latency within 4% of fcfs while cutting the mean by 23% in
-        ``scripts/bench_predicted.py``; 1 cut the mean by 37% but raised P99
-        by 22%, 16 cut the mean by 7%.
+      aging_per_arrival: ``beta``, steps of work, > 0 (the default's measurements:
+        ``docs/design/scheduler.md``).
       max_num_batched_tokens: the scheduler's token budget, >= 1.
 
     Raises:

@@ -81,6 +81,11 @@ class OutputLengthPredictor:
                 break
         return min(max(round(mean), sp.min_tokens, 1), most)
 
+    def stats(self) -> dict[str, int]:
+        """Its ``SchedulerStats`` fields."""
+        return dict(num_predicted_finished=self.num_observed, predicted_output_tokens=self.predicted_output_tokens,
+                    actual_output_tokens=self.actual_output_tokens, prediction_abs_error_tokens=self.abs_error_tokens)
+
     def observe(self, request: Request) -> None:
         """Learn from a finished ``request`` (stopped or length-capped) whose ``predicted_output_tokens`` is set."""
         predicted, actual = request.predicted_output_tokens, request.num_output_tokens

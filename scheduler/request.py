@@ -222,6 +222,23 @@ class Request:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
 
+    def stop_status(self, token: int, max_model_len: int) -> Optional[RequestStatus]:
+        """The status ``token``, just appended, finishes this request with, or None: once ``min_tokens`` outputs
+        exist, eos (unless ``ignore_eos``) or a ``stop_token_ids`` member (then its ``stop_reason``) stops it;
+        ``max_tokens`` outputs or ``max_model_len`` tokens cap it."""
+        sp = self.sampling_params
+        num_output = len(self.output_token_ids)
+        if num_output >= sp.min_tokens:
+            if token == self.eos_token_id and not sp.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        max_tokens = self.max_tokens
+        if (max_tokens is not None and num_output >= max_tokens) or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "

@@ -135,7 +135,7 @@ class SamplingParams:
         schema, regex, choice, grammar) on the output, or None.
       allow_kv_compression: our addition: with ``kv_cache_compression`` on,
         the scheduler may re-encode this request's full KV blocks in one
-        byte rather than preempt (``scheduler.compressed_pool``); False opts
+        byte rather than preempt (``scheduler.kv.compressed_pool``); False opts
         out (exact KV always). A request with ``priority < 0`` is never
         compressed either way.
 

@@ -1,11 +1,6 @@
-"""The continuous-batching step: token budget, chunked prefill, prefix hits, preemption.
-
-Follows vLLM v1's ``Scheduler``: no prefill/decode phases. Every step hands
-out at most ``max_num_batched_tokens`` tokens to at most ``max_num_seqs``
-requests so that each request's ``num_computed_tokens`` catches up with its
-``num_tokens``; running requests are served first, then waiting ones in
-policy order.
-"""
+"""The continuous-batching step (vLLM v1's ``Scheduler``, with no prefill/decode phases): each step hands out at most
+``max_num_batched_tokens`` tokens to at most ``max_num_seqs`` requests, running ones first, then waiting ones in
+policy order, so that each request's ``num_computed_tokens`` catches up with its ``num_tokens``."""
 
 from __future__ import annotations
 
@@ -18,28 +13,23 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.config import SchedulerConfig
 from scheduler.degradation import DegradationController
-from scheduler.host_tier import HostHit
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv.block_pool import BlockPool, KVBlock
+from scheduler.kv.kv_cache_manager import KVCacheManager
+from scheduler.kv.tier import Admission, KVTier
 from scheduler.kv_events import KVEvent
 from scheduler.output import SchedulerOutput, SchedulerStats
 from scheduler.persistent_batch import (
-    COMPUTED, EOS, HAS_STOP_IDS, LAST_SAMPLE_ROW, LAST_TOKEN, LENGTH_LIMIT, PENDING, PREFILL_ONLY, PROMPT, SPEC,
-    TOKENS, PersistentBatch,
+    COMPUTED, EOS, HAS_STOP_IDS, LAST_TOKEN, LENGTH_LIMIT, PENDING, PREFILL_ONLY, SPEC, TOKENS, PersistentBatch,
 )
 from scheduler.policy import get_policy
 from scheduler.predictor import OutputLengthPredictor
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
+from scheduler.step import Step
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
-_NO_ROWS = np.zeros(0, dtype=np.intp)
-_NO_ROWS.flags.writeable = False
-_NO_COUNTS = np.zeros(0, dtype=np.int32)
-_NO_COUNTS.flags.writeable = False
 _REPORTED_FINISHES = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_IGNORED)
 # Finishes whose output length the predictor learns from (an abort says nothing of it).
 _NATURAL_FINISHES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -54,162 +44,27 @@ class UnknownRequestError(KeyError, ValueError):
     """No unfinished request has this id (a ``KeyError`` for lookups, a ``ValueError`` for bad input)."""
 
 
-class _Step:
-    """Mutable state of one ``schedule()`` call, with its rows so far in batch order.
-
-    Running requests that need nothing but tokens and blocks are added in
-    bulk, as arrays (``bulk_*``); every other row is added one by one
-    (``tail_*``). A row whose request is preempted later in the step is
-    dropped.
-    """
-
-    __slots__ = (
-        "budget", "preempted", "compress", "swap_out", "swap_in", "preempted_ids", "admitted_ids", "now", "dropped",
-        "headroom",
-        "bulk_requests", "bulk_rows", "bulk_new", "bulk_computed", "tail_requests", "tail_new", "tail_computed",
-    )
-
-    def __init__(self, budget: int, now: float) -> None:
-        self.budget = budget
-        self.preempted: list[Request] = []
-        self.compress: list[tuple[int, int]] = []
-        self.swap_out: list[tuple[int, int]] = []
-        self.swap_in: list[tuple[int, int]] = []
-        self.preempted_ids: set[str] = set()
-        self.admitted_ids: set[str] = set()
-        self.now = now
-        self.dropped: set[str] = set()
-        # With reserve_predicted_output: free blocks that the running requests' predicted outputs leave.
-        self.headroom = 0
-        self.bulk_requests: list[Request] = []
-        self.bulk_rows, self.bulk_new, self.bulk_computed = _NO_ROWS, _NO_COUNTS, _NO_COUNTS
-        self.tail_requests: list[Request] = []
-        self.tail_new: list[int] = []
-        self.tail_computed: list[int] = []
-
-    def add(self, req: Request, num_new: int, num_computed: int) -> None:
-        self.tail_requests.append(req)
-        self.tail_new.append(num_new)
-        self.tail_computed.append(num_computed)
-        self.budget -= num_new
-
-    @property
-    def num_rows(self) -> int:
-        """Rows scheduled so far, those taken back by a preemption not counted."""
-        return len(self.bulk_requests) + len(self.tail_requests) - len(self.dropped)
-
-    def drop(self, req: Request) -> None:
-        """Take back ``req``'s row, if it has one, and its tokens."""
-        for requests, new in ((self.bulk_requests, self.bulk_new), (self.tail_requests, self.tail_new)):
-            if req in requests:
-                self.dropped.add(req.request_id)
-                self.budget += int(new[requests.index(req)])
-                return
-
-
 class Scheduler:
-    """Decides, step by step, which tokens of which requests the model computes.
+    """Decides, step by step, which tokens of which requests the model computes (vLLM v1's ``Scheduler``).
 
-    Each ``schedule()`` must be followed by one ``update_from_output()`` with
-    that output before the next ``schedule()`` -- or, with
-    ``config.async_scheduling``, before the one after it: the host schedules
-    step N+1 while the device runs step N. A request's
-    ``num_computed_tokens`` then advances when it is scheduled (as in vLLM
-    v1); a sample still on the device is counted as pending and its row in
-    the next output carries ``prev_row`` so the runner feeds it from the
-    device. A request that turns out to have stopped at step N has its step
-    N+1 sample discarded; one that is certain to stop by length is not
-    scheduled again.
-
-    The running requests' numbers live in a persistent batch
-    (``PersistentBatch``, vLLM v1's ``InputBatch``): numpy rows updated in
-    place, so a step schedules, advances and updates all of them with array
-    operations; Python work per step is per request only for token lists
-    (appending samples), per new block, and per admission or preemption.
-
-    Step rules (vLLM v1 unless noted):
-
-    * Running requests, in policy order, get their remaining tokens (1 for a
-      decode; a prefill chunk capped by ``long_prefill_token_threshold`` and
-      the budget). If a block cannot be had, the policy's victim is
-      preempted; that may be the requester itself.
-    * Then waiting requests, in policy order, are admitted while seats, budget
-      and blocks last, each taking its prefix-cache hit first. Admission stops
-      at the first request that cannot be admitted, or that was preempted in
-      this very step (it would only evict what it just gave up). Under
-      ``priority``/``aging`` a waiting request may first preempt less urgent
-      running ones (never ones admitted this step).
-    * An admitted request's full blocks among its hits and first chunk are
-      registered in the prefix cache as it is admitted (vLLM v1), so those
-      admitted after it in the same step read them as hits: N requests
-      arriving together with one system prompt compute it once. A discarded
-      output's registrations are forgotten (:meth:`discard_output`).
-    * A request whose grammar is still compiling (``WAITING_FOR_FSM``, vLLM's
-      state of that name) is passed over, keeping its place in the queue,
-      and admitted like any other once ``Request.grammar_ready()`` says so.
-    * With chunked prefill off, a prompt that does not fit the remaining
-      budget waits for a later step.
-    * A request whose tokens fill whole blocks, all cached, recomputes only
-      its last token, into a copy of the last block (``blocks_to_copy``;
-      our addition, see ``KVCacheManager``). This holds for re-prefills of
-      recompute-preempted requests too. The copy needs one block more than
-      recomputing the last block's tokens; when that block is not free the
-      request takes one hit fewer instead. So admission never needs more
-      than ``add_request`` checked against the whole cache, and the head of
-      the queue is always admitted once nothing else runs (liveness).
-    * With async scheduling, a running request that alone cannot grow while
-      blocks are pinned as copy sources of the step in flight waits a step.
-    * Speculative decoding (vLLM v1): draft tokens handed in by
-      :meth:`update_draft_token_ids` ride on the request's next decode row,
-      after its last token, and count against the token budget; when the
-      budget or the free blocks are short they are cut before anything
-      else gives way (a row never preempts or waits for its drafts). The
-      row reserves ``num_lookahead_tokens`` slots more when blocks allow.
-      :meth:`update_from_output` takes each row's accepted drafts plus one
-      token, takes the rejected drafts back from ``num_computed_tokens``
-      (their KV slots are overwritten later), and registers blocks in the
-      prefix cache only once they hold accepted tokens.
-    * ``recompute`` preemption frees the victim's blocks (their hashes stay,
-      so its re-prefill can hit the cache) and resets its progress; ``swap``
-      copies its computed blocks to the host pool and back on resume,
-      reporting the copies in the output (falling back to recompute when the
-      host pool is short).
-    * With a compressed pool (``num_compressed_blocks``, ``scheduler.compressed_pool``; our addition), a
-      preemption -- for a running request's blocks, or for an urgent arrival under a policy that preempts for
-      waiting requests -- is first replaced by compressing enough full blocks of running requests that may be
-      compressed (not ``SamplingParams.allow_kv_compression=False``, not ``priority < 0``), in victim order,
-      oldest blocks first; only when they cannot cover the shortage does the preemption happen.
-    * A request that can never fit -- prompt over ``max_model_len``, or
-      prompt + ``max_tokens`` (capped at ``max_model_len``) needing more than
-      the whole cache -- is finished as ``FINISHED_IGNORED`` at
-      ``add_request``. A request without ``max_tokens`` that alone fills
-      the whole cache is finished as ``FINISHED_LENGTH_CAPPED`` rather than
-      preempting itself forever (our addition).
-    * With ``graceful_degradation`` (``scheduler.degradation``), admissions
-      and the step's token budget follow the effective limits
-      (:attr:`max_num_seqs`, :attr:`max_num_batched_tokens`), which each
-      ``update_from_output`` adjusts to the KV pressure it sees; running
-      requests are never preempted to meet a lowered seat limit.
-    * With ``reserve_predicted_output``, a waiting request is admitted beside
-      running ones only while the free blocks, less those the running
-      requests still lack for their predicted outputs, hold its prompt and
-      its own predicted output (our addition); alone, it always is.
+    Each ``schedule()`` must be followed by one ``update_from_output()`` with that output before the next
+    ``schedule()`` -- or, with ``config.async_scheduling``, before the one after it: the host schedules step N+1
+    while the device runs step N, and a row whose input is a sample still on the device carries ``prev_row``.
+    Running requests are served first, then waiting ones in policy order, within the token budget and the seats;
+    a request short of blocks has the tiers make room (``scheduler.kv.tier``), else preempts the policy's victim
+    (which a tier may keep). A request that can never fit is finished as ``FINISHED_IGNORED`` at ``add_request``.
+    The step's rules, one by one, and why: ``docs/design/scheduler.md``.
 
     Args:
       config: a validated ``SchedulerConfig``.
-      clock: seconds, monotonic; what ``arrival_time`` and queue times are
-        measured on. Tests pass a fake clock.
+      clock: seconds, monotonic; what ``arrival_time`` and queue times are measured on. Tests pass a fake clock.
 
     Attributes (for tests and the engine's metrics):
-      config, policy, block_pool (``BlockPool``), kv_cache_manager
-      (``KVCacheManager``), batch (``PersistentBatch``: the running
-      requests' numbers as numpy rows), requests (id -> unfinished
-      ``Request``), running and waiting (``Request`` lists), degradation
-      (``DegradationController``, None when off), pinned_blocks (blocks held
-      by :meth:`pin_prefix`), predictor (``OutputLengthPredictor``: sets each
-      arrival's ``predicted_output_tokens``, learns from each stop or length
-      cap), copy_budget (host-tier copies, offloads and loads, a step queues
-      at most beyond its first loading request's:
+      config, policy, block_pool (``BlockPool``), kv_cache_manager (``KVCacheManager``), tiers (the ``KVTier``s
+      it asks), batch (``PersistentBatch``: the running requests' numbers as numpy rows), requests (id ->
+      unfinished ``Request``), running and waiting (``Request`` lists), degradation (``DegradationController``,
+      None when off), predictor (``OutputLengthPredictor``),
+      copy_budget (host-tier copies a step queues at most beyond its first loading request's:
       ``max_num_batched_tokens // block_size``, at least 1).
     """
 
@@ -221,26 +76,26 @@ class Scheduler:
         self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.enable_kv_cache_events,
                                     num_offload_blocks=config.num_offload_blocks, offload_base=config.num_host_blocks,
                                     block_size=config.block_size)
-        self.kv_cache_manager = KVCacheManager(
-            self.block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks,
-            config.num_compressed_blocks,
-        )
+        self.kv_cache_manager = KVCacheManager.for_config(self.block_pool, config)
         self.batch = PersistentBatch(config.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting: list[Request] = []
         self._clock = clock
         self._seq = itertools.count()
-        self._swap = config.preemption_mode == "swap"
-        # Static-key policies only need a re-sort of the waiting list after
-        # it changes; the running list stays sorted by insertion in order.
+        # The swap tier takes preempted requests only in swap mode.
+        self.tiers: list[KVTier] = [t for t in self.kv_cache_manager.tiers
+                                    if t is not self.kv_cache_manager.swap or config.preemption_mode == "swap"]
+        self._room_tiers = [t for t in self.tiers if t.makes_room]
+        # Static-key policies only need a re-sort of the waiting list after it changes; the running list stays sorted by
+        # insertion in order.
         self._waiting_dirty = False
-        # Outputs not yet updated, each with _num_stopped when it was made, the blocks its admissions registered
-        # in the prefix cache (forgotten if it is discarded), and the ids of its requests that started over since
+        # Outputs not yet updated, each with _num_stopped when it was made, the blocks its admissions registered in the
+        # prefix cache (forgotten if it is discarded), and the ids of its requests that started over since
         # (discard_output), whose rows it must skip even once they run again.
         self._pending: collections.deque[tuple[SchedulerOutput, int, list[KVBlock], set[str]]] = collections.deque()
-        # Times a request stopped running (finished or preempted): while it
-        # has not changed, every row of a pending output is still running.
+        # Times a request stopped running (finished or preempted): while it has not changed, every row of a pending
+        # output is still running.
         self._num_stopped = 0
         self._max_pending = 2 if config.async_scheduling else 1
         self._finished_for_schedule: list[Request] = []
@@ -249,8 +104,8 @@ class Scheduler:
         self.prefix_cache_hits = 0
         # Of those hits, tokens loaded from the host tier.
         self.prefix_cache_hits_host = 0
-        # Host-tier copies (offloads and loads together) one step queues at most beyond the first loading request's:
-        # as many blocks as the step could compute, so a storm of host hits cannot stretch a step's copies.
+        # Host-tier copies (offloads and loads together) one step queues at most beyond the first loading request's: as
+        # many blocks as the step could compute, so a storm of host hits cannot stretch a step's copies.
         self.copy_budget = max(config.max_num_batched_tokens // config.block_size, 1)
         self.num_preemptions = 0
         settings = config.degradation
@@ -259,7 +114,6 @@ class Scheduler:
             lower_token_budget=config.enable_chunked_prefill,
         )
         self._preemptions_seen = 0
-        self.pinned_blocks: list[KVBlock] = []
 
     @property
     def max_num_seqs(self) -> int:
@@ -275,15 +129,11 @@ class Scheduler:
     # ----------------------------------------------------------------- intake
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request, or finish it at once as ``FINISHED_IGNORED`` if it can never fit.
-
-        An ignored request has ``ignored_reason`` set and is reported in the
-        next ``SchedulerOutput.finished`` and ``update_from_output`` result.
+        """Queue a new request, or finish it at once as ``FINISHED_IGNORED`` (``ignored_reason`` set, reported by
+        the next ``schedule`` and ``update_from_output``) if it can never fit.
 
         Raises:
-          ValueError: the id belongs to an unfinished request, or the request
-            was already scheduled somewhere (status not WAITING, or progress
-            recorded).
+          ValueError: the id belongs to an unfinished request, or the request is not fresh.
         """
         rid = request.request_id
         if rid in self.requests:
@@ -315,24 +165,18 @@ class Scheduler:
         request.length_limit = limit
 
     def fork_request(self, parent_id: str, children: Sequence[Request]) -> list[tuple[int, int]]:
-        """Replace running ``parent_id`` by ``children`` that share its computed KV blocks.
+        """Replace running ``parent_id`` by ``children`` (``n > 1`` sampling) that share its computed KV blocks.
 
-        For ``n > 1`` sampling: the parent prefilled the common prompt; each
-        child continues from there (its tokens start with the parent's
-        computed tokens) with its own sampling. Call it between
-        ``update_from_output`` and the next ``schedule``. Children run at once
-        while seats (``max_num_seqs``) and blocks for their copied last block
-        last; the rest are queued as new requests (a prefix-cache hit may
-        still spare their prompt). The parent is finished as
+        Call it between ``update_from_output`` and the next ``schedule``. Children run at once while seats and
+        blocks for their copied last block last; the rest are queued as new requests. The parent is finished as
         ``FINISHED_STOPPED`` and not reported.
 
         Returns:
-          ``(src_block, dst_block)`` copies the runner must do before the
-          next step (each forked child's copy of a partly written last block).
+          ``(src_block, dst_block)`` copies the runner must do before the next step.
 
         Raises:
-          ValueError: the parent is not running, a child is not fresh, or a
-            child's tokens do not extend the parent's computed tokens.
+          ValueError: the parent is not running, a child is not fresh, or a child's tokens do not extend the
+            parent's computed tokens.
         """
         parent = self.get_request(parent_id)
         computed = parent.num_computed_tokens
@@ -346,8 +190,8 @@ class Scheduler:
         del self.requests[parent_id]
         parent.status = RequestStatus.FINISHED_STOPPED
         self._num_stopped += 1
-        # The parent's own seat at least: while degradation holds the batch under its size, the first child
-        # takes over that seat rather than recomputing the prompt later.
+        # The parent's own seat at least: while degradation holds the batch under its size, the first child takes over
+        # that seat rather than recomputing the prompt later.
         seats = max(self.max_num_seqs - len(self.running), 1)
         num_forked, copies = self.kv_cache_manager.fork(parent, children[:seats])
         for child in children[:num_forked]:
@@ -364,17 +208,13 @@ class Scheduler:
         return copies
 
     def _never_fits(self, request: Request) -> Optional[str]:
-        cfg = self.config
-        prompt = request.num_prompt_tokens
+        cfg, prompt = self.config, request.num_prompt_tokens
         if prompt > cfg.max_model_len:
             return f"prompt has {prompt} tokens, more than max_model_len={cfg.max_model_len}"
-        need = self._kv_blocks_needed(request)
-        have = cfg.num_blocks - 1
+        need, have = self._kv_blocks_needed(request), cfg.num_blocks - 1
         if need > have:
-            return (
-                f"prompt ({prompt} tokens) + max_tokens ({request.max_tokens}) needs {need} KV blocks of "
-                f"{cfg.block_size} tokens; the whole cache has {have}"
-            )
+            return (f"prompt ({prompt} tokens) + max_tokens ({request.max_tokens}) needs {need} KV blocks of "
+                    f"{cfg.block_size} tokens; the whole cache has {have}")
         return None
 
     def _kv_blocks_needed(self, request: Request) -> int:
@@ -393,8 +233,7 @@ class Scheduler:
         """Choose this step's rows; returns them with the block copies to do first.
 
         Raises:
-          RuntimeError: the previous output (with async scheduling, the one
-            before it) has not been passed to ``update_from_output`` yet.
+          RuntimeError: the previous output (with async scheduling, the one before it) is not updated yet.
         """
         if len(self._pending) >= self._max_pending:
             raise RuntimeError("schedule() called again before update_from_output() of the previous output")
@@ -402,80 +241,21 @@ class Scheduler:
         if self.policy.observes_load and self.policy.observe_load(len(self.waiting), len(self.running), now):
             self.policy.sort(self.running, now)
             self._waiting_dirty = True
-        step = _Step(self.max_num_batched_tokens, now)
+        step = Step(self.max_num_batched_tokens, now)
         self.kv_cache_manager.start_step()
         self._schedule_running(step)
         self._schedule_waiting(step)
-        out = self._emit_rows(step)
+        out = step.emit(self.batch, self.kv_cache_manager.block_table, self.config.block_size)
         out.finished, self._finished_for_schedule = self._finished_for_schedule, []
-        out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
-        out.blocks_to_offload, out.blocks_to_load = self.kv_cache_manager.take_tier_copies()
+        out.block_copies = self.kv_cache_manager.take_block_copies()
         self._pending.append((out, self._num_stopped, self.kv_cache_manager.scheduled_blocks, set()))
         self.kv_cache_manager.end_step()
         return out
 
-    def _emit_rows(self, step: _Step) -> SchedulerOutput:
-        """The step's output, its rows advanced in the persistent batch.
-
-        Each row's tokens count as computed and its sample, if used, as
-        pending; its ``prev_row`` points at its request's pending sample in
-        the previous output when its input is that sample.
-        """
-        data, table = self.batch.data, self.kv_cache_manager.block_table
-        requests, rows, new, computed = step.bulk_requests, step.bulk_rows, step.bulk_new, step.bulk_computed
-        if step.tail_requests:
-            requests = requests + step.tail_requests
-            rows = np.concatenate([rows, np.array([r.batch_row for r in step.tail_requests], np.intp)])
-            new = np.concatenate([new, np.array(step.tail_new, np.int32)])
-            computed = np.concatenate([computed, np.array(step.tail_computed, np.int32)])
-        if step.dropped:
-            keep = np.array([r.request_id not in step.dropped for r in requests], dtype=bool)
-            requests = [r for r, k in zip(requests, keep.tolist()) if k]
-            rows, new, computed = rows[keep], new[keep], computed[keep]
-        # take() gathers whole rows several times faster than fancy indexing.
-        state = data.take(rows, axis=0)
-        known, pending = state[:, TOKENS], state[:, PENDING]
-        advanced = computed + new
-        samples = advanced >= known + pending
-        sampled = samples.nonzero()[0]
-        # Tokens past the known ones (and pending samples) are drafts.
-        num_spec = np.maximum(advanced - known - pending, 0)
-        num_blocks = table.lengths[rows]
-        out = SchedulerOutput(
-            requests=requests,
-            num_new_tokens=new,
-            num_computed_tokens=computed,
-            samples=samples,
-            sample_index=(known - state[:, PROMPT] + pending) * samples,
-            prev_row=np.where(computed >= known, state[:, LAST_SAMPLE_ROW], -1) if pending.any() else pending - 1,
-            num_spec_tokens=num_spec,
-            batch_rows=rows,
-            last_token_ids=state[:, LAST_TOKEN].copy(),
-            num_blocks=num_blocks,
-            block_tables=table.table[rows, : num_blocks.max(initial=0)],
-            total_num_scheduled_tokens=int(new.sum()),
-            preempted=step.preempted,
-            blocks_to_compress=step.compress,
-            blocks_to_swap_out=step.swap_out,
-            blocks_to_swap_in=step.swap_in,
-            block_size=self.config.block_size,
-        )
-        state[:, COMPUTED] = advanced
-        state[sampled, PENDING] += 1
-        state[sampled, LAST_SAMPLE_ROW] = sampled
-        data[rows] = state
-        for req, num in zip(requests, advanced.tolist()):
-            req.num_computed_tokens = num
-        return out
-
-    def _schedule_running(self, step: _Step) -> None:
-        """Give running requests, in policy order, their remaining tokens within the budget.
-
-        The leading requests whose tokens and new blocks fit (usually all)
-        are scheduled together from the persistent batch's arrays; from the
-        first that would need a preemption (or, without chunked prefill, when
-        the budget is short) :meth:`_schedule_running_one` takes them one by one.
-        """
+    def _schedule_running(self, step: Step) -> None:
+        """Give running requests, in policy order, their remaining tokens within the budget: the leading ones whose
+        tokens and new blocks fit (usually all) together, as arrays; from the first that would need a preemption
+        (or, without chunked prefill, a short budget) on, one by one (:meth:`_schedule_running_one`)."""
         if self.policy.keys_change_over_time:
             self.policy.sort(self.running, step.now)
         running = list(self.running)
@@ -490,10 +270,9 @@ class Scheduler:
         # Drafts (only on decode rows with nothing pending) ride after the last token.
         new = total + state[:, SPEC] - computed
         if pending.any():
-            # Only with async scheduling: its pending sample ends it, or it is
-            # a prefill parent waiting to be forked. (A prompt of exactly
-            # max_model_len tokens reaches the limit with no sample pending;
-            # it must still finish its prefill.)
+            # Only with async scheduling: its pending sample ends it, or it is a prefill parent waiting to be forked. (A
+            # prompt of exactly max_model_len tokens reaches the limit with no sample pending; it must still finish its
+            # prefill.)
             new[(pending > 0) & ((total >= state[:, LENGTH_LIMIT]) | (state[:, PREFILL_ONLY] > 0))] = 0
         threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
         if threshold:
@@ -512,8 +291,8 @@ class Scheduler:
         held = kv.block_table.lengths[rows]
         need = np.maximum((computed + new + (bs - 1)) // bs - held, 0)
         if cfg.num_lookahead_tokens or cfg.async_scheduling:
-            # Lookahead slots, up to the last position a row may ever write, while blocks last; under async
-            # scheduling a chunk that ends a prompt also reaches its first decode slot (see _allocate_admission).
+            # Lookahead slots, up to the last position a row may ever write, while blocks last; under async scheduling a
+            # chunk that ends a prompt also reaches its first decode slot (see _allocate_admission).
             ends = computed + new
             look = cfg.num_lookahead_tokens
             if cfg.async_scheduling:
@@ -543,7 +322,7 @@ class Scheduler:
             if req.status is _RUNNING:
                 self._schedule_running_one(req, step)
 
-    def _schedule_running_one(self, req: Request, step: _Step) -> None:
+    def _schedule_running_one(self, req: Request, step: Step) -> None:
         computed = req.num_computed_tokens
         pending = int(self.batch.data[req.batch_row, PENDING])
         num_tokens = req.num_tokens + pending
@@ -564,20 +343,19 @@ class Scheduler:
             return
         step.add(req, n, computed)
 
-    def _preempt_until_allocated(self, req: Request, n: int, step: _Step) -> bool:
+    def _preempt_until_allocated(self, req: Request, n: int, step: Step) -> bool:
         kv = self.kv_cache_manager
         while True:
-            if self._compress_for(req, n, step) and kv.allocate_slots(req, n):
+            if self._make_room_for(req, n, step) and kv.allocate_slots(req, n):
                 return True
             candidates = list(self.running)
             if len(candidates) == 1:
                 if self.kv_cache_manager.copy_sources:
-                    # With async scheduling, sources of the previous step's
-                    # copies stay pinned until its update: wait for them.
+                    # With async scheduling, sources of the previous step's copies stay pinned until its update: wait
+                    # for them.
                     return False
-                # It holds every used block and still cannot grow: only a
-                # request without max_tokens gets here (admission rules out
-                # the rest), and preempting itself would loop forever.
+                # It holds every used block and still cannot grow: only a request without max_tokens gets here
+                # (admission rules out the rest), and preempting itself would loop forever.
                 self.running.remove(req)
                 self._release(req, RequestStatus.FINISHED_LENGTH_CAPPED)
                 self._finished_for_update.append(req)
@@ -589,51 +367,25 @@ class Scheduler:
             if self.kv_cache_manager.allocate_slots(req, n):
                 return True
 
-    @staticmethod
-    def _may_compress(req: Request) -> bool:
-        """Whether ``req``'s KV may be compressed: not opted out, not of high priority (< 0)."""
-        return req.sampling_params.allow_kv_compression and req.priority >= 0
-
-    def _compress_for(self, req: Request, n: int, step: _Step) -> bool:
-        """Compress blocks so that running ``req`` can take ``n`` more tokens, instead of a preemption (see
-        :meth:`_compress_blocks`)."""
-        kv = self.kv_cache_manager
-        if kv.compressed_pool is None:
+    def _make_room_for(self, req: Request, n: int, step: Step) -> bool:
+        """Have the tiers make room so that running ``req`` can take ``n`` more tokens, instead of a preemption."""
+        if not self._room_tiers:
             return False
-        return self._compress_blocks(kv.num_blocks_to_allocate(req, n) - self.block_pool.num_free_blocks, step)
+        return self._make_room(self.kv_cache_manager.num_blocks_to_allocate(req, n) - self.block_pool.num_free_blocks,
+                               step)
 
-    def _compress_blocks(self, need: int, step: _Step) -> bool:
-        """Compress ``need`` blocks of running requests (queued for the runner in the step's output); False,
-        changing nothing, when they or the compressed pool's free slots fall short (or ``need < 1``).
-
-        The blocks come from the running requests that may be compressed, in the policy's victim order (the
-        request a preemption would take first, first), each request's oldest blocks first.
-        """
-        kv = self.kv_cache_manager
-        if need < 1 or need > kv.compressed_pool.num_free_blocks:
+    def _make_room(self, need: int, step: Step) -> bool:
+        """Ask the tiers to free ``need`` device blocks (``KVTier.make_room``), victims in the policy's order."""
+        if need < 1:
             return False
-        plan, found = [], 0
-        for victim in sorted(filter(self._may_compress, self.running), key=lambda r: self.policy.key(r, step.now),
-                             reverse=True):
-            k = min(len(kv.compressible(victim)), need - found)
-            if k:
-                plan.append((victim, k))
-                found += k
-            if found == need:
-                break
-        if found < need:
-            return False
-        for victim, k in plan:
-            step.compress += kv.compress(victim, k)
-        return True
+        victims = sorted(self.running, key=lambda r: self.policy.key(r, step.now), reverse=True)
+        return any(t.make_room(need, victims) for t in self._room_tiers)
 
-    def _compressible_blocks(self) -> int:
-        """Device blocks that compression could free now (graceful degradation counts them as free)."""
-        kv = self.kv_cache_manager
-        found = sum(len(kv.compressible(r)) for r in self.running if self._may_compress(r))
-        return min(found, kv.compressed_pool.num_free_blocks)
+    def _holder(self, req: Request) -> Optional[KVTier]:
+        """The tier holding ``req``'s KV whole (``KVTier.holds_request``), or None."""
+        return next((t for t in self.tiers if t.holds_request(req)), None)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: Step) -> None:
         if not self.waiting:
             return
         if self._waiting_dirty or self.policy.keys_change_over_time:
@@ -659,23 +411,8 @@ class Scheduler:
         if self.waiting:
             self._waiting_dirty = True
         self.waiting = unready + queue[i:] + self.waiting
-        if self.config.kv_offloading_prefetch and self.block_pool.host_tier is not None:
-            self._prefetch()
 
-    def _prefetch(self) -> None:
-        """Load the host hits of the first ``max_num_seqs`` requests still waiting, in policy order, while the step's
-        copy budget lasts (``SchedulerConfig.kv_offloading_prefetch``; ``KVCacheManager.prefetch_host_hits`` says
-        which blocks it may take). They are device hits when admitted: the runner does this step's loads before
-        this step's program, which takes the KV cache they write and hands on the one every later step reads,
-        so the copies have landed by the time any later step reads them (also under async scheduling, where the
-        next step is scheduled while this one runs, but dispatched after it)."""
-        tier = self.block_pool.host_tier
-        room = self.copy_budget - tier.num_copies_this_step
-        if room > 0:
-            # The next admissions come from the head of the queue; looking further costs a lookup a request a step.
-            self.kv_cache_manager.prefetch_host_hits(self.waiting[: self.max_num_seqs], room)
-
-    def _admit(self, req: Request, step: _Step) -> bool:
+    def _admit(self, req: Request, step: Step) -> bool:
         while True:
             if len(self.running) < self.max_num_seqs and step.budget > 0:
                 admitted = self._try_admit(req, step)
@@ -687,39 +424,37 @@ class Scheduler:
             victim = self._waiting_victim(req, step)
             if victim is None:
                 return False
-            if self._compress_to_admit(req, step) and self._try_admit(req, step):
+            if self._make_room_to_admit(req, step) and self._try_admit(req, step):
                 return True
             self._preempt(victim, step)
 
-    def _compress_to_admit(self, req: Request, step: _Step) -> bool:
-        """Compress blocks so that waiting ``req`` can be admitted, instead of preempting for it; False, changing
-        nothing, when blocks are not what it lacks (seats, budget, the predicted-output headroom) or compression
-        cannot free enough."""
+    def _make_room_to_admit(self, req: Request, step: Step) -> bool:
+        """Have the tiers make room so that waiting ``req`` can be admitted, instead of preempting for it; False,
+        changing nothing, when blocks are not what it lacks (seats, budget, the predicted-output headroom) or the
+        tiers cannot free enough."""
         kv = self.kv_cache_manager
-        if (kv.compressed_pool is None or len(self.running) >= self.max_num_seqs or step.budget <= 0
-                or req.request_id in kv.swapped or self.config.reserve_predicted_output):
+        if (not self._room_tiers or len(self.running) >= self.max_num_seqs or step.budget <= 0
+                or self._holder(req) is not None or self.config.reserve_predicted_output):
             return False
         hits, num_hit = kv.get_computed_blocks(req)
         n = self._chunk(req.num_tokens - num_hit, step.budget)
         ahead = int(self.config.async_scheduling and not req.prefill_only and req.num_tokens + 1 < req.length_limit)
         need = kv.num_blocks_to_allocate(req, n, hits, ahead) if n else 0
-        return bool(n) and self._compress_blocks(need - self.block_pool.num_free_blocks, step)
+        return bool(n) and self._make_room(need - self.block_pool.num_free_blocks, step)
 
-    def _try_admit(self, req: Request, step: _Step) -> Optional[bool]:
-        """Admit ``req`` into this step if it fits; None when it waits for the step's host-tier copies
-        (:meth:`_host_hits`)."""
+    def _try_admit(self, req: Request, step: Step) -> Optional[bool]:
+        """Admit ``req`` into this step if it fits; None when a tier has it wait a step (``KVTier.match``)."""
         kv = self.kv_cache_manager
         rid = req.request_id
         need = self._predicted_need(req) if self.config.reserve_predicted_output else 0
         # Alone, a request is always admitted (liveness); its need still counts against those after it.
         if need > step.headroom and self.running:
             return False
-        if rid in kv.swapped:
+        holder = self._holder(req)
+        if holder is not None:
             n = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget)
-            pairs = kv.swap_in(req, n) if n else None
-            if pairs is None:
+            if not n or not holder.resume(req, n):
                 return False
-            step.swap_in.extend(pairs)
         else:
             n = self._allocate_admission(req, step.budget, may_wait=step.num_rows > 0)
             if n <= 0:
@@ -744,39 +479,39 @@ class Scheduler:
     def _predicted_need(self, req: Request) -> int:
         """Free blocks that admitting waiting ``req`` takes to hold its prompt and predicted outputs."""
         kv, left = self.kv_cache_manager, max(_outputs_left(req) - 1, 0)
-        if req.request_id in kv.swapped:
+        if self._holder(req) is not None:
             return -(-(req.num_tokens + left) // self.config.block_size)
         hits, num_hit = kv.get_computed_blocks(req)
         return kv.num_blocks_to_allocate(req, req.num_tokens - num_hit, hits, left)
 
     def _allocate_admission(self, req: Request, budget: int, may_wait: bool) -> int:
         """Take ``req``'s prefix hits and blocks for its first chunk; returns the chunk's tokens, 0 if it must wait
-        for blocks or tokens, -1 if for this step's host-tier copies (:meth:`_host_hits`; ``may_wait`` False when
-        the step has no row yet, so a wait would stall it).
+        for blocks or tokens, -1 if a tier has it wait a step (``may_wait``: the step has rows already).
 
-        A request whose hits cover all its tokens copies the last hit on
-        write, which needs one block more than recomputing that block's
-        tokens would. When that block is not free it takes one hit fewer, so
-        the capacity a request needs never exceeds what ``_never_fits``
-        checks at ``add_request``: alone, every admission succeeds.
+        Hits covering every token copy the last one on write, which takes one block more; short of it, the
+        request takes one hit fewer, so alone it is always admitted (what ``_never_fits`` checks).
         """
         kv = self.kv_cache_manager
         hits, num_hit = kv.get_computed_blocks(req)
         num_host = 0
-        if kv.block_pool.host_tier is not None:
-            hits, num_host = self._host_hits(req, hits, budget, may_wait)
-            if num_host < 0:
-                return -1
+        if self.tiers:
+            admission = Admission(budget, may_wait, self._chunk, self.copy_budget)
+            for tier in self.tiers:
+                matched = tier.match(req, hits, admission)
+                if matched is None:
+                    return -1
+                hits, num = matched
+                num_host += num
             if num_host:
                 num_hit = len(hits) * self.config.block_size
-        # Under async scheduling, a request admitted beside running ones whose chunk ends its prompt also takes
-        # the slot of its first decode token. Without it the next step, scheduled before this one's sample is
-        # known, may preempt it for that block, which discards the sample, and readmit it to recompute the same
-        # tokens, step after step (sync scheduling avoids this: there the victim keeps its sampled token).
+        # Under async scheduling, a request admitted beside running ones whose chunk ends its prompt also takes the slot
+        # of its first decode token. Without it the next step, scheduled before this one's sample is known, may preempt
+        # it for that block, which discards the sample, and readmit it to recompute the same tokens, step after step
+        # (sync scheduling avoids this: there the victim keeps its sampled token).
         ahead = int(self.config.async_scheduling and bool(self.running) and not req.prefill_only
                     and req.num_tokens + 1 < req.length_limit)
-        # The same loop with a prompt prefilled in chunks: a preempted request comes back only when its whole
-        # remaining prompt and that slot fit, so its last chunk cannot find the pool short again.
+        # The same loop with a prompt prefilled in chunks: a preempted request comes back only when its whole remaining
+        # prompt and that slot fit, so its last chunk cannot find the pool short again.
         if ahead and req.num_preemptions and (kv.num_blocks_to_allocate(req, req.num_tokens - num_hit, hits, 1)
                                               > len(kv.block_pool.free_queue)):
             return 0
@@ -798,30 +533,6 @@ class Scheduler:
         kv.cache_scheduled_blocks(req, num_hit + n)
         return n
 
-    def _host_hits(self, req: Request, hits: list[KVBlock], budget: int, may_wait: bool) -> tuple[list, int]:
-        """``hits`` continued through the host tier, and how many of them are host hits; -1 when its loads and the
-        offloads its allocation causes (its first chunk within the token ``budget`` left) would take the step's
-        host-tier copies, offloads and loads queued so far counted, past :attr:`copy_budget` after another
-        request's loads: ``req`` then waits a step, so a storm of host hits cannot stretch one step's copies. The
-        first loading request of a step always goes (liveness). Offloads alone never hold a request back: they
-        come from blocks the step computes into, which the token budget already bounds. Also -1, if ``may_wait``
-        (the step has rows, so it makes progress without ``req``), when the hits stop at a block this step
-        offloads (readable from the next step on): waiting a step beats recomputing the rest."""
-        kv = self.kv_cache_manager
-        hits = kv.extend_with_host_hits(req, hits)
-        tier = kv.block_pool.host_tier
-        hashes = req.block_hashes
-        if may_wait and len(hits) < min(len(hashes), (req.num_tokens - 1) // self.config.block_size) and (
-                tier.being_written(hashes[len(hits)])):
-            return hits, -1
-        num_host = sum(1 for b in hits if type(b) is HostHit)
-        if num_host and tier.num_loads_this_step:
-            num_new = self._chunk(req.num_tokens - len(hits) * self.config.block_size, budget)
-            copies = num_host + kv.num_offloads_to_allocate(req, num_new, hits)
-            if tier.num_copies_this_step + copies > self.copy_budget:
-                return hits, -1
-        return hits, num_host
-
     def _insert_running(self, req: Request, now: float) -> None:
         """Add ``req`` to the running list, keeping a static-key policy's order without a re-sort."""
         running = self.running
@@ -830,14 +541,13 @@ class Scheduler:
             running.append(req)
             return
         key = policy.key(req, now)
-        # Admissions usually come after everything running (FCFS), so the
-        # tail is checked before a binary search.
+        # Admissions usually come after everything running (FCFS), so the tail is checked before a binary search.
         if policy.key(running[-1], now) < key:
             running.append(req)
         else:
             bisect.insort(running, req, key=lambda r: policy.key(r, now))
 
-    def _waiting_victim(self, req: Request, step: _Step) -> Optional[Request]:
+    def _waiting_victim(self, req: Request, step: Step) -> Optional[Request]:
         if not self.policy.preempts_for_waiting:
             return None
         candidates = [r for r in self.running if r.request_id not in step.admitted_ids]
@@ -855,20 +565,17 @@ class Scheduler:
             return budget if cfg.enable_chunked_prefill else 0
         return remaining
 
-    def _preempt(self, victim: Request, step: _Step) -> None:
+    def _preempt(self, victim: Request, step: Step) -> None:
         self.running.remove(victim)
         step.drop(victim)
         victim.spec_token_ids = []
         if self.batch.data[victim.batch_row, PENDING]:
-            # Its in-flight sample will be discarded, so the last known token
-            # is computed again on resume to sample it anew (same key).
+            # Its in-flight sample will be discarded, so the last known token is computed again on resume to sample it
+            # anew (same key).
             victim.num_computed_tokens = min(victim.num_computed_tokens, victim.num_tokens - 1)
-        pairs = self.kv_cache_manager.swap_out(victim) if self._swap else None
-        if pairs is None:
+        if not any(t.keep(victim) for t in self.tiers):
             self.kv_cache_manager.free(victim)
             victim.num_computed_tokens = 0
-        else:
-            step.swap_out.extend(pairs)
         victim.status = RequestStatus.PREEMPTED
         self._num_stopped += 1
         victim.num_preemptions += 1
@@ -882,39 +589,25 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Union[Sequence[int], np.ndarray],
                            num_sampled: Optional[np.ndarray] = None) -> list[Request]:
-        """Apply one model step: advance progress, append samples, stop, free, cache.
+        """Apply one model step: append each row's samples, stop, free, register full blocks in the prefix cache.
 
         Args:
-          output: the output of the last ``schedule()``.
-          sampled_token_ids: ``[num_seqs]`` ints (list or integer array, any
-            extra padding entries beyond ``output.num_seqs`` ignored); entry i
-            belongs to row i (``output.requests[i]``). Samples of partial
-            prefill rows are discarded. With speculative decoding an int
-            array ``[num_seqs, >= 1]``: row i's tokens in order, its accepted
+          output: the oldest ``schedule()`` output not yet updated.
+          sampled_token_ids: ``[num_seqs]`` ints (extra entries ignored), entry i row i's sample (partial prefill
+            rows' are discarded); with speculative decoding an int array ``[num_seqs, >= 1]``: row i's accepted
             drafts then one sampled token.
-          num_sampled: int ``[num_seqs]`` with a 2-D ``sampled_token_ids``:
-            how many of row i's tokens are valid (1 + accepted drafts, at
-            most ``1 + output.num_spec_tokens[i]``).
+          num_sampled: int ``[num_seqs]`` with a 2-D ``sampled_token_ids``: how many of row i's tokens are valid.
 
-        Stop rules, checked after appending the token: once ``min_tokens``
-        outputs exist, eos (unless ``ignore_eos``; ``stop_reason`` None) or a
-        ``stop_token_ids`` member (``stop_reason`` = that id) ->
-        ``FINISHED_STOPPED``; else ``max_tokens`` outputs or ``max_model_len``
-        tokens -> ``FINISHED_LENGTH_CAPPED``. Stop strings are the engine's
-        (``finish_requests``). Finished requests' blocks are freed after
-        their full blocks are registered in the prefix cache.
-
-        A row's tokens are appended one by one, each checked against these
-        rules: tokens after the one that stops a request are dropped.
+        A request stops at the first appended token that, once ``min_tokens`` outputs exist, is eos (unless
+        ``ignore_eos``) or in ``stop_token_ids`` (``FINISHED_STOPPED``, ``stop_reason`` that id), or that makes
+        ``max_tokens`` outputs or ``max_model_len`` tokens (``FINISHED_LENGTH_CAPPED``); tokens after it are dropped.
 
         Returns:
-          every request that received a token this step or finished, plus
-          those ignored or aborted since the last call, each once.
+          every request that received a token or finished, plus those ignored or aborted since the last call, once.
 
         Raises:
-          ValueError: ``output`` is not the pending output, fewer sampled
-            ids than rows, or a 2-D ``sampled_token_ids`` without
-            ``num_sampled`` (nothing is changed).
+          ValueError: ``output`` is not the pending output, fewer sampled ids than rows, or a 2-D
+            ``sampled_token_ids`` without ``num_sampled`` (nothing is changed).
         """
         if not self._pending or output is not self._pending[0][0]:
             raise ValueError("update_from_output: output is not the pending output (the oldest schedule() result not yet updated)")
@@ -981,11 +674,11 @@ class Scheduler:
         state[:, PENDING] -= 1
         state[:, LAST_TOKEN] = tokens
         data[rows] = state
-        # A cheap filter on the whole batch; _stop_status holds the rules.
+        # A cheap filter on the whole batch; Request.stop_status holds the rules.
         maybe_stop = (known >= state[:, LENGTH_LIMIT]) | (tokens == state[:, EOS]) | (state[:, HAS_STOP_IDS] > 0)
         finished = []
         for j in maybe_stop.nonzero()[0].tolist():
-            status = self._stop_status(receivers[j], token_list[j])
+            status = receivers[j].stop_status(token_list[j], self.config.max_model_len)
             if status is not None:
                 self._release(receivers[j], status)
                 finished.append(receivers[j])
@@ -996,13 +689,9 @@ class Scheduler:
 
     def _update_speculative(self, output: SchedulerOutput, sampled: np.ndarray, num_sampled: np.ndarray,
                             alive: Optional[np.ndarray], result: list[Request]) -> list[Request]:
-        """``update_from_output`` of a step with drafts: row by row, tokens one by one.
-
-        A row that verified ``k`` drafts and got ``a + 1`` tokens gives back
-        ``k - a`` computed tokens (the rejected drafts). Blocks are registered
-        in the prefix cache after the accepted tokens are appended, so a hash
-        only ever covers accepted tokens whose K/V is computed.
-        """
+        """``update_from_output`` of a step with drafts, row by row: a row that verified ``k`` drafts and got
+        ``a + 1`` tokens gives back ``k - a`` computed tokens; blocks are registered after the accepted tokens are
+        appended, so a hash only covers accepted tokens."""
         data, bs = self.batch.data, self.config.block_size
         caching = self.config.enable_prefix_caching
         receivers, filled, finished = [], [], []
@@ -1020,7 +709,7 @@ class Scheduler:
             status = None
             for token in tokens:
                 req.append_output_token(token)
-                status = self._stop_status(req, token)
+                status = req.stop_status(token, self.config.max_model_len)
                 if status is not None:
                     break
             if tokens:
@@ -1043,13 +732,10 @@ class Scheduler:
         return result
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, Sequence[int]]) -> None:
-        """Hand running requests the draft tokens their next decode row verifies (vLLM v1's method of the name).
+        """Hand running requests the drafts their next decode row verifies (vLLM v1's method of the name).
 
-        Each request's drafts replace any it had. They are cut so that the
-        row's tokens never pass its length limit (``max_tokens`` or
-        ``max_model_len``), and dropped for a request that is not running,
-        is unknown, or is not at a decode (a prefill to finish, a sample
-        pending).
+        Each request's drafts replace its old ones, cut to its length limit; dropped for a request not running,
+        unknown, or not at a decode.
 
         Args:
           draft_token_ids: request id -> token ids (ints >= 0).
@@ -1071,64 +757,34 @@ class Scheduler:
         self._preemptions_seen = self.num_preemptions
         idle = not self.requests
         free = self.block_pool.num_free_blocks
-        # Compression is the first move: the batch backs off only once it can no longer cover the shortage.
-        if self.kv_cache_manager.compressed_pool is not None and free < self.degradation.low_water:
-            free += self._compressible_blocks()
-        if self.degradation.observe(free, new, idle) and self.pinned_blocks:
-            self.release_pinned_prefixes()
+        # Making room is the first move: the batch backs off only once the tiers can no longer cover the shortage.
+        if self._room_tiers and free < self.degradation.low_water:
+            free += sum(t.reclaimable(self.running) for t in self._room_tiers)
+        if self.degradation.observe(free, new, idle):
+            self.kv_cache_manager.release_pinned_prefixes()
 
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
-        """Hold a reference on the cached full blocks that prefix ``token_ids``, so LRU eviction leaves them alone.
-
-        For the prefix-cache warm-up (``preload_prompts``): the engine computes
-        a common prompt, then pins its blocks. Pinned blocks count as used.
-        Under KV pressure graceful degradation releases them
-        (:meth:`release_pinned_prefixes`), and without it nothing is pinned:
-        they stay ordinary cache entries, revivable until evicted.
-
-        Returns:
-          the blocks newly pinned (0 when degradation is off, or the prefix is not cached).
-        """
-        if self.degradation is None:
-            return 0
-        probe = Request("pin-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
-        blocks, _ = self.kv_cache_manager.get_computed_blocks(probe)
-        held = {b.block_id for b in self.pinned_blocks}
-        new = [b for b in blocks if b.block_id not in held]
-        self.block_pool.touch(new)
-        self.pinned_blocks += new
-        return len(new)
-
-    def release_pinned_prefixes(self) -> None:
-        """Drop the pins of :meth:`pin_prefix`: the blocks become ordinary LRU cache entries (a prefix's head is
-        evicted last)."""
-        blocks, self.pinned_blocks = self.pinned_blocks, []
-        self.block_pool.free_blocks(reversed(blocks))
+        """Pin the cached full blocks that prefix ``token_ids`` (``KVCacheManager.pin_prefix``) while graceful
+        degradation is on, which releases them at its first back-off; returns the blocks newly pinned (0 when off)."""
+        return 0 if self.degradation is None else self.kv_cache_manager.pin_prefix(token_ids, cache_salt)
 
     def take_kv_events(self) -> list[KVEvent]:
-        """The prefix cache's ``BlockStored`` / ``BlockRemoved`` events since the last call, oldest first (none when
-        ``enable_kv_cache_events`` is off)."""
-        events = self.block_pool.kv_events
-        if not events:
-            return []
-        self.block_pool.kv_events = []
-        return events
+        """The prefix cache's events since the last call, oldest first (``BlockPool.take_kv_events``)."""
+        return self.block_pool.take_kv_events()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> list[Request]:
-        """Make sure no KV computed so far is ever read again by another request (vLLM's ``reset_prefix_cache``):
-        release the pinned prefixes and forget every block hash.
+        """Forget every block hash and release the pinned prefixes, so no KV computed so far is read again by
+        another request (vLLM's ``reset_prefix_cache``).
 
         Args:
-          reset_running_requests: also drop the KV of every unfinished request, so that none reads its own old KV:
-            running ones are preempted for recompute (their blocks freed, their tokens so far kept and computed
-            again when they are next scheduled), and swapped-out ones lose their host copies likewise. What the
-            engine does after a weight update.
+          reset_running_requests: also start every unfinished request over (recompute preemption; a tier's copies
+            of its KV dropped), as after a weight update.
 
         Returns:
-          the requests preempted here (the caller gives back what it holds for them, such as sampling slots).
+          the requests preempted here (the caller gives back what it holds for them).
 
         Raises:
-          RuntimeError: a ``schedule()`` output is still waiting for its ``update_from_output()`` (a step in flight).
+          RuntimeError: a step is in flight.
         """
         if self._pending:
             raise RuntimeError("reset_prefix_cache: a scheduled step has not been applied yet (update_from_output)")
@@ -1138,34 +794,31 @@ class Scheduler:
             self._reset_progress(req)
             self.waiting.append(req)
         for req in self.waiting if reset_running_requests else ():
-            if req.request_id in self.kv_cache_manager.swapped:
+            if self._holder(req) is not None:
                 self._reset_progress(req)
         self._waiting_dirty = True
-        if self.pinned_blocks:
-            self.release_pinned_prefixes()
+        self.kv_cache_manager.release_pinned_prefixes()
         self.block_pool.reset_prefix_cache()
         return preempted
 
     # ------------------------------------------------ compaction and resizing (between steps)
 
     def compact_kv_cache(self, num_blocks: Optional[int] = None) -> list[tuple[int, int]]:
-        """Move every referenced and every cached free block to the lowest ids (``BlockPool.compact``) and rewrite
-        the block tables to match; ref counts, prefix-cache hashes, pins and the free queue's order are kept, so
-        running requests go on as if nothing happened once the device has copied the moves.
+        """Move every referenced and cached free block to the lowest ids (``BlockPool.compact``) and rewrite the
+        block tables to match; ref counts, hashes, pins and the free queue's order are kept.
 
         Args:
-          num_blocks: a smaller pool to make room for: the cached free blocks that would not fit below it are
-            evicted first (oldest first). None: keep them all.
+          num_blocks: a smaller pool to make room for (the cached free blocks above it are evicted, oldest first).
 
         Returns:
           ``(src, dst)`` block copies for the device, none of whose destinations is a source.
 
         Raises:
-          RuntimeError: a ``schedule()`` output is still waiting for its ``update_from_output()``.
-          ValueError: ``num_blocks`` is one :meth:`check_resize` refuses (nothing changes).
+          RuntimeError: a step is in flight.
+          ValueError: ``num_blocks`` is one :meth:`check_resize` refuses, or a tier refuses moving ids.
         """
         self._check_between_steps("compact_kv_cache")
-        self._check_no_compression("compact_kv_cache()")
+        self._check_ids_may_move("compact_kv_cache()")
         if num_blocks is not None:
             self.check_resize(num_blocks)
         moves = self.block_pool.compact(num_blocks)
@@ -1184,7 +837,7 @@ class Scheduler:
             raise ValueError(f"resize_kv_cache: num_blocks={num_blocks!r} must be an int >= 2 (block 0 is the "
                              "null block)")
         self._check_between_steps("resize_kv_cache")
-        self._check_no_compression(f"resize_kv_cache(num_blocks={num_blocks})")
+        self._check_ids_may_move(f"resize_kv_cache(num_blocks={num_blocks})")
         used = sum(1 for b in self.block_pool.blocks if b.ref_cnt > 0)
         if num_blocks < used + 1:
             raise ValueError(f"resize_kv_cache: num_blocks={num_blocks} is below the {used + 1} blocks in use "
@@ -1195,10 +848,8 @@ class Scheduler:
                              f"blocks, more than the {num_blocks - 1} usable of num_blocks={num_blocks}")
 
     def resize_kv_cache(self, num_blocks: int) -> list[tuple[int, int]]:
-        """Grow or shrink the pool to ``num_blocks`` (the null block included) without touching a request: a
-        shrink compacts first (:meth:`compact_kv_cache` with ``num_blocks``), evicting the cached free blocks that
-        do not fit. The limits follow (``config.num_blocks``, what ``add_request`` checks; graceful degradation's
-        low-water mark).
+        """Grow or shrink the pool to ``num_blocks`` (the null block included) without touching a request (a shrink
+        compacts first); ``config.num_blocks`` and degradation's limits follow.
 
         Returns:
           the device copies of the compaction (none when growing or already compact).
@@ -1214,11 +865,11 @@ class Scheduler:
             self.degradation.resize(num_blocks - 1)
         return moves
 
-    def _check_no_compression(self, what: str) -> None:
-        # Compressed blocks' ids are the device pool's size plus their slot: renumbering or resizing would move them.
-        if self.kv_cache_manager.compressed_pool is not None:
-            raise ValueError(f"{what}: not with a compressed KV pool (num_compressed_blocks="
-                             f"{self.config.num_compressed_blocks}, kv_cache_compression)")
+    def _check_ids_may_move(self, what: str) -> None:
+        for tier in self.tiers:
+            reason = tier.refuses_compaction()
+            if reason is not None:
+                raise ValueError(f"{what}: {reason}")
 
     def _check_between_steps(self, what: str) -> None:
         if self._pending:
@@ -1234,33 +885,12 @@ class Scheduler:
             req.status = RequestStatus.PREEMPTED
             self._num_stopped += 1
 
-    def _stop_status(self, req: Request, token: int) -> Optional[RequestStatus]:
-        sp = req.sampling_params
-        num_output = len(req.output_token_ids)
-        if num_output >= sp.min_tokens:
-            if token == req.eos_token_id and not sp.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if sp.stop_token_ids and token in sp.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        max_tokens = req.max_tokens
-        if (max_tokens is not None and num_output >= max_tokens) or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
-
     def discard_output(self, output: SchedulerOutput) -> None:
-        """Forget the newest ``schedule()`` output, whose step never ran (the
-        runner failed before launching it).
+        """Forget the newest ``schedule()`` output, whose step never ran (its launch failed).
 
-        Its rows' requests lose their blocks and progress and wait again, as
-        after a recompute preemption, so the scheduler stays consistent and
-        the next ``schedule()`` works. Its host-tier copies may not have run,
-        so the blocks they were to fill are forgotten by both tiers; nor may
-        its compressions, so the requests holding their blocks start over too.
-        The blocks its admissions registered in the prefix cache are forgotten.
-        Under async scheduling, the rows these requests, and those it
-        preempted, have in the step before it (still to be applied) are
-        skipped when it is applied.
+        Its rows' requests, and those holding KV its copies were to write (``KVTier.forget``), start over as after a
+        recompute preemption; the blocks its admissions registered in the prefix cache are forgotten. Under async
+        scheduling the step before it skips their rows when applied.
 
         Raises:
           ValueError: ``output`` is not the newest pending output.
@@ -1270,9 +900,10 @@ class Scheduler:
         _, _, scheduled_blocks, _ = self._pending.pop()
         self.block_pool.uncache_blocks(scheduled_blocks)
         self.kv_cache_manager.release_copy_sources()
-        self.kv_cache_manager.forget_tier_copies(output.blocks_to_offload, output.blocks_to_load)
+        rows = {id(r) for r in output.requests}
+        lost = [r for t in self.tiers for r in t.forget(output.block_copies, self.running) if id(r) not in rows]
         restarted = [r.request_id for r in output.preempted]
-        for req in output.requests + self._compressed_by(output):
+        for req in output.requests + lost:
             if req.status is not _RUNNING:
                 continue
             self.running.remove(req)
@@ -1284,20 +915,10 @@ class Scheduler:
             self.waiting.append(req)
             restarted.append(req.request_id)
         if self._pending:
-            # Under async scheduling the step before it is still to be applied; these requests may run again
-            # before that, and must not take that step's rows (samples, old batch rows) as their own.
+            # Under async scheduling the step before it is still to be applied; these requests may run again before
+            # that, and must not take that step's rows (samples, old batch rows) as their own.
             self._pending[0][3].update(restarted)
         self._waiting_dirty = True
-
-    def _compressed_by(self, output: SchedulerOutput) -> list[Request]:
-        """The running requests that hold a block ``output`` compressed and are not among its rows."""
-        cpool = self.kv_cache_manager.compressed_pool
-        if cpool is None or not output.blocks_to_compress:
-            return []
-        ids = {cpool.base + slot for _, slot in output.blocks_to_compress}
-        rows = {id(r) for r in output.requests}
-        return [r for r in self.running if id(r) not in rows
-                and ids.intersection(self.kv_cache_manager.get_block_ids(r.request_id))]
 
     def _release(self, req: Request, status: RequestStatus) -> None:
         """Finish ``req``: set ``status``, free its blocks, forget it. The caller fixes the running/waiting lists."""
@@ -1311,12 +932,8 @@ class Scheduler:
     # ---------------------------------------------------------- engine hooks
 
     def finish_requests(self, request_ids: Union[str, Iterable[str]], status: RequestStatus) -> None:
-        """Finish requests from outside (stop strings, aborts), freeing all their blocks at once.
-
-        Unknown or already finished ids are skipped. Aborted (and ignored)
-        requests are reported in the next ``SchedulerOutput.finished`` and
-        ``update_from_output`` result; other statuses are not, as the caller
-        already knows.
+        """Finish requests from outside (stop strings, aborts), freeing their blocks; unknown ids are skipped.
+        Aborted and ignored ones are reported in the next output's ``finished`` and ``update_from_output`` result.
 
         Raises:
           ValueError: ``status`` is not a ``FINISHED_*`` status.
@@ -1340,11 +957,8 @@ class Scheduler:
         self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
     def get_request(self, request_id: str) -> Request:
-        """The unfinished request with this id.
-
-        Raises:
-          UnknownRequestError: (a KeyError and a ValueError) no unfinished request has this id.
-        """
+        """The unfinished request with this id; raises ``UnknownRequestError`` (a KeyError and a ValueError) if
+        none has it."""
         try:
             return self.requests[request_id]
         except KeyError:
@@ -1362,17 +976,9 @@ class Scheduler:
     @property
     def stats(self) -> SchedulerStats:
         """A fresh ``SchedulerStats`` snapshot."""
-        tier = self.block_pool.host_tier
-        cpool = self.kv_cache_manager.compressed_pool
         return SchedulerStats(
-            num_compressed_blocks=0 if cpool is None else cpool.num_blocks - 1,
-            num_compressed_in_use=0 if cpool is None else cpool.num_blocks - 1 - cpool.num_free_blocks,
-            num_blocks_compressed=0 if cpool is None else cpool.num_compressed,
+            **{k: v for tier in self.kv_cache_manager.tiers for k, v in tier.stats().items()},
             prefix_cache_hits_host=self.prefix_cache_hits_host,
-            num_offload_blocks=0 if tier is None else tier.num_slots,
-            num_offload_cached_blocks=0 if tier is None else tier.num_cached,
-            num_blocks_offloaded=0 if tier is None else tier.num_offloaded,
-            num_blocks_loaded=0 if tier is None else tier.num_loaded,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preempted_waiting=sum(1 for r in self.waiting if r.status == RequestStatus.PREEMPTED),
@@ -1385,8 +991,5 @@ class Scheduler:
             num_blocks=self.block_pool.num_blocks,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            num_predicted_finished=self.predictor.num_observed,
-            predicted_output_tokens=self.predictor.predicted_output_tokens,
-            actual_output_tokens=self.predictor.actual_output_tokens,
-            prediction_abs_error_tokens=self.predictor.abs_error_tokens,
+            **self.predictor.stats(),
         )

@@ -33,12 +33,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def fill(core, live: float, rng: np.random.Generator) -> None:
     """Take every free block, then free a random ``1 - live`` of them: the rest stay held as pins."""
     sched = core.scheduler
-    sched.release_pinned_prefixes()
+    sched.kv_cache_manager.release_pinned_prefixes()
     pool = sched.block_pool
     blocks = pool.get_new_blocks(pool.num_free_blocks)
     keep = rng.random(len(blocks)) < live
     pool.free_blocks([b for b, k in zip(blocks, keep) if not k])
-    sched.pinned_blocks = [b for b, k in zip(blocks, keep) if k]
+    sched.kv_cache_manager.pinned_blocks = [b for b, k in zip(blocks, keep) if k]
 
 
 def time_copies(runner, moves, chunk: int) -> float:
@@ -76,7 +76,7 @@ def compaction_rows(llm, num_blocks: int, live: float, wide: int, repeats: int):
         whole = core.kv_cache_compact()
         row = (len(moves), plan, narrow, wide_s, whole["seconds"], whole["num_moved_blocks"])
         best = row if best is None or row[4] < best[4] else best
-    core.scheduler.release_pinned_prefixes()
+    core.scheduler.kv_cache_manager.release_pinned_prefixes()
     return best
 
 
@@ -88,7 +88,7 @@ def resize_rows(llm, num_blocks: int):
         report = core.kv_cache_resize(target)
         rows.append((num_blocks if target == num_blocks // 2 else num_blocks // 2, target, report["num_moved_blocks"],
                      report["num_compilations"], report["seconds"]))
-        core.scheduler.release_pinned_prefixes()
+        core.scheduler.kv_cache_manager.release_pinned_prefixes()
     return rows
 
 

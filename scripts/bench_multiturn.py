@@ -1,5 +1,5 @@
 """Multi-turn chat against a device KV pool too small for the live histories: the prefix cache's host tier
-(``--kv-offloading-size``) off, on with loads at admission, and on with prefetch, side by side.
+(``--kv-offloading-size``) off and on, side by side.
 
 Usage: python scripts/bench_multiturn.py [--model PATH] [--conversations 16] [--turns 8] [--system-len 64]
            [--user-len 16] [--output-len 16] [--max-num-seqs 4] [--num-kv-blocks N] [--kv-offloading-size GIB]
@@ -10,7 +10,7 @@ is complete (closed loop), asking for ``--output-len`` greedy tokens. The device
 of the final histories' blocks (at least every seat's longest), the tier to room for all.
 
 Prints per configuration: TTFT P50/P99 (s), output tokens/s, prefill tokens computed, hits by tier,
-preemptions, blocks offloaded/loaded/prefetched, the loop's seconds on tier copies, and whether every answer
+preemptions, blocks offloaded/loaded, the loop's seconds on tier copies, and whether every answer
 equals the tier-off run's.
 """
 
@@ -76,18 +76,18 @@ def chat(engine, system: list[int], users: list[list[list[int]]], output_len: in
     return dict(ttft=ttft, answers=answers, seconds=time.monotonic() - start)
 
 
-def tier_copies(tier) -> tuple[int, int, int]:
-    """The host tier's blocks offloaded, loaded, and prefetched (of those loaded) so far; zeros without a tier."""
-    return (0, 0, 0) if tier is None else (tier.num_offloaded, tier.num_loaded, tier.num_prefetched)
+def tier_copies(tier) -> tuple[int, int]:
+    """The host tier's blocks offloaded and loaded so far; zeros without a tier."""
+    return (0, 0) if tier is None else (tier.num_offloaded, tier.num_loaded)
 
 
-def run(args: argparse.Namespace, offloading_gib: float, prefetch: bool = False) -> dict:
+def run(args: argparse.Namespace, offloading_gib: float) -> dict:
     """One configuration: warm up, chat, and read the core's counters."""
     from jaxllm import LLM
 
     llm = LLM(model=str(args.model), max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              dtype="float32", kv_offloading_size=offloading_gib, kv_offloading_prefetch=prefetch, precompile=True)
+              dtype="float32", kv_offloading_size=offloading_gib, precompile=True)
     engine = llm.engine
     engine.wait_for_warmup()
     try:
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace, offloading_gib: float, prefetch: bool = False)
         system, users = conversations(args, vocab, seed=0)
         result = chat(engine, system, users, args.output_len, prefix="c")
         after = engine.metrics.core_stats[0]
-        offloaded, loaded, prefetched = (a - b for a, b in zip(tier_copies(tier), copies_before))
+        offloaded, loaded = (a - b for a, b in zip(tier_copies(tier), copies_before))
         written = engine.core.offload_write_seconds - written_before
     finally:
         engine.metrics.close()
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace, offloading_gib: float, prefetch: bool = False)
         prefill_tokens_computed=delta["prefix_cache_queries"] - delta["prefix_cache_hits"],
         device_hit_tokens=delta["prefix_cache_hits"] - delta["prefix_cache_hits_host"],
         host_hit_tokens=delta["prefix_cache_hits_host"], preemptions=delta["num_preemptions"],
-        offloaded_blocks=offloaded, loaded_blocks=loaded, prefetched_blocks=prefetched,
+        offloaded_blocks=offloaded, loaded_blocks=loaded,
         offload_seconds_before_dispatch=delta["kv_offload_seconds_to_host"] - written,
         offload_seconds_after_dispatch=written,
         offload_seconds_to_device=delta["kv_offload_seconds_to_device"],
@@ -133,7 +133,6 @@ _ROWS = [  # (label, key)
     ("preemptions", "preemptions"),
     ("blocks offloaded", "offloaded_blocks"),
     ("blocks loaded", "loaded_blocks"),
-    ("  of them prefetched", "prefetched_blocks"),
     ("loop s on offloads before dispatch", "offload_seconds_before_dispatch"),
     ("loop s on offloads after dispatch", "offload_seconds_after_dispatch"),
     ("loop s on loads (before dispatch)", "offload_seconds_to_device"),
@@ -191,8 +190,8 @@ def main(argv=None) -> dict:
     print(f"{args.conversations} conversations x {args.turns} turns, histories up to {args.max_model_len} tokens; "
           f"device pool {args.num_kv_blocks} blocks (final histories: {final_history_blocks(args)}), "
           f"max_num_seqs {args.max_num_seqs}")
-    results = [run(args, 0.0), run(args, args.kv_offloading_size), run(args, args.kv_offloading_size, True)]
-    names = ["tier off", f"tier on ({args.kv_offloading_size} GiB)", "tier on + prefetch"]
+    results = [run(args, 0.0), run(args, args.kv_offloading_size)]
+    names = ["tier off", f"tier on ({args.kv_offloading_size} GiB)"]
     print_table(results, names)
     host = common.host_info()
     print(common.host_line(host))

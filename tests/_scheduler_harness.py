@@ -10,6 +10,7 @@ import xxhash
 
 import scheduler.persistent_batch as pb
 from scheduler.block_moves import order_block_moves
+from scheduler.kv.tier import CopyKind
 from scheduler import (
     BucketTable,
     Request,
@@ -81,17 +82,20 @@ class FakeRunner:
         if fed.any():
             b.input_ids[fed] = np.asarray(self.last_sampled)[b.prev_token_index[fed]]
         bs = self.block_size
-        for d, c in output.blocks_to_compress:
-            self.compressed[c * bs : (c + 1) * bs] = self.kv[d * bs : (d + 1) * bs]
-        for d, h in b.blocks_to_swap_out:
-            self.host[h] = self.kv[d * bs : (d + 1) * bs]
         # As the engine does: offloads are gathered before the step and written to the host after it, so a
         # load of a slot an offload of the same step writes would read the slot's old contents.
-        offloaded = [(h, self.kv[d * bs : (d + 1) * bs].copy()) for d, h in output.blocks_to_offload]
-        for h, d in [*b.blocks_to_swap_in.tolist(), *output.blocks_to_load]:
-            self.kv[d * bs : (d + 1) * bs] = self.host[h]
-        for src, dst in b.blocks_to_copy:
-            self.kv[dst * bs : (dst + 1) * bs] = self.kv[src * bs : (src + 1) * bs]
+        offloaded = []
+        for kind, src, dst in output.block_copies:
+            if kind is CopyKind.COMPRESS:
+                self.compressed[dst * bs : (dst + 1) * bs] = self.kv[src * bs : (src + 1) * bs]
+            elif kind is CopyKind.SWAP_OUT:
+                self.host[dst] = self.kv[src * bs : (src + 1) * bs]
+            elif kind is CopyKind.OFFLOAD:
+                offloaded.append((dst, self.kv[src * bs : (src + 1) * bs].copy()))
+            elif kind is CopyKind.COPY:
+                self.kv[dst * bs : (dst + 1) * bs] = self.kv[src * bs : (src + 1) * bs]
+            else:
+                self.kv[dst * bs : (dst + 1) * bs] = self.host[src]
         self.kv[b.slot_mapping] = b.input_ids
         sampled = []
         for s in range(b.num_seqs):
@@ -193,7 +197,7 @@ def check_block_invariants(sched: Scheduler) -> None:
     plus the pins of pending copies' sources; the same of the compressed pool's blocks, whose free and held
     slots add up to all of them."""
     pool, kv = sched.block_pool, sched.kv_cache_manager
-    holders = Counter(b.block_id for b in kv.copy_sources + sched.pinned_blocks)
+    holders = Counter(b.block_id for b in kv.copy_sources + sched.kv_cache_manager.pinned_blocks)
     for rid, blocks in kv.req_to_blocks.items():
         assert len({b.block_id for b in blocks}) == len(blocks), f"{rid} holds a block twice"
         assert [b.block_id for b in blocks] == kv.req_to_block_ids[rid]
@@ -220,9 +224,9 @@ def check_block_invariants(sched: Scheduler) -> None:
     for req in sched.waiting:
         assert req.request_id not in kv.req_to_blocks, f"waiting {req.request_id} holds device blocks"
     assert len(pool.blocks) == pool.num_blocks and all(b.block_id == i for i, b in enumerate(pool.blocks))
-    host_ids = [h for ids in kv.swapped.values() for h in ids]
+    host_ids = [h for ids in kv.swap.swapped.values() for h in ids]
     assert len(host_ids) == len(set(host_ids))
-    assert len(host_ids) + kv.host_pool.num_free_blocks == kv.host_pool.num_host_blocks
+    assert len(host_ids) + kv.swap.host_pool.num_free_blocks == kv.swap.host_pool.num_host_blocks
     assert len(sched.running) <= sched.config.max_num_seqs
     check_host_tier(sched)
 
@@ -270,11 +274,11 @@ def check_copies(sched: Scheduler, out) -> None:
     writes the destination or the source."""
     pool, kv, bs = sched.block_pool, sched.kv_cache_manager, sched.config.block_size
     rows = {r.block_ids[-1]: r for r in out.scheduled if r.block_ids}
-    dsts = [d for _, d in out.blocks_to_copy]
+    dsts = [d for _, d in out.copies(CopyKind.COPY)]
     assert len(set(dsts)) == len(dsts)
-    swapped_in = {d for _, d in out.blocks_to_swap_in}
-    assert sorted(b.block_id for b in kv.copy_sources) == sorted(s for s, _ in out.blocks_to_copy)
-    for src, dst in out.blocks_to_copy:
+    swapped_in = {d for _, d in out.copies(CopyKind.SWAP_IN)}
+    assert sorted(b.block_id for b in kv.copy_sources) == sorted(s for s, _ in out.copies(CopyKind.COPY))
+    for src, dst in out.copies(CopyKind.COPY):
         source, fresh, row = pool.blocks[src], pool.blocks[dst], rows[dst]
         req = row.request
         assert pool.cached[source.block_hash] is source

@@ -118,16 +118,16 @@ def test_first_back_off_releases_pinned_prefixes_into_the_lru_cache():
     while sched.has_unfinished_requests():
         step(sched, runner)
     assert sched.pin_prefix(system) == 2 and sched.pin_prefix(system) == 0
-    pinned = list(sched.pinned_blocks)
+    pinned = list(sched.kv_cache_manager.pinned_blocks)
     assert [b.ref_cnt for b in pinned] == [1, 1] and sched.block_pool.num_free_blocks == 24 - 2
     for i in range(16):
         sched.add_request(make_request(f"r{i}", [(7 * i + j) % 50 for j in range(8)], max_tokens=24))
     while sched.degradation.level == 0:
-        assert sched.pinned_blocks == pinned
+        assert sched.kv_cache_manager.pinned_blocks == pinned
         step(sched, runner)
         check_block_invariants(sched)
     # Unpinned at the first back-off: ordinary cached-free blocks, revivable until evicted.
-    assert sched.pinned_blocks == [] and all(b.ref_cnt == 0 or b.block_hash is None for b in pinned)
+    assert sched.kv_cache_manager.pinned_blocks == [] and all(b.ref_cnt == 0 or b.block_hash is None for b in pinned)
     while sched.has_unfinished_requests():
         step(sched, runner)
     assert sched.block_pool.num_free_blocks == 24

@@ -47,7 +47,7 @@ def test_report_of_a_scripted_state_counts_every_block_once():
     assert (report["num_running"], report["num_waiting"], report["num_preempted_waiting"]) == (2, 1, 0)
     blocks = report["blocks"]
     assert len(blocks) == 17 and blocks[0] == {"state": "null", "ref_cnt": 0, "holders": []}
-    pinned = [b.block_id for b in sched.pinned_blocks]
+    pinned = [b.block_id for b in sched.kv_cache_manager.pinned_blocks]
     assert all(blocks[i] == {"state": "used", "ref_cnt": 2, "holders": ["b", "<pinned>"]} for i in pinned)
     assert sorted(block_codes(report)) == [0] + [1] * 4 + [3] * 2 + [4] * 2 + [5] * 8
     assert json.loads(json.dumps(report)) == report

@@ -1,4 +1,4 @@
-"""The prefix cache's host tier (``scheduler.host_tier``) in the scheduler, against the fake runner's simulated KV:
+"""The prefix cache's host tier (``scheduler.kv.host_tier``) in the scheduler, against the fake runner's simulated KV:
 eviction to host and revival with exact contents, host hits equal to fresh computation, the tier's LRU, load
 budget, events and reset."""
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from scheduler import Scheduler, SchedulerConfig
-from scheduler.host_tier import HostTier
+from scheduler.kv.host_tier import HostTier
+from scheduler.kv.tier import BlockCopy, CopyKind
 from scheduler.kv_events import BlockRemoved, BlockStored
 from tests._scheduler_harness import FakeRunner, check_block_invariants, make_request, reference_output, run_until_done
 
@@ -43,10 +44,10 @@ def test_evicted_block_is_offloaded_then_revived_with_exact_contents():
     _, outs = _run(sched, runner, "b", B)
     # B needs all four usable blocks, so both of A's cached blocks are reused (A's tail first: a request's
     # blocks are freed tail first), copied to slots 0 and 1 before.
-    assert outs[0].blocks_to_offload == [(a_blocks[1], 0), (a_blocks[0], 1)]
+    assert outs[0].copies(CopyKind.OFFLOAD) == [(a_blocks[1], 0), (a_blocks[0], 1)]
     assert runner.host[0].tolist() == A[4:] and runner.host[1].tolist() == A[:4]
     again, outs = _run(sched, runner, "a2", A + [40])
-    loads = outs[0].blocks_to_load
+    loads = outs[0].copies(CopyKind.LOAD)
     assert [slot for slot, _ in loads] == [1, 0]
     assert [runner.kv[d * BS:(d + 1) * BS].tolist() for _, d in loads] == [A[:4], A[4:]]
     assert (outs[0].num_computed_tokens.tolist(), outs[0].num_new_tokens.tolist()) == ([8], [1])
@@ -60,7 +61,7 @@ def test_host_hit_gives_the_tokens_of_a_fresh_computation():
     _run(sched, runner, "a", prompt[:12])
     _run(sched, runner, "b", B)  # takes the two unhashed blocks, then a's last two
     hit, outs = _run(sched, runner, "a2", prompt, max_tokens=6)
-    assert len(outs[0].blocks_to_load) == 2 and outs[0].num_computed_tokens.tolist() == [12]
+    assert len(outs[0].copies(CopyKind.LOAD)) == 2 and outs[0].num_computed_tokens.tolist() == [12]
     fresh_sched, fresh_runner = _sched(num_blocks=6, num_offload_blocks=0)
     fresh, fresh_outs = _run(fresh_sched, fresh_runner, "a2", prompt, max_tokens=6)
     assert fresh_outs[0].num_computed_tokens.tolist() == [0]
@@ -73,7 +74,7 @@ def test_host_hits_never_cover_the_last_token():
     _run(sched, runner, "b", B)
     # A whole-block prompt all in the host tier: the last block is recomputed, not copied on write.
     _, outs = _run(sched, runner, "a2", A)
-    assert len(outs[0].blocks_to_load) == 1 and not outs[0].blocks_to_copy
+    assert len(outs[0].copies(CopyKind.LOAD)) == 1 and not outs[0].copies(CopyKind.COPY)
     assert (outs[0].num_computed_tokens.tolist(), outs[0].num_new_tokens.tolist()) == ([4], [4])
 
 
@@ -102,7 +103,7 @@ def test_prefix_evicted_from_both_tiers_is_recomputed():
     _run(sched, runner, "b", B)
     _run(sched, runner, "c", list(range(60, 73)))
     again, outs = _run(sched, runner, "a2", A + [40], max_tokens=4)
-    assert not outs[0].blocks_to_load and outs[0].num_computed_tokens.tolist() == [0]
+    assert not outs[0].copies(CopyKind.LOAD) and outs[0].num_computed_tokens.tolist() == [0]
     assert sched.prefix_cache_hits_host == 0
 
 
@@ -114,7 +115,7 @@ def test_cache_salt_isolates_host_tier_hits():
     bob = make_request("bob", A + [40], max_tokens=1, cache_salt="bob")
     sched.add_request(bob)
     out = sched.schedule()
-    assert not out.blocks_to_load and out.num_computed_tokens.tolist() == [0]
+    assert not out.copies(CopyKind.LOAD) and out.num_computed_tokens.tolist() == [0]
 
 
 def test_a_second_loading_request_waits_past_the_step_load_budget():
@@ -128,10 +129,10 @@ def test_a_second_loading_request_waits_past_the_step_load_budget():
         sched.add_request(make_request(rid, prompt, max_tokens=1))
     # The budget is 8 // 4 = 2 blocks: a2 loads 2, so c2 (2 more) waits a step.
     out = sched.schedule()
-    assert [r.request_id for r in out.requests] == ["a2"] and len(out.blocks_to_load) == 2
+    assert [r.request_id for r in out.requests] == ["a2"] and len(out.copies(CopyKind.LOAD)) == 2
     sched.update_from_output(out, runner(out))
     out = sched.schedule()
-    assert [r.request_id for r in out.requests] == ["c2"] and len(out.blocks_to_load) == 2
+    assert [r.request_id for r in out.requests] == ["c2"] and len(out.copies(CopyKind.LOAD)) == 2
 
 
 def test_events_name_the_tier_of_each_store_and_removal():
@@ -156,24 +157,24 @@ def test_reset_prefix_cache_empties_the_host_tier():
     tier = sched.block_pool.host_tier
     assert tier.num_cached == 0 and tier.num_free_slots == 8
     _, outs = _run(sched, runner, "a2", A + [40])
-    assert not outs[0].blocks_to_load
+    assert not outs[0].copies(CopyKind.LOAD)
 
 
 def test_a_full_tier_whose_slots_are_all_read_this_step_drops_the_offload():
     tier = HostTier(1, base=3)
     tier.offload(5, b"h1")
-    assert tier.take_copies() == ([(5, 3)], [])
+    assert tier.take_copies() == [BlockCopy(CopyKind.OFFLOAD, 5, 3)]
     tier.end_step()
     tier.start_step()
     hit = tier.lookup(b"h1")
     tier.pin([hit])
     tier.load(hit, 7)
     tier.offload(6, b"h2")
-    assert tier.take_copies() == ([], [(3, 7)]) and list(tier.slots) == [b"h1"] and tier.num_dropped == 1
+    assert tier.take_copies() == [BlockCopy(CopyKind.LOAD, 3, 7)] and list(tier.slots) == [b"h1"] and tier.num_dropped == 1
     tier.end_step()
     tier.start_step()
     tier.offload(6, b"h2")
-    assert tier.take_copies() == ([(6, 3)], []) and list(tier.slots) == [b"h2"]
+    assert tier.take_copies() == [BlockCopy(CopyKind.OFFLOAD, 6, 3)] and list(tier.slots) == [b"h2"]
 
 
 @pytest.mark.parametrize("value", [-1, 1.5])
@@ -187,12 +188,11 @@ def test_num_offload_blocks_needs_prefix_caching():
         SchedulerConfig(num_blocks=4, num_offload_blocks=2, enable_prefix_caching=False)
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["on-demand", "prefetch"])
-def test_async_scheduling_with_the_tier_generates_the_reference_tokens(prefetch):
+def test_async_scheduling_with_the_tier_generates_the_reference_tokens():
     from tests._scheduler_harness import run_async_until_done
 
     config = SchedulerConfig(num_blocks=8, block_size=BS, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
-                             num_offload_blocks=12, async_scheduling=True, kv_offloading_prefetch=prefetch)
+                             num_offload_blocks=12, async_scheduling=True)
     sched, runner = Scheduler(config), FakeRunner(config)
     requests = []
     for turn in range(3):
@@ -204,8 +204,6 @@ def test_async_scheduling_with_the_tier_generates_the_reference_tokens(prefetch)
     for req in requests:
         assert req.output_token_ids == reference_output(req.prompt_token_ids, req.sampling_params, None, 64), req
     assert sched.prefix_cache_hits_host > 0
-    # Prefetched blocks are loaded before the step after the one that scheduled them reads them.
-    assert (sched.block_pool.host_tier.num_prefetched > 0) == prefetch
 
 
 def test_a_fork_that_reuses_a_cached_block_queues_its_offload_for_before_the_fork_copies():
@@ -223,8 +221,8 @@ def test_a_fork_that_reuses_a_cached_block_queues_its_offload_for_before_the_for
     copies = sched.fork_request("parent", children)
     # The second child's copy of the partial block lands in a's cached block, the only free one: the engine runs
     # this offload before the copies (EngineCore._advance_parent).
-    offloads, loads = sched.kv_cache_manager.take_tier_copies()
-    assert offloads == [(a_block, 0)] and not loads and copies[0][1] == a_block
+    assert sched.kv_cache_manager.take_block_copies() == [BlockCopy(CopyKind.OFFLOAD, a_block, 0)]
+    assert copies[0][1] == a_block
     runner.host[0] = runner.kv[a_block * BS:(a_block + 1) * BS]
     for src, dst in copies:
         runner.kv[dst * BS:(dst + 1) * BS] = runner.kv[src * BS:(src + 1) * BS]
@@ -232,47 +230,16 @@ def test_a_fork_that_reuses_a_cached_block_queues_its_offload_for_before_the_for
     assert runner.host[0].tolist() == A[:4]
 
 
-def test_prefetch_loads_a_waiting_requests_host_hits_into_empty_blocks_before_its_admission():
-    config = SchedulerConfig(num_blocks=7, block_size=BS, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
-                             num_offload_blocks=8, kv_offloading_prefetch=True)
-    sched, runner = Scheduler(config), FakeRunner(config)
-    _run(sched, runner, "a", A)
-    _run(sched, runner, "b", list(range(20, 41)))  # six blocks: A's two go to the host tier
-    # Five blocks allocated, then given back unwritten (aborted): empty blocks a prefetch may use.
-    sched.add_request(make_request("c", list(range(70, 87)), max_tokens=1))
-    out = sched.schedule()
-    sched.abort_request("c")
-    sched.update_from_output(out, runner(out))
-    long = make_request("long", list(range(60, 69)), max_tokens=1)  # runs first, three blocks
-    again = make_request("a2", A + [40], max_tokens=4)
-    sched.add_request(long)
-    sched.add_request(again)
-    out = sched.schedule()
-    # One seat: a2 waits, and its two host hits are loaded into the empty blocks left.
-    assert [r.request_id for r in out.requests] == ["long"]
-    assert [slot for slot, _ in out.blocks_to_load] == [1, 0] and sched.block_pool.host_tier.num_prefetched == 2
-    loaded = [d for _, d in out.blocks_to_load]
-    assert all(sched.block_pool.blocks[d].ref_cnt == 0 for d in loaded)
-    sched.update_from_output(out, runner(out))
-    out = sched.schedule()
-    # Admitted with device hits, nothing more to load.
-    assert [r.request_id for r in out.requests] == ["a2"] and not out.blocks_to_load
-    assert out.num_computed_tokens.tolist() == [8] and sched.kv_cache_manager.get_block_ids("a2")[:2] == loaded
-    sched.update_from_output(out, runner(out))
-    run_until_done(sched, runner, check=check_block_invariants)
-    assert again.output_token_ids == reference_output(again.prompt_token_ids, again.sampling_params, None, 64)
-
-
 P = list(range(1, 13))  # three full blocks
 Q = list(range(100, 139))  # nine full blocks and three tokens
 
 
-def _prefetch_setup(prefetch=True, max_num_batched_tokens=64, long_prompt=Q[:8] + [7]):
+def _waiting_setup(max_num_batched_tokens=64, long_prompt=Q[:8] + [7]):
     """P's last two blocks in the host tier (slots 1 and 0), its first one cached on the device in block 1, at the
     front of the free queue behind an empty block; then "long" (one seat) is admitted and "p2" (P and one
     token) waits."""
     config = SchedulerConfig(num_blocks=12, block_size=BS, max_num_seqs=1, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=64, num_offload_blocks=16, kv_offloading_prefetch=prefetch)
+                             max_model_len=64, num_offload_blocks=16)
     sched, runner = Scheduler(config), FakeRunner(config)
     _run(sched, runner, "p", P)  # blocks 1, 2, 3
     _run(sched, runner, "q", Q)  # takes the eight empty blocks, then 3 and 2: P's tail goes to slots 0 and 1
@@ -286,80 +253,13 @@ def _prefetch_setup(prefetch=True, max_num_batched_tokens=64, long_prompt=Q[:8] 
     return sched, runner, p2
 
 
-def test_prefetch_turns_a_waiting_requests_host_hits_into_device_hits_at_its_admission():
-    sched, runner, p2 = _prefetch_setup()
+def test_a_waiting_request_loads_its_host_hits_at_admission():
+    sched, runner, p2 = _waiting_setup()
     out = sched.schedule()
-    # "long" takes the empty block 2 and the seat; p2's two host hits are loaded into the next free blocks, 3 and
-    # 11 (Q's cached tail), which go to the tier first.
-    assert [r.request_id for r in out.requests] == ["long"]
-    assert out.blocks_to_offload == [(3, 2), (11, 3)] and out.blocks_to_load == [(1, 3), (0, 11)]
-    assert sched.block_pool.host_tier.num_prefetched == 2
+    assert not out.copies(CopyKind.LOAD) and not out.copies(CopyKind.OFFLOAD)
     sched.update_from_output(out, runner(out))
     out = sched.schedule()
-    assert [r.request_id for r in out.requests] == ["p2"] and not out.blocks_to_load and not out.blocks_to_offload
-    assert out.num_computed_tokens.tolist() == [12] and sched.kv_cache_manager.get_block_ids("p2") == [1, 3, 11, 2]
-    assert sched.prefix_cache_hits_host == 0
-    sched.update_from_output(out, runner(out))
-    run_until_done(sched, runner, check=check_block_invariants)
-    assert p2.output_token_ids == reference_output(p2.prompt_token_ids, p2.sampling_params, None, 64)
-
-
-def test_without_prefetch_the_same_request_loads_its_host_hits_at_admission():
-    sched, runner, p2 = _prefetch_setup(prefetch=False)
-    out = sched.schedule()
-    assert not out.blocks_to_load and not out.blocks_to_offload
-    sched.update_from_output(out, runner(out))
-    out = sched.schedule()
-    assert out.blocks_to_load == [(1, 2), (0, 3)] and sched.prefix_cache_hits_host == 8
-
-
-def test_prefetch_never_evicts_a_device_hit_of_the_request_it_loads_for():
-    sched, runner, p2 = _prefetch_setup()
-    first = sched.block_pool.cached[p2.block_hashes[0]]
-    out = sched.schedule()
-    # Block 1 (P's first block, p2's device hit) was the front of the free queue once "long" took block 2: the
-    # prefetch passed over it.
-    assert 1 not in {d for d, _ in out.blocks_to_offload} | {d for _, d in out.blocks_to_load}
-    assert sched.block_pool.cached[p2.block_hashes[0]] is first and first.block_id == 1 and first.ref_cnt == 0
-    check_block_invariants(sched)
-
-
-def test_prefetch_stops_at_the_step_copy_budget_counting_the_offloads_it_causes():
-    # 12 tokens a step: a copy budget of 3. The first load costs 2 copies (it and the offload of block 3); the
-    # second would bring it to 4.
-    sched, runner, p2 = _prefetch_setup(max_num_batched_tokens=12)
-    assert sched.copy_budget == 3
-    out = sched.schedule()
-    assert out.blocks_to_offload == [(3, 2)] and out.blocks_to_load == [(1, 3)]
-    sched.update_from_output(out, runner(out))
-    out = sched.schedule()
-    # Admitted with two device hits, the third loaded now.
-    assert [r.request_id for r in out.requests] == ["p2"] and out.blocks_to_load == [(0, 2)]
-    assert out.num_computed_tokens.tolist() == [12] and sched.prefix_cache_hits_host == 4
-    sched.update_from_output(out, runner(out))
-    run_until_done(sched, runner, check=check_block_invariants)
-    assert p2.output_token_ids == reference_output(p2.prompt_token_ids, p2.sampling_params, None, 64)
-
-
-def test_prefetch_stops_at_a_request_whose_hits_do_not_fit_in_the_free_blocks():
-    # "long" revives eight of Q's blocks: two blocks stay free, and p2's hits need three (its device hit revived,
-    # two loaded).
-    sched, runner, p2 = _prefetch_setup(long_prompt=Q[:32] + [7])
-    out = sched.schedule()
-    assert sched.block_pool.num_free_blocks == 2
-    assert not out.blocks_to_load and not out.blocks_to_offload and sched.block_pool.host_tier.num_prefetched == 0
-
-
-def test_a_failed_launch_forgets_the_prefetched_blocks_and_the_offloads_they_caused():
-    sched, runner, p2 = _prefetch_setup()
-    out = sched.schedule()
-    sched.discard_output(out)
-    pool, tier = sched.block_pool, sched.block_pool.host_tier
-    assert pool.blocks[3].block_hash is None and pool.blocks[11].block_hash is None
-    # Q's two offloaded blocks are gone from the tier (slots 2 and 3 never got them); P's stay in slots 1, 0.
-    assert sorted(tier.slots.values()) == [0, 1] and tier.num_free_slots == 14
-    run_until_done(sched, runner, check=check_block_invariants)
-    assert p2.output_token_ids == reference_output(p2.prompt_token_ids, p2.sampling_params, None, 64)
+    assert out.copies(CopyKind.LOAD) == [(1, 2), (0, 3)] and sched.prefix_cache_hits_host == 8
 
 
 def test_an_offloaded_block_is_no_hit_until_the_step_that_writes_it_has_run():
@@ -376,13 +276,13 @@ def test_an_offloaded_block_is_no_hit_until_the_step_that_writes_it_has_run():
     out = sched.schedule()
     # A's tail is written to slot 0 after this step is dispatched: a2 would stop its hits there and recompute
     # it, so it waits a step instead.
-    assert out.blocks_to_offload == [(2, 0)] and tier.slots[a1] == 0
+    assert out.copies(CopyKind.OFFLOAD) == [(2, 0)] and tier.slots[a1] == 0
     assert [r.request_id for r in out.requests] == ["x"] and tier.lookup(a1) is None and tier.being_written(a1)
     assert runner.host[0].tolist() == [-1] * BS
     sched.update_from_output(out, runner(out))
     assert runner.host[0].tolist() == A[4:]
     out = sched.schedule()
-    assert [r.request_id for r in out.requests] == ["a2"] and out.blocks_to_load[0][0] == 0
+    assert [r.request_id for r in out.requests] == ["a2"] and out.copies(CopyKind.LOAD)[0][0] == 0
     assert out.num_computed_tokens.tolist() == [8]
     sched.update_from_output(out, runner(out))
     run_until_done(sched, runner, check=check_block_invariants)
@@ -404,74 +304,11 @@ def test_a_second_loading_request_counts_the_offloads_its_allocation_causes():
     assert sched.copy_budget == 4
     out = sched.schedule()
     assert [r.request_id for r in out.requests] == ["a2"]
-    assert (len(out.blocks_to_load), len(out.blocks_to_offload)) == (2, 3)
+    assert (len(out.copies(CopyKind.LOAD)), len(out.copies(CopyKind.OFFLOAD))) == (2, 3)
     sched.update_from_output(out, runner(out))
     out = sched.schedule()
     # Its fresh block is now a2's empty last block: two offloads.
     assert [r.request_id for r in out.requests] == ["c2"]
-    assert (len(out.blocks_to_load), len(out.blocks_to_offload)) == (2, 2)
+    assert (len(out.copies(CopyKind.LOAD)), len(out.copies(CopyKind.OFFLOAD))) == (2, 2)
     sched.update_from_output(out, runner(out))
     run_until_done(sched, runner, check=check_block_invariants)
-
-
-def test_prefetch_needs_a_host_tier():
-    with pytest.raises(ValueError, match="kv_offloading_prefetch=True .*num_offload_blocks=0"):
-        SchedulerConfig(num_blocks=4, kv_offloading_prefetch=True)
-
-
-def test_kv_cache_report_and_diag_summary_show_the_host_tier():
-    from jaxllm.entrypoints.diag import summarize
-    from scheduler.diagnostics import kv_cache_report
-
-    sched, runner = _sched()
-    assert kv_cache_report(_sched(num_offload_blocks=0)[0])["host_tier"] is None
-    _run(sched, runner, "a", A)
-    _run(sched, runner, "b", B)
-    _run(sched, runner, "a2", A + [40])
-    report = kv_cache_report(sched, block_map=False)
-    # A's two blocks went to the host for b, and two of b's for a2's fresh blocks.
-    assert report["host_tier"] == {"num_blocks": 8, "num_cached_blocks": 4, "num_free_blocks": 4,
-                                   "num_offloaded_blocks": 4, "num_loaded_blocks": 2, "hit_tokens": 8}
-    assert ("host tier: 8 blocks: 4 cached, 4 free; 4 offloaded and 2 loaded so far; 8 prompt tokens served"
-            in summarize(report))
-
-
-def test_a_discarded_output_forgets_the_blocks_its_tier_copies_were_to_fill():
-    sched, runner = _sched()
-    a, _ = _run(sched, runner, "a", A)
-    _run(sched, runner, "b", B)
-    again = make_request("a2", A + [40], max_tokens=1)
-    sched.add_request(again)
-    out = sched.schedule()
-    assert len(out.blocks_to_load) == 2 and len(out.blocks_to_offload) == 2
-    loaded = [d for _, d in out.blocks_to_load]
-    offloaded = {slot for _, slot in out.blocks_to_offload}
-    sched.discard_output(out)  # the runner failed: none of the copies ran
-    tier = sched.block_pool.host_tier
-    assert all(sched.block_pool.blocks[d].block_hash is None for d in loaded)
-    assert offloaded.isdisjoint(tier.slots.values()) and tier.num_cached == 2
-    run_until_done(sched, runner, check=check_block_invariants)
-    assert again.output_token_ids == reference_output(again.prompt_token_ids, again.sampling_params, None, 64)
-
-
-def test_a_request_waiting_for_the_copy_budget_preempts_no_one():
-    # Priority policy: c2 outranks the running "low", but what holds it back is the step's copy budget (a2's five
-    # copies and its own five pass 4), which preempting "low" would not shorten.
-    config = SchedulerConfig(num_blocks=11, block_size=BS, max_num_seqs=4, max_num_batched_tokens=16,
-                             max_model_len=64, num_offload_blocks=16, scheduling_policy="priority")
-    sched, runner = Scheduler(config), FakeRunner(config)
-    C = list(range(60, 68))
-    for rid, prompt in (("a", A), ("c", C), ("b", list(range(20, 60)))):
-        _run(sched, runner, rid, prompt)
-    low = make_request("low", [5, 6, 7], max_tokens=20, priority=5)
-    sched.add_request(low)
-    out = sched.schedule()
-    sched.update_from_output(out, runner(out))
-    for rid, prompt in (("a2", A + [1]), ("c2", C + [1])):
-        sched.add_request(make_request(rid, prompt, max_tokens=1, priority=0))
-    out = sched.schedule()
-    assert [r.request_id for r in out.requests] == ["low", "a2"] and sched.num_preemptions == 0
-    assert (len(out.blocks_to_load), len(out.blocks_to_offload)) == (2, 3)
-    sched.update_from_output(out, runner(out))
-    run_until_done(sched, runner, check=check_block_invariants)
-    assert low.output_token_ids == reference_output(low.prompt_token_ids, low.sampling_params, None, 64)

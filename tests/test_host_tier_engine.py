@@ -10,6 +10,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineConfig
+from scheduler.kv.tier import CopyKind
 from tests.conftest import STORIES
 from tests.helpers import assert_one_host_line
 
@@ -73,15 +74,6 @@ def test_bad_kv_offloading_size_is_refused_naming_the_value(value):
         EngineConfig(kv_offloading_size=value)
 
 
-def test_kv_offloading_prefetch_needs_a_host_tier():
-    with pytest.raises(ValueError, match="kv_offloading_prefetch=True needs a host tier"):
-        EngineConfig(kv_offloading_prefetch=True)
-    with pytest.raises(ValueError, match="kv_offloading_prefetch='yes' is out of range: must be True or False"):
-        EngineConfig(kv_offloading_prefetch="yes", kv_offloading_size=1)
-    assert EngineConfig(kv_offloading_prefetch=True, kv_offloading_size=1).scheduler_config(
-        num_blocks=4, max_model_len=8, num_offload_blocks=3).kv_offloading_prefetch is True
-
-
 def test_kv_offloading_size_needs_prefix_caching():
     with pytest.raises(ValueError, match="kv_offloading_size=1 needs enable_prefix_caching"):
         EngineConfig(kv_offloading_size=1, enable_prefix_caching=False)
@@ -137,23 +129,22 @@ def test_multiturn_bench_runs_every_configuration_with_equal_answers(capsys):
     payload = bench_multiturn.main(["--conversations", "4", "--turns", "3", "--max-num-seqs", "1",
                                     "--kv-offloading-size", "0.001", "--max-num-batched-tokens", "64"])
     assert assert_one_host_line(capsys.readouterr().out) == bench_multiturn.common.host_line(payload["host"])
-    off, on, prefetch = payload["results"]
-    assert off["host_hit_tokens"] == 0 and on["host_hit_tokens"] > 0 and prefetch["host_hit_tokens"] > 0
+    off, on = payload["results"]
+    assert off["host_hit_tokens"] == 0 and on["host_hit_tokens"] > 0
     assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] - on["host_hit_tokens"]
     assert off["offloaded_blocks"] == off["offload_seconds_after_dispatch"] == 0 and on["offloaded_blocks"] > 0
-    assert on["prefetched_blocks"] == 0 and 0 < prefetch["prefetched_blocks"] <= prefetch["loaded_blocks"]
+    assert on["loaded_blocks"] > 0
     assert payload["answers_equal"]
 
 
-def test_prefetch_gives_the_same_greedy_tokens_and_compiles_nothing_after_warmup():
+def test_the_tier_gives_the_same_greedy_tokens_and_compiles_nothing_after_warmup():
     without, _ = run()
-    llm = LLM(model=str(STORIES), **{**BASE, "precompile": True}, kv_offloading_size=TIER_GIB,
-              kv_offloading_prefetch=True)
+    llm = LLM(model=str(STORIES), **{**BASE, "precompile": True}, kv_offloading_size=TIER_GIB)
     compiled = llm.engine.runner.num_compilations
     outputs = chat(llm)
     tier = llm.engine.core.scheduler.block_pool.host_tier
     assert outputs == without
-    assert tier.num_prefetched > 0 and tier.num_loaded > tier.num_prefetched
+    assert tier.num_loaded > 0
     assert llm.engine.runner.num_compilations == compiled
 
 
@@ -172,7 +163,7 @@ def test_a_launch_whose_offload_writes_fail_forgets_them_and_serves_the_same_tok
 
     def discard_and_check(output):
         discard(output)
-        slots = {slot for _, slot in output.blocks_to_offload}
+        slots = {slot for _, slot in output.copies(CopyKind.OFFLOAD)}
         assert slots and slots.isdisjoint(tier.slots.values())
         forgotten.append(slots)
 

@@ -87,16 +87,7 @@ def test_mixed_batch_of_decodes_and_a_prefill_chunk_on_a_cached_prefix_is_exact(
     np.testing.assert_array_equal(batch.query_start_loc, [0, 1, 2, 10, 10])
     np.testing.assert_array_equal(batch.logits_indices, [0, 1, 9, 0])
     np.testing.assert_array_equal(batch.sample_mask, [True, True, False, False])
-    assert batch.blocks_to_swap_out.shape == batch.blocks_to_swap_in.shape == (0, 2)
     assert all(a.dtype == np.int32 for a in (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables))
-
-
-def test_swap_copy_lists_become_int32_pairs():
-    out = SchedulerOutput(blocks_to_swap_out=[(3, 0), (4, 1)], blocks_to_swap_in=[(2, 7)], block_size=4)
-    batch = build_batch(out, BucketTable((4,), (1,), (1,)))
-    np.testing.assert_array_equal(batch.blocks_to_swap_out, [[3, 0], [4, 1]])
-    np.testing.assert_array_equal(batch.blocks_to_swap_in, [[2, 7]])
-    assert batch.blocks_to_swap_out.dtype == np.int32
 
 
 def test_empty_batch_is_all_padding():

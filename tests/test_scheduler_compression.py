@@ -1,4 +1,4 @@
-"""Compressing KV blocks before preempting (``scheduler.compressed_pool``), one scenario per test.
+"""Compressing KV blocks before preempting (``scheduler.kv.compressed_pool``), one scenario per test.
 
 The scenario: 6 usable device blocks of 4 tokens, two requests of 8 prompt tokens and 9 outputs; each ends holding
 4 blocks (16 KV tokens), 8 in all, so 2 are missing near the end. Without compression the later request is preempted
@@ -14,6 +14,7 @@ import pytest
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from scheduler.degradation import GracefulDegradation
+from scheduler.kv.tier import CopyKind
 from tests._scheduler_harness import (FakeClock, FakeRunner, check_block_invariants, make_request, reference_output,
                                       run_until_done)
 
@@ -77,8 +78,8 @@ def test_the_compressions_of_one_step_are_reported_as_device_block_and_slot_pair
     while sched.has_unfinished_requests():
         before = {rid: list(ids) for rid, ids in sched.kv_cache_manager.req_to_block_ids.items()}
         out = sched.schedule()
-        if out.blocks_to_compress:
-            pairs.append((before["r1"][:2], out.blocks_to_compress))
+        if out.copies(CopyKind.COMPRESS):
+            pairs.append((before["r1"][:2], out.copies(CopyKind.COMPRESS)))
         sched.update_from_output(out, runner(out))
     assert len(pairs) == 1
     old_ids, compress = pairs[0]
@@ -160,8 +161,8 @@ def test_an_urgent_arrival_compresses_instead_of_preempting(num_compressed, pree
         check_block_invariants(sched)
         if out.preempted:
             seen_preempted.append((n, [r.request_id for r in out.preempted]))
-        if out.blocks_to_compress:
-            seen_compressed.append((n, len(out.blocks_to_compress)))
+        if out.copies(CopyKind.COMPRESS):
+            seen_compressed.append((n, len(out.copies(CopyKind.COMPRESS))))
         sched.update_from_output(out, runner(out))
         n += 1
     assert (seen_preempted, seen_compressed) == (preempted, compressed)
@@ -180,7 +181,7 @@ def test_a_discarded_output_restarts_the_requests_its_compressions_touched():
         sched.add_request(req)
     while True:
         out = sched.schedule()
-        if out.blocks_to_compress:
+        if out.copies(CopyKind.COMPRESS):
             break
         sched.update_from_output(out, runner(out))
     sched.discard_output(out)

@@ -3,6 +3,7 @@
 from scheduler import BlockPool, KVCacheManager, Request, SamplingParams
 from scheduler.block_hash import extend_block_hashes, hash_block_tokens
 from scheduler.block_table import BlockTable
+from scheduler.kv.tier import BlockCopy, CopyKind
 
 
 def manager(num_blocks=9, block_size=4, num_host_blocks=0):
@@ -176,10 +177,10 @@ def test_swap_out_copies_only_computed_blocks_and_frees_the_device_blocks():
     req.num_computed_tokens = 5
     assert kv.allocate_slots(req, 4)
     assert kv.get_block_ids("a") == [1, 2, 3]
-    pairs = kv.swap_out(req)
+    pairs = kv.swap.swap_out(req)
     assert pairs == [(1, 0), (2, 1)]
     assert kv.block_pool.num_free_blocks == 8
-    assert kv.swapped == {"a": [0, 1]}
+    assert kv.swap.swapped == {"a": [0, 1]}
 
 
 def test_host_blocks_released_by_swap_in_are_reusable_only_after_the_step():
@@ -187,12 +188,12 @@ def test_host_blocks_released_by_swap_in_are_reusable_only_after_the_step():
     req = Request("a", list(range(8)), SamplingParams())
     assert kv.allocate_slots(req, 8)
     req.num_computed_tokens = 8
-    kv.swap_out(req)
-    assert kv.swap_in(req, 1) == [(0, 1), (1, 2)]
+    kv.swap.swap_out(req)
+    assert kv.swap.swap_in(req, 1) == [(0, 1), (1, 2)]
     assert kv.get_block_ids("a") == [1, 2, 3]
-    assert kv.host_pool.num_free_blocks == 0
+    assert kv.swap.host_pool.num_free_blocks == 0
     kv.end_step()
-    assert kv.host_pool.num_free_blocks == 2
+    assert kv.swap.host_pool.num_free_blocks == 2
 
 
 def test_swap_out_declines_when_the_host_pool_is_too_small():
@@ -200,7 +201,7 @@ def test_swap_out_declines_when_the_host_pool_is_too_small():
     req = Request("a", list(range(8)), SamplingParams())
     assert kv.allocate_slots(req, 8)
     req.num_computed_tokens = 8
-    assert kv.swap_out(req) is None
+    assert kv.swap.swap_out(req) is None
     assert kv.get_block_ids("a") == [1, 2]
 
 
@@ -250,3 +251,21 @@ def test_numpy_block_table_grows_on_demand_and_zeroes_released_rows():
     table.release(a)
     assert table.table[a].tolist() == [0, 0, 0, 0]
     assert table.acquire() == a
+
+
+def test_block_copies_come_in_copy_kind_order_each_kind_in_the_order_queued():
+    kv = manager(num_host_blocks=4)
+    a, b = (Request(rid, list(range(8)), SamplingParams()) for rid in "ab")
+    for req in (a, b):
+        assert kv.allocate_slots(req, 8)
+        req.num_computed_tokens = 8
+    assert kv.swap.keep(a)
+    assert kv.swap.resume(a, 1)
+    assert kv.swap.keep(b)
+    # a's swap-in, queued before b's swap-out, comes after it: b's device blocks may go to a swap-in.
+    assert kv.take_block_copies() == [
+        BlockCopy(CopyKind.SWAP_OUT, 1, 0), BlockCopy(CopyKind.SWAP_OUT, 2, 1),
+        BlockCopy(CopyKind.SWAP_OUT, 3, 2), BlockCopy(CopyKind.SWAP_OUT, 4, 3),
+        BlockCopy(CopyKind.SWAP_IN, 0, 1), BlockCopy(CopyKind.SWAP_IN, 1, 2),
+    ]
+    assert kv.take_block_copies() == []

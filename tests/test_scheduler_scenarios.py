@@ -1,11 +1,11 @@
 """Scheduler behaviour, one scenario per test, driven by a fake runner with a simulated KV cache."""
 
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.kv.tier import CopyKind
 from scheduler.kv_events import BlockRemoved
 from tests._scheduler_harness import (
     VOCAB,
@@ -78,14 +78,12 @@ def _cached_prompt_and_its_twin():
 def test_fully_cached_prompt_copies_its_last_cached_block_into_a_fresh_block():
     sched, runner, first, second = _cached_prompt_and_its_twin()
     out = sched.schedule()
-    assert out.blocks_to_copy == [(2, 4)]
+    assert out.copies(CopyKind.COPY) == [(2, 4)]
     assert out.scheduled[0].block_ids == [1, 4]
     # The source is pinned until update_from_output, so nothing can reuse it first.
     assert sched.block_pool.blocks[2].ref_cnt == 1
     sched.update_from_output(out, runner(out))
     batch = runner.last_batch
-    np.testing.assert_array_equal(batch.blocks_to_copy, [[2, 4]])
-    assert batch.blocks_to_copy.dtype == np.int32
     assert batch.slot_mapping[0] == 4 * 4 + 3
     pool = sched.block_pool
     assert pool.get_cached_block(first.block_hashes[1]) is pool.blocks[2]
@@ -96,7 +94,7 @@ def test_fully_cached_prompt_copies_its_last_cached_block_into_a_fresh_block():
 def test_skipping_the_copy_changes_the_generated_tokens():
     sched, runner, first, second = _cached_prompt_and_its_twin()
     out = sched.schedule()
-    out.blocks_to_copy = []
+    out.block_copies = [c for c in out.block_copies if c.kind is not CopyKind.COPY]
     sched.update_from_output(out, runner(out))
     run_until_done(sched, runner)
     assert second.output_token_ids != first.output_token_ids
@@ -119,7 +117,7 @@ def test_recompute_preempted_request_whose_tokens_are_all_cached_recomputes_only
     assert preempting.preempted == [second]
     resumed, _ = step(sched, runner)
     assert [(r.request, r.num_computed_tokens, r.num_new_tokens) for r in resumed.scheduled] == [(second, 11, 1)]
-    assert [src for src, _ in resumed.blocks_to_copy] == [sched.block_pool.get_cached_block(first.block_hashes[2]).block_id]
+    assert [src for src, _ in resumed.copies(CopyKind.COPY)] == [sched.block_pool.get_cached_block(first.block_hashes[2]).block_id]
     run_until_done(sched, runner)
     assert second.output_token_ids == first.output_token_ids == expected(first)
 
@@ -147,7 +145,7 @@ def test_issue11_fully_cached_block_aligned_prompt_needing_the_whole_cache_does_
     out, _ = step(sched, runner)
     # Copying the cached last block would take a third block: the first block hits, the second is recomputed.
     assert [(r.request, r.num_computed_tokens, r.num_new_tokens) for r in out.scheduled] == [(again, 16, 16)]
-    assert out.blocks_to_copy == []
+    assert out.copies(CopyKind.COPY) == []
     # "again" finishes with this step's sample; then "small" prefills and decodes 3 more.
     assert run_until_done(sched, runner, max_steps=10) == 4
     assert again.output_token_ids == first.output_token_ids == expected(first)
@@ -199,7 +197,7 @@ def test_async_request_alone_waits_a_step_for_a_pinned_copy_source_instead_of_be
     again = make_request("again", prompt, max_tokens=3)
     sched.add_request(again)
     copying = sched.schedule()
-    assert copying.blocks_to_copy and sched.block_pool.num_free_blocks == 0
+    assert copying.copies(CopyKind.COPY) and sched.block_pool.num_free_blocks == 0
     waiting = sched.schedule()
     assert (waiting.scheduled, again.status) == ([], RequestStatus.RUNNING)
     sched.update_from_output(copying, runner(copying))
@@ -447,7 +445,7 @@ def test_requests_admitted_in_one_step_read_the_prefix_the_first_of_them_compute
         sched.add_request(req)
     out = sched.schedule()
     assert [(r.num_computed_tokens, r.num_new_tokens) for r in out.scheduled] == [(0, 14), (12, 1), (12, 5), (8, 4)]
-    assert out.blocks_to_copy == []
+    assert out.copies(CopyKind.COPY) == []
     tables = [sched.kv_cache_manager.get_block_ids(r.request_id) for r in reqs]
     assert tables[1][:3] == tables[2][:3] == tables[0][:3] and tables[3][:2] == tables[0][:2]
     assert tables[3][2] != tables[0][2]
@@ -574,11 +572,11 @@ def test_swap_preemption_resumes_with_identical_tokens_and_reports_the_copies():
         table_before = list(sched.kv_cache_manager.get_block_ids("b"))
         computed_before = b.num_computed_tokens
         out, _ = step(sched, runner)
-        if out.blocks_to_swap_out and swap_out is None:
-            swap_out = (out.blocks_to_swap_out, table_before, computed_before)
-        if out.blocks_to_swap_in and swap_in is None:
+        if out.copies(CopyKind.SWAP_OUT) and swap_out is None:
+            swap_out = (out.copies(CopyKind.SWAP_OUT), table_before, computed_before)
+        if out.copies(CopyKind.SWAP_IN) and swap_in is None:
             row = next(r for r in out.scheduled if r.request is b)
-            swap_in = (out.blocks_to_swap_in, row)
+            swap_in = (out.copies(CopyKind.SWAP_IN), row)
         if not sched.has_unfinished_requests():
             break
     pairs, table, computed = swap_out
@@ -588,7 +586,7 @@ def test_swap_preemption_resumes_with_identical_tokens_and_reports_the_copies():
     assert [d for _, d in in_pairs] == row.block_ids[: len(in_pairs)]
     assert row.num_computed_tokens == computed
     assert (a.output_token_ids, b.output_token_ids) == (expected(a), expected(b))
-    assert sched.kv_cache_manager.host_pool.num_free_blocks == 8
+    assert sched.kv_cache_manager.swap.host_pool.num_free_blocks == 8
 
 
 def test_swap_mode_without_host_blocks_falls_back_to_recompute():
@@ -601,7 +599,7 @@ def test_swap_mode_without_host_blocks_falls_back_to_recompute():
     while sched.has_unfinished_requests():
         outs.append(step(sched, runner)[0])
     assert sum(len(o.preempted) for o in outs) >= 1
-    assert all(not o.blocks_to_swap_out for o in outs)
+    assert all(not o.copies(CopyKind.SWAP_OUT) for o in outs)
     assert (a.output_token_ids, b.output_token_ids) == (expected(a), expected(b))
 
 

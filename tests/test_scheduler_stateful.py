@@ -13,7 +13,7 @@ with a reason, every unaborted one generated exactly what a scheduler-free
 reference generates (the fake runner samples from KV it reads back through the
 block tables), and free blocks == total - 1. Runs under every policy and both
 preemption modes, with and without ``reserve_predicted_output``, with and without a host tier for the prefix
-cache (and its prefetch): its slots held + free always add up (``check_host_tier``), a step's loads never read a slot
+cache: its slots held + free always add up (``check_host_tier``), a step's loads never read a slot
 its deferred offloads write, every copy moves exactly its block's tokens (``check_tier_copies``), and after every
 step each slot holds exactly its block's tokens. With a compressed KV pool (``num_compressed_blocks``; the fake
 runner's compression is lossless, so outputs must still be exact): its slots held + free add up, only requests that
@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.kv.tier import CopyKind
 from tests._scheduler_harness import (
     VOCAB,
     FakeClock,
@@ -49,8 +50,8 @@ SHORT_MAX_TOKENS = st.one_of(st.just(1), st.integers(1, 12))
 class SchedulerMachine(RuleBasedStateMachine):
     policy = "fcfs"
     mode = "recompute"
-    # True: always a host tier with prefetch (otherwise drawn, and mostly absent).
-    prefetching = False
+    # True: always a host tier and one seat (otherwise drawn, and mostly absent).
+    one_seat_tier = False
     compression = False
 
     @initialize(
@@ -60,19 +61,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         threshold=st.sampled_from([0, 5]),
         reserve=st.booleans(),
         offload=st.sampled_from([0, 3, 8]),
-        prefetch=st.booleans(),
         compressed=st.sampled_from([2, 3, 8]),
     )
-    def setup(self, num_blocks, caching, chunked, threshold, reserve=False, offload=0, prefetch=False, compressed=0):
-        if self.prefetching:
-            # One seat, so requests wait beside free blocks for the prefetch to fill.
-            caching, offload, prefetch, num_blocks = True, max(offload, 3), True, max(num_blocks, 9)
+    def setup(self, num_blocks, caching, chunked, threshold, reserve=False, offload=0, compressed=0):
+        if self.one_seat_tier:
+            # One seat, so requests wait beside free blocks while their hits sit in the host tier.
+            caching, offload, num_blocks = True, max(offload, 3), max(num_blocks, 9)
         if self.compression:
             offload = 0
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
             block_size=BLOCK_SIZE,
-            max_num_seqs=1 if self.prefetching else 3,
+            max_num_seqs=1 if self.one_seat_tier else 3,
             max_num_batched_tokens=10 if chunked else MAX_MODEL_LEN,
             max_model_len=MAX_MODEL_LEN,
             enable_prefix_caching=caching,
@@ -82,7 +82,6 @@ class SchedulerMachine(RuleBasedStateMachine):
             preemption_mode=self.mode,
             num_host_blocks=6,
             num_offload_blocks=offload if caching else 0,
-            kv_offloading_prefetch=prefetch and bool(offload) and caching,
             aging_rate=0.5,
             reserve_predicted_output=reserve,
             num_compressed_blocks=compressed if self.compression else 0,
@@ -152,7 +151,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         check_copies(self.sched, out)
         self.check_tier_copies(out)
         self.check_compressed_holders()
-        self.copies += len(out.blocks_to_copy)
+        self.copies += len(out.copies(CopyKind.COPY))
         updated = self.sched.update_from_output(out, self.runner(out))
         self.check_host_tier_contents()
         self.broken = False
@@ -188,20 +187,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.runner.host[slot].tolist() == tokens[h]
 
     def check_tier_copies(self, out):
-        """Before a step's copies (prefetches and deferred offloads included): no load reads a slot this step's
+        """Before a step's copies (deferred offloads included): no load reads a slot this step's
         offloads write, each load's slot already holds exactly its block's tokens, and each offloaded device
         block holds exactly the tokens of the hash its slot now holds."""
         tier = self.sched.block_pool.host_tier
         if tier is None:
-            assert not out.blocks_to_offload and not out.blocks_to_load
+            assert not out.copies(CopyKind.OFFLOAD) and not out.copies(CopyKind.LOAD)
             return
-        written = {slot for _, slot in out.blocks_to_offload}
-        assert written.isdisjoint(slot for slot, _ in out.blocks_to_load)
+        written = {slot for _, slot in out.copies(CopyKind.OFFLOAD)}
+        assert written.isdisjoint(slot for slot, _ in out.copies(CopyKind.LOAD))
         tokens, by_slot = self._block_tokens(), {slot: h for h, slot in tier.slots.items()}
         bs, kv = BLOCK_SIZE, self.runner.kv
-        for slot, block in out.blocks_to_load:
+        for slot, block in out.copies(CopyKind.LOAD):
             assert self.runner.host[slot].tolist() == tokens[self.sched.block_pool.blocks[block].block_hash]
-        for block, slot in out.blocks_to_offload:
+        for block, slot in out.copies(CopyKind.OFFLOAD):
             assert kv[block * bs:(block + 1) * bs].tolist() == tokens[by_slot[slot]]
 
     @rule(data=st.data())
@@ -276,15 +275,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                     req.prompt_token_ids, req.sampling_params, req.eos_token_id, MAX_MODEL_LEN
                 ), req
         assert self.sched.block_pool.num_free_blocks == self.config.num_blocks - 1
-        assert self.sched.kv_cache_manager.host_pool.num_free_blocks == 6
+        assert self.sched.kv_cache_manager.swap.host_pool.num_free_blocks == 6
         cpool = self.sched.kv_cache_manager.compressed_pool
         assert cpool is None or cpool.num_free_blocks == cpool.num_blocks - 1
 
 
-def _test_case(policy, mode, prefetching=False, compression=False):
-    suffix = ("_prefetch" if prefetching else "") + ("_compression" if compression else "")
+def _test_case(policy, mode, one_seat_tier=False, compression=False):
+    suffix = ("_one_seat_tier" if one_seat_tier else "") + ("_compression" if compression else "")
     machine = type(f"SchedulerMachine_{policy}_{mode}{suffix}", (SchedulerMachine,),
-                   {"policy": policy, "mode": mode, "prefetching": prefetching, "compression": compression})
+                   {"policy": policy, "mode": mode, "one_seat_tier": one_seat_tier, "compression": compression})
     case = machine.TestCase
     case.settings = settings(
         max_examples=25, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -302,17 +301,17 @@ TestStatefulAgingRecompute = _test_case("aging", "recompute")
 TestStatefulAgingSwap = _test_case("aging", "swap")
 TestStatefulPredictedRecompute = _test_case("predicted", "recompute")
 TestStatefulPredictedSwap = _test_case("predicted", "swap")
-TestStatefulFCFSRecomputePrefetch = _test_case("fcfs", "recompute", prefetching=True)
-TestStatefulPrioritySwapPrefetch = _test_case("priority", "swap", prefetching=True)
+TestStatefulFCFSRecomputeOneSeatTier = _test_case("fcfs", "recompute", one_seat_tier=True)
+TestStatefulPrioritySwapOneSeatTier = _test_case("priority", "swap", one_seat_tier=True)
 TestStatefulFCFSCompression = _test_case("fcfs", "recompute", compression=True)
 TestStatefulPriorityCompression = _test_case("priority", "recompute", compression=True)
 
 
 def test_a_request_whose_hits_stop_at_a_block_being_written_is_admitted_when_the_step_has_no_other_row():
-    """The machine's falsifying example (priority, swap, prefetching): r0's chunk takes a cached free block, whose
+    """The machine's falsifying example (priority, swap, one seat with a host tier): r0's chunk takes a cached free block, whose
     hash is next in r2's chain and goes to the host tier; r2 then preempts r0, so the step has no row left and
     r2 must not wait for that write."""
-    machine = type("Machine", (SchedulerMachine,), {"policy": "priority", "mode": "swap", "prefetching": True})()
+    machine = type("Machine", (SchedulerMachine,), {"policy": "priority", "mode": "swap", "one_seat_tier": True})()
     machine.setup(num_blocks=2, caching=False, chunked=True, threshold=0)
     machine.add_block_aligned_request(max_tokens=1, num_blocks=None, priority=1)
     machine.step()

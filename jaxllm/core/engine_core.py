@@ -32,6 +32,7 @@ builds the bitmask and launches; steps without such rows keep the overlap.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -58,6 +59,7 @@ from jaxllm.worker.quantization import param_bytes
 from jaxllm.worker.sharding import ModelSharding
 from jaxllm.worker.weights import device_bytes_in_use, place_leaf, prepare_params
 from scheduler import BucketTable, Request, RequestStatus, SamplingParams, Scheduler, SchedulerOutput, build_batch, kv_cache_report
+from scheduler.kv.tier import BlockCopy, CopyKind, copies_of
 from scheduler.static_batching import StaticBatchScheduler
 
 
@@ -600,28 +602,32 @@ class EngineCore:
             self.abort_requests([record.request_id])
         return outputs
 
-    def _copy_blocks(self, sched_out: SchedulerOutput) -> list[list]:
-        """Every runner's block copies of ``sched_out``, in ``SchedulerOutput``'s order, except that the host tier's
-        offloads are only gathered on the device: their host writes are returned, one list per runner, for
-        :meth:`_write_offloads` once the step is dispatched (the loads never read a slot this step writes:
-        ``scheduler.host_tier``). The tier's copies are timed."""
-        if sched_out.blocks_to_compress:
-            # Only the target model's: kv_cache_compression refuses a draft model.
-            self.runner.compress_blocks(sched_out.blocks_to_compress)
+    def _copy_blocks(self, copies: Sequence[BlockCopy]) -> list[list]:
+        """Do ``copies`` (a ``SchedulerOutput.block_copies``, in ``CopyKind`` order) on every runner, in order,
+        except that the host tier's offloads are only gathered on the device: their host writes are returned, one
+        list per runner, for :meth:`_write_offloads` once the step is dispatched (no load of the step reads a slot
+        it writes). The tier's copies are timed."""
+        runs = [(kind, [(c.src, c.dst) for c in run]) for kind, run in itertools.groupby(copies, lambda c: c.kind)]
         pending = []
         for runner in self._runners:
-            runner.swap_out(sched_out.blocks_to_swap_out)
             pending.append([])
-            if sched_out.blocks_to_offload:
+            for kind, pairs in runs:
                 start = time.perf_counter()
-                pending[-1] = runner.start_swap_out(sched_out.blocks_to_offload)
-                self.offload_seconds[0] += time.perf_counter() - start
-            runner.swap_in(sched_out.blocks_to_swap_in)
-            if sched_out.blocks_to_load:
-                start = time.perf_counter()
-                runner.swap_in(sched_out.blocks_to_load)
-                self.offload_seconds[1] += time.perf_counter() - start
-            runner.copy_blocks(sched_out.blocks_to_copy)
+                if kind is CopyKind.COMPRESS:
+                    # Only the target model's: kv_cache_compression refuses a draft model.
+                    if runner is self.runner:
+                        runner.compress_blocks(pairs)
+                elif kind is CopyKind.SWAP_OUT:
+                    runner.swap_out(pairs)
+                elif kind is CopyKind.OFFLOAD:
+                    pending[-1] = runner.start_swap_out(pairs)
+                    self.offload_seconds[0] += time.perf_counter() - start
+                elif kind is CopyKind.COPY:
+                    runner.copy_blocks(pairs)
+                else:
+                    runner.swap_in(pairs)
+                    if kind is CopyKind.LOAD:
+                        self.offload_seconds[1] += time.perf_counter() - start
         return pending
 
     def _write_offloads(self, pending: list[list]) -> None:
@@ -646,7 +652,7 @@ class EngineCore:
         copies were to fill).
         """
         try:
-            offloads = self._copy_blocks(sched_out)
+            offloads = self._copy_blocks(sched_out.block_copies)
             if not sched_out.scheduled:
                 self._write_offloads(offloads)
                 return _Launched(sched_out, None)
@@ -740,12 +746,10 @@ class EngineCore:
             for child in children:
                 self.scheduler.add_request(child)
             return
-        copies = self.scheduler.fork_request(parent.request_id, children)
+        pairs = self.scheduler.fork_request(parent.request_id, children)
         # The children's fresh blocks may have been hashed ones, offloaded to the host tier before they are written.
-        offloads, _ = self.scheduler.kv_cache_manager.take_tier_copies()
-        for runner in self._runners:
-            runner.swap_out(offloads)
-            runner.copy_blocks(copies)
+        copies = self.scheduler.kv_cache_manager.take_block_copies() + copies_of(CopyKind.COPY, pairs)
+        self._write_offloads(self._copy_blocks(copies))
 
     def _record_logprobs(self, sched_out: SchedulerOutput, sampled: SamplerOutput) -> None:
         """Keep each used sample's logprobs (the chosen token, then the top ``logprobs``) until reported."""

@@ -215,7 +215,7 @@ class ModelRunner:
       sharding: the replica's mesh and partition rules.
       num_host_blocks: host swap pool size in blocks (0 = no swap space).
       num_offload_blocks: blocks of the prefix cache's host tier, held in the host pool after the swap pool's
-        (``scheduler.host_tier``); 0: none.
+        (``scheduler.kv.host_tier``); 0: none.
       num_sampling_slots: rows of the sampler's per-sequence tables (slot 0
         is padding), so at least ``max_num_seqs + 1``.
       max_model_len: tokens per sequence at most (the fixed length slot fills

@@ -19,9 +19,14 @@ discarded and its slots forgotten (:meth:`HostTier.forget`).
 from __future__ import annotations
 
 import collections
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from scheduler.kv.tier import Admission, BlockCopy, CopyKind, KVTier, copies_of, first_refused
 from scheduler.kv_events import BlockRemoved, BlockStored, KVEvent
+from scheduler.request import Request
+
+if TYPE_CHECKING:
+    from scheduler.kv.kv_cache_manager import KVCacheManager
 
 MEDIUM_HOST = "CPU"  # vLLM's name for the host tier in KV events
 
@@ -47,8 +52,9 @@ class HostHit:
         return f"HostHit(slot={self.slot})"
 
 
-class HostTier:
-    """Host slots holding full blocks by hash, with their own LRU (front evicted first).
+class HostTier(KVTier):
+    """Host slots holding full blocks by hash, with their own LRU (front evicted first); the tier whose
+    :meth:`match` continues prefix hits.
 
     Args:
       num_slots: host blocks in the tier, >= 0 (0: the tier keeps nothing).
@@ -58,9 +64,9 @@ class HostTier:
         (events off).
 
     Attributes:
+      kv: the ``KVCacheManager`` it serves (set by it), whose hits it continues.
       slots: hash -> slot, least recently used first.
       num_offloaded, num_loaded: blocks copied device -> host and host -> device so far.
-      num_prefetched: of ``num_loaded``, blocks loaded ahead of their request's admission.
       num_dropped: hashed blocks reused on the device that no slot could take (every slot busy this step).
 
     Raises:
@@ -75,6 +81,7 @@ class HostTier:
         self.base = base
         self.block_size = block_size
         self.record = record
+        self.kv: Optional["KVCacheManager"] = None
         self.slots: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._free = list(range(base + num_slots - 1, base - 1, -1))
         # Slots read by this step's loads: the runner gathers offloads before it loads, so overwriting one in the
@@ -86,13 +93,81 @@ class HostTier:
         self._loads: list[tuple[int, int]] = []
         self.num_offloaded = 0
         self.num_loaded = 0
-        self.num_prefetched = 0
         self.num_dropped = 0
 
     @property
     def num_cached(self) -> int:
         """Slots holding a block."""
         return len(self.slots)
+
+    @classmethod
+    def refuses(cls, config: Any) -> Optional[str]:
+        return first_refused(config, (("enable_prefix_caching", lambda v: not v,
+                                       "{} (the tier holds prefix-cache blocks)"),))
+
+    def match(self, request: Request, hits: list, admission: Admission) -> Optional[tuple[list, int]]:
+        """``hits`` continued along ``request``'s hash chain here and, between host hits, on the device.
+
+        None (the request waits a step) when its loads and the offloads its allocation causes (its first chunk
+        within the step's budget) would take the step's copies past ``admission.copy_budget`` after another
+        request's loads, so a storm of host hits cannot stretch one step's copies (the first loading request of a
+        step always goes); also None when the step has rows (``admission.may_wait``) and the hits stop at a block
+        this step offloads (readable from the next step on): waiting a step beats recomputing the rest. Offloads
+        alone never hold a request back: they come from blocks the step computes into, which the token budget
+        already bounds.
+        """
+        kv = self.kv
+        hits = self._extend(request, hits)
+        hashes, bs = request.block_hashes, kv.block_size
+        if admission.may_wait and len(hits) < min(len(hashes), (request.num_tokens - 1) // bs) and (
+                self.being_written(hashes[len(hits)])):
+            return None
+        num_host = sum(1 for b in hits if type(b) is HostHit)
+        if num_host and self.num_loads_this_step:
+            num_new = admission.chunk(request.num_tokens - len(hits) * bs, admission.budget)
+            copies = num_host + kv.num_offloads_to_allocate(request, num_new, hits)
+            if self.num_copies_this_step + copies > admission.copy_budget:
+                return None
+        return hits, num_host
+
+    def _extend(self, request: Request, hits: list) -> list:
+        """``hits`` followed by the blocks after them found here (``HostHit``) or, between those, on the device
+        (``KVBlock``), up to the first block found in neither; never covering the last token (a host block is not
+        copied on write: its tokens are recomputed instead). ``hits`` itself when nothing more hits."""
+        kv = self.kv
+        max_blocks = (request.num_tokens - 1) // kv.block_size
+        if len(hits) >= max_blocks or request.skip_reading_prefix_cache:
+            return hits
+        hashes, cached = request.block_hashes, kv.block_pool.cached
+        more: list = []
+        for i in range(len(hits), max_blocks):
+            found = cached.get(hashes[i]) or self.lookup(hashes[i])
+            if found is None:
+                break
+            more.append(found)
+        return hits + more if more else hits
+
+    def forget(self, copies: Sequence[BlockCopy], running: Sequence[Request]) -> list[Request]:
+        """Forget the slots the step's offloads were to write, and the hashes of the device blocks its loads were to
+        fill."""
+        self._forget_slots([c.dst for c in copies if c.kind is CopyKind.OFFLOAD])
+        pool = self.kv.block_pool
+        lost = []
+        for c in copies:
+            if c.kind is not CopyKind.LOAD:
+                continue
+            block = pool.blocks[c.dst]
+            if block.block_hash is not None and pool.cached.get(block.block_hash) is block:
+                del pool.cached[block.block_hash]
+                lost.append(block.block_hash)
+                block.block_hash = None
+        if lost and pool.kv_events is not None:
+            pool.kv_events.append(BlockRemoved(lost))
+        return []
+
+    def stats(self) -> dict[str, int]:
+        return dict(num_offload_blocks=self.num_slots, num_offload_cached_blocks=self.num_cached,
+                    num_blocks_offloaded=self.num_offloaded, num_blocks_loaded=self.num_loaded)
 
     def lookup(self, block_hash: bytes) -> Optional[HostHit]:
         """The block held under ``block_hash``, or None (also while its slot's write is not complete)."""
@@ -171,9 +246,9 @@ class HostTier:
         self._loads.append((hit.slot, block_id))
         self.num_loaded += 1
 
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """``(offloads, loads)`` queued since the last call: ``(device, slot)`` and ``(slot, device)`` pairs."""
-        out = self._offloads, self._loads
+    def take_copies(self) -> list[BlockCopy]:
+        """The offloads then the loads queued since the last call."""
+        out = copies_of(CopyKind.OFFLOAD, self._offloads) + copies_of(CopyKind.LOAD, self._loads)
         self._offloads, self._loads = [], []
         return out
 
@@ -186,7 +261,7 @@ class HostTier:
         """The previous steps' offloads have been written (or forgotten): their slots are hits."""
         self._writing.clear()
 
-    def forget(self, slots: list[int]) -> None:
+    def _forget_slots(self, slots: list[int]) -> None:
         """Free ``slots`` and forget the blocks they held (their copies in never ran)."""
         gone = set(slots)
         self._writing -= gone

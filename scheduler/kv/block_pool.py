@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
-from scheduler.host_tier import HostTier
+from scheduler.kv.host_tier import HostTier
 from scheduler.kv_events import BlockRemoved, KVEvent
 
 
@@ -180,7 +180,7 @@ class BlockPool:
       enable_caching: keep the hash -> block map (prefix caching).
       enable_kv_cache_events: record evictions (and, through ``KVCacheManager``, registrations) in
         :attr:`kv_events`.
-      num_offload_blocks: slots of the host tier (``scheduler.host_tier``), >= 0; 0: no tier. An evicted hashed
+      num_offload_blocks: slots of the host tier (``scheduler.kv.host_tier``), >= 0; 0: no tier. An evicted hashed
         block is offloaded there before its reuse.
       offload_base: the tier's first slot id in the runner's host pool.
       block_size: tokens per block, for the tier's events.
@@ -212,6 +212,15 @@ class BlockPool:
     def _record(self, event: KVEvent) -> None:
         # Looked up per event: Scheduler.take_kv_events replaces the list.
         self.kv_events.append(event)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The ``BlockStored`` / ``BlockRemoved`` events since the last call, oldest first (none when events are
+        off)."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
 
     @property
     def num_free_blocks(self) -> int:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
 from scheduler.block_hash import extend_block_hashes, hash_block_tokens
-from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.block_table import BlockTable
-from scheduler.compressed_pool import CompressedBlockPool
-from scheduler.host_block_pool import HostBlockPool
-from scheduler.host_tier import HostHit
-from scheduler.kv_events import BlockRemoved, BlockStored
+from scheduler.kv.block_pool import BlockPool, KVBlock
+from scheduler.kv.compressed_pool import CompressedBlockPool
+from scheduler.kv.host_tier import HostHit
+from scheduler.kv.swap import SwapTier
+from scheduler.kv.tier import BlockCopy, CopyKind, KVTier, copies_of
+from scheduler.kv_events import BlockStored
 from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler.config import SchedulerConfig
 
 
 class KVCacheManager:
@@ -43,21 +48,22 @@ class KVCacheManager:
       block_pool: the device blocks.
       block_size: tokens per block, >= 1.
       enable_caching: look up and register prefix-cache hashes.
-      num_host_blocks: size of the host pool for swap-mode preemption.
-      num_compressed_blocks: slots of the pool of compressed blocks (``scheduler.compressed_pool``), the null slot
-        included; 0: no compression.
+      num_host_blocks: host blocks of the swap tier (``scheduler.kv.swap``).
+      num_compressed_blocks: slots of the compressed tier (``scheduler.kv.compressed_pool``), the null slot
+        included; 0: none.
 
     Attributes:
       req_to_blocks: request_id -> its block table (``KVBlock`` list).
       req_to_block_ids: request_id -> the same table as ints.
       block_table: the same tables again as a ``BlockTable`` (numpy rows);
         a request's row is its ``batch_row``, set here while it holds blocks.
-      swapped: request_id -> host block ids holding its swapped-out KV, in
-        block-table order.
       copy_sources: cached blocks read by copies handed out since the last
         :meth:`release_copy_sources`, each holding one extra reference so it
         can be neither evicted nor reused before the runner has copied it.
-      compressed_pool: the ``CompressedBlockPool``, None without compression.
+      swap: the ``SwapTier``.
+      compressed_pool: the ``CompressedBlockPool`` tier, None without one.
+      tiers: every tier: the compressed pool (if any), the swap tier, the block pool's host tier (if any).
+      pinned_blocks: the blocks :meth:`pin_prefix` holds.
       scheduled_blocks: the blocks :meth:`cache_scheduled_blocks` registered in the ``Scheduler.schedule`` under
         way, whose KV the step being scheduled computes; emptied by :meth:`end_step`.
     """
@@ -69,19 +75,29 @@ class KVCacheManager:
         self.block_pool = block_pool
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.host_pool = HostBlockPool(num_host_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}
-        self.swapped: dict[str, list[int]] = {}
         self.block_table = BlockTable()
         self.copy_sources: list[KVBlock] = []
         # request_id -> (cached block id, fresh block id) of copies not yet taken.
         self._copies: dict[str, tuple[int, int]] = {}
         # How many leading blocks of each table are already registered.
         self._num_cached: dict[str, int] = {}
-        self.compressed_pool = (CompressedBlockPool(num_compressed_blocks, block_pool.num_blocks)
+        self.swap = SwapTier(self, num_host_blocks)
+        self.compressed_pool = (CompressedBlockPool(self, num_compressed_blocks, block_pool.num_blocks)
                                 if num_compressed_blocks else None)
+        if block_pool.host_tier is not None:
+            block_pool.host_tier.kv = self
+        self.tiers: list[KVTier] = [t for t in (self.compressed_pool, self.swap, block_pool.host_tier)
+                                    if t is not None]
         self.scheduled_blocks: list[KVBlock] = []
+        self.pinned_blocks: list[KVBlock] = []
+
+    @classmethod
+    def for_config(cls, block_pool: BlockPool, config: "SchedulerConfig") -> "KVCacheManager":
+        """The manager of ``block_pool`` with the tiers ``config`` sizes."""
+        return cls(block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks,
+                   config.num_compressed_blocks)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (the manager's list; do not mutate)."""
@@ -119,27 +135,6 @@ class KVCacheManager:
         if len(hits) * bs >= num_tokens and any(hits[-1] is b for b in self.scheduled_blocks):
             hits.pop()
         return hits, min(len(hits) * bs, num_tokens - 1)
-
-    def extend_with_host_hits(self, request: Request, hits: list[KVBlock]) -> list:
-        """``hits`` (from :meth:`get_computed_blocks`) continued along ``request``'s hash chain through the host tier.
-
-        Returns ``hits`` followed by the blocks after them found in the host tier (``HostHit``) or, between those,
-        on the device (``KVBlock``), up to the first block found in neither. The result never covers the last
-        token (a host block is not copied on write; its tokens are recomputed instead), and is ``hits`` itself
-        when there is no tier or nothing more hits. Pass it to :meth:`allocate_slots` like ``hits``.
-        """
-        tier = self.block_pool.host_tier
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        if tier is None or len(hits) >= max_blocks or request.skip_reading_prefix_cache:
-            return hits
-        hashes, cached = request.block_hashes, self.block_pool.cached
-        more: list = []
-        for i in range(len(hits), max_blocks):
-            found = cached.get(hashes[i]) or tier.lookup(hashes[i])
-            if found is None:
-                break
-            more.append(found)
-        return hits + more if more else hits
 
     def hash_blocks(self, request: Request) -> None:
         """Hash ``request``'s full blocks of known tokens not hashed yet (each block once in its life).
@@ -271,98 +266,6 @@ class KVCacheManager:
         num_host = sum(1 for b in computed_blocks if type(b) is HostHit)
         revived = frozenset(b.block_id for b in computed_blocks if type(b) is not HostHit and b.ref_cnt == 0)
         return sum(self.block_pool.offloads_to_take(fresh + num_host, revived))
-
-    def prefetch_host_hits(self, requests: Sequence[Request], room: int) -> int:
-        """Load the host hits of waiting ``requests`` (in the given order, chain order within each) into device
-        blocks now, so each finds them on the device when admitted; returns the blocks loaded.
-
-        The fresh blocks come from the front of the free queue, cached ones included (their own offloads come
-        first, so nothing is lost), but never from the requests' hits: while it runs, every device hit of the
-        requests looked at and every block loaded for them is referenced. It stops at the first request whose
-        hits (the free blocks its admission revives, and those it loads) do not fit in the free blocks left by
-        those before it (prefetching it would evict the hits of those), and once the loads and the offloads
-        they cause would pass ``room`` copies. The loaded blocks end registered under their hashes and free
-        (revivable), freed last request first and tail first, so each request's prefix is evicted last. A
-        request holding blocks or swapped out is passed over.
-        """
-        pool, tier = self.block_pool, self.block_pool.host_tier
-        spare = len(pool.free_queue)
-        held: list[KVBlock] = []
-        num_loaded = 0
-        try:
-            for request in requests:
-                if request.request_id in self.swapped or request.request_id in self.req_to_blocks:
-                    continue
-                chain = self.extend_with_host_hits(request, self.get_computed_blocks(request)[0])
-                # The blocks its admission takes for its hits (those revived, those loaded); the fresh ones for
-                # its new tokens may come from requests that finish first.
-                need = sum(1 for b in chain if b.ref_cnt == 0)
-                if need > spare:
-                    break
-                spare -= need
-                pool.touch([b for b in chain if type(b) is not HostHit])
-                num_host = sum(1 for b in chain if type(b) is HostHit)
-                num, cost = self._prefetchable(num_host, room)
-                room -= cost
-                chain = self._load_prefetched(request, chain, num)
-                held += [b for b in chain if type(b) is not HostHit]
-                num_loaded += num
-                if num < num_host:
-                    break
-        finally:
-            pool.free_blocks(reversed(held))
-        tier.num_prefetched += num_loaded
-        return num_loaded
-
-    def _prefetchable(self, num_host: int, room: int) -> tuple[int, int]:
-        """``(loads, copies)``: how many of ``num_host`` host hits can be loaded within ``room`` copies, each costing
-        its load and the offload of the free block it takes (if that one is cached and not in the tier)."""
-        num = cost = 0
-        for offloads in self.block_pool.offloads_to_take(num_host):
-            if cost + 1 + offloads > room:
-                break
-            num += 1
-            cost += 1 + offloads
-        return num, cost
-
-    def _load_prefetched(self, request: Request, chain: list, num: int) -> list:
-        """``request``'s ``chain`` with its first ``num`` host hits replaced by fresh blocks (referenced), each
-        loaded from its slot and registered under its hash."""
-        if not num:
-            return chain
-        pool, tier = self.block_pool, self.block_pool.host_tier
-        host = [i for i, b in enumerate(chain) if type(b) is HostHit][:num]
-        # Pinned first: the fresh blocks' own offloads must not evict the slots about to be read.
-        tier.pin([chain[i] for i in host])
-        out = list(chain)
-        for i, block in zip(host, pool.get_new_blocks(num)):
-            tier.load(chain[i], block.block_id)
-            pool.cache_block(block, chain[i].block_hash)
-            self._record_loaded(request, i)
-            out[i] = block
-        return out
-
-    def forget_tier_copies(self, offloads: Sequence[tuple[int, int]], loads: Sequence[tuple[int, int]]) -> None:
-        """Forget what copies that may never have run were to fill: the host slots of ``offloads`` (``(device,
-        slot)``) and the device blocks of ``loads`` (``(slot, device)``) lose their hashes."""
-        pool, tier = self.block_pool, self.block_pool.host_tier
-        if tier is not None:
-            tier.forget([slot for _, slot in offloads])
-        lost = []
-        for _, block_id in loads:
-            block = pool.blocks[block_id]
-            if block.block_hash is not None and pool.cached.get(block.block_hash) is block:
-                del pool.cached[block.block_hash]
-                lost.append(block.block_hash)
-                block.block_hash = None
-        if lost and pool.kv_events is not None:
-            pool.kv_events.append(BlockRemoved(lost))
-
-    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The host tier's ``(device, slot)`` offloads and ``(slot, device)`` loads queued since the last call
-        (empty without a tier), for the runner to do before the step, offloads first."""
-        tier = self.block_pool.host_tier
-        return ([], []) if tier is None else tier.take_copies()
 
     def append_blocks(self, requests: Sequence[Request], rows: np.ndarray, counts: np.ndarray) -> None:
         """Give each request holding a table ``counts[i]`` fresh blocks at its end.
@@ -537,85 +440,7 @@ class KVCacheManager:
                 cpool.free(b for b in blocks if cpool.holds(b))
                 blocks = [b for b in blocks if not cpool.holds(b)]
             self.block_pool.free_blocks(reversed(blocks))
-        host = self.swapped.pop(rid, None)
-        if host:
-            self.host_pool.free(host)
-
-    def compressible(self, request: Request) -> list[int]:
-        """Table indices of ``request``'s blocks that :meth:`compress` may take, oldest first: device blocks
-        full of computed tokens (registered in the prefix cache already, when caching is on, so the cache never
-        registers a compressed block), which no other request, pin or pending copy holds (ref_cnt 1). Empty
-        without a compressed pool."""
-        cpool = self.compressed_pool
-        blocks = self.req_to_blocks.get(request.request_id)
-        if cpool is None or not blocks:
-            return []
-        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        if self.enable_caching:
-            full = min(full, self._num_cached.get(request.request_id, 0))
-        return [i for i, b in enumerate(blocks[:full]) if b.ref_cnt == 1 and not cpool.holds(b)]
-
-    def compress(self, request: Request, n: int) -> list[tuple[int, int]]:
-        """Move up to ``n`` of ``request``'s :meth:`compressible` blocks, oldest first, into the compressed pool
-        (while its slots last): each table entry becomes the compressed block's id and the device block is freed
-        (a hashed one stays revivable: its KV is still there until reused).
-
-        Returns:
-          ``(device block, compressed slot)`` pairs, for the runner to re-encode before anything else of the step
-          (the freed blocks may be written by this very step).
-        """
-        cpool = self.compressed_pool
-        if cpool is None:
-            return []
-        indices = self.compressible(request)[:min(n, cpool.num_free_blocks)]
-        if not indices:
-            return []
-        rid, row = request.request_id, request.batch_row
-        blocks, ids = self.req_to_blocks[rid], self.req_to_block_ids[rid]
-        pairs, freed = [], []
-        for i, new in zip(indices, cpool.take(len(indices))):
-            pairs.append((blocks[i].block_id, new.block_id - cpool.base))
-            freed.append(blocks[i])
-            blocks[i], ids[i] = new, new.block_id
-        self.block_table.table[row, indices] = [ids[i] for i in indices]
-        self.block_pool.free_blocks(freed)
-        return pairs
-
-    def swap_out(self, request: Request) -> Optional[list[tuple[int, int]]]:
-        """Move ``request``'s computed blocks to the host pool and free its device blocks.
-
-        Returns ``(device_block, host_block)`` pairs for the runner to copy
-        (before this step's swap-ins and model step), or None, changing
-        nothing, if the host pool is too small.
-        """
-        rid = request.request_id
-        n = -(-request.num_computed_tokens // self.block_size)
-        if n > self.host_pool.num_free_blocks:
-            return None
-        host = self.host_pool.allocate(n)
-        pairs = list(zip(self.req_to_block_ids[rid][:n], host))
-        self.free(request)
-        self.swapped[rid] = host
-        return pairs
-
-    def swap_in(self, request: Request, num_new_tokens: int) -> Optional[list[tuple[int, int]]]:
-        """Bring a swapped-out request back with room for ``num_new_tokens`` more tokens.
-
-        Returns ``(host_block, device_block)`` pairs for the runner to copy, or
-        None, changing nothing, if the free queue is too short. The host ids
-        become reusable at the end of the step (see ``HostBlockPool``).
-        """
-        rid = request.request_id
-        host = self.swapped[rid]
-        bs = self.block_size
-        n = max(-(-(request.num_computed_tokens + num_new_tokens) // bs), len(host))
-        if n > self.block_pool.num_free_blocks:
-            return None
-        del self.swapped[rid]
-        self._start_table(request)
-        self._extend_table(request, self.block_pool.get_new_blocks(n))
-        self.host_pool.free(host, after_step=True)
-        return list(zip(host, self.req_to_block_ids[rid]))
+        self.swap.free(request)
 
     def renumber(self, moves: Sequence[tuple[int, int]]) -> None:
         """Rewrite every block table's ids after ``BlockPool.compact`` swapped the ids of ``moves`` (its
@@ -630,17 +455,51 @@ class KVCacheManager:
         for rid, blocks in self.req_to_blocks.items():
             self.req_to_block_ids[rid][:] = [b.block_id for b in blocks]
 
+    def pin_prefix(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
+        """Hold a reference on the cached full blocks that prefix ``token_ids`` (the prefix-cache warm-up), so LRU
+        eviction leaves them alone until :meth:`release_pinned_prefixes`; returns the blocks newly pinned."""
+        probe = Request("pin-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
+        blocks, _ = self.get_computed_blocks(probe)
+        held = {b.block_id for b in self.pinned_blocks}
+        new = [b for b in blocks if b.block_id not in held]
+        self.block_pool.touch(new)
+        self.pinned_blocks += new
+        return len(new)
+
+    def release_pinned_prefixes(self) -> None:
+        """Drop the pins of :meth:`pin_prefix`: the blocks become ordinary LRU cache entries (a prefix's head is
+        evicted last)."""
+        blocks, self.pinned_blocks = self.pinned_blocks, []
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def num_cached_blocks(self, request: Request) -> int:
+        """How many leading blocks of ``request``'s table are registered in the prefix cache."""
+        return self._num_cached.get(request.request_id, 0)
+
+    def give_fresh_table(self, request: Request, n: int) -> None:
+        """Give ``request``, holding no blocks, a table of ``n`` fresh blocks."""
+        self._start_table(request)
+        self._extend_table(request, self.block_pool.get_new_blocks(n))
+
+    def take_block_copies(self) -> list[BlockCopy]:
+        """Every copy queued since the last call, the tiers' and the copies on write, in ``CopyKind`` order (each
+        kind in the order queued), for the runner to do before the step."""
+        copies = [c for tier in self.tiers for c in tier.take_copies()]
+        copies += copies_of(CopyKind.COPY, self.take_blocks_to_copy())
+        copies.sort(key=lambda c: c.kind)
+        return copies
+
     def start_step(self) -> None:
-        """Called at the start of ``Scheduler.schedule``: the host tier's slots written by earlier steps' offloads
-        are complete (the runner completes an output's copies before the next schedule, or it was discarded)."""
-        if self.block_pool.host_tier is not None:
-            self.block_pool.host_tier.start_step()
+        """Called at the start of ``Scheduler.schedule``: the copies of earlier steps have run (the runner completes
+        an output's copies before the next schedule), or their output was discarded."""
+        for tier in self.tiers:
+            tier.start_step()
 
     def end_step(self) -> None:
         """Called at the end of ``Scheduler.schedule``: host ids freed by swap-ins become reusable, and so do the host
         tier's slots read by this step's loads. :attr:`scheduled_blocks` empties: a block registered by an earlier
         schedule is a copy source like any other, since the runner does a step's copies after the steps before it."""
         self.scheduled_blocks = []
-        self.host_pool.end_step()
-        if self.block_pool.host_tier is not None:
-            self.block_pool.host_tier.end_step()
+        for tier in self.tiers:
+            tier.end_step()
