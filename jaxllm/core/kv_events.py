@@ -19,83 +19,23 @@ medium: ``"GPU"`` for the device pool, ``"CPU"`` for the host tier (``scheduler.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
 import queue
 import threading
 import time
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import msgspec
 import zmq
 
-from jaxllm.json_config import dataclass_from_json
-
+from jaxllm.config import KVEventsConfig
 from scheduler.kv_events import BlockRemoved as HostBlockRemoved
 from scheduler.kv_events import KVEvent
 
 logger = logging.getLogger("jaxllm.core.kv_events")
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-
-
-@dataclasses.dataclass
-class KVEventsConfig:
-    """``--kv-events-config``: vLLM's ``KVEventsConfig`` fields, names, defaults and meanings.
-
-    Attributes:
-      enable_kv_cache_events: record and publish the events.
-      publisher: "zmq", or "null" (record nothing); None: "zmq" when enabled, else "null".
-      endpoint: the PUB socket's address; one with ``*``, ``::``, ``ipc://`` or ``inproc://`` is bound, any other
-        connected to (a subscriber or proxy listening there), as vLLM does.
-      replay_endpoint: a ROUTER address (bound) that replays buffered batches; None: no replay.
-      buffer_steps: batches kept for replay.
-      hwm: the PUB socket's high-water mark (ZMQ drops messages past it for a slow subscriber).
-      max_queue_size: batches waiting for the publisher thread at most (the core waits past it).
-      topic: the first frame of every message; subscribers filter on its prefix (vllm-router 0.1.17's
-        --kv-event-source applies only vLLM's default, the empty topic).
-
-    Raises:
-      ValueError: a field out of range, naming it.
-    """
-
-    enable_kv_cache_events: bool = False
-    publisher: Optional[str] = None
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: Optional[str] = None
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
-    topic: str = ""
-
-    def __post_init__(self) -> None:
-        if self.publisher is None:
-            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
-        if self.publisher not in ("zmq", "null"):
-            raise ValueError(f"kv_events_config publisher={self.publisher!r} must be 'zmq' or 'null'")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"kv_events_config {name}={value!r} must be a positive int")
-        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"kv_events_config endpoint={self.endpoint!r} must be a tcp://, ipc:// or inproc:// "
-                             "address")
-
-    @property
-    def publishes(self) -> bool:
-        """Whether events are recorded and sent (enabled, with the "zmq" publisher)."""
-        return self.enable_kv_cache_events and self.publisher == "zmq"
-
-    @classmethod
-    def parse(cls, value: Union["KVEventsConfig", dict[str, Any], str, None]) -> Optional["KVEventsConfig"]:
-        """A config from a dict, its JSON text (the CLI's ``--kv-events-config``), or itself; None stays None.
-
-        Raises:
-          ValueError: bad JSON, a key that is not a field (named with the fields), or a bad value.
-        """
-        return dataclass_from_json(cls, value, "kv_events_config")
-
 
 ExternalBlockHash = Union[int, bytes]
 

@@ -5,12 +5,10 @@ on the sequence's next decode row (``Scheduler.update_draft_token_ids``); the st
 and its drafts together and the sampler (``jaxllm.sample.sampler.sample_or_verify``) keeps the drafts the target agrees
 with plus one token of its own; the scheduler takes the rejected drafts back.
 
-* ``config``: ``SpeculativeConfig`` (vLLM's ``speculative_config`` keys).
 * ``ngram``: prompt lookup on the host (``NgramProposer``).
 * ``draft``: a draft model on the device (``DraftRunner``), which the engine core builds for ``method="draft_model"``.
 """
 
-from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram import NgramProposer
 
-__all__ = ["NgramProposer", "SpeculativeConfig"]
+__all__ = ["NgramProposer"]
