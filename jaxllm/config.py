@@ -415,7 +415,8 @@ class EngineConfig:
     kv_offloading_size: float = _option(0.0, (
         "GiB of host memory for a host tier of the prefix cache (vLLM's --kv-offloading-size), >= 0; 0: no tier. A "
         "hashed block about to be reused on the device is copied there first, and a prefix missing on the device "
-        "is loaded back from there. Needs enable_prefix_caching."))
+        "is loaded back from there. It holds GiB * 2**30 // (bytes per block: all layers, K and V, in the KV cache's "
+        "dtype) blocks. Needs enable_prefix_caching."))
     kv_offloading_prefetch: bool = _option(False, (
         "Load the host-tier hits of the requests at the head of the waiting queue a step before their admission. "
         "Needs kv_offloading_size > 0."))
@@ -423,7 +424,8 @@ class EngineConfig:
         'None, "int8" or "fp8": when free KV blocks run short, before preempting, re-encode full blocks of running '
         "requests in this one-byte type (a scale per block and KV head) into a second pool and free their blocks. "
         'Needs kv_cache_dtype="auto" and the xla or reference attention; not with speculative_config, '
-        'preemption_mode="swap", kv_offloading_size, tensor_parallel_size > 1 or batching="static".'))
+        'preemption_mode="swap", kv_offloading_size, tensor_parallel_size > 1 or batching="static". Requests with '
+        "SamplingParams(allow_kv_compression=False) or priority < 0 are never compressed."))
     kv_cache_compression_fraction: float = _option(0.5, (
         "With kv_cache_compression, the share of the KV budget given to the compressed pool, in (0, 1); the device "
         "blocks get the rest."))
@@ -512,7 +514,8 @@ class EngineConfig:
         self.scheduler_config(num_blocks=2, max_model_len=self.max_model_len or 1)
         if spec is not None and spec.num_speculative_tokens >= self.max_num_batched_tokens:
             raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} must be below "
-                             f"max_num_batched_tokens={self.max_num_batched_tokens}: a decode row carries 1 + that many")
+                             f"max_num_batched_tokens={self.max_num_batched_tokens}: a decode row carries 1 + that "
+                             "many")
 
     def _check_compression(self) -> None:
         """Raise ValueError for a bad ``kv_cache_compression`` (or fraction) or a setting it does not work with."""
@@ -605,8 +608,8 @@ class EngineConfig:
           ValueError: an explicit ladder that stops short of its limit (named with the limit).
         """
         max_width = self.max_blocks_per_seq(max_model_len)
-        tokens = self.token_buckets or (tuple(t for t in SMALL_TOKEN_BUCKETS if t < min(16, self.max_num_batched_tokens))
-                                        + half_step_ladder(16, self.max_num_batched_tokens))
+        small = tuple(t for t in SMALL_TOKEN_BUCKETS if t < min(16, self.max_num_batched_tokens))
+        tokens = self.token_buckets or small + half_step_ladder(16, self.max_num_batched_tokens)
         seqs = self.seq_buckets or tuple(sorted({min(t, self.max_num_seqs) for t in tokens}))
         if self.width_buckets:
             widths = self.width_buckets
