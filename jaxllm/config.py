@@ -1,10 +1,10 @@
-"""Model and engine configuration.
+"""The engine's configuration: ``EngineConfig``, the flat set of options a user gives (vLLM's names and meanings),
+checked once when made, and the typed sub-configs built from it (``cache``, ``compilation``, ``parallel``,
+``observability``; ``speculative_config`` and :meth:`EngineConfig.scheduler_config`).
 
-``ModelConfig`` is read from a Hugging Face ``config.json`` dict (or the
-equivalent dict the GGUF loader builds); it keeps only what the decoders of
-``jaxllm.models`` need and rejects what they cannot run. ``EngineConfig`` holds the
-serving knobs, named as vLLM names them; the scheduler's share of them is built from it
-(``EngineConfig.scheduler_config``), never copied by hand.
+Each field's description is its ``help`` metadata, read by :func:`field_docs`; the CLI's ``--help``
+(``jaxllm.entrypoints.engine_args``) and the configuration reference (``docs/hooks/config_reference.py``) print it.
+This module imports the standard library and ``scheduler`` only, so any process can read a config.
 """
 
 from __future__ import annotations
@@ -12,342 +12,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Optional, Sequence, Union
+from pathlib import Path
+from typing import Any, NamedTuple, Optional, Sequence, TypeVar, Union
 
-from jaxllm import registry
-from jaxllm.core.kv_events import KVEventsConfig
-from jaxllm.spec_decode.config import SpeculativeConfig
 from scheduler.buckets import geometric_ladder, half_step_ladder
 from scheduler.config import SchedulerConfig
-from scheduler.kv.compressed_pool import CompressedBlockPool
 from scheduler.degradation import GracefulDegradation
+from scheduler.kv.compressed_pool import CompressedBlockPool
 
-# HF architecture -> model_type (the key of its family in ``jaxllm.models``).
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Phi3ForCausalLM": "phi3",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-}
-# The other way, for a config.json without ``architectures`` (transformers writes ``null`` when it saves a model it
-# loaded from a GGUF): each model_type names its causal LM, as transformers' and vLLM's registries map it.
-ARCHITECTURE_OF_MODEL_TYPE = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
-# HF ``hidden_act`` names of the gated MLP's activation that the models implement.
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-# The config.json fields a registered architecture must have (``jaxllm.models.register_model``).
-REGISTERED_MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters (HF ``rope_parameters`` / ``rope_scaling``).
-
-    rope_type: "default", "linear" (positions divided by ``factor``),
-      "llama3" (Llama 3.1 frequency-dependent scaling) or "longrope" (Phi-3's
-      "su"/LongRoPE: per-frequency ``short_factor`` divisors, ``long_factor``
-      ones for a sequence longer than ``original_max_position_embeddings``,
-      and cos/sin scaled by ``attention_factor``).
-    partial_rotary_factor: the fraction of each head's dimensions rotated
-      (the first ones; the rest pass through), as HF.
-    """
-
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0
-    partial_rotary_factor: float = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The shape and flags of a decoder of ``jaxllm.models``.
-
-    One class covers every family: ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3,
-    Qwen3-MoE, Gemma 3), ``sliding_windows`` (Mistral, Phi-3, or per-layer
-    ``layer_types``: Gemma 3's local layers), rope scaling (Llama 3, Phi-3's
-    LongRoPE), ``local_rope`` (the rope of Gemma 3's sliding-window layers),
-    ``hidden_act`` (SwiGLU or Gemma's GeGLU), ``query_pre_attn_scalar`` and the
-    final logit soft cap (Gemma; HF's Gemma 3 attention ignores
-    ``attn_logit_softcapping``, and so does jaxllm), the experts (Mixtral,
-    Qwen3-MoE: ``num_experts > 0``; ``moe_intermediate_size`` is each
-    expert's FFN width), tied embeddings.
-    Follows the fields of the HF ``*Config`` classes of these models. A registered
-    architecture (``jaxllm.models.register_model``) fills the same fields; its family
-    reads ``hidden_act`` as it likes and ``rms_norm_eps`` as its norms' epsilon.
-    """
-
-    architecture: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: RopeConfig
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    sliding_windows: tuple[Optional[int], ...] = ()
-    local_rope: Optional[RopeConfig] = None
-    hidden_act: str = "silu"
-    query_pre_attn_scalar: Optional[float] = None
-    final_logit_softcap: Optional[float] = None
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    bos_token_id: Optional[int] = None
-    eos_token_ids: tuple[int, ...] = ()
-    torch_dtype: Optional[str] = None
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], generation_config: Optional[dict[str, Any]] = None) -> "ModelConfig":
-        """Build from a HF ``config.json`` dict and, when the model has one,
-        its ``generation_config.json`` dict.
-
-        ``eos_token_ids`` is every ``eos_token_id`` (an int or a list) of
-        ``generation_config`` then ``cfg``, without repeats, as vLLM stops on
-        the generation config's eos ids besides the model's.
-
-        The family is the first of ``architectures`` in
-        ``SUPPORTED_ARCHITECTURES`` or registered (``jaxllm.models.register_model``,
-        after the ``jaxllm.general_plugins`` have run); a config without
-        ``architectures`` (absent, null or empty), or naming none of them, is
-        named by its ``model_type`` alone (``ARCHITECTURE_OF_MODEL_TYPE``, or a
-        model_type registered without architectures). A registered family's
-        ``hf_config`` maps the dict first.
-
-        Raises:
-          ValueError: an architecture nothing runs, or without architectures a
-            ``model_type`` none of them has (both name the supported ones), an
-            unsupported activation or rope type, heads that do not divide, a
-            mixture-of-experts model whose layers are not all MoE layers, or a
-            registered architecture's config without ``REGISTERED_MODEL_FIELDS``
-            (the missing ones named).
-        """
-        arch, model_type = _architecture_from_hf(cfg)
-        if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
-            cfg = _registered_hf_config(cfg, model_type)
-        gemma = model_type == "gemma3_text"
-        act = cfg.get("hidden_activation" if gemma else "hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
-        if act not in ACTIVATIONS and model_type in ARCHITECTURE_OF_MODEL_TYPE:
-            raise ValueError(f"unsupported hidden_act {act!r}: the gated MLP implements {list(ACTIVATIONS)}")
-        if gemma and cfg.get("use_bidirectional_attention"):
-            raise ValueError("use_bidirectional_attention=True (Gemma 3 as an encoder) is not supported: "
-                             "jaxllm runs causal decoders")
-        hidden = int(cfg["hidden_size"])
-        num_q_heads = int(cfg["num_attention_heads"])
-        num_kv_heads = int(cfg.get("num_key_value_heads") or num_q_heads)
-        if num_q_heads % num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={num_q_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
-            )
-        head_dim = int(cfg.get("head_dim") or hidden // num_q_heads)
-        num_layers = int(cfg["num_hidden_layers"])
-        qkv_bias = bool(cfg.get("attention_bias") or False) or model_type == "qwen2"
-        rope, local_rope = _ropes_from_hf(cfg, model_type)
-        return cls(
-            architecture=arch,
-            model_type=model_type,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=num_layers,
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=rope,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            qkv_bias=qkv_bias,
-            o_bias=bool(cfg.get("attention_bias") or False) and model_type != "qwen2",
-            mlp_bias=bool(cfg.get("mlp_bias") or False),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-            sliding_windows=_sliding_windows_from_hf(cfg, model_type, num_layers),
-            local_rope=local_rope,
-            hidden_act=act,
-            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
-            final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping")),
-            **_experts_from_hf(cfg, model_type, num_layers),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_token_ids(generation_config or {}, cfg),
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-        )
-
-    @property
-    def attention_scale(self) -> float:
-        """The factor of q.k before the softmax: ``query_pre_attn_scalar ** -0.5``
-        (Gemma), else ``head_dim ** -0.5``."""
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, per byte of dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
-
-def eos_token_ids(*configs: dict[str, Any]) -> tuple[int, ...]:
-    """The ``eos_token_id`` entries (each an int, a list of ints, or None) of
-    HF config dicts, in order, without repeats."""
-    ids: dict[int, None] = {}
-    for cfg in configs:
-        eos = cfg.get("eos_token_id")
-        for e in eos if isinstance(eos, (list, tuple)) else [eos]:
-            if e is not None:
-                ids[int(e)] = None
-    return tuple(ids)
-
-
-def _optional_float(value: Any) -> Optional[float]:
-    return None if value is None else float(value)
-
-
-def _architecture_from_hf(cfg: dict[str, Any]) -> tuple[str, str]:
-    """(architecture, model_type) that runs a HF config dict (see ``ModelConfig.from_hf_config``)."""
-    registry.load_general_plugins()
-    archs = cfg.get("architectures") or []
-    for arch in archs:
-        model_type = SUPPORTED_ARCHITECTURES.get(arch) or registry.architecture_owner(arch)
-        if model_type is not None:
-            return arch, model_type
-    model_type = cfg.get("model_type")
-    own = registry.registered(model_type) if isinstance(model_type, str) else None
-    if own is not None and not own.hf_architectures:
-        return (archs[0] if archs else model_type), model_type
-    runs = sorted(SUPPORTED_ARCHITECTURES) + [a for r in registry.registrations() for a in r.hf_architectures]
-    if archs:
-        raise ValueError(f"unsupported architecture {archs!r}: jaxllm runs {runs} (jaxllm.register_model adds one)")
-    if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
-        raise ValueError(f"unsupported model_type {model_type!r} (config.json names no architectures): jaxllm "
-                         f"runs model_type {sorted(ARCHITECTURE_OF_MODEL_TYPE)}")
-    return ARCHITECTURE_OF_MODEL_TYPE[model_type], model_type
-
-
-def _registered_hf_config(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """A registered architecture's config dict, mapped by its family's ``hf_config``, with every
-    :data:`REGISTERED_MODEL_FIELDS` (ValueError naming the missing ones)."""
-    mapping = getattr(registry.resolve_family(model_type), "hf_config", None)
-    mapped = mapping(dict(cfg)) if mapping is not None else cfg
-    missing = [name for name in REGISTERED_MODEL_FIELDS if mapped.get(name) is None]
-    if missing:
-        raise ValueError(f"config.json of the registered model_type {model_type!r} lacks {missing}: a registered "
-                         f"architecture's config needs {list(REGISTERED_MODEL_FIELDS)} (Family.hf_config can map "
-                         "its own names to them)")
-    return mapped
-
-
-def _ropes_from_hf(cfg: dict[str, Any], model_type: str) -> tuple[RopeConfig, Optional[RopeConfig]]:
-    """(the rope of every layer, or of the global ones; the rope of sliding-window
-    layers when it differs: Gemma 3's ``sliding_attention`` entry or
-    ``rope_local_base_freq``, 10000 by default)."""
-    params = cfg.get("rope_parameters") or {}
-    if model_type != "gemma3_text":
-        return _rope_from_hf(cfg, {**(cfg.get("rope_scaling") or {}), **params}, model_type), None
-    if "full_attention" in params or "sliding_attention" in params:  # transformers >= 5 writes them per layer type
-        global_params = params.get("full_attention") or {}
-        local_params = params.get("sliding_attention") or {}
-    else:
-        global_params = {**(cfg.get("rope_scaling") or {}), **params}
-        local_params = {"rope_theta": cfg.get("rope_local_base_freq") or 10000.0}
-    global_params = {"rope_theta": cfg.get("rope_theta") or 1_000_000.0, **global_params}
-    return _rope_from_hf(cfg, global_params, model_type), _rope_from_hf(cfg, local_params, model_type)
-
-
-def _rope_from_hf(cfg: dict[str, Any], params: dict[str, Any], model_type: str) -> RopeConfig:
-    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
-    partial = float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type == "su" or (model_type == "phi3" and rope_type == "yarn"):
-        rope_type = "longrope"  # their old names, as HF's Phi3Config reads them
-    if rope_type == "default":
-        return RopeConfig(theta=theta, partial_rotary_factor=partial)
-    if rope_type == "linear":
-        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]),
-                          partial_rotary_factor=partial)
-    if rope_type == "llama3":
-        return RopeConfig(
-            theta=theta,
-            rope_type="llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
-            partial_rotary_factor=partial,
-        )
-    if rope_type == "longrope":
-        # HF's _compute_longrope_parameters: a top-level original_max_position_embeddings (Phi-3) wins.
-        original = int(cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-                       or cfg["max_position_embeddings"])
-        factor = params.get("factor") or cfg["max_position_embeddings"] / original
-        attention_factor = params.get("attention_factor")
-        if attention_factor is None:
-            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        return RopeConfig(
-            theta=theta, rope_type="longrope", factor=float(factor), original_max_position_embeddings=original,
-            short_factor=tuple(float(f) for f in params["short_factor"]),
-            long_factor=tuple(float(f) for f in params["long_factor"]),
-            attention_factor=float(attention_factor), partial_rotary_factor=partial,
-        )
-    raise ValueError(f"unsupported rope_type {rope_type!r}: jaxllm implements 'default', 'linear', 'llama3', "
-                     "'longrope' (or 'su')")
-
-
-def _experts_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    """The MoE fields of ``ModelConfig`` (none for a dense model).
-
-    The decoder scans one stacked layer, so every layer must be a MoE layer:
-    Qwen3-MoE configs whose ``mlp_only_layers`` or ``decoder_sparse_step``
-    make some layers dense are rejected.
-    """
-    if model_type == "mixtral":
-        return dict(num_experts=int(cfg.get("num_local_experts", 8)),
-                    num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
-                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
-    if model_type != "qwen3_moe":
-        return {}
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    dense = sorted(set(cfg.get("mlp_only_layers") or []) | {i for i in range(num_layers) if (i + 1) % step})
-    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
-    if dense or not num_experts:
-        raise ValueError(f"Qwen3-MoE layers {dense or 'all'} are dense (mlp_only_layers, decoder_sparse_step="
-                         f"{step}, num_experts={num_experts}): jaxllm runs models whose layers are all MoE layers")
-    return dict(num_experts=int(num_experts), num_experts_per_tok=int(cfg.get("num_experts_per_tok", 8)),
-                moe_intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
-
-
-def _sliding_windows_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[Optional[int], ...]:
-    window = cfg.get("sliding_window")
-    layer_types = cfg.get("layer_types")
-    if model_type == "gemma3_text" and not layer_types:
-        # HF's Gemma3TextConfig: every sliding_window_pattern-th layer is global (default 6: 5 local, 1 global).
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
-        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-    if layer_types:
-        if len(layer_types) != num_layers:
-            raise ValueError(f"layer_types has {len(layer_types)} entries, expected num_hidden_layers={num_layers}")
-        return tuple(int(window) if t == "sliding_attention" and window else None for t in layer_types)
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
-        window = None
-    return tuple(int(window) if window else None for _ in range(num_layers))
-
+T = TypeVar("T")
 
 # Weight-only quantizations and KV cache dtypes (jaxllm.worker.quantization), by vLLM's names.
 WEIGHT_QUANTIZATIONS = ("int8", "fp8")
@@ -355,183 +28,424 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 # EngineConfig.kv_cache_compression: the one-byte types compressed KV blocks are re-encoded in.
 KV_COMPRESSION_DTYPES = ("int8", "fp8")
 # SchedulerConfig fields that EngineConfig.scheduler_config fills in itself (enable_kv_cache_events from
-# kv_events_config, the rest at start-up); every other one is an
-# EngineConfig field of the same name (a test checks both).
+# kv_events_config, the rest at start-up); every other one is an EngineConfig field of the same name (a test
+# checks both).
 SCHEDULER_FIELDS_FROM_START_UP = ("num_blocks", "max_model_len", "num_lookahead_tokens", "enable_kv_cache_events",
                                   "num_offload_blocks", "num_compressed_blocks")
 # Token buckets below the default ladder's first value (16): steps of a few decode rows.
 SMALL_TOKEN_BUCKETS = (4, 8)
 # "vllm": the metrics under vLLM's names and labels (jaxllm.frontend.metrics).
 METRICS_NAMESPACES = ("jaxllm", "vllm")
+# SpeculativeConfig.method values.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+def _option(default: Any, help: str) -> Any:
+    """A dataclass field with ``default`` and its description (``metadata["help"]``, read by :func:`field_docs`)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+class FieldDoc(NamedTuple):
+    """One dataclass field as the CLI and the configuration reference print it.
+
+    Attributes:
+      name: the field's name.
+      type: its annotation as written in the source (e.g. ``"Optional[int]"``).
+      default: its default value; ``dataclasses.MISSING`` for a required field.
+      description: its ``help`` metadata; ``""`` when it has none.
+    """
+
+    name: str
+    type: str
+    default: Any
+    description: str
+
+
+def field_docs(cls: type) -> list[FieldDoc]:
+    """Each field of the dataclass ``cls``, in declaration order, with its type, default and description.
+
+    Raises:
+      TypeError: ``cls`` is not a dataclass.
+    """
+    docs = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        docs.append(FieldDoc(f.name, annotation, default, f.metadata.get("help", "")))
+    return docs
+
+
+def dataclass_from_json(cls: type[T], value: Any, name: str, required: Sequence[str] = ()) -> Optional[T]:
+    """``cls`` built from ``value``: an instance as it is, a dict of its fields, or that dict's JSON text (a CLI
+    flag's value); None stays None.
+
+    Args:
+      cls: a dataclass.
+      value: the value given for the option.
+      name: the option's name, for the errors (e.g. ``"speculative_config"``).
+      required: keys the dict must have.
+
+    Raises:
+      ValueError: bad JSON, a value that is not a dict, a key that is not a field (named, with the fields), a
+        missing required key, or what ``cls`` itself refuses.
+    """
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} {value!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={value!r} must be a dict (or its JSON)")
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise ValueError(f"{name} has unknown field {unknown[0]!r}; the fields are {fields}")
+    missing = [key for key in required if key not in value]
+    if missing:
+        raise ValueError(f"{name} needs {' and '.join(repr(k) for k in required)}")
+    return cls(**value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings, vLLM's ``speculative_config`` keys (``jaxllm.spec_decode``).
+
+    Raises:
+      ValueError: an unknown method or key, a value out of range (named with its limit), a missing or extra
+        ``model``.
+    """
+
+    method: str = dataclasses.field(metadata={"help": (
+        '"ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the sequence\'s last n '
+        'tokens) or "draft_model" (a smaller model with the same vocabulary proposes greedily).')})
+    num_speculative_tokens: int = dataclasses.field(metadata={"help": (
+        "Draft tokens per decode step, >= 1; a decode row then carries up to 1 + this many query tokens and emits "
+        "up to that many tokens.")})
+    prompt_lookup_min: Optional[int] = _option(None, (
+        "Shortest n-gram tried (ngram only); as vLLM, one of min/max given alone sets both, neither given means 5."))
+    prompt_lookup_max: Optional[int] = _option(None, "Longest n-gram tried, tried first (ngram only).")
+    model: Optional[str] = _option(None, "The draft model: a HF folder, a .gguf or an orbax folder (draft_model only).")
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method={self.method!r} must be one of {list(SPECULATIVE_METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens={k!r} must be an int >= 1")
+        if self.method == "ngram":
+            self._check_ngram()
+        else:
+            if not self.model:
+                raise ValueError("speculative_config method 'draft_model' needs model (a path to the draft model)")
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError("speculative_config prompt_lookup_min/max are for method 'ngram', not 'draft_model'")
+            object.__setattr__(self, "model", str(self.model))
+
+    def _check_ngram(self) -> None:
+        if self.model is not None:
+            raise ValueError(f"speculative_config model={self.model!r} is for method 'draft_model', not 'ngram'")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"speculative_config {name}={value!r} must be an int >= 1")
+        low = self.prompt_lookup_min if self.prompt_lookup_min is not None else self.prompt_lookup_max
+        high = self.prompt_lookup_max if self.prompt_lookup_max is not None else self.prompt_lookup_min
+        low, high = (5, 5) if low is None else (low, high)
+        if low > high:
+            raise ValueError(f"speculative_config prompt_lookup_min={low} exceeds prompt_lookup_max={high}")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+    @classmethod
+    def parse(cls, value: Union["SpeculativeConfig", dict[str, Any], str, None]) -> Optional["SpeculativeConfig"]:
+        """A config from a dict, its JSON text (the CLI's ``--speculative-config``), or itself; None stays None.
+
+        Raises:
+          ValueError: bad JSON, a key that is not a field, or a bad value (see the class).
+        """
+        return dataclass_from_json(cls, value, "speculative_config", required=("method", "num_speculative_tokens"))
+
+
+@dataclasses.dataclass
+class KVEventsConfig:
+    """``--kv-events-config``: vLLM's ``KVEventsConfig`` fields, names, defaults and meanings; the publisher is
+    ``jaxllm.core.kv_events``.
+
+    Raises:
+      ValueError: a field out of range, naming it.
+    """
+
+    enable_kv_cache_events: bool = _option(False, "Record and publish the events.")
+    publisher: Optional[str] = _option(None, '"zmq", or "null" (record nothing); None: "zmq" when enabled, else '
+                                             '"null".')
+    endpoint: str = _option("tcp://*:5557", (
+        "The PUB socket's address; one with *, ::, ipc:// or inproc:// is bound, any other connected to (a "
+        "subscriber or proxy listening there), as vLLM does."))
+    replay_endpoint: Optional[str] = _option(None, "A ROUTER address (bound) that replays buffered batches; None: no "
+                                                   "replay.")
+    buffer_steps: int = _option(10_000, "Batches kept for replay.")
+    hwm: int = _option(100_000, "The PUB socket's high-water mark (ZMQ drops messages past it for a slow subscriber).")
+    max_queue_size: int = _option(100_000, "Batches waiting for the publisher thread at most (the core waits past it).")
+    topic: str = _option("", (
+        "The first frame of every message; subscribers filter on its prefix (vllm-router's --kv-event-source reads "
+        "only vLLM's default, the empty topic)."))
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config publisher={self.publisher!r} must be 'zmq' or 'null'")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"kv_events_config {name}={value!r} must be a positive int")
+        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"kv_events_config endpoint={self.endpoint!r} must be a tcp://, ipc:// or inproc:// "
+                             "address")
+
+    @property
+    def publishes(self) -> bool:
+        """Whether events are recorded and sent (enabled, with the "zmq" publisher)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value: Union["KVEventsConfig", dict[str, Any], str, None]) -> Optional["KVEventsConfig"]:
+        """A config from a dict, its JSON text (the CLI's ``--kv-events-config``), or itself; None stays None.
+
+        Raises:
+          ValueError: bad JSON, a key that is not a field (named with the fields), or a bad value.
+        """
+        return dataclass_from_json(cls, value, "kv_events_config")
+
+
+def read_preload_prompts(path: Union[str, Path]) -> list[str]:
+    """The prompts of a warm-up file (``EngineConfig.preload_prompts``): a ``.json`` file holding a list of
+    strings, or any other file as text with one prompt per line (empty lines skipped; use JSON for prompts that
+    contain newlines).
+
+    Raises:
+      ValueError: the file is missing or unreadable, a ``.json`` file is not a list of non-empty strings, or the
+        file holds no prompt; the message names the path.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"preload_prompts={str(path)!r}: cannot read it ({e.strerror or e})") from None
+    if path.suffix.lower() == ".json":
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"preload_prompts={str(path)!r} is not valid JSON: {e}") from None
+        if not isinstance(prompts, list) or not all(isinstance(p, str) and p for p in prompts):
+            raise ValueError(f"preload_prompts={str(path)!r} must hold a JSON list of non-empty strings")
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"preload_prompts={str(path)!r} holds no prompt")
+    return prompts
+
+
+# The typed sub-configs: each holds the EngineConfig fields of its names, as checked there (vLLM's groups).
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache: its blocks, dtype, prefix caching and the tiers off the device pool (``EngineConfig.cache``)."""
+
+    block_size: int
+    num_kv_blocks: Optional[int]
+    kv_cache_memory_bytes: Optional[int]
+    kv_cache_dtype: str
+    enable_prefix_caching: bool
+    num_host_blocks: int
+    kv_offloading_size: float
+    kv_cache_compression: Optional[str]
+    kv_cache_compression_fraction: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilationConfig:
+    """The compiled step programs: attention backend, bucket ladders, when they compile and where they are cached
+    (``EngineConfig.compilation``)."""
+
+    attention_backend: Optional[str]
+    interpret: bool
+    token_buckets: Optional[Sequence[int]]
+    seq_buckets: Optional[Sequence[int]]
+    width_buckets: Optional[Sequence[int]]
+    precompile: Union[bool, str]
+    compilation_cache: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Devices a step spans and engine replicas (``EngineConfig.parallel``)."""
+
+    tensor_parallel_size: int
+    data_parallel_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservabilityConfig:
+    """Stats logging, Prometheus metrics and KV cache events (``EngineConfig.observability``)."""
+
+    log_stats: bool
+    metrics_port: Optional[int]
+    metrics_namespace: str
+    kv_events_config: Optional[KVEventsConfig]
+
+
+SUB_CONFIGS = {"cache": CacheConfig, "compilation": CompilationConfig, "parallel": ParallelConfig,
+               "observability": ObservabilityConfig}
 
 
 @dataclasses.dataclass
 class EngineConfig:
-    """Serving configuration, vLLM's names and meanings.
+    """Serving configuration, vLLM's names and meanings; each field's description is its ``help`` metadata
+    (:func:`field_docs`).
 
-    Attributes:
-      block_size: tokens per KV block.
-      num_kv_blocks: force the number of KV blocks (block 0, the null block,
-        included); None sizes it from ``kv_cache_memory_bytes``.
-      kv_cache_memory_bytes: device bytes for the KV cache (all layers, K+V).
-      max_num_seqs: sequences per step at most.
-      max_num_batched_tokens: tokens per step at most (the token budget).
-      max_model_len: prompt + output tokens per request at most. None: the
-        model's ``max_position_embeddings``, or, when the KV cache is sized
-        from ``kv_cache_memory_bytes`` (or its default) and holds no sequence
-        that long, the longest it holds, with a warning naming both (vLLM's
-        ``max_model_len=-1``). A value the cache cannot hold is an error naming
-        the largest that fits.
-      dtype: "auto", "float32", "bfloat16" or "float16" (compute, and the KV
-        cache unless ``kv_cache_dtype`` quantizes it).
-      quantization: None, "int8" or "fp8": weight-only quantization of the
-        dense projections and an untied lm_head, per output channel
-        (``jaxllm.worker.quantization``); an orbax checkpoint converted quantized is
-        served as it was converted.
-      kv_cache_dtype: "auto" (the compute dtype), "int8", or "fp8" /
-        "fp8_e4m3" (float8_e4m3fn): the KV cache's numbers, quantized with
-        per-layer, per-head scales calibrated at start-up (vLLM's name).
-      seed: engine seed for requests without their own.
-      attention_backend: "pallas", "xla", "reference" or None (pallas on GPU, xla
-        elsewhere; see ``kernels_pallas.get_attention_ops``).
-      interpret: run Pallas kernels in interpret mode (CPU testing).
-      token_buckets, seq_buckets, width_buckets: explicit bucket ladders
-        (T tokens, S rows, W block-table width); None derives each from the
-        limits (see :meth:`bucket_ladders`); each must reach its limit.
-      precompile: when to build the step programs: ``True`` every bucket at
-        start-up; ``"background"`` the largest token bucket and the smallest
-        of at least 16 tokens at start-up and the rest in a background thread, each program once the engine
-        has been idle a second (or busy 15 s without a pause: ``worker.model_runner.IDLE_SECONDS``), so a
-        short script neither shares the CPU with compiles nor waits for one at exit (a step pads up to a
-        ready bucket meanwhile, so none waits on a compile); ``False`` each bucket on first use (logged
-        while the step waits).
-      async_scheduling: schedule step N+1 while the device runs step N
-        (outputs are identical; see ``LLMEngine.step``). None (the default,
-        as in vLLM): on, unless ``speculative_config`` is set; resolved here,
-        the one place that decides it. True with ``speculative_config`` is a
-        ValueError: a step's drafts need the previous step's tokens. A step
-        holding a row whose multi-token ``bad_words`` or grammar need the
-        token the step in flight samples for it waits for that token first;
-        other steps keep the overlap.
-      compilation_cache: folder of JAX's persistent compilation cache;
-        "default" is ``<jaxllm cache>/xla``, None turns it off.
-      tensor_parallel_size: devices one model step is split over (Megatron
-        tensor parallelism, see ``jaxllm.worker.sharding``); must divide the model's
-        q heads, and its KV heads must divide it or be divisible by it.
-      data_parallel_size: engine replicas, each with its own scheduler and
-        KV cache on ``tensor_parallel_size`` devices, one engine-core process
-        each (``jaxllm.core.client.MPClient``).
-      batching: "continuous", or "static" (a new batch of up to
-        ``max_num_seqs`` requests starts only when the previous one has
-        finished entirely; the baseline for benchmarks).
-      log_stats: log a one-line stats summary to stderr every 5 seconds.
-      metrics_port: serve the Prometheus metrics on this port (None: don't).
-      metrics_namespace: "jaxllm", or "vllm": the series vLLM also has under vLLM 0.32's names, each series
-        with vLLM's ``model_name`` label (``jaxllm.frontend.metrics``).
-      speculative_config: speculative decoding, a dict (or its JSON text)
-        as vLLM's: ``{"method": "ngram", "num_speculative_tokens": k,
-        "prompt_lookup_min": .., "prompt_lookup_max": ..}`` or
-        ``{"method": "draft_model", "model": PATH, "num_speculative_tokens":
-        k}``; held as a ``spec_decode.SpeculativeConfig`` once checked. None:
-        off (see ``async_scheduling``). A draft model's
-        weights and KV cache (as many blocks as the target's, in the compute
-        dtype, unquantized) come on top of the memory the target's blocks were
-        sized for (``kv_cache_memory_bytes`` or its default share of the
-        device): on an accelerator with a large draft, set
-        ``kv_cache_memory_bytes`` or ``num_kv_blocks`` to leave room.
-      graceful_degradation: under KV pressure (few free blocks, or
-        preemptions), lower the effective ``max_num_seqs`` and prefill token
-        budget step by step and restore them when calm, instead of thrashing
-        (``scheduler.degradation``). True: the default thresholds; False: off;
-        a dict (or its JSON text, as the CLI passes it) of
-        ``GracefulDegradation`` fields, e.g. ``{"low_free_fraction": 0.2,
-        "recover_steps": 4}``: those thresholds (the rest default). Held as
-        True, False or a ``GracefulDegradation`` once checked.
-      aging_rate: for ``scheduling_policy="aging"``: priority units a waiting
-        request gains per second, >= 0.
-      reserve_predicted_output: admit a request beside running ones only when
-        the free KV blocks also hold every running request's predicted output
-        (``SchedulerConfig.reserve_predicted_output``); off by default.
-      preload_prompts: a file of common prompts (a ``.json`` list of strings,
-        or text with one prompt per line) computed at start-up so the first
-        request sharing one hits the prefix cache (``jaxllm.frontend.prefix_warmup``).
-      kv_events_config: publish the prefix cache's stored and evicted blocks, vLLM's ``--kv-events-config``: a
-        dict (or its JSON text) of ``jaxllm.core.kv_events.KVEventsConfig`` fields, e.g.
-        ``{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}``;
-        held as a ``KVEventsConfig`` once checked. None: off.
-      max_waiting_requests: shed load: refuse a new request
-        (``jaxllm.core.client.QueueFullError``; 503 at the server) while this
-        many sequences or more wait for a batch seat. None: no limit.
-      kv_offloading_size: GiB of host memory for a host tier of the prefix cache (vLLM's
-        ``--kv-offloading-size`` with its native backend; ``scheduler.kv.host_tier``), >= 0; 0 (the default): no
-        tier. A hashed block about to be reused on the device is copied there first, and a prefix missing on the
-        device is loaded back from there instead of recomputed. Holds ``GiB * 2**30 // bytes per block`` blocks
-        (all layers, K and V, in the KV cache's dtype); a draft model's runner keeps as many blocks of its own
-        KV beside them. Needs ``enable_prefix_caching``.
-      kv_cache_compression: None (the default: ``scripts/bench_kv_compression.py`` measures it, README), "int8"
-        or "fp8" (float8_e4m3fn): when free KV blocks run short, before preempting, the scheduler re-encodes full
-        blocks of running requests in this one-byte type, with a scale per block and KV head, into a second
-        pool and frees their blocks (``scheduler.kv.compressed_pool``; the attention reads each block in its own
-        dtype). Requests with ``SamplingParams(allow_kv_compression=False)`` or ``priority < 0`` are never
-        compressed. Needs ``kv_cache_dtype="auto"`` and the xla or reference attention; not with
-        ``speculative_config``, ``preemption_mode="swap"``, ``kv_offloading_size``, ``tensor_parallel_size > 1``
-        or ``batching="static"``, nor with ``kv_cache_compact``/``kv_cache_resize``.
-      kv_cache_compression_fraction: with ``kv_cache_compression``, the share of the KV budget
-        (``kv_cache_memory_bytes``, its default, or ``num_kv_blocks`` blocks of the cache's dtype) given to the
-        compressed pool, in (0, 1); the device blocks get the rest, so both pools together take the budget
-        (``worker.kv_cache.split_kv_budget``). 0.5 measured better than 0.25 (README).
-      enable_sleep_mode: allow ``sleep()`` / ``wake_up()`` (vLLM's flag;
-        ``jaxllm.core.engine_core.EngineCore.sleep``); without it sleep is
-        refused, naming this flag.
-
-    The scheduler's knobs (``SchedulerConfig``'s fields of the same names) are
-    checked by ``SchedulerConfig`` itself, once, when this config is made.
+    Made once from the user's values, it checks them all (the scheduler's knobs through ``SchedulerConfig``) and
+    holds ``speculative_config``, ``graceful_degradation``, ``kv_events_config`` and ``async_scheduling`` in their
+    resolved forms. ``cache``, ``compilation``, ``parallel`` and ``observability`` are frozen views of its fields;
+    :meth:`scheduler_config` builds the scheduler's config once start-up knows the block count.
 
     Raises:
-      ValueError: a value out of range, naming it and the limit.
+      ValueError: a value out of range or settings that cannot be used together, naming them and the limit.
     """
 
-    block_size: int = 16
-    num_kv_blocks: Optional[int] = None
-    kv_cache_memory_bytes: Optional[int] = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: Optional[int] = None
-    dtype: str = "auto"
-    quantization: Optional[str] = None
-    kv_cache_dtype: str = "auto"
-    seed: int = 0
-    scheduling_policy: Any = "fcfs"
-    preemption_mode: str = "recompute"
-    num_host_blocks: int = 0
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    attention_backend: Optional[str] = None
-    interpret: bool = False
-    token_buckets: Optional[Sequence[int]] = None
-    seq_buckets: Optional[Sequence[int]] = None
-    width_buckets: Optional[Sequence[int]] = None
-    precompile: Union[bool, str] = "background"
-    async_scheduling: Optional[bool] = None
-    compilation_cache: Optional[str] = "default"
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    batching: str = "continuous"
-    log_stats: bool = False
-    metrics_port: Optional[int] = None
-    metrics_namespace: str = "jaxllm"
-    speculative_config: Union[SpeculativeConfig, dict, str, None] = None
-    graceful_degradation: Union[bool, dict, str, GracefulDegradation] = True
-    aging_rate: float = 1.0
-    reserve_predicted_output: bool = False
-    max_waiting_requests: Optional[int] = None
-    preload_prompts: Optional[str] = None
-    kv_events_config: Union[KVEventsConfig, dict, str, None] = None
-    enable_sleep_mode: bool = False
-    kv_offloading_size: float = 0.0
-    kv_cache_compression: Optional[str] = None
-    kv_cache_compression_fraction: float = 0.5
+    block_size: int = _option(16, "Tokens per KV block, a power of two.")
+    num_kv_blocks: Optional[int] = _option(None, (
+        "KV blocks in all, the null block 0 included, >= 2; None sizes the cache from kv_cache_memory_bytes."))
+    kv_cache_memory_bytes: Optional[int] = _option(None, (
+        "Device bytes for the KV cache (all layers, K and V); None: 90% of the accelerator's free memory, 1 GiB on "
+        "CPU."))
+    max_num_seqs: int = _option(64, "Sequences in one step at most.")
+    max_num_batched_tokens: int = _option(512, "Tokens in one step at most (the token budget), >= max_num_seqs.")
+    max_model_len: Optional[int] = _option(None, (
+        "Prompt + output tokens per request at most. None: the model's max_position_embeddings, or, when the KV "
+        "cache is sized from kv_cache_memory_bytes (or its default) and holds no sequence that long, the longest it "
+        "holds, with a warning naming both (vLLM's max_model_len=-1). A value the cache cannot hold is an error "
+        "naming the largest that fits."))
+    dtype: str = _option("auto", (
+        '"auto" (float32 on CPU, bfloat16 on accelerators), "float32", "bfloat16" or "float16": the compute dtype, '
+        "and the KV cache's unless kv_cache_dtype quantizes it."))
+    quantization: Optional[str] = _option(None, (
+        'None, "int8" or "fp8": weight-only quantization of the dense projections and an untied lm_head, per output '
+        "channel (jaxllm.worker.quantization); an orbax checkpoint converted quantized is served as converted."))
+    kv_cache_dtype: str = _option("auto", (
+        '"auto" (the compute dtype), "int8", or "fp8" / "fp8_e4m3" (float8_e4m3fn): the KV cache\'s numbers, '
+        "quantized with per-layer, per-head scales calibrated at start-up."))
+    seed: int = _option(0, "The seed of requests that set none.")
+    scheduling_policy: Any = _option("fcfs", (
+        '"fcfs", "priority", "sjf", "aging", "load_aware", "predicted", or a scheduler.policy.Policy: the order in '
+        "which waiting requests are admitted and running ones preempted."))
+    preemption_mode: str = _option("recompute", (
+        '"recompute" (free a preempted request\'s blocks and recompute them later) or "swap" (copy them to '
+        "num_host_blocks host blocks and back)."))
+    num_host_blocks: int = _option(0, (
+        'Host blocks for preemption_mode="swap", >= 0; a victim that does not fit is recomputed instead.'))
+    enable_prefix_caching: bool = _option(True, "Reuse computed full KV blocks across requests that share a prefix.")
+    enable_chunked_prefill: bool = _option(True, (
+        "Split long prompts across steps. Off, a prompt is computed in one step, so max_num_batched_tokens must be "
+        ">= max_model_len."))
+    long_prefill_token_threshold: int = _option(0, (
+        "Prefill tokens of one request per step at most, so long prompts leave room for others; 0: no cap (nor "
+        "with enable_chunked_prefill off)."))
+    attention_backend: Optional[str] = _option(None, (
+        '"pallas", "xla", "reference", or None: pallas on GPU, xla elsewhere (kernels_pallas.get_attention_ops).'))
+    interpret: bool = _option(False, "Run the Pallas kernels in interpret mode (testing them on CPU).")
+    token_buckets: Optional[Sequence[int]] = _option(None, (
+        "Token counts T a step is padded to, ascending, the last >= max_num_batched_tokens; None: 4 and 8, then "
+        "16, 24, 32, 48, ... up to max_num_batched_tokens."))
+    seq_buckets: Optional[Sequence[int]] = _option(None, (
+        "Row counts S a step is padded to, the last >= max_num_seqs; None: each token bucket capped at "
+        "max_num_seqs."))
+    width_buckets: Optional[Sequence[int]] = _option(None, (
+        "Block-table widths W a step is padded to, the last >= ceil(max_model_len / block_size); None: that width "
+        "alone, or (reference attention) 4, 16, 64, ... up to it."))
+    precompile: Union[bool, str] = _option("background", (
+        'When the step programs compile: true, every bucket at start-up; "background", the largest token bucket '
+        "and the smallest of at least 16 tokens at start-up, the rest in a background thread while the engine is "
+        "idle (a step pads up to a compiled bucket meanwhile); false, each bucket on first use."))
+    async_scheduling: Optional[bool] = _option(None, (
+        "Schedule step N+1 while the device runs step N (same outputs). None: on unless speculative_config is set; "
+        "true with speculative_config is an error (a step's drafts need the previous step's tokens)."))
+    compilation_cache: Optional[str] = _option("default", (
+        'Folder of JAX\'s persistent compilation cache; "default" is <jaxllm cache>/xla, None turns it off.'))
+    tensor_parallel_size: int = _option(1, (
+        "Devices one model step is split over (Megatron tensor parallelism, jaxllm.worker.sharding); it must divide "
+        "the model's query heads, and the KV heads must divide it or be divisible by it."))
+    data_parallel_size: int = _option(1, (
+        "Engine replicas, each with its own scheduler and KV cache on tensor_parallel_size devices, in a process of "
+        "its own (jaxllm.core.client.MPClient)."))
+    batching: str = _option("continuous", (
+        '"continuous", or "static": a new batch of up to max_num_seqs requests starts only when the previous one '
+        "has finished (a baseline for benchmarks)."))
+    log_stats: bool = _option(False, "Log a one-line stats summary every 5 seconds.")
+    metrics_port: Optional[int] = _option(None, "Serve the Prometheus metrics on this port; None: do not.")
+    metrics_namespace: str = _option("jaxllm", (
+        '"jaxllm", or "vllm": the series vLLM also has under vLLM\'s names, each with vLLM\'s model_name label '
+        "(jaxllm.frontend.metrics)."))
+    speculative_config: Union[SpeculativeConfig, dict, str, None] = _option(None, (
+        'Speculative decoding, a dict (or its JSON text) of SpeculativeConfig fields: {"method": "ngram", '
+        '"num_speculative_tokens": k} (and prompt_lookup_min/max) or {"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": k}; None: off. A draft model\'s weights and KV cache come on top of the memory '
+        "the target's blocks were sized for: with a large draft on an accelerator, set kv_cache_memory_bytes or "
+        "num_kv_blocks to leave room."))
+    graceful_degradation: Union[bool, dict, str, GracefulDegradation] = _option(True, (
+        "Under KV pressure lower the effective max_num_seqs and prefill budget step by step, and restore them when "
+        "calm (scheduler.degradation). True: the default thresholds; false: off; a dict (or its JSON text) of "
+        'GracefulDegradation fields, e.g. {"low_free_fraction": 0.2, "recover_steps": 4}.'))
+    aging_rate: float = _option(1.0, 'For scheduling_policy="aging": priority units a waiting request gains per '
+                                     "second, >= 0.")
+    reserve_predicted_output: bool = _option(False, (
+        "Admit a request beside running ones only when the free KV blocks also hold every running request's "
+        "predicted output (scheduler.predictor)."))
+    max_waiting_requests: Optional[int] = _option(None, (
+        "Refuse a new request (QueueFullError; 503 at the server) while this many or more wait for a batch seat; "
+        "None: no limit."))
+    preload_prompts: Optional[str] = _option(None, (
+        "A file of common prompts (a .json list of strings, or text with one prompt per line) computed at start-up, "
+        "so the first request sharing one hits the prefix cache."))
+    kv_events_config: Union[KVEventsConfig, dict, str, None] = _option(None, (
+        "Publish the prefix cache's stored and evicted blocks as vLLM does: a dict (or its JSON text) of "
+        'KVEventsConfig fields, e.g. {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}; None: off.'))
+    enable_sleep_mode: bool = _option(False, "Allow sleep() / wake_up(), which free and restore the device memory.")
+    kv_offloading_size: float = _option(0.0, (
+        "GiB of host memory for a host tier of the prefix cache (vLLM's --kv-offloading-size), >= 0; 0: no tier. A "
+        "hashed block about to be reused on the device is copied there first, and a prefix missing on the device "
+        "is loaded back from there. It holds GiB * 2**30 // (bytes per block: all layers, K and V, in the KV cache's "
+        "dtype) blocks. Needs enable_prefix_caching."))
+    kv_cache_compression: Optional[str] = _option(None, (
+        'None, "int8" or "fp8": when free KV blocks run short, before preempting, re-encode full blocks of running '
+        "requests in this one-byte type (a scale per block and KV head) into a second pool and free their blocks. "
+        'Needs kv_cache_dtype="auto" and the xla or reference attention; not with speculative_config, '
+        'preemption_mode="swap", kv_offloading_size, tensor_parallel_size > 1 or batching="static". Requests with '
+        "SamplingParams(allow_kv_compression=False) or priority < 0 are never compressed."))
+    kv_cache_compression_fraction: float = _option(0.5, (
+        "With kv_cache_compression, the share of the KV budget given to the compressed pool, in (0, 1); the device "
+        "blocks get the rest."))
+
+    @property
+    def cache(self) -> CacheConfig:
+        """The KV cache's fields."""
+        return _sub_config(CacheConfig, self)
+
+    @property
+    def compilation(self) -> CompilationConfig:
+        """The step programs' fields."""
+        return _sub_config(CompilationConfig, self)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        """The parallelism fields."""
+        return _sub_config(ParallelConfig, self)
+
+    @property
+    def observability(self) -> ObservabilityConfig:
+        """The stats, metrics and events fields."""
+        return _sub_config(ObservabilityConfig, self)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -548,8 +462,6 @@ class EngineConfig:
             raise ValueError(f"max_waiting_requests={self.max_waiting_requests!r} must be an int >= 0 (or None: no "
                              "limit)")
         if self.preload_prompts is not None:
-            from jaxllm.frontend.prefix_warmup import read_preload_prompts
-
             read_preload_prompts(self.preload_prompts)  # a missing or malformed file fails before any loading
         if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
                                                        or self.kv_cache_memory_bytes < 1):
@@ -596,7 +508,8 @@ class EngineConfig:
         self.scheduler_config(num_blocks=2, max_model_len=self.max_model_len or 1)
         if spec is not None and spec.num_speculative_tokens >= self.max_num_batched_tokens:
             raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} must be below "
-                             f"max_num_batched_tokens={self.max_num_batched_tokens}: a decode row carries 1 + that many")
+                             f"max_num_batched_tokens={self.max_num_batched_tokens}: a decode row carries 1 + that "
+                             "many")
 
     def _check_compression(self) -> None:
         """Raise ValueError for a bad ``kv_cache_compression`` (or fraction) or a setting it does not work with."""
@@ -645,19 +558,19 @@ class EngineConfig:
         """Blocks of ``bytes_per_block`` bytes that ``kv_offloading_size`` GiB hold (0 without a tier)."""
         return int(self.kv_offloading_size * 2**30) // bytes_per_block
 
-    def resolve_max_model_len(self, model: ModelConfig) -> int:
-        """``max_model_len`` or the model's ``max_position_embeddings`` (which start-up may then fit to the KV cache:
-        ``jaxllm.worker.kv_cache.fit_max_model_len``).
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        """``max_model_len``, or the model's ``max_position_embeddings`` when it is None (start-up may then fit it
+        to the KV cache: ``jaxllm.worker.kv_cache.fit_max_model_len``).
 
         Raises:
           ValueError: a ``max_model_len`` above the model's positions.
         """
         if self.max_model_len is None:
-            return model.max_position_embeddings
-        if not 1 <= self.max_model_len <= model.max_position_embeddings:
+            return max_position_embeddings
+        if not 1 <= self.max_model_len <= max_position_embeddings:
             raise ValueError(
                 f"max_model_len={self.max_model_len} is out of range: the model has "
-                f"max_position_embeddings={model.max_position_embeddings}"
+                f"max_position_embeddings={max_position_embeddings}"
             )
         return self.max_model_len
 
@@ -666,28 +579,19 @@ class EngineConfig:
         return math.ceil(max_model_len / self.block_size)
 
     def bucket_ladders(self, max_model_len: int, attention_backend: str) -> tuple[tuple[int, ...], ...]:
-        """The (T, S, W) ladders steps are padded to.
+        """The (T, S, W) ladders steps are padded to, each ending exactly at its limit.
 
-        Defaults, each ending exactly at its maximum: T takes 4 and 8, then
-        powers of two from 16 and the halfway points between them (16, 24, 32,
-        48, ...) up to ``max_num_batched_tokens``, since padded tokens cost real
-        matmul work (a lone request decoding in the T=4 program instead of T=16
-        takes 0.65-0.75x the step time on XLA's CPU backend,
-        ``scripts/bench_throughput.py --single``; T below 4 gains nothing);
-        S is T capped at ``max_num_seqs`` (each T is paired with one S, see
-        ``BucketTable``), so a decode step of n rows pads to at most 1.5 n; W
-        is the maximum alone (``ceil(max_model_len / block_size)``) for the
-        ``xla`` and ``pallas`` attention, whose cost follows each sequence's
-        length rather than the table width, and quadruples from 4 blocks for
-        the ``reference``, whose cost grows with W.
+        Defaults: T takes 4 and 8, then 16, 24, 32, 48, ... (powers of two and the halfway points) up to
+        ``max_num_batched_tokens``; S is each T capped at ``max_num_seqs``; W is ``ceil(max_model_len /
+        block_size)`` alone, or for the ``reference`` attention (whose cost grows with W) 4, 16, 64, ... up to it.
+        ``docs/design/config.md`` says why.
 
         Raises:
-          ValueError: an explicit ladder that stops short of its limit (named
-            with the limit).
+          ValueError: an explicit ladder that stops short of its limit (named with the limit).
         """
         max_width = self.max_blocks_per_seq(max_model_len)
-        tokens = self.token_buckets or (tuple(t for t in SMALL_TOKEN_BUCKETS if t < min(16, self.max_num_batched_tokens))
-                                        + half_step_ladder(16, self.max_num_batched_tokens))
+        small = tuple(t for t in SMALL_TOKEN_BUCKETS if t < min(16, self.max_num_batched_tokens))
+        tokens = self.token_buckets or small + half_step_ladder(16, self.max_num_batched_tokens)
         seqs = self.seq_buckets or tuple(sorted({min(t, self.max_num_seqs) for t in tokens}))
         if self.width_buckets:
             widths = self.width_buckets
@@ -703,6 +607,11 @@ class EngineConfig:
                 raise ValueError(f"{name}={list(ladder)} must reach {limit_name}={limit}: a step that size "
                                  "would have no bucket")
         return tuple(tokens), tuple(seqs), tuple(widths)
+
+
+def _sub_config(cls: type[T], config: EngineConfig) -> T:
+    """``cls`` (one of :data:`SUB_CONFIGS`) holding ``config``'s fields of its field names."""
+    return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
 def _parse_degradation(value: Any) -> Union[bool, GracefulDegradation]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 GGUF_MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file (llama.cpp's gguf spec)
 
@@ -57,6 +57,18 @@ def read_generation_config(path: str | os.PathLike) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{str(file)!r} holds a {type(config).__name__}, not a JSON object")
     return config
+
+
+def eos_token_ids(*configs: dict[str, Any]) -> tuple[int, ...]:
+    """The ``eos_token_id`` entries (each an int, a list of ints, or None) of
+    HF config dicts, in order, without repeats."""
+    ids: dict[int, None] = {}
+    for cfg in configs:
+        eos = cfg.get("eos_token_id")
+        for e in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if e is not None:
+                ids[int(e)] = None
+    return tuple(ids)
 
 
 def cache_dir() -> Path:

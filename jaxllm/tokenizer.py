@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from jaxllm.config import eos_token_ids
+from jaxllm.paths import eos_token_ids
 
 # llama.cpp token types (`tokenizer.ggml.token_type`).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4

@@ -34,7 +34,7 @@ if _devices_asked(sys.argv) > 1 and "xla_force_host_platform_device_count" not i
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={_devices_asked(sys.argv)}").strip()
 
-from jaxllm.config import ModelConfig  # noqa: E402
+from jaxllm.models.config import ModelConfig  # noqa: E402
 
 
 @dataclasses.dataclass

@@ -225,6 +225,27 @@ def test_serve_help_has_a_flag_for_every_engine_config_field_and_bad_flags_exit_
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
+def _printed(text: str) -> str:
+    """``text`` without whitespace, so a description argparse wrapped over lines is found whole."""
+    return "".join(text.split())
+
+
+def test_generate_and_serve_help_print_each_engine_fields_description():
+    from jaxllm.config import EngineConfig, field_docs
+
+    docs = {d.name: d for d in field_docs(EngineConfig)}
+    assert all(len(d.description) > 20 for d in docs.values()), [n for n, d in docs.items() if len(d.description) <= 20]
+    serve = _cli("serve", "--help", module="jaxllm.entrypoints.cli")
+    generate = _cli("--help")
+    assert serve.returncode == 0 and generate.returncode == 0
+    assert "EngineConfig.block_size" not in serve.stdout
+    for doc in docs.values():
+        assert _printed(f"{doc.description} (default: {doc.default})") in _printed(serve.stdout), doc.name
+    for name in ("max_model_len", "kv_cache_memory_bytes", "max_num_seqs", "dtype", "quantization", "kv_cache_dtype"):
+        assert _printed(docs[name].description) in _printed(generate.stdout), name
+    assert _printed("Tokens per KV block, a power of two. (default: 16)") in _printed(serve.stdout)
+
+
 # ---- issue 25 item 9: the sampling line says what is used ------------------------------------------
 
 def test_issue25_item9_cli_sampling_line_under_temperature_0_has_no_unused_top_p(stories_dir):

@@ -138,8 +138,8 @@ def test_moe_layer_compiles_once_whatever_the_routing():
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.config import ModelConfig
     from jaxllm.models import moe
+    from jaxllm.models.config import ModelConfig
 
     cfg = ModelConfig.from_hf_config(dict(
         architectures=["Qwen3MoeForCausalLM"], vocab_size=256, hidden_size=16, intermediate_size=32,

@@ -18,10 +18,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxllm import LLM, SamplingParams, StructuredOutputsParams, registry
-from jaxllm.config import EngineConfig, ModelConfig
+from jaxllm.config import EngineConfig
 from jaxllm.core.client import MPClient
 from jaxllm.loader import load_model, read_model_config
 from jaxllm.models import Family, family, register_model
+from jaxllm.models.config import ModelConfig
 from jaxllm.worker.sharding import ModelSharding, make_mesh
 from tests import custom_model_gptj as gptj
 from tests.conftest import ROOT

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from jaxllm import LLM
-from jaxllm.config import SCHEDULER_FIELDS_FROM_START_UP, EngineConfig
+from jaxllm.config import SCHEDULER_FIELDS_FROM_START_UP, SUB_CONFIGS, EngineConfig, KVEventsConfig, SpeculativeConfig
+from jaxllm.config import field_docs
 from jaxllm.entrypoints.engine_args import add_engine_args, check_engine_args, engine_kwargs
 from scheduler import AgingPolicy, SchedulerConfig
 from scheduler.degradation import GracefulDegradation
@@ -34,6 +34,8 @@ def test_every_scheduler_field_is_an_engine_field_or_known_only_at_start_up():
 
 
 def test_aging_rate_and_degradation_thresholds_reach_the_running_scheduler(stories_dir):
+    from jaxllm import LLM  # here, not at the top: this file collects without JAX (tests/test_layout.py)
+
     llm = LLM(model=stories_dir, precompile=False, num_kv_blocks=24, max_model_len=64, scheduling_policy="aging",
               aging_rate=2.5, graceful_degradation=dict(THRESHOLDS))
     scheduler = llm.engine.scheduler
@@ -94,3 +96,33 @@ def test_serve_help_lists_the_scheduler_knobs_and_their_flags_parse():
     assert config.aging_rate == 0.5 and config.graceful_degradation == GracefulDegradation(window=4, cooldown=3)
     bad = parser.parse_args(["--aging-rate", "-2"])
     assert check_engine_args(bad) == "--aging-rate -2.0 is out of range: must be >= 0 (priority units per second)"
+
+
+def test_field_docs_gives_every_field_its_name_type_default_and_description():
+    docs = field_docs(EngineConfig)
+    assert [d.name for d in docs] == [f.name for f in dataclasses.fields(EngineConfig)]
+    assert docs[0] == ("block_size", "int", 16, "Tokens per KV block, a power of two.")
+    assert [d for d in docs if not d.description] == []
+    assert {d.name: (d.type, d.default) for d in docs}["max_model_len"] == ("Optional[int]", None)
+    assert [d.name for d in field_docs(SpeculativeConfig) if not d.description] == []
+    assert [d.name for d in field_docs(KVEventsConfig) if not d.description] == []
+    assert field_docs(SpeculativeConfig)[0].default is dataclasses.MISSING  # method is required
+
+
+def test_sub_configs_are_frozen_views_of_the_engine_fields_of_their_names():
+    config = EngineConfig(block_size=8, kv_cache_dtype="int8", token_buckets=[8, 512], tensor_parallel_size=2,
+                          metrics_port=9100, kv_events_config={"enable_kv_cache_events": True})
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    seen: set[str] = set()
+    for name, cls in SUB_CONFIGS.items():
+        view = getattr(config, name)
+        assert isinstance(view, cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert names <= engine_fields and not names & seen, name
+        seen |= names
+        assert {n: getattr(view, n) for n in names} == {n: getattr(config, n) for n in names}
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(view, next(iter(names)), None)
+    assert (config.cache.block_size, config.cache.kv_cache_dtype) == (8, "int8")
+    assert config.compilation.token_buckets == [8, 512] and config.parallel.tensor_parallel_size == 2
+    assert config.observability.kv_events_config == KVEventsConfig(enable_kv_cache_events=True)

@@ -174,7 +174,8 @@ def test_data_parallel_cores_offset_the_endpoint_as_vllm_does():
 
 
 def test_publisher_connects_to_a_listening_subscriber_and_replays_only_its_last_buffer_steps(tmp_path):
-    from jaxllm.core.kv_events import KVEventsConfig, ZmqEventPublisher
+    from jaxllm.config import KVEventsConfig
+    from jaxllm.core.kv_events import ZmqEventPublisher
     from scheduler.kv_events import BlockRemoved as HostBlockRemoved
     from tests.server_process import free_port
 
@@ -221,7 +222,8 @@ def test_the_null_publisher_records_nothing():
 
 
 def test_vllms_switch_sends_hashes_as_their_bytes(monkeypatch, tmp_path):
-    from jaxllm.core.kv_events import KVEventsConfig, ZmqEventPublisher
+    from jaxllm.config import KVEventsConfig
+    from jaxllm.core.kv_events import ZmqEventPublisher
     from scheduler.kv_events import BlockStored as HostBlockStored
 
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")

@@ -43,6 +43,50 @@ def test_scheduler_and_kernels_pallas_import_no_jaxllm(package, forbidden):
     assert {m: sorted(t & forbidden) for m, t in graph.items() if t & forbidden} == {}
 
 
+# Which package may import which, by the import graph of jaxllm (imports inside functions count; those under
+# `if TYPE_CHECKING:` never run). The engine core's side, of which the front end may import the messages and the
+# client only: LLMEngine alone builds its one in-process core, inside its constructor.
+ENGINE_SIDE = ("jaxllm.core", "jaxllm.worker", "jaxllm.models", "jaxllm.loader", "jaxllm.sample", "jaxllm.spec_decode")
+FRONT_END_MAY_IMPORT = {"jaxllm.core", "jaxllm.core.messages", "jaxllm.core.client"}
+FRONT_END_EXCEPTIONS = {("jaxllm.frontend.llm_engine", "jaxllm.core.build")}
+
+
+def test_config_imports_only_the_standard_library_and_the_scheduler():
+    imported = import_graph(ROOT)["jaxllm.config"]
+    assert "dataclasses" in imported
+    assert imported - set(sys.stdlib_module_names) == {"scheduler"}
+
+
+def test_the_front_end_imports_only_the_cores_messages_and_client_of_the_engine_side():
+    graph = import_graph(ROOT)
+    assert len([m for m in graph if m.startswith("jaxllm.frontend.")]) > 5
+    found = {(m, t) for m, targets in graph.items() if m.startswith("jaxllm.frontend") for t in targets
+             if t.startswith(ENGINE_SIDE) and t not in FRONT_END_MAY_IMPORT}
+    assert found == FRONT_END_EXCEPTIONS
+
+
+BLOCK_JAX_ZMQ_MSGSPEC = """
+import sys
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("jax", "jaxlib", "zmq", "msgspec"):
+            raise ImportError(f"{name} is blocked")
+sys.meta_path.insert(0, Blocker())
+"""
+
+
+def test_config_and_the_scheduler_tests_load_without_jax_pyzmq_or_msgspec():
+    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_scheduler_*.py"))
+    run = BLOCK_JAX_ZMQ_MSGSPEC + (
+        "import jaxllm.config, jaxllm.entrypoints.engine_args, scheduler\n"
+        "import pytest\n"
+        f"sys.exit(pytest.main(['--co', '-q', '-p', 'no:cacheprovider', *{tests!r}, 'tests/test_engine_config.py']))")
+    proc = subprocess.run([sys.executable, "-c", run], cwd=ROOT, capture_output=True, text=True)
+    assert len(tests) > 5
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ERROR" not in proc.stdout and " tests collected in " in proc.stdout
+
+
 @pytest.mark.parametrize("package", ["jaxllm", "scheduler"])
 def test_no_function_exceeds_100_lines(package):
     found = functions(ROOT, package)

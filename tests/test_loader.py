@@ -120,8 +120,8 @@ def test_issue25_item8_a_config_transformers_saved_from_a_gguf_is_the_gguf_s_mod
     # A model transformers 5 loaded from a GGUF has no architectures: its config.json says "architectures": null
     # in full (use_diff=False), and leaves the key out as a diff (save_pretrained's default).
     transformers = pytest.importorskip("transformers")
-    from jaxllm.config import ModelConfig
     from jaxllm.loader.gguf import load_gguf
+    from jaxllm.models.config import ModelConfig
     from tests.test_gguf import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, **kwargs)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.config import ModelConfig
 from jaxllm.models import moe
 from jaxllm.models.common import layer_plan
+from jaxllm.models.config import ModelConfig
 from tests.helpers import assert_same_or_near_tie
 
 torch = pytest.importorskip("torch")

@@ -8,8 +8,7 @@ import json
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.config import EngineConfig
-from jaxllm.frontend.prefix_warmup import read_preload_prompts
+from jaxllm.config import EngineConfig, read_preload_prompts
 
 SYSTEM = "Once upon a time, there was a little girl named Lily."
 ENGINE = dict(max_model_len=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, num_kv_blocks=17,

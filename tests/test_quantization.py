@@ -201,7 +201,7 @@ def test_weight_scales_split_with_their_output_channels_and_kv_scales_with_the_c
     from jax.sharding import AbstractMesh
     from jax.sharding import PartitionSpec as P
 
-    from jaxllm.config import ModelConfig
+    from jaxllm.models.config import ModelConfig
 
     cfg = ModelConfig.from_hf_config(dict(
         architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm.config import EngineConfig, ModelConfig
+from jaxllm.config import EngineConfig
+from jaxllm.models.config import ModelConfig
 from jaxllm.worker.sharding import PARAM_AXES, check_tensor_parallel, make_mesh
 from jaxllm.loader.params import expected_layer_keys
 

@@ -473,8 +473,8 @@ def test_a_prefix_cache_reset_waits_for_the_step_in_flight():
 # ----------------------------------------------------------------------------- checking a tree, by classes of input
 
 def _expected_layout():
-    from jaxllm.config import ModelConfig
     from jaxllm.loader import read_model_config
+    from jaxllm.models.config import ModelConfig
     from jaxllm.worker.weights import layout_of
 
     cfg: ModelConfig = read_model_config(STORIES)[0]

@@ -15,7 +15,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxllm.config import EngineConfig, ModelConfig
+from jaxllm.config import EngineConfig
+from jaxllm.models.config import ModelConfig
 from jaxllm import log
 from jaxllm.core.engine_core import EngineCore
 from jaxllm.loader import load_sharded, read_model_config
@@ -84,7 +85,7 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
         raise ValueError("model is a ModelConfig: pass its weights as params=")
     cfg = model if path is None else read_model_config(path)[0]
     # The config is checked before any weight is read: the scheduler's knobs against the model's length too.
-    max_model_len = config.resolve_max_model_len(cfg)
+    max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
     config.scheduler_config(num_blocks=2, max_model_len=max_model_len)
     dtype = resolve_dtype(config.dtype)
     mesh = mesh if mesh is not None else make_mesh(config.tensor_parallel_size)

@@ -9,78 +9,23 @@ is the device pool, "CPU" the host tier.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
 import queue
 import threading
 import time
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import msgspec
 import zmq
 
-from jaxllm.json_config import dataclass_from_json
-
+from jaxllm.config import KVEventsConfig
 from scheduler.kv_events import BlockRemoved as HostBlockRemoved
 from scheduler.kv_events import KVEvent
 
 logger = logging.getLogger("jaxllm.core.kv_events")
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-
-
-@dataclasses.dataclass
-class KVEventsConfig:
-    """``--kv-events-config``: vLLM's ``KVEventsConfig`` fields, names, defaults and meanings.
-
-    Attributes:
-      enable_kv_cache_events: record and publish. publisher: "zmq" or "null" (None: "zmq" when enabled).
-      endpoint: the PUB address (bound for ``*``, ``::``, ``ipc://``, ``inproc://``; else connected).
-      replay_endpoint: a ROUTER address for replay, or None. buffer_steps: batches kept for replay.
-      hwm: the PUB high-water mark. max_queue_size: batches queued for the publisher thread.
-      topic: the first frame of every message.
-
-    Raises:
-      ValueError: a field out of range, naming it.
-    """
-
-    enable_kv_cache_events: bool = False
-    publisher: Optional[str] = None
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: Optional[str] = None
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
-    topic: str = ""
-
-    def __post_init__(self) -> None:
-        if self.publisher is None:
-            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
-        if self.publisher not in ("zmq", "null"):
-            raise ValueError(f"kv_events_config publisher={self.publisher!r} must be 'zmq' or 'null'")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"kv_events_config {name}={value!r} must be a positive int")
-        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"kv_events_config endpoint={self.endpoint!r} must be a tcp://, ipc:// or inproc:// "
-                             "address")
-
-    @property
-    def publishes(self) -> bool:
-        """Whether events are recorded and sent (enabled, with the "zmq" publisher)."""
-        return self.enable_kv_cache_events and self.publisher == "zmq"
-
-    @classmethod
-    def parse(cls, value: Union["KVEventsConfig", dict[str, Any], str, None]) -> Optional["KVEventsConfig"]:
-        """A config from a dict, its JSON text or itself; None stays None.
-
-        Raises:
-          ValueError: bad JSON, an unknown key (named with the fields), or a bad value.
-        """
-        return dataclass_from_json(cls, value, "kv_events_config")
-
 
 ExternalBlockHash = Union[int, bytes]
 

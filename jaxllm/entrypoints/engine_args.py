@@ -31,20 +31,31 @@ def _flag_type(hint: Any) -> dict[str, Any]:
     return dict(type=hint if hint in (int, float) else str)
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Add one flag per ``EngineConfig`` field (but those in ``skip``), defaulting to the field's default.
+def field_help(name: str) -> str:
+    """The help of ``EngineConfig.<name>``'s flag: the field's description (``jaxllm.config.field_docs``) and
+    default, ``%`` escaped for argparse.
 
-    Help text names the field; ``jaxllm/config.py``'s ``EngineConfig`` documents each.
+    Raises:
+      KeyError: ``name`` is not an ``EngineConfig`` field.
     """
+    from jaxllm.config import EngineConfig, field_docs
+
+    doc = {d.name: d for d in field_docs(EngineConfig)}[name]
+    return f"{doc.description} (default: {doc.default})".replace("%", "%%")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per ``EngineConfig`` field (but those in ``skip``), defaulting to the field's default, with
+    :func:`field_help` as its help."""
     from jaxllm.config import EngineConfig
 
     hints = typing.get_type_hints(EngineConfig)
-    group = parser.add_argument_group("engine (EngineConfig fields; see jaxllm/config.py)")
+    group = parser.add_argument_group("engine (EngineConfig fields)")
     for field in dataclasses.fields(EngineConfig):
         if field.name in skip:
             continue
         group.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, default=field.default,
-                           help=f"EngineConfig.{field.name} (default: {field.default})", **_flag_type(hints[field.name]))
+                           help=field_help(field.name), **_flag_type(hints[field.name]))
 
 
 def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:

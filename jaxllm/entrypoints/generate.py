@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 
 from jaxllm import __version__, log
 from jaxllm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS
+from jaxllm.entrypoints.engine_args import field_help
 
 DEFAULT_PROMPT = "Once upon a time"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -71,18 +72,12 @@ def build_parser(prog: str = "python -m jaxllm.generate") -> argparse.ArgumentPa
     p.add_argument("--stop", action="append", help="stop string; repeat for several (not included in the output)")
     p.add_argument("--logprobs", type=int, help="also print each generated token's log-probability and the top N")
     p.add_argument("--seed", type=int, help="sampling seed (default: the engine seed 0, so runs repeat)")
-    p.add_argument("--max-model-len", type=int,
-                   help="prompt + output tokens at most (default: the model's max_position_embeddings, or the "
-                        "longest the KV cache holds when that is less)")
-    p.add_argument("--kv-cache-memory-bytes", type=int,
-                   help="device bytes for the KV cache (default: 90%% of the accelerator's free memory; 1 GiB on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences generated together at most (default 64)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weights and KV cache dtype; auto = float32 on CPU, bfloat16 on accelerators (default auto)")
-    p.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS,
-                   help="weight-only quantization of the dense projections, per output channel (default: none)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache numbers: auto = the compute dtype; int8 or fp8 (e4m3) with calibrated scales")
+    p.add_argument("--max-model-len", type=int, help=field_help("max_model_len"))
+    p.add_argument("--kv-cache-memory-bytes", type=int, help=field_help("kv_cache_memory_bytes"))
+    p.add_argument("--max-num-seqs", type=int, default=64, help=field_help("max_num_seqs"))
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help=field_help("dtype"))
+    p.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS, help=field_help("quantization"))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=field_help("kv_cache_dtype"))
     p.add_argument("--precompile", action="store_true",
                    help="compile every shape bucket before generating (default: compile on first use)")
     p.add_argument("--version", action="version", version=f"jaxllm {__version__}")
@@ -228,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxllm.tokenizer import load_tokenizer
 
     try:
-        max_model_len = EngineConfig(**engine_kwargs).resolve_max_model_len(read_model_config(model)[0])
+        positions = read_model_config(model)[0].max_position_embeddings
+        max_model_len = EngineConfig(**engine_kwargs).resolve_max_model_len(positions)
     except ValueError as e:
         raise _flag_error(e) from None
     tokenizer = load_tokenizer(model)

@@ -8,11 +8,11 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from jaxllm.config import ModelConfig
 from jaxllm.core.client import QueueFullError
 from jaxllm.frontend.llm_engine import LLMEngine
 from jaxllm.frontend.input_processor import PromptType
 from jaxllm.frontend.metrics import GenerateProgress
+from jaxllm.models.config import ModelConfig
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer
 from scheduler import SamplingParams

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
-from jaxllm.config import EngineConfig, ModelConfig
+from jaxllm.config import EngineConfig
 from jaxllm.core.client import InprocClient, MPClient
 from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd
@@ -20,6 +20,8 @@ from scheduler import SamplingParams
 
 if TYPE_CHECKING:
     import jax
+
+    from jaxllm.models.config import ModelConfig
 
 
 class LLMEngine(FrontEnd):
@@ -51,9 +53,10 @@ class LLMEngine(FrontEnd):
             from jaxllm.core.build import build_engine_core
 
             client = InprocClient(build_engine_core(model, config, mesh=mesh, params=params))
-        if tokenizer is None and not isinstance(model, ModelConfig):
+        is_path = isinstance(model, (str, os.PathLike))
+        if tokenizer is None and is_path:
             tokenizer = load_tokenizer(model)
-        super().__init__(tokenizer, client, config, model.model_type if isinstance(model, ModelConfig) else str(model))
+        super().__init__(tokenizer, client, config, str(model) if is_path else model.model_type)
 
     @property
     def core(self):

@@ -14,10 +14,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxllm.config import ModelConfig
 from jaxllm.loader.orbax import is_orbax_checkpoint, restore_params
 from jaxllm.loader.params import params_from_hf
 from jaxllm.loader.safetensors import LazyStack, LazyTensor, iter_lazy_safetensors, iter_safetensors, read_hf_config
+from jaxllm.models.config import ModelConfig
 from jaxllm.paths import model_format, read_generation_config
 from jaxllm.worker.quantization import check_quantization, quantize_params, weight_quantization
 from jaxllm.worker.sharding import ModelSharding

@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from jaxllm.config import ModelConfig
 from jaxllm.loader.params import params_from_hf
 from jaxllm.models.common import Params
+from jaxllm.models.config import ModelConfig
 
 # The last names of nnx.Linear's, nnx.Embed's and the norms' leaves -> the HF tensor's last name.
 NNX_LEAVES = {"kernel": "weight", "bias": "bias", "embedding": "weight", "scale": "weight"}

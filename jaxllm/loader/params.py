@@ -11,9 +11,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from jaxllm.config import ModelConfig
 from jaxllm.models import family
 from jaxllm.models.common import Family, Params
+from jaxllm.models.config import ModelConfig
 from jaxllm.worker.quantization import QUANTIZED_KEYS, SCALE_SUFFIX, dequantize_weight, quantize_weight
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")

@@ -26,11 +26,11 @@ import jax
 import numpy as np
 
 from jaxllm import registry
-from jaxllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxllm.models import gemma3, llama, mixtral, phi3, qwen3_moe
 from jaxllm.models.common import HEAD_PANELS, Family, KVCache, LayerContext, Params, compute_logits, loop_storage
 from jaxllm.models.common import with_head_panels
 from jaxllm.models.common import hidden_states as _hidden_states
+from jaxllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxllm.models.dense import dense_forward
 from jaxllm.models.layout import layout_table, leaf_layout
 from kernels_pallas import AttentionOps

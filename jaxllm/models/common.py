@@ -69,7 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import ModelConfig, RopeConfig
+from jaxllm.models.config import ModelConfig, RopeConfig
 from kernels_pallas import AttentionOps, native
 from kernels_pallas.reference import BITS_STORAGE, CompressedKV, from_storage, to_storage
 

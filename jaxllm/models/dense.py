@@ -15,8 +15,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import ModelConfig
 from jaxllm.models.common import KVCache, Params, apply_rope, compute_logits, layer_segments, rope_cos_sin
+from jaxllm.models.config import ModelConfig
 
 
 class DenseContext(NamedTuple):

@@ -23,9 +23,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import ModelConfig
 from jaxllm.models import llama
 from jaxllm.models.common import Family, KVCache, LayerContext, Params, attention_block, embed_tokens, gated_mlp
+from jaxllm.models.config import ModelConfig
 
 # Llama's names, but HF's post_attention_layernorm here normalises the attention output
 # (the MLP has its own pre- and post-norms).

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from jaxllm.config import ModelConfig
+from jaxllm.models.config import ModelConfig
 from jaxllm.worker.quantization import QUANTIZED_KEYS, SCALE_SUFFIX, quantized_dtype
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxllm.config import ModelConfig
 from jaxllm.models.common import Family, KVCache, LayerContext, attention_block, gated_mlp, rms_norm
+from jaxllm.models.config import ModelConfig
 
 HF_LAYER_NAMES = {
     "input_layernorm.weight": ("attn_norm", False),

@@ -31,9 +31,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import ModelConfig
 from jaxllm.models import llama
 from jaxllm.models.common import KVCache, LayerContext, gated_mlp, linear, rms_norm
+from jaxllm.models.config import ModelConfig
 
 EXPERT_KEYS = {"router", "experts_gate", "experts_up", "experts_down"}
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxllm.config import ModelConfig
 from jaxllm.models import llama
 from jaxllm.models.common import Family
+from jaxllm.models.config import ModelConfig
 
 _FUSED = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),

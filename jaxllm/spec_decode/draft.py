@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import ModelConfig
 from jaxllm.models import AttentionOps, KVCache, Params, forward, hidden_states
+from jaxllm.models.config import ModelConfig
 from jaxllm.sample.sampler import SamplerOutput, argmax_rows
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.step_batch import StepBatch

@@ -28,9 +28,10 @@ import ml_dtypes
 import numpy as np
 
 from jaxllm import log
-from jaxllm.config import KV_CACHE_DTYPES, ModelConfig
+from jaxllm.config import KV_CACHE_DTYPES
 from jaxllm.models import hidden_states
 from jaxllm.models.common import KVCache, Params
+from jaxllm.models.config import ModelConfig
 from jaxllm.worker.step_batch import StepBatch
 from kernels_pallas.reference import KV_QUANT_MAX
 

@@ -30,7 +30,7 @@ import numpy as np
 from jax import monitoring
 
 from jaxllm import log
-from jaxllm.config import ModelConfig
+from jaxllm.models.config import ModelConfig
 from jaxllm.worker.kv_cache import allocate_kv_cache
 from jaxllm.models import (
     HEAD_PANELS,

@@ -43,8 +43,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxllm.config import ModelConfig
 from jaxllm.models import family
+from jaxllm.models.config import ModelConfig
 from jaxllm.worker.quantization import leaf_dtype
 from kernels_pallas import AttentionOps
 
