@@ -122,8 +122,8 @@ class EngineMetrics:
       absolute error). KV compression (``kv_cache_compression``): counter
       ``kv_blocks_compressed`` and gauge ``kv_compressed_usage_perc``.
 
-    The monitoring board (``docs/grafana.json``, alerts in
-    ``docs/alert_rules.yml``) adds: histogram ``step_duration_seconds``
+    The monitoring board (``docs/operations/grafana.json``, alerts in
+    ``docs/operations/alert_rules.yml``) adds: histogram ``step_duration_seconds``
     (wall time of a whole engine step: schedule, batch, device, sample
     read-back); gauges ``batch_utilization{resource="tokens"}`` (the cores'
     latest scheduled tokens / their ``max_num_batched_tokens``) and
