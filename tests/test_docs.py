@@ -45,7 +45,8 @@ def run_example(code: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_mkdocs_build_strict_passes(tmp_path):
     site = tmp_path / "site"
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                             "-d", str(site)], capture_output=True, text=True, timeout=300)
+                             "-d", str(site)], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert result.returncode == 0, result.stderr[-5000:]
     assert (site / "index.html").is_file()
     assert (site / "reference" / "configuration" / "index.html").is_file()
@@ -112,6 +113,13 @@ def test_structured_output_example_prints_constrained_results(smollm2_gguf, tmp_
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", out["regex"])
     assert out["choice"] in {"positive", "negative", "neutral"}
     assert re.fullmatch(r"[0-9]+ \+ [0-9]+", out["grammar"])
+
+
+def test_research_example_updates_sleeps_and_generates():
+    [example] = code_blocks(DOCS / "research.md", "python")
+    out = run_example(example, ROOT).stdout.splitlines()
+    assert out[0] == out[1] == "{'num_leaves': 11, 'num_bytes': 1040128, 'num_preempted': 0}"
+    assert out[2].strip()
 
 
 @pytest.fixture(scope="module")
