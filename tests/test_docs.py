@@ -81,6 +81,14 @@ def test_environment_page_names_every_jaxllm_variable():
     assert sorted(name for name in used if f"`{name}`" not in page) == []
 
 
+def test_every_python_example_of_the_manual_compiles():
+    pages = [README, *sorted(DOCS.rglob("*.md"))]
+    blocks = [(page, block) for page in pages for block in code_blocks(page, "python")]
+    assert len(blocks) >= 10
+    for page, block in blocks:
+        compile(block, str(page), "exec")
+
+
 def test_benchmark_results_are_rendered_from_their_json_and_linked():
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
