@@ -488,8 +488,8 @@ def test_board_and_alert_rules_use_only_series_the_engine_exports(llm):
     exported = {line.split("{")[0].split(" ")[0] for line in
                 prometheus_client.generate_latest(llm.engine.metrics.registry).decode().splitlines()
                 if line.startswith("jaxllm:")}
-    board = json.loads((ROOT / "docs" / "grafana.json").read_text())
-    rules = yaml.safe_load((ROOT / "docs" / "alert_rules.yml").read_text())
+    board = json.loads((ROOT / "docs" / "operations" / "grafana.json").read_text())
+    rules = yaml.safe_load((ROOT / "docs" / "operations" / "alert_rules.yml").read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
     alerts = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
     used = {name for expr in exprs + list(alerts.values()) for name in re.findall(r"jaxllm:[a-z0-9_]+", expr)}
