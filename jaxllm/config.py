@@ -486,6 +486,10 @@ class EngineConfig:
       enable_sleep_mode: allow ``sleep()`` / ``wake_up()`` (vLLM's flag;
         ``jaxllm.core.engine_core.EngineCore.sleep``); without it sleep is
         refused, naming this flag.
+      revision: the branch, tag or commit of a model given as a Hugging Face
+        Hub id (vLLM's); None: the default branch.
+      download_dir: the folder Hub models are downloaded to and read from
+        (vLLM's); None: the Hub's cache (``HF_HUB_CACHE``, or ``HF_HOME``'s).
 
     The scheduler's knobs (``SchedulerConfig``'s fields of the same names) are
     checked by ``SchedulerConfig`` itself, once, when this config is made.
@@ -536,6 +540,8 @@ class EngineConfig:
     kv_offloading_prefetch: bool = False
     kv_cache_compression: Optional[str] = None
     kv_cache_compression_fraction: float = 0.5
+    revision: Optional[str] = None
+    download_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
