@@ -110,15 +110,14 @@ def hub_model_path(repo_id: str, revision: Optional[str] = None, download_dir: O
     downloaded on first use; with ``HF_HUB_OFFLINE=1`` only the cache is read.
 
     Raises:
-        ValueError: the repository is not cached and offline mode forbids downloading it, or the Hub has no such
-            repository or revision (or it is gated or private and no token gives access); the message names
-            ``repo_id`` and says how to get it.
-        RuntimeError: the Hub could not be reached and the repository is not cached, or the cached snapshot is
-            incomplete.
+        ValueError: the repository is not cached (or only in part) and offline mode forbids downloading it, or the
+            Hub has no such repository or revision (or it is gated or private and no token gives access); the
+            message names ``repo_id`` and says how to get it.
+        RuntimeError: the Hub could not be reached and the repository is not cached.
     """
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, IncompleteSnapshotError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
 
     where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision is not None else "")
     cache = download_dir or constants.HF_HUB_CACHE
@@ -134,10 +133,7 @@ def hub_model_path(repo_id: str, revision: Optional[str] = None, download_dir: O
                          "(`hf auth login`, or set HF_TOKEN)") from None
     except RevisionNotFoundError:
         raise ValueError(f"the Hugging Face Hub has no revision {revision!r} of model {repo_id!r}") from None
-    except IncompleteSnapshotError as e:
-        raise RuntimeError(f"the cached snapshot of model {where} in {cache} is incomplete ({e}); download it "
-                           f"again online: {get}") from None
-    except LocalEntryNotFoundError as e:
+    except LocalEntryNotFoundError as e:  # not cached, or cached in part (an interrupted download)
         if constants.HF_HUB_OFFLINE:
             raise ValueError(f"model {where} is not a local path, a named model "
                              f"({', '.join(sorted(NAMED_MODELS))}), nor in the Hugging Face Hub cache {cache}, and "
