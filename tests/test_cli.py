@@ -131,7 +131,7 @@ def test_issue11_cli_ctrl_c_exits_quietly_with_130(stories_dir, delay):
     # A background job may inherit SIGINT ignored, and Python then installs no handler; in a
     # terminal Ctrl-C meets Python's default handler, so the child installs it first.
     argv = ["jaxllm.generate", "--model", str(stories_dir), "--precompile", "--max-tokens", "500",
-            "--prompt", "Once upon a time", "--prompt", "One day"]
+            "--prompt", "Once upon a time", "--prompt", "One day", "--log-level", "info"]  # info: the "loading" line
     child = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
              f"sys.argv = {argv!r}; runpy.run_module('jaxllm.generate', run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
