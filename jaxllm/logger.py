@@ -53,7 +53,8 @@ def check_level(level: str, source: str = "--log-level") -> str:
     """``level`` upper-cased, a level name of ``LEVELS``.
 
     Raises:
-      ValueError: another name (``source`` says where it came from)."""
+      ValueError: another name (``source`` says where it came from).
+    """
     if level.lower() not in LEVELS:
         raise ValueError(f"{source}={level!r} is not a log level: {', '.join(LEVELS)}")
     return level.upper()

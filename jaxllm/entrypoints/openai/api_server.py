@@ -388,7 +388,8 @@ def run(args: argparse.Namespace) -> int:
     # that ends here, and the process exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    logger.info(f"serving {serving.model_name} ({model}) on http://{args.host}:{args.port} (OpenAI-compatible API under /v1)")
+    logger.info(f"serving {serving.model_name} ({model}) on http://{args.host}:{args.port} (OpenAI-compatible API "
+                "under /v1)")
     try:
         server.run()
     finally:
