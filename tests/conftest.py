@@ -11,8 +11,10 @@ pytest runs, and chooses it when set beforehand.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from hypothesis import settings
@@ -33,6 +35,15 @@ STORIES_SENTENCE = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
     "One day, she saw a big, red ball."
 )
+# A line of jaxllm's log (jaxllm.logger): "INFO 12-06 07:08:14 [build.py:81] message".
+_LOG_LINE = re.compile(r"(?P<level>[A-Z]+) \d\d-\d\d \d\d:\d\d:\d\d \[(?P<file>[^:\]]+):\d+\] (?P<message>.*)")
+
+
+def log_messages(text: str, level: str, file: Optional[str] = None) -> list[str]:
+    """The messages of the jaxllm log lines in ``text`` (a process's stderr) at ``level`` ("INFO", "WARNING"),
+    from the module file ``file`` ("metrics.py") when given."""
+    lines = (_LOG_LINE.fullmatch(line) for line in text.splitlines())
+    return [m["message"] for m in lines if m and m["level"] == level and file in (None, m["file"])]
 
 
 # The user's jaxllm cache, as it was before this session redirected $JAXLLM_CACHE. The first pytest process

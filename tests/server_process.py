@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import httpx
 
@@ -40,13 +40,14 @@ def free_port() -> int:
 
 class Server:
     """``python -m jaxllm.entrypoints.cli serve MODEL --host 127.0.0.1 --port P ARGS`` (in ``env``, by default this
-    process's environment); :meth:`start` waits for /health."""
+    process's environment; a ``model`` of None: no MODEL, the default model); :meth:`start` waits for /health."""
 
-    def __init__(self, model: Path, *args: str, log: Optional[Path] = None, env: Optional[dict] = None) -> None:
+    def __init__(self, model: Union[Path, str, None], *args: str, log: Optional[Path] = None,
+                 env: Optional[dict] = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", str(model), "--host", "127.0.0.1",
-                     "--port", str(self.port), *args]
+        self.argv = [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", *([] if model is None else [str(model)]),
+                     "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.log = log
         self.env = env
         self.process: Optional[subprocess.Popen] = None

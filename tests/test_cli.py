@@ -14,7 +14,7 @@ import tomllib
 import pytest
 
 from jaxllm.generate import FALLBACK_SAMPLING, build_parser, sampling_params
-from tests.conftest import ROOT, STORIES_SENTENCE
+from tests.conftest import ROOT, STORIES_SENTENCE, log_messages
 
 
 def _cli(*args, timeout=600, module="jaxllm.generate", python_flags=()):
@@ -33,6 +33,16 @@ def test_cli_stories260k_prints_the_reference_sentence(stories_dir):
                 "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == STORIES_SENTENCE
+
+
+def test_cli_stdout_holds_only_the_generated_text_and_the_start_up_log_is_asked_for(stories_dir):
+    # The report: "The capital of France is[jaxllm] building ...", start-up lines amid the generated text.
+    args = ("--model", str(stories_dir), "--max-tokens", "40", "--temperature", "0")
+    quiet, told = _cli(*args), _cli(*args, "--log-level", "info")
+    assert quiet.returncode == 0 and told.returncode == 0, quiet.stderr + told.stderr
+    assert quiet.stdout == told.stdout == STORIES_SENTENCE + "\n"
+    assert log_messages(quiet.stderr, "INFO") == [] and "[jaxllm]" not in quiet.stderr  # warnings only by default
+    assert f"loading {stories_dir}" in log_messages(told.stderr, "INFO")
 
 
 def test_cli_default_model_names_paris(smollm2_gguf):
@@ -107,9 +117,9 @@ def test_issue11_cli_model_that_is_not_a_model_is_named(tmp_path, kind):
 def test_issue11_cli_prompt_beyond_max_model_len(stories_dir):
     proc = _cli("--model", str(stories_dir), "--max-model-len", "12", "--max-tokens", "20", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
-    # 5 prompt tokens leave 7 under max_model_len=12: said on stderr, then generated.
-    assert "warning: prompt 0 has 5 tokens, so under max_model_len=12 (--max-model-len) its output stops " \
-           "after 7 of the 20 --max-tokens" in proc.stderr
+    # 5 prompt tokens leave 7 under max_model_len=12: said on stderr (a warning, logged by default), then generated.
+    assert "prompt 0 has 5 tokens, so under max_model_len=12 (--max-model-len) its output stops after 7 of the 20 " \
+           "--max-tokens" in log_messages(proc.stderr, "WARNING")
     assert proc.stdout.strip() == "Once upon a time, there was a little gir"
     longer = _cli("--model", str(stories_dir), "--max-model-len", "4")
     assert longer.returncode == 2 and "prompt 0 has 5 tokens, more than max_model_len=4" in longer.stderr
@@ -121,7 +131,7 @@ def test_issue11_cli_ctrl_c_exits_quietly_with_130(stories_dir, delay):
     # A background job may inherit SIGINT ignored, and Python then installs no handler; in a
     # terminal Ctrl-C meets Python's default handler, so the child installs it first.
     argv = ["jaxllm.generate", "--model", str(stories_dir), "--precompile", "--max-tokens", "500",
-            "--prompt", "Once upon a time", "--prompt", "One day"]
+            "--prompt", "Once upon a time", "--prompt", "One day", "--log-level", "info"]  # info: the "loading" line
     child = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
              f"sys.argv = {argv!r}; runpy.run_module('jaxllm.generate', run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -192,7 +202,7 @@ def test_issue11_cli_uses_the_models_generation_config(stories_dir, tmp_path):
     model = tmp_path / "greedy"
     shutil.copytree(stories_dir, model)
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.0}))
-    proc = _cli("--model", str(model), "--max-tokens", "40")
+    proc = _cli("--model", str(model), "--max-tokens", "40", "--log-level", "info")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == STORIES_SENTENCE  # greedy, from generation_config.json
     assert "(defaults from the model's generation_config.json)" in proc.stderr
@@ -251,10 +261,10 @@ def test_generate_and_serve_help_print_each_engine_fields_description():
 def test_issue25_item9_cli_sampling_line_under_temperature_0_has_no_unused_top_p(stories_dir):
     # The report: --temperature 0 printed "temperature=0.0 top_p=0.95 top_k=0 min_p=0.0 ..." (top_p the CLI's
     # unused default).
-    proc = _cli("--model", str(stories_dir), "--max-tokens", "4", "--temperature", "0")
+    proc = _cli("--model", str(stories_dir), "--max-tokens", "4", "--temperature", "0", "--log-level", "info")
     assert proc.returncode == 0, proc.stderr
-    line = next(s for s in proc.stderr.splitlines() if "sampling:" in s)
-    assert line == "[jaxllm] sampling: greedy (temperature=0.0) max_tokens=4 (defaults from the CLI)"
+    line = next(s for s in log_messages(proc.stderr, "INFO") if "sampling:" in s)
+    assert line == "sampling: greedy (temperature=0.0) max_tokens=4 (defaults from the CLI)"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -19,7 +19,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.loader import read_model_config
 from jaxllm.worker import kv_cache
 from jaxllm.worker.kv_cache import bytes_per_block, fit_max_model_len, resolve_num_blocks
-from tests.conftest import STORIES_SENTENCE
+from tests.conftest import STORIES_SENTENCE, log_messages
 
 NATIVE = 65536  # the long-context copy's max_position_embeddings: far more than its test budgets hold
 BUDGET_BLOCKS = 41  # of 16 tokens: 40 besides the null block, 640 tokens
@@ -51,7 +51,7 @@ def test_issue25_item7_an_unset_max_model_len_is_fitted_to_the_kv_budget_with_a_
                                                                                           capfd):
     llm = _llm(long_context_dir, kv_cache_memory_bytes=per_block * BUDGET_BLOCKS)
     err = capfd.readouterr().err
-    assert f"warning: max_model_len={FIT}, below the model's {NATIVE}" in err
+    assert any(m.startswith(f"max_model_len={FIT}, below the model's {NATIVE}") for m in log_messages(err, "WARNING"))
     assert f"kv_cache_memory_bytes={per_block * BUDGET_BLOCKS} holds {BUDGET_BLOCKS} KV blocks" in err
     assert llm.engine.core.max_model_len == FIT and llm.engine.core.num_blocks == BUDGET_BLOCKS
     out = llm.generate([[5] * (FIT - 8)], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
@@ -129,7 +129,8 @@ def test_issue25_item7_the_cli_runs_a_long_context_model_with_no_length_flag(lon
                 "--max-tokens", "40", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == STORIES_SENTENCE
-    assert f"warning: max_model_len={FIT}, below the model's {NATIVE}" in proc.stderr
+    assert any(m.startswith(f"max_model_len={FIT}, below the model's {NATIVE}")
+               for m in log_messages(proc.stderr, "WARNING"))
     refused = _cli("--model", str(long_context_dir), "--kv-cache-memory-bytes", budget, "--max-model-len", str(NATIVE))
     assert refused.returncode == 2
     assert f"the largest max_model_len that fits is {FIT}. Change max_model_len (--max-model-len)" in refused.stderr

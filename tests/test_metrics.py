@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import subprocess
@@ -17,6 +16,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.models import HEAD_PANELS
 from jaxllm.worker.cpu_features import cpu_instruction_sets, describe_cpu
 from kernels_pallas import native
+from tests.conftest import log_messages
 from tests.helpers import assert_one_host_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,12 +182,12 @@ def test_unknown_batching_mode_is_rejected(stories_dir):
         _llm(stories_dir, batching="dynamic")
 
 
-def test_log_stats_logs_a_summary_line(stories_dir, caplog):
+def test_log_stats_logs_a_summary_line(stories_dir, capfd):
     llm = _llm(stories_dir, log_stats=True)
     llm.engine.metrics.log_interval = 0.0
-    with caplog.at_level(logging.INFO, logger="jaxllm.frontend.metrics"):
-        llm.generate([_prompt(4)], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
-    lines = [r.getMessage() for r in caplog.records if r.name == "jaxllm.frontend.metrics"]
+    capfd.readouterr()
+    llm.generate([_prompt(4)], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
+    lines = log_messages(capfd.readouterr().err, "INFO", "metrics.py")
     assert lines and "generation throughput" in lines[-1] and "KV cache usage" in lines[-1]
 
 

@@ -16,11 +16,11 @@ import ml_dtypes
 import numpy as np
 
 from jaxllm.config import EngineConfig
-from jaxllm.models.config import ModelConfig
-from jaxllm import log
 from jaxllm.core.engine_core import EngineCore
 from jaxllm.loader import load_sharded, read_model_config
+from jaxllm.logger import init_logger
 from jaxllm.models import HEAD_PANELS
+from jaxllm.models.config import ModelConfig
 from jaxllm.paths import cache_dir
 from jaxllm.spec_decode import NgramProposer
 from jaxllm.spec_decode.draft import DraftRunner
@@ -38,6 +38,7 @@ from jaxllm.models import param_layout
 from kernels_pallas import AttentionOps, default_attention_backend, get_attention_ops
 from scheduler import BucketTable
 
+logger = init_logger(__name__)
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -57,7 +58,7 @@ def resolve_dtype(name: str) -> Any:
 def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: EngineConfig, *,
                       mesh: Optional[jax.sharding.Mesh] = None, core_index: int = 0,
                       params: Optional[Any] = None) -> EngineCore:
-    """Start an engine core for ``model``: every stage of start-up, logged to stderr.
+    """Start an engine core for ``model``: every stage of start-up, logged (``jaxllm.logger``).
 
     Args:
       model: a HF model folder, a ``.gguf`` file, or a jaxllm orbax folder; or, with ``params``, a
@@ -79,7 +80,7 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
         raise ValueError(f"data_parallel_size={config.data_parallel_size}: an EngineCore is one replica; "
                          "LLM and the server run one core per replica")
     # Before JAX's CPU client starts its threads (make_mesh, the weights): see host_malloc.
-    log(tune_host_malloc())
+    logger.info(tune_host_malloc())
     path = None if isinstance(model, ModelConfig) else Path(model)
     if path is None and params is None:
         raise ValueError("model is a ModelConfig: pass its weights as params=")
@@ -216,15 +217,15 @@ def warm_up(core: EngineCore) -> None:
     (``EngineConfig.precompile``), and log what was built."""
     config = core.config
     if not config.precompile:
-        log("step programs are built on first use (precompile=False)")
+        logger.info("step programs are built on first use (precompile=False)")
         return
     for r in [core.runner] + ([core.drafter] if core.drafter is not None else []):
         seconds = r.warmup(swap=config.preemption_mode == "swap" or r.num_offload_blocks > 0, background=config.precompile == "background")
         pending = r.num_pending_programs()
-        log(f"built {r.num_compilations} {'draft model ' if r is core.drafter else ''}programs in "
-             f"{seconds:.1f} s: {r.num_compilations - r.num_cache_hits} compiled ({r.compile_seconds:.1f} s), "
-             f"{r.num_cache_hits} loaded from the persistent cache ({r.cache_load_seconds:.1f} s)"
-             + (f"; {pending} more building in the background" if pending else ""))
+        logger.info(f"built {r.num_compilations} {'draft model ' if r is core.drafter else ''}programs in "
+                    f"{seconds:.1f} s: {r.num_compilations - r.num_cache_hits} compiled ({r.compile_seconds:.1f} s), "
+                    f"{r.num_cache_hits} loaded from the persistent cache ({r.cache_load_seconds:.1f} s)"
+                    + (f"; {pending} more building in the background" if pending else ""))
 
 
 def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -> None:
@@ -236,13 +237,16 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
               if panels is not None else "")
     on_cpu = core.sharding.mesh.devices.flat[0].platform == "cpu"
     why = ", float32 on CPU: bfloat16 is no faster there" if on_cpu and core.config.dtype == "auto" else ""
-    log(f"parameters: {pb['total'] / 2**20:.1f} MiB{quantized}{packed}, {np.dtype(core.dtype).name} (dtype="
-        f"{core.config.dtype!r}{why})" + (f"; CPU: {describe_cpu()}" if on_cpu else ""))
-    log(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {[b.seq_bucket_for(t) for t in b.token_buckets]}, "
-         f"block-table widths {list(b.width_buckets)}); {core.num_blocks} KV blocks of {core.config.block_size} "
-         f"tokens ({core.kv_cache_dtype.name}); attention {backend}; tensor parallel {core.sharding.tensor_parallel_size}")
+    logger.info(f"parameters: {pb['total'] / 2**20:.1f} MiB{quantized}{packed}, {np.dtype(core.dtype).name} (dtype="
+                f"{core.config.dtype!r}{why})" + (f"; CPU: {describe_cpu()}" if on_cpu else ""))
+    rows = [b.seq_bucket_for(t) for t in b.token_buckets]
+    logger.info(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {rows}, block-table widths "
+                f"{list(b.width_buckets)}); {core.num_blocks} KV blocks of {core.config.block_size} tokens "
+                f"({core.kv_cache_dtype.name}); attention {backend}; tensor parallel "
+                f"{core.sharding.tensor_parallel_size}")
     pool = core.runner.compressed
     if pool is not None:
         config = core.config
-        log(f"KV compression ({config.kv_cache_compression}): {pool.k.shape[1]} compressed blocks beside the "
-            f"{core.num_blocks} device blocks (kv_cache_compression_fraction={config.kv_cache_compression_fraction})")
+        logger.info(f"KV compression ({config.kv_cache_compression}): {pool.k.shape[1]} compressed blocks beside "
+                    f"the {core.num_blocks} device blocks "
+                    f"(kv_cache_compression_fraction={config.kv_cache_compression_fraction})")

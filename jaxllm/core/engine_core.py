@@ -40,13 +40,13 @@ from typing import Any, Iterable, Optional, Sequence
 import jax
 import numpy as np
 
-from jaxllm import log
 from jaxllm.config import EngineConfig
 from jaxllm.core.kv_events import make_publisher
 from jaxllm.core.messages import (CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                   SampleLogprobs, decode_params, encode_params)
 from jaxllm.loader import load_model, load_sharded
 from jaxllm.loader.orbax import is_orbax_checkpoint
+from jaxllm.logger import init_logger
 from jaxllm.core.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
 from jaxllm.core.requests import CoreRequest, CoreSequence
 from jaxllm.sample.sampler import MAX_BANNED_IDS, SamplerOutput
@@ -61,6 +61,8 @@ from jaxllm.worker.weights import device_bytes_in_use, place_leaf, prepare_param
 from scheduler import BucketTable, Request, RequestStatus, SamplingParams, Scheduler, SchedulerOutput, build_batch, kv_cache_report
 from scheduler.kv.tier import BlockCopy, CopyKind, copies_of
 from scheduler.static_batching import StaticBatchScheduler
+
+logger = init_logger(__name__)
 
 
 def load_host_params(path: str, dtype: Any, quantization: Optional[str], sharding: ModelSharding) -> Any:
@@ -227,8 +229,8 @@ class EngineCore:
         sched.prefix_cache_queries, sched.prefix_cache_hits = counted
         cached = sum(self.cached_prefix_tokens(ids) for ids in prompts)
         pinned = sum(sched.pin_prefix(ids) for ids in prompts)
-        log(f"preloaded {len(prompts)} prompts into the prefix cache: {cached} tokens in full blocks, "
-             f"{pinned} blocks pinned")
+        logger.info(f"preloaded {len(prompts)} prompts into the prefix cache: {cached} tokens in full blocks, "
+                    f"{pinned} blocks pinned")
         return dict(num_prompts=len(prompts), num_cached_tokens=cached, num_pinned_blocks=pinned)
 
     def kv_cache_report(self, block_map: bool = True) -> dict[str, Any]:
@@ -596,7 +598,7 @@ class EngineCore:
             error = next((s.grammar.error for s in record.seqs if s.grammar is not None and s.grammar.error), None)
             if error is None:
                 continue
-            log(f"request {record.request_id!r}: its grammar failed to compile, so it is aborted: {error}")
+            logger.warning(f"request {record.request_id!r}: its grammar failed to compile, so it is aborted: {error}")
             outputs += [EngineCoreOutput(record.request_id, seq.index, [], finish_reason="abort")
                         for seq in record.seqs if not seq.done]
             self.abort_requests([record.request_id])

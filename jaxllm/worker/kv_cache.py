@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxllm import log
 from jaxllm.config import KV_CACHE_DTYPES
+from jaxllm.logger import init_logger
 from jaxllm.models import hidden_states
 from jaxllm.models.common import KVCache, Params
 from jaxllm.models.config import ModelConfig
@@ -38,6 +38,7 @@ from kernels_pallas.reference import KV_QUANT_MAX
 if TYPE_CHECKING:
     from jaxllm.worker.sharding import ModelSharding
 
+logger = init_logger(__name__)
 CPU_DEFAULT_KV_BYTES = 1 << 30
 GPU_MEMORY_FRACTION = 0.9
 
@@ -100,10 +101,11 @@ def fit_max_model_len(cfg: ModelConfig, *, block_size: int, dtype: Any, kv_cache
                          f"more (the null block and one of {block_size} tokens); raise kv_cache_memory_bytes "
                          f"(--kv-cache-memory-bytes) or use kv_cache_dtype='fp8' (--kv-cache-dtype fp8)")
     need = math.ceil(max_model_len / block_size) + 1
-    log(f"warning: max_model_len={fit}, below the model's {max_model_len}: {budget_name} holds {blocks} KV blocks "
-        f"of {block_size} tokens and one {max_model_len}-token sequence needs {need} (null block included); for "
-        f"the model's full length give kv_cache_memory_bytes >= {need * per_block} (--kv-cache-memory-bytes) or "
-        f"kv_cache_dtype='fp8' (--kv-cache-dtype fp8), or set max_model_len (--max-model-len) to choose the length")
+    logger.warning(f"max_model_len={fit}, below the model's {max_model_len}: {budget_name} holds {blocks} KV "
+                   f"blocks of {block_size} tokens and one {max_model_len}-token sequence needs {need} (null block "
+                   f"included); for the model's full length give kv_cache_memory_bytes >= {need * per_block} "
+                   f"(--kv-cache-memory-bytes) or kv_cache_dtype='fp8' (--kv-cache-dtype fp8), or set max_model_len "
+                   "(--max-model-len) to choose the length")
     return fit
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
 
-from jaxllm import log
+from jaxllm.logger import init_logger
 from jaxllm.models.config import ModelConfig
 from jaxllm.worker.kv_cache import allocate_kv_cache
 from jaxllm.models import (
@@ -61,6 +61,8 @@ from jaxllm.structured_output import bitmask_words
 from kernels_pallas.reference import BITS_STORAGE, CompressedKV, from_storage, quantize_blocks, to_storage
 from scheduler import BatchDescriptor, BucketTable
 from scheduler.block_moves import order_block_moves
+
+logger = init_logger(__name__)
 
 # Block copies (swap, copy-on-write, compaction) run in fixed-size chunks so
 # that they compile once; a swap chunk's unused entries move null block 0 onto
@@ -376,11 +378,11 @@ class ModelRunner:
         exe = self._steps.get(shape)
         if exe is None:
             if announce:
-                log(f"building the step program for {shape[0]} tokens x {shape[1]} rows (first use)...")
+                logger.info(f"building the step program for {shape[0]} tokens x {shape[1]} rows (first use)...")
             start = time.perf_counter()
             exe = self._steps[shape] = self._compiled(self._step_jit, *self.step_arguments(shape))
             if announce:
-                log(f"built it in {time.perf_counter() - start:.1f} s")
+                logger.info(f"built it in {time.perf_counter() - start:.1f} s")
         return exe
 
     def may_build_in_background(self) -> bool:

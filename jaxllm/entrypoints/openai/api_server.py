@@ -44,7 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxllm import __version__, log
+from jaxllm import __version__
 from jaxllm.core.client import EngineDeadError, QueueFullError
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -61,6 +61,9 @@ from jaxllm.entrypoints.openai.serving import APIError, check_parsers
 from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jaxllm.frontend.front_end import EngineSleepingError
+from jaxllm.logger import LEVELS, init_logger, logging_level
+
+logger = init_logger(__name__)
 
 DEFAULT_PORT = 8000
 # Set to 1 to serve the weight and sleep routes (add_weight_routes), as vLLM's VLLM_SERVER_DEV_MODE: they let any
@@ -75,15 +78,19 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
                                 description="Serve a model over an OpenAI-compatible HTTP API.")
     p.add_argument("model", nargs="?", default=None,
-                   help="HF folder, .gguf file or jaxllm orbax folder (default: the embedded SmolLM2-135M-Instruct)")
+                   help="HF folder, .gguf file, jaxllm orbax folder, named model (gemma3-270m, smollm2-135m-instruct) "
+                        "or Hugging Face Hub id such as Qwen/Qwen3-0.6B (default: smollm2-135m-instruct)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send and see (default: the model path)")
+                   help="the model name clients send and see (default: the model as given, e.g. Qwen/Qwen3-0.6B, "
+                        "or smollm2-135m-instruct for the default)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight may take to finish after SIGTERM (default 30)")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+    p.add_argument("--log-level", default=None, choices=LEVELS,
+                   help="jaxllm's log level, the engine cores' too (default: JAXLLM_LOGGING_LEVEL, else info)")
+    p.add_argument("--uvicorn-log-level", default="warning", choices=LEVELS,
                    help="uvicorn's log level (default warning)")
     p.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a jinja2 chat template file (or the template itself, inline) used instead of the "
@@ -346,22 +353,23 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from jaxllm.frontend.async_llm import AsyncLLM
-    from jaxllm.named_models import resolve_model
+    from jaxllm.named_models import DEFAULT_MODEL, resolve_model
     from jaxllm.entrypoints.engine_args import engine_kwargs
     from jaxllm.entrypoints.generate import generation_config_defaults
     from jaxllm.entrypoints.openai.serving import OpenAIServing
     from jaxllm.paths import model_format, read_generation_config
     from jaxllm.tokenizer import load_tokenizer
 
-    model = str(resolve_model(args.model))
+    model = str(resolve_model(args.model, args.revision, args.download_dir))
     model_format(model)
+    served_model_name = args.served_model_name or args.model or DEFAULT_MODEL
     tokenizer = load_tokenizer(model)
     if args.chat_template is not None:
         if tokenizer is None:
             raise ValueError(f"--chat-template: {model} has no tokenizer, so it cannot render chats")
         tokenizer.set_chat_template(args.chat_template)
-    engine = AsyncLLM(model, tokenizer=tokenizer, served_model_name=args.served_model_name, **engine_kwargs(args))
-    serving = OpenAIServing(engine, args.served_model_name or model,
+    engine = AsyncLLM(model, tokenizer=tokenizer, served_model_name=served_model_name, **engine_kwargs(args))
+    serving = OpenAIServing(engine, served_model_name,
                             generation_config_defaults(read_generation_config(model)),
                             tool_call_parser=args.tool_call_parser,
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -373,14 +381,15 @@ def run(args: argparse.Namespace) -> int:
         await engine.shutdown()
 
     app = build_app(serving, args.api_key, lifespan, args.enable_tokenizer_info_endpoint)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these handlers
     # that ends here, and the process exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    log(f"serving {serving.model_name} on http://{args.host}:{args.port} (OpenAI-compatible API under /v1)")
+    logger.info(f"serving {serving.model_name} ({model}) on http://{args.host}:{args.port} (OpenAI-compatible API "
+                "under /v1)")
     try:
         server.run()
     finally:
@@ -409,7 +418,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm serve") -> in
             # Read and checked before the model loads, as the other flags are; run() takes the template itself.
             args.chat_template = read_chat_template(args.chat_template)
             compile_chat_template(args.chat_template)
-        return run(args)
+        with logging_level(args.log_level, "info"):
+            return run(args)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
