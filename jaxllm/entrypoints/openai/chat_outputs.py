@@ -26,6 +26,8 @@ class ChatParsing:
       include_reasoning: the request's ``include_reasoning`` (false: reasoning is dropped).
       single_call: ``parallel_tool_calls: false``: only the first call is kept.
       named: the tool choice names the function (its call is not the model's choice).
+      tool_call_id: makes a call's id (None: the tool parser's own ``new_id``); the server passes its
+        ``--tool-call-parser``'s, whatever the tool choice (Mistral's templates refuse ids of another form).
     """
 
     reasoning: Optional[Callable[[], ReasoningParser]] = None
@@ -33,6 +35,7 @@ class ChatParsing:
     include_reasoning: bool = True
     single_call: bool = False
     named: bool = False
+    tool_call_id: Optional[Callable[[], str]] = None
 
     @property
     def active(self) -> bool:
@@ -62,6 +65,7 @@ class ChoiceStream:
         self.parsing = parsing
         self._reasoning = parsing.reasoning() if parsing.reasoning is not None else None
         self._tools = parsing.tools() if parsing.tools is not None else None
+        self._new_id = parsing.tool_call_id or (self._tools.new_id if self._tools is not None else None)
         self._sent = {"reasoning": 0, "content": 0}
         self._calls: list[list] = []  # per call: [id, characters of its arguments sent]
 
@@ -97,7 +101,7 @@ class ChoiceStream:
         deltas = []
         for index, call in enumerate(calls):
             if index == len(self._calls):
-                self._calls.append([self._tools.new_id(), 0])
+                self._calls.append([self._new_id(), 0])
                 deltas.append({"tool_calls": [{"index": index, "id": self._calls[index][0], "type": "function",
                                                "function": {"name": call.name, "arguments": ""}}]})
             new = call.arguments[self._calls[index][1]:]

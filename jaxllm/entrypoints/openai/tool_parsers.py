@@ -50,9 +50,15 @@ class ToolParser:
 
     starts: tuple[str, ...] = ()
     separator = re.compile(r"\s*")
+    # A start marker that is ordinary text (``{``, ``[``): a block is a call only when it names a declared tool.
+    bare = False
     # Whether the generation keeps special tokens (vLLM's adjust_request): the markers are special tokens in
     # the models these formats come from (Qwen's <tool_call>, Mistral's [TOOL_CALLS]).
     keeps_special_tokens = False
+
+    def __init__(self, tool_names: Optional[frozenset[str]] = None) -> None:
+        """``tool_names``: the request's declared functions (None: any name is a call's)."""
+        self.tool_names = tool_names
 
     @staticmethod
     def new_id() -> str:
@@ -70,6 +76,9 @@ class ToolParser:
                 return _join(pieces, self.separator)
             end = len(text) if end is None else end
             calls = self._decode(text[start:end])
+            if calls is not None and self.bare and self.tool_names is not None and \
+                    any(c.name not in self.tool_names for c in calls):
+                calls = None
             pieces.extend(calls) if calls is not None else pieces.append(text[start:end])
             pos = end
         pieces.append(text[pos:len(text) - (0 if final else self._partial_start(text[pos:]))])
@@ -130,10 +139,14 @@ def matching_close(text: str, start: int, quotes: str = '"') -> Optional[int]:
     return None
 
 
-def call_from_json(value: Any, keys: tuple[str, ...] = ("arguments", "parameters")) -> Optional[ParsedCall]:
+def call_from_json(value: Any, keys: tuple[str, ...] = ("arguments", "parameters"),
+                   need_arguments: bool = False) -> Optional[ParsedCall]:
     """A call from a decoded ``{"name": ..., "arguments": {...}}`` (the arguments under the first of ``keys``
-    present; an object, or JSON text of one); None when ``value`` is not one."""
+    present; an object, or JSON text of one; ``need_arguments``: an object without any of ``keys`` is no call,
+    else its arguments are ``{}``); None when ``value`` is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    if need_arguments and not any(k in value for k in keys):
         return None
     arguments = next((value[k] for k in keys if k in value), {})
     if isinstance(arguments, str):
@@ -184,13 +197,15 @@ class HermesParser(ToolParser):
 
 class Llama3JsonParser(ToolParser):
     """``llama3_json`` (Llama 3.1-3.3's JSON tool calls): ``{"name": ..., "parameters": {...}}`` objects
-    (``arguments`` also read), separated by ``;``, optionally after ``<|python_tag|>``; an object that is not
-    a call is content."""
+    (``arguments`` also read), separated by ``;``, optionally after ``<|python_tag|>``. An object is a call only
+    with ``parameters`` or ``arguments`` and, where tools are declared, a declared name (vLLM's rule): any other
+    object, ``{"name": "Alice"}`` among them, is content."""
 
     tag = "<|python_tag|>"
     starts = (tag, "{")
     separator = re.compile(r"[\s;]*")
     keeps_special_tokens = True
+    bare = True
 
     def _end(self, text: str, start: int) -> Optional[int]:
         brace = start
@@ -206,7 +221,7 @@ class Llama3JsonParser(ToolParser):
 
     def _decode(self, block: str) -> Optional[list[ParsedCall]]:
         body = block[len(self.tag):] if block.startswith(self.tag) else block
-        call = call_from_json(_loads(body.strip()))
+        call = call_from_json(_loads(body.strip()), need_arguments=True)
         return None if call is None else [call]
 
 
@@ -257,10 +272,12 @@ class MistralParser(ToolParser):
 
 class PythonicParser(ToolParser):
     """``pythonic`` (Llama 3.2 and 4, ToolACE): a Python list of calls with keyword arguments,
-    ``[get_weather(city="Paris"), get_time(zone="CET")]``; the argument values are Python literals."""
+    ``[get_weather(city="Paris"), get_time(zone="CET")]``; the argument values are Python literals. Where tools
+    are declared, a list naming another function is content."""
 
     starts = ("[",)
     separator = re.compile(r"[\s,]*")
+    bare = True
 
     def _end(self, text: str, start: int) -> Optional[int]:
         return matching_close(text, start, quotes="\"'")
@@ -304,6 +321,7 @@ class NamedParser(ToolParser):
     grammar is the function's parameters schema), sent as it grows; cut by ``max_tokens``, they are cut too."""
 
     def __init__(self, name: str) -> None:
+        super().__init__()
         self.name = name
 
     def scan(self, text: str, final: bool) -> Parsed:
