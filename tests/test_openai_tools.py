@@ -12,6 +12,7 @@ The main server runs ``--enable-auto-tool-choice --tool-call-parser hermes --rea
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -254,6 +255,28 @@ def test_auto_every_parser_reads_the_calls_from_model_text(parser_server):
     streamed, _, calls, finishes, _ = joined_stream(chat(client, stream=True, **body))
     assert (streamed or None, finishes) == (content, ["tool_calls"])
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [PARIS, CET]
+
+
+ID_SCHEMES = {"mistral": r"[A-Za-z0-9]{9}", "llama3_json": r"chatcmpl-tool-[0-9a-f]{32}",
+              "pythonic": r"chatcmpl-tool-[0-9a-f]{32}"}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "named"])
+def test_tool_call_ids_follow_the_parser_whatever_the_tool_choice(parser_server, choice):
+    """Issue 55, fault 4 (vLLM #47734): ``required`` and named choices gave ``chatcmpl-tool-`` ids under
+    ``--tool-call-parser mistral``, which Mistral's templates refuse in the next turn; streamed and not."""
+    name, client = parser_server
+    if choice == "auto":
+        body = dict(extra_body=forced(PARSER_TEXTS[name][0]))
+    else:
+        # stories260K never closes a parallel call array: one call.
+        body = dict(parallel_tool_calls=False, tool_choice="required" if choice == "required" else
+                    {"type": "function", "function": {"name": "get_time"}})
+    body = dict(tools=TOOLS, temperature=0, max_tokens=300, **body)
+    (response,) = chat(client, **body).choices
+    _, _, streamed, _, _ = joined_stream(chat(client, stream=True, **body))
+    ids = [c.id for c in response.message.tool_calls] + [c["id"] for c in streamed]
+    assert ids and all(re.fullmatch(ID_SCHEMES[name], i) for i in ids), ids
 
 
 # ------------------------------------------------------------------ refusals

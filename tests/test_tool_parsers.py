@@ -133,6 +133,59 @@ def test_required_schema_is_an_array_of_name_and_parameters_objects_one_per_tool
     assert "maxItems" not in required_schema([{"name": "a"}], parallel=True)
 
 
+# Issue 55, fault 4: plain JSON answers read as llama3_json calls (the reported inputs).
+LLAMA3_PLAIN_JSON = ['{"name": "Alice"}', '{"name": "Lily", "age": 3, "likes": ["cats"]}',
+                     'Here is a user: {"name": "Alice"}']
+
+
+@pytest.mark.parametrize("text", LLAMA3_PLAIN_JSON)
+def test_llama3_json_object_with_a_name_but_no_parameters_or_arguments_is_content(text):
+    for tool_names in (None, frozenset({"get_weather"}), frozenset({"Alice", "Lily"})):
+        msg = message(functools.partial(Llama3JsonParser, tool_names), text)
+        assert "tool_calls" not in msg and msg["content"] == text
+
+
+json_keys = st.text(alphabet="abcnmepr_", min_size=1, max_size=10).filter(lambda k: k not in ("arguments",
+                                                                                              "parameters", "name"))
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-9, 9), st.text("ab ", max_size=4)),
+                           lambda inner: st.lists(inner, max_size=2) | st.dictionaries(json_keys, inner, max_size=2),
+                           max_leaves=4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=st.sampled_from(["get_weather", "Alice", "x"]), others=st.dictionaries(json_keys, json_values,
+                                                                                   max_size=3),
+       declared=st.sampled_from([None, frozenset({"get_weather"})]), prefix=st.sampled_from(["", "User: "]))
+def test_llama3_json_object_is_a_call_only_with_arguments_and_a_declared_name(name, others, declared, prefix):
+    """The class of fault 4: any object without ``parameters``/``arguments`` is content, and so is one naming an
+    undeclared function; an object with both is a call, its arguments whole."""
+    parser = functools.partial(Llama3JsonParser, declared)
+    plain = prefix + json.dumps({"name": name, **others})
+    msg = message(parser, plain)
+    assert "tool_calls" not in msg and msg["content"] == plain
+    call = prefix + json.dumps({"name": name, "parameters": others})
+    msg = message(parser, call)
+    if declared is None or name in declared:
+        assert calls_of(msg) == [(name, others)]
+    else:
+        assert "tool_calls" not in msg and msg["content"] == call
+
+
+def test_pythonic_list_naming_an_undeclared_function_is_content():
+    text = f"[{pythonic_call('print_me', {'x': 1})}]"
+    assert message(functools.partial(PythonicParser, frozenset({"get_weather"})), text)["content"] == text
+    assert calls_of(message(PythonicParser, text)) == [("print_me", {"x": 1})]
+
+
+@pytest.mark.parametrize("parser", [RequiredParser, functools.partial(NamedParser, "get_weather")],
+                         ids=["required", "named"])
+def test_enforced_tool_choices_take_the_call_id_scheme_they_are_given(parser):
+    text = json.dumps([{"name": WEATHER[0], "parameters": WEATHER[1]}]) if parser is RequiredParser \
+        else json.dumps(WEATHER[1])
+    msg = ChatParsing(tools=parser, tool_call_id=MistralParser.new_id).message(text)[0]
+    assert calls_of(msg) == [WEATHER] and re.fullmatch(r"[A-Za-z0-9]{9}", msg["tool_calls"][0]["id"])
+
+
 # ------------------------------------------------------------------ streaming = unstreamed (hypothesis)
 
 # "<" begins a hermes and a llama3_json start marker: held back until it cannot.

@@ -20,6 +20,8 @@ class ChatParsing:
     Attributes:
       reasoning, tools: parser factories (None: not read). include_reasoning: the request's.
       single_call: ``parallel_tool_calls: false``. named: the tool choice names the function.
+      tool_call_id: makes a call's id (None: the tool parser's ``new_id``); the server passes its
+        ``--tool-call-parser``'s whatever the tool choice (Mistral's templates refuse other ids).
     """
 
     reasoning: Optional[Callable[[], ReasoningParser]] = None
@@ -27,6 +29,7 @@ class ChatParsing:
     include_reasoning: bool = True
     single_call: bool = False
     named: bool = False
+    tool_call_id: Optional[Callable[[], str]] = None
 
     @property
     def active(self) -> bool:
@@ -54,6 +57,7 @@ class ChoiceStream:
         self.parsing = parsing
         self._reasoning = parsing.reasoning() if parsing.reasoning is not None else None
         self._tools = parsing.tools() if parsing.tools is not None else None
+        self._new_id = parsing.tool_call_id or (self._tools.new_id if self._tools is not None else None)
         self._sent = {"reasoning": 0, "content": 0}
         self._calls: list[list] = []  # per call: [id, characters of its arguments sent]
 
@@ -89,7 +93,7 @@ class ChoiceStream:
         deltas = []
         for index, call in enumerate(calls):
             if index == len(self._calls):
-                self._calls.append([self._tools.new_id(), 0])
+                self._calls.append([self._new_id(), 0])
                 deltas.append({"tool_calls": [{"index": index, "id": self._calls[index][0], "type": "function",
                                                "function": {"name": call.name, "arguments": ""}}]})
             new = call.arguments[self._calls[index][1]:]

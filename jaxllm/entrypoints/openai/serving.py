@@ -31,6 +31,7 @@ from jaxllm.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     NamedParser,
     RequiredParser,
+    ToolParser,
     parameters_schema,
     required_schema,
 )
@@ -112,6 +113,7 @@ class OpenAIServing:
                  reasoning_parser: Optional[str] = None) -> None:
         check_parsers(tool_call_parser, enable_auto_tool_choice, reasoning_parser)
         self.tool_parser = TOOL_PARSERS[tool_call_parser] if enable_auto_tool_choice else None
+        self.tool_call_id = (TOOL_PARSERS[tool_call_parser] if tool_call_parser else ToolParser).new_id
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -417,7 +419,7 @@ class OpenAIServing:
         if built:
             _checked(lambda: validate_structured_outputs(constraint), param)
         parsing = ChatParsing(reasoning, tool_parser, request.include_reasoning, not request.parallel_tool_calls,
-                              named=isinstance(request.tool_choice, NamedToolChoice))
+                              named=isinstance(request.tool_choice, NamedToolChoice), tool_call_id=self.tool_call_id)
         return parsing, constraint
 
     def _tool_choice(self, request: ChatCompletionRequest):
@@ -431,7 +433,7 @@ class OpenAIServing:
         if choice == "auto":
             if self.tool_parser is None:
                 raise APIError(400, AUTO_TOOLS_FLAGS, "tool_choice")
-            return self.tool_parser, None
+            return functools.partial(self.tool_parser, frozenset(f["name"] for f in functions)), None
         if choice == "required":
             schema = required_schema(functions, request.parallel_tool_calls)
             return RequiredParser, StructuredOutputsParams(json=schema, disable_any_whitespace=True)

@@ -40,9 +40,15 @@ class ToolParser:
 
     starts: tuple[str, ...] = ()
     separator = re.compile(r"\s*")
+    # A start marker that is ordinary text (``{``, ``[``): a block is a call only when it names a declared tool.
+    bare = False
     # Whether the generation keeps special tokens (vLLM's adjust_request): the markers are special tokens in
     # the models these formats come from (Qwen's <tool_call>, Mistral's [TOOL_CALLS]).
     keeps_special_tokens = False
+
+    def __init__(self, tool_names: Optional[frozenset[str]] = None) -> None:
+        """``tool_names``: the request's declared functions (None: any name is a call's)."""
+        self.tool_names = tool_names
 
     @staticmethod
     def new_id() -> str:
@@ -60,6 +66,9 @@ class ToolParser:
                 return _join(pieces, self.separator)
             end = len(text) if end is None else end
             calls = self._decode(text[start:end])
+            if calls is not None and self.bare and self.tool_names is not None and \
+                    any(c.name not in self.tool_names for c in calls):
+                calls = None
             pieces.extend(calls) if calls is not None else pieces.append(text[start:end])
             pos = end
         pieces.append(text[pos:len(text) - (0 if final else self._partial_start(text[pos:]))])
@@ -119,9 +128,13 @@ def matching_close(text: str, start: int, quotes: str = '"') -> Optional[int]:
     return None
 
 
-def call_from_json(value: Any, keys: tuple[str, ...] = ("arguments", "parameters")) -> Optional[ParsedCall]:
-    """A call from a decoded ``{"name", "arguments"}`` (arguments under the first of ``keys``); None if not one."""
+def call_from_json(value: Any, keys: tuple[str, ...] = ("arguments", "parameters"),
+                   need_arguments: bool = False) -> Optional[ParsedCall]:
+    """A call from a decoded ``{"name", "arguments"}`` (arguments under the first of ``keys``; ``need_arguments``:
+    none of ``keys`` is no call, else ``{}``); None if not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    if need_arguments and not any(k in value for k in keys):
         return None
     arguments = next((value[k] for k in keys if k in value), {})
     if isinstance(arguments, str):
@@ -169,12 +182,14 @@ class HermesParser(ToolParser):
 
 
 class Llama3JsonParser(ToolParser):
-    """``llama3_json``: ``{"name", "parameters"}`` objects separated by ``;``, optionally after ``<|python_tag|>``."""
+    """``llama3_json``: ``{"name", "parameters"}`` objects separated by ``;``, optionally after ``<|python_tag|>``;
+    a call only with ``parameters``/``arguments`` and, where tools are declared, a declared name (vLLM's rule)."""
 
     tag = "<|python_tag|>"
     starts = (tag, "{")
     separator = re.compile(r"[\s;]*")
     keeps_special_tokens = True
+    bare = True
 
     def _end(self, text: str, start: int) -> Optional[int]:
         brace = start
@@ -190,7 +205,7 @@ class Llama3JsonParser(ToolParser):
 
     def _decode(self, block: str) -> Optional[list[ParsedCall]]:
         body = block[len(self.tag):] if block.startswith(self.tag) else block
-        call = call_from_json(_loads(body.strip()))
+        call = call_from_json(_loads(body.strip()), need_arguments=True)
         return None if call is None else [call]
 
 
@@ -239,10 +254,12 @@ class MistralParser(ToolParser):
 
 
 class PythonicParser(ToolParser):
-    """``pythonic`` (Llama 3.2 and 4, ToolACE): ``[f(a="x"), g(b=1)]`` with Python-literal arguments."""
+    """``pythonic`` (Llama 3.2 and 4, ToolACE): ``[f(a="x"), g(b=1)]`` with Python-literal arguments; where tools
+    are declared, a list naming another function is content."""
 
     starts = ("[",)
     separator = re.compile(r"[\s,]*")
+    bare = True
 
     def _end(self, text: str, start: int) -> Optional[int]:
         return matching_close(text, start, quotes="\"'")
@@ -284,6 +301,7 @@ class NamedParser(ToolParser):
     """The output of a named ``tool_choice``: the whole text is the arguments of one call to ``name``."""
 
     def __init__(self, name: str) -> None:
+        super().__init__()
         self.name = name
 
     def scan(self, text: str, final: bool) -> Parsed:
