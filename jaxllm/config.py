@@ -392,7 +392,7 @@ class EngineConfig:
         per-layer, per-head scales calibrated at start-up (vLLM's name).
       seed: engine seed for requests without their own.
       attention_backend: "pallas", "xla", "reference" or None (pallas on GPU, xla
-        elsewhere; see ``kernels_pallas.get_attention_ops``).
+        elsewhere; see ``kernels_pallas.ops.get_attention_ops``).
       interpret: run Pallas kernels in interpret mode (CPU testing).
       token_buckets, seq_buckets, width_buckets: explicit bucket ladders
         (T tokens, S rows, W block-table width); None derives each from the

@@ -1,7 +1,7 @@
 """Compressed KV blocks: a second, smaller-per-block pool that full blocks move into before a preemption.
 
 When the free device blocks run short, the scheduler may re-encode full, computed blocks that only one request
-holds from the cache's dtype into a one-byte dtype with per-block scales (``kernels_pallas.reference.CompressedKV``),
+holds from the cache's dtype into a one-byte dtype with per-block scales (``kernels_pallas.storage.CompressedKV``),
 held here, and give their device blocks back (``KVCacheManager.compress``; the rules in ``Scheduler``). A block
 table then mixes the two kinds: a compressed block's id is ``base + slot`` with ``base`` the device pool's
 ``num_blocks``, which is what the attention ops read from the compressed pool. Slot 0 (id ``base``) is the null

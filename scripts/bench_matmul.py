@@ -3,9 +3,9 @@
 Every projection of a model (q, k, v, o, gate, up, down at its sizes) runs for every layer inside a ``lax.scan``
 over stacked weights, as ``jaxllm.models.common.hidden_states`` runs them, for a few token counts:
 
-- ``native``: ``kernels_pallas.native.stacked_matmul_cpu``, reading each layer's weight in place from the stack
-  (what the engine runs up to ``common.native_matmul_max_rows()`` float32 tokens and
-  ``common.native_bf16_matmul_max_rows()`` bfloat16 ones, by the CPU's bfloat16 instructions);
+- ``native``: ``kernels_pallas.matmul.cpu.stacked_matmul_cpu``, reading each layer's weight in place from the stack
+  (what the engine runs up to ``kernels_pallas.ops.projection_max_rows`` tokens, by the weight's dtype and the CPU's
+  instruction sets);
 - ``xla``: ``x @ w[layer]``, XLA's dynamic-slice of the layer and its dot (bfloat16 held as uint16 bits and
   bit-cast back per layer, as the CPU engine holds them).
 
@@ -13,8 +13,8 @@ The two are compiled once, then timed in turns (``--rounds``; the minimum is pri
 layers), so that a machine shared with other work slows them alike. Then the native kernel on each projection
 shape alone, in GFLOP/s. ``scripts/profile_step.py``'s docstring quotes these figures. In float32, last, the
 lm_head as a tied embedding ``[vocab, hidden]`` multiplies it (ms, the minimum of the rounds, in turns): XLA's
-dot, ``native.matmul_nt_cpu`` transposing each panel as it reads it, and the same reading the panels
-``native.pack_nt_panels`` packed once (the engine's ``models.HEAD_PANELS``).
+dot, ``lm_head.cpu.matmul_nt_cpu`` transposing each panel as it reads it, and the same reading the panels
+``lm_head.cpu.pack_nt_panels`` packed once (the engine's ``kernels_pallas.ops.HEAD_PANELS``).
 
     python scripts/bench_matmul.py [--model PATH] [--tokens 1 4 16 48 128 512] [--dtype float32 bfloat16]
 """
@@ -52,8 +52,9 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
     import jax.numpy as jnp
 
     from jaxllm.core.build import resolve_dtype
-    from kernels_pallas import native
-    from kernels_pallas.reference import from_storage, to_storage
+    from kernels_pallas import cpu_build
+    from kernels_pallas.matmul import cpu as native
+    from kernels_pallas.storage import from_storage, to_storage
 
     dtype = jnp.dtype(resolve_dtype(dtype_name))
     rng = np.random.default_rng(0)
@@ -84,8 +85,8 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
     # A shape the kernel does not take (native.matmul_supports: N a multiple of 16, an even K for bfloat16) or no
     # kernel built: XLA's column only.
     sides = (("native", True), ("xla", False))
-    if not (native.available() and all(native.matmul_supports(w) for w in stack.values())):
-        print(f"native: not run ({native.unavailable_reason() or 'a shape the kernel does not take'})")
+    if not (cpu_build.available() and all(native.matmul_supports(w) for w in stack.values())):
+        print(f"native: not run ({cpu_build.unavailable_reason() or 'a shape the kernel does not take'})")
         sides = sides[1:]
     print(f"{'tokens':>7}{'native':>12}{'xla':>12}")
     for t in tokens:
@@ -105,7 +106,7 @@ def tied_head(cfg, tokens: list[int], rounds: int) -> None:
     import jax
     import jax.numpy as jnp
 
-    from kernels_pallas import native
+    from kernels_pallas.lm_head import cpu as native
 
     v, e = cfg.vocab_size, cfg.hidden_size
     embed = jnp.asarray(np.random.default_rng(1).standard_normal((v, e)) * 0.05, jnp.float32)
@@ -130,7 +131,7 @@ def per_projection(stack, shapes, tokens: list[int], rounds: int, layers: int, d
     import jax
     import jax.numpy as jnp
 
-    from kernels_pallas import native
+    from kernels_pallas.matmul import cpu as native
 
     names: dict[tuple[int, int], list[str]] = {}
     for key, shape in shapes.items():
