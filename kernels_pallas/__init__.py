@@ -11,6 +11,7 @@ One folder per op, each holding its backends side by side and its plain ``jnp`` 
   ``reference.py``.
 
 Beside them: ``ops.py``, the ops table that picks a backend per op and platform (the one module models import),
-``storage.py`` (bit-pattern storage, quantized caches, the compressed pool), ``cpu_build.py`` (builds and loads the
-C++ library), ``cpu_features.py`` (the CPU's instruction sets) and the Pallas helpers ``_flash.py``, ``_compat.py``.
+``storage.py`` (how caches and weights are stored: bit patterns, quantized values), ``cpu_build.py`` (builds and
+loads the C++ library), ``cpu_features.py`` (the CPU's instruction sets) and the Pallas helpers ``_flash.py``,
+``_compat.py``.
 """

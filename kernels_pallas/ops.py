@@ -4,7 +4,7 @@
 op             backends (one folder each, beside its plain ``jnp`` reference)
 =============  ==============================================================================================
 attention      ``pallas`` (GPU: ragged, and decode-only steps by the split-K decode kernel), ``xla`` (``jnp``
-               tiles; on XLA's CPU backend every row goes to the C++ kernel where ``attention.cpu.applies``),
+               tiles; on XLA's CPU backend every row goes to the C++ kernel where ``xla.native_applies``),
                ``reference``
 cache_write    ``pallas`` (GPU), ``reference`` (the ``jnp`` scatter, for every other backend)
 matmul         ``cpu`` (C++, a layer's weight read in place from the stack), ``xla`` (XLA's dot of the slice)
@@ -13,8 +13,9 @@ lm_head        ``cpu`` (C++, the tied embedding optionally packed in panels), ``
 
 :func:`select` picks a backend from data alone (the platform, the device count, the CPU's flags, a step's rows and
 the weight's dtype), by the tables below, whose limits are the crossovers measured with ``scripts/bench_matmul.py``
-(``docs/design/kernels.md``). The entry points the models call (:func:`layer_matmul`, :func:`lm_head`) then take
-the C++ kernel where it was picked, takes the weight's shape and the library is built (``cpu_build.available``).
+(``docs/design/kernels.md``). The entry points the models call (:func:`layer_matmul`, :func:`lm_head`) take the
+C++ kernel where the table picks it, the kernel takes the weight's shape and the library is built
+(``cpu_build.available``).
 The C++ kernels have no derivative: the differentiable forward keeps XLA's dots.
 """
 

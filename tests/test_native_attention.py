@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from kernels_pallas import cpu_build, cpu_features
 from kernels_pallas.attention import cpu
 from kernels_pallas.attention.reference import ragged_paged_attention_reference
-from kernels_pallas.attention.xla import ragged_paged_attention_xla, token_rows_and_positions
+from kernels_pallas.attention.xla import native_applies, ragged_paged_attention_xla, token_rows_and_positions
 from tests.test_kernels_pallas import _ragged_batch
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -300,7 +300,7 @@ def test_ragged_attention_sends_every_row_to_the_kernel_and_agrees_with_the_tile
     seq_lens = [q + int(rng.integers(0, 50)) for q in q_lens]
     args = _ragged_batch(rng, q_lens, seq_lens, block_size=8, head_dim=64, group=3, dtype=dtype, pad_seqs=2,
                          pad_tokens=3)
-    assert cpu.applies(args[1], args[0].shape[1])
+    assert native_applies(args[1], args[0].shape[1])
     window = [None, 9][seed % 2]
     want = ragged_paged_attention_reference(*args, scale=SCALE, sliding_window=window)
     attend = functools.partial(ragged_paged_attention_xla, scale=SCALE, sliding_window=window)
@@ -317,11 +317,11 @@ def test_native_attention_is_not_taken_where_it_does_not_apply_and_refused_when_
     q, k, v, tables, lens, qsl, n = _ragged_batch(rng, [1, 1], [5, 9], block_size=4, head_dim=16, group=2,
                                                   dtype=jnp.float32)
     scales = jnp.ones(2, jnp.float32)
-    assert cpu.applies(k, 4)
-    assert not cpu.applies(k.astype(jnp.int8), 4, scales)
-    assert not cpu.applies(k.astype(jnp.float8_e4m3fn), 4)
-    assert not cpu.applies(jnp.zeros((4, 512, 2, 16)), 4)  # blocks past the kernel's 256 tokens
-    assert not cpu.applies(k, 3)  # query heads not a multiple of the KV heads
+    assert native_applies(k, 4)
+    assert not native_applies(k.astype(jnp.int8), 4, scales)
+    assert not native_applies(k.astype(jnp.float8_e4m3fn), 4)
+    assert not native_applies(jnp.zeros((4, 512, 2, 16)), 4)  # blocks past the kernel's 256 tokens
+    assert not native_applies(k, 3)  # query heads not a multiple of the KV heads
     row, pos = token_rows_and_positions(qsl, lens, n, q.shape[0])
     with pytest.raises(ValueError, match=r"3 query heads, 2 KV heads, block_size 4; the kernel takes"):
         cpu.ragged_paged_attention_cpu(q[:, :3], k, v, tables, row, pos, scale=SCALE)
@@ -357,9 +357,9 @@ def test_native_attention_refuses_a_table_row_or_position_it_would_read_past(bad
 
 
 def _probe(env: dict[str, str]) -> str:
-    code = ("from kernels_pallas import cpu_build; from kernels_pallas.attention import cpu; import jax.numpy as jnp; "
+    code = ("from kernels_pallas import cpu_build; from kernels_pallas.attention import xla; import jax.numpy as jnp; "
             "a = cpu_build.available(); "
-            "print(a, cpu_build.unavailable_reason(), cpu.applies(jnp.zeros((1, 1, 1, 1)), 1))")
+            "print(a, cpu_build.unavailable_reason(), xla.native_applies(jnp.zeros((1, 1, 1, 1)), 1))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr

@@ -9,8 +9,8 @@ leave a narrower last one or fall short of one dot tile; for both, any count of 
 zeros), clamped to [0, M]. Around them: their errors, and the model step, which reads every float32 projection
 through the first (no per-layer slice of the weights) up to the ops table's ``projection_max_rows`` tokens (by the
 CPU's vector width) and the lm_head of 4 rows or more through either, with the same logits, and every bfloat16
-projection through the first where the CPU has AVX-512-BF16, as close to the float32 logits as XLA's bfloat16 dots; other
-bfloat16 weights and larger steps keep XLA's dots.
+projection through the first where the CPU has AVX-512-BF16, as close to the float32 logits as XLA's bfloat16 dots;
+other bfloat16 weights and larger steps keep XLA's dots.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import cpu_build
-from kernels_pallas.storage import CompressedKV
 
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
 # The kernel's largest block (paged_attention_cpu.cc: kMaxBlockSize).
@@ -81,14 +80,3 @@ def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
                 token_row.astype(jnp.int32), token_pos.astype(jnp.int32), scale=np.float32(scale),
                 soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int32(sliding_window or 0),
                 block_size=np.int32(block_size), num_kv_heads=np.int32(num_kv_heads))
-
-
-def applies(k_cache: jax.Array, num_q_heads: int, k_scale: Optional[jax.Array] = None,
-            compressed: Optional[CompressedKV] = None) -> bool:
-    """Whether the ``xla`` attention backend hands its rows to this kernel: on XLA's CPU backend, for a float32 or
-    bfloat16 (uint16-stored) cache ``[N, block_size, Hkv, D]`` without KV scales or a compressed pool, in shapes it
-    takes (:func:`supports`), once ``cpu_build.available()`` (the kernels built)."""
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    return (jax.default_backend() == "cpu" and k_scale is None and compressed is None
-            and jnp.dtype(k_cache.dtype) in CACHE_DTYPES
-            and supports(num_q_heads, block_size, num_kv_heads) and cpu_build.available())

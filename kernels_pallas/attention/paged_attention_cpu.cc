@@ -440,7 +440,7 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
   // The Prefetch steps that attend_block_heads<n> takes over a block's keys [t_lo, t_hi) on the vector path: its
   // scores' loops over head dims per vector of keys (twice for n > 1: scores_of_heads's halves), its weighted sums'
   // over tokens (by twos for n = 1). A row's last block holds a few keys: counted as a whole block, most of a
-  // slice's share was left to the next slice's burst, and the last slice's to none.
+  // slice's share would be left to the next slice's burst, and the last slice's to none.
   const auto steps_of = [&](int64_t n, int64_t t_lo, int64_t t_hi) {
     const int64_t key_vectors = (t_hi - 1) / kLanes - t_lo / kLanes + 1;
     const int64_t score_steps = key_vectors * (dim / kLanes) * (n > 1 ? 2 : 1);
@@ -656,8 +656,8 @@ void attend_unit_tiled(const Problem& p, const Unit& u, TileScratch& s, const in
   const int32_t* hi = s.hi.data();
   for (int64_t h = 0; h < p.kv_heads; ++h) {
     // Lane m = j * group + g is head h * group + g of the unit's token j: each such query row is read once,
-    // contiguously (an index divided by group per element had made this copy a third of a short prefill's
-    // attention: one layer of a 512-token prefill of 63-token prompts took 730 us against 480 now).
+    // contiguously (an index divided by group per element would make this copy a large share of a short
+    // prefill's attention).
     for (int64_t j = 0; j < u.count; ++j) {
       for (int64_t g = 0; g < group; ++g) {
         const float* src = p.q + (token(j) * heads + h * group + g) * dim;

@@ -240,6 +240,17 @@ def _attend_tiles(
     return out.transpose(0, 2, 1, 3, 4).reshape(num_tiles, tile_len, num_q_heads, head_dim)
 
 
+def native_applies(k_cache: jax.Array, num_q_heads: int, k_scale: Optional[jax.Array] = None,
+                   compressed: Optional[CompressedKV] = None) -> bool:
+    """Whether :func:`ragged_paged_attention_xla` hands its rows to the C++ kernel by default: on XLA's CPU
+    backend, for a float32 or bfloat16 (uint16-stored) cache ``[N, block_size, Hkv, D]`` without KV scales or a
+    compressed pool, in shapes it takes (``cpu.supports``), once ``cpu_build.available()`` (the kernels built)."""
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    return (jax.default_backend() == "cpu" and k_scale is None and compressed is None
+            and jnp.dtype(k_cache.dtype) in cpu.CACHE_DTYPES
+            and cpu.supports(num_q_heads, block_size, num_kv_heads) and cpu_build.available())
+
+
 def token_rows_and_positions(query_start_loc: jax.Array, seq_lens: jax.Array, num_seqs: jax.Array,
                              num_tokens: int) -> tuple[jax.Array, jax.Array]:
     """Each query token's sequence row (-1 past the batch's tokens) and position, from the ragged layout.
@@ -304,7 +315,7 @@ def ragged_paged_attention_xla(
         :data:`CROSS_HEAD_MAX_KV_HEADS`.
       use_native: every row through ``cpu.ragged_paged_attention_cpu``
         (the C++ kernel) instead of the tiles; None means where
-        ``cpu.applies``. True where it does not apply raises
+        :func:`native_applies`. True where it does not apply raises
         ValueError.
 
     Cost: with the C++ kernel, one read in place of each decode row's context
@@ -316,7 +327,7 @@ def ragged_paged_attention_xla(
     """
     del interpret
     check_pool_scales(k_scale, compressed)
-    applies = cpu.applies(k_cache, q.shape[1], k_scale, compressed)
+    applies = native_applies(k_cache, q.shape[1], k_scale, compressed)
     if use_native and not applies:
         raise ValueError("use_native=True needs XLA's CPU backend, a float32 or bfloat16 cache without KV scales "
                          "or a compressed pool, shapes the kernel takes (cpu.supports) and the built C++ kernel "
