@@ -2,20 +2,20 @@
 
 A decode step reads every running sequence's K and V once per layer, so on a CPU its attention is bounded by how
 fast the host streams memory. For a few batches (``--rows`` sequences of one new token each, contexts drawn
-uniformly in ``--context MIN MAX``) this times ``kernels_pallas.attention.cpu.ragged_paged_attention_cpu`` on the
-model's head shape (``--model``'s query heads, KV heads and head dim), its blocks anywhere in a cache of the rows'
-blocks (block size 16). A round calls it once per layer, each layer's cache its own (``--layers``; by default as
-many as make the caches together pass 512 MB, at most the model's layers), so that the K and V come from memory as
-in a step (for a batch of a few short rows, whose 30 layers may not fill much more than an L3, less surely) rather
-than from the CPU's last-level cache as one layer's alone would (on a 32 MiB L3 a 16-row batch at contexts 600-1500,
-25 MB a layer, measured about twice as fast alone as among 30 layers). It prints the fastest of ``--rounds`` rounds
-divided by its layers, the KV bytes a layer attends over (every row's K and V) divided by that time, and what share
-that is of the stream rate measured in the same run: numpy ``sum`` over a 400 MB float32 array in one share per CPU
-this process may run on, all at once (the best of three). Every dtype gets the same batch of a row count (its
-lengths and tables). With ``--shared-prefix N`` every row's first N tokens (whole blocks) are the same blocks, as
-prefix caching leaves a shared system prompt: those bytes come from the CPU's caches after the first row, so the
-share can pass 100%. ``scripts/profile_step.py`` has the whole step; this is its part that the memory's rate bounds
-(or, with a shared prefix, the kernel's own arithmetic).
+uniformly in ``--context MIN MAX``) this times ``kernels_pallas.attention.cpu``'s kernel on the model's
+head shape (``--model``'s query heads, KV heads and head dim), its blocks anywhere in a cache of the rows' blocks
+(block size 16). A round calls it once per layer, each layer's cache its own (``--layers``; by default as many as
+make the caches together pass 512 MB, at most the model's layers), so that the K and V come from memory as in a step
+(for a batch of a few short rows, whose 30 layers may not fill much more than an L3, less surely) rather than from
+the CPU's last-level cache as one layer's alone would (on a 32 MiB L3 a 16-row batch at contexts 600-1500, 25 MB a
+layer, measured about twice as fast alone as among 30 layers). It prints the fastest of ``--rounds`` rounds divided
+by its layers, the KV bytes a layer attends over (every row's K and V) divided by that time, and what share that is
+of the stream rate measured in the same run: numpy ``sum`` over a 400 MB float32 array in one share per CPU this
+process may run on, all at once (the best of three). Every dtype gets the same batch of a row count (its lengths and
+tables). With ``--shared-prefix N`` every row's first N tokens (whole blocks) are the same blocks, as prefix caching
+leaves a shared system prompt: those bytes come from the CPU's caches after the first row, so the share can pass
+100%. ``scripts/profile_step.py`` has the whole step; this is its part that the memory's rate bounds (or, with a
+shared prefix, the kernel's own arithmetic).
 
     python scripts/bench_cpu_attention.py [--model PATH] [--rows 1 32 192] [--context 400 830]
                                           [--shared-prefix 0] [--dtype float32 bfloat16] [--rounds 50]
@@ -73,7 +73,7 @@ def decode_batch(rng: np.random.Generator, rows: int, context: tuple[int, int], 
     (0..rows-1); token_pos int32 [rows] (each length minus one); then the total context tokens (int). Each row's
     blocks are a random permutation's share of a cache holding exactly the batch's blocks, the first
     ``shared_blocks`` of every row the same ones (a prefix-cache hit; the caller keeps it below the shortest
-    context's blocks). The layout is ``kernels_pallas.attention.cpu.ragged_paged_attention_cpu``'s (the engine's paged
+    context's blocks). The layout is ``attention.cpu.ragged_paged_attention_cpu``'s (the engine's paged
     cache). Raises nothing."""
     import jax
     import jax.numpy as jnp
