@@ -353,7 +353,7 @@ class EngineConfig:
         "Prefill tokens of one request per step at most, so long prompts leave room for others; 0: no cap (nor "
         "with enable_chunked_prefill off)."))
     attention_backend: Optional[str] = _option(None, (
-        '"pallas", "xla", "reference", or None: pallas on GPU, xla elsewhere (kernels_pallas.get_attention_ops).'))
+        '"pallas", "xla", "reference", or None: pallas on GPU, xla elsewhere (kernels_pallas.ops.get_attention_ops).'))
     interpret: bool = _option(False, "Run the Pallas kernels in interpret mode (testing them on CPU).")
     token_buckets: Optional[Sequence[int]] = _option(None, (
         "Token counts T a step is padded to, ascending, the last >= max_num_batched_tokens; None: 4 and 8, then "

@@ -297,7 +297,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def host_info() -> dict[str, Any]:
     """CPU count, instruction sets and 1-minute load average."""
-    from jaxllm.worker.cpu_features import describe_cpu
+    from kernels_pallas.cpu_features import describe_cpu
 
     return dict(cpu_count=os.cpu_count(), cpu_isa=describe_cpu(), load_avg_1m=os.getloadavg()[0])
 
@@ -359,11 +359,12 @@ def measure_matmul_rates(dtype: str, seconds: float = 2.0) -> dict[str, float]:
                           seconds)}
     if jax.default_backend() != "cpu":
         return rates  # the host's own rates say nothing of an accelerator's steps
-    from kernels_pallas import native
+    from kernels_pallas import cpu_build
+    from kernels_pallas.matmul import cpu as matmul_cpu
 
     stacked = w[None]
-    if native.available() and native.matmul_supports(stacked):
-        kernel = jax.jit(lambda a, b: native.stacked_matmul_cpu(a, b, jnp.int32(0)))
+    if cpu_build.available() and matmul_cpu.matmul_supports(stacked):
+        kernel = jax.jit(lambda a, b: matmul_cpu.stacked_matmul_cpu(a, b, jnp.int32(0)))
         rates["jaxllm_kernel"] = _rate(kernel, (x, stacked), flops, seconds)
     if jnp.dtype(dtype) == jnp.float32:
         a, b = np.ones((rows, inner), np.float32), np.ones((inner, cols), np.float32)

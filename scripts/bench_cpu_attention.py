@@ -1,6 +1,6 @@
 """Decode attention alone on the CPU: the C++ kernel's KV bytes per second against the host's memory stream rate.
 
-Times ``kernels_pallas.native.ragged_paged_attention_cpu`` on the model's head shape for ``--rows`` decode
+Times ``kernels_pallas.attention.cpu.ragged_paged_attention_cpu`` on the model's head shape for ``--rows`` decode
 rows with contexts uniform in ``--context``, once per layer over ``--layers`` caches (default: enough to pass
 512 MB, so K and V come from memory). Prints per layer the fastest of ``--rounds`` rounds, the KV bytes over
 that time, and its share of the stream rate (numpy sums, one thread per CPU) measured in the same run.
@@ -104,12 +104,13 @@ def main() -> None:
 
     from jaxllm.loader import read_model_config
     from jaxllm.named_models import resolve_model
-    from kernels_pallas import native
+    from kernels_pallas import cpu_build
+    from kernels_pallas.attention import cpu
 
     cfg = read_model_config(resolve_model(args.model))[0]
     print(f"backend {jax.default_backend()}, jax {jax.__version__}")
-    if not native.available():
-        print(f"native attention: not run ({native.unavailable_reason()})")
+    if not cpu_build.available():
+        print(f"native attention: not run ({cpu_build.unavailable_reason()})")
         print(common.host_line(common.host_info()))
         return
     threads = len(os.sched_getaffinity(0))
@@ -123,7 +124,7 @@ def main() -> None:
           f"{args.rounds} rounds, per layer")
     print(f"{'dtype':>9}{'rows':>6}{'context':>9}{'layers':>7}{'us':>10}{'KV GB/s':>10}{'of stream':>10}")
     scale = 1.0 / float(np.sqrt(cfg.head_dim))
-    call = jax.jit(lambda q, k, v, t, r, p: native.ragged_paged_attention_cpu(q, k, v, t, r, p, scale=scale))
+    call = jax.jit(lambda q, k, v, t, r, p: cpu.ragged_paged_attention_cpu(q, k, v, t, r, p, scale=scale))
     for dtype_name in args.dtype:
         dtype = jnp.dtype(dtype_name)
         for rows in args.rows:

@@ -1,10 +1,10 @@
 """Time jaxllm's paged-attention kernels on a GPU and report achieved HBM bandwidth.
 
 Decode at batch {1, 32, 256} x context {512, 4096, 32768} for
-  * ours:     kernels_pallas.paged_attention (flash-decoding over block tables),
+  * ours:     kernels_pallas.attention.pallas_decode.paged_attention (flash-decoding over block tables),
   * jax:      jax.experimental.pallas.ops.gpu.paged_attention, K/V re-laid into
               its head-major page layout outside the timing,
-  * ref:      kernels_pallas.paged_attention_reference under XLA,
+  * ref:      kernels_pallas.attention.reference.paged_attention_reference under XLA,
 and one mixed prefill + decode batch for ours (ragged_paged_attention) and
 the reference (JAX's kernel is decode-only).
 
@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _bench_common as common  # noqa: E402
-import kernels_pallas  # noqa: E402  (after the path fix so the checkout's package is used)
+# noqa: E402: after the path fix so the checkout's package is used.
+from kernels_pallas.attention import pallas_decode, pallas_ragged, reference  # noqa: E402
 
 DTYPE = jnp.bfloat16
 BATCHES = (1, 32, 256)
@@ -120,7 +121,7 @@ def _bench_decode(key, batch: int, ctx: int, args) -> None:
     nbytes = cache_bytes + 2 * q.size * item
     scale = d ** -0.5
 
-    ours = jax.jit(functools.partial(kernels_pallas.paged_attention, scale=scale, interpret=args.smoke))
+    ours = jax.jit(functools.partial(pallas_decode.paged_attention, scale=scale, interpret=args.smoke))
     _run("ours", shape, cache_bytes, ours, q, k_cache, v_cache, tables, seq_lens, nbytes=nbytes, args=args)
 
     try:
@@ -140,7 +141,7 @@ def _bench_decode(key, batch: int, ctx: int, args) -> None:
 
     # The reference gathers every sequence's context and upcasts it to float32.
     ref_bytes = cache_bytes * (1 + 1 + 4 // item) + batch * hq * ctx * 4 * 3
-    ref = jax.jit(functools.partial(kernels_pallas.paged_attention_reference, scale=scale))
+    ref = jax.jit(functools.partial(reference.paged_attention_reference, scale=scale))
     _run("ref", shape, ref_bytes, ref, q, k_cache, v_cache, tables, seq_lens, nbytes=nbytes, args=args)
 
 
@@ -161,11 +162,11 @@ def _bench_mixed(key, mixed: list[tuple[int, int]], args) -> None:
     batch = (q, k_cache, v_cache, tables, seq_lens, query_start_loc, num_seqs)
     scale = d ** -0.5
 
-    ours = jax.jit(functools.partial(kernels_pallas.ragged_paged_attention, scale=scale, interpret=args.smoke))
+    ours = jax.jit(functools.partial(pallas_ragged.ragged_paged_attention, scale=scale, interpret=args.smoke))
     _run("ours", shape, cache_bytes, ours, *batch, nbytes=nbytes, args=args)
     print(f"jax   {shape:<28} n/a: JAX's paged_attention is decode-only")
     ref_bytes = 2 * num_tokens * tables.shape[1] * args.block_size * hkv * d * (item + 4)
-    ref = jax.jit(functools.partial(kernels_pallas.ragged_paged_attention_reference, scale=scale))
+    ref = jax.jit(functools.partial(reference.ragged_paged_attention_reference, scale=scale))
     _run("ref", shape, ref_bytes, ref, *batch, nbytes=nbytes, args=args)
 
 

@@ -131,8 +131,8 @@ def teacher_forced(path, compression):
     from jaxllm.worker.kv_cache import CALIBRATION_TEXT, KV_QUANT_DTYPES, allocate_kv_cache
     from jaxllm.worker.sharding import ModelSharding, make_mesh
     from jaxllm.worker.step_batch import StepBatch
-    from kernels_pallas import get_attention_ops
-    from kernels_pallas.reference import BITS_STORAGE, CompressedKV, quantize_blocks
+    from kernels_pallas.ops import get_attention_ops
+    from kernels_pallas.storage import BITS_STORAGE, CompressedKV, quantize_blocks
 
     cfg, params, _ = load_model(path, np.float32)
     ids = np.asarray(load_tokenizer(path).encode(CALIBRATION_TEXT), np.int32)

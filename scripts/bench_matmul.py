@@ -1,10 +1,10 @@
 """The dense layers' matmuls alone: the C++ kernel against XLA's dots, in the engine's layer scan.
 
 Every projection of the model runs per layer inside a ``lax.scan`` over stacked weights, for a few token
-counts: ``native`` (``kernels_pallas.native.stacked_matmul_cpu``, weights read in place) and ``xla``
+counts: ``native`` (``kernels_pallas.matmul.cpu.stacked_matmul_cpu``, weights read in place) and ``xla``
 (``x @ w[layer]``). Prints ms per pass over all layers (minimum of ``--rounds``, taken in turns), then the
 native kernel per projection shape in GFLOP/s, and in float32 the tied lm_head three ways (XLA,
-``native.matmul_nt_cpu``, and over ``native.pack_nt_panels``' packed panels).
+``lm_head.cpu.matmul_nt_cpu``, and over ``lm_head.cpu.pack_nt_panels``' packed panels).
 
     python scripts/bench_matmul.py [--model PATH] [--tokens 1 4 16 48 128 512] [--dtype float32 bfloat16]
 """
@@ -41,8 +41,9 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
     import jax.numpy as jnp
 
     from jaxllm.core.build import resolve_dtype
-    from kernels_pallas import native
-    from kernels_pallas.reference import from_storage, to_storage
+    from kernels_pallas import cpu_build
+    from kernels_pallas.matmul import cpu as native
+    from kernels_pallas.storage import from_storage, to_storage
 
     dtype = jnp.dtype(resolve_dtype(dtype_name))
     rng = np.random.default_rng(0)
@@ -73,8 +74,8 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
     # A shape the kernel does not take (native.matmul_supports: N a multiple of 16, an even K for bfloat16) or no
     # kernel built: XLA's column only.
     sides = (("native", True), ("xla", False))
-    if not (native.available() and all(native.matmul_supports(w) for w in stack.values())):
-        print(f"native: not run ({native.unavailable_reason() or 'a shape the kernel does not take'})")
+    if not (cpu_build.available() and all(native.matmul_supports(w) for w in stack.values())):
+        print(f"native: not run ({cpu_build.unavailable_reason() or 'a shape the kernel does not take'})")
         sides = sides[1:]
     print(f"{'tokens':>7}{'native':>12}{'xla':>12}")
     for t in tokens:
@@ -93,7 +94,7 @@ def tied_head(cfg, tokens: list[int], rounds: int) -> None:
     import jax
     import jax.numpy as jnp
 
-    from kernels_pallas import native
+    from kernels_pallas.lm_head import cpu as native
 
     v, e = cfg.vocab_size, cfg.hidden_size
     embed = jnp.asarray(np.random.default_rng(1).standard_normal((v, e)) * 0.05, jnp.float32)
@@ -116,7 +117,7 @@ def per_projection(stack, shapes, tokens: list[int], rounds: int, layers: int, d
     import jax
     import jax.numpy as jnp
 
-    from kernels_pallas import native
+    from kernels_pallas.matmul import cpu as native
 
     names: dict[tuple[int, int], list[str]] = {}
     for key, shape in shapes.items():

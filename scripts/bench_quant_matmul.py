@@ -39,7 +39,7 @@ def _variants(dtype):
     import jax
     import jax.numpy as jnp
 
-    from kernels_pallas.reference import from_storage
+    from kernels_pallas.storage import from_storage
 
     def w(p):
         return from_storage(p["q"])
@@ -78,7 +78,7 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
 
     from jaxllm.core.build import resolve_dtype
     from jaxllm.worker.quantization import quantize_weight
-    from kernels_pallas.reference import to_storage
+    from kernels_pallas.storage import to_storage
 
     dtype = resolve_dtype(dtype_name)
     rng = np.random.default_rng(0)

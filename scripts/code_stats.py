@@ -17,7 +17,7 @@ What is counted:
               under jaxllm/, scheduler/ and kernels_pallas/.
   house       README.md lines, ``ModelRunner``'s methods and lines, scheduler/scheduler.py lines, the source
               files (``*.py``, ``*.cc``, ``*.h`` of the three packages) that mention "compress", and the modules
-              that import the C++ driver ``kernels_pallas.native``.
+              that import the C++ driver ``kernels_pallas.cpu_build``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Iterator
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxllm", "scheduler")
 SOURCE_PACKAGES = ("jaxllm", "scheduler", "kernels_pallas")
-NATIVE_DRIVER = "kernels_pallas.native"
+NATIVE_DRIVER = "kernels_pallas.cpu_build"
 LONG_FUNCTION = 100
 # The functions the reviews track, by qualified name and the package that holds them.
 TRACKED = (("jaxllm", "EngineCore.step"), ("scheduler", "Scheduler.schedule"))

@@ -14,9 +14,8 @@ to 16 and to 4 tokens, a 512-token prefill) it times, on the engine's own parame
   again with attention on the ``jnp`` tiles instead of the C++ kernel
   (``use_native=False``);
 - ``xla dots``: the full step again with every projection on XLA's dots
-  instead of the C++ matmul (``jaxllm.models.common.NATIVE_MATMUL_MAX_ROWS``
-  set to 0, which ``native_matmul_max_rows()`` then returns on every CPU; past
-  its AVX2 limit the step takes XLA's dots in every column); the step where
+  instead of the C++ matmul (the ops table's ``PROJECTION_MAX_ROWS`` set to 0
+  on every CPU; past its AVX2 limit the step takes XLA's dots in every column); the step where
   neither kernel can be built is about both differences together.
 
 Block tables hold each row's blocks and the null block after them, as the
@@ -81,7 +80,7 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
 
     from jaxllm.frontend.llm_engine import LLMEngine
     from jaxllm import models
-    from jaxllm.models import common as model_common
+    from kernels_pallas import ops as kernel_ops
     from jaxllm.sample.sampler import SamplingArrays, sample
 
     engine = LLMEngine(model, dtype=dtype, precompile=False, max_model_len=512, max_num_seqs=64,
@@ -140,13 +139,14 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
         if xla:
             tiled = jax.jit(functools.partial(model_step, ops=jnp_decode), donate_argnums=(1,))
             old, (_, runner.kv_cache) = timed(tiled, runner.params, runner.kv_cache, batch, donate=True)
-            rows_limit = model_common.NATIVE_MATMUL_MAX_ROWS
-            model_common.NATIVE_MATMUL_MAX_ROWS = 0  # read when the step below is traced
+            rows_limit = kernel_ops.PROJECTION_MAX_ROWS
+            # Read when the step below is traced: the C++ matmul takes no step.
+            kernel_ops.PROJECTION_MAX_ROWS = {kind: ((frozenset(), 0),) for kind in rows_limit}
             try:
                 dots = jax.jit(functools.partial(model_step, ops=ops), donate_argnums=(1,))
                 xla_dots, (_, runner.kv_cache) = timed(dots, runner.params, runner.kv_cache, batch, donate=True)
             finally:
-                model_common.NATIVE_MATMUL_MAX_ROWS = rows_limit
+                kernel_ops.PROJECTION_MAX_ROWS = rows_limit
             extra = f"{old:>12.1f}{xla_dots:>10.1f}"
         print(f"{name:<30}{full:>9.1f}{without:>14.1f}{full - without:>11.1f}{head:>9.1f}{sampler:>9.1f}{extra}")
         if trace:

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models import forward
-from jaxllm.worker.cpu_features import describe_cpu
 from jaxllm.worker.step_batch import StepBatch
-from kernels_pallas import get_attention_ops
+from kernels_pallas.cpu_features import describe_cpu
+from kernels_pallas.ops import get_attention_ops
 
 TIE_TOL = 1e-4
 # The block size of SingleSequence's cache.

@@ -1,4 +1,4 @@
-"""The tiled jnp attention (``kernels_pallas.xla``) and the decode fast path against the reference.
+"""The tiled jnp attention (``kernels_pallas.attention.xla``) and the decode fast path against the reference.
 
 The class of inputs: any ragged batch -- decode rows and prefill chunks in any
 order, chunks shorter or longer than a tile and not a multiple of it,
@@ -17,8 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import decode_fast_path, paged_attention, ragged_paged_attention, ragged_paged_attention_reference
-from kernels_pallas.xla import ragged_paged_attention_xla
+from kernels_pallas.attention.pallas_decode import paged_attention
+from kernels_pallas.attention.pallas_ragged import ragged_paged_attention
+from kernels_pallas.attention.reference import ragged_paged_attention_reference
+from kernels_pallas.attention.xla import ragged_paged_attention_xla
+from kernels_pallas.ops import decode_fast_path
 from tests.test_kernels_pallas import TOLERANCE, _ragged_batch
 
 SCALE = 0.125

@@ -18,17 +18,14 @@ import pytest
 from jax import export
 from jax.experimental.pallas import triton as plgpu
 
-import kernels_pallas
-from kernels_pallas import (
-    kv_cache_write,
-    kv_cache_write_reference,
-    paged_attention,
-    paged_attention_reference,
-    ragged_paged_attention,
-    ragged_paged_attention_reference,
-)
-from kernels_pallas.decode import _paged_attention
-from kernels_pallas.ragged import _ragged_paged_attention
+from kernels_pallas.attention.pallas_decode import paged_attention
+from kernels_pallas.attention.pallas_ragged import ragged_paged_attention
+from kernels_pallas.attention.reference import paged_attention_reference, ragged_paged_attention_reference
+from kernels_pallas.cache_write.pallas import kv_cache_write
+from kernels_pallas.cache_write.reference import kv_cache_write_reference
+from kernels_pallas.ops import default_attention_backend, get_attention_ops
+from kernels_pallas.attention.pallas_decode import _paged_attention
+from kernels_pallas.attention.pallas_ragged import _ragged_paged_attention
 from tests.helpers import pallas_interpret
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -227,25 +224,25 @@ def test_head_dim_that_is_not_a_power_of_two_is_rejected():
 def test_get_attention_ops_pallas_matches_reference():
     rng = np.random.default_rng(6)
     batch = _ragged_batch(rng, [1, 5], [9, 5], block_size=8, head_dim=64, group=2, dtype=jnp.float32)
-    ops = kernels_pallas.get_attention_ops("pallas", interpret=INTERPRET)
-    expected = kernels_pallas.get_attention_ops("reference").ragged_paged_attention(*batch, scale=0.125)
+    ops = get_attention_ops("pallas", interpret=INTERPRET)
+    expected = get_attention_ops("reference").ragged_paged_attention(*batch, scale=0.125)
     _assert_close(ops.ragged_paged_attention(*batch, scale=0.125), expected, jnp.float32)
 
 
 def test_get_attention_ops_reference_returns_the_references():
-    ops = kernels_pallas.get_attention_ops("reference")
+    ops = get_attention_ops("reference")
     assert ops.ragged_paged_attention is ragged_paged_attention_reference
     assert ops.kv_cache_write is kv_cache_write_reference
 
 
 def test_get_attention_ops_rejects_unknown_backend_naming_the_allowed_ones():
     with pytest.raises(ValueError, match="pallas.*reference"):
-        kernels_pallas.get_attention_ops("triton")
+        get_attention_ops("triton")
 
 
 def test_default_attention_backend_follows_the_jax_backend():
     expected = "pallas" if jax.default_backend() == "gpu" else "xla"
-    assert kernels_pallas.default_attention_backend() == expected
+    assert default_attention_backend() == expected
 
 
 def _lower_for_cuda(fn, *arg_shapes):

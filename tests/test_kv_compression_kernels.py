@@ -16,15 +16,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels_pallas.reference import (
-    KV_QUANT_MAX,
-    CompressedKV,
-    from_storage,
-    gather_blocks,
-    quantize_blocks,
-    ragged_paged_attention_reference,
-)
-from kernels_pallas.xla import ragged_paged_attention_xla
+from kernels_pallas.attention.reference import ragged_paged_attention_reference
+from kernels_pallas.attention.xla import ragged_paged_attention_xla
+from kernels_pallas.storage import KV_QUANT_MAX, CompressedKV, from_storage, gather_blocks, quantize_blocks
 from tests.test_attention_xla import _random_rows
 from tests.test_kernels_pallas import _ragged_batch
 

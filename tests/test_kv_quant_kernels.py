@@ -17,16 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import (
-    kv_cache_write,
-    kv_cache_write_reference,
-    paged_attention,
-    paged_attention_reference,
-    ragged_paged_attention,
-    ragged_paged_attention_reference,
-)
-from kernels_pallas.reference import dequantize_kv, quantize_kv, to_storage
-from kernels_pallas.xla import ragged_paged_attention_xla
+from kernels_pallas.attention.pallas_decode import paged_attention
+from kernels_pallas.attention.pallas_ragged import ragged_paged_attention
+from kernels_pallas.attention.reference import paged_attention_reference, ragged_paged_attention_reference
+from kernels_pallas.cache_write.pallas import kv_cache_write
+from kernels_pallas.cache_write.reference import kv_cache_write_reference
+from kernels_pallas.attention.xla import ragged_paged_attention_xla
+from kernels_pallas.storage import dequantize_kv, quantize_kv, to_storage
 from tests.helpers import pallas_interpret
 from tests.test_kernels_pallas import NUM_KV_HEADS, _lower_for_cuda, _make_tables
 

@@ -152,7 +152,7 @@ def test_layer_scan_does_not_copy_a_one_kv_head_cache_per_layer(tmp_path, backen
     from jaxllm.loader import load_model
     from jaxllm.models import forward
     from jaxllm.worker.step_batch import StepBatch
-    from kernels_pallas import get_attention_ops
+    from kernels_pallas.ops import get_attention_ops
     from tests.hf_models import make_tiny_hf_model
 
     make_tiny_hf_model("llama", tmp_path, num_hidden_layers=4, num_key_value_heads=1)

@@ -1,4 +1,4 @@
-"""The C++ CPU attention kernel (``kernels_pallas.native``) against the reference, and the paths around it.
+"""The C++ CPU attention kernel (``kernels_pallas.attention.cpu``) against the reference, and the paths around it.
 
 The class of inputs: any ragged batch -- decode rows and prefill chunks, contexts of one token, ending
 mid-block or on a block boundary, filling the block table, padding rows and padding tokens -- under every
@@ -25,9 +25,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels_pallas import native
-from kernels_pallas.reference import ragged_paged_attention_reference
-from kernels_pallas.xla import native_applies, ragged_paged_attention_xla, token_rows_and_positions
+from kernels_pallas import cpu_build, cpu_features
+from kernels_pallas.attention import cpu
+from kernels_pallas.attention.reference import ragged_paged_attention_reference
+from kernels_pallas.attention.xla import native_applies, ragged_paged_attention_xla, token_rows_and_positions
 from tests.test_kernels_pallas import _ragged_batch
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -69,7 +70,7 @@ def _rows(rng, q_lens, seq_lens, *, block_size, head_dim, group, kv_heads, dtype
 
 def _native(q, k, v, tables, lens, qsl, num_seqs, **kw):
     row, pos = token_rows_and_positions(qsl, lens, num_seqs, q.shape[0])
-    return native.ragged_paged_attention_cpu(q, k, v, tables, row, pos, scale=SCALE, **kw)
+    return cpu.ragged_paged_attention_cpu(q, k, v, tables, row, pos, scale=SCALE, **kw)
 
 
 def _want(q, k, v, tables, lens, qsl, num_seqs, **kw):
@@ -244,9 +245,9 @@ def test_native_attention_cascades_form_where_rows_share_blocks(name, rows, wind
     # threads (at least the number given, on two or more), and every token as the reference has it.
     rng = np.random.default_rng(len(name))
     args = _prefix_rows(rng, rows, block_size=_BS, head_dim=64, group=3, kv_heads=3, dtype=jnp.float32)
-    before = native.cascade_units_formed()
+    before = cpu.cascade_units_formed()
     got = _native(*args, sliding_window=window)
-    formed = native.cascade_units_formed() - before
+    formed = cpu.cascade_units_formed() - before
     np.testing.assert_allclose(np.asarray(got), _want(*args, sliding_window=window), atol=1e-5, rtol=0)
     if cascades == 0 or (os.cpu_count() or 1) >= 2:
         assert (formed >= cascades) if cascades else (formed == 0), (name, formed)
@@ -323,12 +324,12 @@ def test_native_attention_is_not_taken_where_it_does_not_apply_and_refused_when_
     assert not native_applies(k, 3)  # query heads not a multiple of the KV heads
     row, pos = token_rows_and_positions(qsl, lens, n, q.shape[0])
     with pytest.raises(ValueError, match=r"3 query heads, 2 KV heads, block_size 4; the kernel takes"):
-        native.ragged_paged_attention_cpu(q[:, :3], k, v, tables, row, pos, scale=SCALE)
+        cpu.ragged_paged_attention_cpu(q[:, :3], k, v, tables, row, pos, scale=SCALE)
     with pytest.raises(ValueError, match=r"use_native=True needs .*scales True"):
         ragged_paged_attention_xla(q, k.astype(jnp.int8), v.astype(jnp.int8), tables, lens, qsl, n, scale=SCALE,
                                    k_scale=scales, v_scale=scales, use_native=True)
     with pytest.raises(ValueError, match=r"cache dtypes int8, int8"):
-        native.ragged_paged_attention_cpu(q, k.astype(jnp.int8), v.astype(jnp.int8), tables, row, pos, scale=SCALE)
+        cpu.ragged_paged_attention_cpu(q, k.astype(jnp.int8), v.astype(jnp.int8), tables, row, pos, scale=SCALE)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -352,12 +353,13 @@ def test_native_attention_refuses_a_table_row_or_position_it_would_read_past(bad
     else:
         row = row.at[1].set(2)
     with pytest.raises(Exception, match=message):
-        jax.block_until_ready(native.ragged_paged_attention_cpu(q, k, v, tables, row, pos, scale=SCALE))
+        jax.block_until_ready(cpu.ragged_paged_attention_cpu(q, k, v, tables, row, pos, scale=SCALE))
 
 
 def _probe(env: dict[str, str]) -> str:
-    code = ("from kernels_pallas import native, xla; import jax.numpy as jnp; a = native.available(); "
-            "print(a, native.unavailable_reason(), xla.native_applies(jnp.zeros((1, 1, 1, 1)), 1))")
+    code = ("from kernels_pallas import cpu_build; from kernels_pallas.attention import xla; import jax.numpy as jnp; "
+            "a = cpu_build.available(); "
+            "print(a, cpu_build.unavailable_reason(), xla.native_applies(jnp.zeros((1, 1, 1, 1)), 1))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr
@@ -377,7 +379,7 @@ def test_a_failed_build_or_the_off_switch_leaves_the_jnp_path(tmp_path):
 def test_the_library_is_built_once_per_source_and_reused(tmp_path):
     first = _probe({"JAXLLM_NATIVE_CACHE": str(tmp_path)})
     built = sorted(p.name for p in tmp_path.iterdir())
-    assert first.startswith("True None True") and len(built) == 1 and built[0].startswith("paged_attention_cpu-")
+    assert first.startswith("True None True") and len(built) == 1 and built[0].startswith("jaxllm_cpu-")
     stamp = (tmp_path / built[0]).stat().st_mtime_ns
     assert _probe({"JAXLLM_NATIVE_CACHE": str(tmp_path)}).startswith("True None True")
     assert (tmp_path / built[0]).stat().st_mtime_ns == stamp
@@ -387,13 +389,14 @@ def test_the_library_cache_key_names_the_cpu(tmp_path, monkeypatch):
     # -march=native code built where AVX-512 exists would die of an illegal instruction where it does not: a shared
     # cache directory must never hand one CPU's library to another.
     monkeypatch.setenv("JAXLLM_NATIVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags\t: fpu avx2 avx512f")
-    avx512 = native.library_path("c++")
-    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags\t: fpu avx2")
-    avx2 = native.library_path("c++")
+    monkeypatch.setattr(cpu_features, "flags_line", lambda: "flags\t: fpu avx2 avx512f")
+    avx512 = cpu_build.library_path("c++")
+    monkeypatch.setattr(cpu_features, "flags_line", lambda: "flags\t: fpu avx2")
+    avx2 = cpu_build.library_path("c++")
     assert avx512 != avx2 and avx512.parent == avx2.parent == tmp_path
-    assert native.library_path("c++") == avx2 and native.library_path("clang++") != avx2
+    assert cpu_build.library_path("c++") == avx2 and cpu_build.library_path("clang++") != avx2
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2\n")
     monkeypatch.undo()
-    assert native._cpu_flags(cpuinfo) == "flags\t\t: fpu avx2" and native._cpu_flags(tmp_path / "none") == ""
+    assert cpu_features.flags_line(cpuinfo) == "flags\t\t: fpu avx2"
+    assert cpu_features.flags_line(tmp_path / "none") == ""

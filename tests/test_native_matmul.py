@@ -1,5 +1,5 @@
-"""The C++ CPU matmuls (``kernels_pallas.native.stacked_matmul_cpu``, ``matmul_nt_cpu``) against numpy, and how the
-model step uses them.
+"""The C++ CPU matmuls (``kernels_pallas.matmul.cpu.stacked_matmul_cpu``, ``kernels_pallas.lm_head.cpu.matmul_nt_cpu``)
+against numpy, and how the model step uses them.
 
 The class of inputs: any ``x [M, K] @ w[layer]`` of a stacked ``w [L, K, N]`` -- row counts that fill whole register
 tiles of rows and leave every remainder, inner dims of one element to several chunks of K, column counts of one to
@@ -7,10 +7,10 @@ four vectors per panel and several panels, any layer of the stack; any ``x [M, K
 multiple of 16 -- row counts on both sides of the transposed-panel threshold, column counts that fill whole panels,
 leave a narrower last one or fall short of one dot tile; for both, any count of leading rows to compute (the rest
 zeros), clamped to [0, M]. Around them: their errors, and the model step, which reads every float32 projection
-through the first (no per-layer slice of the weights) up to ``native_matmul_max_rows()`` tokens (by the CPU's
-vector width) and the lm_head of 4 rows or more through either, with the same logits, and every bfloat16 projection
-through the first where the CPU has AVX-512-BF16, as close to the float32 logits as XLA's bfloat16 dots; other
-bfloat16 weights and larger steps keep XLA's dots.
+through the first (no per-layer slice of the weights) up to the ops table's ``projection_max_rows`` tokens (by the
+CPU's vector width) and the lm_head of 4 rows or more through either, with the same logits, and every bfloat16
+projection through the first where the CPU has AVX-512-BF16, as close to the float32 logits as XLA's bfloat16 dots;
+other bfloat16 weights and larger steps keep XLA's dots.
 """
 
 from __future__ import annotations
@@ -23,8 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import native
-from kernels_pallas.reference import to_storage
+from kernels_pallas import cpu_features, ops
+from kernels_pallas.lm_head import cpu as lm_head_cpu
+from kernels_pallas.matmul import cpu as matmul_cpu
+from kernels_pallas.storage import to_storage
+
+# The ops table's row limits with the C++ matmul taking no step: every projection through XLA's dots.
+NO_MATMUL_ROWS = {"float32": ((frozenset(), 0),), "bfloat16": ((frozenset(), 0),)}
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                 reason="no C++ compiler: the kernel cannot be built here")
@@ -48,7 +53,7 @@ def test_stacked_matmul_matches_numpy_on_every_tile_shape():
         for m in [*range(1, 14), 48, 64, 97]:
             x = rng.standard_normal((m, k_dim)).astype(np.float32)
             layer = m % 3
-            got = np.asarray(native.stacked_matmul_cpu(jnp.asarray(x), w, jnp.int32(layer)))
+            got = np.asarray(matmul_cpu.stacked_matmul_cpu(jnp.asarray(x), w, jnp.int32(layer)))
             want = x.astype(np.float64) @ stack[layer].astype(np.float64)
             assert got.dtype == np.float32 and got.shape == (m, n)
             # float32 sums of K products of unit normals: error ~ sqrt(K) * 2^-24 * |terms|.
@@ -74,7 +79,7 @@ def test_bfloat16_stacked_matmul_matches_numpy_on_every_tile_shape():
             given = jnp.asarray(x, jnp.bfloat16) if m % 2 else jnp.asarray(x)
             # The engine's stored layer weights are uint16 bits of bfloat16 (models.loop_storage): the same call.
             stored = stack if m % 4 < 2 else jax.lax.bitcast_convert_type(stack, jnp.uint16)
-            got = np.asarray(native.stacked_matmul_cpu(given, stored, jnp.int32(layer)))
+            got = np.asarray(matmul_cpu.stacked_matmul_cpu(given, stored, jnp.int32(layer)))
             want = _bf16(x) @ np.asarray(stack[layer], np.float64)
             assert got.dtype == np.float32 and got.shape == (m, n)
             # Exact bfloat16 products summed in float32, as in the float32 test.
@@ -101,7 +106,7 @@ def test_long_contractions_go_in_passes_and_few_panels_in_pieces(dtype, k_dim, n
     stack = jnp.asarray(rng.standard_normal((2, k_dim, n)) * 0.1, dtype)
     for m in (7, 24, 49, 97):
         x = (rng.standard_normal((m, k_dim)) * 0.1).astype(np.float32)
-        got = np.asarray(native.stacked_matmul_cpu(jnp.asarray(x, dtype), stack, jnp.int32(1)))
+        got = np.asarray(matmul_cpu.stacked_matmul_cpu(jnp.asarray(x, dtype), stack, jnp.int32(1)))
         want = _bf16(x) @ np.asarray(stack[1], np.float64) if dtype == "bfloat16" else (
             x.astype(np.float64) @ np.asarray(stack[1], np.float64))
         # K products of about 0.01 summed in float32: rounding error about 4e-10 * K; a row of K lost, or a pass
@@ -116,7 +121,7 @@ def test_matmul_nt_takes_a_long_contraction_in_passes():
     w = (rng.standard_normal((200, 6208)) * 0.1).astype(np.float32)
     for m in (8, 24, 97):
         x = (rng.standard_normal((m, 6208)) * 0.1).astype(np.float32)
-        got = np.asarray(native.matmul_nt_cpu(jnp.asarray(x), jnp.asarray(w)))
+        got = np.asarray(lm_head_cpu.matmul_nt_cpu(jnp.asarray(x), jnp.asarray(w)))
         np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), atol=2e-8 * 6208, rtol=0,
                                    err_msg=f"M={m}")
 
@@ -124,21 +129,21 @@ def test_matmul_nt_takes_a_long_contraction_in_passes():
 def test_stacked_matmul_refuses_weights_it_does_not_take_and_a_layer_past_the_stack():
     x = jnp.ones((2, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"w float32 \(2, 8, 40\); expected .* N a multiple of 16"):
-        native.stacked_matmul_cpu(x, jnp.ones((2, 8, 40), jnp.float32), 0)
+        matmul_cpu.stacked_matmul_cpu(x, jnp.ones((2, 8, 40), jnp.float32), 0)
     with pytest.raises(ValueError, match=r"x \(2, 8\), w float32 \(2, 9, 16\)"):
-        native.stacked_matmul_cpu(x, jnp.ones((2, 9, 16), jnp.float32), 0)
+        matmul_cpu.stacked_matmul_cpu(x, jnp.ones((2, 9, 16), jnp.float32), 0)
     for dtype, k_dim in ((jnp.int8, 8), (jnp.float16, 8), (jnp.bfloat16, 7)):  # bfloat16 takes an even K only
         w = jnp.ones((2, k_dim, 16), dtype)
-        assert not native.matmul_supports(w)
+        assert not matmul_cpu.matmul_supports(w)
         with pytest.raises(ValueError, match=rf"w {jnp.dtype(dtype).name} \(2, {k_dim}, 16\); expected .* float32 "
                                              r"or bfloat16 w .* \(K even for bfloat16\)"):
-            native.stacked_matmul_cpu(jnp.ones((2, k_dim), jnp.float32), w, 0)
+            matmul_cpu.stacked_matmul_cpu(jnp.ones((2, k_dim), jnp.float32), w, 0)
     with pytest.raises(Exception, match=r"matmul_bf16_cpu: layer 2 outside \[0, 2\)"):
-        jax.block_until_ready(native.stacked_matmul_cpu(x, jnp.ones((2, 8, 16), jnp.bfloat16), jnp.int32(2)))
+        jax.block_until_ready(matmul_cpu.stacked_matmul_cpu(x, jnp.ones((2, 8, 16), jnp.bfloat16), jnp.int32(2)))
     with pytest.raises(Exception, match=r"matmul_cpu: layer 2 outside \[0, 2\)"):
-        jax.block_until_ready(native.stacked_matmul_cpu(x, jnp.ones((2, 8, 16), jnp.float32), jnp.int32(2)))
+        jax.block_until_ready(matmul_cpu.stacked_matmul_cpu(x, jnp.ones((2, 8, 16), jnp.float32), jnp.int32(2)))
     with pytest.raises(Exception, match=r"matmul_cpu: layer -1 outside \[0, 2\)"):
-        jax.block_until_ready(native.stacked_matmul_cpu(x, jnp.ones((2, 8, 16), jnp.float32), jnp.int32(-1)))
+        jax.block_until_ready(matmul_cpu.stacked_matmul_cpu(x, jnp.ones((2, 8, 16), jnp.float32), jnp.int32(-1)))
 
 
 def test_matmul_nt_matches_numpy_on_every_tile_shape():
@@ -150,7 +155,7 @@ def test_matmul_nt_matches_numpy_on_every_tile_shape():
         w = rng.standard_normal((n, k_dim)).astype(np.float32)
         for m in [*range(1, 14), 48, 97]:
             x = rng.standard_normal((m, k_dim)).astype(np.float32)
-            got = np.asarray(native.matmul_nt_cpu(jnp.asarray(x), jnp.asarray(w)))
+            got = np.asarray(lm_head_cpu.matmul_nt_cpu(jnp.asarray(x), jnp.asarray(w)))
             want = x.astype(np.float64) @ w.T.astype(np.float64)
             assert got.dtype == np.float32 and got.shape == (m, n)
             np.testing.assert_allclose(got, want, atol=2e-6 * k_dim, rtol=0, err_msg=f"M={m} K={k_dim} N={n}")
@@ -160,20 +165,20 @@ def test_packed_panels_hold_the_weight_transposed_and_multiply_as_numpy_on_every
     # The class: any w [N, K] with N a whole number of panels (P columns: 64 with AVX-512, 16 with AVX2) and K a
     # multiple of 16, times x of 1-13, 48 or 97 rows (few-row tiles, whole and partial tiles of 6 rows, pieces of a
     # panel's columns or rows when there are fewer panels than threads to share them), any leading rows computed.
-    p = native.nt_panel_columns()
+    p = lm_head_cpu.nt_panel_columns()
     assert p in (16, 64)
     rng = np.random.default_rng(4)
     for k_dim, n in [(16, p), (48, 3 * p), (576, 4 * p), (64, 9 * p)]:
         w = rng.standard_normal((n, k_dim)).astype(np.float32)
-        panels = native.pack_nt_panels(jnp.asarray(w))
-        assert panels.shape == native.nt_panels_shape(w) == (n // p, k_dim, p)
+        panels = lm_head_cpu.pack_nt_panels(jnp.asarray(w))
+        assert panels.shape == lm_head_cpu.nt_panels_shape(w) == (n // p, k_dim, p)
         np.testing.assert_array_equal(np.asarray(panels), w.reshape(n // p, p, k_dim).transpose(0, 2, 1))
         for m in [*range(1, 14), 48, 97]:
             x = rng.standard_normal((m, k_dim)).astype(np.float32)
             padded = x.copy()
             padded[m - 1] = np.nan  # past the leading rows computed: never read
             for rows, x_in in ((m, x), (m - 1, padded)):
-                got = np.asarray(native.matmul_nt_cpu(jnp.asarray(x_in), jnp.asarray(w), jnp.int32(rows), panels))
+                got = np.asarray(lm_head_cpu.matmul_nt_cpu(jnp.asarray(x_in), jnp.asarray(w), jnp.int32(rows), panels))
                 want = x[:rows].astype(np.float64) @ w.T.astype(np.float64)
                 assert got.dtype == np.float32 and got.shape == (m, n)
                 np.testing.assert_allclose(got[:rows], want, atol=2e-6 * k_dim, rtol=0,
@@ -182,16 +187,16 @@ def test_packed_panels_hold_the_weight_transposed_and_multiply_as_numpy_on_every
 
 
 def test_packed_panels_are_refused_for_a_weight_they_do_not_fit():
-    p = native.nt_panel_columns()
+    p = lm_head_cpu.nt_panel_columns()
     w = jnp.ones((3 * p + 1, 32), jnp.float32)  # a vocabulary that is not whole panels
-    assert native.nt_panels_shape(w) is None
+    assert lm_head_cpu.nt_panels_shape(w) is None
     with pytest.raises(ValueError, match=rf"pack_nt_panels: w float32 \({3 * p + 1}, 32\); expected .* panel"):
-        native.pack_nt_panels(w)
+        lm_head_cpu.pack_nt_panels(w)
     w = jnp.ones((2 * p, 32), jnp.float32)
     x = jnp.ones((4, 32), jnp.float32)
     for bad in (jnp.ones((2, 32, p), jnp.bfloat16), jnp.ones((2, p, 32), jnp.float32), jnp.ones((1, 32, p))):
         with pytest.raises(ValueError, match=rf"matmul_nt_cpu: panels .*; expected float32 \(2, 32, {p}\)"):
-            native.matmul_nt_cpu(x, w, panels=bad)
+            lm_head_cpu.matmul_nt_cpu(x, w, panels=bad)
 
 
 @pytest.mark.parametrize("m", [5, 12, 20])  # the NT kernel packs panels from 8 computed rows (rows 12 and 10 of 20)
@@ -209,11 +214,11 @@ def test_the_matmuls_compute_the_leading_rows_and_zero_the_rest(m):
             x_rows = x
         stack_bf16 = jnp.asarray(stack, jnp.bfloat16)
         for got, x_used, w in (
-                (native.stacked_matmul_cpu(jnp.asarray(x_rows), jnp.asarray(stack), 1, jnp.int32(rows)), x_rows,
+                (matmul_cpu.stacked_matmul_cpu(jnp.asarray(x_rows), jnp.asarray(stack), 1, jnp.int32(rows)), x_rows,
                  stack[1]),
-                (native.stacked_matmul_cpu(jnp.asarray(x_rows), stack_bf16, 1, jnp.int32(rows)), _bf16(x_rows),
+                (matmul_cpu.stacked_matmul_cpu(jnp.asarray(x_rows), stack_bf16, 1, jnp.int32(rows)), _bf16(x_rows),
                  np.asarray(stack_bf16[1], np.float64)),
-                (native.matmul_nt_cpu(jnp.asarray(x_rows), jnp.asarray(w_nt), jnp.int32(rows)), x_rows, w_nt.T)):
+                (lm_head_cpu.matmul_nt_cpu(jnp.asarray(x_rows), jnp.asarray(w_nt), jnp.int32(rows)), x_rows, w_nt.T)):
             got = np.asarray(got)
             want = x_used[:valid].astype(np.float64) @ w.astype(np.float64)
             np.testing.assert_allclose(got[:valid], want, atol=2e-6 * 64, rtol=0, err_msg=f"rows={rows}")
@@ -223,13 +228,13 @@ def test_the_matmuls_compute_the_leading_rows_and_zero_the_rest(m):
 def test_matmul_nt_refuses_weights_it_does_not_take():
     x = jnp.ones((2, 32), jnp.float32)
     with pytest.raises(ValueError, match=r"x \(2, 40\), w float32 \(8, 40\); expected .* K a multiple of 16"):
-        native.matmul_nt_cpu(jnp.ones((2, 40), jnp.float32), jnp.ones((8, 40), jnp.float32))
+        lm_head_cpu.matmul_nt_cpu(jnp.ones((2, 40), jnp.float32), jnp.ones((8, 40), jnp.float32))
     with pytest.raises(ValueError, match=r"x \(2, 32\), w float32 \(8, 48\)"):
-        native.matmul_nt_cpu(x, jnp.ones((8, 48), jnp.float32))
+        lm_head_cpu.matmul_nt_cpu(x, jnp.ones((8, 48), jnp.float32))
     for w in (jnp.ones((8, 32), jnp.bfloat16), jnp.ones((1, 8, 32), jnp.float32), jnp.ones((0, 32), jnp.float32)):
-        assert not native.matmul_nt_supports(w)
+        assert not lm_head_cpu.matmul_nt_supports(w)
         with pytest.raises(ValueError, match=r"matmul_nt_cpu: .* expected x \[M, K\] and float32 w \[N, K\]"):
-            native.matmul_nt_cpu(x, w)
+            lm_head_cpu.matmul_nt_cpu(x, w)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -256,17 +261,17 @@ def test_the_lm_head_of_four_rows_or_more_or_packed_takes_the_kernels_with_xlas_
                                                         h.astype(jnp.bfloat16), cfg=cfg, num_rows=n,
                                                         native_kernels=True))
     assert "jaxllm_matmul" not in head16.lower(hidden, jnp.int32(6)).compile().as_text()
-    # Fewer rows than NATIVE_LM_HEAD_MIN_ROWS: XLA's dot, every row computed.
-    few = hidden[:common.NATIVE_LM_HEAD_MIN_ROWS - 1]
+    # Fewer rows than LM_HEAD_MIN_ROWS: XLA's dot, every row computed.
+    few = hidden[:ops.LM_HEAD_MIN_ROWS - 1]
     assert target not in head.lower(few, jnp.int32(1)).compile().as_text()
     np.testing.assert_allclose(np.asarray(head(few, jnp.int32(1))), want[:len(few)], atol=1e-5, rtol=0)
     # The engine's tied embedding packed (with_head_panels): the packed kernel from one row on, same logits.
     engine_params = common.with_head_panels(params, cfg)
-    assert (common.HEAD_PANELS in engine_params) == tied
+    assert (ops.HEAD_PANELS in engine_params) == tied
     # An embedding past HEAD_PANELS_MAX_BYTES is not copied: the head transposes its panels per call instead.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(common, "HEAD_PANELS_MAX_BYTES", params["embed"].nbytes - 1)
-        assert common.HEAD_PANELS not in common.with_head_panels(params, cfg)
+        patch.setattr(ops, "HEAD_PANELS_MAX_BYTES", params["embed"].nbytes - 1)
+        assert ops.HEAD_PANELS not in common.with_head_panels(params, cfg)
     if tied:
         packed = jax.jit(lambda h, n: common.compute_logits(engine_params, h, cfg=cfg, num_rows=n,
                                                             native_kernels=True))
@@ -279,7 +284,7 @@ def test_the_lm_head_of_four_rows_or_more_or_packed_takes_the_kernels_with_xlas_
 
 def test_dense_forward_keeps_xlas_dots_so_jax_grad_goes_through(tmp_path):
     """The kernels have no derivative: ``dense_forward`` (the differentiable forward, 2 x 6 rows of a float32 tied
-    model, past NATIVE_LM_HEAD_MIN_ROWS) keeps XLA's dots, and its gradient is the finite difference's."""
+    model, past LM_HEAD_MIN_ROWS) keeps XLA's dots, and its gradient is the finite difference's."""
     from jaxllm.loader import load_model
     from jaxllm.models.dense import dense_forward
     from tests.hf_models import make_tiny_hf_model
@@ -322,7 +327,7 @@ def _step(tmp_path, dtype, num_tokens):
 
 def _logits(params, kv, batch, cfg):
     from jaxllm.models import forward
-    from kernels_pallas import get_attention_ops
+    from kernels_pallas.ops import get_attention_ops
 
     jax.clear_caches()  # forward's trace from before a patch would be reused
     run = jax.jit(forward, static_argnames=("cfg", "ops", "all_logits"))
@@ -340,19 +345,20 @@ def test_decode_steps_read_the_stacked_weights_in_place_with_the_same_logits(tmp
         # The layer loop's body calls it once per projection (q, k, v, o, gate, up, down) of the one layer traced.
         assert hlo.count('custom_call_target="jaxllm_matmul_cpu"') == 7
         with monkeypatch.context() as patch:
-            patch.setattr(common, "NATIVE_MATMUL_MAX_ROWS", 0)  # every projection through XLA's dots
+            patch.setattr(ops, "PROJECTION_MAX_ROWS", NO_MATMUL_ROWS)  # every projection through XLA's dots
             xla_logits, hlo = _logits(*step)
         assert "jaxllm_matmul_cpu" not in hlo
         # Both float32, summed in different orders: within the 1e-4 the project holds float32 logits to against HF.
         np.testing.assert_allclose(native_logits, xla_logits, atol=1e-4, rtol=0, err_msg=f"{num_tokens} tokens")
 
 
-@pytest.mark.skipif(not native.has_bf16_pairs(), reason="the bfloat16 kernel is used only with AVX-512-BF16")
+@pytest.mark.skipif("avx512_bf16" not in cpu_features.cpu_flags(),
+                    reason="the bfloat16 kernel is used only with AVX-512-BF16")
 def test_bfloat16_steps_read_the_stacked_weights_in_place_as_close_to_float32_as_xlas_dots(tmp_path, monkeypatch):
     from jaxllm.models import common
 
     # A decode step, and a prefill of several tiles of rows (the row limit lifted for it, with AMX or without).
-    monkeypatch.setattr(common, "native_bf16_matmul_max_rows", lambda: 40)
+    monkeypatch.setitem(ops.PROJECTION_MAX_ROWS, "bfloat16", ((frozenset(), 40),))
     for num_tokens in (3, 40):
         exact, _ = _logits(*_step(tmp_path, np.float32, num_tokens))
         step = _step(tmp_path, jnp.bfloat16, num_tokens)
@@ -363,7 +369,7 @@ def test_bfloat16_steps_read_the_stacked_weights_in_place_as_close_to_float32_as
         assert hlo.count('custom_call_target="jaxllm_matmul_bf16_cpu"') == 7
         np.testing.assert_array_equal(stored_logits, native_logits)
         with monkeypatch.context() as patch:
-            patch.setattr(common, "NATIVE_MATMUL_MAX_ROWS", 0)
+            patch.setattr(ops, "PROJECTION_MAX_ROWS", NO_MATMUL_ROWS)
             xla_logits, hlo = _logits(*step)
         assert "jaxllm_matmul_bf16_cpu" not in hlo
         # Both round every projection's output to bfloat16 (sums in different orders): the kernel's distance to the
@@ -380,35 +386,35 @@ def test_the_vector_flags_are_read_from_the_first_cpu(tmp_path):
     amd.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
     intel.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
     neither.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512fx avx512_bf16x amx_bf16x\n")
-    assert [native.has_bf16_pairs(p) for p in (amd, intel, neither)] == [True, True, False]
-    assert [native.has_amx_tiles(p) for p in (amd, intel, neither)] == [False, True, False]
-    assert [native.has_avx512(p) for p in (amd, intel, neither)] == [True, True, False]
-    assert not any(reader(tmp_path / "missing") for reader in (native.has_amx_tiles, native.has_bf16_pairs,
-                                                               native.has_avx512))
+    flags = [cpu_features.cpu_flags(p) for p in (amd, intel, neither)]
+    assert ["avx512_bf16" in f for f in flags] == [True, True, False]
+    assert ["amx_bf16" in f for f in flags] == [False, True, False]
+    assert ["avx512f" in f for f in flags] == [True, True, False]
+    assert cpu_features.cpu_flags(tmp_path / "missing") == frozenset()
 
 
 def test_bfloat16_weights_without_avx512_bf16_and_steps_past_the_row_limit_keep_xlas_dots(tmp_path, monkeypatch):
-    from jaxllm.models import common
+    def cpu_with(*names):
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(names))
+        return frozenset(names)
 
-    monkeypatch.setattr(native, "has_bf16_pairs", lambda: False)
-    assert common.native_bf16_matmul_max_rows() == 0
+    assert ops.projection_max_rows(jnp.bfloat16, cpu_with("avx2", "avx512f")) == 0
     _, hlo = _logits(*_step(tmp_path, jnp.bfloat16, 5))
     assert "jaxllm_matmul" not in hlo.replace("jaxllm_matmul_nt_cpu", "")
     wq = _step(tmp_path, np.float32, 5)[0]["layers"]["wq"]
     for stored in (wq.astype(jnp.bfloat16), to_storage(wq.astype(jnp.bfloat16), jnp.uint16)):
-        assert not common.native_matmul_applies(jnp.zeros((1, 64)), stored)
-    monkeypatch.setattr(native, "has_bf16_pairs", lambda: True)
-    # AVX-512-BF16: 4 rows where XLA's dots have AMX tiles, 128 without (common's measurements).
+        assert ops.matmul_backend(jnp.zeros((1, 64)), stored) == "xla"
+    # AVX-512-BF16: 4 rows where XLA's dots have AMX tiles, 128 without (the table's measurements).
     for amx, bf16_limit in ((True, 4), (False, 128)):
-        monkeypatch.setattr(native, "has_amx_tiles", lambda amx=amx: amx)
-        assert common.native_bf16_matmul_max_rows() == bf16_limit
+        flags = cpu_with("avx2", "avx512f", "avx512_bf16", *(("amx_bf16",) if amx else ()))
+        assert ops.projection_max_rows(jnp.bfloat16, flags) == bf16_limit
         for stored in (wq.astype(jnp.bfloat16), to_storage(wq.astype(jnp.bfloat16), jnp.uint16)):
-            assert common.native_matmul_applies(jnp.zeros((bf16_limit, 64)), stored)
-            assert not common.native_matmul_applies(jnp.zeros((bf16_limit + 1, 64)), stored)
-    # float32: 512 rows with AVX-512, 192 on AVX2 (common's measurements).
+            assert ops.matmul_backend(jnp.zeros((bf16_limit, 64)), stored) == "cpu"
+            assert ops.matmul_backend(jnp.zeros((bf16_limit + 1, 64)), stored) == "xla"
+    # float32: 512 rows with AVX-512, 192 on AVX2 (the table's measurements).
     for avx512, limit in ((True, 512), (False, 192)):
-        monkeypatch.setattr(native, "has_avx512", lambda avx512=avx512: avx512)
-        assert common.native_matmul_max_rows() == limit
-        assert common.native_matmul_applies(jnp.zeros((limit, 64)), wq)
-        assert not common.native_matmul_applies(jnp.zeros((limit + 1, 64)), wq)
-    assert not common.native_matmul_applies(jnp.zeros((4, 64)), jnp.zeros((3, 64, 40)))  # N not a multiple of 16
+        flags = cpu_with("avx2", *(("avx512f",) if avx512 else ()))
+        assert ops.projection_max_rows(jnp.float32, flags) == limit
+        assert ops.matmul_backend(jnp.zeros((limit, 64)), wq) == "cpu"
+        assert ops.matmul_backend(jnp.zeros((limit + 1, 64)), wq) == "xla"
+    assert ops.matmul_backend(jnp.zeros((4, 64)), jnp.zeros((3, 64, 40))) == "xla"  # N not a multiple of 16

@@ -10,7 +10,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.loader import load_model
 from jaxllm.loader.orbax import is_orbax_checkpoint, save_checkpoint
-from kernels_pallas.reference import from_storage
+from kernels_pallas.storage import from_storage
 from scripts.convert_checkpoint import convert
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

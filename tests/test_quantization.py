@@ -35,7 +35,7 @@ from jaxllm.worker.quantization import (
     quantize_weight,
 )
 from jaxllm.worker.sharding import ModelSharding, make_mesh
-from kernels_pallas import get_attention_ops
+from kernels_pallas.ops import get_attention_ops
 from tests.test_model_parity import TOL, SingleSequence
 
 torch = pytest.importorskip("torch")

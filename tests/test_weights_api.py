@@ -17,8 +17,10 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.core.messages import flatten, unflatten
 from jaxllm.frontend.front_end import EngineSleepingError
 from jaxllm.loader import load_model
-from jaxllm.models import HEAD_PANELS, param_layout
-from kernels_pallas import native
+from jaxllm.models import param_layout
+from kernels_pallas import cpu_build
+from kernels_pallas.lm_head.cpu import pack_nt_panels
+from kernels_pallas.ops import HEAD_PANELS
 from tests.conftest import STORIES, STORIES_SENTENCE
 
 # One step program (16 tokens, 4 rows), built on first use: once a test has stepped, the count of programs is
@@ -201,10 +203,10 @@ def test_an_update_holds_at_most_one_leaf_more_and_lets_the_old_weights_go(resto
     assert _live_bytes() == before
 
 
-@pytest.mark.skipif(not native.available(), reason="the lm_head's panels are for the native kernels")
+@pytest.mark.skipif(not cpu_build.available(), reason="the lm_head's panels are for the native kernels")
 def test_an_update_of_the_tied_embedding_packs_the_lm_heads_panels_again(restored, host, reference):
     runner = restored.engine.runner
-    pack = jax.jit(native.pack_nt_panels)
+    pack = jax.jit(pack_nt_panels)
     # stories260K ties its [512, 64] float32 embedding: the engine holds it packed for the lm_head too.
     np.testing.assert_array_equal(np.asarray(runner.params[HEAD_PANELS]), np.asarray(pack(host["embed"])))
     compiled = runner.num_compilations

@@ -19,14 +19,13 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.engine_core import EngineCore
 from jaxllm.loader import load_sharded, read_model_config
 from jaxllm.logger import init_logger
-from jaxllm.models import HEAD_PANELS
+from jaxllm.models import param_layout
 from jaxllm.models.config import ModelConfig
 from jaxllm.paths import cache_dir
 from jaxllm.spec_decode import NgramProposer
 from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.tokenizer import load_tokenizer
-from jaxllm.worker.cpu_features import describe_cpu
 from jaxllm.worker.host_malloc import tune_host_malloc
 from jaxllm.worker.kv_cache import (KV_QUANT_DTYPES, bytes_per_block, calibrate_kv_scales, calibration_ids,
                                     fit_max_model_len, kv_number_dtype, resolve_num_blocks, split_kv_budget)
@@ -34,8 +33,8 @@ from jaxllm.worker.model_runner import ModelRunner, enable_persistent_compilatio
 from jaxllm.worker.quantization import weight_quantization
 from jaxllm.worker.sharding import ModelSharding, make_mesh
 from jaxllm.worker.weights import flatten, layout_of, place_leaf, prepare_params, unflatten
-from jaxllm.models import param_layout
-from kernels_pallas import AttentionOps, default_attention_backend, get_attention_ops
+from kernels_pallas.cpu_features import describe_cpu
+from kernels_pallas.ops import HEAD_PANELS, AttentionOps, default_attention_backend, get_attention_ops
 from scheduler import BucketTable
 
 logger = init_logger(__name__)
@@ -47,7 +46,7 @@ def resolve_dtype(name: str) -> Any:
     names map directly (numpy / ml_dtypes types).
 
     On CPU float32 is exact against HF and measured at least as fast as bfloat16 whatever the instruction sets
-    (``worker.cpu_features``): without AVX-512-BF16 bfloat16 was slower (51.6 against 60.5 output tok/s on an
+    (``kernels_pallas.cpu_features``): without AVX-512-BF16 bfloat16 was slower (51.6 against 60.5 output tok/s on an
     AVX2 EPYC, issue 28), and with it the two were within noise (SmolLM2-135M, ``scripts/profile_step.py``:
     48-row decode 120 against 116 ms, 512-token prefill 340 against 362 ms, 2026-12-01)."""
     if name == "auto":

@@ -117,7 +117,7 @@ class EngineCore:
         as given or built from them. model_config, buckets, num_blocks, dtype: the runner's.
       requests: the record of each request by its id (``jaxllm.core.requests.CoreRequest``).
       param_bytes: ``jaxllm.worker.quantization.param_bytes`` of the parameters on the devices (the lm_head's
-        packed embedding, ``models.HEAD_PANELS``, included).
+        packed embedding, ``kernels_pallas.ops.HEAD_PANELS``, included).
       kv_events: the ``jaxllm.core.kv_events.ZmqEventPublisher`` of ``kv_events_config``, or None.
     """
 

@@ -27,13 +27,13 @@ import numpy as np
 
 from jaxllm import registry
 from jaxllm.models import gemma3, llama, mixtral, phi3, qwen3_moe
-from jaxllm.models.common import HEAD_PANELS, Family, KVCache, LayerContext, Params, compute_logits, loop_storage
+from jaxllm.models.common import Family, KVCache, LayerContext, Params, compute_logits, loop_storage
 from jaxllm.models.common import with_head_panels
 from jaxllm.models.common import hidden_states as _hidden_states
 from jaxllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxllm.models.dense import dense_forward
 from jaxllm.models.layout import layout_table, leaf_layout
-from kernels_pallas import AttentionOps
+from kernels_pallas.ops import AttentionOps
 
 if TYPE_CHECKING:
     from jaxllm.worker.step_batch import StepBatch
@@ -49,7 +49,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": qwen3_moe.FAMILY,
 }
 
-__all__ = ["FAMILIES", "HEAD_PANELS", "AttentionOps", "Family", "KVCache", "LayerContext", "Params",
+__all__ = ["FAMILIES", "AttentionOps", "Family", "KVCache", "LayerContext", "Params",
            "compute_logits", "dense_forward", "family", "forward", "hidden_states", "layout_table", "loop_storage",
            "param_layout", "register_model", "with_head_panels"]
 
@@ -169,7 +169,7 @@ def forward(
 ) -> tuple[jax.Array, KVCache]:
     """One model step: :func:`hidden_states`, then :func:`compute_logits` of
     the rows at ``batch.logits_indices: int32[S]`` (on the CPU, both on the
-    native kernels where they apply, which have no derivative:
+    C++ kernels where the ops table picks them, which have no derivative:
     ``dense_forward`` is the differentiable forward).
 
     Args:

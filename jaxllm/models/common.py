@@ -7,7 +7,7 @@ embeds tokens, what one layer computes from these pieces, and its final norm.
 :func:`hidden_states` runs any of them over a ragged batch of new tokens
 (prefill chunks and decode rows concatenated): each layer writes its K/V into
 the paged cache through ``slot_mapping`` and attends over ``block_tables``
-(``kernels_pallas.reference`` states the attention semantics).
+(``kernels_pallas.attention.reference`` states the attention semantics).
 
 Parameter pytree (dense weights stored ``[in, out]`` so that ``x @ w``; every
 layer leaf stacked on a leading ``L = num_layers`` axis; which layer keys a
@@ -27,7 +27,7 @@ to the attention ops.
 
 KV cache: ``(k_cache, v_cache)``, each ``[L, num_blocks, block_size,
 num_kv_heads, head_dim]``. Beside it, optionally, the pool of compressed blocks
-(``kernels_pallas.reference.CompressedKV``, each array with a leading ``L``):
+(``kernels_pallas.storage.CompressedKV``, each array with a leading ``L``):
 block-table ids ``>= num_blocks`` name its blocks (``num_blocks + slot``), and
 each layer's ids are offset into the flattened pool as into the cache.
 
@@ -36,7 +36,7 @@ read layer ``l``'s weights by index from the stacked leaves, so a step traces,
 lowers and compiles one layer per distinct kind of layer however deep the
 model is (:func:`layer_plan`). Layer leaves and caches may be held as uint16
 bit patterns of bfloat16, uint8 ones of float8 (:func:`loop_storage`; why in
-``kernels_pallas.reference``). Inside the scan the caches are viewed as
+``kernels_pallas.storage``). Inside the scan the caches are viewed as
 ``[L * num_blocks, block_size, num_kv_heads * head_dim]`` and layer ``l``
 addresses its blocks as ``l * num_blocks + block``: the attention ops see one
 ordinary paged cache (:meth:`LayerContext.attend` gives them its 4-d view)
@@ -45,18 +45,9 @@ the blocks they need and write in place. The scan carries no unit KV-head
 axis: with one KV head (Gemma 3 270M), XLA's CPU layout assignment would move
 it and copy the whole cache on every layer.
 
-Reading layer ``l``'s weights by index is a dynamic-slice, which XLA's CPU
-backend copies on every step before its dots read the copy again. So each
-layer dict inside the scan also holds, under :data:`STACKED`, the stacked
-leaves, the index and the step's token count, and :func:`project` hands the float32 weights of steps
-of at most :func:`native_matmul_max_rows` tokens on a one-device CPU backend (bfloat16 ones up to
-:func:`native_bf16_matmul_max_rows`, by the CPU's bfloat16 instructions)
-to ``kernels_pallas.native.stacked_matmul_cpu``, which reads the stacked
-weight in place (``scripts/profile_step.py`` has the profile). Each call
-computes only the step's tokens (the leading rows of its bucket), and
-:func:`compute_logits` (``native_kernels=True``, the model step's head) runs a float32
-lm_head of 4 rows or more on the native kernels too (a tied embedding the engine holds packed,
-:data:`HEAD_PANELS`, from one row), for the step's sequences only.
+Every kernel is reached through the ops table (``kernels_pallas.ops``), which picks its backend: a layer's
+projections (:func:`project`) may read their weights in place from the stacked leaves on the CPU, and the model
+step's logits (:func:`compute_logits`) may run on the CPU kernel, for the step's real rows only.
 """
 
 from __future__ import annotations
@@ -70,8 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.config import ModelConfig, RopeConfig
-from kernels_pallas import AttentionOps, native
-from kernels_pallas.reference import BITS_STORAGE, CompressedKV, from_storage, to_storage
+from kernels_pallas.ops import (BITS_STORAGE, AttentionOps, CompressedKV, from_storage, layer_matmul, lm_head,
+                                lm_head_panels, to_storage, with_lm_head_panels, with_stacked_weights)
 
 if TYPE_CHECKING:
     from jaxllm.worker.step_batch import StepBatch
@@ -107,10 +98,9 @@ def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
            scale: Optional[jax.Array] = None) -> jax.Array:
     """``x @ w (+ b)`` accumulated in float32, returned in x's dtype.
 
-    For bfloat16 weights this is both closer to HF (whose matmuls accumulate
-    in float32) and faster on XLA's CPU backend, whose bf16-in/f32-out dots
-    run about twice as fast as bf16-in/bf16-out ones (issue 12's profile).
-    A quantized ``w`` comes with its ``scale`` (:func:`dot_f32`).
+    For bfloat16 weights this is both closer to HF (whose matmuls accumulate in float32) and faster on XLA's CPU
+    backend, whose bf16-in/f32-out dots run faster than bf16-in/bf16-out ones. A quantized ``w`` comes with its
+    ``scale`` (:func:`dot_f32`).
     """
     y = dot_f32(x, w, scale)
     if b is not None:
@@ -118,80 +108,19 @@ def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
     return y.astype(x.dtype)
 
 
-# The key of a scanned layer's dict that holds (the stacked layer leaves, the layer index, the step's token count).
-STACKED = "_stacked"
-# Steps of at most this many tokens take the native matmul: measured faster than XLA's dots plus the slice copies
-# from 1 to 512 rows (30 layers of SmolLM2-135M, float32: 28 -> 8 ms at 1 row, 52 -> 35 ms at 48, 283 -> 260 ms at
-# 512, an AVX-512 EPYC; 36 -> 22, 99 -> 70 and 466 -> 471 ms on an Intel Xeon with AMX); larger steps keep XLA's
-# dots, unmeasured past that. Without AVX-512 (the kernel's tiles of 6 rows by 16 columns on AVX2) it keeps up to
-# 192, kernel / XLA: 17 / 25 ms at 1 row, 45 / 50 at 16, 75 / 96 at 48, 176-240 / 192-229 at 128, 262-301 /
-# 280-336 at 192, then 359-421 / 368-398 at 256 and 700 / 647 at 512 (scripts/bench_matmul.py, runs of one
-# session, an AMD EPYC with AVX2 only, Zen 3, 2 cores: XLA's dots vary by up to 2x between runs there).
-NATIVE_MATMUL_MAX_ROWS = 512
-NATIVE_MATMUL_MAX_ROWS_AVX2 = 192
-# The same for bfloat16 weights (as the engine stores them, uint16 bits), by what the CPU has: XLA's bfloat16 dots
-# run on AMX tiles where the CPU has them, and the kernel's gain is then the slice copy it saves and the padding
-# rows it skips. 30 layers of SmolLM2-135M on an Intel Xeon with AMX, kernel against XLA: 16.9 against 31.3 ms at
-# 1 row, 30.0 / 26.5 at 4, 33.5 / 28.4 at 16, 72.9 / 36.9 at 48: so only the smallest bucket (4 tokens: a decode
-# step of 1-4 sequences, which computes its real rows only). Without AMX (an AMD EPYC with AVX-512-BF16, 2 cores,
-# scripts/bench_matmul.py, every row computed on both sides) XLA's dots and the kernel's vdpbf16ps tiles run at
-# about the same rate and the kernel keeps the copy it saves up to 128 rows: 14.6 / 19.9 ms at 4 rows, 29.1 / 28.9
-# at 16, 42.7 / 46.7 at 48, 46.3 / 54.5 at 64, 82.5 / 84.5 at 128, then 117.8 / 114.1 at 192, 332.8 / 311.1 at 512.
-NATIVE_BF16_MATMUL_MAX_ROWS_AMX = 4
-NATIVE_BF16_MATMUL_MAX_ROWS = 128
-
-
-def native_matmul_max_rows() -> int:
-    """The most rows (tokens) of a step whose float32 projections :func:`project` hands to the native kernel:
-    :data:`NATIVE_MATMUL_MAX_ROWS`, or :data:`NATIVE_MATMUL_MAX_ROWS_AVX2` where lower and the CPU lacks AVX-512
-    (``native.has_avx512``, read from ``/proc/cpuinfo`` once per process). The limits are the crossovers measured
-    with ``scripts/bench_matmul.py`` (the comment above). Raises nothing: a CPU without the file counts as AVX2."""
-    if native.has_avx512():
-        return NATIVE_MATMUL_MAX_ROWS
-    return min(NATIVE_MATMUL_MAX_ROWS, NATIVE_MATMUL_MAX_ROWS_AVX2)
-
-
-def native_bf16_matmul_max_rows() -> int:
-    """The most rows (tokens) of a step whose bfloat16 projections :func:`project` hands to the native kernel:
-    :data:`NATIVE_BF16_MATMUL_MAX_ROWS_AMX` where the CPU has AMX (``native.has_amx_tiles``),
-    :data:`NATIVE_BF16_MATMUL_MAX_ROWS` where it has AVX-512-BF16 without AMX (``native.has_bf16_pairs``), 0
-    elsewhere (the kernel would convert every weight to float32 as it reads it, unmeasured against XLA's dots).
-    The limits are the crossovers measured with ``scripts/bench_matmul.py`` (the comment above); the flags are
-    read from ``/proc/cpuinfo`` once per process. Raises nothing: a CPU without the file counts as neither."""
-    if not native.has_bf16_pairs():
-        return 0
-    return NATIVE_BF16_MATMUL_MAX_ROWS_AMX if native.has_amx_tiles() else NATIVE_BF16_MATMUL_MAX_ROWS
-
-
-def native_matmul_applies(x: jax.Array, stacked_w: jax.Array) -> bool:
-    """Whether :func:`project` computes ``x @ w`` with ``native.stacked_matmul_cpu``: on XLA's CPU backend with
-    one device (a sharded weight would need the custom call partitioned), at most
-    :func:`native_matmul_max_rows` rows of x, a stacked weight the kernel takes (``native.matmul_supports``), once
-    the kernel is built. A bfloat16 weight (or its uint16 bits, as the engine stores them on CPU:
-    :func:`loop_storage`) at most :func:`native_bf16_matmul_max_rows` rows (none without AVX-512-BF16)."""
-    if stacked_w.dtype in (jnp.bfloat16, jnp.uint16) and x.shape[0] > native_bf16_matmul_max_rows():
-        return False
-    return (jax.default_backend() == "cpu" and jax.device_count() == 1 and x.shape[0] <= native_matmul_max_rows()
-            and native.matmul_supports(stacked_w) and native.available())
-
-
 def project(layer: dict[str, jax.Array], key: str, x: jax.Array, bias: Optional[str] = None) -> jax.Array:
     """``linear`` through ``layer[key]``, its ``key + "_scale"`` when quantized and the
     ``bias`` leaf when the layer has it. x: [T, in] -> [T, out] in x's dtype.
 
-    Inside the layer scan (``layer[STACKED]`` set) an unquantized weight where :func:`native_matmul_applies` is
-    read in place from the stacked leaf instead of the sliced ``layer[key]``, and only the step's tokens (the
-    leading rows of x) are computed: the padding rows of its bucket come out zeros (then the bias)."""
+    An unquantized weight goes through the ops table's ``layer_matmul``, which inside the layer scan may read it
+    in place from the stacked leaf and compute only the step's tokens (the padding rows of its bucket come out
+    zeros, then the bias)."""
     b = layer.get(bias) if bias else None
     scale = layer.get(key + "_scale")
-    if STACKED in layer and scale is None:
-        stacked, index, num_tokens = layer[STACKED]
-        if native_matmul_applies(x, stacked[key]):
-            y = native.stacked_matmul_cpu(x, stacked[key], index, num_tokens)
-            if b is not None:
-                y = y + b.astype(jnp.float32)
-            return y.astype(x.dtype)
-    return linear(x, layer[key], b, scale)
+    y = layer_matmul(layer, key, x) if scale is None else dot_f32(x, layer[key], scale)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -417,7 +346,7 @@ def loop_storage(params: Params) -> Params:
 
     For XLA's CPU backend, which would otherwise convert every bfloat16 (or
     float8) weight the layer scan reads to float32 and back on every step (see
-    ``kernels_pallas.reference``); :func:`hidden_states` bit-casts them back
+    ``kernels_pallas.storage``); :func:`hidden_states` bit-casts them back
     per layer. Same bytes, same sharding.
     """
     bits = jax.jit(lambda a: to_storage(a, BITS_STORAGE[a.dtype]))
@@ -511,8 +440,8 @@ def hidden_states(
 
             def step(carry, index, window=window, cos=cos, sin=sin):
                 x, k_flat, v_flat = carry
-                layer = jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers)
-                layer[STACKED] = (layers, index, num_tokens)  # slices project() does not read are dropped by XLA
+                layer = with_stacked_weights(jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers),
+                                             layers, index, num_tokens)
                 first_block = index * num_blocks
                 tables = batch.block_tables + first_block
                 if pool is not None:
@@ -540,56 +469,15 @@ def hidden_states(
     return x, (k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape))
 
 
-# The lm_head takes the native kernels from this many rows: below it XLA's dot streams the embedding faster than
-# the kernel's tiles (1 row: 2.2 against 3.2 ms, SmolLM2's [49152, 576] float32 embedding, 2 AVX-512 cores).
-NATIVE_LM_HEAD_MIN_ROWS = 4
-
-
-def native_lm_head_applies(hidden: jax.Array, weight: jax.Array, tied: bool, packed: bool = False) -> bool:
-    """Whether :func:`compute_logits` (with ``native_kernels=True``) runs the lm_head on the native kernels: on
-    XLA's CPU backend with one device, at least :data:`NATIVE_LM_HEAD_MIN_ROWS` rows (any number with ``packed``,
-    the tied embedding's :data:`HEAD_PANELS`), a float32 weight the kernel takes (the tied embedding [V, E] through
-    ``native.matmul_nt_cpu``, an lm_head [E, V] through ``native.stacked_matmul_cpu``), once the kernels are
-    built."""
-    # Untied: as the one layer of a stack, [1, E, V] (a shape only: nothing is computed to ask).
-    # float32 only: the stacked kernel also takes bfloat16, which XLA's dots beat from 4 rows on AMX (see
-    # native_bf16_matmul_max_rows), and a tied head would need a bfloat16 matmul_nt_cpu, which there is not.
-    supported = weight.dtype == jnp.float32 and (
-        native.matmul_nt_supports(weight) if tied
-        else native.matmul_supports(jax.ShapeDtypeStruct((1, *weight.shape), weight.dtype)))
-    enough_rows = packed or hidden.shape[0] >= NATIVE_LM_HEAD_MIN_ROWS
-    return (jax.default_backend() == "cpu" and jax.device_count() == 1 and enough_rows and supported
-            and native.available())
-
-
-# The engine's copy of a tied float32 embedding [V, E] as the lm_head's kernel reads it
-# (``native.pack_nt_panels``): the kernel otherwise transposes each panel of it on every step. SmolLM2's
-# [49152, 576] embedding alone, 2 AMD Zen 4 cores (interleaved, best of 15): 1 row 5.7 -> 3.9 ms (XLA's dot 3.9),
-# 8 rows 7.0 -> 3.8, 16 rows 9.2 -> 6.0, 48 rows 16.3 -> 14.0, 192 rows 69 -> 67.
-HEAD_PANELS = "embed_panels"
-# The largest embedding packed so (bytes): the copy holds it twice. gemma3-270m's [262144, 640] float32 embedding,
-# 640 MiB, would gain the most (8 rows 39.1 -> 20.4 ms) but makes the model half as large again, and with it the
-# test suite's worker running gemma3-270m beside its CLI in a subprocess was killed for memory on a 24 GiB machine.
-HEAD_PANELS_MAX_BYTES = 256 * 2**20
-
-
 def with_head_panels(params: Params, cfg: ModelConfig) -> Params:
-    """``params`` with :data:`HEAD_PANELS` added where the engine's lm_head is the tied embedding and the native
-    kernels take it packed: ``params["embed"]`` float32 [V, E] of at most :data:`HEAD_PANELS_MAX_BYTES`, V a
-    multiple of the kernels' panel width P and E of 16 (``native.nt_panels_shape``), on one CPU device; else
-    ``params`` itself (the same dict). The panels are ``native.pack_nt_panels`` of the embedding, float32
-    [V / P, E, P], as much memory again; :func:`compute_logits` (``native_kernels=True``) reads them in place of the
-    embedding, and a new embedding needs them packed again (the engine's ``ModelRunner.set_param`` does). Raises
-    nothing."""
+    """``params`` prepared for the engine's lm_head: where it is the tied embedding (unquantized), the ops table's
+    ``with_lm_head_panels`` adds the embedding packed for the CPU kernel where that kernel takes it; else
+    ``params`` itself (the same dict). A new embedding needs them packed again (the engine's
+    ``ModelRunner.set_param`` does). Raises nothing."""
     embed = params.get("embed")
-    # nt_panels_shape is None unless the embedding is float32 with whole panels and the kernels are built.
-    applies = (cfg.tie_word_embeddings and embed is not None and "lm_head_scale" not in params
-               and embed.nbytes <= HEAD_PANELS_MAX_BYTES and jax.default_backend() == "cpu"
-               and jax.device_count() == 1 and native.nt_panels_shape(embed) is not None)
-    return {**params, HEAD_PANELS: _pack_panels(embed)} if applies else params
-
-
-_pack_panels = jax.jit(native.pack_nt_panels)
+    if not cfg.tie_word_embeddings or embed is None or "lm_head_scale" in params:
+        return params
+    return with_lm_head_panels(params, embed)
 
 
 def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig, num_rows: Optional[jax.Array] = None,
@@ -599,32 +487,22 @@ def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig, num_r
     (``cap * tanh(logits / cap)``) when ``cfg.final_logit_softcap`` is set.
 
     ``native_kernels``: the model step's head (``models.forward``, the engine's
-    step) takes the C++ kernels where :func:`native_lm_head_applies`; they
-    have no derivative, so the default (``dense_forward``, which ``jax.grad``
-    goes through) keeps XLA's dots. ``num_rows`` (int32 [], or None for all
+    step) lets the ops table's ``lm_head`` pick the C++ kernel; it has no
+    derivative, so the default (``dense_forward``, which ``jax.grad`` goes
+    through) keeps XLA's dots. ``num_rows`` (int32 [], or None for all
     N): the leading rows that are real (a step's sequences; the rest pad its
-    bucket); on the kernels only those are computed and the others are
-    zeros, elsewhere every row is computed.
-
-    On the kernels a tied embedding is read from ``params[HEAD_PANELS]`` where the engine added them
-    (:func:`with_head_panels`).
-
-    The tied embedding ``[V, E]`` is contracted on its second axis directly:
-    ``hidden @ embed.T`` would make XLA's CPU backend transpose the whole
-    table in bfloat16 on every step (5x slower there). A quantized untied
-    lm_head goes through :func:`dot_f32` with its ``lm_head_scale``.
+    bucket); on the kernel only those are computed and the others are
+    zeros, elsewhere every row is computed. A tied embedding packed by
+    :func:`with_head_panels` is read in place of the embedding. A quantized
+    untied lm_head goes through :func:`dot_f32` with its ``lm_head_scale``.
     """
     tied = cfg.tie_word_embeddings
-    weight = params["embed"] if tied else params["lm_head"]
-    panels = params.get(HEAD_PANELS) if tied else None
-    if native_kernels and "lm_head_scale" not in params and native_lm_head_applies(hidden, weight, tied,
-                                                                                   panels is not None):
-        logits = (native.matmul_nt_cpu(hidden, weight, num_rows, panels) if tied
-                  else native.stacked_matmul_cpu(hidden, weight[None], 0, num_rows))
-    elif tied:
-        logits = jax.lax.dot_general(hidden, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if not tied and "lm_head_scale" in params:
+        logits = dot_f32(hidden, params["lm_head"], params["lm_head_scale"])
     else:
-        logits = dot_f32(hidden, weight, params.get("lm_head_scale"))
+        weight = params["embed"] if tied else params["lm_head"]
+        logits = lm_head(hidden, weight, tied=tied, rows=num_rows, panels=lm_head_panels(params) if tied else None,
+                         kernels=native_kernels and "lm_head_scale" not in params)
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits

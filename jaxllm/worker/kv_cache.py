@@ -7,7 +7,7 @@ the null block that padded token slots write into; the scheduler never hands
 it out.
 
 KV caches (``LLM(kv_cache_dtype="int8" | "fp8_e4m3")``). One float32 scale
-per layer and KV head, for K and for V (``kernels_pallas.reference`` states
+per layer and KV head, for K and for V (``kernels_pallas.storage`` states
 how the write and attention use them). They are calibrated when the engine
 starts, by :func:`calibrate_kv_scales`: one forward pass over
 :data:`CALIBRATION_TEXT` with a float32 cache gives each head's largest
@@ -33,7 +33,7 @@ from jaxllm.models import hidden_states
 from jaxllm.models.common import KVCache, Params
 from jaxllm.models.config import ModelConfig
 from jaxllm.worker.step_batch import StepBatch
-from kernels_pallas.reference import KV_QUANT_MAX
+from kernels_pallas.storage import KV_QUANT_MAX
 
 if TYPE_CHECKING:
     from jaxllm.worker.sharding import ModelSharding

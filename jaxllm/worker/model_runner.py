@@ -33,7 +33,6 @@ from jaxllm.logger import init_logger
 from jaxllm.models.config import ModelConfig
 from jaxllm.worker.kv_cache import allocate_kv_cache
 from jaxllm.models import (
-    HEAD_PANELS,
     AttentionOps,
     KVCache,
     Params,
@@ -58,7 +57,8 @@ from jaxllm.worker.sharding import ModelSharding
 from jaxllm.worker.step_batch import StepBatch
 from jaxllm.worker.weights import Layout, flatten, unflatten
 from jaxllm.structured_output import bitmask_words
-from kernels_pallas.reference import BITS_STORAGE, CompressedKV, from_storage, quantize_blocks, to_storage
+from kernels_pallas.ops import HEAD_PANELS
+from kernels_pallas.storage import BITS_STORAGE, CompressedKV, from_storage, quantize_blocks, to_storage
 from scheduler import BatchDescriptor, BucketTable
 from scheduler.block_moves import order_block_moves
 
@@ -225,7 +225,7 @@ class ModelRunner:
       float_bits_storage: hold bfloat16 layer weights and KV caches as uint16
         bit patterns, float8_e4m3fn ones as uint8 (``models.loop_storage``):
         for XLA's CPU backend, with the jnp attention ops
-        (``kernels_pallas.reference`` says why).
+        (``kernels_pallas.storage`` says why).
       kv_cache_dtype: the KV cache's numbers: ``dtype`` (None), or int8 /
         float8_e4m3fn for a quantized cache, whose scales are the
         ``k_scale``/``v_scale`` layer leaves of ``params`` (ValueError
@@ -244,12 +244,12 @@ class ModelRunner:
       num_positions, float_bits_storage: as given.
       params: the parameter pytree on the devices (bfloat16 and float8 layer
         leaves as uint16 and uint8 with ``float_bits_storage``), and
-        ``models.HEAD_PANELS`` where ``models.with_head_panels`` adds them.
+        ``kernels_pallas.ops.HEAD_PANELS`` where ``models.with_head_panels`` adds them.
       kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size,
         sharding.num_cache_heads, head_dim]``, split over heads; of
         ``kv_cache_dtype``, as uint16 / uint8 bits with ``float_bits_storage``.
       compressed: the pool of compressed KV blocks
-        (``kernels_pallas.reference.CompressedKV``: ``k, v: [num_layers,
+        (``kernels_pallas.storage.CompressedKV``: ``k, v: [num_layers,
         num_compressed_blocks, block_size, heads, head_dim]`` of
         ``compressed_dtype``, float8 as uint8 bits with ``float_bits_storage``;
         ``k_scale, v_scale: float32[num_layers, num_compressed_blocks, heads]``),
@@ -707,7 +707,7 @@ class ModelRunner:
           path: a leaf of :meth:`param_layout`.
           leaf: placed, of exactly its shape, dtype and sharding; with ``float_bits_storage`` a bfloat16 / float8
             leaf is donated to its conversion to bits. A new ``embed`` is packed again into the lm_head's
-            ``models.HEAD_PANELS`` where the runner holds them.
+            ``kernels_pallas.ops.HEAD_PANELS`` where the runner holds them.
 
         Raises:
           ValueError: ``leaf`` does not match the layout (the compiled programs would not take it).

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxllm.models import family
 from jaxllm.models.config import ModelConfig
 from jaxllm.worker.quantization import leaf_dtype
-from kernels_pallas import AttentionOps
+from kernels_pallas.ops import AttentionOps
 
 if TYPE_CHECKING:
     from jaxllm.models.common import Params

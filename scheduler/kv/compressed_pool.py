@@ -2,7 +2,7 @@
 
 When the free device blocks run short, the scheduler asks this tier to re-encode full, computed blocks that only
 one request holds from the cache's dtype into a one-byte dtype with per-block scales
-(``kernels_pallas.reference.CompressedKV``), held here, and give their device blocks back. A block table then mixes
+(``kernels_pallas.storage.CompressedKV``), held here, and give their device blocks back. A block table then mixes
 the two kinds: a compressed block's id is ``base + slot`` with ``base`` the device pool's ``num_blocks``, which is
 what the attention ops read from the compressed pool. Slot 0 (id ``base``) is the null slot, as block 0 is the
 null block: never handed out.

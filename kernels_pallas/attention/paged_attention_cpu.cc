@@ -61,13 +61,12 @@ using namespace jaxllm_cpu;
 
 constexpr int64_t kTile = 16;           // query tokens per unit
 constexpr int64_t kMaxBlockSize = 256;  // tokens per block
-// Blocks ahead whose lines are prefetched (the tiled path measured 0-3 within 5% of each other; decode: 1, 2 and 4
-// alike, all 1.4-1.5x faster than none).
+// Blocks ahead whose lines are prefetched (0-3 alike on the tiled path; decode: 1, 2 and 4 alike, all faster than
+// none).
 constexpr int64_t kPrefetchBlocks = 1;
 // Units of at least this many query tokens take the GEMM-shaped path when the shapes allow it.
 constexpr int64_t kTiledMinTokens = 2;
-// Decode tokens form cascade units over at least this many shared blocks (form_cascades). Not tuned: the case
-// measured shares 24.
+// Decode tokens form cascade units over at least this many shared blocks (form_cascades). Not tuned.
 constexpr int64_t kMinSharedBlocks = 2;
 
 inline float load(const float* p) { return *p; }
@@ -103,9 +102,7 @@ inline V exp_nonpositive(V x) {
 // its arithmetic: `step` between the loads of the scores' and the weighted sum's loops issues `rate` of them, `issue` a
 // burst. In bursts of a slice's whole share (64 lines of K and 64 of V for SmolLM2's float32 cache in blocks of 16 with
 // AVX-512; 32 and 32 with AVX2, whose slices are half as many heads) the prefetches filled the core's miss buffers and
-// the loads of this block's work queued behind them, so memory and arithmetic took turns: decode attention over
-// DRAM-resident caches (30 layers of 16 rows of 600-1500 tokens, 2 Zen 4 cores) read 17.5 GB/s of the 31-42 the host
-// streams; spread out, about 23 GB/s.
+// the loads of this block's work queued behind them, so memory and arithmetic took turns; spread out, they overlap.
 struct Prefetch {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -443,7 +440,7 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
   // The Prefetch steps that attend_block_heads<n> takes over a block's keys [t_lo, t_hi) on the vector path: its
   // scores' loops over head dims per vector of keys (twice for n > 1: scores_of_heads's halves), its weighted sums'
   // over tokens (by twos for n = 1). A row's last block holds a few keys: counted as a whole block, most of a
-  // slice's share was left to the next slice's burst, and the last slice's to none.
+  // slice's share would be left to the next slice's burst, and the last slice's to none.
   const auto steps_of = [&](int64_t n, int64_t t_lo, int64_t t_hi) {
     const int64_t key_vectors = (t_hi - 1) / kLanes - t_lo / kLanes + 1;
     const int64_t score_steps = key_vectors * (dim / kLanes) * (n > 1 ? 2 : 1);
@@ -455,8 +452,8 @@ void attend_unit(const Problem& p, const Unit& u, Scratch& s, const Resume* from
     // The lines of a block ahead, prefetched a share per slice of this block's work below, so that each slice's
     // loads overlap the next block's (Prefetch: an eighth of a share at once, then the rest spread evenly over the
     // steps of its loops; the whole share at once held this block's loads up behind it). Into L2 (prefetcht1): into
-    // L1 they evicted the K and V this block's heads reread. None at all ran decode 1.4-1.5x slower; two blocks
-    // ahead measured the same as one.
+    // L1 they evicted the K and V this block's heads reread. None at all is slower; two blocks ahead is the same
+    // as one.
     const char* next_k = nullptr;
     const char* next_v = nullptr;
     if (start + kPrefetchBlocks * bs <= hi_all || then_block >= 0) {
@@ -659,8 +656,8 @@ void attend_unit_tiled(const Problem& p, const Unit& u, TileScratch& s, const in
   const int32_t* hi = s.hi.data();
   for (int64_t h = 0; h < p.kv_heads; ++h) {
     // Lane m = j * group + g is head h * group + g of the unit's token j: each such query row is read once,
-    // contiguously (an index divided by group per element had made this copy a third of a short prefill's
-    // attention: one layer of a 512-token prefill of 63-token prompts took 730 us against 480 now).
+    // contiguously (an index divided by group per element would make this copy a large share of a short
+    // prefill's attention).
     for (int64_t j = 0; j < u.count; ++j) {
       for (int64_t g = 0; g < group; ++g) {
         const float* src = p.q + (token(j) * heads + h * group + g) * dim;
@@ -787,9 +784,8 @@ inline int64_t first_block_of(const Shared& s, int64_t i) {
 
 // Take units until none is left; returns after the last unit this thread took. A plain unit reserves the unit after it
 // when it starts, if that one is plain too, so that its last block prefetches that one's first: each row's first block
-// had come from memory unprefetched (over 30 layers' caches, 192 rows at contexts 16-128: 34.6 / 34.7 -> 29.9 / 30.0
-// ms; 48 rows at 16-448 23.4 / 23.7 -> 22.2 / 21.0). Tiled and cascade units are neither reserved nor reserve: holding
-// a long unit back while another runs could leave the other threads idle at the end.
+// would otherwise come from memory unprefetched. Tiled and cascade units are neither reserved nor reserve: holding a
+// long unit back while another runs could leave the other threads idle at the end.
 void drain(Shared& s) {
   thread_local Scratch scratch;
   thread_local TileScratch tile_scratch;

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas import _compat
-from kernels_pallas.reference import quantize_kv
+from kernels_pallas.storage import quantize_kv
 
 
 def _kv_cache_write_kernel(slot_ref, k_ref, v_ref, k_cache_in, v_cache_in, k_cache_ref, v_cache_ref):
@@ -43,7 +43,7 @@ def kv_cache_write(
       k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], any
         float dtype, or int8 / float8_e4m3fn with scales.
       k, v: [T, num_kv_heads, head_dim], cast to the cache dtype, or
-        quantized (``reference.quantize_kv``) when scales are given.
+        quantized (``storage.quantize_kv``) when scales are given.
       slot_mapping: int32[T]. Padded tokens should point into block 0 (the
         null block); several tokens may share a slot there, and which one
         wins is unspecified.

@@ -27,20 +27,17 @@ semantics and costs what the sequences need:
   element, which cost more than the dots themselves (profile in
   ``scripts/profile_step.py``'s docstring).
 * On XLA's CPU backend, every row of a float32 or bfloat16 cache (no KV
-  scales, no compressed pool) goes to the C++ kernel of ``native.py``
-  instead: it reads the blocks in place rather than through gathered copies,
-  and runs prefill chunks as register-tiled multiply-adds rather than the
-  tiles' many small dots (``scripts/profile_step.py``'s ``jnp tiles`` column
-  has the step without it; 30 layers of a 512-token prefill after a
-  1000-token context: 223 ms in the kernel, 863 ms on the tiles, float32,
-  AVX-512). The tiles serve everything where the kernel cannot be built.
+  scales, no compressed pool) goes to the C++ kernel (``cpu.py``) instead:
+  it reads the blocks in place rather than through gathered copies, and runs
+  prefill chunks as register-tiled multiply-adds rather than the tiles' many
+  small dots. The tiles serve everything where the kernel cannot be built.
 
 Scores and the softmax are float32 whatever the cache dtype; the output is
 q's dtype. Cache layout, padding rules, GQA mapping, the uint16 storage of
 bfloat16 caches and the scales of quantized (int8, float8_e4m3fn) caches as
-in ``reference.py``; here the K scales multiply the queries once and the V
+in ``reference.py`` and ``storage.py``; here the K scales multiply the queries once and the V
 scales the output, so the loop only converts what it loads to float32.
-Blocks of the compressed pool (``reference.CompressedKV``: table ids past the
+Blocks of the compressed pool (``storage.CompressedKV``: table ids past the
 cache's blocks) are gathered from it beside and dequantized with their own
 per-block scales where the ids name them.
 """
@@ -53,8 +50,9 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import native
-from kernels_pallas.reference import CompressedKV, check_pool_scales, from_storage
+from kernels_pallas import cpu_build
+from kernels_pallas.attention import cpu
+from kernels_pallas.storage import CompressedKV, check_pool_scales, from_storage
 
 # Finite stand-in for -inf: masked scores and the initial running max. exp of
 # (masked - max) underflows to exactly 0, and no NaN arises from -inf - -inf.
@@ -246,11 +244,11 @@ def native_applies(k_cache: jax.Array, num_q_heads: int, k_scale: Optional[jax.A
                    compressed: Optional[CompressedKV] = None) -> bool:
     """Whether :func:`ragged_paged_attention_xla` hands its rows to the C++ kernel by default: on XLA's CPU
     backend, for a float32 or bfloat16 (uint16-stored) cache ``[N, block_size, Hkv, D]`` without KV scales or a
-    compressed pool, in shapes it takes (``native.supports``), once ``native.available()`` (the kernel built)."""
+    compressed pool, in shapes it takes (``cpu.supports``), once ``cpu_build.available()`` (the kernels built)."""
     _, block_size, num_kv_heads, _ = k_cache.shape
     return (jax.default_backend() == "cpu" and k_scale is None and compressed is None
-            and jnp.dtype(k_cache.dtype) in native.CACHE_DTYPES
-            and native.supports(num_q_heads, block_size, num_kv_heads) and native.available())
+            and jnp.dtype(k_cache.dtype) in cpu.CACHE_DTYPES
+            and cpu.supports(num_q_heads, block_size, num_kv_heads) and cpu_build.available())
 
 
 def token_rows_and_positions(query_start_loc: jax.Array, seq_lens: jax.Array, num_seqs: jax.Array,
@@ -315,7 +313,7 @@ def ragged_paged_attention_xla(
       cross_head_decode: the decode tiles' dots over all KV-head pairs
         (``_cross_head_dots``); None means when ``num_kv_heads <=``
         :data:`CROSS_HEAD_MAX_KV_HEADS`.
-      use_native: every row through ``native.ragged_paged_attention_cpu``
+      use_native: every row through ``cpu.ragged_paged_attention_cpu``
         (the C++ kernel) instead of the tiles; None means where
         :func:`native_applies`. True where it does not apply raises
         ValueError.
@@ -332,8 +330,8 @@ def ragged_paged_attention_xla(
     applies = native_applies(k_cache, q.shape[1], k_scale, compressed)
     if use_native and not applies:
         raise ValueError("use_native=True needs XLA's CPU backend, a float32 or bfloat16 cache without KV scales "
-                         "or a compressed pool, shapes the kernel takes (native.supports) and the built C++ kernel "
-                         f"({native.unavailable_reason() or 'built'}); got backend {jax.default_backend()!r}, "
+                         "or a compressed pool, shapes the kernel takes (cpu.supports) and the built C++ kernel "
+                         f"({cpu_build.unavailable_reason() or 'built'}); got backend {jax.default_backend()!r}, "
                          f"cache {k_cache.dtype} {k_cache.shape}, {q.shape[1]} query heads, "
                          f"scales {k_scale is not None}, pool {compressed is not None}")
     use_native = applies if use_native is None else use_native
@@ -380,8 +378,8 @@ def ragged_paged_attention_xla(
 
     if use_native:
         row, pos = token_rows_and_positions(query_start_loc, seq_lens, num_seqs, num_tokens)
-        out = native.ragged_paged_attention_cpu(q, k_cache, v_cache, block_tables, row, pos, scale=scale,
-                                                soft_cap=soft_cap, sliding_window=sliding_window)
+        out = cpu.ragged_paged_attention_cpu(q, k_cache, v_cache, block_tables, row, pos, scale=scale,
+                                             soft_cap=soft_cap, sliding_window=sliding_window)
         return out.astype(q.dtype)
     out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, zeros)
     out = jax.lax.cond(jnp.any(is_prefill), prefill, lambda o: o, out)

@@ -12,13 +12,12 @@
 // pairs of bfloat16 (two rows of K) into float32 accumulators.
 //
 // jaxllm_matmul_nt_cpu, x @ w^T: the tied embedding [V, E] as the lm_head, each output a dot of a row of x
-// with a row of w. Against XLA's dot of that shape it gains little on full rows (48 rows of SmolLM2's
-// [49152, 576] embedding: 10.3 -> 9.7-11 ms, the embedding streaming from memory either way); what it is for is
-// `rows` below: a step's head has one row per sequence of its bucket, most of them padding in a prefill step.
+// with a row of w. On full rows the embedding streams from memory as under XLA's dot; what it is for is `rows`
+// below: a step's head has one row per sequence of its bucket, most of them padding in a prefill step.
 //
 // jaxllm_matmul_nt_packed_cpu: the same product with w's panels packed once beforehand (the engine keeps them
 // beside the embedding): each panel is read where it lies, from one row of x on, instead of transposed on every
-// call (SmolLM2's head at 8 rows: 7.0 -> 3.8 ms; scripts/bench_matmul.py's last table).
+// call.
 //
 // All take `rows`, the rows of x that hold tokens (a step's batch is padded to its bucket): only those are
 // computed, the rest of y is zeros, so a padded step pays for its real tokens (and a padding row never holds
@@ -77,10 +76,9 @@ constexpr int kCols = 4;
 constexpr int kFewRows = kRows, kFewTileRows = kRows, kFewCols = kCols;
 constexpr int kNtRows = 4;  // 4 x 4 dots: 16 accumulators, 4 + 4 more registers for x and w
 #else
-// AVX2: 6 x 2 (12 of its 16 registers) reads each panel once per 6 rows, where 3 x 4 read it once per 3 (48
-// rows of SmolLM2-135M's 30 layers, float32, 2 AMD Zen 3 cores: 122 -> 75 ms; 128 rows: 252 -> 176 ms). Up to
+// AVX2: 6 x 2 (12 of its 16 registers) reads each panel once per 6 rows, where 3 x 4 read it once per 3. Up to
 // 6 rows tiles of 3 x 4 read 128 bytes of each row of the weights at a time, which stream from memory faster
-// than 64 (1 row, in place: 15 against 23 ms; 4-6 rows: 28-30 against 37).
+// than 64.
 constexpr int kRows = 6;
 constexpr int kCols = 2;
 constexpr int kFewRows = 6, kFewTileRows = 3, kFewCols = 4;
@@ -130,9 +128,7 @@ struct Operands {
 
 // The prefetches of Operands::pf due at row k of a tile of o.k rows (row k, and k + o.k, ... past o.k rows).
 // Into L2, not L1 (prefetcht1, not t0): the chunk the tiles reread fills L1 (32 KiB of it with AVX-512), and lines
-// prefetched into L1 would evict it. SmolLM2-135M's 30 layers, float32, 2 AMD Zen 4 cores (`bench_matmul.py`,
-// interleaved runs): 8 rows 32-36 -> 21-22 ms, 16 rows 41-46 -> 27-30, 32 rows 54-56 -> 45-47, 64 rows alike;
-// bfloat16 8 rows 16.8 -> 10.7, 32 rows 29.7 -> 26.0.
+// prefetched into L1 would evict it.
 template <typename T>
 inline void prefetch_rows(const Operands<T>& o, int64_t k) {
   for (int64_t row = k; row < o.pf_rows; row += o.k) {
@@ -272,12 +268,7 @@ inline void tiles(Operands<T> o, int64_t m) {
 constexpr int64_t kChunk = 128;
 // From this many rows of a unit (its rows of x) a chunk (from kWholeMinRows rows, a pass: below) is copied into a
 // contiguous buffer (below, panel); fewer rows' tiles read it in place unless its rows are a multiple of 4 KiB
-// apart. With AVX-512 the copy cost more than it saved up to 8 tiles of rows: SmolLM2-135M's 30 layers, float32,
-// 2 AMD Zen 4 cores (`bench_matmul.py`, interleaved with the copy from 7 rows, two runs each): 16 rows 31.8 / 28.4
-// -> 25.0 / 24.9 ms, 24 rows 35.5 / 35.2 -> 30.9 / 30.8, 32 rows 49.8 / 46.7 -> 40.9 / 41.2, 48 rows 60.7 / 62.9
-// -> 57.0 / 57.1; 64 to 192 rows alike either way (copied in chunks then). In place, the gate and up projections
-// (rows 6 KiB apart, a few L1 sets: the chunk is reread from L2) went 145-152 -> 168-171 GFLOP/s at 32 rows. AVX2
-// copies from two tiles, as before (unmeasured without the copy).
+// apart. With AVX-512 the copy cost more than it saved up to 8 tiles of rows; AVX2 copies from two tiles.
 #ifdef __AVX512F__
 constexpr int64_t kCopyMinRows = 8 * kRows + 1;
 #else
@@ -286,31 +277,24 @@ constexpr int64_t kCopyMinRows = kFewTileRows + 1;
 // From this many rows a copied panel is copied in passes of up to kPassBytes (all of K, for SmolLM2), and each tile
 // runs down a whole pass from the buffer (in L2: 144 KiB at K = 576, 384 KiB at K = 1536) instead of in chunks
 // from L1: a chunk's tiles add to y, so every chunk after the first reread and rewrote all of the unit's rows of
-// y, and a chunk of 32 KiB filled L1 beside the tiles' rows of x. SmolLM2-135M's projections over its 30 layers,
-// float32, 2 AMD Zen 4 cores (interleaved with chunks, three runs each): 96 rows 184 / 188 / 190 -> 191 / 196 /
-// 196 GFLOP/s, 192 rows 200 / 199 / 200 -> 207 / 196 / 208, 512 rows 208 / 207 / 206 -> 209 / 217 / 218; AVX2's
-// tiles built for the same CPU (-mno-avx512f), two runs each: 16 rows 102 / 104 -> 101 / 101, 24 rows 122 / 132
-// -> 139 / 134, 48 rows 149 / 151 -> 163 / 169, 192 rows 174 / 193 -> 202 / 206. Below that, the whole copy, a
-// stream of the weights with little arithmetic beside it, was slower than chunks (AVX2, 8 rows: 69 -> 57-61).
-// With AVX-512 a unit is copied from 49 rows (kCopyMinRows) except where w's rows are a multiple of 4 KiB apart,
-// unmeasured whole at 24-48 rows.
+// y, and a chunk of 32 KiB filled L1 beside the tiles' rows of x. Below that, the whole copy, a stream of the
+// weights with little arithmetic beside it, is slower than chunks. With AVX-512 a unit is copied from 49 rows
+// (kCopyMinRows) except where w's rows are a multiple of 4 KiB apart.
 constexpr int64_t kWholeMinRows = 4 * kRows;
-// The most of a panel one pass of its tiles reads: SmolLM2's K = 1536 at 64 float32 columns, the largest measured
-// (a longer K goes in passes that add to y, each prefetched while the one before computes). A pass and the next
-// one prefetched beside it take 768 KiB of the measured cores' 1 MiB L2; a CPU with less L2 (AVX2 figures above
-// are Zen 4's too) was not measured.
+// The most of a panel one pass of its tiles reads: K = 1536 at 64 float32 columns (a longer K goes in passes that
+// add to y, each prefetched while the one before computes). A pass and the next one prefetched beside it take
+// 768 KiB, within a 1 MiB L2.
 constexpr int64_t kPassBytes = 384 * 1024;
 
 // Rows [0, m) of y's C vectors of columns at y (row stride ys) from w's at w (row stride ws).
 // One tile of rows reads the panel once, in place. More tiles read it once per tile, so the panel is taken in
 // chunks of kChunk rows of K; from kCopyMinRows rows, or where the rows are a multiple of 4 KiB apart, each chunk
 // is copied into a contiguous per-thread buffer first (unless w is one already): in place, rows of the panel ws
-// elements apart map to few cache sets when ws * sizeof(T) is a multiple of 4 KiB (SmolLM2's fused gate and up,
-// N = 3072 float32: 77 against 137 GFLOP/s at N = 3136, 48 rows, 2 Intel AVX-512 cores), and a chunk stays in L1
+// elements apart map to few cache sets when ws * sizeof(T) is a multiple of 4 KiB, and a chunk stays in L1
 // while the tiles reread it. The tiles of a later chunk add to y. A panel that is contiguous already
-// (jaxllm_matmul_nt_cpu's packed one, whose y rows are the vocabulary apart, a multiple of 4 KiB for SmolLM2, so
-// that rereading y per chunk missed every cache: 192 rows, interleaved, three runs each, 193 / 192 / 194 -> 207 /
-// 206 / 199 GFLOP/s; or a w exactly one panel wide) or copied from kWholeMinRows rows is taken in passes of up to
+// (jaxllm_matmul_nt_cpu's packed one, whose y rows are the vocabulary apart, often a multiple of 4 KiB, so that
+// rereading y per chunk would miss every cache; or a w exactly one panel wide) or copied from kWholeMinRows rows
+// is taken in passes of up to
 // kPassBytes instead of chunks. While a chunk's (or pass's) tiles run they prefetch the next one's rows, or
 // `next`'s first (the panel this thread takes next, same stride and at least as wide; nullptr: none), so that
 // the copy (or, in place, the tiles) finds them in cache.
@@ -456,18 +440,13 @@ bool reserves_ahead(const Shared& s) { return s.m > (s.m <= kFewRows ? kFewTileR
 
 // The units `threads` threads share: whole panels while every thread can take one, then the last
 // panels % threads panels cut into `threads` pieces each, so that no thread waits idle through a last whole
-// panel (SmolLM2's N = 576 is 9 panels of 64 columns, 192 is 3: on 2 cores one thread took 5 and the other 4,
-// or 2 and 1). With more than one tile of rows the pieces are runs of tiles, each reading the panel's weights
-// again (which many rows amortize); with one tile (a decode step, which streams the weights once) they are runs
-// of the panel's columns, whole vectors each. SmolLM2-135M's 30 layers, float32, 2 AMD Zen 4 cores, alone
-// (`bench_matmul.py`'s table of one projection alone, two runs interleaved): N = 576 at 192 rows 181-188 -> 206-207
-// GFLOP/s, at 512 178-194 -> 214-215, K = 1536 at 512 192-193 -> 210-213. Where drain reserves a thread's next
-// unit ahead, fewer panels than two per thread are all cut: the reservation had given the first thread N = 192's
-// panels 0 and 1 whole and the other panel 2 in both pieces (2 Zen 4 cores, interleaved, two runs each: 96 rows
-// 90 / 131 -> 189 / 188 GFLOP/s, 512 rows 161 / 160 -> 199 / 201; runs where the pool's second thread starts late
-// fall to about 100 either way), and as many panels as threads would all have gone to the first. Not where drain
-// takes one unit at a time (a decode step): cutting N = 192 into pieces of columns there, 2 vectors each, ran 4
-// rows at 45-47 GFLOP/s against 69-74 with the split above.
+// panel (N = 576 is 9 panels of 64 columns, 192 is 3: on 2 cores whole panels alone leave one thread idle at the
+// end). With more than one tile of rows the pieces are runs of tiles, each reading the panel's weights again
+// (which many rows amortize); with one tile (a decode step, which streams the weights once) they are runs of the
+// panel's columns, whole vectors each. Where drain reserves a thread's next unit ahead, fewer panels than two per
+// thread are all cut: the reservation would otherwise give the first thread two whole panels of three and the
+// other thread the third in both pieces, and as many panels as threads would all go to the first. Not where
+// drain takes one unit at a time (a decode step): pieces of columns there are slower than the split above.
 void set_units(Shared& s, int64_t threads) {
   const int64_t tail = s.panels % threads;
   const bool cut_all = reserves_ahead(s) && s.panels < 2 * threads;
@@ -560,17 +539,15 @@ void run_unit(const Shared& s, int64_t u, int64_t next) {
     ws = kPanel;
   }
   // A transposed panel is packed from rows of w, not read at this stride: nothing of it to prefetch. A packed one
-  // is contiguous, and the hardware's prefetcher follows it (SmolLM2's embedding at 8-64 rows: 11-28% slower with
-  // the next panel's lines prefetched as well).
+  // is contiguous, and the hardware's prefetcher follows it (prefetching the next panel's lines as well is
+  // slower).
   const float* after = ahead && !s.transposed ? s.w + next_c0 : nullptr;
   any_panel(s.x + x0, w, ws, s.y + y0, s.n, m, s.k, vectors, after);
 }
 
 // Take units until none is left; returns after the last unit this thread took. With more than one tile of rows
 // each unit is taken one ahead, so that its weights are prefetched while the one before it computes; with one
-// tile (a decode step) nothing is prefetched, and taking two at a time would only leave threads idle. (Guessing
-// the next unit instead, `threads` on, balanced N = 192 but lost prefetches in the engine, where the threads do
-// not keep pace: the shared-prefix shape of bench_throughput.py 171 -> 161 tok/s, three runs each.)
+// tile (a decode step) nothing is prefetched, and taking two at a time would only leave threads idle.
 void drain(Shared& s) {
   const bool ahead = reserves_ahead(s);
   int64_t u = s.next.fetch_add(1);

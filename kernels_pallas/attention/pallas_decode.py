@@ -176,7 +176,7 @@ def paged_attention(
       soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
       interpret: run the Pallas interpreter (CPU tests) instead of Triton.
       k_scale, v_scale: float32[num_kv_heads], the scales of a quantized
-        cache (``reference.py``); the K scale joins the score scale and the V
+        cache (``storage.py``); the K scale joins the score scale and the V
         scale multiplies each program's output. None: a cache of plain values.
 
     Returns:

@@ -1,0 +1,133 @@
+"""Builds the C++ CPU kernels into one library, loads it and registers its XLA FFI targets.
+
+The sources sit beside their ops (``attention/paged_attention_cpu.cc``, ``matmul/matmul_cpu.cc``, sharing
+``cpu_vectors.h``); the backends that call them are ``attention/cpu.py``, ``matmul/cpu.py`` and ``lm_head/cpu.py``.
+The library is compiled once per source, compiler flags, jaxlib version and CPU (its instruction-set flags) with the
+system's C++ compiler (``$CXX`` or ``c++``) into ``$XDG_CACHE_HOME/jaxllm/native`` (default
+``~/.cache/jaxllm/native``; a ``JAXLLM_NATIVE_CACHE`` path overrides it) as ``jaxllm_cpu-<hash>.so``. Where no
+compiler is found or the build fails, :func:`available` is False (the reason in :func:`unavailable_reason`) and the
+ops table keeps the ``jnp`` attention and XLA's dots; ``JAXLLM_NATIVE_KERNELS=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import jax
+
+from kernels_pallas import cpu_features
+
+_HERE = Path(__file__).parent
+# One library of both sources (and the header they share: part of the cache key); its FFI targets and symbols.
+SOURCES = (_HERE / "attention" / "paged_attention_cpu.cc", _HERE / "matmul" / "matmul_cpu.cc")
+HEADERS = (_HERE / "cpu_vectors.h",)
+ATTENTION_TARGET = "jaxllm_paged_attention_cpu"
+MATMUL_TARGET = "jaxllm_matmul_cpu"
+MATMUL_BF16_TARGET = "jaxllm_matmul_bf16_cpu"
+MATMUL_NT_TARGET = "jaxllm_matmul_nt_cpu"
+MATMUL_NT_PACKED_TARGET = "jaxllm_matmul_nt_packed_cpu"
+_SYMBOLS = {ATTENTION_TARGET: "JaxllmPagedAttentionCpu", MATMUL_TARGET: "JaxllmMatmulCpu",
+            MATMUL_BF16_TARGET: "JaxllmMatmulBf16Cpu", MATMUL_NT_TARGET: "JaxllmMatmulNtCpu",
+            MATMUL_NT_PACKED_TARGET: "JaxllmMatmulNtPackedCpu"}
+# -march=native: the library is built on the machine that runs it, for its vector instructions.
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+_reason: Optional[str] = None
+_lib: Optional[ctypes.CDLL] = None  # the loaded kernels, once available() has built them
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("JAXLLM_NATIVE_CACHE"):
+        return Path(os.environ["JAXLLM_NATIVE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxllm" / "native"
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library built by ``compiler`` (a path or name) for these sources, these flags, this jaxlib and this
+    CPU (``cpu_features.flags_line``) is cached: ``<cache dir>/jaxllm_cpu-<16 hex digits of their SHA-256>.so``.
+    Builds nothing.
+
+    Raises:
+      OSError: a C++ source cannot be read.
+    """
+    import jaxlib
+
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES + HEADERS), compiler, *_FLAGS,
+                                    jaxlib.__version__, jax.ffi.include_dir(),
+                                    cpu_features.flags_line()]).encode())
+    return _cache_dir() / f"jaxllm_cpu-{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library's path (:func:`library_path`), compiling it unless it is there.
+
+    Raises:
+      subprocess.CalledProcessError / OSError: the compiler failed or could not write the cache.
+    """
+    include = jax.ffi.include_dir()
+    out = library_path(compiler)
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes starting together never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, f"-I{include}", f"-I{_HERE}", *map(str, SOURCES), "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=300)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether the kernels are built and registered (once per process; False where they cannot be, see the
+    module). Raises nothing."""
+    global _reason
+    if os.environ.get("JAXLLM_NATIVE_KERNELS", "1") == "0":
+        _reason = "JAXLLM_NATIVE_KERNELS=0"
+        return False
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not compiler:
+        _reason = "no C++ compiler (c++, g++ or clang++ on PATH, or $CXX)"
+        return False
+    try:
+        global _lib
+        lib = _lib = ctypes.CDLL(str(_build(compiler)))
+        for target, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        _reason = f"the C++ CPU kernels did not build or load: {detail.strip()[:500]}"
+        print(f"[kernels_pallas] {_reason}; using the jnp attention and XLA's dots", file=sys.stderr)
+        return False
+    return True
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`available` is False (None while it is True or not yet asked)."""
+    return _reason
+
+
+def library_int(symbol: str) -> int:
+    """The int64 a no-argument C function of the loaded library returns (a count or a build constant).
+
+    Raises:
+      ValueError: the library is not :func:`available`.
+    """
+    if not available():
+        raise ValueError(f"the C++ CPU kernels are not available: {unavailable_reason()}")
+    function = getattr(_lib, symbol)
+    function.restype = ctypes.c_int64
+    return int(function())
