@@ -62,8 +62,8 @@ def child_llm(args: argparse.Namespace) -> None:
     print(json.dumps(dict(
         import_s=imported - start, construct_s=constructed - imported, first_token_s=first - imported,
         generate_s=done - constructed, all_programs_s=ready - imported, programs=len(llm.engine.buckets),
-        built=runner.num_compilations, cache_hits=runner.num_cache_hits, compile_s=runner.compile_seconds,
-        cache_load_s=runner.cache_load_seconds, peak_rss_bytes=_peak_rss(), text=text,
+        built=runner.compile_stats.num_compilations, cache_hits=runner.compile_stats.num_cache_hits, compile_s=runner.compile_stats.compile_seconds,
+        cache_load_s=runner.compile_stats.cache_load_seconds, peak_rss_bytes=_peak_rss(), text=text,
     )))
 
 

@@ -294,12 +294,12 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
     for name, batch in cases.items():
         rows = batch.logits_indices.shape[0]
         step = jax.jit(functools.partial(model_step, ops=ops), donate_argnums=(1,))
-        full, (logits, runner.kv_cache) = timed(step, runner.params, runner.kv_cache, batch, donate=True)
+        full, (logits, runner.cache_engine.kv_cache) = timed(step, runner.weights.params, runner.cache_engine.kv_cache, batch, donate=True)
         bare = jax.jit(functools.partial(model_step, ops=no_attention), donate_argnums=(1,))
-        without, (_, runner.kv_cache) = timed(bare, runner.params, runner.kv_cache, batch, donate=True)
-        hidden = jnp.zeros((rows, cfg.hidden_size), runner.params["embed"].dtype)
+        without, (_, runner.cache_engine.kv_cache) = timed(bare, runner.weights.params, runner.cache_engine.kv_cache, batch, donate=True)
+        hidden = jnp.zeros((rows, cfg.hidden_size), runner.weights.params["embed"].dtype)
         head, _ = timed(jax.jit(functools.partial(models.compute_logits, cfg=cfg, native_kernels=True)),
-                        runner.params, hidden)
+                        runner.weights.params, hidden)
         arrays = jax.tree_util.tree_map(jnp.asarray, SamplingArrays.empty(rows))
         # The tables donated, as the engine's step donates them (else the timing includes a copy of the counts).
         draw = jax.jit(lambda logits, tables, arrays: sample(logits, arrays, tables), donate_argnums=(1,))
@@ -307,19 +307,19 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
         extra = ""
         if xla:
             tiled = jax.jit(functools.partial(model_step, ops=jnp_decode), donate_argnums=(1,))
-            old, (_, runner.kv_cache) = timed(tiled, runner.params, runner.kv_cache, batch, donate=True)
+            old, (_, runner.cache_engine.kv_cache) = timed(tiled, runner.weights.params, runner.cache_engine.kv_cache, batch, donate=True)
             rows_limit = model_common.NATIVE_MATMUL_MAX_ROWS
             model_common.NATIVE_MATMUL_MAX_ROWS = 0  # read when the step below is traced
             try:
                 dots = jax.jit(functools.partial(model_step, ops=ops), donate_argnums=(1,))
-                xla_dots, (_, runner.kv_cache) = timed(dots, runner.params, runner.kv_cache, batch, donate=True)
+                xla_dots, (_, runner.cache_engine.kv_cache) = timed(dots, runner.weights.params, runner.cache_engine.kv_cache, batch, donate=True)
             finally:
                 model_common.NATIVE_MATMUL_MAX_ROWS = rows_limit
             extra = f"{old:>12.1f}{xla_dots:>10.1f}"
         print(f"{name:<30}{full:>9.1f}{without:>14.1f}{full - without:>11.1f}{head:>9.1f}{sampler:>9.1f}{extra}")
         if trace:
             with jax.profiler.trace(os.path.join(trace, f"{dtype}-{name.split(',')[0]}")):
-                timed(step, runner.params, runner.kv_cache, batch, donate=True)
+                timed(step, runner.weights.params, runner.cache_engine.kv_cache, batch, donate=True)
 
 
 def main() -> None:

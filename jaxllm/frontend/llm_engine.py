@@ -151,7 +151,7 @@ class LLMEngine(FrontEnd):
 
     def get_params(self) -> dict[str, Any]:
         """The weights the engine runs, in ``jaxllm.models.param_layout``'s layout: the device arrays with their
-        shardings (``ModelRunner.get_params``), or, from a core in another process, host numpy copies of core 0's.
+        shardings (``WeightStore.get_params``), or, from a core in another process, host numpy copies of core 0's.
 
         Raises:
           RuntimeError: the weights sleep (``sleep``).
