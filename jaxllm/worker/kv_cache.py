@@ -464,6 +464,7 @@ class CacheEngines:
         self.caches = list(caches)
 
     def copy_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
+        """(src, dst) block copies on every cache."""
         for cache in self.caches:
             cache.copy_blocks(pairs)
 
@@ -478,6 +479,7 @@ class CacheEngines:
         jax.block_until_ready([cache.kv_cache for cache in self.caches])
 
     def swap_out(self, pairs: Sequence[Sequence[int]]) -> None:
+        """(device, host) block copies to every cache's host pool; returns once the pools hold them."""
         for cache in self.caches:
             cache.swap_out(pairs)
 
@@ -491,6 +493,7 @@ class CacheEngines:
             cache.finish_swap_out(writes)
 
     def swap_in(self, pairs: Sequence[Sequence[int]]) -> None:
+        """(host, device) block copies from every cache's host pool."""
         for cache in self.caches:
             cache.swap_in(pairs)
 
@@ -499,6 +502,7 @@ class CacheEngines:
         return sum(cache.release() for cache in self.caches)
 
     def allocate(self) -> None:
+        """Every released cache allocated again (zeroed)."""
         for cache in self.caches:
             cache.allocate()
 
