@@ -100,7 +100,7 @@ class EngineCore:
 
     Args:
       config: the ``EngineConfig``.
-      runner: the target model's ``ModelRunner`` (its parameters, KV cache and bucket table).
+      runner: the target model's ``ModelRunner`` (its weight store, KV cache and program table).
       sharding: the replica's ``ModelSharding``.
       max_model_len: the resolved ``max_model_len``.
       kv_cache_dtype: numpy dtype of the KV cache's numbers (int8 or float8_e4m3fn when quantized).
@@ -112,6 +112,8 @@ class EngineCore:
     Attributes:
       scheduler, runner, drafter, proposer, structured, slots, sharding, max_model_len, kv_cache_dtype:
         as given or built from them. model_config, buckets, num_blocks, dtype: the runner's.
+      cache_engines: the runners' KV caches (``worker.kv_cache.CacheEngines``, the target's first): every block
+        copy, swap, compaction and sleep of the KV is one call on it.
       requests: the record of each request by its id (``jaxllm.core.requests.CoreRequest``).
       param_bytes: ``jaxllm.worker.quantization.param_bytes`` of the parameters on the devices (the lm_head's
         packed embedding, ``models.HEAD_PANELS``, included).
