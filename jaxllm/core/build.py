@@ -45,10 +45,8 @@ def resolve_dtype(name: str) -> Any:
     """The compute dtype of ``EngineConfig.dtype``: "auto" is float32 on CPU and bfloat16 on accelerators; other
     names map directly (numpy / ml_dtypes types).
 
-    On CPU float32 is exact against HF and measured at least as fast as bfloat16 whatever the instruction sets
-    (``worker.cpu_features``): without AVX-512-BF16 bfloat16 was slower (51.6 against 60.5 output tok/s on an
-    AVX2 EPYC, issue 28), and with it the two were within noise (SmolLM2-135M, ``scripts/profile_step.py``:
-    48-row decode 120 against 116 ms, 512-token prefill 340 against 362 ms, 2026-12-01)."""
+    On CPU float32 is exact against HF and at least as fast as bfloat16 whatever the instruction sets
+    (``docs/design/worker.md`` has the figures)."""
     if name == "auto":
         return np.float32 if jax.default_backend() == "cpu" else ml_dtypes.bfloat16
     return _DTYPES[name]
