@@ -108,7 +108,7 @@ def serve(model, workload, *, budget_blocks: int, max_tokens: int, compression=N
         compressed |= {rid for rid, ids in kv.req_to_block_ids.items() if any(b >= engine.num_blocks for b in ids)}
     seconds = time.perf_counter() - start
     stats = sched.stats
-    pool = engine.runner.compressed
+    pool = engine.runner.cache_engine.compressed
     num_compressed = 0 if pool is None else pool.k.shape[1]
     return dict(name=compression or "off", fraction=fraction if compression else 0.0, device=engine.num_blocks,
                 compressed_blocks=num_compressed, peak=peak, preemptions=stats.num_preemptions,

@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _bench_common as common  # noqa: E402
 from jaxllm import LLM  # noqa: E402  (after the path fix so the checkout's package is used)
-from jaxllm.worker import model_runner  # noqa: E402
+from jaxllm.worker import kv_cache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,20 +43,20 @@ def fill(core, live: float, rng: np.random.Generator) -> None:
 
 def time_copies(runner, moves, chunk: int) -> float:
     """Seconds to do ``moves`` on the device in chunks of ``chunk`` blocks (the program built beforehand)."""
-    saved = model_runner.BLOCK_CHUNK
-    model_runner.BLOCK_CHUNK = chunk
-    runner._block_ops.pop("copy", None)
+    saved = kv_cache.BLOCK_CHUNK
+    kv_cache.BLOCK_CHUNK = chunk
+    runner.cache_engine._ops.pop("copy", None)
     try:
-        runner.copy_blocks(moves[:1])  # build the program outside the timing
-        jax.block_until_ready(runner.kv_cache)
+        runner.cache_engine.copy_blocks(moves[:1])  # build the program outside the timing
+        jax.block_until_ready(runner.cache_engine.kv_cache)
         start = time.perf_counter()
-        runner.copy_blocks(moves)
-        jax.block_until_ready(runner.kv_cache)
+        runner.cache_engine.copy_blocks(moves)
+        jax.block_until_ready(runner.cache_engine.kv_cache)
         return time.perf_counter() - start
     finally:
-        model_runner.BLOCK_CHUNK = saved
-        runner._block_ops.pop("copy", None)
-        runner.copy_blocks(moves[:1])
+        kv_cache.BLOCK_CHUNK = saved
+        runner.cache_engine._ops.pop("copy", None)
+        runner.cache_engine.copy_blocks(moves[:1])
 
 
 def compaction_rows(llm, num_blocks: int, live: float, wide: int, repeats: int):
@@ -70,7 +70,7 @@ def compaction_rows(llm, num_blocks: int, live: float, wide: int, repeats: int):
         plan = time.perf_counter() - start
         fill(core, live, rng)
         moves = core.scheduler.compact_kv_cache()
-        narrow = time_copies(core.runner, moves, model_runner.BLOCK_CHUNK)
+        narrow = time_copies(core.runner, moves, kv_cache.BLOCK_CHUNK)
         wide_s = time_copies(core.runner, moves, wide)
         fill(core, live, rng)
         whole = core.kv_cache_compact()
@@ -102,14 +102,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(f"backend {jax.default_backend()}, model {Path(args.model).name}, block_size {args.block_size}, "
-          f"copy chunk {model_runner.BLOCK_CHUNK} (warm) vs {args.wide_chunk}; best of {args.repeats}")
+          f"copy chunk {kv_cache.BLOCK_CHUNK} (warm) vs {args.wide_chunk}; best of {args.repeats}")
     print(f"{'blocks':>7} {'MiB':>7} {'live':>5} {'moved':>6} {'plan ms':>8} {'copy ms':>8} "
           f"{'wide ms':>8} {'compact ms':>10}")
     resizes = []
     for num_blocks in args.num_blocks:
         llm = LLM(args.model, num_kv_blocks=num_blocks, block_size=args.block_size, max_model_len=256,
                   max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(16,), precompile=True)
-        mib = sum(c.nbytes for c in llm.engine.core.runner.kv_cache) / 2**20
+        mib = sum(c.nbytes for c in llm.engine.core.runner.cache_engine.kv_cache) / 2**20
         for live in args.live:
             moved, plan, narrow, wide, whole, _ = compaction_rows(llm, num_blocks, live, args.wide_chunk, args.repeats)
             print(f"{num_blocks:>7} {mib:>7.1f} {live:>5.2f} {moved:>6} {plan * 1e3:>8.1f} {narrow * 1e3:>8.1f} "

@@ -58,12 +58,12 @@ def child_llm(args: argparse.Namespace) -> None:
     done = time.perf_counter()
     llm.engine.wait_for_warmup()
     ready = time.perf_counter()
-    runner = llm.engine.runner
+    stats = llm.engine.runner.compile_stats
     print(json.dumps(dict(
         import_s=imported - start, construct_s=constructed - imported, first_token_s=first - imported,
         generate_s=done - constructed, all_programs_s=ready - imported, programs=len(llm.engine.buckets),
-        built=runner.num_compilations, cache_hits=runner.num_cache_hits, compile_s=runner.compile_seconds,
-        cache_load_s=runner.cache_load_seconds, peak_rss_bytes=_peak_rss(), text=text,
+        built=stats.num_compilations, cache_hits=stats.num_cache_hits, compile_s=stats.compile_seconds,
+        cache_load_s=stats.cache_load_seconds, peak_rss_bytes=_peak_rss(), text=text,
     )))
 
 

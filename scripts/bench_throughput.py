@@ -105,7 +105,7 @@ def run_jaxllm(model: Path, args: argparse.Namespace, runs: list[tuple[Workload,
     try:
         core = llm.engine.core
         memory = dict(param_mib=core.param_bytes["total"] / 2**20, kv_blocks=core.num_blocks,
-                      kv_mib=sum(c.nbytes for c in core.runner.kv_cache) / 2**20)
+                      kv_mib=sum(c.nbytes for c in core.runner.cache_engine.kv_cache) / 2**20)
     except AttributeError:  # the cores run in their own processes (data_parallel_size > 1)
         memory = _NO_MEMORY
     if quantized:

@@ -108,11 +108,11 @@ def main() -> None:
 
     def settled(value: Any) -> Any:
         """``value`` once the engine's arrays are ready (transfers are asynchronous)."""
-        jax.block_until_ready((runner.params, runner.kv_cache))
+        jax.block_until_ready((runner.weights.params, runner.cache_engine.kv_cache))
         return value
 
     reference = tokens()
-    compiled = runner.num_compilations
+    compiled = runner.compile_stats.num_compilations
     print(f"model {model}; backend {jax.default_backend()}; {llm.engine.param_bytes['total'] / 2**20:.1f} MiB of "
           f"parameters; {compiled} programs built")
 
@@ -121,7 +121,7 @@ def main() -> None:
                        ("whole tree, device arrays", lambda: settled(jax.device_put(host))),
                        ("one leaf (layers/wq), host numpy", lambda: {"layers": {"wq": host["layers"]["wq"]}})]:
         print(f"update_weights ({name}): {timed_update(llm, make(), settled, args.repeats)}; "
-              f"programs built since start-up: {runner.num_compilations - compiled}")
+              f"programs built since start-up: {runner.compile_stats.num_compilations - compiled}")
 
     t, report = timed(lambda: settled(llm.update_weights_from_path(model)), 1)
     print(f"update_weights_from_path: {t:.3f} s ({report['num_leaves']} leaves, {mib(report['num_bytes'])})")
@@ -137,7 +137,7 @@ def main() -> None:
         print(f"sleep(level={level}): {t_sleep:.3f} s, {mib(reports[0]['freed_bytes'])} of arrays freed; device "
               f"bytes ({how}) {mib(before)} -> {mib(asleep)} asleep; "
               + (f"update_weights (restore) {restore:.3f} s; " if level == 2 else "")
-              + f"wake_up {t_wake:.3f} s; programs built since start-up: {runner.num_compilations - compiled}")
+              + f"wake_up {t_wake:.3f} s; programs built since start-up: {runner.compile_stats.num_compilations - compiled}")
 
     print(f"greedy tokens after every update and wake-up identical to before: {tokens() == reference}")
     t, fresh = timed(lambda: LLM(model, params=host, **ENGINE), 1)

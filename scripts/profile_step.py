@@ -122,15 +122,16 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
                                                                        use_native=False))
     print(f"{'batch':<30}{'step':>9}{'no attention':>14}{'attention':>11}{'lm_head':>9}{'sampler':>9}"
           + (f"{'jnp tiles':>12}{'xla dots':>10}" if xla else ""))
+    params, cache = runner.weights.params, runner.cache_engine
     for name, batch in cases.items():
         rows = batch.logits_indices.shape[0]
         step = jax.jit(functools.partial(model_step, ops=ops), donate_argnums=(1,))
-        full, (logits, runner.kv_cache) = timed(step, runner.params, runner.kv_cache, batch, donate=True)
+        full, (logits, cache.kv_cache) = timed(step, params, cache.kv_cache, batch, donate=True)
         bare = jax.jit(functools.partial(model_step, ops=no_attention), donate_argnums=(1,))
-        without, (_, runner.kv_cache) = timed(bare, runner.params, runner.kv_cache, batch, donate=True)
-        hidden = jnp.zeros((rows, cfg.hidden_size), runner.params["embed"].dtype)
+        without, (_, cache.kv_cache) = timed(bare, params, cache.kv_cache, batch, donate=True)
+        hidden = jnp.zeros((rows, cfg.hidden_size), params["embed"].dtype)
         head, _ = timed(jax.jit(functools.partial(models.compute_logits, cfg=cfg, native_kernels=True)),
-                        runner.params, hidden)
+                        params, hidden)
         arrays = jax.tree_util.tree_map(jnp.asarray, SamplingArrays.empty(rows))
         # The tables donated, as the engine's step donates them (else the timing includes a copy of the counts).
         draw = jax.jit(lambda logits, tables, arrays: sample(logits, arrays, tables), donate_argnums=(1,))
@@ -138,20 +139,20 @@ def profile(model: str, dtype: str, repeats: int, trace: str | None, quantizatio
         extra = ""
         if xla:
             tiled = jax.jit(functools.partial(model_step, ops=jnp_decode), donate_argnums=(1,))
-            old, (_, runner.kv_cache) = timed(tiled, runner.params, runner.kv_cache, batch, donate=True)
+            old, (_, cache.kv_cache) = timed(tiled, params, cache.kv_cache, batch, donate=True)
             rows_limit = kernel_ops.PROJECTION_MAX_ROWS
             # Read when the step below is traced: the C++ matmul takes no step.
             kernel_ops.PROJECTION_MAX_ROWS = {kind: ((frozenset(), 0),) for kind in rows_limit}
             try:
                 dots = jax.jit(functools.partial(model_step, ops=ops), donate_argnums=(1,))
-                xla_dots, (_, runner.kv_cache) = timed(dots, runner.params, runner.kv_cache, batch, donate=True)
+                xla_dots, (_, cache.kv_cache) = timed(dots, params, cache.kv_cache, batch, donate=True)
             finally:
                 kernel_ops.PROJECTION_MAX_ROWS = rows_limit
             extra = f"{old:>12.1f}{xla_dots:>10.1f}"
         print(f"{name:<30}{full:>9.1f}{without:>14.1f}{full - without:>11.1f}{head:>9.1f}{sampler:>9.1f}{extra}")
         if trace:
             with jax.profiler.trace(os.path.join(trace, f"{dtype}-{name.split(',')[0]}")):
-                timed(step, runner.params, runner.kv_cache, batch, donate=True)
+                timed(step, params, cache.kv_cache, batch, donate=True)
 
 
 def main() -> None:

@@ -107,7 +107,7 @@ def main() -> None:
     m = jax.tree_util.tree_map(jnp.zeros_like, params)
     v = jax.tree_util.tree_map(jnp.zeros_like, params)
     train_step = make_train_step(cfg, args.lr)
-    engine_programs = llm.engine.runner.num_compilations
+    engine_programs = llm.engine.runner.compile_stats.num_compilations
     print(f"stories260K, {len(PROMPTS)} prompts x {args.n} completions of {args.max_tokens} tokens, reward: "
           f"occurrences of {args.word!r}; Adam lr {args.lr}, {args.steps_per_iteration} steps per iteration")
     print(f"{'iter':>4} {'mean reward':>11} {'rollout tok/s':>13} {'update s':>8} {'compilations':>12} "
@@ -132,7 +132,7 @@ def main() -> None:
         update_s = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for c in completions)
         print(f"{it:>4} {reward.mean():>11.3f} {tokens / rollout_s:>13.1f} {update_s:>8.3f} "
-              f"{_compiles[0] - compiles:>12} {llm.engine.runner.num_compilations - engine_programs:>15}", flush=True)
+              f"{_compiles[0] - compiles:>12} {llm.engine.runner.compile_stats.num_compilations - engine_programs:>15}", flush=True)
     print(common.host_line(common.host_info()))
 
 

@@ -58,7 +58,7 @@ def top2_gap(llm, token_ids) -> float:
     (one fresh prefill of the model's forward pass, float32)."""
 
     blocks = len(token_ids) // 4 + 2
-    seq = SingleSequence(llm.engine.model_config, llm.engine.runner.params, num_blocks=blocks)
+    seq = SingleSequence(llm.engine.model_config, llm.engine.runner.weights.params, num_blocks=blocks)
     logits = seq.run(np.asarray(token_ids))[-1]
     top = np.sort(logits)[-2:]
     return float(top[1] - top[0])

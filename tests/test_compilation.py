@@ -81,7 +81,7 @@ def test_mixed_workload_after_warmup_triggers_zero_compilations(request, model, 
         num_kv_blocks=24, preemption_mode=preemption_mode, num_host_blocks=64, compilation_cache=None,
         precompile=True, **quant,
     )
-    compiled_at_warmup = engine.runner.num_compilations
+    compiled_at_warmup = engine.runner.compile_stats.num_compilations
     # Besides the steps: block copy, slot fill and slot rows (and swap out/in).
     assert compiled_at_warmup == len(engine.buckets) + (5 if preemption_mode == "swap" else 3)
     events_at_warmup = len(_EVENTS)
@@ -128,7 +128,7 @@ def test_mixed_workload_after_warmup_triggers_zero_compilations(request, model, 
     assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0
     assert aborted > 0
-    assert engine.runner.num_compilations == compiled_at_warmup
+    assert engine.runner.compile_stats.num_compilations == compiled_at_warmup
     assert _EVENTS[events_at_warmup:] == []
     assert stats.num_free_blocks == engine.num_blocks - 1
 

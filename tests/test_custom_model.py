@@ -131,13 +131,13 @@ def test_preempted_requests_of_the_registered_model_keep_the_dense_reference_tok
 def test_registered_model_steps_compile_nothing_after_warm_up(gptj_dir):
     llm = LLM(model=gptj_dir, **{**ENGINE, "precompile": True, "compilation_cache": None})
     runner = llm.engine.runner
-    compiled = runner.num_compilations
+    compiled = runner.compile_stats.num_compilations
     rng = np.random.default_rng(5)
     prompts = [SHARED + rng.integers(3, 500, size=int(n)).tolist() for n in rng.integers(1, 40, size=6)]
     params = [SamplingParams(temperature=float(t), top_k=int(k), seed=i, max_tokens=int(m), logprobs=2)
               for i, (t, k, m) in enumerate(zip(rng.uniform(0, 1.5, 6), rng.integers(0, 50, 6), rng.integers(1, 30, 6)))]
     llm.generate(prompts, params, use_tqdm=False)
-    assert compiled > 0 and runner.num_compilations == compiled
+    assert compiled > 0 and runner.compile_stats.num_compilations == compiled
 
 
 def test_llm_structured_output_constrains_the_registered_model(llm):

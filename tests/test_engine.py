@@ -158,11 +158,11 @@ def test_swap_out_in_a_step_without_rows_still_copies_the_blocks(stories_dir):
 
     engine = LLMEngine(stories_dir, preemption_mode="swap", num_host_blocks=4, num_kv_blocks=8, max_model_len=64,
                        precompile=False)
-    k, v = engine.runner.kv_cache
-    engine.runner.kv_cache = (k.at[:, 3].set(1.0), v.at[:, 3].set(2.0))
+    k, v = engine.runner.cache_engine.kv_cache
+    engine.runner.cache_engine.kv_cache = (k.at[:, 3].set(1.0), v.at[:, 3].set(2.0))
     out = SchedulerOutput(block_size=engine.config.block_size)
     out.block_copies = [BlockCopy(CopyKind.SWAP_OUT, 3, 1)]
     assert engine.core._launch(out, None).dispatched is None
-    host_k, host_v = engine.runner.host_pool
+    host_k, host_v = engine.runner.cache_engine.host_pool
     assert np.all(host_k[:, 1] == 1.0) and np.all(host_v[:, 1] == 2.0)
     assert np.all(host_k[:, 0] == 0.0) and np.all(host_k[:, 2:] == 0.0)

@@ -83,7 +83,7 @@ def test_config_is_gemma3_270m(llm):
             cfg.vocab_size) == ("gemma3_text", 18, 640, 4, 1, 256, 262144)
     assert cfg.sliding_windows == ((512,) * 5 + (None,)) * 3
     assert (cfg.rope.theta, cfg.local_rope.theta, cfg.attention_scale) == (1e6, 1e4, 256 ** -0.5)
-    assert llm.engine.runner.params["embed"].dtype == "float32"  # "auto" on CPU
+    assert llm.engine.runner.weights.params["embed"].dtype == "float32"  # "auto" on CPU
 
 
 def test_8_prompts_batched_give_hf_greedy_ids(outputs, hf_greedy, llm):

@@ -63,7 +63,7 @@ def test_the_tier_serves_lost_prefixes_with_the_same_greedy_tokens(extra):
 
 def test_kv_offloading_size_sizes_the_runner_host_pool_after_the_swap_pool():
     llm = LLM(model=str(STORIES), kv_offloading_size=TIER_GIB, preemption_mode="swap", num_host_blocks=8, **BASE)
-    k, v = llm.engine.runner.host_pool
+    k, v = llm.engine.runner.cache_engine.host_pool
     assert k.shape == v.shape == (5, 8 + 60, 16, 4, 8) and k.dtype == np.float32
     assert llm.engine.core.scheduler.block_pool.host_tier.base == 8
 
@@ -140,12 +140,12 @@ def test_multiturn_bench_runs_every_configuration_with_equal_answers(capsys):
 def test_the_tier_gives_the_same_greedy_tokens_and_compiles_nothing_after_warmup():
     without, _ = run()
     llm = LLM(model=str(STORIES), **{**BASE, "precompile": True}, kv_offloading_size=TIER_GIB)
-    compiled = llm.engine.runner.num_compilations
+    compiled = llm.engine.runner.compile_stats.num_compilations
     outputs = chat(llm)
     tier = llm.engine.core.scheduler.block_pool.host_tier
     assert outputs == without
     assert tier.num_loaded > 0
-    assert llm.engine.runner.num_compilations == compiled
+    assert llm.engine.runner.compile_stats.num_compilations == compiled
 
 
 def test_a_launch_whose_offload_writes_fail_forgets_them_and_serves_the_same_tokens():
@@ -153,7 +153,7 @@ def test_a_launch_whose_offload_writes_fail_forgets_them_and_serves_the_same_tok
     llm = LLM(model=str(STORIES), kv_offloading_size=TIER_GIB, **BASE)
     core = llm.engine.core
     sched, tier = core.scheduler, core.scheduler.block_pool.host_tier
-    step, finish, discard = core.step, core.runner.finish_swap_out, sched.discard_output
+    step, finish, discard = core.step, core.cache_engines.finish_swap_out, sched.discard_output
     forgotten = []
 
     def failing_finish(pending):
@@ -174,6 +174,6 @@ def test_a_launch_whose_offload_writes_fail_forgets_them_and_serves_the_same_tok
             assert "injected" in str(e)
             return step()
 
-    core.runner.finish_swap_out, sched.discard_output, core.step = failing_finish, discard_and_check, step_past_the_failure
+    core.cache_engines.finish_swap_out, sched.discard_output, core.step = failing_finish, discard_and_check, step_past_the_failure
     outputs = chat(llm)
     assert len(forgotten) == 1 and outputs == without and sched.prefix_cache_hits_host > 0

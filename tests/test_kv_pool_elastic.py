@@ -63,13 +63,13 @@ def test_compaction_in_the_middle_of_decoding_keeps_every_token_and_compiles_not
     llm = LLM(STORIES, async_scheduling=async_scheduling, **ENGINE)
     tokens = _start(llm)
     runner = llm.engine.runner
-    compiled, live = runner.num_compilations, _live_ids(llm)
+    compiled, live = runner.compile_stats.num_compilations, _live_ids(llm)
     assert live != list(range(1, len(live) + 1))  # a hole below a live block
     (report,) = llm.kv_cache_compact()
     assert report["num_moved_blocks"] > 0 and report["num_blocks"] == 48
     assert _live_ids(llm) == list(range(1, len(live) + 1))
     assert _finish(llm, tokens) == reference
-    assert runner.num_compilations == compiled
+    assert runner.compile_stats.num_compilations == compiled
     assert llm.engine.core.num_free_blocks() == 47
 
 
@@ -77,19 +77,19 @@ def test_shrink_and_grow_in_the_middle_of_decoding_keep_every_token_and_compile_
     llm = LLM(STORIES, **ENGINE)
     tokens = _start(llm)
     runner = llm.engine.runner
-    before, full = runner.num_compilations, llm.kv_cache_compact()[0]["kv_cache_bytes"]
+    before, full = runner.compile_stats.num_compilations, llm.kv_cache_compact()[0]["kv_cache_bytes"]
     (report,) = llm.kv_cache_resize(24)
     assert report["kv_cache_bytes"] * 2 == full  # half the blocks: half the device memory
     # The resize copy, the block copy program and the one step program built so far.
-    assert report["num_compilations"] == 3 == runner.num_compilations - before
-    assert runner.kv_cache[0].shape[1] == 24 and llm.engine.num_blocks == 24
+    assert report["num_compilations"] == 3 == runner.compile_stats.num_compilations - before
+    assert runner.cache_engine.kv_cache[0].shape[1] == 24 and llm.engine.num_blocks == 24
     assert llm.kv_cache_report()["num_blocks"] == 24 and max(_live_ids(llm)) < 24
     _collect(llm.engine.step(), tokens)
     (report,) = llm.kv_cache_resize(64)
-    assert report["num_moved_blocks"] == 0 and runner.kv_cache[1].shape[1] == 64
-    compiled = runner.num_compilations
+    assert report["num_moved_blocks"] == 0 and runner.cache_engine.kv_cache[1].shape[1] == 64
+    compiled = runner.compile_stats.num_compilations
     assert _finish(llm, tokens) == reference
-    assert runner.num_compilations == compiled
+    assert runner.compile_stats.num_compilations == compiled
     assert llm.engine.core.num_free_blocks() == 63
 
 
@@ -101,7 +101,7 @@ def test_a_shrink_below_the_blocks_in_use_is_refused_naming_both_and_requests_go
         llm.kv_cache_resize(3)
     with pytest.raises(ValueError, match="num_blocks=1 must be an int >= 2"):
         llm.kv_cache_resize(1)
-    assert llm.engine.runner.kv_cache[0].shape[1] == 48 and llm.engine.num_blocks == 48
+    assert llm.engine.runner.cache_engine.kv_cache[0].shape[1] == 48 and llm.engine.num_blocks == 48
     assert _finish(llm, tokens) == reference
     assert llm.engine.core.num_free_blocks() == 47
 
@@ -113,11 +113,11 @@ def test_the_draft_models_cache_is_resized_and_compacted_with_the_targets(refere
     core = llm.engine.core
     assert llm.kv_cache_compact()[0]["num_moved_blocks"] > 0
     (report,) = llm.kv_cache_resize(20)
-    assert core.drafter.kv_cache[0].shape[1] == core.runner.kv_cache[0].shape[1] == 20
+    assert core.drafter.cache_engine.kv_cache[0].shape[1] == core.runner.cache_engine.kv_cache[0].shape[1] == 20
     assert report["num_compilations"] == 6  # per runner: the resize copy, the block copy, the step program
-    compiled = core.runner.num_compilations + core.drafter.num_compilations
+    compiled = core.runner.compile_stats.num_compilations + core.drafter.compile_stats.num_compilations
     assert _finish(llm, tokens) == reference
-    assert core.runner.num_compilations + core.drafter.num_compilations == compiled
+    assert core.runner.compile_stats.num_compilations + core.drafter.compile_stats.num_compilations == compiled
     assert core.stats().spec_num_accepted_tokens > 0
 
 
@@ -132,28 +132,28 @@ def test_compaction_and_resize_are_refused_while_the_kv_cache_sleeps():
 
 
 def test_device_block_moves_with_chains_cycles_and_fan_out_act_as_if_every_source_were_read_first():
-    """``ModelRunner.move_blocks`` over the warm 16-block copy program: a 20-block cycle (broken through block 0),
+    """``CacheEngine.move_blocks`` over the warm 16-block copy program: a 20-block cycle (broken through block 0),
     a chain, a block read twice and 11 disjoint moves; each one-copy chunk is padded with its copy repeated, so
     the copy into block 0 is not raced by a (0, 0) pad."""
     import jax
     import numpy as np
 
     runner = LLM(STORIES, **ENGINE).engine.runner
-    compiled = runner.num_compilations
-    shape = runner.kv_cache[0].shape
+    compiled = runner.compile_stats.num_compilations
+    shape = runner.cache_engine.kv_cache[0].shape
     values = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
-    runner.kv_cache = tuple(jax.device_put(values * (i + 1), c.sharding) for i, c in enumerate(runner.kv_cache))
+    runner.cache_engine.kv_cache = tuple(jax.device_put(values * (i + 1), c.sharding) for i, c in enumerate(runner.cache_engine.kv_cache))
     cycle = [(i, i % 20 + 1) for i in range(1, 21)]
     chain = [(21, 22), (22, 23), (23, 24), (21, 25)]
     disjoint = [(26 + i, 47 - i) for i in range(0, 11)]
     pairs = cycle + chain + disjoint
-    runner.move_blocks(pairs)
+    runner.cache_engine.move_blocks(pairs)
     want = values.copy()
     for src, dst in pairs:
         want[:, dst] = values[:, src]
-    for i, c in enumerate(runner.kv_cache):
+    for i, c in enumerate(runner.cache_engine.kv_cache):
         np.testing.assert_array_equal(np.asarray(c)[:, 1:], want[:, 1:] * (i + 1))
-    assert runner.num_compilations == compiled
+    assert runner.compile_stats.num_compilations == compiled
 
 
 def test_a_shrink_to_one_block_more_than_in_use_swaps_requests_out_and_in_with_the_rebuilt_programs(reference):
@@ -162,6 +162,6 @@ def test_a_shrink_to_one_block_more_than_in_use_swaps_requests_out_and_in_with_t
     runner = llm.engine.runner
     (report,) = llm.kv_cache_resize(llm.kv_cache_report(block_map=False)["num_used_blocks"] + 1)
     assert report["num_compilations"] == 5  # the resize copy, block copy, swap out (gather), swap in (scatter), step
-    compiled = runner.num_compilations
+    compiled = runner.compile_stats.num_compilations
     assert _finish(llm, tokens) == reference
-    assert llm.engine.core.stats().num_preemptions > 0 and runner.num_compilations == compiled
+    assert llm.engine.core.stats().num_preemptions > 0 and runner.compile_stats.num_compilations == compiled

@@ -312,10 +312,10 @@ def test_start_up_log_says_the_dtype_auto_chose_on_cpu_and_the_cpus_instruction_
 
     engine = LLMEngine(stories_dir, dtype=dtype, num_kv_blocks=8, max_model_len=64, precompile=False,
                        compilation_cache=None)
-    assert engine.runner.kv_cache[0].dtype.name == "float32"
+    assert engine.runner.cache_engine.kv_cache[0].dtype.name == "float32"
     total = engine.param_bytes["total"] / 2**20
     # stories260K ties its float32 embedding: with the native kernels the engine holds it packed for the lm_head too.
-    panels = engine.runner.params.get(HEAD_PANELS)
+    panels = engine.runner.weights.params.get(HEAD_PANELS)
     assert (panels is not None) == cpu_build.available()
     packed = "" if panels is None else f" ({panels.nbytes / 2**20:.1f} MiB of them the tied embedding packed again " \
                                        "for the CPU lm_head)"

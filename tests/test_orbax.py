@@ -49,7 +49,7 @@ def test_gguf_round_trip_is_bit_identical_and_serves_token_ids(tmp_path):
 def test_bfloat16_conversion_restores_as_bfloat16(stories_dir, tmp_path):
     convert(stories_dir, tmp_path / "ckpt", dtype="bfloat16")
     restored = LLM(model=tmp_path / "ckpt", dtype="bfloat16", **ENGINE)
-    params = restored.engine.runner.params
+    params = restored.engine.runner.weights.params
     # On CPU the layer leaves are held as their uint16 bit patterns (models.loop_storage).
     assert {x.dtype.name for x in jax.tree_util.tree_leaves(jax.tree_util.tree_map(from_storage, params))} == {
         "bfloat16"}

@@ -233,13 +233,13 @@ def test_engine_prints_and_holds_int8_weights_in_a_quarter_of_their_float32_byte
     log = capfd.readouterr().err
     full, quantized = f32.param_bytes, int8.param_bytes
     assert quantized["quantized_as_float32"] == sum(
-        x.nbytes for k, x in f32.runner.params["layers"].items() if k in QUANTIZED_KEYS) + \
-        f32.runner.params["lm_head"].nbytes
+        x.nbytes for k, x in f32.runner.weights.params["layers"].items() if k in QUANTIZED_KEYS) + \
+        f32.runner.weights.params["lm_head"].nbytes
     # int8 values plus a float32 scale per output channel: (in + 4) / (4 * in), in = 64 or 128 here.
     assert 0.25 < quantized["quantized"] / quantized["quantized_as_float32"] < 0.27
     assert full["total"] - quantized["total"] == quantized["quantized_as_float32"] - quantized["quantized"]
     assert f"parameters: {quantized['total'] / 2**20:.1f} MiB ({quantized['quantized'] / 2**20:.1f} MiB of int8" in log
-    assert {x.dtype for k, x in int8.runner.params["layers"].items() if k in QUANTIZED_KEYS} == {np.dtype(np.int8)}
+    assert {x.dtype for k, x in int8.runner.weights.params["layers"].items() if k in QUANTIZED_KEYS} == {np.dtype(np.int8)}
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e4m3"])
@@ -260,8 +260,8 @@ def test_engine_with_an_fp8_cache_reports_twice_the_blocks_of_bf16(stories_dir, 
     assert (bf16.num_blocks, fp8.num_blocks) == (100, 200)
     assert "200 KV blocks of 8 tokens (float8_e4m3fn)" in capfd.readouterr().err
     # On CPU the float8 cache is held as its uint8 bits, with calibrated per-layer, per-head scales.
-    assert fp8.runner.kv_cache[0].dtype == np.uint8
-    k_scale = np.asarray(fp8.runner.params["layers"]["k_scale"])
+    assert fp8.runner.cache_engine.kv_cache[0].dtype == np.uint8
+    k_scale = np.asarray(fp8.runner.weights.params["layers"]["k_scale"])
     assert k_scale.shape == (fp8.model_config.num_layers, fp8.model_config.num_kv_heads)
     assert np.all(k_scale > 0) and np.all(k_scale < 1)
 

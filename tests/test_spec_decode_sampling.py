@@ -28,7 +28,7 @@ N_DRAWS = 20_000
 def compilation_cache():
     """The session's persistent compilation cache (the engines' own), so later runs load these programs."""
     from jaxllm.paths import cache_dir
-    from jaxllm.worker.model_runner import enable_persistent_compilation_cache
+    from jaxllm.worker.programs import enable_persistent_compilation_cache
 
     enable_persistent_compilation_cache(str(cache_dir() / "xla"))
 _verify = jax.jit(verify)

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxllm import SamplingParams
 from jaxllm.frontend.llm_engine import LLMEngine
-from jaxllm.worker import model_runner
+from jaxllm.worker import programs
 from tests.conftest import STORIES
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96, block_size=8, num_kv_blocks=48,
@@ -25,16 +25,16 @@ def _record_builds(engine: LLMEngine, times: list[float] | None = None) -> list[
     monotonic second each build starts)."""
     builds = []
     runner = engine.runner
-    compile_step = runner.compile_step
+    compile_step = runner.programs.compile_step
 
     def recording(shape, **kwargs):
-        if shape not in runner._steps:
+        if shape not in runner.programs._steps:
             builds.append((threading.current_thread().name, shape[0]))
             if times is not None:
                 times.append(time.monotonic())
         return compile_step(shape, **kwargs)
 
-    runner.compile_step = recording
+    runner.programs.compile_step = recording
     return builds
 
 
@@ -52,9 +52,9 @@ def _serve(engine: LLMEngine, prompts: list[list[int]], start: int) -> list[list
 def test_background_warmup_builds_two_buckets_first_and_never_compiles_on_the_serving_thread(tiny_llama_dir):
     engine = LLMEngine(tiny_llama_dir, **ENGINE)  # precompile="background" is the default
     tokens = engine.buckets.token_buckets
-    assert engine.runner.serving_buckets().token_buckets[-1] == tokens[-1]
+    assert engine.runner.programs.serving_buckets().token_buckets[-1] == tokens[-1]
     # The largest and the smallest of at least 16 tokens come first; 4 and 8 follow in the background.
-    assert {next(t for t in tokens if t >= 16), tokens[-1]} <= set(engine.runner.serving_buckets().token_buckets)
+    assert {next(t for t in tokens if t >= 16), tokens[-1]} <= set(engine.runner.programs.serving_buckets().token_buckets)
     builds = _record_builds(engine)
 
     rng = np.random.default_rng(0)
@@ -62,14 +62,14 @@ def test_background_warmup_builds_two_buckets_first_and_never_compiles_on_the_se
     during = _serve(engine, prompts, 0)
     assert all(name == "jaxllm-warmup" for name, _ in builds), builds
     assert engine.wait_for_warmup(timeout=600)
-    assert engine.runner.num_pending_programs() == 0
-    assert engine.runner.serving_buckets() is engine.buckets
+    assert engine.runner.programs.num_pending_programs() == 0
+    assert engine.runner.programs.serving_buckets() is engine.buckets
     built_in_background = len(builds)
     assert built_in_background <= len(tokens) - 2
 
     after = _serve(engine, prompts, 100)
     assert len(builds) == built_in_background  # warm: nothing more is built
-    assert engine.runner.num_compilations == len(engine.buckets) + 3  # + block copy, slot fill, slot rows
+    assert engine.runner.compile_stats.num_compilations == len(engine.buckets) + 3  # + block copy, slot fill, slot rows
 
     reference = LLMEngine(tiny_llama_dir, precompile=True, **ENGINE)
     want = _serve(reference, prompts, 0)
@@ -90,32 +90,32 @@ def test_lazy_mode_builds_only_the_buckets_steps_use_and_says_so_while_the_step_
 
 def test_background_warmup_builds_nothing_while_steps_run_and_the_rest_once_idle(tiny_llama_dir, monkeypatch):
     # Idle means no step for 2 s here (1 s by default): wide enough that no gap between this test's steps counts.
-    monkeypatch.setattr(model_runner, "IDLE_SECONDS", 2.0)
+    monkeypatch.setattr(programs, "IDLE_SECONDS", 2.0)
     engine = LLMEngine(tiny_llama_dir, **ENGINE)
     times: list[float] = []
     builds = _record_builds(engine, times)
-    pending = engine.runner.num_pending_programs()
+    pending = engine.runner.programs.num_pending_programs()
     assert pending > 0
     prompts = [[5 + i] * (4 + 5 * i) for i in range(10)]
     start = time.monotonic()
     for round_ in range(3):
         _serve(engine, prompts, 100 * round_)
     served = time.monotonic()
-    assert [t for t in times if t < served] == [] and engine.runner.num_pending_programs() == pending
+    assert [t for t in times if t < served] == [] and engine.runner.programs.num_pending_programs() == pending
     assert engine.wait_for_warmup(timeout=600)
     assert len(builds) == pending and all(name == "jaxllm-warmup" for name, _ in builds)
     assert times[0] - served >= 2.0 - 0.1 and served > start
 
 
 def test_background_warmup_builds_beside_an_engine_busy_past_the_grace_time(tiny_llama_dir, monkeypatch):
-    monkeypatch.setattr(model_runner, "IDLE_SECONDS", 600.0)
-    monkeypatch.setattr(model_runner, "BUSY_GRACE_SECONDS", 0.0)
+    monkeypatch.setattr(programs, "IDLE_SECONDS", 600.0)
+    monkeypatch.setattr(programs, "BUSY_GRACE_SECONDS", 0.0)
     engine = LLMEngine(tiny_llama_dir, **ENGINE)
     builds = _record_builds(engine)
     deadline = time.monotonic() + 600
-    while engine.runner.num_pending_programs() and time.monotonic() < deadline:
+    while engine.runner.programs.num_pending_programs() and time.monotonic() < deadline:
         _serve(engine, [[5, 6, 7, 8]], len(builds) * 10)
-    assert engine.runner.num_pending_programs() == 0
+    assert engine.runner.programs.num_pending_programs() == 0
     assert builds and all(name == "jaxllm-warmup" for name, _ in builds)
 
 
@@ -125,17 +125,17 @@ def test_process_with_a_background_warmup_in_progress_exits_within_2_s_of_its_la
     script = textwrap.dedent(f"""
         import threading, time
         from jaxllm import LLM, SamplingParams
-        from jaxllm.worker.model_runner import ModelRunner
-        compiled = ModelRunner._compiled
+        from jaxllm.worker.programs import CompileStats
+        compiled = CompileStats.compile
         def slow(self, *args):
             if threading.current_thread().name == "jaxllm-warmup":
                 time.sleep(5)
             return compiled(self, *args)
-        ModelRunner._compiled = slow
+        CompileStats.compile = slow
         llm = LLM({str(STORIES)!r}, compilation_cache=None, max_model_len=96, max_num_seqs=8,
                   max_num_batched_tokens=64, block_size=8, num_kv_blocks=48)
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        print(llm.engine.runner.num_pending_programs(), len(out[0].outputs[0].token_ids), time.time(), flush=True)
+        print(llm.engine.runner.programs.num_pending_programs(), len(out[0].outputs[0].token_ids), time.time(), flush=True)
         time.sleep(0.5)  # a script's own work after its last call
         print(time.time(), flush=True)
     """)

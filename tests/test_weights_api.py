@@ -113,14 +113,14 @@ def test_params_are_cast_to_the_engine_dtype_as_the_folder_is(host):
     assert _tokens(from_tree) == _tokens(from_folder)
     # On CPU the layer leaves are held as uint16 bits (float_bits_storage): an update converts them on the way in
     # and get_params back, with no step program built.
-    assert from_tree.engine.runner.float_bits_storage
-    compiled, tokens = from_tree.engine.runner.num_compilations, _tokens(from_tree)
+    assert from_tree.engine.runner.weights.float_bits_storage
+    compiled, tokens = from_tree.engine.runner.compile_stats.num_compilations, _tokens(from_tree)
     from_tree.update_weights(_perturbed(host))
     assert _tokens(from_tree) != tokens
     from_tree.update_weights(host)
     assert _tokens(from_tree) == tokens
     _assert_trees_equal(from_tree.get_params(), jax.device_get(from_folder.get_params()))
-    assert from_tree.engine.runner.num_compilations == compiled
+    assert from_tree.engine.runner.compile_stats.num_compilations == compiled
 
 
 def test_params_are_quantized_on_the_way_in_as_the_folder_is(host):
@@ -168,14 +168,14 @@ def test_a_bad_params_tree_is_refused_at_start_up_naming_the_leaf(host, change, 
 
 def test_update_weights_changes_outputs_and_updating_back_restores_them_exactly(restored, host, reference,
                                                                                  perturbed_llm):
-    compiled = restored.engine.runner.num_compilations
+    compiled = restored.engine.runner.compile_stats.num_compilations
     report = restored.update_weights({"layers": {"w_down": _perturbed(host)["layers"]["w_down"]}})
     assert report["num_leaves"] == 1 and report["num_bytes"] == host["layers"]["w_down"].nbytes
     assert _tokens(restored) == _tokens(perturbed_llm) != reference
     restored.update_weights(host)
     assert _tokens(restored) == reference
     _assert_trees_equal(restored.get_params(), host)
-    assert restored.engine.runner.num_compilations == compiled
+    assert restored.engine.runner.compile_stats.num_compilations == compiled
 
 
 def _live_bytes():
@@ -190,13 +190,13 @@ def _live_bytes():
 def test_an_update_holds_at_most_one_leaf_more_and_lets_the_old_weights_go(restored, host, monkeypatch):
     runner = restored.engine.runner
     largest = max(a.nbytes for a in flatten(host).values())
-    seen, set_param = [], runner.set_param
+    seen, set_param = [], runner.weights.set_param
 
     def watched(path, leaf):  # the new leaf is placed, the old one not yet let go: the peak of the update
         seen.append(_live_bytes())
         set_param(path, leaf)
 
-    monkeypatch.setattr(runner, "set_param", watched)
+    monkeypatch.setattr(runner.weights, "set_param", watched)
     before = _live_bytes()
     restored.update_weights(_perturbed(host))
     assert len(seen) == len(flatten(host)) and max(seen) <= before + largest
@@ -208,28 +208,28 @@ def test_an_update_of_the_tied_embedding_packs_the_lm_heads_panels_again(restore
     runner = restored.engine.runner
     pack = jax.jit(pack_nt_panels)
     # stories260K ties its [512, 64] float32 embedding: the engine holds it packed for the lm_head too.
-    np.testing.assert_array_equal(np.asarray(runner.params[HEAD_PANELS]), np.asarray(pack(host["embed"])))
-    compiled = runner.num_compilations
+    np.testing.assert_array_equal(np.asarray(runner.weights.params[HEAD_PANELS]), np.asarray(pack(host["embed"])))
+    compiled = runner.compile_stats.num_compilations
     embed = host["embed"][::-1].copy()  # every token's row moved: the logits move with it
     restored.update_weights({"embed": embed})
-    np.testing.assert_array_equal(np.asarray(runner.params[HEAD_PANELS]), np.asarray(pack(embed)))
+    np.testing.assert_array_equal(np.asarray(runner.weights.params[HEAD_PANELS]), np.asarray(pack(embed)))
     assert HEAD_PANELS not in restored.get_params()
     # The greedy tokens of an engine started on that embedding: stale panels would keep the old head's.
     fresh = LLM(STORIES, params={**host, "embed": embed}, **ENGINE)
     assert _tokens(restored) == _tokens(fresh) != reference
     restored.update_weights({"embed": host["embed"]})
-    assert _tokens(restored) == reference and runner.num_compilations == compiled
+    assert _tokens(restored) == reference and runner.compile_stats.num_compilations == compiled
 
 
 def test_update_weights_takes_device_arrays_and_flat_paths(restored, host, reference, perturbed_llm):
-    compiled = restored.engine.runner.num_compilations
+    compiled = restored.engine.runner.compile_stats.num_compilations
     device = jax.device_put(_perturbed(host)["layers"]["w_down"])
     restored.update_weights({"layers/w_down": device})
     assert _tokens(restored) == _tokens(perturbed_llm)
     # Any float dtype is cast to the engine's (float32 here).
     restored.update_weights({"layers/w_down": host["layers"]["w_down"].astype(np.float64)})
     assert _tokens(restored) == reference
-    assert restored.engine.runner.num_compilations == compiled
+    assert restored.engine.runner.compile_stats.num_compilations == compiled
 
 
 def test_a_prompt_sent_again_after_an_update_reads_no_kv_of_the_old_weights(restored, host, perturbed_llm):
@@ -260,9 +260,9 @@ def test_a_request_in_flight_recomputes_its_tokens_with_the_new_weights(host, pe
     old = _tokens(llm, [STORIES_SENTENCE], params)[0]
     engine.add_request("r", STORIES_SENTENCE, params)
     reported = _step_until(engine, "r", 5)
-    compiled = engine.runner.num_compilations
+    compiled = engine.runner.compile_stats.num_compilations
     assert engine.update_weights(_perturbed(host))["num_preempted"] == 1
-    assert engine.runner.num_compilations == compiled
+    assert engine.runner.compile_stats.num_compilations == compiled
     seq = engine.core.requests["r"].seqs[0]
     num_old = seq.num_output_tokens  # tokens of steps launched before the update, the one in flight included
     assert num_old >= len(reported) and engine.core.num_free_blocks() == engine.num_blocks - 1
@@ -271,7 +271,7 @@ def test_a_request_in_flight_recomputes_its_tokens_with_the_new_weights(host, pe
     prompt = llm.get_tokenizer().encode(STORIES_SENTENCE) + tokens[:num_old]
     continuation = _tokens(perturbed_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=16 - num_old))[0]
     assert tokens[num_old:] == continuation
-    assert engine.runner.num_compilations == compiled
+    assert engine.runner.compile_stats.num_compilations == compiled
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -305,34 +305,34 @@ def test_update_weights_from_path_reads_the_checkpoint(restored, host, reference
 
 def test_sleep_level_1_frees_the_kv_cache_and_wakes_with_identical_outputs_and_no_compilation(restored, reference):
     runner, core = restored.engine.runner, restored.engine.core
-    compiled = runner.num_compilations
-    kv_bytes = sum(c.nbytes for c in runner.kv_cache)
+    compiled = runner.compile_stats.num_compilations
+    kv_bytes = sum(c.nbytes for c in runner.cache_engine.kv_cache)
     param_bytes = core.param_bytes["total"]
     report = restored.sleep(level=1)[0]
     assert report["level"] == 1 and report["freed_bytes"] == kv_bytes + param_bytes
-    assert restored.is_sleeping() and runner.weights_state == "offloaded"
-    assert not any(isinstance(c, jax.Array) for c in runner.kv_cache)
+    assert restored.is_sleeping() and runner.weights.state == "offloaded"
+    assert not any(isinstance(c, jax.Array) for c in runner.cache_engine.kv_cache)
     with pytest.raises(EngineSleepingError, match="wake_up"):
         restored.generate(PROMPTS, GREEDY, use_tqdm=False)
     restored.wake_up()
     assert not restored.is_sleeping()
     assert _tokens(restored) == reference
-    assert runner.num_compilations == compiled
+    assert runner.compile_stats.num_compilations == compiled
 
 
 def test_a_partial_update_while_asleep_at_level_1_puts_the_host_copy_back_first(restored, host, perturbed_llm):
     restored.sleep(level=1)
     restored.update_weights({"layers": {"w_down": _perturbed(host)["layers"]["w_down"]}})
-    assert restored.engine.runner.weights_state == "device" and restored.is_sleeping()
+    assert restored.engine.runner.weights.state == "device" and restored.is_sleeping()
     restored.wake_up()
     assert _tokens(restored) == _tokens(perturbed_llm)
 
 
 def test_sleep_level_2_discards_the_weights_until_an_update_restores_them(restored, host, reference):
     runner = restored.engine.runner
-    compiled = runner.num_compilations
+    compiled = runner.compile_stats.num_compilations
     restored.sleep(level=2)
-    assert runner.weights_state == "discarded"
+    assert runner.weights.state == "discarded"
     with pytest.raises(RuntimeError, match="discarded"):
         restored.wake_up()
     with pytest.raises(ValueError, match="missing leaf 'embed'"):
@@ -343,13 +343,13 @@ def test_sleep_level_2_discards_the_weights_until_an_update_restores_them(restor
     assert restored.is_sleeping()
     restored.wake_up(tags=["kv_cache"])
     assert not restored.is_sleeping() and _tokens(restored) == reference
-    assert runner.num_compilations == compiled
+    assert runner.compile_stats.num_compilations == compiled
 
 
 def test_sleep_level_2_after_level_1_discards_the_host_copy(restored, host, reference):
     restored.sleep(level=1)
     restored.sleep(level=2)
-    assert restored.engine.runner.weights_state == "discarded"
+    assert restored.engine.runner.weights.state == "discarded"
     restored.update_weights(host)
     restored.wake_up()
     assert _tokens(restored) == reference
@@ -527,10 +527,10 @@ def test_an_update_of_the_target_keeps_the_draft_model_and_greedy_tokens_exact(h
     """Only the target's weights change; greedy verification keeps the target's tokens whatever the drafts."""
     spec = {"method": "draft_model", "model": str(STORIES), "num_speculative_tokens": 2}
     llm = LLM(STORIES, params=host, speculative_config=spec, enable_sleep_mode=True, **ENGINE)
-    draft = flatten(llm.engine.core.drafter.params)
+    draft = flatten(llm.engine.core.drafter.weights.params)
     llm.update_weights(_perturbed(host))
     assert _tokens(llm) == _tokens(perturbed_llm)
-    assert all(a is draft[p] for p, a in flatten(llm.engine.core.drafter.params).items())
+    assert all(a is draft[p] for p, a in flatten(llm.engine.core.drafter.weights.params).items())
     llm.sleep(level=1)
     llm.wake_up()
     assert _tokens(llm) == _tokens(perturbed_llm)

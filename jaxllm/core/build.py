@@ -29,7 +29,8 @@ from jaxllm.tokenizer import load_tokenizer
 from jaxllm.worker.host_malloc import tune_host_malloc
 from jaxllm.worker.kv_cache import (KV_QUANT_DTYPES, bytes_per_block, calibrate_kv_scales, calibration_ids,
                                     fit_max_model_len, kv_number_dtype, resolve_num_blocks, split_kv_budget)
-from jaxllm.worker.model_runner import ModelRunner, enable_persistent_compilation_cache
+from jaxllm.worker.model_runner import ModelRunner
+from jaxllm.worker.programs import enable_persistent_compilation_cache
 from jaxllm.worker.quantization import weight_quantization
 from jaxllm.worker.sharding import ModelSharding, make_mesh
 from jaxllm.worker.weights import flatten, layout_of, place_leaf, prepare_params, unflatten
@@ -45,10 +46,8 @@ def resolve_dtype(name: str) -> Any:
     """The compute dtype of ``EngineConfig.dtype``: "auto" is float32 on CPU and bfloat16 on accelerators; other
     names map directly (numpy / ml_dtypes types).
 
-    On CPU float32 is exact against HF and measured at least as fast as bfloat16 whatever the instruction sets
-    (``kernels_pallas.cpu_features``): without AVX-512-BF16 bfloat16 was slower (51.6 against 60.5 output tok/s on an
-    AVX2 EPYC, issue 28), and with it the two were within noise (SmolLM2-135M, ``scripts/profile_step.py``:
-    48-row decode 120 against 116 ms, 512-token prefill 340 against 362 ms, 2026-12-01)."""
+    On CPU float32 is exact against HF and at least as fast as bfloat16 whatever the instruction sets
+    (``docs/design/worker.md`` has the figures)."""
     if name == "auto":
         return np.float32 if jax.default_backend() == "cpu" else ml_dtypes.bfloat16
     return _DTYPES[name]
@@ -204,10 +203,11 @@ def build_drafter(config: EngineConfig, target: ModelRunner, *, mesh: jax.shardi
                          f"{cfg.max_position_embeddings}, below max_model_len={max_model_len}")
     ops = sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
     return DraftRunner(
-        cfg, params, num_speculative_tokens=spec.num_speculative_tokens, num_blocks=target.num_blocks,
-        block_size=config.block_size, dtype=target.dtype, ops=ops, buckets=target.buckets, sharding=sharding,
-        num_host_blocks=config.num_host_blocks, num_offload_blocks=target.num_offload_blocks,
-        max_model_len=max_model_len, float_bits_storage=target.float_bits_storage, num_positions=target.num_positions,
+        cfg, params, num_speculative_tokens=spec.num_speculative_tokens, num_positions=target.num_positions,
+        num_blocks=target.cache_engine.num_blocks, block_size=config.block_size, dtype=target.dtype, ops=ops,
+        buckets=target.buckets, sharding=sharding, num_host_blocks=config.num_host_blocks,
+        num_offload_blocks=target.cache_engine.num_offload_blocks,
+        float_bits_storage=target.weights.float_bits_storage,
     )
 
 
@@ -219,11 +219,12 @@ def warm_up(core: EngineCore) -> None:
         logger.info("step programs are built on first use (precompile=False)")
         return
     for r in [core.runner] + ([core.drafter] if core.drafter is not None else []):
-        seconds = r.warmup(swap=config.preemption_mode == "swap" or r.num_offload_blocks > 0, background=config.precompile == "background")
-        pending = r.num_pending_programs()
-        logger.info(f"built {r.num_compilations} {'draft model ' if r is core.drafter else ''}programs in "
-                    f"{seconds:.1f} s: {r.num_compilations - r.num_cache_hits} compiled ({r.compile_seconds:.1f} s), "
-                    f"{r.num_cache_hits} loaded from the persistent cache ({r.cache_load_seconds:.1f} s)"
+        seconds = r.warmup(swap=config.preemption_mode == "swap" or r.cache_engine.num_offload_blocks > 0,
+                           background=config.precompile == "background")
+        pending, c = r.programs.num_pending_programs(), r.compile_stats
+        logger.info(f"built {c.num_compilations} {'draft model ' if r is core.drafter else ''}programs in "
+                    f"{seconds:.1f} s: {c.num_compilations - c.num_cache_hits} compiled ({c.compile_seconds:.1f} s), "
+                    f"{c.num_cache_hits} loaded from the persistent cache ({c.cache_load_seconds:.1f} s)"
                     + (f"; {pending} more building in the background" if pending else ""))
 
 
@@ -231,7 +232,7 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
     pb, b = core.param_bytes, core.buckets
     quantized = (f" ({pb['quantized'] / 2**20:.1f} MiB of {quantization} weights and scales, "
                  f"{pb['quantized_as_float32'] / 2**20:.1f} MiB as float32)" if pb["quantized"] else "")
-    panels = core.runner.params.get(HEAD_PANELS)
+    panels = core.runner.weights.params.get(HEAD_PANELS)
     packed = (f" ({panels.nbytes / 2**20:.1f} MiB of them the tied embedding packed again for the CPU lm_head)"
               if panels is not None else "")
     on_cpu = core.sharding.mesh.devices.flat[0].platform == "cpu"
@@ -243,7 +244,7 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
                 f"{list(b.width_buckets)}); {core.num_blocks} KV blocks of {core.config.block_size} tokens "
                 f"({core.kv_cache_dtype.name}); attention {backend}; tensor parallel "
                 f"{core.sharding.tensor_parallel_size}")
-    pool = core.runner.compressed
+    pool = core.runner.cache_engine.compressed
     if pool is not None:
         config = core.config
         logger.info(f"KV compression ({config.kv_cache_compression}): {pool.k.shape[1]} compressed blocks beside "

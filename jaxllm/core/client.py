@@ -108,7 +108,7 @@ class InprocClient:
         self.core.preload_prefixes(prompts)
 
     def shutdown(self) -> None:
-        self.core.runner.stop_warmup()
+        self.core.runner.programs.stop_warmup()
 
 
 def write_params_file(params: Any, folder: str) -> str:

@@ -54,6 +54,7 @@ from jaxllm.sample.slots import SamplingSlots, make_sequence_sampling
 from jaxllm.spec_decode import NgramProposer
 from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
+from jaxllm.worker.kv_cache import CacheEngines
 from jaxllm.worker.model_runner import ModelRunner, StepOutput
 from jaxllm.worker.quantization import param_bytes
 from jaxllm.worker.sharding import ModelSharding
@@ -103,7 +104,7 @@ class EngineCore:
 
     Args:
       config: the ``EngineConfig``.
-      runner: the target model's ``ModelRunner`` (its parameters, KV cache and bucket table).
+      runner: the target model's ``ModelRunner`` (its weight store, KV cache and program table).
       sharding: the replica's ``ModelSharding``.
       max_model_len: the resolved ``max_model_len``.
       kv_cache_dtype: numpy dtype of the KV cache's numbers (int8 or float8_e4m3fn when quantized).
@@ -115,6 +116,8 @@ class EngineCore:
     Attributes:
       scheduler, runner, drafter, proposer, structured, slots, sharding, max_model_len, kv_cache_dtype:
         as given or built from them. model_config, buckets, num_blocks, dtype: the runner's.
+      cache_engines: the runners' KV caches (``worker.kv_cache.CacheEngines``, the target's first): every block
+        copy, swap, compaction and sleep of the KV is one call on it.
       requests: the record of each request by its id (``jaxllm.core.requests.CoreRequest``).
       param_bytes: ``jaxllm.worker.quantization.param_bytes`` of the parameters on the devices (the lm_head's
         packed embedding, ``kernels_pallas.ops.HEAD_PANELS``, included).
@@ -133,14 +136,17 @@ class EngineCore:
         self.config, self.runner, self.sharding, self.drafter, self.proposer = config, runner, sharding, drafter, proposer
         self.max_model_len, self.kv_cache_dtype, self.structured = max_model_len, np.dtype(kv_cache_dtype), structured
         self.core_index = core_index
-        self.model_config, self.buckets, self.num_blocks, self.dtype = runner.cfg, runner.buckets, runner.num_blocks, runner.dtype
-        self.param_bytes = param_bytes(runner.params)
+        self.model_config, self.buckets, self.dtype = runner.cfg, runner.buckets, runner.dtype
+        self.num_blocks = runner.cache_engine.num_blocks
+        self.param_bytes = param_bytes(runner.weights.params)
         self._runners = [runner] + ([drafter] if drafter is not None else [])
+        self.cache_engines = CacheEngines([r.cache_engine for r in self._runners])
         self.slots = SamplingSlots(config.max_num_seqs + 1, self.model_config.vocab_size, runner)
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
-        num_compressed = 0 if runner.compressed is None else runner.compressed.k.shape[1]
+        cache = runner.cache_engine
+        num_compressed = 0 if cache.compressed is None else cache.compressed.k.shape[1]
         self.scheduler = scheduler_cls(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=max_model_len,
-                                                               num_offload_blocks=runner.num_offload_blocks,
+                                                               num_offload_blocks=cache.num_offload_blocks,
                                                                num_compressed_blocks=num_compressed))
         # Seconds the engine loop spent on the host tier's copies: device -> host (offloads: dispatching their
         # gathers, then writing the host pool while the step runs), host -> device (loads, dispatch only); and of
@@ -148,7 +154,7 @@ class EngineCore:
         self.offload_seconds = [0.0, 0.0]
         self.offload_write_seconds = 0.0
         # Bytes one host-tier block copy moves: K and V of every layer, of every runner.
-        self._offload_block_bytes = sum(2 * r.host_pool[0][:, 0].nbytes for r in self._runners if r.host_pool is not None)
+        self._offload_block_bytes = self.cache_engines.host_block_bytes
         self.requests: dict[str, CoreRequest] = {}
         self.kv_events = make_publisher(config.kv_events_config, core_index)
         # Records whose prompt is not scheduled yet, and sequences holding a prompt-logprobs tracker: most steps
@@ -189,7 +195,7 @@ class EngineCore:
           True once nothing is left to build; False if ``timeout`` seconds passed first.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        return all([r.wait_for_warmup(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return all([r.programs.wait_for_warmup(None if deadline is None else max(0.0, deadline - time.monotonic()))
                     for r in self._runners])
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
@@ -347,8 +353,8 @@ class EngineCore:
     # ------------------------------------------------------------ weights and sleep (between steps)
 
     def get_params(self) -> Any:
-        """The target model's parameters, device arrays with their shardings (``ModelRunner.get_params``)."""
-        return self.runner.get_params()
+        """The target model's parameters, device arrays with their shardings (``WeightStore.get_params``)."""
+        return self.runner.weights.get_params()
 
     def host_params(self) -> dict[str, Any]:
         """:meth:`get_params` copied to the host, encoded for another process (``messages.encode_params``)."""
@@ -360,7 +366,7 @@ class EngineCore:
         ``params`` is checked first (``jaxllm.worker.weights.prepare_params``: any subset of the leaves, or all of
         them after ``sleep(level=2)``). Then the step in flight finishes with the old weights (its tokens are
         reported by the next step), each leaf is placed into the sharding the programs were compiled for and
-        swapped in, the old array let go at once (``ModelRunner.set_param``), and the KV computed with the old
+        swapped in, the old array let go at once (``WeightStore.set_param``), and the KV computed with the old
         weights is dropped: the prefix cache is reset and every unfinished request is preempted for recompute
         (``Scheduler.reset_prefix_cache``), so its tokens so far are computed again by the new weights before it
         samples its next one. The draft model (speculative decoding) keeps its weights. A quantized KV cache keeps
@@ -373,20 +379,20 @@ class EngineCore:
           ValueError: a leaf that is unknown, missing or of the wrong shape or dtype (``prepare_params``); the
             engine is unchanged then.
         """
-        runner = self.runner
-        flat = prepare_params(params, runner.param_layout(), partial=runner.weights_state != "discarded")
+        weights = self.runner.weights
+        flat = prepare_params(params, weights.param_layout(), partial=weights.state != "discarded")
         self._settle()
-        if runner.weights_state == "offloaded":
-            runner.restore_params()
-        layout = runner.param_layout()
+        if weights.state == "offloaded":
+            weights.restore()
+        layout = weights.param_layout()
         num_leaves, num_bytes = len(flat), 0
         for path in list(flat):
             leaf = place_leaf(flat.pop(path), layout[path].sharding)
             num_bytes += leaf.nbytes
-            runner.set_param(path, leaf)
+            weights.set_param(path, leaf)
         preempted = self._drop_kv_state()
-        self.param_bytes = param_bytes(runner.params)
-        if runner.weights_state == "device":
+        self.param_bytes = param_bytes(weights.params)
+        if weights.state == "device":
             self._asleep.discard("weights")
         return {"num_leaves": num_leaves, "num_bytes": num_bytes, "num_preempted": preempted}
 
@@ -437,7 +443,7 @@ class EngineCore:
         device = self.sharding.mesh.devices.flat[0]
         before = device_bytes_in_use(device)
         self.scheduler.reset_prefix_cache()
-        freed = sum(r.release_kv_cache() for r in self._runners) + self.runner.release_params(offload=level == 1)
+        freed = self.cache_engines.release() + self.runner.weights.release(offload=level == 1)
         self._asleep, self._sleep_level = {"weights", "kv_cache"}, level
         return {"level": level, "freed_bytes": freed, "device_bytes_before": before,
                 "device_bytes_after": device_bytes_in_use(device)}
@@ -456,11 +462,10 @@ class EngineCore:
         if unknown:
             raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; the tags are 'weights' and 'kv_cache'")
         if "weights" in tags and "weights" in self._asleep:
-            self.runner.restore_params()
+            self.runner.weights.restore()
             self._asleep.discard("weights")
         if "kv_cache" in tags:
-            for r in self._runners:
-                r.allocate_kv_cache()
+            self.cache_engines.allocate()
             self._asleep.discard("kv_cache")
 
     def is_sleeping(self) -> bool:
@@ -488,7 +493,7 @@ class EngineCore:
         self._settle()
         self._need_kv_cache("kv_cache_compact")
         moves = self.scheduler.compact_kv_cache()
-        self._move_blocks(moves)
+        self.cache_engines.move_blocks(moves)
         return self._pool_report(len(moves), start)
 
     def kv_cache_resize(self, num_blocks: int) -> dict[str, Any]:
@@ -513,7 +518,7 @@ class EngineCore:
         sched = self.scheduler
         sched.check_resize(num_blocks)
         moves = sched.compact_kv_cache(num_blocks) if num_blocks < sched.block_pool.num_blocks else []
-        self._move_blocks(moves)
+        self.cache_engines.move_blocks(moves)
         compiled = sum(r.resize_kv_cache(num_blocks) for r in self._runners)
         sched.resize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
@@ -523,16 +528,11 @@ class EngineCore:
         if "kv_cache" in self._asleep:
             raise RuntimeError(f"{what}: the KV cache sleeps; wake_up() first")
 
-    def _move_blocks(self, moves: list[tuple[int, int]]) -> None:
-        for runner in self._runners:
-            runner.move_blocks(moves)
-        jax.block_until_ready([r.kv_cache for r in self._runners])
-
     def _pool_report(self, num_moved: int, start: float) -> dict[str, Any]:
         pool = self.scheduler.block_pool
         return {"num_moved_blocks": num_moved, "num_blocks": pool.num_blocks,
                 "num_used_blocks": pool.num_blocks - pool.num_free_blocks,
-                "kv_cache_bytes": sum(c.nbytes for r in self._runners for c in r.kv_cache),
+                "kv_cache_bytes": self.cache_engines.nbytes,
                 "seconds": time.perf_counter() - start}
 
     def _settle(self) -> None:
@@ -605,29 +605,29 @@ class EngineCore:
         return outputs
 
     def _copy_blocks(self, copies: Sequence[BlockCopy]) -> list[list]:
-        """Do ``copies`` (a ``SchedulerOutput.block_copies``, in ``CopyKind`` order) on every runner, in order,
+        """Do ``copies`` (a ``SchedulerOutput.block_copies``, in ``CopyKind`` order) on every runner's cache, in order,
         except that the host tier's offloads are only gathered on the device: their host writes are returned, one
         list per runner, for :meth:`_write_offloads` once the step is dispatched (no load of the step reads a slot
         it writes). The tier's copies are timed."""
         runs = [(kind, [(c.src, c.dst) for c in run]) for kind, run in itertools.groupby(copies, lambda c: c.kind)]
         pending = []
-        for runner in self._runners:
+        for cache in self.cache_engines.caches:
             pending.append([])
             for kind, pairs in runs:
                 start = time.perf_counter()
                 if kind is CopyKind.COMPRESS:
                     # Only the target model's: kv_cache_compression refuses a draft model.
-                    if runner is self.runner:
-                        runner.compress_blocks(pairs)
+                    if cache is self.cache_engines.caches[0]:
+                        cache.compress_blocks(pairs)
                 elif kind is CopyKind.SWAP_OUT:
-                    runner.swap_out(pairs)
+                    cache.swap_out(pairs)
                 elif kind is CopyKind.OFFLOAD:
-                    pending[-1] = runner.start_swap_out(pairs)
+                    pending[-1] = cache.start_swap_out(pairs)
                     self.offload_seconds[0] += time.perf_counter() - start
                 elif kind is CopyKind.COPY:
-                    runner.copy_blocks(pairs)
+                    cache.copy_blocks(pairs)
                 else:
-                    runner.swap_in(pairs)
+                    cache.swap_in(pairs)
                     if kind is CopyKind.LOAD:
                         self.offload_seconds[1] += time.perf_counter() - start
         return pending
@@ -638,8 +638,7 @@ class EngineCore:
         if not any(pending):
             return
         start = time.perf_counter()
-        for runner, writes in zip(self._runners, pending):
-            runner.finish_swap_out(writes)
+        self.cache_engines.finish_swap_out(pending)
         seconds = time.perf_counter() - start
         self.offload_seconds[0] += seconds
         self.offload_write_seconds += seconds
@@ -675,9 +674,9 @@ class EngineCore:
 
     def _serving_buckets(self) -> BucketTable:
         """The buckets a step may use now: during a background warm-up, those whose programs every runner has."""
-        buckets = self.runner.serving_buckets()
+        buckets = self.runner.programs.serving_buckets()
         if self.drafter is not None:
-            ready = set(self.drafter.serving_buckets().token_buckets) & set(buckets.token_buckets)
+            ready = set(self.drafter.programs.serving_buckets().token_buckets) & set(buckets.token_buckets)
             buckets = BucketTable(tuple(sorted(ready)), buckets.seq_buckets, buckets.width_buckets)
         return buckets
 
@@ -825,8 +824,9 @@ class EngineCore:
             num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks, kv_live_slots=live,
             kv_allocated_slots=allocated, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            compilations=sum(r.num_compilations for r in self._runners),
-            num_preempted_waiting=s.num_preempted_waiting, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+            compilations=sum(r.compile_stats.num_compilations for r in self._runners),
+            num_preempted_waiting=s.num_preempted_waiting, max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
             prompt_len_cv=self._prompt_len_cv(), schedule_seconds=schedule_seconds,
             num_scheduled_tokens=num_scheduled_tokens, num_waiting_for_grammar=s.num_waiting_for_fsm,
             grammar_bitmask_seconds=grammar_bitmask_seconds, spec_num_drafts=self._spec_counts[0],

@@ -130,7 +130,8 @@ class LLMEngine(FrontEnd):
         return reports
 
     def get_params(self) -> dict[str, Any]:
-        """The weights the engine runs (``param_layout``'s layout): device arrays, or host copies from a core process.
+        """The weights the engine runs, in ``jaxllm.models.param_layout``'s layout: the device arrays with their
+        shardings (``WeightStore.get_params``), or, from a core in another process, host numpy copies of core 0's.
 
         Raises:
           RuntimeError: the weights sleep.

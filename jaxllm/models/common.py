@@ -473,7 +473,7 @@ def with_head_panels(params: Params, cfg: ModelConfig) -> Params:
     """``params`` prepared for the engine's lm_head: where it is the tied embedding (unquantized), the ops table's
     ``with_lm_head_panels`` adds the embedding packed for the CPU kernel where that kernel takes it; else
     ``params`` itself (the same dict). A new embedding needs them packed again (the engine's
-    ``ModelRunner.set_param`` does). Raises nothing."""
+    ``WeightStore.set_param`` does). Raises nothing."""
     embed = params.get("embed")
     if not cfg.tie_word_embeddings or embed is None or "lm_head_scale" in params:
         return params

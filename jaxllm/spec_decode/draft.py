@@ -29,9 +29,12 @@ import numpy as np
 from jaxllm.models import AttentionOps, KVCache, Params, forward, hidden_states
 from jaxllm.models.config import ModelConfig
 from jaxllm.sample.sampler import SamplerOutput, argmax_rows
-from jaxllm.worker.model_runner import ModelRunner
+from jaxllm.worker.kv_cache import CacheEngine, storage_dtype
+from jaxllm.worker.programs import CompileStats, ProgramTable
+from jaxllm.worker.sharding import ModelSharding
 from jaxllm.worker.step_batch import StepBatch
-from scheduler import BatchDescriptor
+from jaxllm.worker.weights import WeightStore
+from scheduler import BatchDescriptor, BucketTable
 
 
 def propose(params: Params, kv_cache: KVCache, batch: StepBatch, tokens: jax.Array, num_emitted: jax.Array, *,
@@ -82,39 +85,61 @@ def propose(params: Params, kv_cache: KVCache, batch: StepBatch, tokens: jax.Arr
     return drafts.T, kv_cache
 
 
-class DraftRunner(ModelRunner):
-    """The draft model's parameters, KV cache and compiled :func:`propose` steps.
+def _propose_arguments(shape: tuple[int, int, int], *, weights: WeightStore, cache: CacheEngine, num_positions: int,
+                       replicated: jax.sharding.Sharding) -> tuple:
+    """Abstract ``(params, kv_cache, batch, tokens, num_emitted)`` of bucket ``shape``, as
+    :meth:`DraftRunner.propose_async` passes."""
+    s = shape[1]
+    return (weights.abstract(), cache.abstract()[0], StepBatch.abstract(shape, replicated),
+            jax.ShapeDtypeStruct((s, num_positions), np.int32, sharding=replicated),
+            jax.ShapeDtypeStruct((s,), np.int32, sharding=replicated))
 
-    A ``ModelRunner`` (so warm-up, background building, compile counting and
-    the block copies and swaps are the target's) whose step is
-    :func:`propose`. Give it the target's ``num_blocks``, ``block_size``,
-    ``buckets`` and ``num_host_blocks``; ``cfg``/``params``/``ops``/``sharding``
-    are the draft model's.
+
+class DraftRunner:
+    """The draft model's weight store, KV cache and program table of compiled :func:`propose` steps.
+
+    Its KV cache has the target's block ids, so it takes the target's ``num_blocks``, ``block_size``, ``buckets``,
+    ``num_host_blocks`` and ``num_offload_blocks``; ``cfg``/``params``/``ops``/``sharding`` are the draft model's.
 
     Args:
       num_speculative_tokens: drafts per row, K.
       num_positions: the target's positions per row, ``1 + K``.
-      **kwargs: as ``ModelRunner``.
+      dtype: the compute dtype, also the KV cache's.
+      float_bits_storage: as ``ModelRunner``'s.
+
+    Attributes:
+      cfg, ops, dtype, buckets, num_speculative_tokens, num_positions: as given.
+      weights, cache_engine, programs, compile_stats: as ``ModelRunner``'s.
     """
 
-    WARMUP_OPS = ("copy",)
+    def __init__(self, cfg: ModelConfig, params: Params, *, num_speculative_tokens: int, num_positions: int,
+                 num_blocks: int, block_size: int, dtype: Any, ops: AttentionOps, buckets: BucketTable,
+                 sharding: ModelSharding, num_host_blocks: int = 0, num_offload_blocks: int = 0,
+                 float_bits_storage: bool = False):
+        self.cfg, self.ops, self.dtype, self.buckets = cfg, ops, dtype, buckets
+        self.num_speculative_tokens, self.num_positions = num_speculative_tokens, num_positions
+        self._replicated = sharding.replicated
+        self.compile_stats = CompileStats()
+        self.weights = WeightStore(cfg, params, float_bits_storage=float_bits_storage)
+        self.cache_engine = CacheEngine(cfg, num_blocks=num_blocks, block_size=block_size,
+                                        dtype=storage_dtype(dtype, float_bits_storage), sharding=sharding,
+                                        stats=self.compile_stats, num_host_blocks=num_host_blocks,
+                                        num_offload_blocks=num_offload_blocks)
+        step_fn = jax.jit(functools.partial(propose, cfg=cfg, ops=ops, num_speculative_tokens=num_speculative_tokens),
+                          donate_argnums=(1,), out_shardings=(self._replicated, self.cache_engine.sharding()))
+        arguments = functools.partial(_propose_arguments, weights=self.weights, cache=self.cache_engine,
+                                      num_positions=num_positions, replicated=self._replicated)
+        self.programs = ProgramTable(buckets, step_fn, arguments, self.compile_stats)
 
-    def __init__(self, cfg: ModelConfig, params: Params, *, num_speculative_tokens: int, **kwargs: Any):
-        self.num_speculative_tokens = num_speculative_tokens
-        super().__init__(cfg, params, **kwargs)
+    def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> float:
+        """Build every bucket's step program, the block-copy program, and with ``swap`` the swap-out/in ones
+        (``ProgramTable.warmup``). Returns the seconds spent."""
+        return self.programs.warmup(functools.partial(self.cache_engine.warmup, swap), progress=progress,
+                                    background=background)
 
-    def _jit_step(self) -> Any:
-        fn = functools.partial(propose, cfg=self.cfg, ops=self.ops, num_speculative_tokens=self.num_speculative_tokens)
-        return jax.jit(fn, donate_argnums=(1,), out_shardings=(self._replicated, self._kv_sharding))
-
-    def step_arguments(self, shape: tuple[int, int, int]) -> tuple:
-        """Abstract ``(params, kv_cache, batch, tokens, num_emitted)`` of bucket ``shape``, as :meth:`propose_async` passes."""
-        s = shape[1]
-        rep = self._replicated
-        return super().step_arguments(shape)[:3] + (
-            jax.ShapeDtypeStruct((s, self.num_positions), np.int32, sharding=rep),
-            jax.ShapeDtypeStruct((s,), np.int32, sharding=rep),
-        )
+    def resize_kv_cache(self, num_blocks: int) -> int:
+        """As ``ModelRunner.resize_kv_cache``: returns the programs built."""
+        return self.programs.rebuild_after(functools.partial(self.cache_engine.resize, num_blocks))
 
     def propose_async(self, batch: BatchDescriptor, target_out: SamplerOutput) -> jax.Array:
         """Launch the draft step after the target's on ``batch``; returns the drafts int32[S, K] on the device.
@@ -124,9 +149,9 @@ class DraftRunner(ModelRunner):
           target_out: the target step's sampler outputs (``token_ids [S, P]`` and ``num_emitted [S]``, on the
             device).
         """
-        exe = self.compile_step(batch.shape, announce=self._ready_tokens is None)
-        self._note_dispatch()
+        exe = self.programs.step_program(batch.shape)
         device_batch = jax.device_put(StepBatch.from_descriptor(batch), self._replicated)
-        drafts, self.kv_cache = exe(self.params, self.kv_cache, device_batch, target_out.token_ids,
-                                    target_out.num_emitted)
+        cache = self.cache_engine
+        drafts, cache.kv_cache = exe(self.weights.params, cache.kv_cache, device_batch, target_out.token_ids,
+                                     target_out.num_emitted)
         return drafts

@@ -1,2 +1,2 @@
-"""The device side: the model runner and its compiled programs, the paged KV cache, sharding over the mesh and
-weight quantization. Pure functions over pytrees and the arrays they run on; no scheduling here."""
+"""The device side: the model runner and the three parts it composes (a program table, a KV cache, a weight store),
+sharding over the mesh and weight quantization. No scheduling here."""

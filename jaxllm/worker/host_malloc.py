@@ -4,10 +4,9 @@ Each step of XLA's CPU backend allocates its buffers (the lm_head's logits, ``[r
 192 rows of SmolLM2) and frees them when it ends. glibc serves an allocation that large with a fresh ``mmap`` (its
 mmap threshold adapts up to 32 MiB, no further) or, in the per-thread arenas of XLA's worker threads, a fresh heap
 that is unmapped again when it empties; either way the next step faults every page back in and the kernel zeroes
-it. On ``bench_throughput.py``'s short shape (2 AMD Zen 4 cores, float32) that was 0.76 million page faults and
-2.0 s of system time in a 25 s run. One arena that keeps its memory (:data:`SETTINGS`) took it to 14 thousand
-faults and 0.5 s. vLLM's CPU backend answers the same cost by preloading tcmalloc into its workers; an engine that
-lives in its user's process cannot preload a library, but glibc takes these settings at run time (``mallopt``).
+it. One arena that keeps its memory (:data:`SETTINGS`) avoids that (``docs/design/worker.md`` has the figures).
+vLLM's CPU backend answers the same cost by preloading tcmalloc into its workers; an engine that lives in its
+user's process cannot preload a library, but glibc takes these settings at run time (``mallopt``).
 
 They must come before JAX starts its CPU client: a thread that has allocated once keeps its arena, so set after
 that they leave XLA's threads as they were (:func:`tune_host_malloc`'s line says so). Memory freed below the

@@ -1,4 +1,5 @@
-"""The paged KV cache: sizing from a memory budget, device allocation, and the scales of a quantized cache.
+"""The paged KV cache: sizing from a memory budget, the arrays and their block copies (:class:`CacheEngine`), and
+the scales of a quantized cache.
 
 Layout: ``k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads,
 head_dim]``, each layer in vLLM's "NHD" paged layout, stacked so the model's
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,15 +31,18 @@ import numpy as np
 from jaxllm.config import KV_CACHE_DTYPES
 from jaxllm.logger import init_logger
 from jaxllm.models import hidden_states
-from jaxllm.models.common import KVCache, Params
 from jaxllm.models.config import ModelConfig
+from jaxllm.models.common import KVCache, Params
+from jaxllm.worker.programs import CompileStats, abstract
 from jaxllm.worker.step_batch import StepBatch
-from kernels_pallas.storage import KV_QUANT_MAX
+from kernels_pallas.storage import BITS_STORAGE, KV_QUANT_MAX, CompressedKV, quantize_blocks
+from scheduler.block_moves import order_block_moves
 
 if TYPE_CHECKING:
     from jaxllm.worker.sharding import ModelSharding
 
 logger = init_logger(__name__)
+
 CPU_DEFAULT_KV_BYTES = 1 << 30
 GPU_MEMORY_FRACTION = 0.9
 
@@ -201,6 +205,320 @@ def allocate_kv_cache(num_blocks: int, block_size: int, dtype: Any, sharding: "M
     shape = (cfg.num_layers, num_blocks, block_size, sharding.num_cache_heads, cfg.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.kv_cache_sharding)
     return zeros(), zeros()
+
+
+def storage_dtype(dtype: Any, float_bits_storage: bool) -> np.dtype:
+    """The dtype a cache of ``dtype`` numbers is stored in: with ``float_bits_storage``, bfloat16 / float8 as their
+    uint16 / uint8 bits (``kernels_pallas.storage.BITS_STORAGE``)."""
+    dtype = np.dtype(dtype)
+    return BITS_STORAGE.get(dtype, dtype) if float_bits_storage else dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding) -> Callable:
+    """A program making a zeroed array laid out by ``sharding`` shard by shard."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+# Block copies (swap, copy-on-write, compaction) run in fixed-size chunks so that they compile once; a swap chunk's
+# unused entries move null block 0 onto itself, a copy chunk's repeat its first copy.
+BLOCK_CHUNK = 16
+
+
+# Block ops act on every layer at once: block ids index axis 1 of the caches.
+def _gather_blocks(kv_cache: KVCache, ids: jax.Array) -> KVCache:
+    return tuple(c[:, ids] for c in kv_cache)
+
+
+def _scatter_blocks(kv_cache: KVCache, ids: jax.Array, blocks: KVCache) -> KVCache:
+    return tuple(c.at[:, ids].set(b) for c, b in zip(kv_cache, blocks))
+
+
+def _copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    return tuple(c.at[:, dst].set(c[:, src]) for c in kv_cache)
+
+
+def _compress_blocks(kv_cache: KVCache, pool: CompressedKV, src: jax.Array, dst: jax.Array) -> CompressedKV:
+    """Device blocks ``src`` of every layer re-encoded into slots ``dst`` of the compressed pool."""
+    (k, k_scale), (v, v_scale) = (quantize_blocks(c[:, src], p.dtype) for c, p in zip(kv_cache, pool[:2]))
+    return CompressedKV(pool.k.at[:, dst].set(k), pool.v.at[:, dst].set(v), pool.k_scale.at[:, dst].set(k_scale),
+                        pool.v_scale.at[:, dst].set(v_scale))
+
+
+def _resized(kv_cache: KVCache, num_blocks: int) -> KVCache:
+    """The caches with ``num_blocks`` blocks: the old ones' first blocks, zeros past them."""
+    out = []
+    for c in kv_cache:
+        n = min(num_blocks, c.shape[1])
+        out.append(jnp.zeros((c.shape[0], num_blocks) + c.shape[2:], c.dtype).at[:, :n].set(c[:, :n]))
+    return tuple(out)
+
+
+def _chunks(pairs: np.ndarray, repeat_first: bool = False) -> Iterable[tuple[np.ndarray, int]]:
+    """Split ``pairs: int32[K, 2]`` into ``[BLOCK_CHUNK, 2]`` chunks padded with (0, 0), or with ``repeat_first``
+    with the chunk's first pair (a copy written twice writes one value, so a chunk may then write block 0, the
+    scratch block of ``order_block_moves``, without a (0, 0) pad racing it); each with its number of real pairs."""
+    for start in range(0, len(pairs), BLOCK_CHUNK):
+        part = pairs[start:start + BLOCK_CHUNK]
+        chunk = np.repeat(part[:1], BLOCK_CHUNK, axis=0) if repeat_first else np.zeros((BLOCK_CHUNK, 2), np.int32)
+        chunk[: len(part)] = part
+        yield chunk, len(part)
+
+
+class CacheEngine:
+    """One model's paged KV cache: the device arrays, the host pool, the compressed pool, and the block copies
+    between them, each a program built once (vLLM's ``CacheEngine``).
+
+    Args:
+      cfg: the model's configuration.
+      num_blocks: device blocks, the null block 0 included.
+      block_size: tokens per block.
+      dtype: the stored dtype of the cache (the numbers' dtype, or its bits: ``BITS_STORAGE``).
+      sharding: the replica's mesh and partition rules.
+      stats: where the block-copy programs are counted.
+      num_host_blocks: host swap pool size in blocks (0 = no swap space).
+      num_offload_blocks: blocks of the prefix cache's host tier, held in the host pool after the swap pool's
+        (``scheduler.host_tier``); 0: none.
+      num_compressed_blocks: slots of the pool of compressed KV blocks (the null slot 0 included), 0 for none.
+      compressed_dtype: its stored dtype (int8, or float8_e4m3fn / its uint8 bits), with ``num_compressed_blocks``.
+
+    Attributes:
+      kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size, sharding.num_cache_heads, head_dim]`` of
+        ``dtype``, split over heads; abstract (``jax.ShapeDtypeStruct``) while released.
+      compressed: the compressed pool (``kernels_pallas.storage.CompressedKV``: ``k, v: [num_layers,
+        num_compressed_blocks, block_size, heads, head_dim]`` of ``compressed_dtype``; ``k_scale, v_scale:
+        float32[num_layers, num_compressed_blocks, heads]``), split over heads like the cache; None without one.
+      host_pool: the host swap space, then the host tier: numpy ``(k, v)``, each ``[num_layers, num_host_blocks +
+        num_offload_blocks, block_size, heads, head_dim]`` of ``dtype``; None when both are 0.
+      num_blocks, num_offload_blocks: as given (``num_blocks`` follows :meth:`resize`).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, num_blocks: int, block_size: int, dtype: Any, sharding: "ModelSharding",
+                 stats: CompileStats, num_host_blocks: int = 0, num_offload_blocks: int = 0,
+                 num_compressed_blocks: int = 0, compressed_dtype: Any = None):
+        self.num_blocks = num_blocks
+        self.num_offload_blocks = num_offload_blocks
+        self.kv_cache = allocate_kv_cache(num_blocks, block_size, dtype, sharding)
+        self._sharding = sharding.kv_cache_sharding
+        self._replicated = sharding.replicated
+        self._stats = stats
+        self._ops: dict[str, Callable] = {}
+        self.compressed: Optional[CompressedKV] = None
+        if num_compressed_blocks:
+            k, v = allocate_kv_cache(num_compressed_blocks, block_size, compressed_dtype, sharding)
+            scales = _zeros((cfg.num_layers, num_compressed_blocks, sharding.num_cache_heads), np.dtype(np.float32),
+                            sharding.compressed_scale_sharding)
+            self.compressed = CompressedKV(k, v, scales(), scales())
+            scale_sharding = sharding.compressed_scale_sharding
+            self._compressed_sharding = CompressedKV(self._sharding, self._sharding, scale_sharding, scale_sharding)
+        num_host = num_host_blocks + num_offload_blocks
+        shape = (cfg.num_layers, num_host) + self.kv_cache[0].shape[2:]
+        self.host_pool = (np.zeros(shape, dtype), np.zeros(shape, dtype)) if num_host else None
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the device arrays exist (not released)."""
+        return isinstance(self.kv_cache[0], jax.Array)
+
+    def abstract(self) -> tuple[KVCache, Optional[CompressedKV]]:
+        """``(kv_cache, compressed)`` as ShapeDtypeStructs with their shardings: what a step program takes."""
+        return abstract(self.kv_cache), abstract(self.compressed)
+
+    def sharding(self) -> jax.sharding.Sharding:
+        """The sharding of each of ``kv_cache``'s arrays (a program returning the cache is pinned to it)."""
+        return self._sharding
+
+    def warmup(self, swap: bool) -> None:
+        """Build the block-copy program, with ``swap`` the swap-out/in ones, and the compression one when there is a
+        compressed pool."""
+        for name in ("copy",) + (("gather", "scatter") if swap else ()) + (
+                ("compress",) if self.compressed is not None else ()):
+            self._op(name)
+
+    def _op(self, name: str) -> Callable:
+        exe = self._ops.get(name)
+        if exe is not None:
+            return exe
+        kv = abstract(self.kv_cache)
+        ids = jax.ShapeDtypeStruct((BLOCK_CHUNK,), np.int32, sharding=self._replicated)
+        if name == "gather":
+            exe = self._stats.compile(jax.jit(_gather_blocks), kv, ids)
+        elif name == "compress":
+            compress = jax.jit(_compress_blocks, donate_argnums=(1,), out_shardings=self._compressed_sharding)
+            exe = self._stats.compile(compress, kv, abstract(self.compressed), ids, ids)
+        elif name == "scatter":
+            blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], BLOCK_CHUNK) + c.shape[2:], c.dtype, sharding=c.sharding)
+                           for c in kv)
+            scatter = jax.jit(_scatter_blocks, donate_argnums=(0,), out_shardings=self._sharding)
+            exe = self._stats.compile(scatter, kv, ids, blocks)
+        else:
+            exe = self._stats.compile(jax.jit(_copy_blocks, donate_argnums=(0,), out_shardings=self._sharding),
+                                      kv, ids, ids)
+        self._ops[name] = exe
+        return exe
+
+    def copy_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
+        """Device-side block copies: ``pairs`` of (src, dst) block ids, in ``BLOCK_CHUNK`` chunks (each reads its
+        sources before writing, but a later chunk reads what an earlier one wrote: :meth:`move_blocks` orders
+        moves that chain)."""
+        pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
+        for chunk, _ in _chunks(pairs, repeat_first=True):
+            self.kv_cache = self._op("copy")(self.kv_cache, chunk[:, 0], chunk[:, 1])
+
+    def compress_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
+        """Re-encode device blocks into the compressed pool: ``pairs`` of (device block, compressed slot), in
+        ``BLOCK_CHUNK`` chunks (a chunk's unused entries re-encode null block 0 into the null slot 0, which nothing
+        reads). Call it before anything writes the device blocks."""
+        pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
+        for chunk, _ in _chunks(pairs):
+            self.compressed = self._op("compress")(self.kv_cache, self.compressed, chunk[:, 0], chunk[:, 1])
+
+    def move_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Block copies done as if every source were read first, whatever the chains and cycles among them
+        (``scheduler.block_moves.order_block_moves``: round by round, each round in chunks of the copy program)."""
+        for moves in order_block_moves(pairs):
+            self.copy_blocks(moves)
+
+    def swap_out(self, pairs: Sequence[Sequence[int]]) -> None:
+        """Copy device blocks to the host pool: ``pairs`` of (device, host) ids; returns once the pool holds them."""
+        self.finish_swap_out(self.start_swap_out(pairs))
+
+    def start_swap_out(self, pairs: Sequence[Sequence[int]]) -> list[tuple[np.ndarray, KVCache]]:
+        """The first half of :meth:`swap_out`: dispatch the gathers of the device blocks of ``pairs`` ((device, host)
+        ids) without waiting for them. They read the KV cache as it is now (programs dispatched later, which may
+        overwrite those blocks, run after them), into arrays of their own.
+
+        Returns:
+          per chunk of ``BLOCK_CHUNK`` pairs: its host ids (int32[n]) and its gathered blocks (K and V, each
+          ``[num_layers, BLOCK_CHUNK, block_size, heads, head_dim]`` on the device), for :meth:`finish_swap_out`.
+        """
+        pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
+        return [(chunk[:n, 1], self._op("gather")(self.kv_cache, chunk[:, 0])) for chunk, n in _chunks(pairs)]
+
+    def finish_swap_out(self, pending: list[tuple[np.ndarray, KVCache]]) -> None:
+        """Write what :meth:`start_swap_out` gathered into the host pool (waits for those gathers only)."""
+        if not pending:
+            return
+        for (host_ids, _), blocks in zip(pending, jax.device_get([blocks for _, blocks in pending])):
+            for pool, block in zip(self.host_pool, blocks):
+                pool[:, host_ids] = block[:, :len(host_ids)]
+
+    def swap_in(self, pairs: Sequence[Sequence[int]]) -> None:
+        """Copy host-pool blocks back to the device: ``pairs`` of (host, device) ids."""
+        pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
+        for chunk, n in _chunks(pairs):
+            blocks = []
+            for pool in self.host_pool:
+                block = np.zeros((pool.shape[0], BLOCK_CHUNK) + pool.shape[2:], pool.dtype)
+                block[:, :n] = pool[:, chunk[:n, 0]]
+                blocks.append(block)
+            self.kv_cache = self._op("scatter")(self.kv_cache, chunk[:, 1], tuple(blocks))
+
+    def resize(self, num_blocks: int) -> None:
+        """Give the cache ``num_blocks`` blocks (the null block included): new arrays holding the old ones' first
+        ``min(old, new)`` blocks (zeros past them), the old ones let go, and the block-copy programs built so far
+        rebuilt for the new shape. Old and new arrays coexist during the copy: the device needs both sizes at once.
+
+        Raises:
+          RuntimeError: the cache is released (sleep).
+        """
+        if not self.allocated:
+            raise RuntimeError("resize_kv_cache: the KV cache is released (sleep); wake_up() first")
+        resize = jax.jit(functools.partial(_resized, num_blocks=num_blocks), out_shardings=self._sharding)
+        old, self.kv_cache = self.kv_cache, self._stats.compile(resize, abstract(self.kv_cache))(self.kv_cache)
+        for c in old:
+            c.delete()
+        self.num_blocks = num_blocks
+        for name in [name for name in ("copy", "gather", "scatter") if name in self._ops]:
+            del self._ops[name]
+            self._op(name)
+
+    def release(self) -> int:
+        """Free the device memory of the cache and the compressed pool (sleep); their avals stay, so programs still
+        build, and :meth:`allocate` makes the same arrays again. Returns the bytes freed (0 if already free)."""
+        if not self.allocated:
+            return 0
+        arrays = list(self.kv_cache)
+        self.kv_cache = abstract(self.kv_cache)
+        if self.compressed is not None:
+            arrays += list(self.compressed)
+            self.compressed = abstract(self.compressed)
+        freed = sum(c.nbytes for c in arrays)
+        for c in arrays:
+            c.delete()
+        return freed
+
+    def allocate(self) -> None:
+        """Zeroed arrays of the released shapes and shardings again (wake up); nothing if allocated."""
+        if not self.allocated:
+            self.kv_cache = tuple(_zeros(a.shape, a.dtype, a.sharding)() for a in self.kv_cache)
+            if self.compressed is not None:
+                self.compressed = CompressedKV(*(_zeros(a.shape, a.dtype, a.sharding)() for a in self.compressed))
+
+
+class CacheEngines:
+    """The KV caches of one replica's runners (the target's first, then the draft model's), which share block ids,
+    so each block operation runs on every cache. The methods are :class:`CacheEngine`'s, with the same arguments.
+
+    Args:
+      caches: the runners' caches, the target's first.
+    """
+
+    def __init__(self, caches: Sequence[CacheEngine]):
+        self.caches = list(caches)
+
+    def copy_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
+        """(src, dst) block copies on every cache."""
+        for cache in self.caches:
+            cache.copy_blocks(pairs)
+
+    def compress_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
+        """The target's cache only: ``kv_cache_compression`` refuses a draft model."""
+        self.caches[0].compress_blocks(pairs)
+
+    def move_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """:meth:`CacheEngine.move_blocks` on every cache; returns once the copies are done."""
+        for cache in self.caches:
+            cache.move_blocks(pairs)
+        jax.block_until_ready([cache.kv_cache for cache in self.caches])
+
+    def swap_out(self, pairs: Sequence[Sequence[int]]) -> None:
+        """(device, host) block copies to every cache's host pool; returns once the pools hold them."""
+        for cache in self.caches:
+            cache.swap_out(pairs)
+
+    def start_swap_out(self, pairs: Sequence[Sequence[int]]) -> list[list]:
+        """Per cache, what :meth:`CacheEngine.start_swap_out` returns."""
+        return [cache.start_swap_out(pairs) for cache in self.caches]
+
+    def finish_swap_out(self, pending: list[list]) -> None:
+        """:meth:`CacheEngine.finish_swap_out` of each cache's part of ``pending`` (:meth:`start_swap_out`)."""
+        for cache, writes in zip(self.caches, pending):
+            cache.finish_swap_out(writes)
+
+    def swap_in(self, pairs: Sequence[Sequence[int]]) -> None:
+        """(host, device) block copies from every cache's host pool."""
+        for cache in self.caches:
+            cache.swap_in(pairs)
+
+    def release(self) -> int:
+        """Free every cache's device memory; returns the bytes freed."""
+        return sum(cache.release() for cache in self.caches)
+
+    def allocate(self) -> None:
+        """Every released cache allocated again (zeroed)."""
+        for cache in self.caches:
+            cache.allocate()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the device arrays of every cache, K and V."""
+        return sum(c.nbytes for cache in self.caches for c in cache.kv_cache)
+
+    @property
+    def host_block_bytes(self) -> int:
+        """Bytes one host-pool block copy moves: K and V of every layer, of every cache."""
+        return sum(2 * cache.host_pool[0][:, 0].nbytes for cache in self.caches if cache.host_pool is not None)
 
 
 KV_QUANT_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),

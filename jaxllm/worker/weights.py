@@ -1,4 +1,5 @@
-"""Weights handed in by the caller (``LLM(params=...)``, ``LLM.update_weights``): named leaves checked against the
+"""The weights a runner serves (:class:`WeightStore`: each leaf's stored dtype and sharding, update, sleep), and
+weights handed in by the caller (``LLM(params=...)``, ``LLM.update_weights``): named leaves checked against the
 engine's layout, brought to its dtypes and quantization, then placed by its shardings.
 
 A parameter tree is nested dicts of arrays (``jaxllm.models.common``'s layout); a leaf is named by its path, the
@@ -14,17 +15,24 @@ it); a leaf of the quantized dtype itself is taken as it is.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.core.messages import flatten, unflatten
+from jaxllm.models import Params, loop_storage, with_head_panels
+from jaxllm.models.config import ModelConfig
+from jaxllm.worker.programs import abstract
 from jaxllm.worker.quantization import SCALE_SUFFIX, is_quantized_dtype, quantize_weight
+from kernels_pallas.ops import HEAD_PANELS
+from kernels_pallas.storage import from_storage, to_storage
 
-__all__ = ["Layout", "device_bytes_in_use", "flatten", "layout_of", "place_leaf", "prepare_params", "unflatten"]
+__all__ = ["Layout", "WeightStore", "device_bytes_in_use", "flatten", "layout_of", "place_leaf", "prepare_params",
+           "unflatten"]
 
 # Path -> the expected leaf: its shape, dtype and (at update) sharding.
 Layout = dict[str, jax.ShapeDtypeStruct]
@@ -134,3 +142,137 @@ def device_bytes_in_use(device: jax.Device) -> Optional[int]:
     """``bytes_in_use`` of ``device.memory_stats()``, or None where the backend keeps no such count (CPU)."""
     stats = device.memory_stats()
     return None if not stats else int(stats.get("bytes_in_use", 0))
+
+
+class WeightStore:
+    """The parameters a runner's steps read, on the devices: each leaf's layout decided once, at construction, and
+    kept through updates and sleep.
+
+    A leaf has two layouts, both with the sharding it was placed with: its numbers (:meth:`param_layout`: shape and
+    dtype, bfloat16 say, which a new leaf must match) and its stored form (with ``float_bits_storage``, bfloat16 and
+    float8 layer leaves held as uint16 and uint8 bits: ``models.loop_storage``), plus ``kernels_pallas.ops.HEAD_PANELS`` where
+    ``models.with_head_panels`` adds them.
+
+    Args:
+      cfg: the model's configuration.
+      params: the parameter pytree, already placed by the replica's ``ModelSharding``.
+      float_bits_storage: hold bfloat16 / float8 layer leaves as bits (for XLA's CPU backend with the jnp attention
+        ops; ``kernels_pallas.storage`` says why).
+
+    Attributes:
+      params: the stored parameter pytree the steps take; abstract leaves while released (sleep).
+      float_bits_storage: as given.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: Params, *, float_bits_storage: bool):
+        self.cfg = cfg
+        self.float_bits_storage = float_bits_storage
+        self._param_layout = {path: abstract(leaf) for path, leaf in flatten(params).items()}
+        self.params = with_head_panels(loop_storage(params) if float_bits_storage else params, cfg)
+        self._storage_layout = {path: abstract(leaf) for path, leaf in flatten(self.params).items()}
+        self._host_params: Optional[dict[str, np.ndarray]] = None
+
+    def abstract(self) -> Params:
+        """The stored tree as ShapeDtypeStructs with shardings: what a step program takes."""
+        return abstract(self.params)
+
+    def param_layout(self) -> Layout:
+        """Every parameter leaf by path: its shape, its dtype as numbers (bfloat16, not the uint16 bits
+        ``float_bits_storage`` holds) and its sharding, which a new leaf must match."""
+        return dict(self._param_layout)
+
+    @property
+    def state(self) -> str:
+        """"device" (serving), "offloaded" (a host copy, ``release(offload=True)``) or "discarded"."""
+        if all(isinstance(leaf, jax.Array) for leaf in flatten(self.params).values()):
+            return "device"
+        return "offloaded" if self._host_params is not None else "discarded"
+
+    def get_params(self) -> Params:
+        """The parameters the steps run: a new tree of the device arrays, in the layout's dtypes (bfloat16 leaves
+        held as bits are converted back, into new arrays) with their shardings.
+
+        Raises:
+          RuntimeError: the weights are not on the devices (:attr:`state`).
+        """
+        self._need_weights("get_params")
+        flat = {path: leaf if leaf.dtype == self._param_layout[path].dtype else _number_cast(leaf.sharding)(leaf)
+                for path, leaf in flatten(self.params).items() if path in self._param_layout}
+        return unflatten(flat)
+
+    def set_param(self, path: str, leaf: jax.Array) -> None:
+        """Replace leaf ``path`` by ``leaf`` between steps. The old array is let go at once, so a tree replaced
+        leaf by leaf holds one leaf more at most (memory others keep alive, e.g. a tree from :meth:`get_params`,
+        stays theirs); the compiled steps are not rebuilt.
+
+        Args:
+          path: a leaf of :meth:`param_layout`.
+          leaf: placed, of exactly its shape, dtype and sharding; with ``float_bits_storage`` a bfloat16 / float8
+            leaf is donated to its conversion to bits. A new ``embed`` is packed again into the lm_head's
+            ``kernels_pallas.ops.HEAD_PANELS`` where the store holds them.
+
+        Raises:
+          ValueError: ``leaf`` does not match the layout (the compiled programs would not take it).
+        """
+        want = self._param_layout[path]
+        if abstract(leaf) != want:
+            raise ValueError(f"set_param({path!r}): {abstract(leaf)} does not match the compiled layout {want}")
+        stored = self._storage_layout[path]
+        if stored.dtype != leaf.dtype:
+            leaf = _storage_cast(stored.sharding, stored.dtype)(leaf)
+        flat = flatten(self.params)
+        flat[path] = leaf
+        if path == "embed" and HEAD_PANELS in flat:
+            # The lm_head's panels of the new embedding. The old ones go first, so this holds one leaf more at most;
+            # meanwhile their abstract leaf keeps the tree's structure for a program the background warm-up builds.
+            flat[HEAD_PANELS] = self._storage_layout[HEAD_PANELS]
+            self.params = unflatten(flat)
+            flat[HEAD_PANELS] = with_head_panels({"embed": leaf}, self.cfg)[HEAD_PANELS]
+        self.params = unflatten(flat)
+
+    def release(self, offload: bool) -> int:
+        """Let the parameters' device arrays go (sleep): with ``offload`` a host copy is kept for :meth:`restore`;
+        the programs still build from their avals meanwhile.
+
+        Returns:
+          the bytes of the arrays let go (whole arrays, all shards).
+        """
+        if self.state != "device":
+            if not offload:
+                self._host_params = None  # a deeper sleep discards the host copy of a lighter one
+            return 0
+        flat = flatten(self.params)
+        self._host_params = jax.device_get(flat) if offload else None
+        self.params = unflatten(self._storage_layout)
+        return sum(leaf.nbytes for leaf in flat.values())
+
+    def restore(self) -> None:
+        """Put the host copy of :meth:`release` back on the devices (nothing to do when they are there).
+
+        Raises:
+          RuntimeError: the weights were discarded, and some leaves have not been set again since.
+        """
+        if self._host_params is not None:
+            host, self._host_params = self._host_params, None
+            self.params = unflatten({path: jax.device_put(leaf, self._storage_layout[path].sharding)
+                                     for path, leaf in host.items()})
+        self._need_weights("restore_params")
+
+    def _need_weights(self, what: str) -> None:
+        state = self.state
+        if state != "device":
+            raise RuntimeError(f"{what}: the weights are {state} (sleep); wake_up() first"
+                               + (", after restoring them with update_weights or update_weights_from_path"
+                                  if state == "discarded" else ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _storage_cast(sharding: jax.sharding.Sharding, storage: np.dtype) -> Callable:
+    """A leaf (donated) as stored with ``float_bits_storage``, on the same sharding: one program per pair."""
+    return jax.jit(lambda a: to_storage(a, storage), donate_argnums=0, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _number_cast(sharding: jax.sharding.Sharding) -> Callable:
+    """A stored leaf as numbers (bfloat16 of uint16 bits), on the same sharding."""
+    return jax.jit(from_storage, out_shardings=sharding)

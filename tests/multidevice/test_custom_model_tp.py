@@ -20,7 +20,7 @@ def gptj_dir(tmp_path_factory):
 
 def test_registered_family_splits_its_declared_leaves_and_gives_tp_1_tokens(gptj_dir):
     llm = LLM(model=gptj_dir, tensor_parallel_size=2, **ENGINE)
-    layers = llm.engine.runner.params["layers"]
+    layers = llm.engine.runner.weights.params["layers"]
     assert {s.data.shape for s in layers["w_fc"].addressable_shards} == {(3, 64, 80)}  # [L, E, F / 2]
     assert {s.data.shape for s in layers["ln_bias"].addressable_shards} == {(3, 64)}  # replicated
     one = LLM(model=gptj_dir, tensor_parallel_size=1, **ENGINE)

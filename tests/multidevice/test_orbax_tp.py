@@ -16,7 +16,7 @@ def test_orbax_checkpoint_restored_at_tp2_is_bit_identical_and_generates_the_sam
     restored = LLM(model=tmp_path / "orbax", tensor_parallel_size=2, **ENGINE)
     _, host, _ = load_model(kv4_dir, np.float32)
     for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(host),
-                                 jax.tree_util.tree_leaves(restored.engine.runner.params)):
+                                 jax.tree_util.tree_leaves(restored.engine.runner.weights.params)):
         assert got.sharding.mesh.shape["model"] == 2, path
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(path))
     original = LLM(model=kv4_dir, **ENGINE)

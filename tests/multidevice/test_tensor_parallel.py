@@ -30,7 +30,7 @@ def test_tp_4_with_2_kv_heads_replicates_them_and_gives_tp_1_tokens(kv2_dir):
 
 def test_moe_experts_split_over_their_ffn_dim_give_tp_1_tokens(moe_dir):
     llm = LLM(model=moe_dir, tensor_parallel_size=4, **ENGINE)
-    gate = llm.engine.runner.params["layers"]["experts_gate"]  # [L, experts, hidden, moe ffn]
+    gate = llm.engine.runner.weights.params["layers"]["experts_gate"]  # [L, experts, hidden, moe ffn]
     assert {s.data.shape for s in gate.addressable_shards} == {gate.shape[:3] + (gate.shape[3] // 4,)}
     assert [o.outputs[0].token_ids for o in llm.generate(prompts(6), GREEDY)] == _greedy_tokens(moe_dir, 1)
 
@@ -52,7 +52,7 @@ def test_each_weight_follows_its_rule_and_each_device_holds_only_its_slice(reque
     tp = 4
     llm = LLM(model=folder, tensor_parallel_size=tp, **ENGINE)
     _, host, _ = load_model(folder, np.float32)
-    device = llm.engine.runner.params
+    device = llm.engine.runner.weights.params
     flat_host = jax.tree_util.tree_leaves_with_path(host)
     flat_device = jax.tree_util.tree_leaves(device)
     assert len(flat_host) == len(flat_device)
@@ -73,7 +73,7 @@ def test_kv_cache_gives_each_device_the_kv_heads_its_q_heads_read(request, model
     folder = request.getfixturevalue(f"{model}_dir")
     tp = 4
     engine = LLM(model=folder, tensor_parallel_size=tp, **ENGINE).engine
-    k_cache = engine.runner.kv_cache[0]
+    k_cache = engine.runner.cache_engine.kv_cache[0]
     assert k_cache.shape[3] == max(kv_heads, tp)
     assert k_cache.sharding.spec == P(None, None, None, "model", None)
     assert {s.data.shape[3] for s in k_cache.addressable_shards} == {max(kv_heads, tp) // tp}
@@ -86,7 +86,7 @@ def test_quantized_weights_and_kv_cache_split_their_scales_and_give_tp_1_tokens(
     folder = kv2_dir
     quant = dict(quantization="int8", kv_cache_dtype="fp8_e4m3")
     llm = LLM(model=folder, tensor_parallel_size=4, **ENGINE, **quant)
-    layers = llm.engine.runner.params["layers"]
+    layers = llm.engine.runner.weights.params["layers"]
     expected = {"wq_scale": P(None, "model"), "wk_scale": P(None, None), "wo_scale": P(None, None),
                 "w_up_scale": P(None, "model"), "w_down_scale": P(None, None), "k_scale": P(None, "model"),
                 "v_scale": P(None, "model")}

@@ -30,7 +30,7 @@ def test_params_and_updates_are_placed_by_the_partition_rules_with_no_compilatio
     assert {path: a.sharding for path, a in flatten(llm.get_params()).items()} == want
     assert want["layers/wq"].spec == P(None, None, "model") and len(want["layers/wq"].device_set) == 4
     scaled = _tokens(llm)
-    compiled = llm.engine.runner.num_compilations
+    compiled = llm.engine.runner.compile_stats.num_compilations
     llm.update_weights(host)
     assert {path: a.sharding for path, a in flatten(llm.get_params()).items()} == want
     for path, leaf in flatten(llm.get_params()).items():
@@ -40,4 +40,4 @@ def test_params_and_updates_are_placed_by_the_partition_rules_with_no_compilatio
     llm.update_weights(_scaled(host))
     llm.wake_up()
     assert _tokens(llm) == scaled
-    assert llm.engine.runner.num_compilations == compiled
+    assert llm.engine.runner.compile_stats.num_compilations == compiled

@@ -1,0 +1,297 @@
+"""A runner's program table: its programs compiled ahead of time, the step program per ``(T, S, W)`` bucket, and
+the warm-up that builds them, in the foreground or in a background thread.
+
+A program is ``jit(...).lower(abstract arguments).compile()``: the abstract arguments carry the live arguments'
+shapes, dtypes and shardings, so serving looks a program up and never traces.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable, Optional
+
+import jax
+from jax import monitoring
+
+from jaxllm.logger import init_logger
+from scheduler import BucketTable
+
+logger = init_logger(__name__)
+
+Shape = tuple[int, int, int]
+
+# A background warm-up starts a program only once the engine has been idle (no step dispatched, counting from the
+# end of the start-up warm-up) for IDLE_SECONDS, so a short script, whose calls and exit follow each other closely,
+# never shares the CPU with compiles it does not need nor waits at exit for one; an engine busy for
+# BUSY_GRACE_SECONDS without a pause is a long job, which the remaining buckets pay for, and then builds them anyway.
+IDLE_SECONDS = 1.0
+BUSY_GRACE_SECONDS = 15.0
+
+# Persistent-cache hits seen by the compile running on this thread: JAX reports them as process-wide events,
+# recorded on the thread that asked for the compilation.
+_compile_events = threading.local()
+
+
+def _on_jax_event(event: str, **kwargs: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits" and getattr(_compile_events, "hits", None) is not None:
+        _compile_events.hits += 1
+
+
+monitoring.register_event_listener(_on_jax_event)
+
+
+def abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) of a pytree of arrays."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+    )
+
+
+@dataclasses.dataclass
+class CompileStats:
+    """Programs one runner built, and the time spent, shared by its parts.
+
+    Attributes:
+      num_compilations: programs built (steps, block copies, slot fills), whether compiled or loaded from JAX's
+        persistent cache; once the warm-up has finished it stays constant while serving.
+      num_cache_hits: of those, programs loaded from the persistent cache.
+      compile_seconds: wall time spent compiling programs, seconds.
+      cache_load_seconds: wall time spent building programs the persistent cache held (tracing, lowering and
+        loading), seconds.
+    """
+
+    num_compilations: int = 0
+    num_cache_hits: int = 0
+    compile_seconds: float = 0.0
+    cache_load_seconds: float = 0.0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def compile(self, fn: Any, *abstract_args: Any) -> Callable:
+        """``fn`` (jitted) lowered with ``abstract_args`` and compiled, counted."""
+        start = time.perf_counter()
+        _compile_events.hits = 0
+        try:
+            exe = fn.lower(*abstract_args).compile()
+            hit = _compile_events.hits > 0
+        finally:
+            _compile_events.hits = None
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self.num_compilations += 1
+            if hit:
+                self.num_cache_hits += 1
+                self.cache_load_seconds += seconds
+            else:
+                self.compile_seconds += seconds
+        return exe
+
+
+class ProgramTable:
+    """The step programs of one runner, one per bucket, and their warm-up.
+
+    Args:
+      buckets: the (T, S, W) shapes steps are padded to.
+      step_fn: the jitted step function.
+      step_arguments: the abstract arguments of ``step_fn`` for a bucket shape, read when its program is built
+        (so a program built after a KV resize takes the new shapes).
+      stats: where builds are counted.
+    """
+
+    def __init__(self, buckets: BucketTable, step_fn: Any, step_arguments: Callable[[Shape], tuple],
+                 stats: CompileStats):
+        self.buckets = buckets
+        self.stats = stats
+        self._step_fn = step_fn
+        self._step_arguments = step_arguments
+        self._steps: dict[Shape, Callable] = {}
+        self._lock = threading.Lock()
+        # Token buckets whose programs (every width) are built; None: build on first use.
+        self._ready_tokens: Optional[set[int]] = None
+        self._background: Optional[threading.Thread] = None
+        self._stop_background = threading.Event()
+        # Monotonic seconds of the last dispatch (or of the end of the start-up warm-up) and of the first dispatch
+        # since the engine was last idle (None before any).
+        self._last_dispatch = time.monotonic()
+        self._busy_since: Optional[float] = None
+
+    @property
+    def lazy(self) -> bool:
+        """Whether programs are built on first use (no :meth:`warmup` ran)."""
+        return self._ready_tokens is None
+
+    def compile_step(self, shape: Shape, announce: bool = False) -> Callable:
+        """Compile (once) and return the step program of bucket ``shape``; with ``announce``, log the wait (a step
+        that needs a program nobody has built: lazy mode)."""
+        exe = self._steps.get(shape)
+        if exe is None:
+            if announce:
+                logger.info(f"building the step program for {shape[0]} tokens x {shape[1]} rows (first use)...")
+            start = time.perf_counter()
+            exe = self._steps[shape] = self.stats.compile(self._step_fn, *self._step_arguments(shape))
+            if announce:
+                logger.info(f"built it in {time.perf_counter() - start:.1f} s")
+        return exe
+
+    def step_program(self, shape: Shape) -> Callable:
+        """The step program of ``shape`` for a dispatch now (built first in lazy mode), the dispatch noted."""
+        exe = self.compile_step(shape, announce=self.lazy)
+        self._note_dispatch()
+        return exe
+
+    def rebuild_after(self, change: Callable[[], None]) -> int:
+        """Wait for a background warm-up, run ``change`` (which changes the step arguments' shapes: a KV resize),
+        then build again every step program built so far, so serving afterwards compiles nothing more.
+
+        Returns:
+          the programs built meanwhile, ``change``'s own included.
+        """
+        self.wait_for_warmup()
+        before = self.stats.num_compilations
+        change()
+        shapes, self._steps = list(self._steps), {}
+        for shape in shapes:
+            self.compile_step(shape)
+        return self.stats.num_compilations - before
+
+    def may_build_in_background(self) -> bool:
+        """Whether a background warm-up may start its next program now: the engine is idle, or has been busy for
+        ``BUSY_GRACE_SECONDS`` without a pause (see ``IDLE_SECONDS``)."""
+        now = time.monotonic()
+        with self._lock:
+            last, since = self._last_dispatch, self._busy_since
+        return now - last >= IDLE_SECONDS or (since is not None and now - since >= BUSY_GRACE_SECONDS)
+
+    def _note_dispatch(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._busy_since is None or now - self._last_dispatch >= IDLE_SECONDS:
+                self._busy_since = now
+            self._last_dispatch = now
+
+    def token_bucket_shapes(self, tokens: int) -> list[Shape]:
+        """The bucket shapes of token bucket ``tokens`` (one per block-table width)."""
+        return [shape for shape in self.buckets.all_shapes() if shape[0] == tokens]
+
+    def _mark_ready(self, tokens: int) -> None:
+        with self._lock:
+            if self._ready_tokens is not None:
+                self._ready_tokens.add(tokens)
+
+    def serving_buckets(self) -> BucketTable:
+        """The buckets a step may use now: all of them once warm-up is over (or when compiling lazily); during a
+        background warm-up, only the token buckets already built, so no step waits on a compile (a batch then pads
+        up to the smallest ready bucket that holds it)."""
+        with self._lock:
+            ready = self._ready_tokens
+            if ready is None or len(ready) == len(self.buckets.token_buckets):
+                return self.buckets
+            return BucketTable(tuple(sorted(ready)), self.buckets.seq_buckets, self.buckets.width_buckets)
+
+    def warmup(self, others: Callable[[], None], progress: bool = True, background: bool = False) -> float:
+        """Build every bucket's step program, then call ``others`` (which builds the runner's other programs).
+
+        Args:
+          progress: show a tqdm bar on stderr.
+          background: build only two token buckets now: the largest (it holds any step) and the smallest of at
+            least 16 tokens (it serves short prompts and decode steps), and the others in a background thread,
+            smallest first, one program at a time while :meth:`may_build_in_background`; :meth:`serving_buckets`
+            tracks what is ready, and :meth:`wait_for_warmup` waits for the rest. At interpreter exit the thread
+            stops after the program it is building (XLA cannot be left mid-compile: the process would abort).
+
+        Returns:
+          Seconds spent before returning.
+        """
+        from tqdm import tqdm
+
+        start = time.perf_counter()
+        tokens = self.buckets.token_buckets
+        first = sorted({tokens[-1], next((t for t in tokens if t >= 16), tokens[0])}, reverse=True) if background \
+            else list(tokens)
+        with self._lock:
+            self._ready_tokens = set()
+        for t in tqdm(first, desc="compiling buckets", unit="bucket", disable=not progress):
+            for shape in self.token_bucket_shapes(t):
+                self.compile_step(shape)
+            self._mark_ready(t)
+        others()
+        rest = [t for t in tokens if t not in first]
+        with self._lock:
+            self._last_dispatch = time.monotonic()
+        if rest:
+            # The thread holds the table only while it builds a program, so a table nobody uses any more is freed
+            # and its warm-up ends.
+            table = weakref.ref(self)
+            self._background = threading.Thread(
+                target=_build_in_background, args=(table, [(t, self.token_bucket_shapes(t)) for t in rest]),
+                name="jaxllm-warmup", daemon=True)
+            self._background.start()
+            # At interpreter exit, let the thread finish its program: a daemon thread that Python stops inside an
+            # XLA compile aborts the process ("FATAL: exception not rethrown").
+            atexit.register(lambda: table() is not None and table().stop_warmup())
+        return time.perf_counter() - start
+
+    def num_pending_programs(self) -> int:
+        """Step programs a background warm-up has still to build (0 when compiling lazily)."""
+        with self._lock:
+            if self._ready_tokens is None:
+                return 0
+            return len(self.buckets) - sum(1 for shape in self.buckets.all_shapes() if shape[0] in self._ready_tokens)
+
+    def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
+        """Wait for a background warm-up to finish; True once every program is built."""
+        if self._background is not None:
+            self._background.join(timeout)
+        return self._background is None or not self._background.is_alive()
+
+    def stop_warmup(self) -> None:
+        """Stop a background warm-up after the program it is building (at shutdown); the persistent compilation
+        cache keeps the programs it finished."""
+        self._stop_background.set()
+        self.wait_for_warmup()
+
+
+def _build_in_background(table_ref: "weakref.ref[ProgramTable]", buckets: Iterable[tuple[int, list[Shape]]]) -> None:
+    """Build the step programs of ``buckets`` (token bucket, its shapes) one by one, each when the table allows it
+    (``ProgramTable.may_build_in_background``), while the table lives and is not stopped."""
+    for tokens, shapes in buckets:
+        for shape in shapes:
+            if not _wait_for_turn(table_ref):
+                return
+            table = table_ref()
+            if table is None:
+                return
+            table.compile_step(shape)
+            del table
+        table = table_ref()
+        if table is None:
+            return
+        table._mark_ready(tokens)
+        del table
+
+
+def _wait_for_turn(table_ref: "weakref.ref[ProgramTable]", poll: float = 0.05) -> bool:
+    """Wait until the table may build its next program; False once it is stopped or gone. The table is held only
+    while it is asked, so one nobody uses any more is freed meanwhile."""
+    while True:
+        table = table_ref()
+        if table is None or table._stop_background.is_set():
+            return False
+        if table.may_build_in_background():
+            return True
+        stop = table._stop_background
+        del table
+        stop.wait(poll)
+
+
+def enable_persistent_compilation_cache(path: Optional[str]) -> None:
+    """Point JAX's persistent compilation cache at ``path`` (every program cached, however quick to compile),
+    unless the process already set one."""
+    if path is None or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
