@@ -21,6 +21,7 @@ import tests.test_openai_server as server_tests
 import tests.test_openai_tools as tools_tests
 from jaxllm import LLM, SamplingParams
 from jaxllm.entrypoints.openai.api_server import main as serve_main
+from jaxllm.entrypoints.openai import protocol
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from tests.server_process import ENGINE, Server, engine_flags
 from tests.test_openai_server import wait_until_idle
@@ -328,6 +329,36 @@ def test_an_explicit_null_takes_the_fields_default(ready):
                        continue_final_message=None)
     assert nulled_chat["choices"] == plain_chat["choices"]
     refused(ready, "/v1/completions", dict(prompt=PROMPT, max_tokens=4, bogus=None), "bogus")
+
+
+def test_completions_max_tokens_null_is_the_room_left_not_sixteen(ready):
+    """Issue 55, fault 6 (a regression): ``"max_tokens": null`` generated the default 16."""
+    body = completion(ready, prompt=PROMPT, max_tokens=None, temperature=0, ignore_eos=True)
+    usage, (choice,) = body["usage"], body["choices"]
+    assert usage["completion_tokens"] == MAX_MODEL_LEN - usage["prompt_tokens"] and choice["finish_reason"] == "length"
+
+
+REQUEST_MODELS = [m for m in vars(protocol).values() if isinstance(m, type) and issubclass(m, protocol._Request)
+                  and m is not protocol._Request and m.__module__ == protocol.__name__]
+# The required fields' values, by name (ResponseFormat's and ResponsesTextFormat's "type" is "text").
+REQUIRED = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "name": "f", "input": "hi",
+            "function": {"name": "f"}, "model_path": "m", "tokens": [1], "type": "text"}
+OPTIONAL_FIELDS = [(m, f) for m in REQUEST_MODELS for f, info in m.model_fields.items() if not info.is_required()]
+
+
+def test_the_null_sweep_covers_every_request_model():
+    assert {m.__name__ for m, _ in OPTIONAL_FIELDS} >= {"CompletionRequest", "ChatCompletionRequest",
+                                                         "ResponsesRequest", "TokenizeRequest"}
+    assert (protocol.CompletionRequest, "max_tokens") in OPTIONAL_FIELDS
+
+
+@pytest.mark.parametrize("model, field", OPTIONAL_FIELDS, ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_a_null_is_none_where_the_field_takes_none_and_the_default_elsewhere(model, field):
+    """The class of fault 6's regression: every optional field of every request model, sent as null."""
+    info = model.model_fields[field]
+    body = {k: REQUIRED[k] for k, f in model.model_fields.items() if f.is_required()}
+    got = getattr(model.model_validate({**body, info.alias or field: None}), field)
+    assert got == (None if protocol._takes_none(info.annotation) else info.get_default(call_default_factory=True))
 
 
 UNSUPPORTED = [

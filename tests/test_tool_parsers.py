@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from jaxllm.entrypoints.openai.chat_outputs import ChatParsing, join_deltas, reasoning_token_count
 from jaxllm.entrypoints.openai.reasoning_parsers import (
+    THINK_END,
+    THINK_START,
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,
     opens_reasoning,
@@ -267,13 +269,39 @@ def test_include_reasoning_false_drops_it():
         "role": "assistant", "content": "y"}
 
 
-def test_reasoning_tokens_count_the_tokens_up_to_the_closing_tag():
+def test_reasoning_tokens_count_the_reasoning_not_its_tags():
+    """Issue 55, fault 6: the count took the think tags' tokens too (23 for 10 tokens of reasoning)."""
     pieces = ["<th", "ink>", "a", "b", "</", "think", ">", "c", "d"]
     decode = lambda ids: "".join(pieces[i] for i in ids)
     parsing = ChatParsing(reasoning=functools.partial(Qwen3ReasoningParser, False))
-    assert reasoning_token_count(parsing, list(range(len(pieces))), decode) == 7
+    assert reasoning_token_count(parsing, list(range(len(pieces))), decode) == 2
     assert reasoning_token_count(parsing, [7, 8], decode) == 0
-    assert reasoning_token_count(parsing, [0, 1, 2, 3], decode) == 4
+    assert reasoning_token_count(parsing, [0, 1, 2, 3], decode) == 2
+    opened = ChatParsing(reasoning=functools.partial(Qwen3ReasoningParser, True))
+    assert reasoning_token_count(opened, [2, 3, 4, 5, 6, 7], decode) == 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(reasoning=st.lists(st.text(alphabet="ab <>/", min_size=1, max_size=3), min_size=1, max_size=6),
+       answer=st.text(alphabet="cd <>", max_size=6), opened=st.booleans(), closed=st.booleans(),
+       cuts=st.tuples(st.integers(0, 7), st.integers(0, 8)))
+def test_reasoning_tokens_are_the_tokens_holding_reasoning_however_the_tags_are_cut(reasoning, answer, opened,
+                                                                                  closed, cuts):
+    """The fault's class: tags cut anywhere into tokens, or sharing a token with the reasoning, the block opened
+    by the prompt or the text, closed or not. The reasoning's alphabet cannot spell a tag."""
+    head = "" if opened else THINK_START
+    tail = THINK_END + answer if closed else ""
+    pieces = [p for p in (head[:cuts[0]], head[cuts[0]:] + reasoning[0], *reasoning[1:],
+                          tail[:cuts[1]], tail[cuts[1]:]) if p]
+    decode = lambda ids: "".join(pieces[i] for i in ids)
+    parsing = ChatParsing(reasoning=functools.partial(Qwen3ReasoningParser, opened))
+    start = len(head)
+    end = start + len("".join(reasoning))
+    offsets = [len("".join(pieces[:k])) for k in range(len(pieces) + 1)]
+    want = sum(1 for k in range(len(pieces)) if offsets[k] < end and offsets[k + 1] > start)
+    assert parsing.reasoning().span(decode(range(len(pieces)))) == (start, end)
+    assert reasoning_token_count(parsing, list(range(len(pieces))), decode) == want
+    assert want <= len(reasoning)
 
 
 # ------------------------------------------------------------------ a constraint after the reasoning

@@ -122,16 +122,25 @@ def join_deltas(deltas: Sequence[dict], parsing: ChatParsing) -> dict:
 
 
 def reasoning_token_count(parsing: ChatParsing, token_ids: Sequence[int], decode: Callable[[list[int]], str]) -> int:
-    """Tokens of the reasoning: the fewest first tokens whose text ends it (all when it never ends; 0 without)."""
+    """Tokens of the reasoning, its tags excluded (vLLM's ``reasoning_tokens``): those whose text overlaps the
+    reasoning's characters (0 without a reasoning parser or reasoning)."""
     if parsing.reasoning is None:
         return 0
-    reader = parsing.reasoning()
-    if reader.split(decode(list(token_ids)), final=True).reasoning is None:
+    span = parsing.reasoning().span(decode(list(token_ids)))
+    if span is None or span[0] == span[1]:
         return 0
-    lo, hi = 0, len(token_ids)
+    ends = lambda k: len(decode(list(token_ids[:k])))  # noqa: E731 - the characters of the first k tokens
+    first = _first(len(token_ids), lambda k: ends(k + 1) > span[0])
+    past = _first(len(token_ids), lambda k: ends(k) >= span[1])
+    return max(0, past - first)
+
+
+def _first(n: int, holds: Callable[[int], bool]) -> int:
+    """The least k in [0, n] for which ``holds`` (monotone: false, then true), n when none."""
+    lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi) // 2
-        if reader.split(decode(list(token_ids[:mid])), final=False).ended:
+        if holds(mid):
             hi = mid
         else:
             lo = mid + 1

@@ -6,13 +6,15 @@ refused with a 400 (``extra="forbid"``, where vLLM only warns).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Request(BaseModel):
-    """A request body or part: undeclared fields refused; a declared field sent as null takes its default."""
+    """A request body or part: undeclared fields refused; null for a field that takes None is None (completions'
+    ``max_tokens: null`` is the room left, not the default 16), for any other its default (openai-python sends
+    null for an argument given as None)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -21,7 +23,12 @@ class _Request(BaseModel):
     def _null_is_the_default(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields or _takes_none(
+            cls.model_fields[k].annotation)}
+
+
+def _takes_none(annotation: Any) -> bool:
+    return annotation is Any or type(None) in get_args(annotation)
 
 
 class StreamOptions(_Request):

@@ -49,6 +49,19 @@ class ReasoningParser:
             return self._inside(text, final)
         return Split(None, text, False)
 
+    def span(self, text: str) -> Optional[tuple[int, int]]:
+        """The reasoning's characters ``[start, end)`` in the whole ``text``, tags excluded (what ``split`` of the
+        final text gives as ``reasoning``); None when it has none."""
+        lead = len(text) - len(text.lstrip())
+        if text.startswith(THINK_START, lead):
+            start = lead + len(THINK_START)
+        elif self.prompt_opens or self.always_reasoning:
+            start = 0
+        else:
+            return None
+        end = text.find(THINK_END, start)
+        return start, end if end >= 0 else len(text)
+
     @staticmethod
     def _inside(text: str, final: bool) -> Split:
         """The split of a text that starts inside a think block."""
