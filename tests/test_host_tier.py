@@ -312,3 +312,59 @@ def test_a_second_loading_request_counts_the_offloads_its_allocation_causes():
     assert (len(out.copies(CopyKind.LOAD)), len(out.copies(CopyKind.OFFLOAD))) == (2, 2)
     sched.update_from_output(out, runner(out))
     run_until_done(sched, runner, check=check_block_invariants)
+
+
+def test_kv_cache_report_and_diag_summary_show_the_host_tier():
+    from jaxllm.entrypoints.diag import summarize
+    from scheduler.diagnostics import kv_cache_report
+
+    sched, runner = _sched()
+    assert kv_cache_report(_sched(num_offload_blocks=0)[0])["host_tier"] is None
+    _run(sched, runner, "a", A)
+    _run(sched, runner, "b", B)
+    _run(sched, runner, "a2", A + [40])
+    report = kv_cache_report(sched, block_map=False)
+    # A's two blocks went to the host for b, and two of b's for a2's fresh blocks.
+    assert report["host_tier"] == {"num_blocks": 8, "num_cached_blocks": 4, "num_free_blocks": 4,
+                                   "num_offloaded_blocks": 4, "num_loaded_blocks": 2, "hit_tokens": 8}
+    assert ("host tier: 8 blocks: 4 cached, 4 free; 4 offloaded and 2 loaded so far; 8 prompt tokens served"
+            in summarize(report))
+
+
+def test_a_discarded_output_forgets_the_blocks_its_tier_copies_were_to_fill():
+    sched, runner = _sched()
+    a, _ = _run(sched, runner, "a", A)
+    _run(sched, runner, "b", B)
+    again = make_request("a2", A + [40], max_tokens=1)
+    sched.add_request(again)
+    out = sched.schedule()
+    assert len(out.copies(CopyKind.LOAD)) == 2 and len(out.copies(CopyKind.OFFLOAD)) == 2
+    loaded = [d for _, d in out.copies(CopyKind.LOAD)]
+    offloaded = {slot for _, slot in out.copies(CopyKind.OFFLOAD)}
+    sched.discard_output(out)  # the runner failed: none of the copies ran
+    tier = sched.block_pool.host_tier
+    assert all(sched.block_pool.blocks[d].block_hash is None for d in loaded)
+    assert offloaded.isdisjoint(tier.slots.values()) and tier.num_cached == 2
+    run_until_done(sched, runner, check=check_block_invariants)
+    assert again.output_token_ids == reference_output(again.prompt_token_ids, again.sampling_params, None, 64)
+
+
+def test_a_request_waiting_for_the_copy_budget_preempts_no_one():
+    # Priority policy: c2 outranks the running "low", but what holds it back is the step's copy budget (a2's five
+    # copies and its own five pass 4), which preempting "low" would not shorten.
+    config = SchedulerConfig(num_blocks=11, block_size=BS, max_num_seqs=4, max_num_batched_tokens=16,
+                             max_model_len=64, num_offload_blocks=16, scheduling_policy="priority")
+    sched, runner = Scheduler(config), FakeRunner(config)
+    C = list(range(60, 68))
+    for rid, prompt in (("a", A), ("c", C), ("b", list(range(20, 60)))):
+        _run(sched, runner, rid, prompt)
+    low = make_request("low", [5, 6, 7], max_tokens=20, priority=5)
+    sched.add_request(low)
+    out = sched.schedule()
+    sched.update_from_output(out, runner(out))
+    for rid, prompt in (("a2", A + [1]), ("c2", C + [1])):
+        sched.add_request(make_request(rid, prompt, max_tokens=1, priority=0))
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == ["low", "a2"] and sched.num_preemptions == 0
+    assert (len(out.copies(CopyKind.LOAD)), len(out.copies(CopyKind.OFFLOAD))) == (2, 3)
+    sched.update_from_output(out, runner(out))

@@ -32,7 +32,6 @@ builds the bitmask and launches; steps without such rows keep the overlap.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -605,31 +604,12 @@ class EngineCore:
         return outputs
 
     def _copy_blocks(self, copies: Sequence[BlockCopy]) -> list[list]:
-        """Do ``copies`` (a ``SchedulerOutput.block_copies``, in ``CopyKind`` order) on every runner's cache, in order,
-        except that the host tier's offloads are only gathered on the device: their host writes are returned, one
-        list per runner, for :meth:`_write_offloads` once the step is dispatched (no load of the step reads a slot
-        it writes). The tier's copies are timed."""
-        runs = [(kind, [(c.src, c.dst) for c in run]) for kind, run in itertools.groupby(copies, lambda c: c.kind)]
-        pending = []
-        for cache in self.cache_engines.caches:
-            pending.append([])
-            for kind, pairs in runs:
-                start = time.perf_counter()
-                if kind is CopyKind.COMPRESS:
-                    # Only the target model's: kv_cache_compression refuses a draft model.
-                    if cache is self.cache_engines.caches[0]:
-                        cache.compress_blocks(pairs)
-                elif kind is CopyKind.SWAP_OUT:
-                    cache.swap_out(pairs)
-                elif kind is CopyKind.OFFLOAD:
-                    pending[-1] = cache.start_swap_out(pairs)
-                    self.offload_seconds[0] += time.perf_counter() - start
-                elif kind is CopyKind.COPY:
-                    cache.copy_blocks(pairs)
-                else:
-                    cache.swap_in(pairs)
-                    if kind is CopyKind.LOAD:
-                        self.offload_seconds[1] += time.perf_counter() - start
+        """Do ``copies`` (a ``SchedulerOutput.block_copies``) on every runner's cache in one call
+        (``CacheEngines.apply``), timing the tier's; returns the offloads' host writes for :meth:`_write_offloads`
+        once the step is dispatched (no load of the step reads a slot it writes)."""
+        pending, offload_seconds, load_seconds = self.cache_engines.apply(copies)
+        self.offload_seconds[0] += offload_seconds
+        self.offload_seconds[1] += load_seconds
         return pending
 
     def _write_offloads(self, pending: list[list]) -> None:

@@ -20,7 +20,9 @@ cache, which TensorRT-LLM calibrates the same way for int8).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import jax
@@ -37,6 +39,7 @@ from jaxllm.worker.programs import CompileStats, abstract
 from jaxllm.worker.step_batch import StepBatch
 from kernels_pallas.storage import BITS_STORAGE, KV_QUANT_MAX, CompressedKV, quantize_blocks
 from scheduler.block_moves import order_block_moves
+from scheduler.kv.tier import BlockCopy, CopyKind
 
 if TYPE_CHECKING:
     from jaxllm.worker.sharding import ModelSharding
@@ -458,7 +461,7 @@ class CacheEngine:
 
 class CacheEngines:
     """The KV caches of one replica's runners (the target's first, then the draft model's), which share block ids,
-    so each block operation runs on every cache. The methods are :class:`CacheEngine`'s, with the same arguments.
+    so each block operation runs on every cache.
 
     Args:
       caches: the runners' caches, the target's first.
@@ -467,14 +470,36 @@ class CacheEngines:
     def __init__(self, caches: Sequence[CacheEngine]):
         self.caches = list(caches)
 
-    def copy_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
-        """(src, dst) block copies on every cache."""
-        for cache in self.caches:
-            cache.copy_blocks(pairs)
+    def apply(self, copies: Sequence[BlockCopy]) -> tuple[list[list], float, float]:
+        """Run ``copies`` (a ``SchedulerOutput.block_copies``, in ``CopyKind`` order) on every cache, compressions
+        on the target's only (``kv_cache_compression`` refuses a draft model), the host tier's offloads only
+        gathered on the device.
 
-    def compress_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
-        """The target's cache only: ``kv_cache_compression`` refuses a draft model."""
-        self.caches[0].compress_blocks(pairs)
+        Returns:
+          (the offloads' host writes, one list per cache, for :meth:`finish_swap_out`; seconds spent gathering
+          offloads; seconds spent loading from the host tier).
+        """
+        runs = [(kind, [(c.src, c.dst) for c in run]) for kind, run in itertools.groupby(copies, lambda c: c.kind)]
+        pending, offload_seconds, load_seconds = [], 0.0, 0.0
+        for cache in self.caches:
+            pending.append([])
+            for kind, pairs in runs:
+                start = time.perf_counter()
+                if kind is CopyKind.COMPRESS:
+                    if cache is self.caches[0]:
+                        cache.compress_blocks(pairs)
+                elif kind is CopyKind.SWAP_OUT:
+                    cache.swap_out(pairs)
+                elif kind is CopyKind.OFFLOAD:
+                    pending[-1] = cache.start_swap_out(pairs)
+                    offload_seconds += time.perf_counter() - start
+                elif kind is CopyKind.COPY:
+                    cache.copy_blocks(pairs)
+                else:
+                    cache.swap_in(pairs)
+                    if kind is CopyKind.LOAD:
+                        load_seconds += time.perf_counter() - start
+        return pending, offload_seconds, load_seconds
 
     def move_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """:meth:`CacheEngine.move_blocks` on every cache; returns once the copies are done."""
@@ -482,24 +507,10 @@ class CacheEngines:
             cache.move_blocks(pairs)
         jax.block_until_ready([cache.kv_cache for cache in self.caches])
 
-    def swap_out(self, pairs: Sequence[Sequence[int]]) -> None:
-        """(device, host) block copies to every cache's host pool; returns once the pools hold them."""
-        for cache in self.caches:
-            cache.swap_out(pairs)
-
-    def start_swap_out(self, pairs: Sequence[Sequence[int]]) -> list[list]:
-        """Per cache, what :meth:`CacheEngine.start_swap_out` returns."""
-        return [cache.start_swap_out(pairs) for cache in self.caches]
-
     def finish_swap_out(self, pending: list[list]) -> None:
-        """:meth:`CacheEngine.finish_swap_out` of each cache's part of ``pending`` (:meth:`start_swap_out`)."""
+        """:meth:`CacheEngine.finish_swap_out` of each cache's part of ``pending`` (:meth:`apply`)."""
         for cache, writes in zip(self.caches, pending):
             cache.finish_swap_out(writes)
-
-    def swap_in(self, pairs: Sequence[Sequence[int]]) -> None:
-        """(host, device) block copies from every cache's host pool."""
-        for cache in self.caches:
-            cache.swap_in(pairs)
 
     def release(self) -> int:
         """Free every cache's device memory; returns the bytes freed."""

@@ -2,7 +2,7 @@
 //
 // Every query token of a ragged batch (decode rows and prefill chunks alike)
 // attends over its sequence's paged KV cache, read in place through the
-// block table. The plain-jnp kernels (kernels_pallas/xla.py) have to gather
+// block table. The plain-jnp kernels (kernels_pallas/attention/xla.py) have to gather
 // the blocks into contiguous copies before each dot, since XLA's CPU dots
 // cannot read through a gather; that moves every cached byte three times,
 // and on a CPU the bytes are the cost. Semantics are those of
