@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
@@ -34,7 +34,8 @@ if _devices_asked(sys.argv) > 1 and "xla_force_host_platform_device_count" not i
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={_devices_asked(sys.argv)}").strip()
 
-from jaxllm.models.config import ModelConfig  # noqa: E402
+if TYPE_CHECKING:
+    from jaxllm.models.config import ModelConfig
 
 
 @dataclasses.dataclass
@@ -127,6 +128,8 @@ def resolve_model(args: argparse.Namespace, workdir: Path) -> Path:
 def write_random_weights(config_file: Path, folder: Path, seed: int = 0) -> Path:
     """Write ``config.json`` and HF-named random float16 safetensors (N(0, 0.02), norms 1, biases 0) into ``folder``."""
     from safetensors.numpy import save_file
+
+    from jaxllm.models.config import ModelConfig
 
     hf_config = json.loads(config_file.read_text())
     cfg = ModelConfig.from_hf_config(hf_config)

@@ -92,10 +92,10 @@ def test_every_python_example_of_the_manual_compiles():
 def test_benchmark_results_are_rendered_from_their_json_and_linked():
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        import bench_results
+        import render_results
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    assert bench_results.main(["--check"]) == 0
+    assert render_results.main(["--check"]) == 0
     results = sorted((DOCS / "benchmarks" / "results").glob("*.json"))
     assert results
     index = (DOCS / "benchmarks" / "index.md").read_text()

@@ -5,7 +5,7 @@ A result file is one dated run on one kind of machine::
     {"date": "YYYY-MM-DD", "machine": "cpu-zen4-2core", "title": str, "host": {...}, "description": str,
      "tables": [{"title": str, "command": str, "columns": [str], "rows": [[str]], "notes": [str]}]}
 
-``python scripts/bench_results.py`` writes ``NAME.md`` beside every ``NAME.json`` (``--check`` only reports the
+``python scripts/render_results.py`` writes ``NAME.md`` beside every ``NAME.json`` (``--check`` only reports the
 files whose Markdown differs, exit status 1). ``tests/test_docs.py`` runs the check.
 """
 
