@@ -1,7 +1,5 @@
-"""Host-side scheduler for jaxllm: requests, paged KV blocks, continuous batching.
-
-Pure Python and numpy (plus xxhash); never imports JAX (or jaxllm).
-"""
+"""Host-side scheduler for jaxllm: requests, paged KV blocks, continuous batching. Pure Python and numpy (plus
+xxhash); never imports JAX or jaxllm."""
 
 from scheduler.batch import BatchDescriptor, build_batch
 from scheduler.buckets import BucketTable, geometric_ladder

@@ -13,36 +13,22 @@ from scheduler.request import Request
 
 @dataclasses.dataclass
 class BatchDescriptor:
-    """Host arrays of one step, padded to a bucket shape (T, S, W).
-
-    The layout is vLLM v1's flattened ragged batch: the query tokens of all
-    rows back to back, row s owning ``[query_start_loc[s], query_start_loc[s+1])``.
+    """Host arrays of one step padded to bucket (T, S, W); vLLM v1's flattened ragged layout, row s owning tokens
+    ``[query_start_loc[s], query_start_loc[s+1])``.
 
     Attributes:
-      input_ids: int32[T] token ids; padding 0.
-      positions: int32[T] position of each token in its sequence; padding 0.
-      slot_mapping: int32[T] KV slot ``block_id * block_size + offset`` each
-        token's K/V is written to; padding 0 (a slot of null block 0).
-      block_tables: int32[S, W] each row's block ids; padding 0.
-      seq_lens: int32[S] tokens in each row's KV after this step
-        (computed + new); padding rows 0.
-      query_start_loc: int32[S+1] prefix sums of query lengths; padding rows
-        repeat the last real value.
-      logits_indices: int32[S] index of each row's last query token, whose
-        logits are sampled; padding rows 0.
-      num_spec_tokens: int32[S] draft tokens each row verifies: its last
-        ``num_spec_tokens`` query tokens are drafts, and the row samples
-        after each of its last ``num_spec_tokens + 1`` tokens (speculative
-        decoding); padding rows 0.
-      sample_mask: bool[S] True where the row's sample is used (decode, or a
-        chunk reaching the end of the prompt); padding rows False.
-      num_seqs: real rows.
-      num_tokens: real tokens.
-      requests: real rows' ``Request`` objects, in row order (``request_ids``
-        gives their ids).
-      prev_token_index: int32[T] with async scheduling, the row of the
-        previous step whose sampled token (still on the device) is this
-        token's input id; -1 where ``input_ids`` holds the id.
+      input_ids, positions: int32[T] token ids and positions; padding 0.
+      slot_mapping: int32[T] KV slot ``block_id * block_size + offset`` per token; padding 0 (null block).
+      block_tables: int32[S, W] block ids; padding 0.
+      seq_lens: int32[S] KV tokens after this step (computed + new); padding 0.
+      query_start_loc: int32[S+1] prefix sums of query lengths; padding repeats the last.
+      logits_indices: int32[S] each row's last query token; padding 0.
+      num_spec_tokens: int32[S] drafts (the row's last query tokens); it samples after each of its last
+        ``num_spec_tokens + 1``; padding 0.
+      sample_mask: bool[S] whether the row's sample is used; padding False.
+      num_seqs, num_tokens: real rows and tokens.
+      requests: real rows' ``Request``s in row order.
+      prev_token_index: int32[T] async: the previous step's row whose sample is this token's input, else -1.
     """
 
     input_ids: np.ndarray
@@ -71,21 +57,9 @@ class BatchDescriptor:
 
 
 def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescriptor:
-    """Flatten the output's rows into padded arrays (vLLM v1 ``GPUModelRunner._prepare_inputs``).
-
-    Query token i of row s has position ``num_computed_tokens + i`` and slot
-    ``block_ids[pos // block_size] * block_size + pos % block_size``;
-    ``seq_lens = num_computed_tokens + num_new_tokens``;
-    ``logits_indices[s] = query_start_loc[s+1] - 1``. A row with draft
-    tokens takes them after its known tokens. Works on the output's
-    arrays; only rows that compute several tokens (or one token inside a
-    prompt) copy their ids in a Python pass. Call it before
-    ``update_from_output`` (it reads the requests' token lists).
-
-    Raises:
-      ValueError: the batch exceeds the largest buckets, or
-        ``output.block_size`` is not set.
-    """
+    """Flatten the output's rows into padded arrays (vLLM v1 ``GPUModelRunner._prepare_inputs``); call before
+    ``update_from_output``. Raises ValueError if the batch exceeds the largest buckets or ``output.block_size`` is
+    unset."""
     bs = output.block_size
     if bs < 1:
         raise ValueError(f"build_batch: output.block_size={bs} must be >= 1 (set by Scheduler.schedule)")

@@ -12,13 +12,8 @@ _ROOT = b"jaxllm-prefix-root"
 
 
 def hash_block_tokens(parent_hash: Optional[bytes], token_ids: Sequence[int], extra_key: bytes = b"") -> bytes:
-    """128-bit xxh3 digest (16 bytes) of one full block.
-
-    The digest covers the parent block's hash (None for the first block), the
-    block's token ids as int64, and ``extra_key`` (the request's cache salt on
-    the first block). Chaining the parent makes a hit on block i imply a hit
-    on blocks 0..i-1, as in vLLM v1.
-    """
+    """128-bit xxh3 digest (16 bytes) of one full block: the parent's hash (None first), its token ids as int64 and
+    ``extra_key`` (the cache salt, first block). Chaining makes a hit on block i imply hits on 0..i-1 (vLLM v1)."""
     parent = _ROOT if parent_hash is None else parent_hash
     return xxhash.xxh3_128_digest(parent + extra_key + array("q", token_ids).tobytes())
 
@@ -31,14 +26,9 @@ def extend_block_hashes(
     cache_salt: Optional[str],
     prefix_array: Optional[np.ndarray] = None,
 ) -> None:
-    """Append hashes to ``block_hashes`` until it covers ``num_full_blocks`` blocks of ``token_ids``.
-
-    Same digests as :func:`hash_block_tokens`. Each block is hashed once over a
-    request's life; the caller guarantees the first ``num_full_blocks *
-    block_size`` token ids are final. ``prefix_array`` (int64, e.g. the
-    prompt) equal to the first tokens of ``token_ids``, when it covers the
-    blocks, supplies their bytes without converting Python ints.
-    """
+    """Append :func:`hash_block_tokens` digests to ``block_hashes`` up to ``num_full_blocks`` blocks of ``token_ids``
+    (whose first ``num_full_blocks * block_size`` must be final). ``prefix_array``: int64 equal to the first tokens
+    (e.g. the prompt), read instead of Python ints where it covers."""
     start = len(block_hashes)
     if start >= num_full_blocks:
         return

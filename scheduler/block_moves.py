@@ -1,11 +1,4 @@
-"""Ordering block moves so that none overwrites a block another move has still to read.
-
-A set of ``(src, dst)`` block copies meant to happen at once (every source read before any destination is written)
-has to run on the device as a sequence of copy programs, each of which reads its sources before writing its
-destinations, but only within itself. :func:`order_block_moves` groups the copies into rounds that can run in any
-order within a round (in any number of chunks) and must run round after round. The compaction plans of
-``BlockPool.compact`` never chain (every destination there is an empty block), so they come back as one round.
-"""
+"""Ordering block moves so that none overwrites a block another move has still to read."""
 
 from __future__ import annotations
 
@@ -15,19 +8,15 @@ from typing import Sequence
 def order_block_moves(pairs: Sequence[tuple[int, int]], scratch: int = 0) -> list[list[tuple[int, int]]]:
     """Rounds of copies doing ``pairs`` as if every source were read first.
 
-    A copy is ready once its destination is no pending copy's source; a chain ``a -> b -> c`` thus runs
-    ``b -> c`` before ``a -> b``. When nothing is ready, what is left is cycles: one block of a cycle is saved into
-    ``scratch`` (by default the null block 0, whose contents no request ever reads) and its readers read it there.
+    Within a round copies run in any order and chunking; rounds run in order, none writing what a later round
+    reads. A chain ``a -> b -> c`` runs ``b -> c`` first; a cycle saves one block into ``scratch`` (default the
+    null block 0, which no request reads).
 
     Args:
-      pairs: ``(src, dst)`` block ids; destinations distinct; ``src == dst`` copies are dropped.
+      pairs: ``(src, dst)`` block ids, destinations distinct; ``src == dst`` dropped.
       scratch: a block no pair reads or writes.
 
-    Returns:
-      the rounds, each a list of ``(src, dst)``; no round writes a block that a later round reads.
-
-    Raises:
-      ValueError: two pairs write one block, or a pair uses ``scratch``.
+    Raises ValueError if two pairs write one block or a pair uses ``scratch``.
     """
     pending: dict[int, int] = {}
     for src, dst in pairs:

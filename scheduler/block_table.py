@@ -6,18 +6,8 @@ import numpy as np
 
 
 class BlockTable:
-    """``table: int32[rows, width]``, row r holding one request's block ids, zero past ``lengths[r]``.
-
-    Kept in step with the KV cache manager's lists so the scheduler and
-    ``build_batch`` gather rows with one fancy index instead of converting
-    Python lists every step (vLLM v1 ``BlockTable`` in the runner's
-    ``InputBatch`` does the same). Both dimensions grow by doubling on
-    demand; rows are recycled and zeroed when a request lets go of its blocks.
-
-    Attributes:
-      table: int32[rows, width] block ids.
-      lengths: int32[rows] blocks in each row (0 for a free row).
-    """
+    """``table: int32[rows, width]``, row r holding one request's block ids, zero past ``lengths[r]`` (int32[rows],
+    0 for a free row); kept in step with the ``KVCacheManager`` lists (vLLM v1's ``BlockTable``). Grows by doubling."""
 
     def __init__(self, rows: int = 8, width: int = 8) -> None:
         self.table = np.zeros((max(rows, 1), max(width, 1)), dtype=np.int32)

@@ -7,11 +7,7 @@ import dataclasses
 
 
 def geometric_ladder(low: int, high: int, ratio: int = 2) -> tuple[int, ...]:
-    """``low, low*ratio, low*ratio**2, ...`` below ``high``, then ``high`` itself.
-
-    Raises:
-      ValueError: ``low < 1`` or ``ratio < 2``.
-    """
+    """``low, low*ratio, low*ratio**2, ...`` below ``high``, then ``high``; ValueError if ``low < 1`` or ``ratio < 2``."""
     if low < 1 or ratio < 2:
         raise ValueError(f"geometric_ladder: low={low} must be >= 1 and ratio={ratio} >= 2")
     values = []
@@ -24,13 +20,8 @@ def geometric_ladder(low: int, high: int, ratio: int = 2) -> tuple[int, ...]:
 
 
 def half_step_ladder(low: int, high: int) -> tuple[int, ...]:
-    """Powers of two times ``low`` and the halfway points between them
-    (``low, 1.5 low, 2 low, 3 low, 4 low, 6 low, ...``) below ``high``, then
-    ``high`` itself: padding never exceeds a third of a step.
-
-    Raises:
-      ValueError: ``low < 2`` or odd (its 1.5x must be whole).
-    """
+    """``low, 1.5 low, 2 low, 3 low, 4 low, 6 low, ...`` below ``high``, then ``high`` (padding under a third of a
+    step); ValueError if ``low < 2`` or odd."""
     if low < 2 or low % 2:
         raise ValueError(f"half_step_ladder: low={low} must be an even number >= 2")
     values = sorted(set(geometric_ladder(low, high)[:-1]) | set(v * 3 // 2 for v in geometric_ladder(low, high)[:-1]))
@@ -44,25 +35,13 @@ def _ladder(low: int, high: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class BucketTable:
-    """The padded sizes a batch may take: tokens T, rows S, block-table width W.
+    """The padded sizes a batch may take: tokens T, rows S, block-table width W (vLLM's CUDA-graph sizes, all three).
 
-    Each ladder is strictly increasing; its last value is the maximum. Every
-    T is paired with one S, :meth:`seq_bucket_for` (the smallest S holding
-    ``min(T, max S)`` rows: a step never has more rows than tokens), so the
-    programs are ``len(token_buckets) * len(width_buckets)``, not a product
-    over all three ladders. The runner compiles one program per shape in
-    :meth:`all_shapes` and pads every batch up to :meth:`pick`'s shape (as
-    nano-vllm / vLLM's CUDA-graph batch sizes, here for all three dimensions).
+    Each ladder strictly increases to its maximum. Each T pairs with one S (:meth:`seq_bucket_for`), so there are
+    ``len(token_buckets) * len(width_buckets)`` programs, one per :meth:`all_shapes`; batches pad to :meth:`pick`.
 
-    Attributes:
-      token_buckets: T values (tokens per step).
-      seq_buckets: S values (rows per step); the largest must not exceed the
-        largest T, since every row has at least one token.
-      width_buckets: W values (blocks per row's block table).
-
-    Raises:
-      ValueError: an empty ladder, a value < 1, a ladder not strictly
-        increasing, or max S > max T.
+    Attributes: token_buckets (T), seq_buckets (S; max S <= max T), width_buckets (W). Raises ValueError for an
+    empty ladder, a value < 1, a ladder not strictly increasing, or max S > max T.
     """
 
     token_buckets: tuple[int, ...]
@@ -93,16 +72,8 @@ class BucketTable:
         min_seqs: int = 8,
         min_width: int = 4,
     ) -> "BucketTable":
-        """Power-of-two ladders capped exactly at the maxima.
-
-        T: min_tokens, 2*min_tokens, ... up to ``max_num_batched_tokens``;
-        S: likewise up to ``max_num_seqs``; W: likewise up to
-        ``ceil(max_model_len / block_size)``. E.g. max 384 gives
-        ``8, 16, 32, 64, 128, 256, 384``.
-
-        Raises:
-          ValueError: a limit < 1, or ``max_num_seqs > max_num_batched_tokens``.
-        """
+        """Power-of-two ladders from ``min_tokens`` capped at ``max_num_batched_tokens`` (T), ``max_num_seqs`` (S),
+        ``ceil(max_model_len / block_size)`` (W). ValueError if a limit < 1 or ``max_num_seqs > max_num_batched_tokens``."""
         for name, value in (
             ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
             ("max_model_len", max_model_len), ("block_size", block_size),
@@ -118,16 +89,11 @@ class BucketTable:
         )
 
     def seq_bucket_for(self, num_tokens_bucket: int) -> int:
-        """The S paired with T bucket ``num_tokens_bucket``: the smallest S
-        bucket holding ``min(T, max S)`` rows."""
+        """The smallest S bucket holding ``min(T, max S)`` rows for T bucket ``num_tokens_bucket``."""
         return _smallest_at_least(self.seq_buckets, min(num_tokens_bucket, self.seq_buckets[-1]), "num_seqs")
 
     def pick(self, num_tokens: int, num_seqs: int, width: int) -> tuple[int, int, int]:
-        """The smallest (T, S, W) of :meth:`all_shapes` holding the batch.
-
-        Raises:
-          ValueError: a value past its ladder's maximum (named with the limit).
-        """
+        """The smallest (T, S, W) of :meth:`all_shapes` holding the batch; ValueError naming a value past its maximum."""
         _smallest_at_least(self.seq_buckets, num_seqs, "num_seqs")
         _smallest_at_least(self.token_buckets, num_tokens, "num_tokens")
         t = next(t for t in self.token_buckets if t >= num_tokens and self.seq_bucket_for(t) >= num_seqs)

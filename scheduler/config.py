@@ -19,62 +19,32 @@ class SchedulerConfig:
 
     Attributes:
       block_size: tokens per KV block, >= 1.
-      num_blocks: device KV blocks in all, *including* the null block 0;
-        >= 2. Required.
+      num_blocks: device KV blocks including the null block 0, >= 2. Required.
       max_num_seqs: requests in one batch at most, >= 1.
       max_num_batched_tokens: tokens in one step at most, >= max_num_seqs.
-      max_model_len: prompt + output tokens at most; a prompt longer than
-        this is ignored, a request reaching it is length-capped.
+      max_model_len: prompt + output tokens at most (a longer prompt is ignored; reaching it length-caps).
       enable_prefix_caching: reuse computed full blocks across requests.
-      enable_chunked_prefill: split long prompts across steps. When off, a
-        prompt is computed in one step, so ``max_num_batched_tokens`` must be
-        >= ``max_model_len`` (a preempted request recomputes up to that many).
-      long_prefill_token_threshold: cap on one request's prefill tokens per
-        step so long prompts leave room for others; 0 disables it, and so
-        does ``enable_chunked_prefill=False``.
-      scheduling_policy: "fcfs", "priority", "sjf", "aging", "load_aware",
-        "predicted" (``PredictedPolicy``), or a ``Policy``.
-      preemption_mode: "recompute" (free blocks, recompute later) or "swap"
-        (copy blocks to the host pool and back).
-      num_host_blocks: host blocks for swap mode, >= 0; a victim that does
-        not fit falls back to recompute.
-      num_offload_blocks: host-tier blocks of the prefix cache (``scheduler.kv.host_tier``), >= 0; 0: no tier.
-        Needs ``enable_prefix_caching``.
-      async_scheduling: allow one ``schedule()`` ahead of the last
-        ``update_from_output()`` (the runner feeds the missing sampled
-        tokens on the device; see ``Scheduler``). A request admitted beside
-        running ones with the rest of its prompt then also takes the KV
-        slot of its first decode token (a running row whose chunk ends its
-        prompt does too, while free blocks last), and a preempted request
-        comes back only when its remaining prompt and that slot fit, so a
-        tight pool does not preempt it again before its sample lands.
-      aging_rate: for "aging": priority units gained per second of waiting,
-        >= 0.
-      num_lookahead_tokens: KV slots a running row reserves beyond its
-        scheduled tokens, >= 0, best effort (vLLM v1's lookahead slots): a
-        draft model writes its proposals' K/V there. Rows of the bulk path
-        get them while free blocks last; admissions and rows scheduled one
-        by one under memory pressure do not.
-      enable_kv_cache_events: record the prefix cache's stored and evicted blocks for
-        ``Scheduler.take_kv_events`` (``scheduler.kv_events``; none without prefix caching).
-      graceful_degradation: lower the effective ``max_num_seqs`` and prefill
-        token budget under KV pressure and restore them when calm
-        (``scheduler.degradation``); True uses the default
-        ``GracefulDegradation`` thresholds, an instance its own, False turns
-        it off.
-      reserve_predicted_output: admit a request beside running ones only
-        when the free blocks, less those the running requests still lack
-        for their predicted outputs (``scheduler.predictor``), hold its
-        prompt and its own predicted output; so fewer admitted requests are
-        preempted when predictions are good. Off by default
-        (``docs/design/scheduler.md``).
-      num_compressed_blocks: slots of the pool of compressed KV blocks (``scheduler.kv.compressed_pool``), the null
-        slot included: 0 (no compression) or >= 2. Before a preemption, full blocks of running requests move
-        there (``Scheduler``). What it cannot run with: ``CompressedBlockPool.refuses``.
+      enable_chunked_prefill: split long prompts across steps; when off, ``max_num_batched_tokens`` must be
+        >= ``max_model_len``.
+      long_prefill_token_threshold: cap on one request's prefill tokens per step; 0 (or no chunked prefill): none.
+      scheduling_policy: "fcfs", "priority", "sjf", "aging", "load_aware", "predicted", or a ``Policy``.
+      preemption_mode: "recompute" or "swap" (blocks to the host pool and back).
+      num_host_blocks: host blocks for swap mode, >= 0; a victim that does not fit is recomputed.
+      num_offload_blocks: host-tier blocks of the prefix cache (``scheduler.kv.host_tier``), >= 0; needs
+        ``enable_prefix_caching``.
+      async_scheduling: allow one ``schedule()`` ahead of the last ``update_from_output()``; a prompt's last chunk
+        then also reserves its first decode token's slot.
+      aging_rate: "aging"'s priority units per second waited, >= 0.
+      num_lookahead_tokens: KV slots a running row reserves beyond its tokens (vLLM v1's lookahead, for drafts),
+        >= 0, best effort.
+      enable_kv_cache_events: record stored and evicted blocks for ``Scheduler.take_kv_events``.
+      graceful_degradation: True (default thresholds), a ``GracefulDegradation``, or False (``scheduler.degradation``).
+      reserve_predicted_output: admit beside running requests only while the free blocks, less what running ones
+        lack for their predicted outputs, hold its prompt and predicted output (``scheduler.predictor``).
+      num_compressed_blocks: compressed-pool slots (``scheduler.kv.compressed_pool``), null included: 0 or >= 2;
+        what it cannot run with: ``CompressedBlockPool.refuses``.
 
-    Raises:
-      ValueError: a field out of range; the message names the field, the value
-        and the limit.
+    Raises ValueError naming the field, the value and the limit.
     """
 
     num_blocks: int

@@ -1,32 +1,7 @@
 """Graceful degradation under KV pressure: back the batch off instead of thrashing, restore it when calm.
 
-A paged KV cache admits a request as soon as its prompt fits; decode then
-grows every running request by a block every ``block_size`` tokens, and when
-the free blocks run out the scheduler preempts (recompute: frees the victim's
-blocks, which it re-prefills later). Under a burst this thrashes: the victim
-is re-admitted the next step because its own blocks are free again, grows,
-and is preempted again. The operator's moves when memory runs short are to
-release idle prompts, back off the batch, and shed load; here:
-
-* *make room*: before any preemption a KV tier may free device blocks
-  (``KVTier.make_room``); the blocks the tiers could still free count as free
-  for the low-water mark, so the batch backs off only once they can no longer
-  cover the shortage;
-* *release idle prompts*: prefixes pinned by the prefix-cache warm-up
-  (``Scheduler.pin_prefix``) are unpinned on the first back-off and become
-  ordinary LRU cache entries (revivable while not evicted);
-* *back off the batch*: :class:`DegradationController` lowers the effective
-  ``max_num_seqs`` and the prefill share of ``max_num_batched_tokens`` by one
-  ``step_fraction`` of the configured values per trigger, and restores them
-  one step per ``recover_steps`` calm steps;
-* *shed load*: the front ends refuse new requests past
-  ``max_waiting_requests`` (``jaxllm.core.client.QueueFullError``, 503 at the
-  server); nothing is dropped silently.
-
-Lowering the seats never preempts: running requests keep their seats and
-finish; only admissions wait until the running count is under the new
-limit. That is what stops the thrash: a preempted request is not re-admitted
-into a batch that cannot hold it.
+Lowering the seats never preempts; admissions wait. Rationale and the operator moves it mirrors:
+``docs/design/scheduler.md``.
 """
 
 from __future__ import annotations
@@ -38,32 +13,16 @@ import math
 
 @dataclasses.dataclass
 class GracefulDegradation:
-    """When and how far to back off (pass as ``SchedulerConfig(graceful_degradation=...)``; ``True`` means these
-    defaults).
+    """When and how far to back off (``SchedulerConfig(graceful_degradation=...)``; ``True`` means these defaults).
 
-    A step is under *pressure* when, after it, fewer than
-    ``low_free_fraction`` of the usable KV blocks are free (cached-but-free
-    blocks count as free: allocation reclaims them), or when more than
-    ``max_preemptions`` preemptions happened over the last ``window`` steps
-    (since the last back-off: each preemption counts towards one).
-    Each trigger lowers the limits by one more ``step_fraction`` of their
-    configured values, at most once per ``cooldown`` steps, down to
-    ``min_fraction``; after ``recover_steps`` consecutive calm steps the
-    limits go up by one step (and again after as many more). A scheduler left
-    with no request at all is calm by definition: its limits return to the
-    configured values at once.
+    A step is under pressure when fewer than ``low_free_fraction`` of the usable blocks are free after it (cached
+    free blocks and what tiers could free count as free), or more than ``max_preemptions`` happened over the last
+    ``window`` steps since the last back-off. Each trigger lowers the limits by ``step_fraction`` of the configured
+    values, at most once per ``cooldown`` steps, down to ``min_fraction``; each ``recover_steps`` calm steps raise
+    them one step. An empty scheduler returns to the configured limits at once.
 
-    Attributes:
-      low_free_fraction: the low-water mark, a fraction of the usable blocks in [0, 1).
-      max_preemptions: preemptions tolerated over ``window`` steps, >= 0.
-      window: steps over which preemptions are counted, >= 1.
-      step_fraction: how much one trigger lowers (and one recovery raises) the limits, in (0, 1].
-      min_fraction: the floor, as a fraction of the configured limits, in (0, 1].
-      cooldown: steps between two back-offs, >= 1 (time for the last one to show).
-      recover_steps: consecutive calm steps before each restore step, >= 1.
-
-    Raises:
-      ValueError: a field out of range, named with its limit.
+    Ranges: low_free_fraction in [0, 1); max_preemptions >= 0; window, cooldown, recover_steps >= 1;
+    step_fraction, min_fraction in (0, 1]. Raises ValueError naming a field out of range.
     """
 
     low_free_fraction: float = 0.1
@@ -94,19 +53,15 @@ class DegradationController:
 
     Args:
       settings: the ``GracefulDegradation`` thresholds.
-      max_num_seqs, max_num_batched_tokens: the configured limits (seats, tokens per step).
+      max_num_seqs, max_num_batched_tokens: the configured limits.
       num_usable_blocks: device KV blocks without the null block.
-      lower_token_budget: whether the token budget may go down (False without
-        chunked prefill, where a prompt must fit one step's budget whole).
+      lower_token_budget: whether the token budget may go down (False without chunked prefill).
 
     Attributes:
-      low_water: the free blocks under which a step is under pressure (``low_free_fraction`` of the usable ones).
-      level: back-offs in force (0: the configured limits).
-      max_num_seqs: the effective seats: ``ceil(configured * f)``, at least 1,
-        with ``f = max(1 - level * step_fraction, min_fraction)``.
-      max_num_batched_tokens: the effective token budget: the configured seats
-        (one decode token each, so running requests are never starved) plus
-        ``ceil(f * (configured budget - configured seats))`` for prefill.
+      low_water: free blocks under which a step is under pressure.
+      level: back-offs in force (0: configured limits); ``f = max(1 - level * step_fraction, min_fraction)``.
+      max_num_seqs: ``ceil(configured * f)``, >= 1.
+      max_num_batched_tokens: configured seats + ``ceil(f * (configured budget - configured seats))``.
       num_backoffs, num_restores: triggers and restore steps so far.
     """
 
@@ -132,12 +87,8 @@ class DegradationController:
         self.low_water = self.settings.low_free_fraction * num_usable_blocks
 
     def observe(self, num_free_blocks: int, num_preemptions: int, idle: bool) -> bool:
-        """Record one step: free blocks after it, preemptions in it, and whether the scheduler is now empty.
-
-        Returns:
-          True when this step lowered the limits from the configured values
-          (the first back-off: the caller releases pinned prefixes then).
-        """
+        """Record one step (free blocks after it, its preemptions, whether now empty); True when it made the first
+        back-off (the caller then releases pinned prefixes)."""
         s = self.settings
         self._recent.append(num_preemptions)
         self._since_backoff += 1

@@ -1,25 +1,7 @@
 """KV cache diagnostics: the block map and the numbers an operator reads when scheduling delay spikes.
 
-:func:`kv_cache_report` takes a snapshot of a ``Scheduler``: every block's state and holders, the counts by state,
-fragmentation, the largest request and the queue. Block ids are logical (any free block serves any request), so
-there is no external fragmentation to measure; what wastes KV memory is
-
-* *internal* fragmentation: token slots of allocated blocks that hold no computed token -- the partly filled last
-  block of each request (at most ``block_size - 1`` slots each), plus slots reserved for tokens a step is about to
-  compute. Reported as ``fragmentation`` = empty allocated slots / allocated slots (the
-  ``kv_cache_fragmentation_ratio`` metric). Many short requests, or a large ``block_size``, push it up.
-* *revivable-cache crowding*: free blocks that still hold a prefix-cache entry. They are free (allocation takes
-  them, evicting the entry) but an allocation evicts them only after every empty free block, and each eviction
-  loses a prefix some later request might have hit. Reported as ``cache_crowding`` = cached free blocks / free
-  blocks; near 1 with a low hit rate means the cache holds prefixes nobody reuses.
-
-Block ids themselves matter once the pool is to give memory back: ``Scheduler.resize_kv_cache`` can drop only
-the top ids. ``highest_live_block`` is the largest id that is used or cached free, and ``num_holes`` counts the empty
-free blocks below it -- what ``Scheduler.compact_kv_cache`` closes up (``LLM.kv_cache_compact``, ``jaxllm diag
---compact``); a resize accepts any ``num_blocks`` from ``num_used_blocks`` on, evicting cached free blocks past it.
-
-The result holds only ints, floats, strings, lists and string-keyed dicts, so it crosses process boundaries
-(msgpack) and becomes JSON as it is.
+The report holds only ints, floats, strings, lists and string-keyed dicts (msgpack- and JSON-safe). What the
+fragmentation and crowding figures mean: ``docs/design/scheduler.md``.
 """
 
 from __future__ import annotations
@@ -37,48 +19,26 @@ NULL, USED, CACHED_FREE, FREE = "null", "used", "cached_free", "free"
 
 
 def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str, Any]:
-    """A snapshot of ``scheduler``'s KV blocks and queue.
+    """A snapshot of ``scheduler``'s KV blocks and queue (nothing changed); ``block_map`` adds ``blocks``.
 
-    Args:
-      scheduler: the scheduler to read (nothing is changed).
-      block_map: include ``blocks`` (one entry per block; leave out for a
-        large cache when only the numbers matter).
+    Returns a dict with:
 
-    Returns:
-      A dict with:
-
-      * ``num_blocks``, ``block_size`` (tokens);
-      * ``num_used_blocks`` (referenced by a request, a pin or a pending
-        copy, plus the null block 0), ``num_cached_free_blocks``
-        (unreferenced, still holding a prefix-cache entry: revivable) and
-        ``num_free_blocks`` (unreferenced, empty); the three add up to
-        ``num_blocks``;
-      * ``num_pinned_blocks`` (held by the prefix-cache warm-up), ``num_shared_blocks``
-        (held by more than one request);
-      * ``allocated_slots``, ``empty_allocated_slots`` (token slots), ``fragmentation``
-        (their ratio, 0 with nothing allocated), ``cache_crowding`` (cached free
-        blocks / free blocks, 0 with none free); see the module docstring;
-      * ``highest_live_block`` (largest id used or cached free, 0 with none) and ``num_holes`` (empty free
-        blocks below it, which a compaction closes up);
-      * ``num_preemptions`` (cumulative), ``num_running``, ``num_waiting``,
-        ``num_preempted_waiting`` (the queue depth), ``max_num_seqs`` and
-        ``max_num_batched_tokens`` in force, ``degradation_level`` (0 when
-        off or calm);
-      * ``request_blocks``: request id -> blocks it holds (running requests);
-        ``largest_request``: ``{"request_id", "num_blocks", "num_tokens"}`` of
-        the one holding most blocks, or None;
-      * ``host_tier``: the prefix cache's host tier (``scheduler.kv.host_tier``), None without one, else
-        ``{"num_blocks", "num_cached_blocks", "num_free_blocks"}`` (the two add up to ``num_blocks``),
-        ``"num_offloaded_blocks"`` and ``"num_loaded_blocks"`` (copies device -> host and back, cumulative) and
-        ``"hit_tokens"`` (prompt tokens it served, cumulative);
-      * ``compressed_pool``: the one-byte pool of ``kv_cache_compression`` (``scheduler.kv.compressed_pool``), None
-        without one, else ``{"num_blocks", "num_used_blocks", "num_free_blocks"}`` (slots without the null slot;
-        the two add up to ``num_blocks``) and ``"num_compressed_blocks"`` (blocks compressed instead of a
-        preemption, cumulative);
-      * ``blocks`` (with ``block_map``): per block id, ``{"state": "null" |
-        "used" | "cached_free" | "free", "ref_cnt", "holders"}``, holders being
-        the request ids whose tables hold it, plus ``"<pinned>"`` and
-        ``"<copy source>"`` for the scheduler's own references.
+    * ``num_blocks``, ``block_size``; ``num_used_blocks`` (referenced by a request, pin or pending copy, plus the
+      null block), ``num_cached_free_blocks`` (unreferenced, holding a prefix-cache entry) and ``num_free_blocks``
+      (empty), summing to ``num_blocks``; ``num_pinned_blocks``, ``num_shared_blocks`` (held by > 1 request);
+    * ``allocated_slots``, ``empty_allocated_slots``, ``fragmentation`` (their ratio, 0 with none allocated),
+      ``cache_crowding`` (cached free / free blocks, 0 with none free);
+    * ``highest_live_block`` (largest used or cached free id, 0 with none), ``num_holes`` (empty free blocks below it);
+    * ``num_preemptions`` (cumulative), ``num_running``, ``num_waiting``, ``num_preempted_waiting``,
+      ``max_num_seqs`` and ``max_num_batched_tokens`` in force, ``degradation_level``;
+    * ``request_blocks`` (running request id -> blocks held), ``largest_request`` (``{"request_id", "num_blocks",
+      "num_tokens"}`` or None);
+    * ``host_tier``: None or ``{"num_blocks", "num_cached_blocks", "num_free_blocks", "num_offloaded_blocks",
+      "num_loaded_blocks", "hit_tokens"}`` (the last three cumulative);
+    * ``compressed_pool``: None or ``{"num_blocks", "num_used_blocks", "num_free_blocks", "num_compressed_blocks"}``
+      (slots without the null slot; the last cumulative);
+    * ``blocks``: per block id ``{"state": "null" | "used" | "cached_free" | "free", "ref_cnt", "holders"}``, holders
+      the request ids holding it plus ``"<pinned>"`` / ``"<copy source>"``.
     """
     pool, kv = scheduler.block_pool, scheduler.kv_cache_manager
     bs = kv.block_size

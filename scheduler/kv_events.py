@@ -1,9 +1,6 @@
-"""KV cache events: which full blocks the prefix cache gained and lost (vLLM's ``BlockStored``, ``BlockRemoved``).
+"""KV cache events: full blocks the prefix cache gained and lost (vLLM's ``BlockStored``, ``BlockRemoved``).
 
-Recorded on the host as the blocks are registered (``KVCacheManager.cache_computed_blocks``) and evicted
-(``BlockPool.get_new_blocks``), and as the host tier keeps and evicts them (``scheduler.kv.host_tier``), drained by the engine core after each step (``Scheduler.take_kv_events``), which
-publishes them in vLLM's wire format (``jaxllm.core.kv_events``). Hashes are the 16-byte chained block hashes of
-``scheduler.block_hash``.
+Drained by ``Scheduler.take_kv_events``, published by ``jaxllm.core.kv_events``; hashes are ``scheduler.block_hash``'s.
 """
 
 from __future__ import annotations
@@ -18,11 +15,10 @@ class BlockStored:
 
     Attributes:
       block_hashes: their hashes, in order.
-      parent_block_hash: the hash of the block before the first (None: the first is the request's first block).
-      token_ids: the tokens the blocks hold, ``len(block_hashes) * block_size`` of them.
+      parent_block_hash: the hash of the block before the first (None: the request's first block).
+      token_ids: ``len(block_hashes) * block_size`` tokens.
       block_size: tokens per block.
-      medium: the tier, vLLM's names: "GPU" (the device pool) or "CPU" (the host tier, ``scheduler.kv.host_tier``,
-        whose events carry no tokens nor parent, as vLLM's offloading events).
+      medium: "GPU" (the device pool) or "CPU" (the host tier; no tokens nor parent, as vLLM's).
     """
 
     block_hashes: list[bytes]

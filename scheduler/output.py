@@ -14,31 +14,10 @@ from scheduler.request import Request
 class ScheduledRequest:
     """One row of the batch (vLLM v1 ``NewRequestData``/``CachedRequestData`` folded into one).
 
-    Built from the ``SchedulerOutput`` arrays when ``SchedulerOutput.scheduled``
-    is first read; each attribute is that row's entry there.
-
-    Attributes:
-      request: the request.
-      num_new_tokens: tokens computed for it this step (a prefill chunk, or
-        1 for a decode), >= 1.
-      num_computed_tokens: its tokens already in the KV cache before this
-        step; its query tokens are ``all_token_ids[num_computed_tokens :
-        num_computed_tokens + num_new_tokens]`` at positions starting there.
-      block_ids: its whole block table at this step, enough blocks for
-        ``num_computed_tokens + num_new_tokens`` tokens (a new list per read).
-      samples: True when this row's sampled token will be used: the chunk
-        reaches the end of the request's known tokens. False for a partial
-        prefill, whose sample ``update_from_output`` discards.
-      block_table_row: its ``batch_row`` (persistent batch and block table
-        row) at this step.
-      sample_index: how many tokens the request has generated before this
-        row's sample (what seeds its random draw).
-      prev_row: with async scheduling, the row of the previous output whose
-        sample (not yet known on the host) is this row's input token; -1
-        when the input token is known.
-      num_spec_tokens: draft tokens this row verifies (the last
-        ``num_spec_tokens`` of its ``num_new_tokens``, the first of
-        ``request.spec_token_ids``); 0 without speculation.
+    Each attribute is the row's entry of the ``SchedulerOutput`` array of that name (``block_table_row`` is its
+    ``batch_rows``), plus ``request`` and ``block_ids``: its whole block table, enough for
+    ``num_computed_tokens + num_new_tokens`` tokens (a new list per read). The row's query tokens are
+    ``all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]``.
     """
 
     __slots__ = (
@@ -80,45 +59,28 @@ def _ints(dtype=np.int32, shape=(0,)):
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    """The batch of one step, in batch order, plus the block copies to do first.
+    """The batch of one step, in batch order (vLLM v1 ``InputBatch`` style arrays), plus the block copies to do first.
 
-    Rows are held as arrays, one entry per row (the persistent batch's view
-    of this step, vLLM v1 ``InputBatch`` style); ``scheduled`` presents the
-    same rows as ``ScheduledRequest`` objects.
-
-    The runner does every one of ``block_copies``, in order, then the model step -- the copies even when there
-    are no rows.
+    The runner does every one of ``block_copies`` in order, then the model step (the copies even with no rows).
 
     Attributes:
-      requests: each row's ``Request``, in batch order.
-      num_new_tokens: int32[num_seqs] tokens computed per row this step, >= 1.
-      num_computed_tokens: int32[num_seqs] each row's tokens in the KV cache
-        before this step.
-      samples: bool[num_seqs] whether each row's sample is used (see
-        ``ScheduledRequest.samples``).
-      sample_index: int32[num_seqs] outputs each row's request has generated
-        before this row's sample.
-      prev_row: int32[num_seqs] async scheduling: the row of the previous
-        output whose sample is this row's input token, else -1.
-      num_spec_tokens: int32[num_seqs] draft tokens each row verifies
-        (speculative decoding): a decode row computes its last token and
-        then these, ``request.spec_token_ids[:num_spec_tokens]``, at the
-        following positions, and samples after each of them.
-      batch_rows: intp[num_seqs] each row's ``Request.batch_row``.
-      last_token_ids: int32[num_seqs] each row's request's last known token
-        id: the input of a row with one new token that samples and has
-        ``prev_row`` -1.
-      num_blocks: int32[num_seqs] blocks in each row's block table.
-      block_tables: int32[num_seqs, max(num_blocks)] each row's block ids,
-        zero past its ``num_blocks``.
+      requests: each row's ``Request``.
+      num_new_tokens: int32[num_seqs] tokens computed this step (a prefill chunk, 1 for a decode), >= 1.
+      num_computed_tokens: int32[num_seqs] tokens in the KV cache before this step (the first query position).
+      samples: bool[num_seqs] whether the row's sample is used (False for a partial prefill: discarded).
+      sample_index: int32[num_seqs] outputs generated before this row's sample (seeds its draw).
+      prev_row: int32[num_seqs] async scheduling: the previous output's row whose sample is this row's input, else -1.
+      num_spec_tokens: int32[num_seqs] drafts verified: a decode row computes its last token, then
+        ``request.spec_token_ids[:num_spec_tokens]``, sampling after each; 0 without speculation.
+      batch_rows: intp[num_seqs] each ``Request.batch_row`` (persistent batch and block table row).
+      last_token_ids: int32[num_seqs] each request's last known token (the input when ``prev_row`` is -1).
+      num_blocks: int32[num_seqs] blocks in each row's table.
+      block_tables: int32[num_seqs, max(num_blocks)] block ids, zero past ``num_blocks``.
       total_num_scheduled_tokens: sum of ``num_new_tokens``.
       preempted: requests preempted during this call.
-      finished: requests ignored, aborted (or otherwise finished outside
-        ``update_from_output``) since the previous ``schedule()``.
-      block_copies: the ``BlockCopy`` list of the step, sorted by ``CopyKind`` (which states why that order),
-        each kind in the order queued; a ``COPY`` dst appears once.
-      block_size: tokens per KV block (what ``build_batch`` computes slots
-        with); set by the scheduler.
+      finished: requests ignored or aborted (finished outside ``update_from_output``) since the last ``schedule()``.
+      block_copies: ``BlockCopy`` list sorted by ``CopyKind``, each kind in queue order; a ``COPY`` dst appears once.
+      block_size: tokens per KV block (for ``build_batch``'s slots).
     """
 
     requests: list[Request] = dataclasses.field(default_factory=list)
@@ -160,39 +122,24 @@ class SchedulerOutput:
 
 @dataclasses.dataclass
 class SchedulerStats:
-    """A snapshot of the scheduler for metrics (vLLM v1 ``SchedulerStats``).
+    """A snapshot of the scheduler for metrics (vLLM v1 ``SchedulerStats``); "total" fields are cumulative.
 
     Attributes:
-      num_running: requests holding a batch seat.
-      num_waiting: requests in the waiting queue, preempted ones included.
-      num_preempted_waiting: of those, requests that were preempted.
-      num_waiting_for_fsm: of those, requests whose grammar (structured
-        output) was still compiling when last looked at.
-      kv_cache_usage: fraction of non-null device blocks referenced, in [0, 1]
-        (cached-but-free blocks count as free).
-      prefix_cache_queries: prompt tokens looked up in the prefix cache, cumulative.
-      prefix_cache_hits: of those, tokens served from cache (not recomputed), cumulative.
-      num_preemptions: preemptions so far, cumulative.
-      num_free_blocks: device blocks in the free queue.
-      num_blocks: device blocks in all, including the null block.
-      max_num_seqs, max_num_batched_tokens: the limits in force (lower than
-        the configured ones while graceful degradation backs off).
-      num_predicted_finished: requests that stopped or were length-capped,
-        whose output length the predictor (``scheduler.predictor``) learned;
-        cumulative.
-      predicted_output_tokens: their output tokens as predicted at arrival,
-        summed; cumulative.
-      actual_output_tokens: their output tokens, summed; cumulative.
-      prediction_abs_error_tokens: ``|predicted - actual|`` output tokens,
-        summed over them; cumulative (divide by ``num_predicted_finished``
-        for the mean error).
-      prefix_cache_hits_host: of ``prefix_cache_hits``, tokens loaded from the host tier, cumulative.
-      num_offload_blocks, num_offload_cached_blocks: the host tier's blocks, and those holding a block (0
-        without a tier).
-      num_blocks_offloaded, num_blocks_loaded: blocks copied device -> host tier and back, cumulative.
-      num_compressed_blocks, num_compressed_in_use: the compressed pool's slots without the null slot, and those
-        requests hold (0 without compression).
-      num_blocks_compressed: blocks compressed instead of a preemption, cumulative.
+      num_running, num_waiting: requests seated / queued (preempted included).
+      num_preempted_waiting, num_waiting_for_fsm: of the waiting, those preempted / whose grammar was compiling.
+      kv_cache_usage: fraction of non-null device blocks referenced, in [0, 1].
+      prefix_cache_queries, prefix_cache_hits, prefix_cache_hits_host: prompt tokens looked up, served from cache,
+        and of those loaded from the host tier; total.
+      num_preemptions: total.
+      num_free_blocks, num_blocks: device blocks in the free queue / in all (null block included).
+      max_num_seqs, max_num_batched_tokens: the limits in force (lower while degraded).
+      num_predicted_finished: requests stopped or length-capped whose length the predictor learned; total.
+      predicted_output_tokens, actual_output_tokens, prediction_abs_error_tokens: their predicted, actual and
+        ``|predicted - actual|`` output tokens summed; total.
+      num_offload_blocks, num_offload_cached_blocks: host-tier blocks, and those holding one (0 without a tier).
+      num_blocks_offloaded, num_blocks_loaded: device -> host tier copies and back; total.
+      num_compressed_blocks, num_compressed_in_use: compressed slots (null excluded) and those held (0 without).
+      num_blocks_compressed: blocks compressed instead of a preemption; total.
     """
 
     num_running: int

@@ -22,20 +22,10 @@ NUM_COLUMNS = 11
 
 
 class PersistentBatch:
-    """One row per request holding KV blocks (``Request.batch_row``, the same row as its block table's).
+    """One row per request holding KV blocks (``Request.batch_row``), vLLM v1's ``InputBatch``: numbers written at
+    admission and updated in place; the scheduler also keeps them on the ``Request``.
 
-    Follows vLLM v1's ``InputBatch``: a request's numbers are written into
-    its row when it is admitted and then updated in place, so a step reads
-    and advances every running request with a few numpy operations (one
-    gather fetches all of a row's numbers) instead of a Python pass. The
-    ``Request`` keeps the same numbers for everything off the hot path; the
-    scheduler writes both.
-
-    Attributes:
-      data: int32[rows, NUM_COLUMNS], the columns named by this module's
-        constants (COMPUTED, TOKENS, PROMPT, PENDING, LAST_SAMPLE_ROW,
-        LAST_TOKEN, LENGTH_LIMIT, EOS, HAS_STOP_IDS, PREFILL_ONLY, SPEC). Rows
-        grow by doubling on demand.
+    ``data``: int32[rows, NUM_COLUMNS], columns named by this module's constants; rows double on demand.
     """
 
     def __init__(self, rows: int = 8) -> None:

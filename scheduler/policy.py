@@ -8,54 +8,23 @@ from scheduler.request import Request
 
 
 class Policy:
-    """Orders requests and chooses preemption victims.
+    """Orders requests and chooses preemption victims; subclass it and pass an instance as
+    ``SchedulerConfig(scheduling_policy=...)`` (example: ``docs/design/scheduler.md``).
 
-    The scheduler asks a policy three things each step:
+    Running requests are scheduled in :meth:`key` order, then waiting ones admitted in key order up to the first
+    that cannot be (head-of-line). :meth:`select_victim` picks whom to preempt; :meth:`may_preempt` says whether a
+    waiting request may preempt a running one; :meth:`observe_load`, where defined, sees the queue each step.
 
-    * :meth:`key` -- a sort key; lower runs first. Running requests are
-      scheduled in key order, then waiting requests are admitted in key
-      order, stopping at the first that cannot be admitted (head-of-line, so
-      no request is overtaken for lack of memory).
-    * :meth:`select_victim` -- when a request cannot get a block (or a seat),
-      which running request to preempt. The default picks the largest key,
-      which may be the requester itself.
-    * :meth:`may_preempt` -- whether a *waiting* request may preempt a
-      running one to get a seat, tokens or blocks. The default is never.
-
-    And, before each step, :meth:`observe_load` tells it the queue (only
-    called in classes that define it): a policy whose order depends on the
-    load returns True when its order changed, and the scheduler re-sorts.
-    ``LoadAwarePolicy`` is the example.
-
-    Writing your own: subclass, override :meth:`key` (and, if you like,
-    :meth:`select_victim` / :meth:`may_preempt`), and pass an instance as
-    ``SchedulerConfig(scheduling_policy=MyPolicy())``::
-
-        class LongestWaitFirst(Policy):
-            name = "longest_wait"
-            def key(self, request, now):
-                return (request.arrival_time, request._seq)
-
-    Rules a policy must keep so the scheduler can promise progress:
-
-    * ``key`` is a total order: end the tuple with ``request._seq`` (a unique
-      admission counter) to break ties.
-    * ``may_preempt(w, v, now)`` must only be True when ``key(w) < key(v)``;
-      otherwise two requests can preempt each other forever.
-    * Set ``keys_change_over_time = True`` if the relative order of two
-      requests can change while neither is scheduled (the scheduler then
-      re-sorts every step instead of only after changes).
+    Rules: ``key`` is a total order (end it with ``request._seq``); ``may_preempt(w, v, now)`` only when
+    ``key(w) < key(v)``; set ``keys_change_over_time = True`` if two requests' order can change while neither is
+    scheduled (the scheduler then re-sorts every step).
 
     Attributes:
       name: the string ``get_policy`` knows it by.
       keys_change_over_time: see above.
-      preempts_for_waiting: True in any class that defines ``may_preempt``
-        (set automatically); the scheduler skips the victim search otherwise.
-      observes_load: True in any class that defines ``observe_load`` (set
-        automatically).
-      reads_priority: whether ``Request.priority`` can change the order; the
-        front end refuses a non-zero priority where it cannot (vLLM's rule).
-        True unless a class says otherwise (a custom key may read it).
+      preempts_for_waiting, observes_load: set automatically in a class defining ``may_preempt``/``observe_load``.
+      reads_priority: whether ``Request.priority`` can change the order (else the front end refuses a non-zero
+        priority, vLLM's rule); True unless a class says otherwise.
     """
 
     name = "base"
@@ -86,8 +55,8 @@ class Policy:
         return False
 
     def observe_load(self, num_waiting: int, num_running: int, now: float) -> bool:
-        """The queue before a step: requests waiting (preempted ones included) and running. Returns whether
-        the policy's order changed (the scheduler then re-sorts its lists). Default: ignore it."""
+        """The queue before a step (waiting, preempted included, and running); returns whether the order changed
+        (the scheduler then re-sorts). Default: ignore it."""
         return False
 
     def sort(self, requests: list[Request], now: float) -> None:
@@ -113,11 +82,8 @@ class FCFSPolicy(Policy):
 
 
 class PriorityPolicy(Policy):
-    """Priority (lower value first), then arrival (vLLM ``priority``).
-
-    A waiting request strictly more urgent than a running one may preempt it
-    when the batch is full, the token budget is spent, or blocks are short.
-    """
+    """Priority (lower value first), then arrival (vLLM ``priority``); a strictly more urgent waiting request may
+    preempt a running one when seats, tokens or blocks are short."""
 
     name = "priority"
     keys_change_over_time = False
@@ -133,14 +99,8 @@ class PriorityPolicy(Policy):
 
 
 class SJFPolicy(Policy):
-    """Shortest job first: fewest remaining tokens (prompt left to compute + outputs left) first.
-
-    Outputs left is ``max_tokens - num_output_tokens``; a request without
-    ``max_tokens`` counts as ``max_model_len`` long. Never preempts for a
-    waiting request (preempting running work to start shorter work wastes the
-    victim's computed KV under recompute). Long jobs can starve under a
-    steady stream of short ones; use ``aging`` if that matters.
-    """
+    """Shortest job first: fewest remaining tokens (prompt left + ``max_tokens - num_output_tokens``; no
+    ``max_tokens``: ``max_model_len`` long) first. Never preempts for a waiting request; long jobs can starve."""
 
     name = "sjf"
     keys_change_over_time = True
@@ -160,15 +120,8 @@ class SJFPolicy(Policy):
 
 
 class AgingPolicy(Policy):
-    """Priority whose effective value improves with time waited, so nothing starves.
-
-    Effective priority = ``priority - aging_rate * (now - arrival_time)``,
-    with ``aging_rate`` in priority units per second. Every request ages at
-    the same rate, so the order of two requests never changes over time: a
-    request of priority p+d that arrived d/aging_rate seconds before one of
-    priority p ranks level with it. Like ``priority``, a more urgent waiting
-    request may preempt a running one.
-    """
+    """Priority improved by time waited: ``priority - aging_rate * (now - arrival_time)``, ``aging_rate`` in
+    priority units per second; a more urgent waiting request may preempt a running one."""
 
     name = "aging"
     keys_change_over_time = False
@@ -190,32 +143,10 @@ class AgingPolicy(Policy):
 
 
 class LoadAwarePolicy(Policy):
-    """FCFS under light load, priority order under heavy load, with hysteresis so it does not flap.
+    """``fcfs`` until ``high_watermark`` (>= 1) or more requests wait (preempted included), then ``priority``
+    until ``low_watermark`` (in [0, high_watermark)) or fewer wait; the example of :meth:`observe_load`.
 
-    The load is the waiting queue (requests waiting or preempted). It runs
-    as ``fcfs`` until ``high_watermark`` or more wait, then as ``priority``
-    (urgent requests first, and they may preempt less urgent running ones)
-    until no more than ``low_watermark`` wait. The gap between the two marks
-    is the hysteresis: a queue that hovers around one mark does not switch
-    back and forth. While light, arrival order is fair and nothing is
-    preempted for priority; while heavy, priorities decide who waits.
-
-    It is also the example of a custom policy that follows the load: it
-    defines :meth:`observe_load`, and returns True when it switched so the
-    scheduler re-sorts. Use it by name (``scheduling_policy="load_aware"``,
-    the default marks) or as ``LoadAwarePolicy(high_watermark=..., low_watermark=...)``.
-
-    Args:
-      high_watermark: waiting requests at which it switches to priority, >= 1.
-      low_watermark: waiting requests at or under which it switches back to
-        fcfs, in [0, high_watermark).
-
-    Attributes:
-      mode: "fcfs" or "priority".
-      num_switches: mode changes so far.
-
-    Raises:
-      ValueError: marks out of range, naming them.
+    Attributes: mode ("fcfs" or "priority"), num_switches. Raises ValueError naming a mark out of range.
     """
 
     name = "load_aware"
@@ -256,41 +187,19 @@ class LoadAwarePolicy(Policy):
 
 
 class PredictedPolicy(Policy):
-    """Shortest predicted remaining work first, aged by arrival rank so that no request starves.
+    """Shortest predicted remaining work first, aged by arrival rank so no request starves.
 
-    A request's remaining work ``W``, in steps, is its predicted output
-    tokens left -- ``predicted_output_tokens - num_output_tokens``
-    (``scheduler.predictor``), at least 1 and at most what its length limit
-    leaves -- plus its prompt tokens left to compute in units of
-    ``max_num_batched_tokens`` (a decode token takes a step, a prompt a share
-    of one). So ``1 <= W <= max_tokens + num_prompt_tokens /
-    max_num_batched_tokens`` whatever the prediction. The key is ``W + beta
-    * seq``, where ``seq`` counts ``add_request`` calls and ``beta`` is
-    ``aging_per_arrival``: a waiting request gains ``beta`` steps on every
-    later arrival. Like ``sjf`` it never preempts for a waiting request, and
-    it ignores ``priority``.
-
-    Theorem (anti-starvation). Let ``r`` wait from its ``add_request`` on
-    (not admitted yet, no grammar pending). A request ``s`` added ``k >= 1``
-    requests after ``r`` is admitted before ``r`` only if ``k < (W(r) - 1) /
-    beta``. So at most ``ceil((W(r) - 1) / beta) - 1`` later arrivals are
-    admitted before ``r`` (none when ``W(r) - 1 <= beta``), whatever the
-    arrivals, their lengths and the predictions.
-
-    Proof. Admission takes waiting requests in key order and stops at the
-    first that cannot be admitted, so ``s`` goes first only if ``key(s) <
-    key(r)``. Nothing in ``key(r)`` changes while ``r`` waits, and ``W(s) >=
-    1``, so ``beta * k < W(r) - W(s) <= W(r) - 1``; the ``k`` are distinct
-    integers in ``[1, (W(r) - 1) / beta)``. (Forked children, seated with
-    their parent, are not admissions.)
+    Key ``W + beta * seq``: ``W`` is the predicted output tokens left (``scheduler.predictor``, within
+    ``[1, length limit left]``) plus the prompt tokens left over ``max_num_batched_tokens``; ``seq`` counts
+    ``add_request`` calls; ``beta`` is ``aging_per_arrival``. At most ``ceil((W(r) - 1) / beta) - 1`` later arrivals
+    are admitted before a waiting ``r`` (proof: ``docs/design/scheduler.md``). Never preempts for a waiting request;
+    ignores ``priority``.
 
     Args:
-      aging_per_arrival: ``beta``, steps of work, > 0 (the default's measurements:
-        ``docs/design/scheduler.md``).
+      aging_per_arrival: ``beta``, steps of work, > 0.
       max_num_batched_tokens: the scheduler's token budget, >= 1.
 
-    Raises:
-      ValueError: an argument out of range, naming it and its limit.
+    Raises ValueError naming an argument out of range.
     """
 
     name = "predicted"
@@ -336,16 +245,9 @@ POLICIES = {p.name: p for p in (FCFSPolicy, PriorityPolicy, SJFPolicy, AgingPoli
 
 def get_policy(name_or_instance: Union[str, Policy], *, aging_rate: float = 1.0, max_model_len: int = 1 << 30,
                max_num_batched_tokens: int = 512) -> Policy:
-    """A ``Policy`` from its name ("fcfs", "priority", "sjf", "aging", "load_aware", "predicted") or an instance
-    (returned as is; a name gets a fresh instance with the default settings).
-
-    ``aging_rate`` (priority units per second) configures "aging";
-    ``max_model_len`` bounds "sjf"'s length of a request without max_tokens;
-    ``max_num_batched_tokens`` is "predicted"'s unit of prompt work.
-
-    Raises:
-      ValueError: an unknown name, or something that is neither str nor Policy.
-    """
+    """A ``Policy`` from its name ("fcfs", "priority", "sjf", "aging", "load_aware", "predicted"; a fresh instance)
+    or an instance (returned as is). ``aging_rate``: "aging"'s priority units per second; ``max_model_len``: "sjf"'s
+    length without max_tokens; ``max_num_batched_tokens``: "predicted"'s prompt unit. Raises ValueError otherwise."""
     if isinstance(name_or_instance, Policy):
         return name_or_instance
     if not isinstance(name_or_instance, str) or name_or_instance not in POLICIES:

@@ -9,41 +9,22 @@ from scheduler.request import Request
 
 
 class OutputLengthPredictor:
-    """Predicts a request's output tokens at arrival from the output lengths of earlier requests like it.
+    """Predicts a request's output tokens at arrival from earlier finished requests sharing its prefix or salt.
 
-    Requests are alike when they share a prompt prefix (a system prompt or a
-    template) or a ``cache_salt``. History is kept per key, as an exponential
-    moving average of the output lengths of finished requests:
-
-    * the chained prefix-cache hashes of the prompt's first
-      ``key_blocks`` full blocks (``scheduler.block_hash``; the cache salt is
-      mixed into the first), one key per depth;
-    * the ``cache_salt`` alone;
-    * every request (the global average), starting at ``prior_tokens``.
-
-    A prediction uses the deepest key with history: the longest shared
-    prefix seen before, then the salt, then the global average. So the first
-    request of a template gets the global average, and the next ones that
-    template's own lengths. It is then bounded by what the request's
-    settings allow: at least ``min_tokens`` (and 1), at most ``max_tokens``
-    (or what ``max_model_len`` leaves), and exactly the most when it cannot
-    stop early (``ignore_eos`` with no ``stop_token_ids`` or ``stop``).
+    An exponential moving average is kept per key: the chained hashes of the prompt's first ``key_blocks`` full
+    blocks (one key per depth), the ``cache_salt``, and a global one starting at ``prior_tokens``. A prediction uses
+    the deepest key with history, bounded to ``[max(min_tokens, 1), max_tokens or what max_model_len leaves]``, and
+    is that maximum when the request cannot stop early (``ignore_eos``, no stop ids or strings).
 
     Args:
-      block_size: tokens per KV block (the scheduler's), >= 1.
-      key_blocks: prompt blocks the deepest prefix key covers, >= 1.
-      alpha: weight of a new observation in a key's average, in (0, 1].
-      prior_tokens: the global average before any request finished, >= 1.
-      max_keys: prefix and salt keys kept; the least recently used go, >= 1.
+      block_size: tokens per KV block, >= 1.
+      key_blocks: prompt blocks the deepest key covers, >= 1.
+      alpha: weight of a new observation, in (0, 1].
+      prior_tokens: the global average before any finish, >= 1.
+      max_keys: prefix and salt keys kept (LRU), >= 1.
 
-    Attributes:
-      num_observed: finished requests learned from.
-      predicted_output_tokens: their predictions, summed (tokens).
-      actual_output_tokens: their actual outputs, summed (tokens).
-      abs_error_tokens: the sum of ``|predicted - actual|`` over them (tokens).
-
-    Raises:
-      ValueError: an argument out of range, naming it and its limit.
+    Attributes: num_observed (finished requests learned from), predicted_output_tokens, actual_output_tokens,
+    abs_error_tokens (their sums, tokens). Raises ValueError naming an argument out of range.
     """
 
     def __init__(self, block_size: int, key_blocks: int = 4, alpha: float = 0.25, prior_tokens: float = 128.0,

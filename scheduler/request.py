@@ -12,13 +12,8 @@ from scheduler.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Where a request is in its life; the ``FINISHED_*`` members are final.
-
-    Follows vLLM v1 ``RequestStatus``. ``PREEMPTED`` requests sit in the
-    waiting queue until they are readmitted; so do ``WAITING_FOR_FSM`` ones,
-    whose grammar (structured output) is still being compiled, skipped by
-    admission until it is ready.
-    """
+    """Where a request is in its life (vLLM v1's ``RequestStatus``); ``FINISHED_*`` are final. ``PREEMPTED`` and
+    ``WAITING_FOR_FSM`` (grammar compiling; admission skips it) requests sit in the waiting queue."""
 
     WAITING = 0
     WAITING_FOR_FSM = 1
@@ -46,65 +41,40 @@ _FINISH_REASONS = {
 
 
 class Request:
-    """A prompt, its sampling parameters, and the scheduler's progress on it.
-
-    Follows vLLM v1 ``Request``: there is no prefill or decode phase, only
-    ``num_computed_tokens`` (tokens whose KV is in the cache) catching up with
-    ``num_tokens`` (prompt plus generated tokens).
+    """A prompt, its sampling parameters, and the scheduler's progress on it (vLLM v1's ``Request``): no phases,
+    only ``num_computed_tokens`` (KV in the cache) catching up with ``num_tokens`` (prompt + generated).
 
     Args:
-      request_id: unique among unfinished requests of one scheduler.
-      prompt_token_ids: the prompt, non-empty, token ids >= 0.
+      request_id: unique among one scheduler's unfinished requests.
+      prompt_token_ids: the prompt, non-empty, ids >= 0.
       sampling_params: sampling and stopping parameters.
-      eos_token_id: the model's end-of-sequence id; None disables eos stops.
-      arrival_time: seconds on the scheduler's clock (``time.monotonic`` by
-        default); None means now.
-      priority: lower value = more urgent (as in vLLM); used by the
-        ``priority`` and ``aging`` policies.
-      cache_salt: mixed into the first block's hash so requests with different
-        salts never share prefix-cache blocks.
-      skip_reading_prefix_cache: compute every token even where the prefix
-        cache holds it (vLLM's flag of the same name; the engine sets it for
-        prompt logprobs, which need every prompt position computed). Its
-        blocks are still cached for others. May be cleared later.
-      grammar_ready: for a request under a structured-output constraint,
-        returns whether its grammar is compiled; until then the request
-        waits (``WAITING_FOR_FSM``) and others are admitted past it. None:
-        unconstrained.
+      eos_token_id: the model's eos id; None disables eos stops.
+      arrival_time: seconds on the scheduler's clock; None means now.
+      priority: an int, lower = more urgent (vLLM's).
+      cache_salt: mixed into the first block's hash; different salts never share prefix-cache blocks.
+      skip_reading_prefix_cache: compute every token even on a hit (vLLM's flag; for prompt logprobs); its blocks
+        are still cached. May be cleared later.
+      grammar_ready: with a structured-output constraint, whether its grammar is compiled (until then it waits as
+        ``WAITING_FOR_FSM``); None: unconstrained.
 
     Attributes (beyond the arguments):
-      output_token_ids: generated token ids, in order.
-      num_computed_tokens: prompt+output tokens whose KV is in the cache.
+      output_token_ids: generated ids, in order.
+      num_computed_tokens: tokens whose KV is in the cache.
       status: a ``RequestStatus``.
-      stop_reason: the stop token id that ended it, or a stop string set by the
-        engine; None for eos, length caps and aborts.
-      ignored_reason: why it was finished as ``FINISHED_IGNORED``.
-      num_preemptions: times it was preempted.
-      first_scheduled_time: clock time of its first admission (queue time is
-        ``first_scheduled_time - arrival_time``).
-      block_hashes: prefix-cache hashes (16-byte ``bytes``) of its full blocks,
-        filled in lazily by the KV cache manager, one per block, once.
-      prompt_array: int64[num_prompt_tokens] the prompt again, read-only, so
-        hashing and ``build_batch`` slice prompt tokens without converting
-        Python ints every step.
-      length_limit: ``num_tokens`` at which it is length-capped
-        (``max_model_len``, or prompt + ``max_tokens`` if smaller); set by
-        the scheduler on ``add_request``.
-      batch_row: its row in the scheduler's ``PersistentBatch`` and the KV
-        cache manager's block table while it holds KV blocks; -1 otherwise.
-      prefill_only: set before ``add_request`` for a parent that only
-        prefills a prompt for ``Scheduler.fork_request``: it is never
-        scheduled past its prompt.
-      spec_token_ids: draft tokens (speculative decoding) its next decode
-        row verifies after its last token (vLLM v1's field); set through
-        ``Scheduler.update_draft_token_ids``, emptied once a step used them
-        or the request is preempted.
-      predicted_output_tokens: its output tokens in all as predicted at
-        arrival (``scheduler.predictor``); set by the scheduler on
-        ``add_request``, 0 before.
+      stop_reason: the stop token id or engine-set stop string that ended it; None for eos, length, aborts.
+      ignored_reason: why it was ``FINISHED_IGNORED``.
+      num_preemptions: times preempted.
+      first_scheduled_time: clock time of its first admission.
+      block_hashes: 16-byte hashes of its full blocks, filled lazily, once each.
+      prompt_array: int64[num_prompt_tokens], the prompt read-only.
+      length_limit: ``num_tokens`` at which it is length-capped (``max_model_len`` or prompt + ``max_tokens``); set
+        at ``add_request``.
+      batch_row: its ``PersistentBatch`` and block table row while it holds blocks; -1 otherwise.
+      prefill_only: set before ``add_request`` on a ``fork_request`` parent: never scheduled past its prompt.
+      spec_token_ids: drafts its next decode row verifies (vLLM v1's); emptied once used or on preemption.
+      predicted_output_tokens: its predicted output length (``scheduler.predictor``), set at ``add_request``.
 
-    Raises:
-      ValueError: empty prompt, a negative token id, or a non-int priority.
+    Raises ValueError for an empty prompt, a negative id, or a non-int priority.
     """
 
     __slots__ = (
@@ -223,9 +193,7 @@ class Request:
         self._all_token_ids.append(token_id)
 
     def stop_status(self, token: int, max_model_len: int) -> Optional[RequestStatus]:
-        """The status ``token``, just appended, finishes this request with, or None: once ``min_tokens`` outputs
-        exist, eos (unless ``ignore_eos``) or a ``stop_token_ids`` member (then its ``stop_reason``) stops it;
-        ``max_tokens`` outputs or ``max_model_len`` tokens cap it."""
+        """The status appended ``token`` finishes this request with, or None (rules: ``Scheduler.update_from_output``)."""
         sp = self.sampling_params
         num_output = len(self.output_token_ids)
         if num_output >= sp.min_tokens:

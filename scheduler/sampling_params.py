@@ -1,10 +1,6 @@
-"""Per-request sampling and stopping parameters (host side, no JAX).
+"""Per-request sampling and stopping parameters (host side, no JAX), vLLM's ``SamplingParams`` field for field.
 
-Follows vLLM's ``vllm.SamplingParams``: the same field names, defaults and
-ranges, so code written against vLLM ports by changing the import. It lives in
-``scheduler/`` because the scheduler needs the stopping fields (``max_tokens``,
-``min_tokens``, ``stop_token_ids``, ``ignore_eos``) and must not import
-``jaxllm``; ``jaxllm`` re-exports it.
+Here because the scheduler needs the stopping fields and must not import ``jaxllm`` (which re-exports it).
 """
 
 from __future__ import annotations
@@ -28,26 +24,16 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 class StructuredOutputsParams:
     """A constraint on the generated text (vLLM's ``StructuredOutputsParams``); give exactly one of the first five.
 
-    The engine turns it into a grammar (``jaxllm.structured_output``) and
-    masks, every step, the tokens that cannot continue the text within it.
-
     Attributes:
-      json: a JSON schema (a dict, or its JSON text): the output is one JSON
-        value that validates against it.
+      json: a JSON schema (dict or JSON text) the output validates against.
       regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
       choice: the output is exactly one of these strings.
-      grammar: a context-free grammar in Lark syntax (llguidance's dialect)
-        or GBNF (llama.cpp's); the output is a sentence of it.
-      json_object: any JSON object (``{"type": "object"}``).
-      disable_any_whitespace: JSON without whitespace between tokens (by
-        default any run of spaces, tabs and newlines may separate them).
+      grammar: a Lark (llguidance's dialect) or GBNF (llama.cpp's) grammar the output is a sentence of.
+      json_object: any JSON object.
+      disable_any_whitespace: JSON without whitespace between tokens.
 
-    Raises:
-      ValueError: no constraint or several, or one of the wrong type (an
-        empty regex, a choice list that is empty or holds a non-string, a
-        schema that is not JSON); the message names the field. A schema,
-        regex or grammar the grammar engine rejects is found by the engine
-        at ``add_request``, with the same kind of message.
+    Raises ValueError naming the field for no constraint, several, or one of the wrong type (empty regex or
+    choices, a non-string choice, a schema that is not JSON); what the grammar engine rejects fails at ``add_request``.
     """
 
     json: Optional[Union[str, dict]] = None
@@ -95,53 +81,36 @@ class StructuredOutputsParams:
 
 @dataclasses.dataclass
 class SamplingParams:
-    """How to sample the tokens of one request and when to stop.
+    """How to sample the tokens of one request and when to stop (vLLM's fields, defaults and ranges).
 
-    Attributes follow vLLM:
-      n: number of continuations per prompt (>= 1).
-      temperature: softmax temperature (>= 0); 0 means greedy (argmax).
+    Attributes:
+      n: continuations per prompt, >= 1.
+      temperature: >= 0; 0 is greedy.
       top_p: nucleus mass in (0, 1]; 1 disables it.
       top_k: keep the k most likely tokens; 0 or -1 disables it.
-      min_p: drop tokens whose probability is below ``min_p`` times the
-        top token's, in [0, 1].
-      presence_penalty, frequency_penalty: OpenAI-style additive penalties in
-        [-2, 2] over generated tokens.
-      repetition_penalty: CTRL-style multiplicative penalty (> 0) over prompt
-        and generated tokens; 1 disables it.
-      seed: per-request random seed, an int in ``[SEED_MIN, SEED_MAX - n + 1]``
-        (int64; sequence i of n uses ``seed + i``); with it, the sampled tokens
-        do not depend on what else is in the batch, and distinct seeds give
-        independent streams.
-      max_tokens: number of tokens to generate at most (>= 1).
-      min_tokens: eos and ``stop_token_ids`` are banned before this many
-        tokens; a stop string counts only where it ends in the text of a
-        later token (vLLM).
-      stop: stop strings, checked on detokenized text; the first to end
-        wins, and the text is cut before it.
+      min_p: drop tokens under ``min_p`` times the top token's probability, in [0, 1].
+      presence_penalty, frequency_penalty: additive, in [-2, 2], over generated tokens.
+      repetition_penalty: multiplicative, > 0, over prompt and generated tokens; 1 disables it.
+      seed: int in ``[SEED_MIN, SEED_MAX - n + 1]`` (sequence i uses ``seed + i``): tokens then independent of the
+        batch, distinct seeds independent streams.
+      max_tokens: tokens to generate at most, >= 1.
+      min_tokens: eos and ``stop_token_ids`` banned before this many; a stop string counts only where it ends in a
+        later token's text.
+      stop: stop strings on the detokenized text; the first to end wins, the text cut before it.
       stop_token_ids: token ids that end generation (besides eos).
-      include_stop_str_in_output: keep the stop string, or the text of the
-        eos / ``stop_token_ids`` token that ended the sequence, in the text.
-      ignore_eos: keep generating after the eos token.
-      logprobs: number of top log-probabilities to return per generated token,
-        0 to ``MAX_LOGPROBS`` (20, vLLM's default ``max_logprobs``); the chosen
-        token's is always included; None for none.
-      prompt_logprobs: likewise for each prompt token.
-      logit_bias: {token_id: bias} added to the logits before sampling.
+      include_stop_str_in_output: keep the stop string (or eos / stop token text) in the text.
+      ignore_eos: keep generating after eos.
+      logprobs, prompt_logprobs: top log-probabilities per generated / prompt token, 0 to ``MAX_LOGPROBS`` (20),
+        the chosen token's always included; None for none.
+      logit_bias: {token_id: bias} added to the logits.
       allowed_token_ids: restrict sampling to these ids.
-      bad_words: words that may not be generated, each both bare and after
-        a space, whatever the token counts of the two.
-      skip_special_tokens: drop special tokens from the detokenized text.
-      structured_outputs: a ``StructuredOutputsParams`` constraint (JSON
-        schema, regex, choice, grammar) on the output, or None.
-      allow_kv_compression: our addition: with ``kv_cache_compression`` on,
-        the scheduler may re-encode this request's full KV blocks in one
-        byte rather than preempt (``scheduler.kv.compressed_pool``); False opts
-        out (exact KV always). A request with ``priority < 0`` is never
-        compressed either way.
+      bad_words: words never generated, bare or after a space.
+      skip_special_tokens: drop special tokens from the text.
+      structured_outputs: a ``StructuredOutputsParams`` or None.
+      allow_kv_compression: our addition: False keeps this request's KV exact under ``kv_cache_compression``
+        (``priority < 0`` always does).
 
-    Raises:
-      ValueError: a field out of its range; the message names the field, the
-        value and the range.
+    Raises ValueError naming the field, the value and the range.
     """
 
     n: int = 1
@@ -235,12 +204,8 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS or self.top_k == 1
 
     def validate_for_vocab(self, vocab_size: int) -> None:
-        """Check token ids in this request against the model's vocabulary.
-
-        Raises:
-          ValueError: a token id in ``stop_token_ids``, ``logit_bias`` or
-            ``allowed_token_ids`` is not in ``[0, vocab_size)``.
-        """
+        """Raise ValueError if a ``stop_token_ids``, ``logit_bias`` or ``allowed_token_ids`` id is not in
+        ``[0, vocab_size)``."""
         fields = {
             "stop_token_ids": self.stop_token_ids,
             "logit_bias": list((self.logit_bias or {}).keys()),

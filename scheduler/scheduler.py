@@ -1,6 +1,4 @@
-"""The continuous-batching step (vLLM v1's ``Scheduler``, with no prefill/decode phases): each step hands out at most
-``max_num_batched_tokens`` tokens to at most ``max_num_seqs`` requests, running ones first, then waiting ones in
-policy order, so that each request's ``num_computed_tokens`` catches up with its ``num_tokens``."""
+"""The continuous-batching step (vLLM v1's ``Scheduler``, no prefill/decode phases)."""
 
 from __future__ import annotations
 
@@ -47,25 +45,12 @@ class UnknownRequestError(KeyError, ValueError):
 class Scheduler:
     """Decides, step by step, which tokens of which requests the model computes (vLLM v1's ``Scheduler``).
 
-    Each ``schedule()`` must be followed by one ``update_from_output()`` with that output before the next
-    ``schedule()`` -- or, with ``config.async_scheduling``, before the one after it: the host schedules step N+1
-    while the device runs step N, and a row whose input is a sample still on the device carries ``prev_row``.
-    Running requests are served first, then waiting ones in policy order, within the token budget and the seats;
-    a request short of blocks has the tiers make room (``scheduler.kv.tier``), else preempts the policy's victim
-    (which a tier may keep). A request that can never fit is finished as ``FINISHED_IGNORED`` at ``add_request``.
-    The step's rules, one by one, and why: ``docs/design/scheduler.md``.
-
-    Args:
-      config: a validated ``SchedulerConfig``.
-      clock: seconds, monotonic; what ``arrival_time`` and queue times are measured on. Tests pass a fake clock.
-
-    Attributes (for tests and the engine's metrics):
-      config, policy, block_pool (``BlockPool``), kv_cache_manager (``KVCacheManager``), tiers (the ``KVTier``s
-      it asks), batch (``PersistentBatch``: the running requests' numbers as numpy rows), requests (id ->
-      unfinished ``Request``), running and waiting (``Request`` lists), degradation (``DegradationController``,
-      None when off), predictor (``OutputLengthPredictor``),
-      copy_budget (host-tier copies a step queues at most beyond its first loading request's:
-      ``max_num_batched_tokens // block_size``, at least 1).
+    Each ``schedule()`` must be followed by one ``update_from_output()`` of that output before the next
+    ``schedule()`` (with ``config.async_scheduling``, before the one after it). Rules: ``docs/design/scheduler.md``.
+    ``config`` is a validated ``SchedulerConfig``; ``clock`` gives monotonic seconds (arrival and queue times).
+    Attributes read by tests and metrics: config, policy, block_pool, kv_cache_manager, tiers, batch
+    (``PersistentBatch``), requests (id -> unfinished ``Request``), running, waiting, degradation (None when off),
+    predictor, copy_budget (host-tier copies a step queues beyond its first loading request's).
     """
 
     def __init__(self, config: SchedulerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -130,11 +115,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request, or finish it at once as ``FINISHED_IGNORED`` (``ignored_reason`` set, reported by
-        the next ``schedule`` and ``update_from_output``) if it can never fit.
-
-        Raises:
-          ValueError: the id belongs to an unfinished request, or the request is not fresh.
-        """
+        the next ``schedule`` and ``update_from_output``) if it can never fit. Raises ValueError if the id is
+        unfinished already or the request is not fresh."""
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"add_request: request_id {rid!r} is already unfinished in this scheduler")
@@ -165,18 +147,12 @@ class Scheduler:
         request.length_limit = limit
 
     def fork_request(self, parent_id: str, children: Sequence[Request]) -> list[tuple[int, int]]:
-        """Replace running ``parent_id`` by ``children`` (``n > 1`` sampling) that share its computed KV blocks.
+        """Replace running ``parent_id`` by ``children`` (``n > 1`` sampling) sharing its computed KV blocks.
 
-        Call it between ``update_from_output`` and the next ``schedule``. Children run at once while seats and
-        blocks for their copied last block last; the rest are queued as new requests. The parent is finished as
-        ``FINISHED_STOPPED`` and not reported.
-
-        Returns:
-          ``(src_block, dst_block)`` copies the runner must do before the next step.
-
-        Raises:
-          ValueError: the parent is not running, a child is not fresh, or a child's tokens do not extend the
-            parent's computed tokens.
+        Call between ``update_from_output`` and ``schedule``. Children run at once while seats and blocks last, the
+        rest are queued; the parent is finished (``FINISHED_STOPPED``, not reported). Returns the
+        ``(src_block, dst_block)`` copies to do before the next step. Raises ValueError if the parent is not
+        running or a child is not fresh or does not extend the parent's computed tokens.
         """
         parent = self.get_request(parent_id)
         computed = parent.num_computed_tokens
@@ -230,11 +206,8 @@ class Scheduler:
     # ------------------------------------------------------------------- step
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's rows; returns them with the block copies to do first.
-
-        Raises:
-          RuntimeError: the previous output (with async scheduling, the one before it) is not updated yet.
-        """
+        """Choose this step's rows, with the block copies to do first. Raises RuntimeError if the previous
+        output (async: the one before it) is not updated yet."""
         if len(self._pending) >= self._max_pending:
             raise RuntimeError("schedule() called again before update_from_output() of the previous output")
         now = self._clock()
@@ -253,9 +226,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, step: Step) -> None:
-        """Give running requests, in policy order, their remaining tokens within the budget: the leading ones whose
-        tokens and new blocks fit (usually all) together, as arrays; from the first that would need a preemption
-        (or, without chunked prefill, a short budget) on, one by one (:meth:`_schedule_running_one`)."""
+        """Give running requests, in policy order, their remaining tokens within the budget."""
         if self.policy.keys_change_over_time:
             self.policy.sort(self.running, step.now)
         running = list(self.running)
@@ -429,9 +400,8 @@ class Scheduler:
             self._preempt(victim, step)
 
     def _make_room_to_admit(self, req: Request, step: Step) -> bool:
-        """Have the tiers make room so that waiting ``req`` can be admitted, instead of preempting for it; False,
-        changing nothing, when blocks are not what it lacks (seats, budget, the predicted-output headroom) or the
-        tiers cannot free enough."""
+        """Have the tiers make room to admit waiting ``req`` instead of preempting; False, changing nothing, if
+        blocks are not what it lacks or the tiers cannot free enough."""
         kv = self.kv_cache_manager
         if (not self._room_tiers or len(self.running) >= self.max_num_seqs or step.budget <= 0
                 or self._holder(req) is not None or self.config.reserve_predicted_output):
@@ -485,12 +455,8 @@ class Scheduler:
         return kv.num_blocks_to_allocate(req, req.num_tokens - num_hit, hits, left)
 
     def _allocate_admission(self, req: Request, budget: int, may_wait: bool) -> int:
-        """Take ``req``'s prefix hits and blocks for its first chunk; returns the chunk's tokens, 0 if it must wait
-        for blocks or tokens, -1 if a tier has it wait a step (``may_wait``: the step has rows already).
-
-        Hits covering every token copy the last one on write, which takes one block more; short of it, the
-        request takes one hit fewer, so alone it is always admitted (what ``_never_fits`` checks).
-        """
+        """Take ``req``'s prefix hits and first chunk's blocks; returns the chunk's tokens, 0 if it must wait, -1 if a
+        tier has it wait a step (``may_wait``). A full hit takes one hit fewer when the copy-on-write block is short."""
         kv = self.kv_cache_manager
         hits, num_hit = kv.get_computed_blocks(req)
         num_host = 0
@@ -593,21 +559,15 @@ class Scheduler:
 
         Args:
           output: the oldest ``schedule()`` output not yet updated.
-          sampled_token_ids: ``[num_seqs]`` ints (extra entries ignored), entry i row i's sample (partial prefill
-            rows' are discarded); with speculative decoding an int array ``[num_seqs, >= 1]``: row i's accepted
-            drafts then one sampled token.
-          num_sampled: int ``[num_seqs]`` with a 2-D ``sampled_token_ids``: how many of row i's tokens are valid.
+          sampled_token_ids: ``[num_seqs]`` ints (extra ignored; partial prefill rows' discarded); with
+            speculative decoding ``[num_seqs, >= 1]``: row i's accepted drafts then one sampled token.
+          num_sampled: int ``[num_seqs]``, with a 2-D ``sampled_token_ids``: valid tokens per row.
 
-        A request stops at the first appended token that, once ``min_tokens`` outputs exist, is eos (unless
-        ``ignore_eos``) or in ``stop_token_ids`` (``FINISHED_STOPPED``, ``stop_reason`` that id), or that makes
-        ``max_tokens`` outputs or ``max_model_len`` tokens (``FINISHED_LENGTH_CAPPED``); tokens after it are dropped.
-
-        Returns:
-          every request that received a token or finished, plus those ignored or aborted since the last call, once.
-
-        Raises:
-          ValueError: ``output`` is not the pending output, fewer sampled ids than rows, or a 2-D
-            ``sampled_token_ids`` without ``num_sampled`` (nothing is changed).
+        A request stops (tokens after it dropped) at eos (after ``min_tokens``, unless ``ignore_eos``) or a
+        ``stop_token_ids`` id (``FINISHED_STOPPED``), or at ``max_tokens``/``max_model_len`` (``FINISHED_LENGTH_CAPPED``).
+        Returns every request that got a token or finished, plus those ignored or aborted since, once. Raises
+        ValueError (nothing changed) if ``output`` is not the pending one, ids are fewer than rows, or a 2-D
+        ``sampled_token_ids`` lacks ``num_sampled``.
         """
         if not self._pending or output is not self._pending[0][0]:
             raise ValueError("update_from_output: output is not the pending output (the oldest schedule() result not yet updated)")
@@ -689,9 +649,7 @@ class Scheduler:
 
     def _update_speculative(self, output: SchedulerOutput, sampled: np.ndarray, num_sampled: np.ndarray,
                             alive: Optional[np.ndarray], result: list[Request]) -> list[Request]:
-        """``update_from_output`` of a step with drafts, row by row: a row that verified ``k`` drafts and got
-        ``a + 1`` tokens gives back ``k - a`` computed tokens; blocks are registered after the accepted tokens are
-        appended, so a hash only covers accepted tokens."""
+        """``update_from_output`` of a step with drafts; a hash only ever covers accepted tokens."""
         data, bs = self.batch.data, self.config.block_size
         caching = self.config.enable_prefix_caching
         receivers, filled, finished = [], [], []
@@ -734,11 +692,8 @@ class Scheduler:
     def update_draft_token_ids(self, draft_token_ids: dict[str, Sequence[int]]) -> None:
         """Hand running requests the drafts their next decode row verifies (vLLM v1's method of the name).
 
-        Each request's drafts replace its old ones, cut to its length limit; dropped for a request not running,
-        unknown, or not at a decode.
-
-        Args:
-          draft_token_ids: request id -> token ids (ints >= 0).
+        ``draft_token_ids``: request id -> token ids; they replace the old ones, cut to the length limit, and are
+        dropped for a request not running, unknown, or not at a decode.
         """
         data = self.batch.data
         for rid, ids in draft_token_ids.items():
@@ -764,8 +719,8 @@ class Scheduler:
             self.kv_cache_manager.release_pinned_prefixes()
 
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
-        """Pin the cached full blocks that prefix ``token_ids`` (``KVCacheManager.pin_prefix``) while graceful
-        degradation is on, which releases them at its first back-off; returns the blocks newly pinned (0 when off)."""
+        """Pin the cached full blocks prefixing ``token_ids`` while degradation is on (released at its first
+        back-off); returns the blocks newly pinned (0 when off)."""
         return 0 if self.degradation is None else self.kv_cache_manager.pin_prefix(token_ids, cache_salt)
 
     def take_kv_events(self) -> list[KVEvent]:
@@ -773,18 +728,10 @@ class Scheduler:
         return self.block_pool.take_kv_events()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> list[Request]:
-        """Forget every block hash and release the pinned prefixes, so no KV computed so far is read again by
-        another request (vLLM's ``reset_prefix_cache``).
+        """Forget every block hash and unpin prefixes, so no KV so far is read again (vLLM's ``reset_prefix_cache``).
 
-        Args:
-          reset_running_requests: also start every unfinished request over (recompute preemption; a tier's copies
-            of its KV dropped), as after a weight update.
-
-        Returns:
-          the requests preempted here (the caller gives back what it holds for them).
-
-        Raises:
-          RuntimeError: a step is in flight.
+        ``reset_running_requests`` also starts every unfinished request over (recompute preemption, tier copies
+        dropped). Returns the requests preempted here. Raises RuntimeError while a step is in flight.
         """
         if self._pending:
             raise RuntimeError("reset_prefix_cache: a scheduled step has not been applied yet (update_from_output)")
@@ -804,18 +751,11 @@ class Scheduler:
     # ------------------------------------------------ compaction and resizing (between steps)
 
     def compact_kv_cache(self, num_blocks: Optional[int] = None) -> list[tuple[int, int]]:
-        """Move every referenced and cached free block to the lowest ids (``BlockPool.compact``) and rewrite the
-        block tables to match; ref counts, hashes, pins and the free queue's order are kept.
+        """Move referenced and cached free blocks to the lowest ids (``BlockPool.compact``), rewriting block tables.
 
-        Args:
-          num_blocks: a smaller pool to make room for (the cached free blocks above it are evicted, oldest first).
-
-        Returns:
-          ``(src, dst)`` block copies for the device, none of whose destinations is a source.
-
-        Raises:
-          RuntimeError: a step is in flight.
-          ValueError: ``num_blocks`` is one :meth:`check_resize` refuses, or a tier refuses moving ids.
+        ``num_blocks``: a smaller pool to make room for (cached free blocks above it evicted). Returns ``(src, dst)``
+        device copies, no destination a source. Raises RuntimeError while a step is in flight, ValueError if
+        :meth:`check_resize` refuses ``num_blocks`` or a tier refuses moving ids.
         """
         self._check_between_steps("compact_kv_cache")
         self._check_ids_may_move("compact_kv_cache()")
@@ -826,13 +766,8 @@ class Scheduler:
         return moves
 
     def check_resize(self, num_blocks: int) -> None:
-        """Raise unless :meth:`resize_kv_cache` would accept ``num_blocks``.
-
-        Raises:
-          ValueError: ``num_blocks`` is not an int >= 2, is below the referenced blocks plus the null block, or
-            an unfinished request needs more blocks than the smaller cache has (it could never finish).
-          RuntimeError: a step is in flight.
-        """
+        """Raise unless :meth:`resize_kv_cache` would accept ``num_blocks``: ValueError if not an int >= 2, below the
+        referenced blocks + 1, or too small for an unfinished request; RuntimeError while a step is in flight."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"resize_kv_cache: num_blocks={num_blocks!r} must be an int >= 2 (block 0 is the "
                              "null block)")
@@ -848,15 +783,8 @@ class Scheduler:
                              f"blocks, more than the {num_blocks - 1} usable of num_blocks={num_blocks}")
 
     def resize_kv_cache(self, num_blocks: int) -> list[tuple[int, int]]:
-        """Grow or shrink the pool to ``num_blocks`` (the null block included) without touching a request (a shrink
-        compacts first); ``config.num_blocks`` and degradation's limits follow.
-
-        Returns:
-          the device copies of the compaction (none when growing or already compact).
-
-        Raises:
-          ValueError, RuntimeError: as :meth:`check_resize` (nothing changes).
-        """
+        """Grow or shrink the pool to ``num_blocks`` (null block included; a shrink compacts first), no request
+        touched; returns the compaction's device copies. Raises as :meth:`check_resize`, changing nothing."""
         self.check_resize(num_blocks)
         moves = self.compact_kv_cache(num_blocks) if num_blocks < self.block_pool.num_blocks else []
         self.block_pool.resize(num_blocks)
@@ -876,8 +804,7 @@ class Scheduler:
             raise RuntimeError(f"{what}: a scheduled step has not been applied yet (update_from_output)")
 
     def _reset_progress(self, req: Request) -> None:
-        """Free every block (device and host) of an unfinished request and start it over from its first token, its
-        tokens so far kept (a recompute preemption)."""
+        """Free all of an unfinished request's blocks and start it over, tokens kept (a recompute preemption)."""
         self.kv_cache_manager.free(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -886,15 +813,9 @@ class Scheduler:
             self._num_stopped += 1
 
     def discard_output(self, output: SchedulerOutput) -> None:
-        """Forget the newest ``schedule()`` output, whose step never ran (its launch failed).
-
-        Its rows' requests, and those holding KV its copies were to write (``KVTier.forget``), start over as after a
-        recompute preemption; the blocks its admissions registered in the prefix cache are forgotten. Under async
-        scheduling the step before it skips their rows when applied.
-
-        Raises:
-          ValueError: ``output`` is not the newest pending output.
-        """
+        """Forget the newest ``schedule()`` output, whose step never ran. Its requests, and those whose KV its copies
+        were to write, start over (recompute); its prefix-cache registrations are forgotten. Raises ValueError if
+        ``output`` is not the newest pending output."""
         if not self._pending or output is not self._pending[-1][0]:
             raise ValueError("discard_output: output is not the newest pending output of schedule()")
         _, _, scheduled_blocks, _ = self._pending.pop()
@@ -932,12 +853,8 @@ class Scheduler:
     # ---------------------------------------------------------- engine hooks
 
     def finish_requests(self, request_ids: Union[str, Iterable[str]], status: RequestStatus) -> None:
-        """Finish requests from outside (stop strings, aborts), freeing their blocks; unknown ids are skipped.
-        Aborted and ignored ones are reported in the next output's ``finished`` and ``update_from_output`` result.
-
-        Raises:
-          ValueError: ``status`` is not a ``FINISHED_*`` status.
-        """
+        """Finish requests from outside (stop strings, aborts), freeing their blocks; unknown ids skipped. Aborted
+        and ignored ones are reported next. Raises ValueError if ``status`` is not ``FINISHED_*``."""
         if not RequestStatus.is_finished(status):
             raise ValueError(f"finish_requests: status={status!r} is not a FINISHED_* status")
         if isinstance(request_ids, str):
@@ -957,8 +874,7 @@ class Scheduler:
         self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
     def get_request(self, request_id: str) -> Request:
-        """The unfinished request with this id; raises ``UnknownRequestError`` (a KeyError and a ValueError) if
-        none has it."""
+        """The unfinished request with this id; else raises ``UnknownRequestError``."""
         try:
             return self.requests[request_id]
         except KeyError:

@@ -1,12 +1,4 @@
-"""Static batching: the baseline that continuous batching is measured against.
-
-``StaticBatchScheduler`` is the continuous-batching ``Scheduler`` with its
-intake gated: new requests are held in arrival order, and only when every
-request of the current batch has finished are up to ``max_num_seqs`` of them
-handed to the scheduler at once (as a padded-batch server such as HF
-``generate`` would). Everything else -- paging, chunked prefill, preemption
--- is unchanged, so the difference measured is the batching discipline alone.
-"""
+"""Static batching, the baseline continuous batching is measured against: ``Scheduler`` with its intake gated."""
 
 from __future__ import annotations
 
@@ -18,11 +10,8 @@ from scheduler import Request, RequestStatus, Scheduler, SchedulerOutput, Schedu
 
 
 class StaticBatchScheduler(Scheduler):
-    """A ``Scheduler`` that admits a new batch only once the previous one has finished entirely.
-
-    Held requests count as waiting in ``stats`` and as unfinished; aborting
-    one drops it from the hold queue.
-    """
+    """A ``Scheduler`` handing up to ``max_num_seqs`` held requests (arrival order) to itself only once the previous
+    batch finished entirely; held requests count as waiting and unfinished, and aborting one drops it."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

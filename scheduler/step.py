@@ -16,13 +16,8 @@ _NO_COUNTS.flags.writeable = False
 
 
 class Step:
-    """Mutable state of one ``schedule()`` call, with its rows so far in batch order.
-
-    Running requests that need nothing but tokens and blocks are added in
-    bulk, as arrays (``bulk_*``); every other row is added one by one
-    (``tail_*``). A row whose request is preempted later in the step is
-    dropped.
-    """
+    """Mutable state of one ``schedule()`` call, its rows in batch order: bulk rows as arrays (``bulk_*``), others
+    one by one (``tail_*``); a row preempted later in the step is dropped."""
 
     __slots__ = (
         "budget", "preempted", "preempted_ids", "admitted_ids", "now", "dropped", "headroom",
@@ -65,11 +60,7 @@ class Step:
                 return
 
     def emit(self, batch: PersistentBatch, table: BlockTable, block_size: int) -> SchedulerOutput:
-        """The step's output, its rows advanced in ``batch`` (block tables read from ``table``).
-
-        Each row's tokens count as computed and its sample, if used, as pending; its ``prev_row`` points at its
-        request's pending sample in the previous output when its input is that sample.
-        """
+        """The step's output, its rows advanced in ``batch`` (tables from ``table``), samples pending."""
         data = batch.data
         requests, rows, new, computed = self.bulk_requests, self.bulk_rows, self.bulk_new, self.bulk_computed
         if self.tail_requests:

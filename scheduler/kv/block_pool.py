@@ -1,8 +1,4 @@
-"""Device KV blocks: ref counts, an LRU free queue, and the prefix-cache map.
-
-Follows vLLM v1 ``BlockPool`` / ``FreeKVCacheBlockQueue``: a freed block keeps
-its hash and stays revivable until allocation evicts it from the free queue.
-"""
+"""Device KV blocks: ref counts, an LRU free queue, the prefix-cache map (vLLM v1's ``BlockPool``)."""
 
 from __future__ import annotations
 
@@ -13,14 +9,8 @@ from scheduler.kv_events import BlockRemoved, KVEvent
 
 
 class KVBlock:
-    """One device KV block of ``block_size`` token slots.
-
-    Attributes:
-      block_id: index into the device KV cache, in [0, num_blocks).
-      ref_cnt: number of requests whose block table holds this block.
-      block_hash: 16-byte prefix-cache hash while registered, else None.
-      prev, next: free-queue links (None while not in the free queue).
-    """
+    """One device KV block: block_id (in [0, num_blocks)), ref_cnt (tables holding it), block_hash (16 bytes while
+    registered, else None), prev/next (free-queue links, None outside it)."""
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
 
@@ -36,11 +26,8 @@ class KVBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks; O(1) push at either end, pop at the front, removal anywhere.
-
-    The front is evicted first. Follows vLLM v1 ``FreeKVCacheBlockQueue``; the
-    links live in the blocks so reviving a cached block needs no search.
-    """
+    """Doubly linked free blocks, front evicted first (vLLM v1's ``FreeKVCacheBlockQueue``); O(1) push at either
+    end, pop at the front, removal anywhere."""
 
     def __init__(self, blocks: Iterable[KVBlock]) -> None:
         # Sentinels remove the empty-list and end-of-list special cases.
@@ -73,11 +60,7 @@ class FreeBlockQueue:
         return block
 
     def popleft_n(self, n: int) -> list[KVBlock]:
-        """Remove and return the first ``n`` blocks, front first, in one splice.
-
-        Raises:
-          ValueError: fewer than ``n`` blocks are queued (nothing is removed).
-        """
+        """Remove and return the first ``n`` blocks, front first; ValueError, removing nothing, if fewer are queued."""
         if n > self._len:
             raise ValueError(f"FreeBlockQueue.popleft_n: asked for {n} blocks, only {self._len} queued")
         out = []
@@ -101,11 +84,7 @@ class FreeBlockQueue:
         self._link(block, self._head, self._head.next)
 
     def extend(self, blocks: list[KVBlock]) -> None:
-        """Put ``blocks`` at the back in order, as repeated :meth:`append` would, in one splice.
-
-        Raises:
-          ValueError: a block is already queued (nothing is added).
-        """
+        """Put ``blocks`` at the back in order; ValueError, adding nothing, if one is queued already."""
         self._check_unqueued(blocks)
         self._splice_back(blocks)
 
@@ -120,12 +99,8 @@ class FreeBlockQueue:
         self._len += len(blocks)
 
     def extendleft(self, blocks: list[KVBlock]) -> None:
-        """Put each of ``blocks`` at the front in turn (so the last ends up first), as repeated
-        :meth:`appendleft` would, in one splice.
-
-        Raises:
-          ValueError: a block is already queued (nothing is added).
-        """
+        """Put each of ``blocks`` at the front in turn (the last ends first); ValueError, adding nothing, if one is
+        queued already."""
         self._check_unqueued(blocks)
         self._splice_front(blocks)
 
@@ -165,33 +140,22 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All device KV blocks, their ref counts, and the hash -> block map.
+    """All device KV blocks, their ref counts, and the hash -> block map (vLLM v1's ``BlockPool``).
 
-    Block 0 is the null block: never allocated, never freed; padded token
-    slots write into it. Blocks 1..num_blocks-1 start in the free queue.
-
-    Follows vLLM v1 ``BlockPool``: freed blocks that carry a hash go to the
-    back of the free queue so they survive as long as possible; unhashed
-    ones go to the front and are reused first. Allocation pops the front
-    and, if that block still carries a hash, drops it from the map (evicts).
+    Block 0 is the null block (never allocated or freed; padded slots write into it). A freed hashed block goes to
+    the free queue's back, an unhashed one to its front; allocation pops the front, evicting its hash.
 
     Args:
-      num_blocks: total blocks including the null block, >= 2.
-      enable_caching: keep the hash -> block map (prefix caching).
-      enable_kv_cache_events: record evictions (and, through ``KVCacheManager``, registrations) in
-        :attr:`kv_events`.
-      num_offload_blocks: slots of the host tier (``scheduler.kv.host_tier``), >= 0; 0: no tier. An evicted hashed
-        block is offloaded there before its reuse.
+      num_blocks: total blocks including the null block, >= 2 (else ValueError).
+      enable_caching: keep the hash -> block map.
+      enable_kv_cache_events: record events in :attr:`kv_events`.
+      num_offload_blocks: host-tier slots (``scheduler.kv.host_tier``), 0: none; an evicted hashed block is
+        offloaded there before reuse.
       offload_base: the tier's first slot id in the runner's host pool.
       block_size: tokens per block, for the tier's events.
 
-    Attributes:
-      kv_events: the ``scheduler.kv_events`` events since the last ``Scheduler.take_kv_events``; None when
-        events are off.
-      host_tier: the ``HostTier``, None without one (or without caching).
-
-    Raises:
-      ValueError: ``num_blocks < 2``.
+    Attributes: kv_events (``scheduler.kv_events`` events since the last take; None when off), host_tier (None
+    without one).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False,
@@ -214,8 +178,7 @@ class BlockPool:
         self.kv_events.append(event)
 
     def take_kv_events(self) -> list[KVEvent]:
-        """The ``BlockStored`` / ``BlockRemoved`` events since the last call, oldest first (none when events are
-        off)."""
+        """The ``BlockStored`` / ``BlockRemoved`` events since the last call, oldest first."""
         events = self.kv_events
         if not events:
             return []
@@ -233,14 +196,8 @@ class BlockPool:
         return 1.0 - len(self.free_queue) / (self.num_blocks - 1)
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks from the front of the free queue, each with ref_cnt 1.
-
-        A taken block that still carried a hash is evicted from the map first, and offloaded to the host tier
-        when there is one.
-
-        Raises:
-          ValueError: ``n`` exceeds the free blocks (nothing is taken).
-        """
+        """Take ``n`` blocks from the free queue's front, ref_cnt 1, evicting (and offloading) their hashes;
+        ValueError, taking nothing, if ``n`` exceeds the free blocks."""
         if n > len(self.free_queue):
             raise ValueError(f"BlockPool.get_new_blocks: asked for {n} blocks, only {len(self.free_queue)} free")
         blocks = self.free_queue.popleft_n(n)
@@ -262,10 +219,8 @@ class BlockPool:
         return blocks
 
     def offloads_to_take(self, n: int, skip: frozenset[int] = frozenset()) -> list[bool]:
-        """For each of the first ``n`` free-queue blocks whose id is not in ``skip`` (about to be revived, so not
-        taken), front first: whether :meth:`get_new_blocks` taking it now would queue a copy to the host tier (it
-        carries a hash the tier does not hold). Shorter than ``n`` when fewer blocks are free; all False without
-        a tier."""
+        """Per first ``n`` free-queue blocks not in ``skip``, front first: whether taking it now queues a host-tier
+        copy (its hash is not in the tier). Shorter when fewer are free; all False without a tier."""
         tier = self.host_tier
         out: list[bool] = []
         if n <= 0:
@@ -286,14 +241,8 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop a reference from each block, in the given order (the first freed is evicted first).
-
-        A block reaching ref_cnt 0 goes to the back of the free queue if it
-        is hashed, to the front if not.
-
-        Raises:
-          ValueError: a block is already free, or is the null block.
-        """
+        """Drop a reference from each block in order; at 0 a hashed block goes to the queue's back, an unhashed one
+        to its front. ValueError if a block is free already or is the null block."""
         hashed: list[KVBlock] = []
         unhashed: list[KVBlock] = []
         null = self.null_block
@@ -314,13 +263,8 @@ class BlockPool:
             self.free_queue._splice_front(unhashed)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every hash: no block can be found by content any more (vLLM's ``reset_prefix_cache``, used after
-        the weights change, when the cached KV is stale). Blocks keep their ref counts and queue places; the host
-        tier is emptied.
-
-        Returns:
-          the number of blocks that lost their hash.
-        """
+        """Forget every hash (vLLM's ``reset_prefix_cache``) and empty the host tier; ref counts and queue places
+        stay. Returns the number of blocks that lost their hash."""
         for block in self.cached.values():
             block.block_hash = None
         num = len(self.cached)
@@ -334,12 +278,8 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
-        """Register a full, computed block under ``block_hash``.
-
-        If another block already holds this hash (two requests computed the
-        same content at once) the map keeps the first and ``block`` stays
-        unhashed, so it is reused first once freed.
-        """
+        """Register a full, computed block under ``block_hash``; if another holds it already, ``block`` stays
+        unhashed."""
         self.cache_blocks((block,), (block_hash,))
 
     def cache_blocks(self, blocks: Sequence[KVBlock], block_hashes: Sequence[bytes]) -> None:
@@ -353,8 +293,7 @@ class BlockPool:
                 cached[block_hash] = block
 
     def uncache_blocks(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop the hashes of those of ``blocks`` that hold one (a ``BlockRemoved`` event for them): no request finds
-        them by content any more. For registered blocks whose KV was never written (their step never ran)."""
+        """Drop the hashes of ``blocks`` holding one (with ``BlockRemoved`` events), for KV never written."""
         gone = [b for b in blocks if b.block_hash is not None]
         for block in gone:
             del self.cached[block.block_hash]
@@ -366,20 +305,12 @@ class BlockPool:
     # ------------------------------------------------------ compaction and resizing (between steps)
 
     def compact(self, num_blocks: Optional[int] = None) -> list[tuple[int, int]]:
-        """Renumber the blocks so that every referenced and every cached free block has an id below ``k + 1``
-        (``k`` of them), each keeping its ref count, hash and free-queue place: block objects swap ids with empty
-        free blocks, so the tables holding them stay valid objects (``KVCacheManager.renumber`` rewrites their ids).
+        """Renumber so that the ``k`` referenced and cached free blocks have ids below ``k + 1``, each keeping its ref
+        count, hash and queue place (objects swap ids with empty free blocks; ``KVCacheManager.renumber`` follows).
 
-        With ``num_blocks`` (a shrink to come) the cached free blocks beyond ``num_blocks - 1 - referenced`` are
-        evicted first, those nearest the front of the free queue (the next to be evicted anyway) first, so that
-        every id from ``num_blocks`` on is an empty free block afterwards.
-
-        Returns:
-          the moves, ``(old id, new id)`` pairs, whose contents the device must copy; no destination is a source
-          (every destination held nothing), so they can run as one batch.
-
-        Raises:
-          ValueError: ``num_blocks`` is below the referenced blocks plus the null block (nothing changes).
+        With ``num_blocks`` (a shrink to come), cached free blocks beyond ``num_blocks - 1 - referenced`` are
+        evicted first, front first. Returns ``(old id, new id)`` moves for the device to copy, no destination a
+        source. ValueError, changing nothing, if ``num_blocks`` is below the referenced blocks + 1.
         """
         referenced = sum(1 for b in self.blocks if b.ref_cnt > 0)
         cached_free = sum(1 for b in self.cached.values() if b.ref_cnt == 0)
@@ -406,8 +337,7 @@ class BlockPool:
         return block.ref_cnt > 0 or block.block_hash is not None
 
     def _evict_cached_free(self, n: int) -> None:
-        """Drop the hashes of the first ``n`` cached free blocks of the free queue (front first); each goes to the
-        front, as an unhashed free block does."""
+        """Unhash the first ``n`` cached free blocks of the queue and move them to its front."""
         if n <= 0:
             return
         victims = [b for b in self.free_queue if b.block_hash is not None][:n]
@@ -421,13 +351,8 @@ class BlockPool:
         self.free_queue._splice_front(victims)
 
     def resize(self, num_blocks: int) -> None:
-        """Grow the pool with empty free blocks (at the front of the free queue: reused before cached ones), or
-        shrink it by dropping the top ids, which must all be empty free blocks (:meth:`compact` first).
-
-        Raises:
-          ValueError: ``num_blocks < 2``, or a block from ``num_blocks`` on is referenced or cached (nothing
-            changes).
-        """
+        """Grow with empty free blocks (at the queue's front), or drop the top ids, which must be empty free blocks
+        (:meth:`compact` first). ValueError, changing nothing, if ``num_blocks < 2`` or a dropped block is in use."""
         if num_blocks < 2:
             raise ValueError(f"BlockPool.resize: num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
         dropped = self.blocks[num_blocks:]

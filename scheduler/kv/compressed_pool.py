@@ -1,14 +1,9 @@
 """Compressed KV blocks: a second, smaller-per-block pool that full blocks move into before a preemption.
 
-When the free device blocks run short, the scheduler asks this tier to re-encode full, computed blocks that only
-one request holds from the cache's dtype into a one-byte dtype with per-block scales
-(``kernels_pallas.storage.CompressedKV``), held here, and give their device blocks back. A block table then mixes
-the two kinds: a compressed block's id is ``base + slot`` with ``base`` the device pool's ``num_blocks``, which is
-what the attention ops read from the compressed pool. Slot 0 (id ``base``) is the null slot, as block 0 is the
-null block: never handed out.
-
-A compressed block has no prefix-cache hash (the device block it came from keeps its own and stays revivable while
-free), is never written again, and goes back here when its request finishes or is preempted.
+Full, computed, singly-held blocks are re-encoded to one byte with per-block scales
+(``kernels_pallas.storage.CompressedKV``) and their device blocks given back. A compressed block's id is
+``base + slot`` (``base``: the device pool's ``num_blocks``); slot 0 is the null slot. It has no prefix-cache
+hash, is never written again, and returns here when its request finishes or is preempted.
 """
 
 from __future__ import annotations
@@ -37,29 +32,17 @@ _REFUSED = (
 
 
 def may_compress(request: Request) -> bool:
-    """Whether ``request``'s KV may be compressed: not opted out (``allow_kv_compression``), not of high priority
-    (< 0)."""
+    """Whether ``request``'s KV may be compressed: ``allow_kv_compression`` and ``priority >= 0``."""
     return request.sampling_params.allow_kv_compression and request.priority >= 0
 
 
 class CompressedBlockPool(KVTier):
-    """The compressed blocks and their ref counts, the tier that makes room by compressing.
+    """The compressed blocks and their ref counts; the tier that makes room by compressing full blocks of the victims
+    that :func:`may_compress`, in victim order, oldest first.
 
-    :meth:`make_room` takes full blocks of the victims that :func:`may_compress`, in victim order, each request's
-    oldest blocks first; a preemption happens only when they cannot cover the shortage.
-
-    Args:
-      kv: the ``KVCacheManager`` whose tables it rewrites.
-      num_blocks: compressed blocks in all, the null slot included, >= 2.
-      base: the id of slot 0 (the device pool's ``num_blocks``).
-
-    Attributes:
-      num_blocks, base: as given.
-      blocks: the ``KVBlock`` of each slot, ``blocks[s].block_id == base + s``.
-      num_compressed: blocks compressed so far, cumulative.
-
-    Raises:
-      ValueError: ``num_blocks < 2`` or ``base < 2``.
+    Args: kv (the ``KVCacheManager`` whose tables it rewrites), num_blocks (slots, null included, >= 2), base (slot
+    0's id, >= 2). Attributes: num_blocks, base, blocks (``blocks[s].block_id == base + s``), num_compressed
+    (cumulative). Raises ValueError out of range.
     """
 
     makes_room = True
@@ -87,11 +70,7 @@ class CompressedBlockPool(KVTier):
         return block.block_id >= self.base
 
     def take(self, n: int) -> list[KVBlock]:
-        """``n`` free blocks, each with ref_cnt 1.
-
-        Raises:
-          ValueError: fewer than ``n`` are free (nothing is taken).
-        """
+        """``n`` free blocks with ref_cnt 1; ValueError, taking nothing, if fewer are free."""
         if n > len(self._free):
             raise ValueError(f"CompressedBlockPool.take: asked for {n} blocks, only {len(self._free)} free")
         blocks = [self._free.pop() for _ in range(n)]
@@ -101,11 +80,7 @@ class CompressedBlockPool(KVTier):
         return blocks
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop a reference from each block; one that reaches 0 is free again.
-
-        Raises:
-          ValueError: a block is already free, or is the null slot.
-        """
+        """Drop a reference from each block (free at 0); ValueError if one is free already or the null slot."""
         for block in blocks:
             if block.ref_cnt <= 0 or block.block_id == self.base:
                 raise ValueError(f"CompressedBlockPool.free: block {block.block_id} has ref_cnt {block.ref_cnt}; "
@@ -119,9 +94,8 @@ class CompressedBlockPool(KVTier):
         return first_refused(config, _REFUSED)
 
     def compressible(self, request: Request) -> list[int]:
-        """Table indices of ``request``'s blocks that :meth:`compress` may take, oldest first: device blocks full of
-        computed tokens (registered in the prefix cache already, when caching is on, so the cache never registers
-        a compressed block), which no other request, pin or pending copy holds (ref_cnt 1)."""
+        """Table indices of ``request``'s blocks :meth:`compress` may take, oldest first: full computed device
+        blocks (already registered when caching) with ref_cnt 1."""
         kv = self.kv
         blocks = kv.req_to_blocks.get(request.request_id)
         if not blocks:
@@ -132,13 +106,8 @@ class CompressedBlockPool(KVTier):
         return [i for i, b in enumerate(blocks[:full]) if b.ref_cnt == 1 and not self.holds(b)]
 
     def compress(self, request: Request, n: int) -> list[tuple[int, int]]:
-        """Move up to ``n`` of ``request``'s :meth:`compressible` blocks, oldest first, into this pool (while its
-        slots last): each table entry becomes the compressed block's id and the device block is freed (a hashed
-        one stays revivable: its KV is still there until reused).
-
-        Returns:
-          ``(device block, compressed slot)`` pairs, for the runner to re-encode (``CopyKind.COMPRESS``).
-        """
+        """Move up to ``n`` :meth:`compressible` blocks, oldest first, into free slots, freeing the device blocks;
+        returns ``(device block, compressed slot)`` pairs to re-encode (``CopyKind.COMPRESS``)."""
         indices = self.compressible(request)[:min(n, self.num_free_blocks)]
         if not indices:
             return []

@@ -1,19 +1,8 @@
-"""The host-memory tier of the prefix cache: full, hashed blocks evicted from the device, kept in host slots.
+"""The host-memory tier of the prefix cache (vLLM's CPU offloading, ``--kv-offloading-size``, simplest form).
 
-vLLM's native CPU offloading (``--kv-offloading-size``) in its simplest sound form: when the device pool reuses a
-free block that still carries a hash, its contents are copied to a host slot first (``BlockPool.get_new_blocks``);
-a prefix lookup that misses on the device continues the same hash chain here, and a hit is copied back into a
-fresh device block before the step that reads it (``KVCacheManager.allocate_slots``). The tier keeps its copy
-after a hit, so a block evicted again needs no second copy. Hashes are the device's, so ``cache_salt`` isolation
-holds here too.
-
-Slots are numbered ``base .. base + num_slots - 1`` in the runner's host pool, after the swap-preemption pool's
-``0 .. base - 1``, so the runner's swap programs copy both.
-
-An offload's host write is deferred (``EngineCore._launch`` completes it after dispatching the step), so a slot
-written by this step's offloads is no hit until the next ``Scheduler.schedule()``
-(:meth:`HostTier.start_step`): the runner completes an output's copies before the next schedule, or the output is
-discarded and its slots forgotten (:meth:`HostTier.forget`).
+A hashed device block about to be reused is copied to a host slot first; a prefix lookup that misses on the device
+continues its hash chain here, a hit loaded into a fresh device block before the step reads it. Slots are
+``base .. base + num_slots - 1`` of the runner's host pool, after the swap pool. Details: ``docs/design/scheduler.md``.
 """
 
 from __future__ import annotations
@@ -32,14 +21,8 @@ MEDIUM_HOST = "CPU"  # vLLM's name for the host tier in KV events
 
 
 class HostHit:
-    """A prefix block found in the host tier (the ``KVCacheManager`` loads it into a fresh device block).
-
-    Looks like an unreferenced free ``KVBlock`` to the capacity rule (``ref_cnt`` 0: it takes one free-queue block).
-
-    Attributes:
-      block_hash: its 16-byte hash.
-      slot: the host slot holding it.
-    """
+    """A prefix block found in the host tier: block_hash (16 bytes) and the slot holding it; ``ref_cnt`` 0, so the
+    capacity rule counts it as one free-queue block."""
 
     __slots__ = ("block_hash", "slot")
     ref_cnt = 0
@@ -53,24 +36,17 @@ class HostHit:
 
 
 class HostTier(KVTier):
-    """Host slots holding full blocks by hash, with their own LRU (front evicted first); the tier whose
-    :meth:`match` continues prefix hits.
+    """Host slots holding full blocks by hash, with their own LRU (front evicted first); continues prefix hits.
 
     Args:
-      num_slots: host blocks in the tier, >= 0 (0: the tier keeps nothing).
-      base: id of the first slot in the runner's host pool (the swap pool's size).
-      block_size: tokens per block (for the ``BlockStored`` events).
-      record: called with each ``BlockStored`` / ``BlockRemoved`` event of the tier (medium ``"CPU"``), or None
-        (events off).
+      num_slots: host blocks, >= 0 (0: keeps nothing).
+      base: the first slot's id in the runner's host pool (the swap pool's size), >= 0.
+      block_size: tokens per block (for events).
+      record: called with each ``BlockStored`` / ``BlockRemoved`` event (medium ``"CPU"``), or None.
 
-    Attributes:
-      kv: the ``KVCacheManager`` it serves (set by it), whose hits it continues.
-      slots: hash -> slot, least recently used first.
-      num_offloaded, num_loaded: blocks copied device -> host and host -> device so far.
-      num_dropped: hashed blocks reused on the device that no slot could take (every slot busy this step).
-
-    Raises:
-      ValueError: ``num_slots`` or ``base`` < 0.
+    Attributes: kv (the ``KVCacheManager`` served), slots (hash -> slot, LRU first), num_offloaded and num_loaded
+    (copies each way so far), num_dropped (hashed blocks reused with every slot busy). Raises ValueError for a
+    negative ``num_slots`` or ``base``.
     """
 
     def __init__(self, num_slots: int, base: int = 0, block_size: int = 1,
@@ -108,13 +84,9 @@ class HostTier(KVTier):
     def match(self, request: Request, hits: list, admission: Admission) -> Optional[tuple[list, int]]:
         """``hits`` continued along ``request``'s hash chain here and, between host hits, on the device.
 
-        None (the request waits a step) when its loads and the offloads its allocation causes (its first chunk
-        within the step's budget) would take the step's copies past ``admission.copy_budget`` after another
-        request's loads, so a storm of host hits cannot stretch one step's copies (the first loading request of a
-        step always goes); also None when the step has rows (``admission.may_wait``) and the hits stop at a block
-        this step offloads (readable from the next step on): waiting a step beats recomputing the rest. Offloads
-        alone never hold a request back: they come from blocks the step computes into, which the token budget
-        already bounds.
+        None (wait a step) when its loads and offloads would take the step's copies past ``admission.copy_budget``
+        after another request's loads (the first loading request always goes), or when the step has rows
+        (``admission.may_wait``) and the hits stop at a block this step offloads.
         """
         kv = self.kv
         hits = self._extend(request, hits)
@@ -131,9 +103,7 @@ class HostTier(KVTier):
         return hits, num_host
 
     def _extend(self, request: Request, hits: list) -> list:
-        """``hits`` followed by the blocks after them found here (``HostHit``) or, between those, on the device
-        (``KVBlock``), up to the first block found in neither; never covering the last token (a host block is not
-        copied on write: its tokens are recomputed instead). ``hits`` itself when nothing more hits."""
+        """``hits`` extended by blocks found here or on the device, never covering the last token."""
         kv = self.kv
         max_blocks = (request.num_tokens - 1) // kv.block_size
         if len(hits) >= max_blocks or request.skip_reading_prefix_cache:
@@ -148,8 +118,7 @@ class HostTier(KVTier):
         return hits + more if more else hits
 
     def forget(self, copies: Sequence[BlockCopy], running: Sequence[Request]) -> list[Request]:
-        """Forget the slots the step's offloads were to write, and the hashes of the device blocks its loads were to
-        fill."""
+        """Forget the slots this step's offloads were to write and the hashes its loads were to fill."""
         self._forget_slots([c.dst for c in copies if c.kind is CopyKind.OFFLOAD])
         pool = self.kv.block_pool
         lost = []
@@ -184,11 +153,8 @@ class HostTier(KVTier):
         return block_hash in self.slots
 
     def offload(self, block_id: int, block_hash: bytes) -> None:
-        """Keep device block ``block_id`` (about to be reused) under ``block_hash``: queue its copy to a slot.
-
-        A hash already held is only made most recent. When every slot is full, the least recently used one not
-        read this step is evicted; when all are, the block is dropped (counted in ``num_dropped``).
-        """
+        """Queue device block ``block_id`` (about to be reused) for a copy to a slot under ``block_hash``: a held hash
+        is only made recent; else the LRU slot not read this step is evicted, or the block dropped (``num_dropped``)."""
         if block_hash in self.slots:
             self.slots.move_to_end(block_hash)
             return
@@ -232,7 +198,7 @@ class HostTier(KVTier):
 
     @property
     def num_copies_this_step(self) -> int:
-        """Offload and load copies queued and not yet taken (this step's, with :meth:`take_copies` at its end)."""
+        """Offload and load copies queued and not yet taken."""
         return len(self._offloads) + len(self._loads)
 
     def pin(self, hits: list[HostHit]) -> None:
@@ -253,8 +219,7 @@ class HostTier(KVTier):
         return out
 
     def end_step(self) -> None:
-        """Slots read by this step's loads may be evicted again (the runner reads them when it launches the step,
-        before the next schedule)."""
+        """Slots read by this step's loads may be evicted again."""
         self._reading.clear()
 
     def start_step(self) -> None:

@@ -22,50 +22,28 @@ if TYPE_CHECKING:
 
 
 class KVCacheManager:
-    """Allocates, frees, prefix-matches and swaps the KV blocks of each request.
+    """Allocates, frees, prefix-matches and swaps each request's KV blocks (vLLM v1's ``KVCacheManager``).
 
-    Follows vLLM v1 ``KVCacheManager``: a request's block table is a list of
-    ``KVBlock`` covering its first ``num_computed_tokens + num_new_tokens``
-    tokens. Blocks become prefix-cacheable once full *and* computed
-    (:meth:`cache_computed_blocks`, called after the model step), or once
-    full and scheduled by an admission (:meth:`cache_scheduled_blocks`), so
-    a hit points at KV that exists or that the step it is read in writes
-    before it attends.
-
-    Copy-on-write of the last block (our addition to vLLM v1, whose hits stop
-    at a block boundary before the last token): when every block of a
-    request whose tokens fill whole blocks hits the cache, all of them are
-    hits and only the last token is recomputed. Its K/V would land in the
-    cached last block, which others share, so that block is replaced in the
-    table by a fresh one and the runner copies the cached contents into it
-    before the step (:meth:`take_blocks_to_copy`). The cached block stays the
-    canonical holder of its hash; the fresh copy is never registered.
-    :meth:`num_blocks_to_allocate` counts that copy (and every other block an
-    allocation takes); the scheduler admits with one hit fewer when it does
-    not fit.
+    A request's table covers its first ``num_computed_tokens + num_new_tokens`` tokens. A block is prefix-cacheable
+    once full and computed (:meth:`cache_computed_blocks`) or full and scheduled by an admission
+    (:meth:`cache_scheduled_blocks`). When hits cover every token, the last block is copied on write (our
+    addition; see ``docs/design/scheduler.md``).
 
     Args:
       block_pool: the device blocks.
       block_size: tokens per block, >= 1.
       enable_caching: look up and register prefix-cache hashes.
       num_host_blocks: host blocks of the swap tier (``scheduler.kv.swap``).
-      num_compressed_blocks: slots of the compressed tier (``scheduler.kv.compressed_pool``), the null slot
-        included; 0: none.
+      num_compressed_blocks: compressed-tier slots, null slot included; 0: none.
 
     Attributes:
-      req_to_blocks: request_id -> its block table (``KVBlock`` list).
-      req_to_block_ids: request_id -> the same table as ints.
-      block_table: the same tables again as a ``BlockTable`` (numpy rows);
-        a request's row is its ``batch_row``, set here while it holds blocks.
-      copy_sources: cached blocks read by copies handed out since the last
-        :meth:`release_copy_sources`, each holding one extra reference so it
-        can be neither evicted nor reused before the runner has copied it.
-      swap: the ``SwapTier``.
-      compressed_pool: the ``CompressedBlockPool`` tier, None without one.
-      tiers: every tier: the compressed pool (if any), the swap tier, the block pool's host tier (if any).
+      req_to_blocks, req_to_block_ids: request_id -> its table as ``KVBlock`` list / ints.
+      block_table: the tables as a ``BlockTable``, a request's row its ``batch_row``.
+      copy_sources: cached blocks read by copies handed out since :meth:`release_copy_sources`, each held by one
+        extra reference until copied.
+      swap, compressed_pool (None without one), tiers (compressed pool, swap, the pool's host tier, when present).
       pinned_blocks: the blocks :meth:`pin_prefix` holds.
-      scheduled_blocks: the blocks :meth:`cache_scheduled_blocks` registered in the ``Scheduler.schedule`` under
-        way, whose KV the step being scheduled computes; emptied by :meth:`end_step`.
+      scheduled_blocks: blocks :meth:`cache_scheduled_blocks` registered in this schedule; emptied by :meth:`end_step`.
     """
 
     def __init__(self, block_pool: BlockPool, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
@@ -104,17 +82,11 @@ class KVCacheManager:
         return self.req_to_block_ids.get(request_id, [])
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest run of cached full blocks that prefixes ``request``'s tokens.
+        """Longest run of cached full blocks prefixing ``request``'s tokens, as ``(blocks, num_tokens)``.
 
-        Returns ``(blocks, num_tokens)``: the hit blocks, not yet referenced
-        (pass them to :meth:`allocate_slots`), and the tokens they spare from
-        computing, ``min(len(blocks) * block_size, request.num_tokens - 1)``.
-        The last token is always computed, so there are logits to sample
-        from; when its block hits too, that block is copied on write (see the
-        class docstring), unless the step being scheduled computes that block
-        (:meth:`cache_scheduled_blocks`): the copy would run before it, so
-        the block's tokens are computed again instead. A request with
-        ``skip_reading_prefix_cache`` hits nothing.
+        ``blocks`` are not yet referenced (pass them to :meth:`allocate_slots`); ``num_tokens`` is
+        ``min(len(blocks) * block_size, request.num_tokens - 1)``: the last token is always computed. A last block
+        the step being scheduled computes is not hit. ``skip_reading_prefix_cache`` hits nothing.
         """
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
@@ -137,11 +109,7 @@ class KVCacheManager:
         return hits, min(len(hits) * bs, num_tokens - 1)
 
     def hash_blocks(self, request: Request) -> None:
-        """Hash ``request``'s full blocks of known tokens not hashed yet (each block once in its life).
-
-        The scheduler calls it when a request arrives, as vLLM v1 does, so
-        admission in a step only looks the hashes up. A no-op without caching.
-        """
+        """Hash ``request``'s full blocks of known tokens not hashed yet (at arrival, as vLLM v1); no-op without caching."""
         if self.enable_caching:
             extend_block_hashes(
                 request.block_hashes, request.all_token_ids, request.num_tokens // self.block_size, self.block_size,
@@ -159,16 +127,9 @@ class KVCacheManager:
         computed_blocks: Sequence[KVBlock] = (),
         num_lookahead_tokens: int = 0,
     ) -> int:
-        """Free-queue blocks that :meth:`allocate_slots` with the same arguments takes; the one capacity rule.
-
-        Counts, beyond the blocks ``request`` already holds: the hits among
-        ``computed_blocks`` that sit unreferenced in the free queue (reviving
-        them takes them out of it; the copy source included), the fresh block
-        a copy on write of the last hit needs, and fresh blocks for
-        ``num_new_tokens`` plus ``num_lookahead_tokens`` more token slots
-        (vLLM v1's lookahead slots, e.g. for speculative tokens). Hits that
-        other requests hold cost nothing.
-        """
+        """Free-queue blocks :meth:`allocate_slots` with the same arguments takes (the one capacity rule): hits
+        unreferenced in the free queue, a copy-on-write block, and fresh blocks for ``num_new_tokens`` +
+        ``num_lookahead_tokens`` (vLLM v1's lookahead slots) beyond those held. Hits others hold cost nothing."""
         fresh, revive, _ = self._plan(request, num_new_tokens, computed_blocks, num_lookahead_tokens)
         return fresh + revive
 
@@ -194,15 +155,12 @@ class KVCacheManager:
         computed_blocks: Sequence[KVBlock] = (),
         num_lookahead_tokens: int = 0,
     ) -> bool:
-        """Grow ``request``'s table to hold its computed tokens, ``computed_blocks``, ``num_new_tokens`` more and
-        ``num_lookahead_tokens`` slots beyond them.
+        """Grow ``request``'s table to its computed tokens, ``computed_blocks``, ``num_new_tokens`` more and
+        ``num_lookahead_tokens`` slots beyond.
 
-        ``computed_blocks`` (from :meth:`get_computed_blocks`, only for a
-        request with no blocks yet) are revived and referenced first; if they
-        cover every token, the last one is pinned in :attr:`copy_sources` and
-        a fresh block takes its place, its copy queued for
-        :meth:`take_blocks_to_copy`. Returns False, changing nothing, when the
-        free queue holds fewer than :meth:`num_blocks_to_allocate` blocks.
+        ``computed_blocks`` (from :meth:`get_computed_blocks`, only for a request with no blocks) are referenced
+        first; a full hit's last block goes to :attr:`copy_sources` and a fresh one takes its place. Returns False,
+        changing nothing, when the free queue holds fewer than :meth:`num_blocks_to_allocate`.
         """
         pool = self.block_pool
         fresh, revive, copy_last = self._plan(request, num_new_tokens, computed_blocks, num_lookahead_tokens)
@@ -232,8 +190,7 @@ class KVCacheManager:
         return True
 
     def _load_host_hits(self, request: Request, shared: list, host: list[HostHit]) -> list[KVBlock]:
-        """``shared`` with each of its ``host`` hits replaced by a fresh device block registered under its hash, the
-        tier's copy into it queued (the runner loads it before the step reads it)."""
+        """``shared`` with its ``host`` hits replaced by fresh registered device blocks, the tier's loads queued."""
         pool, tier = self.block_pool, self.block_pool.host_tier
         # Pinned first: taking the fresh blocks may offload others into the tier, which must not evict these.
         tier.pin(host)
@@ -259,27 +216,17 @@ class KVCacheManager:
 
     def num_offloads_to_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence = (),
                                  num_lookahead_tokens: int = 0) -> int:
-        """Copies to the host tier that :meth:`allocate_slots` with the same arguments would queue now: the hashed
-        free blocks, not held by the tier, among those it takes from the front of the free queue (its fresh blocks
-        and one per ``HostHit``; the device hits it revives are not taken)."""
+        """Host-tier copies :meth:`allocate_slots` with the same arguments would queue now (hashed free blocks it
+        takes from the free queue's front that the tier lacks)."""
         fresh, _, _ = self._plan(request, num_new_tokens, computed_blocks, num_lookahead_tokens)
         num_host = sum(1 for b in computed_blocks if type(b) is HostHit)
         revived = frozenset(b.block_id for b in computed_blocks if type(b) is not HostHit and b.ref_cnt == 0)
         return sum(self.block_pool.offloads_to_take(fresh + num_host, revived))
 
     def append_blocks(self, requests: Sequence[Request], rows: np.ndarray, counts: np.ndarray) -> None:
-        """Give each request holding a table ``counts[i]`` fresh blocks at its end.
-
-        ``rows``: int[len(requests)] their ``batch_row``s; ``counts``:
-        int[len(requests)] >= 1.
-
-        One take from the free queue and one block-table write for all of
-        them: the same blocks, in the same order, as one
-        :meth:`allocate_slots` per request would give.
-
-        Raises:
-          ValueError: ``counts.sum()`` exceeds the free blocks (nothing is taken).
-        """
+        """Give each request ``counts[i]`` (>= 1) fresh blocks at its table's end, ``rows`` their ``batch_row``s: the
+        same blocks as one :meth:`allocate_slots` each. Raises ValueError, taking nothing, if ``counts.sum()``
+        exceeds the free blocks."""
         blocks = self.block_pool.get_new_blocks(int(counts.sum()))
         ids = [b.block_id for b in blocks]
         self.block_table.append_rows(rows, counts, ids)
@@ -293,18 +240,10 @@ class KVCacheManager:
     def fork(self, parent: Request, children: Sequence[Request]) -> tuple[int, list[tuple[int, int]]]:
         """Hand ``parent``'s blocks to ``children``, which continue from its computed tokens.
 
-        The first child takes over the parent's table; every other child
-        references the parent's full blocks holding computed tokens (ref
-        counts grow) and gets a fresh block for a partly written last one,
-        into which the parent's must be copied before anything writes it;
-        blocks reserved past the computed tokens stay with the first child.
-        Children are forked in order while free blocks last; the parent's
-        table is gone afterwards.
-
-        Returns:
-          ``(num_forked, copies)``: how many leading children now hold a
-          table, and ``(src_block, dst_block)`` copies the caller must have
-          the runner do before the next step.
+        The first child takes over the parent's table; the others reference its full computed blocks and get a
+        fresh block for a partly written last one, to be copied. Children are forked in order while free blocks
+        last; the parent's table is gone. Returns ``(num_forked, copies)``: leading children now holding a table, and
+        ``(src_block, dst_block)`` copies to run before the next step.
         """
         rid, bs = parent.request_id, self.block_size
         blocks = self.req_to_blocks.pop(rid)
@@ -364,22 +303,14 @@ class KVCacheManager:
             self._cache_full_blocks(requests, [r.num_computed_tokens for r in requests])
 
     def cache_scheduled_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register the full blocks of ``request``'s first ``num_tokens`` tokens as the step that computes them is
-        scheduled, as vLLM v1's ``allocate_slots`` does: a request admitted later in the same step then reads them
-        as hits (each layer writes the step's K/V before it attends), instead of computing the same prefix again.
-
-        For requests just admitted only: an admitted request is never preempted in the step that admits it, so the
-        step computes every block registered here. While that step is scheduled, such a block is not a copy-on-write
-        source (:meth:`get_computed_blocks`: the copies run before the step); if the step never runs,
-        ``BlockPool.uncache_blocks`` forgets them (before the requests holding them are freed, so they go to
-        the free queue's front). They are listed in :attr:`scheduled_blocks`.
-        """
+        """Register the full blocks of ``request``'s first ``num_tokens`` tokens as the step computing them is
+        scheduled (vLLM v1's ``allocate_slots``), so later admissions this step hit them. Only for requests just
+        admitted (never preempted in that step); listed in :attr:`scheduled_blocks`."""
         if self.enable_caching:
             self.scheduled_blocks += self._cache_full_blocks((request,), (num_tokens,))
 
     def _cache_full_blocks(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[KVBlock]:
-        """Register the full blocks among the first ``num_tokens[i]`` tokens of each ``requests[i]`` not registered
-        yet; returns the blocks that took a hash (another block may hold it already)."""
+        """Register the not yet registered full blocks of each request's first ``num_tokens[i]``; returns those hashed."""
         bs, num_cached = self.block_size, self._num_cached
         blocks: list[KVBlock] = []
         block_hashes: list[bytes] = []
@@ -409,8 +340,7 @@ class KVCacheManager:
         return [b for b, h in zip(blocks, block_hashes) if b.block_hash is h]
 
     def _record_stored(self, runs: list[tuple[Request, int, int]]) -> None:
-        """A ``BlockStored`` for each run of consecutive blocks ``[done, num_full)`` of a request that the pool
-        registered; a block left unregistered (another block already held its hash) ends a run."""
+        """A ``BlockStored`` for each run of consecutive registered blocks ``[done, num_full)``."""
         bs, events = self.block_size, self.block_pool.kv_events
         for request, done, num_full in runs:
             table, hashes = self.req_to_blocks[request.request_id], request.block_hashes
@@ -443,9 +373,8 @@ class KVCacheManager:
         self.swap.free(request)
 
     def renumber(self, moves: Sequence[tuple[int, int]]) -> None:
-        """Rewrite every block table's ids after ``BlockPool.compact`` swapped the ids of ``moves`` (its
-        ``(old id, new id)`` pairs, each block object taking the other's id): the ``KVBlock`` lists are the same
-        objects, their ids lists and the numpy rows follow. Call it before the pool is resized."""
+        """Rewrite every block table's ids after ``BlockPool.compact`` swapped those of ``moves`` (``(old, new)``
+        pairs); call it before the pool is resized."""
         if not moves:
             return
         remap = np.arange(self.block_pool.num_blocks, dtype=np.int32)
@@ -456,8 +385,8 @@ class KVCacheManager:
             self.req_to_block_ids[rid][:] = [b.block_id for b in blocks]
 
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
-        """Hold a reference on the cached full blocks that prefix ``token_ids`` (the prefix-cache warm-up), so LRU
-        eviction leaves them alone until :meth:`release_pinned_prefixes`; returns the blocks newly pinned."""
+        """Reference the cached full blocks prefixing ``token_ids`` until :meth:`release_pinned_prefixes`; returns the
+        blocks newly pinned."""
         probe = Request("pin-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
         blocks, _ = self.get_computed_blocks(probe)
         held = {b.block_id for b in self.pinned_blocks}
@@ -467,8 +396,7 @@ class KVCacheManager:
         return len(new)
 
     def release_pinned_prefixes(self) -> None:
-        """Drop the pins of :meth:`pin_prefix`: the blocks become ordinary LRU cache entries (a prefix's head is
-        evicted last)."""
+        """Drop the pins of :meth:`pin_prefix`; the blocks become ordinary LRU entries."""
         blocks, self.pinned_blocks = self.pinned_blocks, []
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
@@ -483,23 +411,20 @@ class KVCacheManager:
         self._extend_table(request, self.block_pool.get_new_blocks(n))
 
     def take_block_copies(self) -> list[BlockCopy]:
-        """Every copy queued since the last call, the tiers' and the copies on write, in ``CopyKind`` order (each
-        kind in the order queued), for the runner to do before the step."""
+        """Every copy queued since the last call (tiers' and copies on write), in ``CopyKind`` order, for before the step."""
         copies = [c for tier in self.tiers for c in tier.take_copies()]
         copies += copies_of(CopyKind.COPY, self.take_blocks_to_copy())
         copies.sort(key=lambda c: c.kind)
         return copies
 
     def start_step(self) -> None:
-        """Called at the start of ``Scheduler.schedule``: the copies of earlier steps have run (the runner completes
-        an output's copies before the next schedule), or their output was discarded."""
+        """Called at the start of ``Scheduler.schedule``: earlier steps' copies have run or were discarded."""
         for tier in self.tiers:
             tier.start_step()
 
     def end_step(self) -> None:
-        """Called at the end of ``Scheduler.schedule``: host ids freed by swap-ins become reusable, and so do the host
-        tier's slots read by this step's loads. :attr:`scheduled_blocks` empties: a block registered by an earlier
-        schedule is a copy source like any other, since the runner does a step's copies after the steps before it."""
+        """Called at the end of ``Scheduler.schedule``: freed host ids and read host slots become reusable, and
+        :attr:`scheduled_blocks` empties."""
         self.scheduled_blocks = []
         for tier in self.tiers:
             tier.end_step()

@@ -12,18 +12,9 @@ if TYPE_CHECKING:
 
 
 class HostBlockPool:
-    """Ids ``0..num_host_blocks-1`` of host KV blocks, handed out and returned by the scheduler.
-
-    The copies themselves are the runner's; this pool only decides which host
-    block holds which device block. Ids released by a swap-in are held back
-    until :meth:`end_step`, because the runner copies out before it copies in:
-    reusing such an id for a swap-out in the same step would overwrite data
-    that the swap-in has not read yet.
-
-    Raises:
-      ValueError: ``num_host_blocks < 0``; ``allocate`` past the free count;
-        ``free`` of an id out of range or already free.
-    """
+    """Host KV block ids ``0..num_host_blocks-1`` (which host block holds which device block; the copies are the
+    runner's). Ids freed by a swap-in stay held until :meth:`end_step`, since the runner copies out before in.
+    Raises ValueError for ``num_host_blocks < 0``, allocating past the free count, or freeing a bad or free id."""
 
     def __init__(self, num_host_blocks: int) -> None:
         if num_host_blocks < 0:
@@ -66,17 +57,9 @@ class HostBlockPool:
 
 
 class SwapTier(KVTier):
-    """The host blocks of swap preemption (``preemption_mode="swap"``): :meth:`keep` swaps a victim out, :meth:`resume`
-    swaps it back in; a victim that does not fit falls back to recompute.
-
-    Args:
-      kv: the ``KVCacheManager`` whose tables it moves.
-      num_host_blocks: host blocks, >= 0.
-
-    Attributes:
-      host_pool: the ``HostBlockPool``.
-      swapped: request_id -> host block ids holding its swapped-out KV, in block-table order.
-    """
+    """Swap preemption's tier (``preemption_mode="swap"``): :meth:`keep` swaps a victim out, :meth:`resume` back in;
+    one that does not fit is recomputed. Args: kv (the ``KVCacheManager``), num_host_blocks (>= 0). Attributes:
+    host_pool (``HostBlockPool``), swapped (request_id -> host block ids, in table order)."""
 
     def __init__(self, kv: "KVCacheManager", num_host_blocks: int) -> None:
         self.kv = kv
@@ -102,11 +85,8 @@ class SwapTier(KVTier):
         return True
 
     def swap_out(self, request: Request) -> Optional[list[tuple[int, int]]]:
-        """Move ``request``'s computed blocks to the host pool and free its device blocks.
-
-        Returns ``(device_block, host_block)`` pairs for the runner to copy, or None, changing nothing, if the host
-        pool is too small.
-        """
+        """Move ``request``'s computed blocks to the host pool, freeing its device blocks; returns
+        ``(device_block, host_block)`` pairs to copy, or None, changing nothing, if the host pool is too small."""
         kv, rid = self.kv, request.request_id
         n = -(-request.num_computed_tokens // kv.block_size)
         if n > self.host_pool.num_free_blocks:
@@ -118,11 +98,8 @@ class SwapTier(KVTier):
         return pairs
 
     def swap_in(self, request: Request, num_new_tokens: int) -> Optional[list[tuple[int, int]]]:
-        """Bring a swapped-out request back with room for ``num_new_tokens`` more tokens.
-
-        Returns ``(host_block, device_block)`` pairs for the runner to copy, or None, changing nothing, if the free
-        queue is too short. The host ids become reusable at the end of the step (``HostBlockPool``).
-        """
+        """Bring a swapped-out request back with room for ``num_new_tokens`` more; returns ``(host_block,
+        device_block)`` pairs to copy, or None, changing nothing, if the free queue is too short."""
         kv, rid = self.kv, request.request_id
         host = self.swapped[rid]
         n = max(-(-(request.num_computed_tokens + num_new_tokens) // kv.block_size), len(host))

@@ -1,11 +1,5 @@
-"""One interface for KV held off the device pool, and the typed block copies its tiers queue for the runner.
-
-The scheduler calls its tiers at a few points only (vLLM's ``KVConnectorBase_V1`` is the same idea): at
-admission (:meth:`KVTier.match`, :meth:`KVTier.resume`), at a shortage of free device blocks
-(:meth:`KVTier.make_room` before a preemption, :meth:`KVTier.keep` at one), and once a step (the copies it
-queued, :meth:`KVTier.take_copies`; those of a step that never ran, :meth:`KVTier.forget`). What settings a tier
-cannot run with, it says itself (:meth:`KVTier.refuses`).
-"""
+"""One interface for KV held off the device pool (the idea of vLLM's ``KVConnectorBase_V1``), and the typed block
+copies its tiers queue for the runner."""
 
 from __future__ import annotations
 
@@ -19,14 +13,11 @@ if TYPE_CHECKING:
 
 
 class CopyKind(enum.IntEnum):
-    """What a ``BlockCopy`` does, and where it runs in its step: the runner does a step's copies in this order,
-    all of them before the step's program.
+    """What a ``BlockCopy`` does; the runner does a step's copies in this order, all before the step's program.
 
-    ``COMPRESS`` comes first: the device blocks it re-encodes are free again, and later copies or the step may
-    write them. Device -> host copies come before host -> device ones, whose device blocks may be the ones the
-    former just gave up. An ``OFFLOAD``'s host write may complete after the step is dispatched: no ``LOAD`` of the
-    same step reads its slot. A ``COPY``'s source is a cached block that no ``SWAP_IN`` or ``LOAD`` of the step
-    writes (the scheduler holds a reference on it until ``update_from_output``).
+    ``COMPRESS`` first (its device blocks are free again after it); device -> host before host -> device (whose
+    destinations may be what the former gave up). No ``LOAD`` reads an ``OFFLOAD`` slot of its step (that write may
+    complete after dispatch); no ``SWAP_IN`` or ``LOAD`` of the step writes a ``COPY``'s source.
     """
 
     COMPRESS = 0  # (device block, compressed slot): a full block re-encoded into the compressed pool
@@ -51,8 +42,8 @@ def copies_of(kind: CopyKind, pairs: Sequence[tuple[int, int]]) -> list[BlockCop
 
 
 def first_refused(config: Any, table: Sequence[tuple[str, Callable[[Any], bool], str]]) -> Optional[str]:
-    """The first ``(field, refused, reads)`` entry of ``table`` whose field ``config`` (a dataclass) has and
-    ``refused(value)`` holds for, as ``reads`` formatted with ``"field=value"``; None when there is none."""
+    """The first ``(field, refused, reads)`` of ``table`` whose field ``config`` has and ``refused(value)`` holds
+    for, as ``reads`` formatted with ``"field=value"``; else None."""
     settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     for field, refused, reads in table:
         if field in settings and refused(settings[field]):
@@ -62,14 +53,9 @@ def first_refused(config: Any, table: Sequence[tuple[str, Callable[[Any], bool],
 
 @dataclasses.dataclass
 class Admission:
-    """What a tier's :meth:`KVTier.match` may weigh for one admission.
-
-    Attributes:
-      budget: the step's tokens left.
-      may_wait: the step has rows already, so the request may wait a step without stalling the queue.
-      chunk: the tokens ``chunk(remaining, budget)`` the scheduler would schedule for ``remaining`` tokens.
-      copy_budget: the host-tier copies a step queues at most beyond its first loading request's.
-    """
+    """What :meth:`KVTier.match` may weigh for one admission: budget (the step's tokens left), may_wait (the step has
+    rows, so waiting a step stalls nothing), chunk (``chunk(remaining, budget)``, the tokens the scheduler would
+    schedule), copy_budget (``Scheduler.copy_budget``)."""
 
     budget: int
     may_wait: bool
@@ -78,20 +64,15 @@ class Admission:
 
 
 class KVTier(abc.ABC):
-    """A store of KV blocks beside the device pool. Every method but :meth:`take_copies` has a default that does
-    nothing, for the points where a tier has no part.
-
-    Attributes:
-      makes_room: whether :meth:`make_room` can ever free device blocks (the scheduler only then works out the
-        victim order it takes).
-    """
+    """A store of KV blocks beside the device pool; every method but :meth:`take_copies` defaults to doing nothing.
+    ``makes_room``: whether :meth:`make_room` can ever free device blocks."""
 
     makes_room = False
 
     @classmethod
     def refuses(cls, config: Any) -> Optional[str]:
-        """The first setting of ``config`` (a dataclass: ``SchedulerConfig`` or the engine's flat config, read by
-        field name) this tier cannot run with, as ``"field=value (why)"``; None when it runs with all of them."""
+        """The first setting of ``config`` (a dataclass read by field name) this tier cannot run with, as
+        ``"field=value (why)"``; None when none."""
         return None
 
     def match(self, request: "Request", hits: list, admission: Admission) -> Optional[tuple[list, int]]:
@@ -104,13 +85,13 @@ class KVTier(abc.ABC):
         return False
 
     def resume(self, request: "Request", num_new_tokens: int) -> bool:
-        """At admission of a request this tier :meth:`holds_request`: bring its KV back with room for ``num_new_tokens``
-        more tokens, queuing the copies; False, changing nothing, when the device blocks are short."""
+        """Bring back the KV of a request it :meth:`holds_request`, with room for ``num_new_tokens`` more, queuing
+        the copies; False, changing nothing, when device blocks are short."""
         return False
 
     def make_room(self, need: int, victims: Sequence["Request"]) -> bool:
-        """At a shortage, before a preemption: free ``need`` device blocks from ``victims`` (running requests, the
-        one a preemption takes first, first), queuing the copies; False, changing nothing, when it cannot."""
+        """Before a preemption: free ``need`` device blocks from ``victims`` (first-preempted first), queuing the
+        copies; False, changing nothing, when it cannot."""
         return False
 
     def reclaimable(self, running: Sequence["Request"]) -> int:
@@ -118,8 +99,8 @@ class KVTier(abc.ABC):
         return 0
 
     def keep(self, request: "Request") -> bool:
-        """At a preemption: keep ``request``'s KV here (its device blocks freed, the copies queued); False, changing
-        nothing, when this tier does not take it."""
+        """At a preemption: keep ``request``'s KV here (device blocks freed, copies queued); False, changing
+        nothing, if it does not take it."""
         return False
 
     @abc.abstractmethod
@@ -127,8 +108,8 @@ class KVTier(abc.ABC):
         """The copies queued since the last call, in the order queued."""
 
     def forget(self, copies: Sequence[BlockCopy], running: Sequence["Request"]) -> list["Request"]:
-        """A step whose ``copies`` may never have run is discarded: forget what they were to fill. Returns the
-        ``running`` requests whose KV they were to write (they start over)."""
+        """Forget what a discarded step's ``copies`` were to fill; returns the ``running`` requests whose KV they
+        were to write (they start over)."""
         return []
 
     def refuses_compaction(self) -> Optional[str]:
