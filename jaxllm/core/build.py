@@ -44,8 +44,7 @@ _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.
 
 def resolve_dtype(name: str) -> Any:
     """The compute dtype of ``EngineConfig.dtype``: "auto" is float32 on CPU (docs/design/worker.md says why) and
-    bfloat16 on accelerators; other names map directly.
-    """
+    bfloat16 on accelerators; other names map directly."""
     if name == "auto":
         return np.float32 if jax.default_backend() == "cpu" else ml_dtypes.bfloat16
     return _DTYPES[name]

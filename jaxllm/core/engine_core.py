@@ -1,7 +1,6 @@
 """EngineCore: the scheduler and the model runner in one loop; core requests (token ids) in, core outputs out (vLLM's
 ``EngineCore``). Start-up is ``jaxllm.core.build.build_engine_core``'s; docs/design/architecture.md describes how
-``n > 1``, prompt logprobs, speculative decoding and structured output run here.
-"""
+``n > 1``, prompt logprobs, speculative decoding and structured output run here."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ logger = init_logger(__name__)
 
 def load_host_params(path: str, dtype: Any, quantization: Optional[str], sharding: ModelSharding) -> Any:
     """The checkpoint at ``path`` in ``dtype`` (and ``quantization``) for an update: host numpy (HF, GGUF)
-    or placed on ``sharding`` (orbax); ValueError as ``load_model``.
-    """
+    or placed on ``sharding`` (orbax); ValueError as ``load_model``."""
     if is_orbax_checkpoint(Path(path)):
         return load_sharded(path, dtype, sharding.mesh, quantization)[1]
     return load_model(path, dtype, quantization)[1]
@@ -156,8 +154,7 @@ class EngineCore:
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
         """Prompt tokens this core would take from its prefix cache now (the scheduler's
-        ``get_computed_blocks`` on a throwaway request; nothing allocated).
-        """
+        ``get_computed_blocks`` on a throwaway request; nothing allocated)."""
         probe = Request("prefix-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
         return self.scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
 
@@ -312,8 +309,8 @@ class EngineCore:
 
     def update_weights(self, params: Any) -> dict[str, int]:
         """Replace the target model's weights between two steps, with no new compilation; the KV of
-        the old weights is dropped (prefix cache reset, unfinished requests recomputed). ``params``: any subset of the leaves,
-        or all after ``sleep(level=2)``; the draft model keeps its weights.
+        the old weights is dropped (prefix cache reset, unfinished requests recomputed). ``params``: any subset of the
+        leaves, or all after ``sleep(level=2)``; the draft model keeps its weights.
 
         Returns:
           ``{"num_leaves", "num_bytes", "num_preempted"}``.
@@ -344,8 +341,7 @@ class EngineCore:
 
     def update_weights_from_path(self, path: str) -> dict[str, int]:
         """:meth:`update_weights` with the checkpoint at ``path`` (HF folder, GGUF file or
-        orbax folder); ValueError when it is not a model or does not fit.
-        """
+        orbax folder); ValueError when it is not a model or does not fit."""
         return self.update_weights(load_host_params(path, self.dtype, self.config.quantization, self.sharding))
 
     def reset_prefix_cache(self) -> bool:
@@ -361,7 +357,8 @@ class EngineCore:
         The prefix cache is reset; programs stay compiled.
 
         Returns:
-          ``{"level", "freed_bytes", "device_bytes_before", "device_bytes_after"}`` (the last two None without memory stats).
+          ``{"level", "freed_bytes", "device_bytes_before", "device_bytes_after"}`` (the last two None without
+          memory stats).
 
         Raises:
           ValueError: ``level`` not 1 or 2, or ``enable_sleep_mode`` off.
@@ -525,8 +522,7 @@ class EngineCore:
 
     def _copy_blocks(self, copies: Sequence[BlockCopy]) -> list[list]:
         """Do ``copies`` on every runner's cache in order, offloads only gathered; returns their host
-        writes per runner, for :meth:`_write_offloads`.
-        """
+        writes per runner, for :meth:`_write_offloads`."""
         runs = [(kind, [(c.src, c.dst) for c in run]) for kind, run in itertools.groupby(copies, lambda c: c.kind)]
         pending = []
         for cache in self.cache_engines.caches:
@@ -562,8 +558,7 @@ class EngineCore:
 
     def _launch(self, sched_out: SchedulerOutput, prev_tokens: Optional[jax.Array]) -> _Launched:
         """Do the output's block copies, dispatch its step, then write the host tier's offloads while it runs;
-        a failed launch sends its rows back to waiting.
-        """
+        a failed launch sends its rows back to waiting."""
         try:
             offloads = self._copy_blocks(sched_out.block_copies)
             if not sched_out.scheduled:
@@ -613,8 +608,7 @@ class EngineCore:
 
     def _end_grammars(self, sequences: list[CoreSequence]) -> None:
         """Stop the sequences whose grammar ended at their last token (EOS) while ``min_tokens`` or
-        ``ignore_eos`` kept them going (vLLM #54218).
-        """
+        ``ignore_eos`` kept them going (vLLM #54218)."""
         for seq in sequences:
             token = seq.output_token_ids[-1]
             if token in seq.sampling_params.stop_token_ids:
@@ -646,8 +640,7 @@ class EngineCore:
 
     def _advance_parent(self, parent: CoreSequence) -> None:
         """Fork a prefill parent into its sequences once it has sampled (or hand them over as plain
-        requests if it finished otherwise).
-        """
+        requests if it finished otherwise)."""
         parent.record.parent = None
         self._release(parent)
         children = parent.record.seqs

@@ -1,7 +1,6 @@
 """Draft-model proposer: a smaller model with the target's vocabulary drafts tokens greedily on the device, right
 after the target's step on the same batch. Its KV cache shares the target's block ids (every block operation runs on
-both caches); drafts write into the rows' lookahead slots. docs/design/spec-decode.md has the details.
-"""
+both caches); drafts write into the rows' lookahead slots. docs/design/spec-decode.md has the details."""
 
 from __future__ import annotations
 
@@ -105,8 +104,7 @@ class DraftRunner:
 
     def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> float:
         """Build every bucket's step program and the block-copy (with ``swap`` the swap) programs; returns
-        the seconds spent.
-        """
+        the seconds spent."""
         return self.programs.warmup(functools.partial(self.cache_engine.warmup, swap), progress=progress,
                                     background=background)
 
@@ -116,8 +114,7 @@ class DraftRunner:
 
     def propose_async(self, batch: BatchDescriptor, target_out: SamplerOutput) -> jax.Array:
         """Launch the draft step after the target's on ``batch``, from ``target_out`` (``token_ids
-        [S, P]``, ``num_emitted [S]`` on the device); returns the drafts int32[S, K] on the device.
-        """
+        [S, P]``, ``num_emitted [S]`` on the device); returns the drafts int32[S, K] on the device."""
         exe = self.programs.step_program(batch.shape)
         device_batch = jax.device_put(StepBatch.from_descriptor(batch), self._replicated)
         cache = self.cache_engine

@@ -1,8 +1,7 @@
 """glibc's malloc, set for a process whose model steps run on the host (XLA's CPU backend): one arena that keeps its
 memory (:data:`SETTINGS`), so per-step buffers are not faulted in and zeroed again each step (vLLM's CPU backend
 preloads tcmalloc for the same cost). Must run before JAX starts its CPU client; memory freed stays with the process.
-docs/design/worker.md has the reasoning and figures.
-"""
+docs/design/worker.md has the reasoning and figures."""
 
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ _KV_FLAGS = ("max_model_len (--max-model-len), kv_cache_memory_bytes (--kv-cache
 def fit_max_model_len(cfg: ModelConfig, *, block_size: int, dtype: Any, kv_cache_memory_bytes: Optional[int],
                       max_model_len: int, device: Any) -> int:
     """The ``max_model_len`` for an unset one (vLLM's ``-1``): the model's ``max_model_len`` when the
-    budget holds one such sequence, else ``(blocks - 1) * block_size`` (logged); arguments as :func:`resolve_num_blocks`.
+    budget holds one such sequence, else ``(blocks - 1) * block_size`` (logged); arguments as
+    :func:`resolve_num_blocks`.
 
     Raises:
       ValueError: the budget holds fewer than 2 blocks.
@@ -206,7 +207,7 @@ def _resized(kv_cache: KVCache, num_blocks: int) -> KVCache:
 
 
 def _chunks(pairs: np.ndarray, repeat_first: bool = False) -> Iterable[tuple[np.ndarray, int]]:
-    """``int32[K, 2]`` pairs as ``[BLOCK_CHUNK, 2]`` chunks (with their real counts), padded with (0, 0) or the first pair."""
+    """``int32[K, 2]`` pairs as ``[BLOCK_CHUNK, 2]`` chunks (with real counts), padded with (0, 0) or the first pair."""
     for start in range(0, len(pairs), BLOCK_CHUNK):
         part = pairs[start:start + BLOCK_CHUNK]
         chunk = np.repeat(part[:1], BLOCK_CHUNK, axis=0) if repeat_first else np.zeros((BLOCK_CHUNK, 2), np.int32)
@@ -226,7 +227,8 @@ class CacheEngine:
 
     Attributes:
       kv_cache: ``(k, v)`` of ``dtype``, split over heads; ``jax.ShapeDtypeStruct`` while released.
-      compressed: ``CompressedKV`` (``k, v`` as the cache; ``k_scale, v_scale: float32[num_layers, slots, heads]``) or None.
+      compressed: ``CompressedKV`` (``k, v`` as the cache; ``k_scale, v_scale: float32[num_layers, slots, heads]``)
+        or None.
       host_pool: numpy ``(k, v)`` of ``num_host_blocks + num_offload_blocks`` blocks, or None.
     """
 
@@ -316,8 +318,7 @@ class CacheEngine:
 
     def start_swap_out(self, pairs: Sequence[Sequence[int]]) -> list[tuple[np.ndarray, KVCache]]:
         """Dispatch gathers of (device, host) ``pairs`` reading the cache as it is now, without waiting;
-        returns per chunk the host ids and gathered blocks, for :meth:`finish_swap_out`.
-        """
+        returns per chunk the host ids and gathered blocks, for :meth:`finish_swap_out`."""
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
         return [(chunk[:n, 1], self._op("gather")(self.kv_cache, chunk[:, 0])) for chunk, n in _chunks(pairs)]
 
@@ -381,8 +382,7 @@ class CacheEngine:
 
 class CacheEngines:
     """The KV caches of one replica's runners (target first), sharing block ids: each :class:`CacheEngine`
-    block operation runs on every cache.
-    """
+    block operation runs on every cache."""
 
     def __init__(self, caches: Sequence[CacheEngine]):
         self.caches = list(caches)

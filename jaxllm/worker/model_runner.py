@@ -1,6 +1,5 @@
 """ModelRunner: the target model's compiled steps (model and sampler in one program per ``(T, S, W)`` bucket, KV cache
-and sampler tables donated) over a ``WeightStore``, a ``CacheEngine`` and a ``ProgramTable``.
-"""
+and sampler tables donated) over a ``WeightStore``, a ``CacheEngine`` and a ``ProgramTable``."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ from scheduler import BatchDescriptor, BucketTable
 class StepOutput:
     """A step's outputs, on the device from :meth:`ModelRunner.dispatch` or on the host from :meth:`fetch_rows`:
     ``sampled`` (``[S]`` rows, ``[S, num_positions]`` when verifying), ``prompt`` (prompt logprobs, ``[T]`` rows, or
-    None) and ``draft_token_ids`` (int32[S, K] or None).
-    """
+    None) and ``draft_token_ids`` (int32[S, K] or None)."""
 
     sampled: SamplerOutput
     prompt: Optional[PromptLogprobRows]
@@ -50,8 +48,7 @@ class StepOutput:
 
     def fetch_rows(self, num_rows: int, num_token_rows: int = 0) -> "StepOutput":
         """The outputs as numpy in one transfer, cut to ``num_rows`` rows and the prompt logprobs to
-        ``num_token_rows`` (0: not fetched, ``prompt`` None).
-        """
+        ``num_token_rows`` (0: not fetched, ``prompt`` None)."""
         host = jax.device_get(dataclasses.replace(self, prompt=self.prompt if num_token_rows else None))
 
         def first(n: int, tree: Any) -> Any:
@@ -65,8 +62,7 @@ def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: Samplin
           prev_tokens: jax.Array, bitmask: jax.Array, compressed: Optional[CompressedKV], *, cfg: ModelConfig,
           ops: AttentionOps, num_positions: int = 1) -> tuple[StepOutput, jax.Array, KVCache, SamplerTables]:
     """Model + sampler + prompt logprobs; inputs marked by ``batch.prev_token_index`` come from ``prev_tokens``.
-    Returns ``(StepOutput, samples padded to prev_tokens' length, kv_cache, tables)``.
-    """
+    Returns ``(StepOutput, samples padded to prev_tokens' length, kv_cache, tables)``."""
     from_prev = batch.prev_token_index
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch.input_ids)
     hidden, kv_cache = hidden_states(params, kv_cache, dataclasses.replace(batch, input_ids=input_ids),
@@ -109,13 +105,19 @@ class ModelRunner:
       num_blocks: KV blocks including the null block 0.
       dtype: compute dtype (and the KV cache's unless ``kv_cache_dtype``: int8 / float8_e4m3fn, with
         ``k_scale``/``v_scale`` layer leaves).
+      buckets: the (T, S, W) shapes steps are padded to.
       num_sampling_slots: sampler table rows (slot 0 padding), at least ``max_num_seqs + 1``.
+      max_model_len: tokens per sequence at most (slot fills are padded to it).
       float_bits_storage: hold bfloat16 / float8 weights and KV as their bits (``kernels_pallas.storage``).
       num_positions: 1, or 1 + ``num_speculative_tokens`` when verifying drafts.
       the rest: as :class:`CacheEngine`.
 
     Raises:
       ValueError: a one-byte ``kv_cache_dtype`` without the scale leaves.
+
+    Attributes:
+      weights, cache_engine, programs: the three parts; compile_stats: the programs they built.
+      sampler_tables: the per-slot tables, donated to every step; bitmask_words: int32 words of a bitmask row.
     """
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
@@ -155,8 +157,7 @@ class ModelRunner:
 
     def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> float:
         """Build every bucket's step program and the block-copy, slot-fill and (``swap``) swap programs
-        (``ProgramTable.warmup`` for ``background``). Returns the seconds spent.
-        """
+        (``ProgramTable.warmup`` for ``background``). Returns the seconds spent."""
         def others() -> None:
             self.cache_engine.warmup(swap)
             for name in ("fill", "rows"):
@@ -166,8 +167,7 @@ class ModelRunner:
 
     def resize_kv_cache(self, num_blocks: int) -> int:
         """Resize the KV cache and rebuild the programs taking it; returns the programs built
-        (RuntimeError while released).
-        """
+        (RuntimeError while released)."""
         return self.programs.rebuild_after(functools.partial(self.cache_engine.resize, num_blocks))
 
     def dispatch(self, batch: BatchDescriptor, sampling: SamplingArrays, prev_tokens: Optional[jax.Array] = None,

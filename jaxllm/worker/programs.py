@@ -1,6 +1,5 @@
 """A runner's program table: the step program per ``(T, S, W)`` bucket, compiled ahead of time from abstract
-arguments (so serving never traces), and the warm-up that builds them, in the foreground or a background thread.
-"""
+arguments (so serving never traces), and the warm-up that builds them, in the foreground or a background thread."""
 
 from __future__ import annotations
 
@@ -136,8 +135,7 @@ class ProgramTable:
 
     def rebuild_after(self, change: Callable[[], None]) -> int:
         """Wait for a background warm-up, run ``change`` (a KV resize), rebuild every step program
-        built so far; returns the programs built, ``change``'s included.
-        """
+        built so far; returns the programs built, ``change``'s included."""
         self.wait_for_warmup()
         before = self.stats.num_compilations
         change()
@@ -148,8 +146,7 @@ class ProgramTable:
 
     def may_build_in_background(self) -> bool:
         """Whether a background build may start now: idle for ``IDLE_SECONDS``, or busy for
-        ``BUSY_GRACE_SECONDS`` without a pause.
-        """
+        ``BUSY_GRACE_SECONDS`` without a pause."""
         now = time.monotonic()
         with self._lock:
             last, since = self._last_dispatch, self._busy_since
@@ -173,8 +170,7 @@ class ProgramTable:
 
     def serving_buckets(self) -> BucketTable:
         """The buckets a step may use now: all, except during a background warm-up, when only the
-        token buckets already built (so no step waits on a compile).
-        """
+        token buckets already built (so no step waits on a compile)."""
         with self._lock:
             ready = self._ready_tokens
             if ready is None or len(ready) == len(self.buckets.token_buckets):
@@ -274,8 +270,7 @@ def _wait_for_turn(table_ref: "weakref.ref[ProgramTable]", poll: float = 0.05) -
 
 def enable_persistent_compilation_cache(path: Optional[str]) -> None:
     """Point JAX's persistent compilation cache at ``path``, caching every program, unless
-    one is already set.
-    """
+    one is already set."""
     if path is None or jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", str(path))

@@ -88,8 +88,7 @@ def dequantize_weight(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 def quantize_params(params: Params, quantization: Optional[str], dtype: Any) -> Params:
     """Host ``params`` with :data:`QUANTIZED_KEYS` leaves quantized (those with a ``_scale`` kept) and other
-    float leaves cast to ``dtype``; with ``quantization`` None, only the cast.
-    """
+    float leaves cast to ``dtype``; with ``quantization`` None, only the cast."""
     def one(tree: dict) -> dict:
         out = {}
         for key, leaf in tree.items():
@@ -115,8 +114,7 @@ def weight_quantization(params: Params) -> Optional[str]:
 
 def param_bytes(params: Params) -> dict[str, int]:
     """Bytes of the parameter pytree (whole arrays): ``{"total", "quantized" (weights and scales),
-    "quantized_as_float32" (those weights as float32)}``.
-    """
+    "quantized_as_float32" (those weights as float32)}``."""
     total = quantized = as_f32 = 0
     flat = {tuple(str(getattr(k, "key", k)) for k in path): leaf
             for path, leaf in jax.tree_util.tree_leaves_with_path(params)}

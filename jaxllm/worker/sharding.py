@@ -84,8 +84,7 @@ def _axes(key: str, ndim: int, table: dict[str, tuple[Optional[str], ...]]) -> t
 
 def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
     """Join a multi-host run (``jax.distributed.initialize``), first thing, one process per host;
-    ``process_id`` in ``[0, num_processes)``, ``coordinator_address`` ``"host:port"`` of process 0.
-    """
+    ``process_id`` in ``[0, num_processes)``, ``coordinator_address`` ``"host:port"`` of process 0."""
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
     )
@@ -94,8 +93,7 @@ def initialize_distributed(coordinator_address: str, num_processes: int, process
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
     """A ``(data, model)`` mesh of ``data_parallel_size x tensor_parallel_size`` devices in ``jax.devices()``
-    order (ValueError for a size below 1 or too few devices).
-    """
+    order (ValueError for a size below 1 or too few devices)."""
     for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
@@ -117,8 +115,7 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
 
 def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
     """Raise ValueError unless q heads divide over ``tensor_parallel_size`` and KV heads divide it or
-    are divided by it.
-    """
+    are divided by it."""
     tp = tensor_parallel_size
     if cfg.num_q_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={cfg.num_q_heads}")
@@ -131,8 +128,7 @@ def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class ModelSharding:
     """Shardings of one replica's parameters, KV cache and step inputs on ``mesh`` (``(data, model)``, data
-    of size 1); ValueError where heads do not split (:func:`check_tensor_parallel`).
-    """
+    of size 1); ValueError where heads do not split (:func:`check_tensor_parallel`)."""
 
     cfg: ModelConfig
     mesh: Mesh
@@ -168,8 +164,7 @@ class ModelSharding:
 
     def spec(self, logical_axes: Sequence[Optional[str]], shape: Sequence[int]) -> P:
         """The PartitionSpec of an array with ``logical_axes`` and ``shape``; an axis ``model`` does not
-        divide is replicated.
-        """
+        divide is replicated."""
         rules = self.logical_rules()
         tp = self.tensor_parallel_size
         mesh_axes = [rules[name] for name in logical_axes]
@@ -233,8 +228,7 @@ class ModelSharding:
     def place_params(self, params: Any, dtype: Any) -> Params:
         """Put ``params`` (host arrays, or lazy tensors with ``read(index)``) on the mesh one device
         slice at a time, in ``dtype`` (quantized weights and scales keep theirs); returns ``jax.Array``s sharded by
-        :meth:`param_specs`.
-        """
+        :meth:`param_specs`."""
         def place(path, leaf, sharding):
             read = leaf.read if hasattr(leaf, "read") else leaf.__getitem__
 
@@ -249,8 +243,8 @@ class ModelSharding:
 
     def attention_ops(self, ops: AttentionOps) -> AttentionOps:
         """``ops`` per device under ``shard_map`` over ``model``: local q heads against local cache
-        heads (replicated KV cut to the stored head before the write); scales and the compressed pool split like the cache.
-        """
+        heads (replicated KV cut to the stored head before the write); scales and the compressed pool split like the
+        cache."""
         heads = P(None, MODEL_AXIS, None)
         cache = P(None, None, MODEL_AXIS, None)
         rep = P()

@@ -1,7 +1,6 @@
 """The weights a runner serves (:class:`WeightStore`) and weights handed in (``LLM(params=...)``,
 ``LLM.update_weights``): checked against the engine's layout, cast or quantized to it, placed by its shardings.
-Leaves are named by ``/``-joined paths (``"layers/wq"``).
-"""
+Leaves are named by ``/``-joined paths (``"layers/wq"``)."""
 
 from __future__ import annotations
 
@@ -129,8 +128,7 @@ def device_bytes_in_use(device: jax.Device) -> Optional[int]:
 class WeightStore:
     """The parameters a runner's steps read; each leaf's layout (numbers: :meth:`param_layout`; stored form:
     bits with ``float_bits_storage``, plus ``HEAD_PANELS``) is fixed at construction and kept through updates and sleep.
-    ``params`` is the stored pytree, abstract while released.
-    """
+    ``params`` is the stored pytree, abstract while released."""
 
     def __init__(self, cfg: ModelConfig, params: Params, *, float_bits_storage: bool):
         self.cfg = cfg
@@ -157,8 +155,7 @@ class WeightStore:
 
     def get_params(self) -> Params:
         """A new tree of the device arrays in the layout's dtypes and shardings (RuntimeError when not
-        on the devices).
-        """
+        on the devices)."""
         self._need_weights("get_params")
         flat = {path: leaf if leaf.dtype == self._param_layout[path].dtype else _number_cast(leaf.sharding)(leaf)
                 for path, leaf in flatten(self.params).items() if path in self._param_layout}
@@ -189,8 +186,7 @@ class WeightStore:
 
     def release(self, offload: bool) -> int:
         """Let the device arrays go (sleep), with ``offload`` keeping a host copy for :meth:`restore`;
-        returns the bytes let go.
-        """
+        returns the bytes let go."""
         if self.state != "device":
             if not offload:
                 self._host_params = None  # a deeper sleep discards the host copy of a lighter one
