@@ -226,7 +226,8 @@ class CacheEngine:
       num_compressed_blocks, compressed_dtype: the compressed pool's slots, null slot included (0: none).
 
     Attributes:
-      kv_cache: ``(k, v)`` of ``dtype``, split over heads; ``jax.ShapeDtypeStruct`` while released.
+      kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size, heads, head_dim]`` of ``dtype``, split over
+        heads; ``jax.ShapeDtypeStruct`` while released.
       compressed: ``CompressedKV`` (``k, v`` as the cache; ``k_scale, v_scale: float32[num_layers, slots, heads]``)
         or None.
       host_pool: numpy ``(k, v)`` of ``num_host_blocks + num_offload_blocks`` blocks, or None.
