@@ -43,11 +43,8 @@ _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.
 
 
 def resolve_dtype(name: str) -> Any:
-    """The compute dtype of ``EngineConfig.dtype``: "auto" is float32 on CPU and bfloat16 on accelerators; other
-    names map directly (numpy / ml_dtypes types).
-
-    On CPU float32 is exact against HF and at least as fast as bfloat16 whatever the instruction sets
-    (``docs/design/worker.md`` has the figures)."""
+    """The compute dtype of ``EngineConfig.dtype``: "auto" is float32 on CPU (docs/design/worker.md says why) and
+    bfloat16 on accelerators; other names map directly."""
     if name == "auto":
         return np.float32 if jax.default_backend() == "cpu" else ml_dtypes.bfloat16
     return _DTYPES[name]
@@ -56,23 +53,19 @@ def resolve_dtype(name: str) -> Any:
 def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: EngineConfig, *,
                       mesh: Optional[jax.sharding.Mesh] = None, core_index: int = 0,
                       params: Optional[Any] = None) -> EngineCore:
-    """Start an engine core for ``model``: every stage of start-up, logged (``jaxllm.logger``).
+    """Start an engine core for ``model``, every start-up stage logged.
 
     Args:
-      model: a HF model folder, a ``.gguf`` file, or a jaxllm orbax folder; or, with ``params``, a
-        ``ModelConfig`` (no tokenizer then: prompts are token ids).
-      config: the ``EngineConfig`` (``data_parallel_size`` must be 1: one core is one replica).
-      params: the weights to serve instead of the model's own (:func:`place_given_params`); the model then gives
-        only its config, tokenizer and generation defaults.
-      mesh: this replica's ``(data, model)`` mesh; by default ``make_mesh(tensor_parallel_size)`` over the first
-        devices.
-      core_index: this core's data-parallel rank (reported with its outputs).
+      model: a HF model folder, a ``.gguf`` file or a jaxllm orbax folder; or, with ``params``, a ``ModelConfig``
+        (prompts are token ids then).
+      config: the ``EngineConfig`` (``data_parallel_size`` 1: one core is one replica).
+      params: weights to serve instead of the model's own (:func:`place_given_params`).
+      mesh: this replica's ``(data, model)`` mesh; default ``make_mesh(tensor_parallel_size)``.
+      core_index: this core's data-parallel rank.
 
     Raises:
-      ValueError: a bad model path, an unsupported architecture, a config value out of range (named with its
-        limit), heads that do not split over ``tensor_parallel_size``, a draft model that does not fit the target,
-        a KV budget that holds no ``max_model_len`` sequence (an unset ``max_model_len`` is fitted to it instead:
-        ``worker.kv_cache.fit_max_model_len``), or ``data_parallel_size > 1``.
+      ValueError: a bad model path or architecture, a config value out of range, heads that do not split, a draft model
+        that does not fit, a KV budget holding no ``max_model_len`` sequence, or ``data_parallel_size > 1``.
     """
     if config.data_parallel_size > 1:
         raise ValueError(f"data_parallel_size={config.data_parallel_size}: an EngineCore is one replica; "
@@ -132,17 +125,11 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
 
 def place_given_params(cfg: ModelConfig, params: Any, dtype: Any, sharding: ModelSharding,
                        quantization: Optional[str]) -> Any:
-    """The start-up stage for weights in memory (``LLM(params=...)``), in place of loading them: check the whole
-    tree against ``cfg``'s layout (``jaxllm.models.param_layout``; ``jaxllm.worker.weights.prepare_params``: float
-    leaves cast to ``dtype``, projections quantized on the way in with ``quantization``) and place every leaf by the
-    partition rules of ``sharding``.
-
-    Returns:
-      the parameter pytree of placed ``jax.Array``s.
+    """Check a whole in-memory tree (``LLM(params=...)``) against ``cfg``'s layout (``prepare_params``:
+    cast to ``dtype``, quantized with ``quantization``) and place it by ``sharding``; returns the placed pytree.
 
     Raises:
-      ValueError: the first leaf that is unknown, missing or of the wrong shape or dtype (named, with the expected
-        shape and dtype).
+      ValueError: the first unknown, missing or mismatched leaf.
     """
     layout = layout_of(param_layout(cfg, dtype, quantization))
     flat = prepare_params(params, layout, partial=False)
@@ -152,15 +139,11 @@ def place_given_params(cfg: ModelConfig, params: Any, dtype: Any, sharding: Mode
 
 def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, sharding: ModelSharding, ops: AttentionOps,
                  backend: str, dtype: Any, kv_dtype: np.dtype, max_model_len: int) -> ModelRunner:
-    """The target model's runner over ``params`` (placed by ``sharding``): its KV cache sized from ``config``
-    (``worker.kv_cache.resolve_num_blocks``) and its bucket table (``EngineConfig.bucket_ladders``).
-
-    With ``kv_cache_compression`` the budget is split between the device blocks and the compressed pool
-    (``worker.kv_cache.split_kv_budget``).
+    """The target model's runner over placed ``params``, its KV cache sized from ``config``
+    (``resolve_num_blocks``, or ``split_kv_budget`` with ``kv_cache_compression``) and its bucket table.
 
     Raises:
-      ValueError: the KV memory holds no ``max_model_len`` sequence, its compressed share fewer than 2 blocks, or a
-        bucket ladder that stops short.
+      ValueError: no ``max_model_len`` sequence fits, a compressed share below 2 blocks, or a short bucket ladder.
     """
     sizes = dict(block_size=config.block_size, dtype=kv_dtype, num_kv_blocks=config.num_kv_blocks,
                  kv_cache_memory_bytes=config.kv_cache_memory_bytes, max_num_seqs=config.max_num_seqs,
@@ -187,11 +170,10 @@ def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, shardin
 
 def build_drafter(config: EngineConfig, target: ModelRunner, *, mesh: jax.sharding.Mesh, backend: str,
                   max_model_len: int) -> DraftRunner:
-    """The draft model's runner: its own weights and KV cache (the target's block count and size), on ``mesh``.
+    """The draft model's runner (the target's block count and size) on ``mesh``.
 
     Raises:
-      ValueError: a bad draft model path, or a draft model whose vocabulary differs from the target's or whose
-        positions do not reach ``max_model_len``.
+      ValueError: a bad path, a vocabulary unlike the target's, or positions short of ``max_model_len``.
     """
     spec = config.speculative_config
     cfg, params, _, sharding = load_sharded(Path(spec.model), target.dtype, mesh)

@@ -1,33 +1,6 @@
-"""EngineCore: the scheduler and the model runner in one loop; core requests in, core outputs out (vLLM's ``EngineCore``).
-
-The core sees token ids only: the front end (``jaxllm.frontend``) tokenizes,
-validates, detokenizes and checks stop strings. Scheduler and runner share this process, so block ids mean the
-same on both sides. Each ``step()`` schedules, builds the bucketed batch, runs the jitted model step, feeds the
-sampled tokens back to the scheduler and reports, per sequence, its new token ids, finish and logprobs
-(``jaxllm.core.messages``). Start-up (loading, sizing the KV cache, calibration, runners, warm-up) is
-``jaxllm.core.build.build_engine_core``'s; an ``EngineCore`` is made from those parts. Each request's core-side
-state is one ``jaxllm.core.requests.CoreRequest``.
-
-A request with ``n > 1`` runs as ``n`` sequences (vLLM's parent/child requests): a prefill-only parent computes all
-prompt tokens but the last, then the scheduler forks it into the ``n`` sequences, which share its KV blocks; each
-computes the last prompt token itself (a one-token step) and samples with its own seed.
-
-Prompt logprobs (``jaxllm.core.prompt_logprobs``) are computed by the request that computes the prompt: the sequence
-itself, or the prefill parent.
-
-Speculative decoding (``EngineConfig.speculative_config``): after each step the proposer drafts tokens for every
-sequence that sampled, the scheduler puts them on its next decode row, and the step's sampler verifies them
-(``jaxllm.spec_decode``); a row then reports up to ``1 + num_speculative_tokens`` tokens.
-Speculation skips structured-output requests: a constrained sequence gets no drafts (its grammar's bitmask
-applies to its one sampled token per step).
-
-Structured output (``jaxllm.structured_output``): a constrained request's grammar compiles in a thread pool while
-the request waits in the scheduler (``WAITING_FOR_FSM``; a prefill parent waits too, so its forked sequences find
-it ready); each sequence has its own matcher, which fills its row of the step's token bitmask and consumes its
-sampled tokens. Under async scheduling the bitmask of step N+1 needs step N's token: a step that holds a
-constrained row fed by the step in flight first applies that step (reads its samples, as without async), then
-builds the bitmask and launches; steps without such rows keep the overlap.
-"""
+"""EngineCore: the scheduler and the model runner in one loop; core requests (token ids) in, core outputs out (vLLM's
+``EngineCore``). Start-up is ``jaxllm.core.build.build_engine_core``'s; docs/design/architecture.md describes how
+``n > 1``, prompt logprobs, speculative decoding and structured output run here."""
 
 from __future__ import annotations
 
@@ -66,12 +39,8 @@ logger = init_logger(__name__)
 
 
 def load_host_params(path: str, dtype: Any, quantization: Optional[str], sharding: ModelSharding) -> Any:
-    """The weights of the checkpoint at ``path`` in ``dtype`` (and ``quantization``), for an update: host numpy for
-    a HF folder or a GGUF file (placed leaf by leaf by the update), placed on ``sharding`` for an orbax folder.
-
-    Raises:
-      ValueError: as ``jaxllm.loader.load_model``.
-    """
+    """The checkpoint at ``path`` in ``dtype`` (and ``quantization``) for an update: host numpy (HF, GGUF)
+    or placed on ``sharding`` (orbax); ValueError as ``load_model``."""
     if is_orbax_checkpoint(Path(path)):
         return load_sharded(path, dtype, sharding.mesh, quantization)[1]
     return load_model(path, dtype, quantization)[1]
@@ -79,8 +48,7 @@ def load_host_params(path: str, dtype: Any, quantization: Optional[str], shardin
 
 @dataclasses.dataclass
 class _Dispatched:
-    """A step on the device: its outputs, its samples padded for the next step's input, and how many token rows
-    carry prompt logprobs (0: none to fetch)."""
+    """A step on the device: its outputs, samples for the next input, token rows with prompt logprobs."""
 
     out: StepOutput
     next_prev: jax.Array
@@ -96,31 +64,21 @@ class _Launched:
 
 
 class EngineCore:
-    """The scheduler, the model runner and the per-request state of one data-parallel replica.
-
-    Made from parts by ``jaxllm.core.build.build_engine_core`` (which also loads the model and warms the
-    programs up); the core builds its scheduler from ``config.scheduler_config``.
+    """The scheduler, the model runner and the per-request state of one data-parallel replica, made from parts by
+    ``jaxllm.core.build.build_engine_core``.
 
     Args:
-      config: the ``EngineConfig``.
-      runner: the target model's ``ModelRunner`` (its weight store, KV cache and program table).
-      sharding: the replica's ``ModelSharding``.
-      max_model_len: the resolved ``max_model_len``.
-      kv_cache_dtype: numpy dtype of the KV cache's numbers (int8 or float8_e4m3fn when quantized).
-      structured: the ``StructuredOutputManager`` (it loads the model's tokenizer at the first constraint).
-      drafter: the draft model's runner (``speculative_config`` method "draft_model"), or None.
-      proposer: the n-gram proposer (method "ngram"), or None.
+      runner: the target model's ``ModelRunner``; sharding: the replica's ``ModelSharding``.
+      kv_cache_dtype: numpy dtype of the KV cache's numbers.
+      structured: the ``StructuredOutputManager``.
+      drafter: the draft model's runner, or None; proposer: the n-gram proposer, or None.
       core_index: this core's data-parallel rank (reported with its outputs).
 
     Attributes:
-      scheduler, runner, drafter, proposer, structured, slots, sharding, max_model_len, kv_cache_dtype:
-        as given or built from them. model_config, buckets, num_blocks, dtype: the runner's.
-      cache_engines: the runners' KV caches (``worker.kv_cache.CacheEngines``, the target's first): every block
-        copy, swap, compaction and sleep of the KV is one call on it.
-      requests: the record of each request by its id (``jaxllm.core.requests.CoreRequest``).
-      param_bytes: ``jaxllm.worker.quantization.param_bytes`` of the parameters on the devices (the lm_head's
-        packed embedding, ``kernels_pallas.ops.HEAD_PANELS``, included).
-      kv_events: the ``jaxllm.core.kv_events.ZmqEventPublisher`` of ``kv_events_config``, or None.
+      cache_engines: the runners' KV caches (``CacheEngines``, target first): every block operation is one call.
+      requests: ``CoreRequest`` by request id.
+      param_bytes: ``param_bytes`` of the device parameters (``HEAD_PANELS`` included).
+      kv_events: the ``ZmqEventPublisher`` of ``kv_events_config``, or None.
     """
 
     # Methods a front end may call between steps of a core in another process (``messages.UtilityCall``).
@@ -188,36 +146,26 @@ class EngineCore:
         )
 
     def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every step program is built (see ``EngineConfig.precompile``).
-
-        Returns:
-          True once nothing is left to build; False if ``timeout`` seconds passed first.
-        """
+        """Wait until every step program is built; False if ``timeout`` seconds passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         return all([r.programs.wait_for_warmup(None if deadline is None else max(0.0, deadline - time.monotonic()))
                     for r in self._runners])
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: Optional[str] = None) -> int:
-        """Prompt tokens this core would take from its prefix cache right now.
-
-        Asks ``KVCacheManager.get_computed_blocks`` about a throwaway request,
-        so the answer follows the scheduler's own rule (hash -> block map, the
-        last token always computed); nothing is allocated.
-        """
+        """Prompt tokens this core would take from its prefix cache now (the scheduler's
+        ``get_computed_blocks`` on a throwaway request; nothing allocated)."""
         probe = Request("prefix-probe", list(token_ids), SamplingParams(), cache_salt=cache_salt)
         return self.scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
 
     def preload_prefixes(self, prompts: Sequence[Sequence[int]]) -> dict[str, int]:
-        """Compute ``prompts`` (token ids, validated by the front end) into the prefix cache before serving, and
-        pin their full blocks (``Scheduler.pin_prefix``; only with graceful degradation, which releases them under
-        KV pressure). Each runs as a one-token greedy request; their prefix-cache lookups are not counted in
-        ``prefix_cache_queries``/``prefix_cache_hits`` (warm-up is not traffic).
+        """Compute ``prompts`` (token ids) into the prefix cache before serving and pin their full
+        blocks (``Scheduler.pin_prefix``); not counted as prefix-cache traffic.
 
         Returns:
-          ``{"num_prompts", "num_cached_tokens" (prompt tokens now in full cached blocks), "num_pinned_blocks"}``.
+          ``{"num_prompts", "num_cached_tokens", "num_pinned_blocks"}``.
 
         Raises:
-          RuntimeError: requests are already queued or running (warm up before serving).
+          RuntimeError: requests are already queued or running.
         """
         if self.has_unfinished_requests():
             raise RuntimeError("preload_prefixes: the core already has requests; warm the prefix cache up before "
@@ -319,12 +267,11 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._held_outputs)
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, launch the step, apply the samples, report. With ``async_scheduling`` it launches step N+1
-        before it applies step N, so the host's work overlaps the device's; outputs then trail the launches by one
-        step (the first call reports none).
+        """Schedule, launch the step, apply the samples, report. With ``async_scheduling`` step N+1 launches
+        before step N is applied, so outputs trail by one step (the first call reports none).
 
         Returns:
-          an output for every sequence that produced a token or finished, and the core's stats after the step.
+          an output for every sequence that produced a token or finished, and the core's stats.
         """
         start = time.perf_counter()
         outputs = self._take_held_outputs() + self._fail_grammars()
@@ -360,23 +307,15 @@ class EngineCore:
         return encode_params(jax.device_get(self.get_params()))
 
     def update_weights(self, params: Any) -> dict[str, int]:
-        """Replace the target model's weights between two steps, with no new compilation.
-
-        ``params`` is checked first (``jaxllm.worker.weights.prepare_params``: any subset of the leaves, or all of
-        them after ``sleep(level=2)``). Then the step in flight finishes with the old weights (its tokens are
-        reported by the next step), each leaf is placed into the sharding the programs were compiled for and
-        swapped in, the old array let go at once (``WeightStore.set_param``), and the KV computed with the old
-        weights is dropped: the prefix cache is reset and every unfinished request is preempted for recompute
-        (``Scheduler.reset_prefix_cache``), so its tokens so far are computed again by the new weights before it
-        samples its next one. The draft model (speculative decoding) keeps its weights. A quantized KV cache keeps
-        its calibrated scales unless the update gives ``layers/k_scale`` and ``layers/v_scale``.
+        """Replace the target model's weights between two steps, with no new compilation; the KV of
+        the old weights is dropped (prefix cache reset, unfinished requests recomputed). ``params``: any subset of the
+        leaves, or all after ``sleep(level=2)``; the draft model keeps its weights.
 
         Returns:
-          ``{"num_leaves": leaves replaced, "num_bytes": their bytes, "num_preempted": requests recomputed}``.
+          ``{"num_leaves", "num_bytes", "num_preempted"}``.
 
         Raises:
-          ValueError: a leaf that is unknown, missing or of the wrong shape or dtype (``prepare_params``); the
-            engine is unchanged then.
+          ValueError: a leaf unknown, missing or of the wrong shape or dtype (``prepare_params``); nothing changes then.
         """
         weights = self.runner.weights
         flat = prepare_params(params, weights.param_layout(), partial=weights.state != "discarded")
@@ -400,12 +339,8 @@ class EngineCore:
         return self.update_weights(decode_params(encoded))
 
     def update_weights_from_path(self, path: str) -> dict[str, int]:
-        """:meth:`update_weights` with every weight of the checkpoint at ``path`` (a HF folder, a GGUF file or an
-        orbax folder, read by the loader with the engine's dtype and quantization).
-
-        Raises:
-          ValueError: ``path`` is not a model, or its weights do not fit the engine's (the first leaf named).
-        """
+        """:meth:`update_weights` with the checkpoint at ``path`` (HF folder, GGUF file or
+        orbax folder); ValueError when it is not a model or does not fit."""
         return self.update_weights(load_host_params(path, self.dtype, self.config.quantization, self.sharding))
 
     def reset_prefix_cache(self) -> bool:
@@ -416,20 +351,17 @@ class EngineCore:
         return True
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
-        """Free device memory between rollouts (vLLM's ``sleep``).
-
-        Level 1 frees the KV cache (of the draft model too) and moves the target's weights to the host; level 2
-        frees the KV cache and discards the weights, which ``update_weights`` (every leaf) or
-        ``update_weights_from_path`` restore before :meth:`wake_up`. The prefix cache is reset (its KV is gone).
-        The programs stay compiled.
+        """Free device memory between rollouts (vLLM's ``sleep``): level 1 frees the KV caches and offloads the
+        weights to the host, level 2 discards the weights (restore them by ``update_weights`` before :meth:`wake_up`).
+        The prefix cache is reset; programs stay compiled.
 
         Returns:
-          ``{"level", "freed_bytes" (bytes of the device arrays let go), "device_bytes_before",
-          "device_bytes_after"}``, the last two from ``jax.Device.memory_stats()`` (None where the backend has none).
+          ``{"level", "freed_bytes", "device_bytes_before", "device_bytes_after"}`` (the last two None without
+          memory stats).
 
         Raises:
-          ValueError: ``level`` is not 1 or 2, or ``EngineConfig.enable_sleep_mode`` is off.
-          RuntimeError: requests are unfinished (as vLLM, sleep needs an idle engine: finish or abort them first).
+          ValueError: ``level`` not 1 or 2, or ``enable_sleep_mode`` off.
+          RuntimeError: requests are unfinished.
         """
         if not self.config.enable_sleep_mode:
             raise ValueError("sleep: the engine was started without enable_sleep_mode=True (--enable-sleep-mode)")
@@ -448,13 +380,12 @@ class EngineCore:
                 "device_bytes_after": device_bytes_in_use(device)}
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
-        """Bring back what :meth:`sleep` freed (vLLM's ``wake_up``): ``tags`` None for all, or some of "weights"
-        (the host copy back on the devices) and "kv_cache" (zeroed arrays of the same shapes and shardings). No
-        program is compiled again.
+        """Bring back what :meth:`sleep` freed (vLLM's ``wake_up``): ``tags`` None for all, or some of
+        "weights" and "kv_cache" (zeroed); nothing compiles.
 
         Raises:
           ValueError: an unknown tag.
-          RuntimeError: the weights were discarded (level 2) and not restored by an update.
+          RuntimeError: the weights were discarded and not restored.
         """
         tags = {"weights", "kv_cache"} if tags is None else set(tags)
         unknown = tags - {"weights", "kv_cache"}
@@ -474,16 +405,11 @@ class EngineCore:
     # ------------------------------------------------------------ an elastic KV pool (between steps)
 
     def kv_cache_compact(self) -> dict[str, Any]:
-        """Move every live block (held by a request or a pin, or cached free) to the lowest block ids, between two
-        steps: the step in flight finishes first, the scheduler renumbers the blocks and rewrites the block tables
-        (hashes, ref counts and free-queue order kept: ``Scheduler.compact_kv_cache``), and each runner (the draft
-        model's too) copies the moved blocks with its warm copy program: nothing compiles, no request is
-        recomputed, and what each request generates is unchanged.
+        """Move every live block to the lowest block ids between two steps (``Scheduler.compact_kv_cache``
+        and each runner's copy program); nothing compiles or is recomputed.
 
         Returns:
-          ``{"num_moved_blocks", "num_blocks", "num_used_blocks" (the null block included), "kv_cache_bytes" (the
-          device arrays of every runner's cache, K and V), "seconds" (host plan and device copies, until the copies
-          are done)}``.
+          ``{"num_moved_blocks", "num_blocks", "num_used_blocks" (null included), "kv_cache_bytes", "seconds"}``.
 
         Raises:
           RuntimeError: the KV cache sleeps.
@@ -496,20 +422,15 @@ class EngineCore:
         return self._pool_report(len(moves), start)
 
     def kv_cache_resize(self, num_blocks: int) -> dict[str, Any]:
-        """Grow or shrink the KV pool to ``num_blocks`` blocks (the null block included) between two steps,
-        running requests kept as they are: a shrink compacts first (evicting the cached free blocks that do not
-        fit, oldest first); then each runner's cache is copied into arrays of the new size and the programs
-        taking it are rebuilt (``ModelRunner.resize_kv_cache``: one resize copy, the step programs built so far and
-        the block-copy programs, per runner; serving after it compiles nothing more). The draft model's cache
-        (speculative decoding) has the same blocks and is resized with it.
+        """Resize every runner's KV pool to ``num_blocks`` blocks (null included) between two steps,
+        running requests kept (a shrink compacts first, evicting cached free blocks that do not fit).
 
         Returns:
-          :meth:`kv_cache_compact`'s report plus ``"num_compilations"`` (programs built by the resize).
+          :meth:`kv_cache_compact`'s report plus ``"num_compilations"``.
 
         Raises:
-          ValueError: ``num_blocks`` not an int >= 2, below the blocks in use, or too small for an unfinished
-            request (``Scheduler.check_resize``; nothing changes).
-          RuntimeError: the KV cache sleeps; or the device could not hold the new arrays (nothing changes).
+          ValueError: ``num_blocks`` not an int >= 2, or too small for the blocks in use or an unfinished request.
+          RuntimeError: the KV cache sleeps, or the device could not hold the new arrays (nothing changes).
         """
         start = time.perf_counter()
         self._settle()
@@ -535,8 +456,7 @@ class EngineCore:
                 "seconds": time.perf_counter() - start}
 
     def _settle(self) -> None:
-        """Apply the step in flight (async scheduling) now: its samples came from the weights it launched with,
-        and its outputs are held for the next :meth:`step` to report."""
+        """Apply the step in flight now, holding its outputs for the next :meth:`step`."""
         if self._in_flight is not None:
             step, self._in_flight = self._in_flight, None
             self._held_outputs += self._report(self._apply(step))
@@ -546,8 +466,7 @@ class EngineCore:
         return held
 
     def _drop_kv_state(self) -> int:
-        """Reset the prefix cache and recompute every unfinished request (after a weight update): no KV computed
-        with the old weights is read again. Returns the requests preempted."""
+        """Reset the prefix cache and preempt every unfinished request for recompute; returns them."""
         preempted = self.scheduler.reset_prefix_cache(reset_running_requests=True)
         for seq in preempted:
             self.slots.release(seq)
@@ -568,13 +487,11 @@ class EngineCore:
         return sched_out
 
     def _needs_previous_samples(self, sched_out: SchedulerOutput) -> bool:
-        """A constrained row's bitmask, or the bans of a row's multi-token bad words, need the token the step in
-        flight samples for it."""
+        """Whether a row's bitmask or bad-word bans need the in-flight step's sample."""
         return self.structured.needs_previous_samples(sched_out) or self.slots.needs_previous_samples(sched_out)
 
     def _report(self, touched: list[Request]) -> list[EngineCoreOutput]:
-        """Outputs of the touched sequences; a touched prefill parent (its prompt computed) forks. The step's KV
-        cache events go to the subscribers (``kv_events_config``)."""
+        """Outputs of the touched sequences (touched prefill parents fork); publishes the step's KV events."""
         if self.kv_events is not None:
             self.kv_events.publish(self.scheduler.take_kv_events())
         outputs = []
@@ -588,8 +505,7 @@ class EngineCore:
         return outputs
 
     def _fail_grammars(self) -> list[EngineCoreOutput]:
-        """Abort the requests whose grammar failed to compile in the core (valid for the front end, not with
-        the model's tokenizer): each sequence is reported finished with "abort"."""
+        """Abort the requests whose grammar failed to compile in the core (finished with "abort")."""
         if not self.structured.grammar_failed():
             return []
         outputs = []
@@ -613,8 +529,7 @@ class EngineCore:
         return pending
 
     def _write_offloads(self, pending: list[list]) -> None:
-        """Complete the host tier's offloads that :meth:`_copy_blocks` gathered: their slots become hits at the
-        next ``Scheduler.schedule()``, which comes after this."""
+        """Complete the offloads :meth:`_copy_blocks` gathered (hits from the next schedule)."""
         if not any(pending):
             return
         start = time.perf_counter()
@@ -624,14 +539,8 @@ class EngineCore:
         self.offload_write_seconds += seconds
 
     def _launch(self, sched_out: SchedulerOutput, prev_tokens: Optional[jax.Array]) -> _Launched:
-        """Do the output's block copies and dispatch its step (``dispatched`` None when it has no rows), then write
-        the host tier's offloads while the step runs: waiting for their gathers (and for the step before them)
-        before the dispatch would keep the device idle meanwhile.
-
-        The block copies run either way: a step may only swap a preempted request out. A step that fails to
-        launch never ran: its rows go back to waiting, so the engine stays usable (the tier forgets the blocks its
-        copies were to fill).
-        """
+        """Do the output's block copies, dispatch its step, then write the host tier's offloads while it runs;
+        a failed launch sends its rows back to waiting."""
         try:
             offloads = self._copy_blocks(sched_out.block_copies)
             if not sched_out.scheduled:
@@ -680,9 +589,8 @@ class EngineCore:
         return touched
 
     def _end_grammars(self, sequences: list[CoreSequence]) -> None:
-        """Finish (``stop``) the sequences whose grammar ended at their last token (its EOS) while ``min_tokens``
-        or ``ignore_eos`` kept the scheduler going: the grammar allows nothing after it but EOS again (vLLM
-        #54218). An EOS that is one of the request's ``stop_token_ids`` is its ``stop_reason``, as the scheduler's."""
+        """Stop the sequences whose grammar ended at their last token (EOS) while ``min_tokens`` or
+        ``ignore_eos`` kept them going (vLLM #54218)."""
         for seq in sequences:
             token = seq.output_token_ids[-1]
             if token in seq.sampling_params.stop_token_ids:
@@ -702,9 +610,7 @@ class EngineCore:
             self._spec_per_position[position] += int((accepted > position).sum())
 
     def _propose(self, sched_out: SchedulerOutput, out: StepOutput) -> None:
-        """Drafts for every running sequence that sampled in this step (the others keep theirs): the draft model's
-        from the step's outputs, or n-gram lookups. Structured-output sequences get none: their bitmask covers
-        one sampled token per step."""
+        """Drafts for every running sequence that sampled this step, structured-output ones excepted."""
         drafts = {}
         for i, row in enumerate(sched_out.scheduled):
             req = row.request
@@ -715,11 +621,8 @@ class EngineCore:
         self.scheduler.update_draft_token_ids(drafts)
 
     def _advance_parent(self, parent: CoreSequence) -> None:
-        """Fork a prefill parent into its sequences once its prompt is computed (it has sampled once).
-
-        A parent finished otherwise (ignored, or length-capped by a full
-        cache) hands its sequences to the scheduler as plain requests.
-        """
+        """Fork a prefill parent into its sequences once it has sampled (or hand them over as plain
+        requests if it finished otherwise)."""
         parent.record.parent = None
         self._release(parent)
         children = parent.record.seqs
@@ -823,9 +726,7 @@ class EngineCore:
         )
 
     def _prompt_len_cv(self) -> float:
-        """Coefficient of variation (population std / mean) of the running requests' prompt lengths, in tokens;
-        0 with fewer than two running (the board's "request mix" signal: high when short and long prompts share
-        the batch)."""
+        """Coefficient of variation of the running requests' prompt lengths (0 with fewer than two)."""
         running = self.scheduler.running
         if len(running) < 2:
             return 0.0
@@ -833,12 +734,7 @@ class EngineCore:
         return float(lengths.std() / lengths.mean())
 
     def _kv_slots(self) -> tuple[int, int]:
-        """(slots holding a computed token, allocated slots) over the referenced device blocks.
-
-        Only full, computed blocks are ever shared through the prefix cache,
-        so every unused slot sits in exactly one running request's own tail
-        blocks and the per-request sum counts each once.
-        """
+        """(slots holding a computed token, allocated slots) over the referenced device blocks."""
         sched = self.scheduler
         bs = sched.config.block_size
         pool = sched.block_pool

@@ -1,20 +1,6 @@
-"""Draft-model proposer: a smaller model with the target's vocabulary drafts tokens greedily on the device.
-
-The draft model keeps its own paged KV cache, with the target's block ids: the same block tables and slot mapping
-address both caches, so the scheduler's allocation, prefix-cache hits, copy-on-write, forks and swaps cover the
-draft's K/V too (the engine does every block copy on both caches). Its step, one compiled program per bucket of
-the target's (T, S, W) ladder, runs right after the target's step on the same batch, without a host round trip:
-
-1. the draft computes the step's query tokens -- the same ids at the same positions and slots -- so its K/V
-   follows the target's (a rejected draft's slot, like the target's, is overwritten before it is read);
-2. from each row's last emitted token (the target's outputs, still on the device) it decodes
-   ``num_speculative_tokens`` tokens greedily, writing their K/V into the row's lookahead slots
-   (``SchedulerConfig.num_lookahead_tokens``; a position without a slot writes into the null block, and only
-   that row's drafts suffer).
-
-Drafts are the draft model's argmax, so the draft distribution ``q`` is a point mass and verification
-(``sampler.verify``) is exact for every temperature; vLLM's EAGLE and draft-model proposers also draft greedily.
-"""
+"""Draft-model proposer: a smaller model with the target's vocabulary drafts tokens greedily on the device, right
+after the target's step on the same batch. Its KV cache shares the target's block ids (every block operation runs on
+both caches); drafts write into the rows' lookahead slots. docs/design/spec-decode.md has the details."""
 
 from __future__ import annotations
 
@@ -39,21 +25,16 @@ from scheduler import BatchDescriptor, BucketTable
 
 def propose(params: Params, kv_cache: KVCache, batch: StepBatch, tokens: jax.Array, num_emitted: jax.Array, *,
             cfg: ModelConfig, ops: AttentionOps, num_speculative_tokens: int) -> tuple[jax.Array, KVCache]:
-    """The draft model's step: catch up with the target's step, then draft greedily.
+    """The draft model's step: compute the target step's query tokens, then draft greedily.
 
     Args:
       params, kv_cache: the draft model's (cache donated).
       batch: the target step's batch: ``[T]`` tokens, ``[S]`` rows.
-      tokens: int32[S, P] the target's emitted tokens per row, first
-        ``num_emitted`` valid; num_emitted: int32[S].
-      cfg, ops: the draft model's config and attention ops (static).
-      num_speculative_tokens: drafts per row, K (static).
+      tokens: int32[S, P] the target's emitted tokens, first ``num_emitted`` (int32[S]) valid.
+      cfg, ops, num_speculative_tokens (K): static.
 
     Returns:
-      (drafts int32[S, K], the updated cache). A row's drafts continue its
-      last emitted token, which sits at position ``seq_len - num_spec_tokens
-      + num_emitted - 1``. Rows that did not sample (a partial prefill, padding)
-      get drafts nobody uses.
+      ``(drafts int32[S, K], the updated cache)``; each row continues its last emitted token.
     """
     _, kv_cache = hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops)
     block_tables, num_seqs = batch.block_tables, batch.num_seqs
@@ -87,8 +68,7 @@ def propose(params: Params, kv_cache: KVCache, batch: StepBatch, tokens: jax.Arr
 
 def _propose_arguments(shape: tuple[int, int, int], *, weights: WeightStore, cache: CacheEngine, num_positions: int,
                        replicated: jax.sharding.Sharding) -> tuple:
-    """Abstract ``(params, kv_cache, batch, tokens, num_emitted)`` of bucket ``shape``, as
-    :meth:`DraftRunner.propose_async` passes."""
+    """Abstract arguments of bucket ``shape``, as :meth:`DraftRunner.propose_async` passes them."""
     s = shape[1]
     return (weights.abstract(), cache.abstract()[0], StepBatch.abstract(shape, replicated),
             jax.ShapeDtypeStruct((s, num_positions), np.int32, sharding=replicated),
@@ -98,18 +78,9 @@ def _propose_arguments(shape: tuple[int, int, int], *, weights: WeightStore, cac
 class DraftRunner:
     """The draft model's weight store, KV cache and program table of compiled :func:`propose` steps.
 
-    Its KV cache has the target's block ids, so it takes the target's ``num_blocks``, ``block_size``, ``buckets``,
-    ``num_host_blocks`` and ``num_offload_blocks``; ``cfg``/``params``/``ops``/``sharding`` are the draft model's.
-
-    Args:
-      num_speculative_tokens: drafts per row, K.
-      num_positions: the target's positions per row, ``1 + K``.
-      dtype: the compute dtype, also the KV cache's.
-      float_bits_storage: as ``ModelRunner``'s.
-
-    Attributes:
-      cfg, ops, dtype, buckets, num_speculative_tokens, num_positions: as given.
-      weights, cache_engine, programs, compile_stats: as ``ModelRunner``'s.
+    ``num_blocks``, ``block_size``, ``buckets``, ``num_host_blocks``, ``num_offload_blocks`` are the target's (shared
+    block ids); ``cfg``, ``params``, ``ops``, ``sharding`` the draft model's; ``dtype`` is the compute and KV dtype;
+    ``num_positions`` is ``1 + num_speculative_tokens``. Attributes as ``ModelRunner``'s.
     """
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_speculative_tokens: int, num_positions: int,
@@ -132,8 +103,8 @@ class DraftRunner:
         self.programs = ProgramTable(buckets, step_fn, arguments, self.compile_stats)
 
     def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> float:
-        """Build every bucket's step program, the block-copy program, and with ``swap`` the swap-out/in ones
-        (``ProgramTable.warmup``). Returns the seconds spent."""
+        """Build every bucket's step program and the block-copy (with ``swap`` the swap) programs; returns
+        the seconds spent."""
         return self.programs.warmup(functools.partial(self.cache_engine.warmup, swap), progress=progress,
                                     background=background)
 
@@ -142,13 +113,8 @@ class DraftRunner:
         return self.programs.rebuild_after(functools.partial(self.cache_engine.resize, num_blocks))
 
     def propose_async(self, batch: BatchDescriptor, target_out: SamplerOutput) -> jax.Array:
-        """Launch the draft step after the target's on ``batch``; returns the drafts int32[S, K] on the device.
-
-        Args:
-          batch: the target step's batch.
-          target_out: the target step's sampler outputs (``token_ids [S, P]`` and ``num_emitted [S]``, on the
-            device).
-        """
+        """Launch the draft step after the target's on ``batch``, from ``target_out`` (``token_ids
+        [S, P]``, ``num_emitted [S]`` on the device); returns the drafts int32[S, K] on the device."""
         exe = self.programs.step_program(batch.shape)
         device_batch = jax.device_put(StepBatch.from_descriptor(batch), self._replicated)
         cache = self.cache_engine

@@ -9,11 +9,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
-    """Proposes up to ``num_speculative_tokens`` (>= 1) drafts per sequence by n-gram lookup.
-
-    Tries sizes ``prompt_lookup_max`` down to ``prompt_lookup_min``; uses the latest earlier occurrence (vLLM:
-    the first).
-    """
+    """Up to ``num_speculative_tokens`` (>= 1) drafts per sequence by n-gram lookup, sizes
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``, from the latest earlier occurrence (vLLM: the first)."""
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.k = num_speculative_tokens

@@ -1,18 +1,7 @@
-"""glibc's malloc, set for a process whose model steps run on the host (XLA's CPU backend).
-
-Each step of XLA's CPU backend allocates its buffers (the lm_head's logits, ``[rows, vocab]`` float32: 37.7 MB for
-192 rows of SmolLM2) and frees them when it ends. glibc serves an allocation that large with a fresh ``mmap`` (its
-mmap threshold adapts up to 32 MiB, no further) or, in the per-thread arenas of XLA's worker threads, a fresh heap
-that is unmapped again when it empties; either way the next step faults every page back in and the kernel zeroes
-it. One arena that keeps its memory (:data:`SETTINGS`) avoids that (``docs/design/worker.md`` has the figures).
-vLLM's CPU backend answers the same cost by preloading tcmalloc into its workers; an engine that lives in its
-user's process cannot preload a library, but glibc takes these settings at run time (``mallopt``).
-
-They must come before JAX starts its CPU client: a thread that has allocated once keeps its arena, so set after
-that they leave XLA's threads as they were (:func:`tune_host_malloc`'s line says so). Memory freed below the
-thresholds stays with the process for its next steps (and its next engine) instead of returning to the system, as
-a preallocating engine expects: the process's resident memory does not fall when an engine is dropped.
-"""
+"""glibc's malloc, set for a process whose model steps run on the host (XLA's CPU backend): one arena that keeps its
+memory (:data:`SETTINGS`), so per-step buffers are not faulted in and zeroed again each step (vLLM's CPU backend
+preloads tcmalloc for the same cost). Must run before JAX starts its CPU client; memory freed stays with the process.
+docs/design/worker.md has the reasoning and figures."""
 
 from __future__ import annotations
 
@@ -37,8 +26,7 @@ _done: Optional[str] = None
 
 
 def _accelerator_plugin(environ: Mapping[str, str]) -> Optional[str]:
-    """The installed PJRT plugin (or libtpu) JAX would run steps on instead of the host, unless ``JAX_PLATFORMS``
-    puts the CPU first; found without starting a backend."""
+    """The installed PJRT plugin (or libtpu) that would run steps, unless ``JAX_PLATFORMS`` puts CPU first."""
     platforms = environ.get("JAX_PLATFORMS", "")
     if platforms.split(",")[0].strip() == "cpu":
         return None
@@ -52,7 +40,7 @@ def _accelerator_plugin(environ: Mapping[str, str]) -> Optional[str]:
 
 
 def _reason_to_skip(environ: Mapping[str, str]) -> Optional[str]:
-    """Why the settings are left alone in this environment, or None (the C library is checked apart)."""
+    """Why the settings are left alone in this environment, or None."""
     if environ.get(ENV_SWITCH, "1") == "0":
         return f"{ENV_SWITCH}=0"
     chosen = sorted(k for k in environ if k.startswith("MALLOC_"))
@@ -81,22 +69,17 @@ def _glibc() -> tuple[Optional[ctypes.CDLL], str]:
 
 
 def tune_host_malloc(environ: Optional[Mapping[str, str]] = None) -> str:
-    """Give glibc's malloc :data:`SETTINGS` once per process, before JAX's CPU client starts.
+    """Give glibc's malloc :data:`SETTINGS` (``mallopt(3)``) once per process, before JAX's CPU client starts.
 
-    Left alone where ``JAXLLM_TUNE_MALLOC=0``, where ``MALLOC_*`` variables or ``glibc.malloc`` entries of
-    ``GLIBC_TUNABLES`` already set malloc, where an accelerator plugin is installed (steps do not run on the host)
-    unless ``JAX_PLATFORMS`` puts the CPU first, where another allocator than glibc's serves ``malloc``, and off
-    Linux.
+    Left alone with ``JAXLLM_TUNE_MALLOC=0``, ``MALLOC_*`` or ``GLIBC_TUNABLES`` glibc.malloc set, an accelerator plugin
+    installed (unless ``JAX_PLATFORMS`` puts CPU first), another allocator than glibc's, or off Linux.
 
     Args:
-      environ: the environment to read (default ``os.environ``); read on the first call only.
+      environ: the environment to read (default ``os.environ``), on the first call only.
 
     Returns:
-      The start-up log's line saying what was done, with the values glibc took (the same line on every later
-      call).
-
-    Raises nothing: a setting glibc refuses is named "refused" in the line. Follows glibc's ``mallopt(3)``
-    parameters (malloc.h); vLLM's CPU platform preloads tcmalloc for the same cost.
+      The start-up log's line saying what was done (the same on later calls); a refused setting is named "refused".
+      Raises nothing.
     """
     global _done
     if _done is not None:

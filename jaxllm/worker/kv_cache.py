@@ -1,20 +1,8 @@
 """The paged KV cache: sizing from a memory budget, the arrays and their block copies (:class:`CacheEngine`), and
-the scales of a quantized cache.
+the scales of a quantized cache (:func:`calibrate_kv_scales`).
 
-Layout: ``k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads,
-head_dim]``, each layer in vLLM's "NHD" paged layout, stacked so the model's
-scan over layers carries one array per K and V. Block 0 (of every layer) is
-the null block that padded token slots write into; the scheduler never hands
-it out.
-
-KV caches (``LLM(kv_cache_dtype="int8" | "fp8_e4m3")``). One float32 scale
-per layer and KV head, for K and for V (``kernels_pallas.storage`` states
-how the write and attention use them). They are calibrated when the engine
-starts, by :func:`calibrate_kv_scales`: one forward pass over
-:data:`CALIBRATION_TEXT` with a float32 cache gives each head's largest
-``|k|`` and ``|v|``, and the scale maps that, times :data:`KV_SCALE_MARGIN`,
-to the type's largest value (per-tensor static scales are vLLM's fp8 KV
-cache, which TensorRT-LLM calibrates the same way for int8).
+``k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]``, vLLM's "NHD" layout stacked over
+layers; block 0 is the null block padded slots write into. docs/design/worker.md has the details.
 """
 
 from __future__ import annotations
@@ -56,9 +44,7 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
 
 
 def default_kv_cache_bytes(device: Any) -> int:
-    """The KV budget when none is given: on an accelerator, 90% of
-    ``device``'s memory minus what is in use there (the parameters, already
-    placed, included); on CPU, 1 GiB."""
+    """The default KV budget: 90% of ``device``'s memory minus what is in use; 1 GiB on CPU."""
     if device.platform == "cpu":
         return CPU_DEFAULT_KV_BYTES
     stats = device.memory_stats() or {}
@@ -82,20 +68,12 @@ _KV_FLAGS = ("max_model_len (--max-model-len), kv_cache_memory_bytes (--kv-cache
 
 def fit_max_model_len(cfg: ModelConfig, *, block_size: int, dtype: Any, kv_cache_memory_bytes: Optional[int],
                       max_model_len: int, device: Any) -> int:
-    """The ``max_model_len`` to serve when the user left it unset (vLLM's ``max_model_len=-1``).
-
-    Args:
-      max_model_len: the model's own length (``max_position_embeddings``), in tokens.
-      the rest: as :func:`resolve_num_blocks`.
-
-    Returns:
-      ``max_model_len`` when the KV budget (``kv_cache_memory_bytes``, or :func:`default_kv_cache_bytes` of
-      ``device``) holds one sequence of it; else the largest length it holds, ``(blocks - 1) * block_size``
-      tokens (block 0 is the null block), logged as a warning that names both lengths and the budget.
+    """The ``max_model_len`` for an unset one (vLLM's ``-1``): the model's ``max_model_len`` when the
+    budget holds one such sequence, else ``(blocks - 1) * block_size`` (logged); arguments as
+    :func:`resolve_num_blocks`.
 
     Raises:
-      ValueError: the budget holds fewer than 2 blocks, so no length fits (named with the budget and the flags
-        that change it).
+      ValueError: the budget holds fewer than 2 blocks.
     """
     per_block = bytes_per_block(cfg, block_size, dtype)
     budget, budget_name = _budget(kv_cache_memory_bytes, device)
@@ -127,19 +105,11 @@ def resolve_num_blocks(
     max_model_len: int,
     device: Any,
 ) -> int:
-    """Number of KV blocks, the null block included.
-
-    ``num_kv_blocks`` wins when given. Otherwise the budget
-    (``kv_cache_memory_bytes``, or :func:`default_kv_cache_bytes` of
-    ``device``, this replica's first device) is divided
-    by :func:`bytes_per_block`, capped at what ``max_num_seqs`` sequences of
-    ``max_model_len`` tokens can use.
+    """KV blocks, null block included: ``num_kv_blocks``, else the budget over :func:`bytes_per_block`,
+    capped at ``max_num_seqs`` sequences of ``max_model_len`` tokens.
 
     Raises:
-      ValueError: the budget holds fewer blocks than one ``max_model_len``
-        sequence needs: named with both numbers, the largest
-        ``max_model_len`` that fits and the flags that change them (an unset
-        ``max_model_len`` is fitted before, by :func:`fit_max_model_len`).
+      ValueError: the budget holds fewer blocks than one ``max_model_len`` sequence needs.
     """
     if num_kv_blocks is not None:
         return num_kv_blocks
@@ -159,27 +129,18 @@ def resolve_num_blocks(
 
 
 def compressed_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
-    """Device bytes one compressed block takes over all layers: K and V of one byte a number, and their float32
-    scales, one per layer and KV head each."""
+    """Device bytes of one compressed block over all layers: one-byte K and V plus their float32 scales."""
     return cfg.kv_bytes_per_token * block_size + 2 * 4 * cfg.num_layers * cfg.num_kv_heads
 
 
 def split_kv_budget(cfg: ModelConfig, *, block_size: int, dtype: Any, fraction: float, num_kv_blocks: Optional[int],
                     kv_cache_memory_bytes: Optional[int], max_num_seqs: int, max_model_len: int,
                     device: Any) -> tuple[int, int]:
-    """The device blocks and the compressed pool's slots of one KV budget (``kv_cache_compression``).
-
-    The budget is ``num_kv_blocks`` blocks of ``dtype`` when given, else ``kv_cache_memory_bytes`` (or its
-    default, :func:`default_kv_cache_bytes`). ``fraction`` of it goes to the compressed pool
-    (:func:`compressed_bytes_per_block` a slot), the rest to the device blocks (:func:`resolve_num_blocks` of it),
-    so a comparison with compression off at the same budget is one of equal bytes.
-
-    Returns:
-      ``(num_blocks, num_compressed_blocks)``, each with its null block / slot.
+    """``(num_blocks, num_compressed_blocks)`` of one KV budget, ``fraction`` of its bytes to the
+    compressed pool, each with its null block / slot.
 
     Raises:
-      ValueError: the device share holds no ``max_model_len`` sequence (as :func:`resolve_num_blocks`), or the
-        compressed share holds fewer than 2 slots (named with the fraction).
+      ValueError: the device share holds no ``max_model_len`` sequence, or the compressed share fewer than 2 slots.
     """
     if num_kv_blocks is not None:
         budget = num_kv_blocks * bytes_per_block(cfg, block_size, dtype)
@@ -198,12 +159,7 @@ def split_kv_budget(cfg: ModelConfig, *, block_size: int, dtype: Any, fraction: 
 
 
 def allocate_kv_cache(num_blocks: int, block_size: int, dtype: Any, sharding: "ModelSharding") -> KVCache:
-    """Zeroed ``(k_cache, v_cache)`` on ``sharding``'s devices.
-
-    Each array: ``[num_layers, num_blocks, block_size,
-    sharding.num_cache_heads, head_dim]`` of ``dtype``, split over the heads
-    axis (``sharding.kv_cache_sharding``) and created shard by shard.
-    """
+    """Zeroed ``(k_cache, v_cache)`` of ``dtype``, ``num_cache_heads`` heads split by ``kv_cache_sharding``."""
     cfg = sharding.cfg
     shape = (cfg.num_layers, num_blocks, block_size, sharding.num_cache_heads, cfg.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.kv_cache_sharding)
@@ -211,15 +167,13 @@ def allocate_kv_cache(num_blocks: int, block_size: int, dtype: Any, sharding: "M
 
 
 def storage_dtype(dtype: Any, float_bits_storage: bool) -> np.dtype:
-    """The dtype a cache of ``dtype`` numbers is stored in: with ``float_bits_storage``, bfloat16 / float8 as their
-    uint16 / uint8 bits (``kernels_pallas.storage.BITS_STORAGE``)."""
+    """The dtype ``dtype`` numbers are stored in: with ``float_bits_storage``, their bits (``BITS_STORAGE``)."""
     dtype = np.dtype(dtype)
     return BITS_STORAGE.get(dtype, dtype) if float_bits_storage else dtype
 
 
 @functools.lru_cache(maxsize=None)
 def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding) -> Callable:
-    """A program making a zeroed array laid out by ``sharding`` shard by shard."""
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
@@ -242,14 +196,12 @@ def _copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
 
 
 def _compress_blocks(kv_cache: KVCache, pool: CompressedKV, src: jax.Array, dst: jax.Array) -> CompressedKV:
-    """Device blocks ``src`` of every layer re-encoded into slots ``dst`` of the compressed pool."""
     (k, k_scale), (v, v_scale) = (quantize_blocks(c[:, src], p.dtype) for c, p in zip(kv_cache, pool[:2]))
     return CompressedKV(pool.k.at[:, dst].set(k), pool.v.at[:, dst].set(v), pool.k_scale.at[:, dst].set(k_scale),
                         pool.v_scale.at[:, dst].set(v_scale))
 
 
 def _resized(kv_cache: KVCache, num_blocks: int) -> KVCache:
-    """The caches with ``num_blocks`` blocks: the old ones' first blocks, zeros past them."""
     out = []
     for c in kv_cache:
         n = min(num_blocks, c.shape[1])
@@ -258,9 +210,7 @@ def _resized(kv_cache: KVCache, num_blocks: int) -> KVCache:
 
 
 def _chunks(pairs: np.ndarray, repeat_first: bool = False) -> Iterable[tuple[np.ndarray, int]]:
-    """Split ``pairs: int32[K, 2]`` into ``[BLOCK_CHUNK, 2]`` chunks padded with (0, 0), or with ``repeat_first``
-    with the chunk's first pair (a copy written twice writes one value, so a chunk may then write block 0, the
-    scratch block of ``order_block_moves``, without a (0, 0) pad racing it); each with its number of real pairs."""
+    """``int32[K, 2]`` pairs as ``[BLOCK_CHUNK, 2]`` chunks (with real counts), padded with (0, 0) or the first pair."""
     for start in range(0, len(pairs), BLOCK_CHUNK):
         part = pairs[start:start + BLOCK_CHUNK]
         chunk = np.repeat(part[:1], BLOCK_CHUNK, axis=0) if repeat_first else np.zeros((BLOCK_CHUNK, 2), np.int32)
@@ -269,31 +219,21 @@ def _chunks(pairs: np.ndarray, repeat_first: bool = False) -> Iterable[tuple[np.
 
 
 class CacheEngine:
-    """One model's paged KV cache: the device arrays, the host pool, the compressed pool, and the block copies
-    between them, each a program built once (vLLM's ``CacheEngine``).
+    """One model's paged KV cache: device arrays, host pool, compressed pool and the block copies between them,
+    each a program built once (vLLM's ``CacheEngine``).
 
     Args:
-      cfg: the model's configuration.
-      num_blocks: device blocks, the null block 0 included.
-      block_size: tokens per block.
-      dtype: the stored dtype of the cache (the numbers' dtype, or its bits: ``BITS_STORAGE``).
-      sharding: the replica's mesh and partition rules.
-      stats: where the block-copy programs are counted.
-      num_host_blocks: host swap pool size in blocks (0 = no swap space).
-      num_offload_blocks: blocks of the prefix cache's host tier, held in the host pool after the swap pool's
-        (``scheduler.host_tier``); 0: none.
-      num_compressed_blocks: slots of the pool of compressed KV blocks (the null slot 0 included), 0 for none.
-      compressed_dtype: its stored dtype (int8, or float8_e4m3fn / its uint8 bits), with ``num_compressed_blocks``.
+      num_blocks: device blocks, null block 0 included.
+      dtype: the stored dtype (numbers, or their bits: ``BITS_STORAGE``).
+      num_host_blocks, num_offload_blocks: host swap blocks, then prefix-cache host-tier blocks (0: none).
+      num_compressed_blocks, compressed_dtype: the compressed pool's slots, null slot included (0: none).
 
     Attributes:
-      kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size, sharding.num_cache_heads, head_dim]`` of
-        ``dtype``, split over heads; abstract (``jax.ShapeDtypeStruct``) while released.
-      compressed: the compressed pool (``kernels_pallas.storage.CompressedKV``: ``k, v: [num_layers,
-        num_compressed_blocks, block_size, heads, head_dim]`` of ``compressed_dtype``; ``k_scale, v_scale:
-        float32[num_layers, num_compressed_blocks, heads]``), split over heads like the cache; None without one.
-      host_pool: the host swap space, then the host tier: numpy ``(k, v)``, each ``[num_layers, num_host_blocks +
-        num_offload_blocks, block_size, heads, head_dim]`` of ``dtype``; None when both are 0.
-      num_blocks, num_offload_blocks: as given (``num_blocks`` follows :meth:`resize`).
+      kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size, heads, head_dim]`` of ``dtype``, split over
+        heads; ``jax.ShapeDtypeStruct`` while released.
+      compressed: ``CompressedKV`` (``k, v`` as the cache; ``k_scale, v_scale: float32[num_layers, slots, heads]``)
+        or None.
+      host_pool: numpy ``(k, v)`` of ``num_host_blocks + num_offload_blocks`` blocks, or None.
     """
 
     def __init__(self, cfg: ModelConfig, *, num_blocks: int, block_size: int, dtype: Any, sharding: "ModelSharding",
@@ -328,12 +268,11 @@ class CacheEngine:
         return abstract(self.kv_cache), abstract(self.compressed)
 
     def sharding(self) -> jax.sharding.Sharding:
-        """The sharding of each of ``kv_cache``'s arrays (a program returning the cache is pinned to it)."""
+        """The sharding of each ``kv_cache`` array."""
         return self._sharding
 
     def warmup(self, swap: bool) -> None:
-        """Build the block-copy program, with ``swap`` the swap-out/in ones, and the compression one when there is a
-        compressed pool."""
+        """Build the copy program, with ``swap`` the gather/scatter ones, and compress if pooled."""
         for name in ("copy",) + (("gather", "scatter") if swap else ()) + (
                 ("compress",) if self.compressed is not None else ()):
             self._op(name)
@@ -361,24 +300,19 @@ class CacheEngine:
         return exe
 
     def copy_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
-        """Device-side block copies: ``pairs`` of (src, dst) block ids, in ``BLOCK_CHUNK`` chunks (each reads its
-        sources before writing, but a later chunk reads what an earlier one wrote: :meth:`move_blocks` orders
-        moves that chain)."""
+        """Device copies of (src, dst) ``pairs``; a later chunk sees an earlier one's writes."""
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
         for chunk, _ in _chunks(pairs, repeat_first=True):
             self.kv_cache = self._op("copy")(self.kv_cache, chunk[:, 0], chunk[:, 1])
 
     def compress_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
-        """Re-encode device blocks into the compressed pool: ``pairs`` of (device block, compressed slot), in
-        ``BLOCK_CHUNK`` chunks (a chunk's unused entries re-encode null block 0 into the null slot 0, which nothing
-        reads). Call it before anything writes the device blocks."""
+        """Re-encode (device block, compressed slot) ``pairs``; call before the device blocks are written."""
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
         for chunk, _ in _chunks(pairs):
             self.compressed = self._op("compress")(self.kv_cache, self.compressed, chunk[:, 0], chunk[:, 1])
 
     def move_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Block copies done as if every source were read first, whatever the chains and cycles among them
-        (``scheduler.block_moves.order_block_moves``: round by round, each round in chunks of the copy program)."""
+        """Block copies as if every source were read first (``order_block_moves``)."""
         for moves in order_block_moves(pairs):
             self.copy_blocks(moves)
 
@@ -387,19 +321,13 @@ class CacheEngine:
         self.finish_swap_out(self.start_swap_out(pairs))
 
     def start_swap_out(self, pairs: Sequence[Sequence[int]]) -> list[tuple[np.ndarray, KVCache]]:
-        """The first half of :meth:`swap_out`: dispatch the gathers of the device blocks of ``pairs`` ((device, host)
-        ids) without waiting for them. They read the KV cache as it is now (programs dispatched later, which may
-        overwrite those blocks, run after them), into arrays of their own.
-
-        Returns:
-          per chunk of ``BLOCK_CHUNK`` pairs: its host ids (int32[n]) and its gathered blocks (K and V, each
-          ``[num_layers, BLOCK_CHUNK, block_size, heads, head_dim]`` on the device), for :meth:`finish_swap_out`.
-        """
+        """Dispatch gathers of (device, host) ``pairs`` reading the cache as it is now, without waiting;
+        returns per chunk the host ids and gathered blocks, for :meth:`finish_swap_out`."""
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
         return [(chunk[:n, 1], self._op("gather")(self.kv_cache, chunk[:, 0])) for chunk, n in _chunks(pairs)]
 
     def finish_swap_out(self, pending: list[tuple[np.ndarray, KVCache]]) -> None:
-        """Write what :meth:`start_swap_out` gathered into the host pool (waits for those gathers only)."""
+        """Write :meth:`start_swap_out`'s gathers into the host pool (waits for them only)."""
         if not pending:
             return
         for (host_ids, _), blocks in zip(pending, jax.device_get([blocks for _, blocks in pending])):
@@ -418,9 +346,7 @@ class CacheEngine:
             self.kv_cache = self._op("scatter")(self.kv_cache, chunk[:, 1], tuple(blocks))
 
     def resize(self, num_blocks: int) -> None:
-        """Give the cache ``num_blocks`` blocks (the null block included): new arrays holding the old ones' first
-        ``min(old, new)`` blocks (zeros past them), the old ones let go, and the block-copy programs built so far
-        rebuilt for the new shape. Old and new arrays coexist during the copy: the device needs both sizes at once.
+        """Give the cache ``num_blocks`` blocks keeping the first ``min(old, new)``; rebuilds the copy programs.
 
         Raises:
           RuntimeError: the cache is released (sleep).
@@ -437,8 +363,7 @@ class CacheEngine:
             self._op(name)
 
     def release(self) -> int:
-        """Free the device memory of the cache and the compressed pool (sleep); their avals stay, so programs still
-        build, and :meth:`allocate` makes the same arrays again. Returns the bytes freed (0 if already free)."""
+        """Free the device arrays (sleep), keeping avals; returns the bytes freed."""
         if not self.allocated:
             return 0
         arrays = list(self.kv_cache)
@@ -452,7 +377,7 @@ class CacheEngine:
         return freed
 
     def allocate(self) -> None:
-        """Zeroed arrays of the released shapes and shardings again (wake up); nothing if allocated."""
+        """Zeroed arrays of the released shapes again (wake up); nothing if allocated."""
         if not self.allocated:
             self.kv_cache = tuple(_zeros(a.shape, a.dtype, a.sharding)() for a in self.kv_cache)
             if self.compressed is not None:
@@ -460,12 +385,8 @@ class CacheEngine:
 
 
 class CacheEngines:
-    """The KV caches of one replica's runners (the target's first, then the draft model's), which share block ids,
-    so each block operation runs on every cache.
-
-    Args:
-      caches: the runners' caches, the target's first.
-    """
+    """The KV caches of one replica's runners (target first), sharing block ids: each :class:`CacheEngine`
+    block operation runs on every cache."""
 
     def __init__(self, caches: Sequence[CacheEngine]):
         self.caches = list(caches)
@@ -528,7 +449,7 @@ class CacheEngines:
 
     @property
     def host_block_bytes(self) -> int:
-        """Bytes one host-pool block copy moves: K and V of every layer, of every cache."""
+        """Bytes one host-pool block copy moves, K and V, over every cache."""
         return sum(2 * cache.host_pool[0][:, 0].nbytes for cache in self.caches if cache.host_pool is not None)
 
 
@@ -556,12 +477,7 @@ CALIBRATION_TEXT = (
 
 
 def kv_number_dtype(kv_cache_dtype: str, dtype: Any) -> np.dtype:
-    """The dtype of the numbers a KV cache holds: ``dtype`` (the compute dtype) for "auto",
-    int8 for "int8", float8_e4m3fn for "fp8" / "fp8_e4m3" (vLLM's names).
-
-    Raises:
-      ValueError: an unknown ``kv_cache_dtype`` (named with the allowed ones).
-    """
+    """A KV cache's number dtype: ``dtype`` for "auto", else int8 or float8_e4m3fn (raises ValueError if unknown)."""
     if kv_cache_dtype == "auto":
         return np.dtype(dtype)
     if kv_cache_dtype not in KV_QUANT_DTYPES:
@@ -570,8 +486,7 @@ def kv_number_dtype(kv_cache_dtype: str, dtype: Any) -> np.dtype:
 
 
 def calibration_ids(tokenizer: Any, vocab_size: int) -> np.ndarray:
-    """Token ids of :data:`CALIBRATION_TEXT` (int32), or, for a model without a tokenizer,
-    a fixed pseudo-random sequence of as many ids (seed 0)."""
+    """int32 ids of :data:`CALIBRATION_TEXT`, or without a tokenizer 256 seeded random ids."""
     if tokenizer is not None:
         return np.asarray(tokenizer.encode(CALIBRATION_TEXT), np.int32)
     return np.random.default_rng(0).integers(0, vocab_size, size=256).astype(np.int32)
@@ -580,25 +495,12 @@ def calibration_ids(tokenizer: Any, vocab_size: int) -> np.ndarray:
 def calibrate_kv_scales(cfg: ModelConfig, params: Params, token_ids: np.ndarray, *, ops: Any, sharding: Any,
                         kv_dtype: Any, block_size: int = 16,
                         margin: float = KV_SCALE_MARGIN) -> tuple[jax.Array, jax.Array]:
-    """Per-layer, per-head K and V scales of a quantized KV cache, from one forward pass.
-
-    Runs the decoder (``jaxllm.models.hidden_states``, the engine's attention ops) over
-    ``token_ids`` as one sequence with a float32 cache, and takes each cache head's largest
-    ``|k|`` (after rope) and ``|v|`` over the sequence.
-
-    Args:
-      cfg: the model configuration.
-      params: the parameter pytree on ``sharding``'s devices (quantized weights or not).
-      token_ids: int32[N] the calibration tokens (:func:`calibration_ids`).
-      ops: the engine's attention ops (``ModelSharding.attention_ops`` of a backend).
-      sharding: the replica's ``ModelSharding``.
-      kv_dtype: int8 or float8_e4m3fn, the cache's numbers.
-      margin: the maximum maps to the type's largest value divided by this.
+    """Per-layer, per-head K and V scales of a quantized cache from one float32 forward pass over
+    ``token_ids`` (int32[N]); ``kv_dtype`` int8 or float8_e4m3fn.
 
     Returns:
-      (k_scale, v_scale): float32 ``[num_layers, sharding.num_cache_heads]`` on the devices,
-      split over the cache heads as the cache is; ``max * margin / type max`` (1 for a head
-      that saw only zeros).
+      ``(k_scale, v_scale)``: float32 ``[num_layers, num_cache_heads]``, split like the cache; a head's largest
+      ``|k|`` / ``|v|`` times ``margin`` over the type's largest value (1 for an all-zero head).
     """
     n = len(token_ids)
     num_blocks = -(-n // block_size) + 1

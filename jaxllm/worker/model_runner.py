@@ -1,12 +1,5 @@
-"""ModelRunner: the target model's compiled steps, over three parts it composes: a weight store
-(``worker.weights.WeightStore``), a KV cache (``worker.kv_cache.CacheEngine``) and a program table
-(``worker.programs.ProgramTable``), with the sampler's per-slot tables.
-
-The model step and the sampler form one jitted function, compiled ahead of time once per ``(T, S, W)`` bucket from
-the same shardings, dtypes and pytree structure the live step uses. The KV cache and the sampler tables are donated
-to every step so the device holds one copy. Block ids are the scheduler's. The batch and sampling arrays are
-replicated on the replica's mesh (``jaxllm.worker.sharding.ModelSharding``).
-"""
+"""ModelRunner: the target model's compiled steps (model and sampler in one program per ``(T, S, W)`` bucket, KV cache
+and sampler tables donated) over a ``WeightStore``, a ``CacheEngine`` and a ``ProgramTable``."""
 
 from __future__ import annotations
 
@@ -45,24 +38,17 @@ from scheduler import BatchDescriptor, BucketTable
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """A step's outputs: on the device from :meth:`ModelRunner.dispatch`, on the host from :meth:`fetch_rows`.
-
-      sampled: the sampler's :class:`SamplerOutput`, ``[S]`` rows
-        (``[S, num_positions]`` and ``num_emitted`` when the step verifies drafts).
-      prompt: the prompt logprobs, ``[T]`` rows (``sampler.prompt_logprobs``);
-        None once fetched without them.
-      draft_token_ids: int32[S, K] the draft model's drafts from this step's
-        samples (``DraftRunner.propose_async``); None without a draft model.
-    """
+    """A step's outputs, on the device from :meth:`ModelRunner.dispatch` or on the host from :meth:`fetch_rows`:
+    ``sampled`` (``[S]`` rows, ``[S, num_positions]`` when verifying), ``prompt`` (prompt logprobs, ``[T]`` rows, or
+    None) and ``draft_token_ids`` (int32[S, K] or None)."""
 
     sampled: SamplerOutput
     prompt: Optional[PromptLogprobRows]
     draft_token_ids: Optional[jax.Array] = None
 
     def fetch_rows(self, num_rows: int, num_token_rows: int = 0) -> "StepOutput":
-        """The outputs on the host (numpy), in one transfer: the per-row ones cut to ``num_rows`` rows, the
-        prompt logprobs to ``num_token_rows``. With ``num_token_rows=0`` the prompt logprobs are not fetched
-        (``prompt`` None): a step without prompt targets has none to read, and they are ``[T, 20]`` arrays."""
+        """The outputs as numpy in one transfer, cut to ``num_rows`` rows and the prompt logprobs to
+        ``num_token_rows`` (0: not fetched, ``prompt`` None)."""
         host = jax.device_get(dataclasses.replace(self, prompt=self.prompt if num_token_rows else None))
 
         def first(n: int, tree: Any) -> Any:
@@ -75,16 +61,8 @@ class StepOutput:
 def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: SamplingArrays, tables: SamplerTables,
           prev_tokens: jax.Array, bitmask: jax.Array, compressed: Optional[CompressedKV], *, cfg: ModelConfig,
           ops: AttentionOps, num_positions: int = 1) -> tuple[StepOutput, jax.Array, KVCache, SamplerTables]:
-    """Model + sampler + prompt logprobs. Input ids marked in
-    ``batch.prev_token_index`` come from the previous step's samples
-    (``prev_tokens``, still on the device); the samples are also returned
-    padded to ``prev_tokens``' length for the next step. ``bitmask``
-    (int32[S, ceil(V/32)]) holds each row's allowed tokens (structured
-    output). The prompt logprobs are those of ``batch.prompt_target_ids``.
-    With ``num_positions > 1`` (speculative decoding) the sampler verifies
-    each row's drafts (``sampler.sample_or_verify``); a row's bitmask
-    applies to its first position (constrained rows carry no drafts).
-    ``compressed`` (the pool of compressed KV blocks, or None) is only read."""
+    """Model + sampler + prompt logprobs; inputs marked by ``batch.prev_token_index`` come from ``prev_tokens``.
+    Returns ``(StepOutput, samples padded to prev_tokens' length, kv_cache, tables)``."""
     from_prev = batch.prev_token_index
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch.input_ids)
     hidden, kv_cache = hidden_states(params, kv_cache, dataclasses.replace(batch, input_ids=input_ids),
@@ -109,8 +87,7 @@ def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: Samplin
 def _step_arguments(shape: Shape, *, weights: WeightStore, cache: CacheEngine, tables: SamplerTables,
                     prev_tokens: jax.ShapeDtypeStruct, num_positions: int, num_words: int,
                     replicated: jax.sharding.Sharding) -> tuple:
-    """Abstract ``(params, kv_cache, batch, sampling, sampler_tables, prev_tokens, bitmask, compressed)`` of bucket
-    ``shape``: exactly the structure, dtypes and shardings :meth:`ModelRunner.dispatch` passes."""
+    """Abstract step arguments of bucket ``shape``, exactly as :meth:`ModelRunner.dispatch` passes them."""
     s = shape[1]
     sampling = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated),
                                       SamplingArrays.empty(s * num_positions))
@@ -124,38 +101,23 @@ class ModelRunner:
     """The target model's runner: dispatches compiled steps over its weight store, KV cache and program table.
 
     Args:
-      cfg: model configuration.
-      params: parameter pytree, already placed by ``sharding``.
+      params: parameter pytree, already placed by ``sharding``; ``ops`` already wrapped by ``sharding.attention_ops``.
       num_blocks: KV blocks including the null block 0.
-      block_size: tokens per block.
-      dtype: compute dtype (and the KV cache's unless ``kv_cache_dtype``).
-      ops: attention implementation, already wrapped by ``sharding.attention_ops``.
+      dtype: compute dtype (and the KV cache's unless ``kv_cache_dtype``: int8 / float8_e4m3fn, with
+        ``k_scale``/``v_scale`` layer leaves).
       buckets: the (T, S, W) shapes steps are padded to.
-      sharding: the replica's mesh and partition rules.
-      num_host_blocks, num_offload_blocks: the host pool's swap space and host tier, in blocks (``CacheEngine``).
-      num_sampling_slots: rows of the sampler's per-sequence tables (slot 0 is padding), so at least
-        ``max_num_seqs + 1``.
-      max_model_len: tokens per sequence at most (the fixed length slot fills are padded to).
-      float_bits_storage: hold bfloat16 / float8 layer weights and KV caches as uint16 / uint8 bits (for XLA's CPU
-        backend with the jnp attention ops: ``kernels_pallas.storage`` says why).
-      kv_cache_dtype: the KV cache's numbers: ``dtype`` (None), or int8 / float8_e4m3fn for a quantized cache,
-        whose scales are the ``k_scale``/``v_scale`` layer leaves of ``params``.
-      num_positions: positions each row's sampler handles: 1, or 1 + ``num_speculative_tokens`` when the steps
-        verify draft tokens (sampling arrays then have ``S * num_positions`` rows, ``SamplingArrays.repeat``).
-      num_compressed_blocks: slots of the pool of compressed KV blocks (the null slot 0 included), 0 for none.
-      compressed_dtype: its numbers, int8 or float8_e4m3fn (with ``num_compressed_blocks``).
+      num_sampling_slots: sampler table rows (slot 0 padding), at least ``max_num_seqs + 1``.
+      max_model_len: tokens per sequence at most (slot fills are padded to it).
+      float_bits_storage: hold bfloat16 / float8 weights and KV as their bits (``kernels_pallas.storage``).
+      num_positions: 1, or 1 + ``num_speculative_tokens`` when verifying drafts.
+      the rest: as :class:`CacheEngine`.
 
     Raises:
-      ValueError: a one-byte ``kv_cache_dtype`` without the ``k_scale``/``v_scale`` leaves in ``params``.
+      ValueError: a one-byte ``kv_cache_dtype`` without the scale leaves.
 
     Attributes:
-      cfg, ops, dtype, buckets, num_positions, max_model_len: as given.
-      weights: the :class:`WeightStore` of ``params``.
-      cache_engine: the :class:`CacheEngine` (KV cache, host pool, compressed pool, block copies).
-      programs: the :class:`ProgramTable` of the step programs.
-      compile_stats: the programs built by all three (:class:`CompileStats`).
-      sampler_tables: the sampler's per-slot tables, replicated and donated to every step.
-      bitmask_words: int32 words of a row of a structured-output bitmask.
+      weights, cache_engine, programs: the three parts; compile_stats: the programs they built.
+      sampler_tables: the per-slot tables, donated to every step; bitmask_words: int32 words of a bitmask row.
     """
 
     def __init__(self, cfg: ModelConfig, params: Params, *, num_blocks: int, block_size: int, dtype: Any,
@@ -194,8 +156,8 @@ class ModelRunner:
         self.programs = ProgramTable(buckets, step_fn, arguments, self.compile_stats)
 
     def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> float:
-        """Build every bucket's step program, the block-copy and slot-fill programs, and with ``swap`` the
-        swap-out/in ones (``ProgramTable.warmup`` says what ``background`` defers). Returns the seconds spent."""
+        """Build every bucket's step program and the block-copy, slot-fill and (``swap``) swap programs
+        (``ProgramTable.warmup`` for ``background``). Returns the seconds spent."""
         def others() -> None:
             self.cache_engine.warmup(swap)
             for name in ("fill", "rows"):
@@ -204,12 +166,8 @@ class ModelRunner:
         return self.programs.warmup(others, progress=progress, background=background)
 
     def resize_kv_cache(self, num_blocks: int) -> int:
-        """Give the KV cache ``num_blocks`` blocks (``CacheEngine.resize``) and rebuild the programs taking it
-        (``ProgramTable.rebuild_after``, which waits for a background warm-up first). Returns the programs built.
-
-        Raises:
-          RuntimeError: the KV cache is released (sleep).
-        """
+        """Resize the KV cache and rebuild the programs taking it; returns the programs built
+        (RuntimeError while released)."""
         return self.programs.rebuild_after(functools.partial(self.cache_engine.resize, num_blocks))
 
     def dispatch(self, batch: BatchDescriptor, sampling: SamplingArrays, prev_tokens: Optional[jax.Array] = None,
@@ -218,18 +176,13 @@ class ModelRunner:
         """Launch one step without waiting for it.
 
         Args:
-          batch: bucket-shaped (T, S, W) arrays; a bucket not compiled yet is compiled first (lazy mode).
-          sampling: per-row sampling controls, ``[S]`` each (``[S * num_positions]``).
-          prev_tokens: the previous dispatch's padded samples, for rows whose input is a sample still on the
-            device (async scheduling).
-          prompt_target_ids: int32[T] the prompt token following each token row whose prompt logprob is wanted,
-            -1 elsewhere; None: none wanted.
-          bitmask: int32[S, ceil(V/32)] the tokens each row may sample (``structured_output``); None: every token,
-            from an all-ones array kept on the device (no transfer).
+          batch: bucket-shaped (T, S, W) arrays; sampling: ``[S * num_positions]`` row controls.
+          prev_tokens: the previous dispatch's padded samples (async scheduling).
+          prompt_target_ids: int32[T] next prompt token where a prompt logprob is wanted, else -1; None: none.
+          bitmask: int32[S, ceil(V/32)] tokens each row may sample; None: all.
 
         Returns:
-          (the step's :class:`StepOutput` on the device; the sampled ids padded to int32[max S bucket] for the next
-          dispatch). The KV cache and the sampler tables are updated in place (donated).
+          ``(StepOutput on the device, sampled ids as int32[max S bucket])``; KV cache and sampler tables are donated.
         """
         exe = self.programs.step_program(batch.shape)
         if bitmask is None:

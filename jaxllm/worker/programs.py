@@ -1,9 +1,5 @@
-"""A runner's program table: its programs compiled ahead of time, the step program per ``(T, S, W)`` bucket, and
-the warm-up that builds them, in the foreground or in a background thread.
-
-A program is ``jit(...).lower(abstract arguments).compile()``: the abstract arguments carry the live arguments'
-shapes, dtypes and shardings, so serving looks a program up and never traces.
-"""
+"""A runner's program table: the step program per ``(T, S, W)`` bucket, compiled ahead of time from abstract
+arguments (so serving never traces), and the warm-up that builds them, in the foreground or a background thread."""
 
 from __future__ import annotations
 
@@ -53,15 +49,12 @@ def abstract(tree: Any) -> Any:
 
 @dataclasses.dataclass
 class CompileStats:
-    """Programs one runner built, and the time spent, shared by its parts.
+    """Programs one runner built and the time spent, shared by its parts.
 
     Attributes:
-      num_compilations: programs built (steps, block copies, slot fills), whether compiled or loaded from JAX's
-        persistent cache; once the warm-up has finished it stays constant while serving.
-      num_cache_hits: of those, programs loaded from the persistent cache.
-      compile_seconds: wall time spent compiling programs, seconds.
-      cache_load_seconds: wall time spent building programs the persistent cache held (tracing, lowering and
-        loading), seconds.
+      num_compilations: programs built, compiled or loaded from JAX's persistent cache (constant after warm-up).
+      num_cache_hits: of those, loaded from the persistent cache.
+      compile_seconds, cache_load_seconds: wall seconds spent on each kind.
     """
 
     num_compilations: int = 0
@@ -96,8 +89,7 @@ class ProgramTable:
     Args:
       buckets: the (T, S, W) shapes steps are padded to.
       step_fn: the jitted step function.
-      step_arguments: the abstract arguments of ``step_fn`` for a bucket shape, read when its program is built
-        (so a program built after a KV resize takes the new shapes).
+      step_arguments: bucket shape -> abstract arguments of ``step_fn``, read at build time (after a KV resize too).
       stats: where builds are counted.
     """
 
@@ -124,8 +116,7 @@ class ProgramTable:
         return self._ready_tokens is None
 
     def compile_step(self, shape: Shape, announce: bool = False) -> Callable:
-        """Compile (once) and return the step program of bucket ``shape``; with ``announce``, log the wait (a step
-        that needs a program nobody has built: lazy mode)."""
+        """Compile (once) and return bucket ``shape``'s step program; ``announce`` logs the wait."""
         exe = self._steps.get(shape)
         if exe is None:
             if announce:
@@ -137,18 +128,14 @@ class ProgramTable:
         return exe
 
     def step_program(self, shape: Shape) -> Callable:
-        """The step program of ``shape`` for a dispatch now (built first in lazy mode), the dispatch noted."""
+        """The step program of ``shape`` for a dispatch now (built first in lazy mode)."""
         exe = self.compile_step(shape, announce=self.lazy)
         self._note_dispatch()
         return exe
 
     def rebuild_after(self, change: Callable[[], None]) -> int:
-        """Wait for a background warm-up, run ``change`` (which changes the step arguments' shapes: a KV resize),
-        then build again every step program built so far, so serving afterwards compiles nothing more.
-
-        Returns:
-          the programs built meanwhile, ``change``'s own included.
-        """
+        """Wait for a background warm-up, run ``change`` (a KV resize), rebuild every step program
+        built so far; returns the programs built, ``change``'s included."""
         self.wait_for_warmup()
         before = self.stats.num_compilations
         change()
@@ -158,8 +145,8 @@ class ProgramTable:
         return self.stats.num_compilations - before
 
     def may_build_in_background(self) -> bool:
-        """Whether a background warm-up may start its next program now: the engine is idle, or has been busy for
-        ``BUSY_GRACE_SECONDS`` without a pause (see ``IDLE_SECONDS``)."""
+        """Whether a background build may start now: idle for ``IDLE_SECONDS``, or busy for
+        ``BUSY_GRACE_SECONDS`` without a pause."""
         now = time.monotonic()
         with self._lock:
             last, since = self._last_dispatch, self._busy_since
@@ -182,9 +169,8 @@ class ProgramTable:
                 self._ready_tokens.add(tokens)
 
     def serving_buckets(self) -> BucketTable:
-        """The buckets a step may use now: all of them once warm-up is over (or when compiling lazily); during a
-        background warm-up, only the token buckets already built, so no step waits on a compile (a batch then pads
-        up to the smallest ready bucket that holds it)."""
+        """The buckets a step may use now: all, except during a background warm-up, when only the
+        token buckets already built (so no step waits on a compile)."""
         with self._lock:
             ready = self._ready_tokens
             if ready is None or len(ready) == len(self.buckets.token_buckets):
@@ -192,15 +178,13 @@ class ProgramTable:
             return BucketTable(tuple(sorted(ready)), self.buckets.seq_buckets, self.buckets.width_buckets)
 
     def warmup(self, others: Callable[[], None], progress: bool = True, background: bool = False) -> float:
-        """Build every bucket's step program, then call ``others`` (which builds the runner's other programs).
+        """Build every bucket's step program, then call ``others`` (the runner's other programs).
 
         Args:
           progress: show a tqdm bar on stderr.
-          background: build only two token buckets now: the largest (it holds any step) and the smallest of at
-            least 16 tokens (it serves short prompts and decode steps), and the others in a background thread,
-            smallest first, one program at a time while :meth:`may_build_in_background`; :meth:`serving_buckets`
-            tracks what is ready, and :meth:`wait_for_warmup` waits for the rest. At interpreter exit the thread
-            stops after the program it is building (XLA cannot be left mid-compile: the process would abort).
+          background: build now only the largest token bucket and the smallest of at least 16 tokens; the others in a
+            thread, smallest first, one program at a time while :meth:`may_build_in_background` (see
+            :meth:`serving_buckets`, :meth:`wait_for_warmup`); at exit it stops after the program it is building.
 
         Returns:
           Seconds spent before returning.
@@ -248,15 +232,13 @@ class ProgramTable:
         return self._background is None or not self._background.is_alive()
 
     def stop_warmup(self) -> None:
-        """Stop a background warm-up after the program it is building (at shutdown); the persistent compilation
-        cache keeps the programs it finished."""
+        """Stop a background warm-up after the program it is building (at shutdown)."""
         self._stop_background.set()
         self.wait_for_warmup()
 
 
 def _build_in_background(table_ref: "weakref.ref[ProgramTable]", buckets: Iterable[tuple[int, list[Shape]]]) -> None:
-    """Build the step programs of ``buckets`` (token bucket, its shapes) one by one, each when the table allows it
-    (``ProgramTable.may_build_in_background``), while the table lives and is not stopped."""
+    """Build ``buckets``' step programs one by one when allowed, while the table lives and runs."""
     for tokens, shapes in buckets:
         for shape in shapes:
             if not _wait_for_turn(table_ref):
@@ -274,8 +256,7 @@ def _build_in_background(table_ref: "weakref.ref[ProgramTable]", buckets: Iterab
 
 
 def _wait_for_turn(table_ref: "weakref.ref[ProgramTable]", poll: float = 0.05) -> bool:
-    """Wait until the table may build its next program; False once it is stopped or gone. The table is held only
-    while it is asked, so one nobody uses any more is freed meanwhile."""
+    """Wait until the table may build; False once it is stopped or gone (held only while asked)."""
     while True:
         table = table_ref()
         if table is None or table._stop_background.is_set():
@@ -288,8 +269,8 @@ def _wait_for_turn(table_ref: "weakref.ref[ProgramTable]", poll: float = 0.05) -
 
 
 def enable_persistent_compilation_cache(path: Optional[str]) -> None:
-    """Point JAX's persistent compilation cache at ``path`` (every program cached, however quick to compile),
-    unless the process already set one."""
+    """Point JAX's persistent compilation cache at ``path``, caching every program, unless
+    one is already set."""
     if path is None or jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", str(path))

@@ -1,27 +1,10 @@
-"""Weight-only quantization (int8, fp8) of the dense projections (a quantized KV cache's scales are
-``jaxllm.worker.kv_cache``'s).
+"""Weight-only quantization (int8, fp8) of the dense projections (``LLM(quantization="int8" | "fp8")``), the scheme
+of vLLM's weight-only int8 / fp8 and qwix's weight-only PTQ.
 
-Weights (``LLM(quantization="int8" | "fp8")``). Every dense projection --
-``wq, wk, wv, wo, w_gate, w_up, w_down``, the experts' ``experts_*`` and an
-untied ``lm_head`` -- is held as int8 (symmetric, round to nearest) or
-float8_e4m3fn with a float32 scale per output channel: ``w ~= q * scale``,
-``scale = max |w[:, j]| / 127`` (int8) or ``/ 448`` (float8_e4m3fn's
-largest finite value). The scale is a sibling leaf ``"<key>_scale"`` of shape
-``[..., out]`` (the weight's shape without its input axis), so the parameter
-pytree stays a dict of arrays: scanned, sharded (a scale splits with its
-weight's output channels, ``jaxllm.worker.sharding``) and checkpointed like any other
-leaf. The matmul is ``(x @ q.astype(x.dtype)) * scale``
-(``jaxllm.models.common.dot_f32``). The embedding, norms, biases and the MoE
-router stay in the compute dtype; a tied lm_head is the embedding and stays too.
-
-A scale may instead be ``[..., G, out]``: one per group of ``in / G``
-consecutive input rows of each output channel. That is how a GGUF file's Q8_0
-tensors are kept (32-value blocks, each with its own scale, ``G = in / 32``):
-exactly llama.cpp's numbers, dequantized per group before the matmul.
-
-This is the scheme of vLLM's weight-only int8 / fp8 (per-channel scales) and
-of qwix's weight-only PTQ; qwix itself targets flax modules (its dependency),
-whereas the model here is plain functions over a dict of arrays.
+:data:`QUANTIZED_KEYS` leaves are held as int8 (symmetric, round to nearest) or float8_e4m3fn with a float32 sibling
+leaf ``"<key>_scale"``: ``[..., out]`` per output channel (``w ~= q * scale``, ``scale = max|w[:, j]| / 127`` or
+``/ 448``), or ``[..., G, out]`` per group of ``in / G`` input rows (GGUF Q8_0). Embedding, norms, biases, the
+router and a tied lm_head stay in the compute dtype. docs/design/worker.md has the details.
 """
 
 from __future__ import annotations
@@ -64,8 +47,7 @@ def is_quantized_dtype(dtype: Any) -> bool:
 
 
 def leaf_dtype(key: str, stored: Any, dtype: Any) -> np.dtype:
-    """The dtype parameter leaf ``key`` is held in on the device: scales float32, quantized
-    weights as stored (int8, float8_e4m3fn), everything else ``dtype`` (the compute dtype)."""
+    """The device dtype of leaf ``key``: scales float32, quantized weights as stored, else ``dtype``."""
     if key.endswith(SCALE_SUFFIX):
         return np.dtype(np.float32)
     if is_quantized_dtype(stored):
@@ -74,15 +56,14 @@ def leaf_dtype(key: str, stored: Any, dtype: Any) -> np.dtype:
 
 
 def quantize_weight(w: np.ndarray, quantization: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per-output-channel symmetric quantization of a ``[..., in, out]`` weight (host numpy).
+    """Per-output-channel symmetric quantization of a host ``[..., in, out]`` float weight.
 
     Args:
-      w: float array ``[..., in, out]`` (stacked layers and experts lead).
       quantization: "int8" or "fp8".
 
     Returns:
-      (q, scale): q ``[..., in, out]`` int8 (rounded to nearest) or float8_e4m3fn,
-      scale float32 ``[..., out]`` with ``w ~= q * scale``; an all-zero channel gets scale 1.
+      ``(q, scale)``: q ``[..., in, out]`` int8 (rounded) or float8_e4m3fn, scale float32 ``[..., out]``,
+      ``w ~= q * scale``; an all-zero channel gets scale 1.
     """
     stored, limit = _WEIGHT_TYPES[quantization]
     w = np.asarray(w, np.float32)
@@ -95,8 +76,7 @@ def quantize_weight(w: np.ndarray, quantization: str) -> tuple[np.ndarray, np.nd
 
 
 def dequantize_weight(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """float32 ``q * scale`` of a per-channel (``scale [..., out]``) or per-group
-    (``scale [..., G, out]``) quantized ``[..., in, out]`` weight."""
+    """float32 ``q * scale`` of a ``[..., in, out]`` weight with ``scale [..., out]`` or ``[..., G, out]``."""
     q = np.asarray(q).astype(np.float32)
     scale = np.asarray(scale, np.float32)
     if scale.ndim == q.ndim - 1:
@@ -107,11 +87,8 @@ def dequantize_weight(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def quantize_params(params: Params, quantization: Optional[str], dtype: Any) -> Params:
-    """``params`` (host numpy) with the :data:`QUANTIZED_KEYS` leaves quantized per output channel.
-
-    Leaves already quantized (with a ``_scale`` sibling) are kept. Other float leaves are cast
-    to ``dtype``. With ``quantization`` None, only that cast.
-    """
+    """Host ``params`` with :data:`QUANTIZED_KEYS` leaves quantized (those with a ``_scale`` kept) and other
+    float leaves cast to ``dtype``; with ``quantization`` None, only the cast."""
     def one(tree: dict) -> dict:
         out = {}
         for key, leaf in tree.items():
@@ -136,12 +113,8 @@ def weight_quantization(params: Params) -> Optional[str]:
 
 
 def param_bytes(params: Params) -> dict[str, int]:
-    """Bytes of the parameter pytree (whole arrays, whatever their sharding).
-
-    Returns:
-      ``{"total": all leaves, "quantized": the quantized weights and their scales,
-      "quantized_as_float32": what those weights take as float32}``.
-    """
+    """Bytes of the parameter pytree (whole arrays): ``{"total", "quantized" (weights and scales),
+    "quantized_as_float32" (those weights as float32)}``."""
     total = quantized = as_f32 = 0
     flat = {tuple(str(getattr(k, "key", k)) for k in path): leaf
             for path, leaf in jax.tree_util.tree_leaves_with_path(params)}

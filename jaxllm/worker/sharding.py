@@ -1,37 +1,10 @@
 """Device meshes and partition rules: where every parameter and KV block lives.
 
-Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, "Megatron-LM:
-Training Multi-Billion Parameter Language Models Using Model Parallelism"):
-q/k/v and gate/up are column-parallel (their output features split over
-devices), o and down are row-parallel (their input features split; XLA adds
-the all-reduce after them), and the embedding and lm_head are split over the
-vocabulary. Mixture-of-experts layers split each expert's FFN dimension the
-same way (every device holds a slice of every expert, so routing needs no
-all-to-all; ``jaxllm.models.moe``). The way it is declared follows
-jax-llm-examples (``llama3/llama3_jax/model.py``): each parameter names its logical axes once
-(:data:`PARAM_AXES`) and one table (:meth:`ModelSharding.logical_rules`) maps
-logical axes to mesh axes; nothing else in the model mentions sharding.
-
-The mesh has two axes: ``data`` (engine replicas, each with its own scheduler
-and KV cache, one engine-core process each, see ``jaxllm.core.client``) and ``model`` (tensor parallelism
-inside one replica). The model step is a ``jax.jit`` over arrays carrying
-``NamedSharding``s, except attention, which runs per device under
-``shard_map`` over ``model`` (:meth:`ModelSharding.attention_ops`): each
-device attends its own q heads against the KV heads it holds.
-
-KV heads. With ``num_kv_heads >= tensor_parallel_size`` the cache's head axis
-is split like the k/v projections. With fewer KV heads than devices, every
-device computes all KV heads (wk/wv replicated) but stores only the one its q
-heads read: the cache then has ``tensor_parallel_size`` heads, head ``r``
-(held by device ``r``) a copy of KV head ``r // (tp // num_kv_heads)``, as in
-vLLM. That is exact: q head ``h`` on device ``h // (Hq / tp)`` reads KV head
-``h // (Hq / Hkv)`` either way.
-
-Multi-host. Every process (one per host, all running the same program) calls
-:func:`initialize_distributed` before anything else touches JAX; afterwards
-``jax.devices()`` lists the devices of all hosts and :func:`make_mesh` builds
-one mesh across them. Each process places only the shards of its own devices
-(``jax.make_array_from_callback`` calls back for addressable shards only).
+Tensor parallelism follows Megatron-LM (column-parallel q/k/v and gate/up, row-parallel o and down, vocabulary-split
+embedding and lm_head; experts split over their FFN dimension); declared as in jax-llm-examples: each parameter names
+logical axes (:data:`PARAM_AXES`), one table maps them to mesh axes (:meth:`ModelSharding.logical_rules`). The mesh is
+``(data, model)``: engine replicas by tensor-parallel devices. With fewer KV heads than devices, the cache holds one
+head per device, a copy of the KV head its q heads read (as vLLM). docs/design/worker.md has the details.
 """
 
 from __future__ import annotations
@@ -101,9 +74,7 @@ SCALE_SUFFIX = "_scale"
 
 
 def _axes(key: str, ndim: int, table: dict[str, tuple[Optional[str], ...]]) -> tuple[Optional[str], ...]:
-    """Logical axes of parameter ``key`` (of ``ndim`` axes, a layer leaf's ``L`` not counted) in ``table``; a
-    weight's ``_scale`` gets the weight's; a key the table lacks (a registered family's undeclared leaf) is
-    replicated."""
+    """Logical axes of parameter ``key`` in ``table`` (a ``_scale`` takes its weight's; unknown: replicated)."""
     if key in table:
         return table[key]
     if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in table:
@@ -112,18 +83,8 @@ def _axes(key: str, ndim: int, table: dict[str, tuple[Optional[str], ...]]) -> t
 
 
 def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
-    """Join a multi-host run: one process per host, the same program on each.
-
-    Thin wrapper over ``jax.distributed.initialize``; call it first, before
-    any JAX computation. Afterwards ``jax.devices()`` is global and
-    :func:`make_mesh` spans the hosts. On GPU clusters (SLURM, Open MPI)
-    ``jax.distributed.initialize()`` with no arguments detects all three.
-
-    Args:
-      coordinator_address: ``"host:port"`` of process 0, reachable by all.
-      num_processes: processes (hosts) in the run.
-      process_id: this process's rank, ``0 <= process_id < num_processes``.
-    """
+    """Join a multi-host run (``jax.distributed.initialize``), first thing, one process per host;
+    ``process_id`` in ``[0, num_processes)``, ``coordinator_address`` ``"host:port"`` of process 0."""
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
     )
@@ -131,16 +92,8 @@ def initialize_distributed(coordinator_address: str, num_processes: int, process
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """A ``(data, model)`` mesh of ``data_parallel_size x tensor_parallel_size`` devices.
-
-    Devices are taken in ``jax.devices()`` order (global across hosts after
-    :func:`initialize_distributed`), so a replica's tensor-parallel group is
-    a run of neighbouring devices (on one host when it fits, where the
-    all-reduces are cheapest).
-
-    Raises:
-      ValueError: a size below 1, or more devices asked for than exist.
-    """
+    """A ``(data, model)`` mesh of ``data_parallel_size x tensor_parallel_size`` devices in ``jax.devices()``
+    order (ValueError for a size below 1 or too few devices)."""
     for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
@@ -161,11 +114,8 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
 
 
 def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
-    """Raise ValueError unless ``cfg``'s heads split evenly over ``tensor_parallel_size`` devices.
-
-    q heads must divide evenly; KV heads must either divide evenly or divide
-    ``tensor_parallel_size`` (then they are replicated, see the module docstring).
-    """
+    """Raise ValueError unless q heads divide over ``tensor_parallel_size`` and KV heads divide it or
+    are divided by it."""
     tp = tensor_parallel_size
     if cfg.num_q_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={cfg.num_q_heads}")
@@ -177,17 +127,8 @@ def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSharding:
-    """Shardings of one replica's parameters, KV cache and step inputs.
-
-    Args:
-      cfg: the model configuration.
-      mesh: the replica's ``(data, model)`` mesh (``data`` of size 1); its
-        ``model`` axis size is the tensor-parallel degree.
-
-    Raises:
-      ValueError: heads that do not split over the ``model`` axis
-        (:func:`check_tensor_parallel`).
-    """
+    """Shardings of one replica's parameters, KV cache and step inputs on ``mesh`` (``(data, model)``, data
+    of size 1); ValueError where heads do not split (:func:`check_tensor_parallel`)."""
 
     cfg: ModelConfig
     mesh: Mesh
@@ -210,7 +151,7 @@ class ModelSharding:
         return max(self.cfg.num_kv_heads, self.tensor_parallel_size)
 
     def logical_rules(self) -> dict[Optional[str], Optional[str]]:
-        """Logical axis -> mesh axis (None: replicated). The one table of the partitioning."""
+        """Logical axis -> mesh axis (None: replicated)."""
         return {
             "vocab": MODEL_AXIS,
             "embed": None,
@@ -222,23 +163,16 @@ class ModelSharding:
         }
 
     def spec(self, logical_axes: Sequence[Optional[str]], shape: Sequence[int]) -> P:
-        """The PartitionSpec of an array with ``logical_axes`` and ``shape``.
-
-        An axis whose size the ``model`` axis does not divide (a vocabulary
-        of 32001, say) is replicated: JAX arrays need even shards.
-        """
+        """The PartitionSpec of an array with ``logical_axes`` and ``shape``; an axis ``model`` does not
+        divide is replicated."""
         rules = self.logical_rules()
         tp = self.tensor_parallel_size
         mesh_axes = [rules[name] for name in logical_axes]
         return P(*[axis if axis is None or size % tp == 0 else None for axis, size in zip(mesh_axes, shape)])
 
     def param_specs(self, params: Any) -> Any:
-        """PartitionSpecs of a parameter pytree (of arrays, or of anything with ``.shape``).
-
-        Leaves under ``"layers"`` carry a leading layer axis, never split. The
-        family's ``param_axes`` add to :data:`PARAM_AXES`; a leaf neither names is
-        replicated. A quantized weight's scale splits with its weight's output channels (and,
-        for group scales, with its input rows: :data:`SCALE_SUFFIX`).
+        """PartitionSpecs of a parameter pytree (leaves with ``.shape``): :data:`PARAM_AXES` plus the
+        family's ``param_axes``; the ``"layers"`` axis and unnamed leaves replicated; scales split with their weights.
         """
         declared = family(self.cfg).param_axes
         table = {**PARAM_AXES, **declared}
@@ -256,7 +190,7 @@ class ModelSharding:
         return jax.tree_util.tree_map_with_path(one, params)
 
     def _check_declared_axes(self, key: str, axes: tuple[Optional[str], ...], shape: tuple[int, ...]) -> None:
-        """Raise ValueError unless a family's ``param_axes[key]`` names one known logical axis per axis of its leaf."""
+        """Raise ValueError unless ``param_axes[key]`` names one known axis per leaf axis."""
         unknown = [a for a in axes if a not in self.logical_rules()]
         if unknown or len(axes) != len(shape):
             raise ValueError(f"Family.param_axes[{key!r}]={axes} must name one logical axis of "
@@ -273,39 +207,28 @@ class ModelSharding:
 
     @property
     def kv_cache_sharding(self) -> NamedSharding:
-        """Sharding of each ``[num_layers, num_blocks, block_size, num_cache_heads, head_dim]`` cache array."""
+        """Sharding of each ``[num_layers, num_blocks, block_size, num_cache_heads, head_dim]`` array."""
         return NamedSharding(self.mesh, P(None, None, None, MODEL_AXIS, None))
 
     @property
     def kv_scale_sharding(self) -> NamedSharding:
-        """Sharding of a quantized cache's ``[num_layers, num_cache_heads]`` scales: split like its heads."""
+        """Sharding of a quantized cache's ``[num_layers, num_cache_heads]`` scales."""
         return NamedSharding(self.mesh, P(None, MODEL_AXIS))
 
     @property
     def compressed_scale_sharding(self) -> NamedSharding:
-        """Sharding of the compressed KV pool's ``[num_layers, num_compressed, num_cache_heads]`` scales."""
+        """Sharding of the compressed pool's ``[num_layers, num_compressed, num_cache_heads]`` scales."""
         return NamedSharding(self.mesh, P(None, None, MODEL_AXIS))
 
     @property
     def replicated(self) -> NamedSharding:
-        """Every device holds the whole array (the batch and sampling arrays)."""
+        """Every device holds the whole array."""
         return NamedSharding(self.mesh, P())
 
     def place_params(self, params: Any, dtype: Any) -> Params:
-        """Put a parameter pytree on the mesh one device slice at a time.
-
-        Args:
-          params: pytree of host arrays, or of lazy tensors with ``.shape``
-            and ``read(index) -> np.ndarray`` (``jaxllm.loader.lazy``), so a
-            device asks only for its slice.
-          dtype: dtype of the device arrays (quantized weights keep theirs, and
-            their scales are float32: ``jaxllm.worker.quantization.leaf_dtype``).
-
-        Returns:
-          The pytree of ``jax.Array``s, each with its :meth:`param_specs`
-          sharding; no array is ever whole on one device unless its spec
-          replicates it.
-        """
+        """Put ``params`` (host arrays, or lazy tensors with ``read(index)``) on the mesh one device
+        slice at a time, in ``dtype`` (quantized weights and scales keep theirs); returns ``jax.Array``s sharded by
+        :meth:`param_specs`."""
         def place(path, leaf, sharding):
             read = leaf.read if hasattr(leaf, "read") else leaf.__getitem__
 
@@ -319,16 +242,9 @@ class ModelSharding:
                                                 is_leaf=lambda x: hasattr(x, "read"))
 
     def attention_ops(self, ops: AttentionOps) -> AttentionOps:
-        """``ops`` run per device under ``shard_map`` over the ``model`` axis.
-
-        Each device writes and attends its own heads: q ``[T, Hq/tp, D]``
-        against a cache of ``num_cache_heads/tp`` heads. When KV heads are
-        replicated, the step's new k/v (all heads on every device) are cut to
-        the one head this device stores before the write. A quantized cache's
-        per-head scales (``k_scale``, ``v_scale``: ``[num_cache_heads]``) are
-        split like its heads, and so are the blocks and per-block scales of a
-        pool of compressed blocks (``compressed``, ``reference.CompressedKV``).
-        """
+        """``ops`` per device under ``shard_map`` over ``model``: local q heads against local cache
+        heads (replicated KV cut to the stored head before the write); scales and the compressed pool split like the
+        cache."""
         heads = P(None, MODEL_AXIS, None)
         cache = P(None, None, MODEL_AXIS, None)
         rep = P()
@@ -336,7 +252,7 @@ class ModelSharding:
         group_devices = self.tensor_parallel_size // self.cfg.num_kv_heads
 
         def scale_args(k_scale, v_scale):
-            """(the scales to pass, their specs, a function of them -> the op's keywords)."""
+            """(the scales to pass, their specs, scales -> the op's keywords)."""
             if k_scale is None:
                 return (), (), lambda: {}
             return (k_scale, v_scale), (cache_heads, cache_heads), lambda k, v: dict(k_scale=k, v_scale=v)

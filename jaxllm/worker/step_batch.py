@@ -1,10 +1,5 @@
-"""StepBatch: the batch arrays of one compiled step, declared once.
-
-Each field names its shape in the bucket's ``(T, S, W)``; from that one
-declaration come the host arrays of a scheduled batch
-(:meth:`StepBatch.from_descriptor`) and the abstract arguments every bucket's
-program is compiled for (:meth:`StepBatch.abstract`), so a new per-step input
-is one new field.
+"""StepBatch: the batch arrays of one compiled step, declared once: each field names its shape in ``(T, S, W)``, from
+which come the host arrays (:meth:`StepBatch.from_descriptor`) and the abstract arguments (:meth:`StepBatch.abstract`).
 """
 
 from __future__ import annotations
@@ -19,33 +14,23 @@ from scheduler import BatchDescriptor
 
 
 def _int32(*dims: str) -> Any:
-    """A field holding an int32 array of shape ``dims``: ``"T"``, ``"S"``, ``"W"``, ``"S+1"`` (none: a scalar)."""
+    """A field holding int32 of shape ``dims`` (``"T"``, ``"S"``, ``"W"``, ``"S+1"``; none: a scalar)."""
     return dataclasses.field(metadata={"dims": dims})
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
-    """The batch of one step, padded to a bucket ``(T, S, W)``: int32 arrays, numpy on the host and
-    ``jax.Array`` on the device (a pytree).
-
-    The layout is vLLM v1's flattened ragged batch; ``scheduler.BatchDescriptor``
-    documents the fields of the same names, which :meth:`from_descriptor` takes.
+    """The batch of one step padded to a bucket ``(T, S, W)``: int32 arrays, numpy or ``jax.Array`` (a pytree), in
+    vLLM v1's flattened ragged layout (fields as ``scheduler.BatchDescriptor``'s).
 
       input_ids, positions, slot_mapping: int32[T].
       block_tables: int32[S, W]; seq_lens: int32[S]; query_start_loc: int32[S + 1].
       logits_indices: int32[S] each row's last query token.
-      prev_token_index: int32[T] the previous step's row whose sample is the
-        token's input id (async scheduling), -1 elsewhere.
-      prompt_target_ids: int32[T] the prompt token after each token row
-        whose prompt logprob is wanted, -1 elsewhere.
+      prev_token_index: int32[T] the previous step's row whose sample is the input id, -1 elsewhere.
+      prompt_target_ids: int32[T] the next prompt token where a prompt logprob is wanted, -1 elsewhere.
       num_spec_tokens: int32[S] draft tokens each row verifies.
       num_seqs: int32[] real rows.
-
-    The decoder (``jaxllm.models``) reads ``input_ids``, ``positions``,
-    ``slot_mapping``, ``block_tables``, ``seq_lens``, ``query_start_loc`` and
-    ``num_seqs``; the step's sampling and its inputs from the previous step
-    read the rest.
     """
 
     input_ids: jax.Array = _int32("T")
@@ -72,7 +57,7 @@ class StepBatch:
 
     @classmethod
     def abstract(cls, shape: tuple[int, int, int], sharding: Any) -> "StepBatch":
-        """``ShapeDtypeStruct``s of bucket ``shape`` ``(T, S, W)`` placed by ``sharding``: what a step compiles for."""
+        """``ShapeDtypeStruct``s of bucket ``shape`` placed by ``sharding``."""
         t, s, w = shape
         sizes = {"T": t, "S": s, "W": w, "S+1": s + 1}
         return cls(**{f.name: jax.ShapeDtypeStruct(tuple(sizes[d] for d in f.metadata["dims"]), np.int32,

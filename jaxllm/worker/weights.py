@@ -1,17 +1,6 @@
-"""The weights a runner serves (:class:`WeightStore`: each leaf's stored dtype and sharding, update, sleep), and
-weights handed in by the caller (``LLM(params=...)``, ``LLM.update_weights``): named leaves checked against the
-engine's layout, brought to its dtypes and quantization, then placed by its shardings.
-
-A parameter tree is nested dicts of arrays (``jaxllm.models.common``'s layout); a leaf is named by its path, the
-keys joined by ``/`` (``"layers/wq"``), and a flat dict of such paths is accepted as the same tree. One function,
-:func:`prepare_params`, checks a tree given at start-up and a tree given as an update, so both refuse the same
-things with the same message: the first bad leaf's path, its shape and dtype, and the expected ones.
-
-Dtypes: a float leaf of any float dtype is cast to the expected one (the engine's compute dtype; float32 for
-quantization scales). Where the engine holds a quantized weight (int8 / float8_e4m3fn), a float leaf is quantized
-on the way in (per output channel, ``jaxllm.worker.quantization.quantize_weight``, its ``_scale`` sibling made with
-it); a leaf of the quantized dtype itself is taken as it is.
-"""
+"""The weights a runner serves (:class:`WeightStore`) and weights handed in (``LLM(params=...)``,
+``LLM.update_weights``): checked against the engine's layout, cast or quantized to it, placed by its shardings.
+Leaves are named by ``/``-joined paths (``"layers/wq"``)."""
 
 from __future__ import annotations
 
@@ -45,21 +34,15 @@ def layout_of(shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> Layout:
 
 
 def prepare_params(params: Any, expected: Layout, *, partial: bool) -> dict[str, Any]:
-    """Check ``params`` against ``expected`` and bring each leaf to its expected dtype (and quantization).
-
-    Args:
-      params: a tree (nested dicts, or ``{path: leaf}``) of numpy arrays or ``jax.Array``s.
-      expected: the engine's leaves, by path.
-      partial: accept a subset of the leaves (an update); otherwise every leaf must be given.
+    """Check ``params`` (nested dicts or ``{path: leaf}``) against ``expected`` and bring each leaf to its
+    expected dtype: floats cast, or quantized per channel (with their scale) where the engine holds int8 / fp8;
+    ``partial`` accepts a subset.
 
     Returns:
-      ``{path: leaf}`` in ``expected``'s order, each of its expected shape and dtype: host leaves stay numpy (cast
-      on the host), device leaves stay ``jax.Array``s (cast on their devices); quantized weights come with their
-      scales.
+      ``{path: leaf}`` in ``expected``'s order; numpy stays numpy, device arrays stay on their devices.
 
     Raises:
-      ValueError: the first leaf whose path is unknown, is missing (without ``partial``), or whose shape or dtype
-        does not fit, named with its shape and dtype and the expected ones; nothing is converted then.
+      ValueError: the first unknown, missing or mismatched leaf; nothing is converted then.
     """
     given = {path: _as_array(leaf) for path, leaf in flatten(params).items()}
     unknown = [path for path in given if path not in expected]
@@ -85,7 +68,7 @@ def _as_array(leaf: Any) -> Any:
 
 
 def _made_by_quantization(path: str, given: Mapping[str, Any], expected: Layout) -> bool:
-    """A quantized weight's scale, which a float weight given in its place brings with it."""
+    """A quantized weight's scale that a float weight given in its place brings."""
     if not path.endswith(SCALE_SUFFIX):
         return False
     weight = given.get(path[: -len(SCALE_SUFFIX)])
@@ -130,39 +113,22 @@ def _convert(path: str, leaf: Any, want: jax.ShapeDtypeStruct, expected: Layout)
 
 
 def place_leaf(leaf: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-    """``leaf`` (numpy or ``jax.Array``, already of its dtype) on ``sharding``'s devices: a ``jax.Array`` that
-    already has that sharding is used as it is (no copy), anything else is transferred (a host array shard by
-    shard, each device receiving only its slice)."""
+    """``leaf`` on ``sharding``'s devices: a ``jax.Array`` already so sharded as it is, else transferred."""
     if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
         return leaf
     return jax.device_put(leaf, sharding)
 
 
 def device_bytes_in_use(device: jax.Device) -> Optional[int]:
-    """``bytes_in_use`` of ``device.memory_stats()``, or None where the backend keeps no such count (CPU)."""
+    """``bytes_in_use`` of ``device.memory_stats()``, or None where there is none (CPU)."""
     stats = device.memory_stats()
     return None if not stats else int(stats.get("bytes_in_use", 0))
 
 
 class WeightStore:
-    """The parameters a runner's steps read, on the devices: each leaf's layout decided once, at construction, and
-    kept through updates and sleep.
-
-    A leaf has two layouts, both with the sharding it was placed with: its numbers (:meth:`param_layout`: shape and
-    dtype, bfloat16 say, which a new leaf must match) and its stored form (with ``float_bits_storage``, bfloat16 and
-    float8 layer leaves held as uint16 and uint8 bits: ``models.loop_storage``), plus ``kernels_pallas.ops.HEAD_PANELS`` where
-    ``models.with_head_panels`` adds them.
-
-    Args:
-      cfg: the model's configuration.
-      params: the parameter pytree, already placed by the replica's ``ModelSharding``.
-      float_bits_storage: hold bfloat16 / float8 layer leaves as bits (for XLA's CPU backend with the jnp attention
-        ops; ``kernels_pallas.storage`` says why).
-
-    Attributes:
-      params: the stored parameter pytree the steps take; abstract leaves while released (sleep).
-      float_bits_storage: as given.
-    """
+    """The parameters a runner's steps read; each leaf's layout (numbers: :meth:`param_layout`; stored form:
+    bits with ``float_bits_storage``, plus ``HEAD_PANELS``) is fixed at construction and kept through updates and sleep.
+    ``params`` is the stored pytree, abstract while released."""
 
     def __init__(self, cfg: ModelConfig, params: Params, *, float_bits_storage: bool):
         self.cfg = cfg
@@ -177,8 +143,7 @@ class WeightStore:
         return abstract(self.params)
 
     def param_layout(self) -> Layout:
-        """Every parameter leaf by path: its shape, its dtype as numbers (bfloat16, not the uint16 bits
-        ``float_bits_storage`` holds) and its sharding, which a new leaf must match."""
+        """Every leaf by path with its shape, number dtype and sharding."""
         return dict(self._param_layout)
 
     @property
@@ -189,30 +154,19 @@ class WeightStore:
         return "offloaded" if self._host_params is not None else "discarded"
 
     def get_params(self) -> Params:
-        """The parameters the steps run: a new tree of the device arrays, in the layout's dtypes (bfloat16 leaves
-        held as bits are converted back, into new arrays) with their shardings.
-
-        Raises:
-          RuntimeError: the weights are not on the devices (:attr:`state`).
-        """
+        """A new tree of the device arrays in the layout's dtypes and shardings (RuntimeError when not
+        on the devices)."""
         self._need_weights("get_params")
         flat = {path: leaf if leaf.dtype == self._param_layout[path].dtype else _number_cast(leaf.sharding)(leaf)
                 for path, leaf in flatten(self.params).items() if path in self._param_layout}
         return unflatten(flat)
 
     def set_param(self, path: str, leaf: jax.Array) -> None:
-        """Replace leaf ``path`` by ``leaf`` between steps. The old array is let go at once, so a tree replaced
-        leaf by leaf holds one leaf more at most (memory others keep alive, e.g. a tree from :meth:`get_params`,
-        stays theirs); the compiled steps are not rebuilt.
-
-        Args:
-          path: a leaf of :meth:`param_layout`.
-          leaf: placed, of exactly its shape, dtype and sharding; with ``float_bits_storage`` a bfloat16 / float8
-            leaf is donated to its conversion to bits. A new ``embed`` is packed again into the lm_head's
-            ``kernels_pallas.ops.HEAD_PANELS`` where the store holds them.
+        """Replace leaf ``path`` by ``leaf`` (placed, of exactly its layout; donated to a bits conversion)
+        between steps, the old array let go at once; programs are not rebuilt.
 
         Raises:
-          ValueError: ``leaf`` does not match the layout (the compiled programs would not take it).
+          ValueError: ``leaf`` does not match the layout.
         """
         want = self._param_layout[path]
         if abstract(leaf) != want:
@@ -231,12 +185,8 @@ class WeightStore:
         self.params = unflatten(flat)
 
     def release(self, offload: bool) -> int:
-        """Let the parameters' device arrays go (sleep): with ``offload`` a host copy is kept for :meth:`restore`;
-        the programs still build from their avals meanwhile.
-
-        Returns:
-          the bytes of the arrays let go (whole arrays, all shards).
-        """
+        """Let the device arrays go (sleep), with ``offload`` keeping a host copy for :meth:`restore`;
+        returns the bytes let go."""
         if self.state != "device":
             if not offload:
                 self._host_params = None  # a deeper sleep discards the host copy of a lighter one
@@ -247,11 +197,7 @@ class WeightStore:
         return sum(leaf.nbytes for leaf in flat.values())
 
     def restore(self) -> None:
-        """Put the host copy of :meth:`release` back on the devices (nothing to do when they are there).
-
-        Raises:
-          RuntimeError: the weights were discarded, and some leaves have not been set again since.
-        """
+        """Put :meth:`release`'s host copy back (RuntimeError when discarded and not all set again)."""
         if self._host_params is not None:
             host, self._host_params = self._host_params, None
             self.params = unflatten({path: jax.device_put(leaf, self._storage_layout[path].sharding)
@@ -268,11 +214,9 @@ class WeightStore:
 
 @functools.lru_cache(maxsize=None)
 def _storage_cast(sharding: jax.sharding.Sharding, storage: np.dtype) -> Callable:
-    """A leaf (donated) as stored with ``float_bits_storage``, on the same sharding: one program per pair."""
     return jax.jit(lambda a: to_storage(a, storage), donate_argnums=0, out_shardings=sharding)
 
 
 @functools.lru_cache(maxsize=None)
 def _number_cast(sharding: jax.sharding.Sharding) -> Callable:
-    """A stored leaf as numbers (bfloat16 of uint16 bits), on the same sharding."""
     return jax.jit(from_storage, out_shardings=sharding)
