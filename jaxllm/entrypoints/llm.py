@@ -93,7 +93,7 @@ class LLM:
 
     def sleep(self, level: int = 1) -> list[dict[str, Any]]:
         """Free device memory, as vLLM's ``LLM.sleep``: level 1 frees the KV cache and moves the weights to the
-        host; level 2 also discards the weights (restore them with :meth:`update_weights*` before :meth:`wake_up`).
+        host; level 2 also discards the weights (restore them with ``update_weights*`` before :meth:`wake_up`).
         The engine must be idle; requests are refused until :meth:`wake_up`.
 
         Returns:
