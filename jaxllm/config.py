@@ -1,10 +1,6 @@
-"""The engine's configuration: ``EngineConfig``, the flat set of options a user gives (vLLM's names and meanings),
-checked once when made, and the typed sub-configs built from it (``cache``, ``compilation``, ``parallel``,
-``observability``; ``speculative_config`` and :meth:`EngineConfig.scheduler_config`).
-
-Each field's description is its ``help`` metadata, read by :func:`field_docs`; the CLI's ``--help``
-(``jaxllm.entrypoints.engine_args``) and the configuration reference (``docs/hooks/config_reference.py``) print it.
-This module imports the standard library and ``scheduler`` only, so any process can read a config.
+"""The engine's configuration: ``EngineConfig`` (vLLM's option names and meanings, checked once when made) and
+the typed sub-configs built from it. Each field's description is its ``help`` metadata (:func:`field_docs`).
+Imports the standard library and ``scheduler`` only, so any process can read a config.
 """
 
 from __future__ import annotations
@@ -46,14 +42,8 @@ def _option(default: Any, help: str) -> Any:
 
 
 class FieldDoc(NamedTuple):
-    """One dataclass field as the CLI and the configuration reference print it.
-
-    Attributes:
-      name: the field's name.
-      type: its annotation as written in the source (e.g. ``"Optional[int]"``).
-      default: its default value; ``dataclasses.MISSING`` for a required field.
-      description: its ``help`` metadata; ``""`` when it has none.
-    """
+    """One dataclass field as the CLI and the configuration reference print it: ``name``, ``type`` (the
+    annotation as written), ``default`` (``dataclasses.MISSING`` when required), ``description`` (``help``)."""
 
     name: str
     type: str
@@ -62,11 +52,7 @@ class FieldDoc(NamedTuple):
 
 
 def field_docs(cls: type) -> list[FieldDoc]:
-    """Each field of the dataclass ``cls``, in declaration order, with its type, default and description.
-
-    Raises:
-      TypeError: ``cls`` is not a dataclass.
-    """
+    """Each field of the dataclass ``cls``, in declaration order. Raises TypeError: not a dataclass."""
     docs = []
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -76,18 +62,12 @@ def field_docs(cls: type) -> list[FieldDoc]:
 
 
 def dataclass_from_json(cls: type[T], value: Any, name: str, required: Sequence[str] = ()) -> Optional[T]:
-    """``cls`` built from ``value``: an instance as it is, a dict of its fields, or that dict's JSON text (a CLI
-    flag's value); None stays None.
-
-    Args:
-      cls: a dataclass.
-      value: the value given for the option.
-      name: the option's name, for the errors (e.g. ``"speculative_config"``).
-      required: keys the dict must have.
+    """``cls`` built from ``value``: an instance, a dict of its fields, or that dict's JSON text; None stays None.
+    ``name`` is the option's, for errors; ``required`` the keys the dict must have.
 
     Raises:
-      ValueError: bad JSON, a value that is not a dict, a key that is not a field (named, with the fields), a
-        missing required key, or what ``cls`` itself refuses.
+      ValueError: bad JSON, not a dict, an unknown key (named, with the fields), a missing required key, or what
+        ``cls`` itself refuses.
     """
     if value is None or isinstance(value, cls):
         return value
@@ -113,8 +93,7 @@ class SpeculativeConfig:
     """Speculative decoding settings, vLLM's ``speculative_config`` keys (``jaxllm.spec_decode``).
 
     Raises:
-      ValueError: an unknown method or key, a value out of range (named with its limit), a missing or extra
-        ``model``.
+      ValueError: an unknown method or key, a value out of range (named with its limit), a missing or extra ``model``.
     """
 
     method: str = dataclasses.field(metadata={"help": (
@@ -160,22 +139,14 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value: Union["SpeculativeConfig", dict[str, Any], str, None]) -> Optional["SpeculativeConfig"]:
-        """A config from a dict, its JSON text (the CLI's ``--speculative-config``), or itself; None stays None.
-
-        Raises:
-          ValueError: bad JSON, a key that is not a field, or a bad value (see the class).
-        """
+        """A config from a dict, its JSON text, or itself; None stays None. Raises ValueError (see the class)."""
         return dataclass_from_json(cls, value, "speculative_config", required=("method", "num_speculative_tokens"))
 
 
 @dataclasses.dataclass
 class KVEventsConfig:
-    """``--kv-events-config``: vLLM's ``KVEventsConfig`` fields, names, defaults and meanings; the publisher is
-    ``jaxllm.core.kv_events``.
-
-    Raises:
-      ValueError: a field out of range, naming it.
-    """
+    """``--kv-events-config``: vLLM's ``KVEventsConfig`` fields; the publisher is ``jaxllm.core.kv_events``.
+    Raises ValueError naming a field out of range."""
 
     enable_kv_cache_events: bool = _option(False, "Record and publish the events.")
     publisher: Optional[str] = _option(None, '"zmq", or "null" (record nothing); None: "zmq" when enabled, else '
@@ -212,22 +183,17 @@ class KVEventsConfig:
 
     @classmethod
     def parse(cls, value: Union["KVEventsConfig", dict[str, Any], str, None]) -> Optional["KVEventsConfig"]:
-        """A config from a dict, its JSON text (the CLI's ``--kv-events-config``), or itself; None stays None.
-
-        Raises:
-          ValueError: bad JSON, a key that is not a field (named with the fields), or a bad value.
-        """
+        """A config from a dict, its JSON text, or itself; None stays None. Raises ValueError: bad JSON, key or
+        value."""
         return dataclass_from_json(cls, value, "kv_events_config")
 
 
 def read_preload_prompts(path: Union[str, Path]) -> list[str]:
-    """The prompts of a warm-up file (``EngineConfig.preload_prompts``): a ``.json`` file holding a list of
-    strings, or any other file as text with one prompt per line (empty lines skipped; use JSON for prompts that
-    contain newlines).
+    """The prompts of a warm-up file (``EngineConfig.preload_prompts``): a ``.json`` list of strings, else one
+    prompt per line (empty lines skipped).
 
     Raises:
-      ValueError: the file is missing or unreadable, a ``.json`` file is not a list of non-empty strings, or the
-        file holds no prompt; the message names the path.
+      ValueError: missing or unreadable, a bad ``.json`` list, or no prompt; the message names the path.
     """
     path = Path(path)
     try:
@@ -302,13 +268,10 @@ SUB_CONFIGS = {"cache": CacheConfig, "compilation": CompilationConfig, "parallel
 
 @dataclasses.dataclass
 class EngineConfig:
-    """Serving configuration, vLLM's names and meanings; each field's description is its ``help`` metadata
-    (:func:`field_docs`).
+    """Serving configuration, vLLM's names and meanings; each field's description is its ``help`` metadata.
 
-    Made once from the user's values, it checks them all (the scheduler's knobs through ``SchedulerConfig``) and
-    holds ``speculative_config``, ``graceful_degradation``, ``kv_events_config`` and ``async_scheduling`` in their
-    resolved forms. ``cache``, ``compilation``, ``parallel`` and ``observability`` are frozen views of its fields;
-    :meth:`scheduler_config` builds the scheduler's config once start-up knows the block count.
+    Checks every value when made; ``cache``, ``compilation``, ``parallel`` and ``observability`` are frozen views
+    of its fields; :meth:`scheduler_config` builds the scheduler's config once start-up knows the block count.
 
     Raises:
       ValueError: a value out of range or settings that cannot be used together, naming them and the limit.
@@ -532,16 +495,14 @@ class EngineConfig:
     def scheduler_config(self, *, num_blocks: int, max_model_len: int,
                          num_offload_blocks: Optional[int] = None,
                          num_compressed_blocks: Optional[int] = None) -> SchedulerConfig:
-        """The scheduler's configuration: every ``SchedulerConfig`` field this config has, by the same name,
-        plus the fields known only at start-up (:data:`SCHEDULER_FIELDS_FROM_START_UP`).
+        """The scheduler's configuration: every ``SchedulerConfig`` field this config has, plus those known
+        only at start-up (:data:`SCHEDULER_FIELDS_FROM_START_UP`).
 
         Args:
           num_blocks: device KV blocks, the null block included.
-          max_model_len: the resolved ``max_model_len`` (:meth:`resolve_max_model_len`).
-          num_offload_blocks: the host tier's blocks (from ``kv_offloading_size``, :meth:`num_offload_blocks`);
-            None, for a check before start-up knows them: a placeholder, 1 when ``kv_offloading_size`` is set.
-          num_compressed_blocks: the compressed pool's slots (``worker.kv_cache.split_kv_budget``); None: a
-            placeholder, 2 when ``kv_cache_compression`` is set.
+          max_model_len: the resolved ``max_model_len``.
+          num_offload_blocks: the host tier's blocks; None before start-up: 1 when ``kv_offloading_size`` is set.
+          num_compressed_blocks: the compressed pool's slots; None: 2 when ``kv_cache_compression`` is set.
 
         Raises:
           ValueError: a scheduler knob out of range (``SchedulerConfig`` names it and its limit).
@@ -564,12 +525,8 @@ class EngineConfig:
         return int(self.kv_offloading_size * 2**30) // bytes_per_block
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
-        """``max_model_len``, or the model's ``max_position_embeddings`` when it is None (start-up may then fit it
-        to the KV cache: ``jaxllm.worker.kv_cache.fit_max_model_len``).
-
-        Raises:
-          ValueError: a ``max_model_len`` above the model's positions.
-        """
+        """``max_model_len``, or the model's ``max_position_embeddings`` when None. Raises ValueError: above the
+        model's positions."""
         if self.max_model_len is None:
             return max_position_embeddings
         if not 1 <= self.max_model_len <= max_position_embeddings:
@@ -584,12 +541,8 @@ class EngineConfig:
         return math.ceil(max_model_len / self.block_size)
 
     def bucket_ladders(self, max_model_len: int, attention_backend: str) -> tuple[tuple[int, ...], ...]:
-        """The (T, S, W) ladders steps are padded to, each ending exactly at its limit.
-
-        Defaults: T takes 4 and 8, then 16, 24, 32, 48, ... (powers of two and the halfway points) up to
-        ``max_num_batched_tokens``; S is each T capped at ``max_num_seqs``; W is ``ceil(max_model_len /
-        block_size)`` alone, or for the ``reference`` attention (whose cost grows with W) 4, 16, 64, ... up to it.
-        ``docs/design/config.md`` says why.
+        """The (T, S, W) ladders steps are padded to, each ending exactly at its limit (defaults and why:
+        ``docs/design/config.md``).
 
         Raises:
           ValueError: an explicit ladder that stops short of its limit (named with the limit).
@@ -620,11 +573,8 @@ def _sub_config(cls: type[T], config: EngineConfig) -> T:
 
 
 def _parse_degradation(value: Any) -> Union[bool, GracefulDegradation]:
-    """``EngineConfig.graceful_degradation`` as the scheduler takes it: True, False or a ``GracefulDegradation``.
-
-    Raises:
-      ValueError: a value that is none of a bool, "true"/"false", a dict or JSON object of
-        ``GracefulDegradation`` fields (an unknown field is named with the known ones), or an instance.
+    """``graceful_degradation`` as the scheduler takes it: True, False or a ``GracefulDegradation``.
+    Raises ValueError: not a bool, "true"/"false", a dict/JSON of its fields (unknown ones named) or an instance.
     """
     if isinstance(value, (bool, GracefulDegradation)):
         return value

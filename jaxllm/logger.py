@@ -1,11 +1,6 @@
-"""jaxllm's logging (vLLM's ``vllm.logger``): start-up and serving facts go to the ``jaxllm`` logger, one line each
-on stderr with its level (``INFO 12-06 07:08:14 [build.py:81] parameters: ...``), so stdout carries only what a
-command outputs (the generated text).
-
-The level is ``JAXLLM_LOGGING_LEVEL`` (vLLM's ``VLLM_LOGGING_LEVEL``; a name such as ``WARNING`` or ``debug``),
-else INFO; the commands set theirs with ``--log-level`` (:func:`logging_level`): ``jaxllm serve`` logs INFO,
-``python -m jaxllm.generate`` WARNING unless asked. The ``jaxllm`` logger does not propagate to the root logger,
-so an application's own logging configuration does not print jaxllm's lines twice.
+"""jaxllm's logging (vLLM's ``vllm.logger``): the ``jaxllm`` logger writes one line per fact to stderr (stdout
+carries only a command's output) and does not propagate to the root logger. Level: ``--log-level``
+(:func:`logging_level`), else ``JAXLLM_LOGGING_LEVEL`` (vLLM's ``VLLM_LOGGING_LEVEL``), else INFO.
 """
 
 from __future__ import annotations
@@ -50,11 +45,7 @@ def _configure() -> logging.Logger:
 
 
 def check_level(level: str, source: str = "--log-level") -> str:
-    """``level`` upper-cased, a level name of ``LEVELS``.
-
-    Raises:
-      ValueError: another name (``source`` says where it came from).
-    """
+    """``level`` upper-cased, a name of ``LEVELS``. Raises ValueError: another name (``source`` says whence)."""
     if level.lower() not in LEVELS:
         raise ValueError(f"{source}={level!r} is not a log level: {', '.join(LEVELS)}")
     return level.upper()
@@ -68,12 +59,9 @@ def init_logger(name: str) -> logging.Logger:
 
 @contextlib.contextmanager
 def logging_level(level: Optional[str], default: str) -> Iterator[str]:
-    """Set the ``jaxllm`` logger's level for a command's run: ``level`` (its ``--log-level``), else
-    ``JAXLLM_LOGGING_LEVEL``, else ``default``. The variable is set to it too, so the engine-core processes the
-    command starts log at the same level; both are restored on exit. Yields the level's name.
-
-    Raises:
-      ValueError: a name not in ``LEVELS``.
+    """Set the ``jaxllm`` logger's level (and ``JAXLLM_LOGGING_LEVEL``, for the command's core processes) for a
+    command's run: ``level``, else the variable, else ``default``; both restored on exit. Yields the level's name.
+    Raises ValueError: a name not in ``LEVELS``.
     """
     env = os.environ.get(LOGGING_LEVEL_ENV)
     name = (check_level(level) if level is not None else

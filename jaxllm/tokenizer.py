@@ -1,8 +1,5 @@
-"""Tokenizer, chat template and incremental detokenizer.
-
-Builds a ``tokenizers.Tokenizer`` from a Hugging Face folder or a GGUF's ``tokenizer.ggml.*`` metadata
-(llama.cpp's reading); chat templates render in HF's jinja2 sandbox; detokenizes incrementally as vLLM/TGI.
-"""
+"""Tokenizer (from a HF folder or a GGUF's ``tokenizer.ggml.*``, as llama.cpp), chat templates in HF's jinja2
+sandbox, and the incremental detokenizer (vLLM/TGI's)."""
 
 import functools
 import json
@@ -66,11 +63,8 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
-        """Load from a Hugging Face model folder, as transformers 5 does.
-
-        ``tokenizer.json`` with ``tokenizer_config.json``'s ``legacy``/``add_prefix_space`` applied; the template
-        from ``chat_template.jinja`` or the config; BOS from the tokenizer config, generation config, then config;
-        EOS ids the union of those files' ``eos_token``/``eos_token_id``.
+        """Load from a Hugging Face model folder, as transformers 5 does (BOS/EOS from the tokenizer, generation
+        and model configs).
 
         Raises:
             ValueError: ``path`` is not a folder with a ``tokenizer.json``.
@@ -98,11 +92,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
-        """Build from a GGUF file's ``tokenizer.ggml.*`` metadata, following llama.cpp.
-
-        "gpt2": byte-level BPE, pre-split by ``tokenizer.ggml.pre``'s regex (GPT-2's when unknown). "llama":
-        SentencePiece-style BPE with byte fallback, merges from the file or from the token scores. Control tokens
-        are special; BOS/EOS added per ``add_bos_token``/``add_eos_token`` (llama.cpp's defaults).
+        """Build from a GGUF file's ``tokenizer.ggml.*`` metadata, following llama.cpp ("gpt2" or "llama").
 
         Raises:
             ValueError: the file has no tokenizer, or its model is neither "gpt2" nor "llama".
@@ -147,21 +137,14 @@ class Tokenizer:
         return sorted(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens`, the post-processor's BOS/EOS too.
-
-        Raises:
-            ValueError: `text` is not a str.
-        """
+        """Token ids of `text`; with `add_special_tokens`, the post-processor's BOS/EOS too. Raises ValueError:
+        `text` is not a str."""
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}: {text!r:.80}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        """Text of a sequence of ids (list/array of int); special tokens dropped when asked.
-
-        Raises:
-            ValueError: an id is outside [0, vocab_size).
-        """
+        """Text of a sequence of ids, special tokens dropped when asked. Raises ValueError: an id out of range."""
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
@@ -169,11 +152,7 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def set_chat_template(self, source: str) -> None:
-        """Use `source` (jinja2) as the chat template from now on (`jaxllm serve --chat-template`).
-
-        Raises:
-            ValueError: `source` is not a valid jinja2 template (with the parser's message).
-        """
+        """Use `source` (jinja2) as the chat template from now on. Raises ValueError: not a valid template."""
         self._template = compile_chat_template(source)
         self.chat_template = source
 
@@ -190,11 +169,9 @@ class Tokenizer:
             chat_template: a jinja2 template instead of the model's.
             template_kwargs: extra variables (vLLM's ``chat_template_kwargs``); the ones above take precedence.
 
-        Returns the prompt text, holding any BOS the template writes (encode with ``add_special_tokens=False``).
-
-        Raises:
-            ValueError: no template, malformed ``messages``, both prompt flags, or no final content to continue.
-            jinja2.TemplateError: the template raised.
+        Returns the prompt text, with any BOS the template writes (encode with ``add_special_tokens=False``).
+        Raises ValueError (no template, malformed ``messages``, both prompt flags, nothing to continue) or
+        jinja2.TemplateError.
         """
         template = compile_chat_template(chat_template) if chat_template is not None else self._template
         if template is None:
@@ -214,12 +191,8 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict] | None = None,
                     chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> str:
-        """OpenAI-style messages in the chat template, as the server and ``LLM.chat`` render them (vLLM's rules).
-
-        Text parts are joined and tool-call ``arguments`` decoded from JSON; see :meth:`apply_chat_template`.
-
-        Raises:
-            ChatInputError: naming ``chat_template_kwargs``, ``continue_final_message`` or ``messages``.
+        """OpenAI-style messages in the chat template (vLLM's rules: text parts joined, tool-call ``arguments``
+        JSON-decoded); see :meth:`apply_chat_template`. Raises ChatInputError naming the bad argument.
         """
         clash = [k for k in chat_template_kwargs or {} if k in TEMPLATE_VARIABLES]
         if clash:
@@ -266,14 +239,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
 
 
 class IncrementalDetokenizer:
-    """Turns generated ids into text deltas one token at a time (vLLM/TGI's prefix/read offsets).
-
-    Nothing is emitted while the decoded tail ends in U+FFFD (a split UTF-8 character). ``text`` is the
-    continuation of the prompt: ``decode(prompt + output)`` minus ``decode(prompt)``.
+    """Turns generated ids into text deltas one token at a time (vLLM/TGI's prefix/read offsets); nothing is
+    emitted while the tail is a split UTF-8 character. ``text``: ``decode(prompt + output) - decode(prompt)``.
 
     Args:
-        tokenizer: the model's ``Tokenizer``. prompt_token_ids: the prompt's ids (the last few kept).
-        skip_special_tokens: drop special tokens from the text.
+        tokenizer: the model's ``Tokenizer``. prompt_token_ids: the prompt's ids. skip_special_tokens: bool.
     """
 
     _CONTEXT = 5  # prompt tokens kept as context, as vLLM's initial offset
@@ -379,11 +349,7 @@ def _backend_from_json(text: str, tok_config: dict) -> _Backend:
 
 
 def _apply_config_flags(spec: dict, tok_config: dict) -> bool:
-    """Apply ``legacy``/``add_prefix_space`` to a parsed tokenizer.json as transformers 5 does; True if changed.
-
-    Llama tokenizer classes on a SentencePiece file get transformers' ``_get_prepend_scheme`` Metaspace; other
-    classes on a byte-level file get ``ByteLevel(add_prefix_space)``; fast/absent classes are left as written.
-    """
+    """Apply ``legacy``/``add_prefix_space`` to a parsed tokenizer.json as transformers 5 does; True if changed."""
     cls = tok_config.get("tokenizer_class")
     if cls in (None, "PreTrainedTokenizerFast", "TokenizersBackend"):
         return False

@@ -1,8 +1,6 @@
-"""Core clients: how a front end talks to its engine core(s) (vLLM's ``EngineCoreClient``).
-
-:class:`InprocClient` calls an ``EngineCore`` in this process; :class:`MPClient` runs one core process per
-data-parallel replica over ZMQ msgpack frames, routing a request to the core with the longest cached prefix
-(``router.PrefixRouter``), then the fewest unfinished requests, then the lowest index.
+"""Core clients (vLLM's ``EngineCoreClient``): :class:`InprocClient` calls an ``EngineCore`` in this process;
+:class:`MPClient` runs one core process per data-parallel replica over ZMQ msgpack frames, routing a request to
+the longest cached prefix (``router.PrefixRouter``), then the fewest unfinished requests, then the lowest index.
 """
 
 from __future__ import annotations
@@ -57,13 +55,9 @@ class QueueFullError(RuntimeError):
 
 def check_waiting_limit(limit: Optional[int], num_open_sequences: int, infos: Sequence[CoreInfo],
                         latest_stats: dict[int, CoreStats]) -> None:
-    """Shed load: refuse a new request while ``limit`` sequences or more wait for a batch seat.
-
-    Waiting is the larger of the open sequences beyond the seats in force and the cores' reported
-    ``num_waiting`` (``latest_stats``: core index -> ``CoreStats``).
-
-    Raises:
-      QueueFullError: ``limit`` is not None and reached (both numbers named).
+    """Refuse a new request while ``limit`` sequences or more wait for a batch seat (the larger of the open
+    sequences beyond the seats and the cores' ``num_waiting`` in ``latest_stats``).
+    Raises QueueFullError: ``limit`` is not None and reached (both numbers named).
     """
     if limit is None:
         return
@@ -219,10 +213,7 @@ class MPClient:
 
     def add_request(self, request: EngineCoreRequest, data_parallel_rank: Optional[int] = None) -> None:
         """Route a request to a core (``data_parallel_rank``: this one) and send it.
-
-        Raises:
-          ValueError: a ``data_parallel_rank`` outside ``[0, data_parallel_size)``.
-          EngineDeadError: the cores are dead.
+        Raises ValueError: a rank outside ``[0, data_parallel_size)``; EngineDeadError: the cores are dead.
         """
         if data_parallel_rank is not None and not 0 <= data_parallel_rank < len(self._cores):
             raise ValueError(f"data_parallel_rank={data_parallel_rank} must be in [0, {len(self._cores)})")
@@ -286,10 +277,7 @@ class MPClient:
 
     def get_outputs(self, timeout: Optional[float] = None) -> list[EngineCoreOutputs]:
         """Wait until some core reports; its outputs in arrival order ([] after ``timeout`` seconds).
-
-        Raises:
-          EngineDeadError: a core died or failed.
-        """
+        Raises EngineDeadError: a core died or failed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._pending:
             self._check_alive()
@@ -302,11 +290,7 @@ class MPClient:
         return self._take_pending()
 
     async def get_outputs_async(self) -> list[EngineCoreOutputs]:
-        """:meth:`get_outputs` for an asyncio front end: waits without blocking the event loop.
-
-        Raises:
-          EngineDeadError: a core died or failed.
-        """
+        """:meth:`get_outputs` without blocking the event loop. Raises EngineDeadError: a core died or failed."""
         while not self._pending:
             self._check_alive()
             if await self._async_socket().poll(POLL_SECONDS * 1000):
@@ -316,10 +300,7 @@ class MPClient:
 
     def call_utility(self, core: int, method: str, *args: Any) -> Any:
         """Call ``EngineCore.<method>(*args)`` in core ``core`` between its steps and return the value.
-
-        Raises:
-          RuntimeError: the core refused or the call raised. EngineDeadError: the cores are dead.
-        """
+        Raises RuntimeError: the core refused or the call raised; EngineDeadError: the cores are dead."""
         call_id = next(self._call_ids)
         self._send(core, UtilityCall(call_id, method, list(args)))
         while call_id not in self._results:

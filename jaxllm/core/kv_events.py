@@ -1,9 +1,8 @@
 """KV cache events published as vLLM publishes them (``--kv-events-config``), so routers see the prefix cache.
 
-Wire format of vLLM's ``vllm/distributed/kv_events.py``: ZMQ PUB ``(topic, seq as 8 big-endian bytes,
-msgpack KVEventBatch)``; an optional ROUTER replays from a ``start_seq``; core ``i`` adds ``i`` to the ports.
-Hashes are 16-byte xxh3 digests of ``scheduler.block_hash`` (stable within a jaxllm version); medium "GPU"
-is the device pool, "CPU" the host tier.
+vLLM's wire format: ZMQ PUB ``(topic, seq as 8 big-endian bytes, msgpack KVEventBatch)``, an optional ROUTER
+replaying from a ``start_seq``; core ``i`` adds ``i`` to the ports. Hashes: 16-byte xxh3 of ``scheduler.block_hash``;
+medium "GPU" is the device pool, "CPU" the host tier.
 """
 
 from __future__ import annotations
@@ -76,11 +75,7 @@ def to_wire(event: KVEvent, as_int: bool) -> Union[BlockStored, BlockRemoved]:
 
 
 def offset_port(endpoint: Optional[str], rank: int) -> Optional[str]:
-    """``endpoint`` for data-parallel ``rank``: tcp port + rank, inproc ``_dp{rank}`` (vLLM's ``offset_endpoint_port``).
-
-    Raises:
-      ValueError: an ipc endpoint for a rank above 0.
-    """
+    """``endpoint`` for data-parallel ``rank`` (vLLM's ``offset_endpoint_port``). Raises ValueError: ipc, rank > 0."""
     if not endpoint or rank == 0:
         return endpoint
     if endpoint.startswith("inproc://"):

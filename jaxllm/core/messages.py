@@ -1,8 +1,6 @@
-"""What crosses the engine-core boundary (vLLM's ``EngineCoreRequest``, ``EngineCoreOutput(s)``, ``SchedulerStats``).
-
-Token ids and numbers only. The same ``msgspec`` structs pass as objects in-process and as msgpack frames
-(``encode`` / ``decode_*``) across processes; ``array_like`` and ``gc=False`` keep them cheap.
-Times are seconds on ``time.monotonic``.
+"""What crosses the engine-core boundary (vLLM's ``EngineCoreRequest``, ``EngineCoreOutput(s)``, ``SchedulerStats``):
+``msgspec`` structs, objects in-process and msgpack frames (``encode`` / ``decode_*``) across processes. Times are
+seconds on ``time.monotonic``.
 """
 
 from __future__ import annotations
@@ -209,11 +207,7 @@ class CoreFailed(msgspec.Struct, array_like=True, tag="failed"):
 
 
 def flatten(tree: Any) -> dict[str, Any]:
-    """``{"a/b": leaf}`` of a nested-dict parameter tree (a key holding ``/`` is already a path).
-
-    Raises:
-      ValueError: ``tree`` is not a dict.
-    """
+    """``{"a/b": leaf}`` of a nested-dict parameter tree. Raises ValueError: ``tree`` is not a dict."""
     if not isinstance(tree, Mapping):
         raise ValueError(f"params must be a dict of arrays (the layout of jaxllm.models.param_layout), "
                          f"not {type(tree).__name__}")
@@ -250,11 +244,7 @@ def encode_params(tree: Any) -> dict[str, list]:
 
 
 def decode_params(encoded: dict[str, list]) -> dict[str, np.ndarray]:
-    """The arrays of :func:`encode_params` (read-only views of the received bytes).
-
-    Raises:
-      ValueError: an unknown dtype, or bytes that do not fill the shape (the leaf named).
-    """
+    """The arrays of :func:`encode_params` (read-only views). Raises ValueError: unknown dtype or short bytes."""
     out = {}
     for path, (dtype_name, shape, data) in encoded.items():
         dtype = np.dtype(getattr(ml_dtypes, dtype_name, dtype_name))

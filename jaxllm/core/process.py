@@ -1,8 +1,7 @@
 """An engine core in its own process: ``python -m jaxllm.core.process`` (started by ``client.MPClient``).
 
-A single-threaded busy loop (vLLM's ``EngineCoreProc``): drain inputs, step while requests are unfinished,
-send outputs (stats alone when inputs changed state without a step). It exits with its parent, on
-``Shutdown``, or after sending ``CoreFailed`` (status 1). SIGINT is ignored: the front end stops the core.
+A single-threaded busy loop (vLLM's ``EngineCoreProc``). It exits with its parent, on ``Shutdown``, or after
+sending ``CoreFailed`` (status 1); SIGINT is ignored.
 """
 
 from __future__ import annotations

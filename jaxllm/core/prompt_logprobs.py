@@ -1,8 +1,5 @@
-"""Prompt logprobs in the engine core (vLLM's ``SamplingParams.prompt_logprobs``): rows wanted, results recorded.
-
-Query position ``p`` gives prompt position ``p + 1``; each position is recorded once, across chunks and
-preemption, and the request skips reading the prefix cache until all are recorded (as vLLM).
-"""
+"""Prompt logprobs in the engine core (vLLM's ``prompt_logprobs``): query position ``p`` gives prompt position
+``p + 1``, each recorded once across chunks and preemption; the request skips the prefix cache until done."""
 
 from __future__ import annotations
 
@@ -18,10 +15,8 @@ if TYPE_CHECKING:
 
 
 class PromptLogprobs:
-    """One request's prompt logprobs, filled in as ``prompt`` is computed, keeping the top ``num_top``.
-
-    ``rows``: per prompt position from 1: token, logprob, rank and the top ``num_top``.
-    """
+    """One request's prompt logprobs, filled as ``prompt`` is computed; ``rows``: per prompt position from 1,
+    token, logprob, rank and the top ``num_top``."""
 
     def __init__(self, prompt: Sequence[int], num_top: int) -> None:
         self.prompt = np.asarray(prompt, np.int32)

@@ -1,8 +1,5 @@
-"""The engine core's record of each request: one ``CoreRequest`` per request id, holding its sequences.
-
-Each sequence is a :class:`CoreSequence`, the scheduler's ``Request`` carrying the core's state of it, so a
-scheduled row leads to everything the core knows of it without a lookup.
-"""
+"""The engine core's record of each request: a ``CoreRequest`` per id, holding its :class:`CoreSequence`s (the
+scheduler's ``Request`` carrying the core's state of it)."""
 
 from __future__ import annotations
 

@@ -11,11 +11,9 @@ from scheduler.block_hash import extend_block_hashes
 
 
 class PrefixRouter:
-    """The front end's picture of each core's prefix cache, for routing (SGLang's cache-aware router in spirit).
-
-    Keeps per core the chained hashes (``scheduler.block_hash``) of full prompt blocks routed to it, least
-    recently routed dropped first; the block holding the last prompt token never counts. It may be stale: it
-    only prefers a core. ``infos``: each core's ``CoreInfo``.
+    """The front end's (possibly stale) picture of each core's prefix cache, for routing (SGLang's cache-aware
+    router in spirit): per core, an LRU of the chained hashes of full prompt blocks routed to it (the block with
+    the last prompt token never counts). ``infos``: each core's ``CoreInfo``.
     """
 
     def __init__(self, infos: Sequence[CoreInfo]) -> None:

@@ -1,11 +1,6 @@
-"""The ``jaxllm`` command: ``jaxllm COMMAND [ARGS]``, one subcommand per module.
-
-``jaxllm generate ...`` is ``python -m jaxllm.generate ...``; ``jaxllm serve [MODEL]`` starts the
-OpenAI-compatible server (``jaxllm.entrypoints.openai.api_server``); ``jaxllm diag`` reads a running server's KV
-diagnostics (``jaxllm.entrypoints.diag``). A subcommand's module is imported
-only when it runs, and parses its own arguments (so ``jaxllm generate --help`` is its help).
-Add one by naming its module in ``COMMANDS``; the module provides
-``main(argv, prog) -> exit status``.
+"""The ``jaxllm`` command: ``jaxllm COMMAND [ARGS]`` (``generate``, ``serve``, ``diag``), one module per
+subcommand, imported only when it runs and parsing its own arguments. Add one by naming its module in
+``COMMANDS``; the module provides ``main(argv, prog) -> exit status``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""``jaxllm diag``: the KV cache diagnostics of a running server (``GET /debug/kv``) as text, JSON or a PNG.
-
-The report is ``scheduler.diagnostics.kv_cache_report`` (``LLM.kv_cache_report()`` in process). ``--visualize
-PATH`` draws it with matplotlib (imported only then; ``pip install jaxllm[diag]``): the block map, one cell per
-block coloured by state, and a histogram of how many blocks each running request holds.
-
-``--compact`` and ``--resize N`` first act on the pool of every core (``POST /kv_cache/compact``, ``POST
-/kv_cache/resize?num_blocks=N``: routes of a server started with ``JAXLLM_SERVER_DEV_MODE=1``), between its steps
-while requests run, and print what they did, then the report after it.
+"""``jaxllm diag``: the KV cache diagnostics of a running server (``GET /debug/kv``) as text, JSON or a PNG
+(``--visualize PATH``, matplotlib: ``pip install jaxllm[diag]``). ``--compact`` and ``--resize N`` first act on
+every core's pool (dev-mode routes) and print what they did.
 
 Usage: jaxllm diag [--url http://127.0.0.1:8000] [--core N] [--json] [--visualize PATH] [--compact] [--resize N]
 """
@@ -81,13 +75,8 @@ def summarize(report: dict[str, Any]) -> str:
 
 
 def render_kv_report(report: dict[str, Any], path: Union[str, Path]) -> Path:
-    """Write a PNG of ``report`` (which must hold ``blocks``) to ``path``: the block map and the per-request block
-    histogram. Returns the path.
-
-    Raises:
-      ImportError: matplotlib is not installed (``pip install jaxllm[diag]``).
-      ValueError: the report has no block map (asked with ``block_map=False``).
-    """
+    """Write a PNG of ``report`` (the block map and per-request block histogram) to ``path``; returns the path.
+    Raises ImportError: no matplotlib; ValueError: the report has no block map."""
     if "blocks" not in report:
         raise ValueError("the report has no block map: ask for it with block_map=True")
     try:
@@ -133,11 +122,7 @@ def render_kv_report(report: dict[str, Any], path: Union[str, Path]) -> Path:
 
 
 def fetch_report(url: str, core: int = 0, block_map: bool = True, timeout: float = 30.0) -> dict[str, Any]:
-    """``GET {url}/debug/kv`` of a running ``jaxllm serve``.
-
-    Raises:
-      OSError: the server cannot be reached or answers an error (its message included).
-    """
+    """``GET {url}/debug/kv`` of a running server. Raises OSError: unreachable or an error (its message)."""
     query = urllib.parse.urlencode({"core": core, "block_map": str(block_map).lower()})
     try:
         with urllib.request.urlopen(f"{url.rstrip('/')}/debug/kv?{query}", timeout=timeout) as response:
@@ -147,12 +132,8 @@ def fetch_report(url: str, core: int = 0, block_map: bool = True, timeout: float
 
 
 def pool_action(url: str, action: str, num_blocks: Optional[int] = None, timeout: float = 300.0) -> list[dict[str, Any]]:
-    """``POST {url}/kv_cache/{action}`` (``compact``, or ``resize`` to ``num_blocks``) of a running ``jaxllm serve``;
-    one report per core.
-
-    Raises:
-      OSError: the server cannot be reached, refuses (its message included), or has no such route (not in dev mode).
-    """
+    """``POST {url}/kv_cache/{action}`` (``compact``, or ``resize`` to ``num_blocks``); one report per core.
+    Raises OSError: unreachable, refused (its message), or no such route (not in dev mode)."""
     query = "" if num_blocks is None else "?" + urllib.parse.urlencode({"num_blocks": num_blocks})
     request = urllib.request.Request(f"{url.rstrip('/')}/kv_cache/{action}{query}", method="POST")
     try:

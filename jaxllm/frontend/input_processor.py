@@ -20,10 +20,8 @@ PromptType = Union[str, Sequence[int]]
 
 
 def bad_words_token_ids(tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
-    """Token sequences of ``bad_words``: each word bare and with a leading space (one or two lists per word).
-
-    Unlike vLLM's ``update_from_tokenizer``, a spaced encoding of another length is kept, not dropped.
-    """
+    """Token sequences of ``bad_words``: each word bare and with a leading space (unlike vLLM, a spaced encoding
+    of another length is kept)."""
     out: list[list[int]] = []
     for word in bad_words:
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
@@ -35,12 +33,9 @@ def bad_words_token_ids(tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
 
 
 class InputProcessor:
-    """Validates requests and builds core requests for one model.
-
-    Args:
-      tokenizer: the model's, or None (prompts must be token ids). info: the core's ``CoreInfo``.
-      seed: the engine seed, drawn from for sequences without one.
-      scheduling_policy: a non-zero priority is refused unless it ``reads_priority``.
+    """Validates requests and builds core requests for one model. tokenizer: the model's, or None (token-id
+    prompts only); info: the core's ``CoreInfo``; seed: the engine seed; scheduling_policy: a non-zero priority is
+    refused unless it ``reads_priority``.
     """
 
     def __init__(self, tokenizer, info: CoreInfo, seed: int = 0,
@@ -59,10 +54,7 @@ class InputProcessor:
 
     def encode_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """Prompt text or ids -> (text or None, token ids).
-
-        Raises:
-          ValueError: an empty prompt, text without a tokenizer, or an id outside ``[0, vocab_size)``.
-        """
+        Raises ValueError: an empty prompt, text without a tokenizer, or an id outside ``[0, vocab_size)``."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character or token id")

@@ -1,8 +1,4 @@
-"""LLMEngine: the step-by-step engine API (add_request / step / abort), vLLM's ``LLMEngine``.
-
-One replica runs its ``EngineCore`` in this process (``InprocClient``); ``data_parallel_size > 1`` runs one
-core process per replica (``MPClient``).
-"""
+"""LLMEngine: the step-by-step engine API (add_request / step / abort), vLLM's ``LLMEngine``."""
 
 from __future__ import annotations
 
@@ -60,11 +56,7 @@ class LLMEngine(FrontEnd):
 
     @property
     def core(self):
-        """The ``EngineCore`` of a one-replica engine (in this process).
-
-        Raises:
-          AttributeError: the cores run in other processes (``data_parallel_size > 1``).
-        """
+        """The ``EngineCore`` of a one-replica engine. Raises AttributeError: cores in other processes."""
         if not isinstance(self.client, InprocClient):
             raise AttributeError("the engine cores run in their own processes (data_parallel_size > 1)")
         return self.client.core
@@ -103,11 +95,7 @@ class LLMEngine(FrontEnd):
         return self.client.wait_for_warmup(timeout)
 
     def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
-        """KV diagnostics of one core (``scheduler.diagnostics.kv_cache_report``).
-
-        Raises:
-          ValueError: ``core`` outside ``[0, data_parallel_size)``.
-        """
+        """KV diagnostics of one core. Raises ValueError: ``core`` outside ``[0, data_parallel_size)``."""
         if not 0 <= core < len(self.client.infos):
             raise ValueError(f"core={core} must be in [0, {len(self.client.infos)})")
         if isinstance(self.client, InprocClient):
@@ -130,30 +118,20 @@ class LLMEngine(FrontEnd):
         return reports
 
     def get_params(self) -> dict[str, Any]:
-        """The weights the engine runs, in ``jaxllm.models.param_layout``'s layout: the device arrays with their
-        shardings (``WeightStore.get_params``), or, from a core in another process, host numpy copies of core 0's.
-
-        Raises:
-          RuntimeError: the weights sleep.
-        """
+        """The weights the engine runs, in ``param_layout``'s layout: device arrays with their shardings, or host
+        numpy copies of core 0's from another process. Raises RuntimeError: the weights sleep."""
         if isinstance(self.client, InprocClient):
             return self.client.core.get_params()
         return unflatten(decode_params(self.client.call_utility(0, "host_params")))
 
     def update_weights(self, params: Any) -> dict[str, int]:
-        """Replace every core's weights (``EngineCore.update_weights``: no new compilation, requests recomputed).
-
-        Raises:
-          ValueError: an unknown, missing, misshapen or mistyped leaf (named); nothing changes then.
-        """
+        """Replace every core's weights (``EngineCore.update_weights``). Raises ValueError: a bad leaf (named);
+        nothing changes then."""
         return self._each_core("update_weights", params)
 
     def update_weights_from_path(self, path: Union[str, os.PathLike]) -> dict[str, int]:
-        """:meth:`update_weights` with the checkpoint at ``path`` (HF folder, GGUF or orbax folder).
-
-        Raises:
-          ValueError: ``path`` is not a model, or its weights do not fit (the first leaf named).
-        """
+        """:meth:`update_weights` with the checkpoint at ``path``. Raises ValueError: not a model, or its weights
+        do not fit."""
         return self._each_core("update_weights_from_path", str(path))
 
     def reset_prefix_cache(self) -> bool:
@@ -230,13 +208,8 @@ class LLMEngine(FrontEnd):
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine-core step and return a ``RequestOutput`` per request with news.
-
-        With ``async_scheduling`` outputs trail the launches by one step (the first call returns none).
-
-        Raises:
-          jaxllm.core.client.EngineDeadError: a core process died.
-        """
+        """Run one engine-core step; a ``RequestOutput`` per request with news (with ``async_scheduling`` one step
+        late: the first call returns none). Raises ``EngineDeadError``: a core process died."""
         if not isinstance(self.client, InprocClient) and not self.output_processor.has_unfinished_requests():
             return []
         return [out for core_outputs in self.client.get_outputs() for out in self._process_core_outputs(core_outputs)]

@@ -1,8 +1,5 @@
-"""Engine metrics: Prometheus series named as vLLM's, a periodic log line, the ``generate`` progress bar.
-
-Series are vLLM's with a ``jaxllm:`` prefix (counters scraped with ``_total``); with
-``metrics_namespace="vllm"`` the shared ones (:data:`VLLM_SERIES`) take vLLM's names and ``model_name``
-label. Times are seconds. The series are listed in docs/design/metrics.md.
+"""Engine metrics: Prometheus series named as vLLM's (``jaxllm:`` prefix, or vLLM's names with
+``metrics_namespace="vllm"``), a periodic log line, the ``generate`` progress bar. Series: docs/design/metrics.md.
 """
 
 from __future__ import annotations
@@ -59,7 +56,7 @@ class EngineMetrics:
     """The metrics of one front end (its own ``CollectorRegistry``), updated from step outputs and ``CoreStats``.
 
     Args:
-      log_stats: log a summary line (at INFO whatever the ``jaxllm`` logger's level) every ``log_interval`` seconds. metrics_port: serve ``/metrics`` there.
+      log_stats: log a summary line every ``log_interval`` seconds. metrics_port: serve ``/metrics`` there.
       clock: monotonic seconds, the clock of request arrival times.
       max_num_seqs, max_num_batched_tokens: each core's limits (``batch_utilization``'s denominators).
       namespace: "jaxllm" or "vllm". model_name: the ``model_name`` label under "vllm".
@@ -351,10 +348,7 @@ class EngineMetrics:
 
     def quantile(self, name: str, q: float) -> float:
         """The ``q`` quantile of histogram ``name`` as PromQL's ``histogram_quantile``; NaN before any observation.
-
-        Raises:
-          ValueError: ``q`` outside [0, 1], or no histogram of that name.
-        """
+        Raises ValueError: ``q`` outside [0, 1], or no histogram of that name."""
         if not 0 <= q <= 1:
             raise ValueError(f"q={q} must be in [0, 1]")
         bounds = []
@@ -377,9 +371,8 @@ class EngineMetrics:
         return lower
 
     def run_summary(self) -> dict[str, float]:
-        """Aggregates since :meth:`begin_run`, for benchmarks: steps, KV usage (peak, mean, live-slot fraction),
-        ``max_num_running``, preemptions, compilations and, with drafts, the speculative acceptance figures.
-        """
+        """Aggregates since :meth:`begin_run`, for benchmarks: steps, KV usage, ``max_num_running``, preemptions,
+        compilations and speculative acceptance."""
         steps = max(self._run_steps, 1)
         (drafts, draft_tokens, accepted), per_position = self._spec_totals()
         (base_drafts, base_tokens, base_accepted), base_per_position = self._run_base_spec

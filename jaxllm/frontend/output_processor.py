@@ -1,9 +1,8 @@
 """Front-end output processing: core outputs in, ``RequestOutput`` out (vLLM's ``OutputProcessor``).
 
-Stop-string rules, as vLLM's: a match is searched only after ``min_tokens`` tokens; the first match to end
-wins, the text is cut before it (after it with ``include_stop_str_in_output``) and later tokens dropped; the
-eos/stop token adds no text unless ``include_stop_str_in_output``. A stream holds back only the tail that
-may still begin a stop string, so its ``delta_text``s always add up to the final ``text``.
+Stop strings, as vLLM's: searched only after ``min_tokens``; the first match to end wins, the text cut before it
+(after, with ``include_stop_str_in_output``); the eos/stop token adds no text unless that flag. A stream holds
+back only a tail that may begin a stop string, so its ``delta_text``s add up to the final ``text``.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ class OutputText:
     """One sequence's output text: detokenized, cut at stop strings, streamed (rules in the module docstring).
 
     Args:
-      detokenizer: the sequence's incremental detokenizer; None: the text stays empty.
-      params: its SamplingParams (``stop``, ``include_stop_str_in_output``, ``min_tokens``).
+      detokenizer: the sequence's incremental detokenizer; None: the text stays empty. params: its SamplingParams.
 
     Attributes:
       text: the output text so far. num_tokens: tokens decoded so far.
@@ -46,10 +44,8 @@ class OutputText:
         self._streamed = 0
 
     def add_tokens(self, token_ids: Sequence[int], stopped_by_token: bool = False) -> Optional[str]:
-        """Decode new ids in order, looking for stop strings; returns the stop string that matched, else None.
-
-        ``stopped_by_token``: the last id is the eos or stop token that ended the sequence.
-        """
+        """Decode new ids, looking for stop strings; returns the stop string that matched, else None
+        (``stopped_by_token``: the last id is the eos or stop token that ended the sequence)."""
         if self._detokenizer is None:
             return None
         if stopped_by_token and not self._include:
@@ -97,10 +93,8 @@ class OutputText:
 
 
 class TokenTexts:
-    """Logprob token texts of one sequence (vLLM's ``Logprob.decoded_token``), each in its context.
-
-    A candidate's text is what it adds after the tokens before it (``IncrementalDetokenizer.peek``), so the
-    chosen tokens' texts add up to the text; a special token shows its own text.
+    """Logprob token texts of one sequence (vLLM's ``Logprob.decoded_token``): what each candidate adds after the
+    tokens before it, so the chosen tokens' texts add up to the text.
 
     Args:
       tokenizer: None makes every text None. context: the ids before the first position.
@@ -137,10 +131,8 @@ def special_token_texts(tokenizer) -> dict[int, str]:
 
 def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: Sequence[int], top_logprobs: Sequence[float],
                   decode: Callable[[int], Optional[str]]) -> dict[int, Logprob]:
-    """One position's ``{token_id: Logprob}`` in vLLM's order: the chosen token first, then the top ``k`` (ranks 1..k).
-
-    ``decode`` maps a token id to its text at this position (``TokenTexts``).
-    """
+    """One position's ``{token_id: Logprob}`` in vLLM's order: the chosen token, then the top ``k``; ``decode``
+    maps an id to its text here."""
     entry = {int(token_id): Logprob(float(logprob), int(rank), decode(int(token_id)))}
     for i, (t, lp) in enumerate(zip(top_ids, top_logprobs)):
         entry[int(t)] = Logprob(float(lp), i + 1, decode(int(t)))
@@ -193,10 +185,8 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Turns core outputs into ``RequestOutput``s for the open requests (``requests``: id -> ``RequestState``).
-
-    ``tokenizer``: None leaves every text empty and ``Logprob.decoded_token`` None.
-    """
+    """Turns core outputs into ``RequestOutput``s for the open requests (``requests``: id -> ``RequestState``);
+    ``tokenizer`` None leaves every text empty."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -204,11 +194,8 @@ class OutputProcessor:
         self._special_texts = special_token_texts(tokenizer)
 
     def add_request(self, request: EngineCoreRequest, prompt: Optional[str]) -> None:
-        """Open the front-end state of a request the core is given (``prompt``: its text, None for token ids).
-
-        Raises:
-          ValueError: its id is already open.
-        """
+        """Open the front-end state of a request (``prompt``: its text, None for token ids).
+        Raises ValueError: its id is already open."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         params = request.sampling_params
@@ -243,12 +230,8 @@ class OutputProcessor:
         return bool(self.requests)
 
     def process_outputs(self, outputs: Sequence[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
-        """Apply one step's core outputs.
-
-        Returns:
-          a ``RequestOutput`` per open request touched (finished ones closed), and the ``(request_id, index)``
-          sequences a stop string ended, for the caller to stop in the core.
-        """
+        """Apply one step's core outputs; returns a ``RequestOutput`` per open request touched (finished ones
+        closed), and the ``(request_id, index)`` sequences a stop string ended, for the caller to stop."""
         touched: dict[str, RequestState] = {}
         to_stop: list[tuple[str, int]] = []
         now = time.monotonic()

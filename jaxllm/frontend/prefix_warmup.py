@@ -1,8 +1,5 @@
-"""Prefix-cache warm-up: common prompts computed at start-up (``EngineConfig.preload_prompts``).
-
-Each core computes them (``EngineCore.preload_prefixes``) and, under graceful degradation, pins their full
-blocks until KV pressure releases them into the LRU cache.
-"""
+"""Prefix-cache warm-up: common prompts computed at start-up by each core (``EngineConfig.preload_prompts``);
+under graceful degradation their blocks stay pinned until KV pressure releases them."""
 
 from __future__ import annotations
 
@@ -18,10 +15,7 @@ if TYPE_CHECKING:
 
 def preload_token_ids(path: Union[str, os.PathLike], input_processor: "InputProcessor") -> list[list[int]]:
     """The warm-up prompts of ``path`` as token ids, each checked as a request's prompt.
-
-    Raises:
-      ValueError: as ``jaxllm.config.read_preload_prompts``, or a prompt the model cannot take (index named).
-    """
+    Raises ValueError: as ``read_preload_prompts``, or a prompt the model cannot take (index named)."""
     ids = []
     for i, prompt in enumerate(read_preload_prompts(path)):
         try:

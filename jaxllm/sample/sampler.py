@@ -1,13 +1,8 @@
 """Batched token sampler: one jitted function for every row of a step (vLLM v1's ``Sampler``).
 
-Every per-request control is an array row, so no request property triggers a compilation. Order, as vLLM:
-structured-output bitmask; raw logprobs (``logprobs_mode="raw_logprobs"``); logit processors (bias row,
-allowed ids, bad words, ``min_tokens``); penalties (CTRL repetition, OpenAI frequency/presence); argmax for
-greedy rows, else temperature, min-p/top-k/top-p and a Gumbel-max draw.
-
-Per-request state lives on the device in :class:`SamplerTables`, indexed by a sampling slot (0 = padding).
-A row's key is ``fold_in(key(seed), num_generated)`` over the seed's full 64 bits, so its draws depend only
-on its seed and its token count, never on the batch. Design notes: docs/design/sampler.md.
+Every per-request control is an array row (no compilation per request), applied in vLLM's order; per-request
+state lives on the device in :class:`SamplerTables`, indexed by a sampling slot (0 = padding). A row's key is
+``fold_in(key(seed), num_generated)``, so its draws never depend on the batch. Design: docs/design/sampler.md.
 """
 
 from __future__ import annotations
@@ -78,11 +73,7 @@ class SamplingArrays:
 
     def set_row(self, row: int, params: SamplingParams, *, slot: int, seed: int, num_generated: int,
                 sample: bool = True, uses_bias: bool = False, banned: Sequence[int] = ()) -> None:
-        """Fill row ``row`` from one sequence's parameters and state.
-
-        Raises:
-          ValueError: more than ``MAX_BANNED_IDS`` banned ids.
-        """
+        """Fill row ``row`` from one sequence's parameters and state. Raises ValueError: too many banned ids."""
         self.set_banned(row, banned)
         self.slot[row] = slot
         self.temperature[row] = 0.0 if params.greedy else params.temperature
@@ -100,11 +91,7 @@ class SamplingArrays:
         self.sample_mask[row] = sample
 
     def set_banned(self, row: int, banned: Sequence[int]) -> None:
-        """Set row ``row``'s ids banned this step (the rest of its entries out of range).
-
-        Raises:
-          ValueError: more than ``MAX_BANNED_IDS`` banned ids (nothing is changed).
-        """
+        """Set row ``row``'s ids banned this step. Raises ValueError: more than ``MAX_BANNED_IDS`` (no change)."""
         if len(banned) > MAX_BANNED_IDS:
             raise ValueError(f"{len(banned)} ids banned by bad words in one step; at most {MAX_BANNED_IDS}")
         self.banned[row] = _NO_TOKEN
@@ -128,13 +115,9 @@ def seed_words(seed: int) -> tuple[int, int]:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplerTables:
-    """Per-slot state on the device, one row per sampling slot (``R`` slots, slot 0 the padding rows'),
-    donated to every program that changes it.
-
-      counts: int32[R, V] output-token counts.
-      prompt: bool[R, V] prompt-token presence.
-      bias: float32[R, V] additive bias (-inf = banned).
-      stop: bool[R, V] ids banned before ``min_tokens`` (eos and stop ids).
+    """Per-slot device state (``R`` slots, slot 0 the padding rows'), donated to every program that changes it:
+    counts int32[R, V] output-token counts; prompt bool[R, V] prompt-token presence; bias float32[R, V] additive
+    (-inf = banned); stop bool[R, V] ids banned before ``min_tokens``.
     """
 
     counts: jax.Array
@@ -155,11 +138,8 @@ def init_tables(num_slots: int, vocab: int) -> SamplerTables:
 
 def fill_slot(tables: SamplerTables, slot: jax.Array, token_ids: jax.Array, num_prompt: jax.Array,
               num_tokens: jax.Array) -> SamplerTables:
-    """Reset slot ``slot`` for a sequence (re)admitted with these tokens (recounted, so a recompute never counts twice).
-
-    Args:
-      tables: the tables (donated). slot: int32[]. token_ids: int32[L] prompt then output tokens, padded to a
-      fixed L. num_prompt: int32[] prompt length. num_tokens: int32[] prompt + output.
+    """Reset slot ``slot`` for a sequence (re)admitted with these tokens (recounted, never twice).
+    tables: donated; slot, num_prompt, num_tokens: int32[]; token_ids: int32[L] prompt then output, padded.
     """
     pos = jnp.arange(token_ids.shape[0])
     in_prompt = pos < num_prompt
@@ -216,11 +196,9 @@ class PromptLogprobRows:
 
 def apply_logit_processors(logits: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
                            extra_counts: jax.Array | None = None) -> jax.Array:
-    """Bias row, bad-word bans and min_tokens, then penalties (vLLM v1 order).
-
-    logits: float32[S, V], returned in the same shape. extra_counts: int32[S, V] output tokens counted on top of
-    the slot's (the drafts before a verified position), or None. Repetition (CTRL): seen tokens' logits divided
-    by the penalty when positive, multiplied when negative; frequency/presence (OpenAI) over output tokens.
+    """Bias row, bad-word bans and min_tokens, then penalties (vLLM v1 order: CTRL repetition, OpenAI
+    frequency/presence over output tokens). logits: float32[S, V], same shape out. extra_counts: int32[S, V]
+    output tokens counted on top of the slot's (drafts before a verified position), or None.
     """
     slot = arrays.slot
     rows = jnp.arange(logits.shape[0])[:, None]
@@ -240,11 +218,8 @@ def apply_logit_processors(logits: jax.Array, arrays: SamplingArrays, tables: Sa
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
-    """-inf on the tokens a packed bitmask does not allow.
-
-    logits: [S, V] float32; bitmask: int32[S, ceil(V / 32)], token ``t``
-    allowed when bit ``t % 32`` of word ``t // 32`` is set (llguidance's and
-    vLLM's layout); bits past V are ignored. Returns [S, V].
+    """-inf on the tokens a packed bitmask does not allow. logits: [S, V] float32; bitmask: int32[S, ceil(V / 32)],
+    token ``t`` allowed when bit ``t % 32`` of word ``t // 32`` is set (llguidance's layout). Returns [S, V].
     """
     bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
     allowed = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[-1]] != 0
@@ -277,11 +252,8 @@ ARGMAX_CHUNKS = (128, 256, 64, 512, 32)
 
 
 def argmax_rows(logits: jax.Array) -> jax.Array:
-    """``jnp.argmax(logits, axis=-1)`` of float ``[R, V]`` as int32 ``[R]``, the same index, in two vectorized passes.
-
-    Max per chunk of :data:`ARGMAX_CHUNKS` width, then the argmax within the first chunk holding the maximum;
-    a batch with a NaN sum, or a V no width divides, takes ``jnp.argmax``. Why: docs/design/sampler.md.
-    """
+    """``jnp.argmax(logits, axis=-1)`` of float ``[R, V]`` as int32 ``[R]``, the same index, in two vectorized
+    passes over :data:`ARGMAX_CHUNKS` (why: docs/design/sampler.md)."""
     num_rows, vocab = logits.shape
     chunk = next((c for c in ARGMAX_CHUNKS if vocab % c == 0 and vocab // c >= 2), None)
     if chunk is None:
@@ -340,11 +312,7 @@ def _with_bitmask(raw: jax.Array, bitmask: Optional[jax.Array]) -> jax.Array:
 
 def _choose(raw: jax.Array, arrays: SamplingArrays, tables: SamplerTables, bitmask: Optional[jax.Array],
             extra_counts: Callable[[], jax.Array] | None = None) -> jax.Array:
-    """One token per row of float32 ``raw`` [R, V]: bitmask, processors, then argmax or a draw.
-
-    A row the processors leave without a token chooses as if it had none. Each ``lax.cond`` returns tokens,
-    never logits (a logits-valued branch copies [R, V] every step: docs/design/sampler.md).
-    """
+    """One token per row of float32 ``raw`` [R, V]: bitmask, processors, then argmax or a draw."""
     constrained = False if bitmask is None else jnp.any(bitmask != -1)
     needs_processing = constrained | jnp.any(
         arrays.use_bias | (arrays.presence_penalty != 0) | (arrays.frequency_penalty != 0)
@@ -375,16 +343,14 @@ def _choose(raw: jax.Array, arrays: SamplingArrays, tables: SamplerTables, bitma
 
 def sample(logits: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
            bitmask: Optional[jax.Array] = None) -> tuple[SamplerOutput, SamplerTables]:
-    """Draw one token per row and count it in the row's slot.
+    """Draw one token per row and count it in the row's slot; each stage runs only when some row needs it.
 
     Args:
-      logits: float32[S, V]. arrays: the rows' :class:`SamplingArrays` on the device.
-      tables: the :class:`SamplerTables` (donated).
-      bitmask: int32[S, ceil(V / 32)] allowed tokens (all ones for unconstrained rows), or None.
+      logits: float32[S, V]. arrays: the rows' :class:`SamplingArrays`. tables: :class:`SamplerTables` (donated).
+      bitmask: int32[S, ceil(V / 32)] allowed tokens, or None.
 
     Returns:
       ``(out, tables)``: a :class:`SamplerOutput` of ``[S]`` rows and the tables with used samples counted.
-      Each stage runs only when some row needs it (``lax.cond``).
     """
     raw = logits.astype(jnp.float32)
     tokens = _choose(raw, arrays, tables, bitmask)
@@ -409,18 +375,15 @@ def _draft_counts(drafts: jax.Array, vocab: int) -> jax.Array:
 
 def verify(logits: jax.Array, drafts: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
            bitmask: Optional[jax.Array] = None) -> tuple[SamplerOutput, SamplerTables]:
-    """Verify each row's drafts and emit its accepted drafts plus one token (speculative decoding).
-
-    Position j samples as without speculation (drafts before it count as output, keys see ``num_generated + j``);
-    a row accepts its longest run of drafts equal to those tokens. For temperature > 0 this is the
-    rejection-sampling rule of Leviathan et al. 2023 for a point-mass draft, so a seeded request emits exactly
-    the tokens it would without speculation.
+    """Verify each row's drafts and emit its accepted drafts plus one token (speculative decoding): position j
+    samples as without speculation and a row accepts its longest run of matching drafts, so a seeded request emits
+    exactly what it would without speculation (Leviathan et al. 2023, point-mass drafts).
 
     Args:
       logits: float32[S * P, V], row ``s * P + j`` = row s at position j.
       drafts: int32[S, P], -1 where a position verifies nothing.
       arrays: ``SamplingArrays.repeat(P)`` on the device. tables: donated.
-      bitmask: int32[S, ceil(V / 32)] applied at position 0 only (constrained rows carry no drafts), or None.
+      bitmask: int32[S, ceil(V / 32)] applied at position 0 only, or None.
 
     Returns:
       ``(out, tables)``: a :class:`SamplerOutput` of ``[S, P]`` rows with ``num_emitted: int32[S]``.
@@ -447,16 +410,13 @@ def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: j
                      logits_indices: jax.Array, num_spec_tokens: jax.Array, arrays: SamplingArrays,
                      tables: SamplerTables, num_positions: int,
                      bitmask: Optional[jax.Array] = None) -> tuple[SamplerOutput, SamplerTables]:
-    """The sampler of a step that may carry drafts: :func:`verify` when some row does, else :func:`sample`.
+    """:func:`verify` when some row carries drafts, else :func:`sample` (as ``verify``'s outputs).
 
     Args:
       compute_logits: hidden ``[N, E]`` -> float32 logits ``[N, V]``. hidden: ``[T, E]``.
       input_ids: int32[T] (a row's drafts are its last ``num_spec_tokens``). logits_indices,
       num_spec_tokens: int32[S]. arrays: ``SamplingArrays.repeat(num_positions)``. tables: donated.
       num_positions: static P = 1 + the most drafts a row may carry. bitmask: as :func:`verify`.
-
-    Returns:
-      :func:`verify`'s outputs (without drafts: position 0, ``num_emitted`` 1).
     """
     position = jnp.arange(num_positions)[None, :]
     first = (logits_indices - num_spec_tokens)[:, None]
@@ -480,13 +440,8 @@ def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: j
 def prompt_logprobs(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array,
                     target_ids: jax.Array) -> PromptLogprobRows:
     """Raw logprobs of each token row's next prompt token, and its top tokens (vLLM's prompt logprobs).
-
-    Args:
-      compute_logits: hidden ``[N, E]`` -> float32 logits ``[N, V]``. hidden: ``[T, E]``.
-      target_ids: int32[T] the next prompt token, -1 where none is wanted.
-
-    Returns:
-      :class:`PromptLogprobRows` of ``[T]`` rows (zeros at -1); the lm_head is skipped when no row wants them.
+    compute_logits: hidden ``[N, E]`` -> float32 ``[N, V]``; hidden: ``[T, E]``; target_ids: int32[T], -1 where
+    none is wanted. Returns :class:`PromptLogprobRows` of ``[T]`` rows (zeros at -1).
     """
     def row(h_and_target: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         h, target = h_and_target

@@ -1,8 +1,5 @@
-"""Host side of the sampler: sampling slots and per-sequence rows.
-
-A running sequence holds a sampling slot, a row of ``sampler.SamplerTables``: taken when it is scheduled
-without one (and refilled from its tokens), given back when it is preempted or finished.
-"""
+"""Host side of the sampler: sampling slots (rows of ``sampler.SamplerTables``, taken when a sequence is scheduled
+without one, given back when it is preempted or finished) and per-sequence rows."""
 
 from __future__ import annotations
 
@@ -50,10 +47,8 @@ class SequenceSampling:
 
 def make_sequence_sampling(params: SamplingParams, seed: int, stop_ids: Sequence[int], vocab_size: int,
                            bad_words: Sequence[Sequence[int]] = ()) -> SequenceSampling:
-    """One sequence's host sampling state; ids were checked by the front end (``frontend.input_processor``).
-
-    The bias row adds ``logit_bias`` and puts -inf outside ``allowed_token_ids`` and on single-token bad words.
-    """
+    """One sequence's host sampling state (ids checked by the front end); the bias row adds ``logit_bias`` and
+    puts -inf outside ``allowed_token_ids`` and on single-token bad words."""
     multi = [list(w) for w in bad_words if len(w) > 1]
     bias = None
     single = [w[0] for w in bad_words if len(w) == 1]
@@ -69,11 +64,8 @@ def make_sequence_sampling(params: SamplingParams, seed: int, stop_ids: Sequence
 
 
 class SamplingSlots:
-    """Assigns sampling slots and builds each step's :class:`SamplingArrays` for the core's ``CoreSequence``s.
-
-    Args:
-      num_slots: rows of the device tables, slot 0 included (>= max_num_seqs + 1).
-      vocab_size: the model's vocabulary. tables: writes the device tables (the runner).
+    """Assigns sampling slots and builds each step's :class:`SamplingArrays`. num_slots: device table rows, slot 0
+    included (>= max_num_seqs + 1); vocab_size: the model's; tables: writes the device tables (the runner).
     """
 
     def __init__(self, num_slots: int, vocab_size: int, tables: SlotTables) -> None:
@@ -120,11 +112,8 @@ class SamplingSlots:
         return any(_has_multi_word(output.requests[i]) for i in fed.tolist())
 
     def arrays(self, output: SchedulerOutput, num_rows: int, num_positions: int = 1) -> SamplingArrays:
-        """The step's per-row controls (a fork parent's row stays inert); preempted sequences must be released first.
-
-        With ``num_positions > 1`` each row is repeated per position, banning the bad words its output plus the
-        drafts before that position would complete.
-        """
+        """The step's per-row controls (preempted sequences released first); with ``num_positions > 1`` each row
+        is repeated per position, banning the bad words its output plus the drafts before it would complete."""
         arrays = SamplingArrays.empty(num_rows)
         for i, row in enumerate(output.scheduled):
             request = row.request

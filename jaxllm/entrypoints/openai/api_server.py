@@ -1,30 +1,14 @@
 """``jaxllm serve [MODEL]``: the OpenAI-compatible HTTP server (FastAPI + uvicorn; vLLM's ``vllm serve``).
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
-server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a final usage chunk),
-``POST /v1/responses`` and ``GET /v1/responses/{id}`` (OpenAI's Responses API, ``serving_responses``),
-``GET /health`` (503 once an engine core died), ``GET /metrics`` (Prometheus), ``POST /tokenize``,
-``POST /detokenize``, ``POST /v1/completions/render`` and ``POST /v1/chat/completions/render`` (vLLM's: a request's
-prompt token ids and sampling params, without generating), ``GET /tokenizer_info`` (with ``--enable-tokenizer-info-endpoint``, as vLLM: the
-tokenizer's settings and chat template), ``GET /version``, ``GET /debug/kv`` (KV cache diagnostics of a core:
-``?core=0``, ``&block_map=false`` for the numbers alone; ``jaxllm diag`` reads it). Behind vllm-router, the fields
-it adds to forwarded requests are accepted at its defaults (``router_compat``). With ``JAXLLM_SERVER_DEV_MODE=1``,
-also ``POST /sleep?level=1``, ``POST /wake_up`` (``?tags=weights&tags=kv_cache``), ``GET /is_sleeping``,
-``POST /reset_prefix_cache`` and ``POST /update_weights_from_disk`` (``{"model_path": ...}``): see
-:func:`add_weight_routes`; while the engine sleeps, generation requests answer 503. Also ``POST /kv_cache/compact``
-and ``POST /kv_cache/resize?num_blocks=N`` (:func:`add_kv_pool_routes`; ``jaxllm diag --compact``).
+Routes: OpenAI's ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses``; vLLM's
+``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``, the render routes, ``/tokenizer_info``, ``/version``,
+``/debug/kv``; in dev mode (``JAXLLM_SERVER_DEV_MODE=1``) the weight and KV-pool routes (:func:`add_weight_routes`,
+:func:`add_kv_pool_routes`). The list, flags and behaviour: docs/serving/openai.md.
 
-Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, a wrong
-type, a value out of range (naming the field and the limit) or a field the server does not honour (naming it), 401
-for a missing or wrong key (``--api-key``, ``/v1`` routes only), 404 for an unknown model or route, 503 when
-``--max-waiting-requests`` are waiting, 500 when an engine core died. A client that disconnects aborts its
-requests (their KV blocks are freed in the core's next loop turn). SIGTERM (or Ctrl-C) stops accepting
-connections, lets requests in flight finish for up to ``--shutdown-timeout`` seconds, stops the engine cores and
-exits 0. ``--chat-template`` replaces the model's chat template (a model without one can then serve chat).
-``--enable-auto-tool-choice`` with ``--tool-call-parser`` reads the calls a model writes (``tool_choice: "auto"``),
-``--reasoning-parser`` splits its reasoning off (``tool_parsers``, ``reasoning_parsers``).
-
-The engine cores run in child processes (``jaxllm.core.client.MPClient``), one per ``--data-parallel-size``.
+Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad input (field and limit
+named), 401 bad key, 404 unknown model or route, 503 queue full or asleep, 500 engine core died. A client that
+disconnects aborts its requests. SIGTERM drains for up to ``--shutdown-timeout`` seconds, then exits 0. The
+engine cores run in child processes (``MPClient``), one per ``--data-parallel-size``.
 """
 
 from __future__ import annotations
@@ -188,8 +172,8 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_toke
 
 
 def add_error_handlers(app: FastAPI, error) -> None:
-    """OpenAI's error body for every failure a request can meet (``error``: build_app's response maker): a
-    refused value or field (400, naming it), a queue that is full (503), an engine that died (500)."""
+    """OpenAI's error body for every failure: a refused value or field (400, named), full queue (503), dead
+    engine (500)."""
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -229,9 +213,8 @@ def add_worker_parts(app, serving, enable_tokenizer_info: bool) -> None:
 
 
 def add_render_routes(app: FastAPI, serving) -> None:
-    """vLLM's render routes, which a router (vllm-router's ``kv_aware``) calls to learn a request's prompt token ids
-    without generating: ``POST /v1/completions/render`` (a list, one ``GenerateRequest`` body per prompt) and
-    ``POST /v1/chat/completions/render`` (one); the request is checked as its generation route checks it."""
+    """vLLM's render routes (a request's prompt token ids, without generating): ``POST /v1/completions/render``
+    (one body per prompt) and ``POST /v1/chat/completions/render``; checked as the generation routes check."""
 
     @app.post("/v1/completions/render")
     async def render_completion(body: CompletionRequest):
@@ -254,8 +237,7 @@ def add_tokenizer_info_route(app, serving) -> None:
 
 
 def add_responses_routes(app: FastAPI, responses: OpenAIServingResponses, respond) -> None:
-    """``POST /v1/responses`` (through ``respond``, build_app's: streamed or whole) and
-    ``GET /v1/responses/{id}``."""
+    """``POST /v1/responses`` (streamed or whole) and ``GET /v1/responses/{id}``."""
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
@@ -267,10 +249,8 @@ def add_responses_routes(app: FastAPI, responses: OpenAIServingResponses, respon
 
 
 def add_weight_routes(app, engine) -> None:
-    """The routes RL frameworks drive between rollouts (vLLM's dev-mode ``/sleep``, ``/wake_up``,
-    ``/is_sleeping``, ``/reset_prefix_cache``; SGLang's ``/update_weights_from_disk``), over an ``AsyncLLM``.
-    A refused call answers 400 (a bad value or a missing ``--enable-sleep-mode``: ValueError) or 409 (the engine's
-    state forbids it, e.g. requests still running: RuntimeError), naming why."""
+    """vLLM's dev-mode ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache`` and SGLang's
+    ``/update_weights_from_disk``, over an ``AsyncLLM``: 400 for a ValueError, 409 for a RuntimeError, naming why."""
 
     @app.exception_handler(EngineSleepingError)
     async def sleeping(_: Request, e: EngineSleepingError) -> JSONResponse:
@@ -302,10 +282,8 @@ def add_weight_routes(app, engine) -> None:
 
 
 def add_kv_pool_routes(app, engine) -> None:
-    """The elastic KV pool's routes (dev mode): ``POST /kv_cache/compact`` (``AsyncLLM.kv_cache_compact``) and
-    ``POST /kv_cache/resize?num_blocks=N`` (``AsyncLLM.kv_cache_resize``), each answering ``{"cores": [one report
-    per core]}``, between the cores' steps while requests run; ``jaxllm diag --compact`` / ``--resize N`` call them.
-    A refused resize answers 400 naming the value and the limit (the pool unchanged), a sleeping KV cache 409."""
+    """Dev mode: ``POST /kv_cache/compact`` and ``POST /kv_cache/resize?num_blocks=N`` (``AsyncLLM``'s), each
+    answering ``{"cores": [report per core]}``; 400 for a refused resize (pool unchanged), 409 while asleep."""
 
     @app.post("/kv_cache/compact")
     async def kv_cache_compact():
@@ -317,8 +295,7 @@ def add_kv_pool_routes(app, engine) -> None:
 
 
 async def _refused_as_api_errors(work) -> Any:
-    """Await an engine call, a refusal turned into an APIError: 400 for a ValueError (a bad value), 409 for a
-    RuntimeError (the engine's state forbids it); a dead engine stays an EngineDeadError (500)."""
+    """Await an engine call, a ValueError as a 400 APIError, a RuntimeError as 409; EngineDeadError stays (500)."""
     try:
         return await work
     except ValueError as e:
