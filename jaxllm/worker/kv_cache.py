@@ -458,7 +458,7 @@ KV_QUANT_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e
 # Calibrated |k|, |v| maxima are mapped to the type's largest value divided by this: room for
 # keys and values larger than the calibration text's (clipped beyond), at the cost of
 # log2(margin) bits of int8 resolution. Chosen from the perplexity of the default model
-# (README, "Quantization").
+# (docs/quantization.md).
 KV_SCALE_MARGIN = 2.0
 
 # Fixed English text of the KV calibration pass (written for this purpose).
