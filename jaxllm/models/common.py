@@ -393,7 +393,7 @@ def hidden_states(
 def with_head_panels(params: Params, cfg: ModelConfig) -> Params:
     """``params`` plus the tied unquantized embedding packed for the CPU lm_head kernel where used; else ``params``.
 
-    A new embedding must be packed again (``WeightStore.set_param`` does).
+    A new embedding must be packed again (``WeightStore.set_param`` does). Raises nothing.
     """
     embed = params.get("embed")
     if not cfg.tie_word_embeddings or embed is None or "lm_head_scale" in params:
