@@ -1,12 +1,4 @@
-"""The one place that knows which Pallas GPU backend the kernels target.
-
-Kernel bodies stay portable Pallas (BlockSpecs, ``ref[...]`` loads and stores,
-``lax.dot_general``). Two things are Triton-specific and live here: the
-compiler params (``num_warps``, ``num_stages``) and masked stores. JAX 0.10
-and 0.11 both ship them as ``jax.experimental.pallas.triton.CompilerParams``
-and ``.store``. When the Triton lowering is retired in favour of Mosaic GPU,
-this file is what has to change.
-"""
+"""The one place that knows the Pallas GPU backend is Triton: compiler params and masked stores."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Pieces shared by the paged attention kernels: KV gathering through a block
-table and one online-softmax step (FlashAttention-2, Dao 2023, Algorithm 1).
-
-These run inside Pallas kernel bodies, on values already loaded from refs.
-Shapes are powers of two so that Triton accepts them.
+"""Pieces shared by the Pallas attention kernels: KV gathering through a block table and one online-softmax
+step (FlashAttention-2, Algorithm 1), on values already loaded from refs; power-of-two shapes for Triton.
 """
 
 from __future__ import annotations
@@ -34,14 +31,10 @@ def init_carry(num_rows: int, head_dim: int) -> Carry:
 
 
 def load_kv_chunk(tables_ref, table_offset, chunk, k_ref, v_ref, *, block_k: int, block_size: int):
-    """Gather KV positions ``[chunk * block_k, (chunk + 1) * block_k)`` of one sequence.
+    """Gather KV positions ``[chunk * block_k, (chunk + 1) * block_k)`` of one sequence, token by token.
 
-    tables_ref: the flattened block tables, int32[S * W]; the sequence's row
-    starts at ``table_offset``. k_ref, v_ref: [num_slots, head_dim] of one KV
-    head. Gathering per token rather than per block lets ``block_k`` and
-    ``block_size`` be chosen independently (vLLM's Triton kernels do the same).
-
-    Returns (kv_pos int32[block_k], k [block_k, head_dim], v [block_k, head_dim]).
+    tables_ref: flattened int32[S * W], the sequence's row at ``table_offset``; k_ref, v_ref: [num_slots, head_dim]
+    of one KV head. Returns (kv_pos int32[block_k], k [block_k, head_dim], v [block_k, head_dim]).
     """
     kv_pos = chunk * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     blocks = tables_ref[table_offset + lax.div(kv_pos, block_size)]
@@ -67,15 +60,11 @@ def attend_chunk(
     scale: float,
     soft_cap: Optional[float],
 ) -> Carry:
-    """Fold one KV chunk into the running softmax of a query tile.
+    """Fold one KV chunk into a query tile's running softmax.
 
-    q: [M, head_dim], k, v: [block_k, head_dim] as the cache holds them
-    (q's dtype, or int8 / float8_e4m3fn numbers, converted to q's dtype
-    here; a quantized cache's K scale belongs in ``scale`` and its V scale
-    is applied to the result), mask: bool[M, block_k], True where the key
-    is visible to the row. Masked keys get exactly zero weight, so a row
-    that never sees a key keeps ``row_sum == 0`` and :func:`finish` turns it
-    into zeros.
+    q: [M, head_dim]; k, v: [block_k, head_dim] as stored (converted to q's dtype; a quantized cache's K scale
+    belongs in ``scale``, its V scale is applied after); mask: bool[M, block_k]. Masked keys get zero weight;
+    a row seeing no key keeps ``row_sum == 0`` (zeros from :func:`finish`).
     """
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     scores = _dot(q, k, contract_b=1) * scale
@@ -117,10 +106,7 @@ def check_attention_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
 
 def pad_tables(block_tables: jax.Array, *, block_k: int, block_size: int) -> tuple[jax.Array, int]:
-    """Flatten block tables to int32[S * W'], W' covering whole block_k chunks.
-
-    The padding entries point at block 0; the kernels mask what they read there.
-    """
+    """Block tables flattened to int32[S * W'], W' covering whole ``block_k`` chunks (padding -> block 0, masked)."""
     _, width = block_tables.shape
     chunks = -(-width * block_size // block_k)
     padded_width = -(-chunks * block_k // block_size)

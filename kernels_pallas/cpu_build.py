@@ -1,12 +1,7 @@
-"""Builds the C++ CPU kernels into one library, loads it and registers its XLA FFI targets.
-
-The sources sit beside their ops (``attention/paged_attention_cpu.cc``, ``matmul/matmul_cpu.cc``, sharing
-``cpu_vectors.h``); the backends that call them are ``attention/cpu.py``, ``matmul/cpu.py`` and ``lm_head/cpu.py``.
-The library is compiled once per source, compiler flags, jaxlib version and CPU (its instruction-set flags) with the
-system's C++ compiler (``$CXX`` or ``c++``) into ``$XDG_CACHE_HOME/jaxllm/native`` (default
-``~/.cache/jaxllm/native``; a ``JAXLLM_NATIVE_CACHE`` path overrides it) as ``jaxllm_cpu-<hash>.so``. Where no
-compiler is found or the build fails, :func:`available` is False (the reason in :func:`unavailable_reason`) and the
-ops table keeps the ``jnp`` attention and XLA's dots; ``JAXLLM_NATIVE_KERNELS=0`` turns the kernels off.
+"""Builds the C++ CPU kernels (``attention/paged_attention_cpu.cc``, ``matmul/matmul_cpu.cc``) into one cached
+library, loads it and registers its XLA FFI targets. Where no compiler is found, the build fails or
+``JAXLLM_NATIVE_KERNELS=0``, :func:`available` is False (why: :func:`unavailable_reason`). Cache location and
+key: docs/design/kernels.md.
 """
 
 from __future__ import annotations
@@ -51,12 +46,9 @@ def _cache_dir() -> Path:
 
 
 def library_path(compiler: str) -> Path:
-    """Where the library built by ``compiler`` (a path or name) for these sources, these flags, this jaxlib and this
-    CPU (``cpu_features.flags_line``) is cached: ``<cache dir>/jaxllm_cpu-<16 hex digits of their SHA-256>.so``.
-    Builds nothing.
+    """Cache path of the library for ``compiler`` and these sources, flags, jaxlib and CPU: ``jaxllm_cpu-<16 hex>.so``.
 
-    Raises:
-      OSError: a C++ source cannot be read.
+    Builds nothing. Raises OSError where a source cannot be read.
     """
     import jaxlib
 
@@ -67,11 +59,7 @@ def library_path(compiler: str) -> Path:
 
 
 def _build(compiler: str) -> Path:
-    """The compiled library's path (:func:`library_path`), compiling it unless it is there.
-
-    Raises:
-      subprocess.CalledProcessError / OSError: the compiler failed or could not write the cache.
-    """
+    """The library's path, compiled unless cached (CalledProcessError / OSError on failure)."""
     include = jax.ffi.include_dir()
     out = library_path(compiler)
     if out.exists():
@@ -92,8 +80,7 @@ def _build(compiler: str) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """Whether the kernels are built and registered (once per process; False where they cannot be, see the
-    module). Raises nothing."""
+    """Whether the kernels are built and registered (decided once per process). Raises nothing."""
     global _reason
     if os.environ.get("JAXLLM_NATIVE_KERNELS", "1") == "0":
         _reason = "JAXLLM_NATIVE_KERNELS=0"

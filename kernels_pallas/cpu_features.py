@@ -1,9 +1,4 @@
-"""The host CPU's instruction sets, read from ``/proc/cpuinfo``: the one reader of that file.
-
-The ops table picks the CPU kernels by these flags, the C++ library's cache key holds them (code built with
-``-march=native`` where AVX-512 exists dies of an illegal instruction where it does not), and the benchmarks and the
-start-up log print them.
-"""
+"""The host CPU's instruction sets, read from ``/proc/cpuinfo`` (the one reader of that file)."""
 
 from __future__ import annotations
 
@@ -16,8 +11,7 @@ ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX-512-BF16"
 
 
 def flags_line(cpuinfo: Path = CPUINFO) -> str:
-    """The first CPU's ``flags`` line of ``cpuinfo`` as written; "" where the file is unreadable (not Linux) or has
-    none. Raises nothing."""
+    """The first CPU's ``flags`` line as written; "" where unreadable or absent. Raises nothing."""
     try:
         text = cpuinfo.read_text()
     except OSError:
@@ -27,15 +21,13 @@ def flags_line(cpuinfo: Path = CPUINFO) -> str:
 
 @functools.lru_cache(maxsize=None)
 def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
-    """The first CPU's flags (``{"avx2", "avx512f", ...}``), each a whole name; empty where the file is unreadable.
-    Read once per path; raises nothing."""
+    """The first CPU's flags (``{"avx2", "avx512f", ...}``); empty where unreadable. Cached per path; raises nothing."""
     line = flags_line(cpuinfo)
     return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
 
 
 def cpu_instruction_sets(cpuinfo: Path = CPUINFO) -> list[str]:
-    """The names (``ISA_FLAGS``' values) of the instruction sets the first CPU of ``cpuinfo`` lists; empty where
-    the file is missing (not Linux) or names none of them."""
+    """Names (``ISA_FLAGS``' values) of the instruction sets the first CPU lists; empty if none or unreadable."""
     flags = cpu_flags(cpuinfo)
     return [name for flag, name in ISA_FLAGS.items() if flag in flags]
 

@@ -11,12 +11,8 @@ matmul         ``cpu`` (C++, a layer's weight read in place from the stack), ``x
 lm_head        ``cpu`` (C++, the tied embedding optionally packed in panels), ``xla`` (XLA's dot)
 =============  ==============================================================================================
 
-:func:`select` picks a backend from data alone (the platform, the device count, the CPU's flags, a step's rows and
-the weight's dtype), by the tables below, whose limits are the crossovers measured with ``scripts/bench_matmul.py``
-(``docs/design/kernels.md``). The entry points the models call (:func:`layer_matmul`, :func:`lm_head`) take the
-C++ kernel where the table picks it, the kernel takes the weight's shape and the library is built
-(``cpu_build.available``).
-The C++ kernels have no derivative: the differentiable forward keeps XLA's dots.
+:func:`select` picks a backend from data alone (platform, device count, CPU flags, rows, weight dtype);
+limits measured in docs/design/kernels.md. The C++ kernels have no derivative.
 """
 
 from __future__ import annotations
@@ -74,8 +70,9 @@ __all__ = [
 
 
 def projection_max_rows(dtype: Any, features: frozenset[str]) -> int:
-    """The most rows the C++ matmul takes for a weight of ``dtype`` (float32; bfloat16 or its uint16 bits) on a
-    CPU with ``features`` (``cpu_features.cpu_flags()``), by :data:`PROJECTION_MAX_ROWS`; 0 for other dtypes."""
+    """Most rows the C++ matmul takes for a ``dtype`` weight (float32; bfloat16 or its uint16 bits) on a CPU with
+    ``features``, by :data:`PROJECTION_MAX_ROWS`; 0 for other dtypes.
+    """
     dtype = jnp.dtype(dtype)
     kind = "float32" if dtype == jnp.float32 else "bfloat16" if dtype in (jnp.bfloat16, jnp.uint16) else None
     if kind is None:
@@ -85,24 +82,14 @@ def projection_max_rows(dtype: Any, features: frozenset[str]) -> int:
 
 def select(op: str, *, platform: str, features: frozenset[str] = frozenset(), rows: int = 1,
            dtype: Any = jnp.float32, devices: int = 1, packed: bool = False) -> str:
-    """The backend the table picks for ``op`` (one of :data:`OPS`).
+    """The backend the table picks for ``op`` (one of :data:`OPS`), from data alone.
 
-    Args:
-      platform: JAX's backend name (``"cpu"``, ``"gpu"``, ``"tpu"``).
-      features: the CPU's flags (``cpu_features.cpu_flags()``).
-      rows: the step's rows (tokens for ``matmul``, sequences for ``lm_head``).
-      dtype: the weight's dtype (``matmul``, ``lm_head``).
-      devices: the device count (the C++ calls are not partitioned: one device only).
-      packed: for ``lm_head``, whether the tied embedding is packed (:data:`HEAD_PANELS`).
-
-    Returns:
-      ``attention``: :data:`DEFAULT_ATTENTION_BACKEND`'s; ``cache_write``: ``"pallas"`` where attention is, else
-      ``"reference"``; ``matmul``: ``"cpu"`` on one CPU device up to :func:`projection_max_rows`, else ``"xla"``;
-      ``lm_head``: ``"cpu"`` on one CPU device for a float32 weight from :data:`LM_HEAD_MIN_ROWS` rows (any with
-      ``packed``), else ``"xla"``.
-
-    Raises:
-      ValueError: an op not in :data:`OPS`.
+    ``platform``: JAX's backend name; ``features``: ``cpu_features.cpu_flags()``; ``rows``: tokens (``matmul``) or
+    sequences (``lm_head``); ``dtype``: the weight's; ``devices``: device count (C++ needs one); ``packed``: tied
+    embedding packed. Returns ``attention``: :data:`DEFAULT_ATTENTION_BACKEND`'s (else ``"xla"``); ``cache_write``:
+    ``"pallas"`` with Pallas attention, else ``"reference"``; ``matmul``: ``"cpu"`` on one CPU device up to
+    :func:`projection_max_rows`; ``lm_head``: ``"cpu"`` on one CPU device for float32 from :data:`LM_HEAD_MIN_ROWS`
+    rows (any if ``packed``); otherwise ``"xla"``. Raises ValueError for an op not in :data:`OPS`.
     """
     attention = DEFAULT_ATTENTION_BACKEND.get(platform, "xla")
     one_cpu = platform == "cpu" and devices == 1
@@ -133,22 +120,11 @@ class AttentionOps(NamedTuple):
 
 
 def get_attention_ops(backend: str, *, interpret: bool = False) -> AttentionOps:
-    """The attention ops of one backend.
+    """The attention ops of ``backend``: ``"pallas"`` (GPU kernels, decode-only steps via :func:`decode_fast_path`;
+    ``interpret`` runs the Pallas interpreter), ``"xla"`` (``attention.xla``) or ``"reference"``.
 
-    Args:
-      backend: ``"pallas"`` (the Pallas GPU kernels), ``"xla"`` (tiled plain ``jnp`` whose cost follows the
-        sequences, handing rows to the C++ kernel on XLA's CPU backend; ``attention.xla``) or ``"reference"``
-        (the simplest plain ``jnp``, the ground truth).
-      interpret: for ``"pallas"``, bind ``interpret=True`` so the kernels run in the Pallas interpreter (slow; CPU
-        tests). Ignored otherwise.
-
-    Returns:
-      AttentionOps whose members take the arguments of ``ragged_paged_attention_reference`` and
-      ``kv_cache_write_reference``. The Pallas decode kernel serves decode-only steps inside
-      ``ragged_paged_attention`` (:func:`decode_fast_path`).
-
-    Raises:
-      ValueError: for an unknown backend.
+    Members take ``ragged_paged_attention_reference``'s and ``kv_cache_write_reference``'s arguments.
+    Raises ValueError for an unknown backend.
     """
     if backend == "pallas":
         return AttentionOps(
@@ -165,18 +141,12 @@ def get_attention_ops(backend: str, *, interpret: bool = False) -> AttentionOps:
 
 
 def decode_fast_path(ragged: Callable[..., jax.Array], decode: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """A ragged attention that hands decode-only steps to a decode kernel.
+    """A ragged attention handing decode-only steps to a decode kernel.
 
-    Args:
-      ragged: with ``ragged_paged_attention_reference``'s signature.
-      decode: with ``paged_attention_reference``'s signature (one query per sequence; rows with ``seq_lens`` 0
-        give zeros).
-
-    Returns:
-      A function with the ragged signature. When every live sequence row of the step has exactly one new token,
-      it gathers those queries (``[S, Hq, D]``), runs ``decode`` and scatters the rows back to their token
-      positions; otherwise it runs ``ragged``. The choice is a ``lax.cond`` on the batch arrays, so both live in
-      one compiled program.
+    ragged: ``ragged_paged_attention_reference``'s signature; decode: ``paged_attention_reference``'s
+    (rows with ``seq_lens`` 0 give zeros). Returns a function with the ragged signature that, when every
+    live row has one new token, runs ``decode`` on the gathered ``[S, Hq, D]`` queries and scatters them
+    back; otherwise ``ragged``. The choice is a ``lax.cond``: both in one program.
     """
     def attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, **static):
         num_tokens, num_rows = q.shape[0], block_tables.shape[0]
@@ -198,35 +168,33 @@ def decode_fast_path(ragged: Callable[..., jax.Array], decode: Callable[..., jax
 
 
 def default_attention_backend() -> str:
-    """The attention backend :func:`select` picks for JAX's default backend: ``"pallas"`` on a GPU, else
-    ``"xla"``."""
+    """:func:`select`'s attention backend for JAX's default backend."""
     return select("attention", platform=jax.default_backend())
 
 
 # ------------------------------------------------------------------ the projection matmul
 
 def matmul_backend(x: jax.Array, stacked_w: jax.Array) -> str:
-    """``"cpu"`` where the projection ``x [M, K] @ stacked_w[layer]`` runs on ``stacked_matmul_cpu`` here: the
-    table picks it for M rows of this dtype on this machine (:func:`select`), the kernel takes the stacked weight
-    (``matmul.cpu.matmul_supports``) and the library is built; else ``"xla"``. Raises nothing."""
+    """``"cpu"`` where ``x [M, K] @ stacked_w[layer]`` runs on ``stacked_matmul_cpu`` here (table, ``matmul_supports``,
+    library built); else ``"xla"``. Raises nothing.
+    """
     picked = _select_here("matmul", rows=x.shape[0], dtype=stacked_w.dtype)
     return "cpu" if picked == "cpu" and matmul_supports(stacked_w) and cpu_build.available() else "xla"
 
 
 def with_stacked_weights(layer: dict[str, jax.Array], stacked: dict[str, jax.Array], index: jax.Array,
                          rows: jax.Array) -> dict[str, jax.Array]:
-    """``layer`` (one layer's weights, sliced from ``stacked`` at ``index``) with what :func:`layer_matmul` needs
-    to read a weight in place from the stack instead: ``stacked`` (the layer leaves ``[L, ...]``), ``index`` (int32
-    []) and ``rows`` (int32 [], the step's real tokens). Slices nothing reads are dropped by XLA."""
+    """``layer`` plus what :func:`layer_matmul` needs to read weights in place: ``stacked`` (layer leaves ``[L, ...]``),
+    ``index`` (int32[]) and ``rows`` (int32[] real tokens).
+    """
     return {**layer, _STACKED: (stacked, index, rows)}
 
 
 def layer_matmul(layer: dict[str, jax.Array], key: str, x: jax.Array) -> jax.Array:
-    """``x @ layer[key]`` accumulated in float32: x [T, in] -> float32 [T, out], for an unquantized weight.
+    """``x @ layer[key]`` accumulated in float32: x [T, in] -> float32 [T, out], unquantized weight.
 
-    In a layer given :func:`with_stacked_weights`, where :func:`matmul_backend` is ``"cpu"``, the weight is read in
-    place from the stack and only the step's rows are computed (the padding rows of its bucket are zeros);
-    elsewhere XLA's dot of ``layer[key]``.
+    With :func:`with_stacked_weights` and the ``"cpu"`` backend, read in place and only ``rows`` computed
+    (padding rows zeros); else XLA's dot.
     """
     if _STACKED in layer:
         stacked, index, rows = layer[_STACKED]
@@ -238,10 +206,9 @@ def layer_matmul(layer: dict[str, jax.Array], key: str, x: jax.Array) -> jax.Arr
 # ------------------------------------------------------------------ the lm_head
 
 def lm_head_backend(hidden: jax.Array, weight: jax.Array, *, tied: bool, packed: bool = False) -> str:
-    """``"cpu"`` where :func:`lm_head` with ``kernels=True`` runs on the C++ kernel here: the table picks it
-    (:func:`select`) and the kernel takes the weight (the tied embedding [V, E] through ``matmul_nt_cpu``, an
-    lm_head [E, V] as a one-layer stack through ``stacked_matmul_cpu``), once the library is built; else ``"xla"``.
-    Raises nothing."""
+    """``"cpu"`` where :func:`lm_head` with ``kernels=True`` runs the C++ kernel here (tied [V, E]:
+    ``matmul_nt_cpu``; lm_head [E, V]: ``stacked_matmul_cpu``); else ``"xla"``. Raises nothing.
+    """
     if _select_here("lm_head", rows=hidden.shape[0], dtype=weight.dtype, packed=packed) != "cpu":
         return "xla"
     supported = (matmul_nt_supports(weight) if tied
@@ -253,13 +220,9 @@ def lm_head(hidden: jax.Array, weight: jax.Array, *, tied: bool, rows: Optional[
             panels: Optional[jax.Array] = None, kernels: bool = False) -> jax.Array:
     """Logits float32 [N, V] of hidden [N, E], accumulated in float32.
 
-    Args:
-      weight: the tied embedding [V, E] (``tied``) or an lm_head [E, V].
-      rows: int32 [], the leading rows that are real (a step's sequences); on the C++ kernel only those are
-        computed and the others are zeros, on XLA's dot every row is. None: all N.
-      panels: the tied embedding packed (:func:`lm_head_panels`), or None.
-      kernels: whether the C++ kernel may run (where :func:`lm_head_backend` picks it); False keeps XLA's dot,
-        which ``jax.grad`` goes through.
+    ``weight``: tied embedding [V, E] (``tied``) or lm_head [E, V]; ``rows``: int32[] leading real rows (None: all;
+    on the C++ kernel the rest are zeros); ``panels``: :func:`lm_head_panels` or None; ``kernels``: allow the C++
+    kernel (no derivative), False keeps XLA's dot.
     """
     if kernels and lm_head_backend(hidden, weight, tied=tied, packed=panels is not None) == "cpu":
         if tied:
@@ -277,11 +240,10 @@ _pack_panels = jax.jit(pack_nt_panels)
 
 
 def with_lm_head_panels(params: dict[str, Any], embed: jax.Array) -> dict[str, Any]:
-    """The lm_head's ``prepare`` hook for a tied embedding: ``params`` with :data:`HEAD_PANELS` added where the C++
-    kernel takes ``embed`` packed (float32 [V, E] of at most :data:`HEAD_PANELS_MAX_BYTES`, V a multiple of the
-    kernels' panel width P and E of 16: ``lm_head.cpu.nt_panels_shape``, on one CPU device); else ``params`` itself
-    (the same dict). The panels are ``pack_nt_panels`` of the embedding, float32 [V / P, E, P], as much memory
-    again; a new embedding needs them packed again. Raises nothing."""
+    """``params`` plus :data:`HEAD_PANELS` (float32 [V / P, E, P], ``pack_nt_panels``) where the C++ kernel
+    takes ``embed`` packed (float32 [V, E] up to :data:`HEAD_PANELS_MAX_BYTES`, ``nt_panels_shape`` not None,
+    one CPU device); else ``params`` itself. A new embedding must be packed again. Raises nothing.
+    """
     # nt_panels_shape is None unless the embedding is float32 with whole panels and the kernels are built.
     applies = (embed.nbytes <= HEAD_PANELS_MAX_BYTES and jax.default_backend() == "cpu" and jax.device_count() == 1
                and nt_panels_shape(embed) is not None)

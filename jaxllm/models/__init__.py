@@ -1,5 +1,4 @@
-"""The decoder families, one file each, and the model step that dispatches on
-``ModelConfig.model_type``.
+"""The decoder families, one file each, and the model step dispatching on ``ModelConfig.model_type``.
 
 =============  =========================================  ===========================
 model_type     family file                                HF architectures
@@ -13,9 +12,7 @@ mixtral        ``mixtral.py`` (``moe.py``)                MixtralForCausalLM
 qwen3_moe      ``qwen3_moe.py`` (``moe.py``)              Qwen3MoeForCausalLM
 =============  =========================================  ===========================
 
-``common.py`` holds what they share: norms, rope, the attention block, the
-gated MLP, the scan over stacked layers and the logits. An architecture from
-outside jaxllm joins them through :func:`register_model`.
+Shared pieces live in ``common.py``; outside architectures join through :func:`register_model`.
 """
 
 from __future__ import annotations
@@ -55,11 +52,10 @@ __all__ = ["FAMILIES", "AttentionOps", "Family", "KVCache", "LayerContext", "Par
 
 
 def family(cfg: ModelConfig) -> Family:
-    """The family that runs ``cfg`` (by its ``model_type``): a built-in one, or one :func:`register_model` added.
+    """The family running ``cfg.model_type``: built-in or registered by :func:`register_model`.
 
     Raises:
-      ValueError: a ``model_type`` nothing runs, or a registered import string that does not import or names
-        something other than a ``Family`` (named).
+      ValueError: an unknown ``model_type``, or a registered import string that fails or names no ``Family``.
     """
     if cfg.model_type in FAMILIES:
         return FAMILIES[cfg.model_type]
@@ -76,57 +72,22 @@ def family(cfg: ModelConfig) -> Family:
 def register_model(model_type: str, family: Union[Family, str], *, hf_architectures: Sequence[str] = ()) -> None:
     """Serve an architecture jaxllm does not ship (vLLM's ``ModelRegistry.register_model``).
 
-    After ``register_model("my_gptj", "my_pkg.gptj:FAMILY", hf_architectures=["MyGPTJForCausalLM"])``, a HF
-    folder whose config.json names that architecture (or, when ``hf_architectures`` is empty, that
-    ``model_type``) loads into ``LLM``, ``jaxllm serve`` and ``jaxllm generate`` like a built-in model, with the
-    paged KV cache, prefix caching, chunked prefill, preemption, sampling and structured output.
-
-    Registrations reach the engine-core processes (``jaxllm serve``, ``data_parallel_size > 1``) as import
-    strings, replayed there; a ``Family`` object is found by its module (the one defining its ``layer``), so
-    one defined in ``__main__`` serves in-process only. A package can instead register from an entry point of
-    the group ``jaxllm.general_plugins`` (``jaxllm.registry``), which every process calls before it reads a
-    model.
-
-    The protocol (``jaxllm.models.common`` has the built-in families' pieces to reuse: ``project``,
-    ``linear``, ``rms_norm``, ``gated_mlp``, ``attention_block``):
-
-    * Config: config.json (through ``Family.hf_config`` when it names them otherwise) gives
-      ``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers`` and
-      ``num_attention_heads``; optionally ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps`` (the
-      epsilon of whatever norm the family uses), ``rope_theta``/``rope_scaling``/``partial_rotary_factor``,
-      ``max_position_embeddings``, ``tie_word_embeddings``, ``sliding_window``, ``hidden_act`` (read by the
-      family as it likes), ``bos_token_id``/``eos_token_id``. ``ModelConfig.from_hf_config`` names what is missing.
-    * Weights: every layer leaf is stacked ``[L, ...]`` (``L = num_hidden_layers``), dense weights ``[in, out]``
-      (``transpose=True`` in ``hf_layer_names`` turns HF's ``[out, in]`` around); the top level holds at least
-      ``embed: [V, E]`` and ``final_norm``, and ``lm_head: [E, V]`` unless tied (the logits are
-      ``jaxllm.models.compute_logits``: no lm_head bias). Leaf names outside ``PARAM_AXES`` are replicated
-      under tensor parallelism unless ``Family.param_axes`` declares their axes; weight-only quantization
-      covers the shared projection names (``wq``, ``wk``, ``wv``, ``wo``, ``w_gate``, ``w_up``, ``w_down``).
-    * Layer: ``layer(w, x, kv, ctx) -> (x, kv)`` with ``w`` this layer's leaves (dict of arrays without the
-      ``L`` axis, in the compute dtype: float32 on CPU, bfloat16 on accelerators), ``x: [T, E]`` the step's
-      tokens (prefill chunks and decode rows of several sequences, concatenated, padded to the bucket ``T``),
-      ``kv`` the paged caches, to be passed through ``ctx.attend`` untouched, and ``ctx`` a
-      ``LayerContext``. ``ctx.attend(q, k, v, kv)`` (q ``[T, Hq, D]``, k, v ``[T, Hkv, D]``, x's dtype) ropes
-      q and k (``cfg.rope``), writes k and v into the cache at each token's slot and attends causally over
-      each sequence's cached tokens with scale ``cfg.attention_scale``; it returns ``([T, Hq * D], kv)``.
-      Call it once per layer. ``ctx.cfg`` is the ``ModelConfig``; ``ctx.batch.positions: int32[T]`` each
-      token's position.
-    * Tracing: the layer is traced once per step bucket (inside ``jax.jit`` and a ``lax.scan`` over the
-      layers): no Python branching on array values (``jnp.where``, ``lax.cond``), no host callbacks or
-      prints of values, no shapes that depend on values (each step's shapes are fixed by its bucket). Rows
-      past the real tokens are padding: they must not mix into real rows (only ``ctx.attend`` mixes tokens).
-      Python branching on ``ctx.cfg`` fields (static) is fine.
+    A HF folder whose config.json names one of ``hf_architectures`` (or, with none, ``model_type``) then
+    loads into ``LLM``, ``jaxllm serve`` and ``jaxllm generate`` like a built-in model. Engine-core processes
+    replay registrations as import strings (a ``Family`` defined in ``__main__`` serves in-process only).
+    The protocol (config fields, weight layout, tracing rules) is in docs/models.md; in short, the family's
+    ``layer(w, x [T, E], kv, ctx) -> (x, kv)`` gets the layer's leaves without ``L`` in the compute dtype and
+    calls ``ctx.attend(q [T, Hq, D], k, v [T, Hkv, D], kv) -> ([T, Hq * D], kv)`` once, passing ``kv``
+    untouched; it is traced once per bucket (no branching on values, padding rows must not mix in).
 
     Args:
-      model_type: the HF ``model_type`` of the architecture (not a built-in one).
-      family: a ``Family``, or the import string ``"module:attr"`` of one (imported on first use, in every
-        process that runs the model).
-      hf_architectures: config.json ``architectures`` entries that select this family (not a built-in's); a
-        string is one architecture.
+      model_type: the HF ``model_type`` (not a built-in one).
+      family: a ``Family`` or its import string ``"module:attr"`` (imported on first use, per process).
+      hf_architectures: config.json ``architectures`` selecting this family; a string is one.
 
     Raises:
-      ValueError: an empty or built-in ``model_type``, a family that is neither a ``Family`` nor
-        ``"module:attr"``, or an architecture jaxllm or another registered model_type already runs (named).
+      ValueError: an empty or built-in ``model_type``, a bad ``family``, or an architecture already run
+        by jaxllm or another registration.
     """
     if not isinstance(model_type, str) or not model_type or model_type in FAMILIES:
         raise ValueError(f"register_model: model_type={model_type!r} must be a non-empty string other than the "
@@ -145,16 +106,13 @@ def register_model(model_type: str, family: Union[Family, str], *, hf_architectu
 
 
 def param_layout(cfg: ModelConfig, dtype: Any = np.float32, quantization: Optional[str] = None) -> dict:
-    """Every leaf of ``cfg``'s parameter pytree, path -> (shape, dtype): ``layout.leaf_layout`` over its family's
-    layer keys (what ``LLM(params=...)`` takes and ``LLM.get_params()`` gives)."""
+    """Every leaf of ``cfg``'s pytree, path -> (shape, dtype) (what ``LLM(params=...)`` takes)."""
     return leaf_layout(cfg, family(cfg).layer_keys(cfg), dtype, quantization)
 
 
 def hidden_states(params: Params, kv_cache: KVCache, batch: StepBatch, *, cfg: ModelConfig,
                   ops: AttentionOps, compressed: Any = None) -> tuple[jax.Array, KVCache]:
-    """``common.hidden_states`` of ``cfg``'s family: the decoder up to the final
-    norm, hidden ``[T, hidden_size]``, and the caches with this step's K/V
-    (``compressed``: the pool of compressed KV blocks, or None)."""
+    """``common.hidden_states`` of ``cfg``'s family: hidden ``[T, hidden_size]`` and the caches with this step's K/V."""
     return _hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops, family=family(cfg), compressed=compressed)
 
 
@@ -167,18 +125,16 @@ def forward(
     ops: AttentionOps,
     all_logits: bool = False,
 ) -> tuple[jax.Array, KVCache]:
-    """One model step: :func:`hidden_states`, then :func:`compute_logits` of
-    the rows at ``batch.logits_indices: int32[S]`` (on the CPU, both on the
-    C++ kernels where the ops table picks them, which have no derivative:
-    ``dense_forward`` is the differentiable forward).
+    """One model step: :func:`hidden_states`, then :func:`compute_logits` of rows ``batch.logits_indices: int32[S]``.
+
+    May run C++ kernels (no derivative; ``dense_forward`` is the differentiable forward).
 
     Args:
       params, kv_cache, batch, cfg, ops: as :func:`hidden_states`.
-      all_logits: return logits for every token row instead of ``logits_indices``.
+      all_logits: logits for every token row instead of ``logits_indices``.
 
     Returns:
-      (logits, kv_cache): logits float32 ``[S, vocab]`` (``[T, vocab]`` with
-      ``all_logits``), and the caches with this step's K/V written.
+      (logits float32 ``[S, vocab]`` (``[T, vocab]`` with ``all_logits``), the caches with this step's K/V).
     """
     hidden, kv_cache = hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops)
     if not all_logits:

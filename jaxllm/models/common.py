@@ -1,53 +1,27 @@
 """The pieces every decoder family shares: norms, rotary embeddings, the gated
-MLP, the paged attention of one layer, the scan over stacked layers and the
-logits.
+MLP, one layer's paged attention, the scan over stacked layers and the logits.
 
-Each family (``llama.py``, ``gemma3.py``, ...) is a :class:`Family`: how it
-embeds tokens, what one layer computes from these pieces, and its final norm.
-:func:`hidden_states` runs any of them over a ragged batch of new tokens
-(prefill chunks and decode rows concatenated): each layer writes its K/V into
-the paged cache through ``slot_mapping`` and attends over ``block_tables``
-(``kernels_pallas.attention.reference`` states the attention semantics).
+:func:`hidden_states` runs a :class:`Family` over a ragged batch of new tokens
+(prefill chunks and decode rows concatenated); each layer writes its K/V through
+``slot_mapping`` and attends over ``block_tables`` (semantics:
+``kernels_pallas.attention.reference``).
 
-Parameter pytree (dense weights stored ``[in, out]`` so that ``x @ w``; every
-layer leaf stacked on a leading ``L = num_layers`` axis; which layer keys a
-family has is ``jaxllm.loader.params.expected_layer_keys``)::
+Parameter pytree (dense weights ``[in, out]``; layer leaves stacked on a leading
+``L = num_layers`` axis; layer keys per family: ``jaxllm.loader.params.expected_layer_keys``)::
 
     {"embed": [V, E], "final_norm": [E], "lm_head": [E, V] (untied only),
      "layers": {"attn_norm": [L, E], "wq": [L, E, Hq*D], "wk": [L, E, Hkv*D],
                 "wv": [L, E, Hkv*D], "wo": [L, Hq*D, E], "mlp_norm": [L, E],
                 "w_gate": [L, E, F], "w_up": [L, E, F], "w_down": [L, F, E], ...}}
 
-Quantized weights (``jaxllm.worker.quantization``) are int8 or float8_e4m3fn leaves
-with a float32 ``"<key>_scale"`` sibling (``[L, out]`` per output channel, or
-``[L, G, out]`` per group of input rows); :func:`dot_f32` takes either. A
-quantized KV cache has ``"k_scale"``, ``"v_scale": [L, cache heads]`` layer
-leaves (the heads the cache holds, ``ModelSharding.num_cache_heads``), handed
-to the attention ops.
+Quantized weights are int8 / float8_e4m3fn with a float32 ``"<key>_scale"`` sibling
+(``[L, out]`` per channel or ``[L, G, out]`` per input-row group). A quantized KV cache
+adds ``"k_scale"``, ``"v_scale": [L, cache heads]`` layer leaves.
 
-KV cache: ``(k_cache, v_cache)``, each ``[L, num_blocks, block_size,
-num_kv_heads, head_dim]``. Beside it, optionally, the pool of compressed blocks
-(``kernels_pallas.storage.CompressedKV``, each array with a leading ``L``):
-block-table ids ``>= num_blocks`` name its blocks (``num_blocks + slot``), and
-each layer's ids are offset into the flattened pool as into the cache.
-
-Layers run as ``lax.scan``s that carry the hidden state and the caches and
-read layer ``l``'s weights by index from the stacked leaves, so a step traces,
-lowers and compiles one layer per distinct kind of layer however deep the
-model is (:func:`layer_plan`). Layer leaves and caches may be held as uint16
-bit patterns of bfloat16, uint8 ones of float8 (:func:`loop_storage`; why in
-``kernels_pallas.storage``). Inside the scan the caches are viewed as
-``[L * num_blocks, block_size, num_kv_heads * head_dim]`` and layer ``l``
-addresses its blocks as ``l * num_blocks + block``: the attention ops see one
-ordinary paged cache (:meth:`LayerContext.attend` gives them its 4-d view)
-and the block tables and slot mapping are offset per layer, so they read only
-the blocks they need and write in place. The scan carries no unit KV-head
-axis: with one KV head (Gemma 3 270M), XLA's CPU layout assignment would move
-it and copy the whole cache on every layer.
-
-Every kernel is reached through the ops table (``kernels_pallas.ops``), which picks its backend: a layer's
-projections (:func:`project`) may read their weights in place from the stacked leaves on the CPU, and the model
-step's logits (:func:`compute_logits`) may run on the CPU kernel, for the step's real rows only.
+KV cache: ``(k_cache, v_cache)``, each ``[L, num_blocks, block_size, num_kv_heads, head_dim]``;
+optionally a compressed pool (``kernels_pallas.storage.CompressedKV``, leading ``L``) whose
+blocks are named by block-table ids ``num_blocks + slot``. Layer leaves and caches may be
+held as uint16 / uint8 bit patterns (:func:`loop_storage`). Design: docs/design/models.md.
 """
 
 from __future__ import annotations
@@ -74,16 +48,12 @@ Segment = tuple[int, int, Optional[int]]
 
 
 def dot_f32(x: jax.Array, w: jax.Array, scale: Optional[jax.Array] = None) -> jax.Array:
-    """``x @ w`` in float32, for a float or a quantized weight.
+    """``x @ w`` in float32 for a float or quantized weight.
 
     x: [T, in]; w: [in, out], float or (with ``scale``) int8 / float8_e4m3fn.
-    scale: None; float32 ``[out]`` per output channel: ``(x @ w.astype(x.dtype)) * scale``;
-    or ``[G, out]`` per group of ``in / G`` input rows: the weight is dequantized group by
-    group (``w * scale`` in float32, then x's dtype) before the matmul (GGUF Q8_0 blocks).
+    scale: None; float32 ``[out]`` per output channel; or ``[G, out]`` per group of
+    ``in / G`` input rows (GGUF Q8_0), dequantized before the matmul.
     Returns float32 [T, out].
-
-    Per channel, the scale multiplies the ``[T, out]`` output rather than the ``[in, out]``
-    weight; ``scripts/bench_quant_matmul.py`` times both and the alternatives on a backend.
     """
     if scale is None:
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
@@ -96,12 +66,7 @@ def dot_f32(x: jax.Array, w: jax.Array, scale: Optional[jax.Array] = None) -> ja
 
 def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
            scale: Optional[jax.Array] = None) -> jax.Array:
-    """``x @ w (+ b)`` accumulated in float32, returned in x's dtype.
-
-    For bfloat16 weights this is both closer to HF (whose matmuls accumulate in float32) and faster on XLA's CPU
-    backend, whose bf16-in/f32-out dots run faster than bf16-in/bf16-out ones. A quantized ``w`` comes with its
-    ``scale`` (:func:`dot_f32`).
-    """
+    """``x @ w (+ b)`` accumulated in float32, in x's dtype; a quantized ``w`` with its ``scale`` (:func:`dot_f32`)."""
     y = dot_f32(x, w, scale)
     if b is not None:
         y = y + b.astype(jnp.float32)
@@ -109,12 +74,11 @@ def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
 
 
 def project(layer: dict[str, jax.Array], key: str, x: jax.Array, bias: Optional[str] = None) -> jax.Array:
-    """``linear`` through ``layer[key]``, its ``key + "_scale"`` when quantized and the
-    ``bias`` leaf when the layer has it. x: [T, in] -> [T, out] in x's dtype.
+    """``linear`` through ``layer[key]`` (with ``key + "_scale"`` when quantized, ``bias`` leaf when present).
 
-    An unquantized weight goes through the ops table's ``layer_matmul``, which inside the layer scan may read it
-    in place from the stacked leaf and compute only the step's tokens (the padding rows of its bucket come out
-    zeros, then the bias)."""
+    x: [T, in] -> [T, out] in x's dtype. Unquantized weights go through the ops table's
+    ``layer_matmul`` (padding rows of the bucket may come out zeros, then the bias).
+    """
     b = layer.get(bias) if bias else None
     scale = layer.get(key + "_scale")
     y = layer_matmul(layer, key, x) if scale is None else dot_f32(x, layer[key], scale)
@@ -124,9 +88,7 @@ def project(layer: dict[str, jax.Array], key: str, x: jax.Array, bias: Optional[
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF ``LlamaRMSNorm``: normalise in float32, scale in x's dtype.
-
-    x: [..., N]; weight: [N]."""
+    """HF ``LlamaRMSNorm``: normalise in float32, scale in x's dtype. x: [..., N]; weight: [N]."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
@@ -139,10 +101,9 @@ _ACTIVATIONS = {
 
 
 def gated_mlp(layer: dict[str, jax.Array], h: jax.Array, act: str) -> jax.Array:
-    """``down(act(gate(h)) * up(h))``: SwiGLU (``act="silu"``) or GeGLU
-    (``"gelu_pytorch_tanh"``), with the optional ``b_*`` biases.
+    """``down(act(gate(h)) * up(h))``: SwiGLU (``"silu"``) or GeGLU (``"gelu_pytorch_tanh"``), optional ``b_*`` biases.
 
-    h: [T, E] -> [T, E], through ``w_gate``, ``w_up``: [E, F] and ``w_down``: [F, E].
+    h: [T, E] -> [T, E]; ``w_gate``, ``w_up``: [E, F]; ``w_down``: [F, E].
     """
     gate = project(layer, "w_gate", h, "b_gate")
     up = project(layer, "w_up", h, "b_up")
@@ -152,10 +113,10 @@ def gated_mlp(layer: dict[str, jax.Array], h: jax.Array, act: str) -> jax.Array:
 # ------------------------------------------------------------------ rotary embeddings
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig, long: bool = False) -> np.ndarray:
-    """Inverse frequencies ``[rotary_dim // 2]`` float32, as HF's rope init
-    functions compute them (default, linear, llama3, longrope); ``rotary_dim``
-    is ``head_dim * rope.partial_rotary_factor``. ``long`` picks LongRoPE's
-    ``long_factor`` instead of its ``short_factor``."""
+    """Inverse frequencies float32 ``[rotary_dim // 2]`` as HF's rope inits (default, linear, llama3, longrope).
+
+    ``rotary_dim = head_dim * rope.partial_rotary_factor``; ``long`` picks LongRoPE's ``long_factor``.
+    """
     dim = int(head_dim * rope.partial_rotary_factor)
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
     if rope.rope_type == "longrope":
@@ -178,12 +139,10 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig, long: bool = False) -> np.nda
 
 
 def rope_cos_sin(rope: RopeConfig, head_dim: int, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
-    """cos and sin ``[T, rotary_dim // 2]`` float32 of each token's position.
+    """cos and sin float32 ``[T, rotary_dim // 2]`` of each token's position.
 
-    LongRoPE picks its long factors for the tokens of a sequence longer than
-    ``original_max_position_embeddings`` (``seq_lens`` of the token's row), as
-    HF does for one sequence (it decides on the longest position of the
-    forward call), and scales cos and sin by ``attention_factor``.
+    LongRoPE uses its long factors for tokens of rows whose ``seq_lens`` exceeds
+    ``original_max_position_embeddings`` and scales by ``attention_factor`` (as HF).
     """
     positions = batch.positions.astype(jnp.float32)[:, None]
     inv_freq = jnp.asarray(rope_inv_freq(head_dim, rope))
@@ -197,8 +156,7 @@ def rope_cos_sin(rope: RopeConfig, head_dim: int, batch: StepBatch) -> tuple[jax
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """HF ``rotate_half`` rotary embedding of the first ``2 * cos.shape[-1]``
-    dimensions of each head (all of them unless the rope is partial).
+    """HF ``rotate_half`` rope of the first ``2 * cos.shape[-1]`` dims of each head.
 
     x: [T, H, D]; cos, sin: [T, R // 2] float32. Returns x's dtype.
     """
@@ -211,17 +169,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------ one layer's attention
 
 class LayerContext(NamedTuple):
-    """What one layer's computation needs besides its weights and the caches.
+    """What one layer needs besides its weights and the caches.
 
-    batch: the step's batch with ``block_tables`` and ``slot_mapping`` offset to
-      this layer's blocks of the flattened caches.
-    window: the layer's sliding window (static), None for full attention.
-    cos, sin: [T, R // 2] float32 of this layer's rope.
-    num_tokens: int32[] the batch's real (unpadded) tokens.
-    kv_scales: a quantized cache's float32 ``(k_scale, v_scale)``, each
-      ``[cache heads]`` of this layer; None for a cache of plain values.
-    compressed: the pool of compressed blocks, every layer's, flattened to
-      ``[L * C, ...]`` (this layer's block tables are offset into it), or None.
+    batch: the step's batch, ``block_tables``/``slot_mapping`` offset to this layer's blocks.
+    window: the layer's sliding window (static) or None. cos, sin: [T, R // 2] float32.
+    num_tokens: int32[] real tokens. kv_scales: float32 ``(k_scale, v_scale)``, each
+    ``[cache heads]``, or None. compressed: the pool flattened to ``[L * C, ...]``, or None.
     """
 
     cfg: ModelConfig
@@ -237,11 +190,9 @@ class LayerContext(NamedTuple):
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """Rope q and k, write k and v into the paged cache, attend.
 
-        q: [T, Hq, D]; k, v: [T, Hkv, D]; kv: this step's flattened caches,
-        each ``[L * num_blocks, block_size, heads * D]`` (``heads``: the
-        cache's, more than Hkv where tensor parallelism replicates them).
-        Returns (attention output [T, Hq * D], the caches with k and v written).
-        The scale is ``cfg.attention_scale``, the window the layer's ``window``.
+        q: [T, Hq, D]; k, v: [T, Hkv, D]; kv: flattened caches, each
+        ``[L * num_blocks, block_size, cache heads * D]``. Scale ``cfg.attention_scale``.
+        Returns (output [T, Hq * D], the caches with k and v written).
         """
         cfg, t = self.cfg, q.shape[0]
         q = apply_rope(q, self.cos, self.sin)
@@ -261,11 +212,9 @@ class LayerContext(NamedTuple):
 
 def attention_block(layer: dict[str, jax.Array], h: jax.Array, kv: KVCache, ctx: LayerContext,
                     norm: Callable[[jax.Array, jax.Array, float], jax.Array] = rms_norm) -> tuple[jax.Array, KVCache]:
-    """q/k/v projections (``wq``, ``wk``, ``wv``, optional ``b*`` biases),
-    optional per-head ``q_norm``/``k_norm`` with ``norm``, paged attention and
-    the ``wo`` projection, as HF's Llama/Qwen3/Gemma3 attention modules.
+    """q/k/v projections (optional ``b*`` biases, ``q_norm``/``k_norm``), paged attention, ``wo`` (HF Llama/Gemma3).
 
-    h: [T, E] (already normed) -> ([T, E], the caches with this layer's K/V).
+    h: [T, E] (normed) -> ([T, E], the caches with this layer's K/V).
     """
     cfg, t = ctx.cfg, h.shape[0]
     q = project(layer, "wq", h, "bq").reshape(t, cfg.num_q_heads, cfg.head_dim)
@@ -281,12 +230,12 @@ def attention_block(layer: dict[str, jax.Array], h: jax.Array, kv: KVCache, ctx:
 # ------------------------------------------------------------------ families and the layer scan
 
 def embed_tokens(params: Params, input_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Rows of ``embed`` [V, E] for ``input_ids`` int32[T] (out of range ids clip)."""
+    """Rows of ``embed`` [V, E] for ``input_ids`` int32[T] (out-of-range ids clip)."""
     return jnp.take(params["embed"], input_ids, axis=0, mode="clip")
 
 
 def final_rms_norm(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """:func:`rms_norm` of x [T, E] by the ``final_norm`` leaf [E] (Llama's ``model.norm``)."""
+    """:func:`rms_norm` of x [T, E] by ``final_norm`` [E]."""
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
@@ -300,31 +249,20 @@ HF_TOP_NAMES = {
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One decoder family: its checkpoint names and what it computes (``jaxllm.models.register_model``
-    states the protocol a family from outside jaxllm follows).
+    """One decoder family (protocol: ``jaxllm.models.register_model``).
 
-    hf_layer_names: HF tensor name inside ``{hf_layer_prefix}{i}.`` -> (pytree
-      key, transpose from HF's ``[out, in]``). Expert tensors are named with
-      ``*`` for the expert index (``mlp.experts.*.gate_proj.weight``); their
-      leaves stack the experts: ``[L, num_experts, ...]``.
-    layer_keys: ``cfg -> set`` of the layer keys a model of the family has.
-    layer: ``(layer weights, x [T, E], kv, LayerContext) -> (x, kv)``: one
-      decoder layer, residuals included.
-    unfuse: ``(hf layer name, array, cfg) -> [(hf layer name, array)]`` that
-      splits fused HF tensors into the names of ``hf_layer_names`` (Phi-3's
-      ``qkv_proj``); arrays in HF orientation, sliced on their first axis.
-    embed: ``(params, input_ids, cfg) -> x [T, E]``.
-    final_norm: ``(params, x [T, E], cfg) -> x``, before the logits.
-    hf_top_names: HF name -> (pytree key, transpose) of the tensors outside
-      the layers; every key is required but ``lm_head`` under tied embeddings.
-    hf_layer_prefix: what precedes a layer's index in its tensors' HF names.
-    hf_config: ``config.json dict -> dict`` with the names ``ModelConfig.from_hf_config``
-      reads (``hidden_size``, ...), for a checkpoint that names them otherwise; None: as it is.
-    param_axes: logical axes (``jaxllm.worker.sharding.PARAM_AXES``'s names) of the family's
-      own leaves, layer leaves without their ``L`` axis; a leaf that neither table names is
-      replicated on every device.
-    leaf_shapes: ``cfg -> {key: shape}`` of the family's own layer leaves (without ``L``),
-      checked when the weights load (the shared keys ``wq``, ``w_up``, ... are checked anyway).
+    hf_layer_names: HF name inside ``{hf_layer_prefix}{i}.`` -> (pytree key, transpose from
+      ``[out, in]``); experts named with ``*``, leaves ``[L, num_experts, ...]``.
+    layer_keys: ``cfg -> set`` of layer keys.
+    layer: ``(layer weights, x [T, E], kv, LayerContext) -> (x, kv)``, residuals included.
+    unfuse: ``(hf name, array, cfg) -> [(hf name, array)]`` splitting fused tensors (HF
+      orientation, sliced on axis 0).
+    embed: ``(params, input_ids, cfg) -> x [T, E]``. final_norm: ``(params, x, cfg) -> x``.
+    hf_top_names: HF name -> (key, transpose) outside the layers; all required but tied ``lm_head``.
+    hf_layer_prefix: what precedes a layer's index in HF names.
+    hf_config: ``config.json dict -> dict`` renamed for ``ModelConfig.from_hf_config``; None: as is.
+    param_axes: logical axes of the family's own leaves (without ``L``); unnamed leaves replicate.
+    leaf_shapes: ``cfg -> {key: shape}`` of the family's own layer leaves, checked at load.
     """
 
     hf_layer_names: dict[str, tuple[str, bool]]
@@ -341,13 +279,9 @@ class Family:
 
 
 def loop_storage(params: Params) -> Params:
-    """``params`` with bfloat16 layer leaves bit-cast to uint16 and float8_e4m3fn ones
-    (quantized weights) to uint8 (other leaves as they are).
+    """``params`` with bfloat16 layer leaves bit-cast to uint16 and float8_e4m3fn ones to uint8.
 
-    For XLA's CPU backend, which would otherwise convert every bfloat16 (or
-    float8) weight the layer scan reads to float32 and back on every step (see
-    ``kernels_pallas.storage``); :func:`hidden_states` bit-casts them back
-    per layer. Same bytes, same sharding.
+    :func:`hidden_states` casts them back per layer (reason: ``kernels_pallas.storage``).
     """
     bits = jax.jit(lambda a: to_storage(a, BITS_STORAGE[a.dtype]))
     return {**params, "layers": jax.tree_util.tree_map(lambda a: bits(a) if a.dtype in BITS_STORAGE else a,
@@ -355,8 +289,7 @@ def loop_storage(params: Params) -> Params:
 
 
 def layer_segments(windows: tuple[Optional[int], ...], offset: int = 0) -> list[Segment]:
-    """Runs of consecutive layers sharing a sliding window: ``(start, stop, window)``,
-    layer indices shifted by ``offset``."""
+    """Runs of consecutive layers sharing a window: ``(start, stop, window)``, indices + ``offset``."""
     segments: list[Segment] = []
     for i, window in enumerate(windows, start=offset):
         if segments and segments[-1][2] == window:
@@ -369,14 +302,9 @@ def layer_segments(windows: tuple[Optional[int], ...], offset: int = 0) -> list[
 def layer_plan(cfg: ModelConfig) -> tuple[list[Segment], int, list[Segment]]:
     """How the layers are scanned: ``(period, repeats, rest)``.
 
-    The window is static in the attention ops, so each kind of layer is its
-    own scan body. A model whose layer kinds repeat with a period of several
-    kinds (Gemma 3: 5 sliding-window layers, then a global one) runs an outer
-    scan over ``repeats`` periods, each scanning the runs of ``period``
-    (layer indices within the period); the ``rest`` runs follow (absolute
-    indices; a partial last period, or every layer of a model without such a
-    period). Gemma 3 270M (18 layers) compiles 2 layer bodies this way, not
-    the 6 of one scan per run; Llama, one window throughout, is one run.
+    Each distinct window is its own scan body. With a repeating period of several
+    kinds (Gemma 3), an outer scan runs ``repeats`` periods over ``period``'s runs
+    (indices within the period); ``rest`` runs follow with absolute indices.
     """
     windows = cfg.sliding_windows or (None,) * cfg.num_layers
     n = len(windows)
@@ -401,22 +329,15 @@ def hidden_states(
 
     Args:
       params: the parameter pytree (module docstring).
-      kv_cache: ``(k_cache, v_cache)``, each
-        ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
-      batch: the step's batch; the decoder reads ``input_ids, positions,
-        slot_mapping: int32[T]``, ``block_tables: int32[S, W]``,
-        ``seq_lens: int32[S]``, ``query_start_loc: int32[S + 1]`` and
-        ``num_seqs: int32[]``.
-      cfg: model configuration (static).
-      ops: attention kernels or references (static).
-      family: the decoder family (static).
-      compressed: the pool of compressed blocks, ``k, v: [num_layers, C, block_size, cache heads, head_dim]``,
-        ``k_scale, v_scale: float32[num_layers, C, cache heads]``, read where a block table holds an id
-        ``>= num_blocks``; None: no such id.
+      kv_cache: ``(k_cache, v_cache)``, each ``[L, num_blocks, block_size, num_kv_heads, head_dim]``.
+      batch: reads ``input_ids, positions, slot_mapping: int32[T]``, ``block_tables: int32[S, W]``,
+        ``seq_lens: int32[S]``, ``query_start_loc: int32[S + 1]``, ``num_seqs: int32[]``.
+      cfg, ops, family: static.
+      compressed: ``k, v: [L, C, block_size, cache heads, head_dim]``, ``k_scale, v_scale:
+        float32[L, C, cache heads]``, read for table ids ``>= num_blocks``; or None.
 
     Returns:
-      (hidden, kv_cache): hidden ``[T, hidden_size]`` in the params' dtype,
-      normed by ``final_norm``, and the caches with this step's K/V written.
+      (hidden ``[T, hidden_size]`` in the params' dtype after ``final_norm``, the caches with this step's K/V).
     """
     x = family.embed(params, batch.input_ids, cfg)
     ropes = {None: rope_cos_sin(cfg.rope, cfg.head_dim, batch)}
@@ -470,10 +391,10 @@ def hidden_states(
 
 
 def with_head_panels(params: Params, cfg: ModelConfig) -> Params:
-    """``params`` prepared for the engine's lm_head: where it is the tied embedding (unquantized), the ops table's
-    ``with_lm_head_panels`` adds the embedding packed for the CPU kernel where that kernel takes it; else
-    ``params`` itself (the same dict). A new embedding needs them packed again (the engine's
-    ``WeightStore.set_param`` does). Raises nothing."""
+    """``params`` plus the tied unquantized embedding packed for the CPU lm_head kernel where used; else ``params``.
+
+    A new embedding must be packed again (``WeightStore.set_param`` does). Raises nothing.
+    """
     embed = params.get("embed")
     if not cfg.tie_word_embeddings or embed is None or "lm_head_scale" in params:
         return params
@@ -482,19 +403,12 @@ def with_head_panels(params: Params, cfg: ModelConfig) -> Params:
 
 def compute_logits(params: Params, hidden: jax.Array, *, cfg: ModelConfig, num_rows: Optional[jax.Array] = None,
                    native_kernels: bool = False) -> jax.Array:
-    """The lm_head (or the tied embedding): hidden ``[N, hidden_size]`` ->
-    logits float32 ``[N, vocab]``, accumulated in float32, soft-capped
-    (``cap * tanh(logits / cap)``) when ``cfg.final_logit_softcap`` is set.
+    """lm_head (or tied embedding): hidden ``[N, hidden_size]`` -> float32 logits ``[N, vocab]``.
 
-    ``native_kernels``: the model step's head (``models.forward``, the engine's
-    step) lets the ops table's ``lm_head`` pick the C++ kernel; it has no
-    derivative, so the default (``dense_forward``, which ``jax.grad`` goes
-    through) keeps XLA's dots. ``num_rows`` (int32 [], or None for all
-    N): the leading rows that are real (a step's sequences; the rest pad its
-    bucket); on the kernel only those are computed and the others are
-    zeros, elsewhere every row is computed. A tied embedding packed by
-    :func:`with_head_panels` is read in place of the embedding. A quantized
-    untied lm_head goes through :func:`dot_f32` with its ``lm_head_scale``.
+    Soft-capped (``cap * tanh(logits / cap)``) when ``cfg.final_logit_softcap`` is set.
+    ``native_kernels``: let the ops table pick the C++ kernel (no derivative; default keeps XLA).
+    ``num_rows``: int32[] leading real rows (None: all); on the kernel the rest are zeros.
+    A quantized untied lm_head uses :func:`dot_f32` with ``lm_head_scale``.
     """
     tied = cfg.tie_word_embeddings
     if not tied and "lm_head_scale" in params:

@@ -1,6 +1,4 @@
-"""``ModelConfig``: the shape and flags of a decoder of ``jaxllm.models``, read from a Hugging Face
-``config.json`` dict (or the equivalent dict the GGUF loader builds); it keeps only what the decoders need and
-rejects what they cannot run."""
+"""``ModelConfig``: a decoder's shape and flags from a HF ``config.json`` dict (or the GGUF equivalent)."""
 
 from __future__ import annotations
 
@@ -36,13 +34,9 @@ REGISTERED_MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "nu
 class RopeConfig:
     """Rotary embedding parameters (HF ``rope_parameters`` / ``rope_scaling``).
 
-    rope_type: "default", "linear" (positions divided by ``factor``),
-      "llama3" (Llama 3.1 frequency-dependent scaling) or "longrope" (Phi-3's
-      "su"/LongRoPE: per-frequency ``short_factor`` divisors, ``long_factor``
-      ones for a sequence longer than ``original_max_position_embeddings``,
-      and cos/sin scaled by ``attention_factor``).
-    partial_rotary_factor: the fraction of each head's dimensions rotated
-      (the first ones; the rest pass through), as HF.
+    rope_type: "default", "linear" (positions / ``factor``), "llama3" or "longrope" (Phi-3's
+      "su": ``short_factor``/``long_factor`` divisors, cos/sin scaled by ``attention_factor``).
+    partial_rotary_factor: fraction of each head's leading dims rotated, as HF.
     """
 
     theta: float = 10000.0
@@ -59,20 +53,11 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The shape and flags of a decoder of ``jaxllm.models``.
+    """The shape and flags of a decoder of ``jaxllm.models``, for every family (fields of the HF ``*Config``s).
 
-    One class covers every family: ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3,
-    Qwen3-MoE, Gemma 3), ``sliding_windows`` (Mistral, Phi-3, or per-layer
-    ``layer_types``: Gemma 3's local layers), rope scaling (Llama 3, Phi-3's
-    LongRoPE), ``local_rope`` (the rope of Gemma 3's sliding-window layers),
-    ``hidden_act`` (SwiGLU or Gemma's GeGLU), ``query_pre_attn_scalar`` and the
-    final logit soft cap (Gemma; HF's Gemma 3 attention ignores
-    ``attn_logit_softcapping``, and so does jaxllm), the experts (Mixtral,
-    Qwen3-MoE: ``num_experts > 0``; ``moe_intermediate_size`` is each
-    expert's FFN width), tied embeddings.
-    Follows the fields of the HF ``*Config`` classes of these models. A registered
-    architecture (``jaxllm.models.register_model``) fills the same fields; its family
-    reads ``hidden_act`` as it likes and ``rms_norm_eps`` as its norms' epsilon.
+    ``num_experts > 0`` for MoE (``moe_intermediate_size``: each expert's FFN width); ``local_rope``:
+    Gemma 3's sliding-window rope; ``attn_logit_softcapping`` is ignored as in HF's Gemma 3. A
+    registered family reads ``hidden_act`` as it likes and ``rms_norm_eps`` as its norms' epsilon.
     """
 
     architecture: str
@@ -107,28 +92,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], generation_config: Optional[dict[str, Any]] = None) -> "ModelConfig":
-        """Build from a HF ``config.json`` dict and, when the model has one,
-        its ``generation_config.json`` dict.
+        """Build from a HF ``config.json`` dict and the optional ``generation_config.json`` dict.
 
-        ``eos_token_ids`` is every ``eos_token_id`` (an int or a list) of
-        ``generation_config`` then ``cfg``, without repeats, as vLLM stops on
-        the generation config's eos ids besides the model's.
-
-        The family is the first of ``architectures`` in
-        ``SUPPORTED_ARCHITECTURES`` or registered (``jaxllm.models.register_model``,
-        after the ``jaxllm.general_plugins`` have run); a config without
-        ``architectures`` (absent, null or empty), or naming none of them, is
-        named by its ``model_type`` alone (``ARCHITECTURE_OF_MODEL_TYPE``, or a
-        model_type registered without architectures). A registered family's
-        ``hf_config`` maps the dict first.
+        ``eos_token_ids``: every ``eos_token_id`` of ``generation_config`` then ``cfg``, deduplicated (as vLLM).
+        The family is the first of ``architectures`` supported or registered; without a known one, the
+        ``model_type`` alone (``ARCHITECTURE_OF_MODEL_TYPE`` or a registration without architectures). A
+        registered family's ``hf_config`` maps the dict first.
 
         Raises:
-          ValueError: an architecture nothing runs, or without architectures a
-            ``model_type`` none of them has (both name the supported ones), an
-            unsupported activation or rope type, heads that do not divide, a
-            mixture-of-experts model whose layers are not all MoE layers, or a
-            registered architecture's config without ``REGISTERED_MODEL_FIELDS``
-            (the missing ones named).
+          ValueError: an unrunnable architecture/model_type, an unsupported activation or rope type, heads
+            that do not divide, an MoE model with dense layers, or a registered config lacking
+            ``REGISTERED_MODEL_FIELDS`` (named).
         """
         arch, model_type = _architecture_from_hf(cfg)
         if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
@@ -182,8 +156,7 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """The factor of q.k before the softmax: ``query_pre_attn_scalar ** -0.5``
-        (Gemma), else ``head_dim ** -0.5``."""
+        """q.k factor: ``query_pre_attn_scalar ** -0.5`` (Gemma), else ``head_dim ** -0.5``."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -197,7 +170,7 @@ def _optional_float(value: Any) -> Optional[float]:
 
 
 def _architecture_from_hf(cfg: dict[str, Any]) -> tuple[str, str]:
-    """(architecture, model_type) that runs a HF config dict (see ``ModelConfig.from_hf_config``)."""
+    """(architecture, model_type) running a HF config dict."""
     registry.load_general_plugins()
     archs = cfg.get("architectures") or []
     for arch in archs:
@@ -218,8 +191,7 @@ def _architecture_from_hf(cfg: dict[str, Any]) -> tuple[str, str]:
 
 
 def _registered_hf_config(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """A registered architecture's config dict, mapped by its family's ``hf_config``, with every
-    :data:`REGISTERED_MODEL_FIELDS` (ValueError naming the missing ones)."""
+    """A registered model's config mapped by ``hf_config``; ValueError naming missing required fields."""
     mapping = getattr(registry.resolve_family(model_type), "hf_config", None)
     mapped = mapping(dict(cfg)) if mapping is not None else cfg
     missing = [name for name in REGISTERED_MODEL_FIELDS if mapped.get(name) is None]
@@ -231,9 +203,7 @@ def _registered_hf_config(cfg: dict[str, Any], model_type: str) -> dict[str, Any
 
 
 def _ropes_from_hf(cfg: dict[str, Any], model_type: str) -> tuple[RopeConfig, Optional[RopeConfig]]:
-    """(the rope of every layer, or of the global ones; the rope of sliding-window
-    layers when it differs: Gemma 3's ``sliding_attention`` entry or
-    ``rope_local_base_freq``, 10000 by default)."""
+    """(rope of every/global layers, sliding-window layers' rope where it differs: Gemma 3)."""
     params = cfg.get("rope_parameters") or {}
     if model_type != "gemma3_text":
         return _rope_from_hf(cfg, {**(cfg.get("rope_scaling") or {}), **params}, model_type), None
@@ -287,12 +257,7 @@ def _rope_from_hf(cfg: dict[str, Any], params: dict[str, Any], model_type: str) 
 
 
 def _experts_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    """The MoE fields of ``ModelConfig`` (none for a dense model).
-
-    The decoder scans one stacked layer, so every layer must be a MoE layer:
-    Qwen3-MoE configs whose ``mlp_only_layers`` or ``decoder_sparse_step``
-    make some layers dense are rejected.
-    """
+    """The MoE fields of ``ModelConfig`` (none if dense); ValueError if some Qwen3-MoE layers are dense."""
     if model_type == "mixtral":
         return dict(num_experts=int(cfg.get("num_local_experts", 8)),
                     num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),

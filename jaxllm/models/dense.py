@@ -1,10 +1,8 @@
-"""A dense-attention forward over the engine's parameter pytree, for training against the weights the engine serves.
+"""A dense-attention, differentiable forward over the engine's parameter pytree (for training).
 
-:func:`dense_forward` runs any family's layers (``Family.layer``, the same functions the engine's step runs) over a
-``[B, L]`` batch of whole sequences, with plain causal attention instead of the paged cache: no block tables, no KV
-cache, differentiable with ``jax.grad``. A layer reaches attention only through ``LayerContext.attend``; here a
-:class:`DenseContext` stands in for it. Positions are ``0 .. L-1`` in every row; right padding does not change the
-logits of the positions before it (the mask is causal), so a loss masks the padded positions out.
+:func:`dense_forward` runs any family's ``Family.layer`` over ``[B, L]`` whole sequences with plain
+causal attention (:class:`DenseContext` stands in for ``LayerContext``): no paged cache, works with
+``jax.grad``. Positions are ``0 .. L-1`` per row; right padding leaves earlier logits unchanged.
 """
 
 from __future__ import annotations
@@ -20,11 +18,10 @@ from jaxllm.models.config import ModelConfig
 
 
 class DenseContext(NamedTuple):
-    """What a layer receives in place of ``LayerContext`` (same field names for what layers read).
+    """Stands in for ``LayerContext`` (same field names layers read).
 
-    cfg: the model configuration. shape: ``(B, L)`` of the batch (static). window: the layer's sliding window
-    (static), None for full attention. cos, sin: ``[B * L, R // 2]`` float32 of this layer's rope. num_tokens:
-    int32[] ``B * L``.
+    shape: ``(B, L)`` (static); window: static or None; cos, sin: ``[B * L, R // 2]`` float32;
+    num_tokens: int32[] ``B * L``.
     """
 
     cfg: ModelConfig
@@ -35,8 +32,7 @@ class DenseContext(NamedTuple):
     num_tokens: jax.Array
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
-        """Rope q and k, then causal attention within each row (``LayerContext.attend``'s contract: q
-        ``[T, Hq, D]``, k, v ``[T, Hkv, D]``, T = B * L; returns ``[T, Hq * D]`` and ``kv`` untouched)."""
+        """Rope, then causal attention per row; ``LayerContext.attend``'s contract, ``kv`` returned untouched."""
         cfg, (b, n) = self.cfg, self.shape
         q, k = apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
         group = cfg.num_q_heads // cfg.num_kv_heads
@@ -53,17 +49,15 @@ class DenseContext(NamedTuple):
 
 
 def dense_forward(params: Params, input_ids: jax.Array, *, cfg: ModelConfig, family=None) -> jax.Array:
-    """Logits of every position of whole sequences, through the family's own layers and dense causal attention.
+    """Logits of every position of whole sequences, through the family's layers and dense causal attention.
 
     Args:
-      params: the parameter pytree the engine serves (``jaxllm.models.common``'s layout: layer leaves stacked on a
-        leading ``L`` axis; float leaves, not the engine's uint16/uint8 bit storage nor quantized ones).
-      input_ids: int32 ``[B, L]``, each row a sequence from position 0 (right padding allowed: see the module doc).
-      cfg: the model configuration (static).
-      family: the decoder family; by default ``cfg``'s (``jaxllm.models.family``).
+      params: the engine's pytree (``jaxllm.models.common``), float leaves (not bit storage, not quantized).
+      input_ids: int32 ``[B, L]``, each row from position 0 (right padding allowed).
+      cfg: static. family: default ``jaxllm.models.family(cfg)``.
 
     Returns:
-      float32 ``[B, L, vocab]``: equal to the engine's logits of the same tokens (within float32 rounding).
+      float32 ``[B, L, vocab]``, equal to the engine's logits within float32 rounding.
     """
     from jaxllm.models import family as family_of
 

@@ -1,21 +1,9 @@
 """Gemma 3's text decoder (HF ``modeling_gemma3.py``, ``Gemma3ForCausalLM``).
 
-Differences from the Llama layer, all followed step for step:
-
-- RMSNorm scales by ``1 + weight``, computed in float32 (:func:`rms_norm`);
-  four norms per layer: before and after attention, before and after the MLP
-  (the "after" ones normalise the branch output before the residual add);
-- q/k RMSNorm per head, attention scale ``query_pre_attn_scalar ** -0.5``
-  (``ModelConfig.attention_scale``); no attention logit soft cap (HF's
-  ``Gemma3Attention`` ignores ``attn_logit_softcapping``, unlike Gemma 2);
-- GeGLU MLP (``gelu_pytorch_tanh``);
-- the embedding multiplied by ``sqrt(hidden_size)`` rounded to the model dtype;
-- local sliding-window layers interleaved with global ones (``layer_types``,
-  by default 5 local then 1 global), the local ones with their own rope base
-  (``ModelConfig.local_rope``); ``common.layer_plan`` scans the pattern so
-  that one local and one global layer body are compiled;
-- final logits soft-capped when ``final_logit_softcapping`` is set
-  (``common.compute_logits``).
+Differs from Llama: RMSNorm scales by ``1 + weight`` in float32; norms before and after
+attention and MLP; per-head q/k norm, scale ``query_pre_attn_scalar ** -0.5``, no attention
+soft cap (as HF); GeGLU; embedding times ``sqrt(hidden_size)``; sliding-window layers with
+their own rope (``local_rope``) interleaved with global ones; optional final logit soft cap.
 """
 
 from __future__ import annotations
@@ -49,17 +37,14 @@ def layer_keys(cfg: ModelConfig) -> set[str]:
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF ``Gemma3RMSNorm``: ``x / rms(x) * (1 + weight)`` in float32, cast to x's dtype.
-
-    x: [..., N]; weight: [N] (zero-centred: 0 leaves the normalised x as is)."""
+    """HF ``Gemma3RMSNorm``: ``x / rms(x) * (1 + weight)`` in float32, in x's dtype. x: [..., N]; weight: [N]."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 def embed(params: Params, input_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Token embeddings times ``sqrt(hidden_size)`` in the embedding's dtype (HF
-    ``Gemma3TextScaledWordEmbedding``). input_ids: int32[T] -> [T, E]."""
+    """Embeddings times ``sqrt(hidden_size)`` in their dtype (HF ``Gemma3TextScaledWordEmbedding``): [T] -> [T, E]."""
     x = embed_tokens(params, input_ids, cfg)
     return x * jnp.asarray(cfg.hidden_size ** 0.5, dtype=x.dtype)
 
@@ -75,7 +60,7 @@ def decoder_layer(layer: dict[str, jax.Array], x: jax.Array, kv: KVCache,
 
 
 def final_norm(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """:func:`rms_norm` of x [T, E] by the ``final_norm`` leaf (HF ``model.norm``)."""
+    """:func:`rms_norm` of x [T, E] by ``final_norm``."""
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 

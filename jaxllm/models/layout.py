@@ -1,8 +1,4 @@
-"""The parameter pytree of a model config, leaf by leaf: what ``LLM(params=...)`` takes and ``LLM.get_params()``
-gives (the layout itself is described in ``jaxllm.models.common``'s docstring).
-
-Leaves are named by their path, ``"embed"``, ``"layers/wq"``: the keys of the nested dicts joined by ``/``.
-"""
+"""A config's parameter pytree leaf by leaf (``LLM(params=...)`` / ``LLM.get_params()``); paths like ``"layers/wq"``."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ from jaxllm.worker.quantization import QUANTIZED_KEYS, SCALE_SUFFIX, quantized_d
 
 
 def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of every layer key of any family, without the leading layer axis."""
+    """Shape of every known layer key, without the layer axis."""
     e, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv, x, fx = cfg.num_q_heads * d, cfg.num_kv_heads * d, cfg.num_experts, cfg.moe_intermediate_size
     norms = {k: (e,) for k in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "bo", "b_down")}
@@ -29,22 +25,19 @@ def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def leaf_layout(cfg: ModelConfig, layer_keys: set[str], dtype: Any = np.float32,
                 quantization: Optional[str] = None) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Every leaf of ``cfg``'s parameter pytree: path -> (shape, dtype), in path order
-    (``jaxllm.models.param_layout`` passes the family's ``layer_keys``).
+    """Every leaf of ``cfg``'s parameter pytree: path -> (shape, dtype), in path order.
 
     Args:
-      cfg: the model config.
-      layer_keys: the keys of one layer (``Family.layer_keys(cfg)``).
+      cfg: the model config. layer_keys: one layer's keys (``Family.layer_keys(cfg)``).
       dtype: the compute dtype of float leaves.
-      quantization: None, "int8" or "fp8": the dense projections are then of the quantized dtype, each with a
-        float32 ``<key>_scale`` per output channel (``jaxllm.worker.quantization``).
+      quantization: None, "int8" or "fp8": dense projections quantized, each with a float32
+        ``<key>_scale`` per output channel.
 
     Returns:
-      ``{"embed": ((V, E), dtype), ..., "layers/wq": ((L, E, Hq*D), dtype), ...}``. A quantized KV cache's
-      ``layers/k_scale``, ``layers/v_scale`` are calibrated by the engine, so they are not listed.
+      ``{"embed": ((V, E), dtype), ..., "layers/wq": ((L, E, Hq*D), dtype), ...}`` (KV-cache scales not listed).
 
     Raises:
-      ValueError: a layer key of the family whose shape this table does not know (named).
+      ValueError: a layer key with no known shape (named).
     """
     e, v, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
     shapes = {"embed": (v, e), "final_norm": (e,)}
@@ -67,6 +60,6 @@ def leaf_layout(cfg: ModelConfig, layer_keys: set[str], dtype: Any = np.float32,
 
 
 def layout_table(layout: dict[str, tuple[tuple[int, ...], Any]]) -> str:
-    """A :func:`leaf_layout` as a Markdown table (leaf, shape, dtype), as the README shows it."""
+    """A :func:`leaf_layout` as a Markdown table (leaf, shape, dtype)."""
     rows = [f"| `{path}` | {list(shape)} | {np.dtype(dt).name} |" for path, (shape, dt) in layout.items()]
     return "\n".join(["| leaf | shape | dtype |", "|---|---|---|"] + rows)

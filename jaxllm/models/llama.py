@@ -1,10 +1,6 @@
-"""The Llama family: Llama (incl. Llama 3 rope scaling), Mistral (sliding
-window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) and SmolLM2.
+"""The Llama family: Llama (incl. Llama 3 rope), Mistral, Qwen2, Qwen3, SmolLM2.
 
-Follows HF ``modeling_llama.py`` / ``modeling_qwen3.py`` step for step, so
-that float32 logits match ``transformers``: pre-norm attention and SwiGLU
-MLP, each added to the residual. Phi-3 and the mixture-of-experts families
-reuse :func:`attention_residual`.
+Follows HF ``modeling_llama.py`` / ``modeling_qwen3.py`` (float32 logits match ``transformers``).
 """
 
 from __future__ import annotations
@@ -58,10 +54,7 @@ def layer_keys(cfg: ModelConfig) -> set[str]:
 
 def attention_residual(layer: dict[str, jax.Array], x: jax.Array, kv: KVCache,
                        ctx: LayerContext) -> tuple[jax.Array, KVCache]:
-    """``x + attention(rms_norm(x))``: the first half of a Llama-style layer.
-
-    x: [T, E] -> ([T, E], the caches with this layer's K/V written).
-    """
+    """``x + attention(rms_norm(x))``. x: [T, E] -> ([T, E], the caches with this layer's K/V)."""
     attn, kv = attention_block(layer, rms_norm(x, layer["attn_norm"], ctx.cfg.rms_norm_eps), kv, ctx)
     return x + attn, kv
 

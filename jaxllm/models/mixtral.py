@@ -1,7 +1,4 @@
-"""Mixtral (HF ``modeling_mixtral.py``): the Llama attention half and a sparse
-MoE MLP of ``num_local_experts`` SwiGLU experts, top ``num_experts_per_tok``
-(2 of 8) per token, weighted by a softmax over the chosen experts' router
-logits (``moe.py`` runs it)."""
+"""Mixtral (HF ``modeling_mixtral.py``): the Llama attention half and ``moe.py``'s sparse MoE MLP."""
 
 from __future__ import annotations
 

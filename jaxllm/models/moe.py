@@ -1,29 +1,9 @@
-"""The sparse mixture-of-experts MLP shared by Mixtral and Qwen3-MoE, in plain
-``jnp`` with fixed shapes.
+"""The sparse MoE MLP of Mixtral and Qwen3-MoE, in plain ``jnp`` with shapes fixed by the bucket.
 
-Routing (HF ``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``): softmax over the
-router logits in float32, the top ``k`` experts per token, their weights
-renormalised to sum to 1 when ``cfg.norm_topk_prob`` (always for Mixtral:
-a softmax over the top-k logits).
-
-Dispatch by sort: the ``T * k`` (token, expert) assignments are sorted by
-expert, so each expert's tokens are one contiguous run of rows, and a loop
-over the experts runs each expert's SwiGLU MLP on its run in chunks of
-``block`` rows (a ``fori_loop`` whose trip count is the run's chunk count),
-then adds the weighted outputs back to their tokens. Every array has a shape
-fixed by the bucket (``T``), so no routing ever recompiles; the work follows
-the assignments (an expert no token chose costs nothing, padding tokens are
-never routed) rather than ``T * num_experts``. Experts add to each token in
-increasing expert order, as HF's loop does. On CPU this runs faster
-than ``jax.lax.ragged_dot`` or a dense all-experts einsum at Mixtral's
-sizes (both of which XLA's CPU backend computes densely).
-
-Sharding: the expert weights split over the expert FFN dimension
-(``jaxllm.worker.sharding.PARAM_AXES``: ``experts_gate``/``experts_up``
-``[E, hidden, mlp]``, ``experts_down`` ``[E, mlp, hidden]``, the ``mlp``
-axis on the mesh's ``model`` axis, the expert axis never split): each device
-holds a slice of every expert, as a dense MLP under Megatron's rule, so
-routing needs no all-to-all and the one all-reduce is the down projection's.
+Routing as HF's ``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``: float32 softmax, top ``k`` per token,
+renormalised when ``cfg.norm_topk_prob``. Assignments are sorted by expert and each expert runs on its
+contiguous rows in ``block``-row chunks; experts add in increasing order, as HF. Expert weights shard
+on their FFN axis (``PARAM_AXES``). Design: docs/design/models.md.
 """
 
 from __future__ import annotations
@@ -39,15 +19,14 @@ EXPERT_KEYS = {"router", "experts_gate", "experts_up", "experts_down"}
 
 
 def layer_keys(cfg: ModelConfig) -> set[str]:
-    """Pytree keys of a MoE decoder layer: the Llama attention half, the router and the experts."""
+    """Pytree keys of a MoE layer: Llama's attention half, the router and the experts."""
     return llama.attention_keys(cfg) | EXPERT_KEYS
 
 
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """Each token's experts and their weights.
+    """Each token's experts and weights.
 
-    h: [T, E] and router: [E, num_experts] -> (weights float32 [T, k],
-    expert ids int32 [T, k]), k = ``cfg.num_experts_per_tok``.
+    h: [T, E]; router: [E, num_experts] -> (float32 [T, k], int32 [T, k]), k = ``cfg.num_experts_per_tok``.
     """
     probs = jax.nn.softmax(linear(h, router).astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
@@ -57,25 +36,21 @@ def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
 
 
 def block_rows(num_tokens: int, cfg: ModelConfig) -> int:
-    """Rows each expert MLP call takes (static per bucket): about the
-    assignments an expert gets on average, a power of two in [8, 128]."""
+    """Rows per expert MLP call (static): the mean assignments per expert, a power of two in [8, 128]."""
     mean = num_tokens * cfg.num_experts_per_tok / cfg.num_experts
     return int(min(128, max(8, 1 << max(0, int(mean - 1).bit_length()))))
 
 
 def moe_mlp(layer: dict[str, jax.Array], h: jax.Array, cfg: ModelConfig, num_tokens: jax.Array) -> jax.Array:
-    """The sparse MoE block (module docstring).
+    """The sparse MoE block.
 
     Args:
-      layer: ``router`` [E, X], ``experts_gate``/``experts_up`` [X, E, F],
-        ``experts_down`` [X, F, E] (X experts of FFN width F).
-      h: [T, E] normed hidden states; rows from ``num_tokens`` on are padding.
-      cfg: the model configuration.
-      num_tokens: int32[] real tokens of the batch.
+      layer: ``router`` [E, X], ``experts_gate``/``experts_up`` [X, E, F], ``experts_down`` [X, F, E].
+      h: [T, E] normed; rows from ``num_tokens`` on are padding.
+      cfg: the model configuration. num_tokens: int32[] real tokens.
 
     Returns:
-      [T, E] in h's dtype: each real token's weighted sum of its experts'
-      outputs (zeros for padding rows).
+      [T, E] in h's dtype: each token's weighted sum of its experts' outputs (zeros for padding).
     """
     t, k, num_experts = h.shape[0], cfg.num_experts_per_tok, cfg.num_experts
     weights, experts = route(h, layer["router"], cfg)
@@ -109,8 +84,7 @@ def moe_mlp(layer: dict[str, jax.Array], h: jax.Array, cfg: ModelConfig, num_tok
 
 def decoder_layer(layer: dict[str, jax.Array], x: jax.Array, kv: KVCache,
                   ctx: LayerContext) -> tuple[jax.Array, KVCache]:
-    """One MoE decoder layer (HF ``MixtralDecoderLayer`` / ``Qwen3MoeDecoderLayer``):
-    the Llama attention half, then ``x + moe_mlp(rms_norm(x))``. x: [T, E]."""
+    """One MoE layer (HF ``MixtralDecoderLayer`` / ``Qwen3MoeDecoderLayer``). x: [T, E]."""
     x, kv = llama.attention_residual(layer, x, kv, ctx)
     h = rms_norm(x, layer["mlp_norm"], ctx.cfg.rms_norm_eps)
     return x + moe_mlp(layer, h, ctx.cfg, ctx.num_tokens), kv

@@ -1,12 +1,5 @@
-"""Phi-3 (HF ``modeling_phi3.py``): a Llama layer whose checkpoints fuse the
-q/k/v projections (``qkv_proj``, rows ``[q | k | v]``) and the gate/up
-projections (``gate_up_proj``, rows ``[gate | up]``), with LongRoPE ("su")
-scaling in its long-context configs and optionally a partial rotary
-embedding (``RopeConfig``; ``common.rope_cos_sin``).
-
-The loader splits the fused tensors (:func:`unfuse`), so every device keeps
-the Megatron split of separate q/k/v and gate/up weights
-(``jaxllm.worker.sharding``) and the step is the Llama one.
+"""Phi-3 (HF ``modeling_phi3.py``): the Llama layer; checkpoints fuse ``qkv_proj`` (``[q | k | v]``) and
+``gate_up_proj`` (``[gate | up]``), which the loader splits (:func:`unfuse`); LongRoPE via ``RopeConfig``.
 """
 
 from __future__ import annotations
@@ -24,12 +17,11 @@ _FUSED = {
 
 
 def unfuse(name: str, tensor: Any, cfg: ModelConfig) -> list[tuple[str, Any]]:
-    """Split a fused Phi-3 tensor (HF ``[out, in]``) into its parts' HF names;
-    any other tensor passes through. ``tensor`` is sliced on its first axis
-    (numpy, or a lazy tensor with ``rows(start, stop)``).
+    """Split a fused Phi-3 tensor (HF ``[out, in]``, sliced on axis 0; numpy or lazy with ``rows(start, stop)``)
+    into its parts' HF names; other tensors pass through.
 
     Raises:
-      ValueError: a fused tensor whose rows do not match the config's sizes.
+      ValueError: fused rows that do not match the config's sizes.
     """
     if name not in _FUSED:
         return [(name, tensor)]

@@ -1,10 +1,7 @@
-"""Qwen3-MoE (HF ``modeling_qwen3_moe.py``): the Qwen3 attention half (q/k
-RMSNorm) and a sparse MoE MLP of ``num_experts`` SwiGLU experts of width
-``moe_intermediate_size``, top ``num_experts_per_tok`` per token, their
-softmax weights renormalised when ``norm_topk_prob`` (``moe.py`` runs it).
-HF's Qwen3-MoE has no shared expert; models whose ``mlp_only_layers`` or
-``decoder_sparse_step`` make some layers dense are rejected by
-``ModelConfig`` (the layer scan needs one kind of MLP)."""
+"""Qwen3-MoE (HF ``modeling_qwen3_moe.py``): the Qwen3 attention half and ``moe.py``'s sparse MoE MLP.
+
+No shared expert; configs with dense layers are rejected by ``ModelConfig``.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Ragged paged attention by the C++ kernel (``paged_attention_cpu.cc``), called through XLA's FFI.
-
-It reads the KV blocks in place through the block table (the ``jnp`` backend gathers them into copies first), for
-runs of up to 16 query tokens of one sequence at a time (a decode row is a run of one) on XLA's intra-op threads,
-with the online softmax of flash-attention; a run of several tokens (a prefill chunk) is computed as register-tiled
-multiply-adds over its (token, head) pairs.
+"""Ragged paged attention by the C++ kernel (``paged_attention_cpu.cc``) through XLA's FFI: KV blocks read in place
+through the block table, online softmax per run of up to 16 tokens of one sequence. Design: docs/design/kernels.md.
 """
 
 from __future__ import annotations
@@ -22,42 +18,35 @@ MAX_BLOCK_SIZE = 256
 
 
 def cascade_units_formed() -> int:
-    """How many cascade units the attention kernel has formed in this process (decode rows whose block tables begin
-    with the same blocks, attended over them together: ``paged_attention_cpu.cc``'s ``form_cascades``); 0 where the
-    kernels are not built. A count for tests and profiles; raises nothing."""
+    """Cascade units (decode rows sharing leading blocks) formed in this process; 0 without kernels. Raises nothing."""
     return cpu_build.library_int("jaxllm_cascade_units") if cpu_build.available() else 0
 
 
 def supports(num_q_heads: int, block_size: int, num_kv_heads: int) -> bool:
-    """Whether the kernel takes these shapes: query heads a multiple of the KV heads, at most
-    :data:`MAX_BLOCK_SIZE` tokens per block."""
+    """Whether the kernel takes these shapes: Hq a multiple of Hkv, block_size <= :data:`MAX_BLOCK_SIZE`."""
     return num_q_heads % num_kv_heads == 0 and block_size <= MAX_BLOCK_SIZE
 
 
 def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array,
                                token_row: jax.Array, token_pos: jax.Array, *, scale: float,
                                soft_cap: Optional[float] = None, sliding_window: Optional[int] = None) -> jax.Array:
-    """Every query token over its sequence's paged KV, in place through the block table (the C++ kernel).
+    """Every query token over its sequence's paged KV, read in place through the block table (the C++ kernel).
 
     Args:
       q: [T, Hq, D], any float dtype (computed in float32).
-      k_cache, v_cache: [N, block_size, Hkv, D], float32, bfloat16 or uint16 bit patterns of bfloat16.
-      tables: int32 [S, W], block ids in [0, N).
-      token_row: int32 [T], the row of ``tables`` each token belongs to; -1 marks a padding token (zeros out).
-      token_pos: int32 [T], each token's position in its sequence: it sees positions ``[0, pos]`` (the last
-        ``sliding_window`` of them when set).
-      scale: the score scale (``1 / sqrt(D)`` or the model's).
-      soft_cap: scores become ``soft_cap * tanh(scores / soft_cap)``; None: no cap.
-      sliding_window: None: no window.
+      k_cache, v_cache: [N, block_size, Hkv, D], float32, bfloat16 or uint16 (bfloat16 bits).
+      tables: int32[S, W], block ids in [0, N).
+      token_row: int32[T] each token's row of ``tables``; -1: padding (zeros).
+      token_pos: int32[T] each token's position; it sees ``[0, pos]`` (the last ``sliding_window`` if set).
+      scale: score scale. soft_cap: ``soft_cap * tanh(scores / soft_cap)``, or None. sliding_window: or None.
 
     Returns:
       float32 [T, Hq, D].
 
     Raises:
-      ValueError: a cache dtype other than those above, shapes it does not take (:func:`supports`), or the
-        kernel is not ``cpu_build.available()``.
-      JaxRuntimeError (at run time): a row outside [0, S), a position at or past ``W * block_size``, or a block
-        id outside [0, N) that a token would read (named in the message).
+      ValueError: another cache dtype, shapes not :func:`supports`, or no kernel.
+      JaxRuntimeError (at run time): a row outside [0, S), a position ``>= W * block_size``, or a read block id
+        outside [0, N).
     """
     if not cpu_build.available():
         raise ValueError(f"ragged_paged_attention_cpu is not available: {cpu_build.unavailable_reason()}")

@@ -1,12 +1,5 @@
-"""Decode attention over a paged KV cache, split over the KV length
-(flash-decoding, Dao et al. 2023) so that a few long sequences still fill
-the GPU.
-
-Grid (sequence, KV head, split). Each program folds its share of the
-sequence's KV chunks into a partial (unnormalised output, row max, row sum)
-for the KV head's group of query heads, padded to 16 rows for Triton's dot;
-a small ``jnp`` step then merges the splits with the usual log-sum-exp
-rescaling.
+"""Decode attention over a paged KV cache, split over the KV length (flash-decoding) to fill the GPU;
+splits merged by log-sum-exp. Design: docs/design/kernels.md.
 """
 
 from __future__ import annotations
@@ -157,34 +150,25 @@ def paged_attention(
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
 ) -> jax.Array:
-    """Decode attention: one new query per sequence over its paged context.
-
-    Flash-decoding over vLLM-style block tables: the KV length is split so
-    that ``S * num_kv_heads * splits`` programs fill the GPU (about
-    ``TARGET_PROGRAMS``); each split runs FlashAttention-2's online softmax
-    over ``BLOCK_K``-token chunks and the splits are merged by log-sum-exp.
+    """Decode attention: one new query per sequence over its paged context (semantics:
+    ``reference.paged_attention_reference``).
 
     Args:
-      q: [S, num_q_heads, head_dim] float32 or bfloat16 — the query of the
-        last token of each sequence (position ``seq_lens[s] - 1``).
-      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's
-        dtype, or int8 / float8_e4m3fn with ``k_scale``, ``v_scale``.
+      q: [S, num_q_heads, head_dim] float32 or bfloat16, each sequence's last token (position ``seq_lens[s] - 1``).
+      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] in q's dtype, or int8 / float8_e4m3fn
+        with ``k_scale``, ``v_scale``.
       block_tables: int32[S, W]; seq_lens: int32[S] (0 marks a padding row).
-      scale: multiplier of q·k (usually head_dim ** -0.5).
-      sliding_window: if set, the query at position p sees keys in
-        ``(p - sliding_window, p]``.
-      soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
+      scale: multiplier of q·k. sliding_window: keys in ``(p - sliding_window, p]``.
+      soft_cap: scores become ``soft_cap * tanh(scores / soft_cap)``.
       interpret: run the Pallas interpreter (CPU tests) instead of Triton.
-      k_scale, v_scale: float32[num_kv_heads], the scales of a quantized
-        cache (``storage.py``); the K scale joins the score scale and the V
-        scale multiplies each program's output. None: a cache of plain values.
+      k_scale, v_scale: float32[num_kv_heads] of a quantized cache, or None.
 
     Returns:
-      [S, num_q_heads, head_dim] in q's dtype; rows with seq_lens 0 are zeros.
+      [S, num_q_heads, head_dim] in q's dtype; zeros where seq_lens is 0.
 
     Raises:
-      ValueError: mismatched shapes, num_q_heads not a multiple of
-        num_kv_heads, or head_dim not a power of two >= 16.
+      ValueError: mismatched shapes, num_q_heads not a multiple of num_kv_heads, or head_dim not a power of
+        two >= 16.
     """
     return _paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale,

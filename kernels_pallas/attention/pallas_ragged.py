@@ -1,14 +1,6 @@
-"""Causal attention for a mixed batch of prefill chunks and decode rows over a
-paged KV cache, in one Pallas GPU launch.
-
-Work is cut into query tiles: a tile is up to ``block_q`` consecutive query
-tokens of one sequence, times that KV head's ``group`` query heads, stacked
-into ``block_q * group`` matrix rows so that GQA heads share each K/V load
-(the packing of vLLM's Triton "unified attention"). Tiles never straddle
-sequences, so a tile walks exactly one block table. The tile schedule is
-computed with a few ``jnp`` ops from ``query_start_loc`` and has a static
-length, ``min(T, S + T // block_q)``, an upper bound on
-``sum_s ceil(q_len[s] / block_q)``; tiles past the real count do nothing.
+"""Causal attention for a mixed batch of prefill chunks and decode rows over a paged KV cache, in one Pallas
+GPU launch: per-sequence query tiles with GQA heads packed into rows (vLLM's Triton "unified attention"),
+FlashAttention-2's online softmax over KV chunks. Design: docs/design/kernels.md.
 """
 
 from __future__ import annotations
@@ -168,41 +160,26 @@ def ragged_paged_attention(
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
 ) -> jax.Array:
-    """Causal attention of a ragged batch of new tokens over a paged KV cache.
-
-    One launch serves decode rows (q_len 1), prefill chunks continuing a
-    cached prefix, and whole prompts. FlashAttention-2's online softmax over
-    KV chunks gathered through vLLM-style block tables; KV chunks wholly
-    outside a tile's causal / sliding-window range are skipped.
+    """Causal attention of a ragged batch of new tokens over a paged KV cache (decode rows, prefill chunks, prompts).
 
     Args:
-      q: [T, num_q_heads, head_dim] float32 or bfloat16 — sequences
-        concatenated in batch order, padded to T.
-      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's
-        dtype (or int8 / float8_e4m3fn with ``k_scale``, ``v_scale``),
-        already holding this step's keys and values.
-      block_tables: int32[S, W] — block ids of each sequence, in order.
-      seq_lens: int32[S] — KV length of each sequence including new tokens.
-      query_start_loc: int32[S + 1] — sequence s owns query rows
-        ``query_start_loc[s]:query_start_loc[s + 1]``.
-      num_seqs: int32 scalar — sequence rows ``>= num_seqs`` and query rows
-        ``>= query_start_loc[num_seqs]`` are padding.
-      scale: multiplier of q·k (usually head_dim ** -0.5).
-      sliding_window: if set, a query at position p sees keys in
-        ``(p - sliding_window, p]``.
-      soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
+      q: [T, num_q_heads, head_dim] float32 or bfloat16, sequences concatenated in batch order, padded to T.
+      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] in q's dtype (or int8 / float8_e4m3fn
+        with ``k_scale``, ``v_scale``), holding this step's K/V.
+      block_tables: int32[S, W]; seq_lens: int32[S] KV lengths incl. new tokens; query_start_loc: int32[S + 1];
+      num_seqs: int32[]: as ``reference.ragged_paged_attention_reference``.
+      scale: multiplier of q·k. sliding_window: keys in ``(p - sliding_window, p]``.
+      soft_cap: scores become ``soft_cap * tanh(scores / soft_cap)``.
       interpret: run the Pallas interpreter (CPU tests) instead of Triton.
-      k_scale, v_scale: float32[num_kv_heads], the scales of a quantized
-        cache (``storage.py``); the K scale joins the score scale and the V
-        scale multiplies each tile's output. None: a cache of plain values.
+      k_scale, v_scale: float32[num_kv_heads] of a quantized cache, or None.
 
     Returns:
-      [T, num_q_heads, head_dim] in q's dtype. Query row i of sequence s sits
-      at position ``seq_lens[s] - q_len[s] + i``; padding rows are zeros.
+      [T, num_q_heads, head_dim] in q's dtype; row i of sequence s at position ``seq_lens[s] - q_len[s] + i``;
+      padding rows zeros.
 
     Raises:
-      ValueError: mismatched shapes, num_q_heads not a multiple of
-        num_kv_heads, or head_dim not a power of two >= 16.
+      ValueError: mismatched shapes, num_q_heads not a multiple of num_kv_heads, or head_dim not a power of
+        two >= 16.
     """
     return _ragged_paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale,

@@ -1,14 +1,11 @@
-"""Plain ``jnp`` references for paged attention: the numerical ground truth of every attention backend.
+"""Plain ``jnp`` references for paged attention: the ground truth of every attention backend.
 
-Each function has the exact signature of its Pallas kernel (the ``interpret`` flag is accepted and ignored), so
-callers can swap one for the other.
+Each has its Pallas kernel's exact signature (``interpret`` accepted and ignored).
 
-Cache layout (one layer): ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``. Token slot ``s``
-lives at block ``s // block_size``, offset ``s % block_size``. Block 0 is the null block that padded slots write
-into; nothing reads it through a valid block-table entry. Caches may be stored as bit patterns, quantized, or beside
-a pool of compressed blocks (``kernels_pallas.storage``).
-
-GQA follows Hugging Face's ``repeat_kv``: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
+Cache layout (one layer): ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``; slot ``s`` is
+block ``s // block_size``, offset ``s % block_size``. Block 0 is the null block padded slots write into. Caches may
+be bit patterns, quantized, or beside a compressed pool (``kernels_pallas.storage``).
+GQA as HF's ``repeat_kv``: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
 """
 
 from __future__ import annotations
@@ -30,10 +27,9 @@ def _soft_cap(scores: jax.Array, soft_cap: Optional[float]) -> jax.Array:
 
 
 def _masked_softmax_pv(scores: jax.Array, mask: jax.Array, v: jax.Array) -> jax.Array:
-    """softmax over the last axis of ``scores`` under ``mask``, then @ v.
+    """Masked softmax over the last axis, then @ v; rows with no valid key give zeros.
 
-    scores: [N, Hkv, G, L] float32, mask: [N, 1, 1, L] bool, v: [N, L, Hkv, D] float32.
-    Rows with no valid key give zeros (never NaN).
+    scores: [N, Hkv, G, L] float32; mask: [N, 1, 1, L] bool; v: [N, L, Hkv, D] float32.
     """
     scores = jnp.where(mask, scores, _NEG_INF)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
@@ -63,32 +59,20 @@ def ragged_paged_attention_reference(
     """Causal attention of a ragged batch of new tokens over a paged KV cache.
 
     Args:
-      q: [T, num_q_heads, head_dim] — the step's new tokens, sequences
-        concatenated in batch order, padded to T.
-      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim],
-        already holding this step's keys and values.
-      block_tables: int32[S, W] — block ids of each sequence, in order.
-      seq_lens: int32[S] — KV length of each sequence including new tokens.
-      query_start_loc: int32[S + 1] — sequence s owns query rows
-        ``query_start_loc[s]:query_start_loc[s + 1]``.
-      num_seqs: int32 scalar — rows ``>= num_seqs`` of the sequence arrays,
-        and query rows ``>= query_start_loc[num_seqs]``, are padding.
-      scale: multiplier of q·k (usually head_dim ** -0.5).
-      sliding_window: if set, a query at position p sees keys in
-        ``(p - sliding_window, p]`` (Mistral's convention).
-      soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
-      interpret: accepted for signature parity with the Pallas kernel.
-      k_scale, v_scale: float32[num_kv_heads], the scales of a quantized
-        cache (int8 or float8_e4m3fn, ``kernels_pallas.storage``); None for a cache of
-        plain values.
+      q: [T, num_q_heads, head_dim], sequences concatenated in batch order, padded to T.
+      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], holding this step's K/V.
+      block_tables: int32[S, W] each sequence's block ids.
+      seq_lens: int32[S] KV length including new tokens.
+      query_start_loc: int32[S + 1]; sequence s owns rows ``query_start_loc[s]:query_start_loc[s + 1]``.
+      num_seqs: int32[]; sequence rows ``>= num_seqs`` and query rows ``>= query_start_loc[num_seqs]`` are padding.
+      scale: multiplier of q·k. sliding_window: keys in ``(p - sliding_window, p]`` (Mistral's convention).
+      soft_cap: scores become ``soft_cap * tanh(scores / soft_cap)``. interpret: ignored.
+      k_scale, v_scale: float32[num_kv_heads] of a quantized cache, or None.
+      compressed: the pool (``storage.CompressedKV``) table ids ``>= num_blocks`` name, or None (not with scales).
 
     Returns:
-      [T, num_q_heads, head_dim] in q's dtype; padding rows are zeros.
-      Query row i of sequence s sits at position
-      ``seq_lens[s] - q_len[s] + i`` and attends to positions up to it.
-
-    Memory: gathers each token's context, O(T * W * block_size * num_kv_heads
-    * head_dim) — a reference, not a kernel.
+      [T, num_q_heads, head_dim] in q's dtype, zeros on padding rows. Row i of sequence s is at position
+      ``seq_lens[s] - q_len[s] + i`` and attends up to it. Memory O(T * W * block_size * Hkv * D).
     """
     del interpret
     check_pool_scales(k_scale, compressed)
@@ -137,18 +121,11 @@ def paged_attention_reference(
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
 ) -> jax.Array:
-    """Decode attention: one new query per sequence over its paged context.
+    """Decode attention: one query per sequence (position ``seq_lens[s] - 1``) over its paged context.
 
-    Args:
-      q: [S, num_q_heads, head_dim] — the query of the last token of each
-        sequence (position ``seq_lens[s] - 1``).
-      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-      block_tables: int32[S, W]; seq_lens: int32[S] (0 marks a padding row).
-      scale, sliding_window, soft_cap, interpret, k_scale, v_scale: as in
-        :func:`ragged_paged_attention_reference`.
-
-    Returns:
-      [S, num_q_heads, head_dim] in q's dtype; rows with seq_lens 0 are zeros.
+    q: [S, num_q_heads, head_dim]; caches as the ragged reference; block_tables: int32[S, W]; seq_lens:
+    int32[S] (0: padding row). Other args as :func:`ragged_paged_attention_reference`.
+    Returns [S, num_q_heads, head_dim] in q's dtype; zeros where seq_lens is 0.
     """
     num_seqs = q.shape[0]
     query_start_loc = jnp.arange(num_seqs + 1, dtype=jnp.int32)

@@ -1,45 +1,11 @@
 """Ragged paged attention in plain ``jnp``, shaped for XLA's CPU backend.
 
-The reference (``reference.py``) gathers every query token's whole context,
-``[T, W * block_size, Hkv, D]``: simple, but its memory traffic grows with
-tokens times the table width. This version has the same signature and
-semantics and costs what the sequences need:
-
-* Queries are grouped into *tiles* that each belong to one sequence. A
-  decode row (one new token) is a tile of one query; the new tokens of a
-  prefill chunk are cut into tiles of ``prefill_tile`` consecutive queries.
-  The KV blocks of a tile are gathered once for all its queries, so the
-  gather traffic follows tiles (about ``num_seqs + T / prefill_tile``), not
-  tokens.
-* Keys and values are visited in chunks of ``kv_chunk_blocks`` blocks. The
-  (tile, chunk) pairs the step needs are enumerated on the device and a
-  ``fori_loop`` takes ``pairs_per_step`` of them at a time, folding each into
-  its tile's running (max, sum, output) with the log-sum-exp rescaling of
-  FlashAttention (Dao et al. 2022) and flash-decoding. The trip count is the
-  work that exists: a short sequence batched with a long one, or a padding
-  row, costs nothing, and nothing of size ``W * block_size`` is ever
-  materialised, so a wide block table costs nothing until a sequence is long.
-* Decode tiles and prefill tiles are two fixed-shape passes, each skipped by
-  ``lax.cond`` when the step has no row of its kind. Decode tiles take larger
-  KV chunks and, with few KV heads, dots over every (query head, KV head)
-  pair (``_cross_head_dots``): batching a one-query dot over the KV heads
-  makes XLA copy the gathered keys into a transposed layout element by
-  element, which cost more than the dots themselves (profile in
-  ``scripts/profile_step.py``'s docstring).
-* On XLA's CPU backend, every row of a float32 or bfloat16 cache (no KV
-  scales, no compressed pool) goes to the C++ kernel (``cpu.py``) instead:
-  it reads the blocks in place rather than through gathered copies, and runs
-  prefill chunks as register-tiled multiply-adds rather than the tiles' many
-  small dots. The tiles serve everything where the kernel cannot be built.
-
-Scores and the softmax are float32 whatever the cache dtype; the output is
-q's dtype. Cache layout, padding rules, GQA mapping, the uint16 storage of
-bfloat16 caches and the scales of quantized (int8, float8_e4m3fn) caches as
-in ``reference.py`` and ``storage.py``; here the K scales multiply the queries once and the V
-scales the output, so the loop only converts what it loads to float32.
-Blocks of the compressed pool (``storage.CompressedKV``: table ids past the
-cache's blocks) are gathered from it beside and dequantized with their own
-per-block scales where the ids name them.
+Same signature and semantics as ``reference.py`` (cache layout, padding, GQA, uint16 storage of
+bfloat16, int8 / float8_e4m3fn scales, the compressed pool), at the cost of what the sequences
+need: per-sequence query tiles over KV chunks with a flash-decoding log-sum-exp merge, no
+``[T, W * block_size]`` buffer. On XLA's CPU backend float32/bfloat16 caches without scales or
+pool go to the C++ kernel (``cpu.py``). Scores and softmax are float32; the output is q's dtype.
+Design and costs: docs/design/kernels.md.
 """
 
 from __future__ import annotations
@@ -67,35 +33,17 @@ CROSS_HEAD_MAX_KV_HEADS = 4
 
 
 def _head_batched_dots(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
-    """Scores of queries against keys, and the function taking weights to outputs, as dots batched over KV heads.
+    """Scores and the weights -> outputs function, as dots batched over KV heads.
 
-    Args:
-      q: float32 [B, Q, Hkv, G, D] (G query heads per KV head).
-      k, v: float32 [B, L, Hkv, D].
-
-    Returns:
-      (scores float32 [B, Hkv, Q, G, L], weights [B, Hkv, Q, G, L] -> float32 [B, Hkv, Q, G, D]).
+    q: float32 [B, Q, Hkv, G, D]; k, v: float32 [B, L, Hkv, D].
+    Returns (scores float32 [B, Hkv, Q, G, L], [B, Hkv, Q, G, L] -> float32 [B, Hkv, Q, G, D]).
     """
     return (jnp.einsum("bqhgd,blhd->bhqgl", q, k),
             lambda p: jnp.einsum("bhqgl,blhd->bhqgd", p, v))
 
 
 def _cross_head_dots(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
-    """:func:`_head_batched_dots` computed over every pair of KV heads, the matching pairs kept.
-
-    Batching the dots over the KV heads makes XLA's CPU backend copy the
-    gathered keys and values into head-major layouts first (for the keys,
-    ``head_dim`` against ``L``: element by element), and those copies cost
-    more than the dots on a decode step. Here the keys ``[B, L * Hkv, D]``
-    and values ``[B, L, Hkv * D]`` are used in the layout they were gathered
-    in: each dot covers all ``Hkv`` KV heads for every query head, which is
-    ``Hkv`` times the multiply-adds, and the diagonal (query head's own KV
-    head) is kept. Worth it when ``Q * G`` (queries per tile times the GQA
-    group) and ``Hkv`` are small, as on decode tiles: ``scripts/profile_step.py``
-    has the measurement.
-
-    Args, returns: as :func:`_head_batched_dots`.
-    """
+    """:func:`_head_batched_dots` over every (query head, KV head) pair, the matching ones kept (no layout copies)."""
     batch, tile_len, num_kv_heads, group, head_dim = q.shape
     chunk_len = k.shape[1]
     rows = q.reshape(batch, tile_len * num_kv_heads * group, head_dim)
@@ -129,32 +77,12 @@ def _attend_tiles(
     cross_heads: bool = False,
     compressed: Optional[CompressedKV] = None,
 ) -> jax.Array:
-    """Attention of query tiles over their own sequence's paged KV.
+    """Attention of query tiles over their own sequence's paged KV (tile/chunk pairs, log-sum-exp merge).
 
-    The work is the list of (tile, KV chunk) pairs each tile needs -- the
-    chunks from the first its window can see to the one holding its last
-    query -- enumerated tile by tile. Each loop step takes the next
-    ``pairs_per_step`` pairs, computes their partial softmax statistics, and
-    folds them into their tiles' running (max, sum, output) with scatter
-    max/add (the log-sum-exp merge of flash-decoding). The trip count follows
-    the pairs that exist: no work for padding tiles, nor for a short
-    sequence batched with a long one.
-
-    Args:
-      q_tiles: [N, Q, Hq, D] queries, tile n belonging to one sequence.
-      q_pos: int32[N, Q] position of each query; -1 marks a padding query.
-      tables: int32[N, W] the block table of each tile's sequence.
-      k_cache, v_cache: [num_blocks, block_size, Hkv, D].
-      chunk_blocks: KV blocks per chunk.
-      pairs_per_step: (tile, chunk) pairs per loop step.
-      k_scale, v_scale: float32[Hkv] of a quantized cache, or None.
-      cross_heads: compute both dots over every (query head, KV head) pair
-        and keep the matching ones (:func:`_cross_head_dots`) instead of
-        batching over the KV heads.
-      compressed: the pool that table ids ``>= num_blocks`` name, or None.
-
-    Returns:
-      float32 [N, Q, Hq, D]; padding queries give zeros.
+    q_tiles: [N, Q, Hq, D], one sequence per tile; q_pos: int32[N, Q] positions, -1 padding; tables: int32[N, W];
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D]; chunk_blocks: KV blocks per chunk; pairs_per_step: pairs per
+    loop step; k_scale, v_scale: float32[Hkv] or None; cross_heads: use :func:`_cross_head_dots`; compressed: the
+    pool table ids ``>= num_blocks`` name, or None. Returns float32 [N, Q, Hq, D], zeros for padding queries.
     """
     num_tiles, tile_len, num_q_heads, head_dim = q_tiles.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -242,9 +170,11 @@ def _attend_tiles(
 
 def native_applies(k_cache: jax.Array, num_q_heads: int, k_scale: Optional[jax.Array] = None,
                    compressed: Optional[CompressedKV] = None) -> bool:
-    """Whether :func:`ragged_paged_attention_xla` hands its rows to the C++ kernel by default: on XLA's CPU
-    backend, for a float32 or bfloat16 (uint16-stored) cache ``[N, block_size, Hkv, D]`` without KV scales or a
-    compressed pool, in shapes it takes (``cpu.supports``), once ``cpu_build.available()`` (the kernels built)."""
+    """Whether :func:`ragged_paged_attention_xla` uses the C++ kernel by default.
+
+    True on XLA's CPU backend for a float32 or bfloat16 (uint16) cache ``[N, block_size, Hkv, D]`` without
+    KV scales or pool, in shapes ``cpu.supports``, once ``cpu_build.available()``.
+    """
     _, block_size, num_kv_heads, _ = k_cache.shape
     return (jax.default_backend() == "cpu" and k_scale is None and compressed is None
             and jnp.dtype(k_cache.dtype) in cpu.CACHE_DTYPES
@@ -253,10 +183,10 @@ def native_applies(k_cache: jax.Array, num_q_heads: int, k_scale: Optional[jax.A
 
 def token_rows_and_positions(query_start_loc: jax.Array, seq_lens: jax.Array, num_seqs: jax.Array,
                              num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """Each query token's sequence row (-1 past the batch's tokens) and position, from the ragged layout.
+    """Each query token's sequence row and position, from the ragged layout.
 
-    Args: ``query_start_loc: int32[S + 1]``, ``seq_lens: int32[S]``, ``num_seqs: int32[]`` as in the reference;
-    ``num_tokens``: T. Returns ``(row, pos)``, both int32 [T]; a padding token has row -1 and position 0.
+    ``query_start_loc: int32[S + 1]``, ``seq_lens: int32[S]``, ``num_seqs: int32[]`` as in the reference;
+    ``num_tokens``: T. Returns ``(row, pos)``, int32 [T] each; a padding token has row -1, position 0.
     """
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     ends = query_start_loc[1:]
@@ -291,39 +221,22 @@ def ragged_paged_attention_xla(
 ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache, tiled per sequence.
 
-    Arguments, result and semantics are those of
-    ``reference.ragged_paged_attention_reference`` (q ``[T, Hq, D]``, caches
-    ``[num_blocks, block_size, Hkv, D]``, ``block_tables: int32[S, W]``,
-    ``seq_lens: int32[S]``, ``query_start_loc: int32[S + 1]``,
-    ``num_seqs: int32[]``, ``k_scale, v_scale: float32[Hkv]`` of a quantized
-    cache or None, ``compressed``: the pool of compressed blocks or None;
-    returns ``[T, Hq, D]`` in q's dtype with zeros on padding rows).
+    Arguments, result and semantics as ``reference.ragged_paged_attention_reference``: q ``[T, Hq, D]``;
+    caches ``[num_blocks, block_size, Hkv, D]``; ``block_tables: int32[S, W]``; ``seq_lens: int32[S]``;
+    ``query_start_loc: int32[S + 1]``; ``num_seqs: int32[]``; ``k_scale, v_scale: float32[Hkv]`` or None;
+    ``compressed`` pool or None. Returns ``[T, Hq, D]`` in q's dtype, zeros on padding rows.
     ``interpret`` is accepted for signature parity.
 
     Args:
-      prefill_tile: queries per prefill tile (a sequence with more than one
-        new token). Smaller tiles waste less on a chunk's last partial tile;
-        larger ones gather each KV block for more queries at once.
-      kv_chunk_blocks: KV blocks per chunk (the unit of work of one pair) of
-        the prefill tiles.
-      decode_kv_chunk_blocks: the same for decode tiles (one query each, so
-        a pair does less work per block and larger chunks pay).
-      pairs_per_step: (tile, chunk) pairs per loop iteration (at most the
-        number of tiles).
-      cross_head_decode: the decode tiles' dots over all KV-head pairs
-        (``_cross_head_dots``); None means when ``num_kv_heads <=``
-        :data:`CROSS_HEAD_MAX_KV_HEADS`.
-      use_native: every row through ``cpu.ragged_paged_attention_cpu``
-        (the C++ kernel) instead of the tiles; None means where
-        :func:`native_applies`. True where it does not apply raises
-        ValueError.
+      prefill_tile: queries per prefill tile.
+      kv_chunk_blocks, decode_kv_chunk_blocks: KV blocks per chunk of prefill / decode tiles.
+      pairs_per_step: (tile, chunk) pairs per loop iteration (capped at the number of tiles).
+      cross_head_decode: decode dots over all KV-head pairs; None: when ``Hkv <= CROSS_HEAD_MAX_KV_HEADS``.
+      use_native: every row through ``cpu.ragged_paged_attention_cpu``; None: where :func:`native_applies`.
 
-    Cost: with the C++ kernel, one read in place of each decode row's context
-    and of a prefill chunk's once per 16 new tokens. With the tiles, KV gathers
-    of about the summed context of the sequences (``Hkv * D`` elements per
-    token) for the decode rows, and the same once per ``prefill_tile`` new
-    tokens of a prefill chunk, each rounded up to ``kv_chunk_blocks *
-    block_size``. No ``[T, W * block_size]`` buffer either way.
+    Raises:
+      ValueError: ``use_native=True`` where :func:`native_applies` is False; ``k_scale`` together
+        with ``compressed`` (a quantized cache has nothing to compress).
     """
     del interpret
     check_pool_scales(k_scale, compressed)

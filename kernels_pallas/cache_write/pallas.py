@@ -31,22 +31,14 @@ def kv_cache_write(
     *,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Write this step's keys and values into their cache slots, in place.
-
-    Follows vLLM's ``reshape_and_cache``: token t goes to flat slot
-    ``slot_mapping[t] = block * block_size + offset``. One program per
-    (token, KV head) copies one ``head_dim`` row; the caches are aliased to
-    the outputs (``input_output_aliases``), so under a caller's
-    ``donate_argnums`` nothing but the addressed rows is touched or copied.
+    """Write this step's keys and values into their cache slots, in place (vLLM's ``reshape_and_cache``).
 
     Args:
-      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], any
-        float dtype, or int8 / float8_e4m3fn with scales.
-      k, v: [T, num_kv_heads, head_dim], cast to the cache dtype, or
-        quantized (``storage.quantize_kv``) when scales are given.
-      slot_mapping: int32[T]. Padded tokens should point into block 0 (the
-        null block); several tokens may share a slot there, and which one
-        wins is unspecified.
+      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], any float dtype, or int8 /
+        float8_e4m3fn with scales; aliased to the outputs.
+      k, v: [T, num_kv_heads, head_dim], cast to the cache dtype, or ``storage.quantize_kv``'d with scales.
+      slot_mapping: int32[T] flat slots ``block * block_size + offset``; padding into block 0 (which of several
+        writes to one slot wins is unspecified).
       k_scale, v_scale: float32[num_kv_heads] of a quantized cache, or None.
       interpret: run the Pallas interpreter (CPU tests) instead of Triton.
 
@@ -54,8 +46,7 @@ def kv_cache_write(
       (k_cache, v_cache) of the input shapes and dtypes.
 
     Raises:
-      ValueError: if shapes disagree or head_dim is not a power of two (a
-        Triton tensor-size constraint).
+      ValueError: shapes disagree or head_dim is not a power of two.
     """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens = k.shape[0]

@@ -20,18 +20,9 @@ def kv_cache_write_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's keys and values into the paged cache.
 
-    Args:
-      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-      k, v: [T, num_kv_heads, head_dim], cast to the cache dtype (bit-cast
-        from bfloat16 for a uint16 cache, see :func:`to_storage`), or
-        quantized by :func:`quantize_kv` when scales are given.
-      slot_mapping: int32[T] — flat slot ``block * block_size + offset`` of
-        each token; padded tokens point into block 0.
-      k_scale, v_scale: float32[num_kv_heads] of a quantized cache, or None.
-
-    Returns:
-      (k_cache, v_cache) with the slots written; in place when the caller
-      donates the caches to the enclosing jit.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; k, v: [T, num_kv_heads, head_dim], stored
+    as the cache's dtype (:func:`to_storage`) or :func:`quantize_kv`'d with ``k_scale, v_scale: float32[num_kv_heads]``;
+    slot_mapping: int32[T] flat slots (padding into block 0). Returns the caches written (in place when donated).
     """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     flat = (num_blocks * block_size, num_kv_heads, head_dim)

@@ -1,6 +1,4 @@
-"""The lm_head's ``x @ w.T`` of a row-major ``w`` [N, K] (a tied embedding) by the C++ kernel, called through XLA's
-FFI; its source is ``kernels_pallas/matmul/matmul_cpu.cc``, beside the stacked matmul whose tiles it shares.
-"""
+"""The lm_head's ``x @ w.T`` of a row-major ``w`` [N, K] by the C++ kernel (``matmul/matmul_cpu.cc``), via FFI."""
 
 from __future__ import annotations
 
@@ -14,21 +12,17 @@ from kernels_pallas.matmul.cpu import MATMUL_COLUMN_MULTIPLE, valid_rows
 
 
 def matmul_nt_supports(w: jax.Array) -> bool:
-    """Whether :func:`matmul_nt_cpu` takes this weight: float32 ``[N, K]`` with K a multiple of
-    :data:`MATMUL_COLUMN_MULTIPLE`."""
+    """Whether :func:`matmul_nt_cpu` takes ``w``: float32 ``[N, K]``, K a multiple of :data:`MATMUL_COLUMN_MULTIPLE`."""
     return w.ndim == 2 and w.dtype == jnp.float32 and w.shape[1] % MATMUL_COLUMN_MULTIPLE == 0 and w.shape[0] > 0
 
 
 def nt_panel_columns() -> int:
-    """Columns per panel of :func:`pack_nt_panels` on this build of the kernels, the matmul tiles' width: 64 with
-    AVX-512, 16 without (AVX2). Raises ValueError where the kernels are not ``cpu_build.available()``."""
+    """Panel width P of this build (64 with AVX-512, 16 with AVX2); ValueError where the kernels are not available."""
     return cpu_build.library_int("jaxllm_matmul_panel_columns")
 
 
 def nt_panels_shape(w: jax.Array) -> Optional[tuple[int, int, int]]:
-    """The shape :func:`pack_nt_panels` gives ``w`` [N, K]: ``(N / P, K, P)`` with P :func:`nt_panel_columns`, or
-    None where w is not a weight :func:`matmul_nt_supports` takes with N a multiple of P (or the kernels are not
-    ``cpu_build.available()``)."""
+    """``(N / P, K, P)`` for ``w`` [N, K], or None (w not supported, N not a multiple of P, or no kernels)."""
     if not cpu_build.available() or not matmul_nt_supports(w):
         return None
     p = nt_panel_columns()
@@ -36,14 +30,11 @@ def nt_panels_shape(w: jax.Array) -> Optional[tuple[int, int, int]]:
 
 
 def pack_nt_panels(w: jax.Array) -> jax.Array:
-    """``w`` [N, K] float32 as :func:`matmul_nt_cpu`'s ``panels``: float32 ``[N / P, K, P]`` with
-    ``panels[p, k, j] = w[p * P + j, k]`` (P :func:`nt_panel_columns`), each panel of P rows of w transposed and
-    contiguous. With them the kernel reads each panel where it lies instead of transposing it on every call (the
-    tied lm_head: ``scripts/bench_matmul.py``'s last table); they take as much memory as w.
+    """``w`` [N, K] float32 as :func:`matmul_nt_cpu`'s ``panels``: float32 ``[N / P, K, P]``,
+    ``panels[p, k, j] = w[p * P + j, k]``.
 
     Raises:
-      ValueError: the kernels are not ``cpu_build.available()``, or w is not a weight :func:`nt_panels_shape` takes (the
-        message names its shape and the panel width).
+      ValueError: the kernels are not ``cpu_build.available()``, or :func:`nt_panels_shape` is None (shape named).
     """
     if not cpu_build.available():
         raise ValueError(f"pack_nt_panels: the kernels are not available: {cpu_build.unavailable_reason()}")
@@ -56,24 +47,19 @@ def pack_nt_panels(w: jax.Array) -> jax.Array:
 
 def matmul_nt_cpu(x: jax.Array, w: jax.Array, rows: Optional[jax.Array] = None,
                   panels: Optional[jax.Array] = None) -> jax.Array:
-    """``x @ w.T`` for a row-major ``w`` [N, K] (a tied embedding as the lm_head), by the C++ kernel: each output a
-    dot of a row of x with a row of w, register-tiled (``matmul_cpu.cc``).
+    """``x @ w.T`` for a row-major ``w`` [N, K] (a tied embedding) by the C++ kernel.
 
     Args:
       x: [M, K], any float dtype (computed in float32).
       w: float32 [N, K], K a multiple of :data:`MATMUL_COLUMN_MULTIPLE`.
-      rows: int32 [], the leading rows of x to compute (a padded step's sequences), clamped to [0, M]; the other
-        rows of the result are zeros. None: all M.
-      panels: :func:`pack_nt_panels` of w, or None (each panel transposed as it is read). Given, the kernel reads
-        the panels in place of w's values (only their shape is checked against w: panels of another weight give
-        that weight's product).
+      rows: int32[] leading rows to compute, clamped to [0, M]; the rest are zeros. None: all M.
+      panels: :func:`pack_nt_panels` of w, read in place of w (only the shape is checked), or None.
 
     Returns:
       float32 [M, N], accumulated in float32.
 
     Raises:
-      ValueError: a weight :func:`matmul_nt_supports` does not take, K not matching x, panels not of w's packed
-        shape, or the kernel is not ``cpu_build.available()``.
+      ValueError: w not supported, K not matching x, panels not of w's packed shape, or no kernel.
     """
     if not cpu_build.available():
         raise ValueError(f"matmul_nt_cpu is not available: {cpu_build.unavailable_reason()}")

@@ -1,9 +1,5 @@
-"""The stacked projection matmul by the C++ kernel (``matmul_cpu.cc``), called through XLA's FFI.
-
-:func:`stacked_matmul_cpu` reads a layer's weight (float32 or bfloat16) in place from the stacked parameters (XLA's
-dynamic-slice of it is a copy per layer per step) and computes only the leading rows a padded step fills.
-``matmul_cpu.cc`` also holds the lm_head's transposed product (``kernels_pallas.lm_head.cpu``), which shares its
-tiles and thread pool.
+"""The stacked projection matmul by the C++ kernel (``matmul_cpu.cc``) through XLA's FFI: a layer's weight read in
+place from the stack, only the leading rows a padded step fills computed. Design: docs/design/kernels.md.
 """
 
 from __future__ import annotations
@@ -21,42 +17,35 @@ MATMUL_COLUMN_MULTIPLE = 16
 
 
 def matmul_supports(w: jax.Array) -> bool:
-    """Whether :func:`stacked_matmul_cpu` takes this stacked weight: ``[L, K, N]`` with N a multiple of
-    :data:`MATMUL_COLUMN_MULTIPLE`, float32, or bfloat16 (or uint16 bfloat16 bits, as the engine stores its layer
-    weights on CPU: ``jaxllm.models.common.loop_storage``) with K even (its kernel takes K two rows at a time)."""
+    """Whether :func:`stacked_matmul_cpu` takes ``w``: ``[L, K, N]``, N a multiple of :data:`MATMUL_COLUMN_MULTIPLE`,
+    float32, or bfloat16 / uint16 bfloat16 bits with K even.
+    """
     if w.ndim != 3 or w.shape[2] % MATMUL_COLUMN_MULTIPLE != 0:
         return False
     return w.dtype == jnp.float32 or (w.dtype in (jnp.bfloat16, jnp.uint16) and w.shape[1] % 2 == 0)
 
 
 def valid_rows(rows: Optional[jax.Array], m: int) -> jax.Array:
-    """The kernels' ``rows`` operand: int32 [], ``rows`` or all ``m`` rows where None."""
+    """The kernels' ``rows`` operand: int32[] ``rows``, or ``m`` where None."""
     return jnp.asarray(m if rows is None else rows, jnp.int32)
 
 
 def stacked_matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array, rows: Optional[jax.Array] = None) -> jax.Array:
-    """``x @ w[layer]`` with the layer's weight read in place from the stacked ``w`` (the C++ kernel).
-
-    Inside a scan over layers, ``w[layer]`` would be a dynamic-slice that XLA's CPU backend copies on every step;
-    passing the whole stack and the index reads each weight once (``matmul_cpu.cc``). A bfloat16 ``w`` (or its
-    uint16 bits) multiplies bfloat16 x (x is rounded to it, as XLA's bfloat16 dot does), products summed in
-    float32: with the CPU's ``vdpbf16ps`` where it has AVX-512-BF16, else converted to float32 as they are read.
+    """``x @ w[layer]`` with the weight read in place from the stacked ``w`` (the C++ kernel).
 
     Args:
-      x: [M, K], any float dtype (computed in float32 against a float32 ``w``, in bfloat16 against a bfloat16 one).
-      w: float32, bfloat16 or uint16 (bfloat16 bits) [L, K, N], N a multiple of :data:`MATMUL_COLUMN_MULTIPLE` (K
-        even unless float32).
-      layer: int32 [] in [0, L).
-      rows: int32 [], the leading rows of x to compute (a padded step's tokens), clamped to [0, M]; the other
-        rows of the result are zeros. None: all M.
+      x: [M, K], any float dtype (float32 against float32 ``w``; rounded to bfloat16 against bfloat16).
+      w: float32, bfloat16 or uint16 (bfloat16 bits) [L, K, N], N a multiple of :data:`MATMUL_COLUMN_MULTIPLE`
+        (K even unless float32).
+      layer: int32[] in [0, L).
+      rows: int32[] leading rows to compute, clamped to [0, M]; the rest are zeros. None: all M.
 
     Returns:
       float32 [M, N], accumulated in float32.
 
     Raises:
-      ValueError: a weight :func:`matmul_supports` does not take, K not matching x, or the kernel is not
-        ``cpu_build.available()``.
-      JaxRuntimeError (at run time): a layer outside [0, L) (named in the message).
+      ValueError: w not :func:`matmul_supports`, K not matching x, or no kernel.
+      JaxRuntimeError (at run time): a layer outside [0, L).
     """
     if not cpu_build.available():
         raise ValueError(f"stacked_matmul_cpu is not available: {cpu_build.unavailable_reason()}")

@@ -12,16 +12,10 @@ from kernels_pallas.storage import from_storage
 
 def stacked_matmul_reference(x: jax.Array, w: jax.Array, layer: jax.Array,
                              rows: Optional[jax.Array] = None) -> jax.Array:
-    """``x @ w[layer]`` in float32 with the rows at or past ``rows`` zeros.
+    """``x @ w[layer]`` in float32, rows at or past ``rows`` zeros (``stacked_matmul_cpu``'s signature).
 
-    Args:
-      x: [M, K], any float dtype (rounded to bfloat16 against a bfloat16 ``w``, as the kernel does).
-      w: float32, bfloat16 or uint16 (bfloat16 bits) [L, K, N].
-      layer: int32 [] in [0, L).
-      rows: int32 [], the leading rows of x computed, clamped to [0, M]; None: all M.
-
-    Returns:
-      float32 [M, N].
+    x: [M, K] (rounded to bfloat16 against a bfloat16 ``w``); w: float32, bfloat16 or uint16 [L, K, N];
+    layer: int32[] in [0, L); rows: int32[] clamped to [0, M], or None. Returns float32 [M, N].
     """
     weight = from_storage(w[layer])
     y = jnp.dot(x.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
