@@ -34,7 +34,7 @@ from kernels_pallas.lm_head.cpu import matmul_nt_cpu, matmul_nt_supports, nt_pan
 from kernels_pallas.lm_head.xla import lm_head_xla
 from kernels_pallas.matmul.cpu import matmul_supports, stacked_matmul_cpu
 from kernels_pallas.matmul.xla import matmul_xla
-from kernels_pallas.storage import BITS_STORAGE, CompressedKV, from_storage, to_storage
+from kernels_pallas.storage import BITS_STORAGE, ScaledKV, from_storage, to_storage
 
 OPS = ("attention", "cache_write", "matmul", "lm_head")
 ATTENTION_BACKENDS = ("pallas", "xla", "reference")
@@ -62,7 +62,7 @@ _STACKED = "_stacked"
 
 __all__ = [
     "ATTENTION_BACKENDS", "BITS_STORAGE", "DEFAULT_ATTENTION_BACKEND", "HEAD_PANELS", "HEAD_PANELS_MAX_BYTES",
-    "LM_HEAD_MIN_ROWS", "OPS", "PROJECTION_MAX_ROWS", "AttentionOps", "CompressedKV", "decode_fast_path",
+    "LM_HEAD_MIN_ROWS", "OPS", "PROJECTION_MAX_ROWS", "AttentionOps", "ScaledKV", "decode_fast_path",
     "default_attention_backend", "from_storage", "get_attention_ops", "layer_matmul", "lm_head", "lm_head_backend",
     "lm_head_panels", "matmul_backend", "projection_max_rows", "select", "to_storage", "with_lm_head_panels",
     "with_stacked_weights",

@@ -51,7 +51,7 @@ def test_compression_replaces_preemption_and_leaves_protected_requests_exact(sto
     # compressed blocks of 2720 bytes (one byte a number, and 5 layers x 4 heads x 2 float32 scales).
     engine = LLMEngine(stories_dir, num_kv_blocks=20, kv_cache_compression=kind,
                        kv_cache_compression_fraction=1 / 3, **{**ENGINE, "async_scheduling": async_scheduling})
-    pool = engine.runner.cache_engine.compressed
+    pool = engine.runner.cache_engine.scaled_pool
     assert (engine.num_blocks, pool.k.shape[1]) == (13, 25)
     assert pool.k.dtype.itemsize == 1 and pool.k_scale.shape == (5, 25, 4)
     # The steps, block copy, slot fill and slot rows, and the compress program.
@@ -80,16 +80,16 @@ def test_sleep_frees_the_compressed_pool_and_wake_up_brings_it_back(stories_dir,
     engine = LLMEngine(stories_dir, num_kv_blocks=20, kv_cache_compression="int8", kv_cache_compression_fraction=1 / 3,
                        enable_sleep_mode=True, **ENGINE)
     runner = engine.runner
-    pool_bytes = sum(a.nbytes for a in runner.cache_engine.compressed)
+    pool_bytes = sum(a.nbytes for a in runner.cache_engine.scaled_pool)
     kv_bytes = sum(c.nbytes for c in runner.cache_engine.kv_cache)
     assert pool_bytes == 2 * 5 * 25 * 8 * 4 * 8 + 2 * 5 * 25 * 4 * 4  # int8 K, V and float32 scales
     compiled = runner.compile_stats.num_compilations
     _serve(engine)
     report = engine.sleep(level=1)[0]
     assert report["freed_bytes"] >= kv_bytes + pool_bytes
-    assert not isinstance(runner.cache_engine.compressed.k, jax.Array)
+    assert not isinstance(runner.cache_engine.scaled_pool.k, jax.Array)
     engine.wake_up()
-    assert isinstance(runner.cache_engine.compressed.k, jax.Array)
+    assert isinstance(runner.cache_engine.scaled_pool.k, jax.Array)
     tokens = _serve(engine)
     assert tokens["opted-out"] == uncompressed["opted-out"] and tokens["high-priority"] == uncompressed["high-priority"]
     assert engine.scheduler.stats.num_blocks_compressed == 20  # 10 in each of the two runs

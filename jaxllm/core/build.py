@@ -27,8 +27,8 @@ from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.worker.host_malloc import tune_host_malloc
-from jaxllm.worker.kv_cache import (KV_QUANT_DTYPES, bytes_per_block, calibrate_kv_scales, calibration_ids,
-                                    fit_max_model_len, kv_number_dtype, resolve_num_blocks, split_kv_budget)
+from jaxllm.worker.kv_cache import (bytes_per_block, calibrate_kv_scales, calibration_ids, check_pool_backend,
+                                    describe_pool, fit_max_model_len, kv_number_dtype, size_kv_pools)
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.programs import enable_persistent_compilation_cache
 from jaxllm.worker.quantization import weight_quantization
@@ -88,10 +88,7 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
         params = place_given_params(cfg, params, dtype, sharding, config.quantization)
     tokenizer = (lambda: load_tokenizer(path)) if path is not None else (lambda: None)
     backend = config.attention_backend or default_attention_backend()
-    if config.kv_cache_compression is not None and backend == "pallas":
-        raise ValueError(f"kv_cache_compression={config.kv_cache_compression!r} cannot be used with the pallas "
-                         "attention backend (the default on GPU; its kernels read one pool): set "
-                         "attention_backend='xla' (--attention-backend xla)")
+    check_pool_backend(config, backend)
     ops = sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
     cache = config.compilation_cache
     enable_persistent_compilation_cache(str(cache_dir() / "xla") if cache == "default" else cache)
@@ -140,20 +137,15 @@ def place_given_params(cfg: ModelConfig, params: Any, dtype: Any, sharding: Mode
 def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, sharding: ModelSharding, ops: AttentionOps,
                  backend: str, dtype: Any, kv_dtype: np.dtype, max_model_len: int) -> ModelRunner:
     """The target model's runner over placed ``params``, its KV cache sized from ``config``
-    (``resolve_num_blocks``, or ``split_kv_budget`` with ``kv_cache_compression``) and its bucket table.
+    (``kv_cache.size_kv_pools``) and its bucket table.
 
     Raises:
-      ValueError: no ``max_model_len`` sequence fits, a compressed share below 2 blocks, or a short bucket ladder.
+      ValueError: no ``max_model_len`` sequence fits, a pool share below 2 blocks, or a short bucket ladder.
     """
     sizes = dict(block_size=config.block_size, dtype=kv_dtype, num_kv_blocks=config.num_kv_blocks,
                  kv_cache_memory_bytes=config.kv_cache_memory_bytes, max_num_seqs=config.max_num_seqs,
                  max_model_len=max_model_len, device=sharding.mesh.devices.flat[0])
-    num_compressed = 0
-    if config.kv_cache_compression is None:
-        num_blocks = resolve_num_blocks(sharding.per_device_config(), **sizes)
-    else:
-        num_blocks, num_compressed = split_kv_budget(sharding.per_device_config(),
-                                                     fraction=config.kv_cache_compression_fraction, **sizes)
+    num_blocks, num_pool_blocks, pool_dtype = size_kv_pools(sharding.per_device_config(), config, **sizes)
     spec = config.speculative_config
     return ModelRunner(
         cfg, params, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, ops=ops,
@@ -163,8 +155,7 @@ def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, shardin
         max_model_len=max_model_len,
         float_bits_storage=backend != "pallas" and sharding.mesh.devices.flat[0].platform == "cpu",
         kv_cache_dtype=kv_dtype, num_positions=1 + (spec.num_speculative_tokens if spec is not None else 0),
-        num_compressed_blocks=num_compressed,
-        compressed_dtype=None if not num_compressed else KV_QUANT_DTYPES[config.kv_cache_compression],
+        num_pool_blocks=num_pool_blocks, pool_dtype=pool_dtype,
     )
 
 
@@ -226,9 +217,6 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
                 f"{list(b.width_buckets)}); {core.num_blocks} KV blocks of {core.config.block_size} tokens "
                 f"({core.kv_cache_dtype.name}); attention {backend}; tensor parallel "
                 f"{core.sharding.tensor_parallel_size}")
-    pool = core.runner.cache_engine.compressed
+    pool = describe_pool(core.config, core.runner.cache_engine, core.num_blocks)
     if pool is not None:
-        config = core.config
-        logger.info(f"KV compression ({config.kv_cache_compression}): {pool.k.shape[1]} compressed blocks beside "
-                    f"the {core.num_blocks} device blocks "
-                    f"(kv_cache_compression_fraction={config.kv_cache_compression_fraction})")
+        logger.info(pool)

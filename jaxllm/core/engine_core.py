@@ -101,7 +101,7 @@ class EngineCore:
         self.slots = SamplingSlots(config.max_num_seqs + 1, self.model_config.vocab_size, runner)
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
         cache = runner.cache_engine
-        num_compressed = 0 if cache.compressed is None else cache.compressed.k.shape[1]
+        num_compressed = 0 if cache.scaled_pool is None else cache.scaled_pool.k.shape[1]
         self.scheduler = scheduler_cls(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=max_model_len,
                                                                num_offload_blocks=cache.num_offload_blocks,
                                                                num_compressed_blocks=num_compressed))
