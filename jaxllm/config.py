@@ -27,7 +27,7 @@ KV_COMPRESSION_DTYPES = ("int8", "fp8")
 # kv_events_config, the rest at start-up); every other one is an EngineConfig field of the same name (a test
 # checks both).
 SCHEDULER_FIELDS_FROM_START_UP = ("num_blocks", "max_model_len", "num_lookahead_tokens", "enable_kv_cache_events",
-                                  "num_offload_blocks", "num_compressed_blocks")
+                                  "num_offload_blocks", "num_pool_blocks")
 # Token buckets below the default ladder's first value (16): steps of a few decode rows.
 SMALL_TOKEN_BUCKETS = (4, 8)
 # "vllm": the metrics under vLLM's names and labels (jaxllm.frontend.metrics).
@@ -494,7 +494,7 @@ class EngineConfig:
 
     def scheduler_config(self, *, num_blocks: int, max_model_len: int,
                          num_offload_blocks: Optional[int] = None,
-                         num_compressed_blocks: Optional[int] = None) -> SchedulerConfig:
+                         num_pool_blocks: Optional[int] = None) -> SchedulerConfig:
         """The scheduler's configuration: every ``SchedulerConfig`` field this config has, plus those known
         only at start-up (:data:`SCHEDULER_FIELDS_FROM_START_UP`).
 
@@ -502,7 +502,7 @@ class EngineConfig:
           num_blocks: device KV blocks, the null block included.
           max_model_len: the resolved ``max_model_len``.
           num_offload_blocks: the host tier's blocks; None before start-up: 1 when ``kv_offloading_size`` is set.
-          num_compressed_blocks: the compressed pool's slots; None: 2 when ``kv_cache_compression`` is set.
+          num_pool_blocks: the compressed pool's slots; None: 2 when ``kv_cache_compression`` is set.
 
         Raises:
           ValueError: a scheduler knob out of range (``SchedulerConfig`` names it and its limit).
@@ -517,8 +517,8 @@ class EngineConfig:
                                num_lookahead_tokens=lookahead, enable_kv_cache_events=events,
                                num_offload_blocks=int(bool(self.kv_offloading_size)) if num_offload_blocks is None
                                else num_offload_blocks,
-                               num_compressed_blocks=(2 * bool(self.kv_cache_compression) if num_compressed_blocks
-                                                      is None else num_compressed_blocks))
+                               num_pool_blocks=(2 * bool(self.kv_cache_compression) if num_pool_blocks
+                                                      is None else num_pool_blocks))
 
     def num_offload_blocks(self, bytes_per_block: int) -> int:
         """Blocks of ``bytes_per_block`` bytes that ``kv_offloading_size`` GiB hold (0 without a tier)."""

@@ -68,7 +68,7 @@ def capacity(workload, *, num_blocks: int, num_compressed: int, max_tokens: int)
         max_len = max(len(p) for p in workload) + max_tokens
         sched = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=k,
                                           max_num_batched_tokens=256, max_model_len=max_len,
-                                          num_compressed_blocks=num_compressed))
+                                          num_pool_blocks=num_compressed))
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for i, prompt in enumerate(workload[:k]):
             sched.add_request(Request(f"r{i}", prompt, params))
@@ -114,7 +114,7 @@ def serve(model, workload, *, budget_blocks: int, max_tokens: int, compression=N
                 compressed_blocks=num_compressed, peak=peak, preemptions=stats.num_preemptions,
                 capacity=capacity(workload, num_blocks=engine.num_blocks, num_compressed=num_compressed,
                                   max_tokens=max_tokens),
-                num_compressed=stats.num_blocks_compressed, tok_s=sum(map(len, tokens.values())) / seconds,
+                num_compressed=stats.num_blocks_pooled, tok_s=sum(map(len, tokens.values())) / seconds,
                 tokens=tokens, compressed=compressed, steps=steps)
 
 

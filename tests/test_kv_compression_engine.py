@@ -59,18 +59,18 @@ def test_compression_replaces_preemption_and_leaves_protected_requests_exact(sto
     assert compiled == len(engine.buckets) + 4
     tokens = _serve(engine)
     stats = engine.scheduler.stats
-    assert (stats.num_preemptions, stats.num_blocks_compressed) == (0, 10)
+    assert (stats.num_preemptions, stats.num_blocks_pooled) == (0, 10)
     assert tokens["opted-out"] == uncompressed["opted-out"]
     assert tokens["high-priority"] == uncompressed["high-priority"]
     assert all(len(tokens[rid]) == MAX_TOKENS[rid] for rid in PROMPTS)
     assert engine.runner.compile_stats.num_compilations == compiled
-    assert stats.num_free_blocks == engine.num_blocks - 1 and stats.num_compressed_in_use == 0
+    assert stats.num_free_blocks == engine.num_blocks - 1 and stats.num_pool_in_use == 0
     metric = engine.metrics.registry.get_sample_value
     assert metric("jaxllm:kv_blocks_compressed_total") == 10
-    assert metric("jaxllm:kv_compressed_usage_perc") == 0.0
+    assert metric("jaxllm:kv_pool_usage_perc") == 0.0
     report = engine.kv_cache_report(block_map=False)
-    assert report["compressed_pool"] == {
-        "num_blocks": 24, "num_used_blocks": 0, "num_free_blocks": 24, "num_compressed_blocks": 10}
+    assert report["scaled_pool"] == {
+        "num_blocks": 24, "num_used_blocks": 0, "num_free_blocks": 24, "num_blocks_pooled": 10}
     assert "compressed pool: 24 blocks: 0 used, 24 free; 10 compressed so far" in summarize(report)
 
 
@@ -92,7 +92,7 @@ def test_sleep_frees_the_compressed_pool_and_wake_up_brings_it_back(stories_dir,
     assert isinstance(runner.cache_engine.scaled_pool.k, jax.Array)
     tokens = _serve(engine)
     assert tokens["opted-out"] == uncompressed["opted-out"] and tokens["high-priority"] == uncompressed["high-priority"]
-    assert engine.scheduler.stats.num_blocks_compressed == 20  # 10 in each of the two runs
+    assert engine.scheduler.stats.num_blocks_pooled == 20  # 10 in each of the two runs
     assert runner.compile_stats.num_compilations == compiled
 
 

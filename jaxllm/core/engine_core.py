@@ -101,10 +101,10 @@ class EngineCore:
         self.slots = SamplingSlots(config.max_num_seqs + 1, self.model_config.vocab_size, runner)
         scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
         cache = runner.cache_engine
-        num_compressed = 0 if cache.scaled_pool is None else cache.scaled_pool.k.shape[1]
+        num_pool_blocks = 0 if cache.scaled_pool is None else cache.scaled_pool.k.shape[1]
         self.scheduler = scheduler_cls(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=max_model_len,
                                                                num_offload_blocks=cache.num_offload_blocks,
-                                                               num_compressed_blocks=num_compressed))
+                                                               num_pool_blocks=num_pool_blocks))
         # Seconds the engine loop spent on the host tier's copies: device -> host (offloads: dispatching their
         # gathers, then writing the host pool while the step runs), host -> device (loads, dispatch only); and of
         # the first, the host writes (after the step's dispatch, off the step's critical path).
@@ -721,8 +721,8 @@ class EngineCore:
             num_offload_blocks=s.num_offload_blocks, num_offload_cached_blocks=s.num_offload_cached_blocks,
             num_predicted_finished=s.num_predicted_finished, predicted_output_tokens=s.predicted_output_tokens,
             actual_output_tokens=s.actual_output_tokens, prediction_abs_error_tokens=s.prediction_abs_error_tokens,
-            num_compressed_blocks=s.num_compressed_blocks, num_compressed_in_use=s.num_compressed_in_use,
-            num_blocks_compressed=s.num_blocks_compressed,
+            num_pool_blocks=s.num_pool_blocks, num_pool_in_use=s.num_pool_in_use,
+            num_blocks_pooled=s.num_blocks_pooled,
         )
 
     def _prompt_len_cv(self) -> float:

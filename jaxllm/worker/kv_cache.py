@@ -164,7 +164,7 @@ def compressed_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
 def split_kv_budget(cfg: ModelConfig, *, block_size: int, dtype: Any, fraction: float, num_kv_blocks: Optional[int],
                     kv_cache_memory_bytes: Optional[int], max_num_seqs: int, max_model_len: int,
                     device: Any) -> tuple[int, int]:
-    """``(num_blocks, num_compressed_blocks)`` of one KV budget, ``fraction`` of its bytes to the
+    """``(num_blocks, num_pool_blocks)`` of one KV budget, ``fraction`` of its bytes to the
     compressed pool, each with its null block / slot.
 
     Raises:
@@ -434,7 +434,7 @@ class CacheEngines:
             pending.append([])
             for kind, pairs in runs:
                 start = time.perf_counter()
-                if kind is CopyKind.COMPRESS:
+                if kind is CopyKind.ENCODE:
                     if cache is self.caches[0]:
                         cache.compress_blocks(pairs)
                 elif kind is CopyKind.SWAP_OUT:
