@@ -518,7 +518,7 @@ class EngineConfig:
                                num_offload_blocks=int(bool(self.kv_offloading_size)) if num_offload_blocks is None
                                else num_offload_blocks,
                                num_pool_blocks=(2 * bool(self.kv_cache_compression) if num_pool_blocks
-                                                      is None else num_pool_blocks))
+                                                is None else num_pool_blocks))
 
     def num_offload_blocks(self, bytes_per_block: int) -> int:
         """Blocks of ``bytes_per_block`` bytes that ``kv_offloading_size`` GiB hold (0 without a tier)."""
