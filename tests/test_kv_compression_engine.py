@@ -66,12 +66,12 @@ def test_compression_replaces_preemption_and_leaves_protected_requests_exact(sto
     assert engine.runner.compile_stats.num_compilations == compiled
     assert stats.num_free_blocks == engine.num_blocks - 1 and stats.num_pool_in_use == 0
     metric = engine.metrics.registry.get_sample_value
-    assert metric("jaxllm:kv_blocks_compressed_total") == 10
+    assert metric("jaxllm:kv_blocks_pooled_total") == 10
     assert metric("jaxllm:kv_pool_usage_perc") == 0.0
     report = engine.kv_cache_report(block_map=False)
     assert report["scaled_pool"] == {
         "num_blocks": 24, "num_used_blocks": 0, "num_free_blocks": 24, "num_blocks_pooled": 10}
-    assert "compressed pool: 24 blocks: 0 used, 24 free; 10 compressed so far" in summarize(report)
+    assert "scaled pool: 24 blocks: 0 used, 24 free; 10 taken so far" in summarize(report)
 
 
 def test_sleep_frees_the_compressed_pool_and_wake_up_brings_it_back(stories_dir, uncompressed):
