@@ -7,6 +7,7 @@ from typing import Union
 
 from scheduler.degradation import GracefulDegradation
 from scheduler.kv.host_tier import HostTier
+from scheduler.kv.kv_cache_manager import KVCacheManager
 from scheduler.policy import POLICIES, Policy
 
 _PREEMPTION_MODES = ("recompute", "swap")
@@ -103,9 +104,6 @@ class SchedulerConfig:
         n = self.num_pool_blocks
         if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n == 1:
             raise bad("num_pool_blocks", "0 (no pool) or an int >= 2 (slot 0 is the null slot)")
-        # Imported here: the manager's module reads this one's type for its signatures.
-        from scheduler.kv.kv_cache_manager import KVCacheManager
-
         refused = n and KVCacheManager.POOL_TIER.refuses(self)
         if refused:
             raise bad("num_pool_blocks", f"0 with {refused}")

@@ -148,7 +148,7 @@ class EngineMetrics:
                                       "Fraction of the host tier's blocks holding a block, in [0, 1].")
         self.counted = [counter(name, doc) for _, name, doc in _COUNTED]
         self.kv_pool_usage = gauge("kv_pool_usage_perc",
-                                         "Fraction of the scaled KV pool's blocks held, in [0, 1].")
+                                   "Fraction of the scaled KV pool's blocks held, in [0, 1].")
         self.num_preemptions = counter("num_preemptions", "Preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
