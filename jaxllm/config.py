@@ -231,6 +231,25 @@ class CacheConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SchedulingConfig:
+    """The step's limits and the scheduler's policy (``EngineConfig.scheduler``; the scheduler's own
+    ``SchedulerConfig`` adds what start-up learns: :meth:`EngineConfig.scheduler_config`)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    scheduling_policy: Any
+    preemption_mode: str
+    enable_chunked_prefill: bool
+    long_prefill_token_threshold: int
+    async_scheduling: Optional[bool]
+    batching: str
+    graceful_degradation: Any
+    aging_rate: float
+    reserve_predicted_output: bool
+    max_waiting_requests: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
 class CompilationConfig:
     """The compiled step programs: attention backend, bucket ladders, when they compile and where they are cached
     (``EngineConfig.compilation``)."""
@@ -262,16 +281,18 @@ class ObservabilityConfig:
     kv_events_config: Optional[KVEventsConfig]
 
 
-SUB_CONFIGS = {"cache": CacheConfig, "compilation": CompilationConfig, "parallel": ParallelConfig,
-               "observability": ObservabilityConfig}
+SUB_CONFIGS = {"cache": CacheConfig, "scheduler": SchedulingConfig, "compilation": CompilationConfig,
+               "parallel": ParallelConfig, "observability": ObservabilityConfig}
 
 
 @dataclasses.dataclass
 class EngineConfig:
     """Serving configuration, vLLM's names and meanings; each field's description is its ``help`` metadata.
 
-    Checks every value when made; ``cache``, ``compilation``, ``parallel`` and ``observability`` are frozen views
-    of its fields; :meth:`scheduler_config` builds the scheduler's config once start-up knows the block count.
+    Checks every value when made; ``cache``, ``scheduler``, ``compilation``, ``parallel`` and ``observability`` are
+    frozen views of its fields (:data:`SUB_CONFIGS`), ``speculative`` the parsed ``speculative_config``; the engine's
+    build code reads these. :meth:`scheduler_config` builds the scheduler's config once start-up knows the block
+    count.
 
     Raises:
       ValueError: a value out of range or settings that cannot be used together, naming them and the limit.
@@ -401,6 +422,16 @@ class EngineConfig:
         return _sub_config(CacheConfig, self)
 
     @property
+    def scheduler(self) -> SchedulingConfig:
+        """The step's limits and the scheduling policy's fields."""
+        return _sub_config(SchedulingConfig, self)
+
+    @property
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        """Speculative decoding's config (``speculative_config`` parsed), or None: off."""
+        return self.speculative_config
+
+    @property
     def compilation(self) -> CompilationConfig:
         """The step programs' fields."""
         return _sub_config(CompilationConfig, self)
@@ -519,10 +550,6 @@ class EngineConfig:
                                else num_offload_blocks,
                                num_pool_blocks=(2 * bool(self.kv_cache_compression) if num_pool_blocks
                                                 is None else num_pool_blocks))
-
-    def num_offload_blocks(self, bytes_per_block: int) -> int:
-        """Blocks of ``bytes_per_block`` bytes that ``kv_offloading_size`` GiB hold (0 without a tier)."""
-        return int(self.kv_offloading_size * 2**30) // bytes_per_block
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """``max_model_len``, or the model's ``max_position_embeddings`` when None. Raises ValueError: above the

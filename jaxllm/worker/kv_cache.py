@@ -129,7 +129,7 @@ def resolve_num_blocks(
 
 
 def check_pool_backend(config: Any, backend: str) -> None:
-    """Raise ValueError where ``config`` (an ``EngineConfig``) asks for a compressed pool on attention ``backend``
+    """Raise ValueError where ``config`` (an ``EngineConfig`` or its ``cache`` view) asks for a compressed pool on attention ``backend``
     ``"pallas"``, whose kernels read one pool (the default on GPU)."""
     if config.kv_cache_compression is not None and backend == "pallas":
         raise ValueError(f"kv_cache_compression={config.kv_cache_compression!r} cannot be used with the pallas "
@@ -138,7 +138,7 @@ def check_pool_backend(config: Any, backend: str) -> None:
 
 
 def size_kv_pools(cfg: ModelConfig, config: Any, **sizes: Any) -> tuple[int, int, Optional[np.dtype]]:
-    """``(num_blocks, num_pool_blocks, pool_dtype)`` of ``config``'s (an ``EngineConfig``) KV budget: all of it
+    """``(num_blocks, num_pool_blocks, pool_dtype)`` of ``config``'s (an ``EngineConfig`` or its ``cache`` view) KV budget: all of it
     device blocks (:func:`resolve_num_blocks`, no pool: 0 and None), or with ``kv_cache_compression`` split by
     :func:`split_kv_budget`. ``sizes``: :func:`resolve_num_blocks`'s keywords. Raises as those two."""
     if config.kv_cache_compression is None:

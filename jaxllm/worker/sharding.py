@@ -18,7 +18,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.models import family
 from jaxllm.models.config import ModelConfig
-from jaxllm.worker.quantization import leaf_dtype
 from kernels_pallas.ops import AttentionOps
 
 if TYPE_CHECKING:
@@ -224,22 +223,6 @@ class ModelSharding:
     def replicated(self) -> NamedSharding:
         """Every device holds the whole array."""
         return NamedSharding(self.mesh, P())
-
-    def place_params(self, params: Any, dtype: Any) -> Params:
-        """Put ``params`` (host arrays, or lazy tensors with ``read(index)``) on the mesh one device
-        slice at a time, in ``dtype`` (quantized weights and scales keep theirs); returns ``jax.Array``s sharded by
-        :meth:`param_specs`."""
-        def place(path, leaf, sharding):
-            read = leaf.read if hasattr(leaf, "read") else leaf.__getitem__
-
-            def shard(index):
-                array = np.asarray(read(index))
-                return array.astype(leaf_dtype(path[-1].key, array.dtype, dtype), copy=False)
-
-            return jax.make_array_from_callback(tuple(leaf.shape), sharding, shard)
-
-        return jax.tree_util.tree_map_with_path(place, params, self.param_shardings(params),
-                                                is_leaf=lambda x: hasattr(x, "read"))
 
     def attention_ops(self, ops: AttentionOps) -> AttentionOps:
         """``ops`` per device under ``shard_map`` over ``model``: local q heads against local cache
