@@ -1,7 +1,7 @@
 """Compressed KV blocks: a second, smaller-per-block pool that full blocks move into before a preemption.
 
 Full, computed, singly-held blocks are re-encoded to one byte with per-block scales
-(``kernels_pallas.storage.CompressedKV``) and their device blocks given back. A compressed block's id is
+(``kernels_pallas.storage.ScaledKV``) and their device blocks given back. A compressed block's id is
 ``base + slot`` (``base``: the device pool's ``num_blocks``); slot 0 is the null slot. It has no prefix-cache
 hash, is never written again, and returns here when its request finishes or is preempted.
 """
