@@ -137,6 +137,13 @@ def place_given_params(cfg: ModelConfig, params: Any, dtype: Any, sharding: Mode
     return unflatten({path: place_leaf(leaf, shardings[path]) for path, leaf in flat.items()})
 
 
+def step_buckets(ladders: tuple[tuple[int, ...], ...], ops: AttentionOps) -> BucketTable:
+    """The bucket table of ``ladders`` (T, S, W), with decode-only programs where ``ops`` has a decode-only
+    attention (``AttentionOps.decode_attention``)."""
+    table = BucketTable(*ladders)
+    return table.with_decode_programs() if ops.decode_attention is not None else table
+
+
 def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, sharding: ModelSharding, ops: AttentionOps,
                  backend: str, dtype: Any, kv_dtype: np.dtype, max_model_len: int) -> ModelRunner:
     """The target model's runner over placed ``params``, its KV cache sized from ``config``
@@ -157,7 +164,7 @@ def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, shardin
     spec = config.speculative_config
     return ModelRunner(
         cfg, params, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, ops=ops,
-        buckets=BucketTable(*config.bucket_ladders(max_model_len, backend)), sharding=sharding,
+        buckets=step_buckets(config.bucket_ladders(max_model_len, backend), ops), sharding=sharding,
         num_host_blocks=config.num_host_blocks, num_sampling_slots=config.max_num_seqs + 1,
         num_offload_blocks=config.num_offload_blocks(bytes_per_block(cfg, config.block_size, kv_dtype)),
         max_model_len=max_model_len,
@@ -222,8 +229,10 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
     logger.info(f"parameters: {pb['total'] / 2**20:.1f} MiB{quantized}{packed}, {np.dtype(core.dtype).name} (dtype="
                 f"{core.config.dtype!r}{why})" + (f"; CPU: {describe_cpu()}" if on_cpu else ""))
     rows = [b.seq_bucket_for(t) for t in b.token_buckets]
+    decode = len(b.decode_token_buckets) * len(b.width_buckets)
     logger.info(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {rows}, block-table widths "
-                f"{list(b.width_buckets)}); {core.num_blocks} KV blocks of {core.config.block_size} tokens "
+                f"{list(b.width_buckets)}; {decode} of them for decode-only steps, tokens "
+                f"{list(b.decode_token_buckets)}); {core.num_blocks} KV blocks of {core.config.block_size} tokens "
                 f"({core.kv_cache_dtype.name}); attention {backend}; tensor parallel "
                 f"{core.sharding.tensor_parallel_size}")
     pool = core.runner.cache_engine.compressed

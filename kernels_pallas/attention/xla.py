@@ -218,6 +218,7 @@ def ragged_paged_attention_xla(
     cross_head_decode: Optional[bool] = None,
     compressed: Optional[CompressedKV] = None,
     use_native: Optional[bool] = None,
+    decode_only: bool = False,
 ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache, tiled per sequence.
 
@@ -233,6 +234,9 @@ def ragged_paged_attention_xla(
       pairs_per_step: (tile, chunk) pairs per loop iteration (capped at the number of tiles).
       cross_head_decode: decode dots over all KV-head pairs; None: when ``Hkv <= CROSS_HEAD_MAX_KV_HEADS``.
       use_native: every row through ``cpu.ragged_paged_attention_cpu``; None: where :func:`native_applies`.
+      decode_only: the step's every live row has one new token (its program's promise): the decode tiles alone.
+        Otherwise both the decode and the prefill tiles run, each over the rows of its kind (a loop of no
+        iteration where there are none), with no branch on the batch.
 
     Raises:
       ValueError: ``use_native=True`` where :func:`native_applies` is False; ``k_scale`` together
@@ -294,6 +298,7 @@ def ragged_paged_attention_xla(
         out = cpu.ragged_paged_attention_cpu(q, k_cache, v_cache, block_tables, row, pos, scale=scale,
                                              soft_cap=soft_cap, sliding_window=sliding_window)
         return out.astype(q.dtype)
-    out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, zeros)
-    out = jax.lax.cond(jnp.any(is_prefill), prefill, lambda o: o, out)
+    out = decode(zeros)
+    if not decode_only:
+        out = prefill(out)
     return out.astype(q.dtype)
