@@ -3,7 +3,7 @@
 =============  ==============================================================================================
 op             backends (one folder each, beside its plain ``jnp`` reference)
 =============  ==============================================================================================
-attention      ``pallas`` (GPU: ragged, and decode-only steps by the split-K decode kernel), ``xla`` (``jnp``
+attention      ``pallas`` (GPU: ragged, and decode-only steps' programs by the split-K decode kernel), ``xla`` (``jnp``
                tiles; on XLA's CPU backend every row goes to the C++ kernel where
                :func:`attention_native_applies`: :func:`xla_attention`), ``reference``
 cache_write    ``pallas`` (GPU), ``reference`` (the ``jnp`` scatter, for every other backend)
@@ -68,7 +68,7 @@ NATIVE_TARGETS = tuple(sorted({**attention_cpu.FFI_TARGETS, **matmul_cpu.FFI_TAR
 __all__ = [
     "ATTENTION_BACKENDS", "BITS_STORAGE", "DEFAULT_ATTENTION_BACKEND", "HEAD_PANELS", "HEAD_PANELS_MAX_BYTES",
     "LM_HEAD_MIN_ROWS", "NATIVE_TARGETS", "OPS", "PROJECTION_MAX_ROWS", "AttentionOps", "ScaledKV",
-    "attention_native_applies", "cascade_units_formed", "decode_fast_path", "default_attention_backend",
+    "attention_native_applies", "cascade_units_formed", "decode_step_attention", "default_attention_backend",
     "from_storage", "get_attention_ops", "layer_matmul", "lm_head", "lm_head_backend", "lm_head_panel_columns",
     "lm_head_panels", "matmul_backend", "native_kernels", "native_unavailable_reason", "pack_lm_head_panels",
     "projection_max_rows",
@@ -148,56 +148,68 @@ def _select_here(op: str, **kwargs: Any) -> str:
 # ------------------------------------------------------------------ attention and the KV write
 
 class AttentionOps(NamedTuple):
-    """The two cache/attention ops, with the reference functions' signatures."""
+    """The two cache/attention ops, with the reference functions' signatures, and the attention of decode-only steps.
+
+    ``decode_attention``: ``ragged_paged_attention``'s signature, for steps whose every live row has one new token
+    (a program of their own, so that no branch on the batch sits in the layer loop); None: the ragged op serves them.
+    """
 
     ragged_paged_attention: Callable[..., jax.Array]
     kv_cache_write: Callable[..., tuple[jax.Array, jax.Array]]
+    decode_attention: Optional[Callable[..., jax.Array]] = None
+
+    def for_decode_steps(self) -> "AttentionOps":
+        """These ops with ``decode_attention`` as the attention (unchanged where it is None)."""
+        if self.decode_attention is None:
+            return self
+        return self._replace(ragged_paged_attention=self.decode_attention)
 
 
-def get_attention_ops(backend: str, *, interpret: bool = False) -> AttentionOps:
-    """The attention ops of ``backend``: ``"pallas"`` (GPU kernels, decode-only steps via :func:`decode_fast_path`;
-    ``interpret`` runs the Pallas interpreter), ``"xla"`` (``attention.xla``) or ``"reference"``.
+def get_attention_ops(backend: str, *, interpret: bool = False,
+                      decode_steps: Optional[bool] = None) -> AttentionOps:
+    """The attention ops of ``backend``: ``"pallas"`` (GPU kernels: ragged, and the split-K decode kernel for
+    decode-only steps via :func:`decode_step_attention`; ``interpret`` runs the Pallas interpreter), ``"xla"``
+    (``attention.xla``, with its decode-only variant) or ``"reference"`` (no decode-only variant).
 
+    ``decode_steps``: give decode-only steps their own attention (:attr:`AttentionOps.decode_attention`); None: for
+    ``pallas``, and for ``xla`` off XLA's CPU backend (there the C++ kernel takes every row the same way).
     Members take ``ragged_paged_attention_reference``'s and ``kv_cache_write_reference``'s arguments.
     Raises ValueError for an unknown backend.
     """
+    if decode_steps is None:
+        decode_steps = backend == "pallas" or (backend == "xla" and jax.default_backend() != "cpu")
     if backend == "pallas":
         return AttentionOps(
-            ragged_paged_attention=decode_fast_path(functools.partial(ragged_paged_attention, interpret=interpret),
-                                                    functools.partial(paged_attention, interpret=interpret)),
+            ragged_paged_attention=functools.partial(ragged_paged_attention, interpret=interpret),
             kv_cache_write=functools.partial(kv_cache_write, interpret=interpret),
+            decode_attention=decode_step_attention(functools.partial(paged_attention, interpret=interpret))
+            if decode_steps else None,
         )
     if backend == "xla":
-        return AttentionOps(ragged_paged_attention=xla_attention, kv_cache_write=kv_cache_write_reference)
+        return AttentionOps(ragged_paged_attention=xla_attention, kv_cache_write=kv_cache_write_reference,
+                            decode_attention=functools.partial(xla_attention, decode_only=True)
+                            if decode_steps else None)
     if backend == "reference":
         return AttentionOps(ragged_paged_attention=ragged_paged_attention_reference,
                             kv_cache_write=kv_cache_write_reference)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {ATTENTION_BACKENDS}")
 
 
-def decode_fast_path(ragged: Callable[..., jax.Array], decode: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """A ragged attention handing decode-only steps to a decode kernel.
+def decode_step_attention(decode: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """A decode kernel behind the ragged signature, for steps whose every live row has one new token.
 
-    ragged: ``ragged_paged_attention_reference``'s signature; decode: ``paged_attention_reference``'s
-    (rows with ``seq_lens`` 0 give zeros). Returns a function with the ragged signature that, when every
-    live row has one new token, runs ``decode`` on the gathered ``[S, Hq, D]`` queries and scatters them
-    back; otherwise ``ragged``. The choice is a ``lax.cond``: both in one program.
+    decode: ``paged_attention_reference``'s signature (rows with ``seq_lens`` 0 give zeros). Returns a function
+    with ``ragged_paged_attention_reference``'s signature that runs ``decode`` on each live row's token (gathered
+    ``[S, Hq, D]`` queries) and scatters the results back, zeros elsewhere. A row of more than one new token is
+    attended as its first token alone: wrong, so only decode-only steps' programs take it.
     """
     def attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, **static):
         num_tokens, num_rows = q.shape[0], block_tables.shape[0]
         starts = query_start_loc[:-1]
         live = jnp.arange(num_rows) < num_seqs
-        decode_only = jnp.all(jnp.where(live, query_start_loc[1:] - starts == 1, True))
-
-        def decode_rows():
-            rows = decode(q[jnp.minimum(starts, num_tokens - 1)], k_cache, v_cache, block_tables,
-                          jnp.where(live, seq_lens, 0), **static)
-            return jnp.zeros_like(q).at[jnp.where(live, starts, num_tokens)].set(rows, mode="drop")
-
-        def ragged_rows():
-            return ragged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, **static)
-
-        return jax.lax.cond(decode_only, decode_rows, ragged_rows)
+        rows = decode(q[jnp.minimum(starts, num_tokens - 1)], k_cache, v_cache, block_tables,
+                      jnp.where(live, seq_lens, 0), **static)
+        return jnp.zeros_like(q).at[jnp.where(live, starts, num_tokens)].set(rows, mode="drop")
 
     return attend
 
@@ -224,7 +236,7 @@ def xla_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_ta
     ``use_native`` (None: :func:`attention_native_applies`), else ``attention.xla.ragged_paged_attention_xla``.
 
     Arguments and result as ``ragged_paged_attention_reference`` (q ``[T, Hq, D]`` -> ``[T, Hq, D]`` in q's dtype);
-    ``tiles``: the jnp tiles' other keywords (``v_scale``, tile sizes, ``interpret``).
+    ``tiles``: the jnp tiles' other keywords (``v_scale``, tile sizes, ``decode_only``, ``interpret``).
 
     Raises:
       ValueError: ``use_native=True`` where :func:`attention_native_applies` is False; ``k_scale`` together with

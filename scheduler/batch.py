@@ -29,6 +29,8 @@ class BatchDescriptor:
       num_seqs, num_tokens: real rows and tokens.
       requests: real rows' ``Request``s in row order.
       prev_token_index: int32[T] async: the previous step's row whose sample is this token's input, else -1.
+      decode_only: every row has one new token and the table has a decode-only program for T (its own program,
+        ``BucketTable.program_for``).
     """
 
     input_ids: np.ndarray
@@ -44,6 +46,7 @@ class BatchDescriptor:
     num_tokens: int
     requests: list[Request]
     prev_token_index: np.ndarray
+    decode_only: bool = False
 
     @property
     def request_ids(self) -> list[str]:
@@ -54,6 +57,11 @@ class BatchDescriptor:
     def shape(self) -> tuple[int, int, int]:
         """The bucket (T, S, W)."""
         return (self.input_ids.shape[0], self.seq_lens.shape[0], self.block_tables.shape[1])
+
+    @property
+    def program(self) -> tuple[int, int, int, bool]:
+        """The step program ``(T, S, W, decode_only)`` that runs this batch."""
+        return self.shape + (self.decode_only,)
 
 
 def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescriptor:
@@ -133,5 +141,6 @@ def build_batch(output: SchedulerOutput, buckets: BucketTable) -> BatchDescripto
         num_tokens=num_tokens,
         requests=output.requests,
         prev_token_index=prev_token_index,
+        decode_only=buckets.program_for((T, S, W), num_tokens == num_seqs)[3],
     )
 

@@ -1,4 +1,5 @@
-"""Fixed shape buckets for the jitted step: one compiled program per (T, S, W)."""
+"""Fixed shape buckets for the jitted step: one compiled program per (T, S, W), and per (T, S, W) of the decode
+token buckets a second one for decode-only steps."""
 
 from __future__ import annotations
 
@@ -37,16 +38,21 @@ def _ladder(low: int, high: int) -> tuple[int, ...]:
 class BucketTable:
     """The padded sizes a batch may take: tokens T, rows S, block-table width W (vLLM's CUDA-graph sizes, all three).
 
-    Each ladder strictly increases to its maximum. Each T pairs with one S (:meth:`seq_bucket_for`), so there are
-    ``len(token_buckets) * len(width_buckets)`` programs, one per :meth:`all_shapes`; batches pad to :meth:`pick`.
+    Each ladder strictly increases to its maximum. Each T pairs with one S (:meth:`seq_bucket_for`); batches pad to
+    :meth:`pick`. A step whose every row has one new token (decode-only) runs its own program where T is one of
+    ``decode_token_buckets`` (vLLM's uniform-decode CUDA graphs), so attention needs no branch on the batch; the
+    programs are :meth:`all_programs`, ``(len(token_buckets) + len(decode_token_buckets)) * len(width_buckets)``.
 
-    Attributes: token_buckets (T), seq_buckets (S; max S <= max T), width_buckets (W). Raises ValueError for an
-    empty ladder, a value < 1, a ladder not strictly increasing, or max S > max T.
+    Attributes: token_buckets (T), seq_buckets (S; max S <= max T), width_buckets (W), decode_token_buckets (T
+    buckets with a decode-only program; empty: none, :meth:`with_decode_programs` fills it). Raises ValueError for
+    an empty ladder, a value < 1, a ladder not strictly increasing, max S > max T, or a decode token bucket that is
+    no token bucket.
     """
 
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
     width_buckets: tuple[int, ...]
+    decode_token_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("token_buckets", "seq_buckets", "width_buckets"):
@@ -59,6 +65,11 @@ class BucketTable:
                 f"BucketTable: largest seq bucket {self.seq_buckets[-1]} exceeds largest token bucket "
                 f"{self.token_buckets[-1]}; a row has at least one token"
             )
+        decode = tuple(int(v) for v in self.decode_token_buckets)
+        if not set(decode) <= set(self.token_buckets) or list(decode) != sorted(set(decode)):
+            raise ValueError(f"BucketTable.decode_token_buckets={decode} must be increasing token buckets "
+                             f"of {self.token_buckets}")
+        object.__setattr__(self, "decode_token_buckets", decode)
 
     @classmethod
     def from_limits(
@@ -104,9 +115,34 @@ class BucketTable:
         """Every (T, S, W) that :meth:`pick` can return, T-major."""
         return [(t, self.seq_bucket_for(t), w) for t in self.token_buckets for w in self.width_buckets]
 
+    def with_decode_programs(self) -> "BucketTable":
+        """This table with a decode-only program for every T a decode-only step can pad to: a step of n <= max S
+        rows has n tokens and pads to the smallest T >= n, so the T buckets below max S and the first at or above it.
+        """
+        below = [t for t in self.token_buckets if t < self.seq_buckets[-1]]
+        first = next(t for t in self.token_buckets if t >= self.seq_buckets[-1])
+        return dataclasses.replace(self, decode_token_buckets=tuple(below) + (first,))
+
+    def program_for(self, shape: tuple[int, int, int], decode_only: bool) -> tuple[int, int, int, bool]:
+        """The program ``(T, S, W, decode_only)`` of a batch padded to ``shape``: ``decode_only`` (every row has one
+        new token) is kept only where T has a decode-only program."""
+        return shape + (bool(decode_only) and shape[0] in self.decode_token_buckets,)
+
+    def all_programs(self) -> list[tuple[int, int, int, bool]]:
+        """Every step program ``(T, S, W, decode_only)``, T-major, a T's mixed programs before its decode-only ones."""
+        return [shape + (decode,) for t in self.token_buckets
+                for decode in ((False, True) if t in self.decode_token_buckets else (False,))
+                for shape in self.all_shapes() if shape[0] == t]
+
+    def restricted(self, token_buckets: tuple[int, ...]) -> "BucketTable":
+        """This table cut to ``token_buckets`` (some of its own, increasing), decode-only programs kept where left."""
+        return dataclasses.replace(self, token_buckets=token_buckets,
+                                   decode_token_buckets=tuple(t for t in self.decode_token_buckets
+                                                              if t in token_buckets))
+
     def __len__(self) -> int:
-        """Number of programs the runner compiles."""
-        return len(self.all_shapes())
+        """Number of step programs the runner compiles."""
+        return len(self.all_programs())
 
 
 def _smallest_at_least(ladder: tuple[int, ...], value: int, name: str) -> int:

@@ -114,6 +114,9 @@ if [[ $DRY_RUN == 1 ]]; then
 elif [[ $BACKEND == gpu ]]; then
   export JAXLLM_PALLAS_INTERPRET=0
 fi
+# XLA's GPU command buffers: JAXLLM_XLA_COMMAND_BUFFER=default|off|all (jaxllm/worker/xla_flags.py, one place).
+XLA_FLAGS=$("$PY" -m jaxllm.worker.xla_flags "${JAXLLM_XLA_COMMAND_BUFFER:-default}") && export XLA_FLAGS
+echo "XLA_FLAGS=${XLA_FLAGS:-} (JAXLLM_XLA_COMMAND_BUFFER=${JAXLLM_XLA_COMMAND_BUFFER:-default})"
 GPU_OK=$DRY_RUN
 [[ $BACKEND == gpu ]] && GPU_OK=1
 

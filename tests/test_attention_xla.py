@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 
 from kernels_pallas.attention.pallas_decode import paged_attention
-from kernels_pallas.attention.pallas_ragged import ragged_paged_attention
 from kernels_pallas.attention.reference import ragged_paged_attention_reference
 from kernels_pallas.attention.xla import ragged_paged_attention_xla
-from kernels_pallas.ops import decode_fast_path
+from kernels_pallas.ops import decode_step_attention
 from tests.test_kernels_pallas import TOLERANCE, _ragged_batch
 
 SCALE = 0.125
@@ -80,14 +79,28 @@ def test_xla_attention_padding_rows_are_zero():
     assert np.all(got[4:] == 0.0)
 
 
-@pytest.mark.parametrize("q_lens, seq_lens", [([1, 1, 1, 1], [5, 16, 17, 40]), ([1, 4, 1], [9, 20, 3])])
-def test_decode_fast_path_matches_reference(q_lens, seq_lens):
-    # Decode-only steps go to the decode kernel, others to the ragged one: both in interpret mode.
+@pytest.mark.parametrize("seq_lens", [[5, 16, 17, 40], [9, 20, 3]])
+def test_decode_step_attention_matches_reference(seq_lens):
+    # Decode-only steps' attention: the decode kernel (interpret mode) behind the ragged signature.
     rng = np.random.default_rng(2)
-    args = _ragged_batch(rng, q_lens, seq_lens, block_size=8, head_dim=64, group=2, dtype=jnp.float32,
+    args = _ragged_batch(rng, [1] * len(seq_lens), seq_lens, block_size=8, head_dim=64, group=2, dtype=jnp.float32,
                          pad_seqs=1, pad_tokens=2)
-    attend = decode_fast_path(functools.partial(ragged_paged_attention, interpret=True),
-                              functools.partial(paged_attention, interpret=True))
+    attend = decode_step_attention(functools.partial(paged_attention, interpret=True))
     want = ragged_paged_attention_reference(*args, scale=SCALE)
     got = jax.jit(functools.partial(attend, scale=SCALE))(*args)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("q_lens, seq_lens", [([1, 1, 1], [5, 16, 40]), ([1, 4, 1], [9, 20, 3]), ([5, 3], [9, 20])])
+def test_xla_decode_only_variant_matches_on_decode_steps_and_mixed_runs_both(q_lens, seq_lens):
+    # decode_only=True is exact on decode-only batches; the mixed variant (no branch on the batch) on any.
+    rng = np.random.default_rng(3)
+    args = _ragged_batch(rng, q_lens, seq_lens, block_size=4, head_dim=16, group=2, dtype=jnp.float32,
+                         pad_seqs=1, pad_tokens=3)
+    want = np.asarray(ragged_paged_attention_reference(*args, scale=SCALE))
+    kw = dict(scale=SCALE, use_native=False, prefill_tile=4)
+    got = jax.jit(functools.partial(ragged_paged_attention_xla, **kw))(*args)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
+    if all(n == 1 for n in q_lens):
+        got = jax.jit(functools.partial(ragged_paged_attention_xla, decode_only=True, **kw))(*args)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)

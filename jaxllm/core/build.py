@@ -103,7 +103,7 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
         k_scale, v_scale = calibrate_kv_scales(cfg, params, ids, ops=ops, sharding=sharding, kv_dtype=kv_dtype)
         params = {**params, "layers": {**params["layers"], "k_scale": k_scale, "v_scale": v_scale}}
     spec = config.speculative
-    buckets = BucketTable(*config.bucket_ladders(max_model_len, backend))
+    buckets = step_buckets(config.bucket_ladders(max_model_len, backend), ops)
     runner = build_runner(cfg, params, cache, spec, sharding=sharding, ops=ops, backend=backend, dtype=dtype,
                           kv_dtype=kv_dtype, max_model_len=max_model_len, buckets=buckets,
                           max_num_seqs=config.scheduler.max_num_seqs)
@@ -127,6 +127,13 @@ def compilation_cache_path(compilation: CompilationConfig) -> Optional[str]:
     ``<jaxllm cache>/xla``), or None: off."""
     path = compilation.compilation_cache
     return str(cache_dir() / "xla") if path == "default" else path
+
+
+def step_buckets(ladders: tuple[tuple[int, ...], ...], ops: AttentionOps) -> BucketTable:
+    """The bucket table of ``ladders`` (T, S, W), with decode-only programs where ``ops`` has a decode-only
+    attention (``AttentionOps.decode_attention``)."""
+    table = BucketTable(*ladders)
+    return table.with_decode_programs() if ops.decode_attention is not None else table
 
 
 def build_runner(cfg: ModelConfig, params: Any, cache: CacheConfig, spec: Optional[SpeculativeConfig], *,
@@ -209,8 +216,10 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
     logger.info(f"parameters: {pb['total'] / 2**20:.1f} MiB{quantized}{packed}, {np.dtype(core.dtype).name} (dtype="
                 f"{core.config.dtype!r}{why})" + (f"; CPU: {describe_cpu()}" if on_cpu else ""))
     rows = [b.seq_bucket_for(t) for t in b.token_buckets]
+    decode = len(b.decode_token_buckets) * len(b.width_buckets)
     logger.info(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {rows}, block-table widths "
-                f"{list(b.width_buckets)}); {core.num_blocks} KV blocks of {core.config.cache.block_size} tokens "
+                f"{list(b.width_buckets)}; {decode} of them for decode-only steps, tokens "
+                f"{list(b.decode_token_buckets)}); {core.num_blocks} KV blocks of {core.config.cache.block_size} tokens "
                 f"({core.kv_cache_dtype.name}); attention {backend}; tensor parallel "
                 f"{core.sharding.tensor_parallel_size}")
     pool = describe_pool(core.config.cache, core.runner.cache_engine, core.num_blocks)

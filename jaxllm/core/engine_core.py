@@ -566,7 +566,7 @@ class EngineCore:
         buckets = self.runner.programs.serving_buckets()
         if self.drafter is not None:
             ready = set(self.drafter.programs.serving_buckets().token_buckets) & set(buckets.token_buckets)
-            buckets = BucketTable(tuple(sorted(ready)), buckets.seq_buckets, buckets.width_buckets)
+            buckets = buckets.restricted(tuple(sorted(ready)))
         return buckets
 
     def _apply(self, step: _Launched) -> list[Request]:

@@ -24,19 +24,21 @@ from scheduler import BatchDescriptor, BucketTable
 
 
 def propose(params: Params, kv_cache: KVCache, batch: StepBatch, tokens: jax.Array, num_emitted: jax.Array, *,
-            cfg: ModelConfig, ops: AttentionOps, num_speculative_tokens: int) -> tuple[jax.Array, KVCache]:
+            cfg: ModelConfig, ops: AttentionOps, num_speculative_tokens: int,
+            decode_only: bool = False) -> tuple[jax.Array, KVCache]:
     """The draft model's step: compute the target step's query tokens, then draft greedily.
 
     Args:
       params, kv_cache: the draft model's (cache donated).
       batch: the target step's batch: ``[T]`` tokens, ``[S]`` rows.
       tokens: int32[S, P] the target's emitted tokens, first ``num_emitted`` (int32[S]) valid.
-      cfg, ops, num_speculative_tokens (K): static.
+      cfg, ops, num_speculative_tokens (K): static; decode_only (static): the target step's every row has one new
+        token. The draft steps are one token a row: ``ops.decode_attention`` where there is one.
 
     Returns:
       ``(drafts int32[S, K], the updated cache)``; each row continues its last emitted token.
     """
-    _, kv_cache = hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops)
+    _, kv_cache = hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops.for_decode_steps() if decode_only else ops)
     block_tables, num_seqs = batch.block_tables, batch.num_seqs
     num_rows, width = block_tables.shape
     block_size = kv_cache[0].shape[2]
@@ -58,7 +60,7 @@ def propose(params: Params, kv_cache: KVCache, batch: StepBatch, tokens: jax.Arr
         slot = block_tables[rows, jnp.minimum(block, width - 1)] * block_size + position % block_size
         step = dataclasses.replace(decode, input_ids=token, positions=position,
                                    slot_mapping=jnp.where(has_slot, slot, 0), seq_lens=jnp.where(real, position + 1, 0))
-        logits, cache = forward(params, cache, step, cfg=cfg, ops=ops, all_logits=True)
+        logits, cache = forward(params, cache, step, cfg=cfg, ops=ops.for_decode_steps(), all_logits=True)
         draft = argmax_rows(logits)
         return (cache, draft, position + 1), draft
 
@@ -96,11 +98,15 @@ class DraftRunner:
                                         dtype=storage_dtype(dtype, float_bits_storage), sharding=sharding,
                                         stats=self.compile_stats, num_host_blocks=num_host_blocks,
                                         num_offload_blocks=num_offload_blocks)
-        step_fn = jax.jit(functools.partial(propose, cfg=cfg, ops=ops, num_speculative_tokens=num_speculative_tokens),
-                          donate_argnums=(1,), out_shardings=(self._replicated, self.cache_engine.sharding()))
+        step_fns = {decode_only: jax.jit(functools.partial(propose, cfg=cfg, ops=ops,
+                                                           num_speculative_tokens=num_speculative_tokens,
+                                                           decode_only=decode_only),
+                                         donate_argnums=(1,),
+                                         out_shardings=(self._replicated, self.cache_engine.sharding()))
+                    for decode_only in (False, True)}
         arguments = functools.partial(_propose_arguments, weights=self.weights, cache=self.cache_engine,
                                       num_positions=num_positions, replicated=self._replicated)
-        self.programs = ProgramTable(buckets, step_fn, arguments, self.compile_stats)
+        self.programs = ProgramTable(buckets, step_fns.__getitem__, arguments, self.compile_stats)
 
     def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> float:
         """Build every bucket's step program and the block-copy (with ``swap`` the swap) programs; returns
@@ -115,7 +121,7 @@ class DraftRunner:
     def propose_async(self, batch: BatchDescriptor, target_out: SamplerOutput) -> jax.Array:
         """Launch the draft step after the target's on ``batch``, from ``target_out`` (``token_ids
         [S, P]``, ``num_emitted [S]`` on the device); returns the drafts int32[S, K] on the device."""
-        exe = self.programs.step_program(batch.shape)
+        exe = self.programs.step_program(batch.program)
         device_batch = jax.device_put(StepBatch.from_descriptor(batch), self._replicated)
         cache = self.cache_engine
         drafts, cache.kv_cache = exe(self.weights.params, cache.kv_cache, device_batch, target_out.token_ids,

@@ -1,5 +1,5 @@
-"""ModelRunner: the target model's compiled steps (model and sampler in one program per ``(T, S, W)`` bucket, KV cache
-and sampler tables donated) over a ``WeightStore``, a ``CacheEngine`` and a ``ProgramTable``."""
+"""ModelRunner: the target model's compiled steps (model and sampler in one program per ``(T, S, W, decode_only)``,
+KV cache and sampler tables donated) over a ``WeightStore``, a ``CacheEngine`` and a ``ProgramTable``."""
 
 from __future__ import annotations
 
@@ -60,9 +60,13 @@ class StepOutput:
 
 def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: SamplingArrays, tables: SamplerTables,
           prev_tokens: jax.Array, bitmask: jax.Array, scaled_pool: Optional[ScaledKV], *, cfg: ModelConfig,
-          ops: AttentionOps, num_positions: int = 1) -> tuple[StepOutput, jax.Array, KVCache, SamplerTables]:
-    """Model + sampler + prompt logprobs; inputs marked by ``batch.prev_token_index`` come from ``prev_tokens``.
+          ops: AttentionOps, num_positions: int = 1,
+          decode_only: bool = False) -> tuple[StepOutput, jax.Array, KVCache, SamplerTables]:
+    """Model + sampler + prompt logprobs; inputs marked by ``batch.prev_token_index`` come from ``prev_tokens``;
+    ``decode_only`` (static): every row has one new token, attended by ``ops.decode_attention``.
     Returns ``(StepOutput, samples padded to prev_tokens' length, kv_cache, tables)``."""
+    if decode_only:
+        ops = ops.for_decode_steps()
     from_prev = batch.prev_token_index
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch.input_ids)
     hidden, kv_cache = hidden_states(params, kv_cache, dataclasses.replace(batch, input_ids=input_ids),
@@ -147,13 +151,16 @@ class ModelRunner:
         self._slot_ops: dict[str, Callable] = {}
         # Outputs pinned to the inputs' shardings: the donated KV cache and sampler tables come back laid out as
         # the next step was compiled for.
-        step_fn = jax.jit(functools.partial(_step, cfg=cfg, ops=ops, num_positions=num_positions),
-                          donate_argnums=(1, 4),
-                          out_shardings=(replicated, replicated, self.cache_engine.sharding(), replicated))
+        step_fns = {decode_only: jax.jit(functools.partial(_step, cfg=cfg, ops=ops, num_positions=num_positions,
+                                                           decode_only=decode_only),
+                                         donate_argnums=(1, 4),
+                                         out_shardings=(replicated, replicated, self.cache_engine.sharding(),
+                                                        replicated))
+                    for decode_only in (False, True)}
         arguments = functools.partial(_step_arguments, weights=self.weights, cache=self.cache_engine,
                                       tables=abstract(self.sampler_tables), prev_tokens=abstract(self._no_prev_tokens),
                                       num_positions=num_positions, num_words=self.bitmask_words, replicated=replicated)
-        self.programs = ProgramTable(buckets, step_fn, arguments, self.compile_stats)
+        self.programs = ProgramTable(buckets, step_fns.__getitem__, arguments, self.compile_stats)
 
     def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> float:
         """Build every bucket's step program and the block-copy, slot-fill and (``swap``) swap programs
@@ -184,7 +191,7 @@ class ModelRunner:
         Returns:
           ``(StepOutput on the device, sampled ids as int32[max S bucket])``; KV cache and sampler tables are donated.
         """
-        exe = self.programs.step_program(batch.shape)
+        exe = self.programs.step_program(batch.program)
         if bitmask is None:
             bitmask = self._all_ones(batch.shape[1])
         device_batch, device_sampling, bitmask = jax.device_put(

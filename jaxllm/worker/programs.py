@@ -1,5 +1,6 @@
-"""A runner's program table: the step program per ``(T, S, W)`` bucket, compiled ahead of time from abstract
-arguments (so serving never traces), and the warm-up that builds them, in the foreground or a background thread."""
+"""A runner's program table: the step program per ``(T, S, W, decode_only)`` (``BucketTable.all_programs``), compiled
+ahead of time from abstract arguments (so serving never traces), and the warm-up that builds them, in the foreground
+or a background thread."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from scheduler import BucketTable
 logger = init_logger(__name__)
 
 Shape = tuple[int, int, int]
+# (T, S, W, decode_only): a bucket shape and whether the program serves decode-only steps.
+Program = tuple[int, int, int, bool]
 
 # A background warm-up starts a program only once the engine has been idle (no step dispatched, counting from the
 # end of the start-up warm-up) for IDLE_SECONDS, so a short script, whose calls and exit follow each other closely,
@@ -84,22 +87,23 @@ class CompileStats:
 
 
 class ProgramTable:
-    """The step programs of one runner, one per bucket, and their warm-up.
+    """The step programs of one runner, one per ``buckets.all_programs()``, and their warm-up.
 
     Args:
-      buckets: the (T, S, W) shapes steps are padded to.
-      step_fn: the jitted step function.
-      step_arguments: bucket shape -> abstract arguments of ``step_fn``, read at build time (after a KV resize too).
+      buckets: the (T, S, W) shapes steps are padded to, and the T buckets with decode-only programs.
+      step_fn: ``decode_only`` -> the jitted step function of decode-only (True) or other (False) steps.
+      step_arguments: bucket shape -> abstract arguments of the step function, read at build time (after a KV
+        resize too).
       stats: where builds are counted.
     """
 
-    def __init__(self, buckets: BucketTable, step_fn: Any, step_arguments: Callable[[Shape], tuple],
+    def __init__(self, buckets: BucketTable, step_fn: Callable[[bool], Any], step_arguments: Callable[[Shape], tuple],
                  stats: CompileStats):
         self.buckets = buckets
         self.stats = stats
         self._step_fn = step_fn
         self._step_arguments = step_arguments
-        self._steps: dict[Shape, Callable] = {}
+        self._steps: dict[Program, Callable] = {}
         self._lock = threading.Lock()
         # Token buckets whose programs (every width) are built; None: build on first use.
         self._ready_tokens: Optional[set[int]] = None
@@ -115,21 +119,28 @@ class ProgramTable:
         """Whether programs are built on first use (no :meth:`warmup` ran)."""
         return self._ready_tokens is None
 
-    def compile_step(self, shape: Shape, announce: bool = False) -> Callable:
-        """Compile (once) and return bucket ``shape``'s step program; ``announce`` logs the wait."""
-        exe = self._steps.get(shape)
+    def compile_step(self, program: Program, announce: bool = False) -> Callable:
+        """Compile (once) and return step program ``program``; ``announce`` logs the wait."""
+        exe = self._steps.get(program)
         if exe is None:
             if announce:
-                logger.info(f"building the step program for {shape[0]} tokens x {shape[1]} rows (first use)...")
+                kind = "decode-only " if program[3] else ""
+                logger.info(f"building the {kind}step program for {program[0]} tokens x {program[1]} rows "
+                            "(first use)...")
             start = time.perf_counter()
-            exe = self._steps[shape] = self.stats.compile(self._step_fn, *self._step_arguments(shape))
+            exe = self._steps[program] = self.stats.compile(self._step_fn(program[3]),
+                                                            *self._step_arguments(program[:3]))
             if announce:
                 logger.info(f"built it in {time.perf_counter() - start:.1f} s")
         return exe
 
-    def step_program(self, shape: Shape) -> Callable:
-        """The step program of ``shape`` for a dispatch now (built first in lazy mode)."""
-        exe = self.compile_step(shape, announce=self.lazy)
+    def trace(self, program: Program) -> jax.stages.Traced:
+        """Step program ``program`` traced (not compiled) from its abstract arguments, for inspecting its jaxpr."""
+        return self._step_fn(program[3]).trace(*self._step_arguments(program[:3]))
+
+    def step_program(self, program: Program) -> Callable:
+        """Step program ``program`` (``BatchDescriptor.program``) for a dispatch now (built first in lazy mode)."""
+        exe = self.compile_step(program, announce=self.lazy)
         self._note_dispatch()
         return exe
 
@@ -159,9 +170,9 @@ class ProgramTable:
                 self._busy_since = now
             self._last_dispatch = now
 
-    def token_bucket_shapes(self, tokens: int) -> list[Shape]:
-        """The bucket shapes of token bucket ``tokens`` (one per block-table width)."""
-        return [shape for shape in self.buckets.all_shapes() if shape[0] == tokens]
+    def token_bucket_programs(self, tokens: int) -> list[Program]:
+        """The programs of token bucket ``tokens`` (one per block-table width, twice with a decode-only program)."""
+        return [program for program in self.buckets.all_programs() if program[0] == tokens]
 
     def _mark_ready(self, tokens: int) -> None:
         with self._lock:
@@ -175,7 +186,7 @@ class ProgramTable:
             ready = self._ready_tokens
             if ready is None or len(ready) == len(self.buckets.token_buckets):
                 return self.buckets
-            return BucketTable(tuple(sorted(ready)), self.buckets.seq_buckets, self.buckets.width_buckets)
+            return self.buckets.restricted(tuple(sorted(ready)))
 
     def warmup(self, others: Callable[[], None], progress: bool = True, background: bool = False) -> float:
         """Build every bucket's step program, then call ``others`` (the runner's other programs).
@@ -198,8 +209,8 @@ class ProgramTable:
         with self._lock:
             self._ready_tokens = set()
         for t in tqdm(first, desc="compiling buckets", unit="bucket", disable=not progress):
-            for shape in self.token_bucket_shapes(t):
-                self.compile_step(shape)
+            for program in self.token_bucket_programs(t):
+                self.compile_step(program)
             self._mark_ready(t)
         others()
         rest = [t for t in tokens if t not in first]
@@ -210,7 +221,7 @@ class ProgramTable:
             # and its warm-up ends.
             table = weakref.ref(self)
             self._background = threading.Thread(
-                target=_build_in_background, args=(table, [(t, self.token_bucket_shapes(t)) for t in rest]),
+                target=_build_in_background, args=(table, [(t, self.token_bucket_programs(t)) for t in rest]),
                 name="jaxllm-warmup", daemon=True)
             self._background.start()
             # At interpreter exit, let the thread finish its program: a daemon thread that Python stops inside an
@@ -223,7 +234,8 @@ class ProgramTable:
         with self._lock:
             if self._ready_tokens is None:
                 return 0
-            return len(self.buckets) - sum(1 for shape in self.buckets.all_shapes() if shape[0] in self._ready_tokens)
+            return len(self.buckets) - sum(1 for program in self.buckets.all_programs()
+                                           if program[0] in self._ready_tokens)
 
     def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
         """Wait for a background warm-up to finish; True once every program is built."""
@@ -237,16 +249,17 @@ class ProgramTable:
         self.wait_for_warmup()
 
 
-def _build_in_background(table_ref: "weakref.ref[ProgramTable]", buckets: Iterable[tuple[int, list[Shape]]]) -> None:
+def _build_in_background(table_ref: "weakref.ref[ProgramTable]",
+                         buckets: Iterable[tuple[int, list[Program]]]) -> None:
     """Build ``buckets``' step programs one by one when allowed, while the table lives and runs."""
-    for tokens, shapes in buckets:
-        for shape in shapes:
+    for tokens, programs in buckets:
+        for program in programs:
             if not _wait_for_turn(table_ref):
                 return
             table = table_ref()
             if table is None:
                 return
-            table.compile_step(shape)
+            table.compile_step(program)
             del table
         table = table_ref()
         if table is None:

@@ -254,21 +254,26 @@ class ModelSharding:
             return shard_map(write_local, mesh=self.mesh, in_specs=(cache, cache, kv_spec, kv_spec, rep) + specs,
                              out_specs=(cache, cache), check_vma=False)(k_cache, v_cache, k, v, slot_mapping, *scales)
 
-        def attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale=None,
-                   v_scale=None, scaled_pool=None, **static):
-            scales, specs, keywords = scale_args(k_scale, v_scale)
-            # The scaled pool's blocks and per-block scales split over heads like the cache's.
-            pool, pool_specs = ((), ()) if scaled_pool is None else (
-                tuple(scaled_pool), (cache, cache, P(None, MODEL_AXIS), P(None, MODEL_AXIS)))
+        def sharded(attention):
+            """``attention`` (the ragged signature) per device."""
+            def attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale=None,
+                       v_scale=None, scaled_pool=None, **static):
+                scales, specs, keywords = scale_args(k_scale, v_scale)
+                # The scaled pool's blocks and per-block scales split over heads like the cache's.
+                pool, pool_specs = ((), ()) if scaled_pool is None else (
+                    tuple(scaled_pool), (cache, cache, P(None, MODEL_AXIS), P(None, MODEL_AXIS)))
 
-            def local(*args):
-                extra = args[7 + len(specs):]
-                pools = {"scaled_pool": type(scaled_pool)(*extra)} if extra else {}
-                return ops.ragged_paged_attention(*args[:7], **keywords(*args[7:7 + len(specs)]), **pools, **static)
+                def local(*args):
+                    extra = args[7 + len(specs):]
+                    pools = {"scaled_pool": type(scaled_pool)(*extra)} if extra else {}
+                    return attention(*args[:7], **keywords(*args[7:7 + len(specs)]), **pools, **static)
 
-            return shard_map(local, mesh=self.mesh,
-                             in_specs=(heads, cache, cache, rep, rep, rep, rep) + specs + pool_specs,
-                             out_specs=heads, check_vma=False)(
-                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *scales, *pool)
+                return shard_map(local, mesh=self.mesh,
+                                 in_specs=(heads, cache, cache, rep, rep, rep, rep) + specs + pool_specs,
+                                 out_specs=heads, check_vma=False)(
+                    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *scales, *pool)
 
-        return AttentionOps(ragged_paged_attention=attend, kv_cache_write=write)
+            return attend
+
+        return AttentionOps(ragged_paged_attention=sharded(ops.ragged_paged_attention), kv_cache_write=write,
+                            decode_attention=None if ops.decode_attention is None else sharded(ops.decode_attention))

@@ -187,6 +187,7 @@ def ragged_paged_attention_xla(
     v_scale: Optional[jax.Array] = None,
     cross_head_decode: Optional[bool] = None,
     scaled_pool: Optional[ScaledKV] = None,
+    decode_only: bool = False,
 ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache, tiled per sequence.
 
@@ -201,6 +202,9 @@ def ragged_paged_attention_xla(
       kv_chunk_blocks, decode_kv_chunk_blocks: KV blocks per chunk of prefill / decode tiles.
       pairs_per_step: (tile, chunk) pairs per loop iteration (capped at the number of tiles).
       cross_head_decode: decode dots over all KV-head pairs; None: when ``Hkv <= CROSS_HEAD_MAX_KV_HEADS``.
+      decode_only: the step's every live row has one new token (its program's promise): the decode tiles alone.
+        Otherwise both the decode and the prefill tiles run, each over the rows of its kind (a loop of no
+        iteration where there are none), with no branch on the batch.
 
     Raises:
       ValueError: ``k_scale`` together with ``scaled_pool`` (``storage.check_pool_scales``).
@@ -248,6 +252,7 @@ def ragged_paged_attention_xla(
                             pairs_per_step=pairs(max_tiles), chunk_blocks=kv_chunk_blocks, **attend)
         return out.at[jnp.where(valid, token, num_tokens)].set(res, mode="drop")
 
-    out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, zeros)
-    out = jax.lax.cond(jnp.any(is_prefill), prefill, lambda o: o, out)
+    out = decode(zeros)
+    if not decode_only:
+        out = prefill(out)
     return out.astype(q.dtype)
