@@ -19,7 +19,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.engine_core import EngineCore
 from jaxllm.loader import load_sharded, read_model_config
 from jaxllm.logger import init_logger
-from jaxllm.models import param_layout
+from jaxllm.models import family, param_layout
 from jaxllm.models.config import ModelConfig
 from jaxllm.paths import cache_dir
 from jaxllm.spec_decode import NgramProposer
@@ -29,6 +29,7 @@ from jaxllm.tokenizer import load_tokenizer
 from jaxllm.worker.host_malloc import tune_host_malloc
 from jaxllm.worker.kv_cache import (KV_QUANT_DTYPES, bytes_per_block, calibrate_kv_scales, calibration_ids,
                                     fit_max_model_len, kv_number_dtype, resolve_num_blocks, split_kv_budget)
+from jaxllm.worker.lora import LoRAManager
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.programs import enable_persistent_compilation_cache
 from jaxllm.worker.quantization import weight_quantization
@@ -115,9 +116,11 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
     elif spec is not None:
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
     structured = StructuredOutputManager(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    lora = None if runner.lora is None else LoRAManager(runner.lora, cfg, family(cfg),
+                                                         config.max_cpu_loras or config.max_loras)
     core = EngineCore(config, runner, sharding=sharding, max_model_len=max_model_len, kv_cache_dtype=kv_dtype,
                       structured=structured, drafter=drafter, proposer=proposer,
-                      core_index=core_index)
+                      core_index=core_index, lora=lora)
     _log_start_up(core, backend, weight_quantization(params))
     warm_up(core)
     return core
@@ -165,6 +168,7 @@ def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, shardin
         kv_cache_dtype=kv_dtype, num_positions=1 + (spec.num_speculative_tokens if spec is not None else 0),
         num_compressed_blocks=num_compressed,
         compressed_dtype=None if not num_compressed else KV_QUANT_DTYPES[config.kv_cache_compression],
+        max_loras=config.max_loras if config.enable_lora else 0, max_lora_rank=config.max_lora_rank,
     )
 
 

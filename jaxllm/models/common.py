@@ -73,8 +73,35 @@ def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
     return y.astype(x.dtype)
 
 
+# LoRA slot leaves of a projection ``key``: ``key + LORA_A`` [N, in, R] and ``key + LORA_B`` [N, R, out] per layer
+# (``jaxllm.worker.lora``); LORA_ROWS: the step's one-hot of each token's slot, [T, N] in the compute dtype.
+LORA_A, LORA_B, LORA_ROWS = "_lora_a", "_lora_b", "lora_rows"
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: jax.Array) -> jax.Array:
+    """Each token's adapter term ``(x A_slot) B_slot`` in float32 (PEFT's ``lora_B(lora_A(x)) * scaling``, the
+    scaling folded into B): every slot's ``x A`` is computed and masked by ``rows``, so the shapes never depend on
+    which adapters a step holds.
+
+    x: [T, in]; a: [N, in, R]; b: [N, R, out]; rows: [T, N] one-hot of each token's slot (all zeros: none).
+    Returns float32 [T, out].
+    """
+    xa = jnp.einsum("ti,nir->tnr", x, a, preferred_element_type=jnp.float32) * rows[:, :, None]
+    return jnp.einsum("tnr,nro->to", xa.astype(x.dtype), b, preferred_element_type=jnp.float32)
+
+
+def lora_rows(slots: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, num_tokens: int,
+              num_slots: int, dtype: Any) -> jax.Array:
+    """The one-hot [T, N] of each token's LoRA slot: row ``s``'s tokens take ``slots[s]`` (int32[S], -1: none);
+    padding tokens none."""
+    row = jnp.searchsorted(query_start_loc[1:], jnp.arange(num_tokens), side="right")
+    slot = jnp.where(row < num_seqs, slots[jnp.minimum(row, slots.shape[0] - 1)], -1)
+    return (slot[:, None] == jnp.arange(num_slots)[None, :]).astype(dtype)
+
+
 def project(layer: dict[str, jax.Array], key: str, x: jax.Array, bias: Optional[str] = None) -> jax.Array:
-    """``linear`` through ``layer[key]`` (with ``key + "_scale"`` when quantized, ``bias`` leaf when present).
+    """``linear`` through ``layer[key]`` (with ``key + "_scale"`` when quantized, ``bias`` leaf when present),
+    plus each token's LoRA term when the layer holds adapter slots for ``key`` (:func:`lora_delta`).
 
     x: [T, in] -> [T, out] in x's dtype. Unquantized weights go through the ops table's
     ``layer_matmul`` (padding rows of the bucket may come out zeros, then the bias).
@@ -82,6 +109,8 @@ def project(layer: dict[str, jax.Array], key: str, x: jax.Array, bias: Optional[
     b = layer.get(bias) if bias else None
     scale = layer.get(key + "_scale")
     y = layer_matmul(layer, key, x) if scale is None else dot_f32(x, layer[key], scale)
+    if key + LORA_A in layer and LORA_ROWS in layer:
+        y = y + lora_delta(x, layer[key + LORA_A], layer[key + LORA_B], layer[LORA_ROWS])
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)
@@ -349,6 +378,11 @@ def hidden_states(
     num_layers = k_cache.shape[0]
     flat = (num_layers * num_blocks, block_size, -1)
     layers = params["layers"]
+    adapters = next((a for k, a in layers.items() if k.endswith(LORA_A)), None)
+    rows = None
+    if adapters is not None and getattr(batch, "lora_slots", None) is not None:
+        rows = lora_rows(batch.lora_slots, batch.query_start_loc, batch.num_seqs, x.shape[0], adapters.shape[1],
+                         x.dtype)
     pool = None
     if compressed is not None:
         num_compressed = compressed.k.shape[1]
@@ -363,6 +397,8 @@ def hidden_states(
                 x, k_flat, v_flat = carry
                 layer = with_stacked_weights(jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers),
                                              layers, index, num_tokens)
+                if rows is not None:
+                    layer[LORA_ROWS] = rows
                 first_block = index * num_blocks
                 tables = batch.block_tables + first_block
                 if pool is not None:
