@@ -14,6 +14,9 @@ Parameter pytree (dense weights ``[in, out]``; layer leaves stacked on a leading
                 "wv": [L, E, Hkv*D], "wo": [L, Hq*D, E], "mlp_norm": [L, E],
                 "w_gate": [L, E, F], "w_up": [L, E, F], "w_down": [L, F, E], ...}}
 
+With LoRA, the step's params also hold adapter slots ``"<key>_lora_a": [L, N, in, R]``, ``"<key>_lora_b": [L, N, R,
+out]`` (``jaxllm.worker.lora``), read by :func:`project` for the tokens of each row's ``batch.lora_slots``.
+
 Quantized weights are int8 / float8_e4m3fn with a float32 ``"<key>_scale"`` sibling
 (``[L, out]`` per channel or ``[L, G, out]`` per input-row group). A quantized KV cache
 adds ``"k_scale"``, ``"v_scale": [L, cache heads]`` layer leaves.
@@ -360,7 +363,8 @@ def hidden_states(
       params: the parameter pytree (module docstring).
       kv_cache: ``(k_cache, v_cache)``, each ``[L, num_blocks, block_size, num_kv_heads, head_dim]``.
       batch: reads ``input_ids, positions, slot_mapping: int32[T]``, ``block_tables: int32[S, W]``,
-        ``seq_lens: int32[S]``, ``query_start_loc: int32[S + 1]``, ``num_seqs: int32[]``.
+        ``seq_lens: int32[S]``, ``query_start_loc: int32[S + 1]``, ``num_seqs: int32[]``; ``lora_slots:
+        int32[S]`` where params hold LoRA slots.
       cfg, ops, family: static.
       compressed: ``k, v: [L, C, block_size, cache heads, head_dim]``, ``k_scale, v_scale:
         float32[L, C, cache heads]``, read for table ids ``>= num_blocks``; or None.
