@@ -19,6 +19,7 @@ _EXPORTS = {
     "RequestOutput": "jaxllm.outputs",
     "CompletionOutput": "jaxllm.outputs",
     "register_model": "jaxllm.models",
+    "LoRARequest": "jaxllm.lora.request",
 }
 __all__ = list(_EXPORTS)
 

@@ -281,17 +281,27 @@ class ObservabilityConfig:
     kv_events_config: Optional[KVEventsConfig]
 
 
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters: whether they are served and their limits (``EngineConfig.lora``, vLLM's ``LoRAConfig``)."""
+
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: Optional[int]
+
+
 SUB_CONFIGS = {"cache": CacheConfig, "scheduler": SchedulingConfig, "compilation": CompilationConfig,
-               "parallel": ParallelConfig, "observability": ObservabilityConfig}
+               "parallel": ParallelConfig, "observability": ObservabilityConfig, "lora": LoRAConfig}
 
 
 @dataclasses.dataclass
 class EngineConfig:
     """Serving configuration, vLLM's names and meanings; each field's description is its ``help`` metadata.
 
-    Checks every value when made; ``cache``, ``scheduler``, ``compilation``, ``parallel`` and ``observability`` are
-    frozen views of its fields (:data:`SUB_CONFIGS`), ``speculative`` the parsed ``speculative_config``; the engine's
-    build code reads these. :meth:`scheduler_config` builds the scheduler's config once start-up knows the block
+    Checks every value when made; ``cache``, ``scheduler``, ``compilation``, ``parallel``, ``observability`` and
+    ``lora`` are frozen views of its fields (:data:`SUB_CONFIGS`), ``speculative`` the parsed ``speculative_config``;
+    the engine's build code reads these. :meth:`scheduler_config` builds the scheduler's config once start-up knows the block
     count.
 
     Raises:
@@ -410,6 +420,14 @@ class EngineConfig:
     kv_cache_compression_fraction: float = _option(0.5, (
         "With kv_cache_compression, the share of the KV budget given to the compressed pool, in (0, 1); the device "
         "blocks get the rest."))
+    enable_lora: bool = _option(False, (
+        "Serve LoRA adapters (PEFT folders) on top of the base model, per request (LoRARequest), several in one "
+        "step; not with tensor_parallel_size > 1, speculative_config or batching=\"static\"."))
+    max_loras: int = _option(1, "With enable_lora: distinct adapters in one step at most (device slots).")
+    max_lora_rank: int = _option(16, "With enable_lora: the largest adapter rank r served (slots are this wide).")
+    max_cpu_loras: Optional[int] = _option(None, (
+        "With enable_lora: adapters kept in host memory at most, >= max_loras (least recently used ones are read "
+        "again from their folder when needed); None: max_loras."))
     revision: Optional[str] = _option(None, (
         "The branch, tag or commit of a model given as a Hugging Face Hub id (vLLM's); None: the default branch."))
     download_dir: Optional[str] = _option(None, (
@@ -445,6 +463,11 @@ class EngineConfig:
     def observability(self) -> ObservabilityConfig:
         """The stats, metrics and events fields."""
         return _sub_config(ObservabilityConfig, self)
+
+    @property
+    def lora(self) -> LoRAConfig:
+        """The LoRA fields."""
+        return _sub_config(LoRAConfig, self)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -500,6 +523,7 @@ class EngineConfig:
             raise ValueError("async_scheduling=True cannot be used with speculative_config: a step's drafts need "
                              "the previous step's tokens (leave async_scheduling unset, or turn it off)")
         self._check_compression()
+        self._check_lora()
         self.graceful_degradation = _parse_degradation(self.graceful_degradation)
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         # The scheduler's knobs are checked by SchedulerConfig, here rather than at start-up; the block count and
@@ -509,6 +533,23 @@ class EngineConfig:
             raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} must be below "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}: a decode row carries 1 + that "
                              "many")
+
+    def _check_lora(self) -> None:
+        """Raise ValueError for a LoRA limit out of range or a setting LoRA does not run with (named)."""
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras={cpu!r} must be an int >= max_loras={self.max_loras} (or None)")
+        if not self.enable_lora:
+            return
+        refused = [f"{name}={getattr(self, name)!r}" for name, off in
+                   (("tensor_parallel_size", 1), ("speculative_config", None), ("batching", "continuous"))
+                   if getattr(self, name) != off]
+        if refused:
+            raise ValueError(f"enable_lora=True cannot be used with {', '.join(refused)}")
 
     def _check_compression(self) -> None:
         """Raise ValueError for a bad ``kv_cache_compression`` (or fraction) or a setting it does not work with."""

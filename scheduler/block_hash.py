@@ -25,10 +25,12 @@ def extend_block_hashes(
     block_size: int,
     cache_salt: Optional[str],
     prefix_array: Optional[np.ndarray] = None,
+    lora_key: Optional[bytes] = None,
 ) -> None:
     """Append :func:`hash_block_tokens` digests to ``block_hashes`` up to ``num_full_blocks`` blocks of ``token_ids``
     (whose first ``num_full_blocks * block_size`` must be final). ``prefix_array``: int64 equal to the first tokens
-    (e.g. the prompt), read instead of Python ints where it covers."""
+    (e.g. the prompt), read instead of Python ints where it covers. ``lora_key``: the adapter's
+    (``Request.lora_key``), mixed into the first block after the salt as vLLM's extra keys."""
     start = len(block_hashes)
     if start >= num_full_blocks:
         return
@@ -41,8 +43,9 @@ def extend_block_hashes(
     width = 8 * block_size
     parent = block_hashes[-1] if start else _ROOT
     offset = 0
-    if start == 0 and cache_salt is not None:
-        parent = xxhash.xxh3_128_digest(parent + cache_salt.encode() + raw[:width])
+    if start == 0 and (cache_salt is not None or lora_key):
+        extra = (b"" if cache_salt is None else cache_salt.encode()) + (lora_key or b"")
+        parent = xxhash.xxh3_128_digest(parent + extra + raw[:width])
         block_hashes.append(parent)
         offset = width
     digest = xxhash.xxh3_128_digest

@@ -43,6 +43,8 @@ class SchedulerConfig:
         lack for their predicted outputs, hold its prompt and predicted output (``scheduler.predictor``).
       num_pool_blocks: slots of the tier that makes room before a preemption (``KVCacheManager.POOL_TIER``),
         null included: 0 or >= 2; what it cannot run with: that tier's ``refuses``.
+      max_loras: distinct LoRA adapters (``Request.lora_int_id``) running at once at most, >= 1 (vLLM's rule:
+        a waiting request of another adapter waits; once one does, later adapter requests wait behind it).
 
     Raises ValueError naming the field, the value and the limit.
     """
@@ -66,12 +68,14 @@ class SchedulerConfig:
     enable_kv_cache_events: bool = False
     reserve_predicted_output: bool = False
     num_pool_blocks: int = 0
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         def bad(field: str, limit: str) -> ValueError:
             return ValueError(f"{field}={getattr(self, field)!r} is out of range: must be {limit}")
 
-        for field, low in (("block_size", 1), ("num_blocks", 2), ("max_num_seqs", 1), ("max_model_len", 1)):
+        for field, low in (("block_size", 1), ("num_blocks", 2), ("max_num_seqs", 1), ("max_model_len", 1),
+                           ("max_loras", 1)):
             value = getattr(self, field)
             if not isinstance(value, int) or value < low:
                 raise bad(field, f"an int >= {low}")

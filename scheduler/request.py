@@ -56,6 +56,8 @@ class Request:
         are still cached. May be cleared later.
       grammar_ready: with a structured-output constraint, whether its grammar is compiled (until then it waits as
         ``WAITING_FOR_FSM``); None: unconstrained.
+      lora_int_id: the LoRA adapter it runs under (0: the base model); at most ``max_loras`` distinct ones run.
+      lora_epoch: the adapter's version (bumped by an in-place update); with the id, the prefix-cache key.
 
     Attributes (beyond the arguments):
       output_token_ids: generated ids, in order.
@@ -83,7 +85,7 @@ class Request:
         "stop_reason", "ignored_reason", "num_preemptions", "first_scheduled_time",
         "block_hashes", "prompt_array", "_all_token_ids", "_max_tokens", "_seq", "length_limit", "batch_row",
         "prefill_only", "skip_reading_prefix_cache", "spec_token_ids", "grammar_ready",
-        "predicted_output_tokens",
+        "predicted_output_tokens", "lora_int_id", "lora_epoch",
     )
 
     def __init__(
@@ -98,6 +100,8 @@ class Request:
         cache_salt: Optional[str] = None,
         skip_reading_prefix_cache: bool = False,
         grammar_ready: Optional[Callable[[], bool]] = None,
+        lora_int_id: int = 0,
+        lora_epoch: int = 0,
     ) -> None:
         prompt_array = np.array(prompt_token_ids, dtype=np.int64).reshape(-1)
         if not prompt_array.size:
@@ -119,6 +123,8 @@ class Request:
         self.cache_salt = cache_salt
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.grammar_ready = grammar_ready
+        self.lora_int_id = int(lora_int_id)
+        self.lora_epoch = int(lora_epoch)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
@@ -164,6 +170,14 @@ class Request:
     def max_tokens(self) -> Optional[int]:
         """``sampling_params.max_tokens`` (None: bounded by max_model_len only)."""
         return self._max_tokens
+
+    @property
+    def lora_key(self) -> Optional[bytes]:
+        """The adapter's part of the first block's hash (None: the base model). Starts with 0xff, a byte no UTF-8
+        salt holds, so a salt and an adapter never read as another pair."""
+        if not self.lora_int_id:
+            return None
+        return b"\xfflora" + self.lora_int_id.to_bytes(8, "little") + self.lora_epoch.to_bytes(8, "little")
 
     @property
     def use_structured_output(self) -> bool:

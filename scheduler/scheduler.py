@@ -33,6 +33,29 @@ _REPORTED_FINISHES = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_IGN
 _NATURAL_FINISHES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
+class LoraGate:
+    """Which LoRA adapters a step may admit requests of (vLLM's ``max_loras`` rule), without starving one: once a
+    request waits for a free adapter seat, requests of running adapters wait too, so those drain and it gets one
+    (base-model requests still go).
+
+    Args:
+      running: the running requests. max_loras: distinct adapters at most.
+    """
+
+    def __init__(self, running: Sequence[Request], max_loras: int) -> None:
+        self.running = {r.lora_int_id for r in running if r.lora_int_id}
+        self.max_loras = max_loras
+        self.blocked = False
+
+    def admits(self, lora_int_id: int) -> bool:
+        """Whether a waiting request of adapter ``lora_int_id`` (not 0) may be admitted now; a refusal blocks
+        every later adapter request of this step."""
+        if not self.blocked and (lora_int_id in self.running or len(self.running) < self.max_loras):
+            return True
+        self.blocked = True
+        return False
+
+
 def _outputs_left(req: Request) -> int:
     """Output tokens ``req`` is predicted to generate still, within its length limit (>= 0)."""
     return max(min(req.predicted_output_tokens - req.num_output_tokens, req.length_limit - req.num_tokens), 0)
@@ -365,8 +388,9 @@ class Scheduler:
         if self.config.reserve_predicted_output:
             step.headroom = self.block_pool.num_free_blocks - self._reserved_blocks()
         queue, self.waiting = self.waiting, []
-        # Requests whose grammar is still compiling, passed over in queue order.
+        # Requests whose grammar is still compiling, or whose LoRA adapter may not run now, passed over in queue order.
         unready: list[Request] = []
+        loras: Optional[LoraGate] = None
         i = 0
         while i < len(queue):
             req = queue[i]
@@ -376,8 +400,16 @@ class Scheduler:
                     i += 1
                     continue
                 req.status = RequestStatus.WAITING
+            if req.lora_int_id:
+                loras = loras or LoraGate(self.running, self.config.max_loras)
+                if not loras.admits(req.lora_int_id):
+                    unready.append(req)
+                    i += 1
+                    continue
             if req.request_id in step.preempted_ids or not self._admit(req, step):
                 break
+            if loras is not None:
+                loras.running.add(req.lora_int_id)
             i += 1
         if self.waiting:
             self._waiting_dirty = True

@@ -29,6 +29,7 @@ GROUP_TITLES = {"engine": "Model and engine", "cache": "KV cache (`config.cache`
                 "scheduler": "Scheduler (`config.scheduler_config(...)`)",
                 "compilation": "Compilation (`config.compilation`)", "parallel": "Parallelism (`config.parallel`)",
                 "speculative": "Speculative decoding (`config.speculative_config`)",
+                "lora": "LoRA adapters (`config.lora`)",
                 "observability": "Observability (`config.observability`)"}
 
 

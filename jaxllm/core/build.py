@@ -15,10 +15,11 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxllm.config import CacheConfig, CompilationConfig, EngineConfig, SpeculativeConfig
+from jaxllm.config import CacheConfig, CompilationConfig, EngineConfig, LoRAConfig, SpeculativeConfig
 from jaxllm.core.engine_core import EngineCore
 from jaxllm.loader import load_sharded, read_model_config
 from jaxllm.logger import init_logger
+from jaxllm.models import family
 from jaxllm.models.config import ModelConfig
 from jaxllm.paths import cache_dir
 from jaxllm.spec_decode import NgramProposer
@@ -28,6 +29,7 @@ from jaxllm.tokenizer import load_tokenizer
 from jaxllm.worker.host_malloc import tune_host_malloc
 from jaxllm.worker.kv_cache import (bytes_per_block, calibrate_kv_scales, calibration_ids, check_pool_backend,
                                     describe_pool, fit_max_model_len, kv_number_dtype, size_kv_pools)
+from jaxllm.worker.lora import LoRAManager
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.programs import enable_persistent_compilation_cache
 from jaxllm.worker.quantization import weight_quantization
@@ -106,7 +108,7 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
     buckets = step_buckets(config.bucket_ladders(max_model_len, backend), ops)
     runner = build_runner(cfg, params, cache, spec, sharding=sharding, ops=ops, backend=backend, dtype=dtype,
                           kv_dtype=kv_dtype, max_model_len=max_model_len, buckets=buckets,
-                          max_num_seqs=config.scheduler.max_num_seqs)
+                          max_num_seqs=config.scheduler.max_num_seqs, lora=config.lora)
     drafter = proposer = None
     if spec is not None and spec.method == "draft_model":
         drafter = build_drafter(spec, cache, compilation, runner, mesh=sharding.mesh, backend=backend,
@@ -114,9 +116,11 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
     elif spec is not None:
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
     structured = StructuredOutputManager(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    lora = None if runner.lora is None else LoRAManager(runner.lora, cfg, family(cfg),
+                                                         config.max_cpu_loras or config.max_loras)
     core = EngineCore(config, runner, sharding=sharding, max_model_len=max_model_len, kv_cache_dtype=kv_dtype,
                       structured=structured, drafter=drafter, proposer=proposer,
-                      core_index=core_index)
+                      core_index=core_index, lora=lora)
     _log_start_up(core, backend, weight_quantization(params))
     warm_up(core)
     return core
@@ -138,9 +142,10 @@ def step_buckets(ladders: tuple[tuple[int, ...], ...], ops: AttentionOps) -> Buc
 
 def build_runner(cfg: ModelConfig, params: Any, cache: CacheConfig, spec: Optional[SpeculativeConfig], *,
                  sharding: ModelSharding, ops: AttentionOps, backend: str, dtype: Any, kv_dtype: np.dtype,
-                 max_model_len: int, buckets: BucketTable, max_num_seqs: int) -> ModelRunner:
-    """The target model's runner over placed ``params``, its KV cache sized from ``cache`` (``kv_cache.size_kv_pools``) for ``max_num_seqs`` rows, its steps padded to ``buckets``;
-    ``spec``'s draft positions (None: one position a row).
+                 max_model_len: int, buckets: BucketTable, max_num_seqs: int, lora: LoRAConfig) -> ModelRunner:
+    """The target model's runner over placed ``params``, its KV cache sized from ``cache``
+    (``kv_cache.size_kv_pools``) for ``max_num_seqs`` rows, its steps padded to ``buckets``; ``spec``'s draft
+    positions (None: one position a row); ``lora``'s adapter slots (none unless ``enable_lora``).
 
     Raises:
       ValueError: no ``max_model_len`` sequence fits, or a pool share below 2 blocks.
@@ -159,6 +164,7 @@ def build_runner(cfg: ModelConfig, params: Any, cache: CacheConfig, spec: Option
         float_bits_storage=backend != "pallas" and sharding.mesh.devices.flat[0].platform == "cpu",
         kv_cache_dtype=kv_dtype, num_positions=1 + (spec.num_speculative_tokens if spec is not None else 0),
         num_pool_blocks=num_pool_blocks, pool_dtype=pool_dtype,
+        max_loras=lora.max_loras if lora.enable_lora else 0, max_lora_rank=lora.max_lora_rank,
     )
 
 

@@ -17,6 +17,7 @@ from jaxllm.core.kv_events import make_publisher
 from jaxllm.core.messages import (CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                   SampleLogprobs, decode_params, encode_params)
 from jaxllm.loader import load_model, load_sharded
+from jaxllm.lora import LoRARequest
 from jaxllm.loader.orbax import is_orbax_checkpoint
 from jaxllm.logger import init_logger
 from jaxllm.core.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
@@ -27,6 +28,7 @@ from jaxllm.spec_decode import NgramProposer
 from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.worker.kv_cache import CacheEngines
+from jaxllm.worker.lora import LoRAManager
 from jaxllm.worker.model_runner import ModelRunner, StepOutput
 from jaxllm.worker.quantization import param_bytes
 from jaxllm.worker.sharding import ModelSharding
@@ -71,6 +73,7 @@ class EngineCore:
       runner: the target model's ``ModelRunner``; sharding: the replica's ``ModelSharding``.
       kv_cache_dtype: numpy dtype of the KV cache's numbers.
       structured: the ``StructuredOutputManager``.
+      lora: the ``LoRAManager`` over ``runner.lora`` (``enable_lora``), or None.
       drafter: the draft model's runner, or None; proposer: the n-gram proposer, or None.
       core_index: this core's data-parallel rank (reported with its outputs).
 
@@ -85,14 +88,16 @@ class EngineCore:
     UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks", "kv_cache_report",
                                  "preload_prefixes", "host_params", "update_weights_encoded",
                                  "update_weights_from_path", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping",
-                                 "kv_cache_compact", "kv_cache_resize"})
+                                 "kv_cache_compact", "kv_cache_resize", "add_lora", "list_loras",
+                                 "update_lora_encoded"})
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, *, sharding: ModelSharding, max_model_len: int,
                  kv_cache_dtype: Any, structured: StructuredOutputManager, drafter: Optional[DraftRunner] = None,
-                 proposer: Optional[NgramProposer] = None, core_index: int = 0):
+                 proposer: Optional[NgramProposer] = None, core_index: int = 0,
+                 lora: Optional[LoRAManager] = None):
         self.config, self.runner, self.sharding, self.drafter, self.proposer = config, runner, sharding, drafter, proposer
         self.max_model_len, self.kv_cache_dtype, self.structured = max_model_len, np.dtype(kv_cache_dtype), structured
-        self.core_index = core_index
+        self.core_index, self.lora = core_index, lora
         self.model_config, self.buckets, self.dtype = runner.cfg, runner.buckets, runner.dtype
         self.num_blocks = runner.cache_engine.num_blocks
         self.param_bytes = param_bytes(runner.weights.params)
@@ -200,12 +205,14 @@ class EngineCore:
         if self._asleep:
             raise RuntimeError(f"the engine is sleeping (sleep(level={self._sleep_level})): call wake_up() first")
         params, ids, n = request.sampling_params, request.prompt_token_ids, request.sampling_params.n
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use in the engine core")
+        lora_id = self._add_lora_of(request.lora_request)
         grammar = None if params.structured_outputs is None else self.structured.compile(params.structured_outputs)
         kwargs = dict(eos_token_id=request.eos_token_id, arrival_time=request.arrival_time,
                       priority=request.priority, cache_salt=request.cache_salt,
-                      grammar_ready=None if grammar is None else self.structured.ready(grammar))
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use in the engine core")
+                      grammar_ready=None if grammar is None else self.structured.ready(grammar),
+                      lora_int_id=lora_id, lora_epoch=self.lora.epochs[lora_id] if lora_id else 0)
         record = CoreRequest(request.request_id, num_live=n)
         for i, seed in enumerate(request.seeds):
             seq_params = params
@@ -234,6 +241,58 @@ class EngineCore:
         self._num_unscheduled += 1
         for seq in [record.parent] if record.parent is not None else record.seqs:
             self.scheduler.add_request(seq)
+
+    def _add_lora_of(self, lora_request: Optional[LoRARequest]) -> int:
+        """The adapter id of a request's ``lora_request`` (0: none), known to the engine from now on."""
+        if lora_request is None:
+            return 0
+        self.add_lora(lora_request)
+        return lora_request.lora_int_id
+
+    # ------------------------------------------------------------ LoRA adapters (between steps)
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Know an adapter and read its PEFT folder now (vLLM's ``add_lora``); True. ``lora_request``: a
+        ``LoRARequest`` or its fields as a list (from another process).
+
+        Raises:
+          ValueError: LoRA is off, or the adapter's errors (``LoRAManager.add``: rank above ``max_lora_rank``,
+            an unknown target module, an id or name already taken).
+        """
+        if self.lora is None:
+            name = getattr(lora_request, "lora_name", lora_request)
+            raise ValueError(f"LoRA adapter {name!r}: the engine was started without enable_lora=True "
+                             "(--enable-lora)")
+        self.lora.add(lora_request if isinstance(lora_request, LoRARequest) else LoRARequest(*lora_request))
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters the engine knows, by id (none without LoRA)."""
+        return [] if self.lora is None else self.lora.list_loras()
+
+    def update_lora(self, name_or_id: Any, tree: Any) -> dict[str, Any]:
+        """Replace a known adapter's A/B between two steps with no new compilation (``LoRAManager.update``); no
+        prefix-cache block computed under the old values is read again: the adapter's key changes, and if
+        unfinished requests use it, the prefix cache is reset and they are recomputed (as ``update_weights``).
+
+        Returns:
+          ``{"lora_int_id", "num_leaves", "num_preempted"}``.
+
+        Raises:
+          ValueError: LoRA is off, an unknown adapter, or a leaf unknown or of the wrong shape (named); the old
+            adapter is kept.
+        """
+        if self.lora is None:
+            raise ValueError("update_lora: the engine was started without enable_lora=True (--enable-lora)")
+        self._settle()
+        report = self.lora.update(name_or_id, tree)
+        lora_id = report["lora_int_id"]
+        used = any(r.lora_int_id == lora_id for r in self.scheduler.requests.values())
+        return {**report, "num_preempted": self._drop_kv_state() if used else 0}
+
+    def update_lora_encoded(self, name_or_id: Any, encoded: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`update_lora` of a tree sent by another process (``messages.encode_params``)."""
+        return self.update_lora(name_or_id, decode_params(encoded))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort whole requests (unknown ids are ignored); their KV blocks return to the pool at once."""
@@ -551,8 +610,10 @@ class EngineCore:
                        else None)
             num_rows = batch.seq_lens.shape[0]
             arrays = self.slots.arrays(sched_out, num_rows, self.runner.num_positions)
+            lora_slots = (None if self.lora is None else
+                          self.lora.row_slots([r.lora_int_id for r in batch.requests], num_rows))
             out, next_prev = self.runner.dispatch(batch, arrays, prev_tokens, targets,
-                                                  self.structured.bitmask(sched_out, num_rows))
+                                                  self.structured.bitmask(sched_out, num_rows), lora_slots)
             if self.drafter is not None:
                 out = dataclasses.replace(out, draft_token_ids=self.drafter.propose_async(batch, out.sampled))
             self._write_offloads(offloads)

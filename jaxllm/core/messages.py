@@ -12,6 +12,7 @@ import ml_dtypes
 import msgspec
 import numpy as np
 
+from jaxllm.lora.request import LoRARequest
 from scheduler.sampling_params import SamplingParams
 
 
@@ -36,6 +37,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
       stop_ids: ids banned until ``min_tokens`` (stop and eos ids). bad_words_token_ids: token-id lists.
       eos_token_id: the primary eos id (None: no eos stop). arrival_time: seconds.
       priority: lower is more urgent. cache_salt: kept apart in the prefix cache.
+      lora_request: the LoRA adapter it runs under, or None (the base model).
     """
 
     request_id: str
@@ -48,6 +50,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     arrival_time: float
     priority: int = 0
     cache_salt: Optional[str] = None
+    lora_request: Optional[LoRARequest] = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

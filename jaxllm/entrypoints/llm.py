@@ -12,6 +12,7 @@ from jaxllm.core.client import QueueFullError
 from jaxllm.frontend.llm_engine import LLMEngine
 from jaxllm.frontend.input_processor import PromptType
 from jaxllm.frontend.metrics import GenerateProgress
+from jaxllm.lora import LoRARequest
 from jaxllm.models.config import ModelConfig
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer
@@ -19,6 +20,8 @@ from scheduler import SamplingParams
 
 # One prefix-cache salt for every prompt, or one per prompt (None: unsalted).
 CacheSalt = Union[str, Sequence[Optional[str]], None]
+# One LoRA adapter for every prompt, or one per prompt (None: the base model).
+LoRAArg = Union[LoRARequest, Sequence[Optional[LoRARequest]], None]
 
 
 class LLM:
@@ -86,6 +89,35 @@ class LLM:
           ValueError: ``path`` is not a model, or its weights do not fit (the first leaf named).
         """
         return self.engine.update_weights_from_path(path)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter's PEFT folder into the engine now, before a request names it (vLLM's ``add_lora``);
+        True. Raises ValueError: LoRA off, or the adapter refused (its rank, a target module, a taken id)."""
+        return self.engine.add_lora(lora_request)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters the engine knows, by ``lora_int_id`` (vLLM's ``list_loras``)."""
+        return self.engine.list_loras()
+
+    def update_lora(self, name_or_id: Union[str, int], tree: Any) -> dict[str, Any]:
+        """Replace a known adapter's A and B between two steps, with no new compilation (for RL with a LoRA
+        actor); no prefix-cache block computed under the old values is read again.
+
+        Args:
+          name_or_id: the adapter's ``lora_name`` or ``lora_int_id``.
+          tree: ``{"layers": {"wq_lora_a": [L, in, r], "wq_lora_b": [L, r, out], ...}}`` (or ``"layers/wq_lora_a"``
+            paths), numpy or JAX floats, any subset of the projections (wq, wk, wv, wo, w_gate, w_up, w_down);
+            PEFT's values in the ``[in, out]`` orientation (``lora_A.weight.T``, ``lora_B.weight.T``), unscaled,
+            ``r`` the adapter's rank.
+
+        Returns:
+          ``{"lora_int_id", "num_leaves", "num_preempted"}``.
+
+        Raises:
+          ValueError: LoRA off, an unknown adapter, or a leaf unknown or of the wrong shape (named, with the
+            shape expected); the old adapter is kept.
+        """
+        return self.engine.update_lora(name_or_id, tree)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's ``LLM.reset_prefix_cache``); True."""
@@ -157,6 +189,7 @@ class LLM:
         priority: Optional[Sequence[int]] = None,
         cache_salt: CacheSalt = None,
         use_tqdm: bool = True,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched; outputs in prompt order.
 
@@ -168,13 +201,14 @@ class LLM:
           cache_salt: one salt for all prompts, or one per prompt (None: unsalted); prompts share prefix-cache
             blocks only within a salt (vLLM's ``cache_salt``).
           use_tqdm: show a progress bar on stderr.
+          lora_request: a ``LoRARequest`` for all prompts, or one (or None) per prompt (needs ``enable_lora``).
 
         Raises:
           ValueError: any invalid prompt or parameter; nothing is queued then.
           QueueFullError: more prompts than ``max_waiting_requests`` would wait; nothing is queued then.
         """
         final: dict[str, RequestOutput] = {}
-        ids = self._add_all(prompts, sampling_params, priority, cache_salt)
+        ids = self._add_all(prompts, sampling_params, priority, cache_salt, lora_request)
         with GenerateProgress(len(ids), enabled=use_tqdm) as progress:
             for out in self._run(ids):
                 progress.update([out])
@@ -189,6 +223,7 @@ class LLM:
         *,
         priority: Optional[Sequence[int]] = None,
         cache_salt: CacheSalt = None,
+        lora_request: LoRAArg = None,
     ) -> Iterator[RequestOutput]:
         """As :meth:`generate`, but yield every partial output as tokens arrive.
 
@@ -199,10 +234,10 @@ class LLM:
         Raises:
           ValueError: as :meth:`generate`, before anything is yielded.
         """
-        return self._run(self._add_all(prompts, sampling_params, priority, cache_salt))
+        return self._run(self._add_all(prompts, sampling_params, priority, cache_salt, lora_request))
 
     def _add_all(self, prompts: Any, sampling_params: Any, priority: Optional[Sequence[int]],
-                 cache_salt: CacheSalt) -> list[str]:
+                 cache_salt: CacheSalt, lora_request: LoRAArg = None) -> list[str]:
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
@@ -212,10 +247,14 @@ class LLM:
             else list(cache_salt)
         if len(salts) != len(prompt_list):
             raise ValueError(f"cache_salt has {len(salts)} entries for {len(prompt_list)} prompts")
+        loras = [lora_request] * len(prompt_list) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompt_list)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
         try:
-            for rid, prompt, params, prio, salt in zip(ids, prompt_list, params_list, priorities, salts):
-                self.engine.add_request(rid, prompt, params, priority=prio, cache_salt=salt)
+            for rid, prompt, params, prio, salt, lora in zip(ids, prompt_list, params_list, priorities, salts, loras):
+                self.engine.add_request(rid, prompt, params, priority=prio, cache_salt=salt, lora_request=lora)
         except (ValueError, QueueFullError):
             self.engine.abort_request(ids)
             raise

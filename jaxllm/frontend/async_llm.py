@@ -48,12 +48,14 @@ class AsyncLLM(FrontEnd):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: Optional[str] = None, priority: int = 0,
-                    cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """Validate and start one request; returns the iterator of its ``RequestOutput``s (closing it aborts).
-        Raises ValueError (bad request, duplicate id), QueueFullError, EngineDeadError."""
+                    cache_salt: Optional[str] = None, lora_request: Optional[Any] = None) -> AsyncIterator[RequestOutput]:
+        """Validate and start one request (``lora_request``: a ``LoRARequest`` or None); returns the iterator of its
+        ``RequestOutput``s (closing it aborts). Raises ValueError (bad request, duplicate id), QueueFullError,
+        EngineDeadError."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        self._queue(request_id, prompt_token_ids, params, prompt=prompt, priority=priority, cache_salt=cache_salt)
+        self._queue(request_id, prompt_token_ids, params, prompt=prompt, priority=priority, cache_salt=cache_salt,
+                    lora_request=lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._start()

@@ -48,9 +48,14 @@ class FrontEnd:
 
     def _queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                prompt: Optional[str] = None, priority: int = 0, arrival_time: Optional[float] = None,
-               cache_salt: Optional[str] = None, data_parallel_rank: Optional[int] = None) -> None:
+               cache_salt: Optional[str] = None, data_parallel_rank: Optional[int] = None,
+               lora_request: Optional[Any] = None) -> None:
         """Validate a request and hand it to the cores; nothing changes when it is refused.
-        Raises EngineSleepingError; ValueError (duplicate id, bad request or rank); QueueFullError."""
+        Raises EngineSleepingError; ValueError (duplicate id, bad request or rank, a LoRA request without
+        ``enable_lora`` or that the core refuses); QueueFullError."""
+        if lora_request is not None and not self.config.enable_lora:
+            raise ValueError(f"lora_request for adapter {getattr(lora_request, 'lora_name', lora_request)!r}: the "
+                             "engine was started without enable_lora=True (--enable-lora)")
         if self.sleeping:
             raise EngineSleepingError("the engine is sleeping (sleep()); call wake_up() before adding requests")
         if request_id in self.output_processor.requests:
@@ -62,7 +67,8 @@ class FrontEnd:
             self.metrics.request_refused.inc()
             raise
         request = self.input_processor.process(request_id, prompt_token_ids, params, priority=priority,
-                                               arrival_time=arrival_time, cache_salt=cache_salt)
+                                               arrival_time=arrival_time, cache_salt=cache_salt,
+                                               lora_request=lora_request)
         self.output_processor.add_request(request, prompt)
         try:
             self.client.add_request(request, data_parallel_rank)

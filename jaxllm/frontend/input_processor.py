@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from jaxllm.core.messages import CoreInfo, EngineCoreRequest
+from jaxllm.lora import LoRARequest
 from jaxllm.structured_output import validate_structured_outputs
 from scheduler import SamplingParams
 from scheduler.policy import Policy, get_policy
@@ -71,14 +72,17 @@ class InputProcessor:
         return None, ids
 
     def process(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
-                arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> EngineCoreRequest:
-        """The core request for an encoded prompt.
+                arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
+                lora_request: Optional[LoRARequest] = None) -> EngineCoreRequest:
+        """The core request for an encoded prompt (``lora_request``: its adapter, checked by the core).
 
         Raises:
           ValueError: a prompt over ``max_model_len`` (both numbers named), ids outside the vocabulary, bad words
             that encode to nothing or too many, an invalid ``structured_outputs`` (field named), a non-zero
-            ``priority`` the policy ignores, or an empty ``cache_salt``.
+            ``priority`` the policy ignores, an empty ``cache_salt``, or a ``lora_request`` not a ``LoRARequest``.
         """
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request={lora_request!r} must be a jaxllm.LoRARequest (or None)")
         if len(prompt_token_ids) > self.info.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_token_ids)} tokens is longer than max_model_len={self.info.max_model_len}"
@@ -111,7 +115,7 @@ class InputProcessor:
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params, seeds=seeds,
             stop_ids=stop_ids, bad_words_token_ids=words, eos_token_id=eos[0] if eos else None,
             arrival_time=time.monotonic() if arrival_time is None else float(arrival_time), priority=int(priority),
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, lora_request=lora_request,
         )
 
     def _bad_words(self, params: SamplingParams, vocab: int) -> list[list[int]]:

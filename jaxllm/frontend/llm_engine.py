@@ -10,6 +10,7 @@ from jaxllm.core.client import InprocClient, MPClient
 from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd
 from jaxllm.frontend.input_processor import PromptType
+from jaxllm.lora import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
@@ -134,6 +135,20 @@ class LLMEngine(FrontEnd):
         do not fit."""
         return self._each_core("update_weights_from_path", str(path))
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter into every core now (vLLM's ``add_lora``); True. Raises ValueError as
+        ``EngineCore.add_lora``."""
+        return all(self._each_core("add_lora", lora_request, all_results=True))
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters core 0 knows, by id (vLLM's ``list_loras``)."""
+        return [r if isinstance(r, LoRARequest) else LoRARequest(*r) for r in self._each_core("list_loras")]
+
+    def update_lora(self, name_or_id: Union[str, int], tree: Any) -> dict[str, Any]:
+        """Replace a known adapter's A/B in every core (``EngineCore.update_lora``). Raises ValueError: an unknown
+        adapter or a bad leaf (named); the old adapter is kept."""
+        return self._each_core("update_lora", name_or_id, tree)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix in every core (vLLM's ``reset_prefix_cache``); True."""
         return all(self._each_core("reset_prefix_cache", all_results=True))
@@ -172,6 +187,8 @@ class LLMEngine(FrontEnd):
             return [result] if all_results else result
         if method == "update_weights":
             method, args = "update_weights_encoded", (encode_params(args[0]),)
+        elif method == "update_lora":
+            method, args = "update_lora_encoded", (args[0], encode_params(args[1]))
         results = [self.client.call_utility(d, method, *args) for d in range(len(self.client.infos))]
         return results if all_results else results[0]
 
@@ -185,8 +202,10 @@ class LLMEngine(FrontEnd):
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         data_parallel_rank: Optional[int] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
-        """Queue a request, validated before anything changes (``data_parallel_rank``: a core chosen by the caller).
+        """Queue a request, validated before anything changes (``data_parallel_rank``: a core chosen by the caller;
+        ``lora_request``: the LoRA adapter it runs under, read by the core now if new).
 
         Raises:
           ValueError: an empty or too-long prompt, an id outside the vocabulary, a duplicate id, a bad rank.
@@ -195,7 +214,7 @@ class LLMEngine(FrontEnd):
         text, ids = self.input_processor.encode_prompt(prompt)
         self._queue(request_id, ids, params if params is not None else SamplingParams(), prompt=text,
                     priority=priority, arrival_time=arrival_time, cache_salt=cache_salt,
-                    data_parallel_rank=data_parallel_rank)
+                    data_parallel_rank=data_parallel_rank, lora_request=lora_request)
 
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
         """Abort requests; their KV blocks return to the pool at once (in a core process: at its next loop turn)."""

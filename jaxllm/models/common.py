@@ -14,6 +14,9 @@ Parameter pytree (dense weights ``[in, out]``; layer leaves stacked on a leading
                 "wv": [L, E, Hkv*D], "wo": [L, Hq*D, E], "mlp_norm": [L, E],
                 "w_gate": [L, E, F], "w_up": [L, E, F], "w_down": [L, F, E], ...}}
 
+With LoRA, the step's params also hold adapter slots ``"<key>_lora_a": [L, N, in, R]``, ``"<key>_lora_b": [L, N, R,
+out]`` (``jaxllm.worker.lora``), read by :func:`project` for the tokens of each row's ``batch.lora_slots``.
+
 Quantized weights are int8 / float8_e4m3fn with a float32 ``"<key>_scale"`` sibling
 (``[L, out]`` per channel or ``[L, G, out]`` per input-row group). A quantized KV cache
 adds ``"k_scale"``, ``"v_scale": [L, cache heads]`` layer leaves.
@@ -73,8 +76,35 @@ def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
     return y.astype(x.dtype)
 
 
+# LoRA slot leaves of a projection ``key``: ``key + LORA_A`` [N, in, R] and ``key + LORA_B`` [N, R, out] per layer
+# (``jaxllm.worker.lora``); LORA_ROWS: the step's one-hot of each token's slot, [T, N] in the compute dtype.
+LORA_A, LORA_B, LORA_ROWS = "_lora_a", "_lora_b", "lora_rows"
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: jax.Array) -> jax.Array:
+    """Each token's adapter term ``(x A_slot) B_slot`` in float32 (PEFT's ``lora_B(lora_A(x)) * scaling``, the
+    scaling folded into B): every slot's ``x A`` is computed and masked by ``rows``, so the shapes never depend on
+    which adapters a step holds.
+
+    x: [T, in]; a: [N, in, R]; b: [N, R, out]; rows: [T, N] one-hot of each token's slot (all zeros: none).
+    Returns float32 [T, out].
+    """
+    xa = jnp.einsum("ti,nir->tnr", x, a, preferred_element_type=jnp.float32) * rows[:, :, None]
+    return jnp.einsum("tnr,nro->to", xa.astype(x.dtype), b, preferred_element_type=jnp.float32)
+
+
+def lora_rows(slots: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, num_tokens: int,
+              num_slots: int, dtype: Any) -> jax.Array:
+    """The one-hot [T, N] of each token's LoRA slot: row ``s``'s tokens take ``slots[s]`` (int32[S], -1: none);
+    padding tokens none."""
+    row = jnp.searchsorted(query_start_loc[1:], jnp.arange(num_tokens), side="right")
+    slot = jnp.where(row < num_seqs, slots[jnp.minimum(row, slots.shape[0] - 1)], -1)
+    return (slot[:, None] == jnp.arange(num_slots)[None, :]).astype(dtype)
+
+
 def project(layer: dict[str, jax.Array], key: str, x: jax.Array, bias: Optional[str] = None) -> jax.Array:
-    """``linear`` through ``layer[key]`` (with ``key + "_scale"`` when quantized, ``bias`` leaf when present).
+    """``linear`` through ``layer[key]`` (with ``key + "_scale"`` when quantized, ``bias`` leaf when present),
+    plus each token's LoRA term when the layer holds adapter slots for ``key`` (:func:`lora_delta`).
 
     x: [T, in] -> [T, out] in x's dtype. Unquantized weights go through the ops table's
     ``layer_matmul`` (padding rows of the bucket may come out zeros, then the bias).
@@ -82,6 +112,8 @@ def project(layer: dict[str, jax.Array], key: str, x: jax.Array, bias: Optional[
     b = layer.get(bias) if bias else None
     scale = layer.get(key + "_scale")
     y = layer_matmul(layer, key, x) if scale is None else dot_f32(x, layer[key], scale)
+    if key + LORA_A in layer and LORA_ROWS in layer:
+        y = y + lora_delta(x, layer[key + LORA_A], layer[key + LORA_B], layer[LORA_ROWS])
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)
@@ -331,7 +363,8 @@ def hidden_states(
       params: the parameter pytree (module docstring).
       kv_cache: ``(k_cache, v_cache)``, each ``[L, num_blocks, block_size, num_kv_heads, head_dim]``.
       batch: reads ``input_ids, positions, slot_mapping: int32[T]``, ``block_tables: int32[S, W]``,
-        ``seq_lens: int32[S]``, ``query_start_loc: int32[S + 1]``, ``num_seqs: int32[]``.
+        ``seq_lens: int32[S]``, ``query_start_loc: int32[S + 1]``, ``num_seqs: int32[]``; ``lora_slots:
+        int32[S]`` where params hold LoRA slots.
       cfg, ops, family: static.
       scaled_pool: ``k, v: [L, C, block_size, cache heads, head_dim]``, ``k_scale, v_scale:
         float32[L, C, cache heads]``, read for table ids ``>= num_blocks``; or None.
@@ -349,6 +382,11 @@ def hidden_states(
     num_layers = k_cache.shape[0]
     flat = (num_layers * num_blocks, block_size, -1)
     layers = params["layers"]
+    adapters = next((a for k, a in layers.items() if k.endswith(LORA_A)), None)
+    rows = None
+    if adapters is not None and getattr(batch, "lora_slots", None) is not None:
+        rows = lora_rows(batch.lora_slots, batch.query_start_loc, batch.num_seqs, x.shape[0], adapters.shape[1],
+                         x.dtype)
     pool = None
     if scaled_pool is not None:
         num_pooled = scaled_pool.k.shape[1]
@@ -363,6 +401,8 @@ def hidden_states(
                 x, k_flat, v_flat = carry
                 layer = with_stacked_weights(jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers),
                                              layers, index, num_tokens)
+                if rows is not None:
+                    layer[LORA_ROWS] = rows
                 first_block = index * num_blocks
                 tables = batch.block_tables + first_block
                 if pool is not None:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, hidden_states
+from jaxllm.models import AttentionOps, KVCache, Params, compute_logits, family, hidden_states
 from jaxllm.models.config import ModelConfig
 from jaxllm.sample.sampler import (
     PromptLogprobRows,
@@ -27,6 +27,7 @@ from jaxllm.sample.sampler import (
 )
 from jaxllm.structured_output import bitmask_words
 from jaxllm.worker.kv_cache import CacheEngine, storage_dtype
+from jaxllm.worker.lora import LoRASlots
 from jaxllm.worker.programs import CompileStats, ProgramTable, Shape, abstract
 from jaxllm.worker.sharding import ModelSharding
 from jaxllm.worker.step_batch import StepBatch
@@ -88,16 +89,22 @@ def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: Samplin
     return out, next_prev, kv_cache, tables
 
 
+def with_lora(params: Params, leaves: dict[str, Any]) -> Params:
+    """``params`` with the adapter slot leaves (``LoRASlots.leaves``) among its layer leaves, as steps read them."""
+    return {**params, "layers": {**params["layers"], **leaves}}
+
+
 def _step_arguments(shape: Shape, *, weights: WeightStore, cache: CacheEngine, tables: SamplerTables,
                     prev_tokens: jax.ShapeDtypeStruct, num_positions: int, num_words: int,
-                    replicated: jax.sharding.Sharding) -> tuple:
+                    replicated: jax.sharding.Sharding, lora: Optional[LoRASlots] = None) -> tuple:
     """Abstract step arguments of bucket ``shape``, exactly as :meth:`ModelRunner.dispatch` passes them."""
     s = shape[1]
     sampling = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated),
                                       SamplingArrays.empty(s * num_positions))
     bitmask = jax.ShapeDtypeStruct((s, num_words), np.int32, sharding=replicated)
     kv_cache, scaled_pool = cache.abstract()
-    return (weights.abstract(), kv_cache, StepBatch.abstract(shape, replicated), sampling, tables, prev_tokens,
+    params = weights.abstract() if lora is None else with_lora(weights.abstract(), lora.abstract())
+    return (params, kv_cache, StepBatch.abstract(shape, replicated), sampling, tables, prev_tokens,
             bitmask, scaled_pool)
 
 
@@ -114,6 +121,7 @@ class ModelRunner:
       max_model_len: tokens per sequence at most (slot fills are padded to it).
       float_bits_storage: hold bfloat16 / float8 weights and KV as their bits (``kernels_pallas.storage``).
       num_positions: 1, or 1 + ``num_speculative_tokens`` when verifying drafts.
+      max_loras, max_lora_rank: LoRA adapter slots every step reads (``LoRASlots``, ``enable_lora``); 0: none.
       the rest: as :class:`CacheEngine`.
 
     Raises:
@@ -121,6 +129,7 @@ class ModelRunner:
 
     Attributes:
       weights, cache_engine, programs: the three parts; compile_stats: the programs they built.
+      lora: the ``LoRASlots``, or None.
       sampler_tables: the per-slot tables, donated to every step; bitmask_words: int32 words of a bitmask row.
     """
 
@@ -128,7 +137,8 @@ class ModelRunner:
                  ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0,
                  num_offload_blocks: int = 0, num_sampling_slots: int = 1, max_model_len: int = 1,
                  float_bits_storage: bool = False, kv_cache_dtype: Any = None, num_positions: int = 1,
-                 num_pool_blocks: int = 0, pool_dtype: Any = None):
+                 num_pool_blocks: int = 0, pool_dtype: Any = None, max_loras: int = 0,
+                 max_lora_rank: int = 0):
         kv_dtype = np.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
         if kv_dtype.itemsize == 1 and "k_scale" not in params["layers"]:
             raise ValueError(f"kv_cache_dtype={kv_dtype.name} needs the per-layer k_scale/v_scale leaves in "
@@ -137,6 +147,9 @@ class ModelRunner:
         self.num_positions, self.max_model_len = num_positions, max_model_len
         self._replicated = replicated = sharding.replicated
         self.compile_stats = CompileStats()
+        self.lora = lora = None if not max_loras else LoRASlots(
+            cfg, family(cfg).layer_keys(cfg), dtype, max_loras=max_loras, max_lora_rank=max_lora_rank,
+            sharding=replicated, stats=self.compile_stats)
         self.weights = WeightStore(cfg, params, float_bits_storage=float_bits_storage)
         self.cache_engine = CacheEngine(
             cfg, num_blocks=num_blocks, block_size=block_size, dtype=storage_dtype(kv_dtype, float_bits_storage),
@@ -159,7 +172,8 @@ class ModelRunner:
                     for decode_only in (False, True)}
         arguments = functools.partial(_step_arguments, weights=self.weights, cache=self.cache_engine,
                                       tables=abstract(self.sampler_tables), prev_tokens=abstract(self._no_prev_tokens),
-                                      num_positions=num_positions, num_words=self.bitmask_words, replicated=replicated)
+                                      num_positions=num_positions, num_words=self.bitmask_words, replicated=replicated,
+                                      lora=lora)
         self.programs = ProgramTable(buckets, step_fns.__getitem__, arguments, self.compile_stats)
 
     def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> float:
@@ -167,6 +181,8 @@ class ModelRunner:
         (``ProgramTable.warmup`` for ``background``). Returns the seconds spent."""
         def others() -> None:
             self.cache_engine.warmup(swap)
+            if self.lora is not None:
+                self.lora.warmup()
             for name in ("fill", "rows"):
                 self._slot_op(name)
 
@@ -179,7 +195,8 @@ class ModelRunner:
 
     def dispatch(self, batch: BatchDescriptor, sampling: SamplingArrays, prev_tokens: Optional[jax.Array] = None,
                  prompt_target_ids: Optional[np.ndarray] = None,
-                 bitmask: Optional[np.ndarray] = None) -> tuple[StepOutput, jax.Array]:
+                 bitmask: Optional[np.ndarray] = None,
+                 lora_slots: Optional[np.ndarray] = None) -> tuple[StepOutput, jax.Array]:
         """Launch one step without waiting for it.
 
         Args:
@@ -187,6 +204,7 @@ class ModelRunner:
           prev_tokens: the previous dispatch's padded samples (async scheduling).
           prompt_target_ids: int32[T] next prompt token where a prompt logprob is wanted, else -1; None: none.
           bitmask: int32[S, ceil(V/32)] tokens each row may sample; None: all.
+          lora_slots: int32[S] each row's LoRA slot, -1 none (``LoRAManager.row_slots``); None: all none.
 
         Returns:
           ``(StepOutput on the device, sampled ids as int32[max S bucket])``; KV cache and sampler tables are donated.
@@ -195,11 +213,12 @@ class ModelRunner:
         if bitmask is None:
             bitmask = self._all_ones(batch.shape[1])
         device_batch, device_sampling, bitmask = jax.device_put(
-            (StepBatch.from_descriptor(batch, prompt_target_ids), sampling, bitmask), self._replicated)
+            (StepBatch.from_descriptor(batch, prompt_target_ids, lora_slots), sampling, bitmask), self._replicated)
         prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
         cache = self.cache_engine
+        params = self.weights.params if self.lora is None else with_lora(self.weights.params, self.lora.leaves)
         out, next_prev, cache.kv_cache, self.sampler_tables = exe(
-            self.weights.params, cache.kv_cache, device_batch, device_sampling, self.sampler_tables, prev, bitmask,
+            params, cache.kv_cache, device_batch, device_sampling, self.sampler_tables, prev, bitmask,
             cache.scaled_pool,
         )
         return out, next_prev

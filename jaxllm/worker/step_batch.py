@@ -31,6 +31,8 @@ class StepBatch:
       prompt_target_ids: int32[T] the next prompt token where a prompt logprob is wanted, -1 elsewhere.
       num_spec_tokens: int32[S] draft tokens each row verifies.
       num_seqs: int32[] real rows.
+      lora_slots: int32[S] each row's LoRA slot (``jaxllm.worker.lora``), -1 for the base model and padding;
+        None in batches built outside a runner (read only where the params hold adapter slots).
     """
 
     input_ids: jax.Array = _int32("T")
@@ -44,16 +46,21 @@ class StepBatch:
     prompt_target_ids: jax.Array = _int32("T")
     num_spec_tokens: jax.Array = _int32("S")
     num_seqs: jax.Array = _int32()
+    lora_slots: Optional[jax.Array] = dataclasses.field(default=None, metadata={"dims": ("S",)})
 
     @classmethod
-    def from_descriptor(cls, batch: BatchDescriptor,
-                        prompt_target_ids: Optional[np.ndarray] = None) -> "StepBatch":
-        """The host arrays of ``batch``, with ``prompt_target_ids`` (int32[T]; None: no prompt logprob wanted)."""
+    def from_descriptor(cls, batch: BatchDescriptor, prompt_target_ids: Optional[np.ndarray] = None,
+                        lora_slots: Optional[np.ndarray] = None) -> "StepBatch":
+        """The host arrays of ``batch``, with ``prompt_target_ids`` (int32[T]; None: no prompt logprob wanted) and
+        ``lora_slots`` (int32[S]; None: every row on the base model)."""
         if prompt_target_ids is None:
             prompt_target_ids = np.full(batch.input_ids.shape, -1, np.int32)
+        if lora_slots is None:
+            lora_slots = np.full(batch.seq_lens.shape, -1, np.int32)
+        given = ("prompt_target_ids", "lora_slots")
         arrays = {f.name: np.asarray(getattr(batch, f.name), np.int32)
-                  for f in dataclasses.fields(cls) if f.name != "prompt_target_ids"}
-        return cls(**arrays, prompt_target_ids=prompt_target_ids)
+                  for f in dataclasses.fields(cls) if f.name not in given}
+        return cls(**arrays, prompt_target_ids=prompt_target_ids, lora_slots=lora_slots)
 
     @classmethod
     def abstract(cls, shape: tuple[int, int, int], sharding: Any) -> "StepBatch":

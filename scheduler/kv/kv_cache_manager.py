@@ -117,7 +117,7 @@ class KVCacheManager:
         if self.enable_caching:
             extend_block_hashes(
                 request.block_hashes, request.all_token_ids, request.num_tokens // self.block_size, self.block_size,
-                request.cache_salt, request.prompt_array,
+                request.cache_salt, request.prompt_array, request.lora_key,
             )
 
     def copies_last_block(self, request: Request, computed_blocks: Sequence[KVBlock]) -> bool:
@@ -332,7 +332,8 @@ class KVCacheManager:
                 # The common case while decoding: one more block, after hashed ones.
                 hashes.append(hash_block_tokens(hashes[-1], request.all_token_ids[(num_full - 1) * bs : num_full * bs]))
             else:
-                extend_block_hashes(hashes, request.all_token_ids, num_full, bs, request.cache_salt, request.prompt_array)
+                extend_block_hashes(hashes, request.all_token_ids, num_full, bs, request.cache_salt, request.prompt_array,
+                                    request.lora_key)
             blocks += self.req_to_blocks[rid][done:num_full]
             block_hashes += hashes[done:num_full]
             num_cached[rid] = num_full
