@@ -27,7 +27,7 @@ KV_COMPRESSION_DTYPES = ("int8", "fp8")
 # kv_events_config, the rest at start-up); every other one is an EngineConfig field of the same name (a test
 # checks both).
 SCHEDULER_FIELDS_FROM_START_UP = ("num_blocks", "max_model_len", "num_lookahead_tokens", "enable_kv_cache_events",
-                                  "num_offload_blocks", "num_compressed_blocks")
+                                  "num_offload_blocks", "num_pool_blocks")
 # Token buckets below the default ladder's first value (16): steps of a few decode rows.
 SMALL_TOKEN_BUCKETS = (4, 8)
 # "vllm": the metrics under vLLM's names and labels (jaxllm.frontend.metrics).
@@ -231,6 +231,25 @@ class CacheConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SchedulingConfig:
+    """The step's limits and the scheduler's policy (``EngineConfig.scheduler``; the scheduler's own
+    ``SchedulerConfig`` adds what start-up learns: :meth:`EngineConfig.scheduler_config`)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    scheduling_policy: Any
+    preemption_mode: str
+    enable_chunked_prefill: bool
+    long_prefill_token_threshold: int
+    async_scheduling: Optional[bool]
+    batching: str
+    graceful_degradation: Any
+    aging_rate: float
+    reserve_predicted_output: bool
+    max_waiting_requests: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
 class CompilationConfig:
     """The compiled step programs: attention backend, bucket ladders, when they compile and where they are cached
     (``EngineConfig.compilation``)."""
@@ -262,16 +281,18 @@ class ObservabilityConfig:
     kv_events_config: Optional[KVEventsConfig]
 
 
-SUB_CONFIGS = {"cache": CacheConfig, "compilation": CompilationConfig, "parallel": ParallelConfig,
-               "observability": ObservabilityConfig}
+SUB_CONFIGS = {"cache": CacheConfig, "scheduler": SchedulingConfig, "compilation": CompilationConfig,
+               "parallel": ParallelConfig, "observability": ObservabilityConfig}
 
 
 @dataclasses.dataclass
 class EngineConfig:
     """Serving configuration, vLLM's names and meanings; each field's description is its ``help`` metadata.
 
-    Checks every value when made; ``cache``, ``compilation``, ``parallel`` and ``observability`` are frozen views
-    of its fields; :meth:`scheduler_config` builds the scheduler's config once start-up knows the block count.
+    Checks every value when made; ``cache``, ``scheduler``, ``compilation``, ``parallel`` and ``observability`` are
+    frozen views of its fields (:data:`SUB_CONFIGS`), ``speculative`` the parsed ``speculative_config``; the engine's
+    build code reads these. :meth:`scheduler_config` builds the scheduler's config once start-up knows the block
+    count.
 
     Raises:
       ValueError: a value out of range or settings that cannot be used together, naming them and the limit.
@@ -401,6 +422,16 @@ class EngineConfig:
         return _sub_config(CacheConfig, self)
 
     @property
+    def scheduler(self) -> SchedulingConfig:
+        """The step's limits and the scheduling policy's fields."""
+        return _sub_config(SchedulingConfig, self)
+
+    @property
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        """Speculative decoding's config (``speculative_config`` parsed), or None: off."""
+        return self.speculative_config
+
+    @property
     def compilation(self) -> CompilationConfig:
         """The step programs' fields."""
         return _sub_config(CompilationConfig, self)
@@ -494,7 +525,7 @@ class EngineConfig:
 
     def scheduler_config(self, *, num_blocks: int, max_model_len: int,
                          num_offload_blocks: Optional[int] = None,
-                         num_compressed_blocks: Optional[int] = None) -> SchedulerConfig:
+                         num_pool_blocks: Optional[int] = None) -> SchedulerConfig:
         """The scheduler's configuration: every ``SchedulerConfig`` field this config has, plus those known
         only at start-up (:data:`SCHEDULER_FIELDS_FROM_START_UP`).
 
@@ -502,7 +533,7 @@ class EngineConfig:
           num_blocks: device KV blocks, the null block included.
           max_model_len: the resolved ``max_model_len``.
           num_offload_blocks: the host tier's blocks; None before start-up: 1 when ``kv_offloading_size`` is set.
-          num_compressed_blocks: the compressed pool's slots; None: 2 when ``kv_cache_compression`` is set.
+          num_pool_blocks: the compressed pool's slots; None: 2 when ``kv_cache_compression`` is set.
 
         Raises:
           ValueError: a scheduler knob out of range (``SchedulerConfig`` names it and its limit).
@@ -517,12 +548,8 @@ class EngineConfig:
                                num_lookahead_tokens=lookahead, enable_kv_cache_events=events,
                                num_offload_blocks=int(bool(self.kv_offloading_size)) if num_offload_blocks is None
                                else num_offload_blocks,
-                               num_compressed_blocks=(2 * bool(self.kv_cache_compression) if num_compressed_blocks
-                                                      is None else num_compressed_blocks))
-
-    def num_offload_blocks(self, bytes_per_block: int) -> int:
-        """Blocks of ``bytes_per_block`` bytes that ``kv_offloading_size`` GiB hold (0 without a tier)."""
-        return int(self.kv_offloading_size * 2**30) // bytes_per_block
+                               num_pool_blocks=(2 * bool(self.kv_cache_compression) if num_pool_blocks
+                                                is None else num_pool_blocks))
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         """``max_model_len``, or the model's ``max_position_embeddings`` when None. Raises ValueError: above the

@@ -1,7 +1,8 @@
 """Builds the C++ CPU kernels (``attention/paged_attention_cpu.cc``, ``matmul/matmul_cpu.cc``) into one cached
-library, loads it and registers its XLA FFI targets. Where no compiler is found, the build fails or
-``JAXLLM_NATIVE_KERNELS=0``, :func:`available` is False (why: :func:`unavailable_reason`). Cache location and
-key: docs/design/kernels.md.
+library, loads it and registers the XLA FFI targets it is asked for. Only the ops table (``kernels_pallas.ops``)
+calls this module: it names the targets, which each backend module declares beside its kernel. Where no compiler
+is found, the build fails or ``JAXLLM_NATIVE_KERNELS=0``, :func:`load` is False (why: :func:`unavailable_reason`).
+Cache location and key: docs/design/kernels.md.
 """
 
 from __future__ import annotations
@@ -22,21 +23,13 @@ import jax
 from kernels_pallas import cpu_features
 
 _HERE = Path(__file__).parent
-# One library of both sources (and the header they share: part of the cache key); its FFI targets and symbols.
+# One library of both sources (and the header they share: part of the cache key).
 SOURCES = (_HERE / "attention" / "paged_attention_cpu.cc", _HERE / "matmul" / "matmul_cpu.cc")
 HEADERS = (_HERE / "cpu_vectors.h",)
-ATTENTION_TARGET = "jaxllm_paged_attention_cpu"
-MATMUL_TARGET = "jaxllm_matmul_cpu"
-MATMUL_BF16_TARGET = "jaxllm_matmul_bf16_cpu"
-MATMUL_NT_TARGET = "jaxllm_matmul_nt_cpu"
-MATMUL_NT_PACKED_TARGET = "jaxllm_matmul_nt_packed_cpu"
-_SYMBOLS = {ATTENTION_TARGET: "JaxllmPagedAttentionCpu", MATMUL_TARGET: "JaxllmMatmulCpu",
-            MATMUL_BF16_TARGET: "JaxllmMatmulBf16Cpu", MATMUL_NT_TARGET: "JaxllmMatmulNtCpu",
-            MATMUL_NT_PACKED_TARGET: "JaxllmMatmulNtPackedCpu"}
 # -march=native: the library is built on the machine that runs it, for its vector instructions.
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 _reason: Optional[str] = None
-_lib: Optional[ctypes.CDLL] = None  # the loaded kernels, once available() has built them
+_lib: Optional[ctypes.CDLL] = None  # the loaded kernels, once load() has built them
 
 
 def _cache_dir() -> Path:
@@ -79,8 +72,10 @@ def _build(compiler: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def available() -> bool:
-    """Whether the kernels are built and registered (decided once per process). Raises nothing."""
+def load(targets: tuple[tuple[str, str], ...]) -> bool:
+    """Build (unless cached) and load the library, and register each ``(FFI target, C symbol)`` of ``targets``
+    for XLA's CPU platform; whether that succeeded (decided once per process and ``targets``). Raises nothing.
+    """
     global _reason
     if os.environ.get("JAXLLM_NATIVE_KERNELS", "1") == "0":
         _reason = "JAXLLM_NATIVE_KERNELS=0"
@@ -92,7 +87,7 @@ def available() -> bool:
     try:
         global _lib
         lib = _lib = ctypes.CDLL(str(_build(compiler)))
-        for target, symbol in _SYMBOLS.items():
+        for target, symbol in targets:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         detail = getattr(exc, "stderr", None) or str(exc)
@@ -103,7 +98,7 @@ def available() -> bool:
 
 
 def unavailable_reason() -> Optional[str]:
-    """Why :func:`available` is False (None while it is True or not yet asked)."""
+    """Why :func:`load` is False (None while it is True or not yet asked)."""
     return _reason
 
 
@@ -111,10 +106,10 @@ def library_int(symbol: str) -> int:
     """The int64 a no-argument C function of the loaded library returns (a count or a build constant).
 
     Raises:
-      ValueError: the library is not :func:`available`.
+      ValueError: the library is not loaded (:func:`load` not asked, or False).
     """
-    if not available():
-        raise ValueError(f"the C++ CPU kernels are not available: {unavailable_reason()}")
+    if _lib is None:
+        raise ValueError(f"the C++ CPU kernels are not available: {unavailable_reason() or 'not loaded'}")
     function = getattr(_lib, symbol)
     function.restype = ctypes.c_int64
     return int(function())

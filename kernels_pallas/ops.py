@@ -4,15 +4,16 @@
 op             backends (one folder each, beside its plain ``jnp`` reference)
 =============  ==============================================================================================
 attention      ``pallas`` (GPU: ragged, and decode-only steps by the split-K decode kernel), ``xla`` (``jnp``
-               tiles; on XLA's CPU backend every row goes to the C++ kernel where ``xla.native_applies``),
-               ``reference``
+               tiles; on XLA's CPU backend every row goes to the C++ kernel where
+               :func:`attention_native_applies`: :func:`xla_attention`), ``reference``
 cache_write    ``pallas`` (GPU), ``reference`` (the ``jnp`` scatter, for every other backend)
 matmul         ``cpu`` (C++, a layer's weight read in place from the stack), ``xla`` (XLA's dot of the slice)
 lm_head        ``cpu`` (C++, the tied embedding optionally packed in panels), ``xla`` (XLA's dot)
 =============  ==============================================================================================
 
 :func:`select` picks a backend from data alone (platform, device count, CPU flags, rows, weight dtype);
-limits measured in docs/design/kernels.md. The C++ kernels have no derivative.
+limits measured in docs/design/kernels.md. The C++ kernels have no derivative. This is the one module that loads
+them (``cpu_build``): :func:`native_kernels` registers the FFI targets each C++ backend declares.
 """
 
 from __future__ import annotations
@@ -24,17 +25,18 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import cpu_build, cpu_features
+from kernels_pallas.attention import cpu as attention_cpu
 from kernels_pallas.attention.pallas_decode import paged_attention
 from kernels_pallas.attention.pallas_ragged import ragged_paged_attention
 from kernels_pallas.attention.reference import ragged_paged_attention_reference
 from kernels_pallas.attention.xla import ragged_paged_attention_xla
 from kernels_pallas.cache_write.pallas import kv_cache_write
 from kernels_pallas.cache_write.reference import kv_cache_write_reference
-from kernels_pallas.lm_head.cpu import matmul_nt_cpu, matmul_nt_supports, nt_panels_shape, pack_nt_panels
+from kernels_pallas.lm_head import cpu as lm_head_cpu
 from kernels_pallas.lm_head.xla import lm_head_xla
-from kernels_pallas.matmul.cpu import matmul_supports, stacked_matmul_cpu
+from kernels_pallas.matmul import cpu as matmul_cpu
 from kernels_pallas.matmul.xla import matmul_xla
-from kernels_pallas.storage import BITS_STORAGE, CompressedKV, from_storage, to_storage
+from kernels_pallas.storage import BITS_STORAGE, ScaledKV, check_pool_scales, from_storage, to_storage
 
 OPS = ("attention", "cache_write", "matmul", "lm_head")
 ATTENTION_BACKENDS = ("pallas", "xla", "reference")
@@ -59,14 +61,47 @@ HEAD_PANELS = "embed_panels"
 HEAD_PANELS_MAX_BYTES = 256 * 2**20
 # The key of a scanned layer's dict holding (the stacked layer leaves, the layer index, the step's token count).
 _STACKED = "_stacked"
+# Every (FFI target, C symbol) of the C++ backends, registered together when the library loads.
+NATIVE_TARGETS = tuple(sorted({**attention_cpu.FFI_TARGETS, **matmul_cpu.FFI_TARGETS,
+                               **lm_head_cpu.FFI_TARGETS}.items()))
 
 __all__ = [
     "ATTENTION_BACKENDS", "BITS_STORAGE", "DEFAULT_ATTENTION_BACKEND", "HEAD_PANELS", "HEAD_PANELS_MAX_BYTES",
-    "LM_HEAD_MIN_ROWS", "OPS", "PROJECTION_MAX_ROWS", "AttentionOps", "CompressedKV", "decode_fast_path",
-    "default_attention_backend", "from_storage", "get_attention_ops", "layer_matmul", "lm_head", "lm_head_backend",
-    "lm_head_panels", "matmul_backend", "projection_max_rows", "select", "to_storage", "with_lm_head_panels",
-    "with_stacked_weights",
+    "LM_HEAD_MIN_ROWS", "NATIVE_TARGETS", "OPS", "PROJECTION_MAX_ROWS", "AttentionOps", "ScaledKV",
+    "attention_native_applies", "cascade_units_formed", "decode_fast_path", "default_attention_backend",
+    "from_storage", "get_attention_ops", "layer_matmul", "lm_head", "lm_head_backend", "lm_head_panel_columns",
+    "lm_head_panels", "matmul_backend", "native_kernels", "native_unavailable_reason", "pack_lm_head_panels",
+    "projection_max_rows",
+    "select", "to_storage", "with_lm_head_panels", "with_stacked_weights", "xla_attention",
 ]
+
+
+def native_kernels() -> bool:
+    """Whether the C++ CPU kernels are built, loaded and :data:`NATIVE_TARGETS` registered (decided once per
+    process, by ``cpu_build.load``; why not: :func:`native_unavailable_reason`). Raises nothing."""
+    return cpu_build.load(NATIVE_TARGETS)
+
+
+def native_unavailable_reason() -> Optional[str]:
+    """Why :func:`native_kernels` is False (None while it is True or not yet asked)."""
+    return cpu_build.unavailable_reason()
+
+
+def cascade_units_formed() -> int:
+    """Cascade units (decode rows sharing leading blocks) the C++ attention formed in this process; 0 without the
+    kernels. Raises nothing."""
+    return cpu_build.library_int(attention_cpu.CASCADE_UNITS_SYMBOL) if native_kernels() else 0
+
+
+def lm_head_panel_columns() -> int:
+    """The panel width P of the loaded build's packed lm_head (64 with AVX-512, 16 with AVX2).
+
+    Raises:
+      ValueError: the kernels are not :func:`native_kernels`.
+    """
+    if not native_kernels():
+        raise ValueError(f"the C++ CPU kernels are not available: {native_unavailable_reason()}")
+    return cpu_build.library_int(lm_head_cpu.PANEL_COLUMNS_SYMBOL)
 
 
 def projection_max_rows(dtype: Any, features: frozenset[str]) -> int:
@@ -133,7 +168,7 @@ def get_attention_ops(backend: str, *, interpret: bool = False) -> AttentionOps:
             kv_cache_write=functools.partial(kv_cache_write, interpret=interpret),
         )
     if backend == "xla":
-        return AttentionOps(ragged_paged_attention=ragged_paged_attention_xla, kv_cache_write=kv_cache_write_reference)
+        return AttentionOps(ragged_paged_attention=xla_attention, kv_cache_write=kv_cache_write_reference)
     if backend == "reference":
         return AttentionOps(ragged_paged_attention=ragged_paged_attention_reference,
                             kv_cache_write=kv_cache_write_reference)
@@ -167,6 +202,52 @@ def decode_fast_path(ragged: Callable[..., jax.Array], decode: Callable[..., jax
     return attend
 
 
+def attention_native_applies(k_cache: jax.Array, num_q_heads: int, k_scale: Optional[jax.Array] = None,
+                             scaled_pool: Optional[ScaledKV] = None) -> bool:
+    """Whether :func:`xla_attention` sends every row to the C++ kernel by default.
+
+    True on XLA's CPU backend for a float32 or bfloat16 (uint16) cache ``[N, block_size, Hkv, D]`` without
+    KV scales or pool, in shapes ``attention.cpu.supports``, once :func:`native_kernels`. Raises nothing.
+    """
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    return (jax.default_backend() == "cpu" and k_scale is None and scaled_pool is None
+            and jnp.dtype(k_cache.dtype) in attention_cpu.CACHE_DTYPES
+            and attention_cpu.supports(num_q_heads, block_size, num_kv_heads) and native_kernels())
+
+
+def xla_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                  seq_lens: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *, scale: float,
+                  sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
+                  k_scale: Optional[jax.Array] = None, scaled_pool: Optional[ScaledKV] = None,
+                  use_native: Optional[bool] = None, **tiles: Any) -> jax.Array:
+    """The ``xla`` attention backend: every row through ``attention.cpu.ragged_paged_attention_cpu`` where
+    ``use_native`` (None: :func:`attention_native_applies`), else ``attention.xla.ragged_paged_attention_xla``.
+
+    Arguments and result as ``ragged_paged_attention_reference`` (q ``[T, Hq, D]`` -> ``[T, Hq, D]`` in q's dtype);
+    ``tiles``: the jnp tiles' other keywords (``v_scale``, tile sizes, ``interpret``).
+
+    Raises:
+      ValueError: ``use_native=True`` where :func:`attention_native_applies` is False; ``k_scale`` together with
+        ``scaled_pool``.
+    """
+    check_pool_scales(k_scale, scaled_pool)
+    applies = attention_native_applies(k_cache, q.shape[1], k_scale, scaled_pool)
+    if use_native and not applies:
+        raise ValueError("use_native=True needs XLA's CPU backend, a float32 or bfloat16 cache without KV scales "
+                         "or a scaled pool, shapes the kernel takes (attention.cpu.supports) and the built C++ "
+                         f"kernel ({native_unavailable_reason() or 'built'}); got backend {jax.default_backend()!r}, "
+                         f"cache {k_cache.dtype} {k_cache.shape}, {q.shape[1]} query heads, "
+                         f"scales {k_scale is not None}, pool {scaled_pool is not None}")
+    if applies if use_native is None else use_native:
+        row, pos = attention_cpu.token_rows_and_positions(query_start_loc, seq_lens, num_seqs, q.shape[0])
+        out = attention_cpu.ragged_paged_attention_cpu(q, k_cache, v_cache, block_tables, row, pos, scale=scale,
+                                                       soft_cap=soft_cap, sliding_window=sliding_window)
+        return out.astype(q.dtype)
+    return ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
+                                      scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+                                      scaled_pool=scaled_pool, **tiles)
+
+
 def default_attention_backend() -> str:
     """:func:`select`'s attention backend for JAX's default backend."""
     return select("attention", platform=jax.default_backend())
@@ -179,7 +260,7 @@ def matmul_backend(x: jax.Array, stacked_w: jax.Array) -> str:
     library built); else ``"xla"``. Raises nothing.
     """
     picked = _select_here("matmul", rows=x.shape[0], dtype=stacked_w.dtype)
-    return "cpu" if picked == "cpu" and matmul_supports(stacked_w) and cpu_build.available() else "xla"
+    return "cpu" if picked == "cpu" and matmul_cpu.matmul_supports(stacked_w) and native_kernels() else "xla"
 
 
 def with_stacked_weights(layer: dict[str, jax.Array], stacked: dict[str, jax.Array], index: jax.Array,
@@ -199,7 +280,7 @@ def layer_matmul(layer: dict[str, jax.Array], key: str, x: jax.Array) -> jax.Arr
     if _STACKED in layer:
         stacked, index, rows = layer[_STACKED]
         if matmul_backend(x, stacked[key]) == "cpu":
-            return stacked_matmul_cpu(x, stacked[key], index, rows)
+            return matmul_cpu.stacked_matmul_cpu(x, stacked[key], index, rows)
     return matmul_xla(x, layer[key])
 
 
@@ -211,9 +292,9 @@ def lm_head_backend(hidden: jax.Array, weight: jax.Array, *, tied: bool, packed:
     """
     if _select_here("lm_head", rows=hidden.shape[0], dtype=weight.dtype, packed=packed) != "cpu":
         return "xla"
-    supported = (matmul_nt_supports(weight) if tied
-                 else matmul_supports(jax.ShapeDtypeStruct((1, *weight.shape), weight.dtype)))
-    return "cpu" if supported and cpu_build.available() else "xla"
+    supported = (lm_head_cpu.matmul_nt_supports(weight) if tied
+                 else matmul_cpu.matmul_supports(jax.ShapeDtypeStruct((1, *weight.shape), weight.dtype)))
+    return "cpu" if supported and native_kernels() else "xla"
 
 
 def lm_head(hidden: jax.Array, weight: jax.Array, *, tied: bool, rows: Optional[jax.Array] = None,
@@ -226,8 +307,8 @@ def lm_head(hidden: jax.Array, weight: jax.Array, *, tied: bool, rows: Optional[
     """
     if kernels and lm_head_backend(hidden, weight, tied=tied, packed=panels is not None) == "cpu":
         if tied:
-            return matmul_nt_cpu(hidden, weight, rows, panels)
-        return stacked_matmul_cpu(hidden, weight[None], 0, rows)
+            return lm_head_cpu.matmul_nt_cpu(hidden, weight, rows, panels)
+        return matmul_cpu.stacked_matmul_cpu(hidden, weight[None], 0, rows)
     return lm_head_xla(hidden, weight, tied=tied)
 
 
@@ -236,15 +317,25 @@ def lm_head_panels(params: dict[str, Any]) -> Optional[jax.Array]:
     return params.get(HEAD_PANELS)
 
 
-_pack_panels = jax.jit(pack_nt_panels)
+_pack_panels = jax.jit(lm_head_cpu.pack_nt_panels, static_argnums=1)
+
+
+def pack_lm_head_panels(embed: jax.Array) -> jax.Array:
+    """``embed`` float32 [V, E] packed in the loaded build's panels: float32 [V / P, E, P]
+    (``lm_head.cpu.pack_nt_panels`` with :func:`lm_head_panel_columns`).
+
+    Raises:
+      ValueError: no kernels, or V not a whole number of panels (``pack_nt_panels`` names the shape).
+    """
+    return _pack_panels(embed, lm_head_panel_columns())
 
 
 def with_lm_head_panels(params: dict[str, Any], embed: jax.Array) -> dict[str, Any]:
-    """``params`` plus :data:`HEAD_PANELS` (float32 [V / P, E, P], ``pack_nt_panels``) where the C++ kernel
-    takes ``embed`` packed (float32 [V, E] up to :data:`HEAD_PANELS_MAX_BYTES`, ``nt_panels_shape`` not None,
-    one CPU device); else ``params`` itself. A new embedding must be packed again. Raises nothing.
+    """``params`` plus :data:`HEAD_PANELS` (float32 [V / P, E, P], ``lm_head.cpu.pack_nt_panels``) where the C++
+    kernel takes ``embed`` packed (float32 [V, E] up to :data:`HEAD_PANELS_MAX_BYTES`, ``nt_panels_shape`` not
+    None, one CPU device, :func:`native_kernels`); else ``params`` itself. A new embedding must be packed again.
+    Raises nothing.
     """
-    # nt_panels_shape is None unless the embedding is float32 with whole panels and the kernels are built.
     applies = (embed.nbytes <= HEAD_PANELS_MAX_BYTES and jax.default_backend() == "cpu" and jax.device_count() == 1
-               and nt_panels_shape(embed) is not None)
-    return {**params, HEAD_PANELS: _pack_panels(embed)} if applies else params
+               and native_kernels() and lm_head_cpu.nt_panels_shape(embed, lm_head_panel_columns()) is not None)
+    return {**params, HEAD_PANELS: pack_lm_head_panels(embed)} if applies else params

@@ -2,9 +2,9 @@
 
 bfloat16 may be held as uint16 bits, float8_e4m3fn as uint8 (:func:`to_storage`, :func:`from_storage`). A
 quantized cache (int8 / float8_e4m3fn) holds ``x / scale``, one float32 scale per KV head and layer (vLLM's fp8
-cache: per tensor). The compressed pool (:class:`CompressedKV`, ``LLM(kv_cache_compression=...)``) holds
-one-byte blocks with a scale per block and head; table id ``b >= num_blocks`` names pool block ``b - num_blocks``;
-writes never touch it. Why: docs/design/kernels.md.
+cache: per tensor). A scaled block pool (:class:`ScaledKV`; the compressed tier of
+``LLM(kv_cache_compression=...)``) holds one-byte blocks with a scale per block and head; table id
+``b >= num_blocks`` names pool block ``b - num_blocks``; writes never touch it. Why: docs/design/kernels.md.
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ def dequantize_kv(x: jax.Array, scale: Optional[jax.Array]) -> jax.Array:
     return x if scale is None else x * scale[:, None]
 
 
-class CompressedKV(NamedTuple):
-    """The pool of compressed KV blocks, a pytree.
+class ScaledKV(NamedTuple):
+    """A pool of one-byte KV blocks with one scale per block and KV head (the compressed tier's), a pytree.
 
-    k, v: [num_compressed, block_size, num_kv_heads, head_dim] int8, or uint8 of float8_e4m3fn bits (or float8_e4m3fn).
-    k_scale, v_scale: float32[num_compressed, num_kv_heads].
+    k, v: [num_pooled, block_size, num_kv_heads, head_dim] int8, or uint8 of float8_e4m3fn bits (or float8_e4m3fn).
+    k_scale, v_scale: float32[num_pooled, num_kv_heads].
     """
 
     k: jax.Array
@@ -109,14 +109,14 @@ def gather_blocks(cache: jax.Array, ids: jax.Array, scale: Optional[jax.Array] =
     x = dequantize_kv(cache[jnp.minimum(ids, num_blocks - 1)], scale)
     if pool is None:
         return x
-    compressed = ids >= num_blocks
-    slot = jnp.where(compressed, ids - num_blocks, 0)
+    in_pool = ids >= num_blocks
+    slot = jnp.where(in_pool, ids - num_blocks, 0)
     y = from_storage(pool[slot]).astype(jnp.float32) * pool_scale[slot][..., None, :, None]
-    return jnp.where(compressed[..., None, None, None], y, x)
+    return jnp.where(in_pool[..., None, None, None], y, x)
 
 
-def check_pool_scales(k_scale: Optional[jax.Array], compressed: Optional[CompressedKV]) -> None:
-    """Raise ValueError for a quantized cache with a compressed pool: a one-byte cache has nothing to compress."""
-    if k_scale is not None and compressed is not None:
-        raise ValueError("compressed KV blocks need a cache of plain values: k_scale (a quantized cache) and "
-                         "compressed were both given")
+def check_pool_scales(k_scale: Optional[jax.Array], scaled_pool: Optional[ScaledKV]) -> None:
+    """Raise ValueError for a quantized cache with a scaled pool: a one-byte cache has nothing to compress."""
+    if k_scale is not None and scaled_pool is not None:
+        raise ValueError("a scaled KV pool needs a cache of plain values: k_scale (a quantized cache) and "
+                         "scaled_pool were both given")

@@ -6,8 +6,8 @@ import dataclasses
 from typing import Union
 
 from scheduler.degradation import GracefulDegradation
-from scheduler.kv.compressed_pool import CompressedBlockPool
 from scheduler.kv.host_tier import HostTier
+from scheduler.kv.kv_cache_manager import KVCacheManager
 from scheduler.policy import POLICIES, Policy
 
 _PREEMPTION_MODES = ("recompute", "swap")
@@ -41,8 +41,8 @@ class SchedulerConfig:
       graceful_degradation: True (default thresholds), a ``GracefulDegradation``, or False (``scheduler.degradation``).
       reserve_predicted_output: admit beside running requests only while the free blocks, less what running ones
         lack for their predicted outputs, hold its prompt and predicted output (``scheduler.predictor``).
-      num_compressed_blocks: compressed-pool slots (``scheduler.kv.compressed_pool``), null included: 0 or >= 2;
-        what it cannot run with: ``CompressedBlockPool.refuses``.
+      num_pool_blocks: slots of the tier that makes room before a preemption (``KVCacheManager.POOL_TIER``),
+        null included: 0 or >= 2; what it cannot run with: that tier's ``refuses``.
 
     Raises ValueError naming the field, the value and the limit.
     """
@@ -65,7 +65,7 @@ class SchedulerConfig:
     graceful_degradation: Union[bool, GracefulDegradation] = True
     enable_kv_cache_events: bool = False
     reserve_predicted_output: bool = False
-    num_compressed_blocks: int = 0
+    num_pool_blocks: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, limit: str) -> ValueError:
@@ -101,12 +101,12 @@ class SchedulerConfig:
             raise bad("aging_rate", ">= 0 (priority units per second)")
         if not isinstance(self.reserve_predicted_output, bool):
             raise bad("reserve_predicted_output", "a bool")
-        n = self.num_compressed_blocks
+        n = self.num_pool_blocks
         if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n == 1:
-            raise bad("num_compressed_blocks", "0 (no compression) or an int >= 2 (slot 0 is the null slot)")
-        refused = n and CompressedBlockPool.refuses(self)
+            raise bad("num_pool_blocks", "0 (no pool) or an int >= 2 (slot 0 is the null slot)")
+        refused = n and KVCacheManager.POOL_TIER.refuses(self)
         if refused:
-            raise bad("num_compressed_blocks", f"0 with {refused}")
+            raise bad("num_pool_blocks", f"0 with {refused}")
         if not isinstance(self.graceful_degradation, (bool, GracefulDegradation)):
             raise bad("graceful_degradation", "a bool or a GracefulDegradation")
 

@@ -35,7 +35,8 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
       "num_tokens"}`` or None);
     * ``host_tier``: None or ``{"num_blocks", "num_cached_blocks", "num_free_blocks", "num_offloaded_blocks",
       "num_loaded_blocks", "hit_tokens"}`` (the last three cumulative);
-    * ``compressed_pool``: None or ``{"num_blocks", "num_used_blocks", "num_free_blocks", "num_compressed_blocks"}``
+    * ``scaled_pool``: the pool tier, None or
+      ``{"num_blocks", "num_used_blocks", "num_free_blocks", "num_blocks_pooled"}``
       (slots without the null slot; the last cumulative);
     * ``blocks``: per block id ``{"state": "null" | "used" | "cached_free" | "free", "ref_cnt", "holders"}``, holders
       the request ids holding it plus ``"<pinned>"`` / ``"<copy source>"``.
@@ -86,10 +87,10 @@ def kv_cache_report(scheduler: "Scheduler", block_map: bool = True) -> dict[str,
         },
     }
     report["host_tier"] = _host_tier_report(scheduler)
-    cpool = kv.compressed_pool
-    report["compressed_pool"] = None if cpool is None else {
+    cpool = kv.scaled_pool
+    report["scaled_pool"] = None if cpool is None else {
         "num_blocks": cpool.num_blocks - 1, "num_used_blocks": cpool.num_blocks - 1 - cpool.num_free_blocks,
-        "num_free_blocks": cpool.num_free_blocks, "num_compressed_blocks": cpool.num_compressed}
+        "num_free_blocks": cpool.num_free_blocks, "num_blocks_pooled": cpool.stats()["num_blocks_pooled"]}
     if block_map:
         report["blocks"] = entries
     return report

@@ -138,8 +138,8 @@ class SchedulerStats:
         ``|predicted - actual|`` output tokens summed; total.
       num_offload_blocks, num_offload_cached_blocks: host-tier blocks, and those holding one (0 without a tier).
       num_blocks_offloaded, num_blocks_loaded: device -> host tier copies and back; total.
-      num_compressed_blocks, num_compressed_in_use: compressed slots (null excluded) and those held (0 without).
-      num_blocks_compressed: blocks compressed instead of a preemption; total.
+      num_pool_blocks, num_pool_in_use: the pool tier's slots (``KVCacheManager.POOL_TIER``; null excluded) and
+        those held (0 without). num_blocks_pooled: blocks it took instead of a preemption; total.
     """
 
     num_running: int
@@ -162,7 +162,7 @@ class SchedulerStats:
     num_offload_blocks: int = 0
     num_offload_cached_blocks: int = 0
     num_blocks_offloaded: int = 0
-    num_compressed_blocks: int = 0
-    num_compressed_in_use: int = 0
-    num_blocks_compressed: int = 0
+    num_pool_blocks: int = 0
+    num_pool_in_use: int = 0
+    num_blocks_pooled: int = 0
     num_blocks_loaded: int = 0

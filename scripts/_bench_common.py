@@ -362,11 +362,11 @@ def measure_matmul_rates(dtype: str, seconds: float = 2.0) -> dict[str, float]:
                           seconds)}
     if jax.default_backend() != "cpu":
         return rates  # the host's own rates say nothing of an accelerator's steps
-    from kernels_pallas import cpu_build
+    from kernels_pallas import ops
     from kernels_pallas.matmul import cpu as matmul_cpu
 
     stacked = w[None]
-    if cpu_build.available() and matmul_cpu.matmul_supports(stacked):
+    if ops.native_kernels() and matmul_cpu.matmul_supports(stacked):
         kernel = jax.jit(lambda a, b: matmul_cpu.stacked_matmul_cpu(a, b, jnp.int32(0)))
         rates["jaxllm_kernel"] = _rate(kernel, (x, stacked), flops, seconds)
     if jnp.dtype(dtype) == jnp.float32:

@@ -104,13 +104,13 @@ def main() -> None:
 
     from jaxllm.loader import read_model_config
     from jaxllm.named_models import resolve_model
-    from kernels_pallas import cpu_build
+    from kernels_pallas import ops
     from kernels_pallas.attention import cpu
 
     cfg = read_model_config(resolve_model(args.model))[0]
     print(f"backend {jax.default_backend()}, jax {jax.__version__}")
-    if not cpu_build.available():
-        print(f"native attention: not run ({cpu_build.unavailable_reason()})")
+    if not ops.native_kernels():
+        print(f"native attention: not run ({ops.native_unavailable_reason()})")
         print(common.host_line(common.host_info()))
         return
     threads = len(os.sched_getaffinity(0))

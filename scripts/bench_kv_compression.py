@@ -68,7 +68,7 @@ def capacity(workload, *, num_blocks: int, num_compressed: int, max_tokens: int)
         max_len = max(len(p) for p in workload) + max_tokens
         sched = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=k,
                                           max_num_batched_tokens=256, max_model_len=max_len,
-                                          num_compressed_blocks=num_compressed))
+                                          num_pool_blocks=num_compressed))
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for i, prompt in enumerate(workload[:k]):
             sched.add_request(Request(f"r{i}", prompt, params))
@@ -108,13 +108,13 @@ def serve(model, workload, *, budget_blocks: int, max_tokens: int, compression=N
         compressed |= {rid for rid, ids in kv.req_to_block_ids.items() if any(b >= engine.num_blocks for b in ids)}
     seconds = time.perf_counter() - start
     stats = sched.stats
-    pool = engine.runner.cache_engine.compressed
+    pool = engine.runner.cache_engine.scaled_pool
     num_compressed = 0 if pool is None else pool.k.shape[1]
     return dict(name=compression or "off", fraction=fraction if compression else 0.0, device=engine.num_blocks,
                 compressed_blocks=num_compressed, peak=peak, preemptions=stats.num_preemptions,
                 capacity=capacity(workload, num_blocks=engine.num_blocks, num_compressed=num_compressed,
                                   max_tokens=max_tokens),
-                num_compressed=stats.num_blocks_compressed, tok_s=sum(map(len, tokens.values())) / seconds,
+                num_compressed=stats.num_blocks_pooled, tok_s=sum(map(len, tokens.values())) / seconds,
                 tokens=tokens, compressed=compressed, steps=steps)
 
 
@@ -132,7 +132,7 @@ def teacher_forced(path, compression):
     from jaxllm.worker.sharding import ModelSharding, make_mesh
     from jaxllm.worker.step_batch import StepBatch
     from kernels_pallas.ops import get_attention_ops
-    from kernels_pallas.storage import BITS_STORAGE, CompressedKV, quantize_blocks
+    from kernels_pallas.storage import BITS_STORAGE, ScaledKV, quantize_blocks
 
     cfg, params, _ = load_model(path, np.float32)
     ids = np.asarray(load_tokenizer(path).encode(CALIBRATION_TEXT), np.int32)
@@ -148,17 +148,17 @@ def teacher_forced(path, compression):
         storage = BITS_STORAGE.get(storage, storage)
         k, v = allocate_kv_cache(num_blocks, BLOCK_SIZE, storage, sharding)
         ones = jnp.ones((cfg.num_layers, num_blocks, cfg.num_kv_heads), jnp.float32)
-        pool = CompressedKV(k, v, ones, ones)
+        pool = ScaledKV(k, v, ones, ones)
 
     @jax.jit
     def chunk(params, kv, pool, batch):
-        hidden, kv = hidden_states(params, kv, batch, cfg=cfg, ops=ops, compressed=pool)
+        hidden, kv = hidden_states(params, kv, batch, cfg=cfg, ops=ops, scaled_pool=pool)
         return compute_logits(params, hidden, cfg=cfg), kv
 
     @jax.jit
     def compress(kv, pool, block):
         (k, ks), (v, vs) = (quantize_blocks(c[:, block], p.dtype) for c, p in zip(kv, pool[:2]))
-        return CompressedKV(pool.k.at[:, block].set(k), pool.v.at[:, block].set(v),
+        return ScaledKV(pool.k.at[:, block].set(k), pool.v.at[:, block].set(v),
                             pool.k_scale.at[:, block].set(ks), pool.v_scale.at[:, block].set(vs))
 
     logits = []

@@ -41,7 +41,7 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
     import jax.numpy as jnp
 
     from jaxllm.core.build import resolve_dtype
-    from kernels_pallas import cpu_build
+    from kernels_pallas import ops
     from kernels_pallas.matmul import cpu as native
     from kernels_pallas.storage import from_storage, to_storage
 
@@ -74,8 +74,8 @@ def bench(cfg, dtype_name: str, tokens: list[int], rounds: int) -> None:
     # A shape the kernel does not take (native.matmul_supports: N a multiple of 16, an even K for bfloat16) or no
     # kernel built: XLA's column only.
     sides = (("native", True), ("xla", False))
-    if not (cpu_build.available() and all(native.matmul_supports(w) for w in stack.values())):
-        print(f"native: not run ({cpu_build.unavailable_reason() or 'a shape the kernel does not take'})")
+    if not (ops.native_kernels() and all(native.matmul_supports(w) for w in stack.values())):
+        print(f"native: not run ({ops.native_unavailable_reason() or 'a shape the kernel does not take'})")
         sides = sides[1:]
     print(f"{'tokens':>7}{'native':>12}{'xla':>12}")
     for t in tokens:
@@ -94,14 +94,15 @@ def tied_head(cfg, tokens: list[int], rounds: int) -> None:
     import jax
     import jax.numpy as jnp
 
+    from kernels_pallas import ops
     from kernels_pallas.lm_head import cpu as native
 
     v, e = cfg.vocab_size, cfg.hidden_size
     embed = jnp.asarray(np.random.default_rng(1).standard_normal((v, e)) * 0.05, jnp.float32)
     fns = {"xla": jax.jit(lambda x, m: jax.lax.dot_general(x, embed, (((1,), (1,)), ((), ())))),
            "transposed": jax.jit(lambda x, m: native.matmul_nt_cpu(x, embed, m))}
-    if native.nt_panels_shape(embed) is not None:
-        panels = jax.block_until_ready(native.pack_nt_panels(embed))
+    if native.nt_panels_shape(embed, ops.lm_head_panel_columns()) is not None:
+        panels = jax.block_until_ready(ops.pack_lm_head_panels(embed))
         fns["packed"] = jax.jit(lambda x, m: native.matmul_nt_cpu(x, embed, m, panels))
     print(f"\nthe tied lm_head, [{v}, {e}] float32: ms, minimum of {rounds} rounds")
     print(f"{'tokens':>7}" + "".join(f"{name:>12}" for name in ("xla", "transposed", "packed")))

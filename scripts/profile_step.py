@@ -12,7 +12,7 @@ to 16 and to 4 tokens, a 512-token prefill) it times, on the engine's own parame
   donated as in the engine's step;
 - ``jnp tiles``: with the ``xla`` attention (the CPU default), the full step
   again with attention on the ``jnp`` tiles instead of the C++ kernel
-  (``use_native=False``);
+  (``kernels_pallas.ops.xla_attention``'s ``use_native=False``);
 - ``xla dots``: the full step again with every projection on XLA's dots
   instead of the C++ matmul (the ops table's ``PROJECTION_MAX_ROWS`` set to 0
   on every CPU; past its AVX2 limit the step takes XLA's dots in every column); the step where

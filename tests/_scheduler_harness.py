@@ -67,7 +67,7 @@ class FakeRunner:
         self.kv = np.full(config.num_blocks * bs, -1, dtype=np.int64)
         # The swap pool's blocks, then the host tier's (as the model runner's host pool).
         self.host = np.full((max(config.num_host_blocks + config.num_offload_blocks, 1), bs), -1, dtype=np.int64)
-        self.compressed = np.full(config.num_compressed_blocks * bs, -1, dtype=np.int64)
+        self.compressed = np.full(config.num_pool_blocks * bs, -1, dtype=np.int64)
         self.buckets = buckets or BucketTable.from_limits(
             config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len, bs, min_tokens=1, min_seqs=1, min_width=1
         )
@@ -86,7 +86,7 @@ class FakeRunner:
         # load of a slot an offload of the same step writes would read the slot's old contents.
         offloaded = []
         for kind, src, dst in output.block_copies:
-            if kind is CopyKind.COMPRESS:
+            if kind is CopyKind.ENCODE:
                 self.compressed[dst * bs : (dst + 1) * bs] = self.kv[src * bs : (src + 1) * bs]
             elif kind is CopyKind.SWAP_OUT:
                 self.host[dst] = self.kv[src * bs : (src + 1) * bs]
@@ -202,7 +202,7 @@ def check_block_invariants(sched: Scheduler) -> None:
         assert len({b.block_id for b in blocks}) == len(blocks), f"{rid} holds a block twice"
         assert [b.block_id for b in blocks] == kv.req_to_block_ids[rid]
         holders.update(b.block_id for b in blocks)
-    check_compressed_pool(kv.compressed_pool, holders)
+    check_compressed_pool(kv.scaled_pool, holders)
     free_ids = [b.block_id for b in pool.free_queue]
     assert len(free_ids) == len(set(free_ids)) == pool.num_free_blocks
     assert 0 not in holders and 0 not in free_ids

@@ -80,7 +80,7 @@ def test_slow_script_prints_the_host_line_last(script):
     assert len(calls) == 1
 
 
-@pytest.mark.skipif(not __import__("kernels_pallas.cpu_build", fromlist=["available"]).available(),
+@pytest.mark.skipif(not __import__("kernels_pallas.ops", fromlist=["native_kernels"]).native_kernels(),
                     reason="no C++ kernel built here")
 def test_bench_matmul_times_each_projection_shape_alone_in_gflops(capsys):
     # stories260K's projections are not all multiples of 16 (its quick run prints no native column), so the

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels_pallas import cpu_build
+from kernels_pallas import ops
 from tests.test_metrics import FAKE_VLLM
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -382,7 +382,7 @@ def test_offline_run_gives_one_row_per_shape_with_every_binding(stories_dir, tmp
         assert row["vllm"]["both"]["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert [r["jaxllm_cached_prompt_tokens"] for r in rows] == [0, 16]
     # float32 on the CPU host: XLA's dot, the engine's kernel and numpy's BLAS, the fraction against the fastest.
-    kernel = {"jaxllm_kernel"} if cpu_build.available() else set()
+    kernel = {"jaxllm_kernel"} if ops.native_kernels() else set()
     assert all(set(r["dot_rates"]) == {"xla", "numpy"} | kernel for r in rows)
     # The last vLLM engine (binding both) ran every shape with the largest limits.
     engine = json.loads((tmp_path / "vllm_args.json").read_text())
@@ -416,7 +416,7 @@ def test_client_is_vllms_bench_serve_greedy_with_ignore_eos_and_p50_p99(tmp_path
 
 def test_bfloat16_matmul_rates_are_xlas_and_the_kernels_without_numpy():
     rates = common.measure_matmul_rates("bfloat16", seconds=0.01)
-    assert set(rates) == {"xla"} | ({"jaxllm_kernel"} if cpu_build.available() else set())
+    assert set(rates) == {"xla"} | ({"jaxllm_kernel"} if ops.native_kernels() else set())
     assert min(rates.values()) > 0
 
 

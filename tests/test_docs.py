@@ -66,7 +66,7 @@ def test_readme_test_command_is_the_one_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     bash = [block.strip() for block in code_blocks(README, "bash")]
     assert ci in bash
-    assert ("python -m pip install -e . && python -m jaxllm.generate --prompt \"The capital of France is\" "
+    assert ("python -m pip install -q -e . && python -m jaxllm.generate --prompt \"The capital of France is\" "
             "--max-tokens 8 --temperature 0") in bash
 
 

@@ -126,3 +126,7 @@ def test_sub_configs_are_frozen_views_of_the_engine_fields_of_their_names():
     assert (config.cache.block_size, config.cache.kv_cache_dtype) == (8, "int8")
     assert config.compilation.token_buckets == [8, 512] and config.parallel.tensor_parallel_size == 2
     assert config.observability.kv_events_config == KVEventsConfig(enable_kv_cache_events=True)
+    assert config.scheduler.max_num_seqs == 64 and config.scheduler.async_scheduling is True
+    assert config.speculative is None
+    spec = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3}).speculative
+    assert spec == SpeculativeConfig(method="ngram", num_speculative_tokens=3)

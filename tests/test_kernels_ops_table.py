@@ -1,5 +1,5 @@
-"""The ops table (``kernels_pallas.ops``): the models reach the kernels only through it, only the kernels' own
-modules import the C++ build driver, and it picks each op's backend by platform, devices, CPU flags and rows."""
+"""The ops table (``kernels_pallas.ops``): the models reach the kernels only through it (the C++ build driver's
+one importer: tests/test_layout.py), and it picks each op's backend by platform, devices, CPU flags and rows."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import cpu_build, ops
+from kernels_pallas import ops
 from kernels_pallas.lm_head.cpu import matmul_nt_cpu
 from kernels_pallas.lm_head.reference import matmul_nt_reference
 from kernels_pallas.matmul.cpu import stacked_matmul_cpu
@@ -42,13 +42,6 @@ def test_models_import_nothing_of_the_kernels_but_the_ops_table():
     assert {module: names for module, names in found.items() if names} == {}
     assert any("kernels_pallas.ops" in _imported(tree) for module, (_, tree) in _modules(ROOT, "jaxllm").items()
                if module.startswith("jaxllm.models"))
-
-
-def test_only_the_ops_table_and_the_backends_import_the_cpp_driver():
-    importers = {module for package in SOURCE_PACKAGES for module, (_, tree) in _modules(ROOT, package).items()
-                 if "kernels_pallas.cpu_build" in _imported(tree) and module != "kernels_pallas.cpu_build"}
-    assert importers == {"kernels_pallas.ops", "kernels_pallas.attention.cpu", "kernels_pallas.attention.xla",
-                         "kernels_pallas.matmul.cpu", "kernels_pallas.lm_head.cpu"}
 
 
 def test_only_the_kernels_read_proc_cpuinfo():
@@ -94,7 +87,7 @@ def test_the_table_refuses_an_op_it_does_not_have():
         ops.select("softmax", platform="cpu")
 
 
-@pytest.mark.skipif(not cpu_build.available(), reason="the C++ kernels are not built here")
+@pytest.mark.skipif(not ops.native_kernels(), reason="the C++ kernels are not built here")
 def test_the_cpp_matmuls_match_their_references():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((7, 48)), jnp.float32)

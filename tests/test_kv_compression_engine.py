@@ -51,7 +51,7 @@ def test_compression_replaces_preemption_and_leaves_protected_requests_exact(sto
     # compressed blocks of 2720 bytes (one byte a number, and 5 layers x 4 heads x 2 float32 scales).
     engine = LLMEngine(stories_dir, num_kv_blocks=20, kv_cache_compression=kind,
                        kv_cache_compression_fraction=1 / 3, **{**ENGINE, "async_scheduling": async_scheduling})
-    pool = engine.runner.cache_engine.compressed
+    pool = engine.runner.cache_engine.scaled_pool
     assert (engine.num_blocks, pool.k.shape[1]) == (13, 25)
     assert pool.k.dtype.itemsize == 1 and pool.k_scale.shape == (5, 25, 4)
     # The steps, block copy, slot fill and slot rows, and the compress program.
@@ -59,19 +59,19 @@ def test_compression_replaces_preemption_and_leaves_protected_requests_exact(sto
     assert compiled == len(engine.buckets) + 4
     tokens = _serve(engine)
     stats = engine.scheduler.stats
-    assert (stats.num_preemptions, stats.num_blocks_compressed) == (0, 10)
+    assert (stats.num_preemptions, stats.num_blocks_pooled) == (0, 10)
     assert tokens["opted-out"] == uncompressed["opted-out"]
     assert tokens["high-priority"] == uncompressed["high-priority"]
     assert all(len(tokens[rid]) == MAX_TOKENS[rid] for rid in PROMPTS)
     assert engine.runner.compile_stats.num_compilations == compiled
-    assert stats.num_free_blocks == engine.num_blocks - 1 and stats.num_compressed_in_use == 0
+    assert stats.num_free_blocks == engine.num_blocks - 1 and stats.num_pool_in_use == 0
     metric = engine.metrics.registry.get_sample_value
-    assert metric("jaxllm:kv_blocks_compressed_total") == 10
-    assert metric("jaxllm:kv_compressed_usage_perc") == 0.0
+    assert metric("jaxllm:kv_blocks_pooled_total") == 10
+    assert metric("jaxllm:kv_pool_usage_perc") == 0.0
     report = engine.kv_cache_report(block_map=False)
-    assert report["compressed_pool"] == {
-        "num_blocks": 24, "num_used_blocks": 0, "num_free_blocks": 24, "num_compressed_blocks": 10}
-    assert "compressed pool: 24 blocks: 0 used, 24 free; 10 compressed so far" in summarize(report)
+    assert report["scaled_pool"] == {
+        "num_blocks": 24, "num_used_blocks": 0, "num_free_blocks": 24, "num_blocks_pooled": 10}
+    assert "scaled pool: 24 blocks: 0 used, 24 free; 10 taken so far" in summarize(report)
 
 
 def test_sleep_frees_the_compressed_pool_and_wake_up_brings_it_back(stories_dir, uncompressed):
@@ -80,19 +80,19 @@ def test_sleep_frees_the_compressed_pool_and_wake_up_brings_it_back(stories_dir,
     engine = LLMEngine(stories_dir, num_kv_blocks=20, kv_cache_compression="int8", kv_cache_compression_fraction=1 / 3,
                        enable_sleep_mode=True, **ENGINE)
     runner = engine.runner
-    pool_bytes = sum(a.nbytes for a in runner.cache_engine.compressed)
+    pool_bytes = sum(a.nbytes for a in runner.cache_engine.scaled_pool)
     kv_bytes = sum(c.nbytes for c in runner.cache_engine.kv_cache)
     assert pool_bytes == 2 * 5 * 25 * 8 * 4 * 8 + 2 * 5 * 25 * 4 * 4  # int8 K, V and float32 scales
     compiled = runner.compile_stats.num_compilations
     _serve(engine)
     report = engine.sleep(level=1)[0]
     assert report["freed_bytes"] >= kv_bytes + pool_bytes
-    assert not isinstance(runner.cache_engine.compressed.k, jax.Array)
+    assert not isinstance(runner.cache_engine.scaled_pool.k, jax.Array)
     engine.wake_up()
-    assert isinstance(runner.cache_engine.compressed.k, jax.Array)
+    assert isinstance(runner.cache_engine.scaled_pool.k, jax.Array)
     tokens = _serve(engine)
     assert tokens["opted-out"] == uncompressed["opted-out"] and tokens["high-priority"] == uncompressed["high-priority"]
-    assert engine.scheduler.stats.num_blocks_compressed == 20  # 10 in each of the two runs
+    assert engine.scheduler.stats.num_blocks_pooled == 20  # 10 in each of the two runs
     assert runner.compile_stats.num_compilations == compiled
 
 

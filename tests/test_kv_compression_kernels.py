@@ -1,4 +1,4 @@
-"""Attention over a mix of cache blocks and compressed blocks (``reference.CompressedKV``).
+"""Attention over a mix of cache blocks and compressed blocks (``reference.ScaledKV``).
 
 The class of inputs: random ragged batches (decode rows and prefill chunks, padding rows) whose tables point some
 blocks into the compressed pool, under both one-byte types. Two properties: the tiled XLA op equals the reference
@@ -18,7 +18,7 @@ import pytest
 
 from kernels_pallas.attention.reference import ragged_paged_attention_reference
 from kernels_pallas.attention.xla import ragged_paged_attention_xla
-from kernels_pallas.storage import KV_QUANT_MAX, CompressedKV, from_storage, gather_blocks, quantize_blocks
+from kernels_pallas.storage import KV_QUANT_MAX, ScaledKV, from_storage, gather_blocks, quantize_blocks
 from tests.test_attention_xla import _random_rows
 from tests.test_kernels_pallas import _ragged_batch
 
@@ -39,7 +39,7 @@ def _compress_some(rng, k_cache, v_cache, tables, storage, share=0.5):
     qv, sv = quantize_blocks(v_cache[chosen], storage)
     shape = (pool_size,) + k_cache.shape[1:]
     heads = k_cache.shape[2]
-    pool = CompressedKV(jnp.zeros(shape, storage).at[1:].set(qk), jnp.zeros(shape, storage).at[1:].set(qv),
+    pool = ScaledKV(jnp.zeros(shape, storage).at[1:].set(qk), jnp.zeros(shape, storage).at[1:].set(qv),
                         jnp.ones((pool_size, heads), jnp.float32).at[1:].set(sk),
                         jnp.ones((pool_size, heads), jnp.float32).at[1:].set(sv))
     remap = np.arange(num_blocks, dtype=np.int32)
@@ -66,10 +66,10 @@ def test_xla_attention_over_mixed_blocks_matches_reference(seed, kind):
     window = [None, int(rng.integers(1, 3 * block_size))][seed % 2]
     static = dict(scale=SCALE, sliding_window=window)
     want = ragged_paged_attention_reference(q, dq_k, dq_v, tables, lens, starts, num_seqs, **static)
-    ref = ragged_paged_attention_reference(q, k_cache, v_cache, mixed, lens, starts, num_seqs, compressed=pool,
+    ref = ragged_paged_attention_reference(q, k_cache, v_cache, mixed, lens, starts, num_seqs, scaled_pool=pool,
                                            **static)
     got = jax.jit(functools.partial(ragged_paged_attention_xla, kv_chunk_blocks=int(rng.choice([1, 2, 3])),
-                                    **static))(q, k_cache, v_cache, mixed, lens, starts, num_seqs, compressed=pool)
+                                    **static))(q, k_cache, v_cache, mixed, lens, starts, num_seqs, scaled_pool=pool)
     np.testing.assert_allclose(np.asarray(ref), np.asarray(want), atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     # Against the blocks before compression: the quantization error (values ~N(0, 1), outputs averages of them).
@@ -100,8 +100,8 @@ def test_quantize_blocks_scales_each_block_and_head_by_its_peak(kind):
 def test_compressed_pool_with_a_quantized_cache_is_refused():
     rng = np.random.default_rng(0)
     args = _ragged_batch(rng, [1], [9], block_size=4, head_dim=16, group=1, dtype=jnp.float32)
-    pool = CompressedKV(jnp.zeros((2, 4, 2, 16), jnp.int8), jnp.zeros((2, 4, 2, 16), jnp.int8),
+    pool = ScaledKV(jnp.zeros((2, 4, 2, 16), jnp.int8), jnp.zeros((2, 4, 2, 16), jnp.int8),
                         jnp.ones((2, 2)), jnp.ones((2, 2)))
     for op in (ragged_paged_attention_reference, ragged_paged_attention_xla):
-        with pytest.raises(ValueError, match="k_scale .* and compressed were both given"):
-            op(*args, scale=SCALE, k_scale=jnp.ones(2), v_scale=jnp.ones(2), compressed=pool)
+        with pytest.raises(ValueError, match="k_scale .* and scaled_pool were both given"):
+            op(*args, scale=SCALE, k_scale=jnp.ones(2), v_scale=jnp.ones(2), scaled_pool=pool)

@@ -3,6 +3,7 @@ by scripts/code_stats.py (which prints the same figures)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.code_stats import LONG_FUNCTION, functions, import_cycles, import_graph, top_level
+from scripts.code_stats import (LONG_FUNCTION, NATIVE_DRIVER, _modules, functions, house, import_cycles,
+                                import_graph, top_level)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +51,21 @@ def test_scheduler_and_kernels_pallas_import_no_jaxllm(package, forbidden):
 ENGINE_SIDE = ("jaxllm.core", "jaxllm.worker", "jaxllm.models", "jaxllm.loader", "jaxllm.sample", "jaxllm.spec_decode")
 FRONT_END_MAY_IMPORT = {"jaxllm.core", "jaxllm.core.messages", "jaxllm.core.client"}
 FRONT_END_EXCEPTIONS = {("jaxllm.frontend.llm_engine", "jaxllm.core.build")}
+
+
+# The one module that loads the C++ kernels (kernels_pallas.cpu_build): the ops table, which picks the backend per op
+# and registers the FFI targets each C++ backend declares.
+CPP_DRIVER_IMPORTERS = ["kernels_pallas.ops"]
+
+
+def test_only_the_ops_table_imports_the_cpp_driver():
+    assert house(ROOT)["native_driver_importers"] == CPP_DRIVER_IMPORTERS
+    # The scripts too reach the kernels' build through the table.
+    scripts = {module for module, (_, tree) in _modules(ROOT, "scripts").items() for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.module and NATIVE_DRIVER in
+               {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+               or isinstance(node, ast.Import) and NATIVE_DRIVER in {a.name for a in node.names}}
+    assert len(_modules(ROOT, "scripts")) > 5 and scripts == set()
 
 
 def test_config_imports_only_the_standard_library_and_the_scheduler():

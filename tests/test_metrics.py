@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from kernels_pallas import cpu_build
+from kernels_pallas import ops
 from kernels_pallas.cpu_features import cpu_instruction_sets, describe_cpu
 from kernels_pallas.ops import HEAD_PANELS
 from tests.conftest import log_messages
@@ -316,7 +316,7 @@ def test_start_up_log_says_the_dtype_auto_chose_on_cpu_and_the_cpus_instruction_
     total = engine.param_bytes["total"] / 2**20
     # stories260K ties its float32 embedding: with the native kernels the engine holds it packed for the lm_head too.
     panels = engine.runner.weights.params.get(HEAD_PANELS)
-    assert (panels is not None) == cpu_build.available()
+    assert (panels is not None) == ops.native_kernels()
     packed = "" if panels is None else f" ({panels.nbytes / 2**20:.1f} MiB of them the tied embedding packed again " \
                                        "for the CPU lm_head)"
     assert f"parameters: {total:.1f} MiB{packed}, {said}; CPU: {describe_cpu()}\n" in capfd.readouterr().err
@@ -341,7 +341,7 @@ def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp
     assert result["host"]["cpu_isa"] == describe_cpu()
     gflops, rates = result["results"][0]["dot_gflops"], result["results"][0]["dot_rates"]
     # XLA's dot, the engine's own kernel (where this CPU host built it) and numpy's, float32: the fastest is the limit.
-    assert set(rates) == {"xla", "numpy"} | ({"jaxllm_kernel"} if cpu_build.available() else set())
+    assert set(rates) == {"xla", "numpy"} | ({"jaxllm_kernel"} if ops.native_kernels() else set())
     assert gflops == max(rates.values()) > 0
     assert all(r["dot_gflops"] == gflops and r["dot_rates"] == rates for r in result["results"])
     for row in result["results"]:

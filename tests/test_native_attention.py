@@ -25,15 +25,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels_pallas import cpu_build, cpu_features
+from kernels_pallas import cpu_build, cpu_features, ops
 from kernels_pallas.attention import cpu
+from kernels_pallas.attention.cpu import token_rows_and_positions
 from kernels_pallas.attention.reference import ragged_paged_attention_reference
-from kernels_pallas.attention.xla import native_applies, ragged_paged_attention_xla, token_rows_and_positions
+from kernels_pallas.attention.xla import ragged_paged_attention_xla
+from kernels_pallas.ops import attention_native_applies as native_applies
 from tests.test_kernels_pallas import _ragged_batch
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                 reason="no C++ compiler: the kernel cannot be built here")
 SCALE = 0.125
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_loaded():
+    # The ops table loads the library and registers the kernels' FFI targets; the tests call the kernels directly.
+    assert ops.native_kernels(), ops.native_unavailable_reason()
 
 
 def _case(rng, *, block_size, head_dim, group, kv_heads, dtype, width, pad_rows=1, pad_tokens=2):
@@ -245,9 +253,9 @@ def test_native_attention_cascades_form_where_rows_share_blocks(name, rows, wind
     # threads (at least the number given, on two or more), and every token as the reference has it.
     rng = np.random.default_rng(len(name))
     args = _prefix_rows(rng, rows, block_size=_BS, head_dim=64, group=3, kv_heads=3, dtype=jnp.float32)
-    before = cpu.cascade_units_formed()
+    before = ops.cascade_units_formed()
     got = _native(*args, sliding_window=window)
-    formed = cpu.cascade_units_formed() - before
+    formed = ops.cascade_units_formed() - before
     np.testing.assert_allclose(np.asarray(got), _want(*args, sliding_window=window), atol=1e-5, rtol=0)
     if cascades == 0 or (os.cpu_count() or 1) >= 2:
         assert (formed >= cascades) if cascades else (formed == 0), (name, formed)
@@ -303,9 +311,8 @@ def test_ragged_attention_sends_every_row_to_the_kernel_and_agrees_with_the_tile
     assert native_applies(args[1], args[0].shape[1])
     window = [None, 9][seed % 2]
     want = ragged_paged_attention_reference(*args, scale=SCALE, sliding_window=window)
-    attend = functools.partial(ragged_paged_attention_xla, scale=SCALE, sliding_window=window)
-    got = jax.jit(attend)(*args)
-    tiles = jax.jit(functools.partial(attend, use_native=False))(*args)
+    got = jax.jit(functools.partial(ops.xla_attention, scale=SCALE, sliding_window=window))(*args)
+    tiles = jax.jit(functools.partial(ragged_paged_attention_xla, scale=SCALE, sliding_window=window))(*args)
     tol = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}[dtype]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=0)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(tiles, np.float32), atol=tol, rtol=0)
@@ -326,8 +333,8 @@ def test_native_attention_is_not_taken_where_it_does_not_apply_and_refused_when_
     with pytest.raises(ValueError, match=r"3 query heads, 2 KV heads, block_size 4; the kernel takes"):
         cpu.ragged_paged_attention_cpu(q[:, :3], k, v, tables, row, pos, scale=SCALE)
     with pytest.raises(ValueError, match=r"use_native=True needs .*scales True"):
-        ragged_paged_attention_xla(q, k.astype(jnp.int8), v.astype(jnp.int8), tables, lens, qsl, n, scale=SCALE,
-                                   k_scale=scales, v_scale=scales, use_native=True)
+        ops.xla_attention(q, k.astype(jnp.int8), v.astype(jnp.int8), tables, lens, qsl, n, scale=SCALE,
+                          k_scale=scales, v_scale=scales, use_native=True)
     with pytest.raises(ValueError, match=r"cache dtypes int8, int8"):
         cpu.ragged_paged_attention_cpu(q, k.astype(jnp.int8), v.astype(jnp.int8), tables, row, pos, scale=SCALE)
 
@@ -357,9 +364,8 @@ def test_native_attention_refuses_a_table_row_or_position_it_would_read_past(bad
 
 
 def _probe(env: dict[str, str]) -> str:
-    code = ("from kernels_pallas import cpu_build; from kernels_pallas.attention import xla; import jax.numpy as jnp; "
-            "a = cpu_build.available(); "
-            "print(a, cpu_build.unavailable_reason(), xla.native_applies(jnp.zeros((1, 1, 1, 1)), 1))")
+    code = ("from kernels_pallas import ops; import jax.numpy as jnp; a = ops.native_kernels(); "
+            "print(a, ops.native_unavailable_reason(), ops.attention_native_applies(jnp.zeros((1, 1, 1, 1)), 1))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr

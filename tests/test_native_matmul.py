@@ -35,6 +35,12 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g+
                                 reason="no C++ compiler: the kernel cannot be built here")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_loaded():
+    # The ops table loads the library and registers the kernels' FFI targets; the tests call the kernels directly.
+    assert ops.native_kernels(), ops.native_unavailable_reason()
+
+
 def test_stacked_matmul_matches_numpy_on_every_tile_shape():
     # Rows 1-13, 48 and 64 cover whole tiles of 6 rows and every remainder, and AVX2's tiles of 3 rows by 4
     # vectors up to 6 rows (1-3 in place, 4-6 over chunks); N = 16 .. 208 gives panels of 1-4 vectors of 16
@@ -165,13 +171,13 @@ def test_packed_panels_hold_the_weight_transposed_and_multiply_as_numpy_on_every
     # The class: any w [N, K] with N a whole number of panels (P columns: 64 with AVX-512, 16 with AVX2) and K a
     # multiple of 16, times x of 1-13, 48 or 97 rows (few-row tiles, whole and partial tiles of 6 rows, pieces of a
     # panel's columns or rows when there are fewer panels than threads to share them), any leading rows computed.
-    p = lm_head_cpu.nt_panel_columns()
+    p = ops.lm_head_panel_columns()
     assert p in (16, 64)
     rng = np.random.default_rng(4)
     for k_dim, n in [(16, p), (48, 3 * p), (576, 4 * p), (64, 9 * p)]:
         w = rng.standard_normal((n, k_dim)).astype(np.float32)
-        panels = lm_head_cpu.pack_nt_panels(jnp.asarray(w))
-        assert panels.shape == lm_head_cpu.nt_panels_shape(w) == (n // p, k_dim, p)
+        panels = ops.pack_lm_head_panels(jnp.asarray(w))
+        assert panels.shape == lm_head_cpu.nt_panels_shape(w, p) == (n // p, k_dim, p)
         np.testing.assert_array_equal(np.asarray(panels), w.reshape(n // p, p, k_dim).transpose(0, 2, 1))
         for m in [*range(1, 14), 48, 97]:
             x = rng.standard_normal((m, k_dim)).astype(np.float32)
@@ -187,15 +193,16 @@ def test_packed_panels_hold_the_weight_transposed_and_multiply_as_numpy_on_every
 
 
 def test_packed_panels_are_refused_for_a_weight_they_do_not_fit():
-    p = lm_head_cpu.nt_panel_columns()
+    p = ops.lm_head_panel_columns()
     w = jnp.ones((3 * p + 1, 32), jnp.float32)  # a vocabulary that is not whole panels
-    assert lm_head_cpu.nt_panels_shape(w) is None
+    assert lm_head_cpu.nt_panels_shape(w, p) is None
     with pytest.raises(ValueError, match=rf"pack_nt_panels: w float32 \({3 * p + 1}, 32\); expected .* panel"):
-        lm_head_cpu.pack_nt_panels(w)
+        ops.pack_lm_head_panels(w)
     w = jnp.ones((2 * p, 32), jnp.float32)
     x = jnp.ones((4, 32), jnp.float32)
     for bad in (jnp.ones((2, 32, p), jnp.bfloat16), jnp.ones((2, p, 32), jnp.float32), jnp.ones((1, 32, p))):
-        with pytest.raises(ValueError, match=rf"matmul_nt_cpu: panels .*; expected float32 \(2, 32, {p}\)"):
+        with pytest.raises(ValueError, match=rf"matmul_nt_cpu: panels .*; expected float32 \[N / P, K, P\] of w "
+                                             rf"\({2 * p}, 32\)"):
             lm_head_cpu.matmul_nt_cpu(x, w, panels=bad)
 
 

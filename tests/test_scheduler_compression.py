@@ -21,9 +21,9 @@ from tests._scheduler_harness import (FakeClock, FakeRunner, check_block_invaria
 MAX_MODEL_LEN = 64
 
 
-def _config(num_compressed_blocks: int, **overrides) -> SchedulerConfig:
+def _config(num_pool_blocks: int, **overrides) -> SchedulerConfig:
     cfg = dict(num_blocks=7, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN,
-               num_compressed_blocks=num_compressed_blocks, graceful_degradation=False)
+               num_pool_blocks=num_pool_blocks, graceful_degradation=False)
     cfg.update(overrides)
     return SchedulerConfig(**cfg)
 
@@ -49,7 +49,7 @@ def _run(config: SchedulerConfig, allow=(True, True), priority=(0, 0)):
         assert req.output_token_ids == reference_output(req.prompt_token_ids, req.sampling_params, None,
                                                         MAX_MODEL_LEN)
     assert sched.block_pool.num_free_blocks == config.num_blocks - 1
-    cpool = kv.compressed_pool
+    cpool = kv.scaled_pool
     assert cpool is None or cpool.num_free_blocks == cpool.num_blocks - 1
     return sched, reqs, held
 
@@ -57,13 +57,13 @@ def _run(config: SchedulerConfig, allow=(True, True), priority=(0, 0)):
 def test_without_compression_the_later_request_is_preempted_once():
     # The baseline of the scenario (module docstring).
     sched, reqs, _ = _run(_config(0))
-    assert (sched.num_preemptions, reqs[1].num_preemptions, sched.stats.num_blocks_compressed) == (1, 1, 0)
+    assert (sched.num_preemptions, reqs[1].num_preemptions, sched.stats.num_blocks_pooled) == (1, 1, 0)
 
 
 def test_compression_replaces_the_preemption():
     sched, reqs, held = _run(_config(5))
     stats = sched.stats
-    assert (sched.num_preemptions, stats.num_blocks_compressed, stats.num_compressed_blocks) == (0, 2, 4)
+    assert (sched.num_preemptions, stats.num_blocks_pooled, stats.num_pool_blocks) == (0, 2, 4)
     # Victim order (FCFS: the latest arrival first), its oldest blocks first: r1's first two blocks, slots 1 and 2.
     first = next(i for i, h in enumerate(held) if any(h.values()))
     assert held[first] == {"r0": [], "r1": [8, 9]}
@@ -78,8 +78,8 @@ def test_the_compressions_of_one_step_are_reported_as_device_block_and_slot_pair
     while sched.has_unfinished_requests():
         before = {rid: list(ids) for rid, ids in sched.kv_cache_manager.req_to_block_ids.items()}
         out = sched.schedule()
-        if out.copies(CopyKind.COMPRESS):
-            pairs.append((before["r1"][:2], out.copies(CopyKind.COMPRESS)))
+        if out.copies(CopyKind.ENCODE):
+            pairs.append((before["r1"][:2], out.copies(CopyKind.ENCODE)))
         sched.update_from_output(out, runner(out))
     assert len(pairs) == 1
     old_ids, compress = pairs[0]
@@ -88,7 +88,7 @@ def test_the_compressions_of_one_step_are_reported_as_device_block_and_slot_pair
 
 def test_a_pool_of_one_slot_compresses_one_block_then_preempts():
     sched, _, _ = _run(_config(2))
-    assert (sched.num_preemptions, sched.stats.num_blocks_compressed) == (1, 1)
+    assert (sched.num_preemptions, sched.stats.num_blocks_pooled) == (1, 1)
 
 
 @pytest.mark.parametrize("allow, priority, holder", [
@@ -99,20 +99,20 @@ def test_a_pool_of_one_slot_compresses_one_block_then_preempts():
 ])
 def test_opted_out_and_high_priority_requests_are_never_compressed(allow, priority, holder):
     sched, _, held = _run(_config(5, scheduling_policy="priority"), allow, priority)
-    assert (sched.num_preemptions, sched.stats.num_blocks_compressed) == (0, 2)
+    assert (sched.num_preemptions, sched.stats.num_blocks_pooled) == (0, 2)
     other = {"r0": "r1", "r1": "r0"}[holder]
     assert any(h.get(holder) for h in held) and not any(h.get(other) for h in held)
 
 
 def test_when_no_request_may_be_compressed_the_preemption_happens_as_before():
     sched, reqs, held = _run(_config(5), allow=(False, False))
-    assert (sched.num_preemptions, reqs[1].num_preemptions, sched.stats.num_blocks_compressed) == (1, 1, 0)
+    assert (sched.num_preemptions, reqs[1].num_preemptions, sched.stats.num_blocks_pooled) == (1, 1, 0)
     assert not any(any(h.values()) for h in held)
 
 
 def test_compression_without_prefix_caching():
     sched, _, _ = _run(_config(5, enable_prefix_caching=False))
-    assert (sched.num_preemptions, sched.stats.num_blocks_compressed) == (0, 2)
+    assert (sched.num_preemptions, sched.stats.num_blocks_pooled) == (0, 2)
 
 
 def _finish_exactly(sched, runner, reqs):
@@ -136,10 +136,10 @@ def test_preempting_a_request_with_compressed_blocks_frees_both_kinds():
     # r1: 2 compressed blocks and 2 device blocks; r0: 4 device blocks; nothing free on the device.
     ids = kv.get_block_ids("r1")
     assert (len(ids), sum(b >= config.num_blocks for b in ids), len(kv.get_block_ids("r0"))) == (4, 2, 4)
-    assert (sched.block_pool.num_free_blocks, kv.compressed_pool.num_free_blocks) == (0, 2)
+    assert (sched.block_pool.num_free_blocks, kv.scaled_pool.num_free_blocks) == (0, 2)
     sched.reset_prefix_cache(reset_running_requests=True)  # a recompute preemption of every running request
     check_block_invariants(sched)
-    assert (sched.block_pool.num_free_blocks, kv.compressed_pool.num_free_blocks) == (6, 4)
+    assert (sched.block_pool.num_free_blocks, kv.scaled_pool.num_free_blocks) == (6, 4)
     _finish_exactly(sched, runner, reqs)
 
 
@@ -161,8 +161,8 @@ def test_an_urgent_arrival_compresses_instead_of_preempting(num_compressed, pree
         check_block_invariants(sched)
         if out.preempted:
             seen_preempted.append((n, [r.request_id for r in out.preempted]))
-        if out.copies(CopyKind.COMPRESS):
-            seen_compressed.append((n, len(out.copies(CopyKind.COMPRESS))))
+        if out.copies(CopyKind.ENCODE):
+            seen_compressed.append((n, len(out.copies(CopyKind.ENCODE))))
         sched.update_from_output(out, runner(out))
         n += 1
     assert (seen_preempted, seen_compressed) == (preempted, compressed)
@@ -181,12 +181,12 @@ def test_a_discarded_output_restarts_the_requests_its_compressions_touched():
         sched.add_request(req)
     while True:
         out = sched.schedule()
-        if out.copies(CopyKind.COMPRESS):
+        if out.copies(CopyKind.ENCODE):
             break
         sched.update_from_output(out, runner(out))
     sched.discard_output(out)
     check_block_invariants(sched)
-    assert not sched.running and sched.kv_cache_manager.compressed_pool.num_free_blocks == 4
+    assert not sched.running and sched.kv_cache_manager.scaled_pool.num_free_blocks == 4
     _finish_exactly(sched, runner, reqs)
 
 
@@ -200,10 +200,10 @@ def test_graceful_degradation_backs_off_only_once_compression_cannot_cover():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(num_compressed_blocks=1), "num_compressed_blocks=1 is out of range: must be 0 .* or an int >= 2"),
-    (dict(num_compressed_blocks=True), "num_compressed_blocks=True"),
-    (dict(num_compressed_blocks=4, preemption_mode="swap", num_host_blocks=4), "preemption_mode='swap'"),
-    (dict(num_compressed_blocks=4, num_offload_blocks=4), r"host tier \(num_offload_blocks=4\)"),
+    (dict(num_pool_blocks=1), "num_pool_blocks=1 is out of range: must be 0 .* or an int >= 2"),
+    (dict(num_pool_blocks=True), "num_pool_blocks=True"),
+    (dict(num_pool_blocks=4, preemption_mode="swap", num_host_blocks=4), "preemption_mode='swap'"),
+    (dict(num_pool_blocks=4, num_offload_blocks=4), r"host tier \(num_offload_blocks=4\)"),
 ])
 def test_bad_compression_settings_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -15,7 +15,7 @@ block tables), and free blocks == total - 1. Runs under every policy and both
 preemption modes, with and without ``reserve_predicted_output``, with and without a host tier for the prefix
 cache: its slots held + free always add up (``check_host_tier``), a step's loads never read a slot
 its deferred offloads write, every copy moves exactly its block's tokens (``check_tier_copies``), and after every
-step each slot holds exactly its block's tokens. With a compressed KV pool (``num_compressed_blocks``; the fake
+step each slot holds exactly its block's tokens. With a compressed KV pool (``num_pool_blocks``; the fake
 runner's compression is lossless, so outputs must still be exact): its slots held + free add up, only requests that
 may be compressed hold compressed blocks, and compaction and resizing are refused.
 """
@@ -84,7 +84,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_offload_blocks=offload if caching else 0,
             aging_rate=0.5,
             reserve_predicted_output=reserve,
-            num_compressed_blocks=compressed if self.compression else 0,
+            num_pool_blocks=compressed if self.compression else 0,
         )
         self.clock = FakeClock()
         self.sched = Scheduler(self.config, clock=self.clock)
@@ -169,7 +169,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def check_compressed_holders(self):
         """Only requests that may be compressed hold compressed blocks."""
         kv = self.sched.kv_cache_manager
-        cpool = kv.compressed_pool
+        cpool = kv.scaled_pool
         if cpool is None:
             return
         for rid, blocks in kv.req_to_blocks.items():
@@ -217,7 +217,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         teardown's outputs check that nothing read moved KV wrongly)."""
         pool = self.sched.block_pool
         if self.compression:
-            with pytest.raises(ValueError, match="num_compressed_blocks"):
+            with pytest.raises(ValueError, match="num_pool_blocks"):
                 self.sched.compact_kv_cache()
             return
         live = {id(b) for b in pool.blocks if b.ref_cnt or b.block_hash is not None}
@@ -276,7 +276,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 ), req
         assert self.sched.block_pool.num_free_blocks == self.config.num_blocks - 1
         assert self.sched.kv_cache_manager.swap.host_pool.num_free_blocks == 6
-        cpool = self.sched.kv_cache_manager.compressed_pool
+        cpool = self.sched.kv_cache_manager.scaled_pool
         assert cpool is None or cpool.num_free_blocks == cpool.num_blocks - 1
 
 

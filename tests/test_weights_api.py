@@ -18,8 +18,7 @@ from jaxllm.core.messages import flatten, unflatten
 from jaxllm.frontend.front_end import EngineSleepingError
 from jaxllm.loader import load_model
 from jaxllm.models import param_layout
-from kernels_pallas import cpu_build
-from kernels_pallas.lm_head.cpu import pack_nt_panels
+from kernels_pallas import ops
 from kernels_pallas.ops import HEAD_PANELS
 from tests.conftest import STORIES, STORIES_SENTENCE
 
@@ -203,10 +202,10 @@ def test_an_update_holds_at_most_one_leaf_more_and_lets_the_old_weights_go(resto
     assert _live_bytes() == before
 
 
-@pytest.mark.skipif(not cpu_build.available(), reason="the lm_head's panels are for the native kernels")
+@pytest.mark.skipif(not ops.native_kernels(), reason="the lm_head's panels are for the native kernels")
 def test_an_update_of_the_tied_embedding_packs_the_lm_heads_panels_again(restored, host, reference):
     runner = restored.engine.runner
-    pack = jax.jit(pack_nt_panels)
+    pack = ops.pack_lm_head_panels
     # stories260K ties its [512, 64] float32 embedding: the engine holds it packed for the lm_head too.
     np.testing.assert_array_equal(np.asarray(runner.weights.params[HEAD_PANELS]), np.asarray(pack(host["embed"])))
     compiled = runner.compile_stats.num_compilations

@@ -15,11 +15,10 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxllm.config import EngineConfig
+from jaxllm.config import CacheConfig, CompilationConfig, EngineConfig, SpeculativeConfig
 from jaxllm.core.engine_core import EngineCore
 from jaxllm.loader import load_sharded, read_model_config
 from jaxllm.logger import init_logger
-from jaxllm.models import param_layout
 from jaxllm.models.config import ModelConfig
 from jaxllm.paths import cache_dir
 from jaxllm.spec_decode import NgramProposer
@@ -27,13 +26,13 @@ from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.tokenizer import load_tokenizer
 from jaxllm.worker.host_malloc import tune_host_malloc
-from jaxllm.worker.kv_cache import (KV_QUANT_DTYPES, bytes_per_block, calibrate_kv_scales, calibration_ids,
-                                    fit_max_model_len, kv_number_dtype, resolve_num_blocks, split_kv_budget)
+from jaxllm.worker.kv_cache import (bytes_per_block, calibrate_kv_scales, calibration_ids, check_pool_backend,
+                                    describe_pool, fit_max_model_len, kv_number_dtype, size_kv_pools)
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.programs import enable_persistent_compilation_cache
 from jaxllm.worker.quantization import weight_quantization
 from jaxllm.worker.sharding import ModelSharding, make_mesh
-from jaxllm.worker.weights import flatten, layout_of, place_leaf, prepare_params, unflatten
+from jaxllm.worker.weights import place_given_params
 from kernels_pallas.cpu_features import describe_cpu
 from kernels_pallas.ops import HEAD_PANELS, AttentionOps, default_attention_backend, get_attention_ops
 from scheduler import BucketTable
@@ -59,7 +58,7 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
       model: a HF model folder, a ``.gguf`` file or a jaxllm orbax folder; or, with ``params``, a ``ModelConfig``
         (prompts are token ids then).
       config: the ``EngineConfig`` (``data_parallel_size`` 1: one core is one replica).
-      params: weights to serve instead of the model's own (:func:`place_given_params`).
+      params: weights to serve instead of the model's own (``weights.place_given_params``).
       mesh: this replica's ``(data, model)`` mesh; default ``make_mesh(tensor_parallel_size)``.
       core_index: this core's data-parallel rank.
 
@@ -67,8 +66,9 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
       ValueError: a bad model path or architecture, a config value out of range, heads that do not split, a draft model
         that does not fit, a KV budget holding no ``max_model_len`` sequence, or ``data_parallel_size > 1``.
     """
-    if config.data_parallel_size > 1:
-        raise ValueError(f"data_parallel_size={config.data_parallel_size}: an EngineCore is one replica; "
+    parallel, cache, compilation = config.parallel, config.cache, config.compilation
+    if parallel.data_parallel_size > 1:
+        raise ValueError(f"data_parallel_size={parallel.data_parallel_size}: an EngineCore is one replica; "
                          "LLM and the server run one core per replica")
     # Before JAX's CPU client starts its threads (make_mesh, the weights): see host_malloc.
     logger.info(tune_host_malloc())
@@ -80,38 +80,37 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
     max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
     config.scheduler_config(num_blocks=2, max_model_len=max_model_len)
     dtype = resolve_dtype(config.dtype)
-    mesh = mesh if mesh is not None else make_mesh(config.tensor_parallel_size)
+    mesh = mesh if mesh is not None else make_mesh(parallel.tensor_parallel_size)
     if params is None:
         cfg, params, _, sharding = load_sharded(path, dtype, mesh, quantization=config.quantization)
     else:
         sharding = ModelSharding(cfg, mesh)
         params = place_given_params(cfg, params, dtype, sharding, config.quantization)
     tokenizer = (lambda: load_tokenizer(path)) if path is not None else (lambda: None)
-    backend = config.attention_backend or default_attention_backend()
-    if config.kv_cache_compression is not None and backend == "pallas":
-        raise ValueError(f"kv_cache_compression={config.kv_cache_compression!r} cannot be used with the pallas "
-                         "attention backend (the default on GPU; its kernels read one pool): set "
-                         "attention_backend='xla' (--attention-backend xla)")
-    ops = sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
-    cache = config.compilation_cache
-    enable_persistent_compilation_cache(str(cache_dir() / "xla") if cache == "default" else cache)
-    kv_dtype = kv_number_dtype(config.kv_cache_dtype, dtype)
-    if config.max_model_len is None and config.num_kv_blocks is None:
+    backend = compilation.attention_backend or default_attention_backend()
+    check_pool_backend(cache, backend)
+    ops = sharding.attention_ops(get_attention_ops(backend, interpret=compilation.interpret))
+    enable_persistent_compilation_cache(compilation_cache_path(compilation))
+    kv_dtype = kv_number_dtype(cache.kv_cache_dtype, dtype)
+    if config.max_model_len is None and cache.num_kv_blocks is None:
         # Sized from a memory budget (measured now that the weights are placed): a model whose own length
         # outgrows it serves the longest length it holds, as vLLM's max_model_len=-1.
-        max_model_len = fit_max_model_len(sharding.per_device_config(), block_size=config.block_size,
-                                          dtype=kv_dtype, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        max_model_len = fit_max_model_len(sharding.per_device_config(), block_size=cache.block_size,
+                                          dtype=kv_dtype, kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
                                           max_model_len=max_model_len, device=sharding.mesh.devices.flat[0])
     if kv_dtype != np.dtype(dtype):
         ids = calibration_ids(tokenizer(), cfg.vocab_size)[:max_model_len]
         k_scale, v_scale = calibrate_kv_scales(cfg, params, ids, ops=ops, sharding=sharding, kv_dtype=kv_dtype)
         params = {**params, "layers": {**params["layers"], "k_scale": k_scale, "v_scale": v_scale}}
-    runner = build_runner(cfg, params, config, sharding=sharding, ops=ops, backend=backend, dtype=dtype,
-                          kv_dtype=kv_dtype, max_model_len=max_model_len)
-    spec = config.speculative_config
+    spec = config.speculative
+    buckets = BucketTable(*config.bucket_ladders(max_model_len, backend))
+    runner = build_runner(cfg, params, cache, spec, sharding=sharding, ops=ops, backend=backend, dtype=dtype,
+                          kv_dtype=kv_dtype, max_model_len=max_model_len, buckets=buckets,
+                          max_num_seqs=config.scheduler.max_num_seqs)
     drafter = proposer = None
     if spec is not None and spec.method == "draft_model":
-        drafter = build_drafter(config, runner, mesh=sharding.mesh, backend=backend, max_model_len=max_model_len)
+        drafter = build_drafter(spec, cache, compilation, runner, mesh=sharding.mesh, backend=backend,
+                                max_model_len=max_model_len)
     elif spec is not None:
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
     structured = StructuredOutputManager(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
@@ -123,59 +122,47 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
     return core
 
 
-def place_given_params(cfg: ModelConfig, params: Any, dtype: Any, sharding: ModelSharding,
-                       quantization: Optional[str]) -> Any:
-    """Check a whole in-memory tree (``LLM(params=...)``) against ``cfg``'s layout (``prepare_params``:
-    cast to ``dtype``, quantized with ``quantization``) and place it by ``sharding``; returns the placed pytree.
+def compilation_cache_path(compilation: CompilationConfig) -> Optional[str]:
+    """The folder of JAX's persistent compilation cache ``compilation.compilation_cache`` names ("default":
+    ``<jaxllm cache>/xla``), or None: off."""
+    path = compilation.compilation_cache
+    return str(cache_dir() / "xla") if path == "default" else path
+
+
+def build_runner(cfg: ModelConfig, params: Any, cache: CacheConfig, spec: Optional[SpeculativeConfig], *,
+                 sharding: ModelSharding, ops: AttentionOps, backend: str, dtype: Any, kv_dtype: np.dtype,
+                 max_model_len: int, buckets: BucketTable, max_num_seqs: int) -> ModelRunner:
+    """The target model's runner over placed ``params``, its KV cache sized from ``cache`` (``kv_cache.size_kv_pools``) for ``max_num_seqs`` rows, its steps padded to ``buckets``;
+    ``spec``'s draft positions (None: one position a row).
 
     Raises:
-      ValueError: the first unknown, missing or mismatched leaf.
+      ValueError: no ``max_model_len`` sequence fits, or a pool share below 2 blocks.
     """
-    layout = layout_of(param_layout(cfg, dtype, quantization))
-    flat = prepare_params(params, layout, partial=False)
-    shardings = flatten(sharding.param_shardings(unflatten(layout)))
-    return unflatten({path: place_leaf(leaf, shardings[path]) for path, leaf in flat.items()})
-
-
-def build_runner(cfg: ModelConfig, params: Any, config: EngineConfig, *, sharding: ModelSharding, ops: AttentionOps,
-                 backend: str, dtype: Any, kv_dtype: np.dtype, max_model_len: int) -> ModelRunner:
-    """The target model's runner over placed ``params``, its KV cache sized from ``config``
-    (``resolve_num_blocks``, or ``split_kv_budget`` with ``kv_cache_compression``) and its bucket table.
-
-    Raises:
-      ValueError: no ``max_model_len`` sequence fits, a compressed share below 2 blocks, or a short bucket ladder.
-    """
-    sizes = dict(block_size=config.block_size, dtype=kv_dtype, num_kv_blocks=config.num_kv_blocks,
-                 kv_cache_memory_bytes=config.kv_cache_memory_bytes, max_num_seqs=config.max_num_seqs,
+    sizes = dict(block_size=cache.block_size, dtype=kv_dtype, num_kv_blocks=cache.num_kv_blocks,
+                 kv_cache_memory_bytes=cache.kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
                  max_model_len=max_model_len, device=sharding.mesh.devices.flat[0])
-    num_compressed = 0
-    if config.kv_cache_compression is None:
-        num_blocks = resolve_num_blocks(sharding.per_device_config(), **sizes)
-    else:
-        num_blocks, num_compressed = split_kv_budget(sharding.per_device_config(),
-                                                     fraction=config.kv_cache_compression_fraction, **sizes)
-    spec = config.speculative_config
+    num_blocks, num_pool_blocks, pool_dtype = size_kv_pools(sharding.per_device_config(), cache, **sizes)
+    offload_bytes = int(cache.kv_offloading_size * 2**30)
     return ModelRunner(
-        cfg, params, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, ops=ops,
-        buckets=BucketTable(*config.bucket_ladders(max_model_len, backend)), sharding=sharding,
-        num_host_blocks=config.num_host_blocks, num_sampling_slots=config.max_num_seqs + 1,
-        num_offload_blocks=config.num_offload_blocks(bytes_per_block(cfg, config.block_size, kv_dtype)),
+        cfg, params, num_blocks=num_blocks, block_size=cache.block_size, dtype=dtype, ops=ops,
+        buckets=buckets, sharding=sharding,
+        num_host_blocks=cache.num_host_blocks, num_sampling_slots=max_num_seqs + 1,
+        num_offload_blocks=offload_bytes // bytes_per_block(cfg, cache.block_size, kv_dtype),
         max_model_len=max_model_len,
         float_bits_storage=backend != "pallas" and sharding.mesh.devices.flat[0].platform == "cpu",
         kv_cache_dtype=kv_dtype, num_positions=1 + (spec.num_speculative_tokens if spec is not None else 0),
-        num_compressed_blocks=num_compressed,
-        compressed_dtype=None if not num_compressed else KV_QUANT_DTYPES[config.kv_cache_compression],
+        num_pool_blocks=num_pool_blocks, pool_dtype=pool_dtype,
     )
 
 
-def build_drafter(config: EngineConfig, target: ModelRunner, *, mesh: jax.sharding.Mesh, backend: str,
-                  max_model_len: int) -> DraftRunner:
-    """The draft model's runner (the target's block count and size) on ``mesh``.
+def build_drafter(spec: SpeculativeConfig, cache: CacheConfig, compilation: CompilationConfig, target: ModelRunner,
+                  *, mesh: jax.sharding.Mesh, backend: str, max_model_len: int) -> DraftRunner:
+    """The draft model's runner of ``spec.model`` (the target's block count and buckets, ``cache``'s block size
+    and host blocks) on ``mesh``.
 
     Raises:
       ValueError: a bad path, a vocabulary unlike the target's, or positions short of ``max_model_len``.
     """
-    spec = config.speculative_config
     cfg, params, _, sharding = load_sharded(Path(spec.model), target.dtype, mesh)
     if cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"speculative_config model={spec.model!r} has vocab_size={cfg.vocab_size}; the target "
@@ -183,11 +170,11 @@ def build_drafter(config: EngineConfig, target: ModelRunner, *, mesh: jax.shardi
     if cfg.max_position_embeddings < max_model_len:
         raise ValueError(f"speculative_config model={spec.model!r} has max_position_embeddings="
                          f"{cfg.max_position_embeddings}, below max_model_len={max_model_len}")
-    ops = sharding.attention_ops(get_attention_ops(backend, interpret=config.interpret))
+    ops = sharding.attention_ops(get_attention_ops(backend, interpret=compilation.interpret))
     return DraftRunner(
         cfg, params, num_speculative_tokens=spec.num_speculative_tokens, num_positions=target.num_positions,
-        num_blocks=target.cache_engine.num_blocks, block_size=config.block_size, dtype=target.dtype, ops=ops,
-        buckets=target.buckets, sharding=sharding, num_host_blocks=config.num_host_blocks,
+        num_blocks=target.cache_engine.num_blocks, block_size=cache.block_size, dtype=target.dtype, ops=ops,
+        buckets=target.buckets, sharding=sharding, num_host_blocks=cache.num_host_blocks,
         num_offload_blocks=target.cache_engine.num_offload_blocks,
         float_bits_storage=target.weights.float_bits_storage,
     )
@@ -195,14 +182,14 @@ def build_drafter(config: EngineConfig, target: ModelRunner, *, mesh: jax.shardi
 
 def warm_up(core: EngineCore) -> None:
     """Build the step programs of every runner now, or start building them in the background
-    (``EngineConfig.precompile``), and log what was built."""
-    config = core.config
-    if not config.precompile:
+    (``CompilationConfig.precompile``), and log what was built."""
+    precompile = core.config.compilation.precompile
+    if not precompile:
         logger.info("step programs are built on first use (precompile=False)")
         return
     for r in [core.runner] + ([core.drafter] if core.drafter is not None else []):
-        seconds = r.warmup(swap=config.preemption_mode == "swap" or r.cache_engine.num_offload_blocks > 0,
-                           background=config.precompile == "background")
+        swap = core.config.scheduler.preemption_mode == "swap" or r.cache_engine.num_offload_blocks > 0
+        seconds = r.warmup(swap=swap, background=precompile == "background")
         pending, c = r.programs.num_pending_programs(), r.compile_stats
         logger.info(f"built {c.num_compilations} {'draft model ' if r is core.drafter else ''}programs in "
                     f"{seconds:.1f} s: {c.num_compilations - c.num_cache_hits} compiled ({c.compile_seconds:.1f} s), "
@@ -223,12 +210,9 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
                 f"{core.config.dtype!r}{why})" + (f"; CPU: {describe_cpu()}" if on_cpu else ""))
     rows = [b.seq_bucket_for(t) for t in b.token_buckets]
     logger.info(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {rows}, block-table widths "
-                f"{list(b.width_buckets)}); {core.num_blocks} KV blocks of {core.config.block_size} tokens "
+                f"{list(b.width_buckets)}); {core.num_blocks} KV blocks of {core.config.cache.block_size} tokens "
                 f"({core.kv_cache_dtype.name}); attention {backend}; tensor parallel "
                 f"{core.sharding.tensor_parallel_size}")
-    pool = core.runner.cache_engine.compressed
+    pool = describe_pool(core.config.cache, core.runner.cache_engine, core.num_blocks)
     if pool is not None:
-        config = core.config
-        logger.info(f"KV compression ({config.kv_cache_compression}): {pool.k.shape[1]} compressed blocks beside "
-                    f"the {core.num_blocks} device blocks "
-                    f"(kv_cache_compression_fraction={config.kv_cache_compression_fraction})")
+        logger.info(pool)

@@ -98,13 +98,13 @@ class EngineCore:
         self.param_bytes = param_bytes(runner.weights.params)
         self._runners = [runner] + ([drafter] if drafter is not None else [])
         self.cache_engines = CacheEngines([r.cache_engine for r in self._runners])
-        self.slots = SamplingSlots(config.max_num_seqs + 1, self.model_config.vocab_size, runner)
-        scheduler_cls = StaticBatchScheduler if config.batching == "static" else Scheduler
+        self.slots = SamplingSlots(config.scheduler.max_num_seqs + 1, self.model_config.vocab_size, runner)
+        scheduler_cls = StaticBatchScheduler if config.scheduler.batching == "static" else Scheduler
         cache = runner.cache_engine
-        num_compressed = 0 if cache.compressed is None else cache.compressed.k.shape[1]
+        num_pool_blocks = 0 if cache.scaled_pool is None else cache.scaled_pool.k.shape[1]
         self.scheduler = scheduler_cls(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=max_model_len,
                                                                num_offload_blocks=cache.num_offload_blocks,
-                                                               num_compressed_blocks=num_compressed))
+                                                               num_pool_blocks=num_pool_blocks))
         # Seconds the engine loop spent on the host tier's copies: device -> host (offloads: dispatching their
         # gathers, then writing the host pool while the step runs), host -> device (loads, dispatch only); and of
         # the first, the host writes (after the step's dispatch, off the step's critical path).
@@ -113,7 +113,7 @@ class EngineCore:
         # Bytes one host-tier block copy moves: K and V of every layer, of every runner.
         self._offload_block_bytes = self.cache_engines.host_block_bytes
         self.requests: dict[str, CoreRequest] = {}
-        self.kv_events = make_publisher(config.kv_events_config, core_index)
+        self.kv_events = make_publisher(config.observability.kv_events_config, core_index)
         # Records whose prompt is not scheduled yet, and sequences holding a prompt-logprobs tracker: most steps
         # have none, and then skip the per-row look at them.
         self._num_unscheduled = 0
@@ -132,16 +132,16 @@ class EngineCore:
     @property
     def schedules_ahead(self) -> bool:
         """Whether steps overlap (``EngineConfig.async_scheduling``, resolved there)."""
-        return self.config.async_scheduling
+        return self.config.scheduler.async_scheduling
 
     def info(self) -> CoreInfo:
         """What a front end needs to know of this core."""
         return CoreInfo(
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
             eos_token_ids=list(self.model_config.eos_token_ids), num_blocks=self.num_blocks,
-            block_size=self.config.block_size, max_num_seqs=self.config.max_num_seqs,
+            block_size=self.config.cache.block_size, max_num_seqs=self.config.scheduler.max_num_seqs,
             max_banned_ids=MAX_BANNED_IDS,
-            enable_prefix_caching=self.config.enable_prefix_caching,
+            enable_prefix_caching=self.config.cache.enable_prefix_caching,
             device_ids=[d.id for d in self.sharding.mesh.devices.flat], core_index=self.core_index,
         )
 
@@ -721,8 +721,8 @@ class EngineCore:
             num_offload_blocks=s.num_offload_blocks, num_offload_cached_blocks=s.num_offload_cached_blocks,
             num_predicted_finished=s.num_predicted_finished, predicted_output_tokens=s.predicted_output_tokens,
             actual_output_tokens=s.actual_output_tokens, prediction_abs_error_tokens=s.prediction_abs_error_tokens,
-            num_compressed_blocks=s.num_compressed_blocks, num_compressed_in_use=s.num_compressed_in_use,
-            num_blocks_compressed=s.num_blocks_compressed,
+            num_pool_blocks=s.num_pool_blocks, num_pool_in_use=s.num_pool_in_use,
+            num_blocks_pooled=s.num_blocks_pooled,
         )
 
     def _prompt_len_cv(self) -> float:

@@ -94,7 +94,7 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
         engine-loop seconds. num_offload_blocks, num_offload_cached_blocks: host-tier blocks, and those in use.
       num_predicted_finished, predicted_output_tokens, actual_output_tokens, prediction_abs_error_tokens:
         the output-length predictor's record.
-      num_compressed_blocks, num_compressed_in_use, num_blocks_compressed: the compressed KV pool (0 without).
+      num_pool_blocks, num_pool_in_use, num_blocks_pooled: the scheduler's pool tier (``SchedulerStats``; 0 without).
     """
 
     num_running: int
@@ -132,9 +132,9 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     predicted_output_tokens: int = 0
     actual_output_tokens: int = 0
     prediction_abs_error_tokens: int = 0
-    num_compressed_blocks: int = 0
-    num_compressed_in_use: int = 0
-    num_blocks_compressed: int = 0
+    num_pool_blocks: int = 0
+    num_pool_in_use: int = 0
+    num_blocks_pooled: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="outputs"):

@@ -67,10 +67,10 @@ def summarize(report: dict[str, Any]) -> str:
         lines.append(f"host tier: {tier['num_blocks']} blocks: {tier['num_cached_blocks']} cached, "
                      f"{tier['num_free_blocks']} free; {tier['num_offloaded_blocks']} offloaded and "
                      f"{tier['num_loaded_blocks']} loaded so far; {tier['hit_tokens']} prompt tokens served")
-    cpool = report.get("compressed_pool")
+    cpool = report.get("scaled_pool")
     if cpool is not None:
-        lines.append(f"compressed pool: {cpool['num_blocks']} blocks: {cpool['num_used_blocks']} used, "
-                     f"{cpool['num_free_blocks']} free; {cpool['num_compressed_blocks']} compressed so far")
+        lines.append(f"scaled pool: {cpool['num_blocks']} blocks: {cpool['num_used_blocks']} used, "
+                     f"{cpool['num_free_blocks']} free; {cpool['num_blocks_pooled']} taken so far")
     return "\n".join(lines)
 
 

@@ -36,12 +36,13 @@ class FrontEnd:
         self.config, self.tokenizer, self.client = config, tokenizer, client
         # Set by the engines' sleep / wake_up: no request is queued while the cores sleep.
         self.sleeping = False
-        self.input_processor = InputProcessor(tokenizer, client.infos[0], config.seed, config.scheduling_policy)
+        scheduling, observability = config.scheduler, config.observability
+        self.input_processor = InputProcessor(tokenizer, client.infos[0], config.seed, scheduling.scheduling_policy)
         self.output_processor = OutputProcessor(tokenizer)
-        self.metrics = EngineMetrics(log_stats=config.log_stats, metrics_port=config.metrics_port,
-                                     max_num_seqs=config.max_num_seqs,
-                                     max_num_batched_tokens=config.max_num_batched_tokens,
-                                     namespace=config.metrics_namespace, model_name=model_name)
+        self.metrics = EngineMetrics(log_stats=observability.log_stats, metrics_port=observability.metrics_port,
+                                     max_num_seqs=scheduling.max_num_seqs,
+                                     max_num_batched_tokens=scheduling.max_num_batched_tokens,
+                                     namespace=observability.metrics_namespace, model_name=model_name)
         if config.preload_prompts is not None:
             client.preload_prefixes(preload_token_ids(config.preload_prompts, self.input_processor))
 
@@ -55,7 +56,7 @@ class FrontEnd:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         try:
-            check_waiting_limit(self.config.max_waiting_requests, self.output_processor.num_open_sequences,
+            check_waiting_limit(self.config.scheduler.max_waiting_requests, self.output_processor.num_open_sequences,
                                 self.client.infos, self.metrics.core_stats)
         except QueueFullError:
             self.metrics.request_refused.inc()

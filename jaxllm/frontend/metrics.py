@@ -31,7 +31,7 @@ _TRANSFER_TYPES = ("GPU_to_CPU", "CPU_to_GPU")
 _OFFLOAD_FIELDS = ("prefix_cache_hits_host", "kv_offload_bytes_to_host", "kv_offload_bytes_to_device",
                    "kv_offload_seconds_to_host", "kv_offload_seconds_to_device")
 # Cumulative CoreStats fields published as counters of the same meaning, (field, series, help): the output-length
-# predictor's record and the compressed KV pool's compressions.
+# predictor's record and the blocks the scheduler's pool tier took.
 _COUNTED = (
     ("num_predicted_finished", "request_output_length_predictions",
      "Finished requests whose output length the scheduler predicted at arrival."),
@@ -40,8 +40,8 @@ _COUNTED = (
     ("actual_output_tokens", "request_actual_output_tokens", "Output tokens of those requests, as generated."),
     ("prediction_abs_error_tokens", "request_output_length_prediction_abs_error_tokens",
      "Sum over those requests of |predicted - generated| output tokens."),
-    ("num_blocks_compressed", "kv_blocks_compressed",
-     "KV blocks compressed into the one-byte pool instead of a preemption."),
+    ("num_blocks_pooled", "kv_blocks_pooled",
+     "KV blocks moved into the scaled one-byte pool instead of a preemption."),
 )
 # The series vLLM 0.32 publishes under these names with the same meaning (its metrics documentation).
 VLLM_SERIES = frozenset({
@@ -147,8 +147,8 @@ class EngineMetrics:
         self.kv_offload_usage = gauge("kv_offload_usage_perc",
                                       "Fraction of the host tier's blocks holding a block, in [0, 1].")
         self.counted = [counter(name, doc) for _, name, doc in _COUNTED]
-        self.kv_compressed_usage = gauge("kv_compressed_usage_perc",
-                                         "Fraction of the compressed KV pool's blocks held, in [0, 1].")
+        self.kv_pool_usage = gauge("kv_pool_usage_perc",
+                                   "Fraction of the scaled KV pool's blocks held, in [0, 1].")
         self.num_preemptions = counter("num_preemptions", "Preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -297,8 +297,8 @@ class EngineMetrics:
         for metric, value, seen in zip(self.counted, counted, self._seen_counted):
             metric.inc(value - seen)
         self._seen_counted = counted
-        compressed = total("num_compressed_blocks")
-        self.kv_compressed_usage.set(total("num_compressed_in_use") / compressed if compressed else 0.0)
+        pool = total("num_pool_blocks")
+        self.kv_pool_usage.set(total("num_pool_in_use") / pool if pool else 0.0)
         self._seen_preemptions, self._seen_compilations = preemptions, compilations
         spec, per_position = self._spec_totals()
         for series, now, seen in zip(self.spec_decode, spec, self._seen_spec):

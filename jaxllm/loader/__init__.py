@@ -21,6 +21,7 @@ from jaxllm.models.config import ModelConfig
 from jaxllm.paths import model_format, read_generation_config
 from jaxllm.worker.quantization import check_quantization, quantize_params, weight_quantization
 from jaxllm.worker.sharding import ModelSharding
+from jaxllm.worker.weights import place_params
 
 if TYPE_CHECKING:
     from jaxllm.models.common import Params
@@ -105,9 +106,9 @@ def load_sharded(path: str | os.PathLike, dtype: Any, mesh: Mesh,
                              f"them (convert the source again with --quantization {quantization})")
         if stored is None and quantization is not None:
             host = quantize_params(jax.device_get(params), quantization, dtype)
-            params = sharding.place_params(host, dtype)
+            params = place_params(sharding, host, dtype)
         return cfg, params, hf_config, sharding
     if model_format(p) == "gguf" or quantization is not None:
-        return cfg, sharding.place_params(load_model(p, dtype, quantization)[1], dtype), hf_config, sharding
+        return cfg, place_params(sharding, load_model(p, dtype, quantization)[1], dtype), hf_config, sharding
     lazy = params_from_hf(cfg, iter_lazy_safetensors(p), dtype, source=str(p), convert=_lazy, stack=LazyStack)
-    return cfg, sharding.place_params(lazy, dtype), hf_config, sharding
+    return cfg, place_params(sharding, lazy, dtype), hf_config, sharding

@@ -12,10 +12,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import jax
-
-from jaxllm.worker.quantization import leaf_dtype
 from jaxllm.worker.sharding import ModelSharding
+from jaxllm.worker.weights import param_targets
 
 if TYPE_CHECKING:
     from jaxllm.models.common import Params
@@ -51,16 +49,12 @@ def save_checkpoint(path: str | os.PathLike, params: Params, hf_config: dict) ->
 def restore_params(path: str | os.PathLike, sharding: ModelSharding, dtype: Any) -> Params:
     """Restore the parameter pytree into ``sharding``'s parameter shardings (any tensor-parallel degree).
 
-    ``dtype``: of the restored arrays (quantized weights keep theirs, scales float32). Returns ``jax.Array``s
-    sharded as ``sharding.param_specs``.
+    ``dtype``: of the restored arrays (quantized weights keep theirs, scales float32: ``weights.param_targets``).
+    Returns ``jax.Array``s sharded as ``sharding.param_specs``.
     """
     import orbax.checkpoint as ocp
 
     folder = Path(path).absolute() / PARAMS_DIR
     checkpointer = ocp.StandardCheckpointer()
     metadata = checkpointer.metadata(folder).item_metadata.tree
-    shardings = sharding.param_shardings(metadata)
-    target = jax.tree_util.tree_map_with_path(
-        lambda path, m, s: jax.ShapeDtypeStruct(m.shape, leaf_dtype(path[-1].key, m.dtype, dtype), sharding=s),
-        metadata, shardings)
-    return checkpointer.restore(folder, target)
+    return checkpointer.restore(folder, param_targets(sharding, metadata, dtype))

@@ -111,9 +111,9 @@ def param_layout(cfg: ModelConfig, dtype: Any = np.float32, quantization: Option
 
 
 def hidden_states(params: Params, kv_cache: KVCache, batch: StepBatch, *, cfg: ModelConfig,
-                  ops: AttentionOps, compressed: Any = None) -> tuple[jax.Array, KVCache]:
+                  ops: AttentionOps, scaled_pool: Any = None) -> tuple[jax.Array, KVCache]:
     """``common.hidden_states`` of ``cfg``'s family: hidden ``[T, hidden_size]`` and the caches with this step's K/V."""
-    return _hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops, family=family(cfg), compressed=compressed)
+    return _hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops, family=family(cfg), scaled_pool=scaled_pool)
 
 
 def forward(

@@ -19,7 +19,7 @@ Quantized weights are int8 / float8_e4m3fn with a float32 ``"<key>_scale"`` sibl
 adds ``"k_scale"``, ``"v_scale": [L, cache heads]`` layer leaves.
 
 KV cache: ``(k_cache, v_cache)``, each ``[L, num_blocks, block_size, num_kv_heads, head_dim]``;
-optionally a compressed pool (``kernels_pallas.storage.CompressedKV``, leading ``L``) whose
+optionally a scaled block pool (``kernels_pallas.storage.ScaledKV``, leading ``L``) whose
 blocks are named by block-table ids ``num_blocks + slot``. Layer leaves and caches may be
 held as uint16 / uint8 bit patterns (:func:`loop_storage`). Design: docs/design/models.md.
 """
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.config import ModelConfig, RopeConfig
-from kernels_pallas.ops import (BITS_STORAGE, AttentionOps, CompressedKV, from_storage, layer_matmul, lm_head,
+from kernels_pallas.ops import (BITS_STORAGE, AttentionOps, ScaledKV, from_storage, layer_matmul, lm_head,
                                 lm_head_panels, to_storage, with_lm_head_panels, with_stacked_weights)
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ class LayerContext(NamedTuple):
     batch: the step's batch, ``block_tables``/``slot_mapping`` offset to this layer's blocks.
     window: the layer's sliding window (static) or None. cos, sin: [T, R // 2] float32.
     num_tokens: int32[] real tokens. kv_scales: float32 ``(k_scale, v_scale)``, each
-    ``[cache heads]``, or None. compressed: the pool flattened to ``[L * C, ...]``, or None.
+    ``[cache heads]``, or None. scaled_pool: the pool flattened to ``[L * C, ...]``, or None.
     """
 
     cfg: ModelConfig
@@ -185,7 +185,7 @@ class LayerContext(NamedTuple):
     sin: jax.Array
     num_tokens: jax.Array
     kv_scales: Optional[tuple[jax.Array, jax.Array]] = None
-    compressed: Optional[CompressedKV] = None
+    scaled_pool: Optional[ScaledKV] = None
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """Rope q and k, write k and v into the paged cache, attend.
@@ -201,7 +201,7 @@ class LayerContext(NamedTuple):
         scales = dict(zip(("k_scale", "v_scale"), self.kv_scales)) if self.kv_scales else {}
         k_cache, v_cache = self.ops.kv_cache_write(kv[0].reshape(blocks), kv[1].reshape(blocks), k, v,
                                                    self.batch.slot_mapping, **scales)
-        pool = {} if self.compressed is None else {"compressed": self.compressed}
+        pool = {} if self.scaled_pool is None else {"scaled_pool": self.scaled_pool}
         out = self.ops.ragged_paged_attention(
             q, k_cache, v_cache, self.batch.block_tables, self.batch.seq_lens, self.batch.query_start_loc,
             self.batch.num_seqs, scale=cfg.attention_scale, sliding_window=self.window, **scales, **pool,
@@ -323,7 +323,7 @@ def hidden_states(
     cfg: ModelConfig,
     ops: AttentionOps,
     family: Family,
-    compressed: Optional[CompressedKV] = None,
+    scaled_pool: Optional[ScaledKV] = None,
 ) -> tuple[jax.Array, KVCache]:
     """The decoder over a ragged batch, up to the final norm (HF's ``last_hidden_state``).
 
@@ -333,7 +333,7 @@ def hidden_states(
       batch: reads ``input_ids, positions, slot_mapping: int32[T]``, ``block_tables: int32[S, W]``,
         ``seq_lens: int32[S]``, ``query_start_loc: int32[S + 1]``, ``num_seqs: int32[]``.
       cfg, ops, family: static.
-      compressed: ``k, v: [L, C, block_size, cache heads, head_dim]``, ``k_scale, v_scale:
+      scaled_pool: ``k, v: [L, C, block_size, cache heads, head_dim]``, ``k_scale, v_scale:
         float32[L, C, cache heads]``, read for table ids ``>= num_blocks``; or None.
 
     Returns:
@@ -350,9 +350,9 @@ def hidden_states(
     flat = (num_layers * num_blocks, block_size, -1)
     layers = params["layers"]
     pool = None
-    if compressed is not None:
-        num_compressed = compressed.k.shape[1]
-        pool = CompressedKV(*(a.reshape((num_layers * num_compressed,) + a.shape[2:]) for a in compressed))
+    if scaled_pool is not None:
+        num_pooled = scaled_pool.k.shape[1]
+        pool = ScaledKV(*(a.reshape((num_layers * num_pooled,) + a.shape[2:]) for a in scaled_pool))
         in_pool = batch.block_tables >= num_blocks
 
     def run(carry, segments, base):
@@ -368,7 +368,7 @@ def hidden_states(
                 if pool is not None:
                     # Past the flattened cache's L * num_blocks ids: this layer's slots of the flattened pool.
                     tables = jnp.where(in_pool, batch.block_tables + (num_layers - 1) * num_blocks
-                                       + index * num_compressed, tables)
+                                       + index * num_pooled, tables)
                 layer_batch = dataclasses.replace(batch, block_tables=tables,
                                                   slot_mapping=batch.slot_mapping + first_block * block_size)
                 ctx = LayerContext(cfg, ops, layer_batch, window, cos, sin, num_tokens,

@@ -25,7 +25,7 @@ from jaxllm.models.config import ModelConfig
 from jaxllm.models.common import KVCache, Params
 from jaxllm.worker.programs import CompileStats, abstract
 from jaxllm.worker.step_batch import StepBatch
-from kernels_pallas.storage import BITS_STORAGE, KV_QUANT_MAX, CompressedKV, quantize_blocks
+from kernels_pallas.storage import BITS_STORAGE, KV_QUANT_MAX, ScaledKV, quantize_blocks
 from scheduler.block_moves import order_block_moves
 from scheduler.kv.tier import BlockCopy, CopyKind
 
@@ -128,6 +128,34 @@ def resolve_num_blocks(
     return int(num_blocks)
 
 
+def check_pool_backend(config: Any, backend: str) -> None:
+    """Raise ValueError where ``config`` (an ``EngineConfig`` or its ``cache`` view) asks for a compressed pool on attention ``backend``
+    ``"pallas"``, whose kernels read one pool (the default on GPU)."""
+    if config.kv_cache_compression is not None and backend == "pallas":
+        raise ValueError(f"kv_cache_compression={config.kv_cache_compression!r} cannot be used with the pallas "
+                         "attention backend (the default on GPU; its kernels read one pool): set "
+                         "attention_backend='xla' (--attention-backend xla)")
+
+
+def size_kv_pools(cfg: ModelConfig, config: Any, **sizes: Any) -> tuple[int, int, Optional[np.dtype]]:
+    """``(num_blocks, num_pool_blocks, pool_dtype)`` of ``config``'s (an ``EngineConfig`` or its ``cache`` view) KV budget: all of it
+    device blocks (:func:`resolve_num_blocks`, no pool: 0 and None), or with ``kv_cache_compression`` split by
+    :func:`split_kv_budget`. ``sizes``: :func:`resolve_num_blocks`'s keywords. Raises as those two."""
+    if config.kv_cache_compression is None:
+        return resolve_num_blocks(cfg, **sizes), 0, None
+    num_blocks, num_compressed = split_kv_budget(cfg, fraction=config.kv_cache_compression_fraction, **sizes)
+    return num_blocks, num_compressed, KV_QUANT_DTYPES[config.kv_cache_compression]
+
+
+def describe_pool(config: Any, cache: "CacheEngine", num_blocks: int) -> Optional[str]:
+    """The start-up line about ``cache``'s compressed pool beside its ``num_blocks`` device blocks; None without."""
+    if cache.scaled_pool is None:
+        return None
+    return (f"KV compression ({config.kv_cache_compression}): {cache.scaled_pool.k.shape[1]} compressed blocks "
+            f"beside the {num_blocks} device blocks "
+            f"(kv_cache_compression_fraction={config.kv_cache_compression_fraction})")
+
+
 def compressed_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
     """Device bytes of one compressed block over all layers: one-byte K and V plus their float32 scales."""
     return cfg.kv_bytes_per_token * block_size + 2 * 4 * cfg.num_layers * cfg.num_kv_heads
@@ -136,7 +164,7 @@ def compressed_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
 def split_kv_budget(cfg: ModelConfig, *, block_size: int, dtype: Any, fraction: float, num_kv_blocks: Optional[int],
                     kv_cache_memory_bytes: Optional[int], max_num_seqs: int, max_model_len: int,
                     device: Any) -> tuple[int, int]:
-    """``(num_blocks, num_compressed_blocks)`` of one KV budget, ``fraction`` of its bytes to the
+    """``(num_blocks, num_pool_blocks)`` of one KV budget, ``fraction`` of its bytes to the
     compressed pool, each with its null block / slot.
 
     Raises:
@@ -195,9 +223,9 @@ def _copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     return tuple(c.at[:, dst].set(c[:, src]) for c in kv_cache)
 
 
-def _compress_blocks(kv_cache: KVCache, pool: CompressedKV, src: jax.Array, dst: jax.Array) -> CompressedKV:
+def _compress_blocks(kv_cache: KVCache, pool: ScaledKV, src: jax.Array, dst: jax.Array) -> ScaledKV:
     (k, k_scale), (v, v_scale) = (quantize_blocks(c[:, src], p.dtype) for c, p in zip(kv_cache, pool[:2]))
-    return CompressedKV(pool.k.at[:, dst].set(k), pool.v.at[:, dst].set(v), pool.k_scale.at[:, dst].set(k_scale),
+    return ScaledKV(pool.k.at[:, dst].set(k), pool.v.at[:, dst].set(v), pool.k_scale.at[:, dst].set(k_scale),
                         pool.v_scale.at[:, dst].set(v_scale))
 
 
@@ -226,19 +254,19 @@ class CacheEngine:
       num_blocks: device blocks, null block 0 included.
       dtype: the stored dtype (numbers, or their bits: ``BITS_STORAGE``).
       num_host_blocks, num_offload_blocks: host swap blocks, then prefix-cache host-tier blocks (0: none).
-      num_compressed_blocks, compressed_dtype: the compressed pool's slots, null slot included (0: none).
+      num_pool_blocks, pool_dtype: the compressed pool's slots, null slot included (0: none).
 
     Attributes:
       kv_cache: ``(k, v)``, each ``[num_layers, num_blocks, block_size, heads, head_dim]`` of ``dtype``, split over
         heads; ``jax.ShapeDtypeStruct`` while released.
-      compressed: ``CompressedKV`` (``k, v`` as the cache; ``k_scale, v_scale: float32[num_layers, slots, heads]``)
+      scaled_pool: ``ScaledKV`` (``k, v`` as the cache; ``k_scale, v_scale: float32[num_layers, slots, heads]``)
         or None.
       host_pool: numpy ``(k, v)`` of ``num_host_blocks + num_offload_blocks`` blocks, or None.
     """
 
     def __init__(self, cfg: ModelConfig, *, num_blocks: int, block_size: int, dtype: Any, sharding: "ModelSharding",
                  stats: CompileStats, num_host_blocks: int = 0, num_offload_blocks: int = 0,
-                 num_compressed_blocks: int = 0, compressed_dtype: Any = None):
+                 num_pool_blocks: int = 0, pool_dtype: Any = None):
         self.num_blocks = num_blocks
         self.num_offload_blocks = num_offload_blocks
         self.kv_cache = allocate_kv_cache(num_blocks, block_size, dtype, sharding)
@@ -246,14 +274,14 @@ class CacheEngine:
         self._replicated = sharding.replicated
         self._stats = stats
         self._ops: dict[str, Callable] = {}
-        self.compressed: Optional[CompressedKV] = None
-        if num_compressed_blocks:
-            k, v = allocate_kv_cache(num_compressed_blocks, block_size, compressed_dtype, sharding)
-            scales = _zeros((cfg.num_layers, num_compressed_blocks, sharding.num_cache_heads), np.dtype(np.float32),
-                            sharding.compressed_scale_sharding)
-            self.compressed = CompressedKV(k, v, scales(), scales())
-            scale_sharding = sharding.compressed_scale_sharding
-            self._compressed_sharding = CompressedKV(self._sharding, self._sharding, scale_sharding, scale_sharding)
+        self.scaled_pool: Optional[ScaledKV] = None
+        if num_pool_blocks:
+            k, v = allocate_kv_cache(num_pool_blocks, block_size, pool_dtype, sharding)
+            scales = _zeros((cfg.num_layers, num_pool_blocks, sharding.num_cache_heads), np.dtype(np.float32),
+                            sharding.pool_scale_sharding)
+            self.scaled_pool = ScaledKV(k, v, scales(), scales())
+            scale_sharding = sharding.pool_scale_sharding
+            self._pool_sharding = ScaledKV(self._sharding, self._sharding, scale_sharding, scale_sharding)
         num_host = num_host_blocks + num_offload_blocks
         shape = (cfg.num_layers, num_host) + self.kv_cache[0].shape[2:]
         self.host_pool = (np.zeros(shape, dtype), np.zeros(shape, dtype)) if num_host else None
@@ -263,9 +291,9 @@ class CacheEngine:
         """Whether the device arrays exist (not released)."""
         return isinstance(self.kv_cache[0], jax.Array)
 
-    def abstract(self) -> tuple[KVCache, Optional[CompressedKV]]:
+    def abstract(self) -> tuple[KVCache, Optional[ScaledKV]]:
         """``(kv_cache, compressed)`` as ShapeDtypeStructs with their shardings: what a step program takes."""
-        return abstract(self.kv_cache), abstract(self.compressed)
+        return abstract(self.kv_cache), abstract(self.scaled_pool)
 
     def sharding(self) -> jax.sharding.Sharding:
         """The sharding of each ``kv_cache`` array."""
@@ -274,7 +302,7 @@ class CacheEngine:
     def warmup(self, swap: bool) -> None:
         """Build the copy program, with ``swap`` the gather/scatter ones, and compress if pooled."""
         for name in ("copy",) + (("gather", "scatter") if swap else ()) + (
-                ("compress",) if self.compressed is not None else ()):
+                ("compress",) if self.scaled_pool is not None else ()):
             self._op(name)
 
     def _op(self, name: str) -> Callable:
@@ -286,8 +314,8 @@ class CacheEngine:
         if name == "gather":
             exe = self._stats.compile(jax.jit(_gather_blocks), kv, ids)
         elif name == "compress":
-            compress = jax.jit(_compress_blocks, donate_argnums=(1,), out_shardings=self._compressed_sharding)
-            exe = self._stats.compile(compress, kv, abstract(self.compressed), ids, ids)
+            compress = jax.jit(_compress_blocks, donate_argnums=(1,), out_shardings=self._pool_sharding)
+            exe = self._stats.compile(compress, kv, abstract(self.scaled_pool), ids, ids)
         elif name == "scatter":
             blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], BLOCK_CHUNK) + c.shape[2:], c.dtype, sharding=c.sharding)
                            for c in kv)
@@ -309,7 +337,7 @@ class CacheEngine:
         """Re-encode (device block, compressed slot) ``pairs``; call before the device blocks are written."""
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
         for chunk, _ in _chunks(pairs):
-            self.compressed = self._op("compress")(self.kv_cache, self.compressed, chunk[:, 0], chunk[:, 1])
+            self.scaled_pool = self._op("compress")(self.kv_cache, self.scaled_pool, chunk[:, 0], chunk[:, 1])
 
     def move_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Block copies as if every source were read first (``order_block_moves``)."""
@@ -368,9 +396,9 @@ class CacheEngine:
             return 0
         arrays = list(self.kv_cache)
         self.kv_cache = abstract(self.kv_cache)
-        if self.compressed is not None:
-            arrays += list(self.compressed)
-            self.compressed = abstract(self.compressed)
+        if self.scaled_pool is not None:
+            arrays += list(self.scaled_pool)
+            self.scaled_pool = abstract(self.scaled_pool)
         freed = sum(c.nbytes for c in arrays)
         for c in arrays:
             c.delete()
@@ -380,8 +408,8 @@ class CacheEngine:
         """Zeroed arrays of the released shapes again (wake up); nothing if allocated."""
         if not self.allocated:
             self.kv_cache = tuple(_zeros(a.shape, a.dtype, a.sharding)() for a in self.kv_cache)
-            if self.compressed is not None:
-                self.compressed = CompressedKV(*(_zeros(a.shape, a.dtype, a.sharding)() for a in self.compressed))
+            if self.scaled_pool is not None:
+                self.scaled_pool = ScaledKV(*(_zeros(a.shape, a.dtype, a.sharding)() for a in self.scaled_pool))
 
 
 class CacheEngines:
@@ -406,7 +434,7 @@ class CacheEngines:
             pending.append([])
             for kind, pairs in runs:
                 start = time.perf_counter()
-                if kind is CopyKind.COMPRESS:
+                if kind is CopyKind.ENCODE:
                     if cache is self.caches[0]:
                         cache.compress_blocks(pairs)
                 elif kind is CopyKind.SWAP_OUT:

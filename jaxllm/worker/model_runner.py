@@ -31,7 +31,7 @@ from jaxllm.worker.programs import CompileStats, ProgramTable, Shape, abstract
 from jaxllm.worker.sharding import ModelSharding
 from jaxllm.worker.step_batch import StepBatch
 from jaxllm.worker.weights import WeightStore
-from kernels_pallas.storage import CompressedKV
+from kernels_pallas.storage import ScaledKV
 from scheduler import BatchDescriptor, BucketTable
 
 
@@ -59,14 +59,14 @@ class StepOutput:
 
 
 def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: SamplingArrays, tables: SamplerTables,
-          prev_tokens: jax.Array, bitmask: jax.Array, compressed: Optional[CompressedKV], *, cfg: ModelConfig,
+          prev_tokens: jax.Array, bitmask: jax.Array, scaled_pool: Optional[ScaledKV], *, cfg: ModelConfig,
           ops: AttentionOps, num_positions: int = 1) -> tuple[StepOutput, jax.Array, KVCache, SamplerTables]:
     """Model + sampler + prompt logprobs; inputs marked by ``batch.prev_token_index`` come from ``prev_tokens``.
     Returns ``(StepOutput, samples padded to prev_tokens' length, kv_cache, tables)``."""
     from_prev = batch.prev_token_index
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch.input_ids)
     hidden, kv_cache = hidden_states(params, kv_cache, dataclasses.replace(batch, input_ids=input_ids),
-                                     cfg=cfg, ops=ops, compressed=compressed)
+                                     cfg=cfg, ops=ops, scaled_pool=scaled_pool)
     head = functools.partial(compute_logits, params, cfg=cfg, native_kernels=True)
     if num_positions == 1:
         logits = head(hidden[batch.logits_indices], num_rows=batch.num_seqs)  # on the kernels: padding rows 0
@@ -92,9 +92,9 @@ def _step_arguments(shape: Shape, *, weights: WeightStore, cache: CacheEngine, t
     sampling = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated),
                                       SamplingArrays.empty(s * num_positions))
     bitmask = jax.ShapeDtypeStruct((s, num_words), np.int32, sharding=replicated)
-    kv_cache, compressed = cache.abstract()
+    kv_cache, scaled_pool = cache.abstract()
     return (weights.abstract(), kv_cache, StepBatch.abstract(shape, replicated), sampling, tables, prev_tokens,
-            bitmask, compressed)
+            bitmask, scaled_pool)
 
 
 class ModelRunner:
@@ -124,7 +124,7 @@ class ModelRunner:
                  ops: AttentionOps, buckets: BucketTable, sharding: ModelSharding, num_host_blocks: int = 0,
                  num_offload_blocks: int = 0, num_sampling_slots: int = 1, max_model_len: int = 1,
                  float_bits_storage: bool = False, kv_cache_dtype: Any = None, num_positions: int = 1,
-                 num_compressed_blocks: int = 0, compressed_dtype: Any = None):
+                 num_pool_blocks: int = 0, pool_dtype: Any = None):
         kv_dtype = np.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
         if kv_dtype.itemsize == 1 and "k_scale" not in params["layers"]:
             raise ValueError(f"kv_cache_dtype={kv_dtype.name} needs the per-layer k_scale/v_scale leaves in "
@@ -137,8 +137,8 @@ class ModelRunner:
         self.cache_engine = CacheEngine(
             cfg, num_blocks=num_blocks, block_size=block_size, dtype=storage_dtype(kv_dtype, float_bits_storage),
             sharding=sharding, stats=self.compile_stats, num_host_blocks=num_host_blocks,
-            num_offload_blocks=num_offload_blocks, num_compressed_blocks=num_compressed_blocks,
-            compressed_dtype=storage_dtype(compressed_dtype, float_bits_storage) if num_compressed_blocks else None)
+            num_offload_blocks=num_offload_blocks, num_pool_blocks=num_pool_blocks,
+            pool_dtype=storage_dtype(pool_dtype, float_bits_storage) if num_pool_blocks else None)
         self.sampler_tables = jax.device_put(init_tables(num_sampling_slots, cfg.vocab_size), replicated)
         self._no_prev_tokens = jax.device_put(np.zeros(buckets.seq_buckets[-1], np.int32), replicated)
         self.bitmask_words = bitmask_words(cfg.vocab_size)
@@ -193,7 +193,7 @@ class ModelRunner:
         cache = self.cache_engine
         out, next_prev, cache.kv_cache, self.sampler_tables = exe(
             self.weights.params, cache.kv_cache, device_batch, device_sampling, self.sampler_tables, prev, bitmask,
-            cache.compressed,
+            cache.scaled_pool,
         )
         return out, next_prev
 

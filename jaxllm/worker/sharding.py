@@ -18,7 +18,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.models import family
 from jaxllm.models.config import ModelConfig
-from jaxllm.worker.quantization import leaf_dtype
 from kernels_pallas.ops import AttentionOps
 
 if TYPE_CHECKING:
@@ -216,8 +215,8 @@ class ModelSharding:
         return NamedSharding(self.mesh, P(None, MODEL_AXIS))
 
     @property
-    def compressed_scale_sharding(self) -> NamedSharding:
-        """Sharding of the compressed pool's ``[num_layers, num_compressed, num_cache_heads]`` scales."""
+    def pool_scale_sharding(self) -> NamedSharding:
+        """Sharding of the scaled block pool's ``[num_layers, num_pooled, num_cache_heads]`` scales."""
         return NamedSharding(self.mesh, P(None, None, MODEL_AXIS))
 
     @property
@@ -225,25 +224,9 @@ class ModelSharding:
         """Every device holds the whole array."""
         return NamedSharding(self.mesh, P())
 
-    def place_params(self, params: Any, dtype: Any) -> Params:
-        """Put ``params`` (host arrays, or lazy tensors with ``read(index)``) on the mesh one device
-        slice at a time, in ``dtype`` (quantized weights and scales keep theirs); returns ``jax.Array``s sharded by
-        :meth:`param_specs`."""
-        def place(path, leaf, sharding):
-            read = leaf.read if hasattr(leaf, "read") else leaf.__getitem__
-
-            def shard(index):
-                array = np.asarray(read(index))
-                return array.astype(leaf_dtype(path[-1].key, array.dtype, dtype), copy=False)
-
-            return jax.make_array_from_callback(tuple(leaf.shape), sharding, shard)
-
-        return jax.tree_util.tree_map_with_path(place, params, self.param_shardings(params),
-                                                is_leaf=lambda x: hasattr(x, "read"))
-
     def attention_ops(self, ops: AttentionOps) -> AttentionOps:
         """``ops`` per device under ``shard_map`` over ``model``: local q heads against local cache
-        heads (replicated KV cut to the stored head before the write); scales and the compressed pool split like the
+        heads (replicated KV cut to the stored head before the write); scales and the scaled block pool split like the
         cache."""
         heads = P(None, MODEL_AXIS, None)
         cache = P(None, None, MODEL_AXIS, None)
@@ -272,15 +255,15 @@ class ModelSharding:
                              out_specs=(cache, cache), check_vma=False)(k_cache, v_cache, k, v, slot_mapping, *scales)
 
         def attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale=None,
-                   v_scale=None, compressed=None, **static):
+                   v_scale=None, scaled_pool=None, **static):
             scales, specs, keywords = scale_args(k_scale, v_scale)
-            # The compressed pool's blocks and per-block scales split over heads like the cache's.
-            pool, pool_specs = ((), ()) if compressed is None else (
-                tuple(compressed), (cache, cache, P(None, MODEL_AXIS), P(None, MODEL_AXIS)))
+            # The scaled pool's blocks and per-block scales split over heads like the cache's.
+            pool, pool_specs = ((), ()) if scaled_pool is None else (
+                tuple(scaled_pool), (cache, cache, P(None, MODEL_AXIS), P(None, MODEL_AXIS)))
 
             def local(*args):
                 extra = args[7 + len(specs):]
-                pools = {"compressed": type(compressed)(*extra)} if extra else {}
+                pools = {"scaled_pool": type(scaled_pool)(*extra)} if extra else {}
                 return ops.ragged_paged_attention(*args[:7], **keywords(*args[7:7 + len(specs)]), **pools, **static)
 
             return shard_map(local, mesh=self.mesh,

@@ -1,6 +1,8 @@
-"""The weights a runner serves (:class:`WeightStore`) and weights handed in (``LLM(params=...)``,
-``LLM.update_weights``): checked against the engine's layout, cast or quantized to it, placed by its shardings.
-Leaves are named by ``/``-joined paths (``"layers/wq"``)."""
+"""The weights a runner serves (:class:`WeightStore`) and how every leaf gets there: the one place that decides a
+leaf's stored dtype (``quantization.leaf_dtype``: quantized weights keep theirs, scales float32, floats the compute
+dtype) and sharding (``ModelSharding.param_shardings``) for a checkpoint read (:func:`place_params`), an orbax
+restore (:func:`param_targets`) and weights handed in (:func:`place_given_params`, ``LLM.update_weights``: checked
+against the engine's layout, cast or quantized to it). Leaves are named by ``/``-joined paths (``"layers/wq"``)."""
 
 from __future__ import annotations
 
@@ -13,15 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.core.messages import flatten, unflatten
-from jaxllm.models import Params, loop_storage, with_head_panels
+from jaxllm.models import Params, loop_storage, param_layout, with_head_panels
 from jaxllm.models.config import ModelConfig
 from jaxllm.worker.programs import abstract
-from jaxllm.worker.quantization import SCALE_SUFFIX, is_quantized_dtype, quantize_weight
+from jaxllm.worker.quantization import SCALE_SUFFIX, is_quantized_dtype, leaf_dtype, quantize_weight
+from jaxllm.worker.sharding import ModelSharding
 from kernels_pallas.ops import HEAD_PANELS
 from kernels_pallas.storage import from_storage, to_storage
 
-__all__ = ["Layout", "WeightStore", "device_bytes_in_use", "flatten", "layout_of", "place_leaf", "prepare_params",
-           "unflatten"]
+__all__ = ["Layout", "WeightStore", "device_bytes_in_use", "flatten", "layout_of", "param_targets", "place_given_params",
+           "place_leaf", "place_params", "prepare_params", "unflatten"]
 
 # Path -> the expected leaf: its shape, dtype and (at update) sharding.
 Layout = dict[str, jax.ShapeDtypeStruct]
@@ -110,6 +113,47 @@ def _convert(path: str, leaf: Any, want: jax.ShapeDtypeStruct, expected: Layout)
     if np.dtype(leaf.dtype) == np.dtype(want.dtype):
         return {path: leaf}
     return {path: leaf.astype(want.dtype)}
+
+
+def param_targets(sharding: ModelSharding, leaves: Any, dtype: Any) -> Any:
+    """Each leaf's stored form: a pytree of ``jax.ShapeDtypeStruct`` (shape, ``leaf_dtype`` of the leaf's dtype
+    and the compute ``dtype``, the ``NamedSharding`` of ``sharding.param_shardings``) for ``leaves`` with ``.shape``
+    and ``.dtype`` (an orbax checkpoint's metadata). Raises ValueError: a family's declared axes that do not fit."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf, s: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf_dtype(path[-1].key, leaf.dtype, dtype),
+                                                   sharding=s),
+        leaves, sharding.param_shardings(leaves))
+
+
+def place_params(sharding: ModelSharding, params: Any, dtype: Any) -> Params:
+    """Put ``params`` (host arrays, or lazy tensors with ``read(index)``) on ``sharding``'s mesh one device slice
+    at a time, each slice in its ``leaf_dtype`` (as :func:`param_targets`; a lazy tensor's dtype is known once
+    read); returns ``jax.Array``s sharded by ``sharding.param_specs``."""
+    def place(path, leaf, leaf_sharding):
+        read = leaf.read if hasattr(leaf, "read") else leaf.__getitem__
+
+        def shard(index):
+            array = np.asarray(read(index))
+            return array.astype(leaf_dtype(path[-1].key, array.dtype, dtype), copy=False)
+
+        return jax.make_array_from_callback(tuple(leaf.shape), leaf_sharding, shard)
+
+    return jax.tree_util.tree_map_with_path(place, params, sharding.param_shardings(params),
+                                            is_leaf=lambda x: hasattr(x, "read"))
+
+
+def place_given_params(cfg: ModelConfig, params: Any, dtype: Any, sharding: ModelSharding,
+                       quantization: Optional[str]) -> Params:
+    """Check a whole in-memory tree (``LLM(params=...)``) against ``cfg``'s layout (:func:`prepare_params`:
+    cast to ``dtype``, quantized with ``quantization``) and place it by ``sharding``; returns the placed pytree.
+
+    Raises:
+      ValueError: the first unknown, missing or mismatched leaf.
+    """
+    layout = layout_of(param_layout(cfg, dtype, quantization))
+    flat = prepare_params(params, layout, partial=False)
+    shardings = flatten(sharding.param_shardings(unflatten(layout)))
+    return unflatten({path: place_leaf(leaf, shardings[path]) for path, leaf in flat.items()})
 
 
 def place_leaf(leaf: Any, sharding: jax.sharding.Sharding) -> jax.Array:

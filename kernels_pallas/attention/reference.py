@@ -4,7 +4,7 @@ Each has its Pallas kernel's exact signature (``interpret`` accepted and ignored
 
 Cache layout (one layer): ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``; slot ``s`` is
 block ``s // block_size``, offset ``s % block_size``. Block 0 is the null block padded slots write into. Caches may
-be bit patterns, quantized, or beside a compressed pool (``kernels_pallas.storage``).
+be bit patterns, quantized, or beside a pool of scaled one-byte blocks (``kernels_pallas.storage.ScaledKV``).
 GQA as HF's ``repeat_kv``: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
 """
 
@@ -15,7 +15,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.storage import CompressedKV, check_pool_scales, gather_blocks
+from kernels_pallas.storage import ScaledKV, check_pool_scales, gather_blocks
 
 _NEG_INF = -1e30
 
@@ -54,7 +54,7 @@ def ragged_paged_attention_reference(
     interpret: bool = False,
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
-    compressed: Optional[CompressedKV] = None,
+    scaled_pool: Optional[ScaledKV] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch of new tokens over a paged KV cache.
 
@@ -68,14 +68,14 @@ def ragged_paged_attention_reference(
       scale: multiplier of q·k. sliding_window: keys in ``(p - sliding_window, p]`` (Mistral's convention).
       soft_cap: scores become ``soft_cap * tanh(scores / soft_cap)``. interpret: ignored.
       k_scale, v_scale: float32[num_kv_heads] of a quantized cache, or None.
-      compressed: the pool (``storage.CompressedKV``) table ids ``>= num_blocks`` name, or None (not with scales).
+      scaled_pool: the pool (``storage.ScaledKV``) table ids ``>= num_blocks`` name, or None (not with scales).
 
     Returns:
       [T, num_q_heads, head_dim] in q's dtype, zeros on padding rows. Row i of sequence s is at position
       ``seq_lens[s] - q_len[s] + i`` and attends up to it. Memory O(T * W * block_size * Hkv * D).
     """
     del interpret
-    check_pool_scales(k_scale, compressed)
+    check_pool_scales(k_scale, scaled_pool)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -89,7 +89,7 @@ def ragged_paged_attention_reference(
     pos = seq_lens[seq_of_token] - q_len[seq_of_token] + (token_idx - query_start_loc[seq_of_token])
 
     tables = block_tables[seq_of_token]  # [T, W]
-    pools = (None, None, None, None) if compressed is None else compressed
+    pools = (None, None, None, None) if scaled_pool is None else scaled_pool
     k = gather_blocks(k_cache, tables, k_scale, pools[0], pools[2]).reshape(num_tokens, ctx_len, num_kv_heads,
                                                                             head_dim)
     v = gather_blocks(v_cache, tables, v_scale, pools[1], pools[3]).reshape(num_tokens, ctx_len, num_kv_heads,

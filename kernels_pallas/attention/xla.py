@@ -1,10 +1,10 @@
 """Ragged paged attention in plain ``jnp``, shaped for XLA's CPU backend.
 
 Same signature and semantics as ``reference.py`` (cache layout, padding, GQA, uint16 storage of
-bfloat16, int8 / float8_e4m3fn scales, the compressed pool), at the cost of what the sequences
+bfloat16, int8 / float8_e4m3fn scales, the scaled_pool pool), at the cost of what the sequences
 need: per-sequence query tiles over KV chunks with a flash-decoding log-sum-exp merge, no
-``[T, W * block_size]`` buffer. On XLA's CPU backend float32/bfloat16 caches without scales or
-pool go to the C++ kernel (``cpu.py``). Scores and softmax are float32; the output is q's dtype.
+``[T, W * block_size]`` buffer. (The ops table sends the rows to the C++ kernel instead where it applies:
+``kernels_pallas.ops.xla_attention``.) Scores and softmax are float32; the output is q's dtype.
 Design and costs: docs/design/kernels.md.
 """
 
@@ -16,9 +16,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import cpu_build
-from kernels_pallas.attention import cpu
-from kernels_pallas.storage import CompressedKV, check_pool_scales, from_storage
+from kernels_pallas.storage import ScaledKV, check_pool_scales, from_storage
 
 # Finite stand-in for -inf: masked scores and the initial running max. exp of
 # (masked - max) underflows to exactly 0, and no NaN arises from -inf - -inf.
@@ -75,13 +73,13 @@ def _attend_tiles(
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
     cross_heads: bool = False,
-    compressed: Optional[CompressedKV] = None,
+    scaled_pool: Optional[ScaledKV] = None,
 ) -> jax.Array:
     """Attention of query tiles over their own sequence's paged KV (tile/chunk pairs, log-sum-exp merge).
 
     q_tiles: [N, Q, Hq, D], one sequence per tile; q_pos: int32[N, Q] positions, -1 padding; tables: int32[N, W];
     k_cache, v_cache: [num_blocks, block_size, Hkv, D]; chunk_blocks: KV blocks per chunk; pairs_per_step: pairs per
-    loop step; k_scale, v_scale: float32[Hkv] or None; cross_heads: use :func:`_cross_head_dots`; compressed: the
+    loop step; k_scale, v_scale: float32[Hkv] or None; cross_heads: use :func:`_cross_head_dots`; scaled_pool: the
     pool table ids ``>= num_blocks`` name, or None. Returns float32 [N, Q, Hq, D], zeros for padding queries.
     """
     num_tiles, tile_len, num_q_heads, head_dim = q_tiles.shape
@@ -112,8 +110,8 @@ def _attend_tiles(
     num_blocks = k_cache.shape[0]
     k_blocks = k_cache.reshape(num_blocks, -1)
     v_blocks = v_cache.reshape(num_blocks, -1)
-    pool = None if compressed is None else (compressed.k.reshape(compressed.k.shape[0], -1),
-                                            compressed.v.reshape(compressed.v.shape[0], -1))
+    pool = None if scaled_pool is None else (scaled_pool.k.reshape(scaled_pool.k.shape[0], -1),
+                                            scaled_pool.v.reshape(scaled_pool.v.shape[0], -1))
 
     def load(blocks: jax.Array, ids: jax.Array, which: int) -> jax.Array:
         """float32 [B, chunk_len, Hkv, D] of blocks ``ids`` (int32[B, chunk_blocks]), K (0) or V (1)."""
@@ -123,7 +121,7 @@ def _attend_tiles(
             in_pool = ids >= num_blocks
             slot = jnp.where(in_pool, ids - num_blocks, 0)
             y = from_storage(jnp.take(pool[which], slot, axis=0)).astype(jnp.float32).reshape(shape)
-            y = y * jnp.take(compressed[2 + which], slot, axis=0)[:, :, None, :, None]
+            y = y * jnp.take(scaled_pool[2 + which], slot, axis=0)[:, :, None, :, None]
             x = jnp.where(in_pool[:, :, None, None, None], y, x.reshape(shape))
         return x.reshape(batch, chunk_len, num_kv_heads, head_dim)
 
@@ -168,34 +166,6 @@ def _attend_tiles(
     return out.transpose(0, 2, 1, 3, 4).reshape(num_tiles, tile_len, num_q_heads, head_dim)
 
 
-def native_applies(k_cache: jax.Array, num_q_heads: int, k_scale: Optional[jax.Array] = None,
-                   compressed: Optional[CompressedKV] = None) -> bool:
-    """Whether :func:`ragged_paged_attention_xla` uses the C++ kernel by default.
-
-    True on XLA's CPU backend for a float32 or bfloat16 (uint16) cache ``[N, block_size, Hkv, D]`` without
-    KV scales or pool, in shapes ``cpu.supports``, once ``cpu_build.available()``.
-    """
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    return (jax.default_backend() == "cpu" and k_scale is None and compressed is None
-            and jnp.dtype(k_cache.dtype) in cpu.CACHE_DTYPES
-            and cpu.supports(num_q_heads, block_size, num_kv_heads) and cpu_build.available())
-
-
-def token_rows_and_positions(query_start_loc: jax.Array, seq_lens: jax.Array, num_seqs: jax.Array,
-                             num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """Each query token's sequence row and position, from the ragged layout.
-
-    ``query_start_loc: int32[S + 1]``, ``seq_lens: int32[S]``, ``num_seqs: int32[]`` as in the reference;
-    ``num_tokens``: T. Returns ``(row, pos)``, int32 [T] each; a padding token has row -1, position 0.
-    """
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    ends = query_start_loc[1:]
-    row = jnp.minimum(jnp.searchsorted(ends, token, side="right"), seq_lens.shape[0] - 1).astype(jnp.int32)
-    live = (token < query_start_loc[num_seqs]) & (row < num_seqs)
-    pos = seq_lens[row] - (ends[row] - token)
-    return jnp.where(live, row, -1), jnp.where(live, pos, 0)
-
-
 def ragged_paged_attention_xla(
     q: jax.Array,
     k_cache: jax.Array,
@@ -216,15 +186,14 @@ def ragged_paged_attention_xla(
     k_scale: Optional[jax.Array] = None,
     v_scale: Optional[jax.Array] = None,
     cross_head_decode: Optional[bool] = None,
-    compressed: Optional[CompressedKV] = None,
-    use_native: Optional[bool] = None,
+    scaled_pool: Optional[ScaledKV] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch over a paged KV cache, tiled per sequence.
 
     Arguments, result and semantics as ``reference.ragged_paged_attention_reference``: q ``[T, Hq, D]``;
     caches ``[num_blocks, block_size, Hkv, D]``; ``block_tables: int32[S, W]``; ``seq_lens: int32[S]``;
     ``query_start_loc: int32[S + 1]``; ``num_seqs: int32[]``; ``k_scale, v_scale: float32[Hkv]`` or None;
-    ``compressed`` pool or None. Returns ``[T, Hq, D]`` in q's dtype, zeros on padding rows.
+    ``scaled_pool`` pool or None. Returns ``[T, Hq, D]`` in q's dtype, zeros on padding rows.
     ``interpret`` is accepted for signature parity.
 
     Args:
@@ -232,22 +201,12 @@ def ragged_paged_attention_xla(
       kv_chunk_blocks, decode_kv_chunk_blocks: KV blocks per chunk of prefill / decode tiles.
       pairs_per_step: (tile, chunk) pairs per loop iteration (capped at the number of tiles).
       cross_head_decode: decode dots over all KV-head pairs; None: when ``Hkv <= CROSS_HEAD_MAX_KV_HEADS``.
-      use_native: every row through ``cpu.ragged_paged_attention_cpu``; None: where :func:`native_applies`.
 
     Raises:
-      ValueError: ``use_native=True`` where :func:`native_applies` is False; ``k_scale`` together
-        with ``compressed`` (a quantized cache has nothing to compress).
+      ValueError: ``k_scale`` together with ``scaled_pool`` (``storage.check_pool_scales``).
     """
     del interpret
-    check_pool_scales(k_scale, compressed)
-    applies = native_applies(k_cache, q.shape[1], k_scale, compressed)
-    if use_native and not applies:
-        raise ValueError("use_native=True needs XLA's CPU backend, a float32 or bfloat16 cache without KV scales "
-                         "or a compressed pool, shapes the kernel takes (cpu.supports) and the built C++ kernel "
-                         f"({cpu_build.unavailable_reason() or 'built'}); got backend {jax.default_backend()!r}, "
-                         f"cache {k_cache.dtype} {k_cache.shape}, {q.shape[1]} query heads, "
-                         f"scales {k_scale is not None}, pool {compressed is not None}")
-    use_native = applies if use_native is None else use_native
+    check_pool_scales(k_scale, scaled_pool)
     if cross_head_decode is None:
         cross_head_decode = k_cache.shape[2] <= CROSS_HEAD_MAX_KV_HEADS
     num_tokens = q.shape[0]
@@ -259,7 +218,7 @@ def ragged_paged_attention_xla(
     is_prefill = live & (q_len > 1)
     first_pos = seq_lens - q_len  # position of each row's first new token
     attend = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-                  compressed=compressed)
+                  scaled_pool=scaled_pool)
     pairs = functools.partial(min, pairs_per_step)
     zeros = jnp.zeros(q.shape, jnp.float32)
 
@@ -289,11 +248,6 @@ def ragged_paged_attention_xla(
                             pairs_per_step=pairs(max_tiles), chunk_blocks=kv_chunk_blocks, **attend)
         return out.at[jnp.where(valid, token, num_tokens)].set(res, mode="drop")
 
-    if use_native:
-        row, pos = token_rows_and_positions(query_start_loc, seq_lens, num_seqs, num_tokens)
-        out = cpu.ragged_paged_attention_cpu(q, k_cache, v_cache, block_tables, row, pos, scale=scale,
-                                             soft_cap=soft_cap, sliding_window=sliding_window)
-        return out.astype(q.dtype)
     out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, zeros)
     out = jax.lax.cond(jnp.any(is_prefill), prefill, lambda o: o, out)
     return out.astype(q.dtype)

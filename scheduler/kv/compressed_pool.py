@@ -1,7 +1,7 @@
 """Compressed KV blocks: a second, smaller-per-block pool that full blocks move into before a preemption.
 
 Full, computed, singly-held blocks are re-encoded to one byte with per-block scales
-(``kernels_pallas.storage.CompressedKV``) and their device blocks given back. A compressed block's id is
+(``kernels_pallas.storage.ScaledKV``) and their device blocks given back. A compressed block's id is
 ``base + slot`` (``base``: the device pool's ``num_blocks``); slot 0 is the null slot. It has no prefix-cache
 hash, is never written again, and returns here when its request finishes or is preempted.
 """
@@ -107,7 +107,7 @@ class CompressedBlockPool(KVTier):
 
     def compress(self, request: Request, n: int) -> list[tuple[int, int]]:
         """Move up to ``n`` :meth:`compressible` blocks, oldest first, into free slots, freeing the device blocks;
-        returns ``(device block, compressed slot)`` pairs to re-encode (``CopyKind.COMPRESS``)."""
+        returns ``(device block, compressed slot)`` pairs to re-encode (``CopyKind.ENCODE``)."""
         indices = self.compressible(request)[:min(n, self.num_free_blocks)]
         if not indices:
             return []
@@ -136,7 +136,7 @@ class CompressedBlockPool(KVTier):
         if found < need:
             return False
         for victim, k in plan:
-            self._copies += [BlockCopy(CopyKind.COMPRESS, d, slot) for d, slot in self.compress(victim, k)]
+            self._copies += [BlockCopy(CopyKind.ENCODE, d, slot) for d, slot in self.compress(victim, k)]
         return True
 
     def reclaimable(self, running: Sequence[Request]) -> int:
@@ -148,15 +148,15 @@ class CompressedBlockPool(KVTier):
         return copies
 
     def forget(self, copies: Sequence[BlockCopy], running: Sequence[Request]) -> list[Request]:
-        ids = {self.base + c.dst for c in copies if c.kind is CopyKind.COMPRESS}
+        ids = {self.base + c.dst for c in copies if c.kind is CopyKind.ENCODE}
         if not ids:
             return []
         return [r for r in running if ids.intersection(self.kv.get_block_ids(r.request_id))]
 
     def refuses_compaction(self) -> Optional[str]:
         # Compressed blocks' ids are the device pool's size plus their slot: renumbering or resizing would move them.
-        return f"not with a compressed KV pool (num_compressed_blocks={self.num_blocks}, kv_cache_compression)"
+        return f"not with a compressed KV pool (num_pool_blocks={self.num_blocks}, kv_cache_compression)"
 
     def stats(self) -> dict[str, int]:
-        return dict(num_compressed_blocks=self.num_blocks - 1, num_compressed_in_use=self.num_blocks - 1
-                    - self.num_free_blocks, num_blocks_compressed=self.num_compressed)
+        return dict(num_pool_blocks=self.num_blocks - 1, num_pool_in_use=self.num_blocks - 1
+                    - self.num_free_blocks, num_blocks_pooled=self.num_compressed)

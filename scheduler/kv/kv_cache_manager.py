@@ -34,20 +34,24 @@ class KVCacheManager:
       block_size: tokens per block, >= 1.
       enable_caching: look up and register prefix-cache hashes.
       num_host_blocks: host blocks of the swap tier (``scheduler.kv.swap``).
-      num_compressed_blocks: compressed-tier slots, null slot included; 0: none.
+      num_pool_blocks: slots of the :attr:`POOL_TIER` (the compressed tier), null slot included; 0: none.
 
     Attributes:
       req_to_blocks, req_to_block_ids: request_id -> its table as ``KVBlock`` list / ints.
       block_table: the tables as a ``BlockTable``, a request's row its ``batch_row``.
       copy_sources: cached blocks read by copies handed out since :meth:`release_copy_sources`, each held by one
         extra reference until copied.
-      swap, compressed_pool (None without one), tiers (compressed pool, swap, the pool's host tier, when present).
+      swap, scaled_pool (the :attr:`POOL_TIER`, None without one), tiers (scaled_pool, swap, the pool's host tier,
+        when present).
       pinned_blocks: the blocks :meth:`pin_prefix` holds.
       scheduled_blocks: blocks :meth:`cache_scheduled_blocks` registered in this schedule; emptied by :meth:`end_step`.
     """
 
+    # The tier that makes room before a preemption in a pool of its own (its slots: ``num_pool_blocks``).
+    POOL_TIER = CompressedBlockPool
+
     def __init__(self, block_pool: BlockPool, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
-                 num_compressed_blocks: int = 0):
+                 num_pool_blocks: int = 0):
         if block_size < 1:
             raise ValueError(f"KVCacheManager: block_size={block_size} must be >= 1")
         self.block_pool = block_pool
@@ -62,11 +66,11 @@ class KVCacheManager:
         # How many leading blocks of each table are already registered.
         self._num_cached: dict[str, int] = {}
         self.swap = SwapTier(self, num_host_blocks)
-        self.compressed_pool = (CompressedBlockPool(self, num_compressed_blocks, block_pool.num_blocks)
-                                if num_compressed_blocks else None)
+        self.scaled_pool = (self.POOL_TIER(self, num_pool_blocks, block_pool.num_blocks)
+                            if num_pool_blocks else None)
         if block_pool.host_tier is not None:
             block_pool.host_tier.kv = self
-        self.tiers: list[KVTier] = [t for t in (self.compressed_pool, self.swap, block_pool.host_tier)
+        self.tiers: list[KVTier] = [t for t in (self.scaled_pool, self.swap, block_pool.host_tier)
                                     if t is not None]
         self.scheduled_blocks: list[KVBlock] = []
         self.pinned_blocks: list[KVBlock] = []
@@ -75,7 +79,7 @@ class KVCacheManager:
     def for_config(cls, block_pool: BlockPool, config: "SchedulerConfig") -> "KVCacheManager":
         """The manager of ``block_pool`` with the tiers ``config`` sizes."""
         return cls(block_pool, config.block_size, config.enable_prefix_caching, config.num_host_blocks,
-                   config.num_compressed_blocks)
+                   config.num_pool_blocks)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (the manager's list; do not mutate)."""
@@ -365,7 +369,7 @@ class KVCacheManager:
             self.block_table.release(request.batch_row)
             request.batch_row = -1
         if blocks:
-            cpool = self.compressed_pool
+            cpool = self.scaled_pool
             if cpool is not None:
                 cpool.free(b for b in blocks if cpool.holds(b))
                 blocks = [b for b in blocks if not cpool.holds(b)]

@@ -15,12 +15,12 @@ if TYPE_CHECKING:
 class CopyKind(enum.IntEnum):
     """What a ``BlockCopy`` does; the runner does a step's copies in this order, all before the step's program.
 
-    ``COMPRESS`` first (its device blocks are free again after it); device -> host before host -> device (whose
+    ``ENCODE`` first (its device blocks are free again after it); device -> host before host -> device (whose
     destinations may be what the former gave up). No ``LOAD`` reads an ``OFFLOAD`` slot of its step (that write may
     complete after dispatch); no ``SWAP_IN`` or ``LOAD`` of the step writes a ``COPY``'s source.
     """
 
-    COMPRESS = 0  # (device block, compressed slot): a full block re-encoded into the compressed pool
+    ENCODE = 0  # (device block, pool slot): a full block re-encoded into a tier's scaled pool
     SWAP_OUT = 1  # (device block, host block): a swap-preempted request's KV
     OFFLOAD = 2  # (device block, host slot): a hashed block about to be reused, kept in the host tier
     SWAP_IN = 3  # (host block, device block): a swapped-out request's KV back
