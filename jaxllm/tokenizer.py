@@ -47,9 +47,11 @@ class Tokenizer:
     """A text tokenizer with the special-token ids and chat template a model needs.
 
     Attributes:
-        backend: the wrapped ``tokenizers.Tokenizer``. bos_token_id: int or None.
+        backend: the wrapped ``tokenizers.Tokenizer``, not changed after construction. bos_token_id: int or None.
         eos_token_ids: list[int], every id that ends generation (the first is ``eos_token_id``).
         chat_template: jinja2 source or None. config: ``tokenizer_config.json`` (empty for a GGUF).
+        vocab_size: ids the tokenizer can produce, added tokens included (may be below the model's padded
+        embedding rows).
     """
 
     def __init__(self, backend: _Backend, *, bos_token_id: int | None, eos_token_ids: list[int],
@@ -60,6 +62,10 @@ class Tokenizer:
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
         self._template = compile_chat_template(chat_template) if chat_template else None
+        # Read once: tokenizers 0.22 rebuilds the whole vocabulary on each get_vocab_size / added-tokens read, and
+        # decode checks every id against it.
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._special_added_ids = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -118,11 +124,6 @@ class Tokenizer:
                    chat_template=meta.get("chat_template"))
 
     @property
-    def vocab_size(self) -> int:
-        """Ids the tokenizer can produce, added tokens included (may be below the model's padded embedding rows)."""
-        return self.backend.get_vocab_size(with_added_tokens=True)
-
-    @property
     def eos_token_id(self) -> int | None:
         """The primary EOS id (first of `eos_token_ids`), or None."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
@@ -130,7 +131,7 @@ class Tokenizer:
     @property
     def all_special_ids(self) -> list[int]:
         """Sorted ids of every special added token, plus BOS and EOS."""
-        ids = {i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special}
+        ids = set(self._special_added_ids)
         ids.update(self.eos_token_ids)
         if self.bos_token_id is not None:
             ids.add(self.bos_token_id)

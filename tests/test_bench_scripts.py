@@ -20,6 +20,7 @@ SCRIPTS = ROOT / "scripts"
 
 # Script -> the arguments of its quickest run.
 QUICK_RUNS = {
+    "bench_detokenize.py": ["--model", str(STORIES), "--repeats", "1"],
     "bench_cpu_attention.py": ["--model", str(STORIES), "--rows", "2", "--context", "20", "40", "--shared-prefix",
                                "16", "--dtype", "float32", "bfloat16", "--rounds", "1"],
     "bench_kernels.py": ["--smoke"],

@@ -229,3 +229,49 @@ def test_issue25_item3_logprob_texts_are_what_each_token_adds_in_context(tokeniz
     assert "" in texts  # a character split across byte tokens
     prompt_texts = [e[t].decoded_token for t, e in zip(prompt[1:], final.prompt_logprobs[1:]) if t not in special]
     assert tokenizer.decode(prompt[:1]) + "".join(prompt_texts) == tokenizer.decode(prompt)
+
+
+# ---- the vocabulary is read once (issue 56, gap 1) -------------------------------------------------------------
+
+
+class _CountingBackend:
+    """A ``tokenizers.Tokenizer`` that counts the reads which rebuild the whole vocabulary in tokenizers 0.22."""
+
+    REBUILDING = ("get_vocab_size", "get_vocab", "get_added_tokens_decoder")
+
+    def __init__(self, backend) -> None:
+        self._backend, self.calls = backend, {}
+
+    def __getattr__(self, name):
+        attr = getattr(self._backend, name)
+        if name not in self.REBUILDING:
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def test_issue56_detokenizing_64_tokens_reads_the_vocabulary_size_once(stories_dir):
+    plain = Tokenizer.from_pretrained(stories_dir)
+    backend = _CountingBackend(plain.backend)
+    tokenizer = Tokenizer(backend, bos_token_id=plain.bos_token_id, eos_token_ids=plain.eos_token_ids,
+                          chat_template=None)
+    assert backend.calls == {"get_vocab_size": 1, "get_added_tokens_decoder": 1} and tokenizer.vocab_size == 512
+    backend.calls.clear()
+    ids = tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+                           "park. One day, she saw a big red ball and a small dog. They played all day long in the sun.",
+                           add_special_tokens=False)[:64]
+    assert len(ids) == 64
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(logprobs=3, prompt_logprobs=3, max_tokens=None)
+    processor.add_request(EngineCoreRequest("r", [1], params, [0], [], [], tokenizer.eos_token_id, 0.0), None)
+    out = None
+    for k, token in enumerate(ids):
+        row = SampleLogprobs(token, -1.0, 1, ids[:3], [-1.0] * 3)
+        (out,), _ = processor.process_outputs([EngineCoreOutput(
+            "r", 0, [token], finish_reason="length" if k == len(ids) - 1 else None, new_logprobs=[row])])
+    assert out.finished and out.outputs[0].text == tokenizer.decode(ids)
+    assert backend.calls == {}
