@@ -4,8 +4,8 @@ tunix 0.1.7's pins take transformers, tokenizers, safetensors and huggingface-hu
 so this test builds a virtual environment over the main one (``--system-site-packages``, cached under
 ``~/.cache/jaxllm/venv-tunix-<hash of the pins>``: about 40 s the first time) with ``pip install -e ".[tunix]"``,
 and runs ``scripts/tunix_grpo.py --check`` there: per step, the engine's weights equal the trainer's after the sync
-and its logprobs are within 1e-5 of tunix's recomputation relative to max(1, |logprob|) (asserted in the script); here, the reward rises and
-nothing compiles after the first step.
+and its logprobs are within 1e-5 of tunix's recomputation relative to max(1, |logprob|) (asserted in the script);
+here, the reward rises and nothing compiles after the first step.
 """
 
 from __future__ import annotations

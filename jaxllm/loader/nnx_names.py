@@ -1,9 +1,9 @@
 """Name maps from NNX model classes to jaxllm's parameter pytree, declared once per family, converted on the device.
 
-A :class:`NameMap` lists, per NNX leaf path (``*`` for the layer index), the jaxllm leaf it becomes and how its axes
-move, as an axis spec: ``"e n h -> e (n h)"`` merges a ``[E, N, H]`` einsum kernel into jaxllm's ``[in, out]``;
-a spec whose left side starts with ``s`` absent from the right side splits a fused kernel along that axis into the
-listed leaves in order (Gemma's ``[3, N, E, H]`` qkv einsum -> ``wq, wk, wv``). jaxllm's leaves (``layers/<key>``
+A :class:`NameMap` lists, per NNX leaf path (a layer's relative to ``layers.<i>.``), the jaxllm leaf it becomes and
+how its axes move, as an axis spec: ``"e n h -> e (n h)"`` merges a ``[E, N, H]`` einsum kernel into jaxllm's ``[in, out]``;
+a leaf listing several jaxllm keys is a fused kernel, split along the spec's first output axis into them in order
+(Gemma's ``[3, N, E, H]`` qkv einsum -> ``wq, wk, wv``). jaxllm's leaves (``layers/<key>``
 stacked ``[L, ...]``) are in ``jaxllm.models.layout``. :data:`NAME_MAPS` holds tunix's Llama 3, Qwen 2, Qwen 3
 (dense) and Gemma 3 text models, keyed by class (``module.QualName``); their axes follow tunix's
 ``models/<family>/params.py`` loaders, whose HF checkpoints jaxllm reads with the same numbers.
@@ -51,8 +51,6 @@ def _converter(spec: str, split: bool, num_layers: int):
     def one(x: jax.Array) -> jax.Array:
         sizes = dict(zip(lhs, x.shape))
         shape = [math.prod(sizes[a] for a in group) for group in groups]
-        if split:
-            return jnp.transpose(x, [0] + order).reshape([x.shape[0]] + shape)
         return jnp.transpose(x, order).reshape(shape)
 
     def convert(*arrays: jax.Array) -> Any:
