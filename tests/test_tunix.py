@@ -21,7 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.tunix
+# slow: a venv build and four GRPO steps; the logprob check still fails at a later step (see the lead's issue 56).
+pytestmark = [pytest.mark.tunix, pytest.mark.slow]
 
 
 def _tunix_python() -> Path:
