@@ -2,7 +2,8 @@
 
 :func:`dense_forward` runs any family's ``Family.layer`` over ``[B, L]`` whole sequences with plain
 causal attention (:class:`DenseContext` stands in for ``LayerContext``): no paged cache, works with
-``jax.grad``. Positions are ``0 .. L-1`` per row; right padding leaves earlier logits unchanged.
+``jax.grad``. Rows may be padded on either side: an ``attention_mask`` (as HF's and tunix's) numbers each row's
+real tokens from position 0 and hides its padding from every query.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class DenseContext(NamedTuple):
     """Stands in for ``LayerContext`` (same field names layers read).
 
     shape: ``(B, L)`` (static); window: static or None; cos, sin: ``[B * L, R // 2]`` float32;
-    num_tokens: int32[] ``B * L``.
+    num_tokens: int32[] ``B * L``; positions: int32 ``[B, L]``; keys: bool ``[B, L]``, the tokens a query may see.
     """
 
     cfg: ModelConfig
@@ -30,6 +31,8 @@ class DenseContext(NamedTuple):
     cos: jax.Array
     sin: jax.Array
     num_tokens: jax.Array
+    positions: jax.Array
+    keys: jax.Array
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """Rope, then causal attention per row; ``LayerContext.attend``'s contract, ``kv`` returned untouched."""
@@ -39,34 +42,57 @@ class DenseContext(NamedTuple):
         q = q.reshape(b, n, cfg.num_kv_heads, group, cfg.head_dim)
         k, v = (a.reshape(b, n, cfg.num_kv_heads, cfg.head_dim) for a in (k, v))
         scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * cfg.attention_scale
-        pos = jnp.arange(n)
-        mask = pos[None, :] <= pos[:, None]
+        # Causal by index (padding never sits between a row's tokens), the window by position.
+        causal = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
+        mask = causal[None] & self.keys[:, None, :]
         if self.window is not None:
-            mask &= pos[None, :] > pos[:, None] - self.window
-        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v.dtype)
+            mask &= self.positions[:, None, :] > self.positions[:, :, None] - self.window
+        # A query at a padded position sees no key: its row of scores stays finite so the softmax has no NaN.
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)
         return out.reshape(b * n, cfg.num_q_heads * cfg.head_dim), kv
 
 
-def dense_forward(params: Params, input_ids: jax.Array, *, cfg: ModelConfig, family=None) -> jax.Array:
+def dense_forward(params: Params, input_ids: jax.Array, *, cfg: ModelConfig, family=None,
+                  attention_mask: Optional[jax.Array] = None) -> jax.Array:
     """Logits of every position of whole sequences, through the family's layers and dense causal attention.
 
     Args:
-      params: the engine's pytree (``jaxllm.models.common``), float leaves (not bit storage, not quantized).
-      input_ids: int32 ``[B, L]``, each row from position 0 (right padding allowed).
+      params: the engine's pytree (``jaxllm.models.common``), float leaves (not bit storage, not quantized);
+        single-device, replicated or sharded arrays, under ``jax.jit`` or not, on any mesh (Explicit axes too).
+      input_ids: int32 ``[B, L]``.
       cfg: static. family: default ``jaxllm.models.family(cfg)``.
+      attention_mask: bool or int ``[B, L]``, nonzero at real tokens (left, right or both sides padded); None: every
+        token real. Each row's real tokens take positions ``0, 1, ...`` in order (HF's and tunix's convention).
 
     Returns:
-      float32 ``[B, L, vocab]``, equal to the engine's logits within float32 rounding.
+      float32 ``[B, L, vocab]``; at real tokens equal to the engine's logits of the unpadded row within float32
+      rounding; at padded positions finite and meaningless.
     """
+    b, n = input_ids.shape
+    keys = jnp.ones((b, n), bool) if attention_mask is None else attention_mask.astype(bool)
+    mesh = jax.sharding.get_abstract_mesh()
+    explicit = [name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == jax.sharding.AxisType.Explicit]
+    if not explicit:
+        return _dense_forward(params, input_ids, keys, cfg, family)
+    # The families' ops (embedding gathers, head reshapes) leave sharding to the compiler, which Explicit axes
+    # forbid; the logits keep the rows' sharding.
+    rows = jax.typeof(input_ids).sharding.spec[0] if jax.typeof(input_ids).sharding.spec else None
+    body = jax.sharding.auto_axes(lambda p, i, k: _dense_forward(p, i, k, cfg, family), axes=tuple(explicit),
+                                  out_sharding=jax.sharding.PartitionSpec(rows, None, None))
+    return body(params, input_ids, keys)
+
+
+def _dense_forward(params: Params, input_ids: jax.Array, keys: jax.Array, cfg: ModelConfig, family) -> jax.Array:
     from jaxllm.models import family as family_of
 
     fam = family if family is not None else family_of(cfg)
     b, n = input_ids.shape
+    positions = jnp.maximum(jnp.cumsum(keys, axis=1, dtype=jnp.int32) - 1, 0)
     flat = input_ids.reshape(-1)
     # rope_cos_sin reads a batch's positions (and, for LongRoPE, each row's length and start).
-    rows = types.SimpleNamespace(positions=jnp.tile(jnp.arange(n, dtype=jnp.int32), b),
-                                 seq_lens=jnp.full((b,), n, jnp.int32),
+    rows = types.SimpleNamespace(positions=positions.reshape(-1), seq_lens=keys.sum(1, dtype=jnp.int32),
                                  query_start_loc=jnp.arange(b + 1, dtype=jnp.int32) * n)
     ropes = {None: rope_cos_sin(cfg.rope, cfg.head_dim, rows)}
     if cfg.local_rope is not None:
@@ -75,7 +101,7 @@ def dense_forward(params: Params, input_ids: jax.Array, *, cfg: ModelConfig, fam
     layers = params["layers"]
     for start, stop, window in layer_segments(cfg.sliding_windows or (None,) * cfg.num_layers):
         cos, sin = ropes["local" if window is not None and cfg.local_rope is not None else None]
-        ctx = DenseContext(cfg, (b, n), window, cos, sin, jnp.int32(b * n))
+        ctx = DenseContext(cfg, (b, n), window, cos, sin, jnp.int32(b * n), positions, keys)
 
         def step(x, layer, ctx=ctx):
             return fam.layer(layer, x, None, ctx)[0], None
