@@ -1,1 +1,0 @@
-"""jaxllm inside reinforcement-learning libraries: :mod:`jaxllm.rl.tunix` (``pip install 'jaxllm[tunix]'``)."""
