@@ -41,7 +41,7 @@ class FrontEnd:
         self.metrics = EngineMetrics(log_stats=config.log_stats, metrics_port=config.metrics_port,
                                      max_num_seqs=config.max_num_seqs,
                                      max_num_batched_tokens=config.max_num_batched_tokens,
-                                     namespace=config.metrics_namespace, model_name=model_name)
+                                     max_model_len=client.infos[0].max_model_len, namespace=config.metrics_namespace, model_name=model_name)
         if config.preload_prompts is not None:
             client.preload_prefixes(preload_token_ids(config.preload_prompts, self.input_processor))
 
