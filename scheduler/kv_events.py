@@ -1,4 +1,5 @@
-"""KV cache events: full blocks the prefix cache gained and lost (vLLM's ``BlockStored``, ``BlockRemoved``).
+"""KV cache events: full blocks the prefix cache gained and lost, and its wipes (vLLM's ``BlockStored``,
+``BlockRemoved``, ``AllBlocksCleared``).
 
 Drained by ``Scheduler.take_kv_events``, published by ``jaxllm.core.kv_events``; hashes are ``scheduler.block_hash``'s.
 """
@@ -37,4 +38,10 @@ class BlockRemoved:
     medium: str = "GPU"
 
 
-KVEvent = Union[BlockStored, BlockRemoved]
+@dataclasses.dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every cached block was forgotten, on the device and in the host tier (``BlockPool.reset_prefix_cache``: a
+    prefix-cache reset, sleep, a weight update): no hash published before it hits any more."""
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]

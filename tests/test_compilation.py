@@ -161,3 +161,28 @@ def test_moe_layer_compiles_once_whatever_the_routing():
     # One program for every routing. Counted on this function's own cache, not on JAX's global compile events,
     # which other threads (an earlier engine's background warm-up in this process) may also fire.
     assert run._cache_size() == 1
+
+
+@pytest.mark.parametrize("num_kv_blocks", [29, 31])
+def test_sleep_and_wake_up_compile_nothing_not_even_the_zeroed_kv_cache(stories_dir, num_kv_blocks):
+    """wake_up's zeroed KV cache is filled by a program built with the cache, whatever the pool's shape (block
+    counts no other test uses, so no earlier test has compiled a fill of that shape)."""
+    engine = LLMEngine(stories_dir, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                       num_kv_blocks=num_kv_blocks, precompile=False, enable_sleep_mode=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def tokens():
+        engine.add_request("r", [3, 9, 27, 81, 243], params)
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+        return outs[0].outputs[0].token_ids
+
+    before = tokens()
+    events = len(_EVENTS)
+    engine.sleep(level=1)
+    engine.wake_up()
+    engine.sleep(level=1)
+    engine.wake_up(tags=["weights"])
+    engine.wake_up(tags=["kv_cache"])
+    assert tokens() == before
+    assert _EVENTS[events:] == []

@@ -8,7 +8,7 @@ import pytest
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.kv.host_tier import HostTier
 from scheduler.kv.tier import BlockCopy, CopyKind
-from scheduler.kv_events import BlockRemoved, BlockStored
+from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests._scheduler_harness import FakeRunner, check_block_invariants, make_request, reference_output, run_until_done
 
 BS = 4
@@ -158,6 +158,26 @@ def test_reset_prefix_cache_empties_the_host_tier():
     assert tier.num_cached == 0 and tier.num_free_slots == 8
     _, outs = _run(sched, runner, "a2", A + [40])
     assert not outs[0].copies(CopyKind.LOAD)
+
+
+@pytest.mark.parametrize("num_offload_blocks", [0, 8], ids=["device-only", "host-tier"])
+@pytest.mark.parametrize("reset_running_requests", [False, True], ids=["reset", "reset-running"])
+def test_a_prefix_cache_reset_records_all_blocks_cleared_after_the_blocks_it_forgets(num_offload_blocks,
+                                                                                  reset_running_requests):
+    """Every wipe (a reset alone, or with the running requests as a weight update does) of either tier layout
+    is one AllBlocksCleared, after the events of the blocks it forgets, and leaves no hash behind."""
+    sched, runner = _sched(num_offload_blocks=num_offload_blocks, enable_kv_cache_events=True)
+    _run(sched, runner, "a", A)
+    _run(sched, runner, "b", B)
+    sched.add_request(make_request("c", A + [41], max_tokens=4))
+    out = sched.schedule()
+    sched.update_from_output(out, runner(out))
+    before = sched.take_kv_events()
+    assert any(isinstance(e, BlockStored) and e.medium == ("CPU" if num_offload_blocks else "GPU") for e in before)
+    sched.reset_prefix_cache(reset_running_requests=reset_running_requests)
+    assert sched.take_kv_events() == [AllBlocksCleared()]
+    tier = sched.block_pool.host_tier
+    assert not sched.block_pool.cached and (tier is None or tier.num_cached == 0)
 
 
 def test_a_full_tier_whose_slots_are_all_read_this_step_drops_the_offload():

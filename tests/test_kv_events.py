@@ -142,6 +142,66 @@ def test_replay_sends_the_buffered_batches_from_the_asked_sequence_then_minus_on
     assert replayed == [(seq, batch) for _, seq, batch in messages[1:]]
 
 
+@pytest.fixture(scope="module")
+def wiped(stories_dir, tmp_path_factory):
+    """An engine with events, sleep mode and a host tier, whose 8 usable blocks make a second prompt push the
+    first's blocks to the host; and a subscriber connected before its first step."""
+    folder = tmp_path_factory.mktemp("kv_wipes")
+    config = {"enable_kv_cache_events": True, "endpoint": f"ipc://{folder}/events"}
+    llm = LLM(model=stories_dir, max_model_len=128, num_kv_blocks=9, max_num_seqs=4, max_num_batched_tokens=64,
+              precompile=False, kv_events_config=config, enable_sleep_mode=True, kv_offloading_size=0.001)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(config["endpoint"])
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    time.sleep(0.5)  # ZMQ's slow joiner
+    yield llm, sub
+    llm.engine.core.kv_events.shutdown()
+    ctx.destroy(linger=0)
+
+
+def router_view(messages, view: Optional[set] = None) -> set:
+    """The (medium, hash) pairs a KV-aware router holds after ``messages``, applied in order to ``view``."""
+    view = set() if view is None else view
+    for _, _, batch in messages:
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                view |= {(e.medium, h) for h in e.block_hashes}
+            elif isinstance(e, BlockRemoved):
+                view -= {(e.medium, h) for h in e.block_hashes}
+            else:
+                view.clear()
+    return view
+
+
+WIPES = {
+    "reset_prefix_cache": lambda llm, path: llm.reset_prefix_cache(),
+    "sleep": lambda llm, path: llm.sleep(level=1),
+    "update_weights_from_path": lambda llm, path: llm.update_weights_from_path(path),
+}
+
+
+@pytest.mark.parametrize("wipe", list(WIPES))
+def test_every_cache_wipe_publishes_all_blocks_cleared_at_once_host_tier_included(wiped, stories_dir, wipe):
+    llm, sub = wiped
+    first, second = [3 + (i * 7) % 400 for i in range(40)], [5 + (i * 11) % 400 for i in range(120)]
+    llm.generate([first], GREEDY, use_tqdm=False)
+    llm.generate([second], GREEDY, use_tqdm=False)
+    view = router_view(receive(sub))
+    pool = llm.engine.scheduler.block_pool
+    assert {m for m, _ in view} == {"GPU", "CPU"} and pool.cached and pool.host_tier.num_cached
+    WIPES[wipe](llm, stories_dir)
+    try:
+        # Published by the wipe itself: no step has run since.
+        after = receive(sub, until=3.0)
+        assert [e for _, _, batch in after for e in batch.events] == [AllBlocksCleared()]
+        assert router_view(after, view) == set()
+        assert not pool.cached and pool.host_tier.num_cached == 0
+    finally:
+        if llm.is_sleeping():
+            llm.wake_up()
+
+
 @pytest.mark.parametrize("value, words", [
     ('{"enable_kv_cache_events": true, "endpoints": "tcp://*:1"}', "unknown field 'endpoints'"),
     ({"enable_kv_cache_events": True, "publisher": "kafka"}, "publisher='kafka' must be 'zmq' or 'null'"),

@@ -522,6 +522,88 @@ def test_vllm_namespace_names_vllms_series_as_vllm_does_with_the_model_name_labe
     assert not any(n.startswith("jaxllm:") and n.split(":")[1] in VLLM_SERIES for n in names)
 
 
+# Every series vLLM's stock Grafana board queries, as its PromQL names them: vllm-project/vllm
+# examples/observability/prometheus_grafana/grafana.json (commit 4b5c627), plus the time-per-output-token
+# panel of vLLM 0.32's copy (issue 55 counts its 16 series).
+VLLM_DASHBOARD_SERIES = (
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:inter_token_latency_seconds_bucket", "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:kv_cache_usage_perc", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum", "vllm:request_time_per_output_token_seconds_bucket",
+    "vllm:request_time_per_output_token_seconds_sum", "vllm:request_time_per_output_token_seconds_count",
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_scrape(stories_dir):
+    """An engine under metrics_namespace="vllm" after one request (40 prompt tokens, 5 generated), and the text a
+    scrape of its /metrics port returned."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    llm = _llm(stories_dir, metrics_namespace="vllm", metrics_port=port)
+    try:
+        llm.generate([_prompt(40, 17)], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        llm.engine.metrics.close()
+    return llm, body
+
+
+def test_every_series_vllms_grafana_dashboard_queries_is_scraped_under_the_vllm_namespace(vllm_scrape,
+                                                                                         stories_dir):
+    _, body = vllm_scrape
+    labelled = {line.split("{")[0] for line in body.splitlines()
+                if not line.startswith("#") and f'model_name="{stories_dir}"' in line}
+    assert [s for s in VLLM_DASHBOARD_SERIES if s not in labelled] == []
+
+
+def test_vllms_per_request_histograms_observe_a_known_request_with_vllms_buckets(vllm_scrape, stories_dir):
+    llm, _ = vllm_scrape
+    model = {"model_name": str(stories_dir)}
+
+    def value(name, **labels):
+        return _value(llm, name, **model, **labels)
+
+    for name, total, below, within in [("request_prompt_tokens", 40, "20.0", "50.0"),
+                                       ("request_generation_tokens", 5, "2.0", "5.0"),
+                                       ("request_max_num_generation_tokens", 5, "2.0", "5.0")]:
+        assert (value(f"vllm:{name}_count"), value(f"vllm:{name}_sum")) == (1, total), name
+        assert (value(f"vllm:{name}_bucket", le=below), value(f"vllm:{name}_bucket", le=within)) == (0, 1), name
+    # vLLM's 1-2-5 buckets up to max_model_len=128.
+    bounds = [s.labels["le"] for m in llm.engine.metrics.registry.collect() if m.name == "vllm:request_prompt_tokens"
+              for s in m.samples if s.name.endswith("_bucket")]
+    assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
+    prefill, decode = value("vllm:request_prefill_time_seconds_sum"), value("vllm:request_decode_time_seconds_sum")
+    e2e, queue = value("vllm:e2e_request_latency_seconds_sum"), value("vllm:request_queue_time_seconds_sum")
+    assert prefill > 0 and decode > 0 and queue + prefill + decode == pytest.approx(e2e, abs=1e-6)
+    assert value("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(decode / 4)
+    assert value("vllm:request_decode_time_seconds_bucket", le="7680.0") == 1
+    assert value("vllm:request_time_per_output_token_seconds_bucket", le="80.0") == 1
+
+
+def test_request_token_histograms_count_a_request_of_n_once_with_its_longest_completion(llm):
+    def delta(name):
+        return _value(llm, f"jaxllm:{name}_sum") - before[name], _value(llm, f"jaxllm:{name}_count") - counts[name]
+
+    names = ("request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens")
+    before = {n: _value(llm, f"jaxllm:{n}_sum") for n in names}
+    counts = {n: _value(llm, f"jaxllm:{n}_count") for n in names}
+    prompt = _prompt(6, 91)
+    # Three sampled completions that stop at different lengths (seeded), and a greedy request of 5 tokens.
+    outs = llm.generate([prompt, prompt], [
+        SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=0, stop_token_ids=[410, 289, 433]),
+        SamplingParams(max_tokens=5, **GREEDY)], use_tqdm=False)
+    lengths = [len(c.token_ids) for c in outs[0].outputs]
+    assert len(set(lengths)) > 1
+    assert [delta(n) for n in names] == [(12, 2), (sum(lengths) + 5, 2), (max(lengths) + 5, 2)]
+
+
 def test_an_unknown_metrics_namespace_is_refused_naming_it():
     from jaxllm.config import EngineConfig
 

@@ -407,6 +407,7 @@ class EngineCore:
         Returns True (it cannot fail here)."""
         self._settle()
         self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
         return True
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
@@ -433,6 +434,7 @@ class EngineCore:
         device = self.sharding.mesh.devices.flat[0]
         before = device_bytes_in_use(device)
         self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
         freed = self.cache_engines.release() + self.runner.weights.release(offload=level == 1)
         self._asleep, self._sleep_level = {"weights", "kv_cache"}, level
         return {"level": level, "freed_bytes": freed, "device_bytes_before": before,
@@ -527,9 +529,16 @@ class EngineCore:
     def _drop_kv_state(self) -> int:
         """Reset the prefix cache and preempt every unfinished request for recompute; returns them."""
         preempted = self.scheduler.reset_prefix_cache(reset_running_requests=True)
+        self._publish_kv_events()
         for seq in preempted:
             self.slots.release(seq)
         return len(preempted)
+
+    def _publish_kv_events(self) -> None:
+        """Publish the prefix cache's events so far: each step's, and a wipe's at once (a router must not wait for
+        the next step to learn that the cache is empty)."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.take_kv_events())
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step; preempted sequences give their sampling slots back."""
@@ -551,8 +560,7 @@ class EngineCore:
 
     def _report(self, touched: list[Request]) -> list[EngineCoreOutput]:
         """Outputs of the touched sequences (touched prefill parents fork); publishes the step's KV events."""
-        if self.kv_events is not None:
-            self.kv_events.publish(self.scheduler.take_kv_events())
+        self._publish_kv_events()
         outputs = []
         for seq in dict.fromkeys(touched):
             if seq.done:

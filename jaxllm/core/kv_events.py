@@ -19,6 +19,7 @@ import msgspec
 import zmq
 
 from jaxllm.config import KVEventsConfig
+from scheduler.kv_events import AllBlocksCleared as HostAllBlocksCleared
 from scheduler.kv_events import BlockRemoved as HostBlockRemoved
 from scheduler.kv_events import KVEvent
 
@@ -52,11 +53,18 @@ class BlockRemoved(KVCacheEvent):
     medium: Optional[str]
 
 
+class AllBlocksCleared(KVCacheEvent):
+    """vLLM's ``AllBlocksCleared``: every cached block was forgotten (see ``scheduler.kv_events.AllBlocksCleared``)."""
+
+
+WireEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """vLLM's ``KVEventBatch``: one step's events, a positional array ``[ts, events, data_parallel_rank]``."""
 
     ts: float
-    events: list[Union[BlockStored, BlockRemoved]]
+    events: list[WireEvent]
     data_parallel_rank: Optional[int] = None
 
 
@@ -65,8 +73,10 @@ def external_hash(block_hash: bytes, as_int: bool) -> ExternalBlockHash:
     return int.from_bytes(block_hash, "big") & ((1 << 64) - 1) if as_int else block_hash
 
 
-def to_wire(event: KVEvent, as_int: bool) -> Union[BlockStored, BlockRemoved]:
+def to_wire(event: KVEvent, as_int: bool) -> WireEvent:
     """A ``scheduler.kv_events`` event as vLLM's struct."""
+    if isinstance(event, HostAllBlocksCleared):
+        return AllBlocksCleared()
     hashes = [external_hash(h, as_int) for h in event.block_hashes]
     if isinstance(event, HostBlockRemoved):
         return BlockRemoved(hashes, event.medium)

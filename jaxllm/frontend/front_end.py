@@ -42,6 +42,7 @@ class FrontEnd:
         self.metrics = EngineMetrics(log_stats=observability.log_stats, metrics_port=observability.metrics_port,
                                      max_num_seqs=scheduling.max_num_seqs,
                                      max_num_batched_tokens=scheduling.max_num_batched_tokens,
+                                     max_model_len=client.infos[0].max_model_len,
                                      namespace=observability.metrics_namespace, model_name=model_name)
         if config.preload_prompts is not None:
             client.preload_prefixes(preload_token_ids(config.preload_prompts, self.input_processor))

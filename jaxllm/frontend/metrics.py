@@ -20,6 +20,11 @@ logger = init_logger(__name__)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's buckets of its per-request histograms: whole-request phases, and the mean time per output token.
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                            240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _STEP_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)
 # Whole engine steps: the board's step-delay threshold is 50 ms on a GPU; CPU steps run to seconds.
@@ -50,7 +55,21 @@ VLLM_SERIES = frozenset({
     "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
     "request_queue_time_seconds", "iteration_tokens_total", "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
+    "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
+    "request_prefill_time_seconds", "request_decode_time_seconds", "request_time_per_output_token_seconds",
 })
+
+
+def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's buckets of per-request token counts)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
 
 class EngineMetrics:
     """The metrics of one front end (its own ``CollectorRegistry``), updated from step outputs and ``CoreStats``.
@@ -59,6 +78,7 @@ class EngineMetrics:
       log_stats: log a summary line every ``log_interval`` seconds. metrics_port: serve ``/metrics`` there.
       clock: monotonic seconds, the clock of request arrival times.
       max_num_seqs, max_num_batched_tokens: each core's limits (``batch_utilization``'s denominators).
+      max_model_len: tokens per request at most (the top bucket of the per-request token histograms).
       namespace: "jaxllm" or "vllm". model_name: the ``model_name`` label under "vllm".
 
     Attributes:
@@ -67,13 +87,14 @@ class EngineMetrics:
 
     def __init__(self, *, log_stats: bool = False, log_interval: float = 5.0, metrics_port: Optional[int] = None,
                  clock: Callable[[], float] = time.monotonic, max_num_seqs: int = 1, max_num_batched_tokens: int = 1,
-                 namespace: str = "jaxllm", model_name: str = ""):
+                 max_model_len: int = 8192, namespace: str = "jaxllm", model_name: str = ""):
         if namespace not in METRICS_NAMESPACES:
             raise ValueError(f"metrics_namespace={namespace!r} must be one of {METRICS_NAMESPACES}")
         self.namespace, self.model_name = namespace, model_name
         self.registry = prom.CollectorRegistry()
         self._clock = clock
         self._max_num_seqs, self._max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self._max_model_len = max_model_len
         self._define_series()
         self._last_token_time: dict[str, float] = {}
         # Each core's latest stats; gauges show their sum, counters follow the sums by deltas.
@@ -176,6 +197,7 @@ class EngineMetrics:
             "e2e_request_latency_seconds", "Arrival to finish, seconds.", _LATENCY_BUCKETS)
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduling, seconds.", _LATENCY_BUCKETS)
+        self._define_request_series(histogram)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
         self.scheduler_step = histogram(
             "scheduler_step_seconds", "Host time of one Scheduler.schedule(), seconds.", _STEP_BUCKETS)
@@ -192,6 +214,26 @@ class EngineMetrics:
         self.grammar_bitmask = histogram(
             "grammar_bitmask_seconds", "Host time building a step's structured-output token bitmask, seconds.",
             _STEP_BUCKETS)
+
+    def _define_request_series(self, histogram: Callable[..., prom.Histogram]) -> None:
+        """vLLM's histograms of finished requests: their token counts and the phases of their time."""
+        tokens = one_two_five_buckets(self._max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
+                                               tokens)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Tokens each finished request generated (all n completions).", tokens)
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Tokens of each finished request's longest completion.", tokens)
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduling to first token of each finished request, seconds.",
+            _REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token of each finished request, seconds.",
+            _REQUEST_LATENCY_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Each finished request's decode time / (tokens of its longest completion - 1), seconds (0 for one token).",
+            _TPOT_BUCKETS)
 
     def series_name(self, name: str) -> str:
         """The exposed name of series ``name`` (e.g. "num_requests_running") in this namespace."""
@@ -260,6 +302,23 @@ class EngineMetrics:
             self.e2e_request_latency.observe(times["finished_time"] - times["arrival_time"])
             if times["first_scheduled_time"] is not None:
                 self.request_queue_time.observe(times["first_scheduled_time"] - times["arrival_time"])
+            self._on_finished(out)
+
+    def _on_finished(self, out: RequestOutput) -> None:
+        """The per-request histograms of a finished request (vLLM's ``FinishedRequestStats``)."""
+        times = out.metrics
+        lengths = [len(c.token_ids) for c in out.outputs]
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(lengths))
+        self.request_max_num_generation_tokens.observe(max(lengths))
+        first_token = times["first_token_time"]
+        if first_token is None:
+            return
+        if times["first_scheduled_time"] is not None:
+            self.request_prefill_time.observe(first_token - times["first_scheduled_time"])
+        decode = times["finished_time"] - first_token
+        self.request_decode_time.observe(decode)
+        self.request_time_per_output_token.observe(decode / (max(lengths) - 1) if max(lengths) > 1 else 0.0)
 
     def _update_core_series(self, stepped: bool) -> None:
         total = self._total

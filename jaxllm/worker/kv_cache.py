@@ -129,7 +129,8 @@ def resolve_num_blocks(
 
 
 def check_pool_backend(config: Any, backend: str) -> None:
-    """Raise ValueError where ``config`` (an ``EngineConfig`` or its ``cache`` view) asks for a compressed pool on attention ``backend``
+    """Raise ValueError where ``config`` (an ``EngineConfig`` or its ``cache`` view) asks for a compressed pool on
+    attention ``backend``
     ``"pallas"``, whose kernels read one pool (the default on GPU)."""
     if config.kv_cache_compression is not None and backend == "pallas":
         raise ValueError(f"kv_cache_compression={config.kv_cache_compression!r} cannot be used with the pallas "
@@ -186,23 +187,33 @@ def split_kv_budget(cfg: ModelConfig, *, block_size: int, dtype: Any, fraction: 
     return num_blocks, num_compressed
 
 
-def allocate_kv_cache(num_blocks: int, block_size: int, dtype: Any, sharding: "ModelSharding") -> KVCache:
-    """Zeroed ``(k_cache, v_cache)`` of ``dtype``, ``num_cache_heads`` heads split by ``kv_cache_sharding``."""
+def kv_cache_avals(num_blocks: int, block_size: int, dtype: Any, sharding: "ModelSharding") -> KVCache:
+    """``(k_cache, v_cache)`` as ShapeDtypeStructs: ``[num_layers, num_blocks, block_size, num_cache_heads,
+    head_dim]`` of ``dtype``, heads split by ``kv_cache_sharding``."""
     cfg = sharding.cfg
     shape = (cfg.num_layers, num_blocks, block_size, sharding.num_cache_heads, cfg.head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.kv_cache_sharding)
-    return zeros(), zeros()
+    aval = jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding.kv_cache_sharding)
+    return aval, aval
+
+
+def zero_fill(avals: Sequence[jax.ShapeDtypeStruct]) -> Callable[[], tuple[jax.Array, ...]]:
+    """A compiled program returning zeroed arrays of ``avals``' shapes, dtypes and shardings: built once, it
+    allocates again (wake_up) without compiling."""
+    avals = tuple(avals)
+    fill = jax.jit(lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in avals),
+                   out_shardings=tuple(a.sharding for a in avals))
+    return fill.lower().compile()
+
+
+def allocate_kv_cache(num_blocks: int, block_size: int, dtype: Any, sharding: "ModelSharding") -> KVCache:
+    """Zeroed ``(k_cache, v_cache)`` of :func:`kv_cache_avals`."""
+    return zero_fill(kv_cache_avals(num_blocks, block_size, dtype, sharding))()
 
 
 def storage_dtype(dtype: Any, float_bits_storage: bool) -> np.dtype:
     """The dtype ``dtype`` numbers are stored in: with ``float_bits_storage``, their bits (``BITS_STORAGE``)."""
     dtype = np.dtype(dtype)
     return BITS_STORAGE.get(dtype, dtype) if float_bits_storage else dtype
-
-
-@functools.lru_cache(maxsize=None)
-def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding) -> Callable:
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 # Block copies (swap, copy-on-write, compaction) run in fixed-size chunks so that they compile once; a swap chunk's
@@ -269,17 +280,20 @@ class CacheEngine:
                  num_pool_blocks: int = 0, pool_dtype: Any = None):
         self.num_blocks = num_blocks
         self.num_offload_blocks = num_offload_blocks
-        self.kv_cache = allocate_kv_cache(num_blocks, block_size, dtype, sharding)
+        self._fill_kv = zero_fill(kv_cache_avals(num_blocks, block_size, dtype, sharding))
+        self.kv_cache = self._fill_kv()
+        self._fill_pool: Optional[Callable[[], tuple[jax.Array, ...]]] = None
         self._sharding = sharding.kv_cache_sharding
         self._replicated = sharding.replicated
         self._stats = stats
         self._ops: dict[str, Callable] = {}
         self.scaled_pool: Optional[ScaledKV] = None
         if num_pool_blocks:
-            k, v = allocate_kv_cache(num_pool_blocks, block_size, pool_dtype, sharding)
-            scales = _zeros((cfg.num_layers, num_pool_blocks, sharding.num_cache_heads), np.dtype(np.float32),
-                            sharding.pool_scale_sharding)
-            self.scaled_pool = ScaledKV(k, v, scales(), scales())
+            scale = jax.ShapeDtypeStruct((cfg.num_layers, num_pool_blocks, sharding.num_cache_heads),
+                                         np.dtype(np.float32), sharding=sharding.pool_scale_sharding)
+            avals = kv_cache_avals(num_pool_blocks, block_size, pool_dtype, sharding) + (scale, scale)
+            self._fill_pool = zero_fill(avals)
+            self.scaled_pool = ScaledKV(*self._fill_pool())
             scale_sharding = sharding.pool_scale_sharding
             self._pool_sharding = ScaledKV(self._sharding, self._sharding, scale_sharding, scale_sharding)
         num_host = num_host_blocks + num_offload_blocks
@@ -385,6 +399,7 @@ class CacheEngine:
         old, self.kv_cache = self.kv_cache, self._stats.compile(resize, abstract(self.kv_cache))(self.kv_cache)
         for c in old:
             c.delete()
+        self._fill_kv = zero_fill(abstract(self.kv_cache))
         self.num_blocks = num_blocks
         for name in [name for name in ("copy", "gather", "scatter") if name in self._ops]:
             del self._ops[name]
@@ -407,9 +422,9 @@ class CacheEngine:
     def allocate(self) -> None:
         """Zeroed arrays of the released shapes again (wake up); nothing if allocated."""
         if not self.allocated:
-            self.kv_cache = tuple(_zeros(a.shape, a.dtype, a.sharding)() for a in self.kv_cache)
+            self.kv_cache = self._fill_kv()
             if self.scaled_pool is not None:
-                self.scaled_pool = ScaledKV(*(_zeros(a.shape, a.dtype, a.sharding)() for a in self.scaled_pool))
+                self.scaled_pool = ScaledKV(*self._fill_pool())
 
 
 class CacheEngines:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterable, Optional, Sequence
 
 from scheduler.kv.host_tier import HostTier
-from scheduler.kv_events import BlockRemoved, KVEvent
+from scheduler.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 
 
 class KVBlock:
@@ -263,14 +263,16 @@ class BlockPool:
             self.free_queue._splice_front(unhashed)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every hash (vLLM's ``reset_prefix_cache``) and empty the host tier; ref counts and queue places
-        stay. Returns the number of blocks that lost their hash."""
+        """Forget every hash (vLLM's ``reset_prefix_cache``) and empty the host tier, recording ``AllBlocksCleared``;
+        ref counts and queue places stay. Returns the number of blocks that lost their hash."""
         for block in self.cached.values():
             block.block_hash = None
         num = len(self.cached)
         self.cached.clear()
         if self.host_tier is not None:
             self.host_tier.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return num
 
     def get_cached_block(self, block_hash: bytes) -> Optional[KVBlock]:
