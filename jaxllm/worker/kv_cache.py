@@ -130,8 +130,7 @@ def resolve_num_blocks(
 
 def check_pool_backend(config: Any, backend: str) -> None:
     """Raise ValueError where ``config`` (an ``EngineConfig`` or its ``cache`` view) asks for a compressed pool on
-    attention ``backend``
-    ``"pallas"``, whose kernels read one pool (the default on GPU)."""
+    attention ``backend`` ``"pallas"``, whose kernels read one pool (the default on GPU)."""
     if config.kv_cache_compression is not None and backend == "pallas":
         raise ValueError(f"kv_cache_compression={config.kv_cache_compression!r} cannot be used with the pallas "
                          "attention backend (the default on GPU; its kernels read one pool): set "
