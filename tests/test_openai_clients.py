@@ -10,15 +10,21 @@ method) get the schema enforced too, with JSON's free white space, which stories
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from tests.server_process import Server, engine_flags
-from tests.test_openai_tools import TEMPLATE
+from tests.test_openai_tools import TEMPLATE, forced, hermes_call
 
 openai = pytest.importorskip("openai")
 instructor = pytest.importorskip("instructor")
 langchain_openai = pytest.importorskip("langchain_openai")
+try:
+    import agents  # the OpenAI Agents SDK (openai-agents)
+except ImportError:
+    agents = None
 
 QUESTION = "What is the weather in Paris?"
 
@@ -95,3 +101,76 @@ def test_langchain_streamed_bind_tools_joins_to_a_valid_call(server):
 def test_langchain_with_structured_output_by_function_calling_gets_a_valid_model(server):
     weather = chat_model(server).with_structured_output(Weather, method="function_calling").invoke(QUESTION)
     assert isinstance(weather, Weather)
+
+
+# ---- issue 55: the OpenAI Agents SDK over the Responses API ------------------------------------------------------
+
+CALL = hermes_call("get_weather", {"city": "Paris"})
+ANSWER = "It is sunny in Paris."
+
+
+def weather_agent(base_url: str):
+    """An agent with one function tool on ``OpenAIResponsesModel`` (the SDK's default model class), and run hooks
+    that force stories260K's text: the tool call first, then, once the tool has answered, the final answer."""
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"Sunny in {city}."
+
+    class ForceText(agents.RunHooks):
+        async def on_tool_end(self, context, agent, tool, result):
+            assert result == "Sunny in Paris."
+            agent.model_settings = agents.ModelSettings(temperature=0, extra_body=forced(ANSWER))
+
+    model = agents.OpenAIResponsesModel(model="stories", openai_client=openai.AsyncOpenAI(
+        base_url=base_url, api_key="none", max_retries=0, timeout=300))
+    agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", model=model,
+                         tools=[get_weather], model_settings=agents.ModelSettings(temperature=0,
+                                                                                  extra_body=forced(CALL)))
+    return agent, ForceText()
+
+
+@pytest.fixture(scope="module")
+def agents_sdk(server):
+    """The server's /v1 URL for the SDK (skipped without openai-agents); the SDK's tracing export is off."""
+    pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    return f"{server.url}/v1"
+
+
+def run_items(result) -> list[tuple[str, str]]:
+    """(item type, then the call's name, its output or the message's text) of a run's new items."""
+    described = []
+    for item in result.new_items:
+        if item.type == "tool_call_item":
+            described.append((item.type, item.raw_item.name))
+        elif item.type == "tool_call_output_item":
+            described.append((item.type, item.output))
+        elif item.type == "message_output_item":
+            described.append((item.type, agents.ItemHelpers.text_message_output(item)))
+    return described
+
+
+WANTED_ITEMS = [("tool_call_item", "get_weather"), ("tool_call_output_item", "Sunny in Paris."),
+                ("message_output_item", ANSWER)]
+
+
+def test_issue55_agents_sdk_responses_model_runs_a_tool_agent_to_completion(agents_sdk):
+    agent, hooks = weather_agent(agents_sdk)
+    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", hooks=hooks, max_turns=3))
+    assert result.final_output == ANSWER and run_items(result) == WANTED_ITEMS
+    assert len(result.raw_responses) == 2  # the call, then the answer
+
+
+def test_issue55_agents_sdk_responses_model_runs_a_tool_agent_to_completion_streamed(agents_sdk):
+    agent, hooks = weather_agent(agents_sdk)
+
+    async def run():
+        result = agents.Runner.run_streamed(agent, "What is the weather in Paris?", hooks=hooks, max_turns=3)
+        deltas = [event.data.delta async for event in result.stream_events()
+                  if event.type == "raw_response_event" and event.data.type == "response.output_text.delta"]
+        return result, deltas
+
+    result, deltas = asyncio.run(run())
+    assert result.final_output == ANSWER == "".join(deltas) and run_items(result) == WANTED_ITEMS

@@ -9,6 +9,7 @@ The server is a real ``jaxllm serve`` on stories260K, which ships no chat templa
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -21,8 +22,9 @@ import tests.test_openai_server as server_tests
 import tests.test_openai_tools as tools_tests
 from jaxllm import LLM, SamplingParams
 from jaxllm.entrypoints.openai.api_server import main as serve_main
-from jaxllm.entrypoints.openai import protocol
+from jaxllm.entrypoints.openai import field_policy, protocol
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from jaxllm.entrypoints.openai.serving import chat_template_kwargs
 from tests.server_process import ENGINE, Server, engine_flags
 from tests.test_openai_server import wait_until_idle
 
@@ -363,16 +365,13 @@ def test_a_null_is_none_where_the_field_takes_none_and_the_default_elsewhere(mod
 
 UNSUPPORTED = [
     # (path, body, param, the field's name as the message spells it)
-    ("/v1/completions", dict(prompt=PROMPT, user="alice"), "user", "user"),
-    ("/v1/completions", dict(prompt=PROMPT, suffix="The end."), "suffix", "suffix"),
+    # Fields neither vLLM's request models nor field_policy's table name (vLLM drops them unread).
     ("/v1/completions", dict(prompt=PROMPT, best_of=2), "best_of", "best_of"),
-    ("/v1/completions", dict(prompt=PROMPT, add_special_tokens=False), "add_special_tokens", "add_special_tokens"),
     # OpenAI's deprecated predecessor of tools.
     ("/v1/chat/completions", dict(messages=USER, functions=[{"name": "f"}]), "functions", "functions"),
-    ("/v1/chat/completions", dict(messages=USER, echo=True), "echo", "echo"),
-    ("/v1/chat/completions", dict(messages=USER, chat_template="{{ messages }}"), "chat_template", "chat_template"),
-    ("/v1/chat/completions", dict(messages=USER, stream=True, stream_options={"continuous_usage_stats": True}),
-     "stream_options", "stream_options.continuous_usage_stats"),
+    ("/v1/responses", dict(input="Hi", conversation="conv_1"), "conversation", "conversation"),
+    ("/v1/chat/completions", dict(messages=USER, stream=True, stream_options={"obfuscation": True}),
+     "stream_options", "stream_options.obfuscation"),
     ("/v1/chat/completions", dict(messages=USER, response_format={"type": "json_object", "schema": {}}),
      "response_format", "response_format.schema"),
     ("/tokenize", dict(prompt=PROMPT, return_token_strs=True), "return_token_strs", "return_token_strs"),
@@ -395,6 +394,47 @@ def test_issue25_after_the_refusals_no_request_or_kv_block_is_lost(ready, llm):
     text = completion(ready, prompt=PROMPT, max_tokens=12, temperature=0)["choices"][0]["text"]
     assert text == llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].text
     wait_until_idle(ready)
+
+
+def test_issue55_bad_words_and_allowed_token_ids_constrain_the_text_as_llm_generate_does(ready, llm):
+    greedy = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].text
+    assert "Lily" in greedy
+    for field, value in [("bad_words", ["Lily"]), ("allowed_token_ids", [261, 378, 403, 407, 2])]:
+        want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, **{field: value}),
+                            use_tqdm=False)[0].outputs[0]
+        got = completion(ready, prompt=PROMPT, max_tokens=12, temperature=0, **{field: value})
+        assert got["choices"][0]["text"] == want.text != greedy
+        if field == "bad_words":
+            assert "Lily" not in want.text
+        else:
+            assert set(want.token_ids) <= set(value)
+
+
+def test_issue55_truncate_prompt_tokens_keeps_the_prompts_last_or_first_tokens(ready, llm):
+    prompt = long_prompt(55)
+    for side, kept in [(None, prompt[-10:]), ("left", prompt[-10:]), ("right", prompt[:10])]:
+        body = completion(ready, prompt=prompt, max_tokens=1, temperature=0, echo=True, truncate_prompt_tokens=10,
+                          **({} if side is None else {"truncation_side": side}))
+        assert body["usage"]["prompt_tokens"] == 10
+        assert body["choices"][0]["text"].startswith(llm.tokenizer.decode(kept))
+    whole = chat(ready, messages=USER, max_tokens=1)["usage"]["prompt_tokens"]
+    assert chat(ready, messages=USER, max_tokens=1, truncate_prompt_tokens=4)["usage"]["prompt_tokens"] == 4 < whole
+    assert chat(ready, messages=USER, max_tokens=1, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == whole
+    refused(ready, "/v1/completions", dict(prompt=prompt, truncate_prompt_tokens=0), "truncate_prompt_tokens",
+            "must be -1 or in [1, max_model_len=512]")
+
+
+def test_issue55_documents_and_reasoning_effort_are_chat_template_variables():
+    documents = [{"title": "Tom", "text": "Tom has a dog."}]
+    request = ChatCompletionRequest(messages=USER, documents=documents, reasoning_effort="low")
+    assert chat_template_kwargs(request) == {"documents": documents, "reasoning_effort": "low",
+                                             "enable_thinking": True}
+    assert chat_template_kwargs(ChatCompletionRequest(messages=USER, reasoning_effort="none")) == {
+        "reasoning_effort": "none", "enable_thinking": False}
+    # The request's own chat_template_kwargs win, as in vLLM.
+    assert chat_template_kwargs(ChatCompletionRequest(messages=USER, reasoning_effort="high", chat_template_kwargs={
+        "enable_thinking": False}))["enable_thinking"] is False
+    assert chat_template_kwargs(ChatCompletionRequest(messages=USER)) is None
 
 
 # Every field of the request models and the test that shows it honoured (or refused where it cannot be).
@@ -430,6 +470,12 @@ FIELD_TESTS = {
     "parallel_tool_calls": tools_tests.test_required_tool_choice_returns_calls_whose_arguments_validate,
     "chat_template_kwargs": tools_tests.test_chat_template_kwargs_reach_the_template,
     "include_reasoning": tools_tests.test_include_reasoning_false_drops_the_reasoning,
+    "bad_words": test_issue55_bad_words_and_allowed_token_ids_constrain_the_text_as_llm_generate_does,
+    "allowed_token_ids": test_issue55_bad_words_and_allowed_token_ids_constrain_the_text_as_llm_generate_does,
+    "truncate_prompt_tokens": test_issue55_truncate_prompt_tokens_keeps_the_prompts_last_or_first_tokens,
+    "truncation_side": test_issue55_truncate_prompt_tokens_keeps_the_prompts_last_or_first_tokens,
+    "reasoning_effort": tools_tests.test_issue55_reasoning_effort_reaches_the_chat_template,
+    "documents": test_issue55_documents_and_reasoning_effort_are_chat_template_variables,
 }
 
 
@@ -437,3 +483,208 @@ def test_issue25_every_request_field_is_honoured_by_a_named_test():
     fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | \
         (set(TokenizeRequest.model_fields) - {"model", "prompt", "messages"})
     assert fields == set(FIELD_TESTS)
+
+
+# ---- issue 55, item 1: a field vLLM accepts, jaxllm accepts ------------------------------------------------------
+
+# The fields of vLLM 0.33.0's request models, in their order there (vllm/entrypoints/openai/completion/protocol.py
+# CompletionRequest, chat_completion/protocol.py ChatCompletionRequest, responses/protocol.py ResponsesRequest, from
+# the vllm-0.33.0 wheel on PyPI); chat's last five are OpenAI fields vLLM accepts without declaring them.
+_VLLM_EXTRAS = ["priority", "request_id", "session_id", "return_tokens_as_token_ids", "return_token_ids",
+                "return_weight_versions", "routed_experts_prompt_start", "return_token_offsets"]
+VLLM_COMPLETION_FIELDS = [
+    "model", "prompt", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty",
+    "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user", "use_beam_search", "top_k",
+    "min_p", "repetition_penalty", "watermarking", "length_penalty", "stop_token_ids", "include_stop_str_in_output",
+    "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "truncation_side", "allowed_token_ids", "logprob_token_ids", "bad_words", "prompt_embeds", "add_special_tokens",
+    "response_format", "structured_outputs", *_VLLM_EXTRAS, "mm_payload", "return_mm_kwargs", "cache_salt",
+    "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget",
+    "stream_interval"]
+VLLM_CHAT_FIELDS = [
+    "messages", "model", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "max_tokens",
+    "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream", "stream_options",
+    "temperature", "top_p", "tools", "tool_choice", "reasoning_effort", "thinking_token_budget", "include_reasoning",
+    "parallel_tool_calls", "user", "use_beam_search", "top_k", "min_p", "repetition_penalty", "watermarking",
+    "length_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "truncation_side",
+    "prompt_logprobs", "logprob_token_ids", "allowed_token_ids", "bad_words", "echo", "add_generation_prompt",
+    "continue_final_message", "add_special_tokens", "documents", "chat_template", "chat_template_kwargs",
+    "media_io_kwargs", "mm_processor_kwargs", "structured_outputs", *_VLLM_EXTRAS, "return_prompt_text",
+    "mm_payload", "return_mm_kwargs", "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
+    "repetition_detection", "stream_interval",
+    "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"]
+VLLM_RESPONSES_FIELDS = [
+    "background", "include", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "model",
+    "logit_bias", "parallel_tool_calls", "previous_response_id", "prompt", "reasoning", "include_reasoning",
+    "service_tier", "store", "stream", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p",
+    "top_k", "min_p", "truncation", "user", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "prompt_cache_key",
+    "prompt_cache_options", "prompt_cache_retention", "safety_identifier", "watermarking", "request_id",
+    "session_id", "media_io_kwargs", "mm_processor_kwargs", "priority", "mm_payload", "return_mm_kwargs",
+    "cache_salt", "enable_response_messages", "previous_input_messages", "structured_outputs", "repetition_penalty",
+    "seed", "stop", "stop_token_ids", "ignore_eos", "vllm_xargs", "kv_transfer_params", "ec_transfer_params",
+    "chat_template_kwargs"]
+
+RESPONSES_TOOL = {"type": "function", "name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}}, "required": ["zone"],
+    "additionalProperties": False}}
+# A typical value of each field, as the body's fields (with the companions it needs); None: the model's name.
+TYPICAL = {
+    "model": None, "prompt": {"prompt": "One day"}, "messages": {"messages": PREFILLED[:1]},
+    "input": {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]},
+    "echo": True, "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"5": 1.0}, "max_tokens": 3,
+    "max_completion_tokens": 3, "max_output_tokens": 3, "n": 2, "seed": 7, "stop": ["\n"],
+    "stream": True, "stream_options": {"stream": True, "stream_options": {"include_usage": True,
+                                                                         "continuous_usage_stats": True}},
+    "suffix": " The end.", "temperature": 0.5, "top_p": 0.9, "user": "user-1234", "use_beam_search": True,
+    "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "watermarking": True, "length_penalty": 1.2,
+    "stop_token_ids": [2], "include_stop_str_in_output": True, "ignore_eos": True, "min_tokens": 1,
+    "skip_special_tokens": False, "spaces_between_special_tokens": False, "truncate_prompt_tokens": 3,
+    "truncation_side": "left", "allowed_token_ids": [261, 378, 403, 407], "logprob_token_ids": [5],
+    "bad_words": ["Lily"], "prompt_embeds": "AAAAAA==", "add_special_tokens": False,
+    "response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["yes", "no"]}, "priority": 1,
+    "request_id": "my-request-1", "session_id": "session-1", "return_token_ids": True,
+    "return_weight_versions": True, "routed_experts_prompt_start": 0, "return_token_offsets": True,
+    "mm_payload": "tensors", "return_mm_kwargs": True, "cache_salt": "tenant-55",
+    "kv_transfer_params": {"do_remote_decode": True}, "ec_transfer_params": {"do_remote_encode": True},
+    "vllm_xargs": {"my_arg": 1}, "repetition_detection": {"max_pattern_size": 4}, "thinking_token_budget": 64,
+    "stream_interval": 2, "reasoning_effort": "low", "include_reasoning": False, "parallel_tool_calls": False,
+    "add_generation_prompt": False, "documents": [{"title": "Tom", "text": "Tom has a dog."}],
+    "chat_template": "{{ messages }}", "chat_template_kwargs": {"enable_thinking": False},
+    "media_io_kwargs": {"image": {"num_frames": 1}}, "mm_processor_kwargs": {"num_crops": 4},
+    "prompt_logprobs": 1, "return_prompt_text": True, "store": True, "metadata": {"team": "qa"},
+    "service_tier": "auto", "prompt_cache_key": "user-1234-session", "safety_identifier": "user-1234",
+    "background": True, "instructions": "Be brief.", "max_tool_calls": 2,
+    "reasoning": {"effort": "low", "summary": "auto"}, "text": {"format": {"type": "json_object"}},
+    "truncation": "auto", "prompt_cache_options": {"enabled": True}, "prompt_cache_retention": "24h",
+    "enable_response_messages": True, "previous_input_messages": [{"role": "user", "content": "Hi"}],
+}
+# Values that need companions, per endpoint.
+TYPICAL_BY_ENDPOINT = {
+    "completions": {"logprobs": 2, "return_tokens_as_token_ids": {"logprobs": 1, "return_tokens_as_token_ids": True}},
+    "chat": {"logprobs": True, "top_logprobs": {"logprobs": True, "top_logprobs": 2},
+             "return_tokens_as_token_ids": {"logprobs": True, "return_tokens_as_token_ids": True},
+             "tools": {"tools": tools_tests.TOOLS, "tool_choice": "none"},
+             "tool_choice": {"tools": tools_tests.TOOLS, "tool_choice": "required"},
+             "continue_final_message": {"messages": PREFILLED, "continue_final_message": True,
+                                        "add_generation_prompt": False}},
+    "responses": {"tools": {"tools": [RESPONSES_TOOL], "tool_choice": "none"},
+                  "tool_choice": {"tools": [RESPONSES_TOOL], "tool_choice": "required"},
+                  "top_logprobs": {"top_logprobs": 2, "include": ["message.output_text.logprobs"]},
+                  "include": [], "stream": True, "previous_response_id": "stored", "prompt": {"id": "pmpt_123"}},
+}
+# The fields whose typical value is refused (what the table in field_policy must say); field@endpoint: there only.
+REFUSED_TYPICAL = {
+    "use_beam_search", "watermarking", "logprob_token_ids", "prompt_embeds", "return_token_ids",
+    "return_weight_versions", "return_token_offsets", "return_mm_kwargs", "kv_transfer_params", "ec_transfer_params",
+    "vllm_xargs", "repetition_detection", "thinking_token_budget", "suffix", "echo@chat", "chat_template",
+    "return_prompt_text", "background", "prompt@responses", "enable_response_messages", "previous_input_messages"}
+ENDPOINTS = {"completions": ("/v1/completions", VLLM_COMPLETION_FIELDS, dict(prompt=PROMPT, max_tokens=2)),
+             "chat": ("/v1/chat/completions", VLLM_CHAT_FIELDS, dict(messages=USER, max_tokens=2)),
+             "responses": ("/v1/responses", VLLM_RESPONSES_FIELDS, dict(input="Tell me a story.",
+                                                                        max_output_tokens=2))}
+VLLM_FIELDS = [(endpoint, field) for endpoint, (_, fields, _) in ENDPOINTS.items() for field in fields]
+
+
+def typical(endpoint: str, field: str) -> dict:
+    by_endpoint = TYPICAL_BY_ENDPOINT[endpoint]
+    value = by_endpoint[field] if field in by_endpoint else TYPICAL[field]
+    return value if isinstance(value, dict) and field in value else {field: value}
+
+
+def test_every_vllm_field_has_a_rule_and_the_refused_ones_are_those_listed():
+    for endpoint, field in VLLM_FIELDS:
+        assert field in field_policy.TABLE[endpoint], (endpoint, field)
+    refused = {(endpoint, field) for endpoint, field in VLLM_FIELDS
+               if field_policy.refusal(endpoint, typical(endpoint, field)) is not None}
+    assert refused == {(endpoint, field) for endpoint, field in VLLM_FIELDS
+                       if field in REFUSED_TYPICAL or f"{field}@{endpoint}" in REFUSED_TYPICAL}
+
+
+@pytest.mark.parametrize("endpoint, field", VLLM_FIELDS, ids=[f"{e}-{f}" for e, f in VLLM_FIELDS])
+def test_issue55_every_vllm_field_is_honoured_accepted_or_refused_naming_it_as_the_table_says(ready, endpoint,
+                                                                                              field):
+    path, _, base = ENDPOINTS[endpoint]
+    body = {**base, **typical(endpoint, field)}
+    if field == "model":
+        body["model"] = httpx.get(f"{ready.url}/v1/models").json()["data"][0]["id"]
+    if field == "previous_response_id":
+        body["previous_response_id"] = post(ready, path, base).json()["id"]
+    response = post(ready, path, body)
+    rule = field_policy.TABLE[endpoint][field]
+    if rule.refuses(body[field]):
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == field and error["message"].startswith(f"{field}="), error
+    else:
+        assert response.status_code == 200, response.text
+        if not body.get("stream"):
+            assert response.json()["usage"]
+
+
+def stream_chunks(server, path, body) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", dict(prompt=[PROMPT, "One day, Lily"], n=2, max_tokens=7, temperature=1, seed=3,
+                             ignore_eos=True)),
+    ("/v1/chat/completions", dict(messages=USER, n=2, max_tokens=7, temperature=1, seed=3, ignore_eos=True)),
+], ids=["completions", "chat"])
+def test_issue55_continuous_usage_stats_puts_usage_on_every_chunk_adding_up_to_the_final_usage(ready, path, body):
+    chunks = stream_chunks(ready, path, {**body, "stream": True,
+                                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    *deltas, final = chunks
+    assert final["choices"] == [] and all(c["usage"] is not None for c in chunks)
+    last = {}  # choice index -> the usage on its last chunk
+    for chunk in deltas:
+        (choice,) = chunk["choices"]
+        usage, before = chunk["usage"], last.get(choice["index"])
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert before is None or (usage["prompt_tokens"] == before["prompt_tokens"]
+                                  and usage["completion_tokens"] >= before["completion_tokens"])
+        last[choice["index"]] = usage
+    assert len(last) == (4 if path == "/v1/completions" else 2)
+    assert sum(u["completion_tokens"] for u in last.values()) == final["usage"]["completion_tokens"] == 7 * len(last)
+    per_prompt = {i // 2: u["prompt_tokens"] for i, u in last.items()}
+    assert sum(per_prompt.values()) == final["usage"]["prompt_tokens"]
+    # Without include_usage no chunk carries usage (vLLM's should_include_usage).
+    plain = stream_chunks(ready, path, {**body, "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in c or c["usage"] is None for c in plain)
+
+
+# guidellm 0.8.1's request bodies (guidellm/backends/openai/request_handlers.py: TextCompletionsRequestHandler,
+# ChatCompletionsRequestHandler and ResponsesRequestHandler .format, streaming with a fixed output length; the
+# model name and texts are ours).
+GUIDELLM_BODIES = [
+    ("/v1/completions", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                         "max_tokens": 8, "stop": None, "ignore_eos": True, "prompt": "Once upon a time there"}),
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": True,
+                                                                 "continuous_usage_stats": True},
+                              "max_completion_tokens": 8, "stop": None, "ignore_eos": True,
+                              "messages": [{"role": "system", "content": "A story."},
+                                           {"role": "user", "content": [{"type": "text", "text": "Once upon"}]}]}),
+    ("/v1/responses", {"stream": True, "max_output_tokens": 8, "stop": None, "ignore_eos": True,
+                       "instructions": "A story.",
+                       "input": [{"role": "user", "content": [{"type": "input_text", "text": "Once upon"}]}]}),
+]
+
+
+@pytest.mark.parametrize("path, body", GUIDELLM_BODIES, ids=["completions", "chat", "responses"])
+def test_issue55_guidellms_request_bodies_are_answered_with_the_tokens_asked_for(ready, path, body):
+    body = {"model": httpx.get(f"{ready.url}/v1/models").json()["data"][0]["id"], **body}
+    if path == "/v1/responses":
+        with httpx.stream("POST", f"{ready.url}{path}", json=body, timeout=300) as response:
+            assert response.status_code == 200, response.read()
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1]["type"] == "response.completed"
+        assert events[-1]["response"]["usage"]["output_tokens"] == 8
+        return
+    chunks = stream_chunks(ready, path, body)
+    assert all(c["usage"] is not None for c in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 8 == chunks[-2]["usage"]["completion_tokens"]

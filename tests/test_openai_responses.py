@@ -19,7 +19,7 @@ from jaxllm.entrypoints.openai.reasoning_parsers import Qwen3ReasoningParser
 from jaxllm.entrypoints.openai.serving_responses import OutputItems
 from jaxllm.entrypoints.openai.tool_parsers import HermesParser
 from jaxllm.tokenizer import load_tokenizer
-from tests.server_process import Server, engine_flags
+from tests.server_process import ENGINE, Server, engine_flags
 from tests.test_openai_tools import SCHEMAS, TEMPLATE, WEATHER
 
 openai = pytest.importorskip("openai")
@@ -164,8 +164,9 @@ def test_store_false_keeps_nothing(client):
     (dict(input="Hi", max_output_tokens=10_000), "max_output_tokens", "max_output_tokens"),
     (dict(input=[{"type": "image_generation_call", "id": "x"}]), "input", "image_generation_call"),
     (dict(input="Hi", tool_choice="required"), "tool_choice", "needs tools"),
-    (dict(input="Hi", extra_body={"truncation": "auto"}), "truncation", "truncation"),
-], ids=["too-long", "unknown-item", "choice-without-tools", "unsupported-field"])
+    (dict(input="Hi", background=True), "background", "background responses are not implemented"),
+    (dict(input="Hi", extra_body={"conversation": "conv_1"}), "conversation", "does not support this field"),
+], ids=["too-long", "unknown-item", "choice-without-tools", "refused-value", "unsupported-field"])
 def test_requests_that_cannot_be_honoured_are_refused_naming_the_field(client, body, param, words):
     with pytest.raises(openai.BadRequestError) as info:
         create(client, **body)
@@ -203,3 +204,47 @@ def test_output_items_follow_the_text_and_their_events_rebuild_them():
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert done == items.items and [e["output_index"] for e in events if e["type"] == "response.output_item.added"
                                     ] == [0, 1, 2, 3]
+
+
+# ---- issue 55: the Responses fields vLLM declares ----------------------------------------------------------------
+
+
+def test_issue55_include_output_text_logprobs_fills_them_with_top_logprobs_streamed_or_not(client):
+    body = dict(input="Tell me a story.", max_output_tokens=8, include=["message.output_text.logprobs"],
+                top_logprobs=2)
+    response = create(client, **body)
+    chat = client.chat.completions.create(model="stories", temperature=0, max_tokens=8, logprobs=True,
+                                          top_logprobs=2, messages=[{"role": "user", "content": "Tell me a story."}])
+    (part,) = response.output[0].content
+    logprobs = [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in part.logprobs]
+    assert logprobs == [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs])
+                        for lp in chat.choices[0].logprobs.content]
+    assert "".join(token for token, _, _ in logprobs) == part.text and len(logprobs) == 8
+    assert all(len(top) == 2 and top[0] == token for token, _, top in logprobs)  # greedy
+    assert response.top_logprobs == 2
+    with client.responses.stream(model="stories", temperature=0, **body) as stream:
+        deltas = [lp.token for event in stream if event.type == "response.output_text.delta"
+                  for lp in event.logprobs]
+        final = stream.get_final_response()
+    assert deltas == [token for token, _, _ in logprobs] and final.output[0].content[0].logprobs == part.logprobs
+    # Without the include item there are none, whatever top_logprobs says (vLLM's is_include_output_logprobs).
+    assert create(client, **{**body, "include": []}).output[0].content[0].logprobs == []
+
+
+def test_issue55_truncation_auto_drops_the_oldest_prompt_tokens_and_disabled_refuses(client):
+    long = "Once upon a time " * 200  # well over max_model_len tokens
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        create(client, input=long, max_output_tokens=4)
+    response = create(client, input=long, max_output_tokens=4, truncation="auto")
+    assert response.usage.input_tokens == ENGINE["max_model_len"] - 4 and response.usage.output_tokens == 4
+    assert response.truncation == "auto"
+
+
+def test_issue55_reasoning_effort_opens_the_think_block_and_advisory_fields_are_echoed(client):
+    thinking = create(client, input="Why is the sky blue?", max_output_tokens=6, reasoning={"effort": "low"},
+                      user="user-1", service_tier="auto", max_tool_calls=2, prompt_cache_key="k-1",
+                      extra_body={"cache_salt": "salt-1"})
+    assert [item.type for item in thinking.output] == ["reasoning"]  # the template opened <think>
+    assert thinking.reasoning.effort == "low" and thinking.user == "user-1" and thinking.max_tool_calls == 2
+    plain = create(client, input="Why is the sky blue?", max_output_tokens=6, reasoning={"effort": "none"})
+    assert [item.type for item in plain.output] == ["message"]

@@ -134,6 +134,17 @@ def test_chat_template_kwargs_reach_the_template(client, tokenizer):
     assert tokenizer.decode(prompt_ids(response), skip_special_tokens=False).endswith("assistant:<think>")
 
 
+def test_issue55_reasoning_effort_reaches_the_chat_template(client, tokenizer):
+    """vLLM's reasoning_effort: enable_thinking unless "none"; the request's chat_template_kwargs win."""
+    def prompt(**body):
+        response = chat(client, max_tokens=1, extra_body={"prompt_logprobs": 0, **body})
+        return tokenizer.decode(prompt_ids(response), skip_special_tokens=False)
+
+    assert prompt(reasoning_effort="low").endswith("assistant:<think>")
+    assert prompt(reasoning_effort="none").endswith("assistant:")
+    assert prompt(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}).endswith("assistant:")
+
+
 # ------------------------------------------------------------------ enforced choices
 
 def assert_valid_calls(message, names=tuple(SCHEMAS)):

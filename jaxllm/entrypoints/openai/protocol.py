@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API (OpenAI's fields, vLLM's extras) as pydantic models, and errors.
 
-Pydantic checks types and ``SamplingParams`` ranges, each a 400 naming the field; an undeclared field is
-refused with a 400 (``extra="forbid"``, where vLLM only warns).
+Pydantic checks types and ``SamplingParams`` ranges, each a 400 naming the field. The three generation requests
+declare the fields jaxllm honours and take any other as an extra, which ``field_policy.refusal`` judges (accepted
+as advisory, or a 400 naming it); the other bodies refuse an undeclared field (``extra="forbid"``).
 """
 
 from __future__ import annotations
@@ -31,10 +32,22 @@ def _takes_none(annotation: Any) -> bool:
     return annotation is Any or type(None) in get_args(annotation)
 
 
+class _PolicedRequest(_Request):
+    """A generation request: fields not declared are kept in ``model_extra`` for ``field_policy.refusal``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def given_fields(self) -> dict[str, Any]:
+        """Every field the body set (declared or not) -> its value, as ``field_policy.refusal`` reads them."""
+        return {**{k: getattr(self, k) for k in self.model_fields_set}, **(self.model_extra or {})}
+
+
 class StreamOptions(_Request):
-    """``stream_options`` (only with ``stream: true``): ``include_usage`` adds a last chunk with the usage."""
+    """``stream_options`` (only with ``stream: true``): ``include_usage`` adds a last chunk with the usage;
+    with it, ``continuous_usage_stats`` adds each choice's usage so far to every chunk (vLLM's)."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(_Request):
@@ -55,12 +68,13 @@ class ResponseFormat(_Request):
     json_schema: Optional[JsonSchemaFormat] = None
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_PolicedRequest):
     """Fields completions and chat share, each mapped onto the ``SamplingParams`` field of the same name.
 
     ``logit_bias`` keys are token ids as strings; ``structured_outputs`` takes precedence over
     ``response_format``. vLLM's extras: ``priority`` (a 400 unless the policy reads it), ``cache_salt``,
-    ``prompt_logprobs`` (not with ``stream``), ``return_tokens_as_token_ids``.
+    ``prompt_logprobs`` (not with ``stream``), ``return_tokens_as_token_ids``, ``truncate_prompt_tokens`` (keep
+    the prompt's last k tokens, -1: ``max_model_len``) cutting on ``truncation_side`` (default left).
     """
 
     model: Optional[str] = None
@@ -76,6 +90,8 @@ class _SamplingFields(_Request):
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     logit_bias: Optional[dict[str, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -84,6 +100,8 @@ class _SamplingFields(_Request):
     cache_salt: Optional[str] = None
     prompt_logprobs: Optional[int] = None
     return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
+    truncation_side: Optional[Literal["left", "right"]] = None
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[dict[str, Any]] = None
     stream: bool = False
@@ -99,6 +117,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
+    add_special_tokens: bool = True
 
 
 class FunctionDefinition(_Request):
@@ -137,6 +156,8 @@ class ChatCompletionRequest(_SamplingFields):
     ``continue_final_message`` (with ``add_generation_prompt: false``) continues the last message.
     ``tool_choice``: "none", "auto" (read by ``--tool-call-parser``), "required" or a named function (both
     enforced by a grammar); ``include_reasoning: false`` drops the reasoning parser's ``reasoning``.
+    ``reasoning_effort`` and ``documents`` reach the chat template as variables of those names (vLLM's), and
+    ``reasoning_effort`` sets ``enable_thinking`` (false for "none") unless ``chat_template_kwargs`` does.
     """
 
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -151,6 +172,9 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
     include_reasoning: bool = True
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    documents: Optional[list[dict[str, str]]] = None
+    add_special_tokens: bool = False
 
 
 class TokenizeRequest(_Request):
@@ -220,11 +244,23 @@ class ResponsesText(_Request):
     format: Optional[ResponsesTextFormat] = None
 
 
-class ResponsesRequest(_Request):
-    """``POST /v1/responses``, the fields jaxllm honours of OpenAI's Responses API.
+class ResponsesReasoning(_Request):
+    """``reasoning``: ``effort`` reaches the chat template as chat's ``reasoning_effort``; jaxllm writes no
+    ``summary``, so any is accepted."""
+
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    summary: Optional[str] = None
+    generate_summary: Optional[str] = None
+
+
+class ResponsesRequest(_PolicedRequest):
+    """``POST /v1/responses``, the fields jaxllm honours of OpenAI's Responses API and vLLM's extras.
 
     ``input`` is a string or message/function-call items (``reasoning`` items accepted, not rendered);
-    ``instructions`` is not carried over by ``previous_response_id``; ``store`` keeps the response in memory.
+    ``instructions`` is not carried over by ``previous_response_id``; ``store`` keeps the response in memory;
+    ``include: ["message.output_text.logprobs"]`` fills each ``output_text``'s ``logprobs`` with ``top_logprobs``
+    top tokens; ``truncation: "auto"`` drops the oldest prompt tokens to leave ``max_output_tokens`` (or one)
+    under ``max_model_len``. The sampling fields are chat's.
     """
 
     model: Optional[str] = None
@@ -241,6 +277,27 @@ class ResponsesRequest(_Request):
     store: bool = True
     previous_response_id: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    reasoning: Optional[ResponsesReasoning] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    include_reasoning: bool = True
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    logit_bias: Optional[dict[str, float]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    cache_salt: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class UpdateWeightsFromDiskRequest(_Request):

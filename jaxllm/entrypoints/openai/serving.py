@@ -19,6 +19,7 @@ import msgspec
 
 from jaxllm.frontend.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.chat_outputs import ChatParsing, reasoning_token_count
+from jaxllm.entrypoints.openai.field_policy import refusal
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionTool,
@@ -131,12 +132,37 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send prompt token ids", "prompt")
 
-    def encode(self, prompt: Union[str, list[int]], param: str) -> tuple[Optional[str], list[int]]:
-        """(text or None, token ids) of one prompt. Raises: APIError 400 (empty, out of vocabulary)."""
+    def encode(self, prompt: Union[str, list[int]], param: str,
+               add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
+        """(text or None, token ids) of one prompt (text without the tokenizer's special tokens unless
+        ``add_special_tokens``). Raises: APIError 400 (empty, out of vocabulary)."""
         try:
-            return self.engine.input_processor.encode_prompt(prompt)
+            text, ids = self.engine.input_processor.encode_prompt(prompt)
         except ValueError as e:
             raise APIError(400, str(e), param) from None
+        if text is not None and not add_special_tokens:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if not ids:
+                raise APIError(400, "prompt encodes to no tokens without special tokens", param)
+        return text, ids
+
+    def truncate(self, ids: list[int], request: Union[CompletionRequest, ChatCompletionRequest]) -> list[int]:
+        """``ids`` cut to the request's ``truncate_prompt_tokens`` (-1: ``max_model_len``) on its
+        ``truncation_side`` (default left: the last tokens kept), as vLLM.
+
+        Raises:
+          APIError: 400 naming ``truncate_prompt_tokens`` for 0 or a value over ``max_model_len``.
+        """
+        k = request.truncate_prompt_tokens
+        if k is None:
+            return ids
+        keep = self.max_model_len if k == -1 else k
+        if not 1 <= keep <= self.max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens={k} must be -1 or in [1, max_model_len="
+                                f"{self.max_model_len}]", "truncate_prompt_tokens")
+        if len(ids) <= keep:
+            return ids
+        return ids[:keep] if request.truncation_side == "right" else ids[len(ids) - keep:]
 
     def render_chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                          continue_final_message: bool = False, tools: Optional[list[dict]] = None,
@@ -191,7 +217,8 @@ class OpenAIServing:
                 n=request.n, presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                 seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
                 stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
+                prompt_logprobs=prompt_logprobs, logit_bias=logit_bias, allowed_token_ids=request.allowed_token_ids,
+                bad_words=request.bad_words,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 structured_outputs=constraint, **values,
@@ -238,7 +265,10 @@ class OpenAIServing:
             raise APIError(400, "prompt is empty: give a string, a list of strings or token ids", "prompt")
         if any(isinstance(p, str) for p in prompts):
             self._need_tokenizer()
-        return [self.encode(p, "prompt") for p in prompts]
+        encoded = [self.encode(p, "prompt", request.add_special_tokens) for p in prompts]
+        # A cut prompt's text is decoded from the ids kept (echo shows what the model read).
+        return [(text, ids) if len(kept) == len(ids) else (None, kept)
+                for (text, ids), kept in ((e, self.truncate(e[1], request)) for e in encoded)]
 
     def completion_inputs(self, request: CompletionRequest
                           ) -> tuple[list[tuple[Optional[str], list[int]]], list[SamplingParams]]:
@@ -248,6 +278,7 @@ class OpenAIServing:
           APIError: as the completions route answers (404 for another model, 400 naming the field).
         """
         self.check_model(request.model)
+        check_fields("completions", request)
         check_combination(request)
         prompts = self.completion_prompts(request)
         echo_logprobs = request.logprobs if request.echo else None
@@ -306,7 +337,7 @@ class OpenAIServing:
     async def completion_stream(self, request: CompletionRequest, started) -> AsyncIterator[bytes]:
         """The ``text_completion`` chunks of a streaming request, then the usage chunk if asked, then [DONE]."""
         request_id, created, prompts, streams = started
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        include_usage, continuous = usage_options(request)
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
         choices = StreamedChoices(len(prompts), request.n)
         offsets = [0] * (len(prompts) * request.n)  # each choice's next text_offset
@@ -325,7 +356,8 @@ class OpenAIServing:
                                               "finish_reason": c.finish_reason,
                                               "stop_reason": c.stop_reason if c.finish_reason else None}]}
                 if include_usage:
-                    chunk["usage"] = None
+                    chunk["usage"] = _usage(len(prompts[i][1]), len(c.token_ids), out.num_cached_tokens) \
+                        if continuous else None
                 yield _sse(chunk)
             if include_usage:
                 prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -372,10 +404,11 @@ class OpenAIServing:
           APIError: as the chat route answers (404 for another model, 400 naming the field).
         """
         self.check_model(request.model)
+        check_fields("chat", request)
         check_combination(request)
         text = self.render_chat_text(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                     tool_dicts(request.tools), request.chat_template_kwargs)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+                                     tool_dicts(request.tools), chat_template_kwargs(request))
+        ids = self.truncate(self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens), request)
         parsing, constraint = self.chat_parsing(request, opens_reasoning(text))
         if parsing.tools is not None and parsing.tools().keeps_special_tokens \
                 and "skip_special_tokens" not in request.model_fields_set:
@@ -477,13 +510,13 @@ class OpenAIServing:
     async def chat_stream(self, request: ChatCompletionRequest, started) -> AsyncIterator[bytes]:
         """The ``chat.completion.chunk`` chunks: a role chunk per choice, then its deltas, the last with its finish."""
         request_id, created, ids, streams, parsing, params = started
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        include_usage, continuous = usage_options(request)
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
 
-        def chunk(choice: dict) -> bytes:
+        def chunk(choice: dict, completion_tokens: int = 0) -> bytes:
             body = {**base, "choices": [choice]}
             if include_usage:
-                body["usage"] = None
+                body["usage"] = _usage(len(ids), completion_tokens, choices.num_cached_tokens) if continuous else None
             return _sse(body)
 
         choices = StreamedChoices(1, request.n)
@@ -506,7 +539,8 @@ class OpenAIServing:
                     last = k == len(deltas) - 1
                     yield chunk({"index": index, "delta": delta, "logprobs": logprobs if k == 0 else None,
                                  "finish_reason": finish if last else None,
-                                 "stop_reason": c.stop_reason if last and c.finish_reason else None})
+                                 "stop_reason": c.stop_reason if last and c.finish_reason else None},
+                                len(c.token_ids))
             if include_usage:
                 reasoning = (sum(self.reasoning_tokens(parsing, t, params) for t in token_ids)
                              if parsing.reasoning is not None else None)
@@ -670,6 +704,29 @@ def structured_outputs(request: Union[CompletionRequest, ChatCompletionRequest])
     return constraint
 
 
+def check_fields(endpoint: str, request: Any) -> None:
+    """Apply ``field_policy``'s table to every field the request body set.
+
+    Raises:
+      APIError: 400 naming a field without a rule at ``endpoint``, or one whose value the table refuses.
+    """
+    refused = refusal(endpoint, request.given_fields())
+    if refused is not None:
+        raise APIError(400, refused.message, refused.param, refused.code)
+
+
+def chat_template_kwargs(request: ChatCompletionRequest) -> Optional[dict[str, Any]]:
+    """The chat template's extra variables: ``documents`` and ``reasoning_effort`` (with ``enable_thinking``,
+    false for "none") as vLLM passes them, then ``chat_template_kwargs`` over them."""
+    kwargs: dict[str, Any] = {}
+    if request.documents is not None:
+        kwargs["documents"] = request.documents
+    if request.reasoning_effort is not None:
+        kwargs.update(reasoning_effort=request.reasoning_effort, enable_thinking=request.reasoning_effort != "none")
+    kwargs.update(request.chat_template_kwargs or {})
+    return kwargs or None
+
+
 def check_combination(request: Union[CompletionRequest, ChatCompletionRequest]) -> None:
     """Refuse fields that cannot be honoured together (``stream_options``/``prompt_logprobs``/scoring vs ``stream``).
 
@@ -687,6 +744,14 @@ def check_combination(request: Union[CompletionRequest, ChatCompletionRequest]) 
     if request.return_tokens_as_token_ids and (request.logprobs is None or request.logprobs is False):
         raise APIError(400, "return_tokens_as_token_ids spells the tokens of logprobs: it needs logprobs",
                        "return_tokens_as_token_ids")
+
+
+def usage_options(request: Union[CompletionRequest, ChatCompletionRequest]) -> tuple[bool, bool]:
+    """(a last usage chunk?, usage on every chunk?): ``continuous_usage_stats`` counts only with ``include_usage``
+    (vLLM's ``should_include_usage``)."""
+    options = request.stream_options
+    include = options is not None and options.include_usage
+    return include, include and options.continuous_usage_stats
 
 
 def scores_prompt(request: Union[CompletionRequest, ChatCompletionRequest]) -> bool:

@@ -18,11 +18,19 @@ import msgspec
 import pydantic
 
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest
-from jaxllm.entrypoints.openai.serving import APIError, OpenAIServing, merge, stream_error
+from jaxllm.entrypoints.openai.serving import APIError, OpenAIServing, _output_rows, check_fields, merge, stream_error
 
 STORE_SIZE = 1024
 # Chat request fields as a Responses request names them, in the errors the chat checks raise.
-PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
+PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text",
+          "reasoning_effort": "reasoning", "truncate_prompt_tokens": "truncation"}
+# The include item that asks for output_text logprobs.
+LOGPROBS = "message.output_text.logprobs"
+# Fields a Responses request passes to its chat request as they are.
+SAME_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "seed", "stop", "stop_token_ids", "logit_bias", "ignore_eos",
+               "skip_special_tokens", "include_stop_str_in_output", "priority", "cache_salt", "structured_outputs",
+               "chat_template_kwargs", "include_reasoning", "parallel_tool_calls", "stream")
 TEXT_EVENTS = {"reasoning": "reasoning_text", "content": "output_text"}
 
 
@@ -40,8 +48,9 @@ class OutputItems:
         self._open: Optional[str] = None  # the kind of the last item while it is open
         self._calls: dict[int, int] = {}  # chat call index -> item index
 
-    def feed(self, delta: dict) -> list[dict]:
-        """The events of one delta (``{"reasoning"}``, ``{"content"}`` or ``{"tool_calls": [one part]}``)."""
+    def feed(self, delta: dict, logprobs: Optional[list[dict]] = None) -> list[dict]:
+        """The events of one delta (``{"reasoning"}``, ``{"content"}`` or ``{"tool_calls": [one part]}``);
+        ``logprobs``: the entries of the tokens the delta came with, kept by output text."""
         if "tool_calls" in delta:
             return self._call(delta["tool_calls"][0])
         kind = "reasoning" if "reasoning" in delta else "content"
@@ -51,7 +60,10 @@ class OutputItems:
         item["content"][0]["text"] += delta[kind]
         event = {"type": f"response.{TEXT_EVENTS[kind]}.delta", "item_id": item["id"], "output_index": index,
                  "content_index": 0, "delta": delta[kind]}
-        return events + [{**event, "logprobs": []} if kind == "content" else event]
+        if kind != "content":
+            return events + [event]
+        item["content"][0]["logprobs"] += logprobs or []
+        return events + [{**event, "logprobs": logprobs or []}]
 
     def _add(self, kind: str) -> list[dict]:
         if kind == "reasoning":
@@ -100,7 +112,7 @@ class OutputItems:
             part = item["content"][0]
             done = {"type": f"response.{TEXT_EVENTS[self._open]}.done", "item_id": item["id"], "output_index": index,
                     "content_index": 0, "text": part["text"]}
-            events += [{**done, "logprobs": []} if self._open == "content" else done,
+            events += [{**done, "logprobs": list(part["logprobs"])} if self._open == "content" else done,
                        {"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
                         "content_index": 0, "part": dict(part)}]
         self._open = None
@@ -128,10 +140,11 @@ class OpenAIServingResponses:
           APIError: 400 naming the Responses field; 404 for an unknown model or ``previous_response_id``.
         """
         self.serving.check_model(request.model)
+        check_fields("responses", request)
         conversation = self._history(request.previous_response_id) + input_messages(request.input)
         system = [{"role": "system", "content": request.instructions}] if request.instructions is not None else []
         try:
-            chat = chat_request(request, system + conversation)
+            chat = chat_request(request, system + conversation, self.serving.max_model_len)
         except pydantic.ValidationError as e:
             raise APIError(400, f"input: {e.errors()[0]['msg']}", "input") from None
         try:
@@ -165,7 +178,11 @@ class OpenAIServingResponses:
             "tools": [t.model_dump() for t in request.tools or []],
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "previous_response_id": request.previous_response_id, "store": request.store,
-            "metadata": request.metadata or {}, "truncation": "disabled", "usage": None,
+            "metadata": request.metadata or {}, "truncation": request.truncation or "disabled", "usage": None,
+            "background": False, "top_logprobs": request.top_logprobs,
+            "reasoning": request.reasoning.model_dump() if request.reasoning is not None else None,
+            "user": request.model_extra.get("user"), "service_tier": request.model_extra.get("service_tier", "auto"),
+            "max_tool_calls": request.model_extra.get("max_tool_calls"),
         }
 
     async def create(self, request: ResponsesRequest, prepared) -> dict:
@@ -191,12 +208,19 @@ class OpenAIServingResponses:
         yield {"type": "response.created", "response": copy.deepcopy(skeleton)}
         yield {"type": "response.in_progress", "response": copy.deepcopy(skeleton)}
         reader, items, text, final = parsing.choice(), OutputItems(), "", None
+        with_logprobs = LOGPROBS in (request.include or [])
         async for _, final in merge(streams):
             choice = final.outputs[0]
             text += choice.delta_text
+            logprobs = None
+            if with_logprobs and choice.delta_token_ids:
+                logprobs = self.serving._chat_logprobs(_output_rows(choice, len(choice.delta_token_ids)),
+                                                       request.top_logprobs or 0)["content"]
             for delta in reader.update(text, final=choice.finish_reason is not None):
-                for event in items.feed(delta):
+                for event in items.feed(delta, logprobs):
                     yield event
+                if "content" in delta:
+                    logprobs = None  # a step's tokens go with its first output text
         cut = choice.finish_reason == "length"
         for event in items.close("incomplete" if cut else "completed"):
             yield event
@@ -217,8 +241,9 @@ class OpenAIServingResponses:
             self._store.popitem(last=False)
 
 
-def chat_request(request: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
-    """The chat request a Responses request runs as."""
+def chat_request(request: ResponsesRequest, messages: list[dict], max_model_len: int) -> ChatCompletionRequest:
+    """The chat request a Responses request runs as (``truncation: "auto"`` keeps the prompt's last
+    ``max_model_len - max(max_output_tokens, 1)`` tokens)."""
     choice = request.tool_choice
     if choice is not None and not isinstance(choice, str):
         choice = {"type": "function", "function": {"name": choice.name}}
@@ -231,10 +256,14 @@ def chat_request(request: ResponsesRequest, messages: list[dict]) -> ChatComplet
                                               "schema": fmt.json_schema, "strict": fmt.strict}
     tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
              for t in request.tools] if request.tools else None
+    with_logprobs = LOGPROBS in (request.include or [])
+    effort = request.reasoning.effort if request.reasoning is not None else None
+    truncate = max_model_len - max(request.max_output_tokens or 1, 1) if request.truncation == "auto" else None
     return ChatCompletionRequest(
-        model=request.model, messages=messages, max_tokens=request.max_output_tokens,
-        temperature=request.temperature, top_p=request.top_p, tools=tools, tool_choice=choice,
-        parallel_tool_calls=request.parallel_tool_calls, response_format=response_format, stream=request.stream)
+        messages=messages, max_tokens=request.max_output_tokens, tools=tools, tool_choice=choice,
+        response_format=response_format, logprobs=with_logprobs,
+        top_logprobs=request.top_logprobs if with_logprobs else None, reasoning_effort=effort,
+        truncate_prompt_tokens=truncate, **{name: getattr(request, name) for name in SAME_FIELDS})
 
 
 def input_messages(items: Any) -> list[dict]:
