@@ -36,15 +36,62 @@ def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
+# Keys of a schema node whose values are schemas, and those whose values are lists or maps of schemas.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` (a JSON schema: dict or bool) with ``"additionalProperties": false`` on every object node that
+    declares ``properties`` and says nothing of its others; a new tree, ``schema`` untouched.
+
+    JSON Schema's default admits undeclared keys, and a small model under such a grammar tends to invent keys
+    until ``max_tokens``; vLLM's default backend (xgrammar) rejects them, as its guidance backend does with
+    ``disable_additional_properties``. Left open, as vLLM's rewrite leaves them: an object inside ``allOf``
+    (closing one branch would refuse the other branches' keys), one beside ``anyOf``/``oneOf``/``$ref`` (its keys
+    may be declared there), and one whose ``required`` names a key not in ``properties``.
+    """
+    return _close(schema, in_all_of=False)
+
+
+def _close(node: Any, *, in_all_of: bool) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = _close(out[key], in_all_of=False)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_close(n, in_all_of=key == "allOf") for n in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _close(n, in_all_of=False) for name, n in out[key].items()}
+    properties = out.get("properties")
+    open_by_design = (in_all_of or any(k in out for k in ("anyOf", "oneOf", "$ref"))
+                      or not set(out.get("required", ())) <= set(properties or ()))
+    if isinstance(properties, dict) and "additionalProperties" not in out and not open_by_design:
+        out["additionalProperties"] = False
+    return out
+
+
+def _json_schema(params: StructuredOutputsParams) -> Any:
+    """The JSON schema ``params`` asks for (``json_object``: any object), closed unless it allows undeclared keys."""
+    if params.json_object:
+        return {"type": "object"}
+    schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+    return closed_objects(schema) if params.disable_additional_properties else schema
+
+
 def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
     """The constraint as llguidance grammar text: ``(field, grammar)``.
     Raises ValueError: a schema that is not a JSON object, or an unconvertible GBNF grammar (field named)."""
     field = params.kinds()[0]
     try:
         if field in ("json", "json_object"):
-            schema = {"type": "object"} if field == "json_object" else params.json
             options = {"whitespace_flexible": not params.disable_any_whitespace}
-            return field, llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+            return field, llguidance.LLMatcher.grammar_from_json_schema(_json_schema(params), overrides=options)
         if field == "regex":
             return field, llguidance.LLMatcher.grammar_from_regex(params.regex)
         if field == "choice":
@@ -62,8 +109,7 @@ def after_reasoning(params: StructuredOutputsParams, end_tag: str) -> Structured
         raise ValueError("SamplingParams.structured_outputs.grammar cannot follow a reasoning parser's reasoning; "
                          "use json, regex or choice, or serve without --reasoning-parser")
     if field in ("json", "json_object"):
-        schema = {"type": "object"} if field == "json_object" else params.json
-        schema = json.loads(schema) if isinstance(schema, str) else schema
+        schema = _json_schema(params)
         options = {"whitespace_flexible": not params.disable_any_whitespace}
         answer = "%json " + json.dumps({**schema, "x-guidance": options})
     elif field == "regex":

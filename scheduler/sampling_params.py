@@ -31,6 +31,9 @@ class StructuredOutputsParams:
       grammar: a Lark (llguidance's dialect) or GBNF (llama.cpp's) grammar the output is a sentence of.
       json_object: any JSON object.
       disable_any_whitespace: JSON without whitespace between tokens.
+      disable_additional_properties: an object schema that declares ``properties`` and says nothing of others
+        admits no undeclared key (``jaxllm.structured_output.closed_objects``), as vLLM's default backend does;
+        False: JSON Schema's own default, any other key allowed.
 
     Raises ValueError naming the field for no constraint, several, or one of the wrong type (empty regex or
     choices, a non-string choice, a schema that is not JSON); what the grammar engine rejects fails at ``add_request``.
@@ -42,6 +45,7 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = True
 
     def __post_init__(self) -> None:
         given = self.kinds()
