@@ -98,7 +98,7 @@ def test_xla_decode_only_variant_matches_on_decode_steps_and_mixed_runs_both(q_l
     args = _ragged_batch(rng, q_lens, seq_lens, block_size=4, head_dim=16, group=2, dtype=jnp.float32,
                          pad_seqs=1, pad_tokens=3)
     want = np.asarray(ragged_paged_attention_reference(*args, scale=SCALE))
-    kw = dict(scale=SCALE, use_native=False, prefill_tile=4)
+    kw = dict(scale=SCALE, prefill_tile=4)
     got = jax.jit(functools.partial(ragged_paged_attention_xla, **kw))(*args)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
     if all(n == 1 for n in q_lens):
