@@ -30,6 +30,8 @@ SCHEDULER_FIELDS_FROM_START_UP = ("num_blocks", "max_model_len", "num_lookahead_
                                   "num_offload_blocks", "num_pool_blocks")
 # Token buckets below the default ladder's first value (16): steps of a few decode rows.
 SMALL_TOKEN_BUCKETS = (4, 8)
+# EngineConfig.logprobs_mode values (vLLM's): what returned logprobs are taken from (jaxllm.sample.sampler).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # "vllm": the metrics under vLLM's names and labels (jaxllm.frontend.metrics).
 METRICS_NAMESPACES = ("jaxllm", "vllm")
 # SpeculativeConfig.method values.
@@ -331,6 +333,12 @@ class EngineConfig:
         '"auto" (the compute dtype), "int8", or "fp8" / "fp8_e4m3" (float8_e4m3fn): the KV cache\'s numbers, '
         "quantized with per-layer, per-head scales calibrated at start-up."))
     seed: int = _option(0, "The seed of requests that set none.")
+    logprobs_mode: str = _option("raw_logprobs", (
+        "What the logprobs of sampled and top tokens are (vLLM's): \"raw_logprobs\", the log-softmax of the model's "
+        'logits (a structured-output mask applied); "raw_logits", those logits; "processed_logprobs", the '
+        "log-softmax of the logits each token was sampled from: after logit_bias, bad words, min_tokens and the "
+        "penalties, then, for a sampled (temperature > 0) request, its temperature and min-p / top-k / top-p (-inf "
+        'outside the kept set); "processed_logits", those logits. Prompt logprobs are raw logprobs in every mode.'))
     scheduling_policy: Any = _option("fcfs", (
         '"fcfs", "priority", "sjf", "aging", "load_aware", "predicted", or a scheduler.policy.Policy: the order in '
         "which waiting requests are admitted and running ones preempted."))
@@ -493,6 +501,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.metrics_namespace not in METRICS_NAMESPACES:
             raise ValueError(f"metrics_namespace={self.metrics_namespace!r} must be one of {METRICS_NAMESPACES}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r} must be one of {LOGPROBS_MODES}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be one of 'auto', 'float32', 'bfloat16', 'float16'")
         if self.quantization is not None and self.quantization not in WEIGHT_QUANTIZATIONS:

@@ -110,6 +110,8 @@ class SamplingParams:
       allowed_token_ids: restrict sampling to these ids.
       bad_words: words never generated, bare or after a space.
       skip_special_tokens: drop special tokens from the text.
+      detokenize: False leaves every text empty (token ids and logprobs only, logprob token texts None) and
+        runs no detokenizer; ``stop`` strings then raise, as vLLM's.
       structured_outputs: a ``StructuredOutputsParams`` or None.
       allow_kv_compression: our addition: False keeps this request's KV exact under ``kv_cache_compression``
         (``priority < 0`` always does).
@@ -138,6 +140,7 @@ class SamplingParams:
     allowed_token_ids: Optional[Sequence[int]] = None
     bad_words: Optional[Sequence[str]] = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
     allow_kv_compression: bool = True
 
@@ -195,6 +198,11 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
         if any(s == "" for s in self.stop):
             raise bad("stop", self.stop, "non-empty strings")
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", self.detokenize, "True or False")
+        if self.stop and not self.detokenize:
+            raise ValueError(f"SamplingParams.stop={self.stop!r} needs detokenize=True: stop strings are matched on "
+                             "the detokenized text")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list or None")
         if not isinstance(self.allow_kv_compression, bool):

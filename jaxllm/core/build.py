@@ -108,7 +108,8 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
     buckets = step_buckets(config.bucket_ladders(max_model_len, backend), ops)
     runner = build_runner(cfg, params, cache, spec, sharding=sharding, ops=ops, backend=backend, dtype=dtype,
                           kv_dtype=kv_dtype, max_model_len=max_model_len, buckets=buckets,
-                          max_num_seqs=config.scheduler.max_num_seqs, lora=config.lora)
+                          max_num_seqs=config.scheduler.max_num_seqs, lora=config.lora,
+                          logprobs_mode=config.logprobs_mode)
     drafter = proposer = None
     if spec is not None and spec.method == "draft_model":
         drafter = build_drafter(spec, cache, compilation, runner, mesh=sharding.mesh, backend=backend,
@@ -142,10 +143,12 @@ def step_buckets(ladders: tuple[tuple[int, ...], ...], ops: AttentionOps) -> Buc
 
 def build_runner(cfg: ModelConfig, params: Any, cache: CacheConfig, spec: Optional[SpeculativeConfig], *,
                  sharding: ModelSharding, ops: AttentionOps, backend: str, dtype: Any, kv_dtype: np.dtype,
-                 max_model_len: int, buckets: BucketTable, max_num_seqs: int, lora: LoRAConfig) -> ModelRunner:
+                 max_model_len: int, buckets: BucketTable, max_num_seqs: int, lora: LoRAConfig,
+                 logprobs_mode: str = "raw_logprobs") -> ModelRunner:
     """The target model's runner over placed ``params``, its KV cache sized from ``cache``
     (``kv_cache.size_kv_pools``) for ``max_num_seqs`` rows, its steps padded to ``buckets``; ``spec``'s draft
-    positions (None: one position a row); ``lora``'s adapter slots (none unless ``enable_lora``).
+    positions (None: one position a row); ``lora``'s adapter slots (none unless ``enable_lora``);
+    ``logprobs_mode`` as ``EngineConfig``'s.
 
     Raises:
       ValueError: no ``max_model_len`` sequence fits, or a pool share below 2 blocks.
@@ -165,6 +168,7 @@ def build_runner(cfg: ModelConfig, params: Any, cache: CacheConfig, spec: Option
         kv_cache_dtype=kv_dtype, num_positions=1 + (spec.num_speculative_tokens if spec is not None else 0),
         num_pool_blocks=num_pool_blocks, pool_dtype=pool_dtype,
         max_loras=lora.max_loras if lora.enable_lora else 0, max_lora_rank=lora.max_lora_rank,
+        logprobs_mode=logprobs_mode,
     )
 
 

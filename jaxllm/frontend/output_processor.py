@@ -201,20 +201,22 @@ class OutputProcessor:
         params = request.sampling_params
         ids = request.prompt_token_ids
         skip = params.skip_special_tokens
+        # detokenize=False (vLLM's): no text, no logprob token texts, no detokenizer run.
+        tokenizer = self.tokenizer if params.detokenize else None
         seqs = []
         for i in range(params.n):
             detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=skip)
+            if tokenizer is not None:
+                detok = IncrementalDetokenizer(tokenizer, ids, skip_special_tokens=skip)
             seq = _SequenceState(i, OutputText(detok, params))
             if params.logprobs is not None:
                 seq.logprobs, seq.cumulative_logprob = [], 0.0
-                seq.texts = TokenTexts(self.tokenizer, ids, skip, self._special_texts)
+                seq.texts = TokenTexts(tokenizer, ids, skip, self._special_texts)
             seqs.append(seq)
         state = RequestState(request.request_id, prompt, ids, seqs, request.arrival_time)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
-            state.prompt_texts = TokenTexts(self.tokenizer, ids[:1], skip, self._special_texts)
+            state.prompt_texts = TokenTexts(tokenizer, ids[:1], skip, self._special_texts)
         self.requests[request.request_id] = state
 
     @property

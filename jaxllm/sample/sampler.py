@@ -8,6 +8,7 @@ state lives on the device in :class:`SamplerTables`, indexed by a sampling slot 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -164,7 +165,8 @@ def set_slot_rows(tables: SamplerTables, slot: jax.Array, bias: jax.Array, stop:
 class SamplerOutput:
     """The sampler's outputs: ``[S]`` rows from :func:`sample`, ``[S, P]`` (emitted tokens first) from :func:`verify`.
 
-      token_ids: int32 the tokens; logprobs: float32 their raw logprobs; ranks: int32 1-based raw ranks.
+      token_ids: int32 the tokens; logprobs: float32 their logprobs (or logits, per the ``logprobs_mode``);
+      ranks: int32 1-based ranks among those values.
       top_ids: int32[..., K], top_logprobs: float32[..., K] the top ``K = min(MAX_LOGPROBS, V)``, descending
         (zeros when no row asked).
       num_emitted: int32[S] accepted drafts + 1; None from :func:`sample`.
@@ -284,22 +286,50 @@ def _draw(logits: jax.Array, arrays: SamplingArrays, filtered: bool) -> jax.Arra
     return argmax_rows(scaled + gumbel)
 
 
-def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Raw logprobs of ``tokens`` [N], 1-based ranks (vLLM's rule) and the top ``MAX_LOGPROBS``, descending."""
-    logprobs = jax.nn.log_softmax(raw, axis=-1)
+def processed_logits(raw: jax.Array, arrays: SamplingArrays, tables: SamplerTables, bitmask: Optional[jax.Array],
+                     extra_counts: jax.Array | None = None) -> jax.Array:
+    """The logits each row samples from (vLLM's "processed" logits): bitmask, processors and penalties, then for
+    a sampled row its temperature and min-p / top-k / top-p (-inf outside the kept set); a greedy row stops after
+    the penalties. raw: float32[R, V]; extra_counts: as :func:`apply_logit_processors`. Returns float32[R, V].
+    """
+    masked = _with_bitmask(raw, bitmask)
+    out = apply_logit_processors(masked, arrays, tables, extra_counts)
+    out = jnp.where(jnp.all(out == -jnp.inf, axis=-1, keepdims=True), masked, out)
+    greedy = arrays.temperature < GREEDY_EPS
+    scaled = out / jnp.where(greedy, 1.0, arrays.temperature)[:, None]
+    filters = ~greedy & ((arrays.top_k > 0) | (arrays.top_p < 1.0) | (arrays.min_p > 0.0))
+    # A row without a filter keeps every token (top_p = 1 alone could drop a float-rounded tail).
+    filtered = jax.lax.cond(jnp.any(filters), lambda: jnp.where(filters[:, None], apply_top_k_top_p_min_p(
+        scaled, arrays.top_k, arrays.top_p, arrays.min_p), scaled), lambda: scaled)
+    return jnp.where(greedy[:, None], out, filtered)
+
+
+def _logprobs(raw: jax.Array, tokens: jax.Array, normalize: bool = True
+              ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Logprobs of ``tokens`` [N] (``raw`` log-softmaxed, or as given without ``normalize``), 1-based ranks (vLLM's
+    rule) and the top ``MAX_LOGPROBS``, descending."""
+    logprobs = jax.nn.log_softmax(raw, axis=-1) if normalize else raw
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     ranks = jnp.sum(logprobs >= chosen[:, None], axis=-1, dtype=jnp.int32)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, raw.shape[-1]))
     return chosen, ranks, top_ids.astype(jnp.int32), top_logprobs
 
 
-def _maybe_logprobs(raw: jax.Array, tokens: jax.Array, arrays: SamplingArrays,
-                    bitmask: Optional[jax.Array]) -> tuple[jax.Array, ...]:
-    """:func:`_logprobs` of ``raw`` with the bitmask applied when some row asks for logprobs, else zeros."""
+def _maybe_logprobs(raw: jax.Array, tokens: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
+                    bitmask: Optional[jax.Array], logprobs_mode: str,
+                    extra_counts: Callable[[], jax.Array] | None = None) -> tuple[jax.Array, ...]:
+    """:func:`_logprobs` when some row asks for logprobs, else zeros: of ``raw`` with the bitmask applied for the
+    "raw_*" modes, of :func:`processed_logits` for the "processed_*" ones; "*_logits" modes are not normalized."""
     num_rows, width = raw.shape[0], min(MAX_LOGPROBS, raw.shape[-1])
+
+    def values() -> jax.Array:
+        if logprobs_mode.startswith("raw"):
+            return _with_bitmask(raw, bitmask)
+        return processed_logits(raw, arrays, tables, bitmask, None if extra_counts is None else extra_counts())
+
     return jax.lax.cond(
         jnp.any(arrays.num_logprobs >= 0),
-        lambda: _logprobs(_with_bitmask(raw, bitmask), tokens),
+        lambda: _logprobs(values(), tokens, normalize=logprobs_mode.endswith("logprobs")),
         lambda: (jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32),
                  jnp.zeros((num_rows, width), jnp.int32), jnp.zeros((num_rows, width), jnp.float32)),
     )
@@ -342,19 +372,21 @@ def _choose(raw: jax.Array, arrays: SamplingArrays, tables: SamplerTables, bitma
 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
-           bitmask: Optional[jax.Array] = None) -> tuple[SamplerOutput, SamplerTables]:
+           bitmask: Optional[jax.Array] = None, logprobs_mode: str = "raw_logprobs"
+           ) -> tuple[SamplerOutput, SamplerTables]:
     """Draw one token per row and count it in the row's slot; each stage runs only when some row needs it.
 
     Args:
       logits: float32[S, V]. arrays: the rows' :class:`SamplingArrays`. tables: :class:`SamplerTables` (donated).
       bitmask: int32[S, ceil(V / 32)] allowed tokens, or None.
+      logprobs_mode: static, one of ``jaxllm.config.LOGPROBS_MODES`` (vLLM's): what the logprobs are taken from.
 
     Returns:
       ``(out, tables)``: a :class:`SamplerOutput` of ``[S]`` rows and the tables with used samples counted.
     """
     raw = logits.astype(jnp.float32)
     tokens = _choose(raw, arrays, tables, bitmask)
-    chosen, ranks, top_ids, top_logprobs = _maybe_logprobs(raw, tokens, arrays, bitmask)
+    chosen, ranks, top_ids, top_logprobs = _maybe_logprobs(raw, tokens, arrays, tables, bitmask, logprobs_mode)
     counted = (arrays.sample_mask & (arrays.slot > 0)).astype(jnp.int32)
     tables = dataclasses.replace(tables, counts=tables.counts.at[arrays.slot, tokens].add(counted))
     return SamplerOutput(tokens, chosen, ranks, top_ids, top_logprobs), tables
@@ -374,7 +406,8 @@ def _draft_counts(drafts: jax.Array, vocab: int) -> jax.Array:
 
 
 def verify(logits: jax.Array, drafts: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
-           bitmask: Optional[jax.Array] = None) -> tuple[SamplerOutput, SamplerTables]:
+           bitmask: Optional[jax.Array] = None, logprobs_mode: str = "raw_logprobs"
+           ) -> tuple[SamplerOutput, SamplerTables]:
     """Verify each row's drafts and emit its accepted drafts plus one token (speculative decoding): position j
     samples as without speculation and a row accepts its longest run of matching drafts, so a seeded request emits
     exactly what it would without speculation (Leviathan et al. 2023, point-mass drafts).
@@ -383,7 +416,7 @@ def verify(logits: jax.Array, drafts: jax.Array, arrays: SamplingArrays, tables:
       logits: float32[S * P, V], row ``s * P + j`` = row s at position j.
       drafts: int32[S, P], -1 where a position verifies nothing.
       arrays: ``SamplingArrays.repeat(P)`` on the device. tables: donated.
-      bitmask: int32[S, ceil(V / 32)] applied at position 0 only, or None.
+      bitmask: int32[S, ceil(V / 32)] applied at position 0 only, or None. logprobs_mode: as :func:`sample`.
 
     Returns:
       ``(out, tables)``: a :class:`SamplerOutput` of ``[S, P]`` rows with ``num_emitted: int32[S]``.
@@ -393,8 +426,10 @@ def verify(logits: jax.Array, drafts: jax.Array, arrays: SamplingArrays, tables:
         at_first = (jnp.arange(width) == 0)[None, :, None]
         bitmask = jnp.where(at_first, bitmask[:, None, :], -1).reshape(num_rows * width, -1)
     raw = logits.astype(jnp.float32)
-    tokens = _choose(raw, arrays, tables, bitmask, lambda: _draft_counts(drafts, raw.shape[-1]))
-    chosen, ranks, top_ids, top_logprobs = _maybe_logprobs(raw, tokens, arrays, bitmask)
+    draft_counts = functools.partial(_draft_counts, drafts, raw.shape[-1])
+    tokens = _choose(raw, arrays, tables, bitmask, draft_counts)
+    chosen, ranks, top_ids, top_logprobs = _maybe_logprobs(raw, tokens, arrays, tables, bitmask, logprobs_mode,
+                                                           draft_counts)
     accepted = ((tokens == drafts.reshape(-1)) & (drafts.reshape(-1) >= 0)).reshape(num_rows, width)
     num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1, dtype=jnp.int32)
     used = (jnp.arange(width)[None, :] <= num_accepted[:, None]).reshape(-1)
@@ -408,15 +443,15 @@ def verify(logits: jax.Array, drafts: jax.Array, arrays: SamplingArrays, tables:
 
 def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array, input_ids: jax.Array,
                      logits_indices: jax.Array, num_spec_tokens: jax.Array, arrays: SamplingArrays,
-                     tables: SamplerTables, num_positions: int,
-                     bitmask: Optional[jax.Array] = None) -> tuple[SamplerOutput, SamplerTables]:
+                     tables: SamplerTables, num_positions: int, bitmask: Optional[jax.Array] = None,
+                     logprobs_mode: str = "raw_logprobs") -> tuple[SamplerOutput, SamplerTables]:
     """:func:`verify` when some row carries drafts, else :func:`sample` (as ``verify``'s outputs).
 
     Args:
       compute_logits: hidden ``[N, E]`` -> float32 logits ``[N, V]``. hidden: ``[T, E]``.
       input_ids: int32[T] (a row's drafts are its last ``num_spec_tokens``). logits_indices,
       num_spec_tokens: int32[S]. arrays: ``SamplingArrays.repeat(num_positions)``. tables: donated.
-      num_positions: static P = 1 + the most drafts a row may carry. bitmask: as :func:`verify`.
+      num_positions: static P = 1 + the most drafts a row may carry. bitmask, logprobs_mode: as :func:`verify`.
     """
     position = jnp.arange(num_positions)[None, :]
     first = (logits_indices - num_spec_tokens)[:, None]
@@ -425,11 +460,12 @@ def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: j
     drafts = jnp.where(has_draft, input_ids[jnp.minimum(first + position + 1, input_ids.shape[0] - 1)], -1)
 
     def drafted() -> tuple[SamplerOutput, SamplerTables]:
-        return verify(compute_logits(hidden[rows.reshape(-1)]), drafts, arrays, tables, bitmask)
+        return verify(compute_logits(hidden[rows.reshape(-1)]), drafts, arrays, tables, bitmask, logprobs_mode)
 
     def plain() -> tuple[SamplerOutput, SamplerTables]:
         out, new_tables = sample(compute_logits(hidden[logits_indices]),
-                                 jax.tree_util.tree_map(lambda a: a[::num_positions], arrays), tables, bitmask)
+                                 jax.tree_util.tree_map(lambda a: a[::num_positions], arrays), tables, bitmask,
+                                 logprobs_mode)
         pad = [(0, 0), (0, num_positions - 1)]
         wide = jax.tree_util.tree_map(lambda v: jnp.pad(v[:, None], pad + [(0, 0)] * (v.ndim - 1)), out)
         return dataclasses.replace(wide, num_emitted=jnp.ones(logits_indices.shape, jnp.int32)), new_tables
@@ -439,7 +475,8 @@ def sample_or_verify(compute_logits: Callable[[jax.Array], jax.Array], hidden: j
 
 def prompt_logprobs(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array,
                     target_ids: jax.Array) -> PromptLogprobRows:
-    """Raw logprobs of each token row's next prompt token, and its top tokens (vLLM's prompt logprobs).
+    """Raw logprobs of each token row's next prompt token, and its top tokens (vLLM's prompt logprobs, raw
+    whatever the ``logprobs_mode``).
     compute_logits: hidden ``[N, E]`` -> float32 ``[N, V]``; hidden: ``[T, E]``; target_ids: int32[T], -1 where
     none is wanted. Returns :class:`PromptLogprobRows` of ``[T]`` rows (zeros at -1).
     """

@@ -61,10 +61,11 @@ class StepOutput:
 
 def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: SamplingArrays, tables: SamplerTables,
           prev_tokens: jax.Array, bitmask: jax.Array, scaled_pool: Optional[ScaledKV], *, cfg: ModelConfig,
-          ops: AttentionOps, num_positions: int = 1,
-          decode_only: bool = False) -> tuple[StepOutput, jax.Array, KVCache, SamplerTables]:
+          ops: AttentionOps, num_positions: int = 1, decode_only: bool = False,
+          logprobs_mode: str = "raw_logprobs") -> tuple[StepOutput, jax.Array, KVCache, SamplerTables]:
     """Model + sampler + prompt logprobs; inputs marked by ``batch.prev_token_index`` come from ``prev_tokens``;
-    ``decode_only`` (static): every row has one new token, attended by ``ops.decode_attention``.
+    ``decode_only`` (static): every row has one new token, attended by ``ops.decode_attention``;
+    ``logprobs_mode`` (static): what the sampled logprobs hold (``EngineConfig.logprobs_mode``).
     Returns ``(StepOutput, samples padded to prev_tokens' length, kv_cache, tables)``."""
     if decode_only:
         ops = ops.for_decode_steps()
@@ -75,11 +76,11 @@ def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: Samplin
     head = functools.partial(compute_logits, params, cfg=cfg, native_kernels=True)
     if num_positions == 1:
         logits = head(hidden[batch.logits_indices], num_rows=batch.num_seqs)  # on the kernels: padding rows 0
-        sampled, tables = sample(logits, sampling, tables, bitmask)
+        sampled, tables = sample(logits, sampling, tables, bitmask, logprobs_mode)
         first = sampled.token_ids
     else:
         sampled, tables = sample_or_verify(head, hidden, input_ids, batch.logits_indices, batch.num_spec_tokens,
-                                           sampling, tables, num_positions, bitmask)
+                                           sampling, tables, num_positions, bitmask, logprobs_mode)
         first = sampled.token_ids[:, 0]
     # Prompt logprobs map the head over rows one at a time (vmapped): XLA's dot, which batches them, not the
     # kernels (an FFI call has no batching rule).
@@ -122,6 +123,7 @@ class ModelRunner:
       float_bits_storage: hold bfloat16 / float8 weights and KV as their bits (``kernels_pallas.storage``).
       num_positions: 1, or 1 + ``num_speculative_tokens`` when verifying drafts.
       max_loras, max_lora_rank: LoRA adapter slots every step reads (``LoRASlots``, ``enable_lora``); 0: none.
+      logprobs_mode: one of ``jaxllm.config.LOGPROBS_MODES`` (``EngineConfig.logprobs_mode``), fixed in the programs.
       the rest: as :class:`CacheEngine`.
 
     Raises:
@@ -138,7 +140,7 @@ class ModelRunner:
                  num_offload_blocks: int = 0, num_sampling_slots: int = 1, max_model_len: int = 1,
                  float_bits_storage: bool = False, kv_cache_dtype: Any = None, num_positions: int = 1,
                  num_pool_blocks: int = 0, pool_dtype: Any = None, max_loras: int = 0,
-                 max_lora_rank: int = 0):
+                 max_lora_rank: int = 0, logprobs_mode: str = "raw_logprobs"):
         kv_dtype = np.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
         if kv_dtype.itemsize == 1 and "k_scale" not in params["layers"]:
             raise ValueError(f"kv_cache_dtype={kv_dtype.name} needs the per-layer k_scale/v_scale leaves in "
@@ -165,7 +167,7 @@ class ModelRunner:
         # Outputs pinned to the inputs' shardings: the donated KV cache and sampler tables come back laid out as
         # the next step was compiled for.
         step_fns = {decode_only: jax.jit(functools.partial(_step, cfg=cfg, ops=ops, num_positions=num_positions,
-                                                           decode_only=decode_only),
+                                                           decode_only=decode_only, logprobs_mode=logprobs_mode),
                                          donate_argnums=(1, 4),
                                          out_shardings=(replicated, replicated, self.cache_engine.sharding(),
                                                         replicated))
