@@ -209,6 +209,36 @@ def test_adapter_errors_name_the_adapter_and_the_limit(llm, tiny_llama_dir, tmp_
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_remove_lora_lets_running_requests_finish_under_it_and_a_later_adapter_never_reads_its_blocks(llm, adapters):
+    engine, core = llm.engine, llm.engine.core
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    temp = LoRARequest("temp", 5, adapters[1][0].lora_path)
+    prompt = PROMPTS[2]  # 11 tokens: 2 full blocks of 4, cached under adapter 5
+    want = {"temp": llm.generate([prompt], params, lora_request=temp, use_tqdm=False)[0].outputs[0].token_ids,
+            "base": llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids}
+    free, preemptions = core.num_free_blocks(), core.kv_cache_report(False)["num_preemptions"]
+    engine.add_request("temp", prompt, params, lora_request=temp)
+    engine.add_request("base", PROMPTS[0], params)
+    got = {}
+    for _ in range(3):
+        got.update({out.request_id: out for out in engine.step()})
+    assert not any(out.finished for out in got.values())
+    assert llm.remove_lora(5) is True
+    assert 5 not in [r.lora_int_id for r in llm.list_loras()] and llm.remove_lora(5) is False
+    while engine.has_unfinished_requests():
+        got.update({out.request_id: out for out in engine.step()})
+    assert {rid: out.outputs[0].token_ids for rid, out in got.items()} == want
+    assert core.kv_cache_report(False)["num_preemptions"] == preemptions and core.num_free_blocks() == free
+    assert 5 not in core.lora.known and 5 not in core.lora.slot_ids and not core.lora.retiring
+    # Id 5 again, now adapter 3: the blocks cached under the removed adapter are not hits.
+    three = llm.generate([prompt], params, lora_request=adapters[3][0], use_tqdm=False)[0].outputs[0].token_ids
+    again = LoRARequest("temp", 5, adapters[3][0].lora_path)
+    hits = core.scheduler.prefix_cache_hits
+    assert llm.generate([prompt], params, lora_request=again, use_tqdm=False)[0].outputs[0].token_ids == three
+    assert core.scheduler.prefix_cache_hits == hits
+    assert llm.remove_lora(5) is True
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(tensor_parallel_size=2), "enable_lora=True cannot be used with tensor_parallel_size=2"),
     (dict(batching="static"), "enable_lora=True cannot be used with batching='static'"),

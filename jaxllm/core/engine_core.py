@@ -88,8 +88,8 @@ class EngineCore:
     UTILITY_METHODS = frozenset({"cached_prefix_tokens", "wait_for_warmup", "num_free_blocks", "kv_cache_report",
                                  "preload_prefixes", "host_params", "update_weights_encoded",
                                  "update_weights_from_path", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping",
-                                 "kv_cache_compact", "kv_cache_resize", "add_lora", "list_loras",
-                                 "update_lora_encoded"})
+                                 "kv_cache_compact", "kv_cache_resize", "add_lora", "remove_lora",
+                                 "list_loras", "update_lora_encoded"})
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, *, sharding: ModelSharding, max_model_len: int,
                  kv_cache_dtype: Any, structured: StructuredOutputManager, drafter: Optional[DraftRunner] = None,
@@ -243,17 +243,18 @@ class EngineCore:
             self.scheduler.add_request(seq)
 
     def _add_lora_of(self, lora_request: Optional[LoRARequest]) -> int:
-        """The adapter id of a request's ``lora_request`` (0: none), known to the engine from now on."""
+        """The adapter id of a request's ``lora_request`` (0: none), known to the engine from now on (one removed
+        while others still run under it stays removed: the request runs under it too)."""
         if lora_request is None:
             return 0
-        self.add_lora(lora_request)
+        self.add_lora(lora_request, revive=False)
         return lora_request.lora_int_id
 
     # ------------------------------------------------------------ LoRA adapters (between steps)
 
-    def add_lora(self, lora_request: Any) -> bool:
+    def add_lora(self, lora_request: Any, revive: bool = True) -> bool:
         """Know an adapter and read its PEFT folder now (vLLM's ``add_lora``); True. ``lora_request``: a
-        ``LoRARequest`` or its fields as a list (from another process).
+        ``LoRARequest`` or its fields as a list (from another process); ``revive``: ``LoRAManager.add``'s.
 
         Raises:
           ValueError: LoRA is off, or the adapter's errors (``LoRAManager.add``: rank above ``max_lora_rank``,
@@ -263,8 +264,23 @@ class EngineCore:
             name = getattr(lora_request, "lora_name", lora_request)
             raise ValueError(f"LoRA adapter {name!r}: the engine was started without enable_lora=True "
                              "(--enable-lora)")
-        self.lora.add(lora_request if isinstance(lora_request, LoRARequest) else LoRARequest(*lora_request))
+        self.lora.add(lora_request if isinstance(lora_request, LoRARequest) else LoRARequest(*lora_request), revive)
         return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (vLLM's ``remove_lora``); False when it is not known (or LoRA is off).
+
+        Requests already running under it finish under it, as in vLLM: its weights and device slot go when the
+        last of them ends, no KV block of theirs is dropped, and no other request is touched. Blocks cached under
+        it are never read again (its id's prefix-cache key changes).
+        """
+        if self.lora is None:
+            return False
+        return self.lora.remove(lora_int_id, lora_int_id in self._loras_in_use())
+
+    def _loras_in_use(self) -> set[int]:
+        """The adapter ids of the unfinished requests."""
+        return {seq.lora_int_id for record in self.requests.values() for seq in record.live_sequences()}
 
     def list_loras(self) -> list[LoRARequest]:
         """The adapters the engine knows, by id (none without LoRA)."""
@@ -755,6 +771,8 @@ class EngineCore:
         if record.num_cached_tokens is None:
             self._num_unscheduled -= 1
         record.forget()
+        if self.lora is not None and self.lora.retiring:
+            self.lora.drop_retired(self._loras_in_use())
 
     def _release(self, seq: CoreSequence) -> None:
         """Nothing more is recorded or reported of ``seq``: its sampling slot and grammar go."""

@@ -95,6 +95,11 @@ class LLM:
         True. Raises ValueError: LoRA off, or the adapter refused (its rank, a target module, a taken id)."""
         return self.engine.add_lora(lora_request)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (vLLM's ``remove_lora``): requests running under it finish under it, then its
+        weights go; False when the engine does not know it."""
+        return self.engine.remove_lora(lora_int_id)
+
     def list_loras(self) -> list[LoRARequest]:
         """The adapters the engine knows, by ``lora_int_id`` (vLLM's ``list_loras``)."""
         return self.engine.list_loras()

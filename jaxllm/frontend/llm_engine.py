@@ -140,6 +140,11 @@ class LLMEngine(FrontEnd):
         ``EngineCore.add_lora``."""
         return all(self._each_core("add_lora", lora_request, all_results=True))
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter in every core (vLLM's ``remove_lora``; ``EngineCore.remove_lora``: requests running
+        under it finish under it); False when core 0 did not know it."""
+        return self._each_core("remove_lora", lora_int_id)
+
     def list_loras(self) -> list[LoRARequest]:
         """The adapters core 0 knows, by id (vLLM's ``list_loras``)."""
         return [r if isinstance(r, LoRARequest) else LoRARequest(*r) for r in self._each_core("list_loras")]

@@ -55,15 +55,16 @@ def read_peft_adapter(path: str, *, name: str, hf_layer_names: Mapping[str, tupl
       max_rank: the engine's ``max_lora_rank``.
 
     Raises:
-      ValueError: a missing file, ``r`` above ``max_rank``, a target module the engine cannot adapt, a PEFT
-        option it does not run (named), or a tensor of the wrong shape (named).
+      ValueError: a missing file (the message says "No adapter found", as vLLM's, which its server answers with
+        404), ``r`` above ``max_rank``, a target module the engine cannot adapt, a PEFT option it does not run
+        (named), or a tensor of the wrong shape (named).
     """
     folder = Path(path)
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     for file in (config_file, weights_file):
         if not file.is_file():
-            raise ValueError(f"LoRA adapter {name!r}: {file} is missing (a PEFT folder has adapter_config.json "
-                             "and adapter_model.safetensors)")
+            raise ValueError(f"LoRA adapter {name!r}: No adapter found at {path}: {file} is missing (a PEFT folder "
+                             "has adapter_config.json and adapter_model.safetensors)")
     config = json.loads(config_file.read_text())
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {name!r}: peft_type={config['peft_type']!r} is not LORA")
@@ -79,17 +80,22 @@ def read_peft_adapter(path: str, *, name: str, hf_layer_names: Mapping[str, tupl
 
     from safetensors.numpy import load_file
 
-    pattern = re.compile(rf"{re.escape(hf_layer_prefix)}(\d+)\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+    lora_tensor = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+    in_layer = re.compile(rf"{re.escape(hf_layer_prefix)}(\d+)\.(.+)$")
+    adapted = sorted(m.rsplit('.weight', 1)[0] for m, (k, _) in hf_layer_names.items() if k in LORA_TARGETS)
     tensors: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for tensor_name, value in load_file(str(weights_file)).items():
-        found = pattern.search(tensor_name)
+        found = lora_tensor.search(tensor_name)
         if found is None:
-            raise ValueError(f"LoRA adapter {name!r}: tensor {tensor_name!r} is not a LoRA A/B of a decoder layer")
-        layer, module, which = int(found[1]), found[2], found[3]
-        key = hf_layer_names.get(f"{module}.weight", (None,))[0]
+            raise ValueError(f"LoRA adapter {name!r}: tensor {tensor_name!r} is not a LoRA A or B")
+        module, which = found[1], found[2]
+        layer_module = in_layer.search(module)
+        key = None if layer_module is None else hf_layer_names.get(f"{layer_module[2]}.weight", (None,))[0]
         if key not in LORA_TARGETS:
-            raise ValueError(f"LoRA adapter {name!r}: target module {module!r} is not supported; the engine adapts "
-                             f"{sorted(m.rsplit('.weight', 1)[0] for m, (k, _) in hf_layer_names.items() if k in LORA_TARGETS)}")
+            target = module if layer_module is None else layer_module[2]
+            raise ValueError(f"LoRA adapter {name!r}: target module {target!r} is not supported; the engine adapts "
+                             f"{adapted} of the decoder layers")
+        layer = int(layer_module[1])
         if not 0 <= layer < num_layers:
             raise ValueError(f"LoRA adapter {name!r}: tensor {tensor_name!r} names layer {layer}; the model has "
                              f"{num_layers}")

@@ -96,6 +96,12 @@ class LoRAManager:
       slots: the runner's ``LoRASlots``. cfg, family: the model's, to read PEFT names.
       max_cpu_loras: adapters kept on the host at most (least recently used dropped, re-read from their path
         when needed again; an adapter changed by :meth:`update` is never dropped).
+
+    Attributes:
+      known: adapter id -> its ``LoRARequest``, the removed ones still in use (:attr:`retiring`) included.
+      retiring: ids :meth:`remove` was asked to forget while requests use them: unnamed (not listed, not
+        resolved, their names free), dropped by :meth:`drop_retired` once unused.
+      epochs: times each adapter changed (:meth:`update`, :meth:`remove`), part of its prefix-cache key.
     """
 
     def __init__(self, slots: LoRASlots, cfg: ModelConfig, family: Family, max_cpu_loras: int):
@@ -107,11 +113,14 @@ class LoRAManager:
         self.slot_ids = [0] * slots.max_loras
         self._last_used = [0] * slots.max_loras
         self._tick = 0
-        # Times each adapter's weights changed (update), in its prefix-cache key.
+        self.retiring: set[int] = set()
         self.epochs: dict[int, int] = collections.defaultdict(int)
 
-    def add(self, request: LoRARequest) -> None:
+    def add(self, request: LoRARequest, revive: bool = True) -> None:
         """Know ``request``'s adapter, reading it now (so a bad folder fails its request at once).
+
+        A removed adapter still in use (:attr:`retiring`) given again as it was is named again with ``revive``;
+        without it (a request naming it), it stays removed and the request runs under it.
 
         Raises:
           ValueError: the id already names another adapter (name or path), the name another id, or
@@ -122,8 +131,11 @@ class LoRAManager:
             if (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path) and request.lora_path:
                 raise ValueError(f"LoRARequest {request.lora_name!r}: lora_int_id={request.lora_int_id} already "
                                  f"names adapter {known.lora_name!r} ({known.lora_path})")
+            if revive:
+                self.retiring.discard(request.lora_int_id)
             return
-        other = next((i for i, r in self.known.items() if r.lora_name == request.lora_name), None)
+        other = next((i for i, r in self.known.items()
+                      if r.lora_name == request.lora_name and i not in self.retiring), None)
         if other is not None:
             raise ValueError(f"LoRARequest {request.lora_name!r}: the name already has lora_int_id={other}, not "
                              f"{request.lora_int_id}")
@@ -154,13 +166,38 @@ class LoRAManager:
         return found
 
     def list_loras(self) -> list[LoRARequest]:
-        """The adapters the engine knows, by id."""
-        return [self.known[i] for i in sorted(self.known)]
+        """The adapters the engine knows, by id (not the removed ones still in use)."""
+        return [self.known[i] for i in sorted(self.known) if i not in self.retiring]
+
+    def remove(self, lora_id: int, in_use: bool) -> bool:
+        """Forget adapter ``lora_id`` (vLLM's ``remove_lora``): at once, or, while requests use it (``in_use``),
+        once they end (:meth:`drop_retired`); they finish under it. Returns False for an id not known."""
+        if lora_id not in self.known or lora_id in self.retiring:
+            return False
+        self.retiring.add(lora_id)
+        if not in_use:
+            self.drop_retired(set())
+        return True
+
+    def drop_retired(self, in_use: set[int]) -> None:
+        """Drop the removed adapters no request uses any more (ids ``in_use`` are kept): their host weights and
+        device slot go, and their id's prefix-cache key changes (an adapter added later under the id never reads
+        their blocks)."""
+        for lora_id in self.retiring - in_use:
+            self.retiring.discard(lora_id)
+            del self.known[lora_id]
+            self._host.pop(lora_id, None)
+            self._pinned.discard(lora_id)
+            if lora_id in self.slot_ids:
+                slot = self.slot_ids.index(lora_id)
+                self.slot_ids[slot], self._last_used[slot] = 0, 0
+            self.epochs[lora_id] += 1
 
     def resolve(self, name_or_id: Union[str, int]) -> int:
         """The id of a known adapter given by name or id. Raises ValueError: unknown (the known ones named)."""
         for lora_id, request in self.known.items():
-            if name_or_id in (lora_id, request.lora_name) and not isinstance(name_or_id, bool):
+            if name_or_id in (lora_id, request.lora_name) and not isinstance(name_or_id, bool) \
+                    and lora_id not in self.retiring:
                 return lora_id
         raise ValueError(f"LoRA adapter {name_or_id!r} is not known to the engine; it knows "
                          f"{[(r.lora_name, r.lora_int_id) for r in self.list_loras()]}")
