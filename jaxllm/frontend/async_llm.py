@@ -12,6 +12,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.client import EngineDeadError, MPClient
 from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd
+from jaxllm.lora import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
@@ -102,6 +103,30 @@ class AsyncLLM(FrontEnd):
     async def update_weights_from_path(self, path: Union[str, os.PathLike]) -> dict[str, int]:
         """:meth:`update_weights` from the checkpoint at ``path`` (``LLMEngine.update_weights_from_path``)."""
         return (await self._each_core("update_weights_from_path", str(path)))[0]
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter into every core now (vLLM's ``add_lora``); True. Raises ValueError as
+        ``EngineCore.add_lora`` (rank above ``max_lora_rank``, an unknown target module, no adapter at the path,
+        an id or name taken); the cores that took it forget it then."""
+        done = []
+        try:
+            for core in range(len(self.client.infos)):
+                await self.client.call_utility_async(core, "add_lora", lora_request)
+                done.append(core)
+        except BaseException:
+            for core in done:
+                await self.client.call_utility_async(core, "remove_lora", lora_request.lora_int_id)
+            raise
+        return True
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter in every core (``EngineCore.remove_lora``: requests running under it finish under
+        it); False when core 0 did not know it."""
+        return (await self._each_core("remove_lora", lora_int_id))[0]
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters core 0 knows, by id (vLLM's ``list_loras``)."""
+        return [LoRARequest(*r) for r in await self.client.call_utility_async(0, "list_loras")]
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix in every core; True."""

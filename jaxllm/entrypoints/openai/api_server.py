@@ -3,7 +3,8 @@
 Routes: OpenAI's ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses``; vLLM's
 ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``, the render routes, ``/tokenizer_info``, ``/version``,
 ``/debug/kv``; in dev mode (``JAXLLM_SERVER_DEV_MODE=1``) the weight and KV-pool routes (:func:`add_weight_routes`,
-:func:`add_kv_pool_routes`). The list, flags and behaviour: docs/serving/openai.md.
+:func:`add_kv_pool_routes`); with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` true, vLLM's LoRA load / unload routes
+(:func:`add_lora_routes`). The list, flags and behaviour: docs/serving/openai.md, docs/features/lora.md.
 
 Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad input (field and limit
 named), 401 bad key, 404 unknown model or route, 503 queue full or asleep, 500 engine core died. A client that
@@ -19,13 +20,12 @@ import contextlib
 import os
 import signal
 import sys
-import time
 from typing import Any, Optional, Sequence
 
 import prometheus_client
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxllm import __version__
@@ -34,14 +34,17 @@ from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     ResponsesRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     error_body,
 )
 from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from jaxllm.entrypoints.openai.router_compat import RouterDefaults
 from jaxllm.entrypoints.openai.serving import APIError, check_parsers
+from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_module, runtime_lora_updating
 from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jaxllm.frontend.front_end import EngineSleepingError
@@ -89,6 +92,9 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
                    help="how the model writes calls: hermes (Qwen2.5/3, Hermes), llama3_json, mistral, pythonic")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split the model's <think> reasoning into message.reasoning: deepseek_r1, qwen3")
+    p.add_argument("--lora-modules", nargs="+", default=None, type=parse_lora_module, metavar="MODULE",
+                   help="LoRA adapters to serve (needs --enable-lora), each name=path or JSON {\"name\": .., "
+                        "\"path\": .., \"base_model_name\": ..}; a request's model picks one by name")
     add_engine_args(p)
     return p
 
@@ -97,7 +103,6 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_toke
     """The FastAPI app over an ``OpenAIServing`` (``lifespan``: FastAPI's, to stop the engine at shutdown)."""
     engine = serving.engine
     app = FastAPI(title="jaxllm", version=__version__, lifespan=lifespan)
-    created = int(time.time())
 
     def error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
         return JSONResponse(error_body(status, message, param, code), status_code=status)
@@ -128,8 +133,7 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_toke
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": created,
-                                            "owned_by": "jaxllm", "max_model_len": serving.max_model_len}]}
+        return serving.models.show_available_models()
 
     @app.get("/health")
     async def health():
@@ -168,6 +172,8 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_toke
     if os.environ.get(DEV_MODE_VARIABLE) == "1":
         add_weight_routes(app, engine)
         add_kv_pool_routes(app, engine)
+    if runtime_lora_updating():
+        add_lora_routes(app, serving)
     return app
 
 
@@ -281,6 +287,22 @@ def add_weight_routes(app, engine) -> None:
                 **report}
 
 
+def add_lora_routes(app, serving) -> None:
+    """vLLM's ``POST /v1/load_lora_adapter`` ``{lora_name, lora_path, load_inplace?}`` and
+    ``POST /v1/unload_lora_adapter`` ``{lora_name}`` (served when ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true),
+    answering vLLM's plain-text success message; errors as ``OpenAIServingModels`` raises them."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        message = await serving.models.load_lora_adapter(body.lora_name, body.lora_path,
+                                                         load_inplace=body.load_inplace)
+        return PlainTextResponse(message)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        return PlainTextResponse(await serving.models.unload_lora_adapter(body.lora_name))
+
+
 def add_kv_pool_routes(app, engine) -> None:
     """Dev mode: ``POST /kv_cache/compact`` and ``POST /kv_cache/resize?num_blocks=N`` (``AsyncLLM``'s), each
     answering ``{"cores": [report per core]}``; 400 for a refused resize (pool unchanged), 409 while asleep."""
@@ -346,11 +368,18 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--chat-template: {model} has no tokenizer, so it cannot render chats")
         tokenizer.set_chat_template(args.chat_template)
     engine = AsyncLLM(model, tokenizer=tokenizer, served_model_name=served_model_name, **engine_kwargs(args))
+    models = OpenAIServingModels(engine, served_model_name, args.model or served_model_name,
+                                 engine.info.max_model_len, tuple(args.lora_modules or ()))
+    try:
+        asyncio.run(models.init_static_loras())
+    except BaseException:
+        engine.client.shutdown()
+        raise
     serving = OpenAIServing(engine, served_model_name,
                             generation_config_defaults(read_generation_config(model)),
                             tool_call_parser=args.tool_call_parser,
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
-                            reasoning_parser=args.reasoning_parser)
+                            reasoning_parser=args.reasoning_parser, models=models)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -381,6 +410,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm serve") -> in
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     problem = check_engine_args(args)
+    if args.lora_modules and not args.enable_lora:
+        problem = "--lora-modules needs --enable-lora"
     try:
         check_parsers(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
     except ValueError as e:

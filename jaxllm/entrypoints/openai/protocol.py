@@ -304,3 +304,20 @@ class UpdateWeightsFromDiskRequest(_Request):
     """``POST /update_weights_from_disk`` (SGLang's): load the checkpoint at ``model_path`` into the engine."""
 
     model_path: str
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT folder ``lora_path`` as model ``lora_name``;
+    ``load_inplace`` replaces an adapter already served under that name."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving adapter ``lora_name`` (vLLM's ``lora_int_id`` is
+    accepted and not needed: the server names adapters by name)."""
+
+    lora_name: str
+    lora_int_id: Optional[int] = None

@@ -36,6 +36,7 @@ from jaxllm.entrypoints.openai.tool_parsers import (
     parameters_schema,
     required_schema,
 )
+from jaxllm.lora import LoRARequest
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.structured_output import after_reasoning, validate_structured_outputs
 from jaxllm.tokenizer import ChatInputError
@@ -104,6 +105,8 @@ class OpenAIServing:
       tool_call_parser: a ``TOOL_PARSERS`` name (``--tool-call-parser``), read with ``tool_choice: "auto"``.
       enable_auto_tool_choice: ``--enable-auto-tool-choice`` (needs ``tool_call_parser``).
       reasoning_parser: a ``REASONING_PARSERS`` name (``--reasoning-parser``).
+      models: the ``OpenAIServingModels`` a request's ``model`` is looked up in (default: ``model_name`` alone,
+        no adapters).
 
     Raises:
       ValueError: an unknown parser name, or ``enable_auto_tool_choice`` without ``tool_call_parser``.
@@ -111,7 +114,9 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, model_name: str, generation_defaults: dict[str, Any],
                  tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
-                 reasoning_parser: Optional[str] = None) -> None:
+                 reasoning_parser: Optional[str] = None, models: Optional[Any] = None) -> None:
+        from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels  # it imports APIError from here
+
         check_parsers(tool_call_parser, enable_auto_tool_choice, reasoning_parser)
         self.tool_parser = TOOL_PARSERS[tool_call_parser] if enable_auto_tool_choice else None
         self.tool_call_id = (TOOL_PARSERS[tool_call_parser] if tool_call_parser else ToolParser).new_id
@@ -121,12 +126,13 @@ class OpenAIServing:
         self.model_name = model_name
         self.defaults = {k: v for k, v in generation_defaults.items() if k in DEFAULTABLE}
         self.max_model_len = engine.info.max_model_len
+        self.models = models if models is not None else OpenAIServingModels(engine, model_name, model_name,
+                                                                             self.max_model_len)
 
-    def check_model(self, name: Optional[str]) -> None:
-        """Raises: APIError 404 for a model name this server does not serve."""
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                           "model", "model_not_found")
+    def check_model(self, name: Optional[str]) -> Optional[LoRARequest]:
+        """The LoRA adapter a request's ``model`` names (None: the base model). Raises: APIError 404 for a model
+        name this server does not serve."""
+        return self.models.lora_request(name)
 
     def _need_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -231,18 +237,20 @@ class OpenAIServing:
 
     def start(self, prefix: str, prompts: list[tuple[Optional[str], list[int]]], params: list[SamplingParams],
               request: Union[CompletionRequest, ChatCompletionRequest]) -> list[AsyncIterator[RequestOutput]]:
-        """Start one engine request per prompt (all or none), with the request's ``priority`` and ``cache_salt``.
+        """Start one engine request per prompt (all or none), with the request's ``priority``, ``cache_salt`` and
+        the LoRA adapter its ``model`` names.
 
         Raises:
-          APIError: 400 naming the field for a request the engine refuses.
+          APIError: 400 naming the field for a request the engine refuses; 404 for a model no longer served.
           QueueFullError, EngineDeadError: as ``AsyncLLM.add_request``.
         """
         ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+        lora = self.check_model(request.model)
         streams = []
         try:
             for rid, (text, token_ids), p in zip(ids, prompts, params):
                 streams.append(self.engine.add_request(rid, token_ids, p, prompt=text, priority=request.priority,
-                                                       cache_salt=request.cache_salt))
+                                                       cache_salt=request.cache_salt, lora_request=lora))
         except ValueError as e:
             for rid in ids:
                 self.engine.abort(rid)
@@ -331,14 +339,16 @@ class OpenAIServing:
                 choices.append(choice)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         cached = sum(final[i].num_cached_tokens for i in range(len(prompts)))
-        return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)}
+        return {"id": request_id, "object": "text_completion", "created": created,
+                "model": self.models.model_name(request.model), "choices": choices,
+                "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
     async def completion_stream(self, request: CompletionRequest, started) -> AsyncIterator[bytes]:
         """The ``text_completion`` chunks of a streaming request, then the usage chunk if asked, then [DONE]."""
         request_id, created, prompts, streams = started
         include_usage, continuous = usage_options(request)
-        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        base = {"id": request_id, "object": "text_completion", "created": created,
+                "model": self.models.model_name(request.model)}
         choices = StreamedChoices(len(prompts), request.n)
         offsets = [0] * (len(prompts) * request.n)  # each choice's next text_offset
         try:
@@ -495,9 +505,10 @@ class OpenAIServing:
                             "stop_reason": c.stop_reason})
         reasoning = (sum(self.reasoning_tokens(parsing, c.token_ids, params) for c in final.outputs)
                      if parsing.reasoning is not None else None)
-        body = {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": _usage(len(ids), sum(len(c.token_ids) for c in final.outputs),
-                                                    final.num_cached_tokens, reasoning)}
+        body = {"id": request_id, "object": "chat.completion", "created": created,
+                "model": self.models.model_name(request.model), "choices": choices,
+                "usage": _usage(len(ids), sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens,
+                                reasoning)}
         if request.prompt_logprobs is not None:
             body["prompt_logprobs"] = _prompt_logprobs_body(final, request.prompt_logprobs)
         return body
@@ -511,7 +522,8 @@ class OpenAIServing:
         """The ``chat.completion.chunk`` chunks: a role chunk per choice, then its deltas, the last with its finish."""
         request_id, created, ids, streams, parsing, params = started
         include_usage, continuous = usage_options(request)
-        base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": self.models.model_name(request.model)}
 
         def chunk(choice: dict, completion_tokens: int = 0) -> bytes:
             body = {**base, "choices": [choice]}

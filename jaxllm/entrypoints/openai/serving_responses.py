@@ -169,8 +169,8 @@ class OpenAIServingResponses:
         fmt = request.text.format if request.text is not None and request.text.format is not None else None
         return {
             "id": "resp_" + chat_id.removeprefix("chatcmpl-"), "object": "response", "created_at": int(time.time()),
-            "status": "in_progress", "model": self.serving.model_name, "output": [], "error": None,
-            "incomplete_details": None, "instructions": request.instructions,
+            "status": "in_progress", "model": self.serving.models.model_name(request.model), "output": [],
+            "error": None, "incomplete_details": None, "instructions": request.instructions,
             "max_output_tokens": request.max_output_tokens, "temperature": request.temperature,
             "top_p": request.top_p, "parallel_tool_calls": request.parallel_tool_calls,
             "tool_choice": (request.tool_choice.model_dump() if hasattr(request.tool_choice, "model_dump")
