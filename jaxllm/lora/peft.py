@@ -77,12 +77,19 @@ def read_peft_adapter(path: str, *, name: str, hf_layer_names: Mapping[str, tupl
         raise ValueError(f"LoRA adapter {name!r}: rank r={rank} is above max_lora_rank={max_rank}"
                          if rank > max_rank else f"LoRA adapter {name!r}: rank r={rank} must be >= 1")
     scale = lora_scale(rank, float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False)))
+    adapted = sorted(m.rsplit('.weight', 1)[0] for m, (k, _) in hf_layer_names.items() if k in LORA_TARGETS)
+    # A list names modules (a string is PEFT's regex, checked tensor by tensor below).
+    if isinstance(config.get("target_modules"), list):
+        short = {m.rsplit(".", 1)[-1] for m in adapted}
+        unknown = [t for t in config["target_modules"] if t.rsplit(".", 1)[-1] not in short]
+        if unknown:
+            raise ValueError(f"LoRA adapter {name!r}: target module {unknown[0]!r} is not supported; the engine "
+                             f"adapts {adapted} of the decoder layers")
 
     from safetensors.numpy import load_file
 
     lora_tensor = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
     in_layer = re.compile(rf"{re.escape(hf_layer_prefix)}(\d+)\.(.+)$")
-    adapted = sorted(m.rsplit('.weight', 1)[0] for m, (k, _) in hf_layer_names.items() if k in LORA_TARGETS)
     tensors: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for tensor_name, value in load_file(str(weights_file)).items():
         found = lora_tensor.search(tensor_name)

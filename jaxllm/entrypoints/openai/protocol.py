@@ -203,6 +203,14 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
                500: "server_error", 503: "server_error"}
 
 
+class APIError(Exception):
+    """An error answered with ``status`` and OpenAI's error body (:func:`error_body`)."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
 def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,

@@ -21,6 +21,7 @@ from jaxllm.frontend.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.chat_outputs import ChatParsing, reasoning_token_count
 from jaxllm.entrypoints.openai.field_policy import refusal
 from jaxllm.entrypoints.openai.protocol import (
+    APIError,
     ChatCompletionRequest,
     ChatCompletionTool,
     CompletionRequest,
@@ -28,6 +29,7 @@ from jaxllm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, THINK_END, opens_reasoning
+from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels
 from jaxllm.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     NamedParser,
@@ -46,14 +48,6 @@ from scheduler import SamplingParams, StructuredOutputsParams
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 AUTO_TOOLS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 _PARAM = re.compile(r"SamplingParams\.(\w+)=")
-
-
-class APIError(Exception):
-    """An error answered with ``status`` and OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 def _sse(payload: Any) -> bytes:
@@ -114,9 +108,8 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, model_name: str, generation_defaults: dict[str, Any],
                  tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
-                 reasoning_parser: Optional[str] = None, models: Optional[Any] = None) -> None:
-        from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels  # it imports APIError from here
-
+                 reasoning_parser: Optional[str] = None,
+                 models: Optional[OpenAIServingModels] = None) -> None:
         check_parsers(tool_call_parser, enable_auto_tool_choice, reasoning_parser)
         self.tool_parser = TOOL_PARSERS[tool_call_parser] if enable_auto_tool_choice else None
         self.tool_call_id = (TOOL_PARSERS[tool_call_parser] if tool_call_parser else ToolParser).new_id

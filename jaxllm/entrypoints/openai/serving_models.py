@@ -17,7 +17,7 @@ import os
 import time
 from typing import Any, Optional
 
-from jaxllm.entrypoints.openai.serving import APIError
+from jaxllm.entrypoints.openai.protocol import APIError
 from jaxllm.lora import LoRARequest
 
 # vLLM's switch for the load / unload routes: they let any client make the server read a folder of its disk.
