@@ -359,6 +359,23 @@ def test_an_update_while_asleep_stays_on_the_host_and_wake_up_places_it_compilin
     _assert_trees_equal(restored.get_params(), _perturbed(host))
 
 
+@pytest.mark.parametrize("stored", [dict(dtype="bfloat16"), dict(quantization="int8")], ids=["bf16-bits", "int8"])
+def test_an_update_while_asleep_is_held_in_the_stored_form_and_wakes_as_an_update_awake_would(host, stored):
+    """bfloat16 held as uint16 bits on CPU, int8 quantized on the way in: an update while asleep ends with the same
+    weights and tokens as the same update awake."""
+    llm = LLM(STORIES, enable_sleep_mode=True, **stored, **ENGINE)
+    llm.update_weights(_perturbed(host))
+    awake_params, awake_tokens = jax.device_get(llm.get_params()), _tokens(llm)
+    llm.update_weights(host)
+    llm.sleep(level=1)
+    with jax.transfer_guard_host_to_device("disallow_explicit"):
+        llm.update_weights(_perturbed(host))
+        _assert_trees_equal(llm.get_params(), awake_params)
+    llm.wake_up()
+    _assert_trees_equal(llm.get_params(), awake_params)
+    assert _tokens(llm) == awake_tokens
+
+
 def test_an_embedding_given_while_asleep_is_packed_for_the_lm_head_at_wake_up(restored, host, reference):
     embed = host["embed"][::-1].copy()
     restored.update_weights({"embed": embed})
