@@ -319,12 +319,83 @@ def test_sleep_level_1_frees_the_kv_cache_and_wakes_with_identical_outputs_and_n
     assert runner.compile_stats.num_compilations == compiled
 
 
-def test_a_partial_update_while_asleep_at_level_1_puts_the_host_copy_back_first(restored, host, perturbed_llm):
-    restored.sleep(level=1)
-    restored.update_weights({"layers": {"w_down": _perturbed(host)["layers"]["w_down"]}})
-    assert restored.engine.runner.weights.state == "device" and restored.is_sleeping()
+@pytest.fixture()
+def compile_events():
+    """Backend compilations in this process while a test runs (JAX's monitoring events)."""
+    events: list[str] = []
+
+    def listen(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    yield events
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["numpy", "device-arrays"])
+@pytest.mark.parametrize("level", [1, 2])
+def test_an_update_while_asleep_stays_on_the_host_and_wake_up_places_it_compiling_nothing(
+        restored, host, reference, perturbed_llm, compile_events, level, on_device):
+    """Issue 56 gap 5: asleep, an update replaces the weights where they live (the host), moving nothing to a
+    device (even explicitly: ``disallow_explicit``), and ``get_params`` gives them; ``wake_up`` places them."""
+    runner = restored.engine.runner
+    # Level 1 keeps a host copy, so a subset will do; level 2 kept nothing, so every leaf is given.
+    new = {"layers": {"w_down": _perturbed(host)["layers"]["w_down"]}} if level == 1 else _perturbed(host)
+    if on_device:
+        new = jax.device_put(new)
+    restored.sleep(level=level)
+    with jax.transfer_guard_host_to_device("disallow_explicit"):
+        report = restored.update_weights(new)
+        params = restored.get_params()
+    assert report["num_bytes"] == sum(leaf.nbytes for leaf in flatten(new).values())
+    assert restored.is_sleeping() and runner.weights.state == "offloaded"
+    assert all(isinstance(leaf, np.ndarray) for leaf in flatten(params).values())
+    _assert_trees_equal(params, _perturbed(host))
+    compiled = runner.compile_stats.num_compilations
     restored.wake_up()
-    assert _tokens(restored) == _tokens(perturbed_llm)
+    assert compile_events == [] and runner.compile_stats.num_compilations == compiled
+    assert _tokens(restored) == _tokens(perturbed_llm) != reference
+    _assert_trees_equal(restored.get_params(), _perturbed(host))
+
+
+@pytest.mark.parametrize("stored", [dict(dtype="bfloat16"), dict(quantization="int8")], ids=["bf16-bits", "int8"])
+def test_an_update_while_asleep_is_held_in_the_stored_form_and_wakes_as_an_update_awake_would(host, stored):
+    """bfloat16 held as uint16 bits on CPU, int8 quantized on the way in: an update while asleep ends with the same
+    weights and tokens as the same update awake."""
+    llm = LLM(STORIES, enable_sleep_mode=True, **stored, **ENGINE)
+    llm.update_weights(_perturbed(host))
+    awake_params, awake_tokens = jax.device_get(llm.get_params()), _tokens(llm)
+    llm.update_weights(host)
+    llm.sleep(level=1)
+    with jax.transfer_guard_host_to_device("disallow_explicit"):
+        llm.update_weights(_perturbed(host))
+        _assert_trees_equal(llm.get_params(), awake_params)
+    llm.wake_up()
+    _assert_trees_equal(llm.get_params(), awake_params)
+    assert _tokens(llm) == awake_tokens
+
+
+def test_an_embedding_given_while_asleep_is_packed_for_the_lm_head_at_wake_up(restored, host, reference):
+    embed = host["embed"][::-1].copy()
+    restored.update_weights({"embed": embed})
+    awake = _tokens(restored)
+    restored.update_weights({"embed": host["embed"]})
+    restored.sleep(level=1)
+    restored.update_weights({"embed": embed})
+    restored.wake_up()
+    assert _tokens(restored) == awake != reference
+
+
+def test_get_params_while_asleep_gives_the_host_copy_read_only_and_refuses_when_discarded(restored, host):
+    restored.sleep(level=1)
+    params = restored.get_params()
+    _assert_trees_equal(params, host)
+    with pytest.raises(ValueError, match="read-only"):
+        params["embed"][0, 0] = 1.0
+    restored.sleep(level=2)
+    with pytest.raises(RuntimeError, match="discarded"):
+        restored.get_params()
 
 
 def test_sleep_level_2_discards_the_weights_until_an_update_restores_them(restored, host, reference):

@@ -374,7 +374,9 @@ class EngineCore:
     # ------------------------------------------------------------ weights and sleep (between steps)
 
     def get_params(self) -> Any:
-        """The target model's parameters, device arrays with their shardings (``WeightStore.get_params``)."""
+        """The target model's parameters (``WeightStore.get_params``): device arrays with their shardings; asleep,
+        read-only host numpy (level 1's copy, or what updates gave since). Raises RuntimeError: discarded
+        (``sleep(level=2)``) and not given again."""
         return self.runner.weights.get_params()
 
     def host_params(self) -> dict[str, Any]:
@@ -384,10 +386,12 @@ class EngineCore:
     def update_weights(self, params: Any) -> dict[str, int]:
         """Replace the target model's weights between two steps, with no new compilation; the KV of
         the old weights is dropped (prefix cache reset, unfinished requests recomputed). ``params``: any subset of the
-        leaves, or all after ``sleep(level=2)``; the draft model keeps its weights.
+        leaves, or all after ``sleep(level=2)``; the draft model keeps its weights. Asleep, the weights stay where
+        they are: each leaf replaces the held one on the host (``WeightStore.stage``: no host-to-device transfer)
+        and :meth:`wake_up` places them.
 
         Returns:
-          ``{"num_leaves", "num_bytes", "num_preempted"}``.
+          ``{"num_leaves", "num_bytes" (placed, or held on the host while asleep), "num_preempted"}``.
 
         Raises:
           ValueError: a leaf unknown, missing or of the wrong shape or dtype (``prepare_params``); nothing changes then.
@@ -395,18 +399,17 @@ class EngineCore:
         weights = self.runner.weights
         flat = prepare_params(params, weights.param_layout(), partial=weights.state != "discarded")
         self._settle()
-        if weights.state == "offloaded":
-            weights.restore()
-        layout = weights.param_layout()
         num_leaves, num_bytes = len(flat), 0
-        for path in list(flat):
-            leaf = place_leaf(flat.pop(path), layout[path].sharding)
-            num_bytes += leaf.nbytes
-            weights.set_param(path, leaf)
+        if weights.state != "device":
+            num_bytes = weights.stage(flat)
+        else:
+            layout = weights.param_layout()
+            for path in list(flat):
+                leaf = place_leaf(flat.pop(path), layout[path].sharding)
+                num_bytes += leaf.nbytes
+                weights.set_param(path, leaf)
         preempted = self._drop_kv_state()
         self.param_bytes = param_bytes(weights.params)
-        if weights.state == "device":
-            self._asleep.discard("weights")
         return {"num_leaves": num_leaves, "num_bytes": num_bytes, "num_preempted": preempted}
 
     def update_weights_encoded(self, encoded: dict[str, Any]) -> dict[str, int]:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import itertools
 import os
+import threading
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from jaxllm.core.client import QueueFullError
 from jaxllm.frontend.llm_engine import LLMEngine
 from jaxllm.frontend.input_processor import PromptType
 from jaxllm.frontend.metrics import GenerateProgress
@@ -22,6 +24,87 @@ from scheduler import SamplingParams
 CacheSalt = Union[str, Sequence[Optional[str]], None]
 # One LoRA adapter for every prompt, or one per prompt (None: the base model).
 LoRAArg = Union[LoRARequest, Sequence[Optional[LoRARequest]], None]
+
+
+class SharedSteps:
+    """Several threads driving one ``LLMEngine``: their requests run in the same engine steps.
+
+    Every engine call (adding, aborting, weights, sleep) runs between two steps, one thread at a time; a caller
+    waiting for its outputs runs the next step itself when none is running and no thread waits to call the engine
+    (so requests added meanwhile join that step), then hands each output to the caller whose request it is. vLLM's
+    ``LLM`` is single-threaded; this is what lets a multi-threaded rollout (tunix's agentic learner) call
+    ``generate`` from many threads with the throughput of one batched call.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self._cv = threading.Condition()
+        self._stepping = False
+        self._num_waiting = 0  # threads waiting to call the engine: served before the next step starts
+        self._inboxes: dict[str, collections.deque] = {}  # request id -> its caller's outputs not yet taken
+
+    @contextlib.contextmanager
+    def between_steps(self) -> Iterator[LLMEngine]:
+        """Hold the engine between two steps: no step runs, and no other thread calls it, inside the block."""
+        with self._cv:
+            self._num_waiting += 1
+            try:
+                while self._stepping:
+                    self._cv.wait()
+            finally:
+                self._num_waiting -= 1
+            try:
+                yield self._engine
+            finally:
+                self._cv.notify_all()
+
+    def add(self, ids: Sequence[str], add: Any) -> None:
+        """Run ``add()`` (which queues the requests ``ids`` into the engine) between two steps, the outputs of
+        ``ids`` kept for :meth:`outputs`. Raises what ``add`` raises, nothing kept then."""
+        inbox: collections.deque = collections.deque()
+        with self.between_steps():
+            add()
+            self._inboxes.update((rid, inbox) for rid in ids)
+
+    def outputs(self, ids: Sequence[str]) -> Iterator[RequestOutput]:
+        """Every output of requests ``ids`` (queued by :meth:`add`) in step order, until each has finished; a
+        consumer that stops early aborts its unfinished ones. Raises what ``LLMEngine.step`` raises."""
+        pending = set(ids)
+        inbox = self._inboxes[ids[0]] if ids else collections.deque()
+        try:
+            while pending:
+                for out in self._take_or_step(inbox):
+                    yield out
+                    if out.finished:
+                        pending.discard(out.request_id)
+        finally:
+            with self.between_steps() as engine:
+                for rid in ids:
+                    self._inboxes.pop(rid, None)
+                engine.abort_request(list(pending))
+
+    def _take_or_step(self, inbox: collections.deque) -> list[RequestOutput]:
+        """What ``inbox`` holds, running engine steps here while it is empty and no other thread steps."""
+        while True:
+            with self._cv:
+                while not inbox and (self._stepping or self._num_waiting):
+                    self._cv.wait()
+                if inbox:
+                    taken = list(inbox)
+                    inbox.clear()
+                    return taken
+                self._stepping = True
+            outs: list[RequestOutput] = []
+            try:
+                outs = self._engine.step()
+            finally:
+                with self._cv:
+                    self._stepping = False
+                    for out in outs:
+                        owner = self._inboxes.get(out.request_id)
+                        if owner is not None:
+                            owner.append(out)
+                    self._cv.notify_all()
 
 
 class LLM:
@@ -54,16 +137,24 @@ class LLM:
         if not isinstance(model, ModelConfig):
             model = resolve_model(model, kwargs.get("revision"), kwargs.get("download_dir"))
         self.engine = LLMEngine(model, params=params, **kwargs)
+        self._steps = SharedSteps(self.engine)
         self._ids = itertools.count()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """``self.engine.<method>(*args)`` between two steps (``SharedSteps.between_steps``)."""
+        with self._steps.between_steps() as engine:
+            return getattr(engine, method)(*args)
 
     def get_params(self) -> dict[str, Any]:
         """The weights the engine runs: a tree of device arrays with their shardings, in the layout of
-        ``jaxllm.models.param_layout`` (host numpy copies when the cores run in other processes).
+        ``jaxllm.models.param_layout`` (host numpy copies when the cores run in other processes). Asleep, the
+        weights live on the host and come back as read-only numpy: level 1's copy with any update since, or
+        after level 2 what updates gave.
 
         Raises:
-          RuntimeError: the weights sleep (:meth:`sleep`).
+          RuntimeError: ``sleep(level=2)`` discarded the weights and no update gave them again.
         """
-        return self.engine.get_params()
+        return self._call("get_params")
 
     def update_weights(self, params: Any) -> dict[str, int]:
         """Replace the weights between two steps, with no new compilation (``EngineCore.update_weights``).
@@ -71,16 +162,19 @@ class LLM:
         Args:
           params: a tree (or ``{"layers/wq": array}`` paths) of numpy or JAX arrays: any subset of the leaves of
             :meth:`get_params`, each of its shape; float leaves are cast to the engine's dtype, float projections
-            quantized when the engine is. After ``sleep(level=2)`` every leaf.
+            quantized when the engine is. After ``sleep(level=2)`` every leaf. Asleep, nothing goes to the devices:
+            the leaves replace the weights held on the host (a device array is copied there) and
+            :meth:`wake_up` places them, with no compilation.
 
         Returns:
-          ``{"num_leaves", "num_bytes" (placed), "num_preempted" (requests recomputed with the new weights)}``.
+          ``{"num_leaves", "num_bytes" (placed, or held on the host while asleep), "num_preempted" (requests
+          recomputed with the new weights)}``.
 
         Raises:
           ValueError: the first leaf that is unknown, missing or of the wrong shape or dtype, named with the
             expected shape and dtype; the engine keeps its old weights.
         """
-        return self.engine.update_weights(params)
+        return self._call("update_weights", params)
 
     def update_weights_from_path(self, path: Union[str, os.PathLike]) -> dict[str, int]:
         """:meth:`update_weights` with every weight of the checkpoint at ``path`` (a HF folder, GGUF or orbax).
@@ -88,12 +182,12 @@ class LLM:
         Raises:
           ValueError: ``path`` is not a model, or its weights do not fit (the first leaf named).
         """
-        return self.engine.update_weights_from_path(path)
+        return self._call("update_weights_from_path", path)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read an adapter's PEFT folder into the engine now, before a request names it (vLLM's ``add_lora``);
         True. Raises ValueError: LoRA off, or the adapter refused (its rank, a target module, a taken id)."""
-        return self.engine.add_lora(lora_request)
+        return self._call("add_lora", lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (vLLM's ``remove_lora``): requests running under it finish under it, then its
@@ -102,7 +196,7 @@ class LLM:
 
     def list_loras(self) -> list[LoRARequest]:
         """The adapters the engine knows, by ``lora_int_id`` (vLLM's ``list_loras``)."""
-        return self.engine.list_loras()
+        return self._call("list_loras")
 
     def update_lora(self, name_or_id: Union[str, int], tree: Any) -> dict[str, Any]:
         """Replace a known adapter's A and B between two steps, with no new compilation (for RL with a LoRA
@@ -122,15 +216,16 @@ class LLM:
           ValueError: LoRA off, an unknown adapter, or a leaf unknown or of the wrong shape (named, with the
             shape expected); the old adapter is kept.
         """
-        return self.engine.update_lora(name_or_id, tree)
+        return self._call("update_lora", name_or_id, tree)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's ``LLM.reset_prefix_cache``); True."""
-        return self.engine.reset_prefix_cache()
+        return self._call("reset_prefix_cache")
 
     def sleep(self, level: int = 1) -> list[dict[str, Any]]:
         """Free device memory, as vLLM's ``LLM.sleep``: level 1 frees the KV cache and moves the weights to the
-        host; level 2 also discards the weights (restore them with ``update_weights*`` before :meth:`wake_up`).
+        host; level 2 also discards the weights (give them again with ``update_weights*`` before :meth:`wake_up`).
+        Updates while asleep replace the weights on the host; :meth:`wake_up` places them.
         The engine must be idle; requests are refused until :meth:`wake_up`.
 
         Returns:
@@ -140,7 +235,7 @@ class LLM:
           ValueError: ``level`` not 1 or 2.
           RuntimeError: requests are unfinished.
         """
-        return self.engine.sleep(level)
+        return self._call("sleep", level)
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Bring back what :meth:`sleep` freed (``tags``: "weights", "kv_cache", or None for both), with the same
@@ -150,11 +245,11 @@ class LLM:
           ValueError: an unknown tag.
           RuntimeError: discarded weights that no update restored.
         """
-        self.engine.wake_up(tags)
+        self._call("wake_up", tags)
 
     def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""
-        return self.engine.is_sleeping()
+        return self._call("is_sleeping")
 
     @property
     def tokenizer(self) -> Optional[Tokenizer]:
@@ -168,12 +263,12 @@ class LLM:
     def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
         """KV cache diagnostics (``LLMEngine.kv_cache_report``; ``diag.render_kv_report`` draws it): block counts,
         ``fragmentation``, ``cache_crowding``, ``num_preemptions``, queue depth, largest request, block map."""
-        return self.engine.kv_cache_report(core, block_map)
+        return self._call("kv_cache_report", core, block_map)
 
     def kv_cache_compact(self) -> list[dict[str, Any]]:
         """Move the live KV blocks to the low end of the pool (``EngineCore.kv_cache_compact``); outputs unchanged.
         One report per core: ``{"num_moved_blocks", "num_blocks", "num_used_blocks", "kv_cache_bytes", "seconds"}``."""
-        return self.engine.kv_cache_compact()
+        return self._call("kv_cache_compact")
 
     def kv_cache_resize(self, num_blocks: int) -> list[dict[str, Any]]:
         """Grow or shrink the KV pool to ``num_blocks`` blocks (null block included), unfinished requests kept
@@ -184,7 +279,7 @@ class LLM:
             unfinished request (named); nothing changes.
           RuntimeError: the KV cache sleeps.
         """
-        return self.engine.kv_cache_resize(num_blocks)
+        return self._call("kv_cache_resize", num_blocks)
 
     def generate(
         self,
@@ -215,7 +310,7 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         ids = self._add_all(prompts, sampling_params, priority, cache_salt, lora_request)
         with GenerateProgress(len(ids), enabled=use_tqdm) as progress:
-            for out in self._run(ids):
+            for out in self._steps.outputs(ids):
                 progress.update([out])
                 if out.finished:
                     final[out.request_id] = out
@@ -239,7 +334,7 @@ class LLM:
         Raises:
           ValueError: as :meth:`generate`, before anything is yielded.
         """
-        return self._run(self._add_all(prompts, sampling_params, priority, cache_salt, lora_request))
+        return self._steps.outputs(self._add_all(prompts, sampling_params, priority, cache_salt, lora_request))
 
     def _add_all(self, prompts: Any, sampling_params: Any, priority: Optional[Sequence[int]],
                  cache_salt: CacheSalt, lora_request: LoRAArg = None) -> list[str]:
@@ -257,26 +352,18 @@ class LLM:
         if len(loras) != len(prompt_list):
             raise ValueError(f"lora_request has {len(loras)} entries for {len(prompt_list)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
-        try:
-            for rid, prompt, params, prio, salt, lora in zip(ids, prompt_list, params_list, priorities, salts, loras):
-                self.engine.add_request(rid, prompt, params, priority=prio, cache_salt=salt, lora_request=lora)
-        except (ValueError, QueueFullError):
-            self.engine.abort_request(ids)
-            raise
-        return ids
 
-    def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
-        pending = set(ids)
-        try:
-            while pending:
-                for out in self.engine.step():
-                    if out.request_id in pending:
-                        yield out
-                        if out.finished:
-                            pending.discard(out.request_id)
-        finally:
-            # A consumer that stops early must not leave its requests running.
-            self.engine.abort_request(list(pending))
+        def add() -> None:
+            try:
+                for rid, prompt, params, prio, salt, lora in zip(ids, prompt_list, params_list, priorities, salts,
+                                                                 loras):
+                    self.engine.add_request(rid, prompt, params, priority=prio, cache_salt=salt, lora_request=lora)
+            except BaseException:
+                self.engine.abort_request(ids)
+                raise
+
+        self._steps.add(ids, add)
+        return ids
 
     def chat(
         self,

@@ -120,7 +120,8 @@ class LLMEngine(FrontEnd):
 
     def get_params(self) -> dict[str, Any]:
         """The weights the engine runs, in ``param_layout``'s layout: device arrays with their shardings, or host
-        numpy copies of core 0's from another process. Raises RuntimeError: the weights sleep."""
+        numpy copies of core 0's from another process; asleep, host numpy (``EngineCore.get_params``).
+        Raises RuntimeError: the weights were discarded (``sleep(level=2)``) and not given again."""
         if isinstance(self.client, InprocClient):
             return self.client.core.get_params()
         return unflatten(decode_params(self.client.call_utility(0, "host_params")))

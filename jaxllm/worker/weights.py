@@ -172,7 +172,8 @@ def device_bytes_in_use(device: jax.Device) -> Optional[int]:
 class WeightStore:
     """The parameters a runner's steps read; each leaf's layout (numbers: :meth:`param_layout`; stored form:
     bits with ``float_bits_storage``, plus ``HEAD_PANELS``) is fixed at construction and kept through updates and sleep.
-    ``params`` is the stored pytree, abstract while released."""
+    ``params`` is the stored pytree, abstract while released; released, the weights live on the host (the copy
+    ``release(offload=True)`` took, or leaves given by :meth:`stage`) until :meth:`restore` places them."""
 
     def __init__(self, cfg: ModelConfig, params: Params, *, float_bits_storage: bool):
         self.cfg = cfg
@@ -180,6 +181,8 @@ class WeightStore:
         self._param_layout = {path: abstract(leaf) for path, leaf in flatten(params).items()}
         self.params = with_head_panels(loop_storage(params) if float_bits_storage else params, cfg)
         self._storage_layout = {path: abstract(leaf) for path, leaf in flatten(self.params).items()}
+        # Released: every stored leaf as host numpy, in its stored dtype (HEAD_PANELS may be missing: packed from
+        # the embedding at restore); None while on the devices or discarded.
         self._host_params: Optional[dict[str, np.ndarray]] = None
 
     def abstract(self) -> Params:
@@ -192,18 +195,54 @@ class WeightStore:
 
     @property
     def state(self) -> str:
-        """"device" (serving), "offloaded" (a host copy, ``release(offload=True)``) or "discarded"."""
+        """"device" (serving), "offloaded" (released, every leaf held on the host for :meth:`restore`) or
+        "discarded" (released, ``release(offload=False)``, and not every leaf given again)."""
         if all(isinstance(leaf, jax.Array) for leaf in flatten(self.params).values()):
             return "device"
         return "offloaded" if self._host_params is not None else "discarded"
 
     def get_params(self) -> Params:
-        """A new tree of the device arrays in the layout's dtypes and shardings (RuntimeError when not
-        on the devices)."""
+        """A new tree in the layout's number dtypes: the device arrays with their shardings; released, read-only
+        host numpy views of the weights held for :meth:`restore`. Raises RuntimeError: discarded."""
         self._need_weights("get_params")
+        if self._host_params is not None:
+            return unflatten({path: _read_only(self._host_params[path].view(want.dtype))
+                              for path, want in self._param_layout.items()})
         flat = {path: leaf if leaf.dtype == self._param_layout[path].dtype else _number_cast(leaf.sharding)(leaf)
                 for path, leaf in flatten(self.params).items() if path in self._param_layout}
         return unflatten(flat)
+
+    def stage(self, flat: Mapping[str, Any]) -> int:
+        """Replace leaves while released, on the host (a device leaf is copied to the host; nothing goes to a
+        device): each takes the place of the held one, or fills the discarded weights, and :meth:`restore`
+        places it. Returns the bytes held for them.
+
+        Args:
+          flat: ``{path: leaf}`` as :func:`prepare_params` gives them (the layout's shapes and number dtypes);
+            every leaf when discarded.
+
+        Raises:
+          RuntimeError: the weights are on the devices (:meth:`set_param` replaces those).
+          ValueError: discarded and ``flat`` lacks a leaf (named).
+        """
+        if self.state == "device":
+            raise RuntimeError("stage: the weights are on the devices; set_param replaces them")
+        if self._host_params is None:
+            missing = [path for path in self._param_layout if path not in flat]
+            if missing:
+                raise ValueError(f"stage: the weights were discarded and leaf {missing[0]!r} is not given")
+        held = self._host_params if self._host_params is not None else {}
+        num_bytes = 0
+        for path, leaf in flat.items():
+            # A numpy leaf is copied: the caller may change its array before restore reads it.
+            host = leaf.copy() if isinstance(leaf, np.ndarray) else np.asarray(jax.device_get(leaf))
+            # The stored form of a bits-stored float: the same bits, viewed as their unsigned type.
+            held[path] = host.view(self._storage_layout[path].dtype)
+            num_bytes += host.nbytes
+        if "embed" in flat:
+            held.pop(HEAD_PANELS, None)  # packed from the new embedding at restore
+        self._host_params = held
+        return num_bytes
 
     def set_param(self, path: str, leaf: jax.Array) -> None:
         """Replace leaf ``path`` by ``leaf`` (placed, of exactly its layout; donated to a bits conversion)
@@ -233,7 +272,7 @@ class WeightStore:
         returns the bytes let go."""
         if self.state != "device":
             if not offload:
-                self._host_params = None  # a deeper sleep discards the host copy of a lighter one
+                self._host_params = None  # a deeper sleep discards what a lighter one kept
             return 0
         flat = flatten(self.params)
         self._host_params = jax.device_get(flat) if offload else None
@@ -241,19 +280,26 @@ class WeightStore:
         return sum(leaf.nbytes for leaf in flat.values())
 
     def restore(self) -> None:
-        """Put :meth:`release`'s host copy back (RuntimeError when discarded and not all set again)."""
-        if self._host_params is not None:
-            host, self._host_params = self._host_params, None
-            self.params = unflatten({path: jax.device_put(leaf, self._storage_layout[path].sharding)
-                                     for path, leaf in host.items()})
+        """Place the weights held on the host with their stored dtypes and shardings (no compilation); nothing
+        when on the devices. Raises RuntimeError: discarded."""
         self._need_weights("restore_params")
+        if self._host_params is None:
+            return
+        host, self._host_params = self._host_params, None
+        flat = {path: jax.device_put(leaf, self._storage_layout[path].sharding) for path, leaf in host.items()}
+        if HEAD_PANELS in self._storage_layout and HEAD_PANELS not in flat:
+            flat[HEAD_PANELS] = with_head_panels({"embed": flat["embed"]}, self.cfg)[HEAD_PANELS]
+        self.params = unflatten(flat)
 
     def _need_weights(self, what: str) -> None:
-        state = self.state
-        if state != "device":
-            raise RuntimeError(f"{what}: the weights are {state} (sleep); wake_up() first"
-                               + (", after restoring them with update_weights or update_weights_from_path"
-                                  if state == "discarded" else ""))
+        if self.state == "discarded":
+            raise RuntimeError(f"{what}: the weights are discarded (sleep(level=2)); give every leaf again with "
+                               "update_weights or update_weights_from_path first")
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
 
 
 @functools.lru_cache(maxsize=None)
