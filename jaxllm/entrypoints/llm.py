@@ -192,7 +192,7 @@ class LLM:
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (vLLM's ``remove_lora``): requests running under it finish under it, then its
         weights go; False when the engine does not know it."""
-        return self.engine.remove_lora(lora_int_id)
+        return self._call("remove_lora", lora_int_id)
 
     def list_loras(self) -> list[LoRARequest]:
         """The adapters the engine knows, by ``lora_int_id`` (vLLM's ``list_loras``)."""
