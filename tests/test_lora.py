@@ -1,7 +1,8 @@
 """LoRA adapters: PEFT folders made and run by ``peft`` (the reference), served in device slots.
 
-Numerics against HF transformers + PEFT in float32, batch invariance across a mix of adapters, zero compilations
-across loads, evictions, switches and updates, prefix-cache isolation, the max_loras admission rule, and errors.
+Numerics against HF transformers + PEFT in float32 (the engine and ``dense_forward``), batch invariance across a mix
+of adapters, zero compilations across
+loads, evictions, switches and updates, prefix-cache isolation, the max_loras admission rule, and errors.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from jaxllm import LLM, LoRARequest, SamplingParams
 from jaxllm.config import EngineConfig
 from jaxllm.loader import load_model
-from jaxllm.models import family, forward
+from jaxllm.models import dense_forward, family, forward
 from jaxllm.worker.lora import LoRAManager, LoRASlots
 from jaxllm.worker.model_runner import with_lora
 from jaxllm.worker.programs import CompileStats
@@ -192,6 +193,33 @@ def test_update_lora_replaces_an_adapter_in_place_without_compiling(llm, adapter
     llm.update_lora(4, back)
     assert run(copy) == (three, 0)
     assert stats.num_compilations == compiled
+
+
+def test_dense_forward_with_an_adapter_equals_hf_peft_and_the_engines_prompt_logprobs(tiny_llama_dir, adapters, llm):
+    """The training forward under an adapter (its ``LoRAWeights.tree``) is the engine's maths: logits equal HF +
+    PEFT's and the engine's prompt logprobs under the same adapter within 1e-4 (float32), two rows at once."""
+    cfg, params, _ = load_model(tiny_llama_dir, np.float32)
+    rows = [PROMPTS[0], PROMPTS[2][:len(PROMPTS[0])]]
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    for lora_id, (request, reference) in adapters.items():
+        llm.add_lora(request)
+        weights = llm.engine.core.lora.weights(lora_id)
+        got = np.asarray(dense_forward(params, jnp.asarray(rows, jnp.int32), cfg=cfg, lora=weights.tree(),
+                                       lora_scale=weights.scale))
+        with torch.no_grad():
+            want = reference(torch.tensor(rows)).logits.numpy()
+        assert np.abs(got - want).max() <= 1e-4, (lora_id, np.abs(got - want).max())
+        out = llm.generate([rows[0]], with_logprobs, lora_request=request, use_tqdm=False)[0]
+        engine = [entry[token].logprob for token, entry in zip(rows[0][1:], out.prompt_logprobs[1:])]
+        dense = np.asarray(jax.nn.log_softmax(got[0], axis=-1))[np.arange(len(rows[0]) - 1), rows[0][1:]]
+        assert np.abs(np.asarray(engine) - dense).max() <= 1e-4, lora_id
+    nested = {"layers": {k.removeprefix("layers/"): v for k, v in weights.tree().items()}}
+    assert np.array_equal(np.asarray(dense_forward(params, jnp.asarray(rows, jnp.int32), cfg=cfg, lora=nested,
+                                                   lora_scale=weights.scale)), got)
+    with pytest.raises(ValueError, match="'layers/wq_lora_a' has no 'layers/wq_lora_b'"):
+        dense_forward(params, jnp.asarray(rows, jnp.int32), cfg=cfg, lora={"layers/wq_lora_a": np.zeros((2, 64, 4))})
+    with pytest.raises(ValueError, match="'layers/embed_lora_a' is not the A or B"):
+        dense_forward(params, jnp.asarray(rows, jnp.int32), cfg=cfg, lora={"layers/embed_lora_a": np.zeros(3)})
 
 
 def test_adapter_errors_name_the_adapter_and_the_limit(llm, tiny_llama_dir, tmp_path):
