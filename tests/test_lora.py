@@ -1,7 +1,7 @@
 """LoRA adapters: PEFT folders made and run by ``peft`` (the reference), served in device slots.
 
 Numerics against HF transformers + PEFT in float32 (the engine and ``dense_forward``), batch invariance across a mix
-of adapters, zero compilations across
+of adapters (also over int8 base weights, swap preemption and the host prefix tier), zero compilations across
 loads, evictions, switches and updates, prefix-cache isolation, the max_loras admission rule, and errors.
 """
 
@@ -235,6 +235,50 @@ def test_adapter_errors_name_the_adapter_and_the_limit(llm, tiny_llama_dir, tmp_
     with pytest.raises(ValueError, match="lora_int_id=0 must be an int >= 1"):
         LoRARequest("zero", 0, str(wide))
     assert not llm.engine.has_unfinished_requests()
+
+
+# Tiny Llama: 2 layers * (K + V) * 2 heads * 16 dims * 4 bytes * 4 tokens = 1024 bytes a block; a tier of 64.
+TIER_GIB = 64 * 1024 / 2**30
+
+
+@pytest.fixture(scope="module")
+def llm_int8_swap(tiny_llama_dir, adapters):
+    """int8 base weights, and 19 usable KV blocks of 4 tokens with swap preemption and a host prefix tier: a
+    batch of eight 30-token requests does not fit."""
+    return LLM(model=str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, quantization="int8",
+               preemption_mode="swap", num_host_blocks=16, kv_offloading_size=TIER_GIB, block_size=4,
+               num_kv_blocks=20, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[8, 64], precompile=False)
+
+
+def test_int8_base_weights_mixed_batch_gives_each_request_its_solo_output(llm_int8_swap, adapters):
+    assert llm_int8_swap.engine.runner.weights.params["layers"]["wq"].dtype == np.int8
+    requests = [None, adapters[1][0], adapters[2][0], adapters[3][0]]
+    solo = [llm_int8_swap.generate([p], GREEDY, lora_request=r, use_tqdm=False)[0].outputs[0].token_ids
+            for p, r in zip(PROMPTS, requests)]
+    mixed = llm_int8_swap.generate(PROMPTS, GREEDY, lora_request=requests, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed] == solo
+    under = [llm_int8_swap.generate([PROMPTS[0]], GREEDY, lora_request=r, use_tqdm=False)[0].outputs[0].token_ids
+             for r in requests]
+    assert len({tuple(t) for t in under}) == 4, "each adapter changes the quantized model's output"
+
+
+def test_swap_preemption_and_the_host_tier_keep_each_request_its_solo_output(llm_int8_swap, adapters):
+    sched = llm_int8_swap.engine.core.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=22, ignore_eos=True)
+    # Every prompt under the base model and two adapters, the same prompt under each (their blocks must not mix).
+    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[2], PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3], PROMPTS[1]]
+    requests = [None, adapters[1][0], adapters[1][0], None, adapters[2][0], adapters[2][0], adapters[1][0], None]
+    solo = [llm_int8_swap.generate([p], params, lora_request=r, use_tqdm=False)[0].outputs[0].token_ids
+            for p, r in zip(prompts, requests)]
+    assert len({tuple(t) for p, t in zip(prompts, solo) if p == PROMPTS[2]}) == 3
+    preempted, host_hits = sched.num_preemptions, sched.prefix_cache_hits_host
+    mixed = llm_int8_swap.generate(prompts, params, lora_request=requests, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed] == solo
+    assert sched.num_preemptions > preempted
+    # Again: the device lost most prefixes to the batch, so some come back from the host tier.
+    again = llm_int8_swap.generate(prompts, params, lora_request=requests, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == solo
+    assert sched.prefix_cache_hits_host > host_hits
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
