@@ -1,7 +1,8 @@
 """LoRA adapters: PEFT folders made and run by ``peft`` (the reference), served in device slots.
 
-Numerics against HF transformers + PEFT in float32, batch invariance across a mix of adapters, zero compilations
-across loads, evictions, switches and updates, prefix-cache isolation, the max_loras admission rule, and errors.
+Numerics against HF transformers + PEFT in float32 (the engine and ``dense_forward``), batch invariance across a mix
+of adapters (also over int8 base weights, swap preemption and the host prefix tier), zero compilations across
+loads, evictions, switches and updates, prefix-cache isolation, the max_loras admission rule, and errors.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from jaxllm import LLM, LoRARequest, SamplingParams
 from jaxllm.config import EngineConfig
 from jaxllm.loader import load_model
-from jaxllm.models import family, forward
+from jaxllm.models import dense_forward, family, forward
 from jaxllm.worker.lora import LoRAManager, LoRASlots
 from jaxllm.worker.model_runner import with_lora
 from jaxllm.worker.programs import CompileStats
@@ -194,6 +195,33 @@ def test_update_lora_replaces_an_adapter_in_place_without_compiling(llm, adapter
     assert stats.num_compilations == compiled
 
 
+def test_dense_forward_with_an_adapter_equals_hf_peft_and_the_engines_prompt_logprobs(tiny_llama_dir, adapters, llm):
+    """The training forward under an adapter (its ``LoRAWeights.tree``) is the engine's maths: logits equal HF +
+    PEFT's and the engine's prompt logprobs under the same adapter within 1e-4 (float32), two rows at once."""
+    cfg, params, _ = load_model(tiny_llama_dir, np.float32)
+    rows = [PROMPTS[0], PROMPTS[2][:len(PROMPTS[0])]]
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    for lora_id, (request, reference) in adapters.items():
+        llm.add_lora(request)
+        weights = llm.engine.core.lora.weights(lora_id)
+        got = np.asarray(dense_forward(params, jnp.asarray(rows, jnp.int32), cfg=cfg, lora=weights.tree(),
+                                       lora_scale=weights.scale))
+        with torch.no_grad():
+            want = reference(torch.tensor(rows)).logits.numpy()
+        assert np.abs(got - want).max() <= 1e-4, (lora_id, np.abs(got - want).max())
+        out = llm.generate([rows[0]], with_logprobs, lora_request=request, use_tqdm=False)[0]
+        engine = [entry[token].logprob for token, entry in zip(rows[0][1:], out.prompt_logprobs[1:])]
+        dense = np.asarray(jax.nn.log_softmax(got[0], axis=-1))[np.arange(len(rows[0]) - 1), rows[0][1:]]
+        assert np.abs(np.asarray(engine) - dense).max() <= 1e-4, lora_id
+    nested = {"layers": {k.removeprefix("layers/"): v for k, v in weights.tree().items()}}
+    assert np.array_equal(np.asarray(dense_forward(params, jnp.asarray(rows, jnp.int32), cfg=cfg, lora=nested,
+                                                   lora_scale=weights.scale)), got)
+    with pytest.raises(ValueError, match="'layers/wq_lora_a' has no 'layers/wq_lora_b'"):
+        dense_forward(params, jnp.asarray(rows, jnp.int32), cfg=cfg, lora={"layers/wq_lora_a": np.zeros((2, 64, 4))})
+    with pytest.raises(ValueError, match="'layers/embed_lora_a' is not the A or B"):
+        dense_forward(params, jnp.asarray(rows, jnp.int32), cfg=cfg, lora={"layers/embed_lora_a": np.zeros(3)})
+
+
 def test_adapter_errors_name_the_adapter_and_the_limit(llm, tiny_llama_dir, tmp_path):
     wide = tmp_path / "wide"
     make_adapter(tiny_llama_dir, wide, 7, 16, 16, False, ["q_proj"])
@@ -237,6 +265,50 @@ def test_remove_lora_lets_running_requests_finish_under_it_and_a_later_adapter_n
     assert llm.generate([prompt], params, lora_request=again, use_tqdm=False)[0].outputs[0].token_ids == three
     assert core.scheduler.prefix_cache_hits == hits
     assert llm.remove_lora(5) is True
+
+
+# Tiny Llama: 2 layers * (K + V) * 2 heads * 16 dims * 4 bytes * 4 tokens = 1024 bytes a block; a tier of 64.
+TIER_GIB = 64 * 1024 / 2**30
+
+
+@pytest.fixture(scope="module")
+def llm_int8_swap(tiny_llama_dir, adapters):
+    """int8 base weights, and 19 usable KV blocks of 4 tokens with swap preemption and a host prefix tier: a
+    batch of eight 30-token requests does not fit."""
+    return LLM(model=str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, quantization="int8",
+               preemption_mode="swap", num_host_blocks=16, kv_offloading_size=TIER_GIB, block_size=4,
+               num_kv_blocks=20, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[8, 64], precompile=False)
+
+
+def test_int8_base_weights_mixed_batch_gives_each_request_its_solo_output(llm_int8_swap, adapters):
+    assert llm_int8_swap.engine.runner.weights.params["layers"]["wq"].dtype == np.int8
+    requests = [None, adapters[1][0], adapters[2][0], adapters[3][0]]
+    solo = [llm_int8_swap.generate([p], GREEDY, lora_request=r, use_tqdm=False)[0].outputs[0].token_ids
+            for p, r in zip(PROMPTS, requests)]
+    mixed = llm_int8_swap.generate(PROMPTS, GREEDY, lora_request=requests, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed] == solo
+    under = [llm_int8_swap.generate([PROMPTS[0]], GREEDY, lora_request=r, use_tqdm=False)[0].outputs[0].token_ids
+             for r in requests]
+    assert len({tuple(t) for t in under}) == 4, "each adapter changes the quantized model's output"
+
+
+def test_swap_preemption_and_the_host_tier_keep_each_request_its_solo_output(llm_int8_swap, adapters):
+    sched = llm_int8_swap.engine.core.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=22, ignore_eos=True)
+    # Every prompt under the base model and two adapters, the same prompt under each (their blocks must not mix).
+    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[2], PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3], PROMPTS[1]]
+    requests = [None, adapters[1][0], adapters[1][0], None, adapters[2][0], adapters[2][0], adapters[1][0], None]
+    solo = [llm_int8_swap.generate([p], params, lora_request=r, use_tqdm=False)[0].outputs[0].token_ids
+            for p, r in zip(prompts, requests)]
+    assert len({tuple(t) for p, t in zip(prompts, solo) if p == PROMPTS[2]}) == 3
+    preempted, host_hits = sched.num_preemptions, sched.prefix_cache_hits_host
+    mixed = llm_int8_swap.generate(prompts, params, lora_request=requests, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed] == solo
+    assert sched.num_preemptions > preempted
+    # Again: the device lost most prefixes to the batch, so some come back from the host tier.
+    again = llm_int8_swap.generate(prompts, params, lora_request=requests, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == solo
+    assert sched.prefix_cache_hits_host > host_hits
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -38,6 +38,11 @@ class LoRAWeights:
     scale: float
     tensors: dict[str, tuple[np.ndarray, np.ndarray]]
 
+    def tree(self) -> dict[str, np.ndarray]:
+        """The tensors as ``{"layers/<key>_lora_a": A, "layers/<key>_lora_b": B}``, the layout ``LLM.update_lora``
+        and ``jaxllm.models.dense_forward``'s ``lora`` take."""
+        return {f"layers/{key}_lora_{ab}": value for key, pair in self.tensors.items() for ab, value in zip("ab", pair)}
+
 
 def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
     """PEFT's scaling: ``alpha / sqrt(rank)`` with rsLoRA, else ``alpha / rank``."""

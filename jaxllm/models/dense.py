@@ -9,12 +9,13 @@ real tokens from position 0 and hides its padding from every query.
 from __future__ import annotations
 
 import types
-from typing import NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jaxllm.models.common import KVCache, Params, apply_rope, compute_logits, layer_segments, rope_cos_sin
+from jaxllm.models.common import (LORA_A, LORA_B, LORA_ROWS, KVCache, Params, apply_rope, compute_logits,
+                                  layer_segments, rope_cos_sin)
 from jaxllm.models.config import ModelConfig
 
 
@@ -55,7 +56,8 @@ class DenseContext(NamedTuple):
 
 
 def dense_forward(params: Params, input_ids: jax.Array, *, cfg: ModelConfig, family=None,
-                  attention_mask: Optional[jax.Array] = None) -> jax.Array:
+                  attention_mask: Optional[jax.Array] = None, lora: Optional[Mapping[str, Any]] = None,
+                  lora_scale: float = 1.0) -> jax.Array:
     """Logits of every position of whole sequences, through the family's layers and dense causal attention.
 
     Args:
@@ -65,13 +67,24 @@ def dense_forward(params: Params, input_ids: jax.Array, *, cfg: ModelConfig, fam
       cfg: static. family: default ``jaxllm.models.family(cfg)``.
       attention_mask: bool or int ``[B, L]``, nonzero at real tokens (left, right or both sides padded); None: every
         token real. Each row's real tokens take positions ``0, 1, ...`` in order (HF's and tunix's convention).
+      lora: one LoRA adapter every row runs under, in ``LLM.update_lora``'s layout: ``{"layers": {"<key>_lora_a":
+        [L, in, r], "<key>_lora_b": [L, r, out]}}`` (or ``"layers/<key>_lora_a"`` paths) for a subset of ``wq wk wv
+        wo w_gate w_up w_down``, PEFT's values transposed and unscaled (``LoRAWeights.tree``); differentiable.
+        None: the base model.
+      lora_scale: the factor of ``x A B`` (PEFT's ``lora_alpha / r``, ``LoRAWeights.scale``).
 
     Returns:
-      float32 ``[B, L, vocab]``; at real tokens equal to the engine's logits of the unpadded row within float32
-      rounding; at padded positions finite and meaningless.
+      float32 ``[B, L, vocab]``; at real tokens equal to the engine's logits of the unpadded row (under the same
+      adapter) within float32 rounding; at padded positions finite and meaningless.
+
+    Raises:
+      ValueError: a ``lora`` leaf that is not an A or B of a projection the model has, or a projection given
+        only one of its A and B (named).
     """
     b, n = input_ids.shape
     keys = jnp.ones((b, n), bool) if attention_mask is None else attention_mask.astype(bool)
+    if lora is not None:
+        params = {**params, "layers": {**params["layers"], **_adapter_slot(params, lora, lora_scale)}}
     mesh = jax.sharding.get_abstract_mesh()
     explicit = [name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == jax.sharding.AxisType.Explicit]
     if not explicit:
@@ -82,6 +95,25 @@ def dense_forward(params: Params, input_ids: jax.Array, *, cfg: ModelConfig, fam
     body = jax.sharding.auto_axes(lambda p, i, k: _dense_forward(p, i, k, cfg, family), axes=tuple(explicit),
                                   out_sharding=jax.sharding.PartitionSpec(rows, None, None))
     return body(params, input_ids, keys)
+
+
+def _adapter_slot(params: Params, lora: Mapping[str, Any], scale: float) -> dict[str, jax.Array]:
+    """``lora`` (``dense_forward``'s) as the engine's slot leaves with one slot: ``"<key>_lora_a": [L, 1, in, r]``,
+    ``"<key>_lora_b": [L, 1, r, out]`` with ``scale`` folded into B (``jaxllm.worker.lora``), in the params' dtype."""
+    flat = {f"layers/{k}": v for k, v in lora["layers"].items()} if "layers" in lora else dict(lora)
+    layers, out = params["layers"], {}
+    for path, value in flat.items():
+        key, _, which = path.removeprefix("layers/").rpartition("_lora_")
+        if not path.startswith("layers/") or which not in ("a", "b") or key not in layers:
+            raise ValueError(f"lora leaf {path!r} is not the A or B of one of the model's projections "
+                             "('layers/<key>_lora_a' or '_lora_b')")
+        other = f"layers/{key}_lora_{'b' if which == 'a' else 'a'}"
+        if other not in flat:
+            raise ValueError(f"lora leaf {path!r} has no {other!r}")
+        dtype = layers[key].dtype
+        out[key + (LORA_A if which == "a" else LORA_B)] = (
+            jnp.asarray(value, dtype)[:, None] if which == "a" else (jnp.asarray(value) * scale).astype(dtype)[:, None])
+    return out
 
 
 def _dense_forward(params: Params, input_ids: jax.Array, keys: jax.Array, cfg: ModelConfig, family) -> jax.Array:
@@ -104,6 +136,9 @@ def _dense_forward(params: Params, input_ids: jax.Array, keys: jax.Array, cfg: M
         ctx = DenseContext(cfg, (b, n), window, cos, sin, jnp.int32(b * n), positions, keys)
 
         def step(x, layer, ctx=ctx):
+            if any(k.endswith(LORA_A) for k in layer):
+                # Every token in the adapter's one slot (the engine's slot layout, so ``project`` adds its term).
+                layer = {**layer, LORA_ROWS: jnp.ones((b * n, 1), x.dtype)}
             return fam.layer(layer, x, None, ctx)[0], None
 
         x, _ = jax.lax.scan(step, x, jax.tree_util.tree_map(lambda a: a[start:stop], layers))
