@@ -30,7 +30,6 @@ transformers = pytest.importorskip("transformers")
 PROMPTS = SMOLLM2_PROMPTS  # the same eight prompts as the SmolLM2 parity test
 NEW_TOKENS = 24
 FRANCE = " the capital of the country of France. It is the largest city in France and the second largest city in Europe. It"
-# The CLI's engine is this one (its defaults and these flags), so it reuses the compiled programs.
 ENGINE = dict(max_model_len=64, max_num_seqs=8, precompile=False)
 
 
@@ -97,17 +96,6 @@ def test_the_capital_of_france_gives_hf_text(outputs, hf_greedy, llm):
     assert outputs[0].prompt == "The capital of France is"
     assert llm.tokenizer.decode(hf_greedy[0]) == FRANCE
     assert outputs[0].outputs[0].text == FRANCE
-
-
-def test_cli_runs_it_by_name(llm, outputs, capsys):
-    from jaxllm.generate import main
-
-    status = main(["--model", "gemma3-270m", "--prompt", "The capital of France is", "--max-tokens", "8",
-                   "--temperature", "0", "--max-model-len", str(ENGINE["max_model_len"]),
-                   "--max-num-seqs", str(ENGINE["max_num_seqs"])])
-    captured = capsys.readouterr()
-    assert status == 0, captured.err
-    assert captured.out == "The capital of France is" + llm.tokenizer.decode(outputs[0].outputs[0].token_ids[:8]) + "\n"
 
 
 def test_issue25_item7_the_readme_command_runs_with_no_other_flag(gemma3_gguf, llm, outputs):
