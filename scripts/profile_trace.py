@@ -641,6 +641,8 @@ def main(argv: Optional[list[str]] = None) -> str:
         parser.error("need --steps >= 1, --skip-steps >= 0, --decode-rows >= 1, --decode-context >= 2")
     if args.decode_rows > args.max_num_seqs and "decode" in args.phases:
         parser.error(f"--decode-rows {args.decode_rows} > --max-num-seqs {args.max_num_seqs}: never all decoding")
+    if args.data_parallel_size > 1:
+        parser.error("--data-parallel-size: the profile reads one in-process engine core; use 1")
     if args.reduce:
         out = Path(args.reduce)
         meta = json.loads((out / "profile.json").read_text())
@@ -655,6 +657,7 @@ def main(argv: Optional[list[str]] = None) -> str:
     (out / "profile.txt").write_text(text + "\n")
     meta["results"] = results
     (out / "profile.json").write_text(json.dumps(meta, indent=1, default=str))
+    common.write_json(args.output_json, meta)
     if not args.reduce:
         archive = pack_traces(out, args.max_trace_mib)
         text += f"\n\nraw traces: {archive} ({archive.stat().st_size / 2**20:.2f} MiB; XSpace and Perfetto JSON)"
