@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
-# GPU check (issue 12): one script, under 8 minutes on one H200, from a copy of the repository alone.
+# GPU check (issues 12, 54): one script, about 6 minutes on one H100 or H200, from a copy of the repository alone.
 #
-#   bash scripts/gpu_check.sh            # on the GPU machine, from the repository root or anywhere
-#   bash scripts/gpu_check.sh --dry-run  # on a CPU: every stage with shrunken sizes, kernels interpreted
+#   bash scripts/gpu_check.sh                  # on the GPU machine, from the repository root or anywhere
+#   bash scripts/gpu_check.sh --dry-run        # on a CPU: every stage with shrunken sizes, kernels interpreted
+#   bash scripts/gpu_check.sh --only profile,throughput   # a rerun of some stages (kernel-tests,
+#                                              # kernel-bench, parity, throughput, profile); setup always runs
+#   bash scripts/gpu_check.sh --help           # this text
 #
-# Stages, each under `timeout` and all within a 470 s budget; a failed, skipped or timed-out stage never
-# stops the next one, and a summary table ends the log:
+# Stages, each under `timeout` and all within a 470 s budget (the start prints each stage's estimate, so that
+# a run and a rerun fit one 15-minute lease); a failed, skipped or timed-out stage never stops the next one,
+# and a summary table ends the log:
 #   setup        Python and JAX versions, devices; `pip install -e .[cuda12]` only when JAX sees no GPU
 #   kernel tests tests/test_kernels_pallas.py compiled through Triton (JAXLLM_PALLAS_INTERPRET=0)
 #   kernel bench scripts/bench_kernels.py: ours vs jax.experimental.pallas.ops.gpu.paged_attention vs reference
 #   parity       tests/test_pallas_engine.py: pallas vs reference greedy tokens, float32 and bfloat16
 #   throughput   scripts/bench_throughput.py, 256 requests on a Qwen3-0.6B-shaped random-weights folder
-# The log goes to $OUT/gpu_check.log when OUT is set (else /tmp/gpu_check.log), and the throughput JSON
-# beside it. Exit status: the number of failed or timed-out stages.
+#   profile      scripts/profile_trace.py on the same model and engine flags: a jax.profiler trace of a few
+#                decode-only steps (256 rows at about 450 tokens of context) and a few mixed prefill+decode
+#                steps of the throughput workload, reduced on the machine to a text table: per step its rows,
+#                tokens and contexts (the engine's own step descriptors), wall time against the bandwidth floor
+#                ((parameters + every row's KV read) / HBM bandwidth: H100 3.35 TB/s, H200 4.8 TB/s; the dry
+#                run states a nominal 50 GB/s), device busy and idle time, host gaps, synchronizations and
+#                transfers; the host's time per engine part; the top device ops or fusions by time per step
+# The log goes to $OUT/gpu_check.log when OUT is set (else /tmp/gpu_check.log), beside it the throughput JSON
+# (gpu_check_throughput.json) and the profile's table, numbers and raw traces (gpu_check_profile.txt,
+# gpu_check_profile.json, gpu_check_profile_trace.tar.gz: XSpace and Perfetto JSON of each phase, under
+# 15 MiB). Exit status: the number of failed or timed-out stages.
 #
 # The GPU machine reaches nothing outside itself and its image lacks `gguf` (jaxllm imports it). Before
 # sending the repository there, from its root on a machine with pip:
@@ -24,11 +37,22 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
 DRY_RUN=0
-case "${1:-}" in
-  --dry-run) DRY_RUN=1 ;;
-  "") ;;
-  *) echo "usage: bash scripts/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
-esac
+ONLY=""
+while (( $# )); do
+  case $1 in
+    --dry-run) DRY_RUN=1 ;;
+    --only) ONLY=${2:-}; shift ;;
+    -h | --help) sed -n '2,/^set -uo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
+    *) echo "usage: bash scripts/gpu_check.sh [--dry-run] [--only STAGE,...] [--help]" >&2; exit 2 ;;
+  esac
+  shift
+done
+for s in ${ONLY//,/ }; do
+  case $s in
+    kernel-tests | kernel-bench | parity | throughput | profile) ;;
+    *) echo "--only $ONLY: unknown stage '$s' (kernel-tests, kernel-bench, parity, throughput, profile)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 LOG_DIR=${OUT:-/tmp}
 LOG=$LOG_DIR/gpu_check.log
@@ -49,9 +73,21 @@ skip() {  # skip NAME REASON
   record "$1" "SKIPPED: $2" 0
 }
 
+# Seconds each stage is expected to take on an H100 or H200: kernel tests and throughput as measured on an H200
+# (112 s; 22.6 s of start-up plus the run and the random weights), the others guessed from their sizes.
+declare -A ESTIMATE=([setup]=15 [kernel-tests]=115 [kernel-bench]=40 [parity]=45 [throughput]=60 [profile]=90)
+
+selected() {  # selected NAME: the stage is among --only's (all are without --only)
+  [[ -z $ONLY || ",$ONLY," == *",${1// /-},"* ]]
+}
+
 stage() {  # stage NAME TIMEOUT_S COMMAND... (runs under `timeout`, clipped to what is left of the budget)
   local name=$1 limit=$2 left rc t0 status
   shift 2
+  if ! selected "$name"; then
+    skip "$name" "not in --only $ONLY"
+    return
+  fi
   left=$(( BUDGET - (SECONDS - START) ))
   (( limit > left )) && limit=$left
   if (( limit < 15 )); then
@@ -76,7 +112,14 @@ has() {  # has MODULE...: all importable
 }
 
 main() {
-echo "gpu_check $(date -u +%FT%TZ) dry_run=$DRY_RUN log=$LOG"
+echo "gpu_check $(date -u +%FT%TZ) dry_run=$DRY_RUN${ONLY:+ only=$ONLY} log=$LOG"
+TOTAL=0
+for s in setup kernel-tests kernel-bench parity throughput profile; do
+  if [[ $s == setup ]] || selected "$s"; then TOTAL=$((TOTAL + ESTIMATE[$s])); fi
+done
+echo "estimate on an H100/H200: ${TOTAL} s (setup ${ESTIMATE[setup]}, kernel tests ${ESTIMATE[kernel-tests]}," \
+  "kernel bench ${ESTIMATE[kernel-bench]}, parity ${ESTIMATE[parity]}, throughput ${ESTIMATE[throughput]}," \
+  "profile ${ESTIMATE[profile]}; each stage's own time ends the log); hard budget ${BUDGET} s"
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 
 # --- setup ------------------------------------------------------------------------------------------
@@ -182,6 +225,26 @@ elif (( ! JAXLLM_OK )); then
 else
   stage throughput "$(( DRY_RUN ? 900 : 160 ))" "$PY" scripts/bench_throughput.py --model "$MODEL" --random-weights \
     "${SIZES[@]}" --output-json "$LOG_DIR/gpu_check_throughput.json"
+fi
+
+# --- profile ----------------------------------------------------------------------------------------
+PROFILE_DIR=$WORK/profile
+if (( ! GPU_OK )); then
+  skip profile "JAX sees no GPU"
+elif (( ! JAXLLM_OK )); then
+  skip profile "jaxllm does not import (missing: ${MISSING:-see above})"
+else
+  if (( DRY_RUN )); then
+    # No bandwidth table entry for a CPU: a stated nominal 50 GB/s, so that the floor's arithmetic runs too.
+    PROFILE_SIZES=(--decode-rows 8 --decode-context 40 --steps 3 --skip-steps 1 --bandwidth 50)
+  else
+    PROFILE_SIZES=(--decode-rows 256 --decode-context 450 --steps 4 --skip-steps 2)
+  fi
+  stage profile "$(( DRY_RUN ? 900 : 150 ))" "$PY" scripts/profile_trace.py --model "$MODEL" --random-weights \
+    "${SIZES[@]}" "${PROFILE_SIZES[@]}" --out "$PROFILE_DIR"
+  for f in profile.txt profile.json profile_trace.tar.gz; do
+    [[ -f $PROFILE_DIR/$f ]] && cp "$PROFILE_DIR/$f" "$LOG_DIR/gpu_check_$f"
+  done
 fi
 
 echo

@@ -37,9 +37,9 @@ JAX_FREE_RUNS = {
     "bench_predicted.py": ["--requests", "30"],
 }
 # Run by other tests, which check the host line: tests/test_metrics.py (_run_script), test_host_tier_engine.py,
-# test_bench_vs_vllm.py (its report), test_rl_rollouts.py.
+# test_bench_vs_vllm.py (its report), test_rl_rollouts.py, test_profile_trace.py.
 CHECKED_ELSEWHERE = {"bench_throughput.py", "bench_serving.py", "bench_short_run.py", "bench_multiturn.py",
-                     "bench_vs_vllm.py", "rl_rollouts.py"}
+                     "bench_vs_vllm.py", "rl_rollouts.py", "profile_trace.py"}
 # Too slow for the suite on 2 cores: profile_step.py compiles about 20 step programs (~45 s at its smallest),
 # bench_startup.py builds every step program of two LLM()s in fresh processes (~75 s with --skip-long-prompt).
 SOURCE_CHECKED = {"profile_step.py", "bench_startup.py"}
@@ -52,7 +52,7 @@ def _run(args: list[str]) -> str:
 
 
 def test_every_benchmark_script_has_its_host_line_checked():
-    scripts = {p.name for p in SCRIPTS.glob("bench_*.py")} | {"profile_step.py", "rl_rollouts.py"}
+    scripts = {p.name for p in SCRIPTS.glob("bench_*.py")} | {"profile_step.py", "profile_trace.py", "rl_rollouts.py"}
     checked = [*QUICK_RUNS, *JAX_FREE_RUNS, *CHECKED_ELSEWHERE, *SOURCE_CHECKED]
     assert sorted(checked) == sorted(scripts)
 
