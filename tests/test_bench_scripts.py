@@ -26,6 +26,8 @@ QUICK_RUNS = {
     "bench_kernels.py": ["--smoke"],
     "bench_kv_compression.py": ["--model", str(STORIES), "--requests", "2", "--max-tokens", "4",
                                 "--budget-blocks", "24"],
+    "bench_lora.py": ["--model", str(STORIES), "--num-requests", "4", "--input-len", "8", "--output-len", "4",
+                      "--ranks", "8", "--mixes", "2", "--update-repeats", "1"],
     "bench_kv_pool.py": ["--num-blocks", "64", "--live", "0.5", "--repeats", "1", "--wide-chunk", "8"],
     "bench_quant_matmul.py": ["--model", str(STORIES), "--tokens", "4", "--dtype", "float32", "--rounds", "1"],
     "bench_matmul.py": ["--model", str(STORIES), "--tokens", "4", "--dtype", "float32", "--rounds", "1"],

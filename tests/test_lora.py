@@ -267,6 +267,27 @@ def test_remove_lora_lets_running_requests_finish_under_it_and_a_later_adapter_n
     assert llm.remove_lora(5) is True
 
 
+
+def test_removing_an_idle_adapter_keeps_a_removed_one_whose_request_still_runs(llm, adapters):
+    """Regression: removing an idle adapter dropped every removed adapter, also one a running request still used
+    (the next step then failed to find its weights)."""
+    engine, core = llm.engine, llm.engine.core
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    busy, idle = LoRARequest("busy", 6, adapters[1][0].lora_path), LoRARequest("idle", 7, adapters[2][0].lora_path)
+    want = llm.generate([PROMPTS[1]], params, lora_request=busy, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.add_lora(idle) is True
+    free = core.num_free_blocks()
+    engine.add_request("busy", PROMPTS[1], params, lora_request=busy)
+    got = {}
+    for _ in range(2):
+        got.update({out.request_id: out for out in engine.step()})
+    assert llm.remove_lora(6) is True and llm.remove_lora(7) is True
+    assert 7 not in core.lora.known and 6 in core.lora.known
+    while engine.has_unfinished_requests():
+        got.update({out.request_id: out for out in engine.step()})
+    assert got["busy"].finished and got["busy"].outputs[0].token_ids == want
+    assert 6 not in core.lora.known and core.num_free_blocks() == free
+
 # Tiny Llama: 2 layers * (K + V) * 2 heads * 16 dims * 4 bytes * 4 tokens = 1024 bytes a block; a tier of 64.
 TIER_GIB = 64 * 1024 / 2**30
 

@@ -175,8 +175,8 @@ class LoRAManager:
         if lora_id not in self.known or lora_id in self.retiring:
             return False
         self.retiring.add(lora_id)
-        if not in_use:
-            self.drop_retired(set())
+        if not in_use:  # only this one: other removed adapters may still have requests running under them
+            self.drop_retired(self.retiring - {lora_id})
         return True
 
     def drop_retired(self, in_use: set[int]) -> None:
