@@ -111,7 +111,6 @@ class JaxllmRollout(base_rollout.BaseRollout):
     def __init__(self, rollout_actor: Any, tokenizer: Any, mesh: Any = None,
                  rollout_config: Optional[base_rollout.RolloutConfig] = None, *, model: str,
                  name_map: Optional[NameMap] = None, dtype: Any = jnp.float32, **engine_kwargs: Any):
-        self._actor = rollout_actor
         self._tokenizer = tokenizer
         self._name_map = name_map or name_map_of(rollout_actor)
         if self._name_map is None:
@@ -208,6 +207,10 @@ class JaxllmRollout(base_rollout.BaseRollout):
         """tunix's tokenizer's eos id."""
         return self._tokenizer.eos_id()
 
-    def model(self) -> Any:
-        """The trainer's actor module (the engine holds its own copy of the weights)."""
-        return self._actor
+    def model(self) -> None:
+        """None, as tunix's vLLM rollout: the engine's weights are its own copy in its own layout, not an NNX module.
+
+        tunix syncs the rollout after each step only when this model shares no weights with the trainer's; the
+        trainer's actor here would read as shared, leave the engine on the first step's weights and never sync.
+        """
+        return None
