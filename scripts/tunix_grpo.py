@@ -2,12 +2,13 @@
 
 Needs tunix (``pip install -e ".[tunix]"``). The actor is tunix's Llama 3 loaded from stories260K; the reward is how
 often ``--word`` appears in a completion. Per step it records the mean reward, rollout tokens/s and CPU seconds,
-weight sync seconds and bytes, and programs XLA compiled; with ``--check`` (jaxllm only) it also asserts, per step,
-that the engine's weights equal the trainer's after the sync and that the engine's logprobs are within ``--atol`` of
-tunix's own recomputation (relative to max(1, |logprob|)). It prints a table and writes it to
-``docs/benchmarks/tunix_grpo-<date>.md``.
+weight sync seconds and bytes, and programs XLA compiled; for jaxllm it also records, per step, the largest
+difference between the engine's logprobs (``--logprobs-mode``) and tunix's recomputation from the trainer's weights,
+and with ``--check`` asserts it is at most ``--atol`` times max(1, |logprob|) and that the engine's weights equal the
+trainer's after each sync. It prints a table; ``--result-file MACHINE`` writes it to
+``docs/benchmarks/results/<date>-<MACHINE>-tunix-grpo.json`` and renders its Markdown page.
 
-    python scripts/tunix_grpo.py --steps 8 --engines jaxllm,vanilla
+    python scripts/tunix_grpo.py --steps 8 --engines jaxllm,vanilla [--result-file MACHINE]
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import shutil
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +42,7 @@ from tunix.models.llama3 import params as llama3_params  # noqa: E402
 from tunix.rl import common as tunix_common  # noqa: E402
 from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
 from tunix.rl.grpo import grpo_learner  # noqa: E402
-from tunix.rl.rollout import base_rollout, vanilla_rollout  # noqa: E402
+from tunix.rl.rollout import base_rollout  # noqa: E402
 
 from jaxllm.loader.nnx import params_from_nnx  # noqa: E402
 from jaxllm.rl.tunix import JaxllmRollout  # noqa: E402
@@ -78,10 +81,12 @@ def stories_actor() -> nnx.Module:
 
 
 class Recorder:
-    """Wraps a rollout's generate and update_params: per step timings, compilations and (optionally) checks."""
+    """Wraps a rollout's generate and update_params: per step timings, compilations and, for jaxllm, the logprob
+    difference from tunix's recomputation with the trainer's ``actor`` (asserted with ``check``, as are the
+    engine's weights after each sync)."""
 
-    def __init__(self, rollout, check: bool, atol: float, temperature: float):
-        self.rollout, self.check, self.atol, self.temperature = rollout, check, atol, temperature
+    def __init__(self, rollout, actor: nnx.Module, check: bool, atol: float, temperature: float):
+        self.rollout, self.actor, self.check, self.atol, self.temperature = rollout, actor, check, atol, temperature
         self.steps: list[dict] = []
         self.sync: dict = {}
         generate, update = rollout.generate, rollout.update_params
@@ -94,32 +99,36 @@ class Recorder:
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         tokens = sum(len(t) for t in out.tokens)
         step = {"rollout_tok_s": tokens / wall, "rollout_cpu_s": cpu, "rollout_compilations": _compiles[0] - compiles,
-                **{f"sync_{k}": v for k, v in self.sync.items()}}
+                **{f"sync_{k}": v for k, v in self.sync.items()}, "completions": [t.tolist() for t in out.tokens]}
         if isinstance(self.rollout, JaxllmRollout) and out.logprobs is not None:
-            step["logprob_max_diff"] = self._logprob_diff(out)
+            step.update(self._logprob_diff(out))
         self.steps.append(step)
         self.sync = {}
         return out
 
-    def _logprob_diff(self, out) -> float:
-        """Largest |engine logprob - tunix's recomputation| over the completion tokens (the actor's weights)."""
+    def _logprob_diff(self, out) -> dict[str, float]:
+        """Largest |engine logprob - tunix's recomputation with the trainer's weights| over the completion tokens,
+        absolute and over max(1, |logprob|) (the recomputation divides the logits by the temperature in the
+        processed modes, as the sampler does)."""
         rollout = self.rollout
         width = max(len(t) for t in out.tokens)
         completions = np.full((len(out.tokens), width), rollout.pad_id(), np.int32)
         for row, t in zip(completions, out.tokens):
             row[:len(t)] = t
-        graphdef, state = nnx.split(rollout.model())
+        graphdef, state = nnx.split(self.actor)
         temperature = 1.0 if rollout.logprobs_mode.startswith("raw") else self.temperature
         ref = np.asarray(tunix_common.compute_per_token_logps(
             graphdef, state, prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
             completion_tokens=jnp.asarray(completions), pad_id=rollout.pad_id(), eos_id=rollout.eos_id(),
             temperature=temperature))
-        # float32 rounding grows with the logprob's size: the error is measured against max(1, |logprob|).
-        diff = max(float((np.abs(ref[i, :len(lp)] - lp) / np.maximum(1.0, np.abs(lp))).max())
-                   for i, lp in enumerate(out.logprobs) if len(lp))
+        diffs = [(np.abs(ref[i, :len(lp)] - lp), np.maximum(1.0, np.abs(lp))) for i, lp in enumerate(out.logprobs)]
+        absolute = max(float(d.max()) for d, _ in diffs if d.size)
+        # Both sides are float32: their rounding grows with the logprob's size (each is 1e-5 from a float64 forward
+        # at |logprob| ~3 on stories260K, as is HF transformers' float32), so the check scales with max(1, |lp|).
+        scaled = max(float((d / s).max()) for d, s in diffs if d.size)
         if self.check:
-            assert diff <= self.atol, f"engine logprobs differ from tunix's by {diff} (relative) > {self.atol}"
-        return diff
+            assert scaled <= self.atol, f"engine logprobs differ from tunix's by {scaled} * max(1, |lp|) > {self.atol}"
+        return {"logprob_max_abs_diff": absolute, "logprob_max_diff": scaled}
 
     def _update(self, update, params, filter_types=None):
         compiles, wall = _compiles[0], time.perf_counter()
@@ -128,21 +137,23 @@ class Recorder:
         if isinstance(self.rollout, JaxllmRollout):
             self.sync["bytes"] = self.rollout.last_sync["num_bytes"]
             if self.check:
-                self._check_weights()
+                # tunix syncs under transfer guards; the comparison reads both sides on the host.
+                with jax.transfer_guard("allow"):
+                    self._check_weights()
+                self.sync["weights_equal"] = True
 
     def _check_weights(self) -> None:
-        rollout = self.rollout
-        _, want = params_from_nnx(rollout.model(), json.loads((STORIES / "config.json").read_text()))
-        got = rollout.llm.get_params()
-        flat_want = jax.tree_util.tree_flatten_with_path(want)[0]
-        for path, leaf in flat_want:
+        _, want = params_from_nnx(self.actor, json.loads((STORIES / "config.json").read_text()))
+        got = self.rollout.llm.get_params()
+        for path, leaf in jax.tree_util.tree_flatten_with_path(want)[0]:
             have = functools.reduce(lambda t, k: t[k.key], path, got)
             np.testing.assert_array_equal(np.asarray(have), np.asarray(leaf), err_msg=str(path))
 
 
-def run(engine: str, steps: int, word: str, check: bool, atol: float, temperature: float,
-        num_generations: int = 4, max_tokens: int = 24) -> list[dict]:
-    """``steps`` GRPO steps with ``engine`` ("jaxllm" or "vanilla"); one dict per step."""
+def run(engine: str, steps: int, *, word: str = "the", check: bool = False, atol: float = 1e-5,
+        temperature: float = 0.9, logprobs_mode: str = "processed_logprobs", num_generations: int = 4,
+        max_tokens: int = 24) -> tuple[list[dict], Any]:
+    """``steps`` GRPO steps with ``engine`` ("jaxllm" or "vanilla"); one dict per step, and the rollout."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(STORIES))
     tokenizer.pad_token_id = 0  # stories260K has no pad token; <unk> (0) never appears in a completion
     actor = stories_actor()
@@ -150,7 +161,7 @@ def run(engine: str, steps: int, word: str, check: bool, atol: float, temperatur
     rows = len(PROMPTS) * num_generations
     rollout_config = base_rollout.RolloutConfig(
         max_tokens_to_generate=max_tokens, max_prompt_length=16, kv_cache_size=128, temperature=temperature,
-        seed=0, return_logprobs=engine == "jaxllm", rollout_vllm_logprobs_mode="raw_logprobs")
+        seed=0, return_logprobs=engine == "jaxllm", rollout_vllm_logprobs_mode=logprobs_mode)
     rollout_engine = "vanilla" if engine == "vanilla" else functools.partial(
         JaxllmRollout, model=str(stories_folder()), max_num_seqs=rows, max_model_len=64, max_num_batched_tokens=64,
         precompile=True)
@@ -163,7 +174,7 @@ def run(engine: str, steps: int, word: str, check: bool, atol: float, temperatur
             training_config=rl_cluster_lib.RLTrainingConfig(
                 actor_optimizer=optax.adam(3e-3), eval_every_n_steps=10_000, max_steps=steps),
             rollout_config=rollout_config))
-    recorder = Recorder(cluster.rollout, check, atol, temperature)
+    recorder = Recorder(cluster.rollout, cluster.actor_trainer.model, check, atol, temperature)
     rewards: list[float] = []
 
     def reward(prompts, completions, **kwargs):
@@ -178,18 +189,37 @@ def run(engine: str, steps: int, word: str, check: bool, atol: float, temperatur
     learner.train(data)
     for step, r in zip(recorder.steps, rewards):
         step["reward"] = r
-    return recorder.steps
+    return recorder.steps, cluster.rollout
 
 
-def table(results: dict[str, list[dict]]) -> str:
-    cols = ["reward", "rollout_tok_s", "rollout_cpu_s", "sync_seconds", "sync_bytes", "rollout_compilations",
-            "sync_compilations", "logprob_max_diff"]
-    lines = ["| engine | step | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
-    for engine, steps in results.items():
-        for i, step in enumerate(steps, 1):
-            cells = [("" if step.get(c) is None else f"{step[c]:.4g}") for c in cols]
-            lines.append(f"| {engine} | {i} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+COLUMNS = ["engine", "step", "reward", "rollout tok/s", "rollout CPU s", "sync s", "sync bytes",
+           "rollout compilations", "sync compilations", "logprob max abs diff", "logprob max diff / max(1, |lp|)"]
+KEYS = ["reward", "rollout_tok_s", "rollout_cpu_s", "sync_seconds", "sync_bytes", "rollout_compilations",
+        "sync_compilations", "logprob_max_abs_diff", "logprob_max_diff"]
+
+
+def table_rows(results: dict[str, list[dict]]) -> list[list[str]]:
+    """One row of ``COLUMNS`` per engine and step ("" where the engine has no such figure)."""
+    return [[engine, str(i)] + [("" if step.get(k) is None else f"{step[k]:.4g}") for k in KEYS]
+            for engine, steps in results.items() for i, step in enumerate(steps, 1)]
+
+
+def write_result_file(machine: str, command: str, rows: list[list[str]], description: str) -> Path:
+    """Today's ``docs/benchmarks/results/<date>-<machine>-tunix-grpo.json`` with its Markdown page; its path."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _bench_common as common
+    import render_results
+
+    host = common.host_info()
+    host["load_avg_1m"] = round(host["load_avg_1m"], 1)
+    date = datetime.date.today().isoformat()
+    path = render_results.RESULTS / f"{date}-{machine}-tunix-grpo.json"
+    result = {"date": date, "machine": machine, "title": "tunix's GRPOLearner on stories260K: jaxllm vs tunix's sampler",
+              "host": host, "description": description,
+              "tables": [{"title": "Per GRPO step", "command": command, "columns": COLUMNS, "rows": rows}]}
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    path.with_suffix(".md").write_text(render_results.render(result))
+    return path
 
 
 def main() -> None:
@@ -198,24 +228,31 @@ def main() -> None:
     p.add_argument("--engines", default="jaxllm,vanilla")
     p.add_argument("--word", default="the")
     p.add_argument("--temperature", type=float, default=0.9)
+    p.add_argument("--logprobs-mode", default="processed_logprobs",
+                   help="tunix's rollout_vllm_logprobs_mode (the engine's logprobs_mode)")
     p.add_argument("--check", action="store_true", help="assert weights equal after each sync and logprobs close")
     p.add_argument("--atol", type=float, default=1e-5)
     p.add_argument("--json", help="write the per-step records here")
-    p.add_argument("--no-write", action="store_true", help="do not write the dated result file")
+    p.add_argument("--result-file", metavar="MACHINE", help="write docs/benchmarks/results/<date>-MACHINE-tunix-grpo")
     args = p.parse_args()
     results = {}
     for engine in args.engines.split(","):
-        results[engine] = run(engine, args.steps, args.word, args.check, args.atol, args.temperature)
+        results[engine], _ = run(engine, args.steps, word=args.word, check=args.check, atol=args.atol,
+                                 temperature=args.temperature, logprobs_mode=args.logprobs_mode)
         if args.json:
             Path(args.json).write_text(json.dumps(results))
-    text = table(results)
-    print(text)
-    if not args.no_write:
-        out = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / f"tunix_grpo-{datetime.date.today()}.md"
-        out.write_text(f"# tunix GRPO on stories260K: jaxllm vs tunix's sampler\n\n"
-                       f"`python scripts/tunix_grpo.py --steps {args.steps} --engines {args.engines}` "
-                       f"(reward: occurrences of {args.word!r}, T={args.temperature}, {jax.devices()[0].platform})"
-                       f"\n\n{text}\n")
+    rows = table_rows(results)
+    print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
+    print("\n".join("| " + " | ".join(r) + " |" for r in rows))
+    if args.result_file:
+        command = (f"python scripts/tunix_grpo.py --steps {args.steps} --engines {args.engines} "
+                   f"--logprobs-mode {args.logprobs_mode} --result-file {args.result_file}")
+        description = (f"tunix {version('google-tunix')}'s GRPOLearner, 4 prompts x 4 generations, up to 24 tokens, "
+                       f"T={args.temperature}, reward: occurrences of {args.word!r}. Rollouts by jaxllm "
+                       "(jaxllm.rl.tunix.JaxllmRollout, logprobs against tunix's recomputation from the trainer's "
+                       "weights) or by tunix's own sampler (vanilla). Step 1 includes compilation; the first sync "
+                       "(before step 2) compiles the engine's weight update.")
+        print("wrote", write_result_file(args.result_file, command, rows, description))
 
 
 if __name__ == "__main__":

@@ -1,53 +1,59 @@
-"""tunix's GRPOLearner on jaxllm (jaxllm.rl.tunix), in an environment of its own.
+"""tunix's GRPOLearner with jaxllm as its rollout engine (jaxllm.rl.tunix), on stories260K.
 
-tunix 0.1.7's pins take transformers, tokenizers, safetensors and huggingface-hub below the main test environment's,
-so this test builds a virtual environment over the main one (``--system-site-packages``, cached under
-``~/.cache/jaxllm/venv-tunix-<hash of the pins>``: about 40 s the first time) with ``pip install -e ".[tunix]"``,
-and runs ``scripts/tunix_grpo.py --check`` there: per step, the engine's weights equal the trainer's after the sync
-and its logprobs are within 1e-5 of tunix's recomputation relative to max(1, |logprob|) (asserted in the script);
-here, the reward rises and nothing compiles after the first step.
+tunix's pins (``google-tunix==0.1.7``: transformers 5.12, tokenizers 0.22.2, safetensors < 0.8, huggingface-hub 1.x)
+sit below the main test environment's, so tunix is the ``[tunix]`` extra, not in ``[test]``: these tests run in an
+environment with ``pip install -e ".[tunix,test]"`` and are skipped where tunix is not importable.
+
+Per GRPO step (``scripts/tunix_grpo.py``'s recorder): the engine's logprobs are within 1e-5 * max(1, |logprob|) of
+tunix's recomputation from the trainer's weights (``compute_per_token_logps``, the logits divided by T=0.9 in the
+processed mode; float32 on both sides, each about 1e-5 from a float64 forward at |logprob| ~3, as HF transformers'
+float32 is), the engine's weights equal the trainer's after each sync, nothing compiles after the first step, and
+the reward rises.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("tunix", reason="tunix is the [tunix] extra (its pins conflict with [test])")
 
-# slow: builds a virtual environment (once) and runs four GRPO steps, minutes on 2 CPU cores.
-pytestmark = [pytest.mark.tunix, pytest.mark.slow]
+from scripts.tunix_grpo import PROMPTS, run  # noqa: E402
+from tunix.rl.rollout import base_rollout  # noqa: E402
 
-
-def _tunix_python() -> Path:
-    pins = [line for line in (ROOT / "pyproject.toml").read_text().splitlines() if line.startswith("tunix = ")]
-    key = hashlib.sha256((sys.version + "".join(pins)).encode()).hexdigest()[:12]
-    venv = Path.home() / ".cache" / "jaxllm" / f"venv-tunix-{key}"
-    python = venv / "bin" / "python"
-    if not (venv / "ready").exists():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(venv)], check=True)
-        # The venv's pip is the system's; an older one misreads some installed metadata.
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "-e", f"{ROOT}[tunix]"], check=True)
-        (venv / "ready").touch()
-    return python
+STEPS = 4
+GROUP = 4
 
 
-def test_grpo_on_jaxllm_learns_syncs_exactly_and_compiles_nothing_after_the_first_step(tmp_path):
-    python = _tunix_python()
-    records = tmp_path / "steps.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([str(python), str(ROOT / "scripts" / "tunix_grpo.py"), "--steps", "4", "--engines", "jaxllm",
-                    "--check", "--no-write", "--json", str(records)], check=True, env=env, cwd=ROOT, timeout=900)
-    steps = json.loads(records.read_text())["jaxllm"]
-    assert len(steps) == 4
-    assert all(s["logprob_max_diff"] <= 1e-5 for s in steps)
-    assert all(s["rollout_compilations"] == 0 for s in steps[1:])
-    assert all(s["sync_compilations"] == 0 for s in steps[2:])
-    assert steps[-1]["reward"] > steps[0]["reward"]
+@pytest.fixture(scope="module", params=["raw_logprobs", "processed_logprobs"])
+def grpo(request):
+    """(per-step records, the rollout) of STEPS GRPO steps on jaxllm with the engine in ``request.param``'s mode."""
+    return run("jaxllm", STEPS, check=True, logprobs_mode=request.param, temperature=0.9, num_generations=GROUP)
+
+
+def test_grpo_on_jaxllm_learns_syncs_exactly_and_compiles_nothing_after_the_first_step(grpo):
+    steps, rollout = grpo
+    assert len(steps) == STEPS
+    assert all(s["logprob_max_diff"] <= 1e-5 for s in steps), [s["logprob_max_diff"] for s in steps]
+    assert all(s["logprob_max_abs_diff"] <= 5e-5 for s in steps), [s["logprob_max_abs_diff"] for s in steps]
+    # tunix syncs the engine after every step: each later step's rollout follows a sync whose weights were checked.
+    assert all(s.get("sync_weights_equal") for s in steps[1:]), [sorted(s) for s in steps]
+    assert all(s["sync_bytes"] > 0 for s in steps[1:])
+    assert all(s["rollout_compilations"] == 0 for s in steps[1:]), [s["rollout_compilations"] for s in steps]
+    assert all(s["sync_compilations"] == 0 for s in steps[2:]), [s["sync_compilations"] for s in steps]
+    rewards = [s["reward"] for s in steps]
+    assert rewards[-1] > rewards[0], rewards
+
+
+def test_a_group_of_repeats_under_one_seed_gets_distinct_reproducible_samples(grpo):
+    """tunix passes one seed for a batch that repeats each prompt G times: the adapter gives each row its own seed
+    (jaxllm.rl.tunix.row_seeds), so a group's samples differ, and the same batch and seed give the same samples."""
+    _, rollout = grpo
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=16, temperature=0.9, seed=7)
+    prompts = [PROMPTS[0]] * GROUP
+    first = [t.tolist() for t in rollout.generate(prompts, config).tokens]
+    again = [t.tolist() for t in rollout.generate(prompts, config).tokens]
+    assert len({tuple(t) for t in first}) == GROUP, first
+    assert again == first
+    other = [t.tolist() for t in rollout.generate(prompts, base_rollout.RolloutConfig(
+        max_tokens_to_generate=16, max_prompt_length=16, temperature=0.9, seed=8)).tokens]
+    assert other != first
