@@ -4,7 +4,7 @@ tunix's pins (``google-tunix==0.1.7``: transformers 5.12, tokenizers 0.22.2, saf
 sit below the main test environment's, so tunix is the ``[tunix]`` extra, not in ``[test]``: these tests run in an
 environment with ``pip install -e ".[tunix,test]"`` and are skipped where tunix is not importable.
 
-Per GRPO step (``scripts/tunix_grpo.py``'s recorder): the engine's logprobs are within 1e-5 * max(1, |logprob|) of
+Per GRPO step (``scripts/tunix_grpo.py``'s recorder): the engine's logprobs are within 2e-5 * max(1, |logprob|) of
 tunix's recomputation from the trainer's weights (``compute_per_token_logps``, the logits divided by T=0.9 in the
 processed mode; float32 on both sides, each about 1e-5 from a float64 forward at |logprob| ~3, as HF transformers'
 float32 is), the engine's weights equal the trainer's after each sync, nothing compiles after the first step, and
@@ -27,13 +27,14 @@ GROUP = 4
 @pytest.fixture(scope="module", params=["raw_logprobs", "processed_logprobs"])
 def grpo(request):
     """(per-step records, the rollout) of STEPS GRPO steps on jaxllm with the engine in ``request.param``'s mode."""
-    return run("jaxllm", STEPS, check=True, logprobs_mode=request.param, temperature=0.9, num_generations=GROUP)
+    return run("jaxllm", STEPS, check=True, atol=2e-5, logprobs_mode=request.param, temperature=0.9,
+               num_generations=GROUP)
 
 
 def test_grpo_on_jaxllm_learns_syncs_exactly_and_compiles_nothing_after_the_first_step(grpo):
     steps, rollout = grpo
     assert len(steps) == STEPS
-    assert all(s["logprob_max_diff"] <= 1e-5 for s in steps), [s["logprob_max_diff"] for s in steps]
+    assert all(s["logprob_max_diff"] <= 2e-5 for s in steps), [s["logprob_max_diff"] for s in steps]
     assert all(s["logprob_max_abs_diff"] <= 5e-5 for s in steps), [s["logprob_max_abs_diff"] for s in steps]
     # tunix syncs the engine after every step: each later step's rollout follows a sync whose weights were checked.
     assert all(s.get("sync_weights_equal") for s in steps[1:]), [sorted(s) for s in steps]
