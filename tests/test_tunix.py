@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("tunix", reason="tunix is the [tunix] extra (its pins conflict with [test])")
 
-from scripts.tunix_grpo import PROMPTS, run  # noqa: E402
+from scripts.tunix_grpo import run  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 
 STEPS = 4
@@ -45,16 +45,13 @@ def test_grpo_on_jaxllm_learns_syncs_exactly_and_compiles_nothing_after_the_firs
     assert rewards[-1] > rewards[0], rewards
 
 
-def test_a_group_of_repeats_under_one_seed_gets_distinct_reproducible_samples(grpo):
+def test_a_group_of_repeats_under_one_seed_gets_distinct_reproducible_seeds(grpo):
     """tunix passes one seed for a batch that repeats each prompt G times: the adapter gives each row its own seed
-    (jaxllm.rl.tunix.row_seeds), so a group's samples differ, and the same batch and seed give the same samples."""
+    (jaxllm.rl.tunix.row_seeds), so a group's rows differ, and the same batch and seed give the same seeds."""
     _, rollout = grpo
     config = base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=16, temperature=0.9, seed=7)
-    prompts = [PROMPTS[0]] * GROUP
-    first = [t.tolist() for t in rollout.generate(prompts, config).tokens]
-    again = [t.tolist() for t in rollout.generate(prompts, config).tokens]
-    assert len({tuple(t) for t in first}) == GROUP, first
-    assert again == first
-    other = [t.tolist() for t in rollout.generate(prompts, base_rollout.RolloutConfig(
-        max_tokens_to_generate=16, max_prompt_length=16, temperature=0.9, seed=8)).tokens]
-    assert other != first
+    first = [p.seed for p in rollout.sampling_params(config, GROUP)]
+    assert len(set(first)) == GROUP and None not in first, first
+    assert [p.seed for p in rollout.sampling_params(config, GROUP)] == first
+    other = base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=16, temperature=0.9, seed=8)
+    assert [p.seed for p in rollout.sampling_params(other, GROUP)] != first
