@@ -1,0 +1,1 @@
+"""jaxllm inside reinforcement-learning libraries: :mod:`jaxllm.rl.tunix` (``pip install 'jaxllm[tunix]'``)."""

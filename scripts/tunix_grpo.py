@@ -1,0 +1,259 @@
+"""tunix's GRPOLearner on the stories260K fixture, rollouts by jaxllm or by tunix's own sampler, side by side.
+
+Needs tunix (``pip install -e ".[tunix]"``). The actor is tunix's Llama 3 loaded from stories260K; the reward is how
+often ``--word`` appears in a completion. Per step it records the mean reward, rollout tokens/s and CPU seconds,
+weight sync seconds and bytes, and programs XLA compiled; for jaxllm it also records, per step, the largest
+difference between the engine's logprobs (``--logprobs-mode``) and tunix's recomputation from the trainer's weights,
+and with ``--check`` asserts it is at most ``--atol`` times max(1, |logprob|) and that the engine's weights equal the
+trainer's after each sync. It prints a table; ``--result-file MACHINE`` writes it to
+``docs/benchmarks/results/<date>-<MACHINE>-tunix-grpo.json`` and renders its Markdown page.
+
+    python scripts/tunix_grpo.py --steps 8 --engines jaxllm,vanilla [--result-file MACHINE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import monitoring
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import grain  # noqa: E402
+import optax  # noqa: E402
+import transformers  # noqa: E402
+from flax import nnx  # noqa: E402
+from tunix.models.llama3 import model as llama3_lib  # noqa: E402
+from tunix.models.llama3 import params as llama3_params  # noqa: E402
+from tunix.rl import common as tunix_common  # noqa: E402
+from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
+from tunix.rl.grpo import grpo_learner  # noqa: E402
+from tunix.rl.rollout import base_rollout  # noqa: E402
+
+from jaxllm.loader.nnx import params_from_nnx  # noqa: E402
+from jaxllm.rl.tunix import JaxllmRollout  # noqa: E402
+
+STORIES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260K"
+PROMPTS = ["Once upon a time, there was a", "One day, a little girl named Lily", "The dog saw a",
+           "Tom and his mom went to the"]
+
+_compiles = [0]
+monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kw: _compiles.__setitem__(0, _compiles[0] + (event == "/jax/core/compile/backend_compile_duration")))
+
+
+def stories_folder() -> Path:
+    """stories260K with rope_theta 1e6: tunix 0.1.7's Llama 3 applies rope with theta 1e6 whatever its config says,
+    so the engine is given the same model (a copy of the fixture under the system temp folder)."""
+    folder = Path(tempfile.gettempdir()) / "jaxllm-stories260K-theta1e6"
+    folder.mkdir(exist_ok=True)
+    for f in STORIES.iterdir():
+        if f.name != "config.json" and not (folder / f.name).exists():
+            shutil.copy(f, folder / f.name)
+    cfg = json.loads((STORIES / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1_000_000.0}))
+    return folder
+
+
+def stories_actor() -> nnx.Module:
+    """tunix's Llama 3 with stories260K's config and weights."""
+    cfg = json.loads((STORIES / "config.json").read_text())
+    config = llama3_lib.ModelConfig(
+        num_layers=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"], embed_dim=cfg["hidden_size"],
+        hidden_dim=cfg["intermediate_size"], num_heads=cfg["num_attention_heads"], head_dim=cfg["head_dim"],
+        num_kv_heads=cfg["num_key_value_heads"], rope_theta=cfg["rope_theta"], norm_eps=cfg["rms_norm_eps"],
+        weight_tying=cfg["tie_word_embeddings"])
+    return llama3_params.create_model_from_safe_tensors(str(STORIES), config, dtype=jnp.float32)
+
+
+class Recorder:
+    """Wraps a rollout's generate and update_params: per step timings, compilations and, for jaxllm, the logprob
+    difference from tunix's recomputation with the trainer's ``actor`` (asserted with ``check``, as are the
+    engine's weights after each sync)."""
+
+    def __init__(self, rollout, actor: nnx.Module, check: bool, atol: float, temperature: float):
+        self.rollout, self.actor, self.check, self.atol, self.temperature = rollout, actor, check, atol, temperature
+        self.steps: list[dict] = []
+        self.sync: dict = {}
+        generate, update = rollout.generate, rollout.update_params
+        rollout.generate = functools.partial(self._generate, generate)
+        rollout.update_params = functools.partial(self._update, update)
+
+    def _generate(self, generate, prompts, rollout_config, **kwargs):
+        compiles, wall, cpu = _compiles[0], time.perf_counter(), time.process_time()
+        out = generate(prompts, rollout_config, **kwargs)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        tokens = sum(len(t) for t in out.tokens)
+        step = {"rollout_tok_s": tokens / wall, "rollout_cpu_s": cpu, "rollout_compilations": _compiles[0] - compiles,
+                **{f"sync_{k}": v for k, v in self.sync.items()}, "completions": [t.tolist() for t in out.tokens]}
+        if isinstance(self.rollout, JaxllmRollout) and out.logprobs is not None:
+            step.update(self._logprob_diff(out))
+        self.steps.append(step)
+        self.sync = {}
+        return out
+
+    def _logprob_diff(self, out) -> dict[str, float]:
+        """Largest |engine logprob - tunix's recomputation with the trainer's weights| over the completion tokens,
+        absolute and over max(1, |logprob|) (the recomputation divides the logits by the temperature in the
+        processed modes, as the sampler does)."""
+        rollout = self.rollout
+        width = max(len(t) for t in out.tokens)
+        completions = np.full((len(out.tokens), width), rollout.pad_id(), np.int32)
+        for row, t in zip(completions, out.tokens):
+            row[:len(t)] = t
+        graphdef, state = nnx.split(self.actor)
+        temperature = 1.0 if rollout.logprobs_mode.startswith("raw") else self.temperature
+        ref = np.asarray(tunix_common.compute_per_token_logps(
+            graphdef, state, prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
+            completion_tokens=jnp.asarray(completions), pad_id=rollout.pad_id(), eos_id=rollout.eos_id(),
+            temperature=temperature))
+        diffs = [(np.abs(ref[i, :len(lp)] - lp), np.maximum(1.0, np.abs(lp))) for i, lp in enumerate(out.logprobs)]
+        absolute = max(float(d.max()) for d, _ in diffs if d.size)
+        # Both sides are float32: their rounding grows with the logprob's size (each is 1e-5 from a float64 forward
+        # at |logprob| ~3 on stories260K, as is HF transformers' float32), so the check scales with max(1, |lp|).
+        scaled = max(float((d / s).max()) for d, s in diffs if d.size)
+        if self.check:
+            assert scaled <= self.atol, f"engine logprobs differ from tunix's by {scaled} * max(1, |lp|) > {self.atol}"
+        return {"logprob_max_abs_diff": absolute, "logprob_max_diff": scaled}
+
+    def _update(self, update, params, filter_types=None):
+        compiles, wall = _compiles[0], time.perf_counter()
+        update(params, filter_types)
+        self.sync = {"seconds": time.perf_counter() - wall, "compilations": _compiles[0] - compiles}
+        if isinstance(self.rollout, JaxllmRollout):
+            self.sync["bytes"] = self.rollout.last_sync["num_bytes"]
+            if self.check:
+                # tunix syncs under transfer guards; the comparison reads both sides on the host.
+                with jax.transfer_guard("allow"):
+                    self._check_weights()
+                self.sync["weights_equal"] = True
+
+    def _check_weights(self) -> None:
+        _, want = params_from_nnx(self.actor, json.loads((STORIES / "config.json").read_text()))
+        got = self.rollout.llm.get_params()
+        for path, leaf in jax.tree_util.tree_flatten_with_path(want)[0]:
+            have = functools.reduce(lambda t, k: t[k.key], path, got)
+            np.testing.assert_array_equal(np.asarray(have), np.asarray(leaf), err_msg=str(path))
+
+
+def run(engine: str, steps: int, *, word: str = "the", check: bool = False, atol: float = 2e-5,
+        temperature: float = 0.9, logprobs_mode: str = "processed_logprobs", num_generations: int = 4,
+        max_tokens: int = 24) -> tuple[list[dict], Any]:
+    """``steps`` GRPO steps with ``engine`` ("jaxllm" or "vanilla"); one dict per step, and the rollout."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(STORIES))
+    tokenizer.pad_token_id = 0  # stories260K has no pad token; <unk> (0) never appears in a completion
+    actor = stories_actor()
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rows = len(PROMPTS) * num_generations
+    rollout_config = base_rollout.RolloutConfig(
+        max_tokens_to_generate=max_tokens, max_prompt_length=16, kv_cache_size=128, temperature=temperature,
+        seed=0, return_logprobs=engine == "jaxllm", rollout_vllm_logprobs_mode=logprobs_mode)
+    rollout_engine = "vanilla" if engine == "vanilla" else functools.partial(
+        JaxllmRollout, model=str(stories_folder()), max_num_seqs=rows, max_model_len=64, max_num_batched_tokens=64,
+        precompile=True)
+    cluster = rl_cluster_lib.RLCluster(
+        actor=actor, tokenizer=tokenizer,
+        cluster_config=rl_cluster_lib.ClusterConfig(
+            role_to_mesh={role: mesh for role in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
+                                                  rl_cluster_lib.Role.ROLLOUT)},
+            rollout_engine=rollout_engine, offload_to_cpu=False,
+            training_config=rl_cluster_lib.RLTrainingConfig(
+                actor_optimizer=optax.adam(3e-3), eval_every_n_steps=10_000, max_steps=steps),
+            rollout_config=rollout_config))
+    recorder = Recorder(cluster.rollout, cluster.actor_trainer.model, check, atol, temperature)
+    rewards: list[float] = []
+
+    def reward(prompts, completions, **kwargs):
+        scores = [float(c.lower().count(word)) for c in completions]
+        rewards.append(float(np.mean(scores)))
+        return scores
+
+    learner = grpo_learner.GRPOLearner(
+        rl_cluster=cluster, reward_fns=[reward],
+        algo_config=grpo_learner.GRPOConfig(num_generations=num_generations, num_iterations=1, beta=0.0))
+    data = grain.MapDataset.source(PROMPTS * steps).batch(len(PROMPTS)).map(lambda x: {"prompts": x})
+    learner.train(data)
+    for step, r in zip(recorder.steps, rewards):
+        step["reward"] = r
+    return recorder.steps, cluster.rollout
+
+
+COLUMNS = ["engine", "step", "reward", "rollout tok/s", "rollout CPU s", "sync s", "sync bytes",
+           "rollout compilations", "sync compilations", "logprob max abs diff", "logprob max diff / max(1, |lp|)"]
+KEYS = ["reward", "rollout_tok_s", "rollout_cpu_s", "sync_seconds", "sync_bytes", "rollout_compilations",
+        "sync_compilations", "logprob_max_abs_diff", "logprob_max_diff"]
+
+
+def table_rows(results: dict[str, list[dict]]) -> list[list[str]]:
+    """One row of ``COLUMNS`` per engine and step ("" where the engine has no such figure)."""
+    return [[engine, str(i)] + [("" if step.get(k) is None else f"{step[k]:.4g}") for k in KEYS]
+            for engine, steps in results.items() for i, step in enumerate(steps, 1)]
+
+
+def write_result_file(machine: str, command: str, rows: list[list[str]], description: str) -> Path:
+    """Today's ``docs/benchmarks/results/<date>-<machine>-tunix-grpo.json`` with its Markdown page; its path."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _bench_common as common
+    import render_results
+
+    host = common.host_info()
+    host["load_avg_1m"] = round(host["load_avg_1m"], 1)
+    date = datetime.date.today().isoformat()
+    path = render_results.RESULTS / f"{date}-{machine}-tunix-grpo.json"
+    result = {"date": date, "machine": machine, "title": "tunix's GRPOLearner on stories260K: jaxllm vs tunix's sampler",
+              "host": host, "description": description,
+              "tables": [{"title": "Per GRPO step", "command": command, "columns": COLUMNS, "rows": rows}]}
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    path.with_suffix(".md").write_text(render_results.render(result))
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--engines", default="jaxllm,vanilla")
+    p.add_argument("--word", default="the")
+    p.add_argument("--temperature", type=float, default=0.9)
+    p.add_argument("--logprobs-mode", default="processed_logprobs",
+                   help="tunix's rollout_vllm_logprobs_mode (the engine's logprobs_mode)")
+    p.add_argument("--check", action="store_true", help="assert weights equal after each sync and logprobs close")
+    p.add_argument("--atol", type=float, default=2e-5)
+    p.add_argument("--json", help="write the per-step records here")
+    p.add_argument("--result-file", metavar="MACHINE", help="write docs/benchmarks/results/<date>-MACHINE-tunix-grpo")
+    args = p.parse_args()
+    results = {}
+    for engine in args.engines.split(","):
+        results[engine], _ = run(engine, args.steps, word=args.word, check=args.check, atol=args.atol,
+                                 temperature=args.temperature, logprobs_mode=args.logprobs_mode)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results))
+    rows = table_rows(results)
+    print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
+    print("\n".join("| " + " | ".join(r) + " |" for r in rows))
+    if args.result_file:
+        command = (f"python scripts/tunix_grpo.py --steps {args.steps} --engines {args.engines} "
+                   f"--logprobs-mode {args.logprobs_mode} --result-file {args.result_file}")
+        description = (f"tunix {version('google-tunix')}'s GRPOLearner, 4 prompts x 4 generations, up to 24 tokens, "
+                       f"T={args.temperature}, reward: occurrences of {args.word!r}. Rollouts by jaxllm "
+                       "(jaxllm.rl.tunix.JaxllmRollout, logprobs against tunix's recomputation from the trainer's "
+                       "weights) or by tunix's own sampler (vanilla). Step 1 includes compilation; the first sync "
+                       "(before step 2) compiles the engine's weight update.")
+        print("wrote", write_result_file(args.result_file, command, rows, description))
+
+
+if __name__ == "__main__":
+    main()
