@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (issues 12, 54): one script, about 6 minutes on one H100 or H200, from a copy of the repository alone.
+# GPU check: one script, about 6 minutes on one H100 or H200, from a copy of the repository alone.
 #
 #   bash scripts/gpu_check.sh                  # on the GPU machine, from the repository root or anywhere
 #   bash scripts/gpu_check.sh --dry-run        # on a CPU: every stage with shrunken sizes, kernels interpreted
@@ -73,8 +73,7 @@ skip() {  # skip NAME REASON
   record "$1" "SKIPPED: $2" 0
 }
 
-# Seconds each stage is expected to take on an H100 or H200: kernel tests and throughput as measured on an H200
-# (112 s; 22.6 s of start-up plus the run and the random weights), the others guessed from their sizes.
+# Seconds each stage is expected to take on an H100 or H200 (docs/benchmarks/gpu.md says which are measured).
 declare -A ESTIMATE=([setup]=15 [kernel-tests]=115 [kernel-bench]=40 [parity]=45 [throughput]=60 [profile]=90)
 
 selected() {  # selected NAME: the stage is among --only's (all are without --only)

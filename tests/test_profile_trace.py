@@ -31,7 +31,7 @@ def test_the_floor_of_the_issues_decode_step_is_its_bytes_over_each_devices_band
         0.92, abs=0.005)
     assert pt.device_bandwidth("NVIDIA H200") == 4800 and pt.device_bandwidth("NVIDIA H100 80GB HBM3") == 3350
     assert pt.device_bandwidth("NVIDIA H100 PCIe") == 2000 and pt.device_bandwidth("cpu") is None
-    # The issue's figures: 3.0 ms on an H200, 4.3 ms on an H100.
+    # That step cannot take less than 3.0 ms on an H200 or 4.3 ms on an H100.
     assert pt.floor_seconds(num_bytes, pt.device_bandwidth("NVIDIA H200")) == pytest.approx(3.0e-3, rel=1e-3)
     assert pt.floor_seconds(num_bytes, pt.device_bandwidth("NVIDIA H100 80GB HBM3")) == pytest.approx(4.3e-3,
                                                                                                       rel=1e-3)

@@ -110,7 +110,8 @@ def _adapter_slot(params: Params, lora: Mapping[str, Any], scale: float) -> dict
         other = f"layers/{key}_lora_{'b' if which == 'a' else 'a'}"
         if other not in flat:
             raise ValueError(f"lora leaf {path!r} has no {other!r}")
-        dtype = layers[key].dtype
+        # Quantized projections (int8, bits-stored) compute in float32: A and B are never stored quantized.
+        dtype = layers[key].dtype if jnp.issubdtype(layers[key].dtype, jnp.floating) else jnp.float32
         out[key + (LORA_A if which == "a" else LORA_B)] = (
             jnp.asarray(value, dtype)[:, None] if which == "a" else (jnp.asarray(value) * scale).astype(dtype)[:, None])
     return out
