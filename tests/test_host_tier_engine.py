@@ -1,7 +1,8 @@
 """The prefix cache's host tier through the engine (stories260K, float32, greedy): a multi-turn chat on a device
 pool too small for its histories gives token-for-token the same outputs with the tier as without, while the
 tier serves prefixes the device lost, under both preemption modes, chunked prefill, speculative decoding and a
-quantized KV cache."""
+quantized KV cache. The run without the tier is the plain one (recompute, whole prefills, no speculation) for
+each cache dtype: greedy tokens do not depend on the schedule, so each tiered configuration must give them."""
 
 from __future__ import annotations
 
