@@ -99,8 +99,9 @@ class OpenAIServingModels:
         return found
 
     def model_name(self, model: Optional[str]) -> str:
-        """The ``model`` a response names: the adapter's name for an adapter request, else the base model's."""
-        return model if model in self.lora_requests else self.base_model_name
+        """The ``model`` a response names: the name its request gave (checked by :meth:`lora_request_for` when it
+        started, so an adapter unloaded while the request runs is still named), else the base model's."""
+        return model or self.base_model_name
 
     def show_available_models(self) -> dict:
         """``GET /v1/models``: the base model, then each adapter with ``parent`` (its base) and ``root`` (its path)."""
