@@ -124,7 +124,7 @@ def test_structured_output_example_prints_constrained_results(smollm2_gguf, tmp_
 
 
 def test_research_example_updates_sleeps_and_generates():
-    [example] = code_blocks(DOCS / "research.md", "python")
+    [example] = [block for block in code_blocks(DOCS / "research.md", "python") if "update_weights" in block]
     out = run_example(example, ROOT).stdout.splitlines()
     assert out[0] == out[1] == "{'num_leaves': 11, 'num_bytes': 1040128, 'num_preempted': 0}"
     assert out[2].strip()

@@ -344,7 +344,8 @@ REQUEST_MODELS = [m for m in vars(protocol).values() if isinstance(m, type) and 
                   and m is not protocol._Request and m.__module__ == protocol.__name__]
 # The required fields' values, by name (ResponseFormat's and ResponsesTextFormat's "type" is "text").
 REQUIRED = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "name": "f", "input": "hi",
-            "function": {"name": "f"}, "model_path": "m", "tokens": [1], "type": "text"}
+            "function": {"name": "f"}, "model_path": "m", "tokens": [1], "type": "text", "lora_name": "sql",
+            "lora_path": "/adapters/sql"}
 OPTIONAL_FIELDS = [(m, f) for m in REQUEST_MODELS for f, info in m.model_fields.items() if not info.is_required()]
 
 
