@@ -29,7 +29,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import monitoring
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,13 +46,9 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 from jaxllm.loader.nnx import params_from_nnx  # noqa: E402
 from jaxllm.rl.tunix import JaxllmRollout  # noqa: E402
 
-STORIES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260K"
-PROMPTS = ["Once upon a time, there was a", "One day, a little girl named Lily", "The dog saw a",
-           "Tom and his mom went to the"]
-
-_compiles = [0]
-monitoring.register_event_duration_secs_listener(
-    lambda event, seconds, **kw: _compiles.__setitem__(0, _compiles[0] + (event == "/jax/core/compile/backend_compile_duration")))
+# The plain-JAX loop's prompts, model and compilation counter (importing it registers the counter).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rl_rollouts import PROMPTS, STORIES, _compiles  # noqa: E402
 
 
 def stories_folder() -> Path:
@@ -206,7 +201,6 @@ def table_rows(results: dict[str, list[dict]]) -> list[list[str]]:
 
 def write_result_file(machine: str, command: str, rows: list[list[str]], description: str) -> Path:
     """Today's ``docs/benchmarks/results/<date>-<machine>-tunix-grpo.json`` with its Markdown page; its path."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _bench_common as common
     import render_results
 
