@@ -26,69 +26,94 @@ CacheSalt = Union[str, Sequence[Optional[str]], None]
 LoRAArg = Union[LoRARequest, Sequence[Optional[LoRARequest]], None]
 
 
+class _Caller:
+    """One :meth:`SharedSteps.outputs` consumer: the outputs handed to it and not yet taken, and the condition its
+    thread waits on (so a step wakes the callers it has outputs for, not every waiting thread)."""
+
+    def __init__(self, lock: threading.Lock, final_only: bool) -> None:
+        self.inbox: collections.deque = collections.deque()
+        self.wake = threading.Condition(lock)
+        self.final_only = final_only
+
+
 class SharedSteps:
     """Several threads driving one ``LLMEngine``: their requests run in the same engine steps.
 
     Every engine call (adding, aborting, weights, sleep) runs between two steps, one thread at a time; a caller
     waiting for its outputs runs the next step itself when none is running and no thread waits to call the engine
-    (so requests added meanwhile join that step), then hands each output to the caller whose request it is. vLLM's
-    ``LLM`` is single-threaded; this is what lets a multi-threaded rollout (tunix's agentic learner) call
-    ``generate`` from many threads with the throughput of one batched call.
+    (so requests added meanwhile join that step). A step hands each output to the caller whose request it is and
+    wakes only those callers, plus one idle caller to run the next step when the stepping thread leaves with
+    outputs of its own. vLLM's ``LLM`` is single-threaded; this is what lets a multi-threaded rollout (tunix's
+    agentic learner) call ``generate`` from many threads with the throughput of one batched call.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._free = threading.Condition(self._lock)  # notified when no step runs
         self._stepping = False
         self._num_waiting = 0  # threads waiting to call the engine: served before the next step starts
-        self._inboxes: dict[str, collections.deque] = {}  # request id -> its caller's outputs not yet taken
+        self._callers: dict[str, _Caller] = {}  # request id -> its consumer
+        self._idle: list[_Caller] = []  # consumers with nothing to take, waiting for a step to end
 
     @contextlib.contextmanager
     def between_steps(self) -> Iterator[LLMEngine]:
         """Hold the engine between two steps: no step runs, and no other thread calls it, inside the block."""
-        with self._cv:
+        with self._lock:
             self._num_waiting += 1
             try:
                 while self._stepping:
-                    self._cv.wait()
+                    self._free.wait()
             finally:
                 self._num_waiting -= 1
             try:
                 yield self._engine
             finally:
-                self._cv.notify_all()
+                self._free.notify_all()
+                self._wake_one_idle()
 
-    def add(self, ids: Sequence[str], add: Any) -> None:
+    def add(self, ids: Sequence[str], add: Any, final_only: bool = False) -> None:
         """Run ``add()`` (which queues the requests ``ids`` into the engine) between two steps, the outputs of
-        ``ids`` kept for :meth:`outputs`. Raises what ``add`` raises, nothing kept then."""
-        inbox: collections.deque = collections.deque()
+        ``ids`` kept for :meth:`outputs` (only each request's last when ``final_only``). Raises what ``add``
+        raises, nothing kept then."""
+        caller = _Caller(self._lock, final_only)
         with self.between_steps():
             add()
-            self._inboxes.update((rid, inbox) for rid in ids)
+            self._callers.update((rid, caller) for rid in ids)
 
     def outputs(self, ids: Sequence[str]) -> Iterator[RequestOutput]:
         """Every output of requests ``ids`` (queued by :meth:`add`) in step order, until each has finished; a
         consumer that stops early aborts its unfinished ones. Raises what ``LLMEngine.step`` raises."""
         pending = set(ids)
-        inbox = self._inboxes[ids[0]] if ids else collections.deque()
+        caller = self._callers[ids[0]] if ids else _Caller(self._lock, False)
         try:
             while pending:
-                for out in self._take_or_step(inbox):
+                for out in self._take_or_step(caller):
                     yield out
                     if out.finished:
                         pending.discard(out.request_id)
         finally:
             with self.between_steps() as engine:
                 for rid in ids:
-                    self._inboxes.pop(rid, None)
+                    self._callers.pop(rid, None)
                 engine.abort_request(list(pending))
 
-    def _take_or_step(self, inbox: collections.deque) -> list[RequestOutput]:
-        """What ``inbox`` holds, running engine steps here while it is empty and no other thread steps."""
+    def _wake_one_idle(self) -> None:
+        """Wake a consumer waiting with nothing to take, so it runs the next step (the lock is held)."""
+        if self._idle and not self._stepping and not self._num_waiting:
+            self._idle[0].wake.notify()
+
+    def _take_or_step(self, caller: _Caller) -> list[RequestOutput]:
+        """What ``caller``'s inbox holds, running engine steps here while it is empty and no other thread steps."""
+        inbox = caller.inbox
         while True:
-            with self._cv:
+            with self._lock:
                 while not inbox and (self._stepping or self._num_waiting):
-                    self._cv.wait()
+                    self._idle.append(caller)
+                    try:
+                        caller.wake.wait()
+                    finally:
+                        self._idle.remove(caller)
                 if inbox:
                     taken = list(inbox)
                     inbox.clear()
@@ -98,13 +123,24 @@ class SharedSteps:
             try:
                 outs = self._engine.step()
             finally:
-                with self._cv:
+                with self._lock:
                     self._stepping = False
+                    woken = set()
                     for out in outs:
-                        owner = self._inboxes.get(out.request_id)
-                        if owner is not None:
-                            owner.append(out)
-                    self._cv.notify_all()
+                        owner = self._callers.get(out.request_id)
+                        if owner is not None and (out.finished or not owner.final_only):
+                            owner.inbox.append(out)
+                            woken.add(owner)
+                    for owner in woken:
+                        owner.wake.notify()
+                    if self._num_waiting:
+                        self._free.notify_all()
+                    elif inbox:
+                        # This thread leaves with outputs (its consumer may be slow): an idle caller steps on.
+                        for idle in self._idle:
+                            if not idle.inbox:
+                                idle.wake.notify()
+                                break
 
 
 class LLM:
@@ -308,7 +344,7 @@ class LLM:
           QueueFullError: more prompts than ``max_waiting_requests`` would wait; nothing is queued then.
         """
         final: dict[str, RequestOutput] = {}
-        ids = self._add_all(prompts, sampling_params, priority, cache_salt, lora_request)
+        ids = self._add_all(prompts, sampling_params, priority, cache_salt, lora_request, final_only=True)
         with GenerateProgress(len(ids), enabled=use_tqdm) as progress:
             for out in self._steps.outputs(ids):
                 progress.update([out])
@@ -337,7 +373,7 @@ class LLM:
         return self._steps.outputs(self._add_all(prompts, sampling_params, priority, cache_salt, lora_request))
 
     def _add_all(self, prompts: Any, sampling_params: Any, priority: Optional[Sequence[int]],
-                 cache_salt: CacheSalt, lora_request: LoRAArg = None) -> list[str]:
+                 cache_salt: CacheSalt, lora_request: LoRAArg = None, final_only: bool = False) -> list[str]:
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
@@ -362,7 +398,7 @@ class LLM:
                 self.engine.abort_request(ids)
                 raise
 
-        self._steps.add(ids, add)
+        self._steps.add(ids, add, final_only)
         return ids
 
     def chat(

@@ -494,10 +494,10 @@ class GenerateProgress:
         self._tokens = 0
 
     def update(self, outputs: Sequence[RequestOutput]) -> None:
-        """Count one step's new tokens and finished requests."""
+        """Count the finished requests among ``outputs`` and their output tokens (every ``n`` completion)."""
         if self._bar.disable:
             return
-        self._tokens += sum(_new_tokens(out) for out in outputs)
+        self._tokens += sum(len(c.token_ids) for out in outputs if out.finished for c in out.outputs)
         rate = self._tokens / max(time.perf_counter() - self._start, 1e-9)
         self._bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
         self._bar.update(sum(1 for out in outputs if out.finished))
