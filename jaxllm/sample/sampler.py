@@ -236,13 +236,6 @@ def apply_top_k_top_p_min_p(
     logits: float32[S, V] (temperature-scaled); top_k: int32[S] (0 = off); top_p, min_p: float32[S]. Top-p is
     measured after min-p and top-k; the top token always survives and ties at a cut-off all survive.
     """
-    return jnp.where(logits >= top_k_top_p_min_p_cutoff(logits, top_k, top_p, min_p), logits, -jnp.inf)
-
-
-def top_k_top_p_min_p_cutoff(
-    logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
-) -> jax.Array:
-    """float32[S, 1]: the smallest logit :func:`apply_top_k_top_p_min_p` keeps in each row (arguments as there)."""
     vocab = logits.shape[-1]
     sorted_logits = -jnp.sort(-logits, axis=-1)
     rank = jnp.arange(vocab)[None, :]
@@ -252,7 +245,8 @@ def top_k_top_p_min_p_cutoff(
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
     keep = keep.at[:, 0].set(True)
-    return jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= cutoff, logits, -jnp.inf)
 
 
 # Chunk widths argmax_rows tries, in order: the first that divides the vocabulary into at least 2 chunks.
@@ -282,15 +276,11 @@ def _row_keys(seed: jax.Array, num_generated: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(seed, impl="threefry2x32"), num_generated)
 
 
-def _draw(logits: jax.Array, arrays: SamplingArrays, filtered: jax.Array) -> jax.Array:
-    """A Gumbel-max draw per row of ``logits`` [R, V] at the rows' temperatures, through min-p / top-k / top-p
-    where ``filtered`` (bool[], for every row): the filter's branch returns a cut-off per row, not logits."""
+def _draw(logits: jax.Array, arrays: SamplingArrays, filtered: bool) -> jax.Array:
     temperature = arrays.temperature
     scaled = logits / jnp.where(temperature < GREEDY_EPS, 1.0, temperature)[:, None]
-    cutoff = jax.lax.cond(filtered, lambda: top_k_top_p_min_p_cutoff(scaled, arrays.top_k, arrays.top_p,
-                                                                     arrays.min_p),
-                          lambda: jnp.zeros((scaled.shape[0], 1), scaled.dtype))
-    scaled = jnp.where(filtered & ~(scaled >= cutoff), -jnp.inf, scaled)
+    if filtered:
+        scaled = apply_top_k_top_p_min_p(scaled, arrays.top_k, arrays.top_p, arrays.min_p)
     keys = _row_keys(arrays.seed, arrays.num_generated)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
     return argmax_rows(scaled + gumbel)
@@ -352,10 +342,7 @@ def _with_bitmask(raw: jax.Array, bitmask: Optional[jax.Array]) -> jax.Array:
 
 def _choose(raw: jax.Array, arrays: SamplingArrays, tables: SamplerTables, bitmask: Optional[jax.Array],
             extra_counts: Callable[[], jax.Array] | None = None) -> jax.Array:
-    """One token per row of float32 ``raw`` [R, V]: bitmask, processors, then argmax or a draw.
-
-    Steps whose rows are all greedy branch to tokens only (docs/design/sampler.md); a step that draws branches
-    to logits (processed or not) once, so the draw, whose cost dwarfs that copy, is traced once."""
+    """One token per row of float32 ``raw`` [R, V]: bitmask, processors, then argmax or a draw."""
     constrained = False if bitmask is None else jnp.any(bitmask != -1)
     needs_processing = constrained | jnp.any(
         arrays.use_bias | (arrays.presence_penalty != 0) | (arrays.frequency_penalty != 0)
@@ -365,20 +352,23 @@ def _choose(raw: jax.Array, arrays: SamplingArrays, tables: SamplerTables, bitma
     greedy = arrays.temperature < GREEDY_EPS
     needs_filter = jnp.any(~greedy & ((arrays.top_k > 0) | (arrays.top_p < 1.0) | (arrays.min_p > 0.0)))
 
+    def pick(logits: jax.Array) -> jax.Array:
+        argmax = argmax_rows(logits)
+        sampled = jax.lax.cond(
+            jnp.all(greedy),
+            lambda: argmax,
+            lambda: jax.lax.cond(needs_filter, lambda: _draw(logits, arrays, True),
+                                 lambda: _draw(logits, arrays, False)),
+        )
+        return jnp.where(greedy, argmax, sampled)
+
     def processed() -> jax.Array:
         # Processors that no row asked for leave the masked logits as they are.
         masked = _with_bitmask(raw, bitmask)
         out = apply_logit_processors(masked, arrays, tables, None if extra_counts is None else extra_counts())
-        return jnp.where(jnp.all(out == -jnp.inf, axis=-1, keepdims=True), masked, out)
+        return pick(jnp.where(jnp.all(out == -jnp.inf, axis=-1, keepdims=True), masked, out))
 
-    def all_greedy() -> jax.Array:
-        return jax.lax.cond(needs_processing, lambda: argmax_rows(processed()), lambda: argmax_rows(raw))
-
-    def some_drawn() -> jax.Array:
-        logits = jax.lax.cond(needs_processing, processed, lambda: raw)
-        return jnp.where(greedy, argmax_rows(logits), _draw(logits, arrays, needs_filter))
-
-    return jax.lax.cond(jnp.all(greedy), all_greedy, some_drawn)
+    return jax.lax.cond(needs_processing, processed, lambda: pick(raw))
 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, tables: SamplerTables,
