@@ -7,6 +7,7 @@ its own) can build a core from them; ``build_engine_core`` is the whole start-up
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -91,7 +92,7 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
     tokenizer = (lambda: load_tokenizer(path)) if path is not None else (lambda: None)
     backend = compilation.attention_backend or default_attention_backend()
     check_pool_backend(cache, backend)
-    ops = sharding.attention_ops(get_attention_ops(backend, interpret=compilation.interpret))
+    ops = attention_ops(sharding, backend, compilation.interpret)
     enable_persistent_compilation_cache(compilation_cache_path(compilation))
     kv_dtype = kv_number_dtype(cache.kv_cache_dtype, dtype)
     if config.max_model_len is None and cache.num_kv_blocks is None:
@@ -125,6 +126,14 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
     _log_start_up(core, backend, weight_quantization(params))
     warm_up(core)
     return core
+
+
+@functools.lru_cache(maxsize=64)
+def attention_ops(sharding: ModelSharding, backend: str, interpret: bool) -> AttentionOps:
+    """``backend``'s attention ops (``get_attention_ops``) run per device by ``sharding``; the same object for equal
+    arguments (``ModelSharding`` compares its config and mesh), so that the runners of one process share their step
+    programs (``programs.shared_jit``)."""
+    return sharding.attention_ops(get_attention_ops(backend, interpret=interpret))
 
 
 def compilation_cache_path(compilation: CompilationConfig) -> Optional[str]:
@@ -187,7 +196,7 @@ def build_drafter(spec: SpeculativeConfig, cache: CacheConfig, compilation: Comp
     if cfg.max_position_embeddings < max_model_len:
         raise ValueError(f"speculative_config model={spec.model!r} has max_position_embeddings="
                          f"{cfg.max_position_embeddings}, below max_model_len={max_model_len}")
-    ops = sharding.attention_ops(get_attention_ops(backend, interpret=compilation.interpret))
+    ops = attention_ops(sharding, backend, compilation.interpret)
     return DraftRunner(
         cfg, params, num_speculative_tokens=spec.num_speculative_tokens, num_positions=target.num_positions,
         num_blocks=target.cache_engine.num_blocks, block_size=cache.block_size, dtype=target.dtype, ops=ops,
@@ -208,9 +217,12 @@ def warm_up(core: EngineCore) -> None:
         swap = core.config.scheduler.preemption_mode == "swap" or r.cache_engine.num_offload_blocks > 0
         seconds = r.warmup(swap=swap, background=precompile == "background")
         pending, c = r.programs.num_pending_programs(), r.compile_stats
+        compiled = c.num_compilations - c.num_cache_hits - c.num_reused
         logger.info(f"built {c.num_compilations} {'draft model ' if r is core.drafter else ''}programs in "
-                    f"{seconds:.1f} s: {c.num_compilations - c.num_cache_hits} compiled ({c.compile_seconds:.1f} s), "
+                    f"{seconds:.1f} s: {compiled} compiled ({c.compile_seconds:.1f} s), "
                     f"{c.num_cache_hits} loaded from the persistent cache ({c.cache_load_seconds:.1f} s)"
+                    + (f", {c.num_reused} reused from this process's earlier engines ({c.reuse_seconds:.1f} s)"
+                       if c.num_reused else "")
                     + (f"; {pending} more building in the background" if pending else ""))
 
 

@@ -16,7 +16,7 @@ from jaxllm.models import AttentionOps, KVCache, Params, forward, hidden_states
 from jaxllm.models.config import ModelConfig
 from jaxllm.sample.sampler import SamplerOutput, argmax_rows
 from jaxllm.worker.kv_cache import CacheEngine, storage_dtype
-from jaxllm.worker.programs import CompileStats, ProgramTable
+from jaxllm.worker.programs import CompileStats, ProgramTable, shared_jit
 from jaxllm.worker.sharding import ModelSharding
 from jaxllm.worker.step_batch import StepBatch
 from jaxllm.worker.weights import WeightStore
@@ -98,11 +98,10 @@ class DraftRunner:
                                         dtype=storage_dtype(dtype, float_bits_storage), sharding=sharding,
                                         stats=self.compile_stats, num_host_blocks=num_host_blocks,
                                         num_offload_blocks=num_offload_blocks)
-        step_fns = {decode_only: jax.jit(functools.partial(propose, cfg=cfg, ops=ops,
-                                                           num_speculative_tokens=num_speculative_tokens,
-                                                           decode_only=decode_only),
-                                         donate_argnums=(1,),
-                                         out_shardings=(self._replicated, self.cache_engine.sharding()))
+        step_fns = {decode_only: shared_jit(propose, donate_argnums=(1,),
+                                            out_shardings=(self._replicated, self.cache_engine.sharding()),
+                                            cfg=cfg, ops=ops, num_speculative_tokens=num_speculative_tokens,
+                                            decode_only=decode_only)
                     for decode_only in (False, True)}
         arguments = functools.partial(_propose_arguments, weights=self.weights, cache=self.cache_engine,
                                       num_positions=num_positions, replicated=self._replicated)

@@ -28,7 +28,7 @@ from jaxllm.sample.sampler import (
 from jaxllm.structured_output import bitmask_words
 from jaxllm.worker.kv_cache import CacheEngine, storage_dtype
 from jaxllm.worker.lora import LoRASlots
-from jaxllm.worker.programs import CompileStats, ProgramTable, Shape, abstract
+from jaxllm.worker.programs import CompileStats, ProgramTable, Shape, abstract, shared_jit
 from jaxllm.worker.sharding import ModelSharding
 from jaxllm.worker.step_batch import StepBatch
 from jaxllm.worker.weights import WeightStore
@@ -166,11 +166,11 @@ class ModelRunner:
         self._slot_ops: dict[str, Callable] = {}
         # Outputs pinned to the inputs' shardings: the donated KV cache and sampler tables come back laid out as
         # the next step was compiled for.
-        step_fns = {decode_only: jax.jit(functools.partial(_step, cfg=cfg, ops=ops, num_positions=num_positions,
-                                                           decode_only=decode_only, logprobs_mode=logprobs_mode),
-                                         donate_argnums=(1, 4),
-                                         out_shardings=(replicated, replicated, self.cache_engine.sharding(),
-                                                        replicated))
+        step_fns = {decode_only: shared_jit(_step, donate_argnums=(1, 4),
+                                            out_shardings=(replicated, replicated, self.cache_engine.sharding(),
+                                                           replicated),
+                                            cfg=cfg, ops=ops, num_positions=num_positions, decode_only=decode_only,
+                                            logprobs_mode=logprobs_mode)
                     for decode_only in (False, True)}
         arguments = functools.partial(_step_arguments, weights=self.weights, cache=self.cache_engine,
                                       tables=abstract(self.sampler_tables), prev_tokens=abstract(self._no_prev_tokens),

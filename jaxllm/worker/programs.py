@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import threading
 import time
 import weakref
@@ -30,17 +31,42 @@ Program = tuple[int, int, int, bool]
 IDLE_SECONDS = 1.0
 BUSY_GRACE_SECONDS = 15.0
 
-# Persistent-cache hits seen by the compile running on this thread: JAX reports them as process-wide events,
-# recorded on the thread that asked for the compilation.
+# Persistent-cache hits and XLA compiles seen by the build running on this thread: JAX reports them as
+# process-wide events, recorded on the thread that asked for the compilation. A build that sees neither took its
+# program from JAX's in-memory caches (``shared_jit``).
 _compile_events = threading.local()
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 def _on_jax_event(event: str, **kwargs: Any) -> None:
-    if event == "/jax/compilation_cache/cache_hits" and getattr(_compile_events, "hits", None) is not None:
+    if event == _CACHE_HIT and getattr(_compile_events, "hits", None) is not None:
         _compile_events.hits += 1
 
 
+def _on_jax_duration(event: str, duration: float, **kwargs: Any) -> None:
+    if event == _BACKEND_COMPILE and getattr(_compile_events, "compiles", None) is not None:
+        _compile_events.compiles += 1
+
+
 monitoring.register_event_listener(_on_jax_event)
+monitoring.register_event_duration_secs_listener(_on_jax_duration)
+
+# Jitted step functions kept for the process: a few configurations' worth (each holds its bucket programs).
+SHARED_JIT_SIZE = 16
+
+
+@functools.lru_cache(maxsize=SHARED_JIT_SIZE)
+def shared_jit(fn: Callable, donate_argnums: tuple[int, ...] = (), out_shardings: Any = None,
+               **static: Any) -> Any:
+    """``jax.jit`` of ``functools.partial(fn, **static)``, one per distinct arguments in this process.
+
+    Runners whose step function and static configuration compare equal (``static`` values hashable and compared by
+    value: a ``ModelConfig``, the ``AttentionOps`` of ``core.build.attention_ops``) share it, and with it JAX's
+    in-memory caches of traces, lowerings and executables: a second engine of the same shapes builds its programs
+    without tracing or compiling them again (as vLLM's torch.compile cache, within one process).
+    """
+    return jax.jit(functools.partial(fn, **static), donate_argnums=donate_argnums, out_shardings=out_shardings)
 
 
 def abstract(tree: Any) -> Any:
@@ -55,34 +81,41 @@ class CompileStats:
     """Programs one runner built and the time spent, shared by its parts.
 
     Attributes:
-      num_compilations: programs built, compiled or loaded from JAX's persistent cache (constant after warm-up).
-      num_cache_hits: of those, loaded from the persistent cache.
-      compile_seconds, cache_load_seconds: wall seconds spent on each kind.
+      num_compilations: programs built: compiled, loaded from JAX's persistent cache or taken from this process's
+        memory (constant after warm-up).
+      num_cache_hits: of those, loaded from the persistent cache; num_reused: taken from memory, built by an
+        earlier runner of the same configuration (``shared_jit``).
+      compile_seconds, cache_load_seconds, reuse_seconds: wall seconds spent on each kind.
     """
 
     num_compilations: int = 0
     num_cache_hits: int = 0
+    num_reused: int = 0
     compile_seconds: float = 0.0
     cache_load_seconds: float = 0.0
+    reuse_seconds: float = 0.0
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def compile(self, fn: Any, *abstract_args: Any) -> Callable:
         """``fn`` (jitted) lowered with ``abstract_args`` and compiled, counted."""
         start = time.perf_counter()
-        _compile_events.hits = 0
+        _compile_events.hits = _compile_events.compiles = 0
         try:
             exe = fn.lower(*abstract_args).compile()
-            hit = _compile_events.hits > 0
+            hit, compiled = _compile_events.hits > 0, _compile_events.compiles > 0
         finally:
-            _compile_events.hits = None
+            _compile_events.hits = _compile_events.compiles = None
         seconds = time.perf_counter() - start
         with self._lock:
             self.num_compilations += 1
             if hit:
                 self.num_cache_hits += 1
                 self.cache_load_seconds += seconds
-            else:
+            elif compiled:
                 self.compile_seconds += seconds
+            else:
+                self.num_reused += 1
+                self.reuse_seconds += seconds
         return exe
 
 
