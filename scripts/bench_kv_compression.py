@@ -1,7 +1,7 @@
 """KV compression before preemption (``kv_cache_compression``): with vs without, at one fixed KV budget.
 
 Usage: python scripts/bench_kv_compression.py [--model PATH] [--requests N] [--budget-blocks B] [--fraction F ...]
-                                              [--max-tokens N]
+                                              [--max-tokens N] [--max-num-batched-tokens T]
 
 N greedy requests (default 16, ``max_tokens`` 96, ``ignore_eos``) arrive at once into a budget of B blocks
 (default 48) with ``max_num_seqs=N``, so without compression the batch preempts; compression gives fraction
@@ -59,7 +59,7 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def capacity(workload, *, num_blocks: int, num_compressed: int, max_tokens: int) -> int:
+def capacity(workload, *, num_blocks: int, num_compressed: int, max_tokens: int, max_num_batched_tokens: int) -> int:
     """The largest k such that the workload's first k requests run to the end without a preemption."""
     from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
@@ -67,7 +67,7 @@ def capacity(workload, *, num_blocks: int, num_compressed: int, max_tokens: int)
     for k in range(1, len(workload) + 1):
         max_len = max(len(p) for p in workload) + max_tokens
         sched = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=k,
-                                          max_num_batched_tokens=256, max_model_len=max_len,
+                                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
                                           num_pool_blocks=num_compressed))
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for i, prompt in enumerate(workload[:k]):
@@ -81,16 +81,21 @@ def capacity(workload, *, num_blocks: int, num_compressed: int, max_tokens: int)
     return best
 
 
-def serve(model, workload, *, budget_blocks: int, max_tokens: int, compression=None, fraction=0.5):
-    """One engine over the workload. Returns its row: sizes, counts, throughput, tokens and compressed ids."""
+def serve(model, workload, *, budget_blocks: int, max_tokens: int, max_num_batched_tokens: int, compression=None,
+          fraction=0.5):
+    """One engine over the workload. Returns its row: sizes, counts, throughput, tokens and compressed ids.
+    Its step programs, all built before the timed run: one for steps of up to 16 tokens and one for
+    ``max_num_batched_tokens`` (the same one at 16 or fewer)."""
     from jaxllm import SamplingParams
     from jaxllm.frontend.llm_engine import LLMEngine
 
     n = len(workload)
     max_len = max(len(p) for p in workload) + max_tokens
     engine = LLMEngine(model, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=budget_blocks, max_num_seqs=n,
-                       max_num_batched_tokens=256, max_model_len=max_len, precompile=True, async_scheduling=False,
-                       token_buckets=[16, 256], seq_buckets=[n], kv_cache_compression=compression,
+                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len, precompile=True,
+                       async_scheduling=False, token_buckets=sorted({min(16, max_num_batched_tokens),
+                                                                     max_num_batched_tokens}),
+                       seq_buckets=[n], kv_cache_compression=compression,
                        kv_cache_compression_fraction=fraction)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(workload):
@@ -113,7 +118,7 @@ def serve(model, workload, *, budget_blocks: int, max_tokens: int, compression=N
     return dict(name=compression or "off", fraction=fraction if compression else 0.0, device=engine.num_blocks,
                 compressed_blocks=num_compressed, peak=peak, preemptions=stats.num_preemptions,
                 capacity=capacity(workload, num_blocks=engine.num_blocks, num_compressed=num_compressed,
-                                  max_tokens=max_tokens),
+                                  max_tokens=max_tokens, max_num_batched_tokens=max_num_batched_tokens),
                 num_compressed=stats.num_blocks_pooled, tok_s=sum(map(len, tokens.values())) / seconds,
                 tokens=tokens, compressed=compressed, steps=steps)
 
@@ -193,6 +198,8 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, nargs="+", default=[0.5],
                         help="kv_cache_compression_fraction values to run")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256,
+                        help="tokens per step (longer prompts are prefilled in chunks)")
     args = parser.parse_args()
 
     from jaxllm.named_models import resolve_model
@@ -200,11 +207,12 @@ def main() -> None:
 
     model = resolve_model(args.model)
     workload = prompts(load_tokenizer(model), args.requests)
-    runs = [serve(model, workload, budget_blocks=args.budget_blocks, max_tokens=args.max_tokens)]
+    sizes = dict(budget_blocks=args.budget_blocks, max_tokens=args.max_tokens,
+                 max_num_batched_tokens=args.max_num_batched_tokens)
+    runs = [serve(model, workload, **sizes)]
     for kind in ("int8", "fp8"):
         for fraction in args.fraction:
-            runs.append(serve(model, workload, budget_blocks=args.budget_blocks, max_tokens=args.max_tokens,
-                              compression=kind, fraction=fraction))
+            runs.append(serve(model, workload, **sizes, compression=kind, fraction=fraction))
     base_ppl, base_top1 = teacher_forced(model, None)
     quality = {kind: teacher_forced(model, kind) for kind in ("int8", "fp8")}
 

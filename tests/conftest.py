@@ -25,7 +25,8 @@ settings.register_profile("jaxllm", deadline=None)
 settings.load_profile("jaxllm")
 
 # tests/multidevice needs 8 host devices, a flag JAX reads once at start-up:
-# tests/test_sharding.py runs it in subprocesses with that flag set.
+# tests/test_sharding.py and tests/test_sharding_tp.py run it in subprocesses with that flag set
+# (tests/multidevice/runner.py).
 collect_ignore = [] if os.environ.get("JAXLLM_MULTIDEVICE") else ["multidevice"]
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,8 +24,9 @@ QUICK_RUNS = {
     "bench_cpu_attention.py": ["--model", str(STORIES), "--rows", "2", "--context", "20", "40", "--shared-prefix",
                                "16", "--dtype", "float32", "bfloat16", "--rounds", "1"],
     "bench_kernels.py": ["--smoke"],
+    # One step program per engine (16-token steps; the prompts prefilled in chunks), three engines.
     "bench_kv_compression.py": ["--model", str(STORIES), "--requests", "2", "--max-tokens", "4",
-                                "--budget-blocks", "24"],
+                                "--budget-blocks", "24", "--max-num-batched-tokens", "16"],
     "bench_lora.py": ["--model", str(STORIES), "--num-requests", "4", "--input-len", "8", "--output-len", "4",
                       "--ranks", "8", "--mixes", "2", "--update-repeats", "1"],
     "bench_kv_pool.py": ["--num-blocks", "64", "--live", "0.5", "--repeats", "1", "--wide-chunk", "8"],

@@ -47,7 +47,10 @@ def raw_logits_llm(stories_dir):
 
 @pytest.fixture(scope="module")
 def processed_llm(stories_dir):
-    return LLM(model=stories_dir, precompile=True, logprobs_mode="processed_logprobs", **BASE)
+    # Two token buckets (a decode and a prefill one) are enough to show the mode adds no program after warm-up;
+    # warming and serving the default ladder is tests/test_compilation.py's.
+    return LLM(model=stories_dir, precompile=True, logprobs_mode="processed_logprobs", token_buckets=(8, 64),
+               **BASE)
 
 
 @pytest.fixture(scope="module")

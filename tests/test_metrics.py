@@ -368,17 +368,24 @@ def test_bench_throughput_json_has_every_field_for_each_backend(stories_dir, tmp
     assert vllm["vllm_affinity"][0]["cpus"] == cpus
 
 
-def test_bench_serving_json_has_every_field_for_both_batching_modes(stories_dir, tmp_path):
-    result = _run_script("bench_serving.py", ["--model", str(stories_dir), "--compare", "--request-rate", "50",
-                                              *TINY], tmp_path)
+@pytest.fixture(scope="module")
+def serving_compare(stories_dir, tmp_path_factory):
+    """bench_serving.py --compare with no --request-rate: one start of the script (imports, engines, compilations)
+    for the two tests below."""
+    return _run_script("bench_serving.py", ["--model", str(stories_dir), "--compare", *TINY],
+                       tmp_path_factory.mktemp("serving"))
+
+
+def test_bench_serving_json_has_every_field_for_both_batching_modes(serving_compare):
+    result = serving_compare
     assert [r["batching"] for r in result["results"]] == ["continuous", "static"]
     for row in result["results"]:
         assert set(row) == SERVING_FIELDS
         assert row["num_requests"] == 3 and row["ttft_s_p99"] > 0
 
 
-def test_bench_serving_defaults_to_a_rate_below_the_capacity_its_warm_up_measured(stories_dir, tmp_path):
-    result = _run_script("bench_serving.py", ["--model", str(stories_dir), *TINY], tmp_path)
+def test_bench_serving_defaults_to_a_rate_below_the_capacity_its_warm_up_measured(serving_compare):
+    result = serving_compare
     rate, capacity = result["config"]["request_rate"], result["measured_capacity"]
     assert capacity > 0 and rate == pytest.approx(0.7 * capacity)
     assert "70% of the capacity" in result["request_rate_note"]

@@ -109,8 +109,14 @@ def test_n_4_shares_the_prompt_blocks_and_returns_4_different_outputs(tiny_llama
         assert done.outputs[0].token_ids == o.token_ids
 
 
-def test_stop_string_split_across_two_tokens_stops_and_is_cut(stories_dir):
-    llm = LLM(model=stories_dir, precompile=False)
+@pytest.fixture(scope="module")
+def stories_llm(stories_dir):
+    """One stories260K engine with the default configuration for the text tests below."""
+    return LLM(model=stories_dir, precompile=False)
+
+
+def test_stop_string_split_across_two_tokens_stops_and_is_cut(stories_llm):
+    llm = stories_llm
     greedy = SamplingParams(temperature=0, max_tokens=40)
     full = llm.generate("Once upon a time", greedy)[0].outputs[0]
     pieces = [llm.tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
@@ -128,8 +134,8 @@ def test_stop_string_split_across_two_tokens_stops_and_is_cut(stories_dir):
         assert len(out.token_ids) <= k + 2
 
 
-def test_multi_byte_character_split_across_tokens_streams_whole(stories_dir):
-    llm = LLM(model=stories_dir, precompile=False)
+def test_multi_byte_character_split_across_tokens_streams_whole(stories_llm):
+    llm = stories_llm
     ids = [llm.tokenizer.backend.token_to_id(f"<0x{b:02X}>") for b in "€".encode()]
     # Force the three bytes in order: each is biased below the previous one,
     # and the repetition penalty pushes an emitted byte below the next.
@@ -141,16 +147,16 @@ def test_multi_byte_character_split_across_tokens_streams_whole(stories_dir):
     assert steps[-1].finished and steps[-1].outputs[0].text == "€"
 
 
-def test_bad_words_are_never_generated(stories_dir):
-    llm = LLM(model=stories_dir, precompile=False)
+def test_bad_words_are_never_generated(stories_llm):
+    llm = stories_llm
     greedy = SamplingParams(temperature=0, max_tokens=40)
     assert "Lily" in llm.generate("Once upon a time", greedy)[0].outputs[0].text
     banned = SamplingParams(temperature=0, max_tokens=40, bad_words=["Lily", "big red"])
     assert "Lily" not in llm.generate("Once upon a time", banned)[0].outputs[0].text
 
 
-def test_streamed_deltas_add_up_to_the_final_text(stories_dir):
-    llm = LLM(model=stories_dir, precompile=False)
+def test_streamed_deltas_add_up_to_the_final_text(stories_llm):
+    llm = stories_llm
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=30)
     stream = list(llm.generate_stream(["Once upon a time", "One day"], params))
     final = {o.request_id: o for o in stream if o.finished}

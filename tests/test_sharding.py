@@ -1,13 +1,5 @@
-"""Sharding: partition-rule checks in this process (1 device), and the 8-device
-suite (tests/multidevice) and a 2-process multi-host run in subprocesses.
-
-``--xla_force_host_platform_device_count`` is read once, when JAX starts, so
-the multi-device tests cannot run in this process; they run in one
-``python -m pytest`` with the flag set (one start of Python, JAX and torch and one
-set of tiny models for every module, not one per module), and each module's test
-here passes when every one of its tests there did: its failures and that run's
-output are shown on failure.
-"""
+"""Sharding: partition-rule checks in this process (1 device), and in subprocesses a part of the 8-device suite
+(tests/multidevice, see tests/multidevice/runner.py) and a 2-process multi-host run."""
 
 from __future__ import annotations
 
@@ -16,7 +8,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -25,9 +16,9 @@ from jaxllm.config import EngineConfig
 from jaxllm.models.config import ModelConfig
 from jaxllm.worker.sharding import PARAM_AXES, check_tensor_parallel, make_mesh
 from jaxllm.loader.params import expected_layer_keys
+from tests.multidevice import runner
 
 ROOT = Path(__file__).resolve().parents[1]
-MULTIDEVICE = sorted((ROOT / "tests" / "multidevice").glob("test_*.py"))
 
 
 def _config(q_heads: int, kv_heads: int) -> ModelConfig:
@@ -74,39 +65,19 @@ def test_every_parameter_key_has_logical_axes(architecture, extra):
     assert keys <= PARAM_AXES.keys()
 
 
+# The last part of tests/multidevice (tests/multidevice/runner.py; tests/test_sharding_tp.py runs the first).
+PART = runner.part_modules(len(runner.PARTS))
+LISTED = runner.listed_tests(PART)
+
+
 @pytest.fixture(scope="module")
 def multidevice_run(tmp_path_factory):
-    """Every tests/multidevice module in one ``python -m pytest`` on 8 CPU devices: (the finished process, each
-    module's test cases from its JUnit report as (name, outcome, message), the cases no module claims)."""
-    report = tmp_path_factory.mktemp("multidevice") / "junit.xml"
-    env = {**os.environ, "JAXLLM_MULTIDEVICE": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-                           f"--junitxml={report}",
-                           *map(str, MULTIDEVICE)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
-    cases: dict[str, list[tuple[str, str, str]]] = {m.stem: [] for m in MULTIDEVICE}
-    unclaimed = []
-    for case in ET.parse(report).iter("testcase") if report.is_file() else ():
-        bad = [child for child in case if child.tag in ("failure", "error", "skipped")]
-        outcome = bad[0].tag if bad else "passed"
-        message = (bad[0].get("message") or "") + "\n" + (bad[0].text or "") if bad else ""
-        # A test's class name is its module's dotted path; a module that failed to collect is named by its name.
-        module = (case.get("classname") or case.get("name", "")).rsplit(".", 1)[-1]
-        (cases[module] if module in cases else unclaimed).append((case.get("name"), outcome, message))
-    return proc, cases, unclaimed
+    return runner.run(PART, tmp_path_factory.mktemp("multidevice"))
 
 
-@pytest.mark.parametrize("module", MULTIDEVICE, ids=lambda p: p.stem)
-def test_multidevice_module_passes_on_8_cpu_devices(module, multidevice_run):
-    proc, cases, unclaimed = multidevice_run
-    output = proc.stdout[-6000:] + proc.stderr[-3000:]
-    mine = cases[module.stem]
-    failed = [entry for entry in mine if entry[1] in ("failure", "error")]
-    assert mine and not failed, "\n".join(f"{name}: {outcome}\n{message[-3000:]}" for name, outcome, message in failed) \
-        + "\n" + output
-    # What the run's exit status blames on no module's case (a collection error, a crash) fails every module.
-    assert proc.returncode == 0 or any(entry[1] in ("failure", "error") for entries in [*cases.values(), unclaimed]
-                                       for entry in entries), f"exit status {proc.returncode}, {unclaimed}\n{output}"
+@pytest.mark.parametrize("module, function", LISTED, ids=lambda x: x)
+def test_multidevice_test_passes_on_8_cpu_devices(module, function, multidevice_run):
+    runner.check(multidevice_run, LISTED, module, function)
 
 
 _DISTRIBUTED_CHILD = textwrap.dedent("""

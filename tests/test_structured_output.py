@@ -273,8 +273,10 @@ STORIES_CONSTRAINTS = [
 
 
 def _stories_llm(stories_dir, **kw):
+    # Two token buckets (decode steps, 32-token prefills): fewer step programs for each engine to build; what is
+    # checked here does not depend on the padding.
     return LLM(model=stories_dir, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, block_size=8,
-               num_kv_blocks=14, precompile=False, **kw)
+               num_kv_blocks=14, precompile=False, token_buckets=(8, 32), **kw)
 
 
 def _stories_batch():
@@ -293,20 +295,38 @@ def _tokens(outs):
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
-def test_constrained_tokens_do_not_depend_on_preemption_or_async_scheduling(stories_dir):
+# One engine of each scheduling mode for the stories260K tests below (each new engine compiles its step programs
+# again); each test leaves every block free, which it asserts.
+@pytest.fixture(scope="module")
+def stories_async(stories_dir):
+    return _stories_llm(stories_dir, async_scheduling=True)
+
+
+@pytest.fixture(scope="module")
+def stories_sync(stories_dir):
+    return _stories_llm(stories_dir, async_scheduling=False)
+
+
+@pytest.fixture(scope="module")
+def batch_async(stories_async):
+    """The outputs of _stories_batch() on the async engine."""
+    return stories_async.generate(*_stories_batch(), use_tqdm=False)
+
+
+def test_constrained_tokens_do_not_depend_on_preemption_or_async_scheduling(stories_sync, batch_async):
     prompts, params = _stories_batch()
-    sync = _stories_llm(stories_dir, async_scheduling=False)
+    sync = stories_sync
+    preempted = sync.engine.scheduler.stats.num_preemptions
     together = sync.generate(prompts, params, use_tqdm=False)
-    assert sync.engine.scheduler.stats.num_preemptions > 0
+    assert sync.engine.scheduler.stats.num_preemptions > preempted
     alone = [sync.generate([p], s, use_tqdm=False)[0] for p, s in zip(prompts, params)]
     assert _tokens(together) == _tokens(alone)
-    overlapped = _stories_llm(stories_dir, async_scheduling=True).generate(prompts, params, use_tqdm=False)
-    assert _tokens(overlapped) == _tokens(together)
+    assert _tokens(batch_async) == _tokens(together)
     assert any(c.finish_reason == "stop" for o in together[2:] for c in o.outputs)
 
 
-def test_grammar_failing_in_the_core_aborts_only_its_request(stories_dir):
-    llm = _stories_llm(stories_dir)
+def test_grammar_failing_in_the_core_aborts_only_its_request(stories_async):
+    llm = stories_async
     core = llm.engine.core
     # Past the front end's checks (a regex it would refuse), straight into the core.
     core.add_request(EngineCoreRequest("bad", [5, 6, 7], SamplingParams(structured_outputs=SO(regex="[a-")),
@@ -329,11 +349,11 @@ def test_grammar_failing_in_the_core_aborts_only_its_request(stories_dir):
 
 
 
-def test_speculation_skips_constrained_requests_and_changes_no_tokens(stories_dir):
+def test_speculation_skips_constrained_requests_and_changes_no_tokens(stories_dir, batch_async):
     # The same batch with n-gram speculation: unconstrained sequences verify drafts, constrained ones never get any
     # (their bitmask covers one sampled token per step), and every sequence's tokens equal those without it.
     prompts, params = _stories_batch()
-    plain = _stories_llm(stories_dir).generate(prompts, params, use_tqdm=False)
+    plain = batch_async
     llm = _stories_llm(stories_dir, speculative_config=dict(method="ngram", num_speculative_tokens=3,
                                                             prompt_lookup_min=1, prompt_lookup_max=3))
     scheduler = llm.engine.core.scheduler
@@ -361,10 +381,10 @@ def _ends_once_at_eos(completion) -> bool:
     return completion.finish_reason == "stop" and ids.count(EOS) == 1 and ids[-1] == EOS
 
 
-def test_issue25_item5_finished_choice_stops_at_its_eos_under_min_tokens(stories_dir):
+def test_issue25_item5_finished_choice_stops_at_its_eos_under_min_tokens(stories_async):
     # The report: once "yes" or "no" is complete the grammar allows nothing but EOS, and min_tokens=8 kept the
     # request sampling EOS after EOS until it had 8 tokens.
-    llm = _stories_llm(stories_dir)
+    llm = stories_async
     choice = SO(choice=["yes", "no"])
     plain, under_min = (llm.generate(["Is the sky blue?"], SamplingParams(temperature=0, max_tokens=20, min_tokens=m,
                                                                           structured_outputs=choice),
@@ -375,7 +395,7 @@ def test_issue25_item5_finished_choice_stops_at_its_eos_under_min_tokens(stories
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_issue25_item5_every_completed_constraint_ends_at_its_eos_whatever_min_tokens_or_ignore_eos(
-        stories_dir, async_scheduling):
+        request, async_scheduling):
     # The class: every kind of constraint (regex, choice, JSON, Lark) whose value completes before min_tokens, in a
     # state where the grammar allows nothing but EOS; greedy and seeded, n=2, in one batch, with and without
     # async scheduling. Each sequence emits what it emits with neither min_tokens nor ignore_eos, then one EOS.
@@ -384,7 +404,7 @@ def test_issue25_item5_every_completed_constraint_ends_at_its_eos_whatever_min_t
     def params(constraint, i, **kw):
         return SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, n=2 if i == 2 else 1, max_tokens=40,
                               structured_outputs=constraint, **kw)
-    llm = _stories_llm(stories_dir, async_scheduling=async_scheduling)
+    llm = request.getfixturevalue("stories_async" if async_scheduling else "stories_sync")
     plain = llm.generate(prompts, [params(c, i) for i, c in enumerate(STORIES_CONSTRAINTS)], use_tqdm=False)
     completed = [c for o in plain for c in o.outputs if c.finish_reason == "stop"]
     assert len(completed) >= 4 and all(_ends_once_at_eos(c) for c in completed)
@@ -396,12 +416,12 @@ def test_issue25_item5_every_completed_constraint_ends_at_its_eos_whatever_min_t
     assert llm.engine.core.scheduler.block_pool.num_free_blocks == llm.engine.core.num_blocks - 1
 
 
-def test_issue25_item5_ignore_eos_lifts_the_min_tokens_ban_but_not_the_grammars_end(stories_dir):
+def test_issue25_item5_ignore_eos_lifts_the_min_tokens_ban_but_not_the_grammars_end(stories_async):
     # [a-z]+ allows EOS after any letter; a logit bias makes the model take it as soon as it may. min_tokens bans
     # EOS while the grammar allows letters too, so the value grows to min_tokens letters first; under ignore_eos
     # EOS is not banned, and taking it ends the grammar, so the request finishes there ("stop") rather than
     # emitting EOS until max_tokens.
-    llm = _stories_llm(stories_dir)
+    llm = stories_async
     def run(**kw):
         return llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, logit_bias={EOS: 50.0},
                                                         structured_outputs=SO(regex="[a-z]+"), **kw),

@@ -1,4 +1,4 @@
-"""Fixtures for tests run with 8 CPU host devices (see tests/test_sharding.py)."""
+"""Fixtures for tests run with 8 CPU host devices (run by tests/multidevice/runner.py, for tests/test_sharding*.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_kv_bl
 def eight_devices():
     if jax.device_count() < 8:
         pytest.fail("tests/multidevice needs XLA_FLAGS=--xla_force_host_platform_device_count=8 "
-                    "(run it through tests/test_sharding.py)")
+                    "(run it through tests/test_sharding.py and tests/test_sharding_tp.py)")
 
 
 def _tiny(tmp_path_factory, name: str, **overrides) -> Path:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ from jaxllm.worker.sharding import PARAM_AXES
 from tests.multidevice.conftest import ENGINE, GREEDY, prompts
 
 
+# Cached: a model's TP 1 reference is built once (the Pallas test compares with the first test's).
+@functools.cache
 def _greedy_tokens(folder, tp, **kwargs):
     llm = LLM(model=folder, tensor_parallel_size=tp, **ENGINE, **kwargs)
     return [o.outputs[0].token_ids for o in llm.generate(prompts(6), GREEDY)]
