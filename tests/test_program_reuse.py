@@ -53,3 +53,20 @@ def test_an_engine_differing_in_a_static_setting_or_a_shape_compiles_its_own_ste
     assert stats.compile_seconds > 0.0
     if "num_kv_blocks" in change:
         assert _tokens(engine) == _tokens(first)
+
+
+def test_a_family_registered_again_under_the_same_name_gets_its_own_step_function():
+    import dataclasses
+
+    from jaxllm.models import FAMILIES
+    from jaxllm.worker.programs import shared_jit
+
+    llama = FAMILIES["llama"]
+    again = dataclasses.replace(llama)  # equal fields, another object: what a second registration makes
+
+    def step(x, *, scale):
+        return x * scale
+
+    assert shared_jit(step, traced_from=llama, scale=2) is shared_jit(step, traced_from=llama, scale=2)
+    assert shared_jit(step, traced_from=again, scale=2) is not shared_jit(step, traced_from=llama, scale=2)
+    assert shared_jit(step, traced_from=llama, scale=3) is not shared_jit(step, traced_from=llama, scale=2)

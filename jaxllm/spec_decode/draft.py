@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.models import AttentionOps, KVCache, Params, forward, hidden_states
+from jaxllm.models import AttentionOps, KVCache, Params, family, forward, hidden_states
 from jaxllm.models.config import ModelConfig
 from jaxllm.sample.sampler import SamplerOutput, argmax_rows
 from jaxllm.worker.kv_cache import CacheEngine, storage_dtype
@@ -98,7 +98,7 @@ class DraftRunner:
                                         dtype=storage_dtype(dtype, float_bits_storage), sharding=sharding,
                                         stats=self.compile_stats, num_host_blocks=num_host_blocks,
                                         num_offload_blocks=num_offload_blocks)
-        step_fns = {decode_only: shared_jit(propose, donate_argnums=(1,),
+        step_fns = {decode_only: shared_jit(propose, donate_argnums=(1,), traced_from=family(cfg),
                                             out_shardings=(self._replicated, self.cache_engine.sharding()),
                                             cfg=cfg, ops=ops, num_speculative_tokens=num_speculative_tokens,
                                             decode_only=decode_only)

@@ -166,7 +166,7 @@ class ModelRunner:
         self._slot_ops: dict[str, Callable] = {}
         # Outputs pinned to the inputs' shardings: the donated KV cache and sampler tables come back laid out as
         # the next step was compiled for.
-        step_fns = {decode_only: shared_jit(_step, donate_argnums=(1, 4),
+        step_fns = {decode_only: shared_jit(_step, donate_argnums=(1, 4), traced_from=family(cfg),
                                             out_shardings=(replicated, replicated, self.cache_engine.sharding(),
                                                            replicated),
                                             cfg=cfg, ops=ops, num_positions=num_positions, decode_only=decode_only,

@@ -56,16 +56,36 @@ monitoring.register_event_duration_secs_listener(_on_jax_duration)
 SHARED_JIT_SIZE = 16
 
 
-@functools.lru_cache(maxsize=SHARED_JIT_SIZE)
-def shared_jit(fn: Callable, donate_argnums: tuple[int, ...] = (), out_shardings: Any = None,
+class _Same:
+    """``obj`` compared and hashed by identity (a model family holds dicts, so it has no value hash)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+
+def shared_jit(fn: Callable, donate_argnums: tuple[int, ...] = (), out_shardings: Any = None, traced_from: Any = None,
                **static: Any) -> Any:
     """``jax.jit`` of ``functools.partial(fn, **static)``, one per distinct arguments in this process.
 
     Runners whose step function and static configuration compare equal (``static`` values hashable and compared by
     value: a ``ModelConfig``, the ``AttentionOps`` of ``core.build.attention_ops``) share it, and with it JAX's
     in-memory caches of traces, lowerings and executables: a second engine of the same shapes builds its programs
-    without tracing or compiling them again (as vLLM's torch.compile cache, within one process).
+    without tracing or compiling them again (as vLLM's torch.compile cache, within one process). ``traced_from``
+    (compared by identity, not passed to ``fn``) is what the trace reads besides its arguments: the model family
+    resolved for ``cfg.model_type``, so that a family registered again under the same name gets programs of its own.
     """
+    return _shared_jit(fn, donate_argnums, out_shardings, _Same(traced_from), **static)
+
+
+@functools.lru_cache(maxsize=SHARED_JIT_SIZE)
+def _shared_jit(fn: Callable, donate_argnums: tuple[int, ...], out_shardings: Any, traced_from: _Same,
+                **static: Any) -> Any:
     return jax.jit(functools.partial(fn, **static), donate_argnums=donate_argnums, out_shardings=out_shardings)
 
 
