@@ -1,14 +1,18 @@
-"""tunix's GRPOLearner on the stories260K fixture, rollouts by jaxllm or by tunix's own sampler, side by side.
+"""tunix's GRPOLearner on stories260K or the default model, rollouts by jaxllm or by tunix's sampler, side by side.
 
-Needs tunix (``pip install -e ".[tunix]"``). The actor is tunix's Llama 3 loaded from stories260K; the reward is how
-often ``--word`` appears in a completion. Per step it records the mean reward, rollout tokens/s and CPU seconds,
-weight sync seconds and bytes, and programs XLA compiled; for jaxllm it also records, per step, the largest
-difference between the engine's logprobs (``--logprobs-mode``) and tunix's recomputation from the trainer's weights,
-and with ``--check`` asserts it is at most ``--atol`` times max(1, |logprob|) and that the engine's weights equal the
-trainer's after each sync. It prints a table; ``--result-file MACHINE`` writes it to
-``docs/benchmarks/results/<date>-<MACHINE>-tunix-grpo.json`` and renders its Markdown page.
+Needs tunix (``pip install -e ".[tunix]"``). The actor is tunix's Llama 3 with ``--model``'s config and weights:
+``stories260K`` (the test fixture) or ``default`` (SmolLM2-135M-Instruct, its GGUF dequantized to float32 into an HF
+folder once); prompts are plain text (no chat template); the reward is how often ``--word`` appears in a completion.
+Per step it records the mean reward, rollout tokens/s and CPU seconds, weight sync seconds and bytes, and programs
+XLA compiled; for jaxllm it also records, per step, the largest difference between the engine's logprobs
+(``--logprobs-mode``) and tunix's recomputation from the trainer's weights, and with ``--check`` asserts it is at
+most ``--atol`` times max(1, |logprob|) and that the engine's weights equal the trainer's after each sync. It prints
+a per-step and a side-by-side table; ``--result-file MACHINE`` writes them to
+``docs/benchmarks/results/<date>-<MACHINE>-tunix-grpo.json`` (a file of the same day keeps its other models' tables)
+and renders its Markdown page.
 
     python scripts/tunix_grpo.py --steps 8 --engines jaxllm,vanilla [--result-file MACHINE]
+    python scripts/tunix_grpo.py --model default --steps 5 [--result-file MACHINE]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grain  # noqa: E402
 import optax  # noqa: E402
+import safetensors.numpy  # noqa: E402
 import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
 from tunix.models.llama3 import model as llama3_lib  # noqa: E402
@@ -43,45 +48,76 @@ from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
 from tunix.rl.grpo import grpo_learner  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 
+from jaxllm.loader.gguf import load_gguf  # noqa: E402
 from jaxllm.loader.nnx import params_from_nnx  # noqa: E402
+from jaxllm.named_models import resolve_model  # noqa: E402
 from jaxllm.rl.tunix import JaxllmRollout  # noqa: E402
+from jaxllm.tokenizer import Tokenizer  # noqa: E402
 
 # The plain-JAX loop's prompts, model and compilation counter (importing it registers the counter).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rl_rollouts import PROMPTS, STORIES, _compiles  # noqa: E402
 
 
-def stories_folder() -> Path:
-    """stories260K with rope_theta 1e6: tunix 0.1.7's Llama 3 applies rope with theta 1e6 whatever its config says,
-    so the engine is given the same model (a copy of the fixture under the system temp folder)."""
-    folder = Path(tempfile.gettempdir()) / "jaxllm-stories260K-theta1e6"
-    folder.mkdir(exist_ok=True)
-    for f in STORIES.iterdir():
-        if f.name != "config.json" and not (folder / f.name).exists():
-            shutil.copy(f, folder / f.name)
-    cfg = json.loads((STORIES / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1_000_000.0}))
+# tunix 0.1.7's Llama 3 applies rope with theta 1e6 whatever its config says, so the engine is given the model with
+# that theta: a copy of the model whose config says so.
+TUNIX_ROPE_THETA = 1_000_000.0
+
+
+def model_folder(model: str) -> Path:
+    """An HF folder (config.json with rope_theta ``TUNIX_ROPE_THETA``, float32 safetensors, tokenizer) of ``model``:
+    ``stories260K`` (the fixture copied) or a name or path ``jaxllm.named_models.resolve_model`` takes ("default":
+    jaxllm's default model), a llama-architecture GGUF dequantized to float32 by jaxllm's loader. Written once under
+    the system temp folder."""
+    source = STORIES if model == "stories260K" else resolve_model(None if model == "default" else model)
+    folder = Path(tempfile.gettempdir()) / f"jaxllm-{source.stem}-theta1e6"
+    if (folder / "config.json").exists():
+        return folder
+    partial = Path(tempfile.mkdtemp(prefix=folder.name, dir=folder.parent))
+    if source.is_dir():
+        for f in source.iterdir():
+            if f.name != "config.json":
+                shutil.copy(f, partial / f.name)
+        cfg = json.loads((source / "config.json").read_text())
+    else:
+        cfg, weights = load_gguf(source)
+        if cfg["model_type"] != "llama":
+            raise ValueError(f"{source}: tunix's Llama 3 actor needs a llama GGUF, not {cfg['model_type']!r}")
+        safetensors.numpy.save_file(weights, str(partial / "model.safetensors"))
+        tokenizer = Tokenizer.from_gguf(source)
+        tokenizer.backend.save(str(partial / "tokenizer.json"))
+        eos = tokenizer.backend.id_to_token(tokenizer.eos_token_id)
+        # No bos: the GGUF says add_bos_token false, so neither sampler prepends one to the plain-text prompts.
+        (partial / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos}))
+        cfg = {**cfg, "torch_dtype": "float32"}
+    (partial / "config.json").write_text(json.dumps({**cfg, "rope_theta": TUNIX_ROPE_THETA}))
+    try:
+        partial.rename(folder)
+    except OSError:  # another run wrote it first
+        shutil.rmtree(partial)
     return folder
 
 
-def stories_actor() -> nnx.Module:
-    """tunix's Llama 3 with stories260K's config and weights."""
-    cfg = json.loads((STORIES / "config.json").read_text())
+def tunix_actor(folder: Path) -> nnx.Module:
+    """tunix's Llama 3 with ``folder``'s config and weights (float32)."""
+    cfg = json.loads((folder / "config.json").read_text())
     config = llama3_lib.ModelConfig(
         num_layers=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"], embed_dim=cfg["hidden_size"],
         hidden_dim=cfg["intermediate_size"], num_heads=cfg["num_attention_heads"], head_dim=cfg["head_dim"],
         num_kv_heads=cfg["num_key_value_heads"], rope_theta=cfg["rope_theta"], norm_eps=cfg["rms_norm_eps"],
         weight_tying=cfg["tie_word_embeddings"])
-    return llama3_params.create_model_from_safe_tensors(str(STORIES), config, dtype=jnp.float32)
+    return llama3_params.create_model_from_safe_tensors(str(folder), config, dtype=jnp.float32)
 
 
 class Recorder:
     """Wraps a rollout's generate and update_params: per step timings, compilations and, for jaxllm, the logprob
     difference from tunix's recomputation with the trainer's ``actor`` (asserted with ``check``, as are the
-    engine's weights after each sync)."""
+    engine's weights after each sync against ``hf_config``'s conversion of the actor)."""
 
-    def __init__(self, rollout, actor: nnx.Module, check: bool, atol: float, temperature: float):
+    def __init__(self, rollout, actor: nnx.Module, hf_config: dict, check: bool, atol: float, temperature: float):
         self.rollout, self.actor, self.check, self.atol, self.temperature = rollout, actor, check, atol, temperature
+        self.hf_config = hf_config
         self.steps: list[dict] = []
         self.sync: dict = {}
         generate, update = rollout.generate, rollout.update_params
@@ -138,27 +174,31 @@ class Recorder:
                 self.sync["weights_equal"] = True
 
     def _check_weights(self) -> None:
-        _, want = params_from_nnx(self.actor, json.loads((STORIES / "config.json").read_text()))
+        _, want = params_from_nnx(self.actor, self.hf_config)
         got = self.rollout.llm.get_params()
         for path, leaf in jax.tree_util.tree_flatten_with_path(want)[0]:
             have = functools.reduce(lambda t, k: t[k.key], path, got)
             np.testing.assert_array_equal(np.asarray(have), np.asarray(leaf), err_msg=str(path))
 
 
-def run(engine: str, steps: int, *, word: str = "the", check: bool = False, atol: float = 2e-5,
-        temperature: float = 0.9, logprobs_mode: str = "processed_logprobs", num_generations: int = 4,
-        max_tokens: int = 24) -> tuple[list[dict], Any]:
-    """``steps`` GRPO steps with ``engine`` ("jaxllm" or "vanilla"); one dict per step, and the rollout."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(STORIES))
-    tokenizer.pad_token_id = 0  # stories260K has no pad token; <unk> (0) never appears in a completion
-    actor = stories_actor()
+def run(engine: str, steps: int, *, model: str = "stories260K", word: str = "the", check: bool = False,
+        atol: float = 2e-5, temperature: float = 0.9, logprobs_mode: str = "processed_logprobs",
+        num_generations: int = 4, max_tokens: int = 24, learning_rate: float = 3e-3) -> tuple[list[dict], Any]:
+    """``steps`` GRPO steps with ``engine`` ("jaxllm" or "vanilla") on ``model`` (:func:`model_folder`), Adam at
+    ``learning_rate``; one dict per step, and the rollout."""
+    folder = model_folder(model)
+    hf_config = json.loads((folder / "config.json").read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token_id = 0  # stories260K has no pad token; <unk> (0) never appears in a completion
+    actor = tunix_actor(folder)
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     rows = len(PROMPTS) * num_generations
     rollout_config = base_rollout.RolloutConfig(
         max_tokens_to_generate=max_tokens, max_prompt_length=16, kv_cache_size=128, temperature=temperature,
         seed=0, return_logprobs=engine == "jaxllm", rollout_vllm_logprobs_mode=logprobs_mode)
     rollout_engine = "vanilla" if engine == "vanilla" else functools.partial(
-        JaxllmRollout, model=str(stories_folder()), max_num_seqs=rows, max_model_len=64, max_num_batched_tokens=64,
+        JaxllmRollout, model=str(folder), max_num_seqs=rows, max_model_len=64, max_num_batched_tokens=64,
         precompile=True)
     cluster = rl_cluster_lib.RLCluster(
         actor=actor, tokenizer=tokenizer,
@@ -167,9 +207,9 @@ def run(engine: str, steps: int, *, word: str = "the", check: bool = False, atol
                                                   rl_cluster_lib.Role.ROLLOUT)},
             rollout_engine=rollout_engine, offload_to_cpu=False,
             training_config=rl_cluster_lib.RLTrainingConfig(
-                actor_optimizer=optax.adam(3e-3), eval_every_n_steps=10_000, max_steps=steps),
+                actor_optimizer=optax.adam(learning_rate), eval_every_n_steps=10_000, max_steps=steps),
             rollout_config=rollout_config))
-    recorder = Recorder(cluster.rollout, cluster.actor_trainer.model, check, atol, temperature)
+    recorder = Recorder(cluster.rollout, cluster.actor_trainer.model, hf_config, check, atol, temperature)
     rewards: list[float] = []
 
     def reward(prompts, completions, **kwargs):
@@ -188,7 +228,7 @@ def run(engine: str, steps: int, *, word: str = "the", check: bool = False, atol
 
 
 COLUMNS = ["engine", "step", "reward", "rollout tok/s", "rollout CPU s", "sync s", "sync bytes",
-           "rollout compilations", "sync compilations", "logprob max abs diff", "logprob max diff / max(1, |lp|)"]
+           "rollout compilations", "sync compilations", "logprob max abs diff", "logprob max diff / max(1, abs(lp))"]
 KEYS = ["reward", "rollout_tok_s", "rollout_cpu_s", "sync_seconds", "sync_bytes", "rollout_compilations",
         "sync_compilations", "logprob_max_abs_diff", "logprob_max_diff"]
 
@@ -199,8 +239,38 @@ def table_rows(results: dict[str, list[dict]]) -> list[list[str]]:
             for engine, steps in results.items() for i, step in enumerate(steps, 1)]
 
 
-def write_result_file(machine: str, command: str, rows: list[list[str]], description: str) -> Path:
-    """Today's ``docs/benchmarks/results/<date>-<machine>-tunix-grpo.json`` with its Markdown page; its path."""
+SUMMARY_COLUMNS = ["model", "engine", "steps", "reward, step 1 → last", "rollout tok/s after step 1 (mean)",
+                   "rollout CPU s after step 1 (mean)", "sync ms (mean)", "sync MB", "compilations after step 1",
+                   "logprob max diff / max(1, abs(lp))"]
+SUMMARY_TITLE = "Side by side"
+
+
+def summary_rows(model: str, results: dict[str, list[dict]]) -> list[list[str]]:
+    """One row of ``SUMMARY_COLUMNS`` per engine: means over steps 2.. (step 1 compiles), syncs over every sync,
+    compilations of the rollouts after step 1 and of every sync; "" where the engine has no such figure (tunix's
+    own sampler shares the trainer's weights: no sync, no logprobs of its own)."""
+    rows = []
+    for engine, steps in results.items():
+        later, syncs = steps[1:], [s for s in steps if "sync_seconds" in s]
+        lp = [s["logprob_max_diff"] for s in steps if s.get("logprob_max_diff") is not None]
+        rows.append([
+            model, engine, str(len(steps)), f"{steps[0]['reward']:.3g} → {steps[-1]['reward']:.3g}",
+            f"{np.mean([s['rollout_tok_s'] for s in later]):.4g}" if later else "",
+            f"{np.mean([s['rollout_cpu_s'] for s in later]):.3g}" if later else "",
+            f"{1e3 * np.mean([s['sync_seconds'] for s in syncs]):.3g}" if syncs else "",
+            f"{syncs[0]['sync_bytes'] / 1e6:.3g}" if syncs and "sync_bytes" in syncs[0] else "",
+            str(sum(s["rollout_compilations"] for s in later) + sum(s["sync_compilations"] for s in syncs)),
+            f"{max(lp):.3g}" if lp else ""])
+    return rows
+
+
+def write_result_file(machine: str, model: str, command: str, rows: list[list[str]], summary: list[list[str]],
+                      notes: list[str], description: str) -> Path:
+    """Today's ``docs/benchmarks/results/<date>-<machine>-tunix-grpo.json`` with its Markdown page; its path.
+
+    A file of today's is updated: ``model``'s rows of the side-by-side table and its per-step table replaced,
+    other models' kept, so one page holds every model run that day.
+    """
     import _bench_common as common
     import render_results
 
@@ -208,9 +278,16 @@ def write_result_file(machine: str, command: str, rows: list[list[str]], descrip
     host["load_avg_1m"] = round(host["load_avg_1m"], 1)
     date = datetime.date.today().isoformat()
     path = render_results.RESULTS / f"{date}-{machine}-tunix-grpo.json"
-    result = {"date": date, "machine": machine, "title": "tunix's GRPOLearner on stories260K: jaxllm vs tunix's sampler",
-              "host": host, "description": description,
-              "tables": [{"title": "Per GRPO step", "command": command, "columns": COLUMNS, "rows": rows}]}
+    tables = json.loads(path.read_text())["tables"] if path.exists() else []
+    side = next((t for t in tables if t["title"] == SUMMARY_TITLE), None)
+    kept = [r for r in side["rows"] if r[0] != model] if side else []
+    title = f"{model}: per GRPO step"
+    per_step = [t for t in tables if t["title"] not in (SUMMARY_TITLE, title)]
+    per_step.append({"title": title, "command": command, "columns": COLUMNS, "rows": rows, "notes": notes})
+    side = {"title": SUMMARY_TITLE, "command": "; ".join(t["command"] for t in per_step),
+            "columns": SUMMARY_COLUMNS, "rows": kept + summary}
+    result = {"date": date, "machine": machine, "title": "tunix's GRPOLearner: jaxllm vs tunix's sampler",
+              "host": host, "description": description, "tables": [side] + per_step}
     path.write_text(json.dumps(result, indent=1) + "\n")
     path.with_suffix(".md").write_text(render_results.render(result))
     return path
@@ -218,7 +295,10 @@ def write_result_file(machine: str, command: str, rows: list[list[str]], descrip
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="stories260K",
+                   help="stories260K (the test fixture), default (jaxllm's default model) or a llama GGUF")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--learning-rate", type=float, default=3e-3, help="the actor's Adam learning rate")
     p.add_argument("--engines", default="jaxllm,vanilla")
     p.add_argument("--word", default="the")
     p.add_argument("--temperature", type=float, default=0.9)
@@ -231,22 +311,32 @@ def main() -> None:
     args = p.parse_args()
     results = {}
     for engine in args.engines.split(","):
-        results[engine], _ = run(engine, args.steps, word=args.word, check=args.check, atol=args.atol,
-                                 temperature=args.temperature, logprobs_mode=args.logprobs_mode)
+        results[engine], _ = run(engine, args.steps, model=args.model, word=args.word, check=args.check,
+                                 atol=args.atol, temperature=args.temperature, logprobs_mode=args.logprobs_mode,
+                                 learning_rate=args.learning_rate)
         if args.json:
             Path(args.json).write_text(json.dumps(results))
     rows = table_rows(results)
     print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
     print("\n".join("| " + " | ".join(r) + " |" for r in rows))
+    summary = summary_rows(args.model, results)
+    print("| " + " | ".join(SUMMARY_COLUMNS) + " |\n|" + "---|" * len(SUMMARY_COLUMNS))
+    print("\n".join("| " + " | ".join(r) + " |" for r in summary))
     if args.result_file:
-        command = (f"python scripts/tunix_grpo.py --steps {args.steps} --engines {args.engines} "
-                   f"--logprobs-mode {args.logprobs_mode} --result-file {args.result_file}")
+        command = (f"python scripts/tunix_grpo.py --model {args.model} --steps {args.steps} --engines {args.engines} "
+                   f"--learning-rate {args.learning_rate} --logprobs-mode {args.logprobs_mode} "
+                   + (f"--check --atol {args.atol} " if args.check else "") + f"--result-file {args.result_file}")
+        cfg = json.loads((model_folder(args.model) / "config.json").read_text())
+        notes = [f"{args.model}: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+                 f"{cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} KV heads of {cfg['head_dim']}, "
+                 f"vocabulary {cfg['vocab_size']}, float32, rope theta 1e6 on both sides (tunix's Llama 3 uses 1e6 "
+                 f"whatever its config says); Adam at {args.learning_rate}."]
         description = (f"tunix {version('google-tunix')}'s GRPOLearner, 4 prompts x 4 generations, up to 24 tokens, "
-                       f"T={args.temperature}, reward: occurrences of {args.word!r}. Rollouts by jaxllm "
-                       "(jaxllm.rl.tunix.JaxllmRollout, logprobs against tunix's recomputation from the trainer's "
-                       "weights) or by tunix's own sampler (vanilla). Step 1 includes compilation; the first sync "
-                       "(before step 2) compiles the engine's weight update.")
-        print("wrote", write_result_file(args.result_file, command, rows, description))
+                       f"T={args.temperature}, plain-text prompts, reward: occurrences of {args.word!r}. Rollouts by "
+                       "jaxllm (jaxllm.rl.tunix.JaxllmRollout, logprobs against tunix's recomputation from the "
+                       "trainer's weights) or by tunix's own sampler (vanilla, which shares the trainer's weights: "
+                       "no sync). Step 1 includes compilation.")
+        print("wrote", write_result_file(args.result_file, args.model, command, rows, summary, notes, description))
 
 
 if __name__ == "__main__":
