@@ -21,6 +21,7 @@ from jaxllm.models import dense_forward, family, forward
 from jaxllm.worker.lora import LoRAManager, LoRASlots
 from jaxllm.worker.model_runner import with_lora
 from jaxllm.worker.programs import CompileStats
+from jaxllm.worker.sharding import ModelSharding, make_mesh
 from jaxllm.worker.step_batch import StepBatch
 from kernels_pallas.ops import get_attention_ops
 from scheduler import Request, Scheduler, SchedulerConfig
@@ -77,7 +78,7 @@ def llm(tiny_llama_dir, adapters):
 def test_logits_equal_hf_peft_in_float32_prefill_and_decode(tiny_llama_dir, adapters):
     cfg, params, _ = load_model(tiny_llama_dir, np.float32)
     slots = LoRASlots(cfg, family(cfg).layer_keys(cfg), np.float32, max_loras=3, max_lora_rank=8,
-                      sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]), stats=CompileStats())
+                      sharding=ModelSharding(cfg, make_mesh()), stats=CompileStats())
     manager = LoRAManager(slots, cfg, family(cfg), max_cpu_loras=3)
     ops = get_attention_ops("reference")
     prompt, decoded = PROMPTS[0], [17, 42, 5]
@@ -333,7 +334,6 @@ def test_swap_preemption_and_the_host_tier_keep_each_request_its_solo_output(llm
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(tensor_parallel_size=2), "enable_lora=True cannot be used with tensor_parallel_size=2"),
     (dict(batching="static"), "enable_lora=True cannot be used with batching='static'"),
     (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras=2 must be an int >= max_loras=4"),
     (dict(max_lora_rank=0), "max_lora_rank=0 must be an int >= 1"),
