@@ -75,7 +75,7 @@ def projection_ms(layers: dict[str, Any], num_slots: int, num_tokens: int, repea
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.models.common import LORA_ROWS, LoRARows, project
+    from jaxllm.models.common import LORA_A, LORA_B, LORA_ROWS, LoRARows, project
     from kernels_pallas.ops import with_stacked_weights
     from kernels_pallas.storage import from_storage
 
@@ -88,10 +88,14 @@ def projection_ms(layers: dict[str, Any], num_slots: int, num_tokens: int, repea
     @jax.jit
     def run(layers, x, h):
         def step(carry, index):
-            layer = with_stacked_weights(jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers), layers,
+            # As a step reads them: the projections' layer sliced, the adapter slots stacked (read in place).
+            adapters = {k: a for k, a in layers.items() if k.endswith((LORA_A, LORA_B))}
+            dense = {k: a for k, a in layers.items() if k not in adapters}
+            layer = with_stacked_weights(jax.tree_util.tree_map(lambda a: from_storage(a[index]), dense), layers,
                                          index, jnp.int32(num_tokens))
             if num_slots:
-                layer[LORA_ROWS] = rows
+                layer.update(adapters)
+                layer[LORA_ROWS] = rows._replace(layer=index)
             total = sum(project(layer, key, h if key == "w_down" else x).sum() for key in keys)
             return carry + total, None
         return jax.lax.scan(step, jnp.float32(0), jnp.arange(layers["wq"].shape[0]))[0]

@@ -88,11 +88,14 @@ class LoRARows(NamedTuple):
       slots: int32[T] each token's slot, -1 none (base model, padding).
       used: int32[N] the slots some token runs under first (ascending), then the others.
       count: int32[] how many slots some token runs under (a Python int where it is fixed, as in ``dense_forward``).
+      layer: int32[] the layer, where the slot leaves keep their leading ``[L]`` axis; None where they are the
+        layer's.
     """
 
     slots: jax.Array
     used: jax.Array
     count: Any
+    layer: Optional[jax.Array] = None
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoRARows) -> jax.Array:
@@ -101,13 +104,14 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoRARows) -> jax.
     shrink and expand): the work follows the adapters the rows use, not ``N``; slots no token uses are not read;
     the shapes never depend on the mix. Tokens of no slot get exact zeros.
 
-    x: [T, in]; a: [N, in, R]; b: [N, R, out]. Returns float32 [T, out].
+    x: [T, in]; a: [N, in, R]; b: [N, R, out] (``[L, N, ...]`` with ``rows.layer``). Returns float32 [T, out].
     """
     def one(i, acc):
         slot = rows.used[i]
-        xa = jnp.dot(x, a[slot], preferred_element_type=jnp.float32)
+        a_slot, b_slot = (a[slot], b[slot]) if rows.layer is None else (a[rows.layer, slot], b[rows.layer, slot])
+        xa = jnp.dot(x, a_slot, preferred_element_type=jnp.float32)
         xa = jnp.where((rows.slots == slot)[:, None], xa, 0.0)
-        return acc + jnp.dot(xa.astype(x.dtype), b[slot], preferred_element_type=jnp.float32)
+        return acc + jnp.dot(xa.astype(x.dtype), b_slot, preferred_element_type=jnp.float32)
 
     return jax.lax.fori_loop(0, rows.count, one, jnp.zeros((x.shape[0], b.shape[-1]), jnp.float32))
 
@@ -404,6 +408,10 @@ def hidden_states(
     flat = (num_layers * num_blocks, block_size, -1)
     layers = params["layers"]
     adapters = next((a for k, a in layers.items() if k.endswith(LORA_A)), None)
+    # The adapter slots stay stacked: lora_delta reads a used slot of the layer in place, never copying the layer's
+    # other slots.
+    adapter_leaves = {k: a for k, a in layers.items() if k.endswith((LORA_A, LORA_B))}
+    dense = {k: a for k, a in layers.items() if k not in adapter_leaves}
     rows = None
     if adapters is not None and getattr(batch, "lora_slots", None) is not None:
         rows = lora_rows(batch.lora_slots, batch.query_start_loc, batch.num_seqs, x.shape[0], adapters.shape[1])
@@ -419,10 +427,11 @@ def hidden_states(
 
             def step(carry, index, window=window, cos=cos, sin=sin):
                 x, k_flat, v_flat = carry
-                layer = with_stacked_weights(jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers),
+                layer = with_stacked_weights(jax.tree_util.tree_map(lambda a: from_storage(a[index]), dense),
                                              layers, index, num_tokens)
                 if rows is not None:
-                    layer[LORA_ROWS] = rows
+                    layer.update(adapter_leaves)
+                    layer[LORA_ROWS] = rows._replace(layer=index)
                 first_block = index * num_blocks
                 tables = batch.block_tables + first_block
                 if pool is not None:
