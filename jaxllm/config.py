@@ -556,7 +556,7 @@ class EngineConfig:
         if not self.enable_lora:
             return
         refused = [f"{name}={getattr(self, name)!r}" for name, off in
-                   (("tensor_parallel_size", 1), ("speculative_config", None), ("batching", "continuous"))
+                   (("speculative_config", None), ("batching", "continuous"))
                    if getattr(self, name) != off]
         if refused:
             raise ValueError(f"enable_lora=True cannot be used with {', '.join(refused)}")

@@ -75,21 +75,27 @@ def projection_ms(layers: dict[str, Any], num_slots: int, num_tokens: int, repea
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.models.common import LORA_ROWS, project
+    from jaxllm.models.common import LORA_A, LORA_B, LORA_ROWS, LoRARows, project
     from kernels_pallas.ops import with_stacked_weights
     from kernels_pallas.storage import from_storage
 
     keys = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
     hidden, inter = layers["wq"].shape[1], layers["w_down"].shape[1]
-    rows = jax.nn.one_hot(jnp.arange(num_tokens) % max(num_slots, 1), max(num_slots, 1), dtype=jnp.float32)
+    slots = max(num_slots, 1)
+    rows = LoRARows(jnp.arange(num_tokens, dtype=jnp.int32) % slots, jnp.arange(slots, dtype=jnp.int32),
+                    jnp.int32(min(slots, num_tokens)))
 
     @jax.jit
     def run(layers, x, h):
         def step(carry, index):
-            layer = with_stacked_weights(jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers), layers,
+            # As a step reads them: the projections' layer sliced, the adapter slots stacked (read in place).
+            adapters = {k: a for k, a in layers.items() if k.endswith((LORA_A, LORA_B))}
+            dense = {k: a for k, a in layers.items() if k not in adapters}
+            layer = with_stacked_weights(jax.tree_util.tree_map(lambda a: from_storage(a[index]), dense), layers,
                                          index, jnp.int32(num_tokens))
             if num_slots:
-                layer[LORA_ROWS] = rows
+                layer.update(adapters)
+                layer[LORA_ROWS] = rows._replace(layer=index)
             total = sum(project(layer, key, h if key == "w_down" else x).sum() for key in keys)
             return carry + total, None
         return jax.lax.scan(step, jnp.float32(0), jnp.arange(layers["wq"].shape[0]))[0]
@@ -229,8 +235,8 @@ def main() -> None:
             "date": date, "machine": args.result_file, "host": host,
             "title": "LoRA adapters on SmolLM2-135M-Instruct (float32)",
             "description": f"Offline batches of {shape}. Adapters are random PEFT folders targeting q, k, v, o, "
-                           "gate, up and down; an engine has max_loras slots of the given rank, and every step "
-                           "computes x A for every slot (one fixed shape whatever the mix).",
+                           "gate, up and down; an engine has max_loras slots of the given rank, and a step "
+                           "computes x A B for the slots its rows use (one fixed shape whatever the mix).",
             "tables": [{"title": "Output tokens per second", "command": command, "columns": COLUMNS, "rows": rows},
                        {"title": "Updating one adapter against every weight (median, settled on the device)",
                         "command": command, "columns": update_columns, "rows": updates}]}

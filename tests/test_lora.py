@@ -18,9 +18,11 @@ from jaxllm import LLM, LoRARequest, SamplingParams
 from jaxllm.config import EngineConfig
 from jaxllm.loader import load_model
 from jaxllm.models import dense_forward, family, forward
+from jaxllm.models.common import lora_delta, lora_rows
 from jaxllm.worker.lora import LoRAManager, LoRASlots
 from jaxllm.worker.model_runner import with_lora
 from jaxllm.worker.programs import CompileStats
+from jaxllm.worker.sharding import ModelSharding, make_mesh
 from jaxllm.worker.step_batch import StepBatch
 from kernels_pallas.ops import get_attention_ops
 from scheduler import Request, Scheduler, SchedulerConfig
@@ -77,7 +79,7 @@ def llm(tiny_llama_dir, adapters):
 def test_logits_equal_hf_peft_in_float32_prefill_and_decode(tiny_llama_dir, adapters):
     cfg, params, _ = load_model(tiny_llama_dir, np.float32)
     slots = LoRASlots(cfg, family(cfg).layer_keys(cfg), np.float32, max_loras=3, max_lora_rank=8,
-                      sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]), stats=CompileStats())
+                      sharding=ModelSharding(cfg, make_mesh()), stats=CompileStats())
     manager = LoRAManager(slots, cfg, family(cfg), max_cpu_loras=3)
     ops = get_attention_ops("reference")
     prompt, decoded = PROMPTS[0], [17, 42, 5]
@@ -193,6 +195,28 @@ def test_update_lora_replaces_an_adapter_in_place_without_compiling(llm, adapter
     llm.update_lora(4, back)
     assert run(copy) == (three, 0)
     assert stats.num_compilations == compiled
+
+
+@pytest.mark.parametrize("row_slots", [[2, -1, 0, 2], [-1, -1, -1, -1], [1, 1, 1, 1], [3, 2, 1, 0]])
+def test_lora_delta_reads_only_the_slots_the_rows_use_and_gives_base_rows_exact_zeros(row_slots):
+    # Rows of 3, 2, 4 and 3 tokens, then 4 padding tokens; 4 slots of rank 3 over 2 stacked layers.
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    a, b = rng.standard_normal((2, 4, 8, 3)).astype(np.float32), rng.standard_normal((2, 4, 3, 5)).astype(np.float32)
+    rows = lora_rows(jnp.asarray(row_slots, jnp.int32), jnp.asarray([0, 3, 5, 9, 12], jnp.int32), jnp.int32(4), 16,
+                     4)
+    token_slots = np.repeat(row_slots + [-1], [3, 2, 4, 3, 4])
+    np.testing.assert_array_equal(rows.slots, token_slots)
+    used = sorted(set(row_slots) - {-1})
+    assert int(rows.count) == len(used) and list(np.asarray(rows.used)[:len(used)]) == used
+    # A slot no row uses is not read: NaN there changes nothing.
+    for s in set(range(4)) - set(used):
+        a[:, s], b[:, s] = np.nan, np.nan
+    got = np.asarray(jax.jit(lora_delta)(jnp.asarray(x), jnp.asarray(a), jnp.asarray(b), rows._replace(layer=1)))
+    want = np.stack([x[t] @ a[1, s] @ b[1, s] if s >= 0 else np.zeros(5, np.float32)
+                     for t, s in enumerate(token_slots)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert (got[token_slots < 0] == 0).all()
 
 
 def test_dense_forward_with_an_adapter_equals_hf_peft_and_the_engines_prompt_logprobs(tiny_llama_dir, adapters, llm):
@@ -333,7 +357,6 @@ def test_swap_preemption_and_the_host_tier_keep_each_request_its_solo_output(llm
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(tensor_parallel_size=2), "enable_lora=True cannot be used with tensor_parallel_size=2"),
     (dict(batching="static"), "enable_lora=True cannot be used with batching='static'"),
     (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras=2 must be an int >= max_loras=4"),
     (dict(max_lora_rank=0), "max_lora_rank=0 must be an int >= 1"),

@@ -77,29 +77,54 @@ def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
 
 
 # LoRA slot leaves of a projection ``key``: ``key + LORA_A`` [N, in, R] and ``key + LORA_B`` [N, R, out] per layer
-# (``jaxllm.worker.lora``); LORA_ROWS: the step's one-hot of each token's slot, [T, N] in the compute dtype.
+# (``jaxllm.worker.lora``); LORA_ROWS: the step's :class:`LoRARows`.
 LORA_A, LORA_B, LORA_ROWS = "_lora_a", "_lora_b", "lora_rows"
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: jax.Array) -> jax.Array:
-    """Each token's adapter term ``(x A_slot) B_slot`` in float32 (PEFT's ``lora_B(lora_A(x)) * scaling``, the
-    scaling folded into B): every slot's ``x A`` is computed and masked by ``rows``, so the shapes never depend on
-    which adapters a step holds.
+class LoRARows(NamedTuple):
+    """Which LoRA slot each token of a step runs under, as :func:`lora_delta` reads it (:func:`lora_rows`).
 
-    x: [T, in]; a: [N, in, R]; b: [N, R, out]; rows: [T, N] one-hot of each token's slot (all zeros: none).
-    Returns float32 [T, out].
+    Attributes:
+      slots: int32[T] each token's slot, -1 none (base model, padding).
+      used: int32[N] the slots some token runs under first (ascending), then the others.
+      count: int32[] how many slots some token runs under (a Python int where it is fixed, as in ``dense_forward``).
+      layer: int32[] the layer, where the slot leaves keep their leading ``[L]`` axis; None where they are the
+        layer's.
     """
-    xa = jnp.einsum("ti,nir->tnr", x, a, preferred_element_type=jnp.float32) * rows[:, :, None]
-    return jnp.einsum("tnr,nro->to", xa.astype(x.dtype), b, preferred_element_type=jnp.float32)
+
+    slots: jax.Array
+    used: jax.Array
+    count: Any
+    layer: Optional[jax.Array] = None
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoRARows) -> jax.Array:
+    """Each token's adapter term ``(x A_slot) B_slot`` in float32 (PEFT's ``lora_B(lora_A(x)) * scaling``, the
+    scaling folded into B). A loop over the ``rows.count`` slots the step's tokens use (punica's per-adapter
+    shrink and expand): the work follows the adapters the rows use, not ``N``; slots no token uses are not read;
+    the shapes never depend on the mix. Tokens of no slot get exact zeros.
+
+    x: [T, in]; a: [N, in, R]; b: [N, R, out] (``[L, N, ...]`` with ``rows.layer``). Returns float32 [T, out].
+    """
+    def one(i, acc):
+        slot = rows.used[i]
+        a_slot, b_slot = (a[slot], b[slot]) if rows.layer is None else (a[rows.layer, slot], b[rows.layer, slot])
+        xa = jnp.dot(x, a_slot, preferred_element_type=jnp.float32)
+        xa = jnp.where((rows.slots == slot)[:, None], xa, 0.0)
+        return acc + jnp.dot(xa.astype(x.dtype), b_slot, preferred_element_type=jnp.float32)
+
+    return jax.lax.fori_loop(0, rows.count, one, jnp.zeros((x.shape[0], b.shape[-1]), jnp.float32))
 
 
 def lora_rows(slots: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, num_tokens: int,
-              num_slots: int, dtype: Any) -> jax.Array:
-    """The one-hot [T, N] of each token's LoRA slot: row ``s``'s tokens take ``slots[s]`` (int32[S], -1: none);
-    padding tokens none."""
+              num_slots: int) -> LoRARows:
+    """Each token's LoRA slot and the slots used (:class:`LoRARows`): row ``s``'s tokens take ``slots[s]``
+    (int32[S], -1: none); padding tokens none."""
     row = jnp.searchsorted(query_start_loc[1:], jnp.arange(num_tokens), side="right")
-    slot = jnp.where(row < num_seqs, slots[jnp.minimum(row, slots.shape[0] - 1)], -1)
-    return (slot[:, None] == jnp.arange(num_slots)[None, :]).astype(dtype)
+    slot = jnp.where(row < num_seqs, slots[jnp.minimum(row, slots.shape[0] - 1)], -1).astype(jnp.int32)
+    present = jnp.zeros(num_slots, bool).at[jnp.where(slot < 0, num_slots, slot)].set(True, mode="drop")
+    used = jnp.argsort(~present, stable=True).astype(jnp.int32)
+    return LoRARows(slot, used, jnp.sum(present, dtype=jnp.int32))
 
 
 def project(layer: dict[str, jax.Array], key: str, x: jax.Array, bias: Optional[str] = None) -> jax.Array:
@@ -383,10 +408,13 @@ def hidden_states(
     flat = (num_layers * num_blocks, block_size, -1)
     layers = params["layers"]
     adapters = next((a for k, a in layers.items() if k.endswith(LORA_A)), None)
+    # The adapter slots stay stacked: lora_delta reads a used slot of the layer in place, never copying the layer's
+    # other slots.
+    adapter_leaves = {k: a for k, a in layers.items() if k.endswith((LORA_A, LORA_B))}
+    dense = {k: a for k, a in layers.items() if k not in adapter_leaves}
     rows = None
     if adapters is not None and getattr(batch, "lora_slots", None) is not None:
-        rows = lora_rows(batch.lora_slots, batch.query_start_loc, batch.num_seqs, x.shape[0], adapters.shape[1],
-                         x.dtype)
+        rows = lora_rows(batch.lora_slots, batch.query_start_loc, batch.num_seqs, x.shape[0], adapters.shape[1])
     pool = None
     if scaled_pool is not None:
         num_pooled = scaled_pool.k.shape[1]
@@ -399,10 +427,11 @@ def hidden_states(
 
             def step(carry, index, window=window, cos=cos, sin=sin):
                 x, k_flat, v_flat = carry
-                layer = with_stacked_weights(jax.tree_util.tree_map(lambda a: from_storage(a[index]), layers),
+                layer = with_stacked_weights(jax.tree_util.tree_map(lambda a: from_storage(a[index]), dense),
                                              layers, index, num_tokens)
                 if rows is not None:
-                    layer[LORA_ROWS] = rows
+                    layer.update(adapter_leaves)
+                    layer[LORA_ROWS] = rows._replace(layer=index)
                 first_block = index * num_blocks
                 tables = batch.block_tables + first_block
                 if pool is not None:

@@ -14,7 +14,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxllm.models.common import (LORA_A, LORA_B, LORA_ROWS, KVCache, Params, apply_rope, compute_logits,
+from jaxllm.models.common import (LORA_A, LORA_B, LORA_ROWS, KVCache, LoRARows, Params, apply_rope, compute_logits,
                                   layer_segments, rope_cos_sin)
 from jaxllm.models.config import ModelConfig
 
@@ -138,8 +138,9 @@ def _dense_forward(params: Params, input_ids: jax.Array, keys: jax.Array, cfg: M
 
         def step(x, layer, ctx=ctx):
             if any(k.endswith(LORA_A) for k in layer):
-                # Every token in the adapter's one slot (the engine's slot layout, so ``project`` adds its term).
-                layer = {**layer, LORA_ROWS: jnp.ones((b * n, 1), x.dtype)}
+                # Every token in the adapter's one slot (the engine's slot layout, so ``project`` adds its term); a
+                # fixed count keeps the loop differentiable.
+                layer = {**layer, LORA_ROWS: LoRARows(jnp.zeros(b * n, jnp.int32), jnp.zeros(1, jnp.int32), 1)}
             return fam.layer(layer, x, None, ctx)[0], None
 
         x, _ = jax.lax.scan(step, x, jax.tree_util.tree_map(lambda a: a[start:stop], layers))

@@ -6,8 +6,10 @@ Slot layout, per targeted projection ``key`` (``jaxllm.lora.peft.LORA_TARGETS`` 
     "<key>_lora_a": [L, max_loras, in, max_lora_rank]    "<key>_lora_b": [L, max_loras, max_lora_rank, out]
 
 in the compute dtype, an adapter's rank zero-padded to ``max_lora_rank`` and its scale folded into B, so the
-projection adds ``(x A_slot) B_slot`` for each token row of a slot (``jaxllm.models.common.lora_delta``) with one
-fixed shape whatever the adapters: loading, evicting or switching one compiles nothing (vLLM's punica slots).
+projection adds ``(x A_slot) B_slot`` for each token row of a slot (``jaxllm.models.common.lora_delta``: a loop
+over the slots the step's rows use) with one fixed shape whatever the adapters: loading, evicting or switching
+one compiles nothing (vLLM's punica slots). Under tensor parallelism A and B split as their projection
+(``jaxllm.worker.sharding``: A on a row-parallel projection's input axis, B on a column-parallel one's output).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jaxllm.models import Family, param_layout
 from jaxllm.models.common import LORA_A, LORA_B
 from jaxllm.models.config import ModelConfig
 from jaxllm.worker.programs import CompileStats, abstract
+from jaxllm.worker.sharding import ModelSharding
 
 
 def _write_slot(leaves: dict[str, jax.Array], slot: jax.Array, new: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -38,7 +41,8 @@ class LoRASlots:
 
     Args:
       cfg: the model. layer_keys: its family's layer keys (targets it lacks get no slot). dtype: compute dtype.
-      max_loras: slots. max_lora_rank: padded rank R. sharding: where the arrays live (replicated).
+      max_loras: slots. max_lora_rank: padded rank R. sharding: the model's ``ModelSharding`` (each leaf split
+        as its projection, ``ModelSharding.param_shardings``).
       stats: the runner's ``CompileStats`` (the write program is counted there).
 
     Attributes:
@@ -47,14 +51,16 @@ class LoRASlots:
     """
 
     def __init__(self, cfg: ModelConfig, layer_keys: set[str], dtype: Any, *, max_loras: int, max_lora_rank: int,
-                 sharding: jax.sharding.Sharding, stats: CompileStats):
+                 sharding: ModelSharding, stats: CompileStats):
         layout = param_layout(cfg, dtype)
         self.num_layers, self.max_loras, self.max_lora_rank = cfg.num_layers, max_loras, max_lora_rank
         self.shapes = {key: layout[f"layers/{key}"][0][1:] for key in LORA_TARGETS if key in layer_keys}
-        self.dtype, self._sharding, self._stats = np.dtype(dtype), sharding, stats
-        self.leaves = jax.device_put(
-            {name: np.zeros(shape, self.dtype) for name, shape in self._leaf_shapes(with_slots=True).items()},
-            sharding)
+        self.dtype, self._replicated, self._stats = np.dtype(dtype), sharding.replicated, stats
+        shapes = self._leaf_shapes(with_slots=True)
+        self._shardings = sharding.param_shardings(
+            {"layers": {name: jax.ShapeDtypeStruct(shape, self.dtype) for name, shape in shapes.items()}})["layers"]
+        self.leaves = jax.device_put({name: np.zeros(shape, self.dtype) for name, shape in shapes.items()},
+                                     self._shardings)
         self._write: Optional[Any] = None
 
     def _leaf_shapes(self, with_slots: bool) -> dict[str, tuple[int, ...]]:
@@ -72,10 +78,10 @@ class LoRASlots:
     def warmup(self) -> None:
         """Build the slot-write program (once)."""
         if self._write is None:
-            new = {name: jax.ShapeDtypeStruct(shape, self.dtype, sharding=self._sharding)
+            new = {name: jax.ShapeDtypeStruct(shape, self.dtype, sharding=self._replicated)
                    for name, shape in self._leaf_shapes(with_slots=False).items()}
-            slot = jax.ShapeDtypeStruct((), np.int32, sharding=self._sharding)
-            fn = jax.jit(_write_slot, donate_argnums=(0,), out_shardings=self._sharding)
+            slot = jax.ShapeDtypeStruct((), np.int32, sharding=self._replicated)
+            fn = jax.jit(_write_slot, donate_argnums=(0,), out_shardings=self._shardings)
             self._write = self._stats.compile(fn, self.abstract(), slot, new)
 
     def write(self, slot: int, weights: Optional[LoRAWeights]) -> None:
@@ -86,7 +92,7 @@ class LoRASlots:
             rank = a.shape[-1]
             new[key + LORA_A][..., :rank] = a
             new[key + LORA_B][:, :rank] = b * np.float32(weights.scale)
-        self.leaves = self._write(self.leaves, np.int32(slot), jax.device_put(new, self._sharding))
+        self.leaves = self._write(self.leaves, np.int32(slot), jax.device_put(new, self._replicated))
 
 
 class LoRAManager:

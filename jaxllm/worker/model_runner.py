@@ -151,7 +151,7 @@ class ModelRunner:
         self.compile_stats = CompileStats()
         self.lora = lora = None if not max_loras else LoRASlots(
             cfg, family(cfg).layer_keys(cfg), dtype, max_loras=max_loras, max_lora_rank=max_lora_rank,
-            sharding=replicated, stats=self.compile_stats)
+            sharding=sharding, stats=self.compile_stats)
         self.weights = WeightStore(cfg, params, float_bits_storage=float_bits_storage)
         self.cache_engine = CacheEngine(
             cfg, num_blocks=num_blocks, block_size=block_size, dtype=storage_dtype(kv_dtype, float_bits_storage),

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.models import family
+from jaxllm.models.common import LORA_A, LORA_B
 from jaxllm.models.config import ModelConfig
 from kernels_pallas.ops import AttentionOps
 
@@ -73,11 +74,19 @@ SCALE_SUFFIX = "_scale"
 
 
 def _axes(key: str, ndim: int, table: dict[str, tuple[Optional[str], ...]]) -> tuple[Optional[str], ...]:
-    """Logical axes of parameter ``key`` in ``table`` (a ``_scale`` takes its weight's; unknown: replicated)."""
+    """Logical axes of parameter ``key`` in ``table`` (a ``_scale`` takes its weight's, a LoRA slot leaf its
+    projection's input or output axis; unknown: replicated)."""
     if key in table:
         return table[key]
     if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in table:
         return table[key[: -len(SCALE_SUFFIX)]]
+    # A LoRA slot leaf of a projection (jaxllm.worker.lora): A [N, in, R] takes the projection's input axis, B
+    # [N, R, out] its output axis, so a column-parallel projection's B splits with its columns (A replicated) and a
+    # row-parallel one's A with its rows (B replicated; x A is a partial sum reduced like the projection's own).
+    if key.endswith(LORA_A) and key[: -len(LORA_A)] in table:
+        return (None, table[key[: -len(LORA_A)]][0], None)
+    if key.endswith(LORA_B) and key[: -len(LORA_B)] in table:
+        return (None, None, table[key[: -len(LORA_B)]][-1])
     return (None,) * ndim
 
 
