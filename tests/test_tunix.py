@@ -2,13 +2,13 @@
 
 tunix's pins (``google-tunix==0.1.7``: transformers 5.12, tokenizers 0.22.2, safetensors < 0.8, huggingface-hub 1.x)
 sit below the main test environment's, so tunix is the ``[tunix]`` extra, not in ``[test]``: these tests run in an
-environment with ``pip install -e ".[tunix,test]"`` and are skipped where tunix is not importable.
+environment with ``pip install -e ".[tunix,test]"`` (tests/test_tunix_env.py makes one and runs them there) and are
+skipped where tunix is not importable.
 
-Per GRPO step (``scripts/tunix_grpo.py``'s recorder): the engine's logprobs are within 2e-5 * max(1, |logprob|) of
-tunix's recomputation from the trainer's weights (``compute_per_token_logps``, the logits divided by T=0.9 in the
-processed mode; float32 on both sides, each about 1e-5 from a float64 forward at |logprob| ~3, as HF transformers'
-float32 is), the engine's weights equal the trainer's after each sync, nothing compiles after the first step, and
-the reward rises.
+Per GRPO step (``scripts/tunix_grpo.py``'s recorder): the engine's logprobs are within ATOL of tunix's recomputation
+from the trainer's weights (``compute_per_token_logps``, the logits divided by T=0.9 in the processed mode, as the
+engine's sampler does before its float32 log_softmax), the engine's weights equal the trainer's after each sync,
+nothing compiles after the first step, and the reward rises.
 """
 
 from __future__ import annotations
@@ -22,20 +22,24 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 
 STEPS = 4
 GROUP = 4
+# Not 1e-5: that is below float32's own error on these logits (|logit| up to 24, float32 spacing 1.9e-6 there). The
+# engine's paged forward, tunix's dense one and jaxllm's dense_forward are each 1.1e-5 to 1.6e-5 from a float64
+# forward of the same weights over a GRPO step's 384 tokens (the log_softmax's share is 1e-6), so two of them may
+# differ by the sum, 3.2e-5; they differ by 1.3e-5 to 1.4e-5.
+ATOL = 3e-5
 
 
 @pytest.fixture(scope="module", params=["raw_logprobs", "processed_logprobs"])
 def grpo(request):
     """(per-step records, the rollout) of STEPS GRPO steps on jaxllm with the engine in ``request.param``'s mode."""
-    return run("jaxllm", STEPS, check=True, atol=2e-5, logprobs_mode=request.param, temperature=0.9,
+    return run("jaxllm", STEPS, check=True, atol=ATOL, logprobs_mode=request.param, temperature=0.9,
                num_generations=GROUP)
 
 
 def test_grpo_on_jaxllm_learns_syncs_exactly_and_compiles_nothing_after_the_first_step(grpo):
     steps, rollout = grpo
     assert len(steps) == STEPS
-    assert all(s["logprob_max_diff"] <= 2e-5 for s in steps), [s["logprob_max_diff"] for s in steps]
-    assert all(s["logprob_max_abs_diff"] <= 5e-5 for s in steps), [s["logprob_max_abs_diff"] for s in steps]
+    assert all(s["logprob_max_abs_diff"] <= ATOL for s in steps), [s["logprob_max_abs_diff"] for s in steps]
     # tunix syncs the engine after every step: each later step's rollout follows a sync whose weights were checked.
     assert all(s.get("sync_weights_equal") for s in steps[1:]), [sorted(s) for s in steps]
     assert all(s["sync_bytes"] > 0 for s in steps[1:])
