@@ -6,10 +6,11 @@ folder once); prompts are plain text (no chat template); the reward is how often
 Per step it records the mean reward, rollout tokens/s and CPU seconds, weight sync seconds and bytes, and programs
 XLA compiled; for jaxllm it also records, per step, the largest difference between the engine's logprobs
 (``--logprobs-mode``) and tunix's recomputation from the trainer's weights, and with ``--check`` asserts it is at
-most ``--atol`` times max(1, |logprob|) and that the engine's weights equal the trainer's after each sync. It prints
-a per-step and a side-by-side table; ``--result-file MACHINE`` writes them to
-``docs/benchmarks/results/<date>-<MACHINE>-tunix-grpo.json`` (a file of the same day keeps its other models' tables)
-and renders its Markdown page.
+most ``--atol`` times max(1, |logprob|) and that the engine's weights equal the trainer's after each sync.
+``--lora-rank R`` makes the actor a qwix LoRA actor (rank R on every projection), whose syncs send its LoRA leaves
+only (to the engine's adapter slot). It prints a per-step and a side-by-side table; ``--result-file MACHINE`` writes
+them to ``docs/benchmarks/results/<date>-<MACHINE>-tunix-grpo.json`` (a file of the same day keeps its other models'
+tables) and renders its Markdown page.
 
     python scripts/tunix_grpo.py --steps 8 --engines jaxllm,vanilla [--result-file MACHINE]
     python scripts/tunix_grpo.py --model default --steps 5 [--result-file MACHINE]
@@ -49,7 +50,8 @@ from tunix.rl.grpo import grpo_learner  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 
 from jaxllm.loader.gguf import load_gguf  # noqa: E402
-from jaxllm.loader.nnx import params_from_nnx  # noqa: E402
+from jaxllm.loader.nnx import nnx_param_arrays, params_from_nnx  # noqa: E402
+from jaxllm.loader.nnx_names import jaxllm_lora_leaves, name_map_of  # noqa: E402
 from jaxllm.named_models import resolve_model  # noqa: E402
 from jaxllm.rl.tunix import JaxllmRollout  # noqa: E402
 from jaxllm.tokenizer import Tokenizer  # noqa: E402
@@ -179,19 +181,53 @@ class Recorder:
         for path, leaf in jax.tree_util.tree_flatten_with_path(want)[0]:
             have = functools.reduce(lambda t, k: t[k.key], path, got)
             np.testing.assert_array_equal(np.asarray(have), np.asarray(leaf), err_msg=str(path))
+        if self.rollout.lora_request is not None:
+            self._check_lora()
+
+    def _check_lora(self) -> None:
+        """The engine's adapter equals the trainer's LoRA leaves: the values it holds exactly, and its device slot
+        as the engine lays it out (rank padded with zeros, B times the scale)."""
+        lora = nnx_param_arrays(nnx.state(self.actor, nnx.LoRAParam), lora=True)
+        want = dict(jaxllm_lora_leaves(lora, name_map_of(self.actor), self.rollout.cfg.num_layers))
+        manager = self.rollout.llm.engine.core.lora
+        lora_id = self.rollout.lora_request.lora_int_id
+        held = manager.weights(lora_id).tensors
+        slot = manager.slot_ids.index(lora_id)
+        scale = np.float32(self.rollout.lora_scale)
+        for path, leaf in want.items():
+            key, _, which = path.removeprefix("layers/").rpartition("_lora_")
+            leaf = np.asarray(leaf)
+            np.testing.assert_array_equal(np.asarray(held[key]["ab".index(which)]), leaf, err_msg=path)
+            in_slot = np.asarray(manager.slots.leaves[f"{key}_lora_{which}"][:, slot])
+            rank = leaf.shape[-1] if which == "a" else leaf.shape[1]
+            if which == "a":
+                np.testing.assert_array_equal(in_slot[..., :rank], leaf, err_msg=path)
+                assert not in_slot[..., rank:].any(), path
+            else:
+                np.testing.assert_array_equal(in_slot[:, :rank], leaf * scale, err_msg=path)
+                assert not in_slot[:, rank:].any(), path
 
 
 def run(engine: str, steps: int, *, model: str = "stories260K", word: str = "the", check: bool = False,
         atol: float = 2e-5, temperature: float = 0.9, logprobs_mode: str = "processed_logprobs",
-        num_generations: int = 4, max_tokens: int = 24, learning_rate: float = 3e-3) -> tuple[list[dict], Any]:
+        num_generations: int = 4, max_tokens: int = 24, learning_rate: float = 3e-3, lora_rank: int = 0,
+        lora_alpha: float = 16.0) -> tuple[list[dict], Any]:
     """``steps`` GRPO steps with ``engine`` ("jaxllm" or "vanilla") on ``model`` (:func:`model_folder`), Adam at
-    ``learning_rate``; one dict per step, and the rollout."""
+    ``learning_rate``; one dict per step, and the rollout. ``lora_rank``: train a qwix LoRA actor of that rank and
+    ``lora_alpha`` on every projection (0: full weights)."""
     folder = model_folder(model)
     hf_config = json.loads((folder / "config.json").read_text())
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = 0  # stories260K has no pad token; <unk> (0) never appears in a completion
     actor = tunix_actor(folder)
+    lora = {}
+    if lora_rank:
+        import qwix
+
+        provider = qwix.LoraProvider(module_path=".*(q|k|v|o|gate|up|down)_proj", rank=lora_rank, alpha=lora_alpha)
+        actor = qwix.apply_lora_to_model(actor, provider, **actor.get_model_input(), rngs=nnx.Rngs(0))
+        lora = {"lora_provider": provider}
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     rows = len(PROMPTS) * num_generations
     rollout_config = base_rollout.RolloutConfig(
@@ -199,7 +235,7 @@ def run(engine: str, steps: int, *, model: str = "stories260K", word: str = "the
         seed=0, return_logprobs=engine == "jaxllm", rollout_vllm_logprobs_mode=logprobs_mode)
     rollout_engine = "vanilla" if engine == "vanilla" else functools.partial(
         JaxllmRollout, model=str(folder), max_num_seqs=rows, max_model_len=64, max_num_batched_tokens=64,
-        precompile=True)
+        precompile=True, **lora)
     cluster = rl_cluster_lib.RLCluster(
         actor=actor, tokenizer=tokenizer,
         cluster_config=rl_cluster_lib.ClusterConfig(
@@ -306,6 +342,7 @@ def main() -> None:
                    help="tunix's rollout_vllm_logprobs_mode (the engine's logprobs_mode)")
     p.add_argument("--check", action="store_true", help="assert weights equal after each sync and logprobs close")
     p.add_argument("--atol", type=float, default=2e-5)
+    p.add_argument("--lora-rank", type=int, default=0, help="train a qwix LoRA actor of this rank (0: full weights)")
     p.add_argument("--json", help="write the per-step records here")
     p.add_argument("--result-file", metavar="MACHINE", help="write docs/benchmarks/results/<date>-MACHINE-tunix-grpo")
     args = p.parse_args()
@@ -313,7 +350,7 @@ def main() -> None:
     for engine in args.engines.split(","):
         results[engine], _ = run(engine, args.steps, model=args.model, word=args.word, check=args.check,
                                  atol=args.atol, temperature=args.temperature, logprobs_mode=args.logprobs_mode,
-                                 learning_rate=args.learning_rate)
+                                 learning_rate=args.learning_rate, lora_rank=args.lora_rank)
         if args.json:
             Path(args.json).write_text(json.dumps(results))
     rows = table_rows(results)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxllm.loader import load_model
 from jaxllm.loader.nnx import params_from_nnx
-from jaxllm.loader.nnx_names import GEMMA3, LLAMA3, NameMap
+from jaxllm.loader.nnx_names import GEMMA3, LLAMA3, NameMap, _parse, jaxllm_leaves, jaxllm_lora_leaves
 from jaxllm.models import dense_forward
 
 from tests.conftest import STORIES
@@ -151,3 +151,40 @@ def test_dense_forward_under_an_explicit_mesh(stories):
         placed = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         jitted = jax.jit(lambda p, i: dense_forward(p, i, cfg=cfg, attention_mask=i > 0))(placed, rows)
     np.testing.assert_allclose(np.asarray(jitted), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name_map", [LLAMA3, GEMMA3], ids=["llama3", "gemma3"])
+def test_every_kernels_lora_pair_converts_to_the_same_update_of_the_engines_leaf(name_map):
+    """qwix's pair of a kernel with axes ``lhs`` (A: the kernel's input axes then the rank, B: the rank then the
+    rest) adds ``sum_r A B`` to the kernel; the engine's pair adds ``A @ B`` to its ``[in, out]`` leaf. For every
+    kernel of the maps (einsum merges, o's two input axes, Gemma's fused qkv / kv split), the converted pair's
+    product is the converted kernel update."""
+    rng = np.random.default_rng(0)
+    size = {"e": 6, "n": 2, "h": 3, "k": 1, "f": 5, "s": 3}
+    for kernel, (keys, spec) in name_map.layer.items():
+        lhs, groups = _parse(spec)
+        if len(lhs) < 2:
+            continue  # norms and biases: no LoRA
+        fan_in = groups[1] if isinstance(keys, tuple) else groups[0]
+        size["s"] = len(keys) if isinstance(keys, tuple) else 1
+        a_axes, b_axes = [x for x in lhs if x in fan_in], [x for x in lhs if x not in fan_in]
+        a = rng.standard_normal([size[x] for x in a_axes] + [4]).astype(np.float32)
+        b = rng.standard_normal([4] + [size[x] for x in b_axes]).astype(np.float32)
+        delta = np.einsum(f"{''.join(a_axes)}r,r{''.join(b_axes)}->{''.join(lhs)}", a, b)
+        one = NameMap(top={}, layer={kernel: (keys, spec)})
+        want = dict(jaxllm_leaves({f"layers.0.{kernel}": delta}, one, 1))
+        got = dict(jaxllm_lora_leaves({f"layers.0.{kernel}_lora_a": a, f"layers.0.{kernel}_lora_b": b}, one, 1))
+        assert sorted(got) == sorted(f"{p}_lora_{x}" for p in want for x in "ab"), (kernel, sorted(got))
+        for path, update in want.items():
+            product = np.asarray(got[path + "_lora_a"][0]) @ np.asarray(got[path + "_lora_b"][0])
+            np.testing.assert_allclose(product, np.asarray(update[0]), rtol=1e-5, atol=1e-5, err_msg=kernel)
+
+
+def test_a_lora_leaf_the_map_cannot_adapt_is_named():
+    with pytest.raises(ValueError, match=r"'embedder\.input_embedding_lora_a' is not the LoRA pair"):
+        dict(jaxllm_lora_leaves({"embedder.input_embedding_lora_a": np.zeros((8, 2))}, LLAMA3, 1))
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.q_proj\.w_lora_a has no b half"):
+        dict(jaxllm_lora_leaves({"layers.0.attn.q_proj.w_lora_a": np.zeros((6, 2))}, LLAMA3, 1))
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.q_proj\.w_lora_b has shape \(2, 6\); .* r n h"):
+        dict(jaxllm_lora_leaves({"layers.0.attn.q_proj.w_lora_a": np.zeros((6, 2)),
+                                 "layers.0.attn.q_proj.w_lora_b": np.zeros((2, 6))}, LLAMA3, 1))

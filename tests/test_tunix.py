@@ -17,8 +17,14 @@ import pytest
 
 pytest.importorskip("tunix", reason="tunix is the [tunix] extra (its pins conflict with [test])")
 
-from scripts.tunix_grpo import run  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from scripts.tunix_grpo import PROMPTS, run  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
+
+from jaxllm.loader.nnx_names import LLAMA3, jaxllm_lora_leaves  # noqa: E402
 
 STEPS = 4
 GROUP = 4
@@ -59,3 +65,51 @@ def test_a_group_of_repeats_under_one_seed_gets_distinct_reproducible_seeds(grpo
     assert [p.seed for p in rollout.sampling_params(config, GROUP)] == first
     other = base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=16, temperature=0.9, seed=8)
     assert [p.seed for p in rollout.sampling_params(other, GROUP)] != first
+
+
+LORA_STEPS = 3
+LORA_RANK = 4
+
+
+@pytest.fixture(scope="module")
+def grpo_lora():
+    """(per-step records, the rollout) of LORA_STEPS GRPO steps with a rank-LORA_RANK qwix LoRA actor on jaxllm
+    (processed logprobs at T=0.9); the recorder checks each sync's adapter against the trainer's LoRA leaves."""
+    return run("jaxllm", LORA_STEPS, check=True, atol=2e-5, logprobs_mode="processed_logprobs", temperature=0.9,
+               num_generations=GROUP, lora_rank=LORA_RANK)
+
+
+def test_a_lora_actor_syncs_only_its_lora_leaves_into_one_adapter_slot_with_no_compilation(grpo_lora):
+    steps, rollout = grpo_lora
+    assert len(steps) == LORA_STEPS
+    assert [(r.lora_name, r.lora_int_id) for r in rollout.llm.list_loras()] == [("tunix-actor", 1)]
+    # Sampled under the adapter: within the full-weight tests' tolerance of tunix's recomputation with qwix's LoRA.
+    assert all(s["logprob_max_diff"] <= 2e-5 for s in steps), [s["logprob_max_diff"] for s in steps]
+    # After each sync: base weights, the engine's held A/B and its device slot (B times alpha / rank) exact.
+    assert all(s.get("sync_weights_equal") for s in steps[1:]), [sorted(s) for s in steps]
+    assert rollout.lora_scale == 16.0 / LORA_RANK
+    assert all(s["rollout_compilations"] == 0 for s in steps[1:]), [s["rollout_compilations"] for s in steps]
+    assert all(s["sync_compilations"] == 0 for s in steps[2:]), [s["sync_compilations"] for s in steps]
+    # Only the LoRA leaves travel: 7 projections x 5 layers x (A + B), float32.
+    lora_bytes = sum(int(np.prod(shape)) * 4 for shape in rollout._lora_shapes.values())
+    full_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(rollout.llm.get_params()))
+    assert len(rollout._lora_shapes) == 7 * 5 * 2
+    assert all(s["sync_bytes"] == lora_bytes for s in steps[1:]), ([s["sync_bytes"] for s in steps], lora_bytes)
+    print(f"LoRA sync {lora_bytes} bytes a step, a full sync {full_bytes} bytes")
+
+
+def test_a_lora_sync_names_a_leaf_that_is_not_the_actors(grpo_lora):
+    _, rollout = grpo_lora
+    held = rollout.llm.engine.core.lora.weights
+    before = {k: tuple(map(np.asarray, pair)) for k, pair in held(rollout.lora_request.lora_int_id).tensors.items()}
+    misshapen = nnx.State.from_flat_path(
+        {("layers", 0, "attn", "q_proj", "w_lora_a"): nnx.LoRAParam(jnp.zeros((64, LORA_RANK + 1)))})
+    with pytest.raises(ValueError, match=r"'layers\.0\.attn\.q_proj\.w_lora_a' of shape \(64, 5\).*\(64, 4\)"):
+        rollout.update_params(misshapen, (nnx.LoRAParam,))
+    unknown = nnx.State.from_flat_path({("lm_head", "w_lora_a"): nnx.LoRAParam(jnp.zeros((64, LORA_RANK)))})
+    with pytest.raises(ValueError, match=r"'lm_head\.w_lora_a'"):
+        rollout.update_params(unknown, (nnx.LoRAParam,))
+    with pytest.raises(ValueError, match=r"'lm_head\.w_lora_a' is not the LoRA pair of a layer kernel"):
+        dict(jaxllm_lora_leaves({"lm_head.w_lora_a": jnp.zeros((64, LORA_RANK))}, LLAMA3, 5))
+    after = held(rollout.lora_request.lora_int_id).tensors
+    assert all(np.array_equal(np.asarray(after[k][i]), before[k][i]) for k in before for i in (0, 1))

@@ -101,12 +101,14 @@ def params_from_nnx(model: Any, hf_config: dict[str, Any], dtype: Any = np.float
     return cfg, params_from_mapped_nnx(model, cfg, name_map, dtype)
 
 
-def nnx_param_arrays(model: Any) -> dict[str, Any]:
-    """NNX dotted path -> array of every ``nnx.Param`` of ``model`` (a Module or a State), no copies."""
+def nnx_param_arrays(model: Any, lora: bool = False) -> dict[str, Any]:
+    """NNX dotted path -> array of every ``nnx.Param`` of ``model`` (a Module or a State) but its
+    ``nnx.LoRAParam`` leaves (a LoRA model's base weights), or with ``lora`` of those only; no copies."""
     nnx = _nnx()
     state = model if isinstance(model, nnx.State) else nnx.state(model, nnx.Param)
     return {".".join(str(part) for part in path): variable.get_value()
-            for path, variable in nnx.to_flat_state(state) if isinstance(variable, nnx.Param)}
+            for path, variable in nnx.to_flat_state(state)
+            if isinstance(variable, nnx.Param) and isinstance(variable, nnx.LoRAParam) == lora}
 
 
 def params_from_mapped_nnx(model: Any, cfg: ModelConfig, name_map: NameMap, dtype: Any) -> Params:

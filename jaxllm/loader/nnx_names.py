@@ -7,6 +7,10 @@ a leaf listing several jaxllm keys is a fused kernel, split along the spec's fir
 stacked ``[L, ...]``) are in ``jaxllm.models.layout``. :data:`NAME_MAPS` holds tunix's Llama 3, Qwen 2, Qwen 3
 (dense) and Gemma 3 text models, keyed by class (``module.QualName``); their axes follow tunix's
 ``models/<family>/params.py`` loaders, whose HF checkpoints jaxllm reads with the same numbers.
+
+The same map converts a qwix LoRA actor's adapter (:func:`jaxllm_lora_leaves`): qwix names a kernel's pair
+``<kernel>_lora_a`` (the kernel's input axes, then the rank) and ``<kernel>_lora_b`` (the rank, then its output axes),
+which become the engine's ``layers/<key>_lora_a [L, in, r]`` and ``layers/<key>_lora_b [L, r, out]``.
 """
 
 from __future__ import annotations
@@ -112,6 +116,67 @@ def jaxllm_leaves(flat: Mapping[str, jax.Array], name_map: NameMap, num_layers: 
         yield from _named(keys, stacked, "layers/")
 
 
+def _lora_specs(spec: str, split: bool) -> tuple[str, str]:
+    """Axis specs of a qwix LoRA pair from its kernel's ``spec``: A holds the kernel's input axes (those of the
+    jaxllm leaf's ``in`` group, in the kernel's order) then the rank ``r``; B the rank then the other axes."""
+    lhs, groups = _parse(spec)
+    fused, (fan_in, fan_out) = (groups[0], groups[1:]) if split else ([], groups)
+    a_axes = [axis for axis in lhs if axis in fan_in]
+    b_axes = [axis for axis in lhs if axis not in fan_in]
+    group = lambda axes: "(" + " ".join(axes) + ")"  # noqa: E731
+    fused_out = group(fused) + " " if fused else ""
+    return (f"{' '.join(a_axes)} r -> {group(fan_in)} r",
+            f"r {' '.join(b_axes)} -> {fused_out}r {group(fan_out)}")
+
+
+def jaxllm_lora_leaves(flat: Mapping[str, jax.Array], name_map: NameMap, num_layers: int
+                       ) -> Iterator[tuple[str, jax.Array]]:
+    """``(jaxllm path, device array)`` per LoRA leaf of the engine (``"layers/wq_lora_a"`` ``[L, in, r]``,
+    ``"layers/wq_lora_b"`` ``[L, r, out]``) from a qwix LoRA model's ``nnx.LoRAParam`` leaves, unscaled.
+
+    Args:
+      flat: NNX dotted path -> array (``layers.<i>.<kernel>_lora_a`` / ``_lora_b``, as qwix names them), on any
+        devices. name_map: the model's :class:`NameMap` (its layer kernels). num_layers: the decoder's layers.
+
+    Yields:
+      each engine leaf once, converted on the leaves' devices (jitted, no host copy); a fused kernel's pair
+      (Gemma's qkv) gives each of its keys the shared A and its own slice of B.
+
+    Raises:
+      ValueError: a leaf that is not the LoRA pair of a layer kernel of the map (an embedding's, the head's), a
+        missing layer or half of a pair, or a shape that does not fit the kernel's axes (the NNX path named).
+    """
+    prefix = re.compile(rf"{re.escape(name_map.layers)}\.(\d+)\.(.+)_lora_([ab])")
+    per_layer: dict[tuple[str, str], dict[int, jax.Array]] = {}
+    for path, array in flat.items():
+        match = prefix.fullmatch(path)
+        if not match or match.group(2) not in name_map.layer:
+            known = [f"{name_map.layers}.*.{p}_lora_a" for p in sorted(name_map.layer)]
+            raise ValueError(f"NNX LoRA leaf {path!r} is not the LoRA pair of a layer kernel the engine adapts "
+                             f"(known: {known}, and their _lora_b)")
+        per_layer.setdefault((match.group(2), match.group(3)), {})[int(match.group(1))] = array
+    for (kernel, which), arrays in per_layer.items():
+        where = f"{name_map.layers}.{{}}.{kernel}_lora_{which}"
+        missing = [i for i in range(num_layers) if i not in arrays]
+        if missing or (kernel, "ab"[which == "a"]) not in per_layer:
+            raise ValueError(f"NNX LoRA leaf {where.format(missing[0] if missing else 0)}"
+                             + (f" is missing ({num_layers} layers)" if missing else
+                                f" has no {'ab'[which == 'a']} half"))
+        keys, spec = name_map.layer[kernel]
+        split = isinstance(keys, tuple)
+        lora_spec = _lora_specs(spec, split)[which == "b"]
+        lhs, _ = _parse(lora_spec)
+        shape = tuple(arrays[0].shape)
+        if len(lhs) != len(shape) or (split and which == "b" and shape[1] != len(keys)):
+            raise ValueError(f"NNX LoRA leaf {where.format(0)} has shape {shape}; its kernel's name map expects "
+                             f"axes {' '.join(lhs)}")
+        stacked = _converter(lora_spec, split and which == "b", num_layers)(*(arrays[i] for i in range(num_layers)))
+        if split and which == "a":
+            stacked = (stacked,) * len(keys)
+        yield from _named(tuple(f"{k}_lora_{which}" for k in keys) if split else f"{keys}_lora_{which}", stacked,
+                          "layers/")
+
+
 def _named(keys: Keys, value: Any, prefix: str) -> Iterator[tuple[str, jax.Array]]:
     if isinstance(keys, tuple):
         yield from ((prefix + key, part) for key, part in zip(keys, value))
@@ -158,6 +223,7 @@ NAME_MAPS: dict[str, NameMap] = {
 
 
 def name_map_of(model: Any) -> NameMap | None:
-    """The :data:`NAME_MAPS` entry of ``model``'s class, or None."""
-    cls = type(model)
-    return NAME_MAPS.get(f"{cls.__module__}.{cls.__qualname__}")
+    """The :data:`NAME_MAPS` entry of ``model``'s class or of the nearest base class that has one (qwix's LoRA and
+    quantized models are instances of a subclass it makes), or None."""
+    return next((NAME_MAPS[f"{cls.__module__}.{cls.__qualname__}"] for cls in type(model).__mro__
+                 if f"{cls.__module__}.{cls.__qualname__}" in NAME_MAPS), None)

@@ -31,7 +31,7 @@ class LoRAWeights:
     Attributes:
       rank: PEFT's ``r``. scale: the factor applied to ``x A B`` (alpha / r, or alpha / sqrt(r) for rsLoRA).
       tensors: target key (``LORA_TARGETS``) -> ``(A float32 [L, in, rank], B float32 [L, rank, out])``, unscaled;
-        a layer the adapter leaves alone has zeros.
+        a layer the adapter leaves alone has zeros. Numpy, or the device arrays ``LLM.update_lora`` was given.
     """
 
     rank: int

@@ -18,6 +18,7 @@ import collections
 from typing import Any, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.core.messages import flatten
@@ -62,6 +63,11 @@ class LoRASlots:
         self.leaves = jax.device_put({name: np.zeros(shape, self.dtype) for name, shape in shapes.items()},
                                      self._shardings)
         self._write: Optional[Any] = None
+        # Device-array adapters (``LoRAManager.update``): each slot's index as a device scalar, made at warm-up so a
+        # write under a host-transfer guard moves nothing through the host; (targets, rank, scale) -> the jitted
+        # pad-and-scale program.
+        self._slot_index: list[jax.Array] = []
+        self._pad: dict[tuple[Any, ...], Any] = {}
 
     def _leaf_shapes(self, with_slots: bool) -> dict[str, tuple[int, ...]]:
         slots, rank, layers = (self.max_loras,) if with_slots else (), self.max_lora_rank, self.num_layers
@@ -83,16 +89,42 @@ class LoRASlots:
             slot = jax.ShapeDtypeStruct((), np.int32, sharding=self._replicated)
             fn = jax.jit(_write_slot, donate_argnums=(0,), out_shardings=self._shardings)
             self._write = self._stats.compile(fn, self.abstract(), slot, new)
+            self._slot_index = [jax.device_put(np.int32(s), self._sharding) for s in range(self.max_loras)]
 
     def write(self, slot: int, weights: Optional[LoRAWeights]) -> None:
-        """Fill slot ``slot`` with ``weights`` (rank padded, scale folded into B), or zeros for None."""
+        """Fill slot ``slot`` with ``weights`` (rank padded, scale folded into B), or zeros for None. Weights
+        held as device arrays are padded and scaled on the devices (nothing through the host)."""
         self.warmup()
+        if weights is not None and any(isinstance(x, jax.Array) for pair in weights.tensors.values() for x in pair):
+            self.leaves = self._write(self.leaves, self._slot_index[slot], self._padded_on_device(weights))
+            return
         new = {name: np.zeros(shape, self.dtype) for name, shape in self._leaf_shapes(with_slots=False).items()}
         for key, (a, b) in ({} if weights is None else weights.tensors).items():
             rank = a.shape[-1]
             new[key + LORA_A][..., :rank] = a
             new[key + LORA_B][:, :rank] = b * np.float32(weights.scale)
         self.leaves = self._write(self.leaves, np.int32(slot), jax.device_put(new, self._replicated))
+
+
+    def _padded_on_device(self, weights: LoRAWeights) -> dict[str, jax.Array]:
+        """``weights`` as one slot's leaves (``_leaf_shapes(with_slots=False)``), computed where the engine's are."""
+        targets = tuple(sorted(weights.tensors))
+        key = (targets, weights.rank, weights.scale)
+        if key not in self._pad:
+            shapes, rank, dtype = self._leaf_shapes(with_slots=False), self.max_lora_rank, self.dtype
+
+            def pad(tensors: dict[str, tuple[jax.Array, jax.Array]]) -> dict[str, jax.Array]:
+                new = {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()}
+                for target, (a, b) in tensors.items():
+                    fill = rank - a.shape[-1]
+                    new[target + LORA_A] = jnp.pad(a.astype(jnp.float32), ((0, 0), (0, 0), (0, fill))).astype(dtype)
+                    new[target + LORA_B] = jnp.pad(b.astype(jnp.float32) * np.float32(weights.scale),
+                                                   ((0, 0), (0, fill), (0, 0))).astype(dtype)
+                return new
+
+            self._pad[key] = jax.jit(pad, out_shardings=self._sharding)
+        placed = {t: tuple(jax.device_put(x, self._sharding) for x in pair) for t, pair in weights.tensors.items()}
+        return self._pad[key](placed)
 
 
 class LoRAManager:
@@ -249,7 +281,7 @@ class LoRAManager:
         old = self.weights(lora_id)
         given = flatten(tree)
         rank = old.rank
-        updated = {key: (a.copy(), b.copy()) for key, (a, b) in old.tensors.items()}
+        updated = dict(old.tensors)  # pairs are replaced, never written into
         for path, leaf in given.items():
             key, _, which = path.removeprefix("layers/").rpartition("_lora_")
             if not path.startswith("layers/") or which not in ("a", "b") or key not in self.slots.shapes:
@@ -257,15 +289,19 @@ class LoRAManager:
                                  f"{sorted(f'layers/{k}{s}' for k in self.slots.shapes for s in (LORA_A, LORA_B))}")
             fan_in, fan_out = self.slots.shapes[key]
             want = (self.cfg.num_layers, fan_in, rank) if which == "a" else (self.cfg.num_layers, rank, fan_out)
-            value = np.asarray(jax.device_get(leaf))
-            if tuple(value.shape) != want or not np.issubdtype(value.dtype, np.floating):
+            # A device array stays where it is (the slot write pads it there), so an RL trainer's sync needs no
+            # host round trip; anything else becomes float32 numpy.
+            value = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+            if tuple(value.shape) != want or not jnp.issubdtype(value.dtype, jnp.floating):
                 raise ValueError(f"update_lora leaf {path!r} has shape {tuple(value.shape)} and dtype {value.dtype}; "
                                  f"adapter {self.known[lora_id].lora_name!r} (rank {rank}) expects {want}, float")
+            if not isinstance(value, jax.Array):
+                value = value.astype(np.float32)
             if key not in updated:
                 updated[key] = (np.zeros((want[0], fan_in, rank), np.float32),
                                 np.zeros((want[0], rank, fan_out), np.float32))
             a, b = updated[key]
-            updated[key] = (value.astype(np.float32), b) if which == "a" else (a, value.astype(np.float32))
+            updated[key] = (value, b) if which == "a" else (a, value)
         weights = LoRAWeights(rank, old.scale, updated)
         self._pinned.add(lora_id)
         self._keep(lora_id, weights)
