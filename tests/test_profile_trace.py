@@ -71,13 +71,16 @@ def test_decode_steps_are_read_from_the_engines_descriptors_and_timed_against_th
     for prev, s in zip(steps, steps[1:]):
         # One new token a row a step: the KV read grows by the row count.
         assert s["step"] == prev["step"] + 1 and s["kv_tokens"] == prev["kv_tokens"] + ROWS
+    assert sum(s["device_busy_ms"] for s in steps) > 0
     for s in steps:
         assert s["kind"] == "decode" and s["rows"] == s["tokens"] == ROWS and s["program"][:2] == [8, ROWS]
         assert CONTEXT - 6 <= s["mean_context"] <= CONTEXT + 6 and s["max_context"] <= 64
         assert s["bytes"] == meta["weight_bytes"] + s["kv_tokens"] * meta["kv_bytes_per_token"]
         assert s["floor_ms"] == pytest.approx(s["bytes"] / (BANDWIDTH * 1e9) * 1e3)
         assert s["wall_ms"] > 0 and s["wall_over_floor"] == pytest.approx(s["wall_ms"] / s["floor_ms"])
-        assert 0 < s["device_busy_ms"] <= s["wall_ms"] and s["device_idle_ms"] == pytest.approx(
+        # A window runs from one step's start to the next's; under async scheduling the next starts while this
+        # step's program runs, so a loaded host can push a step's device work wholly into the next window.
+        assert 0 <= s["device_busy_ms"] <= s["wall_ms"] and s["device_idle_ms"] == pytest.approx(
             s["wall_ms"] - s["device_busy_ms"])
         assert 0 <= s["max_gap_ms"] <= s["device_idle_ms"] + 1e-9
         # Each step puts its batch on the device, launches the step program and reads the last one's samples.
