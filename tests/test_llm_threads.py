@@ -115,3 +115,27 @@ def test_a_bad_request_raises_in_its_caller_only_and_loses_no_block(llm, alone, 
     assert results[-1] == alone[0][:len(results[-1])]
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.core.num_free_blocks() == free
+
+
+def test_a_stream_consumer_that_holds_its_outputs_does_not_hold_up_the_other_callers(llm, alone):
+    """A consumer that stops reading (its thread busy elsewhere) keeps its outputs waiting for it; the other callers'
+    requests keep stepping without it and finish, and it then reads its own tokens whole."""
+    released, held = threading.Event(), []
+
+    def slow():
+        tokens = []
+        for out in llm.generate_stream(PROMPTS[0], PARAMS[0]):
+            tokens += out.outputs[0].delta_token_ids
+            if len(held) == 0:
+                held.append(released.wait(timeout=120))  # False: the others never finished without it
+        return tokens
+
+    slow_result: list = []
+    thread = threading.Thread(target=lambda: slow_result.append(slow()))
+    thread.start()
+    others = _in_threads([lambda i=i: llm.generate(PROMPTS[i], PARAMS[i], use_tqdm=False)[0].outputs[0].token_ids
+                          for i in range(1, NUM_THREADS)])
+    released.set()
+    thread.join(timeout=300)
+    assert others == alone[1:]
+    assert held == [True] and slow_result == [alone[0]]

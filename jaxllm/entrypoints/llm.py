@@ -7,7 +7,7 @@ import contextlib
 import itertools
 import os
 import threading
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -30,7 +30,7 @@ class _Caller:
     """One :meth:`SharedSteps.outputs` consumer: the outputs handed to it and not yet taken, and the condition its
     thread waits on (so a step wakes the callers it has outputs for, not every waiting thread)."""
 
-    def __init__(self, lock: threading.Lock, final_only: bool) -> None:
+    def __init__(self, lock: threading.RLock, final_only: bool) -> None:
         self.inbox: collections.deque = collections.deque()
         self.wake = threading.Condition(lock)
         self.final_only = final_only
@@ -49,7 +49,7 @@ class SharedSteps:
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # an abandoned stream finalized on a thread holding it closes there
         self._free = threading.Condition(self._lock)  # notified when no step runs
         self._stepping = False
         self._num_waiting = 0  # threads waiting to call the engine: served before the next step starts
@@ -72,7 +72,7 @@ class SharedSteps:
                 self._free.notify_all()
                 self._wake_one_idle()
 
-    def add(self, ids: Sequence[str], add: Any, final_only: bool = False) -> None:
+    def add(self, ids: Sequence[str], add: Callable[[], None], final_only: bool = False) -> None:
         """Run ``add()`` (which queues the requests ``ids`` into the engine) between two steps, the outputs of
         ``ids`` kept for :meth:`outputs` (only each request's last when ``final_only``). Raises what ``add``
         raises, nothing kept then."""
@@ -100,8 +100,11 @@ class SharedSteps:
 
     def _wake_one_idle(self) -> None:
         """Wake a consumer waiting with nothing to take, so it runs the next step (the lock is held)."""
-        if self._idle and not self._stepping and not self._num_waiting:
-            self._idle[0].wake.notify()
+        if not self._stepping and not self._num_waiting:
+            for idle in self._idle:
+                if not idle.inbox:
+                    idle.wake.notify()
+                    return
 
     def _take_or_step(self, caller: _Caller) -> list[RequestOutput]:
         """What ``caller``'s inbox holds, running engine steps here while it is empty and no other thread steps."""
@@ -137,10 +140,7 @@ class SharedSteps:
                         self._free.notify_all()
                     elif inbox:
                         # This thread leaves with outputs (its consumer may be slow): an idle caller steps on.
-                        for idle in self._idle:
-                            if not idle.inbox:
-                                idle.wake.notify()
-                                break
+                        self._wake_one_idle()
 
 
 class LLM:

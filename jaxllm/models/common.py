@@ -76,8 +76,8 @@ def linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array] = None,
     return y.astype(x.dtype)
 
 
-# LoRA slot leaves of a projection ``key``: ``key + LORA_A`` [N, in, R] and ``key + LORA_B`` [N, R, out] per layer
-# (``jaxllm.worker.lora``); LORA_ROWS: the step's :class:`LoRARows`.
+# LoRA slot leaves of a projection ``key``: ``key + LORA_A`` [L, N, in, R] and ``key + LORA_B`` [L, N, R, out]
+# (``jaxllm.worker.lora``), read in place per layer (``LoRARows.layer``); LORA_ROWS: the step's :class:`LoRARows`.
 LORA_A, LORA_B, LORA_ROWS = "_lora_a", "_lora_b", "lora_rows"
 
 

@@ -89,7 +89,7 @@ class LoRASlots:
             slot = jax.ShapeDtypeStruct((), np.int32, sharding=self._replicated)
             fn = jax.jit(_write_slot, donate_argnums=(0,), out_shardings=self._shardings)
             self._write = self._stats.compile(fn, self.abstract(), slot, new)
-            self._slot_index = [jax.device_put(np.int32(s), self._sharding) for s in range(self.max_loras)]
+            self._slot_index = [jax.device_put(np.int32(s), self._replicated) for s in range(self.max_loras)]
 
     def write(self, slot: int, weights: Optional[LoRAWeights]) -> None:
         """Fill slot ``slot`` with ``weights`` (rank padded, scale folded into B), or zeros for None. Weights
@@ -105,11 +105,15 @@ class LoRASlots:
             new[key + LORA_B][:, :rank] = b * np.float32(weights.scale)
         self.leaves = self._write(self.leaves, np.int32(slot), jax.device_put(new, self._replicated))
 
-
     def _padded_on_device(self, weights: LoRAWeights) -> dict[str, jax.Array]:
-        """``weights`` as one slot's leaves (``_leaf_shapes(with_slots=False)``), computed where the engine's are."""
-        targets = tuple(sorted(weights.tensors))
-        key = (targets, weights.rank, weights.scale)
+        """``weights`` (device arrays, per target ``A [L, in, r]`` and ``B [L, r, out]``, any float dtype) as one
+        slot's leaves (``_leaf_shapes(with_slots=False)``: rank padded to ``max_lora_rank``, B times the scale,
+        in the slots' dtype), computed on the devices. The program is built once per targets, rank, scale and
+        input dtypes, through the runner's ``CompileStats`` (so it is counted)."""
+        placed = {t: tuple(jax.device_put(x, self._replicated) for x in pair) for t, pair in weights.tensors.items()}
+        targets = tuple(sorted(placed))
+        key = (targets, weights.rank, weights.scale,
+               tuple((x.shape, str(x.dtype)) for t in targets for x in placed[t]))
         if key not in self._pad:
             shapes, rank, dtype = self._leaf_shapes(with_slots=False), self.max_lora_rank, self.dtype
 
@@ -122,8 +126,7 @@ class LoRASlots:
                                                    ((0, 0), (0, fill), (0, 0))).astype(dtype)
                 return new
 
-            self._pad[key] = jax.jit(pad, out_shardings=self._sharding)
-        placed = {t: tuple(jax.device_put(x, self._sharding) for x in pair) for t, pair in weights.tensors.items()}
+            self._pad[key] = self._stats.compile(jax.jit(pad, out_shardings=self._replicated), abstract(placed))
         return self._pad[key](placed)
 
 

@@ -79,6 +79,9 @@ def shared_jit(fn: Callable, donate_argnums: tuple[int, ...] = (), out_shardings
     without tracing or compiling them again (as vLLM's torch.compile cache, within one process). ``traced_from``
     (compared by identity, not passed to ``fn``) is what the trace reads besides its arguments: the model family
     resolved for ``cfg.model_type``, so that a family registered again under the same name gets programs of its own.
+
+    Raises:
+      TypeError: a ``static`` value that cannot be hashed.
     """
     return _shared_jit(fn, donate_argnums, out_shardings, _Same(traced_from), **static)
 
