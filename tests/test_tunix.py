@@ -98,6 +98,26 @@ def test_a_lora_actor_syncs_only_its_lora_leaves_into_one_adapter_slot_with_no_c
     print(f"LoRA sync {lora_bytes} bytes a step, a full sync {full_bytes} bytes")
 
 
+def test_a_lora_rollouts_per_token_logps_match_its_sampled_logprobs(grpo_lora):
+    """get_per_token_logps runs dense_forward under the synced adapter: at T=1 it gives the engine's sampled
+    logprobs of the same completions (the trained adapter is nonzero, so a missing adapter would differ)."""
+    _, rollout = grpo_lora
+    config = base_rollout.RolloutConfig(max_tokens_to_generate=8, max_prompt_length=16, temperature=1.0, seed=3,
+                                        return_logprobs=True)
+    # The class's generate: the script's recorder wraps the instance's, checking logprobs at its own temperature.
+    out = type(rollout).generate(rollout, PROMPTS, config)
+    width = max(len(t) for t in out.tokens)
+    completions = np.full((len(out.tokens), width), rollout.pad_id(), np.int32)
+    for row, t in zip(completions, out.tokens):
+        row[:len(t)] = t
+    got = np.asarray(rollout.get_per_token_logps(out.left_padded_prompt_tokens, completions))
+    for i, lp in enumerate(out.logprobs):
+        np.testing.assert_allclose(got[i, :len(lp)], lp, rtol=0, atol=ATOL)
+    base = np.asarray(rollout._logps(rollout.llm.get_params(), jnp.asarray(out.left_padded_prompt_tokens),
+                                     jnp.asarray(completions), pad_id=rollout.pad_id()))
+    assert max(float(np.abs(base[i, :len(lp)] - lp).max()) for i, lp in enumerate(out.logprobs)) > 1e-3
+
+
 def test_a_lora_sync_names_a_leaf_that_is_not_the_actors(grpo_lora):
     _, rollout = grpo_lora
     held = rollout.llm.engine.core.lora.weights
