@@ -50,7 +50,8 @@ def test_an_engine_differing_in_a_static_setting_or_a_shape_compiles_its_own_ste
     assert stats.num_compilations == len(engine.buckets) + NUM_OTHER_PROGRAMS
     # The slot programs do not depend on either change; a new KV shape rebuilds the block copy too.
     assert stats.num_reused == (NUM_OTHER_PROGRAMS if "logprobs_mode" in change else NUM_OTHER_PROGRAMS - 1)
-    assert stats.compile_seconds > 0.0
+    # Built, not reused: compiled, or loaded from a persistent cache an earlier test process filled.
+    assert stats.compile_seconds + stats.cache_load_seconds > 0.0
     if "num_kv_blocks" in change:
         assert _tokens(engine) == _tokens(first)
 

@@ -235,8 +235,9 @@ class LLM:
         return self._call("list_loras")
 
     def update_lora(self, name_or_id: Union[str, int], tree: Any) -> dict[str, Any]:
-        """Replace a known adapter's A and B between two steps, with no new compilation (for RL with a LoRA
-        actor); no prefix-cache block computed under the old values is read again.
+        """Replace a known adapter's A and B between two steps (for RL with a LoRA actor); no prefix-cache block
+        computed under the old values is read again. numpy values compile nothing; JAX arrays are padded and
+        scaled where they are (no host copy), by one program built at the first such update of their shapes.
 
         Args:
           name_or_id: the adapter's ``lora_name`` or ``lora_int_id``.
