@@ -66,18 +66,7 @@ def test_every_parameter_key_has_logical_axes(architecture, extra):
 
 
 # The last part of tests/multidevice (tests/multidevice/runner.py; tests/test_sharding_tp.py runs the first).
-PART = runner.part_modules(len(runner.PARTS))
-LISTED = runner.listed_tests(PART)
-
-
-@pytest.fixture(scope="module")
-def multidevice_run(tmp_path_factory):
-    return runner.run(PART, tmp_path_factory.mktemp("multidevice"))
-
-
-@pytest.mark.parametrize("module, function", LISTED, ids=lambda x: x)
-def test_multidevice_test_passes_on_8_cpu_devices(module, function, multidevice_run):
-    runner.check(multidevice_run, LISTED, module, function)
+multidevice_run, test_multidevice_test_passes_on_8_cpu_devices = runner.part_tests(len(runner.PARTS))
 
 
 _DISTRIBUTED_CHILD = textwrap.dedent("""

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -81,3 +82,23 @@ def check(result, functions: list[tuple[str, str]], module: str, function: str) 
     assert not unclaimed, f"cases of no top-level test function: {unclaimed}"
     assert proc.returncode == 0 or any(c[2] in ("failure", "error") for c in cases), \
         f"exit status {proc.returncode}\n{output}"
+
+
+def part_tests(index: int) -> tuple[Any, Any]:
+    """The fixture and test a main-run file binds as ``multidevice_run`` and
+    ``test_multidevice_test_passes_on_8_cpu_devices`` to run part ``index`` (:func:`part_modules`): one case per
+    listed test function of the part, all from one child run."""
+    import pytest
+
+    modules = part_modules(index)
+    listed = listed_tests(modules)
+
+    @pytest.fixture(scope="module")
+    def multidevice_run(tmp_path_factory):
+        return run(modules, tmp_path_factory.mktemp("multidevice"))
+
+    @pytest.mark.parametrize("module, function", listed, ids=lambda x: x)
+    def test_multidevice_test_passes_on_8_cpu_devices(module, function, multidevice_run):
+        check(multidevice_run, listed, module, function)
+
+    return multidevice_run, test_multidevice_test_passes_on_8_cpu_devices
