@@ -380,6 +380,64 @@ def rates_line(rates: dict[str, float]) -> str:
     return ", ".join(f"{name} {gflops:.1f}" for name, gflops in rates.items()) + " GFLOP/s"
 
 
+# HBM bandwidth by device name (a substring of ``jax.Device.device_kind`` or ``torch.cuda.get_device_name()``), GB/s,
+# from NVIDIA's data sheets (H100 SXM 3.35 TB/s, H200 4.8 TB/s); the first match wins, so the longer names come first.
+HBM_BANDWIDTH_GBPS: dict[str, float] = {"H200": 4800.0, "H100 PCIe": 2000.0, "H100 NVL": 3900.0, "H100": 3350.0}
+# Fractions of the bandwidth limit that engines of vLLM's class reach on this kind of workload (issue 54: published
+# Qwen3-0.6B runs at 256 sequences, vLLM and nano-vllm on A100/A800/A10G): the bar for the GPU check's rows.
+VLLM_CLASS_BANDWIDTH_FRACTION = (0.50, 0.68)
+
+
+def step_bytes(weight_bytes: int, kv_tokens: int, kv_bytes_per_token: float) -> float:
+    """The fewest bytes a step moves through device memory: the parameters once and every row's KV read
+    (``kv_tokens`` = the sum of its rows' ``seq_lens``)."""
+    return weight_bytes + kv_tokens * kv_bytes_per_token
+
+
+def floor_seconds(num_bytes: float, bandwidth_gbps: Optional[float]) -> Optional[float]:
+    """``num_bytes`` over ``bandwidth_gbps`` (GB/s, 1e9 bytes), in seconds; None without a bandwidth."""
+    if not bandwidth_gbps:
+        return None
+    return num_bytes / (bandwidth_gbps * 1e9)
+
+
+def device_bandwidth(device_kind: str) -> Optional[float]:
+    """HBM GB/s of a device name from :data:`HBM_BANDWIDTH_GBPS`, None when it has no entry."""
+    for name, gbps in HBM_BANDWIDTH_GBPS.items():
+        if name.lower() in device_kind.lower():
+            return gbps
+    return None
+
+
+def workload_kv_tokens(workload: Workload) -> int:
+    """KV tokens the attention of a whole run reads at the fewest, each prompt prefilled in one step and each later
+    output token decoded one a step: ``sum(p + sum(p + k for k in 1..o-1))`` over requests (prompt ``p``, output
+    ``o`` tokens), the sum over steps of ``seq_lens`` that :func:`step_bytes` takes."""
+    return sum(len(p) * o + o * (o - 1) // 2 for p, o in zip(workload.prompts, workload.output_lens))
+
+
+def run_bandwidth(workload: Workload, steps: int, elapsed_s: float, weight_bytes: int, kv_bytes_per_token: float,
+                  bandwidth_gbps: Optional[float]) -> dict[str, Any]:
+    """A whole run against the bandwidth limit: ``steps`` engine steps (each reads the ``weight_bytes`` parameters
+    once) plus :func:`workload_kv_tokens` of ``kv_bytes_per_token`` (K and V, every layer), over the bandwidth.
+
+    Returns ``steps``, ``ms_per_step`` (wall), ``weight_bytes``, ``kv_bytes_per_token``, ``floor_bytes``,
+    ``bandwidth_gbps``, ``floor_s`` and ``bandwidth_fraction`` (floor / wall), the last two None without a bandwidth.
+    """
+    num_bytes = step_bytes(steps * weight_bytes, workload_kv_tokens(workload), kv_bytes_per_token)
+    floor = floor_seconds(num_bytes, bandwidth_gbps)
+    return dict(steps=steps, ms_per_step=1e3 * elapsed_s / steps if steps else None, weight_bytes=weight_bytes,
+                kv_bytes_per_token=kv_bytes_per_token, floor_bytes=num_bytes, bandwidth_gbps=bandwidth_gbps,
+                floor_s=floor, bandwidth_fraction=None if floor is None else floor / elapsed_s)
+
+
+def bandwidth_bar() -> str:
+    """The line that states :data:`VLLM_CLASS_BANDWIDTH_FRACTION` as the bar."""
+    low, high = VLLM_CLASS_BANDWIDTH_FRACTION
+    return (f"bar: engines of vLLM's class reach {low:.0%}-{high:.0%} of the bandwidth limit on this kind of workload "
+            "(published Qwen3-0.6B runs at 256 sequences)")
+
+
 def write_json(path: Optional[str], payload: dict) -> None:
     """Write ``payload`` to ``path`` as indented JSON (nothing when ``path`` is None)."""
     if path:

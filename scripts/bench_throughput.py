@@ -449,6 +449,33 @@ def add_dot_peak_fraction(rows: list[dict], cfg, dtype: str) -> None:
         r["dot_peak_fraction"] = computed / r["elapsed_s"] * flops / (gflops * 1e9)
 
 
+def add_bandwidth(rows: list[dict], workload: Workload, bandwidth_gbps: Optional[float], block_size: int) -> None:
+    """Add ``common.run_bandwidth``'s fields (steps, ms per step, floor, fraction of the bandwidth limit) to each
+    jaxllm row of ``workload``'s run: its parameter bytes, its KV cache bytes per token slot, and ``bandwidth_gbps``
+    (default: the device's HBM bandwidth by kind, None on a CPU)."""
+    import jax
+
+    if bandwidth_gbps is None:
+        bandwidth_gbps = common.device_bandwidth(jax.devices()[0].device_kind)
+    for r in rows:
+        if r.get("steps") and r.get("kv_blocks"):
+            kv_per_token = r["kv_mib"] * 2**20 / (r["kv_blocks"] * block_size)
+            r.update(common.run_bandwidth(workload, r["steps"], r["elapsed_s"], round(r["param_mib"] * 2**20),
+                                          kv_per_token, bandwidth_gbps))
+
+
+def print_bandwidth(rows: list[dict]) -> None:
+    """One line per row with ``add_bandwidth``'s fields, and the bar, when a bandwidth is known."""
+    for r in rows:
+        if r.get("bandwidth_fraction") is not None:
+            print(f"{r['backend']} against the bandwidth limit: {r['steps']} steps of {r['ms_per_step']:.1f} ms; "
+                  f"(steps x {r['weight_bytes'] / 1e9:.3f} GB of parameters + the workload's KV reads x "
+                  f"{r['kv_bytes_per_token']:.0f} B/token) = {r['floor_bytes'] / 1e9:.1f} GB, at "
+                  f"{r['bandwidth_gbps']:.0f} GB/s {r['floor_s']:.3f} s of {r['elapsed_s']:.3f} s: "
+                  f"{r['bandwidth_fraction']:.1%} of the bandwidth limit")
+            print(common.bandwidth_bar())
+
+
 def add_agreement(rows: list[dict]) -> None:
     """Set each row's ``same_tokens_as_jaxllm``: requests whose greedy output equals jaxllm's (None for jaxllm)."""
     ref = next((r["token_ids"] for r in rows if r["backend"] == "jaxllm"), None)
@@ -643,6 +670,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vllm-binding", default="default",
                         help="vLLM's CPU binding: " + ", ".join(VLLM_BINDINGS) + " (vLLM's own), or 'KEY=VALUE;"
                              "KEY=VALUE' over " + ", ".join(VLLM_BINDING_VARS) + "; the row's label names it")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="memory bandwidth in GB/s for jaxllm's fraction of the bandwidth limit (default: the "
+                             "device's HBM bandwidth by kind, _bench_common.HBM_BANDWIDTH_GBPS; none on a CPU)")
     parser.add_argument("--structured", choices=sorted(STRUCTURED), default=None,
                         help="also time the jaxllm workload with every request under this structured-output "
                              "constraint, and print the overhead")
@@ -738,6 +768,7 @@ def main(argv: list[str] | None = None) -> dict:
         from jaxllm.loader import read_model_config
 
         add_dot_peak_fraction(results + single, read_model_config(model)[0], dtype)
+        add_bandwidth(results, runs[0][0], args.bandwidth, args.block_size)
     for rows in (results, single):
         add_agreement(rows)
     print(f"model {model_note}, {dtype}, {args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}"
@@ -750,6 +781,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{common.rates_line(results[0]['dot_rates'])}; 'of dot peak' = matmul FLOPs of the prompt and output "
           "tokens computed (jaxllm leaves out prompt tokens read from its prefix cache) / seconds / the fastest")
     print_table(results)
+    print_bandwidth(results)
     for row in results:
         if row.get("vllm_affinity"):
             print(affinity_line(row["backend"], row["vllm_affinity"]))

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU check: one script, about 6 minutes on one H100 or H200, from a copy of the repository alone.
+# GPU check: one script, about 7 minutes on one H100 or H200, from a copy of the repository alone.
 #
 #   bash scripts/gpu_check.sh                  # on the GPU machine, from the repository root or anywhere
 #   bash scripts/gpu_check.sh --dry-run        # on a CPU: every stage with shrunken sizes, kernels interpreted
 #   bash scripts/gpu_check.sh --only profile,throughput   # a rerun of some stages (kernel-tests,
-#                                              # kernel-bench, parity, throughput, profile); setup always runs
+#                                              # kernel-bench, parity, throughput, anchor, profile); setup always runs
 #   bash scripts/gpu_check.sh --help           # this text
 #
 # Stages, each under `timeout` and all within a 470 s budget (the start prints each stage's estimate, so that
@@ -14,7 +14,13 @@
 #   kernel tests tests/test_kernels_pallas.py compiled through Triton (JAXLLM_PALLAS_INTERPRET=0)
 #   kernel bench scripts/bench_kernels.py: ours vs jax.experimental.pallas.ops.gpu.paged_attention vs reference
 #   parity       tests/test_pallas_engine.py: pallas vs reference greedy tokens, float32 and bfloat16
-#   throughput   scripts/bench_throughput.py, 256 requests on a Qwen3-0.6B-shaped random-weights folder
+#   throughput   scripts/bench_throughput.py, 256 requests on a Qwen3-0.6B-shaped random-weights folder, with
+#                jaxllm's fraction of the bandwidth limit ((steps x parameter bytes + the workload's KV reads) /
+#                HBM bandwidth, _bench_common.run_bandwidth)
+#   anchor       scripts/bench_hf_anchor.py: transformers' continuous batching (paged|sdpa) on the same shape,
+#                random weights, workload and bf16 with torch on the GPU, its tok/s, ms per step and fraction of
+#                the bandwidth limit in one table beside jaxllm's, against the 50-68% vLLM-class engines reach;
+#                skipped when torch sees no CUDA
 #   profile      scripts/profile_trace.py on the same model and engine flags: a jax.profiler trace of a few
 #                decode-only steps (256 rows at about 450 tokens of context) and a few mixed prefill+decode
 #                steps of the throughput workload, reduced on the machine to a text table: per step its rows,
@@ -23,9 +29,9 @@
 #                run states a nominal 50 GB/s), device busy and idle time, host gaps, synchronizations and
 #                transfers; the host's time per engine part; the top device ops or fusions by time per step
 # The log goes to $OUT/gpu_check.log when OUT is set (else /tmp/gpu_check.log), beside it the throughput JSON
-# (gpu_check_throughput.json) and the profile's table, numbers and raw traces (gpu_check_profile.txt,
-# gpu_check_profile.json, gpu_check_profile_trace.tar.gz: XSpace and Perfetto JSON of each phase, under
-# 15 MiB). Exit status: the number of failed or timed-out stages.
+# (gpu_check_throughput.json), the anchor's (gpu_check_anchor.json) and the profile's table, numbers and raw
+# traces (gpu_check_profile.txt, gpu_check_profile.json, gpu_check_profile_trace.tar.gz: XSpace and Perfetto
+# JSON of each phase, under 15 MiB). Exit status: the number of failed or timed-out stages.
 #
 # The GPU machine reaches nothing outside itself and its image lacks `gguf` (jaxllm imports it). Before
 # sending the repository there, from its root on a machine with pip:
@@ -49,8 +55,9 @@ while (( $# )); do
 done
 for s in ${ONLY//,/ }; do
   case $s in
-    kernel-tests | kernel-bench | parity | throughput | profile) ;;
-    *) echo "--only $ONLY: unknown stage '$s' (kernel-tests, kernel-bench, parity, throughput, profile)" >&2; exit 2 ;;
+    kernel-tests | kernel-bench | parity | throughput | anchor | profile) ;;
+    *) echo "--only $ONLY: unknown stage '$s' (kernel-tests, kernel-bench, parity, throughput, anchor, profile)" >&2
+       exit 2 ;;
   esac
 done
 PY=${PYTHON:-python3}
@@ -74,7 +81,8 @@ skip() {  # skip NAME REASON
 }
 
 # Seconds each stage is expected to take on an H100 or H200 (docs/benchmarks/gpu.md says which are measured).
-declare -A ESTIMATE=([setup]=15 [kernel-tests]=115 [kernel-bench]=40 [parity]=45 [throughput]=60 [profile]=90)
+declare -A ESTIMATE=([setup]=15 [kernel-tests]=115 [kernel-bench]=40 [parity]=45 [throughput]=60 [anchor]=75
+                     [profile]=90)
 
 selected() {  # selected NAME: the stage is among --only's (all are without --only)
   [[ -z $ONLY || ",$ONLY," == *",${1// /-},"* ]]
@@ -113,12 +121,13 @@ has() {  # has MODULE...: all importable
 main() {
 echo "gpu_check $(date -u +%FT%TZ) dry_run=$DRY_RUN${ONLY:+ only=$ONLY} log=$LOG"
 TOTAL=0
-for s in setup kernel-tests kernel-bench parity throughput profile; do
+for s in setup kernel-tests kernel-bench parity throughput anchor profile; do
   if [[ $s == setup ]] || selected "$s"; then TOTAL=$((TOTAL + ESTIMATE[$s])); fi
 done
 echo "estimate on an H100/H200: ${TOTAL} s (setup ${ESTIMATE[setup]}, kernel tests ${ESTIMATE[kernel-tests]}," \
   "kernel bench ${ESTIMATE[kernel-bench]}, parity ${ESTIMATE[parity]}, throughput ${ESTIMATE[throughput]}," \
-  "profile ${ESTIMATE[profile]}; each stage's own time ends the log); hard budget ${BUDGET} s"
+  "anchor ${ESTIMATE[anchor]}, profile ${ESTIMATE[profile]}; each stage's own time ends the log); hard budget" \
+  "${BUDGET} s"
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 
 # --- setup ------------------------------------------------------------------------------------------
@@ -204,6 +213,8 @@ if (( DRY_RUN )); then
          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000'
   SIZES=(--num-requests 8 --input-len 8 32 --output-len 4 16 --max-num-seqs 8 --max-num-batched-tokens 64
          --max-model-len 64 --token-buckets 16 64 --seq-buckets 4 8)
+  # No bandwidth table entry for a CPU: a stated nominal 50 GB/s, so that the limit's arithmetic runs too.
+  BANDWIDTH=(--bandwidth 50)
 else
   SHAPE='"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
          "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936'
@@ -211,6 +222,7 @@ else
   # minutes of this stage's budget.
   SIZES=(--num-requests 256 --input-len 100 512 --output-len 100 256 --max-num-seqs 256
          --max-num-batched-tokens 4096 --max-model-len 1024 --token-buckets 256 1024 4096 --seq-buckets 64 256)
+  BANDWIDTH=()
 fi
 cat > "$MODEL/config.json" <<EOF
 {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", $SHAPE,
@@ -223,7 +235,21 @@ elif (( ! JAXLLM_OK )); then
   skip throughput "jaxllm does not import (missing: ${MISSING:-see above})"
 else
   stage throughput "$(( DRY_RUN ? 900 : 160 ))" "$PY" scripts/bench_throughput.py --model "$MODEL" --random-weights \
-    "${SIZES[@]}" --output-json "$LOG_DIR/gpu_check_throughput.json"
+    "${SIZES[@]}" "${BANDWIDTH[@]}" --output-json "$LOG_DIR/gpu_check_throughput.json"
+fi
+
+# --- anchor: transformers' continuous batching -------------------------------------------------------
+if (( ! JAXLLM_OK )); then
+  skip anchor "jaxllm does not import (missing: ${MISSING:-see above}; the random weights are written by it)"
+elif ! has torch transformers; then
+  skip anchor "torch or transformers missing"
+elif (( ! DRY_RUN )) && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  skip anchor "torch sees no CUDA"
+else
+  BESIDE=()
+  [[ -f $LOG_DIR/gpu_check_throughput.json ]] && BESIDE=(--jaxllm-json "$LOG_DIR/gpu_check_throughput.json")
+  stage anchor "$(( DRY_RUN ? 600 : 150 ))" "$PY" scripts/bench_hf_anchor.py --model "$MODEL" --random-weights \
+    "${SIZES[@]}" "${BANDWIDTH[@]}" "${BESIDE[@]}" --output-json "$LOG_DIR/gpu_check_anchor.json"
 fi
 
 # --- profile ----------------------------------------------------------------------------------------
@@ -234,8 +260,7 @@ elif (( ! JAXLLM_OK )); then
   skip profile "jaxllm does not import (missing: ${MISSING:-see above})"
 else
   if (( DRY_RUN )); then
-    # No bandwidth table entry for a CPU: a stated nominal 50 GB/s, so that the floor's arithmetic runs too.
-    PROFILE_SIZES=(--decode-rows 8 --decode-context 40 --steps 3 --skip-steps 1 --bandwidth 50)
+    PROFILE_SIZES=(--decode-rows 8 --decode-context 40 --steps 3 --skip-steps 1 "${BANDWIDTH[@]}")
   else
     PROFILE_SIZES=(--decode-rows 256 --decode-context 450 --steps 4 --skip-steps 2)
   fi

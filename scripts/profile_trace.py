@@ -27,8 +27,8 @@ their ``hlo_op``). Host-device synchronizations are the host's reads of device a
 ``jax.Array``, ``block_until_ready``, PjRt's waits) and, on a GPU, the CUDA driver's ``cu*Synchronize`` calls
 (``cuSync``); transfers are JAX's ``device_put`` calls (``puts``, one per array) and a GPU's ``MemcpyH2D`` and
 ``MemcpyD2H`` copies with their bytes (none on a CPU, where the device's memory is the host's).
-HBM bandwidth comes from :data:`HBM_BANDWIDTH_GBPS` by device kind, or ``--bandwidth`` (GB/s); without either the
-floor is "n/a".
+HBM bandwidth comes from ``_bench_common.HBM_BANDWIDTH_GBPS`` by device kind, or ``--bandwidth`` (GB/s); without
+either the floor is "n/a".
 
 Writes under ``--out``: ``profile.txt`` (the tables, also printed), ``profile.json`` (every number) and
 ``profile_trace.tar.gz`` (the raw traces: XSpace and Perfetto JSON of each phase, dropped in that order of need when
@@ -60,10 +60,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_common as common  # noqa: E402
+from _bench_common import device_bandwidth, floor_seconds, step_bytes  # noqa: E402
 
-# HBM bandwidth by device kind (a substring of ``jax.Device.device_kind``), GB/s, from NVIDIA's data sheets (H100
-# SXM 3.35 TB/s, H200 4.8 TB/s); the first match wins, so the longer names come first.
-HBM_BANDWIDTH_GBPS: dict[str, float] = {"H200": 4800.0, "H100 PCIe": 2000.0, "H100 NVL": 3900.0, "H100": 3350.0}
 STEP_ANNOTATION = "engine_step"
 # The core's methods annotated in the trace: the host's share of a step, per part.
 HOST_PARTS = ("_schedule", "_launch", "_apply", "_report")
@@ -119,27 +117,6 @@ def record_of(step: int, phase: str, batch: Any) -> StepRecord:
                                                             for x in batch.program),
                       rows=n, tokens=int(batch.num_tokens), kv_tokens=int(seq_lens.sum()),
                       max_context=int(seq_lens.max(initial=0)), num_prefill_rows=int((new > 1).sum()))
-
-
-def step_bytes(weight_bytes: int, kv_tokens: int, kv_bytes_per_token: float) -> float:
-    """The fewest bytes a step moves through device memory: the parameters once and every row's KV read
-    (``kv_tokens`` = the sum of its rows' ``seq_lens``)."""
-    return weight_bytes + kv_tokens * kv_bytes_per_token
-
-
-def floor_seconds(num_bytes: float, bandwidth_gbps: Optional[float]) -> Optional[float]:
-    """``num_bytes`` over ``bandwidth_gbps`` (GB/s, 1e9 bytes), in seconds; None without a bandwidth."""
-    if not bandwidth_gbps:
-        return None
-    return num_bytes / (bandwidth_gbps * 1e9)
-
-
-def device_bandwidth(device_kind: str) -> Optional[float]:
-    """HBM GB/s of a ``jax.Device.device_kind`` from :data:`HBM_BANDWIDTH_GBPS`, None when it has no entry."""
-    for name, gbps in HBM_BANDWIDTH_GBPS.items():
-        if name.lower() in device_kind.lower():
-            return gbps
-    return None
 
 
 # ------------------------------------------------------------------------------------------ reading the trace

@@ -4,7 +4,9 @@ quickest mode (on stories260K where it loads a model), except two that cannot ru
 
 from __future__ import annotations
 
+import argparse
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +48,8 @@ CHECKED_ELSEWHERE = {"bench_throughput.py", "bench_serving.py", "bench_short_run
 # Too slow for the suite on 2 cores: profile_step.py compiles about 20 step programs (~45 s at its smallest),
 # bench_startup.py builds every step program of two LLM()s in fresh processes (~75 s with --skip-long-prompt).
 SOURCE_CHECKED = {"profile_step.py", "bench_startup.py"}
+# Run by a test of its own below.
+CHECKED_BELOW = {"bench_hf_anchor.py"}
 
 
 def _run(args: list[str]) -> str:
@@ -56,7 +60,7 @@ def _run(args: list[str]) -> str:
 
 def test_every_benchmark_script_has_its_host_line_checked():
     scripts = {p.name for p in SCRIPTS.glob("bench_*.py")} | {"profile_step.py", "profile_trace.py", "rl_rollouts.py"}
-    checked = [*QUICK_RUNS, *JAX_FREE_RUNS, *CHECKED_ELSEWHERE, *SOURCE_CHECKED]
+    checked = [*QUICK_RUNS, *JAX_FREE_RUNS, *CHECKED_ELSEWHERE, *SOURCE_CHECKED, *CHECKED_BELOW]
     assert sorted(checked) == sorted(scripts)
 
 
@@ -142,3 +146,67 @@ def test_bench_cpu_attention_calls_the_layers_asked_for_and_by_default_enough_to
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("float32")]
     # dtype, rows, mean context, layers, us, GB/s, share of stream
     assert len(rows) == 1 and rows[0][:2] == ["float32", "2"] and rows[0][3] == "3" and float(rows[0][4]) > 0
+
+
+def test_run_bandwidth_counts_each_step_reading_the_parameters_and_the_workload_reading_its_kv_once():
+    sys.path.insert(0, str(SCRIPTS))
+    import _bench_common as common
+
+    # Prompt 3 then 2 outputs: the prefill reads 3 KV tokens, the second token's decode 4; prompt 1, 1 output: 1.
+    workload = common.Workload([[5, 6, 7], [8]], [2, 1])
+    assert common.workload_kv_tokens(workload) == 3 + 4 + 1
+    row = common.run_bandwidth(workload, steps=3, elapsed_s=2.0, weight_bytes=100, kv_bytes_per_token=10,
+                               bandwidth_gbps=1e-6)
+    assert row["floor_bytes"] == 3 * 100 + 8 * 10 and row["floor_s"] == pytest.approx(0.38)
+    assert row["bandwidth_fraction"] == pytest.approx(0.19) and row["ms_per_step"] == pytest.approx(2000 / 3)
+    assert common.run_bandwidth(workload, 3, 2.0, 100, 10, None)["bandwidth_fraction"] is None
+    assert common.device_bandwidth("NVIDIA H100 80GB HBM3") == 3350 and common.device_bandwidth("cpu") is None
+
+
+def test_hf_anchor_runs_the_throughput_workload_on_transformers_continuous_batching(tmp_path, capsys):
+    # gpu_check.sh --dry-run's anchor stage: its shrunken Qwen3 shape and sizes, float32 on the CPU; in this
+    # process, where torch and transformers are imported once for the suite.
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(SCRIPTS))
+    import _bench_common as common
+    import bench_hf_anchor
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=1000)
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", max_position_embeddings=40960, rope_theta=1e6,
+        rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True, attention_bias=False, **shape)))
+    jaxllm = dict(backend="jaxllm", output_tokens_per_s=977.5, total_tokens_per_s=2257.3, steps=18, ms_per_step=5.5,
+                  floor_bytes=1.1e7, floor_s=2.2e-4, elapsed_s=0.099, bandwidth_fraction=0.0022)
+    (tmp_path / "throughput.json").write_text(json.dumps(dict(results=[jaxllm])))
+    sizes = ["--num-requests", "8", "--input-len", "8", "32", "--output-len", "4", "16", "--max-num-seqs", "8",
+             "--max-num-batched-tokens", "64", "--max-model-len", "64"]
+    payload = bench_hf_anchor.main(["--model", str(tmp_path), "--random-weights", *sizes, "--bandwidth", "50",
+                                    "--jaxllm-json", str(tmp_path / "throughput.json"),
+                                    "--output-json", str(tmp_path / "anchor.json")])
+    out = capsys.readouterr().out
+    assert_one_host_line(out)
+    row = payload["results"][0]
+    assert json.loads((tmp_path / "anchor.json").read_text())["results"] == [row, jaxllm]
+    workload = common.make_workload(argparse.Namespace(seed=0, num_requests=8, input_len=[8, 32], output_len=[4, 16],
+                                                       shared_prefix_len=0), 1000, token_seed=1)
+    assert row["backend"] == "transformers-cb" and row["dtype"] == "float32" and row["device"] == "cpu"
+    assert row["num_output_tokens"] == workload.num_output_tokens
+    assert row["num_prompt_tokens"] == workload.num_prompt_tokens
+    # One forward pass a step, at most one new token per request in each.
+    assert max(workload.output_lens) <= row["steps"] <= workload.num_output_tokens + len(workload.prompts)
+    e, d, f, layers = 64, 16, 128, 2
+    params = 1000 * e + layers * (e * 4 * d + 2 * e * 2 * d + 4 * d * e + 3 * e * f + 2 * e + 2 * d) + e
+    assert row["weight_bytes"] == 4 * params and row["kv_bytes_per_token"] == 2 * layers * 2 * d * 4
+    kv_bytes = common.workload_kv_tokens(workload) * row["kv_bytes_per_token"]
+    assert row["floor_bytes"] == row["steps"] * row["weight_bytes"] + kv_bytes
+    assert row["floor_s"] == pytest.approx(row["floor_bytes"] / 50e9)
+    assert 0 < row["bandwidth_fraction"] < 1
+    assert row["bandwidth_fraction"] == pytest.approx(row["floor_s"] / row["elapsed_s"])
+    assert row["output_tokens_per_s"] == pytest.approx(workload.num_output_tokens / row["elapsed_s"])
+    assert row["ms_per_step"] == pytest.approx(1e3 * row["elapsed_s"] / row["steps"])
+    table = {line.split()[0]: line.split() for line in out.splitlines()
+             if line.startswith(("transformers-cb ", "jaxllm "))}
+    assert table["jaxllm"][1:4] == ["977.5", "2257.3", "18"] and table["jaxllm"][-1] == "0.2%"
+    assert table["transformers-cb"][3] == str(row["steps"]) and table["transformers-cb"][-1].endswith("%")
+    assert "bar: engines of vLLM's class reach 50%-68% of the bandwidth limit" in out
