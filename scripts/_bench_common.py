@@ -281,17 +281,18 @@ def percentiles(values: Sequence[float], prefix: str) -> dict[str, Optional[floa
     }
 
 
+def format_cell(value: Any) -> str:
+    """A table cell: "-" for None, floats with 3 decimals (1 from 100 up), anything else as ``str``."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
 def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain-text table with right-aligned columns; floats with 3 significant decimals."""
-
-    def cell(value: Any) -> str:
-        if value is None:
-            return "-"
-        if isinstance(value, float):
-            return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
-        return str(value)
-
-    cells = [[cell(v) for v in row] for row in [header, *rows]]
+    """A plain-text table with right-aligned columns, cells by :func:`format_cell`."""
+    cells = [[format_cell(v) for v in row] for row in [header, *rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -436,6 +437,17 @@ def bandwidth_bar() -> str:
     low, high = VLLM_CLASS_BANDWIDTH_FRACTION
     return (f"bar: engines of vLLM's class reach {low:.0%}-{high:.0%} of the bandwidth limit on this kind of workload "
             "(published Qwen3-0.6B runs at 256 sequences)")
+
+
+def git_commit() -> Optional[str]:
+    """This checkout's short commit id, None outside a git repository (a copy of the tree) or without git."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def write_json(path: Optional[str], payload: dict) -> None:

@@ -14,9 +14,12 @@ Prints and writes (``--output-json``) one row: start-up seconds, output and tota
 workload's KV reads, over the HBM bandwidth of the GPU (``_bench_common.HBM_BANDWIDTH_GBPS``) or ``--bandwidth``.
 ``--jaxllm-json`` (``bench_throughput.py --output-json`` of the same flags) puts jaxllm's row beside it, with the
 fractions vLLM-class engines reach as the bar. Dtype ``auto`` is jaxllm's: bfloat16 on a GPU, float32 on a CPU.
+``--results-json`` writes that table as a dated result file (``scripts/render_results.py``'s format: device, driver,
+JAX and torch versions, commit, command), to be copied into ``docs/benchmarks/results/``.
 
     python scripts/bench_hf_anchor.py --model FOLDER_WITH_CONFIG_JSON --random-weights [bench_throughput flags]
            [--attn-implementation paged|sdpa] [--bandwidth GB/s] [--jaxllm-json FILE] [--output-json FILE]
+           [--results-json FILE]
 
 Imports torch and transformers (test-only references of this project, never imported by jaxllm itself) and starts
 no JAX backend, so that no XLA client holds GPU memory beside torch.
@@ -27,6 +30,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import platform
+import re
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -147,14 +154,48 @@ def run_anchor(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     )
 
 
-def side_by_side(rows: list[dict]) -> str:
-    """The rows (this one, jaxllm's) as one table: tok/s, steps, ms per step, floor and fraction of the limit."""
-    header = ["engine", "output tok/s", "total tok/s", "steps", "ms/step", "GB moved", "floor s", "time s",
-              "of bandwidth limit"]
-    table = [[r["backend"], r["output_tokens_per_s"], r["total_tokens_per_s"], r["steps"], r["ms_per_step"],
-              r["floor_bytes"] / 1e9, r["floor_s"], r["elapsed_s"],
-              None if r["bandwidth_fraction"] is None else f"{r['bandwidth_fraction']:.1%}"] for r in rows]
-    return common.format_table(header, table)
+# The side-by-side table's columns, and each one's cell of a row.
+COLUMNS = ["engine", "output tok/s", "total tok/s", "steps", "ms/step", "GB moved", "floor s", "time s",
+           "of bandwidth limit"]
+
+
+def table_rows(rows: list[dict]) -> list[list[Any]]:
+    """Each row's cells under :data:`COLUMNS` (tok/s, steps, ms per step, floor and fraction of the limit)."""
+    return [[r["backend"], r["output_tokens_per_s"], r["total_tokens_per_s"], r["steps"], r["ms_per_step"],
+             r["floor_bytes"] / 1e9, r["floor_s"], r["elapsed_s"],
+             None if r["bandwidth_fraction"] is None else f"{r['bandwidth_fraction']:.1%}"] for r in rows]
+
+
+def nvidia_driver() -> Optional[str]:
+    """The NVIDIA driver's version from ``nvidia-smi``, None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out.strip() else None
+
+
+def result_file(rows: list[dict], notes: list[str], command: str) -> dict[str, Any]:
+    """The run as a dated result file of ``scripts/render_results.py`` (one table: ``rows`` under
+    :data:`COLUMNS`, ``notes`` under it), its machine named after the device (``gpu-nvidia-h100-80gb-hbm3``)."""
+    anchor = rows[0]
+    jaxllm = next((r for r in rows[1:] if r["backend"] == "jaxllm"), None)
+    device = anchor["device"]
+    machine = "cpu" if device == "cpu" else "gpu-" + re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    cells = [[common.format_cell(v) for v in row] for row in table_rows(rows)]
+    return dict(
+        date=time.strftime("%Y-%m-%d", time.gmtime()), machine=machine,
+        title=f"jaxllm beside transformers' continuous batching on one {device}",
+        host=dict(device=device, driver=nvidia_driver(), jax=None if jaxllm is None else jaxllm.get("version"),
+                  anchor=anchor["version"], commit=common.git_commit(), python=platform.python_version()),
+        description=("`scripts/gpu_check.sh`'s throughput and anchor stages: the same requests, weights and dtype on "
+                     "jaxllm and on transformers' continuous batching, each against the bandwidth limit."),
+        tables=[dict(title="Throughput against the bandwidth limit", command=command, columns=COLUMNS, rows=cells,
+                     notes=notes)],
+    )
 
 
 def jaxllm_row(path: Optional[str]) -> Optional[dict]:
@@ -178,6 +219,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                         help="memory bandwidth in GB/s for the floor (default: by GPU name, HBM_BANDWIDTH_GBPS)")
     parser.add_argument("--jaxllm-json", default=None,
                         help="bench_throughput.py's --output-json of the same flags: its jaxllm row is printed beside")
+    parser.add_argument("--results-json", default=None,
+                        help="also write the table as a dated result file (scripts/render_results.py's format)")
     args = parser.parse_args(argv)
     common.validate_ranges(parser, args)
     with common.temporary_workdir() as workdir:
@@ -187,19 +230,25 @@ def main(argv: Optional[list[str]] = None) -> dict:
     other = jaxllm_row(args.jaxllm_json)
     if other is not None:
         rows.append(other)
-    print(f"transformers continuous batching ({row['attn_implementation']}, CUDA graphs {row['cuda_graph']}, async "
-          f"batching {row['async_batching']}), {row['version']}, on {row['device']}, {row['dtype']}; "
-          f"{args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}, output "
-          f"{args.output_len[0]}-{args.output_len[1]} (greedy, ignore_eos), max_num_seqs {args.max_num_seqs}, "
-          f"max_num_batched_tokens {args.max_num_batched_tokens}")
     bandwidth = f"{row['bandwidth_gbps']:.0f} GB/s" if row["bandwidth_gbps"] else "n/a (--bandwidth GB/s sets one)"
-    print(f"bandwidth limit: (steps x {row['weight_bytes'] / 1e9:.3f} GB of parameters + the workload's KV reads "
-          f"x {row['kv_bytes_per_token']:.0f} B/token) / {bandwidth}; ms/step = wall time / engine steps")
-    print(side_by_side(rows))
-    print(common.bandwidth_bar())
+    notes = [
+        f"transformers continuous batching ({row['attn_implementation']}, CUDA graphs [varlen, decode] "
+        f"{row['cuda_graph']}, async batching {row['async_batching']}), {row['version']}, on {row['device']}, "
+        f"{row['dtype']}; {args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}, output "
+        f"{args.output_len[0]}-{args.output_len[1]} (greedy, ignore_eos), max_num_seqs {args.max_num_seqs}, "
+        f"max_num_batched_tokens {args.max_num_batched_tokens}",
+        f"bandwidth limit: (steps x {row['weight_bytes'] / 1e9:.3f} GB of parameters + the workload's KV reads x "
+        f"{row['kv_bytes_per_token']:.0f} B/token) / {bandwidth}; ms/step = wall time / engine steps",
+        common.bandwidth_bar(),
+    ]
+    print("\n".join(notes[:2]))
+    print(common.format_table(COLUMNS, table_rows(rows)))
+    print(notes[2])
     print(common.host_line(common.host_info()))
     payload = dict(config=vars(args), results=rows)
     common.write_json(args.output_json, payload)
+    command = "python scripts/bench_hf_anchor.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    common.write_json(args.results_json, result_file(rows, notes, command))
     return payload
 
 

@@ -29,9 +29,10 @@
 #                run states a nominal 50 GB/s), device busy and idle time, host gaps, synchronizations and
 #                transfers; the host's time per engine part; the top device ops or fusions by time per step
 # The log goes to $OUT/gpu_check.log when OUT is set (else /tmp/gpu_check.log), beside it the throughput JSON
-# (gpu_check_throughput.json), the anchor's (gpu_check_anchor.json) and the profile's table, numbers and raw
-# traces (gpu_check_profile.txt, gpu_check_profile.json, gpu_check_profile_trace.tar.gz: XSpace and Perfetto
-# JSON of each phase, under 15 MiB). Exit status: the number of failed or timed-out stages.
+# (gpu_check_throughput.json), the anchor's (gpu_check_anchor.json), both rows as a dated result file for
+# docs/benchmarks/results (gpu_check_results.json) and the profile's table, numbers and raw traces
+# (gpu_check_profile.txt, gpu_check_profile.json, gpu_check_profile_trace.tar.gz: XSpace and Perfetto JSON of
+# each phase, under 15 MiB). Exit status: the number of failed or timed-out stages.
 #
 # The GPU machine reaches nothing outside itself and its image lacks `gguf` (jaxllm imports it). Before
 # sending the repository there, from its root on a machine with pip:
@@ -249,7 +250,8 @@ else
   BESIDE=()
   [[ -f $LOG_DIR/gpu_check_throughput.json ]] && BESIDE=(--jaxllm-json "$LOG_DIR/gpu_check_throughput.json")
   stage anchor "$(( DRY_RUN ? 600 : 150 ))" "$PY" scripts/bench_hf_anchor.py --model "$MODEL" --random-weights \
-    "${SIZES[@]}" "${BANDWIDTH[@]}" "${BESIDE[@]}" --output-json "$LOG_DIR/gpu_check_anchor.json"
+    "${SIZES[@]}" "${BANDWIDTH[@]}" "${BESIDE[@]}" --output-json "$LOG_DIR/gpu_check_anchor.json" \
+    --results-json "$LOG_DIR/gpu_check_results.json"
 fi
 
 # --- profile ----------------------------------------------------------------------------------------

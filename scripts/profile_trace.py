@@ -532,7 +532,7 @@ def profile_engine(engine: Any, out: Path, *, phases: Sequence[str], mixed: "com
             print(f"phase {phase}: {len(prompts)} requests, traced {steps} steps, "
                   f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     return dict(device=device.device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                commit=_git_commit(), phases=list(phases), weight_bytes=int(core.param_bytes["total"]),
+                commit=common.git_commit(), phases=list(phases), weight_bytes=int(core.param_bytes["total"]),
                 kv_bytes_per_token=kv_per_token, bandwidth_gbps=bandwidth_gbps,
                 bandwidth_source=source if bandwidth_gbps else None,
                 records=[dataclasses.asdict(r) for r in recorder.records])
@@ -552,16 +552,6 @@ def run(args: argparse.Namespace, model: Path, out: Path) -> dict[str, Any]:
     finally:
         engine.shutdown()
     return {**meta, "config": vars(args)}
-
-
-def _git_commit() -> Optional[str]:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def pack_traces(out: Path, limit_mib: float) -> Path:

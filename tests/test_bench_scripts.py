@@ -183,7 +183,8 @@ def test_hf_anchor_runs_the_throughput_workload_on_transformers_continuous_batch
              "--max-num-batched-tokens", "64", "--max-model-len", "64"]
     payload = bench_hf_anchor.main(["--model", str(tmp_path), "--random-weights", *sizes, "--bandwidth", "50",
                                     "--jaxllm-json", str(tmp_path / "throughput.json"),
-                                    "--output-json", str(tmp_path / "anchor.json")])
+                                    "--output-json", str(tmp_path / "anchor.json"),
+                                    "--results-json", str(tmp_path / "results.json")])
     out = capsys.readouterr().out
     assert_one_host_line(out)
     row = payload["results"][0]
@@ -210,3 +211,13 @@ def test_hf_anchor_runs_the_throughput_workload_on_transformers_continuous_batch
     assert table["jaxllm"][1:4] == ["977.5", "2257.3", "18"] and table["jaxllm"][-1] == "0.2%"
     assert table["transformers-cb"][3] == str(row["steps"]) and table["transformers-cb"][-1].endswith("%")
     assert "bar: engines of vLLM's class reach 50%-68% of the bandwidth limit" in out
+    # The dated result file: both rows as rendered cells, the bar among the notes, rendered by render_results.
+    import render_results
+
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["machine"] == "cpu" and result["host"]["device"] == "cpu" and result["host"]["driver"] is None
+    (rendered,) = result["tables"]
+    assert [r[:4] for r in rendered["rows"]] == [table["transformers-cb"][:4], table["jaxllm"][:4]]
+    assert rendered["columns"][-1] == "of bandwidth limit" and any("50%-68%" in n for n in rendered["notes"])
+    page = render_results.render(result)
+    assert "| transformers-cb |" in page and "| jaxllm | 977.5 | 2257.3 | 18 |" in page
