@@ -227,7 +227,10 @@ THROUGHPUT_FIELDS = {
 }
 # Rows of jaxllm's own runs (static and continuous batching) also say whether they were constrained.
 JAXLLM_RUN_FIELDS = {"structured", "compare", "bitmask_s_per_step", "num_cached_prompt_tokens", "page_faults",
-                     "system_s"}
+                     "system_s",
+                     # Against the bandwidth limit (_bench_common.run_bandwidth).
+                     "ms_per_step", "weight_bytes", "kv_bytes_per_token", "floor_bytes", "bandwidth_gbps", "floor_s",
+                     "bandwidth_fraction"}
 # vLLM's rows also say which CPU binding ran and where it put vLLM's processes.
 VLLM_RUN_FIELDS = {"vllm_binding", "vllm_env", "vllm_affinity"}
 # A stand-in for vLLM's package, run by bench_throughput.py's vllm backend through
@@ -399,10 +402,15 @@ def test_bench_throughput_runs_random_weights_from_a_config_json_alone(tmp_path)
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=256,
         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, hidden_act="silu",
     )))
-    result = _run_script("bench_throughput.py", ["--model", str(folder), "--random-weights", *TINY], tmp_path)
+    result = _run_script("bench_throughput.py", ["--model", str(folder), "--random-weights", *TINY,
+                                                 "--bandwidth", "50"], tmp_path)
     (row,) = result["results"]
     assert row["backend"] == "jaxllm" and set(row) == THROUGHPUT_FIELDS | JAXLLM_RUN_FIELDS
     assert row["output_tokens_per_s"] > 0
+    # Float32 K and V of 2 layers, 2 heads of 16; the floor at the stated 50 GB/s over the run's wall time.
+    assert row["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4 and row["weight_bytes"] == round(row["param_mib"] * 2**20)
+    assert row["floor_bytes"] > row["steps"] * row["weight_bytes"] and row["bandwidth_gbps"] == 50
+    assert row["bandwidth_fraction"] == pytest.approx(row["floor_bytes"] / 50e9 / row["elapsed_s"])
     assert list(folder.iterdir()) == [folder / "config.json"]
 
 
