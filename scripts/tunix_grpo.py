@@ -29,7 +29,7 @@ import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -211,10 +211,11 @@ class Recorder:
 def run(engine: str, steps: int, *, model: str = "stories260K", word: str = "the", check: bool = False,
         atol: float = 2e-5, temperature: float = 0.9, logprobs_mode: str = "processed_logprobs",
         num_generations: int = 4, max_tokens: int = 24, learning_rate: float = 3e-3, lora_rank: int = 0,
-        lora_alpha: float = 16.0) -> tuple[list[dict], Any]:
+        lora_alpha: float = 16.0, token_buckets: Optional[tuple[int, ...]] = None) -> tuple[list[dict], Any]:
     """``steps`` GRPO steps with ``engine`` ("jaxllm" or "vanilla") on ``model`` (:func:`model_folder`), Adam at
     ``learning_rate``; one dict per step, and the rollout. ``lora_rank``: train a qwix LoRA actor of that rank and
-    ``lora_alpha`` on every projection (0: full weights)."""
+    ``lora_alpha`` on every projection (0: full weights). ``token_buckets``: the jaxllm engine's
+    (``EngineConfig.token_buckets``; None: its default ladder)."""
     folder = model_folder(model)
     hf_config = json.loads((folder / "config.json").read_text())
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -235,7 +236,7 @@ def run(engine: str, steps: int, *, model: str = "stories260K", word: str = "the
         seed=0, return_logprobs=engine == "jaxllm", rollout_vllm_logprobs_mode=logprobs_mode)
     rollout_engine = "vanilla" if engine == "vanilla" else functools.partial(
         JaxllmRollout, model=str(folder), max_num_seqs=rows, max_model_len=64, max_num_batched_tokens=64,
-        precompile=True, **lora)
+        precompile=True, **lora, **({} if token_buckets is None else {"token_buckets": token_buckets}))
     cluster = rl_cluster_lib.RLCluster(
         actor=actor, tokenizer=tokenizer,
         cluster_config=rl_cluster_lib.ClusterConfig(
