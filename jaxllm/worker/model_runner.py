@@ -199,7 +199,7 @@ class ModelRunner:
     def dispatch(self, batch: BatchDescriptor, sampling: SamplingArrays, prev_tokens: Optional[jax.Array] = None,
                  prompt_target_ids: Optional[np.ndarray] = None,
                  bitmask: Optional[np.ndarray] = None,
-                 lora_slots: Optional[np.ndarray] = None) -> tuple[StepOutput, jax.Array]:
+                 lora_slots: Optional[np.ndarray] = None) -> tuple[StepOutput, jax.Array, StepInputs]:
         """Launch one step without waiting for it. Its host inputs travel in one transfer (``StepInputs``), two with a
         ``bitmask``, which is not packed: always in the buffer it would add ``S * ceil(V / 32)`` words to every step
         (4.9 MB at 256 rows of a 151,936-token vocabulary), and packed only when present it would need a second
@@ -213,7 +213,8 @@ class ModelRunner:
           lora_slots: int32[S] each row's LoRA slot, -1 none (``LoRAManager.row_slots``); None: all none.
 
         Returns:
-          ``(StepOutput on the device, sampled ids as int32[max S bucket])``; KV cache and sampler tables are donated.
+          ``(StepOutput on the device, sampled ids as int32[max S bucket], the step's inputs on the device)`` (a draft
+          model's step reads the same inputs); KV cache and sampler tables are donated.
         """
         exe = self.programs.step_program(batch.program)
         inputs = StepInputs.pack(StepBatch.from_descriptor(batch, prompt_target_ids, lora_slots), sampling)
@@ -227,7 +228,7 @@ class ModelRunner:
         out, next_prev, cache.kv_cache, self.sampler_tables = exe(
             params, cache.kv_cache, inputs, self.sampler_tables, prev, bitmask, cache.scaled_pool,
         )
-        return out, next_prev
+        return out, next_prev, inputs
 
     def fill_slot(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
         """Reset sampling slot ``slot`` for a sequence (re)admitted with ``token_ids`` (prompt then output)."""

@@ -1,8 +1,9 @@
 """StepBatch: the batch arrays of one compiled step, declared once: each field names its shape in ``(T, S, W)``, from
-which come the host arrays (:meth:`StepBatch.from_descriptor`) and the abstract arguments (:meth:`StepBatch.abstract`).
+which come the host arrays (:meth:`StepBatch.from_descriptor`) and their place in a step's packed inputs.
 
 StepInputs: a step's host inputs (its ``StepBatch`` and ``SamplingArrays``) packed into one int32 buffer, so that they
-reach the device in one transfer, and unpacked inside the compiled step at offsets fixed by the bucket shape.
+reach the device in one transfer, and unpacked inside the compiled step at offsets fixed by the bucket shape (its
+abstract argument: :meth:`StepInputs.abstract`).
 """
 
 from __future__ import annotations
@@ -67,14 +68,6 @@ class StepBatch:
                   for f in dataclasses.fields(cls) if f.name not in given}
         return cls(**arrays, prompt_target_ids=prompt_target_ids, lora_slots=lora_slots)
 
-    @classmethod
-    def abstract(cls, shape: tuple[int, int, int], sharding: Any) -> "StepBatch":
-        """``ShapeDtypeStruct``s of bucket ``shape`` placed by ``sharding``."""
-        t, s, w = shape
-        sizes = {"T": t, "S": s, "W": w, "S+1": s + 1}
-        return cls(**{f.name: jax.ShapeDtypeStruct(tuple(sizes[d] for d in f.metadata["dims"]), np.int32,
-                                                   sharding=sharding)
-                      for f in dataclasses.fields(cls)})
 
 
 class _Entry(NamedTuple):
