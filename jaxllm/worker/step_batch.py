@@ -69,7 +69,6 @@ class StepBatch:
         return cls(**arrays, prompt_target_ids=prompt_target_ids, lora_slots=lora_slots)
 
 
-
 class _Entry(NamedTuple):
     """One array's place in a packed buffer: ``words[start:start + size]``, of ``shape`` and ``dtype``."""
 
@@ -95,6 +94,7 @@ _PACKED_DTYPES = tuple(np.dtype(d) for d in (np.int32, np.float32, np.uint32, np
 
 @functools.lru_cache(maxsize=None)
 def _layout(shape: tuple[int, int, int], num_sampling_rows: int) -> _Layout:
+    """The packed layout of bucket ``shape`` with ``num_sampling_rows`` (TypeError: a field of another dtype)."""
     t, s, w = shape
     sizes = {"T": t, "S": s, "W": w, "S+1": s + 1}
     empty = SamplingArrays.empty(num_sampling_rows)
