@@ -3,12 +3,14 @@ drives the model step for one sequence."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxllm.models import forward
 from jaxllm.worker.step_batch import StepBatch
@@ -73,6 +75,33 @@ def assert_same_or_near_tie(llm, prompt, expected, got) -> None:
     step = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
     gap = top2_gap(llm, list(prompt) + list(expected[:step]))
     assert gap < TIE_TOL, f"outputs diverge at step {step} with a top-2 logit gap of {gap}: {expected} vs {got}"
+
+
+@contextlib.contextmanager
+def counted_dispatches(runner):
+    """Within the block, record for each ``runner.dispatch`` ``(program, has a bitmask, has prompt targets, has LoRA
+    slots, host arrays it put on the device)`` in the yielded list. Each dispatch runs under JAX's transfer guard
+    refusing implicit host-to-device transfers, so every array it sends goes through the counted ``jax.device_put``
+    (patched within the block)."""
+    records, puts = [], []
+    device_put, dispatch = jax.device_put, runner.dispatch
+
+    def counting_put(x, *args, **kwargs):
+        puts.extend(leaf for leaf in jax.tree_util.tree_leaves(x) if not isinstance(leaf, jax.Array))
+        return device_put(x, *args, **kwargs)
+
+    def counted(batch, sampling, prev_tokens=None, prompt_target_ids=None, bitmask=None, lora_slots=None):
+        puts.clear()
+        with jax.transfer_guard_host_to_device("disallow"):
+            out = dispatch(batch, sampling, prev_tokens, prompt_target_ids, bitmask, lora_slots)
+        records.append((batch.program, bitmask is not None, prompt_target_ids is not None, lora_slots is not None,
+                        len(puts)))
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jax, "device_put", counting_put)
+        patch.setattr(runner, "dispatch", counted)
+        yield records
 
 
 _forward = jax.jit(forward, static_argnames=("cfg", "ops", "all_logits"))

@@ -26,6 +26,7 @@ from jaxllm.worker.sharding import ModelSharding, make_mesh
 from jaxllm.worker.step_batch import StepBatch
 from kernels_pallas.ops import get_attention_ops
 from scheduler import Request, Scheduler, SchedulerConfig
+from tests.helpers import counted_dispatches
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -122,7 +123,10 @@ def test_mixed_batch_gives_each_request_its_solo_output_with_zero_compilations(l
     solo = [llm.generate([p], GREEDY, lora_request=r, use_tqdm=False)[0].outputs[0].token_ids
             for p, r in zip(PROMPTS, requests)]
     # Every request under each adapter: four adapters (base included) over two slots switch and evict.
-    mixed = llm.generate(PROMPTS * 2, GREEDY, lora_request=requests + requests[::-1], use_tqdm=False)
+    with counted_dispatches(llm.engine.runner) as records:
+        mixed = llm.generate(PROMPTS * 2, GREEDY, lora_request=requests + requests[::-1], use_tqdm=False)
+    # The rows' LoRA slots ride in the step's one packed transfer.
+    assert records and all(has_slots and puts == 1 for *_, has_slots, puts in records)
     assert [o.outputs[0].token_ids for o in mixed[:4]] == solo
     for prompt, request, out in zip(PROMPTS, requests[::-1], mixed[4:]):
         alone = llm.generate([prompt], GREEDY, lora_request=request, use_tqdm=False)[0].outputs[0].token_ids

@@ -9,10 +9,12 @@ also have preempted, hit the prefix cache, accepted and rejected drafts, and giv
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from jaxllm import LLM, SamplingParams
 from scripts.convert_checkpoint import convert
+from tests.helpers import counted_dispatches
 from tests.test_compilation import _EVENTS
 
 STORIES_KW = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=8, num_kv_blocks=16,
@@ -101,7 +103,8 @@ def stories_draft(stories_dir, tmp_path_factory):
     ("draft_model", 5, dict(async_scheduling=False)),
 ], ids=["ngram-k1-recompute", "ngram-k3-swap-precompiled", "ngram-k5-sync",
         "draft-k1-recompute", "draft-k3-swap-precompiled", "draft-k5-sync"])
-def test_outputs_equal_those_without_speculation(stories_dir, stories_draft, stories_reference, method, k, extra):
+def test_outputs_equal_those_without_speculation(stories_dir, stories_draft, stories_reference, method, k, extra,
+                                                 monkeypatch):
     spec = dict(NGRAM) if method == "ngram" else dict(method=method, model=str(stories_draft))
     llm = LLM(model=stories_dir, **{**STORIES_KW, **extra}, speculative_config=dict(spec, num_speculative_tokens=k))
     core = llm.engine.core
@@ -110,7 +113,22 @@ def test_outputs_equal_those_without_speculation(stories_dir, stories_draft, sto
         # Per runner: one step program (one token bucket), the block copy and swap out/in (the target's runner
         # also fills sampling slots and their rows).
         assert built == (6 if method == "ngram" else 10)
-    _assert_same(_run(llm), stories_reference)
+    if method == "draft_model":
+        # The draft step reads the target step's inputs where they already are: it refuses every transfer.
+        propose_async, drafts = core.drafter.propose_async, []
+
+        def no_transfer(*args):
+            with jax.transfer_guard_host_to_device("disallow_explicit"):
+                drafts.append(propose_async(*args))
+            return drafts[-1]
+
+        monkeypatch.setattr(core.drafter, "propose_async", no_transfer)
+    with counted_dispatches(llm.engine.runner) as records:
+        outs = _run(llm)
+    assert records and all(puts == 1 + bitmask for _, bitmask, _, _, puts in records)
+    if method == "draft_model":
+        assert len(drafts) == len(records)
+    _assert_same(outs, stories_reference)
     _check_run(llm)
     if extra.get("precompile"):
         assert core.stats().compilations == built and _EVENTS[events:] == []

@@ -18,19 +18,19 @@ from jaxllm.sample.sampler import SamplerOutput, argmax_rows
 from jaxllm.worker.kv_cache import CacheEngine, storage_dtype
 from jaxllm.worker.programs import CompileStats, ProgramTable, shared_jit
 from jaxllm.worker.sharding import ModelSharding
-from jaxllm.worker.step_batch import StepBatch
+from jaxllm.worker.step_batch import StepInputs
 from jaxllm.worker.weights import WeightStore
 from scheduler import BatchDescriptor, BucketTable
 
 
-def propose(params: Params, kv_cache: KVCache, batch: StepBatch, tokens: jax.Array, num_emitted: jax.Array, *,
+def propose(params: Params, kv_cache: KVCache, inputs: StepInputs, tokens: jax.Array, num_emitted: jax.Array, *,
             cfg: ModelConfig, ops: AttentionOps, num_speculative_tokens: int,
             decode_only: bool = False) -> tuple[jax.Array, KVCache]:
     """The draft model's step: compute the target step's query tokens, then draft greedily.
 
     Args:
       params, kv_cache: the draft model's (cache donated).
-      batch: the target step's batch: ``[T]`` tokens, ``[S]`` rows.
+      inputs: the target step's packed inputs, already on the device; its batch: ``[T]`` tokens, ``[S]`` rows.
       tokens: int32[S, P] the target's emitted tokens, first ``num_emitted`` (int32[S]) valid.
       cfg, ops, num_speculative_tokens (K): static; decode_only (static): the target step's every row has one new
         token. The draft steps are one token a row: ``ops.decode_attention`` where there is one.
@@ -38,6 +38,7 @@ def propose(params: Params, kv_cache: KVCache, batch: StepBatch, tokens: jax.Arr
     Returns:
       ``(drafts int32[S, K], the updated cache)``; each row continues its last emitted token.
     """
+    batch, _ = inputs.unpack()
     _, kv_cache = hidden_states(params, kv_cache, batch, cfg=cfg, ops=ops.for_decode_steps() if decode_only else ops)
     block_tables, num_seqs = batch.block_tables, batch.num_seqs
     num_rows, width = block_tables.shape
@@ -72,7 +73,7 @@ def _propose_arguments(shape: tuple[int, int, int], *, weights: WeightStore, cac
                        replicated: jax.sharding.Sharding) -> tuple:
     """Abstract arguments of bucket ``shape``, as :meth:`DraftRunner.propose_async` passes them."""
     s = shape[1]
-    return (weights.abstract(), cache.abstract()[0], StepBatch.abstract(shape, replicated),
+    return (weights.abstract(), cache.abstract()[0], StepInputs.abstract(shape, s * num_positions, replicated),
             jax.ShapeDtypeStruct((s, num_positions), np.int32, sharding=replicated),
             jax.ShapeDtypeStruct((s,), np.int32, sharding=replicated))
 
@@ -117,12 +118,12 @@ class DraftRunner:
         """As ``ModelRunner.resize_kv_cache``: returns the programs built."""
         return self.programs.rebuild_after(functools.partial(self.cache_engine.resize, num_blocks))
 
-    def propose_async(self, batch: BatchDescriptor, target_out: SamplerOutput) -> jax.Array:
-        """Launch the draft step after the target's on ``batch``, from ``target_out`` (``token_ids
-        [S, P]``, ``num_emitted [S]`` on the device); returns the drafts int32[S, K] on the device."""
+    def propose_async(self, batch: BatchDescriptor, inputs: StepInputs, target_out: SamplerOutput) -> jax.Array:
+        """Launch the draft step after the target's on ``batch``, from the target step's ``inputs`` on the device
+        (no transfer) and ``target_out`` (``token_ids [S, P]``, ``num_emitted [S]`` on the device); returns the
+        drafts int32[S, K] on the device."""
         exe = self.programs.step_program(batch.program)
-        device_batch = jax.device_put(StepBatch.from_descriptor(batch), self._replicated)
         cache = self.cache_engine
-        drafts, cache.kv_cache = exe(self.weights.params, cache.kv_cache, device_batch, target_out.token_ids,
+        drafts, cache.kv_cache = exe(self.weights.params, cache.kv_cache, inputs, target_out.token_ids,
                                      target_out.num_emitted)
         return drafts

@@ -30,7 +30,7 @@ from jaxllm.worker.kv_cache import CacheEngine, storage_dtype
 from jaxllm.worker.lora import LoRASlots
 from jaxllm.worker.programs import CompileStats, ProgramTable, Shape, abstract, shared_jit
 from jaxllm.worker.sharding import ModelSharding
-from jaxllm.worker.step_batch import StepBatch
+from jaxllm.worker.step_batch import StepBatch, StepInputs
 from jaxllm.worker.weights import WeightStore
 from kernels_pallas.storage import ScaledKV
 from scheduler import BatchDescriptor, BucketTable
@@ -59,16 +59,18 @@ class StepOutput:
                           first(num_rows, host.draft_token_ids))
 
 
-def _step(params: Params, kv_cache: KVCache, batch: StepBatch, sampling: SamplingArrays, tables: SamplerTables,
-          prev_tokens: jax.Array, bitmask: jax.Array, scaled_pool: Optional[ScaledKV], *, cfg: ModelConfig,
-          ops: AttentionOps, num_positions: int = 1, decode_only: bool = False,
+def _step(params: Params, kv_cache: KVCache, inputs: StepInputs, tables: SamplerTables, prev_tokens: jax.Array,
+          bitmask: jax.Array, scaled_pool: Optional[ScaledKV], *, cfg: ModelConfig, ops: AttentionOps,
+          num_positions: int = 1, decode_only: bool = False,
           logprobs_mode: str = "raw_logprobs") -> tuple[StepOutput, jax.Array, KVCache, SamplerTables]:
-    """Model + sampler + prompt logprobs; inputs marked by ``batch.prev_token_index`` come from ``prev_tokens``;
-    ``decode_only`` (static): every row has one new token, attended by ``ops.decode_attention``;
-    ``logprobs_mode`` (static): what the sampled logprobs hold (``EngineConfig.logprobs_mode``).
-    Returns ``(StepOutput, samples padded to prev_tokens' length, kv_cache, tables)``."""
+    """Model + sampler + prompt logprobs on the batch and sampling arrays packed in ``inputs``; inputs marked by
+    ``batch.prev_token_index`` come from ``prev_tokens``; ``decode_only`` (static): every row has one new token,
+    attended by ``ops.decode_attention``; ``logprobs_mode`` (static): what the sampled logprobs hold
+    (``EngineConfig.logprobs_mode``). Returns ``(StepOutput, samples padded to prev_tokens' length, kv_cache,
+    tables)``."""
     if decode_only:
         ops = ops.for_decode_steps()
+    batch, sampling = inputs.unpack()
     from_prev = batch.prev_token_index
     input_ids = jnp.where(from_prev >= 0, prev_tokens[jnp.maximum(from_prev, 0)], batch.input_ids)
     hidden, kv_cache = hidden_states(params, kv_cache, dataclasses.replace(batch, input_ids=input_ids),
@@ -100,12 +102,10 @@ def _step_arguments(shape: Shape, *, weights: WeightStore, cache: CacheEngine, t
                     replicated: jax.sharding.Sharding, lora: Optional[LoRASlots] = None) -> tuple:
     """Abstract step arguments of bucket ``shape``, exactly as :meth:`ModelRunner.dispatch` passes them."""
     s = shape[1]
-    sampling = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated),
-                                      SamplingArrays.empty(s * num_positions))
     bitmask = jax.ShapeDtypeStruct((s, num_words), np.int32, sharding=replicated)
     kv_cache, scaled_pool = cache.abstract()
     params = weights.abstract() if lora is None else with_lora(weights.abstract(), lora.abstract())
-    return (params, kv_cache, StepBatch.abstract(shape, replicated), sampling, tables, prev_tokens,
+    return (params, kv_cache, StepInputs.abstract(shape, s * num_positions, replicated), tables, prev_tokens,
             bitmask, scaled_pool)
 
 
@@ -162,11 +162,12 @@ class ModelRunner:
         self._no_prev_tokens = jax.device_put(np.zeros(buckets.seq_buckets[-1], np.int32), replicated)
         self.bitmask_words = bitmask_words(cfg.vocab_size)
         # Per row bucket S: an all-ones bitmask kept on the device, passed by steps without a constrained row.
-        self._all_allowed: dict[int, jax.Array] = {}
+        self._all_allowed = {s: jax.device_put(np.full((s, self.bitmask_words), -1, np.int32), replicated)
+                             for s in buckets.seq_buckets}
         self._slot_ops: dict[str, Callable] = {}
         # Outputs pinned to the inputs' shardings: the donated KV cache and sampler tables come back laid out as
         # the next step was compiled for.
-        step_fns = {decode_only: shared_jit(_step, donate_argnums=(1, 4), traced_from=family(cfg),
+        step_fns = {decode_only: shared_jit(_step, donate_argnums=(1, 3), traced_from=family(cfg),
                                             out_shardings=(replicated, replicated, self.cache_engine.sharding(),
                                                            replicated),
                                             cfg=cfg, ops=ops, num_positions=num_positions, decode_only=decode_only,
@@ -198,8 +199,11 @@ class ModelRunner:
     def dispatch(self, batch: BatchDescriptor, sampling: SamplingArrays, prev_tokens: Optional[jax.Array] = None,
                  prompt_target_ids: Optional[np.ndarray] = None,
                  bitmask: Optional[np.ndarray] = None,
-                 lora_slots: Optional[np.ndarray] = None) -> tuple[StepOutput, jax.Array]:
-        """Launch one step without waiting for it.
+                 lora_slots: Optional[np.ndarray] = None) -> tuple[StepOutput, jax.Array, StepInputs]:
+        """Launch one step without waiting for it. Its host inputs travel in one transfer (``StepInputs``), two with a
+        ``bitmask``, which is not packed: always in the buffer it would add ``S * ceil(V / 32)`` words to every step
+        (4.9 MB at 256 rows of a 151,936-token vocabulary), and packed only when present it would need a second
+        program per bucket. A step without one passes an all-ones bitmask kept on the device.
 
         Args:
           batch: bucket-shaped (T, S, W) arrays; sampling: ``[S * num_positions]`` row controls.
@@ -209,28 +213,22 @@ class ModelRunner:
           lora_slots: int32[S] each row's LoRA slot, -1 none (``LoRAManager.row_slots``); None: all none.
 
         Returns:
-          ``(StepOutput on the device, sampled ids as int32[max S bucket])``; KV cache and sampler tables are donated.
+          ``(StepOutput on the device, sampled ids as int32[max S bucket], the step's inputs on the device)`` (a draft
+          model's step reads the same inputs); KV cache and sampler tables are donated.
         """
         exe = self.programs.step_program(batch.program)
+        inputs = StepInputs.pack(StepBatch.from_descriptor(batch, prompt_target_ids, lora_slots), sampling)
         if bitmask is None:
-            bitmask = self._all_ones(batch.shape[1])
-        device_batch, device_sampling, bitmask = jax.device_put(
-            (StepBatch.from_descriptor(batch, prompt_target_ids, lora_slots), sampling, bitmask), self._replicated)
+            inputs, bitmask = jax.device_put(inputs, self._replicated), self._all_allowed[batch.shape[1]]
+        else:
+            inputs, bitmask = jax.device_put((inputs, bitmask), self._replicated)
         prev = self._no_prev_tokens if prev_tokens is None else prev_tokens
         cache = self.cache_engine
         params = self.weights.params if self.lora is None else with_lora(self.weights.params, self.lora.leaves)
         out, next_prev, cache.kv_cache, self.sampler_tables = exe(
-            params, cache.kv_cache, device_batch, device_sampling, self.sampler_tables, prev, bitmask,
-            cache.scaled_pool,
+            params, cache.kv_cache, inputs, self.sampler_tables, prev, bitmask, cache.scaled_pool,
         )
-        return out, next_prev
-
-    def _all_ones(self, num_rows: int) -> jax.Array:
-        ones = self._all_allowed.get(num_rows)
-        if ones is None:
-            ones = self._all_allowed[num_rows] = jax.device_put(
-                np.full((num_rows, self.bitmask_words), -1, np.int32), self._replicated)
-        return ones
+        return out, next_prev, inputs
 
     def fill_slot(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
         """Reset sampling slot ``slot`` for a sequence (re)admitted with ``token_ids`` (prompt then output)."""
