@@ -10,6 +10,7 @@ GQA as HF's ``repeat_kv``: query head ``h`` reads KV head ``h // (num_q_heads //
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -39,6 +40,8 @@ def _masked_softmax_pv(scores: jax.Array, mask: jax.Array, v: jax.Array) -> jax.
     return jnp.einsum("nhgl,nlhd->nhgd", p, v)
 
 
+# Each one program per shapes and static options: op by op, every new shape would compile each of its ops.
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret"))
 def ragged_paged_attention_reference(
     q: jax.Array,
     k_cache: jax.Array,
@@ -107,6 +110,7 @@ def ragged_paged_attention_reference(
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret"))
 def paged_attention_reference(
     q: jax.Array,
     k_cache: jax.Array,
