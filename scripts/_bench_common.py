@@ -436,7 +436,8 @@ def bandwidth_bar() -> str:
     """The line that states :data:`VLLM_CLASS_BANDWIDTH_FRACTION` as the bar."""
     low, high = VLLM_CLASS_BANDWIDTH_FRACTION
     return (f"bar: engines of vLLM's class reach {low:.0%}-{high:.0%} of the bandwidth limit on this kind of workload "
-            "(published Qwen3-0.6B runs at 256 sequences)")
+            "(published Qwen3-0.6B runs at 256 sequences); each row's limit counts its own steps' weight reads, so "
+            "tok/s, not the fraction, compares the rows")
 
 
 def git_commit() -> Optional[str]:

@@ -63,7 +63,8 @@ def build_model(model: Path, dtype_name: str, attn_implementation: str, device: 
 def cb_config(args: argparse.Namespace) -> Any:
     """transformers' ``ContinuousBatchingConfig`` of the flags: ``--max-num-batched-tokens`` tokens and
     ``--max-num-seqs`` requests a step, and KV blocks for ``--max-num-seqs`` requests of ``--max-model-len`` tokens
-    (sized, not inferred from free memory, so that the run is the same on any device)."""
+    (sized, not inferred from free memory, so that the run is the same on any device; ``--num-kv-blocks`` means as many
+    KV tokens as that many of jaxllm's ``--block-size`` blocks)."""
     from transformers import ContinuousBatchingConfig
 
     config = ContinuousBatchingConfig(max_batch_tokens=args.max_num_batched_tokens,
@@ -71,7 +72,9 @@ def cb_config(args: argparse.Namespace) -> Any:
     # Tokens a block holds per layer: ``page_size`` in later transformers, ``block_size`` in 5.17.
     block_tokens = getattr(config, "page_size", None) or config.block_size
     max_model_len = common.engine_kwargs(args, "continuous")["max_model_len"]
-    config.num_blocks = args.num_kv_blocks or args.max_num_seqs * math.ceil(max_model_len / block_tokens)
+    # --num-kv-blocks counts jaxllm's blocks of --block-size tokens: the same KV tokens in transformers' blocks.
+    kv_tokens = args.num_kv_blocks * args.block_size if args.num_kv_blocks else args.max_num_seqs * max_model_len
+    config.num_blocks = math.ceil(kv_tokens / block_tokens)
     return config
 
 

@@ -77,8 +77,8 @@ def _rows(rng, q_lens, seq_lens, *, block_size, head_dim, group, kv_heads, dtype
     return q, k, v, tables, jnp.asarray(list(seq_lens) + [0], jnp.int32), qsl, jnp.int32(len(q_lens))
 
 
-# Both sides jitted: one program per case's shapes, where op-by-op dispatch would compile each of the reference's
-# few dozen ops for every new shape (three to four times the test's time).
+# Both sides jitted: one program per case's shapes, where op-by-op dispatch would compile each op for every new
+# shape.
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap"))
 def _native(q, k, v, tables, lens, qsl, num_seqs, **kw):
     row, pos = token_rows_and_positions(qsl, lens, num_seqs, q.shape[0])
@@ -391,7 +391,7 @@ def test_a_failed_build_or_the_off_switch_leaves_the_jnp_path(tmp_path):
     assert off.startswith("False JAXLLM_NATIVE_KERNELS=0 False")
 
 
-def test_the_library_is_built_once_per_source_and_reused(tmp_path):
+def test_a_cache_holding_the_library_is_reused_without_a_build(tmp_path):
     # The module fixture built (or found) this process's library under its cache key; a process whose cache holds
     # that file loads it as it is: no build, no other file. (A cold cache builds it: the first kernel test of a run.)
     ours = Path(cpu_build._lib._name)

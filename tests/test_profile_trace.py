@@ -109,8 +109,9 @@ def test_mixed_steps_hold_prefill_chunks_and_ops_are_named_with_their_time(profi
 
 def test_the_traces_are_packed_under_the_limit_and_reduce_again_from_the_folder(profiled, capsys):
     out = profiled["out"]
-    # Room for both XSpaces, whose size follows what the process has loaded (more inside a full test run).
-    limit = sum(p.stat().st_size for p in (out / "trace").rglob("*.xplane.pb")) / 2**20 + 1
+    # Room for every trace file: their size follows what the process has loaded (more inside a full test run), so
+    # the drop order is tested on files of known sizes below.
+    limit = sum(p.stat().st_size for p in (out / "trace").rglob("*") if p.is_file()) / 2**20 + 1
     archive = pt.pack_traces(out, limit_mib=limit)
     assert archive.stat().st_size <= limit * 2**20
     with tarfile.open(archive) as tar:
@@ -126,3 +127,28 @@ def test_the_traces_are_packed_under_the_limit_and_reduce_again_from_the_folder(
     text = pt.main(["--reduce", str(out), "--top", "5"])
     assert text == profiled["text"] and (out / "profile.txt").read_text() == text + "\n"
     assert_one_host_line(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("limit_mib, kept", [
+    (4.0, ["a.trace.json.gz", "a.xplane.pb", "b.xplane.pb", "perfetto_trace.json.gz"]),
+    (2.5, ["a.trace.json.gz", "a.xplane.pb", "b.xplane.pb"]),  # Perfetto's JSON goes first
+    (1.8, ["a.xplane.pb", "b.xplane.pb"]),                      # then the trace JSON
+    (0.5, []),                                                   # then the XSpaces
+])
+def test_packing_drops_perfetto_then_trace_json_then_xspace_until_under_the_limit(tmp_path, limit_mib, kept):
+    # Random bytes do not compress: each file weighs its size in the archive. 1 MiB of Perfetto JSON, 0.5 MiB of
+    # trace JSON, two XSpaces of 0.75 MiB.
+    rng = np.random.default_rng(0)
+    sizes = {"perfetto_trace.json.gz": 2**20, "a.trace.json.gz": 2**19, "a.xplane.pb": 3 * 2**18,
+             "b.xplane.pb": 3 * 2**18}
+    phase = tmp_path / "trace" / "decode"
+    phase.mkdir(parents=True)
+    for name, size in sizes.items():
+        (phase / name).write_bytes(rng.integers(0, 256, size, np.uint8).tobytes())
+    archive = pt.pack_traces(tmp_path, limit_mib=limit_mib)
+    assert archive.stat().st_size <= limit_mib * 2**20
+    with tarfile.open(archive) as tar:
+        names = sorted(Path(n).name for n in tar.getnames() if n != "trace/LEFT_OUT.txt")
+        left = tar.extractfile("trace/LEFT_OUT.txt").read().decode() if kept != sorted(sizes) else ""
+    assert names == kept
+    assert all((name in left) == (name not in kept) for name in sizes), left

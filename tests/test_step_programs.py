@@ -240,7 +240,7 @@ def test_each_dispatch_sends_one_buffer_and_the_bitmask_only_when_a_row_is_const
         assert puts == 1 + bitmask, (program, bitmask, puts)
 
 
-# The outputs of these requests with every input array transferred on its own (the per-leaf device_put).
+# Regression values: these requests' greedy and seeded tokens, which no change to how a step's inputs travel may alter.
 PROMPT_LENGTHS = (3, 21, 9, 1, 14, 30)
 GREEDY_TOKENS = [[269, 261, 416, 288, 412, 421, 419, 426], [426, 410, 13, 434, 260, 416, 432, 358],
                  [426, 13, 434, 260, 416, 432, 265, 262], [269, 336, 432, 313, 442, 439, 423, 262],

@@ -26,10 +26,10 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 
 from jaxllm.loader.nnx_names import LLAMA3, jaxllm_lora_leaves  # noqa: E402
 
-# The processed mode at T=0.9 (tunix's default) runs STEPS; the raw mode RAW_STEPS, enough for a sync between its
-# rollouts, whose logprobs are checked after it.
+# The processed mode at T=0.9 (tunix's default) runs STEPS; the raw mode RAW_STEPS, enough for two syncs: the
+# first may build the sync's programs, the second must build none, and the logprobs are checked after each.
 STEPS = 4
-RAW_STEPS = 2
+RAW_STEPS = 3
 GROUP = 4
 # Two token buckets per engine (16 decode rows, 64-token chunks of the prompts) instead of the default ladder's seven:
 # each of the three engines here compiles its own programs (their logprobs modes and LoRA differ).

@@ -640,7 +640,7 @@ class EngineCore:
             lora_slots = (None if self.lora is None else
                           self.lora.row_slots([r.lora_int_id for r in batch.requests], num_rows))
             out, next_prev, inputs = self.runner.dispatch(batch, arrays, prev_tokens, targets,
-                                                  self.structured.bitmask(sched_out, num_rows), lora_slots)
+                                                          self.structured.bitmask(sched_out, num_rows), lora_slots)
             if self.drafter is not None:
                 out = dataclasses.replace(out, draft_token_ids=self.drafter.propose_async(batch, inputs, out.sampled))
             self._write_offloads(offloads)

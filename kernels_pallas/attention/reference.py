@@ -40,7 +40,7 @@ def _masked_softmax_pv(scores: jax.Array, mask: jax.Array, v: jax.Array) -> jax.
     return jnp.einsum("nhgl,nlhd->nhgd", p, v)
 
 
-# Each one program per shapes and static options: op by op, every new shape would compile each of its ops.
+# One compiled program per shape and static options; op by op, each new shape would compile every op.
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret"))
 def ragged_paged_attention_reference(
     q: jax.Array,
