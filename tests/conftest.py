@@ -63,26 +63,6 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["JAXLLM_CACHE"] = folder
 
 
-# Test files of one or two tests of a minute or more each (child processes, their own environment, real models):
-# under pytest-xdist's --dist loadfile they start first, for the same reason as its own reordering (pyproject.toml
-# turns that off: it puts files with the most tests first, these last, where one leaves the other worker idle).
-START_FIRST = ("test_sharding_tp.py", "test_sharding.py", "test_tunix_env.py", "test_smollm2.py",
-               "test_gemma3_270m.py", "test_compilation.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """START_FIRST's files first, then files with more tests before files with fewer; each file's order kept."""
-    per_file: dict[str, int] = {}
-    for item in items:
-        per_file[item.path.name] = per_file.get(item.path.name, 0) + 1
-
-    def rank(item: pytest.Item) -> tuple[int, int]:
-        name = item.path.name
-        return (START_FIRST.index(name), 0) if name in START_FIRST else (len(START_FIRST), -per_file[name])
-
-    items.sort(key=rank)
-
-
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     return STORIES
