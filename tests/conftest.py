@@ -1,15 +1,16 @@
 """Shared fixtures: the stories260K model (tests/fixtures), the SmolLM2 GGUF, tiny HF models.
 
-The test session keeps everything jaxllm writes (JAX's persistent compilation cache, the
-default model) in its own folder, never in the user's jaxllm cache: ``$JAXLLM_CACHE`` is set
-to ``.pytest_cache/d/jaxllm`` (kept between runs, so later runs reuse the compiled programs;
-a temporary folder when pytest's cache is off) for this process and the subprocesses it
-starts (CLI and multidevice tests). ``$JAXLLM_TEST_CACHE`` carries the folder to nested
-pytest runs, and chooses it when set beforehand.
+The test session keeps everything jaxllm writes (the default model, JAX's persistent compilation
+cache of the subprocesses it starts) in its own folder, never in the user's jaxllm cache:
+``$JAXLLM_CACHE`` is set to ``.pytest_cache/d/jaxllm`` (kept between runs, so later runs reuse the
+fetched models and the subprocesses' compiled programs; a temporary folder when pytest's cache is
+off) for this process and the subprocesses it starts (CLI and multidevice tests).
+``$JAXLLM_TEST_CACHE`` carries the folder to nested pytest runs, and chooses it when set beforehand.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import tempfile
@@ -23,6 +24,29 @@ from hypothesis import settings
 # so a deadline measures the machine's load, not the code (a 0.1 ms example once took 306 ms and failed as flaky).
 settings.register_profile("jaxllm", deadline=None)
 settings.load_profile("jaxllm")
+
+# XLA's CPU compiler at its fastest settings for the tests: no LLVM optimization and the older elemental fusion
+# emitters compile a step program about 2.5x faster, and compiling is most of the suite's time. They run the same
+# operations (a float sum may round differently where its order changes, within every test's tolerance); the
+# benchmarks and users run XLA's defaults. Set before JAX starts (XLA reads XLA_FLAGS once) and inherited by the
+# subprocesses the tests start; a flag $XLA_FLAGS already sets keeps its value. Not where JAX has a GPU plugin:
+# the optimization level applies to XLA's GPU code too, whose kernels the GPU check times.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def with_test_xla_flags(flags: str) -> str:
+    """``flags`` (an ``XLA_FLAGS`` value) with :data:`TEST_XLA_FLAGS` added where it does not set them."""
+    names = {flag.split("=")[0] for flag in flags.split()}
+    return " ".join(flags.split() + [flag for flag in TEST_XLA_FLAGS if flag.split("=")[0] not in names])
+
+
+def _gpu_plugin_installed() -> bool:
+    return any((dist.metadata["Name"] or "").lower().replace("_", "-").startswith(("jax-cuda", "jax-rocm"))
+               for dist in importlib.metadata.distributions())
+
+
+if not _gpu_plugin_installed():
+    os.environ["XLA_FLAGS"] = with_test_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 # tests/multidevice needs 8 host devices, a flag JAX reads once at start-up:
 # tests/test_sharding.py and tests/test_sharding_tp.py run it in subprocesses with that flag set
@@ -61,6 +85,16 @@ def pytest_configure(config: pytest.Config) -> None:
         folder = str(cache.mkdir("jaxllm") if cache is not None else tempfile.mkdtemp(prefix="jaxllm-tests-"))
         os.environ["JAXLLM_TEST_CACHE"] = folder
     os.environ["JAXLLM_CACHE"] = folder
+    # JAX's persistent compilation cache stays off in the test processes themselves (their engines still set its
+    # folder): there it is read back for few programs while every program compiled is serialized into it, and
+    # JAX's serialization of executables has segfaulted in long-lived worker processes. The CLI, server and
+    # script subprocesses the tests start keep it, so repeated runs of one command load their programs. (A test
+    # process may block JAX: tests/test_layout.py collects the scheduler's tests without it.)
+    try:
+        import jax
+    except ImportError:
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
 
 
 @pytest.fixture(scope="session")

@@ -93,7 +93,8 @@ def _free_port() -> int:
 def test_distributed_initialize_gives_a_mesh_spanning_two_processes(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(_DISTRIBUTED_CHILD.format(root=str(ROOT), port=_free_port()))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"}
     procs = [subprocess.Popen([sys.executable, str(script), str(i)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:

@@ -23,14 +23,6 @@ from tests.test_sampling import LOGITS, OUTPUT, V, _arrays, _tables, ref_distrib
 
 N_DRAWS = 20_000
 
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache():
-    """The session's persistent compilation cache (the engines' own), so later runs load these programs."""
-    from jaxllm.paths import cache_dir
-    from jaxllm.worker.programs import enable_persistent_compilation_cache
-
-    enable_persistent_compilation_cache(str(cache_dir() / "xla"))
 _verify = jax.jit(verify)
 _sample = jax.jit(sample)
 

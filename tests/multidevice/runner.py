@@ -47,8 +47,8 @@ def run(modules: list[Path], folder: Path) -> tuple[subprocess.CompletedProcess,
     report as (module stem, name, outcome, message)). Outcome is "passed", "failure", "error" or "skipped"; a
     module that failed to collect is one "error" case named by the module."""
     report = folder / "junit.xml"
-    env = {**os.environ, "JAXLLM_MULTIDEVICE": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAXLLM_MULTIDEVICE": "1", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "--continue-on-collection-errors", f"--junitxml={report}", *map(str, modules)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
