@@ -85,12 +85,24 @@ def finish(carry: Carry) -> jax.Array:
     return carry.acc / row_sum[:, None]
 
 
+def merge_splits(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array) -> jax.Array:
+    """Split-K partial results merged by log-sum-exp: acc [..., splits, H, D] (unnormalised), row_max, row_sum
+    [..., splits, H] (float32) -> [..., H, D] float32; rows no split saw are zeros."""
+    global_max = jnp.max(row_max, axis=-2, keepdims=True)
+    # Empty splits have row_sum 0 and acc 0, so their weight does not matter.
+    weight = jnp.exp(row_max - global_max)
+    total = jnp.sum(row_sum * weight, axis=-2)
+    out = jnp.sum(acc * weight[..., None], axis=-3)
+    return out / jnp.where(total == 0.0, 1.0, total)[..., None]
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def check_attention_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array) -> None:
-    """Raise ValueError for inputs the paged attention kernels cannot take."""
+def check_attention_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                           *, triton: bool = True) -> None:
+    """Raise ValueError for inputs the paged attention kernels cannot take (``triton``: with Triton's dot limits)."""
     _, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, cache_head_dim = k_cache.shape
     if v_cache.shape != k_cache.shape:
@@ -99,7 +111,7 @@ def check_attention_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
+    if triton and (head_dim < 16 or head_dim & (head_dim - 1)):
         raise ValueError(f"head_dim {head_dim} must be a power of two >= 16 (Triton dot constraint)")
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must be [S, W], got {block_tables.shape}")

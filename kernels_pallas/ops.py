@@ -3,7 +3,8 @@
 =============  ==============================================================================================
 op             backends (one folder each, beside its plain ``jnp`` reference)
 =============  ==============================================================================================
-attention      ``pallas`` (GPU: ragged, and decode-only steps' programs by the split-K decode kernel), ``xla`` (``jnp``
+attention      ``pallas`` (GPU: ragged, and decode-only steps' programs by the split-K decode kernel, Triton's or on
+               Hopper Mosaic GPU's: :data:`DECODE_KERNELS`), ``xla`` (``jnp``
                tiles; on XLA's CPU backend every row goes to the C++ kernel where
                :func:`attention_native_applies`: :func:`xla_attention`), ``reference``
 cache_write    ``pallas`` (GPU), ``reference`` (the ``jnp`` scatter, for every other backend)
@@ -19,6 +20,7 @@ them (``cpu_build``): :func:`native_kernels` registers the FFI targets each C++ 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import cpu_build, cpu_features
 from kernels_pallas.attention import cpu as attention_cpu
+from kernels_pallas.attention import mosaic_decode
 from kernels_pallas.attention.pallas_decode import paged_attention
 from kernels_pallas.attention.pallas_ragged import ragged_paged_attention
 from kernels_pallas.attention.reference import ragged_paged_attention_reference
@@ -42,6 +45,12 @@ OPS = ("attention", "cache_write", "matmul", "lm_head")
 ATTENTION_BACKENDS = ("pallas", "xla", "reference")
 # Platform -> attention (and KV write) backend; every platform not named: "xla".
 DEFAULT_ATTENTION_BACKEND = {"gpu": "pallas"}
+# The pallas backend's decode-only kernel: "triton" (attention.pallas_decode) or "mosaic" (attention.mosaic_decode:
+# Hopper, bf16/f16 caches; any other input takes triton's). $JAXLLM_DECODE_KERNEL picks; triton is the default
+# until a GPU run shows mosaic reading at least as fast (scripts/bench_kernels.py, docs/benchmarks/gpu.md).
+DECODE_KERNELS = ("triton", "mosaic")
+DEFAULT_DECODE_KERNEL = "triton"
+DECODE_KERNEL_ENV = "JAXLLM_DECODE_KERNEL"
 # The most rows (tokens) of a step whose projections the C++ matmul computes, by the weight's number type and the
 # CPU's flags: the first entry whose flags the CPU has all of. float32: AVX-512's tiles of 6 rows by 64 columns
 # beat XLA's dots plus the slice copies up to 512 rows, AVX2's of 6 by 16 up to 192. bfloat16: where the CPU has
@@ -66,13 +75,13 @@ NATIVE_TARGETS = tuple(sorted({**attention_cpu.FFI_TARGETS, **matmul_cpu.FFI_TAR
                                **lm_head_cpu.FFI_TARGETS}.items()))
 
 __all__ = [
-    "ATTENTION_BACKENDS", "BITS_STORAGE", "DEFAULT_ATTENTION_BACKEND", "HEAD_PANELS", "HEAD_PANELS_MAX_BYTES",
-    "LM_HEAD_MIN_ROWS", "NATIVE_TARGETS", "OPS", "PROJECTION_MAX_ROWS", "AttentionOps", "ScaledKV",
-    "attention_native_applies", "cascade_units_formed", "decode_step_attention", "default_attention_backend",
-    "from_storage", "get_attention_ops", "layer_matmul", "lm_head", "lm_head_backend", "lm_head_panel_columns",
-    "lm_head_panels", "matmul_backend", "native_kernels", "native_unavailable_reason", "pack_lm_head_panels",
-    "projection_max_rows",
-    "select", "to_storage", "with_lm_head_panels", "with_stacked_weights", "xla_attention",
+    "ATTENTION_BACKENDS", "BITS_STORAGE", "DECODE_KERNELS", "DEFAULT_ATTENTION_BACKEND", "DEFAULT_DECODE_KERNEL",
+    "HEAD_PANELS", "HEAD_PANELS_MAX_BYTES", "LM_HEAD_MIN_ROWS", "NATIVE_TARGETS", "OPS", "PROJECTION_MAX_ROWS",
+    "AttentionOps", "ScaledKV", "attention_native_applies", "cascade_units_formed", "decode_step_attention",
+    "default_attention_backend", "from_storage", "get_attention_ops", "layer_matmul", "lm_head", "lm_head_backend",
+    "lm_head_panel_columns", "lm_head_panels", "matmul_backend", "mosaic_or_triton_decode", "native_kernels",
+    "native_unavailable_reason", "pack_lm_head_panels", "projection_max_rows", "select", "to_storage",
+    "with_lm_head_panels", "with_stacked_weights", "xla_attention",
 ]
 
 
@@ -165,25 +174,29 @@ class AttentionOps(NamedTuple):
         return self._replace(ragged_paged_attention=self.decode_attention)
 
 
-def get_attention_ops(backend: str, *, interpret: bool = False,
-                      decode_steps: Optional[bool] = None) -> AttentionOps:
+def get_attention_ops(backend: str, *, interpret: bool = False, decode_steps: Optional[bool] = None,
+                      decode_kernel: Optional[str] = None) -> AttentionOps:
     """The attention ops of ``backend``: ``"pallas"`` (GPU kernels: ragged, and the split-K decode kernel for
     decode-only steps via :func:`decode_step_attention`; ``interpret`` runs the Pallas interpreter), ``"xla"``
     (``attention.xla``, with its decode-only variant) or ``"reference"`` (no decode-only variant).
 
     ``decode_steps``: give decode-only steps their own attention (:attr:`AttentionOps.decode_attention`); None: for
     ``pallas``, and for ``xla`` off XLA's CPU backend (there the C++ kernel takes every row the same way).
-    Members take ``ragged_paged_attention_reference``'s and ``kv_cache_write_reference``'s arguments.
-    Raises ValueError for an unknown backend.
+    ``decode_kernel``: ``pallas``'s decode kernel, one of :data:`DECODE_KERNELS` (None: ``$JAXLLM_DECODE_KERNEL``,
+    else :data:`DEFAULT_DECODE_KERNEL`). Members take ``ragged_paged_attention_reference``'s and
+    ``kv_cache_write_reference``'s arguments.
+    Raises ValueError for an unknown backend or decode kernel, or ``mosaic`` compiled for a device that is not a
+    Hopper GPU.
     """
     if decode_steps is None:
         decode_steps = backend == "pallas" or (backend == "xla" and jax.default_backend() != "cpu")
     if backend == "pallas":
+        decode = _pallas_decode_kernel(decode_kernel, interpret) if decode_steps else None
         return AttentionOps(
             ragged_paged_attention=functools.partial(ragged_paged_attention, interpret=interpret),
             kv_cache_write=functools.partial(kv_cache_write, interpret=interpret),
-            decode_attention=decode_step_attention(functools.partial(paged_attention, interpret=interpret))
-            if decode_steps else None,
+            decode_attention=decode_step_attention(functools.partial(decode, interpret=interpret))
+            if decode else None,
         )
     if backend == "xla":
         return AttentionOps(ragged_paged_attention=xla_attention, kv_cache_write=kv_cache_write_reference,
@@ -193,6 +206,39 @@ def get_attention_ops(backend: str, *, interpret: bool = False,
         return AttentionOps(ragged_paged_attention=ragged_paged_attention_reference,
                             kv_cache_write=kv_cache_write_reference)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {ATTENTION_BACKENDS}")
+
+
+def _pallas_decode_kernel(name: Optional[str], interpret: bool) -> Callable[..., jax.Array]:
+    """The decode kernel :func:`get_attention_ops` names (``paged_attention_reference``'s signature plus
+    ``interpret``)."""
+    source = "decode_kernel"
+    if name is None:
+        name, source = os.environ.get(DECODE_KERNEL_ENV) or DEFAULT_DECODE_KERNEL, f"${DECODE_KERNEL_ENV}"
+    if name not in DECODE_KERNELS:
+        raise ValueError(f"unknown decode kernel {name!r} ({source}); expected one of {DECODE_KERNELS}")
+    if name == "triton":
+        return paged_attention
+    device = jax.devices()[0]
+    if not interpret and not str(getattr(device, "compute_capability", "")).startswith("9"):
+        raise ValueError(f"decode kernel 'mosaic' compiles for Hopper GPUs (compute capability 9.x); "
+                         f"the device is {device.device_kind}")
+    return mosaic_or_triton_decode
+
+
+def mosaic_or_triton_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                            seq_lens: jax.Array, *, interpret: bool = False, k_scale: Optional[jax.Array] = None,
+                            v_scale: Optional[jax.Array] = None, **static: Any) -> jax.Array:
+    """Decode attention by ``attention.mosaic_decode`` where it takes the inputs (chosen while tracing, from their
+    dtypes and shapes: ``mosaic_decode.unsupported_reason``), else by Triton's ``attention.pallas_decode``.
+    Arguments and result as ``paged_attention_reference``."""
+    _, num_q_heads, head_dim = q.shape
+    quantized = k_scale is not None or v_scale is not None
+    if mosaic_decode.unsupported_reason(q.dtype, k_cache.dtype, head_dim, k_cache.shape[1],
+                                        num_q_heads // k_cache.shape[2], quantized, block_tables.shape[1]) is None:
+        return mosaic_decode.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, interpret=interpret,
+                                             **static)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, interpret=interpret, k_scale=k_scale,
+                           v_scale=v_scale, **static)
 
 
 def decode_step_attention(decode: Callable[..., jax.Array]) -> Callable[..., jax.Array]:

@@ -1,12 +1,13 @@
 """Time jaxllm's paged-attention kernels on a GPU and report achieved HBM bandwidth.
 
 Decode at batch {1, 32, 256} x context {512, 4096, 32768} for
-  * ours:     kernels_pallas.attention.pallas_decode.paged_attention (flash-decoding over block tables),
+  * triton:   kernels_pallas.attention.pallas_decode.paged_attention (flash-decoding over block tables),
+  * mosaic:   kernels_pallas.attention.mosaic_decode.paged_attention (the same plan on Mosaic GPU, Hopper only),
   * jax:      jax.experimental.pallas.ops.gpu.paged_attention, K/V re-laid into
               its head-major page layout outside the timing,
   * ref:      kernels_pallas.attention.reference.paged_attention_reference under XLA,
-and one mixed prefill + decode batch for ours (ragged_paged_attention) and
-the reference (JAX's kernel is decode-only).
+and one mixed prefill + decode batch for ours (ragged_paged_attention, Triton) and
+the reference (JAX's kernel and the Mosaic one are decode-only).
 
 GB/s counts the bytes a perfect kernel must move: every sequence's K and V
 once, plus q and the output. Usage:
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _bench_common as common  # noqa: E402
 # noqa: E402: after the path fix so the checkout's package is used.
-from kernels_pallas.attention import pallas_decode, pallas_ragged, reference  # noqa: E402
+from kernels_pallas.attention import mosaic_decode, pallas_decode, pallas_ragged, reference  # noqa: E402
 
 DTYPE = jnp.bfloat16
 BATCHES = (1, 32, 256)
@@ -89,21 +90,25 @@ def _paged_inputs(key, seq_ctx: list[int], args):
     return k_cache, v_cache, tables, seq_lens
 
 
+def _on_hopper() -> bool:
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
 def _report(name: str, shape: str, ms: float, nbytes: int, peak_gbps: float) -> None:
     gbps = nbytes / ms / 1e6
-    print(f"{name:<5} {shape:<28} {ms:9.3f} ms {gbps:9.1f} GB/s {100 * gbps / peak_gbps:6.1f}% of peak", flush=True)
+    print(f"{name:<6} {shape:<28} {ms:9.3f} ms {gbps:9.1f} GB/s {100 * gbps / peak_gbps:6.1f}% of peak", flush=True)
 
 
 def _run(name: str, shape: str, needed_bytes: int, fn, *fn_args, nbytes: int, args) -> None:
     """Time one implementation, printing a skip or the error instead of stopping."""
     limit = _device_bytes()
     if limit is not None and needed_bytes > 0.9 * limit:
-        print(f"{name:<5} {shape:<28} skipped: needs ~{needed_bytes / 2**30:.0f} GiB of {limit / 2**30:.0f} GiB")
+        print(f"{name:<6} {shape:<28} skipped: needs ~{needed_bytes / 2**30:.0f} GiB of {limit / 2**30:.0f} GiB")
         return
     try:
         _report(name, shape, _time_ms(fn, *fn_args, iters=args.iters), nbytes, args.peak_gbps)
     except Exception as err:  # one failed benchmark must not stop the others
-        print(f"{name:<5} {shape:<28} FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+        print(f"{name:<6} {shape:<28} FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
 
 
 def _bench_decode(key, batch: int, ctx: int, args) -> None:
@@ -113,7 +118,7 @@ def _bench_decode(key, batch: int, ctx: int, args) -> None:
     cache_bytes = 2 * batch * ctx * hkv * d * item
     # Twice the cache: random generation needs temporaries of the cache's size.
     if (limit := _device_bytes()) is not None and 2 * cache_bytes > 0.9 * limit:
-        print(f"all   {shape:<28} skipped: building the cache needs ~{2 * cache_bytes / 2**30:.0f} GiB")
+        print(f"all    {shape:<28} skipped: building the cache needs ~{2 * cache_bytes / 2**30:.0f} GiB")
         return
     cache_key, q_key = jax.random.split(key)
     k_cache, v_cache, tables, seq_lens = _paged_inputs(cache_key, [ctx] * batch, args)
@@ -121,8 +126,16 @@ def _bench_decode(key, batch: int, ctx: int, args) -> None:
     nbytes = cache_bytes + 2 * q.size * item
     scale = d ** -0.5
 
-    ours = jax.jit(functools.partial(pallas_decode.paged_attention, scale=scale, interpret=args.smoke))
-    _run("ours", shape, cache_bytes, ours, q, k_cache, v_cache, tables, seq_lens, nbytes=nbytes, args=args)
+    triton = jax.jit(functools.partial(pallas_decode.paged_attention, scale=scale, interpret=args.smoke))
+    _run("triton", shape, cache_bytes, triton, q, k_cache, v_cache, tables, seq_lens, nbytes=nbytes, args=args)
+    why_not = mosaic_decode.unsupported_reason(q.dtype, k_cache.dtype, d, args.block_size, hq // hkv)
+    if why_not is None and not args.smoke and not _on_hopper():
+        why_not = f"{jax.devices()[0].device_kind} is not a Hopper GPU"
+    if why_not:
+        print(f"mosaic {shape:<28} n/a: {why_not}")
+    else:
+        mosaic = jax.jit(functools.partial(mosaic_decode.paged_attention, scale=scale, interpret=args.smoke))
+        _run("mosaic", shape, cache_bytes, mosaic, q, k_cache, v_cache, tables, seq_lens, nbytes=nbytes, args=args)
 
     try:
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
@@ -137,7 +150,7 @@ def _bench_decode(key, batch: int, ctx: int, args) -> None:
              k_pages, v_pages, tables, seq_lens, nbytes=nbytes, args=args)
         del k_pages, v_pages
     except Exception as err:  # an API change in JAX's kernel must not stop the rest
-        print(f"jax   {shape:<28} FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+        print(f"jax    {shape:<28} FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
 
     # The reference gathers every sequence's context and upcasts it to float32.
     ref_bytes = cache_bytes * (1 + 1 + 4 // item) + batch * hq * ctx * 4 * 3
@@ -162,9 +175,10 @@ def _bench_mixed(key, mixed: list[tuple[int, int]], args) -> None:
     batch = (q, k_cache, v_cache, tables, seq_lens, query_start_loc, num_seqs)
     scale = d ** -0.5
 
-    ours = jax.jit(functools.partial(pallas_ragged.ragged_paged_attention, scale=scale, interpret=args.smoke))
-    _run("ours", shape, cache_bytes, ours, *batch, nbytes=nbytes, args=args)
-    print(f"jax   {shape:<28} n/a: JAX's paged_attention is decode-only")
+    triton = jax.jit(functools.partial(pallas_ragged.ragged_paged_attention, scale=scale, interpret=args.smoke))
+    _run("triton", shape, cache_bytes, triton, *batch, nbytes=nbytes, args=args)
+    print(f"mosaic {shape:<28} n/a: decode-only")
+    print(f"jax    {shape:<28} n/a: JAX's paged_attention is decode-only")
     ref_bytes = 2 * num_tokens * tables.shape[1] * args.block_size * hkv * d * (item + 4)
     ref = jax.jit(functools.partial(reference.ragged_paged_attention_reference, scale=scale))
     _run("ref", shape, ref_bytes, ref, *batch, nbytes=nbytes, args=args)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import STORIES
+from tests.conftest import ROOT, STORIES
 from tests.helpers import assert_one_host_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,3 +221,14 @@ def test_hf_anchor_runs_the_throughput_workload_on_transformers_continuous_batch
     assert rendered["columns"][-1] == "of bandwidth limit" and any("50%-68%" in n for n in rendered["notes"])
     page = render_results.render(result)
     assert "| transformers-cb |" in page and "| jaxllm | 977.5 | 2257.3 | 18 |" in page
+
+
+def test_gpu_check_parses_and_prints_its_stages():
+    # The GPU machine is lent for minutes at a time: a script that does not parse would waste a whole lease.
+    script = ROOT / "scripts" / "gpu_check.sh"
+    parsed = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert parsed.returncode == 0, parsed.stderr
+    shown = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True)
+    assert shown.returncode == 0
+    for stage in ("kernel tests", "kernel bench", "parity", "throughput", "anchor", "profile"):
+        assert f"\n  {stage} " in shown.stdout, stage

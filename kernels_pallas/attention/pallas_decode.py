@@ -57,16 +57,6 @@ def _decode_kernel(
     sum_ref[...] = carry.row_sum
 
 
-def _merge_splits(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array) -> jax.Array:
-    """acc: [..., splits, H, D]; row_max, row_sum: [..., splits, H] -> [..., H, D] float32."""
-    global_max = jnp.max(row_max, axis=-2, keepdims=True)
-    # Empty splits have row_sum 0 and acc 0, so their weight does not matter.
-    weight = jnp.exp(row_max - global_max)
-    total = jnp.sum(row_sum * weight, axis=-2)
-    out = jnp.sum(acc * weight[..., None], axis=-3)
-    return out / jnp.where(total == 0.0, 1.0, total)[..., None]
-
-
 def _num_splits(num_programs: int, num_chunks: int) -> int:
     return max(1, min(num_chunks, -(-TARGET_PROGRAMS // num_programs)))
 
@@ -132,7 +122,7 @@ def _paged_attention(
         name="paged_attention",
     )(seq_lens.astype(jnp.int32), tables, k_scale, v_scale, qg, k_cache.reshape(flat), v_cache.reshape(flat))
 
-    out = _merge_splits(acc, row_max, row_sum)[:, :, :group]
+    out = _flash.merge_splits(acc, row_max, row_sum)[:, :, :group]
     return out.reshape(num_seq_rows, num_q_heads, head_dim).astype(q.dtype)
 
 

@@ -1,0 +1,188 @@
+"""The Mosaic GPU decode kernel against the jnp reference: in JAX's Mosaic GPU interpreter on CPU (TMA copies,
+barriers and the two-stage ring simulated; the tensor-core products as ``jnp.dot``), compiled on a Hopper GPU
+(``JAXLLM_PALLAS_INTERPRET`` as in tests/test_kernels_pallas.py), and through the Mosaic GPU lowering for CUDA
+without a GPU, which checks register layouts, shared-memory tiling and swizzles, TMA sizes and the products'
+operand shapes (PTX compilation still needs the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.attention import mosaic_decode
+from kernels_pallas.attention.mosaic_decode import paged_attention, unsupported_reason
+from kernels_pallas.attention.reference import paged_attention_reference
+from tests.helpers import pallas_interpret
+from kernels_pallas.ops import get_attention_ops
+from tests.test_kernels_pallas import NUM_KV_HEADS, _make_cache, _make_tables, _ragged_batch
+
+INTERPRET = pallas_interpret()
+# bf16 products: P is rounded to bf16 before P @ V, as in the Triton kernel.
+TOLERANCE = 2e-2
+
+
+def _on_hopper() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "").startswith("9")
+
+
+pytestmark = pytest.mark.skipif(not INTERPRET and not _on_hopper(), reason="Mosaic GPU kernels compile for Hopper")
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_matmuls():
+    # On GPU, XLA may run the reference's float32 einsums in TF32.
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def _decode_batch(rng, seq_lens, *, block_size, head_dim, group, dtype=jnp.bfloat16):
+    width = -(-max(seq_lens) // block_size) + 1
+    tables, num_blocks = _make_tables(rng, [max(n, 1) for n in seq_lens], len(seq_lens), width, block_size)
+    k_cache, v_cache = _make_cache(rng, num_blocks, block_size, head_dim, dtype)
+    q = jnp.asarray(rng.standard_normal((len(seq_lens), NUM_KV_HEADS * group, head_dim)), dtype)
+    return q, k_cache, v_cache, tables, jnp.asarray(seq_lens, jnp.int32)
+
+
+# (block_size, head_dim, group, dtype, sliding_window, soft_cap): pages smaller than, equal to and larger than the
+# 64-token chunk; groups below, at and above the 16 padded columns; both tensor-core dtypes.
+CASES = [
+    (16, 128, 2, jnp.bfloat16, None, None),
+    (8, 64, 1, jnp.float16, None, None),
+    (64, 64, 8, jnp.bfloat16, 20, None),
+    (128, 128, 4, jnp.bfloat16, None, 30.0),
+    (32, 64, 24, jnp.bfloat16, None, None),
+]
+
+
+@pytest.mark.parametrize("block_size,head_dim,group,dtype,sliding_window,soft_cap", CASES)
+def test_decode_kernel_matches_reference(block_size, head_dim, group, dtype, sliding_window, soft_cap):
+    rng = np.random.default_rng(block_size + head_dim + group)
+    # 0 is a padding row; 150 spans three 64-token chunks; block_size and 64 end exactly on a boundary.
+    seq_lens = [1, block_size, 64, 150, 0, 37]
+    args = _decode_batch(rng, seq_lens, block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
+    kw = dict(scale=head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = paged_attention(*args, interpret=INTERPRET, **kw)
+    expected = paged_attention_reference(*(a.astype(jnp.float32) if a.dtype == dtype else a for a in args), **kw)
+    assert out.dtype == dtype and out.shape == args[0].shape
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected), atol=TOLERANCE, rtol=0)
+    assert not np.asarray(out[4], np.float32).any()
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_decode_kernel_result_does_not_depend_on_split_count(num_splits):
+    rng = np.random.default_rng(num_splits)
+    args = _decode_batch(rng, [300, 17, 0, 64], block_size=16, head_dim=64, group=4)
+    kw = dict(scale=0.125, sliding_window=None, soft_cap=None)
+    out = mosaic_decode._paged_attention(*args, interpret=INTERPRET, num_splits=num_splits, **kw)
+    one = mosaic_decode._paged_attention(*args, interpret=INTERPRET, num_splits=1, **kw)
+    expected = paged_attention_reference(*(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args),
+                                         **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected), atol=TOLERANCE, rtol=0)
+    # The merge reorders float32 sums only; each split's bf16 tile products are the same.
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(one, np.float32), atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype,head_dim,block_size,group,quantized,fragment", [
+    (jnp.float32, jnp.float32, 64, 16, 2, False, "float32"),
+    (jnp.bfloat16, jnp.float16, 64, 16, 2, False, "cache float16"),
+    (jnp.bfloat16, jnp.bfloat16, 96, 16, 2, False, "head_dim 96"),
+    (jnp.bfloat16, jnp.bfloat16, 320, 16, 2, False, "head_dim 320"),
+    (jnp.bfloat16, jnp.bfloat16, 64, 24, 2, False, "block_size 24"),
+    (jnp.bfloat16, jnp.bfloat16, 64, 4, 2, False, "block_size 4"),
+    (jnp.bfloat16, jnp.bfloat16, 64, 16, 40, False, "40 query heads"),
+    (jnp.bfloat16, jnp.bfloat16, 64, 16, 2, True, "quantized"),
+])
+def test_unsupported_inputs_are_named(q_dtype, cache_dtype, head_dim, block_size, group, quantized, fragment):
+    assert fragment in unsupported_reason(q_dtype, cache_dtype, head_dim, block_size, group, quantized)
+
+
+def test_supported_inputs_have_no_reason_and_unsupported_calls_raise():
+    assert unsupported_reason(jnp.bfloat16, jnp.bfloat16, 128, 16, 2, table_width=8192) is None
+    assert unsupported_reason(jnp.float16, jnp.float16, 256, 128, 32, table_width=1024) is None
+    # A row's block ids are copied to shared memory beside the tiles: a long enough table does not fit.
+    widest = max(w for w in range(1, 20_000, 32) if unsupported_reason(jnp.bfloat16, jnp.bfloat16, 256, 16, 32,
+                                                                          table_width=w) is None)
+    assert mosaic_decode.smem_bytes(256, 32, widest, 16) <= mosaic_decode.SMEM_BYTES
+    reason = unsupported_reason(jnp.bfloat16, jnp.bfloat16, 256, 16, 32, table_width=widest + 32)
+    assert f"block tables of {widest + 32} entries" in reason and str(mosaic_decode.SMEM_BYTES) in reason
+    args = _decode_batch(np.random.default_rng(0), [5], block_size=16, head_dim=64, group=1, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="float32"):
+        paged_attention(*args, scale=1.0, interpret=True)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.bfloat16, TOLERANCE), (jnp.float32, 1e-5)])
+def test_pallas_ops_with_the_mosaic_decode_kernel_match_reference_falling_back_to_triton_for_float32(
+        dtype, tolerance, monkeypatch):
+    # A decode-only step's batch: every live row has one new token; one padded row, three padded tokens.
+    batch = _ragged_batch(np.random.default_rng(7), [1, 1, 1], [70, 1, 16], block_size=16, head_dim=64, group=2,
+                          dtype=dtype)
+    calls = []
+    kernel = mosaic_decode.paged_attention
+    monkeypatch.setattr(mosaic_decode, "paged_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    ops = get_attention_ops("pallas", interpret=INTERPRET, decode_kernel="mosaic")
+    out = ops.for_decode_steps().ragged_paged_attention(*batch, scale=0.125)
+    assert len(calls) == (dtype == jnp.bfloat16)
+    expected = get_attention_ops("reference").ragged_paged_attention(
+        *(a.astype(jnp.float32) if a.dtype == dtype else a for a in batch), scale=0.125)
+    assert out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected), atol=tolerance, rtol=0)
+
+
+def test_decode_kernel_names_are_checked_and_the_environment_picks_one(monkeypatch):
+    with pytest.raises(ValueError, match="'cutlass'.*triton.*mosaic"):
+        get_attention_ops("pallas", interpret=True, decode_kernel="cutlass")
+    monkeypatch.setenv("JAXLLM_DECODE_KERNEL", "flash")
+    with pytest.raises(ValueError, match="'flash'.*JAXLLM_DECODE_KERNEL"):
+        get_attention_ops("pallas", interpret=True)
+    monkeypatch.setenv("JAXLLM_DECODE_KERNEL", "mosaic")
+    calls = []
+    monkeypatch.setattr(mosaic_decode, "paged_attention", lambda *a, **k: calls.append(1) or a[0])
+    batch = _ragged_batch(np.random.default_rng(8), [1], [5], block_size=16, head_dim=64, group=1,
+                          dtype=jnp.bfloat16)
+    get_attention_ops("pallas", interpret=True).for_decode_steps().ragged_paged_attention(*batch, scale=1.0)
+    assert calls == [1]
+    if not _on_hopper():
+        with pytest.raises(ValueError, match="Hopper"):
+            get_attention_ops("pallas", interpret=False)
+        # No decode-only programs, no decode kernel: nothing to refuse.
+        assert get_attention_ops("pallas", interpret=False, decode_steps=False).decode_attention is None
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the race detector is the interpreter's")
+def test_the_two_stage_ring_has_no_data_race():
+    # The interpreter's happens-before race detector over the TMA copies, barriers and tile reads: a slot refilled
+    # while still read, or P^T rewritten before its product, is a race.
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    args = _decode_batch(np.random.default_rng(3), [200, 64, 0], block_size=16, head_dim=64, group=2)
+    params = mosaic_decode._interpret_params(detect_races=True)
+    out = mosaic_decode._paged_attention(*args, scale=0.125, sliding_window=None, soft_cap=None, interpret=params,
+                                         num_splits=1)
+    jax.block_until_ready(out)
+    assert not get_races().races_found
+
+
+def _lower_for_cuda(fn, *arg_shapes) -> str:
+    return jax.jit(fn).trace(*arg_shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("block_size,head_dim,group,sliding_window,soft_cap,width", [
+    (16, 128, 2, None, None, 2048),  # the Qwen3-0.6B shape gpu_check serves, at 32k tokens of context
+    (8, 64, 1, 100, 30.0, 32),
+    (128, 256, 32, None, None, 256),
+])
+def test_decode_kernel_passes_the_mosaic_gpu_lowering(block_size, head_dim, group, sliding_window, soft_cap, width):
+    sds = jax.ShapeDtypeStruct
+    rows, num_blocks = 8, 257
+    cache = sds((num_blocks, block_size, NUM_KV_HEADS, head_dim), jnp.bfloat16)
+    text = _lower_for_cuda(
+        functools.partial(paged_attention, scale=0.1, sliding_window=sliding_window, soft_cap=soft_cap),
+        sds((rows, NUM_KV_HEADS * group, head_dim), jnp.bfloat16), cache, cache, sds((rows, width), jnp.int32),
+        sds((rows,), jnp.int32))
+    assert "mosaic_gpu" in text
