@@ -3,8 +3,8 @@
 =============  ==============================================================================================
 op             backends (one folder each, beside its plain ``jnp`` reference)
 =============  ==============================================================================================
-attention      ``pallas`` (GPU: ragged, and decode-only steps' programs by the split-K decode kernel, Triton's or on
-               Hopper Mosaic GPU's: :data:`DECODE_KERNELS`), ``xla`` (``jnp``
+attention      ``pallas`` (GPU: ragged, and decode-only steps' programs by the split-K decode kernel, through Triton or
+               on Hopper Mosaic GPU: :data:`PALLAS_LOWERINGS`), ``xla`` (``jnp``
                tiles; on XLA's CPU backend every row goes to the C++ kernel where
                :func:`attention_native_applies`: :func:`xla_attention`), ``reference``
 cache_write    ``pallas`` (GPU), ``reference`` (the ``jnp`` scatter, for every other backend)
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import cpu_build, cpu_features
 from kernels_pallas.attention import cpu as attention_cpu
-from kernels_pallas.attention import mosaic_decode
+from kernels_pallas.attention import mosaic_decode, mosaic_ragged
 from kernels_pallas.attention.pallas_decode import paged_attention
 from kernels_pallas.attention.pallas_ragged import ragged_paged_attention
 from kernels_pallas.attention.reference import ragged_paged_attention_reference
@@ -45,12 +45,13 @@ OPS = ("attention", "cache_write", "matmul", "lm_head")
 ATTENTION_BACKENDS = ("pallas", "xla", "reference")
 # Platform -> attention (and KV write) backend; every platform not named: "xla".
 DEFAULT_ATTENTION_BACKEND = {"gpu": "pallas"}
-# The pallas backend's decode-only kernel: "triton" (attention.pallas_decode) or "mosaic" (attention.mosaic_decode:
-# Hopper, bf16/f16 caches; any other input takes triton's). $JAXLLM_DECODE_KERNEL picks; triton is the default
-# until a GPU run shows mosaic reading at least as fast (scripts/bench_kernels.py, docs/benchmarks/gpu.md).
-DECODE_KERNELS = ("triton", "mosaic")
-DEFAULT_DECODE_KERNEL = "triton"
-DECODE_KERNEL_ENV = "JAXLLM_DECODE_KERNEL"
+# The lowering of the pallas backend's attention kernels: "triton" (attention.pallas_ragged, .pallas_decode) or
+# "mosaic" (attention.mosaic_ragged, .mosaic_decode: Mosaic GPU, Hopper, bf16/f16 caches; any other input takes
+# Triton's kernel). $JAXLLM_PALLAS_LOWERING picks; triton stays the default until a GPU run shows mosaic at least
+# as fast (scripts/bench_kernels.py, docs/benchmarks/gpu.md). The KV write stays on Triton's kernel either way.
+PALLAS_LOWERINGS = ("triton", "mosaic")
+DEFAULT_PALLAS_LOWERING = "triton"
+PALLAS_LOWERING_ENV = "JAXLLM_PALLAS_LOWERING"
 # The most rows (tokens) of a step whose projections the C++ matmul computes, by the weight's number type and the
 # CPU's flags: the first entry whose flags the CPU has all of. float32: AVX-512's tiles of 6 rows by 64 columns
 # beat XLA's dots plus the slice copies up to 512 rows, AVX2's of 6 by 16 up to 192. bfloat16: where the CPU has
@@ -75,13 +76,13 @@ NATIVE_TARGETS = tuple(sorted({**attention_cpu.FFI_TARGETS, **matmul_cpu.FFI_TAR
                                **lm_head_cpu.FFI_TARGETS}.items()))
 
 __all__ = [
-    "ATTENTION_BACKENDS", "BITS_STORAGE", "DECODE_KERNELS", "DEFAULT_ATTENTION_BACKEND", "DEFAULT_DECODE_KERNEL",
-    "HEAD_PANELS", "HEAD_PANELS_MAX_BYTES", "LM_HEAD_MIN_ROWS", "NATIVE_TARGETS", "OPS", "PROJECTION_MAX_ROWS",
+    "ATTENTION_BACKENDS", "BITS_STORAGE", "DEFAULT_ATTENTION_BACKEND", "DEFAULT_PALLAS_LOWERING", "HEAD_PANELS",
+    "HEAD_PANELS_MAX_BYTES", "LM_HEAD_MIN_ROWS", "NATIVE_TARGETS", "OPS", "PALLAS_LOWERINGS", "PROJECTION_MAX_ROWS",
     "AttentionOps", "ScaledKV", "attention_native_applies", "cascade_units_formed", "decode_step_attention",
     "default_attention_backend", "from_storage", "get_attention_ops", "layer_matmul", "lm_head", "lm_head_backend",
-    "lm_head_panel_columns", "lm_head_panels", "matmul_backend", "mosaic_or_triton_decode", "native_kernels",
-    "native_unavailable_reason", "pack_lm_head_panels", "projection_max_rows", "select", "to_storage",
-    "with_lm_head_panels", "with_stacked_weights", "xla_attention",
+    "lm_head_panel_columns", "lm_head_panels", "matmul_backend", "mosaic_or_triton_decode", "mosaic_or_triton_ragged",
+    "native_kernels", "native_unavailable_reason", "pack_lm_head_panels", "projection_max_rows", "select",
+    "to_storage", "with_lm_head_panels", "with_stacked_weights", "xla_attention",
 ]
 
 
@@ -175,28 +176,28 @@ class AttentionOps(NamedTuple):
 
 
 def get_attention_ops(backend: str, *, interpret: bool = False, decode_steps: Optional[bool] = None,
-                      decode_kernel: Optional[str] = None) -> AttentionOps:
+                      lowering: Optional[str] = None) -> AttentionOps:
     """The attention ops of ``backend``: ``"pallas"`` (GPU kernels: ragged, and the split-K decode kernel for
     decode-only steps via :func:`decode_step_attention`; ``interpret`` runs the Pallas interpreter), ``"xla"``
     (``attention.xla``, with its decode-only variant) or ``"reference"`` (no decode-only variant).
 
     ``decode_steps``: give decode-only steps their own attention (:attr:`AttentionOps.decode_attention`); None: for
     ``pallas``, and for ``xla`` off XLA's CPU backend (there the C++ kernel takes every row the same way).
-    ``decode_kernel``: ``pallas``'s decode kernel, one of :data:`DECODE_KERNELS` (None: ``$JAXLLM_DECODE_KERNEL``,
-    else :data:`DEFAULT_DECODE_KERNEL`). Members take ``ragged_paged_attention_reference``'s and
-    ``kv_cache_write_reference``'s arguments.
-    Raises ValueError for an unknown backend or decode kernel, or ``mosaic`` compiled for a device that is not a
-    Hopper GPU.
+    ``lowering``: the ``pallas`` attention kernels', one of :data:`PALLAS_LOWERINGS` (None:
+    ``$JAXLLM_PALLAS_LOWERING``, else :data:`DEFAULT_PALLAS_LOWERING`). Members take
+    ``ragged_paged_attention_reference``'s and ``kv_cache_write_reference``'s arguments.
+    Raises ValueError for an unknown backend or lowering, or ``mosaic`` compiled for a device that is not a Hopper
+    GPU.
     """
     if decode_steps is None:
         decode_steps = backend == "pallas" or (backend == "xla" and jax.default_backend() != "cpu")
     if backend == "pallas":
-        decode = _pallas_decode_kernel(decode_kernel, interpret) if decode_steps else None
+        ragged, decode = _pallas_kernels(lowering, interpret)
         return AttentionOps(
-            ragged_paged_attention=functools.partial(ragged_paged_attention, interpret=interpret),
+            ragged_paged_attention=functools.partial(ragged, interpret=interpret),
             kv_cache_write=functools.partial(kv_cache_write, interpret=interpret),
             decode_attention=decode_step_attention(functools.partial(decode, interpret=interpret))
-            if decode else None,
+            if decode_steps else None,
         )
     if backend == "xla":
         return AttentionOps(ragged_paged_attention=xla_attention, kv_cache_write=kv_cache_write_reference,
@@ -208,21 +209,29 @@ def get_attention_ops(backend: str, *, interpret: bool = False, decode_steps: Op
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {ATTENTION_BACKENDS}")
 
 
-def _pallas_decode_kernel(name: Optional[str], interpret: bool) -> Callable[..., jax.Array]:
-    """The decode kernel :func:`get_attention_ops` names (``paged_attention_reference``'s signature plus
-    ``interpret``)."""
-    source = "decode_kernel"
-    if name is None:
-        name, source = os.environ.get(DECODE_KERNEL_ENV) or DEFAULT_DECODE_KERNEL, f"${DECODE_KERNEL_ENV}"
-    if name not in DECODE_KERNELS:
-        raise ValueError(f"unknown decode kernel {name!r} ({source}); expected one of {DECODE_KERNELS}")
-    if name == "triton":
-        return paged_attention
+def _pallas_kernels(lowering: Optional[str], interpret: bool) -> tuple[Callable[..., jax.Array], ...]:
+    """(ragged, decode) attention of the lowering :func:`get_attention_ops` names, with the reference functions'
+    signatures plus ``interpret``."""
+    source = "lowering"
+    if lowering is None:
+        lowering, source = os.environ.get(PALLAS_LOWERING_ENV) or DEFAULT_PALLAS_LOWERING, f"${PALLAS_LOWERING_ENV}"
+    if lowering not in PALLAS_LOWERINGS:
+        raise ValueError(f"unknown Pallas lowering {lowering!r} ({source}); expected one of {PALLAS_LOWERINGS}")
+    if lowering == "triton":
+        return ragged_paged_attention, paged_attention
     device = jax.devices()[0]
     if not interpret and not str(getattr(device, "compute_capability", "")).startswith("9"):
-        raise ValueError(f"decode kernel 'mosaic' compiles for Hopper GPUs (compute capability 9.x); "
+        raise ValueError(f"Pallas lowering 'mosaic' ({source}) compiles for Hopper GPUs (compute capability 9.x); "
                          f"the device is {device.device_kind}")
-    return mosaic_or_triton_decode
+    return mosaic_or_triton_ragged, mosaic_or_triton_decode
+
+
+def _mosaic_takes(module: Any, q: jax.Array, k_cache: jax.Array, block_tables: jax.Array,
+                  k_scale: Optional[jax.Array], v_scale: Optional[jax.Array]) -> bool:
+    _, num_q_heads, head_dim = q.shape
+    return module.unsupported_reason(q.dtype, k_cache.dtype, head_dim, k_cache.shape[1],
+                                     num_q_heads // k_cache.shape[2], k_scale is not None or v_scale is not None,
+                                     block_tables.shape[1]) is None
 
 
 def mosaic_or_triton_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
@@ -231,14 +240,24 @@ def mosaic_or_triton_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     """Decode attention by ``attention.mosaic_decode`` where it takes the inputs (chosen while tracing, from their
     dtypes and shapes: ``mosaic_decode.unsupported_reason``), else by Triton's ``attention.pallas_decode``.
     Arguments and result as ``paged_attention_reference``."""
-    _, num_q_heads, head_dim = q.shape
-    quantized = k_scale is not None or v_scale is not None
-    if mosaic_decode.unsupported_reason(q.dtype, k_cache.dtype, head_dim, k_cache.shape[1],
-                                        num_q_heads // k_cache.shape[2], quantized, block_tables.shape[1]) is None:
+    if _mosaic_takes(mosaic_decode, q, k_cache, block_tables, k_scale, v_scale):
         return mosaic_decode.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, interpret=interpret,
                                              **static)
     return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, interpret=interpret, k_scale=k_scale,
                            v_scale=v_scale, **static)
+
+
+def mosaic_or_triton_ragged(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                            seq_lens: jax.Array, query_start_loc: jax.Array, num_seqs: jax.Array, *,
+                            interpret: bool = False, k_scale: Optional[jax.Array] = None,
+                            v_scale: Optional[jax.Array] = None, **static: Any) -> jax.Array:
+    """Ragged attention by ``attention.mosaic_ragged`` where it takes the inputs (as
+    :func:`mosaic_or_triton_decode`), else by Triton's ``attention.pallas_ragged``. Arguments and result as
+    ``ragged_paged_attention_reference``."""
+    batch = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
+    if _mosaic_takes(mosaic_ragged, q, k_cache, block_tables, k_scale, v_scale):
+        return mosaic_ragged.ragged_paged_attention(*batch, interpret=interpret, **static)
+    return ragged_paged_attention(*batch, interpret=interpret, k_scale=k_scale, v_scale=v_scale, **static)
 
 
 def decode_step_attention(decode: Callable[..., jax.Array]) -> Callable[..., jax.Array]:

@@ -6,8 +6,8 @@ Decode at batch {1, 32, 256} x context {512, 4096, 32768} for
   * jax:      jax.experimental.pallas.ops.gpu.paged_attention, K/V re-laid into
               its head-major page layout outside the timing,
   * ref:      kernels_pallas.attention.reference.paged_attention_reference under XLA,
-and one mixed prefill + decode batch for ours (ragged_paged_attention, Triton) and
-the reference (JAX's kernel and the Mosaic one are decode-only).
+and one mixed prefill + decode batch for ours (ragged_paged_attention: pallas_ragged through
+Triton, mosaic_ragged through Mosaic GPU) and the reference (JAX's kernel is decode-only).
 
 GB/s counts the bytes a perfect kernel must move: every sequence's K and V
 once, plus q and the output. Usage:
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _bench_common as common  # noqa: E402
 # noqa: E402: after the path fix so the checkout's package is used.
-from kernels_pallas.attention import mosaic_decode, pallas_decode, pallas_ragged, reference  # noqa: E402
+from kernels_pallas.attention import mosaic_decode, mosaic_ragged, pallas_decode, pallas_ragged, reference  # noqa: E402
 
 DTYPE = jnp.bfloat16
 BATCHES = (1, 32, 256)
@@ -90,8 +90,14 @@ def _paged_inputs(key, seq_ctx: list[int], args):
     return k_cache, v_cache, tables, seq_lens
 
 
-def _on_hopper() -> bool:
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+def _mosaic_unsupported(module, q, k_cache, tables, args) -> str | None:
+    """Why a Mosaic kernel (``module``) cannot run these inputs here (None when it can)."""
+    why_not = module.unsupported_reason(q.dtype, k_cache.dtype, args.head_dim, args.block_size,
+                                        args.num_q_heads // args.num_kv_heads, table_width=tables.shape[1])
+    device = jax.devices()[0]
+    if why_not is None and not args.smoke and not str(getattr(device, "compute_capability", "")).startswith("9"):
+        why_not = f"{device.device_kind} is not a Hopper GPU"
+    return why_not
 
 
 def _report(name: str, shape: str, ms: float, nbytes: int, peak_gbps: float) -> None:
@@ -128,10 +134,7 @@ def _bench_decode(key, batch: int, ctx: int, args) -> None:
 
     triton = jax.jit(functools.partial(pallas_decode.paged_attention, scale=scale, interpret=args.smoke))
     _run("triton", shape, cache_bytes, triton, q, k_cache, v_cache, tables, seq_lens, nbytes=nbytes, args=args)
-    why_not = mosaic_decode.unsupported_reason(q.dtype, k_cache.dtype, d, args.block_size, hq // hkv)
-    if why_not is None and not args.smoke and not _on_hopper():
-        why_not = f"{jax.devices()[0].device_kind} is not a Hopper GPU"
-    if why_not:
+    if why_not := _mosaic_unsupported(mosaic_decode, q, k_cache, tables, args):
         print(f"mosaic {shape:<28} n/a: {why_not}")
     else:
         mosaic = jax.jit(functools.partial(mosaic_decode.paged_attention, scale=scale, interpret=args.smoke))
@@ -177,7 +180,11 @@ def _bench_mixed(key, mixed: list[tuple[int, int]], args) -> None:
 
     triton = jax.jit(functools.partial(pallas_ragged.ragged_paged_attention, scale=scale, interpret=args.smoke))
     _run("triton", shape, cache_bytes, triton, *batch, nbytes=nbytes, args=args)
-    print(f"mosaic {shape:<28} n/a: decode-only")
+    if why_not := _mosaic_unsupported(mosaic_ragged, q, k_cache, tables, args):
+        print(f"mosaic {shape:<28} n/a: {why_not}")
+    else:
+        mosaic = jax.jit(functools.partial(mosaic_ragged.ragged_paged_attention, scale=scale, interpret=args.smoke))
+        _run("mosaic", shape, cache_bytes, mosaic, *batch, nbytes=nbytes, args=args)
     print(f"jax    {shape:<28} n/a: JAX's paged_attention is decode-only")
     ref_bytes = 2 * num_tokens * tables.shape[1] * args.block_size * hkv * d * (item + 4)
     ref = jax.jit(functools.partial(reference.ragged_paged_attention_reference, scale=scale))

@@ -13,7 +13,7 @@
 #   setup        Python and JAX versions, devices; `pip install -e .[cuda12]` only when JAX sees no GPU
 #   kernel tests tests/test_kernels_pallas.py compiled through Triton (JAXLLM_PALLAS_INTERPRET=0), and on Hopper
 #                tests/test_kernels_mosaic.py's kernel-against-reference cases compiled through Mosaic GPU
-#   kernel bench scripts/bench_kernels.py: the Triton and Mosaic GPU decode kernels vs
+#   kernel bench scripts/bench_kernels.py: the Triton and Mosaic GPU kernels vs
 #                jax.experimental.pallas.ops.gpu.paged_attention vs reference
 #   parity       tests/test_pallas_engine.py: pallas vs reference greedy tokens, float32 and bfloat16
 #   throughput   scripts/bench_throughput.py, 256 requests on a Qwen3-0.6B-shaped random-weights folder, with

@@ -1,5 +1,5 @@
-"""The Mosaic GPU decode kernel against the jnp reference: in JAX's Mosaic GPU interpreter on CPU (TMA copies,
-barriers and the two-stage ring simulated; the tensor-core products as ``jnp.dot``), compiled on a Hopper GPU
+"""The Mosaic GPU decode and ragged kernels against the jnp references: in JAX's Mosaic GPU interpreter on CPU
+(TMA copies, barriers and the two-stage ring simulated; the tensor-core products as ``jnp.dot``), compiled on Hopper
 (``JAXLLM_PALLAS_INTERPRET`` as in tests/test_kernels_pallas.py), and through the Mosaic GPU lowering for CUDA
 without a GPU, which checks register layouts, shared-memory tiling and swizzles, TMA sizes and the products'
 operand shapes (PTX compilation still needs the GPU).
@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.attention import mosaic_decode
+from kernels_pallas import _mosaic
+from kernels_pallas.attention import mosaic_decode, mosaic_ragged
 from kernels_pallas.attention.mosaic_decode import paged_attention, unsupported_reason
-from kernels_pallas.attention.reference import paged_attention_reference
+from kernels_pallas.attention.reference import paged_attention_reference, ragged_paged_attention_reference
 from tests.helpers import pallas_interpret
 from kernels_pallas.ops import get_attention_ops
-from tests.test_kernels_pallas import NUM_KV_HEADS, _make_cache, _make_tables, _ragged_batch
+from tests.test_kernels_pallas import NUM_KV_HEADS, _make_cache, _make_tables, _mixed_lengths, _ragged_batch
 
 INTERPRET = pallas_interpret()
 # bf16 products: P is rounded to bf16 before P @ V, as in the Triton kernel.
@@ -49,6 +50,10 @@ def _decode_batch(rng, seq_lens, *, block_size, head_dim, group, dtype=jnp.bfloa
     return q, k_cache, v_cache, tables, jnp.asarray(seq_lens, jnp.int32)
 
 
+def _as_float32(args, dtype):
+    return tuple(a.astype(jnp.float32) if a.dtype == dtype else a for a in args)
+
+
 # (block_size, head_dim, group, dtype, sliding_window, soft_cap): pages smaller than, equal to and larger than the
 # 64-token chunk; groups below, at and above the 16 padded columns; both tensor-core dtypes.
 CASES = [
@@ -68,10 +73,26 @@ def test_decode_kernel_matches_reference(block_size, head_dim, group, dtype, sli
     args = _decode_batch(rng, seq_lens, block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
     kw = dict(scale=head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
     out = paged_attention(*args, interpret=INTERPRET, **kw)
-    expected = paged_attention_reference(*(a.astype(jnp.float32) if a.dtype == dtype else a for a in args), **kw)
+    expected = paged_attention_reference(*_as_float32(args, dtype), **kw)
     assert out.dtype == dtype and out.shape == args[0].shape
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected), atol=TOLERANCE, rtol=0)
     assert not np.asarray(out[4], np.float32).any()
+
+
+@pytest.mark.parametrize("block_size,head_dim,group,dtype,sliding_window,soft_cap", CASES)
+def test_ragged_kernel_matches_reference_on_mixed_prefill_and_decode_batch(
+        block_size, head_dim, group, dtype, sliding_window, soft_cap):
+    rng = np.random.default_rng(block_size * head_dim + group)
+    q_lens, seq_lens = zip(*_mixed_lengths(block_size))
+    batch = _ragged_batch(rng, list(q_lens), list(seq_lens), block_size=block_size, head_dim=head_dim, group=group,
+                          dtype=dtype)
+    kw = dict(scale=head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = mosaic_ragged.ragged_paged_attention(*batch, interpret=INTERPRET, **kw)
+    expected = ragged_paged_attention_reference(*_as_float32(batch, dtype), **kw)
+    assert out.dtype == dtype and out.shape == batch[0].shape
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected), atol=TOLERANCE, rtol=0)
+    # The three padding tokens are zeros.
+    assert not np.asarray(out[sum(q_lens):], np.float32).any()
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
@@ -81,8 +102,7 @@ def test_decode_kernel_result_does_not_depend_on_split_count(num_splits):
     kw = dict(scale=0.125, sliding_window=None, soft_cap=None)
     out = mosaic_decode._paged_attention(*args, interpret=INTERPRET, num_splits=num_splits, **kw)
     one = mosaic_decode._paged_attention(*args, interpret=INTERPRET, num_splits=1, **kw)
-    expected = paged_attention_reference(*(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args),
-                                         **kw)
+    expected = paged_attention_reference(*_as_float32(args, jnp.bfloat16), **kw)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected), atol=TOLERANCE, rtol=0)
     # The merge reorders float32 sums only; each split's bf16 tile products are the same.
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(one, np.float32), atol=1e-2, rtol=0)
@@ -108,62 +128,68 @@ def test_supported_inputs_have_no_reason_and_unsupported_calls_raise():
     # A row's block ids are copied to shared memory beside the tiles: a long enough table does not fit.
     widest = max(w for w in range(1, 20_000, 32) if unsupported_reason(jnp.bfloat16, jnp.bfloat16, 256, 16, 32,
                                                                           table_width=w) is None)
-    assert mosaic_decode.smem_bytes(256, 32, widest, 16) <= mosaic_decode.SMEM_BYTES
+    assert mosaic_decode.smem_bytes(256, 32, widest, 16) <= _mosaic.SMEM_BYTES
     reason = unsupported_reason(jnp.bfloat16, jnp.bfloat16, 256, 16, 32, table_width=widest + 32)
-    assert f"block tables of {widest + 32} entries" in reason and str(mosaic_decode.SMEM_BYTES) in reason
+    assert f"block tables of {widest + 32} entries" in reason and str(_mosaic.SMEM_BYTES) in reason
     args = _decode_batch(np.random.default_rng(0), [5], block_size=16, head_dim=64, group=1, dtype=jnp.float32)
     with pytest.raises(ValueError, match="float32"):
         paged_attention(*args, scale=1.0, interpret=True)
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.bfloat16, TOLERANCE), (jnp.float32, 1e-5)])
-def test_pallas_ops_with_the_mosaic_decode_kernel_match_reference_falling_back_to_triton_for_float32(
-        dtype, tolerance, monkeypatch):
-    # A decode-only step's batch: every live row has one new token; one padded row, three padded tokens.
+@pytest.mark.parametrize("decode_steps", [True, False])
+def test_pallas_ops_on_mosaic_match_reference_falling_back_to_triton_for_float32(
+        dtype, tolerance, decode_steps, monkeypatch):
+    # Decode-only steps' programs take the decode kernel, the others the ragged one: a decode-only batch (one
+    # padded row, three padded tokens) through each, Mosaic's kernels called only where they take the inputs.
     batch = _ragged_batch(np.random.default_rng(7), [1, 1, 1], [70, 1, 16], block_size=16, head_dim=64, group=2,
                           dtype=dtype)
-    calls = []
-    kernel = mosaic_decode.paged_attention
-    monkeypatch.setattr(mosaic_decode, "paged_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    ops = get_attention_ops("pallas", interpret=INTERPRET, decode_kernel="mosaic")
-    out = ops.for_decode_steps().ragged_paged_attention(*batch, scale=0.125)
+    module, name = (mosaic_decode, "paged_attention") if decode_steps else (mosaic_ragged, "ragged_paged_attention")
+    calls, kernel = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    ops = get_attention_ops("pallas", interpret=INTERPRET, lowering="mosaic")
+    attend = ops.for_decode_steps() if decode_steps else ops
+    out = attend.ragged_paged_attention(*batch, scale=0.125)
     assert len(calls) == (dtype == jnp.bfloat16)
-    expected = get_attention_ops("reference").ragged_paged_attention(
-        *(a.astype(jnp.float32) if a.dtype == dtype else a for a in batch), scale=0.125)
+    expected = get_attention_ops("reference").ragged_paged_attention(*_as_float32(batch, dtype), scale=0.125)
     assert out.dtype == dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected), atol=tolerance, rtol=0)
 
 
-def test_decode_kernel_names_are_checked_and_the_environment_picks_one(monkeypatch):
-    with pytest.raises(ValueError, match="'cutlass'.*triton.*mosaic"):
-        get_attention_ops("pallas", interpret=True, decode_kernel="cutlass")
-    monkeypatch.setenv("JAXLLM_DECODE_KERNEL", "flash")
-    with pytest.raises(ValueError, match="'flash'.*JAXLLM_DECODE_KERNEL"):
+def test_lowering_names_are_checked_and_the_environment_picks_one(monkeypatch):
+    with pytest.raises(ValueError, match="'cutlass' \\(lowering\\).*triton.*mosaic"):
+        get_attention_ops("pallas", interpret=True, lowering="cutlass")
+    monkeypatch.setenv("JAXLLM_PALLAS_LOWERING", "flash")
+    with pytest.raises(ValueError, match="'flash'.*JAXLLM_PALLAS_LOWERING"):
         get_attention_ops("pallas", interpret=True)
-    monkeypatch.setenv("JAXLLM_DECODE_KERNEL", "mosaic")
+    monkeypatch.setenv("JAXLLM_PALLAS_LOWERING", "mosaic")
     calls = []
-    monkeypatch.setattr(mosaic_decode, "paged_attention", lambda *a, **k: calls.append(1) or a[0])
-    batch = _ragged_batch(np.random.default_rng(8), [1], [5], block_size=16, head_dim=64, group=1,
+    monkeypatch.setattr(mosaic_ragged, "ragged_paged_attention", lambda *a, **k: calls.append(1) or a[0])
+    batch = _ragged_batch(np.random.default_rng(8), [3], [5], block_size=16, head_dim=64, group=1,
                           dtype=jnp.bfloat16)
-    get_attention_ops("pallas", interpret=True).for_decode_steps().ragged_paged_attention(*batch, scale=1.0)
+    get_attention_ops("pallas", interpret=True).ragged_paged_attention(*batch, scale=1.0)
     assert calls == [1]
     if not _on_hopper():
         with pytest.raises(ValueError, match="Hopper"):
             get_attention_ops("pallas", interpret=False)
-        # No decode-only programs, no decode kernel: nothing to refuse.
-        assert get_attention_ops("pallas", interpret=False, decode_steps=False).decode_attention is None
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the race detector is the interpreter's")
-def test_the_two_stage_ring_has_no_data_race():
+@pytest.mark.parametrize("kernel", ["decode", "ragged"])
+def test_the_two_stage_ring_has_no_data_race(kernel):
     # The interpreter's happens-before race detector over the TMA copies, barriers and tile reads: a slot refilled
-    # while still read, or P^T rewritten before its product, is a race.
+    # while still read, P^T rewritten before its product, or a copy read before its barrier, is a race.
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
-    args = _decode_batch(np.random.default_rng(3), [200, 64, 0], block_size=16, head_dim=64, group=2)
-    params = mosaic_decode._interpret_params(detect_races=True)
-    out = mosaic_decode._paged_attention(*args, scale=0.125, sliding_window=None, soft_cap=None, interpret=params,
-                                         num_splits=1)
+    params = _mosaic.interpret_params(detect_races=True)
+    kw = dict(scale=0.125, sliding_window=None, soft_cap=None, interpret=params)
+    if kernel == "decode":
+        args = _decode_batch(np.random.default_rng(3), [200, 64, 0], block_size=16, head_dim=64, group=2)
+        out = mosaic_decode._paged_attention(*args, num_splits=1, **kw)
+    else:
+        batch = _ragged_batch(np.random.default_rng(3), [40, 1], [200, 64], block_size=16, head_dim=64, group=2,
+                              dtype=jnp.bfloat16)
+        out = mosaic_ragged._ragged_paged_attention(*batch, **kw)
     jax.block_until_ready(out)
     assert not get_races().races_found
 
@@ -177,12 +203,15 @@ def _lower_for_cuda(fn, *arg_shapes) -> str:
     (8, 64, 1, 100, 30.0, 32),
     (128, 256, 32, None, None, 256),
 ])
-def test_decode_kernel_passes_the_mosaic_gpu_lowering(block_size, head_dim, group, sliding_window, soft_cap, width):
+def test_kernels_pass_the_mosaic_gpu_lowering(block_size, head_dim, group, sliding_window, soft_cap, width):
     sds = jax.ShapeDtypeStruct
-    rows, num_blocks = 8, 257
+    rows, num_tokens, num_blocks = 8, 64, 257
     cache = sds((num_blocks, block_size, NUM_KV_HEADS, head_dim), jnp.bfloat16)
-    text = _lower_for_cuda(
-        functools.partial(paged_attention, scale=0.1, sliding_window=sliding_window, soft_cap=soft_cap),
-        sds((rows, NUM_KV_HEADS * group, head_dim), jnp.bfloat16), cache, cache, sds((rows, width), jnp.int32),
-        sds((rows,), jnp.int32))
-    assert "mosaic_gpu" in text
+    tables, lens = sds((rows, width), jnp.int32), sds((rows,), jnp.int32)
+    kw = dict(scale=0.1, sliding_window=sliding_window, soft_cap=soft_cap)
+    decode = _lower_for_cuda(functools.partial(paged_attention, **kw),
+                             sds((rows, NUM_KV_HEADS * group, head_dim), jnp.bfloat16), cache, cache, tables, lens)
+    ragged = _lower_for_cuda(functools.partial(mosaic_ragged.ragged_paged_attention, **kw),
+                             sds((num_tokens, NUM_KV_HEADS * group, head_dim), jnp.bfloat16), cache, cache, tables,
+                             lens, sds((rows + 1,), jnp.int32), sds((), jnp.int32))
+    assert "mosaic_gpu" in decode and "mosaic_gpu" in ragged

@@ -25,15 +25,17 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 
-class _TileSchedule(NamedTuple):
+class TileSchedule(NamedTuple):
     seq: jax.Array  # int32[num_tiles]: sequence of the tile (0 for idle tiles)
     token: jax.Array  # int32[num_tiles]: first query row of the tile in q
     pos: jax.Array  # int32[num_tiles]: KV position of that first row
     rows: jax.Array  # int32[num_tiles]: query tokens in the tile, 0 = idle
 
 
-def _tile_schedule(seq_lens, query_start_loc, num_seqs, *, num_tiles: int, block_q: int) -> _TileSchedule:
-    """Cut each real sequence's query rows into tiles of at most block_q, in batch order."""
+def tile_schedule(seq_lens, query_start_loc, num_seqs, *, num_tiles: int, block_q: int) -> TileSchedule:
+    """Cut each real sequence's query rows into ``num_tiles`` tiles of at most ``block_q`` tokens, in batch order
+    (``seq_lens``, ``query_start_loc``, ``num_seqs`` as ``ragged_paged_attention``'s); tiles past the real count are
+    idle (0 tokens). Shared with ``mosaic_ragged``."""
     num_seq_rows = seq_lens.shape[0]
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     q_len = jnp.where(jnp.arange(num_seq_rows) < num_seqs, q_len, 0)
@@ -46,12 +48,34 @@ def _tile_schedule(seq_lens, query_start_loc, num_seqs, *, num_tiles: int, block
     rows = jnp.minimum(block_q, q_len[seq] - first)
     pos = seq_lens[seq] - q_len[seq] + first
     zero = jnp.zeros_like(tile)
-    return _TileSchedule(
+    return TileSchedule(
         seq=jnp.where(active, seq, zero).astype(jnp.int32),
         token=jnp.where(active, query_start_loc[seq] + first, zero).astype(jnp.int32),
         pos=jnp.where(active, pos, zero).astype(jnp.int32),
         rows=jnp.where(active, rows, zero).astype(jnp.int32),
     )
+
+
+def group_rows(q: jax.Array, num_kv_heads: int, *, group_p: int, block_q: int) -> jax.Array:
+    """[T, Hq, D] -> [Hkv, (T + block_q) * group_p, D]: each token's query heads of one KV head (padded to
+    ``group_p``) as consecutive rows, so a tile's rows are contiguous; the ``block_q`` spare tokens keep the last
+    tile's slice in bounds. Shared with ``mosaic_ragged``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
+    return qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, (num_tokens + block_q) * group_p, head_dim)
+
+
+def ungroup_rows(out: jax.Array, q_shape: tuple[int, int, int], *, group_p: int, live_tokens: jax.Array) -> jax.Array:
+    """:func:`group_rows`'s layout back to ``q_shape`` ([T, Hq, D]); tokens from ``live_tokens`` on are zeros (no
+    tile writes padding tokens' rows, which hold whatever the buffer held)."""
+    num_tokens, num_q_heads, head_dim = q_shape
+    num_kv_heads = out.shape[0]
+    out = out.reshape(num_kv_heads, -1, group_p, head_dim)[:, :num_tokens, :num_q_heads // num_kv_heads]
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+    valid = jnp.arange(num_tokens) < live_tokens
+    return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))
 
 
 def _ragged_kernel(
@@ -110,13 +134,9 @@ def _ragged_paged_attention(
     num_tiles = min(num_tokens, num_seq_rows + num_tokens // block_q)
 
     tables, table_width = _flash.pad_tables(block_tables, block_k=block_k, block_size=block_size)
-    sched = _tile_schedule(seq_lens, query_start_loc, num_seqs, num_tiles=num_tiles, block_q=block_q)
+    sched = tile_schedule(seq_lens, query_start_loc, num_seqs, num_tiles=num_tiles, block_q=block_q)
 
-    # [T, Hq, D] -> [Hkv, (T + block_q) * group_p, D]: a tile's rows are then
-    # contiguous, and the block_q spare tokens keep the last tile's slice in bounds.
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
-    qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, (num_tokens + block_q) * group_p, head_dim)
+    qg = group_rows(q, num_kv_heads, group_p=group_p, block_q=block_q)
 
     num_slots = num_blocks * block_size
     flat = (num_slots, num_kv_heads, head_dim)
@@ -137,11 +157,7 @@ def _ragged_paged_attention(
         name="ragged_paged_attention",
     )(*sched, tables, k_scale, v_scale, qg, k_cache.reshape(flat), v_cache.reshape(flat))
 
-    out = out.reshape(num_kv_heads, num_tokens + block_q, group_p, head_dim)
-    out = out[:, :num_tokens, :group].transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
-    # Rows no tile wrote (padding tokens) hold whatever the buffer held.
-    valid = jnp.arange(num_tokens) < query_start_loc[num_seqs]
-    return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))
+    return ungroup_rows(out, q.shape, group_p=group_p, live_tokens=query_start_loc[num_seqs])
 
 
 def ragged_paged_attention(
