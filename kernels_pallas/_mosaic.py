@@ -24,8 +24,12 @@ NARROW = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
 # Pallas's copies spread a copy's expected bytes evenly over the warpgroup's 128 threads, so every copy moves a
 # multiple of 128 bytes: metadata rows are padded to 32 int32.
 META_ALIGN = 32
-# Shared memory one program may use on Hopper (227 KiB per block).
+# Shared memory one program may use on Hopper (227 KiB per block), and how Pallas lays it out: each buffer rounded
+# up to 1 KiB, 2 KiB of scratch for a kernel's reductions, 8 bytes per barrier.
 SMEM_BYTES = 227 * 1024
+_SMEM_ALIGN = 1024
+_REDUCTION_SCRATCH = 2048
+_BARRIER_BYTES = 8
 MAX_HEAD_DIM = 256
 
 
@@ -35,12 +39,18 @@ def meta_width(header: int, table_width: int, block_size: int) -> int:
     return -(-(header + -(-chunks * BLOCK_K // block_size)) // META_ALIGN) * META_ALIGN
 
 
-def meta_rows(header: list[jax.Array], tables: jax.Array, block_size: int) -> jax.Array:
-    """int32[R, meta_width]: row r holds ``header[i][r]`` for each i, then ``tables[r]`` (padding: block 0)."""
-    rows, width = tables.shape
-    meta = jnp.zeros((rows, meta_width(len(header), width, block_size)), jnp.int32)
-    meta = meta.at[:, :len(header)].set(jnp.stack([h.astype(jnp.int32) for h in header], axis=1))
-    return meta.at[:, len(header):len(header) + width].set(tables.astype(jnp.int32))
+def meta_rows(header: list[jax.Array], tables: Optional[jax.Array], block_size: int) -> jax.Array:
+    """int32[R, meta_width]: row r holds ``header[i][r]`` for each i, then ``tables[r]`` (padding: block 0; no
+    tables: the header alone)."""
+    width = 0 if tables is None else tables.shape[1]
+    rows = header[0].shape[0] if header else tables.shape[0]
+    size = meta_width(len(header), width, block_size) if width else -(-len(header) // META_ALIGN) * META_ALIGN
+    meta = jnp.zeros((rows, size), jnp.int32)
+    if header:
+        meta = meta.at[:, :len(header)].set(jnp.stack([h.astype(jnp.int32) for h in header], axis=1))
+    if width:
+        meta = meta.at[:, len(header):len(header) + width].set(tables.astype(jnp.int32))
+    return meta
 
 
 def unsupported_reason(q_dtype, cache_dtype, head_dim: int, block_size: int, quantized: bool) -> Optional[str]:
@@ -54,6 +64,12 @@ def unsupported_reason(q_dtype, cache_dtype, head_dim: int, block_size: int, qua
     if block_size % 8 or (BLOCK_K % block_size and block_size % BLOCK_K):
         return f"block_size {block_size} must be a multiple of 8 dividing {BLOCK_K} or a multiple of {BLOCK_K}"
     return None
+
+
+def smem_total(buffers: list[int], barriers: int) -> int:
+    """Shared memory (bytes) a program with these buffers (bytes each) and barriers requests from Pallas."""
+    aligned = sum(-(-size // _SMEM_ALIGN) * _SMEM_ALIGN for size in buffers)
+    return aligned + _REDUCTION_SCRATCH + _BARRIER_BYTES * barriers
 
 
 def smem_reason(need: int, table_width: int) -> Optional[str]:
@@ -89,18 +105,24 @@ def iota(shape: tuple[int, int], axis: int, interpret: Any) -> jax.Array:
 
 
 def mma(a, b_ref, *, shape: tuple[int, int], interpret: Any, transpose_a: bool = False,
-        transpose_b: bool = False) -> jax.Array:
-    """``op(a) @ op(b)`` in float32 (op: transposed where asked) as a tensor-core product: ``b`` a shared-memory
-    ref, ``a`` one too or a register array in the result layout (then not transposed). In interpret mode the same
-    product by ``jnp.dot`` (the interpreter has no transposed operands)."""
+        transpose_b: bool = False, acc: Optional[jax.Array] = None) -> jax.Array:
+    """``acc + op(a) @ op(b)`` in float32 (op: transposed where asked; no ``acc``: zeros of ``shape``) as a
+    tensor-core product accumulating in place: ``b`` a shared-memory ref, ``a`` one too or a register array in the
+    result layout (then not transposed). In interpret mode the same product by ``jnp.dot`` (the interpreter has
+    neither transposed operands nor ``run_state``)."""
     if interpret:
         a = (a if isinstance(a, jax.Array) else a[...]).astype(jnp.float32)
         b = b_ref[...].astype(jnp.float32)
-        return jnp.dot(a.T if transpose_a else a, b.T if transpose_b else b)
+        product = jnp.dot(a.T if transpose_a else a, b.T if transpose_b else b)
+        return product if acc is None else acc + product
+    a = plgpu.transpose_ref(a, (1, 0)) if transpose_a else a
+    b_ref = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
+    if acc is not None:
+        # Accumulating into the running value keeps one accumulator live, not two (head_dim 256 would spill).
+        return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b_ref))(plgpu.ACC.init(acc))
 
     def run(acc_ref):
-        plgpu.wgmma(acc_ref, plgpu.transpose_ref(a, (1, 0)) if transpose_a else a,
-                    plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref)
+        plgpu.wgmma(acc_ref, a, b_ref)
         return acc_ref[...]
 
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))

@@ -212,16 +212,16 @@ def get_attention_ops(backend: str, *, interpret: bool = False, decode_steps: Op
 def _pallas_kernels(lowering: Optional[str], interpret: bool) -> tuple[Callable[..., jax.Array], ...]:
     """(ragged, decode) attention of the lowering :func:`get_attention_ops` names, with the reference functions'
     signatures plus ``interpret``."""
-    source = "lowering"
+    source = f"lowering={lowering!r}"
     if lowering is None:
         lowering, source = os.environ.get(PALLAS_LOWERING_ENV) or DEFAULT_PALLAS_LOWERING, f"${PALLAS_LOWERING_ENV}"
     if lowering not in PALLAS_LOWERINGS:
-        raise ValueError(f"unknown Pallas lowering {lowering!r} ({source}); expected one of {PALLAS_LOWERINGS}")
+        raise ValueError(f"unknown Pallas lowering {lowering!r} (from {source}); expected one of {PALLAS_LOWERINGS}")
     if lowering == "triton":
         return ragged_paged_attention, paged_attention
     device = jax.devices()[0]
     if not interpret and not str(getattr(device, "compute_capability", "")).startswith("9"):
-        raise ValueError(f"Pallas lowering 'mosaic' ({source}) compiles for Hopper GPUs (compute capability 9.x); "
+        raise ValueError(f"Pallas lowering 'mosaic' (from {source}) compiles for Hopper GPUs (compute capability 9.x); "
                          f"the device is {device.device_kind}")
     return mosaic_or_triton_ragged, mosaic_or_triton_decode
 
@@ -231,7 +231,7 @@ def _mosaic_takes(module: Any, q: jax.Array, k_cache: jax.Array, block_tables: j
     _, num_q_heads, head_dim = q.shape
     return module.unsupported_reason(q.dtype, k_cache.dtype, head_dim, k_cache.shape[1],
                                      num_q_heads // k_cache.shape[2], k_scale is not None or v_scale is not None,
-                                     block_tables.shape[1]) is None
+                                     table_width=block_tables.shape[1]) is None
 
 
 def mosaic_or_triton_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,

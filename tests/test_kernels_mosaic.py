@@ -16,7 +16,7 @@ import pytest
 
 from kernels_pallas import _mosaic
 from kernels_pallas.attention import mosaic_decode, mosaic_ragged
-from kernels_pallas.attention.mosaic_decode import paged_attention, unsupported_reason
+from kernels_pallas.attention.mosaic_decode import paged_attention
 from kernels_pallas.attention.reference import paged_attention_reference, ragged_paged_attention_reference
 from tests.helpers import pallas_interpret
 from kernels_pallas.ops import get_attention_ops
@@ -79,7 +79,8 @@ def test_decode_kernel_matches_reference(block_size, head_dim, group, dtype, sli
     assert not np.asarray(out[4], np.float32).any()
 
 
-@pytest.mark.parametrize("block_size,head_dim,group,dtype,sliding_window,soft_cap", CASES)
+@pytest.mark.parametrize("block_size,head_dim,group,dtype,sliding_window,soft_cap",
+                         CASES + [(16, 256, 40, jnp.bfloat16, None, None)])  # 64 padded heads: a token per tile
 def test_ragged_kernel_matches_reference_on_mixed_prefill_and_decode_batch(
         block_size, head_dim, group, dtype, sliding_window, soft_cap):
     rng = np.random.default_rng(block_size * head_dim + group)
@@ -108,29 +109,46 @@ def test_decode_kernel_result_does_not_depend_on_split_count(num_splits):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(one, np.float32), atol=1e-2, rtol=0)
 
 
-@pytest.mark.parametrize("q_dtype,cache_dtype,head_dim,block_size,group,quantized,fragment", [
-    (jnp.float32, jnp.float32, 64, 16, 2, False, "float32"),
-    (jnp.bfloat16, jnp.float16, 64, 16, 2, False, "cache float16"),
-    (jnp.bfloat16, jnp.bfloat16, 96, 16, 2, False, "head_dim 96"),
-    (jnp.bfloat16, jnp.bfloat16, 320, 16, 2, False, "head_dim 320"),
-    (jnp.bfloat16, jnp.bfloat16, 64, 24, 2, False, "block_size 24"),
-    (jnp.bfloat16, jnp.bfloat16, 64, 4, 2, False, "block_size 4"),
-    (jnp.bfloat16, jnp.bfloat16, 64, 16, 40, False, "40 query heads"),
-    (jnp.bfloat16, jnp.bfloat16, 64, 16, 2, True, "quantized"),
+@pytest.mark.parametrize("module", [mosaic_decode, mosaic_ragged])
+@pytest.mark.parametrize("q_dtype,cache_dtype,head_dim,block_size,quantized,fragment", [
+    (jnp.float32, jnp.float32, 64, 16, False, "float32"),
+    (jnp.bfloat16, jnp.float16, 64, 16, False, "cache float16"),
+    (jnp.bfloat16, jnp.bfloat16, 96, 16, False, "head_dim 96"),
+    (jnp.bfloat16, jnp.bfloat16, 320, 16, False, "head_dim 320"),
+    (jnp.bfloat16, jnp.bfloat16, 64, 24, False, "block_size 24"),
+    (jnp.bfloat16, jnp.bfloat16, 64, 4, False, "block_size 4"),
+    (jnp.bfloat16, jnp.bfloat16, 64, 16, True, "quantized"),
 ])
-def test_unsupported_inputs_are_named(q_dtype, cache_dtype, head_dim, block_size, group, quantized, fragment):
-    assert fragment in unsupported_reason(q_dtype, cache_dtype, head_dim, block_size, group, quantized)
+def test_unsupported_inputs_are_named(module, q_dtype, cache_dtype, head_dim, block_size, quantized, fragment):
+    assert fragment in module.unsupported_reason(q_dtype, cache_dtype, head_dim, block_size, 2, quantized,
+                                                 table_width=8)
 
 
-def test_supported_inputs_have_no_reason_and_unsupported_calls_raise():
-    assert unsupported_reason(jnp.bfloat16, jnp.bfloat16, 128, 16, 2, table_width=8192) is None
-    assert unsupported_reason(jnp.float16, jnp.float16, 256, 128, 32, table_width=1024) is None
-    # A row's block ids are copied to shared memory beside the tiles: a long enough table does not fit.
-    widest = max(w for w in range(1, 20_000, 32) if unsupported_reason(jnp.bfloat16, jnp.bfloat16, 256, 16, 32,
-                                                                          table_width=w) is None)
-    assert mosaic_decode.smem_bytes(256, 32, widest, 16) <= _mosaic.SMEM_BYTES
-    reason = unsupported_reason(jnp.bfloat16, jnp.bfloat16, 256, 16, 32, table_width=widest + 32)
-    assert f"block tables of {widest + 32} entries" in reason and str(_mosaic.SMEM_BYTES) in reason
+@pytest.mark.parametrize("module,most", [(mosaic_decode, 32), (mosaic_ragged, 64)])
+def test_groups_up_to_the_kernels_columns_or_rows_are_taken(module, most):
+    assert module.unsupported_reason(jnp.bfloat16, jnp.bfloat16, 128, 16, most, table_width=8) is None
+    reason = module.unsupported_reason(jnp.bfloat16, jnp.bfloat16, 128, 16, most + 1, table_width=8)
+    assert f"{most + 1} query heads per KV head (at most {most})" in reason
+
+
+def _widest_table(module, head_dim: int, group: int, block_size: int) -> int:
+    ok = lambda w: module.unsupported_reason(jnp.bfloat16, jnp.bfloat16, head_dim, block_size, group,
+                                             table_width=w) is None
+    return max(w for w in range(8, 40_000, 8) if ok(w))
+
+
+@pytest.mark.parametrize("module,head_dim,group", [(mosaic_decode, 256, 32), (mosaic_decode, 128, 2),
+                                                   (mosaic_ragged, 256, 8)])
+def test_the_widest_block_table_taken_fits_in_shared_memory_and_the_next_is_refused(module, head_dim, group):
+    # A program copies its block ids to shared memory beside its tiles; the lowering for CUDA runs Mosaic GPU's
+    # own shared-memory check, so the widest table the kernel takes must lower and the next one be refused.
+    widest = _widest_table(module, head_dim, group, 16)
+    reason = module.unsupported_reason(jnp.bfloat16, jnp.bfloat16, head_dim, 16, group, table_width=widest + 8)
+    assert f"block tables of {widest + 8} entries" in reason and str(_mosaic.SMEM_BYTES) in reason
+    assert "mosaic_gpu" in _lower(module, 16, head_dim, group, None, None, widest)
+
+
+def test_an_unsupported_call_raises():
     args = _decode_batch(np.random.default_rng(0), [5], block_size=16, head_dim=64, group=1, dtype=jnp.float32)
     with pytest.raises(ValueError, match="float32"):
         paged_attention(*args, scale=1.0, interpret=True)
@@ -157,7 +175,7 @@ def test_pallas_ops_on_mosaic_match_reference_falling_back_to_triton_for_float32
 
 
 def test_lowering_names_are_checked_and_the_environment_picks_one(monkeypatch):
-    with pytest.raises(ValueError, match="'cutlass' \\(lowering\\).*triton.*mosaic"):
+    with pytest.raises(ValueError, match="'cutlass' \\(from lowering='cutlass'\\).*triton.*mosaic"):
         get_attention_ops("pallas", interpret=True, lowering="cutlass")
     monkeypatch.setenv("JAXLLM_PALLAS_LOWERING", "flash")
     with pytest.raises(ValueError, match="'flash'.*JAXLLM_PALLAS_LOWERING"):
@@ -194,24 +212,28 @@ def test_the_two_stage_ring_has_no_data_race(kernel):
     assert not get_races().races_found
 
 
-def _lower_for_cuda(fn, *arg_shapes) -> str:
-    return jax.jit(fn).trace(*arg_shapes).lower(lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.mark.parametrize("block_size,head_dim,group,sliding_window,soft_cap,width", [
-    (16, 128, 2, None, None, 2048),  # the Qwen3-0.6B shape gpu_check serves, at 32k tokens of context
-    (8, 64, 1, 100, 30.0, 32),
-    (128, 256, 32, None, None, 256),
-])
-def test_kernels_pass_the_mosaic_gpu_lowering(block_size, head_dim, group, sliding_window, soft_cap, width):
+def _lower(module, block_size, head_dim, group, sliding_window, soft_cap, width) -> str:
+    """The kernel of ``module`` lowered for CUDA (Mosaic GPU's checks run; PTX is not made), as text."""
     sds = jax.ShapeDtypeStruct
     rows, num_tokens, num_blocks = 8, 64, 257
     cache = sds((num_blocks, block_size, NUM_KV_HEADS, head_dim), jnp.bfloat16)
     tables, lens = sds((rows, width), jnp.int32), sds((rows,), jnp.int32)
     kw = dict(scale=0.1, sliding_window=sliding_window, soft_cap=soft_cap)
-    decode = _lower_for_cuda(functools.partial(paged_attention, **kw),
-                             sds((rows, NUM_KV_HEADS * group, head_dim), jnp.bfloat16), cache, cache, tables, lens)
-    ragged = _lower_for_cuda(functools.partial(mosaic_ragged.ragged_paged_attention, **kw),
-                             sds((num_tokens, NUM_KV_HEADS * group, head_dim), jnp.bfloat16), cache, cache, tables,
-                             lens, sds((rows + 1,), jnp.int32), sds((), jnp.int32))
-    assert "mosaic_gpu" in decode and "mosaic_gpu" in ragged
+    if module is mosaic_decode:
+        fn, args = paged_attention, (sds((rows, NUM_KV_HEADS * group, head_dim), jnp.bfloat16), cache, cache,
+                                     tables, lens)
+    else:
+        fn, args = mosaic_ragged.ragged_paged_attention, (
+            sds((num_tokens, NUM_KV_HEADS * group, head_dim), jnp.bfloat16), cache, cache, tables, lens,
+            sds((rows + 1,), jnp.int32), sds((), jnp.int32))
+    return jax.jit(functools.partial(fn, **kw)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("module", [mosaic_decode, mosaic_ragged])
+@pytest.mark.parametrize("block_size,head_dim,group,sliding_window,soft_cap,width", [
+    (16, 128, 2, None, None, 2048),  # the Qwen3-0.6B shape gpu_check serves, at 32k tokens of context
+    (8, 64, 1, 100, 30.0, 32),
+    (128, 256, 32, None, None, 256),
+])
+def test_kernels_pass_the_mosaic_gpu_lowering(module, block_size, head_dim, group, sliding_window, soft_cap, width):
+    assert "mosaic_gpu" in _lower(module, block_size, head_dim, group, sliding_window, soft_cap, width)

@@ -34,15 +34,17 @@ def _columns(group: int) -> int:
 
 
 def smem_bytes(head_dim: int, group: int, table_width: int, block_size: int, itemsize: int = 2) -> int:
-    """Shared memory one program of the kernel uses (bytes): the K and V rings, Q and P^T tiles, the float32
-    partial result and the row's metadata."""
+    """Shared memory one program of the kernel requests (bytes): the row's metadata, the Q tile, the K and V
+    rings, the P^T tile, the float32 partial result, its row maxima and sums; six barriers."""
     cols = _columns(group)
-    tiles = (2 * STAGES * BLOCK_K * head_dim + cols * head_dim + BLOCK_K * cols) * itemsize
-    return tiles + (head_dim + 2) * cols * 4 + 4 * _mosaic.meta_width(_HEADER, table_width, block_size)
+    ring = STAGES * BLOCK_K * head_dim * itemsize
+    buffers = [4 * _mosaic.meta_width(_HEADER, table_width, block_size), cols * head_dim * itemsize, ring, ring,
+               BLOCK_K * cols * itemsize, head_dim * cols * 4, cols * 4, cols * 4]
+    return _mosaic.smem_total(buffers, barriers=2 + 2 * STAGES)
 
 
 def unsupported_reason(q_dtype, cache_dtype, head_dim: int, block_size: int, group: int, quantized: bool = False,
-                       table_width: int = 1) -> Optional[str]:
+                       *, table_width: int) -> Optional[str]:
     """Why this kernel cannot take these inputs (None when it can): a cache other than bfloat16/float16 in q's
     dtype, a quantized cache, head_dim not a multiple of 64 up to 256, block_size not a multiple of 8 that
     divides 64 or is a multiple of 64, a GQA group over 32, or block tables of ``table_width`` entries whose
@@ -105,8 +107,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, acc_out, max_out, sum_out, *, cols: i
             p_tile[...] = probs.astype(p_tile.dtype)
             plgpu.commit_smem()
             plgpu.barrier_wait(v_bar.at[slot])
-            pv = _mosaic.mma(v_tiles.at[slot], p_tile, transpose_a=True, shape=(head_dim, cols), interpret=interpret)
-            acc = acc * lax.broadcast_in_dim(correction, acc.shape, [1]) + pv
+            acc = _mosaic.mma(v_tiles.at[slot], p_tile, transpose_a=True, shape=(head_dim, cols),
+                              interpret=interpret, acc=acc * lax.broadcast_in_dim(correction, acc.shape, [1]))
             return acc, new_max, row_sum
 
         col = plgpu.Layout.WGMMA.reduce(0)

@@ -27,18 +27,20 @@ from kernels_pallas.attention.pallas_ragged import group_rows, tile_schedule, un
 
 # Query rows per tile (tokens x padded group): the tensor cores' row count.
 BLOCK_M = 64
-# The metadata header of a tile: KV position of its first query token, its token count, its first token in q.
-_HEADER = 3
+# A tile's header: KV position of its first query token, its token count, its first token in q, its sequence.
+_HEADER = 4
 
 
 def smem_bytes(head_dim: int, table_width: int, block_size: int, itemsize: int = 2) -> int:
-    """Shared memory one program uses (bytes): the Q and output tiles, the K and V rings, the tile's metadata."""
-    tiles = (2 * BLOCK_M + 2 * STAGES * BLOCK_K) * head_dim * itemsize
-    return tiles + 4 * _mosaic.meta_width(_HEADER, table_width, block_size)
+    """Shared memory one program requests (bytes): the tile's header, its sequence's block ids, the Q tile, the K
+    and V rings, the output tile; seven barriers."""
+    tile, ring = BLOCK_M * head_dim * itemsize, STAGES * BLOCK_K * head_dim * itemsize
+    buffers = [4 * _mosaic.META_ALIGN, 4 * _mosaic.meta_width(0, table_width, block_size), tile, ring, ring, tile]
+    return _mosaic.smem_total(buffers, barriers=3 + 2 * STAGES)
 
 
 def unsupported_reason(q_dtype, cache_dtype, head_dim: int, block_size: int, group: int, quantized: bool = False,
-                       table_width: int = 1) -> Optional[str]:
+                       *, table_width: int) -> Optional[str]:
     """Why this kernel cannot take these inputs (None when it can): as ``mosaic_decode.unsupported_reason``, with
     groups of up to 64 query heads per KV head."""
     reason = _mosaic.unsupported_reason(q_dtype, cache_dtype, head_dim, block_size, quantized)
@@ -47,24 +49,30 @@ def unsupported_reason(q_dtype, cache_dtype, head_dim: int, block_size: int, gro
     return reason or _mosaic.smem_reason(smem_bytes(head_dim, table_width, block_size), table_width)
 
 
-def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, *, group: int, head_dim: int, block_size: int, scale: float,
-            sliding_window: Optional[int], soft_cap: Optional[float], interpret: Any):
-    tile, head = lax.axis_index("tile"), lax.axis_index("head")
+def _kernel(header_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, group: int, head_dim: int, block_size: int,
+            scale: float, sliding_window: Optional[int], soft_cap: Optional[float], interpret: Any):
+    head = lax.axis_index("head")
+    # Tiles are taken last-first. The interpreter runs grid points in order, so each tile then runs before the one
+    # ahead of it in the batch, and a tile writing past its last token would spoil a finished tile's rows, which
+    # the tests see; on the GPU the order is the scheduler's.
+    tile = header_ref.shape[0] - 1 - lax.axis_index("tile")
     block_q = BLOCK_M // group
     pages = _mosaic.pages_per_chunk(block_size)
 
     # Ring slots are reused as in mosaic_decode: ordered by the auto barriers before each copy and by each
     # product's result read.
-    def body(meta, q_tile, k_tiles, v_tiles, o_tile, meta_bar, q_bar, k_bar, v_bar):
-        _mosaic.copy_meta(meta_ref.at[tile], meta, meta_bar)
-        plgpu.barrier_wait(meta_bar)
-        first_pos, num_tokens, token = meta[0], meta[1], meta[2]
+    def body(header, meta, q_tile, k_tiles, v_tiles, o_tile, header_bar, meta_bar, q_bar, k_bar, v_bar):
+        _mosaic.copy_meta(header_ref.at[tile], header, header_bar)
+        plgpu.barrier_wait(header_bar)
+        first_pos, num_tokens, token, seq = header[0], header[1], header[2], header[3]
+        _mosaic.copy_meta(tables_ref.at[seq], meta, meta_bar)
         plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(token * group, BLOCK_M)], q_tile, q_bar)
+        plgpu.barrier_wait(meta_bar)
         end = jnp.where(num_tokens > 0, lax.div(first_pos + num_tokens - 1, BLOCK_K) + 1, 0)
         first = jnp.int32(0)
         if sliding_window is not None:
             first = lax.div(jnp.maximum(first_pos - sliding_window + 1, 0), BLOCK_K)
-        fetch = functools.partial(_mosaic.fetch_chunk, meta, _HEADER, head=head, k_ref=k_ref, v_ref=v_ref,
+        fetch = functools.partial(_mosaic.fetch_chunk, meta, 0, head=head, k_ref=k_ref, v_ref=v_ref,
                                   k_tiles=k_tiles, v_tiles=v_tiles, k_bar=k_bar, v_bar=v_bar, block_size=block_size)
 
         @pl.when(first < end)
@@ -101,9 +109,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, *, group: int, head_dim: int, 
             correction = jnp.exp(row_max - new_max)
             row_sum = row_sum * correction + probs.sum(axis=1)
             plgpu.barrier_wait(v_bar.at[slot])
-            pv = _mosaic.mma(probs.astype(q_tile.dtype), v_tiles.at[slot], shape=(BLOCK_M, head_dim),
-                             interpret=interpret)
-            acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
+            acc = _mosaic.mma(probs.astype(q_tile.dtype), v_tiles.at[slot], shape=(BLOCK_M, head_dim),
+                              interpret=interpret, acc=acc * lax.broadcast_in_dim(correction, acc.shape, [0]))
             return acc, new_max, row_sum
 
         row = plgpu.Layout.WGMMA.reduce(1)
@@ -125,12 +132,14 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, *, group: int, head_dim: int, 
     dtype = q_ref.dtype
     pl.run_scoped(
         body,
-        plgpu.SMEM(meta_ref.shape[1:], jnp.int32),
+        plgpu.SMEM(header_ref.shape[1:], jnp.int32),
+        plgpu.SMEM(tables_ref.shape[1:], jnp.int32),
         plgpu.SMEM((BLOCK_M, head_dim), dtype, transforms=WIDE),
         plgpu.SMEM((STAGES, BLOCK_K, head_dim), dtype, transforms=WIDE),
         plgpu.SMEM((STAGES, BLOCK_K, head_dim), dtype, transforms=WIDE),
         # Untiled, so that one token's rows can be sliced out of it for their copy.
         plgpu.SMEM((BLOCK_M, head_dim), dtype),
+        plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_arrivals=pages, num_barriers=STAGES),
@@ -153,7 +162,8 @@ def _ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
     block_q = BLOCK_M // group_p
     num_tiles = min(num_tokens, num_seq_rows + num_tokens // block_q)
     sched = tile_schedule(seq_lens, query_start_loc, num_seqs, num_tiles=num_tiles, block_q=block_q)
-    meta = _mosaic.meta_rows([sched.pos, sched.rows, sched.token], block_tables[sched.seq], block_size)
+    header = _mosaic.meta_rows([sched.pos, sched.rows, sched.token, sched.seq], None, block_size)
+    tables = _mosaic.meta_rows([], block_tables, block_size)
 
     qg = group_rows(q, num_kv_heads, group_p=group_p, block_q=block_q)
     kernel = functools.partial(_kernel, group=group_p, head_dim=head_dim, block_size=block_size, scale=scale,
@@ -161,9 +171,10 @@ def _ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        grid=(num_tiles, num_kv_heads), grid_names=("tile", "head"),
+        # Tiles on the grid's fastest axis, whose size is not capped at 65,535.
+        grid=(num_kv_heads, num_tiles), grid_names=("head", "tile"),
         interpret=_mosaic.kernel_interpret(interpret),
-    )(meta, qg, k_cache, v_cache)
+    )(header, tables, qg, k_cache, v_cache)
     return ungroup_rows(out, q.shape, group_p=group_p, live_tokens=query_start_loc[num_seqs])
 
 
