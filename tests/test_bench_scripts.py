@@ -25,7 +25,7 @@ QUICK_RUNS = {
     "bench_detokenize.py": ["--model", str(STORIES), "--repeats", "1"],
     "bench_cpu_attention.py": ["--model", str(STORIES), "--rows", "2", "--context", "20", "40", "--shared-prefix",
                                "16", "--dtype", "float32", "bfloat16", "--rounds", "1"],
-    "bench_kernels.py": ["--smoke"],
+    "bench_kernels.py": ["--smoke", "--iters", "1"],
     # One step program per engine (16-token steps; the prompts prefilled in chunks), three engines.
     "bench_kv_compression.py": ["--model", str(STORIES), "--requests", "2", "--max-tokens", "4",
                                 "--budget-blocks", "24", "--max-num-batched-tokens", "16"],
