@@ -144,6 +144,8 @@ def fetch_chunk(meta, header: int, chunk, slot, head, k_ref, v_ref, k_tiles, v_t
 
 
 def pages_per_chunk(block_size: int) -> int:
+    """TMA copies per K (or V) chunk: the pages of ``block_size`` tokens in ``BLOCK_K`` (1 for larger pages, of
+    which a chunk is a slice)."""
     return BLOCK_K // min(block_size, BLOCK_K)
 
 
