@@ -232,3 +232,15 @@ def test_gpu_check_parses_and_prints_its_stages():
     assert shown.returncode == 0
     for stage in ("kernel tests", "kernel bench", "parity", "throughput", "anchor", "profile"):
         assert f"\n  {stage} " in shown.stdout, stage
+
+
+def test_profile_compile_sums_the_jax_compile_events_of_a_pytest_run():
+    out = _run([str(SCRIPTS / "profile_compile.py"), "-q", "-p", "no:cacheprovider", "tests/test_kernels_pallas.py",
+                "-k", "kv_cache_write"])
+    assert "exit status 0" in out
+    rows = {line.split()[2]: (float(line.split()[0]), int(line.split()[1])) for line in out.splitlines()
+            if line.split()[2:3] and line.split()[2].startswith("/jax/")}
+    seconds, count = rows["/jax/core/compile/backend_compile_duration"]
+    # Three write tests, each compiling at least its kernel and the reference's scatter.
+    assert count >= 3 and seconds > 0
+    assert_one_host_line(out)
