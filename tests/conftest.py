@@ -10,7 +10,6 @@ off) for this process and the subprocesses it starts (CLI and multidevice tests)
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import re
 import tempfile
@@ -19,6 +18,8 @@ from typing import Optional
 
 import pytest
 from hypothesis import settings
+
+from jaxllm.worker.host_malloc import _accelerator_plugin
 
 # No per-example deadline: an example's first call into JAX compiles (hundreds of ms), and CI machines are shared,
 # so a deadline measures the machine's load, not the code (a 0.1 ms example once took 306 ms and failed as flaky).
@@ -29,8 +30,9 @@ settings.load_profile("jaxllm")
 # emitters compile a step program about 2.5x faster, and compiling is most of the suite's time. They run the same
 # operations (a float sum may round differently where its order changes, within every test's tolerance); the
 # benchmarks and users run XLA's defaults. Set before JAX starts (XLA reads XLA_FLAGS once) and inherited by the
-# subprocesses the tests start; a flag $XLA_FLAGS already sets keeps its value. Not where JAX has a GPU plugin:
-# the optimization level applies to XLA's GPU code too, whose kernels the GPU check times.
+# subprocesses the tests start; a flag $XLA_FLAGS already sets keeps its value. Not where steps would run on an
+# accelerator plugin (host_malloc's test, which JAX_PLATFORMS=cpu overrides): the optimization level applies to
+# XLA's GPU code too, whose kernels the GPU check times.
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
@@ -40,12 +42,7 @@ def with_test_xla_flags(flags: str) -> str:
     return " ".join(flags.split() + [flag for flag in TEST_XLA_FLAGS if flag.split("=")[0] not in names])
 
 
-def _gpu_plugin_installed() -> bool:
-    return any((dist.metadata["Name"] or "").lower().replace("_", "-").startswith(("jax-cuda", "jax-rocm"))
-               for dist in importlib.metadata.distributions())
-
-
-if not _gpu_plugin_installed():
+if _accelerator_plugin(os.environ) is None:
     os.environ["XLA_FLAGS"] = with_test_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 # tests/multidevice needs 8 host devices, a flag JAX reads once at start-up:
