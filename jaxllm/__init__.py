@@ -16,6 +16,7 @@ _EXPORTS = {
     "LLMEngine": "jaxllm.frontend.llm_engine",
     "SamplingParams": "scheduler.sampling_params",
     "StructuredOutputsParams": "scheduler.sampling_params",
+    "RequestOutputKind": "scheduler.sampling_params",
     "RequestOutput": "jaxllm.outputs",
     "CompletionOutput": "jaxllm.outputs",
     "register_model": "jaxllm.models",

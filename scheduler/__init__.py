@@ -15,7 +15,7 @@ from scheduler.policy import (
 )
 from scheduler.predictor import OutputLengthPredictor
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+from scheduler.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler, UnknownRequestError
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "PredictedPolicy",
     "PriorityPolicy",
     "Request",
+    "RequestOutputKind",
     "RequestStatus",
     "SJFPolicy",
     "SamplingParams",

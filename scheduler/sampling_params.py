@@ -6,6 +6,7 @@ Here because the scheduler needs the stopping fields and must not import ``jaxll
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from typing import Optional, Sequence, Union
@@ -18,6 +19,19 @@ GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 # The seeds a request may give: int64's range (vLLM's OpenAI protocol's bound).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+class RequestOutputKind(enum.Enum):
+    """Which ``RequestOutput``s a request gets, and what their completions hold (vLLM's ``RequestOutputKind``).
+
+    CUMULATIVE: one each step that adds tokens, each completion's text, token ids and logprobs so far.
+    DELTA: one each step that adds tokens, each completion's text, token ids and logprobs added since the last.
+    FINAL_ONLY: only the finished one, whole (no work is spent on the others: ``LLM.generate`` asks for this).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclasses.dataclass
@@ -113,6 +127,8 @@ class SamplingParams:
       detokenize: False leaves every text empty (token ids and logprobs only, logprob token texts None) and
         runs no detokenizer; ``stop`` strings then raise, as vLLM's.
       structured_outputs: a ``StructuredOutputsParams`` or None.
+      output_kind: a ``RequestOutputKind``: every step's outputs cumulative (the default) or as deltas, or the
+        final one only.
       allow_kv_compression: our addition: False keeps this request's KV exact under ``kv_cache_compression``
         (``priority < 0`` always does).
 
@@ -142,6 +158,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     allow_kv_compression: bool = True
 
     def __post_init__(self) -> None:
@@ -209,6 +226,8 @@ class SamplingParams:
             raise bad("allow_kv_compression", self.allow_kv_compression, "True or False")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,7 @@ from jaxllm.core.messages import EngineCoreOutput, EngineCoreRequest, SampleLogp
 from jaxllm.frontend.output_processor import OutputProcessor, OutputText, TokenTexts, logprob_entry
 from jaxllm.outputs import Logprob
 from jaxllm.tokenizer import Tokenizer
-from scheduler import SamplingParams
+from scheduler import RequestOutputKind, SamplingParams
 
 
 class Pieces:
@@ -208,7 +208,7 @@ def test_issue25_item3_logprob_texts_are_what_each_token_adds_in_context(tokeniz
         out = EngineCoreOutput("r", 0, step, finish_reason="stop" if last else None,
                                new_logprobs=[row(t) for t in step],
                                new_prompt_logprobs=[row(t) for t in prompt[1:]] if k == 0 else None)
-        (final,), _ = processor.process_outputs([out])
+        (final,), _, _ = processor.process_outputs([out])
     completion = final.outputs[0]
     assert final.finished and completion.token_ids == output
     for contexts, entries in ((ids[:cut + p] for p in range(len(output))), completion.logprobs), \
@@ -271,7 +271,92 @@ def test_issue56_detokenizing_64_tokens_reads_the_vocabulary_size_once(stories_d
     out = None
     for k, token in enumerate(ids):
         row = SampleLogprobs(token, -1.0, 1, ids[:3], [-1.0] * 3)
-        (out,), _ = processor.process_outputs([EngineCoreOutput(
+        (out,), _, _ = processor.process_outputs([EngineCoreOutput(
             "r", 0, [token], finish_reason="length" if k == len(ids) - 1 else None, new_logprobs=[row])])
     assert out.finished and out.outputs[0].text == tokenizer.decode(ids)
     assert backend.calls == {}
+
+
+# ---- output_kind: what each step's RequestOutput holds -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stories_tokenizer(stories_dir):
+    return Tokenizer.from_pretrained(stories_dir)
+
+
+@given(steps=st.lists(st.integers(1, 4), min_size=1, max_size=8), n=st.integers(1, 2),
+       stop=st.sampled_from([None, "was", " a"]), with_logprobs=st.booleans(),
+       prompt_chunks=st.integers(1, 3))
+@settings(max_examples=60, deadline=None)
+def test_output_kinds_hold_the_same_completion_cumulative_as_deltas_or_final_only(
+        stories_tokenizer, steps, n, stop, with_logprobs, prompt_chunks):
+    """The class: any grouping of tokens into steps (speculation's several a step), ``n`` sequences, stop strings
+    (which cut the text and end a sequence before the core does), logprobs and prompt logprobs recorded over
+    several prefill steps. Against CUMULATIVE: FINAL_ONLY gives one output, the finished one, equal to
+    CUMULATIVE's last; DELTA gives as many outputs, each holding what CUMULATIVE's added, so its texts,
+    token ids, logprobs and prompt logprobs concatenate to CUMULATIVE's last."""
+    tok = stories_tokenizer
+    ids = tok.encode("Once upon a time, there was a girl named Lily. She was a happy girl and she was a good friend")
+    prompt, output = ids[:6], ids[6:6 + sum(steps)]
+    bounds = np.cumsum([0] + steps).tolist()
+
+    def row(token_id):
+        return SampleLogprobs(token_id, -0.5, 1, [token_id, 5], [-0.5, -1.5])
+
+    def core_outputs(k):
+        """Step k's outputs: each sequence gets the step's tokens (sequence i shifted by i so they differ)."""
+        chunk = np.array_split(np.arange(1, len(prompt)), min(prompt_chunks, len(steps)))
+        last = k == len(steps) - 1
+        outs = []
+        for i in range(n):
+            toks = [(t + i) % tok.vocab_size for t in output[bounds[k]: bounds[k + 1]]]
+            outs.append(EngineCoreOutput(
+                "r", i, toks, finish_reason="length" if last else None,
+                new_logprobs=[row(t) for t in toks] if with_logprobs else None,
+                new_prompt_logprobs=([row(prompt[j]) for j in chunk[k]] if k < len(chunk) and i == 0
+                                     else None) if with_logprobs else None))
+        return outs
+
+    runs = {}
+    for kind in RequestOutputKind:
+        params = SamplingParams(n=n, stop=stop, max_tokens=None, output_kind=kind,
+                                logprobs=1 if with_logprobs else None,
+                                prompt_logprobs=1 if with_logprobs else None)
+        processor = OutputProcessor(tok)
+        processor.add_request(EngineCoreRequest("r", prompt, params, list(range(n)), [], [], tok.eos_token_id,
+                                                0.0), None)
+        got = []
+        for k in range(len(steps)):
+            if "r" not in processor.requests:
+                break
+            got += processor.process_outputs(core_outputs(k))[0]
+        runs[kind] = got
+    cumulative, delta, final = (runs[k] for k in RequestOutputKind)
+    last = cumulative[-1]
+    assert last.finished and not any(o.finished for o in cumulative[:-1])
+    assert len(final) == 1 and final[0].finished
+    assert len(delta) == len(cumulative) and delta[-1].finished
+    for i, whole in enumerate(last.outputs):
+        for got in (final[0].outputs[i], ):
+            assert (got.text, got.token_ids, got.finish_reason, got.stop_reason, got.logprobs,
+                    got.cumulative_logprob) == (whole.text, whole.token_ids, whole.finish_reason,
+                                                whole.stop_reason, whole.logprobs, whole.cumulative_logprob)
+        parts = [out.outputs[i] for out in delta]
+        assert "".join(p.text for p in parts) == whole.text
+        assert [t for p in parts for t in p.token_ids] == whole.token_ids
+        assert [p.text for p in parts] == [p.delta_text for p in parts]
+        assert [p.token_ids for p in parts] == [p.delta_token_ids for p in parts]
+        if with_logprobs:
+            assert [e for p in parts for e in p.logprobs] == whole.logprobs
+            assert parts[-1].cumulative_logprob == whole.cumulative_logprob
+    assert final[0].prompt_logprobs == last.prompt_logprobs
+    if with_logprobs:
+        assert [e for out in delta for e in out.prompt_logprobs] == last.prompt_logprobs
+    else:
+        assert last.prompt_logprobs is None and all(out.prompt_logprobs is None for out in delta)
+
+
+def test_output_kind_other_than_a_request_output_kind_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"SamplingParams.output_kind=2 .*RequestOutputKind"):
+        SamplingParams(output_kind=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import os
 import threading
@@ -18,7 +19,7 @@ from jaxllm.lora import LoRARequest
 from jaxllm.models.config import ModelConfig
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer
-from scheduler import SamplingParams
+from scheduler import RequestOutputKind, SamplingParams
 
 # One prefix-cache salt for every prompt, or one per prompt (None: unsalted).
 CacheSalt = Union[str, Sequence[Optional[str]], None]
@@ -30,10 +31,9 @@ class _Caller:
     """One :meth:`SharedSteps.outputs` consumer: the outputs handed to it and not yet taken, and the condition its
     thread waits on (so a step wakes the callers it has outputs for, not every waiting thread)."""
 
-    def __init__(self, lock: threading.RLock, final_only: bool) -> None:
+    def __init__(self, lock: threading.RLock) -> None:
         self.inbox: collections.deque = collections.deque()
         self.wake = threading.Condition(lock)
-        self.final_only = final_only
 
 
 class SharedSteps:
@@ -72,11 +72,10 @@ class SharedSteps:
                 self._free.notify_all()
                 self._wake_one_idle()
 
-    def add(self, ids: Sequence[str], add: Callable[[], None], final_only: bool = False) -> None:
+    def add(self, ids: Sequence[str], add: Callable[[], None]) -> None:
         """Run ``add()`` (which queues the requests ``ids`` into the engine) between two steps, the outputs of
-        ``ids`` kept for :meth:`outputs` (only each request's last when ``final_only``). Raises what ``add``
-        raises, nothing kept then."""
-        caller = _Caller(self._lock, final_only)
+        ``ids`` kept for :meth:`outputs`. Raises what ``add`` raises, nothing kept then."""
+        caller = _Caller(self._lock)
         with self.between_steps():
             add()
             self._callers.update((rid, caller) for rid in ids)
@@ -85,7 +84,7 @@ class SharedSteps:
         """Every output of requests ``ids`` (queued by :meth:`add`) in step order, until each has finished; a
         consumer that stops early aborts its unfinished ones. Raises what ``LLMEngine.step`` raises."""
         pending = set(ids)
-        caller = self._callers[ids[0]] if ids else _Caller(self._lock, False)
+        caller = self._callers[ids[0]] if ids else _Caller(self._lock)
         try:
             while pending:
                 for out in self._take_or_step(caller):
@@ -131,7 +130,7 @@ class SharedSteps:
                     woken = set()
                     for out in outs:
                         owner = self._callers.get(out.request_id)
-                        if owner is not None and (out.finished or not owner.final_only):
+                        if owner is not None:
                             owner.inbox.append(out)
                             woken.add(owner)
                     for owner in woken:
@@ -345,7 +344,9 @@ class LLM:
           QueueFullError: more prompts than ``max_waiting_requests`` would wait; nothing is queued then.
         """
         final: dict[str, RequestOutput] = {}
-        ids = self._add_all(prompts, sampling_params, priority, cache_salt, lora_request, final_only=True)
+        # vLLM's LLM.generate asks for final outputs only: no step builds a partial one.
+        ids = self._add_all(prompts, sampling_params, priority, cache_salt, lora_request,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
         with GenerateProgress(len(ids), enabled=use_tqdm) as progress:
             for out in self._steps.outputs(ids):
                 progress.update([out])
@@ -374,9 +375,18 @@ class LLM:
         return self._steps.outputs(self._add_all(prompts, sampling_params, priority, cache_salt, lora_request))
 
     def _add_all(self, prompts: Any, sampling_params: Any, priority: Optional[Sequence[int]],
-                 cache_salt: CacheSalt, lora_request: LoRAArg = None, final_only: bool = False) -> list[str]:
+                 cache_salt: CacheSalt, lora_request: LoRAArg = None,
+                 output_kind: Optional[RequestOutputKind] = None) -> list[str]:
+        """Queue the prompts (each with its ``SamplingParams``, copied with ``output_kind`` when given); returns
+        their request ids."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
+        if output_kind is not None:
+            copies: dict[int, SamplingParams] = {}
+            for p in params_list:
+                if id(p) not in copies:
+                    copies[id(p)] = p if p.output_kind is output_kind else dataclasses.replace(p, output_kind=output_kind)
+            params_list = [copies[id(p)] for p in params_list]
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts")
@@ -399,7 +409,7 @@ class LLM:
                 self.engine.abort_request(ids)
                 raise
 
-        self._steps.add(ids, add, final_only)
+        self._steps.add(ids, add)
         return ids
 
     def chat(

@@ -87,13 +87,13 @@ class FrontEnd:
 
     def _process_core_outputs(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
         """One core step's outputs as ``RequestOutput``s; stop-string hits and finishes are passed to the core."""
-        request_outputs, to_stop = self.output_processor.process_outputs(core_outputs.outputs)
+        request_outputs, to_stop, touched = self.output_processor.process_outputs(core_outputs.outputs)
         if to_stop:
             self.client.stop_sequences(to_stop)
         finished = [out.request_id for out in request_outputs if out.finished]
         if finished:
             self.client.requests_finished(finished)
-        self.metrics.on_step(core_outputs.stats, request_outputs, core_outputs.core_index)
+        self.metrics.on_step(core_outputs.stats, touched, core_outputs.core_index)
         return request_outputs
 
     def _abort(self, request_ids: Sequence[str]) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import prometheus_client as prom
 from tqdm import tqdm
@@ -15,6 +15,9 @@ from jaxllm.config import METRICS_NAMESPACES
 from jaxllm.core.messages import CoreStats
 from jaxllm.logger import init_logger
 from jaxllm.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from jaxllm.frontend.output_processor import RequestState
 
 logger = init_logger(__name__)
 
@@ -264,8 +267,9 @@ class EngineMetrics:
     def _total(self, field: str) -> float:
         return sum(getattr(s, field) for s in self.core_stats.values())
 
-    def on_step(self, stats: CoreStats, outputs: Sequence[RequestOutput], core_index: int = 0) -> None:
-        """Record one core's step (``stats``: its ``CoreStats``; ``outputs``: the step's ``RequestOutput``s)."""
+    def on_step(self, stats: CoreStats, requests: Sequence["RequestState"], core_index: int = 0) -> None:
+        """Record one core's step (``stats``: its ``CoreStats``; ``requests``: the front-end states of the requests
+        the step touched, after it: their new tokens, finishes and times, whatever outputs their kind asks for)."""
         now = self._clock()
         self.core_stats[core_index] = stats
         if stats.schedule_seconds is not None:
@@ -276,47 +280,47 @@ class EngineMetrics:
             self.step_duration.observe(stats.step_seconds)
         if stats.grammar_bitmask_seconds is not None:
             self.grammar_bitmask.observe(stats.grammar_bitmask_seconds)
-        for out in outputs:
-            self._on_output(out, now)
+        for state in requests:
+            self._on_request(state, now)
         self._update_core_series(stepped=stats.schedule_seconds is not None)
         if self.log_stats and now - self._log_at >= self.log_interval:
             self._log(now)
 
-    def _on_output(self, out: RequestOutput, now: float) -> None:
-        rid, times = out.request_id, out.metrics
-        new_tokens = _new_tokens(out)
+    def _on_request(self, state: "RequestState", now: float) -> None:
+        rid = state.request_id
+        new_tokens = sum(len(seq.delta_token_ids) for seq in state.seqs)
         if new_tokens:
             last = self._last_token_time.get(rid)
             if last is None:
-                self.time_to_first_token.observe(times["first_token_time"] - times["arrival_time"])
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
-                self._log_tokens[0] += len(out.prompt_token_ids)
+                prompt_tokens = len(state.prompt_token_ids)
+                self.time_to_first_token.observe(state.first_token_time - state.arrival_time)
+                self.prompt_tokens.inc(prompt_tokens)
+                self._log_tokens[0] += prompt_tokens
             else:
                 self.inter_token_latency.observe(now - last)
             self._last_token_time[rid] = now
             self.generation_tokens.inc(new_tokens)
             self._log_tokens[1] += new_tokens
-        if out.finished:
+        if state.finished:
             self._last_token_time.pop(rid, None)
-            self.request_success.labels(out.outputs[0].finish_reason).inc()
-            self.e2e_request_latency.observe(times["finished_time"] - times["arrival_time"])
-            if times["first_scheduled_time"] is not None:
-                self.request_queue_time.observe(times["first_scheduled_time"] - times["arrival_time"])
-            self._on_finished(out)
+            self.request_success.labels(state.seqs[0].finish_reason).inc()
+            self.e2e_request_latency.observe(state.finished_time - state.arrival_time)
+            if state.first_scheduled_time is not None:
+                self.request_queue_time.observe(state.first_scheduled_time - state.arrival_time)
+            self._on_finished(state)
 
-    def _on_finished(self, out: RequestOutput) -> None:
+    def _on_finished(self, state: "RequestState") -> None:
         """The per-request histograms of a finished request (vLLM's ``FinishedRequestStats``)."""
-        times = out.metrics
-        lengths = [len(c.token_ids) for c in out.outputs]
-        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        lengths = [len(seq.token_ids) for seq in state.seqs]
+        self.request_prompt_tokens.observe(len(state.prompt_token_ids))
         self.request_generation_tokens.observe(sum(lengths))
         self.request_max_num_generation_tokens.observe(max(lengths))
-        first_token = times["first_token_time"]
+        first_token = state.first_token_time
         if first_token is None:
             return
-        if times["first_scheduled_time"] is not None:
-            self.request_prefill_time.observe(first_token - times["first_scheduled_time"])
-        decode = times["finished_time"] - first_token
+        if state.first_scheduled_time is not None:
+            self.request_prefill_time.observe(first_token - state.first_scheduled_time)
+        decode = state.finished_time - first_token
         self.request_decode_time.observe(decode)
         self.request_time_per_output_token.observe(decode / (max(lengths) - 1) if max(lengths) > 1 else 0.0)
 
@@ -507,8 +511,3 @@ class GenerateProgress:
 
     def __exit__(self, *exc) -> None:
         self._bar.close()
-
-
-def _new_tokens(out: RequestOutput) -> int:
-    """Tokens this step added over all ``n`` completions of a request."""
-    return sum(len(c.delta_token_ids) for c in out.outputs)

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Protocol, Sequence, Union
 from jaxllm.core.messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.tokenizer import IncrementalDetokenizer
-from scheduler import SamplingParams
+from scheduler import RequestOutputKind, SamplingParams
 
 
 class Detokenizer(Protocol):
@@ -161,23 +161,30 @@ class _SequenceState:
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    # Token ids and logprob rows already sent (DELTA outputs send what follows).
+    num_sent: int = 0
 
 
 @dataclasses.dataclass
 class RequestState:
-    """One request in the front end: its prompt, its ``n`` sequences and its timestamps (monotonic seconds)."""
+    """One request in the front end: its prompt, its ``n`` sequences, its ``RequestOutputKind`` and its
+    timestamps (monotonic seconds)."""
 
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
     seqs: list[_SequenceState]
     arrival_time: float
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     prompt_texts: Optional[TokenTexts] = None
     num_cached_tokens: int = 0
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
     ignored_reason: Optional[str] = None
+    # Prompt logprob rows already sent (DELTA outputs send what follows).
+    num_prompt_sent: int = 0
 
     @property
     def finished(self) -> bool:
@@ -213,7 +220,7 @@ class OutputProcessor:
                 seq.logprobs, seq.cumulative_logprob = [], 0.0
                 seq.texts = TokenTexts(tokenizer, ids, skip, self._special_texts)
             seqs.append(seq)
-        state = RequestState(request.request_id, prompt, ids, seqs, request.arrival_time)
+        state = RequestState(request.request_id, prompt, ids, seqs, request.arrival_time, params.output_kind)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
             state.prompt_texts = TokenTexts(tokenizer, ids[:1], skip, self._special_texts)
@@ -231,9 +238,12 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def process_outputs(self, outputs: Sequence[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
-        """Apply one step's core outputs; returns a ``RequestOutput`` per open request touched (finished ones
-        closed), and the ``(request_id, index)`` sequences a stop string ended, for the caller to stop."""
+    def process_outputs(self, outputs: Sequence[EngineCoreOutput]
+                        ) -> tuple[list[RequestOutput], list[tuple[str, int]], list[RequestState]]:
+        """Apply one step's core outputs. Returns a ``RequestOutput`` per open request touched that its
+        ``output_kind`` asks one of (FINAL_ONLY: finished ones only; finished ones are closed), the
+        ``(request_id, index)`` sequences a stop string ended (for the caller to stop), and every touched
+        request's state (the metrics read its new tokens and times from it)."""
         touched: dict[str, RequestState] = {}
         to_stop: list[tuple[str, int]] = []
         now = time.monotonic()
@@ -250,7 +260,15 @@ class OutputProcessor:
                 continue
             if self._update(state, seq, out, now):
                 to_stop.append((out.request_id, out.index))
-        return [self._make_output(state, now) for state in touched.values()], to_stop
+        request_outputs = []
+        for state in touched.values():
+            finished = state.finished
+            if finished:
+                state.finished_time = now
+                del self.requests[state.request_id]
+            if finished or state.output_kind is not RequestOutputKind.FINAL_ONLY:
+                request_outputs.append(self._make_output(state, finished))
+        return request_outputs, to_stop, list(touched.values())
 
     def _update(self, state: RequestState, seq: _SequenceState, out: EngineCoreOutput, now: float) -> bool:
         """Apply one sequence's output; True when a stop string ended it before the core did."""
@@ -285,22 +303,31 @@ class OutputProcessor:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         return False
 
-    def _make_output(self, state: RequestState, now: float) -> RequestOutput:
-        completions = [CompletionOutput(
-            index=seq.index, text=seq.output.text, token_ids=list(seq.token_ids), finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason, cumulative_logprob=seq.cumulative_logprob,
-            logprobs=None if seq.logprobs is None else list(seq.logprobs),
-            delta_text=seq.output.delta(seq.finish_reason is not None), delta_token_ids=seq.delta_token_ids,
-        ) for seq in state.seqs]
-        finished = state.finished
-        if finished:
-            del self.requests[state.request_id]
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput:
+        delta = state.output_kind is RequestOutputKind.DELTA
+        completions = []
+        for seq in state.seqs:
+            # The delta is taken whatever the kind: a stream's held-back stop-string tail is tracked by it.
+            delta_text = seq.output.delta(seq.finish_reason is not None)
+            sent, seq.num_sent = seq.num_sent, len(seq.token_ids)
+            logprobs = seq.logprobs
+            if logprobs is not None:
+                logprobs = logprobs[sent:] if delta else list(logprobs)
+            completions.append(CompletionOutput(
+                index=seq.index, text=delta_text if delta else seq.output.text,
+                token_ids=seq.token_ids[sent:] if delta else list(seq.token_ids), finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
+                delta_text=delta_text, delta_token_ids=seq.delta_token_ids,
+            ))
+        prompt_logprobs = state.prompt_logprobs
+        if prompt_logprobs is not None:
+            sent, state.num_prompt_sent = state.num_prompt_sent, len(prompt_logprobs)
+            prompt_logprobs = prompt_logprobs[sent:] if delta else list(prompt_logprobs)
         return RequestOutput(
-            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=list(state.prompt_token_ids),
+            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=completions, finished=finished, delta_text=completions[0].delta_text,
             delta_token_ids=completions[0].delta_token_ids, ignored_reason=state.ignored_reason,
-            prompt_logprobs=None if state.prompt_logprobs is None else list(state.prompt_logprobs),
-            num_cached_tokens=state.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens,
             metrics=dict(arrival_time=state.arrival_time, first_scheduled_time=state.first_scheduled_time,
-                         first_token_time=state.first_token_time, finished_time=now if finished else None),
+                         first_token_time=state.first_token_time, finished_time=state.finished_time),
         )
