@@ -18,7 +18,8 @@ reduced to, per phase:
   transfers, and the bandwidth floor: ``bytes = parameter bytes once + sum(seq_lens) * KV bytes per token``
   (K and V, every layer), ``floor = bytes / HBM bandwidth``;
 - the host's time per engine part (``schedule``, ``launch``, ``apply``, ``report``, annotated around the core's
-  methods), per step;
+  methods, and ``process_core_outputs``, the front end's output processing and metrics), per step; requests ask
+  for final outputs only, as ``LLM.generate`` does;
 - the top ``--top`` device ops or fusions by time per step (leaf events: a CPU thunk that holds others, such as the
   layer loop, is not counted over its body).
 
@@ -63,8 +64,10 @@ import _bench_common as common  # noqa: E402
 from _bench_common import device_bandwidth, floor_seconds, step_bytes  # noqa: E402
 
 STEP_ANNOTATION = "engine_step"
-# The core's methods annotated in the trace: the host's share of a step, per part.
+# The core's methods annotated in the trace: the host's share of a step, per part; then the front end's (its
+# output processing and metrics, on the same thread as the core's in an offline engine).
 HOST_PARTS = ("_schedule", "_launch", "_apply", "_report")
+FRONT_END_PARTS = ("_process_core_outputs",)
 # Host events that wait for the device: JAX's reads of a device array to the host (``np.asarray``, the annotation
 # jax.Array.__array__ carries), ``block_until_ready`` and PjRt's own waits; apart, the CUDA driver's
 # synchronizations (GPU), since a read may hold one.
@@ -280,7 +283,7 @@ def reduce_phase(trace: dict[str, list[Event]], records: dict[int, StepRecord], 
                 op_time[name] = op_time.get(name, 0.0) + (e.end - e.start)
                 op_count[name] = op_count.get(name, 0) + 1
         host_ms = {}
-        for part in HOST_PARTS:
+        for part in HOST_PARTS + FRONT_END_PARTS:
             spans = busy_intervals((e for e in in_window if e.name == part), lo, hi)
             host_ms[part.lstrip("_")] = sum(b - a for a, b in spans) / 1e6
         num_bytes = step_bytes(weight_bytes, rec.kv_tokens, kv_bytes_per_token)
@@ -385,11 +388,14 @@ def header_line(meta: dict[str, Any]) -> str:
 
 class StepRecorder:
     """While entered, wraps an ``EngineCore``'s ``runner.dispatch`` to keep each dispatched step's
-    :class:`StepRecord` (``records``), and annotates the core's :data:`HOST_PARTS` in the trace; leaving restores
-    them."""
+    :class:`StepRecord` (``records``), and annotates the core's :data:`HOST_PARTS` (and the front end's
+    :data:`FRONT_END_PARTS` when ``front_end`` is given: an ``LLMEngine``) in the trace; leaving restores them."""
 
-    def __init__(self, core: Any):
+    def __init__(self, core: Any, front_end: Any = None):
         self.core = core
+        self.annotated = [(core, part) for part in HOST_PARTS]
+        if front_end is not None:
+            self.annotated += [(front_end, part) for part in FRONT_END_PARTS]
         self.records: list[StepRecord] = []
         self.step, self.phase = -1, ""
 
@@ -404,14 +410,14 @@ class StepRecorder:
             return dispatch(batch, *args, **kwargs)
 
         self.core.runner.dispatch = recorded
-        for part in HOST_PARTS:
-            setattr(self.core, part, _annotated(jax.profiler.TraceAnnotation, part, getattr(self.core, part)))
+        for obj, part in self.annotated:
+            setattr(obj, part, _annotated(jax.profiler.TraceAnnotation, part, getattr(obj, part)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         del self.core.runner.dispatch
-        for part in HOST_PARTS:
-            delattr(self.core, part)
+        for obj, part in self.annotated:
+            delattr(obj, part)
 
     def last(self) -> Optional[StepRecord]:
         """The current step's record, None when it dispatched nothing."""
@@ -438,11 +444,13 @@ def run_phase(engine: Any, recorder: StepRecorder, phase: str, prompts: list[lis
     """
     import jax
 
-    from jaxllm import SamplingParams
+    from jaxllm import RequestOutputKind, SamplingParams
 
     ids = [f"{phase}-{i}" for i in range(len(prompts))]
     for rid, prompt, n in zip(ids, prompts, max_tokens):
-        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        # Final outputs only, as LLM.generate (the throughput stage) asks for them.
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                                       output_kind=RequestOutputKind.FINAL_ONLY))
     step, started = step_base, None
     recorder.phase = phase
 
@@ -512,7 +520,7 @@ def profile_engine(engine: Any, out: Path, *, phases: Sequence[str], mixed: "com
     vocab = core.model_config.vocab_size
     rng = np.random.default_rng(seed)
     step = 0
-    with StepRecorder(core) as recorder:
+    with StepRecorder(core, engine) as recorder:
         for phase in phases:
             if phase == "mixed":
                 prompts, max_tokens = mixed.prompts, mixed.output_lens

@@ -85,6 +85,8 @@ def test_decode_steps_are_read_from_the_engines_descriptors_and_timed_against_th
         assert 0 <= s["max_gap_ms"] <= s["device_idle_ms"] + 1e-9
         # Each step puts its batch on the device, launches the step program and reads the last one's samples.
         assert s["host_ms"]["launch"] > 0 and s["host_ms"]["apply"] > 0 and s["host_ms"]["schedule"] > 0
+        # The front end's part: every step reports the decoding rows' tokens to it.
+        assert s["host_ms"]["process_core_outputs"] > 0
         assert s["waits"] >= 1 and s["puts"] >= 1 and s["cuda_syncs"] == 0 and s["h2d"] == s["d2h"] == 0
 
 

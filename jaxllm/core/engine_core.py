@@ -629,7 +629,7 @@ class EngineCore:
         a failed launch sends its rows back to waiting."""
         try:
             offloads = self._copy_blocks(sched_out.block_copies)
-            if not sched_out.scheduled:
+            if not sched_out.requests:
                 self._write_offloads(offloads)
                 return _Launched(sched_out, None)
             batch = build_batch(sched_out, self._serving_buckets())
@@ -660,7 +660,7 @@ class EngineCore:
     def _apply(self, step: _Launched) -> list[Request]:
         """Read a launched step's samples into the scheduler and the logprob records; returns the requests it touched."""
         d = step.dispatched
-        out = None if d is None else d.out.fetch_rows(len(step.sched_out.scheduled), d.num_token_rows)
+        out = None if d is None else d.out.fetch_rows(len(step.sched_out.requests), d.num_token_rows)
         sampled = None if out is None else out.sampled
         tokens = np.zeros(0, np.int32) if sampled is None else sampled.token_ids
         if sampled is not None and sampled.num_emitted is not None:

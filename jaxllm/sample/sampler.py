@@ -72,24 +72,39 @@ class SamplingArrays:
             banned=np.full((num_rows, MAX_BANNED_IDS), _NO_TOKEN, i32),
         )
 
+    # The per-sequence columns of :meth:`row_values`, in its order (the rest, slot, num_generated, sample_mask
+    # and banned, change from step to step).
+    SEQUENCE_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed_high", "seed_low", "presence_penalty",
+                       "frequency_penalty", "repetition_penalty", "use_bias", "min_tokens", "num_logprobs")
+
+    @staticmethod
+    def row_values(params: SamplingParams, seed: int, uses_bias: bool = False) -> tuple[float, ...]:
+        """One sequence's fixed controls as ``SEQUENCE_FIELDS`` values, each exact in float64 (computed once per
+        sequence, so that a step fills its rows with one array per field)."""
+        high, low = seed_words(seed)
+        return (0.0 if params.greedy else params.temperature, params.top_k, params.top_p, params.min_p, high, low,
+                params.presence_penalty, params.frequency_penalty, params.repetition_penalty, float(uses_bias),
+                params.min_tokens, -1 if params.logprobs is None else params.logprobs)
+
+    def set_rows(self, rows: Sequence[int], values: np.ndarray, *, slot: Sequence[int],
+                 num_generated: Sequence[int], sample: Sequence[bool]) -> None:
+        """Fill ``rows`` at once: ``values`` float64[len(rows), len(SEQUENCE_FIELDS)] stacks their
+        :meth:`row_values`; slot, num_generated, sample: one per row. Banned ids are left as they are."""
+        rows = np.asarray(rows, np.intp)
+        (self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows], self.seed[rows, 0],
+         self.seed[rows, 1], self.presence_penalty[rows], self.frequency_penalty[rows],
+         self.repetition_penalty[rows], self.use_bias[rows], self.min_tokens[rows],
+         self.num_logprobs[rows]) = values.T
+        self.slot[rows] = slot
+        self.num_generated[rows] = num_generated
+        self.sample_mask[rows] = sample
+
     def set_row(self, row: int, params: SamplingParams, *, slot: int, seed: int, num_generated: int,
                 sample: bool = True, uses_bias: bool = False, banned: Sequence[int] = ()) -> None:
         """Fill row ``row`` from one sequence's parameters and state. Raises ValueError: too many banned ids."""
         self.set_banned(row, banned)
-        self.slot[row] = slot
-        self.temperature[row] = 0.0 if params.greedy else params.temperature
-        self.top_k[row] = params.top_k
-        self.top_p[row] = params.top_p
-        self.min_p[row] = params.min_p
-        self.seed[row] = seed_words(seed)
-        self.num_generated[row] = num_generated
-        self.presence_penalty[row] = params.presence_penalty
-        self.frequency_penalty[row] = params.frequency_penalty
-        self.repetition_penalty[row] = params.repetition_penalty
-        self.use_bias[row] = uses_bias
-        self.min_tokens[row] = params.min_tokens
-        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
-        self.sample_mask[row] = sample
+        self.set_rows([row], np.array([self.row_values(params, seed, uses_bias)], np.float64), slot=[slot],
+                      num_generated=[num_generated], sample=[sample])
 
     def set_banned(self, row: int, banned: Sequence[int]) -> None:
         """Set row ``row``'s ids banned this step. Raises ValueError: more than ``MAX_BANNED_IDS`` (no change)."""

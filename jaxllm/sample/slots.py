@@ -34,6 +34,11 @@ class SequenceSampling:
     stop_ids: list[int]
     multi_token_bad_words: list[list[int]]
     bias: Optional[np.ndarray]
+    # Its ``SamplingArrays.row_values``, made once.
+    row_values: tuple[float, ...] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.row_values = SamplingArrays.row_values(self.params, self.seed, self.bias is not None)
 
     def banned_ids(self, output_token_ids: Sequence[int]) -> list[int]:
         """Last tokens of bad words whose other tokens end the output (vLLM's rule)."""
@@ -113,19 +118,22 @@ class SamplingSlots:
 
     def arrays(self, output: SchedulerOutput, num_rows: int, num_positions: int = 1) -> SamplingArrays:
         """The step's per-row controls (preempted sequences released first); with ``num_positions > 1`` each row
-        is repeated per position, banning the bad words its output plus the drafts before it would complete."""
+        is repeated per position, banning the bad words its output plus the drafts before it would complete.
+        Raises ValueError: a row's bad words ban more than ``MAX_BANNED_IDS`` ids at once."""
         arrays = SamplingArrays.empty(num_rows)
-        for i, row in enumerate(output.scheduled):
-            request = row.request
+        rows, values, slots = [], [], []
+        for i, request in enumerate(output.requests):
             sampling = request.sampling
             if sampling is None:
                 continue
-            outputs = request.output_token_ids
-            arrays.set_row(
-                i, sampling.params, slot=self._slot(request, sampling), seed=sampling.seed,
-                num_generated=row.sample_index, sample=row.samples, uses_bias=sampling.bias is not None,
-                banned=sampling.banned_ids(outputs) if sampling.multi_token_bad_words else (),
-            )
+            rows.append(i)
+            values.append(sampling.row_values)
+            slots.append(self._slot(request, sampling))
+            if sampling.multi_token_bad_words:
+                arrays.set_banned(i, sampling.banned_ids(request.output_token_ids))
+        if rows:
+            arrays.set_rows(rows, np.array(values, np.float64), slot=slots, num_generated=output.sample_index[rows],
+                            sample=output.samples[rows])
         if num_positions == 1:
             return arrays
         wide = arrays.repeat(num_positions)
