@@ -338,10 +338,15 @@ def test_output_kinds_hold_the_same_completion_cumulative_as_deltas_or_final_onl
     assert len(final) == 1 and final[0].finished
     assert len(delta) == len(cumulative) and delta[-1].finished
     for i, whole in enumerate(last.outputs):
-        for got in (final[0].outputs[i], ):
-            assert (got.text, got.token_ids, got.finish_reason, got.stop_reason, got.logprobs,
-                    got.cumulative_logprob) == (whole.text, whole.token_ids, whole.finish_reason,
-                                                whole.stop_reason, whole.logprobs, whole.cumulative_logprob)
+        got = final[0].outputs[i]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason, got.logprobs,
+                got.cumulative_logprob) == (whole.text, whole.token_ids, whole.finish_reason,
+                                            whole.stop_reason, whole.logprobs, whole.cumulative_logprob)
+        # The deltas add up to the whole whatever the kind: FINAL_ONLY's one output holds it all.
+        assert (got.delta_text, got.delta_token_ids) == (whole.text, whole.token_ids)
+        steps_of = [out.outputs[i] for out in cumulative]
+        assert "".join(c.delta_text for c in steps_of) == whole.text
+        assert [t for c in steps_of for t in c.delta_token_ids] == whole.token_ids
         parts = [out.outputs[i] for out in delta]
         assert "".join(p.text for p in parts) == whole.text
         assert [t for p in parts for t in p.token_ids] == whole.token_ids

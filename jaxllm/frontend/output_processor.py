@@ -309,15 +309,17 @@ class OutputProcessor:
         for seq in state.seqs:
             # The delta is taken whatever the kind: a stream's held-back stop-string tail is tracked by it.
             delta_text = seq.output.delta(seq.finish_reason is not None)
+            # What followed the last output (this step's tokens, unless FINAL_ONLY skipped outputs before).
             sent, seq.num_sent = seq.num_sent, len(seq.token_ids)
+            new_ids = seq.token_ids[sent:]
             logprobs = seq.logprobs
             if logprobs is not None:
                 logprobs = logprobs[sent:] if delta else list(logprobs)
             completions.append(CompletionOutput(
                 index=seq.index, text=delta_text if delta else seq.output.text,
-                token_ids=seq.token_ids[sent:] if delta else list(seq.token_ids), finish_reason=seq.finish_reason,
+                token_ids=new_ids if delta else list(seq.token_ids), finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason, cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
-                delta_text=delta_text, delta_token_ids=seq.delta_token_ids,
+                delta_text=delta_text, delta_token_ids=new_ids,
             ))
         prompt_logprobs = state.prompt_logprobs
         if prompt_logprobs is not None:
