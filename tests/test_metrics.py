@@ -227,7 +227,7 @@ THROUGHPUT_FIELDS = {
 }
 # Rows of jaxllm's own runs (static and continuous batching) also say whether they were constrained.
 JAXLLM_RUN_FIELDS = {"structured", "compare", "bitmask_s_per_step", "num_cached_prompt_tokens", "page_faults",
-                     "system_s",
+                     "system_s", "host_thread_s_per_step",
                      # Against the bandwidth limit (_bench_common.run_bandwidth).
                      "ms_per_step", "weight_bytes", "kv_bytes_per_token", "floor_bytes", "bandwidth_gbps", "floor_s",
                      "bandwidth_fraction"}
@@ -407,6 +407,8 @@ def test_bench_throughput_runs_random_weights_from_a_config_json_alone(tmp_path)
     (row,) = result["results"]
     assert row["backend"] == "jaxllm" and set(row) == THROUGHPUT_FIELDS | JAXLLM_RUN_FIELDS
     assert row["output_tokens_per_s"] > 0
+    # One thread's CPU time per step: some, and no more than the step's wall time.
+    assert 0 < row["host_thread_s_per_step"] <= row["elapsed_s"] / row["steps"]
     # Float32 K and V of 2 layers, 2 heads of 16; the floor at the stated 50 GB/s over the run's wall time.
     assert row["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4 and row["weight_bytes"] == round(row["param_mib"] * 2**20)
     assert row["floor_bytes"] > row["steps"] * row["weight_bytes"] and row["bandwidth_gbps"] == 50

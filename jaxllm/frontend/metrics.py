@@ -280,37 +280,39 @@ class EngineMetrics:
             self.step_duration.observe(stats.step_seconds)
         if stats.grammar_bitmask_seconds is not None:
             self.grammar_bitmask.observe(stats.grammar_bitmask_seconds)
+        prompt_tokens = generation_tokens = 0
         for state in requests:
-            self._on_request(state, now)
+            new_tokens = sum(len(seq.delta_token_ids) for seq in state.seqs)
+            if new_tokens:
+                rid = state.request_id
+                last = self._last_token_time.get(rid)
+                if last is None:
+                    prompt_tokens += len(state.prompt_token_ids)
+                    self.time_to_first_token.observe(state.first_token_time - state.arrival_time)
+                else:
+                    self.inter_token_latency.observe(now - last)
+                self._last_token_time[rid] = now
+                generation_tokens += new_tokens
+            if state.finished_time is not None:
+                self._on_finished(state)
+        # One increment a step: a per-request one was a lock and a call per decoding row.
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+            self._log_tokens[0] += prompt_tokens
+        if generation_tokens:
+            self.generation_tokens.inc(generation_tokens)
+            self._log_tokens[1] += generation_tokens
         self._update_core_series(stepped=stats.schedule_seconds is not None)
         if self.log_stats and now - self._log_at >= self.log_interval:
             self._log(now)
 
-    def _on_request(self, state: "RequestState", now: float) -> None:
-        rid = state.request_id
-        new_tokens = sum(len(seq.delta_token_ids) for seq in state.seqs)
-        if new_tokens:
-            last = self._last_token_time.get(rid)
-            if last is None:
-                prompt_tokens = len(state.prompt_token_ids)
-                self.time_to_first_token.observe(state.first_token_time - state.arrival_time)
-                self.prompt_tokens.inc(prompt_tokens)
-                self._log_tokens[0] += prompt_tokens
-            else:
-                self.inter_token_latency.observe(now - last)
-            self._last_token_time[rid] = now
-            self.generation_tokens.inc(new_tokens)
-            self._log_tokens[1] += new_tokens
-        if state.finished:
-            self._last_token_time.pop(rid, None)
-            self.request_success.labels(state.seqs[0].finish_reason).inc()
-            self.e2e_request_latency.observe(state.finished_time - state.arrival_time)
-            if state.first_scheduled_time is not None:
-                self.request_queue_time.observe(state.first_scheduled_time - state.arrival_time)
-            self._on_finished(state)
-
     def _on_finished(self, state: "RequestState") -> None:
-        """The per-request histograms of a finished request (vLLM's ``FinishedRequestStats``)."""
+        """A finished request's count by finish reason and its histograms (vLLM's ``FinishedRequestStats``)."""
+        self._last_token_time.pop(state.request_id, None)
+        self.request_success.labels(state.seqs[0].finish_reason).inc()
+        self.e2e_request_latency.observe(state.finished_time - state.arrival_time)
+        if state.first_scheduled_time is not None:
+            self.request_queue_time.observe(state.first_scheduled_time - state.arrival_time)
         lengths = [len(seq.token_ids) for seq in state.seqs]
         self.request_prompt_tokens.observe(len(state.prompt_token_ids))
         self.request_generation_tokens.observe(sum(lengths))

@@ -79,6 +79,9 @@ class SamplingSlots:
         # Live sequences with multi-token bad words (most steps have none to look for).
         self._num_multi_word = 0
         self._free = list(range(num_slots - 1, 0, -1))
+        # Each slot's sequence's ``SamplingArrays.row_values``, written when the slot is taken: a step gathers its
+        # rows' fixed controls in one indexing.
+        self._values = np.zeros((num_slots, len(SamplingArrays.SEQUENCE_FIELDS)), np.float64)
 
     def register(self, request: "CoreSequence", sampling: SequenceSampling) -> None:
         """Give a sequence its sampling state; it gets a slot when scheduled."""
@@ -101,6 +104,7 @@ class SamplingSlots:
     def _slot(self, request: "CoreSequence", sampling: SequenceSampling) -> int:
         if not request.slot:
             slot = request.slot = self._free.pop()
+            self._values[slot] = sampling.row_values
             self.tables.fill_slot(slot, request.all_token_ids, request.num_prompt_tokens)
             if sampling.bias is not None or sampling.params.min_tokens > 0:
                 stop = np.zeros(self.vocab_size, bool)
@@ -121,18 +125,18 @@ class SamplingSlots:
         is repeated per position, banning the bad words its output plus the drafts before it would complete.
         Raises ValueError: a row's bad words ban more than ``MAX_BANNED_IDS`` ids at once."""
         arrays = SamplingArrays.empty(num_rows)
-        rows, values, slots = [], [], []
+        rows, slots = [], []
         for i, request in enumerate(output.requests):
             sampling = request.sampling
             if sampling is None:
                 continue
             rows.append(i)
-            values.append(sampling.row_values)
-            slots.append(self._slot(request, sampling))
+            slots.append(request.slot or self._slot(request, sampling))
             if sampling.multi_token_bad_words:
                 arrays.set_banned(i, sampling.banned_ids(request.output_token_ids))
         if rows:
-            arrays.set_rows(rows, np.array(values, np.float64), slot=slots, num_generated=output.sample_index[rows],
+            rows = np.asarray(rows, np.intp)
+            arrays.set_rows(rows, self._values[slots], slot=slots, num_generated=output.sample_index[rows],
                             sample=output.samples[rows])
         if num_positions == 1:
             return arrays
