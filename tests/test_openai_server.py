@@ -396,6 +396,27 @@ def test_issue25_item3_top_logprobs_keep_distinct_tokens_of_the_same_text_apart(
     assert offset == 7
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_built_once_finished_asks_for_the_final_output_only(stories_dir, stream):
+    """vLLM's choice: an unstreamed completion or chat gets FINAL_ONLY (no partial output built a step), a stream
+    every step's cumulative one (its chunks read ``delta_text`` beside the whole)."""
+    from types import SimpleNamespace
+
+    from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from jaxllm.entrypoints.openai.serving import OpenAIServing
+    from jaxllm.tokenizer import Tokenizer
+    from scheduler import RequestOutputKind
+
+    engine = SimpleNamespace(tokenizer=Tokenizer.from_pretrained(stories_dir),
+                             info=SimpleNamespace(max_model_len=MAX_MODEL_LEN))
+    serving = OpenAIServing(engine, "stories", {})
+    want = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
+    for request in (CompletionRequest(model="stories", prompt=PROMPT, stream=stream),
+                    ChatCompletionRequest(model="stories", messages=[{"role": "user", "content": PROMPT}],
+                                          stream=stream)):
+        assert serving.sampling_params(request, 8, 4, None).output_kind is want
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_issue25_streamed_logprobs_spelled_as_token_ids_concatenate_to_the_unstreamed(client, endpoint):
     """Items 2 and 4 together: with return_tokens_as_token_ids every logprob token of a stream, an echo'd

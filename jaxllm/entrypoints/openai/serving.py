@@ -42,7 +42,7 @@ from jaxllm.lora import LoRARequest
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.structured_output import after_reasoning, validate_structured_outputs
 from jaxllm.tokenizer import ChatInputError
-from scheduler import SamplingParams, StructuredOutputsParams
+from scheduler import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # Sampling fields the model's generation_config.json may set defaults for.
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -220,7 +220,10 @@ class OpenAIServing:
                 bad_words=request.bad_words,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
-                structured_outputs=constraint, **values,
+                structured_outputs=constraint,
+                # vLLM's choice: a response built once the request finishes needs no partial outputs.
+                output_kind=RequestOutputKind.CUMULATIVE if request.stream else RequestOutputKind.FINAL_ONLY,
+                **values,
             )
         except ValueError as e:
             match = _PARAM.search(str(e))
