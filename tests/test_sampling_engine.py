@@ -46,6 +46,36 @@ def test_logprobs_equal_log_softmax_of_hf_logits(tiny_llama_dir, tiny_llm):
                                                    abs=1e-4)
 
 
+def test_a_step_reads_back_sampled_logprobs_only_when_a_row_asked_for_them(tiny_llm, monkeypatch):
+    """Steps without a logprobs row fetch their tokens alone; in a batch where one request asks, that request
+    gets an entry per token (equal to its logprobs run alone) and its neighbour none."""
+    from jaxllm.worker.model_runner import StepOutput
+
+    fetched = []
+    fetch = StepOutput.fetch_rows
+
+    def spy(self, num_rows, num_token_rows=0, logprobs=True):
+        host = fetch(self, num_rows, num_token_rows, logprobs)
+        fetched.append((logprobs, host.sampled.top_ids is not None))
+        return host
+
+    monkeypatch.setattr(StepOutput, "fetch_rows", spy)
+    plain, asking = _prompts(2, seed=9)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
+    tiny_llm.generate([plain], greedy, use_tqdm=False)
+    assert fetched and all(flags == (False, False) for flags in fetched)
+    fetched.clear()
+    alone = tiny_llm.generate([asking], with_logprobs, use_tqdm=False)[0].outputs[0]
+    both = tiny_llm.generate([plain, asking], [greedy, with_logprobs], use_tqdm=False)
+    assert fetched and all(flags == (True, True) for flags in fetched)
+    assert both[0].outputs[0].logprobs is None
+    assert both[1].outputs[0].token_ids == alone.token_ids and len(alone.logprobs) == 5
+    for got, want in zip(both[1].outputs[0].logprobs, alone.logprobs):
+        assert got.keys() == want.keys()
+        assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in got)
+
+
 def test_seeded_request_gives_the_same_tokens_alone_and_in_a_batch_of_16(tiny_llm):
     target = _prompts(1, seed=7)[0]
     alone = tiny_llm.generate([target], SEEDED)[0].outputs[0].token_ids

@@ -55,6 +55,8 @@ class _Dispatched:
     out: StepOutput
     next_prev: jax.Array
     num_token_rows: int
+    # Whether a row asked for sampled logprobs (else only the tokens are read back).
+    logprobs: bool
 
 
 @dataclasses.dataclass
@@ -647,7 +649,8 @@ class EngineCore:
         except Exception:
             self.scheduler.discard_output(sched_out)
             raise
-        return _Launched(sched_out, _Dispatched(out, next_prev, 0 if targets is None else batch.num_tokens))
+        return _Launched(sched_out, _Dispatched(out, next_prev, 0 if targets is None else batch.num_tokens,
+                                                bool((arrays.num_logprobs >= 0).any())))
 
     def _serving_buckets(self) -> BucketTable:
         """The buckets a step may use now: during a background warm-up, those whose programs every runner has."""
@@ -660,7 +663,7 @@ class EngineCore:
     def _apply(self, step: _Launched) -> list[Request]:
         """Read a launched step's samples into the scheduler and the logprob records; returns the requests it touched."""
         d = step.dispatched
-        out = None if d is None else d.out.fetch_rows(len(step.sched_out.requests), d.num_token_rows)
+        out = None if d is None else d.out.fetch_rows(len(step.sched_out.requests), d.num_token_rows, d.logprobs)
         sampled = None if out is None else out.sampled
         tokens = np.zeros(0, np.int32) if sampled is None else sampled.token_ids
         if sampled is not None and sampled.num_emitted is not None:
@@ -671,7 +674,8 @@ class EngineCore:
             touched = self.scheduler.update_from_output(step.sched_out, tokens)
         self._end_grammars(self.structured.advance(touched))
         if sampled is not None:
-            self._record_logprobs(step.sched_out, sampled)
+            if d.logprobs:
+                self._record_logprobs(step.sched_out, sampled)
             if d.num_token_rows:
                 self._num_prompt_trackers -= record_prompt_logprobs(step.sched_out.scheduled, out.prompt)
         return touched

@@ -47,10 +47,16 @@ class StepOutput:
     prompt: Optional[PromptLogprobRows]
     draft_token_ids: Optional[jax.Array] = None
 
-    def fetch_rows(self, num_rows: int, num_token_rows: int = 0) -> "StepOutput":
+    def fetch_rows(self, num_rows: int, num_token_rows: int = 0, logprobs: bool = True) -> "StepOutput":
         """The outputs as numpy in one transfer, cut to ``num_rows`` rows and the prompt logprobs to
-        ``num_token_rows`` (0: not fetched, ``prompt`` None)."""
-        host = jax.device_get(dataclasses.replace(self, prompt=self.prompt if num_token_rows else None))
+        ``num_token_rows`` (0: not fetched, ``prompt`` None); ``logprobs`` False leaves the sampled logprobs,
+        ranks and top entries on the device (None here): a step no row asked them of reads back its tokens alone.
+        """
+        sampled = self.sampled
+        if not logprobs:
+            sampled = dataclasses.replace(sampled, logprobs=None, ranks=None, top_ids=None, top_logprobs=None)
+        host = jax.device_get(dataclasses.replace(self, sampled=sampled,
+                                                  prompt=self.prompt if num_token_rows else None))
 
         def first(n: int, tree: Any) -> Any:
             return jax.tree_util.tree_map(lambda v: v[:n], tree)
