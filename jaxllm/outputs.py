@@ -28,9 +28,13 @@ class CompletionOutput:
     Attributes:
       index: which of the ``n`` continuations. text: the output, cut at a stop string (vLLM's rules).
       token_ids: generated ids. finish_reason: "stop", "length", "abort" or None while running.
-      stop_reason: the stop token id or string that ended it. cumulative_logprob: when asked for.
+      stop_reason: the stop token id or string that ended it. cumulative_logprob: when asked for (always the
+        whole output's).
       logprobs: per token ``{token_id: Logprob}``, the chosen token first, then the top k.
-      delta_text / delta_token_ids: what this step added; the deltas add up to ``text``/``token_ids``.
+      text, token_ids and logprobs hold the output so far, or under ``RequestOutputKind.DELTA`` only what
+      followed the request's previous output.
+      delta_text / delta_token_ids: what followed the previous output (all of it in a FINAL_ONLY request's one
+        output); the deltas add up to the whole ``text``/``token_ids``.
     """
 
     index: int
@@ -52,10 +56,12 @@ class RequestOutput:
     """Everything the engine says about one request after a step (vLLM's ``RequestOutput``).
 
     Attributes:
-      request_id, prompt (None for token ids), prompt_token_ids, outputs (one per continuation).
+      request_id, prompt (None for token ids), outputs (one per continuation).
+      prompt_token_ids: the prompt, one list shared by the request's outputs (as vLLM's): copy it to change it.
       finished: every continuation finished. delta_text / delta_token_ids: the first continuation's.
       ignored_reason: why the scheduler refused it, if it did.
-      prompt_logprobs: per recorded prompt token (None first) ``{token_id: Logprob}``, or None.
+      prompt_logprobs: per recorded prompt token (None first) ``{token_id: Logprob}``, or None; under
+        ``RequestOutputKind.DELTA`` only the rows recorded since the previous output.
       num_cached_tokens: prompt tokens from the prefix cache. metrics: timestamps in seconds.
     """
 

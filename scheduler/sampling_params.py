@@ -24,8 +24,9 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 class RequestOutputKind(enum.Enum):
     """Which ``RequestOutput``s a request gets, and what their completions hold (vLLM's ``RequestOutputKind``).
 
-    CUMULATIVE: one each step that adds tokens, each completion's text, token ids and logprobs so far.
-    DELTA: one each step that adds tokens, each completion's text, token ids and logprobs added since the last.
+    CUMULATIVE: one each step that touches the request, each completion's text, token ids and logprobs so far.
+    DELTA: one each step that touches the request, each completion's text, token ids and logprobs (and the prompt
+      logprobs) added since the previous one.
     FINAL_ONLY: only the finished one, whole (no work is spent on the others: ``LLM.generate`` asks for this).
     """
 

@@ -397,24 +397,21 @@ def test_issue25_item3_top_logprobs_keep_distinct_tokens_of_the_same_text_apart(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_response_built_once_finished_asks_for_the_final_output_only(stories_dir, stream):
+def test_a_response_built_once_finished_asks_for_the_final_output_only(stream):
     """vLLM's choice: an unstreamed completion or chat gets FINAL_ONLY (no partial output built a step), a stream
-    every step's cumulative one (its chunks read ``delta_text`` beside the whole)."""
-    from types import SimpleNamespace
-
+    its parameters' own kind (every step's cumulative one: its chunks read ``delta_text`` beside the whole)."""
     from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-    from jaxllm.entrypoints.openai.serving import OpenAIServing
-    from jaxllm.tokenizer import Tokenizer
+    from jaxllm.entrypoints.openai.serving import _final_only
     from scheduler import RequestOutputKind
 
-    engine = SimpleNamespace(tokenizer=Tokenizer.from_pretrained(stories_dir),
-                             info=SimpleNamespace(max_model_len=MAX_MODEL_LEN))
-    serving = OpenAIServing(engine, "stories", {})
+    params = SamplingParams(temperature=0, max_tokens=4)
     want = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
     for request in (CompletionRequest(model="stories", prompt=PROMPT, stream=stream),
                     ChatCompletionRequest(model="stories", messages=[{"role": "user", "content": PROMPT}],
                                           stream=stream)):
-        assert serving.sampling_params(request, 8, 4, None).output_kind is want
+        got = _final_only(params, request)
+        assert got.output_kind is want and (got.temperature, got.max_tokens) == (0, 4)
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

@@ -104,6 +104,33 @@ def test_issue11_stream_does_not_leak_start_of_stop_string(llm):
     assert_stream_adds_up(steps)
 
 
+def test_generate_builds_final_outputs_only_and_leaves_the_callers_params_alone(llm, monkeypatch):
+    """``generate`` asks for FINAL_ONLY (vLLM's LLM does): across its steps the output processor builds one
+    ``RequestOutput`` per request, the finished one, equal to a cumulative stream's last; the caller's
+    ``SamplingParams`` keep their kind; a stream keeps it too (one output a step); None in a list is the defaults."""
+    from jaxllm.frontend.output_processor import OutputProcessor
+    from scheduler import RequestOutputKind
+
+    made = []
+    make = OutputProcessor._make_output
+
+    def counted(self, state, finished):
+        made.append(finished)
+        return make(self, state, finished)
+
+    monkeypatch.setattr(OutputProcessor, "_make_output", counted)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    final = llm.generate([PROMPT, "One day"], params, use_tqdm=False)
+    assert made == [True, True] and params.output_kind is RequestOutputKind.CUMULATIVE
+    made.clear()
+    steps = [out for out in llm.generate_stream(PROMPT, params) if out.request_id]
+    assert len(made) == len(steps) >= 12 and made[-1] and not any(made[:-1])
+    assert (final[0].outputs[0].text, final[0].outputs[0].token_ids) == (steps[-1].outputs[0].text,
+                                                                         steps[-1].outputs[0].token_ids)
+    defaults = llm.generate([PROMPT, PROMPT], [params, None], use_tqdm=False)
+    assert defaults[1].finished and 1 <= len(defaults[1].outputs[0].token_ids) <= SamplingParams().max_tokens
+
+
 @pytest.mark.parametrize("include", [False, True])
 @pytest.mark.parametrize("n", [1, 3])
 def test_issue11_stream_deltas_equal_final_text(llm, n, include):

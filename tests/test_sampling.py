@@ -129,9 +129,10 @@ def _tables(params: SamplingParams, prompt=PROMPT, output=OUTPUT, stop_ids=()):
 def _arrays(params: SamplingParams, rows: int, num_generated, seed: int = 0, banned=()):
     arrays = SamplingArrays.empty(rows)
     uses_bias = bool(params.logit_bias) or params.allowed_token_ids is not None
+    values = np.array([SamplingArrays.row_values(params, seed, uses_bias)] * rows, np.float64)
+    arrays.set_rows(np.arange(rows), values, slot=[1] * rows, num_generated=num_generated, sample=[True] * rows)
     for i in range(rows):
-        arrays.set_row(i, params, slot=1, seed=seed, num_generated=0, uses_bias=uses_bias, banned=banned)
-    arrays.num_generated[:] = num_generated
+        arrays.set_banned(i, banned)
     return arrays
 
 
@@ -337,8 +338,7 @@ def test_a_row_whose_bans_leave_nothing_its_bitmask_allows_takes_an_allowed_toke
 
 def test_too_many_banned_ids_are_rejected():
     with pytest.raises(ValueError, match=str(MAX_BANNED_IDS)):
-        SamplingArrays.empty(1).set_row(0, SamplingParams(), slot=1, seed=0, num_generated=0,
-                                        banned=list(range(MAX_BANNED_IDS + 1)))
+        SamplingArrays.empty(1).set_banned(0, list(range(MAX_BANNED_IDS + 1)))
 
 
 # ------------------------------------------- issue 25 item 6: every int64 seed its own stream
@@ -405,3 +405,18 @@ def test_issue25_item6_a_seed_outside_int64_is_refused_naming_it_and_the_range(s
         SamplingParams(seed=seed, n=n)
     SamplingParams(seed=top, n=n)
     SamplingParams(seed=-(2**63), n=n)
+
+
+def test_top_k_and_min_tokens_past_int32_keep_their_meaning():
+    """Validation bounds neither (vLLM's does not): a top_k past the vocabulary keeps every token, a min_tokens
+    past any reachable length bans the stop ids throughout; each is held as int32's largest, with no overflow."""
+    import warnings
+
+    params = SamplingParams(top_k=2**40, min_tokens=2**40, max_tokens=None, temperature=1.0)
+    arrays = SamplingArrays.empty(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        arrays.set_rows([1], np.array([SamplingArrays.row_values(params, 3)]), slot=[1], num_generated=[0],
+                        sample=[True])
+    assert (arrays.top_k[1], arrays.min_tokens[1]) == (2**31 - 1, 2**31 - 1)
+    assert (arrays.top_k[0], arrays.min_tokens[0], arrays.slot[0]) == (0, 0, 0)  # the other row untouched

@@ -363,10 +363,11 @@ class LLM:
         cache_salt: CacheSalt = None,
         lora_request: LoRAArg = None,
     ) -> Iterator[RequestOutput]:
-        """As :meth:`generate`, but yield every partial output as tokens arrive.
+        """As :meth:`generate`, but yield outputs as tokens arrive, of the kind each ``SamplingParams.output_kind``
+        asks for (default ``CUMULATIVE``: every step's, the text so far).
 
-        Each ``RequestOutput`` carries this step's ``delta_text``/``delta_token_ids`` (and ``outputs[i].delta_*``)
-        besides the text so far; a request's last has ``finished=True``. Deltas add up to the final ``text`` and
+        Each ``RequestOutput`` carries what followed the previous one in ``delta_text``/``delta_token_ids`` (and
+        ``outputs[i].delta_*``); a request's last has ``finished=True``. Deltas add up to the final ``text`` and
         ``token_ids`` (split characters and possible stop-string starts are held back).
 
         Raises:
@@ -473,4 +474,5 @@ class LLM:
         params = list(params)
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
-        return params
+        # None in the list: that prompt's defaults, as LLMEngine.add_request takes it.
+        return [SamplingParams() if p is None else p for p in params]

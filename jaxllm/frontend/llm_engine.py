@@ -233,8 +233,9 @@ class LLMEngine(FrontEnd):
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine-core step; a ``RequestOutput`` per request with news (with ``async_scheduling`` one step
-        late: the first call returns none). Raises ``EngineDeadError``: a core process died."""
+        """Run one engine-core step; a ``RequestOutput`` per request the step touched, as its ``output_kind`` asks
+        (``FINAL_ONLY``: only once finished; with ``async_scheduling`` one step late: the first call returns none).
+        Raises ``EngineDeadError``: a core process died."""
         if not isinstance(self.client, InprocClient) and not self.output_processor.has_unfinished_requests():
             return []
         return [out for core_outputs in self.client.get_outputs() for out in self._process_core_outputs(core_outputs)]

@@ -75,7 +75,8 @@ def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
 
 
 class EngineMetrics:
-    """The metrics of one front end (its own ``CollectorRegistry``), updated from step outputs and ``CoreStats``.
+    """The metrics of one front end (its own ``CollectorRegistry``), updated each step from the touched requests'
+    states and ``CoreStats``.
 
     Args:
       log_stats: log a summary line every ``log_interval`` seconds. metrics_port: serve ``/metrics`` there.

@@ -317,7 +317,7 @@ class OutputProcessor:
                 logprobs = logprobs[sent:] if delta else list(logprobs)
             completions.append(CompletionOutput(
                 index=seq.index, text=delta_text if delta else seq.output.text,
-                token_ids=new_ids if delta else list(seq.token_ids), finish_reason=seq.finish_reason,
+                token_ids=list(new_ids) if delta else list(seq.token_ids), finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason, cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
                 delta_text=delta_text, delta_token_ids=new_ids,
             ))

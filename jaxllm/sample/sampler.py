@@ -25,7 +25,7 @@ PROMPT_LOGPROBS_CHUNK = 128
 # the step compiles once); each matching bad word bans one id.
 MAX_BANNED_IDS = 16
 # Out of range for any vocabulary: unused ``banned`` entries, dropped by the scatter.
-_NO_TOKEN = np.iinfo(np.int32).max
+_NO_TOKEN = _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @jax.tree_util.register_dataclass
@@ -79,12 +79,15 @@ class SamplingArrays:
 
     @staticmethod
     def row_values(params: SamplingParams, seed: int, uses_bias: bool = False) -> tuple[float, ...]:
-        """One sequence's fixed controls as ``SEQUENCE_FIELDS`` values, each exact in float64 (computed once per
-        sequence, so that a step fills its rows with one array per field)."""
+        """One sequence's fixed controls as ``SEQUENCE_FIELDS`` values, each exact in float64 and in its column's
+        dtype (computed once per sequence, so that a step fills its rows with one array per field). A ``top_k`` or
+        ``min_tokens`` past int32 is cut to int32's largest, which keeps every token / bans the stop ids for any
+        length a sequence can reach."""
         high, low = seed_words(seed)
-        return (0.0 if params.greedy else params.temperature, params.top_k, params.top_p, params.min_p, high, low,
-                params.presence_penalty, params.frequency_penalty, params.repetition_penalty, float(uses_bias),
-                params.min_tokens, -1 if params.logprobs is None else params.logprobs)
+        return (0.0 if params.greedy else params.temperature, min(params.top_k, _INT32_MAX), params.top_p,
+                params.min_p, high, low, params.presence_penalty, params.frequency_penalty,
+                params.repetition_penalty, float(uses_bias), min(params.min_tokens, _INT32_MAX),
+                -1 if params.logprobs is None else params.logprobs)
 
     def set_rows(self, rows: Sequence[int], values: np.ndarray, *, slot: Sequence[int],
                  num_generated: Sequence[int], sample: Sequence[bool]) -> None:
@@ -98,13 +101,6 @@ class SamplingArrays:
         self.slot[rows] = slot
         self.num_generated[rows] = num_generated
         self.sample_mask[rows] = sample
-
-    def set_row(self, row: int, params: SamplingParams, *, slot: int, seed: int, num_generated: int,
-                sample: bool = True, uses_bias: bool = False, banned: Sequence[int] = ()) -> None:
-        """Fill row ``row`` from one sequence's parameters and state. Raises ValueError: too many banned ids."""
-        self.set_banned(row, banned)
-        self.set_rows([row], np.array([self.row_values(params, seed, uses_bias)], np.float64), slot=[slot],
-                      num_generated=[num_generated], sample=[sample])
 
     def set_banned(self, row: int, banned: Sequence[int]) -> None:
         """Set row ``row``'s ids banned this step. Raises ValueError: more than ``MAX_BANNED_IDS`` (no change)."""
@@ -185,13 +181,15 @@ class SamplerOutput:
       top_ids: int32[..., K], top_logprobs: float32[..., K] the top ``K = min(MAX_LOGPROBS, V)``, descending
         (zeros when no row asked).
       num_emitted: int32[S] accepted drafts + 1; None from :func:`sample`.
+    On the host (``StepOutput.fetch_rows``) logprobs, ranks, top_ids and top_logprobs are None when no row of the
+    step asked for logprobs.
     """
 
     token_ids: jax.Array
-    logprobs: jax.Array
-    ranks: jax.Array
-    top_ids: jax.Array
-    top_logprobs: jax.Array
+    logprobs: Optional[jax.Array]
+    ranks: Optional[jax.Array]
+    top_ids: Optional[jax.Array]
+    top_logprobs: Optional[jax.Array]
     num_emitted: Optional[jax.Array] = None
 
 

@@ -220,10 +220,7 @@ class OpenAIServing:
                 bad_words=request.bad_words,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
-                structured_outputs=constraint,
-                # vLLM's choice: a response built once the request finishes needs no partial outputs.
-                output_kind=RequestOutputKind.CUMULATIVE if request.stream else RequestOutputKind.FINAL_ONLY,
-                **values,
+                structured_outputs=constraint, **values,
             )
         except ValueError as e:
             match = _PARAM.search(str(e))
@@ -298,6 +295,7 @@ class OpenAIServing:
     def prepare_completion(self, request: CompletionRequest):
         """Check and start a completion request; returns (id, created, prompts, streams)."""
         prompts, params = self.completion_inputs(request)
+        params = [_final_only(p, request) for p in params]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, prompts, params, request)
         return request_id, int(time.time()), prompts, streams
@@ -427,9 +425,13 @@ class OpenAIServing:
                                       logprobs_param="top_logprobs", constraint=constraint)
         return ids, parsing, params
 
-    def prepare_chat(self, request: ChatCompletionRequest):
-        """Check and start a chat request; returns (id, created, prompt ids, streams, parsing, ``SamplingParams``)."""
+    def prepare_chat(self, request: ChatCompletionRequest, final_only: bool = True):
+        """Check and start a chat request; returns (id, created, prompt ids, streams, parsing, ``SamplingParams``).
+        ``final_only`` False: every step's output even when unstreamed (the Responses API reads them step by step).
+        """
         ids, parsing, params = self.chat_inputs(request)
+        if final_only:
+            params = _final_only(params, request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, [(None, ids)], [params], request)
         return request_id, int(time.time()), ids, streams, parsing, params
@@ -780,6 +782,12 @@ def _top_k(entries: Optional[list[Optional[dict[int, Logprob]]]],
         return entries
     return [None if e is None else {t: lp for i, (t, lp) in enumerate(e.items()) if i == 0 or lp.rank <= k}
             for e in entries]
+
+
+def _final_only(params: SamplingParams, request: Union[CompletionRequest, ChatCompletionRequest]) -> SamplingParams:
+    """``params`` asking for the final output only when the response is built once the request finishes (vLLM's
+    choice for an unstreamed request: no partial output is made a step); a stream's as they are (every step's)."""
+    return params if request.stream else dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _prompt_logprobs_body(out: RequestOutput, k: int) -> list[Optional[dict[str, dict]]]:

@@ -148,7 +148,8 @@ class OpenAIServingResponses:
         except pydantic.ValidationError as e:
             raise APIError(400, f"input: {e.errors()[0]['msg']}", "input") from None
         try:
-            started = self.serving.prepare_chat(chat)
+            # Every step's output: reasoning, text and tool-call parts each take the logprobs of their own steps.
+            started = self.serving.prepare_chat(chat, final_only=False)
         except APIError as e:
             message = e.message
             for chat_name, name in PARAMS.items():
