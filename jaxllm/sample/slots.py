@@ -34,11 +34,6 @@ class SequenceSampling:
     stop_ids: list[int]
     multi_token_bad_words: list[list[int]]
     bias: Optional[np.ndarray]
-    # Its ``SamplingArrays.row_values``, made once.
-    row_values: tuple[float, ...] = dataclasses.field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.row_values = SamplingArrays.row_values(self.params, self.seed, self.bias is not None)
 
     def banned_ids(self, output_token_ids: Sequence[int]) -> list[int]:
         """Last tokens of bad words whose other tokens end the output (vLLM's rule)."""
@@ -104,7 +99,7 @@ class SamplingSlots:
     def _slot(self, request: "CoreSequence", sampling: SequenceSampling) -> int:
         if not request.slot:
             slot = request.slot = self._free.pop()
-            self._values[slot] = sampling.row_values
+            self._values[slot] = SamplingArrays.row_values(sampling.params, sampling.seed, sampling.bias is not None)
             self.tables.fill_slot(slot, request.all_token_ids, request.num_prompt_tokens)
             if sampling.bias is not None or sampling.params.min_tokens > 0:
                 stop = np.zeros(self.vocab_size, bool)
@@ -131,7 +126,7 @@ class SamplingSlots:
             if sampling is None:
                 continue
             rows.append(i)
-            slots.append(request.slot or self._slot(request, sampling))
+            slots.append(self._slot(request, sampling))
             if sampling.multi_token_bad_words:
                 arrays.set_banned(i, sampling.banned_ids(request.output_token_ids))
         if rows:
