@@ -403,6 +403,21 @@ def test_a_cache_holding_the_library_is_reused_without_a_build(tmp_path):
     assert (tmp_path / ours.name).stat().st_mtime_ns == stamp
 
 
+def test_the_library_is_cached_where_the_environment_reference_says(tmp_path, monkeypatch):
+    """docs/reference/environment.md: ``$JAXLLM_NATIVE_CACHE``, else ``$JAXLLM_CACHE/native``, else
+    ``~/.cache/jaxllm/native`` (the reported case: ``JAXLLM_CACHE`` set, the library still went to ``~/.cache``)."""
+    from jaxllm.paths import cache_dir
+
+    monkeypatch.delenv("JAXLLM_NATIVE_CACHE", raising=False)
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
+    assert cpu_build._cache_dir() == tmp_path / "cache" / "native" == cache_dir() / "native"
+    monkeypatch.delenv("JAXLLM_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cpu_build._cache_dir() == tmp_path / "home" / ".cache" / "jaxllm" / "native" == cache_dir() / "native"
+    monkeypatch.setenv("JAXLLM_NATIVE_CACHE", str(tmp_path / "own"))
+    assert cpu_build._cache_dir() == tmp_path / "own"
+
+
 def test_the_library_cache_key_names_the_cpu(tmp_path, monkeypatch):
     # -march=native code built where AVX-512 exists would die of an illegal instruction where it does not: a shared
     # cache directory must never hand one CPU's library to another.
