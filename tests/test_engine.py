@@ -166,3 +166,27 @@ def test_swap_out_in_a_step_without_rows_still_copies_the_blocks(stories_dir):
     host_k, host_v = engine.runner.cache_engine.host_pool
     assert np.all(host_k[:, 1] == 1.0) and np.all(host_v[:, 1] == 2.0)
     assert np.all(host_k[:, 0] == 0.0) and np.all(host_k[:, 2:] == 0.0)
+
+
+def test_llm_engine_takes_a_named_model_as_llm_does(stories_dir, monkeypatch):
+    """The new user's report: ``LLMEngine("smollm2-135m-instruct")`` said "does not exist". A name (and None, the
+    default model) resolves in LLMEngine as in LLM, with the ``revision`` and ``download_dir`` it is given."""
+    from jaxllm import named_models
+    from jaxllm.frontend.llm_engine import LLMEngine
+
+    asked = []
+
+    def resolve(model, revision=None, download_dir=None):
+        asked.append((model, revision, download_dir))
+        return stories_dir if model == "a-named-model" else named_models.resolve_model(model, revision, download_dir)
+
+    monkeypatch.setattr(named_models, "resolve_model", resolve)
+    engine = LLMEngine("a-named-model", download_dir="/nowhere", max_model_len=64, precompile=False)
+    engine.add_request("r", "Once upon a time", SamplingParams(temperature=0, max_tokens=8))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert asked == [("a-named-model", None, "/nowhere")]
+    assert outs[-1].finished and outs[-1].outputs[0].text == ", there was a little girl"
+    assert len(outs[-1].outputs[0].token_ids) == 8
+    engine.shutdown()

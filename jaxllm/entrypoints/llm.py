@@ -167,10 +167,6 @@ class LLM:
 
     def __init__(self, model: Optional[Union[str, os.PathLike, ModelConfig]] = None, *, params: Optional[Any] = None,
                  **kwargs: Any):
-        from jaxllm.named_models import resolve_model
-
-        if not isinstance(model, ModelConfig):
-            model = resolve_model(model, kwargs.get("revision"), kwargs.get("download_dir"))
         self.engine = LLMEngine(model, params=params, **kwargs)
         self._steps = SharedSteps(self.engine)
         self._ids = itertools.count()

@@ -25,7 +25,9 @@ class LLMEngine(FrontEnd):
     """The serving engine: requests in, ``RequestOutput`` per step out.
 
     Args:
-      model: a HF folder, a ``.gguf`` file or a jaxllm orbax folder; with ``params`` also a ``ModelConfig``.
+      model: a HF folder, a ``.gguf`` file, a jaxllm orbax folder, a named model such as ``gemma3-270m`` or a Hub id
+        (``revision``, ``download_dir`` in ``kwargs``; ``jaxllm.named_models.resolve_model``), None for
+        SmolLM2-135M-Instruct; with ``params`` also a ``ModelConfig``.
       tokenizer: a Tokenizer; by default the model's.
       params: weights to serve instead (``jaxllm.models.param_layout``'s layout, numpy or JAX arrays).
       mesh: the replica's ``(data, model)`` mesh (one replica only); default ``make_mesh(tensor_parallel_size)``.
@@ -39,8 +41,13 @@ class LLMEngine(FrontEnd):
         over ``tensor_parallel_size``, or a ``mesh`` with ``data_parallel_size > 1``.
     """
 
-    def __init__(self, model: Union[str, os.PathLike, ModelConfig], tokenizer: Optional[Tokenizer] = None, *,
-                 mesh: Optional["jax.sharding.Mesh"] = None, params: Optional[Any] = None, **kwargs: Any):
+    def __init__(self, model: Union[str, os.PathLike, ModelConfig, None] = None, tokenizer: Optional[Tokenizer] = None,
+                 *, mesh: Optional["jax.sharding.Mesh"] = None, params: Optional[Any] = None, **kwargs: Any):
+        from jaxllm.models.config import ModelConfig
+        from jaxllm.named_models import resolve_model
+
+        if not isinstance(model, ModelConfig):
+            model = resolve_model(model, kwargs.get("revision"), kwargs.get("download_dir"))
         config = EngineConfig(**kwargs)
         if config.data_parallel_size > 1:
             if mesh is not None:
