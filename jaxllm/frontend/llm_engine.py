@@ -43,10 +43,9 @@ class LLMEngine(FrontEnd):
 
     def __init__(self, model: Union[str, os.PathLike, ModelConfig, None] = None, tokenizer: Optional[Tokenizer] = None,
                  *, mesh: Optional["jax.sharding.Mesh"] = None, params: Optional[Any] = None, **kwargs: Any):
-        from jaxllm.models.config import ModelConfig
         from jaxllm.named_models import resolve_model
 
-        if not isinstance(model, ModelConfig):
+        if model is None or isinstance(model, (str, os.PathLike)):
             model = resolve_model(model, kwargs.get("revision"), kwargs.get("download_dir"))
         config = EngineConfig(**kwargs)
         if config.data_parallel_size > 1:
