@@ -296,7 +296,7 @@ class EngineMetrics:
                 generation_tokens += new_tokens
             if state.finished_time is not None:
                 self._on_finished(state)
-        # One increment a step: a per-request one was a lock and a call per decoding row.
+        # One increment a step: per request, each counter would take its lock once per decoding row.
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
             self._log_tokens[0] += prompt_tokens
