@@ -33,12 +33,10 @@ _lib: Optional[ctypes.CDLL] = None  # the loaded kernels, once load() has built 
 
 
 def _cache_dir() -> Path:
-    """``$JAXLLM_NATIVE_CACHE``, else ``native`` in jaxllm's cache folder (``$JAXLLM_CACHE``, else
-    ``~/.cache/jaxllm``: ``jaxllm.paths.cache_dir``'s rule, not imported, as kernels know nothing of the engine)."""
+    """``$JAXLLM_NATIVE_CACHE``, else ``jaxllm/native`` in ``$XDG_CACHE_HOME`` (default ``~/.cache``)."""
     if os.environ.get("JAXLLM_NATIVE_CACHE"):
         return Path(os.environ["JAXLLM_NATIVE_CACHE"])
-    cache = os.environ.get("JAXLLM_CACHE")
-    return (Path(cache).expanduser() if cache else Path.home() / ".cache" / "jaxllm") / "native"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxllm" / "native"
 
 
 def library_path(compiler: str) -> Path:

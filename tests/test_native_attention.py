@@ -404,16 +404,16 @@ def test_a_cache_holding_the_library_is_reused_without_a_build(tmp_path):
 
 
 def test_the_library_is_cached_where_the_environment_reference_says(tmp_path, monkeypatch):
-    """docs/reference/environment.md: ``$JAXLLM_NATIVE_CACHE``, else ``$JAXLLM_CACHE/native``, else
-    ``~/.cache/jaxllm/native`` (the reported case: ``JAXLLM_CACHE`` set, the library still went to ``~/.cache``)."""
-    from jaxllm.paths import cache_dir
-
+    """docs/reference/environment.md: ``$JAXLLM_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/jaxllm/native``, else
+    ``~/.cache/jaxllm/native``, whatever ``$JAXLLM_CACHE`` says (a new user expected it under ``$JAXLLM_CACHE``:
+    the reference now says it is not)."""
     monkeypatch.delenv("JAXLLM_NATIVE_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
-    assert cpu_build._cache_dir() == tmp_path / "cache" / "native" == cache_dir() / "native"
-    monkeypatch.delenv("JAXLLM_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert cpu_build._cache_dir() == tmp_path / "home" / ".cache" / "jaxllm" / "native" == cache_dir() / "native"
+    assert cpu_build._cache_dir() == tmp_path / "home" / ".cache" / "jaxllm" / "native"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cpu_build._cache_dir() == tmp_path / "xdg" / "jaxllm" / "native"
     monkeypatch.setenv("JAXLLM_NATIVE_CACHE", str(tmp_path / "own"))
     assert cpu_build._cache_dir() == tmp_path / "own"
 
