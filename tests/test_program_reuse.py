@@ -1,10 +1,17 @@
 """Engines of one process share their programs (``programs.shared_jit``): a second engine of the same
 configuration and shapes builds every program from memory, with no trace and no XLA compile, and gives the same
-tokens; an engine differing in a static setting or in a shape compiles its own step programs."""
+tokens; an engine differing in a static setting or in a shape compiles its own step programs. What is kept stays
+under Linux's cap on memory mappings (``programs._MapGuard``)."""
 
 from __future__ import annotations
 
+import collections
+import gc
+import logging
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jaxllm import SamplingParams
 from jaxllm.frontend.llm_engine import LLMEngine
@@ -71,3 +78,96 @@ def test_a_family_registered_again_under_the_same_name_gets_its_own_step_functio
     assert shared_jit(step, traced_from=llama, scale=2) is shared_jit(step, traced_from=llama, scale=2)
     assert shared_jit(step, traced_from=again, scale=2) is not shared_jit(step, traced_from=llama, scale=2)
     assert shared_jit(step, traced_from=llama, scale=3) is not shared_jit(step, traced_from=llama, scale=2)
+
+
+def _map_count() -> int:
+    from jaxllm.worker.programs import memory_maps
+
+    maps = memory_maps()
+    if maps is None:
+        pytest.skip("/proc does not count this process's memory mappings")
+    return maps[0]
+
+
+def test_past_the_release_fraction_a_compile_frees_the_programs_of_engines_gone_and_keeps_live_ones(
+        first, stories_dir, monkeypatch, caplog):
+    from jaxllm.worker import programs
+
+    gc.collect()
+    start = _map_count()
+    gone = LLMEngine(stories_dir, **{**ENGINE, "logprobs_mode": "raw_logits"})
+    held = _map_count() - start  # its programs' code and data (XLA's CPU backend maps each apart)
+    assert held > 10 * gone.runner.compile_stats.num_compilations
+    del gone
+    gc.collect()
+    kept = _map_count()
+    assert kept > start + held / 2  # the step function is kept for an engine of the same configuration
+
+    caplog.set_level(logging.WARNING, logger="jaxllm")
+    logging.getLogger("jaxllm").addHandler(caplog.handler)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(programs, "RELEASE_FRACTION", (kept - held / 2) / programs.memory_maps()[1])
+            patch.setattr(programs._map_guard, "_compiles_until_reading", 0)
+            programs._map_guard.before_compile()
+    finally:
+        logging.getLogger("jaxllm").removeHandler(caplog.handler)
+    assert _map_count() < kept - held / 2
+    [line] = [r.getMessage() for r in caplog.records if "memory mappings" in r.getMessage()]
+    assert f"Linux's cap of {programs.memory_maps()[1]} (vm.max_map_count)" in line
+    assert "JAX's in-memory caches" not in line  # dropping the kept functions was enough
+
+    # The live engine's configuration is still shared: a new engine of it compiles nothing.
+    again = LLMEngine(stories_dir, **ENGINE)
+    stats = again.runner.compile_stats
+    assert stats.num_reused == stats.num_compilations == len(again.buckets) + NUM_OTHER_PROGRAMS
+    assert _tokens(again) == _tokens(first)
+
+
+@given(cap=st.integers(1_000, 10_000_000),
+       readings=st.lists(st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)), min_size=1, max_size=6))
+def test_the_guard_releases_past_half_the_cap_refuses_past_nine_tenths_and_does_not_release_again_at_once(
+        cap, readings):
+    """Any sequence of readings (count, and what a release would leave, as fractions of the cap): a release when a
+    count is past RELEASE_FRACTION, and, after a release that left the count past it, only once the count has grown
+    by RELEASE_STEP of the cap; an error naming the count and the cap exactly when what is left is past
+    REFUSE_FRACTION; and no reading before MAPS_PER_COMPILE_BOUND mappings per compile could cross a threshold."""
+    from jaxllm.worker import programs
+
+    guard = programs._MapGuard()
+    script = collections.deque()
+    released = []
+    original_maps, original_release = programs.memory_maps, programs._MapGuard._release
+    programs.memory_maps = lambda: (script.popleft(), cap)  # a reading not scripted raises IndexError
+    programs._MapGuard._release = staticmethod(lambda count, _: released.append(count) or script.popleft())
+    try:
+        left_by_release = None  # after a release that left the count past RELEASE_FRACTION
+        for at, after in readings:
+            count = int(at * cap)
+            left = int(after * count)
+            if count < programs.RELEASE_FRACTION * cap:
+                left_by_release = None
+            releases = count >= programs.RELEASE_FRACTION * cap and (
+                left_by_release is None or count >= left_by_release + programs.RELEASE_STEP * cap)
+            script.extend([count, left] if releases else [count])
+            now = left if releases else count
+            if releases:
+                left_by_release = left
+            if now >= programs.REFUSE_FRACTION * cap:
+                with pytest.raises(RuntimeError, match=rf"holds {now} memory mappings.*vm.max_map_count={cap}\b"):
+                    guard.before_compile()
+            else:
+                guard.before_compile()
+                due = guard._compiles_until_reading
+                next_threshold = programs.RELEASE_FRACTION * cap if left_by_release is None else max(
+                    programs.RELEASE_FRACTION * cap, left_by_release + programs.RELEASE_STEP * cap)
+                assert due >= 1
+                assert due == 1 or now + due * programs.MAPS_PER_COMPILE_BOUND <= min(
+                    next_threshold, programs.REFUSE_FRACTION * cap)
+                for _ in range(due - 1):  # compiles without a reading (one would raise IndexError)
+                    guard.before_compile()
+            assert not script and released == ([count] if releases else [])
+            guard._compiles_until_reading = 0  # the next scripted reading happens at the next compile
+            released.clear()
+    finally:
+        programs.memory_maps, programs._MapGuard._release = original_maps, original_release

@@ -5,8 +5,10 @@ or a background thread."""
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import functools
+import gc
 import threading
 import time
 import weakref
@@ -52,8 +54,21 @@ def _on_jax_duration(event: str, duration: float, **kwargs: Any) -> None:
 monitoring.register_event_listener(_on_jax_event)
 monitoring.register_event_duration_secs_listener(_on_jax_duration)
 
-# Jitted step functions kept for the process: a few configurations' worth (each holds its bucket programs).
+# Jitted step functions kept for the process after their engines are gone: a few configurations' worth (each holds
+# its bucket programs). Those a live engine uses stay shared whatever the count.
 SHARED_JIT_SIZE = 16
+
+# Linux caps a process's memory mappings (vm.max_map_count, 65530 by default), and XLA's CPU backend maps each
+# executable's code and data apart: from about 40 to 130 mappings per program (more where its kernels are split
+# across several LLVM modules), so a process that keeps thousands of programs reaches the cap, and XLA's
+# compiler then crashes (segfault or abort) instead of failing. Past RELEASE_FRACTION of the cap, a compile first
+# releases the programs no live engine holds; past REFUSE_FRACTION after that, it is refused with an error.
+RELEASE_FRACTION = 0.5
+REFUSE_FRACTION = 0.9
+RELEASE_STEP = 0.1
+# More mappings than one compile is taken to add: between two readings of /proc/self/maps (tens of ms at 40,000
+# mappings), the next reading is due once this many per compile could have crossed RELEASE_FRACTION.
+MAPS_PER_COMPILE_BOUND = 1000
 
 
 class _Same:
@@ -79,17 +94,113 @@ def shared_jit(fn: Callable, donate_argnums: tuple[int, ...] = (), out_shardings
     without tracing or compiling them again (as vLLM's torch.compile cache, within one process). ``traced_from``
     (compared by identity, not passed to ``fn``) is what the trace reads besides its arguments: the model family
     resolved for ``cfg.model_type``, so that a family registered again under the same name gets programs of its own.
+    One is kept while a runner holds it, and the :data:`SHARED_JIT_SIZE` most recently asked for are kept after that
+    until the process nears Linux's cap on memory mappings (``_MapGuard``).
 
     Raises:
       TypeError: a ``static`` value that cannot be hashed.
     """
-    return _shared_jit(fn, donate_argnums, out_shardings, _Same(traced_from), **static)
+    key = (fn, donate_argnums, out_shardings, _Same(traced_from), tuple(sorted(static.items())))
+    hash(key)
+    with _shared_lock:
+        jitted = _shared_live.get(key)
+        if jitted is None:
+            jitted = _shared_live[key] = jax.jit(functools.partial(fn, **static), donate_argnums=donate_argnums,
+                                                 out_shardings=out_shardings)
+        _shared_recent[key] = jitted
+        _shared_recent.move_to_end(key)
+        while len(_shared_recent) > SHARED_JIT_SIZE:
+            _shared_recent.popitem(last=False)
+    return jitted
 
 
-@functools.lru_cache(maxsize=SHARED_JIT_SIZE)
-def _shared_jit(fn: Callable, donate_argnums: tuple[int, ...], out_shardings: Any, traced_from: _Same,
-                **static: Any) -> Any:
-    return jax.jit(functools.partial(fn, **static), donate_argnums=donate_argnums, out_shardings=out_shardings)
+# Every shared step function some runner still holds (weakly), and the SHARED_JIT_SIZE most recently asked for
+# (strongly, so an engine built again after the last one is gone finds its programs).
+_shared_live: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
+_shared_recent: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
+_shared_lock = threading.Lock()
+
+
+def memory_maps() -> Optional[tuple[int, int]]:
+    """(memory mappings this process holds, the kernel's per-process cap ``vm.max_map_count``), or None where
+    ``/proc`` does not tell (not Linux)."""
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            cap = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n"), cap
+    except (OSError, ValueError):
+        return None
+
+
+class _MapGuard:
+    """Keeps this process's memory mappings under ``vm.max_map_count`` as programs are compiled (see
+    :data:`RELEASE_FRACTION`), reading ``/proc/self/maps`` only as often as a crossing could have happened.
+
+    A release that leaves the count past RELEASE_FRACTION (live engines hold it) is not repeated until the count has
+    grown by RELEASE_STEP of the cap, so such a process does not drop JAX's caches at every compile.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._compiles_until_reading = 0
+        self._left_by_release = 0  # what the last release left, while the count has stayed past RELEASE_FRACTION
+
+    def _release_at(self, cap: int) -> float:
+        return max(RELEASE_FRACTION * cap, self._left_by_release + RELEASE_STEP * cap if self._left_by_release else 0)
+
+    def before_compile(self) -> None:
+        """Release the programs no engine holds if the process is past RELEASE_FRACTION of the cap.
+
+        Raises:
+          RuntimeError: past REFUSE_FRACTION of the cap after that, naming the count and the cap.
+        """
+        with self._lock:
+            self._compiles_until_reading -= 1
+            if self._compiles_until_reading > 0:
+                return
+            maps = memory_maps()
+            if maps is None:
+                self._compiles_until_reading = 1 << 62
+                return
+            count, cap = maps
+            if count < RELEASE_FRACTION * cap:
+                self._left_by_release = 0
+            elif count >= self._release_at(cap):
+                count = self._left_by_release = self._release(count, cap)
+            if count >= REFUSE_FRACTION * cap:
+                self._compiles_until_reading = 0
+                raise RuntimeError(
+                    f"this process holds {count} memory mappings, near Linux's per-process cap vm.max_map_count="
+                    f"{cap}, and XLA crashes compiling a program past it: drop the engines no longer used (del llm; "
+                    f"gc.collect()) or raise the cap (sysctl -w vm.max_map_count={4 * cap})")
+            due = min(self._release_at(cap), REFUSE_FRACTION * cap)
+            self._compiles_until_reading = max(1, int(due - count) // MAPS_PER_COMPILE_BOUND)
+
+    @staticmethod
+    def _release(count: int, cap: int) -> int:
+        """Drop the step functions no live runner holds, then (if that is not enough) every JAX in-memory cache;
+        live engines keep their compiled programs. Returns the mappings left."""
+        with _shared_lock:
+            dropped = len(_shared_recent)
+            _shared_recent.clear()
+        gc.collect()
+        left = memory_maps()[0]
+        cleared = left >= RELEASE_FRACTION * cap
+        if cleared:
+            jax.clear_caches()
+            gc.collect()
+            left = memory_maps()[0]
+        logger.warning(
+            f"this process held {count} memory mappings of Linux's cap of {cap} (vm.max_map_count), which XLA's CPU "
+            f"programs fill: dropped the {dropped} step functions kept for engines built again (those no engine holds "
+            "are freed)"
+            + (" and JAX's in-memory caches (functions jitted before recompile on their next call)" if cleared else "")
+            + f", {left} mappings left")
+        return left
+
+
+_map_guard = _MapGuard()
 
 
 def abstract(tree: Any) -> Any:
@@ -120,7 +231,12 @@ class CompileStats:
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def compile(self, fn: Any, *abstract_args: Any) -> Callable:
-        """``fn`` (jitted) lowered with ``abstract_args`` and compiled, counted."""
+        """``fn`` (jitted) lowered with ``abstract_args`` and compiled, counted.
+
+        Raises:
+          RuntimeError: the process is near Linux's cap on memory mappings (``_MapGuard``).
+        """
+        _map_guard.before_compile()
         start = time.perf_counter()
         _compile_events.hits = _compile_events.compiles = 0
         try:
