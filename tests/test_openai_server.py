@@ -397,21 +397,52 @@ def test_issue25_item3_top_logprobs_keep_distinct_tokens_of_the_same_text_apart(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_response_built_once_finished_asks_for_the_final_output_only(stream):
+def test_a_response_asks_for_the_outputs_it_is_built_from(stream):
     """vLLM's choice: an unstreamed completion or chat gets FINAL_ONLY (no partial output built a step), a stream
-    its parameters' own kind (every step's cumulative one: its chunks read ``delta_text`` beside the whole)."""
+    DELTA (each step's news, no cumulative copy); the caller's parameters are left as they were."""
     from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-    from jaxllm.entrypoints.openai.serving import _final_only
+    from jaxllm.entrypoints.openai.serving import _output_kind
     from scheduler import RequestOutputKind
 
     params = SamplingParams(temperature=0, max_tokens=4)
-    want = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
+    want = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     for request in (CompletionRequest(model="stories", prompt=PROMPT, stream=stream),
                     ChatCompletionRequest(model="stories", messages=[{"role": "user", "content": PROMPT}],
                                           stream=stream)):
-        got = _final_only(params, request)
+        got = _output_kind(params, request)
         assert got.output_kind is want and (got.temperature, got.max_tokens) == (0, 4)
     assert params.output_kind is RequestOutputKind.CUMULATIVE
+
+
+def test_streamed_choices_gather_prompt_logprobs_from_outputs_without_news_and_count_tokens_from_deltas():
+    """DELTA outputs of a prompt prefilled in chunks: the first carries prompt rows but no token (not yielded), the
+    next the remaining rows and two choices' first tokens, the last one choice's finish. Every prompt row is kept,
+    in order, and each choice's token count adds up its deltas."""
+    import asyncio
+
+    from jaxllm.entrypoints.openai.serving import StreamedChoices
+    from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+    rows = [None, {7: Logprob(-0.5, 1)}, {8: Logprob(-1.0, 2)}]
+
+    def output(prompt_rows, news, finished=False):
+        return RequestOutput("r", "p", [5, 7, 8], [
+            CompletionOutput(index=k, text=text, token_ids=ids, delta_text=text, delta_token_ids=ids,
+                             finish_reason="length" if finished and k == 0 else None)
+            for k, (text, ids) in enumerate(news)], finished=finished, prompt_logprobs=prompt_rows)
+
+    async def outputs():
+        for out in (output(rows[:2], [("", []), ("", [])]), output(rows[2:], [("a", [1]), ("bc", [2, 3])]),
+                    output(None, [("d", [4]), ("", [])], finished=True)):
+            yield 0, out
+
+    async def collect(choices):
+        return [(index, first, c.delta_token_ids) async for _, index, first, _, c in choices.updates(outputs())]
+
+    choices = StreamedChoices(1, 2)
+    assert asyncio.run(collect(choices)) == [(0, True, [1]), (1, True, [2, 3]), (0, False, [4])]
+    assert choices.prompt_logprobs == [rows]
+    assert (choices.tokens(0), choices.tokens(1), choices.num_tokens) == (2, 2, 4)
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

@@ -295,7 +295,7 @@ class OpenAIServing:
     def prepare_completion(self, request: CompletionRequest):
         """Check and start a completion request; returns (id, created, prompts, streams)."""
         prompts, params = self.completion_inputs(request)
-        params = [_final_only(p, request) for p in params]
+        params = [_output_kind(p, request) for p in params]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, prompts, params, request)
         return request_id, int(time.time()), prompts, streams
@@ -323,7 +323,8 @@ class OpenAIServing:
                 completion_tokens += len(c.token_ids)
                 logprobs = None
                 if request.logprobs is not None:
-                    rows = ((_prompt_rows(out, request.logprobs) if request.echo else [])
+                    echoed = out.prompt_logprobs if request.echo else None
+                    rows = ((_prompt_rows(out.prompt_token_ids, echoed, request.logprobs) if request.echo else [])
                             + _output_rows(c, len(c.token_ids)))
                     logprobs, _ = self._completion_logprobs(rows, 0, as_ids=request.return_tokens_as_token_ids)
                 choice = {"index": i * request.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
@@ -350,7 +351,7 @@ class OpenAIServing:
                 text, rows = c.delta_text, []
                 if request.echo and first:
                     text = self._prompt_text(prompts[i]) + text
-                    rows = _prompt_rows(out, request.logprobs)
+                    rows = _prompt_rows(out.prompt_token_ids, choices.prompt_logprobs[i], request.logprobs)
                 logprobs = None
                 if request.logprobs is not None:
                     rows += _output_rows(c, len(c.delta_token_ids))
@@ -360,7 +361,7 @@ class OpenAIServing:
                                               "finish_reason": c.finish_reason,
                                               "stop_reason": c.stop_reason if c.finish_reason else None}]}
                 if include_usage:
-                    chunk["usage"] = _usage(len(prompts[i][1]), len(c.token_ids), out.num_cached_tokens) \
+                    chunk["usage"] = _usage(len(prompts[i][1]), choices.tokens(index), out.num_cached_tokens) \
                         if continuous else None
                 yield _sse(chunk)
             if include_usage:
@@ -431,7 +432,7 @@ class OpenAIServing:
         """
         ids, parsing, params = self.chat_inputs(request)
         if final_only:
-            params = _final_only(params, request)
+            params = _output_kind(params, request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, [(None, ids)], [params], request)
         return request_id, int(time.time()), ids, streams, parsing, params
@@ -538,7 +539,7 @@ class OpenAIServing:
                              "finish_reason": None})
             async for _, index, _, _, c in choices.updates(merge(streams)):
                 texts[index] += c.delta_text
-                token_ids[index] = list(c.token_ids)
+                token_ids[index] += c.delta_token_ids
                 logprobs = None
                 if request.logprobs and c.delta_token_ids:
                     logprobs = self._chat_logprobs(_output_rows(c, len(c.delta_token_ids)), request.top_logprobs or 0,
@@ -550,7 +551,7 @@ class OpenAIServing:
                     yield chunk({"index": index, "delta": delta, "logprobs": logprobs if k == 0 else None,
                                  "finish_reason": finish if last else None,
                                  "stop_reason": c.stop_reason if last and c.finish_reason else None},
-                                len(c.token_ids))
+                                choices.tokens(index))
             if include_usage:
                 reasoning = (sum(self.reasoning_tokens(parsing, t, params) for t in token_ids)
                              if parsing.reasoning is not None else None)
@@ -652,11 +653,18 @@ class StreamedChoices:
         self._tokens: list[Optional[int]] = [None] * (num_prompts * n)  # None: nothing sent yet
         self._finished = [False] * (num_prompts * n)
         self._cached = [0] * num_prompts
+        # Each prompt's logprob rows so far: DELTA outputs carry the rows recorded since the previous one, and
+        # outputs without news for a choice (a prefill chunk's) are not yielded.
+        self.prompt_logprobs: list[Optional[list[Optional[dict[int, Logprob]]]]] = [None] * num_prompts
 
     @property
     def num_tokens(self) -> int:
         """Completion tokens of every choice so far, each counted once (the usage's ``completion_tokens``)."""
         return sum(t or 0 for t in self._tokens)
+
+    def tokens(self, index: int) -> int:
+        """Completion tokens of choice ``index`` so far."""
+        return self._tokens[index] or 0
 
     @property
     def num_cached_tokens(self) -> int:
@@ -665,22 +673,26 @@ class StreamedChoices:
 
     async def updates(self, outputs: AsyncIterator[tuple[int, RequestOutput]]
                       ) -> AsyncIterator[tuple[int, int, bool, RequestOutput, CompletionOutput]]:
-        """(prompt index, choice index, first update?, request output, completion) of each choice with news."""
+        """(prompt index, choice index, first update?, request output, completion) of each choice with news, from
+        DELTA outputs."""
         async for i, out in outputs:
             self._cached[i] = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                self.prompt_logprobs[i] = (self.prompt_logprobs[i] or []) + out.prompt_logprobs
             for c in out.outputs:
                 index = i * self._n + c.index
                 if self._finished[index] or not (c.delta_text or c.delta_token_ids or c.finish_reason):
                     continue
                 first = self._tokens[index] is None
                 self._finished[index] = c.finish_reason is not None
-                self._tokens[index] = len(c.token_ids)
+                self._tokens[index] = self.tokens(index) + len(c.delta_token_ids)
                 yield i, index, first, out, c
 
 
-def _prompt_rows(out: RequestOutput, k: Optional[int]) -> list[tuple[int, Optional[dict[int, Logprob]]]]:
-    """(token id, entry cut to the top ``k``) of the prompt's tokens (entries None when not asked for)."""
-    return list(zip(out.prompt_token_ids, _top_k(out.prompt_logprobs, k) or [None] * len(out.prompt_token_ids)))
+def _prompt_rows(token_ids: list[int], entries: Optional[list[Optional[dict[int, Logprob]]]], k: Optional[int]
+                 ) -> list[tuple[int, Optional[dict[int, Logprob]]]]:
+    """(token id, entry cut to the top ``k``) of a prompt's tokens (entries None when not asked for)."""
+    return list(zip(token_ids, _top_k(entries, k) or [None] * len(token_ids)))
 
 
 def _output_rows(c: CompletionOutput, count: int) -> list[tuple[int, Optional[dict[int, Logprob]]]]:
@@ -784,10 +796,12 @@ def _top_k(entries: Optional[list[Optional[dict[int, Logprob]]]],
             for e in entries]
 
 
-def _final_only(params: SamplingParams, request: Union[CompletionRequest, ChatCompletionRequest]) -> SamplingParams:
-    """``params`` asking for the final output only when the response is built once the request finishes (vLLM's
-    choice for an unstreamed request: no partial output is made a step); a stream's as they are (every step's)."""
-    return params if request.stream else dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+def _output_kind(params: SamplingParams, request: Union[CompletionRequest, ChatCompletionRequest]) -> SamplingParams:
+    """``params`` asking for the outputs the response is built from (vLLM's choice): a stream's chunks from each
+    step's news (DELTA: no cumulative copy of a choice's text, tokens and logprobs a step), an unstreamed
+    response from the final output only (FINAL_ONLY: no partial output is made)."""
+    kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+    return dataclasses.replace(params, output_kind=kind)
 
 
 def _prompt_logprobs_body(out: RequestOutput, k: int) -> list[Optional[dict[str, dict]]]:
