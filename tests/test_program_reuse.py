@@ -108,8 +108,7 @@ def test_past_the_release_fraction_a_compile_frees_the_programs_of_engines_gone_
     try:
         with monkeypatch.context() as patch:
             patch.setattr(programs, "RELEASE_FRACTION", (kept - held / 2) / programs.memory_maps()[1])
-            patch.setattr(programs._map_guard, "_compiles_until_reading", 0)
-            programs._map_guard.before_compile()
+            programs._MapGuard().before_compile()  # a guard of its own: its first compile reads
     finally:
         logging.getLogger("jaxllm").removeHandler(caplog.handler)
     assert _map_count() < kept - held / 2
@@ -130,44 +129,39 @@ def test_the_guard_releases_past_half_the_cap_refuses_past_nine_tenths_and_does_
         cap, readings):
     """Any sequence of readings (count, and what a release would leave, as fractions of the cap): a release when a
     count is past RELEASE_FRACTION, and, after a release that left the count past it, only once the count has grown
-    by RELEASE_STEP of the cap; an error naming the count and the cap exactly when what is left is past
-    REFUSE_FRACTION; and no reading before MAPS_PER_COMPILE_BOUND mappings per compile could cross a threshold."""
+    by RELEASE_STEP of the cap or is past REFUSE_FRACTION; an error naming the count and the cap exactly when what
+    is left is past REFUSE_FRACTION; and each reading exactly at the compile when MAPS_PER_COMPILE_BOUND mappings
+    per compile could have reached the next threshold (a reading not scripted raises IndexError)."""
     from jaxllm.worker import programs
 
-    guard = programs._MapGuard()
+    release, refuse, step = (f * cap for f in (programs.RELEASE_FRACTION, programs.REFUSE_FRACTION,
+                                                programs.RELEASE_STEP))
     script = collections.deque()
     released = []
-    original_maps, original_release = programs.memory_maps, programs._MapGuard._release
-    programs.memory_maps = lambda: (script.popleft(), cap)  # a reading not scripted raises IndexError
-    programs._MapGuard._release = staticmethod(lambda count, _: released.append(count) or script.popleft())
-    try:
-        left_by_release = None  # after a release that left the count past RELEASE_FRACTION
-        for at, after in readings:
-            count = int(at * cap)
-            left = int(after * count)
-            if count < programs.RELEASE_FRACTION * cap:
-                left_by_release = None
-            releases = count >= programs.RELEASE_FRACTION * cap and (
-                left_by_release is None or count >= left_by_release + programs.RELEASE_STEP * cap)
-            script.extend([count, left] if releases else [count])
-            now = left if releases else count
-            if releases:
-                left_by_release = left
-            if now >= programs.REFUSE_FRACTION * cap:
-                with pytest.raises(RuntimeError, match=rf"holds {now} memory mappings.*vm.max_map_count={cap}\b"):
-                    guard.before_compile()
-            else:
+    guard = programs._MapGuard(read=lambda: (script.popleft(), cap),
+                               release=lambda count, _: released.append(count) or script.popleft())
+    left_by_release = None  # what a release left past RELEASE_FRACTION, while every reading since is past it too
+    for at, after in readings:
+        count = int(at * cap)
+        left = int(after * count)
+        if count < release:
+            left_by_release = None
+        releases = count >= release and (left_by_release is None or count >= left_by_release + step
+                                         or count >= refuse)
+        script.extend([count, left] if releases else [count])
+        now = left if releases else count
+        if releases:
+            left_by_release = left if left >= release else None
+        if now >= refuse:
+            with pytest.raises(RuntimeError, match=rf"holds {now} memory mappings.*vm.max_map_count={cap}\b"):
                 guard.before_compile()
-                due = guard._compiles_until_reading
-                next_threshold = programs.RELEASE_FRACTION * cap if left_by_release is None else max(
-                    programs.RELEASE_FRACTION * cap, left_by_release + programs.RELEASE_STEP * cap)
-                assert due >= 1
-                assert due == 1 or now + due * programs.MAPS_PER_COMPILE_BOUND <= min(
-                    next_threshold, programs.REFUSE_FRACTION * cap)
-                for _ in range(due - 1):  # compiles without a reading (one would raise IndexError)
-                    guard.before_compile()
-            assert not script and released == ([count] if releases else [])
-            guard._compiles_until_reading = 0  # the next scripted reading happens at the next compile
-            released.clear()
-    finally:
-        programs.memory_maps, programs._MapGuard._release = original_maps, original_release
+        else:
+            guard.before_compile()
+            due = guard._compiles_until_reading
+            threshold = min(release if left_by_release is None else max(release, left_by_release + step), refuse)
+            assert due >= 1
+            assert due == 1 or now + due * programs.MAPS_PER_COMPILE_BOUND <= threshold
+            for _ in range(due - 1):  # compiles without a reading; the next one reads
+                guard.before_compile()
+        assert not script and released == ([count] if releases else [])
+        released.clear()

@@ -3,6 +3,7 @@ the engine is idle (or busy past a grace time), never beside a short run, and ne
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -106,6 +107,33 @@ def test_background_warmup_builds_nothing_while_steps_run_and_the_rest_once_idle
     assert engine.wait_for_warmup(timeout=600)
     assert len(builds) == pending and all(name == "jaxllm-warmup" for name, _ in builds)
     assert times[0] - served >= 2.0 - 0.1 and served > start
+
+
+def test_a_background_build_refused_near_the_mapping_cap_stops_the_warmup_with_a_logged_error(
+        tiny_llama_dir, monkeypatch, caplog):
+    """A program the background warm-up cannot build (here: the process past 90% of Linux's cap on memory
+    mappings) ends the warm-up with an error in the log, leaves its buckets unbuilt, and steps keep to the buckets
+    built (the same greedy tokens as a fully warmed engine's)."""
+    monkeypatch.setattr(programs, "IDLE_SECONDS", 0.2)
+    engine = LLMEngine(tiny_llama_dir, **ENGINE)
+    pending = engine.runner.programs.num_pending_programs()
+    assert pending > 0
+    monkeypatch.setattr(programs, "_map_guard", programs._MapGuard(read=lambda: (95_000, 100_000),
+                                                                   release=lambda count, _: count))
+    caplog.set_level(logging.ERROR, logger="jaxllm")
+    logging.getLogger("jaxllm").addHandler(caplog.handler)
+    try:
+        assert engine.wait_for_warmup(timeout=600)
+    finally:
+        logging.getLogger("jaxllm").removeHandler(caplog.handler)
+    assert engine.runner.programs.num_pending_programs() == pending
+    [line] = [r.getMessage() for r in caplog.records if "background warm-up stopped" in r.getMessage()]
+    assert "holds 95000 memory mappings" in line and f"{pending} programs unbuilt" in line
+    prompts = [[5 + i] * (4 + 5 * i) for i in range(6)]
+    monkeypatch.setattr(programs, "_map_guard", programs._MapGuard())
+    warm = LLMEngine(tiny_llama_dir, **{**ENGINE, "precompile": True})
+    assert _serve(engine, prompts, 0) == _serve(warm, prompts, 0)
+    assert engine.runner.programs.num_pending_programs() == pending  # served from the buckets built
 
 
 def test_background_warmup_builds_beside_an_engine_busy_past_the_grace_time(tiny_llama_dir, monkeypatch):

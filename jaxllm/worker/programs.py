@@ -65,9 +65,11 @@ SHARED_JIT_SIZE = 16
 # releases the programs no live engine holds; past REFUSE_FRACTION after that, it is refused with an error.
 RELEASE_FRACTION = 0.5
 REFUSE_FRACTION = 0.9
+# A release that leaves the count past RELEASE_FRACTION (live engines hold that much) is not repeated before the
+# count has grown by this share of the cap, so such a process does not drop JAX's caches at every compile.
 RELEASE_STEP = 0.1
-# More mappings than one compile is taken to add: between two readings of /proc/self/maps (tens of ms at 40,000
-# mappings), the next reading is due once this many per compile could have crossed RELEASE_FRACTION.
+# More mappings than one compile is taken to add: after a reading of /proc/self/maps (tens of ms at 40,000
+# mappings), the next is due when this many per compile could have reached the next threshold.
 MAPS_PER_COMPILE_BOUND = 1000
 
 
@@ -101,7 +103,6 @@ def shared_jit(fn: Callable, donate_argnums: tuple[int, ...] = (), out_shardings
       TypeError: a ``static`` value that cannot be hashed.
     """
     key = (fn, donate_argnums, out_shardings, _Same(traced_from), tuple(sorted(static.items())))
-    hash(key)
     with _shared_lock:
         jitted = _shared_live.get(key)
         if jitted is None:
@@ -133,71 +134,82 @@ def memory_maps() -> Optional[tuple[int, int]]:
         return None
 
 
-class _MapGuard:
-    """Keeps this process's memory mappings under ``vm.max_map_count`` as programs are compiled (see
-    :data:`RELEASE_FRACTION`), reading ``/proc/self/maps`` only as often as a crossing could have happened.
+def _release_programs(count: int, cap: int) -> int:
+    """Drop the kept step functions (freeing those no live runner holds), then, if the process is still past
+    RELEASE_FRACTION of the cap, every JAX in-memory cache (live engines keep their compiled programs; other jitted
+    functions compile again on their next call). ``count``: the mappings held before. Returns those left."""
+    with _shared_lock:
+        dropped = len(_shared_recent)
+        _shared_recent.clear()
+    gc.collect()
+    left = memory_maps()[0]
+    cleared = left >= RELEASE_FRACTION * cap
+    if cleared:
+        jax.clear_caches()
+        gc.collect()
+        left = memory_maps()[0]
+    logger.warning(
+        f"this process held {count} memory mappings of Linux's cap of {cap} (vm.max_map_count), which XLA's CPU "
+        f"programs fill: dropped the {dropped} step functions kept for engines built again (those no engine holds "
+        "are freed)" + (" and JAX's in-memory caches (functions jitted before compile again on their next call)"
+                        if cleared else "") + f", {left} mappings left")
+    return left
 
-    A release that leaves the count past RELEASE_FRACTION (live engines hold it) is not repeated until the count has
-    grown by RELEASE_STEP of the cap, so such a process does not drop JAX's caches at every compile.
+
+class _MapGuard:
+    """Keeps this process's memory mappings under ``vm.max_map_count`` as programs are compiled, reading them only
+    as often as a threshold could have been reached (:data:`MAPS_PER_COMPILE_BOUND`).
+
+    Args:
+      read: () -> (mappings held, cap), or None where unknown (:func:`memory_maps`).
+      release: (mappings held, cap) -> mappings left after releasing what can be (:func:`_release_programs`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, read: Callable[[], Optional[tuple[int, int]]] = memory_maps,
+                 release: Callable[[int, int], int] = _release_programs) -> None:
+        self._read = read
+        self._release = release
         self._lock = threading.Lock()
         self._compiles_until_reading = 0
-        self._left_by_release = 0  # what the last release left, while the count has stayed past RELEASE_FRACTION
+        self._left_by_release = 0  # what the last release left, while that and every reading since are past RELEASE
 
     def _release_at(self, cap: int) -> float:
-        return max(RELEASE_FRACTION * cap, self._left_by_release + RELEASE_STEP * cap if self._left_by_release else 0)
+        after_last = self._left_by_release + RELEASE_STEP * cap if self._left_by_release else 0
+        return min(max(RELEASE_FRACTION * cap, after_last), REFUSE_FRACTION * cap)
 
     def before_compile(self) -> None:
-        """Release the programs no engine holds if the process is past RELEASE_FRACTION of the cap.
+        """Release programs once the process is past RELEASE_FRACTION of the cap (again only after RELEASE_STEP more
+        of it, unless past REFUSE_FRACTION), then refuse the compile if it is still past REFUSE_FRACTION.
 
         Raises:
-          RuntimeError: past REFUSE_FRACTION of the cap after that, naming the count and the cap.
+          RuntimeError: past REFUSE_FRACTION of the cap after a release, naming the count and the cap.
         """
         with self._lock:
             self._compiles_until_reading -= 1
             if self._compiles_until_reading > 0:
                 return
-            maps = memory_maps()
+            maps = self._read()
             if maps is None:
                 self._compiles_until_reading = 1 << 62
                 return
             count, cap = maps
             if count < RELEASE_FRACTION * cap:
                 self._left_by_release = 0
-            elif count >= self._release_at(cap):
-                count = self._left_by_release = self._release(count, cap)
+            release = count >= self._release_at(cap)
+            if release:  # other threads compile without reading until it is done
+                self._compiles_until_reading = 1 << 62
+        if release:  # outside the lock: the collection runs finalizers
+            count = self._release(count, cap)
+        with self._lock:
+            if release:
+                self._left_by_release = count if count >= RELEASE_FRACTION * cap else 0
             if count >= REFUSE_FRACTION * cap:
                 self._compiles_until_reading = 0
                 raise RuntimeError(
                     f"this process holds {count} memory mappings, near Linux's per-process cap vm.max_map_count="
                     f"{cap}, and XLA crashes compiling a program past it: drop the engines no longer used (del llm; "
                     f"gc.collect()) or raise the cap (sysctl -w vm.max_map_count={4 * cap})")
-            due = min(self._release_at(cap), REFUSE_FRACTION * cap)
-            self._compiles_until_reading = max(1, int(due - count) // MAPS_PER_COMPILE_BOUND)
-
-    @staticmethod
-    def _release(count: int, cap: int) -> int:
-        """Drop the step functions no live runner holds, then (if that is not enough) every JAX in-memory cache;
-        live engines keep their compiled programs. Returns the mappings left."""
-        with _shared_lock:
-            dropped = len(_shared_recent)
-            _shared_recent.clear()
-        gc.collect()
-        left = memory_maps()[0]
-        cleared = left >= RELEASE_FRACTION * cap
-        if cleared:
-            jax.clear_caches()
-            gc.collect()
-            left = memory_maps()[0]
-        logger.warning(
-            f"this process held {count} memory mappings of Linux's cap of {cap} (vm.max_map_count), which XLA's CPU "
-            f"programs fill: dropped the {dropped} step functions kept for engines built again (those no engine holds "
-            "are freed)"
-            + (" and JAX's in-memory caches (functions jitted before recompile on their next call)" if cleared else "")
-            + f", {left} mappings left")
-        return left
+            self._compiles_until_reading = max(1, int(self._release_at(cap) - count) // MAPS_PER_COMPILE_BOUND)
 
 
 _map_guard = _MapGuard()
@@ -292,7 +304,11 @@ class ProgramTable:
         return self._ready_tokens is None
 
     def compile_step(self, program: Program, announce: bool = False) -> Callable:
-        """Compile (once) and return step program ``program``; ``announce`` logs the wait."""
+        """Compile (once) and return step program ``program``; ``announce`` logs the wait.
+
+        Raises:
+          RuntimeError: the process is near Linux's cap on memory mappings (:meth:`CompileStats.compile`).
+        """
         exe = self._steps.get(program)
         if exe is None:
             if announce:
@@ -367,10 +383,14 @@ class ProgramTable:
           progress: show a tqdm bar on stderr.
           background: build now only the largest token bucket and the smallest of at least 16 tokens; the others in a
             thread, smallest first, one program at a time while :meth:`may_build_in_background` (see
-            :meth:`serving_buckets`, :meth:`wait_for_warmup`); at exit it stops after the program it is building.
+            :meth:`serving_buckets`, :meth:`wait_for_warmup`); at exit it stops after the program it is building,
+            and a build that fails there stops it with a logged error.
 
         Returns:
           Seconds spent before returning.
+
+        Raises:
+          RuntimeError: a build in the foreground found the process near Linux's cap on memory mappings.
         """
         from tqdm import tqdm
 
@@ -410,7 +430,8 @@ class ProgramTable:
                                            if program[0] in self._ready_tokens)
 
     def wait_for_warmup(self, timeout: Optional[float] = None) -> bool:
-        """Wait for a background warm-up to finish; True once every program is built."""
+        """Wait for a background warm-up to end; True once it has: every program built, or stopped (at shutdown,
+        or by a failed build it logged; :meth:`num_pending_programs` counts what is left)."""
         if self._background is not None:
             self._background.join(timeout)
         return self._background is None or not self._background.is_alive()
@@ -431,7 +452,12 @@ def _build_in_background(table_ref: "weakref.ref[ProgramTable]",
             table = table_ref()
             if table is None:
                 return
-            table.compile_step(program)
+            try:
+                table.compile_step(program)
+            except Exception as e:  # the thread's only report is the log
+                logger.error(f"background warm-up stopped: building the step program {program} failed ({e}); steps "
+                             f"keep to the token buckets built, {table.num_pending_programs()} programs unbuilt")
+                return
             del table
         table = table_ref()
         if table is None:

@@ -426,12 +426,13 @@ class OpenAIServing:
                                       logprobs_param="top_logprobs", constraint=constraint)
         return ids, parsing, params
 
-    def prepare_chat(self, request: ChatCompletionRequest, final_only: bool = True):
+    def prepare_chat(self, request: ChatCompletionRequest, set_output_kind: bool = True):
         """Check and start a chat request; returns (id, created, prompt ids, streams, parsing, ``SamplingParams``).
-        ``final_only`` False: every step's output even when unstreamed (the Responses API reads them step by step).
+        ``set_output_kind`` False: the parameters' own output kind (the Responses API reads each step's cumulative
+        output), else :func:`_output_kind`'s.
         """
         ids, parsing, params = self.chat_inputs(request)
-        if final_only:
+        if set_output_kind:
             params = _output_kind(params, request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, [(None, ids)], [params], request)
@@ -677,8 +678,10 @@ class StreamedChoices:
         DELTA outputs."""
         async for i, out in outputs:
             self._cached[i] = out.num_cached_tokens
-            if out.prompt_logprobs is not None:
-                self.prompt_logprobs[i] = (self.prompt_logprobs[i] or []) + out.prompt_logprobs
+            if out.prompt_logprobs:
+                if self.prompt_logprobs[i] is None:
+                    self.prompt_logprobs[i] = []
+                self.prompt_logprobs[i] += out.prompt_logprobs
             for c in out.outputs:
                 index = i * self._n + c.index
                 if self._finished[index] or not (c.delta_text or c.delta_token_ids or c.finish_reason):

@@ -149,7 +149,7 @@ class OpenAIServingResponses:
             raise APIError(400, f"input: {e.errors()[0]['msg']}", "input") from None
         try:
             # Every step's output: reasoning, text and tool-call parts each take the logprobs of their own steps.
-            started = self.serving.prepare_chat(chat, final_only=False)
+            started = self.serving.prepare_chat(chat, set_output_kind=False)
         except APIError as e:
             message = e.message
             for chat_name, name in PARAMS.items():
