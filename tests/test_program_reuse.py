@@ -165,3 +165,18 @@ def test_the_guard_releases_past_half_the_cap_refuses_past_nine_tenths_and_does_
                 guard.before_compile()
         assert not script and released == ([count] if releases else [])
         released.clear()
+
+
+def test_a_release_that_raises_leaves_the_guard_reading_at_the_next_compile():
+    from jaxllm.worker import programs
+
+    readings = collections.deque([(60, 100), (10, 100)])
+
+    def failing(count, cap):
+        raise OSError("/proc went away")
+
+    guard = programs._MapGuard(read=readings.popleft, release=failing)
+    with pytest.raises(OSError, match="/proc went away"):
+        guard.before_compile()
+    guard.before_compile()  # reads (10 of 100): nothing to release
+    assert not readings and guard._compiles_until_reading == 1  # 40 mappings short of half the cap: read again next

@@ -142,12 +142,12 @@ def _release_programs(count: int, cap: int) -> int:
         dropped = len(_shared_recent)
         _shared_recent.clear()
     gc.collect()
-    left = memory_maps()[0]
+    left = (memory_maps() or (count, cap))[0]
     cleared = left >= RELEASE_FRACTION * cap
     if cleared:
         jax.clear_caches()
         gc.collect()
-        left = memory_maps()[0]
+        left = (memory_maps() or (left, cap))[0]
     logger.warning(
         f"this process held {count} memory mappings of Linux's cap of {cap} (vm.max_map_count), which XLA's CPU "
         f"programs fill: dropped the {dropped} step functions kept for engines built again (those no engine holds "
@@ -199,7 +199,12 @@ class _MapGuard:
             if release:  # other threads compile without reading until it is done
                 self._compiles_until_reading = 1 << 62
         if release:  # outside the lock: the collection runs finalizers
-            count = self._release(count, cap)
+            try:
+                count = self._release(count, cap)
+            except BaseException:
+                with self._lock:
+                    self._compiles_until_reading = 0  # the next compile reads again
+                raise
         with self._lock:
             if release:
                 self._left_by_release = count if count >= RELEASE_FRACTION * cap else 0
@@ -208,7 +213,7 @@ class _MapGuard:
                 raise RuntimeError(
                     f"this process holds {count} memory mappings, near Linux's per-process cap vm.max_map_count="
                     f"{cap}, and XLA crashes compiling a program past it: drop the engines no longer used (del llm; "
-                    f"gc.collect()) or raise the cap (sysctl -w vm.max_map_count={4 * cap})")
+                    f"gc.collect()) or raise the cap (sysctl -w vm.max_map_count={max(262144, 4 * cap)})")
             self._compiles_until_reading = max(1, int(self._release_at(cap) - count) // MAPS_PER_COMPILE_BOUND)
 
 
