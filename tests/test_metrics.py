@@ -11,6 +11,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxllm import LLM, SamplingParams
 from kernels_pallas import ops
@@ -636,3 +638,32 @@ def test_bench_short_run_times_a_short_script_cold_and_warm_and_its_exit(stories
     for r in rows:
         assert 0 < r["ttft_s"] < r["start_up_s"] + 60 and r["tok_s"] > 0 and 0 <= r["exit_s"] < 30
     assert result["host"]["cpu_isa"] == describe_cpu()
+
+
+@settings(max_examples=60)
+@given(values=st.lists(st.one_of(st.sampled_from([0.0, 0.001, 0.02, 2560.0, 1e9, -1.0, float("nan")]),
+                                 st.floats(-10.0, 1e4)), max_size=40),
+       split=st.integers(0, 40), vllm=st.booleans())
+def test_a_batch_histogram_exposes_what_prometheus_clients_histogram_exposes_for_the_same_values(values, split, vllm):
+    """Any values (bounds exactly, below the first, past the last, NaN), observed in any two batches: the same
+    exposition text as ``prometheus_client.Histogram`` observing them one by one, but for the creation time."""
+    import prometheus_client as prom
+
+    from jaxllm.frontend.metrics import _LATENCY_BUCKETS, BatchHistogram
+
+    labels = (("model_name", "m"),) if vllm else ()
+    ours, theirs = prom.CollectorRegistry(), prom.CollectorRegistry()
+    batch = BatchHistogram("x:itl_seconds", "doc", _LATENCY_BUCKETS, ours, labels=labels)
+    reference = prom.Histogram("x:itl_seconds", "doc", [k for k, _ in labels], buckets=_LATENCY_BUCKETS,
+                               registry=theirs)
+    reference = reference.labels(*[v for _, v in labels]) if labels else reference
+    batch.observe_many(values[:split])
+    batch.observe_many(values[split:])
+    for value in values:
+        reference.observe(value)
+
+    def text(registry):
+        return [line for line in prom.generate_latest(registry).decode().splitlines() if "_created" not in line]
+
+    assert text(ours) == text(theirs)
+    assert ours.get_sample_value("x:itl_seconds_created", dict(labels)) is not None

@@ -5,10 +5,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+import numpy as np
 import prometheus_client as prom
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 from tqdm import tqdm
 
 from jaxllm.config import METRICS_NAMESPACES
@@ -61,6 +65,53 @@ VLLM_SERIES = frozenset({
     "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
     "request_prefill_time_seconds", "request_decode_time_seconds", "request_time_per_output_token_seconds",
 })
+
+
+class BatchHistogram:
+    """A Prometheus histogram observed a step's values at once: one numpy bucket search for all of them, where
+    ``prometheus_client.Histogram.observe`` takes a lock and scans the buckets in Python per value (0.37 ms for
+    256 inter-token latencies, a step's worth at 256 rows). Exposed as that class exposes one: ``_bucket`` per
+    ``le`` (cumulative), ``_count``, ``_sum`` and ``_created``, registered in ``registry``.
+
+    Args:
+      name: the series name. documentation: its help text. buckets: upper bounds, ascending (+Inf is added).
+      labels: label names and their one bound set of values.
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: prom.CollectorRegistry,
+                 labels: Sequence[tuple[str, str]] = ()) -> None:
+        self._name, self._documentation = name, documentation
+        self._bounds = np.array([*buckets, np.inf], np.float64)
+        self._label_names, self._label_values = [k for k, _ in labels], [v for _, v in labels]
+        self._counts = np.zeros(len(self._bounds), np.int64)
+        self._sum = 0.0
+        self._created = time.time()
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.observe_many([value])
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        """Count ``values`` (seconds or whatever unit the buckets are in); a value equal to a bound falls in it."""
+        if not len(values):
+            return
+        values = np.asarray(values, np.float64)
+        index = np.searchsorted(self._bounds, values, side="left")
+        # NaN sorts past +Inf: like Histogram.observe, it joins the sum and no bucket.
+        counts = np.bincount(index[index < len(self._bounds)], minlength=len(self._bounds))
+        with self._lock:
+            self._counts += counts
+            self._sum += float(values.sum())
+
+    def collect(self):
+        with self._lock:
+            cumulative, total = np.cumsum(self._counts).tolist(), self._sum
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._label_names)
+        bounds = [floatToGoString(b) for b in self._bounds]
+        family.add_metric(self._label_values, list(zip(bounds, cumulative)), total)
+        family.add_sample(f"{self._name}_created", dict(zip(self._label_names, self._label_values)), self._created)
+        yield family
 
 
 def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
@@ -195,8 +246,10 @@ class EngineMetrics:
             _ENGINE_STEP_BUCKETS)
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first token, seconds.", _LATENCY_BUCKETS)
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between a request's consecutive tokens, seconds.", _LATENCY_BUCKETS)
+        # A value per decoding row a step: observed in one batch (BatchHistogram).
+        self.inter_token_latency = BatchHistogram(
+            self.series_name("inter_token_latency_seconds"), "Time between a request's consecutive tokens, seconds.",
+            _LATENCY_BUCKETS, r, labels=tuple(zip(labels, fixed)))
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Arrival to finish, seconds.", _LATENCY_BUCKETS)
         self.request_queue_time = histogram(
@@ -282,6 +335,7 @@ class EngineMetrics:
         if stats.grammar_bitmask_seconds is not None:
             self.grammar_bitmask.observe(stats.grammar_bitmask_seconds)
         prompt_tokens = generation_tokens = 0
+        inter_token = []
         for state in requests:
             new_tokens = sum(len(seq.delta_token_ids) for seq in state.seqs)
             if new_tokens:
@@ -291,11 +345,12 @@ class EngineMetrics:
                     prompt_tokens += len(state.prompt_token_ids)
                     self.time_to_first_token.observe(state.first_token_time - state.arrival_time)
                 else:
-                    self.inter_token_latency.observe(now - last)
+                    inter_token.append(now - last)
                 self._last_token_time[rid] = now
                 generation_tokens += new_tokens
             if state.finished_time is not None:
                 self._on_finished(state)
+        self.inter_token_latency.observe_many(inter_token)
         # One increment a step: per request, each counter would take its lock once per decoding row.
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
