@@ -278,6 +278,7 @@ class ObservabilityConfig:
     """Stats logging, Prometheus metrics and KV cache events (``EngineConfig.observability``)."""
 
     log_stats: bool
+    disable_log_stats: bool
     metrics_port: Optional[int]
     metrics_namespace: str
     kv_events_config: Optional[KVEventsConfig]
@@ -385,6 +386,10 @@ class EngineConfig:
         '"continuous", or "static": a new batch of up to max_num_seqs requests starts only when the previous one '
         "has finished (a baseline for benchmarks)."))
     log_stats: bool = _option(False, "Log a one-line stats summary every 5 seconds.")
+    disable_log_stats: bool = _option(False, (
+        "vLLM's: record no per-step stats, so no Prometheus series moves (the per-step metrics work, one pass over "
+        "the step's requests, is skipped); not with log_stats or metrics_port. vLLM's LLM sets it by default, "
+        "jaxllm's LLM does not."))
     metrics_port: Optional[int] = _option(None, "Serve the Prometheus metrics on this port; None: do not.")
     metrics_namespace: str = _option("jaxllm", (
         '"jaxllm", or "vllm": the series vLLM also has under vLLM\'s names, each with vLLM\'s model_name label '
@@ -522,6 +527,9 @@ class EngineConfig:
             raise ValueError(f"precompile={self.precompile!r} must be True, False or 'background'")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching={self.batching!r} must be 'continuous' or 'static'")
+        if self.disable_log_stats and (self.log_stats or self.metrics_port is not None):
+            wanted = "log_stats=True" if self.log_stats else f"metrics_port={self.metrics_port}"
+            raise ValueError(f"disable_log_stats=True records no stats, so {wanted} would have none to show")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         spec = self.speculative_config
         if self.async_scheduling is None:

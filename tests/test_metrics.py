@@ -184,6 +184,29 @@ def test_unknown_batching_mode_is_rejected(stories_dir):
         _llm(stories_dir, batching="dynamic")
 
 
+def test_disable_log_stats_moves_no_series_keeps_the_cores_stats_and_the_tokens(stories_dir, llm):
+    """vLLM's disable_log_stats: the same greedy tokens, no Prometheus series moves (counters and histograms stay
+    at 0), while the cores' latest stats, which admission's waiting limit reads, are still kept."""
+    quiet = _llm(stories_dir, disable_log_stats=True)
+    prompts = [_prompt(6, s) for s in range(3)]
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    got = [o.outputs[0].token_ids for o in quiet.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for name in ("jaxllm:generation_tokens_total", "jaxllm:prompt_tokens_total",
+                 "jaxllm:inter_token_latency_seconds_count", "jaxllm:time_to_first_token_seconds_count",
+                 "jaxllm:e2e_request_latency_seconds_count", "jaxllm:num_kv_blocks"):
+        assert _value(quiet, name) == 0.0, name
+    stats = quiet.engine.metrics.core_stats[0]
+    assert stats.num_running == 0 and stats.num_blocks == _value(llm, "jaxllm:num_kv_blocks") > 0
+
+
+@pytest.mark.parametrize("other", [dict(log_stats=True), dict(metrics_port=9999)], ids=["log_stats", "metrics_port"])
+def test_disable_log_stats_refuses_a_stats_log_or_a_metrics_port(stories_dir, other):
+    (name, value), = other.items()
+    with pytest.raises(ValueError, match=rf"disable_log_stats=True .*{name}={value}"):
+        _llm(stories_dir, disable_log_stats=True, **other)
+
+
 def test_log_stats_logs_a_summary_line(stories_dir, capfd):
     llm = _llm(stories_dir, log_stats=True)
     llm.engine.metrics.log_interval = 0.0
@@ -640,9 +663,9 @@ def test_bench_short_run_times_a_short_script_cold_and_warm_and_its_exit(stories
     assert result["host"]["cpu_isa"] == describe_cpu()
 
 
-@settings(max_examples=60)
+@settings(max_examples=100)
 @given(values=st.lists(st.one_of(st.sampled_from([0.0, 0.001, 0.02, 2560.0, 1e9, -1.0, float("nan")]),
-                                 st.floats(-10.0, 1e4)), max_size=40),
+                                 st.floats(-10.0, 1e4)), max_size=60),
        split=st.integers(0, 40), vllm=st.booleans())
 def test_a_batch_histogram_exposes_what_prometheus_clients_histogram_exposes_for_the_same_values(values, split, vllm):
     """Any values (bounds exactly, below the first, past the last, NaN), observed in any two batches: the same
@@ -667,3 +690,8 @@ def test_a_batch_histogram_exposes_what_prometheus_clients_histogram_exposes_for
 
     assert text(ours) == text(theirs)
     assert ours.get_sample_value("x:itl_seconds_created", dict(labels)) is not None
+    # Described like a Histogram: a second series of its name is refused, and a name filter finds it.
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        prom.Histogram("x:itl_seconds", "doc", registry=ours)
+    restricted = ours.restricted_registry(["x:itl_seconds_count"])
+    assert [s.value for m in restricted.collect() for s in m.samples] == [sum(v == v for v in values)]  # NaN in no bucket

@@ -44,6 +44,7 @@ class FrontEnd:
                                      max_num_batched_tokens=scheduling.max_num_batched_tokens,
                                      max_model_len=client.infos[0].max_model_len,
                                      namespace=observability.metrics_namespace, model_name=model_name)
+        self._log_stats = not observability.disable_log_stats
         if config.preload_prompts is not None:
             client.preload_prefixes(preload_token_ids(config.preload_prompts, self.input_processor))
 
@@ -65,7 +66,8 @@ class FrontEnd:
             check_waiting_limit(self.config.scheduler.max_waiting_requests, self.output_processor.num_open_sequences,
                                 self.client.infos, self.metrics.core_stats)
         except QueueFullError:
-            self.metrics.request_refused.inc()
+            if self._log_stats:
+                self.metrics.request_refused.inc()
             raise
         request = self.input_processor.process(request_id, prompt_token_ids, params, priority=priority,
                                                arrival_time=arrival_time, cache_salt=cache_salt,
@@ -93,7 +95,10 @@ class FrontEnd:
         finished = [out.request_id for out in request_outputs if out.finished]
         if finished:
             self.client.requests_finished(finished)
-        self.metrics.on_step(core_outputs.stats, touched, core_outputs.core_index)
+        if self._log_stats:
+            self.metrics.on_step(core_outputs.stats, touched, core_outputs.core_index)
+        else:  # admission's waiting limit reads the cores' latest stats
+            self.metrics.core_stats[core_outputs.core_index] = core_outputs.stats
         return request_outputs
 
     def _abort(self, request_ids: Sequence[str]) -> list[str]:

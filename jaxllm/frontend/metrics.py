@@ -69,12 +69,14 @@ VLLM_SERIES = frozenset({
 
 class BatchHistogram:
     """A Prometheus histogram observed a step's values at once: one numpy bucket search for all of them, where
-    ``prometheus_client.Histogram.observe`` takes a lock and scans the buckets in Python per value (0.37 ms for
-    256 inter-token latencies, a step's worth at 256 rows). Exposed as that class exposes one: ``_bucket`` per
-    ``le`` (cumulative), ``_count``, ``_sum`` and ``_created``, registered in ``registry``.
+    ``prometheus_client.Histogram.observe`` takes a lock and scans the buckets in Python per value. Exposed as
+    that class exposes one: ``_bucket`` per ``le`` (cumulative), ``_count``, ``_sum`` (added value by value, so
+    it rounds as that class's does) and ``_created`` (unless prometheus_client's created series are disabled).
+    Its counts live in this process: a multiprocess collector does not see them.
 
     Args:
       name: the series name. documentation: its help text. buckets: upper bounds, ascending (+Inf is added).
+      registry: where it registers (``ValueError`` there if the name is taken).
       labels: label names and their one bound set of values.
     """
 
@@ -89,20 +91,24 @@ class BatchHistogram:
         self._lock = threading.Lock()
         registry.register(self)
 
-    def observe(self, value: float) -> None:
-        self.observe_many([value])
-
     def observe_many(self, values: Sequence[float]) -> None:
-        """Count ``values`` (seconds or whatever unit the buckets are in); a value equal to a bound falls in it."""
+        """Count ``values`` (in the buckets' unit); a value equal to a bound falls in its bucket, NaN in none (it
+        still joins the sum), as ``Histogram.observe`` does. Raises ValueError/TypeError for non-numbers."""
         if not len(values):
             return
         values = np.asarray(values, np.float64)
         index = np.searchsorted(self._bounds, values, side="left")
-        # NaN sorts past +Inf: like Histogram.observe, it joins the sum and no bucket.
+        # NaN sorts past +Inf.
         counts = np.bincount(index[index < len(self._bounds)], minlength=len(self._bounds))
         with self._lock:
             self._counts += counts
-            self._sum += float(values.sum())
+            total = self._sum
+            for value in values.tolist():
+                total += value
+            self._sum = total
+
+    def describe(self):
+        yield HistogramMetricFamily(self._name, self._documentation, labels=self._label_names)
 
     def collect(self):
         with self._lock:
@@ -110,7 +116,10 @@ class BatchHistogram:
         family = HistogramMetricFamily(self._name, self._documentation, labels=self._label_names)
         bounds = [floatToGoString(b) for b in self._bounds]
         family.add_metric(self._label_values, list(zip(bounds, cumulative)), total)
-        family.add_sample(f"{self._name}_created", dict(zip(self._label_names, self._label_values)), self._created)
+        # prometheus_client's own switch (PROMETHEUS_DISABLE_CREATED_SERIES, disable_created_metrics()).
+        if prom.metrics._use_created:
+            family.add_sample(f"{self._name}_created", dict(zip(self._label_names, self._label_values)),
+                              self._created)
         yield family
 
 
