@@ -255,8 +255,7 @@ class EngineMetrics:
             _ENGINE_STEP_BUCKETS)
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first token, seconds.", _LATENCY_BUCKETS)
-        # A value per decoding row a step: observed in one batch (BatchHistogram).
-        self.inter_token_latency = BatchHistogram(
+        self.inter_token_latency = BatchHistogram(  # a value per decoding row a step, observed in one batch
             self.series_name("inter_token_latency_seconds"), "Time between a request's consecutive tokens, seconds.",
             _LATENCY_BUCKETS, r, labels=tuple(zip(labels, fixed)))
         self.e2e_request_latency = histogram(
