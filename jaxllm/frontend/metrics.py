@@ -108,9 +108,11 @@ class BatchHistogram:
             self._sum = total
 
     def describe(self):
+        """The series' name and type, without samples (what a ``CollectorRegistry`` indexes it by)."""
         yield HistogramMetricFamily(self._name, self._documentation, labels=self._label_names)
 
     def collect(self):
+        """The series with its samples now, as ``Histogram.collect`` gives them."""
         with self._lock:
             cumulative, total = np.cumsum(self._counts).tolist(), self._sum
         family = HistogramMetricFamily(self._name, self._documentation, labels=self._label_names)

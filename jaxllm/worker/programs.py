@@ -59,17 +59,17 @@ monitoring.register_event_duration_secs_listener(_on_jax_duration)
 SHARED_JIT_SIZE = 16
 
 # Linux caps a process's memory mappings (vm.max_map_count, 65530 by default), and XLA's CPU backend maps each
-# executable's code and data apart: from about 40 to 130 mappings per program (more where its kernels are split
-# across several LLVM modules), so a process that keeps thousands of programs reaches the cap, and XLA's
-# compiler then crashes (segfault or abort) instead of failing. Past RELEASE_FRACTION of the cap, a compile first
+# executable's code and data apart (tens to hundreds of mappings per program; figures in docs/design/worker.md),
+# so a process that keeps thousands of programs reaches the cap, and XLA's compiler then crashes (segfault or
+# abort) instead of failing. Past RELEASE_FRACTION of the cap, a compile first
 # releases the programs no live engine holds; past REFUSE_FRACTION after that, it is refused with an error.
 RELEASE_FRACTION = 0.5
 REFUSE_FRACTION = 0.9
 # A release that leaves the count past RELEASE_FRACTION (live engines hold that much) is not repeated before the
 # count has grown by this share of the cap, so such a process does not drop JAX's caches at every compile.
 RELEASE_STEP = 0.1
-# More mappings than one compile is taken to add: after a reading of /proc/self/maps (tens of ms at 40,000
-# mappings), the next is due when this many per compile could have reached the next threshold.
+# More mappings than one compile is taken to add: since reading /proc/self/maps costs time in proportion to the
+# mappings held, the next reading is due when this many per compile could have reached the next threshold.
 MAPS_PER_COMPILE_BOUND = 1000
 
 
