@@ -15,6 +15,7 @@ from scheduler.buckets import geometric_ladder, half_step_ladder
 from scheduler.config import SchedulerConfig
 from scheduler.degradation import GracefulDegradation
 from scheduler.kv.compressed_pool import CompressedBlockPool
+from scheduler.sampling_params import MAX_LOGPROBS
 
 T = TypeVar("T")
 
@@ -224,6 +225,7 @@ class CacheConfig:
     block_size: int
     num_kv_blocks: Optional[int]
     kv_cache_memory_bytes: Optional[int]
+    gpu_memory_utilization: float
     kv_cache_dtype: str
     enable_prefix_caching: bool
     num_host_blocks: int
@@ -315,7 +317,11 @@ class EngineConfig:
     num_kv_blocks: Optional[int] = _option(None, (
         "KV blocks in all, the null block 0 included, >= 2; None sizes the cache from kv_cache_memory_bytes."))
     kv_cache_memory_bytes: Optional[int] = _option(None, (
-        "Device bytes for the KV cache (all layers, K and V); None: 90% of the accelerator's free memory, 1 GiB on "
+        "Device bytes for the KV cache (all layers, K and V); None: sized from gpu_memory_utilization on an "
+        "accelerator, 1 GiB on CPU."))
+    gpu_memory_utilization: float = _option(0.9, (
+        "On an accelerator, the share of its memory (JAX's bytes_limit) the engine may hold, in (0, 1] (vLLM's): an "
+        "unset kv_cache_memory_bytes is this share less the bytes in use once the weights are placed. Unused on "
         "CPU."))
     max_num_seqs: int = _option(64, "Sequences in one step at most.")
     max_num_batched_tokens: int = _option(512, "Tokens in one step at most (the token budget), >= max_num_seqs.")
@@ -334,6 +340,9 @@ class EngineConfig:
         '"auto" (the compute dtype), "int8", or "fp8" / "fp8_e4m3" (float8_e4m3fn): the KV cache\'s numbers, '
         "quantized with per-layer, per-head scales calibrated at start-up."))
     seed: int = _option(0, "The seed of requests that set none.")
+    max_logprobs: int = _option(MAX_LOGPROBS, (
+        f"Top logprobs a request may ask for (logprobs, prompt_logprobs), 0 to {MAX_LOGPROBS} (vLLM's; jaxllm "
+        f"computes at most {MAX_LOGPROBS})."))
     logprobs_mode: str = _option("raw_logprobs", (
         "What the logprobs of sampled and top tokens are (vLLM's): \"raw_logprobs\", the log-softmax of the model's "
         'logits (a structured-output mask applied); "raw_logits", those logits; "processed_logprobs", the '
@@ -501,7 +510,15 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
                                                        or self.kv_cache_memory_bytes < 1):
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be a positive int (or None: "
-                             "90% of the accelerator's free memory, 1 GiB on CPU)")
+                             "gpu_memory_utilization of the accelerator's memory less the weights, 1 GiB on CPU)")
+        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        if (isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int)
+                or not 0 <= self.max_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int in [0, {MAX_LOGPROBS}] (jaxllm "
+                             f"computes at most {MAX_LOGPROBS} logprobs a token; vLLM's -1, the whole vocabulary, "
+                             "is not served)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.metrics_namespace not in METRICS_NAMESPACES:

@@ -105,7 +105,8 @@ def test_issue25_item7_the_fitted_length_is_the_longest_the_budget_serves(storie
     cfg = read_model_config(stories_dir)[0]
     per = bytes_per_block(cfg, block_size, dtype)
     budget = per * budget_blocks + extra_bytes % per
-    kw = dict(block_size=block_size, dtype=dtype, kv_cache_memory_bytes=budget, device=jax.devices()[0])
+    kw = dict(block_size=block_size, dtype=dtype, kv_cache_memory_bytes=budget, device=jax.devices()[0],
+              gpu_memory_utilization=0.9)
     fit = fit_max_model_len(cfg, max_model_len=native, **kw)
     sizing = dict(kw, num_kv_blocks=None, max_num_seqs=4)
     assert resolve_num_blocks(cfg, max_model_len=fit, **sizing) >= -(-fit // block_size) + 1

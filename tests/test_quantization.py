@@ -247,7 +247,7 @@ def test_one_byte_kv_caches_hold_twice_the_bf16_blocks_for_a_budget(stories_dir,
     cfg = load_model(stories_dir)[0]
     per_block_bf16 = cfg.kv_bytes_per_token * 16 * 2
     kw = dict(block_size=16, num_kv_blocks=None, kv_cache_memory_bytes=per_block_bf16 * 300, max_num_seqs=64,
-              max_model_len=512, device=jax.devices()[0])
+              max_model_len=512, device=jax.devices()[0], gpu_memory_utilization=0.9)
     bf16 = resolve_num_blocks(cfg, dtype=jnp.bfloat16, **kw)
     assert resolve_num_blocks(cfg, dtype=kv_number_dtype(kv_cache_dtype, jnp.bfloat16), **kw) == 2 * bf16 == 600
 

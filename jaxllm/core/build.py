@@ -100,7 +100,8 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
         # outgrows it serves the longest length it holds, as vLLM's max_model_len=-1.
         max_model_len = fit_max_model_len(sharding.per_device_config(), block_size=cache.block_size,
                                           dtype=kv_dtype, kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
-                                          max_model_len=max_model_len, device=sharding.mesh.devices.flat[0])
+                                          max_model_len=max_model_len, device=sharding.mesh.devices.flat[0],
+                                          gpu_memory_utilization=cache.gpu_memory_utilization)
     if kv_dtype != np.dtype(dtype):
         ids = calibration_ids(tokenizer(), cfg.vocab_size)[:max_model_len]
         k_scale, v_scale = calibrate_kv_scales(cfg, params, ids, ops=ops, sharding=sharding, kv_dtype=kv_dtype)
@@ -164,7 +165,8 @@ def build_runner(cfg: ModelConfig, params: Any, cache: CacheConfig, spec: Option
     """
     sizes = dict(block_size=cache.block_size, dtype=kv_dtype, num_kv_blocks=cache.num_kv_blocks,
                  kv_cache_memory_bytes=cache.kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
-                 max_model_len=max_model_len, device=sharding.mesh.devices.flat[0])
+                 max_model_len=max_model_len, device=sharding.mesh.devices.flat[0],
+                 gpu_memory_utilization=cache.gpu_memory_utilization)
     num_blocks, num_pool_blocks, pool_dtype = size_kv_pools(sharding.per_device_config(), cache, **sizes)
     offload_bytes = int(cache.kv_offloading_size * 2**30)
     return ModelRunner(

@@ -1,5 +1,6 @@
 """Every ``EngineConfig`` field as a command-line flag (``--max-num-seqs 64``, ``--enable-prefix-caching`` /
-``--no-enable-prefix-caching``, ``--token-buckets 16 32 64``), read from the dataclass so no field is missed."""
+``--no-enable-prefix-caching`` / ``--disable-prefix-caching``, ``--token-buckets 16 32 64``), read from the
+dataclass so no field is missed."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ def _flag_type(hint: Any) -> dict[str, Any]:
     """argparse keyword arguments for a field's type."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if hint is bool or (typing.get_origin(hint) is Union and args == [bool]):  # bool or Optional[bool]
-        return dict(action=argparse.BooleanOptionalAction)
+        from jaxllm.entrypoints.vllm_flags import Switch
+
+        return dict(action=Switch)
     if typing.get_origin(hint) is Union and set(args) == {bool, str}:
         return dict(type=_precompile, metavar="{true,false,background}")
     if typing.get_origin(hint) is Union and len(args) == 1:

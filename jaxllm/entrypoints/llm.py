@@ -159,7 +159,9 @@ class LLM:
       params: weights in memory to serve instead of the model's: a tree of numpy or JAX arrays in the layout of
         ``jaxllm.models.param_layout``; float leaves cast to ``dtype``, projections quantized with
         ``quantization``, leaves placed by the ``tensor_parallel_size`` rules.
-      **kwargs: ``EngineConfig`` fields (see ``LLMEngine``); ``data_parallel_size > 1`` runs one core per replica.
+      **kwargs: ``EngineConfig`` fields, and vLLM's ``LLM`` keywords (``gpu_memory_utilization``,
+        ``enforce_eager``, ``tokenizer``, ``served_model_name``, ...) as ``LLMEngine`` takes them;
+        ``data_parallel_size > 1`` runs one core per replica.
 
     Attributes:
       engine: the ``LLMEngine``.

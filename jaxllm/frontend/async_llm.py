@@ -26,7 +26,7 @@ class AsyncLLM(FrontEnd):
     Args:
       model, params: as ``LLMEngine``. tokenizer: by default the model's.
       served_model_name: the model's name in the metrics (default: ``model``).
-      **kwargs: ``EngineConfig`` fields.
+      **kwargs: ``EngineConfig`` fields, and vLLM's ``EngineArgs`` keywords as ``LLMEngine`` takes them.
 
     Attributes:
       client: the ``MPClient``; info: core 0's ``CoreInfo``; input_processor, output_processor, metrics:
@@ -39,7 +39,9 @@ class AsyncLLM(FrontEnd):
 
     def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, *,
                  served_model_name: Optional[str] = None, params: Optional[Any] = None, **kwargs: Any) -> None:
-        config = EngineConfig(**kwargs)
+        from jaxllm.entrypoints.vllm_flags import vllm_engine_kwargs
+
+        config = EngineConfig(**vllm_engine_kwargs(kwargs))
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         super().__init__(tokenizer, MPClient(model, config, params=params), config, served_model_name or str(model))
         self.info = self.client.infos[0]

@@ -37,7 +37,8 @@ class FrontEnd:
         # Set by the engines' sleep / wake_up: no request is queued while the cores sleep.
         self.sleeping = False
         scheduling, observability = config.scheduler, config.observability
-        self.input_processor = InputProcessor(tokenizer, client.infos[0], config.seed, scheduling.scheduling_policy)
+        self.input_processor = InputProcessor(tokenizer, client.infos[0], config.seed, scheduling.scheduling_policy,
+                                              config.max_logprobs)
         self.output_processor = OutputProcessor(tokenizer)
         self.metrics = EngineMetrics(log_stats=observability.log_stats, metrics_port=observability.metrics_port,
                                      max_num_seqs=scheduling.max_num_seqs,

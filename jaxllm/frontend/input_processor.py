@@ -16,6 +16,7 @@ from jaxllm.lora import LoRARequest
 from jaxllm.structured_output import validate_structured_outputs
 from scheduler import SamplingParams
 from scheduler.policy import Policy, get_policy
+from scheduler.sampling_params import MAX_LOGPROBS
 
 PromptType = Union[str, Sequence[int]]
 
@@ -36,13 +37,15 @@ def bad_words_token_ids(tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
 class InputProcessor:
     """Validates requests and builds core requests for one model. tokenizer: the model's, or None (token-id
     prompts only); info: the core's ``CoreInfo``; seed: the engine seed; scheduling_policy: a non-zero priority is
-    refused unless it ``reads_priority``.
+    refused unless it ``reads_priority``; max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may
+    ask for (``EngineConfig.max_logprobs``).
     """
 
     def __init__(self, tokenizer, info: CoreInfo, seed: int = 0,
-                 scheduling_policy: Union[str, Policy] = "fcfs") -> None:
+                 scheduling_policy: Union[str, Policy] = "fcfs", max_logprobs: int = MAX_LOGPROBS) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        self.max_logprobs = max_logprobs
         self._seed_rng = np.random.default_rng(seed)
         policy = get_policy(scheduling_policy)
         self._priority_blind_policy = None if policy.reads_priority else policy.name
@@ -79,7 +82,8 @@ class InputProcessor:
         Raises:
           ValueError: a prompt over ``max_model_len`` (both numbers named), ids outside the vocabulary, bad words
             that encode to nothing or too many, an invalid ``structured_outputs`` (field named), a non-zero
-            ``priority`` the policy ignores, an empty ``cache_salt``, or a ``lora_request`` not a ``LoRARequest``.
+            ``priority`` the policy ignores, an empty ``cache_salt``, a ``lora_request`` not a ``LoRARequest``, or
+            ``logprobs`` / ``prompt_logprobs`` over ``max_logprobs`` (both named).
         """
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request={lora_request!r} must be a jaxllm.LoRARequest (or None)")
@@ -89,6 +93,11 @@ class InputProcessor:
             )
         vocab = self.info.vocab_size
         params.validate_for_vocab(vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise ValueError(f"{name}={asked} is more than max_logprobs={self.max_logprobs}, the most this engine "
+                                 "serves (--max-logprobs)")
         if not isinstance(priority, (int, np.integer)) or isinstance(priority, bool):
             raise ValueError(f"priority={priority!r} must be an int")
         if priority != 0 and self._priority_blind_policy is not None:

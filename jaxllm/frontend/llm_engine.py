@@ -28,10 +28,13 @@ class LLMEngine(FrontEnd):
       model: a HF folder, a ``.gguf`` file, a jaxllm orbax folder, a named model such as ``gemma3-270m`` or a Hub id
         (``revision``, ``download_dir`` in ``kwargs``; ``jaxllm.named_models.resolve_model``), None for
         SmolLM2-135M-Instruct; with ``params`` also a ``ModelConfig``.
-      tokenizer: a Tokenizer; by default the model's.
+      tokenizer: a Tokenizer, or where to load one from (a folder, ``.gguf``, named model or Hub id, as vLLM's
+        ``tokenizer``); by default the model's.
       params: weights to serve instead (``jaxllm.models.param_layout``'s layout, numpy or JAX arrays).
       mesh: the replica's ``(data, model)`` mesh (one replica only); default ``make_mesh(tensor_parallel_size)``.
-      **kwargs: ``EngineConfig`` fields.
+      served_model_name: the model's name in the metrics (default: ``model``), as vLLM's.
+      **kwargs: ``EngineConfig`` fields, and vLLM's ``EngineArgs`` keywords (``gpu_memory_utilization``,
+        ``enforce_eager``, ...) as ``jaxllm.entrypoints.vllm_flags`` maps them.
 
     Attributes:
       client: ``InprocClient`` or ``MPClient``. metrics, input_processor, output_processor: ``FrontEnd``'s.
@@ -42,11 +45,16 @@ class LLMEngine(FrontEnd):
     """
 
     def __init__(self, model: Union[str, os.PathLike, ModelConfig, None] = None, tokenizer: Optional[Tokenizer] = None,
-                 *, mesh: Optional["jax.sharding.Mesh"] = None, params: Optional[Any] = None, **kwargs: Any):
+                 *, mesh: Optional["jax.sharding.Mesh"] = None, params: Optional[Any] = None,
+                 served_model_name: Optional[str] = None, **kwargs: Any):
+        from jaxllm.entrypoints.vllm_flags import vllm_engine_kwargs
         from jaxllm.named_models import resolve_model
 
+        kwargs = vllm_engine_kwargs(kwargs)
         if model is None or isinstance(model, (str, os.PathLike)):
             model = resolve_model(model, kwargs.get("revision"), kwargs.get("download_dir"))
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(resolve_model(tokenizer, kwargs.get("revision"), kwargs.get("download_dir")))
         config = EngineConfig(**kwargs)
         if config.data_parallel_size > 1:
             if mesh is not None:
@@ -59,7 +67,8 @@ class LLMEngine(FrontEnd):
         is_path = isinstance(model, (str, os.PathLike))
         if tokenizer is None and is_path:
             tokenizer = load_tokenizer(model)
-        super().__init__(tokenizer, client, config, str(model) if is_path else model.model_type)
+        super().__init__(tokenizer, client, config,
+                         served_model_name or (str(model) if is_path else model.model_type))
 
     @property
     def core(self):

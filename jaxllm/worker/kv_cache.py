@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
-GPU_MEMORY_FRACTION = 0.9
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
@@ -43,22 +42,26 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
     return cfg.kv_bytes_per_token * block_size * np.dtype(dtype).itemsize
 
 
-def default_kv_cache_bytes(device: Any) -> int:
-    """The default KV budget: 90% of ``device``'s memory minus what is in use; 1 GiB on CPU."""
+def default_kv_cache_bytes(device: Any, gpu_memory_utilization: float) -> int:
+    """The default KV budget in bytes: ``gpu_memory_utilization`` of ``device``'s memory (JAX's ``bytes_limit``)
+    minus the bytes in use (the weights, placed before this is read), as vLLM sizes its cache; 1 GiB on CPU."""
     if device.platform == "cpu":
         return CPU_DEFAULT_KV_BYTES
     stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit", 0)
     in_use = stats.get("bytes_in_use", 0)
-    return max(int(limit * GPU_MEMORY_FRACTION) - in_use, 0)
+    return max(int(limit * gpu_memory_utilization) - in_use, 0)
 
 
-def _budget(kv_cache_memory_bytes: Optional[int], device: Any) -> tuple[int, str]:
+def _budget(kv_cache_memory_bytes: Optional[int], device: Any, gpu_memory_utilization: float) -> tuple[int, str]:
     """The KV budget in bytes and how to name it in a message."""
     if kv_cache_memory_bytes is not None:
         return kv_cache_memory_bytes, f"kv_cache_memory_bytes={kv_cache_memory_bytes}"
-    budget = default_kv_cache_bytes(device)
-    return budget, f"kv_cache_memory_bytes={budget} (the default on {device.platform})"
+    budget = default_kv_cache_bytes(device, gpu_memory_utilization)
+    if device.platform == "cpu":
+        return budget, f"kv_cache_memory_bytes={budget} (the default on cpu)"
+    return budget, (f"kv_cache_memory_bytes={budget} (gpu_memory_utilization={gpu_memory_utilization} of "
+                    f"{device.platform}'s memory less what is in use)")
 
 
 # What a message about a KV budget too small for max_model_len tells the user to change (LLM keyword, CLI flag).
@@ -67,7 +70,7 @@ _KV_FLAGS = ("max_model_len (--max-model-len), kv_cache_memory_bytes (--kv-cache
 
 
 def fit_max_model_len(cfg: ModelConfig, *, block_size: int, dtype: Any, kv_cache_memory_bytes: Optional[int],
-                      max_model_len: int, device: Any) -> int:
+                      max_model_len: int, device: Any, gpu_memory_utilization: float) -> int:
     """The ``max_model_len`` for an unset one (vLLM's ``-1``): the model's ``max_model_len`` when the
     budget holds one such sequence, else ``(blocks - 1) * block_size`` (logged); arguments as
     :func:`resolve_num_blocks`.
@@ -76,7 +79,7 @@ def fit_max_model_len(cfg: ModelConfig, *, block_size: int, dtype: Any, kv_cache
       ValueError: the budget holds fewer than 2 blocks.
     """
     per_block = bytes_per_block(cfg, block_size, dtype)
-    budget, budget_name = _budget(kv_cache_memory_bytes, device)
+    budget, budget_name = _budget(kv_cache_memory_bytes, device, gpu_memory_utilization)
     blocks = budget // per_block
     fit = (blocks - 1) * block_size
     if fit >= max_model_len:
@@ -104,9 +107,11 @@ def resolve_num_blocks(
     max_num_seqs: int,
     max_model_len: int,
     device: Any,
+    gpu_memory_utilization: float,
 ) -> int:
     """KV blocks, null block included: ``num_kv_blocks``, else the budget over :func:`bytes_per_block`,
-    capped at ``max_num_seqs`` sequences of ``max_model_len`` tokens.
+    capped at ``max_num_seqs`` sequences of ``max_model_len`` tokens. The budget is ``kv_cache_memory_bytes``,
+    else :func:`default_kv_cache_bytes` of ``device`` and ``gpu_memory_utilization``.
 
     Raises:
       ValueError: the budget holds fewer blocks than one ``max_model_len`` sequence needs.
@@ -114,7 +119,7 @@ def resolve_num_blocks(
     if num_kv_blocks is not None:
         return num_kv_blocks
     per_block = bytes_per_block(cfg, block_size, dtype)
-    budget, budget_name = _budget(kv_cache_memory_bytes, device)
+    budget, budget_name = _budget(kv_cache_memory_bytes, device, gpu_memory_utilization)
     blocks_per_seq = math.ceil(max_model_len / block_size)
     num_blocks = min(budget // per_block, max_num_seqs * blocks_per_seq + 1)
     if num_blocks < blocks_per_seq + 1:
@@ -163,7 +168,7 @@ def compressed_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
 
 def split_kv_budget(cfg: ModelConfig, *, block_size: int, dtype: Any, fraction: float, num_kv_blocks: Optional[int],
                     kv_cache_memory_bytes: Optional[int], max_num_seqs: int, max_model_len: int,
-                    device: Any) -> tuple[int, int]:
+                    device: Any, gpu_memory_utilization: float) -> tuple[int, int]:
     """``(num_blocks, num_pool_blocks)`` of one KV budget, ``fraction`` of its bytes to the
     compressed pool, each with its null block / slot.
 
@@ -173,10 +178,11 @@ def split_kv_budget(cfg: ModelConfig, *, block_size: int, dtype: Any, fraction: 
     if num_kv_blocks is not None:
         budget = num_kv_blocks * bytes_per_block(cfg, block_size, dtype)
     else:
-        budget = _budget(kv_cache_memory_bytes, device)[0]
+        budget = _budget(kv_cache_memory_bytes, device, gpu_memory_utilization)[0]
     num_blocks = resolve_num_blocks(cfg, block_size=block_size, dtype=dtype, num_kv_blocks=None,
                                     kv_cache_memory_bytes=int(budget * (1 - fraction)), max_num_seqs=max_num_seqs,
-                                    max_model_len=max_model_len, device=device)
+                                    max_model_len=max_model_len, device=device,
+                                    gpu_memory_utilization=gpu_memory_utilization)
     per_slot = compressed_bytes_per_block(cfg, block_size)
     num_compressed = int(budget * fraction) // per_slot
     if num_compressed < 2:

@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
+import uuid
 from typing import Any, Optional, Sequence
 
 import prometheus_client
@@ -43,7 +45,7 @@ from jaxllm.entrypoints.openai.protocol import (
 )
 from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from jaxllm.entrypoints.openai.router_compat import RouterDefaults
-from jaxllm.entrypoints.openai.serving import APIError, check_parsers
+from jaxllm.entrypoints.openai.serving import APIError, ServerOptions, check_parsers
 from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_module, runtime_lora_updating
 from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -59,8 +61,10 @@ DEV_MODE_VARIABLE = "JAXLLM_SERVER_DEV_MODE"
 
 
 def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
-    """The ``serve`` flags: the server's own, then every ``EngineConfig`` field."""
+    """The ``serve`` flags: the server's own, every ``EngineConfig`` field, then the rest of vLLM's
+    (``jaxllm.entrypoints.vllm_flags``)."""
     from jaxllm.entrypoints.engine_args import add_engine_args
+    from jaxllm.entrypoints.vllm_flags import Switch, add_vllm_flags
 
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
                                 description="Serve a model over an OpenAI-compatible HTTP API.")
@@ -82,10 +86,10 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a jinja2 chat template file (or the template itself, inline) used instead of the "
                         "model's, e.g. for a model that has none")
-    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+    p.add_argument("--enable-tokenizer-info-endpoint", action=Switch, default=False,
                    help="serve GET /tokenizer_info (the tokenizer's settings and chat template; off by default, as "
                         "in vLLM, since it shows the chat template)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
+    p.add_argument("--enable-auto-tool-choice", action=Switch, default=False,
                    help="read the calls a model writes when tool_choice is 'auto' (needs --tool-call-parser); "
                         "without it, 'auto' with tools is refused")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -96,13 +100,73 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
                    help="LoRA adapters to serve (needs --enable-lora), each name=path or JSON {\"name\": .., "
                         "\"path\": .., \"base_model_name\": ..}; a request's model picks one by name")
     add_engine_args(p)
+    add_vllm_flags(p)
     return p
 
 
-def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_tokenizer_info: bool = False):
-    """The FastAPI app over an ``OpenAIServing`` (``lifespan``: FastAPI's, to stop the engine at shutdown)."""
+def server_flags(args: argparse.Namespace) -> None:
+    """Read vLLM's server flags that hold JSON or numbers (``--allowed-origins '["*"]'``,
+    ``--default-chat-template-kwargs '{"enable_thinking": false}'``, ``--ssl-cert-reqs 2``) into their values, in
+    place, so a bad one fails before the model loads. Raises ValueError naming the flag and the value."""
+    def parse(name: str, kind: type, default: Any) -> None:
+        value = getattr(args, name)
+        if value is None:
+            setattr(args, name, default)
+            return
+        try:
+            value = json.loads(value) if kind in (list, dict) else kind(value)
+        except ValueError:
+            value = None
+        if not isinstance(value, kind):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r} must be "
+                             f"{'a JSON ' if kind in (list, dict) else 'an '}{kind.__name__}")
+        setattr(args, name, value)
+
+    for name, kind, default in (("allowed_origins", list, []), ("allowed_methods", list, ["*"]),
+                                ("allowed_headers", list, ["*"]), ("default_chat_template_kwargs", dict, {}),
+                                ("override_generation_config", dict, {}), ("ssl_cert_reqs", int, None),
+                                ("h11_max_incomplete_event_size", int, None)):
+        parse(name, kind, default)
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``uvicorn.Config`` keywords of vLLM's server flags given (TLS, ``--uds``, ``--root-path``, the access log,
+    ``--h11-max-incomplete-event-size``); the flags as :func:`server_flags` read them."""
+    options = {name: getattr(args, name) for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs",
+                                                      "ssl_ciphers", "uds", "root_path",
+                                                      "h11_max_incomplete_event_size")
+               if getattr(args, name) is not None}
+    if args.disable_uvicorn_access_log:
+        options["access_log"] = False
+    return options
+
+
+def add_http_flags(app: FastAPI, args: argparse.Namespace) -> None:
+    """vLLM's CORS flags (when any is given: Starlette's ``CORSMiddleware``) and ``--enable-request-id-headers``
+    (each response carries the request's ``X-Request-Id``, else a new one) on ``app``; the flags as
+    :func:`server_flags` read them."""
+    if args.allowed_origins or args.allow_credentials or args.allowed_methods != ["*"] or \
+            args.allowed_headers != ["*"]:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+                           allow_credentials=bool(args.allow_credentials), allow_methods=args.allowed_methods,
+                           allow_headers=args.allowed_headers)
+    if args.enable_request_id_headers:
+        @app.middleware("http")
+        async def request_id(request: Request, call_next):
+            response = await call_next(request)
+            response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            return response
+
+
+def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_tokenizer_info: bool = False,
+              docs: bool = True):
+    """The FastAPI app over an ``OpenAIServing`` (``lifespan``: FastAPI's, to stop the engine at shutdown;
+    ``docs`` False: no /docs, /redoc or /openapi.json, vLLM's ``--disable-fastapi-docs``)."""
     engine = serving.engine
-    app = FastAPI(title="jaxllm", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="jaxllm", version=__version__, lifespan=lifespan,
+                  **({} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)))
 
     def error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
         return JSONResponse(error_body(status, message, param, code), status_code=status)
@@ -359,10 +423,13 @@ def run(args: argparse.Namespace) -> int:
     from jaxllm.paths import model_format, read_generation_config
     from jaxllm.tokenizer import load_tokenizer
 
+    if args.hf_token:
+        os.environ["HF_TOKEN"] = args.hf_token
     model = str(resolve_model(args.model, args.revision, args.download_dir))
     model_format(model)
     served_model_name = args.served_model_name or args.model or DEFAULT_MODEL
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(resolve_model(args.tokenizer, args.revision, args.download_dir)
+                               if args.tokenizer is not None else model)
     if args.chat_template is not None:
         if tokenizer is None:
             raise ValueError(f"--chat-template: {model} has no tokenizer, so it cannot render chats")
@@ -375,27 +442,38 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         engine.client.shutdown()
         raise
-    serving = OpenAIServing(engine, served_model_name,
-                            generation_config_defaults(read_generation_config(model)),
+    source = {None: model, "auto": model, "vllm": None}.get(args.generation_config, args.generation_config)
+    generation = {**(read_generation_config(source) if source is not None else {}), **args.override_generation_config}
+    options = ServerOptions(response_role=args.response_role or "assistant",
+                            return_tokens_as_token_ids=bool(args.return_tokens_as_token_ids),
+                            enable_force_include_usage=bool(args.enable_force_include_usage),
+                            default_chat_template_kwargs=args.default_chat_template_kwargs,
+                            enable_log_requests=bool(args.enable_log_requests))
+    serving = OpenAIServing(engine, served_model_name, generation_config_defaults(generation),
                             tool_call_parser=args.tool_call_parser,
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
-                            reasoning_parser=args.reasoning_parser, models=models)
+                            reasoning_parser=args.reasoning_parser, models=models, options=options)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
         yield
         await engine.shutdown()
 
-    app = build_app(serving, args.api_key, lifespan, args.enable_tokenizer_info_endpoint)
+    app = build_app(serving, args.api_key, lifespan, args.enable_tokenizer_info_endpoint,
+                    docs=not args.disable_fastapi_docs)
+    add_http_flags(app, args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
+                            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,
+                            **uvicorn_options(args))
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with these handlers
     # that ends here, and the process exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    logger.info(f"serving {serving.model_name} ({model}) on http://{args.host}:{args.port} (OpenAI-compatible API "
-                "under /v1)")
+    if args.advisory_flags:
+        logger.info("vLLM flags accepted without effect: " + "; ".join(args.advisory_flags))
+    where = f"unix:{args.uds}" if args.uds else f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
+    logger.info(f"serving {serving.model_name} ({model}) on {where} (OpenAI-compatible API under /v1)")
     try:
         server.run()
     finally:
@@ -407,8 +485,16 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "jaxllm serve") -> in
     """Parse ``argv`` and serve; returns the exit status: 0, or 2 for a bad flag or model (one line on stderr)."""
     from jaxllm.entrypoints.engine_args import check_engine_args
 
+    from jaxllm.entrypoints.vllm_flags import apply_vllm_flags, normalize_argv
+
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(normalize_argv(parser, sys.argv[1:] if argv is None else argv))
+        args.advisory_flags = apply_vllm_flags(args)
+        server_flags(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     problem = check_engine_args(args)
     if args.lora_modules and not args.enable_lora:
         problem = "--lora-modules needs --enable-lora"

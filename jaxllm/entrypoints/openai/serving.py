@@ -26,6 +26,7 @@ from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionTool,
     CompletionRequest,
     NamedToolChoice,
+    StreamOptions,
     TokenizeRequest,
 )
 from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, THINK_END, opens_reasoning
@@ -38,11 +39,14 @@ from jaxllm.entrypoints.openai.tool_parsers import (
     parameters_schema,
     required_schema,
 )
+from jaxllm.logger import init_logger
 from jaxllm.lora import LoRARequest
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.structured_output import after_reasoning, validate_structured_outputs
 from jaxllm.tokenizer import ChatInputError
 from scheduler import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+logger = init_logger(__name__)
 
 # Sampling fields the model's generation_config.json may set defaults for.
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -89,6 +93,24 @@ async def merge(streams: Sequence[AsyncIterator[RequestOutput]]) -> AsyncIterato
             task.cancel()
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """Server-wide settings from vLLM's frontend flags of the same names (``jaxllm.entrypoints.vllm_flags``).
+
+    response_role: a chat completion's message role when the request adds the generation prompt (else the last
+    message's role). return_tokens_as_token_ids: every request's default for the field (with logprobs).
+    enable_force_include_usage: every stream ends with usage, as if ``stream_options.include_usage``.
+    default_chat_template_kwargs: chat template variables under each request's ``chat_template_kwargs``.
+    enable_log_requests: log each engine request's id, prompt length and ``SamplingParams`` at info.
+    """
+
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
+    enable_log_requests: bool = False
+
+
 class OpenAIServing:
     """Completions, chat, tokenize and detokenize over one ``AsyncLLM``.
 
@@ -101,6 +123,7 @@ class OpenAIServing:
       reasoning_parser: a ``REASONING_PARSERS`` name (``--reasoning-parser``).
       models: the ``OpenAIServingModels`` a request's ``model`` is looked up in (default: ``model_name`` alone,
         no adapters).
+      options: the :class:`ServerOptions` (default: vLLM's defaults).
 
     Raises:
       ValueError: an unknown parser name, or ``enable_auto_tool_choice`` without ``tool_call_parser``.
@@ -109,7 +132,8 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str, generation_defaults: dict[str, Any],
                  tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
                  reasoning_parser: Optional[str] = None,
-                 models: Optional[OpenAIServingModels] = None) -> None:
+                 models: Optional[OpenAIServingModels] = None, options: Optional[ServerOptions] = None) -> None:
+        self.options = options if options is not None else ServerOptions()
         check_parsers(tool_call_parser, enable_auto_tool_choice, reasoning_parser)
         self.tool_parser = TOOL_PARSERS[tool_call_parser] if enable_auto_tool_choice else None
         self.tool_call_id = (TOOL_PARSERS[tool_call_parser] if tool_call_parser else ToolParser).new_id
@@ -242,6 +266,8 @@ class OpenAIServing:
         streams = []
         try:
             for rid, (text, token_ids), p in zip(ids, prompts, params):
+                if self.options.enable_log_requests:
+                    logger.info(f"request {rid}: {len(token_ids)} prompt tokens, {p}")
                 streams.append(self.engine.add_request(rid, token_ids, p, prompt=text, priority=request.priority,
                                                        cache_salt=request.cache_salt, lora_request=lora))
         except ValueError as e:
@@ -280,6 +306,7 @@ class OpenAIServing:
         """
         self.check_model(request.model)
         check_fields("completions", request)
+        self._server_defaults(request)
         check_combination(request)
         prompts = self.completion_prompts(request)
         echo_logprobs = request.logprobs if request.echo else None
@@ -410,9 +437,11 @@ class OpenAIServing:
         """
         self.check_model(request.model)
         check_fields("chat", request)
+        self._server_defaults(request)
         check_combination(request)
         text = self.render_chat_text(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                     tool_dicts(request.tools), chat_template_kwargs(request))
+                                     tool_dicts(request.tools),
+                                     chat_template_kwargs(request, self.options.default_chat_template_kwargs))
         ids = self.truncate(self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens), request)
         parsing, constraint = self.chat_parsing(request, opens_reasoning(text))
         if parsing.tools is not None and parsing.tools().keeps_special_tokens \
@@ -425,6 +454,21 @@ class OpenAIServing:
         params = self.sampling_params(request, len(ids), max_tokens, logprobs, prompt_logprobs=request.prompt_logprobs,
                                       logprobs_param="top_logprobs", constraint=constraint)
         return ids, parsing, params
+
+    def _server_defaults(self, request: Union[CompletionRequest, ChatCompletionRequest]) -> None:
+        """Set the request's fields the :class:`ServerOptions` default (in place, before it is checked)."""
+        if self.options.return_tokens_as_token_ids and request.logprobs not in (None, False):
+            request.return_tokens_as_token_ids = True
+        if self.options.enable_force_include_usage and request.stream:
+            options = request.stream_options or StreamOptions()
+            request.stream_options = options.model_copy(update={"include_usage": True})
+
+    def role(self, request: ChatCompletionRequest) -> str:
+        """The role of a chat completion's message, as vLLM's: ``response_role`` when the request adds the
+        generation prompt, else its last message's."""
+        if request.add_generation_prompt or not request.messages:
+            return self.options.response_role
+        return request.messages[-1].get("role", self.options.response_role)
 
     def prepare_chat(self, request: ChatCompletionRequest, set_output_kind: bool = True):
         """Check and start a chat request; returns (id, created, prompt ids, streams, parsing, ``SamplingParams``).
@@ -498,6 +542,7 @@ class OpenAIServing:
         choices = []
         for c in final.outputs:
             message, num_calls = parsing.message(c.text)
+            message["role"] = self.role(request)
             choices.append({"index": c.index, "message": message,
                             "logprobs": (self._chat_logprobs(_output_rows(c, len(c.token_ids)), request.top_logprobs or 0,
                                                              as_ids=as_ids) if request.logprobs else None),
@@ -536,7 +581,7 @@ class OpenAIServing:
         texts, token_ids = [""] * request.n, [[] for _ in range(request.n)]
         try:
             for i in range(request.n):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                yield chunk({"index": i, "delta": {"role": self.role(request), "content": ""}, "logprobs": None,
                              "finish_reason": None})
             async for _, index, _, _, c in choices.updates(merge(streams)):
                 texts[index] += c.delta_text
@@ -632,7 +677,8 @@ class OpenAIServing:
         else:
             text = self.render_chat_text(request.messages, request.add_generation_prompt,
                                          request.continue_final_message, tool_dicts(request.tools),
-                                         request.chat_template_kwargs)
+                                         {**self.options.default_chat_template_kwargs,
+                                          **(request.chat_template_kwargs or {})} or None)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
@@ -740,10 +786,12 @@ def check_fields(endpoint: str, request: Any) -> None:
         raise APIError(400, refused.message, refused.param, refused.code)
 
 
-def chat_template_kwargs(request: ChatCompletionRequest) -> Optional[dict[str, Any]]:
-    """The chat template's extra variables: ``documents`` and ``reasoning_effort`` (with ``enable_thinking``,
-    false for "none") as vLLM passes them, then ``chat_template_kwargs`` over them."""
-    kwargs: dict[str, Any] = {}
+def chat_template_kwargs(request: ChatCompletionRequest,
+                         defaults: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """The chat template's extra variables: ``defaults`` (``--default-chat-template-kwargs``), ``documents`` and
+    ``reasoning_effort`` (with ``enable_thinking``, false for "none") as vLLM passes them, then
+    ``chat_template_kwargs`` over them."""
+    kwargs: dict[str, Any] = dict(defaults or {})
     if request.documents is not None:
         kwargs["documents"] = request.documents
     if request.reasoning_effort is not None:

@@ -1,0 +1,516 @@
+"""What jaxllm does with each flag of vLLM's ``vllm serve`` that jaxllm has no flag of the same name for, and
+with each ``vllm.LLM`` keyword that is not an ``EngineConfig`` field: the one table.
+
+The flags are vLLM 0.34.0's (its ``make_arg_parser``: ``FrontendArgs`` and ``EngineArgs``); the keywords are its
+``EngineArgs`` fields, which ``vllm.LLM(**kwargs)`` takes. Each has a :class:`Rule`:
+
+- ``alias``: another name for a jaxllm setting (``num_gpu_blocks_override`` is ``num_kv_blocks``), or a cap on one;
+- ``server``: read by ``jaxllm serve`` itself (CORS, TLS, the chat role, ...); not an ``LLM`` keyword;
+- ``advisory``: accepted and not acted on, because no value of it changes what a client gets from jaxllm (a CUDA
+  kernel choice, a multi-node setting, a metrics option); each one given is logged once, with the reason;
+- any rule may refuse some values (``refuses``): those whose loss would change what the client gets, or that ask
+  jaxllm to import and run a class or plugin. The error names the flag, the value and why.
+
+vLLM's flags that jaxllm has under the same name (``--max-num-seqs``, ``--enable-prefix-caching``, ...) are
+``EngineConfig`` fields or the server's own flags and are not listed. As vLLM's parser does, :func:`normalize_argv`
+reads ``--max_num_seqs`` as ``--max-num-seqs``, and ``--config FILE`` reads flags from a YAML file (the command
+line wins).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from jaxllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+ALIAS = "alias"
+SERVER = "server"
+ADVISORY = "advisory"
+
+SWITCH, VALUE, VALUES, APPEND = "switch", "value", "values", "append"  # how the command line gives a flag
+
+
+def _never(_: Any) -> bool:
+    return False
+
+
+def _truthy(value: Any) -> bool:
+    return value not in (None, False, "", "false", "False", [], {}, "{}", "[]")
+
+
+def _given(value: Any) -> bool:
+    return value is not None and value not in ("", [], {}, "{}", "[]")
+
+
+def _outside(*allowed: Any) -> Callable[[Any], bool]:
+    """A ``refuses`` predicate: a value given and not one of ``allowed`` (compared as text)."""
+    names = {str(a) for a in allowed}
+
+    def refuses(value: Any) -> bool:
+        return value is not None and str(value) not in names
+
+    refuses.allowed = ", ".join(map(str, allowed))  # type: ignore[attr-defined]
+    return refuses
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One flag's decision.
+
+    kind: ``ALIAS``, ``SERVER`` or ``ADVISORY``. reason: why (logged for an advisory flag given; the error for a
+    refused value). form: ``SWITCH`` (``--x`` / ``--no-x``), ``VALUE``, ``VALUES`` (one or more) or ``APPEND``
+    (repeatable). engine: an ``EngineArgs`` keyword (``LLM`` takes it) rather than a server-only flag.
+    target: for an alias, the ``EngineConfig`` field (or the server's ``model``) it sets. cap: the alias lowers
+    its target to the smaller of the two instead of replacing it. key: the alias sets this key of its target's
+    dict. convert: the alias's value from the command line's text. refuses: True for refused values.
+    """
+
+    kind: str
+    reason: str
+    form: str = VALUE
+    engine: bool = True
+    target: Optional[str] = None
+    cap: bool = False
+    key: Optional[str] = None
+    convert: Callable[[Any], Any] = str
+    refuses: Callable[[Any], bool] = _never
+
+
+def _advisory(reason: str, names: str, form: str = VALUE, engine: bool = True,
+              refuses: Callable[[Any], bool] = _never) -> dict[str, Rule]:
+    return {name: Rule(ADVISORY, reason, form, engine, refuses=refuses) for name in names.split()}
+
+
+def _server(reason: str, names: str, form: str = VALUE, engine: bool = False) -> dict[str, Rule]:
+    return {name: Rule(SERVER, reason, form, engine) for name in names.split()}
+
+
+_PLUGIN = "imports and runs a class or plugin by name, which jaxllm does not do"
+_NO_MM = "multimodal inputs only; jaxllm serves text models"
+_CUDA = "a CUDA/ROCm kernel, graph or allocator setting of vLLM's; jaxllm's steps are XLA programs with its own kernels"
+_PARALLEL = ("a vLLM parallelism or multi-node setting; jaxllm shards over --tensor-parallel-size and "
+             "--data-parallel-size on one host, and outputs do not depend on the layout")
+_METRICS = "a vLLM tracing, metrics or logging option; jaxllm's metrics are its own (docs/features/metrics.md)"
+_LOAD = "how vLLM reads weight files; jaxllm reads safetensors and GGUF its own way, to the same weights"
+_SCHEDULING = "a vLLM scheduling or cache tuning knob; it changes when rows run, not what they return"
+
+RULES: dict[str, Rule] = {
+    # Honoured under another name.
+    "model": Rule(ALIAS, "the model to serve (the positional MODEL)", target="model"),
+    "num_gpu_blocks_override": Rule(ALIAS, "--num-kv-blocks: KV blocks in all", target="num_kv_blocks",
+                                    convert=int),
+    "max_num_active_seqs": Rule(ALIAS, "caps --max-num-seqs (jaxllm sizes its steps per bucket, so a lower "
+                                       "admission limit is a lower max_num_seqs)", target="max_num_seqs", cap=True,
+                                convert=int),
+    "max_num_scheduled_tokens": Rule(ALIAS, "caps --max-num-batched-tokens", target="max_num_batched_tokens",
+                                     cap=True, convert=int),
+    "spec_method": Rule(ALIAS, "--speculative-config's method", target="speculative_config", key="method"),
+    "spec_model": Rule(ALIAS, "--speculative-config's model", target="speculative_config", key="model"),
+    "spec_tokens": Rule(ALIAS, "--speculative-config's num_speculative_tokens", target="speculative_config",
+                        key="num_speculative_tokens", convert=int),
+    # Read by the server.
+    **_server("CORS (Starlette's CORSMiddleware)", "allowed_origins allowed_methods allowed_headers"),
+    **_server("CORS credentials", "allow_credentials", SWITCH),
+    **_server("TLS (uvicorn's)", "ssl_keyfile ssl_certfile ssl_ca_certs ssl_cert_reqs ssl_ciphers"),
+    **_server("a Unix domain socket to listen on instead of --host/--port (uvicorn's)", "uds"),
+    **_server("the ASGI root path behind a proxy (FastAPI's root_path)", "root_path"),
+    **_server("uvicorn's access log off", "disable_uvicorn_access_log", SWITCH),
+    **_server("no /docs, /redoc or /openapi.json", "disable_fastapi_docs", SWITCH),
+    **_server("uvicorn's limit on one HTTP event's bytes", "h11_max_incomplete_event_size"),
+    **_server("the role of a chat completion's message", "response_role"),
+    **_server("every request's default of return_tokens_as_token_ids", "return_tokens_as_token_ids", SWITCH),
+    **_server("usage in every streamed response, as if stream_options.include_usage", "enable_force_include_usage",
+              SWITCH),
+    **_server("chat template variables under every request's chat_template_kwargs (a JSON object)",
+              "default_chat_template_kwargs"),
+    **_server("an X-Request-Id header on every response (the client's, else a new one)",
+              "enable_request_id_headers", SWITCH),
+    **_server("logs each request's id, prompt length and sampling parameters", "enable_log_requests", SWITCH),
+    **_server("'auto': the model's generation_config.json gives default sampling parameters; 'vllm': none; a folder: "
+              "that folder's generation_config.json", "generation_config", engine=True),
+    **_server("sampling defaults (a JSON object) over the generation config's", "override_generation_config",
+              engine=True),
+    **_server("the tokenizer's folder, .gguf or named model (default: the model's)", "tokenizer", engine=True),
+    "hf_token": Rule(SERVER, "the access token for Hub downloads (HF_TOKEN)"),
+    # Accepted with the values jaxllm's behaviour matches; other values refused.
+    "runner": Rule(ADVISORY, "jaxllm runs generative models only", refuses=_outside("auto", "generate")),
+    "convert": Rule(ADVISORY, "jaxllm runs generative models only (no embedding or classification adapters)",
+                    refuses=_outside("auto", "none")),
+    "tokenizer_mode": Rule(ADVISORY, "jaxllm tokenizes with the model's fast (Hugging Face tokenizers) tokenizer",
+                           refuses=_outside("auto", "hf", "slow")),
+    "config_format": Rule(ADVISORY, "jaxllm reads Hugging Face config.json and GGUF metadata",
+                          refuses=_outside("auto", "hf")),
+    "load_format": Rule(ADVISORY, "jaxllm reads safetensors and GGUF files", refuses=_outside(
+        "auto", "safetensors", "gguf", "hf")),
+    "chat_template_content_format": Rule(ADVISORY, "jaxllm detects the content format the template reads, as vLLM's "
+                                                   "'auto'", engine=False, refuses=_outside("auto")),
+    "disable_sliding_window": Rule(ADVISORY, "jaxllm always applies a model's sliding window", SWITCH,
+                                   refuses=_truthy),
+    "skip_tokenizer_init": Rule(ADVISORY, "jaxllm always loads the model's tokenizer (prompts may still be token "
+                                          "ids)", SWITCH, refuses=_truthy),
+    "tokens_only": Rule(ADVISORY, "jaxllm serves text and token endpoints together", SWITCH, refuses=_truthy),
+    "headless": Rule(ADVISORY, "jaxllm's engine cores always run under its API server", SWITCH, engine=False,
+                     refuses=_truthy),
+    "grpc": Rule(ADVISORY, "jaxllm serves HTTP only", SWITCH, engine=False, refuses=_truthy),
+    "grpc_port": Rule(ADVISORY, "jaxllm serves HTTP only", engine=False, refuses=_given),
+    "hf_overrides": Rule(ADVISORY, "overriding the model's config is not implemented", refuses=_given),
+    "hf_config_path": Rule(ADVISORY, "a config from elsewhere than the model is not implemented", refuses=_given),
+    "tokenizer_revision": Rule(ADVISORY, "the tokenizer comes from the model's --revision", refuses=_given),
+    "quantization_config": Rule(ADVISORY, "jaxllm quantizes with --quantization int8 or fp8 only", refuses=_given),
+    "kv_cache_dtype_skip_layers": Rule(ADVISORY, "every layer's KV cache has --kv-cache-dtype", VALUES,
+                                       refuses=_given),
+    "lora_target_modules": Rule(ADVISORY, "an adapter applies to every module it has weights for", VALUES,
+                                refuses=_given),
+    "pooler_config": Rule(ADVISORY, "jaxllm runs generative models only", refuses=_given),
+    "reasoning_effort_map": Rule(ADVISORY, "reasoning_effort goes to the chat template as given", engine=False,
+                                 refuses=_given),
+    "reasoning_config": Rule(ADVISORY, "a reasoning token budget is not implemented", refuses=_given),
+    "watermark_config": Rule(ADVISORY, "watermarking is not implemented", refuses=_given),
+    "diffusion_config": Rule(ADVISORY, "diffusion language models are not implemented", refuses=_given),
+    "kv_transfer_config": Rule(ADVISORY, "disaggregated prefill (KV transfer) is not implemented", refuses=_given),
+    "ec_transfer_config": Rule(ADVISORY, "encoder-cache transfer is not implemented", refuses=_given),
+    "tool_server": Rule(ADVISORY, "the Responses API's built-in tools are not implemented", engine=False,
+                        refuses=_given),
+    **{name: Rule(ADVISORY, _PLUGIN, VALUES if name == "logits_processors" else VALUE, refuses=_given)
+       for name in ("logits_processors", "io_processor_plugin", "model_class_overrides", "scheduler_cls",
+                    "reasoning_parser_plugin")},
+    "worker_cls": Rule(ADVISORY, _PLUGIN, refuses=_outside("auto")),
+    "worker_extension_cls": Rule(ADVISORY, _PLUGIN, refuses=_given),
+    "tool_parser_plugin": Rule(ADVISORY, _PLUGIN, engine=False, refuses=_given),
+    "middleware": Rule(ADVISORY, _PLUGIN, APPEND, engine=False, refuses=_given),
+    # Accepted, whatever the value.
+    **_advisory("jaxllm runs its own model code, never a repository's", "trust_remote_code", SWITCH),
+    **_advisory("jaxllm runs its own model code, never a repository's", "code_revision model_impl"),
+    **_advisory("jaxllm's steps are always compiled XLA programs; --token-buckets and --precompile choose them",
+                "enforce_eager", SWITCH),
+    **_advisory("jaxllm's steps are always compiled XLA programs; --token-buckets and --precompile choose them",
+                "compilation_config optimization_level performance_mode max_cudagraph_capture_size"),
+    **_advisory("jaxllm's steps are always compiled XLA programs; --token-buckets and --precompile choose them",
+                "cudagraph_capture_sizes", VALUES),
+    **_advisory(_CUDA, "attention_config kernel_config ir_op_priority moe_backend linear_backend "
+                       "sparse_indexer_topk_backend gdn_prefill_backend kda_prefill_backend kda_decode_backend "
+                       "mamba_backend mamba_ssu_algorithm mamba_cache_philox_rounds mamba_cache_dtype "
+                       "mamba_ssm_cache_dtype mamba_block_size mamba_cache_mode replayssm_buffer_len "
+                       "sleep_mode_backend offload_backend cpu_offload_gb offload_group_size offload_num_in_group "
+                       "offload_prefetch_step mamba_config"),
+    **_advisory(_CUDA, "enable_flashinfer_autotune monokernel disable_cascade_attn use_fp64_gumbel "
+                       "enable_mamba_cache_stochastic_rounding enable_mamba_shared_prefix_checkpoint use_replayssm "
+                       "sleep_mode_offload_cudagraph enable_cumem_allocator enable_nccl_comm_suspend "
+                       "checkpoint_prepare_on_startup kv_sharing_fast_prefill swa_bounded_replay "
+                       "enable_extensible_kv_cache allow_deprecated_quantization", SWITCH),
+    **_advisory(_CUDA, "cpu_offload_params offload_params sleep_preserve_parameter_names", VALUES),
+    **_advisory(_PARALLEL, "distributed_executor_backend pipeline_parallel_size master_addr master_port nnodes "
+                           "node_rank distributed_timeout_seconds cpu_distributed_timeout_seconds device_ids "
+                           "decode_context_parallel_size dcp_comm_backend dcp_kv_cache_interleave_size "
+                           "cp_kv_cache_interleave_size prefill_context_parallel_size data_parallel_rank "
+                           "data_parallel_start_rank data_parallel_size_local data_parallel_address "
+                           "data_parallel_rpc_port data_parallel_backend all2all_backend ubatch_size "
+                           "elastic_ep_max_dp_size dbo_decode_token_threshold dp_sync_interval "
+                           "dbo_prefill_token_threshold eplb_config expert_placement_strategy "
+                           "max_parallel_loading_workers fault_tolerance_config"),
+    **_advisory(_PARALLEL, "numa_bind dcp_q_replicate data_parallel_hybrid_lb data_parallel_external_lb "
+                           "data_parallel_multi_port_external_lb enable_hc_sp enable_expert_parallel "
+                           "enable_batch_sharded_sampling enable_ep_weight_filter enable_dbo enable_shm_tensor_arena "
+                           "enable_elastic_ep disable_nccl_for_dp_synchronization enable_eplb ray_workers_use_nsight "
+                           "disable_custom_all_reduce enable_fault_tolerance", SWITCH),
+    **_advisory(_PARALLEL, "numa_bind_nodes numa_bind_cpus", VALUES),
+    **_advisory(_PARALLEL, "api_server_count data_parallel_supervisor_port dp_supervisor_probe_interval_s "
+                           "dp_supervisor_probe_timeout_s dp_supervisor_probe_failure_threshold "
+                           "headless_client_handshake_address", engine=False),
+    **_advisory(_PARALLEL, "enable_scale_out", SWITCH, engine=False),
+    **_advisory(_LOAD, "safetensors_load_strategy safetensors_prefetch_num_threads safetensors_prefetch_block_size "
+                       "model_loader_extra_config pt_load_map_location model_weights"),
+    **_advisory(_LOAD, "use_tqdm_on_load shuffle_safetensors_files", SWITCH),
+    **_advisory(_LOAD, "ignore_patterns", VALUES),
+    **_advisory(_NO_MM, "allowed_local_media_path limit_mm_per_prompt media_io_kwargs mm_processor_kwargs "
+                        "mm_processor_cache_gb mm_processor_cache_type mm_hasher_algorithm "
+                        "mm_shm_cache_max_object_size_mb mm_encoder_tp_mode mm_encoder_attn_backend "
+                        "mm_encoder_attn_dtype mm_encoder_fp8_scale_path mm_encoder_fp8_scale_save_path "
+                        "mm_encoder_fp8_scale_save_margin video_pruning_rate video_pruning_method mm_tensor_ipc "
+                        "mm_processor_device mm_ipc_gpu_memory_gb default_mm_loras ec_manager_config"),
+    **_advisory(_NO_MM, "language_model_only enable_mm_embeds mm_encoder_only interleave_mm_strings "
+                        "skip_mm_profiling mm_device_do_normalize enable_tower_connector_lora "
+                        "enable_mm_processor_stats disable_chunked_mm_input", SWITCH),
+    **_advisory(_NO_MM, "allowed_media_domains", VALUES),
+    **_advisory(_NO_MM, "trust_request_mm_kwargs", SWITCH, engine=False),
+    **_advisory(_METRICS, "show_hidden_metrics_for_version otlp_traces_endpoint per_request_spec_decode_metrics "
+                          "kv_cache_metrics_sample custom_histogram_buckets jit_monitor_mode logging_config "
+                          "profiler_config watchdog_config additional_config aux_output_config"),
+    **_advisory(_METRICS, "kv_cache_metrics cudagraph_metrics enable_layerwise_nvtx_tracing enable_mfu_metrics "
+                          "enable_logging_iteration_details jit_monitor_verbose enable_trace_replay "
+                          "enable_return_routed_experts return_sampling_mask", SWITCH),
+    **_advisory(_METRICS, "collect_detailed_traces", VALUES),
+    **_advisory(_METRICS, "log_config_file"),
+    **_advisory(_METRICS, "aggregate_engine_logging fail_on_environ_validation", SWITCH),
+    **_advisory(_METRICS, "max_log_len", engine=False),
+    **_advisory(_METRICS, "enable_per_request_metrics enable_server_load_tracking enable_log_outputs "
+                          "enable_log_deltas log_error_stack enable_ssl_refresh", SWITCH, engine=False),
+    **_advisory(_SCHEDULING, "max_num_inflight_kv_loads max_num_queued_reqs max_num_queued_tokens watermark "
+                             "prefill_schedule_interval cache_aware_admission_window cache_aware_admission_threshold "
+                             "stream_interval prefix_caching_hash_algo prefix_cache_retention_interval "
+                             "prefix_match_unit kv_offloading_backend renderer_num_workers"),
+    **_advisory(_SCHEDULING, "long_prefill_token_threshold_adaptive scheduler_reserve_full_isl "
+                             "disable_hybrid_kv_cache_manager", SWITCH),
+    **_advisory("jaxllm's LoRA slots compute in the model's dtype", "lora_dtype max_lora_cls_labels"),
+    **_advisory("jaxllm's LoRA slots compute in the model's dtype", "fully_sharded_loras specialize_active_lora "
+                "enable_mixed_moe_lora_format enable_moe_shared_loras", SWITCH),
+    **_advisory("jaxllm enforces structured outputs with llguidance", "structured_outputs_config"),
+    **_advisory("jaxllm enforces structured outputs with llguidance", "tool_strict_level", engine=False),
+    **_advisory("weights are updated through jaxllm's own calls (docs/features/rl.md)", "weight_transfer_config"),
+    **_advisory("an experimental vLLM feature jaxllm does not have; it changes no output", "engram_config"),
+    **_advisory("jaxllm serves no Cohere or Anthropic routes", "cohere_format anthropic_disabled_thinking_effort",
+                engine=False),
+    **_advisory("jaxllm serves no Cohere or Anthropic routes", "cohere_is_reasoning_model", SWITCH, engine=False),
+    **_advisory("jaxllm's /v1 responses carry no system fingerprint", "fingerprint_mode fingerprint_value",
+                engine=False),
+    **_advisory("jaxllm's server sends no SSE keep-alive comments", "sse_keep_alive_interval", engine=False),
+    **_advisory("uvicorn's default header limit applies", "h11_max_header_count", engine=False),
+    **_advisory("every endpoint is logged alike (see --disable-uvicorn-access-log)",
+                "disable_access_log_for_endpoints", engine=False),
+    **_advisory("jaxllm's /docs pages load their assets from a CDN", "enable_offline_docs enable_flash_late_interaction",
+                SWITCH, engine=False),
+    **_advisory("jaxllm always reports usage.prompt_tokens_details.cached_tokens", "enable_prompt_tokens_details",
+                SWITCH, engine=False),
+    **_advisory("a request's own chat template is refused either way (give --chat-template)",
+                "trust_request_chat_template", SWITCH, engine=False),
+    **_advisory("the chat template always sees the request's tools", "exclude_tools_when_tool_choice_none", SWITCH,
+                engine=False, refuses=_truthy),
+    **_advisory("a request's prompt_embeds is refused, naming the field (prompt embeddings are not implemented)",
+                "enable_prompt_embeds", SWITCH),
+}
+
+# vLLM's EngineArgs fields with no flag: LLM keywords only.
+KEYWORD_ONLY = ("mamba_config", "model_weights", "enable_mm_processor_stats")
+# How LLM / LLMEngine treat the EngineArgs keywords that are jaxllm serve's flags (LLM takes SamplingParams, not a
+# model's generation config, and runs no server); served_model_name is a parameter of LLMEngine.
+_GENERATION = ("jaxllm's LLM and LLMEngine take sampling defaults from SamplingParams alone, as vLLM's "
+               "generation_config='vllm' (jaxllm serve reads the model's generation_config.json)")
+LLM_RULES = {"generation_config": Rule(ADVISORY, _GENERATION, refuses=_outside("vllm")),
+             "override_generation_config": Rule(ADVISORY, _GENERATION, refuses=_given),
+             "reasoning_parser": Rule(ADVISORY, "LLM returns the text whole; jaxllm serve splits out reasoning"),
+             "log_level": Rule(ADVISORY, "jaxllm's log level is JAXLLM_LOGGING_LEVEL's"),
+             "shutdown_timeout": Rule(ADVISORY, "LLM runs no server to drain")}
+
+
+def flag(name: str) -> str:
+    """``max_num_seqs`` -> ``--max-num-seqs``."""
+    return "--" + name.replace("_", "-")
+
+
+class Switch(argparse.BooleanOptionalAction):
+    """vLLM's on/off flags: ``--x`` / ``--no-x``, and ``--enable-x`` / ``--disable-x`` as each other's negation."""
+
+    _INVERSE = {"--enable-": "--disable-", "--disable-": "--enable-"}
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        inverse = [other + opt[len(prefix):] for opt in option_strings
+                   for prefix, other in self._INVERSE.items() if opt.startswith(prefix)]
+        self.negatives = {opt for opt in self.option_strings if opt not in option_strings} | set(inverse)
+        self.option_strings = [*self.option_strings, *inverse]
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, option_string not in self.negatives)
+
+
+def _dest(name: str) -> str:
+    """Where the parsed value lands: ``--model`` beside the positional MODEL lands in ``model_option``."""
+    return "model_option" if name == "model" else name
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser, engine_only: bool = False) -> None:
+    """Add every flag of :data:`RULES` that ``parser`` lacks (``engine_only``: the ``EngineArgs`` ones), each
+    defaulting to None (not given). :func:`apply_vllm_flags` then checks and applies them."""
+    group = parser.add_argument_group("vLLM's flags (jaxllm/entrypoints/vllm_flags.py: what each does here)")
+    taken = set(parser._option_string_actions)
+    for name, rule in RULES.items():
+        option = flag(name)
+        if option in taken or name in KEYWORD_ONLY or (engine_only and not rule.engine):
+            continue
+        kind = {"alias": "same as", "server": "honoured:", "advisory": "accepted, no effect:"}[rule.kind]
+        help = f"vLLM's; {kind} {rule.reason}".replace("%", "%%")
+        if rule.form == SWITCH:
+            group.add_argument(option, dest=_dest(name), action=Switch, default=None, help=help)
+        else:
+            nargs = {VALUES: "+", APPEND: None}.get(rule.form)
+            action = "append" if rule.form == APPEND else "store"
+            group.add_argument(option, dest=_dest(name), nargs=nargs, action=action, default=None, help=help)
+    if "--config" not in taken:
+        group.add_argument("--config", metavar="FILE", help="vLLM's; honoured: a YAML file of flags (name: value); "
+                                                            "flags on the command line win")
+    _add_spellings(parser)
+
+
+# vLLM's other spellings of flags (its short forms, and --device-memory-utilization), by destination.
+OTHER_SPELLINGS = {
+    "api_server_count": "-asc", "quantization": "-q", "pipeline_parallel_size": "-pp", "nnodes": "-n",
+    "node_rank": "-r", "tensor_parallel_size": "-tp", "decode_context_parallel_size": "-dcp",
+    "prefill_context_parallel_size": "-pcp", "data_parallel_size": "-dp", "data_parallel_rank": "-dpn",
+    "data_parallel_start_rank": "-dpr", "data_parallel_size_local": "-dpl", "data_parallel_address": "-dpa",
+    "data_parallel_rpc_port": "-dpp", "data_parallel_backend": "-dpb", "data_parallel_hybrid_lb": "-dph",
+    "data_parallel_external_lb": "-dpe", "data_parallel_multi_port_external_lb": "-dpm",
+    "enable_expert_parallel": "-ep", "gpu_memory_utilization": "--device-memory-utilization",
+    "speculative_config": "-sc", "diffusion_config": "-dc", "compilation_config": "-cc", "attention_config": "-ac",
+}
+
+
+def _add_spellings(parser: argparse.ArgumentParser) -> None:
+    """Register :data:`OTHER_SPELLINGS` on the actions of their destinations (argparse has no public call to add
+    an option string to an action, so this does what ``add_argument`` does for one)."""
+    by_dest = {action.dest: action for action in parser._actions}
+    for dest, spelling in OTHER_SPELLINGS.items():
+        action = by_dest.get(dest)
+        if action is not None and spelling not in parser._option_string_actions:
+            action.option_strings.append(spelling)
+            parser._option_string_actions[spelling] = action
+
+
+def _refusal(name: str, value: Any, rule: Rule, spelled: Callable[[str], str]) -> Optional[str]:
+    """The error for a refused value (None: accepted): the flag (and a value that is not a switch's), why, and the
+    values accepted where only some are."""
+    if not rule.refuses(value):
+        return None
+    given = spelled(name) if rule.form == SWITCH and spelled(name).startswith("--") else f"{spelled(name)} {value!r}"
+    allowed = getattr(rule.refuses, "allowed", None)
+    return f"{given} is not supported: {rule.reason}" + (f" (accepted: {allowed})" if allowed else "")
+
+
+def _apply(settings: dict[str, Any], name: str, value: Any, rule: Rule, spelled: Callable[[str], str]) -> None:
+    """Set an alias's target in ``settings`` (``EngineConfig`` keywords, or parsed flags). Raises ValueError: a
+    value that does not convert, or one that contradicts the target's own value."""
+    try:
+        value = rule.convert(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{spelled(name)} {value!r} must be {rule.convert.__name__}") from None
+    target, current = rule.target, settings.get(rule.target)
+    if rule.cap:
+        settings[target] = value if current is None else min(current, value)
+    elif rule.key is not None:
+        config = json.loads(current) if isinstance(current, str) else dict(current or {})
+        if config.get(rule.key, value) != value:
+            raise ValueError(f"{spelled(name)} {value!r} contradicts {spelled(target)}'s {rule.key} "
+                             f"{config[rule.key]!r}")
+        settings[target] = {**config, rule.key: value}
+    elif current is not None and current != value:
+        where = "the positional MODEL" if target == "model" else spelled(target)
+        raise ValueError(f"{spelled(name)} {value!r} contradicts {where} {current!r}")
+    else:
+        settings[target] = value
+
+
+def apply_vllm_flags(args: argparse.Namespace) -> list[str]:
+    """Check the vLLM flags :func:`add_vllm_flags` added and apply the aliases to ``args`` (``--model`` to
+    ``args.model``). Returns the advisory flags given, each with why it has no effect (the caller logs them).
+    Raises ValueError: a refused value or a contradiction, naming the flag."""
+    settings = vars(args)
+    advisory = []
+    for name, rule in RULES.items():
+        value = settings.get(_dest(name))
+        if value is None:
+            continue
+        problem = _refusal(name, value, rule, flag)
+        if problem is not None:
+            raise ValueError(problem)
+        if rule.kind == ALIAS:
+            _apply(settings, name, value, rule, flag)
+        elif rule.kind == ADVISORY:
+            advisory.append(f"{flag(name)} ({rule.reason})")
+    return advisory
+
+
+def vllm_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``LLM`` / ``LLMEngine`` / ``AsyncLLM`` keywords as ``EngineConfig``'s: its fields as given, vLLM's
+    ``EngineArgs`` keywords by :data:`RULES` (aliases applied; advisory ones dropped and logged; ``hf_token`` set
+    as ``HF_TOKEN`` for Hub downloads). Anything else is left in for ``EngineConfig`` to refuse.
+
+    Raises:
+      ValueError: a refused value or a contradiction, naming the keyword.
+      TypeError: a keyword of ``vllm serve`` only (``response_role``), naming its flag.
+    """
+    from jaxllm.config import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    out = {k: v for k, v in kwargs.items() if (k not in RULES and k not in LLM_RULES) or k in fields}
+    advisory = []
+    for name, value in kwargs.items():
+        rule = LLM_RULES.get(name, RULES.get(name))
+        if rule is None or name in fields:
+            continue
+        if not rule.engine:
+            raise TypeError(f"{name}= is vLLM's {flag(name)}, a flag of the server (jaxllm serve), not a keyword of "
+                            "LLM or LLMEngine")
+        problem = _refusal(name, value, rule, lambda n: f"{n}=")
+        if problem is not None:
+            raise ValueError(problem)
+        if rule.kind == ALIAS:
+            _apply(out, name, value, rule, lambda n: f"{n}=")
+        elif name == "hf_token":
+            if value:
+                os.environ["HF_TOKEN"] = str(value)
+        elif rule.kind == ADVISORY:
+            advisory.append(f"{name}= ({rule.reason})")
+    if advisory:
+        logger.info("vLLM keywords accepted without effect: " + "; ".join(advisory))
+    return out
+
+
+def _yaml_flags(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """A vLLM ``--config`` YAML file's keys as command-line flags: ``max_num_seqs: 64`` -> ``--max-num-seqs 64``,
+    ``enforce_eager: true`` -> ``--enforce-eager``, a list -> its items (or its JSON for a one-value flag), a
+    mapping -> its JSON. Raises ValueError: a file that is not a YAML mapping."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: a YAML mapping of flag names to values is needed, not "
+                         f"{type(data).__name__}")
+    argv: list[str] = []
+    for key, value in data.items():
+        option = flag(str(key).replace("-", "_"))
+        action = parser._option_string_actions.get(option)
+        if isinstance(value, bool) and isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(option if value else "--no-" + option[2:])
+        elif isinstance(value, bool) and action is not None and action.nargs == 0:
+            argv += [option] if value else []
+        elif isinstance(value, list) and action is not None and action.nargs in ("+", "*"):
+            argv += [option, *map(str, value)]
+        elif isinstance(value, (list, dict)):
+            argv += [option, json.dumps(value)]
+        else:
+            argv += [option, str(value)]
+    return argv
+
+
+def normalize_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``argv`` as vLLM's parser reads it: ``--max_num_seqs`` spelled ``--max-num-seqs`` (and ``--x_y=v`` as
+    ``--x-y=v``), and ``--config FILE``'s flags (:func:`_yaml_flags`) put before the command line's, which win.
+    Raises ValueError: an unreadable or malformed config file."""
+    out: list[str] = []
+    config: list[str] = []
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        arg = items[i]
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        if arg == "--config" and i + 1 < len(items):
+            config += _yaml_flags(parser, items[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            config += _yaml_flags(parser, arg.partition("=")[2])
+        else:
+            out.append(arg)
+        i += 1
+    return config + out

@@ -1,0 +1,330 @@
+"""vLLM's ``vllm serve`` flags and ``vllm.LLM`` keywords in jaxllm (jaxllm/entrypoints/vllm_flags.py): every one
+vLLM 0.34.0 has parses, with its table rule; aliases set their jaxllm settings; refused values name the flag; the
+server honours the flags it reads. The snapshot of vLLM's flags: tests/fixtures/vllm_serve_flags.json
+(scripts/vllm_serve_flags.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from jaxllm.config import EngineConfig
+from jaxllm.entrypoints.engine_args import check_engine_args
+from jaxllm.entrypoints.openai.api_server import (add_http_flags, build_app, build_parser, server_flags,
+                                                  uvicorn_options)
+from jaxllm.entrypoints.vllm_flags import (KEYWORD_ONLY, LLM_RULES, RULES, SWITCH, apply_vllm_flags,
+                                           normalize_argv, vllm_engine_kwargs)
+from jaxllm.worker.kv_cache import CPU_DEFAULT_KV_BYTES, default_kv_cache_bytes
+from tests.conftest import log_messages
+from tests.server_process import Server, engine_flags
+
+SNAPSHOT = json.loads((Path(__file__).parent / "fixtures" / "vllm_serve_flags.json").read_text())
+FLAGS = SNAPSHOT["flags"]
+PARSER = build_parser()
+
+
+def parse(*argv: str):
+    """``jaxllm serve``'s flags as ``main`` reads them (before the model loads). Raises ValueError as it does."""
+    args = PARSER.parse_args(normalize_argv(PARSER, argv))
+    args.advisory_flags = apply_vllm_flags(args)
+    server_flags(args)
+    return args
+
+
+def native(dest: str) -> bool:
+    """A flag jaxllm has under vLLM's name (an EngineConfig field or the server's own)."""
+    return dest not in RULES
+
+
+def test_the_snapshot_is_vllm_0_34_and_every_spelling_of_every_flag_parses():
+    assert SNAPSHOT["vllm"] == "0.34.0" and len(FLAGS) == 327
+    missing = [o for f in FLAGS for o in f["options"] if o not in PARSER._option_string_actions]
+    assert missing == []
+
+
+def test_every_flag_jaxllm_lacks_has_a_rule_of_its_form_and_kind():
+    lacking = [f for f in FLAGS if not native(f["dest"])]
+    assert len(lacking) == 282
+    for f in lacking:
+        rule = RULES[f["dest"]]
+        assert (rule.form, rule.engine) == (f["form"], f["engine"]), f["dest"]
+    assert set(SNAPSHOT["keywords"]) == set(KEYWORD_ONLY) <= set(RULES)
+    # The table names no flag vLLM lacks, and none jaxllm has itself (each of its flags lands where the table reads).
+    assert set(RULES) - {f["dest"] for f in FLAGS} == set(KEYWORD_ONLY)
+    landed = {name: PARSER._option_string_actions["--" + name.replace("_", "-")].dest
+              for name in RULES if name not in KEYWORD_ONLY}
+    assert {name: dest for name, dest in landed.items() if dest != name} == {"model": "model_option"}
+
+
+def vllm_default_argv(f: dict) -> list[str]:
+    """The flag set to vLLM's default, as a user copying a vLLM command line would write it."""
+    option = f["options"][0]
+    if f["form"] == SWITCH:
+        return [option] if f["default"] else ["--no-" + option[2:]]
+    return [option, f["default"] if isinstance(f["default"], str) else json.dumps(f["default"])]
+
+
+def test_every_flag_at_vllms_default_is_accepted_and_changes_nothing():
+    base = vars(parse())
+    given = [f for f in FLAGS if not native(f["dest"]) and f["default"] is not None and f["form"] != "append"]
+    assert len(given) > 150
+    for f in given:
+        args = parse(*vllm_default_argv(f))
+        changed = {k for k, v in vars(args).items() if base.get(k) != v} - {f["dest"], "model_option",
+                                                                            "advisory_flags"}
+        assert changed == set(), (f["dest"], changed)
+
+
+# One value each rule refuses, and one it accepts (None: it accepts none but its absence, or any).
+REFUSED = {
+    "runner": ("pooling", "generate"), "convert": ("embed", "none"), "tokenizer_mode": ("mistral", "hf"),
+    "config_format": ("mistral", "hf"), "load_format": ("dummy", "safetensors"),
+    "chat_template_content_format": ("openai", "auto"), "worker_cls": ("my.Worker", "auto"),
+    **{name: ("x", None) for name in (
+        "grpc_port", "hf_overrides", "hf_config_path", "tokenizer_revision", "quantization_config", "pooler_config",
+        "reasoning_effort_map", "reasoning_config", "watermark_config", "diffusion_config", "kv_transfer_config",
+        "ec_transfer_config", "tool_server", "io_processor_plugin", "model_class_overrides", "scheduler_cls",
+        "reasoning_parser_plugin", "worker_extension_cls", "tool_parser_plugin", "middleware",
+        "kv_cache_dtype_skip_layers", "lora_target_modules", "logits_processors")},
+    **{name: (True, False) for name in ("disable_sliding_window", "skip_tokenizer_init", "tokens_only", "headless",
+                                        "grpc", "exclude_tools_when_tool_choice_none")},
+}
+
+
+def argv_of(name: str, value) -> list[str]:
+    option = "--" + name.replace("_", "-")
+    if RULES[name].form == SWITCH:
+        return [option if value else "--no-" + option[2:]]
+    return [option, value]
+
+
+def test_the_rules_that_refuse_values_are_the_listed_ones():
+    refusing = {name for name, rule in RULES.items() if rule.refuses(True) or rule.refuses("x")}
+    assert refusing == set(REFUSED)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_refused_value_is_an_error_naming_the_flag_and_an_accepted_one_is_not(name):
+    bad, good = REFUSED[name]
+    option = "--" + name.replace("_", "-")
+    with pytest.raises(ValueError, match=f"^{option}.* is not supported: {RULES[name].reason[:20]}"):
+        parse(*argv_of(name, bad))
+    if good is not None:
+        parse(*argv_of(name, good))
+
+
+def test_the_issue_reported_flags_are_taken(caplog):
+    # The flags a vLLM command line for a GPU carries, which jaxllm serve refused before ("unrecognized arguments").
+    args = parse("--gpu-memory-utilization", "0.85", "--enforce-eager", "--trust-remote-code", "--swa-bounded-replay")
+    assert args.gpu_memory_utilization == 0.85
+    assert [a.split(" ")[0] for a in args.advisory_flags] == ["--trust-remote-code", "--enforce-eager",
+                                                              "--swa-bounded-replay"]
+    assert check_engine_args(args) is None and check_engine_args(parse("--gpu-memory-utilization", "1.5")) == \
+        "--gpu-memory-utilization 1.5 must be in (0, 1]"
+
+
+def test_aliases_set_their_jaxllm_settings():
+    args = parse("--model", "m", "--num-gpu-blocks-override", "40", "--max-num-seqs", "16", "--max-num-active-seqs",
+                 "8", "--max-num-scheduled-tokens", "64", "--spec-method", "ngram", "--spec-tokens", "3")
+    assert (args.model, args.num_kv_blocks, args.max_num_seqs, args.max_num_batched_tokens) == ("m", 40, 8, 64)
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    # A cap above the value it caps leaves it; the same value twice is no contradiction.
+    assert parse("--max-num-active-seqs", "128").max_num_seqs == 64
+    assert parse("m", "--model", "m").model == "m"
+    assert parse("--device-memory-utilization", "0.5", "-tp", "1", "-q", "int8").gpu_memory_utilization == 0.5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["m", "--model", "n"], "--model 'n' contradicts the positional MODEL 'm'"),
+    (["--num-kv-blocks", "30", "--num-gpu-blocks-override", "40"], "--num-gpu-blocks-override 40 contradicts "
+                                                                   "--num-kv-blocks 30"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--spec-tokens", "3"],
+     "--spec-tokens 3 contradicts --speculative-config's num_speculative_tokens 2"),
+    (["--num-gpu-blocks-override", "many"], "--num-gpu-blocks-override 'many' must be int"),
+    (["--allowed-origins", "*"], "--allowed-origins '\\*' must be a JSON list"),
+    (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs '\\[1\\]' must be a JSON dict"),
+])
+def test_contradictions_and_malformed_values_name_the_flag(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse(*argv)
+
+
+def test_on_off_flags_take_vllms_spellings():
+    assert parse("--disable-prefix-caching").enable_prefix_caching is False
+    assert parse("--no-enable-prefix-caching").enable_prefix_caching is False
+    assert parse("--disable-chunked-prefill").enable_chunked_prefill is False
+    assert parse("--enable-log-requests").enable_log_requests is True
+    assert parse("--disable-log-requests").enable_log_requests is False
+    assert parse("--enable-uvicorn-access-log").disable_uvicorn_access_log is False
+    assert parse("-ep").enable_expert_parallel is True
+
+
+def test_underscored_flags_and_a_config_file_as_vllm_reads_them(tmp_path):
+    assert parse("--max_num_seqs", "8", "--block_size=32").max_num_seqs == 8
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: m\nmax_num_seqs: 8\nenable-prefix-caching: false\nenforce_eager: true\n"
+                      "allowed_origins: ['http://a.example']\ntoken_buckets: [16, 32]\n"
+                      "speculative_config: {method: ngram, num_speculative_tokens: 2}\n")
+    args = parse("--config", str(config), "--max-num-seqs", "4")  # the command line wins
+    assert (args.model, args.max_num_seqs, args.enable_prefix_caching, args.token_buckets) == ("m", 4, False, [16, 32])
+    assert args.allowed_origins == ["http://a.example"] and args.enforce_eager is True
+    assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 2}
+    config.write_text("- max_num_seqs\n")
+    with pytest.raises(ValueError, match="--config .*serve.yaml: a YAML mapping of flag names to values is needed"):
+        parse(f"--config={config}")
+
+
+def test_server_flags_become_uvicorn_and_http_options():
+    args = parse("--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2", "--uds", "/tmp/s",
+                 "--root-path", "/api", "--disable-uvicorn-access-log", "--h11-max-incomplete-event-size", "1024")
+    assert uvicorn_options(args) == dict(ssl_keyfile="k.pem", ssl_certfile="c.pem", ssl_cert_reqs=2, uds="/tmp/s",
+                                         root_path="/api", h11_max_incomplete_event_size=1024, access_log=False)
+    assert uvicorn_options(parse()) == {}
+
+
+def test_cors_request_ids_and_docs_on_the_app():
+    serving = types.SimpleNamespace(engine=None)
+    app = build_app(serving, docs=False)
+    add_http_flags(app, parse("--allowed-origins", '["http://a.example"]', "--enable-request-id-headers"))
+    client = TestClient(app)
+    response = client.get("/version", headers={"Origin": "http://a.example", "X-Request-Id": "r-1"})
+    assert response.headers["access-control-allow-origin"] == "http://a.example"
+    assert response.headers["x-request-id"] == "r-1"
+    assert len(client.get("/version").headers["x-request-id"]) == 32
+    assert "access-control-allow-origin" not in client.get("/version", headers={"Origin": "http://b.example"}).headers
+    assert client.get("/docs").status_code == 404 and client.get("/openapi.json").status_code == 404
+    plain = TestClient(build_app(serving))
+    assert plain.get("/docs").status_code == 200 and "x-request-id" not in plain.get("/version").headers
+
+
+def test_llm_keywords_map_as_the_flags_do(caplog):
+    kwargs = vllm_engine_kwargs({"max_num_seqs": 16, "gpu_memory_utilization": 0.5, "num_gpu_blocks_override": 40,
+                                 "max_num_active_seqs": 8, "enforce_eager": True, "trust_remote_code": True,
+                                 "generation_config": "vllm", "spec_method": "ngram", "spec_tokens": 2})
+    assert kwargs == {"max_num_seqs": 8, "gpu_memory_utilization": 0.5, "num_kv_blocks": 40,
+                      "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
+    assert EngineConfig(**kwargs).speculative.num_speculative_tokens == 2
+    with pytest.raises(TypeError, match="response_role= is vLLM's --response-role, a flag of the server"):
+        vllm_engine_kwargs({"response_role": "bot"})
+    with pytest.raises(ValueError, match="runner= 'pooling' is not supported"):
+        vllm_engine_kwargs({"runner": "pooling"})
+    with pytest.raises(ValueError, match="generation_config= 'auto' is not supported: jaxllm's LLM"):
+        vllm_engine_kwargs({"generation_config": "auto"})
+    # Every EngineArgs keyword vLLM's LLM takes is an EngineConfig field, a parameter of LLMEngine, or has a rule.
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} | {"model", "tokenizer", "served_model_name"}
+    assert [f["dest"] for f in FLAGS if f["engine"] and f["dest"] not in fields | set(RULES) | set(LLM_RULES)] == []
+    assert vllm_engine_kwargs({"reasoning_parser": "qwen3", "shutdown_timeout": 5, "log_level": "debug"}) == {}
+
+
+def test_advisory_keywords_are_logged_with_the_reason(capfd):
+    vllm_engine_kwargs({"enforce_eager": True, "pipeline_parallel_size": 2})
+    [message] = log_messages(capfd.readouterr().err, "INFO", "vllm_flags.py")
+    assert message.startswith("vLLM keywords accepted without effect: enforce_eager= (jaxllm's steps are always "
+                              "compiled XLA programs; --token-buckets and --precompile choose them); "
+                              "pipeline_parallel_size= (a vLLM parallelism")
+
+
+class FakeDevice:
+    def __init__(self, platform, limit=0, in_use=0):
+        self.platform, self._stats = platform, {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+        return self._stats
+
+
+def test_gpu_memory_utilization_sizes_the_default_kv_budget():
+    gpu = FakeDevice("gpu", limit=80 * 2**30, in_use=2 * 2**30)
+    assert default_kv_cache_bytes(gpu, 0.9) == int(80 * 2**30 * 0.9) - 2 * 2**30
+    assert default_kv_cache_bytes(gpu, 0.5) == 38 * 2**30
+    assert default_kv_cache_bytes(gpu, 0.02) == 0  # less than the weights: nothing, and sizing then says so
+    assert default_kv_cache_bytes(FakeDevice("cpu"), 0.5) == CPU_DEFAULT_KV_BYTES
+    for bad in (0, 1.01, -0.5, True, "0.9"):
+        with pytest.raises(ValueError, match=f"gpu_memory_utilization={bad!r} must be in"):
+            EngineConfig(gpu_memory_utilization=bad)
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 2.5, True])
+def test_max_logprobs_outside_what_jaxllm_computes_is_refused(bad):
+    with pytest.raises(ValueError, match=f"max_logprobs={bad!r} must be an int in \\[0, 20\\]"):
+        EngineConfig(max_logprobs=bad)
+
+
+# ---- the server with vLLM's flags ------------------------------------------------------------------------------
+
+TEMPLATE = ("{{ bos_token }}{{ greeting | default('') }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+            "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+USER = [{"role": "user", "content": "Tell me a story."}]
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vllm_flags_server")
+    (folder / "template.jinja").write_text(TEMPLATE)
+    server = Server(stories_dir, *engine_flags(), "--chat-template", str(folder / "template.jinja"),
+                    "--response-role", "narrator", "--enable-force-include-usage", "--return-tokens-as-token-ids",
+                    "--default-chat-template-kwargs", '{"greeting": "Hello. "}', "--enable-request-id-headers",
+                    "--max-logprobs", "2", "--generation-config", "vllm", "--override-generation-config",
+                    '{"temperature": 0.0}', "--disable-fastapi-docs", "--enable-log-requests", "--enforce-eager",
+                    "--trust-remote-code", "--gpu-memory-utilization", "0.8", log=folder / "server.log")
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+def post(server, path, body):
+    return httpx.post(f"{server.url}{path}", json=body, timeout=300)
+
+
+def test_the_server_honours_vllms_chat_flags(server):
+    reply = post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 4})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["role"] == "narrator"
+    assert len(reply.headers["x-request-id"]) == 32
+    # Without the generation prompt the role is the last message's, as vLLM's.
+    continued = post(server, "/v1/chat/completions", {"messages": USER + [{"role": "assistant", "content": "Once"}],
+                                                      "add_generation_prompt": False, "max_tokens": 2})
+    assert continued.json()["choices"][0]["message"]["role"] == "assistant"
+    rendered = post(server, "/v1/chat/completions/render", {"messages": USER}).json()
+    text = post(server, "/detokenize", {"tokens": rendered["token_ids"]}).json()["prompt"]
+    assert text.startswith("Hello. user: Tell me a story.")
+    assert post(server, "/tokenize", {"messages": USER}).json()["tokens"] == rendered["token_ids"]
+    # --override-generation-config's temperature over --generation-config vllm's none.
+    assert rendered["sampling_params"]["temperature"] == 0.0
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=300,
+                      json={"messages": USER, "max_tokens": 3, "stream": True}) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "narrator"
+    assert chunks[-1]["usage"]["completion_tokens"] == 3  # no stream_options: --enable-force-include-usage
+
+
+def test_the_server_honours_vllms_logprob_flags_and_logs(server):
+    reply = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3, "logprobs": 2}).json()
+    tokens = reply["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 3 and all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens)
+    refused = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3, "logprobs": 3})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"].startswith("logprobs=3 is more than max_logprobs=2")
+    assert httpx.get(f"{server.url}/docs").status_code == 404
+    infos = log_messages(server.log_text(), "INFO")
+    [accepted] = [m for m in infos if m.startswith("vLLM flags accepted without effect: ")]
+    assert "--trust-remote-code (jaxllm runs its own model code" in accepted and "--enforce-eager" in accepted
+    assert any(m.startswith("request cmpl-") and ": 5 prompt tokens, SamplingParams(" in m for m in infos)
+
+
+def test_llm_takes_vllms_keywords(stories_dir):
+    from jaxllm import LLM, SamplingParams
+    from tests.server_process import ENGINE
+
+    llm = LLM(stories_dir, **ENGINE, max_logprobs=1, num_gpu_blocks_override=40, enforce_eager=True,
+              trust_remote_code=True, served_model_name="stories", tokenizer=str(stories_dir))
+    assert llm.engine.client.infos[0].num_blocks == 40 and llm.engine.metrics.model_name == "stories"
+    [out] = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=2, logprobs=1), use_tqdm=False)
+    assert len(out.outputs[0].logprobs) == 2
+    with pytest.raises(ValueError, match="prompt_logprobs=2 is more than max_logprobs=1, the most this engine serves"):
+        llm.generate("Once upon a time", SamplingParams(max_tokens=2, prompt_logprobs=2), use_tqdm=False)
