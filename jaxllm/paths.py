@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 GGUF_MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file (llama.cpp's gguf spec)
 
@@ -30,6 +30,43 @@ def model_format(path: str | os.PathLike) -> Literal["gguf", "folder"]:
         return "folder"
     raise ValueError(f"model path {str(p)!r} does not exist (a model is a .gguf file, a model folder, a named model "
                      "such as gemma3-270m, or a Hugging Face Hub id such as Qwen/Qwen3-0.6B)")
+
+
+# generation_config.json keys vLLM takes as sampling defaults -> SamplingParams fields.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_config_defaults(generation_config: dict) -> dict[str, Any]:
+    """The ``SamplingParams`` values a model's ``generation_config.json`` dict sets, as vLLM's
+    ``generation_config="auto"`` takes them (``max_new_tokens`` as ``max_tokens``)."""
+    return {field: generation_config[key] for key, field in GENERATION_CONFIG_KEYS.items()
+            if generation_config.get(key) is not None}
+
+
+def sampling_defaults(model: Optional[str | os.PathLike], generation_config: str = "auto",
+                      override_generation_config: Optional[dict] = None) -> dict[str, Any]:
+    """Default ``SamplingParams`` fields as vLLM's ``generation_config`` option gives them: ``"auto"`` from the
+    ``model`` folder's ``generation_config.json`` (none for a ``.gguf`` file or weights in memory, ``model``
+    None), ``"vllm"`` none, else from that folder's; then ``override_generation_config`` (the file's keys, e.g.
+    ``{"temperature": 0.6}``) over them.
+
+    Raises:
+      ValueError: ``generation_config`` neither "auto", "vllm" nor a folder; an override that is not a dict;
+        a malformed file (:func:`read_generation_config`).
+    """
+    if generation_config in ("auto", "vllm"):
+        source = model if generation_config == "auto" else None
+    elif Path(generation_config).is_dir():
+        source = generation_config
+    else:
+        raise ValueError(f"generation_config={generation_config!r} must be 'auto' (the model's), 'vllm' (none) or a "
+                         "folder holding a generation_config.json")
+    if override_generation_config is not None and not isinstance(override_generation_config, dict):
+        raise ValueError(f"override_generation_config={override_generation_config!r} must be a dict of "
+                         "generation_config.json keys")
+    config = read_generation_config(source) if source is not None else {}
+    return generation_config_defaults({**config, **(override_generation_config or {})})
 
 
 def read_generation_config(path: str | os.PathLike) -> dict:

@@ -206,7 +206,7 @@ def test_cors_request_ids_and_docs_on_the_app():
 def test_llm_keywords_map_as_the_flags_do(caplog):
     kwargs = vllm_engine_kwargs({"max_num_seqs": 16, "gpu_memory_utilization": 0.5, "num_gpu_blocks_override": 40,
                                  "max_num_active_seqs": 8, "enforce_eager": True, "trust_remote_code": True,
-                                 "generation_config": "vllm", "spec_method": "ngram", "spec_tokens": 2})
+                                 "generation_config": "auto", "spec_method": "ngram", "spec_tokens": 2})
     assert kwargs == {"max_num_seqs": 8, "gpu_memory_utilization": 0.5, "num_kv_blocks": 40,
                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
     assert EngineConfig(**kwargs).speculative.num_speculative_tokens == 2
@@ -214,8 +214,6 @@ def test_llm_keywords_map_as_the_flags_do(caplog):
         vllm_engine_kwargs({"response_role": "bot"})
     with pytest.raises(ValueError, match="runner= 'pooling' is not supported"):
         vllm_engine_kwargs({"runner": "pooling"})
-    with pytest.raises(ValueError, match="generation_config= 'auto' is not supported: jaxllm's LLM"):
-        vllm_engine_kwargs({"generation_config": "auto"})
     # Every EngineArgs keyword vLLM's LLM takes is an EngineConfig field, a parameter of LLMEngine, or has a rule.
     fields = {f.name for f in dataclasses.fields(EngineConfig)} | {"model", "tokenizer", "served_model_name"}
     assert [f["dest"] for f in FLAGS if f["engine"] and f["dest"] not in fields | set(RULES) | set(LLM_RULES)] == []
@@ -322,9 +320,29 @@ def test_llm_takes_vllms_keywords(stories_dir):
     from tests.server_process import ENGINE
 
     llm = LLM(stories_dir, **ENGINE, max_logprobs=1, num_gpu_blocks_override=40, enforce_eager=True,
-              trust_remote_code=True, served_model_name="stories", tokenizer=str(stories_dir))
+              trust_remote_code=True, served_model_name="stories", tokenizer=str(stories_dir),
+              override_generation_config={"temperature": 0.0, "max_new_tokens": 3})
     assert llm.engine.client.infos[0].num_blocks == 40 and llm.engine.metrics.model_name == "stories"
-    [out] = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=2, logprobs=1), use_tqdm=False)
-    assert len(out.outputs[0].logprobs) == 2
+    [out] = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=3, logprobs=1), use_tqdm=False)
+    assert len(out.outputs[0].logprobs) == 3
+    # No SamplingParams: the generation config's defaults (the override's here), as vLLM's LLM.
+    assert (llm.get_default_sampling_params().temperature, llm.get_default_sampling_params().max_tokens) == (0.0, 3)
+    [default] = llm.generate("Once upon a time", use_tqdm=False)
+    assert default.outputs[0].token_ids == out.outputs[0].token_ids
     with pytest.raises(ValueError, match="prompt_logprobs=2 is more than max_logprobs=1, the most this engine serves"):
         llm.generate("Once upon a time", SamplingParams(max_tokens=2, prompt_logprobs=2), use_tqdm=False)
+
+
+def test_sampling_defaults_follow_vllms_generation_config_option(tmp_path):
+    from jaxllm.paths import sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": 20, "max_new_tokens": 9, '
+                                                     '"do_sample": true}')
+    assert sampling_defaults(tmp_path) == {"temperature": 0.6, "top_k": 20, "max_tokens": 9}
+    assert sampling_defaults(tmp_path, "vllm") == {}
+    assert sampling_defaults(None, str(tmp_path), {"top_k": 5}) == {"temperature": 0.6, "top_k": 5, "max_tokens": 9}
+    assert sampling_defaults(tmp_path / "model.gguf") == {}
+    with pytest.raises(ValueError, match="generation_config='nowhere' must be 'auto'"):
+        sampling_defaults(tmp_path, "nowhere")
+    with pytest.raises(ValueError, match="--generation-config 'nowhere' must be 'auto'"):
+        parse("--generation-config", "nowhere")

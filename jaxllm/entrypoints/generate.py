@@ -22,15 +22,13 @@ from jaxllm import __version__
 from jaxllm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS
 from jaxllm.entrypoints.engine_args import field_help
 from jaxllm.logger import LEVELS, init_logger, logging_level
+from jaxllm.paths import generation_config_defaults
 
 logger = init_logger(__name__)
 
 DEFAULT_PROMPT = "Once upon a time"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_TOKENS = 64
-# generation_config.json keys vLLM takes as sampling defaults -> SamplingParams fields.
-GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 # The defaults for a model whose generation_config.json sets none of those.
 FALLBACK_SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 # Flags that fill SamplingParams fields of the same name.
@@ -119,13 +117,6 @@ def check_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
 def _flag_error(error: ValueError) -> ValueError:
     """The error with the flags named instead of the fields they set: "--top-p 0.0 is out of range ..."."""
     return ValueError(_FIELD.sub(lambda m: f"--{m[1].replace('_', '-')} ", str(error)))
-
-
-def generation_config_defaults(generation_config: dict) -> dict[str, Any]:
-    """The ``SamplingParams`` values a model's ``generation_config.json`` dict sets, as vLLM's
-    ``generation_config="auto"`` takes them (``max_new_tokens`` as ``max_tokens``)."""
-    return {field: generation_config[key] for key, field in GENERATION_CONFIG_KEYS.items()
-            if generation_config.get(key) is not None}
 
 
 def sampling_params(args: argparse.Namespace, generation_config: dict):

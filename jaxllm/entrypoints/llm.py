@@ -159,6 +159,9 @@ class LLM:
       params: weights in memory to serve instead of the model's: a tree of numpy or JAX arrays in the layout of
         ``jaxllm.models.param_layout``; float leaves cast to ``dtype``, projections quantized with
         ``quantization``, leaves placed by the ``tensor_parallel_size`` rules.
+      generation_config: where :meth:`get_default_sampling_params` comes from, as vLLM's: "auto" the model's
+        ``generation_config.json``, "vllm" none (``SamplingParams()``), or a folder's.
+      override_generation_config: ``generation_config.json`` keys over those (``{"temperature": 0.6}``).
       **kwargs: ``EngineConfig`` fields, and vLLM's ``LLM`` keywords (``gpu_memory_utilization``,
         ``enforce_eager``, ``tokenizer``, ``served_model_name``, ...) as ``LLMEngine`` takes them;
         ``data_parallel_size > 1`` runs one core per replica.
@@ -168,10 +171,19 @@ class LLM:
     """
 
     def __init__(self, model: Optional[Union[str, os.PathLike, ModelConfig]] = None, *, params: Optional[Any] = None,
-                 **kwargs: Any):
+                 generation_config: str = "auto", override_generation_config: Optional[dict] = None, **kwargs: Any):
+        from jaxllm.paths import sampling_defaults
+
+        sampling_defaults(None, generation_config, override_generation_config)  # a bad value fails before loading
         self.engine = LLMEngine(model, params=params, **kwargs)
+        self._defaults = sampling_defaults(self.engine.model_path, generation_config, override_generation_config)
         self._steps = SharedSteps(self.engine)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt given no ``SamplingParams`` runs with (vLLM's): the generation config's values
+        (``generation_config``, ``override_generation_config``) over ``SamplingParams()``'s."""
+        return SamplingParams(**self._defaults)
 
     def _call(self, method: str, *args: Any) -> Any:
         """``self.engine.<method>(*args)`` between two steps (``SharedSteps.between_steps``)."""
@@ -463,14 +475,13 @@ class LLM:
             return [prompts]
         return prompts
 
-    @staticmethod
-    def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+    def _as_params_list(self, params: Any, n: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams() for _ in range(n)]
+            return [self.get_default_sampling_params() for _ in range(n)]
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
-        # None in the list: that prompt's defaults, as LLMEngine.add_request takes it.
-        return [SamplingParams() if p is None else p for p in params]
+        # None in the list: that prompt's defaults.
+        return [self.get_default_sampling_params() if p is None else p for p in params]

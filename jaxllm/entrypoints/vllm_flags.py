@@ -288,12 +288,12 @@ RULES: dict[str, Rule] = {
 
 # vLLM's EngineArgs fields with no flag: LLM keywords only.
 KEYWORD_ONLY = ("mamba_config", "model_weights", "enable_mm_processor_stats")
-# How LLM / LLMEngine treat the EngineArgs keywords that are jaxllm serve's flags (LLM takes SamplingParams, not a
-# model's generation config, and runs no server); served_model_name is a parameter of LLMEngine.
-_GENERATION = ("jaxllm's LLM and LLMEngine take sampling defaults from SamplingParams alone, as vLLM's "
-               "generation_config='vllm' (jaxllm serve reads the model's generation_config.json)")
-LLM_RULES = {"generation_config": Rule(ADVISORY, _GENERATION, refuses=_outside("vllm")),
-             "override_generation_config": Rule(ADVISORY, _GENERATION, refuses=_given),
+# How LLMEngine and AsyncLLM treat the EngineArgs keywords that are jaxllm serve's flags (they run no server, and
+# take each request's SamplingParams as given); served_model_name is a parameter of LLMEngine, the generation
+# config ones of LLM.
+_GENERATION = "LLM and jaxllm serve read it for their default SamplingParams; LLMEngine runs each request's as given"
+LLM_RULES = {"generation_config": Rule(ADVISORY, _GENERATION),
+             "override_generation_config": Rule(ADVISORY, _GENERATION),
              "reasoning_parser": Rule(ADVISORY, "LLM returns the text whole; jaxllm serve splits out reasoning"),
              "log_level": Rule(ADVISORY, "jaxllm's log level is JAXLLM_LOGGING_LEVEL's"),
              "shutdown_timeout": Rule(ADVISORY, "LLM runs no server to drain")}

@@ -37,6 +37,7 @@ class LLMEngine(FrontEnd):
         ``enforce_eager``, ...) as ``jaxllm.entrypoints.vllm_flags`` maps them.
 
     Attributes:
+      model_path: the model's local path (None for weights given with a ``ModelConfig``).
       client: ``InprocClient`` or ``MPClient``. metrics, input_processor, output_processor: ``FrontEnd``'s.
 
     Raises:
@@ -65,6 +66,7 @@ class LLMEngine(FrontEnd):
 
             client = InprocClient(build_engine_core(model, config, mesh=mesh, params=params))
         is_path = isinstance(model, (str, os.PathLike))
+        self.model_path = model if is_path else None
         if tokenizer is None and is_path:
             tokenizer = load_tokenizer(model)
         super().__init__(tokenizer, client, config,

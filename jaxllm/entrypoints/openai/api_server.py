@@ -51,6 +51,7 @@ from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jaxllm.frontend.front_end import EngineSleepingError
 from jaxllm.logger import LEVELS, init_logger, logging_level
+from jaxllm.paths import sampling_defaults
 
 logger = init_logger(__name__)
 
@@ -127,6 +128,11 @@ def server_flags(args: argparse.Namespace) -> None:
                                 ("override_generation_config", dict, {}), ("ssl_cert_reqs", int, None),
                                 ("h11_max_incomplete_event_size", int, None)):
         parse(name, kind, default)
+    args.generation_config = args.generation_config or "auto"
+    try:
+        sampling_defaults(None, args.generation_config)
+    except ValueError as e:
+        raise ValueError(str(e).replace("generation_config=", "--generation-config ")) from None
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -418,9 +424,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxllm.frontend.async_llm import AsyncLLM
     from jaxllm.named_models import DEFAULT_MODEL, resolve_model
     from jaxllm.entrypoints.engine_args import engine_kwargs
-    from jaxllm.entrypoints.generate import generation_config_defaults
     from jaxllm.entrypoints.openai.serving import OpenAIServing
-    from jaxllm.paths import model_format, read_generation_config
+    from jaxllm.paths import model_format
     from jaxllm.tokenizer import load_tokenizer
 
     if args.hf_token:
@@ -442,14 +447,13 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         engine.client.shutdown()
         raise
-    source = {None: model, "auto": model, "vllm": None}.get(args.generation_config, args.generation_config)
-    generation = {**(read_generation_config(source) if source is not None else {}), **args.override_generation_config}
     options = ServerOptions(response_role=args.response_role or "assistant",
                             return_tokens_as_token_ids=bool(args.return_tokens_as_token_ids),
                             enable_force_include_usage=bool(args.enable_force_include_usage),
                             default_chat_template_kwargs=args.default_chat_template_kwargs,
                             enable_log_requests=bool(args.enable_log_requests))
-    serving = OpenAIServing(engine, served_model_name, generation_config_defaults(generation),
+    defaults = sampling_defaults(model, args.generation_config, args.override_generation_config)
+    serving = OpenAIServing(engine, served_model_name, defaults,
                             tool_call_parser=args.tool_call_parser,
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
                             reasoning_parser=args.reasoning_parser, models=models, options=options)
