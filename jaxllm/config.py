@@ -342,7 +342,7 @@ class EngineConfig:
     seed: int = _option(0, "The seed of requests that set none.")
     max_logprobs: int = _option(MAX_LOGPROBS, (
         f"Top logprobs a request may ask for (logprobs, prompt_logprobs), 0 to {MAX_LOGPROBS} (vLLM's; jaxllm "
-        f"computes at most {MAX_LOGPROBS})."))
+        f"computes at most {MAX_LOGPROBS}); -1, vLLM's 'the whole vocabulary', is {MAX_LOGPROBS} here."))
     logprobs_mode: str = _option("raw_logprobs", (
         "What the logprobs of sampled and top tokens are (vLLM's): \"raw_logprobs\", the log-softmax of the model's "
         'logits (a structured-output mask applied); "raw_logits", those logits; "processed_logprobs", the '
@@ -452,6 +452,9 @@ class EngineConfig:
         "again from their folder when needed); None: max_loras."))
     revision: Optional[str] = _option(None, (
         "The branch, tag or commit of a model given as a Hugging Face Hub id (vLLM's); None: the default branch."))
+    tokenizer: Optional[str] = _option(None, (
+        "Where the tokenizer is read from, if not the model (vLLM's): a folder with a tokenizer.json, a .gguf file, "
+        "a named model or a Hub id; the engine reads prompts, stop strings and structured-output grammars with it."))
     download_dir: Optional[str] = _option(None, (
         "The folder Hub models are downloaded to and read from (vLLM's); None: the Hub's cache (HF_HUB_CACHE, or "
         "HF_HOME's)."))
@@ -515,10 +518,9 @@ class EngineConfig:
                 or not 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if (isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int)
-                or not 0 <= self.max_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int in [0, {MAX_LOGPROBS}] (jaxllm "
-                             f"computes at most {MAX_LOGPROBS} logprobs a token; vLLM's -1, the whole vocabulary, "
-                             "is not served)")
+                or not -1 <= self.max_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an int in [-1, {MAX_LOGPROBS}] (jaxllm "
+                             f"computes at most {MAX_LOGPROBS} logprobs a token; -1: {MAX_LOGPROBS})")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.metrics_namespace not in METRICS_NAMESPACES:

@@ -51,8 +51,11 @@ class Tokenizer:
         eos_token_ids: list[int], every id that ends generation (the first is ``eos_token_id``).
         chat_template: jinja2 source or None. config: ``tokenizer_config.json`` (empty for a GGUF).
         vocab_size: ids the tokenizer can produce, added tokens included (may be below the model's padded
-        embedding rows).
+        embedding rows). source: the folder or ``.gguf`` file it was read from (None when built otherwise), which
+        the engine core reads it from too.
     """
+
+    source: pathlib.Path | None = None
 
     def __init__(self, backend: _Backend, *, bos_token_id: int | None, eos_token_ids: list[int],
                  chat_template: str | None, config: dict | None = None):
@@ -93,8 +96,10 @@ class Tokenizer:
             template = template_file.read_text(encoding="utf-8")
         else:
             template = _default_template(tok_config.get("chat_template"))
-        return cls(backend, bos_token_id=bos_id,
-                   eos_token_ids=[i for i in eos_ids if i is not None], chat_template=template, config=tok_config)
+        tokenizer = cls(backend, bos_token_id=bos_id, eos_token_ids=[i for i in eos_ids if i is not None],
+                        chat_template=template, config=tok_config)
+        tokenizer.source = folder
+        return tokenizer
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -119,9 +124,10 @@ class Tokenizer:
         backend.post_processor = _bos_eos_processor(
             backend, bos_id if meta.get("add_bos_token", kind == "llama") else None,
             eos_id if meta.get("add_eos_token", False) else None)
-        return cls(backend, bos_token_id=bos_id,
-                   eos_token_ids=[] if eos_id is None else [eos_id],
-                   chat_template=meta.get("chat_template"))
+        tokenizer = cls(backend, bos_token_id=bos_id, eos_token_ids=[] if eos_id is None else [eos_id],
+                        chat_template=meta.get("chat_template"))
+        tokenizer.source = pathlib.Path(path)
+        return tokenizer
 
     @property
     def eos_token_id(self) -> int | None:
@@ -237,6 +243,25 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
     if (path / "tokenizer.json").is_file():
         return Tokenizer.from_pretrained(path)
     return None
+
+
+def load_named_tokenizer(source: str | os.PathLike, revision: str | None = None,
+                         download_dir: str | None = None) -> Tokenizer:
+    """A tokenizer given as vLLM's ``tokenizer`` option: a folder with a ``tokenizer.json``, a ``.gguf`` file, a
+    named model or a Hub id (``jaxllm.named_models.resolve_model``).
+
+    Raises:
+      ValueError: nothing there, or no tokenizer in it (named).
+    """
+    from jaxllm.named_models import resolve_model
+
+    path = resolve_model(str(source), revision, download_dir)
+    tokenizer = load_tokenizer(path) if path.exists() else None
+    if tokenizer is None:
+        where = "no tokenizer in" if path.exists() else "no such file or folder:"
+        raise ValueError(f"tokenizer={str(source)!r}: {where} {str(path)!r} (a folder with a tokenizer.json, or a "
+                         ".gguf file with one)")
+    return tokenizer
 
 
 class IncrementalDetokenizer:

@@ -50,7 +50,7 @@ def test_the_snapshot_is_vllm_0_34_and_every_spelling_of_every_flag_parses():
 
 def test_every_flag_jaxllm_lacks_has_a_rule_of_its_form_and_kind():
     lacking = [f for f in FLAGS if not native(f["dest"])]
-    assert len(lacking) == 282
+    assert len(lacking) == 281
     for f in lacking:
         rule = RULES[f["dest"]]
         assert (rule.form, rule.engine) == (f["form"], f["engine"]), f["dest"]
@@ -92,8 +92,11 @@ REFUSED = {
         "ec_transfer_config", "tool_server", "io_processor_plugin", "model_class_overrides", "scheduler_cls",
         "reasoning_parser_plugin", "worker_extension_cls", "tool_parser_plugin", "middleware",
         "kv_cache_dtype_skip_layers", "lora_target_modules", "logits_processors")},
-    **{name: (True, False) for name in ("disable_sliding_window", "skip_tokenizer_init", "tokens_only", "headless",
-                                        "grpc", "exclude_tools_when_tool_choice_none")},
+    **{name: (True, False) for name in ("disable_sliding_window", "skip_tokenizer_init", "headless", "grpc",
+                                        "enable_per_request_metrics", "enable_return_routed_experts",
+                                        "return_sampling_mask")},
+    "tool_strict_level": ("parameter", "auto"),
+    "structured_outputs_config": ('{"backend": "xgrammar", "disable_any_whitespace": true}', '{"backend": "auto"}'),
 }
 
 
@@ -107,6 +110,12 @@ def argv_of(name: str, value) -> list[str]:
 def test_the_rules_that_refuse_values_are_the_listed_ones():
     refusing = {name for name, rule in RULES.items() if rule.refuses(True) or rule.refuses("x")}
     assert refusing == set(REFUSED)
+    # --help says which values are refused.
+    helps = {a.dest: a.help for a in PARSER._actions}
+    assert helps["runner"].startswith("vLLM's; accepted as auto, generate (no effect); other values refused: ")
+    assert helps["hf_overrides"].startswith("vLLM's; refused when given: ")
+    assert helps["grpc"].startswith("vLLM's; refused when on: ")
+    assert helps["enforce_eager"].startswith("vLLM's; accepted, no effect: ")
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -138,6 +147,22 @@ def test_aliases_set_their_jaxllm_settings():
     assert parse("--max-num-active-seqs", "128").max_num_seqs == 64
     assert parse("m", "--model", "m").model == "m"
     assert parse("--device-memory-utilization", "0.5", "-tp", "1", "-q", "int8").gpu_memory_utilization == 0.5
+    assert parse("--load-format", "SafeTensors").load_format == "SafeTensors"  # compared as vLLM does, lowercased
+    assert (parse("--hf-token").hf_token, parse("--hf-token", "hf_x").hf_token) == (True, "hf_x")
+
+
+def test_vllms_sizes_optimization_level_and_dotted_flags():
+    args = parse("--max-model-len", "1k", "--max-num-batched-tokens", "8K", "--kv-cache-memory-bytes", "1.5g",
+                 "--max-num-scheduled-tokens", "4k", "-O3", "--speculative-config.method", "ngram",
+                 "--speculative-config.num_speculative_tokens=2", "-cc.mode=3", "--limit-mm-per-prompt.image", "0")
+    assert (args.max_model_len, args.max_num_batched_tokens, args.kv_cache_memory_bytes) == (1000, 4000, 1500000000)
+    assert args.optimization_level == "3" and json.loads(args.compilation_config) == {"mode": 3}
+    assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 2}
+    assert json.loads(args.limit_mm_per_prompt) == {"image": 0}
+    assert parse("--max-model-len", "auto").max_model_len is None and parse("--max-model-len", "-1").max_model_len is None
+    assert parse("-O", "1").optimization_level == "1" and parse("--max_model_len=2K").max_model_len == 2048
+    with pytest.raises(SystemExit):
+        PARSER.parse_args(["--max-model-len", "1.5K"])  # a binary suffix takes a whole number, as in vLLM
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -146,7 +171,9 @@ def test_aliases_set_their_jaxllm_settings():
                                                                    "--num-kv-blocks 30"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--spec-tokens", "3"],
      "--spec-tokens 3 contradicts --speculative-config's num_speculative_tokens 2"),
-    (["--num-gpu-blocks-override", "many"], "--num-gpu-blocks-override 'many' must be int"),
+    (["--num-gpu-blocks-override", "many"], "--num-gpu-blocks-override 'many' must be an int"),
+    (["--max-num-active-seqs", "0"], "--max-num-active-seqs 0 must be >= 1"),
+    (["--speculative-config", "{oops", "--spec-tokens", "2"], "--speculative-config '{oops' is not a JSON object"),
     (["--allowed-origins", "*"], "--allowed-origins '\\*' must be a JSON list"),
     (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs '\\[1\\]' must be a JSON dict"),
 ])
@@ -169,12 +196,15 @@ def test_underscored_flags_and_a_config_file_as_vllm_reads_them(tmp_path):
     assert parse("--max_num_seqs", "8", "--block_size=32").max_num_seqs == 8
     config = tmp_path / "serve.yaml"
     config.write_text("model: m\nmax_num_seqs: 8\nenable-prefix-caching: false\nenforce_eager: true\n"
-                      "allowed_origins: ['http://a.example']\ntoken_buckets: [16, 32]\n"
-                      "speculative_config: {method: ngram, num_speculative_tokens: 2}\n")
+                      "allowed_origins: ['http://a.example']\ntoken_buckets: [16, 32]\nseq_buckets: []\n"
+                      "speculative_config: {method: ngram, num_speculative_tokens: 2}\n"
+                      "disable_log_requests: false\ndisable_chunked_prefill: true\nserved_model_name: [a, b]\n")
     args = parse("--config", str(config), "--max-num-seqs", "4")  # the command line wins
     assert (args.model, args.max_num_seqs, args.enable_prefix_caching, args.token_buckets) == ("m", 4, False, [16, 32])
-    assert args.allowed_origins == ["http://a.example"] and args.enforce_eager is True
+    assert args.allowed_origins == ["http://a.example"] and args.enforce_eager is True and args.seq_buckets is None
     assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 2}
+    assert (args.enable_log_requests, args.enable_chunked_prefill, args.served_model_name) == (True, False, ["a", "b"])
+    assert parse("other", "--config", str(config)).model == "other"  # a MODEL on the command line wins too
     config.write_text("- max_num_seqs\n")
     with pytest.raises(ValueError, match="--config .*serve.yaml: a YAML mapping of flag names to values is needed"):
         parse(f"--config={config}")
@@ -209,9 +239,13 @@ def test_llm_keywords_map_as_the_flags_do(caplog):
                                  "generation_config": "auto", "spec_method": "ngram", "spec_tokens": 2})
     assert kwargs == {"max_num_seqs": 8, "gpu_memory_utilization": 0.5, "num_kv_blocks": 40,
                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
+    # A cap with no value to cap caps the default (64), as the flag does.
+    assert vllm_engine_kwargs({"max_num_active_seqs": 128}) == {"max_num_seqs": 64}
     assert EngineConfig(**kwargs).speculative.num_speculative_tokens == 2
     with pytest.raises(TypeError, match="response_role= is vLLM's --response-role, a flag of the server"):
         vllm_engine_kwargs({"response_role": "bot"})
+    with pytest.raises(TypeError, match="swap_space= is neither an EngineConfig field nor a keyword of vLLM 0.34's"):
+        vllm_engine_kwargs({"swap_space": 4})  # vLLM's before 0.34
     with pytest.raises(ValueError, match="runner= 'pooling' is not supported"):
         vllm_engine_kwargs({"runner": "pooling"})
     # Every EngineArgs keyword vLLM's LLM takes is an EngineConfig field, a parameter of LLMEngine, or has a rule.
@@ -247,37 +281,54 @@ def test_gpu_memory_utilization_sizes_the_default_kv_budget():
             EngineConfig(gpu_memory_utilization=bad)
 
 
-@pytest.mark.parametrize("bad", [-1, 21, 2.5, True])
+@pytest.mark.parametrize("bad", [-2, 21, 2.5, True])
 def test_max_logprobs_outside_what_jaxllm_computes_is_refused(bad):
-    with pytest.raises(ValueError, match=f"max_logprobs={bad!r} must be an int in \\[0, 20\\]"):
+    with pytest.raises(ValueError, match=f"max_logprobs={bad!r} must be an int in \\[-1, 20\\]"):
         EngineConfig(max_logprobs=bad)
+    # vLLM's -1 (the whole vocabulary) is the most jaxllm computes.
+    from jaxllm.frontend.input_processor import InputProcessor
+
+    assert InputProcessor(None, None, max_logprobs=-1).max_logprobs == 20
 
 
 # ---- the server with vLLM's flags ------------------------------------------------------------------------------
 
-TEMPLATE = ("{{ bos_token }}{{ greeting | default('') }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-            "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+TEMPLATE = ("{{ bos_token }}{{ greeting | default('') }}{% if tools %}[tools]{% endif %}{% for m in messages %}"
+            "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 USER = [{"role": "user", "content": "Tell me a story."}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+KEYS = ("key-1", "key-2")
+
+
+def without_tokenizer(stories_dir: Path, folder: Path) -> Path:
+    """stories260K's weights and configs in ``folder``, without its tokenizer."""
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (folder / name).symlink_to(stories_dir / name)
+    return folder
 
 
 @pytest.fixture(scope="module")
 def server(stories_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm_flags_server")
     (folder / "template.jinja").write_text(TEMPLATE)
-    server = Server(stories_dir, *engine_flags(), "--chat-template", str(folder / "template.jinja"),
+    model = without_tokenizer(stories_dir, folder / "model")
+    server = Server(model, *engine_flags(), "--tokenizer", str(stories_dir), "--chat-template",
+                    str(folder / "template.jinja"), "--served-model-name", "stories", "tales", "--api-key", *KEYS,
                     "--response-role", "narrator", "--enable-force-include-usage", "--return-tokens-as-token-ids",
                     "--default-chat-template-kwargs", '{"greeting": "Hello. "}', "--enable-request-id-headers",
                     "--max-logprobs", "2", "--generation-config", "vllm", "--override-generation-config",
-                    '{"temperature": 0.0}', "--disable-fastapi-docs", "--enable-log-requests", "--enforce-eager",
-                    "--trust-remote-code", "--gpu-memory-utilization", "0.8", log=folder / "server.log")
+                    '{"temperature": 0.0, "max_new_tokens": 2}', "--exclude-tools-when-tool-choice-none",
+                    "--disable-fastapi-docs", "--enable-log-requests", "--enforce-eager", "--trust-remote-code",
+                    "--gpu-memory-utilization", "0.8", log=folder / "server.log")
     try:
         yield server.start()
     finally:
         server.stop()
 
 
-def post(server, path, body):
-    return httpx.post(f"{server.url}{path}", json=body, timeout=300)
+def post(server, path, body, key=KEYS[1]):
+    return httpx.post(f"{server.url}{path}", json=body, timeout=300, headers={"Authorization": f"Bearer {key}"})
 
 
 def test_the_server_honours_vllms_chat_flags(server):
@@ -294,20 +345,50 @@ def test_the_server_honours_vllms_chat_flags(server):
     assert post(server, "/tokenize", {"messages": USER}).json()["tokens"] == rendered["token_ids"]
     # --override-generation-config's temperature over --generation-config vllm's none.
     assert rendered["sampling_params"]["temperature"] == 0.0
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=300,
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=300, headers={"Authorization": "Bearer key-2"},
                       json={"messages": USER, "max_tokens": 3, "stream": True}) as stream:
         chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
     assert chunks[0]["choices"][0]["delta"]["role"] == "narrator"
-    assert chunks[-1]["usage"]["completion_tokens"] == 3  # no stream_options: --enable-force-include-usage
+    # No stream_options: --enable-force-include-usage puts usage on every chunk and a last usage chunk, as vLLM.
+    assert chunks[-1]["usage"]["completion_tokens"] == 3 and chunks[-1]["choices"] == []
+    assert all(c["usage"] is not None for c in chunks)
+    # No max_tokens: the generation config's max_new_tokens (--override-generation-config).
+    assert post(server, "/v1/chat/completions", {"messages": USER}).json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_server_reads_with_the_tokenizer_given_and_serves_every_name_and_key(server):
+    # The model folder has no tokenizer: --tokenizer's renders the chat, and the engine core's grammar reads it.
+    choice = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8,
+                                               "structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.status_code == 200 and choice.json()["choices"][0]["text"] in ("yes", "no")
+    assert [m["id"] for m in httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer key-1"}).json()[
+        "data"]] == ["stories", "tales"]
+    assert post(server, "/v1/completions", {"model": "tales", "prompt": "Once", "max_tokens": 1},
+                key="key-1").json()["model"] == "tales"
+    assert post(server, "/v1/completions", {"prompt": "Once", "max_tokens": 1}, key="key-3").status_code == 401
+    with_tools = {"messages": USER, "tools": TOOLS}
+    rendered = {choice: post(server, "/v1/chat/completions/render", {**with_tools, "tool_choice": choice}).json()
+                for choice in ("none", "required")}
+    texts = {k: post(server, "/detokenize", {"tokens": v["token_ids"]}).json()["prompt"] for k, v in rendered.items()}
+    assert "[tools]" in texts["required"] and "[tools]" not in texts["none"]
 
 
 def test_the_server_honours_vllms_logprob_flags_and_logs(server):
-    reply = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3, "logprobs": 2}).json()
-    tokens = reply["choices"][0]["logprobs"]["tokens"]
-    assert len(tokens) == 3 and all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens)
-    refused = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3, "logprobs": 3})
-    assert refused.status_code == 400
-    assert refused.json()["error"]["message"].startswith("logprobs=3 is more than max_logprobs=2")
+    def tokens(**body):
+        reply = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3, **body}).json()
+        return reply["choices"][0]["logprobs"]["tokens"]
+
+    assert len(tokens(logprobs=2)) == 3 and all(t.startswith("token_id:") and t[9:].isdigit()
+                                                  for t in tokens(logprobs=0))
+    # The request's own false wins over the server's default.
+    assert not any(t.startswith("token_id:") for t in tokens(logprobs=1, return_tokens_as_token_ids=False))
+    for path, body, param in (("/v1/completions", {"prompt": "Once upon a time", "logprobs": 3}, "logprobs"),
+                              ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 3},
+                               "top_logprobs"),
+                              ("/v1/completions", {"prompt": "Once", "prompt_logprobs": 3}, "prompt_logprobs")):
+        refused = post(server, path, {**body, "max_tokens": 3})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+        assert refused.json()["error"]["message"].startswith(f"{param}=3 is more than max_logprobs=2")
     assert httpx.get(f"{server.url}/docs").status_code == 404
     infos = log_messages(server.log_text(), "INFO")
     [accepted] = [m for m in infos if m.startswith("vLLM flags accepted without effect: ")]
@@ -315,13 +396,22 @@ def test_the_server_honours_vllms_logprob_flags_and_logs(server):
     assert any(m.startswith("request cmpl-") and ": 5 prompt tokens, SamplingParams(" in m for m in infos)
 
 
-def test_llm_takes_vllms_keywords(stories_dir):
+def test_llm_takes_vllms_keywords(stories_dir, tmp_path):
     from jaxllm import LLM, SamplingParams
+    from scheduler import StructuredOutputsParams
     from tests.server_process import ENGINE
 
-    llm = LLM(stories_dir, **ENGINE, max_logprobs=1, num_gpu_blocks_override=40, enforce_eager=True,
+    model = without_tokenizer(stories_dir, tmp_path / "model")
+    with pytest.raises(ValueError, match="tokenizer='/nowhere': no such file or folder: '/nowhere'"):
+        LLM(model, tokenizer="/nowhere")
+    with pytest.raises(ValueError, match=f"tokenizer='{model}': no tokenizer in '{model}'"):
+        LLM(model, tokenizer=str(model))
+    llm = LLM(model, **ENGINE, max_logprobs=1, num_gpu_blocks_override=40, enforce_eager=True,
               trust_remote_code=True, served_model_name="stories", tokenizer=str(stories_dir),
               override_generation_config={"temperature": 0.0, "max_new_tokens": 3})
+    # The engine core reads grammars with the tokenizer given (the model folder has none).
+    yes_no = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    assert llm.generate("Once upon a time", yes_no, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
     assert llm.engine.client.infos[0].num_blocks == 40 and llm.engine.metrics.model_name == "stories"
     [out] = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=3, logprobs=1), use_tqdm=False)
     assert len(out.outputs[0].logprobs) == 3

@@ -89,7 +89,8 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
     else:
         sharding = ModelSharding(cfg, mesh)
         params = place_given_params(cfg, params, dtype, sharding, config.quantization)
-    tokenizer = (lambda: load_tokenizer(path)) if path is not None else (lambda: None)
+    source = config.tokenizer if config.tokenizer is not None else path
+    tokenizer = (lambda: load_tokenizer(source)) if source is not None else (lambda: None)
     backend = compilation.attention_backend or default_attention_backend()
     check_pool_backend(cache, backend)
     ops = attention_ops(sharding, backend, compilation.interpret)

@@ -18,6 +18,23 @@ def _precompile(value: str) -> Union[bool, str]:
     return choices[value.lower()]
 
 
+def _length_or_auto(value: str) -> Optional[int]:
+    """``--max-model-len``: a size (``32k``) or ``auto`` / ``-1`` (vLLM's: fit the model's length; None here)."""
+    from jaxllm.entrypoints.vllm_flags import human_readable_int
+
+    return None if value.strip() in ("auto", "-1") else human_readable_int(value)
+
+
+def _size(value: str) -> int:
+    from jaxllm.entrypoints.vllm_flags import human_readable_int
+
+    return human_readable_int(value)
+
+
+# Fields whose flags take vLLM's sizes (``8k``, ``1G``), as vLLM's parser reads them.
+SIZE_FLAGS = {"max_model_len": _length_or_auto, "max_num_batched_tokens": _size, "kv_cache_memory_bytes": _size}
+
+
 def _flag_type(hint: Any) -> dict[str, Any]:
     """argparse keyword arguments for a field's type."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -53,8 +70,9 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
     for field in dataclasses.fields(EngineConfig):
         if field.name in skip:
             continue
+        kind = dict(type=SIZE_FLAGS[field.name]) if field.name in SIZE_FLAGS else _flag_type(hints[field.name])
         group.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, default=field.default,
-                           help=field_help(field.name), **_flag_type(hints[field.name]))
+                           help=field_help(field.name), **kind)
 
 
 def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -49,12 +50,27 @@ def _given(value: Any) -> bool:
     return value is not None and value not in ("", [], {}, "{}", "[]")
 
 
+def _json_keys_set(*allowed: str) -> Callable[[Any], bool]:
+    """A ``refuses`` predicate for a JSON object (text or dict): a key other than ``allowed`` with a truthy value."""
+    def refuses(value: Any) -> bool:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return True
+        if not isinstance(value, dict):
+            return _given(value)
+        return any(_truthy(v) for k, v in value.items() if k not in allowed)
+
+    return refuses
+
+
 def _outside(*allowed: Any) -> Callable[[Any], bool]:
     """A ``refuses`` predicate: a value given and not one of ``allowed`` (compared as text)."""
     names = {str(a) for a in allowed}
 
     def refuses(value: Any) -> bool:
-        return value is not None and str(value) not in names
+        return value is not None and str(value).lower() not in names
 
     refuses.allowed = ", ".join(map(str, allowed))  # type: ignore[attr-defined]
     return refuses
@@ -81,6 +97,7 @@ class Rule:
     key: Optional[str] = None
     convert: Callable[[Any], Any] = str
     refuses: Callable[[Any], bool] = _never
+    const: Any = None  # a VALUE flag that may be given bare takes this value then (vLLM's nargs="?")
 
 
 def _advisory(reason: str, names: str, form: str = VALUE, engine: bool = True,
@@ -110,7 +127,7 @@ RULES: dict[str, Rule] = {
                                        "admission limit is a lower max_num_seqs)", target="max_num_seqs", cap=True,
                                 convert=int),
     "max_num_scheduled_tokens": Rule(ALIAS, "caps --max-num-batched-tokens", target="max_num_batched_tokens",
-                                     cap=True, convert=int),
+                                     cap=True, convert=lambda v: _count(v)),
     "spec_method": Rule(ALIAS, "--speculative-config's method", target="speculative_config", key="method"),
     "spec_model": Rule(ALIAS, "--speculative-config's model", target="speculative_config", key="model"),
     "spec_tokens": Rule(ALIAS, "--speculative-config's num_speculative_tokens", target="speculative_config",
@@ -133,12 +150,14 @@ RULES: dict[str, Rule] = {
     **_server("an X-Request-Id header on every response (the client's, else a new one)",
               "enable_request_id_headers", SWITCH),
     **_server("logs each request's id, prompt length and sampling parameters", "enable_log_requests", SWITCH),
+    **_server("a chat with tool_choice 'none' is rendered without its tools", "exclude_tools_when_tool_choice_none",
+              SWITCH),
     **_server("'auto': the model's generation_config.json gives default sampling parameters; 'vllm': none; a folder: "
               "that folder's generation_config.json", "generation_config", engine=True),
     **_server("sampling defaults (a JSON object) over the generation config's", "override_generation_config",
               engine=True),
-    **_server("the tokenizer's folder, .gguf or named model (default: the model's)", "tokenizer", engine=True),
-    "hf_token": Rule(SERVER, "the access token for Hub downloads (HF_TOKEN)"),
+    "hf_token": Rule(SERVER, "the access token for Hub downloads (HF_TOKEN; bare: the token the Hub's login "
+                             "saved)", const=True),
     # Accepted with the values jaxllm's behaviour matches; other values refused.
     "runner": Rule(ADVISORY, "jaxllm runs generative models only", refuses=_outside("auto", "generate")),
     "convert": Rule(ADVISORY, "jaxllm runs generative models only (no embedding or classification adapters)",
@@ -148,14 +167,14 @@ RULES: dict[str, Rule] = {
     "config_format": Rule(ADVISORY, "jaxllm reads Hugging Face config.json and GGUF metadata",
                           refuses=_outside("auto", "hf")),
     "load_format": Rule(ADVISORY, "jaxllm reads safetensors and GGUF files", refuses=_outside(
-        "auto", "safetensors", "gguf", "hf")),
+        "auto", "safetensors", "gguf", "hf", "fastsafetensors", "instanttensor")),
     "chat_template_content_format": Rule(ADVISORY, "jaxllm detects the content format the template reads, as vLLM's "
                                                    "'auto'", engine=False, refuses=_outside("auto")),
     "disable_sliding_window": Rule(ADVISORY, "jaxllm always applies a model's sliding window", SWITCH,
                                    refuses=_truthy),
     "skip_tokenizer_init": Rule(ADVISORY, "jaxllm always loads the model's tokenizer (prompts may still be token "
                                           "ids)", SWITCH, refuses=_truthy),
-    "tokens_only": Rule(ADVISORY, "jaxllm serves text and token endpoints together", SWITCH, refuses=_truthy),
+    "tokens_only": Rule(ADVISORY, "jaxllm serves the token endpoints and the text ones beside them", SWITCH),
     "headless": Rule(ADVISORY, "jaxllm's engine cores always run under its API server", SWITCH, engine=False,
                      refuses=_truthy),
     "grpc": Rule(ADVISORY, "jaxllm serves HTTP only", SWITCH, engine=False, refuses=_truthy),
@@ -244,15 +263,20 @@ RULES: dict[str, Rule] = {
                           "kv_cache_metrics_sample custom_histogram_buckets jit_monitor_mode logging_config "
                           "profiler_config watchdog_config additional_config aux_output_config"),
     **_advisory(_METRICS, "kv_cache_metrics cudagraph_metrics enable_layerwise_nvtx_tracing enable_mfu_metrics "
-                          "enable_logging_iteration_details jit_monitor_verbose enable_trace_replay "
-                          "enable_return_routed_experts return_sampling_mask", SWITCH),
+                          "enable_logging_iteration_details jit_monitor_verbose enable_trace_replay", SWITCH),
+    **_advisory("returning routed experts or sampling masks is not implemented",
+                "enable_return_routed_experts return_sampling_mask", SWITCH, refuses=_truthy),
     **_advisory(_METRICS, "collect_detailed_traces", VALUES),
     **_advisory(_METRICS, "log_config_file"),
     **_advisory(_METRICS, "aggregate_engine_logging fail_on_environ_validation", SWITCH),
     **_advisory(_METRICS, "max_log_len", engine=False),
-    **_advisory(_METRICS, "enable_per_request_metrics enable_server_load_tracking enable_log_outputs "
-                          "enable_log_deltas log_error_stack enable_ssl_refresh", SWITCH, engine=False),
-    **_advisory(_SCHEDULING, "max_num_inflight_kv_loads max_num_queued_reqs max_num_queued_tokens watermark "
+    **_advisory(_METRICS, "enable_server_load_tracking enable_log_outputs enable_log_deltas log_error_stack "
+                          "enable_ssl_refresh", SWITCH, engine=False),
+    **_advisory("a per-request metrics field in responses is not implemented", "enable_per_request_metrics", SWITCH,
+                engine=False, refuses=_truthy),
+    **_advisory("vLLM's API-server admission limits; jaxllm's is --max-waiting-requests (503 while that many "
+                "wait for a batch seat)", "max_num_queued_reqs max_num_queued_tokens"),
+    **_advisory(_SCHEDULING, "max_num_inflight_kv_loads watermark "
                              "prefill_schedule_interval cache_aware_admission_window cache_aware_admission_threshold "
                              "stream_interval prefix_caching_hash_algo prefix_cache_retention_interval "
                              "prefix_match_unit kv_offloading_backend renderer_num_workers"),
@@ -261,8 +285,11 @@ RULES: dict[str, Rule] = {
     **_advisory("jaxllm's LoRA slots compute in the model's dtype", "lora_dtype max_lora_cls_labels"),
     **_advisory("jaxllm's LoRA slots compute in the model's dtype", "fully_sharded_loras specialize_active_lora "
                 "enable_mixed_moe_lora_format enable_moe_shared_loras", SWITCH),
-    **_advisory("jaxllm enforces structured outputs with llguidance", "structured_outputs_config"),
-    **_advisory("jaxllm enforces structured outputs with llguidance", "tool_strict_level", engine=False),
+    "structured_outputs_config": Rule(ADVISORY, "jaxllm enforces structured outputs with llguidance; options "
+                                                "other than the backend (disable_any_whitespace, ...) are not "
+                                                "implemented server-wide", refuses=_json_keys_set("backend")),
+    "tool_strict_level": Rule(ADVISORY, "tool calls are held to their schemas by a request's strict or "
+                                        "tool_choice", engine=False, refuses=_outside("auto")),
     **_advisory("weights are updated through jaxllm's own calls (docs/features/rl.md)", "weight_transfer_config"),
     **_advisory("an experimental vLLM feature jaxllm does not have; it changes no output", "engram_config"),
     **_advisory("jaxllm serves no Cohere or Anthropic routes", "cohere_format anthropic_disabled_thinking_effort",
@@ -280,8 +307,6 @@ RULES: dict[str, Rule] = {
                 SWITCH, engine=False),
     **_advisory("a request's own chat template is refused either way (give --chat-template)",
                 "trust_request_chat_template", SWITCH, engine=False),
-    **_advisory("the chat template always sees the request's tools", "exclude_tools_when_tool_choice_none", SWITCH,
-                engine=False, refuses=_truthy),
     **_advisory("a request's prompt_embeds is refused, naming the field (prompt embeddings are not implemented)",
                 "enable_prompt_embeds", SWITCH),
 }
@@ -325,26 +350,41 @@ def _dest(name: str) -> str:
     return "model_option" if name == "model" else name
 
 
-def add_vllm_flags(parser: argparse.ArgumentParser, engine_only: bool = False) -> None:
-    """Add every flag of :data:`RULES` that ``parser`` lacks (``engine_only``: the ``EngineArgs`` ones), each
-    defaulting to None (not given). :func:`apply_vllm_flags` then checks and applies them."""
+def _help(rule: Rule) -> str:
+    """A table flag's ``--help`` line: what it does here, and which values are refused."""
+    allowed = getattr(rule.refuses, "allowed", None)
+    if rule.kind == ALIAS:
+        text = f"honoured: {rule.reason}"
+    elif rule.kind == SERVER:
+        text = f"honoured: {rule.reason}"
+    elif allowed is not None:
+        text = f"accepted as {allowed} (no effect); other values refused: {rule.reason}"
+    elif rule.refuses is _truthy:
+        text = f"refused when on: {rule.reason}"
+    elif rule.refuses is not _never:
+        text = f"refused when given: {rule.reason}"
+    else:
+        text = f"accepted, no effect: {rule.reason}"
+    return f"vLLM's; {text}".replace("%", "%%")
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """Add every flag of :data:`RULES` that ``parser`` lacks, each defaulting to None (not given), and vLLM's other
+    spellings (:data:`OTHER_SPELLINGS`). :func:`apply_vllm_flags` then checks and applies them."""
     group = parser.add_argument_group("vLLM's flags (jaxllm/entrypoints/vllm_flags.py: what each does here)")
     taken = set(parser._option_string_actions)
     for name, rule in RULES.items():
         option = flag(name)
-        if option in taken or name in KEYWORD_ONLY or (engine_only and not rule.engine):
+        if option in taken or name in KEYWORD_ONLY:
             continue
-        kind = {"alias": "same as", "server": "honoured:", "advisory": "accepted, no effect:"}[rule.kind]
-        help = f"vLLM's; {kind} {rule.reason}".replace("%", "%%")
         if rule.form == SWITCH:
-            group.add_argument(option, dest=_dest(name), action=Switch, default=None, help=help)
+            group.add_argument(option, dest=_dest(name), action=Switch, default=None, help=_help(rule))
+        elif rule.form == APPEND:
+            group.add_argument(option, dest=_dest(name), action="append", default=None, help=_help(rule))
         else:
-            nargs = {VALUES: "+", APPEND: None}.get(rule.form)
-            action = "append" if rule.form == APPEND else "store"
-            group.add_argument(option, dest=_dest(name), nargs=nargs, action=action, default=None, help=help)
-    if "--config" not in taken:
-        group.add_argument("--config", metavar="FILE", help="vLLM's; honoured: a YAML file of flags (name: value); "
-                                                            "flags on the command line win")
+            nargs = "+" if rule.form == VALUES else ("?" if rule.const is not None else None)
+            group.add_argument(option, dest=_dest(name), nargs=nargs, const=rule.const, default=None,
+                               help=_help(rule))
     _add_spellings(parser)
 
 
@@ -377,7 +417,8 @@ def _refusal(name: str, value: Any, rule: Rule, spelled: Callable[[str], str]) -
     values accepted where only some are."""
     if not rule.refuses(value):
         return None
-    given = spelled(name) if rule.form == SWITCH and spelled(name).startswith("--") else f"{spelled(name)} {value!r}"
+    shown = " ".join(map(str, value)) if isinstance(value, list) else repr(value)
+    given = spelled(name) if rule.form == SWITCH and spelled(name).startswith("--") else f"{spelled(name)} {shown}"
     allowed = getattr(rule.refuses, "allowed", None)
     return f"{given} is not supported: {rule.reason}" + (f" (accepted: {allowed})" if allowed else "")
 
@@ -388,12 +429,22 @@ def _apply(settings: dict[str, Any], name: str, value: Any, rule: Rule, spelled:
     try:
         value = rule.convert(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{spelled(name)} {value!r} must be {rule.convert.__name__}") from None
+        what = {int: "an int", str: "a string"}.get(rule.convert, "an int or a size such as 8k")
+        raise ValueError(f"{spelled(name)} {value!r} must be {what}") from None
     target, current = rule.target, settings.get(rule.target)
     if rule.cap:
-        settings[target] = value if current is None else min(current, value)
+        if value < 1:
+            raise ValueError(f"{spelled(name)} {value!r} must be >= 1")
+        if current is None:  # an LLM keyword beside no target: the target's default
+            from jaxllm.config import EngineConfig
+
+            current = {f.name: f.default for f in dataclasses.fields(EngineConfig)}[target]
+        settings[target] = min(current, value)
     elif rule.key is not None:
-        config = json.loads(current) if isinstance(current, str) else dict(current or {})
+        try:
+            config = json.loads(current) if isinstance(current, str) else dict(current or {})
+        except ValueError:
+            raise ValueError(f"{spelled(target)} {current!r} is not a JSON object") from None
         if config.get(rule.key, value) != value:
             raise ValueError(f"{spelled(name)} {value!r} contradicts {spelled(target)}'s {rule.key} "
                              f"{config[rule.key]!r}")
@@ -422,27 +473,31 @@ def apply_vllm_flags(args: argparse.Namespace) -> list[str]:
             _apply(settings, name, value, rule, flag)
         elif rule.kind == ADVISORY:
             advisory.append(f"{flag(name)} ({rule.reason})")
+    if settings.get("model") is None:  # a config file's model, unless the command line names one
+        settings["model"] = settings.get("config_model")
     return advisory
 
 
 def vllm_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``LLM`` / ``LLMEngine`` / ``AsyncLLM`` keywords as ``EngineConfig``'s: its fields as given, vLLM's
     ``EngineArgs`` keywords by :data:`RULES` (aliases applied; advisory ones dropped and logged; ``hf_token`` set
-    as ``HF_TOKEN`` for Hub downloads). Anything else is left in for ``EngineConfig`` to refuse.
+    as ``HF_TOKEN`` for Hub downloads).
 
     Raises:
       ValueError: a refused value or a contradiction, naming the keyword.
-      TypeError: a keyword of ``vllm serve`` only (``response_role``), naming its flag.
+      TypeError: a keyword of ``vllm serve`` only (``response_role``), naming its flag; or an unknown keyword.
     """
     from jaxllm.config import EngineConfig
 
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    out = {k: v for k, v in kwargs.items() if (k not in RULES and k not in LLM_RULES) or k in fields}
+    out = {k: v for k, v in kwargs.items() if k in fields}
     advisory = []
     for name, value in kwargs.items():
         rule = LLM_RULES.get(name, RULES.get(name))
-        if rule is None or name in fields:
+        if name in fields:
             continue
+        if rule is None:
+            raise TypeError(f"{name}= is neither an EngineConfig field nor a keyword of vLLM 0.34's LLM")
         if not rule.engine:
             raise TypeError(f"{name}= is vLLM's {flag(name)}, a flag of the server (jaxllm serve), not a keyword of "
                             "LLM or LLMEngine")
@@ -452,8 +507,7 @@ def vllm_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         if rule.kind == ALIAS:
             _apply(out, name, value, rule, lambda n: f"{n}=")
         elif name == "hf_token":
-            if value:
-                os.environ["HF_TOKEN"] = str(value)
+            set_hf_token(value)
         elif rule.kind == ADVISORY:
             advisory.append(f"{name}= ({rule.reason})")
     if advisory:
@@ -461,10 +515,54 @@ def vllm_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def set_hf_token(value: Any) -> None:
+    """vLLM's ``hf_token``: a string is the token for Hub downloads (``HF_TOKEN``); True or None, the token the
+    Hub's login saved (nothing set)."""
+    if isinstance(value, str) and value:
+        os.environ["HF_TOKEN"] = value
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) else human_readable_int(value)
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's sizes on the command line: ``"8k"`` 8,000 and ``"25.6k"`` 25,600 (k, m, g, t: powers of 1,000),
+    ``"8K"`` 8,192 (K, M, G, T: powers of 1,024, whole numbers only), or a plain int. Raises ValueError naming the
+    value."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value.strip())
+    if match is None:
+        return int(value)
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise ValueError(f"{value!r}: a binary suffix ({suffix}) takes a whole number; {number}{suffix.lower()} is "
+                         "decimal")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
+def _yaml_value(action: Optional[argparse.Action], option: str, value: Any) -> list[str]:
+    """One YAML key's flags (``option`` set to ``value``) for ``action``, the parser's action of that option."""
+    if isinstance(value, bool) and isinstance(action, Switch):
+        on = value == (option not in action.negatives)  # the destination's value
+        return [action.option_strings[0] if on else next(o for o in action.option_strings if o.startswith("--no-"))]
+    if isinstance(value, bool) and action is not None and action.nargs == 0:
+        return [option] if value else []
+    if isinstance(value, list) and not value:
+        return []
+    if isinstance(value, list) and action is not None and action.nargs in ("+", "*"):
+        return [option, *map(str, value)]
+    if isinstance(value, (list, dict)):
+        return [option, json.dumps(value)]
+    return [option, str(value)]
+
+
 def _yaml_flags(parser: argparse.ArgumentParser, path: str) -> list[str]:
     """A vLLM ``--config`` YAML file's keys as command-line flags: ``max_num_seqs: 64`` -> ``--max-num-seqs 64``,
-    ``enforce_eager: true`` -> ``--enforce-eager``, a list -> its items (or its JSON for a one-value flag), a
-    mapping -> its JSON. Raises ValueError: a file that is not a YAML mapping."""
+    ``enforce_eager: true`` -> ``--enforce-eager`` (false: its negation), a list -> its items (or its JSON for a
+    one-value flag; an empty one: nothing), a mapping -> its JSON; ``model`` -> ``--config-model``, which a MODEL
+    on the command line overrides. Raises ValueError: an unreadable file, or one that is not a YAML mapping."""
     import yaml
 
     try:
@@ -476,34 +574,71 @@ def _yaml_flags(parser: argparse.ArgumentParser, path: str) -> list[str]:
                          f"{type(data).__name__}")
     argv: list[str] = []
     for key, value in data.items():
-        option = flag(str(key).replace("-", "_"))
-        action = parser._option_string_actions.get(option)
-        if isinstance(value, bool) and isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(option if value else "--no-" + option[2:])
-        elif isinstance(value, bool) and action is not None and action.nargs == 0:
-            argv += [option] if value else []
-        elif isinstance(value, list) and action is not None and action.nargs in ("+", "*"):
-            argv += [option, *map(str, value)]
-        elif isinstance(value, (list, dict)):
-            argv += [option, json.dumps(value)]
-        else:
-            argv += [option, str(value)]
+        option = "--config-model" if key == "model" else flag(str(key).replace("-", "_"))
+        argv += _yaml_value(parser._option_string_actions.get(option), option, value)
     return argv
 
 
-def normalize_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
-    """``argv`` as vLLM's parser reads it: ``--max_num_seqs`` spelled ``--max-num-seqs`` (and ``--x_y=v`` as
-    ``--x-y=v``), and ``--config FILE``'s flags (:func:`_yaml_flags`) put before the command line's, which win.
-    Raises ValueError: an unreadable or malformed config file."""
+def _dotted_value(text: str, plus: bool) -> Any:
+    """The value of a dotted flag (``--compilation-config.mode 3``): a comma list (``plus``), JSON, a size
+    (:func:`human_readable_int`), else the text, as vLLM reads it."""
+    if plus:
+        return text.split(",")
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return human_readable_int(text)
+    except ValueError:
+        return text
+
+
+def _spelled_as_vllm(items: list[str]) -> list[str]:
+    """vLLM's parser's respellings: ``--max_num_seqs`` -> ``--max-num-seqs`` (the name before any ``.`` or ``=``),
+    ``-O3`` / ``-O 3`` -> ``--optimization-level 3``, and dotted keys (``--speculative-config.method ngram``,
+    ``-cc.mode=3``, ``--x.list+ a,b``) gathered into one JSON object per flag, after the rest."""
     out: list[str] = []
-    config: list[str] = []
-    items = list(argv)
+    dotted: dict[str, dict] = {}
     i = 0
     while i < len(items):
         arg = items[i]
-        if arg.startswith("--") and len(arg) > 2:
+        i += 1
+        if arg.startswith("--"):
             name, eq, value = arg.partition("=")
-            arg = name.replace("_", "-") + eq + value
+            head, dot, tail = name.partition(".")
+            arg = head.replace("_", "-") + dot + tail + eq + value
+        if arg.startswith("-O") and len(arg) > 2 and not arg.startswith("--"):
+            out += ["--optimization-level", arg[3:] if arg[2] == "=" else arg[2:]]
+            continue
+        if arg == "-O" and i < len(items) and items[i] in ("0", "1", "2", "3"):
+            arg = "--optimization-level"
+        name = arg.partition("=")[0]
+        if arg.startswith("-") and "." in name:
+            text = arg.partition("=")[2] if "=" in arg else (items[i] if i < len(items) else "")
+            i += 0 if "=" in arg else 1
+            head, *keys = name.rstrip("+").split(".")
+            node = dotted.setdefault(head, {})
+            for key in keys[:-1]:
+                node = node.setdefault(key, {})
+            node[keys[-1]] = _dotted_value(text, name.endswith("+"))
+            continue
+        out.append(arg)
+    for head, value in dotted.items():
+        out += [head, json.dumps(value)]
+    return out
+
+
+def normalize_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``argv`` as vLLM's parser reads it (:func:`_spelled_as_vllm`), with ``--config FILE``'s flags
+    (:func:`_yaml_flags`) put before the command line's, which win.
+    Raises ValueError: an unreadable or malformed config file."""
+    items = _spelled_as_vllm(list(argv))
+    config: list[str] = []
+    out: list[str] = []
+    i = 0
+    while i < len(items):
+        arg = items[i]
         if arg == "--config" and i + 1 < len(items):
             config += _yaml_flags(parser, items[i + 1])
             i += 2
@@ -513,4 +648,6 @@ def normalize_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list
         else:
             out.append(arg)
         i += 1
-    return config + out
+    # A leading MODEL stays first: after the file's flags a flag of several values would take it.
+    lead = 1 if out and not out[0].startswith("-") else 0
+    return out[:lead] + config + out[lead:]

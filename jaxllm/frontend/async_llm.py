@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Optional, Union
 from jaxllm.config import EngineConfig
 from jaxllm.core.client import EngineDeadError, MPClient
 from jaxllm.core.messages import decode_params, encode_params, unflatten
-from jaxllm.frontend.front_end import FrontEnd
+from jaxllm.frontend.front_end import FrontEnd, tokenizer_config
 from jaxllm.lora import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
@@ -24,7 +24,8 @@ class AsyncLLM(FrontEnd):
     """Generate from asyncio code; the engine cores run in their own processes.
 
     Args:
-      model, params: as ``LLMEngine``. tokenizer: by default the model's.
+      model, params: as ``LLMEngine``. tokenizer: as ``LLMEngine``'s (a Tokenizer or where to load one from); by
+        default the model's.
       served_model_name: the model's name in the metrics (default: ``model``).
       **kwargs: ``EngineConfig`` fields, and vLLM's ``EngineArgs`` keywords as ``LLMEngine`` takes them.
 
@@ -37,11 +38,12 @@ class AsyncLLM(FrontEnd):
       EngineDeadError: a core failed to start.
     """
 
-    def __init__(self, model: Union[str, os.PathLike], tokenizer: Optional[Tokenizer] = None, *,
+    def __init__(self, model: Union[str, os.PathLike], tokenizer: Union[Tokenizer, str, os.PathLike, None] = None, *,
                  served_model_name: Optional[str] = None, params: Optional[Any] = None, **kwargs: Any) -> None:
         from jaxllm.entrypoints.vllm_flags import vllm_engine_kwargs
 
-        config = EngineConfig(**vllm_engine_kwargs(kwargs))
+        tokenizer, kwargs = tokenizer_config(tokenizer, vllm_engine_kwargs(kwargs))
+        config = EngineConfig(**kwargs)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         super().__init__(tokenizer, MPClient(model, config, params=params), config, served_model_name or str(model))
         self.info = self.client.infos[0]

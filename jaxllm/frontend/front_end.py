@@ -4,6 +4,7 @@ processor, output processor and metrics, none touching the device.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Sequence
 
 from jaxllm.core.client import QueueFullError, check_waiting_limit
@@ -14,6 +15,20 @@ from jaxllm.frontend.output_processor import OutputProcessor
 from jaxllm.frontend.prefix_warmup import preload_token_ids
 from jaxllm.outputs import RequestOutput
 from scheduler import SamplingParams
+
+
+def tokenizer_config(tokenizer: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(the front end's tokenizer, the ``EngineConfig`` keywords) for a ``tokenizer`` argument: a path or name is
+    loaded (``tokenizer.load_named_tokenizer``, vLLM's ``tokenizer``), and one read from a file sets the keywords'
+    ``tokenizer`` to that file, so that the engine core reads prompts and grammars with the same one.
+    Raises ValueError: no tokenizer where a path or name points."""
+    from jaxllm.tokenizer import load_named_tokenizer
+
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_named_tokenizer(tokenizer, None, kwargs.get("download_dir"))
+    if getattr(tokenizer, "source", None) is not None:
+        kwargs = {**kwargs, "tokenizer": str(tokenizer.source)}
+    return tokenizer, kwargs
 
 
 class EngineSleepingError(RuntimeError):

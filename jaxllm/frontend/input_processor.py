@@ -38,14 +38,14 @@ class InputProcessor:
     """Validates requests and builds core requests for one model. tokenizer: the model's, or None (token-id
     prompts only); info: the core's ``CoreInfo``; seed: the engine seed; scheduling_policy: a non-zero priority is
     refused unless it ``reads_priority``; max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may
-    ask for (``EngineConfig.max_logprobs``).
+    ask for (``EngineConfig.max_logprobs``; -1: ``MAX_LOGPROBS``).
     """
 
     def __init__(self, tokenizer, info: CoreInfo, seed: int = 0,
                  scheduling_policy: Union[str, Policy] = "fcfs", max_logprobs: int = MAX_LOGPROBS) -> None:
         self.tokenizer = tokenizer
         self.info = info
-        self.max_logprobs = max_logprobs
+        self.max_logprobs = MAX_LOGPROBS if max_logprobs == -1 else max_logprobs
         self._seed_rng = np.random.default_rng(seed)
         policy = get_policy(scheduling_policy)
         self._priority_blind_policy = None if policy.reads_priority else policy.name
@@ -97,7 +97,7 @@ class InputProcessor:
             asked = getattr(params, name)
             if asked is not None and asked > self.max_logprobs:
                 raise ValueError(f"{name}={asked} is more than max_logprobs={self.max_logprobs}, the most this engine "
-                                 "serves (--max-logprobs)")
+                                 "serves")
         if not isinstance(priority, (int, np.integer)) or isinstance(priority, bool):
             raise ValueError(f"priority={priority!r} must be an int")
         if priority != 0 and self._priority_blind_policy is not None:

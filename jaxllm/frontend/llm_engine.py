@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 from jaxllm.config import EngineConfig
 from jaxllm.core.client import InprocClient, MPClient
 from jaxllm.core.messages import decode_params, encode_params, unflatten
-from jaxllm.frontend.front_end import FrontEnd
+from jaxllm.frontend.front_end import FrontEnd, tokenizer_config
 from jaxllm.frontend.input_processor import PromptType
 from jaxllm.lora import LoRARequest
 from jaxllm.outputs import RequestOutput
@@ -29,7 +29,8 @@ class LLMEngine(FrontEnd):
         (``revision``, ``download_dir`` in ``kwargs``; ``jaxllm.named_models.resolve_model``), None for
         SmolLM2-135M-Instruct; with ``params`` also a ``ModelConfig``.
       tokenizer: a Tokenizer, or where to load one from (a folder, ``.gguf``, named model or Hub id, as vLLM's
-        ``tokenizer``); by default the model's.
+        ``tokenizer``); by default the model's. The engine core reads one loaded from elsewhere than the model
+        from its ``source`` too (``EngineConfig.tokenizer``).
       params: weights to serve instead (``jaxllm.models.param_layout``'s layout, numpy or JAX arrays).
       mesh: the replica's ``(data, model)`` mesh (one replica only); default ``make_mesh(tensor_parallel_size)``.
       served_model_name: the model's name in the metrics (default: ``model``), as vLLM's.
@@ -45,7 +46,8 @@ class LLMEngine(FrontEnd):
         over ``tensor_parallel_size``, or a ``mesh`` with ``data_parallel_size > 1``.
     """
 
-    def __init__(self, model: Union[str, os.PathLike, ModelConfig, None] = None, tokenizer: Optional[Tokenizer] = None,
+    def __init__(self, model: Union[str, os.PathLike, ModelConfig, None] = None,
+                 tokenizer: Union[Tokenizer, str, os.PathLike, None] = None,
                  *, mesh: Optional["jax.sharding.Mesh"] = None, params: Optional[Any] = None,
                  served_model_name: Optional[str] = None, **kwargs: Any):
         from jaxllm.entrypoints.vllm_flags import vllm_engine_kwargs
@@ -54,8 +56,7 @@ class LLMEngine(FrontEnd):
         kwargs = vllm_engine_kwargs(kwargs)
         if model is None or isinstance(model, (str, os.PathLike)):
             model = resolve_model(model, kwargs.get("revision"), kwargs.get("download_dir"))
-        if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = load_tokenizer(resolve_model(tokenizer, kwargs.get("revision"), kwargs.get("download_dir")))
+        tokenizer, kwargs = tokenizer_config(tokenizer, kwargs)
         config = EngineConfig(**kwargs)
         if config.data_parallel_size > 1:
             if mesh is not None:

@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import prometheus_client
 from fastapi import FastAPI, Query, Request
@@ -67,22 +67,29 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     from jaxllm.entrypoints.engine_args import add_engine_args
     from jaxllm.entrypoints.vllm_flags import Switch, add_vllm_flags
 
-    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
+    # The usage line names no flag: there are some 370 (``--help`` lists them), and argparse repeats it before
+    # every error.
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, usage="%(prog)s [MODEL] [flags]",
                                 description="Serve a model over an OpenAI-compatible HTTP API.")
     p.add_argument("model", nargs="?", default=None,
                    help="HF folder, .gguf file, jaxllm orbax folder, named model (gemma3-270m, smollm2-135m-instruct) "
                         "or Hugging Face Hub id such as Qwen/Qwen3-0.6B (default: smollm2-135m-instruct)")
+    p.add_argument("--config", metavar="FILE", help="a YAML file of flags (max_num_seqs: 64, as vLLM's --config); "
+                                                    "flags on the command line win")
+    p.add_argument("--config-model", help=argparse.SUPPRESS)  # a --config file's model (vllm_flags._yaml_flags)
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--served-model-name", default=None,
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (any of the keys given)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name clients send and see (default: the model as given, e.g. Qwen/Qwen3-0.6B, "
-                        "or smollm2-135m-instruct for the default)")
+                        "or smollm2-135m-instruct for the default); several: each is accepted, the first is "
+                        "the one metrics use")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight may take to finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default=None, choices=LEVELS,
                    help="jaxllm's log level, the engine cores' too (default: JAXLLM_LOGGING_LEVEL, else info)")
-    p.add_argument("--uvicorn-log-level", default="warning", choices=LEVELS,
+    p.add_argument("--uvicorn-log-level", default="warning", choices=(*LEVELS, "trace"),
                    help="uvicorn's log level (default warning)")
     p.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a jinja2 chat template file (or the template itself, inline) used instead of the "
@@ -166,10 +173,11 @@ def add_http_flags(app: FastAPI, args: argparse.Namespace) -> None:
             return response
 
 
-def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_tokenizer_info: bool = False,
-              docs: bool = True):
-    """The FastAPI app over an ``OpenAIServing`` (``lifespan``: FastAPI's, to stop the engine at shutdown;
-    ``docs`` False: no /docs, /redoc or /openapi.json, vLLM's ``--disable-fastapi-docs``)."""
+def build_app(serving, api_key: Union[str, Sequence[str], None] = None, lifespan=None,
+              enable_tokenizer_info: bool = False, docs: bool = True):
+    """The FastAPI app over an ``OpenAIServing`` (``api_key``: the key, or keys, a /v1 request must bear;
+    ``lifespan``: FastAPI's, to stop the engine at shutdown; ``docs`` False: no /docs, /redoc or /openapi.json,
+    vLLM's ``--disable-fastapi-docs``)."""
     engine = serving.engine
     app = FastAPI(title="jaxllm", version=__version__, lifespan=lifespan,
                   **({} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)))
@@ -180,9 +188,11 @@ def build_app(serving, api_key: Optional[str] = None, lifespan=None, enable_toke
     add_error_handlers(app, error)
 
     if api_key is not None:
+        bearers = {f"Bearer {key}" for key in ([api_key] if isinstance(api_key, str) else api_key)}
+
         @app.middleware("http")
         async def check_key(request: Request, call_next):
-            if request.url.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {api_key}":
+            if request.url.path.startswith("/v1") and request.headers.get("authorization") not in bearers:
                 return error(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.", None,
                              "invalid_api_key")
             return await call_next(request)
@@ -424,24 +434,25 @@ def run(args: argparse.Namespace) -> int:
     from jaxllm.frontend.async_llm import AsyncLLM
     from jaxllm.named_models import DEFAULT_MODEL, resolve_model
     from jaxllm.entrypoints.engine_args import engine_kwargs
+    from jaxllm.entrypoints.vllm_flags import set_hf_token
     from jaxllm.entrypoints.openai.serving import OpenAIServing
     from jaxllm.paths import model_format
-    from jaxllm.tokenizer import load_tokenizer
+    from jaxllm.tokenizer import load_named_tokenizer, load_tokenizer
 
-    if args.hf_token:
-        os.environ["HF_TOKEN"] = args.hf_token
+    set_hf_token(args.hf_token)
     model = str(resolve_model(args.model, args.revision, args.download_dir))
     model_format(model)
-    served_model_name = args.served_model_name or args.model or DEFAULT_MODEL
-    tokenizer = load_tokenizer(resolve_model(args.tokenizer, args.revision, args.download_dir)
-                               if args.tokenizer is not None else model)
+    served_model_name, *aliases = args.served_model_name or [args.model or DEFAULT_MODEL]
+    kwargs = engine_kwargs(args)
+    source = kwargs.pop("tokenizer")
+    tokenizer = load_named_tokenizer(source, None, args.download_dir) if source is not None else load_tokenizer(model)
     if args.chat_template is not None:
         if tokenizer is None:
             raise ValueError(f"--chat-template: {model} has no tokenizer, so it cannot render chats")
         tokenizer.set_chat_template(args.chat_template)
-    engine = AsyncLLM(model, tokenizer=tokenizer, served_model_name=served_model_name, **engine_kwargs(args))
+    engine = AsyncLLM(model, tokenizer=tokenizer, served_model_name=served_model_name, **kwargs)
     models = OpenAIServingModels(engine, served_model_name, args.model or served_model_name,
-                                 engine.info.max_model_len, tuple(args.lora_modules or ()))
+                                 engine.info.max_model_len, tuple(args.lora_modules or ()), tuple(aliases))
     try:
         asyncio.run(models.init_static_loras())
     except BaseException:
@@ -451,7 +462,8 @@ def run(args: argparse.Namespace) -> int:
                             return_tokens_as_token_ids=bool(args.return_tokens_as_token_ids),
                             enable_force_include_usage=bool(args.enable_force_include_usage),
                             default_chat_template_kwargs=args.default_chat_template_kwargs,
-                            enable_log_requests=bool(args.enable_log_requests))
+                            enable_log_requests=bool(args.enable_log_requests),
+                            exclude_tools_when_tool_choice_none=bool(args.exclude_tools_when_tool_choice_none))
     defaults = sampling_defaults(model, args.generation_config, args.override_generation_config)
     serving = OpenAIServing(engine, served_model_name, defaults,
                             tool_call_parser=args.tool_call_parser,

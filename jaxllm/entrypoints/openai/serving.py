@@ -45,6 +45,7 @@ from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.structured_output import after_reasoning, validate_structured_outputs
 from jaxllm.tokenizer import ChatInputError
 from scheduler import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from scheduler.sampling_params import MAX_LOGPROBS
 
 logger = init_logger(__name__)
 
@@ -102,6 +103,7 @@ class ServerOptions:
     enable_force_include_usage: every stream ends with usage, as if ``stream_options.include_usage``.
     default_chat_template_kwargs: chat template variables under each request's ``chat_template_kwargs``.
     enable_log_requests: log each engine request's id, prompt length and ``SamplingParams`` at info.
+    exclude_tools_when_tool_choice_none: a chat with ``tool_choice: "none"`` is rendered without its tools.
     """
 
     response_role: str = "assistant"
@@ -109,6 +111,7 @@ class ServerOptions:
     enable_force_include_usage: bool = False
     default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     enable_log_requests: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
 
 
 class OpenAIServing:
@@ -142,6 +145,8 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.defaults = {k: v for k, v in generation_defaults.items() if k in DEFAULTABLE}
+        # The generation config's max_new_tokens: the completion length of a request that sets none (vLLM's).
+        self.default_max_tokens: Optional[int] = generation_defaults.get("max_tokens")
         self.max_model_len = engine.info.max_model_len
         self.models = models if models is not None else OpenAIServingModels(engine, model_name, model_name,
                                                                              self.max_model_len)
@@ -223,11 +228,17 @@ class OpenAIServing:
             if room < 1:
                 raise APIError(400, f"the prompt has {prompt_len} tokens, which leaves no room for a completion "
                                     f"under max_model_len={self.max_model_len}", "messages")
-            max_tokens = room
+            max_tokens = room if self.default_max_tokens is None else min(room, self.default_max_tokens)
         elif isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                                 f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
                                 "for the completion). Reduce the length of the prompt or max_tokens.", "max_tokens")
+        limit = self.engine.input_processor.max_logprobs
+        for param, asked in ((logprobs_param, logprobs), ("prompt_logprobs", request.prompt_logprobs)):
+            # Past MAX_LOGPROBS, SamplingParams' own check names the limit jaxllm computes.
+            if isinstance(asked, int) and limit < asked <= MAX_LOGPROBS:
+                raise APIError(400, f"{param}={asked} is more than max_logprobs={limit}, the most this server serves "
+                                    "(--max-logprobs)", param)
         values = dict(self.defaults)
         values.update({k: getattr(request, k) for k in DEFAULTABLE if getattr(request, k) is not None})
         try:
@@ -439,8 +450,9 @@ class OpenAIServing:
         check_fields("chat", request)
         self._server_defaults(request)
         check_combination(request)
+        excluded = self.options.exclude_tools_when_tool_choice_none and request.tool_choice == "none"
         text = self.render_chat_text(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                     tool_dicts(request.tools),
+                                     None if excluded else tool_dicts(request.tools),
                                      chat_template_kwargs(request, self.options.default_chat_template_kwargs))
         ids = self.truncate(self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens), request)
         parsing, constraint = self.chat_parsing(request, opens_reasoning(text))
@@ -456,12 +468,14 @@ class OpenAIServing:
         return ids, parsing, params
 
     def _server_defaults(self, request: Union[CompletionRequest, ChatCompletionRequest]) -> None:
-        """Set the request's fields the :class:`ServerOptions` default (in place, before it is checked)."""
-        if self.options.return_tokens_as_token_ids and request.logprobs not in (None, False):
+        """Set the request's fields the :class:`ServerOptions` default (in place, before it is checked): a field
+        the request sets itself keeps its value."""
+        if self.options.return_tokens_as_token_ids and "return_tokens_as_token_ids" not in request.model_fields_set \
+                and request.logprobs is not None and request.logprobs is not False:
             request.return_tokens_as_token_ids = True
         if self.options.enable_force_include_usage and request.stream:
-            options = request.stream_options or StreamOptions()
-            request.stream_options = options.model_copy(update={"include_usage": True})
+            # vLLM's should_include_usage: usage on every chunk and a last usage chunk, whatever stream_options say.
+            request.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
 
     def role(self, request: ChatCompletionRequest) -> str:
         """The role of a chat completion's message, as vLLM's: ``response_role`` when the request adds the

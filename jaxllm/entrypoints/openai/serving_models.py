@@ -64,11 +64,13 @@ class OpenAIServingModels:
       engine: the ``AsyncLLM`` (its ``add_lora`` / ``remove_lora``). base_model_name: ``--served-model-name``.
       root: the base model as given (its path or id; ``/v1/models``' ``root``). max_model_len: the engine's.
       lora_modules: the ``--lora-modules`` adapters, loaded by :meth:`init_static_loras`.
+      aliases: more names of the base model (``--served-model-name``'s after the first), each served as it is.
     """
 
     def __init__(self, engine: Any, base_model_name: str, root: str, max_model_len: int,
-                 lora_modules: tuple[LoRAModulePath, ...] = ()) -> None:
+                 lora_modules: tuple[LoRAModulePath, ...] = (), aliases: tuple[str, ...] = ()) -> None:
         self.engine, self.base_model_name, self.root = engine, base_model_name, root
+        self.base_model_names = (base_model_name, *aliases)
         self.max_model_len, self.static_lora_modules = max_model_len, lora_modules
         self.lora_requests: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
@@ -89,11 +91,11 @@ class OpenAIServingModels:
         Raises:
           APIError: 404 for a name that is neither the base model nor a loaded adapter.
         """
-        if model is None or model == self.base_model_name:
+        if model is None or model in self.base_model_names:
             return None
         found = self.lora_requests.get(model)
         if found is None:
-            served = ", ".join(f"`{name}`" for name in (self.base_model_name, *self.lora_requests))
+            served = ", ".join(f"`{name}`" for name in (*self.base_model_names, *self.lora_requests))
             raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.", "model",
                            "model_not_found")
         return found
@@ -105,8 +107,9 @@ class OpenAIServingModels:
 
     def show_available_models(self) -> dict:
         """``GET /v1/models``: the base model, then each adapter with ``parent`` (its base) and ``root`` (its path)."""
-        cards = [{"id": self.base_model_name, "object": "model", "created": self.created, "owned_by": "jaxllm",
-                  "root": self.root, "parent": None, "max_model_len": self.max_model_len}]
+        cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "jaxllm",
+                  "root": self.root, "parent": None, "max_model_len": self.max_model_len}
+                 for name in self.base_model_names]
         cards += [{"id": name, "object": "model", "created": self.created, "owned_by": "jaxllm",
                    "root": request.lora_path, "parent": self.base_model_name, "max_model_len": self.max_model_len}
                   for name, request in self.lora_requests.items()]
@@ -131,7 +134,7 @@ class OpenAIServingModels:
                            else "lora_path")
         async with self._lock:
             old = self.lora_requests.get(lora_name)
-            if lora_name == self.base_model_name or (old is not None and not load_inplace):
+            if lora_name in self.base_model_names or (old is not None and not load_inplace):
                 raise APIError(400, f"The lora adapter '{lora_name}' has already been loaded"
                                     + (" (it is the base model's name)." if old is None else
                                        "; set load_inplace to replace it."), "lora_name")
