@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -436,3 +437,20 @@ def test_sampling_defaults_follow_vllms_generation_config_option(tmp_path):
         sampling_defaults(tmp_path, "nowhere")
     with pytest.raises(ValueError, match="--generation-config 'nowhere' must be 'auto'"):
         parse("--generation-config", "nowhere")
+
+
+def test_gpu_memory_utilization_sizes_the_blocks_an_accelerator_gets(stories_dir):
+    from jaxllm.loader import load_model
+    from jaxllm.worker.kv_cache import bytes_per_block, resolve_num_blocks
+
+    cfg = load_model(stories_dir)[0]
+    per_block = bytes_per_block(cfg, 16, np.float32)
+    gpu = FakeDevice("gpu", limit=1000 * per_block, in_use=100 * per_block)
+    sizes = dict(block_size=16, dtype=np.float32, num_kv_blocks=None, kv_cache_memory_bytes=None, max_num_seqs=1000,
+                 max_model_len=512, device=gpu)
+    assert resolve_num_blocks(cfg, gpu_memory_utilization=0.5, **sizes) == 400
+    assert resolve_num_blocks(cfg, gpu_memory_utilization=0.9, **sizes) == 800
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=\d+ \(gpu_memory_utilization=0.12 of gpu's memory "
+                                         r"less what is in use\) holds 20 KV blocks"):
+        resolve_num_blocks(cfg, gpu_memory_utilization=0.12, **sizes)
+    assert EngineConfig(gpu_memory_utilization=0.5).cache.gpu_memory_utilization == 0.5
