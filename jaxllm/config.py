@@ -455,6 +455,8 @@ class EngineConfig:
     tokenizer: Optional[str] = _option(None, (
         "Where the tokenizer is read from, if not the model (vLLM's): a folder with a tokenizer.json, a .gguf file, "
         "a named model or a Hub id; the engine reads prompts, stop strings and structured-output grammars with it."))
+    tokenizer_revision: Optional[str] = _option(None, (
+        "The branch, tag or commit of a tokenizer given as a Hub id (vLLM's); None: revision's."))
     download_dir: Optional[str] = _option(None, (
         "The folder Hub models are downloaded to and read from (vLLM's); None: the Hub's cache (HF_HUB_CACHE, or "
         "HF_HOME's)."))

@@ -34,7 +34,9 @@ def model_format(path: str | os.PathLike) -> Literal["gguf", "folder"]:
 
 # generation_config.json keys vLLM takes as sampling defaults -> SamplingParams fields.
 GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+                          "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                          "frequency_penalty": "frequency_penalty", "skip_special_tokens": "skip_special_tokens",
+                          "max_new_tokens": "max_tokens"}
 
 
 def generation_config_defaults(generation_config: dict) -> dict[str, Any]:

@@ -51,7 +51,7 @@ def test_the_snapshot_is_vllm_0_34_and_every_spelling_of_every_flag_parses():
 
 def test_every_flag_jaxllm_lacks_has_a_rule_of_its_form_and_kind():
     lacking = [f for f in FLAGS if not native(f["dest"])]
-    assert len(lacking) == 281
+    assert len(lacking) == 280
     for f in lacking:
         rule = RULES[f["dest"]]
         assert (rule.form, rule.engine) == (f["form"], f["engine"]), f["dest"]
@@ -88,7 +88,7 @@ REFUSED = {
     "config_format": ("mistral", "hf"), "load_format": ("dummy", "safetensors"),
     "chat_template_content_format": ("openai", "auto"), "worker_cls": ("my.Worker", "auto"),
     **{name: ("x", None) for name in (
-        "grpc_port", "hf_overrides", "hf_config_path", "tokenizer_revision", "quantization_config", "pooler_config",
+        "grpc_port", "hf_overrides", "hf_config_path", "quantization_config", "pooler_config",
         "reasoning_effort_map", "reasoning_config", "watermark_config", "diffusion_config", "kv_transfer_config",
         "ec_transfer_config", "tool_server", "io_processor_plugin", "model_class_overrides", "scheduler_cls",
         "reasoning_parser_plugin", "worker_extension_cls", "tool_parser_plugin", "middleware",
@@ -162,6 +162,15 @@ def test_vllms_sizes_optimization_level_and_dotted_flags():
     assert json.loads(args.limit_mm_per_prompt) == {"image": 0}
     assert parse("--max-model-len", "auto").max_model_len is None and parse("--max-model-len", "-1").max_model_len is None
     assert parse("-O", "1").optimization_level == "1" and parse("--max_model_len=2K").max_model_len == 2048
+    assert parse("--max-model-len", "AUTO").max_model_len is None
+    # Repeated dotted keys merge as vLLM's parser merges them: objects key by key, lists joined.
+    merged = parse("-cc.a.b", "1", "-cc.a.c=2", "-cc.l+", "x,y", "-cc.l+", "z", "--served-model-name", "my.model")
+    assert json.loads(merged.compilation_config) == {"a": {"b": 1, "c": 2}, "l": ["x", "y", "z"]}
+    assert merged.served_model_name == ["my.model"] and parse("--seed", "-1").seed == -1
+    with pytest.raises(ValueError, match="-cc.a is given both a value and keys of its own"):
+        parse("-cc.a", "1", "-cc.a.b", "2")
+    with pytest.raises(ValueError, match="--speculative-config.method needs a value"):
+        parse("--speculative-config.method")
     with pytest.raises(SystemExit):
         PARSER.parse_args(["--max-model-len", "1.5K"])  # a binary suffix takes a whole number, as in vLLM
 
@@ -177,6 +186,9 @@ def test_vllms_sizes_optimization_level_and_dotted_flags():
     (["--speculative-config", "{oops", "--spec-tokens", "2"], "--speculative-config '{oops' is not a JSON object"),
     (["--allowed-origins", "*"], "--allowed-origins '\\*' must be a JSON list"),
     (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs '\\[1\\]' must be a JSON dict"),
+    # argparse gives a MODEL after several values to the flag; as vLLM, say so rather than serve another model.
+    (["--api-key", "k", "Qwen/Qwen3-0.6B"], "--api-key took several values and no MODEL came before it"),
+    (["--served-model-name", "a", "./model"], "--served-model-name took several values and no MODEL came before"),
 ])
 def test_contradictions_and_malformed_values_name_the_flag(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -206,6 +218,8 @@ def test_underscored_flags_and_a_config_file_as_vllm_reads_them(tmp_path):
     assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 2}
     assert (args.enable_log_requests, args.enable_chunked_prefill, args.served_model_name) == (True, False, ["a", "b"])
     assert parse("other", "--config", str(config)).model == "other"  # a MODEL on the command line wins too
+    config.write_text("compilation-config.mode: 3\ncompilation-config.level: 1\n")  # dotted keys in the file too
+    assert json.loads(parse("--config", str(config)).compilation_config) == {"mode": 3, "level": 1}
     config.write_text("- max_num_seqs\n")
     with pytest.raises(ValueError, match="--config .*serve.yaml: a YAML mapping of flag names to values is needed"):
         parse(f"--config={config}")
@@ -242,6 +256,7 @@ def test_llm_keywords_map_as_the_flags_do(caplog):
                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
     # A cap with no value to cap caps the default (64), as the flag does.
     assert vllm_engine_kwargs({"max_num_active_seqs": 128}) == {"max_num_seqs": 64}
+    assert vllm_engine_kwargs({"max_num_scheduled_tokens": 256.0}) == {"max_num_batched_tokens": 256}
     assert EngineConfig(**kwargs).speculative.num_speculative_tokens == 2
     with pytest.raises(TypeError, match="response_role= is vLLM's --response-role, a flag of the server"):
         vllm_engine_kwargs({"response_role": "bot"})
@@ -409,7 +424,11 @@ def test_llm_takes_vllms_keywords(stories_dir, tmp_path):
         LLM(model, tokenizer=str(model))
     llm = LLM(model, **ENGINE, max_logprobs=1, num_gpu_blocks_override=40, enforce_eager=True,
               trust_remote_code=True, served_model_name="stories", tokenizer=str(stories_dir),
-              override_generation_config={"temperature": 0.0, "max_new_tokens": 3})
+              override_generation_config={"temperature": 0.0, "max_new_tokens": 3},
+              chat_template="Story:{% for m in messages %} {{ m['content'] }}{% endfor %}")
+    # chat_template: chat()'s template when a call gives none, as vLLM's LLM.
+    [chat] = llm.chat([{"role": "user", "content": "Lily"}], use_tqdm=False)
+    assert llm.get_tokenizer().decode(chat.prompt_token_ids).endswith("Story: Lily")
     # The engine core reads grammars with the tokenizer given (the model folder has none).
     yes_no = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     assert llm.generate("Once upon a time", yes_no, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
@@ -433,6 +452,10 @@ def test_sampling_defaults_follow_vllms_generation_config_option(tmp_path):
     assert sampling_defaults(tmp_path, "vllm") == {}
     assert sampling_defaults(None, str(tmp_path), {"top_k": 5}) == {"temperature": 0.6, "top_k": 5, "max_tokens": 9}
     assert sampling_defaults(tmp_path / "model.gguf") == {}
+    # Every key vLLM's get_diff_sampling_param reads.
+    assert sampling_defaults(None, "vllm", {"presence_penalty": 0.5, "frequency_penalty": 0.1,
+                                            "skip_special_tokens": False, "do_sample": True}) == {
+        "presence_penalty": 0.5, "frequency_penalty": 0.1, "skip_special_tokens": False}
     with pytest.raises(ValueError, match="generation_config='nowhere' must be 'auto'"):
         sampling_defaults(tmp_path, "nowhere")
     with pytest.raises(ValueError, match="--generation-config 'nowhere' must be 'auto'"):

@@ -26,7 +26,7 @@ from jaxllm.paths import cache_dir
 from jaxllm.spec_decode import NgramProposer
 from jaxllm.spec_decode.draft import DraftRunner
 from jaxllm.structured_output import StructuredOutputManager
-from jaxllm.tokenizer import load_tokenizer
+from jaxllm.tokenizer import load_named_tokenizer, load_tokenizer
 from jaxllm.worker.host_malloc import tune_host_malloc
 from jaxllm.worker.kv_cache import (bytes_per_block, calibrate_kv_scales, calibration_ids, check_pool_backend,
                                     describe_pool, fit_max_model_len, kv_number_dtype, size_kv_pools)
@@ -89,8 +89,11 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
     else:
         sharding = ModelSharding(cfg, mesh)
         params = place_given_params(cfg, params, dtype, sharding, config.quantization)
-    source = config.tokenizer if config.tokenizer is not None else path
-    tokenizer = (lambda: load_tokenizer(source)) if source is not None else (lambda: None)
+    if config.tokenizer is not None:  # the front end's: a missing one is an error, not a model without one
+        tokenizer = (lambda: load_named_tokenizer(config.tokenizer, config.tokenizer_revision or config.revision,
+                                                  config.download_dir))
+    else:
+        tokenizer = (lambda: load_tokenizer(path)) if path is not None else (lambda: None)
     backend = compilation.attention_backend or default_attention_backend()
     check_pool_backend(cache, backend)
     ops = attention_ops(sharding, backend, compilation.interpret)

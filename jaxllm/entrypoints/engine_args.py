@@ -22,7 +22,7 @@ def _length_or_auto(value: str) -> Optional[int]:
     """``--max-model-len``: a size (``32k``) or ``auto`` / ``-1`` (vLLM's: fit the model's length; None here)."""
     from jaxllm.entrypoints.vllm_flags import human_readable_int
 
-    return None if value.strip() in ("auto", "-1") else human_readable_int(value)
+    return None if value.strip().lower() in ("auto", "-1") else human_readable_int(value)
 
 
 def _size(value: str) -> int:

@@ -15,11 +15,14 @@ import numpy as np
 from jaxllm.frontend.llm_engine import LLMEngine
 from jaxllm.frontend.input_processor import PromptType
 from jaxllm.frontend.metrics import GenerateProgress
+from jaxllm.logger import init_logger
 from jaxllm.lora import LoRARequest
 from jaxllm.models.config import ModelConfig
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer
 from scheduler import RequestOutputKind, SamplingParams
+
+logger = init_logger(__name__)
 
 # One prefix-cache salt for every prompt, or one per prompt (None: unsalted).
 CacheSalt = Union[str, Sequence[Optional[str]], None]
@@ -162,6 +165,8 @@ class LLM:
       generation_config: where :meth:`get_default_sampling_params` comes from, as vLLM's: "auto" the model's
         ``generation_config.json``, "vllm" none (``SamplingParams()``), or a folder's.
       override_generation_config: ``generation_config.json`` keys over those (``{"temperature": 0.6}``).
+      chat_template: the template :meth:`chat` renders with when a call gives none (a jinja2 file, or the
+        template itself; vLLM's); None: the model's.
       **kwargs: ``EngineConfig`` fields, and vLLM's ``LLM`` keywords (``gpu_memory_utilization``,
         ``enforce_eager``, ``tokenizer``, ``served_model_name``, ...) as ``LLMEngine`` takes them;
         ``data_parallel_size > 1`` runs one core per replica.
@@ -171,12 +176,22 @@ class LLM:
     """
 
     def __init__(self, model: Optional[Union[str, os.PathLike, ModelConfig]] = None, *, params: Optional[Any] = None,
-                 generation_config: str = "auto", override_generation_config: Optional[dict] = None, **kwargs: Any):
+                 generation_config: str = "auto", override_generation_config: Optional[dict] = None,
+                 chat_template: Optional[str] = None, **kwargs: Any):
         from jaxllm.paths import sampling_defaults
+        from jaxllm.tokenizer import compile_chat_template, read_chat_template
 
-        sampling_defaults(None, generation_config, override_generation_config)  # a bad value fails before loading
+        # A bad value fails before the model loads.
+        sampling_defaults(None, generation_config, override_generation_config)
+        self._chat_template = read_chat_template(chat_template) if chat_template is not None else None
+        if self._chat_template is not None:
+            compile_chat_template(self._chat_template)
         self.engine = LLMEngine(model, params=params, **kwargs)
         self._defaults = sampling_defaults(self.engine.model_path, generation_config, override_generation_config)
+        if self._defaults and generation_config != "vllm":
+            logger.warning(f"prompts given no SamplingParams run with {self._defaults}, from "
+                           f"{'the model' if generation_config == 'auto' else generation_config}'s "
+                           "generation_config.json (as vLLM's LLM); generation_config='vllm' leaves them out")
         self._steps = SharedSteps(self.engine)
         self._ids = itertools.count()
 
@@ -459,7 +474,8 @@ class LLM:
         prompts = [
             self.tokenizer.encode(
                 self.tokenizer.render_chat(conv, add_generation_prompt, continue_final_message, tools,
-                                           chat_template_kwargs, chat_template),
+                                           chat_template_kwargs,
+                                           chat_template if chat_template is not None else self._chat_template),
                 add_special_tokens=False,
             )
             for conv in conversations

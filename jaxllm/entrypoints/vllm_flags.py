@@ -109,6 +109,29 @@ def _server(reason: str, names: str, form: str = VALUE, engine: bool = False) ->
     return {name: Rule(SERVER, reason, form, engine) for name in names.split()}
 
 
+def _count(value: Any) -> int:
+    """An alias's count: an int (a whole float too, from a YAML file or a caller), or a size such as ``8k``."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) else human_readable_int(str(value))
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's sizes on the command line: ``"8k"`` 8,000 and ``"25.6k"`` 25,600 (k, m, g, t: powers of 1,000),
+    ``"8K"`` 8,192 (K, M, G, T: powers of 1,024, whole numbers only), or a plain int. Raises ValueError naming the
+    value."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value.strip())
+    if match is None:
+        return int(value)
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise ValueError(f"{value!r}: a binary suffix ({suffix}) takes a whole number; {number}{suffix.lower()} is "
+                         "decimal")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
 _PLUGIN = "imports and runs a class or plugin by name, which jaxllm does not do"
 _NO_MM = "multimodal inputs only; jaxllm serves text models"
 _CUDA = "a CUDA/ROCm kernel, graph or allocator setting of vLLM's; jaxllm's steps are XLA programs with its own kernels"
@@ -122,16 +145,16 @@ RULES: dict[str, Rule] = {
     # Honoured under another name.
     "model": Rule(ALIAS, "the model to serve (the positional MODEL)", target="model"),
     "num_gpu_blocks_override": Rule(ALIAS, "--num-kv-blocks: KV blocks in all", target="num_kv_blocks",
-                                    convert=int),
+                                    convert=_count),
     "max_num_active_seqs": Rule(ALIAS, "caps --max-num-seqs (jaxllm sizes its steps per bucket, so a lower "
                                        "admission limit is a lower max_num_seqs)", target="max_num_seqs", cap=True,
-                                convert=int),
+                                convert=_count),
     "max_num_scheduled_tokens": Rule(ALIAS, "caps --max-num-batched-tokens", target="max_num_batched_tokens",
-                                     cap=True, convert=lambda v: _count(v)),
+                                     cap=True, convert=_count),
     "spec_method": Rule(ALIAS, "--speculative-config's method", target="speculative_config", key="method"),
     "spec_model": Rule(ALIAS, "--speculative-config's model", target="speculative_config", key="model"),
     "spec_tokens": Rule(ALIAS, "--speculative-config's num_speculative_tokens", target="speculative_config",
-                        key="num_speculative_tokens", convert=int),
+                        key="num_speculative_tokens", convert=_count),
     # Read by the server.
     **_server("CORS (Starlette's CORSMiddleware)", "allowed_origins allowed_methods allowed_headers"),
     **_server("CORS credentials", "allow_credentials", SWITCH),
@@ -181,7 +204,6 @@ RULES: dict[str, Rule] = {
     "grpc_port": Rule(ADVISORY, "jaxllm serves HTTP only", engine=False, refuses=_given),
     "hf_overrides": Rule(ADVISORY, "overriding the model's config is not implemented", refuses=_given),
     "hf_config_path": Rule(ADVISORY, "a config from elsewhere than the model is not implemented", refuses=_given),
-    "tokenizer_revision": Rule(ADVISORY, "the tokenizer comes from the model's --revision", refuses=_given),
     "quantization_config": Rule(ADVISORY, "jaxllm quantizes with --quantization int8 or fp8 only", refuses=_given),
     "kv_cache_dtype_skip_layers": Rule(ADVISORY, "every layer's KV cache has --kv-cache-dtype", VALUES,
                                        refuses=_given),
@@ -353,9 +375,7 @@ def _dest(name: str) -> str:
 def _help(rule: Rule) -> str:
     """A table flag's ``--help`` line: what it does here, and which values are refused."""
     allowed = getattr(rule.refuses, "allowed", None)
-    if rule.kind == ALIAS:
-        text = f"honoured: {rule.reason}"
-    elif rule.kind == SERVER:
+    if rule.kind in (ALIAS, SERVER):
         text = f"honoured: {rule.reason}"
     elif allowed is not None:
         text = f"accepted as {allowed} (no effect); other values refused: {rule.reason}"
@@ -429,7 +449,7 @@ def _apply(settings: dict[str, Any], name: str, value: Any, rule: Rule, spelled:
     try:
         value = rule.convert(value)
     except (TypeError, ValueError):
-        what = {int: "an int", str: "a string"}.get(rule.convert, "an int or a size such as 8k")
+        what = "a string" if rule.convert is str else "an int (or a size such as 8k)"
         raise ValueError(f"{spelled(name)} {value!r} must be {what}") from None
     target, current = rule.target, settings.get(rule.target)
     if rule.cap:
@@ -522,26 +542,6 @@ def set_hf_token(value: Any) -> None:
         os.environ["HF_TOKEN"] = value
 
 
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) else human_readable_int(value)
-
-
-def human_readable_int(value: str) -> int:
-    """vLLM's sizes on the command line: ``"8k"`` 8,000 and ``"25.6k"`` 25,600 (k, m, g, t: powers of 1,000),
-    ``"8K"`` 8,192 (K, M, G, T: powers of 1,024, whole numbers only), or a plain int. Raises ValueError naming the
-    value."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value.strip())
-    if match is None:
-        return int(value)
-    number, suffix = match.groups()
-    if suffix.islower():
-        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
-    if "." in number:
-        raise ValueError(f"{value!r}: a binary suffix ({suffix}) takes a whole number; {number}{suffix.lower()} is "
-                         "decimal")
-    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
-
-
 def _yaml_value(action: Optional[argparse.Action], option: str, value: Any) -> list[str]:
     """One YAML key's flags (``option`` set to ``value``) for ``action``, the parser's action of that option."""
     if isinstance(value, bool) and isinstance(action, Switch):
@@ -594,10 +594,26 @@ def _dotted_value(text: str, plus: bool) -> Any:
         return text
 
 
+def _merge(into: dict, update: dict, flag_name: str) -> None:
+    """Merge one dotted flag's ``update`` into ``into`` as vLLM does: nested objects merged, lists joined, a later
+    value over an earlier one. Raises ValueError: a key set both to a value and to an object (named)."""
+    for key, value in update.items():
+        old = into.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            _merge(old, value, f"{flag_name}.{key}")
+        elif isinstance(value, list) and isinstance(old, list):
+            old += value
+        elif isinstance(value, dict) != isinstance(old, dict) and old is not None:
+            raise ValueError(f"{flag_name}.{key} is given both a value and keys of its own")
+        else:
+            into[key] = value
+
+
 def _spelled_as_vllm(items: list[str]) -> list[str]:
     """vLLM's parser's respellings: ``--max_num_seqs`` -> ``--max-num-seqs`` (the name before any ``.`` or ``=``),
     ``-O3`` / ``-O 3`` -> ``--optimization-level 3``, and dotted keys (``--speculative-config.method ngram``,
-    ``-cc.mode=3``, ``--x.list+ a,b``) gathered into one JSON object per flag, after the rest."""
+    ``-cc.mode=3``, ``--x.list+ a,b``) gathered into one JSON object per flag, after the rest.
+    Raises ValueError: a dotted flag without a value, or keys that contradict each other."""
     out: list[str] = []
     dotted: dict[str, dict] = {}
     i = 0
@@ -615,13 +631,15 @@ def _spelled_as_vllm(items: list[str]) -> list[str]:
             arg = "--optimization-level"
         name = arg.partition("=")[0]
         if arg.startswith("-") and "." in name:
-            text = arg.partition("=")[2] if "=" in arg else (items[i] if i < len(items) else "")
+            if "=" not in arg and i >= len(items):
+                raise ValueError(f"{name} needs a value")
+            text = arg.partition("=")[2] if "=" in arg else items[i]
             i += 0 if "=" in arg else 1
             head, *keys = name.rstrip("+").split(".")
-            node = dotted.setdefault(head, {})
-            for key in keys[:-1]:
-                node = node.setdefault(key, {})
-            node[keys[-1]] = _dotted_value(text, name.endswith("+"))
+            update: Any = _dotted_value(text, name.endswith("+"))
+            for key in reversed(keys):
+                update = {key: update}
+            _merge(dotted.setdefault(head, {}), update, head)
             continue
         out.append(arg)
     for head, value in dotted.items():
@@ -630,10 +648,10 @@ def _spelled_as_vllm(items: list[str]) -> list[str]:
 
 
 def normalize_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
-    """``argv`` as vLLM's parser reads it (:func:`_spelled_as_vllm`), with ``--config FILE``'s flags
-    (:func:`_yaml_flags`) put before the command line's, which win.
-    Raises ValueError: an unreadable or malformed config file."""
-    items = _spelled_as_vllm(list(argv))
+    """``argv`` as vLLM's parser reads it: ``--config FILE``'s flags (:func:`_yaml_flags`) put before the command
+    line's, which win, then :func:`_spelled_as_vllm`'s respellings over both.
+    Raises ValueError: an unreadable or malformed config file, a malformed dotted flag."""
+    items = list(argv)
     config: list[str] = []
     out: list[str] = []
     i = 0
@@ -650,4 +668,4 @@ def normalize_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list
         i += 1
     # A leading MODEL stays first: after the file's flags a flag of several values would take it.
     lead = 1 if out and not out[0].startswith("-") else 0
-    return out[:lead] + config + out[lead:]
+    return _spelled_as_vllm(out[:lead] + config + out[lead:])

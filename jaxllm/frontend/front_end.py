@@ -25,7 +25,8 @@ def tokenizer_config(tokenizer: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[
     from jaxllm.tokenizer import load_named_tokenizer
 
     if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_named_tokenizer(tokenizer, None, kwargs.get("download_dir"))
+        revision = kwargs.get("tokenizer_revision") or kwargs.get("revision")
+        tokenizer = load_named_tokenizer(tokenizer, revision, kwargs.get("download_dir"))
     if getattr(tokenizer, "source", None) is not None:
         kwargs = {**kwargs, "tokenizer": str(tokenizer.source)}
     return tokenizer, kwargs

@@ -115,7 +115,8 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
 def server_flags(args: argparse.Namespace) -> None:
     """Read vLLM's server flags that hold JSON or numbers (``--allowed-origins '["*"]'``,
     ``--default-chat-template-kwargs '{"enable_thinking": false}'``, ``--ssl-cert-reqs 2``) into their values, in
-    place, so a bad one fails before the model loads. Raises ValueError naming the flag and the value."""
+    place, and check the rest, so a bad one fails before the model loads. Raises ValueError naming the flag and
+    the value, or a MODEL that several ``--served-model-name`` / ``--api-key`` values may have taken."""
     def parse(name: str, kind: type, default: Any) -> None:
         value = getattr(args, name)
         if value is None:
@@ -135,6 +136,12 @@ def server_flags(args: argparse.Namespace) -> None:
                                 ("override_generation_config", dict, {}), ("ssl_cert_reqs", int, None),
                                 ("h11_max_incomplete_event_size", int, None)):
         parse(name, kind, default)
+    if args.model is None:
+        # A MODEL after a flag of several values is read as one more value (argparse's rule); vLLM refuses it too.
+        several = [f"--{n.replace('_', '-')}" for n in ("served_model_name", "api_key") if len(getattr(args, n) or ()) > 1]
+        if several:
+            raise ValueError(f"{several[0]} took several values and no MODEL came before it: write "
+                             f"'jaxllm serve MODEL {several[0]} ...', or give --model")
     args.generation_config = args.generation_config or "auto"
     try:
         sampling_defaults(None, args.generation_config)
@@ -445,7 +452,9 @@ def run(args: argparse.Namespace) -> int:
     served_model_name, *aliases = args.served_model_name or [args.model or DEFAULT_MODEL]
     kwargs = engine_kwargs(args)
     source = kwargs.pop("tokenizer")
-    tokenizer = load_named_tokenizer(source, None, args.download_dir) if source is not None else load_tokenizer(model)
+    revision = args.tokenizer_revision or args.revision
+    tokenizer = (load_named_tokenizer(source, revision, args.download_dir) if source is not None
+                 else load_tokenizer(model))
     if args.chat_template is not None:
         if tokenizer is None:
             raise ValueError(f"--chat-template: {model} has no tokenizer, so it cannot render chats")
@@ -465,6 +474,10 @@ def run(args: argparse.Namespace) -> int:
                             enable_log_requests=bool(args.enable_log_requests),
                             exclude_tools_when_tool_choice_none=bool(args.exclude_tools_when_tool_choice_none))
     defaults = sampling_defaults(model, args.generation_config, args.override_generation_config)
+    if defaults and args.generation_config != "vllm":
+        logger.warning(f"requests that leave them out run with {defaults}, from the generation_config.json of "
+                       f"{'the model' if args.generation_config == 'auto' else args.generation_config} "
+                       "(as vLLM's); --generation-config vllm leaves them out")
     serving = OpenAIServing(engine, served_model_name, defaults,
                             tool_call_parser=args.tool_call_parser,
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
