@@ -452,6 +452,9 @@ class EngineConfig:
         "again from their folder when needed); None: max_loras."))
     revision: Optional[str] = _option(None, (
         "The branch, tag or commit of a model given as a Hugging Face Hub id (vLLM's); None: the default branch."))
+    disable_sliding_window: bool = _option(False, (
+        "Cap max_model_len to the model's sliding window, where every layer's attention is full attention (vLLM's); "
+        "a model without one is unchanged."))
     tokenizer: Optional[str] = _option(None, (
         "Where the tokenizer is read from, if not the model (vLLM's): a folder with a tokenizer.json, a .gguf file, "
         "a named model or a Hub id; the engine reads prompts, stop strings and structured-output grammars with it."))

@@ -51,7 +51,7 @@ def test_the_snapshot_is_vllm_0_34_and_every_spelling_of_every_flag_parses():
 
 def test_every_flag_jaxllm_lacks_has_a_rule_of_its_form_and_kind():
     lacking = [f for f in FLAGS if not native(f["dest"])]
-    assert len(lacking) == 280
+    assert len(lacking) == 279
     for f in lacking:
         rule = RULES[f["dest"]]
         assert (rule.form, rule.engine) == (f["form"], f["engine"]), f["dest"]
@@ -93,7 +93,7 @@ REFUSED = {
         "ec_transfer_config", "tool_server", "io_processor_plugin", "model_class_overrides", "scheduler_cls",
         "reasoning_parser_plugin", "worker_extension_cls", "tool_parser_plugin", "middleware",
         "kv_cache_dtype_skip_layers", "lora_target_modules", "logits_processors")},
-    **{name: (True, False) for name in ("disable_sliding_window", "skip_tokenizer_init", "headless", "grpc",
+    **{name: (True, False) for name in ("skip_tokenizer_init", "headless", "grpc",
                                         "enable_per_request_metrics", "enable_return_routed_experts",
                                         "return_sampling_mask")},
     "tool_strict_level": ("parameter", "auto"),
@@ -359,6 +359,10 @@ def test_the_server_honours_vllms_chat_flags(server):
     text = post(server, "/detokenize", {"tokens": rendered["token_ids"]}).json()["prompt"]
     assert text.startswith("Hello. user: Tell me a story.")
     assert post(server, "/tokenize", {"messages": USER}).json()["tokens"] == rendered["token_ids"]
+    # A request's own value wins, but None and "auto" leave the default, as vLLM's renderer merges them.
+    for value, greeting in (("Hi. ", "Hi. "), (None, "Hello. "), ("auto", "Hello. ")):
+        ids = post(server, "/tokenize", {"messages": USER, "chat_template_kwargs": {"greeting": value}}).json()["tokens"]
+        assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"].startswith(greeting + "user:")
     # --override-generation-config's temperature over --generation-config vllm's none.
     assert rendered["sampling_params"]["temperature"] == 0.0
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=300, headers={"Authorization": "Bearer key-2"},
@@ -477,3 +481,17 @@ def test_gpu_memory_utilization_sizes_the_blocks_an_accelerator_gets(stories_dir
                                          r"less what is in use\) holds 20 KV blocks"):
         resolve_num_blocks(cfg, gpu_memory_utilization=0.12, **sizes)
     assert EngineConfig(gpu_memory_utilization=0.5).cache.gpu_memory_utilization == 0.5
+
+
+def test_disable_sliding_window_caps_the_length_at_the_window(stories_dir):
+    from jaxllm.core.build import model_length
+    from jaxllm.loader import load_model
+
+    stories = load_model(stories_dir)[0]
+    windowed = dataclasses.replace(stories, sliding_windows=(None, 64, 128))
+    assert parse("--disable-sliding-window").disable_sliding_window is True
+    assert model_length(windowed, EngineConfig(disable_sliding_window=True)) == 64
+    assert model_length(windowed, EngineConfig()) == model_length(stories, EngineConfig(disable_sliding_window=True)) \
+        == stories.max_position_embeddings == 512  # no window: unchanged, as vLLM ignores the flag
+    with pytest.raises(ValueError, match="max_model_len=100 is longer than the model's sliding window, 64 tokens"):
+        model_length(windowed, EngineConfig(disable_sliding_window=True, max_model_len=100))

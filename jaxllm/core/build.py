@@ -52,6 +52,20 @@ def resolve_dtype(name: str) -> Any:
     return _DTYPES[name]
 
 
+def model_length(cfg: ModelConfig, config: EngineConfig) -> int:
+    """The longest sequence ``cfg`` serves under ``config``: its ``max_position_embeddings``, capped with
+    ``disable_sliding_window`` at its narrowest sliding window, inside which every layer attends to every token
+    (vLLM's rule). Raises ValueError: a ``max_model_len`` set above that window."""
+    windows = [w for w in cfg.sliding_windows if w]
+    if not (config.disable_sliding_window and windows):
+        return cfg.max_position_embeddings
+    window = min(windows)
+    if config.max_model_len is not None and config.max_model_len > window:
+        raise ValueError(f"max_model_len={config.max_model_len} is longer than the model's sliding window, {window} "
+                         "tokens, which disable_sliding_window caps it to")
+    return min(cfg.max_position_embeddings, window)
+
+
 def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: EngineConfig, *,
                       mesh: Optional[jax.sharding.Mesh] = None, core_index: int = 0,
                       params: Optional[Any] = None) -> EngineCore:
@@ -80,7 +94,7 @@ def build_engine_core(model: Union[str, os.PathLike, ModelConfig], config: Engin
         raise ValueError("model is a ModelConfig: pass its weights as params=")
     cfg = model if path is None else read_model_config(path)[0]
     # The config is checked before any weight is read: the scheduler's knobs against the model's length too.
-    max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
+    max_model_len = config.resolve_max_model_len(model_length(cfg, config))
     config.scheduler_config(num_blocks=2, max_model_len=max_model_len)
     dtype = resolve_dtype(config.dtype)
     mesh = mesh if mesh is not None else make_mesh(parallel.tensor_parallel_size)

@@ -193,8 +193,6 @@ RULES: dict[str, Rule] = {
         "auto", "safetensors", "gguf", "hf", "fastsafetensors", "instanttensor")),
     "chat_template_content_format": Rule(ADVISORY, "jaxllm detects the content format the template reads, as vLLM's "
                                                    "'auto'", engine=False, refuses=_outside("auto")),
-    "disable_sliding_window": Rule(ADVISORY, "jaxllm always applies a model's sliding window", SWITCH,
-                                   refuses=_truthy),
     "skip_tokenizer_init": Rule(ADVISORY, "jaxllm always loads the model's tokenizer (prompts may still be token "
                                           "ids)", SWITCH, refuses=_truthy),
     "tokens_only": Rule(ADVISORY, "jaxllm serves the token endpoints and the text ones beside them", SWITCH),

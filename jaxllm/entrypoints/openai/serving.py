@@ -691,8 +691,8 @@ class OpenAIServing:
         else:
             text = self.render_chat_text(request.messages, request.add_generation_prompt,
                                          request.continue_final_message, tool_dicts(request.tools),
-                                         {**self.options.default_chat_template_kwargs,
-                                          **(request.chat_template_kwargs or {})} or None)
+                                         template_kwargs(self.options.default_chat_template_kwargs,
+                                                         request.chat_template_kwargs))
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
@@ -804,14 +804,20 @@ def chat_template_kwargs(request: ChatCompletionRequest,
                          defaults: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
     """The chat template's extra variables: ``defaults`` (``--default-chat-template-kwargs``), ``documents`` and
     ``reasoning_effort`` (with ``enable_thinking``, false for "none") as vLLM passes them, then
-    ``chat_template_kwargs`` over them."""
+    ``chat_template_kwargs`` over them (:func:`template_kwargs`)."""
     kwargs: dict[str, Any] = dict(defaults or {})
     if request.documents is not None:
         kwargs["documents"] = request.documents
     if request.reasoning_effort is not None:
         kwargs.update(reasoning_effort=request.reasoning_effort, enable_thinking=request.reasoning_effort != "none")
-    kwargs.update(request.chat_template_kwargs or {})
-    return kwargs or None
+    return template_kwargs(kwargs, request.chat_template_kwargs)
+
+
+def template_kwargs(defaults: dict[str, Any], given: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """A request's ``chat_template_kwargs`` over ``defaults``, as vLLM's renderer merges them: a value of None or
+    "auto" leaves the default (or nothing) in place. None when nothing is left."""
+    merged = {**defaults, **{k: v for k, v in (given or {}).items() if v is not None and v != "auto"}}
+    return merged or None
 
 
 def check_combination(request: Union[CompletionRequest, ChatCompletionRequest]) -> None:
