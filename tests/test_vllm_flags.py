@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -495,3 +498,14 @@ def test_disable_sliding_window_caps_the_length_at_the_window(stories_dir):
         == stories.max_position_embeddings == 512  # no window: unchanged, as vLLM ignores the flag
     with pytest.raises(ValueError, match="max_model_len=100 is longer than the model's sliding window, 64 tokens"):
         model_length(windowed, EngineConfig(disable_sliding_window=True, max_model_len=100))
+
+
+def test_a_setting_the_engine_core_cannot_serve_is_one_line_naming_it(stories_dir):
+    # -tp 2 on one CPU device: the core's ValueError, once, with the way to more host devices; no traceback.
+    proc = subprocess.run([sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", str(stories_dir), "-tp", "2",
+                           *engine_flags(), "--port", "1"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XLA_FLAGS": ""})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: engine core 0 failed to start: data_parallel_size=1 x tensor_parallel_size=2 needs 2 devices; 1 are "
+        "available (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=2 makes 2)")

@@ -136,9 +136,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         registry.replay_registrations(args.registrations)
         config = EngineConfig(**json.loads(args.config))
-        core = build_engine_core(args.model, dataclasses.replace(config, data_parallel_size=1),
-                                 mesh=replica_mesh(config, args.core_index), core_index=args.core_index,
-                                 params=None if args.params is None else read_params_file(args.params))
+        try:
+            core = build_engine_core(args.model, dataclasses.replace(config, data_parallel_size=1),
+                                     mesh=replica_mesh(config, args.core_index), core_index=args.core_index,
+                                     params=None if args.params is None else read_params_file(args.params))
+        except ValueError as e:
+            # A setting or model the engine cannot serve, named by the message, which the server prints once
+            # (this process's traceback would only repeat it).
+            outputs.send(encode(CoreFailed(args.core_index, str(e))))
+            ctx.destroy(linger=2000)
+            return 1
         outputs.send(encode(core.info()))
         run_core_loop(core, inputs, outputs)
     except Exception:

@@ -108,9 +108,12 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
     devices = list(jax.devices() if devices is None else devices)
     need = tensor_parallel_size * data_parallel_size
     if need > len(devices):
+        # On CPU, JAX shows one device unless told at start-up how many to make of the host.
+        hint = (f" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={need} makes {need})"
+                if devices and devices[0].platform == "cpu" else "")
         raise ValueError(
             f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} needs "
-            f"{need} devices; {len(devices)} are available"
+            f"{need} devices; {len(devices)} are available{hint}"
         )
     grid = np.asarray(devices[:need], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
     return Mesh(grid, (DATA_AXIS, MODEL_AXIS))
