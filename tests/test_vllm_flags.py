@@ -509,3 +509,24 @@ def test_a_setting_the_engine_core_cannot_serve_is_one_line_naming_it(stories_di
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: engine core 0 failed to start: data_parallel_size=1 x tensor_parallel_size=2 needs 2 devices; 1 are "
         "available (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=2 makes 2)")
+    # The core's traceback is at debug level, for a ValueError that is a bug.
+    debug = subprocess.run([*proc.args, "--log-level", "debug"], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "XLA_FLAGS": ""})
+    assert "engine core 0 failed to build:\nTraceback (most recent call last):" in debug.stderr
+
+
+def test_chat_template_variables_merge_as_vllms_renderer():
+    from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from jaxllm.entrypoints.openai.serving import chat_template_kwargs
+
+    def merged(defaults=None, **body):
+        return chat_template_kwargs(ChatCompletionRequest(messages=USER, **body), defaults)
+
+    # The request's top-level reasoning_effort over its chat_template_kwargs, enable_thinking unless they set it.
+    assert merged(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}) == {
+        "reasoning_effort": "high", "enable_thinking": True}
+    assert merged(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == {
+        "reasoning_effort": "none", "enable_thinking": True}
+    # Server defaults under everything; None and "auto" leave a default, and stand as given without defaults.
+    assert merged({"a": 1, "b": 2}, chat_template_kwargs={"a": None, "b": "auto", "c": 3}) == {"a": 1, "b": 2, "c": 3}
+    assert merged(chat_template_kwargs={"a": None}) == {"a": None} and merged() is None

@@ -33,6 +33,9 @@ from jaxllm.core.messages import (
     decode_params,
     encode,
 )
+from jaxllm.logger import init_logger
+
+logger = init_logger("jaxllm.core.process")  # not __name__: the module runs as __main__
 
 # How often the watchdog looks for the parent, seconds.
 PARENT_CHECK_SECONDS = 0.5
@@ -141,9 +144,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      mesh=replica_mesh(config, args.core_index), core_index=args.core_index,
                                      params=None if args.params is None else read_params_file(args.params))
         except ValueError as e:
-            # A setting or model the engine cannot serve, named by the message, which the server prints once
-            # (this process's traceback would only repeat it).
-            outputs.send(encode(CoreFailed(args.core_index, str(e))))
+            # Mostly a setting or model the engine cannot serve, named by the message, which the server prints
+            # once; the traceback, for a ValueError that is a bug, is at debug level (--log-level debug).
+            logger.debug(f"engine core {args.core_index} failed to build:\n{traceback.format_exc()}")
+            outputs.send(encode(CoreFailed(args.core_index, str(e) or repr(e))))
             ctx.destroy(linger=2000)
             return 1
         outputs.send(encode(core.info()))

@@ -802,21 +802,27 @@ def check_fields(endpoint: str, request: Any) -> None:
 
 def chat_template_kwargs(request: ChatCompletionRequest,
                          defaults: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
-    """The chat template's extra variables: ``defaults`` (``--default-chat-template-kwargs``), ``documents`` and
-    ``reasoning_effort`` (with ``enable_thinking``, false for "none") as vLLM passes them, then
-    ``chat_template_kwargs`` over them (:func:`template_kwargs`)."""
-    kwargs: dict[str, Any] = dict(defaults or {})
-    if request.documents is not None:
-        kwargs["documents"] = request.documents
-    if request.reasoning_effort is not None:
-        kwargs.update(reasoning_effort=request.reasoning_effort, enable_thinking=request.reasoning_effort != "none")
-    return template_kwargs(kwargs, request.chat_template_kwargs)
+    """The chat template's extra variables as vLLM's ``build_chat_params`` gives them: ``chat_template_kwargs``,
+    with the request's ``documents`` and ``reasoning_effort`` over them (and ``enable_thinking``, false for "none",
+    unless ``chat_template_kwargs`` sets it), all over ``defaults`` (``--default-chat-template-kwargs``,
+    :func:`template_kwargs`)."""
+    given = request.chat_template_kwargs or {}
+    fields: dict[str, Any] = {"documents": request.documents, "reasoning_effort": request.reasoning_effort}
+    if request.reasoning_effort is not None and "enable_thinking" not in given:
+        fields["enable_thinking"] = request.reasoning_effort != "none"
+    return template_kwargs(defaults, _over(given, fields))
 
 
-def template_kwargs(defaults: dict[str, Any], given: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """A request's ``chat_template_kwargs`` over ``defaults``, as vLLM's renderer merges them: a value of None or
-    "auto" leaves the default (or nothing) in place. None when nothing is left."""
-    merged = {**defaults, **{k: v for k, v in (given or {}).items() if v is not None and v != "auto"}}
+def _over(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``update`` over ``base`` as vLLM's ``merge_kwargs``: an update of None or "auto" leaves ``base``'s value."""
+    return {**base, **{k: v for k, v in update.items() if v is not None and v != "auto"}}
+
+
+def template_kwargs(defaults: Optional[dict[str, Any]], given: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """A request's chat template variables over the server's ``defaults``, as vLLM's renderer merges them: with
+    defaults, a value of None or "auto" leaves the default in place; without, the request's stand as given. None
+    when there are none."""
+    merged = _over(defaults, given or {}) if defaults else dict(given or {})
     return merged or None
 
 
