@@ -215,6 +215,8 @@ class Tokenizer:
         except ValueError as e:
             if "continue_final_message" in str(e):
                 raise ChatInputError("continue_final_message", str(e)) from None
+            if chat_template is None and self._template is None:  # no template to fail: say that alone
+                raise ChatInputError("messages", str(e)) from None
             raise ChatInputError("messages", f"the chat template failed on these messages: {e}") from None
         except Exception as e:  # the template's own errors (raise_exception)
             raise ChatInputError("messages", f"the chat template failed on these messages: {e}") from None

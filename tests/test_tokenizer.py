@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from jaxllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxllm.tokenizer import ChatInputError, IncrementalDetokenizer, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -150,6 +150,9 @@ def test_issue25_a_chat_template_can_be_given_or_set(stories):
     assert stories.apply_chat_template(chat, chat_template=template) == "<s>[user] hi"
     with pytest.raises(ValueError, match="no chat template"):  # given for that call only
         stories.apply_chat_template(chat)
+    # With no template there is nothing that failed on the messages: the error says so alone.
+    with pytest.raises(ChatInputError, match="^this model has no chat template; format the prompt yourself"):
+        stories.render_chat(chat)
     with pytest.raises(ValueError, match="not valid jinja2"):
         stories.apply_chat_template(chat, chat_template="{% for m in messages %}")
 
