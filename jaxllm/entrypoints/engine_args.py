@@ -10,6 +10,8 @@ import re
 import typing
 from typing import Any, Optional, Union
 
+from jaxllm.entrypoints.vllm_flags import Switch, human_readable_int
+
 
 def _precompile(value: str) -> Union[bool, str]:
     choices = {"true": True, "false": False, "background": "background"}
@@ -20,27 +22,18 @@ def _precompile(value: str) -> Union[bool, str]:
 
 def _length_or_auto(value: str) -> Optional[int]:
     """``--max-model-len``: a size (``32k``) or ``auto`` / ``-1`` (vLLM's: fit the model's length; None here)."""
-    from jaxllm.entrypoints.vllm_flags import human_readable_int
-
     return None if value.strip().lower() in ("auto", "-1") else human_readable_int(value)
 
 
-def _size(value: str) -> int:
-    from jaxllm.entrypoints.vllm_flags import human_readable_int
-
-    return human_readable_int(value)
-
-
 # Fields whose flags take vLLM's sizes (``8k``, ``1G``), as vLLM's parser reads them.
-SIZE_FLAGS = {"max_model_len": _length_or_auto, "max_num_batched_tokens": _size, "kv_cache_memory_bytes": _size}
+SIZE_FLAGS = {"max_model_len": _length_or_auto, "max_num_batched_tokens": human_readable_int,
+              "kv_cache_memory_bytes": human_readable_int}
 
 
 def _flag_type(hint: Any) -> dict[str, Any]:
     """argparse keyword arguments for a field's type."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if hint is bool or (typing.get_origin(hint) is Union and args == [bool]):  # bool or Optional[bool]
-        from jaxllm.entrypoints.vllm_flags import Switch
-
         return dict(action=Switch)
     if typing.get_origin(hint) is Union and set(args) == {bool, str}:
         return dict(type=_precompile, metavar="{true,false,background}")

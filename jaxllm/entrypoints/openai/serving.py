@@ -100,7 +100,8 @@ class ServerOptions:
 
     response_role: a chat completion's message role when the request adds the generation prompt (else the last
     message's role). return_tokens_as_token_ids: every request's default for the field (with logprobs).
-    enable_force_include_usage: every stream ends with usage, as if ``stream_options.include_usage``.
+    enable_force_include_usage: every stream carries usage on each chunk and in a last chunk, whatever
+    ``stream_options`` say (vLLM's ``should_include_usage``).
     default_chat_template_kwargs: chat template variables under each request's ``chat_template_kwargs``.
     enable_log_requests: log each engine request's id, prompt length and ``SamplingParams`` at info.
     exclude_tools_when_tool_choice_none: a chat with ``tool_choice: "none"`` is rendered without its tools.
