@@ -50,9 +50,23 @@ def _serve(engine: LLMEngine, prompts: list[list[int]], start: int) -> list[list
     return [done[f"r{start + i}"] for i in range(len(prompts))]
 
 
-def test_background_warmup_builds_two_buckets_first_and_never_compiles_on_the_serving_thread(tiny_llama_dir):
-    engine = LLMEngine(tiny_llama_dir, **ENGINE)  # precompile="background" is the default
+def test_background_warmup_builds_two_buckets_first_and_never_compiles_on_the_serving_thread(tiny_llama_dir, caplog):
+    caplog.set_level(logging.INFO, logger="jaxllm")
+    logging.getLogger("jaxllm").addHandler(caplog.handler)
+    try:
+        engine = LLMEngine(tiny_llama_dir, **ENGINE)  # precompile="background" is the default
+    finally:
+        logging.getLogger("jaxllm").removeHandler(caplog.handler)
     tokens = engine.buckets.token_buckets
+    # The start-up lines' counts add up: every step program is built now or in the background, beside the block
+    # copy, slot fill and slot rows programs; the xla backend has no decode-only programs.
+    lines = [r.getMessage() for r in caplog.records]
+    n = len(engine.buckets)
+    assert n == len(tokens) > 2
+    assert any(line.startswith(f"{n} step programs (") and "none for decode-only steps" in line for line in lines)
+    assert any(line.startswith(f"built 2 of {n} step programs and 3 other programs ") and
+               line.endswith(f"the other {n - 2} step programs are building in the background, and until each is "
+                             "ready, steps are padded to a built one") for line in lines), lines
     assert engine.runner.programs.serving_buckets().token_buckets[-1] == tokens[-1]
     # The largest and the smallest of at least 16 tokens come first; 4 and 8 follow in the background.
     assert {next(t for t in tokens if t >= 16), tokens[-1]} <= set(engine.runner.programs.serving_buckets().token_buckets)

@@ -32,7 +32,7 @@ from jaxllm.worker.kv_cache import (bytes_per_block, calibrate_kv_scales, calibr
                                     describe_pool, fit_max_model_len, kv_number_dtype, size_kv_pools)
 from jaxllm.worker.lora import LoRAManager
 from jaxllm.worker.model_runner import ModelRunner
-from jaxllm.worker.programs import enable_persistent_compilation_cache
+from jaxllm.worker.programs import CompileStats, Warmup, enable_persistent_compilation_cache
 from jaxllm.worker.quantization import weight_quantization
 from jaxllm.worker.sharding import ModelSharding, make_mesh
 from jaxllm.worker.weights import place_given_params
@@ -235,15 +235,26 @@ def warm_up(core: EngineCore) -> None:
         return
     for r in [core.runner] + ([core.drafter] if core.drafter is not None else []):
         swap = core.config.scheduler.preemption_mode == "swap" or r.cache_engine.num_offload_blocks > 0
-        seconds = r.warmup(swap=swap, background=precompile == "background")
-        pending, c = r.programs.num_pending_programs(), r.compile_stats
-        compiled = c.num_compilations - c.num_cache_hits - c.num_reused
-        logger.info(f"built {c.num_compilations} {'draft model ' if r is core.drafter else ''}programs in "
-                    f"{seconds:.1f} s: {compiled} compiled ({c.compile_seconds:.1f} s), "
-                    f"{c.num_cache_hits} loaded from the persistent cache ({c.cache_load_seconds:.1f} s)"
-                    + (f", {c.num_reused} reused from this process's earlier engines ({c.reuse_seconds:.1f} s)"
-                       if c.num_reused else "")
-                    + (f"; {pending} more building in the background" if pending else ""))
+        done = r.warmup(swap=swap, background=precompile == "background")
+        logger.info(_describe_warmup(done, r.compile_stats, len(r.programs.buckets), r is core.drafter))
+
+
+def _describe_warmup(done: Warmup, c: CompileStats, num_step_programs: int, draft: bool) -> str:
+    """One line on a runner's warm-up: which programs it built, how (compiled, loaded, reused), and what is left
+    to the background thread. ``c`` may have counted a background build already, so the split by kind is read
+    from ``done`` alone."""
+    model = "the draft model's " if draft else ""
+    compiled = c.num_compilations - c.num_cache_hits - c.num_reused
+    line = (f"built {done.step_programs} of {model}{num_step_programs} step programs and {done.other_programs} "
+            f"other programs (KV block copies, sampling slots) in {done.seconds:.1f} s; so far {compiled} compiled "
+            f"({c.compile_seconds:.1f} s), {c.num_cache_hits} loaded from the persistent cache "
+            f"({c.cache_load_seconds:.1f} s)")
+    if c.num_reused:
+        line += f", {c.num_reused} reused from this process's earlier engines ({c.reuse_seconds:.1f} s)"
+    if done.background:
+        line += (f"; the other {done.background} step programs are building in the background, and until each is "
+                 "ready, steps are padded to a built one")
+    return line
 
 
 def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -> None:
@@ -259,9 +270,10 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
                 f"{core.config.dtype!r}{why})" + (f"; CPU: {describe_cpu()}" if on_cpu else ""))
     rows = [b.seq_bucket_for(t) for t in b.token_buckets]
     decode = len(b.decode_token_buckets) * len(b.width_buckets)
+    decode_only = (f"{decode} of them for decode-only steps, tokens {list(b.decode_token_buckets)}" if decode else
+                   "none for decode-only steps: this attention backend needs no split")
     logger.info(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {rows}, block-table widths "
-                f"{list(b.width_buckets)}; {decode} of them for decode-only steps, tokens "
-                f"{list(b.decode_token_buckets)}); {core.num_blocks} KV blocks of {core.config.cache.block_size} tokens "
+                f"{list(b.width_buckets)}; {decode_only}); {core.num_blocks} KV blocks of {core.config.cache.block_size} tokens "
                 f"({core.kv_cache_dtype.name}); attention {backend}; tensor parallel "
                 f"{core.sharding.tensor_parallel_size}")
     pool = describe_pool(core.config.cache, core.runner.cache_engine, core.num_blocks)

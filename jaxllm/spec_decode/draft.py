@@ -16,7 +16,7 @@ from jaxllm.models import AttentionOps, KVCache, Params, family, forward, hidden
 from jaxllm.models.config import ModelConfig
 from jaxllm.sample.sampler import SamplerOutput, argmax_rows
 from jaxllm.worker.kv_cache import CacheEngine, storage_dtype
-from jaxllm.worker.programs import CompileStats, ProgramTable, shared_jit
+from jaxllm.worker.programs import CompileStats, ProgramTable, Warmup, shared_jit
 from jaxllm.worker.sharding import ModelSharding
 from jaxllm.worker.step_batch import StepInputs
 from jaxllm.worker.weights import WeightStore
@@ -108,9 +108,9 @@ class DraftRunner:
                                       num_positions=num_positions, replicated=self._replicated)
         self.programs = ProgramTable(buckets, step_fns.__getitem__, arguments, self.compile_stats)
 
-    def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> float:
+    def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> Warmup:
         """Build every bucket's step program and the block-copy (with ``swap`` the swap) programs; returns
-        the seconds spent."""
+        what was built and the seconds spent."""
         return self.programs.warmup(functools.partial(self.cache_engine.warmup, swap), progress=progress,
                                     background=background)
 

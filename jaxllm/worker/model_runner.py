@@ -28,7 +28,7 @@ from jaxllm.sample.sampler import (
 from jaxllm.structured_output import bitmask_words
 from jaxllm.worker.kv_cache import CacheEngine, storage_dtype
 from jaxllm.worker.lora import LoRASlots
-from jaxllm.worker.programs import CompileStats, ProgramTable, Shape, abstract, shared_jit
+from jaxllm.worker.programs import CompileStats, ProgramTable, Shape, Warmup, abstract, shared_jit
 from jaxllm.worker.sharding import ModelSharding
 from jaxllm.worker.step_batch import StepBatch, StepInputs
 from jaxllm.worker.weights import WeightStore
@@ -185,9 +185,9 @@ class ModelRunner:
                                       lora=lora)
         self.programs = ProgramTable(buckets, step_fns.__getitem__, arguments, self.compile_stats)
 
-    def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> float:
+    def warmup(self, progress: bool = True, swap: bool = False, background: bool = False) -> Warmup:
         """Build every bucket's step program and the block-copy, slot-fill and (``swap``) swap programs
-        (``ProgramTable.warmup`` for ``background``). Returns the seconds spent."""
+        (``ProgramTable.warmup`` for ``background``). Returns what was built and the seconds spent."""
         def others() -> None:
             self.cache_engine.warmup(swap)
             if self.lora is not None:

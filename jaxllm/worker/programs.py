@@ -275,6 +275,18 @@ class CompileStats:
         return exe
 
 
+@dataclasses.dataclass(frozen=True)
+class Warmup:
+    """What a warm-up (``ProgramTable.warmup``) built before it returned: ``seconds`` spent, ``step_programs``
+    built, ``other_programs`` built (block copies, sampling slots, swaps, LoRA) and ``background`` step programs
+    left to a background thread."""
+
+    seconds: float
+    step_programs: int
+    other_programs: int
+    background: int
+
+
 class ProgramTable:
     """The step programs of one runner, one per ``buckets.all_programs()``, and their warm-up.
 
@@ -381,7 +393,7 @@ class ProgramTable:
                 return self.buckets
             return self.buckets.restricted(tuple(sorted(ready)))
 
-    def warmup(self, others: Callable[[], None], progress: bool = True, background: bool = False) -> float:
+    def warmup(self, others: Callable[[], None], progress: bool = True, background: bool = False) -> "Warmup":
         """Build every bucket's step program, then call ``others`` (the runner's other programs).
 
         Args:
@@ -392,7 +404,7 @@ class ProgramTable:
             and a build that fails there stops it with a logged error.
 
         Returns:
-          Seconds spent before returning.
+          What was built before returning, and the seconds spent (``Warmup``).
 
         Raises:
           RuntimeError: a build in the foreground found the process near Linux's cap on memory mappings.
@@ -405,11 +417,17 @@ class ProgramTable:
             else list(tokens)
         with self._lock:
             self._ready_tokens = set()
-        for t in tqdm(first, desc="compiling buckets", unit="bucket", disable=not progress):
-            for program in self.token_bucket_programs(t):
-                self.compile_step(program)
-            self._mark_ready(t)
+        now = [(t, self.token_bucket_programs(t)) for t in first]
+        with tqdm(total=sum(len(programs) for _, programs in now), desc="building step programs", unit="program",
+                  disable=not progress) as bar:
+            for t, programs in now:
+                for program in programs:
+                    self.compile_step(program)
+                    bar.update()
+                self._mark_ready(t)
+        before = self.stats.num_compilations
         others()
+        num_others = self.stats.num_compilations - before
         rest = [t for t in tokens if t not in first]
         with self._lock:
             self._last_dispatch = time.monotonic()
@@ -424,7 +442,8 @@ class ProgramTable:
             # At interpreter exit, let the thread finish its program: a daemon thread that Python stops inside an
             # XLA compile aborts the process ("FATAL: exception not rethrown").
             atexit.register(lambda: table() is not None and table().stop_warmup())
-        return time.perf_counter() - start
+        return Warmup(time.perf_counter() - start, sum(len(programs) for _, programs in now), num_others,
+                      len(self.buckets) - sum(len(programs) for _, programs in now))
 
     def num_pending_programs(self) -> int:
         """Step programs a background warm-up has still to build (0 when compiling lazily)."""
