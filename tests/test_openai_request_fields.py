@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 
@@ -266,6 +267,24 @@ def test_issue25_chat_template_flag_serves_chat_for_a_model_without_one(ready, l
 def test_issue25_a_bad_chat_template_flag_exits_2_before_the_model_loads(stories_dir, capsys, value, message):
     assert serve_main([str(stories_dir), "--chat-template", value]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_taken_port_exits_2_naming_it_before_the_model_loads(stories_dir, capsys, monkeypatch):
+    import jaxllm.frontend.async_llm as async_llm
+
+    def never(*args, **kwargs):
+        raise AssertionError("the engine started although the address was taken")
+
+    monkeypatch.setattr(async_llm, "AsyncLLM", never)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve_main([str(stories_dir), "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--host 127.0.0.1 --port {port}: cannot listen there (Address already in use)" in err
+    assert serve_main([str(stories_dir), "--host", "no-such-host.invalid", "--port", "0"]) == 2
+    assert "--host 'no-such-host.invalid': " in capsys.readouterr().err
 
 
 def test_issue25_add_generation_prompt_false_leaves_out_the_assistant_cue(ready, llm):

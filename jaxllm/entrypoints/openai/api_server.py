@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import uuid
 from typing import Any, Optional, Sequence, Union
@@ -434,8 +435,43 @@ async def until_disconnected(request, work) -> Any:
     return task.result()
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: a free port), for uvicorn to listen on. Bound before the model
+    loads, as vLLM's server binds, so that a taken address fails at once rather than after start-up.
+
+    Raises:
+      ValueError: the address cannot be bound (taken, not this machine's, or a name that does not resolve), named
+        with the OS's reason.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ValueError(f"--host {host!r}: {e.strerror or e}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); another "
+                         "server may hold it, so choose another --port") from None
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     """Start the engine cores, then serve until SIGTERM or Ctrl-C; returns the exit status."""
+    # Before anything slow: the address (--uds: uvicorn binds the path itself).
+    sock = None if args.uds else listen_socket(args.host, args.port)
+    try:
+        return _serve(args, sock)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: Optional[socket.socket]) -> int:
+    """:func:`run` once the address is held (``sock``; None with ``--uds``)."""
     import uvicorn
 
     from jaxllm.frontend.async_llm import AsyncLLM
@@ -501,10 +537,11 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     if args.advisory_flags:
         logger.info("vLLM flags accepted without effect: " + "; ".join(args.advisory_flags))
-    where = f"unix:{args.uds}" if args.uds else f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
+    port = args.port if sock is None else sock.getsockname()[1]
+    where = f"unix:{args.uds}" if args.uds else f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{port}"
     logger.info(f"serving {serving.model_name} ({model}) on {where} (OpenAI-compatible API under /v1)")
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     finally:
         engine.client.shutdown()
     return 0
