@@ -22,6 +22,9 @@ T = TypeVar("T")
 # Weight-only quantizations and KV cache dtypes (jaxllm.worker.quantization), by vLLM's names.
 WEIGHT_QUANTIZATIONS = ("int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+# EngineConfig.dtype: the compute dtypes, and vLLM's other names for two of them.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # EngineConfig.kv_cache_compression: the one-byte types compressed KV blocks are re-encoded in.
 KV_COMPRESSION_DTYPES = ("int8", "fp8")
 # SchedulerConfig fields that EngineConfig.scheduler_config fills in itself (enable_kv_cache_events from
@@ -331,8 +334,8 @@ class EngineConfig:
         "holds, with a warning naming both (vLLM's max_model_len=-1). A value the cache cannot hold is an error "
         "naming the largest that fits."))
     dtype: str = _option("auto", (
-        '"auto" (float32 on CPU, bfloat16 on accelerators), "float32", "bfloat16" or "float16": the compute dtype, '
-        "and the KV cache's unless kv_cache_dtype quantizes it."))
+        '"auto" (float32 on CPU, bfloat16 on accelerators), "float32", "bfloat16" or "float16" (vLLM\'s "float" '
+        'and "half" name these two): the compute dtype, and the KV cache\'s unless kv_cache_dtype quantizes it.'))
     quantization: Optional[str] = _option(None, (
         'None, "int8" or "fp8": weight-only quantization of the dense projections and an untied lm_head, per output '
         "channel (jaxllm.worker.quantization); an orbax checkpoint converted quantized is served as converted."))
@@ -532,8 +535,9 @@ class EngineConfig:
             raise ValueError(f"metrics_namespace={self.metrics_namespace!r} must be one of {METRICS_NAMESPACES}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} must be one of {LOGPROBS_MODES}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r} must be one of 'auto', 'float32', 'bfloat16', 'float16'")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES + tuple(DTYPE_ALIASES)}")
         if self.quantization is not None and self.quantization not in WEIGHT_QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} must be None or one of {WEIGHT_QUANTIZATIONS}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -171,7 +171,7 @@ def test_issue11_cli_version_help_and_dtype_choices():
              _cli("generate", "--help", module="jaxllm.entrypoints.cli", python_flags=("-X", "importtime"))]
     for proc in helps:
         assert proc.returncode == 0
-        assert "--dtype {auto,float32,bfloat16,float16}" in proc.stdout
+        assert "--dtype {auto,float32,bfloat16,float16,half,float}" in proc.stdout
         for flag in ("--n", "--stop", "--logprobs", "--min-p", "--max-num-seqs", "--version"):
             assert re.search(rf"^  {flag} ", proc.stdout, re.M), flag
         assert "jax" not in imported_modules(proc.stderr)  # --help is instant: JAX is not imported

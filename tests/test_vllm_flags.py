@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 
 from jaxllm.config import EngineConfig
 from jaxllm.entrypoints.engine_args import check_engine_args
+from jaxllm.entrypoints.generate import build_parser as generate_parser
 from jaxllm.entrypoints.openai.api_server import (add_http_flags, build_app, build_parser, server_flags,
                                                   uvicorn_options)
 from jaxllm.entrypoints.vllm_flags import (KEYWORD_ONLY, LLM_RULES, RULES, SWITCH, apply_vllm_flags,
@@ -140,6 +141,18 @@ def test_the_issue_reported_flags_are_taken(caplog):
                                                               "--swa-bounded-replay"]
     assert check_engine_args(args) is None and check_engine_args(parse("--gpu-memory-utilization", "1.5")) == \
         "--gpu-memory-utilization 1.5 must be in (0, 1]"
+
+
+@pytest.mark.parametrize("given, dtype", [("half", "float16"), ("float", "float32"), ("float16", "float16"),
+                                          ("bfloat16", "bfloat16"), ("auto", "auto")])
+def test_every_dtype_vllm_names_is_taken(given, dtype):
+    # vLLM's ModelDType: "half" and "float" were refused before ("--dtype 'half' must be one of ...").
+    args = parse("--dtype", given)
+    assert check_engine_args(args) is None
+    assert EngineConfig(dtype=args.dtype).dtype == dtype
+    assert generate_parser().parse_args(["--dtype", given]).dtype == given
+    with pytest.raises(ValueError, match=r"dtype='double' must be one of \('auto', .*'half', 'float'\)"):
+        EngineConfig(dtype="double")
 
 
 def test_aliases_set_their_jaxllm_settings():

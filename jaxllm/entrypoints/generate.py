@@ -19,7 +19,7 @@ import threading
 from typing import Any, Optional, Sequence
 
 from jaxllm import __version__
-from jaxllm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS
+from jaxllm.config import DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS
 from jaxllm.entrypoints.engine_args import field_help
 from jaxllm.logger import LEVELS, init_logger, logging_level
 from jaxllm.paths import generation_config_defaults
@@ -27,7 +27,6 @@ from jaxllm.paths import generation_config_defaults
 logger = init_logger(__name__)
 
 DEFAULT_PROMPT = "Once upon a time"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_TOKENS = 64
 # The defaults for a model whose generation_config.json sets none of those.
 FALLBACK_SAMPLING = {"temperature": 0.8, "top_p": 0.95}
@@ -70,7 +69,7 @@ def build_parser(prog: str = "python -m jaxllm.generate") -> argparse.ArgumentPa
     p.add_argument("--max-model-len", type=int, help=field_help("max_model_len"))
     p.add_argument("--kv-cache-memory-bytes", type=int, help=field_help("kv_cache_memory_bytes"))
     p.add_argument("--max-num-seqs", type=int, default=64, help=field_help("max_num_seqs"))
-    p.add_argument("--dtype", default="auto", choices=DTYPES, help=field_help("dtype"))
+    p.add_argument("--dtype", default="auto", choices=DTYPES + tuple(DTYPE_ALIASES), help=field_help("dtype"))
     p.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS, help=field_help("quantization"))
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=field_help("kv_cache_dtype"))
     p.add_argument("--precompile", action="store_true",

@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 import os
 import threading
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -355,7 +355,9 @@ class LLM:
         """Generate for every prompt, batched; outputs in prompt order.
 
         Args:
-          prompts: a string, a list of strings, or a list of token-id lists.
+          prompts: one prompt or a list of them, each in any of vLLM's forms: a string, a list of token ids, or
+            a ``TextPrompt`` / ``TokensPrompt`` dict (``{"prompt_token_ids": ids}``, with ``"prompt"``: the text to
+            report, ``"cache_salt"``; ``InputProcessor.parse_prompt``).
           sampling_params: one for all prompts, or one per prompt.
           priority: per-prompt priority (lower = more urgent) for the ``priority``, ``aging`` and
             ``load_aware`` policies; a non-zero one is refused under the others.
@@ -484,7 +486,7 @@ class LLM:
 
     @staticmethod
     def _as_prompt_list(prompts: Any) -> list[PromptType]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, Mapping)):
             return [prompts]
         prompts = list(prompts)
         if prompts and all(isinstance(t, (int, np.integer)) for t in prompts):

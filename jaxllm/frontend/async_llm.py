@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Mapping, Optional, Union
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.client import EngineDeadError, MPClient
 from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd, tokenizer_config
+from jaxllm.frontend.input_processor import PromptType
 from jaxllm.lora import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
@@ -52,19 +53,59 @@ class AsyncLLM(FrontEnd):
         self._output_task: Optional[asyncio.Task] = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prompt: Optional[str] = None, priority: int = 0,
-                    cache_salt: Optional[str] = None, lora_request: Optional[Any] = None) -> AsyncIterator[RequestOutput]:
-        """Validate and start one request (``lora_request``: a ``LoRARequest`` or None); returns the iterator of its
-        ``RequestOutput``s (closing it aborts). Raises ValueError (bad request, duplicate id), QueueFullError,
-        EngineDeadError."""
+                    prompt: Optional[str] = None, priority: int = 0, cache_salt: Optional[str] = None,
+                    lora_request: Optional[Any] = None, data_parallel_rank: Optional[int] = None
+                    ) -> AsyncIterator[RequestOutput]:
+        """Validate and start one request (``lora_request``: a ``LoRARequest`` or None; ``data_parallel_rank``: the
+        core to run it); returns the iterator of its ``RequestOutput``s (closing it aborts). Raises ValueError (bad
+        request, duplicate id), QueueFullError, EngineDeadError."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         self._queue(request_id, prompt_token_ids, params, prompt=prompt, priority=priority, cache_salt=cache_salt,
-                    lora_request=lora_request)
+                    lora_request=lora_request, data_parallel_rank=data_parallel_rank)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._start()
         return self._outputs(request_id, queue)
+
+    async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams], request_id: str, *,
+                       prompt_text: Optional[str] = None, lora_request: Optional[LoRARequest] = None,
+                       tokenization_kwargs: Optional[dict[str, Any]] = None,
+                       trace_headers: Optional[Mapping[str, str]] = None, priority: int = 0,
+                       data_parallel_rank: Optional[int] = None) -> AsyncIterator[RequestOutput]:
+        """vLLM's ``AsyncLLM.generate``: start one request and yield its ``RequestOutput``s as they come, of the
+        kind ``sampling_params.output_kind`` asks for; leaving the loop early (or cancelling it) aborts it.
+
+        Args:
+          prompt: any of vLLM's prompt forms (``InputProcessor.parse_prompt``): text, token ids, or a
+            ``TextPrompt`` / ``TokensPrompt`` dict. sampling_params: None is ``SamplingParams()``.
+          prompt_text: the text the outputs report for a token-id prompt.
+          tokenization_kwargs: for a text prompt, ``{"add_special_tokens": False}`` leaves out the tokenizer's
+            special tokens; other keys are refused. trace_headers: accepted, not used (jaxllm has no tracing).
+
+        Raises (from the first iteration, as vLLM's):
+          ValueError: a bad prompt or request, a duplicate id. QueueFullError, EngineDeadError.
+        """
+        text, ids, salt = self.input_processor.parse_prompt(prompt)
+        options = dict(tokenization_kwargs or {})
+        add_special = options.pop("add_special_tokens", True)
+        if options:
+            raise ValueError(f"tokenization_kwargs keys {sorted(options)} are not supported (only "
+                             "add_special_tokens); tokenize the prompt and pass its prompt_token_ids")
+        from_text = isinstance(prompt, str) or isinstance(prompt, Mapping) and prompt.get("prompt_token_ids") is None
+        if from_text and not add_special:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if not ids:
+                raise ValueError("the prompt encodes to no tokens without special tokens")
+        outputs = self.add_request(request_id, ids, sampling_params if sampling_params is not None else
+                                   SamplingParams(), prompt=text if text is not None else prompt_text,
+                                   priority=priority, cache_salt=salt, lora_request=lora_request,
+                                   data_parallel_rank=data_parallel_rank)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
 
     async def _outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         try:

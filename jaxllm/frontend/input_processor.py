@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional, Sequence, Union
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -18,7 +18,31 @@ from scheduler import SamplingParams
 from scheduler.policy import Policy, get_policy
 from scheduler.sampling_params import MAX_LOGPROBS
 
-PromptType = Union[str, Sequence[int]]
+# A prompt as vLLM's LLM, LLMEngine and AsyncLLM take one: text, token ids, or a TextPrompt / TokensPrompt dict.
+PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+
+# Keys of vLLM's prompt dicts that ask for what jaxllm's text-only, decoder-only models cannot do, and why; a dict
+# with one of them (not None) is refused rather than served as if the key were absent.
+REFUSED_PROMPT_KEYS = {
+    "prompt_embeds": "prompts given as embeddings are not supported; give 'prompt' (text) or 'prompt_token_ids'",
+    "prompt_is_token_ids": "prompts given partly as embeddings are not supported",
+    "encoder_prompt": "encoder-decoder prompts are not supported: the models are decoder-only",
+    "decoder_prompt": "encoder-decoder prompts are not supported: the models are decoder-only",
+    "data": "inputs for an IO processor plugin are not supported",
+}
+# Keys that say nothing a text-only model reads once ``multi_modal_data`` is empty (vLLM's multimodal options), or
+# that only pooling models read (``token_type_ids``), or that describe the prompt (``prompt_token_offsets``).
+IGNORED_PROMPT_KEYS = ("mm_processor_kwargs", "media_io_kwargs", "multi_modal_uuids", "token_type_ids",
+                       "prompt_token_offsets")
+
+
+class ParsedPrompt(NamedTuple):
+    """One prompt read by ``InputProcessor.parse_prompt``: its text (None for ids given without one), token ids,
+    and the ``cache_salt`` a prompt dict carries (None: none)."""
+
+    text: Optional[str]
+    token_ids: list[int]
+    cache_salt: Optional[str]
 
 
 def bad_words_token_ids(tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
@@ -56,16 +80,67 @@ class InputProcessor:
         ids = list(self.tokenizer.eos_token_ids) if self.tokenizer is not None else []
         return list(dict.fromkeys(ids + list(self.info.eos_token_ids)))
 
-    def encode_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def parse_prompt(self, prompt: PromptType, cache_salt: Optional[str] = None) -> ParsedPrompt:
+        """A prompt in any of vLLM's forms: text, token ids, ``{"prompt": text}`` (vLLM's ``TextPrompt``) or
+        ``{"prompt_token_ids": ids, "prompt": its text (optional)}`` (``TokensPrompt``), either dict with a
+        ``cache_salt`` (``cache_salt``: the caller's, which a dict's must equal when both are given). Multimodal
+        options are accepted while ``multi_modal_data`` is empty, as are :data:`IGNORED_PROMPT_KEYS`.
+
+        Raises:
+          ValueError: as :meth:`encode_prompt`; a dict with neither ``prompt`` nor ``prompt_token_ids``, with
+            ``multi_modal_data``, with one of :data:`REFUSED_PROMPT_KEYS` (the key named), or with a
+            ``cache_salt`` unlike the caller's.
+        """
+        if not isinstance(prompt, Mapping):
+            return ParsedPrompt(*self.encode_prompt(prompt), cache_salt)
+        for key, why in REFUSED_PROMPT_KEYS.items():
+            if prompt.get(key) is not None:
+                raise ValueError(f"prompt key {key!r}: {why}")
+        if prompt.get("multi_modal_data"):
+            raise ValueError(f"prompt key 'multi_modal_data' ({', '.join(map(str, prompt['multi_modal_data']))}): "
+                             "the models take text and token ids only")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"prompt key 'prompt' must be a string (the text); got {type(text).__name__}")
+        if prompt.get("prompt_token_ids") is not None:
+            ids = self.encode_prompt(self._token_ids(prompt["prompt_token_ids"]))[1]
+        elif text is not None:
+            ids = self.encode_prompt(text)[1]
+        else:
+            raise ValueError("a prompt dict needs 'prompt' (text, vLLM's TextPrompt) or 'prompt_token_ids' (vLLM's "
+                             f"TokensPrompt); it has {sorted(map(str, prompt))}")
+        salt = prompt.get("cache_salt")
+        if salt is not None and cache_salt is not None and salt != cache_salt:
+            raise ValueError(f"the prompt's cache_salt {salt!r} differs from cache_salt={cache_salt!r}")
+        return ParsedPrompt(text, ids, cache_salt if salt is None else salt)
+
+    @staticmethod
+    def _token_ids(values: Any) -> list[int]:
+        """``values`` as a list of ints. Raises ValueError: not a sequence, or an entry that is not an integer
+        (a float or bool would otherwise be read as another id)."""
+        if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
+            return values.tolist()
+        if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__iter__"):
+            raise ValueError(f"prompt token ids must be a list of integers; got {type(values).__name__}")
+        ids = list(values)
+        if all(type(t) is int for t in ids):
+            return ids
+        bad = next((t for t in ids if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))), None)
+        if bad is not None:
+            raise ValueError(f"prompt token ids must be integers; got {bad!r} ({type(bad).__name__})")
+        return [int(t) for t in ids]
+
+    def encode_prompt(self, prompt: Union[str, Sequence[int]]) -> tuple[Optional[str], list[int]]:
         """Prompt text or ids -> (text or None, token ids).
-        Raises ValueError: an empty prompt, text without a tokenizer, or an id outside ``[0, vocab_size)``."""
+        Raises ValueError: an empty prompt, text without a tokenizer, an id that is not an integer or is outside
+        ``[0, vocab_size)``."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character or token id")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
             return prompt, self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
+        ids = self._token_ids(prompt)
         if not ids:
             raise ValueError("prompt is empty: give at least one character or token id")
         vocab = self.info.vocab_size

@@ -228,14 +228,16 @@ class LLMEngine(FrontEnd):
         data_parallel_rank: Optional[int] = None,
         lora_request: Optional[LoRARequest] = None,
     ) -> None:
-        """Queue a request, validated before anything changes (``data_parallel_rank``: a core chosen by the caller;
-        ``lora_request``: the LoRA adapter it runs under, read by the core now if new).
+        """Queue a request, validated before anything changes (``prompt``: any of vLLM's forms,
+        ``InputProcessor.parse_prompt``; ``data_parallel_rank``: a core chosen by the caller; ``lora_request``: the
+        LoRA adapter it runs under, read by the core now if new).
 
         Raises:
-          ValueError: an empty or too-long prompt, an id outside the vocabulary, a duplicate id, a bad rank.
+          ValueError: an empty or too-long prompt, an id outside the vocabulary, a prompt dict key refused, a
+            ``cache_salt`` unlike the prompt dict's, a duplicate id, a bad rank.
           QueueFullError: ``max_waiting_requests`` sequences already wait; nothing is queued.
         """
-        text, ids = self.input_processor.encode_prompt(prompt)
+        text, ids, cache_salt = self.input_processor.parse_prompt(prompt, cache_salt)
         self._queue(request_id, ids, params if params is not None else SamplingParams(), prompt=text,
                     priority=priority, arrival_time=arrival_time, cache_salt=cache_salt,
                     data_parallel_rank=data_parallel_rank, lora_request=lora_request)
