@@ -1,7 +1,8 @@
 """jaxllm: a JAX/XLA-compiled LLM inference engine.
 
 ``from jaxllm import LLM, SamplingParams`` is the offline API (vLLM's names);
-``jaxllm.frontend.llm_engine.LLMEngine`` is the step-by-step one; ``jaxllm.register_model`` serves an
+``LLMEngine`` is the step-by-step one, ``AsyncLLM`` the asyncio one (``TextPrompt`` and ``TokensPrompt`` are
+vLLM's prompt dicts); ``jaxllm.register_model`` serves an
 architecture jaxllm does not ship (``jaxllm.models.register_model``). The names are imported on
 first use, so ``import jaxllm`` (and the CLI's ``--help``) does not import JAX.
 """
@@ -14,6 +15,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jaxllm.entrypoints.llm",
     "LLMEngine": "jaxllm.frontend.llm_engine",
+    "AsyncLLM": "jaxllm.frontend.async_llm",
+    "TextPrompt": "jaxllm.frontend.input_processor",
+    "TokensPrompt": "jaxllm.frontend.input_processor",
     "SamplingParams": "scheduler.sampling_params",
     "StructuredOutputsParams": "scheduler.sampling_params",
     "RequestOutputKind": "scheduler.sampling_params",

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxllm import LLM, SamplingParams
-from jaxllm.frontend.async_llm import AsyncLLM
+from jaxllm import LLM, AsyncLLM, SamplingParams, TextPrompt, TokensPrompt
 from jaxllm.frontend.input_processor import IGNORED_PROMPT_KEYS, REFUSED_PROMPT_KEYS
 from tests.conftest import STORIES
 
@@ -42,7 +41,8 @@ def test_the_reported_tokens_prompt_dict_generates_as_its_ids(llm, ids, want):
 
 
 def test_every_prompt_form_generates_the_same_tokens(llm, ids, want):
-    forms = [TEXT, ids, np.asarray(ids, np.int32), {"prompt": TEXT}, {"prompt_token_ids": ids, "prompt": TEXT},
+    forms = [TEXT, ids, np.asarray(ids, np.int32), TextPrompt(prompt=TEXT),
+             TokensPrompt(prompt_token_ids=ids, prompt=TEXT),
              {"prompt": TEXT, "multi_modal_data": None, **{key: None for key in IGNORED_PROMPT_KEYS}},
              {"prompt_token_ids": ids, "multi_modal_data": {}, "mm_processor_kwargs": {"x": 1}}]
     outs = llm.generate(forms, GREEDY, use_tqdm=False)

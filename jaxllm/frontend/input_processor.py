@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Mapping, NamedTuple, NotRequired, Optional, Sequence, TypedDict, Union
 
 import numpy as np
 
@@ -18,8 +18,24 @@ from scheduler import SamplingParams
 from scheduler.policy import Policy, get_policy
 from scheduler.sampling_params import MAX_LOGPROBS
 
+class TextPrompt(TypedDict):
+    """vLLM's ``TextPrompt``: text to tokenize, and the prefix-cache salt of this prompt alone."""
+
+    prompt: str
+    cache_salt: NotRequired[str]
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's ``TokensPrompt``: token ids, the text ``RequestOutput.prompt`` reports for them, and the prefix-cache
+    salt of this prompt alone."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
+
+
 # A prompt as vLLM's LLM, LLMEngine and AsyncLLM take one: text, token ids, or a TextPrompt / TokensPrompt dict.
-PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+PromptType = Union[str, Sequence[int], TextPrompt, TokensPrompt, Mapping[str, Any]]
 
 # Keys of vLLM's prompt dicts that ask for what jaxllm's text-only, decoder-only models cannot do, and why; a dict
 # with one of them (not None) is refused rather than served as if the key were absent.
