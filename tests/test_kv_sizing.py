@@ -140,3 +140,17 @@ def test_issue25_item7_the_cli_runs_a_long_context_model_with_no_length_flag(lon
     assert too_long.returncode == 2
     assert re.search(rf"error: prompt 0 has \d+ tokens, more than max_model_len={FIT} \(fitted to the KV cache\)",
                      too_long.stderr), too_long.stderr
+
+
+@pytest.mark.parametrize("kwargs, line", [
+    # The default 1 GiB holds far more than 8 requests of 512 tokens: the cache is capped at what steps can use.
+    (dict(max_model_len=512, max_num_seqs=8), "KV cache: 256 blocks of 16 tokens (4,096 tokens) and the null block, "
+     "float32, 5.0 MiB; maximum concurrency for 512-token requests: 8.00x (max_num_seqs=8 requests of "
+     "max_model_len=512: the budget would hold more, and no step could use them)"),
+    (dict(max_model_len=256, num_kv_blocks=100), "KV cache: 99 blocks of 16 tokens (1,584 tokens) and the null block, "
+     "float32, 2.0 MiB; maximum concurrency for 256-token requests: 6.19x"),
+])
+def test_start_up_states_the_kv_cache_and_its_maximum_concurrency(stories_dir, capfd, kwargs, line):
+    llm = LLM(stories_dir, precompile=False, **kwargs)
+    assert llm.engine.core.num_blocks == int(line.split()[2]) + 1
+    assert line in log_messages(capfd.readouterr().err, "INFO", "build.py")

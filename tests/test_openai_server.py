@@ -569,7 +569,7 @@ BAD_REQUESTS = [
     ("logprobs above 20", "/v1/completions", dict(prompt=PROMPT, logprobs=21), 400, "logprobs", "[0, 20]"),
     ("top_logprobs above 20", "/v1/chat/completions",
      dict(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=21), 400, "top_logprobs",
-     "[0, 20]"),
+     "top_logprobs=21 is out of range: must be an int in [0, 20]"),
     ("presence_penalty above 2", "/v1/completions", dict(prompt=PROMPT, presence_penalty=3), 400, "presence_penalty",
      "[-2, 2]"),
     ("prompt over max_model_len", "/v1/completions", dict(prompt=[5] * (MAX_MODEL_LEN + 1), max_tokens=1), 400,

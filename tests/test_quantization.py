@@ -258,7 +258,8 @@ def test_engine_with_an_fp8_cache_reports_twice_the_blocks_of_bf16(stories_dir, 
     bf16 = LLMEngine(stories_dir, dtype="bfloat16", **budget)
     fp8 = LLMEngine(stories_dir, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", **budget)
     assert (bf16.num_blocks, fp8.num_blocks) == (100, 200)
-    assert "200 KV blocks of 8 tokens (float8_e4m3fn)" in capfd.readouterr().err
+    assert "KV cache: 199 blocks of 8 tokens (1,592 tokens) and the null block, float8_e4m3fn, " in \
+        capfd.readouterr().err
     # On CPU the float8 cache is held as its uint8 bits, with calibrated per-layer, per-head scales.
     assert fp8.runner.cache_engine.kv_cache[0].dtype == np.uint8
     k_scale = np.asarray(fp8.runner.weights.params["layers"]["k_scale"])

@@ -289,9 +289,9 @@ def test_llm_keywords_map_as_the_flags_do(caplog):
 def test_advisory_keywords_are_logged_with_the_reason(capfd):
     vllm_engine_kwargs({"enforce_eager": True, "pipeline_parallel_size": 2})
     [message] = log_messages(capfd.readouterr().err, "INFO", "vllm_flags.py")
-    assert message.startswith("vLLM keywords accepted without effect: enforce_eager= (jaxllm's steps are always "
-                              "compiled XLA programs; --token-buckets and --precompile choose them); "
-                              "pipeline_parallel_size= (a vLLM parallelism")
+    assert message.startswith("vLLM keywords accepted without effect: enforce_eager=True (jaxllm's steps are "
+                              "always compiled XLA programs; --token-buckets and --precompile choose them); "
+                              "pipeline_parallel_size=2 (a vLLM parallelism")
 
 
 class FakeDevice:
@@ -516,11 +516,11 @@ def test_disable_sliding_window_caps_the_length_at_the_window(stories_dir):
 def test_a_setting_the_engine_core_cannot_serve_is_one_line_naming_it(stories_dir):
     # -tp 2 on one CPU device: the core's ValueError, once, with the way to more host devices; no traceback.
     proc = subprocess.run([sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", str(stories_dir), "-tp", "2",
-                           *engine_flags(), "--port", "1"], capture_output=True, text=True, timeout=300,
+                           *engine_flags(), "--port", "0"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "XLA_FLAGS": ""})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "error: engine core 0 failed to start: data_parallel_size=1 x tensor_parallel_size=2 needs 2 devices; 1 are "
+        "error: engine core 0 failed to start: data_parallel_size=1 x tensor_parallel_size=2 needs 2 devices; 1 is "
         "available (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=2 makes 2)")
     # The core's traceback is at debug level, for a ValueError that is a bug.
     debug = subprocess.run([*proc.args, "--log-level", "debug"], capture_output=True, text=True, timeout=300,

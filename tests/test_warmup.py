@@ -53,17 +53,15 @@ def _serve(engine: LLMEngine, prompts: list[list[int]], start: int) -> list[list
 def test_background_warmup_builds_two_buckets_first_and_never_compiles_on_the_serving_thread(tiny_llama_dir, caplog):
     caplog.set_level(logging.INFO, logger="jaxllm")
     logging.getLogger("jaxllm").addHandler(caplog.handler)
-    try:
-        engine = LLMEngine(tiny_llama_dir, **ENGINE)  # precompile="background" is the default
-    finally:
-        logging.getLogger("jaxllm").removeHandler(caplog.handler)
+    engine = LLMEngine(tiny_llama_dir, **ENGINE)  # precompile="background" is the default
     tokens = engine.buckets.token_buckets
     # The start-up lines' counts add up: every step program is built now or in the background, beside the block
     # copy, slot fill and slot rows programs; the xla backend has no decode-only programs.
     lines = [r.getMessage() for r in caplog.records]
     n = len(engine.buckets)
     assert n == len(tokens) > 2
-    assert any(line.startswith(f"{n} step programs (") and "none for decode-only steps" in line for line in lines)
+    assert any(line.startswith(f"{n} step programs (") and "decode-only steps run these too" in line
+               for line in lines)
     assert any(line.startswith(f"built 2 of {n} step programs and 3 other programs ") and
                line.endswith(f"the other {n - 2} step programs are building in the background, and until each is "
                              "ready, steps are padded to a built one") for line in lines), lines
@@ -77,7 +75,10 @@ def test_background_warmup_builds_two_buckets_first_and_never_compiles_on_the_se
     during = _serve(engine, prompts, 0)
     assert all(name == "jaxllm-warmup" for name, _ in builds), builds
     assert engine.wait_for_warmup(timeout=600)
+    logging.getLogger("jaxllm").removeHandler(caplog.handler)
     assert engine.runner.programs.num_pending_programs() == 0
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records if "background warm-up done" in r.getMessage()] \
+        == [f"background warm-up done: built the other {n - 2} step programs"]
     assert engine.runner.programs.serving_buckets() is engine.buckets
     built_in_background = len(builds)
     assert built_in_background <= len(tokens) - 2

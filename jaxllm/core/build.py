@@ -271,11 +271,25 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
     rows = [b.seq_bucket_for(t) for t in b.token_buckets]
     decode = len(b.decode_token_buckets) * len(b.width_buckets)
     decode_only = (f"{decode} of them for decode-only steps, tokens {list(b.decode_token_buckets)}" if decode else
-                   "none for decode-only steps: this attention backend needs no split")
+                   f"decode-only steps run these too: the {backend} attention needs no programs of its own for them")
     logger.info(f"{len(b)} step programs (tokens {list(b.token_buckets)}, rows {rows}, block-table widths "
-                f"{list(b.width_buckets)}; {decode_only}); {core.num_blocks} KV blocks of {core.config.cache.block_size} tokens "
-                f"({core.kv_cache_dtype.name}); attention {backend}; tensor parallel "
+                f"{list(b.width_buckets)}; {decode_only}); attention {backend}; tensor parallel "
                 f"{core.sharding.tensor_parallel_size}")
+    logger.info(describe_kv_cache(core))
+
+
+def describe_kv_cache(core: EngineCore) -> str:
+    """The start-up line on the KV cache: its blocks, tokens, bytes and dtype, and how many ``max_model_len``
+    requests it holds at once (vLLM's "maximum concurrency"), with why it is no larger when it was capped."""
+    config, bs, usable = core.config, core.config.cache.block_size, core.num_blocks - 1
+    per_request = -(-core.max_model_len // bs)
+    line = (f"KV cache: {usable} blocks of {bs} tokens ({usable * bs:,} tokens) and the null block, "
+            f"{core.kv_cache_dtype.name}, {core.cache_engines.nbytes / 2**20:,.1f} MiB; maximum concurrency for "
+            f"{core.max_model_len:,}-token requests: {usable / per_request:.2f}x")
+    if config.num_kv_blocks is None and usable == config.max_num_seqs * per_request:
+        line += (f" (max_num_seqs={config.max_num_seqs} requests of max_model_len={core.max_model_len}: the budget "
+                 "would hold more, and no step could use them)")
+    return line
     pool = describe_pool(core.config.cache, core.runner.cache_engine, core.num_blocks)
     if pool is not None:
         logger.info(pool)

@@ -527,7 +527,8 @@ def vllm_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         elif name == "hf_token":
             set_hf_token(value)
         elif rule.kind == ADVISORY:
-            advisory.append(f"{name}= ({rule.reason})")
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            advisory.append(f"{name}={shown} ({rule.reason})")
     if advisory:
         logger.info("vLLM keywords accepted without effect: " + "; ".join(advisory))
     return out

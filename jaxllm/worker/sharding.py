@@ -113,7 +113,7 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                 if devices and devices[0].platform == "cpu" else "")
         raise ValueError(
             f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} needs "
-            f"{need} devices; {len(devices)} are available{hint}"
+            f"{need} devices; {len(devices)} {'is' if len(devices) == 1 else 'are'} available{hint}"
         )
     grid = np.asarray(devices[:need], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
     return Mesh(grid, (DATA_AXIS, MODEL_AXIS))

@@ -261,8 +261,10 @@ class OpenAIServing:
         except ValueError as e:
             match = _PARAM.search(str(e))
             param = match[1] if match else None
-            raise APIError(400, str(e).replace("SamplingParams.", ""),
-                           logprobs_param if param == "logprobs" else param) from None
+            message = str(e).replace("SamplingParams.", "")
+            if param == "logprobs":  # a chat asks for its top logprobs as top_logprobs
+                param, message = logprobs_param, message.replace("logprobs=", f"{logprobs_param}=", 1)
+            raise APIError(400, message, param) from None
 
     def start(self, prefix: str, prompts: list[tuple[Optional[str], list[int]]], params: list[SamplingParams],
               request: Union[CompletionRequest, ChatCompletionRequest]) -> list[AsyncIterator[RequestOutput]]:
