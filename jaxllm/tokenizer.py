@@ -197,17 +197,22 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict] | None = None,
-                    chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> str:
-        """OpenAI-style messages in the chat template (vLLM's rules: text parts joined, tool-call ``arguments``
-        JSON-decoded); see :meth:`apply_chat_template`. Raises ChatInputError naming the bad argument.
+                    chat_template_kwargs: dict | None = None, chat_template: str | None = None,
+                    content_format: str = "auto") -> str:
+        """OpenAI-style messages in the chat template (vLLM's rules: tool-call ``arguments`` JSON-decoded; content
+        as ``content_format`` says, :data:`CONTENT_FORMATS`); see :meth:`apply_chat_template`. Raises ChatInputError
+        naming the bad argument.
         """
+        if content_format not in CONTENT_FORMATS:
+            raise ChatInputError("chat_template_content_format", f"chat_template_content_format={content_format!r} "
+                                 f"must be one of {CONTENT_FORMATS}")
         clash = [k for k in chat_template_kwargs or {} if k in TEMPLATE_VARIABLES]
         if clash:
             raise ChatInputError("chat_template_kwargs", f"chat_template_kwargs may not set {clash}: the renderer "
                                  "sets them (give them as the request's fields or the call's arguments instead)")
         if not isinstance(messages, list):
             raise ChatInputError("messages", f"messages must be a list of message dicts, got {messages!r:.100}")
-        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+        conversation = [_template_message(i, m, content_format == "openai") for i, m in enumerate(messages)]
         try:
             return self.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message, tools=tools,
@@ -336,6 +341,12 @@ def _token_content(value):
     if isinstance(value, list):
         return [_token_content(v) for v in value]
     return value
+
+
+# How message content reaches a chat template (vLLM's chat_template_content_format): "string", one string; "openai",
+# a list of text parts; "auto", "string" here (vLLM's "auto" reads the template for loops over content parts, which
+# the templates of jaxllm's text-only model families take as a string as well).
+CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 @functools.lru_cache(maxsize=16)
@@ -521,8 +532,10 @@ def read_chat_template(value: str) -> str:
     raise ValueError(f"--chat-template {value}: no such file (and not a template: it has no '{{')")
 
 
-def _template_message(i: int, message: dict) -> dict:
-    """A chat message as templates read it: text parts joined, tool-call ``arguments`` decoded from JSON.
+def _template_message(i: int, message: dict, parts: bool = False) -> dict:
+    """A chat message as templates read it: its text content as one string, text parts joined by newlines (vLLM's
+    "string" format), or with ``parts`` as a list of ``{"type": "text", "text": ...}`` parts (vLLM's "openai");
+    tool-call ``arguments`` decoded from JSON.
 
     Raises:
       ChatInputError: ``messages``: malformed message, role, content or tool call.
@@ -533,11 +546,17 @@ def _template_message(i: int, message: dict) -> dict:
     if isinstance(content, list):  # OpenAI's content parts: only text is supported
         if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
             raise ChatInputError("messages", f"messages[{i}].content: only parts of type 'text' are supported")
-        content = "".join(str(p.get("text", "")) for p in content)
-    if not isinstance(message.get("role"), str) or not isinstance(content, (str, type(None))):
+        texts = [str(p.get("text", "")) for p in content]
+    elif isinstance(content, str):
+        texts = [content]
+    elif content is None:
+        texts = []
+    else:
+        texts = None
+    if not isinstance(message.get("role"), str) or texts is None:
         raise ChatInputError("messages", f"messages[{i}] needs a string 'role' and a string (or text parts) "
                                          "'content'")
-    out = {**message, "content": content or ""}
+    out = {**message, "content": [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)}
     if "tool_calls" in message:
         out["tool_calls"] = [_template_call(i, call) for call in message["tool_calls"] or []]
     return out

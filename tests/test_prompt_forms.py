@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxllm import LLM, AsyncLLM, SamplingParams, TextPrompt, TokensPrompt
+from tqdm import tqdm
+
+from jaxllm import LLM, AsyncLLM, RequestOutput, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
 from jaxllm.frontend.input_processor import IGNORED_PROMPT_KEYS, REFUSED_PROMPT_KEYS
 from tests.conftest import STORIES
 
@@ -128,3 +130,73 @@ def test_async_llm_generate_takes_vllms_prompt_forms_and_arguments(ids, want):
     assert (text.prompt, as_ids.prompt, as_ids.prompt_token_ids) == (TEXT, TEXT, ids)
     # stories260K's tokenizer adds a BOS: without special tokens the prompt is one token shorter.
     assert bare.prompt_token_ids == ids[1:]
+
+
+def test_enqueue_and_wait_for_completion_give_generates_outputs_in_queue_order(llm, ids, want):
+    first = llm.enqueue([TEXT, {"prompt_token_ids": ids}], GREEDY)
+    second = llm.enqueue_chat([{"role": "user", "content": "Lily"}], GREEDY, chat_template=TEMPLATE)
+    assert llm.engine.output_processor.requests.keys() == set(first + second)  # queued, not yet run
+    outs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outs] == first + second
+    assert [o.outputs[0].token_ids for o in outs[:2]] == [want, want]
+    chat = llm.chat([{"role": "user", "content": "Lily"}], GREEDY, use_tqdm=False, chat_template=TEMPLATE)[0]
+    assert outs[2].outputs[0].token_ids == chat.outputs[0].token_ids and outs[2].prompt_token_ids == \
+        chat.prompt_token_ids
+    assert llm.wait_for_completion(RequestOutput, use_tqdm=False) == []
+    with pytest.raises(TypeError, match="makes RequestOutput only"):
+        llm.wait_for_completion(int)
+
+
+def test_vllms_generate_and_chat_arguments(llm, ids, want):
+    bars = []
+
+    def bar(**kwargs):
+        bars.append(kwargs)
+        return tqdm(disable=True, **kwargs)
+
+    # One priority for all prompts (vLLM's int), a callable use_tqdm, mm_processor_kwargs with nothing to process.
+    outs = llm.generate([TEXT, TEXT], GREEDY, priority=0, use_tqdm=bar, mm_processor_kwargs={"num_crops": 4})
+    assert [o.outputs[0].token_ids for o in outs] == [want, want] and bars[0]["total"] == 2
+    bare = llm.generate(TEXT, GREEDY, tokenization_kwargs={"add_special_tokens": False}, use_tqdm=False)[0]
+    assert bare.prompt_token_ids == ids[1:]  # stories260K's BOS left out
+    with pytest.raises(ValueError, match=r"tokenization_kwargs keys \['max_length'\] are not supported"):
+        llm.generate(TEXT, GREEDY, tokenization_kwargs={"max_length": 4}, use_tqdm=False)
+    with pytest.raises(ValueError, match="priority=5 .*fcfs"):
+        llm.chat([{"role": "user", "content": "Lily"}], GREEDY, priority=5, chat_template=TEMPLATE, use_tqdm=False)
+    chat = llm.chat([{"role": "user", "content": "Lily"}], GREEDY, False, None, 0, TEMPLATE, "string",
+                    tokenization_kwargs={"add_special_tokens": True})[0]
+    assert chat.prompt_token_ids == llm.engine.encode_prompt("user: Lily\nassistant:")[1]  # BOS added
+    assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+
+
+# The template that loops over content parts, as multimodal models' templates do, and the one that reads a string.
+PARTS_TEMPLATE = ("{% for m in messages %}{{ m.role }}:{% for p in m.content %} [{{ p.text }}]{% endfor %}{{ '\\n' }}"
+                  "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.mark.parametrize("content", ["Lily", [{"type": "text", "text": "Li"}, {"type": "text", "text": "ly"}]])
+def test_chat_template_content_formats(llm, content):
+    message = [{"role": "user", "content": content}]
+    tokenizer = llm.get_tokenizer()
+    parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+    # "openai" hands the template the text parts; "string" and "auto" one string, parts joined by newlines as
+    # vLLM joins them (they were joined with nothing before).
+    assert tokenizer.render_chat(message, chat_template=PARTS_TEMPLATE, content_format="openai") == \
+        "user:" + "".join(f" [{p['text']}]" for p in parts) + "\nassistant:"
+    joined = "\n".join(p["text"] for p in parts)
+    for content_format in ("string", "auto"):
+        assert tokenizer.render_chat(message, chat_template=TEMPLATE, content_format=content_format) == \
+            f"user: {joined}\nassistant:"
+    with pytest.raises(ValueError, match="chat_template_content_format='xml' must be one of"):
+        llm.chat(message, GREEDY, chat_template=TEMPLATE, chat_template_content_format="xml", use_tqdm=False)
+
+
+def test_reset_prefix_cache_can_start_the_running_requests_over(llm, want):
+    stream = llm.generate_stream(TEXT, SamplingParams(temperature=0, max_tokens=6, output_kind=RequestOutputKind.DELTA))
+    tokens = list(next(stream).outputs[0].token_ids)
+    assert llm.reset_prefix_cache(reset_running_requests=True, reset_connector=False)
+    # The request is computed again from its prompt and the tokens it has; greedy, it goes on as before.
+    tokens += [t for out in stream for t in out.outputs[0].token_ids]
+    assert tokens == want

@@ -76,7 +76,10 @@ def test_update_weights_from_disk_serves_the_checkpoints_tokens(server, stories_
     assert done.status_code == 200 and done.json()["success"] is True and done.json()["num_leaves"] == 11
     assert _complete(server).json()["choices"][0]["text"] == scaled != _reference(stories_dir)
     httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": str(stories_dir)}, timeout=300)
-    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 200
+    assert httpx.post(f"{server.url}/reset_prefix_cache").json() == {"success": True}
+    # vLLM's query flags: the running requests start over (none run now), an external cache (none here).
+    assert httpx.post(f"{server.url}/reset_prefix_cache", params={"reset_running_requests": "true",
+                                                                  "reset_external": "true"}).json() == {"success": True}
     assert _complete(server).json()["choices"][0]["text"] == _reference(stories_dir)
 
 

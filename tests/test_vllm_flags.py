@@ -25,6 +25,8 @@ from jaxllm.entrypoints.openai.api_server import (add_http_flags, build_app, bui
                                                   uvicorn_options)
 from jaxllm.entrypoints.vllm_flags import (KEYWORD_ONLY, LLM_RULES, RULES, SWITCH, apply_vllm_flags,
                                            normalize_argv, vllm_engine_kwargs)
+from jaxllm.entrypoints.openai.serving import OpenAIServing, ServerOptions
+from jaxllm.tokenizer import load_tokenizer
 from jaxllm.worker.kv_cache import CPU_DEFAULT_KV_BYTES, default_kv_cache_bytes
 from tests.conftest import log_messages
 from tests.server_process import Server, engine_flags
@@ -90,7 +92,7 @@ def test_every_flag_at_vllms_default_is_accepted_and_changes_nothing():
 REFUSED = {
     "runner": ("pooling", "generate"), "convert": ("embed", "none"), "tokenizer_mode": ("mistral", "hf"),
     "config_format": ("mistral", "hf"), "load_format": ("dummy", "safetensors"),
-    "chat_template_content_format": ("openai", "auto"), "worker_cls": ("my.Worker", "auto"),
+    "worker_cls": ("my.Worker", "auto"),
     **{name: ("x", None) for name in (
         "grpc_port", "hf_overrides", "hf_config_path", "quantization_config", "pooler_config",
         "reasoning_effort_map", "reasoning_config", "watermark_config", "diffusion_config", "kv_transfer_config",
@@ -239,6 +241,23 @@ def test_underscored_flags_and_a_config_file_as_vllm_reads_them(tmp_path):
     config.write_text("- max_num_seqs\n")
     with pytest.raises(ValueError, match="--config .*serve.yaml: a YAML mapping of flag names to values is needed"):
         parse(f"--config={config}")
+
+
+def test_chat_template_content_format_reaches_the_servers_renderer(stories_dir):
+    # vLLM's flag was refused past "auto"; "string" and "openai" now choose how content reaches the template.
+    assert parse("--chat-template-content-format", "openai").chat_template_content_format == "openai"
+    assert parse().chat_template_content_format == "auto"
+    with pytest.raises(ValueError, match=r"--chat-template-content-format 'xml' must be one of \('auto', "):
+        parse("--chat-template-content-format", "xml")
+    tokenizer = load_tokenizer(stories_dir)
+    engine = types.SimpleNamespace(tokenizer=tokenizer, info=types.SimpleNamespace(max_model_len=64))
+    parts = "{% for m in messages %}{% for p in m.content %}<{{ p.text }}>{% endfor %}{% endfor %}"
+    tokenizer.set_chat_template(parts)
+    message = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    rendered = {fmt: OpenAIServing(engine, "m", {}, options=ServerOptions(chat_template_content_format=fmt))
+                .render_chat_text(message, add_generation_prompt=False) for fmt in ("openai", "string")}
+    # A string's characters are not parts: the parts template renders nothing of them.
+    assert rendered == {"openai": "<a><b>", "string": "<>" * 3}
 
 
 def test_server_flags_become_uvicorn_and_http_options():

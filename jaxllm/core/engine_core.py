@@ -423,10 +423,15 @@ class EngineCore:
         orbax folder); ValueError when it is not a model or does not fit."""
         return self.update_weights(load_host_params(path, self.dtype, self.config.quantization, self.sharding))
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (vLLM's ``reset_prefix_cache``); running requests keep their own KV.
-        Returns True (it cannot fail here)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``); running requests keep their own KV, unless
+        ``reset_running_requests`` starts every unfinished one over (recompute preemption, as vLLM's).
+        ``reset_connector``: vLLM's external KV connector, which jaxllm has none of. Returns True (it cannot fail
+        here)."""
         self._settle()
+        if reset_running_requests:
+            self._drop_kv_state()
+            return True
         self.scheduler.reset_prefix_cache()
         self._publish_kv_events()
         return True

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from jaxllm.frontend.llm_engine import LLMEngine
-from jaxllm.frontend.input_processor import PromptType
+from jaxllm.frontend.input_processor import PromptType, add_special_tokens
 from jaxllm.frontend.metrics import GenerateProgress
 from jaxllm.logger import init_logger
 from jaxllm.lora import LoRARequest
@@ -28,6 +28,17 @@ logger = init_logger(__name__)
 CacheSalt = Union[str, Sequence[Optional[str]], None]
 # One LoRA adapter for every prompt, or one per prompt (None: the base model).
 LoRAArg = Union[LoRARequest, Sequence[Optional[LoRARequest]], None]
+# One priority for every prompt, or one per prompt (None: 0).
+Priority = Union[int, Sequence[int], None]
+
+
+def _per_prompt(name: str, value: Any, n: int, kinds: tuple[type, ...]) -> list[Any]:
+    """``value`` for each of ``n`` prompts: one value of ``kinds`` for all, or a sequence of one per prompt.
+    Raises ValueError: a sequence of another length."""
+    values = [value] * n if isinstance(value, kinds) else list(value)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
+    return values
 
 
 class _Caller:
@@ -75,17 +86,23 @@ class SharedSteps:
                 self._free.notify_all()
                 self._wake_one_idle()
 
-    def add(self, ids: Sequence[str], add: Callable[[], None]) -> None:
+    def caller(self) -> _Caller:
+        """A new consumer, for :meth:`add` calls whose requests one :meth:`outputs` call reads together."""
+        return _Caller(self._lock)
+
+    def add(self, ids: Sequence[str], add: Callable[[], None], caller: Optional[_Caller] = None) -> None:
         """Run ``add()`` (which queues the requests ``ids`` into the engine) between two steps, the outputs of
-        ``ids`` kept for :meth:`outputs`. Raises what ``add`` raises, nothing kept then."""
-        caller = _Caller(self._lock)
+        ``ids`` kept for :meth:`outputs` (in ``caller``'s inbox; None: a new one). Raises what ``add`` raises,
+        nothing kept then."""
+        caller = caller if caller is not None else self.caller()
         with self.between_steps():
             add()
             self._callers.update((rid, caller) for rid in ids)
 
     def outputs(self, ids: Sequence[str]) -> Iterator[RequestOutput]:
-        """Every output of requests ``ids`` (queued by :meth:`add`) in step order, until each has finished; a
-        consumer that stops early aborts its unfinished ones. Raises what ``LLMEngine.step`` raises."""
+        """Every output of requests ``ids`` (queued by :meth:`add`, all into one caller's inbox) in step order, until
+        each has finished; a consumer that stops early aborts its unfinished ones. Raises what ``LLMEngine.step``
+        raises."""
         pending = set(ids)
         caller = self._callers[ids[0]] if ids else _Caller(self._lock)
         try:
@@ -194,6 +211,10 @@ class LLM:
                            "generation_config.json (as vLLM's LLM); generation_config='vllm' leaves them out")
         self._steps = SharedSteps(self.engine)
         self._ids = itertools.count()
+        # Request ids enqueue() queued that wait_for_completion() has not run yet, their outputs kept in one inbox.
+        self._enqueued: list[str] = []
+        self._enqueue_caller = self._steps.caller()
+        self._enqueue_lock = threading.Lock()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a prompt given no ``SamplingParams`` runs with (vLLM's): the generation config's values
@@ -279,9 +300,16 @@ class LLM:
         """
         return self._call("update_lora", name_or_id, tree)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (vLLM's ``LLM.reset_prefix_cache``); True."""
-        return self._call("reset_prefix_cache")
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix (vLLM's ``LLM.reset_prefix_cache``); ``reset_running_requests`` also starts the
+        unfinished requests over (``EngineCore.reset_prefix_cache``; jaxllm has no KV connector to reset); True."""
+        return self._call("reset_prefix_cache", reset_running_requests, reset_connector)
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """Devices the model runs on (vLLM's ``LLM.get_world_size``): tensor parallel size, times the data
+        parallel replicas with ``include_dp``."""
+        parallel = self.engine.config.parallel
+        return parallel.tensor_parallel_size * (parallel.data_parallel_size if include_dp else 1)
 
     def sleep(self, level: int = 1) -> list[dict[str, Any]]:
         """Free device memory, as vLLM's ``LLM.sleep``: level 1 frees the KV cache and moves the weights to the
@@ -347,48 +375,48 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
-        priority: Optional[Sequence[int]] = None,
-        cache_salt: CacheSalt = None,
-        use_tqdm: bool = True,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
         lora_request: LoRAArg = None,
+        priority: Priority = None,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+        mm_processor_kwargs: Optional[dict[str, Any]] = None,
+        cache_salt: CacheSalt = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt, batched; outputs in prompt order.
+        """Generate for every prompt, batched; outputs in prompt order (vLLM's ``LLM.generate``).
 
         Args:
           prompts: one prompt or a list of them, each in any of vLLM's forms: a string, a list of token ids, or
             a ``TextPrompt`` / ``TokensPrompt`` dict (``{"prompt_token_ids": ids}``, with ``"prompt"``: the text to
             report, ``"cache_salt"``; ``InputProcessor.parse_prompt``).
-          sampling_params: one for all prompts, or one per prompt.
-          priority: per-prompt priority (lower = more urgent) for the ``priority``, ``aging`` and
-            ``load_aware`` policies; a non-zero one is refused under the others.
-          cache_salt: one salt for all prompts, or one per prompt (None: unsalted); prompts share prefix-cache
-            blocks only within a salt (vLLM's ``cache_salt``).
-          use_tqdm: show a progress bar on stderr.
+          sampling_params: one for all prompts, or one per prompt (None: :meth:`get_default_sampling_params`).
+          use_tqdm: show a progress bar on stderr; a callable makes the bar (``functools.partial(tqdm, ...)``).
           lora_request: a ``LoRARequest`` for all prompts, or one (or None) per prompt (needs ``enable_lora``).
+          priority: one for all prompts or one per prompt (lower = more urgent) for the ``priority``, ``aging`` and
+            ``load_aware`` policies; a non-zero one is refused under the others.
+          tokenization_kwargs: for text prompts, ``{"add_special_tokens": False}`` leaves out the tokenizer's
+            special tokens; other keys are refused.
+          mm_processor_kwargs: accepted for vLLM's sake; no prompt carries multimodal data to process.
+          cache_salt: one salt for all prompts, or one per prompt (None: unsalted); prompts share prefix-cache
+            blocks only within a salt (vLLM's ``cache_salt``, given here or in a prompt dict).
 
         Raises:
           ValueError: any invalid prompt or parameter; nothing is queued then.
           QueueFullError: more prompts than ``max_waiting_requests`` would wait; nothing is queued then.
         """
-        final: dict[str, RequestOutput] = {}
         # vLLM's LLM.generate asks for final outputs only: no step builds a partial one.
-        ids = self._add_all(prompts, sampling_params, priority, cache_salt, lora_request,
+        ids = self._add_all(prompts, sampling_params, priority, cache_salt, lora_request, tokenization_kwargs,
                             output_kind=RequestOutputKind.FINAL_ONLY)
-        with GenerateProgress(len(ids), enabled=use_tqdm) as progress:
-            for out in self._steps.outputs(ids):
-                progress.update([out])
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[rid] for rid in ids]
+        return self._finish(ids, use_tqdm)
 
     def generate_stream(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
-        priority: Optional[Sequence[int]] = None,
-        cache_salt: CacheSalt = None,
         lora_request: LoRAArg = None,
+        priority: Priority = None,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+        cache_salt: CacheSalt = None,
     ) -> Iterator[RequestOutput]:
         """As :meth:`generate`, but yield outputs as tokens arrive, of the kind each ``SamplingParams.output_kind``
         asks for (default ``CUMULATIVE``: every step's, the text so far).
@@ -400,13 +428,63 @@ class LLM:
         Raises:
           ValueError: as :meth:`generate`, before anything is yielded.
         """
-        return self._steps.outputs(self._add_all(prompts, sampling_params, priority, cache_salt, lora_request))
+        return self._steps.outputs(self._add_all(prompts, sampling_params, priority, cache_salt, lora_request,
+                                                 tokenization_kwargs))
 
-    def _add_all(self, prompts: Any, sampling_params: Any, priority: Optional[Sequence[int]],
-                 cache_salt: CacheSalt, lora_request: LoRAArg = None,
-                 output_kind: Optional[RequestOutputKind] = None) -> list[str]:
-        """Queue the prompts (each with its ``SamplingParams``, copied with ``output_kind`` when given); returns
-        their request ids."""
+    def enqueue(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        lora_request: LoRAArg = None,
+        priority: Priority = None,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+        mm_processor_kwargs: Optional[dict[str, Any]] = None,
+        cache_salt: CacheSalt = None,
+    ) -> list[str]:
+        """Queue prompts without running them (vLLM's ``LLM.enqueue``); :meth:`wait_for_completion` runs them.
+        Arguments as :meth:`generate` (``use_tqdm``: accepted; queueing shows no bar). Returns their request ids.
+        Raises as :meth:`generate`, nothing queued then."""
+        with self._enqueue_lock:
+            ids = self._add_all(prompts, sampling_params, priority, cache_salt, lora_request, tokenization_kwargs,
+                                output_kind=RequestOutputKind.FINAL_ONLY, caller=self._enqueue_caller)
+            self._enqueued += ids
+        return ids
+
+    def wait_for_completion(self, output_type: Optional[Union[type, tuple[type, ...]]] = None, *,
+                            use_tqdm: Union[bool, Callable[..., Any]] = True) -> list[RequestOutput]:
+        """Run every request :meth:`enqueue` and :meth:`enqueue_chat` queued until all have finished (vLLM's
+        ``LLM.wait_for_completion``); their final outputs in the order they were queued.
+
+        Args:
+          output_type: the output class(es) expected; jaxllm's ``LLM`` makes ``RequestOutput`` only.
+          use_tqdm: as :meth:`generate`.
+
+        Raises:
+          TypeError: an ``output_type`` that ``RequestOutput`` is not.
+        """
+        if output_type is not None and not issubclass(RequestOutput, output_type):
+            raise TypeError(f"output_type={output_type!r}: this LLM generates, and makes RequestOutput only")
+        with self._enqueue_lock:
+            ids, self._enqueued = self._enqueued, []
+            self._enqueue_caller = self._steps.caller()
+        return self._finish(ids, use_tqdm)
+
+    def _finish(self, ids: list[str], use_tqdm: Union[bool, Callable[..., Any]]) -> list[RequestOutput]:
+        """Step until requests ``ids`` (queued by :meth:`_add_all`) have finished; their final outputs in order."""
+        final: dict[str, RequestOutput] = {}
+        with GenerateProgress(len(ids), enabled=use_tqdm) as progress:
+            for out in self._steps.outputs(ids):
+                progress.update([out])
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def _add_all(self, prompts: Any, sampling_params: Any, priority: Priority, cache_salt: CacheSalt,
+                 lora_request: LoRAArg = None, tokenization_kwargs: Optional[dict[str, Any]] = None,
+                 output_kind: Optional[RequestOutputKind] = None, caller: Optional[_Caller] = None) -> list[str]:
+        """Queue the prompts (each with its ``SamplingParams``, copied with ``output_kind`` when given; their outputs
+        into ``caller``'s inbox, ``SharedSteps.add``); returns their request ids."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         if output_kind is not None:
@@ -415,74 +493,110 @@ class LLM:
                 if id(p) not in copies:
                     copies[id(p)] = p if p.output_kind is output_kind else dataclasses.replace(p, output_kind=output_kind)
             params_list = [copies[id(p)] for p in params_list]
-        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
-        if len(priorities) != len(prompt_list):
-            raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts")
-        salts = [cache_salt] * len(prompt_list) if cache_salt is None or isinstance(cache_salt, str) \
-            else list(cache_salt)
-        if len(salts) != len(prompt_list):
-            raise ValueError(f"cache_salt has {len(salts)} entries for {len(prompt_list)} prompts")
-        loras = [lora_request] * len(prompt_list) if lora_request is None or isinstance(lora_request, LoRARequest) \
-            else list(lora_request)
-        if len(loras) != len(prompt_list):
-            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompt_list)} prompts")
+        n = len(prompt_list)
+        priorities = _per_prompt("priority", 0 if priority is None else priority, n, (int, np.integer))
+        salts = _per_prompt("cache_salt", cache_salt, n, (str, type(None)))
+        loras = _per_prompt("lora_request", lora_request, n, (LoRARequest, type(None)))
         ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
 
         def add() -> None:
             try:
                 for rid, prompt, params, prio, salt, lora in zip(ids, prompt_list, params_list, priorities, salts,
                                                                  loras):
-                    self.engine.add_request(rid, prompt, params, priority=prio, cache_salt=salt, lora_request=lora)
+                    self.engine.add_request(rid, prompt, params, priority=prio, cache_salt=salt, lora_request=lora,
+                                            tokenization_kwargs=tokenization_kwargs)
             except BaseException:
                 self.engine.abort_request(ids)
                 raise
 
-        self._steps.add(ids, add)
+        self._steps.add(ids, add, caller)
         return ids
 
     def chat(
         self,
         messages: Union[list[dict], Sequence[list[dict]]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-        *,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
+        lora_request: LoRAArg = None,
+        priority: Priority = None,
+        chat_template: Optional[str] = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        chat_template: Optional[str] = None,
         tools: Optional[list[dict[str, Any]]] = None,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+        mm_processor_kwargs: Optional[dict[str, Any]] = None,
+        *,
         cache_salt: CacheSalt = None,
-        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Render conversation(s) with a chat template (``Tokenizer.render_chat``), then :meth:`generate`.
+        """Render conversation(s) with a chat template (``Tokenizer.render_chat``), then :meth:`generate` (vLLM's
+        ``LLM.chat``, its arguments in its order).
 
         Args:
           messages: one conversation (a list of OpenAI-style message dicts: text content or text parts,
             assistant ``tool_calls`` with JSON-text ``arguments``, ``role: "tool"`` results) or several.
+          chat_template: a jinja2 template to use instead of the model's.
+          chat_template_content_format: how content reaches the template, ``tokenizer.CONTENT_FORMATS``:
+            "string" (text parts joined by newlines), "openai" (a list of text parts), "auto" (here "string").
           add_generation_prompt: end the prompt with the template's cue for the assistant's turn.
           continue_final_message: end the prompt inside the last message, so the model continues it
             (vLLM's; ``Tokenizer.apply_chat_template``); not with ``add_generation_prompt``.
-          chat_template: a jinja2 template to use instead of the model's.
           tools: OpenAI's tool dicts, given to the template as HF's ``tools=`` (vLLM's ``LLM.chat(tools=...)``);
             the calls the model writes stay in its text.
           chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
-          cache_salt: as :meth:`generate`.
+          tokenization_kwargs: ``{"add_special_tokens": True}`` adds the tokenizer's special tokens to the
+            rendered prompt (by default they are left out: the template writes its own); other keys are refused.
+          sampling_params, use_tqdm, lora_request, priority, mm_processor_kwargs, cache_salt: as :meth:`generate`.
 
         Raises:
           ValueError: no tokenizer; ``tokenizer.ChatInputError`` naming the bad argument; or as :meth:`generate`.
         """
+        prompts = self._chat_prompts(messages, chat_template, chat_template_content_format, add_generation_prompt,
+                                     continue_final_message, tools, chat_template_kwargs, tokenization_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                             priority=priority, cache_salt=cache_salt)
+
+    def enqueue_chat(
+        self,
+        messages: Union[list[dict], Sequence[list[dict]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
+        lora_request: LoRAArg = None,
+        priority: Priority = None,
+        chat_template: Optional[str] = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
+        mm_processor_kwargs: Optional[dict[str, Any]] = None,
+        *,
+        cache_salt: CacheSalt = None,
+    ) -> list[str]:
+        """:meth:`chat`'s rendering, then :meth:`enqueue` (vLLM's ``LLM.enqueue_chat``); returns the request ids.
+        Raises as :meth:`chat`, nothing queued then."""
+        prompts = self._chat_prompts(messages, chat_template, chat_template_content_format, add_generation_prompt,
+                                     continue_final_message, tools, chat_template_kwargs, tokenization_kwargs)
+        return self.enqueue(prompts, sampling_params, lora_request=lora_request, priority=priority,
+                            cache_salt=cache_salt)
+
+    def _chat_prompts(self, messages: Any, chat_template: Optional[str], content_format: str,
+                      add_generation_prompt: bool, continue_final_message: bool, tools: Optional[list[dict]],
+                      chat_template_kwargs: Optional[dict[str, Any]],
+                      tokenization_kwargs: Optional[dict[str, Any]]) -> list[list[int]]:
+        """The token ids of each conversation of ``messages`` rendered as :meth:`chat` says."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        add_special = add_special_tokens(tokenization_kwargs, default=False)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            self.tokenizer.encode(
-                self.tokenizer.render_chat(conv, add_generation_prompt, continue_final_message, tools,
-                                           chat_template_kwargs,
-                                           chat_template if chat_template is not None else self._chat_template),
-                add_special_tokens=False,
-            )
-            for conv in conversations
-        ]
-        return self.generate(prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm)
+        template = chat_template if chat_template is not None else self._chat_template
+        return [self.tokenizer.encode(self.tokenizer.render_chat(conv, add_generation_prompt, continue_final_message,
+                                                                 tools, chat_template_kwargs, template,
+                                                                 content_format),
+                                      add_special_tokens=add_special)
+                for conv in conversations]
 
     @staticmethod
     def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -191,8 +191,8 @@ RULES: dict[str, Rule] = {
                           refuses=_outside("auto", "hf")),
     "load_format": Rule(ADVISORY, "jaxllm reads safetensors and GGUF files", refuses=_outside(
         "auto", "safetensors", "gguf", "hf", "fastsafetensors", "instanttensor")),
-    "chat_template_content_format": Rule(ADVISORY, "jaxllm detects the content format the template reads, as vLLM's "
-                                                   "'auto'", engine=False, refuses=_outside("auto")),
+    **_server("how message content reaches the chat template: 'string' (text parts joined by newlines), 'openai' "
+              "(a list of text parts), or 'auto' (here 'string')", "chat_template_content_format"),
     "skip_tokenizer_init": Rule(ADVISORY, "jaxllm always loads the model's tokenizer (prompts may still be token "
                                           "ids)", SWITCH, refuses=_truthy),
     "tokens_only": Rule(ADVISORY, "jaxllm serves the token endpoints and the text ones beside them", SWITCH),

@@ -12,7 +12,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.client import EngineDeadError, MPClient
 from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd, tokenizer_config
-from jaxllm.frontend.input_processor import PromptType
+from jaxllm.frontend.input_processor import PromptType, add_special_tokens
 from jaxllm.lora import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
@@ -86,17 +86,7 @@ class AsyncLLM(FrontEnd):
         Raises (from the first iteration, as vLLM's):
           ValueError: a bad prompt or request, a duplicate id. QueueFullError, EngineDeadError.
         """
-        text, ids, salt = self.input_processor.parse_prompt(prompt)
-        options = dict(tokenization_kwargs or {})
-        add_special = options.pop("add_special_tokens", True)
-        if options:
-            raise ValueError(f"tokenization_kwargs keys {sorted(options)} are not supported (only "
-                             "add_special_tokens); tokenize the prompt and pass its prompt_token_ids")
-        from_text = isinstance(prompt, str) or isinstance(prompt, Mapping) and prompt.get("prompt_token_ids") is None
-        if from_text and not add_special:
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            if not ids:
-                raise ValueError("the prompt encodes to no tokens without special tokens")
+        text, ids, salt = self.input_processor.parse_prompt(prompt, None, add_special_tokens(tokenization_kwargs))
         outputs = self.add_request(request_id, ids, sampling_params if sampling_params is not None else
                                    SamplingParams(), prompt=text if text is not None else prompt_text,
                                    priority=priority, cache_salt=salt, lora_request=lora_request,
@@ -173,9 +163,9 @@ class AsyncLLM(FrontEnd):
         """The adapters core 0 knows, by id (vLLM's ``list_loras``)."""
         return [LoRARequest(*r) for r in await self.client.call_utility_async(0, "list_loras")]
 
-    async def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix in every core; True."""
-        return all(await self._each_core("reset_prefix_cache"))
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix in every core (``LLMEngine.reset_prefix_cache``); True."""
+        return all(await self._each_core("reset_prefix_cache", bool(reset_running_requests), bool(reset_connector)))
 
     async def sleep(self, level: int = 1) -> list[dict[str, Any]]:
         """Free device memory while idle (``LLMEngine.sleep``); requests refused until :meth:`wake_up`.

@@ -52,6 +52,17 @@ IGNORED_PROMPT_KEYS = ("mm_processor_kwargs", "media_io_kwargs", "multi_modal_uu
                        "prompt_token_offsets")
 
 
+def add_special_tokens(tokenization_kwargs: Optional[Mapping[str, Any]], default: bool = True) -> bool:
+    """Whether text is encoded with the tokenizer's special tokens, from vLLM's ``tokenization_kwargs`` (overrides for
+    ``tokenizer.encode``). Raises ValueError: a key other than ``add_special_tokens``, named."""
+    options = dict(tokenization_kwargs or {})
+    add = options.pop("add_special_tokens", default)
+    if options:
+        raise ValueError(f"tokenization_kwargs keys {sorted(options)} are not supported (only add_special_tokens); "
+                         "tokenize the prompt yourself and give its prompt_token_ids")
+    return bool(add)
+
+
 class ParsedPrompt(NamedTuple):
     """One prompt read by ``InputProcessor.parse_prompt``: its text (None for ids given without one), token ids,
     and the ``cache_salt`` a prompt dict carries (None: none)."""
@@ -96,11 +107,13 @@ class InputProcessor:
         ids = list(self.tokenizer.eos_token_ids) if self.tokenizer is not None else []
         return list(dict.fromkeys(ids + list(self.info.eos_token_ids)))
 
-    def parse_prompt(self, prompt: PromptType, cache_salt: Optional[str] = None) -> ParsedPrompt:
+    def parse_prompt(self, prompt: PromptType, cache_salt: Optional[str] = None,
+                     add_special_tokens: bool = True) -> ParsedPrompt:
         """A prompt in any of vLLM's forms: text, token ids, ``{"prompt": text}`` (vLLM's ``TextPrompt``) or
         ``{"prompt_token_ids": ids, "prompt": its text (optional)}`` (``TokensPrompt``), either dict with a
         ``cache_salt`` (``cache_salt``: the caller's, which a dict's must equal when both are given). Multimodal
-        options are accepted while ``multi_modal_data`` is empty, as are :data:`IGNORED_PROMPT_KEYS`.
+        options are accepted while ``multi_modal_data`` is empty, as are :data:`IGNORED_PROMPT_KEYS`. Text is
+        encoded with the tokenizer's special tokens unless ``add_special_tokens`` is False.
 
         Raises:
           ValueError: as :meth:`encode_prompt`; a dict with neither ``prompt`` nor ``prompt_token_ids``, with
@@ -108,7 +121,7 @@ class InputProcessor:
             ``cache_salt`` unlike the caller's.
         """
         if not isinstance(prompt, Mapping):
-            return ParsedPrompt(*self.encode_prompt(prompt), cache_salt)
+            return ParsedPrompt(*self.encode_prompt(prompt, add_special_tokens), cache_salt)
         for key, why in REFUSED_PROMPT_KEYS.items():
             if prompt.get(key) is not None:
                 raise ValueError(f"prompt key {key!r}: {why}")
@@ -121,7 +134,7 @@ class InputProcessor:
         if prompt.get("prompt_token_ids") is not None:
             ids = self.encode_prompt(self._token_ids(prompt["prompt_token_ids"]))[1]
         elif text is not None:
-            ids = self.encode_prompt(text)[1]
+            ids = self.encode_prompt(text, add_special_tokens)[1]
         else:
             raise ValueError("a prompt dict needs 'prompt' (text, vLLM's TextPrompt) or 'prompt_token_ids' (vLLM's "
                              f"TokensPrompt); it has {sorted(map(str, prompt))}")
@@ -146,16 +159,21 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be integers; got {bad!r} ({type(bad).__name__})")
         return [int(t) for t in ids]
 
-    def encode_prompt(self, prompt: Union[str, Sequence[int]]) -> tuple[Optional[str], list[int]]:
-        """Prompt text or ids -> (text or None, token ids).
-        Raises ValueError: an empty prompt, text without a tokenizer, an id that is not an integer or is outside
-        ``[0, vocab_size)``."""
+    def encode_prompt(self, prompt: Union[str, Sequence[int]],
+                      add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
+        """Prompt text (encoded with the special tokens unless ``add_special_tokens`` is False) or ids ->
+        (text or None, token ids).
+        Raises ValueError: an empty prompt, text without a tokenizer or that encodes to no token, an id that is not
+        an integer or is outside ``[0, vocab_size)``."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character or token id")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            if not ids:
+                raise ValueError("the prompt encodes to no tokens without special tokens")
+            return prompt, ids
         ids = self._token_ids(prompt)
         if not ids:
             raise ValueError("prompt is empty: give at least one character or token id")

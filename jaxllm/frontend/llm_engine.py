@@ -9,7 +9,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.client import InprocClient, MPClient
 from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd, tokenizer_config
-from jaxllm.frontend.input_processor import PromptType
+from jaxllm.frontend.input_processor import PromptType, add_special_tokens
 from jaxllm.lora import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.tokenizer import Tokenizer, load_tokenizer
@@ -173,9 +173,11 @@ class LLMEngine(FrontEnd):
         adapter or a bad leaf (named); the old adapter is kept."""
         return self._each_core("update_lora", name_or_id, tree)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix in every core (vLLM's ``reset_prefix_cache``); True."""
-        return all(self._each_core("reset_prefix_cache", all_results=True))
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix in every core (vLLM's ``reset_prefix_cache``; ``reset_running_requests``
+        also starts the unfinished requests over, ``EngineCore.reset_prefix_cache``); True."""
+        return all(self._each_core("reset_prefix_cache", bool(reset_running_requests), bool(reset_connector),
+                                   all_results=True))
 
     def sleep(self, level: int = 1) -> list[dict[str, Any]]:
         """Free device memory while idle (level 1: KV freed, weights to host; level 2: weights discarded); reports.
@@ -227,17 +229,20 @@ class LLMEngine(FrontEnd):
         cache_salt: Optional[str] = None,
         data_parallel_rank: Optional[int] = None,
         lora_request: Optional[LoRARequest] = None,
+        tokenization_kwargs: Optional[dict[str, Any]] = None,
     ) -> None:
         """Queue a request, validated before anything changes (``prompt``: any of vLLM's forms,
         ``InputProcessor.parse_prompt``; ``data_parallel_rank``: a core chosen by the caller; ``lora_request``: the
-        LoRA adapter it runs under, read by the core now if new).
+        LoRA adapter it runs under, read by the core now if new; ``tokenization_kwargs``: vLLM's, only
+        ``add_special_tokens``, ``input_processor.add_special_tokens``).
 
         Raises:
           ValueError: an empty or too-long prompt, an id outside the vocabulary, a prompt dict key refused, a
             ``cache_salt`` unlike the prompt dict's, a duplicate id, a bad rank.
           QueueFullError: ``max_waiting_requests`` sequences already wait; nothing is queued.
         """
-        text, ids, cache_salt = self.input_processor.parse_prompt(prompt, cache_salt)
+        text, ids, cache_salt = self.input_processor.parse_prompt(prompt, cache_salt,
+                                                                  add_special_tokens(tokenization_kwargs))
         self._queue(request_id, ids, params if params is not None else SamplingParams(), prompt=text,
                     priority=priority, arrival_time=arrival_time, cache_salt=cache_salt,
                     data_parallel_rank=data_parallel_rank, lora_request=lora_request)

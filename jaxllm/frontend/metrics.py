@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import prometheus_client as prom
@@ -557,17 +557,21 @@ class _Labelled:
 
 
 class GenerateProgress:
-    """The ``LLM.generate`` progress bar over ``total`` requests (no-op unless ``enabled``): finished, tokens/s."""
+    """The ``LLM.generate`` progress bar over ``total`` requests (no-op unless ``enabled``; a callable ``enabled``
+    makes the bar, as vLLM's ``use_tqdm``): finished, tokens/s."""
 
-    def __init__(self, total: int, enabled: bool = True):
-        self._bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True,
-                         disable=not enabled)
+    def __init__(self, total: int, enabled: Union[bool, Callable[..., Any]] = True):
+        if callable(enabled):
+            self._bar = enabled(total=total, desc="Processed prompts", dynamic_ncols=True)
+        else:
+            self._bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True,
+                             disable=not enabled)
         self._start = time.perf_counter()
         self._tokens = 0
 
     def update(self, outputs: Sequence[RequestOutput]) -> None:
         """Count the finished requests among ``outputs`` and their output tokens (every ``n`` completion)."""
-        if self._bar.disable:
+        if getattr(self._bar, "disable", False):
             return
         self._tokens += sum(len(c.token_ids) for out in outputs if out.finished for c in out.outputs)
         rate = self._tokens / max(time.perf_counter() - self._start, 1e-9)

@@ -144,6 +144,12 @@ def server_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"{several[0]} took several values and no MODEL came before it: write "
                              f"'jaxllm serve MODEL {several[0]} ...', or give --model")
     args.generation_config = args.generation_config or "auto"
+    from jaxllm.tokenizer import CONTENT_FORMATS
+
+    args.chat_template_content_format = args.chat_template_content_format or "auto"
+    if args.chat_template_content_format not in CONTENT_FORMATS:
+        raise ValueError(f"--chat-template-content-format {args.chat_template_content_format!r} must be one of "
+                         f"{CONTENT_FORMATS}")
     try:
         sampling_defaults(None, args.generation_config)
     except ValueError as e:
@@ -364,9 +370,9 @@ def add_weight_routes(app, engine) -> None:
         return {"is_sleeping": await _refused_as_api_errors(engine.is_sleeping())}
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        await _refused_as_api_errors(engine.reset_prefix_cache())
-        return Response(status_code=200)
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False):
+        success = await _refused_as_api_errors(engine.reset_prefix_cache(reset_running_requests, reset_external))
+        return {"success": bool(success)}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
@@ -508,7 +514,8 @@ def _serve(args: argparse.Namespace, sock: Optional[socket.socket]) -> int:
                             enable_force_include_usage=bool(args.enable_force_include_usage),
                             default_chat_template_kwargs=args.default_chat_template_kwargs,
                             enable_log_requests=bool(args.enable_log_requests),
-                            exclude_tools_when_tool_choice_none=bool(args.exclude_tools_when_tool_choice_none))
+                            exclude_tools_when_tool_choice_none=bool(args.exclude_tools_when_tool_choice_none),
+                            chat_template_content_format=args.chat_template_content_format)
     defaults = sampling_defaults(model, args.generation_config, args.override_generation_config)
     if defaults and args.generation_config != "vllm":
         logger.warning(f"requests that leave them out run with {defaults}, from the generation_config.json of "

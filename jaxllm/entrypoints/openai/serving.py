@@ -105,6 +105,7 @@ class ServerOptions:
     default_chat_template_kwargs: chat template variables under each request's ``chat_template_kwargs``.
     enable_log_requests: log each engine request's id, prompt length and ``SamplingParams`` at info.
     exclude_tools_when_tool_choice_none: a chat with ``tool_choice: "none"`` is rendered without its tools.
+    chat_template_content_format: how message content reaches the template (``tokenizer.CONTENT_FORMATS``).
     """
 
     response_role: str = "assistant"
@@ -113,6 +114,7 @@ class ServerOptions:
     default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     enable_log_requests: bool = False
     exclude_tools_when_tool_choice_none: bool = False
+    chat_template_content_format: str = "auto"
 
 
 class OpenAIServing:
@@ -204,7 +206,8 @@ class OpenAIServing:
         self._need_tokenizer()
         try:
             return self.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message, tools,
-                                              template_kwargs)
+                                              template_kwargs,
+                                              content_format=self.options.chat_template_content_format)
         except ChatInputError as e:
             raise APIError(400, str(e), e.field) from None
 

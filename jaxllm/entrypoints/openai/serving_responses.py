@@ -300,7 +300,8 @@ def input_messages(items: Any) -> list[dict]:
 
 
 def _text(content: Any) -> str:
-    """The text of a string or of text parts (``input_text``, ``output_text``).
+    """The text of a string or of text parts (``input_text``, ``output_text``), joined by newlines as vLLM joins
+    a chat message's text parts.
 
     Raises:
       TypeError: a part that is not text.
@@ -309,7 +310,7 @@ def _text(content: Any) -> str:
         return content
     if any(not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") for p in content):
         raise TypeError("only text content parts (input_text, output_text) are supported")
-    return "".join(p["text"] for p in content)
+    return "\n".join(p["text"] for p in content)
 
 
 def output_messages(items: list[dict]) -> list[dict]:
