@@ -5,6 +5,7 @@ a refused prompt leaves nothing queued."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 import pytest
@@ -110,6 +111,7 @@ def test_async_llm_generate_takes_vllms_prompt_forms_and_arguments(ids, want):
     async def scenario():
         engine = AsyncLLM(STORIES, **ENGINE)
         try:
+            await engine.check_health()
             text = await tokens(engine, TEXT, "a", trace_headers={"x": "y"}, priority=0, data_parallel_rank=0)
             as_ids = await tokens(engine, {"prompt_token_ids": ids}, "b", prompt_text=TEXT)
             bare = await tokens(engine, TEXT, "c", tokenization_kwargs={"add_special_tokens": False})
@@ -200,3 +202,24 @@ def test_reset_prefix_cache_can_start_the_running_requests_over(llm, want):
     # The request is computed again from its prompt and the tokens it has; greedy, it goes on as before.
     tokens += [t for out in stream for t in out.outputs[0].token_ids]
     assert tokens == want
+
+
+def test_llm_engines_vllm_calls(llm, ids, want, caplog):
+    engine = llm.engine
+    assert engine.get_tokenizer() is llm.get_tokenizer()
+    engine.add_request("a", ids, GREEDY, prompt_text=TEXT, trace_headers={"traceparent": "x"})
+    engine.add_request("b", TEXT, GREEDY)
+    assert engine.get_num_unfinished_requests() == 2
+    engine.abort_request(request_ids=["b"])
+    assert engine.get_num_unfinished_requests() == 1
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert list(done) == ["a"] and done["a"].prompt == TEXT and done["a"].outputs[0].token_ids == want
+    caplog.set_level(logging.INFO, logger="jaxllm")
+    logging.getLogger("jaxllm").addHandler(caplog.handler)
+    try:
+        engine.do_log_stats()
+    finally:
+        logging.getLogger("jaxllm").removeHandler(caplog.handler)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("prompt throughput: ")]

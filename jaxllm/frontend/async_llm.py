@@ -189,6 +189,11 @@ class AsyncLLM(FrontEnd):
     async def _each_core(self, method: str, *args: Any) -> list[Any]:
         return [await self.client.call_utility_async(d, method, *args) for d in range(len(self.client.infos))]
 
+    async def check_health(self) -> None:
+        """vLLM's ``check_health``: returns while the engine cores run. Raises EngineDeadError once they died."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
     def abort(self, request_id: str) -> None:
         """Abort a request if it is open (its blocks are freed in the core's next loop turn)."""
         try:

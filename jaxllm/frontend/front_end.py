@@ -65,6 +65,20 @@ class FrontEnd:
         if config.preload_prompts is not None:
             client.preload_prefixes(preload_token_ids(config.preload_prompts, self.input_processor))
 
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer (vLLM's ``get_tokenizer``); None for a model without one."""
+        return self.tokenizer
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests added and not yet finished or aborted (vLLM's ``get_num_unfinished_requests``)."""
+        return len(self.output_processor.requests)
+
+    def do_log_stats(self) -> None:
+        """Log the stats summary line now (vLLM's ``do_log_stats``); nothing with ``disable_log_stats``, which
+        records no stats."""
+        if self._log_stats:
+            self.metrics.log_now()
+
     def _queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                prompt: Optional[str] = None, priority: int = 0, arrival_time: Optional[float] = None,
                cache_salt: Optional[str] = None, data_parallel_rank: Optional[int] = None,

@@ -230,11 +230,14 @@ class LLMEngine(FrontEnd):
         data_parallel_rank: Optional[int] = None,
         lora_request: Optional[LoRARequest] = None,
         tokenization_kwargs: Optional[dict[str, Any]] = None,
+        trace_headers: Optional[dict[str, str]] = None,
+        prompt_text: Optional[str] = None,
     ) -> None:
         """Queue a request, validated before anything changes (``prompt``: any of vLLM's forms,
         ``InputProcessor.parse_prompt``; ``data_parallel_rank``: a core chosen by the caller; ``lora_request``: the
         LoRA adapter it runs under, read by the core now if new; ``tokenization_kwargs``: vLLM's, only
-        ``add_special_tokens``, ``input_processor.add_special_tokens``).
+        ``add_special_tokens``, ``input_processor.add_special_tokens``; ``prompt_text``: the text the outputs report
+        for a token-id prompt; ``trace_headers``: accepted, not used, as jaxllm has no tracing).
 
         Raises:
           ValueError: an empty or too-long prompt, an id outside the vocabulary, a prompt dict key refused, a
@@ -243,13 +246,16 @@ class LLMEngine(FrontEnd):
         """
         text, ids, cache_salt = self.input_processor.parse_prompt(prompt, cache_salt,
                                                                   add_special_tokens(tokenization_kwargs))
-        self._queue(request_id, ids, params if params is not None else SamplingParams(), prompt=text,
+        self._queue(request_id, ids, params if params is not None else SamplingParams(),
+                    prompt=text if text is not None else prompt_text,
                     priority=priority, arrival_time=arrival_time, cache_salt=cache_salt,
                     data_parallel_rank=data_parallel_rank, lora_request=lora_request)
 
-    def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
-        """Abort requests; their KV blocks return to the pool at once (in a core process: at its next loop turn)."""
-        self._abort([request_id] if isinstance(request_id, str) else list(request_id))
+    def abort_request(self, request_ids: Union[str, Iterable[str]], internal: bool = False) -> None:
+        """Abort requests (vLLM's ``abort_request``: a list of ids, or one); their KV blocks return to the pool at
+        once (in a core process: at its next loop turn). ``internal``: vLLM's flag for its own ids; every id here
+        is the caller's."""
+        self._abort([request_ids] if isinstance(request_ids, str) else list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, unreported, or a step is in flight."""

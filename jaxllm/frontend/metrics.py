@@ -526,8 +526,13 @@ class EngineMetrics:
             spec_acceptance_rate_per_position=[n / drafts for n in per_position] if drafts else None,
         )
 
+    def log_now(self) -> None:
+        """Log the summary line (throughputs since the last one, queue, KV usage, prefix hits) now (vLLM's
+        ``do_log_stats``)."""
+        self._log(self._clock())
+
     def _log(self, now: float) -> None:
-        elapsed = now - self._log_at
+        elapsed = max(now - self._log_at, 1e-9)
         total = self._total
         queries = total("prefix_cache_queries")
         hit_rate = total("prefix_cache_hits") / queries if queries else 0.0
