@@ -534,8 +534,8 @@ def read_chat_template(value: str) -> str:
 
 def _template_message(i: int, message: dict, parts: bool = False) -> dict:
     """A chat message as templates read it: its text content as one string, text parts joined by newlines (vLLM's
-    "string" format), or with ``parts`` as a list of ``{"type": "text", "text": ...}`` parts (vLLM's "openai");
-    tool-call ``arguments`` decoded from JSON.
+    "string" format), or with ``parts`` as a list of ``{"type": "text", "text": ...}`` parts (vLLM's "openai"), but
+    a tool result's as one string always, as vLLM's; tool-call ``arguments`` decoded from JSON.
 
     Raises:
       ChatInputError: ``messages``: malformed message, role, content or tool call.
@@ -556,7 +556,8 @@ def _template_message(i: int, message: dict, parts: bool = False) -> dict:
     if not isinstance(message.get("role"), str) or texts is None:
         raise ChatInputError("messages", f"messages[{i}] needs a string 'role' and a string (or text parts) "
                                          "'content'")
-    out = {**message, "content": [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)}
+    as_parts = parts and message.get("role") != "tool"
+    out = {**message, "content": [{"type": "text", "text": t} for t in texts] if as_parts else "\n".join(texts)}
     if "tool_calls" in message:
         out["tool_calls"] = [_template_call(i, call) for call in message["tool_calls"] or []]
     return out

@@ -154,3 +154,10 @@ def test_start_up_states_the_kv_cache_and_its_maximum_concurrency(stories_dir, c
     llm = LLM(stories_dir, precompile=False, **kwargs)
     assert llm.engine.core.num_blocks == int(line.split()[2]) + 1
     assert line in log_messages(capfd.readouterr().err, "INFO", "build.py")
+
+
+def test_start_up_states_a_compressed_pool_beside_the_kv_cache(stories_dir, capfd):
+    LLM(stories_dir, precompile=False, max_model_len=256, kv_cache_compression="int8", enable_prefix_caching=True)
+    lines = log_messages(capfd.readouterr().err, "INFO", "build.py")
+    kv = next(i for i, line in enumerate(lines) if line.startswith("KV cache: "))
+    assert lines[kv + 1].startswith("KV compression (int8): ")

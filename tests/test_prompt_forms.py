@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -44,7 +45,7 @@ def test_the_reported_tokens_prompt_dict_generates_as_its_ids(llm, ids, want):
 
 
 def test_every_prompt_form_generates_the_same_tokens(llm, ids, want):
-    forms = [TEXT, ids, np.asarray(ids, np.int32), TextPrompt(prompt=TEXT),
+    forms = [TEXT, ids, np.asarray(ids, np.int32), jnp.asarray(ids), [jnp.int32(t) for t in ids], TextPrompt(prompt=TEXT),
              TokensPrompt(prompt_token_ids=ids, prompt=TEXT),
              {"prompt": TEXT, "multi_modal_data": None, **{key: None for key in IGNORED_PROMPT_KEYS}},
              {"prompt_token_ids": ids, "multi_modal_data": {}, "mm_processor_kwargs": {"x": 1}}]
@@ -52,7 +53,7 @@ def test_every_prompt_form_generates_the_same_tokens(llm, ids, want):
     assert [o.outputs[0].token_ids for o in outs] == [want] * len(forms)
     assert [o.prompt_token_ids for o in outs] == [ids] * len(forms)
     # The text reported is the one given, for ids too (TokensPrompt's "prompt").
-    assert [o.prompt for o in outs] == [TEXT, None, None, TEXT, TEXT, TEXT, None]
+    assert [o.prompt for o in outs] == [TEXT, None, None, None, None, TEXT, TEXT, TEXT, None]
 
 
 def test_a_prompt_dicts_cache_salt_keeps_its_prefix_apart(llm, ids):
@@ -77,6 +78,9 @@ def test_a_prompt_dicts_cache_salt_keeps_its_prefix_apart(llm, ids):
     ({"prompt_token_ids": [1, 2.5]}, r"prompt token ids must be integers; got 2.5 \(float\)"),
     ([1, True], r"prompt token ids must be integers; got True \(bool\)"),
     ({"prompt_token_ids": "1 2"}, "prompt token ids must be a list of integers; got str"),
+    (np.array(5), "prompt token ids must be a 1-D array of integers; got 0-D int64"),
+    (np.array([1.0, 2.0]), "prompt token ids must be a 1-D array of integers; got 1-D float64"),
+    ([np.bool_(True)], r"prompt token ids must be integers; got np.True_"),
     ({"prompt_token_ids": []}, "prompt is empty"),
     ({"prompt_token_ids": [1, 600]}, r"outside the vocabulary \[0, 512\)"),
 ])
@@ -147,6 +151,12 @@ def test_enqueue_and_wait_for_completion_give_generates_outputs_in_queue_order(l
     assert llm.wait_for_completion(RequestOutput, use_tqdm=False) == []
     with pytest.raises(TypeError, match="makes RequestOutput only"):
         llm.wait_for_completion(int)
+    # A refused prompt leaves nothing queued, for enqueue as for generate.
+    free = llm.engine.core.num_free_blocks()
+    with pytest.raises(ValueError, match="must be integers"):
+        llm.enqueue([TEXT, {"prompt_token_ids": [1, 2.5]}], GREEDY)
+    assert llm._enqueued == [] and not llm.engine.output_processor.requests
+    assert llm.engine.core.num_free_blocks() == free
 
 
 def test_vllms_generate_and_chat_arguments(llm, ids, want):
@@ -161,6 +171,8 @@ def test_vllms_generate_and_chat_arguments(llm, ids, want):
     assert [o.outputs[0].token_ids for o in outs] == [want, want] and bars[0]["total"] == 2
     bare = llm.generate(TEXT, GREEDY, tokenization_kwargs={"add_special_tokens": False}, use_tqdm=False)[0]
     assert bare.prompt_token_ids == ids[1:]  # stories260K's BOS left out
+    with pytest.raises(ValueError, match="tokenization_kwargs add_special_tokens='false' must be a bool"):
+        llm.generate(TEXT, GREEDY, tokenization_kwargs={"add_special_tokens": "false"}, use_tqdm=False)
     with pytest.raises(ValueError, match=r"tokenization_kwargs keys \['max_length'\] are not supported"):
         llm.generate(TEXT, GREEDY, tokenization_kwargs={"max_length": 4}, use_tqdm=False)
     with pytest.raises(ValueError, match="priority=5 .*fcfs"):
@@ -191,6 +203,9 @@ def test_chat_template_content_formats(llm, content):
     for content_format in ("string", "auto"):
         assert tokenizer.render_chat(message, chat_template=TEMPLATE, content_format=content_format) == \
             f"user: {joined}\nassistant:"
+    # A tool result reaches the template as one string in either format, as vLLM's.
+    tool = [{"role": "tool", "content": content, "tool_call_id": "c"}]
+    assert tokenizer.render_chat(tool, chat_template=TEMPLATE, content_format="openai") == f"tool: {joined}\nassistant:"
     with pytest.raises(ValueError, match="chat_template_content_format='xml' must be one of"):
         llm.chat(message, GREEDY, chat_template=TEMPLATE, chat_template_content_format="xml", use_tqdm=False)
 
@@ -198,7 +213,11 @@ def test_chat_template_content_formats(llm, content):
 def test_reset_prefix_cache_can_start_the_running_requests_over(llm, want):
     stream = llm.generate_stream(TEXT, SamplingParams(temperature=0, max_tokens=6, output_kind=RequestOutputKind.DELTA))
     tokens = list(next(stream).outputs[0].token_ids)
+    scheduler = llm.engine.core.scheduler
+    assert scheduler.stats.num_running == 1
     assert llm.reset_prefix_cache(reset_running_requests=True, reset_connector=False)
+    # The running request went back to waiting, to be computed again (a recompute preemption).
+    assert (scheduler.stats.num_running, scheduler.stats.num_preempted_waiting) == (0, 1)
     # The request is computed again from its prompt and the tokens it has; greedy, it goes on as before.
     tokens += [t for out in stream for t in out.outputs[0].token_ids]
     assert tokens == want

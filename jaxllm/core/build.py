@@ -246,7 +246,8 @@ def _describe_warmup(done: Warmup, c: CompileStats, num_step_programs: int, draf
     model = "the draft model's " if draft else ""
     compiled = c.num_compilations - c.num_cache_hits - c.num_reused
     line = (f"built {done.step_programs} of {model}{num_step_programs} step programs and {done.other_programs} "
-            f"other programs (KV block copies, sampling slots) in {done.seconds:.1f} s; so far {compiled} compiled "
+            f"other programs (KV block copies, sampling slots; swaps, LoRA when used) in {done.seconds:.1f} s; so "
+            f"far {compiled} compiled "
             f"({c.compile_seconds:.1f} s), {c.num_cache_hits} loaded from the persistent cache "
             f"({c.cache_load_seconds:.1f} s)")
     if c.num_reused:
@@ -276,6 +277,9 @@ def _log_start_up(core: EngineCore, backend: str, quantization: Optional[str]) -
                 f"{list(b.width_buckets)}; {decode_only}); attention {backend}; tensor parallel "
                 f"{core.sharding.tensor_parallel_size}")
     logger.info(describe_kv_cache(core))
+    pool = describe_pool(core.config.cache, core.runner.cache_engine, core.num_blocks)
+    if pool is not None:
+        logger.info(pool)
 
 
 def describe_kv_cache(core: EngineCore) -> str:
@@ -283,13 +287,11 @@ def describe_kv_cache(core: EngineCore) -> str:
     requests it holds at once (vLLM's "maximum concurrency"), with why it is no larger when it was capped."""
     config, bs, usable = core.config, core.config.cache.block_size, core.num_blocks - 1
     per_request = -(-core.max_model_len // bs)
+    target_bytes = sum(c.nbytes for c in core.runner.cache_engine.kv_cache)  # a draft model's cache not counted
     line = (f"KV cache: {usable} blocks of {bs} tokens ({usable * bs:,} tokens) and the null block, "
-            f"{core.kv_cache_dtype.name}, {core.cache_engines.nbytes / 2**20:,.1f} MiB; maximum concurrency for "
+            f"{core.kv_cache_dtype.name}, {target_bytes / 2**20:,.1f} MiB; maximum concurrency for "
             f"{core.max_model_len:,}-token requests: {usable / per_request:.2f}x")
     if config.num_kv_blocks is None and usable == config.max_num_seqs * per_request:
         line += (f" (max_num_seqs={config.max_num_seqs} requests of max_model_len={core.max_model_len}: the budget "
                  "would hold more, and no step could use them)")
     return line
-    pool = describe_pool(core.config.cache, core.runner.cache_engine, core.num_blocks)
-    if pool is not None:
-        logger.info(pool)

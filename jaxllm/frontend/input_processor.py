@@ -6,6 +6,7 @@ stop ids and missing seeds drawn here.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from typing import Any, Mapping, NamedTuple, NotRequired, Optional, Sequence, TypedDict, Union
 
@@ -60,6 +61,8 @@ def add_special_tokens(tokenization_kwargs: Optional[Mapping[str, Any]], default
     if options:
         raise ValueError(f"tokenization_kwargs keys {sorted(options)} are not supported (only add_special_tokens); "
                          "tokenize the prompt yourself and give its prompt_token_ids")
+    if not isinstance(add, (bool, np.bool_)):
+        raise ValueError(f"tokenization_kwargs add_special_tokens={add!r} must be a bool")
     return bool(add)
 
 
@@ -145,19 +148,29 @@ class InputProcessor:
 
     @staticmethod
     def _token_ids(values: Any) -> list[int]:
-        """``values`` as a list of ints. Raises ValueError: not a sequence, or an entry that is not an integer
-        (a float or bool would otherwise be read as another id)."""
-        if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
-            return values.tolist()
+        """``values`` (a sequence, or a 1-D numpy or JAX array) as a list of ints; an entry may be anything
+        ``operator.index`` takes (a numpy or JAX integer scalar). Raises ValueError: not a sequence, or an entry that
+        is not an integer (a float or bool would otherwise be read as another id)."""
+        if hasattr(values, "dtype") and hasattr(values, "ndim"):  # a numpy or JAX array: one check of its dtype
+            array = np.asarray(values)
+            if array.ndim != 1 or array.dtype.kind not in "iu":
+                raise ValueError(f"prompt token ids must be a 1-D array of integers; got {array.ndim}-D "
+                                 f"{array.dtype}")
+            return array.tolist()
         if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__iter__"):
             raise ValueError(f"prompt token ids must be a list of integers; got {type(values).__name__}")
         ids = list(values)
         if all(type(t) is int for t in ids):
             return ids
-        bad = next((t for t in ids if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))), None)
-        if bad is not None:
-            raise ValueError(f"prompt token ids must be integers; got {bad!r} ({type(bad).__name__})")
-        return [int(t) for t in ids]
+        out = []
+        for t in ids:
+            try:
+                if isinstance(t, (bool, np.bool_)) or getattr(getattr(t, "dtype", None), "kind", "i") == "b":
+                    raise TypeError
+                out.append(operator.index(t))
+            except TypeError:
+                raise ValueError(f"prompt token ids must be integers; got {t!r} ({type(t).__name__})") from None
+        return out
 
     def encode_prompt(self, prompt: Union[str, Sequence[int]],
                       add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
@@ -172,7 +185,8 @@ class InputProcessor:
                 raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             if not ids:
-                raise ValueError("the prompt encodes to no tokens without special tokens")
+                raise ValueError("the prompt encodes to no tokens" +
+                                 ("" if add_special_tokens else " without special tokens"))
             return prompt, ids
         ids = self._token_ids(prompt)
         if not ids:

@@ -458,6 +458,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        # Listening now holds the port against a second server started meanwhile (a bound socket alone does not,
+        # under SO_REUSEADDR); uvicorn listens on it again, which changes nothing.
+        sock.listen()
     except OSError as e:
         sock.close()
         raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); another "
