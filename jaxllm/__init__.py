@@ -25,6 +25,7 @@ _EXPORTS = {
     "CompletionOutput": "jaxllm.outputs",
     "register_model": "jaxllm.models",
     "LoRARequest": "jaxllm.lora.request",
+    "BeamSearchParams": "jaxllm.beam_search",
 }
 __all__ = list(_EXPORTS)
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxllm.frontend.llm_engine import LLMEngine
 from jaxllm.frontend.input_processor import PromptType, add_special_tokens
 from jaxllm.frontend.metrics import GenerateProgress
@@ -511,6 +512,51 @@ class LLM:
 
         self._steps.add(ids, add, caller)
         return ids
+
+    def beam_search(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        params: BeamSearchParams,
+        lora_request: LoRAArg = None,
+        use_tqdm: bool = False,
+        concurrency_limit: Optional[int] = None,
+        priority: Priority = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``; ``jaxllm.beam_search``): each step runs one
+        token of every live beam as a request through the engine, so the beams of all prompts share its steps.
+
+        Args:
+          prompts: as :meth:`generate` (a prompt dict's ``cache_salt`` is not kept).
+          params: the ``BeamSearchParams``. lora_request, priority: as :meth:`generate`.
+          use_tqdm: a bar over the token steps. concurrency_limit: prompts searched at once (None: all).
+
+        Returns:
+          one ``BeamSearchOutput`` per prompt: its ``beam_width`` best sequences, best first; a sequence's
+          ``tokens`` and ``text`` hold the prompt and what followed, as vLLM's.
+
+        Raises:
+          ValueError: a bad prompt, or a prompt without room for one token under ``max_model_len``.
+        """
+        from tqdm import tqdm
+
+        prompt_list = self._as_prompt_list(prompts)
+        n = len(prompt_list)
+        ids = [self.engine.input_processor.parse_prompt(p).token_ids for p in prompt_list]
+        eos = set() if params.ignore_eos else set(self.engine.input_processor.eos_token_ids)
+        tokenizer = self.tokenizer
+
+        def run(beams: list[list[int]], step: SamplingParams, loras: list[Any], priorities: list[int]):
+            return self.generate([{"prompt_token_ids": b} for b in beams], step, lora_request=loras,
+                                 priority=priorities, use_tqdm=False)
+
+        return beam_search(
+            ids, params, run, eos_token_ids=eos, max_model_len=self.engine.client.infos[0].max_model_len,
+            lora_requests=_per_prompt("lora_request", lora_request, n, (LoRARequest, type(None))),
+            priorities=_per_prompt("priority", 0 if priority is None else priority, n, (int, np.integer)),
+            decode=None if tokenizer is None else lambda t, skip: tokenizer.decode(t, skip_special_tokens=skip),
+            concurrency_limit=concurrency_limit,
+            progress=(lambda steps: tqdm(steps, desc="Beam search", unit="token")) if use_tqdm else
+            (lambda steps: steps))
 
     def chat(
         self,
