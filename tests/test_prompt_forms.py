@@ -80,6 +80,7 @@ def test_a_prompt_dicts_cache_salt_keeps_its_prefix_apart(llm, ids):
     ({"prompt_token_ids": "1 2"}, "prompt token ids must be a list of integers; got str"),
     (np.array(5), "prompt token ids must be a 1-D array of integers; got 0-D int64"),
     (np.array([1.0, 2.0]), "prompt token ids must be a 1-D array of integers; got 1-D float64"),
+    (jnp.asarray([[1, 2]]), "prompt token ids must be a 1-D array of integers; got 2-D int32"),
     ([np.bool_(True)], r"prompt token ids must be integers; got np.True_"),
     ({"prompt_token_ids": []}, "prompt is empty"),
     ({"prompt_token_ids": [1, 600]}, r"outside the vocabulary \[0, 512\)"),
@@ -148,6 +149,8 @@ def test_enqueue_and_wait_for_completion_give_generates_outputs_in_queue_order(l
     chat = llm.chat([{"role": "user", "content": "Lily"}], GREEDY, use_tqdm=False, chat_template=TEMPLATE)[0]
     assert outs[2].outputs[0].token_ids == chat.outputs[0].token_ids and outs[2].prompt_token_ids == \
         chat.prompt_token_ids
+    # A chat's outputs report the rendered prompt, as vLLM's.
+    assert outs[2].prompt == chat.prompt == "user: Lily\nassistant:"
     assert llm.wait_for_completion(RequestOutput, use_tqdm=False) == []
     with pytest.raises(TypeError, match="makes RequestOutput only"):
         llm.wait_for_completion(int)
@@ -181,6 +184,10 @@ def test_vllms_generate_and_chat_arguments(llm, ids, want):
                     tokenization_kwargs={"add_special_tokens": True})[0]
     assert chat.prompt_token_ids == llm.engine.encode_prompt("user: Lily\nassistant:")[1]  # BOS added
     assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+    # A bare 1-D array is one prompt, whatever its dtype (a float one is refused whole, not read as many prompts).
+    assert llm.generate(np.asarray(ids), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="got 1-D float64"):
+        llm.generate(np.asarray(ids, np.float64), GREEDY, use_tqdm=False)
 
 
 # The template that loops over content parts, as multimodal models' templates do, and the one that reads a string.

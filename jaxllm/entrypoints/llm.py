@@ -474,7 +474,7 @@ class LLM:
     def _finish(self, ids: list[str], use_tqdm: Union[bool, Callable[..., Any]]) -> list[RequestOutput]:
         """Step until requests ``ids`` (queued by :meth:`_add_all`) have finished; their final outputs in order."""
         final: dict[str, RequestOutput] = {}
-        with GenerateProgress(len(ids), enabled=use_tqdm) as progress:
+        with GenerateProgress(len(ids), enabled=use_tqdm if ids else False) as progress:
             for out in self._steps.outputs(ids):
                 progress.update([out])
                 if out.finished:
@@ -631,22 +631,22 @@ class LLM:
     def _chat_prompts(self, messages: Any, chat_template: Optional[str], content_format: str,
                       add_generation_prompt: bool, continue_final_message: bool, tools: Optional[list[dict]],
                       chat_template_kwargs: Optional[dict[str, Any]],
-                      tokenization_kwargs: Optional[dict[str, Any]]) -> list[list[int]]:
-        """The token ids of each conversation of ``messages`` rendered as :meth:`chat` says."""
+                      tokenization_kwargs: Optional[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each conversation of ``messages`` rendered as :meth:`chat` says, as a ``TokensPrompt`` with the rendered
+        text (the outputs' ``prompt``, as vLLM's)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         add_special = add_special_tokens(tokenization_kwargs, default=False)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         template = chat_template if chat_template is not None else self._chat_template
-        return [self.tokenizer.encode(self.tokenizer.render_chat(conv, add_generation_prompt, continue_final_message,
-                                                                 tools, chat_template_kwargs, template,
-                                                                 content_format),
-                                      add_special_tokens=add_special)
-                for conv in conversations]
+        texts = [self.tokenizer.render_chat(conv, add_generation_prompt, continue_final_message, tools,
+                                            chat_template_kwargs, template, content_format) for conv in conversations]
+        return [{"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=add_special), "prompt": text}
+                for text in texts]
 
     @staticmethod
     def _as_prompt_list(prompts: Any) -> list[PromptType]:
-        if isinstance(prompts, (str, Mapping)):
+        if isinstance(prompts, (str, Mapping)) or getattr(prompts, "ndim", None) == 1:  # one text, dict or id array
             return [prompts]
         prompts = list(prompts)
         if prompts and all(isinstance(t, (int, np.integer)) for t in prompts):
