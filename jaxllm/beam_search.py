@@ -92,75 +92,76 @@ class _Instance:
     completed: list[BeamSearchSequence] = dataclasses.field(default_factory=list)
 
 
-RunStep = Callable[[list[list[int]], SamplingParams, list[Any], list[int]], list[RequestOutput]]
-
-
-def beam_search(prompts: Sequence[list[int]], params: BeamSearchParams, run: RunStep, *, eos_token_ids: set[int],
-                max_model_len: int, lora_requests: Sequence[Any], priorities: Sequence[int],
-                decode: Optional[Callable[[list[int], bool], str]], concurrency_limit: Optional[int] = None,
-                progress: Callable[[Any], Any] = lambda steps: steps) -> list[BeamSearchOutput]:
-    """Beam search for every prompt (token ids), ``concurrency_limit`` prompts at a time (None: all).
+class BeamSearch:
+    """The beam searches of several prompts, one token step at a time: :meth:`live` says which beams the next
+    step extends (each a request of ``step_params`` through the engine), :meth:`advance` takes the engine's outputs
+    for them, :meth:`results` ranks what the searches found. A synchronous caller (``LLM.beam_search``) and an
+    asyncio one (the server's ``use_beam_search``) drive it alike.
 
     Args:
-      run: one engine step of ``(beams' token ids, params, their LoRA requests, their priorities)`` -> one
-        ``RequestOutput`` per beam, with ``params.logprobs`` top logprobs of its one token.
+      prompts: each prompt's token ids. params: the ``BeamSearchParams``.
       eos_token_ids: the ids that complete a beam (unless ``params.ignore_eos``).
       max_model_len: a beam of this many tokens is complete ("length").
-      decode: token ids, skip_special_tokens -> text; None leaves ``text`` None.
-      progress: wraps the step range (a progress bar).
-
-    Returns:
-      one ``BeamSearchOutput`` per prompt, in order.
+      lora_requests, priorities: each prompt's, given to its beams' requests.
     """
-    step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature,
-                                 detokenize=False)
-    instances = [_Instance([BeamSearchSequence(list(p), [], lora)], prio)
-                 for p, lora, prio in zip(prompts, lora_requests, priorities)]
-    limit = concurrency_limit or max(len(instances), 1)
-    for start in range(0, len(instances), limit):
-        batch = instances[start:start + limit]
-        for _ in progress(range(params.max_tokens)):
-            if not _step(batch, params, step_params, run, eos_token_ids, max_model_len):
-                break
-    outputs = []
-    for instance in instances:
-        ranked = sorted(instance.completed + instance.beams, key=lambda b: beam_score(b, params.length_penalty),
-                        reverse=True)[:params.beam_width]
-        for beam in ranked:
-            beam.finish_reason = beam.finish_reason or "length"
-            if decode is not None:
-                beam.text = decode(beam.tokens, params.skip_special_tokens)
-        outputs.append(BeamSearchOutput(ranked))
-    return outputs
 
+    def __init__(self, prompts: Sequence[list[int]], params: BeamSearchParams, *, eos_token_ids: set[int],
+                 max_model_len: int, lora_requests: Sequence[Any], priorities: Sequence[int]) -> None:
+        self.params, self.eos_token_ids, self.max_model_len = params, eos_token_ids, max_model_len
+        self.step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1,
+                                          temperature=params.temperature, detokenize=False)
+        self._instances = [_Instance([BeamSearchSequence(list(p), [], lora)], prio)
+                           for p, lora, prio in zip(prompts, lora_requests, priorities)]
+        self._steps = 0
 
-def _step(batch: list[_Instance], params: BeamSearchParams, step_params: SamplingParams, run: RunStep,
-          eos_token_ids: set[int], max_model_len: int) -> bool:
-    """Extend every live beam of ``batch`` by one token; False when no beam was live."""
-    live = [(instance, beam) for instance in batch for beam in instance.beams]
-    if not live:
-        return False
-    results = run([beam.tokens for _, beam in live], step_params, [beam.lora_request for _, beam in live],
-                  [instance.priority for instance, _ in live])
-    candidates: dict[int, list[BeamSearchSequence]] = {id(instance): [] for instance in batch}
-    for (instance, beam), result in zip(live, results):
-        top = result.outputs[0].logprobs[0]
-        for token, entry in top.items():
-            new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [top], beam.lora_request,
-                                     beam.cum_logprob + entry.logprob)
-            if token in eos_token_ids and not params.ignore_eos:
-                new.finish_reason = "stop"
-                instance.completed.append(new)
-            else:
-                candidates[id(instance)].append(new)
-    for instance in batch:
-        ranked = sorted(candidates[id(instance)], key=lambda b: beam_score(b, params.length_penalty),
-                        reverse=True)[:params.beam_width]
-        instance.beams = []
-        for beam in ranked:
-            if len(beam.tokens) >= max_model_len:
-                beam.finish_reason = "length"
-                instance.completed.append(beam)
-            else:
-                instance.beams.append(beam)
-    return True
+    def live(self) -> list[BeamSearchSequence]:
+        """The beams the next step extends, each with its prompt's ``lora_request`` (and :meth:`priority`); empty
+        once every beam is complete or ``max_tokens`` steps have run."""
+        if self._steps >= self.params.max_tokens:
+            return []
+        return [beam for instance in self._instances for beam in instance.beams]
+
+    def priorities(self) -> list[int]:
+        """The priority of each beam of :meth:`live`, in order."""
+        return [instance.priority for instance in self._instances for _ in instance.beams]
+
+    def advance(self, results: Sequence[RequestOutput]) -> None:
+        """Extend the beams of :meth:`live` by the engine's outputs for them (one token each, with
+        ``step_params.logprobs`` top logprobs): every candidate ending in an eos id is complete, the
+        ``beam_width`` best of the others per prompt live on (a beam at ``max_model_len`` tokens is complete)."""
+        params, width = self.params, self.params.beam_width
+        self._steps += 1
+        results = iter(results)
+        for instance in self._instances:
+            candidates = []
+            for beam in instance.beams:
+                top = next(results).outputs[0].logprobs[0]
+                for token, entry in top.items():
+                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [top], beam.lora_request,
+                                             beam.cum_logprob + entry.logprob)
+                    if token in self.eos_token_ids and not params.ignore_eos:
+                        new.finish_reason, new.stop_reason = "stop", token
+                        instance.completed.append(new)
+                    else:
+                        candidates.append(new)
+            instance.beams = []
+            for beam in sorted(candidates, key=lambda b: beam_score(b, params.length_penalty), reverse=True)[:width]:
+                if len(beam.tokens) >= self.max_model_len:
+                    beam.finish_reason = "length"
+                    instance.completed.append(beam)
+                else:
+                    instance.beams.append(beam)
+
+    def results(self, decode: Optional[Callable[[list[int], bool], str]]) -> list[BeamSearchOutput]:
+        """Each prompt's ``beam_width`` best sequences, best first, their ``text`` decoded (None without
+        ``decode``: token ids, skip_special_tokens -> text)."""
+        outputs = []
+        for instance in self._instances:
+            ranked = sorted(instance.completed + instance.beams, reverse=True,
+                            key=lambda b: beam_score(b, self.params.length_penalty))[:self.params.beam_width]
+            for beam in ranked:
+                beam.finish_reason = beam.finish_reason or "length"
+                if decode is not None:
+                    beam.text = decode(beam.tokens, self.params.skip_special_tokens)
+            outputs.append(BeamSearchOutput(ranked))
+        return outputs

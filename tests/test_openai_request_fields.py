@@ -21,7 +21,7 @@ import pytest
 
 import tests.test_openai_server as server_tests
 import tests.test_openai_tools as tools_tests
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM, BeamSearchParams, SamplingParams
 from jaxllm.entrypoints.openai.api_server import main as serve_main
 from jaxllm.entrypoints.openai import field_policy, protocol
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
@@ -596,7 +596,7 @@ TYPICAL_BY_ENDPOINT = {
 }
 # The fields whose typical value is refused (what the table in field_policy must say); field@endpoint: there only.
 REFUSED_TYPICAL = {
-    "use_beam_search", "watermarking", "logprob_token_ids", "prompt_embeds", "return_token_ids",
+    "watermarking", "logprob_token_ids", "prompt_embeds", "return_token_ids",
     "return_weight_versions", "return_token_offsets", "return_mm_kwargs", "kv_transfer_params", "ec_transfer_params",
     "vllm_xargs", "repetition_detection", "thinking_token_budget", "suffix", "echo@chat", "chat_template",
     "return_prompt_text", "background", "prompt@responses", "enable_response_messages", "previous_input_messages"}
@@ -708,3 +708,19 @@ def test_issue55_guidellms_request_bodies_are_answered_with_the_tokens_asked_for
     chunks = stream_chunks(ready, path, body)
     assert all(c["usage"] is not None for c in chunks)
     assert chunks[-1]["usage"]["completion_tokens"] == 8 == chunks[-2]["usage"]["completion_tokens"]
+
+
+def test_use_beam_search_returns_the_offline_beams_best_first(ready, llm):
+    # vLLM's use_beam_search was refused before; n is the beam width.
+    body = completion(ready, prompt=PROMPT, max_tokens=8, n=3, use_beam_search=True, length_penalty=1.0)
+    [want] = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=8))
+    prompt_len = len(llm.engine.encode_prompt(PROMPT)[1])
+    texts = [llm.tokenizer.decode(s.tokens[prompt_len:]) for s in want.sequences]
+    assert [c["text"] for c in body["choices"]] == texts and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["completion_tokens"] == sum(len(s.tokens) - prompt_len for s in want.sequences)
+    streamed = chat(ready, messages=USER, max_tokens=4, n=2, use_beam_search=True)
+    assert [c["finish_reason"] for c in streamed["choices"]] == ["length", "length"]
+    for extra, param in ((dict(logprobs=2), "logprobs"), (dict(n=11), "n"), (dict(length_penalty="x"), "length_penalty")):
+        response = post(ready, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "n": 2, "use_beam_search": True,
+                                                   **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

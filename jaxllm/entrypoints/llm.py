@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from jaxllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jaxllm.frontend.llm_engine import LLMEngine
 from jaxllm.frontend.input_processor import PromptType, add_special_tokens
 from jaxllm.frontend.metrics import GenerateProgress
@@ -542,21 +542,26 @@ class LLM:
         prompt_list = self._as_prompt_list(prompts)
         n = len(prompt_list)
         ids = [self.engine.input_processor.parse_prompt(p).token_ids for p in prompt_list]
-        eos = set() if params.ignore_eos else set(self.engine.input_processor.eos_token_ids)
-        tokenizer = self.tokenizer
-
-        def run(beams: list[list[int]], step: SamplingParams, loras: list[Any], priorities: list[int]):
-            return self.generate([{"prompt_token_ids": b} for b in beams], step, lora_request=loras,
-                                 priority=priorities, use_tqdm=False)
-
-        return beam_search(
-            ids, params, run, eos_token_ids=eos, max_model_len=self.engine.client.infos[0].max_model_len,
-            lora_requests=_per_prompt("lora_request", lora_request, n, (LoRARequest, type(None))),
-            priorities=_per_prompt("priority", 0 if priority is None else priority, n, (int, np.integer)),
-            decode=None if tokenizer is None else lambda t, skip: tokenizer.decode(t, skip_special_tokens=skip),
-            concurrency_limit=concurrency_limit,
-            progress=(lambda steps: tqdm(steps, desc="Beam search", unit="token")) if use_tqdm else
-            (lambda steps: steps))
+        loras = _per_prompt("lora_request", lora_request, n, (LoRARequest, type(None)))
+        priorities = _per_prompt("priority", 0 if priority is None else priority, n, (int, np.integer))
+        eos = set(self.engine.input_processor.eos_token_ids)
+        limit = concurrency_limit or max(n, 1)
+        outputs: list[BeamSearchOutput] = []
+        for start in range(0, n, limit):
+            search = BeamSearch(ids[start:start + limit], params, eos_token_ids=eos,
+                                max_model_len=self.engine.client.infos[0].max_model_len,
+                                lora_requests=loras[start:start + limit], priorities=priorities[start:start + limit])
+            for _ in tqdm(range(params.max_tokens), desc="Beam search", unit="token", disable=not use_tqdm):
+                beams = search.live()
+                if not beams:
+                    break
+                search.advance(self.generate([{"prompt_token_ids": b.tokens} for b in beams], search.step_params,
+                                             lora_request=[b.lora_request for b in beams],
+                                             priority=search.priorities(), use_tqdm=False))
+            tokenizer = self.tokenizer
+            outputs += search.results(None if tokenizer is None else
+                                      lambda t, skip: tokenizer.decode(t, skip_special_tokens=skip))
+        return outputs
 
     def chat(
         self,

@@ -75,11 +75,13 @@ _COMMON = {
     "user": advisory("an end-user id for the provider's abuse monitoring; changes no output"),
     "request_id": advisory("jaxllm names each engine request itself (unique per choice)"),
     "session_id": advisory("a routing hint; one jaxllm server routes by prompt prefix"),
-    "length_penalty": advisory("read by beam search only, which is refused"),
+    "length_penalty": honoured("with use_beam_search: beams rank by cumulative logprob / length ** length_penalty; "
+                               "without it, read by nothing (as vLLM)"),
     "stream_interval": advisory("how many tokens a chunk groups; the streamed text and usage are the same"),
     "routed_experts_prompt_start": advisory("only shapes returned routed experts, which jaxllm never returns"),
     "mm_payload": advisory("multimodal inputs only; jaxllm serves text models"),
-    "use_beam_search": advisory("beam search is not implemented", _truthy),
+    "use_beam_search": honoured("n beams (jaxllm.beam_search), the best first; not with logprobs, prompt logprobs "
+                                "or a structured output"),
     "watermarking": advisory("watermarking is not implemented", _truthy),
     "spaces_between_special_tokens": advisory(
         "jaxllm's detokenizer (a fast tokenizer's, as vLLM's fast path) puts no spaces between special tokens"),

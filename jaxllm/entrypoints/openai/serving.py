@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 import msgspec
 
+from jaxllm.beam_search import BeamSearch, BeamSearchParams
 from jaxllm.frontend.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.chat_outputs import ChatParsing, reasoning_token_count
 from jaxllm.entrypoints.openai.field_policy import refusal
@@ -280,6 +281,9 @@ class OpenAIServing:
         """
         ids = [f"{prefix}-{i}" for i in range(len(prompts))]
         lora = self.check_model(request.model)
+        if (request.model_extra or {}).get("use_beam_search"):
+            return [self._beam_search(rid, text, token_ids, self._beam_search_params(request, p), lora, request)
+                    for rid, (text, token_ids), p in zip(ids, prompts, params)]
         streams = []
         try:
             for rid, (text, token_ids), p in zip(ids, prompts, params):
@@ -296,6 +300,69 @@ class OpenAIServing:
                 self.engine.abort(rid)
             raise
         return streams
+
+    @staticmethod
+    def _beam_search_params(request: Union[CompletionRequest, ChatCompletionRequest],
+                            params: SamplingParams) -> BeamSearchParams:
+        """vLLM's ``use_beam_search``: ``n`` beams of the request's ``max_tokens``, ``ignore_eos``,
+        ``length_penalty``, ``include_stop_str_in_output`` and ``skip_special_tokens``.
+
+        Raises:
+          APIError: 400 naming a field beam search does not serve here (logprobs, prompt logprobs, a structured
+            output), or a bad ``n`` or ``length_penalty``.
+        """
+        for field, asked in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs),
+                             ("structured_outputs", params.structured_outputs)):
+            if asked is not None:
+                name = "top_logprobs" if field == "logprobs" and isinstance(request, ChatCompletionRequest) else field
+                raise APIError(400, f"{name} cannot be used with use_beam_search here: the beams' tokens alone are "
+                                    "returned", name)
+        penalty = (request.model_extra or {}).get("length_penalty", 1.0)
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)):
+            raise APIError(400, f"length_penalty={penalty!r} must be a number", "length_penalty")
+        try:
+            return BeamSearchParams(beam_width=request.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                    temperature=params.temperature, length_penalty=float(penalty),
+                                    include_stop_str_in_output=params.include_stop_str_in_output,
+                                    skip_special_tokens=params.skip_special_tokens)
+        except ValueError as e:
+            raise APIError(400, f"n={request.n} beams: {e}", "n") from None
+
+    async def _beam_search(self, request_id: str, text: Optional[str], ids: list[int], params: BeamSearchParams,
+                           lora: Optional[LoRARequest], request: Union[CompletionRequest, ChatCompletionRequest]
+                           ) -> AsyncIterator[RequestOutput]:
+        """One prompt's beam search (vLLM's online ``beam_search``): each step's beams run as engine requests at
+        once; yields one finished ``RequestOutput`` of ``n`` outputs, best first, each its generated tokens (an eos
+        kept only with ``include_stop_str_in_output``). Leaving early aborts the step's requests."""
+        search = BeamSearch([ids], params, eos_token_ids=set(self.engine.input_processor.eos_token_ids),
+                            max_model_len=self.max_model_len, lora_requests=[lora], priorities=[request.priority])
+
+        async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+            try:
+                async for out in stream:
+                    if out.finished:
+                        return out
+                raise RuntimeError("a beam search step ended without an output")
+            finally:
+                await stream.aclose()
+
+        step = 0
+        while beams := search.live():
+            streams = [self.engine.add_request(f"{request_id}-beam-{step}-{i}", beam.tokens, search.step_params,
+                                               priority=request.priority, cache_salt=request.cache_salt,
+                                               lora_request=lora) for i, beam in enumerate(beams)]
+            search.advance(await asyncio.gather(*map(last, streams)))
+            step += 1
+        outputs = []
+        for i, beam in enumerate(search.results(None)[0].sequences):
+            tokens = beam.tokens[len(ids):]
+            if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+                tokens = tokens[:-1]
+            out_text = (self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
+                        if self.tokenizer is not None else "")
+            outputs.append(CompletionOutput(i, out_text, tokens, beam.finish_reason, beam.stop_reason,
+                                            beam.cum_logprob, None, out_text, tokens))
+        yield RequestOutput(request_id, text, ids, outputs, True, outputs[0].delta_text, outputs[0].delta_token_ids)
 
     # ------------------------------------------------------------------ completions
 
