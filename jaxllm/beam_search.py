@@ -56,6 +56,14 @@ class BeamSearchParams:
                 raise ValueError(f"BeamSearchParams.{name} is not supported by jaxllm's beam search")
 
 
+def check_beam_width(params: BeamSearchParams, max_logprobs: int) -> None:
+    """Raise ValueError when a step's ``2 * beam_width`` logprobs are more than the engine's ``max_logprobs``
+    serves (``EngineConfig.max_logprobs``, ``--max-logprobs``), naming both."""
+    if 2 * params.beam_width > max_logprobs:
+        raise ValueError(f"beam_width={params.beam_width} reads the top {2 * params.beam_width} logprobs a step, more "
+                         f"than max_logprobs={max_logprobs} (--max-logprobs) allows")
+
+
 @dataclasses.dataclass
 class BeamSearchSequence:
     """One beam (vLLM's ``BeamSearchSequence``): ``tokens`` are the prompt's then the generated ones, ``logprobs``

@@ -76,3 +76,10 @@ def test_length_penalty_ranks_as_transformers_does():
 def test_bad_parameters_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BeamSearchParams(**kwargs)
+
+
+def test_a_width_past_max_logprobs_is_refused_before_anything_runs(tiny_llama_dir):
+    narrow = LLM(tiny_llama_dir, max_model_len=64, max_logprobs=4, precompile=False)
+    with pytest.raises(ValueError, match=r"beam_width=3 reads the top 6 logprobs a step, more than max_logprobs=4"):
+        narrow.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=4))
+    assert narrow.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=2))[0].sequences

@@ -562,3 +562,12 @@ def test_chat_template_variables_merge_as_vllms_renderer():
     # Server defaults under everything; None and "auto" leave a default, and stand as given without defaults.
     assert merged({"a": 1, "b": 2}, chat_template_kwargs={"a": None, "b": "auto", "c": 3}) == {"a": 1, "b": 2, "c": 3}
     assert merged(chat_template_kwargs={"a": None}) == {"a": None} and merged() is None
+
+
+def test_beam_search_past_max_logprobs_is_a_400_naming_n(server):
+    # --max-logprobs 2: a beam search step of n=2 beams reads the top 4 logprobs.
+    body = {"prompt": "Once", "max_tokens": 2, "n": 2, "use_beam_search": True}
+    reply = post(server, "/v1/completions", body)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "n", reply.text
+    assert "more than max_logprobs=2 (--max-logprobs)" in reply.json()["error"]["message"]
+    assert post(server, "/v1/completions", {**body, "n": 1}).status_code == 200

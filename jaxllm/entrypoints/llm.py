@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from jaxllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from jaxllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, check_beam_width
 from jaxllm.frontend.llm_engine import LLMEngine
 from jaxllm.frontend.input_processor import PromptType, add_special_tokens
 from jaxllm.frontend.metrics import GenerateProgress
@@ -535,10 +535,12 @@ class LLM:
           ``tokens`` and ``text`` hold the prompt and what followed, as vLLM's.
 
         Raises:
-          ValueError: a bad prompt, or a prompt without room for one token under ``max_model_len``.
+          ValueError: a bad prompt, a prompt without room for one token under ``max_model_len``, or a
+            ``beam_width`` whose ``2 * beam_width`` logprobs a step are more than ``max_logprobs``.
         """
         from tqdm import tqdm
 
+        check_beam_width(params, self.engine.input_processor.max_logprobs)
         prompt_list = self._as_prompt_list(prompts)
         n = len(prompt_list)
         ids = [self.engine.input_processor.parse_prompt(p).token_ids for p in prompt_list]

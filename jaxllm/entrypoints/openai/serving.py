@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 import msgspec
 
-from jaxllm.beam_search import BeamSearch, BeamSearchParams
+from jaxllm.beam_search import BeamSearch, BeamSearchParams, check_beam_width
 from jaxllm.frontend.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.chat_outputs import ChatParsing, reasoning_token_count
 from jaxllm.entrypoints.openai.field_policy import refusal
@@ -301,8 +301,7 @@ class OpenAIServing:
             raise
         return streams
 
-    @staticmethod
-    def _beam_search_params(request: Union[CompletionRequest, ChatCompletionRequest],
+    def _beam_search_params(self, request: Union[CompletionRequest, ChatCompletionRequest],
                             params: SamplingParams) -> BeamSearchParams:
         """vLLM's ``use_beam_search``: ``n`` beams of the request's ``max_tokens``, ``ignore_eos``,
         ``length_penalty``, ``include_stop_str_in_output`` and ``skip_special_tokens``.
@@ -321,10 +320,12 @@ class OpenAIServing:
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float)):
             raise APIError(400, f"length_penalty={penalty!r} must be a number", "length_penalty")
         try:
-            return BeamSearchParams(beam_width=request.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+            beam = BeamSearchParams(beam_width=request.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
                                     temperature=params.temperature, length_penalty=float(penalty),
                                     include_stop_str_in_output=params.include_stop_str_in_output,
                                     skip_special_tokens=params.skip_special_tokens)
+            check_beam_width(beam, self.engine.input_processor.max_logprobs)
+            return beam
         except ValueError as e:
             raise APIError(400, f"n={request.n} beams: {e}", "n") from None
 
