@@ -349,10 +349,20 @@ class OpenAIServing:
 
         step = 0
         while beams := search.live():
-            streams = [self.engine.add_request(f"{request_id}-beam-{step}-{i}", beam.tokens, search.step_params,
-                                               priority=request.priority, cache_salt=request.cache_salt,
-                                               lora_request=lora) for i, beam in enumerate(beams)]
-            search.advance(await asyncio.gather(*map(last, streams)))
+            rids = [f"{request_id}-beam-{step}-{i}" for i in range(len(beams))]
+            try:
+                streams = [self.engine.add_request(rid, beam.tokens, search.step_params, priority=request.priority,
+                                                   cache_salt=request.cache_salt, lora_request=lora)
+                           for rid, beam in zip(rids, beams)]
+                search.advance(await asyncio.gather(*map(last, streams)))
+            except BaseException as e:
+                # A refusal, a dead engine or a client gone: none of this step's requests may run on (a stream
+                # never iterated does not abort its request when closed).
+                for rid in rids:
+                    self.engine.abort(rid)
+                if isinstance(e, ValueError):
+                    raise _engine_refusal(e) from None
+                raise
             step += 1
         outputs = []
         for i, beam in enumerate(search.results(None)[0].sequences):
