@@ -3,6 +3,8 @@ scores, on a tiny float32 llama; eos completes a beam; width 1 is greedy; bad pa
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -83,3 +85,49 @@ def test_a_width_past_max_logprobs_is_refused_before_anything_runs(tiny_llama_di
     with pytest.raises(ValueError, match=r"beam_width=3 reads the top 6 logprobs a step, more than max_logprobs=4"):
         narrow.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=4))
     assert narrow.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=2))[0].sequences
+
+
+def test_the_servers_beam_search_admits_its_own_steps_refuses_before_streaming_and_leaves_nothing_open():
+    """In process (AsyncLLM and the OpenAI serving layer over stories260K): a search wider than the waiting room
+    runs (its later steps are not held to max_waiting_requests again); a refused first step is an error before
+    any response; a streamed search gives the non-streamed beams; a search left early leaves no request open."""
+    import asyncio
+
+    from jaxllm import AsyncLLM
+    from jaxllm.entrypoints.openai.protocol import CompletionRequest
+    from jaxllm.entrypoints.openai.serving import APIError, OpenAIServing
+    from tests.conftest import STORIES
+    from tests.server_process import ENGINE
+
+    async def run(serving, stream=False, **body):
+        request = CompletionRequest(model="stories", prompt="Once upon a time", use_beam_search=True, temperature=0,
+                                    **body)
+        started = serving.prepare_completion(request)
+        if stream:
+            return [chunk async for chunk in serving.completion_stream(request, started)]
+        return await serving.completion(request, started)
+
+    async def scenario():
+        engine = AsyncLLM(STORIES, **{**ENGINE, "max_num_seqs": 1, "max_waiting_requests": 1})
+        serving = OpenAIServing(engine, "stories", {})
+        try:
+            whole = await run(serving, max_tokens=4, n=3)
+            streamed = b"".join(await run(serving, stream=True, max_tokens=4, n=3)).decode()
+            with pytest.raises(APIError, match="priority=5"):
+                await run(serving, stream=True, max_tokens=4, priority=5)
+            left = asyncio.ensure_future(run(serving, max_tokens=400, n=2, ignore_eos=True))
+            while not any("-beam-3-" in rid for rid in engine.output_processor.requests):  # mid-search
+                await asyncio.sleep(0.01)
+            left.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await left
+            await asyncio.sleep(0.5)
+            return whole, streamed, dict(engine._queues), dict(engine.output_processor.requests)
+        finally:
+            await engine.shutdown()
+
+    whole, streamed, queues, open_requests = asyncio.run(scenario())
+    texts = [c["text"] for c in whole["choices"]]
+    assert len(texts) == 3 and len(set(texts)) == 3
+    assert all(f'"text":{json.dumps(t)}' in streamed.replace(" ", "") or json.dumps(t) in streamed for t in texts)
+    assert queues == {} and open_requests == {}

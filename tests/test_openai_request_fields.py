@@ -712,15 +712,24 @@ def test_issue55_guidellms_request_bodies_are_answered_with_the_tokens_asked_for
 
 def test_use_beam_search_returns_the_offline_beams_best_first(ready, llm):
     # vLLM's use_beam_search was refused before; n is the beam width.
-    body = completion(ready, prompt=PROMPT, max_tokens=8, n=3, use_beam_search=True, length_penalty=1.0)
+    body = completion(ready, prompt=PROMPT, max_tokens=8, n=3, use_beam_search=True, length_penalty=1.0,
+                      temperature=0)
     [want] = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=8))
     prompt_len = len(llm.engine.encode_prompt(PROMPT)[1])
     texts = [llm.tokenizer.decode(s.tokens[prompt_len:]) for s in want.sequences]
     assert [c["text"] for c in body["choices"]] == texts and [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert body["usage"]["completion_tokens"] == sum(len(s.tokens) - prompt_len for s in want.sequences)
-    streamed = chat(ready, messages=USER, max_tokens=4, n=2, use_beam_search=True)
-    assert [c["finish_reason"] for c in streamed["choices"]] == ["length", "length"]
-    for extra, param in ((dict(logprobs=2), "logprobs"), (dict(n=11), "n"), (dict(length_penalty="x"), "length_penalty")):
+    # A chat's beams are the offline search's over the rendered prompt.
+    answer = chat(ready, messages=USER, max_tokens=4, n=2, use_beam_search=True, temperature=0)
+    rendered = llm.chat(USER, GREEDY, chat_template=TEMPLATE, use_tqdm=False)[0].prompt_token_ids
+    [offline] = llm.beam_search([rendered], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert [c["message"]["content"] for c in answer["choices"]] == \
+        [llm.tokenizer.decode(s.tokens[len(rendered):]) for s in offline.sequences]
+    assert [c["finish_reason"] for c in answer["choices"]] == ["length", "length"]
+    for extra, param in ((dict(logprobs=2), "logprobs"), (dict(n=11), "n"),
+                         (dict(length_penalty="x"), "length_penalty"),
+                         (dict(allowed_token_ids=[5, 6]), "allowed_token_ids"),
+                         (dict(response_format={"type": "json_object"}), "response_format")):
         response = post(ready, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "n": 2, "use_beam_search": True,
                                                    **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

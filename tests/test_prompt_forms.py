@@ -45,7 +45,8 @@ def test_the_reported_tokens_prompt_dict_generates_as_its_ids(llm, ids, want):
 
 
 def test_every_prompt_form_generates_the_same_tokens(llm, ids, want):
-    forms = [TEXT, ids, np.asarray(ids, np.int32), jnp.asarray(ids), [jnp.int32(t) for t in ids], TextPrompt(prompt=TEXT),
+    forms = [TEXT, ids, np.asarray(ids, np.int32), jnp.asarray(ids), [jnp.int32(t) for t in ids],
+             TextPrompt(prompt=TEXT),
              TokensPrompt(prompt_token_ids=ids, prompt=TEXT),
              {"prompt": TEXT, "multi_modal_data": None, **{key: None for key in IGNORED_PROMPT_KEYS}},
              {"prompt_token_ids": ids, "multi_modal_data": {}, "mm_processor_kwargs": {"x": 1}}]
@@ -184,6 +185,8 @@ def test_vllms_generate_and_chat_arguments(llm, ids, want):
                     tokenization_kwargs={"add_special_tokens": True})[0]
     assert chat.prompt_token_ids == llm.engine.encode_prompt("user: Lily\nassistant:")[1]  # BOS added
     assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+    # A bare list of JAX integers is one prompt, as a list of ints is.
+    assert llm.generate([jnp.int32(t) for t in ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
     # A bare 1-D array is one prompt, whatever its dtype (a float one is refused whole, not read as many prompts).
     assert llm.generate(np.asarray(ids), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
     with pytest.raises(ValueError, match="got 1-D float64"):

@@ -656,7 +656,8 @@ class LLM:
         if isinstance(prompts, (str, Mapping)) or getattr(prompts, "ndim", None) == 1:  # one text, dict or id array
             return [prompts]
         prompts = list(prompts)
-        if prompts and all(isinstance(t, (int, np.integer)) for t in prompts):
+        # A list of ids (Python, numpy or 0-D JAX integers) is one prompt; a list of anything else, several.
+        if prompts and all(isinstance(t, (int, np.integer)) or getattr(t, "ndim", None) == 0 for t in prompts):
             return [prompts]
         return prompts
 

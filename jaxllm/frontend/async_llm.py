@@ -54,15 +54,16 @@ class AsyncLLM(FrontEnd):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: Optional[str] = None, priority: int = 0, cache_salt: Optional[str] = None,
-                    lora_request: Optional[Any] = None, data_parallel_rank: Optional[int] = None
-                    ) -> AsyncIterator[RequestOutput]:
+                    lora_request: Optional[Any] = None, data_parallel_rank: Optional[int] = None,
+                    admitted: bool = False) -> AsyncIterator[RequestOutput]:
         """Validate and start one request (``lora_request``: a ``LoRARequest`` or None; ``data_parallel_rank``: the
-        core to run it); returns the iterator of its ``RequestOutput``s (closing it aborts). Raises ValueError (bad
-        request, duplicate id), QueueFullError, EngineDeadError."""
+        core to run it; ``admitted``: as ``FrontEnd._queue``); returns the iterator of its ``RequestOutput``s
+        (closing it aborts; an :meth:`abort` ends it with a RuntimeError). Raises ValueError (bad request, duplicate
+        id), QueueFullError, EngineDeadError."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         self._queue(request_id, prompt_token_ids, params, prompt=prompt, priority=priority, cache_salt=cache_salt,
-                    lora_request=lora_request, data_parallel_rank=data_parallel_rank)
+                    lora_request=lora_request, data_parallel_rank=data_parallel_rank, admitted=admitted)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._start()
@@ -195,7 +196,11 @@ class AsyncLLM(FrontEnd):
             raise EngineDeadError(self.dead)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request if it is open (its blocks are freed in the core's next loop turn)."""
+        """Abort a request if it is open (its blocks are freed in the core's next loop turn); its output iterator
+        is forgotten, ending with a RuntimeError if someone still reads it."""
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(RuntimeError(f"request {request_id!r} was aborted"))
         try:
             self._abort([request_id])
         except EngineDeadError:

@@ -82,8 +82,9 @@ class FrontEnd:
     def _queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                prompt: Optional[str] = None, priority: int = 0, arrival_time: Optional[float] = None,
                cache_salt: Optional[str] = None, data_parallel_rank: Optional[int] = None,
-               lora_request: Optional[Any] = None) -> None:
-        """Validate a request and hand it to the cores; nothing changes when it is refused.
+               lora_request: Optional[Any] = None, admitted: bool = False) -> None:
+        """Validate a request and hand it to the cores; nothing changes when it is refused. ``admitted``: a later
+        step of work admitted already (a beam search's), not held to ``max_waiting_requests`` again.
         Raises EngineSleepingError; ValueError (duplicate id, bad request or rank, a LoRA request without
         ``enable_lora`` or that the core refuses); QueueFullError."""
         if lora_request is not None and not self.config.enable_lora:
@@ -94,8 +95,8 @@ class FrontEnd:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         try:
-            check_waiting_limit(self.config.scheduler.max_waiting_requests, self.output_processor.num_open_sequences,
-                                self.client.infos, self.metrics.core_stats)
+            check_waiting_limit(None if admitted else self.config.scheduler.max_waiting_requests,
+                                self.output_processor.num_open_sequences, self.client.infos, self.metrics.core_stats)
         except QueueFullError:
             if self._log_stats:
                 self.metrics.request_refused.inc()

@@ -80,8 +80,9 @@ _COMMON = {
     "stream_interval": advisory("how many tokens a chunk groups; the streamed text and usage are the same"),
     "routed_experts_prompt_start": advisory("only shapes returned routed experts, which jaxllm never returns"),
     "mm_payload": advisory("multimodal inputs only; jaxllm serves text models"),
-    "use_beam_search": honoured("n beams (jaxllm.beam_search), the best first; not with logprobs, prompt logprobs "
-                                "or a structured output"),
+    "use_beam_search": honoured("n beams (jaxllm.beam_search), the best first; penalties, stops and bias do not "
+                                "apply to beams (as vLLM); not with logprobs, prompt logprobs, a structured output "
+                                "or allowed_token_ids"),
     "watermarking": advisory("watermarking is not implemented", _truthy),
     "spaces_between_special_tokens": advisory(
         "jaxllm's detokenizer (a fast tokenizer's, as vLLM's fast path) puts no spaces between special tokens"),

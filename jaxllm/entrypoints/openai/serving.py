@@ -282,8 +282,16 @@ class OpenAIServing:
         ids = [f"{prefix}-{i}" for i in range(len(prompts))]
         lora = self.check_model(request.model)
         if (request.model_extra or {}).get("use_beam_search"):
-            return [self._beam_search(rid, text, token_ids, self._beam_search_params(request, p), lora, request)
-                    for rid, (text, token_ids), p in zip(ids, prompts, params)]
+            beams = [self._beam_search_params(request, p) for p in params]
+            searches = []
+            try:
+                for rid, (text, token_ids), beam in zip(ids, prompts, beams):
+                    searches.append(self._start_beam_search(rid, text, token_ids, beam, lora, request))
+            except BaseException:
+                for rid in ids[:len(searches)]:  # the searches started: their first step's one request each
+                    self.engine.abort(f"{rid}-beam-0-0")
+                raise
+            return searches
         streams = []
         try:
             for rid, (text, token_ids), p in zip(ids, prompts, params):
@@ -304,18 +312,23 @@ class OpenAIServing:
     def _beam_search_params(self, request: Union[CompletionRequest, ChatCompletionRequest],
                             params: SamplingParams) -> BeamSearchParams:
         """vLLM's ``use_beam_search``: ``n`` beams of the request's ``max_tokens``, ``ignore_eos``,
-        ``length_penalty``, ``include_stop_str_in_output`` and ``skip_special_tokens``.
+        ``length_penalty``, ``include_stop_str_in_output`` and ``skip_special_tokens``. The fields that shape a
+        sampled token (penalties, stops, bias) do not apply to beams, as in vLLM.
 
         Raises:
           APIError: 400 naming a field beam search does not serve here (logprobs, prompt logprobs, a structured
-            output), or a bad ``n`` or ``length_penalty``.
+            output or what asked for one, allowed_token_ids), or a bad ``n`` or ``length_penalty``.
         """
-        for field, asked in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs),
-                             ("structured_outputs", params.structured_outputs)):
+        chat = isinstance(request, ChatCompletionRequest)
+        constraint = ("response_format" if getattr(request, "response_format", None) is not None else
+                      "tool_choice" if chat and request.tool_choice not in (None, "none", "auto") else
+                      "structured_outputs")
+        logprobs = "top_logprobs" if chat and request.top_logprobs is not None else "logprobs"
+        for field, asked in ((logprobs, params.logprobs), ("prompt_logprobs", params.prompt_logprobs),
+                             (constraint, params.structured_outputs), ("allowed_token_ids", params.allowed_token_ids)):
             if asked is not None:
-                name = "top_logprobs" if field == "logprobs" and isinstance(request, ChatCompletionRequest) else field
-                raise APIError(400, f"{name} cannot be used with use_beam_search here: the beams' tokens alone are "
-                                    "returned", name)
+                raise APIError(400, f"{field} cannot be used with use_beam_search here: the beams are the model's "
+                                    "own most likely continuations, returned as tokens alone", field)
         penalty = (request.model_extra or {}).get("length_penalty", 1.0)
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float)):
             raise APIError(400, f"length_penalty={penalty!r} must be a number", "length_penalty")
@@ -329,15 +342,49 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, f"n={request.n} beams: {e}", "n") from None
 
-    async def _beam_search(self, request_id: str, text: Optional[str], ids: list[int], params: BeamSearchParams,
+    def _start_beam_search(self, request_id: str, text: Optional[str], ids: list[int], params: BeamSearchParams,
                            lora: Optional[LoRARequest], request: Union[CompletionRequest, ChatCompletionRequest]
                            ) -> AsyncIterator[RequestOutput]:
-        """One prompt's beam search (vLLM's online ``beam_search``): each step's beams run as engine requests at
-        once; yields one finished ``RequestOutput`` of ``n`` outputs, best first, each its generated tokens (an eos
-        kept only with ``include_stop_str_in_output``). Leaving early aborts the step's requests."""
+        """One prompt's beam search (vLLM's online ``beam_search``), its first step queued now, so that a refusal
+        (priority, cache_salt, LoRA, a full queue) reaches the client before any response starts.
+
+        Returns:
+          the search's outputs: one finished ``RequestOutput`` of ``n`` outputs, best first, each its generated
+          tokens (an eos kept only with ``include_stop_str_in_output``, never in the text).
+
+        Raises:
+          APIError: 400 for a step the engine refuses. QueueFullError, EngineDeadError: as ``AsyncLLM.add_request``.
+        """
         search = BeamSearch([ids], params, eos_token_ids=set(self.engine.input_processor.eos_token_ids),
                             max_model_len=self.max_model_len, lora_requests=[lora], priorities=[request.priority])
+        first = self._beam_step(search, f"{request_id}-beam-0", lora, request, admitted=False)
+        return self._beam_search(search, first, request_id, text, ids, lora, request)
 
+    def _beam_step(self, search: BeamSearch, prefix: str, lora: Optional[LoRARequest],
+                   request: Union[CompletionRequest, ChatCompletionRequest], admitted: bool
+                   ) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
+        """Queue one request per live beam of ``search`` (all or none); their ids and output iterators.
+        ``admitted``: a later step, not held to ``max_waiting_requests`` again. Raises as :meth:`_start_beam_search`."""
+        rids = [f"{prefix}-{i}" for i in range(len(search.live()))]
+        streams = []
+        try:
+            for rid, beam in zip(rids, search.live()):
+                streams.append(self.engine.add_request(rid, beam.tokens, search.step_params, priority=request.priority,
+                                                       cache_salt=request.cache_salt, lora_request=lora,
+                                                       admitted=admitted))
+        except BaseException as e:
+            for rid in rids:
+                self.engine.abort(rid)
+            if isinstance(e, ValueError):
+                raise _engine_refusal(e) from None
+            raise
+        return rids, streams
+
+    async def _beam_search(self, search: BeamSearch, first: tuple[list[str], list[AsyncIterator[RequestOutput]]],
+                           request_id: str, text: Optional[str], ids: list[int], lora: Optional[LoRARequest],
+                           request: Union[CompletionRequest, ChatCompletionRequest]) -> AsyncIterator[RequestOutput]:
+        """Run ``search`` from its queued ``first`` step to the end (:meth:`_start_beam_search`); leaving early, or a
+        failed step, aborts the step's requests."""
         async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
             try:
                 async for out in stream:
@@ -347,29 +394,26 @@ class OpenAIServing:
             finally:
                 await stream.aclose()
 
-        step = 0
-        while beams := search.live():
-            rids = [f"{request_id}-beam-{step}-{i}" for i in range(len(beams))]
+        rids, streams, step = *first, 0
+        while True:
             try:
-                streams = [self.engine.add_request(rid, beam.tokens, search.step_params, priority=request.priority,
-                                                   cache_salt=request.cache_salt, lora_request=lora)
-                           for rid, beam in zip(rids, beams)]
                 search.advance(await asyncio.gather(*map(last, streams)))
-            except BaseException as e:
-                # A refusal, a dead engine or a client gone: none of this step's requests may run on (a stream
-                # never iterated does not abort its request when closed).
-                for rid in rids:
+            except BaseException:
+                for rid in rids:  # a stream never iterated does not abort its request when closed
                     self.engine.abort(rid)
-                if isinstance(e, ValueError):
-                    raise _engine_refusal(e) from None
                 raise
+            if not search.live():
+                break
             step += 1
+            rids, streams = self._beam_step(search, f"{request_id}-beam-{step}", lora, request, admitted=True)
+        eos = search.eos_token_ids
         outputs = []
         for i, beam in enumerate(search.results(None)[0].sequences):
             tokens = beam.tokens[len(ids):]
-            if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
-                tokens = tokens[:-1]
-            out_text = (self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
+            generated = tokens[:-1] if beam.finish_reason == "stop" and tokens[-1:] and tokens[-1] in eos else tokens
+            if not search.params.include_stop_str_in_output:
+                tokens = generated
+            out_text = (self.tokenizer.decode(generated, skip_special_tokens=search.params.skip_special_tokens)
                         if self.tokenizer is not None else "")
             outputs.append(CompletionOutput(i, out_text, tokens, beam.finish_reason, beam.stop_reason,
                                             beam.cum_logprob, None, out_text, tokens))
