@@ -115,9 +115,13 @@ def test_the_servers_beam_search_admits_its_own_steps_refuses_before_streaming_a
             streamed = b"".join(await run(serving, stream=True, max_tokens=4, n=3)).decode()
             with pytest.raises(APIError, match="priority=5"):
                 await run(serving, stream=True, max_tokens=4, priority=5)
+            added = []
+            add_request = engine.add_request
+            engine.add_request = lambda rid, *args, **kwargs: (added.append(rid), add_request(rid, *args, **kwargs))[1]
             left = asyncio.ensure_future(run(serving, max_tokens=400, n=2, ignore_eos=True))
-            while not any("-beam-3-" in rid for rid in engine.output_processor.requests):  # mid-search
-                await asyncio.sleep(0.01)
+            # Mid-search: some steps done (each step adds 2 requests), far from the 400th.
+            await asyncio.wait_for(_until(lambda: len(added) >= 8), timeout=120)
+            assert not left.done()
             left.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await left
@@ -131,3 +135,11 @@ def test_the_servers_beam_search_admits_its_own_steps_refuses_before_streaming_a
     assert len(texts) == 3 and len(set(texts)) == 3
     assert all(f'"text":{json.dumps(t)}' in streamed.replace(" ", "") or json.dumps(t) in streamed for t in texts)
     assert queues == {} and open_requests == {}
+
+
+async def _until(condition) -> None:
+    """Return once ``condition()`` holds, checking between event-loop turns."""
+    import asyncio
+
+    while not condition():
+        await asyncio.sleep(0.001)
