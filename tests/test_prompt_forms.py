@@ -252,3 +252,21 @@ def test_llm_engines_vllm_calls(llm, ids, want, caplog):
     finally:
         logging.getLogger("jaxllm").removeHandler(caplog.handler)
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("prompt throughput: ")]
+
+
+def test_get_metrics_reads_the_series_as_vllms_reader_does(llm, stories_dir):
+    def series(name):
+        return {type(m).__name__: m for m in llm.get_metrics() if m.name == name}
+
+    before = series("jaxllm:generation_tokens")["Counter"].value
+    latency = series("jaxllm:e2e_request_latency_seconds")["Histogram"]
+    outs = llm.generate([TEXT, "One day"], GREEDY, use_tqdm=False)
+    assert series("jaxllm:generation_tokens")["Counter"].value - before == sum(len(o.outputs[0].token_ids)
+                                                                               for o in outs)
+    after = series("jaxllm:e2e_request_latency_seconds")["Histogram"]
+    assert after.count == latency.count + 2 == after.buckets["+Inf"] and after.sum > latency.sum
+    assert list(after.buckets.values()) == sorted(after.buckets.values())  # cumulative, as Prometheus's le buckets
+    assert series("jaxllm:num_requests_running")["Gauge"].value == 0
+    quiet = LLM(stories_dir, disable_log_stats=True, **ENGINE)
+    with pytest.raises(RuntimeError, match="records no stats"):
+        quiet.get_metrics()

@@ -306,6 +306,11 @@ class LLM:
         unfinished requests over (``EngineCore.reset_prefix_cache``; jaxllm has no KV connector to reset); True."""
         return self._call("reset_prefix_cache", reset_running_requests, reset_connector)
 
+    def get_metrics(self) -> list[Any]:
+        """The engine's metrics now, as vLLM's ``LLM.get_metrics`` returns them (``LLMEngine.get_metrics``).
+        Raises RuntimeError: the engine was built with ``disable_log_stats=True``."""
+        return self._call("get_metrics")
+
     def get_world_size(self, include_dp: bool = True) -> int:
         """Devices the model runs on (vLLM's ``LLM.get_world_size``): tensor parallel size, times the data
         parallel replicas with ``include_dp``."""

@@ -73,6 +73,14 @@ class FrontEnd:
         """Requests added and not yet finished or aborted (vLLM's ``get_num_unfinished_requests``)."""
         return len(self.output_processor.requests)
 
+    def get_metrics(self) -> list[Any]:
+        """The engine's Prometheus series now, as vLLM's ``get_metrics`` returns them (``EngineMetrics.snapshot``:
+        ``Counter``, ``Gauge``, ``Histogram``, ``Vector`` of ``jaxllm.frontend.metrics``).
+        Raises RuntimeError: ``disable_log_stats``, which records none (vLLM's asserts)."""
+        if not self._log_stats:
+            raise RuntimeError("get_metrics: this engine records no stats (disable_log_stats=True)")
+        return self.metrics.snapshot()
+
     def do_log_stats(self) -> None:
         """Log the stats summary line now (vLLM's ``do_log_stats``); nothing with ``disable_log_stats``, which
         records no stats."""

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -477,6 +478,39 @@ class EngineMetrics:
         self._last_token_time.pop(request_id, None)
         self.request_success.labels("abort").inc()
 
+    def snapshot(self) -> list["Metric"]:
+        """Every series now as vLLM's ``get_metrics`` reads them (``vllm.v1.metrics.reader``): a ``Gauge``, a
+        ``Counter`` per label set, a ``Histogram`` per label set (cumulative bucket counts by upper bound, "+Inf"
+        included, with count and sum), and the per-position accepted-draft counter as a ``Vector``."""
+        out: list[Metric] = []
+        for family in self.registry.collect():
+            name = family.name
+
+            def samples(suffix: str = ""):
+                return [s for s in family.samples if s.name == name + suffix]
+
+            if family.type == "gauge":
+                out += [Gauge(name, dict(s.labels), s.value) for s in samples()]
+            elif family.type == "counter" and any("position" in s.labels for s in samples("_total")):
+                by_labels: dict[tuple, dict[int, int]] = {}
+                for s in samples("_total"):
+                    rest = {k: v for k, v in s.labels.items() if k != "position"}
+                    by_labels.setdefault(tuple(sorted(rest.items())), {})[int(s.labels["position"])] = int(s.value)
+                out += [Vector(name, dict(key), [counts.get(i, 0) for i in range(max(counts) + 1)])
+                        for key, counts in by_labels.items()]
+            elif family.type == "counter":
+                out += [Counter(name, dict(s.labels), int(s.value)) for s in samples("_total")]
+            elif family.type == "histogram":
+                groups: dict[tuple, dict[str, Any]] = {}
+                for s in samples("_bucket"):
+                    rest = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+                    groups.setdefault(rest, {})[s.labels["le"]] = int(s.value)
+                totals = {tuple(sorted(s.labels.items())): s.value for s in samples("_count")}
+                sums = {tuple(sorted(s.labels.items())): s.value for s in samples("_sum")}
+                out += [Histogram(name, dict(key), int(totals.get(key, 0)), float(sums.get(key, 0.0)), buckets)
+                        for key, buckets in groups.items()]
+        return out
+
     def quantile(self, name: str, q: float) -> float:
         """The ``q`` quantile of histogram ``name`` as PromQL's ``histogram_quantile``; NaN before any observation.
         Raises ValueError: ``q`` outside [0, 1], or no histogram of that name."""
@@ -548,6 +582,45 @@ class EngineMetrics:
                         draft_tokens, 100 * accepted / draft_tokens, 1 + accepted / drafts)
         self._log_at = now
         self._log_tokens = [0, 0]
+
+
+@dataclasses.dataclass
+class Metric:
+    """One series of :meth:`EngineMetrics.snapshot` (vLLM's ``vllm.v1.metrics.reader.Metric``): its name and labels."""
+
+    name: str
+    labels: dict[str, str]
+
+
+@dataclasses.dataclass
+class Counter(Metric):
+    """A counter's value (vLLM's ``Counter``)."""
+
+    value: int
+
+
+@dataclasses.dataclass
+class Gauge(Metric):
+    """A gauge's value (vLLM's ``Gauge``)."""
+
+    value: float
+
+
+@dataclasses.dataclass
+class Histogram(Metric):
+    """Observations: ``count``, ``sum``, and ``buckets`` the cumulative count at or below each upper bound (the
+    Prometheus ``le`` label, "+Inf" the whole count) (vLLM's ``Histogram``)."""
+
+    count: int
+    sum: float
+    buckets: dict[str, int]
+
+
+@dataclasses.dataclass
+class Vector(Metric):
+    """A counter per position, as a list (vLLM's ``Vector``, for the accepted draft tokens per position)."""
+
+    values: list[int]
 
 
 class _Labelled:
