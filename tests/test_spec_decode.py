@@ -79,6 +79,10 @@ def _check_run(llm: LLM) -> dict:
     assert value("jaxllm:spec_decode_num_accepted_tokens_total") == stats.spec_num_accepted_tokens
     for i, n in enumerate(per_position):
         assert (value("jaxllm:spec_decode_num_accepted_tokens_per_pos_total", {"position": str(i)}) or 0) == n
+    # get_metrics (vLLM's reader) gives the per-position counters as one Vector.
+    [vector] = [m for m in llm.get_metrics() if m.name == "jaxllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert type(vector).__name__ == "Vector" and vector.values == per_position[:len(vector.values)]
+    assert sum(vector.values) == sum(per_position)
     run = engine.metrics.run_summary()
     assert run["spec_acceptance_rate"] == stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
     assert run["spec_mean_accepted_length"] == 1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts
