@@ -365,10 +365,11 @@ class OpenAIServing:
                    ) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
         """Queue one request per live beam of ``search`` (all or none); their ids and output iterators.
         ``admitted``: a later step, not held to ``max_waiting_requests`` again. Raises as :meth:`_start_beam_search`."""
-        rids = [f"{prefix}-{i}" for i in range(len(search.live()))]
+        beams = search.live()
+        rids = [f"{prefix}-{i}" for i in range(len(beams))]
         streams = []
         try:
-            for rid, beam in zip(rids, search.live()):
+            for rid, beam in zip(rids, beams):
                 streams.append(self.engine.add_request(rid, beam.tokens, search.step_params, priority=request.priority,
                                                        cache_salt=request.cache_salt, lora_request=lora,
                                                        admitted=admitted))
