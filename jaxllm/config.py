@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Sequence, TypeVar, Union
 
@@ -40,6 +41,15 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 METRICS_NAMESPACES = ("jaxllm", "vllm")
 # SpeculativeConfig.method values.
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# ProfilerConfig.profiler values: both record a jax.profiler trace ("torch" is vLLM's name; the model runs in JAX).
+PROFILERS = ("jax", "torch")
+# vLLM's ProfilerConfig keys for the torch and proton profilers' own options: accepted, no effect on a JAX trace.
+PROFILER_ADVISORY_KEYS = (
+    "torch_profiler_activities", "torch_profiler_with_stack", "torch_profiler_with_flops", "torch_profiler_use_gzip",
+    "torch_profiler_dump_cuda_time_total", "torch_profiler_record_shapes", "torch_profiler_with_memory",
+    "capture_torch_profiler", "detailed_trace_annotation", "ignore_frontend", "proton_profiler_dir",
+    "proton_context", "proton_data", "proton_backend", "proton_mode", "proton_hook", "proton_output_format",
+    "proton_graph_attribution")
 
 
 def _option(default: Any, help: str) -> Any:
@@ -194,6 +204,112 @@ class KVEventsConfig:
         return dataclass_from_json(cls, value, "kv_events_config")
 
 
+@dataclasses.dataclass(frozen=True)
+class ProfilerConfig:
+    """``--profiler-config``: vLLM's ``ProfilerConfig`` keys. With a profiler, ``start_profile`` / ``stop_profile``
+    record a ``jax.profiler`` trace of each engine core's steps (``jaxllm.core.profiler``); the keys of vLLM's torch
+    and proton options (:data:`PROFILER_ADVISORY_KEYS`) are accepted and have no effect.
+
+    Raises:
+      ValueError: a profiler other than "jax" or "torch" (vLLM's "cuda" and "proton" drive CUDA's and Triton's
+        profilers, which jaxllm does not run), no folder for it, or a count below 0 (named).
+    """
+
+    profiler: Optional[str] = _option(None, (
+        '"jax" or "torch" (vLLM\'s name; the trace is JAX\'s either way): start_profile records a jax.profiler trace '
+        "(TensorBoard's and Perfetto's format) of the engine's steps; None: profiling off."))
+    torch_profiler_dir: str = _option("", (
+        "The folder traces are written to (vLLM's name for it); each core writes <dir>/<prefix>_dp<rank>, or "
+        "<dir>/dp<rank> without a prefix. Needed with a profiler."))
+    delay_iterations: int = _option(0, "Engine steps after start_profile before the trace starts, >= 0.")
+    max_iterations: int = _option(0, "Engine steps traced at most, then the trace stops by itself, >= 0; 0: until "
+                                     "stop_profile.")
+    wait_iterations: int = _option(0, "vLLM's profiler schedule, with warmup_iterations: when either is > 0, the "
+                                      "trace skips wait + warmup steps more, then records active_iterations steps.")
+    warmup_iterations: int = _option(0, "See wait_iterations.")
+    active_iterations: int = _option(5, "See wait_iterations, >= 1.")
+
+    def __post_init__(self) -> None:
+        if self.profiler is not None and self.profiler not in PROFILERS:
+            raise ValueError(f"profiler_config profiler={self.profiler!r} must be None or one of {list(PROFILERS)}: "
+                             "jaxllm records JAX profiler traces (vLLM's 'cuda' and 'proton' profile CUDA and Triton "
+                             "from PyTorch)")
+        for name in ("delay_iterations", "max_iterations", "wait_iterations", "warmup_iterations",
+                     "active_iterations"):
+            value, low = getattr(self, name), int(name == "active_iterations")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"profiler_config {name}={value!r} must be an int >= {low}")
+        folder = self.torch_profiler_dir
+        if not isinstance(folder, str):
+            raise ValueError(f"profiler_config torch_profiler_dir={folder!r} must be a string")
+        if self.profiler is None and folder:
+            raise ValueError(f"profiler_config torch_profiler_dir={folder!r} needs a profiler (\"jax\" or \"torch\")")
+        if self.profiler is not None and not folder:
+            raise ValueError(f"profiler_config profiler={self.profiler!r} needs torch_profiler_dir, the folder traces "
+                             "are written to")
+        if folder and "://" not in folder:
+            object.__setattr__(self, "torch_profiler_dir", str(Path(folder).expanduser().absolute()))
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether vLLM's schedule (wait, warmup, active) sets the traced steps."""
+        return self.wait_iterations > 0 or self.warmup_iterations > 0
+
+    @classmethod
+    def parse(cls, value: Union["ProfilerConfig", dict[str, Any], str, None]) -> Optional["ProfilerConfig"]:
+        """A config from a dict, its JSON text, or itself (:data:`PROFILER_ADVISORY_KEYS` dropped); None stays None.
+        Raises ValueError (see the class)."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"profiler_config {value!r} is not JSON: {e}") from None
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k not in PROFILER_ADVISORY_KEYS}
+        return dataclass_from_json(cls, value, "profiler_config")
+
+
+# start_profile's profile_prefix, vLLM's rule: 1-128 ASCII letters, digits, '.', '_' or '-', a letter or digit first.
+_PROFILE_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# profiler_kwargs jaxllm honours: jax.profiler.start_trace's create_perfetto_trace (also write a Perfetto
+# .trace.json.gz) and these jax.profiler.ProfileOptions fields.
+TRACE_KWARGS = ("create_perfetto_trace",)
+OPTION_KWARGS = ("host_tracer_level", "python_tracer_level", "enable_hlo_proto")
+# torch.profiler.profile's keywords, which vLLM's torch profiler takes: accepted, no effect on a JAX trace.
+TORCH_KWARGS = ("activities", "schedule", "on_trace_ready", "record_shapes", "profile_memory", "with_stack",
+                "with_flops", "with_modules", "experimental_config", "execution_trace_observer", "acc_events",
+                "use_cuda", "custom_trace_id_callback", "post_processing_timeout_s")
+
+
+def check_profile_request(prefix: Optional[str], delay_iterations: Optional[int], max_iterations: Optional[int],
+                          profiler_kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Check one ``start_profile``'s overrides (vLLM's rules); the ``profiler_kwargs`` jaxllm honours.
+
+    Raises:
+      ValueError: a prefix breaking vLLM's rule, a count not an int >= 0, a keyword neither jaxllm's nor
+        torch.profiler's (named, with the accepted ones), or a value of the wrong type.
+    """
+    if prefix is not None and (not isinstance(prefix, str) or not _PROFILE_PREFIX.fullmatch(prefix)):
+        raise ValueError(f"profile_prefix={prefix!r} must be 1-128 ASCII characters, start with a letter or digit, "
+                         "and hold only letters, digits, '.', '_' or '-'")
+    for name, value in (("delay_iterations", delay_iterations), ("max_iterations", max_iterations)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name}={value!r} must be an int >= 0")
+    kwargs = dict(profiler_kwargs or {})
+    unknown = sorted(set(kwargs) - set(TRACE_KWARGS + OPTION_KWARGS + TORCH_KWARGS))
+    if unknown:
+        raise ValueError(f"profiler_kwargs key {unknown[0]!r} is not known; jaxllm's are "
+                         f"{list(TRACE_KWARGS + OPTION_KWARGS)} (and torch.profiler's, accepted without effect)")
+    honoured = {k: v for k, v in kwargs.items() if k in TRACE_KWARGS + OPTION_KWARGS}
+    for name, value in honoured.items():
+        if name in ("create_perfetto_trace", "enable_hlo_proto"):
+            if not isinstance(value, bool):
+                raise ValueError(f"profiler_kwargs {name}={value!r} must be a bool")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"profiler_kwargs {name}={value!r} must be an int >= 0")
+    return honoured
+
+
 def read_preload_prompts(path: Union[str, Path]) -> list[str]:
     """The prompts of a warm-up file (``EngineConfig.preload_prompts``): a ``.json`` list of strings, else one
     prompt per line (empty lines skipped).
@@ -287,6 +403,7 @@ class ObservabilityConfig:
     metrics_port: Optional[int]
     metrics_namespace: str
     kv_events_config: Optional[KVEventsConfig]
+    profiler_config: Optional[ProfilerConfig]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,6 +547,10 @@ class EngineConfig:
     kv_events_config: Union[KVEventsConfig, dict, str, None] = _option(None, (
         "Publish the prefix cache's stored and evicted blocks as vLLM does: a dict (or its JSON text) of "
         'KVEventsConfig fields, e.g. {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}; None: off.'))
+    profiler_config: Union[ProfilerConfig, dict, str, None] = _option(None, (
+        "Allow start_profile() / stop_profile() (and the server's /start_profile, /stop_profile), which record a "
+        "jax.profiler trace of the engine's steps: a dict (or its JSON text) of ProfilerConfig fields, vLLM's keys, "
+        'e.g. {"profiler": "jax", "torch_profiler_dir": "/tmp/traces"}; None: off.'))
     enable_sleep_mode: bool = _option(False, "Allow sleep() / wake_up(), which free and restore the device memory.")
     kv_offloading_size: float = _option(0.0, (
         "GiB of host memory for a host tier of the prefix cache (vLLM's --kv-offloading-size), >= 0; 0: no tier. A "
@@ -572,6 +693,7 @@ class EngineConfig:
         self._check_lora()
         self.graceful_degradation = _parse_degradation(self.graceful_degradation)
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        self.profiler_config = ProfilerConfig.parse(self.profiler_config)
         # The scheduler's knobs are checked by SchedulerConfig, here rather than at start-up; the block count and
         # the model's length are not known yet (placeholders; the real config is built by the engine core).
         self.scheduler_config(num_blocks=2, max_model_len=self.max_model_len or 1)

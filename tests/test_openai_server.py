@@ -58,6 +58,7 @@ def servers(chat_model, stories_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("servers")
     both = [Server(chat_model, *engine_flags(), "--api-key", KEY, "--served-model-name", "stories",
                    "--max-waiting-requests", str(MAX_WAITING), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
+                   "--profiler-config.profiler", "jax", f"--profiler-config.torch_profiler_dir={logs / 'traces'}",
                    log=logs / "server.log"),
             Server(stories_dir, *engine_flags(), log=logs / "doomed_server.log")]
     try:
@@ -110,6 +111,23 @@ def test_models_health_and_version(server, client):
     assert [m.id for m in client.models.list().data] == ["stories"]
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/version").json() == {"version": "0.1.0"}
+
+
+def test_start_and_stop_profile_trace_the_steps_of_requests_in_the_core(server, client, llm):
+    """vLLM's /start_profile (body optional) and /stop_profile, served because --profiler-config names a profiler."""
+    traces = server.log.parent / "traces"
+    assert post(server, "/start_profile", {"profile_prefix": "srv", "max_iterations": 3, "other": 1}).status_code == 200
+    refused = post(server, "/start_profile", None)
+    assert refused.status_code == 409 and "already being recorded" in refused.json()["error"]["message"]
+    client.completions.create(model="stories", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert post(server, "/stop_profile", None).status_code == 200
+    assert list((traces / "srv_dp0").glob("plugins/profile/*/*.xplane.pb"))
+    bad = post(server, "/start_profile", {"profile_prefix": "../up"})
+    assert bad.status_code == 400 and "profile_prefix='../up'" in bad.json()["error"]["message"]
+    assert post(server, "/start_profile", {"delay_iterations": "1"}).status_code == 400  # not coerced, as vLLM
+    assert post(server, "/start_profile", None).status_code == 200
+    assert post(server, "/stop_profile", None).status_code == 200
+    assert (traces / "dp0").is_dir()
 
 
 def test_greedy_completion_equals_llm_generate(client, llm):

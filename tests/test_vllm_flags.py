@@ -57,7 +57,7 @@ def test_the_snapshot_is_vllm_0_34_and_every_spelling_of_every_flag_parses():
 
 def test_every_flag_jaxllm_lacks_has_a_rule_of_its_form_and_kind():
     lacking = [f for f in FLAGS if not native(f["dest"])]
-    assert len(lacking) == 279
+    assert len(lacking) == 278
     for f in lacking:
         rule = RULES[f["dest"]]
         assert (rule.form, rule.engine) == (f["form"], f["engine"]), f["dest"]

@@ -102,6 +102,7 @@ class InprocClient:
         self.core.preload_prefixes(prompts)
 
     def shutdown(self) -> None:
+        self.core.stop_profile()  # a trace still recording is written, not lost
         self.core.runner.programs.stop_warmup()
 
 

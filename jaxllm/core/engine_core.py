@@ -20,6 +20,7 @@ from jaxllm.loader import load_model, load_sharded
 from jaxllm.lora import LoRARequest
 from jaxllm.loader.orbax import is_orbax_checkpoint
 from jaxllm.logger import init_logger
+from jaxllm.core.profiler import StepProfiler
 from jaxllm.core.prompt_logprobs import PromptLogprobs, prompt_targets, record_prompt_logprobs
 from jaxllm.core.requests import CoreRequest, CoreSequence
 from jaxllm.sample.sampler import MAX_BANNED_IDS, SamplerOutput
@@ -91,7 +92,7 @@ class EngineCore:
                                  "preload_prefixes", "host_params", "update_weights_encoded",
                                  "update_weights_from_path", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping",
                                  "kv_cache_compact", "kv_cache_resize", "add_lora", "remove_lora",
-                                 "list_loras", "update_lora_encoded"})
+                                 "list_loras", "update_lora_encoded", "start_profile", "stop_profile"})
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, *, sharding: ModelSharding, max_model_len: int,
                  kv_cache_dtype: Any, structured: StructuredOutputManager, drafter: Optional[DraftRunner] = None,
@@ -135,6 +136,7 @@ class EngineCore:
         # What sleeps: "weights" and/or "kv_cache" (empty when awake), and the level of the last sleep.
         self._asleep: set[str] = set()
         self._sleep_level = 0
+        self.profiler = StepProfiler(config.observability.profiler_config, core_index)
 
     @property
     def schedules_ahead(self) -> bool:
@@ -345,11 +347,18 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, launch the step, apply the samples, report. With ``async_scheduling`` step N+1 launches
-        before step N is applied, so outputs trail by one step (the first call reports none).
+        before step N is applied, so outputs trail by one step (the first call reports none). While a profile
+        session is active, the step is one of its steps (:meth:`start_profile`).
 
         Returns:
           an output for every sequence that produced a token or finished, and the core's stats.
         """
+        if not self.profiler.active:
+            return self._step()
+        with self.profiler.step():
+            return self._step()
+
+    def _step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
         outputs = self._take_held_outputs() + self._fail_grammars()
         sched_out = self._schedule()
@@ -372,6 +381,25 @@ class EngineCore:
                            self.structured.bitmask_seconds if launched.dispatched is not None else None)
         stats.step_seconds = time.perf_counter() - start
         return EngineCoreOutputs(outputs, stats, self.core_index)
+
+    # ------------------------------------------------------------ profiling (vLLM's start_profile / stop_profile)
+
+    def start_profile(self, profile_prefix: Optional[str] = None, delay_iterations: Optional[int] = None,
+                      max_iterations: Optional[int] = None,
+                      profiler_kwargs: Optional[dict[str, Any]] = None) -> str:
+        """Record a ``jax.profiler`` trace of the coming steps (``jaxllm.core.profiler.StepProfiler.start``): after
+        ``delay_iterations`` steps, for ``max_iterations`` steps or until :meth:`stop_profile` (None: the
+        ``profiler_config``'s). Returns the trace folder.
+
+        Raises:
+          RuntimeError: no ``profiler_config`` profiler, a session already active, or JAX's profiler refused.
+          ValueError: a bad prefix, count or ``profiler_kwargs`` key (named).
+        """
+        return self.profiler.start(profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
+
+    def stop_profile(self) -> Optional[str]:
+        """End the profile session, writing its trace; its folder, or None when none was active."""
+        return self.profiler.stop()
 
     # ------------------------------------------------------------ weights and sleep (between steps)
 

@@ -58,6 +58,7 @@ def run_core_loop(core, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
             timeout = 0
             if isinstance(message, Shutdown):
                 core.abort_all()
+                core.stop_profile()  # a trace still recording is written, not lost
                 core.runner.programs.stop_warmup()
                 if core.kv_events is not None:
                     core.kv_events.shutdown()

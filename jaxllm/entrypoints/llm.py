@@ -306,6 +306,18 @@ class LLM:
         unfinished requests over (``EngineCore.reset_prefix_cache``; jaxllm has no KV connector to reset); True."""
         return self._call("reset_prefix_cache", reset_running_requests, reset_connector)
 
+    def start_profile(self, profile_prefix: Optional[str] = None, *, delay_iterations: Optional[int] = None,
+                      max_iterations: Optional[int] = None, profiler_kwargs: Optional[dict[str, Any]] = None) -> None:
+        """Record a ``jax.profiler`` trace of the coming engine steps (vLLM's ``LLM.start_profile``;
+        ``LLMEngine.start_profile`` has the arguments, the folders and the errors). Needs ``profiler_config``."""
+        with self._steps.between_steps() as engine:
+            engine.start_profile(profile_prefix, delay_iterations=delay_iterations, max_iterations=max_iterations,
+                                 profiler_kwargs=profiler_kwargs)
+
+    def stop_profile(self) -> None:
+        """End the profile session, writing its trace (vLLM's ``LLM.stop_profile``); nothing when none is active."""
+        self._call("stop_profile")
+
     def get_metrics(self) -> list[Any]:
         """The engine's metrics now, as vLLM's ``LLM.get_metrics`` returns them (``LLMEngine.get_metrics``).
         Raises RuntimeError: the engine was built with ``disable_log_stats=True``."""
@@ -345,6 +357,11 @@ class LLM:
     def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""
         return self._call("is_sleeping")
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine this runs (vLLM's name for it; :attr:`engine` is the same object)."""
+        return self.engine
 
     @property
     def tokenizer(self) -> Optional[Tokenizer]:

@@ -281,7 +281,7 @@ RULES: dict[str, Rule] = {
     **_advisory(_NO_MM, "trust_request_mm_kwargs", SWITCH, engine=False),
     **_advisory(_METRICS, "show_hidden_metrics_for_version otlp_traces_endpoint per_request_spec_decode_metrics "
                           "kv_cache_metrics_sample custom_histogram_buckets jit_monitor_mode logging_config "
-                          "profiler_config watchdog_config additional_config aux_output_config"),
+                          "watchdog_config additional_config aux_output_config"),
     **_advisory(_METRICS, "kv_cache_metrics cudagraph_metrics enable_layerwise_nvtx_tracing enable_mfu_metrics "
                           "enable_logging_iteration_details jit_monitor_verbose enable_trace_replay", SWITCH),
     **_advisory("returning routed experts or sampling masks is not implemented",

@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Any, AsyncIterator, Mapping, Optional, Union
 
-from jaxllm.config import EngineConfig
+from jaxllm.config import EngineConfig, check_profile_request
 from jaxllm.core.client import EngineDeadError, MPClient
 from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd, tokenizer_config
@@ -186,6 +186,25 @@ class AsyncLLM(FrontEnd):
     async def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""
         return any(await self._each_core("is_sleeping"))
+
+    async def start_profile(self, profile_prefix: Optional[str] = None, *, delay_iterations: Optional[int] = None,
+                            max_iterations: Optional[int] = None,
+                            profiler_kwargs: Optional[dict[str, Any]] = None) -> None:
+        """Record a ``jax.profiler`` trace of the coming engine steps in every core (``LLMEngine.start_profile``).
+        Raises ValueError: a bad override (named); RuntimeError: profiling off, a session active, or JAX refused."""
+        args = (profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
+        check_profile_request(*args)
+        for core in range(len(self.client.infos)):
+            try:
+                await self.client.call_utility_async(core, "start_profile", *args)
+            except Exception:
+                for started in range(core):
+                    await self.client.call_utility_async(started, "stop_profile")
+                raise
+
+    async def stop_profile(self) -> None:
+        """End the profile session in every core, writing the traces (``LLMEngine.stop_profile``)."""
+        await self._each_core("stop_profile")
 
     async def _each_core(self, method: str, *args: Any) -> list[Any]:
         return [await self.client.call_utility_async(d, method, *args) for d in range(len(self.client.infos))]

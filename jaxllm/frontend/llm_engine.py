@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
-from jaxllm.config import EngineConfig
+from jaxllm.config import EngineConfig, check_profile_request
 from jaxllm.core.client import InprocClient, MPClient
 from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd, tokenizer_config
@@ -205,6 +205,43 @@ class LLMEngine(FrontEnd):
     def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""
         return any(self._each_core("is_sleeping", all_results=True))
+
+    def start_profile(self, profile_prefix: Optional[str] = None, *, delay_iterations: Optional[int] = None,
+                      max_iterations: Optional[int] = None, profiler_kwargs: Optional[dict[str, Any]] = None) -> None:
+        """Record a ``jax.profiler`` trace of the coming engine steps in every core (vLLM's ``start_profile``;
+        ``EngineCore.start_profile``): core d writes ``<torch_profiler_dir>/<profile_prefix>_dp<d>`` (``dp<d>``
+        without a prefix), TensorBoard's and XProf's format, one annotated step per engine step.
+
+        Args:
+          profile_prefix: the trace folder's prefix, vLLM's rule (1-128 of letters, digits, '.', '_', '-').
+          delay_iterations: engine steps run untraced first; None: the ``profiler_config``'s.
+          max_iterations: steps traced, then the trace stops by itself; 0: until :meth:`stop_profile`; None: the
+            config's.
+          profiler_kwargs: ``create_perfetto_trace`` (bool: also a Perfetto ``.trace.json.gz``),
+            ``host_tracer_level``, ``python_tracer_level`` (ints), ``enable_hlo_proto`` (bool);
+            torch.profiler's keywords are accepted without effect.
+
+        Raises:
+          ValueError: a bad prefix, count or ``profiler_kwargs`` key (named).
+          RuntimeError: no ``profiler_config`` profiler, a session already active, or JAX's profiler refused.
+        """
+        args = (profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
+        check_profile_request(*args)
+        if isinstance(self.client, InprocClient):
+            self.client.core.start_profile(*args)
+            return
+        for core in range(len(self.client.infos)):
+            try:
+                self.client.call_utility(core, "start_profile", *args)
+            except Exception:
+                for started in range(core):
+                    self.client.call_utility(started, "stop_profile")
+                raise
+
+    def stop_profile(self) -> None:
+        """End the profile session in every core, writing the traces (vLLM's ``stop_profile``); nothing when none
+        is active."""
+        self._each_core("stop_profile")
 
     def _each_core(self, method: str, *args: Any, all_results: bool = False) -> Any:
         """``EngineCore.<method>(*args)`` in every core, in order; core 0's result (or all with ``all_results``)."""

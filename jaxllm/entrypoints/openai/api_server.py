@@ -39,6 +39,7 @@ from jaxllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     LoadLoRAAdapterRequest,
     ResponsesRequest,
+    StartProfileRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
@@ -268,6 +269,9 @@ def build_app(serving, api_key: Union[str, Sequence[str], None] = None, lifespan
         add_kv_pool_routes(app, engine)
     if runtime_lora_updating():
         add_lora_routes(app, serving)
+    profiler = None if engine is None else engine.config.observability.profiler_config
+    if profiler is not None and profiler.profiler is not None:
+        add_profile_routes(app, engine)
     return app
 
 
@@ -408,6 +412,27 @@ def add_kv_pool_routes(app, engine) -> None:
     @app.post("/kv_cache/resize")
     async def kv_cache_resize(num_blocks: int):
         return {"cores": await _refused_as_api_errors(engine.kv_cache_resize(num_blocks))}
+
+
+def add_profile_routes(app, engine) -> None:
+    """vLLM's ``/start_profile`` (an optional ``StartProfileRequest`` body) and ``/stop_profile``, over an
+    ``AsyncLLM`` whose ``profiler_config`` names a profiler: 200 with no body; 400 for a bad override, 409 for a
+    session already active (both named)."""
+    logger.warning("profiling routes /start_profile and /stop_profile are served (profiler_config): any client can "
+                   "record traces into %s; use them for local development only",
+                   engine.config.observability.profiler_config.torch_profiler_dir)
+
+    @app.post("/start_profile")
+    async def start_profile(body: Optional[StartProfileRequest] = None):
+        overrides = body.model_dump(exclude_none=True) if body is not None else {}
+        prefix = overrides.pop("profile_prefix", None)
+        await _refused_as_api_errors(engine.start_profile(prefix, **overrides))
+        return Response(status_code=200)
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        await _refused_as_api_errors(engine.stop_profile())
+        return Response(status_code=200)
 
 
 async def _refused_as_api_errors(work) -> Any:

@@ -314,6 +314,18 @@ class UpdateWeightsFromDiskRequest(_Request):
     model_path: str
 
 
+class StartProfileRequest(BaseModel):
+    """``POST /start_profile``'s optional body (vLLM's): one session's overrides (``LLMEngine.start_profile``);
+    other keys are ignored, as vLLM ignores them, and values are not coerced."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    profile_prefix: Optional[str] = None
+    delay_iterations: Optional[int] = None
+    max_iterations: Optional[int] = None
+    profiler_kwargs: Optional[dict[str, Any]] = None
+
+
 class LoadLoRAAdapterRequest(_Request):
     """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT folder ``lora_path`` as model ``lora_name``;
     ``load_inplace`` replaces an adapter already served under that name."""
