@@ -41,6 +41,8 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 METRICS_NAMESPACES = ("jaxllm", "vllm")
 # SpeculativeConfig.method values.
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# vLLM's pause_generation modes: abort the open requests, wait for them, or keep them frozen in place.
+PAUSE_MODES = ("abort", "wait", "keep")
 # ProfilerConfig.profiler values: both record a jax.profiler trace ("torch" is vLLM's name; the model runs in JAX).
 PROFILERS = ("jax", "torch")
 # vLLM's ProfilerConfig keys for the torch and proton profilers' own options: accepted, no effect on a JAX trace.

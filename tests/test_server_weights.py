@@ -1,11 +1,16 @@
 """``jaxllm serve``'s weight and sleep routes (``JAXLLM_SERVER_DEV_MODE=1``, as vLLM's dev mode): ``/sleep``,
-``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache`` and SGLang's ``/update_weights_from_disk``, on a real
+``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``, SGLang's ``/update_weights_from_disk``, and vLLM's RL routes
+``/pause`` (modes abort, wait, keep), ``/resume``, ``/is_paused``, ``/abort_requests``, ``/get_world_size``, on a real
 server over stories260K, against the in-process engine."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import os
 import shutil
+import threading
+import time
 import types
 
 import httpx
@@ -99,7 +104,8 @@ def test_the_weight_routes_exist_only_in_dev_mode(monkeypatch):
     from jaxllm.entrypoints.openai.api_server import build_app
 
     routes = {"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/update_weights_from_disk",
-              "/kv_cache/compact", "/kv_cache/resize"}
+              "/kv_cache/compact", "/kv_cache/resize", "/pause", "/resume", "/is_paused", "/abort_requests",
+              "/get_world_size"}
     monkeypatch.delenv("JAXLLM_SERVER_DEV_MODE", raising=False)
     assert not routes & {r.path for r in build_app(types.SimpleNamespace(engine=None)).routes}
     monkeypatch.setenv("JAXLLM_SERVER_DEV_MODE", "1")
@@ -136,3 +142,91 @@ def test_diag_compacts_and_resizes_a_running_servers_pool_while_a_request_decode
 def test_a_resize_below_the_blocks_in_use_answers_400_naming_the_value(server):
     got = httpx.post(f"{server.url}/kv_cache/resize", params={"num_blocks": 1}, timeout=60)
     assert got.status_code == 400 and "num_blocks=1 must be an int >= 2" in got.json()["error"]["message"]
+
+
+def _stream(server, max_tokens):
+    """A greedy streamed completion of ``PROMPT``; the open response, and an iterator of its chunks' dicts."""
+    response = httpx.stream("POST", f"{server.url}/v1/completions", timeout=300, json={
+        "model": str(server.argv[4]), "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True})
+    opened = response.__enter__()
+    chunks = (json.loads(line[6:]) for line in opened.iter_lines() if line.startswith("data: {"))
+    return response, chunks
+
+
+def _pause(server, **params):
+    return httpx.post(f"{server.url}/pause", params=params, timeout=120)
+
+
+def _all_blocks_free(server):
+    report = httpx.get(f"{server.url}/debug/kv", params={"block_map": "false"}, timeout=60).json()
+    return report["num_used_blocks"] == 1 and report["num_running"] == report["num_waiting"] == 0  # the null block
+
+
+def test_pause_abort_finishes_a_running_request_with_abort_and_refuses_new_ones_until_resume(server, stories_dir):
+    response, chunks = _stream(server, 400)
+    first = next(chunks)
+    assert _pause(server).json() == {"status": "paused"}
+    rest = list(chunks)
+    response.__exit__(None, None, None)
+    texts = [first["choices"][0]["text"]] + [c["choices"][0]["text"] for c in rest if c["choices"]]
+    assert rest[-1]["choices"][0]["finish_reason"] == "abort" and len(texts) < 400
+    assert httpx.get(f"{server.url}/is_paused").json() == {"is_paused": True}
+    refused = _complete(server)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_paused"
+    assert _all_blocks_free(server)
+    assert httpx.post(f"{server.url}/resume").json() == {"status": "resumed"}
+    assert httpx.get(f"{server.url}/is_paused").json() == {"is_paused": False}
+    assert _complete(server).json()["choices"][0]["text"] == _reference(stories_dir)
+
+
+def test_pause_keep_freezes_running_requests_queues_new_ones_and_resume_finishes_both_unchanged(server, stories_dir):
+    llm = LLM(model=stories_dir, **ENGINE)
+    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0].outputs[0].text
+    response, chunks = _stream(server, 60)
+    got = [next(chunks)["choices"][0]["text"]]
+    assert _pause(server, mode="keep").json() == {"status": "paused"}
+    reader = threading.Thread(target=lambda: got.extend(c["choices"][0]["text"] for c in chunks if c["choices"]))
+    reader.start()
+    queued = concurrent.futures.ThreadPoolExecutor(1).submit(_complete, server)
+    time.sleep(0.3)
+    frozen = len(got)
+    time.sleep(0.7)
+    assert len(got) == frozen and not queued.done() and reader.is_alive()
+    httpx.post(f"{server.url}/resume")
+    reader.join(120)
+    response.__exit__(None, None, None)
+    assert "".join(got) == want
+    assert queued.result(120).json()["choices"][0]["text"] == _reference(stories_dir)
+
+
+def test_pause_wait_returns_once_running_requests_finished_whole(server):
+    response, chunks = _stream(server, 40)
+    first = next(chunks)
+    pausing = concurrent.futures.ThreadPoolExecutor(1).submit(_pause, server, mode="wait")
+    rest = list(chunks)
+    response.__exit__(None, None, None)
+    assert pausing.result(120).json() == {"status": "paused"}
+    assert rest[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(1 for c in [first, *rest] if c["choices"] and c["choices"][0]["text"]) > 1
+    assert _complete(server).status_code == 503 and _all_blocks_free(server)
+    # older vLLM's switch is the same as mode=wait; a mode vLLM lacks is refused, naming it
+    assert _pause(server, wait_for_inflight_requests="true").status_code == 200
+    bad = _pause(server, mode="drain")
+    assert bad.status_code == 400 and "mode='drain'" in bad.json()["error"]["message"]
+    httpx.post(f"{server.url}/resume")
+    assert _complete(server).status_code == 200
+
+
+def test_abort_requests_finishes_the_named_response_and_get_world_size(server):
+    response, chunks = _stream(server, 400)
+    first = next(chunks)
+    aborted = httpx.post(f"{server.url}/abort_requests", json={"request_ids": [first["id"]], "other": 1}, timeout=60)
+    rest = list(chunks)
+    response.__exit__(None, None, None)
+    assert aborted.json() == {"status": "aborted", "aborted": 1}
+    assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+    assert httpx.post(f"{server.url}/abort_requests", json={}, timeout=60).json() == {"status": "aborted",
+                                                                                     "aborted": 0}
+    assert httpx.get(f"{server.url}/is_paused").json() == {"is_paused": False} and _all_blocks_free(server)
+    assert httpx.get(f"{server.url}/get_world_size").json() == {"world_size": 1}
+    assert httpx.get(f"{server.url}/get_world_size", params={"include_dp": "false"}).json() == {"world_size": 1}

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional, Sequence
 import jax
 import numpy as np
 
-from jaxllm.config import EngineConfig
+from jaxllm.config import PAUSE_MODES, EngineConfig
 from jaxllm.core.kv_events import make_publisher
 from jaxllm.core.messages import (CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                   SampleLogprobs, decode_params, encode_params)
@@ -92,7 +92,8 @@ class EngineCore:
                                  "preload_prefixes", "host_params", "update_weights_encoded",
                                  "update_weights_from_path", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping",
                                  "kv_cache_compact", "kv_cache_resize", "add_lora", "remove_lora",
-                                 "list_loras", "update_lora_encoded", "start_profile", "stop_profile"})
+                                 "list_loras", "update_lora_encoded", "start_profile", "stop_profile",
+                                 "finish_aborted", "pause_scheduler", "resume_scheduler"})
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, *, sharding: ModelSharding, max_model_len: int,
                  kv_cache_dtype: Any, structured: StructuredOutputManager, drafter: Optional[DraftRunner] = None,
@@ -137,6 +138,8 @@ class EngineCore:
         self._asleep: set[str] = set()
         self._sleep_level = 0
         self.profiler = StepProfiler(config.observability.profiler_config, core_index)
+        # pause_scheduler("keep") until resume_scheduler: the core's loop runs no step.
+        self.paused = False
 
     @property
     def schedules_ahead(self) -> bool:
@@ -381,6 +384,33 @@ class EngineCore:
                            self.structured.bitmask_seconds if launched.dispatched is not None else None)
         stats.step_seconds = time.perf_counter() - start
         return EngineCoreOutputs(outputs, stats, self.core_index)
+
+    # ------------------------------------------------------------ pausing (vLLM's pause_generation, between steps)
+
+    def finish_aborted(self, request_ids: Optional[Sequence[str]] = None) -> int:
+        """Abort requests (None: all), each live sequence reported by the next step as finished with
+        finish_reason "abort", its tokens so far kept (vLLM's pause in "abort" mode and ``/abort_requests``);
+        ids this core does not hold are ignored. Returns the requests aborted."""
+        self._settle()
+        records = [self.requests[rid] for rid in (list(self.requests) if request_ids is None else request_ids)
+                   if rid in self.requests]
+        for record in records:
+            self._held_outputs += self._abort_reported(record)
+        return len(records)
+
+    def pause_scheduler(self, mode: str = "abort") -> int:
+        """vLLM's engine-core pause (the front end refuses new requests in "abort" and "wait" modes and waits for
+        the open ones): "abort" is :meth:`finish_aborted` of all; "keep" runs no step until
+        :meth:`resume_scheduler`, requests (and new ones) keeping their place and KV; "wait" changes nothing here.
+        Returns the requests aborted. Raises ValueError: another mode."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode={mode!r} must be one of {list(PAUSE_MODES)}")
+        self.paused = mode == "keep"
+        return self.finish_aborted() if mode == "abort" else 0
+
+    def resume_scheduler(self) -> None:
+        """Run steps again after :meth:`pause_scheduler`."""
+        self.paused = False
 
     # ------------------------------------------------------------ profiling (vLLM's start_profile / stop_profile)
 
@@ -635,9 +665,14 @@ class EngineCore:
             if error is None:
                 continue
             logger.warning(f"request {record.request_id!r}: its grammar failed to compile, so it is aborted: {error}")
-            outputs += [EngineCoreOutput(record.request_id, seq.index, [], finish_reason="abort")
-                        for seq in record.seqs if not seq.done]
-            self.abort_requests([record.request_id])
+            outputs += self._abort_reported(record)
+        return outputs
+
+    def _abort_reported(self, record: CoreRequest) -> list[EngineCoreOutput]:
+        """Abort ``record``; an output finishing each of its live sequences with "abort"."""
+        outputs = [EngineCoreOutput(record.request_id, seq.index, [], finish_reason="abort")
+                   for seq in record.seqs if not seq.done]
+        self.abort_requests([record.request_id])
         return outputs
 
     def _copy_blocks(self, copies: Sequence[BlockCopy]) -> list[list]:

@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Any, AsyncIterator, Mapping, Optional, Union
 
-from jaxllm.config import EngineConfig, check_profile_request
+from jaxllm.config import PAUSE_MODES, EngineConfig, check_profile_request
 from jaxllm.core.client import EngineDeadError, MPClient
 from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd, tokenizer_config
@@ -19,6 +19,9 @@ from jaxllm.tokenizer import Tokenizer, load_tokenizer
 from scheduler import SamplingParams
 
 logger = logging.getLogger("jaxllm.frontend.async_llm")
+
+# How often a pause or an abort looks whether the requests it waits for have finished, seconds.
+DRAIN_POLL_SECONDS = 0.005
 
 
 class AsyncLLM(FrontEnd):
@@ -186,6 +189,68 @@ class AsyncLLM(FrontEnd):
     async def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""
         return any(await self._each_core("is_sleeping"))
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True,
+                               wait_for_inflight_requests: Optional[bool] = None) -> None:
+        """Pause generation, as for a weight update (vLLM's ``pause_generation``), until :meth:`resume_generation`.
+
+        Args:
+          mode: "abort": every open request finishes now with finish_reason "abort" (its tokens so far kept), and
+            this returns once all are reported; "wait": this returns once the open requests have finished;
+            "keep": the cores run no step, open requests keep their place and KV, and new ones are queued.
+            In "abort" and "wait" modes new requests are refused (``EnginePausedError``; 503 on the server).
+          clear_cache: reset the prefix cache once nothing runs (not in "keep" mode).
+          wait_for_inflight_requests: older vLLM's switch: True is mode "wait", False mode "abort".
+
+        Raises:
+          ValueError: another mode. EngineDeadError.
+        """
+        if wait_for_inflight_requests is not None:
+            mode = "wait" if wait_for_inflight_requests else "abort"
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r} must be one of {list(PAUSE_MODES)}")
+        self.paused = mode
+        if mode == "wait":
+            await self._until_no_request_is_open()
+        await self._each_core("pause_scheduler", mode)
+        if mode == "abort":
+            await self._until_no_request_is_open()
+        if clear_cache and mode != "keep":
+            await self._each_core("reset_prefix_cache", False, False)
+
+    async def resume_generation(self) -> None:
+        """Take requests and run steps again after :meth:`pause_generation` (vLLM's)."""
+        self.paused = None
+        await self._each_core("resume_scheduler")
+
+    async def is_paused(self) -> bool:
+        """True from :meth:`pause_generation` until :meth:`resume_generation` (vLLM's)."""
+        return self.paused is not None
+
+    async def abort_in_flight(self, request_ids: Optional[list[str]] = None) -> int:
+        """Finish open requests now with finish_reason "abort", their tokens so far kept (vLLM's
+        ``/abort_requests``), without pausing; returns once they are reported.
+
+        Args:
+          request_ids: the engine requests of these ids, and of ids that begin with one of them and "-" (a server
+            response's id names its requests so: ``cmpl-X`` runs ``cmpl-X-0``, ``cmpl-X-1``...); None or empty: all.
+
+        Returns:
+          the requests aborted.
+        """
+        open_ids = list(self.output_processor.requests)
+        if request_ids:
+            open_ids = [rid for rid in open_ids if any(rid == w or rid.startswith(f"{w}-") for w in request_ids)]
+        if not open_ids:
+            return 0
+        await self._each_core("finish_aborted", open_ids)
+        while any(rid in self.output_processor.requests for rid in open_ids) and self.dead is None:
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
+        return len(open_ids)
+
+    async def _until_no_request_is_open(self) -> None:
+        while self.output_processor.requests and self.dead is None:
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
 
     async def start_profile(self, profile_prefix: Optional[str] = None, *, delay_iterations: Optional[int] = None,
                             max_iterations: Optional[int] = None,

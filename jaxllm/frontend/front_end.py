@@ -36,6 +36,11 @@ class EngineSleepingError(RuntimeError):
     """A request was refused: the engine sleeps (``sleep()``) until ``wake_up()`` (the server answers 503)."""
 
 
+class EnginePausedError(RuntimeError):
+    """A request was refused: generation is paused (``AsyncLLM.pause_generation`` in "abort" or "wait" mode) until
+    ``resume_generation()`` (the server answers 503)."""
+
+
 class FrontEnd:
     """The front-end parts of one engine over ``client``'s cores.
 
@@ -52,6 +57,8 @@ class FrontEnd:
         self.config, self.tokenizer, self.client = config, tokenizer, client
         # Set by the engines' sleep / wake_up: no request is queued while the cores sleep.
         self.sleeping = False
+        # AsyncLLM.pause_generation's mode until resume_generation; "abort" and "wait" refuse new requests.
+        self.paused: Optional[str] = None
         scheduling, observability = config.scheduler, config.observability
         self.input_processor = InputProcessor(tokenizer, client.infos[0], config.seed, scheduling.scheduling_policy,
                                               config.max_logprobs)
@@ -93,13 +100,17 @@ class FrontEnd:
                lora_request: Optional[Any] = None, admitted: bool = False) -> None:
         """Validate a request and hand it to the cores; nothing changes when it is refused. ``admitted``: a later
         step of work admitted already (a beam search's), not held to ``max_waiting_requests`` again.
-        Raises EngineSleepingError; ValueError (duplicate id, bad request or rank, a LoRA request without
+        Raises EngineSleepingError, EnginePausedError (a paused engine takes only a request already admitted, and
+        only in "wait" mode); ValueError (duplicate id, bad request or rank, a LoRA request without
         ``enable_lora`` or that the core refuses); QueueFullError."""
         if lora_request is not None and not self.config.enable_lora:
             raise ValueError(f"lora_request for adapter {getattr(lora_request, 'lora_name', lora_request)!r}: the "
                              "engine was started without enable_lora=True (--enable-lora)")
         if self.sleeping:
             raise EngineSleepingError("the engine is sleeping (sleep()); call wake_up() before adding requests")
+        if self.paused == "abort" or (self.paused == "wait" and not admitted):
+            raise EnginePausedError(f"generation is paused (pause_generation mode={self.paused!r}); call "
+                                    "resume_generation() before adding requests")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         try:

@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxllm import __version__
 from jaxllm.core.client import EngineDeadError, QueueFullError
 from jaxllm.entrypoints.openai.protocol import (
+    AbortRequestsRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -51,7 +52,7 @@ from jaxllm.entrypoints.openai.serving import APIError, ServerOptions, check_par
 from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_module, runtime_lora_updating
 from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from jaxllm.frontend.front_end import EngineSleepingError
+from jaxllm.frontend.front_end import EnginePausedError, EngineSleepingError
 from jaxllm.logger import LEVELS, init_logger, logging_level
 from jaxllm.paths import sampling_defaults
 
@@ -266,6 +267,7 @@ def build_app(serving, api_key: Union[str, Sequence[str], None] = None, lifespan
     add_responses_routes(app, OpenAIServingResponses(serving), respond)
     if os.environ.get(DEV_MODE_VARIABLE) == "1":
         add_weight_routes(app, engine)
+        add_pause_routes(app, engine)
         add_kv_pool_routes(app, engine)
     if runtime_lora_updating():
         add_lora_routes(app, serving)
@@ -412,6 +414,41 @@ def add_kv_pool_routes(app, engine) -> None:
     @app.post("/kv_cache/resize")
     async def kv_cache_resize(num_blocks: int):
         return {"cores": await _refused_as_api_errors(engine.kv_cache_resize(num_blocks))}
+
+
+def add_pause_routes(app, engine) -> None:
+    """vLLM's dev-mode RL routes over an ``AsyncLLM``: ``/pause`` (query ``mode``, ``clear_cache``, and older
+    vLLM's ``wait_for_inflight_requests``), ``/resume``, ``/is_paused``, ``/abort_requests`` (body
+    ``{"request_ids": [...]}``, none or empty: all) and ``/get_world_size``, with vLLM's bodies; 400 naming a bad
+    mode; a request refused while paused is a 503."""
+
+    @app.exception_handler(EnginePausedError)
+    async def paused(_: Request, e: EnginePausedError) -> JSONResponse:
+        return JSONResponse(error_body(503, str(e), None, "engine_paused"), status_code=503)
+
+    @app.post("/pause")
+    async def pause(mode: str = "abort", clear_cache: bool = True, wait_for_inflight_requests: Optional[bool] = None):
+        await _refused_as_api_errors(engine.pause_generation(mode=mode, clear_cache=clear_cache,
+                                                             wait_for_inflight_requests=wait_for_inflight_requests))
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        await _refused_as_api_errors(engine.resume_generation())
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": await engine.is_paused()}
+
+    @app.post("/abort_requests")
+    async def abort_requests(body: AbortRequestsRequest):
+        return {"status": "aborted", "aborted": await engine.abort_in_flight(body.request_ids)}
+
+    @app.get("/get_world_size")
+    async def get_world_size(include_dp: bool = True):
+        parallel = engine.config.parallel
+        return {"world_size": parallel.tensor_parallel_size * (parallel.data_parallel_size if include_dp else 1)}
 
 
 def add_profile_routes(app, engine) -> None:

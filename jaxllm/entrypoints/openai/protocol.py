@@ -314,6 +314,16 @@ class UpdateWeightsFromDiskRequest(_Request):
     model_path: str
 
 
+class AbortRequestsRequest(_Request):
+    """``POST /abort_requests`` (vLLM's dev-mode RL route): ``request_ids`` to finish with "abort" (a response's id
+    covers its requests, ``AsyncLLM.abort_in_flight``); None or empty: every open request. Other keys are ignored,
+    as vLLM ignores them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    request_ids: Optional[list[str]] = None
+
+
 class StartProfileRequest(BaseModel):
     """``POST /start_profile``'s optional body (vLLM's): one session's overrides (``LLMEngine.start_profile``);
     other keys are ignored, as vLLM ignores them, and values are not coerced."""
