@@ -128,7 +128,7 @@ def test_the_servers_beam_search_admits_its_own_steps_refuses_before_streaming_a
             await asyncio.sleep(0.5)
             return whole, streamed, dict(engine._queues), dict(engine.output_processor.requests)
         finally:
-            await engine.shutdown()
+            engine.shutdown()
 
     whole, streamed, queues, open_requests = asyncio.run(scenario())
     texts = [c["text"] for c in whole["choices"]]

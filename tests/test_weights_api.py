@@ -494,7 +494,7 @@ def test_the_core_process_takes_params_updates_and_sleeps_through_utility_calls(
             await engine.wake_up()
             assert await generate(engine, "d") == reference
         finally:
-            await engine.shutdown()
+            engine.shutdown()
 
     asyncio.run(scenario())
 

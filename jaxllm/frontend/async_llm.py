@@ -313,15 +313,13 @@ class AsyncLLM(FrontEnd):
             for queue in self._queues.values():
                 queue.put_nowait(e)
 
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort what is open, stop the output task and the core processes."""
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is open, stop the output task and the core processes (killed after ``timeout`` seconds).
+        A plain call, not awaited, as vLLM's; from the event loop's thread, it blocks the loop until the cores
+        have stopped."""
         for request_id in list(self.output_processor.requests):
             self.abort(request_id)
         if self._output_task is not None:
             self._output_task.cancel()
-            try:
-                await self._output_task
-            except (asyncio.CancelledError, EngineDeadError):
-                pass
-        await asyncio.to_thread(self.client.shutdown, timeout)
+        self.client.shutdown(timeout)
         self.metrics.close()

@@ -594,7 +594,7 @@ def _serve(args: argparse.Namespace, sock: Optional[socket.socket]) -> int:
     @contextlib.asynccontextmanager
     async def lifespan(_):
         yield
-        await engine.shutdown()
+        engine.shutdown()
 
     app = build_app(serving, args.api_key, lifespan, args.enable_tokenizer_info_endpoint,
                     docs=not args.disable_fastapi_docs)
