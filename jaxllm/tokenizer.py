@@ -212,6 +212,9 @@ class Tokenizer:
                                  "sets them (give them as the request's fields or the call's arguments instead)")
         if not isinstance(messages, list):
             raise ChatInputError("messages", f"messages must be a list of message dicts, got {messages!r:.100}")
+        if content_format == "auto":
+            source = chat_template if chat_template is not None else self.chat_template
+            content_format = detect_content_format(source) if source else "string"
         conversation = [_template_message(i, m, content_format == "openai") for i, m in enumerate(messages)]
         try:
             return self.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
@@ -344,9 +347,63 @@ def _token_content(value):
 
 
 # How message content reaches a chat template (vLLM's chat_template_content_format): "string", one string; "openai",
-# a list of text parts; "auto", "string" here (vLLM's "auto" reads the template for loops over content parts, which
-# the templates of jaxllm's text-only model families take as a string as well).
+# a list of text parts; "auto", whichever the template reads (detect_content_format).
 CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+@functools.lru_cache(maxsize=16)
+def detect_content_format(source: str) -> str:
+    """The content format vLLM's "auto" resolves a chat template to: "openai" when the template loops over a
+    message's content (``{% for part in message['content'] %}``, or ``message.content``, through filters, tests and
+    slices, or through a name set from it), with ``message`` a loop variable over ``messages`` or over a name set
+    from it; else "string", also for a template jinja2 cannot parse."""
+    try:
+        tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    lists = _names_set_from(tree, {"messages"}, lambda node, names: _base(node) in names)
+    messages = {loop.target.name for loop in tree.find_all(jinja2.nodes.For)
+                if isinstance(loop.target, jinja2.nodes.Name) and _base(loop.iter) in lists}
+    contents = _names_set_from(tree, set(), lambda node, names: _reads_content(node, messages) or _base(node) in names)
+    return "openai" if any(_reads_content(loop.iter, messages) or _base(loop.iter) in contents
+                           for loop in tree.find_all(jinja2.nodes.For)) else "string"
+
+
+def _base(node: jinja2.nodes.Node) -> str | None:
+    """The name under filters, tests and slices (``messages[1:] | list`` -> "messages"), or None."""
+    while True:
+        if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+            node = node.node
+        else:
+            return node.name if isinstance(node, jinja2.nodes.Name) else None
+
+
+def _reads_content(node: jinja2.nodes.Node, messages: set[str]) -> bool:
+    """Whether ``node`` is ``m['content']`` or ``m.content`` (under filters, tests, slices) of an ``m`` in
+    ``messages``."""
+    while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+        key = node.arg.value
+    elif isinstance(node, jinja2.nodes.Getattr):
+        key = node.attr
+    else:
+        return False
+    return key == "content" and isinstance(node.node, jinja2.nodes.Name) and node.node.name in messages
+
+
+def _names_set_from(tree: jinja2.nodes.Template, names: set[str], reads) -> set[str]:
+    """``names`` and every name a ``{% set %}`` assigns from an expression ``reads(expression, names)`` accepts,
+    transitively."""
+    names = set(names)
+    while True:
+        more = {a.target.name for a in tree.find_all(jinja2.nodes.Assign)
+                if isinstance(a.target, jinja2.nodes.Name) and a.target.name not in names and reads(a.node, names)}
+        if not more:
+            return names
+        names |= more
 
 
 @functools.lru_cache(maxsize=16)

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from jaxllm import LLM, AsyncLLM, RequestOutput, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
 from jaxllm.frontend.input_processor import IGNORED_PROMPT_KEYS, REFUSED_PROMPT_KEYS
+from jaxllm.tokenizer import detect_content_format
 from tests.conftest import STORIES
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
@@ -206,10 +207,11 @@ def test_chat_template_content_formats(llm, content):
     message = [{"role": "user", "content": content}]
     tokenizer = llm.get_tokenizer()
     parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
-    # "openai" hands the template the text parts; "string" and "auto" one string, parts joined by newlines as
-    # vLLM joins them (they were joined with nothing before).
-    assert tokenizer.render_chat(message, chat_template=PARTS_TEMPLATE, content_format="openai") == \
-        "user:" + "".join(f" [{p['text']}]" for p in parts) + "\nassistant:"
+    # "openai" hands the template the text parts, and "auto" does for a template that loops over them; "string"
+    # and "auto" (for any other template) one string, parts joined by newlines as vLLM joins them.
+    for content_format in ("openai", "auto"):
+        assert tokenizer.render_chat(message, chat_template=PARTS_TEMPLATE, content_format=content_format) == \
+            "user:" + "".join(f" [{p['text']}]" for p in parts) + "\nassistant:"
     joined = "\n".join(p["text"] for p in parts)
     for content_format in ("string", "auto"):
         assert tokenizer.render_chat(message, chat_template=TEMPLATE, content_format=content_format) == \
@@ -219,6 +221,37 @@ def test_chat_template_content_formats(llm, content):
     assert tokenizer.render_chat(tool, chat_template=TEMPLATE, content_format="openai") == f"tool: {joined}\nassistant:"
     with pytest.raises(ValueError, match="chat_template_content_format='xml' must be one of"):
         llm.chat(message, GREEDY, chat_template=TEMPLATE, chat_template_content_format="xml", use_tqdm=False)
+
+
+@pytest.mark.parametrize("template, parts", [
+    (PARTS_TEMPLATE, True),
+    (TEMPLATE, False),
+    ("{% for m in messages %}{% for p in m['content'] | selectattr('type', 'eq', 'text') %}{{ p.text }}{% endfor %}"
+     "{% endfor %}", True),
+    ("{% set rest = messages[1:] %}{% for message in rest %}{% set c = message['content'] %}"
+     "{% if c is string %}{{ c }}{% else %}{% for part in c %}{{ part.text }}{% endfor %}{% endif %}{% endfor %}", True),
+    ("{% for m in messages %}{% if m.content is string %}{% set text = m.content %}{% endif %}{{ text }}{% endfor %}",
+     False),
+    ("{% for tool in tools %}{% for p in tool.content %}{{ p }}{% endfor %}{% endfor %}{{ messages[0].content }}",
+     False),
+    ("{% for m in messages %}{% for p in m.content %}", False),  # not valid jinja2: rendering it fails, not this
+])
+def test_auto_content_format_is_openai_for_templates_that_loop_over_a_messages_content(template, parts):
+    assert detect_content_format(template) == ("openai" if parts else "string")
+
+
+def test_auto_renders_a_parts_template_as_transformers_renders_the_parts(llm):
+    transformers = pytest.importorskip("transformers")
+    template = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}"
+                "{% for p in m.content %}({{ p.text }}){% endfor %}{% endif %}{% endfor %}")
+    parts = [{"type": "text", "text": "Li"}, {"type": "text", "text": "ly"}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    # What vLLM hands such a template: every message's content as parts, a string one as one part.
+    as_parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, messages[1]]
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=llm.get_tokenizer().backend)
+    want = hf.apply_chat_template(as_parts, chat_template=template, tokenize=False)
+    assert llm.get_tokenizer().render_chat(messages, add_generation_prompt=False, chat_template=template) == want
+    assert want == "<system>(Be brief.)<user>(Li)(ly)"
 
 
 def test_reset_prefix_cache_can_start_the_running_requests_over(llm, want):

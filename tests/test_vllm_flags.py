@@ -255,9 +255,9 @@ def test_chat_template_content_format_reaches_the_servers_renderer(stories_dir):
     tokenizer.set_chat_template(parts)
     message = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     rendered = {fmt: OpenAIServing(engine, "m", {}, options=ServerOptions(chat_template_content_format=fmt))
-                .render_chat_text(message, add_generation_prompt=False) for fmt in ("openai", "string")}
-    # A string's characters are not parts: the parts template renders nothing of them.
-    assert rendered == {"openai": "<a><b>", "string": "<>" * 3}
+                .render_chat_text(message, add_generation_prompt=False) for fmt in ("openai", "string", "auto")}
+    # A string's characters are not parts: the parts template renders nothing of them. "auto" reads the template.
+    assert rendered == {"openai": "<a><b>", "string": "<>" * 3, "auto": "<a><b>"}
 
 
 def test_server_flags_become_uvicorn_and_http_options():

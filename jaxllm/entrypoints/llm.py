@@ -613,7 +613,8 @@ class LLM:
             assistant ``tool_calls`` with JSON-text ``arguments``, ``role: "tool"`` results) or several.
           chat_template: a jinja2 template to use instead of the model's.
           chat_template_content_format: how content reaches the template, ``tokenizer.CONTENT_FORMATS``:
-            "string" (text parts joined by newlines), "openai" (a list of text parts), "auto" (here "string").
+            "string" (text parts joined by newlines), "openai" (a list of text parts), "auto" (the one the template
+            reads, ``tokenizer.detect_content_format``).
           add_generation_prompt: end the prompt with the template's cue for the assistant's turn.
           continue_final_message: end the prompt inside the last message, so the model continues it
             (vLLM's; ``Tokenizer.apply_chat_template``); not with ``add_generation_prompt``.
