@@ -43,6 +43,8 @@ METRICS_NAMESPACES = ("jaxllm", "vllm")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's pause_generation modes: abort the open requests, wait for them, or keep them frozen in place.
 PAUSE_MODES = ("abort", "wait", "keep")
+# vLLM's wake_up tags: what a sleep freed or stopped.
+SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
 # ProfilerConfig.profiler values: both record a jax.profiler trace ("torch" is vLLM's name; the model runs in JAX).
 PROFILERS = ("jax", "torch")
 # vLLM's ProfilerConfig keys for the torch and proton profilers' own options: accepted, no effect on a JAX trace.

@@ -66,10 +66,12 @@ def test_sleep_refuses_requests_with_503_until_wake_up_and_then_serves_the_same_
     assert _complete(server).json()["choices"][0]["text"] == text
     slept = httpx.post(f"{server.url}/sleep", params={"level": 1}, timeout=60)
     assert slept.status_code == 200 and slept.json()["cores"][0]["freed_bytes"] > 0
+    assert (slept.json()["status"], slept.json()["level"]) == ("sleeping", 1)  # vLLM's body
     assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": True}
     refused = _complete(server)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_sleeping"
-    assert httpx.post(f"{server.url}/wake_up", params={"tags": ["weights", "kv_cache"]}, timeout=60).status_code == 200
+    awake = httpx.post(f"{server.url}/wake_up", params={"tags": ["weights", "kv_cache"]}, timeout=60)
+    assert awake.json() == {"status": "awake", "tags": ["weights", "kv_cache"]}
     assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": False}
     assert _complete(server).json()["choices"][0]["text"] == text
 
@@ -89,7 +91,8 @@ def test_update_weights_from_disk_serves_the_checkpoints_tokens(server, stories_
 
 
 @pytest.mark.parametrize(("path", "params", "body", "status", "message"), [
-    ("/sleep", {"level": 3}, None, 400, "level must be 1"),
+    ("/sleep", {"level": 3}, None, 400, "level must be 0, 1 or 2"),
+    ("/sleep", {"mode": "drain"}, None, 400, "mode='drain'"),
     ("/wake_up", {"tags": "weigths"}, None, 400, "unknown tags"),
     ("/update_weights_from_disk", None, {"model_path": "/nonexistent"}, 400, "/nonexistent"),
     ("/update_weights_from_disk", None, {"path": "x"}, 400, "path"),
@@ -230,3 +233,26 @@ def test_abort_requests_finishes_the_named_response_and_get_world_size(server):
     assert httpx.get(f"{server.url}/is_paused").json() == {"is_paused": False} and _all_blocks_free(server)
     assert httpx.get(f"{server.url}/get_world_size").json() == {"world_size": 1}
     assert httpx.get(f"{server.url}/get_world_size", params={"include_dp": "false"}).json() == {"world_size": 1}
+
+
+def test_sleep_aborts_a_running_request_by_default_and_keep_resumes_it_unchanged(server, stories_dir):
+    response, chunks = _stream(server, 400)
+    next(chunks)
+    assert httpx.post(f"{server.url}/sleep", params={"level": 1}, timeout=60).json()["status"] == "sleeping"
+    rest = list(chunks)
+    response.__exit__(None, None, None)
+    assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+    assert httpx.post(f"{server.url}/wake_up", timeout=60).json() == {"status": "awake", "tags": None}
+    llm = LLM(model=stories_dir, **ENGINE)
+    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0].outputs[0].text
+    response, chunks = _stream(server, 60)
+    got = [next(chunks)["choices"][0]["text"]]
+    assert httpx.post(f"{server.url}/sleep", params={"level": 1, "mode": "keep"}, timeout=60).status_code == 200
+    reader = threading.Thread(target=lambda: got.extend(c["choices"][0]["text"] for c in chunks if c["choices"]))
+    reader.start()
+    time.sleep(0.5)
+    assert reader.is_alive()
+    httpx.post(f"{server.url}/wake_up", timeout=60)
+    reader.join(120)
+    response.__exit__(None, None, None)
+    assert "".join(got) == want and _all_blocks_free(server)

@@ -425,16 +425,55 @@ def test_sleep_level_2_after_level_1_discards_the_host_copy(restored, host, refe
     assert _tokens(restored) == reference
 
 
-def test_sleep_is_refused_while_a_request_is_unfinished_and_for_a_bad_level(restored):
-    restored.engine.add_request("busy", "Once upon a time", GREEDY)
+def _finish(engine):
+    """Step ``engine`` until nothing is unfinished; each request's last output."""
+    last = {}
+    while engine.has_unfinished_requests():
+        last.update((out.request_id, out) for out in engine.step())
+    return last
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_sleep_modes_abort_or_keep_a_queued_request_and_wait_is_refused_with_one(restored, host, reference, level):
+    """vLLM's sleep(level, mode) in-process: "abort" finishes it with finish_reason "abort" after the wake-up,
+    "keep" runs it after the wake-up to the tokens it would have had, "wait" is refused while one is queued."""
+    engine = restored.engine
+    engine.add_request("busy", PROMPTS[0], GREEDY)
     with pytest.raises(RuntimeError, match="1 requests are unfinished"):
-        restored.sleep()
-    restored.engine.abort_request("busy")
-    with pytest.raises(ValueError, match="level must be 1"):
+        restored.sleep(level=level, mode="wait")
+    restored.sleep(level=level, mode="keep")
+    with pytest.raises(RuntimeError, match="no step runs while the engine is sleeping"):
+        engine.step()
+    if level == 2:
+        restored.update_weights(host)
+    assert restored.wake_up() is True and not restored.is_sleeping()
+    assert _finish(engine)["busy"].outputs[0].token_ids == reference[0]
+    engine.add_request("busy", PROMPTS[0], GREEDY)
+    restored.sleep(level=level)
+    if level == 2:
+        restored.update_weights(host)
+    restored.wake_up()
+    aborted = _finish(engine)["busy"]
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort" and aborted.outputs[0].token_ids == []
+    assert restored.kv_cache_report(block_map=False)["num_used_blocks"] == 1  # the null block alone
+
+
+def test_sleep_refuses_a_bad_level_mode_or_tag(restored):
+    with pytest.raises(ValueError, match="level must be 0"):
         restored.sleep(level=3)
+    with pytest.raises(ValueError, match="mode='drain'"):
+        restored.sleep(mode="drain")
     with pytest.raises(ValueError, match="unknown tags"):
         restored.wake_up(tags=["weigths"])
     assert not restored.is_sleeping()
+
+
+def test_wake_up_resumes_once_the_memory_is_back_and_scheduling_alone_ends_a_level_0_sleep(restored, reference):
+    restored.sleep(level=0)
+    assert restored.is_sleeping() and restored.wake_up(tags=["scheduling"]) is True
+    restored.sleep(level=1)
+    assert restored.wake_up(tags=["scheduling"]) is False and restored.wake_up(tags=["weights"]) is False
+    assert restored.wake_up(tags=["kv_cache"]) is True and _tokens(restored) == reference
 
 
 def test_sleep_resets_the_prefix_cache(restored):

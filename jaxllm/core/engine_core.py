@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional, Sequence
 import jax
 import numpy as np
 
-from jaxllm.config import PAUSE_MODES, EngineConfig
+from jaxllm.config import PAUSE_MODES, SLEEP_TAGS, EngineConfig
 from jaxllm.core.kv_events import make_publisher
 from jaxllm.core.messages import (CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                   SampleLogprobs, decode_params, encode_params)
@@ -134,7 +134,7 @@ class EngineCore:
         self._spec_per_position = [0] * (runner.num_positions - 1)
         # Outputs of a step applied between two steps (before a weight update or a sleep), reported by the next.
         self._held_outputs: list[EngineCoreOutput] = []
-        # What sleeps: "weights" and/or "kv_cache" (empty when awake), and the level of the last sleep.
+        # What sleeps, of SLEEP_TAGS (empty when awake), and the level of the last sleep.
         self._asleep: set[str] = set()
         self._sleep_level = 0
         self.profiler = StepProfiler(config.observability.profiler_config, core_index)
@@ -209,7 +209,7 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the front end has validated (``jaxllm.frontend.input_processor``); a structured-output
         constraint starts compiling (off this thread) and the request waits for it."""
-        if self._asleep:
+        if self._asleep - {"scheduling"}:
             raise RuntimeError(f"the engine is sleeping (sleep(level={self._sleep_level})): call wake_up() first")
         params, ids, n = request.sampling_params, request.prompt_token_ids, request.sampling_params.n
         if request.request_id in self.requests:
@@ -351,11 +351,15 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule, launch the step, apply the samples, report. With ``async_scheduling`` step N+1 launches
         before step N is applied, so outputs trail by one step (the first call reports none). While a profile
-        session is active, the step is one of its steps (:meth:`start_profile`).
+        session is active, the step is one of its steps (:meth:`start_profile`). Raises RuntimeError while
+        :attr:`steps_held`.
 
         Returns:
           an output for every sequence that produced a token or finished, and the core's stats.
         """
+        if self.steps_held:
+            raise RuntimeError(f"no step runs while the engine is {'paused' if self.paused else 'sleeping'}: "
+                               f"{'resume_generation()' if self.paused else 'wake_up()'} first")
         if not self.profiler.active:
             return self._step()
         with self.profiler.step():
@@ -494,58 +498,82 @@ class EngineCore:
         self._publish_kv_events()
         return True
 
-    def sleep(self, level: int = 1) -> dict[str, Any]:
+    def sleep(self, level: int = 1, mode: str = "abort") -> dict[str, Any]:
         """Free device memory between rollouts (vLLM's ``sleep``): level 1 frees the KV caches and offloads the
-        weights to the host, level 2 discards the weights (restore them by ``update_weights`` before :meth:`wake_up`).
-        The prefix cache is reset; programs stay compiled.
+        weights to the host, level 2 discards the weights (restore them by ``update_weights`` before :meth:`wake_up`);
+        level 0 frees nothing and runs no step until :meth:`wake_up`, new requests queueing. The prefix cache is
+        reset (levels 1 and 2); programs stay compiled.
+
+        Args:
+          level: 0, 1 or 2.
+          mode: what becomes of unfinished requests (vLLM's): "abort", each finished with finish_reason "abort"
+            (reported by the first step after :meth:`wake_up`); "keep", they wait, and recompute what the freed KV
+            cache held after :meth:`wake_up`; "wait", none may be left (the front end waits for them first).
 
         Returns:
           ``{"level", "freed_bytes", "device_bytes_before", "device_bytes_after"}`` (the last two None without
           memory stats).
 
         Raises:
-          ValueError: ``level`` not 1 or 2, or ``enable_sleep_mode`` off.
-          RuntimeError: requests are unfinished.
+          ValueError: ``level`` or ``mode`` out of range, or ``enable_sleep_mode`` off.
+          RuntimeError: requests are unfinished with ``mode="wait"``.
         """
         if not self.config.enable_sleep_mode:
             raise ValueError("sleep: the engine was started without enable_sleep_mode=True (--enable-sleep-mode)")
-        if level not in (1, 2):
-            raise ValueError(f"sleep(level={level!r}): level must be 1 (free the KV cache, weights to the host) "
-                             "or 2 (free the KV cache, discard the weights)")
+        if level not in (0, 1, 2):
+            raise ValueError(f"sleep(level={level!r}): level must be 0 (run no step), 1 (free the KV cache, weights "
+                             "to the host) or 2 (free the KV cache, discard the weights)")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"sleep(mode={mode!r}): mode must be one of {list(PAUSE_MODES)}")
         self._settle()
-        if self.requests:
-            raise RuntimeError(f"sleep: {len(self.requests)} requests are unfinished; finish or abort them first")
+        if self.requests and mode == "wait":
+            raise RuntimeError(f"sleep(mode='wait'): {len(self.requests)} requests are unfinished; finish them, or "
+                               "sleep with mode 'abort' or 'keep'")
+        if mode == "abort":
+            self.finish_aborted()
         device = self.sharding.mesh.devices.flat[0]
         before = device_bytes_in_use(device)
-        self.scheduler.reset_prefix_cache()
-        self._publish_kv_events()
-        freed = self.cache_engines.release() + self.runner.weights.release(offload=level == 1)
-        self._asleep, self._sleep_level = {"weights", "kv_cache"}, level
+        freed = 0
+        if level == 0:
+            self._asleep = {"scheduling"}
+        else:
+            self._drop_kv_state()  # kept requests start over after wake_up; the prefix cache empties
+            freed = self.cache_engines.release() + self.runner.weights.release(offload=level == 1)
+            self._asleep = {"weights", "kv_cache", "scheduling"}
+        self._sleep_level = level
         return {"level": level, "freed_bytes": freed, "device_bytes_before": before,
                 "device_bytes_after": device_bytes_in_use(device)}
 
-    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> bool:
         """Bring back what :meth:`sleep` freed (vLLM's ``wake_up``): ``tags`` None for all, or some of
-        "weights" and "kv_cache" (zeroed); nothing compiles.
+        "weights", "kv_cache" (zeroed) and "scheduling"; nothing compiles. Steps run again once the weights and
+        the KV cache are back (after a level-0 sleep, at any wake-up). Returns whether they are.
 
         Raises:
           ValueError: an unknown tag.
           RuntimeError: the weights were discarded and not restored.
         """
-        tags = {"weights", "kv_cache"} if tags is None else set(tags)
-        unknown = tags - {"weights", "kv_cache"}
+        tags = set(SLEEP_TAGS) if tags is None else set(tags)
+        unknown = tags - set(SLEEP_TAGS)
         if unknown:
-            raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; the tags are 'weights' and 'kv_cache'")
+            raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; the tags are {list(SLEEP_TAGS)}")
         if "weights" in tags and "weights" in self._asleep:
             self.runner.weights.restore()
-            self._asleep.discard("weights")
         if "kv_cache" in tags:
             self.cache_engines.allocate()
-            self._asleep.discard("kv_cache")
+        self._asleep -= tags
+        if not self._asleep & {"weights", "kv_cache"}:  # as vLLM's: steps run again once the memory is back
+            self._asleep.clear()
+        return not self._asleep
 
     def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""
         return bool(self._asleep)
+
+    @property
+    def steps_held(self) -> bool:
+        """Whether the core's loop runs no step: paused (``pause_scheduler("keep")``) or asleep."""
+        return self.paused or bool(self._asleep)
 
     # ------------------------------------------------------------ an elastic KV pool (between steps)
 

@@ -329,30 +329,33 @@ class LLM:
         parallel = self.engine.config.parallel
         return parallel.tensor_parallel_size * (parallel.data_parallel_size if include_dp else 1)
 
-    def sleep(self, level: int = 1) -> list[dict[str, Any]]:
+    def sleep(self, level: int = 1, mode: str = "abort", reset_connector: bool = True) -> list[dict[str, Any]]:
         """Free device memory, as vLLM's ``LLM.sleep``: level 1 frees the KV cache and moves the weights to the
-        host; level 2 also discards the weights (give them again with ``update_weights*`` before :meth:`wake_up`).
-        Updates while asleep replace the weights on the host; :meth:`wake_up` places them.
-        The engine must be idle; requests are refused until :meth:`wake_up`.
+        host; level 2 also discards the weights (give them again with ``update_weights*`` before :meth:`wake_up`);
+        level 0 frees nothing. Updates while asleep replace the weights on the host; :meth:`wake_up` places them.
+        Requests are refused until :meth:`wake_up`; ``mode`` says what becomes of queued ones
+        (``LLMEngine.sleep``: "abort", "keep", or "wait", refused while any is queued); ``reset_connector`` is
+        accepted (no KV connector).
 
         Returns:
           one report per core: ``{"level", "freed_bytes", "device_bytes_before", "device_bytes_after"}``.
 
         Raises:
-          ValueError: ``level`` not 1 or 2.
-          RuntimeError: requests are unfinished.
+          ValueError: ``level`` not 0, 1 or 2, or another mode.
+          RuntimeError: requests are queued with ``mode="wait"``.
         """
-        return self._call("sleep", level)
+        return self._call("sleep", level, mode, reset_connector)
 
-    def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        """Bring back what :meth:`sleep` freed (``tags``: "weights", "kv_cache", or None for both), with the same
-        shapes and shardings: no program is compiled again.
+    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        """Bring back what :meth:`sleep` freed (``tags``: some of "weights", "kv_cache" and "scheduling", or None
+        for all), with the same shapes and shardings: no program is compiled again. Returns whether everything is
+        back (vLLM's).
 
         Raises:
           ValueError: an unknown tag.
           RuntimeError: discarded weights that no update restored.
         """
-        self._call("wake_up", tags)
+        return self._call("wake_up", tags)
 
     def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""

@@ -171,20 +171,38 @@ class AsyncLLM(FrontEnd):
         """Forget every cached prefix in every core (``LLMEngine.reset_prefix_cache``); True."""
         return all(await self._each_core("reset_prefix_cache", bool(reset_running_requests), bool(reset_connector)))
 
-    async def sleep(self, level: int = 1) -> list[dict[str, Any]]:
-        """Free device memory while idle (``LLMEngine.sleep``); requests refused until :meth:`wake_up`.
-        Raises ValueError: ``level`` not 1 or 2; RuntimeError: requests are open."""
-        if self.output_processor.requests:
-            raise RuntimeError(f"sleep: {len(self.output_processor.requests)} requests are open; finish or abort "
-                               "them first")
-        reports = await self._each_core("sleep", level)
+    async def sleep(self, level: int = 1, mode: str = "abort", reset_connector: bool = True) -> list[dict[str, Any]]:
+        """Free device memory while idle (``LLMEngine.sleep``): no step runs until :meth:`wake_up`; at levels 1 and
+        2 requests are refused (``EngineSleepingError``), at level 0 they queue. One report per core.
+
+        Args:
+          mode: open requests: "abort", each finishes now with finish_reason "abort", reported before the cores
+            sleep; "wait", the cores sleep once they have finished (new ones refused meanwhile); "keep", they wait
+            and go on after :meth:`wake_up`.
+          reset_connector: accepted (jaxllm has no KV connector).
+
+        Raises:
+          ValueError: ``level`` not 0, 1 or 2, or another mode. EngineDeadError.
+        """
+        if level not in (0, 1, 2) or mode not in PAUSE_MODES:
+            raise ValueError(f"sleep(level={level!r}, mode={mode!r}): level must be 0, 1 or 2 and mode one of "
+                             f"{list(PAUSE_MODES)}")
         self.sleeping = True
+        try:
+            if mode == "wait":
+                await self._until_no_request_is_open()
+            elif mode == "abort":
+                await self.abort_in_flight()
+            reports = await self._each_core("sleep", level, mode)
+        finally:
+            self.sleeping = level > 0 and await self.is_sleeping()
         return reports
 
-    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        """Bring back what :meth:`sleep` freed (``LLMEngine.wake_up``)."""
-        await self._each_core("wake_up", tags)
-        self.sleeping = await self.is_sleeping()
+    async def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        """Bring back what :meth:`sleep` freed (``LLMEngine.wake_up``); whether everything is back."""
+        awake = all(await self._each_core("wake_up", tags))
+        self.sleeping = not awake
+        return awake
 
     async def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""

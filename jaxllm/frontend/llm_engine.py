@@ -179,28 +179,36 @@ class LLMEngine(FrontEnd):
         return all(self._each_core("reset_prefix_cache", bool(reset_running_requests), bool(reset_connector),
                                    all_results=True))
 
-    def sleep(self, level: int = 1) -> list[dict[str, Any]]:
-        """Free device memory while idle (level 1: KV freed, weights to host; level 2: weights discarded); reports.
+    def sleep(self, level: int = 1, mode: str = "abort", reset_connector: bool = True) -> list[dict[str, Any]]:
+        """Free device memory while idle (vLLM's ``sleep``; ``EngineCore.sleep``): level 1 frees the KV cache and
+        moves the weights to the host, level 2 discards the weights, level 0 frees nothing; no step runs and no
+        request is taken until :meth:`wake_up`. Returns one report per core.
+
+        Args:
+          mode: unfinished requests: "abort", finished with finish_reason "abort" (reported by the first step after
+            :meth:`wake_up`); "keep", they wait and go on after it; "wait", refused while any is unfinished, as
+            vLLM's in-process engine refuses it (step them to completion first).
+          reset_connector: accepted (jaxllm has no KV connector).
 
         Raises:
-          ValueError: ``level`` not 1 or 2.
-          RuntimeError: requests are unfinished.
+          ValueError: ``level`` not 0, 1 or 2, another mode, or ``enable_sleep_mode`` off.
+          RuntimeError: requests are unfinished with ``mode="wait"``.
         """
-        if self.has_unfinished_requests() and not isinstance(self.client, InprocClient):
-            raise RuntimeError("sleep: requests are unfinished; finish or abort them first")
-        reports = self._each_core("sleep", level, all_results=True)
+        reports = self._each_core("sleep", level, mode, all_results=True)
         self.sleeping = True
         return reports
 
-    def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        """Bring back what :meth:`sleep` freed (``tags``: "weights", "kv_cache", or None for both), no compilation.
+    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        """Bring back what :meth:`sleep` freed (``tags``: some of "weights", "kv_cache" and "scheduling", or None
+        for all), no compilation; whether everything is back (vLLM's).
 
         Raises:
           ValueError: an unknown tag.
           RuntimeError: discarded weights not restored by an update.
         """
-        self._each_core("wake_up", tags)
-        self.sleeping = any(self._each_core("is_sleeping", all_results=True))
+        awake = all(self._each_core("wake_up", tags, all_results=True))
+        self.sleeping = not awake
+        return awake
 
     def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""

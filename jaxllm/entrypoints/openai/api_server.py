@@ -355,7 +355,8 @@ def add_responses_routes(app: FastAPI, responses: OpenAIServingResponses, respon
 
 
 def add_weight_routes(app, engine) -> None:
-    """vLLM's dev-mode ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache`` and SGLang's
+    """vLLM's dev-mode ``/sleep`` (query ``level``, ``mode``, ``reset_connector``), ``/wake_up`` (query ``tags``),
+    ``/is_sleeping``, ``/reset_prefix_cache`` and SGLang's
     ``/update_weights_from_disk``, over an ``AsyncLLM``: 400 for a ValueError, 409 for a RuntimeError, naming why."""
 
     @app.exception_handler(EngineSleepingError)
@@ -363,13 +364,14 @@ def add_weight_routes(app, engine) -> None:
         return JSONResponse(error_body(503, str(e), None, "engine_sleeping"), status_code=503)
 
     @app.post("/sleep")
-    async def sleep(level: int = 1):
-        return {"cores": await _refused_as_api_errors(engine.sleep(level))}
+    async def sleep(level: int = 1, mode: str = "abort", reset_connector: bool = True):
+        reports = await _refused_as_api_errors(engine.sleep(level, mode, reset_connector))
+        return {"status": "sleeping", "level": level, "cores": reports}
 
     @app.post("/wake_up")
     async def wake_up(tags: Optional[list[str]] = Query(None)):
-        await _refused_as_api_errors(engine.wake_up(tags))
-        return Response(status_code=200)
+        awake = await _refused_as_api_errors(engine.wake_up(tags))
+        return {"status": "awake" if awake else "sleeping", "tags": tags}
 
     @app.get("/is_sleeping")
     async def is_sleeping():
