@@ -232,6 +232,8 @@ def test_abort_requests_finishes_the_named_response_and_get_world_size(server):
                                                                                      "aborted": 0}
     assert httpx.get(f"{server.url}/is_paused").json() == {"is_paused": False} and _all_blocks_free(server)
     assert httpx.get(f"{server.url}/get_world_size").json() == {"world_size": 1}
+    # without --profiler-config, as vLLM: no profiling routes
+    assert httpx.post(f"{server.url}/start_profile").status_code == 404
     assert httpx.get(f"{server.url}/get_world_size", params={"include_dp": "false"}).json() == {"world_size": 1}
 
 

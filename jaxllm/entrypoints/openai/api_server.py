@@ -190,10 +190,11 @@ def add_http_flags(app: FastAPI, args: argparse.Namespace) -> None:
 
 
 def build_app(serving, api_key: Union[str, Sequence[str], None] = None, lifespan=None,
-              enable_tokenizer_info: bool = False, docs: bool = True):
+              enable_tokenizer_info: bool = False, docs: bool = True, profiling: bool = False):
     """The FastAPI app over an ``OpenAIServing`` (``api_key``: the key, or keys, a /v1 request must bear;
     ``lifespan``: FastAPI's, to stop the engine at shutdown; ``docs`` False: no /docs, /redoc or /openapi.json,
-    vLLM's ``--disable-fastapi-docs``)."""
+    vLLM's ``--disable-fastapi-docs``; ``profiling``: serve ``/start_profile`` and ``/stop_profile``, which the
+    engine's ``profiler_config`` must allow)."""
     engine = serving.engine
     app = FastAPI(title="jaxllm", version=__version__, lifespan=lifespan,
                   **({} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)))
@@ -271,8 +272,7 @@ def build_app(serving, api_key: Union[str, Sequence[str], None] = None, lifespan
         add_kv_pool_routes(app, engine)
     if runtime_lora_updating():
         add_lora_routes(app, serving)
-    profiler = None if engine is None else engine.config.observability.profiler_config
-    if profiler is not None and profiler.profiler is not None:
+    if profiling:
         add_profile_routes(app, engine)
     return app
 
@@ -458,8 +458,7 @@ def add_profile_routes(app, engine) -> None:
     ``AsyncLLM`` whose ``profiler_config`` names a profiler: 200 with no body; 400 for a bad override, 409 for a
     session already active (both named)."""
     logger.warning("profiling routes /start_profile and /stop_profile are served (profiler_config): any client can "
-                   "record traces into %s; use them for local development only",
-                   engine.config.observability.profiler_config.torch_profiler_dir)
+                   "record traces; use them for local development only")
 
     @app.post("/start_profile")
     async def start_profile(body: Optional[StartProfileRequest] = None):
@@ -598,8 +597,10 @@ def _serve(args: argparse.Namespace, sock: Optional[socket.socket]) -> int:
         yield
         engine.shutdown()
 
+    profiler = engine.config.observability.profiler_config
+    profiling = profiler is not None and profiler.profiler is not None
     app = build_app(serving, args.api_key, lifespan, args.enable_tokenizer_info_endpoint,
-                    docs=not args.disable_fastapi_docs)
+                    docs=not args.disable_fastapi_docs, profiling=profiling)
     add_http_flags(app, args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,
