@@ -65,6 +65,7 @@ for s in ${ONLY//,/ }; do
 done
 PY=${PYTHON:-python3}
 LOG_DIR=${OUT:-/tmp}
+mkdir -p "$LOG_DIR"  # the device makes $OUT; a dry run may name a folder not made yet
 LOG=$LOG_DIR/gpu_check.log
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
