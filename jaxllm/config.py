@@ -45,6 +45,8 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 PAUSE_MODES = ("abort", "wait", "keep")
 # vLLM's wake_up tags: what a sleep freed or stopped.
 SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
+# sleep() on an engine started without enable_sleep_mode (the core and AsyncLLM refuse it before anything changes).
+SLEEP_MODE_OFF = "sleep: the engine was started without enable_sleep_mode=True (--enable-sleep-mode)"
 # ProfilerConfig.profiler values: both record a jax.profiler trace ("torch" is vLLM's name; the model runs in JAX).
 PROFILERS = ("jax", "torch")
 # vLLM's ProfilerConfig keys for the torch and proton profilers' own options: accepted, no effect on a JAX trace.
@@ -269,6 +271,12 @@ class ProfilerConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"profiler_config {value!r} is not JSON: {e}") from None
         if isinstance(value, dict):
+            fields = [f.name for f in dataclasses.fields(cls)]
+            unknown = sorted(set(value) - set(fields) - set(PROFILER_ADVISORY_KEYS))
+            if unknown:
+                raise ValueError(f"profiler_config has unknown field {unknown[0]!r}; the fields are {fields}, and "
+                                 "vLLM's torch and proton options, accepted without effect: "
+                                 f"{list(PROFILER_ADVISORY_KEYS)}")
             value = {k: v for k, v in value.items() if k not in PROFILER_ADVISORY_KEYS}
         return dataclass_from_json(cls, value, "profiler_config")
 

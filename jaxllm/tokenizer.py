@@ -354,37 +354,57 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 @functools.lru_cache(maxsize=16)
 def detect_content_format(source: str) -> str:
     """The content format vLLM's "auto" resolves a chat template to: "openai" when the template loops over a
-    message's content (``{% for part in message['content'] %}``, or ``message.content``, through filters, tests and
-    slices, or through a name set from it), with ``message`` a loop variable over ``messages`` or over a name set
-    from it; else "string", also for a template jinja2 cannot parse."""
+    message's content, else "string" (also for a template jinja2 cannot parse).
+
+    A message is a loop variable over ``messages``, or over what a ``{% set %}`` or a ``namespace(...)`` field took
+    from it; its content is ``m['content']`` or ``m.content``, through filters, tests and slices, a name set from
+    it, or a macro's parameter given it. A loop over a bare ``content`` outside macros counts too (vLLM's rules).
+    """
     try:
         tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(source)
     except jinja2.TemplateSyntaxError:
         return "string"
-    lists = _names_set_from(tree, {"messages"}, lambda node, names: _base(node) in names)
-    messages = {loop.target.name for loop in tree.find_all(jinja2.nodes.For)
-                if isinstance(loop.target, jinja2.nodes.Name) and _base(loop.iter) in lists}
-    contents = _names_set_from(tree, set(), lambda node, names: _reads_content(node, messages) or _base(node) in names)
-    return "openai" if any(_reads_content(loop.iter, messages) or _base(loop.iter) in contents
-                           for loop in tree.find_all(jinja2.nodes.For)) else "string"
+    loops = list(tree.find_all(jinja2.nodes.For))
+    lists = _derived(tree, {"messages"}, lambda node, names: _path(node) in names)
+    messages = {loop.target.name for loop in loops
+                if isinstance(loop.target, jinja2.nodes.Name) and _path(loop.iter) in lists}
+
+    def reads(node, names):
+        return _reads_content(node, messages) or _path(node) in names
+
+    contents = _derived(tree, _macro_params_given(tree, lambda node: reads(node, set())), reads)
+    in_macros = {id(loop) for macro in tree.find_all(jinja2.nodes.Macro) for loop in macro.find_all(jinja2.nodes.For)}
+    return "openai" if any(reads(loop.iter, contents) or (_path(loop.iter) == "content" and id(loop) not in in_macros)
+                           for loop in loops) else "string"
 
 
-def _base(node: jinja2.nodes.Node) -> str | None:
-    """The name under filters, tests and slices (``messages[1:] | list`` -> "messages"), or None."""
+def _strip(node: jinja2.nodes.Node) -> jinja2.nodes.Node:
+    """``node`` without the filters, tests and slices around it (``messages[1:] | list`` -> ``messages``)."""
     while True:
         if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
             node = node.node
         elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
             node = node.node
         else:
-            return node.name if isinstance(node, jinja2.nodes.Name) else None
+            return node
+
+
+def _path(node: jinja2.nodes.Node) -> str | None:
+    """The variable ``node`` reads under filters, tests and slices: "name", "ns.field" (a namespace's), or None."""
+    node = _strip(node)
+    if isinstance(node, jinja2.nodes.Name):
+        return node.name
+    if isinstance(node, (jinja2.nodes.Getattr, jinja2.nodes.NSRef)):
+        owner = node.node if isinstance(node, jinja2.nodes.Getattr) else node
+        name = owner.name if isinstance(owner, (jinja2.nodes.Name, jinja2.nodes.NSRef)) else None
+        return None if name is None else f"{name}.{node.attr}"
+    return None
 
 
 def _reads_content(node: jinja2.nodes.Node, messages: set[str]) -> bool:
     """Whether ``node`` is ``m['content']`` or ``m.content`` (under filters, tests, slices) of an ``m`` in
     ``messages``."""
-    while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
-        node = node.node
+    node = _strip(node)
     if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
         key = node.arg.value
     elif isinstance(node, jinja2.nodes.Getattr):
@@ -394,16 +414,35 @@ def _reads_content(node: jinja2.nodes.Node, messages: set[str]) -> bool:
     return key == "content" and isinstance(node.node, jinja2.nodes.Name) and node.node.name in messages
 
 
-def _names_set_from(tree: jinja2.nodes.Template, names: set[str], reads) -> set[str]:
-    """``names`` and every name a ``{% set %}`` assigns from an expression ``reads(expression, names)`` accepts,
-    transitively."""
+def _derived(tree: jinja2.nodes.Template, names: set[str], reads) -> set[str]:
+    """``names`` and every variable a ``{% set %}`` (a name or a namespace field) or a ``namespace(...)`` field
+    takes from an expression ``reads(expression, names)`` accepts, transitively."""
     names = set(names)
     while True:
-        more = {a.target.name for a in tree.find_all(jinja2.nodes.Assign)
-                if isinstance(a.target, jinja2.nodes.Name) and a.target.name not in names and reads(a.node, names)}
+        more = set()
+        for assign in tree.find_all(jinja2.nodes.Assign):
+            target, value = _path(assign.target), assign.node
+            if target is not None and target not in names and reads(value, names):
+                more.add(target)
+            if (isinstance(assign.target, jinja2.nodes.Name) and isinstance(value, jinja2.nodes.Call)
+                    and isinstance(value.node, jinja2.nodes.Name) and value.node.name == "namespace"):
+                more |= {f"{assign.target.name}.{kw.key}" for kw in value.kwargs if reads(kw.value, names)}
+        more -= names
         if not more:
             return names
         names |= more
+
+
+def _macro_params_given(tree: jinja2.nodes.Template, given) -> set[str]:
+    """The parameters of the template's macros that some call passes an argument ``given(argument)`` accepts."""
+    params = set()
+    for macro in tree.find_all(jinja2.nodes.Macro):
+        names = [arg.name for arg in macro.args]
+        for call in tree.find_all(jinja2.nodes.Call):
+            if isinstance(call.node, jinja2.nodes.Name) and call.node.name == macro.name:
+                params |= {name for name, arg in zip(names, call.args) if given(arg)}
+                params |= {kw.key for kw in call.kwargs if kw.key in names and given(kw.value)}
+    return params
 
 
 @functools.lru_cache(maxsize=16)

@@ -17,6 +17,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import PROFILER_ADVISORY_KEYS, EngineConfig, ProfilerConfig, check_profile_request
 from jaxllm.core.profiler import STEP_NAME, StepProfiler
+from tests.conftest import log_messages
 from tests.server_process import ENGINE
 
 PERFETTO = {"create_perfetto_trace": True}
@@ -50,7 +51,7 @@ def test_profiler_config_takes_vllm_keys_json_and_dotted_torch_options(tmp_path)
     ({"profiler": "jax", "torch_profiler_dir": "/t", "max_iterations": -1}, "max_iterations=-1"),
     ({"profiler": "jax", "torch_profiler_dir": "/t", "delay_iterations": True}, "delay_iterations=True"),
     ({"profiler": "jax", "torch_profiler_dir": "/t", "active_iterations": 0}, "active_iterations=0"),
-    ({"profiler": "jax", "torch_profiler_dir": "/t", "profile_dir": "/u"}, "unknown field 'profile_dir'"),
+    ({"profiler": "jax", "torch_profiler_dir": "/t", "profile_dir": "/u"}, "unknown field 'profile_dir'.*proton"),
     ("{profiler: jax}", "is not JSON"),
 ])
 def test_profiler_config_refuses_what_it_cannot_record_naming_it(value, named):
@@ -95,7 +96,7 @@ def test_a_session_traces_the_steps_after_its_delay_up_to_its_limit(tmp_path, de
     stopped_by_itself = limit and steps - delay >= limit
     assert profiler.active is not stopped_by_itself
     assert profiler.stop() == (None if stopped_by_itself else folder)
-    assert traced_steps(folder) == list(range(1, want + 1)) if want else not Path(folder).exists()
+    assert traced_steps(folder) == list(range(1, want + 1)) if want else not list(Path(folder).iterdir())
 
 
 def test_vllms_schedule_skips_wait_and_warmup_steps_and_records_the_active_ones(tmp_path):
@@ -107,6 +108,44 @@ def test_vllms_schedule_skips_wait_and_warmup_steps_and_records_the_active_ones(
         with profiler.step():
             pass
     assert not profiler.active and traced_steps(folder) == [1, 2]
+
+
+def test_a_refused_start_leaves_the_active_sessions_options(tmp_path):
+    profiler = StepProfiler(ProfilerConfig(profiler="jax", torch_profiler_dir=str(tmp_path)), core_index=0)
+    folder = profiler.start("kept", 1, 2, PERFETTO)
+    with pytest.raises(RuntimeError, match="already being recorded"):
+        profiler.start("other", profiler_kwargs={})
+    for _ in range(3):
+        with profiler.step():
+            pass
+    assert not profiler.active and traced_steps(folder) == [1, 2]
+
+
+def test_a_trace_folder_that_cannot_be_made_fails_the_start(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    profiler = StepProfiler(ProfilerConfig(profiler="jax", torch_profiler_dir=str(blocker)), core_index=0)
+    with pytest.raises(RuntimeError, match=f"cannot make the trace folder {blocker}/dp0"):
+        profiler.start()
+    assert not profiler.active
+
+
+def test_a_trace_that_cannot_be_written_is_logged_and_the_step_goes_on(tmp_path, capfd, monkeypatch):
+    import jax
+
+    def failing_stop(stop=jax.profiler.stop_trace):
+        stop()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(jax.profiler, "stop_trace", failing_stop)
+    profiler = StepProfiler(ProfilerConfig(profiler="jax", torch_profiler_dir=str(tmp_path)), core_index=0)
+    profiler.start(max_iterations=1)
+    ran = []
+    with profiler.step():
+        ran.append(1)
+    assert ran == [1] and not profiler.active
+    assert any("could not be written" in m and "disk full" in m
+               for m in log_messages(capfd.readouterr().err, "WARNING", "profiler.py"))
 
 
 def test_start_without_a_profiler_says_how_to_turn_it_on():

@@ -228,8 +228,17 @@ def test_chat_template_content_formats(llm, content):
     (TEMPLATE, False),
     ("{% for m in messages %}{% for p in m['content'] | selectattr('type', 'eq', 'text') %}{{ p.text }}{% endfor %}"
      "{% endfor %}", True),
-    ("{% set rest = messages[1:] %}{% for message in rest %}{% set c = message['content'] %}"
-     "{% if c is string %}{{ c }}{% else %}{% for part in c %}{{ part.text }}{% endfor %}{% endif %}{% endfor %}", True),
+    ("{% set rest = messages[1:] %}{% for message in rest %}{% set c = message['content'] %}{% if c is string %}"
+     "{{ c }}{% else %}{% for part in c %}{{ part.text }}{% endfor %}{% endif %}{% endfor %}", True),
+    # vLLM's other shapes: a macro given the content, a namespace field, a slice, a bare `content` loop
+    ("{% macro show(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+     "{% for m in messages %}{{ show(c=m.content) }}{% endfor %}", True),
+    ("{% set ns = namespace(rest=messages) %}{% for m in ns.rest %}{% for p in m.content %}{{ p }}{% endfor %}"
+     "{% endfor %}", True),
+    ("{% for m in messages %}{% for p in m['content'][1:] %}{{ p }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% for item in content %}{{ item }}{% endfor %}{% endfor %}", True),
+    ("{% macro show(content) %}{% for p in content %}{{ p }}{% endfor %}{% endmacro %}{{ messages[0].content }}",
+     False),
     ("{% for m in messages %}{% if m.content is string %}{% set text = m.content %}{% endif %}{{ text }}{% endfor %}",
      False),
     ("{% for tool in tools %}{% for p in tool.content %}{{ p }}{% endfor %}{% endfor %}{{ messages[0].content }}",

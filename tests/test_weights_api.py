@@ -403,16 +403,20 @@ def test_sleep_level_2_discards_the_weights_until_an_update_restores_them(restor
     compiled = runner.compile_stats.num_compilations
     restored.sleep(level=2)
     assert runner.weights.state == "discarded"
-    with pytest.raises(RuntimeError, match="discarded"):
-        restored.wake_up()
     with pytest.raises(ValueError, match="missing leaf 'embed'"):
         restored.update_weights({"layers": host["layers"]})
-    # vLLM's order: weights first, then the KV cache.
+    # Updated while asleep, then woken: the weights first, then the KV cache.
     restored.update_weights(host)
-    restored.wake_up(tags=["weights"])
-    assert restored.is_sleeping()
-    restored.wake_up(tags=["kv_cache"])
+    assert restored.wake_up(tags=["weights"]) is False and restored.is_sleeping()
+    assert restored.wake_up(tags=["kv_cache"]) is True
     assert not restored.is_sleeping() and _tokens(restored) == reference
+    # vLLM's order: wake the weights (zeros until updated), update them, then wake the KV cache.
+    restored.sleep(level=2)
+    restored.wake_up(tags=["weights"])
+    assert not np.any(np.asarray(restored.get_params()["embed"]))
+    restored.update_weights(host)
+    restored.wake_up(tags=["kv_cache"])
+    assert _tokens(restored) == reference
     assert runner.compile_stats.num_compilations == compiled
 
 

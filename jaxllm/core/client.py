@@ -102,7 +102,7 @@ class InprocClient:
         self.core.preload_prefixes(prompts)
 
     def shutdown(self) -> None:
-        self.core.stop_profile()  # a trace still recording is written, not lost
+        self.core.profiler.stop_quietly()  # a trace still recording is written, not lost
         self.core.runner.programs.stop_warmup()
 
 

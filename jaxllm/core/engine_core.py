@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional, Sequence
 import jax
 import numpy as np
 
-from jaxllm.config import PAUSE_MODES, SLEEP_TAGS, EngineConfig
+from jaxllm.config import PAUSE_MODES, SLEEP_MODE_OFF, SLEEP_TAGS, EngineConfig
 from jaxllm.core.kv_events import make_publisher
 from jaxllm.core.messages import (CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                   SampleLogprobs, decode_params, encode_params)
@@ -93,7 +93,7 @@ class EngineCore:
                                  "update_weights_from_path", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping",
                                  "kv_cache_compact", "kv_cache_resize", "add_lora", "remove_lora",
                                  "list_loras", "update_lora_encoded", "start_profile", "stop_profile",
-                                 "finish_aborted", "pause_scheduler", "resume_scheduler"})
+                                 "finish_aborted", "pause_scheduler", "resume_scheduler", "sleep_tags"})
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, *, sharding: ModelSharding, max_model_len: int,
                  kv_cache_dtype: Any, structured: StructuredOutputManager, drafter: Optional[DraftRunner] = None,
@@ -348,16 +348,24 @@ class EngineCore:
         """True while a request is queued, running, unreported, or a step is in flight."""
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._held_outputs)
 
+    @property
+    def can_step(self) -> bool:
+        """Whether :meth:`step` has work now: outputs held to report, or unfinished requests while no step is
+        held (the core loop steps while this holds)."""
+        return bool(self._held_outputs) or (self.has_unfinished_requests() and not self.steps_held)
+
     def step(self) -> EngineCoreOutputs:
         """Schedule, launch the step, apply the samples, report. With ``async_scheduling`` step N+1 launches
         before step N is applied, so outputs trail by one step (the first call reports none). While a profile
         session is active, the step is one of its steps (:meth:`start_profile`). Raises RuntimeError while
-        :attr:`steps_held`.
+        :attr:`steps_held` (outputs held meanwhile, as an abort's, are reported without a step).
 
         Returns:
           an output for every sequence that produced a token or finished, and the core's stats.
         """
         if self.steps_held:
+            if self._held_outputs:
+                return EngineCoreOutputs(self._take_held_outputs(), self.stats(), self.core_index)
             raise RuntimeError(f"no step runs while the engine is {'paused' if self.paused else 'sleeping'}: "
                                f"{'resume_generation()' if self.paused else 'wake_up()'} first")
         if not self.profiler.active:
@@ -396,8 +404,8 @@ class EngineCore:
         finish_reason "abort", its tokens so far kept (vLLM's pause in "abort" mode and ``/abort_requests``);
         ids this core does not hold are ignored. Returns the requests aborted."""
         self._settle()
-        records = [self.requests[rid] for rid in (list(self.requests) if request_ids is None else request_ids)
-                   if rid in self.requests]
+        wanted = list(self.requests) if request_ids is None else dict.fromkeys(request_ids)
+        records = [self.requests[rid] for rid in wanted if rid in self.requests]
         for record in records:
             self._held_outputs += self._abort_reported(record)
         return len(records)
@@ -519,7 +527,7 @@ class EngineCore:
           RuntimeError: requests are unfinished with ``mode="wait"``.
         """
         if not self.config.enable_sleep_mode:
-            raise ValueError("sleep: the engine was started without enable_sleep_mode=True (--enable-sleep-mode)")
+            raise ValueError(SLEEP_MODE_OFF)
         if level not in (0, 1, 2):
             raise ValueError(f"sleep(level={level!r}): level must be 0 (run no step), 1 (free the KV cache, weights "
                              "to the host) or 2 (free the KV cache, discard the weights)")
@@ -535,12 +543,13 @@ class EngineCore:
         before = device_bytes_in_use(device)
         freed = 0
         if level == 0:
-            self._asleep = {"scheduling"}
+            if not self._asleep:  # after a deeper sleep, what it freed stays freed, and its level
+                self._sleep_level = 0
+            self._asleep.add("scheduling")
         else:
             self._drop_kv_state()  # kept requests start over after wake_up; the prefix cache empties
             freed = self.cache_engines.release() + self.runner.weights.release(offload=level == 1)
-            self._asleep = {"weights", "kv_cache", "scheduling"}
-        self._sleep_level = level
+            self._asleep, self._sleep_level = set(SLEEP_TAGS), level
         return {"level": level, "freed_bytes": freed, "device_bytes_before": before,
                 "device_bytes_after": device_bytes_in_use(device)}
 
@@ -549,9 +558,8 @@ class EngineCore:
         "weights", "kv_cache" (zeroed) and "scheduling"; nothing compiles. Steps run again once the weights and
         the KV cache are back (after a level-0 sleep, at any wake-up). Returns whether they are.
 
-        Raises:
-          ValueError: an unknown tag.
-          RuntimeError: the weights were discarded and not restored.
+        Discarded weights no update gave again come back as zeros (``WeightStore.restore``).
+        Raises ValueError: an unknown tag.
         """
         tags = set(SLEEP_TAGS) if tags is None else set(tags)
         unknown = tags - set(SLEEP_TAGS)
@@ -562,9 +570,14 @@ class EngineCore:
         if "kv_cache" in tags:
             self.cache_engines.allocate()
         self._asleep -= tags
-        if not self._asleep & {"weights", "kv_cache"}:  # as vLLM's: steps run again once the memory is back
-            self._asleep.clear()
+        if not self._asleep & {"weights", "kv_cache"}:  # as vLLM's: steps run again once the memory is back,
+            self._asleep.clear()                        # a pause_generation pause ended too
+            self.paused = False
         return not self._asleep
+
+    def sleep_tags(self) -> list[str]:
+        """What sleeps now, of ``SLEEP_TAGS`` (empty when awake)."""
+        return sorted(self._asleep)
 
     def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""

@@ -51,14 +51,14 @@ def _exit_when_parent_dies(parent_pid: int) -> None:
 def run_core_loop(core, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
     """Serve ``core`` (an ``EngineCore``) until a ``Shutdown`` arrives."""
     while True:
-        timeout = 0 if core.has_unfinished_requests() and not core.steps_held else None
+        timeout = 0 if core.can_step else None
         changed = False
         while inputs.poll(timeout):
             message = decode_input(inputs.recv())
             timeout = 0
             if isinstance(message, Shutdown):
                 core.abort_all()
-                core.stop_profile()  # a trace still recording is written, not lost
+                core.profiler.stop_quietly()  # a trace still recording is written, not lost
                 core.runner.programs.stop_warmup()
                 if core.kv_events is not None:
                     core.kv_events.shutdown()
@@ -73,7 +73,7 @@ def run_core_loop(core, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
                 core.abort_requests(message.request_ids)
             elif isinstance(message, StopSequences):
                 core.stop_sequences(message.sequences)
-        if core.has_unfinished_requests() and not core.steps_held:
+        if core.can_step:
             outputs.send(encode(core.step()))
         elif changed:
             outputs.send(encode(EngineCoreOutputs([], core.stats(), core.core_index)))

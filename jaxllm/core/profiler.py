@@ -43,7 +43,9 @@ class StepProfiler:
 
     def start(self, prefix: Optional[str] = None, delay_iterations: Optional[int] = None,
               max_iterations: Optional[int] = None, profiler_kwargs: Optional[dict[str, Any]] = None) -> str:
-        """Begin a session; the trace starts now, or after the delay (``None``: the config's). Returns its folder.
+        """Begin a session; the trace starts now, or after the delay (``None``: the config's). With the config's
+        schedule (``ProfilerConfig.scheduled``) the trace skips wait + warmup steps more and records the active
+        ones (``max_iterations`` unused). Returns its folder.
 
         Raises:
           RuntimeError: profiling is off (no ``--profiler-config`` profiler), a session is active, or JAX's
@@ -54,30 +56,50 @@ class StepProfiler:
         if config is None or config.profiler is None:
             raise RuntimeError("profiling is off: start the engine with a profiler_config, e.g. --profiler-config "
                                "'{\"profiler\": \"jax\", \"torch_profiler_dir\": \"/tmp/traces\"}'")
-        self._kwargs = check_profile_request(prefix, delay_iterations, max_iterations, profiler_kwargs)
+        kwargs = check_profile_request(prefix, delay_iterations, max_iterations, profiler_kwargs)
         if self.active:
             raise RuntimeError(f"a profile is already being recorded into {self.folder}; stop_profile() first")
+        self._kwargs = kwargs
         delay = config.delay_iterations if delay_iterations is None else delay_iterations
         limit = config.max_iterations if max_iterations is None else max_iterations
         if config.scheduled:
             delay, limit = delay + config.wait_iterations + config.warmup_iterations, config.active_iterations
         name = f"{prefix}_dp{self.core_index}" if prefix else f"dp{self.core_index}"
-        self.folder = os.path.join(config.torch_profiler_dir, name)
+        folder = os.path.join(config.torch_profiler_dir, name)
+        if "://" not in folder:  # a folder that cannot be made fails here, not when the trace is written
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as e:
+                raise RuntimeError(f"start_profile: cannot make the trace folder {folder} ({e.strerror})") from None
+        self.folder = folder
         self._skip, self._limit, self._step = delay, limit, 0
         if delay == 0:
             self._begin()
         return self.folder
 
     def stop(self) -> Optional[str]:
-        """End the session, writing its trace; the folder, or None when no session was active."""
+        """End the session, writing its trace; the folder, or None when no session was active.
+        Raises RuntimeError: JAX's profiler could not write the trace (the session has ended all the same)."""
         folder, running = self.folder, self.running
         self.folder, self.running = None, False
         if running:
             import jax  # here, not at the top: front ends check requests with this module and never load JAX
 
-            jax.profiler.stop_trace()
+            try:
+                jax.profiler.stop_trace()
+            except Exception as e:
+                _forget_failed_session()
+                raise RuntimeError(f"stop_profile: the trace could not be written to {folder} ({e})") from None
             logger.info("profile written to %s", folder)
         return folder
+
+    def stop_quietly(self) -> None:
+        """:meth:`stop`, a failure logged, not raised: where the engine must go on (a session's last step) or shut
+        down."""
+        try:
+            self.stop()
+        except RuntimeError as e:
+            logger.warning("%s", e)
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -101,7 +123,7 @@ class StepProfiler:
         with jax.profiler.StepTraceAnnotation(STEP_NAME, step_num=self._step):
             yield
         if self._limit and self._step >= self._limit:
-            self.stop()
+            self.stop_quietly()
 
     def _begin(self) -> None:
         import jax
@@ -118,3 +140,13 @@ class StepProfiler:
             raise RuntimeError(f"start_profile: JAX's profiler did not start ({e})") from None
         self.running = True
         logger.info("profiling into %s", self.folder)
+
+
+def _forget_failed_session() -> None:
+    """Let JAX start traces again after a failed ``stop_trace``, which leaves its session set (JAX 0.10-0.11)."""
+    import jax._src.profiler as jax_profiler
+
+    state = getattr(jax_profiler, "_profile_state", None)
+    if state is not None:
+        with state.lock:
+            state.reset()

@@ -351,9 +351,8 @@ class LLM:
         for all), with the same shapes and shardings: no program is compiled again. Returns whether everything is
         back (vLLM's).
 
-        Raises:
-          ValueError: an unknown tag.
-          RuntimeError: discarded weights that no update restored.
+        Discarded weights (``sleep(level=2)``) no update gave again come back as zeros: vLLM's order wakes
+        ``tags=["weights"]``, updates them, then wakes ``["kv_cache"]``. Raises ValueError: an unknown tag.
         """
         return self._call("wake_up", tags)
 

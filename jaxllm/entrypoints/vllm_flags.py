@@ -192,7 +192,8 @@ RULES: dict[str, Rule] = {
     "load_format": Rule(ADVISORY, "jaxllm reads safetensors and GGUF files", refuses=_outside(
         "auto", "safetensors", "gguf", "hf", "fastsafetensors", "instanttensor")),
     **_server("how message content reaches the chat template: 'string' (text parts joined by newlines), 'openai' "
-              "(a list of text parts), or 'auto' (the one the template reads, as vLLM detects it)", "chat_template_content_format"),
+              "(a list of text parts), or 'auto' (the one the template reads, as vLLM detects it)",
+              "chat_template_content_format"),
     "skip_tokenizer_init": Rule(ADVISORY, "jaxllm always loads the model's tokenizer (prompts may still be token "
                                           "ids)", SWITCH, refuses=_truthy),
     "tokens_only": Rule(ADVISORY, "jaxllm serves the token endpoints and the text ones beside them", SWITCH),

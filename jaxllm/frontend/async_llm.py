@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, AsyncIterator, Mapping, Optional, Union
+from typing import Any, AsyncIterator, Iterable, Mapping, Optional, Union
 
-from jaxllm.config import PAUSE_MODES, EngineConfig, check_profile_request
+from jaxllm.config import PAUSE_MODES, SLEEP_MODE_OFF, EngineConfig, check_profile_request
 from jaxllm.core.client import EngineDeadError, MPClient
 from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd, tokenizer_config
@@ -61,8 +61,8 @@ class AsyncLLM(FrontEnd):
                     admitted: bool = False) -> AsyncIterator[RequestOutput]:
         """Validate and start one request (``lora_request``: a ``LoRARequest`` or None; ``data_parallel_rank``: the
         core to run it; ``admitted``: as ``FrontEnd._queue``); returns the iterator of its ``RequestOutput``s
-        (closing it aborts; an :meth:`abort` ends it with a RuntimeError). Raises ValueError (bad request, duplicate
-        id), QueueFullError, EngineDeadError."""
+        (closing it cancels the request; :meth:`cancel` ends it with a RuntimeError, :meth:`abort` with an "abort"
+        output). Raises ValueError (bad request, duplicate id), QueueFullError, EngineDeadError."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         self._queue(request_id, prompt_token_ids, params, prompt=prompt, priority=priority, cache_salt=cache_salt,
@@ -112,7 +112,7 @@ class AsyncLLM(FrontEnd):
                     return
         finally:
             self._queues.pop(request_id, None)
-            self.abort(request_id)
+            self.cancel(request_id)
 
     async def kv_cache_report(self, core: int = 0, block_map: bool = True) -> dict[str, Any]:
         """KV diagnostics of one core, between its steps. Raises ValueError (bad ``core``), EngineDeadError."""
@@ -172,8 +172,8 @@ class AsyncLLM(FrontEnd):
         return all(await self._each_core("reset_prefix_cache", bool(reset_running_requests), bool(reset_connector)))
 
     async def sleep(self, level: int = 1, mode: str = "abort", reset_connector: bool = True) -> list[dict[str, Any]]:
-        """Free device memory while idle (``LLMEngine.sleep``): no step runs until :meth:`wake_up`; at levels 1 and
-        2 requests are refused (``EngineSleepingError``), at level 0 they queue. One report per core.
+        """Free device memory (``LLMEngine.sleep``): no step runs until :meth:`wake_up`; at levels 1 and 2 new
+        requests are refused (``EngineSleepingError``), at level 0 they queue. One report per core.
 
         Args:
           mode: open requests: "abort", each finishes now with finish_reason "abort", reported before the cores
@@ -182,26 +182,32 @@ class AsyncLLM(FrontEnd):
           reset_connector: accepted (jaxllm has no KV connector).
 
         Raises:
-          ValueError: ``level`` not 0, 1 or 2, or another mode. EngineDeadError.
+          ValueError: ``enable_sleep_mode`` off, ``level`` not 0, 1 or 2, or another mode; nothing changes then.
+          RuntimeError: mode "wait" while requests wait in a sleeping engine (they cannot finish).
+          EngineDeadError.
         """
+        if not self.config.enable_sleep_mode:
+            raise ValueError(SLEEP_MODE_OFF)
         if level not in (0, 1, 2) or mode not in PAUSE_MODES:
             raise ValueError(f"sleep(level={level!r}, mode={mode!r}): level must be 0, 1 or 2 and mode one of "
                              f"{list(PAUSE_MODES)}")
-        self.sleeping = True
+        was_sleeping, self.sleeping = self.sleeping, True
         try:
-            if mode == "wait":
-                await self._until_no_request_is_open()
-            elif mode == "abort":
-                await self.abort_in_flight()
+            await self._settle_open_requests(mode)
             reports = await self._each_core("sleep", level, mode)
-        finally:
-            self.sleeping = level > 0 and await self.is_sleeping()
+        except BaseException:
+            self.sleeping = was_sleeping
+            raise
+        self.sleeping = level > 0 or was_sleeping
         return reports
 
     async def wake_up(self, tags: Optional[list[str]] = None) -> bool:
-        """Bring back what :meth:`sleep` freed (``LLMEngine.wake_up``); whether everything is back."""
+        """Bring back what :meth:`sleep` freed (``LLMEngine.wake_up``); whether everything is back. Fully awake,
+        the engine also leaves a :meth:`pause_generation` pause, as vLLM's does."""
         awake = all(await self._each_core("wake_up", tags))
         self.sleeping = not awake
+        if awake:
+            self.paused = None
         return awake
 
     async def is_sleeping(self) -> bool:
@@ -228,11 +234,7 @@ class AsyncLLM(FrontEnd):
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode={mode!r} must be one of {list(PAUSE_MODES)}")
         self.paused = mode
-        if mode == "wait":
-            await self._until_no_request_is_open()
-        await self._each_core("pause_scheduler", mode)
-        if mode == "abort":
-            await self._until_no_request_is_open()
+        await self._settle_open_requests(mode)
         if clear_cache and mode != "keep":
             await self._each_core("reset_prefix_cache", False, False)
 
@@ -259,15 +261,26 @@ class AsyncLLM(FrontEnd):
         open_ids = list(self.output_processor.requests)
         if request_ids:
             open_ids = [rid for rid in open_ids if any(rid == w or rid.startswith(f"{w}-") for w in request_ids)]
-        if not open_ids:
-            return 0
-        await self._each_core("finish_aborted", open_ids)
-        while any(rid in self.output_processor.requests for rid in open_ids) and self.dead is None:
-            await asyncio.sleep(DRAIN_POLL_SECONDS)
+        await self._abort_reported(open_ids)
         return len(open_ids)
 
-    async def _until_no_request_is_open(self) -> None:
-        while self.output_processor.requests and self.dead is None:
+    async def _abort_reported(self, request_ids: list[str]) -> None:
+        """Finish these open requests with "abort" in the cores (``EngineCore.finish_aborted``); return once their
+        outputs have come back."""
+        if not request_ids:
+            return
+        await self._each_core("finish_aborted", request_ids)
+        while any(rid in self.output_processor.requests for rid in request_ids) and self.dead is None:
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
+
+    async def _settle_open_requests(self, mode: str) -> None:
+        """Set every core's pause to ``mode`` (``EngineCore.pause_scheduler``); with "abort" or "wait", return once
+        no request is open. Raises RuntimeError: "wait" while open requests wait in a sleeping core."""
+        if mode == "wait" and self.output_processor.requests and await self.is_sleeping():
+            raise RuntimeError(f"mode 'wait': {len(self.output_processor.requests)} requests wait in a sleeping "
+                               "engine and cannot finish; wake_up() first, or use mode 'abort' or 'keep'")
+        await self._each_core("pause_scheduler", mode)
+        while mode != "keep" and self.output_processor.requests and self.dead is None:
             await asyncio.sleep(DRAIN_POLL_SECONDS)
 
     async def start_profile(self, profile_prefix: Optional[str] = None, *, delay_iterations: Optional[int] = None,
@@ -297,9 +310,17 @@ class AsyncLLM(FrontEnd):
         if self.dead is not None:
             raise EngineDeadError(self.dead)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request if it is open (its blocks are freed in the core's next loop turn); its output iterator
-        is forgotten, ending with a RuntimeError if someone still reads it."""
+    async def abort(self, request_id: Union[str, Iterable[str]], internal: bool = False) -> None:
+        """vLLM's ``abort``: each open request of these ids finishes now with finish_reason "abort", its stream's
+        last output, its tokens so far kept; unknown ids are ignored, ``internal`` is accepted (jaxllm's ids are
+        the callers'). Returns once the aborts are reported."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        await self._abort_reported([rid for rid in dict.fromkeys(ids) if rid in self.output_processor.requests])
+
+    def cancel(self, request_id: str) -> None:
+        """End a request now if it is open, without an output (its blocks are freed in the core's next loop turn):
+        its output iterator is forgotten, ending with a RuntimeError if someone still reads it. What a consumer
+        leaving its stream, or the server losing its client, does."""
         queue = self._queues.pop(request_id, None)
         if queue is not None:
             queue.put_nowait(RuntimeError(f"request {request_id!r} was aborted"))
@@ -332,12 +353,27 @@ class AsyncLLM(FrontEnd):
                 queue.put_nowait(e)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort what is open, stop the output task and the core processes (killed after ``timeout`` seconds).
-        A plain call, not awaited, as vLLM's; from the event loop's thread, it blocks the loop until the cores
-        have stopped."""
-        for request_id in list(self.output_processor.requests):
-            self.abort(request_id)
-        if self._output_task is not None:
-            self._output_task.cancel()
+        """End every open stream (with a RuntimeError), stop the output task and the core processes (killed after
+        ``timeout`` seconds; they abort what runs). A plain call, not awaited, as vLLM's, from any thread; from the
+        event loop's own, it blocks the loop until the cores have stopped."""
+        loop = None if self._output_task is None else self._output_task.get_loop()
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:  # no loop runs in this thread
+            on_loop = False
+        if loop is None or on_loop or loop.is_closed():
+            self._end_streams()
+        else:  # the streams and the task belong to the loop's thread
+            loop.call_soon_threadsafe(self._end_streams)
         self.client.shutdown(timeout)
         self.metrics.close()
+
+    def _end_streams(self) -> None:
+        # Closed here only: the cores abort what they run when they stop.
+        for request_id in self.output_processor.abort_requests(list(self.output_processor.requests)):
+            self.metrics.forget(request_id)
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait(RuntimeError(f"request {request_id!r} ended: the engine was shut down"))
+        self._queues.clear()
+        if self._output_task is not None:
+            self._output_task.cancel()

@@ -202,9 +202,8 @@ class LLMEngine(FrontEnd):
         """Bring back what :meth:`sleep` freed (``tags``: some of "weights", "kv_cache" and "scheduling", or None
         for all), no compilation; whether everything is back (vLLM's).
 
-        Raises:
-          ValueError: an unknown tag.
-          RuntimeError: discarded weights not restored by an update.
+        Discarded weights (``sleep(level=2)``) not given again come back as zeros, to be updated (vLLM's order).
+        Raises ValueError: an unknown tag.
         """
         awake = all(self._each_core("wake_up", tags, all_results=True))
         self.sleeping = not awake
@@ -311,7 +310,9 @@ class LLMEngine(FrontEnd):
     def step(self) -> list[RequestOutput]:
         """Run one engine-core step; a ``RequestOutput`` per request the step touched, as its ``output_kind`` asks
         (``FINAL_ONLY``: only once finished; with ``async_scheduling`` one step late: the first call returns none).
-        Raises ``EngineDeadError``: a core process died."""
+        Raises ``EngineDeadError``: a core process died; RuntimeError: the engine sleeps (:meth:`sleep`)."""
+        if self.sleeping:
+            raise RuntimeError("no step runs while the engine is sleeping: wake_up() first")
         if not isinstance(self.client, InprocClient) and not self.output_processor.has_unfinished_requests():
             return []
         return [out for core_outputs in self.client.get_outputs() for out in self._process_core_outputs(core_outputs)]

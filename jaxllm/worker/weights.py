@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.core.messages import flatten, unflatten
+from jaxllm.logger import init_logger
 from jaxllm.models import Params, loop_storage, param_layout, with_head_panels
 from jaxllm.models.config import ModelConfig
 from jaxllm.worker.programs import abstract
@@ -22,6 +23,8 @@ from jaxllm.worker.quantization import SCALE_SUFFIX, is_quantized_dtype, leaf_dt
 from jaxllm.worker.sharding import ModelSharding
 from kernels_pallas.ops import HEAD_PANELS
 from kernels_pallas.storage import from_storage, to_storage
+
+logger = init_logger(__name__)
 
 __all__ = ["Layout", "WeightStore", "device_bytes_in_use", "flatten", "layout_of", "param_targets", "place_given_params",
            "place_leaf", "place_params", "prepare_params", "unflatten"]
@@ -281,8 +284,13 @@ class WeightStore:
 
     def restore(self) -> None:
         """Place the weights held on the host with their stored dtypes and shardings (no compilation); nothing
-        when on the devices. Raises RuntimeError: discarded."""
-        self._need_weights("restore_params")
+        when on the devices. Discarded, every leaf is placed as zeros, with a warning: vLLM's order after
+        ``sleep(level=2)`` wakes the weights first and then updates them."""
+        if self.state == "discarded":
+            logger.warning("the weights were discarded (sleep(level=2)): they are zeros until an update gives them")
+            self.params = unflatten({path: jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding)
+                                     for path, leaf in self._storage_layout.items()})
+            return
         if self._host_params is None:
             return
         host, self._host_params = self._host_params, None

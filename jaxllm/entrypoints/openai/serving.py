@@ -289,7 +289,7 @@ class OpenAIServing:
                     searches.append(self._start_beam_search(rid, text, token_ids, beam, lora, request))
             except BaseException:
                 for rid in ids[:len(searches)]:  # the searches started: their first step's one request each
-                    self.engine.abort(f"{rid}-beam-0-0")
+                    self.engine.cancel(f"{rid}-beam-0-0")
                 raise
             return searches
         streams = []
@@ -301,11 +301,11 @@ class OpenAIServing:
                                                        cache_salt=request.cache_salt, lora_request=lora))
         except ValueError as e:
             for rid in ids:
-                self.engine.abort(rid)
+                self.engine.cancel(rid)
             raise _engine_refusal(e) from None
         except BaseException:
             for rid in ids:
-                self.engine.abort(rid)
+                self.engine.cancel(rid)
             raise
         return streams
 
@@ -375,7 +375,7 @@ class OpenAIServing:
                                                        admitted=admitted))
         except BaseException as e:
             for rid in rids:
-                self.engine.abort(rid)
+                self.engine.cancel(rid)
             if isinstance(e, ValueError):
                 raise _engine_refusal(e) from None
             raise
@@ -401,7 +401,7 @@ class OpenAIServing:
                 search.advance(await asyncio.gather(*map(last, streams)))
             except BaseException:
                 for rid in rids:  # a stream never iterated does not abort its request when closed
-                    self.engine.abort(rid)
+                    self.engine.cancel(rid)
                 raise
             if not search.live():
                 break
