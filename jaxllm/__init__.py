@@ -1,7 +1,8 @@
 """jaxllm: a JAX/XLA-compiled LLM inference engine.
 
 ``from jaxllm import LLM, SamplingParams`` is the offline API (vLLM's names);
-``LLMEngine`` is the step-by-step one, ``AsyncLLM`` the asyncio one (``TextPrompt`` and ``TokensPrompt`` are
+``LLMEngine`` is the step-by-step one, ``AsyncLLM`` the asyncio one, each also made by ``from_engine_args`` from
+vLLM's ``EngineArgs`` / ``AsyncEngineArgs`` (``TextPrompt`` and ``TokensPrompt`` are
 vLLM's prompt dicts); ``jaxllm.register_model`` serves an
 architecture jaxllm does not ship (``jaxllm.models.register_model``). The names are imported on
 first use, so ``import jaxllm`` (and the CLI's ``--help``) does not import JAX.
@@ -16,6 +17,8 @@ _EXPORTS = {
     "LLM": "jaxllm.entrypoints.llm",
     "LLMEngine": "jaxllm.frontend.llm_engine",
     "AsyncLLM": "jaxllm.frontend.async_llm",
+    "EngineArgs": "jaxllm.entrypoints.engine_args",
+    "AsyncEngineArgs": "jaxllm.entrypoints.engine_args",
     "TextPrompt": "jaxllm.frontend.input_processor",
     "TokensPrompt": "jaxllm.frontend.input_processor",
     "SamplingParams": "scheduler.sampling_params",

@@ -4,6 +4,7 @@ a refused prompt leaves nothing queued."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 
@@ -14,7 +15,8 @@ from hypothesis import given, settings, strategies as st
 
 from tqdm import tqdm
 
-from jaxllm import LLM, AsyncLLM, RequestOutput, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
+from jaxllm import (LLM, AsyncEngineArgs, AsyncLLM, EngineArgs, LLMEngine, RequestOutput, RequestOutputKind,
+                    SamplingParams, TextPrompt, TokensPrompt)
 from jaxllm.frontend.input_processor import IGNORED_PROMPT_KEYS, REFUSED_PROMPT_KEYS
 from jaxllm.tokenizer import detect_content_format
 from tests.conftest import STORIES
@@ -109,6 +111,27 @@ def test_token_ids_are_taken_only_when_all_are_integers_in_the_vocabulary(llm, v
             processor.parse_prompt({"prompt_token_ids": values})
 
 
+def test_engine_args_are_checked_when_made_and_build_the_engine_from_engine_args(ids, want):
+    args = EngineArgs(model=STORIES, **ENGINE, gpu_memory_utilization=0.5, enforce_eager=True)
+    assert (args.model, args.max_num_seqs, args.block_size) == (STORIES, ENGINE["max_num_seqs"], 16)
+    with pytest.raises(TypeError, match="bogus= is neither"):
+        EngineArgs(model=STORIES, bogus=1)
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        EngineArgs(model=STORIES, max_num_seqs=0)
+    with pytest.raises(AttributeError, match="no 'bogus'"):
+        args.bogus
+    engine = LLMEngine.from_engine_args(args, usage_context=None)
+    engine.add_request("a", {"prompt_token_ids": ids}, GREEDY)
+    last = {}
+    while engine.has_unfinished_requests():
+        last.update((o.request_id, o) for o in engine.step())
+    assert last["a"].outputs[0].token_ids == want
+    # vLLM's script form: the flags on a parser, parsed, then the arguments
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    parsed = EngineArgs.from_cli_args(parser.parse_args(["--model", str(STORIES), "--max-num-seqs", "4", "-tp", "1"]))
+    assert (parsed.model, parsed.max_num_seqs, parsed.tensor_parallel_size) == (str(STORIES), 4, 1)
+
+
 def test_async_llm_generate_takes_vllms_prompt_forms_and_arguments(ids, want):
     async def tokens(engine, prompt, request_id, **kwargs):
         outs = [o async for o in engine.generate(prompt, GREEDY, request_id, **kwargs)]
@@ -116,7 +139,7 @@ def test_async_llm_generate_takes_vllms_prompt_forms_and_arguments(ids, want):
         return outs[-1]
 
     async def scenario():
-        engine = AsyncLLM(STORIES, **ENGINE)
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=STORIES, enable_log_requests=True, **ENGINE))
         try:
             await engine.check_health()
             text = await tokens(engine, TEXT, "a", trace_headers={"x": "y"}, priority=0, data_parallel_rank=0)

@@ -85,3 +85,76 @@ def check_engine_args(args: argparse.Namespace) -> Optional[str]:
         names = "|".join(f.name for f in dataclasses.fields(EngineConfig))
         return re.sub(rf"\b({names})=", lambda m: f"--{m[1].replace('_', '-')} ", str(e))
     return None
+
+
+class EngineArgs:
+    """vLLM's ``EngineArgs``: a model and the engine's keywords, checked when made, from which
+    ``LLMEngine.from_engine_args`` builds an engine (``AsyncLLM.from_engine_args`` from :class:`AsyncEngineArgs`).
+
+    Args:
+      model: as ``LLMEngine``'s (None: the default model). tokenizer: a path or name, or None (the model's).
+      served_model_name: the model's name in the metrics (None: ``model``).
+      **kwargs: ``EngineConfig`` fields and vLLM's ``EngineArgs`` keywords
+        (``jaxllm.entrypoints.vllm_flags.vllm_engine_kwargs``).
+
+    Attributes: ``model``, ``tokenizer``, ``served_model_name``, each keyword given, and every other
+    ``EngineConfig`` field (its default).
+
+    Raises:
+      TypeError: a keyword neither an ``EngineConfig`` field nor one of vLLM's, or a server flag (named).
+      ValueError: a value out of range or refused (named).
+    """
+
+    def __init__(self, model: Optional[str] = None, tokenizer: Optional[str] = None,
+                 served_model_name: Optional[str] = None, **kwargs: Any) -> None:
+        from jaxllm.config import EngineConfig
+        from jaxllm.entrypoints.vllm_flags import vllm_engine_kwargs
+
+        self.model, self.tokenizer, self.served_model_name = model, tokenizer, served_model_name
+        self.kwargs = dict(kwargs)
+        EngineConfig(**vllm_engine_kwargs(self.kwargs))  # refused now, as vLLM's dataclass refuses
+
+    def __getattr__(self, name: str) -> Any:
+        from jaxllm.config import EngineConfig
+
+        kwargs = self.__dict__.get("kwargs", {})
+        if name in kwargs:
+            return kwargs[name]
+        defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+        if name in defaults:
+            return defaults[name]
+        raise AttributeError(f"{type(self).__name__} has no {name!r}")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The keywords ``LLMEngine`` / ``AsyncLLM`` / ``LLM`` take for these arguments."""
+        return {"model": self.model, "tokenizer": self.tokenizer, "served_model_name": self.served_model_name,
+                **self.kwargs}
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add the engine's flags to ``parser`` (every ``EngineConfig`` field, and vLLM's flags by their rules,
+        ``--model`` among them), as vLLM's ``EngineArgs.add_cli_args``; returns ``parser``."""
+        from jaxllm.entrypoints.vllm_flags import add_vllm_flags
+
+        add_engine_args(parser)
+        add_vllm_flags(parser)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The arguments :meth:`add_cli_args`'s flags parsed into ``args`` (vLLM's flags applied first).
+        Raises ValueError: a refused flag value or a contradiction, naming the flag."""
+        from jaxllm.entrypoints.vllm_flags import apply_vllm_flags
+
+        apply_vllm_flags(args)
+        return cls(model=args.model, tokenizer=getattr(args, "tokenizer", None), **engine_kwargs(args, ("tokenizer",)))
+
+
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's ``AsyncEngineArgs``: :class:`EngineArgs` for ``AsyncLLM.from_engine_args``; ``enable_log_requests``
+    is accepted (the server's ``--enable-log-requests`` logs requests; ``AsyncLLM`` does not)."""
+
+    def __init__(self, model: Optional[str] = None, tokenizer: Optional[str] = None,
+                 served_model_name: Optional[str] = None, enable_log_requests: bool = False, **kwargs: Any) -> None:
+        super().__init__(model, tokenizer, served_model_name, **kwargs)
+        self.enable_log_requests = enable_log_requests

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping, Optional, Union
 
 from jaxllm.config import PAUSE_MODES, SLEEP_MODE_OFF, EngineConfig, check_profile_request
 from jaxllm.core.client import EngineDeadError, MPClient
+from jaxllm.entrypoints.engine_args import AsyncEngineArgs
 from jaxllm.core.messages import decode_params, encode_params, unflatten
 from jaxllm.frontend.front_end import FrontEnd, tokenizer_config
 from jaxllm.frontend.input_processor import PromptType, add_special_tokens
@@ -54,6 +55,15 @@ class AsyncLLM(FrontEnd):
         self.dead: Optional[str] = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._output_task: Optional[asyncio.Task] = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True, usage_context: Any = None,
+                         stat_loggers: Any = None) -> "AsyncLLM":
+        """vLLM's ``AsyncLLM.from_engine_args``: the engine ``engine_args`` (``jaxllm.AsyncEngineArgs``, or
+        ``EngineArgs``) describe. ``start_engine_loop``, ``usage_context`` and ``stat_loggers`` are accepted without
+        effect (the output loop starts with the first request; the stats go to jaxllm's metrics). Raises as
+        :class:`AsyncLLM`."""
+        return cls(**engine_args.engine_kwargs())
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: Optional[str] = None, priority: int = 0, cache_salt: Optional[str] = None,

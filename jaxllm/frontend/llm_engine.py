@@ -18,6 +18,8 @@ from scheduler import SamplingParams
 if TYPE_CHECKING:
     import jax
 
+    from jaxllm.entrypoints.engine_args import EngineArgs
+
     from jaxllm.models.config import ModelConfig
 
 
@@ -212,6 +214,15 @@ class LLMEngine(FrontEnd):
     def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""
         return any(self._each_core("is_sleeping", all_results=True))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: "EngineArgs", usage_context: Any = None, stat_loggers: Any = None,
+                         enable_multiprocessing: bool = False) -> "LLMEngine":
+        """vLLM's ``LLMEngine.from_engine_args``: the engine ``engine_args`` (``jaxllm.EngineArgs``) describe.
+        ``usage_context``, ``stat_loggers`` and ``enable_multiprocessing`` are accepted without effect (the cores
+        run in this process unless ``data_parallel_size`` > 1; the stats go to jaxllm's metrics). Raises as
+        :class:`LLMEngine`."""
+        return cls(**engine_args.engine_kwargs())
 
     def start_profile(self, profile_prefix: Optional[str] = None, *, delay_iterations: Optional[int] = None,
                       max_iterations: Optional[int] = None, profiler_kwargs: Optional[dict[str, Any]] = None) -> None:
