@@ -356,26 +356,29 @@ def detect_content_format(source: str) -> str:
     """The content format vLLM's "auto" resolves a chat template to: "openai" when the template loops over a
     message's content, else "string" (also for a template jinja2 cannot parse).
 
-    A message is a loop variable over ``messages``, or over what a ``{% set %}`` or a ``namespace(...)`` field took
-    from it; its content is ``m['content']`` or ``m.content``, through filters, tests and slices, a name set from
-    it, or a macro's parameter given it. A loop over a bare ``content`` outside macros counts too (vLLM's rules).
+    vLLM's rules: a message is a loop variable over ``messages``, or over what a ``{% set %}`` or a
+    ``namespace(...)`` field took from it; a loop over its ``m['content']`` or ``m.content`` (through filters,
+    tests and slices) counts, as does, inside a macro, a loop over a parameter some call gives a message's content,
+    and, outside macros, a loop over a bare ``content``.
     """
     try:
         tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(source)
     except jinja2.TemplateSyntaxError:
         return "string"
     loops = list(tree.find_all(jinja2.nodes.For))
-    lists = _derived(tree, {"messages"}, lambda node, names: _path(node) in names)
+    lists = _derived(tree, {"messages"})
     messages = {loop.target.name for loop in loops
                 if isinstance(loop.target, jinja2.nodes.Name) and _path(loop.iter) in lists}
-
-    def reads(node, names):
-        return _reads_content(node, messages) or _path(node) in names
-
-    contents = _derived(tree, _macro_params_given(tree, lambda node: reads(node, set())), reads)
-    in_macros = {id(loop) for macro in tree.find_all(jinja2.nodes.Macro) for loop in macro.find_all(jinja2.nodes.For)}
-    return "openai" if any(reads(loop.iter, contents) or (_path(loop.iter) == "content" and id(loop) not in in_macros)
-                           for loop in loops) else "string"
+    in_macros = set()
+    for macro in tree.find_all(jinja2.nodes.Macro):
+        params = _params_given_content(tree, macro, messages)
+        for loop in macro.find_all(jinja2.nodes.For):
+            in_macros.add(id(loop))
+            if isinstance(loop.iter, jinja2.nodes.Name) and loop.iter.name in params:
+                return "openai"
+    return "openai" if any(_reads_content(loop.iter, messages) or (
+        id(loop) not in in_macros and isinstance(loop.iter, jinja2.nodes.Name) and loop.iter.name == "content")
+        for loop in loops) else "string"
 
 
 def _strip(node: jinja2.nodes.Node) -> jinja2.nodes.Node:
@@ -414,34 +417,33 @@ def _reads_content(node: jinja2.nodes.Node, messages: set[str]) -> bool:
     return key == "content" and isinstance(node.node, jinja2.nodes.Name) and node.node.name in messages
 
 
-def _derived(tree: jinja2.nodes.Template, names: set[str], reads) -> set[str]:
+def _derived(tree: jinja2.nodes.Template, names: set[str]) -> set[str]:
     """``names`` and every variable a ``{% set %}`` (a name or a namespace field) or a ``namespace(...)`` field
-    takes from an expression ``reads(expression, names)`` accepts, transitively."""
+    takes from one of them (under filters, tests and slices), transitively."""
     names = set(names)
     while True:
         more = set()
         for assign in tree.find_all(jinja2.nodes.Assign):
             target, value = _path(assign.target), assign.node
-            if target is not None and target not in names and reads(value, names):
+            if target is not None and _path(value) in names:
                 more.add(target)
             if (isinstance(assign.target, jinja2.nodes.Name) and isinstance(value, jinja2.nodes.Call)
                     and isinstance(value.node, jinja2.nodes.Name) and value.node.name == "namespace"):
-                more |= {f"{assign.target.name}.{kw.key}" for kw in value.kwargs if reads(kw.value, names)}
+                more |= {f"{assign.target.name}.{kw.key}" for kw in value.kwargs if _path(kw.value) in names}
         more -= names
         if not more:
             return names
         names |= more
 
 
-def _macro_params_given(tree: jinja2.nodes.Template, given) -> set[str]:
-    """The parameters of the template's macros that some call passes an argument ``given(argument)`` accepts."""
+def _params_given_content(tree: jinja2.nodes.Template, macro: jinja2.nodes.Macro, messages: set[str]) -> set[str]:
+    """The parameters of ``macro`` that some call of it gives a message's content."""
+    names = [arg.name for arg in macro.args]
     params = set()
-    for macro in tree.find_all(jinja2.nodes.Macro):
-        names = [arg.name for arg in macro.args]
-        for call in tree.find_all(jinja2.nodes.Call):
-            if isinstance(call.node, jinja2.nodes.Name) and call.node.name == macro.name:
-                params |= {name for name, arg in zip(names, call.args) if given(arg)}
-                params |= {kw.key for kw in call.kwargs if kw.key in names and given(kw.value)}
+    for call in tree.find_all(jinja2.nodes.Call):
+        if isinstance(call.node, jinja2.nodes.Name) and call.node.name == macro.name:
+            params |= {name for name, arg in zip(names, call.args) if _reads_content(arg, messages)}
+            params |= {kw.key for kw in call.kwargs if kw.key in names and _reads_content(kw.value, messages)}
     return params
 
 

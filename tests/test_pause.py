@@ -7,6 +7,7 @@ finish_reason "abort", and no KV block is left held. The server's routes over th
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -101,6 +102,7 @@ async def level_0_keep_then_level_1(engine):
     await _bounded(engine.sleep(level=0, mode="keep"))
     with pytest.raises(RuntimeError, match="mode 'wait': 1 requests wait in a sleeping engine"):
         await _bounded(engine.pause_generation(mode="wait"))
+    assert not await engine.is_paused()  # a refused pause changes nothing
     await _bounded(engine.sleep(level=1))
     out = await run.end()
     return out.finish_reason, await _bounded(engine.wake_up())
@@ -152,3 +154,20 @@ def test_sleep_without_sleep_mode_is_refused_before_it_touches_a_request():
             engine.shutdown()
 
     assert asyncio.run(scenario()) == "length"
+
+
+def test_shutdown_from_another_thread_ends_the_streams_and_stops_the_cores():
+    """vLLM's shutdown may come from any thread: the event loop's own thread ends the streams and the output task
+    before the cores stop."""
+    async def scenario():
+        engine = AsyncLLM(STORIES, **ENGINE)
+        run = Run(engine, "g")
+        await _bounded(run.started.wait())
+        stopper = threading.Thread(target=engine.shutdown)
+        stopper.start()
+        with pytest.raises(RuntimeError, match="the engine was shut down"):
+            await asyncio.wait_for(run.task, BOUND)
+        await asyncio.to_thread(stopper.join, BOUND)
+        return [core.process.poll() for core in engine.client._cores]
+
+    assert None not in asyncio.run(scenario())

@@ -130,22 +130,27 @@ def test_a_trace_folder_that_cannot_be_made_fails_the_start(tmp_path):
     assert not profiler.active
 
 
-def test_a_trace_that_cannot_be_written_is_logged_and_the_step_goes_on(tmp_path, capfd, monkeypatch):
-    import jax
+def test_a_trace_that_cannot_be_written_is_logged_the_step_goes_on_and_the_next_session_starts(tmp_path, capfd,
+                                                                                                 monkeypatch):
+    import jax._src.profiler as jax_profiler
 
-    def failing_stop(stop=jax.profiler.stop_trace):
-        stop()
+    def failing_write(log_dir):  # fails inside JAX's stop_trace, which then keeps its session set
         raise OSError("disk full")
 
-    monkeypatch.setattr(jax.profiler, "stop_trace", failing_stop)
-    profiler = StepProfiler(ProfilerConfig(profiler="jax", torch_profiler_dir=str(tmp_path)), core_index=0)
-    profiler.start(max_iterations=1)
-    ran = []
-    with profiler.step():
-        ran.append(1)
+    with monkeypatch.context() as patched:
+        patched.setattr(jax_profiler, "_write_perfetto_trace_file", failing_write)
+        profiler = StepProfiler(ProfilerConfig(profiler="jax", torch_profiler_dir=str(tmp_path)), core_index=0)
+        profiler.start("failing", max_iterations=1, profiler_kwargs=PERFETTO)
+        ran = []
+        with profiler.step():
+            ran.append(1)
     assert ran == [1] and not profiler.active
     assert any("could not be written" in m and "disk full" in m
                for m in log_messages(capfd.readouterr().err, "WARNING", "profiler.py"))
+    folder = profiler.start("next", max_iterations=1, profiler_kwargs=PERFETTO)
+    with profiler.step():
+        pass
+    assert traced_steps(folder) == [1]
 
 
 def test_start_without_a_profiler_says_how_to_turn_it_on():

@@ -413,11 +413,32 @@ def test_sleep_level_2_discards_the_weights_until_an_update_restores_them(restor
     # vLLM's order: wake the weights (zeros until updated), update them, then wake the KV cache.
     restored.sleep(level=2)
     restored.wake_up(tags=["weights"])
-    assert not np.any(np.asarray(restored.get_params()["embed"]))
+    with pytest.raises(RuntimeError, match="leaves are zeros"):
+        restored.get_params()
     restored.update_weights(host)
     restored.wake_up(tags=["kv_cache"])
     assert _tokens(restored) == reference
     assert runner.compile_stats.num_compilations == compiled
+
+
+def test_vllms_level_2_order_keeps_an_int8_kv_caches_scales_and_refuses_params_until_every_leaf_is_given(host):
+    """The scales calibrated for an int8 KV cache are the engine's, not a trainer's: a level-2 sleep keeps them,
+    so an update of the model's own leaves restores the same tokens in either order of calls."""
+    llm = LLM(STORIES, enable_sleep_mode=True, kv_cache_dtype="int8", **ENGINE)
+    want = _tokens(llm)
+    trainer = host  # the loader's tree: no KV scales
+    llm.sleep(level=2)
+    assert llm.wake_up(tags=["weights"]) is False
+    llm.update_weights({"embed": host["embed"]})
+    with pytest.raises(RuntimeError, match="leaves are zeros since sleep\\(level=2\\)"):
+        llm.get_params()
+    llm.update_weights(trainer)
+    assert "k_scale" in llm.get_params()["layers"]
+    assert llm.wake_up(tags=["kv_cache"]) is True and _tokens(llm) == want
+    llm.sleep(level=2)
+    llm.update_weights(trainer)  # jaxllm's order: updated while asleep, then woken
+    llm.wake_up()
+    assert _tokens(llm) == want
 
 
 def test_sleep_level_2_after_level_1_discards_the_host_copy(restored, host, reference):

@@ -93,7 +93,7 @@ class EngineCore:
                                  "update_weights_from_path", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping",
                                  "kv_cache_compact", "kv_cache_resize", "add_lora", "remove_lora",
                                  "list_loras", "update_lora_encoded", "start_profile", "stop_profile",
-                                 "finish_aborted", "pause_scheduler", "resume_scheduler", "sleep_tags"})
+                                 "finish_aborted", "pause_scheduler", "resume_scheduler"})
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, *, sharding: ModelSharding, max_model_len: int,
                  kv_cache_dtype: Any, structured: StructuredOutputManager, drafter: Optional[DraftRunner] = None,
@@ -469,7 +469,8 @@ class EngineCore:
           ValueError: a leaf unknown, missing or of the wrong shape or dtype (``prepare_params``); nothing changes then.
         """
         weights = self.runner.weights
-        flat = prepare_params(params, weights.param_layout(), partial=weights.state != "discarded")
+        flat = prepare_params(params, weights.param_layout(), partial=weights.state != "discarded",
+                              optional=weights.kept_through_discard)
         self._settle()
         num_leaves, num_bytes = len(flat), 0
         if weights.state != "device":
@@ -574,10 +575,6 @@ class EngineCore:
             self._asleep.clear()                        # a pause_generation pause ended too
             self.paused = False
         return not self._asleep
-
-    def sleep_tags(self) -> list[str]:
-        """What sleeps now, of ``SLEEP_TAGS`` (empty when awake)."""
-        return sorted(self._asleep)
 
     def is_sleeping(self) -> bool:
         """True from :meth:`sleep` until :meth:`wake_up` has brought everything back."""

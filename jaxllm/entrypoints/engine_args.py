@@ -87,74 +87,93 @@ def check_engine_args(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-class EngineArgs:
-    """vLLM's ``EngineArgs``: a model and the engine's keywords, checked when made, from which
-    ``LLMEngine.from_engine_args`` builds an engine (``AsyncLLM.from_engine_args`` from :class:`AsyncEngineArgs`).
+class _EngineArgsCalls:
+    """The calls of :class:`EngineArgs` (a dataclass made from ``EngineConfig``'s fields and vLLM's keywords)."""
 
-    Args:
-      model: as ``LLMEngine``'s (None: the default model). tokenizer: a path or name, or None (the model's).
-      served_model_name: the model's name in the metrics (None: ``model``).
-      **kwargs: ``EngineConfig`` fields and vLLM's ``EngineArgs`` keywords
-        (``jaxllm.entrypoints.vllm_flags.vllm_engine_kwargs``).
-
-    Attributes: ``model``, ``tokenizer``, ``served_model_name``, each keyword given, and every other
-    ``EngineConfig`` field (its default).
-
-    Raises:
-      TypeError: a keyword neither an ``EngineConfig`` field nor one of vLLM's, or a server flag (named).
-      ValueError: a value out of range or refused (named).
-    """
-
-    def __init__(self, model: Optional[str] = None, tokenizer: Optional[str] = None,
-                 served_model_name: Optional[str] = None, **kwargs: Any) -> None:
+    def __post_init__(self) -> None:
         from jaxllm.config import EngineConfig
         from jaxllm.entrypoints.vllm_flags import vllm_engine_kwargs
 
-        self.model, self.tokenizer, self.served_model_name = model, tokenizer, served_model_name
-        self.kwargs = dict(kwargs)
-        EngineConfig(**vllm_engine_kwargs(self.kwargs))  # refused now, as vLLM's dataclass refuses
+        EngineConfig(**vllm_engine_kwargs(self._engine_keywords()))  # refused now, as vLLM's dataclass refuses
 
-    def __getattr__(self, name: str) -> Any:
-        from jaxllm.config import EngineConfig
-
-        kwargs = self.__dict__.get("kwargs", {})
-        if name in kwargs:
-            return kwargs[name]
-        defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-        if name in defaults:
-            return defaults[name]
-        raise AttributeError(f"{type(self).__name__} has no {name!r}")
+    def _engine_keywords(self) -> dict[str, Any]:
+        """The engine's keywords these arguments set: fields off their defaults, vLLM keywords not None."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in _OWN_FIELDS and getattr(self, f.name) != f.default}
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The keywords ``LLMEngine`` / ``AsyncLLM`` / ``LLM`` take for these arguments."""
         return {"model": self.model, "tokenizer": self.tokenizer, "served_model_name": self.served_model_name,
-                **self.kwargs}
+                **self._engine_keywords()}
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Add the engine's flags to ``parser`` (every ``EngineConfig`` field, and vLLM's flags by their rules,
-        ``--model`` among them), as vLLM's ``EngineArgs.add_cli_args``; returns ``parser``."""
+        ``--model`` and ``--served-model-name`` among them), as vLLM's ``EngineArgs.add_cli_args``; returns
+        ``parser``."""
         from jaxllm.entrypoints.vllm_flags import add_vllm_flags
 
         add_engine_args(parser)
         add_vllm_flags(parser)
+        parser.add_argument("--served-model-name", nargs="+", default=None,
+                            help="the model's name in the metrics (the first of those given)")
         return parser
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, args: argparse.Namespace):
         """The arguments :meth:`add_cli_args`'s flags parsed into ``args`` (vLLM's flags applied first).
         Raises ValueError: a refused flag value or a contradiction, naming the flag."""
         from jaxllm.entrypoints.vllm_flags import apply_vllm_flags
 
         apply_vllm_flags(args)
-        return cls(model=args.model, tokenizer=getattr(args, "tokenizer", None), **engine_kwargs(args, ("tokenizer",)))
+        names = getattr(args, "served_model_name", None)
+        extra = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                 if f.name in _ASYNC_FIELDS and getattr(args, f.name, None) is not None}
+        return cls(model=args.model, tokenizer=getattr(args, "tokenizer", None),
+                   served_model_name=names[0] if isinstance(names, list) and names else names,
+                   **engine_kwargs(args, ("tokenizer",)), **extra)
 
 
-class AsyncEngineArgs(EngineArgs):
-    """vLLM's ``AsyncEngineArgs``: :class:`EngineArgs` for ``AsyncLLM.from_engine_args``; ``enable_log_requests``
-    is accepted (the server's ``--enable-log-requests`` logs requests; ``AsyncLLM`` does not)."""
+# EngineArgs' fields that are not engine keywords: the model and its names.
+_OWN_FIELDS = ("model", "tokenizer", "served_model_name", "enable_log_requests")
+# AsyncEngineArgs' own fields (vLLM's), which the server's flags of the same names set.
+_ASYNC_FIELDS = ("enable_log_requests",)
 
-    def __init__(self, model: Optional[str] = None, tokenizer: Optional[str] = None,
-                 served_model_name: Optional[str] = None, enable_log_requests: bool = False, **kwargs: Any) -> None:
-        super().__init__(model, tokenizer, served_model_name, **kwargs)
-        self.enable_log_requests = enable_log_requests
+
+def _engine_args_fields() -> list[tuple[str, Any, Any]]:
+    """EngineArgs' fields: the model and its names, every ``EngineConfig`` field with its default, then each
+    other keyword of vLLM's ``EngineArgs`` jaxllm takes (``vllm_flags`` rules), None or vLLM's default."""
+    from jaxllm.config import EngineConfig
+    from jaxllm.entrypoints.vllm_flags import LLM_RULES, RULES
+
+    fields = [(name, Optional[str], dataclasses.field(default=None)) for name in _OWN_FIELDS[:3]]
+    own = {f.name for f in dataclasses.fields(EngineConfig)}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name != "tokenizer":
+            fields.append((f.name, Any, dataclasses.field(default=f.default, metadata=f.metadata)))
+    vllm = {name: rule for name, rule in {**RULES, **LLM_RULES}.items()
+            if rule.engine and name not in own and name not in _OWN_FIELDS}
+    fields += [(name, Any, dataclasses.field(default=_VLLM_DEFAULTS.get(name))) for name in vllm]
+    return fields
+
+
+# vLLM's EngineArgs defaults that are not None, for keywords jaxllm reads (LLM's generation_config).
+_VLLM_DEFAULTS = {"generation_config": "auto"}
+
+
+EngineArgs = dataclasses.make_dataclass("EngineArgs", _engine_args_fields(), bases=(_EngineArgsCalls,))
+EngineArgs.__module__ = __name__
+EngineArgs.__doc__ = """vLLM's ``EngineArgs``, a dataclass: ``model``, ``tokenizer``, ``served_model_name``, every
+``EngineConfig`` field (its default) and each other keyword of vLLM's ``EngineArgs`` jaxllm takes (None: not given),
+checked when made. ``LLMEngine.from_engine_args`` builds an engine from them (``AsyncLLM.from_engine_args`` from
+:class:`AsyncEngineArgs`); ``LLM(**dataclasses.asdict(args))`` works as in vLLM.
+
+Raises:
+  TypeError: an unknown keyword. ValueError: a value out of range or refused (named).
+"""
+
+AsyncEngineArgs = dataclasses.make_dataclass(
+    "AsyncEngineArgs", [("enable_log_requests", bool, dataclasses.field(default=False))], bases=(EngineArgs,))
+AsyncEngineArgs.__module__ = __name__
+AsyncEngineArgs.__doc__ = """vLLM's ``AsyncEngineArgs``: :class:`EngineArgs` for ``AsyncLLM.from_engine_args``, and
+``enable_log_requests``, accepted (the server's ``--enable-log-requests`` logs requests; ``AsyncLLM`` does not)."""

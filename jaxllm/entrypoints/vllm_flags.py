@@ -520,6 +520,8 @@ def vllm_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         if not rule.engine:
             raise TypeError(f"{name}= is vLLM's {flag(name)}, a flag of the server (jaxllm serve), not a keyword of "
                             "LLM or LLMEngine")
+        if value is None:  # not given, as a flag left out (vLLM's EngineArgs defaults most of these to None)
+            continue
         problem = _refusal(name, value, rule, lambda n: f"{n}=")
         if problem is not None:
             raise ValueError(problem)

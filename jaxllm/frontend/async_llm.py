@@ -4,6 +4,7 @@ that stops reading aborts its request, a dead core fails every open request."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 from typing import Any, AsyncIterator, Iterable, Mapping, Optional, Union
@@ -243,8 +244,12 @@ class AsyncLLM(FrontEnd):
             mode = "wait" if wait_for_inflight_requests else "abort"
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode={mode!r} must be one of {list(PAUSE_MODES)}")
-        self.paused = mode
-        await self._settle_open_requests(mode)
+        was_paused, self.paused = self.paused, mode
+        try:
+            await self._settle_open_requests(mode)
+        except BaseException:
+            self.paused = was_paused
+            raise
         if clear_cache and mode != "keep":
             await self._each_core("reset_prefix_cache", False, False)
 
@@ -309,8 +314,16 @@ class AsyncLLM(FrontEnd):
                 raise
 
     async def stop_profile(self) -> None:
-        """End the profile session in every core, writing the traces (``LLMEngine.stop_profile``)."""
-        await self._each_core("stop_profile")
+        """End the profile session in every core, writing the traces (``LLMEngine.stop_profile``); every core
+        stops before the first failure is raised (RuntimeError)."""
+        errors = []
+        for core in range(len(self.client.infos)):
+            try:
+                await self.client.call_utility_async(core, "stop_profile")
+            except RuntimeError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     async def _each_core(self, method: str, *args: Any) -> list[Any]:
         return [await self.client.call_utility_async(d, method, *args) for d in range(len(self.client.infos))]
@@ -333,7 +346,7 @@ class AsyncLLM(FrontEnd):
         leaving its stream, or the server losing its client, does."""
         queue = self._queues.pop(request_id, None)
         if queue is not None:
-            queue.put_nowait(RuntimeError(f"request {request_id!r} was aborted"))
+            queue.put_nowait(RuntimeError(f"request {request_id!r} was cancelled"))
         try:
             self._abort([request_id])
         except EngineDeadError:
@@ -371,12 +384,22 @@ class AsyncLLM(FrontEnd):
             on_loop = asyncio.get_running_loop() is loop
         except RuntimeError:  # no loop runs in this thread
             on_loop = False
-        if loop is None or on_loop or loop.is_closed():
+        if loop is None or on_loop or not loop.is_running():
             self._end_streams()
-        else:  # the streams and the task belong to the loop's thread
-            loop.call_soon_threadsafe(self._end_streams)
+        else:  # the streams, the task and its socket belong to the loop's thread: let the task end there first
+            try:
+                asyncio.run_coroutine_threadsafe(self._end_output_task(), loop).result(timeout)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                pass  # the loop stopped meanwhile, or is stuck: the cores are stopped all the same
         self.client.shutdown(timeout)
         self.metrics.close()
+
+    async def _end_output_task(self) -> None:
+        self._end_streams()
+        try:
+            await self._output_task
+        except (asyncio.CancelledError, EngineDeadError):
+            pass
 
     def _end_streams(self) -> None:
         # Closed here only: the cores abort what they run when they stop.

@@ -196,6 +196,9 @@ class LLMEngine(FrontEnd):
           ValueError: ``level`` not 0, 1 or 2, another mode, or ``enable_sleep_mode`` off.
           RuntimeError: requests are unfinished with ``mode="wait"``.
         """
+        if mode == "wait" and self.has_unfinished_requests():  # refused before any core sleeps
+            raise RuntimeError(f"sleep(mode='wait'): {self.get_num_unfinished_requests()} requests are unfinished; "
+                               "finish them, or sleep with mode 'abort' or 'keep'")
         reports = self._each_core("sleep", level, mode, all_results=True)
         self.sleeping = True
         return reports
@@ -258,8 +261,18 @@ class LLMEngine(FrontEnd):
 
     def stop_profile(self) -> None:
         """End the profile session in every core, writing the traces (vLLM's ``stop_profile``); nothing when none
-        is active."""
-        self._each_core("stop_profile")
+        is active. Every core stops before the first failure is raised (RuntimeError)."""
+        if isinstance(self.client, InprocClient):
+            self.client.core.stop_profile()
+            return
+        errors = []
+        for core in range(len(self.client.infos)):
+            try:
+                self.client.call_utility(core, "stop_profile")
+            except RuntimeError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def _each_core(self, method: str, *args: Any, all_results: bool = False) -> Any:
         """``EngineCore.<method>(*args)`` in every core, in order; core 0's result (or all with ``all_results``)."""

@@ -7,7 +7,7 @@ against the engine's layout, cast or quantized to it). Leaves are named by ``/``
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Callable, Optional
 
 import jax
@@ -26,6 +26,10 @@ from kernels_pallas.storage import from_storage, to_storage
 
 logger = init_logger(__name__)
 
+# Leaves a level-2 sleep keeps on the host (a few numbers per layer and head): the quantized KV cache's calibrated
+# scales, which a trainer's update does not give.
+KEPT_THROUGH_DISCARD = ("layers/k_scale", "layers/v_scale")
+
 __all__ = ["Layout", "WeightStore", "device_bytes_in_use", "flatten", "layout_of", "param_targets", "place_given_params",
            "place_leaf", "place_params", "prepare_params", "unflatten"]
 
@@ -39,10 +43,11 @@ def layout_of(shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> Layout:
     return {path: jax.ShapeDtypeStruct(shape, dtype) for path, (shape, dtype) in shapes.items()}
 
 
-def prepare_params(params: Any, expected: Layout, *, partial: bool) -> dict[str, Any]:
+def prepare_params(params: Any, expected: Layout, *, partial: bool,
+                   optional: Collection[str] = ()) -> dict[str, Any]:
     """Check ``params`` (nested dicts or ``{path: leaf}``) against ``expected`` and bring each leaf to its
     expected dtype: floats cast, or quantized per channel (with their scale) where the engine holds int8 / fp8;
-    ``partial`` accepts a subset.
+    ``partial`` accepts a subset, else only the ``optional`` paths may be missing.
 
     Returns:
       ``{path: leaf}`` in ``expected``'s order; numpy stays numpy, device arrays stay on their devices.
@@ -56,7 +61,8 @@ def prepare_params(params: Any, expected: Layout, *, partial: bool) -> dict[str,
         raise ValueError(f"params leaf {unknown[0]!r} is not a parameter of this engine; its leaves are "
                          f"{list(expected)}")
     if not partial:
-        missing = [path for path in expected if path not in given and not _made_by_quantization(path, given, expected)]
+        missing = [path for path in expected if path not in given and path not in optional
+                   and not _made_by_quantization(path, given, expected)]
         if missing:
             want = expected[missing[0]]
             raise ValueError(f"params is missing leaf {missing[0]!r} (shape {want.shape}, dtype {want.dtype.name})")
@@ -187,10 +193,18 @@ class WeightStore:
         # Released: every stored leaf as host numpy, in its stored dtype (HEAD_PANELS may be missing: packed from
         # the embedding at restore); None while on the devices or discarded.
         self._host_params: Optional[dict[str, np.ndarray]] = None
+        # Discarded: the leaves of KEPT_THROUGH_DISCARD, on the host. Woken from discarded: the leaves still zeros.
+        self._kept: dict[str, np.ndarray] = {}
+        self._zeroed: set[str] = set()
 
     def abstract(self) -> Params:
         """The stored tree as ShapeDtypeStructs with shardings: what a step program takes."""
         return abstract(self.params)
+
+    @property
+    def kept_through_discard(self) -> tuple[str, ...]:
+        """The leaves a level-2 sleep kept (:data:`KEPT_THROUGH_DISCARD`), which an update may leave out."""
+        return tuple(self._kept)
 
     def param_layout(self) -> Layout:
         """Every leaf by path with its shape, number dtype and sharding."""
@@ -206,8 +220,12 @@ class WeightStore:
 
     def get_params(self) -> Params:
         """A new tree in the layout's number dtypes: the device arrays with their shardings; released, read-only
-        host numpy views of the weights held for :meth:`restore`. Raises RuntimeError: discarded."""
+        host numpy views of the weights held for :meth:`restore`. Raises RuntimeError: discarded, or woken from
+        discarded with leaves no update gave yet."""
         self._need_weights("get_params")
+        if self._zeroed:
+            raise RuntimeError(f"get_params: {len(self._zeroed)} leaves are zeros since sleep(level=2), "
+                               f"{sorted(self._zeroed)[0]!r} among them; give them with update_weights first")
         if self._host_params is not None:
             return unflatten({path: _read_only(self._host_params[path].view(want.dtype))
                               for path, want in self._param_layout.items()})
@@ -231,10 +249,10 @@ class WeightStore:
         if self.state == "device":
             raise RuntimeError("stage: the weights are on the devices; set_param replaces them")
         if self._host_params is None:
-            missing = [path for path in self._param_layout if path not in flat]
+            missing = [path for path in self._param_layout if path not in flat and path not in self._kept]
             if missing:
                 raise ValueError(f"stage: the weights were discarded and leaf {missing[0]!r} is not given")
-        held = self._host_params if self._host_params is not None else {}
+        held = self._host_params if self._host_params is not None else dict(self._kept)
         num_bytes = 0
         for path, leaf in flat.items():
             # A numpy leaf is copied: the caller may change its array before restore reads it.
@@ -262,6 +280,7 @@ class WeightStore:
             leaf = _storage_cast(stored.sharding, stored.dtype)(leaf)
         flat = flatten(self.params)
         flat[path] = leaf
+        self._zeroed.discard(path)
         if path == "embed" and HEAD_PANELS in flat:
             # The lm_head's panels of the new embedding. The old ones go first, so this holds one leaf more at most;
             # meanwhile their abstract leaf keeps the tree's structure for a program the background warm-up builds.
@@ -274,22 +293,28 @@ class WeightStore:
         """Let the device arrays go (sleep), with ``offload`` keeping a host copy for :meth:`restore`;
         returns the bytes let go."""
         if self.state != "device":
-            if not offload:
-                self._host_params = None  # a deeper sleep discards what a lighter one kept
+            if not offload and self._host_params is not None:  # a deeper sleep discards what a lighter one kept
+                self._kept = {p: self._host_params[p] for p in KEPT_THROUGH_DISCARD if p in self._host_params}
+                self._host_params = None
             return 0
         flat = flatten(self.params)
         self._host_params = jax.device_get(flat) if offload else None
+        if not offload:
+            self._kept = {p: np.asarray(jax.device_get(flat[p])) for p in KEPT_THROUGH_DISCARD if p in flat}
         self.params = unflatten(self._storage_layout)
         return sum(leaf.nbytes for leaf in flat.values())
 
     def restore(self) -> None:
         """Place the weights held on the host with their stored dtypes and shardings (no compilation); nothing
-        when on the devices. Discarded, every leaf is placed as zeros, with a warning: vLLM's order after
+        when on the devices. Discarded, every leaf is placed as zeros (but :data:`KEPT_THROUGH_DISCARD`'s, kept),
+        with a warning, and :meth:`get_params` refuses until updates have given the others: vLLM's order after
         ``sleep(level=2)`` wakes the weights first and then updates them."""
         if self.state == "discarded":
             logger.warning("the weights were discarded (sleep(level=2)): they are zeros until an update gives them")
-            self.params = unflatten({path: jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding)
+            self.params = unflatten({path: jax.device_put(self._kept[path], leaf.sharding) if path in self._kept
+                                     else jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding)
                                      for path, leaf in self._storage_layout.items()})
+            self._zeroed = set(self._param_layout) - set(self._kept)
             return
         if self._host_params is None:
             return
