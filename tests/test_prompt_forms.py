@@ -124,6 +124,7 @@ def test_engine_args_are_checked_when_made_and_build_the_engine_from_engine_args
     args.max_num_seqs = 8
     assert args.engine_kwargs()["max_num_seqs"] == 8
     assert LLM(**dataclasses.asdict(args)).llm_engine.config.max_num_seqs == 8
+    assert LLM.from_engine_args(args).llm_engine.config.max_num_seqs == 8
     engine = LLMEngine.from_engine_args(args, usage_context=None)
     engine.add_request("a", {"prompt_token_ids": ids}, GREEDY)
     last = {}

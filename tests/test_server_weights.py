@@ -107,7 +107,8 @@ def test_the_weight_routes_exist_only_in_dev_mode(monkeypatch):
     from jaxllm.entrypoints.openai.api_server import build_app
 
     routes = {"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/update_weights_from_disk",
-              "/kv_cache/compact", "/kv_cache/resize", "/pause", "/resume", "/is_paused", "/abort_requests",
+              "/kv_cache/compact", "/kv_cache/resize", "/release_kv_cache_memory", "/pause", "/resume", "/is_paused",
+              "/abort_requests",
               "/get_world_size"}
     monkeypatch.delenv("JAXLLM_SERVER_DEV_MODE", raising=False)
     assert not routes & {r.path for r in build_app(types.SimpleNamespace(engine=None)).routes}
@@ -258,3 +259,9 @@ def test_sleep_aborts_a_running_request_by_default_and_keep_resumes_it_unchanged
     reader.join(120)
     response.__exit__(None, None, None)
     assert "".join(got) == want and _all_blocks_free(server)
+    # vLLM's: after a level-0 sleep, free the KV cache alone, then bring it back
+    httpx.post(f"{server.url}/sleep", params={"level": 0}, timeout=60)
+    released = httpx.post(f"{server.url}/release_kv_cache_memory", timeout=60)
+    assert released.json() == {"status": "kv_cache_released"}
+    assert httpx.post(f"{server.url}/wake_up", params={"tags": "kv_cache"}, timeout=60).json()["status"] == "awake"
+    assert _complete(server).json()["choices"][0]["text"] == _reference(stories_dir)

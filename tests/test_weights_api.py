@@ -483,6 +483,19 @@ def test_sleep_modes_abort_or_keep_a_queued_request_and_wait_is_refused_with_one
     assert restored.kv_cache_report(block_map=False)["num_used_blocks"] == 1  # the null block alone
 
 
+def test_release_kv_cache_memory_after_a_level_0_sleep_keeps_the_weights_and_the_kept_request_recomputes(
+        restored, reference):
+    engine = restored.engine
+    with pytest.raises(RuntimeError, match="sleep\\(level=0\\) first"):
+        restored.release_kv_cache_memory()
+    engine.add_request("busy", PROMPTS[0], GREEDY)
+    engine.step()
+    restored.sleep(level=0, mode="keep")
+    assert restored.release_kv_cache_memory()[0] > 0 and engine.runner.weights.state == "device"
+    assert restored.wake_up(tags=["kv_cache"]) is True
+    assert _finish(engine)["busy"].outputs[0].token_ids == reference[0]
+
+
 def test_sleep_refuses_a_bad_level_mode_or_tag(restored):
     with pytest.raises(ValueError, match="level must be 0"):
         restored.sleep(level=3)

@@ -93,7 +93,8 @@ class EngineCore:
                                  "update_weights_from_path", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping",
                                  "kv_cache_compact", "kv_cache_resize", "add_lora", "remove_lora",
                                  "list_loras", "update_lora_encoded", "start_profile", "stop_profile",
-                                 "finish_aborted", "pause_scheduler", "resume_scheduler"})
+                                 "finish_aborted", "pause_scheduler", "resume_scheduler",
+                                 "release_kv_cache_memory"})
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, *, sharding: ModelSharding, max_model_len: int,
                  kv_cache_dtype: Any, structured: StructuredOutputManager, drafter: Optional[DraftRunner] = None,
@@ -553,6 +554,18 @@ class EngineCore:
             self._asleep, self._sleep_level = set(SLEEP_TAGS), level
         return {"level": level, "freed_bytes": freed, "device_bytes_before": before,
                 "device_bytes_after": device_bytes_in_use(device)}
+
+    def release_kv_cache_memory(self) -> int:
+        """Free the KV cache's device memory after a level-0 :meth:`sleep`, the weights kept (vLLM's): unfinished
+        requests recompute what it held after ``wake_up(["kv_cache"])``; the prefix cache empties. Returns the
+        bytes freed. Raises RuntimeError: not asleep at level 0 (or deeper)."""
+        if "scheduling" not in self._asleep:
+            raise RuntimeError("release_kv_cache_memory: sleep(level=0) first, so that no step runs")
+        self._settle()
+        self._drop_kv_state()
+        freed = self.cache_engines.release()
+        self._asleep.add("kv_cache")
+        return freed
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> bool:
         """Bring back what :meth:`sleep` freed (vLLM's ``wake_up``): ``tags`` None for all, or some of

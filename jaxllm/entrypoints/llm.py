@@ -346,6 +346,21 @@ class LLM:
         """
         return self._call("sleep", level, mode, reset_connector)
 
+    def release_kv_cache_memory(self, reset_connector: bool = True) -> list[int]:
+        """Free the KV cache's device memory after ``sleep(level=0)``, the weights kept on the device (vLLM's
+        ``LLM.release_kv_cache_memory``); ``wake_up(tags=["kv_cache"])`` brings it back. Returns the bytes freed
+        per core. Raises RuntimeError: not asleep."""
+        return self._call("release_kv_cache_memory", reset_connector)
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's: empty the multimodal processor's cache; jaxllm serves text models and has none."""
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> "LLM":
+        """An ``LLM`` from ``jaxllm.EngineArgs`` (vLLM's ``LLM.from_engine_args``; the same as
+        ``LLM(**dataclasses.asdict(engine_args))``). Raises as :class:`LLM`."""
+        return cls(**engine_args.engine_kwargs())
+
     def wake_up(self, tags: Optional[list[str]] = None) -> bool:
         """Bring back what :meth:`sleep` freed (``tags``: some of "weights", "kv_cache" and "scheduling", or None
         for all), with the same shapes and shardings: no program is compiled again. Returns whether everything is

@@ -212,6 +212,12 @@ class AsyncLLM(FrontEnd):
         self.sleeping = level > 0 or was_sleeping
         return reports
 
+    async def release_kv_cache_memory(self, reset_connector: bool = True) -> list[int]:
+        """``LLMEngine.release_kv_cache_memory``: requests are refused from now until :meth:`wake_up`."""
+        freed = await self._each_core("release_kv_cache_memory")
+        self.sleeping = True
+        return freed
+
     async def wake_up(self, tags: Optional[list[str]] = None) -> bool:
         """Bring back what :meth:`sleep` freed (``LLMEngine.wake_up``); whether everything is back. Fully awake,
         the engine also leaves a :meth:`pause_generation` pause, as vLLM's does."""

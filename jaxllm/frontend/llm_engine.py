@@ -203,6 +203,13 @@ class LLMEngine(FrontEnd):
         self.sleeping = True
         return reports
 
+    def release_kv_cache_memory(self, reset_connector: bool = True) -> list[int]:
+        """Free the KV cache's device memory after ``sleep(level=0)``, the weights kept (vLLM's;
+        ``EngineCore.release_kv_cache_memory``); ``wake_up(tags=["kv_cache"])`` brings it back and unfinished
+        requests recompute. ``reset_connector`` is accepted (no KV connector). Returns the bytes freed per core.
+        Raises RuntimeError: not asleep."""
+        return self._each_core("release_kv_cache_memory", all_results=True)
+
     def wake_up(self, tags: Optional[list[str]] = None) -> bool:
         """Bring back what :meth:`sleep` freed (``tags``: some of "weights", "kv_cache" and "scheduling", or None
         for all), no compilation; whether everything is back (vLLM's).

@@ -356,7 +356,7 @@ def add_responses_routes(app: FastAPI, responses: OpenAIServingResponses, respon
 
 def add_weight_routes(app, engine) -> None:
     """vLLM's dev-mode ``/sleep`` (query ``level``, ``mode``, ``reset_connector``), ``/wake_up`` (query ``tags``),
-    ``/is_sleeping``, ``/reset_prefix_cache`` and SGLang's
+    ``/release_kv_cache_memory`` (after a level-0 sleep), ``/is_sleeping``, ``/reset_prefix_cache`` and SGLang's
     ``/update_weights_from_disk``, over an ``AsyncLLM``: 400 for a ValueError, 409 for a RuntimeError, naming why."""
 
     @app.exception_handler(EngineSleepingError)
@@ -372,6 +372,11 @@ def add_weight_routes(app, engine) -> None:
     async def wake_up(tags: Optional[list[str]] = Query(None)):
         awake = await _refused_as_api_errors(engine.wake_up(tags))
         return {"status": "awake" if awake else "sleeping", "tags": tags}
+
+    @app.post("/release_kv_cache_memory")
+    async def release_kv_cache_memory(reset_connector: bool = True):
+        await _refused_as_api_errors(engine.release_kv_cache_memory(reset_connector))
+        return {"status": "kv_cache_released"}
 
     @app.get("/is_sleeping")
     async def is_sleeping():
