@@ -158,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         outputs.send(encode(CoreFailed(args.core_index, traceback.format_exc(limit=-3))))
         ctx.destroy(linger=2000)
         return 1
-    ctx.destroy(linger=2000)
+    ctx.destroy(linger=0)  # after Shutdown: nothing left is wanted, and no reader may be left to take it
     return 0
 
 
