@@ -291,7 +291,15 @@ class AsyncLLM(FrontEnd):
         if not request_ids:
             return
         await self._each_core("finish_aborted", request_ids)
-        while any(rid in self.output_processor.requests for rid in request_ids) and self.dead is None:
+        await self._until_closed(request_ids)
+
+    async def _until_closed(self, request_ids: Optional[list[str]] = None) -> None:
+        """Return once none of these requests (None: no request) is open, or the cores have died."""
+        def still_open() -> bool:
+            requests = self.output_processor.requests
+            return bool(requests) if request_ids is None else any(rid in requests for rid in request_ids)
+
+        while still_open() and self.dead is None:
             await asyncio.sleep(DRAIN_POLL_SECONDS)
 
     async def _settle_open_requests(self, mode: str) -> None:
@@ -301,8 +309,8 @@ class AsyncLLM(FrontEnd):
             raise RuntimeError(f"mode 'wait': {len(self.output_processor.requests)} requests wait in a sleeping "
                                "engine and cannot finish; wake_up() first, or use mode 'abort' or 'keep'")
         await self._each_core("pause_scheduler", mode)
-        while mode != "keep" and self.output_processor.requests and self.dead is None:
-            await asyncio.sleep(DRAIN_POLL_SECONDS)
+        if mode != "keep":
+            await self._until_closed()
 
     async def start_profile(self, profile_prefix: Optional[str] = None, *, delay_iterations: Optional[int] = None,
                             max_iterations: Optional[int] = None,
